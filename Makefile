@@ -1,0 +1,35 @@
+# pdserve developer commands. `make serve` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+STAMP  := $(VENV)/.installed-stamp
+BIN    := $(VENV)/bin
+
+.PHONY: serve test venv test-quick protos clean
+
+# Create the virtual environment and install pdserve with every extra (once per pyproject change).
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev,nixl]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+# A local prefill + decode cluster on the built-in model, serving the OpenAI API.
+serve: $(STAMP)
+	$(BIN)/pdserve up --model tiny --prefill 1 --decode 2
+
+# The whole suite: unit, multi-process, real Kubernetes control plane, real Prometheus.
+test: $(STAMP)
+	$(BIN)/pytest
+
+# Only the fast unit tests.
+test-quick: $(STAMP)
+	$(BIN)/pytest -m "not slow and not k8s and not prometheus"
+
+# Regenerate the committed gRPC modules from protos/*.proto.
+protos: $(STAMP)
+	$(BIN)/python tools/gen_protos.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

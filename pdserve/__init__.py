@@ -1,0 +1,15 @@
+"""pdserve: LLM serving with prefill/decode disaggregation on Kubernetes.
+
+Reading path (see also README.md and each package's __init__):
+
+- ``pdserve.engine``          the model runtime both servers share (start with engine/__init__.py)
+- ``pdserve.cachestore``      layer-wise KV transfer between processes (cachestore/README.md)
+- ``pdserve.protos``          gRPC contracts (protos/*.proto)
+- ``pdserve.prefill_server``  the front door: OpenAI HTTP + gRPC, decode picking, KV push
+- ``pdserve.decode_server``   receives KV, continuous-batch decodes, streams tokens back
+- ``pdserve.operator``        kopf operator for the InferenceService CRD
+- ``pdserve.cli``             the ``pdserve`` command
+- ``pdserve.defaults``        ports and other facts every part agrees on
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,76 @@
+"""The ``pdserve`` command.
+
+Each subcommand lives in the package that owns it, in a module exposing two functions::
+
+    def add_arguments(parser: argparse.ArgumentParser) -> None: ...
+    def run(args: argparse.Namespace) -> int: ...
+
+and the module's docstring first line is the help text. Modules are imported only when
+their subcommand is used (or its --help is asked for), so ``pdserve --help`` stays fast
+and a missing optional dependency only matters for the command that needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Keep in the order a new user meets them.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "up": ("pdserve.local_cluster", "start a local prefill + decode cluster and serve the OpenAI API"),
+    "generate": ("pdserve.engine.cli", "run the colocated engine on a prompt and stream the completion"),
+    "prefill": ("pdserve.prefill_server.cli", "run a prefill server (OpenAI HTTP + gRPC front door)"),
+    "decode": ("pdserve.decode_server.cli", "run a decode server (Session stream + load reports)"),
+    "operator": ("pdserve.operator.cli", "run the Kubernetes operator (kopf)"),
+    "bench": ("pdserve.bench", "benchmarks: engine, cachestore, serving load generator, experiments"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="LLM serving with prefill/decode disaggregation. "
+        "Run 'pdserve COMMAND --help' for the options of one command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="commands:\n" + "\n".join(f"  {n:<10} {h}" for n, (_, h) in COMMANDS.items()),
+    )
+    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="one of: " + ", ".join(COMMANDS))
+    return parser
+
+
+def _version() -> str:
+    from pdserve import __version__
+
+    return f"pdserve {__version__}"
+
+
+def build_parser(command: str) -> tuple[argparse.ArgumentParser, object]:
+    """The parser of one subcommand and the module that runs it."""
+    module_name, help_text = COMMANDS[command]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(
+        prog=f"pdserve {command}",
+        description=(module.__doc__ or help_text).strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.add_arguments(parser)
+    return parser, module
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        _top_parser().parse_args(argv or ["--help"])
+        return 2
+    parser, module = build_parser(argv[0])
+    args = parser.parse_args(argv[1:])
+    try:
+        return int(module.run(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
