@@ -1,0 +1,13 @@
+"""gRPC contracts of pdserve (generated modules are committed; regenerate with `make protos`).
+
+Read first: ``session.proto`` (the prefill <-> decode Session stream and load reports),
+then ``generate.proto`` (the client Generate API). ``version.PROTOCOL_VERSION`` is the one
+place the P/D protocol version is written.
+
+- ``generate_pb2`` / ``generate_pb2_grpc``: ``Generator.Generate`` (server streaming)
+- ``session_pb2`` / ``session_pb2_grpc``: ``Decode.Session`` (bidi), ``Decode.GetLoadReport``
+"""
+
+from .version import PROTOCOL_VERSION
+
+__all__ = ["PROTOCOL_VERSION"]

@@ -1,0 +1,9 @@
+"""The P/D protocol version: the one place it is written.
+
+Prefill sends it in ``Start``; decode puts it in every ``LoadReport``. A prefill only
+routes to decodes whose reported version equals its own, and a decode refuses a
+``Start`` that carries another version. Bump it whenever a message in session.proto
+changes meaning (adding an optional field that old peers may ignore does not need a bump).
+"""
+
+PROTOCOL_VERSION = 1
