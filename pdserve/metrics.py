@@ -1,0 +1,279 @@
+"""Every Prometheus metric pdserve exports, defined in one place.
+
+For the servers (prefill and decode), the whole API is::
+
+    from pdserve.metrics import ServerMetrics
+
+    m = ServerMetrics.from_env(role="prefill")          # once per process
+    # or ServerMetrics(role="decode", pool="main", inference_service="chat")
+
+    # histograms (seconds) and counters/gauges without extra labels: bound children
+    m.ttft.observe(0.120)
+    m.prefill_compute.observe(dt)                       # or: with m.prefill_compute.time(): ...
+    m.prompt_tokens.inc(n)
+    m.kv_blocks_free.set(free); m.kv_blocks_used.set(used)
+
+    # metrics with extra labels: .labels(...) takes only the extra ones
+    m.requests.labels(outcome="ok", reason="stop").inc()
+    m.decode_selections.labels(decode="127.0.0.1:50052").inc()
+
+    # per-request timing of tokens as the client sees them (TTFT, TBT, e2e, tokens out)
+    clock = m.request_clock()           # at arrival
+    clock.token()                       # once per token sent to the client
+    clock.finish(outcome="ok", reason="stop")   # exactly once; later calls are ignored
+
+    # the /metrics endpoint
+    body, content_type = m.render()
+    app.router.add_get("/metrics", m.aiohttp_handler)  # aiohttp servers
+
+Labels. Every metric carries ``role`` (prefill|decode), ``pool`` and
+``inference_service``; they are fixed per process (flags, or the environment variables
+``PDSERVE_POOL`` and ``PDSERVE_INFERENCE_SERVICE`` that the operator sets) and filled in by
+ServerMetrics, so callers never pass them. A few metrics add one more label (``METRICS``
+below says which): ``outcome`` (ok|error|cancelled), ``reason`` (a short snake_case word:
+stop, length, bad_request, no_decode, decode_unreachable, no_kv_blocks, ...) or ``decode``
+(the decode's address as prefill knows it). Keep label values from small fixed sets;
+never put request ids or prompts in labels.
+
+Who records what (the dashboards in charts/pdserve/dashboards/ query these):
+
+==============================  ========  ================================================
+metric                          role      recorded when
+==============================  ========  ================================================
+ttft, tbt, e2e_latency          prefill   via RequestClock as tokens reach the client
+queue_wait                      both      request admitted -> scheduled for compute
+prefill_compute                 prefill   the forward pass over the prompt
+kv_transfer                     prefill   first layer sent -> last layer acknowledged
+kv_transfer_layer               prefill   one layer's KV send (store -> sent)
+decode_last_layer_wait          decode    allocation answered -> last layer + 1st token in
+requests                        both      once per request, at its end
+prompt_tokens, generation_...   prefill   prompt accepted / each token out (RequestClock)
+kv_transfer_bytes               both      bytes of KV sent (prefill) / received (decode)
+decode_selections               prefill   the picker chose that decode for a request
+decode_retries                  prefill   a decode refused or failed; trying the next one
+local_fallbacks                 prefill   no decode could take it; decoding locally
+kv_allocation_refusals          decode    decode refused a Session's allocation
+kv_blocks_free / _used          both      after every allocation and free (or each step)
+requests_running / _waiting     both      after every scheduler step
+known_decodes                   prefill   after each discovery / load-report update
+==============================  ========  ================================================
+
+Each ServerMetrics owns its own CollectorRegistry, so tests may create many in one
+process and ``render()`` shows exactly one server's metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+ROLES = ("prefill", "decode")
+COMMON_LABELS = ("role", "pool", "inference_service")
+OUTCOMES = ("ok", "error", "cancelled")
+ENV_POOL = "PDSERVE_POOL"
+ENV_INFERENCE_SERVICE = "PDSERVE_INFERENCE_SERVICE"
+
+# Request-level latencies: 1 ms to 10 minutes.
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)
+# Per-layer and per-token times start lower (100 us) and end at a minute.
+FINE_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05,
+    0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One metric: attribute name on ServerMetrics, Prometheus name, kind, help, extra labels."""
+
+    attr: str
+    name: str
+    kind: str  # histogram | counter | gauge
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = LATENCY_BUCKETS
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("histogram", "counter", "gauge"):
+            raise ValueError(f"metric {self.name}: unknown kind {self.kind!r}")
+        if not self.name.startswith("pdserve_"):
+            raise ValueError(f"metric {self.name}: names start with 'pdserve_'")
+        if self.kind == "counter" and not self.name.endswith("_total"):
+            raise ValueError(f"counter {self.name}: counter names end with '_total'")
+        if self.kind == "histogram" and not self.name.endswith("_seconds"):
+            raise ValueError(f"histogram {self.name}: histograms here are times and end with '_seconds'")
+        if set(self.labels) & set(COMMON_LABELS):
+            raise ValueError(f"metric {self.name}: {COMMON_LABELS} are added by ServerMetrics")
+
+    def series_names(self) -> tuple[str, ...]:
+        """The names this metric appears under in a scrape (what PromQL can select)."""
+        if self.kind == "histogram":
+            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
+        return (self.name,)
+
+
+_H, _C, _G = "histogram", "counter", "gauge"
+METRICS: tuple[MetricSpec, ...] = (
+    # histograms
+    MetricSpec("ttft", "pdserve_time_to_first_token_seconds", _H,
+               "Arrival of a request to its first token sent to the client."),
+    MetricSpec("tbt", "pdserve_time_between_tokens_seconds", _H,
+               "Gap between consecutive tokens sent to the client.", buckets=FINE_BUCKETS),
+    MetricSpec("e2e_latency", "pdserve_e2e_request_latency_seconds", _H,
+               "Arrival of a request to its last token (or error)."),
+    MetricSpec("queue_wait", "pdserve_queue_wait_seconds", _H,
+               "Time a request waited in the scheduler queue before its compute started."),
+    MetricSpec("prefill_compute", "pdserve_prefill_compute_seconds", _H,
+               "Forward pass over a request's prompt on prefill."),
+    MetricSpec("kv_transfer", "pdserve_kv_transfer_seconds", _H,
+               "KV transfer of one request, first layer sent to last layer done."),
+    MetricSpec("kv_transfer_layer", "pdserve_kv_transfer_layer_seconds", _H,
+               "KV transfer of one layer of one request.", buckets=FINE_BUCKETS),
+    MetricSpec("decode_last_layer_wait", "pdserve_decode_last_layer_wait_seconds", _H,
+               "On decode: allocation answered to last KV layer and first token received."),
+    # counters
+    MetricSpec("requests", "pdserve_requests_total", _C,
+               "Requests finished, by outcome (ok|error|cancelled) and reason.", ("outcome", "reason")),
+    MetricSpec("prompt_tokens", "pdserve_prompt_tokens_total", _C, "Prompt tokens accepted."),
+    MetricSpec("generation_tokens", "pdserve_generation_tokens_total", _C, "Tokens generated and sent."),
+    MetricSpec("kv_transfer_bytes", "pdserve_kv_transfer_bytes_total", _C,
+               "KV cache bytes sent (prefill) or received (decode)."),
+    MetricSpec("decode_selections", "pdserve_decode_selections_total", _C,
+               "Requests the decode picker sent to each decode.", ("decode",)),
+    MetricSpec("decode_retries", "pdserve_decode_retries_total", _C,
+               "Times prefill moved a request on to another decode, by reason.", ("reason",)),
+    MetricSpec("local_fallbacks", "pdserve_local_fallbacks_total", _C,
+               "Requests prefill decoded itself because no decode could take them.", ("reason",)),
+    MetricSpec("kv_allocation_refusals", "pdserve_kv_allocation_refusals_total", _C,
+               "Session allocations decode refused, by reason.", ("reason",)),
+    # gauges
+    MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),
+    MetricSpec("kv_blocks_used", "pdserve_kv_blocks_used", _G, "KV cache blocks in use."),
+    MetricSpec("requests_running", "pdserve_requests_running", _G, "Requests in the running batch."),
+    MetricSpec("requests_waiting", "pdserve_requests_waiting", _G, "Requests waiting to be scheduled."),
+    MetricSpec("known_decodes", "pdserve_known_decodes", _G,
+               "Decodes prefill knows and can route to (compatible, fresh load report)."),
+)
+METRICS_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+
+
+def exported_series_names() -> set[str]:
+    """Every series name a pdserve server can export (histograms as _bucket/_sum/_count)."""
+    return {series for spec in METRICS for series in spec.series_names()}
+
+
+class _Labelled:
+    """A metric with extra labels; ``labels(**extra)`` fills in the process's common labels."""
+
+    def __init__(self, metric, common: dict[str, str], extra: tuple[str, ...]):
+        self._metric, self._common, self._extra = metric, common, extra
+
+    def labels(self, **extra: str):
+        if set(extra) != set(self._extra):
+            raise ValueError(f"{self._metric._name}: labels must be exactly {self._extra}, got {tuple(extra)}")
+        return self._metric.labels(**self._common, **{k: str(v) for k, v in extra.items()})
+
+
+class ServerMetrics:
+    """The metrics of one prefill or decode process. Attributes are named as in METRICS."""
+
+    def __init__(self, role: str, pool: str = "default", inference_service: str = "local",
+                 registry: CollectorRegistry | None = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        for what, value in (("pool", pool), ("inference_service", inference_service)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+        self.role, self.pool, self.inference_service = role, pool, inference_service
+        self.registry = registry if registry is not None else CollectorRegistry()
+        common = {"role": role, "pool": pool, "inference_service": inference_service}
+        for spec in METRICS:
+            labelnames = COMMON_LABELS + spec.labels
+            if spec.kind == "histogram":
+                metric = Histogram(spec.name, spec.help, labelnames, buckets=spec.buckets, registry=self.registry)
+            elif spec.kind == "counter":
+                # prometheus_client appends _total itself; give it the base name.
+                metric = Counter(spec.name.removesuffix("_total"), spec.help, labelnames, registry=self.registry)
+            else:
+                metric = Gauge(spec.name, spec.help, labelnames, registry=self.registry)
+            # Without extra labels the child exists from the start, so it is scraped as 0.
+            setattr(self, spec.attr, _Labelled(metric, common, spec.labels) if spec.labels else metric.labels(**common))
+
+    @classmethod
+    def from_env(cls, role: str, pool: str | None = None, inference_service: str | None = None) -> "ServerMetrics":
+        """Labels from arguments when given, else PDSERVE_POOL / PDSERVE_INFERENCE_SERVICE, else defaults."""
+        return cls(role, pool or os.environ.get(ENV_POOL) or "default",
+                   inference_service or os.environ.get(ENV_INFERENCE_SERVICE) or "local")
+
+    def request_clock(self, prompt_tokens: int = 0) -> "RequestClock":
+        """Start timing one request now (its arrival); counts its prompt tokens."""
+        if prompt_tokens < 0:
+            raise ValueError(f"prompt_tokens must be >= 0, got {prompt_tokens}")
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        return RequestClock(self)
+
+    def render(self) -> tuple[bytes, str]:
+        """The Prometheus text exposition of this server's metrics and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    async def aiohttp_handler(self, request):  # noqa: ARG002 - aiohttp handler signature
+        """GET /metrics for an aiohttp application."""
+        from aiohttp import web
+
+        body, content_type = self.render()
+        resp = web.Response(body=body)
+        resp.headers["Content-Type"] = content_type
+        return resp
+
+
+class RequestClock:
+    """Times one request as its client sees it: TTFT, time between tokens, end to end.
+
+    Created by ``ServerMetrics.request_clock()`` at arrival. Call ``token(n)`` when n tokens
+    are sent to the client (n > 1 spreads the gap evenly), ``finish(outcome, reason)`` once at
+    the end; it records e2e latency and the requests counter. Not thread-safe: one request
+    is handled by one task.
+    """
+
+    __slots__ = ("_m", "start", "_last", "tokens", "done")
+
+    def __init__(self, metrics: ServerMetrics):
+        self._m = metrics
+        self.start = time.perf_counter()
+        self._last: float | None = None
+        self.tokens = 0
+        self.done = False
+
+    def token(self, n: int = 1) -> None:
+        if n < 1:
+            raise ValueError(f"token count must be >= 1, got {n}")
+        now = time.perf_counter()
+        if self._last is None:
+            self._m.ttft.observe(now - self.start)
+            n_gaps = n - 1
+            gap = 0.0
+        else:
+            n_gaps = n
+            gap = (now - self._last) / n
+        for _ in range(n_gaps):
+            self._m.tbt.observe(gap)
+        self._last = now
+        self.tokens += n
+        self._m.generation_tokens.inc(n)
+
+    def finish(self, outcome: str = "ok", reason: str = "stop") -> None:
+        if self.done:
+            return
+        if outcome not in OUTCOMES:
+            raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+        self.done = True
+        self._m.e2e_latency.observe(time.perf_counter() - self.start)
+        self._m.requests.labels(outcome=outcome, reason=reason).inc()
