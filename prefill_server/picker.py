@@ -1,0 +1,143 @@
+"""DecodePicker: which decode gets the next request (pure logic, no I/O).
+
+Two policies, both over the decodes whose latest load report is fresh, speaks our
+protocol version, is not draining and has free KV blocks:
+
+- ``wrr`` (default): smooth weighted round robin (the nginx algorithm) with weight = the
+  decode's free KV bytes from its latest load report. A decode with half the free
+  memory of another gets a third of the requests; the sequence interleaves rather than
+  sending bursts to one decode.
+- ``rr``: plain round robin over the same set.
+
+Load reports arrive from the LoadReportPoller (``update``); a report older than
+``expiry_s`` no longer counts, so a decode that stopped answering drops out. Between
+reports, ``note_allocation`` subtracts what a Session just took, so a burst of requests
+within one polling interval does not all land on the decode that looked emptiest.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.protos.version import PROTOCOL_VERSION
+
+POLICIES = ("wrr", "rr")
+
+
+@dataclass(slots=True)
+class DecodeLoad:
+    """The part of a decode's LoadReport the picker needs."""
+
+    free_blocks: int
+    free_bytes: int
+    protocol_version: int = PROTOCOL_VERSION
+    draining: bool = False
+    running: int = 0
+    waiting: int = 0
+
+    def __post_init__(self) -> None:
+        if self.free_blocks < 0 or self.free_bytes < 0:
+            raise ValueError(f"free_blocks and free_bytes must be >= 0, got {self.free_blocks}, {self.free_bytes}")
+
+
+@dataclass(slots=True)
+class _Entry:
+    load: DecodeLoad
+    received_at: float
+    current_weight: float = 0.0
+
+
+@dataclass
+class DecodePicker:
+    policy: str = "wrr"
+    expiry_s: float = 1.5
+    protocol_version: int = PROTOCOL_VERSION
+    clock: object = time.monotonic
+    _entries: dict[str, _Entry] = field(default_factory=dict)
+    _rr_next: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown routing policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        if self.expiry_s <= 0:
+            raise ValueError(f"expiry_s must be > 0, got {self.expiry_s}")
+
+    # -- fed by the poller / discovery -------------------------------------------------
+    def update(self, address: str, load: DecodeLoad) -> None:
+        entry = self._entries.get(address)
+        if entry is None:
+            self._entries[address] = _Entry(load, self.clock())
+        else:
+            entry.load, entry.received_at = load, self.clock()
+
+    def forget(self, address: str) -> None:
+        """The decode left discovery: drop it and its state."""
+        self._entries.pop(address, None)
+
+    def note_allocation(self, address: str, blocks: int, nbytes: int) -> None:
+        """A Session on ``address`` just allocated; lower its weight until the next report."""
+        entry = self._entries.get(address)
+        if entry is not None:
+            load = entry.load
+            load.free_blocks = max(0, load.free_blocks - blocks)
+            load.free_bytes = max(0, load.free_bytes - nbytes)
+
+    # -- queries ------------------------------------------------------------------------
+    def eligible(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """Addresses a request may go to now, in a stable order."""
+        now = self.clock()
+        out = []
+        for address in sorted(self._entries):
+            entry = self._entries[address]
+            load = entry.load
+            if address in exclude or now - entry.received_at > self.expiry_s:
+                continue
+            if load.protocol_version != self.protocol_version or load.draining or load.free_blocks <= 0:
+                continue
+            out.append(address)
+        return out
+
+    def known(self) -> list[str]:
+        """Every decode with a report (fresh or not)."""
+        return sorted(self._entries)
+
+    def why_none(self) -> str:
+        """A human reason why ``pick`` returned None (for 503 bodies and logs)."""
+        if not self._entries:
+            return "no decode server has reported load yet"
+        now = self.clock()
+        parts = []
+        for address in sorted(self._entries):
+            entry = self._entries[address]
+            load = entry.load
+            if now - entry.received_at > self.expiry_s:
+                parts.append(f"{address}: load report stale ({now - entry.received_at:.1f}s old)")
+            elif load.protocol_version != self.protocol_version:
+                parts.append(f"{address}: protocol version {load.protocol_version} != ours {self.protocol_version}")
+            elif load.draining:
+                parts.append(f"{address}: draining")
+            elif load.free_blocks <= 0:
+                parts.append(f"{address}: no free KV blocks")
+        return "; ".join(parts) or "no eligible decode server"
+
+    def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
+        """The decode for the next request, or None when no decode is eligible."""
+        candidates = self.eligible(exclude)
+        if not candidates:
+            return None
+        if self.policy == "rr":
+            address = candidates[self._rr_next % len(candidates)]
+            self._rr_next += 1
+            return address
+        total = 0.0
+        best, best_weight = None, None
+        for address in candidates:
+            entry = self._entries[address]
+            weight = float(entry.load.free_bytes)
+            entry.current_weight += weight
+            total += weight
+            if best_weight is None or entry.current_weight > best_weight:
+                best, best_weight = address, entry.current_weight
+        self._entries[best].current_weight -= total
+        return best

@@ -1,0 +1,84 @@
+"""DecodePicker: weighted round robin on free KV memory, round robin, expiry, version filter."""
+
+from collections import Counter
+
+import pytest
+
+from pdserve.prefill_server.picker import DecodeLoad, DecodePicker
+from pdserve.protos.version import PROTOCOL_VERSION
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def _picker(policy, clock=None, **loads):
+    p = DecodePicker(policy=policy, expiry_s=1.0, clock=clock or Clock())
+    for addr, free in loads.items():
+        p.update(addr, DecodeLoad(free_blocks=free, free_bytes=free * 1000))
+    return p
+
+
+def test_wrr_half_free_memory_gets_a_third():
+    p = _picker("wrr", a=100, b=50)
+    counts = Counter(p.pick() for _ in range(300))
+    assert counts == {"a": 200, "b": 100}
+
+
+def test_wrr_interleaves_instead_of_bursting():
+    p = _picker("wrr", a=100, b=50)
+    seq = [p.pick() for _ in range(6)]
+    assert seq.count("b") == 2 and seq[:3].count("b") == 1
+
+
+def test_rr_splits_evenly_regardless_of_memory():
+    p = _picker("rr", a=100, b=50)
+    counts = Counter(p.pick() for _ in range(300))
+    assert counts == {"a": 150, "b": 150}
+
+
+def test_stale_report_expires_and_fresh_one_revives():
+    clock = Clock()
+    p = _picker("wrr", clock, a=100)
+    assert p.pick() == "a"
+    clock.t += 1.5
+    assert p.pick() is None
+    assert "stale" in p.why_none()
+    p.update("a", DecodeLoad(free_blocks=10, free_bytes=10))
+    assert p.pick() == "a"
+
+
+def test_protocol_version_draining_and_full_are_filtered():
+    p = _picker("wrr", a=100)
+    p.update("old", DecodeLoad(free_blocks=100, free_bytes=10**9, protocol_version=PROTOCOL_VERSION + 1))
+    p.update("drain", DecodeLoad(free_blocks=100, free_bytes=10**9, draining=True))
+    p.update("full", DecodeLoad(free_blocks=0, free_bytes=0))
+    assert {p.pick() for _ in range(20)} == {"a"}
+    p.forget("a")
+    assert p.pick() is None
+    reason = p.why_none()
+    assert "protocol version" in reason and "draining" in reason and "no free KV blocks" in reason
+
+
+def test_exclude_gives_next_decode():
+    p = _picker("wrr", a=100, b=50)
+    assert p.pick(exclude={"a"}) == "b"
+    assert p.pick(exclude={"a", "b"}) is None
+
+
+def test_note_allocation_shifts_weight_until_next_report():
+    p = _picker("wrr", a=100, b=100)
+    p.note_allocation("a", 90, 90_000)
+    counts = Counter(p.pick() for _ in range(110))
+    assert counts["b"] > 3 * counts["a"]
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        DecodePicker(policy="random")
+    with pytest.raises(ValueError, match="free_blocks"):
+        DecodeLoad(free_blocks=-1, free_bytes=0)
