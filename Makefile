@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test venv test-quick protos clean
+.PHONY: serve test venv test-quick protos clean prometheus-bin
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -20,8 +20,12 @@ serve: $(STAMP)
 	$(BIN)/pdserve up --model tiny --prefill 1 --decode 2
 
 # The whole suite: unit, multi-process, real Kubernetes control plane, real Prometheus.
-test: $(STAMP)
+test: $(STAMP) prometheus-bin
 	$(BIN)/pytest
+
+# The Prometheus server binary (Debian package) that the tests marked `prometheus` start.
+prometheus-bin:
+	sh tools/install_prometheus.sh
 
 # Only the fast unit tests.
 test-quick: $(STAMP)
