@@ -60,7 +60,7 @@ def addresses_from_slices(slices: dict[str, dict], services: set[str], port_name
         ports = doc.get("ports") or []
         named = [p for p in ports if p.get("name") == port_name]
         unnamed = [p for p in ports if not p.get("name")]
-        port = (named or (unnamed if len(ports) == 1 else [None]))[0]
+        port = named[0] if named else (unnamed[0] if len(ports) == 1 and unnamed else None)
         if not port or not port.get("port"):
             continue
         for endpoint in doc.get("endpoints") or []:
