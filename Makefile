@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test venv test-quick protos clean prometheus-bin
+.PHONY: serve test venv test-quick protos clean prometheus-bin k8s-tools
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -20,12 +20,17 @@ serve: $(STAMP)
 	$(BIN)/pdserve up --model tiny --prefill 1 --decode 2
 
 # The whole suite: unit, multi-process, real Kubernetes control plane, real Prometheus.
-test: $(STAMP) prometheus-bin
+test: $(STAMP) prometheus-bin k8s-tools
 	$(BIN)/pytest
 
 # The Prometheus server binary (Debian package) that the tests marked `prometheus` start.
 prometheus-bin:
 	sh tools/install_prometheus.sh
+
+# etcd, kube-apiserver, kube-controller-manager (Go builds), kubectl and helm for the tests marked
+# `k8s`, cached in ${PDSERVE_CACHE:-~/.cache/pdserve}/k8s (the first build is long; reruns take a second).
+k8s-tools: $(STAMP)
+	PIP=$(BIN)/pip bash tools/k8s/build.sh
 
 # Only the fast unit tests.
 test-quick: $(STAMP)
