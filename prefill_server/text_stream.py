@@ -1,0 +1,45 @@
+"""TextStream: token deltas -> text deltas, with stop strings cut out (pure, no I/O).
+
+The engine stops a request when a stop string appears in its text, but in P/D mode the
+tokens reach prefill from decode and prefill builds the client's text itself. This class
+does that: incremental detokenization (never splitting a UTF-8 character, via the
+tokenizer's IncrementalDetokenizer), holding back a tail that could be the start of a
+stop string, and cutting the text before the first stop string (OpenAI semantics: the
+stop string is not returned).
+"""
+
+from __future__ import annotations
+
+
+class TextStream:
+    def __init__(self, detokenizer, stop: list[str] | None = None):
+        self._detok = detokenizer
+        self._stop = [s for s in (stop or []) if s]
+        self._pending = ""  # text decoded but not yet emitted (may start a stop string)
+        self.text = ""  # everything emitted
+        self.stopped = False  # a stop string was found; ignore anything after
+
+    def add(self, token_ids: list[int]) -> str:
+        """Text to emit for these new tokens ("" when held back or after a stop)."""
+        if self.stopped or not token_ids:
+            return ""
+        self._pending += self._detok.add(list(token_ids))
+        if self._stop:
+            cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self.stopped = True
+                return self._emit(self._pending[:cut])
+            hold = max((k for s in self._stop for k in range(1, min(len(s), len(self._pending) + 1)) if self._pending.endswith(s[:k])), default=0)
+            return self._emit(self._pending[: len(self._pending) - hold], keep=self._pending[len(self._pending) - hold :])
+        return self._emit(self._pending)
+
+    def flush(self) -> str:
+        """At the end of the request: whatever was held back (never a stop string)."""
+        if self.stopped:
+            return ""
+        return self._emit(self._pending)
+
+    def _emit(self, text: str, keep: str = "") -> str:
+        self._pending = keep
+        self.text += text
+        return text
