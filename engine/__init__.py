@@ -1,0 +1,102 @@
+"""pdserve.engine: the model runtime both servers share.
+
+Reading path (read in this order):
+  ``llm_engine.py``   LLMEngine: scheduling, continuous batching, the P/D hooks
+  ``model.py``        DecoderModel: the Llama/Qwen2 decoder over a paged KV cache (layer callback)
+  ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
+  ``block_manager.py``BlockManager: ref counts, chained block hashes, prefix-reuse LRU (pure Python)
+  ``sampling.py``     SamplingParams (validated) and the batched Sampler
+  ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, for asyncio servers
+  ``loader.py`` / ``config.py`` / ``checkpoint.py`` / ``tokenizer.py``: loading models
+  ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)
+
+API
+---
+::
+
+    loaded = load_model("tiny" | "builtin:tiny" | "/path/to/hf_dir", dtype=torch.float32, device="cpu", seed=0)
+    loaded.config       # ModelConfig: num_layers, hidden_size, num_heads, num_kv_heads, head_dim,
+                        #   vocab_size, max_position_embeddings (= context_length), ...
+    loaded.tokenizer    # encode(str, add_special_tokens=True) -> list[int]; decode(ids) -> str;
+                        # eos_token_ids; apply_chat_template(messages, add_generation_prompt=True) -> str;
+                        # detokenizer() -> IncrementalDetokenizer (.add(ids) -> text delta; never
+                        #   splits a UTF-8 character)
+
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=None, block_size=64, max_num_seqs=64,
+                                            max_model_len=None, enable_prefix_cache=True))
+    engine.kv_cache.tensor      # [num_layers, num_blocks, 2 (K,V), block_size, num_kv_heads, head_dim]
+    engine.kv_cache.block_nbytes, .num_blocks, .layer(i) (view), .block_offset(layer, block) (bytes)
+    engine.num_free_blocks(); engine.num_requests()  # (both back to full / 0 when idle)
+
+Colocated::
+
+    engine.add_request(request_id, prompt_token_ids, sampling)
+    engine.step() -> list[RequestOutput]
+        # RequestOutput(request_id, new_token_ids, finished, finish_reason "stop"|"length"|"abort"|None,
+        #               text (delta), num_prompt_tokens, num_cached_tokens, error)
+    engine.abort(request_id)    # frees its blocks; True if it knew the request
+
+P/D, prefill side::
+
+    first = engine.prefill_only(request_id, prompt_token_ids, sampling, on_layer=cb)  # -> int token id
+        # cb(layer_idx, block_ids) on the engine thread right after that layer's KV is written;
+        # block_ids = all the prompt's blocks (KV of token t is in block_ids[t // block_size]).
+        # Raises OutOfBlocksError if the blocks are not free now (caller may retry or fall back).
+    engine.release(request_id)  # the caller frees the blocks once the KV is sent
+
+P/D, decode side::
+
+    block_ids = engine.reserve(request_id, num_prompt_tokens, max_tokens)
+        # blocks for prompt + max_tokens up front, so a P/D request is never preempted;
+        # OutOfBlocksError(reason) if impossible; PromptTooLongError.
+        # The prompt's KV must be written into block_ids[:ceil(num_prompt_tokens/block_size)].
+    engine.add_prefilled(request_id, prompt_token_ids, first_token_id, sampling)
+        # joins the running batch; outputs start AFTER first_token_id (prefill reported it).
+        # If first_token_id already ends the request, the next step reports finished, no tokens.
+    engine.abort(request_id)    # also frees a reservation that never got add_prefilled
+
+Seeded sampling depends only on (seed, position), so P/D gives the colocated tokens.
+
+asyncio (one background engine thread, thread-safe submission; see async_engine.py)::
+
+    aeng = AsyncLLMEngine(engine); await aeng.start()
+    async for out in aeng.generate(req_id, ids, sampling): ...
+    first = await aeng.prefill_only(req_id, ids, sampling, on_layer=cb); await aeng.release(req_id)
+    block_ids = await aeng.reserve(req_id, n_prompt, max_tokens)
+    async for out in aeng.add_prefilled(req_id, ids, first, sampling): ...
+    await aeng.abort(req_id); await aeng.stats(); await aeng.stop()
+    # leaving a stream early aborts the request and frees its blocks.
+
+Errors: PromptTooLongError (ValueError, lengths in the message), OutOfBlocksError
+(RuntimeError, ``.reason``), ModelLoadError / ConfigError (ValueError, naming the tensor or
+architecture), ValueError from SamplingParams ("temperature must be >= 0, got -1").
+"""
+
+from .async_engine import AsyncLLMEngine
+from .block_manager import BlockManager, block_hash, chained_hashes
+from .config import ConfigError, ModelConfig
+from .errors import ModelLoadError, OutOfBlocksError, PromptTooLongError
+from .kv_cache import KVCache
+from .llm_engine import EngineConfig, LLMEngine
+from .loader import LoadedModel, load_model
+from .sampling import SamplingParams
+from .sequence import RequestOutput
+
+__all__ = [
+    "AsyncLLMEngine",
+    "BlockManager",
+    "ConfigError",
+    "EngineConfig",
+    "KVCache",
+    "LLMEngine",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelLoadError",
+    "OutOfBlocksError",
+    "PromptTooLongError",
+    "RequestOutput",
+    "SamplingParams",
+    "block_hash",
+    "chained_hashes",
+    "load_model",
+]

@@ -1,0 +1,227 @@
+"""AsyncLLMEngine: the LLMEngine on one background thread, driven from asyncio.
+
+Every engine call runs on the engine thread (LLMEngine is not thread-safe); coroutines submit
+work through a thread-safe queue and get results through asyncio futures/queues. The thread
+runs ``step()`` whenever requests are running and sleeps on the queue otherwise.
+
+Lifecycle and who frees what:
+- ``generate`` / ``add_prefilled`` stream RequestOutputs until one is finished. If the consumer
+  stops iterating early (break, cancellation, client gone) the request is aborted and its
+  blocks freed.
+- ``prefill_only`` holds the prompt's blocks until ``release`` (or ``abort``).
+- ``reserve`` holds blocks until ``add_prefilled``'s stream ends, or ``abort``.
+- If a step raises, every running request's stream ends with a RequestOutput whose
+  ``finish_reason`` is "abort" and ``error`` names the exception; their blocks are freed.
+- ``stop()`` aborts everything still held and joins the thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator, Callable
+
+from .llm_engine import LLMEngine
+from .sampling import SamplingParams
+from .sequence import RequestOutput
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        await self._call(self._abort_all)
+        self._stopping = True
+        self._calls.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- colocated -------------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Errors of add_request (bad input, too long) raise here."""
+        q = self._open_stream(request_id)
+        try:
+            await self._call(self.engine.add_request, request_id, prompt_token_ids, sampling)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, q):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(self._abort, request_id)
+
+    # ---- P/D -------------------------------------------------------------------------------
+    async def prefill_only(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        on_layer: Callable[[int, list[int]], None] | None = None,
+    ) -> int:
+        """LLMEngine.prefill_only on the engine thread (``on_layer`` is called on that thread)."""
+        return await self._call(self.engine.prefill_only, request_id, prompt_token_ids, sampling, on_layer)
+
+    async def prefill_block_ids(self, request_id: str) -> list[int]:
+        return await self._call(self.engine.prefill_block_ids, request_id)
+
+    async def release(self, request_id: str) -> None:
+        await self._call(self.engine.release, request_id)
+
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
+        return await self._call(self.engine.reserve, request_id, num_prompt_tokens, max_tokens)
+
+    async def add_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Join a reserved request to the batch and stream the tokens after the first one."""
+        q = self._open_stream(request_id)
+        try:
+            await self._call(self.engine.add_prefilled, request_id, prompt_token_ids, first_token_id, sampling)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, q):
+            yield out
+
+    async def stats(self) -> dict:
+        """Free/total blocks and request counts, read on the engine thread."""
+
+        def read():
+            e = self.engine
+            return {
+                "num_free_blocks": e.num_free_blocks(),
+                "num_blocks": e.num_blocks,
+                "block_nbytes": e.kv_cache.block_nbytes,
+                "num_running": len(e.running),
+                "num_waiting": len(e.waiting),
+                "num_requests": e.num_requests(),
+            }
+
+        return await self._call(read)
+
+    # ---- internals -------------------------------------------------------------------------
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
+        if self._thread is None:
+            raise RuntimeError("AsyncLLMEngine is not started (await start() first)")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                out = await q.get()
+                if out.finished:
+                    finished = True
+                yield out
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._thread is not None:
+                self._calls.put((self._abort, (request_id,), None))
+
+    async def _call(self, fn, *args):
+        if self._thread is None:
+            raise RuntimeError("AsyncLLMEngine is not started (await start() first)")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._calls.put((fn, args, (loop, fut)))
+        return await fut
+
+    def _abort(self, request_id: str) -> bool:
+        return self.engine.abort(request_id)
+
+    def _abort_all(self) -> None:
+        e = self.engine
+        for rid in list(e._seqs) + list(e._reserved):
+            e.abort(rid)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._streams.get(out.request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _run_call(self, item) -> None:
+        fn, args, reply = item
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            if reply is not None:
+                loop, fut = reply
+                loop.call_soon_threadsafe(_set_exception, fut, exc)
+            return
+        if reply is not None:
+            loop, fut = reply
+            loop.call_soon_threadsafe(_set_result, fut, result)
+
+    def _loop(self) -> None:
+        e = self.engine
+        while True:
+            try:
+                item = self._calls.get(block=not e.has_unfinished())
+            except queue.Empty:
+                item = False
+            if item is None and self._stopping:
+                return
+            if item:
+                self._run_call(item)
+                while True:  # take every queued call before the next step
+                    try:
+                        item = self._calls.get_nowait()
+                    except queue.Empty:
+                        break
+                    if item is None and self._stopping:
+                        return
+                    if item:
+                        self._run_call(item)
+            if not e.has_unfinished():
+                continue
+            try:
+                outputs = e.step()
+            except Exception as exc:  # fail every running request, keep serving
+                outputs = []
+                for seq in list(e.running) + list(e.waiting):
+                    e.abort(seq.request_id)
+                    outputs.append(
+                        RequestOutput(seq.request_id, [], True, "abort", error=f"{type(exc).__name__}: {exc}")
+                    )
+            for out in outputs:
+                self._deliver(out)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,183 @@
+"""BlockManager: which KV blocks are free, who holds which, and prefix reuse by block hash.
+
+Pure Python (no torch), so unit tests drive it directly.
+
+Contracts
+- A block is *held* while its reference count is > 0. ``allocate`` / ``append_slots``
+  take references, ``free`` drops them. Whoever allocated a block table frees it exactly once.
+- A *full* block (``block_size`` tokens) gets a hash chained over token ids: the hash of block
+  i covers block i-1's hash and block i's token ids, so equal hashes mean equal prefixes.
+  ``register_full_blocks`` records the hashes of blocks whose KV has been written.
+- When a hashed block's last reference is dropped it goes to an LRU of cached free blocks:
+  still counted as free, but a later request whose prompt starts with the same tokens reuses
+  it (reference count back to 1) instead of recomputing it. Fresh allocations take never-
+  hashed blocks first, then evict the least recently freed cached block.
+- Allocation is all-or-nothing: when the blocks cannot be had, ``OutOfBlocksError`` is raised
+  and nothing changed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict, deque
+
+from .errors import OutOfBlocksError
+
+
+def block_hash(parent: int | None, token_ids: list[int] | tuple[int, ...]) -> int:
+    """Hash of one full block: covers the parent block's hash and this block's token ids.
+
+    Deterministic across processes (blake2b, not Python's salted ``hash``), so a prefill and a
+    decode process compute the same value for the same prefix.
+    """
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<q", -1 if parent is None else parent))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return struct.unpack("<q", h.digest())[0]
+
+
+def chained_hashes(token_ids: list[int], block_size: int, parent: int | None = None) -> list[int]:
+    """Hashes of every full block of ``token_ids`` (a trailing partial block has none)."""
+    out = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        out.append(parent)
+    return out
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+class BlockManager:
+    """Reference-counted KV blocks ``0 .. num_blocks-1`` with a prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True):
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))  # free, no hash
+        self._cached: OrderedDict[int, int] = OrderedDict()  # hash -> block id, free but reusable (LRU order)
+        self._by_hash: dict[int, int] = {}  # hash -> block id, held or cached
+        self.prefix_hits = 0  # blocks reused, for metrics and tests
+
+    # ---- queries -------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        """Blocks that an allocation can take (never-used plus cached-but-unreferenced)."""
+        return len(self._free) + len(self._cached)
+
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref[block_id]
+
+    def match_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids holding the longest cached prefix of ``token_ids``.
+
+        At most ``(len(token_ids) - 1) // block_size`` blocks: the last prompt token is always
+        computed, because its logits give the first generated token.
+        """
+        if not self.enable_prefix_cache:
+            return []
+        limit = (len(token_ids) - 1) // self.block_size
+        hits = []
+        for h in chained_hashes(token_ids[: limit * self.block_size], self.block_size):
+            block = self._by_hash.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate(self, token_ids: list[int], num_tokens: int, use_prefix_cache: bool = True) -> tuple[list[int], int]:
+        """A block table with room for ``num_tokens`` tokens whose first tokens are ``token_ids``.
+
+        Returns ``(block_ids, num_cached_tokens)``: the first ``num_cached_tokens`` tokens'
+        KV is already in the reused blocks. Raises OutOfBlocksError (changing nothing) when
+        the free blocks do not suffice.
+        """
+        hits = self.match_prefix(token_ids) if use_prefix_cache else []
+        total = blocks_needed(num_tokens, self.block_size)
+        fresh = total - len(hits)
+        hits_from_cache = sum(1 for b in hits if self._ref[b] == 0)
+        available = self.num_free_blocks() - hits_from_cache
+        if fresh > available:
+            raise OutOfBlocksError(
+                f"need {fresh} free KV blocks ({num_tokens} tokens, {len(hits)} blocks reused from the prefix cache) "
+                f"but only {available} are free of {self.num_blocks}"
+            )
+        for b in hits:
+            self._take_ref(b)
+        self.prefix_hits += len(hits)
+        table = hits + [self._pop_fresh() for _ in range(fresh)]
+        return table, len(hits) * self.block_size
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        return num_blocks <= self.num_free_blocks()
+
+    def append_slots(self, block_table: list[int], num_tokens: int) -> None:
+        """Grow ``block_table`` in place so that it holds ``num_tokens`` tokens."""
+        extra = blocks_needed(num_tokens, self.block_size) - len(block_table)
+        if extra <= 0:
+            return
+        if extra > self.num_free_blocks():
+            raise OutOfBlocksError(f"need {extra} more KV blocks but only {self.num_free_blocks()} are free")
+        block_table.extend(self._pop_fresh() for _ in range(extra))
+
+    def register_full_blocks(self, block_table: list[int], hashes: list[int], num_tokens: int, token_ids: list[int]) -> None:
+        """Record hashes of blocks that became full now that ``num_tokens`` tokens' KV is written.
+
+        ``hashes`` is the caller's list of hashes of its already-registered full blocks; it
+        is extended in place (so each block is hashed once over a request's life).
+        """
+        if not self.enable_prefix_cache:
+            return
+        num_full = min(num_tokens // self.block_size, len(block_table))
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            h = block_hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            hashes.append(h)
+            block = block_table[i]
+            if self._hash[block] is None and h not in self._by_hash:
+                self._hash[block] = h
+                self._by_hash[h] = block
+
+    def free(self, block_table: list[int]) -> None:
+        """Drop one reference to each block (in reverse, so a prefix's tail is evicted first)."""
+        for b in reversed(block_table):
+            if self._ref[b] <= 0:
+                raise RuntimeError(f"block {b} freed more often than allocated")
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                h = self._hash[b]
+                if h is not None and self._by_hash.get(h) == b:
+                    self._cached[h] = b  # newest at the end; eviction takes the oldest
+                else:
+                    self._hash[b] = None
+                    self._free.append(b)
+
+    # ---- internals -----------------------------------------------------------------------
+    def _take_ref(self, block: int) -> None:
+        if self._ref[block] == 0:
+            h = self._hash[block]
+            self._cached.pop(h, None)
+        self._ref[block] += 1
+
+    def _pop_fresh(self) -> int:
+        if self._free:
+            block = self._free.popleft()
+        else:
+            h, block = self._cached.popitem(last=False)  # least recently freed
+            del self._by_hash[h]
+            self._hash[block] = None
+        self._ref[block] = 1
+        return block

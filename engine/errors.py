@@ -1,0 +1,31 @@
+"""Errors the engine raises for bad input or exhausted resources.
+
+All derive from ValueError or RuntimeError with a message a user can act on; the HTTP layer
+turns ``ValueError`` subclasses (bad sampling values, prompt too long) into 400s.
+"""
+
+from __future__ import annotations
+
+
+class OutOfBlocksError(RuntimeError):
+    """Not enough free KV blocks. ``reason`` says how many were needed and how many are free."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PromptTooLongError(ValueError):
+    """The prompt (plus at least one generated token) does not fit the model's context."""
+
+    def __init__(self, num_prompt_tokens: int, max_model_len: int):
+        super().__init__(
+            f"prompt has {num_prompt_tokens} tokens but the maximum context length is {max_model_len} "
+            f"(prompt plus at least one generated token must fit)"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class ModelLoadError(ValueError):
+    """A checkpoint the loader cannot use: a missing or mis-shaped tensor, no weights, bad files."""

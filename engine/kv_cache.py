@@ -1,0 +1,99 @@
+"""KVCache: the whole paged KV pool as ONE tensor.
+
+Layout (a contract with the CacheStore, which registers this memory once)::
+
+    tensor[num_layers, num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim]
+
+so the bytes of (layer, block) start at ``(layer * num_blocks + block) * block_nbytes`` and the
+blocks of one layer with contiguous ids form one contiguous byte range. ``layer(i)`` is a view
+(no copy) of one layer's blocks.
+
+Token slots: token ``t`` of a request lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``. ``slot_indices`` turns block ids + offsets into row indices of the flat
+per-layer view ``[num_blocks * 2 * block_size, num_kv_heads, head_dim]`` (the K row; the V row
+is ``block_size`` further).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.tensor = torch.zeros(
+            num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+        )
+        self._flat = self.tensor.view(num_layers, num_blocks * 2 * block_size, num_kv_heads, head_dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tensor.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one block of one layer (K and V)."""
+        return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.tensor.element_size()
+
+    @property
+    def layer_nbytes(self) -> int:
+        return self.num_blocks * self.block_nbytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_layers * self.layer_nbytes
+
+    def block_offset(self, layer: int, block: int) -> int:
+        """Byte offset of (layer, block) from the start of ``tensor``."""
+        return (layer * self.num_blocks + block) * self.block_nbytes
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """View ``[num_blocks, 2, block_size, num_kv_heads, head_dim]`` of one layer."""
+        return self.tensor[layer]
+
+    def flat_layer(self, layer: int) -> torch.Tensor:
+        """View ``[num_blocks * 2 * block_size, num_kv_heads, head_dim]``: one row per K or V slot."""
+        return self._flat[layer]
+
+    def slot_indices(self, block_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """K-row indices in ``flat_layer`` of the slots (block_ids[i], offsets[i]); V rows are + block_size."""
+        return block_ids * (2 * self.block_size) + offsets
+
+    def write(self, layer: int, k_rows: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K/V ``[T, num_kv_heads, head_dim]`` at the K rows ``k_rows`` [T] of one layer."""
+        flat = self._flat[layer]
+        flat.index_copy_(0, k_rows, k.to(flat.dtype))
+        flat.index_copy_(0, k_rows + self.block_size, v.to(flat.dtype))
+
+    def gather(self, layer: int, k_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at the K rows ``k_rows`` (any shape S) -> two tensors ``[*S, num_kv_heads, head_dim]``."""
+        flat = self._flat[layer]
+        flat_rows = k_rows.reshape(-1)
+        k = flat.index_select(0, flat_rows)
+        v = flat.index_select(0, flat_rows + self.block_size)
+        shape = (*k_rows.shape, self.num_kv_heads, self.head_dim)
+        return k.view(shape), v.view(shape)
+
+    def table_rows(self, block_table: torch.Tensor) -> torch.Tensor:
+        """K rows of every slot of padded block tables ``[B, nb]`` -> ``[B, nb * block_size]``."""
+        offs = torch.arange(self.block_size, device=block_table.device)
+        rows = block_table.unsqueeze(-1) * (2 * self.block_size) + offs
+        return rows.reshape(*block_table.shape[:-1], -1)

@@ -1,0 +1,162 @@
+"""load_model: a built-in name or a Hugging Face directory -> LoadedModel (weights + tokenizer).
+
+- ``"tiny"`` / ``"builtin:tiny"`` (``pdserve.defaults.BUILTIN_MODEL``): a small Llama with
+  deterministic random weights from ``seed`` and the byte-level tokenizer. No files, no download.
+- A directory: ``config.json`` (unknown architecture -> ConfigError naming it), weights from
+  ``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (a missing or
+  mis-shaped tensor -> ModelLoadError naming it), ``tokenizer.json`` (+ ``tokenizer_config.json``
+  for the chat template). A directory without tokenizer.json gets the byte-level tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pdserve.defaults import BUILTIN_MODEL
+
+from .checkpoint import hf_tensor_shapes, random_hf_weights
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .model import DecoderModel
+from .tokenizer import ByteTokenizer, HFTokenizer
+
+BUILTIN_NAMES = (BUILTIN_MODEL, f"builtin:{BUILTIN_MODEL}")
+
+
+def tiny_config() -> ModelConfig:
+    """The built-in model's shape: 4 layers, hidden 64, GQA 4 heads / 2 KV heads, byte vocabulary."""
+    return ModelConfig(
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=64,
+        intermediate_size=176,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        architecture="LlamaForCausalLM",
+        bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=[ByteTokenizer.EOS],
+    )
+
+
+@dataclass
+class LoadedModel:
+    """What ``load_model`` returns: the shape, the torch module (eval mode), the tokenizer."""
+
+    name: str
+    config: ModelConfig
+    model: DecoderModel
+    tokenizer: ByteTokenizer | HFTokenizer
+    dtype: torch.dtype
+    device: torch.device
+
+
+# our parameter name pattern -> the HF tensors concatenated (dim 0) to make it
+def _param_sources(cfg: ModelConfig) -> dict[str, list[str]]:
+    src = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    for i in range(cfg.num_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        src[p + "input_layernorm.weight"] = [h + "input_layernorm.weight"]
+        src[p + "post_attention_layernorm.weight"] = [h + "post_attention_layernorm.weight"]
+        src[p + "qkv_proj.weight"] = [h + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        if cfg.attention_bias:
+            src[p + "qkv_proj.bias"] = [h + f"self_attn.{x}_proj.bias" for x in "qkv"]
+        src[p + "o_proj.weight"] = [h + "self_attn.o_proj.weight"]
+        src[p + "gate_up_proj.weight"] = [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"]
+        src[p + "down_proj.weight"] = [h + "mlp.down_proj.weight"]
+    if not cfg.tie_word_embeddings:
+        src["lm_head.weight"] = ["lm_head.weight"]
+    return src
+
+
+def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.device) -> DecoderModel:
+    """A DecoderModel whose weights come from ``get_tensor(hf_name) -> Tensor`` (shapes checked)."""
+    expected = hf_tensor_shapes(cfg)
+    with torch.device("meta"):
+        model = DecoderModel(cfg)
+    model.to_empty(device=device)
+    model.init_rope()
+    params = dict(model.named_parameters())
+    for name, sources in _param_sources(cfg).items():
+        parts = []
+        for hf_name in sources:
+            t = get_tensor(hf_name)
+            if tuple(t.shape) != expected[hf_name]:
+                raise ModelLoadError(
+                    f"weight {hf_name!r} has shape {tuple(t.shape)}, expected {expected[hf_name]} from config.json"
+                )
+            parts.append(t)
+        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        with torch.no_grad():
+            params[name].data = value.to(device=device, dtype=dtype).contiguous()
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.to(dtype=dtype)
+    model.init_rope()
+    return model.eval().requires_grad_(False)
+
+
+class _SafetensorsReader:
+    """Reads tensors by name from a single file or an index of shards; names what is missing."""
+
+    def __init__(self, directory: Path):
+        from safetensors import safe_open
+
+        self.directory = directory
+        index = directory / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as exc:
+                raise ModelLoadError(f"{index} is not a valid safetensors index: {exc}") from None
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+            if not files:
+                raise ModelLoadError(f"no .safetensors weights in {directory}")
+            weight_map = None
+        self._handles = {}
+        for f in files:
+            path = directory / f
+            if not path.exists():
+                raise ModelLoadError(f"weight shard {f!r} listed in the index is missing from {directory}")
+            self._handles[f] = safe_open(str(path), framework="pt")
+        if weight_map is None:
+            weight_map = {k: f for f, h in self._handles.items() for k in h.keys()}
+        self.weight_map = weight_map
+
+    def __call__(self, name: str) -> torch.Tensor:
+        f = self.weight_map.get(name)
+        if f is None or name not in self._handles[f].keys():
+            raise ModelLoadError(f"weight {name!r} is missing from the checkpoint in {self.directory}")
+        return self._handles[f].get_tensor(name)
+
+
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
+    """Load the built-in model (``"tiny"``, ``"builtin:tiny"``) or a Hugging Face directory."""
+    device = torch.device(device)
+    if name_or_path in BUILTIN_NAMES:
+        cfg = tiny_config()
+        weights = random_hf_weights(cfg, seed=seed)
+        model = build_model(cfg, weights.__getitem__, dtype, device)
+        return LoadedModel(BUILTIN_MODEL, cfg, model, ByteTokenizer(), dtype, device)
+    path = Path(name_or_path)
+    if not path.is_dir():
+        raise ModelLoadError(
+            f"model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_NAMES)}) nor a directory"
+        )
+    cfg = ModelConfig.from_file(path / "config.json")
+    model = build_model(cfg, _SafetensorsReader(path), dtype, device)
+    tokenizer = HFTokenizer(path, cfg.eos_token_ids) if (path / "tokenizer.json").exists() else ByteTokenizer()
+    return LoadedModel(path.name, cfg, model, tokenizer, dtype, device)

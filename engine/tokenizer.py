@@ -1,0 +1,155 @@
+"""Tokenizers: a byte-level one for the built-in model, and Hugging Face ``tokenizer.json``.
+
+Both expose the same surface::
+
+    encode(text, add_special_tokens=True) -> list[int]
+    decode(ids, skip_special_tokens=True) -> str
+    eos_token_ids: list[int]
+    apply_chat_template(messages, add_generation_prompt=True) -> str
+    detokenizer() -> IncrementalDetokenizer   # text deltas for streaming
+
+Chat templates: the ``chat_template`` of ``tokenizer_config.json`` rendered with jinja2 when
+there is one; otherwise ``SIMPLE_CHAT_TEMPLATE`` ("<|role|>\\ncontent\\n" per message).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SIMPLE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character.
+
+    ``add(ids) -> str`` returns the text the new ids complete; text of a token that ends in the
+    middle of a character is held back until the character is complete. ``text`` is the total.
+    """
+
+    def __init__(self, tokenizer, skip_special_tokens: bool = True):
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix = 0  # ids before this are already emitted and fixed
+        self._read = 0  # ids before this were decoded in the last emitted text
+        self.text = ""
+
+    def add(self, ids: list[int]) -> str:
+        self._ids.extend(ids)
+        prev = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        new = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        if new.endswith("\ufffd") or len(new) <= len(prev):
+            return ""
+        delta = new[len(prev) :]
+        # keep a short window so tokenizers that join pieces (leading spaces) decode in context
+        self._prefix = self._read
+        self._read = len(self._ids)
+        self.text += delta
+        return delta
+
+
+class _ChatTemplateMixin:
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise ValueError(f"messages[{i}] must be a dict with 'role' and 'content'")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+
+        def raise_exception(message):
+            raise ValueError(f"chat template error: {message}")
+
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template or SIMPLE_CHAT_TEMPLATE)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token,
+            eos_token=self.eos_token,
+        )
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, skip_special_tokens)
+
+
+class ByteTokenizer(_ChatTemplateMixin):
+    """One token per UTF-8 byte (ids 0..255), then BOS=256 and EOS=257. The built-in model's."""
+
+    BOS = 256
+    EOS = 257
+    vocab_size = 258
+
+    def __init__(self):
+        self.eos_token_ids = [self.EOS]
+        self.bos_token_id = self.BOS
+        self.bos_token = ""  # not rendered as text: encode() adds the BOS id
+        self.eos_token = ""
+        self.chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(text.encode("utf-8"))
+        return [self.BOS, *ids] if add_special_tokens else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for i in ids:
+            if i < 256:
+                out.append(i)
+            elif not skip_special_tokens:
+                out += b"<s>" if i == self.BOS else b"</s>" if i == self.EOS else f"<{i}>".encode()
+        return out.decode("utf-8", errors="replace")
+
+
+class HFTokenizer(_ChatTemplateMixin):
+    """``tokenizer.json`` through the ``tokenizers`` library, plus ``tokenizer_config.json``."""
+
+    def __init__(self, model_dir: str | Path, config_eos_ids: list[int] | None = None):
+        from tokenizers import Tokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+        self._tok = Tokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.chat_template = cfg.get("chat_template")
+        if isinstance(self.chat_template, list):  # [{"name": "default", "template": ...}, ...]
+            by_name = {t.get("name"): t.get("template") for t in self.chat_template}
+            self.chat_template = by_name.get("default") or next(iter(by_name.values()), None)
+        self.bos_token = _token_text(cfg.get("bos_token")) or ""
+        self.eos_token = _token_text(cfg.get("eos_token")) or ""
+        eos = list(config_eos_ids or [])
+        gen_path = model_dir / "generation_config.json"
+        if gen_path.exists():
+            g = json.loads(gen_path.read_text()).get("eos_token_id")
+            eos += [g] if isinstance(g, int) else list(g or [])
+        if self.eos_token:
+            tid = self._tok.token_to_id(self.eos_token)
+            if tid is not None:
+                eos.append(tid)
+        self.eos_token_ids = sorted(set(eos))
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):  # {"content": "</s>", ...}
+        return value.get("content")
+    return value
