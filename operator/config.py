@@ -1,0 +1,29 @@
+"""What the operator is told at start-up (command line / environment), validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.operator import naming
+
+
+@dataclass(frozen=True, slots=True)
+class OperatorConfig:
+    """Settings that shape the children the operator builds.
+
+    default_image: the image pods run when an InferenceService names none (the chart
+        passes the operator's own image, so operator and servers come from one release).
+    protocol_version: the protocol version pods are labelled with when an
+        InferenceService names none (this release's ``PROTOCOL_VERSION``).
+    network_policy: whether each InferenceService gets NetworkPolicies that admit the
+        decode Session and KV-transfer ports only from its own prefill pods.
+    """
+
+    default_image: str
+    protocol_version: str
+    network_policy: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.default_image or any(c.isspace() for c in self.default_image):
+            raise ValueError(f"default image {self.default_image!r} must be a non-empty image reference without spaces")
+        naming.protocol_label(self.protocol_version)  # raises with a clear message

@@ -1,0 +1,394 @@
+"""The CustomResourceDefinitions: the one source of truth for the pdserve.io schema.
+
+``charts/pdserve/crds/*.yaml`` is generated from this module (a test checks that the
+committed files equal what it generates)::
+
+    .venv/bin/python -m pdserve.operator.crds charts/pdserve/crds
+
+The API server does all user-facing validation from these schemas (types, ranges,
+enums, required fields, CEL rules) and fills in defaults, so the operator only ever
+sees well-formed objects; every rule has a message that names the field.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+
+from pdserve import defaults
+from pdserve.operator import naming
+
+# Defaults the schema fills in; builders fall back to the same values for objects that
+# never passed through an API server (unit tests).
+DEFAULT_REPLICAS = 1
+DEFAULT_BACKEND = "tcp"
+DEFAULT_POLICY = "wrr"
+DEFAULT_MOUNT_PATH = "/models"
+DEFAULT_TTFT_MS = 1000
+DEFAULT_TBT_MS = 100
+BACKENDS = ["tcp", "nixl"]
+POLICIES = ["wrr", "rr"]
+MAX_REPLICAS = 1000
+MAX_DECODE_POOLS = 16
+MAX_BLOCK_SIZE = 1024
+
+
+# --- schema building blocks ------------------------------------------------------------
+
+def _obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
+    schema = {"type": "object", "properties": properties, **extra}
+    if required:
+        schema["required"] = required
+    return schema
+
+
+def _str(description: str, **extra) -> dict:
+    return {"type": "string", "description": description, **extra}
+
+
+def _int(description: str, minimum: int, maximum: int, default: int | None = None) -> dict:
+    schema = {"type": "integer", "description": description, "minimum": minimum, "maximum": maximum}
+    if default is not None:
+        schema["default"] = default
+    return schema
+
+
+def _rule(rule: str, message: str, **extra) -> dict:
+    return {"rule": rule, "message": message, **extra}
+
+
+_QUANTITY = {
+    "anyOf": [{"type": "integer"}, {"type": "string"}],
+    "x-kubernetes-int-or-string": True,
+    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+}
+
+RESOURCES = _obj(
+    {
+        "limits": {"type": "object", "description": "Resource limits, e.g. {cpu: 4, memory: 16Gi, nvidia.com/gpu: 1}.",
+                   "additionalProperties": _QUANTITY},
+        "requests": {"type": "object", "description": "Resource requests (as in a Pod).",
+                     "additionalProperties": _QUANTITY},
+    },
+    description="Compute resources of each pod of the pool (as in a Pod's container).",
+)
+
+TOLERATIONS = {
+    "type": "array",
+    "description": "Tolerations of the pool's pods (as in a Pod).",
+    "maxItems": 32,
+    "items": _obj({
+        "key": _str("Taint key.", maxLength=316),
+        "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
+        "value": _str("Taint value.", maxLength=63),
+        "effect": _str("NoSchedule, PreferNoSchedule or NoExecute.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
+        "tolerationSeconds": {"type": "integer", "format": "int64", "description": "How long a NoExecute taint is tolerated."},
+    }),
+}
+
+NODE_SELECTOR = {
+    "type": "object",
+    "description": "Node labels the pool's pods must run on (as in a Pod); pools may differ in hardware.",
+    "additionalProperties": {"type": "string"},
+    "maxProperties": 32,
+}
+
+
+def _pool_properties(replicas_description: str) -> dict:
+    return {
+        "replicas": _int(replicas_description, 0, MAX_REPLICAS, DEFAULT_REPLICAS),
+        "resources": RESOURCES,
+        "nodeSelector": NODE_SELECTOR,
+        "tolerations": TOLERATIONS,
+    }
+
+
+MODEL = _obj(
+    {
+        "source": _str("'builtin:<name>' (e.g. builtin:tiny) or an absolute path to a Hugging Face "
+                       "safetensors checkpoint on a mounted volume.", minLength=1, maxLength=1024),
+        "pvcName": _str("A PersistentVolumeClaim holding the model, mounted read-only at mountPath.",
+                        minLength=1, maxLength=253),
+        "mountPath": _str("Where pvcName is mounted.", pattern="^/", default=DEFAULT_MOUNT_PATH, maxLength=512),
+    },
+    required=["source"],
+    description="The model both pools serve.",
+    **{"x-kubernetes-validations": [
+        _rule("self.source.startsWith('builtin:') || self.source.startsWith('/')",
+              "spec.model.source must be 'builtin:<name>' or an absolute path", fieldPath=".source"),
+        _rule("!has(self.pvcName) || self.source.startsWith(self.mountPath + '/')",
+              "spec.model.source must be a path under spec.model.mountPath when spec.model.pvcName is set",
+              fieldPath=".source"),
+    ]},
+)
+
+TRANSFER = _obj(
+    {
+        "backend": _str("KV transfer backend: tcp (framed sockets) or nixl (UCX).", enum=BACKENDS, default=DEFAULT_BACKEND),
+        "blockSize": _int("KV cache block size in tokens.", 1, MAX_BLOCK_SIZE, defaults.BLOCK_SIZE),
+    },
+    description="How prefill pushes the KV cache to decode.",
+    default={},
+)
+
+ROUTING = _obj(
+    {"policy": _str("wrr: weighted round robin on free KV memory; rr: plain round robin.", enum=POLICIES,
+                    default=DEFAULT_POLICY)},
+    description="How prefill picks a decode.",
+    default={},
+)
+
+SLO = _obj(
+    {
+        "ttftMs": _int("Time-to-first-token target in milliseconds.", 1, 600_000, DEFAULT_TTFT_MS),
+        "tbtMs": _int("Time-between-tokens target in milliseconds.", 1, 60_000, DEFAULT_TBT_MS),
+    },
+    description="Latency targets (passed to prefill pods; dashboards compare against them).",
+    default={},
+)
+
+IMAGE = _str("Container image with the pdserve command (default: the operator's own image).", minLength=1, maxLength=512)
+PULL_POLICY = _str("Image pull policy of the pods.", enum=["Always", "IfNotPresent", "Never"])
+PROTOCOL = _str("Protocol version the image speaks (default: the operator's). Pods are labelled with it "
+                "and prefill only routes to decodes of the same version.", pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+DECODE_POOL_ITEM = _obj(
+    {"name": _str("Pool name (a DNS label, unique in the service).", pattern=naming.DNS_LABEL, maxLength=naming.MAX_POOL_NAME),
+     **_pool_properties("Decode pods in this pool.")},
+    required=["name"],
+)
+
+ISVC_SPEC = _obj(
+    {
+        "model": MODEL,
+        "image": IMAGE,
+        "imagePullPolicy": PULL_POLICY,
+        "protocolVersion": PROTOCOL,
+        "prefill": _obj(_pool_properties("Prefill pods."), description="The prefill pool (the front door).", default={}),
+        "decode": {
+            "type": "array",
+            "description": "One or more named decode pools; they may differ in hardware.",
+            "minItems": 1,
+            "maxItems": MAX_DECODE_POOLS,
+            "items": DECODE_POOL_ITEM,
+            "x-kubernetes-validations": [
+                _rule("self.all(p, self.exists_one(q, q.name == p.name))", "spec.decode pool names must be unique"),
+            ],
+        },
+        "transfer": TRANSFER,
+        "routing": ROUTING,
+        "slo": SLO,
+    },
+    required=["model", "decode"],
+)
+
+CONDITIONS = {
+    "type": "array",
+    "description": "Ready, Progressing and Degraded, each with a reason.",
+    "x-kubernetes-list-type": "map",
+    "x-kubernetes-list-map-keys": ["type"],
+    "items": _obj(
+        {
+            "type": {"type": "string"},
+            "status": {"type": "string", "enum": ["True", "False", "Unknown"]},
+            "reason": {"type": "string"},
+            "message": {"type": "string"},
+            "lastTransitionTime": {"type": "string", "format": "date-time"},
+            "observedGeneration": {"type": "integer", "format": "int64"},
+        },
+        required=["type", "status"],
+    ),
+}
+
+POOL_STATUS_ITEM = _obj({
+    "name": {"type": "string"},
+    "replicas": {"type": "integer"},
+    "readyReplicas": {"type": "integer"},
+    "ready": {"type": "boolean"},
+})
+
+ISVC_STATUS = _obj(
+    {
+        "observedGeneration": {"type": "integer", "format": "int64"},
+        "conditions": CONDITIONS,
+        "endpoint": _str("The OpenAI-compatible HTTP endpoint (the prefill Service)."),
+        "prefillReady": _str("Ready/desired prefill pods."),
+        "decodeReady": _str("Ready/desired decode pods over all pools."),
+        "protocolVersion": {"type": "string"},
+        "prefill": POOL_STATUS_ITEM,
+        "decode": {"type": "array", "items": POOL_STATUS_ITEM},
+    },
+    **{"x-kubernetes-preserve-unknown-fields": True},
+)
+
+POOL_STATUS = _obj(
+    {
+        "observedGeneration": {"type": "integer", "format": "int64"},
+        "conditions": CONDITIONS,
+        "replicas": {"type": "integer", "description": "Pods the Deployment has (scale subresource)."},
+        "readyReplicas": {"type": "integer"},
+        "updatedReplicas": {"type": "integer"},
+        "selector": _str("Label selector of the pool's pods (scale subresource)."),
+    },
+    **{"x-kubernetes-preserve-unknown-fields": True},
+)
+
+
+def _pool_spec(role: str) -> dict:
+    properties = {
+        "inferenceService": _str("The owning InferenceService.", minLength=1, maxLength=naming.MAX_ISVC_NAME),
+        "model": MODEL,
+        "image": IMAGE,
+        "imagePullPolicy": PULL_POLICY,
+        "protocolVersion": PROTOCOL,
+        **_pool_properties(f"{role.capitalize()} pods."),
+        "transfer": TRANSFER,
+    }
+    required = ["inferenceService", "model", "image", "protocolVersion"]
+    if role == "prefill":
+        properties.update({"routing": ROUTING, "slo": SLO})
+    else:
+        properties["poolName"] = _str("The pool's name in the InferenceService.", pattern=naming.DNS_LABEL,
+                                      maxLength=naming.MAX_POOL_NAME)
+        required.append("poolName")
+    return _obj(properties, required=required)
+
+
+# --- the CRDs --------------------------------------------------------------------------
+
+_READY = '.status.conditions[?(@.type=="Ready")].status'
+_AGE = {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}
+
+
+def _crd(kind: str, plural: str, short: str, spec: dict, status: dict, columns: list[dict],
+         root_rules: list[dict], scale: bool) -> dict:
+    subresources: dict = {"status": {}}
+    if scale:
+        subresources["scale"] = {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
+                                 "labelSelectorPath": ".status.selector"}
+    schema = _obj({"apiVersion": {"type": "string"}, "kind": {"type": "string"}, "metadata": {"type": "object"},
+                   "spec": spec, "status": status}, required=["spec"])
+    if root_rules:
+        schema["x-kubernetes-validations"] = root_rules
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.{naming.GROUP}", "labels": {"app.kubernetes.io/name": "pdserve"}},
+        "spec": {
+            "group": naming.GROUP,
+            "scope": "Namespaced",
+            "names": {"kind": kind, "listKind": f"{kind}List", "plural": plural, "singular": kind.lower(),
+                      "shortNames": [short], "categories": ["pdserve"]},
+            "versions": [{
+                "name": naming.VERSION, "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": schema},
+                "subresources": subresources,
+                "additionalPrinterColumns": [*columns, _AGE],
+            }],
+        },
+    }
+
+
+_NAME_RULE = _rule(
+    f"size(self.metadata.name) <= {naming.MAX_ISVC_NAME} && self.metadata.name.matches('{naming.DNS_LABEL}')",
+    f"metadata.name must be a DNS label of at most {naming.MAX_ISVC_NAME} characters starting with a letter "
+    "(it prefixes the names of the pools, Deployments and Services)",
+)
+
+
+def inferenceservice_crd() -> dict:
+    return _crd(
+        "InferenceService", "inferenceservices", "pdis", ISVC_SPEC, ISVC_STATUS,
+        [{"name": "Ready", "type": "string", "jsonPath": _READY},
+         {"name": "Prefill", "type": "string", "jsonPath": ".status.prefillReady", "description": "ready/desired prefill pods"},
+         {"name": "Decode", "type": "string", "jsonPath": ".status.decodeReady", "description": "ready/desired decode pods"},
+         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"}],
+        [_NAME_RULE], scale=False)
+
+
+def _pool_crd(kind: str, plural: str, short: str, role: str) -> dict:
+    return _crd(
+        kind, plural, short, _pool_spec(role), POOL_STATUS,
+        [{"name": "Service", "type": "string", "jsonPath": ".spec.inferenceService"},
+         {"name": "Ready", "type": "string", "jsonPath": _READY},
+         {"name": "Desired", "type": "integer", "jsonPath": ".spec.replicas"},
+         {"name": "Available", "type": "integer", "jsonPath": ".status.readyReplicas"},
+         {"name": "Protocol", "type": "string", "jsonPath": ".spec.protocolVersion", "priority": 1}],
+        [], scale=True)
+
+
+def prefillpool_crd() -> dict:
+    return _pool_crd("PrefillPool", "prefillpools", "pdpp", "prefill")
+
+
+def decodepool_crd() -> dict:
+    return _pool_crd("DecodePool", "decodepools", "pddp", "decode")
+
+
+def _kopf_peering_crd(kind: str, plural: str, scope: str) -> dict:
+    """kopf's peering objects (HA: operators see each other; the highest priority one works)."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{plural}.kopf.dev", "labels": {"app.kubernetes.io/name": "pdserve"}},
+        "spec": {
+            "group": "kopf.dev",
+            "scope": scope,
+            "names": {"kind": kind, "plural": plural, "singular": kind.lower()},
+            "versions": [{
+                "name": "v1", "served": True, "storage": True,
+                "schema": {"openAPIV3Schema": {"type": "object", "properties": {
+                    "status": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}},
+            }],
+        },
+    }
+
+
+def all_crds() -> dict[str, dict]:
+    """File name -> CRD, in the order they are written."""
+    return {
+        "inferenceservices.yaml": inferenceservice_crd(),
+        "prefillpools.yaml": prefillpool_crd(),
+        "decodepools.yaml": decodepool_crd(),
+        "kopf-peerings.yaml": _kopf_peering_crd("KopfPeering", "kopfpeerings", "Namespaced"),
+        "kopf-clusterpeerings.yaml": _kopf_peering_crd("ClusterKopfPeering", "clusterkopfpeerings", "Cluster"),
+    }
+
+
+HEADER = "# Generated by `python -m pdserve.operator.crds charts/pdserve/crds` from operator/crds.py. Do not edit.\n"
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes shared sub-schemas out in full (API servers and readers want no YAML anchors)."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def render(crd: dict) -> str:
+    return HEADER + yaml.dump(crd, Dumper=_NoAliasDumper, sort_keys=False, width=120)
+
+
+def write(out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, crd in all_crds().items():
+        path = out_dir / name
+        path.write_text(render(crd))
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write the pdserve CRDs (and kopf's peering CRDs) as YAML.")
+    parser.add_argument("out_dir", type=Path, help="folder to write into, e.g. charts/pdserve/crds")
+    args = parser.parse_args(argv)
+    for path in write(args.out_dir):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

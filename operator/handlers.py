@@ -1,0 +1,175 @@
+"""The kopf handlers: InferenceService -> pools -> Deployments/Services, and status back up.
+
+Reconcile flow (every step is an idempotent server-side apply, so a restart anywhere in it
+just runs it again; kopf re-runs unfinished handlers and ``on.resume`` covers the rest):
+
+1. ``isvc_reconcile`` (create / update / resume of an InferenceService): apply its
+   PrefillPool, DecodePools and (when enabled) NetworkPolicies, adopted by it; delete
+   DecodePools it no longer lists.
+2. ``pool_reconcile`` (create / update / resume of a PrefillPool or DecodePool, including
+   ``kubectl scale``): apply the pool's Deployment, Service and (prefill) RBAC, adopted by it.
+3. ``deployment_event`` (any event of a Deployment the operator made): recompute the
+   statuses of its pools and InferenceService from the Deployments.
+
+Deletion is the garbage collector's job (ownerReferences), so no finalizers are added and
+an InferenceService can be deleted even while the operator is down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+
+import kopf
+from kubernetes.client.exceptions import ApiException
+
+from pdserve.operator import naming, pools, status, workloads
+from pdserve.operator.kubeapi import KubeApi, make_api_client
+
+G, V = naming.GROUP, naming.VERSION
+RETRY_DELAY_S = 5
+
+
+def plain(obj: object) -> object:
+    """kopf's body views -> plain dicts and lists (what the builders take)."""
+    if isinstance(obj, Mapping):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [plain(v) for v in obj]
+    return obj
+
+
+def _apply_all(api: KubeApi, objs: list[dict]) -> None:
+    for obj in objs:
+        try:
+            api.apply(obj)
+        except ApiException as e:
+            what = f"{obj['kind']} {obj['metadata'].get('namespace')}/{obj['metadata']['name']}"
+            if e.status in (400, 403, 422):
+                # Not fixed by retrying soon; say what and why (RBAC, schema), then retry slowly.
+                raise kopf.TemporaryError(f"cannot apply {what}: {e.status} {e.reason}: {e.body}", delay=60) from e
+            raise kopf.TemporaryError(f"cannot apply {what}: {e.status} {e.reason}", delay=RETRY_DELAY_S) from e
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
+    """All operator settings, and the one API client every handler shares."""
+    # Progress and the last handled spec live in annotations, so status stays ours alone.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=naming.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=naming.GROUP, key="last-handled-configuration")
+    # Watches are re-established every few minutes, so a silently dropped connection
+    # (load balancers idle-kill long requests) costs at most that much staleness.
+    settings.watching.server_timeout = 270
+    settings.watching.client_timeout = 300
+    # A connect attempt that hangs should fail fast and be retried.
+    settings.watching.connect_timeout = 30
+    # Sync handlers run in this thread pool; 8 overlaps API round trips of many objects.
+    settings.execution.max_workers = 8
+    # Kubernetes Events only for warnings and errors: reconciles are frequent.
+    settings.posting.level = logging.WARNING
+    # After an API error, handlers retry every RETRY_DELAY_S seconds (TemporaryError), forever.
+    settings.networking.request_timeout = 60
+    memo.api = KubeApi(make_api_client(memo.get("kubeconfig")))
+    memo.status_locks = {}
+    memo.status_locks_guard = threading.Lock()
+
+
+@kopf.on.resume(G, V, "inferenceservices")
+@kopf.on.create(G, V, "inferenceservices")
+@kopf.on.update(G, V, "inferenceservices")
+def isvc_reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_) -> None:
+    api: KubeApi = memo.api
+    isvc = plain(body)
+    existing_decodes = {p["metadata"]["name"]: p for p in api.list("DecodePool", namespace, {naming.LABEL_ISVC: name})}
+    prefill = pools.build_prefill_pool(isvc, memo.config, api.get("PrefillPool", namespace, naming.prefill_name(name)))
+    decodes = pools.build_decode_pools(isvc, memo.config, existing_decodes)
+    children = [prefill, *decodes]
+    if memo.config.network_policy:
+        children += pools.build_network_policies(isvc, memo.config)
+    kopf.adopt(children, owner=body)
+    _apply_all(api, children)
+    for stale in pools.stale_decode_pools(isvc, list(existing_decodes)):
+        logger.info(f"deleting DecodePool {stale}: no longer in spec.decode")
+        api.delete("DecodePool", namespace, stale)
+    refresh_status(api, memo, namespace, name)
+
+
+@kopf.on.resume(G, V, "prefillpools")
+@kopf.on.create(G, V, "prefillpools")
+@kopf.on.update(G, V, "prefillpools")
+@kopf.on.resume(G, V, "decodepools")
+@kopf.on.create(G, V, "decodepools")
+@kopf.on.update(G, V, "decodepools")
+def pool_reconcile(body: kopf.Body, namespace: str, memo: kopf.Memo, **_) -> None:
+    pool = plain(body)
+    children = workloads.build_children(pool)
+    kopf.adopt(children, owner=body)
+    _apply_all(memo.api, children)
+    refresh_status(memo.api, memo, namespace, pool["spec"]["inferenceService"])
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={naming.LABEL_MANAGED_BY: naming.MANAGER})
+def deployment_event(body: kopf.Body, namespace: str, memo: kopf.Memo, **_) -> None:
+    isvc = body.get("metadata", {}).get("labels", {}).get(naming.LABEL_ISVC)
+    if isvc and namespace:
+        try:
+            refresh_status(memo.api, memo, namespace, isvc)
+        except ApiException as e:  # event handlers are not retried: the next event or reconcile repairs it
+            logging.getLogger(__name__).warning(f"status of {namespace}/{isvc} not refreshed: {e.status} {e.reason}")
+
+
+def _lock(memo: kopf.Memo, key: str) -> threading.Lock:
+    with memo.status_locks_guard:
+        return memo.status_locks.setdefault(key, threading.Lock())
+
+
+def _changed(old: dict | None, new: dict) -> bool:
+    return any((old or {}).get(k) != v for k, v in new.items())
+
+
+def refresh_status(api: KubeApi, memo: kopf.Memo, namespace: str, isvc_name: str) -> None:
+    """Recompute and write the statuses of an InferenceService's pools and of itself.
+
+    Serialised per InferenceService (events of its Deployments arrive concurrently);
+    writes only what changed.
+    """
+    with _lock(memo, f"{namespace}/{isvc_name}"):
+        isvc = api.get("InferenceService", namespace, isvc_name)
+        if isvc is None:
+            return
+        selector = {naming.LABEL_ISVC: isvc_name}
+        deployments = {d["metadata"]["name"]: d for d in api.list("Deployment", namespace, selector)}
+        prefill_pool = api.get("PrefillPool", namespace, naming.prefill_name(isvc_name))
+        decode_pools = api.list("DecodePool", namespace, selector)
+        now = status.now()
+
+        def pool_status(pool: dict) -> dict:
+            new = status.pool_status(pool, deployments.get(pool["metadata"]["name"]),
+                                     naming.label_selector(workloads.pool_selector(pool)))
+            old = pool.get("status") or {}
+            new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)
+            if _changed(old, new):
+                api.patch_status(pool["kind"], namespace, pool["metadata"]["name"], new)
+            return new
+
+        prefill = (prefill_pool, pool_status(prefill_pool)) if prefill_pool else None
+        decodes = [(p, pool_status(p)) for p in decode_pools]
+        new = status.isvc_status(isvc, prefill, decodes)
+        old = isvc.get("status") or {}
+        new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)
+        if _changed(old, new):
+            api.patch_status("InferenceService", namespace, isvc_name, new)
+
+
+def new_memo(config, kubeconfig: str | None = None) -> kopf.Memo:
+    """The memo the operator runs with: config now, the API client at start-up (configure)."""
+    memo = kopf.Memo()
+    memo.config = config
+    memo.kubeconfig = kubeconfig
+    return memo
+
+
+__all__ = ["configure", "isvc_reconcile", "pool_reconcile", "deployment_event", "refresh_status", "new_memo",
+           "make_api_client"]

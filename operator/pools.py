@@ -1,0 +1,148 @@
+"""Pure builders: an InferenceService -> its PrefillPool, DecodePools and NetworkPolicies.
+
+Each pool is self-contained (image, model, protocol version, transfer settings), so the
+pool handlers build Deployments and Services from the pool alone. The functions return
+plain dicts without owner references; the handler adopts them (``kopf.adopt``).
+"""
+
+from __future__ import annotations
+
+from pdserve import defaults
+from pdserve.operator import crds, naming
+from pdserve.operator.config import OperatorConfig
+
+
+def _meta(body: dict) -> tuple[str, str | None]:
+    meta = body.get("metadata", {})
+    return meta["name"], meta.get("namespace")
+
+
+def _with_defaults(spec: dict) -> dict:
+    """The parts of an InferenceService spec every pool shares, with schema defaults filled in."""
+    model = {"mountPath": crds.DEFAULT_MOUNT_PATH, **spec["model"]}
+    transfer = {"backend": crds.DEFAULT_BACKEND, "blockSize": defaults.BLOCK_SIZE, **spec.get("transfer", {})}
+    return {"model": model, "transfer": transfer}
+
+
+def protocol_version(isvc: dict, config: OperatorConfig) -> str:
+    return naming.protocol_label(isvc["spec"].get("protocolVersion") or config.protocol_version)
+
+
+def pool_replicas(isvc_replicas: int, existing: dict | None) -> int:
+    """Replicas to write into a pool.
+
+    The InferenceService's value wins when the pool is new or that value changed since it
+    was last copied (the pool's ``pdserve.io/isvc-replicas`` annotation); otherwise the
+    pool keeps its own value, so ``kubectl scale`` on a pool lasts until the
+    InferenceService's count changes.
+    """
+    if existing is None:
+        return isvc_replicas
+    copied = existing.get("metadata", {}).get("annotations", {}).get(naming.ANNOTATION_ISVC_REPLICAS)
+    if copied != str(isvc_replicas):
+        return isvc_replicas
+    return int(existing.get("spec", {}).get("replicas", isvc_replicas))
+
+
+def _pool(kind: str, name: str, namespace: str | None, isvc_name: str, role: str, pool: str, version: str,
+          replicas: int, spec: dict, isvc_replicas: int) -> dict:
+    metadata = {
+        "name": name,
+        "labels": naming.common_labels(isvc_name, role, pool, version),
+        "annotations": {naming.ANNOTATION_ISVC_REPLICAS: str(isvc_replicas)},
+    }
+    if namespace:
+        metadata["namespace"] = namespace
+    return {"apiVersion": naming.API_VERSION, "kind": kind, "metadata": metadata, "spec": {**spec, "replicas": replicas}}
+
+
+def _pool_spec(isvc: dict, config: OperatorConfig, pool_spec: dict) -> dict:
+    spec = isvc["spec"]
+    name, _ = _meta(isvc)
+    out = {
+        "inferenceService": name,
+        "image": spec.get("image") or config.default_image,
+        "protocolVersion": protocol_version(isvc, config),
+        **_with_defaults(spec),
+    }
+    if spec.get("imagePullPolicy"):
+        out["imagePullPolicy"] = spec["imagePullPolicy"]
+    for key in ("resources", "nodeSelector", "tolerations"):
+        if pool_spec.get(key):
+            out[key] = pool_spec[key]
+    return out
+
+
+def build_prefill_pool(isvc: dict, config: OperatorConfig, existing: dict | None = None) -> dict:
+    """The PrefillPool of an InferenceService (existing: the pool as it is now, or None)."""
+    name, namespace = _meta(isvc)
+    spec = isvc["spec"]
+    prefill = spec.get("prefill", {})
+    pool_spec = _pool_spec(isvc, config, prefill)
+    pool_spec["routing"] = {"policy": crds.DEFAULT_POLICY, **spec.get("routing", {})}
+    pool_spec["slo"] = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **spec.get("slo", {})}
+    isvc_replicas = int(prefill.get("replicas", crds.DEFAULT_REPLICAS))
+    return _pool("PrefillPool", naming.prefill_name(name), namespace, name, "prefill", "prefill",
+                 pool_spec["protocolVersion"], pool_replicas(isvc_replicas, existing), pool_spec, isvc_replicas)
+
+
+def build_decode_pools(isvc: dict, config: OperatorConfig, existing: dict[str, dict] | None = None) -> list[dict]:
+    """One DecodePool per ``spec.decode`` entry (existing: pool object name -> pool as it is now)."""
+    name, namespace = _meta(isvc)
+    existing = existing or {}
+    pools = []
+    for entry in isvc["spec"]["decode"]:
+        pool_name = entry["name"]
+        object_name = naming.decode_name(name, pool_name)
+        pool_spec = _pool_spec(isvc, config, entry)
+        pool_spec["poolName"] = pool_name
+        isvc_replicas = int(entry.get("replicas", crds.DEFAULT_REPLICAS))
+        pools.append(_pool("DecodePool", object_name, namespace, name, "decode", pool_name, pool_spec["protocolVersion"],
+                           pool_replicas(isvc_replicas, existing.get(object_name)), pool_spec, isvc_replicas))
+    return pools
+
+
+def stale_decode_pools(isvc: dict, existing_names: list[str]) -> list[str]:
+    """DecodePools (by object name) that exist but the InferenceService no longer lists."""
+    name, _ = _meta(isvc)
+    wanted = {naming.decode_name(name, entry["name"]) for entry in isvc["spec"]["decode"]}
+    return sorted(n for n in existing_names if n not in wanted)
+
+
+def build_network_policies(isvc: dict, config: OperatorConfig) -> list[dict]:
+    """NetworkPolicies of an InferenceService.
+
+    Decode pods: the Session (gRPC) and KV-transfer ports admit only this service's
+    prefill pods. With ``nixl`` the UCX data path uses ports it picks at run time, so every
+    port is admitted from those pods. The decode HTTP port (health, metrics) stays open.
+    Prefill pods: the HTTP and gRPC front door stays open; nothing else is admitted.
+    """
+    name, namespace = _meta(isvc)
+    version = protocol_version(isvc, config)
+    backend = isvc["spec"].get("transfer", {}).get("backend", crds.DEFAULT_BACKEND)
+    same_service_prefill = {"podSelector": {"matchLabels": {naming.LABEL_ISVC: name, naming.LABEL_ROLE: "prefill"}}}
+    session_rule: dict = {"from": [same_service_prefill]}  # nixl/UCX: any port, same-service prefill only
+    if backend == "tcp":
+        session_rule["ports"] = [{"protocol": "TCP", "port": defaults.DECODE_GRPC_PORT},
+                                 {"protocol": "TCP", "port": defaults.KV_TRANSFER_PORT}]
+    policies = []
+    for role, ingress in (
+        ("decode", [session_rule, {"ports": [{"protocol": "TCP", "port": defaults.DECODE_HTTP_PORT}]}]),
+        ("prefill", [{"ports": [{"protocol": "TCP", "port": defaults.HTTP_PORT},
+                                {"protocol": "TCP", "port": defaults.PREFILL_GRPC_PORT}]}]),
+    ):
+        metadata = {"name": naming.network_policy_name(name, role),
+                    "labels": naming.common_labels(name, role, role if role == "prefill" else "all", version)}
+        if namespace:
+            metadata["namespace"] = namespace
+        policies.append({
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": metadata,
+            "spec": {
+                "podSelector": {"matchLabels": {naming.LABEL_ISVC: name, naming.LABEL_ROLE: role}},
+                "policyTypes": ["Ingress"],
+                "ingress": ingress,
+            },
+        })
+    return policies

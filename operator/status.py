@@ -1,0 +1,165 @@
+"""Pure status computation: Deployments -> pool status -> InferenceService status.
+
+Conditions (each with a reason and a message):
+
+* Ready: a pool is Ready when at least one of its pods is ready; an InferenceService is
+  Ready only when its prefill pool is Ready and at least one decode pool is.
+* Progressing: a rollout or scale is under way (pods not yet updated/ready/removed).
+* Degraded: something is wrong that waiting will not fix by itself (a ReplicaSet cannot
+  create pods, a rollout exceeded its deadline, a pool that should serve has no ready pod).
+
+``lastTransitionTime`` changes only when a condition's status changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+
+from pdserve import defaults
+from pdserve.operator import naming
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, generation: int | None) -> dict:
+    cond = {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def merge_conditions(old: list[dict] | None, new: list[dict], timestamp: str) -> list[dict]:
+    """New conditions, keeping each old lastTransitionTime whose status did not change."""
+    previous = {c.get("type"): c for c in old or []}
+    merged = []
+    for cond in new:
+        before = previous.get(cond["type"])
+        same = before is not None and before.get("status") == cond["status"] and before.get("lastTransitionTime")
+        merged.append({**cond, "lastTransitionTime": before["lastTransitionTime"] if same else timestamp})
+    return merged
+
+
+def _deployment_condition(deployment: dict, type_: str) -> dict | None:
+    for cond in deployment.get("status", {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return cond
+    return None
+
+
+def pool_status(pool: dict, deployment: dict | None, selector: str) -> dict:
+    """The status of a pool (without lastTransitionTime; see merge_conditions)."""
+    generation = pool.get("metadata", {}).get("generation")
+    desired = int(pool["spec"].get("replicas", 1))
+    if deployment is None:
+        return {
+            "observedGeneration": generation, "replicas": 0, "readyReplicas": 0, "updatedReplicas": 0,
+            "selector": selector,
+            "conditions": [
+                condition("Ready", False, "DeploymentMissing", "the pool's Deployment does not exist yet", generation),
+                condition("Progressing", True, "Creating", "creating the pool's Deployment", generation),
+                condition("Degraded", False, "AsExpected", "", generation),
+            ],
+        }
+    dstatus = deployment.get("status", {}) or {}
+    total = int(dstatus.get("replicas") or 0)
+    ready = int(dstatus.get("readyReplicas") or 0)
+    updated = int(dstatus.get("updatedReplicas") or 0)
+    counts = f"{ready}/{desired} pods ready, {updated}/{desired} updated, {total} in all"
+    dep_generation = deployment.get("metadata", {}).get("generation", 0)
+    dep_observed = dstatus.get("observedGeneration", 0)
+    dep_desired = deployment.get("spec", {}).get("replicas", desired)
+
+    if ready >= 1:
+        ready_cond = condition("Ready", True, "PodsReady", counts, generation)
+    elif desired == 0:
+        ready_cond = condition("Ready", False, "ScaledToZero", "the pool has 0 replicas", generation)
+    else:
+        ready_cond = condition("Ready", False, "NoPodsReady", counts, generation)
+
+    rolling = (dep_observed < dep_generation or dep_desired != desired or updated < desired
+               or ready < desired or total > desired)
+    progressing = condition("Progressing", rolling, "RollingOut" if rolling else "RolloutComplete", counts, generation)
+
+    failure = _deployment_condition(deployment, "ReplicaFailure")
+    dep_progress = _deployment_condition(deployment, "Progressing")
+    if failure is not None and failure.get("status") == "True":
+        degraded = condition("Degraded", True, "ReplicaFailure", failure.get("message", ""), generation)
+    elif dep_progress is not None and dep_progress.get("reason") == "ProgressDeadlineExceeded":
+        degraded = condition("Degraded", True, "ProgressDeadlineExceeded", dep_progress.get("message", ""), generation)
+    else:
+        degraded = condition("Degraded", False, "AsExpected", counts, generation)
+    return {"observedGeneration": generation, "replicas": total, "readyReplicas": ready, "updatedReplicas": updated,
+            "selector": selector, "conditions": [ready_cond, progressing, degraded]}
+
+
+def _is_true(status: dict | None, type_: str) -> bool:
+    for cond in (status or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return cond.get("status") == "True"
+    return False
+
+
+def _summary(name: str, pool: dict, status: dict | None) -> dict:
+    return {"name": name, "replicas": int(pool["spec"].get("replicas", 1)),
+            "readyReplicas": int((status or {}).get("readyReplicas", 0)), "ready": _is_true(status, "Ready")}
+
+
+def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tuple[dict, dict]]) -> dict:
+    """The status of an InferenceService from its pools and their (freshly computed) statuses.
+
+    prefill: (PrefillPool, its status) or None when the pool does not exist yet;
+    decodes: (DecodePool, its status) for each decode pool that exists.
+    """
+    meta = isvc["metadata"]
+    name, namespace, generation = meta["name"], meta.get("namespace", "default"), meta.get("generation")
+    wanted = [d["name"] for d in isvc["spec"]["decode"]]
+    by_pool = {p["spec"]["poolName"]: (p, s) for p, s in decodes}
+    decode_summaries = [_summary(n, *by_pool[n]) for n in wanted if n in by_pool]
+    prefill_summary = _summary("prefill", *prefill) if prefill else {"name": "prefill", "replicas": 0,
+                                                                     "readyReplicas": 0, "ready": False}
+    missing = [n for n in wanted if n not in by_pool] + ([] if prefill else ["prefill"])
+    ready_decodes = [d["name"] for d in decode_summaries if d["ready"]]
+
+    if missing:
+        ready = condition("Ready", False, "PoolsMissing", "pools not created yet: " + ", ".join(missing), generation)
+    elif not prefill_summary["ready"]:
+        ready = condition("Ready", False, "PrefillNotReady", "no prefill pod is ready", generation)
+    elif not ready_decodes:
+        ready = condition("Ready", False, "NoDecodePoolReady", "no decode pool has a ready pod", generation)
+    else:
+        ready = condition("Ready", True, "Serving", "prefill ready; decode pools ready: " + ", ".join(ready_decodes),
+                          generation)
+
+    statuses = ([("prefill", prefill[1])] if prefill else []) + [(p["spec"]["poolName"], s) for p, s in decodes]
+    rolling = [n for n, s in statuses if _is_true(s, "Progressing")] + missing
+    progressing = condition("Progressing", bool(rolling), "PoolsRollingOut" if rolling else "Stable",
+                            ("rolling out or scaling: " + ", ".join(rolling)) if rolling else "all pools settled",
+                            generation)
+
+    degraded_pools = [n for n, s in statuses if _is_true(s, "Degraded")]
+    idle = [s["name"] for s in [prefill_summary, *decode_summaries] if s["replicas"] > 0 and not s["ready"]]
+    if degraded_pools:
+        degraded = condition("Degraded", True, "PoolDegraded", "degraded pools: " + ", ".join(degraded_pools), generation)
+    elif ready["status"] == "True" and idle:
+        degraded = condition("Degraded", True, "PoolUnavailable", "pools without a ready pod: " + ", ".join(idle),
+                             generation)
+    else:
+        degraded = condition("Degraded", False, "AsExpected", "", generation)
+
+    decode_ready = sum(d["readyReplicas"] for d in decode_summaries)
+    decode_desired = sum(d["replicas"] for d in decode_summaries)
+    protocol = (prefill[0]["spec"].get("protocolVersion") if prefill else None)
+    status = {
+        "observedGeneration": generation,
+        "endpoint": f"http://{naming.prefill_name(name)}.{namespace}.svc:{defaults.HTTP_PORT}",
+        "prefillReady": f"{prefill_summary['readyReplicas']}/{prefill_summary['replicas']}",
+        "decodeReady": f"{decode_ready}/{decode_desired}",
+        "prefill": prefill_summary,
+        "decode": decode_summaries,
+        "conditions": [ready, progressing, degraded],
+    }
+    if protocol:
+        status["protocolVersion"] = protocol
+    return status

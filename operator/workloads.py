@@ -1,0 +1,217 @@
+"""Pure builders: a PrefillPool / DecodePool -> its Deployment, Service and (prefill) RBAC.
+
+The pods run ``pdserve prefill`` / ``pdserve decode`` with the command lines the servers
+define (ports from ``pdserve.defaults``). Pods are labelled with their protocol version;
+changing the image or the protocol version changes the pod template, so the Deployment
+rolls. The decode Service carries the version label too, and prefill's
+``--decode-selector`` includes it, so prefill only ever sees compatible decodes.
+
+Pods run with secure defaults: non-root, no capabilities, no privilege escalation, a
+read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp.
+"""
+
+from __future__ import annotations
+
+from pdserve import defaults
+from pdserve.operator import crds, naming
+
+RUN_AS_USER = 10001  # the image's `pdserve` user (see Dockerfile)
+
+
+def _pool_facts(pool: dict) -> tuple[str, str | None, dict, str, str]:
+    meta, spec = pool["metadata"], pool["spec"]
+    role = "prefill" if pool["kind"] == "PrefillPool" else "decode"
+    pool_name = "prefill" if role == "prefill" else spec["poolName"]
+    return meta["name"], meta.get("namespace"), spec, role, pool_name
+
+
+def _metadata(name: str, namespace: str | None, labels: dict) -> dict:
+    metadata = {"name": name, "labels": dict(labels)}
+    if namespace:
+        metadata["namespace"] = namespace
+    return metadata
+
+
+def pool_labels(pool: dict) -> dict[str, str]:
+    _, _, spec, role, pool_name = _pool_facts(pool)
+    return naming.common_labels(spec["inferenceService"], role, pool_name, spec["protocolVersion"])
+
+
+def pool_selector(pool: dict) -> dict[str, str]:
+    _, _, spec, role, pool_name = _pool_facts(pool)
+    return naming.selector_labels(spec["inferenceService"], role, pool_name)
+
+
+def prefill_args(pool: dict) -> list[str]:
+    """The prefill command line (after the `pdserve` entry point); flags as `pdserve prefill --help` names them."""
+    _, namespace, spec, _, _ = _pool_facts(pool)
+    transfer = spec.get("transfer", {})
+    return [
+        "prefill",
+        "--host", "0.0.0.0",
+        "--port", str(defaults.HTTP_PORT),
+        "--grpc-port", str(defaults.PREFILL_GRPC_PORT),
+        "--model", spec["model"]["source"],
+        "--discovery", "kubernetes",
+        "--namespace", namespace or "$(POD_NAMESPACE)",
+        "--decode-selector", naming.decode_selector(spec["inferenceService"], spec["protocolVersion"]),
+        "--policy", spec.get("routing", {}).get("policy", crds.DEFAULT_POLICY),
+        "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
+        "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
+    ]
+
+
+def decode_args(pool: dict) -> list[str]:
+    """The decode command line (after the `pdserve` entry point); flags as `pdserve decode --help` names them.
+
+    The decode listens on every interface and tells prefill to send KV to its pod IP.
+    """
+    _, _, spec, _, _ = _pool_facts(pool)
+    transfer = spec.get("transfer", {})
+    return [
+        "decode",
+        "--host", "0.0.0.0",
+        "--advertise-host", "$(POD_IP)",
+        "--port", str(defaults.DECODE_GRPC_PORT),
+        "--http-port", str(defaults.DECODE_HTTP_PORT),
+        "--kv-port", str(defaults.KV_TRANSFER_PORT),
+        "--model", spec["model"]["source"],
+        "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
+        "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
+    ]
+
+
+def _ports(role: str) -> list[dict]:
+    if role == "prefill":
+        return [{"name": "http", "containerPort": defaults.HTTP_PORT, "protocol": "TCP"},
+                {"name": "grpc", "containerPort": defaults.PREFILL_GRPC_PORT, "protocol": "TCP"}]
+    return [{"name": "grpc", "containerPort": defaults.DECODE_GRPC_PORT, "protocol": "TCP"},
+            {"name": "http", "containerPort": defaults.DECODE_HTTP_PORT, "protocol": "TCP"},
+            {"name": "kv", "containerPort": defaults.KV_TRANSFER_PORT, "protocol": "TCP"}]
+
+
+def _env(spec: dict, role: str) -> list[dict]:
+    env = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "PDSERVE_PROTOCOL_VERSION", "value": spec["protocolVersion"]},
+    ]
+    if role == "prefill":
+        slo = spec.get("slo", {})
+        env += [{"name": "PDSERVE_SLO_TTFT_MS", "value": str(slo.get("ttftMs", crds.DEFAULT_TTFT_MS))},
+                {"name": "PDSERVE_SLO_TBT_MS", "value": str(slo.get("tbtMs", crds.DEFAULT_TBT_MS))}]
+    return env
+
+
+def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
+    volumes = [{"name": "tmp", "emptyDir": {}}]
+    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
+    model = spec["model"]
+    if model.get("pvcName"):
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": model["pvcName"], "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": model.get("mountPath", crds.DEFAULT_MOUNT_PATH), "readOnly": True})
+    return volumes, mounts
+
+
+def build_deployment(pool: dict) -> dict:
+    """The Deployment of a pool; replicas follow the pool's ``spec.replicas``."""
+    name, namespace, spec, role, _ = _pool_facts(pool)
+    labels = pool_labels(pool)
+    http_port = defaults.HTTP_PORT if role == "prefill" else defaults.DECODE_HTTP_PORT
+    volumes, mounts = _volumes(spec)
+    container = {
+        "name": role,
+        "image": spec["image"],
+        "command": ["pdserve"],
+        "args": prefill_args(pool) if role == "prefill" else decode_args(pool),
+        "ports": _ports(role),
+        "env": _env(spec, role),
+        "volumeMounts": mounts,
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": http_port}, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 10,
+                          "failureThreshold": 6, "initialDelaySeconds": 10},
+        "startupProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5, "failureThreshold": 120},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    if spec.get("resources"):
+        container["resources"] = spec["resources"]
+    pod_spec = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
+                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "terminationGracePeriodSeconds": 30,
+    }
+    if role == "prefill":
+        pod_spec["serviceAccountName"] = name
+        pod_spec["automountServiceAccountToken"] = True
+    else:
+        pod_spec["automountServiceAccountToken"] = False
+    if spec.get("nodeSelector"):
+        pod_spec["nodeSelector"] = spec["nodeSelector"]
+    if spec.get("tolerations"):
+        pod_spec["tolerations"] = spec["tolerations"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(name, namespace, labels),
+        "spec": {
+            "replicas": int(spec.get("replicas", crds.DEFAULT_REPLICAS)),
+            "selector": {"matchLabels": pool_selector(pool)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels,
+                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
+                                             "prometheus.io/path": "/metrics"}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_service(pool: dict) -> dict:
+    """The pool's Service. Prefill: the ClusterIP front door. Decode: headless, one
+    address per pod, labelled so its EndpointSlices match prefill's decode selector."""
+    name, namespace, _, role, _ = _pool_facts(pool)
+    ports = [{"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+             for p in _ports(role)]
+    spec: dict = {"selector": pool_labels(pool) if role == "decode" else pool_selector(pool), "ports": ports}
+    if role == "decode":
+        # Select by version too: during a protocol upgrade the slices list only pods of
+        # the version the Service (and so the selector prefill uses) is labelled with.
+        spec["clusterIP"] = "None"
+        spec["publishNotReadyAddresses"] = False
+    else:
+        spec["type"] = "ClusterIP"
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, pool_labels(pool)), "spec": spec}
+
+
+def build_prefill_rbac(pool: dict) -> list[dict]:
+    """ServiceAccount, Role and RoleBinding letting prefill pods watch decode EndpointSlices
+    (and read Services) in their namespace: nothing else."""
+    name, namespace, _, _, _ = _pool_facts(pool)
+    labels = pool_labels(pool)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, namespace, labels)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(name, namespace, labels),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+                   {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(name, namespace, labels),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace or "default"}]},
+    ]
+
+
+def build_children(pool: dict) -> list[dict]:
+    """Everything a pool owns, in creation order."""
+    children = build_prefill_rbac(pool) if pool["kind"] == "PrefillPool" else []
+    return [*children, build_service(pool), build_deployment(pool)]
