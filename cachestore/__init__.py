@@ -1,0 +1,60 @@
+"""pdserve.cachestore: layer-wise KV transfer from prefill to decode, keyed by request id.
+
+Read first: ``cachestore/README.md`` (protocol sequence), then ``receiver.py`` and
+``sender.py`` (each opens with its request lifecycle), then ``entries.py`` (pins, shared
+blocks), ``link.py`` (connections, threads), ``scheduler.py`` (MoLink / FIFO) and
+``frames.py`` (wire format). It never imports the engine: it sees a ``MemoryRegion`` (the
+KV pool tensor, registered once) and a ``KVLayout``.
+
+Usage (decode side receives, prefill side sends)::
+
+    layout = KVLayout(num_layers, num_blocks, block_nbytes)
+    region = MemoryRegion.from_tensor(kv_pool)          # one region per pool tensor, at start-up
+    compat = CompatInfo(dtype="float32", num_layers=..., num_kv_heads=..., head_dim=..., block_size=64)
+
+    rx = CacheStoreReceiver(region, layout, compat, transport="tcp", host="127.0.0.1", port=0)
+    await rx.start(); ep = rx.endpoint                  # bytes for the prefill (address, version, hash, nixl md)
+    dst = rx.expect(rid, dst_block_ids, timeout_s)      # pin; returns the dst list for the sender
+    await rx.load(rid, layer, timeout_s)                # woken when that layer arrived
+    await rx.wait_all(rid, timeout_s)                   # every layer arrived
+    rx.delete(rid)                                      # unpin (idempotent)
+
+    tx = CacheStoreSender(region, layout, compat, transport="tcp", scheduler="priority")
+    await tx.start()
+    tx.bind(rid, ep, dst, priority=0)                   # CompatError on version/hash mismatch
+    tx.store(rid, layer, src_block_ids)                 # any thread, non-blocking, after the layer's KV is written
+    await tx.wait_sent(rid, timeout_s)                  # every layer delivered (acked)
+    tx.delete(rid)
+
+Who frees what, when:
+
+* The engine owns the blocks on both sides. The decode allocates dst blocks, calls
+  ``expect`` and must keep them until ``wait_all`` returned and it used them, or until the
+  entry failed; then it calls ``delete`` and frees its blocks. The prefill keeps src blocks
+  until ``wait_sent`` returned or raised, then ``delete``s and frees them.
+* Any wait that raises ``TransferError`` (peer died, CANCEL/ERROR from the peer, timeout)
+  has already freed the CacheStore entry; ``delete`` afterwards is a no-op. Cancelling an
+  awaiting task only ends that wait.
+* Two live requests share a dst block only if ``expect`` got equal block hashes for it:
+  the block is sent once (``expect`` returns -1 for it to the second request) and stays
+  pinned until the last owner is deleted.
+
+Refinements against the first sketch of this API (stated here so the servers follow them):
+``expect`` takes optional ``block_hashes`` and RETURNS the dst list to pass to ``bind``
+(the hash dedupe lives on the receiver, which owns the destination blocks; ``bind``/``store``
+take no hashes). ``wait_sent`` waits for ALL layers of the layout, not only those stored so
+far. Both sides' ``stats()`` report ``pinned_entries`` and ``inflight_transfers``.
+"""
+
+from .errors import CompatError, ProtocolError, TransferError, UnknownRequestError
+from .frames import PROTOCOL_VERSION
+from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
+from .receiver import CacheStoreReceiver
+from .scheduler import FifoScheduler, PriorityScheduler
+from .sender import CacheStoreSender
+
+__all__ = [
+    "CacheStoreReceiver", "CacheStoreSender", "CompatError", "CompatInfo", "FifoScheduler", "KVLayout",
+    "MemoryRegion", "PROTOCOL_VERSION", "PriorityScheduler", "ProtocolError", "TransferError",
+    "UnknownRequestError", "merge_runs",
+]

@@ -1,0 +1,131 @@
+"""The wire format of the CacheStore control/data connection (one TCP stream per connection).
+
+Every frame is a fixed header, then the request id (UTF-8), then ``payload_len`` bytes:
+
+    magic    4s   b"PDKV"
+    version  u16  PROTOCOL_VERSION
+    type     u8   HELLO | HELLO_OK | BIND | DATA | ACK | CANCEL | ERROR
+    flags    u8   0
+    rid_len  u16  length of the request id that follows (0 for connection-level frames)
+    layer    u32  DATA/ACK: the layer
+    block    u64  DATA/ACK: first destination block id
+    nblocks  u32  DATA/ACK: number of contiguous destination blocks
+    payload  u64  length of the payload after the request id
+
+DATA payloads are exactly ``nblocks * block_nbytes`` bytes of KV, received straight into the
+destination blocks. HELLO/HELLO_OK/ERROR payloads are small JSON or UTF-8 texts.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import socket
+import struct
+from dataclasses import dataclass
+
+from .errors import ProtocolError
+
+MAGIC = b"PDKV"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!4sHBBHIQIQ")
+MAX_RID_LEN = 1024
+MAX_CONTROL_PAYLOAD = 1 << 20  # any non-DATA payload above this is garbage
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1     # sender -> receiver: {"version", "compat_hash", "compat", "sender"}
+    HELLO_OK = 2  # receiver -> sender: handshake accepted
+    BIND = 3      # sender -> receiver: this connection carries request rid from now on
+    DATA = 4      # sender -> receiver: KV bytes for (rid, layer, block..block+nblocks)
+    ACK = 5       # receiver -> sender: those bytes landed (same rid/layer/block/nblocks)
+    CANCEL = 6    # sender -> receiver: the sender gave up on rid
+    ERROR = 7     # either way: UTF-8 reason; with a rid it fails that request, without it the connection
+
+
+@dataclass(slots=True)
+class Frame:
+    type: FrameType
+    rid: str = ""
+    layer: int = 0
+    block: int = 0
+    nblocks: int = 0
+    payload_len: int = 0
+
+
+def encode_header(ftype: FrameType, rid: str = "", layer: int = 0, block: int = 0, nblocks: int = 0,
+                  payload_len: int = 0) -> bytes:
+    """Header + request id bytes (the payload is sent after it, from wherever it lives)."""
+    rid_b = rid.encode()
+    if len(rid_b) > MAX_RID_LEN:
+        raise ValueError(f"request id longer than {MAX_RID_LEN} bytes: {rid[:40]!r}...")
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(ftype), 0, len(rid_b), layer, block, nblocks, payload_len) + rid_b
+
+
+def encode_control(ftype: FrameType, rid: str = "", payload: bytes = b"", **fields: int) -> bytes:
+    """A whole small frame (header, rid and payload) as one bytes object."""
+    return encode_header(ftype, rid, payload_len=len(payload), **fields) + payload
+
+
+def encode_json(ftype: FrameType, obj: dict, rid: str = "") -> bytes:
+    return encode_control(ftype, rid, json.dumps(obj, sort_keys=True).encode())
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill view completely from sock (blocking); ProtocolError if the peer closes first."""
+    got = 0
+    total = len(view)
+    while got < total:
+        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+        if n == 0:
+            raise ProtocolError(f"connection closed mid-frame ({got} of {total} bytes received)")
+        got += n
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def read_frame_header(sock: socket.socket) -> Frame | None:
+    """Read and validate one header + request id. None on a clean close between frames."""
+    buf = bytearray(HEADER.size)
+    view = memoryview(buf)
+    first = sock.recv_into(view, HEADER.size, socket.MSG_WAITALL)
+    if first == 0:
+        return None
+    if first < HEADER.size:
+        recv_exact_into(sock, view[first:])
+    magic, version, ftype, _flags, rid_len, layer, block, nblocks, payload_len = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a pdserve CacheStore peer or a corrupted stream")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"frame protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+    try:
+        ftype = FrameType(ftype)
+    except ValueError:
+        raise ProtocolError(f"unknown frame type {ftype}") from None
+    if rid_len > MAX_RID_LEN:
+        raise ProtocolError(f"request id length {rid_len} exceeds {MAX_RID_LEN}")
+    if ftype != FrameType.DATA and payload_len > MAX_CONTROL_PAYLOAD:
+        raise ProtocolError(f"{ftype.name} frame payload of {payload_len} bytes exceeds {MAX_CONTROL_PAYLOAD}")
+    rid = ""
+    if rid_len:
+        try:
+            rid = recv_exact(sock, rid_len).decode()
+        except UnicodeDecodeError:
+            raise ProtocolError("request id is not valid UTF-8") from None
+    return Frame(ftype, rid, layer, block, nblocks, payload_len)
+
+
+def read_payload(sock: socket.socket, frame: Frame) -> bytes:
+    return recv_exact(sock, frame.payload_len)
+
+
+def discard(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+    """Read and drop nbytes (payload of a rejected DATA frame) so the stream stays in sync."""
+    while nbytes > 0:
+        n = min(nbytes, len(scratch))
+        recv_exact_into(sock, scratch[:n])
+        nbytes -= n

@@ -1,0 +1,272 @@
+"""One sender-side link to one receiver instance: its scheduler, connections and threads.
+
+A ``Link`` is pooled by the sender per (host, port, receiver instance) and shared by every
+request bound to that receiver. It owns:
+
+* the link's scheduler (``scheduler.py``): every ``store()`` becomes a Transfer pushed here;
+* ``connections`` TCP connections, each with a writer thread (control frames, then chunks
+  popped from the scheduler, sent straight from the region) and a reader thread (ACK and
+  ERROR frames from the receiver). Connection 0 also carries BIND and CANCEL frames;
+* for ``nixl``: one data thread that turns chunks into NIXL WRITEs with a notification and
+  counts a chunk delivered when NIXL reports it DONE (TCP stays the control channel).
+
+Any connection error fails the whole link: every request on it gets ``TransferError`` and
+the next ``bind`` to that receiver opens a new link (so a restarted peer is reconnected).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from .endpoint import Endpoint
+from .errors import CompatError, ProtocolError, TransferError
+from .frames import PROTOCOL_VERSION, FrameType, encode_header, encode_json, read_frame_header, read_payload
+from .scheduler import Chunk
+from .wire_io import RegionIO
+
+if TYPE_CHECKING:
+    from .sender import CacheStoreSender
+
+log = logging.getLogger("pdserve.cachestore.link")
+NIXL_MAX_OUTSTANDING = 4
+
+
+class Link:
+    def __init__(self, sender: "CacheStoreSender", endpoint: Endpoint, scheduler, connections: int,
+                 connect_timeout_s: float):
+        self.sender = sender
+        self.endpoint = endpoint
+        self.key = (endpoint.host, endpoint.port, endpoint.instance)
+        self.peer = f"{endpoint.host}:{endpoint.port}"
+        self.scheduler = scheduler
+        self.cond = threading.Condition()
+        self.control: collections.deque[bytes] = collections.deque()
+        self.alive = True
+        self.closing = False
+        self.error: BaseException | None = None
+        self.sending = 0  # chunks popped and not yet fully sent/acknowledged by NIXL
+        self._socks: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._n_conns = 1 if endpoint.transport == "nixl" else connections
+        self._connect_timeout_s = connect_timeout_s
+
+    # ----- called by the sender (any thread) -------------------------------------------
+    def start(self) -> None:
+        for i in range(self._n_conns):
+            self._spawn(self._conn_main, f"cachestore-tx-{self.peer}-c{i}", i)
+        if self.endpoint.transport == "nixl":
+            self._spawn(self._nixl_main, f"cachestore-tx-{self.peer}-nixl")
+
+    def submit(self, transfer) -> None:
+        with self.cond:
+            if not self.alive:
+                raise TransferError(f"link to {self.peer} is down: {self.error}")
+            self.scheduler.push(transfer)
+            self.cond.notify_all()
+
+    def send_control(self, frame: bytes) -> None:
+        with self.cond:
+            if self.alive:
+                self.control.append(frame)
+                self.cond.notify_all()
+
+    def remove(self, rid: str) -> int:
+        with self.cond:
+            return self.scheduler.remove(rid)
+
+    def queued(self) -> int:
+        with self.cond:
+            return len(self.scheduler)
+
+    def fail(self, exc: BaseException) -> None:
+        with self.cond:
+            if not self.alive:
+                return
+            self.alive = False
+            self.error = exc
+            self.cond.notify_all()
+        if not self.closing:
+            log.warning("CacheStore link to %s failed: %s", self.peer, exc)
+        self._shutdown_socks()
+        self.sender._on_link_failed(self, exc)
+
+    def close(self) -> None:
+        """Stop the threads (queued chunks are dropped) and wait for them."""
+        self.closing = True
+        self.fail(TransferError(f"link to {self.peer} closed by the sender"))
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(10)
+
+    # ----- threads ---------------------------------------------------------------------
+    def _spawn(self, target, name: str, *args) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _shutdown_socks(self) -> None:
+        for s in list(self._socks):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def _connect(self) -> socket.socket:
+        ep = self.endpoint
+        try:
+            sock = socket.create_connection((ep.host, ep.port), timeout=self._connect_timeout_s)
+        except OSError as exc:
+            raise TransferError(f"cannot connect to CacheStore receiver {self.peer}: {exc}") from None
+        self._socks.append(sock)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c = self.sender.compat
+        sock.sendall(encode_json(FrameType.HELLO, {"version": PROTOCOL_VERSION, "compat_hash": c.compat_hash,
+                                                   "compat": c.describe(), "agent": self.sender._nixl_name}))
+        frame = read_frame_header(sock)
+        if frame is None:
+            raise TransferError(f"receiver {self.peer} closed the connection during the handshake")
+        text = read_payload(sock, frame).decode(errors="replace")
+        if frame.type == FrameType.ERROR:
+            raise CompatError(f"receiver {self.peer} refused the handshake: {text}")
+        if frame.type != FrameType.HELLO_OK:
+            raise ProtocolError(f"expected HELLO_OK from {self.peer}, got {frame.type.name}")
+        sock.settimeout(None)
+        return sock
+
+    def _conn_main(self, index: int) -> None:
+        try:
+            sock = self._connect()
+            self._spawn(self._reader_main, f"cachestore-tx-{self.peer}-r{index}", sock)
+            io = RegionIO(self.sender.region) if self.endpoint.transport == "tcp" else None
+            layout = self.sender.layout
+            while True:
+                frame, chunk = None, None
+                with self.cond:
+                    while self.alive and not (index == 0 and self.control) and not (io is not None and len(self.scheduler)):
+                        self.cond.wait()
+                    if not self.alive:
+                        return
+                    if index == 0 and self.control:
+                        frame = self.control.popleft()
+                    else:
+                        chunk = self.scheduler.pop()
+                        chunk.transfer.context.sending += 1
+                        self.sending += 1
+                if frame is not None:
+                    sock.sendall(frame)
+                    continue
+                try:
+                    t = chunk.transfer
+                    for src, dst, n in chunk.slices:
+                        nbytes = n * layout.block_nbytes
+                        sock.sendall(encode_header(FrameType.DATA, t.key, t.layer, dst, n, nbytes))
+                        io.send(sock, layout.offset(t.layer, src), nbytes)
+                finally:
+                    self._chunk_done(chunk, acked=False)
+        except BaseException as exc:  # noqa: BLE001 - every failure fails the link
+            self.fail(exc)
+
+    def _chunk_done(self, chunk: Chunk, acked: bool) -> None:
+        req = chunk.transfer.context
+        with self.cond:
+            req.sending -= 1
+            self.sending -= 1
+            drained = req.deleted and req.sending == 0
+        if acked:
+            self.sender._on_acked(req.rid, chunk.nblocks)
+        if drained:
+            self.sender._forget(req)
+
+    def _reader_main(self, sock: socket.socket) -> None:
+        try:
+            while True:
+                frame = read_frame_header(sock)
+                if frame is None:
+                    raise TransferError(f"receiver {self.peer} closed the connection")
+                if frame.type == FrameType.ACK:
+                    read_payload(sock, frame)
+                    self.sender._on_acked(frame.rid, frame.nblocks)
+                elif frame.type == FrameType.ERROR:
+                    text = read_payload(sock, frame).decode(errors="replace")
+                    if not frame.rid:
+                        raise TransferError(f"receiver {self.peer} closed the connection: {text}")
+                    self.sender._on_remote_error(frame.rid, f"receiver {self.peer}: {text}")
+                else:
+                    raise ProtocolError(f"unexpected {frame.type.name} frame from receiver {self.peer}")
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(exc)
+
+    def _nixl_main(self) -> None:
+        """Chunks -> NIXL WRITE into the receiver's registered region, a notification per WRITE."""
+        from .nixl_backend import encode_notif
+
+        try:
+            nixl = self.sender._nixl
+            agent = nixl.agent
+            ep = self.endpoint
+            remote_name = agent.add_remote_agent(ep.nixl_metadata)
+            base, _, rdev, rtype = ep.nixl_region
+            layout = self.sender.layout
+            bnb = layout.block_nbytes
+            region = self.sender.region
+            outstanding: collections.deque = collections.deque()
+            idle = 0
+            try:
+                while True:
+                    chunk = None
+                    with self.cond:
+                        while self.alive and not len(self.scheduler) and not outstanding:
+                            self.cond.wait()
+                        if not self.alive:
+                            return
+                        if len(self.scheduler) and len(outstanding) < NIXL_MAX_OUTSTANDING:
+                            chunk = self.scheduler.pop()
+                            chunk.transfer.context.sending += 1
+                            self.sending += 1
+                    if chunk is not None:
+                        t = chunk.transfer
+                        local = [(region.ptr + layout.offset(t.layer, s), n * bnb, region.device_id) for s, _, n in chunk.slices]
+                        remote = [(base + (t.layer * ep.num_blocks + d) * bnb, n * bnb, rdev) for _, d, n in chunk.slices]
+                        notif = encode_notif(t.key, t.layer, [(d, n) for _, d, n in chunk.slices])
+                        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, nixl.mem_type),
+                                                       agent.get_xfer_descs(remote, rtype), remote_name, notif)
+                        if agent.transfer(handle) == "ERR":
+                            handle.release()
+                            self._chunk_done(chunk, acked=False)
+                            raise TransferError(f"NIXL WRITE to {self.peer} failed to post")
+                        outstanding.append((handle, chunk))
+                    progressed = chunk is not None
+                    while outstanding:
+                        handle, done = outstanding[0]
+                        state = agent.check_xfer_state(handle)
+                        if state == "PROC":
+                            break
+                        outstanding.popleft()
+                        handle.release()
+                        self._chunk_done(done, acked=(state == "DONE"))
+                        progressed = True
+                        if state != "DONE":
+                            raise TransferError(f"NIXL WRITE to {self.peer} for request {done.transfer.key!r} failed")
+                    if progressed:
+                        idle = 0
+                    else:
+                        idle += 1
+                        time.sleep(min(0.001, 0.000005 * idle))
+            finally:
+                for handle, chunk in outstanding:
+                    try:
+                        handle.release()
+                    except Exception:  # noqa: BLE001 - best effort while failing
+                        pass
+                    self._chunk_done(chunk, acked=False)
+                try:
+                    agent.remove_remote_agent(remote_name)
+                except Exception:  # noqa: BLE001
+                    pass
+        except BaseException as exc:  # noqa: BLE001
+            self.fail(exc)

@@ -1,0 +1,85 @@
+"""NIXL (UCX) plumbing shared by both sides: guarded import, one agent per side, notifications.
+
+The pool region is registered with the agent ONCE (``NixlMemory``). The prefill side WRITEs
+into the decode's registered memory; each WRITE carries a notification naming the request,
+layer and destination blocks, which the decode's agent delivers after the bytes have landed.
+
+Import name: the PyPI wheel ``nixl-cu12`` installs ``nixl_cu12``; source builds install
+``nixl``. Both are tried; the error (with the install hint) appears only when the ``nixl``
+transport is chosen.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from .errors import ProtocolError
+from .memory import MemoryRegion
+
+NOTIF_MAGIC = b"PDNX"
+_NOTIF_HEAD = struct.Struct("!4sIHH")   # magic, layer, rid_len, nslices
+_NOTIF_SLICE = struct.Struct("!QI")      # dst block, nblocks
+
+
+def load_nixl() -> tuple[Any, Any]:
+    """(nixl_agent, nixl_agent_config) classes, or a RuntimeError saying how to install them."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
+    except ImportError:
+        try:
+            from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore
+        except ImportError as exc:
+            raise RuntimeError(
+                "transport='nixl' needs the NIXL Python package (import nixl or nixl_cu12): "
+                "pip install 'pdserve[nixl]' (nixl-cu12), or use transport='tcp'") from exc
+    return nixl_agent, nixl_agent_config
+
+
+def mem_type(region: MemoryRegion) -> str:
+    return "DRAM" if region.device == "cpu" else "VRAM"
+
+
+class NixlMemory:
+    """A NIXL agent with the UCX backend and the KV region registered once."""
+
+    def __init__(self, name: str, region: MemoryRegion):
+        agent_cls, config_cls = load_nixl()
+        self.name = name
+        self.region = region
+        self.mem_type = mem_type(region)
+        self.agent = agent_cls(name, config_cls(backends=["UCX"]))
+        if "UCX" not in self.agent.backends:
+            raise RuntimeError("NIXL has no UCX backend plugin here; the nixl transport needs UCX")
+        self._reg = self.agent.register_memory([(region.ptr, region.nbytes, region.device_id, "")], self.mem_type)
+
+    def metadata(self) -> bytes:
+        return self.agent.get_agent_metadata()
+
+    def close(self) -> None:
+        if self._reg is not None:
+            try:
+                self.agent.deregister_memory(self._reg)
+            finally:
+                self._reg = None
+
+
+def encode_notif(rid: str, layer: int, slices: list[tuple[int, int]]) -> bytes:
+    """Notification text for one WRITE: request id, layer and (dst block, nblocks) slices."""
+    rid_b = rid.encode()
+    return (_NOTIF_HEAD.pack(NOTIF_MAGIC, layer, len(rid_b), len(slices)) + rid_b
+            + b"".join(_NOTIF_SLICE.pack(b, n) for b, n in slices))
+
+
+def decode_notif(msg: bytes) -> tuple[str, int, list[tuple[int, int]]]:
+    if len(msg) < _NOTIF_HEAD.size:
+        raise ProtocolError(f"NIXL notification of {len(msg)} bytes is too short")
+    magic, layer, rid_len, nslices = _NOTIF_HEAD.unpack_from(msg)
+    if magic != NOTIF_MAGIC:
+        raise ProtocolError(f"NIXL notification with bad magic {magic!r}")
+    end = _NOTIF_HEAD.size + rid_len
+    if len(msg) != end + nslices * _NOTIF_SLICE.size:
+        raise ProtocolError("NIXL notification length does not match its slice count")
+    rid = msg[_NOTIF_HEAD.size:end].decode(errors="replace")
+    slices = [_NOTIF_SLICE.unpack_from(msg, end + i * _NOTIF_SLICE.size) for i in range(nslices)]
+    return rid, layer, slices

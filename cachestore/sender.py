@@ -1,0 +1,331 @@
+"""The prefill side: ``CacheStoreSender`` sends each stored layer to the request's receiver.
+
+Request lifecycle on the sender:
+
+1. ``bind(rid, endpoint, dst_block_ids, priority)``: the decode's endpoint bytes and the
+   destination list it returned from ``expect`` (-1 = already there, skip). Version and
+   compatibility hash are checked here (``CompatError`` with both values); the link to that
+   receiver is reused or opened (``link.py``), and BIND(rid) is queued on it.
+2. ``store(rid, layer, src_block_ids)``: called from the engine's compute thread right after
+   that layer's KV is written. Thread-safe and non-blocking: pairs src[i] -> dst[i], merges
+   runs contiguous on both sides, and pushes one Transfer to the link's scheduler.
+3. The link's threads send it (tcp DATA frames straight from the region, or NIXL WRITEs);
+   the receiver ACKs each frame (tcp) / NIXL reports each WRITE done.
+4. ``await wait_sent(rid)`` returns once every layer of the layout was stored and delivered.
+5. ``delete(rid)`` forgets the request (idempotent). Deleting an unfinished request drops its
+   queued chunks and sends CANCEL, so the receiver frees its entry. Source blocks are read
+   until ``wait_sent`` returns (or the request fails/is deleted): the engine must not reuse
+   them before that. A chunk already on the wire when delete() is called finishes first;
+   ``stats()['pinned_entries']`` counts the request until it has.
+
+Failures (receiver gone, ERROR from the receiver, a wait's timeout) fail the request: its
+waiters get ``TransferError`` and it is freed; later ``store`` calls for it are ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from .endpoint import TRANSPORTS, Endpoint
+from .errors import CompatError, TransferError, UnknownRequestError
+from .frames import PROTOCOL_VERSION, FrameType, encode_control
+from .link import Link
+from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
+from .scheduler import DEFAULT_MAX_WAIT, SCHEDULERS, Transfer, make_scheduler
+
+log = logging.getLogger("pdserve.cachestore.sender")
+DEFAULT_CHUNK_BYTES = 4 << 20
+TOMBSTONES = 4096
+
+
+@dataclass(slots=True)
+class _TxRequest:
+    rid: str
+    link: Link
+    dst: list[int]
+    priority: int
+    stored: set[int] = field(default_factory=set)
+    pending: int = 0        # blocks handed to the link and not yet delivered
+    sending: int = 0        # chunks on the wire right now (guarded by link.cond)
+    deleted: bool = False
+    error: TransferError | None = None
+
+
+class CacheStoreSender:
+    """Sends stored layers to bound receivers over ``tcp`` or ``nixl`` (see the module docstring)."""
+
+    def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
+                 scheduler: str = "priority", chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_wait: int = DEFAULT_MAX_WAIT,
+                 connections_per_peer: int = 1, connect_timeout_s: float = 5.0):
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        if scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
+        if chunk_bytes <= 0 or connections_per_peer <= 0:
+            raise ValueError("chunk_bytes and connections_per_peer must be positive")
+        compat.check_layout(layout)
+        region.check_layout(layout)
+        if transport == "nixl":
+            from .nixl_backend import load_nixl
+
+            load_nixl()
+        self.region, self.layout, self.compat, self.transport = region, layout, compat, transport
+        self.scheduler_name, self.max_wait = scheduler, max_wait
+        self.chunk_blocks = max(1, chunk_bytes // layout.block_nbytes)
+        self.connections_per_peer, self.connect_timeout_s = connections_per_peer, connect_timeout_s
+        self._lock = threading.Lock()
+        self._requests: dict[str, _TxRequest] = {}
+        self._failed: OrderedDict[str, TransferError] = OrderedDict()
+        self._links: dict[tuple, Link] = {}
+        self._waiters: dict[str, list[asyncio.Future]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._nixl = None
+        self._nixl_name = ""
+        self._counters = {"bytes_sent": 0, "transfers_stored": 0}
+
+    # ----- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind to the running event loop; for nixl, create the agent and register the region once."""
+        self._loop = asyncio.get_running_loop()
+        if self.transport == "nixl":
+            from .nixl_backend import NixlMemory
+
+            self._nixl_name = f"pdserve-tx-{uuid.uuid4().hex[:12]}"
+            self._nixl = await asyncio.to_thread(NixlMemory, self._nixl_name, self.region)
+
+    async def stop(self) -> None:
+        """Close every link (requests still in flight fail) and deregister memory."""
+        with self._lock:
+            links = list(self._links.values())
+            self._links.clear()
+        for link in links:
+            await asyncio.to_thread(link.close)
+        for rid in list(self._requests):
+            self.delete(rid)
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None
+
+    # ----- the API ---------------------------------------------------------------------
+    def bind(self, request_id: str, endpoint: bytes, dst_block_ids: Sequence[int], priority: int = 0) -> None:
+        """Attach request_id to a receiver: its endpoint bytes and the dst list from its ``expect``.
+
+        Raises CompatError (both values in the message) if the receiver speaks another
+        protocol version or compatibility hash, ValueError for bad ids or a transport mismatch.
+        """
+        if self._loop is None:
+            raise RuntimeError("call await sender.start() first")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
+        ep = Endpoint.from_bytes(endpoint)
+        if ep.version != PROTOCOL_VERSION or ep.compat_hash != self.compat.compat_hash:
+            raise CompatError(
+                f"incompatible peers: receiver {ep.host}:{ep.port} speaks protocol {ep.version} with compat hash "
+                f"{ep.compat_hash} ({ep.compat}), this sender speaks protocol {PROTOCOL_VERSION} with compat hash "
+                f"{self.compat.compat_hash} ({self.compat.describe()})")
+        if ep.transport != self.transport:
+            raise ValueError(f"receiver {ep.host}:{ep.port} uses transport {ep.transport!r}, this sender {self.transport!r}")
+        dst = KVLayout(self.layout.num_layers, max(ep.num_blocks, 1), self.layout.block_nbytes).check_blocks(
+            dst_block_ids, "destination block id", allow_skip=True)
+        if not dst:
+            raise ValueError(f"request {request_id!r}: bind() needs at least one destination block")
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already bound (delete it first)")
+            link = self._link_for(ep)
+            self._requests[request_id] = _TxRequest(request_id, link, dst, int(priority))
+            self._failed.pop(request_id, None)
+        link.send_control(encode_control(FrameType.BIND, request_id))
+
+    def store(self, request_id: str, layer: int, src_block_ids: Sequence[int]) -> None:
+        """Layer `layer` of request_id is written in src_block_ids: schedule its send. Any thread.
+
+        src_block_ids[i] goes to the i-th destination block given to bind. Ignored if the
+        request already failed (the failure surfaces in wait_sent); UnknownRequestError if
+        it was never bound; ValueError for a layer stored twice or a wrong number of blocks.
+        """
+        self.layout.check_layer(layer)
+        src = self.layout.check_blocks(src_block_ids, "source block id")
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None or req.deleted:
+                if request_id in self._failed:
+                    return
+                raise UnknownRequestError(f"store() for request {request_id!r}, which is not bound (or was deleted)")
+            if req.error is not None:
+                return
+            if layer in req.stored:
+                raise ValueError(f"request {request_id!r}: layer {layer} stored twice")
+            runs = merge_runs(src, req.dst)
+            req.stored.add(layer)
+            nblocks = sum(n for _, _, n in runs)
+            req.pending += nblocks
+            self._counters["transfers_stored"] += 1
+            done = req.pending == 0 and len(req.stored) == self.layout.num_layers
+        if runs:
+            try:
+                req.link.submit(Transfer(request_id, layer, runs, req.priority, context=req))
+            except TransferError as exc:
+                self._fail(request_id, exc, tell_receiver=False)
+        elif done:
+            self._to_loop(self._dispatch, request_id)
+
+    async def wait_sent(self, request_id: str, timeout_s: float) -> None:
+        """Return once every layer was stored and delivered to the receiver.
+
+        Raises TransferError on failure or after timeout_s (the request is then freed and
+        the receiver told), UnknownRequestError for an id never bound. Cancelling the caller
+        only stops this wait.
+        """
+        if self._ready(request_id):
+            return
+        fut = self._loop.create_future()
+        self._waiters.setdefault(request_id, []).append(fut)
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            err = TransferError(f"request {request_id!r}: KV not delivered within {timeout_s}s")
+            self._fail(request_id, err, tell_receiver=True)
+            raise err from None
+        finally:
+            ws = self._waiters.get(request_id)
+            if ws is not None:
+                ws[:] = [f for f in ws if f is not fut]
+                if not ws:
+                    del self._waiters[request_id]
+
+    def delete(self, request_id: str) -> None:
+        """Forget request_id (idempotent); an unfinished one is cancelled on the receiver too."""
+        with self._lock:
+            self._failed.pop(request_id, None)
+            req = self._requests.get(request_id)
+            if req is None or req.deleted:
+                return
+            req.deleted = True
+            unfinished = req.error is None and not self._done(req)
+        link = req.link
+        link.remove(request_id)
+        if unfinished:
+            link.send_control(encode_control(FrameType.CANCEL, request_id, b"sender deleted the request"))
+        with link.cond:
+            busy = req.sending > 0
+        if not busy:
+            self._forget(req)
+        for fut in self._waiters.get(request_id, []):
+            if not fut.done():
+                fut.set_exception(TransferError(f"request {request_id!r} was deleted while waiting"))
+
+    def stats(self) -> dict:
+        with self._lock:
+            reqs = list(self._requests.values())
+            links = list(self._links.values())
+        return {
+            "pinned_entries": len(reqs),
+            "inflight_transfers": sum(1 for r in reqs if r.pending > 0 and r.error is None and not r.deleted),
+            "queued_chunks": sum(l.queued() for l in links),
+            "sending_chunks": sum(l.sending for l in links),
+            "links": sum(1 for l in links if l.alive),
+            "waiters": sum(len(v) for v in self._waiters.values()),
+            **self._counters,
+        }
+
+    # ----- internals -------------------------------------------------------------------
+    def _link_for(self, ep: Endpoint) -> Link:
+        """The pooled link to ep's receiver instance; dead links (peer restarted) are replaced."""
+        key = (ep.host, ep.port, ep.instance)
+        link = self._links.get(key)
+        if link is not None and link.alive:
+            return link
+        for k in [k for k, l in self._links.items() if not l.alive or k[:2] == key[:2]]:
+            stale = self._links.pop(k)
+            if stale.alive:
+                threading.Thread(target=stale.close, daemon=True).start()
+        link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait),
+                    self.connections_per_peer, self.connect_timeout_s)
+        self._links[key] = link
+        link.start()
+        return link
+
+    def _done(self, req: _TxRequest) -> bool:
+        return req.pending == 0 and len(req.stored) == self.layout.num_layers
+
+    def _ready(self, rid: str) -> bool:
+        with self._lock:
+            req = self._requests.get(rid)
+            if req is not None and not req.deleted:
+                if req.error is not None:
+                    raise req.error
+                return self._done(req)
+            if rid in self._failed:
+                raise self._failed[rid]
+        raise UnknownRequestError(f"no CacheStore transfer for request {rid!r} (never bound, or already deleted)")
+
+    def _dispatch(self, rid: str) -> None:
+        for fut in self._waiters.get(rid, []):
+            if fut.done():
+                continue
+            try:
+                if self._ready(rid):
+                    fut.set_result(None)
+            except TransferError as exc:
+                fut.set_exception(exc)
+            except UnknownRequestError as exc:
+                fut.set_exception(TransferError(str(exc)))
+
+    def _to_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:
+            pass
+
+    def _fail(self, rid: str, err: TransferError, tell_receiver: bool) -> None:
+        with self._lock:
+            req = self._requests.get(rid)
+            if req is None or req.deleted or req.error is not None:
+                return
+            req.error = err
+            self._failed[rid] = err
+            while len(self._failed) > TOMBSTONES:
+                self._failed.popitem(last=False)
+            req.deleted = True
+        req.link.remove(rid)
+        if tell_receiver:
+            req.link.send_control(encode_control(FrameType.CANCEL, rid, str(err).encode()[:60000]))
+        with req.link.cond:
+            busy = req.sending > 0
+        if not busy:
+            self._forget(req)
+        self._to_loop(self._dispatch, rid)
+
+    def _forget(self, req: _TxRequest) -> None:
+        with self._lock:
+            if self._requests.get(req.rid) is req:
+                del self._requests[req.rid]
+
+    # ----- called from link threads ----------------------------------------------------
+    def _on_acked(self, rid: str, nblocks: int) -> None:
+        with self._lock:
+            req = self._requests.get(rid)
+            if req is None or req.error is not None or req.deleted:
+                return
+            req.pending -= nblocks
+            self._counters["bytes_sent"] += nblocks * self.layout.block_nbytes
+            done = self._done(req)
+        if done:
+            self._to_loop(self._dispatch, rid)
+
+    def _on_remote_error(self, rid: str, text: str) -> None:
+        self._fail(rid, TransferError(f"request {rid!r} failed: {text}"), tell_receiver=False)
+
+    def _on_link_failed(self, link: Link, exc: BaseException) -> None:
+        err_cls = CompatError if isinstance(exc, CompatError) else TransferError
+        with self._lock:
+            rids = [r.rid for r in self._requests.values() if r.link is link and not r.deleted]
+        for rid in rids:
+            self._fail(rid, err_cls(f"request {rid!r}: {exc}"), tell_receiver=False)
