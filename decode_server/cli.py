@@ -1,0 +1,98 @@
+"""Run a decode server: receives KV from prefill, continuous-batch decodes, streams tokens back.
+
+Serves gRPC ``Decode.Session`` (one bidirectional stream per request) and
+``Decode.GetLoadReport`` on --port, the CacheStore receiver (tcp listener or nixl agent)
+on --kv-port, and HTTP /health (JSON: sessions, KV blocks, CacheStore entries),
+/ready and /metrics on --http-port. SIGTERM/SIGINT: stop admitting (draining, refusals
+say so), let live sessions finish for --drain-timeout seconds, then stop.
+
+Request lifecycle on decode: see decode_server/session.py (admit -> allocate ->
+transfer -> decode -> release).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pdserve import defaults
+from pdserve.server_setup import add_engine_arguments, build_engine, compat_message, drain, kv_parts, setup_logging, wait_for_stop_signal
+
+log = logging.getLogger("pdserve.decode")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=defaults.DECODE_GRPC_PORT, help="gRPC port (Session, load reports)")
+    parser.add_argument("--http-port", type=int, default=defaults.DECODE_HTTP_PORT, help="HTTP port (/health /ready /metrics)")
+    parser.add_argument("--kv-port", type=int, default=defaults.KV_TRANSFER_PORT, help="CacheStore receiver port")
+    parser.add_argument("--advertise-host", default=None, help="host prefill should send KV to (default: --host)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let live sessions finish on shutdown")
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, "decode")
+    return asyncio.run(serve(args))
+
+
+async def serve(args: argparse.Namespace) -> int:
+    import grpc
+    from aiohttp import web
+
+    from pdserve.cachestore import CacheStoreReceiver
+    from pdserve.engine import OutOfBlocksError, SamplingParams
+    from pdserve.metrics import ServerMetrics
+    from pdserve.protos import session_pb2_grpc as pb_grpc
+
+    from .service import DecodeService
+
+    metrics = ServerMetrics.from_env(role="decode")
+    model_name = args.served_model_name or args.model
+    loaded, engine, max_len = build_engine(args)
+    await engine.start()
+    region, layout, compat = kv_parts(engine.engine, loaded, args)
+    receiver = CacheStoreReceiver(region, layout, compat, transport=args.transfer, host=args.host, port=args.kv_port,
+                                  advertise_host=args.advertise_host)
+    await receiver.start()
+    service = DecodeService(
+        engine, receiver, compat_message(engine.engine, args, model_name), sampling_cls=SamplingParams,
+        out_of_blocks_error=OutOfBlocksError, max_model_len=max_len,
+        kv_bytes_per_block=layout.block_nbytes * layout.num_layers, session_timeout_s=args.session_timeout, metrics=metrics,
+    )
+    server = grpc.aio.server(options=[
+        ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),
+    ])
+    pb_grpc.add_DecodeServicer_to_server(service, server)
+    server.add_insecure_port(f"{args.host}:{args.port}")
+    await server.start()
+
+    async def health(request):
+        return web.json_response({"status": "ok", "role": "decode", **service.counts()})
+
+    async def ready(request):
+        ok = not service.draining
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics.aiohttp_handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.http_port).start()
+    log.info("decode ready: grpc %s:%d, http %s:%d, kv %s (%s), model %s, %d KV blocks",
+             args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, model_name, engine.engine.kv_cache.num_blocks)
+    sig = await wait_for_stop_signal()
+    log.info("%s: draining %d session(s)", sig, len(service.sessions))
+    service.draining = True
+    left = await drain(lambda: len(service.sessions), args.drain_timeout)
+    if left:
+        log.warning("stopping with %d session(s) still open", left)
+    await server.stop(grace=1.0)
+    await runner.cleanup()
+    await receiver.stop()
+    await engine.stop() if hasattr(engine, "stop") else None
+    return 0

@@ -1,0 +1,150 @@
+"""Run a prefill server: the front door (OpenAI HTTP + gRPC Generate) that splits each
+request with a decode server.
+
+Request lifecycle on prefill:
+
+1. **accept** - HTTP /v1/completions, /v1/chat/completions or gRPC Generate; validate and
+   tokenize (bad input: 400 / INVALID_ARGUMENT naming the field).
+2. **pick** - the DecodePicker chooses a decode: weighted round robin on free KV bytes
+   from load reports polled every --load-report-interval seconds (``--policy rr`` for
+   plain round robin); only decodes with our protocol version and a fresh report.
+3. **session** - one bidirectional Session stream to that decode: Start -> Allocation
+   (or Refusal: next decode, at most --max-attempts; then --local-fallback; else 503).
+4. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
+   each layer's blocks to decode as soon as they are written.
+5. **first token** - sampled here, sent on the Session and to the client.
+6. **relay** - decode's tokens stream back on the Session and out to the client.
+7. **release** - prefill's KV blocks after the push; the Session and CacheStore entry at
+   the end, whatever happened (a client disconnect cancels the Session, so decode frees
+   its side at once).
+
+Decode discovery: ``--decode host:port,...`` (static) or ``--discovery kubernetes
+--decode-selector label=value --namespace ns`` (watches the EndpointSlices of the
+selected decode Services). /ready is 503 while no decode is routable, unless
+--local-fallback is on. SIGTERM/SIGINT: /ready turns 503, in-flight requests get
+--drain-timeout seconds to finish, then the server stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pdserve import defaults
+from pdserve.server_setup import add_engine_arguments, build_engine, compat_message, drain, kv_parts, setup_logging, wait_for_stop_signal
+
+log = logging.getLogger("pdserve.prefill")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
+    parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT, help="gRPC port (Generate)")
+    d = parser.add_argument_group("decode discovery and routing")
+    d.add_argument("--discovery", choices=["static", "kubernetes"], default="static", help="how decodes are found")
+    d.add_argument("--decode", default="", help="static decode gRPC addresses: host:port,host:port")
+    d.add_argument("--decode-selector", default="", help="kubernetes: label=value selecting the decode Services")
+    d.add_argument("--namespace", default="", help="kubernetes: namespace of the decode Services")
+    d.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    d.add_argument("--policy", choices=["wrr", "rr"], default="wrr", help="wrr: weighted by free KV memory; rr: round robin")
+    d.add_argument("--load-report-interval", type=float, default=0.3, help="seconds between load report polls")
+    d.add_argument("--load-report-expiry", type=float, default=1.5, help="seconds after which a load report no longer counts")
+    d.add_argument("--max-attempts", type=int, default=3, help="decodes to try per request before falling back")
+    d.add_argument("--local-fallback", action="store_true", help="decode locally when no decode can take a request")
+    d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
+    d.add_argument("--scheduler", choices=["priority", "fifo"], default="priority", help="CacheStore sender scheduling")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight requests finish on shutdown")
+    add_engine_arguments(parser)
+
+
+def make_discovery(args):
+    from pdserve.discovery import KubernetesDiscovery, StaticDiscovery
+
+    if args.discovery == "kubernetes":
+        return KubernetesDiscovery(args.namespace, args.decode_selector, kubeconfig=args.kubeconfig)
+    return StaticDiscovery([a for a in args.decode.split(",") if a.strip()])
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, "prefill")
+    try:
+        discovery = make_discovery(args)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve prefill: {exc}")
+    if args.discovery == "static" and not discovery.addresses() and not args.local_fallback:
+        log.warning("no --decode given and no --local-fallback: every request will get 503")
+    return asyncio.run(serve(args, discovery))
+
+
+async def serve(args: argparse.Namespace, discovery) -> int:
+    import grpc
+    from aiohttp import web
+
+    from pdserve.cachestore import CacheStoreSender
+    from pdserve.engine import OutOfBlocksError, SamplingParams
+    from pdserve.metrics import ServerMetrics
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    from .frontend import Frontend
+    from .grpc_api import GenerateServicer
+    from .http_api import HttpApi
+    from .load_poller import LoadReportPoller
+    from .node import PrefillNode
+    from .picker import DecodePicker
+
+    metrics = ServerMetrics.from_env(role="prefill")
+    model_name = args.served_model_name or args.model
+    loaded, engine, max_len = build_engine(args)
+    await engine.start()
+    region, layout, compat = kv_parts(engine.engine, loaded, args)
+    sender = CacheStoreSender(region, layout, compat, transport=args.transfer, scheduler=args.scheduler)
+    await sender.start()
+    picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
+    poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
+                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())))
+    node = PrefillNode(
+        engine=engine, sender=sender, picker=picker, poller=poller, compat=compat_message(engine.engine, args, model_name),
+        block_size=args.block_size, kv_bytes_per_block=layout.block_nbytes * layout.num_layers,
+        eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
+        local_fallback=args.local_fallback, session_timeout_s=args.session_timeout,
+        connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
+    )
+    frontend = Frontend(node, loaded.tokenizer, SamplingParams, model_name, max_len, metrics)
+    draining = {"on": False}
+
+    def health() -> dict:
+        kv_free = engine.engine.num_free_blocks()
+        return {
+            "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight,
+            "local_requests": node.local_requests, "kv_blocks_total": layout.num_blocks, "kv_blocks_free": kv_free,
+            "kv_blocks_used": layout.num_blocks - kv_free, "cachestore": sender.stats(),
+            "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
+        }
+
+    await discovery.start()
+    await poller.start()
+    app = HttpApi(frontend, health, metrics, is_draining=lambda: draining["on"]).app()
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    server = grpc.aio.server()
+    gpb_grpc.add_GeneratorServicer_to_server(GenerateServicer(frontend), server)
+    server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+    await server.start()
+    log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s",
+             args.host, args.port, args.host, args.grpc_port, discovery.addresses() or "(none yet)", args.policy,
+             args.transfer, "on" if args.local_fallback else "off")
+    sig = await wait_for_stop_signal()
+    draining["on"] = True
+    log.info("%s: draining %d in-flight request(s)", sig, frontend.in_flight)
+    left = await drain(lambda: frontend.in_flight, args.drain_timeout)
+    if left:
+        log.warning("stopping with %d request(s) still in flight", left)
+    await server.stop(grace=1.0)
+    await runner.cleanup()
+    await poller.stop()
+    await discovery.stop()
+    await sender.stop()
+    await engine.stop() if hasattr(engine, "stop") else None
+    return 0

@@ -1,0 +1,209 @@
+"""The prefill end of the Session stream: one request's whole P/D conversation with a decode.
+
+Request lifecycle on prefill (``run_session``):
+
+1. **start** - open the bidirectional ``Session`` stream to the chosen decode and send
+   ``Start`` (prompt tokens, sampling, blocks needed, compat, protocol version, timeout).
+2. **allocation** - wait for ``Allocation`` (block ids + CacheStore endpoint) or
+   ``Refusal``; a refusal, an unreachable decode or a broken stream raises ``Retryable``
+   so the router can try the next decode: nothing has reached the client yet.
+3. **prefill + push** - bind the request in the CacheStore sender to decode's blocks and
+   run prefill layer by layer; the engine's per-layer callback hands each layer's blocks
+   to ``sender.store`` (non-blocking), so the wire works while the next layer computes.
+4. **first token** - wait until every layer was sent, free prefill's own KV blocks, send
+   ``FirstToken`` on the stream and yield it to the client.
+5. **relay** - yield decode's ``Tokens`` until ``Finish``. A decode ``Error`` or a broken
+   stream from here on raises ``DecodeFailed`` (the client already has tokens; the HTTP
+   layer turns it into an error event).
+6. **release** - always: if the request did not finish, cancel the stream (decode frees
+   its side when it sees the cancellation); release prefill's blocks; delete the
+   CacheStore entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.protos import session_pb2 as pb
+from pdserve.protos.version import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+
+class Retryable(Exception):
+    """This decode cannot take the request (refused, unreachable, failed before any token)."""
+
+    def __init__(self, reason: str, code: str = "decode_unreachable"):
+        super().__init__(reason)
+        self.reason, self.code = reason, code
+
+
+class DecodeFailed(Exception):
+    """The decode failed after tokens reached the client."""
+
+
+class NoDecodeAvailable(Exception):
+    """The request cannot be served now (no decode took it, no fallback, or prefill is full): 503."""
+
+
+@dataclass(slots=True)
+class Delta:
+    """New tokens for the client; the last Delta of a request has ``finished`` set."""
+
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class SessionTimings:
+    """Monotonic timestamps of one P/D request (for metrics and the overlap test)."""
+
+    start: float = field(default_factory=time.monotonic)
+    allocated: float = 0.0
+    prefill_done: float = 0.0
+    kv_sent: float = 0.0
+    layer_stored: list[float] = field(default_factory=list)
+
+
+def sampling_to_proto(sp) -> pb.Sampling:
+    """The engine's SamplingParams as the Session's Sampling message."""
+    msg = pb.Sampling(
+        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or 0,
+        stop=list(sp.stop or []), stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=bool(sp.ignore_eos),
+    )
+    if sp.seed is not None:
+        msg.seed = sp.seed
+    return msg
+
+
+def first_token_finishes(token: int, sp, eos_token_ids) -> str | None:
+    """Finish reason if prefill's sampled token already ends the request, else None."""
+    if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in eos_token_ids):
+        return "stop"
+    if sp.max_tokens <= 1:
+        return "length"
+    return None
+
+
+async def run_session(node, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None):
+    """Async generator of Deltas for one request served by the decode at ``address``.
+
+    ``node`` is the PrefillNode (engine, sender, compat, stubs, timeouts, counters).
+    Raises Retryable before the first Delta, DecodeFailed after it.
+    """
+    timings = timings or SessionTimings()
+    call = node.stub(address).Session()
+    node.sessions[request_id] = address
+    finished = bound = prefilled = released = False
+    try:
+        # 1. start
+        blocks_needed = -(-len(prompt_ids) // node.block_size)
+        start = pb.Start(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
+            blocks_needed=blocks_needed, compat=node.compat, protocol_version=PROTOCOL_VERSION,
+            timeout_s=node.session_timeout_s,
+        )
+        try:
+            await asyncio.wait_for(call.write(pb.PrefillMessage(start=start)), node.connect_timeout_s)
+            reply = await asyncio.wait_for(call.read(), node.connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise Retryable(f"{address}: no answer within {node.connect_timeout_s:.1f}s") from None
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
+        # 2. allocation
+        if reply is grpc.aio.EOF:
+            raise Retryable(f"{address}: closed the session before answering")
+        kind = reply.WhichOneof("kind")
+        if kind == "refusal":
+            raise Retryable(f"{address} refused: {reply.refusal.reason}", reply.refusal.code or "refused")
+        if kind != "allocation":
+            reason = reply.error.reason if kind == "error" else f"unexpected {kind} message"
+            raise Retryable(f"{address}: {reason}")
+        alloc = reply.allocation
+        if len(alloc.block_ids) != blocks_needed:
+            raise Retryable(f"{address}: allocated {len(alloc.block_ids)} blocks, {blocks_needed} needed")
+        timings.allocated = time.monotonic()
+        node.note_allocation(address, blocks_needed)
+        # 3. prefill + push, layer by layer
+        node.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))
+        bound = True
+
+        def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
+            timings.layer_stored.append(time.monotonic())
+            node.sender.store(request_id, layer, list(block_ids)[:blocks_needed])
+
+        prefilled = True
+        try:
+            first = await node.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer)
+        except node.out_of_blocks_error as exc:
+            prefilled = False  # prefill_only frees what it took when it fails
+            raise NoDecodeAvailable(f"prefill has no free KV blocks for this prompt: {exc}") from None
+        except BaseException:
+            prefilled = False
+            raise
+        timings.prefill_done = time.monotonic()
+        # 4. first token
+        try:
+            await node.sender.wait_sent(request_id, node.session_timeout_s)
+        except Exception as exc:  # TransferError, timeout: the decode never got the KV
+            raise Retryable(f"{address}: KV transfer failed: {exc}", "kv_transfer_failed") from None
+        timings.kv_sent = time.monotonic()
+        await node.engine.release(request_id)
+        released = True
+        reason = first_token_finishes(first, sp, node.eos_token_ids)
+        # a stop token ends the request and is not part of the output (as in the engine)
+        first_out = [] if reason == "stop" else [first]
+        try:
+            await call.write(pb.PrefillMessage(first_token=pb.FirstToken(token_id=first, finished=reason is not None, finish_reason=reason or "")))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
+        if reason is not None:
+            finished = True
+            yield Delta(first_out, True, reason)
+            return
+        yield Delta([first])
+        # 5. relay
+        while True:
+            try:
+                msg = await call.read()
+            except grpc.aio.AioRpcError as exc:
+                raise DecodeFailed(f"decode {address} failed mid-generation: {_rpc_reason(exc)}") from None
+            if msg is grpc.aio.EOF:
+                raise DecodeFailed(f"decode {address} closed the session before finishing")
+            kind = msg.WhichOneof("kind")
+            if kind == "tokens":
+                yield Delta(list(msg.tokens.token_ids))
+            elif kind == "finish":
+                finished = True
+                yield Delta([], True, msg.finish.finish_reason or "stop")
+                return
+            elif kind == "error":
+                raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}")
+            else:
+                raise DecodeFailed(f"decode {address} sent an unexpected {kind} message")
+    finally:
+        # 6. release
+        if not finished:
+            call.cancel()
+        else:
+            try:
+                await call.done_writing()
+            except Exception:  # noqa: BLE001 - already closed by decode
+                pass
+        if prefilled and not released:
+            await node.engine.release(request_id)
+        if bound:
+            node.sender.delete(request_id)
+        node.sessions.pop(request_id, None)
+
+
+def _rpc_reason(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)

@@ -1,0 +1,101 @@
+"""Frontend: what the HTTP and gRPC APIs share between parsing a request and the PrefillNode.
+
+- ``prompt_ids(parsed)``: tokenize (chat template for chat requests);
+- ``sampling(spec, n_prompt)``: the engine's SamplingParams, with the default max_tokens
+  capped by the context left, and a ``BadRequest`` when the prompt (plus max_tokens)
+  does not fit the model's context;
+- ``stream(...)``: the PrefillNode's token deltas as ``Piece``s (token ids + text, stop
+  strings cut), recording the request's metrics (TTFT, TBT, e2e, outcome) exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from .decode_session import DecodeFailed
+from .node import NoDecodeAvailable
+from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, BadRequest, ParsedRequest, SamplingSpec
+from .text_stream import TextStream
+
+
+@dataclass(slots=True)
+class Piece:
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+class Frontend:
+    def __init__(self, node, tokenizer, sampling_cls, model_name: str, max_model_len: int, metrics=None):
+        self.node, self.tokenizer, self.sampling_cls = node, tokenizer, sampling_cls
+        self.model_name, self.max_model_len, self.metrics = model_name, max_model_len, metrics
+        self.in_flight = 0
+
+    def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
+        if parsed.kind == "chat":
+            text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
+            return self.tokenizer.encode(text)
+        if parsed.prompt_token_ids is not None:
+            return list(parsed.prompt_token_ids)
+        return self.tokenizer.encode(parsed.prompt)
+
+    def sampling(self, spec: SamplingSpec, n_prompt: int, kind: str = "completion"):
+        room = self.max_model_len - n_prompt
+        if room < 1:
+            raise BadRequest(
+                f"prompt has {n_prompt} tokens but the model's context length is {self.max_model_len} "
+                f"(prompt plus at least one generated token must fit)", "prompt", "context_length_exceeded")
+        max_tokens = spec.max_tokens
+        if max_tokens is None:
+            max_tokens = min(room, DEFAULT_CHAT_MAX_TOKENS if kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS)
+        elif n_prompt + max_tokens > self.max_model_len:
+            raise BadRequest(
+                f"prompt ({n_prompt} tokens) + max_tokens ({max_tokens}) exceeds the model's context length "
+                f"of {self.max_model_len}", "max_tokens", "context_length_exceeded")
+        try:
+            return self.sampling_cls(
+                max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
+                seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+            )
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+
+    async def stream(self, request_id: str, prompt_ids: list[int], sp):
+        """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node."""
+        clock = self.metrics.request_clock(len(prompt_ids)) if self.metrics else None
+        text = TextStream(self.tokenizer.detokenizer(), sp.stop)
+        outcome, reason = "error", "error"
+        self.in_flight += 1
+        deltas = self.node.generate(request_id, prompt_ids, sp)
+        try:
+            async for delta in deltas:
+                piece = Piece(delta.token_ids, text.add(delta.token_ids), delta.finished, delta.finish_reason)
+                if clock is not None and delta.token_ids:
+                    clock.token(len(delta.token_ids))
+                if text.stopped and not delta.finished:
+                    # a stop string the engine has not acted on yet (it would on its next step): stop here
+                    piece.finished, piece.finish_reason = True, "stop"
+                if piece.finished:
+                    if not text.stopped:
+                        piece.text += text.flush()
+                    outcome, reason = "ok", piece.finish_reason or "stop"
+                    yield piece
+                    return
+                yield piece
+            raise DecodeFailed("the request ended without a finish")
+        except NoDecodeAvailable:
+            reason = "no_decode"
+            raise
+        except DecodeFailed:
+            reason = "decode_failed"
+            raise
+        except (asyncio.CancelledError, GeneratorExit, ConnectionError):
+            outcome, reason = "cancelled", "client_disconnected"
+            raise
+        finally:
+            await deltas.aclose()  # closes the Session (cancel reaches decode) if still open
+            self.in_flight -= 1
+            if clock is not None:
+                clock.finish(outcome, reason)

@@ -1,0 +1,70 @@
+"""The prefill server's client gRPC API: ``Generator.Generate`` (server streaming).
+
+Status codes: INVALID_ARGUMENT for bad input (message names the field), UNAVAILABLE when
+no decode could take the request and local fallback is off (message lists the reasons),
+ABORTED when a decode failed after tokens were streamed. A client that cancels its call
+cancels this coroutine; the Session to decode is closed and both ends free the request.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import grpc
+
+from pdserve.protos import generate_pb2 as gpb
+from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+from .decode_session import DecodeFailed
+from .node import NoDecodeAvailable
+from .openai_api import BadRequest, SamplingSpec
+
+
+class GenerateServicer(gpb_grpc.GeneratorServicer):
+    def __init__(self, frontend):
+        self.fe = frontend
+
+    def _parse(self, req: gpb.GenerateRequest):
+        fe = self.fe
+        if req.model and req.model != fe.model_name:
+            raise BadRequest(f"model {req.model!r} does not exist; this server serves {fe.model_name!r}", "model")
+        if req.prompt_token_ids:
+            ids = list(req.prompt_token_ids)
+            if any(t < 0 for t in ids):
+                raise BadRequest("prompt_token_ids must be non-negative", "prompt_token_ids")
+        elif req.prompt:
+            ids = fe.tokenizer.encode(req.prompt)
+        else:
+            raise BadRequest("one of prompt or prompt_token_ids is required", "prompt")
+        if req.max_tokens < 0:
+            raise BadRequest(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
+        spec = SamplingSpec(
+            max_tokens=req.max_tokens or None,
+            temperature=req.temperature if req.HasField("temperature") else 1.0,
+            top_p=req.top_p if req.HasField("top_p") else 1.0,
+            top_k=req.top_k, seed=req.seed if req.HasField("seed") else None,
+            stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        )
+        return ids, fe.sampling(spec, len(ids))
+
+    async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            ids, sp = self._parse(request)
+        except BadRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        request_id = request.request_id or uuid.uuid4().hex
+        pieces = self.fe.stream(request_id, ids, sp)
+        produced = 0
+        try:
+            async for piece in pieces:
+                produced += len(piece.token_ids)
+                yield gpb.GenerateResponse(
+                    request_id=request_id, token_ids=piece.token_ids, text=piece.text,
+                    finish_reason=piece.finish_reason or "", prompt_tokens=len(ids), completion_tokens=produced,
+                )
+        except NoDecodeAvailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except DecodeFailed as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        finally:
+            await pieces.aclose()

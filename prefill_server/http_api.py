@@ -1,0 +1,135 @@
+"""The prefill server's HTTP API (aiohttp): OpenAI-compatible endpoints plus probes.
+
+| route                        | answer                                                       |
+|------------------------------|--------------------------------------------------------------|
+| POST /v1/completions         | text completion; ``stream: true`` -> SSE chunks + ``[DONE]`` |
+| POST /v1/chat/completions    | chat completion; same streaming rules                        |
+| GET  /v1/models              | the one served model                                         |
+| GET  /health                 | 200 + JSON counters (sessions, KV blocks, CacheStore entries) |
+| GET  /ready                  | 200 when a decode is routable or local fallback is on, else 503 |
+| GET  /metrics                | Prometheus text                                              |
+
+Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); no decode
+and no fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
+``data: {"error": {...}}`` then ``data: [DONE]`` (non-streaming: 502). A client that
+disconnects cancels its handler (``handler_cancellation``), which closes the Session, so
+the cancellation reaches decode at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aiohttp import web
+
+from . import openai_api as oa
+from .decode_session import DecodeFailed
+from .node import NoDecodeAvailable
+
+log = logging.getLogger(__name__)
+
+
+def _json_error(status: int, message: str, type_: str, param=None, code=None) -> web.Response:
+    return web.json_response(oa.error_body(message, type_, param, code), status=status)
+
+
+class HttpApi:
+    def __init__(self, frontend, health_fn, metrics=None, is_draining=lambda: False):
+        self.fe, self.health_fn, self.metrics, self.is_draining = frontend, health_fn, metrics, is_draining
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_handler)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": self.fe.max_model_len}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", **self.health_fn()})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.is_draining():
+            return web.json_response({"ready": False, "reason": "draining"}, status=503)
+        if self.fe.node.ready():
+            return web.json_response({"ready": True})
+        return web.json_response({"ready": False, "reason": self.fe.node.picker.why_none()}, status=503)
+
+    async def metrics_handler(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+            return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return await self.metrics.aiohttp_handler(request)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, oa.parse_completion)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, oa.parse_chat)
+
+    async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
+        fe = self.fe
+        try:
+            parsed = parse(oa.parse_json(await request.read()), fe.model_name)
+            prompt_ids = fe.prompt_ids(parsed)
+            sp = fe.sampling(parsed.sampling, len(prompt_ids), parsed.kind)
+        except oa.BadRequest as exc:
+            if self.metrics is not None:
+                self.metrics.requests.labels(outcome="error", reason="bad_request").inc()
+            return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
+        pieces = fe.stream(parsed.request_id, prompt_ids, sp)
+        try:
+            try:
+                first = await pieces.__anext__()
+            except NoDecodeAvailable as exc:
+                return _json_error(503, str(exc), "service_unavailable", code="no_decode_available")
+            except DecodeFailed as exc:
+                return _json_error(502, str(exc), "server_error", code="decode_failed")
+            if not parsed.stream:
+                return await self._collect(parsed, len(prompt_ids), first, pieces)
+            return await self._sse(request, parsed, len(prompt_ids), first, pieces)
+        finally:
+            await pieces.aclose()
+
+    async def _collect(self, parsed, n_prompt: int, first, pieces) -> web.Response:
+        texts, n_tokens, piece = [first.text], len(first.token_ids), first
+        try:
+            while not piece.finished:
+                piece = await pieces.__anext__()
+                texts.append(piece.text)
+                n_tokens += len(piece.token_ids)
+        except DecodeFailed as exc:
+            return _json_error(502, str(exc), "server_error", code="decode_failed")
+        return web.json_response(oa.full_response(parsed, "".join(texts), piece.finish_reason or "stop", n_prompt, n_tokens))
+
+    async def _sse(self, request: web.Request, parsed, n_prompt: int, first, pieces) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        n_tokens, piece = 0, first
+        is_first = True
+        try:
+            while True:
+                n_tokens += len(piece.token_ids)
+                if piece.text or is_first:
+                    await resp.write(oa.sse(oa.chunk(parsed, piece.text, None, first=is_first)))
+                    is_first = False
+                if piece.finished:
+                    await resp.write(oa.sse(oa.chunk(parsed, None if parsed.kind == "chat" else "", piece.finish_reason)))
+                    if parsed.include_usage:
+                        await resp.write(oa.sse(oa.usage_chunk(parsed, n_prompt, n_tokens)))
+                    break
+                piece = await pieces.__anext__()
+        except DecodeFailed as exc:
+            log.warning("request %s: %s", parsed.request_id, exc)
+            await resp.write(oa.sse(oa.error_body(str(exc), "server_error", code="decode_failed")))
+        await resp.write(oa.sse("[DONE]"))
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,100 @@
+"""LoadReportPoller: asks every known decode for its load report every ``interval_s``.
+
+It keeps one gRPC channel per decode address (shared with the Session streams, see
+``channel``), follows discovery (new addresses get a channel, vanished ones are closed and
+forgotten by the picker) and feeds each answer to the DecodePicker. A decode that does not
+answer simply stops being updated; the picker lets its last report expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pdserve.protos import session_pb2 as pb
+from pdserve.protos import session_pb2_grpc as pb_grpc
+
+from .picker import DecodeLoad, DecodePicker
+
+log = logging.getLogger(__name__)
+
+# Detect a dead decode on an idle channel quickly; loopback and cluster networks allow it.
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+]
+
+
+class LoadReportPoller:
+    def __init__(self, discovery, picker: DecodePicker, interval_s: float = 0.3, on_update=None):
+        if interval_s <= 0:
+            raise ValueError(f"load report interval must be > 0, got {interval_s}")
+        self.discovery, self.picker, self.interval_s = discovery, picker, interval_s
+        self.on_update = on_update
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._task: asyncio.Task | None = None
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return ch
+
+    def stub(self, address: str) -> pb_grpc.DecodeStub:
+        return pb_grpc.DecodeStub(self.channel(address))
+
+    async def start(self) -> None:
+        await self.poll_once()
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        for ch in self._channels.values():
+            await ch.close()
+        self._channels.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.poll_once()
+            except Exception:  # never let one bad round stop polling
+                log.exception("load report round failed")
+
+    async def poll_once(self) -> None:
+        addresses = set(self.discovery.addresses())
+        for gone in set(self._channels) - addresses:
+            await self._channels.pop(gone).close()
+        for gone in set(self.picker.known()) - addresses:
+            self.picker.forget(gone)
+        await asyncio.gather(*(self._poll(a) for a in sorted(addresses)))
+        if self.on_update:
+            self.on_update()
+
+    async def _poll(self, address: str) -> None:
+        try:
+            report = await self.stub(address).GetLoadReport(pb.LoadReportRequest(), timeout=max(0.2, self.interval_s * 2))
+        except grpc.aio.AioRpcError as exc:
+            log.debug("load report from %s failed: %s", address, exc.code())
+            return
+        self.picker.update(
+            address,
+            DecodeLoad(
+                free_blocks=report.free_blocks,
+                free_bytes=report.free_bytes,
+                protocol_version=report.protocol_version,
+                draining=report.draining,
+                running=report.running,
+                waiting=report.waiting,
+            ),
+        )

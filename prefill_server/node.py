@@ -1,0 +1,122 @@
+"""PrefillNode: everything one prefill process owns, and the routing of one request.
+
+``generate(request_id, prompt_ids, sampling)`` is the single entry the HTTP and gRPC
+front ends call. It yields ``Delta``s and raises:
+
+- ``NoDecodeAvailable`` (-> HTTP 503 / gRPC UNAVAILABLE) when no decode took the request
+  after ``max_attempts`` tries and local fallback is off; the message lists every reason;
+- ``DecodeFailed`` when a decode failed after tokens reached the client.
+
+Routing order: the DecodePicker's choice; on refusal / unreachable / failure before the
+first token, the next decode it picks (never one already tried), at most
+``max_attempts`` decodes; then, with ``local_fallback``, the colocated engine in this
+process; else NoDecodeAvailable.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from pdserve.protos import session_pb2 as pb
+
+from .decode_session import DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionTimings, run_session
+from .load_poller import LoadReportPoller
+from .picker import DecodePicker
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PrefillNode", "NoDecodeAvailable", "DecodeFailed", "Delta"]
+
+
+@dataclass
+class PrefillNode:
+    engine: object  # AsyncLLMEngine: prefill_only / release / generate
+    sender: object  # CacheStoreSender
+    picker: DecodePicker
+    poller: LoadReportPoller
+    compat: pb.Compat
+    block_size: int
+    kv_bytes_per_block: int  # all layers, K and V
+    eos_token_ids: tuple[int, ...] = ()
+    max_attempts: int = 3
+    local_fallback: bool = False
+    session_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+    metrics: object | None = None
+    out_of_blocks_error: type = RuntimeError  # the engine's OutOfBlocksError
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        self.sessions: dict[str, str] = {}  # request id -> decode address, while a Session is open
+        self.local_requests = 0
+        self.last_timings: dict[str, SessionTimings] = {}
+
+    # used by run_session
+    def stub(self, address: str):
+        return self.poller.stub(address)
+
+    def note_allocation(self, address: str, blocks: int) -> None:
+        self.picker.note_allocation(address, blocks, blocks * self.kv_bytes_per_block)
+
+    def ready(self) -> bool:
+        """Ready when a decode is known (or local fallback can serve)."""
+        return self.local_fallback or bool(self.picker.eligible())
+
+    async def generate(self, request_id: str, prompt_ids: list[int], sp):
+        tried: set[str] = set()
+        reasons: list[str] = []
+        m = self.metrics
+        for _ in range(self.max_attempts):
+            address = self.picker.pick(exclude=tried)
+            if address is None:
+                if not tried:
+                    reasons.append(self.picker.why_none())
+                break
+            tried.add(address)
+            if m is not None:
+                m.decode_selections.labels(decode=address).inc()
+            timings = SessionTimings()
+            stream = run_session(self, address, request_id, prompt_ids, sp, timings)
+            try:
+                try:
+                    first = await stream.__anext__()
+                except Retryable as exc:
+                    log.info("request %s: %s", request_id, exc.reason)
+                    reasons.append(exc.reason)
+                    if m is not None:
+                        m.decode_retries.labels(reason=exc.code).inc()
+                    continue
+                self._keep_timings(request_id, timings)
+                yield first
+                async for delta in stream:
+                    yield delta
+                return
+            finally:
+                await stream.aclose()
+        if self.local_fallback:
+            if m is not None:
+                m.local_fallbacks.labels(reason="no_decode").inc()
+            log.info("request %s: decoding locally (%s)", request_id, "; ".join(reasons))
+            self.local_requests += 1
+            outputs = self.engine.generate(request_id, prompt_ids, sp)
+            try:
+                async for out in outputs:
+                    if out.error:
+                        raise DecodeFailed(f"local decoding failed: {out.error}")
+                    yield Delta(list(out.new_token_ids), out.finished, out.finish_reason if out.finished else None)
+                    if out.finished:
+                        return
+            except self.out_of_blocks_error as exc:
+                raise NoDecodeAvailable(f"local fallback cannot take the request: {exc}") from None
+            finally:
+                await outputs.aclose()
+                self.local_requests -= 1
+            return
+        raise NoDecodeAvailable("no decode server could take the request: " + "; ".join(reasons))
+
+    def _keep_timings(self, request_id: str, timings: SessionTimings) -> None:
+        self.last_timings[request_id] = timings
+        while len(self.last_timings) > 256:
+            self.last_timings.pop(next(iter(self.last_timings)))
