@@ -65,7 +65,7 @@ class Frontend:
     async def stream(self, request_id: str, prompt_ids: list[int], sp):
         """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node."""
         clock = self.metrics.request_clock(len(prompt_ids)) if self.metrics else None
-        text = TextStream(self.tokenizer.detokenizer(), sp.stop)
+        text = TextStream(self.tokenizer.detokenizer(), sp.stop, self.tokenizer.decode)
         outcome, reason = "error", "error"
         self.in_flight += 1
         deltas = self.node.generate(request_id, prompt_ids, sp)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 
 class TextStream:
-    def __init__(self, detokenizer, stop: list[str] | None = None):
+    def __init__(self, detokenizer, stop: list[str] | None = None, decode=None):
         self._detok = detokenizer
+        self._decode = decode  # tokenizer.decode: at the end, text of a trailing partial character
+        self._ids: list[int] = []
         self._stop = [s for s in (stop or []) if s]
         self._pending = ""  # text decoded but not yet emitted (may start a stop string)
         self.text = ""  # everything emitted
@@ -23,6 +25,7 @@ class TextStream:
         """Text to emit for these new tokens ("" when held back or after a stop)."""
         if self.stopped or not token_ids:
             return ""
+        self._ids += token_ids
         self._pending += self._detok.add(list(token_ids))
         if self._stop:
             cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
@@ -37,6 +40,14 @@ class TextStream:
         """At the end of the request: whatever was held back (never a stop string)."""
         if self.stopped:
             return ""
+        if self._decode is not None:  # the detokenizer may hold back an incomplete last character
+            full = self._decode(self._ids)
+            if full.startswith(self.text + self._pending):
+                self._pending = full[len(self.text):]
+        for s in self._stop:
+            if s in self._pending:
+                self.stopped = True
+                return self._emit(self._pending[: self._pending.find(s)])
         return self._emit(self._pending)
 
     def _emit(self, text: str, keep: str = "") -> str:

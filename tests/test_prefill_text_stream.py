@@ -48,3 +48,10 @@ def test_multibyte_character_is_not_split():
     ts = TextStream(ByteDetok())
     b = "é".encode()
     assert ts.add([b[0]]) == "" and ts.add([b[1]]) == "é"
+
+
+def test_flush_emits_a_trailing_partial_character_as_the_tokenizer_decodes_it():
+    decode = lambda ids: bytes(ids).decode("utf-8", errors="replace")  # noqa: E731
+    ts = TextStream(ByteDetok(), decode=decode)
+    assert ts.add(ids("a")) == "a" and ts.add(["é".encode()[0]]) == ""
+    assert ts.flush() == "\ufffd" and ts.text == "a\ufffd"
