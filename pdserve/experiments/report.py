@@ -1,0 +1,67 @@
+"""What every experiment writes: <out>/<name>.json (machine, command, figures) and a PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def machine() -> dict:
+    """Where the experiment ran (for docs/benchmarks.md)."""
+    cpu = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gib = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parents[2], timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        commit = ""
+    return {"cpus": os.cpu_count(), "cpu_model": cpu, "mem_gib": round(mem_gib, 1) if mem_gib else None,
+            "kernel": platform.release(), "python": platform.python_version(), "git_commit": commit,
+            "load_avg_at_start": os.getloadavg(), "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def command() -> str:
+    return "pdserve " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("pdserve") else " ".join(sys.argv)
+
+
+def save(out: Path, name: str, doc: dict) -> Path:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps({"experiment": name, "command": command(), "machine": machine(), **doc}, indent=1,
+                               default=str))
+    return path
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def cdf(ax, values: list[float], label: str, scale: float = 1000.0) -> None:
+    xs = sorted(v * scale for v in values)
+    if xs:
+        ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
