@@ -1,0 +1,345 @@
+"""CacheStore over real sockets in one process: both transports, bit-exact data, subscriptions,
+shared blocks, errors. Every test ends with pinned entries and in-flight transfers at 0 on both sides."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from pdserve.cachestore import (CacheStoreReceiver, CacheStoreSender, CompatError, CompatInfo, KVLayout,
+                                MemoryRegion, TransferError, UnknownRequestError)
+from pdserve.cachestore.endpoint import Endpoint
+
+torch.set_num_threads(1)
+L, NB, BS, H, D = 4, 32, 16, 2, 8
+COMPAT = CompatInfo("float32", L, H, D, BS)
+LAYOUT = KVLayout(L, NB, COMPAT.block_nbytes)
+TRANSPORTS = ["tcp", "nixl"]
+
+
+def _pool(random: bool) -> torch.Tensor:
+    shape = (L, NB, 2, BS, H, D)
+    return torch.randn(shape) if random else torch.zeros(shape)
+
+
+class Pair:
+    """A receiver and a sender on loopback with their own pools."""
+
+    def __init__(self, transport: str, **tx_kw):
+        self.src, self.dst = _pool(True), _pool(False)
+        self.rx = CacheStoreReceiver(MemoryRegion.from_tensor(self.dst), LAYOUT, COMPAT, transport=transport)
+        self.tx = CacheStoreSender(MemoryRegion.from_tensor(self.src), LAYOUT, COMPAT, transport=transport, **tx_kw)
+
+    async def __aenter__(self):
+        await self.rx.start()
+        await self.tx.start()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.tx.stop()
+        await self.rx.stop()
+
+    def copied(self, src_blocks, dst_blocks, layers=range(L)) -> bool:
+        return all(torch.equal(self.dst[l, d], self.src[l, s]) for l in layers for s, d in zip(src_blocks, dst_blocks))
+
+    async def assert_clean(self):
+        for _ in range(200):  # frees on the other side travel over the wire
+            rs, ts = self.rx.stats(), self.tx.stats()
+            if rs["pinned_entries"] == rs["inflight_transfers"] == ts["pinned_entries"] == ts["inflight_transfers"] == 0:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"leaked: receiver {self.rx.stats()} sender {self.tx.stats()}")
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_layerwise_bit_exact_with_subscriptions(transport):
+    async def main():
+        async with Pair(transport) as p:
+            src_blocks, dst_blocks = [3, 4, 5, 9, 0], [10, 11, 12, 2, 30]
+            for_sender = p.rx.expect("r1", dst_blocks, timeout_s=20)
+            assert for_sender == dst_blocks
+            p.tx.bind("r1", p.rx.endpoint, for_sender)
+            # subscribe to every layer BEFORE anything is stored
+            loads = [asyncio.create_task(p.rx.load("r1", l, 20)) for l in range(L)]
+            await asyncio.sleep(0.05)
+            assert not any(t.done() for t in loads)
+            stored = threading.Event()
+
+            def compute():  # the engine's compute thread: store right after each layer
+                for l in range(L):
+                    time.sleep(0.02)
+                    p.tx.store("r1", l, src_blocks)
+                stored.set()
+
+            threading.Thread(target=compute).start()
+            for l in range(L):
+                await loads[l]
+                assert p.copied(src_blocks, dst_blocks, [l]), f"layer {l} woke before its bytes landed"
+            await p.rx.wait_all("r1", 20)
+            await p.tx.wait_sent("r1", 20)
+            assert stored.is_set() and p.copied(src_blocks, dst_blocks)
+            untouched = [b for b in range(NB) if b not in dst_blocks]
+            assert torch.count_nonzero(p.dst[:, untouched]) == 0
+            p.rx.delete("r1"), p.tx.delete("r1")
+            p.rx.delete("r1"), p.tx.delete("r1")  # idempotent
+            await p.assert_clean()
+    run(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("scheduler", ["priority", "fifo"])
+def test_many_requests_chunked_multi_connection(transport, scheduler):
+    async def main():
+        # chunks of 2 blocks so large transfers are split; 3 connections to the one receiver
+        async with Pair(transport, scheduler=scheduler, chunk_bytes=2 * LAYOUT.block_nbytes,
+                        connections_per_peer=3) as p:
+            reqs = {f"r{i}": (list(range(i * 8, i * 8 + n)), list(range(NB - 1 - i * 8, NB - 1 - i * 8 - n, -1)))
+                    for i, n in enumerate([8, 1, 5, 3])}
+            for rid, (src, dst) in reqs.items():
+                p.tx.bind(rid, p.rx.endpoint, p.rx.expect(rid, dst, 20), priority=1 if rid == "r3" else 0)
+            for l in range(L):
+                for rid, (src, _) in reqs.items():
+                    p.tx.store(rid, l, src)
+            await asyncio.gather(*(p.rx.wait_all(r, 20) for r in reqs), *(p.tx.wait_sent(r, 20) for r in reqs))
+            for rid, (src, dst) in reqs.items():
+                assert p.copied(src, dst), rid
+                p.rx.delete(rid), p.tx.delete(rid)
+            await p.assert_clean()
+    run(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_identical_prompts_share_blocks_sent_once(transport):
+    async def main():
+        async with Pair(transport) as p:
+            hashes = ["h0", "h1", "h2"]
+            dst_a = p.rx.expect("a", [1, 2, 3], 20, block_hashes=hashes)
+            dst_b = p.rx.expect("b", [1, 2, 7], 20, block_hashes=["h0", "h1", "other"])
+            assert dst_a == [1, 2, 3] and dst_b == [-1, -1, 7]
+            p.tx.bind("a", p.rx.endpoint, dst_a)
+            p.tx.bind("b", p.rx.endpoint, dst_b)
+            for l in range(L):
+                p.tx.store("a", l, [4, 5, 6])
+                p.tx.store("b", l, [4, 5, 8])
+            await asyncio.gather(p.rx.wait_all("a", 20), p.rx.wait_all("b", 20),
+                                 p.tx.wait_sent("a", 20), p.tx.wait_sent("b", 20))
+            # 3 blocks for a + 1 for b per layer: shared blocks went over the wire once
+            assert p.tx.stats()["bytes_sent"] == 4 * L * LAYOUT.block_nbytes
+            p.rx.delete("a"), p.tx.delete("a")
+            assert p.rx.stats()["pinned_blocks"] == 3  # b still pins 1, 2, 7
+            await p.rx.wait_all("b", 1)
+            assert p.copied([4, 5, 8], [1, 2, 7])
+            p.rx.delete("b"), p.tx.delete("b")
+            await p.assert_clean()
+            assert p.rx.stats()["pinned_blocks"] == 0
+    run(main())
+
+
+def test_compat_mismatch_refused_with_both_values():
+    async def main():
+        other = CompatInfo("float32", L, H, D, BS * 2)
+        dst = torch.zeros(L, NB, 2, BS * 2, H, D)
+        rx = CacheStoreReceiver(MemoryRegion.from_tensor(dst), KVLayout(L, NB, other.block_nbytes), other)
+        await rx.start()
+        tx = CacheStoreSender(MemoryRegion.from_tensor(_pool(True)), LAYOUT, COMPAT)
+        await tx.start()
+        try:
+            with pytest.raises(CompatError) as info:
+                tx.bind("r", rx.endpoint, [1])
+            msg = str(info.value)
+            assert other.compat_hash in msg and COMPAT.compat_hash in msg and "block_size=32" in msg and "block_size=16" in msg
+            # a forged endpoint that claims our hash: the receiver itself refuses at HELLO
+            ep = Endpoint.from_bytes(rx.endpoint)
+            ep.compat_hash = COMPAT.compat_hash
+            rx.expect("r", [1], 10)
+            tx.bind("r", ep.to_bytes(), [1])
+            for l in range(L):
+                tx.store("r", l, [0])
+            with pytest.raises(CompatError) as info:
+                await tx.wait_sent("r", 10)
+            assert other.compat_hash in str(info.value) and COMPAT.compat_hash in str(info.value)
+            assert rx.stats()["connections_refused"] == 1
+            rx.delete("r"), tx.delete("r")
+            assert rx.stats()["pinned_entries"] == tx.stats()["pinned_entries"] == 0
+        finally:
+            await tx.stop()
+            await rx.stop()
+    run(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_unknown_request_ids(transport):
+    async def main():
+        async with Pair(transport) as p:
+            with pytest.raises(UnknownRequestError, match="'nope'"):
+                p.tx.store("nope", 0, [1])
+            with pytest.raises(UnknownRequestError, match="'nope'"):
+                await p.rx.load("nope", 0, 1)
+            with pytest.raises(UnknownRequestError, match="'nope'"):
+                await p.tx.wait_sent("nope", 1)
+            # the sender binds a request the receiver never expected
+            p.tx.bind("ghost", p.rx.endpoint, [3])
+            for l in range(L):
+                p.tx.store("ghost", l, [3])
+            with pytest.raises(TransferError, match="ghost"):
+                await p.tx.wait_sent("ghost", 10)
+            if transport == "tcp":  # (nixl WRITEs are one-sided: README)
+                assert torch.count_nonzero(p.dst) == 0  # nothing was written
+            p.tx.delete("ghost")
+            # bad input gets clear errors
+            with pytest.raises(ValueError, match="out of range"):
+                p.rx.expect("r", [NB], 5)
+            with pytest.raises(ValueError, match="timeout_s"):
+                p.rx.expect("r", [1], 0)
+            dst = p.rx.expect("r", [1, 2], 5)
+            p.tx.bind("r", p.rx.endpoint, dst)
+            with pytest.raises(ValueError, match="2 destination blocks"):
+                p.tx.store("r", 0, [1, 2, 3])
+            p.tx.store("r", 0, [1, 2])
+            with pytest.raises(ValueError, match="stored twice"):
+                p.tx.store("r", 0, [1, 2])
+            p.rx.delete("r"), p.tx.delete("r")
+            await p.assert_clean()
+    run(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_timeouts_and_cancellation_free_entries(transport):
+    async def main():
+        async with Pair(transport) as p:
+            # expect timeout: nothing arrives
+            p.rx.expect("t1", [1], timeout_s=0.3)
+            t0 = time.monotonic()
+            with pytest.raises(TransferError, match="within the expect timeout"):
+                await p.rx.wait_all("t1", 5)
+            assert time.monotonic() - t0 < 2
+            # a wait's own timeout fails the entry and tells the sender
+            p.tx.bind("t2", p.rx.endpoint, p.rx.expect("t2", [2], 30))
+            p.tx.store("t2", 0, [2])
+            await p.rx.load("t2", 0, 5)
+            with pytest.raises(TransferError, match="did not arrive within 0.2s"):
+                await p.rx.wait_all("t2", 0.2)
+            with pytest.raises(TransferError, match="t2"):
+                await p.tx.wait_sent("t2", 5)
+            # cancelling a waiting task only ends that wait
+            p.rx.expect("t3", [3], 30)
+            task = asyncio.create_task(p.rx.load("t3", 1, 30))
+            await asyncio.sleep(0.05)
+            assert p.rx.stats()["waiters"] == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert p.rx.stats()["waiters"] == 0 and p.rx.stats()["pinned_entries"] == 1
+            p.rx.delete("t3")
+            # the sender gives up (delete mid-transfer): the receiver's waiter hears it
+            p.tx.bind("t4", p.rx.endpoint, p.rx.expect("t4", [4], 30))
+            p.tx.store("t4", 0, [4])
+            await p.rx.load("t4", 0, 5)
+            waiter = asyncio.create_task(p.rx.wait_all("t4", 30))
+            p.tx.delete("t4")
+            with pytest.raises(TransferError, match="sender gave up"):
+                await waiter
+            # the receiver deletes mid-transfer: the sender hears it
+            p.tx.bind("t5", p.rx.endpoint, p.rx.expect("t5", [5], 30))
+            p.tx.store("t5", 0, [5])
+            await p.rx.load("t5", 0, 5)
+            p.rx.delete("t5")
+            with pytest.raises(TransferError, match="deleted"):
+                await p.tx.wait_sent("t5", 5)
+            for rid in ("t1", "t2", "t4", "t5"):
+                p.rx.delete(rid), p.tx.delete(rid)
+            await p.assert_clean()
+    run(main())
+
+
+def test_reconnects_after_receiver_restart():
+    async def main():
+        src, dst = _pool(True), _pool(False)
+        tx = CacheStoreSender(MemoryRegion.from_tensor(src), LAYOUT, COMPAT)
+        await tx.start()
+        port = None
+        try:
+            for round_ in range(2):
+                rx = CacheStoreReceiver(MemoryRegion.from_tensor(dst), LAYOUT, COMPAT, port=port or 0)
+                await rx.start()
+                port = rx.port
+                rid = f"r{round_}"
+                tx.bind(rid, rx.endpoint, rx.expect(rid, [round_], 10))
+                for l in range(L):
+                    tx.store(rid, l, [7])
+                await tx.wait_sent(rid, 10)
+                assert torch.equal(dst[:, round_], src[:, 7])
+                tx.delete(rid), rx.delete(rid)
+                await rx.stop()  # the receiver goes away; the next round is a new instance on the same port
+            assert tx.stats()["pinned_entries"] == 0
+        finally:
+            await tx.stop()
+    run(main())
+
+
+def _frame_socket(port, hello=False):
+    """A raw client socket; with hello=True it has done a valid handshake (HELLO_OK consumed)."""
+    from pdserve.cachestore.frames import FrameType, PROTOCOL_VERSION, encode_json, read_frame_header
+
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if hello:
+        s.sendall(encode_json(FrameType.HELLO, {"version": PROTOCOL_VERSION, "compat_hash": COMPAT.compat_hash}))
+        f = read_frame_header(s)
+        assert f.type == FrameType.HELLO_OK
+        s.recv(f.payload_len, socket.MSG_WAITALL)
+    return s
+
+
+def test_garbage_and_truncated_frames_close_only_that_connection():
+    from pdserve.cachestore.frames import FrameType, encode_header, read_frame_header
+
+    async def main():
+        async with Pair("tcp") as p:
+            port = p.rx.port
+            # 1. garbage: not even a header
+            g = await asyncio.to_thread(_frame_socket, port)
+            g.sendall(b"\x16\x03\x01garbage that is not a pdserve frame at all....")
+            f = await asyncio.to_thread(read_frame_header, g)
+            assert f.type == FrameType.ERROR and b"bad frame magic" in g.recv(f.payload_len)
+            assert g.recv(10) == b""  # closed
+            g.close()
+            # 2. truncated DATA for a real entry: the entry fails, nothing else does
+            p.rx.expect("victim", [1, 2], 30)
+            t = await asyncio.to_thread(_frame_socket, port, True)
+            t.sendall(encode_header(FrameType.BIND, "victim"))
+            t.sendall(encode_header(FrameType.DATA, "victim", 0, 1, 2, 2 * LAYOUT.block_nbytes) + b"\x01" * 100)
+            waiter = asyncio.create_task(p.rx.wait_all("victim", 30))
+            # meanwhile a real sender is served normally
+            p.tx.bind("ok", p.rx.endpoint, p.rx.expect("ok", [9], 30))
+            for l in range(L):
+                p.tx.store("ok", l, [3])
+            await p.tx.wait_sent("ok", 10)
+            t.close()  # truncated mid-payload
+            with pytest.raises(TransferError, match="closed mid-frame"):
+                await waiter
+            # 3. a DATA length that does not match the block size: connection-level error
+            b = await asyncio.to_thread(_frame_socket, port, True)
+            b.sendall(encode_header(FrameType.DATA, "ok", 0, 9, 1, 7))
+            f = await asyncio.to_thread(read_frame_header, b)
+            assert f.type == FrameType.ERROR and b"does not fit blocks" in b.recv(f.payload_len)
+            b.close()
+            # 4. DATA for an unknown request id: dropped, answered with ERROR, the connection stays usable
+            u = await asyncio.to_thread(_frame_socket, port, True)
+            for _ in range(2):
+                u.sendall(encode_header(FrameType.DATA, "who", 0, 5, 1, LAYOUT.block_nbytes) + b"\x07" * LAYOUT.block_nbytes)
+                f = await asyncio.to_thread(read_frame_header, u)
+                assert f.type == FrameType.ERROR and f.rid == "who" and b"does not expect" in u.recv(f.payload_len)
+            u.close()
+            assert torch.count_nonzero(p.dst[:, 5]) == 0
+            await p.rx.wait_all("ok", 5)
+            assert p.copied([3], [9])
+            p.rx.delete("ok"), p.tx.delete("ok"), p.rx.delete("victim")
+            await p.assert_clean()
+    run(main())
