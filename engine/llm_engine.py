@@ -99,6 +99,7 @@ class LLMEngine:
         self._reserved: dict[str, list[int]] = {}
         self._done_early: list[Sequence] = []  # finished outside step(); reported by the next step
         self._arrivals = 0
+        self.num_preemptions = 0  # colocated sequences freed and recomputed for lack of blocks
 
     # ---- public queries --------------------------------------------------------------------
     @property
@@ -307,6 +308,7 @@ class LLMEngine:
         return max(candidates, key=lambda s: s.arrival) if candidates else None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self._free_blocks(seq)
         seq.num_computed = 0
@@ -429,6 +431,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.status, seq.finish_reason = Status.FINISHED, reason
         if seq.detok is not None and reason != "stop":
+            seq.detok.flush()
             seq.pending_text += seq.detok.text[seq.emitted_len :]
             seq.emitted_len = len(seq.detok.text)
 

@@ -149,6 +149,12 @@ def load_model(
     if name_or_path in BUILTIN_NAMES:
         cfg = tiny_config()
         weights = random_hf_weights(cfg, seed=seed)
+        # Only printable ASCII, newline and EOS get random output weights; every other byte
+        # gets logit 0 and rarely wins, so the built-in model's text is printable gibberish.
+        keep = [10, *range(32, 127), ByteTokenizer.EOS]
+        mask = torch.zeros(cfg.vocab_size, 1)
+        mask[keep] = 1.0
+        weights["lm_head.weight"] = weights["lm_head.weight"] * mask * 20
         model = build_model(cfg, weights.__getitem__, dtype, device)
         return LoadedModel(BUILTIN_MODEL, cfg, model, ByteTokenizer(), dtype, device)
     path = Path(name_or_path)

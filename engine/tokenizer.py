@@ -42,12 +42,23 @@ class IncrementalDetokenizer:
         self._ids.extend(ids)
         prev = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
         new = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
-        if new.endswith("\ufffd") or len(new) <= len(prev):
+        if len(new) <= len(prev):
             return ""
+        if new.endswith("\ufffd") and len(self._ids) - self._read < 4:
+            return ""  # maybe an incomplete character (at most 4 bytes); an invalid one goes out after 4
         delta = new[len(prev) :]
         # keep a short window so tokenizers that join pieces (leading spaces) decode in context
         self._prefix = self._read
         self._read = len(self._ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Text of ids still held back (an incomplete character at the end), as replacement chars."""
+        prev = self._tok.decode(self._ids[self._prefix : self._read], skip_special_tokens=self._skip)
+        new = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        delta = new[len(prev) :] if len(new) > len(prev) else ""
+        self._prefix = self._read = len(self._ids)
         self.text += delta
         return delta
 

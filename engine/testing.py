@@ -1,0 +1,51 @@
+"""Helpers for tests and benchmarks that drive an LLMEngine synchronously.
+
+- ``run_all(engine, requests)`` runs requests to completion on the colocated path.
+- ``copy_prompt_kv(src, src_blocks, dst, dst_blocks, n_tokens)`` copies a prompt's KV between
+  two engines' pools block by block, layer by layer: what the CacheStore does for P/D.
+- ``run_pd(prefill_engine, decode_engine, requests)`` runs requests the P/D way in one process.
+"""
+
+from __future__ import annotations
+
+from .block_manager import blocks_needed
+from .llm_engine import LLMEngine
+from .sampling import SamplingParams
+
+
+def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    """Add every request, step until done; request id -> generated token ids."""
+    out: dict[str, list[int]] = {rid: [] for rid in requests}
+    for rid, (ids, sp) in requests.items():
+        engine.add_request(rid, ids, sp)
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+def copy_layer_blocks(src: LLMEngine, src_blocks: list[int], dst: LLMEngine, dst_blocks: list[int], layer: int) -> None:
+    """Copy one layer of ``src_blocks`` of ``src``'s pool into ``dst_blocks`` of ``dst``'s pool."""
+    for s, d in zip(src_blocks, dst_blocks):
+        dst.kv_cache.layer(layer)[d].copy_(src.kv_cache.layer(layer)[s])
+
+
+def run_pd(
+    prefill: LLMEngine, decode: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+) -> dict[str, list[int]]:
+    """Each request: reserve on decode, prefill_only with a per-layer copy, release, add_prefilled."""
+    out: dict[str, list[int]] = {}
+    for rid, (ids, sp) in requests.items():
+        dst = decode.reserve(rid, len(ids), sp.max_tokens)
+        n = blocks_needed(len(ids), prefill.block_size)
+        first = prefill.prefill_only(
+            rid, ids, sp, on_layer=lambda layer, src: copy_layer_blocks(prefill, src[:n], decode, dst[:n], layer)
+        )
+        prefill.release(rid)
+        decode.add_prefilled(rid, ids, first, sp)
+        finished_at_first = (not sp.ignore_eos and first in decode.eos_ids) or first in sp.stop_token_ids
+        out[rid] = [] if finished_at_first else [first]
+    while decode.has_unfinished():
+        for o in decode.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
