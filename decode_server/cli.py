@@ -76,7 +76,14 @@ async def serve(args: argparse.Namespace) -> int:
         ok = not service.draining
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
+    async def debug_request(request):
+        rid = request.match_info["rid"]
+        if rid not in service.layer_arrivals:
+            return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
+        return web.json_response({"request_id": rid, "layer_arrived": service.layer_arrivals[rid]})
+
     app = web.Application()
+    app.router.add_get("/debug/requests/{rid}", debug_request)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics.aiohttp_handler)

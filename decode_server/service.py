@@ -39,6 +39,12 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.session_timeout_s, self.metrics = session_timeout_s, metrics
         self.sessions: dict[str, SessionInfo] = {}
         self.draining = False
+        self.layer_arrivals: dict[str, list[float]] = {}  # recent requests only, for /debug/requests
+
+    def remember_arrivals(self, request_id: str, times: list[float]) -> None:
+        self.layer_arrivals[request_id] = times
+        while len(self.layer_arrivals) > 256:
+            self.layer_arrivals.pop(next(iter(self.layer_arrivals)))
 
     # -- engine adapters (DecodeSession calls these) ---------------------------------------
     async def reserve(self, request_id: str, n_prompt: int, max_tokens: int) -> list[int]:

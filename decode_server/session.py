@@ -138,7 +138,7 @@ class DecodeSession:
     # -- the lifecycle -----------------------------------------------------------------------
     async def run(self) -> None:
         srv = self.server
-        reader = None
+        reader = arrivals = None
         try:
             first = await asyncio.wait_for(self.context.read(), timeout=srv.session_timeout_s)
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "start":
@@ -151,6 +151,7 @@ class DecodeSession:
             timeout = min(start.timeout_s or srv.session_timeout_s, srv.session_timeout_s)
             deadline = time.monotonic() + timeout
             self.info.stage = "transfer"
+            arrivals = asyncio.ensure_future(self._record_layer_arrivals(timeout))
             first_token = await self._until_peer_gone_or(self.first_token, timeout, "the first token")
             remaining = max(0.01, deadline - time.monotonic())
             await self._until_peer_gone_or(srv.receiver.wait_all(self.request_id, remaining), remaining + 0.5, "the KV layers")
@@ -172,7 +173,20 @@ class DecodeSession:
         finally:
             if reader is not None:
                 reader.cancel()
+            if arrivals is not None:
+                arrivals.cancel()
             await self._release()
+
+    async def _record_layer_arrivals(self, timeout: float) -> None:
+        """Monotonic time each KV layer arrived (subscribing per layer), kept for /debug/requests."""
+        srv, times = self.server, []
+        srv.remember_arrivals(self.request_id, times)
+        try:
+            for layer in range(srv.compat.num_layers):
+                await srv.receiver.load(self.request_id, layer, timeout)
+                times.append(time.monotonic())
+        except Exception:  # noqa: BLE001 - failures are handled by the session itself
+            pass
 
     async def _try_write_error(self, reason: str) -> None:
         try:

@@ -110,7 +110,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         local_fallback=args.local_fallback, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
     )
-    frontend = Frontend(node, loaded.tokenizer, SamplingParams, model_name, max_len, metrics)
+    frontend = Frontend(node, loaded.tokenizer, SamplingParams, model_name, max_len, metrics, loaded.config.vocab_size)
     draining = {"on": False}
 
     def health() -> dict:

@@ -28,10 +28,11 @@ class Piece:
 
 
 class Frontend:
-    def __init__(self, node, tokenizer, sampling_cls, model_name: str, max_model_len: int, metrics=None):
-        self.node, self.tokenizer, self.sampling_cls = node, tokenizer, sampling_cls
+    def __init__(self, node, tokenizer, sampling_cls, model_name: str, max_model_len: int, metrics=None, vocab_size: int | None = None):
+        self.node, self.tokenizer, self.sampling_cls, self.vocab_size = node, tokenizer, sampling_cls, vocab_size
         self.model_name, self.max_model_len, self.metrics = model_name, max_model_len, metrics
         self.in_flight = 0
+        self.active: set[str] = set()  # request ids in flight (client-given ids must be unique)
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         if parsed.kind == "chat":
@@ -40,6 +41,14 @@ class Frontend:
         if parsed.prompt_token_ids is not None:
             return list(parsed.prompt_token_ids)
         return self.tokenizer.encode(parsed.prompt)
+
+    def check_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty after tokenization", "prompt")
+        if self.vocab_size is not None:
+            bad = next((t for t in prompt_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise BadRequest(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
 
     def sampling(self, spec: SamplingSpec, n_prompt: int, kind: str = "completion"):
         room = self.max_model_len - n_prompt
@@ -64,6 +73,9 @@ class Frontend:
 
     async def stream(self, request_id: str, prompt_ids: list[int], sp):
         """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node."""
+        if request_id in self.active:
+            raise BadRequest(f"request_id {request_id!r} is already in flight", "request_id")
+        self.active.add(request_id)
         clock = self.metrics.request_clock(len(prompt_ids)) if self.metrics else None
         text = TextStream(self.tokenizer.detokenizer(), sp.stop, self.tokenizer.decode)
         outcome, reason = "error", "error"
@@ -97,5 +109,6 @@ class Frontend:
         finally:
             await deltas.aclose()  # closes the Session (cancel reaches decode) if still open
             self.in_flight -= 1
+            self.active.discard(request_id)
             if clock is not None:
                 clock.finish(outcome, reason)

@@ -36,6 +36,7 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
             ids = fe.tokenizer.encode(req.prompt)
         else:
             raise BadRequest("one of prompt or prompt_token_ids is required", "prompt")
+        fe.check_prompt(ids)
         if req.max_tokens < 0:
             raise BadRequest(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
         spec = SamplingSpec(
@@ -62,6 +63,8 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
                     request_id=request_id, token_ids=piece.token_ids, text=piece.text,
                     finish_reason=piece.finish_reason or "", prompt_tokens=len(ids), completion_tokens=produced,
                 )
+        except BadRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         except NoDecodeAvailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except DecodeFailed as exc:

@@ -8,6 +8,7 @@
 | GET  /health                 | 200 + JSON counters (sessions, KV blocks, CacheStore entries) |
 | GET  /ready                  | 200 when a decode is routable or local fallback is on, else 503 |
 | GET  /metrics                | Prometheus text                                              |
+| GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
 
 Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); no decode
 and no fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
@@ -46,7 +47,17 @@ class HttpApi:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/debug/requests/{rid}", self.debug_request)
         return app
+
+    async def debug_request(self, request: web.Request) -> web.Response:
+        """Monotonic timestamps of a recent P/D request (allocation, each layer stored, KV sent)."""
+        rid = request.match_info["rid"]
+        t = self.fe.node.last_timings.get(rid)
+        if t is None:
+            return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
+        return web.json_response({"request_id": rid, "start": t.start, "allocated": t.allocated, "layer_stored": t.layer_stored,
+                                  "prefill_done": t.prefill_done, "kv_sent": t.kv_sent})
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": self.fe.max_model_len}
@@ -80,6 +91,7 @@ class HttpApi:
         try:
             parsed = parse(oa.parse_json(await request.read()), fe.model_name)
             prompt_ids = fe.prompt_ids(parsed)
+            fe.check_prompt(prompt_ids)
             sp = fe.sampling(parsed.sampling, len(prompt_ids), parsed.kind)
         except oa.BadRequest as exc:
             if self.metrics is not None:
