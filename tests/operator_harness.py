@@ -1,0 +1,120 @@
+"""Shared by the operator's real-cluster tests and tools/bench_operator.py.
+
+`install_chart` helm-installs charts/pdserve (CRDs, RBAC, ServiceAccount, the operator
+Deployment, whose pod stays Pending: there is no kubelet) and waits for the CRDs to be
+established. `OperatorProcess` runs `pdserve operator` as a local process with a kubeconfig
+holding the chart's ServiceAccount token, so every call it makes goes through RBAC exactly
+as the in-cluster pod's would.
+
+Pods never run here, so "ready" is simulated where a test needs it: `mark_pods_ready` sets
+the Ready condition through the pods/status subresource (what a kubelet would do); the
+ReplicaSet and Deployment controllers then count the pods as ready as usual.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+from procs import REPO, VENV_BIN
+
+CHART = REPO / "charts" / "pdserve"
+RELEASE = "pdop"
+RELEASE_NAMESPACE = "pdserve-operator-test"
+OPERATOR_SA = f"{RELEASE}-pdserve-operator"
+IMAGE = "registry.test/pdserve:1"
+CRD_NAMES = ["inferenceservices.pdserve.io", "prefillpools.pdserve.io", "decodepools.pdserve.io"]
+
+
+def install_chart(kube) -> None:
+    """helm install (or upgrade) the chart and wait until its CRDs are established."""
+    kube.helm("upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace")
+    for crd in CRD_NAMES:
+        kube.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+
+
+def get_json(kube, *args: str) -> dict | None:
+    """kubectl get ... -o json; None when it does not exist."""
+    proc = kube.kubectl("get", *args, "-o", "json", check=False)
+    if proc.returncode != 0:
+        if "NotFound" in proc.stderr or "not found" in proc.stderr:
+            return None
+        raise RuntimeError(proc.stderr)
+    return json.loads(proc.stdout)
+
+
+def condition(obj: dict | None, type_: str) -> dict | None:
+    for cond in ((obj or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return cond
+    return None
+
+
+def mark_pods_ready(kube, namespace: str, selector: str) -> int:
+    """Set phase Running and Ready=True on the pods matching selector (as a kubelet would); how many."""
+    pods = json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    for pod in pods:
+        status = {"status": {"phase": "Running", "podIP": "10.0.0.1", "conditions": [
+            {"type": t, "status": "True", "lastTransitionTime": now} for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]}}
+        kube.kubectl("patch", "pod", pod["metadata"]["name"], "-n", namespace, "--subresource=status", "--type=merge",
+                     "-p", json.dumps(status))
+    return len(pods)
+
+
+class OperatorProcess:
+    """`pdserve operator` as a local process under the chart's ServiceAccount; start/kill/stop."""
+
+    def __init__(self, kube, log_dir: Path, extra_args: tuple[str, ...] = ()):
+        self.kube = kube
+        self.log_dir = log_dir
+        self.kubeconfig = kube.token_kubeconfig(RELEASE_NAMESPACE, OPERATOR_SA)
+        self.extra_args = extra_args
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.starts += 1
+        log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
+        env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
+        self.proc = subprocess.Popen(
+            [str(VENV_BIN / "pdserve"), "operator", "--all-namespaces", "--kubeconfig", str(self.kubeconfig),
+             "--default-image", IMAGE, *self.extra_args],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        return self.proc
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            self.proc.wait(timeout=30)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log(self) -> str:
+        path = self.log_dir / f"operator-{self.starts}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def rss_kib(self) -> tuple[int, int]:
+        """(current VmRSS, peak VmHWM) of the operator process in KiB."""
+        fields = {}
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0])
+        return fields["VmRSS"], fields["VmHWM"]
+
+    def stop(self) -> None:
+        """SIGTERM (kopf stops cleanly), then SIGKILL if it has not exited within 15 s."""
+        if not self.alive():
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.kill()
