@@ -1,0 +1,238 @@
+"""Layer-wise KV transfer between two processes vs raw socket and raw NIXL throughput.
+
+Moves a synthetic KV set (default: 32 layers x 4096 tokens x 8 KV heads x 128 dims x
+2 bytes x K,V = 512 MiB, blocks of 64 tokens) from this process to a receiver process on
+loopback, and prints side by side, measured in the same run:
+
+  raw socket   one sendall of the whole pool, recv_into the peer's pool (baseline for tcp)
+  ours tcp     CacheStoreSender -> CacheStoreReceiver, layer by layer (store() per layer)
+  raw NIXL     one NIXL WRITE of the whole pool with a notification (baseline for nixl)
+  ours nixl    the CacheStore over NIXL, layer by layer
+
+Throughput is the pool size over the time from the first byte offered to the sender to the
+delivery confirmation (tcp: the receiver's ACK/reply; NIXL: WRITE reported DONE). Each
+figure is the median of --repeats runs. Extra peak memory is each process's peak RSS
+increase during the transfer (after start-up: pools allocated and touched, agents and
+receivers created), as a fraction of the KV bytes moved.
+Targets: tcp >= 80% of raw socket, nixl >= 90% of raw NIXL, extra peak memory <= 10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+from .bench_memory import PeakRSS
+from .memory import DTYPE_BYTES, CompatInfo, KVLayout, MemoryRegion
+
+DTYPE_BY_BYTES = {2: "float16", 4: "float32", 1: "uint8"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layers", type=int, default=32, help="layers (default 32)")
+    parser.add_argument("--tokens", type=int, default=4096, help="tokens of KV moved (default 4096)")
+    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
+    parser.add_argument("--head-dim", type=int, default=128, help="head size (default 128)")
+    parser.add_argument("--dtype-bytes", type=int, choices=sorted(DTYPE_BY_BYTES), default=2, help="bytes per element (default 2)")
+    parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
+    parser.add_argument("--chunk-mib", type=float, default=4.0, help="sender chunk size in MiB (default 4)")
+    parser.add_argument("--transports", default="tcp,nixl", help="comma-separated: tcp,nixl (default both)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported (default 3)")
+    parser.add_argument("--quick", action="store_true", help="small set: 8 layers x 1024 tokens (32 MiB), 2 repeats")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.quick:
+        args.layers, args.tokens, args.repeats = 8, 1024, 2
+    if args.tokens % args.block_size:
+        raise SystemExit(f"--tokens ({args.tokens}) must be a multiple of --block-size ({args.block_size})")
+    transports = [t.strip() for t in args.transports.split(",") if t.strip()]
+    for t in transports:
+        if t not in ("tcp", "nixl"):
+            raise SystemExit(f"unknown transport {t!r} in --transports (tcp, nixl)")
+    if args.repeats <= 0:
+        raise SystemExit("--repeats must be positive")
+    compat = CompatInfo(DTYPE_BY_BYTES[args.dtype_bytes], args.layers, args.kv_heads, args.head_dim, args.block_size)
+    layout = KVLayout(args.layers, args.tokens // args.block_size, compat.block_nbytes)
+    results = asyncio.run(_bench(args, compat, layout, transports))
+    _print(args, compat, layout, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[str]) -> dict:
+    import torch
+    from tqdm import tqdm
+
+    torch.set_num_threads(1)
+    pool = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pool.random_(0, 256, generator=torch.Generator().manual_seed(0))
+    region = MemoryRegion.from_tensor(pool)
+    server = await asyncio.start_server(lambda r, w: conn.set_result((r, w)), "127.0.0.1", 0)
+    conn: asyncio.Future = asyncio.get_running_loop().create_future()
+    geometry = {"compat": {"dtype": compat.dtype, "num_layers": compat.num_layers, "num_kv_heads": compat.num_kv_heads,
+                           "head_dim": compat.head_dim, "block_size": compat.block_size},
+                "layout": {"num_layers": layout.num_layers, "num_blocks": layout.num_blocks,
+                           "block_nbytes": layout.block_nbytes}}
+    child = subprocess.Popen([sys.executable, "-m", "pdserve.cachestore.bench_receiver", json.dumps(geometry),
+                              str(server.sockets[0].getsockname()[1])])
+    try:
+        reader, writer = await asyncio.wait_for(conn, 120)
+
+        async def ask(doc: dict) -> dict:
+            writer.write((json.dumps(doc) + "\n").encode())
+            await writer.drain()
+            line = await asyncio.wait_for(reader.readline(), 600)
+            if not line:
+                raise RuntimeError(f"benchmark receiver process exited ({child.poll()})")
+            return json.loads(line)
+
+        kinds = []
+        for t in transports:
+            kinds += [f"raw_{t}", f"ours_{t}"]
+        runs: dict[str, list[dict]] = {k: [] for k in kinds}
+        senders: dict[str, object] = {}
+        raw_nixl = None
+        peak = PeakRSS()
+        # repeat -1 warms up (connections, agents, first-touch) and is not recorded;
+        # the rest interleave baseline and ours so both see the same machine load
+        steps = [(r, k) for r in range(-1, args.repeats) for k in kinds]
+        for repeat, kind in tqdm(steps, desc="cachestore bench", unit="run", file=sys.stderr):
+            if kind == "raw_tcp":
+                port = (await ask({"cmd": "raw_tcp"}))["port"]
+                peak.start()
+                secs = await asyncio.to_thread(_raw_tcp_send, region, layout.nbytes, port)
+                tx_rss = peak.stop()
+                rx_rss = (await _read(reader))["rss"]
+            elif kind == "raw_nixl":
+                from .nixl_backend import NixlMemory
+
+                if raw_nixl is None:
+                    raw_nixl = NixlMemory("bench-raw-tx", region)
+                info = await ask({"cmd": "raw_nixl"})
+                peak.start()
+                secs = await asyncio.to_thread(_raw_nixl_write, raw_nixl, region, layout.nbytes, info)
+                tx_rss = peak.stop()
+                rx_rss = (await _read(reader))["rss"]
+            else:
+                transport = kind.split("_", 1)[1]
+                if transport not in senders:
+                    from .sender import CacheStoreSender
+
+                    senders[transport] = CacheStoreSender(region, layout, compat, transport=transport,
+                                                          chunk_bytes=int(args.chunk_mib * (1 << 20)))
+                    await senders[transport].start()
+                tx = senders[transport]
+                rid = f"{kind}-{repeat}"
+                info = await ask({"cmd": "ours", "transport": transport, "rid": rid})
+                peak.start()
+                t0 = time.perf_counter()
+                tx.bind(rid, base64.b64decode(info["endpoint"]), info["dst"])
+                blocks = list(range(layout.num_blocks))
+                for layer in range(layout.num_layers):
+                    tx.store(rid, layer, blocks)
+                await tx.wait_sent(rid, 600)
+                secs = time.perf_counter() - t0
+                tx_rss = peak.stop()
+                tx.delete(rid)
+                rx_rss = (await _read(reader))["rss"]
+            if repeat < 0:
+                continue
+            runs[kind].append({"seconds": secs, "gib_s": layout.nbytes / secs / (1 << 30),
+                               "sender_rss": tx_rss, "receiver_rss": rx_rss})
+        for tx in senders.values():
+            await tx.stop()
+        await ask_quit(writer)
+        if raw_nixl is not None:
+            raw_nixl.close()
+    finally:
+        try:
+            child.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            child.kill()
+        server.close()
+    summary = {k: {"gib_s": statistics.median(r["gib_s"] for r in v),
+                   "sender_rss": max(r["sender_rss"] for r in v),
+                   "receiver_rss": max(r["receiver_rss"] for r in v),
+                   "runs_gib_s": [round(r["gib_s"], 3) for r in v]} for k, v in runs.items()}
+    return {"kv_bytes": layout.nbytes, "repeats": args.repeats, "results": summary}
+
+
+async def _read(reader: asyncio.StreamReader) -> dict:
+    line = await asyncio.wait_for(reader.readline(), 600)
+    if not line:
+        raise RuntimeError("benchmark receiver process exited")
+    return json.loads(line)
+
+
+async def ask_quit(writer: asyncio.StreamWriter) -> None:
+    writer.write(b'{"cmd": "quit"}\n')
+    await writer.drain()
+
+
+def _raw_tcp_send(region: MemoryRegion, nbytes: int, port: int) -> float:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    view = region.host_view()
+    t0 = time.perf_counter()
+    sock.sendall(view[:nbytes])
+    if sock.recv(1) != b"k":
+        raise RuntimeError("raw tcp receiver did not confirm")
+    secs = time.perf_counter() - t0
+    sock.close()
+    return secs
+
+
+def _raw_nixl_write(nixl, region: MemoryRegion, nbytes: int, info: dict) -> float:
+    agent = nixl.agent
+    remote = agent.add_remote_agent(base64.b64decode(info["md"]))
+    local = agent.get_xfer_descs([(region.ptr, nbytes, 0)], "DRAM")
+    dst = agent.get_xfer_descs([(info["addr"], nbytes, 0)], "DRAM")
+    t0 = time.perf_counter()
+    handle = agent.initialize_xfer("WRITE", local, dst, remote, b"raw")
+    state = agent.transfer(handle)
+    while state == "PROC":
+        state = agent.check_xfer_state(handle)
+    secs = time.perf_counter() - t0
+    handle.release()
+    agent.remove_remote_agent(remote)
+    if state != "DONE":
+        raise RuntimeError(f"raw NIXL WRITE ended in state {state}")
+    return secs
+
+
+def _print(args, compat: CompatInfo, layout: KVLayout, results: dict) -> None:
+    mib = layout.nbytes / (1 << 20)
+    res = results["results"]
+    print(f"\nCacheStore benchmark: {layout.num_layers} layers x {args.tokens} tokens x {compat.num_kv_heads} KV heads x "
+          f"{compat.head_dim} dims x {DTYPE_BYTES[compat.dtype]} bytes x K,V = {mib:.1f} MiB; blocks of "
+          f"{compat.block_size} tokens ({layout.block_nbytes // 1024} KiB); chunks of {args.chunk_mib:g} MiB; "
+          f"median of {results['repeats']} runs")
+    print(f"{'':26}{'GiB/s':>8}  {'ratio':>18}  {'sender +peak':>16}  {'receiver +peak':>16}")
+    targets = {"tcp": 0.80, "nixl": 0.90}
+    for t in ("tcp", "nixl"):
+        if f"raw_{t}" not in res:
+            continue
+        raw, ours = res[f"raw_{t}"], res[f"ours_{t}"]
+        ratio = ours["gib_s"] / raw["gib_s"]
+        label = "raw socket (one send)" if t == "tcp" else "raw NIXL WRITE"
+        for name, r, rtext in ((label, raw, "baseline"),
+                               (f"ours {t} (layer-wise)", ours, f"{ratio:6.1%} (target {targets[t]:.0%})")):
+            print(f"{name:26}{r['gib_s']:8.2f}  {rtext:>18}  {_mem(r['sender_rss'], layout):>16}  "
+                  f"{_mem(r['receiver_rss'], layout):>16}")
+        ours["ratio_vs_raw"] = ratio
+    print("peak = peak RSS increase during the transfer, MiB (% of KV bytes); target <= 10%")
+
+
+def _mem(nbytes: int, layout: KVLayout) -> str:
+    return f"{nbytes / (1 << 20):.1f} ({nbytes / layout.nbytes:.1%})"

@@ -1,0 +1,105 @@
+"""The receiving process of ``pdserve bench cachestore`` (started by bench.py, not by users).
+
+It allocates and touches its KV pool, then serves commands from the benchmark over one
+control connection (JSON lines): ``raw_tcp`` (one big recv_into the pool), ``raw_nixl``
+(register the pool with a NIXL agent, wait for one WRITE's notification), ``ours``
+(CacheStoreReceiver: expect every block, wait_all, delete) and ``quit``. Each reply carries
+the peak RSS increase during that measurement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import socket
+import sys
+import time
+
+import torch
+
+from .bench_memory import PeakRSS
+from .memory import CompatInfo, KVLayout, MemoryRegion
+
+
+async def serve(geometry: dict, control_port: int) -> None:
+    compat = CompatInfo(**geometry["compat"])
+    layout = KVLayout(**geometry["layout"])
+    pool = torch.empty(layout.nbytes, dtype=torch.uint8)
+    pool.fill_(0)  # touch every page before any measurement
+    region = MemoryRegion.from_tensor(pool)
+    reader, writer = await asyncio.open_connection("127.0.0.1", control_port)
+    receivers: dict[str, object] = {}
+    nixl_mem = None
+    peak = PeakRSS()
+
+    async def reply(doc: dict) -> None:
+        writer.write((json.dumps(doc) + "\n").encode())
+        await writer.drain()
+
+    while True:
+        line = await reader.readline()
+        if not line:
+            return
+        cmd = json.loads(line)
+        if cmd["cmd"] == "quit":
+            break
+        if cmd["cmd"] == "raw_tcp":
+            lsock = socket.socket()
+            lsock.bind(("127.0.0.1", 0))
+            lsock.listen(1)
+            await reply({"port": lsock.getsockname()[1]})
+            peak.start()
+
+            def receive() -> None:
+                conn, _ = lsock.accept()
+                view = region.host_view()
+                got = 0
+                while got < layout.nbytes:
+                    n = conn.recv_into(view[got:], layout.nbytes - got, socket.MSG_WAITALL)
+                    if n == 0:
+                        raise RuntimeError("raw tcp sender closed early")
+                    got += n
+                conn.sendall(b"k")
+                conn.close()
+
+            await asyncio.to_thread(receive)
+            lsock.close()
+            await reply({"rss": peak.stop()})
+        elif cmd["cmd"] == "raw_nixl":
+            from .nixl_backend import NixlMemory
+
+            if nixl_mem is None:
+                nixl_mem = NixlMemory("bench-raw-rx", region)
+            await reply({"md": base64.b64encode(nixl_mem.metadata()).decode(), "addr": region.ptr})
+            peak.start()
+            while not nixl_mem.agent.get_new_notifs():
+                await asyncio.sleep(0.0002)
+            await reply({"rss": peak.stop()})
+        elif cmd["cmd"] == "ours":
+            from .receiver import CacheStoreReceiver
+
+            transport = cmd["transport"]
+            if transport not in receivers:
+                receivers[transport] = CacheStoreReceiver(region, layout, compat, transport=transport)
+                await receivers[transport].start()
+            rx = receivers[transport]
+            rid = cmd["rid"]
+            dst = rx.expect(rid, list(range(layout.num_blocks)), 600)
+            peak.start()
+            await reply({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst})
+            await rx.wait_all(rid, 600)
+            rss = peak.stop()
+            rx.delete(rid)
+            await reply({"rss": rss, "stats": rx.stats()})
+    for rx in receivers.values():
+        await rx.stop()
+    if nixl_mem is not None:
+        nixl_mem.close()
+    writer.close()
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    asyncio.run(serve(json.loads(sys.argv[1]), int(sys.argv[2])))
+    time.sleep(0.1)
