@@ -1,0 +1,64 @@
+"""`pdserve up`: starts prefill + decodes, prints how to call it, serves, and on Ctrl-C
+drains the in-flight request before stopping every process."""
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from procs import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def test_up_serves_and_ctrl_c_drains(procs, tmp_path):
+    port, grpc_port = free_port(), free_port()
+    up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", "1", "--decode", "2", "--port", str(port),
+                      "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up")
+    log = tmp_path / "logs" / "up.log"
+    deadline = time.monotonic() + 180
+    while "pdserve is up" not in log.read_text(errors="replace"):
+        assert up.poll() is None, log.read_text(errors="replace")
+        assert time.monotonic() < deadline, "pdserve up did not become ready"
+        time.sleep(0.3)
+    banner = log.read_text(errors="replace")
+    assert f"http://127.0.0.1:{port}/v1" in banner and "curl" in banner and "OpenAI(" in banner
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "drain me", "max_tokens": 600,
+                                                        "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = []
+    first = threading.Event()
+
+    def read():
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[6:])
+                first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(60)
+    os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
+    reader.join(120)
+    assert events[-1] == "[DONE]" and not any(e.startswith('{"error"') for e in events)
+    finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finish[-1] == "length"
+    assert up.wait(60) == 0
+    logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / "up-logs").glob("*.log")}
+    assert sorted(logs) == ["decode-0.log", "decode-1.log", "prefill-0.log"]
+    assert "draining 1 in-flight request" in logs["prefill-0.log"]
+    assert all("draining" in logs[f"decode-{i}.log"] for i in range(2))  # decodes were stopped after prefill
+
+
+def procs_bin():
+    from procs import VENV_BIN
+
+    return VENV_BIN / "pdserve"
