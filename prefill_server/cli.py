@@ -13,7 +13,9 @@ Request lifecycle on prefill:
 4. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
    each layer's blocks to decode as soon as they are written.
 5. **first token** - sampled here, sent on the Session and to the client.
-6. **relay** - decode's tokens stream back on the Session and out to the client.
+6. **relay** - decode's tokens stream back on the Session and out to the client. If the
+   decode dies mid-generation, the request resumes on another decode (prefill of prompt +
+   tokens so far) unless --no-resume; with no decode left the client gets an error event.
 7. **release** - prefill's KV blocks after the push; the Session and CacheStore entry at
    the end, whatever happened (a client disconnect cancels the Session, so decode frees
    its side at once).
@@ -51,6 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--load-report-interval", type=float, default=0.3, help="seconds between load report polls")
     d.add_argument("--load-report-expiry", type=float, default=1.5, help="seconds after which a load report no longer counts")
     d.add_argument("--max-attempts", type=int, default=3, help="decodes to try per request before falling back")
+    d.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="when a decode fails mid-generation, end the stream with an error instead of resuming the "
+                        "request on another decode (re-prefilling prompt + tokens so far)")
     d.add_argument("--local-fallback", action="store_true", help="decode locally when no decode can take a request")
     d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
     d.add_argument("--scheduler", choices=["priority", "fifo"], default="priority", help="CacheStore sender scheduling")
@@ -107,7 +112,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         engine=engine, sender=sender, picker=picker, poller=poller, compat=compat_message(engine.engine, args, model_name),
         block_size=args.block_size, kv_bytes_per_block=layout.block_nbytes * layout.num_layers,
         eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
-        local_fallback=args.local_fallback, session_timeout_s=args.session_timeout,
+        local_fallback=args.local_fallback, resume=args.resume, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, model_name, max_len, metrics, loaded.config.vocab_size)

@@ -118,7 +118,7 @@ class HttpApi:
                 piece = await pieces.__anext__()
                 texts.append(piece.text)
                 n_tokens += len(piece.token_ids)
-        except DecodeFailed as exc:
+        except (DecodeFailed, NoDecodeAvailable) as exc:
             return _json_error(502, str(exc), "server_error", code="decode_failed")
         return web.json_response(oa.full_response(parsed, "".join(texts), piece.finish_reason or "stop", n_prompt, n_tokens))
 
@@ -139,7 +139,7 @@ class HttpApi:
                         await resp.write(oa.sse(oa.usage_chunk(parsed, n_prompt, n_tokens)))
                     break
                 piece = await pieces.__anext__()
-        except DecodeFailed as exc:
+        except (DecodeFailed, NoDecodeAvailable) as exc:
             log.warning("request %s: %s", parsed.request_id, exc)
             await resp.write(oa.sse(oa.error_body(str(exc), "server_error", code="decode_failed")))
         await resp.write(oa.sse("[DONE]"))

@@ -5,18 +5,26 @@ front ends call. It yields ``Delta``s and raises:
 
 - ``NoDecodeAvailable`` (-> HTTP 503 / gRPC UNAVAILABLE) when no decode took the request
   after ``max_attempts`` tries and local fallback is off; the message lists every reason;
-- ``DecodeFailed`` when a decode failed after tokens reached the client.
+- ``DecodeFailed`` when a decode failed after tokens reached the client and the request
+  could not be resumed.
 
 Routing order: the DecodePicker's choice; on refusal / unreachable / failure before the
 first token, the next decode it picks (never one already tried), at most
 ``max_attempts`` decodes; then, with ``local_fallback``, the colocated engine in this
 process; else NoDecodeAvailable.
+
+Resume (``resume=True``, the default): when a decode fails mid-generation, the request
+continues on the next decode (or locally) by prefilling prompt + the tokens generated so
+far, with max_tokens reduced by those tokens; the client's stream just goes on. Greedy
+requests give exactly the tokens they would have; seeded random sampling restarts its
+per-position random stream at the resume point (so the continuation is a valid sample,
+not the same one). Without another decode or fallback the client gets the error.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.protos import session_pb2 as pb
 
@@ -45,6 +53,7 @@ class PrefillNode:
     connect_timeout_s: float = 5.0
     metrics: object | None = None
     out_of_blocks_error: type = RuntimeError  # the engine's OutOfBlocksError
+    resume: bool = True  # continue on another decode when one fails mid-generation
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -67,6 +76,8 @@ class PrefillNode:
     async def generate(self, request_id: str, prompt_ids: list[int], sp):
         tried: set[str] = set()
         reasons: list[str] = []
+        produced: list[int] = []  # tokens already given to the client (for resume)
+        failed_mid_stream: DecodeFailed | None = None
         m = self.metrics
         for _ in range(self.max_attempts):
             address = self.picker.pick(exclude=tried)
@@ -78,7 +89,8 @@ class PrefillNode:
             if m is not None:
                 m.decode_selections.labels(decode=address).inc()
             timings = SessionTimings()
-            stream = run_session(self, address, request_id, prompt_ids, sp, timings)
+            sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
+            stream = run_session(self, address, request_id, prompt_ids + produced, sp_now, timings)
             try:
                 try:
                     first = await stream.__anext__()
@@ -89,18 +101,32 @@ class PrefillNode:
                         m.decode_retries.labels(reason=exc.code).inc()
                     continue
                 self._keep_timings(request_id, timings)
+                produced += first.token_ids
                 yield first
                 async for delta in stream:
+                    produced += delta.token_ids
                     yield delta
                 return
+            except DecodeFailed as exc:
+                if not self.resume:
+                    raise
+                failed_mid_stream = exc
+                reasons.append(str(exc))
+                log.warning("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
+                if m is not None:
+                    m.decode_retries.labels(reason="decode_failed").inc()
+                if len(produced) >= sp.max_tokens:
+                    yield Delta([], True, "length")
+                    return
             finally:
                 await stream.aclose()
         if self.local_fallback:
             if m is not None:
-                m.local_fallbacks.labels(reason="no_decode").inc()
+                m.local_fallbacks.labels(reason="decode_failed" if failed_mid_stream else "no_decode").inc()
             log.info("request %s: decoding locally (%s)", request_id, "; ".join(reasons))
             self.local_requests += 1
-            outputs = self.engine.generate(request_id, prompt_ids, sp)
+            sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
+            outputs = self.engine.generate(request_id, prompt_ids + produced, sp_now)
             try:
                 async for out in outputs:
                     if out.error:
@@ -114,6 +140,8 @@ class PrefillNode:
                 await outputs.aclose()
                 self.local_requests -= 1
             return
+        if failed_mid_stream is not None:
+            raise DecodeFailed("; ".join(reasons))
         raise NoDecodeAvailable("no decode server could take the request: " + "; ".join(reasons))
 
     def _keep_timings(self, request_id: str, timings: SessionTimings) -> None:

@@ -1,5 +1,9 @@
 """Failure semantics with real processes (DESIGN.md "Failure semantics").
 
+Decode killed mid-generation: with another decode the request resumes there (prompt +
+tokens so far are prefilled again; greedy output is unchanged); with none, the client
+stream ends with an error event.
+
 Each test ends by checking that KV blocks, Sessions and CacheStore entries are back to
 zero on every process still alive.
 """
@@ -246,3 +250,45 @@ def test_client_disconnect_cancels_on_decode_within_a_second(procs):
         readings = wait_all_released([decode, prefill], timeout=1.0)
         assert nothing_held(readings), readings
         assert time.monotonic() - t0 < 1.0
+
+
+def test_decode_killed_mid_generation_resumes_on_another_decode(procs):
+    from pdserve.protos import generate_pb2 as gpb
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    decodes = [start_decode(procs, num_blocks=64, name=f"decode{i}") for i in range(2)]
+    for d in decodes:
+        wait_ready(d)
+    prefill = start_prefill(procs, [d.grpc_address for d in decodes])
+    wait_ready(prefill)
+    prompt, max_tokens = [256, *b"resume me"], 1000
+    got = []
+    with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
+        call = gpb_grpc.GeneratorStub(ch).Generate(
+            gpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True), timeout=120)
+        for _ in range(3):
+            got += next(call).token_ids
+        victim = next(d for d in decodes if get_json(d.url + "/health")[1]["sessions"] == 1)
+        procs.kill(victim.proc)
+        finish = ""
+        for resp in call:
+            got += resp.token_ids
+            finish = resp.finish_reason or finish
+    assert finish == "length" and len(got) == max_tokens
+    assert metric(prefill.url, "pdserve_decode_retries_total", reason="decode_failed") == 1
+
+    import torch
+
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=64))
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    expected = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            expected += out.new_token_ids
+    assert got == expected
+    survivor = next(d for d in decodes if d is not victim)
+    readings = wait_all_released([prefill, survivor])
+    assert nothing_held(readings), readings
