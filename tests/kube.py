@@ -10,6 +10,7 @@ Tests get it through the session fixture `kube` (tests/conftest.py), which yield
         kc = kube.token_kubeconfig("ns", "pdserve-operator")           # a real ServiceAccount token:
         kube.kubectl("get", "pods", "-n", "ns", kubeconfig=kc)         #   RBAC applies to it
         api = kube.api_client()                                        # kubernetes.client.ApiClient
+        kube.make_pods_ready("ns", "app=web", count=2)                 # simulated scheduler + kubelet
         kube.wait_until(lambda: ..., what="the pods to appear")
 
 What runs (started by `local_control_plane`, all on 127.0.0.1, free ports, data in a temp dir):
@@ -21,6 +22,10 @@ What runs (started by `local_control_plane`, all on 127.0.0.1, free ports, data 
   per-controller ServiceAccount credentials: the garbage collector, deployment, replicaset,
   serviceaccount(-token), endpoint(slice), namespace and root-CA publisher controllers run.
 No kubelet and no scheduler: pods stay Pending, which is enough to test what creates them.
+`kube.make_pods_ready(namespace, selector, count)` plays scheduler and kubelet for chosen pods
+(bound to a Node that is only an API object, reported Ready with a 10.244.x.y IP, deletion
+confirmed), so ready counts, Deployment status and EndpointSlices behave as in a real cluster;
+the node lifecycle controller is off, as no kubelet renews that node's lease.
 
 If the environment variable PDSERVE_KUBECONFIG names a kubeconfig, that existing cluster is
 used instead and nothing is started (kubectl and helm still come from the tools' cache if
@@ -38,12 +43,15 @@ from __future__ import annotations
 import base64
 import contextlib
 import ctypes
+import datetime
 import json
 import os
 import signal
 import ssl
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -99,7 +107,9 @@ class KubeCluster:
     server: str
     bin_dir: Path
     work_dir: Path
+    local: bool = True  # started by this harness (False for PDSERVE_KUBECONFIG's cluster)
     _tokens: int = field(default=0, repr=False)
+    _kubelet: "_FakeKubelet | None" = field(default=None, repr=False)
 
     def _env(self, kubeconfig: Path | None) -> dict[str, str]:
         env = dict(os.environ)
@@ -151,6 +161,43 @@ class KubeCluster:
 
         return config.new_client_from_config(config_file=str(kubeconfig or self.kubeconfig))
 
+    def make_pods_ready(self, namespace: str, selector: str, count: int = 1, timeout: float = 60.0) -> list[str]:
+        """Wait for at least `count` pods matching label `selector`, then make every one of them Ready.
+
+        The local control plane has no scheduler and no kubelet, so this does their part: it binds
+        each pod to the Node `pdserve-test-node` (an API object only), reports it Running and
+        Ready with a pod IP from 10.244.0.0/16, and from then on force-deletes it once it is
+        deleted (as a kubelet confirms a pod's termination). Controllers see real ready pods:
+        ReplicaSet/Deployment ready counts rise and EndpointSlices list their IPs. Nothing runs.
+        On an existing cluster (PDSERVE_KUBECONFIG) its kubelets do this; here it only waits.
+        Returns the names of the ready pods.
+        """
+        def pods() -> list[dict]:
+            return json.loads(self.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]
+
+        def ready(pod: dict) -> bool:
+            return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
+
+        def live(only_ready: bool = False) -> list[dict] | None:  # None until there are `count`
+            ps = [p for p in pods() if not p["metadata"].get("deletionTimestamp") and (ready(p) or not only_ready)]
+            return ps if len(ps) >= count else None
+
+        found = self.wait_until(live, timeout, what=f"{count} pods matching {selector} in {namespace}")
+        if self.local:
+            if self._kubelet is None:
+                self._kubelet = _FakeKubelet(self)
+            for pod in found:
+                if not ready(pod):
+                    self._kubelet.run_pod(pod)
+        return [p["metadata"]["name"] for p in self.wait_until(
+            lambda: live(only_ready=True), timeout, what=f"{count} ready pods matching {selector} in {namespace}")]
+
+    def close(self) -> None:
+        """Stop what this object started in the test process (the fake kubelet); not the cluster."""
+        if self._kubelet is not None:
+            self._kubelet.stop()
+            self._kubelet = None
+
     @staticmethod
     def wait_until(predicate: Callable[[], object], timeout: float = 60.0, interval: float = 0.2, what: str = "condition"):
         """Poll predicate until it returns something truthy (returned); TimeoutError names `what`."""
@@ -162,6 +209,75 @@ class KubeCluster:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
             time.sleep(interval)
+
+
+class _FakeKubelet:
+    """The kubelet part of make_pods_ready: one Node object, pods reported running, deletions confirmed.
+
+    A daemon thread polls the pods bound to the node and force-deletes those being deleted
+    (a kubelet would stop their containers, then do the same); stop() ends it.
+    """
+
+    NODE = "pdserve-test-node"
+
+    def __init__(self, cluster: KubeCluster):
+        from kubernetes import client
+
+        self.api_client = cluster.api_client()
+        self.core = client.CoreV1Api(self.api_client)
+        self.next_ip = 0
+        if not self.core.list_node(field_selector=f"metadata.name={self.NODE}").items:
+            self.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.NODE}})
+        now = _now()
+        self.core.patch_node_status(self.NODE, {"status": {
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "pdserve test harness",
+                            "lastHeartbeatTime": now, "lastTransitionTime": now}],
+            "capacity": {"cpu": "64", "memory": "256Gi", "pods": "500"},
+            "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "500"},
+        }})
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._confirm_deletions, name="fake-kubelet", daemon=True)
+        self.thread.start()
+
+    def run_pod(self, pod: dict) -> None:
+        name, namespace = pod["metadata"]["name"], pod["metadata"]["namespace"]
+        if not pod["spec"].get("nodeName"):
+            # The binding subresource is what the scheduler uses; the client's Binding model
+            # cannot read the response (a Status), hence _preload_content=False.
+            self.core.create_namespaced_binding(namespace, {
+                "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+                "target": {"apiVersion": "v1", "kind": "Node", "name": self.NODE}}, _preload_content=False)
+        self.next_ip += 1
+        ip = f"10.244.{self.next_ip // 250}.{self.next_ip % 250 + 1}"
+        now = _now()
+        conditions = [{"type": t, "status": "True", "lastTransitionTime": now}
+                      for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
+        statuses = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True, "started": True,
+                     "restartCount": 0, "state": {"running": {"startedAt": now}}} for c in pod["spec"]["containers"]]
+        self.core.patch_namespaced_pod_status(name, namespace, {"status": {
+            "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "10.244.255.1",
+            "hostIPs": [{"ip": "10.244.255.1"}], "startTime": now, "conditions": conditions, "containerStatuses": statuses}})
+
+    def _confirm_deletions(self) -> None:
+        from kubernetes.client.rest import ApiException
+
+        while not self.stopping.wait(0.3):
+            try:
+                for pod in self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.NODE}").items:
+                    if pod.metadata.deletion_timestamp is not None:
+                        with contextlib.suppress(ApiException):  # already gone
+                            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
+            except Exception:  # the API server is stopping, or a transient error: try again next round
+                continue
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
+        self.api_client.close()
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _write_kubeconfig(path: Path, cluster: dict, user: str, credentials: dict, namespace: str = "default") -> None:
@@ -292,6 +408,9 @@ def local_control_plane(work_dir: Path, bin_dir: Path | None = None) -> Iterator
             str(bin_dir / "kube-controller-manager"), f"--kubeconfig={cm_kubeconfig}", "--secure-port=0",
             "--leader-elect=false", f"--root-ca-file={pki.ca[1]}", f"--service-account-private-key-file={pki.sa_key}",
             "--use-service-account-credentials=true", f"--service-cluster-ip-range={SERVICE_CIDR}", "--v=1",
+            # No kubelet renews node leases: the node lifecycle controller would mark the fake
+            # node of make_pods_ready NotReady (and its pods unready) after 50 s.
+            "--controllers=*,-node-lifecycle-controller",
         ], name="kube-controller-manager", preexec_fn=_die_with_parent)
 
         ctx = ssl.create_default_context(cafile=str(pki.ca[1]))
@@ -310,7 +429,11 @@ def local_control_plane(work_dir: Path, bin_dir: Path | None = None) -> Iterator
         except TimeoutError as e:
             tails = "\n".join(f"--- {n} ---\n{_log_tail(logs / f'{n}.log')}" for n in CONTROL_PLANE_BINARIES)
             raise TimeoutError(f"{e}\n{tails}") from None
-        yield KubeCluster(kubeconfig=admin_kubeconfig, server=server, bin_dir=bin_dir, work_dir=work_dir)
+        cluster = KubeCluster(kubeconfig=admin_kubeconfig, server=server, bin_dir=bin_dir, work_dir=work_dir)
+        try:
+            yield cluster
+        finally:
+            cluster.close()
     finally:
         # Clients first, etcd last: stopped together, the API server waits for etcd's
         # connections and etcd for the API server's (about 10 s); in order it takes about 1 s.
@@ -344,7 +467,7 @@ def existing_cluster(kubeconfig: Path, work_dir: Path) -> KubeCluster:
             raise KubeToolsMissing(f"kubectl and helm are not both in {bin_dir} or in one PATH directory: run make k8s-tools")
         bin_dir = dirs.pop()
     work_dir.mkdir(parents=True, exist_ok=True)
-    cluster = KubeCluster(kubeconfig=kubeconfig, server="", bin_dir=bin_dir, work_dir=work_dir)
+    cluster = KubeCluster(kubeconfig=kubeconfig, server="", bin_dir=bin_dir, work_dir=work_dir, local=False)
     cluster.server = cluster.kubectl("config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}").stdout
     return cluster
 
@@ -360,12 +483,19 @@ def kube_cluster(work_dir: Path) -> Iterator[KubeCluster]:
             yield cluster
 
 
-if __name__ == "__main__":
+def _main() -> None:
+    # SIGINT (also when started in the background, where it is ignored by default) and SIGTERM
+    # leave through the `with`, which stops the control plane in order.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: sys.exit(0))
     start = time.monotonic()
     with local_control_plane(Path(tempfile.mkdtemp(prefix="pdserve-kube-"))) as cluster:
         print(f"control plane up in {time.monotonic() - start:.1f}s at {cluster.server}")
-        print(f"export KUBECONFIG={cluster.kubeconfig}   (kubectl and helm are in {cluster.bin_dir}); Ctrl-C stops it")
-        try:
+        print(f"export KUBECONFIG={cluster.kubeconfig}   (kubectl and helm are in {cluster.bin_dir}); "
+              "Ctrl-C or SIGTERM stops it", flush=True)
+        while True:
             signal.pause()
-        except KeyboardInterrupt:
-            pass
+
+
+if __name__ == "__main__":
+    _main()

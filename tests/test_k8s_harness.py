@@ -115,3 +115,32 @@ def test_pods_get_the_cluster_ca(kube, namespace):
                                               "jsonpath={.data.ca\\.crt}", check=False).stdout,
                          what="ConfigMap kube-root-ca.crt")
     assert ca.startswith("-----BEGIN CERTIFICATE-----")
+
+
+def test_pods_made_ready_count_in_the_deployment_and_its_endpointslice(kube, namespace):
+    kube.kubectl("apply", "-f", "-", input=DEPLOYMENT.replace("NS", namespace))
+    kube.kubectl("create", "service", "clusterip", "web", "--tcp=8000:8000", "-n", namespace)
+    names = kube.make_pods_ready(namespace, "app=web", count=2)
+    assert len(names) == 2
+
+    def ready_replicas():
+        status = json.loads(kube.kubectl("get", "deployment", "web", "-n", namespace, "-o", "json").stdout)["status"]
+        return status.get("readyReplicas") == 2 and status.get("availableReplicas") == 2
+
+    kube.wait_until(ready_replicas, what="the Deployment to count 2 ready replicas")
+
+    def slice_endpoints() -> list[dict]:
+        slices = json.loads(kube.kubectl("get", "endpointslices", "-n", namespace, "-l",
+                                         "kubernetes.io/service-name=web", "-o", "json").stdout)["items"]
+        return [e for s in slices for e in (s.get("endpoints") or []) if e["conditions"].get("ready")]
+
+    endpoints = kube.wait_until(lambda: (e := slice_endpoints()) and len(e) == 2 and e,
+                                what="2 ready endpoints in the Service's EndpointSlice")
+    assert {e["targetRef"]["name"] for e in endpoints} == set(names)
+    assert all(e["addresses"][0].startswith("10.244.") for e in endpoints)
+
+    # Scaling down deletes a bound pod; the fake kubelet confirms it, so it really goes away.
+    kube.kubectl("scale", "deployment", "web", "--replicas=1", "-n", namespace)
+    kube.wait_until(lambda: len(kube.kubectl("get", "pods", "-n", namespace, "-o", "name").stdout.split()) == 1,
+                    what="the scaled-down pod to be deleted")
+    kube.wait_until(lambda: len(slice_endpoints()) == 1, what="the EndpointSlice to drop the deleted pod")
