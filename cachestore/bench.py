@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transports", default="tcp,nixl", help="comma-separated: tcp,nixl (default both)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported (default 3)")
     parser.add_argument("--quick", action="store_true", help="small set: 8 layers x 1024 tokens (32 MiB), 2 repeats")
+    parser.add_argument("--mixed", action="store_true",
+                        help="also compare schedulers: short requests stored right behind a long one (fifo vs priority)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
 
 
@@ -152,6 +154,15 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                                "sender_rss": tx_rss, "receiver_rss": rx_rss})
         for tx in senders.values():
             await tx.stop()
+        mixed = {}
+        if args.mixed:
+            from .bench_mixed import run_mixed
+
+            for transport in transports:
+                for sched in ("fifo", "priority"):
+                    mixed[f"{transport}_{sched}"] = await run_mixed(
+                        ask, lambda: _read(reader), region, layout, compat, transport, sched,
+                        int(args.chunk_mib * (1 << 20)), f"mixed-{transport}-{sched}")
         await ask_quit(writer)
         if raw_nixl is not None:
             raw_nixl.close()
@@ -165,7 +176,7 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                    "sender_rss": max(r["sender_rss"] for r in v),
                    "receiver_rss": max(r["receiver_rss"] for r in v),
                    "runs_gib_s": [round(r["gib_s"], 3) for r in v]} for k, v in runs.items()}
-    return {"kv_bytes": layout.nbytes, "repeats": args.repeats, "results": summary}
+    return {"kv_bytes": layout.nbytes, "repeats": args.repeats, "results": summary, "mixed": mixed}
 
 
 async def _read(reader: asyncio.StreamReader) -> dict:
@@ -232,6 +243,12 @@ def _print(args, compat: CompatInfo, layout: KVLayout, results: dict) -> None:
                   f"{_mem(r['receiver_rss'], layout):>16}")
         ours["ratio_vs_raw"] = ratio
     print("peak = peak RSS increase during the transfer, MiB (% of KV bytes); target <= 10%")
+    if results["mixed"]:
+        print(f"\nscheduler comparison: 4 short requests (1 block x {layout.num_layers} layers) stored right behind "
+              f"a long one ({layout.num_blocks - 4} blocks x {layout.num_layers} layers), one link")
+        print(f"{'':18}{'short median s':>15}{'short max s':>13}{'long s':>9}")
+        for name, m in results["mixed"].items():
+            print(f"{name:18}{m['short_median_s']:15.3f}{m['short_max_s']:13.3f}{m['long_s']:9.3f}")
 
 
 def _mem(nbytes: int, layout: KVLayout) -> str:

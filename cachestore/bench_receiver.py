@@ -3,7 +3,8 @@
 It allocates and touches its KV pool, then serves commands from the benchmark over one
 control connection (JSON lines): ``raw_tcp`` (one big recv_into the pool), ``raw_nixl``
 (register the pool with a NIXL agent, wait for one WRITE's notification), ``ours``
-(CacheStoreReceiver: expect every block, wait_all, delete) and ``quit``. Each reply carries
+(CacheStoreReceiver: expect every block, wait_all, delete), ``expect_many`` (several
+requests at once, for the scheduler comparison) and ``quit``. Each reply carries
 the peak RSS increase during that measurement.
 """
 
@@ -92,6 +93,20 @@ async def serve(geometry: dict, control_port: int) -> None:
             rss = peak.stop()
             rx.delete(rid)
             await reply({"rss": rss, "stats": rx.stats()})
+        elif cmd["cmd"] == "expect_many":
+            from .receiver import CacheStoreReceiver
+
+            transport = cmd["transport"]
+            if transport not in receivers:
+                receivers[transport] = CacheStoreReceiver(region, layout, compat, transport=transport)
+                await receivers[transport].start()
+            rx = receivers[transport]
+            dst = {rid: rx.expect(rid, blocks, 600) for rid, blocks in cmd["rids"].items()}
+            await reply({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst})
+            await asyncio.gather(*(rx.wait_all(rid, 600) for rid in dst))
+            for rid in dst:
+                rx.delete(rid)
+            await reply({"stats": rx.stats()})
     for rx in receivers.values():
         await rx.stop()
     if nixl_mem is not None:

@@ -141,6 +141,9 @@ class EntryTable:
                 failed += self._fail_locked(entry.rid, TransferError(f"request {entry.rid!r}: {error_text}"))
             return failed
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def live_ids(self) -> list[str]:
         with self.lock:
             return [rid for rid, e in self._entries.items() if not e.deleted]

@@ -215,7 +215,6 @@ class Link:
             bnb = layout.block_nbytes
             region = self.sender.region
             outstanding: collections.deque = collections.deque()
-            idle = 0
             try:
                 while True:
                     chunk = None
@@ -252,11 +251,10 @@ class Link:
                         progressed = True
                         if state != "DONE":
                             raise TransferError(f"NIXL WRITE to {self.peer} for request {done.transfer.key!r} failed")
-                    if progressed:
-                        idle = 0
-                    else:
-                        idle += 1
-                        time.sleep(min(0.001, 0.000005 * idle))
+                    if not progressed:
+                        # check_xfer_state also drives UCX progress, so poll back to back
+                        # (as a raw NIXL loop does) and only yield the GIL in between
+                        time.sleep(0)
             finally:
                 for handle, chunk in outstanding:
                     try:

@@ -415,7 +415,7 @@ class CacheStoreReceiver:
 
         idle = 0
         while not self._stopping:
-            if self._table.stats()["pinned_entries"] == 0:
+            if len(self._table) == 0:
                 self._nixl_wake.wait(0.5)
                 self._nixl_wake.clear()
                 continue

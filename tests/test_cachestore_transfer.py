@@ -279,6 +279,13 @@ def test_reconnects_after_receiver_restart():
                 tx.delete(rid), rx.delete(rid)
                 await rx.stop()  # the receiver goes away; the next round is a new instance on the same port
             assert tx.stats()["pinned_entries"] == 0
+            # nothing listens any more: the request fails with a clear error, nothing stays pinned
+            ep = Endpoint.from_bytes(rx.endpoint)
+            tx.bind("gone", rx.endpoint, [1])
+            tx.store("gone", 0, [1])
+            with pytest.raises(TransferError, match=f"cannot connect to CacheStore receiver 127.0.0.1:{ep.port}"):
+                await tx.wait_sent("gone", 10)
+            assert tx.stats()["pinned_entries"] == tx.stats()["inflight_transfers"] == 0
         finally:
             await tx.stop()
     run(main())
