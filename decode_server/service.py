@@ -64,9 +64,19 @@ class DecodeService(pb_grpc.DecodeServicer):
         if self.metrics is not None:
             self.metrics.kv_allocation_refusals.labels(reason=code).inc()
 
-    def observe_last_layer_wait(self, seconds: float) -> None:
+    def observe_kv_in(self, seconds: float, n_prompt: int) -> None:
+        """All KV layers and the first token are in, ``seconds`` after the allocation."""
         if self.metrics is not None:
             self.metrics.decode_last_layer_wait.observe(seconds)
+            blocks = -(-n_prompt // self.compat.block_size)
+            self.metrics.kv_transfer_bytes.inc(blocks * self.kv_bytes_per_block)
+
+    def count_request(self, outcome: str, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome=outcome, reason=reason).inc()
+            running = sum(1 for s in self.sessions.values() if s.stage == "decode")
+            self.metrics.requests_running.set(running)
+            self.metrics.requests_waiting.set(len(self.sessions) - running)
 
     def _gauge_blocks(self) -> None:
         if self.metrics is not None:

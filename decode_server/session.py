@@ -81,6 +81,7 @@ class DecodeSession:
         self.peer_gone = asyncio.Event()
         self.peer_reason = ""
         self.info: SessionInfo | None = None
+        self.outcome = ("error", "error")  # (outcome, reason) for the requests counter
 
     # -- helpers ---------------------------------------------------------------------------
     async def _write(self, **kind) -> None:
@@ -155,16 +156,21 @@ class DecodeSession:
             first_token = await self._until_peer_gone_or(self.first_token, timeout, "the first token")
             remaining = max(0.01, deadline - time.monotonic())
             await self._until_peer_gone_or(srv.receiver.wait_all(self.request_id, remaining), remaining + 0.5, "the KV layers")
-            srv.observe_last_layer_wait(time.monotonic() - self.info.started)
+            srv.observe_kv_in(time.monotonic() - self.info.started, len(start.prompt_token_ids))
             if first_token.finished:
                 await self._write(finish=pb.Finish(finish_reason=first_token.finish_reason or "stop", completion_tokens=1))
+                self.outcome = ("ok", first_token.finish_reason or "stop")
                 return
             self.info.stage = "decode"
             await self._until_peer_gone_or(self._decode(start, first_token.token_id), None, "decoding")
         except SessionEnded as exc:
             log.info("session %s ended: %s", self.request_id, exc.reason)
+            self.outcome = ("error", "timeout" if "timed out" in exc.reason else "error") if exc.notify else ("cancelled", "prefill_gone")
             if exc.notify:
                 await self._try_write_error(exc.reason)
+        except asyncio.CancelledError:
+            self.outcome = ("cancelled", "prefill_gone")
+            raise
         except asyncio.TimeoutError:
             log.info("session: no Start within %.1fs", srv.session_timeout_s)
         except Exception as exc:  # the engine or the receiver failed: tell prefill, then clean up
@@ -251,6 +257,7 @@ class DecodeSession:
                     await self._write(tokens=pb.Tokens(token_ids=list(out.new_token_ids)))
                 if out.finished:
                     await self._write(finish=pb.Finish(finish_reason=out.finish_reason or "stop", completion_tokens=produced))
+                    self.outcome = ("ok", out.finish_reason or "stop")
                     return
         finally:
             await outputs.aclose()  # an unfinished stream aborts the request in the engine
@@ -266,3 +273,4 @@ class DecodeSession:
             srv.receiver.delete(rid)
         if self.info is not None and srv.sessions.get(rid) is self.info:
             del srv.sessions[rid]
+            srv.count_request(*self.outcome)

@@ -156,6 +156,7 @@ async def run_session(node, address: str, request_id: str, prompt_ids: list[int]
         timings.kv_sent = time.monotonic()
         await node.engine.release(request_id)
         released = True
+        node.observe_transfer(timings, blocks_needed)
         reason = first_token_finishes(first, sp, node.eos_token_ids)
         # a stop token ends the request and is not part of the output (as in the engine)
         first_out = [] if reason == "stop" else [first]

@@ -69,6 +69,18 @@ class PrefillNode:
     def note_allocation(self, address: str, blocks: int) -> None:
         self.picker.note_allocation(address, blocks, blocks * self.kv_bytes_per_block)
 
+    def observe_transfer(self, t: SessionTimings, blocks: int) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.prefill_compute.observe(t.prefill_done - t.allocated)
+        if t.layer_stored:
+            m.kv_transfer.observe(max(0.0, t.kv_sent - t.layer_stored[0]))
+        m.kv_transfer_bytes.inc(blocks * self.kv_bytes_per_block)
+        free = self.engine.engine.num_free_blocks()
+        m.kv_blocks_free.set(free)
+        m.kv_blocks_used.set(self.engine.engine.num_blocks - free)
+
     def ready(self) -> bool:
         """Ready when a decode is known (or local fallback can serve)."""
         return self.local_fallback or bool(self.picker.eligible())
