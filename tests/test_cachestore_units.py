@@ -164,3 +164,23 @@ def test_transfer_take_spans_runs():
     assert t.take(4) == [(0, 10, 3), (5, 20, 1)]
     assert t.take(4) == [(6, 21, 1)]
     assert t.left == 0
+
+
+def test_nixl_import_is_guarded(monkeypatch):
+    torch = pytest.importorskip("torch")
+    import sys
+
+    from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender
+
+    for name in ("nixl", "nixl._api", "nixl_cu12", "nixl_cu12._api"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if neither package were installed
+    compat = CompatInfo("float32", 1, 1, 4, 2)
+    pool = torch.zeros(1, 4, 2, 2, 1, 4)
+    args = (MemoryRegion.from_tensor(pool), KVLayout(1, 4, compat.block_nbytes), compat)
+    with pytest.raises(RuntimeError, match=r"transport='nixl' needs the NIXL Python package.*pdserve\[nixl\]"):
+        CacheStoreReceiver(*args, transport="nixl")
+    with pytest.raises(RuntimeError, match="transport='nixl' needs"):
+        CacheStoreSender(*args, transport="nixl")
+    CacheStoreReceiver(*args, transport="tcp")  # tcp does not need it
+    with pytest.raises(ValueError, match="transport must be one of"):
+        CacheStoreSender(*args, transport="rdma")
