@@ -20,15 +20,17 @@ from pdserve.loadgen import LoadConfig, send_requests
 from pdserve.loadgen_report import RequestResult
 from pdserve.loadgen_workload import RequestSpec
 
+from .cluster import SERVED_MODEL
+
 
 def send(url: str, specs: list[RequestSpec], arrivals: list[float] | None = None, concurrency: int | None = None,
-         netns: str | None = None, timeout: float = 900.0) -> tuple[list[RequestResult], float]:
+         netns: str | None = None, timeout: float = 900.0, model: str = SERVED_MODEL) -> tuple[list[RequestResult], float]:
     if netns is None:
-        config = LoadConfig(url=url, progress=False, request_timeout=timeout)
+        config = LoadConfig(url=url, model=model, progress=False, request_timeout=timeout)
         return asyncio.run(send_requests(config, specs, arrivals=arrivals, concurrency=concurrency))
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        src.write_text(json.dumps({"url": url, "timeout": timeout, "arrivals": arrivals, "concurrency": concurrency,
+        src.write_text(json.dumps({"url": url, "model": model, "timeout": timeout, "arrivals": arrivals, "concurrency": concurrency,
                                    "specs": [_spec_json(s) for s in specs]}))
         proc = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "pdserve.experiments.client",
                                str(src), str(dst)], capture_output=True, text=True)
@@ -49,7 +51,8 @@ def main(argv: list[str]) -> int:
     doc = json.loads(src.read_text())
     specs = [RequestSpec(d["prompt_tokens"], d["output_tokens"], d["prompt"],
                          tuple(d["prompt_ids"]) if d["prompt_ids"] is not None else None) for d in doc["specs"]]
-    results, wall = send(doc["url"], specs, doc["arrivals"], doc["concurrency"], timeout=doc["timeout"])
+    results, wall = send(doc["url"], specs, doc["arrivals"], doc["concurrency"], timeout=doc["timeout"],
+                         model=doc["model"])
     dst.write_text(json.dumps({"wall": wall, "results": [r.to_json() for r in results]}))
     return 0
 

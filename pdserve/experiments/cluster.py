@@ -4,8 +4,9 @@
 - ``start_colocated``: one prefill with ``--local-fallback`` and no decode: the colocated
   engine (prefill and decode in one process, continuous batching) behind the same HTTP API.
 
-Every server gets free ports. ``host`` lets decodes listen on a namespace's address
-(experiment 4); by default everything is on 127.0.0.1.
+Every server gets free ports and serves its model under the name ``SERVED_MODEL``.
+``host`` lets decodes listen on a namespace's address (experiments 2 and 4); by default
+everything is on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .launcher import Launcher, Proc, free_port
+
+SERVED_MODEL = "bench"  # the name clients put in "model", whatever checkpoint is loaded
 
 
 @dataclass
@@ -38,7 +41,7 @@ class Cluster:
 
 
 def engine_flags(model: str, threads: int | None, num_blocks: int | None, max_model_len: int | None) -> list[str]:
-    out = ["--model", model, "--log-level", "WARNING"]
+    out = ["--model", model, "--served-model-name", SERVED_MODEL, "--log-level", "WARNING"]
     if threads:
         out += ["--threads", str(threads)]
     if num_blocks:

@@ -22,7 +22,7 @@ from pdserve.loadgen_report import percentile, summarize
 from pdserve.loadgen_workload import RequestSpec, make_prompt_ids
 
 from . import report
-from .cluster import start_colocated, start_pd
+from .cluster import SERVED_MODEL, start_colocated, start_pd
 from .launcher import PROMPT_VOCAB, Launcher, bench_model
 
 TARGET = 0.5
@@ -55,10 +55,13 @@ def workload(args, vocab: int) -> tuple[list[RequestSpec], list[float], list[boo
 
 
 def measure(url: str, specs, arrivals, is_stream) -> dict:
-    config = LoadConfig(url=url, progress=False, request_timeout=900)
+    config = LoadConfig(url=url, model=SERVED_MODEL, progress=False, request_timeout=900)
     # warm-up: one short and one long request, not measured
     asyncio.run(send_requests(config, [specs[0], specs[-1]], concurrency=1))
     results, wall = asyncio.run(send_requests(config, specs, arrivals=arrivals))
+    failed = [r.error for r in results if not r.ok]
+    if failed:
+        raise RuntimeError(f"{len(failed)} request(s) failed at {url}; first: {failed[0]}")
     stream_gaps = [g for r, s in zip(results, is_stream) if s and r.ok for g in r.gaps]
     return {
         "summary": summarize(results, wall),
