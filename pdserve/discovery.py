@@ -96,14 +96,16 @@ class KubernetesDiscovery:
     async def start(self) -> None:
         from kubernetes import client, config
 
+        # an ApiClient of our own: the process-wide default configuration is left alone
         if self.kubeconfig:
-            config.load_kube_config(config_file=self.kubeconfig)
+            api = config.new_client_from_config(config_file=self.kubeconfig)
         else:
             try:
-                config.load_incluster_config()
+                cfg = client.Configuration()
+                config.load_incluster_config(client_configuration=cfg)
+                api = client.ApiClient(cfg)
             except config.ConfigException:
-                config.load_kube_config()
-        api = client.ApiClient()
+                api = config.new_client_from_config()
         self._core, self._disc, self._api = client.CoreV1Api(api), client.DiscoveryV1Api(api), api
         for target in (self._watch_services, self._watch_slices):
             t = threading.Thread(target=self._forever, args=(target,), daemon=True, name=f"k8s-{target.__name__}")
