@@ -50,10 +50,14 @@ def build_engine(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
-    loaded = load_model(args.model, dtype=dtype, device=args.device)
-    max_len = args.max_model_len or loaded.config.max_position_embeddings
-    cfg = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs, max_model_len=max_len)
-    engine = LLMEngine(loaded, cfg)
+    try:
+        loaded = load_model(args.model, dtype=dtype, device=args.device)
+        max_len = args.max_model_len or loaded.config.max_position_embeddings
+        cfg = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                           max_model_len=max_len)
+        engine = LLMEngine(loaded, cfg)
+    except (ValueError, OSError) as exc:  # bad flags or model files: a message, not a traceback
+        raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None
     return loaded, AsyncLLMEngine(engine), max_len
 
 
