@@ -52,11 +52,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from kube_control_plane import (CLIENT_BINARIES, KubeToolsMissing, control_plane, tools_bin_dir, wait_until,
-                                write_kubeconfig)
+from kube_control_plane import (CLIENT_BINARIES, KubeToolsMissing, control_plane, require_tools, tools_bin_dir,
+                                wait_until, write_kubeconfig)
 from kube_kubelet import FakeKubelet
 
-__all__ = ["KubeCluster", "KubeCommandError", "KubeToolsMissing", "kube_cluster", "local_control_plane", "existing_cluster"]
+__all__ = ["KubeCluster", "KubeCommandError", "KubeToolsMissing", "kube_cluster", "local_control_plane", "existing_cluster",
+           "require_tools", "tools_bin_dir", "wait_until"]
 
 
 class KubeCommandError(subprocess.CalledProcessError):
