@@ -117,21 +117,21 @@ class DecodeSession:
         finally:
             self.peer_gone.set()
 
-    async def _until_peer_gone_or(self, aw, timeout: float, what: str):
-        """Await ``aw`` unless prefill goes away or the timeout passes first."""
+    async def _until_peer_gone_or(self, aw, timeout: float | None, what: str):
+        """Await ``aw`` unless prefill goes away or the timeout passes first (``aw`` is then cancelled)."""
         task = asyncio.ensure_future(aw)
         gone = asyncio.ensure_future(self.peer_gone.wait())
         try:
             done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # we are cancelled (the RPC ended): take the inner work down too
+            task.cancel()
+            raise
         finally:
             gone.cancel()
         if task in done:
             return task.result()
         task.cancel()
-        try:
-            await task
-        except BaseException:  # noqa: BLE001 - we only want it finished
-            pass
+        await asyncio.wait({task})  # let it finish its own clean-up (never raises)
         if gone in done:
             raise SessionEnded(self.peer_reason or "prefill went away", notify=False)
         raise SessionEnded(f"timed out after {timeout:.1f}s waiting for {what}")
@@ -264,13 +264,19 @@ class DecodeSession:
         raise SessionEnded("the engine stopped the request without finishing it")
 
     async def _release(self) -> None:
+        """Step 5. Synchronous parts first: this runs in ``finally`` of a possibly cancelled
+        task, and a second cancellation must not skip any of it; the engine abort is shielded."""
         srv, rid = self.server, self.request_id
         if rid is None:
             return
-        if self.reserved:
-            await srv.release(rid)
         if self.expected:
             srv.receiver.delete(rid)
         if self.info is not None and srv.sessions.get(rid) is self.info:
             del srv.sessions[rid]
             srv.count_request(*self.outcome)
+        if self.reserved:
+            release = asyncio.ensure_future(srv.release(rid))
+            try:
+                await asyncio.shield(release)
+            except asyncio.CancelledError:
+                pass  # the shielded release still completes on the loop
