@@ -36,6 +36,9 @@ with KubeToolsMissing ("run make k8s-tools"): the k8s tests never skip silently.
 
 Standalone: `.venv/bin/python tests/kube.py` starts a cluster, prints its kubeconfig and
 runs until Ctrl-C (for developing the operator by hand).
+
+Read next: kube_control_plane.py (processes, ports, certificates), kube_kubelet.py (the
+stand-in kubelet of make_pods_ready), tools/k8s/README.md (how the binaries are built).
 """
 
 from __future__ import annotations
