@@ -57,19 +57,20 @@ class LoadedModel:
     device: torch.device
 
 
-# our parameter name pattern -> the HF tensors concatenated (dim 0) to make it
+# our parameter name -> the HF tensors concatenated (dim 0) to make it
 def _param_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     src = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
     for i in range(cfg.num_layers):
         p, h = f"layers.{i}.", f"model.layers.{i}."
         src[p + "input_layernorm.weight"] = [h + "input_layernorm.weight"]
         src[p + "post_attention_layernorm.weight"] = [h + "post_attention_layernorm.weight"]
-        src[p + "qkv_proj.weight"] = [h + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        for x in "qkvo":
+            src[p + f"{x}_proj.weight"] = [h + f"self_attn.{x}_proj.weight"]
         if cfg.attention_bias:
-            src[p + "qkv_proj.bias"] = [h + f"self_attn.{x}_proj.bias" for x in "qkv"]
-        src[p + "o_proj.weight"] = [h + "self_attn.o_proj.weight"]
-        src[p + "gate_up_proj.weight"] = [h + "mlp.gate_proj.weight", h + "mlp.up_proj.weight"]
-        src[p + "down_proj.weight"] = [h + "mlp.down_proj.weight"]
+            for x in "qkv":
+                src[p + f"{x}_proj.bias"] = [h + f"self_attn.{x}_proj.bias"]
+        for x in ("gate", "up", "down"):
+            src[p + f"{x}_proj.weight"] = [h + f"mlp.{x}_proj.weight"]
     if not cfg.tie_word_embeddings:
         src["lm_head.weight"] = ["lm_head.weight"]
     return src
@@ -83,7 +84,11 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
     model.to_empty(device=device)
     model.init_rope()
     params = dict(model.named_parameters())
-    for name, sources in _param_sources(cfg).items():
+    sources_of = _param_sources(cfg)
+    unfilled = set(params) - set(sources_of)
+    if unfilled:  # a programming error here, not a user one: never run on uninitialised memory
+        raise RuntimeError(f"no checkpoint source for parameters {sorted(unfilled)}")
+    for name, sources in sources_of.items():
         parts = []
         for hf_name in sources:
             t = get_tensor(hf_name)

@@ -14,7 +14,7 @@ SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     return load_model("tiny")
 
 

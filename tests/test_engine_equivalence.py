@@ -14,7 +14,7 @@ SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, see
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     return load_model("tiny", seed=0)
 
 

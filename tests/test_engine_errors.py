@@ -24,7 +24,7 @@ SP = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     return load_model("builtin:tiny")
 
 

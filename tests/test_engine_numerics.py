@@ -48,7 +48,7 @@ PROMPT_LENS = [5, 19, 40]
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory):
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     extra, shards = CASES[request.param]
     cfg = ModelConfig(
         vocab_size=96, hidden_size=64, intermediate_size=112, num_layers=2, max_position_embeddings=256, **extra

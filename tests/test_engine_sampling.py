@@ -12,7 +12,7 @@ from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)
     return load_model("tiny")
 
 

@@ -1,0 +1,220 @@
+"""Prefill and decode tokens/s of the engine vs transformers generate, on the same weights.
+
+For each model (the built-in tiny one and a larger random Llama, 8 layers x hidden 1024 by
+default) and each batch size, both run in this process with the same torch threads:
+
+  ours   LLMEngine: one step prefills the whole batch, the next steps decode it
+  hf     transformers AutoModelForCausalLM.generate (greedy, KV cache), from the same
+         safetensors checkpoint
+
+prefill tok/s = batch * prompt_len / (time to the first token)
+decode tok/s  = batch * (gen_len - 1) / (time of the remaining tokens); for transformers that
+                is generate(gen_len) minus generate(1), both timed.
+Each figure is the best of --reps runs, ours and transformers' interleaved. On CPU with one
+thread the clock is the process's CPU time (robust on a shared machine; --clock wall for wall
+time); on CUDA, wall time after a device synchronize. Prompts are random token ids of equal length (no padding).
+The last column checks that both produce the same greedy tokens at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import tempfile
+import time
+
+DEFAULT_LARGE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=8)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="short prompts and generations, one rep (a smoke run)")
+    parser.add_argument("--models", default="tiny,large", help="comma list of: tiny, large (default: both)")
+    parser.add_argument("--batches", default="1,8,32", help="comma list of batch sizes (default: 1,8,32)")
+    parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128, quick 32)")
+    parser.add_argument("--gen-len", type=int, default=None, help="generated tokens (default 64, quick 16)")
+    parser.add_argument("--reps", type=int, default=None, help="repetitions, best is kept (default 2, quick 1)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both engines (default: 1)")
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default=None,
+        help="time by process CPU time or wall time (default: cpu on CPU with 1 thread, else wall)",
+    )
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--large-layers", type=int, default=DEFAULT_LARGE["num_layers"], help="layers of the large config")
+    parser.add_argument("--large-hidden", type=int, default=DEFAULT_LARGE["hidden_size"], help="hidden size of the large config")
+
+
+def _sync(device):
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class _Clock:
+    """Wall time, or this process's CPU time: on a shared machine with one torch thread, CPU
+    time counts the work done and not the time other processes held the core."""
+
+    def __init__(self, kind: str, device):
+        self.kind, self.device = kind, device
+
+    def __call__(self) -> float:
+        _sync(self.device)
+        return time.process_time() if self.kind == "cpu" else time.perf_counter()
+
+
+def _ours_engine(loaded, batch, prompt_len, gen_len):
+    from . import EngineConfig, LLMEngine
+
+    return LLMEngine(
+        loaded,
+        EngineConfig(
+            num_blocks=batch * (-(-(prompt_len + gen_len) // 64)) + 8,
+            block_size=64,
+            max_num_seqs=batch,
+            max_num_batched_tokens=max(8192, batch * prompt_len),
+            enable_prefix_cache=False,  # the same prompts run every rep: no reuse between reps
+        ),
+    )
+
+
+def _ours_once(engine, prompts, gen_len, clock, tag):
+    """(prefill seconds, decode seconds, tokens of prompt 0) for one run of the whole batch."""
+    from . import SamplingParams
+
+    sp = SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", p, sp)
+    out = {f"{tag}-{i}": [] for i in range(len(prompts))}
+    t0 = clock()
+    for o in engine.step():
+        out[o.request_id] += o.new_token_ids
+    t1 = clock()
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    t2 = clock()
+    if any(len(v) != gen_len for v in out.values()):
+        raise RuntimeError("a request finished early; the benchmark needs ignore_eos generations")
+    return t1 - t0, t2 - t1, out[f"{tag}-0"]
+
+
+def _hf_once(hf, prompts, gen_len, clock):
+    """(prefill seconds = generate(1), decode seconds = generate(gen_len) - generate(1), tokens)."""
+    import torch
+
+    ids = torch.tensor(prompts, device=clock.device)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        t = clock()
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return clock() - t, out
+
+    t1, _ = gen(1)
+    tn, out = gen(gen_len)
+    return t1, max(tn - t1, 1e-9), out[0, len(prompts[0]) :].tolist()
+
+
+def _large_checkpoint(args, directory):
+    from .checkpoint import random_hf_weights, save_hf_checkpoint
+    from .config import ModelConfig
+
+    shape = dict(DEFAULT_LARGE, num_layers=args.large_layers, hidden_size=args.large_hidden)
+    shape["intermediate_size"] = int(shape["hidden_size"] * 2.75)
+    shape["num_heads"] = max(1, shape["hidden_size"] // 64)
+    shape["num_kv_heads"] = max(1, shape["num_heads"] // 2)
+    cfg = ModelConfig(architecture="LlamaForCausalLM", max_position_embeddings=4096, **shape)
+    save_hf_checkpoint(random_hf_weights(cfg, seed=0, std=0.05), cfg, directory)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    import transformers
+
+    from . import load_model
+    from .checkpoint import random_hf_weights, save_hf_checkpoint
+    from .loader import BUILTIN_NAMES, tiny_config
+
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    prompt_len = args.prompt_len or (32 if args.quick else 128)
+    gen_len = args.gen_len or (16 if args.quick else 64)
+    reps = args.reps or (1 if args.quick else 2)
+    batches = [int(b) for b in args.batches.split(",")]
+    models = [m.strip() for m in args.models.split(",")]
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    clock_kind = args.clock or ("cpu" if device.type == "cpu" and args.threads == 1 else "wall")
+    clock = _Clock(clock_kind, device)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = [(m, b) for m in models for b in batches]
+        bar = tqdm(total=len(work), desc="bench engine", unit="case")
+        for model_name in models:
+            d = f"{tmp}/{model_name}"
+            if model_name == "tiny":
+                # the built-in model's exact weights, written as a checkpoint transformers can read
+                ours = load_model(BUILTIN_NAMES[0], dtype=dtype, device=device)
+                cfg = tiny_config()
+                weights = random_hf_weights(cfg, seed=0)
+                weights["lm_head.weight"] = ours.model.lm_head.weight.detach().float().cpu()
+                save_hf_checkpoint(weights, cfg, d)
+            elif model_name == "large":
+                cfg = _large_checkpoint(args, d)
+                ours = load_model(d, dtype=dtype, device=device)
+            else:
+                raise SystemExit(f"unknown model {model_name!r}: use tiny or large")
+            hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
+            gen = torch.Generator().manual_seed(1)
+            for batch in batches:
+                prompts = torch.randint(0, min(cfg.vocab_size, 250), (batch, prompt_len), generator=gen).tolist()
+                engine = _ours_engine(ours, batch, prompt_len, gen_len)
+                _ours_once(engine, prompts, gen_len, clock, "warm")
+                _hf_once(hf, prompts, 2, clock)
+                best = dict(o_pre=1e9, o_dec=1e9, h_pre=1e9, h_dec=1e9)
+                for rep in range(reps):  # interleaved, so load changes hit both alike
+                    o_pre, o_dec, o_tok = _ours_once(engine, prompts, gen_len, clock, str(rep))
+                    h_pre, h_dec, h_tok = _hf_once(hf, prompts, gen_len, clock)
+                    for k, v in dict(o_pre=o_pre, o_dec=o_dec, h_pre=h_pre, h_dec=h_dec).items():
+                        best[k] = min(best[k], v)
+                rows.append(
+                    dict(
+                        model=model_name,
+                        batch=batch,
+                        ours_prefill=batch * prompt_len / best["o_pre"],
+                        hf_prefill=batch * prompt_len / best["h_pre"],
+                        ours_decode=batch * (gen_len - 1) / best["o_dec"],
+                        hf_decode=batch * (gen_len - 1) / best["h_dec"],
+                        same=o_tok == h_tok,
+                    )
+                )
+                del engine
+                bar.update(1)
+            del hf, ours
+        bar.close()
+    print(
+        f"\npdserve bench engine: prompt {prompt_len} tokens, {gen_len} generated, best of {reps}, "
+        f"{args.threads} torch thread(s), {clock_kind} clock, {device} {args.dtype}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, {platform.processor() or platform.machine()}"
+    )
+    header = "| model | batch | prefill tok/s ours | prefill tok/s transformers | ratio | decode tok/s ours | decode tok/s transformers | ratio | same greedy tokens |"
+    print(header)
+    print("|" + "---|" * 9)
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['batch']} | {r['ours_prefill']:.0f} | {r['hf_prefill']:.0f} | "
+            f"{r['ours_prefill'] / r['hf_prefill']:.2f}x | {r['ours_decode']:.0f} | {r['hf_decode']:.0f} | "
+            f"{r['ours_decode'] / r['hf_decode']:.2f}x | {'yes' if r['same'] else 'NO'} |"
+        )
+    target = [r for r in rows if r["batch"] == 32]
+    for r in target:
+        ratio = r["ours_decode"] / r["hf_decode"]
+        print(f"target decode@32 >= 1.5x transformers, {r['model']}: {ratio:.2f}x {'MET' if ratio >= 1.5 else 'NOT MET'}")
+    return 0
