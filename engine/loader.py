@@ -82,7 +82,8 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
     with torch.device("meta"):
         model = DecoderModel(cfg)
     model.to_empty(device=device)
-    model.init_rope()
+    if cfg.tie_word_embeddings:  # to_empty may untie; tie again before filling
+        model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
     sources_of = _param_sources(cfg)
     unfilled = set(params) - set(sources_of)
