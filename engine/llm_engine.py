@@ -379,7 +379,7 @@ class LLMEngine:
             tables, ctx = [], []
             for seq in dec:
                 p = seq.num_computed
-                input_ids.append(seq.all_ids[p])
+                input_ids.append(seq.all_ids[p])  # the last token
                 positions.append(p)
                 slots.append(seq.block_table[p // bs] * 2 * bs + p % bs)
                 tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
@@ -407,7 +407,7 @@ class LLMEngine:
         if (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids:
             self._finish(seq, "stop")
             return
-        seq.output_ids.append(token)
+        seq.append_output(token)
         seq.pending_ids.append(token)
         if seq.detok is not None:
             seq.detok.add([token])
@@ -449,6 +449,8 @@ class LLMEngine:
         return out
 
     def _register(self, seq: Sequence) -> None:
+        if seq.num_computed // self.block_size <= len(seq.block_hashes):
+            return  # no block became full since the last call
         self.block_manager.register_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed, seq.all_ids)
 
     def _free_blocks(self, seq: Sequence) -> None:

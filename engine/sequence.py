@@ -54,10 +54,15 @@ class Sequence:
     pending_text: str = ""
     emitted_len: int = 0  # characters of detok.text already put into outputs
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    all_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step (read-only for callers)
+
+    def __post_init__(self) -> None:
+        self.all_ids = self.prompt_ids + self.output_ids
+
+    def append_output(self, token: int) -> None:
+        self.output_ids.append(token)
+        self.all_ids.append(token)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.all_ids)
