@@ -59,6 +59,7 @@ class EntryTable:
         self._entries: dict[str, Entry] = {}
         self._blocks: dict[int, _Block] = {}
         self._failed: OrderedDict[str, TransferError] = OrderedDict()
+        self._incomplete = 0  # live entries still waiting for KV (the nixl thread polls only then)
 
     # ----- event loop side -------------------------------------------------------------
     def expect(self, rid: str, dst_blocks: Sequence[int], hashes: Sequence[object] | None = None) -> list[int]:
@@ -94,6 +95,7 @@ class EntryTable:
                         entry.counts[layer] += 1
             entry.layers_done = sum(entry.layer_done(l) for l in range(self.layout.num_layers))
             self._entries[rid] = entry
+            self._incomplete += not entry.complete
             self._failed.pop(rid, None)
             return for_sender
 
@@ -121,6 +123,8 @@ class EntryTable:
             if entry is None or entry.deleted:
                 return None, []
             entry.deleted = True
+            if entry.error is not None:  # failed earlier, already released; only a frame still writes
+                return None, []
             unfinished = entry.error is None and not entry.complete
             failed: list[Entry] = []
             for other in self._release_locked(entry):
@@ -143,6 +147,11 @@ class EntryTable:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def incomplete(self) -> int:
+        """Live entries whose KV has not all arrived (read without the lock: a hint for pollers)."""
+        return self._incomplete
 
     def live_ids(self) -> list[str]:
         with self.lock:
@@ -197,6 +206,7 @@ class EntryTable:
                         e.counts[layer] += 1
                         if e.layer_done(layer):
                             e.layers_done += 1
+                            self._incomplete -= e.complete
                         touched.add(owner)
             if entry.receiving == 0 and (entry.deleted or entry.error is not None):
                 del self._entries[rid]
@@ -220,6 +230,7 @@ class EntryTable:
     def _release_locked(self, entry: Entry) -> set[str]:
         """Drop entry from its blocks; returns owners left waiting on blocks it was providing."""
         orphans: set[str] = set()
+        self._incomplete -= not entry.complete
         full = (1 << self.layout.num_layers) - 1
         for b in entry.blocks:
             st = self._blocks[b]

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .sender import CacheStoreSender
 
 log = logging.getLogger("pdserve.cachestore.link")
-NIXL_MAX_OUTSTANDING = 4
+NIXL_MAX_OUTSTANDING = 4  # WRITEs in flight per link
 
 
 class Link:
@@ -217,29 +217,39 @@ class Link:
             outstanding: collections.deque = collections.deque()
             try:
                 while True:
-                    chunk = None
+                    batch: list[Chunk] = []
                     with self.cond:
                         while self.alive and not len(self.scheduler) and not outstanding:
                             self.cond.wait()
                         if not self.alive:
                             return
-                        if len(self.scheduler) and len(outstanding) < NIXL_MAX_OUTSTANDING:
+                        # one WRITE carries consecutive chunks up to a chunk's size, so short
+                        # transfers do not each pay a WRITE's fixed cost
+                        size = 0
+                        while (len(self.scheduler) and len(outstanding) < NIXL_MAX_OUTSTANDING
+                               and size < self.sender.chunk_blocks and len(batch) < 64):
                             chunk = self.scheduler.pop()
                             chunk.transfer.context.sending += 1
                             self.sending += 1
-                    if chunk is not None:
-                        t = chunk.transfer
-                        local = [(region.ptr + layout.offset(t.layer, s), n * bnb, region.device_id) for s, _, n in chunk.slices]
-                        remote = [(base + (t.layer * ep.num_blocks + d) * bnb, n * bnb, rdev) for _, d, n in chunk.slices]
-                        notif = encode_notif(t.key, t.layer, [(d, n) for _, d, n in chunk.slices])
+                            batch.append(chunk)
+                            size += chunk.nblocks
+                    if batch:
+                        local, remote, records = [], [], []
+                        for c in batch:
+                            t = c.transfer
+                            local += [(region.ptr + layout.offset(t.layer, s), n * bnb, region.device_id) for s, _, n in c.slices]
+                            remote += [(base + (t.layer * ep.num_blocks + d) * bnb, n * bnb, rdev) for _, d, n in c.slices]
+                            records.append((t.key, t.layer, [(d, n) for _, d, n in c.slices]))
                         handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, nixl.mem_type),
-                                                       agent.get_xfer_descs(remote, rtype), remote_name, notif)
+                                                       agent.get_xfer_descs(remote, rtype), remote_name,
+                                                       encode_notif(records))
                         if agent.transfer(handle) == "ERR":
                             handle.release()
-                            self._chunk_done(chunk, acked=False)
+                            for c in batch:
+                                self._chunk_done(c, acked=False)
                             raise TransferError(f"NIXL WRITE to {self.peer} failed to post")
-                        outstanding.append((handle, chunk))
-                    progressed = chunk is not None
+                        outstanding.append((handle, batch))
+                    progressed = bool(batch)
                     while outstanding:
                         handle, done = outstanding[0]
                         state = agent.check_xfer_state(handle)
@@ -247,21 +257,24 @@ class Link:
                             break
                         outstanding.popleft()
                         handle.release()
-                        self._chunk_done(done, acked=(state == "DONE"))
+                        for c in done:
+                            self._chunk_done(c, acked=(state == "DONE"))
                         progressed = True
                         if state != "DONE":
-                            raise TransferError(f"NIXL WRITE to {self.peer} for request {done.transfer.key!r} failed")
+                            raise TransferError(f"NIXL WRITE to {self.peer} for request(s) "
+                                                f"{sorted({c.transfer.key for c in done})} failed")
                     if not progressed:
                         # check_xfer_state also drives UCX progress, so poll back to back
                         # (as a raw NIXL loop does) and only yield the GIL in between
                         time.sleep(0)
             finally:
-                for handle, chunk in outstanding:
+                for handle, done in outstanding:
                     try:
                         handle.release()
                     except Exception:  # noqa: BLE001 - best effort while failing
                         pass
-                    self._chunk_done(chunk, acked=False)
+                    for c in done:
+                        self._chunk_done(c, acked=False)
                 try:
                     agent.remove_remote_agent(remote_name)
                 except Exception:  # noqa: BLE001

@@ -1,8 +1,8 @@
 """NIXL (UCX) plumbing shared by both sides: guarded import, one agent per side, notifications.
 
 The pool region is registered with the agent ONCE (``NixlMemory``). The prefill side WRITEs
-into the decode's registered memory; each WRITE carries a notification naming the request,
-layer and destination blocks, which the decode's agent delivers after the bytes have landed.
+into the decode's registered memory; each WRITE carries a notification naming, for each
+(request, layer) it holds, the destination blocks, which the decode's agent delivers after the bytes have landed.
 
 Import name: the PyPI wheel ``nixl-cu12`` installs ``nixl_cu12``; source builds install
 ``nixl``. Both are tried; the error (with the install hint) appears only when the ``nixl``
@@ -18,7 +18,8 @@ from .errors import ProtocolError
 from .memory import MemoryRegion
 
 NOTIF_MAGIC = b"PDNX"
-_NOTIF_HEAD = struct.Struct("!4sIHH")   # magic, layer, rid_len, nslices
+_NOTIF_COUNT = struct.Struct("!4sH")     # magic, number of records
+_NOTIF_HEAD = struct.Struct("!IHH")      # per record: layer, rid_len, nslices
 _NOTIF_SLICE = struct.Struct("!QI")      # dst block, nblocks
 
 
@@ -64,22 +65,33 @@ class NixlMemory:
                 self._reg = None
 
 
-def encode_notif(rid: str, layer: int, slices: list[tuple[int, int]]) -> bytes:
-    """Notification text for one WRITE: request id, layer and (dst block, nblocks) slices."""
-    rid_b = rid.encode()
-    return (_NOTIF_HEAD.pack(NOTIF_MAGIC, layer, len(rid_b), len(slices)) + rid_b
-            + b"".join(_NOTIF_SLICE.pack(b, n) for b, n in slices))
+def encode_notif(records: list[tuple[str, int, list[tuple[int, int]]]]) -> bytes:
+    """Notification text for one WRITE: (request id, layer, [(dst block, nblocks)]) records."""
+    out = [_NOTIF_COUNT.pack(NOTIF_MAGIC, len(records))]
+    for rid, layer, slices in records:
+        rid_b = rid.encode()
+        out.append(_NOTIF_HEAD.pack(layer, len(rid_b), len(slices)) + rid_b)
+        out.extend(_NOTIF_SLICE.pack(b, n) for b, n in slices)
+    return b"".join(out)
 
 
-def decode_notif(msg: bytes) -> tuple[str, int, list[tuple[int, int]]]:
-    if len(msg) < _NOTIF_HEAD.size:
-        raise ProtocolError(f"NIXL notification of {len(msg)} bytes is too short")
-    magic, layer, rid_len, nslices = _NOTIF_HEAD.unpack_from(msg)
-    if magic != NOTIF_MAGIC:
-        raise ProtocolError(f"NIXL notification with bad magic {magic!r}")
-    end = _NOTIF_HEAD.size + rid_len
-    if len(msg) != end + nslices * _NOTIF_SLICE.size:
-        raise ProtocolError("NIXL notification length does not match its slice count")
-    rid = msg[_NOTIF_HEAD.size:end].decode(errors="replace")
-    slices = [_NOTIF_SLICE.unpack_from(msg, end + i * _NOTIF_SLICE.size) for i in range(nslices)]
-    return rid, layer, slices
+def decode_notif(msg: bytes) -> list[tuple[str, int, list[tuple[int, int]]]]:
+    """The records of a notification; ProtocolError if it is not one of ours or is malformed."""
+    try:
+        magic, count = _NOTIF_COUNT.unpack_from(msg)
+        if magic != NOTIF_MAGIC:
+            raise ProtocolError(f"NIXL notification with bad magic {magic!r}")
+        pos, records = _NOTIF_COUNT.size, []
+        for _ in range(count):
+            layer, rid_len, nslices = _NOTIF_HEAD.unpack_from(msg, pos)
+            pos += _NOTIF_HEAD.size
+            rid = msg[pos:pos + rid_len].decode(errors="replace")
+            pos += rid_len
+            slices = [_NOTIF_SLICE.unpack_from(msg, pos + i * _NOTIF_SLICE.size) for i in range(nslices)]
+            pos += nslices * _NOTIF_SLICE.size
+            records.append((rid, layer, slices))
+    except struct.error:
+        raise ProtocolError(f"NIXL notification of {len(msg)} bytes is truncated") from None
+    if pos != len(msg):
+        raise ProtocolError("NIXL notification has trailing bytes")
+    return records

@@ -23,6 +23,7 @@ def test_identical_prompts_share_blocks_and_never_free_each_other():
             assert "a" in touched
         _arrive(t, "b", layer, 9)
     assert t.status("a").complete and t.status("b").complete
+    assert t.incomplete == 0
     unfinished, others = t.delete("a")
     assert unfinished is None and others == []
     assert t.stats()["pinned_blocks"] == 3  # 1, 2 still pinned by b; 3 released
@@ -50,6 +51,7 @@ def test_provider_failure_fails_dependent_owner():
     t = EntryTable(KVLayout(2, 16, 8))
     t.expect("a", [1], hashes=["h"])
     t.expect("b", [1, 4], hashes=["h", "k"])
+    assert t.incomplete == 2
     _arrive(t, "a", 0, 1)
     failed = t.fail("a", TransferError("peer died"))
     assert sorted(e.rid for e in failed) == ["a", "b"]
@@ -58,6 +60,7 @@ def test_provider_failure_fails_dependent_owner():
     with pytest.raises(TransferError, match="shared KV block"):
         t.status("b")
     assert t.stats()["pinned_entries"] == 0 and t.stats()["pinned_blocks"] == 0
+    assert t.incomplete == 0
 
 
 def test_frames_are_checked_before_writing():
@@ -80,4 +83,15 @@ def test_delete_while_receiving_keeps_pin_until_frame_done():
     assert unfinished is not None
     assert t.stats()["pinned_entries"] == 1  # the frame still writes into block 1
     t.end_receive("a", 0, 1, 1, True)
-    assert t.stats()["pinned_entries"] == 0 and t.stats()["pinned_blocks"] == 0
+    assert t.stats()["pinned_entries"] == 0 and t.stats()["pinned_blocks"] == 0 and t.incomplete == 0
+
+
+def test_failed_entry_deleted_while_a_frame_still_writes():
+    t = EntryTable(KVLayout(1, 16, 8))
+    t.expect("a", [1, 2])
+    t.begin_receive("a", 0, 1, 1)
+    t.fail("a", TransferError("timeout"))
+    assert t.stats()["pinned_blocks"] == 0  # released at once; the entry waits for its frame
+    assert t.delete("a") == (None, [])
+    t.end_receive("a", 0, 1, 1, True)
+    assert t.stats()["pinned_entries"] == 0 and t.incomplete == 0

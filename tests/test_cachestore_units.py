@@ -94,9 +94,12 @@ def test_endpoint_and_notif_roundtrip():
     assert back == ep
     with pytest.raises(ValueError, match="not a pdserve CacheStore endpoint"):
         Endpoint.from_bytes(b"hello")
-    assert decode_notif(encode_notif("r-9", 7, [(3, 2), (10, 1)])) == ("r-9", 7, [(3, 2), (10, 1)])
-    with pytest.raises(ProtocolError):
-        decode_notif(b"PDNX\x00")
+    records = [("r-9", 7, [(3, 2), (10, 1)]), ("r-10", 0, [(1, 1)])]
+    assert decode_notif(encode_notif(records)) == records
+    with pytest.raises(ProtocolError, match="truncated"):
+        decode_notif(encode_notif(records)[:-3])
+    with pytest.raises(ProtocolError, match="bad magic"):
+        decode_notif(b"XXXX\x00\x01")
 
 
 def _t(key, nblocks, priority=0):
