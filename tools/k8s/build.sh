@@ -81,12 +81,18 @@ go_build() {  # go_build MODULE_DIR VERSION LDFLAGS PKG=NAME...
   local pkgs=() names=()
   for spec in "${todo[@]}"; do pkgs+=("${spec%%=*}"); names+=("${spec#*=}"); done
   say "building ${names[*]} $label with $("$GO" version | awk '{print $3}') (long on 2 cores; the Go build cache makes reruns quick)"
+  # A line a minute, so that a long CI log shows the build is alive.
+  ( while sleep 60; do say "still building ${names[*]}"; done ) &
+  local ticker=$!
+  local rc=0
   (
     cd "$moddir"
     export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
-    "$GO" mod download
     "$GO" build -trimpath -ldflags="$ldflags" -o "$tmp/" "${pkgs[@]}"
-  ) || { rm -rf "$tmp"; die "go build of ${names[*]} failed (see the output above)"; }
+  ) || rc=$?
+  pkill -P "$ticker" sleep 2>/dev/null || true  # its `sleep 60` first, then the loop itself
+  kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
+  [[ $rc -eq 0 ]] || { rm -rf "$tmp"; die "go build of ${names[*]} failed (see the output above)"; }
   local i
   for i in "${!pkgs[@]}"; do
     # `go build -o DIR/` names each binary after the last element of its package path.
