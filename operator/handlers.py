@@ -72,8 +72,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # After an API error, handlers retry every RETRY_DELAY_S seconds (TemporaryError), forever.
     settings.networking.request_timeout = 60
     memo.api = KubeApi(make_api_client(memo.get("kubeconfig")))
-    memo.status_locks = {}
-    memo.status_locks_guard = threading.Lock()
+    memo.status_state = {}  # "ns/name" -> {"running", "dirty"}: see refresh_status
+    memo.status_guard = threading.Lock()
 
 
 @kopf.on.resume(G, V, "inferenceservices")
@@ -120,47 +120,63 @@ def deployment_event(body: kopf.Body, namespace: str, memo: kopf.Memo, **_) -> N
             logging.getLogger(__name__).warning(f"status of {namespace}/{isvc} not refreshed: {e.status} {e.reason}")
 
 
-def _lock(memo: kopf.Memo, key: str) -> threading.Lock:
-    with memo.status_locks_guard:
-        return memo.status_locks.setdefault(key, threading.Lock())
+def refresh_status(api: KubeApi, memo: kopf.Memo, namespace: str, isvc_name: str) -> None:
+    """Recompute and write the statuses of an InferenceService's pools and of itself.
+
+    Coalesced per InferenceService: its Deployments' events arrive in bursts and
+    concurrently, so a call that finds a refresh of the same service running only marks it
+    dirty and returns; the running one then reads everything again once more. Writes only
+    what changed.
+    """
+    key = f"{namespace}/{isvc_name}"
+    with memo.status_guard:
+        state = memo.status_state.setdefault(key, {"running": False, "dirty": False})
+        if state["running"]:
+            state["dirty"] = True
+            return
+        state["running"] = True
+    try:
+        while True:
+            _refresh_once(api, namespace, isvc_name)
+            with memo.status_guard:
+                if not state["dirty"]:
+                    break
+                state["dirty"] = False
+    finally:
+        with memo.status_guard:
+            state["running"] = False
 
 
 def _changed(old: dict | None, new: dict) -> bool:
     return any((old or {}).get(k) != v for k, v in new.items())
 
 
-def refresh_status(api: KubeApi, memo: kopf.Memo, namespace: str, isvc_name: str) -> None:
-    """Recompute and write the statuses of an InferenceService's pools and of itself.
+def _refresh_once(api: KubeApi, namespace: str, isvc_name: str) -> None:
+    isvc = api.get("InferenceService", namespace, isvc_name)
+    if isvc is None:
+        return
+    selector = {naming.LABEL_ISVC: isvc_name}
+    deployments = {d["metadata"]["name"]: d for d in api.list("Deployment", namespace, selector)}
+    prefill_pool = api.get("PrefillPool", namespace, naming.prefill_name(isvc_name))
+    decode_pools = api.list("DecodePool", namespace, selector)
+    now = status.now()
 
-    Serialised per InferenceService (events of its Deployments arrive concurrently);
-    writes only what changed.
-    """
-    with _lock(memo, f"{namespace}/{isvc_name}"):
-        isvc = api.get("InferenceService", namespace, isvc_name)
-        if isvc is None:
-            return
-        selector = {naming.LABEL_ISVC: isvc_name}
-        deployments = {d["metadata"]["name"]: d for d in api.list("Deployment", namespace, selector)}
-        prefill_pool = api.get("PrefillPool", namespace, naming.prefill_name(isvc_name))
-        decode_pools = api.list("DecodePool", namespace, selector)
-        now = status.now()
-
-        def pool_status(pool: dict) -> dict:
-            new = status.pool_status(pool, deployments.get(pool["metadata"]["name"]),
-                                     naming.label_selector(workloads.pool_selector(pool)))
-            old = pool.get("status") or {}
-            new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)
-            if _changed(old, new):
-                api.patch_status(pool["kind"], namespace, pool["metadata"]["name"], new)
-            return new
-
-        prefill = (prefill_pool, pool_status(prefill_pool)) if prefill_pool else None
-        decodes = [(p, pool_status(p)) for p in decode_pools]
-        new = status.isvc_status(isvc, prefill, decodes)
-        old = isvc.get("status") or {}
+    def pool_status(pool: dict) -> dict:
+        new = status.pool_status(pool, deployments.get(pool["metadata"]["name"]),
+                                 naming.label_selector(workloads.pool_selector(pool)))
+        old = pool.get("status") or {}
         new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)
         if _changed(old, new):
-            api.patch_status("InferenceService", namespace, isvc_name, new)
+            api.patch_status(pool["kind"], namespace, pool["metadata"]["name"], new)
+        return new
+
+    prefill = (prefill_pool, pool_status(prefill_pool)) if prefill_pool else None
+    decodes = [(p, pool_status(p)) for p in decode_pools]
+    new = status.isvc_status(isvc, prefill, decodes)
+    old = isvc.get("status") or {}
+    new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)
+    if _changed(old, new):
+        api.patch_status("InferenceService", namespace, isvc_name, new)
 
 
 def new_memo(config, kubeconfig: str | None = None) -> kopf.Memo:

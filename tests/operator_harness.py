@@ -35,6 +35,10 @@ def install_chart(kube) -> None:
     kube.helm("upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace")
     for crd in CRD_NAMES:
         kube.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    # Established comes a moment before the new resources' storage serves lists (429 until then).
+    for crd in CRD_NAMES:
+        kube.wait_until(lambda: kube.kubectl("get", crd.split(".")[0], "-A", check=False).returncode == 0,
+                        timeout=60, what=f"{crd} to serve lists")
 
 
 def get_json(kube, *args: str) -> dict | None:
@@ -99,6 +103,11 @@ class OperatorProcess:
     def log(self) -> str:
         path = self.log_dir / f"operator-{self.starts}.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time the operator process has used so far."""
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def rss_kib(self) -> tuple[int, int]:
         """(current VmRSS, peak VmHWM) of the operator process in KiB."""

@@ -13,6 +13,7 @@ Reports:
   Services and a status for its current generation (decodeReady "0/3");
 - ready_s: from marking every pod Ready (pods/status, as a kubelet would; there is no
   kubelet here) until every InferenceService is Ready=True;
+- operator CPU seconds spent converging (a figure the machine's load distorts less than time);
 - operator RSS now and peak (VmRSS / VmHWM from /proc), and the count of ERROR lines and
   tracebacks in the operator's log (should be 0).
 This is a benchmark, not a test: nothing is asserted; the figures go to docs/.
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                 items.append(doc)
             time.sleep(2)  # let the operator finish its initial listing
             rss_idle = op.rss_kib()[0]
+            cpu_idle = op.cpu_seconds()
             t0 = time.monotonic()
             kube.kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}))
             apply_s = time.monotonic() - t0
@@ -113,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
             converge_s = apply_s + wait(converged, args.count, "converging", args.timeout)
             rss_converged, _ = op.rss_kib()
+            cpu_converged = op.cpu_seconds() - cpu_idle
 
             t1 = time.monotonic()
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
@@ -137,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 "converge_s": round(converge_s, 2),
                 "mark_pods_ready_s": round(mark_s, 2),
                 "ready_s": round(ready_s, 2),
+                "operator_cpu_to_converge_s": round(cpu_converged, 2),
+                "operator_cpu_total_s": round(op.cpu_seconds() - cpu_idle, 2),
                 "operator_rss_idle_mib": round(rss_idle / 1024, 1),
                 "operator_rss_converged_mib": round(rss_converged / 1024, 1),
                 "operator_rss_end_mib": round(rss_now / 1024, 1),
