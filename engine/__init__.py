@@ -42,6 +42,8 @@ P/D, prefill side::
         # cb(layer_idx, block_ids) on the engine thread right after that layer's KV is written;
         # block_ids = all the prompt's blocks (KV of token t is in block_ids[t // block_size]).
         # Raises OutOfBlocksError if the blocks are not free now (caller may retry or fall back).
+    firsts = engine.prefill_many([(rid, ids, sampling), ...], on_layer=cb2)  # one forward, {rid: token}
+        # cb2(layer_idx, {rid: block_ids}); all or nothing on errors
     engine.release(request_id)  # the caller frees the blocks once the KV is sent
 
 P/D, decode side::

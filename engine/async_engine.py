@@ -84,6 +84,14 @@ class AsyncLLMEngine:
         """LLMEngine.prefill_only on the engine thread (``on_layer`` is called on that thread)."""
         return await self._call(self.engine.prefill_only, request_id, prompt_token_ids, sampling, on_layer)
 
+    async def prefill_many(
+        self,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        on_layer: Callable[[int, dict[str, list[int]]], None] | None = None,
+    ) -> dict[str, int]:
+        """LLMEngine.prefill_many (several prompts, one forward) on the engine thread."""
+        return await self._call(self.engine.prefill_many, requests, on_layer)
+
     async def prefill_block_ids(self, request_id: str) -> list[int]:
         return await self._call(self.engine.prefill_block_ids, request_id)
 

@@ -178,26 +178,49 @@ class LLMEngine:
         ``on_layer(layer_idx, block_ids)`` is called on this thread right after each layer's
         KV is written; ``block_ids`` are all the prompt's blocks (prefix-cache hits included).
         The blocks stay held until ``release(request_id)``. Raises OutOfBlocksError when the
-        prompt's blocks are not free now, PromptTooLongError, ValueError.
+        prompt's blocks are not free now, PromptTooLongError, ValueError. On any error
+        (including one raised by ``on_layer``) the blocks are freed before it propagates.
         """
-        seq = self._new_sequence(request_id, prompt_token_ids, sampling)
-        seq.block_table, seq.num_computed = self.block_manager.allocate(seq.prompt_ids, len(seq.prompt_ids))
-        seq.num_cached_tokens = seq.num_computed
-        self._seqs[request_id] = seq
-        seq.status = Status.RUNNING
+        cb = None
+        if on_layer is not None:
+            cb = lambda layer, tables: on_layer(layer, tables[request_id])  # noqa: E731
+        return self.prefill_many([(request_id, prompt_token_ids, sampling)], cb)[request_id]
+
+    def prefill_many(
+        self,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        on_layer: Callable[[int, dict[str, list[int]]], None] | None = None,
+    ) -> dict[str, int]:
+        """``prefill_only`` for several prompts in ONE forward pass: request id -> first token.
+
+        ``on_layer(layer_idx, {request_id: block_ids})`` after each layer's KV is written.
+        All or nothing: if any prompt is invalid or its blocks are not free, nothing is held
+        and the error propagates. Each request's blocks are held until ``release``.
+        """
+        seqs: list[Sequence] = []
         try:
+            for request_id, ids, sampling in requests:
+                if any(s.request_id == request_id for s in seqs):
+                    raise ValueError(f"request id {request_id!r} appears twice")
+                seq = self._new_sequence(request_id, ids, sampling)
+                seq.block_table, seq.num_computed = self.block_manager.allocate(seq.prompt_ids, len(seq.prompt_ids))
+                seq.num_cached_tokens = seq.num_computed
+                seqs.append(seq)
             layer_cb = None
             if on_layer is not None:
-                table = list(seq.block_table)
-                layer_cb = lambda i: on_layer(i, table)  # noqa: E731
-            token = self._forward_and_sample([seq], layer_cb)[0]
+                tables = {s.request_id: list(s.block_table) for s in seqs}
+                layer_cb = lambda i: on_layer(i, tables)  # noqa: E731
+            tokens = self._forward_and_sample(seqs, layer_cb) if seqs else []
         except BaseException:
-            self._seqs.pop(request_id, None)
-            self.block_manager.free(seq.block_table)
+            for seq in seqs:
+                self.block_manager.free(seq.block_table)
             raise
-        seq.num_computed = len(seq.prompt_ids)
-        self._register(seq)
-        return token
+        for seq in seqs:
+            seq.num_computed = len(seq.prompt_ids)
+            seq.status = Status.RUNNING
+            self._seqs[seq.request_id] = seq
+            self._register(seq)
+        return {s.request_id: t for s, t in zip(seqs, tokens)}
 
     def prefill_block_ids(self, request_id: str) -> list[int]:
         """The blocks a prefill_only request holds (its prompt's KV)."""

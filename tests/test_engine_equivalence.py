@@ -150,3 +150,23 @@ def test_preemption_gives_the_same_tokens(tiny):
     assert tight.num_preemptions > 0
     assert got == ample
     assert tight.num_free_blocks() == tight.num_blocks
+
+
+def test_prefill_many_equals_one_by_one(tiny):
+    prompts = _prompts(tiny)
+    single = _engine(tiny)
+    firsts = {str(i): single.prefill_only(str(i), p, SEEDED) for i, p in enumerate(prompts)}
+    many = _engine(tiny)
+    calls = []
+    got = many.prefill_many([(str(i), p, SEEDED) for i, p in enumerate(prompts)], on_layer=lambda l, t: calls.append((l, t)))
+    assert got == firsts
+    assert [l for l, _ in calls] == list(range(tiny.config.num_layers))  # one forward for all
+    for i in range(len(prompts)):
+        rid = str(i)
+        assert calls[0][1][rid] == many.prefill_block_ids(rid)
+        a = single.kv_cache.tensor[:, single.prefill_block_ids(rid)]
+        b = many.kv_cache.tensor[:, many.prefill_block_ids(rid)]
+        assert torch.allclose(a, b, atol=1e-6)
+        single.release(rid)
+        many.release(rid)
+    assert many.num_free_blocks() == many.num_blocks and many.num_requests() == 0

@@ -218,3 +218,16 @@ def test_bad_engine_config():
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="num_blocks must be positive"):
         EngineConfig(num_blocks=-3)
+
+
+def test_prefill_many_is_all_or_nothing(tiny):
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=3, block_size=16))
+    with pytest.raises(OutOfBlocksError):
+        engine.prefill_many([("a", [65] * 20, SP), ("b", [66] * 20, SP)])  # 2 + 2 blocks > 3
+    _assert_idle(engine)
+    with pytest.raises(ValueError, match="appears twice"):
+        engine.prefill_many([("a", [65] * 5, SP), ("a", [66] * 5, SP)])
+    _assert_idle(engine)
+    with pytest.raises(PromptTooLongError):
+        engine.prefill_many([("a", [65] * 5, SP), ("b", [66] * 5000, SP)])
+    _assert_idle(engine)
