@@ -73,12 +73,13 @@ def test_bench_model_loads_in_the_engine(tmp_path):
     from pdserve.engine.loader import load_model
 
     assert bench_model(tmp_path, "tiny") == "tiny"
-    path = bench_model(tmp_path, "kvheavy", max_len=4096)
+    path = bench_model(tmp_path, "wire", max_len=4096)
     loaded = load_model(path)
-    hidden, inter, layers, heads, kv_heads = BENCH_MODELS["kvheavy"]
-    assert (loaded.config.hidden_size, loaded.config.num_layers, loaded.config.num_kv_heads) == (hidden, layers, kv_heads)
-    assert loaded.config.max_position_embeddings == 4096
-    assert bench_model(tmp_path, "kvheavy") == path  # written once
+    hidden, inter, layers, heads, kv_heads, head_dim = BENCH_MODELS["wire"]
+    cfg = loaded.config
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim) == (hidden, layers, kv_heads, head_dim)
+    assert cfg.max_position_embeddings == 4096
+    assert bench_model(tmp_path, "wire") == path  # written once
     with pytest.raises(ValueError, match="model size"):
         bench_model(tmp_path, "huge")
 

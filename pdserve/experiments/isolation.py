@@ -29,7 +29,7 @@ TARGET = 0.5
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small", help="tiny | small | medium | kvheavy | a checkpoint directory")
+    parser.add_argument("--model", default="small", help="tiny | small | medium | wire | a checkpoint directory")
     parser.add_argument("--streams", type=int, default=6, help="short requests decoding throughout")
     parser.add_argument("--stream-prompt", type=int, default=32, help="prompt tokens of a short request")
     parser.add_argument("--stream-output", type=int, default=256, help="output tokens of a short request")

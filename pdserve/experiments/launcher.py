@@ -25,12 +25,12 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-# name -> (hidden, intermediate, layers, heads, kv heads). Byte-level vocabulary, no tokenizer file.
+# name -> (hidden, intermediate, layers, heads, kv heads, head dim). Byte-level vocabulary, no tokenizer file.
 BENCH_MODELS = {
-    "small": (256, 688, 8, 8, 4),
-    "medium": (512, 1376, 8, 8, 4),
-    # little compute per KV byte: for experiments about the wire
-    "kvheavy": (256, 256, 8, 8, 8),
+    "small": (256, 688, 8, 8, 4, 32),
+    "medium": (512, 1376, 8, 8, 4, 64),
+    # little compute per KV byte (8 KiB of KV per token and layer): for experiments about the wire
+    "wire": (64, 128, 8, 16, 16, 64),
 }
 # Prompts are sent as token ids below this (plain bytes of the byte-level vocabulary, no BOS/EOS).
 PROMPT_VOCAB = 256
@@ -49,10 +49,10 @@ def bench_model(directory: Path, size: str, max_len: int = 16384) -> str:
     from pdserve.engine.config import ModelConfig
     from pdserve.engine.loader import tiny_config
 
-    hidden, inter, layers, heads, kv_heads = BENCH_MODELS[size]
+    hidden, inter, layers, heads, kv_heads, head_dim = BENCH_MODELS[size]
     tiny = tiny_config()
     cfg = ModelConfig(vocab_size=tiny.vocab_size, hidden_size=hidden, intermediate_size=inter, num_layers=layers,
-                      num_heads=heads, num_kv_heads=kv_heads, max_position_embeddings=max_len,
+                      num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, max_position_embeddings=max_len,
                       bos_token_id=tiny.bos_token_id, eos_token_ids=list(tiny.eos_token_ids))
     save_hf_checkpoint(random_hf_weights(cfg, seed=0), cfg, path)
     return str(path)

@@ -4,7 +4,9 @@
 its first token needs no KV transfer. P/D sends each layer's KV as soon as it is written
 and answers the first token only when every layer has arrived, so its TTFT is prefill
 plus whatever part of the transfer did not hide behind compute. Both prefills run pinned
-to CPU 0 with one torch thread; the decode runs on CPU 1. Requests go one at a time.
+to CPU 0 with one torch thread; the decode runs on CPU 1. All configurations are started
+at once and requests go one at a time, rotating through the configurations (the same
+prompt to each), so the load of a shared machine drifts over all of them alike.
 
 Overlap off: the prefill server flag given by ``--overlap-off-flag`` (sending all layers
 after the forward pass); when ``pdserve prefill --help`` does not list it, that
@@ -36,7 +38,7 @@ TARGET = 1.10
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small", help="tiny | small | medium | kvheavy | a checkpoint directory")
+    parser.add_argument("--model", default="small", help="tiny | small | medium | wire | a checkpoint directory")
     parser.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt lengths in tokens, comma separated")
     parser.add_argument("--repeats", type=int, default=3, help="requests per length and configuration (median taken)")
     parser.add_argument("--overlap-off-flag", default="--no-layerwise-push",
@@ -46,18 +48,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results/experiments"), help="output directory")
 
 
-def _requests(lengths: list[int], repeats: int) -> list[RequestSpec]:
+def _interleaved_ttfts(targets: dict[str, tuple[str, str | None]], lengths: list[int], repeats: int) -> dict:
+    """Median-ready TTFTs per configuration and length, sending one request at a time and
+    rotating through the configurations, so slow drifts of a shared machine hit all alike."""
     rng = random.Random(1)
-    return [RequestSpec(n, 2, prompt_ids=make_prompt_ids(n, rng, PROMPT_VOCAB)) for n in lengths for _ in range(repeats)]
-
-
-def _ttfts(url: str, specs: list[RequestSpec], lengths: list[int], netns: str | None) -> dict[int, list[float]]:
-    send(url, specs[:1], concurrency=1, netns=netns)  # warm-up
-    results, _ = send(url, specs, concurrency=1, netns=netns)
-    bad = [r.error for r in results if not r.ok]
-    if bad:
-        raise RuntimeError(f"{len(bad)} request(s) failed, first: {bad[0]}")
-    return {n: [r.ttft for r in results if r.prompt_tokens == n] for n in lengths}
+    for url, ns in targets.values():  # warm-up
+        send(url, [RequestSpec(lengths[0], 2, prompt_ids=make_prompt_ids(lengths[0], rng, PROMPT_VOCAB))],
+             concurrency=1, netns=ns)
+    out: dict[str, dict[int, list[float]]] = {name: {n: [] for n in lengths} for name in targets}
+    for rep in range(repeats):
+        for n in lengths:
+            spec = RequestSpec(n, 2, prompt_ids=make_prompt_ids(n, rng, PROMPT_VOCAB))  # same prompt for all
+            names = list(targets) if rep % 2 == 0 else list(reversed(targets))
+            for name in names:
+                url, ns = targets[name]
+                (r,), _ = send(url, [spec], concurrency=1, netns=ns)
+                if not r.ok:
+                    raise RuntimeError(f"{name}: a {n}-token request failed: {r.error}")
+                out[name][n].append(r.ttft)
+        print(f"overlap: repeat {rep + 1}/{repeats} done", flush=True)
+    return out
 
 
 def flag_available(flag: str) -> bool:
@@ -79,30 +89,28 @@ def run(args: argparse.Namespace) -> int:
     model = bench_model(out, args.model)
     max_len = lengths[-1] + 64
     blocks = 2 * -(-max_len // 64) + 8
-    specs = _requests(lengths, args.repeats)
     configs = {"alone": None, "overlap_on": []}
     if flag_available(args.overlap_off_flag):
         configs["overlap_off"] = [args.overlap_off_flag]
-    measured: dict[str, dict[int, list[float]]] = {}
-    for name, extra in configs.items():
-        with ExitStack() as stack:
+    with ExitStack() as stack:
+        targets: dict[str, tuple[str, str | None]] = {}
+        for i, (name, extra) in enumerate(configs.items()):
             launcher = stack.enter_context(Launcher(out / "logs" / f"overlap-{name}"))
             if extra is None:
                 cluster = start_colocated(launcher, model, threads=1, cpus="0", num_blocks=blocks, max_model_len=max_len)
-                url, ns = cluster.url, None
-            else:
-                ns_p = ns_d = None
-                host = "127.0.0.1"
-                if args.link_mbit:
-                    link = stack.enter_context(LinkedNamespaces(args.link_mbit))
-                    ns_p, ns_d, host = link.prefill_ns, link.decode_ns, link.decode_ip
-                decode = start_decode(launcher, "decode", model, threads=1, cpus="1", num_blocks=blocks,
-                                      max_model_len=max_len, host=host, netns=ns_d)
-                prefill = start_prefill(launcher, "prefill", model, [decode], threads=1, cpus="0", num_blocks=blocks,
-                                        max_model_len=max_len, netns=ns_p, extra=extra)
-                url, ns = prefill.url, ns_p
-            print(f"overlap: measuring {name}", flush=True)
-            measured[name] = _ttfts(url, specs, lengths, ns)
+                targets[name] = (cluster.url, None)
+                continue
+            ns_p = ns_d = None
+            host = "127.0.0.1"
+            if args.link_mbit:
+                link = stack.enter_context(LinkedNamespaces(args.link_mbit, prefix=f"pdo{i}", subnet=200 + i))
+                ns_p, ns_d, host = link.prefill_ns, link.decode_ns, link.decode_ip
+            decode = start_decode(launcher, "decode", model, threads=1, cpus="1", num_blocks=blocks,
+                                  max_model_len=max_len, host=host, netns=ns_d)
+            prefill = start_prefill(launcher, "prefill", model, [decode], threads=1, cpus="0", num_blocks=blocks,
+                                    max_model_len=max_len, netns=ns_p, extra=extra)
+            targets[name] = (prefill.url, ns_p)
+        measured = _interleaved_ttfts(targets, lengths, args.repeats)
     rows = []
     for n in lengths:
         alone = statistics.median(measured["alone"][n])

@@ -26,7 +26,7 @@ from .launcher import PROMPT_VOCAB, Launcher, bench_model, metric_sum, scrape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="tiny | small | medium | kvheavy | a checkpoint directory")
+    parser.add_argument("--model", default="tiny", help="tiny | small | medium | wire | a checkpoint directory")
     parser.add_argument("--decodes", type=int, default=3, help="decode processes")
     parser.add_argument("--decode-blocks", type=int, default=48, help="KV blocks of each decode (64 tokens each)")
     parser.add_argument("--requests", type=int, default=80, help="requests per policy")

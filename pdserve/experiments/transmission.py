@@ -6,8 +6,8 @@ Poisson mix of short and long prompts flows through; each long prompt's KV takes
 time on the wire. With FIFO a short request's layers queue behind every long layer
 already waiting; the prioritised scheduler (MoLink: short transfers first, large ones in
 chunks, a waiting-weight bound against starvation) sends them first. Both schedulers get
-the same requests at the same times on a fresh cluster. The model is ``kvheavy`` by
-default (much KV per FLOP). The load generator runs inside the prefill's namespace.
+the same requests at the same times on a fresh cluster. The model is ``wire`` by
+default (8 KiB of KV per token and layer for little compute). The load generator runs inside the prefill's namespace.
 Figure: P99 TTFT of the short requests. Target: prioritised <= 0.6x FIFO.
 """
 
@@ -30,13 +30,14 @@ TARGET = 0.6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="kvheavy", help="tiny | small | medium | kvheavy | a checkpoint directory")
+    parser.add_argument("--model", default="wire", help="tiny | small | medium | wire | a checkpoint directory")
     parser.add_argument("--rates-mbit", default="1000,100", help="link rates to test, Mbit/s, comma separated")
-    parser.add_argument("--requests", type=int, default=60, help="requests per scheduler and rate")
-    parser.add_argument("--rate", type=float, default=None,
-                        help="Poisson arrivals per second (default: about 60%% of the link's KV capacity)")
+    parser.add_argument("--requests", type=int, default=50, help="requests per scheduler and rate")
+    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: from --load)")
+    parser.add_argument("--load", type=float, default=0.4,
+                        help="offered KV bytes per second as a fraction of the link rate (sets the arrival rate)")
     parser.add_argument("--long-fraction", type=float, default=0.2, help="fraction of long prompts")
-    parser.add_argument("--long-prompt", type=int, default=2048, help="tokens of a long prompt")
+    parser.add_argument("--long-prompt", type=int, default=1024, help="tokens of a long prompt")
     parser.add_argument("--short-prompt", type=int, default=64, help="tokens of a short prompt")
     parser.add_argument("--output", type=int, default=4, help="output tokens of every request")
     parser.add_argument("--out", type=Path, default=Path("bench-results/experiments"), help="output directory")
@@ -87,14 +88,15 @@ def run(args: argparse.Namespace) -> int:
         rates = [float(x) for x in args.rates_mbit.split(",")]
     except ValueError:
         raise SystemExit(f"--rates-mbit must be comma-separated numbers, got {args.rates_mbit!r}")
+    if not 0 < args.load < 1:
+        raise SystemExit("--load must be in (0, 1)")
     model = bench_model(out, args.model)
     per_token = kv_bytes_per_token(model)
     mean_tokens = args.long_fraction * args.long_prompt + (1 - args.long_fraction) * args.short_prompt
     results: dict[str, dict] = {}
     rows = []
     for mbit in rates:
-        # ~60% of the link's capacity for KV, unless --rate says otherwise
-        rate = args.rate or 0.6 * (mbit * 1e6 / 8) / (mean_tokens * per_token)
+        rate = args.rate or args.load * (mbit * 1e6 / 8) / (mean_tokens * per_token)
         specs, arrivals = workload(args, rate)
         runs = {s: one_run(args, model, mbit, s, specs, arrivals, out) for s in ("fifo", "priority")}
         results[f"{mbit:g}mbit"] = {"request_rate": rate, **runs}
