@@ -11,7 +11,8 @@ loopback, and prints side by side, measured in the same run:
 
 Throughput is the pool size over the time from the first byte offered to the sender to the
 delivery confirmation (tcp: the receiver's ACK/reply; NIXL: WRITE reported DONE). Each
-figure is the median of --repeats runs. Extra peak memory is each process's peak RSS
+figure is the median of --repeats runs; the ratio is the median, over runs, of ours divided by
+the baseline run just before it (so both saw the same machine load). Extra peak memory is each process's peak RSS
 increase during the transfer (after start-up: pools allocated and touched, agents and
 receivers created), as a fraction of the KV bytes moved.
 Targets: tcp >= 80% of raw socket, nixl >= 90% of raw NIXL, extra peak memory <= 10%.
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="sender chunk size in MiB (default 4)")
     parser.add_argument("--transports", default="tcp,nixl", help="comma-separated: tcp,nixl (default both)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; the median is reported (default 3)")
+    parser.add_argument("--repeats", type=int, default=5, help="runs per figure; the median is reported (default 5)")
     parser.add_argument("--quick", action="store_true", help="small set: 8 layers x 1024 tokens (32 MiB), 2 repeats")
     parser.add_argument("--mixed", action="store_true",
                         help="also compare schedulers: short requests stored right behind a long one (fifo vs priority)")
@@ -115,7 +116,7 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                 peak.start()
                 secs = await asyncio.to_thread(_raw_tcp_send, region, layout.nbytes, port)
                 tx_rss = peak.stop()
-                rx_rss = (await _read(reader))["rss"]
+                rx_doc = await _read(reader)
             elif kind == "raw_nixl":
                 from .nixl_backend import NixlMemory
 
@@ -125,7 +126,7 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                 peak.start()
                 secs = await asyncio.to_thread(_raw_nixl_write, raw_nixl, region, layout.nbytes, info)
                 tx_rss = peak.stop()
-                rx_rss = (await _read(reader))["rss"]
+                rx_doc = await _read(reader)
             else:
                 transport = kind.split("_", 1)[1]
                 if transport not in senders:
@@ -147,11 +148,12 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                 secs = time.perf_counter() - t0
                 tx_rss = peak.stop()
                 tx.delete(rid)
-                rx_rss = (await _read(reader))["rss"]
+                rx_doc = await _read(reader)
             if repeat < 0:
                 continue
             runs[kind].append({"seconds": secs, "gib_s": layout.nbytes / secs / (1 << 30),
-                               "sender_rss": tx_rss, "receiver_rss": rx_rss})
+                               "sender_rss": tx_rss, "receiver_rss": rx_doc["rss"],
+                               "cpu_s_per_gib": (peak.cpu_s + rx_doc["cpu"]) / (layout.nbytes / (1 << 30))})
         for tx in senders.values():
             await tx.stop()
         mixed = {}
@@ -175,7 +177,12 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
     summary = {k: {"gib_s": statistics.median(r["gib_s"] for r in v),
                    "sender_rss": max(r["sender_rss"] for r in v),
                    "receiver_rss": max(r["receiver_rss"] for r in v),
+                   "cpu_s_per_gib": statistics.median(r["cpu_s_per_gib"] for r in v),
                    "runs_gib_s": [round(r["gib_s"], 3) for r in v]} for k, v in runs.items()}
+    for t in transports:  # each ours run against the baseline run just before it (same machine load)
+        pairs = [o["gib_s"] / r["gib_s"] for o, r in zip(runs[f"ours_{t}"], runs[f"raw_{t}"])]
+        summary[f"ours_{t}"]["paired_ratios"] = [round(x, 3) for x in pairs]
+        summary[f"ours_{t}"]["ratio_vs_raw"] = statistics.median(pairs)
     return {"kv_bytes": layout.nbytes, "repeats": args.repeats, "results": summary, "mixed": mixed}
 
 
@@ -229,20 +236,22 @@ def _print(args, compat: CompatInfo, layout: KVLayout, results: dict) -> None:
           f"{compat.head_dim} dims x {DTYPE_BYTES[compat.dtype]} bytes x K,V = {mib:.1f} MiB; blocks of "
           f"{compat.block_size} tokens ({layout.block_nbytes // 1024} KiB); chunks of {args.chunk_mib:g} MiB; "
           f"median of {results['repeats']} runs")
-    print(f"{'':26}{'GiB/s':>8}  {'ratio':>18}  {'sender +peak':>16}  {'receiver +peak':>16}")
+    print(f"{'':26}{'GiB/s':>8}  {'ratio':>18}  {'sender +peak':>16}  {'receiver +peak':>16}  {'CPU s/GiB':>9}")
     targets = {"tcp": 0.80, "nixl": 0.90}
     for t in ("tcp", "nixl"):
         if f"raw_{t}" not in res:
             continue
         raw, ours = res[f"raw_{t}"], res[f"ours_{t}"]
-        ratio = ours["gib_s"] / raw["gib_s"]
+        ratio = ours["ratio_vs_raw"]
         label = "raw socket (one send)" if t == "tcp" else "raw NIXL WRITE"
         for name, r, rtext in ((label, raw, "baseline"),
                                (f"ours {t} (layer-wise)", ours, f"{ratio:6.1%} (target {targets[t]:.0%})")):
             print(f"{name:26}{r['gib_s']:8.2f}  {rtext:>18}  {_mem(r['sender_rss'], layout):>16}  "
-                  f"{_mem(r['receiver_rss'], layout):>16}")
-        ours["ratio_vs_raw"] = ratio
+                  f"{_mem(r['receiver_rss'], layout):>16}  {r['cpu_s_per_gib']:9.2f}")
+        print(f"{'':26}{'':8}  paired ratios {', '.join(f'{x:.0%}' for x in ours['paired_ratios'])}")
+    print("GiB/s: median of runs; ratio: median over runs of ours / the baseline run just before it")
     print("peak = peak RSS increase during the transfer, MiB (% of KV bytes); target <= 10%")
+    print("CPU s/GiB = CPU time of both processes (all threads) per GiB moved, median; load-independent")
     if results["mixed"]:
         print(f"\nscheduler comparison: 4 short requests (1 block x {layout.num_layers} layers) stored right behind "
               f"a long one ({layout.num_blocks - 4} blocks x {layout.num_layers} layers), one link")

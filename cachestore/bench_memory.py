@@ -1,8 +1,10 @@
-"""Peak resident memory of this process during one measurement (Linux /proc).
+"""Peak resident memory and CPU time of this process during one measurement (Linux /proc).
 
 ``PeakRSS.start()`` resets the kernel's peak (VmHWM, via /proc/self/clear_refs) and notes
 the current RSS; ``stop()`` returns how far the peak rose above it. Where the reset is not
-permitted, a 1 ms sampling thread measures the peak instead.
+permitted, a 1 ms sampling thread measures the peak instead. ``cpu_s`` after ``stop()`` is
+the process CPU time (all threads) spent in between: unlike wall time, it hardly moves when
+other programs load the machine.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ class PeakRSS:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._hwm_reset = False
+        self._cpu0 = 0.0
+        self.cpu_s = 0.0
 
     def start(self) -> None:
         try:
@@ -36,6 +40,7 @@ class PeakRSS:
             self._hwm_reset = False
         self._base = _status_kib("VmRSS")
         self._sampled = self._base
+        self._cpu0 = time.process_time()
         if not self._hwm_reset:
             self._stop.clear()
             self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -47,7 +52,8 @@ class PeakRSS:
             time.sleep(0.001)
 
     def stop(self) -> int:
-        """Bytes the peak RSS rose above the RSS at start()."""
+        """Bytes the peak RSS rose above the RSS at start() (and sets cpu_s)."""
+        self.cpu_s = time.process_time() - self._cpu0
         if self._hwm_reset:
             peak = _status_kib("VmHWM")
         else:

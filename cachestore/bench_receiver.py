@@ -66,7 +66,7 @@ async def serve(geometry: dict, control_port: int) -> None:
 
             await asyncio.to_thread(receive)
             lsock.close()
-            await reply({"rss": peak.stop()})
+            await reply({"rss": peak.stop(), "cpu": peak.cpu_s})
         elif cmd["cmd"] == "raw_nixl":
             from .nixl_backend import NixlMemory
 
@@ -76,7 +76,7 @@ async def serve(geometry: dict, control_port: int) -> None:
             peak.start()
             while not nixl_mem.agent.get_new_notifs():
                 await asyncio.sleep(0.0002)
-            await reply({"rss": peak.stop()})
+            await reply({"rss": peak.stop(), "cpu": peak.cpu_s})
         elif cmd["cmd"] == "ours":
             from .receiver import CacheStoreReceiver
 
@@ -92,7 +92,7 @@ async def serve(geometry: dict, control_port: int) -> None:
             await rx.wait_all(rid, 600)
             rss = peak.stop()
             rx.delete(rid)
-            await reply({"rss": rss, "stats": rx.stats()})
+            await reply({"rss": rss, "cpu": peak.cpu_s, "stats": rx.stats()})
         elif cmd["cmd"] == "expect_many":
             from .receiver import CacheStoreReceiver
 
