@@ -28,12 +28,15 @@ from .launcher import PROMPT_VOCAB, Launcher, bench_model, metric_sum, scrape
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="tiny | small | medium | wire | a checkpoint directory")
     parser.add_argument("--decodes", type=int, default=3, help="decode processes")
-    parser.add_argument("--decode-blocks", type=int, default=48, help="KV blocks of each decode (64 tokens each)")
-    parser.add_argument("--requests", type=int, default=80, help="requests per policy")
-    parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
+    parser.add_argument("--decode-blocks", type=int, default=40, help="KV blocks of each decode (64 tokens each)")
+    parser.add_argument("--requests", type=int, default=60, help="requests per policy")
+    parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
+    parser.add_argument("--pattern", choices=["random", "periodic"], default="random",
+                        help="random: each request is long with --long-fraction; periodic: every "
+                             "round(1/--long-fraction)-th request is long (lengths in step with round robin)")
     parser.add_argument("--long-fraction", type=float, default=0.25, help="fraction of long requests")
     parser.add_argument("--long-prompt", type=int, default=1400, help="tokens of a long prompt")
-    parser.add_argument("--long-output", type=int, default=300, help="output tokens of a long request")
+    parser.add_argument("--long-output", type=int, default=200, help="output tokens of a long request")
     parser.add_argument("--short-prompt", type=int, default=100, help="tokens of a short prompt")
     parser.add_argument("--short-output", type=int, default=32, help="output tokens of a short request")
     parser.add_argument("--max-attempts", type=int, default=3, help="prefill's --max-attempts")
@@ -43,8 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def workload(args) -> tuple[list[RequestSpec], list[float]]:
     rng = random.Random(3)
     specs = []
-    for _ in range(args.requests):
-        if rng.random() < args.long_fraction:
+    period = max(1, round(1 / args.long_fraction)) if args.long_fraction else 0
+    for i in range(args.requests):
+        if (rng.random() < args.long_fraction) if args.pattern == "random" else (period and i % period == 0):
             p, o = args.long_prompt, args.long_output
         else:
             p, o = args.short_prompt, args.short_output
