@@ -170,6 +170,8 @@ class AsyncLLMEngine:
         e = self.engine
         for rid in list(e._seqs) + list(e._reserved):
             e.abort(rid)
+        for rid in list(self._streams):  # open streams end instead of waiting forever
+            self._deliver(RequestOutput(rid, [], True, "abort", error="engine stopped"))
 
     def _deliver(self, out: RequestOutput) -> None:
         target = self._streams.get(out.request_id)

@@ -162,3 +162,21 @@ def test_stop_frees_held_requests(tiny):
 
     engine = asyncio.run(main())
     assert engine.num_free_blocks() == engine.num_blocks and engine.num_requests() == 0
+
+
+def test_stop_ends_open_streams(tiny):
+    async def main():
+        engine = _engine(tiny)
+        aeng = AsyncLLMEngine(engine)
+        await aeng.start()
+        stream = aeng.generate("long", [65, 66], SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+        first = await stream.__anext__()
+        task = asyncio.ensure_future(_collect(stream))
+        await aeng.stop()
+        toks, last = await asyncio.wait_for(task, timeout=10)
+        return first, last, engine
+
+    first, last, engine = asyncio.run(main())
+    assert not first.finished
+    assert last.finished and last.finish_reason == "abort" and last.error == "engine stopped"
+    assert engine.num_free_blocks() == engine.num_blocks and engine.num_requests() == 0
