@@ -23,7 +23,7 @@ from pdserve.loadgen_workload import RequestSpec, make_prompt_ids
 
 from . import report
 from .cluster import SERVED_MODEL, start_colocated, start_pd
-from .launcher import PROMPT_VOCAB, Launcher, bench_model
+from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model
 
 TARGET = 0.5
 
@@ -77,16 +77,16 @@ def measure(url: str, specs, arrivals, is_stream) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
-    model = bench_model(out, args.model)
+    model = bench_model(MODEL_CACHE, args.model)
     specs, arrivals, is_stream = workload(args, PROMPT_VOCAB)
     max_len = max(args.long_prompt, args.stream_prompt + args.stream_output) + 64
     blocks = 2 * (args.streams * -(-(args.stream_prompt + args.stream_output) // 64) + 2 * -(-args.long_prompt // 64))
     runs = {}
-    with Launcher(out / "logs" / "isolation-pd") as launcher:
+    with Launcher(LOG_ROOT / "isolation-pd") as launcher:
         cluster = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus="0", decode_cpus="1",
                            num_blocks=blocks, max_model_len=max_len)
         runs["pd"] = measure(cluster.url, specs, arrivals, is_stream)
-    with Launcher(out / "logs" / "isolation-colocated") as launcher:
+    with Launcher(LOG_ROOT / "isolation-colocated") as launcher:
         cluster = start_colocated(launcher, model, threads=2, cpus="0,1", num_blocks=blocks, max_model_len=max_len)
         runs["colocated"] = measure(cluster.url, specs, arrivals, is_stream)
     r = report.ratio(runs["pd"]["stream_tbt_p99_s"], runs["colocated"]["stream_tbt_p99_s"])

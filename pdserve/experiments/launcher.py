@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -32,6 +33,10 @@ BENCH_MODELS = {
     # little compute per KV byte (8 KiB of KV per token and layer): for experiments about the wire
     "wire": (64, 128, 8, 16, 16, 64),
 }
+# Bench checkpoints are written once per machine, outside the repository.
+MODEL_CACHE = Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "bench-models"
+# Server logs of this run (kept after the run; printed when a server fails).
+LOG_ROOT = Path(tempfile.gettempdir()) / f"pdserve-experiment-logs-{os.getpid()}"
 # Prompts are sent as token ids below this (plain bytes of the byte-level vocabulary, no BOS/EOS).
 PROMPT_VOCAB = 256
 

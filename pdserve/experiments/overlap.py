@@ -31,7 +31,7 @@ from pdserve.loadgen_workload import RequestSpec, make_prompt_ids
 from . import report
 from .client import send
 from .cluster import start_colocated, start_decode, start_prefill
-from .launcher import PROMPT_VOCAB, Launcher, bench_model
+from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model
 from .netns import LinkedNamespaces
 
 TARGET = 1.10
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--lengths must be comma-separated integers, got {args.lengths!r}")
     if not lengths or lengths[0] < 1 or args.repeats < 1:
         raise SystemExit("--lengths must be >= 1 and --repeats >= 1")
-    model = bench_model(out, args.model)
+    model = bench_model(MODEL_CACHE, args.model)
     max_len = lengths[-1] + 64
     blocks = 2 * -(-max_len // 64) + 8
     configs = {"alone": None, "overlap_on": []}
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         targets: dict[str, tuple[str, str | None]] = {}
         for i, (name, extra) in enumerate(configs.items()):
-            launcher = stack.enter_context(Launcher(out / "logs" / f"overlap-{name}"))
+            launcher = stack.enter_context(Launcher(LOG_ROOT / f"overlap-{name}"))
             if extra is None:
                 cluster = start_colocated(launcher, model, threads=1, cpus="0", num_blocks=blocks, max_model_len=max_len)
                 targets[name] = (cluster.url, None)

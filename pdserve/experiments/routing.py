@@ -22,7 +22,7 @@ from pdserve.loadgen_workload import RequestSpec, arrival_times, make_prompt_ids
 from . import report
 from .client import send
 from .cluster import start_pd
-from .launcher import PROMPT_VOCAB, Launcher, bench_model, metric_sum, scrape
+from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model, metric_sum, scrape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +58,7 @@ def workload(args) -> tuple[list[RequestSpec], list[float]]:
 
 def run_policy(args, policy: str, model: str, specs, arrivals, out: Path) -> dict:
     max_len = args.long_prompt + args.long_output + 64
-    with Launcher(out / "logs" / f"routing-{policy}") as launcher:
+    with Launcher(LOG_ROOT / f"routing-{policy}") as launcher:
         cluster = start_pd(launcher, model, args.decodes, prefill_threads=1, decode_threads=1,
                            num_blocks=max(256, 2 * args.decode_blocks), decode_blocks=[args.decode_blocks] * args.decodes,
                            max_model_len=max_len, prefill_extra=["--policy", policy, "--max-attempts", str(args.max_attempts)])
@@ -90,15 +90,16 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not 0 <= args.long_fraction <= 1:
         raise SystemExit("--long-fraction must be in [0, 1]")
-    model = bench_model(out, args.model)
+    model = bench_model(MODEL_CACHE, args.model)
     specs, arrivals = workload(args)
     runs = {policy: run_policy(args, policy, model, specs, arrivals, out) for policy in ("rr", "wrr")}
     met = runs["rr"]["refusals"] > 0 and runs["wrr"]["refusals"] == 0
     figures = {p: {k: v for k, v in r.items() if k != "ttft_s"} for p, r in runs.items()}
     figures.update(target="WRR 0 refusals where RR has some", met=met,
                    comparable=runs["rr"]["refusals"] > 0)
-    png = plot(runs, out / "routing.png")
-    path = report.save(out, "routing", {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
+    name = "routing" if args.pattern == "random" else f"routing-{args.pattern}"
+    png = plot(runs, out / f"{name}.png")
+    path = report.save(out, name, {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
                                        "figures": figures, "plot": str(png), "runs": runs})
     for p in ("rr", "wrr"):
         r = runs[p]

@@ -23,7 +23,7 @@ from pdserve.loadgen_workload import RequestSpec, arrival_times, make_prompt_ids
 from . import report
 from .client import send
 from .cluster import start_decode, start_prefill
-from .launcher import PROMPT_VOCAB, Launcher, bench_model
+from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model
 from .netns import LinkedNamespaces
 
 TARGET = 0.6
@@ -63,7 +63,7 @@ def workload(args, rate: float) -> tuple[list[RequestSpec], list[float]]:
 def one_run(args, model: str, rate_mbit: float, scheduler: str, specs, arrivals, out: Path) -> dict:
     max_len = max(args.long_prompt, args.short_prompt) + args.output + 64
     blocks = 4 * -(-max_len // 64) * 4
-    with LinkedNamespaces(rate_mbit) as link, Launcher(out / "logs" / f"transmission-{int(rate_mbit)}-{scheduler}") as launcher:
+    with LinkedNamespaces(rate_mbit) as link, Launcher(LOG_ROOT / f"transmission-{int(rate_mbit)}-{scheduler}") as launcher:
         decode = start_decode(launcher, "decode", model, threads=1, cpus="1", num_blocks=blocks, max_model_len=max_len,
                               host=link.decode_ip, netns=link.decode_ns)
         prefill = start_prefill(launcher, "prefill", model, [decode], threads=1, cpus="0", num_blocks=blocks,
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--rates-mbit must be comma-separated numbers, got {args.rates_mbit!r}")
     if not 0 < args.load < 1:
         raise SystemExit("--load must be in (0, 1)")
-    model = bench_model(out, args.model)
+    model = bench_model(MODEL_CACHE, args.model)
     per_token = kv_bytes_per_token(model)
     mean_tokens = args.long_fraction * args.long_prompt + (1 - args.long_fraction) * args.short_prompt
     results: dict[str, dict] = {}
