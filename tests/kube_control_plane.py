@@ -185,6 +185,9 @@ def control_plane(work_dir: Path, bin_dir: Path | None = None) -> Iterator[Contr
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--profiling=false", "--v=1",
+            # Endpoints may not name a loopback address: without this the API server fails every
+            # 10 s to publish itself as the endpoint of Service default/kubernetes.
+            "--endpoint-reconciler-type=none",
         ], name="kube-apiserver", preexec_fn=_die_with_parent)
 
         cm_kubeconfig = work_dir / "controller-manager.kubeconfig"
