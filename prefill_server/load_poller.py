@@ -38,6 +38,7 @@ class LoadReportPoller:
         self.on_update = on_update
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
+        self._inflight: dict[str, asyncio.Task] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
@@ -49,7 +50,8 @@ class LoadReportPoller:
         return pb_grpc.DecodeStub(self.channel(address))
 
     async def start(self) -> None:
-        await self.poll_once()
+        """Poll once (waiting for the answers, so a healthy decode is routable at once), then keep polling."""
+        await self.poll_once(wait=True)
         self._task = asyncio.create_task(self._loop())
 
     async def stop(self) -> None:
@@ -59,6 +61,8 @@ class LoadReportPoller:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        for task in self._inflight.values():
+            task.cancel()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -71,19 +75,28 @@ class LoadReportPoller:
             except Exception:  # never let one bad round stop polling
                 log.exception("load report round failed")
 
-    async def poll_once(self) -> None:
+    async def poll_once(self, wait: bool = False) -> None:
+        """Start a poll of every discovered decode that has none in flight (a slow or dead
+        decode never delays the reports of the others); ``wait``: until they answer."""
         addresses = set(self.discovery.addresses())
         for gone in set(self._channels) - addresses:
             await self._channels.pop(gone).close()
         for gone in set(self.picker.known()) - addresses:
             self.picker.forget(gone)
-        await asyncio.gather(*(self._poll(a) for a in sorted(addresses)))
+        started = []
+        for address in sorted(addresses):
+            task = self._inflight.get(address)
+            if task is None or task.done():
+                task = self._inflight[address] = asyncio.create_task(self._poll(address))
+                started.append(task)
+        if wait and started:
+            await asyncio.wait(started)
         if self.on_update:
             self.on_update()
 
     async def _poll(self, address: str) -> None:
         try:
-            report = await self.stub(address).GetLoadReport(pb.LoadReportRequest(), timeout=max(0.2, self.interval_s * 2))
+            report = await self.stub(address).GetLoadReport(pb.LoadReportRequest(), timeout=max(1.0, self.interval_s * 3))
         except grpc.aio.AioRpcError as exc:
             log.debug("load report from %s failed: %s", address, exc.code())
             return

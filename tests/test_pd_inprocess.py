@@ -62,6 +62,10 @@ class Pair:
         await self.poller.start()
         self.node = PrefillNode(self.p_engine, self.tx, picker, self.poller, p_msg, 64, p_layout.block_nbytes * p_layout.num_layers,
                                 eos_token_ids=(257,), out_of_blocks_error=OutOfBlocksError, session_timeout_s=5)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while not picker.eligible() and loop.time() < deadline:  # the first load report (slow on a busy machine)
+            await asyncio.sleep(0.05)
         return self
 
     async def __aexit__(self, *exc):
