@@ -6,9 +6,10 @@ established. `OperatorProcess` runs `pdserve operator` as a local process with a
 holding the chart's ServiceAccount token, so every call it makes goes through RBAC exactly
 as the in-cluster pod's would.
 
-Pods never run here, so "ready" is simulated where a test needs it: `mark_pods_ready` sets
-the Ready condition through the pods/status subresource (what a kubelet would do); the
-ReplicaSet and Deployment controllers then count the pods as ready as usual.
+Pods never run here, so "ready" is simulated where a test needs it: `mark_pods_ready` binds
+the pods to a Node object without a kubelet (pods/binding, as the scheduler would) and sets a
+pod IP and the Ready condition through pods/status (as a kubelet would); the ReplicaSet,
+Deployment and EndpointSlice controllers then treat the pods as ready as usual.
 """
 
 from __future__ import annotations
@@ -58,16 +59,40 @@ def condition(obj: dict | None, type_: str) -> dict | None:
     return None
 
 
-def mark_pods_ready(kube, namespace: str, selector: str) -> int:
-    """Set phase Running and Ready=True on the pods matching selector (as a kubelet would); how many."""
+FAKE_NODE = "pdserve-test-node"
+
+
+def ensure_fake_node(kube) -> None:
+    """A Node object (no kubelet behind it) for pods to be bound to: the EndpointSlice controller
+    leaves out pods whose node does not exist. No node-lifecycle controller runs, so it stays."""
+    if get_json(kube, "node", FAKE_NODE) is None:
+        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": FAKE_NODE, "labels": {"pdserve.io/test": "true"}}}
+        kube.kubectl("apply", "-f", "-", input=json.dumps(node))
+
+
+def mark_pods_ready(kube, namespace: str, selector: str, ready: bool = True) -> list[str]:
+    """Set phase Running, a pod IP and Ready=<ready> on the pods matching selector (as a kubelet
+    would); returns their IPs. Each pod gets a distinct IP in 10.244.0.0/16 (from its uid)."""
     pods = json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    ips = []
+    if pods:
+        ensure_fake_node(kube)
     for pod in pods:
-        status = {"status": {"phase": "Running", "podIP": "10.0.0.1", "conditions": [
-            {"type": t, "status": "True", "lastTransitionTime": now} for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]}}
+        if not pod["spec"].get("nodeName"):  # bind it, as the scheduler would (EndpointSlices skip unbound pods)
+            binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod["metadata"]["name"]},
+                       "target": {"apiVersion": "v1", "kind": "Node", "name": FAKE_NODE}}
+            kube.kubectl("create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/binding",
+                         "-f", "-", input=json.dumps(binding))
+        ip = pod.get("status", {}).get("podIP") or "10.244.{}.{}".format(*divmod(int(pod["metadata"]["uid"][:4], 16) % 65000 + 1, 254))
+        flag = "True" if ready else "False"
+        status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "conditions": [
+            {"type": t, "status": "True" if t in ("PodScheduled", "Initialized") else flag, "lastTransitionTime": now}
+            for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]}}
         kube.kubectl("patch", "pod", pod["metadata"]["name"], "-n", namespace, "--subresource=status", "--type=merge",
                      "-p", json.dumps(status))
-    return len(pods)
+        ips.append(ip)
+    return ips
 
 
 class OperatorProcess:
@@ -127,3 +152,46 @@ class OperatorProcess:
             self.proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             self.kill()
+
+
+# --- pytest fixtures (import them into a test module to use them) -------------------------
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def operator(kube, tmp_path_factory):
+    """The chart installed and one operator running under its ServiceAccount; stopped at module end."""
+    install_chart(kube)
+    op = OperatorProcess(kube, tmp_path_factory.mktemp("operator"), extra_args=("--network-policy",))
+    op.start()
+    try:
+        yield op
+    finally:
+        op.stop()
+
+
+@pytest.fixture
+def ns(kube, request):
+    """A fresh namespace per test, deleted afterwards."""
+    name = "op-" + request.node.name.removeprefix("test_").replace("_", "-")[:40].rstrip("-")
+    kube.kubectl("create", "namespace", name)
+    yield name
+    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def wait_for(kube, predicate, what: str, timeout: float = 60, op: OperatorProcess | None = None):
+    """kube.wait_until, failing at once (with the log) if the operator died; the log tail on timeout."""
+    def checked():
+        if op is not None and not op.alive():
+            raise RuntimeError(f"the operator exited:\n{op.log()[-3000:]}")
+        return predicate()
+    try:
+        return kube.wait_until(checked, timeout=timeout, interval=0.3, what=what)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\noperator log tail:\n{op.log()[-3000:] if op else ''}") from None
+
+
+def names(kube, kind: str, ns: str, selector: str = "pdserve.io/inference-service=chat") -> list[str]:
+    out = json.loads(kube.kubectl("get", kind, "-n", ns, "-l", selector, "-o", "json").stdout)
+    return sorted(i["metadata"]["name"] for i in out["items"])

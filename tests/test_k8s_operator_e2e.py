@@ -12,48 +12,11 @@ import json
 import pytest
 import yaml
 
-from operator_harness import (CRD_NAMES, IMAGE, OPERATOR_SA, RELEASE_NAMESPACE, OperatorProcess, condition, get_json,
-                              install_chart, mark_pods_ready)
+from operator_harness import (CRD_NAMES, IMAGE, OPERATOR_SA, RELEASE_NAMESPACE, condition, get_json, mark_pods_ready,
+                              names, ns, operator, wait_for)  # noqa: F401 (ns, operator: fixtures)
 from procs import REPO
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
-
-
-@pytest.fixture(scope="module")
-def operator(kube, tmp_path_factory):
-    """The chart installed and the operator running under its ServiceAccount; stopped at the end."""
-    install_chart(kube)
-    op = OperatorProcess(kube, tmp_path_factory.mktemp("operator"), extra_args=("--network-policy",))
-    op.start()
-    try:
-        yield op
-    finally:
-        op.stop()
-
-
-@pytest.fixture
-def ns(kube, request):
-    """A fresh namespace per test, deleted afterwards."""
-    name = "op-" + request.node.name.removeprefix("test_").replace("_", "-")[:40].rstrip("-")
-    kube.kubectl("create", "namespace", name)
-    yield name
-    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-def wait_for(kube, predicate, what, timeout=60, op=None):
-    def checked():
-        if op is not None and not op.alive():
-            raise RuntimeError(f"the operator exited:\n{op.log()[-3000:]}")
-        return predicate()
-    try:
-        return kube.wait_until(checked, timeout=timeout, interval=0.3, what=what)
-    except TimeoutError as e:
-        raise TimeoutError(f"{e}\noperator log tail:\n{op.log()[-3000:] if op else ''}") from None
-
-
-def names(kube, kind, ns, selector="pdserve.io/inference-service=chat"):
-    out = json.loads(kube.kubectl("get", kind, "-n", ns, "-l", selector, "-o", "json").stdout)
-    return sorted(i["metadata"]["name"] for i in out["items"])
 
 
 def owner_kinds(obj):
@@ -111,10 +74,10 @@ def test_example_creates_pools_deployments_services_with_owners_and_status(kube,
     assert "0/1" in table and "0/3" in table and "chat-prefill" in table
 
     # Ready: prefill and one decode pool get ready pods (as a kubelet would report).
-    assert mark_pods_ready(kube, ns, "pdserve.io/inference-service=chat,pdserve.io/role=prefill") == 1
+    assert len(mark_pods_ready(kube, ns, "pdserve.io/inference-service=chat,pdserve.io/role=prefill")) == 1
     wait_for(kube, lambda: condition(get_json(kube, "inferenceservice", "chat", "-n", ns), "Ready")["reason"]
              == "NoDecodePoolReady", "Ready=False/NoDecodePoolReady", op=operator)
-    assert mark_pods_ready(kube, ns, "pdserve.io/pool=big") == 1
+    assert len(mark_pods_ready(kube, ns, "pdserve.io/pool=big")) == 1
     isvc = wait_for(kube, lambda: (lambda o: o if condition(o, "Ready")["status"] == "True" else None)(
         get_json(kube, "inferenceservice", "chat", "-n", ns)), "Ready=True", op=operator)
     assert condition(isvc, "Ready")["reason"] == "Serving"
