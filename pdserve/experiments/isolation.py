@@ -80,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     model = bench_model(MODEL_CACHE, args.model)
     specs, arrivals, is_stream = workload(args, PROMPT_VOCAB)
     max_len = max(args.long_prompt, args.stream_prompt + args.stream_output) + 64
-    blocks = 2 * (args.streams * -(-(args.stream_prompt + args.stream_output) // 64) + 2 * -(-args.long_prompt // 64))
+    # room for every request at once (decode reserves prompt + output), so nothing is refused
+    blocks = (args.streams * -(-(args.stream_prompt + args.stream_output) // 64)
+              + args.long_prompts * -(-(args.long_prompt + 2) // 64) + 16)
     runs = {}
     with Launcher(LOG_ROOT / "isolation-pd") as launcher:
         cluster = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus="0", decode_cpus="1",
