@@ -54,10 +54,29 @@ class FakeOpenAI:
         finally:
             self.in_flight -= 1
 
+    async def chat(self, request):
+        """Chat chunks as the prefill server sends them: a role-only first delta, then content."""
+        body = await request.json()
+        self.bodies.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        head = {"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]}
+        await resp.write(f"data: {json.dumps(head)}\n\n".encode())
+        await asyncio.sleep(TTFT)
+        n = body["max_tokens"]
+        for i in range(n):
+            chunk = {"choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            await asyncio.sleep(GAP)
+        end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+        await resp.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
     def _serve(self):
         asyncio.set_event_loop(self.loop)
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
         runner = web.AppRunner(app)
         self.loop.run_until_complete(runner.setup())
         self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
@@ -97,6 +116,17 @@ def test_streaming_times_ttft_and_gaps(fake):
     body = fake.bodies[0]
     assert body["stream"] is True and body["max_tokens"] == 5 and body["ignore_eos"] is True
     assert body["model"] == "tiny" and body["prompt"] == "a b c"
+
+
+def test_chat_api_counts_content_chunks_only(fake):
+    config = LoadConfig(url=f"http://127.0.0.1:{fake.port}", api="chat", progress=False)
+    results, _ = asyncio.run(send_requests(config, [RequestSpec(2, 4, prompt="hi there")], concurrency=1))
+    r = results[0]
+    assert r.ok and r.chunks == 4 and len(r.gaps) == 3
+    assert r.ttft >= TTFT  # the role-only chunk before the sleep is not the first token
+    assert fake.bodies[0]["messages"] == [{"role": "user", "content": "hi there"}]
+    with pytest.raises(ValueError, match="token-id prompts"):
+        config.payload(RequestSpec(2, 1, prompt_ids=(1, 2)))
 
 
 def test_concurrency_is_bounded(fake):
