@@ -77,6 +77,7 @@ def measure(url: str, specs, arrivals, is_stream) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     model = bench_model(MODEL_CACHE, args.model)
     specs, arrivals, is_stream = workload(args, PROMPT_VOCAB)
     max_len = max(args.long_prompt, args.stream_prompt + args.stream_output) + 64

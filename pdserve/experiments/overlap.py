@@ -80,6 +80,7 @@ def flag_available(flag: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         lengths = sorted(int(x) for x in args.lengths.split(","))
     except ValueError:

@@ -88,6 +88,7 @@ def _ms(v):
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     if not 0 <= args.long_fraction <= 1:
         raise SystemExit("--long-fraction must be in [0, 1]")
     model = bench_model(MODEL_CACHE, args.model)

@@ -84,6 +84,7 @@ def _ms(v):
 
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         rates = [float(x) for x in args.rates_mbit.split(",")]
     except ValueError:
