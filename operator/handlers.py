@@ -96,6 +96,7 @@ def isvc_reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, 
         logger.info(f"deleting DecodePool {stale}: no longer in spec.decode")
         api.delete("DecodePool", namespace, stale)
     refresh_status(api, memo, namespace, name)
+    logger.info(f"reconciled {namespace}/{name}: {len(children)} children applied")
 
 
 @kopf.on.resume(G, V, "prefillpools")
