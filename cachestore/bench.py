@@ -153,7 +153,8 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                 continue
             runs[kind].append({"seconds": secs, "gib_s": layout.nbytes / secs / (1 << 30),
                                "sender_rss": tx_rss, "receiver_rss": rx_doc["rss"],
-                               "cpu_s_per_gib": (peak.cpu_s + rx_doc["cpu"]) / (layout.nbytes / (1 << 30))})
+                               "cpu_s_per_gib": (peak.cpu_s + rx_doc["cpu"]) / (layout.nbytes / (1 << 30)),
+                               "sender_cpu_s": peak.cpu_s, "receiver_cpu_s": rx_doc["cpu"]})
         for tx in senders.values():
             await tx.stop()
         mixed = {}
@@ -178,6 +179,8 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                    "sender_rss": max(r["sender_rss"] for r in v),
                    "receiver_rss": max(r["receiver_rss"] for r in v),
                    "cpu_s_per_gib": statistics.median(r["cpu_s_per_gib"] for r in v),
+                   "sender_cpu_s": statistics.median(r["sender_cpu_s"] for r in v),
+                   "receiver_cpu_s": statistics.median(r["receiver_cpu_s"] for r in v),
                    "runs_gib_s": [round(r["gib_s"], 3) for r in v]} for k, v in runs.items()}
     for t in transports:  # each ours run against the baseline run just before it (same machine load)
         pairs = [o["gib_s"] / r["gib_s"] for o, r in zip(runs[f"ours_{t}"], runs[f"raw_{t}"])]

@@ -190,7 +190,7 @@ class EntryTable:
             entry.receiving += 1
 
     def end_receive(self, rid: str, layer: int, block: int, nblocks: int, ok: bool) -> set[str]:
-        """The frame's bytes landed (ok) or not; returns the request ids whose progress changed."""
+        """The frame's bytes landed (ok) or not; returns the request ids that completed a layer."""
         touched: set[str] = set()
         with self.lock:
             entry = self._entries[rid]
@@ -207,7 +207,7 @@ class EntryTable:
                         if e.layer_done(layer):
                             e.layers_done += 1
                             self._incomplete -= e.complete
-                        touched.add(owner)
+                            touched.add(owner)
             if entry.receiving == 0 and (entry.deleted or entry.error is not None):
                 del self._entries[rid]
         return touched

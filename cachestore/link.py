@@ -65,7 +65,8 @@ class Link:
     def submit(self, transfer) -> None:
         with self.cond:
             if not self.alive:
-                raise TransferError(f"link to {self.peer} is down: {self.error}")
+                cls = CompatError if isinstance(self.error, CompatError) else TransferError
+                raise cls(f"link to {self.peer} is down: {self.error}")
             self.scheduler.push(transfer)
             self.cond.notify_all()
 
@@ -164,8 +165,8 @@ class Link:
                     t = chunk.transfer
                     for src, dst, n in chunk.slices:
                         nbytes = n * layout.block_nbytes
-                        sock.sendall(encode_header(FrameType.DATA, t.key, t.layer, dst, n, nbytes))
-                        io.send(sock, layout.offset(t.layer, src), nbytes)
+                        io.send(sock, layout.offset(t.layer, src), nbytes,
+                                encode_header(FrameType.DATA, t.key, t.layer, dst, n, nbytes))
                 finally:
                     self._chunk_done(chunk, acked=False)
         except BaseException as exc:  # noqa: BLE001 - every failure fails the link

@@ -208,11 +208,13 @@ class CacheStoreReceiver:
     # ----- waits (loop thread) ---------------------------------------------------------
     async def _wait(self, rid: str, layer: int | None, timeout_s: float) -> None:
         self._require_started()
-        if self._ready(rid, layer):
-            return
+        # subscribe first, then look: a socket thread that lands the layer in between either
+        # sees this waiter (and wakes it) or updated the state before the look below
         fut = self._loop.create_future()
         self._waiters.setdefault(rid, []).append((layer, fut))
         try:
+            if self._ready(rid, layer):
+                return
             await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             what = "all layers" if layer is None else f"layer {layer}"
@@ -247,6 +249,12 @@ class CacheStoreReceiver:
                     fut.set_exception(exc)
                 except UnknownRequestError as exc:
                     fut.set_exception(TransferError(str(exc)))
+
+    def _wake_from_thread(self, rids) -> None:
+        """Socket thread: hand a wake-up to the loop only for requests someone waits on."""
+        rids = [r for r in rids if r in self._waiters]
+        if rids:
+            self._to_loop(self._dispatch, rids)
 
     def _wake_all(self, rid: str, exc: TransferError) -> None:
         for _, fut in self._waiters.get(rid, []):
@@ -399,8 +407,7 @@ class CacheStoreReceiver:
             ok = True
         finally:
             touched = self._table.end_receive(f.rid, f.layer, f.block, f.nblocks, ok)
-            if touched:
-                self._to_loop(self._dispatch, touched)
+            self._wake_from_thread(touched)
         self._counters["bytes_received"] += nbytes
         self._counters["frames_received"] += 1
         conn.send(encode_header(FrameType.ACK, f.rid, f.layer, f.block, f.nblocks))
@@ -444,5 +451,4 @@ class CacheStoreReceiver:
                         touched |= self._table.end_receive(rid, layer, block, n, True)
                         self._counters["bytes_received"] += n * self.layout.block_nbytes
                         self._counters["frames_received"] += 1
-            if touched:
-                self._to_loop(self._dispatch, touched)
+            self._wake_from_thread(touched)

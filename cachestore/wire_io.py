@@ -31,10 +31,19 @@ class RegionIO:
             self._stage = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
             self._stage_view = memoryview(self._stage.numpy()).cast("B")
 
-    def send(self, sock: socket.socket, offset: int, nbytes: int) -> None:
+    def send(self, sock: socket.socket, offset: int, nbytes: int, header: bytes = b"") -> None:
+        """Send header then nbytes of the region from offset (cpu: one sendmsg for both)."""
         if self._view is not None:
-            sock.sendall(self._view[offset:offset + nbytes])
+            payload = self._view[offset:offset + nbytes]
+            sent = sock.sendmsg([header, payload])
+            if sent < len(header):
+                sock.sendall(header[sent:])
+                sent = len(header)
+            if sent - len(header) < nbytes:
+                sock.sendall(payload[sent - len(header):])
             return
+        if header:
+            sock.sendall(header)
         done = 0
         while done < nbytes:
             n = min(STAGE_BYTES, nbytes - done)

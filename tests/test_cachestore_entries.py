@@ -18,10 +18,10 @@ def test_identical_prompts_share_blocks_and_never_free_each_other():
     # b shares blocks 1 and 2 (same hashes), has its own block 9
     assert t.expect("b", [1, 2, 9], hashes=["h1", "h2", "h9"]) == [-1, -1, 9]
     for layer in range(2):
-        for blk in (1, 2, 3):
-            touched = _arrive(t, "a", layer, blk)
-            assert "a" in touched
-        _arrive(t, "b", layer, 9)
+        assert _arrive(t, "a", layer, 1) == set()  # no layer completed yet: nobody to wake
+        assert _arrive(t, "a", layer, 2) == set()
+        assert _arrive(t, "a", layer, 3) == {"a"}  # a's layer is complete; b still misses block 9
+        assert _arrive(t, "b", layer, 9) == {"b"}
     assert t.status("a").complete and t.status("b").complete
     assert t.incomplete == 0
     unfinished, others = t.delete("a")
