@@ -14,6 +14,7 @@ there is one; otherwise ``SIMPLE_CHAT_TEMPLATE`` ("<|role|>\\ncontent\\n" per me
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
@@ -59,6 +60,34 @@ class IncrementalDetokenizer:
         new = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
         delta = new[len(prev) :] if len(new) > len(prev) else ""
         self._prefix = self._read = len(self._ids)
+        self.text += delta
+        return delta
+
+
+class ByteDetokenizer:
+    """IncrementalDetokenizer for ByteTokenizer: an incremental UTF-8 decoder, O(1) per token.
+
+    Incomplete characters are held until complete; invalid bytes become U+FFFD at once.
+    """
+
+    def __init__(self, skip_special_tokens: bool = True):
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._skip = skip_special_tokens
+        self.text = ""
+
+    def add(self, ids: list[int]) -> str:
+        data = bytearray()
+        for i in ids:
+            if i < 256:
+                data.append(i)
+            elif not self._skip:
+                data += b"<s>" if i == ByteTokenizer.BOS else b"</s>" if i == ByteTokenizer.EOS else f"<{i}>".encode()
+        delta = self._dec.decode(bytes(data))
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        delta = self._dec.decode(b"", final=True)
         self.text += delta
         return delta
 
@@ -111,6 +140,9 @@ class ByteTokenizer(_ChatTemplateMixin):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = list(text.encode("utf-8"))
         return [self.BOS, *ids] if add_special_tokens else ids
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> ByteDetokenizer:
+        return ByteDetokenizer(skip_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         out = bytearray()

@@ -145,3 +145,17 @@ def test_kv_layout_contract():
     kv.write(1, rows, k, v)
     assert torch.equal(kv.tensor[1, 2, 0, 3], k[0]) and torch.equal(kv.tensor[1, 2, 1, 3], v[0])
     assert kv.tensor.count_nonzero() == 2 * 2 * 8
+
+
+def test_windowed_detokenizer_matches_full_decode():
+    """The generic (Hugging Face) detokenizer, driven with a byte tokenizer's decode."""
+    from pdserve.engine.tokenizer import IncrementalDetokenizer
+
+    tok = ByteTokenizer()
+    text = "naïve café → 世界 🎉 done"
+    det = IncrementalDetokenizer(tok)
+    deltas = [det.add([b]) for b in text.encode("utf-8")]
+    assert "".join(deltas) == text and all("\ufffd" not in d for d in deltas)
+    bad = IncrementalDetokenizer(tok)
+    out = "".join(bad.add([b]) for b in [0xFF, 0xFE, 0xFD, 0xFC, 0x41]) + bad.flush()
+    assert out.endswith("A") and "\ufffd" in out  # invalid bytes are not held forever
