@@ -74,7 +74,9 @@ async def serve(geometry: dict, control_port: int) -> None:
                 nixl_mem = NixlMemory("bench-raw-rx", region)
             await reply({"md": base64.b64encode(nixl_mem.metadata()).decode(), "addr": region.ptr})
             peak.start()
-            while not nixl_mem.agent.get_new_notifs():
+            want, got = cmd.get("notifs", 1), 0
+            while got < want:
+                got += sum(len(v) for v in nixl_mem.agent.get_new_notifs().values())
                 await asyncio.sleep(0.0002)
             await reply({"rss": peak.stop(), "cpu": peak.cpu_s})
         elif cmd["cmd"] == "ours":

@@ -34,7 +34,7 @@ from typing import Sequence
 
 from .endpoint import Endpoint, TRANSPORTS
 from .entries import Entry, EntryTable
-from .errors import CompatError, ProtocolError, TransferError, UnknownRequestError
+from .errors import ProtocolError, TransferError, UnknownRequestError
 from .frames import (PROTOCOL_VERSION, Frame, FrameType, discard, encode_control, encode_header,
                      read_frame_header, read_payload)
 from .memory import CompatInfo, KVLayout, MemoryRegion
