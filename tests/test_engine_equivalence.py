@@ -170,3 +170,17 @@ def test_prefill_many_equals_one_by_one(tiny):
         single.release(rid)
         many.release(rid)
     assert many.num_free_blocks() == many.num_blocks and many.num_requests() == 0
+
+
+def test_full_prefix_hit_computes_only_the_last_token(tiny):
+    prompt = tiny.tokenizer.encode("exactly twelve")[:13]  # 13 tokens: 3 full blocks of 4 + 1
+    assert len(prompt) == 13
+    engine = _engine(tiny)
+    first = run_all(engine, {"a": (prompt, GREEDY)})["a"]
+    engine.add_request("b", prompt, GREEDY)
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[0].num_cached_tokens == 12  # only the last prompt token was computed
+    assert [t for o in outs for t in o.new_token_ids] == first == _dense_greedy(tiny, prompt, GREEDY.max_tokens)
+    assert engine.num_free_blocks() == engine.num_blocks
