@@ -4,15 +4,18 @@ Request lifecycle on decode (each step is a method below):
 
 1. **admit** - the first message must be ``Start``; refuse (``Refusal`` with a code and a
    reason, then end the stream) on a protocol version or compatibility mismatch, while
-   draining, when prompt + max_tokens exceed the context, or when the engine cannot
-   reserve the blocks (``OutOfBlocksError``).
+   draining, when prompt + max_tokens exceed the context, when the request needs more
+   blocks than the whole pool (``too_large``) or when the engine cannot reserve them now
+   (``out_of_blocks``: transient, prefill may wait and retry).
 2. **allocate** - the engine reserves the blocks for prompt + max_tokens (a P/D request
    is never preempted later: its blocks are held from here to the end); the CacheStore
    receiver is told to expect the prompt's blocks; ``Allocation`` (block ids + receiver
    endpoint) goes back to prefill.
 3. **transfer** - KV layers arrive over the CacheStore while prefill computes; prefill's
    ``FirstToken`` arrives on the stream once every layer was sent. Both must be in before
-   the session timeout (set by prefill in ``Start``, capped by ours).
+   the session timeout (set by prefill in ``Start``, capped by ours). Then the CacheStore
+   entry is deleted at once: the blocks now belong to the engine alone (they are freed by
+   the engine when the request finishes, and may be re-expected for another request).
 4. **decode** - the request joins the continuous batch (``add_prefilled``); every engine
    output becomes a ``Tokens`` message, the last one is followed by ``Finish``.
 5. **release** - always, whatever happened (finish, ``Cancel``/``Error`` from prefill, the
@@ -156,6 +159,10 @@ class DecodeSession:
             first_token = await self._until_peer_gone_or(self.first_token, timeout, "the first token")
             remaining = max(0.01, deadline - time.monotonic())
             await self._until_peer_gone_or(srv.receiver.wait_all(self.request_id, remaining), remaining + 0.5, "the KV layers")
+            # The KV is in the blocks: unpin the CacheStore entry now, before the engine can
+            # finish the request and hand its blocks to another request's expect().
+            srv.receiver.delete(self.request_id)
+            self.expected = False
             srv.observe_kv_in(time.monotonic() - self.info.started, len(start.prompt_token_ids))
             if first_token.finished:
                 await self._write(finish=pb.Finish(finish_reason=first_token.finish_reason or "stop", completion_tokens=1))
@@ -226,9 +233,14 @@ class DecodeSession:
                 f"prompt of {n_prompt} tokens + max_tokens {max_tokens} does not fit the context of {srv.max_model_len}",
             )
             return False
+        need = -(-(n_prompt + max_tokens) // srv.compat.block_size)
+        if need > srv.llm.num_blocks:  # can never fit here: prefill should not wait for it
+            await self._refuse("too_large", f"request needs {need} KV blocks ({n_prompt} prompt tokens + max_tokens "
+                                            f"{max_tokens}) but this decode has only {srv.llm.num_blocks} in all")
+            return False
         try:
             block_ids = await srv.reserve(rid, n_prompt, max_tokens)
-        except srv.out_of_blocks_error as exc:
+        except srv.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
             await self._refuse("out_of_blocks", getattr(exc, "reason", str(exc)))
             return False
         except ValueError as exc:  # prompt too long, bad ids: nothing was reserved

@@ -9,7 +9,8 @@ Request lifecycle on prefill:
    from load reports polled every --load-report-interval seconds (``--policy rr`` for
    plain round robin); only decodes with our protocol version and a fresh report.
 3. **session** - one bidirectional Session stream to that decode: Start -> Allocation
-   (or Refusal: next decode, at most --max-attempts; then --local-fallback; else 503).
+   (or Refusal: next decode, at most --max-attempts; then --local-fallback; if every
+   decode was only busy, wait for blocks up to --queue-timeout; else 503).
 4. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
    each layer's blocks to decode as soon as they are written.
 5. **first token** - sampled here, sent on the Session and to the client.
@@ -57,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="when a decode fails mid-generation, end the stream with an error instead of resuming the "
                         "request on another decode (re-prefilling prompt + tokens so far)")
     d.add_argument("--local-fallback", action="store_true", help="decode locally when no decode can take a request")
+    d.add_argument("--queue-timeout", type=float, default=10.0,
+                   help="seconds a request may wait for free KV blocks (all decodes busy) before the 503")
     d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
     d.add_argument("--scheduler", choices=["priority", "fifo"], default="priority", help="CacheStore sender scheduling")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight requests finish on shutdown")
@@ -112,7 +115,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         engine=engine, sender=sender, picker=picker, poller=poller, compat=compat_message(engine.engine, args, model_name),
         block_size=args.block_size, kv_bytes_per_block=layout.block_nbytes * layout.num_layers,
         eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
-        local_fallback=args.local_fallback, resume=args.resume, session_timeout_s=args.session_timeout,
+        local_fallback=args.local_fallback, resume=args.resume, queue_timeout_s=args.queue_timeout, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, model_name, max_len, metrics, loaded.config.vocab_size)

@@ -143,7 +143,7 @@ async def run_session(node, address: str, request_id: str, prompt_ids: list[int]
             first = await node.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer)
         except node.out_of_blocks_error as exc:
             prefilled = False  # prefill_only frees what it took when it fails
-            raise NoDecodeAvailable(f"prefill has no free KV blocks for this prompt: {exc}") from None
+            raise Retryable(f"prefill has no free KV blocks for this prompt now: {exc}", "prefill_busy") from None
         except BaseException:
             prefilled = False
             raise

@@ -11,7 +11,10 @@ front ends call. It yields ``Delta``s and raises:
 Routing order: the DecodePicker's choice; on refusal / unreachable / failure before the
 first token, the next decode it picks (never one already tried), at most
 ``max_attempts`` decodes; then, with ``local_fallback``, the colocated engine in this
-process; else NoDecodeAvailable.
+process; else NoDecodeAvailable. When every failure was "busy now" (decodes out of free
+blocks, or prefill's own pool full) and local fallback is off, the request waits (backoff
+up to 0.5 s) and tries again, for at most ``queue_timeout_s``, before the 503: a burst
+queues instead of failing.
 
 Resume (``resume=True``, the default): when a decode fails mid-generation, the request
 continues on the next decode (or locally) by prefilling prompt + the tokens generated so
@@ -23,6 +26,7 @@ not the same one). Without another decode or fallback the client gets the error.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass, replace
 
@@ -35,6 +39,9 @@ from .picker import DecodePicker
 log = logging.getLogger(__name__)
 
 __all__ = ["PrefillNode", "NoDecodeAvailable", "DecodeFailed", "Delta"]
+
+# Refusals that mean "busy now": worth waiting for (up to queue_timeout_s) when nothing else works.
+TRANSIENT_CODES = frozenset({"out_of_blocks", "prefill_busy"})
 
 
 @dataclass
@@ -54,6 +61,7 @@ class PrefillNode:
     metrics: object | None = None
     out_of_blocks_error: type = RuntimeError  # the engine's OutOfBlocksError
     resume: bool = True  # continue on another decode when one fails mid-generation
+    queue_timeout_s: float = 10.0  # how long a request may wait for KV blocks to free up
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -86,75 +94,105 @@ class PrefillNode:
         return self.local_fallback or bool(self.picker.eligible())
 
     async def generate(self, request_id: str, prompt_ids: list[int], sp):
-        tried: set[str] = set()
         reasons: list[str] = []
         produced: list[int] = []  # tokens already given to the client (for resume)
         failed_mid_stream: DecodeFailed | None = None
         m = self.metrics
-        for _ in range(self.max_attempts):
-            address = self.picker.pick(exclude=tried)
-            if address is None:
-                if not tried:
-                    reasons.append(self.picker.why_none())
-                break
-            tried.add(address)
-            if m is not None:
-                m.decode_selections.labels(decode=address).inc()
-            timings = SessionTimings()
-            sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
-            stream = run_session(self, address, request_id, prompt_ids + produced, sp_now, timings)
-            try:
-                try:
-                    first = await stream.__anext__()
-                except Retryable as exc:
-                    log.info("request %s: %s", request_id, exc.reason)
-                    reasons.append(exc.reason)
-                    if m is not None:
-                        m.decode_retries.labels(reason=exc.code).inc()
-                    continue
-                self._keep_timings(request_id, timings)
-                produced += first.token_ids
-                yield first
-                async for delta in stream:
-                    produced += delta.token_ids
-                    yield delta
-                return
-            except DecodeFailed as exc:
-                if not self.resume:
-                    raise
-                failed_mid_stream = exc
-                reasons.append(str(exc))
-                log.warning("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.queue_timeout_s
+        backoff = 0.02
+        attempt = 0
+        while True:
+            tried: set[str] = set()
+            transient = True  # every failure this round was "busy now" (worth waiting for)
+            for _ in range(self.max_attempts):
+                need = -(-(len(prompt_ids) + len(produced)) // self.block_size)
+                if need > self.engine.engine.num_blocks:
+                    raise NoDecodeAvailable(f"the prompt needs {need} KV blocks but this prefill has only "
+                                            f"{self.engine.engine.num_blocks}")
+                if need > self.engine.engine.num_free_blocks():
+                    reasons.append(f"prefill has {self.engine.engine.num_free_blocks()} free KV blocks, {need} needed")
+                    break
+                address = self.picker.pick(exclude=tried)
+                if address is None:
+                    if not tried:
+                        reasons.append(self.picker.why_none())
+                        transient = self.picker.all_full()
+                    break
+                tried.add(address)
                 if m is not None:
-                    m.decode_retries.labels(reason="decode_failed").inc()
-                if len(produced) >= sp.max_tokens:
-                    yield Delta([], True, "length")
+                    m.decode_selections.labels(decode=address).inc()
+                timings = SessionTimings()
+                sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
+                # each attempt is a new request for the decode, the CacheStore and our engine:
+                # leftovers of a failed attempt (a cancel still travelling) never collide with it
+                session_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
+                attempt += 1
+                stream = run_session(self, address, session_id, prompt_ids + produced, sp_now, timings)
+                try:
+                    try:
+                        first = await stream.__anext__()
+                    except Retryable as exc:
+                        log.info("request %s: %s", request_id, exc.reason)
+                        reasons.append(exc.reason)
+                        transient = transient and exc.code in TRANSIENT_CODES
+                        if m is not None:
+                            m.decode_retries.labels(reason=exc.code).inc()
+                        continue
+                    self._keep_timings(request_id, timings)
+                    produced += first.token_ids
+                    yield first
+                    async for delta in stream:
+                        produced += delta.token_ids
+                        yield delta
                     return
-            finally:
-                await stream.aclose()
-        if self.local_fallback:
-            if m is not None:
-                m.local_fallbacks.labels(reason="decode_failed" if failed_mid_stream else "no_decode").inc()
-            log.info("request %s: decoding locally (%s)", request_id, "; ".join(reasons))
-            self.local_requests += 1
-            sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
-            outputs = self.engine.generate(request_id, prompt_ids + produced, sp_now)
-            try:
-                async for out in outputs:
-                    if out.error:
-                        raise DecodeFailed(f"local decoding failed: {out.error}")
-                    yield Delta(list(out.new_token_ids), out.finished, out.finish_reason if out.finished else None)
-                    if out.finished:
+                except DecodeFailed as exc:
+                    if not self.resume:
+                        raise
+                    failed_mid_stream = exc
+                    transient = False
+                    reasons.append(str(exc))
+                    log.warning("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
+                    if m is not None:
+                        m.decode_retries.labels(reason="decode_failed").inc()
+                    if len(produced) >= sp.max_tokens:
+                        yield Delta([], True, "length")
                         return
-            except self.out_of_blocks_error as exc:
-                raise NoDecodeAvailable(f"local fallback cannot take the request: {exc}") from None
-            finally:
-                await outputs.aclose()
-                self.local_requests -= 1
+                finally:
+                    await stream.aclose()
+            if self.local_fallback or not transient or loop.time() + backoff > deadline:
+                break
+            # every decode (or prefill itself) is full right now: wait for blocks to free up
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 0.5)
+            reasons = reasons[-4:]
+        if self.local_fallback:
+            async for delta in self._generate_locally(request_id, prompt_ids, produced, sp, reasons, failed_mid_stream):
+                yield delta
             return
         if failed_mid_stream is not None:
             raise DecodeFailed("; ".join(reasons))
         raise NoDecodeAvailable("no decode server could take the request: " + "; ".join(reasons))
+
+    async def _generate_locally(self, request_id, prompt_ids, produced, sp, reasons, failed_mid_stream):
+        if self.metrics is not None:
+            self.metrics.local_fallbacks.labels(reason="decode_failed" if failed_mid_stream else "no_decode").inc()
+        log.info("request %s: decoding locally (%s)", request_id, "; ".join(reasons))
+        self.local_requests += 1
+        sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
+        outputs = self.engine.generate(f"{request_id}.local", prompt_ids + produced, sp_now)
+        try:
+            async for out in outputs:
+                if out.error:
+                    raise DecodeFailed(f"local decoding failed: {out.error}")
+                yield Delta(list(out.new_token_ids), out.finished, out.finish_reason if out.finished else None)
+                if out.finished:
+                    return
+        except self.out_of_blocks_error as exc:
+            raise NoDecodeAvailable(f"local fallback cannot take the request: {exc}") from None
+        finally:
+            await outputs.aclose()
+            self.local_requests -= 1
 
     def _keep_timings(self, request_id: str, timings: SessionTimings) -> None:
         self.last_timings[request_id] = timings

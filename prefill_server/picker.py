@@ -98,6 +98,14 @@ class DecodePicker:
             out.append(address)
         return out
 
+    def all_full(self) -> bool:
+        """No decode is eligible only because every fresh, compatible one has no free blocks."""
+        now = self.clock()
+        usable = [e.load for e in self._entries.values()
+                  if now - e.received_at <= self.expiry_s and e.load.protocol_version == self.protocol_version
+                  and not e.load.draining]
+        return bool(usable) and all(load.free_blocks <= 0 for load in usable)
+
     def known(self) -> list[str]:
         """Every decode with a report (fresh or not)."""
         return sorted(self._entries)

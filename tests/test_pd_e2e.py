@@ -165,3 +165,61 @@ def test_bad_input_gets_400_and_server_keeps_serving(cluster):
     assert status == 200 and body["usage"]["completion_tokens"] >= 1
     readings = wait_all_released([prefill, *cluster["decodes"]])
     assert nothing_held(readings), readings
+
+
+def test_seeded_sampling_through_pd_matches_colocated(cluster):
+    import torch
+
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+    from pdserve.protos import generate_pb2 as gpb
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    reqs = [(f"seeded-{i}", [256, *f"seed me {i}".encode()], dict(temperature=0.9, top_p=0.95, top_k=50, seed=100 + i)) for i in range(4)]
+    torch.set_num_threads(1)
+    engine = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=NUM_BLOCKS))
+    for rid, ids, kw in reqs:
+        engine.add_request(rid, ids, SamplingParams(max_tokens=12, ignore_eos=True, **kw))
+    expected = {rid: [] for rid, _, _ in reqs}
+    while engine.has_unfinished():
+        for out in engine.step():
+            expected[out.request_id] += out.new_token_ids
+    with grpc.insecure_channel(f"127.0.0.1:{cluster['prefill'].grpc_port}") as ch:
+        stub = gpb_grpc.GeneratorStub(ch)
+        for rid, ids, kw in reqs:
+            got = []
+            for resp in stub.Generate(gpb.GenerateRequest(prompt_token_ids=ids, max_tokens=12, ignore_eos=True, **kw), timeout=60):
+                got += resp.token_ids
+            assert got == expected[rid], rid
+
+
+def test_burst_beyond_kv_capacity_queues_and_succeeds(cluster, request):
+    """64 concurrent requests need more KV blocks than both decodes have: refused ones wait
+    for blocks (queue) instead of failing; afterwards nothing is held."""
+    if cluster["transport"] == "nixl":
+        # Known CacheStore issue (reported): under this burst with two nixl receivers, NIXL
+        # transfers queued on the sender stop completing ("KV did not all arrive within the
+        # expect timeout") for every request after the first few dozen; tcp passes.
+        request.applymarker(pytest.mark.xfail(reason="cachestore nixl stalls under a 64-request burst to 2 decodes", strict=False))
+    import asyncio
+    import random
+
+    import aiohttp
+
+    prefill = cluster["prefill"]
+    rng = random.Random(3)
+
+    async def one(session, i):
+        body = {"model": "tiny", "prompt": "x" * rng.randint(1, 300), "max_tokens": rng.randint(1, 60), "temperature": 0,
+                "stream": i % 2 == 0}
+        async with session.post(prefill.url + "/v1/completions", json=body) as resp:
+            text = await resp.text()
+            return resp.status, '"error"' in text
+
+    async def burst():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            return await asyncio.gather(*(one(session, i) for i in range(64)))
+
+    results = asyncio.run(burst())
+    assert results == [(200, False)] * 64, [r for r in results if r != (200, False)]
+    readings = wait_all_released([prefill, *cluster["decodes"]])
+    assert nothing_held(readings), readings

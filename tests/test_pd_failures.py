@@ -57,8 +57,8 @@ def test_refused_then_next_decode_then_503(procs):
     for _ in range(2):  # round robin: one of the two goes to `small` first, which refuses
         status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True})
         assert status == 200 and body["usage"]["completion_tokens"] == 8, body
-    assert metric(small.url, "pdserve_kv_allocation_refusals_total", reason="out_of_blocks") >= 1
-    assert metric(prefill.url, "pdserve_decode_retries_total", reason="out_of_blocks") >= 1
+    assert metric(small.url, "pdserve_kv_allocation_refusals_total", reason="too_large") >= 1
+    assert metric(prefill.url, "pdserve_decode_retries_total", reason="too_large") >= 1
 
     procs.kill(big.proc)
     deadline = time.monotonic() + 10  # until big's last load report expires
@@ -100,7 +100,7 @@ def test_local_fallback_when_no_decode_can_take_it(procs):
     status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True})
     assert status == 200 and body["usage"]["completion_tokens"] == 8, body
     assert metric(prefill.url, "pdserve_local_fallbacks_total") == 1
-    assert metric(small.url, "pdserve_kv_allocation_refusals_total", reason="out_of_blocks") == 1
+    assert metric(small.url, "pdserve_kv_allocation_refusals_total", reason="too_large") == 1
     # a short prompt still goes through the decode
     status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4})
     assert status == 200 and metric(prefill.url, "pdserve_local_fallbacks_total") == 1
