@@ -30,7 +30,9 @@ Who frees what, when:
 
 * The engine owns the blocks on both sides. The decode allocates dst blocks, calls
   ``expect`` and must keep them until ``wait_all`` returned and it used them, or until the
-  entry failed; then it calls ``delete`` and frees its blocks. The prefill keeps src blocks
+  entry failed; then it calls ``delete`` and frees its blocks. If the entry was deleted or
+  failed while KV was still arriving, ``await rx.released(rid, timeout_s)`` first: a frame
+  already on the wire stops writing within one 1 MiB piece. The prefill keeps src blocks
   until ``wait_sent`` returned or raised, then ``delete``s and frees them.
 * Any wait that raises ``TransferError`` (peer died, CANCEL/ERROR from the peer, timeout)
   has already freed the CacheStore entry; ``delete`` afterwards is a no-op. Cancelling an

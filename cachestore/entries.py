@@ -175,8 +175,12 @@ class EntryTable:
             }
 
     # ----- socket thread side ----------------------------------------------------------
-    def begin_receive(self, rid: str, layer: int, block: int, nblocks: int) -> None:
-        """Check a DATA frame may land; pins the entry until end_receive. Raises without pinning."""
+    def begin_receive(self, rid: str, layer: int, block: int, nblocks: int) -> Entry:
+        """Check a DATA frame may land; pins the entry until end_receive. Raises without pinning.
+
+        The returned entry's ``deleted``/``error`` may be read without the lock while the
+        bytes arrive, to stop writing into blocks that were released meanwhile.
+        """
         with self.lock:
             entry = self._entries.get(rid)
             if entry is None or entry.deleted or entry.error is not None:
@@ -188,6 +192,13 @@ class EntryTable:
                 if st is None or rid not in st.owners:
                     raise ProtocolError(f"DATA for request {rid!r} targets block {b}, which is not allocated to it")
             entry.receiving += 1
+            return entry
+
+    def busy(self, rid: str) -> bool:
+        """True while a frame may still write into rid's blocks (even after delete or failure)."""
+        with self.lock:
+            entry = self._entries.get(rid)
+            return entry is not None and entry.receiving > 0
 
     def end_receive(self, rid: str, layer: int, block: int, nblocks: int, ok: bool) -> set[str]:
         """The frame's bytes landed (ok) or not; returns the request ids that completed a layer."""

@@ -12,7 +12,9 @@ Request lifecycle on the receiver (read ``entries.py`` for the bookkeeping):
 3. ``await load(rid, layer)`` / ``await wait_all(rid)`` subscribe and are woken when the layer
    / all layers have arrived. No polling, no thread held: each wait is an asyncio future.
 4. ``delete(rid)`` unpins. A failure (sender connection lost, CANCEL, expect timeout, a wait's
-   timeout, a rejected frame) unpins too, and every waiter gets ``TransferError``.
+   timeout, a rejected frame) unpins too, and every waiter gets ``TransferError``. If KV was
+   still arriving, a frame being received stops within one 1 MiB piece (the rest is read
+   and dropped); ``await released(rid)`` says when no byte can land in its blocks any more.
 
 Threads: one accept thread, one reader thread per sender connection (blocking ``recv_into``
 straight into the region releases the GIL), and for nixl one notification thread. They only
@@ -95,6 +97,7 @@ class CacheStoreReceiver:
         self._conns_lock = threading.Lock()
         self._conn_ids = itertools.count(1)
         self._waiters: dict[str, list[tuple[int | None, asyncio.Future]]] = {}
+        self._release_waiters: dict[str, list[asyncio.Future]] = {}
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._nixl = None
         self._nixl_wake = threading.Event()
@@ -196,6 +199,34 @@ class CacheStoreReceiver:
         self._wake_all(request_id, TransferError(f"request {request_id!r} was deleted while waiting"))
         for e in others:
             self._after_fail(e, tell_sender=True)
+
+    async def released(self, request_id: str, timeout_s: float) -> None:
+        """Return once no frame can write into request_id's blocks any more.
+
+        After ``delete`` (or a failure) of an entry whose KV was still arriving, a frame
+        already being received stops within one 1 MiB piece; await this before giving the
+        blocks to another request. Returns at once when nothing is being received.
+        """
+        fut = self._loop.create_future()
+        self._release_waiters.setdefault(request_id, []).append(fut)
+        try:
+            if not self._table.busy(request_id):
+                return
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferError(f"request {request_id!r}: a frame was still writing into its blocks after {timeout_s}s") from None
+        finally:
+            ws = self._release_waiters.get(request_id, [])
+            ws[:] = [w for w in ws if w is not fut]
+            if not ws:
+                self._release_waiters.pop(request_id, None)
+
+    def _dispatch_released(self, rid: str) -> None:
+        if self._table.busy(rid):
+            return
+        for fut in self._release_waiters.get(rid, []):
+            if not fut.done():
+                fut.set_result(None)
 
     def stats(self) -> dict:
         s = self._table.stats()
@@ -393,7 +424,7 @@ class CacheStoreReceiver:
             raise ProtocolError(f"DATA frame for {f.rid!r}: {f.nblocks} blocks from block {f.block} with a payload of "
                                 f"{f.payload_len} bytes does not fit blocks of {self.layout.block_nbytes} bytes")
         try:
-            self._table.begin_receive(f.rid, f.layer, f.block, f.nblocks)
+            entry = self._table.begin_receive(f.rid, f.layer, f.block, f.nblocks)
         except (UnknownRequestError, ProtocolError) as exc:
             discard(conn.sock, f.payload_len, scratch)
             self._counters["frames_rejected"] += 1
@@ -403,11 +434,15 @@ class CacheStoreReceiver:
             return
         ok = False
         try:
-            io.recv(conn.sock, self.layout.offset(f.layer, f.block), nbytes)
-            ok = True
+            ok = io.recv(conn.sock, self.layout.offset(f.layer, f.block), nbytes,
+                         stop=lambda: entry.deleted or entry.error is not None, scratch=scratch)
         finally:
             touched = self._table.end_receive(f.rid, f.layer, f.block, f.nblocks, ok)
             self._wake_from_thread(touched)
+            if f.rid in self._release_waiters:
+                self._to_loop(self._dispatch_released, f.rid)
+        if not ok:  # the entry went away mid-frame; the sender has been told by delete/fail
+            return
         self._counters["bytes_received"] += nbytes
         self._counters["frames_received"] += 1
         conn.send(encode_header(FrameType.ACK, f.rid, f.layer, f.block, f.nblocks))

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import socket
 
-from .frames import recv_exact_into
+from .frames import discard, recv_exact_into
 from .memory import MemoryRegion
 
 STAGE_BYTES = 4 << 20
+PIECE_BYTES = 1 << 20  # receive granularity: a deleted entry stops receiving within one piece
 
 
 class RegionIO:
@@ -51,13 +52,25 @@ class RegionIO:
             sock.sendall(self._stage_view[:n])
             done += n
 
-    def recv(self, sock: socket.socket, offset: int, nbytes: int) -> None:
-        if self._view is not None:
-            recv_exact_into(sock, self._view[offset:offset + nbytes])
-            return
+    def recv(self, sock: socket.socket, offset: int, nbytes: int, stop=None, scratch: memoryview | None = None) -> bool:
+        """Receive nbytes into the region at offset, PIECE_BYTES at a time.
+
+        Before each piece ``stop()`` is asked; once it says True (the entry was deleted or
+        failed meanwhile) the rest of the payload is read into ``scratch`` and dropped, so
+        at most one piece lands in blocks the engine may already be reusing. Returns
+        whether every byte landed.
+        """
         done = 0
         while done < nbytes:
-            n = min(STAGE_BYTES, nbytes - done)
-            recv_exact_into(sock, self._stage_view[:n])
-            self._dev[offset + done:offset + done + n].copy_(self._stage[:n])
+            if stop is not None and stop():
+                discard(sock, nbytes - done, scratch)
+                return False
+            if self._view is not None:
+                n = min(PIECE_BYTES, nbytes - done)
+                recv_exact_into(sock, self._view[offset + done:offset + done + n])
+            else:
+                n = min(STAGE_BYTES, nbytes - done)
+                recv_exact_into(sock, self._stage_view[:n])
+                self._dev[offset + done:offset + done + n].copy_(self._stage[:n])
             done += n
+        return True

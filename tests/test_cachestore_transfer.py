@@ -357,3 +357,49 @@ def test_garbage_and_truncated_frames_close_only_that_connection():
             p.rx.delete("ok"), p.tx.delete("ok"), p.rx.delete("victim")
             await p.assert_clean()
     run(main())
+
+
+def test_delete_mid_frame_stops_writing_within_one_piece():
+    """A frame already on the wire when its entry is deleted writes at most one more 1 MiB piece."""
+    from pdserve.cachestore.frames import FrameType, encode_header, read_frame_header
+    from pdserve.cachestore.wire_io import PIECE_BYTES
+
+    big = CompatInfo("float32", 2, 32, 64, 64)  # blocks of exactly 1 MiB
+    assert big.block_nbytes == PIECE_BYTES
+    layout = KVLayout(2, 8, big.block_nbytes)
+    dst = torch.zeros(2, 8, 2, 64, 32, 64)
+
+    async def main():
+        rx = CacheStoreReceiver(MemoryRegion.from_tensor(dst), layout, big)
+        await rx.start()
+        try:
+            rx.expect("v", [1, 2, 3], 30)
+            s = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", rx.port), 10)
+            from pdserve.cachestore.frames import PROTOCOL_VERSION, encode_json
+            s.sendall(encode_json(FrameType.HELLO, {"version": PROTOCOL_VERSION, "compat_hash": big.compat_hash}))
+            f = await asyncio.to_thread(read_frame_header, s)
+            s.recv(f.payload_len, socket.MSG_WAITALL)
+            s.sendall(encode_header(FrameType.BIND, "v"))
+            s.sendall(encode_header(FrameType.DATA, "v", 0, 1, 3, 3 * PIECE_BYTES) + b"\x07" * (PIECE_BYTES + PIECE_BYTES // 2))
+            for _ in range(500):  # block 1 (the first piece) has landed
+                if bool((dst[0, 1].view(-1).view(torch.uint8) == 7).all()):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the first piece never landed")
+            rx.delete("v")
+            assert rx.stats()["pinned_entries"] == 1  # the frame still holds it
+            release = asyncio.create_task(rx.released("v", 10))
+            await asyncio.sleep(0.05)
+            assert not release.done()
+            await asyncio.to_thread(s.sendall, b"\x07" * (PIECE_BYTES + PIECE_BYTES // 2))
+            await release
+            assert rx.stats()["pinned_entries"] == 0 and rx.stats()["pinned_blocks"] == 0
+            assert torch.count_nonzero(dst[0, 3]) == 0  # the piece after the delete was dropped
+            f = await asyncio.to_thread(read_frame_header, s)  # the sender was told
+            assert f.type == FrameType.ERROR and f.rid == "v"
+            await rx.released("v", 1)  # nothing writes any more: returns at once
+            s.close()
+        finally:
+            await rx.stop()
+    run(main())
