@@ -11,6 +11,8 @@ transport is chosen.
 
 from __future__ import annotations
 
+import logging
+import os
 import struct
 from typing import Any
 
@@ -34,6 +36,9 @@ def load_nixl() -> tuple[Any, Any]:
             raise RuntimeError(
                 "transport='nixl' needs the NIXL Python package (import nixl or nixl_cu12): "
                 "pip install 'pdserve[nixl]' (nixl-cu12), or use transport='tcp'") from exc
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        # NIXL logs every agent and backend creation at INFO to stdout; keep warnings only
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     return nixl_agent, nixl_agent_config
 
 
