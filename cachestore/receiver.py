@@ -46,6 +46,11 @@ log = logging.getLogger("pdserve.cachestore.receiver")
 SEND_TIMEOUT_S = 5.0  # a sender that stops reading ACK/ERROR frames for this long is dropped
 
 
+def _check_timeout(timeout_s: object) -> None:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+
+
 class _Conn:
     """One accepted sender connection; send() may be called from any thread."""
 
@@ -102,6 +107,7 @@ class CacheStoreReceiver:
         self._nixl = None
         self._nixl_wake = threading.Event()
         self._stopping = False
+        self._endpoint: bytes | None = None
         self._counters = {"bytes_received": 0, "frames_received": 0, "frames_rejected": 0, "connections_refused": 0}
 
     # ----- lifecycle -------------------------------------------------------------------
@@ -149,13 +155,16 @@ class CacheStoreReceiver:
         """Opaque descriptor the prefill passes to ``CacheStoreSender.bind`` (address, version, hash, nixl)."""
         if self._listener is None:
             raise RuntimeError("call await receiver.start() before reading its endpoint")
+        if self._endpoint is not None:
+            return self._endpoint
         ep = Endpoint(self.advertise_host, self.port, self.transport, self.compat.compat_hash, self.compat.describe(),
                       self.instance, num_blocks=self.layout.num_blocks)
         if self._nixl is not None:
             ep.nixl_agent = self._nixl.name
             ep.nixl_metadata = self._nixl.metadata()
             ep.nixl_region = (self.region.ptr, self.region.nbytes, self.region.device_id, self._nixl.mem_type)
-        return ep.to_bytes()
+        self._endpoint = ep.to_bytes()
+        return self._endpoint
 
     # ----- the API ---------------------------------------------------------------------
     def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float,
@@ -167,8 +176,7 @@ class CacheStoreReceiver:
         live entry. If not every layer has arrived within timeout_s the entry fails and is freed.
         """
         self._require_started()
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        _check_timeout(timeout_s)
         for_sender = self._table.expect(request_id, dst_block_ids, block_hashes)
         self._timers[request_id] = self._loop.call_later(timeout_s, self._expire, request_id, timeout_s)
         self._nixl_wake.set()
@@ -207,6 +215,7 @@ class CacheStoreReceiver:
         already being received stops within one 1 MiB piece; await this before giving the
         blocks to another request. Returns at once when nothing is being received.
         """
+        _check_timeout(timeout_s)
         fut = self._loop.create_future()
         self._release_waiters.setdefault(request_id, []).append(fut)
         try:
@@ -239,6 +248,7 @@ class CacheStoreReceiver:
     # ----- waits (loop thread) ---------------------------------------------------------
     async def _wait(self, rid: str, layer: int | None, timeout_s: float) -> None:
         self._require_started()
+        _check_timeout(timeout_s)
         # subscribe first, then look: a socket thread that lands the layer in between either
         # sees this waiter (and wakes it) or updated the state before the look below
         fut = self._loop.create_future()

@@ -183,11 +183,14 @@ class CacheStoreSender:
         the receiver told), UnknownRequestError for an id never bound. Cancelling the caller
         only stops this wait.
         """
-        if self._ready(request_id):
-            return
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+        # subscribe first, then look (a link thread finishing in between wakes this waiter)
         fut = self._loop.create_future()
         self._waiters.setdefault(request_id, []).append(fut)
         try:
+            if self._ready(request_id):
+                return
             await asyncio.wait_for(fut, timeout_s)
         except asyncio.TimeoutError:
             err = TransferError(f"request {request_id!r}: KV not delivered within {timeout_s}s")

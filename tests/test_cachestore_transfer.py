@@ -205,6 +205,10 @@ def test_unknown_request_ids(transport):
                 p.rx.expect("r", [NB], 5)
             with pytest.raises(ValueError, match="timeout_s"):
                 p.rx.expect("r", [1], 0)
+            with pytest.raises(ValueError, match="timeout_s"):
+                await p.rx.wait_all("r", -1)
+            with pytest.raises(ValueError, match="timeout_s"):
+                await p.tx.wait_sent("r", 0)
             dst = p.rx.expect("r", [1, 2], 5)
             p.tx.bind("r", p.rx.endpoint, dst)
             with pytest.raises(ValueError, match="2 destination blocks"):
