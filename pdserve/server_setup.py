@@ -22,7 +22,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
     g.add_argument("--model", default=defaults.BUILTIN_MODEL,
                    help=f"'{defaults.BUILTIN_MODEL}' (built-in, offline) or a directory with config.json + safetensors")
-    g.add_argument("--served-model-name", default=None, help="name clients use in 'model' (default: --model)")
+    g.add_argument("--served-model-name", default=None,
+                   help="name clients use in 'model' (default: --model without a 'builtin:' prefix)")
     g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weights and KV cache dtype")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="KV cache block size in tokens")
@@ -34,6 +35,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--session-timeout", type=float, default=30.0,
                    help="seconds a Session may wait for KV/first token/answers before both ends free it")
     g.add_argument("--log-level", default="INFO", help="logging level")
+
+
+def served_model_name(args) -> str:
+    """What clients put in "model": --served-model-name, else --model ("builtin:tiny" -> "tiny")."""
+    if args.served_model_name:
+        return args.served_model_name
+    return args.model.removeprefix("builtin:")
 
 
 def setup_logging(level: str, role: str) -> None:

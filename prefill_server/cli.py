@@ -35,7 +35,8 @@ import asyncio
 import logging
 
 from pdserve import defaults
-from pdserve.server_setup import add_engine_arguments, build_engine, compat_message, drain, kv_parts, setup_logging, wait_for_stop_signal
+from pdserve.server_setup import (add_engine_arguments, build_engine, compat_message, drain, kv_parts, served_model_name,
+                                  setup_logging, wait_for_stop_signal)
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -102,7 +103,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from .picker import DecodePicker
 
     metrics = ServerMetrics.from_env(role="prefill")
-    model_name = args.served_model_name or args.model
+    model_name = served_model_name(args)
     loaded, engine, max_len = build_engine(args)
     await engine.start()
     region, layout, compat = kv_parts(engine.engine, loaded, args)
