@@ -6,7 +6,8 @@ Poisson mix of short and long prompts flows through; each long prompt's KV takes
 time on the wire. With FIFO a short request's layers queue behind every long layer
 already waiting; the prioritised scheduler (MoLink: short transfers first, large ones in
 chunks, a waiting-weight bound against starvation) sends them first. Both schedulers get
-the same requests at the same times on a fresh cluster. The model is ``wire`` by
+the same requests at the same times on a fresh cluster; the arrival rate is set so that
+rate x mean idle TTFT (measured on the FIFO cluster first) equals ``--load``. The model is ``wire`` by
 default (8 KiB of KV per token and layer for little compute). The load generator runs inside the prefill's namespace.
 Figure: P99 TTFT of the short requests. Target: prioritised <= 0.6x FIFO.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 from pathlib import Path
 
 from pdserve.loadgen_report import percentile
@@ -35,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=50, help="requests per scheduler and rate")
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: from --load)")
     parser.add_argument("--load", type=float, default=0.4,
-                        help="offered KV bytes per second as a fraction of the link rate (sets the arrival rate)")
+                        help="offered load: arrival rate x mean idle TTFT (measured on the FIFO cluster before "
+                             "its run: compute and wire in one service time)")
     parser.add_argument("--long-fraction", type=float, default=0.2, help="fraction of long prompts")
     parser.add_argument("--long-prompt", type=int, default=1024, help="tokens of a long prompt")
     parser.add_argument("--short-prompt", type=int, default=64, help="tokens of a short prompt")
@@ -60,22 +63,36 @@ def workload(args, rate: float) -> tuple[list[RequestSpec], list[float]]:
     return specs, arrival_times(len(specs), rate, "poisson", random.Random(6))
 
 
-def one_run(args, model: str, rate_mbit: float, scheduler: str, specs, arrivals, out: Path) -> dict:
+def one_run(args, model: str, rate_mbit: float, scheduler: str, workload_: tuple | None) -> tuple[dict, tuple, float | None]:
+    """Measure one scheduler on a fresh shaped link. Without a workload (the first run of a
+    rate), calibrate the arrival rate first and build the workload; return it for the next run."""
     max_len = max(args.long_prompt, args.short_prompt) + args.output + 64
     blocks = 4 * -(-max_len // 64) * 4
+    service = None
     with LinkedNamespaces(rate_mbit) as link, Launcher(LOG_ROOT / f"transmission-{int(rate_mbit)}-{scheduler}") as launcher:
         decode = start_decode(launcher, "decode", model, threads=1, cpus="1", num_blocks=blocks, max_model_len=max_len,
                               host=link.decode_ip, netns=link.decode_ns)
         prefill = start_prefill(launcher, "prefill", model, [decode], threads=1, cpus="0", num_blocks=blocks,
                                 max_model_len=max_len, netns=link.prefill_ns, extra=["--scheduler", scheduler])
-        send(prefill.url, [specs[0]], concurrency=1, netns=link.prefill_ns)  # warm-up
+        rng = random.Random(7)
+        warm = [RequestSpec(n, args.output, prompt_ids=make_prompt_ids(n, rng, PROMPT_VOCAB))
+                for n in (args.short_prompt, args.long_prompt, args.short_prompt, args.long_prompt, args.short_prompt)]
+        calib, _ = send(prefill.url, warm, concurrency=1, netns=link.prefill_ns)  # warm-up, and idle service times
+        if workload_ is None:
+            if any(not r.ok for r in calib):
+                raise RuntimeError(f"calibration request failed: {[r.error for r in calib if not r.ok][0]}")
+            t_short = statistics.median(r.ttft for r in calib[2::2])
+            t_long = calib[3].ttft
+            service = args.long_fraction * t_long + (1 - args.long_fraction) * t_short
+            workload_ = workload(args, args.rate or args.load / service)
+        specs, arrivals = workload_
         results, wall = send(prefill.url, specs, arrivals=arrivals, netns=link.prefill_ns)
     short = [r.ttft for r in results if r.ok and r.prompt_tokens == args.short_prompt]
     long_ = [r.ttft for r in results if r.ok and r.prompt_tokens == args.long_prompt]
-    return {"short_ttft_p50_ms": _ms(percentile(short, 50)), "short_ttft_p99_ms": _ms(percentile(short, 99)),
-            "long_ttft_p50_ms": _ms(percentile(long_, 50)), "long_ttft_p99_ms": _ms(percentile(long_, 99)),
-            "failed": sum(not r.ok for r in results), "errors": [r.error for r in results if not r.ok][:5],
-            "wall_s": wall, "short_ttft_s": short, "long_ttft_s": long_}
+    return ({"short_ttft_p50_ms": _ms(percentile(short, 50)), "short_ttft_p99_ms": _ms(percentile(short, 99)),
+             "long_ttft_p50_ms": _ms(percentile(long_, 50)), "long_ttft_p99_ms": _ms(percentile(long_, 99)),
+             "failed": sum(not r.ok for r in results), "errors": [r.error for r in results if not r.ok][:5],
+             "wall_s": wall, "short_ttft_s": short, "long_ttft_s": long_}, workload_, service)
 
 
 def _ms(v):
@@ -93,14 +110,15 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--load must be in (0, 1)")
     model = bench_model(MODEL_CACHE, args.model)
     per_token = kv_bytes_per_token(model)
-    mean_tokens = args.long_fraction * args.long_prompt + (1 - args.long_fraction) * args.short_prompt
     results: dict[str, dict] = {}
     rows = []
     for mbit in rates:
-        rate = args.rate or args.load * (mbit * 1e6 / 8) / (mean_tokens * per_token)
-        specs, arrivals = workload(args, rate)
-        runs = {s: one_run(args, model, mbit, s, specs, arrivals, out) for s in ("fifo", "priority")}
-        results[f"{mbit:g}mbit"] = {"request_rate": rate, **runs}
+        fifo, wl, service = one_run(args, model, mbit, "fifo", None)
+        priority, _, _ = one_run(args, model, mbit, "priority", wl)
+        runs = {"fifo": fifo, "priority": priority}
+        arrivals = wl[1]
+        rate = args.rate or args.load / service
+        results[f"{mbit:g}mbit"] = {"request_rate": rate, "idle_service_s": service, "arrivals_s": arrivals, **runs}
         r = report.ratio(runs["priority"]["short_ttft_p99_ms"], runs["fifo"]["short_ttft_p99_ms"])
         rows.append({"link_mbit": mbit, "request_rate": round(rate, 3),
                      "fifo_short_ttft_p99_ms": runs["fifo"]["short_ttft_p99_ms"],
