@@ -32,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=60, help="requests per policy")
     parser.add_argument("--rate", type=float, default=2.0, help="Poisson arrivals per second")
     parser.add_argument("--pattern", choices=["random", "periodic"], default="random",
-                        help="random: each request is long with --long-fraction; periodic: every "
-                             "round(1/--long-fraction)-th request is long (lengths in step with round robin)")
+                        help="random: each request is long with --long-fraction; periodic: every --decodes-th "
+                             "request is long (lengths in step with round robin's cycle; ignores --long-fraction)")
     parser.add_argument("--long-fraction", type=float, default=0.25, help="fraction of long requests")
     parser.add_argument("--long-prompt", type=int, default=1400, help="tokens of a long prompt")
     parser.add_argument("--long-output", type=int, default=200, help="output tokens of a long request")
@@ -46,9 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def workload(args) -> tuple[list[RequestSpec], list[float]]:
     rng = random.Random(3)
     specs = []
-    period = max(1, round(1 / args.long_fraction)) if args.long_fraction else 0
+    period = args.decodes
     for i in range(args.requests):
-        if (rng.random() < args.long_fraction) if args.pattern == "random" else (period and i % period == 0):
+        if (rng.random() < args.long_fraction) if args.pattern == "random" else (i % period == 0):
             p, o = args.long_prompt, args.long_output
         else:
             p, o = args.short_prompt, args.short_output
