@@ -233,6 +233,10 @@ class DecodeSession:
                 f"prompt of {n_prompt} tokens + max_tokens {max_tokens} does not fit the context of {srv.max_model_len}",
             )
             return False
+        if start.blocks_needed != -(-n_prompt // srv.compat.block_size):
+            await self._refuse("bad_request", f"blocks_needed {start.blocks_needed} does not match {n_prompt} prompt tokens "
+                                              f"in blocks of {srv.compat.block_size}")
+            return False
         need = -(-(n_prompt + max_tokens) // srv.compat.block_size)
         if need > srv.llm.num_blocks:  # can never fit here: prefill should not wait for it
             await self._refuse("too_large", f"request needs {need} KV blocks ({n_prompt} prompt tokens + max_tokens "

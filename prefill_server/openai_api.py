@@ -117,6 +117,9 @@ def _sampling(body: dict, max_tokens_names: tuple[str, ...]) -> SamplingSpec:
         stop = [stop]
     elif not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a non-empty string or a list of non-empty strings", "stop")
+    for unsupported in ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "response_format"):
+        if body.get(unsupported) not in (None, False, 0, 1 if unsupported == "best_of" else None):
+            raise BadRequest(f"{unsupported} is not supported by this server", unsupported)
     n = body.get("n", 1)
     if n != 1:
         raise BadRequest(f"only n=1 is supported, got {n!r}", "n")

@@ -35,6 +35,8 @@ def test_valid_completion_and_chat():
         ({"model": M, "prompt": "x", "n": 2}, "n"),
         ({"model": M, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": M, "prompt": "x", "stream": "yes"}, "stream"),
+        ({"model": M, "prompt": "x", "logprobs": 5}, "logprobs"),
+        ({"model": M, "prompt": "x", "echo": True}, "echo"),
     ],
 )
 def test_bad_completion_fields(body, param):
@@ -42,6 +44,11 @@ def test_bad_completion_fields(body, param):
         parse_completion(body, M)
     assert info.value.param == param
     assert param in str(info.value) or "model" in str(info.value)
+
+
+def test_unsupported_defaults_are_accepted():
+    r = parse_completion({"model": M, "prompt": "x", "logprobs": None, "echo": False, "best_of": 1}, M)
+    assert r.prompt == "x"
 
 
 @pytest.mark.parametrize(
