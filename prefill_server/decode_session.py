@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.cachestore.errors import TransferError
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
 
@@ -131,7 +132,10 @@ async def run_session(node, address: str, request_id: str, prompt_ids: list[int]
         timings.allocated = time.monotonic()
         node.note_allocation(address, blocks_needed)
         # 3. prefill + push, layer by layer
-        node.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))
+        try:
+            node.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))
+        except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
+            raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
         bound = True
 
         def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
