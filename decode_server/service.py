@@ -104,8 +104,12 @@ class DecodeService(pb_grpc.DecodeServicer):
     def counts(self) -> dict:
         """For /health and the failure tests: everything that must return to zero."""
         free = self.llm.num_free_blocks()
+        stages: dict[str, int] = {}
+        for info in list(self.sessions.values()):
+            stages[info.stage] = stages.get(info.stage, 0) + 1
         return {
             "sessions": len(self.sessions),
+            "session_stages": stages,
             "engine_requests": self.llm.num_requests(),
             "kv_blocks_total": self.llm.num_blocks,
             "kv_blocks_free": free,

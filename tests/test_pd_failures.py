@@ -199,6 +199,32 @@ def test_prefill_killed_or_hung_mid_transfer_decode_frees(procs):
     procs.kill(fake)
 
 
+def test_real_prefill_killed_mid_transfer_decode_frees(procs):
+    decode = start_decode(procs, name="decode")
+    wait_ready(decode)
+    prefill = start_prefill(procs, [decode.grpc_address])
+    wait_ready(prefill)
+    prompt = [256] + [97 + i % 26 for i in range(1999)]  # ~0.3 s of layer-by-layer prefill on tiny
+    client = subprocess.Popen([sys.executable, "-c", f"""
+import json, urllib.request
+req = urllib.request.Request("{prefill.url}/v1/completions", json.dumps({{"model": "tiny", "prompt": {prompt}, "max_tokens": 4}}).encode(),
+                             {{"Content-Type": "application/json"}})
+try:
+    urllib.request.urlopen(req, timeout=60).read()
+except Exception:
+    pass
+"""], start_new_session=True)
+    procs.procs.append(client)
+    deadline = time.monotonic() + 30
+    while get_json(decode.url + "/health")[1]["session_stages"].get("transfer", 0) == 0:
+        assert time.monotonic() < deadline, "the request never reached the transfer stage"
+        time.sleep(0.005)
+    procs.kill(prefill.proc)  # mid-transfer: decode has allocated and is receiving layers
+    readings = wait_all_released([decode], timeout=5)
+    assert nothing_held(readings), readings
+    assert get_json(decode.url + "/health")[1]["kv_blocks_free"] == 64
+
+
 def test_incompatible_peer_is_refused_naming_both_values(procs):
     from pdserve.protos import session_pb2 as pb
     from pdserve.protos import session_pb2_grpc as pbg
