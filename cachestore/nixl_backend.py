@@ -25,13 +25,13 @@ _NOTIF_HEAD = struct.Struct("!IHH")      # per record: layer, rid_len, nslices
 _NOTIF_SLICE = struct.Struct("!QI")      # dst block, nblocks
 
 
-def load_nixl() -> tuple[Any, Any]:
-    """(nixl_agent, nixl_agent_config) classes, or a RuntimeError saying how to install them."""
+def load_nixl() -> Any:
+    """NIXL's ``_api`` module (nixl_agent, nixl_agent_config, ...), or a RuntimeError saying how to install it."""
     try:
-        from nixl._api import nixl_agent, nixl_agent_config  # type: ignore
+        from nixl import _api  # type: ignore
     except ImportError:
         try:
-            from nixl_cu12._api import nixl_agent, nixl_agent_config  # type: ignore
+            from nixl_cu12 import _api  # type: ignore
         except ImportError as exc:
             raise RuntimeError(
                 "transport='nixl' needs the NIXL Python package (import nixl or nixl_cu12): "
@@ -39,7 +39,7 @@ def load_nixl() -> tuple[Any, Any]:
     if not os.environ.get("NIXL_LOG_LEVEL"):
         # NIXL logs every agent and backend creation at INFO to stdout; keep warnings only
         logging.getLogger("nixl").setLevel(logging.WARNING)
-    return nixl_agent, nixl_agent_config
+    return _api
 
 
 def mem_type(region: MemoryRegion) -> str:
@@ -50,14 +50,18 @@ class NixlMemory:
     """A NIXL agent with the UCX backend and the KV region registered once."""
 
     def __init__(self, name: str, region: MemoryRegion):
-        agent_cls, config_cls = load_nixl()
+        api = load_nixl()
         self.name = name
         self.region = region
         self.mem_type = mem_type(region)
         # No NIXL progress thread: idle, it keeps a quarter of a core busy. Progress is driven
         # by our own calls instead: the sender polls its WRITEs while any is in flight and the
         # receiver polls notifications while some entry still waits for KV.
-        self.agent = agent_cls(name, config_cls(enable_prog_thread=False, backends=["UCX"]))
+        # STRICT thread sync: one sender agent is used by one data thread per receiver link
+        # (and the event loop); NIXL's default without a listener thread is no locking at all.
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.agent = api.nixl_agent(name, config)
         if "UCX" not in self.agent.backends:
             raise RuntimeError("NIXL has no UCX backend plugin here; the nixl transport needs UCX")
         self._reg = self.agent.register_memory([(region.ptr, region.nbytes, region.device_id, "")], self.mem_type)

@@ -407,3 +407,45 @@ def test_delete_mid_frame_stops_writing_within_one_piece():
         finally:
             await rx.stop()
     run(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_burst_to_two_receivers(transport):
+    """One sender, two receivers, 48 requests in flight at once, stored from two threads."""
+    async def main():
+        src = _pool(True)
+        dsts = [_pool(False), _pool(False)]
+        rxs = [CacheStoreReceiver(MemoryRegion.from_tensor(d), LAYOUT, COMPAT, transport=transport) for d in dsts]
+        tx = CacheStoreSender(MemoryRegion.from_tensor(src), LAYOUT, COMPAT, transport=transport)
+        for rx in rxs:
+            await rx.start()
+        await tx.start()
+        try:
+            reqs = {}
+            for i in range(48):  # each receiver: 24 requests of one block (its own dst block)
+                rx_i, slot = i % 2, i // 2
+                reqs[f"b{i}"] = (rx_i, [i % NB], [slot])
+                tx.bind(f"b{i}", rxs[rx_i].endpoint, rxs[rx_i].expect(f"b{i}", [slot], 60))
+
+            def compute(names):
+                for l in range(L):
+                    for n in names:
+                        tx.store(n, l, reqs[n][1])
+
+            names = list(reqs)
+            threads = [threading.Thread(target=compute, args=(names[k::2],)) for k in range(2)]
+            for t in threads:
+                t.start()
+            await asyncio.to_thread(lambda: [t.join() for t in threads])
+            await asyncio.gather(*(tx.wait_sent(n, 60) for n in reqs),
+                                 *(rxs[r].wait_all(n, 60) for n, (r, _, _) in reqs.items()))
+            for n, (r, s, d) in reqs.items():
+                assert torch.equal(dsts[r][:, d[0]], src[:, s[0]]), n
+                tx.delete(n), rxs[r].delete(n)
+            assert tx.stats()["pinned_entries"] == 0
+            assert all(rx.stats()["pinned_entries"] == 0 for rx in rxs)
+        finally:
+            await tx.stop()
+            for rx in rxs:
+                await rx.stop()
+    run(main())
