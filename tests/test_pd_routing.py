@@ -37,6 +37,7 @@ def test_share_of_the_half_memory_decode(procs, policy, low, high):
     counts = selections(prefill)
     assert sum(counts.values()) == N, counts
     share = counts.get(small.grpc_address, 0) / N
+    print(f"{policy}: the decode with half the free KV memory got {share:.2f} of {N} requests ({counts})")
     assert low <= share <= high, f"{policy}: small decode got {share:.2f} of requests ({counts})"
     readings = wait_all_released([prefill, big, small])
     assert nothing_held(readings), readings
