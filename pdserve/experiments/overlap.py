@@ -127,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
     figures = {"rows": rows, "worst_ratio_overlap_on": worst_on, "target": TARGET, "met": worst_on <= TARGET,
                "overlap_off": "measured" if "overlap_off" in configs else f"unavailable: pdserve prefill has no {args.overlap_off_flag}",
                "link": f"{args.link_mbit} Mbit/s veth between namespaces" if args.link_mbit else "loopback"}
-    png = plot(rows, configs, out / "overlap.png", figures["link"])
-    path = report.save(out, "overlap", {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
+    name = f"overlap-{args.link_mbit:g}mbit" if args.link_mbit else "overlap"
+    png = plot(rows, configs, out / f"{name}.png", figures["link"])
+    path = report.save(out, name, {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
                                        "figures": figures, "plot": str(png),
                                        "ttft_s": {k: {str(n): v for n, v in d.items()} for k, d in measured.items()}})
     for r in rows:
