@@ -10,7 +10,9 @@ default) and each batch size, both run in this process with the same torch threa
 prefill tok/s = batch * prompt_len / (time to the first token)
 decode tok/s  = batch * (gen_len - 1) / (time of the remaining tokens); for transformers that
                 is generate(gen_len) minus generate(1), both timed.
-Each figure is the best of --reps runs, ours and transformers' interleaved. On CPU with one
+Each case runs --reps times, ours and transformers' interleaved; tok/s figures are medians
+over the runs and a ratio is the median of the per-run ratios (ours / the transformers run
+right after it), with its min-max. On CPU with one
 thread the clock is the process's CPU time (robust on a shared machine; --clock wall for wall
 time); on CUDA, wall time after a device synchronize. Prompts are random token ids of equal length (no padding).
 The last column checks that both produce the same greedy tokens at batch 1.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import statistics
 import tempfile
 import time
 
@@ -32,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma list of batch sizes (default: 1,8,32)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128, quick 32)")
     parser.add_argument("--gen-len", type=int, default=None, help="generated tokens (default 64, quick 16)")
-    parser.add_argument("--reps", type=int, default=None, help="repetitions, best is kept (default 2, quick 1)")
+    parser.add_argument("--reps", type=int, default=None, help="interleaved runs per case, medians reported (default 5, quick 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both engines (default: 1)")
     parser.add_argument(
         "--clock",
@@ -146,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     transformers.logging.set_verbosity_error()
     prompt_len = args.prompt_len or (32 if args.quick else 128)
     gen_len = args.gen_len or (16 if args.quick else 64)
-    reps = args.reps or (1 if args.quick else 2)
+    reps = args.reps or (1 if args.quick else 5)
     batches = [int(b) for b in args.batches.split(",")]
     models = [m.strip() for m in args.models.split(",")]
     device = torch.device(args.device)
@@ -178,20 +181,23 @@ def run(args: argparse.Namespace) -> int:
                 engine = _ours_engine(ours, batch, prompt_len, gen_len)
                 _ours_once(engine, prompts, gen_len, clock, "warm")
                 _hf_once(hf, prompts, 2, clock)
-                best = dict(o_pre=1e9, o_dec=1e9, h_pre=1e9, h_dec=1e9)
+                runs = []
                 for rep in range(reps):  # interleaved, so load changes hit both alike
                     o_pre, o_dec, o_tok = _ours_once(engine, prompts, gen_len, clock, str(rep))
                     h_pre, h_dec, h_tok = _hf_once(hf, prompts, gen_len, clock)
-                    for k, v in dict(o_pre=o_pre, o_dec=o_dec, h_pre=h_pre, h_dec=h_dec).items():
-                        best[k] = min(best[k], v)
+                    runs.append((o_pre, o_dec, h_pre, h_dec))
+                med = [statistics.median(r[i] for r in runs) for i in range(4)]
                 rows.append(
                     dict(
                         model=model_name,
                         batch=batch,
-                        ours_prefill=batch * prompt_len / best["o_pre"],
-                        hf_prefill=batch * prompt_len / best["h_pre"],
-                        ours_decode=batch * (gen_len - 1) / best["o_dec"],
-                        hf_decode=batch * (gen_len - 1) / best["h_dec"],
+                        ours_prefill=batch * prompt_len / med[0],
+                        hf_prefill=batch * prompt_len / med[2],
+                        ours_decode=batch * (gen_len - 1) / med[1],
+                        hf_decode=batch * (gen_len - 1) / med[3],
+                        prefill_ratio=statistics.median(h / o for o, _, h, _ in runs),
+                        decode_ratio=statistics.median(h / o for _, o, _, h in runs),
+                        decode_ratio_range=(min(h / o for _, o, _, h in runs), max(h / o for _, o, _, h in runs)),
                         same=o_tok == h_tok,
                     )
                 )
@@ -200,21 +206,25 @@ def run(args: argparse.Namespace) -> int:
             del hf, ours
         bar.close()
     print(
-        f"\npdserve bench engine: prompt {prompt_len} tokens, {gen_len} generated, best of {reps}, "
+        f"\npdserve bench engine: prompt {prompt_len} tokens, {gen_len} generated, median of {reps} runs, "
         f"{args.threads} torch thread(s), {clock_kind} clock, {device} {args.dtype}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, {platform.processor() or platform.machine()}"
     )
-    header = "| model | batch | prefill tok/s ours | prefill tok/s transformers | ratio | decode tok/s ours | decode tok/s transformers | ratio | same greedy tokens |"
+    header = (
+        "| model | batch | prefill tok/s ours | prefill tok/s transformers | ratio | "
+        "decode tok/s ours | decode tok/s transformers | ratio (min-max over runs) | same greedy tokens |"
+    )
     print(header)
     print("|" + "---|" * 9)
     for r in rows:
+        lo, hi = r["decode_ratio_range"]
         print(
             f"| {r['model']} | {r['batch']} | {r['ours_prefill']:.0f} | {r['hf_prefill']:.0f} | "
-            f"{r['ours_prefill'] / r['hf_prefill']:.2f}x | {r['ours_decode']:.0f} | {r['hf_decode']:.0f} | "
-            f"{r['ours_decode'] / r['hf_decode']:.2f}x | {'yes' if r['same'] else 'NO'} |"
+            f"{r['prefill_ratio']:.2f}x | {r['ours_decode']:.0f} | {r['hf_decode']:.0f} | "
+            f"{r['decode_ratio']:.2f}x ({lo:.2f}-{hi:.2f}) | {'yes' if r['same'] else 'NO'} |"
         )
-    target = [r for r in rows if r["batch"] == 32]
-    for r in target:
-        ratio = r["ours_decode"] / r["hf_decode"]
-        print(f"target decode@32 >= 1.5x transformers, {r['model']}: {ratio:.2f}x {'MET' if ratio >= 1.5 else 'NOT MET'}")
+    for r in rows:
+        if r["batch"] == 32:
+            ratio = r["decode_ratio"]
+            print(f"target decode@32 >= 1.5x transformers, {r['model']}: {ratio:.2f}x {'MET' if ratio >= 1.5 else 'NOT MET'}")
     return 0
