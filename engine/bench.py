@@ -12,10 +12,10 @@ decode tok/s  = batch * (gen_len - 1) / (time of the remaining tokens); for tran
                 is generate(gen_len) minus generate(1), both timed.
 Each case runs --reps times, ours and transformers' interleaved; tok/s figures are medians
 over the runs and a ratio is the median of the per-run ratios (ours / the transformers run
-right after it), with its min-max. On CPU with one
-thread the clock is the process's CPU time (robust on a shared machine; --clock wall for wall
-time); on CUDA, wall time after a device synchronize. Prompts are random token ids of equal length (no padding).
-The last column checks that both produce the same greedy tokens at batch 1.
+right after it), with its min-max. On CPU with one thread the clock is the process's CPU time
+(robust on a shared machine; --clock wall for wall time); on CUDA it is wall time after a
+device synchronize. Prompts are random token ids of equal length (no padding). The last
+column checks that both produce the same greedy tokens for the first prompt of the batch.
 """
 
 from __future__ import annotations
