@@ -285,14 +285,27 @@ class DecodeSession:
         srv, rid = self.server, self.request_id
         if rid is None:
             return
+        was_receiving = self.expected
         if self.expected:
             srv.receiver.delete(rid)
+            self.expected = False
         if self.info is not None and srv.sessions.get(rid) is self.info:
             del srv.sessions[rid]
             srv.count_request(*self.outcome)
         if self.reserved:
-            release = asyncio.ensure_future(srv.release(rid))
+            release = asyncio.ensure_future(self._free_blocks(rid, was_receiving))
             try:
                 await asyncio.shield(release)
             except asyncio.CancelledError:
                 pass  # the shielded release still completes on the loop
+
+    async def _free_blocks(self, rid: str, was_receiving: bool) -> None:
+        """Give the request's blocks back to the engine, but only once no KV frame can still
+        land in them (a frame cut off by delete stops within one piece)."""
+        srv = self.server
+        if was_receiving:
+            try:
+                await srv.receiver.released(rid, 5.0)
+            except Exception as exc:  # noqa: BLE001 - still free them; log why it took so long
+                log.warning("request %s: %s", rid, exc)
+        await srv.release(rid)
