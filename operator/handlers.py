@@ -73,7 +73,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.posting.level = logging.WARNING
     # After an API error, handlers retry every RETRY_DELAY_S seconds (TemporaryError), forever.
     settings.networking.request_timeout = 60
-    memo.api = KubeApi(make_api_client(memo.get("kubeconfig")))
+    memo.api = KubeApi(make_api_client(memo.get("kubeconfig"), pool_size=settings.execution.max_workers))
     memo.status_state = {}  # "ns/name" -> {"running", "dirty"}: see refresh_status
     memo.status_guard = threading.Lock()
 
@@ -142,12 +142,16 @@ def refresh_status(api: KubeApi, memo: kopf.Memo, namespace: str, isvc_name: str
         while True:
             _refresh_once(api, namespace, isvc_name)
             with memo.status_guard:
+                # Decide to stop and clear "running" in one critical section: a caller that
+                # comes in between would otherwise mark it dirty with nobody left to redo it.
                 if not state["dirty"]:
-                    break
+                    state["running"] = False
+                    return
                 state["dirty"] = False
-    finally:
+    except BaseException:
         with memo.status_guard:
             state["running"] = False
+        raise
 
 
 def _changed(old: dict | None, new: dict) -> bool:

@@ -38,17 +38,26 @@ KINDS: dict[str, Kind] = {
 TIMEOUT_S = 30  # per request: a hung API server call turns into a retry, not a stuck handler
 
 
-def make_api_client(kubeconfig: str | None = None) -> ApiClient:
-    """In-cluster credentials when running in a pod, else the kubeconfig (or $KUBECONFIG)."""
-    from kubernetes import config
+def make_api_client(kubeconfig: str | None = None, pool_size: int = 32) -> ApiClient:
+    """In-cluster credentials when running in a pod, else the kubeconfig (or $KUBECONFIG).
 
+    pool_size: HTTP connections kept open; match the handler thread count, or connections
+    are opened and discarded under load.
+    """
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    loaded = False
     if kubeconfig is None:
         try:
-            config.load_incluster_config()
-            return ApiClient()
+            config.load_incluster_config(client_configuration=cfg)
+            loaded = True
         except config.ConfigException:
             pass
-    return config.new_client_from_config(config_file=kubeconfig)
+    if not loaded:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    cfg.connection_pool_maxsize = pool_size
+    return ApiClient(cfg)
 
 
 class KubeApi:
