@@ -92,6 +92,9 @@ def isvc_reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, 
         children += pools.build_network_policies(isvc, memo.config)
     kopf.adopt(children, owner=body)
     _apply_all(api, children)
+    if not memo.config.network_policy:  # turned off since they were made: remove them
+        for policy in api.list("NetworkPolicy", namespace, {naming.LABEL_ISVC: name}):
+            api.delete("NetworkPolicy", namespace, policy["metadata"]["name"])
     for stale in pools.stale_decode_pools(isvc, list(existing_decodes)):
         logger.info(f"deleting DecodePool {stale}: no longer in spec.decode")
         api.delete("DecodePool", namespace, stale)

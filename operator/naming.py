@@ -37,6 +37,15 @@ LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 # Annotation on a pool: the InferenceService's replica count last copied into it. While the
 # InferenceService keeps that value, `kubectl scale` on the pool wins; when it changes, it wins.
 ANNOTATION_ISVC_REPLICAS = "pdserve.io/isvc-replicas"
+# Annotation on a pool (Deployment): the generation of the InferenceService (pool) it was
+# built from; statuses report it as observedGeneration, so that field means "applied".
+ANNOTATION_OWNER_GENERATION = "pdserve.io/owner-generation"
+
+
+def owner_generation(obj: dict | None) -> int | None:
+    """The owner generation an object was built from (see ANNOTATION_OWNER_GENERATION), or None."""
+    value = ((obj or {}).get("metadata", {}).get("annotations") or {}).get(ANNOTATION_OWNER_GENERATION)
+    return int(value) if value and value.isdigit() else None
 
 # Longest names the CRD schema admits, chosen so `<isvc>-decode-<pool>` is a valid
 # Service name (an RFC 1035 label: at most 63 characters, starting with a letter).

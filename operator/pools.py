@@ -45,12 +45,14 @@ def pool_replicas(isvc_replicas: int, existing: dict | None) -> int:
 
 
 def _pool(kind: str, name: str, namespace: str | None, isvc_name: str, role: str, pool: str, version: str,
-          replicas: int, spec: dict, isvc_replicas: int) -> dict:
+          replicas: int, spec: dict, isvc_replicas: int, isvc_generation: int | None) -> dict:
     metadata = {
         "name": name,
         "labels": naming.common_labels(isvc_name, role, pool, version),
         "annotations": {naming.ANNOTATION_ISVC_REPLICAS: str(isvc_replicas)},
     }
+    if isvc_generation is not None:
+        metadata["annotations"][naming.ANNOTATION_OWNER_GENERATION] = str(isvc_generation)
     if namespace:
         metadata["namespace"] = namespace
     return {"apiVersion": naming.API_VERSION, "kind": kind, "metadata": metadata, "spec": {**spec, "replicas": replicas}}
@@ -83,7 +85,8 @@ def build_prefill_pool(isvc: dict, config: OperatorConfig, existing: dict | None
     pool_spec["slo"] = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **spec.get("slo", {})}
     isvc_replicas = int(prefill.get("replicas", crds.DEFAULT_REPLICAS))
     return _pool("PrefillPool", naming.prefill_name(name), namespace, name, "prefill", "prefill",
-                 pool_spec["protocolVersion"], pool_replicas(isvc_replicas, existing), pool_spec, isvc_replicas)
+                 pool_spec["protocolVersion"], pool_replicas(isvc_replicas, existing), pool_spec, isvc_replicas,
+                 isvc["metadata"].get("generation"))
 
 
 def build_decode_pools(isvc: dict, config: OperatorConfig, existing: dict[str, dict] | None = None) -> list[dict]:
@@ -98,7 +101,8 @@ def build_decode_pools(isvc: dict, config: OperatorConfig, existing: dict[str, d
         pool_spec["poolName"] = pool_name
         isvc_replicas = int(entry.get("replicas", crds.DEFAULT_REPLICAS))
         pools.append(_pool("DecodePool", object_name, namespace, name, "decode", pool_name, pool_spec["protocolVersion"],
-                           pool_replicas(isvc_replicas, existing.get(object_name)), pool_spec, isvc_replicas))
+                           pool_replicas(isvc_replicas, existing.get(object_name)), pool_spec, isvc_replicas,
+                           isvc["metadata"].get("generation")))
     return pools
 
 

@@ -49,8 +49,11 @@ def _deployment_condition(deployment: dict, type_: str) -> dict | None:
 
 
 def pool_status(pool: dict, deployment: dict | None, selector: str) -> dict:
-    """The status of a pool (without lastTransitionTime; see merge_conditions)."""
-    generation = pool.get("metadata", {}).get("generation")
+    """The status of a pool (without lastTransitionTime; see merge_conditions).
+
+    observedGeneration is the pool generation its Deployment was last built from.
+    """
+    generation = naming.owner_generation(deployment)
     desired = int(pool["spec"].get("replicas", 1))
     if deployment is None:
         return {
@@ -113,9 +116,14 @@ def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tup
     decodes: (DecodePool, its status) for each decode pool that exists.
     """
     meta = isvc["metadata"]
-    name, namespace, generation = meta["name"], meta.get("namespace", "default"), meta.get("generation")
+    name, namespace = meta["name"], meta.get("namespace", "default")
     wanted = [d["name"] for d in isvc["spec"]["decode"]]
     by_pool = {p["spec"]["poolName"]: (p, s) for p, s in decodes}
+    # observedGeneration: the InferenceService generation every current pool was built from.
+    current = ([prefill] if prefill else []) + [by_pool[n] for n in wanted if n in by_pool]
+    built_from = [naming.owner_generation(p) for p, _ in current]
+    complete = prefill is not None and all(n in by_pool for n in wanted)
+    generation = min(built_from) if complete and None not in built_from else None
     decode_summaries = [_summary(n, *by_pool[n]) for n in wanted if n in by_pool]
     prefill_summary = _summary("prefill", *prefill) if prefill else {"name": "prefill", "replicas": 0,
                                                                      "readyReplicas": 0, "ready": False}
@@ -152,7 +160,6 @@ def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tup
     decode_desired = sum(d["replicas"] for d in decode_summaries)
     protocol = (prefill[0]["spec"].get("protocolVersion") if prefill else None)
     status = {
-        "observedGeneration": generation,
         "endpoint": f"http://{naming.prefill_name(name)}.{namespace}.svc:{defaults.HTTP_PORT}",
         "prefillReady": f"{prefill_summary['readyReplicas']}/{prefill_summary['replicas']}",
         "decodeReady": f"{decode_ready}/{decode_desired}",
@@ -162,4 +169,6 @@ def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tup
     }
     if protocol:
         status["protocolVersion"] = protocol
+    if generation is not None:
+        status["observedGeneration"] = generation
     return status

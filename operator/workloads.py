@@ -160,10 +160,13 @@ def build_deployment(pool: dict) -> dict:
         pod_spec["nodeSelector"] = spec["nodeSelector"]
     if spec.get("tolerations"):
         pod_spec["tolerations"] = spec["tolerations"]
+    metadata = _metadata(name, namespace, labels)
+    if pool["metadata"].get("generation") is not None:
+        metadata["annotations"] = {naming.ANNOTATION_OWNER_GENERATION: str(pool["metadata"]["generation"])}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(name, namespace, labels),
+        "metadata": metadata,
         "spec": {
             "replicas": int(spec.get("replicas", crds.DEFAULT_REPLICAS)),
             "selector": {"matchLabels": pool_selector(pool)},

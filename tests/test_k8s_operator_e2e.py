@@ -119,6 +119,10 @@ def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube,
         return all(t["spec"]["containers"][0]["image"] == "registry.test/pdserve:2"
                    and t["metadata"]["labels"]["pdserve.io/protocol-version"] == "2" for t in templates)
     wait_for(kube, rolled, "all pools on image 2 / protocol 2", op=operator)
+    isvc = wait_for(kube, lambda: (lambda o: o if o.get("status", {}).get("observedGeneration") == o["metadata"]["generation"]
+                                   else None)(get_json(kube, "inferenceservice", "chat", "-n", ns)),
+                    "observedGeneration to reach the new generation", op=operator)
+    assert isvc["metadata"]["generation"] >= 2
     args = get_json(kube, "deployment", "chat-prefill", "-n", ns)["spec"]["template"]["spec"]["containers"][0]["args"]
     selector = args[args.index("--decode-selector") + 1]
     assert "pdserve.io/protocol-version=2" in selector

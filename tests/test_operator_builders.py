@@ -39,6 +39,17 @@ def test_prefill_pool_carries_everything_its_children_need():
     assert labels[naming.LABEL_PROTOCOL] == "7"
 
 
+def test_children_record_the_owner_generation_they_were_built_from():
+    isvc = example()
+    isvc["metadata"]["generation"] = 7
+    pool = pools.build_decode_pools(isvc, CONFIG)[0]
+    assert pool["metadata"]["annotations"][naming.ANNOTATION_OWNER_GENERATION] == "7"
+    pool["metadata"]["generation"] = 2
+    deployment = workloads.build_deployment(pool)
+    assert deployment["metadata"]["annotations"][naming.ANNOTATION_OWNER_GENERATION] == "2"
+    assert naming.ANNOTATION_OWNER_GENERATION not in deployment["spec"]["template"]["metadata"]["annotations"]
+
+
 def test_decode_pools_one_per_entry_with_their_own_hardware():
     decodes = pools.build_decode_pools(example(), CONFIG)
     assert [p["metadata"]["name"] for p in decodes] == ["chat-decode-main", "chat-decode-big"]

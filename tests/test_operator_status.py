@@ -86,6 +86,21 @@ def test_isvc_ready_needs_prefill_and_at_least_one_decode_pool():
     assert conds(status.isvc_status(svc, prefill, decodes))["Ready"] == ("False", "NoDecodePoolReady")
 
 
+def test_observed_generation_is_the_oldest_generation_the_pools_were_built_from():
+    svc, prefill, decodes = _pools({"prefill": 1, "main": 2, "big": 1})
+    assert status.isvc_status(svc, prefill, decodes)["observedGeneration"] == 3
+    decodes[0][0]["metadata"]["annotations"]["pdserve.io/owner-generation"] = "2"  # main not yet rebuilt
+    st = status.isvc_status(svc, prefill, decodes)
+    assert st["observedGeneration"] == 2
+    assert all(c["observedGeneration"] == 2 for c in st["conditions"])
+    assert "observedGeneration" not in status.isvc_status(svc, prefill, decodes[:1])  # a pool is missing
+    pool = decodes[0][0]
+    pool["metadata"]["generation"] = 5
+    dep = deployment(2, 2)
+    dep["metadata"]["annotations"] = {"pdserve.io/owner-generation": "4"}  # Deployment built from pool gen 4
+    assert status.pool_status(pool, dep, "s")["observedGeneration"] == 4
+
+
 def test_isvc_with_missing_pools_is_progressing_and_not_ready():
     svc, prefill, decodes = _pools({"prefill": 1, "main": 2, "big": 1})
     st = status.isvc_status(svc, None, decodes[:1])
