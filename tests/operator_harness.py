@@ -98,11 +98,12 @@ def mark_pods_ready(kube, namespace: str, selector: str, ready: bool = True) -> 
 class OperatorProcess:
     """`pdserve operator` as a local process under the chart's ServiceAccount; start/kill/stop."""
 
-    def __init__(self, kube, log_dir: Path, extra_args: tuple[str, ...] = ()):
+    def __init__(self, kube, log_dir: Path, extra_args: tuple[str, ...] = (), scope: tuple[str, ...] = ("--all-namespaces",),
+                 service_account: tuple[str, str] = (RELEASE_NAMESPACE, OPERATOR_SA)):
         self.kube = kube
         self.log_dir = log_dir
-        self.kubeconfig = kube.token_kubeconfig(RELEASE_NAMESPACE, OPERATOR_SA)
-        self.extra_args = extra_args
+        self.kubeconfig = kube.token_kubeconfig(*service_account)
+        self.extra_args = (*scope, *extra_args)
         self.proc: subprocess.Popen | None = None
         self.starts = 0
 
@@ -112,7 +113,7 @@ class OperatorProcess:
         log = open(self.log_dir / f"operator-{self.starts}.log", "wb")
         env = dict(os.environ, KUBECONFIG=str(self.kubeconfig))
         self.proc = subprocess.Popen(
-            [str(VENV_BIN / "pdserve"), "operator", "--all-namespaces", "--kubeconfig", str(self.kubeconfig),
+            [str(VENV_BIN / "pdserve"), "operator", "--kubeconfig", str(self.kubeconfig),
              "--default-image", IMAGE, *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         return self.proc

@@ -91,7 +91,7 @@ def test_default_render_runs_the_operator_cli_cluster_wide_and_securely():
 def test_rbac_is_least_privilege():
     docs = render()
     roles = by_kind(docs, "ClusterRole")
-    assert {r["metadata"]["name"] for r in roles} == {"rel-pdserve-operator", "rel-pdserve-operator-crds"}
+    assert {r["metadata"]["name"] for r in roles} == {"rel-pdserve-operator", "rel-pdserve-operator-cluster-read"}
     for role in roles:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
@@ -100,8 +100,8 @@ def test_rbac_is_least_privilege():
     main = next(r for r in roles if r["metadata"]["name"] == "rel-pdserve-operator")
     isvc = next(r for r in main["rules"] if r["resources"] == ["inferenceservices"])
     assert "create" not in isvc["verbs"] and "delete" not in isvc["verbs"]  # users own InferenceServices
-    crds = next(r for r in roles if r["metadata"]["name"] == "rel-pdserve-operator-crds")
-    assert all(set(rule["verbs"]) <= {"get", "list", "watch", "patch"} for rule in crds["rules"])
+    cluster_read = next(r for r in roles if r["metadata"]["name"] == "rel-pdserve-operator-cluster-read")
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster_read["rules"])
 
 
 def test_operator_can_grant_prefill_pods_only_what_it_holds():
@@ -131,7 +131,7 @@ def test_watching_namespaces_uses_roles_and_namespaced_peering():
     roles = by_kind(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     assert all(any("kopfpeerings" in rule["resources"] for rule in r["rules"]) for r in roles)
-    assert [r["metadata"]["name"] for r in by_kind(docs, "ClusterRole")] == ["rel-pdserve-operator-crds"]
+    assert [r["metadata"]["name"] for r in by_kind(docs, "ClusterRole")] == ["rel-pdserve-operator-cluster-read"]
     assert sorted(p["metadata"]["namespace"] for p in by_kind(docs, "KopfPeering")) == ["team-a", "team-b"]
     assert not by_kind(docs, "ClusterKopfPeering")
 
@@ -141,8 +141,8 @@ def test_replicas_turn_on_cluster_peering():
     assert parse_operator_cli(operator_args(docs)).peering == "pdserve"
     (peering,) = by_kind(docs, "ClusterKopfPeering")
     assert peering["metadata"]["name"] == "pdserve"
-    crds = next(r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"].endswith("-crds"))
-    assert any("clusterkopfpeerings" in rule["resources"] for rule in crds["rules"])
+    cluster_read = next(r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"].endswith("-cluster-read"))
+    assert any("clusterkopfpeerings" in rule["resources"] for rule in cluster_read["rules"])
 
 
 def test_dashboards_become_configmaps_with_the_sidecar_label():
