@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prompt", type=int, default=1024, help="tokens of a long prompt")
     parser.add_argument("--short-prompt", type=int, default=64, help="tokens of a short prompt")
     parser.add_argument("--output", type=int, default=4, help="output tokens of every request")
+    parser.add_argument("--order", choices=["fifo,priority", "priority,fifo"], default="fifo,priority",
+                        help="which scheduler runs first (the first one also calibrates the arrival rate)")
+    parser.add_argument("--name", default="transmission", help="file name stem of the JSON and PNG")
     parser.add_argument("--out", type=Path, default=Path("bench-results/experiments"), help="output directory")
 
 
@@ -113,9 +116,10 @@ def run(args: argparse.Namespace) -> int:
     results: dict[str, dict] = {}
     rows = []
     for mbit in rates:
-        fifo, wl, service = one_run(args, model, mbit, "fifo", None)
-        priority, _, _ = one_run(args, model, mbit, "priority", wl)
-        runs = {"fifo": fifo, "priority": priority}
+        first, second = args.order.split(",")
+        runs = {}
+        runs[first], wl, service = one_run(args, model, mbit, first, None)
+        runs[second], _, _ = one_run(args, model, mbit, second, wl)
         arrivals = wl[1]
         rate = args.rate or args.load / service
         results[f"{mbit:g}mbit"] = {"request_rate": rate, "idle_service_s": service, "arrivals_s": arrivals, **runs}
@@ -127,9 +131,9 @@ def run(args: argparse.Namespace) -> int:
                      "fifo_long_ttft_p99_ms": runs["fifo"]["long_ttft_p99_ms"],
                      "priority_long_ttft_p99_ms": runs["priority"]["long_ttft_p99_ms"],
                      "failed": runs["fifo"]["failed"] + runs["priority"]["failed"]})
-    png = plot(results, out / "transmission.png")
+    png = plot(results, out / f"{args.name}.png")
     figures = {"rows": rows, "target": TARGET, "kv_bytes_per_token": per_token}
-    path = report.save(out, "transmission", {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
+    path = report.save(out, args.name, {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
                                             "figures": figures, "plot": str(png), "runs": results})
     for row in rows:
         print("  " + ", ".join(f"{k}={v}" for k, v in row.items()))
