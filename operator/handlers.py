@@ -66,8 +66,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # A connect attempt that hangs should fail fast and be retried.
     settings.watching.connect_timeout = 30
     # Sync handlers run in this thread pool. They mostly wait on API round trips, so many
-    # threads overlap them (tools/bench_operator.py: with 8, pool reconciles lagged the
-    # creation of 50 InferenceServices by ~40 s on a loaded 2-core box; with 32, by ~6 s).
+    # threads overlap them (tools/bench_operator.py, one run each on a loaded 2-core box:
+    # with 8, pool reconciles finished ~40 s after the 50th InferenceService was created;
+    # with 32, ~6 s after).
     settings.execution.max_workers = 32
     # Kubernetes Events only for warnings and errors: reconciles are frequent.
     settings.posting.level = logging.WARNING
