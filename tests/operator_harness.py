@@ -6,10 +6,10 @@ established. `OperatorProcess` runs `pdserve operator` as a local process with a
 holding the chart's ServiceAccount token, so every call it makes goes through RBAC exactly
 as the in-cluster pod's would.
 
-Pods never run here, so "ready" is simulated where a test needs it: `mark_pods_ready` binds
-the pods to a Node object without a kubelet (pods/binding, as the scheduler would) and sets a
-pod IP and the Ready condition through pods/status (as a kubelet would); the ReplicaSet,
-Deployment and EndpointSlice controllers then treat the pods as ready as usual.
+Pods never run here, so "ready" is simulated where a test needs it: `mark_pods_ready` uses the
+harness's fake kubelet (tests/kube_kubelet.py: binds pods to a Node object, gives them IPs,
+reports them Ready through pods/status); the ReplicaSet, Deployment and EndpointSlice
+controllers then treat the pods as ready as usual.
 """
 
 from __future__ import annotations
@@ -59,40 +59,26 @@ def condition(obj: dict | None, type_: str) -> dict | None:
     return None
 
 
-FAKE_NODE = "pdserve-test-node"
-
-
-def ensure_fake_node(kube) -> None:
-    """A Node object (no kubelet behind it) for pods to be bound to: the EndpointSlice controller
-    leaves out pods whose node does not exist. No node-lifecycle controller runs, so it stays."""
-    if get_json(kube, "node", FAKE_NODE) is None:
-        node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": FAKE_NODE, "labels": {"pdserve.io/test": "true"}}}
-        kube.kubectl("apply", "-f", "-", input=json.dumps(node))
+def pod_ips(kube, namespace: str, selector: str) -> list[str]:
+    pods = json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]
+    return [p["status"]["podIP"] for p in pods if p.get("status", {}).get("podIP")]
 
 
 def mark_pods_ready(kube, namespace: str, selector: str, ready: bool = True) -> list[str]:
-    """Set phase Running, a pod IP and Ready=<ready> on the pods matching selector (as a kubelet
-    would); returns their IPs. Each pod gets a distinct IP in 10.244.0.0/16 (from its uid)."""
-    pods = json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]
+    """Make the pods matching selector Ready (kube.make_pods_ready: the harness's fake kubelet binds
+    them to a Node object, gives them IPs and reports them Ready), or, with ready=False, report
+    the already running ones not ready (as a failing readiness probe would). Returns their IPs."""
+    if ready:
+        count = len(json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"])
+        kube.make_pods_ready(namespace, selector, count=max(count, 1))
+        return pod_ips(kube, namespace, selector)
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    ips = []
-    if pods:
-        ensure_fake_node(kube)
-    for pod in pods:
-        if not pod["spec"].get("nodeName"):  # bind it, as the scheduler would (EndpointSlices skip unbound pods)
-            binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": pod["metadata"]["name"]},
-                       "target": {"apiVersion": "v1", "kind": "Node", "name": FAKE_NODE}}
-            kube.kubectl("create", "--raw", f"/api/v1/namespaces/{namespace}/pods/{pod['metadata']['name']}/binding",
-                         "-f", "-", input=json.dumps(binding))
-        ip = pod.get("status", {}).get("podIP") or "10.244.{}.{}".format(*divmod(int(pod["metadata"]["uid"][:4], 16) % 65000 + 1, 254))
-        flag = "True" if ready else "False"
-        status = {"status": {"phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "conditions": [
-            {"type": t, "status": "True" if t in ("PodScheduled", "Initialized") else flag, "lastTransitionTime": now}
-            for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]}}
-        kube.kubectl("patch", "pod", pod["metadata"]["name"], "-n", namespace, "--subresource=status", "--type=merge",
-                     "-p", json.dumps(status))
-        ips.append(ip)
-    return ips
+    for ip_pod in json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]:
+        status = {"status": {"conditions": [{"type": t, "status": "False", "lastTransitionTime": now}
+                                            for t in ("ContainersReady", "Ready")]}}
+        kube.kubectl("patch", "pod", ip_pod["metadata"]["name"], "-n", namespace, "--subresource=status",
+                     "--type=strategic", "-p", json.dumps(status))
+    return pod_ips(kube, namespace, selector)
 
 
 class OperatorProcess:
