@@ -62,16 +62,17 @@ def stale_files(proto_dir: Path = PROTO_DIR) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only check that the committed modules are fresh")
+    parser.add_argument("--proto-dir", type=Path, default=PROTO_DIR, help="folder of the .proto files and generated modules")
     args = parser.parse_args(argv)
     if args.check:
-        stale = stale_files()
+        stale = stale_files(args.proto_dir)
         if stale:
             print("stale generated modules (run `make protos`): " + ", ".join(stale))
             return 1
         print("generated modules are fresh")
         return 0
-    for path in generate(PROTO_DIR):
-        print(f"wrote {path.relative_to(PROTO_DIR.parent)}")
+    for path in generate(args.proto_dir, args.proto_dir):
+        print(f"wrote {path}")
     return 0
 
 
