@@ -130,7 +130,8 @@ async def run_session(node, address: str, request_id: str, prompt_ids: list[int]
         if len(alloc.block_ids) != blocks_needed:
             raise Retryable(f"{address}: allocated {len(alloc.block_ids)} blocks, {blocks_needed} needed")
         timings.allocated = time.monotonic()
-        node.note_allocation(address, blocks_needed)
+        # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
+        node.note_allocation(address, -(-(len(prompt_ids) + sp.max_tokens) // node.block_size))
         # 3. prefill + push, layer by layer
         try:
             node.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))

@@ -113,11 +113,13 @@ class PrefillNode:
                 if need > self.engine.engine.num_free_blocks():
                     reasons.append(f"prefill has {self.engine.engine.num_free_blocks()} free KV blocks, {need} needed")
                     break
-                address = self.picker.pick(exclude=tried)
+                # what decode reserves: prompt + max_tokens (tokens already produced move from one to the other)
+                decode_need = -(-(len(prompt_ids) + sp.max_tokens) // self.block_size)
+                address = self.picker.pick(exclude=tried, blocks_needed=decode_need)
                 if address is None:
                     if not tried:
-                        reasons.append(self.picker.why_none())
-                        transient = self.picker.all_full()
+                        reasons.append(self.picker.why_none(decode_need))
+                        transient = self.picker.all_full(decode_need)
                     break
                 tried.add(address)
                 if m is not None:

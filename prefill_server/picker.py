@@ -4,10 +4,12 @@ Two policies, both over the decodes whose latest load report is fresh, speaks ou
 protocol version, is not draining and has free KV blocks:
 
 - ``wrr`` (default): smooth weighted round robin (the nginx algorithm) with weight = the
-  decode's free KV bytes from its latest load report. A decode with half the free
-  memory of another gets a third of the requests; the sequence interleaves rather than
-  sending bursts to one decode.
-- ``rr``: plain round robin over the same set.
+  decode's free KV bytes from its latest load report, over the decodes whose reported
+  free blocks can hold the request (``blocks_needed``: prompt + max_tokens, what decode
+  reserves). A decode with half the free memory of another gets a third of the
+  requests; the sequence interleaves rather than sending bursts to one decode; a decode
+  known to be too full for this request is not asked (no refusal round trip).
+- ``rr``: plain round robin over the same set, blind to request size (the baseline).
 
 Load reports arrive from the LoadReportPoller (``update``); a report older than
 ``expiry_s`` no longer counts, so a decode that stopped answering drops out. Between
@@ -84,37 +86,43 @@ class DecodePicker:
             load.free_bytes = max(0, load.free_bytes - nbytes)
 
     # -- queries ------------------------------------------------------------------------
-    def eligible(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[str]:
-        """Addresses a request may go to now, in a stable order."""
+    def eligible(self, exclude: set[str] | frozenset[str] = frozenset(), blocks_needed: int = 0) -> list[str]:
+        """Addresses a request needing ``blocks_needed`` KV blocks may go to now, in a stable order.
+
+        Only ``wrr`` looks at ``blocks_needed``; ``rr`` stays size-blind.
+        """
         now = self.clock()
+        need = max(1, blocks_needed) if self.policy == "wrr" else 1
         out = []
         for address in sorted(self._entries):
             entry = self._entries[address]
             load = entry.load
             if address in exclude or now - entry.received_at > self.expiry_s:
                 continue
-            if load.protocol_version != self.protocol_version or load.draining or load.free_blocks <= 0:
+            if load.protocol_version != self.protocol_version or load.draining or load.free_blocks < need:
                 continue
             out.append(address)
         return out
 
-    def all_full(self) -> bool:
-        """No decode is eligible only because every fresh, compatible one has no free blocks."""
+    def all_full(self, blocks_needed: int = 0) -> bool:
+        """No decode is eligible only because every fresh, compatible one is too full (busy, not broken)."""
         now = self.clock()
+        need = max(1, blocks_needed) if self.policy == "wrr" else 1
         usable = [e.load for e in self._entries.values()
                   if now - e.received_at <= self.expiry_s and e.load.protocol_version == self.protocol_version
                   and not e.load.draining]
-        return bool(usable) and all(load.free_blocks <= 0 for load in usable)
+        return bool(usable) and all(load.free_blocks < need for load in usable)
 
     def known(self) -> list[str]:
         """Every decode with a report (fresh or not)."""
         return sorted(self._entries)
 
-    def why_none(self) -> str:
+    def why_none(self, blocks_needed: int = 0) -> str:
         """A human reason why ``pick`` returned None (for 503 bodies and logs)."""
         if not self._entries:
             return "no decode server has reported load yet"
         now = self.clock()
+        need = max(1, blocks_needed) if self.policy == "wrr" else 1
         parts = []
         for address in sorted(self._entries):
             entry = self._entries[address]
@@ -127,11 +135,13 @@ class DecodePicker:
                 parts.append(f"{address}: draining")
             elif load.free_blocks <= 0:
                 parts.append(f"{address}: no free KV blocks")
+            elif load.free_blocks < need:
+                parts.append(f"{address}: {load.free_blocks} free KV blocks, {need} needed")
         return "; ".join(parts) or "no eligible decode server"
 
-    def pick(self, exclude: set[str] | frozenset[str] = frozenset()) -> str | None:
-        """The decode for the next request, or None when no decode is eligible."""
-        candidates = self.eligible(exclude)
+    def pick(self, exclude: set[str] | frozenset[str] = frozenset(), blocks_needed: int = 0) -> str | None:
+        """The decode for the next request (needing ``blocks_needed`` blocks on decode), or None."""
+        candidates = self.eligible(exclude, blocks_needed)
         if not candidates:
             return None
         if self.policy == "rr":

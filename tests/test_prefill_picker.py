@@ -82,3 +82,24 @@ def test_bad_arguments_are_rejected():
         DecodePicker(policy="random")
     with pytest.raises(ValueError, match="free_blocks"):
         DecodeLoad(free_blocks=-1, free_bytes=0)
+
+
+def test_wrr_skips_decodes_too_full_for_the_request():
+    p = DecodePicker(policy="wrr", clock=lambda: 0.0)
+    p.update("small", DecodeLoad(free_blocks=13, free_bytes=13 * 1024))
+    p.update("big", DecodeLoad(free_blocks=80, free_bytes=80 * 1024))
+    # a 27-block request never goes to the decode that reported 13 free blocks
+    assert {p.pick(blocks_needed=27) for _ in range(50)} == {"big"}
+    # small requests still spread by weight over both
+    assert {p.pick(blocks_needed=3) for _ in range(50)} == {"small", "big"}
+    # nobody can hold 100 blocks: None, "busy" (worth waiting), and the reason names the numbers
+    assert p.pick(blocks_needed=100) is None
+    assert p.all_full(100)
+    assert "13 free KV blocks, 100 needed" in p.why_none(100)
+
+
+def test_rr_stays_size_blind():
+    p = DecodePicker(policy="rr", clock=lambda: 0.0)
+    p.update("small", DecodeLoad(free_blocks=13, free_bytes=13 * 1024))
+    p.update("big", DecodeLoad(free_blocks=80, free_bytes=80 * 1024))
+    assert {p.pick(blocks_needed=27) for _ in range(4)} == {"small", "big"}
