@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait for free KV blocks (all decodes busy) before the 503")
     d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
     d.add_argument("--scheduler", choices=["priority", "fifo"], default="priority", help="CacheStore sender scheduling")
+    d.add_argument("--no-layerwise-push", dest="layerwise_push", action="store_false",
+                   help="send the KV only after the whole forward pass instead of each layer as it is written "
+                        "(turns compute/transfer overlap off; for comparison)")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight requests finish on shutdown")
     add_engine_arguments(parser)
 
@@ -116,7 +119,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         engine=engine, sender=sender, picker=picker, poller=poller, compat=compat_message(engine.engine, args, model_name),
         block_size=args.block_size, kv_bytes_per_block=layout.block_nbytes * layout.num_layers,
         eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
-        local_fallback=args.local_fallback, resume=args.resume, queue_timeout_s=args.queue_timeout, session_timeout_s=args.session_timeout,
+        local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push, queue_timeout_s=args.queue_timeout, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, model_name, max_len, metrics, loaded.config.vocab_size)

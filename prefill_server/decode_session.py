@@ -139,9 +139,14 @@ async def run_session(node, address: str, request_id: str, prompt_ids: list[int]
             raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
         bound = True
 
+        held: list[tuple[int, list[int]]] = []  # layers written but not pushed yet (layerwise_push off)
+
         def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
             timings.layer_stored.append(time.monotonic())
-            node.sender.store(request_id, layer, list(block_ids)[:blocks_needed])
+            if node.layerwise_push:
+                node.sender.store(request_id, layer, list(block_ids)[:blocks_needed])
+            else:
+                held.append((layer, list(block_ids)[:blocks_needed]))
 
         prefilled = True
         try:
@@ -153,6 +158,8 @@ async def run_session(node, address: str, request_id: str, prompt_ids: list[int]
             prefilled = False
             raise
         timings.prefill_done = time.monotonic()
+        for layer, block_ids in held:  # overlap off: the whole KV goes now
+            node.sender.store(request_id, layer, block_ids)
         # 4. first token
         try:
             await node.sender.wait_sent(request_id, node.session_timeout_s)

@@ -62,6 +62,7 @@ class PrefillNode:
     out_of_blocks_error: type = RuntimeError  # the engine's OutOfBlocksError
     resume: bool = True  # continue on another decode when one fails mid-generation
     queue_timeout_s: float = 10.0  # how long a request may wait for KV blocks to free up
+    layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:

@@ -45,3 +45,27 @@ def test_first_layer_arrives_before_last_layer_is_computed(procs, transport):
     assert any(wins), "decode never had layer 0 before prefill finished its last layer"
     readings = wait_all_released([prefill, decode])
     assert nothing_held(readings), readings
+
+
+def test_overlap_off_sends_nothing_before_the_last_layer(procs):
+    """--no-layerwise-push (the comparison baseline): no layer reaches decode before prefill's last layer."""
+    from pdserve.protos import generate_pb2 as gpb
+    import grpc
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    decode = start_decode(procs, "tcp", num_blocks=64, name="decode")
+    wait_ready(decode)
+    prefill = start_prefill(procs, [decode.grpc_address], "tcp", num_blocks=64, extra=("--no-layerwise-push",))
+    wait_ready(prefill)
+    prompt = [256] + [97 + i % 26 for i in range(999)]
+    with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
+        tokens = [t for r in gpb_grpc.GeneratorStub(ch).Generate(
+            gpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=4, temperature=0, request_id="off"), timeout=120)
+            for t in r.token_ids]
+    assert len(tokens) == 4
+    p = get_json(f"{prefill.url}/debug/requests/off")[1]
+    d = get_json(f"{decode.url}/debug/requests/off")[1]
+    assert len(d["layer_arrived"]) == 4
+    assert min(d["layer_arrived"]) > p["layer_stored"][-1]
+    readings = wait_all_released([prefill, decode])
+    assert nothing_held(readings), readings
