@@ -179,7 +179,7 @@ class Link:
             self.sending -= 1
             drained = req.deleted and req.sending == 0
         if acked:
-            self.sender._on_acked(req.rid, chunk.nblocks)
+            self.sender._on_acked(req.rid, chunk.transfer.layer, chunk.nblocks)
         if drained:
             self.sender._forget(req)
 
@@ -191,7 +191,7 @@ class Link:
                     raise TransferError(f"receiver {self.peer} closed the connection")
                 if frame.type == FrameType.ACK:
                     read_payload(sock, frame)
-                    self.sender._on_acked(frame.rid, frame.nblocks)
+                    self.sender._on_acked(frame.rid, frame.layer, frame.nblocks)
                 elif frame.type == FrameType.ERROR:
                     text = read_payload(sock, frame).decode(errors="replace")
                     if not frame.rid:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -52,6 +53,8 @@ class _TxRequest:
     priority: int
     stored: set[int] = field(default_factory=set)
     pending: int = 0        # blocks handed to the link and not yet delivered
+    layer_left: dict[int, int] = field(default_factory=dict)     # layer -> blocks not yet delivered
+    layer_times: dict[int, list[float]] = field(default_factory=dict)  # layer -> [stored, delivered] (monotonic)
     sending: int = 0        # chunks on the wire right now (guarded by link.cond)
     deleted: bool = False
     error: TransferError | None = None
@@ -166,6 +169,9 @@ class CacheStoreSender:
             req.stored.add(layer)
             nblocks = sum(n for _, _, n in runs)
             req.pending += nblocks
+            now = time.monotonic()
+            req.layer_left[layer] = nblocks
+            req.layer_times[layer] = [now, now] if nblocks == 0 else [now]
             self._counters["transfers_stored"] += 1
             done = req.pending == 0 and len(req.stored) == self.layout.num_layers
         if runs:
@@ -202,6 +208,14 @@ class CacheStoreSender:
                 ws[:] = [f for f in ws if f is not fut]
                 if not ws:
                     del self._waiters[request_id]
+
+    def layer_times(self, request_id: str) -> dict[int, tuple[float, float]]:
+        """layer -> (stored, delivered) monotonic times of the layers delivered so far (until delete)."""
+        with self._lock:
+            req = self._requests.get(request_id)
+            if req is None:
+                return {}
+            return {layer: (t[0], t[1]) for layer, t in req.layer_times.items() if len(t) == 2}
 
     def delete(self, request_id: str) -> None:
         """Forget request_id (idempotent); an unfinished one is cancelled on the receiver too."""
@@ -312,12 +326,17 @@ class CacheStoreSender:
                 del self._requests[req.rid]
 
     # ----- called from link threads ----------------------------------------------------
-    def _on_acked(self, rid: str, nblocks: int) -> None:
+    def _on_acked(self, rid: str, layer: int, nblocks: int) -> None:
         with self._lock:
             req = self._requests.get(rid)
             if req is None or req.error is not None or req.deleted:
                 return
             req.pending -= nblocks
+            left = req.layer_left.get(layer)
+            if left is not None:
+                req.layer_left[layer] = left - nblocks
+                if left - nblocks <= 0 and len(req.layer_times[layer]) == 1:
+                    req.layer_times[layer].append(time.monotonic())
             self._counters["bytes_sent"] += nblocks * self.layout.block_nbytes
             done = self._done(req)
         if done:

@@ -41,7 +41,7 @@ Who records what (the dashboards in charts/pdserve/dashboards/ query these):
 metric                          role      recorded when
 ==============================  ========  ================================================
 ttft, tbt, e2e_latency          prefill   via RequestClock as tokens reach the client
-queue_wait                      both      request admitted -> scheduled for compute
+queue_wait                      prefill   request admitted -> a decode allocated (prefill compute starts)
 prefill_compute                 prefill   the forward pass over the prompt
 kv_transfer                     prefill   first layer sent -> last layer acknowledged
 kv_transfer_layer               prefill   one layer's KV send (store -> sent)
@@ -129,7 +129,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("e2e_latency", "pdserve_e2e_request_latency_seconds", _H,
                "Arrival of a request to its last token (or error)."),
     MetricSpec("queue_wait", "pdserve_queue_wait_seconds", _H,
-               "Time a request waited in the scheduler queue before its compute started."),
+               "Time from a request's arrival until its compute started (prefill: a decode allocated its KV)."),
     MetricSpec("prefill_compute", "pdserve_prefill_compute_seconds", _H,
                "Forward pass over a request's prompt on prefill."),
     MetricSpec("kv_transfer", "pdserve_kv_transfer_seconds", _H,

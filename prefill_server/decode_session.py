@@ -70,6 +70,7 @@ class SessionTimings:
     prefill_done: float = 0.0
     kv_sent: float = 0.0
     layer_stored: list[float] = field(default_factory=list)
+    layer_send_seconds: list[float] = field(default_factory=list)  # per layer: handed to the CacheStore -> delivered
 
 
 def sampling_to_proto(sp) -> pb.Sampling:
@@ -166,6 +167,7 @@ async def run_session(node, address: str, request_id: str, prompt_ids: list[int]
         except Exception as exc:  # TransferError, timeout: the decode never got the KV
             raise Retryable(f"{address}: KV transfer failed: {exc}", "kv_transfer_failed") from None
         timings.kv_sent = time.monotonic()
+        timings.layer_send_seconds = [done - stored for stored, done in node.sender.layer_times(request_id).values()]
         await node.engine.release(request_id)
         released = True
         node.observe_transfer(timings, blocks_needed)

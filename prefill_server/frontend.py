@@ -93,6 +93,8 @@ class Frontend:
                     if not text.stopped:
                         piece.text += text.flush()
                     outcome, reason = "ok", piece.finish_reason or "stop"
+                    if clock is not None:  # the request is served now, whatever the teardown takes
+                        clock.finish(outcome, reason)
                     yield piece
                     return
                 yield piece
@@ -104,7 +106,8 @@ class Frontend:
             reason = "decode_failed"
             raise
         except (asyncio.CancelledError, GeneratorExit, ConnectionError):
-            outcome, reason = "cancelled", "client_disconnected"
+            if outcome != "ok":  # closing the stream after its finished piece is no cancellation
+                outcome, reason = "cancelled", "client_disconnected"
             raise
         finally:
             await deltas.aclose()  # closes the Session (cancel reaches decode) if still open

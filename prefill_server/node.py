@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, replace
 
 from pdserve.protos import session_pb2 as pb
@@ -85,6 +86,8 @@ class PrefillNode:
         m.prefill_compute.observe(t.prefill_done - t.allocated)
         if t.layer_stored:
             m.kv_transfer.observe(max(0.0, t.kv_sent - t.layer_stored[0]))
+        for seconds in t.layer_send_seconds:
+            m.kv_transfer_layer.observe(max(0.0, seconds))
         m.kv_transfer_bytes.inc(blocks * self.kv_bytes_per_block)
         free = self.engine.engine.num_free_blocks()
         m.kv_blocks_free.set(free)
@@ -100,6 +103,7 @@ class PrefillNode:
         failed_mid_stream: DecodeFailed | None = None
         m = self.metrics
         loop = asyncio.get_running_loop()
+        admitted = time.monotonic()
         deadline = loop.time() + self.queue_timeout_s
         backoff = 0.02
         attempt = 0
@@ -143,6 +147,8 @@ class PrefillNode:
                             m.decode_retries.labels(reason=exc.code).inc()
                         continue
                     self._keep_timings(request_id, timings)
+                    if m is not None and not produced:  # admitted -> a decode allocated and compute starts
+                        m.queue_wait.observe(max(0.0, timings.allocated - admitted))
                     produced += first.token_ids
                     yield first
                     async for delta in stream:

@@ -91,16 +91,19 @@ def test_unreachable_decode_is_skipped(procs):
     assert nothing_held(readings), readings
 
 
-def test_local_fallback_when_no_decode_can_take_it(procs):
+@pytest.mark.parametrize("policy", ["rr", "wrr"])
+def test_local_fallback_when_no_decode_can_take_it(procs, policy):
     small = start_decode(procs, num_blocks=2, name="small")
     wait_ready(small)
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
-    prefill = start_prefill(procs, [small.grpc_address, dead], extra=["--local-fallback"])
+    prefill = start_prefill(procs, [small.grpc_address, dead], extra=["--local-fallback", "--policy", policy])
     wait_ready(prefill)
     status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True})
     assert status == 200 and body["usage"]["completion_tokens"] == 8, body
     assert metric(prefill.url, "pdserve_local_fallbacks_total") == 1
-    assert metric(small.url, "pdserve_kv_allocation_refusals_total", reason="too_large") == 1
+    # rr asks the small decode, which refuses; wrr knows from its load report that it is too small
+    refusals = metric(small.url, "pdserve_kv_allocation_refusals_total", reason="too_large")
+    assert refusals == (1 if policy == "rr" else 0)
     # a short prompt still goes through the decode
     status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4})
     assert status == 200 and metric(prefill.url, "pdserve_local_fallbacks_total") == 1

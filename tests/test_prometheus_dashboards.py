@@ -89,15 +89,6 @@ def loaded_cluster(tmp_path_factory):
         env.undo()
 
 
-# The servers do not record these yet (see the issue 6 report); strict, so the marker must go
-# as soon as they do.
-MISSING_IN_SERVERS = pytest.mark.xfail(strict=True, reason=(
-    "servers do not yet record pdserve_kv_transfer_layer_seconds (prefill, per layer sent) and "
-    "pdserve_queue_wait_seconds; prefill_server/frontend.py counts successful requests as "
-    "outcome=cancelled (GeneratorExit after the last piece)"))
-
-
-@MISSING_IN_SERVERS
 def test_every_panel_returns_data(loaded_cluster):
     _, prom = loaded_cluster
     empty = []
@@ -138,7 +129,6 @@ def test_dashboard_metrics_are_exported_by_the_servers(loaded_cluster):
     assert not named - exported, f"named by a panel but not scraped from any server: {sorted(named - exported)}"
 
 
-@MISSING_IN_SERVERS
 def test_load_shows_up_in_the_headline_panels(loaded_cluster):
     _, prom = loaded_cluster
     sel = f'namespace="{NAMESPACE}", inference_service="{SERVICE}"'
@@ -147,7 +137,9 @@ def test_load_shows_up_in_the_headline_panels(loaded_cluster):
         r = prom.query(expr)
         return sum(float(s["value"][1]) for s in r)
 
-    assert value(f'sum(pdserve_requests_total{{{sel}, role="prefill", outcome="ok"}})') == 40
+    by_outcome = {f'{r["metric"].get("outcome")}/{r["metric"].get("reason")}': float(r["value"][1])
+                  for r in prom.query(f'sum by (outcome, reason) (pdserve_requests_total{{{sel}, role="prefill"}})')}
+    assert value(f'sum(pdserve_requests_total{{{sel}, role="prefill", outcome="ok"}})') == 40, by_outcome
     assert value(f'sum(pdserve_requests_total{{{sel}, role="prefill", reason="bad_request"}})') == 3
     assert value(f'sum(pdserve_generation_tokens_total{{{sel}, role="prefill"}})') == 40 * 16
     assert value(f'sum(pdserve_kv_allocation_refusals_total{{{sel}, role="decode"}})') >= 1
