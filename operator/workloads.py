@@ -13,6 +13,7 @@ read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp.
 from __future__ import annotations
 
 from pdserve import defaults
+from pdserve.metrics import ENV_INFERENCE_SERVICE, ENV_POOL
 from pdserve.operator import crds, naming
 
 RUN_AS_USER = 10001  # the image's `pdserve` user (see Dockerfile)
@@ -90,8 +91,11 @@ def _ports(role: str) -> list[dict]:
             {"name": "kv", "containerPort": defaults.KV_TRANSFER_PORT, "protocol": "TCP"}]
 
 
-def _env(spec: dict, role: str) -> list[dict]:
+def _env(spec: dict, role: str, pool_name: str) -> list[dict]:
     env = [
+        # the metric labels inference_service and pool (pdserve.metrics reads these)
+        {"name": ENV_INFERENCE_SERVICE, "value": spec["inferenceService"]},
+        {"name": ENV_POOL, "value": pool_name},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -117,7 +121,7 @@ def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
 
 def build_deployment(pool: dict) -> dict:
     """The Deployment of a pool; replicas follow the pool's ``spec.replicas``."""
-    name, namespace, spec, role, _ = _pool_facts(pool)
+    name, namespace, spec, role, pool_name = _pool_facts(pool)
     labels = pool_labels(pool)
     http_port = defaults.HTTP_PORT if role == "prefill" else defaults.DECODE_HTTP_PORT
     volumes, mounts = _volumes(spec)
@@ -127,7 +131,7 @@ def build_deployment(pool: dict) -> dict:
         "command": ["pdserve"],
         "args": prefill_args(pool) if role == "prefill" else decode_args(pool),
         "ports": _ports(role),
-        "env": _env(spec, role),
+        "env": _env(spec, role, pool_name),
         "volumeMounts": mounts,
         "readinessProbe": {"httpGet": {"path": "/ready", "port": http_port}, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 10,

@@ -247,3 +247,24 @@ def test_protocol_version_comes_from_the_protos_package():
     from pdserve.protos.version import PROTOCOL_VERSION
 
     assert naming.default_protocol_version() == str(PROTOCOL_VERSION)
+
+
+def test_pods_carry_the_metric_labels_of_their_service_and_pool():
+    from pdserve.metrics import ENV_INFERENCE_SERVICE, ENV_POOL, ServerMetrics
+
+    isvc = example()
+    built = [pools.build_prefill_pool(isvc, CONFIG), *pools.build_decode_pools(isvc, CONFIG)]
+    seen = set()
+    for pool in built:
+        env = {e["name"]: e.get("value") for e in
+               workloads.build_deployment(pool)["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env[ENV_INFERENCE_SERVICE] == isvc["metadata"]["name"]
+        seen.add(env[ENV_POOL])
+    assert "prefill" in seen and len(seen) == len(built)  # one label value per pool
+    # and the servers' metrics read them from there
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {ENV_INFERENCE_SERVICE: "chat", ENV_POOL: "main"}):
+        m = ServerMetrics.from_env(role="decode")
+    assert (m.inference_service, m.pool) == ("chat", "main")
