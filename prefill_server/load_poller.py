@@ -105,6 +105,7 @@ class LoadReportPoller:
             DecodeLoad(
                 free_blocks=report.free_blocks,
                 free_bytes=report.free_bytes,
+                total_blocks=report.total_blocks,
                 protocol_version=report.protocol_version,
                 draining=report.draining,
                 running=report.running,

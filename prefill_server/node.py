@@ -123,7 +123,9 @@ class PrefillNode:
                 address = self.picker.pick(exclude=tried, blocks_needed=decode_need)
                 if address is None:
                     if not tried:
-                        reasons.append(self.picker.why_none(decode_need))
+                        reason = self.picker.why_none(decode_need)
+                        if reason not in reasons:  # the same picture on every queued retry: say it once
+                            reasons.append(reason)
                         transient = self.picker.all_full(decode_need)
                     break
                 tried.add(address)

@@ -33,6 +33,7 @@ class DecodeLoad:
 
     free_blocks: int
     free_bytes: int
+    total_blocks: int = 0  # the decode's whole pool; 0 = not reported
     protocol_version: int = PROTOCOL_VERSION
     draining: bool = False
     running: int = 0
@@ -111,7 +112,10 @@ class DecodePicker:
         usable = [e.load for e in self._entries.values()
                   if now - e.received_at <= self.expiry_s and e.load.protocol_version == self.protocol_version
                   and not e.load.draining]
-        return bool(usable) and all(load.free_blocks < need for load in usable)
+        # busy only if some decode could hold the request once others finish; a request larger
+        # than every decode's whole pool will never fit (not worth waiting for)
+        could_fit = [load for load in usable if load.total_blocks == 0 or load.total_blocks >= need]
+        return bool(could_fit) and all(load.free_blocks < need for load in could_fit)
 
     def known(self) -> list[str]:
         """Every decode with a report (fresh or not)."""
@@ -133,6 +137,8 @@ class DecodePicker:
                 parts.append(f"{address}: protocol version {load.protocol_version} != ours {self.protocol_version}")
             elif load.draining:
                 parts.append(f"{address}: draining")
+            elif 0 < load.total_blocks < need:
+                parts.append(f"{address}: holds only {load.total_blocks} KV blocks in all, {need} needed")
             elif load.free_blocks <= 0:
                 parts.append(f"{address}: no free KV blocks")
             elif load.free_blocks < need:

@@ -103,3 +103,14 @@ def test_rr_stays_size_blind():
     p.update("small", DecodeLoad(free_blocks=13, free_bytes=13 * 1024))
     p.update("big", DecodeLoad(free_blocks=80, free_bytes=80 * 1024))
     assert {p.pick(blocks_needed=27) for _ in range(4)} == {"small", "big"}
+
+
+def test_request_larger_than_every_pool_is_not_worth_waiting_for():
+    p = DecodePicker(policy="wrr", clock=lambda: 0.0)
+    p.update("a", DecodeLoad(free_blocks=8, free_bytes=8, total_blocks=8))
+    p.update("b", DecodeLoad(free_blocks=2, free_bytes=2, total_blocks=16))
+    assert p.pick(blocks_needed=11) is None
+    assert p.all_full(11)  # b could hold 11 once its running requests finish
+    p.update("b", DecodeLoad(free_blocks=2, free_bytes=2, total_blocks=10))
+    assert not p.all_full(11)  # nobody ever can
+    assert "holds only 8 KV blocks in all, 11 needed" in p.why_none(11)
