@@ -11,7 +11,6 @@ Run 'pdserve bench NAME --help' for the options of one benchmark.
 from __future__ import annotations
 
 import argparse
-import importlib
 
 # name -> module exposing add_arguments(parser) and run(args)
 BENCHES: dict[str, str] = {
@@ -28,11 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(BENCHES[args.bench])
-    parser = argparse.ArgumentParser(
-        prog=f"pdserve bench {args.bench}",
-        description=(module.__doc__ or "").strip(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(args.rest)) or 0)
+    from pdserve.cli import run_module
+
+    return run_module(BENCHES[args.bench], f"pdserve bench {args.bench}", args.rest)

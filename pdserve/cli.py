@@ -59,6 +59,19 @@ def build_parser(command: str) -> tuple[argparse.ArgumentParser, object]:
     return parser, module
 
 
+def run_module(module_name: str, prog: str, argv: list[str]) -> int:
+    """Parse argv with a command module's own parser (its docstring as description) and run it.
+
+    For commands with sub-choices (``pdserve bench NAME``, ``pdserve bench experiment NAME``).
+    """
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=(module.__doc__ or "").strip(), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(argv)) or 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:

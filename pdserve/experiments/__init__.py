@@ -17,7 +17,6 @@ then one experiment module.
 from __future__ import annotations
 
 import argparse
-import importlib
 
 EXPERIMENTS: dict[str, str] = {
     "isolation": "pdserve.experiments.isolation",
@@ -33,11 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(EXPERIMENTS[args.name])
-    parser = argparse.ArgumentParser(
-        prog=f"pdserve bench experiment {args.name}",
-        description=(module.__doc__ or "").strip(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(args.rest)) or 0)
+    from pdserve.cli import run_module
+
+    return run_module(EXPERIMENTS[args.name], f"pdserve bench experiment {args.name}", args.rest)
