@@ -71,7 +71,8 @@ class LocalCluster:
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "wb")
         cmd = [sys.executable, "-m", "pdserve", *argv]
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_terminate_with_parent)
 
     def start(self) -> None:
         a = self.args
@@ -144,18 +145,29 @@ Ctrl-C drains in-flight requests and stops everything.
 """
 
 
+def _terminate_with_parent() -> None:
+    """In a child, before exec: get SIGTERM (and so drain and exit) if `pdserve up` dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(args)
-    stop = {"now": False}
+    stop = {"now": False, "serving": False}
 
     def on_signal(signum, frame):
         stop["now"] = True
+        if not stop["serving"]:  # still starting: stop at once (the finally below stops what started)
+            raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
     try:
         cluster.start()
         cluster.wait_ready()
         print(cluster.banner(), flush=True)
+        stop["serving"] = True
         signal.signal(signal.SIGINT, on_signal)
         while not stop["now"]:
             for proc, _ in cluster.decodes + cluster.prefills:

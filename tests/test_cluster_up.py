@@ -62,3 +62,26 @@ def procs_bin():
     from procs import VENV_BIN
 
     return VENV_BIN / "pdserve"
+
+
+def test_servers_stop_when_up_is_killed(procs, tmp_path):
+    """SIGKILL of `pdserve up` (nothing can run in it) still stops every server it started."""
+    port, grpc_port = free_port(), free_port()
+    up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", "1", "--decode", "1", "--port", str(port),
+                      "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up")
+    log = tmp_path / "logs" / "up.log"
+    deadline = time.monotonic() + 180
+    while "pdserve is up" not in log.read_text(errors="replace"):
+        assert up.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
+        time.sleep(0.3)
+    children = [int(p) for p in os.popen(f"pgrep -P {up.pid}").read().split()]
+    assert len(children) == 2
+    os.killpg(up.pid, signal.SIGKILL)
+    up.wait(10)
+    deadline = time.monotonic() + 60
+    alive = children
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
+                 open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+        time.sleep(0.3)
+    assert not alive, f"servers still running after pdserve up was killed: {alive}"
