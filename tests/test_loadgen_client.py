@@ -4,7 +4,6 @@ the generator itself; the end-to-end run against a real `pdserve up` is in test_
 import asyncio
 import json
 import subprocess
-import threading
 import time
 
 import pytest
@@ -13,20 +12,21 @@ from aiohttp import web
 from pdserve.loadgen import LoadConfig, send_requests
 from pdserve.loadgen_workload import RequestSpec
 from procs import VENV_BIN, free_port
+from threaded_app import ThreadedApp
 
 TTFT, GAP = 0.05, 0.01
 
 
-class FakeOpenAI:
+class FakeOpenAI(ThreadedApp):
     """Streams max_tokens one-token chunks: first after TTFT, then every GAP seconds."""
 
     def __init__(self):
-        self.port = free_port()
         self.bodies = []
         self.in_flight = self.max_in_flight = 0
-        self.loop = asyncio.new_event_loop()
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        super().__init__(app)
 
     async def completions(self, request):
         body = await request.json()
@@ -71,27 +71,6 @@ class FakeOpenAI:
         end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
         await resp.write(f"data: {json.dumps(end)}\n\ndata: [DONE]\n\n".encode())
         return resp
-
-    def _serve(self):
-        asyncio.set_event_loop(self.loop)
-        app = web.Application()
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat)
-        runner = web.AppRunner(app)
-        self.loop.run_until_complete(runner.setup())
-        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self.ready.set()
-        self.loop.run_forever()
-        self.loop.run_until_complete(runner.cleanup())
-
-    def __enter__(self):
-        self.thread.start()
-        self.ready.wait(10)
-        return self
-
-    def __exit__(self, *exc):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
 
 
 @pytest.fixture

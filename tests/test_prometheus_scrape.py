@@ -6,11 +6,9 @@ itself (never the system service) with its own config and data directory on a fr
 127.0.0.1, and stops it when the test ends.
 """
 
-import asyncio
 import json
 import shutil
 import subprocess
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -21,6 +19,7 @@ import yaml
 
 from pdserve.metrics import ServerMetrics
 from procs import free_port
+from threaded_app import ThreadedApp
 
 pytestmark = pytest.mark.prometheus
 
@@ -105,38 +104,16 @@ class PrometheusServer:
         raise AssertionError(f"targets not all up: {[(t['scrapeUrl'], t['health'], t['lastError']) for t in active]}")
 
 
-class MetricsApp:
+class MetricsApp(ThreadedApp):
     """A ServerMetrics served on /metrics by aiohttp in a background thread (this test only)."""
 
     def __init__(self, metrics: ServerMetrics):
         from aiohttp import web
 
-        self.metrics, self.port = metrics, free_port()
-        self.loop = asyncio.new_event_loop()
-        self.app = web.Application()
-        self.app.router.add_get("/metrics", metrics.aiohttp_handler)
-        self.ready = threading.Event()
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-
-    def _serve(self):
-        from aiohttp import web
-
-        asyncio.set_event_loop(self.loop)
-        runner = web.AppRunner(self.app)
-        self.loop.run_until_complete(runner.setup())
-        self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
-        self.ready.set()
-        self.loop.run_forever()
-        self.loop.run_until_complete(runner.cleanup())
-
-    def __enter__(self):
-        self.thread.start()
-        self.ready.wait(10)
-        return self
-
-    def __exit__(self, *exc):
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        self.metrics = metrics
+        app = web.Application()
+        app.router.add_get("/metrics", metrics.aiohttp_handler)
+        super().__init__(app)
 
 
 def test_prometheus_scrapes_and_queries_server_metrics(tmp_path):
