@@ -87,34 +87,31 @@ class DecodePicker:
             load.free_bytes = max(0, load.free_bytes - nbytes)
 
     # -- queries ------------------------------------------------------------------------
+    def _need(self, blocks_needed: int) -> int:
+        """Free blocks a decode must report to be picked: only ``wrr`` looks at the request's size."""
+        return max(1, blocks_needed) if self.policy == "wrr" else 1
+
+    def _usable(self) -> dict[str, DecodeLoad]:
+        """Decodes with a fresh report, our protocol version and not draining (full or not)."""
+        now = self.clock()
+        return {address: e.load for address, e in sorted(self._entries.items())
+                if now - e.received_at <= self.expiry_s and e.load.protocol_version == self.protocol_version
+                and not e.load.draining}
+
     def eligible(self, exclude: set[str] | frozenset[str] = frozenset(), blocks_needed: int = 0) -> list[str]:
         """Addresses a request needing ``blocks_needed`` KV blocks may go to now, in a stable order.
 
         Only ``wrr`` looks at ``blocks_needed``; ``rr`` stays size-blind.
         """
-        now = self.clock()
-        need = max(1, blocks_needed) if self.policy == "wrr" else 1
-        out = []
-        for address in sorted(self._entries):
-            entry = self._entries[address]
-            load = entry.load
-            if address in exclude or now - entry.received_at > self.expiry_s:
-                continue
-            if load.protocol_version != self.protocol_version or load.draining or load.free_blocks < need:
-                continue
-            out.append(address)
-        return out
+        need = self._need(blocks_needed)
+        return [address for address, load in self._usable().items() if address not in exclude and load.free_blocks >= need]
 
     def all_full(self, blocks_needed: int = 0) -> bool:
         """No decode is eligible only because every fresh, compatible one is too full (busy, not broken)."""
-        now = self.clock()
-        need = max(1, blocks_needed) if self.policy == "wrr" else 1
-        usable = [e.load for e in self._entries.values()
-                  if now - e.received_at <= self.expiry_s and e.load.protocol_version == self.protocol_version
-                  and not e.load.draining]
+        need = self._need(blocks_needed)
         # busy only if some decode could hold the request once others finish; a request larger
         # than every decode's whole pool will never fit (not worth waiting for)
-        could_fit = [load for load in usable if load.total_blocks == 0 or load.total_blocks >= need]
+        could_fit = [load for load in self._usable().values() if load.total_blocks == 0 or load.total_blocks >= need]
         return bool(could_fit) and all(load.free_blocks < need for load in could_fit)
 
     def known(self) -> list[str]:
@@ -126,7 +123,7 @@ class DecodePicker:
         if not self._entries:
             return "no decode server has reported load yet"
         now = self.clock()
-        need = max(1, blocks_needed) if self.policy == "wrr" else 1
+        need = self._need(blocks_needed)
         parts = []
         for address in sorted(self._entries):
             entry = self._entries[address]

@@ -15,17 +15,22 @@ from procs import free_port
 pytestmark = pytest.mark.slow
 
 
-def test_up_serves_and_ctrl_c_drains(procs, tmp_path):
+def start_up(procs, tmp_path, decodes: int):
+    """`pdserve up` with 1 prefill and `decodes` decodes, once it printed its banner: (process, port, banner)."""
     port, grpc_port = free_port(), free_port()
-    up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", "1", "--decode", "2", "--port", str(port),
-                      "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up")
+    up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", "1", "--decode", str(decodes),
+                      "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up")
     log = tmp_path / "logs" / "up.log"
     deadline = time.monotonic() + 180
     while "pdserve is up" not in log.read_text(errors="replace"):
         assert up.poll() is None, log.read_text(errors="replace")
         assert time.monotonic() < deadline, "pdserve up did not become ready"
         time.sleep(0.3)
-    banner = log.read_text(errors="replace")
+    return up, port, log.read_text(errors="replace")
+
+
+def test_up_serves_and_ctrl_c_drains(procs, tmp_path):
+    up, port, banner = start_up(procs, tmp_path, decodes=2)
     assert f"http://127.0.0.1:{port}/v1" in banner and "curl" in banner and "OpenAI(" in banner
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
@@ -66,14 +71,7 @@ def procs_bin():
 
 def test_servers_stop_when_up_is_killed(procs, tmp_path):
     """SIGKILL of `pdserve up` (nothing can run in it) still stops every server it started."""
-    port, grpc_port = free_port(), free_port()
-    up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", "1", "--decode", "1", "--port", str(port),
-                      "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up")
-    log = tmp_path / "logs" / "up.log"
-    deadline = time.monotonic() + 180
-    while "pdserve is up" not in log.read_text(errors="replace"):
-        assert up.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")
-        time.sleep(0.3)
+    up, _, _ = start_up(procs, tmp_path, decodes=1)
     children = [int(p) for p in os.popen(f"pgrep -P {up.pid}").read().split()]
     assert len(children) == 2
     os.killpg(up.pid, signal.SIGKILL)
