@@ -73,6 +73,11 @@ class SessionTimings:
     layer_send_seconds: list[float] = field(default_factory=list)  # per layer: handed to the CacheStore -> delivered
 
 
+def decode_reservation(n_prompt: int, max_tokens: int, block_size: int) -> int:
+    """KV blocks a decode reserves for a request: prompt + max_tokens, never preempted."""
+    return -(-(n_prompt + max_tokens) // block_size)
+
+
 def sampling_to_proto(sp) -> pb.Sampling:
     """The engine's SamplingParams as the Session's Sampling message."""
     msg = pb.Sampling(
@@ -132,7 +137,7 @@ async def run_session(node, address: str, request_id: str, prompt_ids: list[int]
             raise Retryable(f"{address}: allocated {len(alloc.block_ids)} blocks, {blocks_needed} needed")
         timings.allocated = time.monotonic()
         # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
-        node.note_allocation(address, -(-(len(prompt_ids) + sp.max_tokens) // node.block_size))
+        node.note_allocation(address, decode_reservation(len(prompt_ids), sp.max_tokens, node.block_size))
         # 3. prefill + push, layer by layer
         try:
             node.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))

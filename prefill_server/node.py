@@ -33,7 +33,8 @@ from dataclasses import dataclass, replace
 
 from pdserve.protos import session_pb2 as pb
 
-from .decode_session import DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionTimings, run_session
+from .decode_session import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionTimings, decode_reservation,
+                             run_session)
 from .load_poller import LoadReportPoller
 from .picker import DecodePicker
 
@@ -119,7 +120,7 @@ class PrefillNode:
                     reasons.append(f"prefill has {self.engine.engine.num_free_blocks()} free KV blocks, {need} needed")
                     break
                 # what decode reserves: prompt + max_tokens (tokens already produced move from one to the other)
-                decode_need = -(-(len(prompt_ids) + sp.max_tokens) // self.block_size)
+                decode_need = decode_reservation(len(prompt_ids), sp.max_tokens, self.block_size)
                 address = self.picker.pick(exclude=tried, blocks_needed=decode_need)
                 if address is None:
                     if not tried:
