@@ -213,5 +213,7 @@ def test_burst_beyond_kv_capacity_queues_and_succeeds(cluster):
 
     results = asyncio.run(burst())
     assert results == [(200, False)] * 64, [r for r in results if r != (200, False)]
-    readings = wait_all_released([prefill, *cluster["decodes"]])
+    # the contract is "released within the session timeout" (30 s by default); after a burst on a
+    # busy machine a last Session was seen still closing after 10 s (once in four full runs)
+    readings = wait_all_released([prefill, *cluster["decodes"]], timeout=40.0)
     assert nothing_held(readings), readings
