@@ -13,7 +13,6 @@ read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp.
 from __future__ import annotations
 
 from pdserve import defaults
-from pdserve.metrics import ENV_INFERENCE_SERVICE, ENV_POOL
 from pdserve.operator import crds, naming
 
 RUN_AS_USER = 10001  # the image's `pdserve` user (see Dockerfile)
@@ -94,8 +93,8 @@ def _ports(role: str) -> list[dict]:
 def _env(spec: dict, role: str, pool_name: str) -> list[dict]:
     env = [
         # the metric labels inference_service and pool (pdserve.metrics reads these)
-        {"name": ENV_INFERENCE_SERVICE, "value": spec["inferenceService"]},
-        {"name": ENV_POOL, "value": pool_name},
+        {"name": defaults.ENV_INFERENCE_SERVICE, "value": spec["inferenceService"]},
+        {"name": defaults.ENV_POOL, "value": pool_name},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},

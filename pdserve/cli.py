@@ -18,7 +18,7 @@ import sys
 
 # name -> (module, one-line help). Keep in the order a new user meets them.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "up": ("pdserve.local_cluster", "start a local prefill + decode cluster and serve the OpenAI API"),
+    "up": ("pdserve.localcluster.up", "start a local prefill + decode cluster and serve the OpenAI API"),
     "generate": ("pdserve.engine.cli", "run the colocated engine on a prompt and stream the completion"),
     "prefill": ("pdserve.prefill_server.cli", "run a prefill server (OpenAI HTTP + gRPC front door)"),
     "decode": ("pdserve.decode_server.cli", "run a decode server (Session stream + load reports)"),

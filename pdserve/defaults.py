@@ -21,3 +21,7 @@ BLOCK_SIZE = 64
 
 # The name the built-in model is served under.
 BUILTIN_MODEL = "tiny"
+
+# Environment variables the operator sets on every pod so its metrics carry the pod's labels.
+ENV_POOL = "PDSERVE_POOL"
+ENV_INFERENCE_SERVICE = "PDSERVE_INFERENCE_SERVICE"

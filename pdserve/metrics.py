@@ -71,11 +71,11 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from pdserve.defaults import ENV_INFERENCE_SERVICE, ENV_POOL
+
 ROLES = ("prefill", "decode")
 COMMON_LABELS = ("role", "pool", "inference_service")
 OUTCOMES = ("ok", "error", "cancelled")
-ENV_POOL = "PDSERVE_POOL"
-ENV_INFERENCE_SERVICE = "PDSERVE_INFERENCE_SERVICE"
 
 # Request-level latencies: 1 ms to 10 minutes.
 LATENCY_BUCKETS = (

@@ -1,6 +1,11 @@
+"""Fixtures every tier shares. The tiers: unit/ (one module, in process), e2e/ (real server
+processes, real gRPC and transports on loopback), k8s/ (a real control plane; its fixtures are in
+k8s/conftest.py), prometheus/ (a real Prometheus scraping live servers). Helpers that start
+processes and clusters are in harness/ (importable as `harness.*`)."""
+
 import pytest
 
-from procs import ProcessGroup
+from harness.procs import ProcessGroup
 
 
 @pytest.fixture
@@ -11,18 +16,6 @@ def procs(tmp_path):
         yield group
     finally:
         group.close()
-
-
-@pytest.fixture(scope="session")
-def kube(tmp_path_factory):
-    """The real Kubernetes control plane (tests/kube.py: etcd, kube-apiserver with RBAC, controller
-    manager), started once per session and stopped at its end; a KubeCluster. PDSERVE_KUBECONFIG
-    points it at an existing cluster instead. Fails (never skips) with "run make k8s-tools" when
-    the binaries are missing."""
-    from kube import kube_cluster
-
-    with kube_cluster(tmp_path_factory.mktemp("kube")) as cluster:
-        yield cluster
 
 
 @pytest.hookimpl(tryfirst=True)

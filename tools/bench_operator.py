@@ -2,7 +2,7 @@
 
     .venv/bin/python tools/bench_operator.py [--count 50] [--json out.json]
 
-Starts etcd + kube-apiserver + kube-controller-manager (tests/kube.py; or uses the cluster
+Starts etcd + kube-apiserver + kube-controller-manager (tests/harness/kube.py; or uses the cluster
 in $PDSERVE_KUBECONFIG), helm-installs charts/pdserve, runs `pdserve operator` locally with
 the chart's ServiceAccount token (RBAC applies), then applies N copies of
 examples/inferenceservice.yaml (each: 1 prefill + 2 decode pools -> 3 pools, 3 Deployments,
@@ -36,8 +36,8 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from kube import kube_cluster  # noqa: E402
-from operator_harness import OperatorProcess, install_chart  # noqa: E402
+from harness.kube import kube_cluster  # noqa: E402
+from harness.operator_harness import OperatorProcess, install_chart  # noqa: E402
 
 
 def wait(predicate, total: int, desc: str, timeout: float) -> float:

@@ -11,7 +11,7 @@
 # differs from the version pinned here, so a second run takes about a second.
 #
 # Usage: tools/k8s/build.sh            build what is missing, print progress, fail loudly
-#        tools/k8s/build.sh --bin-dir  only print the bin directory (tests/kube.py asks this)
+#        tools/k8s/build.sh --bin-dir  only print the bin directory (tests/harness/kube.py asks this)
 # Environment: PDSERVE_CACHE (cache root), GO (default /usr/local/go/bin/go, else `go` on PATH),
 #              PIP (default: the repository's .venv/bin/pip, else `python3 -m pip`).
 # The first build takes a long time on 2 cores (about half an hour; see the report in issue 5).
@@ -62,7 +62,7 @@ if [[ -z "$GO" ]]; then
   if [[ -x /usr/local/go/bin/go ]]; then GO=/usr/local/go/bin/go; else GO="$(command -v go || true)"; fi
 fi
 if ! command -v openssl >/dev/null; then
-  # tests/kube.py generates the cluster's certificates and keys with the openssl CLI.
+  # tests/harness/kube.py generates the cluster's certificates and keys with the openssl CLI.
   say "installing openssl (Debian package)"
   if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq openssl >/dev/null || die "cannot install openssl"

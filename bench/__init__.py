@@ -1,0 +1,34 @@
+"""Benchmarks. Each prints its figures side by side with a baseline measured in the same run.
+
+This package holds the tools (load generator, experiments); no server imports it.
+
+  pdserve bench engine       prefill/decode tokens/s vs transformers on the same weights
+  pdserve bench cachestore   layer-wise KV transfer vs raw socket and raw NIXL throughput
+  pdserve bench serving      load generator against an OpenAI endpoint (TTFT, TBT, goodput)
+  pdserve bench experiment   the P/D experiments of docs/benchmarks.md
+
+Run 'pdserve bench NAME --help' for the options of one benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# name -> module exposing add_arguments(parser) and run(args)
+BENCHES: dict[str, str] = {
+    "engine": "pdserve.engine.bench",
+    "cachestore": "pdserve.cachestore.bench",
+    "serving": "pdserve.bench.loadgen",
+    "experiment": "pdserve.bench.experiments",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("bench", choices=list(BENCHES), help="which benchmark")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see its --help)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.cli import run_module
+
+    return run_module(BENCHES[args.bench], f"pdserve bench {args.bench}", args.rest)

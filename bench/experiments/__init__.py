@@ -1,0 +1,37 @@
+"""The P/D experiments of docs/benchmarks.md, one command each.
+
+  pdserve bench experiment isolation     1. P99 time between tokens, P/D vs colocated (same cores)
+  pdserve bench experiment overlap       2. TTFT of P/D vs prefill alone, layer-wise overlap on/off
+  pdserve bench experiment routing       3. weighted round robin vs round robin: refusals, P99 TTFT
+  pdserve bench experiment transmission  4. prioritised chunked KV transmission vs FIFO on tc-shaped links
+
+Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
+runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
+command, the machine, the figures, every measurement) and <out>/<name>.png.
+Run 'pdserve bench experiment NAME --help' for an experiment's options.
+
+Reading order: launcher.py (processes), cluster.py (server layouts), client.py (requests),
+then one experiment module.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+EXPERIMENTS: dict[str, str] = {
+    "isolation": "pdserve.bench.experiments.isolation",
+    "overlap": "pdserve.bench.experiments.overlap",
+    "routing": "pdserve.bench.experiments.routing",
+    "transmission": "pdserve.bench.experiments.transmission",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("name", choices=list(EXPERIMENTS), help="which experiment")
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help="options of that experiment (see its --help)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pdserve.cli import run_module
+
+    return run_module(EXPERIMENTS[args.name], f"pdserve bench experiment {args.name}", args.rest)

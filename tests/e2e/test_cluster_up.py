@@ -1,0 +1,85 @@
+"""`pdserve up`: starts prefill + decodes, prints how to call it, serves, and on Ctrl-C
+drains the in-flight request before stopping every process."""
+
+import http.client
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from pdserve.net import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def start_up(procs, tmp_path, decodes: int):
+    """`pdserve up` with 1 prefill and `decodes` decodes, once it printed its banner: (process, port, banner)."""
+    port, grpc_port = free_port(), free_port()
+    up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", "1", "--decode", str(decodes),
+                      "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up")
+    log = tmp_path / "logs" / "up.log"
+    deadline = time.monotonic() + 180
+    while "pdserve is up" not in log.read_text(errors="replace"):
+        assert up.poll() is None, log.read_text(errors="replace")
+        assert time.monotonic() < deadline, "pdserve up did not become ready"
+        time.sleep(0.3)
+    return up, port, log.read_text(errors="replace")
+
+
+def test_up_serves_and_ctrl_c_drains(procs, tmp_path):
+    up, port, banner = start_up(procs, tmp_path, decodes=2)
+    assert f"http://127.0.0.1:{port}/v1" in banner and "curl" in banner and "OpenAI(" in banner
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "drain me", "max_tokens": 600,
+                                                        "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = []
+    first = threading.Event()
+
+    def read():
+        for raw in resp:
+            line = raw.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[6:])
+                first.set()
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    assert first.wait(60)
+    os.killpg(up.pid, signal.SIGINT)  # Ctrl-C
+    reader.join(120)
+    assert events[-1] == "[DONE]" and not any(e.startswith('{"error"') for e in events)
+    finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-1]]
+    assert finish[-1] == "length"
+    assert up.wait(60) == 0
+    logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / "up-logs").glob("*.log")}
+    assert sorted(logs) == ["decode-0.log", "decode-1.log", "prefill-0.log"]
+    assert "draining 1 in-flight request" in logs["prefill-0.log"]
+    assert all("draining" in logs[f"decode-{i}.log"] for i in range(2))  # decodes were stopped after prefill
+
+
+def procs_bin():
+    from harness.procs import VENV_BIN
+
+    return VENV_BIN / "pdserve"
+
+
+def test_servers_stop_when_up_is_killed(procs, tmp_path):
+    """SIGKILL of `pdserve up` (nothing can run in it) still stops every server it started."""
+    up, _, _ = start_up(procs, tmp_path, decodes=1)
+    children = [int(p) for p in os.popen(f"pgrep -P {up.pid}").read().split()]
+    assert len(children) == 2
+    os.killpg(up.pid, signal.SIGKILL)
+    up.wait(10)
+    deadline = time.monotonic() + 60
+    alive = children
+    while alive and time.monotonic() < deadline:
+        alive = [pid for pid in children if os.path.exists(f"/proc/{pid}") and
+                 open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
+        time.sleep(0.3)
+    assert not alive, f"servers still running after pdserve up was killed: {alive}"

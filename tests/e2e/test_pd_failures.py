@@ -1,0 +1,324 @@
+"""Failure semantics with real processes (DESIGN.md "Failure semantics").
+
+Decode killed mid-generation: with another decode the request resumes there (prompt +
+tokens so far are prefilled again; greedy output is unchanged); with none, the client
+stream ends with an error event.
+
+Each test ends by checking that KV blocks, Sessions and CacheStore entries are back to
+zero on every process still alive.
+"""
+
+import http.client
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from harness.pd_cluster import get_json, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from pdserve.net import free_port
+from harness.procs import wait_for_port
+
+pytestmark = pytest.mark.slow
+
+LONG_PROMPT = [256] + [65 + i % 26 for i in range(149)]  # 150 tokens: 3 blocks with max_tokens 8
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of a metric's samples whose labels include ``labels`` (0 when absent)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
+        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def _generate_grpc(prefill, **fields):
+    from pdserve.protos import generate_pb2 as gpb
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
+        return list(gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(**fields), timeout=60))
+
+
+def test_refused_then_next_decode_then_503(procs):
+    small = start_decode(procs, num_blocks=2, name="small")
+    big = start_decode(procs, num_blocks=64, name="big")
+    for d in (small, big):
+        wait_ready(d)
+    prefill = start_prefill(procs, [small.grpc_address, big.grpc_address], extra=["--policy", "rr"])
+    wait_ready(prefill)
+    for _ in range(2):  # round robin: one of the two goes to `small` first, which refuses
+        status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True})
+        assert status == 200 and body["usage"]["completion_tokens"] == 8, body
+    assert metric(small.url, "pdserve_kv_allocation_refusals_total", reason="too_large") >= 1
+    assert metric(prefill.url, "pdserve_decode_retries_total", reason="too_large") >= 1
+
+    procs.kill(big.proc)
+    deadline = time.monotonic() + 10  # until big's last load report expires
+    while big.grpc_address in get_json(prefill.url + "/health")[1]["routable_decodes"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8})
+    assert status == 503, body
+    assert "refused" in body["error"]["message"] and "blocks" in body["error"]["message"], body
+    with pytest.raises(grpc.RpcError) as info:
+        _generate_grpc(prefill, prompt_token_ids=LONG_PROMPT, max_tokens=8)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "refused" in info.value.details()
+    readings = wait_all_released([prefill, small])
+    assert nothing_held(readings), readings
+
+
+def test_unreachable_decode_is_skipped(procs):
+    a = start_decode(procs, name="a")
+    b = start_decode(procs, name="b")
+    for d in (a, b):
+        wait_ready(d)
+    # a long expiry keeps the dead decode "routable" so requests really hit it
+    prefill = start_prefill(procs, [a.grpc_address, b.grpc_address], extra=["--policy", "rr", "--load-report-expiry", "60"])
+    wait_ready(prefill)
+    procs.kill(a.proc)
+    for _ in range(3):
+        status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        assert status == 200, body
+    assert metric(prefill.url, "pdserve_decode_retries_total", reason="decode_unreachable") >= 1
+    readings = wait_all_released([prefill, b])
+    assert nothing_held(readings), readings
+
+
+@pytest.mark.parametrize("policy", ["rr", "wrr"])
+def test_local_fallback_when_no_decode_can_take_it(procs, policy):
+    small = start_decode(procs, num_blocks=2, name="small")
+    wait_ready(small)
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    prefill = start_prefill(procs, [small.grpc_address, dead], extra=["--local-fallback", "--policy", policy])
+    wait_ready(prefill)
+    status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 8, body
+    assert metric(prefill.url, "pdserve_local_fallbacks_total") == 1
+    # rr asks the small decode, which refuses; wrr knows from its load report that it is too small
+    refusals = metric(small.url, "pdserve_kv_allocation_refusals_total", reason="too_large")
+    assert refusals == (1 if policy == "rr" else 0)
+    # a short prompt still goes through the decode
+    status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 4})
+    assert status == 200 and metric(prefill.url, "pdserve_local_fallbacks_total") == 1
+    readings = wait_all_released([prefill, small])
+    assert nothing_held(readings), readings
+
+
+def test_ready_false_without_decodes_unless_fallback(procs):
+    dead = f"127.0.0.1:{free_port()}"
+    plain = start_prefill(procs, [dead], name="plain")
+    fallback = start_prefill(procs, [dead], extra=["--local-fallback"], name="fallback")
+    wait_ready(fallback)
+    wait_for_port(plain.http_port, proc=plain.proc)
+    status, body = get_json(plain.url + "/ready")
+    assert status == 503 and body["ready"] is False and "no decode" in body["reason"]
+    status, body = post_json(plain.url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert status == 503 and body["error"]["code"] == "no_decode_available"
+
+
+def _sse_request(prefill, body):
+    conn = http.client.HTTPConnection("127.0.0.1", prefill.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    return conn, resp
+
+
+def _events(resp):
+    for raw in resp:
+        line = raw.decode().strip()
+        if line.startswith("data: "):
+            yield line[6:]
+
+
+def test_decode_killed_mid_generation_gives_error_event(procs):
+    decode = start_decode(procs, name="decode")
+    wait_ready(decode)
+    prefill = start_prefill(procs, [decode.grpc_address])
+    wait_ready(prefill)
+    conn, resp = _sse_request(prefill, {"model": "tiny", "prompt": "go", "max_tokens": 2000, "ignore_eos": True})
+    events = _events(resp)
+    for _ in range(3):
+        next(events)
+    procs.kill(decode.proc)
+    rest = list(events)
+    conn.close()
+    assert rest[-1] == "[DONE]"
+    errors = [json.loads(e)["error"] for e in rest[:-1] if e.startswith('{"error"')]
+    assert errors and errors[0]["code"] == "decode_failed" and decode.grpc_address in errors[0]["message"], rest[-3:]
+    readings = wait_all_released([prefill])
+    assert nothing_held(readings), readings
+
+
+def _session_client_script(address: str, timeout_s: float) -> str:
+    """A stand-in prefill process: Start, read the Allocation, print it, then hang (to be killed)."""
+    return f"""
+import sys, time, grpc
+from pdserve.protos import session_pb2 as pb, session_pb2_grpc as pbg
+from pdserve.protos.version import PROTOCOL_VERSION
+import queue
+q = queue.Queue()
+def requests():
+    yield pb.PrefillMessage(start=pb.Start(request_id="victim", prompt_token_ids=list(range(1, 130)),
+        sampling=pb.Sampling(max_tokens=8, top_p=1.0), blocks_needed=3, protocol_version=PROTOCOL_VERSION,
+        timeout_s={timeout_s}, compat=pb.Compat(dtype="float32", num_layers=4, num_kv_heads=2, head_dim=16,
+        block_size=64, model="tiny", transport="tcp")))
+    q.get()
+ch = grpc.insecure_channel("{address}")
+for msg in pbg.DecodeStub(ch).Session(requests()):
+    print(msg.WhichOneof("kind"), flush=True)
+    time.sleep(3600)
+"""
+
+
+def test_prefill_killed_or_hung_mid_transfer_decode_frees(procs):
+    decode = start_decode(procs, name="decode", extra=["--session-timeout", "30"])
+    wait_ready(decode)
+    # killed: the stream breaks, decode frees at once
+    fake = subprocess.Popen([sys.executable, "-c", _session_client_script(decode.grpc_address, 30)], stdout=subprocess.PIPE, start_new_session=True)
+    procs.procs.append(fake)
+    assert fake.stdout.readline().strip() == b"allocation"
+    held = get_json(decode.url + "/health")[1]
+    assert held["sessions"] == 1 and held["kv_blocks_used"] >= 3 and held["cachestore"]["pinned_entries"] == 1
+    procs.kill(fake)
+    readings = wait_all_released([decode], timeout=5)
+    assert nothing_held(readings), readings
+    # hung: the stream stays open, nothing arrives; decode frees after the session timeout (2 s)
+    fake = subprocess.Popen([sys.executable, "-c", _session_client_script(decode.grpc_address, 2)], stdout=subprocess.PIPE, start_new_session=True)
+    procs.procs.append(fake)
+    assert fake.stdout.readline().strip() == b"allocation"
+    t0 = time.monotonic()
+    assert get_json(decode.url + "/health")[1]["sessions"] == 1
+    readings = wait_all_released([decode], timeout=6)
+    assert nothing_held(readings), readings
+    assert 1.5 < time.monotonic() - t0 < 6
+    procs.kill(fake)
+
+
+def test_real_prefill_killed_mid_transfer_decode_frees(procs):
+    decode = start_decode(procs, name="decode")
+    wait_ready(decode)
+    prefill = start_prefill(procs, [decode.grpc_address])
+    wait_ready(prefill)
+    prompt = [256] + [97 + i % 26 for i in range(1999)]  # ~0.3 s of layer-by-layer prefill on tiny
+    client = subprocess.Popen([sys.executable, "-c", f"""
+import json, urllib.request
+req = urllib.request.Request("{prefill.url}/v1/completions", json.dumps({{"model": "tiny", "prompt": {prompt}, "max_tokens": 4}}).encode(),
+                             {{"Content-Type": "application/json"}})
+try:
+    urllib.request.urlopen(req, timeout=60).read()
+except Exception:
+    pass
+"""], start_new_session=True)
+    procs.procs.append(client)
+    deadline = time.monotonic() + 30
+    while get_json(decode.url + "/health")[1]["session_stages"].get("transfer", 0) == 0:
+        assert time.monotonic() < deadline, "the request never reached the transfer stage"
+        time.sleep(0.005)
+    procs.kill(prefill.proc)  # mid-transfer: decode has allocated and is receiving layers
+    readings = wait_all_released([decode], timeout=5)
+    assert nothing_held(readings), readings
+    assert get_json(decode.url + "/health")[1]["kv_blocks_free"] == 64
+
+
+def test_incompatible_peer_is_refused_naming_both_values(procs):
+    from pdserve.protos import session_pb2 as pb
+    from pdserve.protos import session_pb2_grpc as pbg
+    from pdserve.protos.version import PROTOCOL_VERSION
+
+    decode = start_decode(procs, name="decode")
+    wait_ready(decode)
+    start = pb.Start(request_id="x", prompt_token_ids=[1, 2, 3], sampling=pb.Sampling(max_tokens=2, top_p=1.0), blocks_needed=1,
+                     protocol_version=PROTOCOL_VERSION, timeout_s=5,
+                     compat=pb.Compat(dtype="float16", num_layers=4, num_kv_heads=2, head_dim=16, block_size=64, model="tiny", transport="tcp"))
+    with grpc.insecure_channel(decode.grpc_address) as ch:
+        replies = list(pbg.DecodeStub(ch).Session(iter([pb.PrefillMessage(start=start)]), timeout=10))
+        assert replies[0].refusal.code == "incompatible"
+        assert "dtype: prefill='float16' decode='float32'" in replies[0].refusal.reason
+        start.protocol_version = PROTOCOL_VERSION + 1
+        replies = list(pbg.DecodeStub(ch).Session(iter([pb.PrefillMessage(start=start)]), timeout=10))
+        assert replies[0].refusal.code == "version"
+    readings = wait_all_released([decode])
+    assert nothing_held(readings), readings
+
+
+def test_client_disconnect_cancels_on_decode_within_a_second(procs):
+    decode = start_decode(procs, name="decode")
+    wait_ready(decode)
+    prefill = start_prefill(procs, [decode.grpc_address])
+    wait_ready(prefill)
+    # HTTP: close the connection mid-stream
+    conn, resp = _sse_request(prefill, {"model": "tiny", "prompt": "go", "max_tokens": 2000, "ignore_eos": True})
+    events = _events(resp)
+    for _ in range(3):
+        next(events)
+    assert get_json(decode.url + "/health")[1]["sessions"] == 1
+    conn.sock.shutdown(2)
+    conn.close()
+    t0 = time.monotonic()
+    readings = wait_all_released([decode, prefill], timeout=1.0)
+    elapsed = time.monotonic() - t0
+    assert nothing_held(readings), readings
+    assert elapsed < 1.0
+    # gRPC: cancel the call mid-stream
+    from pdserve.protos import generate_pb2 as gpb
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
+        call = gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(prompt="go", max_tokens=2000, ignore_eos=True), timeout=60)
+        next(call), next(call)
+        call.cancel()
+        t0 = time.monotonic()
+        readings = wait_all_released([decode, prefill], timeout=1.0)
+        assert nothing_held(readings), readings
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_decode_killed_mid_generation_resumes_on_another_decode(procs):
+    from pdserve.protos import generate_pb2 as gpb
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    decodes = [start_decode(procs, num_blocks=64, name=f"decode{i}") for i in range(2)]
+    for d in decodes:
+        wait_ready(d)
+    prefill = start_prefill(procs, [d.grpc_address for d in decodes])
+    wait_ready(prefill)
+    prompt, max_tokens = [256, *b"resume me"], 1000
+    got = []
+    with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
+        call = gpb_grpc.GeneratorStub(ch).Generate(
+            gpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True), timeout=120)
+        for _ in range(3):
+            got += next(call).token_ids
+        victim = next(d for d in decodes if get_json(d.url + "/health")[1]["sessions"] == 1)
+        procs.kill(victim.proc)
+        finish = ""
+        for resp in call:
+            got += resp.token_ids
+            finish = resp.finish_reason or finish
+    assert finish == "length" and len(got) == max_tokens
+    assert metric(prefill.url, "pdserve_decode_retries_total", reason="decode_failed") == 1
+
+    import torch
+
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=64))
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    expected = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            expected += out.new_token_ids
+    assert got == expected
+    survivor = next(d for d in decodes if d is not victim)
+    readings = wait_all_released([prefill, survivor])
+    assert nothing_held(readings), readings

@@ -1,0 +1,133 @@
+"""Both ends of the Session stream in one process (fast, no subprocesses): a real gRPC
+decode service with a real engine and CacheStore receiver, and a PrefillNode with its own
+engine and CacheStore sender. Checks the state machines: tokens equal the colocated
+engine's, a refusal without fallback is NoDecodeAvailable naming the reason, closing the
+client's stream cancels on decode, and everything is freed on both ends afterwards."""
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender
+from pdserve.decode_server.service import DecodeService
+from pdserve.discovery import StaticDiscovery
+from pdserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, OutOfBlocksError, SamplingParams, load_model
+from pdserve.prefill_server.load_poller import LoadReportPoller
+from pdserve.prefill_server.node import NoDecodeAvailable, PrefillNode
+from pdserve.prefill_server.picker import DecodePicker
+from pdserve.protos import session_pb2 as pb
+from pdserve.protos import session_pb2_grpc as pb_grpc
+from pdserve.net import free_port
+
+torch.set_num_threads(1)
+
+
+def _parts(engine):
+    from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
+
+    kv = engine.kv_cache
+    layout = KVLayout(kv.num_layers, kv.num_blocks, kv.block_nbytes)
+    compat = CompatInfo("float32", kv.num_layers, kv.num_kv_heads, kv.head_dim, kv.block_size)
+    msg = pb.Compat(dtype="float32", num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
+                    block_size=kv.block_size, model="tiny", transport="tcp")
+    return MemoryRegion.from_tensor(kv.tensor), layout, compat, msg
+
+
+class Pair:
+    """A decode service and a prefill node wired together on loopback."""
+
+    async def __aenter__(self):
+        loaded = load_model("tiny")
+        self.d_engine = AsyncLLMEngine(LLMEngine(loaded, EngineConfig(num_blocks=8)))
+        self.p_engine = AsyncLLMEngine(LLMEngine(loaded, EngineConfig(num_blocks=16)))
+        await self.d_engine.start()
+        await self.p_engine.start()
+        region, layout, compat, msg = _parts(self.d_engine.engine)
+        self.rx = CacheStoreReceiver(region, layout, compat, "tcp", "127.0.0.1", 0)
+        await self.rx.start()
+        self.service = DecodeService(self.d_engine, self.rx, msg, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
+                                     max_model_len=2048, kv_bytes_per_block=layout.block_nbytes * layout.num_layers, session_timeout_s=5)
+        self.server = grpc.aio.server()
+        pb_grpc.add_DecodeServicer_to_server(self.service, self.server)
+        port = free_port()
+        self.server.add_insecure_port(f"127.0.0.1:{port}")
+        await self.server.start()
+        p_region, p_layout, p_compat, p_msg = _parts(self.p_engine.engine)
+        self.tx = CacheStoreSender(p_region, p_layout, p_compat, "tcp")
+        await self.tx.start()
+        picker = DecodePicker()
+        self.poller = LoadReportPoller(StaticDiscovery([f"127.0.0.1:{port}"]), picker, interval_s=0.1)
+        await self.poller.start()
+        self.node = PrefillNode(self.p_engine, self.tx, picker, self.poller, p_msg, 64, p_layout.block_nbytes * p_layout.num_layers,
+                                eos_token_ids=(257,), out_of_blocks_error=OutOfBlocksError, session_timeout_s=5)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 20
+        while not picker.eligible() and loop.time() < deadline:  # the first load report (slow on a busy machine)
+            await asyncio.sleep(0.05)
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.poller.stop()
+        await self.server.stop(0)
+        await self.tx.stop()
+        await self.rx.stop()
+        await self.d_engine.stop()
+        await self.p_engine.stop()
+
+    def held(self):
+        d, p = self.d_engine.engine, self.p_engine.engine
+        return {"decode_sessions": len(self.service.sessions), "decode_requests": d.num_requests(),
+                "decode_used": d.num_blocks - d.num_free_blocks(), "prefill_sessions": len(self.node.sessions),
+                "prefill_requests": p.num_requests(), "prefill_used": p.num_blocks - p.num_free_blocks(),
+                "rx_pinned": self.rx.stats()["pinned_entries"], "tx_pinned": self.tx.stats()["pinned_entries"]}
+
+    async def wait_released(self, timeout=2.0):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while any(self.held().values()) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        return self.held()
+
+
+async def _collect(node, rid, ids, sp):
+    out = []
+    async for delta in node.generate(rid, ids, sp):
+        out += delta.token_ids
+        if delta.finished:
+            return out, delta.finish_reason
+    raise AssertionError("no finished delta")
+
+
+def test_session_state_machines_in_one_process():
+    async def main():
+        async with Pair() as pair:
+            reqs = [("a", [256, *b"hello"], 9), ("b", [256] + [66] * 100, 5), ("c", [256, 1], 1)]
+            results = await asyncio.gather(*(_collect(pair.node, rid, ids, SamplingParams(max_tokens=n, temperature=0)) for rid, ids, n in reqs))
+            ref = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=16))
+            for rid, ids, n in reqs:
+                ref.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0))
+            expected = {rid: [] for rid, _, _ in reqs}
+            while ref.has_unfinished():
+                for out in ref.step():
+                    expected[out.request_id] += out.new_token_ids
+            assert [r[0] for r in results] == [expected[rid] for rid, _, _ in reqs]
+            assert not any((await pair.wait_released()).values()), pair.held()
+
+            # decode has 8 blocks of 64 tokens: 600 prompt + 100 new tokens need 11 -> never fits, no fallback:
+            # WRR does not even ask the decode (its load report says 8 in all) and does not queue
+            with pytest.raises(NoDecodeAvailable, match="holds only 8 KV blocks in all, 11 needed"):
+                await _collect(pair.node, "big", [256] + [70] * 599, SamplingParams(max_tokens=100, temperature=0))
+            assert not any((await pair.wait_released()).values()), pair.held()
+
+            # the client goes away mid-stream: closing the generator cancels the Session
+            gen = pair.node.generate("gone", [256, 5], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+            await gen.__anext__()
+            await gen.__anext__()
+            assert pair.held()["decode_sessions"] == 1
+            await gen.aclose()
+            held = await pair.wait_released(timeout=1.0)
+            assert not any(held.values()), held
+
+    asyncio.run(main())

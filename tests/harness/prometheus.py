@@ -1,0 +1,97 @@
+"""``PrometheusServer``: the real Prometheus binary (Debian package `prometheus`, installed by
+`make prometheus-bin`) started by a test itself, never the system service, with its own config and
+data directory on a free port on 127.0.0.1; stopped when the `with` block ends."""
+
+import json
+import shutil
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve.net import free_port
+
+
+class PrometheusServer:
+    """`prometheus` on 127.0.0.1:<free port> scraping static targets every `interval` seconds.
+
+    targets: list of (job, "host:port", extra_labels). Use as a context manager.
+    """
+
+    def __init__(self, workdir: Path, targets: list[tuple[str, str, dict]], interval: float = 1.0):
+        binary = shutil.which("prometheus")
+        if binary is None:
+            pytest.fail("the prometheus binary is missing: run `make prometheus-bin` (tools/install_prometheus.sh)")
+        self.binary, self.workdir, self.port = binary, Path(workdir), free_port()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        every = f"{int(interval * 1000)}ms"
+        config = {"global": {"scrape_interval": every, "evaluation_interval": every},
+                  "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [target], "labels": labels}]}
+                                     for job, target, labels in targets]}
+        (self.workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "PrometheusServer":
+        self.log = open(self.workdir / "prometheus.log", "wb")
+        self.proc = subprocess.Popen(
+            [self.binary, f"--config.file={self.workdir / 'prometheus.yml'}",
+             f"--storage.tsdb.path={self.workdir / 'data'}", f"--web.listen-address=127.0.0.1:{self.port}",
+             "--storage.tsdb.retention.time=1h"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self.proc.returncode}: {self.logs()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError(f"prometheus not ready within 60s: {self.logs()[-2000:]}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+    def logs(self) -> str:
+        return (self.workdir / "prometheus.log").read_text(errors="replace")
+
+    def api(self, path: str, **params) -> dict:
+        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?" + urllib.parse.urlencode(params, doseq=True)
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                doc = json.load(r)
+        except urllib.error.HTTPError as e:  # 400 for a bad query: show Prometheus's message
+            doc = json.load(e)
+        if doc.get("status") != "success":
+            raise AssertionError(f"prometheus {path} {params}: {doc.get('errorType')}: {doc.get('error')}")
+        return doc["data"]
+
+    def query(self, expr: str) -> list:
+        return self.api("query", query=expr)["result"]
+
+    def query_range(self, expr: str, seconds: float, step: float = 1.0) -> list:
+        end = time.time()
+        return self.api("query_range", query=expr, start=end - seconds, end=end, step=step)["result"]
+
+    def wait_for_targets_up(self, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        active = []
+        while time.monotonic() < deadline:
+            active = self.api("targets")["activeTargets"]
+            if len(active) >= n and all(t["health"] == "up" for t in active):
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"targets not all up: {[(t['scrapeUrl'], t['health'], t['lastError']) for t in active]}")

@@ -1,0 +1,189 @@
+"""The Helm chart: lint, render, and what the rendered objects say (no cluster needed, only helm).
+
+helm comes from `make k8s-tools` (tools/k8s/build.sh); when it is missing these tests fail
+with the command to run, like every other k8s test.
+"""
+
+import argparse
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from harness.kube import require_tools, tools_bin_dir
+from harness.procs import REPO
+
+pytestmark = pytest.mark.k8s
+CHART = REPO / "charts" / "pdserve"
+
+
+def helm(*args: str) -> str:
+    bin_dir = tools_bin_dir()
+    require_tools(bin_dir, ("helm",))
+    proc = subprocess.run([str(bin_dir / "helm"), *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def render(*sets: str) -> list[dict]:
+    args = ["template", "rel", str(CHART), "-n", "pdserve-system"]
+    for s in sets:
+        args += ["--set", s]
+    return [d for d in yaml.safe_load_all(helm(*args)) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def operator_args(docs: list[dict]) -> list[str]:
+    (deployment,) = by_kind(docs, "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["pdserve"]
+    return container["args"]
+
+
+def parse_operator_cli(args: list[str]) -> argparse.Namespace:
+    from pdserve.operator import cli
+
+    assert args[0] == "operator"
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(args[1:])  # SystemExit on any flag the CLI does not have
+
+
+def test_helm_lint_strict():
+    out = helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in out
+
+
+def test_every_values_key_has_a_comment():
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    key = re.compile(r"^\s*[A-Za-z_][\w.-]*:")
+    for i, line in enumerate(lines):
+        if key.match(line):
+            above = lines[i - 1].strip() if i else ""
+            assert above.startswith("#"), f"values.yaml line {i + 1} ({line.strip()}) has no comment above it"
+
+
+def test_default_render_runs_the_operator_cli_cluster_wide_and_securely():
+    docs = render()
+    args = parse_operator_cli(operator_args(docs))
+    assert args.all_namespaces and args.peering is None
+    assert args.liveness == "http://0.0.0.0:8080/healthz"
+    (deployment,) = by_kind(docs, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] != 0
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["PDSERVE_IMAGE"] == "ghcr.io/pdserve/pdserve:0.1.0" and env["PDSERVE_NETWORK_POLICY"] == "true"
+    (sa,) = by_kind(docs, "ServiceAccount")
+    assert pod["serviceAccountName"] == sa["metadata"]["name"] == "rel-pdserve-operator"
+    assert by_kind(docs, "NetworkPolicy") and not by_kind(docs, "ServiceMonitor")
+
+
+def test_rbac_is_least_privilege():
+    docs = render()
+    roles = by_kind(docs, "ClusterRole")
+    assert {r["metadata"]["name"] for r in roles} == {"rel-pdserve-operator", "rel-pdserve-operator-cluster-read"}
+    for role in roles:
+        for rule in role["rules"]:
+            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+            assert not {"secrets", "pods", "nodes", "clusterroles", "clusterrolebindings"} & set(rule["resources"])
+            assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
+    main = next(r for r in roles if r["metadata"]["name"] == "rel-pdserve-operator")
+    isvc = next(r for r in main["rules"] if r["resources"] == ["inferenceservices"])
+    assert "create" not in isvc["verbs"] and "delete" not in isvc["verbs"]  # users own InferenceServices
+    cluster_read = next(r for r in roles if r["metadata"]["name"] == "rel-pdserve-operator-cluster-read")
+    assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster_read["rules"])
+
+
+def test_operator_can_grant_prefill_pods_only_what_it_holds():
+    """RBAC forbids granting what one does not hold: the prefill Role must be a subset of the operator's rules."""
+    from pdserve.operator import pools, workloads
+    from pdserve.operator.config import OperatorConfig
+
+    held = set()
+    for role in by_kind(render(), "ClusterRole"):
+        for rule in role["rules"]:
+            held |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    isvc = yaml.safe_load((REPO / "examples" / "inferenceservice.yaml").read_text())
+    isvc["metadata"]["namespace"] = "ns"
+    pool = pools.build_prefill_pool(isvc, OperatorConfig(default_image="i:1", protocol_version="1"))
+    _, prefill_role, _ = workloads.build_prefill_rbac(pool)
+    for rule in prefill_role["rules"]:
+        for g in rule["apiGroups"]:
+            for r in rule["resources"]:
+                for v in rule["verbs"]:
+                    assert (g, r, v) in held
+
+
+def test_watching_namespaces_uses_roles_and_namespaced_peering():
+    docs = render("operator.watchNamespaces={team-a,team-b}", "operator.replicas=2")
+    args = parse_operator_cli(operator_args(docs))
+    assert args.namespace == ["team-a", "team-b"] and not args.all_namespaces and args.peering == "pdserve"
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    assert all(any("kopfpeerings" in rule["resources"] for rule in r["rules"]) for r in roles)
+    assert [r["metadata"]["name"] for r in by_kind(docs, "ClusterRole")] == ["rel-pdserve-operator-cluster-read"]
+    assert sorted(p["metadata"]["namespace"] for p in by_kind(docs, "KopfPeering")) == ["team-a", "team-b"]
+    assert not by_kind(docs, "ClusterKopfPeering")
+
+
+def test_replicas_turn_on_cluster_peering():
+    docs = render("operator.replicas=3")
+    assert parse_operator_cli(operator_args(docs)).peering == "pdserve"
+    (peering,) = by_kind(docs, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "pdserve"
+    cluster_read = next(r for r in by_kind(docs, "ClusterRole") if r["metadata"]["name"].endswith("-cluster-read"))
+    assert any("clusterkopfpeerings" in rule["resources"] for rule in cluster_read["rules"])
+
+
+def test_dashboards_become_configmaps_with_the_sidecar_label():
+    files = sorted((CHART / "dashboards").glob("*.json"))
+    assert files, "charts/pdserve/dashboards/*.json are expected (the observability work writes them)"
+    maps = by_kind(render(), "ConfigMap")
+    assert len(maps) == len(files)
+    for cm, path in zip(sorted(maps, key=lambda m: m["metadata"]["name"]), files):
+        assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+        assert json.loads(cm["data"][path.name]) == json.loads(path.read_text())
+    assert not by_kind(render("dashboards.enabled=false"), "ConfigMap")
+
+
+def test_service_monitor_when_enabled():
+    (monitor,) = by_kind(render("serviceMonitor.enabled=true", "serviceMonitor.labels.release=prom"), "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "pdserve-operator"}
+    assert monitor["spec"]["endpoints"][0]["port"] == "http" and monitor["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_network_policy_switch_reaches_the_operator():
+    docs = render("networkPolicy.enabled=false")
+    assert not by_kind(docs, "NetworkPolicy")
+    (deployment,) = by_kind(docs, "Deployment")
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PDSERVE_NETWORK_POLICY"] == "false"
+
+
+def test_chart_crds_are_the_generated_ones():
+    from pdserve.operator import crds
+
+    assert {p.name for p in (CHART / "crds").glob("*.yaml")} == set(crds.all_crds())
+
+
+def test_dockerfile_entrypoint_and_user_match_the_chart():
+    from pdserve.operator import workloads
+
+    text = (REPO / "Dockerfile").read_text()
+    assert re.search(r'^ENTRYPOINT \["pdserve"\]', text, re.M)
+    assert re.search(rf"^USER {workloads.RUN_AS_USER}", text, re.M)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["podSecurityContext"]["runAsUser"] == workloads.RUN_AS_USER
+    assert re.search(r"^ARG BASE=", text, re.M), "the CUDA vs CPU base is a build argument"

@@ -1,0 +1,87 @@
+"""Prefill's view of decodes on a real control plane: what the operator wires up is what the
+prefill server's discovery (pdserve.discovery.KubernetesDiscovery) sees, with the prefill
+pods' own ServiceAccount token (so their Role is really exercised), and decode pool changes
+reach it without a restart.
+
+Pods get IPs and Ready conditions through pods/status (no kubelet here); the
+controller-manager's EndpointSlice controller turns them into slices as in any cluster.
+"""
+
+import asyncio
+import json
+
+from harness.operator_harness import get_json, mark_pods_ready, names, wait_for
+from harness.procs import REPO
+from pdserve import defaults
+from pdserve.discovery import KubernetesDiscovery
+
+EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
+
+
+def prefill_selector(kube, ns: str) -> str:
+    args = get_json(kube, "deployment", "chat-prefill", "-n", ns)["spec"]["template"]["spec"]["containers"][0]["args"]
+    return args[args.index("--decode-selector") + 1]
+
+
+class Watcher:
+    """KubernetesDiscovery running on its own event loop in this thread (start/addresses/stop)."""
+
+    def __init__(self, namespace: str, selector: str, kubeconfig: str):
+        self.loop = asyncio.new_event_loop()
+        self.discovery = KubernetesDiscovery(namespace=namespace, selector=selector, kubeconfig=kubeconfig, resync_s=20)
+
+    def __enter__(self):
+        self.loop.run_until_complete(self.discovery.start())
+        return self.discovery
+
+    def __exit__(self, *exc):
+        self.loop.run_until_complete(self.discovery.stop())
+        self.loop.close()
+
+
+def test_decode_changes_reach_prefill_discovery_without_restart(kube, operator, ns):
+    kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
+    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 4, "4 pods", op=operator)
+    selector = prefill_selector(kube, ns)
+    # The prefill pods' ServiceAccount, made by the operator: its Role must be enough to discover.
+    token = kube.token_kubeconfig(ns, "chat-prefill")
+    port = defaults.DECODE_GRPC_PORT
+
+    with Watcher(ns, selector, str(token)) as discovery:
+        assert discovery.addresses() == []  # no decode pod is ready yet
+        big = mark_pods_ready(kube, ns, "pdserve.io/pool=big")
+        wait_for(kube, lambda: discovery.addresses() == [f"{ip}:{port}" for ip in big], "pool big in discovery")
+
+        main = mark_pods_ready(kube, ns, "pdserve.io/pool=main")
+        everyone = sorted(f"{ip}:{port}" for ip in big + main)
+        wait_for(kube, lambda: discovery.addresses() == everyone, "pool main joining")
+
+        # A decode pod turning unready leaves the set; scaling a pool away removes its pods.
+        mark_pods_ready(kube, ns, "pdserve.io/pool=main", ready=False)
+        wait_for(kube, lambda: discovery.addresses() == [f"{ip}:{port}" for ip in big], "main pods unready leaving")
+        kube.kubectl("scale", "decodepool", "chat-decode-big", "-n", ns, "--replicas=0")
+        wait_for(kube, lambda: discovery.addresses() == [], "pool big scaled to zero", op=operator)
+
+
+def test_after_a_protocol_upgrade_old_prefills_see_no_new_decodes(kube, operator, ns):
+    kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
+    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 4, "4 pods", op=operator)
+    old_selector = prefill_selector(kube, ns)
+    token = kube.token_kubeconfig(ns, "chat-prefill")
+    mark_pods_ready(kube, ns, "pdserve.io/role=decode")
+
+    with Watcher(ns, old_selector, str(token)) as old_view:
+        wait_for(kube, lambda: len(old_view.addresses()) == 3, "3 decodes of version 1")
+        kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"protocolVersion": "2"}}))
+        # The decode Services now carry (and select) version 2: a version-1 prefill sees none of them.
+        wait_for(kube, lambda: old_view.addresses() == [], "version-1 prefill losing every decode", op=operator)
+        new_selector = wait_for(kube, lambda: (lambda s: s if s.endswith("protocol-version=2") else None)(
+            prefill_selector(kube, ns)), "prefill Deployment on version 2", op=operator)
+        assert new_selector != old_selector
+        with Watcher(ns, new_selector, str(token)) as new_view:
+            wait_for(kube, lambda: names(kube, "pods", ns, "pdserve.io/protocol-version=2,pdserve.io/role=decode"),
+                     "version-2 decode pods", op=operator)
+            new = mark_pods_ready(kube, ns, "pdserve.io/protocol-version=2,pdserve.io/role=decode")
+            wait_for(kube, lambda: set(new_view.addresses()) >= {f"{ip}:{defaults.DECODE_GRPC_PORT}" for ip in new},
+                     "version-2 prefill seeing version-2 decodes")
+            assert old_view.addresses() == []

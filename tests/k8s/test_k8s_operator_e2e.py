@@ -1,0 +1,230 @@
+"""The operator on a real control plane (tests/harness/kube.py): helm install, apply, status, scale,
+upgrade, invalid objects, garbage collection and a restart mid-reconcile.
+
+The operator runs as a local process with a token of the chart's ServiceAccount, so RBAC is
+really exercised (tests/harness/operator_harness.py). There is no kubelet: pods stay Pending, and
+where a test needs ready pods it sets their Ready condition through pods/status (see
+operator_harness.mark_pods_ready); the ReplicaSet/Deployment controllers do the rest.
+"""
+
+import json
+
+import pytest
+import yaml
+
+from harness.operator_harness import (CRD_NAMES, IMAGE, OPERATOR_SA, RELEASE_NAMESPACE, condition, get_json,
+                                      mark_pods_ready, names, wait_for)
+from harness.procs import REPO
+
+EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
+
+
+def owner_kinds(obj):
+    return [(o["kind"], o["name"], o.get("controller")) for o in obj["metadata"].get("ownerReferences", [])]
+
+
+def test_chart_installs_and_crds_are_established(kube, operator):
+    for crd in CRD_NAMES:
+        doc = get_json(kube, "crd", crd)
+        assert condition(doc, "Established")["status"] == "True"
+    assert get_json(kube, "deployment", f"{OPERATOR_SA}", "-n", RELEASE_NAMESPACE) is not None
+    # The ServiceAccount really is least privilege: it cannot read Secrets.
+    denied = kube.kubectl("get", "secrets", "-A", kubeconfig=operator.kubeconfig, check=False)
+    assert denied.returncode != 0 and "forbidden" in denied.stderr.lower()
+
+
+def test_example_creates_pools_deployments_services_with_owners_and_status(kube, operator, ns):
+    kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
+    expected = ["chat-decode-big", "chat-decode-main", "chat-prefill"]
+    wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "three Deployments", op=operator)
+    assert names(kube, "services", ns) == expected
+    assert names(kube, "prefillpools", ns) == ["chat-prefill"]
+    assert names(kube, "decodepools", ns) == ["chat-decode-big", "chat-decode-main"]
+    assert names(kube, "networkpolicies", ns) == ["chat-decode", "chat-prefill"]
+
+    isvc = get_json(kube, "inferenceservice", "chat", "-n", ns)
+    for pool in ("chat-prefill",):
+        assert owner_kinds(get_json(kube, "prefillpool", pool, "-n", ns)) == [("InferenceService", "chat", True)]
+    for pool in ("chat-decode-big", "chat-decode-main"):
+        obj = get_json(kube, "decodepool", pool, "-n", ns)
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
+    for name in expected:
+        kind = "PrefillPool" if name == "chat-prefill" else "DecodePool"
+        assert owner_kinds(get_json(kube, "deployment", name, "-n", ns)) == [(kind, name, True)]
+        assert owner_kinds(get_json(kube, "service", name, "-n", ns)) == [(kind, name, True)]
+    for kind in ("serviceaccount", "role", "rolebinding"):
+        assert owner_kinds(get_json(kube, kind, "chat-prefill", "-n", ns)) == [("PrefillPool", "chat-prefill", True)]
+
+    deployment = get_json(kube, "deployment", "chat-decode-main", "-n", ns)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == IMAGE and deployment["spec"]["replicas"] == 2
+
+    def status_written():
+        isvc = get_json(kube, "inferenceservice", "chat", "-n", ns)
+        return isvc if isvc.get("status", {}).get("decodeReady") == "0/3" else None
+    isvc = wait_for(kube, status_written, "InferenceService status", op=operator)
+    status = isvc["status"]
+    assert status["observedGeneration"] == isvc["metadata"]["generation"]
+    assert status["endpoint"] == f"http://chat-prefill.{ns}.svc:8000"
+    assert condition(isvc, "Ready")["status"] == "False" and condition(isvc, "Ready")["reason"] == "PrefillNotReady"
+    assert condition(isvc, "Progressing")["status"] == "True"
+    assert condition(isvc, "Degraded")["status"] == "False"
+    # Printer columns come from that status.
+    table = kube.kubectl("get", "pdis", "chat", "-n", ns).stdout
+    assert "0/1" in table and "0/3" in table and "chat-prefill" in table
+
+    # Ready: prefill and one decode pool get ready pods (as a kubelet would report).
+    assert len(mark_pods_ready(kube, ns, "pdserve.io/inference-service=chat,pdserve.io/role=prefill")) == 1
+    wait_for(kube, lambda: condition(get_json(kube, "inferenceservice", "chat", "-n", ns), "Ready")["reason"]
+             == "NoDecodePoolReady", "Ready=False/NoDecodePoolReady", op=operator)
+    assert len(mark_pods_ready(kube, ns, "pdserve.io/pool=big")) == 1
+    isvc = wait_for(kube, lambda: (lambda o: o if condition(o, "Ready")["status"] == "True" else None)(
+        get_json(kube, "inferenceservice", "chat", "-n", ns)), "Ready=True", op=operator)
+    assert condition(isvc, "Ready")["reason"] == "Serving"
+    assert isvc["status"]["prefillReady"] == "1/1" and isvc["status"]["decodeReady"] == "1/3"
+    assert condition(isvc, "Degraded")["reason"] == "PoolUnavailable"  # pool main has no ready pod
+    big = get_json(kube, "decodepool", "chat-decode-big", "-n", ns)
+    assert condition(big, "Ready")["status"] == "True" and big["status"]["readyReplicas"] == 1
+
+
+def test_kubectl_scale_on_a_pool_reaches_its_deployment_and_sticks(kube, operator, ns):
+    kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
+    wait_for(kube, lambda: get_json(kube, "deployment", "chat-decode-main", "-n", ns), "decode Deployment", op=operator)
+    kube.kubectl("scale", "decodepool", "chat-decode-main", "-n", ns, "--replicas=4")
+    wait_for(kube, lambda: get_json(kube, "deployment", "chat-decode-main", "-n", ns)["spec"]["replicas"] == 4,
+             "Deployment scaled to 4", op=operator)
+    # An unrelated InferenceService change must not undo the scale ...
+    kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", '{"spec": {"slo": {"ttftMs": 2000}}}')
+    wait_for(kube, lambda: get_json(kube, "prefillpool", "chat-prefill", "-n", ns)["spec"]["slo"]["ttftMs"] == 2000,
+             "slo change reaching the PrefillPool", op=operator)
+    assert get_json(kube, "decodepool", "chat-decode-main", "-n", ns)["spec"]["replicas"] == 4
+    scale = json.loads(kube.kubectl("get", "--raw", f"/apis/pdserve.io/v1alpha1/namespaces/{ns}/decodepools/chat-decode-main/scale").stdout)
+    assert scale["spec"]["replicas"] == 4
+    # ... but changing the InferenceService's own count for that pool wins.
+    patch = [{"op": "replace", "path": "/spec/decode/0/replicas", "value": 1}]
+    kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=json", "-p", json.dumps(patch))
+    wait_for(kube, lambda: get_json(kube, "deployment", "chat-decode-main", "-n", ns)["spec"]["replicas"] == 1,
+             "Deployment back to the InferenceService's count", op=operator)
+
+
+def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube, operator, ns):
+    kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
+    wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 3, "Deployments", op=operator)
+    patch = {"spec": {"image": "registry.test/pdserve:2", "protocolVersion": "2"}}
+    kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps(patch))
+
+    def rolled():
+        deps = [get_json(kube, "deployment", n, "-n", ns) for n in ("chat-prefill", "chat-decode-main", "chat-decode-big")]
+        templates = [d["spec"]["template"] for d in deps]
+        return all(t["spec"]["containers"][0]["image"] == "registry.test/pdserve:2"
+                   and t["metadata"]["labels"]["pdserve.io/protocol-version"] == "2" for t in templates)
+    wait_for(kube, rolled, "all pools on image 2 / protocol 2", op=operator)
+    isvc = wait_for(kube, lambda: (lambda o: o if o.get("status", {}).get("observedGeneration") == o["metadata"]["generation"]
+                                   else None)(get_json(kube, "inferenceservice", "chat", "-n", ns)),
+                    "observedGeneration to reach the new generation", op=operator)
+    assert isvc["metadata"]["generation"] >= 2
+    args = get_json(kube, "deployment", "chat-prefill", "-n", ns)["spec"]["template"]["spec"]["containers"][0]["args"]
+    selector = args[args.index("--decode-selector") + 1]
+    assert "pdserve.io/protocol-version=2" in selector
+    # The decode Services prefill selects now carry version 2, and select only version-2 pods.
+    assert names(kube, "services", ns, selector) == ["chat-decode-big", "chat-decode-main"]
+    service = get_json(kube, "service", "chat-decode-main", "-n", ns)
+    assert service["spec"]["selector"]["pdserve.io/protocol-version"] == "2"
+    assert names(kube, "services", ns, selector.replace("=2", "=1")) == []
+    # New ReplicaSets exist (the Deployments roll); pods of version 2 are being created.
+    wait_for(kube, lambda: names(kube, "pods", ns, "pdserve.io/protocol-version=2,pdserve.io/pool=main"),
+             "version-2 decode pods", op=operator)
+
+
+def test_removing_a_decode_pool_deletes_it_and_its_children(kube, operator, ns):
+    kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
+    wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 3, "Deployments", op=operator)
+    kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=json", "-p", '[{"op": "remove", "path": "/spec/decode/1"}]')
+    wait_for(kube, lambda: names(kube, "decodepools", ns) == ["chat-decode-main"], "pool big deleted", op=operator)
+    wait_for(kube, lambda: names(kube, "deployments", ns) == ["chat-decode-main", "chat-prefill"],
+             "its Deployment garbage-collected", op=operator)
+
+
+def test_deleting_the_inferenceservice_removes_everything_it_owned(kube, operator, ns):
+    kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
+    wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 3, "Deployments", op=operator)
+    wait_for(kube, lambda: names(kube, "pods", ns), "pods", op=operator)
+    kube.kubectl("delete", "pdis", "chat", "-n", ns, "--wait=false")
+    kinds = ["prefillpools", "decodepools", "deployments", "replicasets", "pods", "services", "serviceaccounts",
+             "roles", "rolebindings", "networkpolicies"]
+
+    def gone():
+        left = {k: names(kube, k, ns) for k in kinds}
+        return all(not v for v in left.values())
+    wait_for(kube, gone, "the garbage collector to remove every child", timeout=90, op=operator)
+
+
+INVALID = [
+    # (what is wrong, patch applied to a valid spec, text the API server's message must contain)
+    ("missing model", {"spec": {"model": None}}, "spec.model: Required value"),
+    ("no decode pool", {"spec": {"decode": []}}, "spec.decode"),
+    ("unknown transfer backend", {"spec": {"transfer": {"backend": "rdma"}}}, "spec.transfer.backend"),
+    ("block size 0", {"spec": {"transfer": {"blockSize": 0}}}, "spec.transfer.blockSize"),
+    ("block size too big", {"spec": {"transfer": {"blockSize": 4096}}}, "spec.transfer.blockSize"),
+    ("unknown routing policy", {"spec": {"routing": {"policy": "random"}}}, "spec.routing.policy"),
+    ("negative replicas", {"spec": {"prefill": {"replicas": -1}}}, "spec.prefill.replicas"),
+    ("duplicate decode pool names", {"spec": {"decode": [{"name": "a"}, {"name": "a"}]}}, "spec.decode pool names must be unique"),
+    ("bad pool name", {"spec": {"decode": [{"name": "Main_Pool"}]}}, "spec.decode[0].name"),
+    ("relative model path", {"spec": {"model": {"source": "models/qwen"}}}, "spec.model.source"),
+    ("model outside its volume", {"spec": {"model": {"source": "/data/q", "pvcName": "w"}}}, "spec.model.source"),
+    ("zero TTFT target", {"spec": {"slo": {"ttftMs": 0}}}, "spec.slo.ttftMs"),
+    ("bad resource quantity", {"spec": {"decode": [{"name": "a", "resources": {"limits": {"cpu": "lots"}}}]}},
+     "spec.decode[0].resources.limits.cpu"),
+    ("bad toleration operator", {"spec": {"decode": [{"name": "a", "tolerations": [{"operator": "Maybe"}]}]}},
+     "spec.decode[0].tolerations[0].operator"),
+    ("name too long", {"metadata": {"name": "x" * 41}}, "metadata.name must be a DNS label"),
+    ("unknown field", {"spec": {"bogus": 1}}, 'unknown field "spec.bogus"'),
+]
+
+
+def _merge(base, patch):
+    out = dict(base)
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("what,patch,message", INVALID, ids=[i[0] for i in INVALID])
+def test_invalid_inferenceservice_is_rejected_naming_the_field(kube, operator, what, patch, message):
+    valid = yaml.safe_load(EXAMPLE.read_text())
+    doc = _merge(valid, patch)
+    proc = kube.kubectl("create", "--dry-run=server", "-n", "default", "-f", "-", input=json.dumps(doc), check=False)
+    assert proc.returncode != 0, f"{what}: accepted"
+    assert message in proc.stderr, f"{what}: {proc.stderr}"
+    # The valid base passes the same path, so it is the one change that is rejected.
+    ok = kube.kubectl("create", "--dry-run=server", "-n", "default", "-f", "-", input=json.dumps(valid), check=False)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_restart_mid_reconcile_converges_to_the_same_state(kube, operator, ns):
+    """SIGKILL the operator as soon as the first child of a new InferenceService appears, then restart it."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["decode"] = [{"name": f"p{i}", "replicas": 1} for i in range(6)]
+    kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
+    wait_for(kube, lambda: names(kube, "prefillpools", ns) or names(kube, "decodepools", ns), "a first pool", op=operator)
+    operator.kill()
+    partial = {k: names(kube, k, ns) for k in ("decodepools", "deployments", "services")}
+    try:
+        expected = sorted(["chat-prefill"] + [f"chat-decode-p{i}" for i in range(6)])
+        operator.start()
+        wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "all 7 Deployments after restart", op=operator)
+        wait_for(kube, lambda: names(kube, "services", ns) == expected, "all 7 Services", op=operator)
+        isvc = wait_for(kube, lambda: (lambda o: o if o.get("status", {}).get("decodeReady") == "0/6" else None)(
+            get_json(kube, "inferenceservice", "chat", "-n", ns)), "status after restart", op=operator)
+        assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
+        for name in expected:  # exactly one owner, no duplicates from the repeated reconcile
+            assert len(get_json(kube, "deployment", name, "-n", ns)["metadata"]["ownerReferences"]) == 1
+    finally:
+        if not operator.alive():
+            operator.start()
+    print(f"state when the operator was killed: {partial}")

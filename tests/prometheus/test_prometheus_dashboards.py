@@ -1,0 +1,148 @@
+"""Every panel of the Grafana dashboards returns data from a real Prometheus scraping a live
+local P/D cluster under load.
+
+The cluster: real `pdserve prefill` + two `pdserve decode` processes (tiny model) on
+loopback, labelled through PDSERVE_INFERENCE_SERVICE; Prometheus (the Debian package's
+binary, started by the test on a free port) scrapes all three every second, adding the
+`namespace` label a Kubernetes ServiceMonitor would add. The load: the repository's own
+load generator (`pdserve bench serving`'s send_requests) plus a few invalid requests. One
+decode has a tiny KV pool and prefill uses round robin with one attempt and local
+fallback, so refusals, retries and local fallbacks really happen and their panels have
+data. Then every panel's PromQL (template variables substituted) and every template
+variable query runs against Prometheus's HTTP API; each must return data.
+"""
+
+import asyncio
+import json
+import math
+import random
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from pdserve.bench.experiments.cluster import SERVED_MODEL, start_decode, start_prefill
+from pdserve.bench.experiments.launcher import Launcher
+from pdserve.bench.loadgen import LoadConfig, send_requests
+from pdserve.bench.loadgen_workload import RequestSpec, arrival_times, make_prompt_ids
+from harness.prometheus import PrometheusServer
+
+pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
+
+DASHBOARDS = sorted((Path(__file__).resolve().parents[2] / "charts" / "pdserve" / "dashboards").glob("*.json"))
+NAMESPACE, SERVICE = "pdtest", "obs-test"
+VARIABLES = {"$namespace": NAMESPACE, "$inference_service": SERVICE, "$__rate_interval": "2m"}
+
+
+def substitute(expr: str) -> str:
+    for var, value in VARIABLES.items():
+        expr = expr.replace(var, value)
+    assert "$" not in expr, f"unsubstituted variable in {expr}"
+    return expr
+
+
+def has_data(result: list) -> bool:
+    """At least one series with a real number (NaN means a histogram with no observations)."""
+    return any(not math.isnan(float(series["value"][1])) for series in result)
+
+
+def post_bad_request(url: str) -> int:
+    body = json.dumps({"model": SERVED_MODEL, "prompt": "x", "max_tokens": -1}).encode()
+    req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    try:
+        urllib.request.urlopen(req, timeout=10)
+    except urllib.error.HTTPError as e:
+        return e.code
+    return 200
+
+
+@pytest.fixture(scope="module")
+def loaded_cluster(tmp_path_factory):
+    """(prefill server, prometheus) after the load went through the cluster (once per module)."""
+    tmp_path = tmp_path_factory.mktemp("dashboards")
+    env = pytest.MonkeyPatch()
+    env.setenv("PDSERVE_INFERENCE_SERVICE", SERVICE)  # inherited by the servers
+    try:
+        with Launcher(tmp_path / "logs") as launcher:
+            small = start_decode(launcher, "decode-small", "tiny", threads=1, num_blocks=6)
+            big = start_decode(launcher, "decode-big", "tiny", threads=1, num_blocks=128)
+            prefill = start_prefill(launcher, "prefill", "tiny", [small, big], threads=1, local_fallback=True,
+                                    extra=["--policy", "rr", "--max-attempts", "1"])
+            targets = [(name, server.url.removeprefix("http://"), {"namespace": NAMESPACE})
+                       for name, server in (("prefill", prefill), ("decode-small", small), ("decode-big", big))]
+            with PrometheusServer(tmp_path / "prom", targets, interval=1.0) as prom:
+                prom.wait_for_targets_up(3)
+                rng = random.Random(0)
+                # mostly short requests; every fifth a 500-token prompt the small decode (6 blocks) refuses
+                specs = [RequestSpec(n, 16, prompt_ids=make_prompt_ids(n, rng, 256))
+                         for n in (500 if i % 5 == 4 else rng.randint(20, 150) for i in range(40))]
+                config = LoadConfig(url=prefill.url, model=SERVED_MODEL, progress=False, request_timeout=120)
+                results, _ = asyncio.run(send_requests(config, specs, arrivals=arrival_times(40, 8.0, "poisson", rng)))
+                failed = [r.error for r in results if not r.ok]
+                assert not failed, failed[:3]
+                assert [post_bad_request(prefill.url) for _ in range(3)] == [400] * 3
+                time.sleep(4)  # a few more scrapes after the load
+                yield prefill, prom
+    finally:
+        env.undo()
+
+
+def test_every_panel_returns_data(loaded_cluster):
+    _, prom = loaded_cluster
+    empty = []
+    checked = 0
+    for path in DASHBOARDS:
+        dash = json.loads(path.read_text())
+        for panel in dash["panels"]:
+            for target in panel["targets"]:
+                expr = substitute(target["expr"])
+                checked += 1
+                if not has_data(prom.query(expr)):
+                    empty.append(f"{path.name} / {panel['title']} / {target.get('legendFormat', '')}: {expr}")
+    assert checked >= 20
+    assert not empty, "panels without data:\n" + "\n".join(empty)
+
+
+def test_template_variables_find_the_cluster(loaded_cluster):
+    _, prom = loaded_cluster
+    for path in DASHBOARDS:
+        for var in json.loads(path.read_text())["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            m = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", var["query"]["query"])
+            assert m, f"{var['name']}: expected label_values(selector, label)"
+            selector, label = substitute(m.group(1)), m.group(2)
+            values = prom.api(f"label/{label}/values", **{"match[]": selector})
+            assert {"namespace": NAMESPACE, "inference_service": SERVICE}[var["name"]] in values
+
+
+def test_dashboard_metrics_are_exported_by_the_servers(loaded_cluster):
+    _, prom = loaded_cluster
+    exported = set(prom.api("label/__name__/values"))
+    named = set()
+    for path in DASHBOARDS:
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                named |= set(re.findall(r"\bpdserve_[a-z0-9_]+\b", target["expr"]))
+    assert not named - exported, f"named by a panel but not scraped from any server: {sorted(named - exported)}"
+
+
+def test_load_shows_up_in_the_headline_panels(loaded_cluster):
+    _, prom = loaded_cluster
+    sel = f'namespace="{NAMESPACE}", inference_service="{SERVICE}"'
+
+    def value(expr):
+        r = prom.query(expr)
+        return sum(float(s["value"][1]) for s in r)
+
+    by_outcome = {f'{r["metric"].get("outcome")}/{r["metric"].get("reason")}': float(r["value"][1])
+                  for r in prom.query(f'sum by (outcome, reason) (pdserve_requests_total{{{sel}, role="prefill"}})')}
+    assert value(f'sum(pdserve_requests_total{{{sel}, role="prefill", outcome="ok"}})') == 40, by_outcome
+    assert value(f'sum(pdserve_requests_total{{{sel}, role="prefill", reason="bad_request"}})') == 3
+    assert value(f'sum(pdserve_generation_tokens_total{{{sel}, role="prefill"}})') == 40 * 16
+    assert value(f'sum(pdserve_kv_allocation_refusals_total{{{sel}, role="decode"}})') >= 1
+    assert value(f'sum(pdserve_local_fallbacks_total{{{sel}}})') >= 1
+    assert value(f'sum(pdserve_decode_selections_total{{{sel}}})') >= 40
+    assert value(f'sum(pdserve_kv_transfer_bytes_total{{{sel}, role="prefill"}})') > 0

@@ -1,0 +1,134 @@
+"""The design's dependency arrows (docs/design.md, "The parts"), checked on every import.
+
+Each source file is parsed (not imported); every `import`/`from ... import` naming a pdserve
+part (absolute `pdserve.X` or relative) is mapped to the part it reaches, and must be allowed
+by ALLOWED below. Third-party libraries a part must not pull in are in FORBIDDEN_LIBRARIES.
+A new role gets its row here when it lands.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# folder -> import name of the part (pdserve/ itself is the servers' shared runtime).
+PARTS = {
+    "engine": "engine", "cachestore": "cachestore", "protos": "protos", "prefill_server": "prefill_server",
+    "decode_server": "decode_server", "operator": "operator", "pdserve": "runtime", "bench": "bench",
+    "localcluster": "localcluster",
+}
+SERVERS_MAY_USE = {"engine", "cachestore", "protos", "runtime"}
+
+# part -> the other parts it may import ("may import" arrows; a part may always import itself).
+ALLOWED: dict[str, set[str]] = {
+    "engine": set(),
+    "protos": set(),
+    "cachestore": {"protos"},
+    "prefill_server": SERVERS_MAY_USE,
+    "decode_server": SERVERS_MAY_USE,
+    # The runtime (defaults, metrics, discovery, server_setup, cli) builds servers' common parts
+    # from the engine, cachestore and protos; it never imports a server or a tool (the CLI
+    # reaches commands by module name, lazily).
+    "runtime": {"engine", "cachestore", "protos"},
+    # The operator manages pods; it does not run models or serve metrics.
+    "operator": {"protos", "runtime"},
+    "localcluster": {"runtime"},
+    "bench": {"engine", "cachestore", "protos", "runtime"},
+}
+# part -> runtime modules it must not import even though it may import the runtime.
+FORBIDDEN_RUNTIME_MODULES = {"operator": {"metrics", "server_setup", "discovery"}}
+FORBIDDEN_LIBRARIES = {
+    "operator": {"prometheus_client", "torch", "grpc"},
+    "engine": {"grpc", "aiohttp", "prometheus_client", "kopf", "kubernetes"},
+    "cachestore": {"aiohttp", "prometheus_client", "kopf", "kubernetes"},
+}
+
+
+def _imports(path: Path, package: str) -> list[tuple[str, int]]:
+    """Absolute dotted names imported by one file, relative imports resolved against `package`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            found.append((name, node.lineno))
+            found += [(f"{name}.{alias.name}", node.lineno) for alias in node.names]
+    return found
+
+
+def _part_of(dotted: str) -> tuple[str | None, str | None]:
+    """(part, runtime module) reached by an absolute import name, or (None, None) if not ours."""
+    bits = dotted.split(".")
+    if bits[0] != "pdserve":
+        return None, None
+    if len(bits) == 1:
+        return "runtime", None
+    if bits[1] in PARTS and bits[1] != "pdserve":
+        return PARTS[bits[1]], None
+    return "runtime", bits[1]
+
+
+def _sources():
+    for folder, part in PARTS.items():
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            rel = path.relative_to(REPO / folder).with_suffix("")
+            package = ".".join(["pdserve"] + ([] if folder == "pdserve" else [folder]) + list(rel.parts[:-1]))
+            yield part, path, package
+
+
+def violations() -> list[str]:
+    bad, seen = [], set()
+    for part, path, package in _sources():
+        for name, line in _imports(path, package):
+            if (path, line) in seen:
+                continue  # one report per import statement
+            before = len(bad)
+            where = f"{path.relative_to(REPO)}:{line} imports {name}"
+            top = name.split(".")[0]
+            if top in FORBIDDEN_LIBRARIES.get(part, ()):
+                bad.append(f"{where} (the {part} must not use {top})")
+            target, module = _part_of(name)
+            if target is None or target == part:
+                continue
+            if target not in ALLOWED[part]:
+                bad.append(f"{where} (the {part} may import only {sorted(ALLOWED[part]) or 'nothing of ours'})")
+            elif module in FORBIDDEN_RUNTIME_MODULES.get(part, ()):
+                bad.append(f"{where} (the {part} must not import pdserve.{module})")
+            if len(bad) > before:
+                seen.add((path, line))
+    return sorted(bad)
+
+
+def test_every_import_follows_the_design_arrows():
+    bad = violations()
+    assert not bad, "imports against the design's arrows:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("source, package, expected", [
+    ("from pdserve.prefill_server import node\n", "pdserve.decode_server", "decode_server may import only"),
+    ("from .. import defaults\n", "pdserve.engine", "engine may import only nothing of ours"),
+    ("from pdserve.metrics import ServerMetrics\n", "pdserve.operator", "must not import pdserve.metrics"),
+    ("import prometheus_client\n", "pdserve.operator", "must not use prometheus_client"),
+])
+def test_the_checker_catches_a_breach(tmp_path, monkeypatch, source, package, expected):
+    folder = package.split(".")[1]
+    fake_repo = tmp_path
+    (fake_repo / folder).mkdir()
+    (fake_repo / folder / "breach.py").write_text(source)
+    monkeypatch.setitem(globals(), "REPO", fake_repo)
+    for other in PARTS:
+        (fake_repo / other).mkdir(exist_ok=True)
+    assert any(expected in v for v in violations())

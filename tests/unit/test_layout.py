@@ -1,0 +1,44 @@
+"""The package layout: one distribution, `pdserve.*` import names, a CLI that explains itself."""
+
+import importlib.util
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+from harness.procs import VENV_BIN
+
+PARTS = ["engine", "cachestore", "protos", "prefill_server", "decode_server", "operator"]
+
+
+def test_parts_import_under_pdserve():
+    for part in PARTS:
+        module = importlib.import_module(f"pdserve.{part}")
+        assert Path(module.__file__).parent.name == part
+
+
+def test_operator_folder_does_not_shadow_stdlib():
+    import operator
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"]).resolve()
+    assert Path(operator.__file__).resolve().parent == stdlib
+    # A fresh interpreter started in the repository root still finds the standard library module.
+    repo = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", "import operator; print(operator.__file__)"], cwd=repo,
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(out).resolve().parent == stdlib
+
+
+def test_cli_help_lists_every_command():
+    from pdserve.cli import COMMANDS
+
+    out = subprocess.run([str(VENV_BIN / "pdserve"), "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for name in COMMANDS:
+        assert name in out.stdout
+
+
+def test_cli_unknown_command_is_an_error():
+    out = subprocess.run([str(VENV_BIN / "pdserve"), "frobnicate"], capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "invalid choice" in out.stderr

@@ -1,0 +1,271 @@
+"""The operator's pure builders: InferenceService -> pools -> Deployments, Services, RBAC, NetworkPolicies."""
+
+import argparse
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pdserve import defaults
+from pdserve.operator import naming, pools, workloads
+from pdserve.operator.config import OperatorConfig
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = OperatorConfig(default_image="registry.local/pdserve:1", protocol_version="7")
+
+
+def example() -> dict:
+    doc = yaml.safe_load((REPO / "examples" / "inferenceservice.yaml").read_text())
+    doc["metadata"]["namespace"] = "ns1"
+    return doc
+
+
+def test_prefill_pool_carries_everything_its_children_need():
+    pool = pools.build_prefill_pool(example(), CONFIG)
+    assert pool["kind"] == "PrefillPool" and pool["metadata"]["name"] == "chat-prefill"
+    assert pool["metadata"]["namespace"] == "ns1"
+    spec = pool["spec"]
+    assert spec["inferenceService"] == "chat"
+    assert spec["image"] == "registry.local/pdserve:1"  # the operator's default
+    assert spec["protocolVersion"] == "7"
+    assert spec["replicas"] == 1
+    assert spec["model"] == {"source": "builtin:tiny", "mountPath": "/models"}
+    assert spec["transfer"] == {"backend": "tcp", "blockSize": 64}
+    assert spec["routing"] == {"policy": "wrr"} and spec["slo"] == {"ttftMs": 1000, "tbtMs": 100}
+    assert spec["resources"]["limits"]["memory"] == "4Gi"
+    labels = pool["metadata"]["labels"]
+    assert labels[naming.LABEL_ISVC] == "chat" and labels[naming.LABEL_ROLE] == "prefill"
+    assert labels[naming.LABEL_PROTOCOL] == "7"
+
+
+def test_children_record_the_owner_generation_they_were_built_from():
+    isvc = example()
+    isvc["metadata"]["generation"] = 7
+    pool = pools.build_decode_pools(isvc, CONFIG)[0]
+    assert pool["metadata"]["annotations"][naming.ANNOTATION_OWNER_GENERATION] == "7"
+    pool["metadata"]["generation"] = 2
+    deployment = workloads.build_deployment(pool)
+    assert deployment["metadata"]["annotations"][naming.ANNOTATION_OWNER_GENERATION] == "2"
+    assert naming.ANNOTATION_OWNER_GENERATION not in deployment["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_decode_pools_one_per_entry_with_their_own_hardware():
+    decodes = pools.build_decode_pools(example(), CONFIG)
+    assert [p["metadata"]["name"] for p in decodes] == ["chat-decode-main", "chat-decode-big"]
+    main, big = decodes
+    assert main["spec"]["poolName"] == "main" and main["spec"]["replicas"] == 2
+    assert big["spec"]["nodeSelector"] == {"pdserve.io/node-class": "large"}
+    assert big["spec"]["tolerations"][0]["key"] == "pdserve.io/dedicated"
+    assert "nodeSelector" not in main["spec"]
+
+
+def test_spec_image_and_protocol_override_the_operator_defaults():
+    isvc = example()
+    isvc["spec"]["image"] = "other/pdserve:2"
+    isvc["spec"]["protocolVersion"] = "8"
+    pool = pools.build_prefill_pool(isvc, CONFIG)
+    assert pool["spec"]["image"] == "other/pdserve:2" and pool["spec"]["protocolVersion"] == "8"
+
+
+def test_scaled_pool_keeps_its_replicas_until_the_isvc_count_changes():
+    isvc = example()
+    first = pools.build_decode_pools(isvc, CONFIG)[0]
+    scaled = copy.deepcopy(first)
+    scaled["spec"]["replicas"] = 5  # kubectl scale decodepool chat-decode-main --replicas=5
+    again = pools.build_decode_pools(isvc, CONFIG, {"chat-decode-main": scaled})[0]
+    assert again["spec"]["replicas"] == 5
+    isvc["spec"]["decode"][0]["replicas"] = 3  # the InferenceService's own count changes: it wins
+    changed = pools.build_decode_pools(isvc, CONFIG, {"chat-decode-main": scaled})[0]
+    assert changed["spec"]["replicas"] == 3
+    assert changed["metadata"]["annotations"][naming.ANNOTATION_ISVC_REPLICAS] == "3"
+
+
+def test_stale_decode_pools_are_those_no_longer_listed():
+    isvc = example()
+    assert pools.stale_decode_pools(isvc, ["chat-decode-main", "chat-decode-old", "chat-decode-big"]) == ["chat-decode-old"]
+
+
+def _opts(args: list[str]) -> dict[str, str]:
+    return dict(zip(args[1::2], args[2::2]))
+
+
+def test_prefill_command_line_matches_the_server_cli():
+    pool = pools.build_prefill_pool(example(), CONFIG)
+    deployment = workloads.build_deployment(pool)
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["pdserve"]
+    args = container["args"]
+    assert args[0] == "prefill"
+    assert _opts(args) == {
+        "--host": "0.0.0.0", "--port": str(defaults.HTTP_PORT), "--grpc-port": str(defaults.PREFILL_GRPC_PORT),
+        "--model": "builtin:tiny", "--discovery": "kubernetes", "--namespace": "ns1",
+        "--decode-selector": "pdserve.io/inference-service=chat,pdserve.io/role=decode,pdserve.io/protocol-version=7",
+        "--policy": "wrr", "--transfer": "tcp", "--block-size": "64",
+    }
+
+
+def test_decode_command_line_matches_the_server_cli():
+    pool = pools.build_decode_pools(example(), CONFIG)[1]
+    container = workloads.build_deployment(pool)["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[0] == "decode"
+    assert _opts(args) == {
+        "--host": "0.0.0.0", "--advertise-host": "$(POD_IP)", "--port": str(defaults.DECODE_GRPC_PORT),
+        "--http-port": str(defaults.DECODE_HTTP_PORT), "--kv-port": str(defaults.KV_TRANSFER_PORT),
+        "--model": "builtin:tiny", "--transfer": "tcp", "--block-size": "64",
+    }
+    # $(POD_IP) is expanded by the kubelet from the container's environment.
+    assert any(e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP" for e in container["env"])
+
+
+def _parser_of(module_name: str) -> argparse.ArgumentParser | None:
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return None
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_server_clis_accept_the_command_lines_the_operator_writes(role):
+    """Once the servers' CLI modules exist, they must parse exactly what the pods run."""
+    parser = _parser_of(f"pdserve.{role}_server.cli")
+    assert parser is not None, f"pdserve.{role}_server.cli has no add_arguments"
+    isvc = example()
+    pool = pools.build_prefill_pool(isvc, CONFIG) if role == "prefill" else pools.build_decode_pools(isvc, CONFIG)[0]
+    args = workloads.build_deployment(pool)["spec"]["template"]["spec"]["containers"][0]["args"]
+    parsed = parser.parse_args(args[1:])  # exits (SystemExit) on any flag it does not know
+    assert parsed is not None
+
+
+def test_pods_are_secure_by_default_and_probe_health_and_ready():
+    for pool in [pools.build_prefill_pool(example(), CONFIG), *pools.build_decode_pools(example(), CONFIG)]:
+        pod = workloads.build_deployment(pool)["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        sc = container["securityContext"]
+        assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
+        assert sc["capabilities"] == {"drop": ["ALL"]}
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] != 0
+        assert {"name": "tmp", "mountPath": "/tmp"} in container["volumeMounts"]
+        assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+        http = next(p["containerPort"] for p in container["ports"] if p["name"] == "http")
+        assert container["readinessProbe"]["httpGet"]["port"] == http
+
+
+def test_only_prefill_pods_get_an_api_token():
+    prefill = workloads.build_deployment(pools.build_prefill_pool(example(), CONFIG))["spec"]["template"]["spec"]
+    decode = workloads.build_deployment(pools.build_decode_pools(example(), CONFIG)[0])["spec"]["template"]["spec"]
+    assert prefill["serviceAccountName"] == "chat-prefill" and prefill["automountServiceAccountToken"] is True
+    assert decode["automountServiceAccountToken"] is False and "serviceAccountName" not in decode
+
+
+def test_prefill_role_allows_only_watching_endpointslices_and_services():
+    sa, role, binding = workloads.build_prefill_rbac(pools.build_prefill_pool(example(), CONFIG))
+    assert sa["kind"] == "ServiceAccount" and sa["metadata"]["name"] == "chat-prefill"
+    verbs = {(g, r): set(rule["verbs"]) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
+    assert verbs == {("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
+                     ("", "services"): {"get", "list", "watch"}}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "chat-prefill", "namespace": "ns1"}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+
+
+def test_deployment_selector_is_stable_across_version_changes_but_the_template_rolls():
+    isvc = example()
+    before = workloads.build_deployment(pools.build_decode_pools(isvc, CONFIG)[0])
+    isvc["spec"]["protocolVersion"] = "8"
+    isvc["spec"]["image"] = "registry.local/pdserve:2"
+    after = workloads.build_deployment(pools.build_decode_pools(isvc, CONFIG)[0])
+    assert before["spec"]["selector"] == after["spec"]["selector"]  # immutable field: must not change
+    assert naming.LABEL_PROTOCOL not in before["spec"]["selector"]["matchLabels"]
+    assert after["spec"]["template"]["metadata"]["labels"][naming.LABEL_PROTOCOL] == "8"
+    assert after["spec"]["template"] != before["spec"]["template"]  # so the Deployment rolls
+    assert before["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+def test_decode_service_is_selected_by_prefill_only_at_the_same_protocol_version():
+    isvc = example()
+    prefill = pools.build_prefill_pool(isvc, CONFIG)
+    selector = dict(kv.split("=") for kv in _opts(workloads.prefill_args(prefill))["--decode-selector"].split(","))
+    for decode in pools.build_decode_pools(isvc, CONFIG):
+        service = workloads.build_service(decode)
+        assert service["spec"]["clusterIP"] == "None"
+        assert selector.items() <= service["metadata"]["labels"].items()
+        assert service["spec"]["selector"][naming.LABEL_PROTOCOL] == "7"
+        assert {p["name"] for p in service["spec"]["ports"]} == {"grpc", "http", "kv"}
+    isvc["spec"]["protocolVersion"] = "8"
+    newer = workloads.build_service(pools.build_decode_pools(isvc, CONFIG)[0])
+    assert not selector.items() <= newer["metadata"]["labels"].items()
+
+
+def test_model_on_a_volume_is_mounted_read_only():
+    isvc = example()
+    isvc["spec"]["model"] = {"source": "/models/qwen", "pvcName": "weights"}
+    pod = workloads.build_deployment(pools.build_decode_pools(isvc, CONFIG)[0])["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    assert _opts(pod["containers"][0]["args"])["--model"] == "/models/qwen"
+
+
+def test_network_policy_admits_session_and_kv_ports_only_from_same_service_prefill():
+    decode_policy, prefill_policy = pools.build_network_policies(example(), CONFIG)
+    assert decode_policy["spec"]["podSelector"]["matchLabels"] == {naming.LABEL_ISVC: "chat", naming.LABEL_ROLE: "decode"}
+    session, health = decode_policy["spec"]["ingress"]
+    assert session["from"] == [{"podSelector": {"matchLabels": {naming.LABEL_ISVC: "chat", naming.LABEL_ROLE: "prefill"}}}]
+    assert {p["port"] for p in session["ports"]} == {defaults.DECODE_GRPC_PORT, defaults.KV_TRANSFER_PORT}
+    assert "from" not in health and [p["port"] for p in health["ports"]] == [defaults.DECODE_HTTP_PORT]
+    assert {p["port"] for p in prefill_policy["spec"]["ingress"][0]["ports"]} == {defaults.HTTP_PORT,
+                                                                                 defaults.PREFILL_GRPC_PORT}
+    nixl = example()
+    nixl["spec"]["transfer"] = {"backend": "nixl"}
+    session = pools.build_network_policies(nixl, CONFIG)[0]["spec"]["ingress"][0]
+    assert "ports" not in session and session["from"][0]["podSelector"]["matchLabels"][naming.LABEL_ISVC] == "chat"
+
+
+def test_children_names_fit_in_a_service_name():
+    isvc = example()
+    isvc["metadata"]["name"] = "a" * naming.MAX_ISVC_NAME
+    isvc["spec"]["decode"] = [{"name": "b" * naming.MAX_POOL_NAME}]
+    for pool in [pools.build_prefill_pool(isvc, CONFIG), *pools.build_decode_pools(isvc, CONFIG)]:
+        for child in workloads.build_children(pool):
+            assert len(child["metadata"]["name"]) <= 63
+
+
+def test_bad_operator_config_is_a_clear_error():
+    with pytest.raises(ValueError, match="protocol version"):
+        OperatorConfig(default_image="x", protocol_version="has space")
+    with pytest.raises(ValueError, match="default image"):
+        OperatorConfig(default_image="", protocol_version="1")
+
+
+def test_protocol_version_comes_from_the_protos_package():
+    from pdserve.protos.version import PROTOCOL_VERSION
+
+    assert naming.default_protocol_version() == str(PROTOCOL_VERSION)
+
+
+def test_pods_carry_the_metric_labels_of_their_service_and_pool():
+    from pdserve.defaults import ENV_INFERENCE_SERVICE, ENV_POOL
+    from pdserve.metrics import ServerMetrics
+
+    isvc = example()
+    built = [pools.build_prefill_pool(isvc, CONFIG), *pools.build_decode_pools(isvc, CONFIG)]
+    seen = set()
+    for pool in built:
+        env = {e["name"]: e.get("value") for e in
+               workloads.build_deployment(pool)["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env[ENV_INFERENCE_SERVICE] == isvc["metadata"]["name"]
+        seen.add(env[ENV_POOL])
+    assert "prefill" in seen and len(seen) == len(built)  # one label value per pool
+    # and the servers' metrics read them from there
+    import os
+    from unittest import mock
+
+    with mock.patch.dict(os.environ, {ENV_INFERENCE_SERVICE: "chat", ENV_POOL: "main"}):
+        m = ServerMetrics.from_env(role="decode")
+    assert (m.inference_service, m.pool) == ("chat", "main")

@@ -1,0 +1,67 @@
+"""The CRD schema: one source (operator/crds.py), committed YAML equal to it, structural and sensible."""
+
+from pathlib import Path
+
+import yaml
+
+from pdserve import defaults
+from pdserve.operator import crds
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_DIR = REPO / "charts" / "pdserve" / "crds"
+
+
+def test_committed_crds_equal_the_generated_ones():
+    generated = crds.all_crds()
+    committed = {p.name for p in CRD_DIR.glob("*.yaml")}
+    assert committed == set(generated), "run: .venv/bin/python -m pdserve.operator.crds charts/pdserve/crds"
+    for name, crd in generated.items():
+        assert (CRD_DIR / name).read_text() == crds.render(crd), (
+            f"{name} is stale: run .venv/bin/python -m pdserve.operator.crds charts/pdserve/crds")
+
+
+def _walk(schema: dict, path: str = ""):
+    yield path, schema
+    for key, sub in (schema.get("properties") or {}).items():
+        yield from _walk(sub, f"{path}.{key}")
+    if isinstance(schema.get("items"), dict):
+        yield from _walk(schema["items"], f"{path}[]")
+    if isinstance(schema.get("additionalProperties"), dict):
+        yield from _walk(schema["additionalProperties"], f"{path}{{}}")
+
+
+def test_schemas_are_structural():
+    """Every node has a type (or is int-or-string / preserves unknown fields): the API server requires it."""
+    for crd in crds.all_crds().values():
+        schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        for path, node in _walk(schema):
+            assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{crd['metadata']['name']}{path} has no type"
+
+
+def test_defaults_come_from_the_shared_facts():
+    spec = crds.inferenceservice_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    assert spec["properties"]["transfer"]["properties"]["blockSize"]["default"] == defaults.BLOCK_SIZE
+    assert spec["required"] == ["model", "decode"]
+
+
+def test_names_subresources_and_columns():
+    short = set()
+    for crd in [crds.inferenceservice_crd(), crds.prefillpool_crd(), crds.decodepool_crd()]:
+        names = crd["spec"]["names"]
+        short.update(names["shortNames"])
+        version = crd["spec"]["versions"][0]
+        assert "status" in version["subresources"]
+        columns = {c["name"] for c in version["additionalPrinterColumns"]}
+        assert {"Ready", "Age"} <= columns
+    assert short == {"pdis", "pdpp", "pddp"}
+    isvc_columns = {c["name"] for c in crds.inferenceservice_crd()["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert {"Prefill", "Decode", "Endpoint"} <= isvc_columns
+    for crd in [crds.prefillpool_crd(), crds.decodepool_crd()]:
+        assert crd["spec"]["versions"][0]["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
+
+
+def test_committed_yaml_has_no_aliases():
+    for path in CRD_DIR.glob("*.yaml"):
+        text = path.read_text()
+        assert "&id" not in text and "*id" not in text
+        assert yaml.safe_load(text)["kind"] == "CustomResourceDefinition"
