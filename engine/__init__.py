@@ -79,7 +79,7 @@ asyncio (one background engine thread, thread-safe submission; see async_engine.
     async for out in aeng.add_prefilled(req_id, ids, first, sampling): ...
     await aeng.abort(req_id); await aeng.stats(); await aeng.stop()
     # leaving a stream early aborts the request and frees its blocks.
-    aeng.num_blocks; aeng.num_free_blocks()  # thread-safe reads from any thread (event loop)
+    aeng.num_blocks; aeng.num_free_blocks(); aeng.num_requests()  # thread-safe reads, any thread
 
 Errors: PromptTooLongError (ValueError, lengths in the message), OutOfBlocksError
 (RuntimeError, ``.reason``), ModelLoadError / ConfigError (ValueError, naming the tensor or

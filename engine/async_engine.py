@@ -21,7 +21,9 @@ trip to the engine thread:
   lock. It publishes after every call it runs (before that call's awaiter resumes) and after
   every step (before that step's outputs are delivered), so a coroutine sees at least the
   effect of its own awaited calls; the value may lag the engine by at most the step or
-  call now running. Never touch ``engine`` (the LLMEngine) itself from another thread.
+  call now running.
+- ``num_requests()``: requests holding engine state, published the same way.
+Never touch ``engine`` (the LLMEngine) itself from another thread.
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._num_blocks = engine.num_blocks
-        self._published = threading.Lock()  # guards _free_blocks
+        self._published = threading.Lock()  # guards _free_blocks and _num_requests
         self._free_blocks = engine.num_free_blocks()
+        self._num_requests = engine.num_requests()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -78,6 +81,11 @@ class AsyncLLMEngine:
         """Free KV blocks as last published by the engine thread (see the module docstring)."""
         with self._published:
             return self._free_blocks
+
+    def num_requests(self) -> int:
+        """Requests holding engine state (waiting, running, held, reserved), as last published."""
+        with self._published:
+            return self._num_requests
 
     # ---- colocated -------------------------------------------------------------------------
     async def generate(
@@ -190,10 +198,10 @@ class AsyncLLMEngine:
         return self.engine.abort(request_id)
 
     def _publish(self) -> None:
-        """On the engine thread: make the engine's free-block count readable from other threads."""
-        free = self.engine.num_free_blocks()
+        """On the engine thread: make the engine's counts readable from other threads."""
+        free, requests = self.engine.num_free_blocks(), self.engine.num_requests()
         with self._published:
-            self._free_blocks = free
+            self._free_blocks, self._num_requests = free, requests
 
     def _abort_all(self) -> None:
         self.engine.abort_all()

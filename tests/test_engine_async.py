@@ -192,8 +192,10 @@ def test_thread_safe_block_reads_follow_awaited_calls(tiny):
         await aeng.start()
         blocks = await aeng.reserve("r", 20, 4)
         after_reserve = aeng.num_free_blocks()
+        assert aeng.num_requests() == 1
         await aeng.abort("r")
         after_abort = aeng.num_free_blocks()
+        assert aeng.num_requests() == 0
         toks, last = await _collect(aeng.generate("g", tiny.tokenizer.encode("hello"), SP))
         after_generate = aeng.num_free_blocks()
         await aeng.stop()
