@@ -1,14 +1,24 @@
-"""pdserve.engine: the model runtime both servers share.
+"""pdserve.engine: the model runtime both servers share. It imports nothing else of pdserve.
 
 Reading path (read in this order):
-  ``llm_engine.py``   LLMEngine: scheduling, continuous batching, the P/D hooks
+  ``llm_engine.py``   LLMEngine: the façade (colocated ``add_request``/``step``, the P/D hooks)
+  ``scheduler.py``    Scheduler: the request table, waiting/running queues, admission, preemption
+  ``block_manager.py``BlockManager: ref counts, chained block hashes, prefix-reuse LRU (pure Python)
+  ``pd_hooks.py``     PDHooks: prefill_only/prefill_many/release, reserve/add_prefilled; who frees
+  ``model_runner.py`` ModelRunner: sequences -> ForwardBatch (ids, positions, KV slots) -> tokens
+  ``outputs.py``      OutputProcessor: EOS/stop ids, stop strings (``stop_strings.py``), RequestOutput
+  ``sequence.py``     Sequence, RequestOutput, SequenceFactory (request validation)
   ``model.py``        DecoderModel: the Llama/Qwen2 decoder over a paged KV cache (layer callback)
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
-  ``block_manager.py``BlockManager: ref counts, chained block hashes, prefix-reuse LRU (pure Python)
   ``sampling.py``     SamplingParams (validated) and the batched Sampler
   ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, for asyncio servers
   ``loader.py`` / ``config.py`` / ``checkpoint.py`` / ``tokenizer.py``: loading models
+  ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)
+  ``testing.py``      helpers for tests only (run_all, run_pd, copy_layer_blocks)
+
+The names below are loaded on first use, so ``pdserve.engine.defaults`` or
+``pdserve.engine.stop_strings`` can be imported without loading torch.
 
 API
 ---
@@ -27,6 +37,7 @@ API
     engine.kv_cache.tensor      # [num_layers, num_blocks, 2 (K,V), block_size, num_kv_heads, head_dim]
     engine.kv_cache.block_nbytes, .num_blocks, .layer(i) (view), .block_offset(layer, block) (bytes)
     engine.num_free_blocks(); engine.num_requests()  # (both back to full / 0 when idle)
+    blocks_needed(num_tokens, block_size)   # ceil division: blocks that hold num_tokens tokens
 
 Colocated::
 
@@ -51,7 +62,7 @@ P/D, decode side::
     block_ids = engine.reserve(request_id, num_prompt_tokens, max_tokens)
         # blocks for prompt + max_tokens up front, so a P/D request is never preempted;
         # OutOfBlocksError(reason) if impossible; PromptTooLongError.
-        # The prompt's KV must be written into block_ids[:ceil(num_prompt_tokens/block_size)].
+        # The prompt's KV must be written into block_ids[:blocks_needed(num_prompt_tokens, block_size)].
     engine.add_prefilled(request_id, prompt_token_ids, first_token_id, sampling)
         # joins the running batch; outputs start AFTER first_token_id (prefill reported it).
         # If first_token_id already ends the request, the next step reports finished, no tokens.
@@ -68,37 +79,62 @@ asyncio (one background engine thread, thread-safe submission; see async_engine.
     async for out in aeng.add_prefilled(req_id, ids, first, sampling): ...
     await aeng.abort(req_id); await aeng.stats(); await aeng.stop()
     # leaving a stream early aborts the request and frees its blocks.
+    aeng.num_blocks; aeng.num_free_blocks(); aeng.num_requests()  # thread-safe reads, any thread
 
 Errors: PromptTooLongError (ValueError, lengths in the message), OutOfBlocksError
 (RuntimeError, ``.reason``), ModelLoadError / ConfigError (ValueError, naming the tensor or
 architecture), ValueError from SamplingParams ("temperature must be >= 0, got -1").
 """
 
-from .async_engine import AsyncLLMEngine
-from .block_manager import BlockManager, block_hash, chained_hashes
-from .config import ConfigError, ModelConfig
-from .errors import ModelLoadError, OutOfBlocksError, PromptTooLongError
-from .kv_cache import KVCache
-from .llm_engine import EngineConfig, LLMEngine
-from .loader import LoadedModel, load_model
-from .sampling import SamplingParams
-from .sequence import RequestOutput
+from __future__ import annotations
 
-__all__ = [
-    "AsyncLLMEngine",
-    "BlockManager",
-    "ConfigError",
-    "EngineConfig",
-    "KVCache",
-    "LLMEngine",
-    "LoadedModel",
-    "ModelConfig",
-    "ModelLoadError",
-    "OutOfBlocksError",
-    "PromptTooLongError",
-    "RequestOutput",
-    "SamplingParams",
-    "block_hash",
-    "chained_hashes",
-    "load_model",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "AsyncLLMEngine": ".async_engine",
+    "BlockManager": ".block_manager",
+    "block_hash": ".block_manager",
+    "blocks_needed": ".block_manager",
+    "chained_hashes": ".block_manager",
+    "ConfigError": ".config",
+    "ModelConfig": ".config",
+    "ModelLoadError": ".errors",
+    "OutOfBlocksError": ".errors",
+    "PromptTooLongError": ".errors",
+    "KVCache": ".kv_cache",
+    "EngineConfig": ".llm_engine",
+    "LLMEngine": ".llm_engine",
+    "LoadedModel": ".loader",
+    "load_model": ".loader",
+    "SamplingParams": ".sampling",
+    "RequestOutput": ".sequence",
+}
+
+__all__ = sorted(_EXPORTS, key=lambda name: (name[0].islower(), name))
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:
+    from .async_engine import AsyncLLMEngine
+    from .block_manager import BlockManager, block_hash, blocks_needed, chained_hashes
+    from .config import ConfigError, ModelConfig
+    from .errors import ModelLoadError, OutOfBlocksError, PromptTooLongError
+    from .kv_cache import KVCache
+    from .llm_engine import EngineConfig, LLMEngine
+    from .loader import LoadedModel, load_model
+    from .sampling import SamplingParams
+    from .sequence import RequestOutput

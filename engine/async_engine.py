@@ -13,6 +13,17 @@ Lifecycle and who frees what:
 - If a step raises, every running request's stream ends with a RequestOutput whose
   ``finish_reason`` is "abort" and ``error`` names the exception; their blocks are freed.
 - ``stop()`` aborts everything still held and joins the thread.
+
+Reads from any thread (e.g. the event loop's metrics and admission checks), without a round
+trip to the engine thread:
+- ``num_blocks``: the pool's size in blocks (constant).
+- ``num_free_blocks()``: the free blocks as the engine thread last published them, under a
+  lock. It publishes after every call it runs (before that call's awaiter resumes) and after
+  every step (before that step's outputs are delivered), so a coroutine sees at least the
+  effect of its own awaited calls; the value may lag the engine by at most the step or
+  call now running.
+- ``num_requests()``: requests holding engine state, published the same way.
+Never touch ``engine`` (the LLMEngine) itself from another thread.
 """
 
 from __future__ import annotations
@@ -30,6 +41,10 @@ from .sequence import RequestOutput
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self._num_blocks = engine.num_blocks
+        self._published = threading.Lock()  # guards _free_blocks and _num_requests
+        self._free_blocks = engine.num_free_blocks()
+        self._num_requests = engine.num_requests()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -55,6 +70,22 @@ class AsyncLLMEngine:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    # ---- thread-safe reads (no engine-thread round trip) -----------------------------------
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks in the pool (constant)."""
+        return self._num_blocks
+
+    def num_free_blocks(self) -> int:
+        """Free KV blocks as last published by the engine thread (see the module docstring)."""
+        with self._published:
+            return self._free_blocks
+
+    def num_requests(self) -> int:
+        """Requests holding engine state (waiting, running, held, reserved), as last published."""
+        with self._published:
+            return self._num_requests
 
     # ---- colocated -------------------------------------------------------------------------
     async def generate(
@@ -166,10 +197,14 @@ class AsyncLLMEngine:
     def _abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
+    def _publish(self) -> None:
+        """On the engine thread: make the engine's counts readable from other threads."""
+        free, requests = self.engine.num_free_blocks(), self.engine.num_requests()
+        with self._published:
+            self._free_blocks, self._num_requests = free, requests
+
     def _abort_all(self) -> None:
-        e = self.engine
-        for rid in list(e._seqs) + list(e._reserved):
-            e.abort(rid)
+        self.engine.abort_all()
         for rid in list(self._streams):  # open streams end instead of waiting forever
             self._deliver(RequestOutput(rid, [], True, "abort", error="engine stopped"))
 
@@ -184,10 +219,12 @@ class AsyncLLMEngine:
         try:
             result = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            self._publish()
             if reply is not None:
                 loop, fut = reply
                 loop.call_soon_threadsafe(_set_exception, fut, exc)
             return
+        self._publish()
         if reply is not None:
             loop, fut = reply
             loop.call_soon_threadsafe(_set_result, fut, result)
@@ -217,12 +254,8 @@ class AsyncLLMEngine:
             try:
                 outputs = e.step()
             except Exception as exc:  # fail every running request, keep serving
-                outputs = []
-                for seq in list(e.running) + list(e.waiting):
-                    e.abort(seq.request_id)
-                    outputs.append(
-                        RequestOutput(seq.request_id, [], True, "abort", error=f"{type(exc).__name__}: {exc}")
-                    )
+                outputs = e.fail_scheduled(f"{type(exc).__name__}: {exc}")
+            self._publish()
             for out in outputs:
                 self._deliver(out)
 

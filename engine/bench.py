@@ -69,12 +69,12 @@ class _Clock:
 
 
 def _ours_engine(loaded, batch, prompt_len, gen_len):
-    from . import EngineConfig, LLMEngine
+    from . import EngineConfig, LLMEngine, blocks_needed
 
     return LLMEngine(
         loaded,
         EngineConfig(
-            num_blocks=batch * (-(-(prompt_len + gen_len) // 64)) + 8,
+            num_blocks=batch * blocks_needed(prompt_len + gen_len, 64) + 8,
             block_size=64,
             max_num_seqs=batch,
             max_num_batched_tokens=max(8192, batch * prompt_len),

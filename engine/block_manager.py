@@ -47,6 +47,7 @@ def chained_hashes(token_ids: list[int], block_size: int, parent: int | None = N
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size). The one place for it."""
     return -(-num_tokens // block_size)
 
 
@@ -119,9 +120,6 @@ class BlockManager:
         self.prefix_hits += len(hits)
         table = hits + [self._pop_fresh() for _ in range(fresh)]
         return table, len(hits) * self.block_size
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self.num_free_blocks()
 
     def append_slots(self, block_table: list[int], num_tokens: int) -> None:
         """Grow ``block_table`` in place so that it holds ``num_tokens`` tokens."""

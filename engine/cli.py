@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from pdserve.defaults import BLOCK_SIZE, BUILTIN_MODEL
+from .defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 DTYPES = ("float32", "bfloat16", "float16")
 

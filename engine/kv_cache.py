@@ -95,5 +95,5 @@ class KVCache:
     def table_rows(self, block_table: torch.Tensor) -> torch.Tensor:
         """K rows of every slot of padded block tables ``[B, nb]`` -> ``[B, nb * block_size]``."""
         offs = torch.arange(self.block_size, device=block_table.device)
-        rows = block_table.unsqueeze(-1) * (2 * self.block_size) + offs
+        rows = self.slot_indices(block_table.unsqueeze(-1), offs)
         return rows.reshape(*block_table.shape[:-1], -1)

@@ -1,6 +1,6 @@
 """load_model: a built-in name or a Hugging Face directory -> LoadedModel (weights + tokenizer).
 
-- ``"tiny"`` / ``"builtin:tiny"`` (``pdserve.defaults.BUILTIN_MODEL``): a small Llama with
+- ``"tiny"`` / ``"builtin:tiny"`` (``engine/defaults.py`` BUILTIN_MODEL): a small Llama with
   deterministic random weights from ``seed`` and the byte-level tokenizer. No files, no download.
 - A directory: ``config.json`` (unknown architecture -> ConfigError naming it), weights from
   ``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (a missing or
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.defaults import BUILTIN_MODEL
+from .defaults import BUILTIN_MODEL
 
 from .checkpoint import hf_tensor_shapes, random_hf_weights
 from .config import ModelConfig

@@ -1,10 +1,17 @@
-"""Sequence (one request's state inside the engine) and RequestOutput (what a step reports)."""
+"""Sequence (one request's state inside the engine), RequestOutput (what a step reports), and
+SequenceFactory (a request's user input validated into a Sequence).
+
+Invalid input raises ValueError (or PromptTooLongError, a ValueError) with a message naming
+the field; nothing is changed in the engine when it does.
+"""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable
 
+from .errors import PromptTooLongError
 from .sampling import SamplingParams
 
 
@@ -66,3 +73,41 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_ids)
+
+
+class SequenceFactory:
+    """Validates a request (id, prompt ids, SamplingParams) and builds its Sequence.
+
+    ``in_use(request_id)`` says whether an id is taken; ``detokenizer()`` makes the
+    incremental detokenizer a sequence needs when ``detokenize`` is on or it has stop strings.
+    Arrival numbers (the preemption order) count up from 1.
+    """
+
+    def __init__(self, vocab_size: int, max_model_len: int, detokenizer: Callable[[], object], detokenize: bool,
+                 in_use: Callable[[str], bool]):
+        self.vocab_size, self.max_model_len = vocab_size, max_model_len
+        self.detokenizer, self.detokenize, self.in_use = detokenizer, detokenize, in_use
+        self.arrivals = 0
+
+    def make(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+             check_unique: bool = True) -> Sequence:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if check_unique and self.in_use(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not isinstance(sampling, SamplingParams):
+            raise ValueError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        ids = list(prompt_token_ids)
+        if not ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(ids) + 1 > self.max_model_len:
+            raise PromptTooLongError(len(ids), self.max_model_len)
+        self.arrivals += 1
+        seq = Sequence(request_id, ids, sampling, self.arrivals)
+        if self.detokenize or sampling.stop:
+            seq.detok = self.detokenizer()
+        return seq

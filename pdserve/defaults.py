@@ -1,9 +1,15 @@
 """Facts every part of pdserve agrees on: ports and default sizes.
 
-This is the one place for them. The servers' command-line defaults, the operator's
-pod builders and the Helm chart's values all come from here (the chart is checked
-against this module by a test).
+The servers' command-line defaults, the operator's pod builders and the Helm chart's
+values all come from here (the chart is checked against this module by a test). The
+ports are defined here; the engine's facts (block size, built-in model name) are defined
+in ``pdserve.engine.defaults`` (the engine imports nothing of ours) and re-exported here.
 """
+
+from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
+
+__all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
+           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE"]
 
 # Prefill pods: the OpenAI-compatible HTTP API (also /health, /ready, /metrics).
 HTTP_PORT = 8000
@@ -15,12 +21,6 @@ DECODE_GRPC_PORT = 50052
 DECODE_HTTP_PORT = 8001
 # Decode pods: where the CacheStore receives KV (tcp transport listener / nixl agent).
 KV_TRANSFER_PORT = 50060
-
-# KV cache block size in tokens.
-BLOCK_SIZE = 64
-
-# The name the built-in model is served under.
-BUILTIN_MODEL = "tiny"
 
 # Environment variables the operator sets on every pod so its metrics carry the pod's labels.
 ENV_POOL = "PDSERVE_POOL"

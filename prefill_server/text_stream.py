@@ -5,10 +5,12 @@ tokens reach prefill from decode and prefill builds the client's text itself. Th
 does that: incremental detokenization (never splitting a UTF-8 character, via the
 tokenizer's IncrementalDetokenizer), holding back a tail that could be the start of a
 stop string, and cutting the text before the first stop string (OpenAI semantics: the
-stop string is not returned).
+stop string is not returned). The stop rule is the engine's (``pdserve.engine.stop_strings``).
 """
 
 from __future__ import annotations
+
+from pdserve.engine.stop_strings import find_stop, stop_cut
 
 
 class TextStream:
@@ -27,14 +29,10 @@ class TextStream:
             return ""
         self._ids += token_ids
         self._pending += self._detok.add(list(token_ids))
-        if self._stop:
-            cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
-            if cut >= 0:
-                self.stopped = True
-                return self._emit(self._pending[:cut])
-            hold = max((k for s in self._stop for k in range(1, min(len(s), len(self._pending) + 1)) if self._pending.endswith(s[:k])), default=0)
-            return self._emit(self._pending[: len(self._pending) - hold], keep=self._pending[len(self._pending) - hold :])
-        return self._emit(self._pending)
+        end, self.stopped = stop_cut(self._pending, self._stop)
+        if self.stopped:
+            return self._emit(self._pending[:end])
+        return self._emit(self._pending[:end], keep=self._pending[end:])
 
     def flush(self) -> str:
         """At the end of the request: whatever was held back (never a stop string)."""
@@ -44,10 +42,10 @@ class TextStream:
             full = self._decode(self._ids)
             if full.startswith(self.text + self._pending):
                 self._pending = full[len(self.text):]
-        for s in self._stop:
-            if s in self._pending:
-                self.stopped = True
-                return self._emit(self._pending[: self._pending.find(s)])
+        cut = find_stop(self._pending, self._stop)
+        if cut >= 0:
+            self.stopped = True
+            return self._emit(self._pending[:cut])
         return self._emit(self._pending)
 
     def _emit(self, text: str, keep: str = "") -> str:

@@ -180,3 +180,28 @@ def test_stop_ends_open_streams(tiny):
     assert not first.finished
     assert last.finished and last.finish_reason == "abort" and last.error == "engine stopped"
     assert engine.num_free_blocks() == engine.num_blocks and engine.num_requests() == 0
+
+
+def test_thread_safe_block_reads_follow_awaited_calls(tiny):
+    """num_blocks / num_free_blocks() are read without the engine thread and reflect each awaited call."""
+
+    async def main():
+        aeng = AsyncLLMEngine(_engine(tiny))
+        total = aeng.num_blocks
+        assert aeng.num_free_blocks() == total == 64
+        await aeng.start()
+        blocks = await aeng.reserve("r", 20, 4)
+        after_reserve = aeng.num_free_blocks()
+        assert aeng.num_requests() == 1
+        await aeng.abort("r")
+        after_abort = aeng.num_free_blocks()
+        assert aeng.num_requests() == 0
+        toks, last = await _collect(aeng.generate("g", tiny.tokenizer.encode("hello"), SP))
+        after_generate = aeng.num_free_blocks()
+        await aeng.stop()
+        return total, len(blocks), after_reserve, after_abort, after_generate
+
+    total, reserved, after_reserve, after_abort, after_generate = asyncio.run(main())
+    assert reserved == blocks_needed(24, 8)
+    assert after_reserve == total - reserved
+    assert after_abort == total and after_generate == total

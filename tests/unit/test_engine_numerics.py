@@ -75,9 +75,9 @@ def test_prefill_logits_match_transformers(pair):
     engine = LLMEngine(ours, EngineConfig(num_blocks=32, block_size=8))
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(max_tokens=1, temperature=0))
-    seqs = engine._schedule_prefills()
+    seqs = engine.scheduler.schedule_prefills()
     assert len(seqs) == len(prompts)  # one forward over the whole batch
-    batch = engine._build_batch(seqs, [])
+    batch = engine.runner.build_batch(seqs, [])
     batch.logits_rows = torch.arange(batch.input_ids.shape[0])  # every position, not just the last
     logits = ours.model(batch, engine.kv_cache)
     for span, p in zip(batch.prefills, prompts):

@@ -1,0 +1,12 @@
+"""The engine's own defaults: the one place for each of these facts.
+
+The rest of pdserve (``pdserve.defaults``, the servers' flags, the operator, the Helm chart)
+reads them from here; the engine imports nothing of pdserve, so these cannot live there.
+Importing this module loads no torch (``pdserve.engine`` loads its modules lazily).
+"""
+
+# KV cache block size in tokens.
+BLOCK_SIZE = 64
+
+# The name the built-in model (random weights, byte-level tokenizer, no download) is served under.
+BUILTIN_MODEL = "tiny"

@@ -1,0 +1,97 @@
+"""ModelRunner: sequences -> one ForwardBatch -> one forward pass -> one sampled token each.
+
+Owns the tensors side of a step: the model, the KV cache, the sampler. It never changes a
+Sequence; the caller (LLMEngine, the P/D hooks) decides which sequences run and what to do
+with the tokens.
+
+A sequence is a *decode* row when exactly one of its tokens is not yet in the cache and some
+are (``num_tokens - num_computed == 1 and num_computed > 0``); every other sequence is a
+*prefill* span (all its uncomputed tokens). Prefill spans come first in the batch, then
+decode rows; ``forward_and_sample`` hands the tokens back in the caller's order.
+
+Token ``t`` of a sequence is written to K row ``kv_cache.slot_indices(block_table[t //
+block_size], t % block_size)`` (see ``kv_cache.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .kv_cache import KVCache
+from .model import DecoderModel, ForwardBatch, PrefillSpan
+from .sampling import Sampler
+from .sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, sampler: Sampler, device: torch.device):
+        self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
+
+    def forward_and_sample(self, seqs: list[Sequence], on_layer: Callable[[int], None] | None) -> list[int]:
+        """One forward over ``seqs`` (their uncomputed tokens) and one sampled token per sequence,
+        in the order of ``seqs``. ``on_layer(layer_idx)`` runs after each layer's KV is written."""
+        pre = [s for s in seqs if not (s.num_tokens - s.num_computed == 1 and s.num_computed > 0)]
+        dec = [s for s in seqs if s not in pre] if len(pre) != len(seqs) else []
+        batch = self.build_batch(pre, dec)
+        logits = self.model(batch, self.kv_cache, on_layer=on_layer)
+        ordered = pre + dec
+        sampled = self.sampler.sample(logits, [s.sampling for s in ordered], [len(s.output_ids) for s in ordered])
+        by_seq = {id(s): t for s, t in zip(ordered, sampled)}
+        return [by_seq[id(s)] for s in seqs]
+
+    def build_batch(self, pre: list[Sequence], dec: list[Sequence]) -> ForwardBatch:
+        """The ForwardBatch of prefill spans ``pre`` then decode rows ``dec``."""
+        dev = self.device
+        input_ids, positions, slot_parts, spans, logits_rows = [], [], [], [], []
+        for seq in pre:
+            start, ids, done = len(input_ids), seq.all_ids, seq.num_computed
+            input_ids.extend(ids[done:])
+            positions.extend(range(done, len(ids)))
+            context_rows = None
+            if done > 0:  # a prefix hit: attention reads the cached tokens' rows too
+                rows = self._token_rows(seq.block_table, 0, len(ids))
+                slot_parts.append(rows[done:])
+                context_rows = rows.to(dev)
+            else:
+                slot_parts.append(self._token_rows(seq.block_table, done, len(ids)))
+            spans.append(PrefillSpan(start, len(input_ids), done, context_rows))
+            logits_rows.append(len(input_ids) - 1)
+        decode_start = len(input_ids)
+        decode_rows = decode_mask = None
+        if dec:
+            bs = self.kv_cache.block_size
+            max_blocks = max(len(s.block_table) for s in dec)
+            tables, ctx, blocks, offsets = [], [], [], []
+            for seq in dec:
+                p = seq.num_computed
+                input_ids.append(seq.all_ids[p])  # the last token
+                positions.append(p)
+                blocks.append(seq.block_table[p // bs])
+                offsets.append(p % bs)
+                tables.append(seq.block_table + [0] * (max_blocks - len(seq.block_table)))
+                ctx.append(p + 1)
+                logits_rows.append(len(input_ids) - 1)
+            slot_parts.append(self.kv_cache.slot_indices(torch.tensor(blocks), torch.tensor(offsets)))
+            max_ctx = max(ctx)
+            table_t = torch.tensor(tables, device=dev)
+            decode_rows = self.kv_cache.table_rows(table_t)[:, :max_ctx]
+            ctx_t = torch.tensor(ctx, device=dev)
+            decode_mask = (torch.arange(max_ctx, device=dev) < ctx_t.unsqueeze(1)).view(len(dec), 1, 1, max_ctx)
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            slot_rows=torch.cat(slot_parts).to(dev),
+            prefills=spans,
+            decode_start=decode_start,
+            decode_rows=decode_rows,
+            decode_mask=decode_mask,
+            logits_rows=torch.tensor(logits_rows, device=dev),
+        )
+
+    def _token_rows(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """K rows (CPU, long) of tokens ``start .. end-1`` of a sequence with ``block_table``."""
+        pos = torch.arange(start, end)
+        bs = self.kv_cache.block_size
+        return self.kv_cache.slot_indices(torch.tensor(block_table)[pos // bs], pos % bs)

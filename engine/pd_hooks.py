@@ -1,0 +1,116 @@
+"""PDHooks: the engine's prefill/decode disaggregation primitives, on each side.
+
+Prefill side (the prompt's KV is computed here and sent elsewhere):
+- ``prefill_many`` (and ``prefill_only`` for one prompt) computes prompts' KV into local
+  blocks in ONE forward pass, calling ``on_layer(layer_idx, {request_id: block_ids})`` on this
+  thread right after each layer's KV is written, and returns each first token. All or
+  nothing: on any error (bad input, blocks not free now, ``on_layer`` raising) every block
+  taken is freed before the error propagates.
+- Who frees: the caller, with ``release(request_id)`` once the KV is sent (or ``abort``).
+
+Decode side (the prompt's KV arrives from elsewhere):
+- ``reserve`` takes blocks for prompt + max_tokens up front, so the request is never
+  preempted; OutOfBlocksError (with the reason) when impossible. The prompt's KV must be
+  written into the first ``blocks_needed(num_prompt_tokens, block_size)`` of them.
+- ``add_prefilled`` joins the request to the running batch; its outputs start after the first
+  token (prefill reported that one). If the first token already ends the request, the next
+  step reports it finished with no tokens.
+- Who frees: the engine when the request finishes, or ``abort`` (also before add_prefilled).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .block_manager import blocks_needed
+from .errors import PromptTooLongError
+from .model_runner import ModelRunner
+from .outputs import OutputProcessor
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceFactory, Status
+
+
+class PDHooks:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, factory: SequenceFactory,
+                 outputs: OutputProcessor, max_model_len: int):
+        self.scheduler, self.runner, self.factory, self.outputs = scheduler, runner, factory, outputs
+        self.block_manager = scheduler.block_manager
+        self.max_model_len = max_model_len
+
+    # ---- prefill side ----------------------------------------------------------------------
+    def prefill_many(
+        self,
+        requests: list[tuple[str, list[int], SamplingParams]],
+        on_layer: Callable[[int, dict[str, list[int]]], None] | None = None,
+    ) -> dict[str, int]:
+        """Several prompts' KV in one forward pass: request id -> first token (see the module)."""
+        seqs: list[Sequence] = []
+        try:
+            for request_id, ids, sampling in requests:
+                if any(s.request_id == request_id for s in seqs):
+                    raise ValueError(f"request id {request_id!r} appears twice")
+                seq = self.factory.make(request_id, ids, sampling)
+                seq.block_table, seq.num_computed = self.block_manager.allocate(seq.prompt_ids, len(seq.prompt_ids))
+                seq.num_cached_tokens = seq.num_computed
+                seqs.append(seq)
+            layer_cb = None
+            if on_layer is not None:
+                tables = {s.request_id: list(s.block_table) for s in seqs}
+                layer_cb = lambda i: on_layer(i, tables)  # noqa: E731
+            tokens = self.runner.forward_and_sample(seqs, layer_cb) if seqs else []
+        except BaseException:
+            for seq in seqs:
+                self.block_manager.free(seq.block_table)
+            raise
+        for seq in seqs:
+            seq.num_computed = len(seq.prompt_ids)
+            seq.status = Status.RUNNING
+            self.scheduler.hold(seq)
+            self.scheduler.register_blocks(seq)
+        return {s.request_id: t for s, t in zip(seqs, tokens)}
+
+    def prefill_block_ids(self, request_id: str) -> list[int]:
+        """The blocks a prefill_only request holds (its prompt's KV)."""
+        return list(self.scheduler.seqs[request_id].block_table)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a prefill_only request (after its KV was sent). Unknown ids are ignored."""
+        self.scheduler.release(request_id)
+
+    # ---- decode side -----------------------------------------------------------------------
+    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
+        """Blocks for prompt + max_tokens, taken now (see the module)."""
+        if self.scheduler.in_use(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if num_prompt_tokens < 1:
+            raise ValueError(f"num_prompt_tokens must be >= 1, got {num_prompt_tokens}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if num_prompt_tokens + 1 > self.max_model_len:
+            raise PromptTooLongError(num_prompt_tokens, self.max_model_len)
+        n = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        table, _ = self.block_manager.allocate([], n, use_prefix_cache=False)
+        self.scheduler.add_reservation(request_id, table)
+        return list(table)
+
+    def add_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams
+    ) -> None:
+        """Join a reserved request whose prompt KV is in its blocks to the running batch."""
+        table = self.scheduler.reservation(request_id)
+        if table is None:
+            raise ValueError(f"request {request_id!r} has no reservation (call reserve first)")
+        seq = self.factory.make(request_id, prompt_token_ids, sampling, check_unique=False)
+        if blocks_needed(len(seq.prompt_ids), self.block_manager.block_size) > len(table):
+            raise ValueError(f"request {request_id!r} reserved {len(table)} blocks, too few for {len(seq.prompt_ids)} prompt tokens")
+        seq.block_table, seq.reserved = self.scheduler.take_reservation(request_id), True
+        seq.num_computed = len(seq.prompt_ids)
+        self.scheduler.register_blocks(seq)
+        self.outputs.append_token(seq, first_token_id)
+        seq.pending_ids.clear()
+        seq.pending_text = ""
+        if seq.status is Status.FINISHED:
+            self.scheduler.finish_early(seq)
+        else:
+            self.scheduler.join_running(seq)
