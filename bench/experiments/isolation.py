@@ -21,6 +21,9 @@ from pdserve.bench.loadgen import LoadConfig, send_requests
 from pdserve.bench.loadgen_report import percentile, summarize
 from pdserve.bench.loadgen_workload import RequestSpec, make_prompt_ids
 
+from pdserve.defaults import BLOCK_SIZE
+from pdserve.engine import blocks_needed
+
 from . import report
 from .cluster import SERVED_MODEL, start_colocated, start_pd
 from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model
@@ -82,8 +85,8 @@ def run(args: argparse.Namespace) -> int:
     specs, arrivals, is_stream = workload(args, PROMPT_VOCAB)
     max_len = max(args.long_prompt, args.stream_prompt + args.stream_output) + 64
     # room for every request at once (decode reserves prompt + output), so nothing is refused
-    blocks = (args.streams * -(-(args.stream_prompt + args.stream_output) // 64)
-              + args.long_prompts * -(-(args.long_prompt + 2) // 64) + 16)
+    blocks = (args.streams * blocks_needed(args.stream_prompt + args.stream_output, BLOCK_SIZE)
+              + args.long_prompts * blocks_needed(args.long_prompt + 2, BLOCK_SIZE) + 16)
     runs = {}
     with Launcher(LOG_ROOT / "isolation-pd") as launcher:
         cluster = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus="0", decode_cpus="1",

@@ -28,6 +28,9 @@ from pathlib import Path
 
 from pdserve.bench.loadgen_workload import RequestSpec, make_prompt_ids
 
+from pdserve.defaults import BLOCK_SIZE
+from pdserve.engine import blocks_needed
+
 from . import report
 from .client import send
 from .cluster import start_colocated, start_decode, start_prefill
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--lengths must be >= 1 and --repeats >= 1")
     model = bench_model(MODEL_CACHE, args.model)
     max_len = lengths[-1] + 64
-    blocks = 2 * -(-max_len // 64) + 8
+    blocks = 2 * blocks_needed(max_len, BLOCK_SIZE) + 8
     configs = {"alone": None, "overlap_on": []}
     if flag_available(args.overlap_off_flag):
         configs["overlap_off"] = [args.overlap_off_flag]

@@ -22,6 +22,9 @@ from pathlib import Path
 from pdserve.bench.loadgen_report import percentile
 from pdserve.bench.loadgen_workload import RequestSpec, arrival_times, make_prompt_ids
 
+from pdserve.defaults import BLOCK_SIZE
+from pdserve.engine import blocks_needed
+
 from . import report
 from .client import send
 from .cluster import start_decode, start_prefill
@@ -70,7 +73,7 @@ def one_run(args, model: str, rate_mbit: float, scheduler: str, workload_: tuple
     """Measure one scheduler on a fresh shaped link. Without a workload (the first run of a
     rate), calibrate the arrival rate first and build the workload; return it for the next run."""
     max_len = max(args.long_prompt, args.short_prompt) + args.output + 64
-    blocks = 4 * -(-max_len // 64) * 4
+    blocks = 4 * blocks_needed(max_len, BLOCK_SIZE) * 4
     service = None
     with LinkedNamespaces(rate_mbit) as link, Launcher(LOG_ROOT / f"transmission-{int(rate_mbit)}-{scheduler}") as launcher:
         decode = start_decode(launcher, "decode", model, threads=1, cpus="1", num_blocks=blocks, max_model_len=max_len,
