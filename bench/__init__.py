@@ -12,7 +12,7 @@ Run 'pdserve bench NAME --help' for the options of one benchmark.
 
 from __future__ import annotations
 
-import argparse
+from pdserve.cli import Dispatcher
 
 # name -> module exposing add_arguments(parser) and run(args)
 BENCHES: dict[str, str] = {
@@ -23,12 +23,4 @@ BENCHES: dict[str, str] = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("bench", choices=list(BENCHES), help="which benchmark")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark (see its --help)")
-
-
-def run(args: argparse.Namespace) -> int:
-    from pdserve.cli import run_module
-
-    return run_module(BENCHES[args.bench], f"pdserve bench {args.bench}", args.rest)
+add_arguments, run = Dispatcher("pdserve bench", BENCHES, "benchmark").functions()

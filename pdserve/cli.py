@@ -72,6 +72,25 @@ def run_module(module_name: str, prog: str, argv: list[str]) -> int:
     return int(module.run(parser.parse_args(argv)) or 0)
 
 
+class Dispatcher:
+    """A command whose first argument picks one module of ``table`` (``pdserve bench NAME``,
+    ``pdserve bench experiment NAME``); the rest of the line goes to that module's own parser.
+    Give a package ``add_arguments, run = Dispatcher(...).functions()``."""
+
+    def __init__(self, prog: str, table: dict[str, str], what: str):
+        self.prog, self.table, self.what = prog, table, what
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("name", choices=list(self.table), help=f"which {self.what}")
+        parser.add_argument("rest", nargs=argparse.REMAINDER, help=f"options of that {self.what} (see its --help)")
+
+    def run(self, args: argparse.Namespace) -> int:
+        return run_module(self.table[args.name], f"{self.prog} {args.name}", args.rest)
+
+    def functions(self):
+        return self.add_arguments, self.run
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in COMMANDS:

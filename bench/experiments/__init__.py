@@ -16,7 +16,7 @@ then one experiment module.
 
 from __future__ import annotations
 
-import argparse
+from pdserve.cli import Dispatcher
 
 EXPERIMENTS: dict[str, str] = {
     "isolation": "pdserve.bench.experiments.isolation",
@@ -26,12 +26,4 @@ EXPERIMENTS: dict[str, str] = {
 }
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("name", choices=list(EXPERIMENTS), help="which experiment")
-    parser.add_argument("rest", nargs=argparse.REMAINDER, help="options of that experiment (see its --help)")
-
-
-def run(args: argparse.Namespace) -> int:
-    from pdserve.cli import run_module
-
-    return run_module(EXPERIMENTS[args.name], f"pdserve bench experiment {args.name}", args.rest)
+add_arguments, run = Dispatcher("pdserve bench experiment", EXPERIMENTS, "experiment").functions()
