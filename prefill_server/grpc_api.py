@@ -17,7 +17,7 @@ from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
 from .decode_session import DecodeFailed
 from .node import NoDecodeAvailable
-from .openai_api import BadRequest, SamplingSpec
+from .openai_api import BadRequest, check_token_ids, parse_sampling
 
 
 class GenerateServicer(gpb_grpc.GeneratorServicer):
@@ -29,23 +29,20 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
         if req.model and req.model != fe.model_name:
             raise BadRequest(f"model {req.model!r} does not exist; this server serves {fe.model_name!r}", "model")
         if req.prompt_token_ids:
-            ids = list(req.prompt_token_ids)
-            if any(t < 0 for t in ids):
-                raise BadRequest("prompt_token_ids must be non-negative", "prompt_token_ids")
+            ids = check_token_ids(list(req.prompt_token_ids), "prompt_token_ids", fe.vocab_size)
         elif req.prompt:
             ids = fe.tokenizer.encode(req.prompt)
         else:
             raise BadRequest("one of prompt or prompt_token_ids is required", "prompt")
         fe.check_prompt(ids)
-        if req.max_tokens < 0:
-            raise BadRequest(f"max_tokens must be at least 1, got {req.max_tokens}", "max_tokens")
-        spec = SamplingSpec(
-            max_tokens=req.max_tokens or None,
-            temperature=req.temperature if req.HasField("temperature") else 1.0,
-            top_p=req.top_p if req.HasField("top_p") else 1.0,
-            top_k=req.top_k, seed=req.seed if req.HasField("seed") else None,
-            stop=list(req.stop), stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
-        )
+        # the same table of ranges as the OpenAI endpoints; proto3 defaults mean "unset"
+        spec = parse_sampling({
+            "max_tokens": req.max_tokens or None,  # 0 = server default (negative: refused)
+            "temperature": req.temperature if req.HasField("temperature") else None,
+            "top_p": req.top_p if req.HasField("top_p") else None,
+            "top_k": req.top_k, "seed": req.seed if req.HasField("seed") else None,
+            "stop": list(req.stop), "stop_token_ids": list(req.stop_token_ids), "ignore_eos": req.ignore_eos,
+        }, ("max_tokens",), fe.max_model_len, fe.vocab_size)
         return ids, fe.sampling(spec, len(ids))
 
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):

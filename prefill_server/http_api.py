@@ -89,7 +89,7 @@ class HttpApi:
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
         fe = self.fe
         try:
-            parsed = parse(oa.parse_json(await request.read()), fe.model_name)
+            parsed = parse(oa.parse_json(await request.read()), fe.model_name, fe.max_model_len, fe.vocab_size)
             prompt_ids = fe.prompt_ids(parsed)
             fe.check_prompt(prompt_ids)
             sp = fe.sampling(parsed.sampling, len(prompt_ids), parsed.kind)
