@@ -226,6 +226,17 @@ class AsyncLLMEngine:
             for out in outputs:
                 self._deliver(out)
 
+    # ---- read from any thread ----------------------------------------------------------------
+    # minimal; replaced by the engine branch
+    @property
+    def num_blocks(self) -> int:
+        """KV blocks in the pool (constant for the engine's life)."""
+        return self.engine.num_blocks
+
+    def num_free_blocks(self) -> int:
+        """Free KV blocks now, read from the event loop (a snapshot: two container lengths)."""
+        return self.engine.num_free_blocks()
+
 
 def _set_result(fut: asyncio.Future, value) -> None:
     if not fut.done():
