@@ -67,17 +67,18 @@ async def serve(args: argparse.Namespace) -> int:
     await server.start()
 
     async def health(request):
-        return web.json_response({"status": "ok", "role": "decode", **service.counts()})
+        return web.json_response({"status": "ok", "role": "decode", **(await service.counts())})
 
     async def ready(request):
-        ok = not service.draining
+        ok = not service.registry.draining
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def debug_request(request):
         rid = request.match_info["rid"]
-        if rid not in service.layer_arrivals:
+        arrivals = service.registry.arrivals.get(rid)
+        if arrivals is None:
             return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
-        return web.json_response({"request_id": rid, "layer_arrived": service.layer_arrivals[rid]})
+        return web.json_response({"request_id": rid, "layer_arrived": arrivals})
 
     app = web.Application()
     app.router.add_get("/debug/requests/{rid}", debug_request)
@@ -90,9 +91,9 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("decode ready: grpc %s:%d, http %s:%d, kv %s (%s), model %s, %d KV blocks",
              args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, parts.model_name, engine.num_blocks)
     sig = await wait_for_stop_signal()
-    log.info("%s: draining %d session(s)", sig, len(service.sessions))
-    service.draining = True
-    left = await drain(lambda: len(service.sessions), args.drain_timeout)
+    log.info("%s: draining %d session(s)", sig, len(service.registry))
+    service.registry.draining = True
+    left = await drain(lambda: len(service.registry), args.drain_timeout)
     if left:
         log.warning("stopping with %d session(s) still open", left)
     await server.stop(grace=1.0)

@@ -39,9 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--extra", default="", help="extra flags passed to every server process (one string)")
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it); for servers started next."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -80,7 +81,7 @@ class LocalCluster:
         common += a.extra.split() if a.extra else []
         grpc_addrs = []
         for i in range(a.decode):
-            grpc_port, http_port, kv_port = _free_port(), _free_port(), _free_port()
+            grpc_port, http_port, kv_port = free_port(), free_port(), free_port()
             proc = self._spawn(f"decode-{i}", ["decode", "--port", str(grpc_port), "--http-port", str(http_port),
                                                 "--kv-port", str(kv_port), *common])
             self.decodes.append((proc, f"http://127.0.0.1:{http_port}/ready"))

@@ -123,7 +123,7 @@ class SessionConfig:
 
 
 class SessionObserver(Protocol):
-    """Told what a Session did (picker accounting, metrics); see session_observer.py."""
+    """Told what a Session did (picker accounting, metrics); see transfer_accounting.py."""
 
     def allocated(self, address: str, blocks_reserved: int) -> None: ...
 

@@ -38,7 +38,7 @@ from .decode_session import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, 
                              SessionTimings, decode_reservation)
 from .load_poller import LoadReportPoller
 from .picker import DecodePicker
-from .session_observer import TransferAccounting
+from .transfer_accounting import TransferAccounting
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreSender

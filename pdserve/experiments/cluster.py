@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .launcher import Launcher, Proc, free_port
+from pdserve.local_cluster import free_port
+
+from .launcher import Launcher, Proc
 
 SERVED_MODEL = "bench"  # the name clients put in "model", whatever checkpoint is loaded
 

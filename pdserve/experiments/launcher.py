@@ -15,7 +15,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,12 +60,6 @@ def bench_model(directory: Path, size: str, max_len: int = 16384) -> str:
                       bos_token_id=tiny.bos_token_id, eos_token_ids=list(tiny.eos_token_ids))
     save_hf_checkpoint(random_hf_weights(cfg, seed=0), cfg, path)
     return str(path)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
