@@ -71,11 +71,11 @@ def setup_logging(level: str, role: str) -> None:
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
 
-def build_engine(args):
-    """(loaded model, AsyncLLMEngine) from the flags; not started."""
+def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
+    """(loaded model, LLMEngine, context length) from the flags; bad flags or files exit with a message."""
     import torch
 
-    from pdserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, load_model
+    from pdserve.engine import EngineConfig, LLMEngine, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -88,7 +88,7 @@ def build_engine(args):
         engine = LLMEngine(loaded, cfg)
     except (ValueError, OSError) as exc:  # bad flags or model files: a message, not a traceback
         raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None
-    return loaded, AsyncLLMEngine(engine), max_len
+    return loaded, engine, max_len
 
 
 @dataclass(slots=True)
@@ -111,12 +111,15 @@ class ServerEngine:
 
 
 def build_server_engine(args) -> ServerEngine:
-    """Model, engine and KV facts from the flags (the engine thread is not started)."""
-    loaded, engine, max_len = build_engine(args)
+    """Model, engine and KV facts from the flags; the KV pool is read here, before the
+    engine thread starts (the engine is not started)."""
+    from pdserve.engine import AsyncLLMEngine
+
+    loaded, llm, max_len = load_engine(args)
     model_name = served_model_name(args)
-    region, layout, compat = kv_parts(engine.engine, args)
-    return ServerEngine(loaded, engine, max_len, model_name, region, layout, compat,
-                        compat_message(engine.engine, args, model_name))
+    region, layout, compat = kv_parts(llm, args)
+    return ServerEngine(loaded, AsyncLLMEngine(llm), max_len, model_name, region, layout, compat,
+                        compat_message(llm, args, model_name))
 
 
 def kv_parts(engine: LLMEngine, args):
