@@ -156,25 +156,8 @@ class SessionRunner:
                 blocks_needed=blocks_needed, compat=cfg.compat, protocol_version=PROTOCOL_VERSION,
                 timeout_s=cfg.session_timeout_s,
             )
-            try:
-                await asyncio.wait_for(call.write(pb.PrefillMessage(start=start)), cfg.connect_timeout_s)
-                reply = await asyncio.wait_for(call.read(), cfg.connect_timeout_s)
-            except asyncio.TimeoutError:
-                raise Retryable(f"{address}: no answer within {cfg.connect_timeout_s:.1f}s") from None
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-                raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
             # 2. allocation
-            if reply is grpc.aio.EOF:
-                raise Retryable(f"{address}: closed the session before answering")
-            kind = reply.WhichOneof("kind")
-            if kind == "refusal":
-                raise Retryable(f"{address} refused: {reply.refusal.reason}", reply.refusal.code or "refused")
-            if kind != "allocation":
-                reason = reply.error.reason if kind == "error" else f"unexpected {kind} message"
-                raise Retryable(f"{address}: {reason}")
-            alloc = reply.allocation
-            if len(alloc.block_ids) != blocks_needed:
-                raise Retryable(f"{address}: allocated {len(alloc.block_ids)} blocks, {blocks_needed} needed")
+            alloc = await self._allocation(call, address, start)
             timings.allocated = time.monotonic()
             # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
@@ -230,23 +213,11 @@ class SessionRunner:
             yield Delta([first])
             # 5. relay
             while True:
-                try:
-                    msg = await call.read()
-                except grpc.aio.AioRpcError as exc:
-                    raise DecodeFailed(f"decode {address} failed mid-generation: {_rpc_reason(exc)}") from None
-                if msg is grpc.aio.EOF:
-                    raise DecodeFailed(f"decode {address} closed the session before finishing")
-                kind = msg.WhichOneof("kind")
-                if kind == "tokens":
-                    yield Delta(list(msg.tokens.token_ids))
-                elif kind == "finish":
-                    finished = True
-                    yield Delta([], True, msg.finish.finish_reason or "stop")
+                delta = await self._next_delta(call, address)
+                finished = delta.finished
+                yield delta
+                if finished:
                     return
-                elif kind == "error":
-                    raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}")
-                else:
-                    raise DecodeFailed(f"decode {address} sent an unexpected {kind} message")
         finally:
             # 6. release
             if not finished:
@@ -261,6 +232,47 @@ class SessionRunner:
             if bound:
                 self.sender.delete(request_id)
             self.registry.pop(request_id, None)
+
+    async def _allocation(self, call, address: str, start: pb.Start) -> pb.Allocation:
+        """Steps 1-2: send Start, wait for the Allocation; anything else raises Retryable."""
+        cfg = self.config
+        try:
+            await asyncio.wait_for(call.write(pb.PrefillMessage(start=start)), cfg.connect_timeout_s)
+            reply = await asyncio.wait_for(call.read(), cfg.connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise Retryable(f"{address}: no answer within {cfg.connect_timeout_s:.1f}s") from None
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
+        if reply is grpc.aio.EOF:
+            raise Retryable(f"{address}: closed the session before answering")
+        kind = reply.WhichOneof("kind")
+        if kind == "refusal":
+            raise Retryable(f"{address} refused: {reply.refusal.reason}", reply.refusal.code or "refused")
+        if kind != "allocation":
+            reason = reply.error.reason if kind == "error" else f"unexpected {kind} message"
+            raise Retryable(f"{address}: {reason}")
+        if len(reply.allocation.block_ids) != start.blocks_needed:
+            raise Retryable(f"{address}: allocated {len(reply.allocation.block_ids)} blocks, "
+                            f"{start.blocks_needed} needed")
+        return reply.allocation
+
+    @staticmethod
+    async def _next_delta(call, address: str) -> Delta:
+        """Step 5: decode's next Tokens (or Finish: a finished Delta); anything else raises DecodeFailed."""
+        try:
+            msg = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise DecodeFailed(f"decode {address} failed mid-generation: {_rpc_reason(exc)}") from None
+        if msg is grpc.aio.EOF:
+            raise DecodeFailed(f"decode {address} closed the session before finishing")
+        kind = msg.WhichOneof("kind")
+        if kind == "tokens":
+            return Delta(list(msg.tokens.token_ids))
+        if kind == "finish":
+            return Delta([], True, msg.finish.finish_reason or "stop")
+        if kind == "error":
+            raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}")
+        raise DecodeFailed(f"decode {address} sent an unexpected {kind} message")
 
 
 def _rpc_reason(exc: Exception) -> str:
