@@ -2,9 +2,12 @@
 request to its continuous batch and streams tokens back on the Session; serves load reports.
 
 Reading path (in this order):
-  ``session.py``  DecodeSession: the request lifecycle as a numbered list (admit -> allocate ->
-                  transfer -> decode -> release), one instance per Session stream
-  ``service.py``  DecodeService: the gRPC servicer (Session, GetLoadReport), engine adapters,
-                  the live-session registry and the counters /health shows
-  ``cli.py``      ``pdserve decode``: start-up wiring, /health /ready /metrics, drain on SIGTERM
+  ``session.py``          DecodeSession: the request lifecycle as a numbered list (admit -> allocate ->
+                          transfer -> decode -> release), one instance per Session stream, given SessionDeps
+  ``admission.py``        which Starts are refused and why (pure: version, compat, draining, sizes)
+  ``service.py``          DecodeService: the gRPC servicer (Session, GetLoadReport), the DecodeEngine
+                          adapter, load reports and the counters /health shows
+  ``registry.py``         SessionRegistry: live sessions, the draining flag, recent layer arrivals
+  ``session_metrics.py``  SessionMetrics: refusals, KV-in wait and bytes, block and request gauges
+  ``cli.py``              ``pdserve decode``: start-up wiring, /health /ready /metrics, drain on SIGTERM
 """

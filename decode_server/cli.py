@@ -17,20 +17,17 @@ import asyncio
 import logging
 
 from pdserve import defaults
-from pdserve.server_setup import (add_engine_arguments, build_engine, compat_message, drain, kv_parts, served_model_name,
-                                  setup_logging, wait_for_stop_signal)
+from pdserve.server_setup import add_server_arguments, build_server_engine, drain, setup_logging, wait_for_stop_signal
 
 log = logging.getLogger("pdserve.decode")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    add_server_arguments(parser, drains="live sessions")
     parser.add_argument("--port", type=int, default=defaults.DECODE_GRPC_PORT, help="gRPC port (Session, load reports)")
     parser.add_argument("--http-port", type=int, default=defaults.DECODE_HTTP_PORT, help="HTTP port (/health /ready /metrics)")
     parser.add_argument("--kv-port", type=int, default=defaults.KV_TRANSFER_PORT, help="CacheStore receiver port")
     parser.add_argument("--advertise-host", default=None, help="host prefill should send KV to (default: --host)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let live sessions finish on shutdown")
-    add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,17 +47,16 @@ async def serve(args: argparse.Namespace) -> int:
     from .service import DecodeService
 
     metrics = ServerMetrics.from_env(role="decode")
-    model_name = served_model_name(args)
-    loaded, engine, max_len = build_engine(args)
+    parts = build_server_engine(args)
+    engine = parts.engine
     await engine.start()
-    region, layout, compat = kv_parts(engine.engine, loaded, args)
-    receiver = CacheStoreReceiver(region, layout, compat, transport=args.transfer, host=args.host, port=args.kv_port,
-                                  advertise_host=args.advertise_host)
+    receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=args.transfer, host=args.host,
+                                  port=args.kv_port, advertise_host=args.advertise_host)
     await receiver.start()
     service = DecodeService(
-        engine, receiver, compat_message(engine.engine, args, model_name), sampling_cls=SamplingParams,
-        out_of_blocks_error=OutOfBlocksError, max_model_len=max_len,
-        kv_bytes_per_block=layout.block_nbytes * layout.num_layers, session_timeout_s=args.session_timeout, metrics=metrics,
+        engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
+        max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
+        session_timeout_s=args.session_timeout, metrics=metrics,
     )
     server = grpc.aio.server(options=[
         ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
@@ -71,17 +67,18 @@ async def serve(args: argparse.Namespace) -> int:
     await server.start()
 
     async def health(request):
-        return web.json_response({"status": "ok", "role": "decode", **service.counts()})
+        return web.json_response({"status": "ok", "role": "decode", **(await service.counts())})
 
     async def ready(request):
-        ok = not service.draining
+        ok = not service.registry.draining
         return web.json_response({"ready": ok}, status=200 if ok else 503)
 
     async def debug_request(request):
         rid = request.match_info["rid"]
-        if rid not in service.layer_arrivals:
+        arrivals = service.registry.arrivals.get(rid)
+        if arrivals is None:
             return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
-        return web.json_response({"request_id": rid, "layer_arrived": service.layer_arrivals[rid]})
+        return web.json_response({"request_id": rid, "layer_arrived": arrivals})
 
     app = web.Application()
     app.router.add_get("/debug/requests/{rid}", debug_request)
@@ -92,15 +89,15 @@ async def serve(args: argparse.Namespace) -> int:
     await runner.setup()
     await web.TCPSite(runner, args.host, args.http_port).start()
     log.info("decode ready: grpc %s:%d, http %s:%d, kv %s (%s), model %s, %d KV blocks",
-             args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, model_name, engine.engine.kv_cache.num_blocks)
+             args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, parts.model_name, engine.num_blocks)
     sig = await wait_for_stop_signal()
-    log.info("%s: draining %d session(s)", sig, len(service.sessions))
-    service.draining = True
-    left = await drain(lambda: len(service.sessions), args.drain_timeout)
+    log.info("%s: draining %d session(s)", sig, len(service.registry))
+    service.registry.draining = True
+    left = await drain(lambda: len(service.registry), args.drain_timeout)
     if left:
         log.warning("stopping with %d session(s) still open", left)
     await server.stop(grace=1.0)
     await runner.cleanup()
     await receiver.stop()
-    await engine.stop() if hasattr(engine, "stop") else None
+    await engine.stop()
     return 0

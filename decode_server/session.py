@@ -5,8 +5,8 @@ Request lifecycle on decode (each step is a method below):
 1. **admit** - the first message must be ``Start``; refuse (``Refusal`` with a code and a
    reason, then end the stream) on a protocol version or compatibility mismatch, while
    draining, when prompt + max_tokens exceed the context, when the request needs more
-   blocks than the whole pool (``too_large``) or when the engine cannot reserve them now
-   (``out_of_blocks``: transient, prefill may wait and retry).
+   blocks than the whole pool (``too_large``; these checks are admission.py) or when the
+   engine cannot reserve them now (``out_of_blocks``: transient, prefill may wait and retry).
 2. **allocate** - the engine reserves the blocks for prompt + max_tokens (a P/D request
    is never preempted later: its blocks are held from here to the end); the CacheStore
    receiver is told to expect the prompt's blocks; ``Allocation`` (block ids + receiver
@@ -24,6 +24,9 @@ Request lifecycle on decode (each step is a method below):
 
 Who frees what: decode frees its own blocks and CacheStore entry in step 5; it never
 relies on prefill to tell it (a dead prefill tells nothing).
+
+A DecodeSession is given its collaborators as ``SessionDeps`` (the engine adapter, the
+CacheStore receiver, the session registry, the metrics, the limits), never the service.
 """
 
 from __future__ import annotations
@@ -31,17 +34,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 
 from pdserve.protos import session_pb2 as pb
-from pdserve.protos.version import PROTOCOL_VERSION
+
+from . import admission
+from .registry import SessionInfo, SessionRegistry
+from .session_metrics import SessionMetrics
+
+if TYPE_CHECKING:
+    from pdserve.cachestore import CacheStoreReceiver
+
+    from .service import DecodeEngine
 
 log = logging.getLogger(__name__)
-
-# Compat fields that must be equal on both ends for KV bytes to be meaningful.
-COMPAT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "model", "transport")
 
 
 class SessionEnded(Exception):
@@ -52,31 +61,25 @@ class SessionEnded(Exception):
         self.reason, self.notify = reason, notify
 
 
-@dataclass(slots=True)
-class SessionInfo:
-    """What /health shows about one live session."""
+@dataclass(frozen=True, slots=True)
+class SessionDeps:
+    """Everything a DecodeSession uses, built once by the DecodeService."""
 
-    request_id: str
-    stage: str
-    started: float = field(default_factory=time.monotonic)
-    num_blocks: int = 0
-
-
-def compat_mismatch(ours: pb.Compat, theirs: pb.Compat) -> str | None:
-    """None when compatible, else a message naming every differing field with both values."""
-    diffs = [
-        f"{name}: prefill={getattr(theirs, name)!r} decode={getattr(ours, name)!r}"
-        for name in COMPAT_FIELDS
-        if getattr(ours, name) != getattr(theirs, name)
-    ]
-    return "incompatible KV layout: " + ", ".join(diffs) if diffs else None
+    engine: DecodeEngine  # reserve / add_prefilled / release; num_blocks
+    receiver: CacheStoreReceiver  # expect / wait_all / load / delete / released; endpoint
+    registry: SessionRegistry  # live sessions, draining flag, layer arrivals
+    metrics: SessionMetrics
+    compat: pb.Compat  # ours: Start's must match
+    max_model_len: int
+    session_timeout_s: float  # a cap on the timeout prefill asks for in Start
+    out_of_blocks_error: type[Exception]  # the engine's OutOfBlocksError (refused as out_of_blocks)
 
 
 class DecodeSession:
-    """Runs steps 1-5 for one Session call. ``server`` is the DecodeService (engine, receiver, registry)."""
+    """Runs steps 1-5 for one Session call."""
 
-    def __init__(self, server, context: grpc.aio.ServicerContext):
-        self.server, self.context = server, context
+    def __init__(self, context: grpc.aio.ServicerContext, deps: SessionDeps):
+        self.context, self.deps = context, deps
         self.request_id: str | None = None
         self.reserved = False
         self.expected = False
@@ -91,7 +94,7 @@ class DecodeSession:
         await self.context.write(pb.DecodeMessage(**kind))
 
     async def _refuse(self, code: str, reason: str) -> None:
-        self.server.metrics_refusal(code)
+        self.deps.metrics.refused(code)
         log.info("refused %s: %s", self.request_id, reason)
         await self._write(refusal=pb.Refusal(code=code, reason=reason))
 
@@ -141,10 +144,10 @@ class DecodeSession:
 
     # -- the lifecycle -----------------------------------------------------------------------
     async def run(self) -> None:
-        srv = self.server
+        deps = self.deps
         reader = arrivals = None
         try:
-            first = await asyncio.wait_for(self.context.read(), timeout=srv.session_timeout_s)
+            first = await asyncio.wait_for(self.context.read(), timeout=deps.session_timeout_s)
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "start":
                 return
             start = first.start
@@ -152,18 +155,18 @@ class DecodeSession:
             if not await self._admit(start):
                 return
             reader = asyncio.ensure_future(self._read_rest())
-            timeout = min(start.timeout_s or srv.session_timeout_s, srv.session_timeout_s)
+            timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
             deadline = time.monotonic() + timeout
             self.info.stage = "transfer"
             arrivals = asyncio.ensure_future(self._record_layer_arrivals(timeout))
             first_token = await self._until_peer_gone_or(self.first_token, timeout, "the first token")
             remaining = max(0.01, deadline - time.monotonic())
-            await self._until_peer_gone_or(srv.receiver.wait_all(self.request_id, remaining), remaining + 0.5, "the KV layers")
+            await self._until_peer_gone_or(deps.receiver.wait_all(self.request_id, remaining), remaining + 0.5, "the KV layers")
             # The KV is in the blocks: unpin the CacheStore entry now, before the engine can
             # finish the request and hand its blocks to another request's expect().
-            srv.receiver.delete(self.request_id)
+            deps.receiver.delete(self.request_id)
             self.expected = False
-            srv.observe_kv_in(time.monotonic() - self.info.started, len(start.prompt_token_ids))
+            deps.metrics.kv_in(time.monotonic() - self.info.started, len(start.prompt_token_ids))
             if first_token.finished:
                 await self._write(finish=pb.Finish(finish_reason=first_token.finish_reason or "stop", completion_tokens=1))
                 self.outcome = ("ok", first_token.finish_reason or "stop")
@@ -179,7 +182,7 @@ class DecodeSession:
             self.outcome = ("cancelled", "prefill_gone")
             raise
         except asyncio.TimeoutError:
-            log.info("session: no Start within %.1fs", srv.session_timeout_s)
+            log.info("session: no Start within %.1fs", deps.session_timeout_s)
         except Exception as exc:  # the engine or the receiver failed: tell prefill, then clean up
             log.exception("session %s failed", self.request_id)
             await self._try_write_error(f"decode failed: {type(exc).__name__}: {exc}")
@@ -192,11 +195,11 @@ class DecodeSession:
 
     async def _record_layer_arrivals(self, timeout: float) -> None:
         """Monotonic time each KV layer arrived (subscribing per layer), kept for /debug/requests."""
-        srv, times = self.server, []
-        srv.remember_arrivals(self.request_id, times)
+        deps, times = self.deps, []
+        deps.registry.remember_arrivals(self.request_id, times)
         try:
-            for layer in range(srv.compat.num_layers):
-                await srv.receiver.load(self.request_id, layer, timeout)
+            for layer in range(deps.compat.num_layers):
+                await deps.receiver.load(self.request_id, layer, timeout)
                 times.append(time.monotonic())
         except Exception:  # noqa: BLE001 - failures are handled by the session itself
             pass
@@ -208,43 +211,18 @@ class DecodeSession:
             pass
 
     async def _admit(self, start: pb.Start) -> bool:
-        srv = self.server
+        deps = self.deps
         rid = start.request_id
-        if not rid:
-            await self._refuse("bad_request", "Start has no request_id")
-            return False
-        if start.protocol_version != PROTOCOL_VERSION:
-            await self._refuse("version", f"protocol version: prefill={start.protocol_version} decode={PROTOCOL_VERSION}")
-            return False
-        mismatch = compat_mismatch(srv.compat, start.compat)
-        if mismatch:
-            await self._refuse("incompatible", mismatch)
-            return False
-        if srv.draining:
-            await self._refuse("draining", "decode is draining (shutting down)")
-            return False
-        if rid in srv.sessions:
-            await self._refuse("bad_request", f"request id {rid!r} already has a session on this decode")
+        refused = admission.refusal(start, deps.compat, max_model_len=deps.max_model_len,
+                                    total_blocks=deps.engine.num_blocks, draining=deps.registry.draining,
+                                    has_session=rid in deps.registry)
+        if refused is not None:
+            await self._refuse(*refused)
             return False
         n_prompt, max_tokens = len(start.prompt_token_ids), start.sampling.max_tokens
-        if n_prompt == 0 or max_tokens < 1 or n_prompt + max_tokens > srv.max_model_len:
-            await self._refuse(
-                "bad_request",
-                f"prompt of {n_prompt} tokens + max_tokens {max_tokens} does not fit the context of {srv.max_model_len}",
-            )
-            return False
-        if start.blocks_needed != -(-n_prompt // srv.compat.block_size):
-            await self._refuse("bad_request", f"blocks_needed {start.blocks_needed} does not match {n_prompt} prompt tokens "
-                                              f"in blocks of {srv.compat.block_size}")
-            return False
-        need = -(-(n_prompt + max_tokens) // srv.compat.block_size)
-        if need > srv.llm.num_blocks:  # can never fit here: prefill should not wait for it
-            await self._refuse("too_large", f"request needs {need} KV blocks ({n_prompt} prompt tokens + max_tokens "
-                                            f"{max_tokens}) but this decode has only {srv.llm.num_blocks} in all")
-            return False
         try:
-            block_ids = await srv.reserve(rid, n_prompt, max_tokens)
-        except srv.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
+            block_ids = await deps.engine.reserve(rid, n_prompt, max_tokens)
+        except deps.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
             await self._refuse("out_of_blocks", getattr(exc, "reason", str(exc)))
             return False
         except ValueError as exc:  # prompt too long, bad ids: nothing was reserved
@@ -252,18 +230,18 @@ class DecodeSession:
             return False
         self.reserved = True
         self.info = SessionInfo(rid, "allocate", num_blocks=len(block_ids))
-        srv.sessions[rid] = self.info
+        deps.registry.add(self.info)
         prompt_blocks = list(block_ids[: start.blocks_needed])
-        timeout = min(start.timeout_s or srv.session_timeout_s, srv.session_timeout_s)
-        for_sender = srv.receiver.expect(rid, prompt_blocks, timeout)
+        timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
+        for_sender = deps.receiver.expect(rid, prompt_blocks, timeout)
         self.expected = True
-        await self._write(allocation=pb.Allocation(block_ids=list(for_sender), cachestore_endpoint=srv.receiver.endpoint))
+        await self._write(allocation=pb.Allocation(block_ids=list(for_sender), cachestore_endpoint=deps.receiver.endpoint))
         return True
 
     async def _decode(self, start: pb.Start, first_token: int) -> None:
-        srv = self.server
+        deps = self.deps
         produced = 1
-        outputs = srv.add_prefilled(self.request_id, list(start.prompt_token_ids), first_token, start.sampling)
+        outputs = deps.engine.add_prefilled(self.request_id, list(start.prompt_token_ids), first_token, start.sampling)
         try:
             async for out in outputs:
                 if out.error:
@@ -282,16 +260,15 @@ class DecodeSession:
     async def _release(self) -> None:
         """Step 5. Synchronous parts first: this runs in ``finally`` of a possibly cancelled
         task, and a second cancellation must not skip any of it; the engine abort is shielded."""
-        srv, rid = self.server, self.request_id
+        deps, rid = self.deps, self.request_id
         if rid is None:
             return
         was_receiving = self.expected
         if self.expected:
-            srv.receiver.delete(rid)
+            deps.receiver.delete(rid)
             self.expected = False
-        if self.info is not None and srv.sessions.get(rid) is self.info:
-            del srv.sessions[rid]
-            srv.count_request(*self.outcome)
+        if self.info is not None and deps.registry.remove(self.info):
+            deps.metrics.request_done(*self.outcome)
         if self.reserved:
             release = asyncio.ensure_future(self._free_blocks(rid, was_receiving))
             try:
@@ -302,10 +279,10 @@ class DecodeSession:
     async def _free_blocks(self, rid: str, was_receiving: bool) -> None:
         """Give the request's blocks back to the engine, but only once no KV frame can still
         land in them (a frame cut off by delete stops within one piece)."""
-        srv = self.server
+        deps = self.deps
         if was_receiving:
             try:
-                await srv.receiver.released(rid, 5.0)
+                await deps.receiver.released(rid, 5.0)
             except Exception as exc:  # noqa: BLE001 - still free them; log why it took so long
                 log.warning("request %s: %s", rid, exc)
-        await srv.release(rid)
+        await deps.engine.release(rid)

@@ -1,9 +1,16 @@
-"""What the prefill and decode servers share at start-up: engine flags, engine + CacheStore
-construction, the compat message, and running until SIGTERM/SIGINT with a drain.
+"""What the prefill and decode servers share at start-up: their common flags, engine +
+KV-pool construction, the compat message, and running until SIGTERM/SIGINT with a drain.
 
-Both ``pdserve prefill`` and ``pdserve decode`` call ``add_engine_arguments`` and
-``build_engine``; the KV pool tensor built here is the memory the CacheStore registers
-once (``kv_region``).
+Start-up contract (both ``pdserve prefill`` and ``pdserve decode``):
+
+1. ``add_server_arguments(parser, ...)`` - the flags every server takes: --host,
+   --drain-timeout and the model/engine/transfer group (model, dtype, block size, ...).
+2. ``build_server_engine(args)`` - the model, the AsyncLLMEngine (not started yet) and the
+   KV pool's facts read once, before the engine thread runs: the memory region the
+   CacheStore registers once, its layout and compat info, and the compat message the
+   Session carries.
+3. ``wait_for_stop_signal()`` then ``drain(count, grace)`` - stop admitting, let what is
+   in flight finish, then the caller stops its servers, CacheStore and engine.
 """
 
 from __future__ import annotations
@@ -12,10 +19,25 @@ import argparse
 import asyncio
 import logging
 import signal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve import defaults
 
+if TYPE_CHECKING:
+    from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
+    from pdserve.engine import AsyncLLMEngine, LLMEngine, LoadedModel
+    from pdserve.protos import session_pb2 as pb
+
 TRANSPORTS = ("tcp", "nixl")
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, *, drains: str) -> None:
+    """--host, --drain-timeout (``drains`` names what it waits for) and the engine flags."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help=f"seconds to let {drains} finish on shutdown")
+    add_engine_arguments(parser)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,11 +71,11 @@ def setup_logging(level: str, role: str) -> None:
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
 
-def build_engine(args):
-    """(loaded model, AsyncLLMEngine) from the flags; not started."""
+def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
+    """(loaded model, LLMEngine, context length) from the flags; bad flags or files exit with a message."""
     import torch
 
-    from pdserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, load_model
+    from pdserve.engine import EngineConfig, LLMEngine, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -66,10 +88,41 @@ def build_engine(args):
         engine = LLMEngine(loaded, cfg)
     except (ValueError, OSError) as exc:  # bad flags or model files: a message, not a traceback
         raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None
-    return loaded, AsyncLLMEngine(engine), max_len
+    return loaded, engine, max_len
 
 
-def kv_parts(engine, loaded, args):
+@dataclass(slots=True)
+class ServerEngine:
+    """The engine of one server process and the facts of its KV pool, read at start-up."""
+
+    loaded: LoadedModel
+    engine: AsyncLLMEngine  # not started: the caller awaits engine.start()
+    max_model_len: int
+    model_name: str  # what clients put in "model"
+    region: MemoryRegion  # the KV pool tensor, registered once by the CacheStore
+    layout: KVLayout
+    compat: CompatInfo  # for the CacheStore handshake
+    compat_message: pb.Compat  # for the Session's Start (prefill) and admission check (decode)
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        """One block of every layer, K and V: what a block costs a decode."""
+        return self.layout.block_nbytes * self.layout.num_layers
+
+
+def build_server_engine(args) -> ServerEngine:
+    """Model, engine and KV facts from the flags; the KV pool is read here, before the
+    engine thread starts (the engine is not started)."""
+    from pdserve.engine import AsyncLLMEngine
+
+    loaded, llm, max_len = load_engine(args)
+    model_name = served_model_name(args)
+    region, layout, compat = kv_parts(llm, args)
+    return ServerEngine(loaded, AsyncLLMEngine(llm), max_len, model_name, region, layout, compat,
+                        compat_message(llm, args, model_name))
+
+
+def kv_parts(engine: LLMEngine, args):
     """(MemoryRegion, KVLayout, CompatInfo) of the engine's KV pool for the CacheStore."""
     from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
 
@@ -80,7 +133,7 @@ def kv_parts(engine, loaded, args):
     return MemoryRegion.from_tensor(kv.tensor), layout, compat
 
 
-def compat_message(engine, args, model_name: str):
+def compat_message(engine: LLMEngine, args, model_name: str):
     from pdserve.protos import session_pb2 as pb
 
     kv = engine.kv_cache

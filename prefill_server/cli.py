@@ -35,14 +35,13 @@ import asyncio
 import logging
 
 from pdserve import defaults
-from pdserve.server_setup import (add_engine_arguments, build_engine, compat_message, drain, kv_parts, served_model_name,
-                                  setup_logging, wait_for_stop_signal)
+from pdserve.server_setup import add_server_arguments, build_server_engine, drain, setup_logging, wait_for_stop_signal
 
 log = logging.getLogger("pdserve.prefill")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    add_server_arguments(parser, drains="in-flight requests")
     parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
     parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT, help="gRPC port (Generate)")
     d = parser.add_argument_group("decode discovery and routing")
@@ -66,8 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--no-layerwise-push", dest="layerwise_push", action="store_false",
                    help="send the KV only after the whole forward pass instead of each layer as it is written "
                         "(turns compute/transfer overlap off; for comparison)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight requests finish on shutdown")
-    add_engine_arguments(parser)
 
 
 def make_discovery(args):
@@ -106,31 +103,32 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from .picker import DecodePicker
 
     metrics = ServerMetrics.from_env(role="prefill")
-    model_name = served_model_name(args)
-    loaded, engine, max_len = build_engine(args)
+    parts = build_server_engine(args)
+    engine, loaded = parts.engine, parts.loaded
     await engine.start()
-    region, layout, compat = kv_parts(engine.engine, loaded, args)
-    sender = CacheStoreSender(region, layout, compat, transport=args.transfer, scheduler=args.scheduler)
+    sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
                               on_update=lambda: metrics.known_decodes.set(len(picker.eligible())))
     node = PrefillNode(
-        engine=engine, sender=sender, picker=picker, poller=poller, compat=compat_message(engine.engine, args, model_name),
-        block_size=args.block_size, kv_bytes_per_block=layout.block_nbytes * layout.num_layers,
+        engine=engine, sender=sender, picker=picker, poller=poller, compat=parts.compat_message,
+        block_size=args.block_size, kv_bytes_per_block=parts.kv_bytes_per_block,
         eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
-        local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push, queue_timeout_s=args.queue_timeout, session_timeout_s=args.session_timeout,
+        local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
+        queue_timeout_s=args.queue_timeout, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
     )
-    frontend = Frontend(node, loaded.tokenizer, SamplingParams, model_name, max_len, metrics, loaded.config.vocab_size)
+    frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
+                        loaded.config.vocab_size)
     draining = {"on": False}
 
     def health() -> dict:
-        kv_free = engine.engine.num_free_blocks()
+        kv_free = engine.num_free_blocks()
         return {
             "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight,
-            "local_requests": node.local_requests, "kv_blocks_total": layout.num_blocks, "kv_blocks_free": kv_free,
-            "kv_blocks_used": layout.num_blocks - kv_free, "cachestore": sender.stats(),
+            "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
+            "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
         }
 
@@ -158,5 +156,5 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     await poller.stop()
     await discovery.stop()
     await sender.stop()
-    await engine.stop() if hasattr(engine, "stop") else None
+    await engine.stop()
     return 0

@@ -1,6 +1,6 @@
 """The prefill end of the Session stream: one request's whole P/D conversation with a decode.
 
-Request lifecycle on prefill (``run_session``):
+Request lifecycle on prefill (``SessionRunner.run``, once per request and decode tried):
 
 1. **start** - open the bidirectional ``Session`` stream to the chosen decode and send
    ``Start`` (prompt tokens, sampling, blocks needed, compat, protocol version, timeout).
@@ -18,6 +18,11 @@ Request lifecycle on prefill (``run_session``):
 6. **release** - always: if the request did not finish, cancel the stream (decode frees
    its side when it sees the cancellation); release prefill's blocks; delete the
    CacheStore entry.
+
+``SessionRunner`` is built once per prefill process from exactly what it uses: a stub per
+decode address, the engine (``prefill_only`` / ``release``), the CacheStore sender, the
+registry of open sessions (request id -> decode address, for /health), an observer told
+about allocations and finished pushes (picker accounting, metrics) and ``SessionConfig``.
 """
 
 from __future__ import annotations
@@ -26,12 +31,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import grpc
 
 from pdserve.cachestore.errors import TransferError
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
+
+if TYPE_CHECKING:
+    from pdserve.cachestore import CacheStoreSender
+    from pdserve.engine import AsyncLLMEngine
+    from pdserve.protos import session_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -98,32 +109,140 @@ def first_token_finishes(token: int, sp, eos_token_ids) -> str | None:
     return None
 
 
-async def run_session(node, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None):
-    """Async generator of Deltas for one request served by the decode at ``address``.
+@dataclass(frozen=True, slots=True)
+class SessionConfig:
+    """The fixed facts of this prefill that every Session uses."""
 
-    ``node`` is the PrefillNode (engine, sender, compat, stubs, timeouts, counters).
-    Raises Retryable before the first Delta, DecodeFailed after it.
-    """
-    timings = timings or SessionTimings()
-    call = node.stub(address).Session()
-    node.sessions[request_id] = address
-    finished = bound = prefilled = released = False
-    try:
-        # 1. start
-        blocks_needed = -(-len(prompt_ids) // node.block_size)
-        start = pb.Start(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
-            blocks_needed=blocks_needed, compat=node.compat, protocol_version=PROTOCOL_VERSION,
-            timeout_s=node.session_timeout_s,
-        )
+    compat: pb.Compat  # sent in Start; decode refuses a mismatch
+    block_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    session_timeout_s: float = 30.0  # KV push, and the decode's wait for us (sent in Start)
+    connect_timeout_s: float = 5.0  # Start -> Allocation
+    layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
+    out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError
+
+
+class SessionObserver(Protocol):
+    """Told what a Session did (picker accounting, metrics); see transfer_accounting.py."""
+
+    def allocated(self, address: str, blocks_reserved: int) -> None: ...
+
+    def transferred(self, timings: SessionTimings, blocks: int) -> None: ...
+
+
+class SessionRunner:
+    """Runs the prefill end of Session streams, one ``run`` per request and decode tried."""
+
+    def __init__(self, config: SessionConfig, *, stubs: Callable[[str], pb_grpc.DecodeStub], engine: AsyncLLMEngine,
+                 sender: CacheStoreSender, registry: dict[str, str], observer: SessionObserver):
+        self.config, self.stubs, self.engine, self.sender = config, stubs, engine, sender
+        self.registry, self.observer = registry, observer
+
+    async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None):
+        """Async generator of Deltas for one request served by the decode at ``address``.
+
+        Raises Retryable before the first Delta, DecodeFailed after it.
+        """
+        cfg = self.config
+        timings = timings or SessionTimings()
+        call = self.stubs(address).Session()
+        self.registry[request_id] = address
+        finished = bound = prefilled = released = False
         try:
-            await asyncio.wait_for(call.write(pb.PrefillMessage(start=start)), node.connect_timeout_s)
-            reply = await asyncio.wait_for(call.read(), node.connect_timeout_s)
+            # 1. start
+            blocks_needed = -(-len(prompt_ids) // cfg.block_size)
+            start = pb.Start(
+                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
+                blocks_needed=blocks_needed, compat=cfg.compat, protocol_version=PROTOCOL_VERSION,
+                timeout_s=cfg.session_timeout_s,
+            )
+            # 2. allocation
+            alloc = await self._allocation(call, address, start)
+            timings.allocated = time.monotonic()
+            # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
+            self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
+            # 3. prefill + push, layer by layer
+            try:
+                self.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))
+            except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
+                raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
+            bound = True
+
+            held: list[tuple[int, list[int]]] = []  # layers written but not pushed yet (layerwise_push off)
+
+            def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
+                timings.layer_stored.append(time.monotonic())
+                if cfg.layerwise_push:
+                    self.sender.store(request_id, layer, list(block_ids)[:blocks_needed])
+                else:
+                    held.append((layer, list(block_ids)[:blocks_needed]))
+
+            prefilled = True
+            try:
+                first = await self.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer)
+            except cfg.out_of_blocks_error as exc:
+                prefilled = False  # prefill_only frees what it took when it fails
+                raise Retryable(f"prefill has no free KV blocks for this prompt now: {exc}", "prefill_busy") from None
+            except BaseException:
+                prefilled = False
+                raise
+            timings.prefill_done = time.monotonic()
+            for layer, block_ids in held:  # overlap off: the whole KV goes now
+                self.sender.store(request_id, layer, block_ids)
+            # 4. first token
+            try:
+                await self.sender.wait_sent(request_id, cfg.session_timeout_s)
+            except Exception as exc:  # TransferError, timeout: the decode never got the KV
+                raise Retryable(f"{address}: KV transfer failed: {exc}", "kv_transfer_failed") from None
+            timings.kv_sent = time.monotonic()
+            timings.layer_send_seconds = [done - stored for stored, done in self.sender.layer_times(request_id).values()]
+            await self.engine.release(request_id)
+            released = True
+            self.observer.transferred(timings, blocks_needed)
+            reason = first_token_finishes(first, sp, cfg.eos_token_ids)
+            # a stop token ends the request and is not part of the output (as in the engine)
+            first_out = [] if reason == "stop" else [first]
+            try:
+                await call.write(pb.PrefillMessage(first_token=pb.FirstToken(token_id=first, finished=reason is not None, finish_reason=reason or "")))
+            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+                raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
+            if reason is not None:
+                finished = True
+                yield Delta(first_out, True, reason)
+                return
+            yield Delta([first])
+            # 5. relay
+            while True:
+                delta = await self._next_delta(call, address)
+                finished = delta.finished
+                yield delta
+                if finished:
+                    return
+        finally:
+            # 6. release
+            if not finished:
+                call.cancel()
+            else:
+                try:
+                    await call.done_writing()
+                except Exception:  # noqa: BLE001 - already closed by decode
+                    pass
+            if prefilled and not released:
+                await self.engine.release(request_id)
+            if bound:
+                self.sender.delete(request_id)
+            self.registry.pop(request_id, None)
+
+    async def _allocation(self, call, address: str, start: pb.Start) -> pb.Allocation:
+        """Steps 1-2: send Start, wait for the Allocation; anything else raises Retryable."""
+        cfg = self.config
+        try:
+            await asyncio.wait_for(call.write(pb.PrefillMessage(start=start)), cfg.connect_timeout_s)
+            reply = await asyncio.wait_for(call.read(), cfg.connect_timeout_s)
         except asyncio.TimeoutError:
-            raise Retryable(f"{address}: no answer within {node.connect_timeout_s:.1f}s") from None
+            raise Retryable(f"{address}: no answer within {cfg.connect_timeout_s:.1f}s") from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
-        # 2. allocation
         if reply is grpc.aio.EOF:
             raise Retryable(f"{address}: closed the session before answering")
         kind = reply.WhichOneof("kind")
@@ -132,95 +251,28 @@ async def run_session(node, address: str, request_id: str, prompt_ids: list[int]
         if kind != "allocation":
             reason = reply.error.reason if kind == "error" else f"unexpected {kind} message"
             raise Retryable(f"{address}: {reason}")
-        alloc = reply.allocation
-        if len(alloc.block_ids) != blocks_needed:
-            raise Retryable(f"{address}: allocated {len(alloc.block_ids)} blocks, {blocks_needed} needed")
-        timings.allocated = time.monotonic()
-        # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
-        node.note_allocation(address, decode_reservation(len(prompt_ids), sp.max_tokens, node.block_size))
-        # 3. prefill + push, layer by layer
-        try:
-            node.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))
-        except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
-            raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
-        bound = True
+        if len(reply.allocation.block_ids) != start.blocks_needed:
+            raise Retryable(f"{address}: allocated {len(reply.allocation.block_ids)} blocks, "
+                            f"{start.blocks_needed} needed")
+        return reply.allocation
 
-        held: list[tuple[int, list[int]]] = []  # layers written but not pushed yet (layerwise_push off)
-
-        def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
-            timings.layer_stored.append(time.monotonic())
-            if node.layerwise_push:
-                node.sender.store(request_id, layer, list(block_ids)[:blocks_needed])
-            else:
-                held.append((layer, list(block_ids)[:blocks_needed]))
-
-        prefilled = True
+    @staticmethod
+    async def _next_delta(call, address: str) -> Delta:
+        """Step 5: decode's next Tokens (or Finish: a finished Delta); anything else raises DecodeFailed."""
         try:
-            first = await node.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer)
-        except node.out_of_blocks_error as exc:
-            prefilled = False  # prefill_only frees what it took when it fails
-            raise Retryable(f"prefill has no free KV blocks for this prompt now: {exc}", "prefill_busy") from None
-        except BaseException:
-            prefilled = False
-            raise
-        timings.prefill_done = time.monotonic()
-        for layer, block_ids in held:  # overlap off: the whole KV goes now
-            node.sender.store(request_id, layer, block_ids)
-        # 4. first token
-        try:
-            await node.sender.wait_sent(request_id, node.session_timeout_s)
-        except Exception as exc:  # TransferError, timeout: the decode never got the KV
-            raise Retryable(f"{address}: KV transfer failed: {exc}", "kv_transfer_failed") from None
-        timings.kv_sent = time.monotonic()
-        timings.layer_send_seconds = [done - stored for stored, done in node.sender.layer_times(request_id).values()]
-        await node.engine.release(request_id)
-        released = True
-        node.observe_transfer(timings, blocks_needed)
-        reason = first_token_finishes(first, sp, node.eos_token_ids)
-        # a stop token ends the request and is not part of the output (as in the engine)
-        first_out = [] if reason == "stop" else [first]
-        try:
-            await call.write(pb.PrefillMessage(first_token=pb.FirstToken(token_id=first, finished=reason is not None, finish_reason=reason or "")))
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
-        if reason is not None:
-            finished = True
-            yield Delta(first_out, True, reason)
-            return
-        yield Delta([first])
-        # 5. relay
-        while True:
-            try:
-                msg = await call.read()
-            except grpc.aio.AioRpcError as exc:
-                raise DecodeFailed(f"decode {address} failed mid-generation: {_rpc_reason(exc)}") from None
-            if msg is grpc.aio.EOF:
-                raise DecodeFailed(f"decode {address} closed the session before finishing")
-            kind = msg.WhichOneof("kind")
-            if kind == "tokens":
-                yield Delta(list(msg.tokens.token_ids))
-            elif kind == "finish":
-                finished = True
-                yield Delta([], True, msg.finish.finish_reason or "stop")
-                return
-            elif kind == "error":
-                raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}")
-            else:
-                raise DecodeFailed(f"decode {address} sent an unexpected {kind} message")
-    finally:
-        # 6. release
-        if not finished:
-            call.cancel()
-        else:
-            try:
-                await call.done_writing()
-            except Exception:  # noqa: BLE001 - already closed by decode
-                pass
-        if prefilled and not released:
-            await node.engine.release(request_id)
-        if bound:
-            node.sender.delete(request_id)
-        node.sessions.pop(request_id, None)
+            msg = await call.read()
+        except grpc.aio.AioRpcError as exc:
+            raise DecodeFailed(f"decode {address} failed mid-generation: {_rpc_reason(exc)}") from None
+        if msg is grpc.aio.EOF:
+            raise DecodeFailed(f"decode {address} closed the session before finishing")
+        kind = msg.WhichOneof("kind")
+        if kind == "tokens":
+            return Delta(list(msg.tokens.token_ids))
+        if kind == "finish":
+            return Delta([], True, msg.finish.finish_reason or "stop")
+        if kind == "error":
+            raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}")
+        raise DecodeFailed(f"decode {address} sent an unexpected {kind} message")
 
 
 def _rpc_reason(exc: Exception) -> str:

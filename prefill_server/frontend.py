@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .decode_session import DecodeFailed
-from .node import NoDecodeAvailable
+from .node import NoDecodeAvailable, PrefillNode
 from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, BadRequest, ParsedRequest, SamplingSpec
 from .text_stream import TextStream
+
+if TYPE_CHECKING:
+    from pdserve.metrics import ServerMetrics
 
 
 @dataclass(slots=True)
@@ -28,7 +32,8 @@ class Piece:
 
 
 class Frontend:
-    def __init__(self, node, tokenizer, sampling_cls, model_name: str, max_model_len: int, metrics=None, vocab_size: int | None = None):
+    def __init__(self, node: PrefillNode, tokenizer, sampling_cls, model_name: str, max_model_len: int,
+                 metrics: ServerMetrics | None = None, vocab_size: int | None = None):
         self.node, self.tokenizer, self.sampling_cls, self.vocab_size = node, tokenizer, sampling_cls, vocab_size
         self.model_name, self.max_model_len, self.metrics = model_name, max_model_len, metrics
         self.in_flight = 0

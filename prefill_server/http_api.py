@@ -20,7 +20,6 @@ the cancellation reaches decode at once.
 from __future__ import annotations
 
 import logging
-import time
 
 from aiohttp import web
 

@@ -30,13 +30,20 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pdserve.protos import session_pb2 as pb
 
-from .decode_session import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionTimings, decode_reservation,
-                             run_session)
+from .decode_session import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionRunner,
+                             SessionTimings, decode_reservation)
 from .load_poller import LoadReportPoller
 from .picker import DecodePicker
+from .transfer_accounting import TransferAccounting
+
+if TYPE_CHECKING:
+    from pdserve.cachestore import CacheStoreSender
+    from pdserve.engine import AsyncLLMEngine
+    from pdserve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +55,8 @@ TRANSIENT_CODES = frozenset({"out_of_blocks", "prefill_busy"})
 
 @dataclass
 class PrefillNode:
-    engine: object  # AsyncLLMEngine: prefill_only / release / generate
-    sender: object  # CacheStoreSender
+    engine: AsyncLLMEngine  # prefill_only / release / generate; num_blocks, num_free_blocks() from the loop
+    sender: CacheStoreSender
     picker: DecodePicker
     poller: LoadReportPoller
     compat: pb.Compat
@@ -60,8 +67,8 @@ class PrefillNode:
     local_fallback: bool = False
     session_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
-    metrics: object | None = None
-    out_of_blocks_error: type = RuntimeError  # the engine's OutOfBlocksError
+    metrics: ServerMetrics | None = None
+    out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError
     resume: bool = True  # continue on another decode when one fails mid-generation
     queue_timeout_s: float = 10.0  # how long a request may wait for KV blocks to free up
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
@@ -72,27 +79,11 @@ class PrefillNode:
         self.sessions: dict[str, str] = {}  # request id -> decode address, while a Session is open
         self.local_requests = 0
         self.last_timings: dict[str, SessionTimings] = {}
-
-    # used by run_session
-    def stub(self, address: str):
-        return self.poller.stub(address)
-
-    def note_allocation(self, address: str, blocks: int) -> None:
-        self.picker.note_allocation(address, blocks, blocks * self.kv_bytes_per_block)
-
-    def observe_transfer(self, t: SessionTimings, blocks: int) -> None:
-        m = self.metrics
-        if m is None:
-            return
-        m.prefill_compute.observe(t.prefill_done - t.allocated)
-        if t.layer_stored:
-            m.kv_transfer.observe(max(0.0, t.kv_sent - t.layer_stored[0]))
-        for seconds in t.layer_send_seconds:
-            m.kv_transfer_layer.observe(max(0.0, seconds))
-        m.kv_transfer_bytes.inc(blocks * self.kv_bytes_per_block)
-        free = self.engine.engine.num_free_blocks()
-        m.kv_blocks_free.set(free)
-        m.kv_blocks_used.set(self.engine.engine.num_blocks - free)
+        config = SessionConfig(self.compat, self.block_size, self.eos_token_ids, self.session_timeout_s,
+                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error)
+        accounting = TransferAccounting(self.picker, self.engine, self.kv_bytes_per_block, self.metrics)
+        self.session_runner = SessionRunner(config, stubs=self.poller.stub, engine=self.engine, sender=self.sender,
+                                            registry=self.sessions, observer=accounting)
 
     def ready(self) -> bool:
         """Ready when a decode is known (or local fallback can serve)."""
@@ -113,11 +104,12 @@ class PrefillNode:
             transient = True  # every failure this round was "busy now" (worth waiting for)
             for _ in range(self.max_attempts):
                 need = -(-(len(prompt_ids) + len(produced)) // self.block_size)
-                if need > self.engine.engine.num_blocks:
+                if need > self.engine.num_blocks:
                     raise NoDecodeAvailable(f"the prompt needs {need} KV blocks but this prefill has only "
-                                            f"{self.engine.engine.num_blocks}")
-                if need > self.engine.engine.num_free_blocks():
-                    reasons.append(f"prefill has {self.engine.engine.num_free_blocks()} free KV blocks, {need} needed")
+                                            f"{self.engine.num_blocks}")
+                free = self.engine.num_free_blocks()
+                if need > free:
+                    reasons.append(f"prefill has {free} free KV blocks, {need} needed")
                     break
                 # what decode reserves: prompt + max_tokens (tokens already produced move from one to the other)
                 decode_need = decode_reservation(len(prompt_ids), sp.max_tokens, self.block_size)
@@ -138,7 +130,7 @@ class PrefillNode:
                 # leftovers of a failed attempt (a cancel still travelling) never collide with it
                 session_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
                 attempt += 1
-                stream = run_session(self, address, session_id, prompt_ids + produced, sp_now, timings)
+                stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings)
                 try:
                     try:
                         first = await stream.__anext__()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from pdserve.protos.version import PROTOCOL_VERSION
 
@@ -56,7 +57,7 @@ class DecodePicker:
     policy: str = "wrr"
     expiry_s: float = 1.5
     protocol_version: int = PROTOCOL_VERSION
-    clock: object = time.monotonic
+    clock: Callable[[], float] = time.monotonic
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _rr_next: int = 0
 

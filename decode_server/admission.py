@@ -1,0 +1,65 @@
+"""Admission on decode: whether a Session's ``Start`` may be served here (pure, no I/O).
+
+Contract of ``refusal(start, ...)``: None when the request may go on to reserve blocks,
+else ``(code, reason)`` for the ``Refusal`` message. The checks, in order:
+
+1. ``bad_request`` - no request id;
+2. ``version`` - the protocol versions differ;
+3. ``incompatible`` - a KV layout field differs (``compat_mismatch`` names each, both values);
+4. ``draining`` - this decode is shutting down;
+5. ``bad_request`` - the request id already has a live session here, the prompt is empty,
+   max_tokens < 1, prompt + max_tokens exceed the context, or ``blocks_needed`` does not
+   match the prompt;
+6. ``too_large`` - prompt + max_tokens need more blocks than the whole pool: it can never
+   fit, so prefill should not wait for it.
+
+"Not enough free blocks now" (``out_of_blocks``, transient) is the engine's answer to
+``reserve``, not decided here.
+"""
+
+from __future__ import annotations
+
+from pdserve.protos import session_pb2 as pb
+from pdserve.protos.version import PROTOCOL_VERSION
+
+# Compat fields that must be equal on both ends for KV bytes to be meaningful.
+COMPAT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "model", "transport")
+
+
+def compat_mismatch(ours: pb.Compat, theirs: pb.Compat) -> str | None:
+    """None when compatible, else a message naming every differing field with both values."""
+    diffs = [
+        f"{name}: prefill={getattr(theirs, name)!r} decode={getattr(ours, name)!r}"
+        for name in COMPAT_FIELDS
+        if getattr(ours, name) != getattr(theirs, name)
+    ]
+    return "incompatible KV layout: " + ", ".join(diffs) if diffs else None
+
+
+def refusal(start: pb.Start, compat: pb.Compat, *, max_model_len: int, total_blocks: int, draining: bool,
+            has_session: bool) -> tuple[str, str] | None:
+    """(code, reason) when decode must refuse ``start``; None when it may reserve blocks."""
+    rid = start.request_id
+    if not rid:
+        return "bad_request", "Start has no request_id"
+    if start.protocol_version != PROTOCOL_VERSION:
+        return "version", f"protocol version: prefill={start.protocol_version} decode={PROTOCOL_VERSION}"
+    mismatch = compat_mismatch(compat, start.compat)
+    if mismatch:
+        return "incompatible", mismatch
+    if draining:
+        return "draining", "decode is draining (shutting down)"
+    if has_session:
+        return "bad_request", f"request id {rid!r} already has a session on this decode"
+    n_prompt, max_tokens = len(start.prompt_token_ids), start.sampling.max_tokens
+    if n_prompt == 0 or max_tokens < 1 or n_prompt + max_tokens > max_model_len:
+        return ("bad_request",
+                f"prompt of {n_prompt} tokens + max_tokens {max_tokens} does not fit the context of {max_model_len}")
+    if start.blocks_needed != -(-n_prompt // compat.block_size):
+        return ("bad_request", f"blocks_needed {start.blocks_needed} does not match {n_prompt} prompt tokens "
+                               f"in blocks of {compat.block_size}")
+    need = -(-(n_prompt + max_tokens) // compat.block_size)
+    if need > total_blocks:
+        return ("too_large", f"request needs {need} KV blocks ({n_prompt} prompt tokens + max_tokens "
+                             f"{max_tokens}) but this decode has only {total_blocks} in all")
+    return None
