@@ -156,7 +156,6 @@ class Link:
                         frame = self.control.popleft()
                     else:
                         chunk = self.scheduler.pop()
-                        chunk.transfer.context.sending += 1
                         self.sending += 1
                 if frame is not None:
                     sock.sendall(frame)
@@ -173,15 +172,10 @@ class Link:
             self.fail(exc)
 
     def _chunk_done(self, chunk: Chunk, acked: bool) -> None:
-        req = chunk.transfer.context
         with self.cond:
-            req.sending -= 1
             self.sending -= 1
-            drained = req.deleted and req.sending == 0
         if acked:
-            self.sender._on_acked(req.rid, chunk.transfer.layer, chunk.nblocks)
-        if drained:
-            self.sender._forget(req)
+            self.sender._on_acked(chunk.transfer.key, chunk.transfer.layer, chunk.nblocks)
 
     def _reader_main(self, sock: socket.socket) -> None:
         try:
@@ -230,7 +224,6 @@ class Link:
                         while (len(self.scheduler) and len(outstanding) < NIXL_MAX_OUTSTANDING
                                and size < self.sender.chunk_blocks and len(batch) < 64):
                             chunk = self.scheduler.pop()
-                            chunk.transfer.context.sending += 1
                             self.sending += 1
                             batch.append(chunk)
                             size += chunk.nblocks

@@ -44,6 +44,7 @@ from .wire_io import RegionIO
 
 log = logging.getLogger("pdserve.cachestore.receiver")
 SEND_TIMEOUT_S = 5.0  # a sender that stops reading ACK/ERROR frames for this long is dropped
+IDLE_PROGRESS_S = 0.005  # nixl: how often an idle receiver drives its agent while a sender is connected
 
 
 def _check_timeout(timeout_s: object) -> None:
@@ -468,14 +469,23 @@ class CacheStoreReceiver:
 
         idle = 0
         while not self._stopping:
-            if self._table.incomplete == 0:
-                self._nixl_wake.wait(0.5)
+            waiting = self._table.incomplete > 0
+            if not waiting:
+                # No entry waits for KV, but a connected sender may still have WRITEs in flight
+                # toward us (for an entry deleted, failed or never expected): UCX completes them
+                # on the sender only once this agent makes progress too, so keep driving it,
+                # slowly, while any sender is connected.
+                with self._conns_lock:
+                    connected = bool(self._conns)
+                self._nixl_wake.wait(IDLE_PROGRESS_S if connected else 0.5)
                 self._nixl_wake.clear()
-                continue
+                if not connected:
+                    continue
             notifs = self._nixl.agent.get_new_notifs()
             if not notifs:
-                idle += 1
-                time.sleep(min(0.0002, 0.00001 * idle))
+                if waiting:
+                    idle += 1
+                    time.sleep(min(0.0002, 0.00001 * idle))
                 continue
             idle = 0
             touched: set[str] = set()

@@ -15,8 +15,10 @@ Request lifecycle on the sender:
 5. ``delete(rid)`` forgets the request (idempotent). Deleting an unfinished request drops its
    queued chunks and sends CANCEL, so the receiver frees its entry. Source blocks are read
    until ``wait_sent`` returns (or the request fails/is deleted): the engine must not reuse
-   them before that. A chunk already on the wire when delete() is called finishes first;
-   ``stats()['pinned_entries']`` counts the request until it has.
+   them before that. ``delete`` (and a failure) releases the request's pin at once, exactly
+   once: a chunk already on the wire finishes on its link (``stats()['sending_chunks']``) but
+   its completion is a no-op. (A NIXL WRITE's completion can wait on the receiver's agent;
+   a pin held until then outlived the request whenever the receiver stopped progressing.)
 
 Failures (receiver gone, ERROR from the receiver, a wait's timeout) fail the request: its
 waiters get ``TransferError`` and it is freed; later ``store`` calls for it are ignored.
@@ -55,7 +57,6 @@ class _TxRequest:
     pending: int = 0        # blocks handed to the link and not yet delivered
     layer_left: dict[int, int] = field(default_factory=dict)     # layer -> blocks not yet delivered
     layer_times: dict[int, list[float]] = field(default_factory=dict)  # layer -> [stored, delivered] (monotonic)
-    sending: int = 0        # chunks on the wire right now (guarded by link.cond)
     deleted: bool = False
     error: TransferError | None = None
 
@@ -174,11 +175,14 @@ class CacheStoreSender:
             req.layer_times[layer] = [now, now] if nblocks == 0 else [now]
             self._counters["transfers_stored"] += 1
             done = req.pending == 0 and len(req.stored) == self.layout.num_layers
-        if runs:
-            try:
-                req.link.submit(Transfer(request_id, layer, runs, req.priority, context=req))
-            except TransferError as exc:
-                self._fail(request_id, exc, tell_receiver=False)
+            link_error = None
+            if runs:  # under the lock: a delete() on another thread cannot slip in before the push
+                try:
+                    req.link.submit(Transfer(request_id, layer, runs, req.priority))
+                except TransferError as exc:
+                    link_error = exc
+        if link_error is not None:
+            self._fail(request_id, link_error, tell_receiver=False)
         elif done:
             self._to_loop(self._dispatch, request_id)
 
@@ -221,8 +225,8 @@ class CacheStoreSender:
         """Forget request_id (idempotent); an unfinished one is cancelled on the receiver too."""
         with self._lock:
             self._failed.pop(request_id, None)
-            req = self._requests.get(request_id)
-            if req is None or req.deleted:
+            req = self._requests.pop(request_id, None)  # the pin goes here, once
+            if req is None:
                 return
             req.deleted = True
             unfinished = req.error is None and not self._done(req)
@@ -230,10 +234,6 @@ class CacheStoreSender:
         link.remove(request_id)
         if unfinished:
             link.send_control(encode_control(FrameType.CANCEL, request_id, b"sender deleted the request"))
-        with link.cond:
-            busy = req.sending > 0
-        if not busy:
-            self._forget(req)
         for fut in self._waiters.get(request_id, []):
             if not fut.done():
                 fut.set_exception(TransferError(f"request {request_id!r} was deleted while waiting"))
@@ -311,19 +311,11 @@ class CacheStoreSender:
             while len(self._failed) > TOMBSTONES:
                 self._failed.popitem(last=False)
             req.deleted = True
+            del self._requests[rid]  # the pin goes here, once; late chunk completions find nothing
         req.link.remove(rid)
         if tell_receiver:
             req.link.send_control(encode_control(FrameType.CANCEL, rid, str(err).encode()[:60000]))
-        with req.link.cond:
-            busy = req.sending > 0
-        if not busy:
-            self._forget(req)
         self._to_loop(self._dispatch, rid)
-
-    def _forget(self, req: _TxRequest) -> None:
-        with self._lock:
-            if self._requests.get(req.rid) is req:
-                del self._requests[req.rid]
 
     # ----- called from link threads ----------------------------------------------------
     def _on_acked(self, rid: str, layer: int, nblocks: int) -> None:
