@@ -14,8 +14,7 @@ import logging
 import signal
 
 from pdserve import defaults
-
-TRANSPORTS = ("tcp", "nixl")
+from pdserve.cachestore import TRANSPORTS
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -103,7 +103,7 @@ def test_many_requests_chunked_multi_connection(transport, scheduler):
             reqs = {f"r{i}": (list(range(i * 8, i * 8 + n)), list(range(NB - 1 - i * 8, NB - 1 - i * 8 - n, -1)))
                     for i, n in enumerate([8, 1, 5, 3])}
             for rid, (src, dst) in reqs.items():
-                p.tx.bind(rid, p.rx.endpoint, p.rx.expect(rid, dst, 20), priority=1 if rid == "r3" else 0)
+                p.tx.bind(rid, p.rx.endpoint, p.rx.expect(rid, dst, 20))
             # store() from several "engine" threads at once, interleaved by layer
             def compute(rids):
                 for l in range(L):
