@@ -21,7 +21,7 @@ Usage (decode side receives, prefill side sends)::
 
     tx = CacheStoreSender(region, layout, compat, transport="tcp", scheduler="priority")
     await tx.start()
-    tx.bind(rid, ep, dst, priority=0)                   # CompatError on version/hash mismatch
+    tx.bind(rid, ep, dst)                               # CompatError on version/hash mismatch
     tx.store(rid, layer, src_block_ids)                 # any thread, non-blocking, after the layer's KV is written
     await tx.wait_sent(rid, timeout_s)                  # every layer delivered (acked)
     tx.delete(rid)
@@ -48,6 +48,7 @@ take no hashes). ``wait_sent`` waits for ALL layers of the layout, not only thos
 far. Both sides' ``stats()`` report ``pinned_entries`` and ``inflight_transfers``.
 """
 
+from .endpoint import TRANSPORTS
 from .errors import CompatError, ProtocolError, TransferError, UnknownRequestError
 from .frames import PROTOCOL_VERSION
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
@@ -57,6 +58,6 @@ from .sender import CacheStoreSender
 
 __all__ = [
     "CacheStoreReceiver", "CacheStoreSender", "CompatError", "CompatInfo", "FifoScheduler", "KVLayout",
-    "MemoryRegion", "PROTOCOL_VERSION", "PriorityScheduler", "ProtocolError", "TransferError",
+    "MemoryRegion", "PROTOCOL_VERSION", "PriorityScheduler", "ProtocolError", "TRANSPORTS", "TransferError",
     "UnknownRequestError", "merge_runs",
 ]

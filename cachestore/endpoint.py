@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from .frames import PROTOCOL_VERSION
 
 ENDPOINT_MAGIC = b"PDKVEP1:"
-TRANSPORTS = ("tcp", "nixl")
+TRANSPORTS = ("tcp", "nixl")  # the one list of transports (cachestore.TRANSPORTS; the CLIs use it)
 
 
 @dataclass(slots=True)

@@ -21,25 +21,51 @@ import logging
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from .endpoint import Endpoint
 from .errors import CompatError, ProtocolError, TransferError
-from .frames import PROTOCOL_VERSION, FrameType, encode_header, encode_json, read_frame_header, read_payload
+from .frames import FrameType, encode_header, read_frame_header, read_payload
+from .handshake import client_hello
+from .memory import CompatInfo, KVLayout, MemoryRegion
 from .scheduler import Chunk
 from .wire_io import RegionIO
-
-if TYPE_CHECKING:
-    from .sender import CacheStoreSender
 
 log = logging.getLogger("pdserve.cachestore.link")
 NIXL_MAX_OUTSTANDING = 4  # WRITEs in flight per link
 
 
+class LinkOwner(Protocol):
+    """What a link reports to its owner (the sender), from the link's threads."""
+
+    def on_delivered(self, rid: str, layer: int, nblocks: int) -> None:
+        """nblocks of rid's layer reached the receiver (tcp ACK, or the NIXL WRITE is DONE)."""
+
+    def on_remote_error(self, rid: str, text: str) -> None:
+        """The receiver refused or gave up on rid (ERROR rid)."""
+
+    def on_link_failed(self, link: "Link", exc: BaseException) -> None:
+        """The link is down (connection error, handshake refused, closed): its requests fail."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    """What every link of one sender shares, given at construction."""
+
+    region: MemoryRegion
+    layout: KVLayout
+    compat: CompatInfo
+    chunk_blocks: int              # a NIXL WRITE carries consecutive chunks up to this many blocks
+    connections: int               # tcp connections per receiver (nixl: one, the control channel)
+    connect_timeout_s: float
+    nixl: Any = None               # the sender's NixlMemory (agent, name, mem_type), for nixl
+
+
 class Link:
-    def __init__(self, sender: "CacheStoreSender", endpoint: Endpoint, scheduler, connections: int,
-                 connect_timeout_s: float):
-        self.sender = sender
+    def __init__(self, owner: LinkOwner, endpoint: Endpoint, scheduler, config: LinkConfig):
+        self.owner = owner
+        self.config = config
         self.endpoint = endpoint
         self.key = (endpoint.host, endpoint.port, endpoint.instance)
         self.peer = f"{endpoint.host}:{endpoint.port}"
@@ -52,8 +78,7 @@ class Link:
         self.sending = 0  # chunks popped and not yet fully sent/acknowledged by NIXL
         self._socks: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
-        self._n_conns = 1 if endpoint.transport == "nixl" else connections
-        self._connect_timeout_s = connect_timeout_s
+        self._n_conns = 1 if endpoint.transport == "nixl" else config.connections
 
     # ----- called by the sender (any thread) -------------------------------------------
     def start(self) -> None:
@@ -94,7 +119,7 @@ class Link:
         if not self.closing:
             log.warning("CacheStore link to %s failed: %s", self.peer, exc)
         self._shutdown_socks()
-        self.sender._on_link_failed(self, exc)
+        self.owner.on_link_failed(self, exc)
 
     def close(self) -> None:
         """Stop the threads (queued chunks are dropped) and wait for them."""
@@ -120,22 +145,12 @@ class Link:
     def _connect(self) -> socket.socket:
         ep = self.endpoint
         try:
-            sock = socket.create_connection((ep.host, ep.port), timeout=self._connect_timeout_s)
+            sock = socket.create_connection((ep.host, ep.port), timeout=self.config.connect_timeout_s)
         except OSError as exc:
             raise TransferError(f"cannot connect to CacheStore receiver {self.peer}: {exc}") from None
         self._socks.append(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        c = self.sender.compat
-        sock.sendall(encode_json(FrameType.HELLO, {"version": PROTOCOL_VERSION, "compat_hash": c.compat_hash,
-                                                   "compat": c.describe(), "agent": self.sender._nixl_name}))
-        frame = read_frame_header(sock)
-        if frame is None:
-            raise TransferError(f"receiver {self.peer} closed the connection during the handshake")
-        text = read_payload(sock, frame).decode(errors="replace")
-        if frame.type == FrameType.ERROR:
-            raise CompatError(f"receiver {self.peer} refused the handshake: {text}")
-        if frame.type != FrameType.HELLO_OK:
-            raise ProtocolError(f"expected HELLO_OK from {self.peer}, got {frame.type.name}")
+        client_hello(sock, self.config.compat, self.config.nixl.name if self.config.nixl else "", self.peer)
         sock.settimeout(None)
         return sock
 
@@ -143,8 +158,8 @@ class Link:
         try:
             sock = self._connect()
             self._spawn(self._reader_main, f"cachestore-tx-{self.peer}-r{index}", sock)
-            io = RegionIO(self.sender.region) if self.endpoint.transport == "tcp" else None
-            layout = self.sender.layout
+            io = RegionIO(self.config.region) if self.endpoint.transport == "tcp" else None
+            layout = self.config.layout
             while True:
                 frame, chunk = None, None
                 with self.cond:
@@ -156,7 +171,6 @@ class Link:
                         frame = self.control.popleft()
                     else:
                         chunk = self.scheduler.pop()
-                        chunk.transfer.context.sending += 1
                         self.sending += 1
                 if frame is not None:
                     sock.sendall(frame)
@@ -173,15 +187,10 @@ class Link:
             self.fail(exc)
 
     def _chunk_done(self, chunk: Chunk, acked: bool) -> None:
-        req = chunk.transfer.context
         with self.cond:
-            req.sending -= 1
             self.sending -= 1
-            drained = req.deleted and req.sending == 0
         if acked:
-            self.sender._on_acked(req.rid, chunk.transfer.layer, chunk.nblocks)
-        if drained:
-            self.sender._forget(req)
+            self.owner.on_delivered(chunk.transfer.key, chunk.transfer.layer, chunk.nblocks)
 
     def _reader_main(self, sock: socket.socket) -> None:
         try:
@@ -191,12 +200,12 @@ class Link:
                     raise TransferError(f"receiver {self.peer} closed the connection")
                 if frame.type == FrameType.ACK:
                     read_payload(sock, frame)
-                    self.sender._on_acked(frame.rid, frame.layer, frame.nblocks)
+                    self.owner.on_delivered(frame.rid, frame.layer, frame.nblocks)
                 elif frame.type == FrameType.ERROR:
                     text = read_payload(sock, frame).decode(errors="replace")
                     if not frame.rid:
                         raise TransferError(f"receiver {self.peer} closed the connection: {text}")
-                    self.sender._on_remote_error(frame.rid, f"receiver {self.peer}: {text}")
+                    self.owner.on_remote_error(frame.rid, f"receiver {self.peer}: {text}")
                 else:
                     raise ProtocolError(f"unexpected {frame.type.name} frame from receiver {self.peer}")
         except BaseException as exc:  # noqa: BLE001
@@ -207,14 +216,14 @@ class Link:
         from .nixl_backend import encode_notif
 
         try:
-            nixl = self.sender._nixl
+            nixl = self.config.nixl
             agent = nixl.agent
             ep = self.endpoint
             remote_name = agent.add_remote_agent(ep.nixl_metadata)
             base, _, rdev, rtype = ep.nixl_region
-            layout = self.sender.layout
+            layout = self.config.layout
             bnb = layout.block_nbytes
-            region = self.sender.region
+            region = self.config.region
             outstanding: collections.deque = collections.deque()
             try:
                 while True:
@@ -228,9 +237,8 @@ class Link:
                         # transfers do not each pay a WRITE's fixed cost
                         size = 0
                         while (len(self.scheduler) and len(outstanding) < NIXL_MAX_OUTSTANDING
-                               and size < self.sender.chunk_blocks and len(batch) < 64):
+                               and size < self.config.chunk_blocks and len(batch) < 64):
                             chunk = self.scheduler.pop()
-                            chunk.transfer.context.sending += 1
                             self.sending += 1
                             batch.append(chunk)
                             size += chunk.nblocks

@@ -16,65 +16,28 @@ Request lifecycle on the receiver (read ``entries.py`` for the bookkeeping):
    still arriving, a frame being received stops within one 1 MiB piece (the rest is read
    and dropped); ``await released(rid)`` says when no byte can land in its blocks any more.
 
-Threads: one accept thread, one reader thread per sender connection (blocking ``recv_into``
-straight into the region releases the GIL), and for nixl one notification thread. They only
-touch the lock-protected ``EntryTable`` and hand wake-ups to the event loop with
-``call_soon_threadsafe``. ``expect``/``delete``/``stats`` and the waits run on the loop thread.
+Threads: ``tcp_server.py`` (accept, one reader per sender connection: blocking ``recv_into``
+straight into the region releases the GIL) and for nixl ``nixl_receive.py`` (notifications).
+They only touch the lock-protected ``EntryTable`` and report to this class as its
+``ReceiveSink``, which hands wake-ups to the event loop. ``expect``/``delete``/``stats`` and the
+waits run on the loop thread (``waiters.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import logging
-import socket
-import threading
-import time
 import uuid
-from typing import Sequence
+from typing import Iterable, Sequence
 
-from .endpoint import Endpoint, TRANSPORTS
+from .endpoint import TRANSPORTS, Endpoint
 from .entries import Entry, EntryTable
-from .errors import ProtocolError, TransferError, UnknownRequestError
-from .frames import (PROTOCOL_VERSION, Frame, FrameType, discard, encode_control, encode_header,
-                     read_frame_header, read_payload)
+from .errors import TransferError, UnknownRequestError
 from .memory import CompatInfo, KVLayout, MemoryRegion
-from .wire_io import RegionIO
+from .tcp_server import TcpServer
+from .waiters import LoopCaller, WaiterBook, check_timeout
 
 log = logging.getLogger("pdserve.cachestore.receiver")
-SEND_TIMEOUT_S = 5.0  # a sender that stops reading ACK/ERROR frames for this long is dropped
-
-
-def _check_timeout(timeout_s: object) -> None:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-
-
-class _Conn:
-    """One accepted sender connection; send() may be called from any thread."""
-
-    def __init__(self, cid: int, sock: socket.socket, peer: str):
-        self.id = cid
-        self.sock = sock
-        self.peer = peer
-        self.agent = ""  # the sender's NIXL agent name (from HELLO)
-        self._send_lock = threading.Lock()
-
-    def send(self, data: bytes) -> bool:
-        try:
-            with self._send_lock:
-                self.sock.sendall(data)
-            return True
-        except OSError:
-            return False
-
-    def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
 
 
 class CacheStoreReceiver:
@@ -95,53 +58,39 @@ class CacheStoreReceiver:
         self.advertise_host = advertise_host or host
         self.instance = uuid.uuid4().hex[:12]
         self._table = EntryTable(layout)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._listener: socket.socket | None = None
-        self._threads: list[threading.Thread] = []
-        self._conns: dict[int, _Conn] = {}
-        self._conns_lock = threading.Lock()
-        self._conn_ids = itertools.count(1)
-        self._waiters: dict[str, list[tuple[int | None, asyncio.Future]]] = {}
-        self._release_waiters: dict[str, list[asyncio.Future]] = {}
+        self._loop = LoopCaller()
+        self._counters = {"bytes_received": 0, "frames_received": 0, "frames_rejected": 0, "connections_refused": 0}
+        self._server = TcpServer(region, layout, compat, transport, self._table, self._counters, self)
+        self._waiters = WaiterBook()
+        self._release_waiters = WaiterBook()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._nixl = None
-        self._nixl_wake = threading.Event()
-        self._stopping = False
+        self._nixl_loop = None
         self._endpoint: bytes | None = None
-        self._counters = {"bytes_received": 0, "frames_received": 0, "frames_rejected": 0, "connections_refused": 0}
+        self._started = False
 
     # ----- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         """Listen on host:port (port 0 picks a free one) and, for nixl, register the region once."""
-        self._loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.listen(128)
-        self._listener = sock
-        self.port = sock.getsockname()[1]
+        self._loop.attach()
         if self.transport == "nixl":
             from .nixl_backend import NixlMemory
+            from .nixl_receive import NixlReceiveLoop
 
             self._nixl = await asyncio.to_thread(NixlMemory, f"pdserve-rx-{self.instance}", self.region)
-            self._spawn(self._nixl_loop, "cachestore-rx-nixl")
-        self._spawn(self._accept_loop, "cachestore-rx-accept")
+            self._nixl_loop = NixlReceiveLoop(self._nixl, self._table, self.layout, self._counters, self.on_arrived,
+                                              lambda: self._server.connections() > 0)
+        self.port = self._server.listen(self.host, self.port)
+        if self._nixl_loop is not None:
+            self._nixl_loop.start()
+        self._started = True
 
     async def stop(self) -> None:
         """Close every connection, fail whatever is still pinned, deregister memory."""
-        self._stopping = True
-        self._nixl_wake.set()
-        if self._listener is not None:
-            try:
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._listener.close()
-        with self._conns_lock:
-            conns = list(self._conns.values())
-        for conn in conns:
-            conn.close()
-        for t in self._threads:
+        threads = self._server.close()
+        if self._nixl_loop is not None:
+            threads.append(self._nixl_loop.stop())
+        for t in threads:
             await asyncio.to_thread(t.join, 10)
         for rid in self._table.live_ids():
             self._fail(rid, TransferError(f"request {rid!r}: the receiver stopped"), tell_sender=False)
@@ -153,7 +102,7 @@ class CacheStoreReceiver:
     @property
     def endpoint(self) -> bytes:
         """Opaque descriptor the prefill passes to ``CacheStoreSender.bind`` (address, version, hash, nixl)."""
-        if self._listener is None:
+        if not self._started:
             raise RuntimeError("call await receiver.start() before reading its endpoint")
         if self._endpoint is not None:
             return self._endpoint
@@ -175,11 +124,12 @@ class CacheStoreReceiver:
         dst_block_ids, except -1 where a block (same hash) is already provided by another
         live entry. If not every layer has arrived within timeout_s the entry fails and is freed.
         """
-        self._require_started()
-        _check_timeout(timeout_s)
+        loop = self._loop.require("receiver")
+        check_timeout(timeout_s)
         for_sender = self._table.expect(request_id, dst_block_ids, block_hashes)
-        self._timers[request_id] = self._loop.call_later(timeout_s, self._expire, request_id, timeout_s)
-        self._nixl_wake.set()
+        self._timers[request_id] = loop.call_later(timeout_s, self._expire, request_id, timeout_s)
+        if self._nixl_loop is not None:
+            self._nixl_loop.wake()
         return for_sender
 
     async def load(self, request_id: str, layer: int, timeout_s: float) -> None:
@@ -203,8 +153,9 @@ class CacheStoreReceiver:
             timer.cancel()
         unfinished, others = self._table.delete(request_id)
         if unfinished is not None and unfinished.conn is not None:
-            self._send_error(unfinished.conn, request_id, f"receiver deleted request {request_id!r} before all KV arrived")
-        self._wake_all(request_id, TransferError(f"request {request_id!r} was deleted while waiting"))
+            self._server.send_error(unfinished.conn, request_id,
+                                    f"receiver deleted request {request_id!r} before all KV arrived")
+        self._waiters.fail(request_id, TransferError(f"request {request_id!r} was deleted while waiting"))
         for e in others:
             self._after_fail(e, tell_sender=True)
 
@@ -215,93 +166,59 @@ class CacheStoreReceiver:
         already being received stops within one 1 MiB piece; await this before giving the
         blocks to another request. Returns at once when nothing is being received.
         """
-        _check_timeout(timeout_s)
-        fut = self._loop.create_future()
-        self._release_waiters.setdefault(request_id, []).append(fut)
-        try:
-            if not self._table.busy(request_id):
-                return
-            await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
-            raise TransferError(f"request {request_id!r}: a frame was still writing into its blocks after {timeout_s}s") from None
-        finally:
-            ws = self._release_waiters.get(request_id, [])
-            ws[:] = [w for w in ws if w is not fut]
-            if not ws:
-                self._release_waiters.pop(request_id, None)
+        self._loop.require("receiver")
+        await self._release_waiters.wait(request_id, None, timeout_s, lambda rid, _: not self._table.busy(rid),
+                                         self._on_release_timeout)
 
-    def _dispatch_released(self, rid: str) -> None:
-        if self._table.busy(rid):
-            return
-        for fut in self._release_waiters.get(rid, []):
-            if not fut.done():
-                fut.set_result(None)
+    @staticmethod
+    def _on_release_timeout(rid: str, _: object, timeout_s: float) -> TransferError:
+        return TransferError(f"request {rid!r}: a frame was still writing into its blocks after {timeout_s}s")
 
     def stats(self) -> dict:
         s = self._table.stats()
-        with self._conns_lock:
-            s["connections"] = len(self._conns)
-        s["waiters"] = sum(len(v) for v in self._waiters.values())
+        s["connections"] = self._server.connections()
+        s["waiters"] = self._waiters.count()
         s.update(self._counters)
         return s
 
     # ----- waits (loop thread) ---------------------------------------------------------
     async def _wait(self, rid: str, layer: int | None, timeout_s: float) -> None:
-        self._require_started()
-        _check_timeout(timeout_s)
-        # subscribe first, then look: a socket thread that lands the layer in between either
-        # sees this waiter (and wakes it) or updated the state before the look below
-        fut = self._loop.create_future()
-        self._waiters.setdefault(rid, []).append((layer, fut))
-        try:
-            if self._ready(rid, layer):
-                return
-            await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
-            what = "all layers" if layer is None else f"layer {layer}"
-            err = TransferError(f"request {rid!r}: {what} did not arrive within {timeout_s}s")
-            self._fail(rid, err, tell_sender=True)
-            raise err from None
-        finally:
-            ws = self._waiters.get(rid)
-            if ws is not None:
-                ws[:] = [(l, f) for l, f in ws if f is not fut]
-                if not ws:
-                    del self._waiters[rid]
+        self._loop.require("receiver")
+        await self._waiters.wait(rid, layer, timeout_s, self._ready, self._on_wait_timeout)
+
+    def _on_wait_timeout(self, rid: str, layer: int | None, timeout_s: float) -> TransferError:
+        what = "all layers" if layer is None else f"layer {layer}"
+        err = TransferError(f"request {rid!r}: {what} did not arrive within {timeout_s}s")
+        self._fail(rid, err, tell_sender=True)
+        return err
 
     def _ready(self, rid: str, layer: int | None) -> bool:
         """True when done; raises the entry's TransferError or UnknownRequestError."""
         entry = self._table.status(rid)
         return entry.complete if layer is None else entry.layer_done(layer)
 
-    def _dispatch(self, rids) -> None:
+    def _dispatch(self, rids: Iterable[str]) -> None:
         """Loop thread: re-check and wake the subscribers of rids."""
         for rid in rids:
-            ws = self._waiters.get(rid)
-            if not ws:
-                continue
-            for layer, fut in ws:
-                if fut.done():
-                    continue
-                try:
-                    if self._ready(rid, layer):
-                        fut.set_result(None)
-                except TransferError as exc:
-                    fut.set_exception(exc)
-                except UnknownRequestError as exc:
-                    fut.set_exception(TransferError(str(exc)))
+            self._waiters.wake(rid, self._ready)
 
-    def _wake_from_thread(self, rids) -> None:
-        """Socket thread: hand a wake-up to the loop only for requests someone waits on."""
-        rids = [r for r in rids if r in self._waiters]
+    def _dispatch_released(self, rid: str) -> None:
+        self._release_waiters.wake(rid, lambda r, _: not self._table.busy(r))
+
+    # ----- ReceiveSink: called from the socket / notification threads ------------------
+    def on_arrived(self, rids: Iterable[str]) -> None:
+        rids = [r for r in rids if r in self._waiters]  # hand a wake-up over only for requests someone waits on
         if rids:
-            self._to_loop(self._dispatch, rids)
+            self._loop.call(self._dispatch, rids)
 
-    def _wake_all(self, rid: str, exc: TransferError) -> None:
-        for _, fut in self._waiters.get(rid, []):
-            if not fut.done():
-                fut.set_exception(exc)
+    def on_fail(self, rid: str, err: TransferError) -> None:
+        self._loop.call(self._fail, rid, err, False)
 
+    def on_frame_end(self, rid: str) -> None:
+        if rid in self._release_waiters:
+            self._loop.call(self._dispatch_released, rid)
+
+    # ----- failures (loop thread) ------------------------------------------------------
     def _expire(self, rid: str, timeout_s: float) -> None:
         self._timers.pop(rid, None)
         try:
@@ -322,178 +239,5 @@ class CacheStoreReceiver:
         if timer is not None:
             timer.cancel()
         if tell_sender and entry.conn is not None:
-            self._send_error(entry.conn, entry.rid, str(entry.error))
+            self._server.send_error(entry.conn, entry.rid, str(entry.error))
         self._dispatch([entry.rid])
-
-    def _send_error(self, cid: int, rid: str, text: str) -> None:
-        with self._conns_lock:
-            conn = self._conns.get(cid)
-        if conn is not None:
-            conn.send(encode_control(FrameType.ERROR, rid, text.encode()[:60000]))
-
-    def _require_started(self) -> None:
-        if self._loop is None:
-            raise RuntimeError("call await receiver.start() first")
-
-    def _to_loop(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop closed during shutdown
-            pass
-
-    # ----- socket threads --------------------------------------------------------------
-    def _spawn(self, target, name: str, *args) -> None:
-        t = threading.Thread(target=target, args=args, name=name, daemon=True)
-        self._threads = [x for x in self._threads if x.is_alive()] + [t]
-        t.start()
-
-    def _accept_loop(self) -> None:
-        while not self._stopping:
-            try:
-                sock, addr = self._listener.accept()
-            except OSError:
-                return
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            int(SEND_TIMEOUT_S).to_bytes(8, "little") + (0).to_bytes(8, "little"))
-            conn = _Conn(next(self._conn_ids), sock, f"{addr[0]}:{addr[1]}")
-            with self._conns_lock:
-                self._conns[conn.id] = conn
-            self._spawn(self._serve, f"cachestore-rx-conn{conn.id}", conn)
-
-    def _serve(self, conn: _Conn) -> None:
-        reason = "sender connection closed before all KV arrived"
-        io = None
-        try:
-            if not self._handshake(conn):
-                return
-            io = RegionIO(self.region) if self.transport == "tcp" else None
-            scratch = memoryview(bytearray(1 << 16))
-            while True:
-                frame = read_frame_header(conn.sock)
-                if frame is None:
-                    return
-                if frame.type == FrameType.DATA and io is not None:
-                    self._on_data(conn, frame, io, scratch)
-                elif frame.type == FrameType.BIND:
-                    read_payload(conn.sock, frame)
-                    try:
-                        self._table.bind(frame.rid, conn.id)
-                    except UnknownRequestError as exc:
-                        conn.send(encode_control(FrameType.ERROR, frame.rid, str(exc).encode()))
-                elif frame.type in (FrameType.CANCEL, FrameType.ERROR):
-                    text = read_payload(conn.sock, frame).decode(errors="replace")
-                    if frame.rid:
-                        err = TransferError(f"request {frame.rid!r}: the sender gave up: {text}")
-                        self._to_loop(self._fail, frame.rid, err, False)
-                    else:
-                        log.warning("sender %s reported: %s", conn.peer, text)
-                else:
-                    raise ProtocolError(f"unexpected {frame.type.name} frame from a sender")
-        except ProtocolError as exc:
-            reason = f"connection from {conn.peer} closed: {exc}"
-            log.warning("CacheStore %s", reason)
-            self._counters["frames_rejected"] += 1
-            conn.send(encode_control(FrameType.ERROR, "", str(exc).encode()))
-        except OSError as exc:
-            reason = f"sender connection {conn.peer} failed: {exc}"
-        finally:
-            with self._conns_lock:
-                self._conns.pop(conn.id, None)
-            conn.close()
-            failed = self._table.fail_connection(conn.id, reason)
-            if failed:
-                self._to_loop(self._dispatch, [e.rid for e in failed])
-
-    def _handshake(self, conn: _Conn) -> bool:
-        frame = read_frame_header(conn.sock)
-        if frame is None:
-            return False
-        if frame.type != FrameType.HELLO:
-            raise ProtocolError(f"first frame must be HELLO, got {frame.type.name}")
-        try:
-            hello = json.loads(read_payload(conn.sock, frame))
-            version, their_hash = int(hello["version"]), str(hello["compat_hash"])
-        except (ValueError, KeyError, TypeError):
-            raise ProtocolError("HELLO payload is not the expected JSON") from None
-        if version != PROTOCOL_VERSION or their_hash != self.compat.compat_hash:
-            self._counters["connections_refused"] += 1
-            text = (f"incompatible peers: receiver speaks protocol {PROTOCOL_VERSION} with compat hash "
-                    f"{self.compat.compat_hash} ({self.compat.describe()}), sender speaks protocol {version} with "
-                    f"compat hash {their_hash} ({hello.get('compat', '?')})")
-            log.warning("refused %s: %s", conn.peer, text)
-            conn.send(encode_control(FrameType.ERROR, "", text.encode()))
-            return False
-        conn.agent = str(hello.get("agent", ""))
-        conn.send(encode_control(FrameType.HELLO_OK, "", b"{}"))
-        return True
-
-    def _on_data(self, conn: _Conn, f: Frame, io: RegionIO, scratch: memoryview) -> None:
-        nbytes = f.nblocks * self.layout.block_nbytes
-        if f.payload_len != nbytes or f.nblocks == 0 or f.block + f.nblocks > self.layout.num_blocks:
-            raise ProtocolError(f"DATA frame for {f.rid!r}: {f.nblocks} blocks from block {f.block} with a payload of "
-                                f"{f.payload_len} bytes does not fit blocks of {self.layout.block_nbytes} bytes")
-        try:
-            entry = self._table.begin_receive(f.rid, f.layer, f.block, f.nblocks)
-        except (UnknownRequestError, ProtocolError) as exc:
-            discard(conn.sock, f.payload_len, scratch)
-            self._counters["frames_rejected"] += 1
-            if isinstance(exc, ProtocolError):  # a known request writing outside its blocks: fail it
-                self._to_loop(self._fail, f.rid, TransferError(str(exc)), False)
-            conn.send(encode_control(FrameType.ERROR, f.rid, str(exc).encode()))
-            return
-        ok = False
-        try:
-            ok = io.recv(conn.sock, self.layout.offset(f.layer, f.block), nbytes,
-                         stop=lambda: entry.deleted or entry.error is not None, scratch=scratch)
-        finally:
-            touched = self._table.end_receive(f.rid, f.layer, f.block, f.nblocks, ok)
-            self._wake_from_thread(touched)
-            if f.rid in self._release_waiters:
-                self._to_loop(self._dispatch_released, f.rid)
-        if not ok:  # the entry went away mid-frame; the sender has been told by delete/fail
-            return
-        self._counters["bytes_received"] += nbytes
-        self._counters["frames_received"] += 1
-        conn.send(encode_header(FrameType.ACK, f.rid, f.layer, f.block, f.nblocks))
-
-    def _nixl_loop(self) -> None:
-        """Drain NIXL notifications (each: the bytes of one WRITE have landed) and mark arrivals.
-
-        NIXL's Python API offers no blocking wait, so this thread polls the agent with a
-        backoff up to 0.2 ms while some entry still waits for KV, and sleeps on an Event
-        (re-checked every 0.5 s) when none does.
-        """
-        from .nixl_backend import decode_notif
-
-        idle = 0
-        while not self._stopping:
-            if self._table.incomplete == 0:
-                self._nixl_wake.wait(0.5)
-                self._nixl_wake.clear()
-                continue
-            notifs = self._nixl.agent.get_new_notifs()
-            if not notifs:
-                idle += 1
-                time.sleep(min(0.0002, 0.00001 * idle))
-                continue
-            idle = 0
-            touched: set[str] = set()
-            for msgs in notifs.values():
-                for msg in msgs:
-                    try:
-                        records = decode_notif(msg)
-                    except ProtocolError as exc:
-                        log.warning("dropped a NIXL notification: %s", exc)
-                        continue
-                    for rid, layer, block, n in ((r, l, b, n) for r, l, sl in records for b, n in sl):
-                        try:
-                            self._table.begin_receive(rid, layer, block, n)
-                        except (UnknownRequestError, ProtocolError) as exc:
-                            self._counters["frames_rejected"] += 1
-                            log.warning("NIXL write rejected: %s", exc)
-                            continue
-                        touched |= self._table.end_receive(rid, layer, block, n, True)
-                        self._counters["bytes_received"] += n * self.layout.block_nbytes
-                        self._counters["frames_received"] += 1
-            self._wake_from_thread(touched)

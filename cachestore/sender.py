@@ -2,7 +2,7 @@
 
 Request lifecycle on the sender:
 
-1. ``bind(rid, endpoint, dst_block_ids, priority)``: the decode's endpoint bytes and the
+1. ``bind(rid, endpoint, dst_block_ids)``: the decode's endpoint bytes and the
    destination list it returned from ``expect`` (-1 = already there, skip). Version and
    compatibility hash are checked here (``CompatError`` with both values); the link to that
    receiver is reused or opened (``link.py``), and BIND(rid) is queued on it.
@@ -15,8 +15,10 @@ Request lifecycle on the sender:
 5. ``delete(rid)`` forgets the request (idempotent). Deleting an unfinished request drops its
    queued chunks and sends CANCEL, so the receiver frees its entry. Source blocks are read
    until ``wait_sent`` returns (or the request fails/is deleted): the engine must not reuse
-   them before that. A chunk already on the wire when delete() is called finishes first;
-   ``stats()['pinned_entries']`` counts the request until it has.
+   them before that. ``delete`` (and a failure) releases the request's pin at once, exactly
+   once: a chunk already on the wire finishes on its link (``stats()['sending_chunks']``) but
+   its completion is a no-op. (A NIXL WRITE's completion can wait on the receiver's agent;
+   a pin held until then outlived the request whenever the receiver stopped progressing.)
 
 Failures (receiver gone, ERROR from the receiver, a wait's timeout) fail the request: its
 waiters get ``TransferError`` and it is freed; later ``store`` calls for it are ignored.
@@ -35,10 +37,12 @@ from typing import Sequence
 
 from .endpoint import TRANSPORTS, Endpoint
 from .errors import CompatError, TransferError, UnknownRequestError
-from .frames import PROTOCOL_VERSION, FrameType, encode_control
-from .link import Link
+from .frames import FrameType, encode_control
+from .handshake import check_endpoint
+from .link import Link, LinkConfig
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from .scheduler import DEFAULT_MAX_WAIT, SCHEDULERS, Transfer, make_scheduler
+from .waiters import LoopCaller, WaiterBook
 
 log = logging.getLogger("pdserve.cachestore.sender")
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -50,12 +54,10 @@ class _TxRequest:
     rid: str
     link: Link
     dst: list[int]
-    priority: int
     stored: set[int] = field(default_factory=set)
     pending: int = 0        # blocks handed to the link and not yet delivered
     layer_left: dict[int, int] = field(default_factory=dict)     # layer -> blocks not yet delivered
     layer_times: dict[int, list[float]] = field(default_factory=dict)  # layer -> [stored, delivered] (monotonic)
-    sending: int = 0        # chunks on the wire right now (guarded by link.cond)
     deleted: bool = False
     error: TransferError | None = None
 
@@ -86,21 +88,19 @@ class CacheStoreSender:
         self._requests: dict[str, _TxRequest] = {}
         self._failed: OrderedDict[str, TransferError] = OrderedDict()
         self._links: dict[tuple, Link] = {}
-        self._waiters: dict[str, list[asyncio.Future]] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._waiters = WaiterBook()
+        self._loop = LoopCaller()
         self._nixl = None
-        self._nixl_name = ""
         self._counters = {"bytes_sent": 0, "transfers_stored": 0}
 
     # ----- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         """Bind to the running event loop; for nixl, create the agent and register the region once."""
-        self._loop = asyncio.get_running_loop()
+        self._loop.attach()
         if self.transport == "nixl":
             from .nixl_backend import NixlMemory
 
-            self._nixl_name = f"pdserve-tx-{uuid.uuid4().hex[:12]}"
-            self._nixl = await asyncio.to_thread(NixlMemory, self._nixl_name, self.region)
+            self._nixl = await asyncio.to_thread(NixlMemory, f"pdserve-tx-{uuid.uuid4().hex[:12]}", self.region)
 
     async def stop(self) -> None:
         """Close every link (requests still in flight fail) and deregister memory."""
@@ -116,24 +116,17 @@ class CacheStoreSender:
             self._nixl = None
 
     # ----- the API ---------------------------------------------------------------------
-    def bind(self, request_id: str, endpoint: bytes, dst_block_ids: Sequence[int], priority: int = 0) -> None:
+    def bind(self, request_id: str, endpoint: bytes, dst_block_ids: Sequence[int]) -> None:
         """Attach request_id to a receiver: its endpoint bytes and the dst list from its ``expect``.
 
         Raises CompatError (both values in the message) if the receiver speaks another
         protocol version or compatibility hash, ValueError for bad ids or a transport mismatch.
         """
-        if self._loop is None:
-            raise RuntimeError("call await sender.start() first")
+        self._loop.require("sender")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
         ep = Endpoint.from_bytes(endpoint)
-        if ep.version != PROTOCOL_VERSION or ep.compat_hash != self.compat.compat_hash:
-            raise CompatError(
-                f"incompatible peers: receiver {ep.host}:{ep.port} speaks protocol {ep.version} with compat hash "
-                f"{ep.compat_hash} ({ep.compat}), this sender speaks protocol {PROTOCOL_VERSION} with compat hash "
-                f"{self.compat.compat_hash} ({self.compat.describe()})")
-        if ep.transport != self.transport:
-            raise ValueError(f"receiver {ep.host}:{ep.port} uses transport {ep.transport!r}, this sender {self.transport!r}")
+        check_endpoint(ep, self.compat, self.transport)
         dst = KVLayout(self.layout.num_layers, max(ep.num_blocks, 1), self.layout.block_nbytes).check_blocks(
             dst_block_ids, "destination block id", allow_skip=True)
         if not dst:
@@ -142,7 +135,7 @@ class CacheStoreSender:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already bound (delete it first)")
             link = self._link_for(ep)
-            self._requests[request_id] = _TxRequest(request_id, link, dst, int(priority))
+            self._requests[request_id] = _TxRequest(request_id, link, dst)
             self._failed.pop(request_id, None)
         link.send_control(encode_control(FrameType.BIND, request_id))
 
@@ -174,13 +167,16 @@ class CacheStoreSender:
             req.layer_times[layer] = [now, now] if nblocks == 0 else [now]
             self._counters["transfers_stored"] += 1
             done = req.pending == 0 and len(req.stored) == self.layout.num_layers
-        if runs:
-            try:
-                req.link.submit(Transfer(request_id, layer, runs, req.priority, context=req))
-            except TransferError as exc:
-                self._fail(request_id, exc, tell_receiver=False)
+            link_error = None
+            if runs:  # under the lock: a delete() on another thread cannot slip in before the push
+                try:
+                    req.link.submit(Transfer(request_id, layer, runs))
+                except TransferError as exc:
+                    link_error = exc
+        if link_error is not None:
+            self._fail(request_id, link_error, tell_receiver=False)
         elif done:
-            self._to_loop(self._dispatch, request_id)
+            self._loop.call(self._dispatch, request_id)
 
     async def wait_sent(self, request_id: str, timeout_s: float) -> None:
         """Return once every layer was stored and delivered to the receiver.
@@ -189,25 +185,13 @@ class CacheStoreSender:
         the receiver told), UnknownRequestError for an id never bound. Cancelling the caller
         only stops this wait.
         """
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
-        # subscribe first, then look (a link thread finishing in between wakes this waiter)
-        fut = self._loop.create_future()
-        self._waiters.setdefault(request_id, []).append(fut)
-        try:
-            if self._ready(request_id):
-                return
-            await asyncio.wait_for(fut, timeout_s)
-        except asyncio.TimeoutError:
-            err = TransferError(f"request {request_id!r}: KV not delivered within {timeout_s}s")
-            self._fail(request_id, err, tell_receiver=True)
-            raise err from None
-        finally:
-            ws = self._waiters.get(request_id)
-            if ws is not None:
-                ws[:] = [f for f in ws if f is not fut]
-                if not ws:
-                    del self._waiters[request_id]
+        self._loop.require("sender")
+        await self._waiters.wait(request_id, None, timeout_s, self._ready, self._on_wait_timeout)
+
+    def _on_wait_timeout(self, rid: str, _: object, timeout_s: float) -> TransferError:
+        err = TransferError(f"request {rid!r}: KV not delivered within {timeout_s}s")
+        self._fail(rid, err, tell_receiver=True)
+        return err
 
     def layer_times(self, request_id: str) -> dict[int, tuple[float, float]]:
         """layer -> (stored, delivered) monotonic times of the layers delivered so far (until delete)."""
@@ -221,8 +205,8 @@ class CacheStoreSender:
         """Forget request_id (idempotent); an unfinished one is cancelled on the receiver too."""
         with self._lock:
             self._failed.pop(request_id, None)
-            req = self._requests.get(request_id)
-            if req is None or req.deleted:
+            req = self._requests.pop(request_id, None)  # the pin goes here, once
+            if req is None:
                 return
             req.deleted = True
             unfinished = req.error is None and not self._done(req)
@@ -230,13 +214,7 @@ class CacheStoreSender:
         link.remove(request_id)
         if unfinished:
             link.send_control(encode_control(FrameType.CANCEL, request_id, b"sender deleted the request"))
-        with link.cond:
-            busy = req.sending > 0
-        if not busy:
-            self._forget(req)
-        for fut in self._waiters.get(request_id, []):
-            if not fut.done():
-                fut.set_exception(TransferError(f"request {request_id!r} was deleted while waiting"))
+        self._waiters.fail(request_id, TransferError(f"request {request_id!r} was deleted while waiting"))
 
     def stats(self) -> dict:
         with self._lock:
@@ -248,7 +226,7 @@ class CacheStoreSender:
             "queued_chunks": sum(l.queued() for l in links),
             "sending_chunks": sum(l.sending for l in links),
             "links": sum(1 for l in links if l.alive),
-            "waiters": sum(len(v) for v in self._waiters.values()),
+            "waiters": self._waiters.count(),
             **self._counters,
         }
 
@@ -263,8 +241,9 @@ class CacheStoreSender:
             stale = self._links.pop(k)
             if stale.alive:
                 threading.Thread(target=stale.close, daemon=True).start()
-        link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait),
-                    self.connections_per_peer, self.connect_timeout_s)
+        config = LinkConfig(self.region, self.layout, self.compat, self.chunk_blocks, self.connections_per_peer,
+                            self.connect_timeout_s, self._nixl)
+        link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait), config)
         self._links[key] = link
         link.start()
         return link
@@ -272,7 +251,7 @@ class CacheStoreSender:
     def _done(self, req: _TxRequest) -> bool:
         return req.pending == 0 and len(req.stored) == self.layout.num_layers
 
-    def _ready(self, rid: str) -> bool:
+    def _ready(self, rid: str, _: object = None) -> bool:
         with self._lock:
             req = self._requests.get(rid)
             if req is not None and not req.deleted:
@@ -284,22 +263,7 @@ class CacheStoreSender:
         raise UnknownRequestError(f"no CacheStore transfer for request {rid!r} (never bound, or already deleted)")
 
     def _dispatch(self, rid: str) -> None:
-        for fut in self._waiters.get(rid, []):
-            if fut.done():
-                continue
-            try:
-                if self._ready(rid):
-                    fut.set_result(None)
-            except TransferError as exc:
-                fut.set_exception(exc)
-            except UnknownRequestError as exc:
-                fut.set_exception(TransferError(str(exc)))
-
-    def _to_loop(self, fn, *args) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            pass
+        self._waiters.wake(rid, self._ready)
 
     def _fail(self, rid: str, err: TransferError, tell_receiver: bool) -> None:
         with self._lock:
@@ -311,22 +275,14 @@ class CacheStoreSender:
             while len(self._failed) > TOMBSTONES:
                 self._failed.popitem(last=False)
             req.deleted = True
+            del self._requests[rid]  # the pin goes here, once; late chunk completions find nothing
         req.link.remove(rid)
         if tell_receiver:
             req.link.send_control(encode_control(FrameType.CANCEL, rid, str(err).encode()[:60000]))
-        with req.link.cond:
-            busy = req.sending > 0
-        if not busy:
-            self._forget(req)
-        self._to_loop(self._dispatch, rid)
+        self._loop.call(self._dispatch, rid)
 
-    def _forget(self, req: _TxRequest) -> None:
-        with self._lock:
-            if self._requests.get(req.rid) is req:
-                del self._requests[req.rid]
-
-    # ----- called from link threads ----------------------------------------------------
-    def _on_acked(self, rid: str, layer: int, nblocks: int) -> None:
+    # ----- LinkOwner: called from link threads -----------------------------------------
+    def on_delivered(self, rid: str, layer: int, nblocks: int) -> None:
         with self._lock:
             req = self._requests.get(rid)
             if req is None or req.error is not None or req.deleted:
@@ -340,12 +296,12 @@ class CacheStoreSender:
             self._counters["bytes_sent"] += nblocks * self.layout.block_nbytes
             done = self._done(req)
         if done:
-            self._to_loop(self._dispatch, rid)
+            self._loop.call(self._dispatch, rid)
 
-    def _on_remote_error(self, rid: str, text: str) -> None:
+    def on_remote_error(self, rid: str, text: str) -> None:
         self._fail(rid, TransferError(f"request {rid!r} failed: {text}"), tell_receiver=False)
 
-    def _on_link_failed(self, link: Link, exc: BaseException) -> None:
+    def on_link_failed(self, link: Link, exc: BaseException) -> None:
         err_cls = CompatError if isinstance(exc, CompatError) else TransferError
         with self._lock:
             rids = [r.rid for r in self._requests.values() if r.link is link and not r.deleted]

@@ -20,6 +20,7 @@ import urllib.request
 from pathlib import Path
 
 from pdserve import defaults
+from pdserve.cachestore import TRANSPORTS
 from pdserve.net import free_port
 
 
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=defaults.BUILTIN_MODEL, help="'tiny' (built-in) or a model directory")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill processes")
     parser.add_argument("--decode", type=int, default=2, help="number of decode processes")
-    parser.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp", help="KV transport between them")
+    parser.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="KV transport between them")
     parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port of the first prefill (next ones +1, ...)")
     parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT, help="gRPC port of the first prefill")
     parser.add_argument("--policy", choices=["wrr", "rr"], default="wrr", help="decode selection policy")

@@ -23,13 +23,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve import defaults
+from pdserve.cachestore import TRANSPORTS
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
     from pdserve.engine import AsyncLLMEngine, LLMEngine, LoadedModel
     from pdserve.protos import session_pb2 as pb
-
-TRANSPORTS = ("tcp", "nixl")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, drains: str) -> None:

@@ -1,0 +1,215 @@
+"""The receiver's TCP side: accept sender connections and serve each on its own thread.
+
+Contract: every accepted connection first passes the handshake (``handshake.serve_hello``),
+then carries BIND, DATA (tcp transport), CANCEL and ERROR frames. A DATA frame is checked
+against the ``EntryTable`` before a byte is written (unknown request or blocks not allocated
+to it: read and dropped, answered with ERROR rid); its bytes land straight in the region,
+1 MiB at a time, stopping when the entry is deleted or failed meanwhile; then ACK. A
+malformed frame closes that connection with an ERROR naming the problem. When a connection
+ends, the entries it bound that were not complete fail. Everything the event loop must hear
+goes through a ``ReceiveSink``; these threads touch only the lock-protected table.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+import threading
+from typing import Iterable, Protocol
+
+from .entries import EntryTable
+from .errors import ProtocolError, TransferError, UnknownRequestError
+from .frames import Frame, FrameType, discard, encode_control, encode_header, read_frame_header, read_payload
+from .handshake import serve_hello
+from .memory import CompatInfo, KVLayout, MemoryRegion
+from .wire_io import RegionIO
+
+log = logging.getLogger("pdserve.cachestore.receiver")
+SEND_TIMEOUT_S = 5.0  # a sender that stops reading ACK/ERROR frames for this long is dropped
+
+
+class ReceiveSink(Protocol):
+    """What the socket threads report to the receiver (called from those threads)."""
+
+    def on_arrived(self, rids: Iterable[str]) -> None:
+        """These requests completed a layer, or failed: wake their waiters."""
+
+    def on_fail(self, rid: str, err: TransferError) -> None:
+        """Fail rid (the sender already knows: it gave up, or it was answered with ERROR)."""
+
+    def on_frame_end(self, rid: str) -> None:
+        """A frame stopped writing into rid's blocks (for ``released`` waiters)."""
+
+
+class SenderConnection:
+    """One accepted sender connection; send() may be called from any thread."""
+
+    def __init__(self, cid: int, sock: socket.socket, peer: str):
+        self.id = cid
+        self.sock = sock
+        self.peer = peer
+        self.agent = ""  # the sender's NIXL agent name (from HELLO)
+        self._send_lock = threading.Lock()
+
+    def send(self, data: bytes) -> bool:
+        try:
+            with self._send_lock:
+                self.sock.sendall(data)
+            return True
+        except OSError:
+            return False
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class TcpServer:
+    """Listener, accept thread and one reader thread per sender connection."""
+
+    def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str,
+                 table: EntryTable, counters: dict, sink: ReceiveSink):
+        self.region, self.layout, self.compat, self.transport = region, layout, compat, transport
+        self.table, self.counters, self.sink = table, counters, sink
+        self.port = 0
+        self._listener: socket.socket | None = None
+        self._threads: list[threading.Thread] = []
+        self._conns: dict[int, SenderConnection] = {}
+        self._conns_lock = threading.Lock()
+        self._conn_ids = itertools.count(1)
+        self._stopping = False
+
+    def listen(self, host: str, port: int) -> int:
+        """Bind host:port (0 picks a free one), start accepting; returns the port."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        self._spawn(self._accept_loop, "cachestore-rx-accept")
+        return self.port
+
+    def close(self) -> list[threading.Thread]:
+        """Stop accepting, close every connection; returns the threads to join."""
+        self._stopping = True
+        if self._listener is not None:
+            try:
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
+        with self._conns_lock:
+            conns = list(self._conns.values())
+        for conn in conns:
+            conn.close()
+        return list(self._threads)
+
+    def connections(self) -> int:
+        with self._conns_lock:
+            return len(self._conns)
+
+    def send_error(self, cid: int, rid: str, text: str) -> None:
+        with self._conns_lock:
+            conn = self._conns.get(cid)
+        if conn is not None:
+            conn.send(encode_control(FrameType.ERROR, rid, text.encode()[:60000]))
+
+    # ----- threads ---------------------------------------------------------------------
+    def _spawn(self, target, name: str, *args) -> None:
+        t = threading.Thread(target=target, args=args, name=name, daemon=True)
+        self._threads = [x for x in self._threads if x.is_alive()] + [t]
+        t.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stopping:
+            try:
+                sock, addr = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                            int(SEND_TIMEOUT_S).to_bytes(8, "little") + (0).to_bytes(8, "little"))
+            conn = SenderConnection(next(self._conn_ids), sock, f"{addr[0]}:{addr[1]}")
+            with self._conns_lock:
+                self._conns[conn.id] = conn
+            self._spawn(self._serve, f"cachestore-rx-conn{conn.id}", conn)
+
+    def _serve(self, conn: SenderConnection) -> None:
+        reason = "sender connection closed before all KV arrived"
+        try:
+            agent, refused = serve_hello(conn.sock, self.compat)
+            if agent is None:
+                if refused:
+                    self.counters["connections_refused"] += 1
+                    log.warning("refused %s: %s", conn.peer, refused)
+                return
+            conn.agent = agent
+            io = RegionIO(self.region) if self.transport == "tcp" else None
+            scratch = memoryview(bytearray(1 << 16))
+            while True:
+                frame = read_frame_header(conn.sock)
+                if frame is None:
+                    return
+                if frame.type == FrameType.DATA and io is not None:
+                    self._on_data(conn, frame, io, scratch)
+                elif frame.type == FrameType.BIND:
+                    read_payload(conn.sock, frame)
+                    try:
+                        self.table.bind(frame.rid, conn.id)
+                    except UnknownRequestError as exc:
+                        conn.send(encode_control(FrameType.ERROR, frame.rid, str(exc).encode()))
+                elif frame.type in (FrameType.CANCEL, FrameType.ERROR):
+                    text = read_payload(conn.sock, frame).decode(errors="replace")
+                    if frame.rid:
+                        self.sink.on_fail(frame.rid, TransferError(f"request {frame.rid!r}: the sender gave up: {text}"))
+                    else:
+                        log.warning("sender %s reported: %s", conn.peer, text)
+                else:
+                    raise ProtocolError(f"unexpected {frame.type.name} frame from a sender")
+        except ProtocolError as exc:
+            reason = f"connection from {conn.peer} closed: {exc}"
+            log.warning("CacheStore %s", reason)
+            self.counters["frames_rejected"] += 1
+            conn.send(encode_control(FrameType.ERROR, "", str(exc).encode()))
+        except OSError as exc:
+            reason = f"sender connection {conn.peer} failed: {exc}"
+        finally:
+            with self._conns_lock:
+                self._conns.pop(conn.id, None)
+            conn.close()
+            failed = self.table.fail_connection(conn.id, reason)
+            if failed:
+                self.sink.on_arrived([e.rid for e in failed])
+
+    def _on_data(self, conn: SenderConnection, f: Frame, io: RegionIO, scratch: memoryview) -> None:
+        nbytes = f.nblocks * self.layout.block_nbytes
+        if f.payload_len != nbytes or f.nblocks == 0 or f.block + f.nblocks > self.layout.num_blocks:
+            raise ProtocolError(f"DATA frame for {f.rid!r}: {f.nblocks} blocks from block {f.block} with a payload of "
+                                f"{f.payload_len} bytes does not fit blocks of {self.layout.block_nbytes} bytes")
+        try:
+            entry = self.table.begin_receive(f.rid, f.layer, f.block, f.nblocks)
+        except (UnknownRequestError, ProtocolError) as exc:
+            discard(conn.sock, f.payload_len, scratch)
+            self.counters["frames_rejected"] += 1
+            if isinstance(exc, ProtocolError):  # a known request writing outside its blocks: fail it
+                self.sink.on_fail(f.rid, TransferError(str(exc)))
+            conn.send(encode_control(FrameType.ERROR, f.rid, str(exc).encode()))
+            return
+        ok = False
+        try:
+            ok = io.recv(conn.sock, self.layout.offset(f.layer, f.block), nbytes,
+                         stop=lambda: entry.deleted or entry.error is not None, scratch=scratch)
+        finally:
+            touched = self.table.end_receive(f.rid, f.layer, f.block, f.nblocks, ok)
+            self.sink.on_arrived(touched)
+            self.sink.on_frame_end(f.rid)
+        if not ok:  # the entry went away mid-frame; the sender has been told by delete/fail
+            return
+        self.counters["bytes_received"] += nbytes
+        self.counters["frames_received"] += 1
+        conn.send(encode_header(FrameType.ACK, f.rid, f.layer, f.block, f.nblocks))
