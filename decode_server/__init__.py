@@ -5,8 +5,9 @@ Reading path (in this order):
   ``session.py``          DecodeSession: the request lifecycle as a numbered list (admit -> allocate ->
                           transfer -> decode -> release), one instance per Session stream, given SessionDeps
   ``admission.py``        which Starts are refused and why (pure: version, compat, draining, sizes)
-  ``service.py``          DecodeService: the gRPC servicer (Session, GetLoadReport), the DecodeEngine
-                          adapter, load reports and the counters /health shows
+  ``service.py``          DecodeService: the gRPC servicer (Session, GetLoadReport), load reports
+                          and the counters /health shows
+  ``decode_engine.py``    DecodeEngine: the engine calls a session makes (reserve, add_prefilled, release)
   ``registry.py``         SessionRegistry: live sessions, the draining flag, recent layer arrivals
   ``session_metrics.py``  SessionMetrics: refusals, KV-in wait and bytes, block and request gauges
   ``cli.py``              ``pdserve decode``: start-up wiring, /health /ready /metrics, drain on SIGTERM

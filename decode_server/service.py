@@ -12,7 +12,7 @@ and the engine's thread-safe ``num_free_blocks()`` / ``num_blocks``.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,50 +20,17 @@ from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
 from pdserve.protos.version import PROTOCOL_VERSION
 
+from .decode_engine import DecodeEngine
 from .registry import SessionInfo, SessionRegistry
 from .session import DecodeSession, SessionDeps
 from .session_metrics import SessionMetrics
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreReceiver
-    from pdserve.engine import AsyncLLMEngine, RequestOutput
+    from pdserve.engine import AsyncLLMEngine
     from pdserve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
-
-
-def sampling_from_proto(msg: pb.Sampling, sampling_cls):
-    return sampling_cls(
-        max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
-        seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
-        stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
-    )
-
-
-class DecodeEngine:
-    """The engine calls a DecodeSession makes, keeping the KV block gauges current."""
-
-    def __init__(self, engine: AsyncLLMEngine, sampling_cls, metrics: SessionMetrics):
-        self.engine, self.sampling_cls, self.metrics = engine, sampling_cls, metrics
-
-    @property
-    def num_blocks(self) -> int:
-        return self.engine.num_blocks
-
-    async def reserve(self, request_id: str, n_prompt: int, max_tokens: int) -> list[int]:
-        block_ids = await self.engine.reserve(request_id, n_prompt, max_tokens)
-        self.metrics.blocks_changed()
-        return block_ids
-
-    def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int,
-                      sampling: pb.Sampling) -> AsyncIterator[RequestOutput]:
-        return self.engine.add_prefilled(request_id, prompt_ids, first_token,
-                                         sampling_from_proto(sampling, self.sampling_cls))
-
-    async def release(self, request_id: str) -> None:
-        """Free everything the engine holds for the request: reserved blocks or a running sequence."""
-        await self.engine.abort(request_id)
-        self.metrics.blocks_changed()
 
 
 class DecodeService(pb_grpc.DecodeServicer):

@@ -48,7 +48,7 @@ from .session_metrics import SessionMetrics
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreReceiver
 
-    from .service import DecodeEngine
+    from .decode_engine import DecodeEngine
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ values; sampling crosses the Session unchanged (including an unset seed)."""
 
 import pytest
 
-from pdserve.decode_server.service import sampling_from_proto
+from pdserve.decode_server.decode_engine import sampling_from_proto
 from pdserve.decode_server.admission import compat_mismatch
 from pdserve.engine import SamplingParams
 from pdserve.prefill_server.decode_session import first_token_finishes, sampling_to_proto
