@@ -28,7 +28,7 @@ DEFAULT_POLICY = "wrr"
 DEFAULT_MOUNT_PATH = "/models"
 DEFAULT_TTFT_MS = 1000
 DEFAULT_TBT_MS = 100
-BACKENDS = ["tcp", "nixl"]
+BACKENDS = ["tcp", "nixl"]  # = pdserve.cachestore.TRANSPORTS (checked by tests/unit/test_operator_crds.py)
 POLICIES = ["wrr", "rr"]
 MAX_REPLICAS = 1000
 MAX_DECODE_POOLS = 16

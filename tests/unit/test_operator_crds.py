@@ -65,3 +65,12 @@ def test_committed_yaml_has_no_aliases():
         text = path.read_text()
         assert "&id" not in text and "*id" not in text
         assert yaml.safe_load(text)["kind"] == "CustomResourceDefinition"
+
+
+def test_crd_backends_are_the_cachestore_transports():
+    # The operator may not import the cachestore (it runs no transport); its schema's enum is
+    # checked against the one list instead.
+    from pdserve.cachestore import TRANSPORTS
+    from pdserve.operator.crds import BACKENDS
+
+    assert tuple(BACKENDS) == tuple(TRANSPORTS)
