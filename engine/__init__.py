@@ -15,7 +15,6 @@ Reading path (read in this order):
   ``loader.py`` / ``config.py`` / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)
-  ``testing.py``      helpers for tests only (run_all, run_pd, copy_layer_blocks)
 
 The names below are loaded on first use, so ``pdserve.engine.defaults`` or
 ``pdserve.engine.stop_strings`` can be imported without loading torch.

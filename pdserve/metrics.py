@@ -161,7 +161,6 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("known_decodes", "pdserve_known_decodes", _G,
                "Decodes prefill knows and can route to (compatible, fresh load report)."),
 )
-METRICS_BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
 
 
 def exported_series_names() -> set[str]:

@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, PromptTooLongError, SamplingParams, load_model
 from pdserve.engine.block_manager import blocks_needed
-from pdserve.engine.testing import copy_layer_blocks, run_all
+from harness.engine_runs import copy_layer_blocks, run_all
 
 SP = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 

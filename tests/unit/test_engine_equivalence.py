@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
-from pdserve.engine.testing import run_all, run_pd
+from harness.engine_runs import run_all, run_pd
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)

@@ -17,7 +17,7 @@ from pdserve.engine import (
     load_model,
 )
 from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
-from pdserve.engine.testing import run_all
+from harness.engine_runs import run_all
 
 SP = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 

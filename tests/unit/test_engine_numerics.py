@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams, load_model
 from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
-from pdserve.engine.testing import run_all
+from harness.engine_runs import run_all
 
 transformers = pytest.importorskip("transformers")
 

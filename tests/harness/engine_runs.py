@@ -1,4 +1,4 @@
-"""Helpers for tests and benchmarks that drive an LLMEngine synchronously.
+"""Helpers for the engine tests that drive an LLMEngine synchronously (no server, no thread).
 
 - ``run_all(engine, requests)`` runs requests to completion on the colocated path.
 - ``copy_prompt_kv(src, src_blocks, dst, dst_blocks, n_tokens)`` copies a prompt's KV between
@@ -8,9 +8,7 @@
 
 from __future__ import annotations
 
-from .block_manager import blocks_needed
-from .llm_engine import LLMEngine
-from .sampling import SamplingParams
+from pdserve.engine import LLMEngine, SamplingParams, blocks_needed
 
 
 def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
