@@ -6,6 +6,7 @@ This package holds the tools (load generator, experiments); no server imports it
   pdserve bench cachestore   layer-wise KV transfer vs raw socket and raw NIXL throughput
   pdserve bench serving      load generator against an OpenAI endpoint (TTFT, TBT, goodput)
   pdserve bench experiment   the P/D experiments of docs/benchmarks.md
+  pdserve bench chaos        kill and pause servers under load: no hang, no wrong text, no leak
 
 Run 'pdserve bench NAME --help' for the options of one benchmark.
 """
@@ -20,6 +21,7 @@ BENCHES: dict[str, str] = {
     "cachestore": "pdserve.cachestore.bench",
     "serving": "pdserve.bench.loadgen",
     "experiment": "pdserve.bench.experiments",
+    "chaos": "pdserve.bench.chaos",
 }
 
 

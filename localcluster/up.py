@@ -3,13 +3,19 @@
 Starts --decode decode processes and --prefill prefill processes on 127.0.0.1 (each
 prefill knows every decode through a static list), waits until all are ready (a progress
 bar), prints the endpoint with a curl and an openai-client example, and keeps running.
-Ctrl-C (or SIGTERM): the prefills drain their in-flight requests first, then the decodes
-drain theirs, then everything stops. Logs go to --log-dir.
+A server that dies is restarted on the same ports with capped exponential backoff while
+the others keep serving (a line per restart; see supervisor.py), unless --restart never.
+`up` ends on Ctrl-C (or SIGTERM): the prefills drain their in-flight requests first, then
+the decodes drain theirs, then everything stops; or when a server cannot start at all
+(it died before becoming ready --max-failed-starts times in a row: the error names it and
+shows the end of its log). Logs go to --log-dir, with servers.json (pid, state, restarts
+of every server) for tools.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -22,6 +28,8 @@ from pathlib import Path
 from pdserve import defaults
 from pdserve.cachestore import TRANSPORTS
 from pdserve.net import free_port
+
+from .supervisor import POLICIES, RestartBackoff, ServerCannotStart, ServerExited, ServerProcess, Supervisor
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +46,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="where process logs go (default: a new temporary folder)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for all processes to be ready")
     parser.add_argument("--extra", default="", help="extra flags passed to every server process (one string)")
+    r = parser.add_argument_group("supervision (what happens when a server process dies)")
+    r.add_argument("--restart", choices=POLICIES, default="always",
+                   help="always: restart it with capped exponential backoff, same ports, the others keep serving; "
+                        "never: stop the whole cluster (for debugging)")
+    r.add_argument("--backoff-initial", type=float, default=0.5, help="seconds before the first restart (doubles each time)")
+    r.add_argument("--backoff-cap", type=float, default=10.0, help="longest wait between restarts, seconds")
+    r.add_argument("--backoff-reset", type=float, default=30.0,
+                   help="a run that stayed up this many seconds resets the backoff to --backoff-initial")
+    r.add_argument("--max-failed-starts", type=int, default=5,
+                   help="give up (and stop everything) when a server dies before becoming ready this many times in a row")
 
 
 def _ready(url: str) -> bool:
@@ -49,9 +67,9 @@ def _ready(url: str) -> bool:
 
 
 class LocalCluster:
-    """The processes of one local cluster; ``stop()`` drains prefills, then decodes."""
+    """The processes of one local cluster, kept running by a Supervisor; ``stop()`` drains prefills, then decodes."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, say=print):
         if args.prefill < 1 or args.decode < 0:
             raise SystemExit("pdserve up: need --prefill >= 1 and --decode >= 0")
         if args.decode == 0 and not args.local_fallback:
@@ -59,26 +77,29 @@ class LocalCluster:
         self.args = args
         self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.decodes: list[tuple[subprocess.Popen, str]] = []  # (process, ready url)
-        self.prefills: list[tuple[subprocess.Popen, str]] = []
+        self.decodes: list[ServerProcess] = []
+        self.prefills: list[ServerProcess] = []
         self.endpoints: list[str] = []
+        self._plan()
+        self.supervisor = Supervisor(self.decodes + self.prefills, self._spawn, _ready, policy=args.restart, say=say,
+                                     on_change=self._write_state)
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")
-        cmd = [sys.executable, "-m", "pdserve", *argv]
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_terminate_with_parent)
+    def _server(self, name: str, argv: list[str], ready_url: str) -> ServerProcess:
+        a = self.args
+        backoff = RestartBackoff(initial=a.backoff_initial, cap=a.backoff_cap, reset_after=a.backoff_reset,
+                                 max_failed_starts=a.max_failed_starts)
+        return ServerProcess(name, argv, ready_url, self.log_dir / f"{name}.log", backoff)
 
-    def start(self) -> None:
+    def _plan(self) -> None:
+        """Every server's command line, ports included, fixed once: a restart reuses them."""
         a = self.args
         common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads", str(a.threads)]
         common += a.extra.split() if a.extra else []
         grpc_addrs = []
         for i in range(a.decode):
             grpc_port, http_port, kv_port = free_port(), free_port(), free_port()
-            proc = self._spawn(f"decode-{i}", ["decode", "--port", str(grpc_port), "--http-port", str(http_port),
-                                                "--kv-port", str(kv_port), *common])
-            self.decodes.append((proc, f"http://127.0.0.1:{http_port}/ready"))
+            argv = ["decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port), *common]
+            self.decodes.append(self._server(f"decode-{i}", argv, f"http://127.0.0.1:{http_port}/ready"))
             grpc_addrs.append(f"127.0.0.1:{grpc_port}")
         for i in range(a.prefill):
             port, grpc_port = a.port + i, a.grpc_port + i
@@ -86,40 +107,80 @@ class LocalCluster:
                     "--policy", a.policy, *common]
             if a.local_fallback:
                 argv.append("--local-fallback")
-            self.prefills.append((self._spawn(f"prefill-{i}", argv), f"http://127.0.0.1:{port}/ready"))
+            self.prefills.append(self._server(f"prefill-{i}", argv, f"http://127.0.0.1:{port}/ready"))
             self.endpoints.append(f"http://127.0.0.1:{port}")
+
+    def _spawn(self, server: ServerProcess) -> subprocess.Popen:
+        log = open(server.log, "ab")  # a restart appends to the same log
+        if server.backoff.restarts:
+            log.write(f"\n--- pdserve up: restart {server.backoff.restarts} of {server.name} ---\n".encode())
+            log.flush()
+        cmd = [sys.executable, "-m", "pdserve", *server.argv]
+        try:
+            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=_terminate_with_parent)
+        finally:
+            log.close()  # the child has its own copy
+
+    def _write_state(self) -> None:
+        """<log-dir>/servers.json: pid, state and restarts of every server (for tools such as bench chaos)."""
+        path = self.log_dir / "servers.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.supervisor.snapshot(), indent=1))
+        os.replace(tmp, path)
+
+    def start(self) -> None:
+        self.supervisor.start_all(time.monotonic())
 
     def wait_ready(self) -> None:
         from tqdm import tqdm
 
-        pending = dict(enumerate(self.decodes + self.prefills))
+        sup = self.supervisor
         deadline = time.monotonic() + self.args.ready_timeout
-        with tqdm(total=len(pending), desc="starting processes", unit="proc") as bar:
-            while pending:
-                for key, (proc, url) in list(pending.items()):
-                    if proc.poll() is not None:
-                        raise SystemExit(f"pdserve up: a server exited with {proc.returncode}; see the logs in {self.log_dir}")
-                    if _ready(url):
-                        del pending[key]
-                        bar.update(1)
+        with tqdm(total=len(sup.servers), desc="starting processes", unit="proc") as bar:
+            while not sup.all_ready():
+                try:
+                    sup.step(time.monotonic())
+                except (ServerExited, ServerCannotStart) as e:
+                    raise SystemExit(f"pdserve up: {e}") from None
+                ready = sum(s.state == "ready" for s in sup.servers)
+                if ready != bar.n:
+                    bar.update(ready - bar.n)
                 if time.monotonic() > deadline:
-                    raise SystemExit(f"pdserve up: not ready after {self.args.ready_timeout:.0f}s; see {self.log_dir}")
+                    late = [s.name for s in sup.servers if s.state != "ready"]
+                    raise SystemExit(f"pdserve up: {', '.join(late)} not ready after {self.args.ready_timeout:.0f}s; "
+                                     f"see {self.log_dir}")
                 time.sleep(0.2)
+
+    def serve(self, stopping) -> int:
+        """Supervise until stopping() is true (0) or a server ends everything (1)."""
+        while not stopping():
+            try:
+                self.supervisor.step(time.monotonic())
+            except (ServerExited, ServerCannotStart) as e:
+                print(f"pdserve up: {e}\nstopping (logs in {self.log_dir})", flush=True)
+                return 1
+            time.sleep(0.2)
+        return 0
 
     def stop(self, timeout: float = 60.0) -> None:
         for group in (self.prefills, self.decodes):  # prefills drain first, decodes finish what they hold
-            for proc, _ in group:
+            procs = [s.popen for s in group if s.popen is not None]
+            for proc in procs:
                 if proc.poll() is None:
                     try:
                         os.killpg(proc.pid, signal.SIGTERM)
                     except ProcessLookupError:
                         pass
             deadline = time.monotonic() + timeout
-            for proc, _ in group:
+            for proc in procs:
                 try:
                     proc.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
                     proc.wait()
 
     def banner(self) -> str:
@@ -164,14 +225,9 @@ def run(args: argparse.Namespace) -> int:
         print(cluster.banner(), flush=True)
         stop["serving"] = True
         signal.signal(signal.SIGINT, on_signal)
-        while not stop["now"]:
-            for proc, _ in cluster.decodes + cluster.prefills:
-                if proc.poll() is not None:
-                    print(f"a server exited with {proc.returncode}; stopping (logs in {cluster.log_dir})", flush=True)
-                    stop["now"] = True
-            time.sleep(0.2)
+        code = cluster.serve(lambda: stop["now"])
         print("draining and stopping...", flush=True)
-        return 0
+        return code
     except KeyboardInterrupt:
         print("\nstopping...", flush=True)
         return 130

@@ -1,0 +1,173 @@
+"""Keep the servers of ``pdserve up`` running, the way a Deployment keeps its pods.
+
+Lifecycle of one supervised server (``ServerProcess``):
+
+1. **spawn** -> *starting*: the process runs; its /ready does not answer 200 yet.
+2. *starting* -> *ready*: /ready answered 200 once (the start counts as good).
+3. **exit** (from any state): ``RestartBackoff.on_exit`` decides
+   - restart after a delay: 0.5 s, doubling on each exit up to a 10 s cap; back to
+     0.5 s when the run that just ended had stayed up ``reset_after`` seconds;
+   - or give up: the server died before ever becoming ready ``max_failed_starts``
+     times in a row, so it cannot start at all (bad flag, port taken, broken model).
+     ``ServerCannotStart`` names it and carries the tail of its log.
+4. *waiting* -> **spawn** again with the same argv: the same ports, so the prefills'
+   static decode lists and load-report polls find it again.
+
+With policy ``never`` the first exit raises ``ServerExited`` (the old behaviour of
+``pdserve up``: stop everything; for debugging). ``RestartBackoff`` is pure (every call
+takes ``now``), so unit tests drive it with a fake clock; ``Supervisor.step(now)`` is one
+pass of the watching loop (reap exits, restart what is due, probe what is starting) and
+``pdserve up`` calls it a few times a second from its main thread.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+POLICIES = ("always", "never")
+
+
+@dataclass(slots=True)
+class RestartBackoff:
+    """When to restart one server after it exits, and when to stop trying."""
+
+    initial: float = 0.5
+    cap: float = 10.0
+    reset_after: float = 30.0
+    max_failed_starts: int = 5
+    restarts: int = 0           # restarts so far
+    failed_starts: int = 0      # exits in a row before ever becoming ready
+    next_delay: float = 0.0
+    started_at: float = 0.0
+    ready: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0 < self.initial <= self.cap:
+            raise ValueError(f"need 0 < initial ({self.initial}) <= cap ({self.cap})")
+        if self.reset_after <= 0:
+            raise ValueError(f"reset_after must be > 0, got {self.reset_after}")
+        if self.max_failed_starts < 1:
+            raise ValueError(f"max_failed_starts must be >= 1, got {self.max_failed_starts}")
+        self.next_delay = self.initial
+
+    def on_start(self, now: float) -> None:
+        self.started_at, self.ready = now, False
+
+    def on_ready(self, now: float) -> None:  # noqa: ARG002 - same shape as the other events
+        self.ready, self.failed_starts = True, 0
+
+    def on_exit(self, now: float) -> float | None:
+        """The delay before the next start, or None: give up (it never became ready, N times in a row)."""
+        if now - self.started_at >= self.reset_after:
+            self.next_delay = self.initial  # it had been healthy for a while: this is a fresh failure
+        if not self.ready:
+            self.failed_starts += 1
+            if self.failed_starts >= self.max_failed_starts:
+                return None
+        delay = self.next_delay
+        self.next_delay = min(self.cap, delay * 2)
+        self.restarts += 1
+        return delay
+
+
+def describe_exit(returncode: int) -> str:
+    """'killed by SIGKILL' or 'exit code 1' (Popen gives -N for signal N)."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+class ServerExited(RuntimeError):
+    """Policy 'never': a server exited, so everything stops."""
+
+
+class ServerCannotStart(RuntimeError):
+    """A server died before becoming ready too many times in a row."""
+
+
+@dataclass
+class ServerProcess:
+    """One server `pdserve up` runs: its fixed command line, ready URL and log file."""
+
+    name: str
+    argv: list[str]
+    ready_url: str
+    log: Path
+    backoff: RestartBackoff = field(default_factory=RestartBackoff)
+    popen: subprocess.Popen | None = None
+    state: str = "new"          # new | starting | ready | waiting
+    restart_at: float = 0.0
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError as e:
+            return f"(no log: {e})"
+
+
+class Supervisor:
+    """Watches ServerProcesses; ``spawn(server)`` starts one, ``is_ready(url)`` probes /ready."""
+
+    def __init__(self, servers: list[ServerProcess], spawn: Callable[[ServerProcess], subprocess.Popen],
+                 is_ready: Callable[[str], bool], policy: str = "always", say: Callable[[str], None] = print,
+                 on_change: Callable[[], None] = lambda: None):
+        if policy not in POLICIES:
+            raise ValueError(f"restart policy must be one of {POLICIES}, got {policy!r}")
+        self.servers, self.policy = servers, policy
+        self._spawn, self._is_ready, self._say, self._on_change = spawn, is_ready, say, on_change
+
+    def start_all(self, now: float) -> None:
+        for server in self.servers:
+            self._start(server, now)
+
+    def all_ready(self) -> bool:
+        return all(s.state == "ready" for s in self.servers)
+
+    def step(self, now: float) -> None:
+        """One pass: reap exits (restart, give up or raise), start what is due, probe what is starting."""
+        for server in self.servers:
+            if server.state in ("starting", "ready") and server.popen.poll() is not None:
+                self._exited(server, now)
+            elif server.state == "waiting" and now >= server.restart_at:
+                self._start(server, now)
+            elif server.state == "starting" and self._is_ready(server.ready_url):
+                server.state = "ready"
+                server.backoff.on_ready(now)
+                if server.backoff.restarts:
+                    self._say(f"[supervisor] {server.name} is ready again (restart {server.backoff.restarts})")
+                self._on_change()
+
+    def _start(self, server: ServerProcess, now: float) -> None:
+        server.popen = self._spawn(server)
+        server.backoff.on_start(now)
+        server.state = "starting"
+        self._on_change()
+
+    def _exited(self, server: ServerProcess, now: float) -> None:
+        how = describe_exit(server.popen.returncode)
+        was_ready = server.state == "ready"
+        if self.policy == "never":
+            raise ServerExited(f"{server.name} exited ({how}); --restart never, so everything stops "
+                               f"(log: {server.log})")
+        delay = server.backoff.on_exit(now)
+        if delay is None:
+            raise ServerCannotStart(
+                f"{server.name} cannot start: it exited before becoming ready {server.backoff.failed_starts} times "
+                f"in a row (last: {how}). Its log ({server.log}) ends with:\n{server.log_tail()}")
+        server.state, server.restart_at = "waiting", now + delay
+        self._say(f"[supervisor] {server.name} (pid {server.popen.pid}) {how}"
+                  f"{'' if was_ready else ' before it was ready'}; restarting in {delay:.1f}s "
+                  f"(restart {server.backoff.restarts})")
+        self._on_change()
+
+    def snapshot(self) -> dict:
+        """JSON-ready state of every server (``pdserve up`` writes it to <log-dir>/servers.json for tools)."""
+        return {s.name: {"pid": s.popen.pid if s.popen else None, "state": s.state, "ready_url": s.ready_url,
+                         "restarts": s.backoff.restarts, "log": str(s.log)} for s in self.servers}

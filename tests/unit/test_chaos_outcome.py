@@ -1,0 +1,60 @@
+"""bench chaos: the outcome of a request from its byte timeline, and the summary over outcomes."""
+
+import pytest
+
+from pdserve.bench.chaos.faults import Fault
+from pdserve.bench.chaos.outcome import UNCLEAR_PREFIX, RequestRecord, classify, longest_silence, overlaps
+from pdserve.bench.chaos.report import summarize
+
+
+def rec(byte_times, end, text="abc", finished=True, error="", checked=True, start=0.0, index=0):
+    return RequestRecord(index, 0, checked, start=start, end=end, byte_times=list(byte_times), text=text,
+                         finished=finished, error=error)
+
+
+def test_a_finished_stream_with_the_reference_text_completed():
+    assert classify(rec([0.2, 0.3, 0.4], 0.4), hang_s=30, reference="abc") == "completed"
+
+
+def test_a_greedy_stream_with_other_text_is_wrong_but_a_sampled_one_is_not_checked():
+    assert classify(rec([0.2], 0.3, text="abd"), hang_s=30, reference="abc") == "wrong"
+    assert classify(rec([0.2], 0.3, text="abd", checked=False), hang_s=30, reference=None) == "completed"
+
+
+def test_a_long_silence_anywhere_is_a_hang():
+    assert classify(rec([31.0, 31.1], 31.2), hang_s=30, reference="abc") == "hung"          # before the first byte
+    assert classify(rec([0.1, 40.0], 40.1), hang_s=30, reference="abc") == "hung"           # between bytes
+    r = rec([0.1, 0.2], 31.5, finished=False, error="no byte for 31s")
+    assert classify(r, hang_s=30, reference="abc") == "hung"                                 # after the last byte
+    assert longest_silence(r) == pytest.approx(31.3)
+
+
+def test_clear_errors_fail_and_silent_ends_are_cut():
+    assert classify(rec([0.1], 0.2, finished=False, error="error event: decode failed"), 30, "abc") == "failed"
+    assert classify(rec([], 0.01, finished=False, error="connection: ClientConnectorError: refused"), 30, "abc") == "failed"
+    assert classify(rec([0.1], 0.2, finished=False, error=f"{UNCLEAR_PREFIX} no [DONE]"), 30, "abc") == "cut"
+    assert classify(rec([0.1], 0.2, finished=False, error=""), 30, "abc") == "cut"
+
+
+def test_a_request_still_running_cannot_be_classified():
+    with pytest.raises(ValueError, match="not ended"):
+        classify(rec([0.1], None), 30, "abc")
+
+
+def test_overlap_with_outages():
+    r = rec([1.0], 2.0, start=1.0)
+    assert overlaps(r, [(1.5, 9.0)]) and overlaps(r, [(0.0, 1.0)])
+    assert not overlaps(r, [(2.5, 3.0)])
+
+
+def test_summary_leaves_requests_during_a_prefill_outage_out_of_the_serving_percentage():
+    records = [rec([0.5], 1.0, start=0.0, index=0), rec([], 5.1, start=5.0, finished=False, error="connection: reset", index=1),
+               rec([9.5], 10.0, start=9.0, index=2)]
+    for r, o in zip(records, ("completed", "failed", "completed")):
+        r.outcome = o
+    faults = [Fault(4.0, "kill-prefill", "prefill-0", 1, recovered_at=8.0), Fault(6.0, "kill-decode", "decode-0", 2)]
+    s = summarize(records, faults, leaked={}, horizon=12.0)
+    assert s["completed"] == 2 and s["failed"] == 1 and s["leaked"] == 0
+    assert s["completed_pct"] == pytest.approx(200 / 3)
+    assert s["requests_while_serving"] == 2 and s["completed_pct_serving"] == 100.0
+    assert s["faults"] == {"kill-decode": 1, "kill-prefill": 1}
