@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import grpc
 
@@ -27,6 +28,11 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # A decode restarted on the same address is routable again within about a second: gRPC's
+    # default reconnect backoff grows to 120 s, and grew to 20-30 s in `pdserve bench chaos`.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1_000),
 ]
 
 
@@ -35,6 +41,8 @@ class LoadReportPoller:
         if interval_s <= 0:
             raise ValueError(f"load report interval must be > 0, got {interval_s}")
         self.discovery, self.picker, self.interval_s = discovery, picker, interval_s
+        # Reports expire by missed rounds as well as by age (see DecodePicker.stale_rounds).
+        picker.stale_rounds = max(2, math.ceil(picker.expiry_s / interval_s))
         self.on_update = on_update
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
@@ -79,6 +87,7 @@ class LoadReportPoller:
         """Start a poll of every discovered decode that has none in flight (a slow or dead
         decode never delays the reports of the others); ``wait``: until they answer."""
         addresses = set(self.discovery.addresses())
+        self.picker.round_started()
         for gone in set(self._channels) - addresses:
             await self._channels.pop(gone).close()
         for gone in set(self.picker.known()) - addresses:

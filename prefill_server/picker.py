@@ -49,6 +49,7 @@ class DecodeLoad:
 class _Entry:
     load: DecodeLoad
     received_at: float
+    received_round: int = 0
     current_weight: float = 0.0
 
 
@@ -58,8 +59,14 @@ class DecodePicker:
     expiry_s: float = 1.5
     protocol_version: int = PROTOCOL_VERSION
     clock: Callable[[], float] = time.monotonic
+    # With a poller: a report is stale only after this many poll rounds started without a newer
+    # one (and expiry_s passed). Rounds, not the wall clock alone, so that a prefill process
+    # that was paused (SIGSTOP, a long GC or event-loop stall) does not find every report
+    # stale at once on resuming, before its poller had a chance to ask again. 0: clock only.
+    stale_rounds: int = 0
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _rr_next: int = 0
+    _rounds: int = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -68,12 +75,21 @@ class DecodePicker:
             raise ValueError(f"expiry_s must be > 0, got {self.expiry_s}")
 
     # -- fed by the poller / discovery -------------------------------------------------
+    def round_started(self) -> None:
+        """The poller started asking every decode again."""
+        self._rounds += 1
+
     def update(self, address: str, load: DecodeLoad) -> None:
         entry = self._entries.get(address)
         if entry is None:
-            self._entries[address] = _Entry(load, self.clock())
+            self._entries[address] = _Entry(load, self.clock(), self._rounds)
         else:
-            entry.load, entry.received_at = load, self.clock()
+            entry.load, entry.received_at, entry.received_round = load, self.clock(), self._rounds
+
+    def _stale(self, entry: _Entry, now: float) -> bool:
+        if now - entry.received_at <= self.expiry_s:
+            return False
+        return self.stale_rounds <= 0 or self._rounds - entry.received_round > self.stale_rounds
 
     def forget(self, address: str) -> None:
         """The decode left discovery: drop it and its state."""
@@ -96,7 +112,7 @@ class DecodePicker:
         """Decodes with a fresh report, our protocol version and not draining (full or not)."""
         now = self.clock()
         return {address: e.load for address, e in sorted(self._entries.items())
-                if now - e.received_at <= self.expiry_s and e.load.protocol_version == self.protocol_version
+                if not self._stale(e, now) and e.load.protocol_version == self.protocol_version
                 and not e.load.draining}
 
     def eligible(self, exclude: set[str] | frozenset[str] = frozenset(), blocks_needed: int = 0) -> list[str]:
@@ -129,7 +145,7 @@ class DecodePicker:
         for address in sorted(self._entries):
             entry = self._entries[address]
             load = entry.load
-            if now - entry.received_at > self.expiry_s:
+            if self._stale(entry, now):
                 parts.append(f"{address}: load report stale ({now - entry.received_at:.1f}s old)")
             elif load.protocol_version != self.protocol_version:
                 parts.append(f"{address}: protocol version {load.protocol_version} != ours {self.protocol_version}")

@@ -52,6 +52,35 @@ def test_stale_report_expires_and_fresh_one_revives():
     assert p.pick() == "a"
 
 
+def test_with_a_poller_a_report_expires_by_missed_rounds_not_a_pause():
+    # The prefill process was paused for 5 s (no poll round ran): on resuming, the last reports
+    # are old by the clock but no round has asked again yet, so they still count.
+    clock = Clock()
+    p = _picker("wrr", clock, a=100)
+    p.stale_rounds = 2
+    p.round_started()
+    p.update("a", DecodeLoad(free_blocks=100, free_bytes=100))
+    clock.t += 5.0
+    assert p.pick() == "a"
+    p.round_started()  # one round without an answer: not yet stale
+    assert p.pick() == "a"
+    p.round_started()
+    p.round_started()  # three rounds without an answer and old by the clock: stale
+    assert p.pick() is None
+    assert "stale" in p.why_none()
+    p.update("a", DecodeLoad(free_blocks=100, free_bytes=100))
+    assert p.pick() == "a"
+
+
+def test_missed_rounds_alone_do_not_expire_a_recent_report():
+    clock = Clock()
+    p = _picker("wrr", clock, a=100)
+    p.stale_rounds = 2
+    for _ in range(10):
+        p.round_started()
+    assert p.pick() == "a"  # rounds ran quickly, but the report is younger than expiry_s
+
+
 def test_protocol_version_draining_and_full_are_filtered():
     p = _picker("wrr", a=100)
     p.update("old", DecodeLoad(free_blocks=100, free_bytes=10**9, protocol_version=PROTOCOL_VERSION + 1))
