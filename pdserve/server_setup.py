@@ -31,6 +31,8 @@ if TYPE_CHECKING:
     from pdserve.protos import session_pb2 as pb
 
 
+log = logging.getLogger("pdserve.server")
+
 def add_server_arguments(parser: argparse.ArgumentParser, *, drains: str) -> None:
     """--host, --drain-timeout (``drains`` names what it waits for) and the engine flags."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
@@ -146,7 +148,30 @@ async def wait_for_stop_signal() -> str:
     fut = loop.create_future()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda s=sig: fut.done() or fut.set_result(s.name))
+    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
     return await fut
+
+
+def dump_tasks() -> None:
+    """`kill -USR1 <pid>`: log where every asyncio task of the server is waiting (for a request
+    that seems stuck): each task's chain of awaits, innermost last."""
+    tasks = asyncio.all_tasks()
+    log.warning("SIGUSR1: %d asyncio task(s)", len(tasks))
+    for task in tasks:
+        log.warning("%s\n%s", task.get_name(), "\n".join(await_chain(task.get_coro())))
+
+
+def await_chain(coro) -> list[str]:
+    """'file:line in function' for a coroutine and everything it awaits, outermost first."""
+    lines = []
+    while coro is not None and len(lines) < 40:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        else:
+            lines.append(f"  {type(coro).__name__} {coro!r:.120}")
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "ag_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return lines
 
 
 async def drain(count_fn, grace_s: float) -> int:

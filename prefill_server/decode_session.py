@@ -219,19 +219,22 @@ class SessionRunner:
                 if finished:
                     return
         finally:
-            # 6. release
-            if not finished:
-                call.cancel()
-            else:
-                try:
-                    await call.done_writing()
-                except Exception:  # noqa: BLE001 - already closed by decode
-                    pass
-            if prefilled and not released:
-                await self.engine.release(request_id)
-            if bound:
-                self.sender.delete(request_id)
-            self.registry.pop(request_id, None)
+            # 6. release (the synchronous steps run even if an await below is interrupted)
+            try:
+                if not finished:
+                    call.cancel()
+                else:
+                    # half-close politely, but never wait on it unbounded
+                    try:
+                        await asyncio.wait_for(call.done_writing(), self.config.connect_timeout_s)
+                    except Exception:  # noqa: BLE001 - already closed by decode, or no answer: cancel
+                        call.cancel()
+                if prefilled and not released:
+                    await self.engine.release(request_id)
+            finally:
+                if bound:
+                    self.sender.delete(request_id)
+                self.registry.pop(request_id, None)
 
     async def _allocation(self, call, address: str, start: pb.Start) -> pb.Allocation:
         """Steps 1-2: send Start, wait for the Allocation; anything else raises Retryable."""

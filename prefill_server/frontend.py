@@ -14,6 +14,7 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .node import NoDecodeAvailable, PrefillNode
 from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, BadRequest, ParsedRequest, SamplingSpec
@@ -115,7 +116,7 @@ class Frontend:
                 outcome, reason = "cancelled", "client_disconnected"
             raise
         finally:
-            await deltas.aclose()  # closes the Session (cancel reaches decode) if still open
+            await aclose_fully(deltas)  # closes the Session (cancel reaches decode) if still open
             self.in_flight -= 1
             self.active.discard(request_id)
             if clock is not None:

@@ -15,6 +15,7 @@ import grpc
 from pdserve.protos import generate_pb2 as gpb
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
+from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .node import NoDecodeAvailable
 from .openai_api import BadRequest, check_token_ids, parse_sampling
@@ -67,4 +68,4 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
         except DecodeFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
         finally:
-            await pieces.aclose()
+            await aclose_fully(pieces)

@@ -24,6 +24,7 @@ import logging
 from aiohttp import web
 
 from . import openai_api as oa
+from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .node import NoDecodeAvailable
 
@@ -108,7 +109,7 @@ class HttpApi:
                 return await self._collect(parsed, len(prompt_ids), first, pieces)
             return await self._sse(request, parsed, len(prompt_ids), first, pieces)
         finally:
-            await pieces.aclose()
+            await aclose_fully(pieces)
 
     async def _collect(self, parsed, n_prompt: int, first, pieces) -> web.Response:
         texts, n_tokens, piece = [first.text], len(first.token_ids), first

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from pdserve.protos import session_pb2 as pb
 
+from .closing import aclose_fully
 from .decode_session import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionRunner,
                              SessionTimings, decode_reservation)
 from .load_poller import LoadReportPoller
@@ -163,7 +164,7 @@ class PrefillNode:
                         yield Delta([], True, "length")
                         return
                 finally:
-                    await stream.aclose()
+                    await aclose_fully(stream)
             if self.local_fallback or not transient or loop.time() + backoff > deadline:
                 break
             # every decode (or prefill itself) is full right now: wait for blocks to free up
