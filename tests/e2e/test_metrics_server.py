@@ -43,7 +43,7 @@ def test_bad_specs_and_labels_are_refused():
     with pytest.raises(ValueError, match="pdserve_"):
         MetricSpec("x", "x_seconds", "histogram", "x")
     with pytest.raises(ValueError, match="role"):
-        ServerMetrics(role="router")
+        ServerMetrics(role="planner")
     with pytest.raises(ValueError, match="pool"):
         ServerMetrics(role="decode", pool="")
     m = ServerMetrics(role="prefill")
