@@ -85,6 +85,35 @@ def index_of(router: Server, prefill: Server) -> dict:
     return get_json(router.url + "/health")[1]["prefills"][prefill.grpc_address]
 
 
+def sse_text(url: str, body: dict) -> str:
+    import urllib.request
+
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body | {"stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    text = ""
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        assert resp.headers.get("Content-Type").startswith("text/event-stream")
+        for line in resp:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                text += delta.get("content") or ""
+    return text
+
+
+def leave_mid_stream(url: str, body: dict) -> None:
+    import http.client
+    from urllib.parse import urlparse
+
+    u = urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.read(6) == b"data: "
+    conn.sock.close()
+    conn.close()
+
+
 def chat(messages):
     return {"model": "tiny", "messages": messages, "max_tokens": 8, "temperature": 0}
 
@@ -130,6 +159,13 @@ def test_routing_follows_the_cache_and_survives_kill_and_restart(cluster):
     assert metric(other.url, "pdserve_prompt_tokens_total") == before[other.name]
     status, direct = post_json(other.url + "/v1/chat/completions", chat(turn2))
     assert status == 200 and direct["choices"][0]["message"]["content"] == routed["choices"][0]["message"]["content"]
+
+    # streaming: the SSE chunks relayed as they come give the same text
+    assert sse_text(router.url, chat(turn2)) == routed["choices"][0]["message"]["content"]
+    # a client that leaves mid-stream: the router closes its upstream, the prefill cancels (checked at the end)
+    leave_mid_stream(router.url, chat(turn2) | {"max_tokens": 1500, "ignore_eos": True})
+    wait_until(lambda: sum(metric(p.url, "pdserve_requests_total", outcome="cancelled", reason="client_disconnected")
+                           for p in (x, other)) == 1, "a prefill to see the client leave", timeout=10)
 
     # bad input: the prefill's own 400, byte for byte
     for bad in (b"{not json", json.dumps({"model": "tiny", "prompt": "x", "max_tokens": -1}).encode(),
