@@ -60,7 +60,7 @@ known_decodes                   prefill   after each discovery / load-report upd
 
 The router (``pdserve router``) exports its own table, ``ROUTER_METRICS`` (``ServerMetrics(role="router")``
 builds it): its requests by outcome, first-byte and end-to-end latency as its client sees
-them, its added latency (arrival -> request sent to the prefill), its decisions by prefill and
+them, its own work per request (arrival -> prefill chosen), its decisions by prefill and
 reason, prompt blocks and prefix-hit blocks, index resyncs by prefill and reason, index size
 and routable prefills.
 
@@ -177,7 +177,7 @@ ROUTER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("requests", "pdserve_requests_total", _C,
                "Requests the router finished, by outcome (ok|error|cancelled) and reason.", ("outcome", "reason")),
     MetricSpec("router_overhead", "pdserve_router_overhead_seconds", _H,
-               "Router: arrival of a request to its body sent to the chosen prefill (tokenize, hash, choose, connect).",
+               "Router: arrival of a request to its prefill chosen (read the body, tokenize, hash, choose).",
                buckets=FINE_BUCKETS),
     MetricSpec("router_decisions", "pdserve_router_decisions_total", _C,
                "Router: requests sent to each prefill, by reason (single|prefix|load|balance|retry).", ("prefill", "reason")),

@@ -92,6 +92,7 @@ class RouterApi:
         body = await request.read()
         ids = prompt_token_ids(body, kind, self.router.tokenizer)
         choice = self.router.decide(ids)
+        m.router_overhead.observe(time.perf_counter() - start)
         if choice is None:
             m.requests.labels(outcome="error", reason="no_prefill").inc()
             return _error(503, "no prefill is routable", "no_prefill_available")
@@ -112,7 +113,6 @@ class RouterApi:
                     watch.in_flight -= 1
                     continue
                 try:
-                    m.router_overhead.observe(time.perf_counter() - start)
                     self.router.count_decision(address, why, choice, ids)
                     resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
                     await resp.prepare(request)
