@@ -14,6 +14,10 @@ Contracts
   hashed blocks first, then evict the least recently freed cached block.
 - Allocation is all-or-nothing: when the blocks cannot be had, ``OutOfBlocksError`` is raised
   and nothing changed.
+- ``listener`` (optional, a PrefixCacheListener) hears every change of the set of hashes the
+  cache can match (``prefix_hashes()``): ``stored`` when a hash is recorded, ``removed`` when
+  its block is evicted, ``cleared`` by ``clear_prefix_cache``. It is called on the thread that
+  calls the BlockManager (the engine thread), in order, and must not call back into it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
+from typing import Protocol
 
 from .errors import OutOfBlocksError
 
@@ -51,6 +56,16 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+class PrefixCacheListener(Protocol):
+    """Hears changes of the prefix cache's hash set (KV events); see the module docstring."""
+
+    def stored(self, hashes: list[int]) -> None: ...
+
+    def removed(self, hashes: list[int]) -> None: ...
+
+    def cleared(self) -> None: ...
+
+
 class BlockManager:
     """Reference-counted KV blocks ``0 .. num_blocks-1`` with a prefix cache."""
 
@@ -68,6 +83,7 @@ class BlockManager:
         self._cached: OrderedDict[int, int] = OrderedDict()  # hash -> block id, free but reusable (LRU order)
         self._by_hash: dict[int, int] = {}  # hash -> block id, held or cached
         self.prefix_hits = 0  # blocks reused, for metrics and tests
+        self.listener: PrefixCacheListener | None = None
 
     # ---- queries -------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -76,6 +92,10 @@ class BlockManager:
 
     def num_cached_blocks(self) -> int:
         return len(self._cached)
+
+    def prefix_hashes(self) -> list[int]:
+        """Every hash the prefix cache can match now (held or cached free blocks)."""
+        return list(self._by_hash)
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
@@ -139,6 +159,7 @@ class BlockManager:
         if not self.enable_prefix_cache:
             return
         num_full = min(num_tokens // self.block_size, len(block_table))
+        stored = []
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
@@ -148,6 +169,9 @@ class BlockManager:
             if self._hash[block] is None and h not in self._by_hash:
                 self._hash[block] = h
                 self._by_hash[h] = block
+                stored.append(h)
+        if stored and self.listener is not None:
+            self.listener.stored(stored)
 
     def free(self, block_table: list[int]) -> None:
         """Drop one reference to each block (in reverse, so a prefix's tail is evicted first)."""
@@ -163,6 +187,18 @@ class BlockManager:
                     self._hash[b] = None
                     self._free.append(b)
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every hash: cached free blocks become plain free blocks, held blocks are no
+        longer matched (they are still freed normally)."""
+        if not self.enable_prefix_cache:
+            return
+        self._free.extend(self._cached.values())
+        self._cached.clear()
+        self._by_hash.clear()
+        self._hash = [None] * self.num_blocks
+        if self.listener is not None:
+            self.listener.cleared()
+
     # ---- internals -----------------------------------------------------------------------
     def _take_ref(self, block: int) -> None:
         if self._ref[block] == 0:
@@ -177,5 +213,7 @@ class BlockManager:
             h, block = self._cached.popitem(last=False)  # least recently freed
             del self._by_hash[h]
             self._hash[block] = None
+            if self.listener is not None:
+                self.listener.removed([h])
         self._ref[block] = 1
         return block

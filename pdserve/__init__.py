@@ -7,9 +7,11 @@ Reading path (see also README.md and each package's __init__):
 - ``pdserve.protos``          gRPC contracts (protos/*.proto)
 - ``pdserve.prefill_server``  the front door: OpenAI HTTP + gRPC, decode picking, KV push
 - ``pdserve.decode_server``   receives KV, continuous-batch decodes, streams tokens back
+- ``pdserve.router``          the front door before several prefills: prefix-aware routing (router/__init__.py)
 - ``pdserve.operator``        kopf operator for the InferenceService CRD
 - ``pdserve.cli``             the ``pdserve`` command
 - ``pdserve.defaults``        ports and other facts every part agrees on
+- ``pdserve.kv_events``       KV events of a server's prefix cache (epoch + seq), streamed to routers
 """
 
 __version__ = "0.1.0"

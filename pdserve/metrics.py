@@ -58,6 +58,12 @@ requests_running / _waiting     both      after every scheduler step
 known_decodes                   prefill   after each discovery / load-report update
 ==============================  ========  ================================================
 
+The router (``pdserve router``) exports its own table, ``ROUTER_METRICS`` (``ServerMetrics(role="router")``
+builds it): its requests by outcome, first-byte and end-to-end latency as its client sees
+them, its own work per request (arrival -> prefill chosen), its decisions by prefill and
+reason, prompt blocks and prefix-hit blocks, index resyncs by prefill and reason, index size
+and routable prefills.
+
 Each ServerMetrics owns its own CollectorRegistry, so tests may create many in one
 process and ``render()`` shows exactly one server's metrics.
 """
@@ -73,7 +79,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.defaults import ENV_INFERENCE_SERVICE, ENV_POOL
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "router")
 COMMON_LABELS = ("role", "pool", "inference_service")
 OUTCOMES = ("ok", "error", "cancelled")
 
@@ -163,6 +169,32 @@ METRICS: tuple[MetricSpec, ...] = (
 )
 
 
+ROUTER_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("ttft", "pdserve_time_to_first_token_seconds", _H,
+               "Arrival of a request to its first byte relayed back from the prefill (router)."),
+    MetricSpec("e2e_latency", "pdserve_e2e_request_latency_seconds", _H,
+               "Arrival of a request to the end of its relayed response (router)."),
+    MetricSpec("requests", "pdserve_requests_total", _C,
+               "Requests the router finished, by outcome (ok|error|cancelled) and reason.", ("outcome", "reason")),
+    MetricSpec("router_overhead", "pdserve_router_overhead_seconds", _H,
+               "Router: arrival of a request to its prefill chosen (read the body, tokenize, hash, choose).",
+               buckets=FINE_BUCKETS),
+    MetricSpec("router_decisions", "pdserve_router_decisions_total", _C,
+               "Router: requests sent to each prefill, by reason (single|prefix|load|balance|retry).", ("prefill", "reason")),
+    MetricSpec("router_prompt_blocks", "pdserve_router_prompt_blocks_total", _C,
+               "Router: reusable full blocks of the prompts it routed."),
+    MetricSpec("router_prefix_hit_blocks", "pdserve_router_prefix_hit_blocks_total", _C,
+               "Router: of those, blocks the index says the chosen prefill already held."),
+    MetricSpec("router_index_resyncs", "pdserve_router_index_resyncs_total", _C,
+               "Router: snapshots applied to the KV-event index, by prefill and reason (initial|epoch|resync), and "
+               "streams distrusted (gap|epoch|unsynced|disconnected).", ("prefill", "reason")),
+    MetricSpec("router_index_blocks", "pdserve_router_index_blocks", _G,
+               "Router: block hashes the index holds for each prefill.", ("prefill",)),
+    MetricSpec("router_routable_prefills", "pdserve_router_routable_prefills", _G,
+               "Router: prefills with a fresh, ready load report."),
+)
+
+
 def exported_series_names() -> set[str]:
     """Every series name a pdserve server can export (histograms as _bucket/_sum/_count)."""
     return {series for spec in METRICS for series in spec.series_names()}
@@ -181,7 +213,8 @@ class _Labelled:
 
 
 class ServerMetrics:
-    """The metrics of one prefill or decode process. Attributes are named as in METRICS."""
+    """The metrics of one prefill, decode or router process. Attributes are named as in METRICS
+    (ROUTER_METRICS for the router)."""
 
     def __init__(self, role: str, pool: str = "default", inference_service: str = "local",
                  registry: CollectorRegistry | None = None):
@@ -193,7 +226,7 @@ class ServerMetrics:
         self.role, self.pool, self.inference_service = role, pool, inference_service
         self.registry = registry if registry is not None else CollectorRegistry()
         common = {"role": role, "pool": pool, "inference_service": inference_service}
-        for spec in METRICS:
+        for spec in ROUTER_METRICS if role == "router" else METRICS:
             labelnames = COMMON_LABELS + spec.labels
             if spec.kind == "histogram":
                 metric = Histogram(spec.name, spec.help, labelnames, buckets=spec.buckets, registry=self.registry)

@@ -21,6 +21,10 @@ Request lifecycle on prefill:
    the end, whatever happened (a client disconnect cancels the Session, so decode frees
    its side at once).
 
+KV events for routers (``pdserve.kv_events``, ``protos/kv_events.proto``) are served on the
+gRPC port: the prefix cache's hash set as a snapshot then BlockStored/BlockRemoved events
+stamped with this process's epoch and a sequence number, and ``GetLoad``.
+
 Decode discovery: ``--decode host:port,...`` (static) or ``--discovery kubernetes
 --decode-selector label=value --namespace ns`` (watches the EndpointSlices of the
 selected decode Services). /ready is 503 while no decode is routable, unless
@@ -92,8 +96,11 @@ async def serve(args: argparse.Namespace, discovery) -> int:
 
     from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import OutOfBlocksError, SamplingParams
+    from pdserve.kv_events import KvEventPublisher, KvEventsServicer
     from pdserve.metrics import ServerMetrics
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
+    from pdserve.protos import kv_events_pb2 as kpb
+    from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 
     from .frontend import Frontend
     from .grpc_api import GenerateServicer
@@ -105,6 +112,8 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     metrics = ServerMetrics.from_env(role="prefill")
     parts = build_server_engine(args)
     engine, loaded = parts.engine, parts.loaded
+    kv_events = KvEventPublisher(args.block_size)
+    engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler)
     await sender.start()
@@ -132,6 +141,13 @@ async def serve(args: argparse.Namespace, discovery) -> int:
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
         }
 
+    def load() -> kpb.ServerLoad:
+        ready = node.ready() and not draining["on"]
+        reason = "draining" if draining["on"] else ("" if ready else picker.why_none())
+        return kpb.ServerLoad(ready=ready, not_ready_reason=reason, in_flight=frontend.in_flight,
+                              num_requests=engine.num_requests(), kv_blocks_free=engine.num_free_blocks(),
+                              kv_blocks_total=engine.num_blocks, http_port=args.port)
+
     await discovery.start()
     await poller.start()
     app = HttpApi(frontend, health, metrics, is_draining=lambda: draining["on"]).app()
@@ -140,6 +156,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     await web.TCPSite(runner, args.host, args.port).start()
     server = grpc.aio.server()
     gpb_grpc.add_GeneratorServicer_to_server(GenerateServicer(frontend), server)
+    kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, load), server)
     server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     await server.start()
     log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s",

@@ -6,8 +6,10 @@ place the P/D protocol version is written.
 
 - ``generate_pb2`` / ``generate_pb2_grpc``: ``Generator.Generate`` (server streaming)
 - ``session_pb2`` / ``session_pb2_grpc``: ``Decode.Session`` (bidi), ``Decode.GetLoadReport``
+- ``kv_events_pb2`` / ``kv_events_pb2_grpc``: ``KvEvents.Subscribe`` (server streaming: snapshot,
+  then BlockStored/BlockRemoved/AllCleared stamped with epoch + seq), ``Snapshot``, ``GetLoad``
 """
 
-from .version import PROTOCOL_VERSION
+from .version import KV_EVENTS_VERSION, PROTOCOL_VERSION
 
-__all__ = ["PROTOCOL_VERSION"]
+__all__ = ["KV_EVENTS_VERSION", "PROTOCOL_VERSION"]

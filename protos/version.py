@@ -7,3 +7,7 @@ changes meaning (adding an optional field that old peers may ignore does not nee
 """
 
 PROTOCOL_VERSION = 1
+
+# The KV-event stream (kv_events.proto): a router uses the index of a server only when the
+# server's SNAPSHOT carries this version. Bump it when an event's meaning changes.
+KV_EVENTS_VERSION = 1

@@ -5,7 +5,7 @@ import asyncio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.metrics import (COMMON_LABELS, METRICS, MetricSpec, ServerMetrics, exported_series_names)
+from pdserve.metrics import (COMMON_LABELS, METRICS, ROUTER_METRICS, MetricSpec, ServerMetrics, exported_series_names)
 
 
 def scrape(m: ServerMetrics) -> dict[tuple[str, tuple], float]:
@@ -21,6 +21,16 @@ def scrape(m: ServerMetrics) -> dict[tuple[str, tuple], float]:
 def common(m, **extra):
     labels = {"role": m.role, "pool": m.pool, "inference_service": m.inference_service, **extra}
     return tuple(sorted(labels.items()))
+
+
+def test_router_metrics_are_their_own_table():
+    m = ServerMetrics(role="router")
+    assert hasattr(m, "router_decisions") and not hasattr(m, "decode_selections")
+    m.router_decisions.labels(prefill="127.0.0.1:1", reason="prefix").inc()
+    names = {name for name, _ in scrape(m)}
+    assert "pdserve_router_decisions_total" in names and "pdserve_kv_transfer_bytes_total" not in names
+    for spec in ROUTER_METRICS:
+        assert spec.name.startswith("pdserve_")
 
 
 def test_names_follow_prometheus_conventions():
@@ -43,7 +53,7 @@ def test_bad_specs_and_labels_are_refused():
     with pytest.raises(ValueError, match="pdserve_"):
         MetricSpec("x", "x_seconds", "histogram", "x")
     with pytest.raises(ValueError, match="role"):
-        ServerMetrics(role="router")
+        ServerMetrics(role="planner")
     with pytest.raises(ValueError, match="pool"):
         ServerMetrics(role="decode", pool="")
     m = ServerMetrics(role="prefill")

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 PARTS = {
     "engine": "engine", "cachestore": "cachestore", "protos": "protos", "prefill_server": "prefill_server",
     "decode_server": "decode_server", "operator": "operator", "pdserve": "runtime", "bench": "bench",
-    "localcluster": "localcluster",
+    "localcluster": "localcluster", "router": "router",
 }
 SERVERS_MAY_USE = {"engine", "cachestore", "protos", "runtime"}
 
@@ -38,13 +38,19 @@ ALLOWED: dict[str, set[str]] = {
     "operator": {"protos", "runtime"},
     "localcluster": {"runtime", "cachestore"},  # cachestore: only its TRANSPORTS list
     "bench": {"engine", "cachestore", "protos", "runtime"},
+    # The router hashes prompts with the engine's tokenizer and chained block hashes; it never
+    # loads a model (ONLY_MODULES) and reaches the servers only over the network.
+    "router": {"protos", "runtime", "engine"},
 }
+# (part, part it imports) -> the only modules of that part it may import.
+ONLY_MODULES = {("router", "engine"): {"tokenizer", "block_manager", "defaults"}}
 # part -> runtime modules it must not import even though it may import the runtime.
 FORBIDDEN_RUNTIME_MODULES = {"operator": {"metrics", "server_setup", "discovery"}}
 FORBIDDEN_LIBRARIES = {
     "operator": {"prometheus_client", "torch", "grpc"},
     "engine": {"grpc", "aiohttp", "prometheus_client", "kopf", "kubernetes"},
     "cachestore": {"aiohttp", "prometheus_client", "kopf", "kubernetes"},
+    "router": {"torch"},
 }
 
 
@@ -68,14 +74,15 @@ def _imports(path: Path, package: str) -> list[tuple[str, int]]:
 
 
 def _part_of(dotted: str) -> tuple[str | None, str | None]:
-    """(part, runtime module) reached by an absolute import name, or (None, None) if not ours."""
+    """(part, its module) reached by an absolute import name, or (None, None) if not ours.
+    The module is None when the import names the part's package itself."""
     bits = dotted.split(".")
     if bits[0] != "pdserve":
         return None, None
     if len(bits) == 1:
         return "runtime", None
     if bits[1] in PARTS and bits[1] != "pdserve":
-        return PARTS[bits[1]], None
+        return PARTS[bits[1]], bits[2] if len(bits) > 2 else None
     return "runtime", bits[1]
 
 
@@ -105,8 +112,10 @@ def violations() -> list[str]:
                 continue
             if target not in ALLOWED[part]:
                 bad.append(f"{where} (the {part} may import only {sorted(ALLOWED[part]) or 'nothing of ours'})")
-            elif module in FORBIDDEN_RUNTIME_MODULES.get(part, ()):
+            elif target == "runtime" and module in FORBIDDEN_RUNTIME_MODULES.get(part, ()):
                 bad.append(f"{where} (the {part} must not import pdserve.{module})")
+            elif (part, target) in ONLY_MODULES and module not in ONLY_MODULES[(part, target)]:
+                bad.append(f"{where} (the {part} may import only {sorted(ONLY_MODULES[(part, target)])} of the {target})")
             if len(bad) > before:
                 seen.add((path, line))
     return sorted(bad)
@@ -122,6 +131,8 @@ def test_every_import_follows_the_design_arrows():
     ("from .. import defaults\n", "pdserve.engine", "engine may import only nothing of ours"),
     ("from pdserve.metrics import ServerMetrics\n", "pdserve.operator", "must not import pdserve.metrics"),
     ("import prometheus_client\n", "pdserve.operator", "must not use prometheus_client"),
+    ("from pdserve.engine.model import DecoderModel\n", "pdserve.router", "of the engine"),
+    ("from pdserve.prefill_server import openai_api\n", "pdserve.router", "router may import only"),
 ])
 def test_the_checker_catches_a_breach(tmp_path, monkeypatch, source, package, expected):
     folder = package.split(".")[1]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from harness.procs import VENV_BIN
 
-PARTS = ["engine", "cachestore", "protos", "prefill_server", "decode_server", "operator"]
+PARTS = ["engine", "cachestore", "protos", "prefill_server", "decode_server", "operator", "router"]
 
 
 def test_parts_import_under_pdserve():

@@ -1,0 +1,156 @@
+"""KV events of one server process: its prefix cache's hash set, numbered and streamed.
+
+The correctness protocol is stated in ``protos/kv_events.proto``; this module is the
+publishing end, the router's ``router/index.py`` the receiving end.
+
+Lifecycle of one event:
+
+1. The engine thread changes the prefix cache; the BlockManager calls its listener, a
+   ``KvEventPublisher`` (``stored`` / ``removed`` / ``cleared``).
+2. Under the publisher's lock: the event gets the next ``seq``, the publisher's mirror of the
+   hash set is updated, and the event is handed to each subscriber's asyncio queue with
+   ``loop.call_soon_threadsafe`` (so it reaches the event loop in seq order). A subscriber
+   with ``max_pending`` events not yet taken gets none until it catches up: the gap in seq
+   tells it to resubscribe.
+3. ``KvEventsServicer.Subscribe`` (on the event loop) sends the snapshot taken when the
+   subscription began (under the same lock, so events after it are exactly seq+1, ...),
+   then every batch of queued events, as ``KvEventBatch`` messages.
+
+Only plain tuples cross the thread boundary; protobuf messages are built on the event loop.
+Who frees: a subscription is removed when its stream ends (the client leaves, the server stops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pdserve.protos import kv_events_pb2 as kpb
+from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+from pdserve.protos.version import KV_EVENTS_VERSION
+
+log = logging.getLogger(__name__)
+
+STORED, REMOVED, CLEARED = kpb.KvEvent.BLOCK_STORED, kpb.KvEvent.BLOCK_REMOVED, kpb.KvEvent.ALL_CLEARED
+
+
+@dataclass(eq=False, slots=True)
+class Subscription:
+    """One subscriber: its queue on the event loop and the snapshot it starts from."""
+
+    loop: asyncio.AbstractEventLoop
+    snapshot_seq: int
+    snapshot: list[int]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pending: int = 0  # events handed to the queue and not yet taken (guarded by the publisher's lock)
+    dropped: int = 0
+
+
+class KvEventPublisher:
+    """A ``PrefixCacheListener`` (engine/block_manager.py) that numbers events and fans them out."""
+
+    def __init__(self, block_size: int, max_pending: int = 10_000, epoch: str | None = None):
+        self.epoch = epoch or uuid.uuid4().hex
+        self.block_size, self.max_pending = block_size, max_pending
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._hashes: set[int] = set()
+        self._subs: list[Subscription] = []
+
+    # ---- listener side: the engine thread ------------------------------------------------
+    def stored(self, hashes: list[int]) -> None:
+        self._publish(STORED, hashes)
+
+    def removed(self, hashes: list[int]) -> None:
+        self._publish(REMOVED, hashes)
+
+    def cleared(self) -> None:
+        self._publish(CLEARED, [])
+
+    def _publish(self, kind: int, hashes: list[int]) -> None:
+        with self._lock:
+            self._seq += 1
+            if kind == STORED:
+                self._hashes.update(hashes)
+            elif kind == REMOVED:
+                self._hashes.difference_update(hashes)
+            else:
+                self._hashes.clear()
+            event = (self._seq, kind, tuple(hashes))
+            for sub in self._subs:
+                if sub.pending >= self.max_pending:
+                    sub.dropped += 1  # the subscriber sees the gap and resyncs
+                    continue
+                sub.pending += 1
+                try:
+                    sub.loop.call_soon_threadsafe(sub.queue.put_nowait, event)
+                except RuntimeError:  # its loop is closed: the stream is over
+                    sub.pending -= 1
+
+    # ---- subscriber side: the event loop -------------------------------------------------
+    def snapshot(self) -> tuple[int, list[int]]:
+        """(seq, every hash) as of that seq."""
+        with self._lock:
+            return self._seq, sorted(self._hashes)
+
+    def subscribe(self) -> Subscription:
+        with self._lock:
+            sub = Subscription(asyncio.get_running_loop(), self._seq, sorted(self._hashes))
+            self._subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        with self._lock:
+            if sub in self._subs:
+                self._subs.remove(sub)
+
+    def num_subscribers(self) -> int:
+        with self._lock:
+            return len(self._subs)
+
+    async def next_events(self, sub: Subscription) -> list[tuple[int, int, tuple[int, ...]]]:
+        """Wait for at least one event; return every event queued for ``sub`` (seq order)."""
+        events = [await sub.queue.get()]
+        while not sub.queue.empty():
+            events.append(sub.queue.get_nowait())
+        with self._lock:
+            sub.pending -= len(events)
+        return events
+
+    def snapshot_message(self, seq: int, hashes: list[int]) -> kpb.KvEvent:
+        return kpb.KvEvent(epoch=self.epoch, seq=seq, kind=kpb.KvEvent.SNAPSHOT, block_hashes=hashes,
+                           block_size=self.block_size, version=KV_EVENTS_VERSION)
+
+
+class KvEventsServicer(kpb_grpc.KvEventsServicer):
+    """gRPC ``KvEvents``: Subscribe (snapshot, then events), Snapshot, GetLoad (``load_fn()``)."""
+
+    def __init__(self, publisher: KvEventPublisher, load_fn: Callable[[], kpb.ServerLoad]):
+        self.publisher, self.load_fn = publisher, load_fn
+
+    async def Subscribe(self, request, context):
+        pub = self.publisher
+        sub = pub.subscribe()
+        log.info("kv events: %s subscribed at seq %d", request.subscriber or context.peer(), sub.snapshot_seq)
+        try:
+            yield kpb.KvEventBatch(events=[pub.snapshot_message(sub.snapshot_seq, sub.snapshot)])
+            sub.snapshot = []
+            while True:
+                events = await pub.next_events(sub)
+                yield kpb.KvEventBatch(events=[kpb.KvEvent(epoch=pub.epoch, seq=seq, kind=kind, block_hashes=hashes)
+                                               for seq, kind, hashes in events])
+        finally:
+            pub.unsubscribe(sub)
+
+    async def Snapshot(self, request, context):
+        return self.publisher.snapshot_message(*self.publisher.snapshot())
+
+    async def GetLoad(self, request, context):
+        load = self.load_fn()
+        load.epoch = self.publisher.epoch
+        load.block_size = self.publisher.block_size
+        return load

@@ -1,0 +1,37 @@
+"""pdserve.router: the front door when there are several prefills. Each request goes to the
+prefill that already holds most of its prompt's KV (a prefix index kept from the prefills'
+KV events), weighed against load; the response is relayed byte for byte.
+
+Request lifecycle on the router:
+
+1. **accept** - HTTP /v1/completions or /v1/chat/completions; the body is read, not validated
+   (the prefill validates it; its 400 comes back unchanged).
+2. **hash** - the prompt is tokenized as the prefill will (chat template, then encode) and its
+   reusable full blocks are hashed with the engine's chained hashes (``prompt.py``).
+3. **choose** - for every routable prefill (fresh ready load report): how many leading blocks
+   the index says it holds, its requests in flight, its free blocks; ``choice.choose`` picks the
+   cheapest (tokens to compute + load weight x in flight), ties by rendezvous hash. The
+   decision and its reason (single|prefix|load|balance) are a metric label.
+4. **relay** - the body goes to that prefill's HTTP API untouched; status, content type and
+   body (SSE chunks as they come) go back. A prefill that refuses the connection: the next
+   in the ranking (``--max-attempts``); none: 503.
+5. **release** - the end of the relay (or the client leaving, which closes the upstream
+   connection so the prefill cancels) drops the request's in-flight counts.
+
+Meanwhile, per prefill (``prefill_watch.py``): a KV-event stream (snapshot, then
+BlockStored/BlockRemoved/AllCleared with epoch + seq) keeps the index; a gap or a new epoch
+means resubscribe for a snapshot; a broken stream forgets the prefill's hashes at once; a
+prefill gone from discovery leaves the index at once (``prefills.py``). Load is polled.
+
+Reading path (in this order):
+  ``cli.py``            ``pdserve router``: flags, start-up wiring, drain
+  ``http_api.py``       RouterApi: the routes and the byte-for-byte relay
+  ``router.py``         Router.decide: prompt hashes + index + loads -> choice
+  ``choice.py``         choose(): cost, tie-break, reason (pure)
+  ``index.py``          PrefixIndex: the KV-event protocol (snapshot, seq, epoch; pure)
+  ``prefill_watch.py``  PrefillWatch: one prefill's event stream and load polls (gRPC)
+  ``prefills.py``       PrefillSet: discovery -> watches; removal drops index entries
+  ``prompt.py``         prompt token ids and block hashes from a request body
+
+The publishing end of KV events is ``pdserve/kv_events.py`` (served on each prefill's gRPC port).
+"""

@@ -1,0 +1,99 @@
+"""Run a router: the front door when there are several prefills; sends each request to the
+prefill that already holds most of its prompt's KV, weighed against load.
+
+See ``pdserve.router`` (router/__init__.py) for the request lifecycle. Prefills come from
+``--prefill host:grpc_port,...`` (static) or ``--discovery kubernetes --prefill-selector
+label=value --namespace ns`` (the EndpointSlices of the prefill Services, port "grpc");
+``--model`` must name the prefills' model (its tokenizer hashes the prompts). /ready is 503
+while no prefill is routable. SIGTERM/SIGINT: /ready turns 503, in-flight relays get
+--drain-timeout seconds to finish, then the router stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from pdserve import defaults
+from pdserve.server_setup import drain, setup_logging, wait_for_stop_signal
+
+log = logging.getLogger("pdserve.router")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
+    parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
+    parser.add_argument("--model", default=defaults.BUILTIN_MODEL,
+                        help="the prefills' model ('tiny' or a directory with tokenizer.json): only its tokenizer is loaded")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight relays finish on shutdown")
+    parser.add_argument("--log-level", default="INFO", help="logging level")
+    d = parser.add_argument_group("prefill discovery and routing")
+    d.add_argument("--discovery", choices=["static", "kubernetes"], default="static", help="how prefills are found")
+    d.add_argument("--prefill", default="", help="static prefill gRPC addresses: host:port,host:port")
+    d.add_argument("--prefill-selector", default="", help="kubernetes: label=value selecting the prefill Services")
+    d.add_argument("--namespace", default="", help="kubernetes: namespace of the prefill Services")
+    d.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    d.add_argument("--discovery-interval", type=float, default=0.2,
+                   help="seconds between discovery checks (a prefill gone from discovery leaves the index within this)")
+    d.add_argument("--load-interval", type=float, default=0.2, help="seconds between load polls of each prefill")
+    d.add_argument("--load-expiry", type=float, default=1.5, help="seconds after which a load report no longer counts")
+    d.add_argument("--load-weight", type=float, default=64.0,
+                   help="prompt tokens one request in flight is worth when weighing load against cached prefix")
+    d.add_argument("--max-attempts", type=int, default=2, help="prefills to try when one cannot be connected to")
+
+
+def make_discovery(args):
+    from pdserve.discovery import KubernetesDiscovery, StaticDiscovery
+
+    if args.discovery == "kubernetes":
+        return KubernetesDiscovery(args.namespace, args.prefill_selector, kubeconfig=args.kubeconfig)
+    return StaticDiscovery([a for a in args.prefill.split(",") if a.strip()])
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level, "router")
+    from .prompt import load_tokenizer
+
+    try:
+        discovery = make_discovery(args)
+        tokenizer = load_tokenizer(args.model)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pdserve router: {exc}")
+    if args.discovery == "static" and not discovery.addresses():
+        raise SystemExit("pdserve router: no --prefill given")
+    return asyncio.run(serve(args, discovery, tokenizer))
+
+
+async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
+    from aiohttp import web
+
+    from pdserve.metrics import ServerMetrics
+
+    from .http_api import RouterApi
+    from .index import PrefixIndex
+    from .prefills import PrefillSet
+    from .router import Router
+
+    metrics = ServerMetrics.from_env(role="router")
+    index = PrefixIndex()
+    prefills = PrefillSet(discovery, index, metrics, name=f"router:{args.port}", interval_s=args.discovery_interval,
+                          load_interval_s=args.load_interval, load_expiry_s=args.load_expiry)
+    router = Router(prefills, index, tokenizer, metrics, args.load_weight)
+    draining = {"on": False}
+    api = RouterApi(router, metrics, is_draining=lambda: draining["on"], max_attempts=args.max_attempts)
+    await prefills.start()
+    runner = web.AppRunner(api.app(), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("router ready: http %s:%d, prefills %s, load weight %g tokens/request", args.host, args.port,
+             discovery.addresses() or "(none yet)", args.load_weight)
+    sig = await wait_for_stop_signal()
+    draining["on"] = True
+    log.info("%s: draining %d in-flight request(s)", sig, api.in_flight)
+    left = await drain(lambda: api.in_flight, args.drain_timeout)
+    if left:
+        log.warning("stopping with %d request(s) still in flight", left)
+    await runner.cleanup()
+    await prefills.stop()
+    return 0

@@ -1,0 +1,149 @@
+"""The router's HTTP API (aiohttp): the prefill's OpenAI routes, relayed; its own probes.
+
+| route                        | answer                                                          |
+|------------------------------|-----------------------------------------------------------------|
+| POST /v1/completions         | relayed byte for byte to the prefill ``Router.decide`` picks     |
+| POST /v1/chat/completions    | the same                                                        |
+| GET  /v1/models              | relayed to the first routable prefill                           |
+| GET  /health                 | 200 + JSON: in flight, every prefill's load and index entry      |
+| GET  /ready                  | 200 when a prefill is routable, else 503                        |
+| GET  /metrics                | Prometheus text (``ROUTER_METRICS``)                            |
+
+The request body goes to the prefill untouched and its status, content type and body come
+back unchanged (SSE chunks as they arrive), so a 400 is the prefill's own. A prefill that
+cannot be connected to before its response starts is skipped for the next one in the
+ranking (at most ``max_attempts``); no routable prefill: 503 with an OpenAI error body. A
+client that disconnects cancels the handler, which closes the upstream connection, so the
+prefill cancels the request as if the client had been its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import aiohttp
+from aiohttp import web
+
+from .prompt import prompt_token_ids
+
+log = logging.getLogger(__name__)
+RELAYED_HEADERS = ("Content-Type", "Cache-Control")
+
+
+def _error(status: int, message: str, code: str) -> web.Response:
+    body = {"error": {"message": message, "type": "service_unavailable", "param": None, "code": code}}
+    return web.json_response(body, status=status)
+
+
+class RouterApi:
+    def __init__(self, router, metrics, is_draining=lambda: False, max_attempts: int = 2):
+        self.router, self.metrics, self.is_draining, self.max_attempts = router, metrics, is_draining, max_attempts
+        self.in_flight = 0
+        self.session: aiohttp.ClientSession | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics.aiohttp_handler)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, app) -> None:
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                                             auto_decompress=False)
+
+    async def _close(self, app) -> None:
+        await self.session.close()
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "role": "router", "in_flight": self.in_flight,
+                                  "draining": self.is_draining(), "prefills": self.router.state()})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self.is_draining():
+            return web.json_response({"ready": False, "reason": "draining"}, status=503)
+        if self.router.prefills.routable():
+            return web.json_response({"ready": True})
+        return web.json_response({"ready": False, "reason": "no routable prefill"}, status=503)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        routable = self.router.prefills.routable()
+        if not routable:
+            return _error(503, "no prefill is routable", "no_prefill_available")
+        async with self.session.get(routable[0].http_url + "/v1/models") as up:
+            return web.Response(body=await up.read(), status=up.status, headers=_headers(up))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._relay(request, "completion")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._relay(request, "chat")
+
+    async def _relay(self, request: web.Request, kind: str) -> web.StreamResponse:
+        start = time.perf_counter()
+        m = self.metrics
+        body = await request.read()
+        ids = prompt_token_ids(body, kind, self.router.tokenizer)
+        choice = self.router.decide(ids)
+        m.router_overhead.observe(time.perf_counter() - start)
+        if choice is None:
+            m.requests.labels(outcome="error", reason="no_prefill").inc()
+            return _error(503, "no prefill is routable", "no_prefill_available")
+        self.in_flight += 1
+        outcome, reason = "cancelled", "client_disconnected"
+        try:
+            for attempt, address in enumerate(choice.ranking[: self.max_attempts]):
+                watch = self.router.prefills.watches.get(address)
+                if watch is None or not watch.routable():
+                    continue
+                why = choice.reason if attempt == 0 else "retry"
+                watch.in_flight += 1
+                try:
+                    upstream = await self.session.post(watch.http_url + request.path, data=body,
+                                                       headers={"Content-Type": "application/json"})
+                except aiohttp.ClientConnectionError as exc:
+                    log.warning("prefill %s unreachable (%s); trying the next one", address, exc)
+                    watch.in_flight -= 1
+                    continue
+                try:
+                    self.router.count_decision(address, why, choice, ids)
+                    resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
+                    await resp.prepare(request)
+                    first = True
+                    async for chunk in upstream.content.iter_any():
+                        if first:
+                            m.ttft.observe(time.perf_counter() - start)
+                            first = False
+                        await resp.write(chunk)
+                    await resp.write_eof()
+                    outcome = "ok" if upstream.status < 400 else "error"
+                    reason = "relayed" if upstream.status < 400 else f"http_{upstream.status}"
+                    return resp
+                except aiohttp.ClientError as exc:  # the prefill went away mid-response
+                    log.warning("prefill %s failed mid-response: %s", address, exc)
+                    outcome, reason = "error", "prefill_failed"
+                    return resp
+                finally:
+                    if upstream.content.at_eof():
+                        upstream.release()  # keep the connection for the next request
+                    else:
+                        upstream.close()  # the prefill sees the client leave and cancels
+                    watch.in_flight -= 1
+            outcome, reason = "error", "prefill_unreachable"
+            return _error(503, f"no prefill could be reached (tried {', '.join(choice.ranking[: self.max_attempts])})",
+                          "no_prefill_available")
+        finally:
+            self.in_flight -= 1
+            m.e2e_latency.observe(time.perf_counter() - start)
+            m.requests.labels(outcome=outcome, reason=reason).inc()
+
+
+def _headers(upstream) -> dict[str, str]:
+    return {h: upstream.headers[h] for h in RELAYED_HEADERS if h in upstream.headers}

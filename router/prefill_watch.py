@@ -1,0 +1,149 @@
+"""PrefillWatch: one prefill as the router sees it, over one gRPC channel.
+
+Two tasks per prefill:
+
+1. **events** - ``KvEvents.Subscribe``: the snapshot, then events, into the PrefixIndex.
+   A verdict of gap / epoch / unsynced cancels the stream and subscribes again at once (the
+   new stream starts with a snapshot). A broken stream (the prefill died or restarted)
+   forgets its hashes at once and retries with backoff (0.1 s doubling to 2 s); the next
+   snapshot's reason tells a restart (``epoch``) from a reconnect (``resync``). A snapshot of
+   another KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone).
+2. **load** - ``KvEvents.GetLoad`` every ``interval_s``: in flight, free blocks, ready, and the
+   port of its HTTP API. A failed poll makes the prefill unroutable at once; a report older
+   than ``expiry_s`` does not count.
+
+Both tasks run on the event loop, which owns the index: no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from pdserve.protos import kv_events_pb2 as kpb
+from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+from pdserve.protos.version import KV_EVENTS_VERSION
+
+from .index import CLEARED, REMOVED, RESYNC_VERDICTS, STORED, PrefixIndex
+
+log = logging.getLogger(__name__)
+KINDS = {kpb.KvEvent.BLOCK_STORED: STORED, kpb.KvEvent.BLOCK_REMOVED: REMOVED, kpb.KvEvent.ALL_CLEARED: CLEARED}
+
+
+class _Resubscribe(Exception):
+    pass
+
+
+class PrefillWatch:
+    def __init__(self, address: str, index: PrefixIndex, metrics=None, name: str = "router",
+                 interval_s: float = 0.2, expiry_s: float = 1.5):
+        self.address, self.index, self.metrics, self.name = address, index, metrics, name
+        self.interval_s, self.expiry_s = interval_s, expiry_s
+        self.host = address.rpartition(":")[0]
+        self.load: kpb.ServerLoad | None = None
+        self.load_at = 0.0
+        self.in_flight = 0  # requests this router is relaying to it now
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = kpb_grpc.KvEventsStub(self._channel)
+        self._tasks: list[asyncio.Task] = []
+
+    # ---- what the router reads ---------------------------------------------------------------
+    def routable(self) -> bool:
+        load = self.load
+        return (load is not None and load.ready and load.http_port > 0
+                and time.monotonic() - self.load_at <= self.expiry_s)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.load.http_port}"
+
+    def state(self) -> dict:
+        view = self.index.view(self.address)
+        load = self.load
+        return {
+            "routable": self.routable(), "in_flight_here": self.in_flight,
+            "load": None if load is None else {"ready": load.ready, "reason": load.not_ready_reason,
+                                               "in_flight": load.in_flight, "kv_blocks_free": load.kv_blocks_free,
+                                               "epoch": load.epoch, "http_port": load.http_port},
+            "index": None if view is None else {"epoch": view.epoch, "seq": view.seq, "synced": view.synced,
+                                                "blocks": len(view.hashes), "block_size": view.block_size},
+        }
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._events(), name=f"kv-events {self.address}"),
+                       asyncio.create_task(self._poll_load(), name=f"load {self.address}")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await self._channel.close()
+
+    # ---- the two tasks -------------------------------------------------------------------------
+    def _count(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.router_index_resyncs.labels(prefill=self.address, reason=reason).inc()
+
+    async def _events(self) -> None:
+        backoff = 0.1
+        while True:
+            stream = self._stub.Subscribe(kpb.SubscribeRequest(subscriber=self.name))
+            why = "stream ended"
+            try:
+                async for batch in stream:
+                    for ev in batch.events:
+                        self._apply(ev)
+                    backoff = 0.1
+            except _Resubscribe:
+                stream.cancel()
+                continue
+            except grpc.aio.AioRpcError as exc:
+                why = exc.code().name
+            finally:
+                self._publish_size()
+            view = self.index.view(self.address)
+            if view is not None and view.synced:
+                log.warning("kv events of %s: %s; its index entries are dropped", self.address, why)
+                self._count("disconnected")
+            self.index.forget(self.address)
+            self._publish_size()
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, 2.0)
+
+    def _apply(self, ev) -> None:
+        if ev.kind == kpb.KvEvent.SNAPSHOT:
+            if ev.version != KV_EVENTS_VERSION:
+                log.error("prefill %s publishes KV events version %d, ours is %d: routing it by load alone",
+                          self.address, ev.version, KV_EVENTS_VERSION)
+                self.index.forget(self.address)
+                return
+            reason = self.index.apply_snapshot(self.address, ev.epoch, ev.seq, ev.block_hashes, ev.block_size)
+            log.info("kv events of %s: snapshot (%s) epoch %s seq %d, %d blocks", self.address, reason, ev.epoch[:8],
+                     ev.seq, len(ev.block_hashes))
+            self._count(reason)
+            return
+        verdict = self.index.apply_event(self.address, ev.epoch, ev.seq, KINDS[ev.kind], ev.block_hashes)
+        if verdict in RESYNC_VERDICTS:
+            log.warning("kv events of %s: %s at seq %d; resubscribing for a snapshot", self.address, verdict, ev.seq)
+            self._count(verdict)
+            raise _Resubscribe()
+
+    def _publish_size(self) -> None:
+        if self.metrics is not None:
+            view = self.index.view(self.address)
+            self.metrics.router_index_blocks.labels(prefill=self.address).set(len(view.hashes) if view else 0)
+
+    async def _poll_load(self) -> None:
+        while True:
+            try:
+                self.load = await self._stub.GetLoad(kpb.LoadRequest(), timeout=max(1.0, self.interval_s * 5))
+                self.load_at = time.monotonic()
+            except grpc.aio.AioRpcError:
+                self.load = None
+            self._publish_size()
+            await asyncio.sleep(self.interval_s)

@@ -1,0 +1,70 @@
+"""The prompt's token ids as the prefill will compute them, and their block hashes.
+
+The router never validates a request: the prefill does, and its 400 goes back to the client
+unchanged. The router only tokenizes well-formed bodies the way ``prefill_server/frontend.py``
+does (chat: the chat template with the generation prompt, then encode; completion: the text
+or the token ids), to look the prompt's blocks up in the index. When it cannot (a malformed
+body), the request is routed by load alone. A tokenization that differed from the prefill's
+would cost cache hits, never correctness.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pdserve.engine.block_manager import chained_hashes
+from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer
+
+BUILTIN = ("tiny", "builtin:tiny")
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of ``--model``: the built-in byte tokenizer, or a directory's tokenizer.json."""
+    if model in BUILTIN:
+        return ByteTokenizer()
+    path = Path(model)
+    if not path.is_dir():
+        raise ValueError(f"model {model!r} is neither built in ({', '.join(BUILTIN)}) nor a directory")
+    return HFTokenizer(path) if (path / "tokenizer.json").exists() else ByteTokenizer()
+
+
+def _message(m: dict) -> dict:
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+    role = m.get("role")
+    return {"role": "system" if role == "developer" else role, "content": content}
+
+
+def prompt_token_ids(body: bytes, kind: str, tokenizer) -> list[int] | None:
+    """Token ids of a /v1/completions (``kind="completion"``) or /v1/chat/completions body, or None."""
+    try:
+        doc = json.loads(body)
+        if kind == "chat":
+            messages = [_message(m) for m in doc["messages"]]
+            return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        prompt = doc["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tokenizer.encode(prompt)
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+    except Exception:  # noqa: BLE001 - malformed: the prefill will say why
+        return None
+    return None
+
+
+def prompt_hashes(ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the blocks a prefill can reuse: never the block of the last token
+    (the engine always computes it; see BlockManager.match_prefix)."""
+    limit = (len(ids) - 1) // block_size
+    return chained_hashes(ids[: limit * block_size], block_size)
+
+
+def prompt_key(ids: list[int] | None, block_size: int) -> int:
+    """A stable number for the prompt's start (the first block's hash, or of what there is)."""
+    if not ids:
+        return 0
+    return chained_hashes(ids[:block_size], min(block_size, len(ids)))[0]

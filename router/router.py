@@ -1,0 +1,57 @@
+"""Router: one decision per request, from the index and the prefills' loads.
+
+``decide(prompt_ids)`` hashes the prompt's reusable blocks (per block size the prefills
+report), asks the PrefixIndex how many leading blocks each routable prefill holds, and
+hands the candidates to ``choice.choose``. The load it uses for a prefill is the larger of
+its last report's requests in flight and the requests this router is relaying to it now
+(a burst counts before the next report). ``count_decision`` records the metrics once the
+request is on its way.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .choice import Candidate, Choice, choose
+from .index import PrefixIndex
+from .prefills import PrefillSet
+from .prompt import prompt_hashes, prompt_key
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(self, prefills: PrefillSet, index: PrefixIndex, tokenizer, metrics=None, load_weight: float = 64.0):
+        self.prefills, self.index, self.tokenizer = prefills, index, tokenizer
+        self.metrics, self.load_weight = metrics, load_weight
+
+    def decide(self, prompt_ids: list[int] | None) -> Choice | None:
+        """The prefill for a prompt (None: the body could not be read; routed by load), or None if none is routable."""
+        watches = self.prefills.routable()
+        if not watches:
+            return None
+        ids = prompt_ids or []
+        hashes: dict[int, list[int]] = {}
+        candidates = []
+        for w in watches:
+            bs = w.load.block_size or 1
+            if bs not in hashes:
+                hashes[bs] = prompt_hashes(ids, bs) if ids else []
+            candidates.append(Candidate(w.address, self.index.overlap(w.address, hashes[bs]),
+                                        max(w.load.in_flight, w.in_flight), w.load.kv_blocks_free, bs))
+        first_bs = watches[0].load.block_size or 1
+        return choose(candidates, len(ids), prompt_key(ids, first_bs), self.load_weight)
+
+    def count_decision(self, address: str, reason: str, choice: Choice, prompt_ids: list[int] | None) -> None:
+        log.debug("route -> %s (%s, %d cached blocks)", address, reason, choice.overlap_blocks)
+        if self.metrics is None:
+            return
+        self.metrics.router_decisions.labels(prefill=address, reason=reason).inc()
+        watch = self.prefills.watches.get(address)
+        if prompt_ids and watch is not None and watch.load is not None:
+            self.metrics.router_prompt_blocks.inc(len(prompt_hashes(prompt_ids, watch.load.block_size or 1)))
+            if address == choice.address:
+                self.metrics.router_prefix_hit_blocks.inc(choice.overlap_blocks)
+
+    def state(self) -> dict:
+        return {address: w.state() for address, w in sorted(self.prefills.watches.items())}
