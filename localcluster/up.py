@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill processes")
     parser.add_argument("--decode", type=int, default=2, help="number of decode processes")
     parser.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="KV transport between them")
-    parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port of the first prefill (next ones +1, ...)")
+    parser.add_argument("--port", type=int, default=defaults.HTTP_PORT,
+                        help="HTTP port of the OpenAI endpoint: the prefill's, or with --prefill > 1 the router's "
+                             "(the prefills then get free ports)")
     parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT, help="gRPC port of the first prefill")
     parser.add_argument("--policy", choices=["wrr", "rr"], default="wrr", help="decode selection policy")
     parser.add_argument("--local-fallback", action="store_true", help="prefills decode locally when no decode can take a request")
@@ -79,9 +81,10 @@ class LocalCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.decodes: list[ServerProcess] = []
         self.prefills: list[ServerProcess] = []
+        self.routers: list[ServerProcess] = []  # one router in front when there are several prefills
         self.endpoints: list[str] = []
         self._plan()
-        self.supervisor = Supervisor(self.decodes + self.prefills, self._spawn, _ready, policy=args.restart, say=say,
+        self.supervisor = Supervisor(self.decodes + self.prefills + self.routers, self._spawn, _ready, policy=args.restart, say=say,
                                      on_change=self._write_state)
 
     def _server(self, name: str, argv: list[str], ready_url: str) -> ServerProcess:
@@ -101,14 +104,21 @@ class LocalCluster:
             argv = ["decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port), *common]
             self.decodes.append(self._server(f"decode-{i}", argv, f"http://127.0.0.1:{http_port}/ready"))
             grpc_addrs.append(f"127.0.0.1:{grpc_port}")
+        routed = a.prefill > 1
+        prefill_grpc = []
         for i in range(a.prefill):
-            port, grpc_port = a.port + i, a.grpc_port + i
+            port, grpc_port = (free_port() if routed else a.port), a.grpc_port + i
             argv = ["prefill", "--port", str(port), "--grpc-port", str(grpc_port), "--decode", ",".join(grpc_addrs),
                     "--policy", a.policy, *common]
             if a.local_fallback:
                 argv.append("--local-fallback")
             self.prefills.append(self._server(f"prefill-{i}", argv, f"http://127.0.0.1:{port}/ready"))
             self.endpoints.append(f"http://127.0.0.1:{port}")
+            prefill_grpc.append(f"127.0.0.1:{grpc_port}")
+        if routed:  # the router is the front door: prefix- and load-aware choice of prefill
+            argv = ["router", "--port", str(a.port), "--model", a.model, "--prefill", ",".join(prefill_grpc)]
+            self.routers.append(self._server("router", argv, f"http://127.0.0.1:{a.port}/ready"))
+            self.endpoints.insert(0, f"http://127.0.0.1:{a.port}")
 
     def _spawn(self, server: ServerProcess) -> subprocess.Popen:
         log = open(server.log, "ab")  # a restart appends to the same log
@@ -164,7 +174,7 @@ class LocalCluster:
         return 0
 
     def stop(self, timeout: float = 60.0) -> None:
-        for group in (self.prefills, self.decodes):  # prefills drain first, decodes finish what they hold
+        for group in (self.routers, self.prefills, self.decodes):  # the front door drains first, decodes last
             procs = [s.popen for s in group if s.popen is not None]
             for proc in procs:
                 if proc.poll() is None:
@@ -186,8 +196,8 @@ class LocalCluster:
     def banner(self) -> str:
         a, url = self.args, self.endpoints[0]
         return f"""
-pdserve is up: {a.prefill} prefill, {a.decode} decode, model {a.model!r}, KV transfer {a.transfer}
-  OpenAI API: {url}/v1    (also: {', '.join(self.endpoints[1:]) or 'one prefill'})
+pdserve is up: {a.prefill} prefill, {a.decode} decode{', 1 router' if self.routers else ''}, model {a.model!r}, KV transfer {a.transfer}
+  OpenAI API: {url}/v1    ({'the router; prefills at ' + ', '.join(self.endpoints[1:]) if self.routers else 'the prefill'})
   gRPC Generate: 127.0.0.1:{a.grpc_port}    logs: {self.log_dir}
 
   curl {url}/v1/completions -H 'Content-Type: application/json' \\

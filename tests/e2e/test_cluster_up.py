@@ -15,10 +15,10 @@ from pdserve.net import free_port
 pytestmark = pytest.mark.slow
 
 
-def start_up(procs, tmp_path, decodes: int):
-    """`pdserve up` with 1 prefill and `decodes` decodes, once it printed its banner: (process, port, banner)."""
+def start_up(procs, tmp_path, decodes: int, prefills: int = 1):
+    """`pdserve up` with `prefills` prefills and `decodes` decodes, once it printed its banner: (process, port, banner)."""
     port, grpc_port = free_port(), free_port()
-    up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", "1", "--decode", str(decodes),
+    up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", str(prefills), "--decode", str(decodes),
                       "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up")
     log = tmp_path / "logs" / "up.log"
     deadline = time.monotonic() + 180
@@ -61,6 +61,30 @@ def test_up_serves_and_ctrl_c_drains(procs, tmp_path):
     assert sorted(logs) == ["decode-0.log", "decode-1.log", "prefill-0.log"]
     assert "draining 1 in-flight request" in logs["prefill-0.log"]
     assert all("draining" in logs[f"decode-{i}.log"] for i in range(2))  # decodes were stopped after prefill
+
+
+def test_two_prefills_get_a_router_in_front(procs, tmp_path):
+    """--prefill 2: a router takes --port and spreads conversations over both prefills."""
+    up, port, banner = start_up(procs, tmp_path, decodes=1, prefills=2)
+    assert "1 router" in banner and f"http://127.0.0.1:{port}/v1" in banner
+    texts = []
+    for prompt in ("a conversation about tea", "another one about ships", "a third about rain"):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                                                            "temperature": 0}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 200, body
+        texts.append(body["choices"][0]["text"])
+    assert len(texts) == 3
+    metrics = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    metrics.request("GET", "/metrics")
+    text = metrics.getresponse().read().decode()
+    assert "pdserve_router" in text
+    os.killpg(up.pid, signal.SIGINT)
+    assert up.wait(90) == 0
+    logs = sorted(p.name for p in (tmp_path / "up-logs").glob("*.log"))
+    assert logs == ["decode-0.log", "prefill-0.log", "prefill-1.log", "router.log"]
 
 
 def procs_bin():
