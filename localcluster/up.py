@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pdserve import defaults
 from pdserve.cachestore import TRANSPORTS
-from pdserve.net import free_port
+from pdserve.net import free_ports
 
 from .supervisor import POLICIES, RestartBackoff, ServerCannotStart, ServerExited, ServerProcess, Supervisor
 
@@ -99,15 +99,16 @@ class LocalCluster:
         common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads", str(a.threads)]
         common += a.extra.split() if a.extra else []
         grpc_addrs = []
+        ports = iter(free_ports(3 * a.decode + a.prefill))  # distinct, so no two servers share one
         for i in range(a.decode):
-            grpc_port, http_port, kv_port = free_port(), free_port(), free_port()
+            grpc_port, http_port, kv_port = next(ports), next(ports), next(ports)
             argv = ["decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port), *common]
             self.decodes.append(self._server(f"decode-{i}", argv, f"http://127.0.0.1:{http_port}/ready"))
             grpc_addrs.append(f"127.0.0.1:{grpc_port}")
         routed = a.prefill > 1
         prefill_grpc = []
         for i in range(a.prefill):
-            port, grpc_port = (free_port() if routed else a.port), a.grpc_port + i
+            port, grpc_port = (next(ports) if routed else a.port), a.grpc_port + i
             argv = ["prefill", "--port", str(port), "--grpc-port", str(grpc_port), "--decode", ",".join(grpc_addrs),
                     "--policy", a.policy, *common]
             if a.local_fallback:

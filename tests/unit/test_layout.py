@@ -42,3 +42,10 @@ def test_cli_unknown_command_is_an_error():
     out = subprocess.run([str(VENV_BIN / "pdserve"), "frobnicate"], capture_output=True, text=True)
     assert out.returncode != 0
     assert "invalid choice" in out.stderr
+
+
+def test_free_ports_are_distinct():
+    from pdserve.net import free_ports
+
+    ports = free_ports(64)
+    assert len(set(ports)) == 64 and all(0 < p < 65536 for p in ports)
