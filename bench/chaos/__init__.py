@@ -24,6 +24,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from pdserve.cachestore import TRANSPORTS
 from pdserve.defaults import BUILTIN_MODEL
 
 from .faults import KINDS
@@ -31,7 +32,7 @@ from .faults import KINDS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("cluster (started with pdserve up)")
-    g.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp", help="KV transport between prefill and decode")
+    g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="KV transport between prefill and decode")
     g.add_argument("--prefill", type=int, default=1, help="prefill processes")
     g.add_argument("--decode", type=int, default=3, help="decode processes (>= 2)")
     g.add_argument("--model", default=BUILTIN_MODEL, help="model of the servers (default: %(default)s)")
