@@ -23,7 +23,18 @@ Request lifecycle on decode (each step is a method below):
    still running, release its blocks, delete its CacheStore entry, forget the session.
 
 Who frees what: decode frees its own blocks and CacheStore entry in step 5; it never
-relies on prefill to tell it (a dead prefill tells nothing).
+relies on prefill to tell it (a dead prefill tells nothing, a frozen one - SIGSTOP, a hung
+host - keeps its connection open and tells nothing either: only timers free its requests).
+
+Leases (each wait on prefill has a timer, so step 5 always comes):
+- the Start: ``session_timeout_s``;
+- the reservation and the expected CacheStore entry (steps 2-3): the FirstToken and every
+  KV layer within ``timeout`` = min(Start's ``timeout_s``, ours);
+- every message we write (an Allocation, each Tokens): taken by the stream within
+  ``session_timeout_s`` (a frozen prefill stops reading; once gRPC flow control is full a
+  write would wait forever);
+- the whole Session: its gRPC deadline, set by prefill to the request's end-to-end
+  deadline; gRPC cancels this call when it passes, whatever prefill does.
 
 A DecodeSession is given its collaborators as ``SessionDeps`` (the engine adapter, the
 CacheStore receiver, the session registry, the metrics, the limits), never the service.
@@ -91,7 +102,13 @@ class DecodeSession:
 
     # -- helpers ---------------------------------------------------------------------------
     async def _write(self, **kind) -> None:
-        await self.context.write(pb.DecodeMessage(**kind))
+        """Write one message; a prefill that does not take it within the session timeout ends the session."""
+        limit = self.deps.session_timeout_s
+        try:
+            await asyncio.wait_for(self.context.write(pb.DecodeMessage(**kind)), limit)
+        except asyncio.TimeoutError:
+            raise SessionEnded(f"timed out after {limit:.1f}s writing to prefill (it stopped reading)",
+                               notify=False) from None
 
     async def _refuse(self, code: str, reason: str) -> None:
         self.deps.metrics.refused(code)

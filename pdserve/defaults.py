@@ -9,7 +9,7 @@ in ``pdserve.engine.defaults`` (the engine imports nothing of ours) and re-expor
 from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
-           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE"]
+           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S"]
 
 # Prefill pods: the OpenAI-compatible HTTP API (also /health, /ready, /metrics).
 HTTP_PORT = 8000
@@ -21,6 +21,10 @@ DECODE_GRPC_PORT = 50052
 DECODE_HTTP_PORT = 8001
 # Decode pods: where the CacheStore receives KV (tcp transport listener / nixl agent).
 KV_TRANSFER_PORT = 50060
+
+# Prefill: the end-to-end deadline of one request, in seconds (--request-timeout; clients
+# may only shorten it, with X-Request-Timeout or a gRPC deadline).
+REQUEST_TIMEOUT_S = 600.0
 
 # Environment variables the operator sets on every pod so its metrics carry the pod's labels.
 ENV_POOL = "PDSERVE_POOL"

@@ -56,7 +56,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="CacheStore transport for KV")
     g.add_argument("--session-timeout", type=float, default=30.0,
-                   help="seconds a Session may wait for KV/first token/answers before both ends free it")
+                   help="seconds one end of a Session waits on the other (KV, first token, each next message, "
+                        "a write the peer does not take) before it frees the request")
     g.add_argument("--log-level", default="INFO", help="logging level")
 
 

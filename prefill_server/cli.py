@@ -25,6 +25,13 @@ KV events for routers (``pdserve.kv_events``, ``protos/kv_events.proto``) are se
 gRPC port: the prefix cache's hash set as a snapshot then BlockStored/BlockRemoved events
 stamped with this process's epoch and a sequence number, and ``GetLoad``.
 
+Deadlines: a request ends within --request-timeout seconds (shortened by the client's
+X-Request-Timeout header or gRPC deadline) with 504 / an SSE error event / gRPC
+DEADLINE_EXCEEDED, and its Session is cancelled; the Session carries that deadline to the
+decode as its gRPC deadline. Every wait on a decode has a timer: --connect-timeout for
+its allocation, --session-timeout for the KV push and between two of its messages (a
+frozen decode is given up on, and the request resumes elsewhere or ends with an error).
+
 Decode discovery: ``--decode host:port,...`` (static) or ``--discovery kubernetes
 --decode-selector label=value --namespace ns`` (watches the EndpointSlices of the
 selected decode Services). /ready is 503 while no decode is routable, unless
@@ -65,6 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--queue-timeout", type=float, default=10.0,
                    help="seconds a request may wait for free KV blocks (all decodes busy) before the 503")
     d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
+    d.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
+                   help="end-to-end deadline of a request in seconds (clients may shorten it with the header "
+                        "X-Request-Timeout or a gRPC deadline); then 504 / an SSE error event / DEADLINE_EXCEEDED "
+                        "and everything the request holds is freed on both ends")
     d.add_argument("--scheduler", choices=["priority", "fifo"], default="priority", help="CacheStore sender scheduling")
     d.add_argument("--no-layerwise-push", dest="layerwise_push", action="store_false",
                    help="send the KV only after the whole forward pass instead of each layer as it is written "
@@ -81,6 +92,9 @@ def make_discovery(args):
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "prefill")
+    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout"):
+        if not getattr(args, flag) > 0:
+            raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     try:
         discovery = make_discovery(args)
     except ValueError as exc:
@@ -129,7 +143,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
-                        loaded.config.vocab_size)
+                        loaded.config.vocab_size, request_timeout_s=args.request_timeout)
     draining = {"on": False}
 
     def health() -> dict:

@@ -12,12 +12,20 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    to ``sender.store`` (non-blocking), so the wire works while the next layer computes.
 4. **first token** - wait until every layer was sent, free prefill's own KV blocks, send
    ``FirstToken`` on the stream and yield it to the client.
-5. **relay** - yield decode's ``Tokens`` until ``Finish``. A decode ``Error`` or a broken
-   stream from here on raises ``DecodeFailed`` (the client already has tokens; the HTTP
-   layer turns it into an error event).
+5. **relay** - yield decode's ``Tokens`` until ``Finish``. A decode ``Error``, a broken
+   stream, or no message from decode for ``session_timeout_s`` (a frozen decode keeps its
+   connection open: only this timer notices) raises ``DecodeFailed`` from here on (the
+   client already has tokens; the router resumes elsewhere or the HTTP layer turns it into
+   an error event).
 6. **release** - always: if the request did not finish, cancel the stream (decode frees
    its side when it sees the cancellation); release prefill's blocks; delete the
-   CacheStore entry.
+   CacheStore entry. Cancelling ``run`` (client gone, request deadline) releases the same
+   way, also while the engine is still computing the prompt.
+
+Leases: every wait on the decode has a timer (``connect_timeout_s`` for the Allocation,
+``session_timeout_s`` for the KV push, the FirstToken write and each next message), and
+the Session call itself carries the request's deadline (plus ``DEADLINE_SLACK_S``) as its
+gRPC deadline, so the decode frees its side by then even if this process is frozen.
 
 ``SessionRunner`` is built once per prefill process from exactly what it uses: a stub per
 decode address, the engine (``prefill_only`` / ``release``), the CacheStore sender, the
@@ -45,6 +53,11 @@ if TYPE_CHECKING:
     from pdserve.protos import session_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+# The Session's gRPC deadline is the request's deadline plus this: normally prefill ends the
+# request at its deadline itself (a clear error to the client, a cancel to decode); the gRPC
+# deadline is the decode's backstop when prefill cannot say so (frozen).
+DEADLINE_SLACK_S = 1.0
 
 
 class Retryable(Exception):
@@ -116,7 +129,7 @@ class SessionConfig:
     compat: pb.Compat  # sent in Start; decode refuses a mismatch
     block_size: int
     eos_token_ids: tuple[int, ...] = ()
-    session_timeout_s: float = 30.0  # KV push, and the decode's wait for us (sent in Start)
+    session_timeout_s: float = 30.0  # KV push, each wait on decode's next message, and decode's wait for us (sent in Start)
     connect_timeout_s: float = 5.0  # Start -> Allocation
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
     out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError
@@ -137,15 +150,20 @@ class SessionRunner:
                  sender: CacheStoreSender, registry: dict[str, str], observer: SessionObserver):
         self.config, self.stubs, self.engine, self.sender = config, stubs, engine, sender
         self.registry, self.observer = registry, observer
+        self._releasing: set[asyncio.Task] = set()  # engine releases queued by cancelled runs
 
-    async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None):
+    async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None,
+                  deadline: float | None = None):
         """Async generator of Deltas for one request served by the decode at ``address``.
 
+        ``deadline`` (``time.monotonic()`` seconds) is the request's end-to-end deadline:
+        the Session call gets it (plus ``DEADLINE_SLACK_S``) as its gRPC deadline.
         Raises Retryable before the first Delta, DecodeFailed after it.
         """
         cfg = self.config
         timings = timings or SessionTimings()
-        call = self.stubs(address).Session()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
+        call = self.stubs(address).Session(timeout=timeout)
         self.registry[request_id] = address
         finished = bound = prefilled = released = False
         try:
@@ -183,6 +201,13 @@ class SessionRunner:
             except cfg.out_of_blocks_error as exc:
                 prefilled = False  # prefill_only frees what it took when it fails
                 raise Retryable(f"prefill has no free KV blocks for this prompt now: {exc}", "prefill_busy") from None
+            except asyncio.CancelledError:
+                # only our wait ends: the engine thread finishes the prompt and then holds its
+                # blocks. Queue their release behind it without making the caller (a client
+                # past its deadline) wait for the computation.
+                prefilled = False
+                self._release_later(request_id)
+                raise
             except BaseException:
                 prefilled = False
                 raise
@@ -203,7 +228,10 @@ class SessionRunner:
             # a stop token ends the request and is not part of the output (as in the engine)
             first_out = [] if reason == "stop" else [first]
             try:
-                await call.write(pb.PrefillMessage(first_token=pb.FirstToken(token_id=first, finished=reason is not None, finish_reason=reason or "")))
+                await asyncio.wait_for(call.write(pb.PrefillMessage(first_token=pb.FirstToken(
+                    token_id=first, finished=reason is not None, finish_reason=reason or ""))), cfg.session_timeout_s)
+            except asyncio.TimeoutError:
+                raise Retryable(f"{address}: did not take the first token within {cfg.session_timeout_s:g}s") from None
             except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
                 raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
             if reason is not None:
@@ -213,7 +241,7 @@ class SessionRunner:
             yield Delta([first])
             # 5. relay
             while True:
-                delta = await self._next_delta(call, address)
+                delta = await self._next_delta(call, address, cfg.session_timeout_s)
                 finished = delta.finished
                 yield delta
                 if finished:
@@ -235,6 +263,11 @@ class SessionRunner:
                 if bound:
                     self.sender.delete(request_id)
                 self.registry.pop(request_id, None)
+
+    def _release_later(self, request_id: str) -> None:
+        task = asyncio.ensure_future(self.engine.release(request_id))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
 
     async def _allocation(self, call, address: str, start: pb.Start) -> pb.Allocation:
         """Steps 1-2: send Start, wait for the Allocation; anything else raises Retryable."""
@@ -260,10 +293,13 @@ class SessionRunner:
         return reply.allocation
 
     @staticmethod
-    async def _next_delta(call, address: str) -> Delta:
-        """Step 5: decode's next Tokens (or Finish: a finished Delta); anything else raises DecodeFailed."""
+    async def _next_delta(call, address: str, idle_s: float) -> Delta:
+        """Step 5: decode's next Tokens (or Finish: a finished Delta) within ``idle_s``; anything
+        else (an error, a broken stream, silence: a frozen decode) raises DecodeFailed."""
         try:
-            msg = await call.read()
+            msg = await asyncio.wait_for(call.read(), idle_s)
+        except asyncio.TimeoutError:
+            raise DecodeFailed(f"decode {address} sent nothing for {idle_s:g}s (--session-timeout)") from None
         except grpc.aio.AioRpcError as exc:
             raise DecodeFailed(f"decode {address} failed mid-generation: {_rpc_reason(exc)}") from None
         if msg is grpc.aio.EOF:

@@ -5,14 +5,23 @@
   capped by the context left, and a ``BadRequest`` when the prompt (plus max_tokens)
   does not fit the model's context;
 - ``stream(...)``: the PrefillNode's token deltas as ``Piece``s (token ids + text, stop
-  strings cut), recording the request's metrics (TTFT, TBT, e2e, outcome) exactly once.
+  strings cut), recording the request's metrics (TTFT, TBT, e2e, outcome) exactly once;
+- the end-to-end deadline: ``request_timeout_s`` (``--request-timeout``), shortened per
+  request by ``stream(..., timeout_s=...)`` (the client's ``X-Request-Timeout`` header or
+  gRPC deadline). When it passes, the node's generator is cancelled (its Session to decode
+  is cancelled and everything it holds is released) and ``RequestTimedOut`` is raised:
+  HTTP 504 / an SSE error event, gRPC DEADLINE_EXCEEDED.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from pdserve import defaults
 
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
@@ -22,6 +31,26 @@ from .text_stream import TextStream
 
 if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
+
+
+DEFAULT_REQUEST_TIMEOUT_S = defaults.REQUEST_TIMEOUT_S
+
+
+class RequestTimedOut(Exception):
+    """The request's end-to-end deadline passed; everything it held has been released."""
+
+
+def parse_timeout_header(value: str | None, name: str = "X-Request-Timeout") -> float | None:
+    """Seconds from a client's timeout header (None when absent); BadRequest naming the header."""
+    if value is None:
+        return None
+    try:
+        seconds = float(value.strip())
+    except ValueError:
+        raise BadRequest(f"header {name} must be a number of seconds, got {value[:40]!r}", name) from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise BadRequest(f"header {name} must be a positive finite number of seconds, got {value[:40]!r}", name)
+    return seconds
 
 
 @dataclass(slots=True)
@@ -34,8 +63,12 @@ class Piece:
 
 class Frontend:
     def __init__(self, node: PrefillNode, tokenizer, sampling_cls, model_name: str, max_model_len: int,
-                 metrics: ServerMetrics | None = None, vocab_size: int | None = None):
+                 metrics: ServerMetrics | None = None, vocab_size: int | None = None,
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.node, self.tokenizer, self.sampling_cls, self.vocab_size = node, tokenizer, sampling_cls, vocab_size
+        self.request_timeout_s = request_timeout_s
         self.model_name, self.max_model_len, self.metrics = model_name, max_model_len, metrics
         self.in_flight = 0
         self.active: set[str] = set()  # request ids in flight (client-given ids must be unique)
@@ -77,18 +110,34 @@ class Frontend:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
-    async def stream(self, request_id: str, prompt_ids: list[int], sp):
-        """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node."""
+    async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None):
+        """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node,
+        RequestTimedOut once min(request_timeout_s, timeout_s) seconds have passed."""
         if request_id in self.active:
             raise BadRequest(f"request_id {request_id!r} is already in flight", "request_id")
+        limit = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
+        deadline = time.monotonic() + limit
         self.active.add(request_id)
         clock = self.metrics.request_clock(len(prompt_ids)) if self.metrics else None
         text = TextStream(self.tokenizer.detokenizer(), sp.stop, self.tokenizer.decode)
         outcome, reason = "error", "error"
         self.in_flight += 1
-        deltas = self.node.generate(request_id, prompt_ids, sp)
+        deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline)
+
+        async def next_delta():
+            return await deltas.__anext__()
+
         try:
-            async for delta in deltas:
+            while True:
+                try:
+                    # wait_for cancels the node's generator at the deadline and waits for its
+                    # clean-up (Session cancelled, blocks and CacheStore entry released)
+                    delta = await asyncio.wait_for(next_delta(), max(0.0, deadline - time.monotonic()))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise RequestTimedOut(f"request {request_id} did not finish within its deadline of {limit:g}s "
+                                          f"(--request-timeout, or the client's X-Request-Timeout / gRPC deadline)") from None
                 piece = Piece(delta.token_ids, text.add(delta.token_ids), delta.finished, delta.finish_reason)
                 if clock is not None and delta.token_ids:
                     clock.token(len(delta.token_ids))
@@ -110,6 +159,9 @@ class Frontend:
             raise
         except DecodeFailed:
             reason = "decode_failed"
+            raise
+        except RequestTimedOut:
+            reason = "timeout"
             raise
         except (asyncio.CancelledError, GeneratorExit, ConnectionError):
             if outcome != "ok":  # closing the stream after its finished piece is no cancellation

@@ -2,7 +2,10 @@
 
 Status codes: INVALID_ARGUMENT for bad input (message names the field), UNAVAILABLE when
 no decode could take the request and local fallback is off (message lists the reasons),
-ABORTED when a decode failed after tokens were streamed. A client that cancels its call
+ABORTED when a decode failed after tokens were streamed, DEADLINE_EXCEEDED when the
+request's deadline passed: ``--request-timeout``, shortened by the client's own gRPC
+deadline (``context.time_remaining()``; we stop a little before it, so that our message
+arrives and the Session to decode is released by us). A client that cancels its call
 cancels this coroutine; the Session to decode is closed and both ends free the request.
 """
 
@@ -17,7 +20,11 @@ from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
+from .frontend import RequestTimedOut
 from .node import NoDecodeAvailable
+
+# End this much before the client's gRPC deadline, so DEADLINE_EXCEEDED carries our message.
+CLIENT_DEADLINE_MARGIN_S = 0.05
 from .openai_api import BadRequest, check_token_ids, parse_sampling
 
 
@@ -52,7 +59,9 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         request_id = request.request_id or uuid.uuid4().hex
-        pieces = self.fe.stream(request_id, ids, sp)
+        remaining = context.time_remaining()  # None without a client deadline
+        timeout_s = None if remaining is None else max(0.001, remaining - CLIENT_DEADLINE_MARGIN_S)
+        pieces = self.fe.stream(request_id, ids, sp, timeout_s)
         produced = 0
         try:
             async for piece in pieces:
@@ -67,5 +76,7 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except DecodeFailed as exc:
             await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except RequestTimedOut as exc:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
         finally:
             await aclose_fully(pieces)

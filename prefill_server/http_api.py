@@ -12,7 +12,13 @@
 
 Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); no decode
 and no fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
-``data: {"error": {...}}`` then ``data: [DONE]`` (non-streaming: 502). A client that
+``data: {"error": {...}}`` then ``data: [DONE]`` (non-streaming: 502).
+
+Deadline: every request ends within ``--request-timeout`` seconds, or sooner with the
+header ``X-Request-Timeout: <seconds>`` (a positive number; anything else is a 400 naming
+the header; a value above ``--request-timeout`` is capped by it). When it passes, a request
+that has streamed nothing yet (or is not streaming) gets 504 with an OpenAI error body
+(code ``request_timeout``); a stream gets that error as an SSE event, then ``[DONE]``. A client that
 disconnects cancels its handler (``handler_cancellation``), which closes the Session, so
 the cancellation reaches decode at once.
 """
@@ -26,7 +32,10 @@ from aiohttp import web
 from . import openai_api as oa
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
+from .frontend import RequestTimedOut, parse_timeout_header
 from .node import NoDecodeAvailable
+
+TIMEOUT_HEADER = "X-Request-Timeout"
 
 log = logging.getLogger(__name__)
 
@@ -93,11 +102,12 @@ class HttpApi:
             prompt_ids = fe.prompt_ids(parsed)
             fe.check_prompt(prompt_ids)
             sp = fe.sampling(parsed.sampling, len(prompt_ids), parsed.kind)
+            timeout_s = parse_timeout_header(request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER)
         except oa.BadRequest as exc:
             if self.metrics is not None:
                 self.metrics.requests.labels(outcome="error", reason="bad_request").inc()
             return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
-        pieces = fe.stream(parsed.request_id, prompt_ids, sp)
+        pieces = fe.stream(parsed.request_id, prompt_ids, sp, timeout_s)
         try:
             try:
                 first = await pieces.__anext__()
@@ -105,6 +115,8 @@ class HttpApi:
                 return _json_error(503, str(exc), "service_unavailable", code="no_decode_available")
             except DecodeFailed as exc:
                 return _json_error(502, str(exc), "server_error", code="decode_failed")
+            except RequestTimedOut as exc:
+                return _json_error(504, str(exc), "timeout_error", code="request_timeout")
             if not parsed.stream:
                 return await self._collect(parsed, len(prompt_ids), first, pieces)
             return await self._sse(request, parsed, len(prompt_ids), first, pieces)
@@ -120,6 +132,8 @@ class HttpApi:
                 n_tokens += len(piece.token_ids)
         except (DecodeFailed, NoDecodeAvailable) as exc:
             return _json_error(502, str(exc), "server_error", code="decode_failed")
+        except RequestTimedOut as exc:
+            return _json_error(504, str(exc), "timeout_error", code="request_timeout")
         return web.json_response(oa.full_response(parsed, "".join(texts), piece.finish_reason or "stop", n_prompt, n_tokens))
 
     async def _sse(self, request: web.Request, parsed, n_prompt: int, first, pieces) -> web.StreamResponse:
@@ -142,6 +156,9 @@ class HttpApi:
         except (DecodeFailed, NoDecodeAvailable) as exc:
             log.warning("request %s: %s", parsed.request_id, exc)
             await resp.write(oa.sse(oa.error_body(str(exc), "server_error", code="decode_failed")))
+        except RequestTimedOut as exc:
+            log.warning("request %s: %s", parsed.request_id, exc)
+            await resp.write(oa.sse(oa.error_body(str(exc), "timeout_error", code="request_timeout")))
         await resp.write(oa.sse("[DONE]"))
         await resp.write_eof()
         return resp

@@ -16,6 +16,11 @@ blocks, or prefill's own pool full) and local fallback is off, the request waits
 up to 0.5 s) and tries again, for at most ``queue_timeout_s``, before the 503: a burst
 queues instead of failing.
 
+Deadline: ``generate(..., deadline=...)`` (``time.monotonic()`` seconds) is the request's
+end-to-end deadline, enforced by the caller (the Frontend cancels this generator when it
+passes); each Session carries it to its decode as the gRPC deadline, so a decode frees the
+request by then even when this process cannot tell it (frozen).
+
 Resume (``resume=True``, the default): when a decode fails mid-generation, the request
 continues on the next decode (or locally) by prefilling prompt + the tokens generated so
 far, with max_tokens reduced by those tokens; the client's stream just goes on. Greedy
@@ -90,7 +95,7 @@ class PrefillNode:
         """Ready when a decode is known (or local fallback can serve)."""
         return self.local_fallback or bool(self.picker.eligible())
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sp):
+    async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None):
         reasons: list[str] = []
         produced: list[int] = []  # tokens already given to the client (for resume)
         failed_mid_stream: DecodeFailed | None = None
@@ -131,7 +136,7 @@ class PrefillNode:
                 # leftovers of a failed attempt (a cancel still travelling) never collide with it
                 session_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
                 attempt += 1
-                stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings)
+                stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings, deadline)
                 try:
                     try:
                         first = await stream.__anext__()
