@@ -106,7 +106,8 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     parts = build_server_engine(args)
     engine, loaded = parts.engine, parts.loaded
     await engine.start()
-    sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler)
+    sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler,
+                              checksum=args.kv_checksum)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from pdserve.cachestore.errors import CHECKSUM_MISMATCH
 from pdserve.protos import session_pb2 as pb
 
 from .decode_session import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionRunner,
@@ -140,6 +141,8 @@ class PrefillNode:
                         transient = transient and exc.code in TRANSIENT_CODES
                         if m is not None:
                             m.decode_retries.labels(reason=exc.code).inc()
+                            if exc.code == CHECKSUM_MISMATCH:
+                                m.kv_checksum_mismatches.inc()
                         continue
                     self._keep_timings(request_id, timings)
                     if m is not None and not produced:  # admitted -> a decode allocated and compute starts
@@ -158,7 +161,9 @@ class PrefillNode:
                     reasons.append(str(exc))
                     log.warning("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
                     if m is not None:
-                        m.decode_retries.labels(reason="decode_failed").inc()
+                        m.decode_retries.labels(reason=exc.code).inc()
+                        if exc.code == CHECKSUM_MISMATCH:
+                            m.kv_checksum_mismatches.inc()
                     if len(produced) >= sp.max_tokens:
                         yield Delta([], True, "length")
                         return
