@@ -57,7 +57,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV integrity: prefill sends a CRC32C with every slice of KV, decode checks it before the "
                         "request joins the batch and requires it from every prefill (a mismatch fails the request "
                         "with kv_checksum_mismatch; prefill moves it to another decode). Off by default: it cost "
-                        "about a quarter of the CacheStore throughput on the development box (docs/benchmarks.md)")
+                        "20-40%% of the CacheStore throughput on the development box (docs/benchmarks.md)")
     g.add_argument("--session-timeout", type=float, default=30.0,
                    help="seconds a Session may wait for KV/first token/answers before both ends free it")
     g.add_argument("--log-level", default="INFO", help="logging level")
