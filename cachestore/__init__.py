@@ -37,6 +37,9 @@ Who frees what, when:
 * Any wait that raises ``TransferError`` (peer died, CANCEL/ERROR from the peer, timeout)
   has already freed the CacheStore entry; ``delete`` afterwards is a no-op. Cancelling an
   awaiting task only ends that wait.
+* KV integrity: with ``CacheStoreSender(checksum=True)`` every slice carries a CRC32C that the
+  receiver checks before the blocks count as arrived; a mismatch fails the request with
+  ``ChecksumError`` (a ``TransferError``) on both sides (``checksum.py``).
 * Two live requests share a dst block only if ``expect`` got equal block hashes for it:
   the block is sent once (``expect`` returns -1 for it to the second request) and stays
   pinned until the last owner is deleted.
@@ -49,7 +52,7 @@ far. Both sides' ``stats()`` report ``pinned_entries`` and ``inflight_transfers`
 """
 
 from .endpoint import TRANSPORTS
-from .errors import CompatError, ProtocolError, TransferError, UnknownRequestError
+from .errors import CHECKSUM_MISMATCH, ChecksumError, CompatError, ProtocolError, TransferError, UnknownRequestError
 from .frames import PROTOCOL_VERSION
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from .receiver import CacheStoreReceiver
@@ -57,7 +60,7 @@ from .scheduler import FifoScheduler, PriorityScheduler
 from .sender import CacheStoreSender
 
 __all__ = [
-    "CacheStoreReceiver", "CacheStoreSender", "CompatError", "CompatInfo", "FifoScheduler", "KVLayout",
+    "CHECKSUM_MISMATCH", "CacheStoreReceiver", "CacheStoreSender", "ChecksumError", "CompatError", "CompatInfo", "FifoScheduler", "KVLayout",
     "MemoryRegion", "PROTOCOL_VERSION", "PriorityScheduler", "ProtocolError", "TRANSPORTS", "TransferError",
     "UnknownRequestError", "merge_runs",
 ]

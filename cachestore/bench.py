@@ -11,6 +11,10 @@ loopback, and prints side by side, measured in the same run:
   raw NIXL, chunked   WRITEs of --chunk-mib with a notification each, no CacheStore code
                       (a reference: how much of the nixl gap is NIXL's per-WRITE cost)
 
+With ``--checksum both`` (the default) "ours" runs twice per repeat, checksums on then off
+(CRC32C per slice, ``checksum.py``), so the two alternate A B A B under the same load, and
+the checksum's cost is printed as the median over repeats of on / off (paired within a repeat).
+
 Throughput is the pool size over the time from the first byte offered to the sender to the
 delivery confirmation (tcp: the receiver's ACK/reply; NIXL: WRITE reported DONE). Each
 figure is the median of --repeats runs; the ratio is the median, over runs, of ours divided by
@@ -51,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="small set: 8 layers x 1024 tokens (32 MiB), 2 repeats")
     parser.add_argument("--mixed", action="store_true",
                         help="also compare schedulers: short requests stored right behind a long one (fifo vs priority)")
+    parser.add_argument("--checksum", choices=["on", "off", "both"], default="both",
+                        help="KV checksums (CRC32C per slice) in 'ours': on, off, or both alternating in one run "
+                             "to compare (default both)")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
 
 
@@ -103,8 +110,9 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
             return json.loads(line)
 
         kinds = []
+        modes = ["on", "off"] if args.checksum == "both" else [args.checksum]
         for t in transports:
-            kinds += [f"raw_{t}", f"ours_{t}"] + (["rawchunks_nixl"] if t == "nixl" else [])
+            kinds += [f"raw_{t}"] + [f"ours_{t}:{m}" for m in modes] + (["rawchunks_nixl"] if t == "nixl" else [])
         runs: dict[str, list[dict]] = {k: [] for k in kinds}
         senders: dict[str, object] = {}
         raw_nixl = None
@@ -131,14 +139,14 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                 tx_rss = peak.stop()
                 rx_doc = await _read(reader)
             else:
-                transport = kind.split("_", 1)[1]
-                if transport not in senders:
+                transport, mode = kind.split("_", 1)[1].split(":")
+                if kind not in senders:
                     from .sender import CacheStoreSender
 
-                    senders[transport] = CacheStoreSender(region, layout, compat, transport=transport,
-                                                          chunk_bytes=int(args.chunk_mib * (1 << 20)))
-                    await senders[transport].start()
-                tx = senders[transport]
+                    senders[kind] = CacheStoreSender(region, layout, compat, transport=transport,
+                                                     chunk_bytes=int(args.chunk_mib * (1 << 20)), checksum=mode == "on")
+                    await senders[kind].start()
+                tx = senders[kind]
                 rid = f"{kind}-{repeat}"
                 info = await ask({"cmd": "ours", "transport": transport, "rid": rid})
                 peak.start()
@@ -188,10 +196,19 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
     for kind in summary:  # each run against the baseline run just before it (same machine load)
         if kind.startswith("raw_"):
             continue
-        pairs = [o["gib_s"] / r["gib_s"] for o, r in zip(runs[kind], runs["raw_" + kind.split("_", 1)[1]])]
+        pairs = [o["gib_s"] / r["gib_s"] for o, r in zip(runs[kind], runs["raw_" + kind.split("_", 1)[1].split(":")[0]])]
         summary[kind]["paired_ratios"] = [round(x, 3) for x in pairs]
         summary[kind]["ratio_vs_raw"] = statistics.median(pairs)
-    return {"kv_bytes": layout.nbytes, "repeats": args.repeats, "results": summary, "mixed": mixed}
+    checksum_cost = {}
+    for t in transports:  # checksums on / off, the two runs of one repeat (same machine load)
+        on, off = runs.get(f"ours_{t}:on"), runs.get(f"ours_{t}:off")
+        if on and off:
+            pairs = [a["gib_s"] / b["gib_s"] for a, b in zip(on, off)]
+            checksum_cost[t] = {"paired_ratios": [round(x, 3) for x in pairs], "ratio_on_off": statistics.median(pairs),
+                                "cpu_s_per_gib_on": summary[f"ours_{t}:on"]["cpu_s_per_gib"],
+                                "cpu_s_per_gib_off": summary[f"ours_{t}:off"]["cpu_s_per_gib"]}
+    return {"kv_bytes": layout.nbytes, "repeats": args.repeats, "results": summary, "mixed": mixed,
+            "checksum": args.checksum, "checksum_cost": checksum_cost}
 
 
 async def _read(reader: asyncio.StreamReader) -> dict:
@@ -258,14 +275,22 @@ def _print(args, compat: CompatInfo, layout: KVLayout, results: dict) -> None:
     for t in ("tcp", "nixl"):
         if f"raw_{t}" not in res:
             continue
-        raw, ours = res[f"raw_{t}"], res[f"ours_{t}"]
-        ratio = ours["ratio_vs_raw"]
+        raw = res[f"raw_{t}"]
         label = "raw socket (one send)" if t == "tcp" else "raw NIXL WRITE"
-        for name, r, rtext in ((label, raw, "baseline"),
-                               (f"ours {t} (layer-wise)", ours, f"{ratio:6.1%} (target {targets[t]:.0%})")):
+        rows = [(label, raw, "baseline")]
+        for kind in (k for k in res if k.startswith(f"ours_{t}:")):
+            ours, mode = res[kind], kind.split(":")[1]
+            rows.append((f"ours {t} (crc {mode})", ours, f"{ours['ratio_vs_raw']:6.1%} (target {targets[t]:.0%})"))
+        for name, r, rtext in rows:
             print(f"{name:26}{r['gib_s']:8.2f}  {rtext:>18}  {_mem(r['sender_rss'], layout):>16}  "
                   f"{_mem(r['receiver_rss'], layout):>16}  {r['cpu_s_per_gib']:9.2f}")
-        print(f"{'':26}{'':8}  paired ratios {', '.join(f'{x:.0%}' for x in ours['paired_ratios'])}")
+            if r is not raw:
+                print(f"{'':26}{'':8}  paired ratios {', '.join(f'{x:.0%}' for x in r['paired_ratios'])}")
+        cost = results.get("checksum_cost", {}).get(t)
+        if cost:
+            print(f"{'checksum on / off':26}{'':8}  {cost['ratio_on_off']:6.1%} of the throughput (paired: "
+                  f"{', '.join(f'{x:.0%}' for x in cost['paired_ratios'])}); CPU s/GiB "
+                  f"{cost['cpu_s_per_gib_on']:.2f} vs {cost['cpu_s_per_gib_off']:.2f}")
         if t == "nixl" and "rawchunks_nixl" in res:
             rc = res["rawchunks_nixl"]
             print(f"{f'raw NIXL, {args.chunk_mib:g} MiB WRITEs':26}{rc['gib_s']:8.2f}  {rc['ratio_vs_raw']:6.1%} (reference)  "

@@ -27,3 +27,21 @@ class ProtocolError(TransferError):
 
 class UnknownRequestError(LookupError):
     """A request id the CacheStore has no entry for (never bound/expected, or already deleted)."""
+
+
+CHECKSUM_MISMATCH = "kv_checksum_mismatch"  # the reason code the servers pass on (refusal / error code, metric label)
+
+
+class ChecksumError(TransferError):
+    """KV bytes arrived that do not match the checksum the sender computed over them.
+
+    Raised on the receiver (the message names the request, the layer and the blocks) and on
+    the sender (the receiver's ERROR for that request said so). The request's entry has
+    been failed and freed like any other ``TransferError``; nothing of it was marked arrived.
+    """
+
+    code = CHECKSUM_MISMATCH
+
+    def __init__(self, message: str, request_id: str | None = None, layer: int | None = None):
+        super().__init__(message)
+        self.request_id, self.layer = request_id, layer

@@ -5,15 +5,21 @@ Every frame is a fixed header, then the request id (UTF-8), then ``payload_len``
     magic    4s   b"PDKV"
     version  u16  PROTOCOL_VERSION
     type     u8   HELLO | HELLO_OK | BIND | DATA | ACK | CANCEL | ERROR
-    flags    u8   0
+    flags    u8   DATA: FLAG_CRC32C (the crc field is set); ERROR: FLAG_CHECKSUM_MISMATCH; else 0
     rid_len  u16  length of the request id that follows (0 for connection-level frames)
     layer    u32  DATA/ACK: the layer
     block    u64  DATA/ACK: first destination block id
     nblocks  u32  DATA/ACK: number of contiguous destination blocks
     payload  u64  length of the payload after the request id
+    crc      u32  DATA with FLAG_CRC32C: CRC32C of the payload (``checksum.py``); else 0
 
 DATA payloads are exactly ``nblocks * block_nbytes`` bytes of KV, received straight into the
-destination blocks. HELLO/HELLO_OK/ERROR payloads are small JSON or UTF-8 texts.
+destination blocks; the receiver checks the crc before it ACKs (and before the blocks count
+as arrived). HELLO/HELLO_OK/ERROR payloads are small JSON or UTF-8 texts. An ERROR for a
+request with FLAG_CHECKSUM_MISMATCH says its KV arrived corrupted (the sender raises
+``ChecksumError``).
+
+Version 2 added the crc field and the flags (version 1 had a 34-byte header, flags always 0).
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from dataclasses import dataclass
 from .errors import ProtocolError
 
 MAGIC = b"PDKV"
-PROTOCOL_VERSION = 1
-HEADER = struct.Struct("!4sHBBHIQIQ")
+PROTOCOL_VERSION = 2  # 2: DATA frames carry a CRC32C, NIXL notifications one per slice
+HEADER = struct.Struct("!4sHBBHIQIQI")
+FLAG_CRC32C = 0x01             # DATA: the crc field holds the payload's CRC32C
+FLAG_CHECKSUM_MISMATCH = 0x01  # ERROR: the request's KV failed its checksum on the receiver
 MAX_RID_LEN = 1024
 MAX_CONTROL_PAYLOAD = 1 << 20  # any non-DATA payload above this is garbage
 
@@ -51,15 +59,18 @@ class Frame:
     block: int = 0
     nblocks: int = 0
     payload_len: int = 0
+    flags: int = 0
+    crc: int = 0
 
 
 def encode_header(ftype: FrameType, rid: str = "", layer: int = 0, block: int = 0, nblocks: int = 0,
-                  payload_len: int = 0) -> bytes:
+                  payload_len: int = 0, flags: int = 0, crc: int = 0) -> bytes:
     """Header + request id bytes (the payload is sent after it, from wherever it lives)."""
     rid_b = rid.encode()
     if len(rid_b) > MAX_RID_LEN:
         raise ValueError(f"request id longer than {MAX_RID_LEN} bytes: {rid[:40]!r}...")
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(ftype), 0, len(rid_b), layer, block, nblocks, payload_len) + rid_b
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(ftype), flags, len(rid_b), layer, block, nblocks, payload_len,
+                       crc) + rid_b
 
 
 def encode_control(ftype: FrameType, rid: str = "", payload: bytes = b"", **fields: int) -> bytes:
@@ -97,7 +108,7 @@ def read_frame_header(sock: socket.socket) -> Frame | None:
         return None
     if first < HEADER.size:
         recv_exact_into(sock, view[first:])
-    magic, version, ftype, _flags, rid_len, layer, block, nblocks, payload_len = HEADER.unpack(buf)
+    magic, version, ftype, flags, rid_len, layer, block, nblocks, payload_len, crc = HEADER.unpack(buf)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a pdserve CacheStore peer or a corrupted stream")
     if version != PROTOCOL_VERSION:
@@ -116,7 +127,7 @@ def read_frame_header(sock: socket.socket) -> Frame | None:
             rid = recv_exact(sock, rid_len).decode()
         except UnicodeDecodeError:
             raise ProtocolError("request id is not valid UTF-8") from None
-    return Frame(ftype, rid, layer, block, nblocks, payload_len)
+    return Frame(ftype, rid, layer, block, nblocks, payload_len, flags, crc)
 
 
 def read_payload(sock: socket.socket, frame: Frame) -> bytes:

@@ -7,7 +7,8 @@ refused with both sides' values in the message, never by corrupting memory:
 * ``check_endpoint`` — the sender, before connecting, against the receiver's endpoint bytes
   (``CompatError``), and the transport must match (``ValueError``);
 * ``client_hello`` / ``serve_hello`` — the first frames of every TCP connection: the sender
-  sends HELLO {version, compat_hash, compat, agent}, the receiver answers HELLO_OK or ERROR.
+  sends HELLO {version, compat_hash, compat, agent, checksum}, the receiver answers HELLO_OK or
+  ERROR. A receiver that requires KV checksums refuses a sender that sends none.
 """
 
 from __future__ import annotations
@@ -32,10 +33,10 @@ def check_endpoint(ep: Endpoint, compat: CompatInfo, transport: str) -> None:
         raise ValueError(f"receiver {ep.host}:{ep.port} uses transport {ep.transport!r}, this sender {transport!r}")
 
 
-def client_hello(sock: socket.socket, compat: CompatInfo, agent: str, peer: str) -> None:
+def client_hello(sock: socket.socket, compat: CompatInfo, agent: str, peer: str, checksum: bool = False) -> None:
     """Sender side: HELLO, then HELLO_OK or raise (CompatError when the receiver refused)."""
     sock.sendall(encode_json(FrameType.HELLO, {"version": PROTOCOL_VERSION, "compat_hash": compat.compat_hash,
-                                               "compat": compat.describe(), "agent": agent}))
+                                               "compat": compat.describe(), "agent": agent, "checksum": checksum}))
     frame = read_frame_header(sock)
     if frame is None:
         raise TransferError(f"receiver {peer} closed the connection during the handshake")
@@ -46,7 +47,7 @@ def client_hello(sock: socket.socket, compat: CompatInfo, agent: str, peer: str)
         raise ProtocolError(f"expected HELLO_OK from {peer}, got {frame.type.name}")
 
 
-def serve_hello(sock: socket.socket, compat: CompatInfo) -> tuple[str | None, str]:
+def serve_hello(sock: socket.socket, compat: CompatInfo, require_checksum: bool = False) -> tuple[str | None, str]:
     """Receiver side: read HELLO and answer it. Returns (the sender's NIXL agent name, "") when
     accepted, (None, reason) when refused (ERROR already sent) and (None, "") when the peer
     closed first; ProtocolError for a first frame that is not a HELLO."""
@@ -64,6 +65,11 @@ def serve_hello(sock: socket.socket, compat: CompatInfo) -> tuple[str | None, st
         text = (f"incompatible peers: receiver speaks protocol {PROTOCOL_VERSION} with compat hash "
                 f"{compat.compat_hash} ({compat.describe()}), sender speaks protocol {version} with "
                 f"compat hash {their_hash} ({hello.get('compat', '?')})")
+        sock.sendall(encode_control(FrameType.ERROR, "", text.encode()))
+        return None, text
+    if require_checksum and hello.get("checksum") is not True:
+        text = ("this receiver requires KV checksums (--kv-checksum) and the sender sends none: "
+                "turn checksums on at the sender (prefill --kv-checksum) or off at the receiver")
         sock.sendall(encode_control(FrameType.ERROR, "", text.encode()))
         return None, text
     sock.sendall(encode_control(FrameType.HELLO_OK, "", b"{}"))

@@ -10,6 +10,10 @@ request bound to that receiver. It owns:
 * for ``nixl``: one data thread that turns chunks into NIXL WRITEs with a notification and
   counts a chunk delivered when NIXL reports it DONE (TCP stays the control channel).
 
+With ``LinkConfig.checksum`` every slice sent carries the CRC32C of its source bytes, computed
+by the thread that sends it, right before (``checksum.py``): in the DATA header (tcp) or the
+notification (nixl).
+
 Any connection error fails the whole link: every request on it gets ``TransferError`` and
 the next ``bind`` to that receiver opens a new link (so a restarted peer is reconnected).
 """
@@ -25,8 +29,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from .endpoint import Endpoint
-from .errors import CompatError, ProtocolError, TransferError
-from .frames import FrameType, encode_header, read_frame_header, read_payload
+from .errors import ChecksumError, CompatError, ProtocolError, TransferError
+from .frames import FLAG_CHECKSUM_MISMATCH, FLAG_CRC32C, FrameType, encode_header, read_frame_header, read_payload
 from .handshake import client_hello
 from .memory import CompatInfo, KVLayout, MemoryRegion
 from .scheduler import Chunk
@@ -42,8 +46,8 @@ class LinkOwner(Protocol):
     def on_delivered(self, rid: str, layer: int, nblocks: int) -> None:
         """nblocks of rid's layer reached the receiver (tcp ACK, or the NIXL WRITE is DONE)."""
 
-    def on_remote_error(self, rid: str, text: str) -> None:
-        """The receiver refused or gave up on rid (ERROR rid)."""
+    def on_remote_error(self, rid: str, err: TransferError) -> None:
+        """The receiver refused or gave up on rid (ERROR rid); ``ChecksumError`` when its KV arrived corrupted."""
 
     def on_link_failed(self, link: "Link", exc: BaseException) -> None:
         """The link is down (connection error, handshake refused, closed): its requests fail."""
@@ -60,6 +64,7 @@ class LinkConfig:
     connections: int               # tcp connections per receiver (nixl: one, the control channel)
     connect_timeout_s: float
     nixl: Any = None               # the sender's NixlMemory (agent, name, mem_type), for nixl
+    checksum: bool = False         # send a CRC32C with every slice (checksum.py)
 
 
 class Link:
@@ -150,7 +155,8 @@ class Link:
             raise TransferError(f"cannot connect to CacheStore receiver {self.peer}: {exc}") from None
         self._socks.append(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_hello(sock, self.config.compat, self.config.nixl.name if self.config.nixl else "", self.peer)
+        client_hello(sock, self.config.compat, self.config.nixl.name if self.config.nixl else "", self.peer,
+                     self.config.checksum)
         sock.settimeout(None)
         return sock
 
@@ -179,8 +185,17 @@ class Link:
                     t = chunk.transfer
                     for src, dst, n in chunk.slices:
                         nbytes = n * layout.block_nbytes
-                        io.send(sock, layout.offset(t.layer, src), nbytes,
-                                encode_header(FrameType.DATA, t.key, t.layer, dst, n, nbytes))
+                        offset = layout.offset(t.layer, src)
+                        crc = io.crc(offset, nbytes) if self.config.checksum else 0
+                        payload = None
+                        if t.corrupt:  # test hook: send a copy with one byte flipped (the source is untouched)
+                            t.corrupt = False
+                            payload = io.copy_out(offset, nbytes)
+                            payload[0] ^= 0xFF
+                            log.warning("TEST HOOK: corrupting one byte of request %r layer %d", t.key, t.layer)
+                        io.send(sock, offset, nbytes,
+                                encode_header(FrameType.DATA, t.key, t.layer, dst, n, nbytes,
+                                              FLAG_CRC32C if self.config.checksum else 0, crc), payload)
                 finally:
                     self._chunk_done(chunk, acked=False)
         except BaseException as exc:  # noqa: BLE001 - every failure fails the link
@@ -205,7 +220,8 @@ class Link:
                     text = read_payload(sock, frame).decode(errors="replace")
                     if not frame.rid:
                         raise TransferError(f"receiver {self.peer} closed the connection: {text}")
-                    self.owner.on_remote_error(frame.rid, f"receiver {self.peer}: {text}")
+                    cls = ChecksumError if frame.flags & FLAG_CHECKSUM_MISMATCH else TransferError
+                    self.owner.on_remote_error(frame.rid, cls(f"request {frame.rid!r} failed: receiver {self.peer}: {text}"))
                 else:
                     raise ProtocolError(f"unexpected {frame.type.name} frame from receiver {self.peer}")
         except BaseException as exc:  # noqa: BLE001
@@ -224,6 +240,8 @@ class Link:
             layout = self.config.layout
             bnb = layout.block_nbytes
             region = self.config.region
+            checksum = self.config.checksum
+            io = RegionIO(region)
             outstanding: collections.deque = collections.deque()
             try:
                 while True:
@@ -243,29 +261,46 @@ class Link:
                             batch.append(chunk)
                             size += chunk.nblocks
                     if batch:
-                        local, remote, records = [], [], []
+                        local, remote, records, scratch = [], [], [], []
                         for c in batch:
                             t = c.transfer
-                            local += [(region.ptr + layout.offset(t.layer, s), n * bnb, region.device_id) for s, _, n in c.slices]
-                            remote += [(base + (t.layer * ep.num_blocks + d) * bnb, n * bnb, rdev) for _, d, n in c.slices]
-                            records.append((t.key, t.layer, [(d, n) for _, d, n in c.slices]))
+                            slices = []
+                            for s, d, n in c.slices:
+                                src_off, dst_addr = layout.offset(t.layer, s), base + (t.layer * ep.num_blocks + d) * bnb
+                                crc = io.crc(src_off, n * bnb) if checksum else 0
+                                slices.append((d, n, crc))
+                                if t.corrupt:  # test hook: the first block goes from a flipped copy
+                                    t.corrupt = False
+                                    copy = self._corrupt_copy(agent, io, src_off, bnb, t)
+                                    if copy is not None:
+                                        scratch.append(copy)
+                                        local.append((copy[0], bnb, 0))
+                                        remote.append((dst_addr, bnb, rdev))
+                                        src_off, dst_addr, n = src_off + bnb, dst_addr + bnb, n - 1
+                                        if n == 0:
+                                            continue
+                                local.append((region.ptr + src_off, n * bnb, region.device_id))
+                                remote.append((dst_addr, n * bnb, rdev))
+                            records.append((t.key, t.layer, slices))
                         handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, nixl.mem_type),
                                                        agent.get_xfer_descs(remote, rtype), remote_name,
-                                                       encode_notif(records))
+                                                       encode_notif(records, checksum))
                         if agent.transfer(handle) == "ERR":
                             handle.release()
+                            self._release_scratch(agent, scratch)
                             for c in batch:
                                 self._chunk_done(c, acked=False)
                             raise TransferError(f"NIXL WRITE to {self.peer} failed to post")
-                        outstanding.append((handle, batch))
+                        outstanding.append((handle, batch, scratch))
                     progressed = bool(batch)
                     while outstanding:
-                        handle, done = outstanding[0]
+                        handle, done, scratch = outstanding[0]
                         state = agent.check_xfer_state(handle)
                         if state == "PROC":
                             break
                         outstanding.popleft()
                         handle.release()
+                        self._release_scratch(agent, scratch)
                         for c in done:
                             self._chunk_done(c, acked=(state == "DONE"))
                         progressed = True
@@ -277,9 +312,10 @@ class Link:
                         # (as a raw NIXL loop does) and only yield the GIL in between
                         time.sleep(0)
             finally:
-                for handle, done in outstanding:
+                for handle, done, scratch in outstanding:
                     try:
                         handle.release()
+                        self._release_scratch(agent, scratch)
                     except Exception:  # noqa: BLE001 - best effort while failing
                         pass
                     for c in done:
@@ -290,3 +326,27 @@ class Link:
                     pass
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
+
+    @staticmethod
+    def _corrupt_copy(agent, io: RegionIO, offset: int, nbytes: int, transfer) -> tuple | None:
+        """Test hook (checksum.py): a registered host copy of nbytes from offset with one byte flipped.
+
+        Returns (address, the copy, its NIXL registration), or None for a cuda region (not supported)."""
+        if io.region.device != "cpu":
+            log.warning("TEST HOOK: %s is not supported on cuda regions with nixl; nothing corrupted",
+                        "PDSERVE_TEST_CORRUPT_KV")
+            return None
+        import numpy as np
+
+        copy = np.frombuffer(io.copy_out(offset, nbytes), dtype=np.uint8)
+        copy[0] ^= 0xFF
+        addr = copy.__array_interface__["data"][0]
+        reg = agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
+        log.warning("TEST HOOK: corrupting one byte of request %r layer %d", transfer.key, transfer.layer)
+        return addr, copy, reg
+
+    @staticmethod
+    def _release_scratch(agent, scratch: list) -> None:
+        for _, _, reg in scratch:
+            agent.deregister_memory(reg)
+        scratch.clear()

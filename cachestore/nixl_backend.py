@@ -2,7 +2,8 @@
 
 The pool region is registered with the agent ONCE (``NixlMemory``). The prefill side WRITEs
 into the decode's registered memory; each WRITE carries a notification naming, for each
-(request, layer) it holds, the destination blocks, which the decode's agent delivers after the bytes have landed.
+(request, layer) it holds, the destination blocks and (with checksums on) each slice's CRC32C,
+which the decode's agent delivers after the bytes have landed.
 
 Import name: the PyPI wheel ``nixl-cu12`` installs ``nixl_cu12``; source builds install
 ``nixl``. Both are tried; the error (with the install hint) appears only when the ``nixl``
@@ -19,10 +20,11 @@ from typing import Any
 from .errors import ProtocolError
 from .memory import MemoryRegion
 
-NOTIF_MAGIC = b"PDNX"
-_NOTIF_COUNT = struct.Struct("!4sH")     # magic, number of records
+NOTIF_MAGIC = b"PDN2"                    # "PDNX" before slices carried a checksum (CacheStore protocol 1)
+_NOTIF_COUNT = struct.Struct("!4sBH")    # magic, flags (NOTIF_CRC32C), number of records
 _NOTIF_HEAD = struct.Struct("!IHH")      # per record: layer, rid_len, nslices
-_NOTIF_SLICE = struct.Struct("!QI")      # dst block, nblocks
+_NOTIF_SLICE = struct.Struct("!QII")     # dst block, nblocks, CRC32C of the slice's bytes (0 without NOTIF_CRC32C)
+NOTIF_CRC32C = 0x01
 
 
 def load_nixl() -> Any:
@@ -77,20 +79,23 @@ class NixlMemory:
                 self._reg = None
 
 
-def encode_notif(records: list[tuple[str, int, list[tuple[int, int]]]]) -> bytes:
-    """Notification text for one WRITE: (request id, layer, [(dst block, nblocks)]) records."""
-    out = [_NOTIF_COUNT.pack(NOTIF_MAGIC, len(records))]
+def encode_notif(records: list[tuple[str, int, list[tuple[int, int, int]]]], checksum: bool = False) -> bytes:
+    """Notification text for one WRITE: (request id, layer, [(dst block, nblocks, crc32c)]) records.
+
+    ``checksum`` says the crc values are meant (set NOTIF_CRC32C); without it they are sent as 0."""
+    out = [_NOTIF_COUNT.pack(NOTIF_MAGIC, NOTIF_CRC32C if checksum else 0, len(records))]
     for rid, layer, slices in records:
         rid_b = rid.encode()
         out.append(_NOTIF_HEAD.pack(layer, len(rid_b), len(slices)) + rid_b)
-        out.extend(_NOTIF_SLICE.pack(b, n) for b, n in slices)
+        out.extend(_NOTIF_SLICE.pack(b, n, crc if checksum else 0) for b, n, crc in slices)
     return b"".join(out)
 
 
-def decode_notif(msg: bytes) -> list[tuple[str, int, list[tuple[int, int]]]]:
-    """The records of a notification; ProtocolError if it is not one of ours or is malformed."""
+def decode_notif(msg: bytes) -> tuple[bool, list[tuple[str, int, list[tuple[int, int, int]]]]]:
+    """(whether the slices carry checksums, the records) of a notification; ProtocolError if it is not
+    one of ours or is malformed."""
     try:
-        magic, count = _NOTIF_COUNT.unpack_from(msg)
+        magic, flags, count = _NOTIF_COUNT.unpack_from(msg)
         if magic != NOTIF_MAGIC:
             raise ProtocolError(f"NIXL notification with bad magic {magic!r}")
         pos, records = _NOTIF_COUNT.size, []
@@ -106,4 +111,4 @@ def decode_notif(msg: bytes) -> list[tuple[str, int, list[tuple[int, int]]]]:
         raise ProtocolError(f"NIXL notification of {len(msg)} bytes is truncated") from None
     if pos != len(msg):
         raise ProtocolError("NIXL notification has trailing bytes")
-    return records
+    return bool(flags & NOTIF_CRC32C), records

@@ -4,6 +4,9 @@ Contract: each notification says the bytes of one WRITE have landed and names, f
 (request, layer) it carries, the destination blocks (``nixl_backend.decode_notif``). A
 record for a request the ``EntryTable`` does not expect, or for blocks not allocated to it,
 is counted as rejected and dropped (the bytes are already there: NIXL WRITEs are one-sided).
+When the notification carries checksums, each slice's bytes are summed in the destination
+blocks before they count as arrived; a mismatch is reported to the receiver (``on_corrupt``),
+which fails the entry (``checksum.py``).
 
 NIXL's Python API offers no blocking wait and agents run without NIXL's progress thread,
 so this thread polls the agent, with a backoff up to 0.2 ms, while some entry still waits
@@ -20,10 +23,12 @@ import threading
 import time
 from typing import Callable, Iterable
 
+from .checksum import mismatch_text
 from .entries import EntryTable
-from .errors import ProtocolError, UnknownRequestError
+from .errors import ChecksumError, ProtocolError, UnknownRequestError
 from .memory import KVLayout
 from .nixl_backend import NixlMemory, decode_notif
+from .wire_io import RegionIO
 
 log = logging.getLogger("pdserve.cachestore.receiver")
 IDLE_PROGRESS_S = 0.005
@@ -31,9 +36,12 @@ IDLE_PROGRESS_S = 0.005
 
 class NixlReceiveLoop:
     def __init__(self, nixl: NixlMemory, table: EntryTable, layout: KVLayout, counters: dict,
-                 on_arrived: Callable[[Iterable[str]], None], senders_connected: Callable[[], bool]):
+                 on_arrived: Callable[[Iterable[str]], None], senders_connected: Callable[[], bool],
+                 on_corrupt: Callable[[ChecksumError], None]):
         self.nixl, self.table, self.layout, self.counters = nixl, table, layout, counters
         self._on_arrived = on_arrived
+        self._on_corrupt = on_corrupt
+        self._io = RegionIO(nixl.region)
         self._senders_connected = senders_connected
         self._wake = threading.Event()
         self._stopping = False
@@ -76,20 +84,33 @@ class NixlReceiveLoop:
 
     def _land(self, msg: bytes) -> set[str]:
         try:
-            records = decode_notif(msg)
+            checksummed, records = decode_notif(msg)
         except ProtocolError as exc:
             log.warning("dropped a NIXL notification: %s", exc)
             return set()
         touched: set[str] = set()
+        bnb = self.layout.block_nbytes
         for rid, layer, slices in records:
-            for block, n in slices:
+            for block, n, crc in slices:
                 try:
                     self.table.begin_receive(rid, layer, block, n)
                 except (UnknownRequestError, ProtocolError) as exc:
                     self.counters["frames_rejected"] += 1
                     log.warning("NIXL write rejected: %s", exc)
                     continue
-                touched |= self.table.end_receive(rid, layer, block, n, True)
-                self.counters["bytes_received"] += n * self.layout.block_nbytes
+                bad = None
+                try:
+                    if checksummed:
+                        got = self._io.crc(self.layout.offset(layer, block), n * bnb)
+                        if got != crc:
+                            bad = ChecksumError(mismatch_text(rid, layer, block, n, crc, got), rid, layer)
+                        else:
+                            self.counters["frames_verified"] += 1
+                finally:
+                    touched |= self.table.end_receive(rid, layer, block, n, bad is None)
+                if bad is not None:
+                    self._on_corrupt(bad)
+                    continue
+                self.counters["bytes_received"] += n * bnb
                 self.counters["frames_received"] += 1
         return touched

@@ -11,6 +11,10 @@ Request lifecycle on the receiver (read ``entries.py`` for the bookkeeping):
    (request known, blocks allocated to it), otherwise nothing is written and the sender gets ERROR.
 3. ``await load(rid, layer)`` / ``await wait_all(rid)`` subscribe and are woken when the layer
    / all layers have arrived. No polling, no thread held: each wait is an asyncio future.
+   With checksums (``checksum.py``) each slice is summed where it landed before it counts as
+   arrived; a mismatch fails the entry with ``ChecksumError`` (naming the layer), counts
+   ``checksum_mismatches``, calls ``on_checksum_mismatch(rid, layer)`` and sends the sender
+   ERROR with FLAG_CHECKSUM_MISMATCH, so waits never return for corrupted KV.
 4. ``delete(rid)`` unpins. A failure (sender connection lost, CANCEL, expect timeout, a wait's
    timeout, a rejected frame) unpins too, and every waiter gets ``TransferError``. If KV was
    still arriving, a frame being received stops within one 1 MiB piece (the rest is read
@@ -28,11 +32,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .endpoint import TRANSPORTS, Endpoint
 from .entries import Entry, EntryTable
-from .errors import TransferError, UnknownRequestError
+from .errors import ChecksumError, TransferError, UnknownRequestError
+from .frames import FLAG_CHECKSUM_MISMATCH
 from .memory import CompatInfo, KVLayout, MemoryRegion
 from .tcp_server import TcpServer
 from .waiters import LoopCaller, WaiterBook, check_timeout
@@ -41,10 +46,16 @@ log = logging.getLogger("pdserve.cachestore.receiver")
 
 
 class CacheStoreReceiver:
-    """Receives KV for expected requests over ``tcp`` or ``nixl`` (see the module docstring)."""
+    """Receives KV for expected requests over ``tcp`` or ``nixl`` (see the module docstring).
+
+    Checksums sent by the sender are always verified. ``require_checksum`` refuses (at the
+    handshake, CompatError on the sender) a sender that sends none. ``on_checksum_mismatch(rid,
+    layer)`` is called on the event loop for each entry failed by a checksum mismatch (metrics).
+    """
 
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
-                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None):
+                 host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
+                 require_checksum: bool = False, on_checksum_mismatch: Callable[[str, int], None] | None = None):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         compat.check_layout(layout)
@@ -59,8 +70,11 @@ class CacheStoreReceiver:
         self.instance = uuid.uuid4().hex[:12]
         self._table = EntryTable(layout)
         self._loop = LoopCaller()
-        self._counters = {"bytes_received": 0, "frames_received": 0, "frames_rejected": 0, "connections_refused": 0}
-        self._server = TcpServer(region, layout, compat, transport, self._table, self._counters, self)
+        self._counters = {"bytes_received": 0, "frames_received": 0, "frames_rejected": 0, "connections_refused": 0,
+                          "frames_verified": 0, "checksum_mismatches": 0}
+        self.require_checksum = require_checksum
+        self._on_checksum_mismatch = on_checksum_mismatch
+        self._server = TcpServer(region, layout, compat, transport, self._table, self._counters, self, require_checksum)
         self._waiters = WaiterBook()
         self._release_waiters = WaiterBook()
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -79,7 +93,7 @@ class CacheStoreReceiver:
 
             self._nixl = await asyncio.to_thread(NixlMemory, f"pdserve-rx-{self.instance}", self.region)
             self._nixl_loop = NixlReceiveLoop(self._nixl, self._table, self.layout, self._counters, self.on_arrived,
-                                              lambda: self._server.connections() > 0)
+                                              lambda: self._server.connections() > 0, self.on_corrupt)
         self.port = self._server.listen(self.host, self.port)
         if self._nixl_loop is not None:
             self._nixl_loop.start()
@@ -214,6 +228,9 @@ class CacheStoreReceiver:
     def on_fail(self, rid: str, err: TransferError) -> None:
         self._loop.call(self._fail, rid, err, False)
 
+    def on_corrupt(self, err: ChecksumError) -> None:
+        self._loop.call(self._corrupt, err)
+
     def on_frame_end(self, rid: str) -> None:
         if rid in self._release_waiters:
             self._loop.call(self._dispatch_released, rid)
@@ -229,6 +246,22 @@ class CacheStoreReceiver:
         self._fail(rid, TransferError(f"request {rid!r}: KV did not all arrive within the expect timeout of {timeout_s}s"),
                    tell_sender=True)
 
+    def _corrupt(self, err: ChecksumError) -> None:
+        """Loop thread: a slice failed its checksum. Fail the entry (once) and tell the sender."""
+        rid = err.request_id
+        try:
+            self._table.status(rid)
+        except (TransferError, UnknownRequestError):
+            return  # already failed or deleted: counted (if at all) then
+        log.warning("CacheStore %s", err)
+        self._counters["checksum_mismatches"] += 1
+        if self._on_checksum_mismatch is not None:
+            try:
+                self._on_checksum_mismatch(rid, err.layer)
+            except Exception:  # noqa: BLE001 - a metrics hook must not stop the failure
+                log.exception("on_checksum_mismatch hook failed")
+        self._fail(rid, err, tell_sender=True)
+
     def _fail(self, rid: str, err: TransferError, tell_sender: bool) -> None:
         for e in self._table.fail(rid, err):
             self._after_fail(e, tell_sender)
@@ -239,5 +272,6 @@ class CacheStoreReceiver:
         if timer is not None:
             timer.cancel()
         if tell_sender and entry.conn is not None:
-            self._server.send_error(entry.conn, entry.rid, str(entry.error))
+            self._server.send_error(entry.conn, entry.rid, str(entry.error),
+                                    FLAG_CHECKSUM_MISMATCH if isinstance(entry.error, ChecksumError) else 0)
         self._dispatch([entry.rid])

@@ -36,6 +36,7 @@ class Transfer:
     runs: list[tuple[int, int, int]]
     priority: int = 0
     context: Any = None  # opaque to the scheduler (the sender's request object)
+    corrupt: bool = False  # test hook (checksum.py): the link flips one byte of this transfer's next slice
     seq: int = -1
     left: int = field(init=False)
     _run: int = field(init=False, default=0)

@@ -21,7 +21,12 @@ Request lifecycle on the sender:
    a pin held until then outlived the request whenever the receiver stopped progressing.)
 
 Failures (receiver gone, ERROR from the receiver, a wait's timeout) fail the request: its
-waiters get ``TransferError`` and it is freed; later ``store`` calls for it are ignored.
+waiters get ``TransferError`` and it is freed; later ``store`` calls for it are ignored. When
+the receiver found the KV corrupted (``checksum=True``: every slice carries a CRC32C,
+``checksum.py``) the error is a ``ChecksumError``. tcp: a corrupted slice is never ACKed, so
+``wait_sent`` raises. nixl: a WRITE counts as delivered when NIXL reports it done, before the
+receiver checked it, so ``wait_sent`` may already have returned; the receiver's wait fails
+instead (the decode then reports the request failed on its Session).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from .checksum import corrupt_budget_from_env
 from .endpoint import TRANSPORTS, Endpoint
 from .errors import CompatError, TransferError, UnknownRequestError
 from .frames import FrameType, encode_control
@@ -67,7 +73,7 @@ class CacheStoreSender:
 
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
                  scheduler: str = "priority", chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_wait: int = DEFAULT_MAX_WAIT,
-                 connections_per_peer: int = 1, connect_timeout_s: float = 5.0):
+                 connections_per_peer: int = 1, connect_timeout_s: float = 5.0, checksum: bool = False):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if scheduler not in SCHEDULERS:
@@ -92,6 +98,8 @@ class CacheStoreSender:
         self._loop = LoopCaller()
         self._nixl = None
         self._counters = {"bytes_sent": 0, "transfers_stored": 0}
+        self.checksum = checksum
+        self._corrupt_left = corrupt_budget_from_env()  # test hook (checksum.py); 0 in production
 
     # ----- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -169,8 +177,12 @@ class CacheStoreSender:
             done = req.pending == 0 and len(req.stored) == self.layout.num_layers
             link_error = None
             if runs:  # under the lock: a delete() on another thread cannot slip in before the push
+                transfer = Transfer(request_id, layer, runs)
+                if self._corrupt_left > 0 and layer == self.layout.num_layers // 2:
+                    self._corrupt_left -= 1
+                    transfer.corrupt = True
                 try:
-                    req.link.submit(Transfer(request_id, layer, runs))
+                    req.link.submit(transfer)
                 except TransferError as exc:
                     link_error = exc
         if link_error is not None:
@@ -242,7 +254,7 @@ class CacheStoreSender:
             if stale.alive:
                 threading.Thread(target=stale.close, daemon=True).start()
         config = LinkConfig(self.region, self.layout, self.compat, self.chunk_blocks, self.connections_per_peer,
-                            self.connect_timeout_s, self._nixl)
+                            self.connect_timeout_s, self._nixl, self.checksum)
         link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait), config)
         self._links[key] = link
         link.start()
@@ -298,8 +310,8 @@ class CacheStoreSender:
         if done:
             self._loop.call(self._dispatch, rid)
 
-    def on_remote_error(self, rid: str, text: str) -> None:
-        self._fail(rid, TransferError(f"request {rid!r} failed: {text}"), tell_receiver=False)
+    def on_remote_error(self, rid: str, err: TransferError) -> None:
+        self._fail(rid, err, tell_receiver=False)
 
     def on_link_failed(self, link: Link, exc: BaseException) -> None:
         err_cls = CompatError if isinstance(exc, CompatError) else TransferError

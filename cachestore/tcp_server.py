@@ -4,7 +4,9 @@ Contract: every accepted connection first passes the handshake (``handshake.serv
 then carries BIND, DATA (tcp transport), CANCEL and ERROR frames. A DATA frame is checked
 against the ``EntryTable`` before a byte is written (unknown request or blocks not allocated
 to it: read and dropped, answered with ERROR rid); its bytes land straight in the region,
-1 MiB at a time, stopping when the entry is deleted or failed meanwhile; then ACK. A
+1 MiB at a time, stopping when the entry is deleted or failed meanwhile; a frame that carries
+a CRC32C is summed as it lands and compared before anything else (a mismatch: the blocks do
+not count as arrived, no ACK, the receiver fails the entry, ``checksum.py``); then ACK. A
 malformed frame closes that connection with an ERROR naming the problem. When a connection
 ends, the entries it bound that were not complete fail. Everything the event loop must hear
 goes through a ``ReceiveSink``; these threads touch only the lock-protected table.
@@ -18,9 +20,11 @@ import socket
 import threading
 from typing import Iterable, Protocol
 
+from .checksum import mismatch_text
 from .entries import EntryTable
-from .errors import ProtocolError, TransferError, UnknownRequestError
-from .frames import Frame, FrameType, discard, encode_control, encode_header, read_frame_header, read_payload
+from .errors import ChecksumError, ProtocolError, TransferError, UnknownRequestError
+from .frames import (FLAG_CRC32C, Frame, FrameType, discard, encode_control, encode_header, read_frame_header,
+                     read_payload)
 from .handshake import serve_hello
 from .memory import CompatInfo, KVLayout, MemoryRegion
 from .wire_io import RegionIO
@@ -40,6 +44,10 @@ class ReceiveSink(Protocol):
 
     def on_frame_end(self, rid: str) -> None:
         """A frame stopped writing into rid's blocks (for ``released`` waiters)."""
+
+    def on_corrupt(self, err: ChecksumError) -> None:
+        """A slice of err.request_id's KV failed its checksum (nothing of it counted as arrived): fail
+        the entry and tell the sender."""
 
 
 class SenderConnection:
@@ -72,8 +80,9 @@ class TcpServer:
     """Listener, accept thread and one reader thread per sender connection."""
 
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str,
-                 table: EntryTable, counters: dict, sink: ReceiveSink):
+                 table: EntryTable, counters: dict, sink: ReceiveSink, require_checksum: bool = False):
         self.region, self.layout, self.compat, self.transport = region, layout, compat, transport
+        self.require_checksum = require_checksum
         self.table, self.counters, self.sink = table, counters, sink
         self.port = 0
         self._listener: socket.socket | None = None
@@ -113,11 +122,12 @@ class TcpServer:
         with self._conns_lock:
             return len(self._conns)
 
-    def send_error(self, cid: int, rid: str, text: str) -> None:
+    def send_error(self, cid: int, rid: str, text: str, flags: int = 0) -> None:
         with self._conns_lock:
             conn = self._conns.get(cid)
         if conn is not None:
-            conn.send(encode_control(FrameType.ERROR, rid, text.encode()[:60000]))
+            conn.send(encode_header(FrameType.ERROR, rid, payload_len=len(text.encode()[:60000]), flags=flags)
+                      + text.encode()[:60000])
 
     # ----- threads ---------------------------------------------------------------------
     def _spawn(self, target, name: str, *args) -> None:
@@ -142,7 +152,7 @@ class TcpServer:
     def _serve(self, conn: SenderConnection) -> None:
         reason = "sender connection closed before all KV arrived"
         try:
-            agent, refused = serve_hello(conn.sock, self.compat)
+            agent, refused = serve_hello(conn.sock, self.compat, self.require_checksum)
             if agent is None:
                 if refused:
                     self.counters["connections_refused"] += 1
@@ -200,16 +210,24 @@ class TcpServer:
                 self.sink.on_fail(f.rid, TransferError(str(exc)))
             conn.send(encode_control(FrameType.ERROR, f.rid, str(exc).encode()))
             return
-        ok = False
+        checksum = bool(f.flags & FLAG_CRC32C)
+        ok, bad = False, None
         try:
-            ok = io.recv(conn.sock, self.layout.offset(f.layer, f.block), nbytes,
-                         stop=lambda: entry.deleted or entry.error is not None, scratch=scratch)
+            ok, got = io.recv(conn.sock, self.layout.offset(f.layer, f.block), nbytes,
+                              stop=lambda: entry.deleted or entry.error is not None, scratch=scratch, checksum=checksum)
+            if ok and checksum and got != f.crc:
+                bad = ChecksumError(mismatch_text(f.rid, f.layer, f.block, f.nblocks, f.crc, got), f.rid, f.layer)
         finally:
-            touched = self.table.end_receive(f.rid, f.layer, f.block, f.nblocks, ok)
+            touched = self.table.end_receive(f.rid, f.layer, f.block, f.nblocks, ok and bad is None)
             self.sink.on_arrived(touched)
             self.sink.on_frame_end(f.rid)
+        if bad is not None:  # no ACK: the receiver fails the entry and sends ERROR (FLAG_CHECKSUM_MISMATCH)
+            self.sink.on_corrupt(bad)
+            return
         if not ok:  # the entry went away mid-frame; the sender has been told by delete/fail
             return
+        if checksum:
+            self.counters["frames_verified"] += 1
         self.counters["bytes_received"] += nbytes
         self.counters["frames_received"] += 1
         conn.send(encode_header(FrameType.ACK, f.rid, f.layer, f.block, f.nblocks))

@@ -4,12 +4,17 @@ cpu regions: ``sendall``/``recv_into`` on memoryview slices of the registered re
 kernel copies straight between the socket and the KV blocks. cuda regions (tcp has no
 GPUDirect): bytes go through one pinned host staging buffer per socket thread, ``STAGE_BYTES``
 at a time, never a whole layer.
+
+Checksums (``checksum.py``): ``crc`` sums a range of the region (cpu: straight from the
+region; cuda: through the staging buffer); ``recv`` sums each piece right after it landed,
+while it is still in cache.
 """
 
 from __future__ import annotations
 
 import socket
 
+from .checksum import crc32c
 from .frames import discard, recv_exact_into
 from .memory import MemoryRegion
 
@@ -32,10 +37,31 @@ class RegionIO:
             self._stage = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
             self._stage_view = memoryview(self._stage.numpy()).cast("B")
 
-    def send(self, sock: socket.socket, offset: int, nbytes: int, header: bytes = b"") -> None:
-        """Send header then nbytes of the region from offset (cpu: one sendmsg for both)."""
+    def crc(self, offset: int, nbytes: int) -> int:
+        """CRC32C of nbytes of the region from offset."""
         if self._view is not None:
-            payload = self._view[offset:offset + nbytes]
+            return crc32c(self._view[offset:offset + nbytes])
+        value, done = 0, 0
+        while done < nbytes:
+            n = min(STAGE_BYTES, nbytes - done)
+            self._stage[:n].copy_(self._dev[offset + done:offset + done + n])
+            value = crc32c(self._stage_view[:n], value)
+            done += n
+        return value
+
+    def copy_out(self, offset: int, nbytes: int) -> bytearray:
+        """A host copy of nbytes of the region from offset (the corruption test hook sends one)."""
+        if self._view is not None:
+            return bytearray(self._view[offset:offset + nbytes])
+        return bytearray(self._dev[offset:offset + nbytes].cpu().numpy().tobytes())
+
+    def send(self, sock: socket.socket, offset: int, nbytes: int, header: bytes = b"", payload=None) -> None:
+        """Send header then nbytes of the region from offset (cpu: one sendmsg for both).
+
+        ``payload`` (bytes-like, nbytes long) is sent instead of the region's bytes when given
+        (the corruption test hook)."""
+        if payload is not None or self._view is not None:
+            payload = memoryview(payload) if payload is not None else self._view[offset:offset + nbytes]
             sent = sock.sendmsg([header, payload])
             if sent < len(header):
                 sock.sendall(header[sent:])
@@ -52,25 +78,30 @@ class RegionIO:
             sock.sendall(self._stage_view[:n])
             done += n
 
-    def recv(self, sock: socket.socket, offset: int, nbytes: int, stop=None, scratch: memoryview | None = None) -> bool:
+    def recv(self, sock: socket.socket, offset: int, nbytes: int, stop=None, scratch: memoryview | None = None,
+             checksum: bool = False) -> tuple[bool, int]:
         """Receive nbytes into the region at offset, PIECE_BYTES at a time.
 
         Before each piece ``stop()`` is asked; once it says True (the entry was deleted or
         failed meanwhile) the rest of the payload is read into ``scratch`` and dropped, so
         at most one piece lands in blocks the engine may already be reusing. Returns
-        whether every byte landed.
+        (whether every byte landed, the CRC32C of the bytes received when ``checksum``, else 0).
         """
-        done = 0
+        done, value = 0, 0
         while done < nbytes:
             if stop is not None and stop():
                 discard(sock, nbytes - done, scratch)
-                return False
+                return False, 0
             if self._view is not None:
                 n = min(PIECE_BYTES, nbytes - done)
-                recv_exact_into(sock, self._view[offset + done:offset + done + n])
+                piece = self._view[offset + done:offset + done + n]
+                recv_exact_into(sock, piece)
             else:
                 n = min(STAGE_BYTES, nbytes - done)
-                recv_exact_into(sock, self._stage_view[:n])
+                piece = self._stage_view[:n]
+                recv_exact_into(sock, piece)
                 self._dev[offset + done:offset + done + n].copy_(self._stage[:n])
+            if checksum:
+                value = crc32c(piece, value)
             done += n
-        return True
+        return True, value

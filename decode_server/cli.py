@@ -51,7 +51,9 @@ async def serve(args: argparse.Namespace) -> int:
     engine = parts.engine
     await engine.start()
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=args.transfer, host=args.host,
-                                  port=args.kv_port, advertise_host=args.advertise_host)
+                                  port=args.kv_port, advertise_host=args.advertise_host,
+                                  require_checksum=args.kv_checksum,
+                                  on_checksum_mismatch=lambda rid, layer: metrics.kv_checksum_mismatches.inc())
     await receiver.start()
     service = DecodeService(
         engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,

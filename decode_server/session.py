@@ -13,7 +13,10 @@ Request lifecycle on decode (each step is a method below):
    endpoint) goes back to prefill.
 3. **transfer** - KV layers arrive over the CacheStore while prefill computes; prefill's
    ``FirstToken`` arrives on the stream once every layer was sent. Both must be in before
-   the session timeout (set by prefill in ``Start``, capped by ours). Then the CacheStore
+   the session timeout (set by prefill in ``Start``, capped by ours). KV that fails its
+   checksum (``--kv-checksum``) never counts as arrived: the wait fails with ``ChecksumError``
+   and prefill gets ``Error`` with code ``kv_checksum_mismatch`` (it resumes the request on
+   another decode); the request never joins the batch. Then the CacheStore
    entry is deleted at once: the blocks now belong to the engine alone (they are freed by
    the engine when the request finishes, and may be re-expected for another request).
 4. **decode** - the request joins the continuous batch (``add_prefilled``); every engine
@@ -50,6 +53,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
 from pdserve.protos import session_pb2 as pb
 
 from . import admission
@@ -195,6 +199,10 @@ class DecodeSession:
             self.outcome = ("error", "timeout" if "timed out" in exc.reason else "error") if exc.notify else ("cancelled", "prefill_gone")
             if exc.notify:
                 await self._try_write_error(exc.reason)
+        except ChecksumError as exc:  # the KV arrived corrupted: never decode on it (counted by the receiver hook)
+            log.warning("session %s: %s", self.request_id, exc)
+            self.outcome = ("error", CHECKSUM_MISMATCH)
+            await self._try_write_error(str(exc), CHECKSUM_MISMATCH)
         except asyncio.CancelledError:
             self.outcome = ("cancelled", "prefill_gone")
             raise
@@ -221,9 +229,9 @@ class DecodeSession:
         except Exception:  # noqa: BLE001 - failures are handled by the session itself
             pass
 
-    async def _try_write_error(self, reason: str) -> None:
+    async def _try_write_error(self, reason: str, code: str = "") -> None:
         try:
-            await self._write(error=pb.Error(reason=reason))
+            await self._write(error=pb.Error(reason=reason, code=code))
         except Exception:  # noqa: BLE001 - the stream may already be gone
             pass
 

@@ -53,6 +53,9 @@ decode_selections               prefill   the picker chose that decode for a req
 decode_retries                  prefill   a decode refused or failed; trying the next one
 local_fallbacks                 prefill   no decode could take it; decoding locally
 kv_allocation_refusals          decode    decode refused a Session's allocation
+kv_checksum_mismatches          both      decode: a request's KV failed its checksum on arrival (the
+                                          request is failed, never decoded); prefill: a decode
+                                          reported that (the request is retried / resumed elsewhere)
 kv_blocks_free / _used          both      after every allocation and free (or each step)
 requests_running / _waiting     both      after every scheduler step
 known_decodes                   prefill   after each discovery / load-report update
@@ -159,6 +162,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests prefill decoded itself because no decode could take them.", ("reason",)),
     MetricSpec("kv_allocation_refusals", "pdserve_kv_allocation_refusals_total", _C,
                "Session allocations decode refused, by reason.", ("reason",)),
+    MetricSpec("kv_checksum_mismatches", "pdserve_kv_checksum_mismatches_total", _C,
+               "Requests whose KV failed its checksum (decode: detected on arrival; prefill: reported by a decode)."),
     # gauges
     MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),
     MetricSpec("kv_blocks_used", "pdserve_kv_blocks_used", _G, "KV cache blocks in use."),

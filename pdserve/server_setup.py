@@ -55,6 +55,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="CacheStore transport for KV")
+    g.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=False,
+                   help="KV integrity: prefill sends a CRC32C with every slice of KV, decode checks it before the "
+                        "request joins the batch and requires it from every prefill (a mismatch fails the request "
+                        "with kv_checksum_mismatch; prefill moves it to another decode). Off by default: it cost "
+                        "20-40%% of the CacheStore throughput on the development box (docs/benchmarks.md)")
     g.add_argument("--session-timeout", type=float, default=30.0,
                    help="seconds one end of a Session waits on the other (KV, first token, each next message, "
                         "a write the peer does not take) before it frees the request")

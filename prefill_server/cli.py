@@ -129,7 +129,8 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     kv_events = KvEventPublisher(args.block_size)
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()
-    sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler)
+    sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler,
+                              checksum=args.kv_checksum)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,

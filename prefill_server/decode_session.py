@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import grpc
 
-from pdserve.cachestore.errors import TransferError
+from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError, TransferError
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
 
@@ -69,7 +69,12 @@ class Retryable(Exception):
 
 
 class DecodeFailed(Exception):
-    """The decode failed after tokens reached the client."""
+    """The decode failed after tokens reached the client; ``code`` is the decode's Error code when it
+    gave one (``kv_checksum_mismatch``: the KV arrived corrupted there), else "decode_failed"."""
+
+    def __init__(self, reason: str, code: str = "decode_failed"):
+        super().__init__(reason)
+        self.code = code or "decode_failed"
 
 
 class NoDecodeAvailable(Exception):
@@ -217,8 +222,9 @@ class SessionRunner:
             # 4. first token
             try:
                 await self.sender.wait_sent(request_id, cfg.session_timeout_s)
-            except Exception as exc:  # TransferError, timeout: the decode never got the KV
-                raise Retryable(f"{address}: KV transfer failed: {exc}", "kv_transfer_failed") from None
+            except Exception as exc:  # TransferError, timeout: the decode never got the KV (ChecksumError: corrupted)
+                code = CHECKSUM_MISMATCH if isinstance(exc, ChecksumError) else "kv_transfer_failed"
+                raise Retryable(f"{address}: KV transfer failed: {exc}", code) from None
             timings.kv_sent = time.monotonic()
             timings.layer_send_seconds = [done - stored for stored, done in self.sender.layer_times(request_id).values()]
             await self.engine.release(request_id)
@@ -310,7 +316,7 @@ class SessionRunner:
         if kind == "finish":
             return Delta([], True, msg.finish.finish_reason or "stop")
         if kind == "error":
-            raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}")
+            raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}", msg.error.code)
         raise DecodeFailed(f"decode {address} sent an unexpected {kind} message")
 
 

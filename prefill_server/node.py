@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from pdserve.cachestore.errors import CHECKSUM_MISMATCH
 from pdserve.protos import session_pb2 as pb
 
 from .closing import aclose_fully
@@ -146,6 +147,8 @@ class PrefillNode:
                         transient = transient and exc.code in TRANSIENT_CODES
                         if m is not None:
                             m.decode_retries.labels(reason=exc.code).inc()
+                            if exc.code == CHECKSUM_MISMATCH:
+                                m.kv_checksum_mismatches.inc()
                         continue
                     self._keep_timings(request_id, timings)
                     if m is not None and not produced:  # admitted -> a decode allocated and compute starts
@@ -164,7 +167,9 @@ class PrefillNode:
                     reasons.append(str(exc))
                     log.warning("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
                     if m is not None:
-                        m.decode_retries.labels(reason="decode_failed").inc()
+                        m.decode_retries.labels(reason=exc.code).inc()
+                        if exc.code == CHECKSUM_MISMATCH:
+                            m.kv_checksum_mismatches.inc()
                     if len(produced) >= sp.max_tokens:
                         yield Delta([], True, "length")
                         return

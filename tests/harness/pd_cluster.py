@@ -80,10 +80,11 @@ def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), n
     return Server(proc, http_port, grpc_port, kv_port, name)
 
 
-def start_prefill(procs, decodes: list[str], transfer: str = "tcp", num_blocks: int = 64, extra=(), name: str = "prefill") -> Server:
+def start_prefill(procs, decodes: list[str], transfer: str = "tcp", num_blocks: int = 64, extra=(), name: str = "prefill",
+                  env: dict | None = None) -> Server:
     http_port, grpc_port = free_port(), free_port()
     proc = procs.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port), "--decode", ",".join(decodes),
-                         "--transfer", transfer, "--num-blocks", str(num_blocks), *COMMON, *extra, name=name)
+                         "--transfer", transfer, "--num-blocks", str(num_blocks), *COMMON, *extra, name=name, env=env)
     return Server(proc, http_port, grpc_port, 0, name)
 
 

@@ -7,7 +7,7 @@ import pytest
 from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from pdserve.cachestore.endpoint import Endpoint
 from pdserve.cachestore.errors import ProtocolError
-from pdserve.cachestore.frames import FrameType, encode_control, encode_header, read_frame_header
+from pdserve.cachestore.frames import FLAG_CRC32C, FrameType, encode_control, encode_header, read_frame_header
 from pdserve.cachestore.nixl_backend import decode_notif, encode_notif
 from pdserve.cachestore.scheduler import FifoScheduler, PriorityScheduler, Transfer
 
@@ -68,10 +68,11 @@ def test_merge_runs_merges_contiguous_on_both_sides_and_skips_shared():
 def test_frames_roundtrip_and_garbage():
     a, b = socket.socketpair()
     try:
-        a.sendall(encode_header(FrameType.DATA, "req-1", 3, 42, 5, 0))
+        a.sendall(encode_header(FrameType.DATA, "req-1", 3, 42, 5, 0, FLAG_CRC32C, 0xFEEDF00D))
         a.sendall(encode_control(FrameType.ERROR, "", b"why"))
         f = read_frame_header(b)
         assert (f.type, f.rid, f.layer, f.block, f.nblocks) == (FrameType.DATA, "req-1", 3, 42, 5)
+        assert (f.flags, f.crc) == (FLAG_CRC32C, 0xFEEDF00D)
         f = read_frame_header(b)
         assert f.type == FrameType.ERROR and f.payload_len == 3 and b.recv(3) == b"why"
         a.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 20)
@@ -94,12 +95,14 @@ def test_endpoint_and_notif_roundtrip():
     assert back == ep
     with pytest.raises(ValueError, match="not a pdserve CacheStore endpoint"):
         Endpoint.from_bytes(b"hello")
-    records = [("r-9", 7, [(3, 2), (10, 1)]), ("r-10", 0, [(1, 1)])]
-    assert decode_notif(encode_notif(records)) == records
+    records = [("r-9", 7, [(3, 2, 0xDEADBEEF), (10, 1, 5)]), ("r-10", 0, [(1, 1, 0)])]
+    assert decode_notif(encode_notif(records, checksum=True)) == (True, records)
+    # without checksums the crc fields go out as 0 and the flag says they mean nothing
+    assert decode_notif(encode_notif(records)) == (False, [("r-9", 7, [(3, 2, 0), (10, 1, 0)]), ("r-10", 0, [(1, 1, 0)])])
     with pytest.raises(ProtocolError, match="truncated"):
         decode_notif(encode_notif(records)[:-3])
     with pytest.raises(ProtocolError, match="bad magic"):
-        decode_notif(b"XXXX\x00\x01")
+        decode_notif(b"PDNX\x00\x00\x01")  # a protocol-1 notification is refused, not misread
 
 
 def _t(key, nblocks, priority=0):
