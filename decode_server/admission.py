@@ -19,6 +19,7 @@ else ``(code, reason)`` for the ``Refusal`` message. The checks, in order:
 
 from __future__ import annotations
 
+from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
 
@@ -55,10 +56,10 @@ def refusal(start: pb.Start, compat: pb.Compat, *, max_model_len: int, total_blo
     if n_prompt == 0 or max_tokens < 1 or n_prompt + max_tokens > max_model_len:
         return ("bad_request",
                 f"prompt of {n_prompt} tokens + max_tokens {max_tokens} does not fit the context of {max_model_len}")
-    if start.blocks_needed != -(-n_prompt // compat.block_size):
+    if start.blocks_needed != blocks_needed(n_prompt, compat.block_size):
         return ("bad_request", f"blocks_needed {start.blocks_needed} does not match {n_prompt} prompt tokens "
                                f"in blocks of {compat.block_size}")
-    need = -(-(n_prompt + max_tokens) // compat.block_size)
+    need = blocks_needed(n_prompt + max_tokens, compat.block_size)
     if need > total_blocks:
         return ("too_large", f"request needs {need} KV blocks ({n_prompt} prompt tokens + max_tokens "
                              f"{max_tokens}) but this decode has only {total_blocks} in all")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pdserve.engine import blocks_needed
+
 from .registry import SessionRegistry
 
 if TYPE_CHECKING:
@@ -40,7 +42,7 @@ class SessionMetrics:
     def kv_in(self, seconds: float, n_prompt: int) -> None:
         if self.metrics is not None:
             self.metrics.decode_last_layer_wait.observe(seconds)
-            blocks = -(-n_prompt // self.block_size)
+            blocks = blocks_needed(n_prompt, self.block_size)
             self.metrics.kv_transfer_bytes.inc(blocks * self.kv_bytes_per_block)
 
     def request_done(self, outcome: str, reason: str) -> None:

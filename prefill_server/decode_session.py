@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Callable, Protocol
 
 import grpc
 
+from pdserve.engine import blocks_needed
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError, TransferError
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
@@ -104,7 +105,7 @@ class SessionTimings:
 
 def decode_reservation(n_prompt: int, max_tokens: int, block_size: int) -> int:
     """KV blocks a decode reserves for a request: prompt + max_tokens, never preempted."""
-    return -(-(n_prompt + max_tokens) // block_size)
+    return blocks_needed(n_prompt + max_tokens, block_size)
 
 
 def sampling_to_proto(sp) -> pb.Sampling:
@@ -173,10 +174,10 @@ class SessionRunner:
         finished = bound = prefilled = released = False
         try:
             # 1. start
-            blocks_needed = -(-len(prompt_ids) // cfg.block_size)
+            n_blocks = blocks_needed(len(prompt_ids), cfg.block_size)
             start = pb.Start(
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
-                blocks_needed=blocks_needed, compat=cfg.compat, protocol_version=PROTOCOL_VERSION,
+                blocks_needed=n_blocks, compat=cfg.compat, protocol_version=PROTOCOL_VERSION,
                 timeout_s=cfg.session_timeout_s,
             )
             # 2. allocation
@@ -196,9 +197,9 @@ class SessionRunner:
             def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
                 timings.layer_stored.append(time.monotonic())
                 if cfg.layerwise_push:
-                    self.sender.store(request_id, layer, list(block_ids)[:blocks_needed])
+                    self.sender.store(request_id, layer, list(block_ids)[:n_blocks])
                 else:
-                    held.append((layer, list(block_ids)[:blocks_needed]))
+                    held.append((layer, list(block_ids)[:n_blocks]))
 
             prefilled = True
             try:
@@ -229,7 +230,7 @@ class SessionRunner:
             timings.layer_send_seconds = [done - stored for stored, done in self.sender.layer_times(request_id).values()]
             await self.engine.release(request_id)
             released = True
-            self.observer.transferred(timings, blocks_needed)
+            self.observer.transferred(timings, n_blocks)
             reason = first_token_finishes(first, sp, cfg.eos_token_ids)
             # a stop token ends the request and is not part of the output (as in the engine)
             first_out = [] if reason == "stop" else [first]

@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH
+from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 
 from .closing import aclose_fully
@@ -110,7 +111,7 @@ class PrefillNode:
             tried: set[str] = set()
             transient = True  # every failure this round was "busy now" (worth waiting for)
             for _ in range(self.max_attempts):
-                need = -(-(len(prompt_ids) + len(produced)) // self.block_size)
+                need = blocks_needed(len(prompt_ids) + len(produced), self.block_size)
                 if need > self.engine.num_blocks:
                     raise NoDecodeAvailable(f"the prompt needs {need} KV blocks but this prefill has only "
                                             f"{self.engine.num_blocks}")
