@@ -4,6 +4,7 @@ wrong text; and that nothing is left held afterwards.
 
   pdserve bench chaos --duration 600 --transfer tcp
   pdserve bench chaos --duration 120 --transfer nixl --faults kill-decode,stop-decode
+  pdserve bench chaos --netem --duration 60 --netem-spec "delay 50ms 20ms loss 2%"
 
 It starts its own ``pdserve up --prefill 1 --decode 3`` (whose supervisor restarts
 killed servers), computes each prompt's greedy reference text before any fault, then runs
@@ -14,8 +15,12 @@ Sessions, CacheStore entries and queued requests must be back to zero. Writes
 <out>/<name>.json and <out>/<name>.png; exits 1 when a target is missed (0 hung, 0 wrong,
 0 leaked, >= 99% completed among requests that met no prefill outage).
 
+--netem (root) runs all of it inside a fresh network namespace ``pdchaos-<pid>`` and adds
+the fault kind ``netem``: tc delay/loss on the prefill <-> decode traffic only (netem.py).
+
 Reading path: cli.py (the phases), load.py (client), faults.py (chaos loop), outcome.py
-(classification), leaks.py (what must be zero), report.py (table, JSON, PNG).
+(classification), leaks.py (what must be zero), report.py (table, JSON, PNG), netem.py
+(namespace and tc).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from pdserve.cachestore import TRANSPORTS
 from pdserve.defaults import BUILTIN_MODEL
 
 from .faults import KINDS
+
+NON_NETWORK_KINDS = tuple(k for k in KINDS if k != "netem")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,10 +55,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sampled-fraction", type=float, default=0.25,
                    help="fraction of requests sampled at temperature 0.8 (not checked); the rest are greedy and checked")
     g = parser.add_argument_group("faults")
-    g.add_argument("--faults", default=",".join(KINDS), help="comma-separated kinds to inject (default: all)")
+    g.add_argument("--faults", default=None,
+                   help=f"comma-separated kinds to inject, among {','.join(KINDS)} "
+                        "(default: all; netem only with --netem)")
     g.add_argument("--fault-interval", type=float, default=10.0, help="mean seconds between faults")
     g.add_argument("--pause-min", type=float, default=1.0, help="shortest SIGSTOP pause, seconds")
     g.add_argument("--pause-max", type=float, default=5.0, help="longest SIGSTOP pause, seconds")
+    g.add_argument("--netem", action="store_true",
+                   help="run everything in a fresh network namespace pdchaos-<pid> (needs root) and enable the "
+                        "netem fault: tc on the prefill<->decode traffic only")
+    g.add_argument("--netem-spec", default="delay 50ms 20ms loss 2%",
+                   help="what a netem fault applies (netem words: delay T [JITTER], loss P%%, rate R); "
+                        "default: %(default)s")
+    g.add_argument("--netem-min", type=float, default=3.0, help="shortest netem fault, seconds")
+    g.add_argument("--netem-max", type=float, default=6.0, help="longest netem fault, seconds")
     g = parser.add_argument_group("judging and report")
     g.add_argument("--hang-s", type=float, default=30.0, help="a request with no byte for this long is hung")
     g.add_argument("--leak-timeout", type=float, default=60.0,
@@ -66,13 +83,32 @@ def run(args: argparse.Namespace) -> int:
     from .cli import run_chaos, validate
 
     args.name = args.name or f"chaos-{args.transfer}"
+    if args.faults is None:
+        args.faults = ",".join(KINDS if args.netem else NON_NETWORK_KINDS)
     try:
         validate(args)
     except ValueError as e:
         print(f"pdserve bench chaos: error: {e}", file=sys.stderr)
         return 2
     try:
+        if args.netem:
+            from .netem import inside_namespace, run_in_namespace
+
+            args.netns = inside_namespace()
+            if args.netns is None:  # not yet inside: the same command again, in a fresh namespace
+                return run_in_namespace(sys.argv[1:])
+            _sigterm_interrupts()
         return run_chaos(args)
     except RuntimeError as e:
         print(f"pdserve bench chaos: {e}", file=sys.stderr)
         return 1
+
+
+def _sigterm_interrupts() -> None:
+    """Inside the namespace: SIGTERM (forwarded by the parent) stops the run like Ctrl-C, cleanup included."""
+    import signal
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)

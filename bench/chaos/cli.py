@@ -1,7 +1,9 @@
 """The command: start a supervised local cluster, load it, inject faults, judge, report.
 
 1. **start** ``pdserve up --prefill P --decode D --transfer T`` (its supervisor restarts
-   killed servers on the same ports) and wait until every server is ready.
+   killed servers on the same ports) and wait until every server is ready. With --netem
+   this process already runs inside its own network namespace (netem.py) and reads the
+   decodes' gRPC and KV ports for the netem fault.
 2. **reference**: every prompt of the pool once, greedy, while nothing is faulty.
 3. **chaos** for --duration seconds: streaming load (load.py) and the fault loop
    (faults.py) side by side; a progress bar shows time and outcomes so far.
@@ -95,11 +97,24 @@ class Cluster:
                 self.proc.wait(30)
 
 
-async def chaos_phase(args, cluster: Cluster, pool, t0: float):
+def make_shaper(args, cluster: Cluster):
+    """With --netem (we are inside the namespace): the Shaper of the decodes' gRPC and KV ports."""
+    if not args.netem:
+        return None
+    from .netem import Shaper, decode_ports, parse_spec, proc_argv
+
+    ports = decode_ports(read_servers(cluster.state_file), proc_argv)
+    shaper = Shaper(args.netns, ports, parse_spec(args.netem_spec))
+    print(f"netem faults: {shaper.describe()}", flush=True)
+    return shaper
+
+
+async def chaos_phase(args, cluster: Cluster, pool, t0: float, shaper=None):
     from tqdm import tqdm
 
     faults = FaultLoop(cluster.state_file, random.Random(args.seed + 1), args.fault_interval,
-                       (args.pause_min, args.pause_max), tuple(args.faults.split(",")), t0, say=tqdm.write)
+                       (args.pause_min, args.pause_max), tuple(args.faults.split(",")), t0, say=tqdm.write,
+                       shaper=shaper, netem_s=(args.netem_min, args.netem_max))
     done: list = []
     bar = tqdm(total=int(args.duration), desc="chaos", unit="s", disable=not args.progress)
 
@@ -138,28 +153,33 @@ def run_chaos(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(args, out)
+    shaper = None
     try:
         print(f"starting pdserve up (--prefill {args.prefill} --decode {args.decode} --transfer {args.transfer}); "
               f"logs in {cluster.log_dir}", flush=True)
         cluster.wait_all_ready(args.ready_timeout)
+        shaper = make_shaper(args, cluster)
         pool = prompt_pool(args.pool, args.seed)
         reference = asyncio.run(reference_texts(cluster.url, args.model, pool, args.hang_s))
         print(f"reference texts of {len(pool)} prompts computed before any fault; chaos for {args.duration:.0f}s",
               flush=True)
         t0 = time.perf_counter()
-        records, faults = asyncio.run(chaos_phase(args, cluster, pool, t0))
+        records, faults = asyncio.run(chaos_phase(args, cluster, pool, t0, shaper))
         horizon = time.perf_counter() - t0
         for r in records:
             r.outcome = classify(r, args.hang_s, reference[r.prompt_key] if r.checked else None)
         print(f"load done: {counts(records)}; waiting for servers to settle (up to {args.leak_timeout:.0f}s)", flush=True)
         readings, leaked = settle(args, cluster)
     finally:
+        if shaper is not None:
+            shaper.clear()
         cluster.close()
     summary = summarize(records, faults.faults, leaked, horizon)
     doc = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "summary": summary, "requests": [r.to_json() for r in records],
            "faults": [f.to_json() for f in faults.faults], "final_readings": readings, "leaks": leaked,
-           "restarts": cluster.restart_lines(), "up_log": str(cluster.log), "server_logs": str(cluster.log_dir)}
+           "restarts": cluster.restart_lines(), "up_log": str(cluster.log), "server_logs": str(cluster.log_dir),
+           "netem": shaper.describe() if shaper is not None else None}
     json_path = out / f"{args.name}.json"
     json_path.write_text(json.dumps(doc, indent=1))
     png = plot(records, faults.faults, out / f"{args.name}.png",
@@ -186,8 +206,16 @@ def validate(args) -> None:
         raise ValueError("--sampled-fraction must be in [0, 1]")
     if not 0 < args.pause_min <= args.pause_max:
         raise ValueError("need 0 < --pause-min <= --pause-max")
+    if args.netem and not 0 < args.netem_min <= args.netem_max:
+        raise ValueError("need 0 < --netem-min <= --netem-max")
+    if args.netem:
+        from .netem import parse_spec
+
+        parse_spec(args.netem_spec)
     if args.pause_max >= args.hang_s:
         raise ValueError("--pause-max must be below --hang-s (a pause would read as a hang)")
     bad = set(args.faults.split(",")) - set(KINDS)
     if bad:
         raise ValueError(f"--faults: unknown {sorted(bad)}; choose from {','.join(KINDS)}")
+    if "netem" in args.faults.split(",") and not args.netem:
+        raise ValueError("--faults netem needs --netem (the run inside a network namespace)")

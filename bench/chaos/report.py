@@ -16,7 +16,8 @@ from .faults import Fault
 from .outcome import OUTCOMES, RequestRecord, counts, overlaps
 
 COLORS = {"completed": "tab:green", "failed": "tab:orange", "cut": "tab:purple", "hung": "tab:red", "wrong": "black"}
-FAULT_COLORS = {"kill-decode": "tab:red", "stop-decode": "tab:blue", "kill-prefill": "darkred", "stop-prefill": "navy"}
+FAULT_COLORS = {"kill-decode": "tab:red", "stop-decode": "tab:blue", "kill-prefill": "darkred", "stop-prefill": "navy",
+                "netem": "tab:olive"}
 
 
 def summarize(records: list[RequestRecord], faults: list[Fault], leaked: dict, horizon: float) -> dict:
