@@ -36,6 +36,7 @@ about allocations and finished pushes (picker accounting, metrics) and ``Session
 from __future__ import annotations
 
 import asyncio
+import os
 import logging
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,10 @@ log = logging.getLogger(__name__)
 # request at its deadline itself (a clear error to the client, a cancel to decode); the gRPC
 # deadline is the decode's backstop when prefill cannot say so (frozen).
 DEADLINE_SLACK_S = 1.0
+
+# Test hook (never set it in production): seconds the prefill waits between the decode's
+# Allocation and its forward pass, so a test can freeze it while the decode holds blocks.
+HOLD_AFTER_ALLOCATION_S = float(os.environ.get("PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S", "0") or 0)
 
 
 class Retryable(Exception):
@@ -185,6 +190,8 @@ class SessionRunner:
             timings.allocated = time.monotonic()
             # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
+            if HOLD_AFTER_ALLOCATION_S:  # test hook: a window in which the decode holds a reservation
+                await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)
             # 3. prefill + push, layer by layer
             try:
                 self.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))

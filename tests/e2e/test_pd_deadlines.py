@@ -107,8 +107,10 @@ def test_prefill_frozen_after_reservation_decode_frees(procs):
     and neither end holds anything."""
     decode = start_decode(procs, name="decode", extra=["--session-timeout", str(SESSION_TIMEOUT)])
     wait_ready(decode)
-    # KV goes only after the whole forward pass: a window where decode has reserved and waits
-    prefill = start_prefill(procs, [decode.grpc_address], extra=["--no-layerwise-push"])
+    # KV goes only after the whole forward pass, which the prefill starts 30 s after the decode
+    # allocated (a test hook): a window, wide on any machine, where the decode has reserved and waits
+    prefill = start_prefill(procs, [decode.grpc_address], extra=["--no-layerwise-push"],
+                            env={"PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S": "30"})
     wait_ready(prefill)
     total = get_json(decode.url + "/health")[1]["kv_blocks_total"]
     prompt = [256] + [97 + i % 26 for i in range(1999)]
