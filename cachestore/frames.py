@@ -28,7 +28,9 @@ import enum
 import json
 import socket
 import struct
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from .errors import ProtocolError
 
@@ -82,32 +84,55 @@ def encode_json(ftype: FrameType, obj: dict, rid: str = "") -> bytes:
     return encode_control(ftype, rid, json.dumps(obj, sort_keys=True).encode())
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    """Fill view completely from sock (blocking); ProtocolError if the peer closes first."""
+OnWait = Callable[[float], None]
+
+
+def _recv_into(sock: socket.socket, view: memoryview, n: int, on_wait: OnWait | None, since: float) -> int:
+    """One recv_into(MSG_WAITALL). On a socket with ``SO_RCVTIMEO`` (the receiver's connections)
+    a receive that got no byte within it raises EAGAIN: with ``on_wait`` given, it is called
+    with the seconds since ``since`` (the last byte) and may raise to give up; then it retries."""
+    while True:
+        try:
+            return sock.recv_into(view, n, socket.MSG_WAITALL)
+        except BlockingIOError:
+            if on_wait is None:
+                raise
+            on_wait(time.monotonic() - since)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview, on_wait: OnWait | None = None) -> None:
+    """Fill view completely from sock (blocking); ProtocolError if the peer closes first.
+
+    ``on_wait(stalled_s)``: see ``_recv_into`` (called while no byte arrives, may raise)."""
     got = 0
     total = len(view)
+    last = time.monotonic() if on_wait is not None else 0.0
     while got < total:
-        n = sock.recv_into(view[got:], total - got, socket.MSG_WAITALL)
+        n = _recv_into(sock, view[got:], total - got, on_wait, last)
         if n == 0:
             raise ProtocolError(f"connection closed mid-frame ({got} of {total} bytes received)")
         got += n
+        if on_wait is not None and got < total:
+            last = time.monotonic()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
+def recv_exact(sock: socket.socket, n: int, on_wait: OnWait | None = None) -> bytes:
     buf = bytearray(n)
-    recv_exact_into(sock, memoryview(buf))
+    recv_exact_into(sock, memoryview(buf), on_wait)
     return bytes(buf)
 
 
-def read_frame_header(sock: socket.socket) -> Frame | None:
-    """Read and validate one header + request id. None on a clean close between frames."""
+def read_frame_header(sock: socket.socket, on_wait: OnWait | None = None) -> Frame | None:
+    """Read and validate one header + request id. None on a clean close between frames.
+
+    ``on_wait``: see ``_recv_into``; also called while the connection is idle between frames."""
     buf = bytearray(HEADER.size)
     view = memoryview(buf)
-    first = sock.recv_into(view, HEADER.size, socket.MSG_WAITALL)
+    first = _recv_into(sock, view, HEADER.size, on_wait, time.monotonic() if on_wait is not None else 0.0)
     if first == 0:
         return None
     if first < HEADER.size:
-        recv_exact_into(sock, view[first:])
+        recv_exact_into(sock, view[first:], on_wait)
     magic, version, ftype, flags, rid_len, layer, block, nblocks, payload_len, crc = HEADER.unpack(buf)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a pdserve CacheStore peer or a corrupted stream")
@@ -124,19 +149,19 @@ def read_frame_header(sock: socket.socket) -> Frame | None:
     rid = ""
     if rid_len:
         try:
-            rid = recv_exact(sock, rid_len).decode()
+            rid = recv_exact(sock, rid_len, on_wait).decode()
         except UnicodeDecodeError:
             raise ProtocolError("request id is not valid UTF-8") from None
     return Frame(ftype, rid, layer, block, nblocks, payload_len, flags, crc)
 
 
-def read_payload(sock: socket.socket, frame: Frame) -> bytes:
-    return recv_exact(sock, frame.payload_len)
+def read_payload(sock: socket.socket, frame: Frame, on_wait: OnWait | None = None) -> bytes:
+    return recv_exact(sock, frame.payload_len, on_wait)
 
 
-def discard(sock: socket.socket, nbytes: int, scratch: memoryview) -> None:
+def discard(sock: socket.socket, nbytes: int, scratch: memoryview, on_wait: OnWait | None = None) -> None:
     """Read and drop nbytes (payload of a rejected DATA frame) so the stream stays in sync."""
     while nbytes > 0:
         n = min(nbytes, len(scratch))
-        recv_exact_into(sock, scratch[:n])
+        recv_exact_into(sock, scratch[:n], on_wait)
         nbytes -= n

@@ -16,13 +16,22 @@ notification (nixl).
 
 Any connection error fails the whole link: every request on it gets ``TransferError`` and
 the next ``bind`` to that receiver opens a new link (so a restarted peer is reconnected).
+
+Stalls (``LinkConfig.stall_timeout_s``): a receiver that is alive but takes nothing (frozen,
+SIGSTOP) must not hold a link's threads for ever. Every link socket has ``SO_SNDTIMEO`` =
+that bound, so a ``send`` that moves no byte for that long raises and fails the link; for
+nixl, a WRITE still in flight with no WRITE of the link completing for that long fails the
+link too (its handles are released: NIXL aborts what it can). A failed link closes its
+sockets and counts none of its chunks as sending any more; the owner fails its requests.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -65,6 +74,12 @@ class LinkConfig:
     connect_timeout_s: float
     nixl: Any = None               # the sender's NixlMemory (agent, name, mem_type), for nixl
     checksum: bool = False         # send a CRC32C with every slice (checksum.py)
+    stall_timeout_s: float = 30.0  # no byte sent / no NIXL WRITE completed for this long: the link fails
+
+
+def _stalled(exc: BaseException) -> bool:
+    """An OSError that SO_SNDTIMEO produced (send took no byte within the timeout)."""
+    return isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
 
 
 class Link:
@@ -135,10 +150,11 @@ class Link:
                 t.join(10)
 
     # ----- threads ---------------------------------------------------------------------
-    def _spawn(self, target, name: str, *args) -> None:
+    def _spawn(self, target, name: str, *args) -> threading.Thread:
         t = threading.Thread(target=target, args=args, name=name, daemon=True)
         self._threads.append(t)
         t.start()
+        return t
 
     def _shutdown_socks(self) -> None:
         for s in list(self._socks):
@@ -158,12 +174,34 @@ class Link:
         client_hello(sock, self.config.compat, self.config.nixl.name if self.config.nixl else "", self.peer,
                      self.config.checksum)
         sock.settimeout(None)
+        # a send that moves no byte within the stall bound raises (EAGAIN) instead of blocking
+        # for ever on a receiver that is alive but frozen; reads are not bounded (idle is fine)
+        sec = self.config.stall_timeout_s
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                        struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6)))
         return sock
 
+    def _stall_error(self, what: str) -> TransferError:
+        return TransferError(f"{what} to receiver {self.peer} made no progress for {self.config.stall_timeout_s}s "
+                             "(receiver frozen or not reading): link closed")
+
+    def _close_sock(self, sock: socket.socket | None, reader: threading.Thread | None) -> None:
+        """After the link failed: let the reader leave its recv (the socket is shut down), then close."""
+        if sock is None:
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if reader is not None and reader is not threading.current_thread():
+            reader.join(10)
+        sock.close()
+
     def _conn_main(self, index: int) -> None:
+        sock, reader = None, None
         try:
             sock = self._connect()
-            self._spawn(self._reader_main, f"cachestore-tx-{self.peer}-r{index}", sock)
+            reader = self._spawn(self._reader_main, f"cachestore-tx-{self.peer}-r{index}", sock)
             io = RegionIO(self.config.region) if self.endpoint.transport == "tcp" else None
             layout = self.config.layout
             while True:
@@ -199,7 +237,10 @@ class Link:
                 finally:
                     self._chunk_done(chunk, acked=False)
         except BaseException as exc:  # noqa: BLE001 - every failure fails the link
-            self.fail(exc)
+            self.fail(self._stall_error("sending") if _stalled(exc) else exc)
+        finally:
+            if not self.alive:
+                self._close_sock(sock, reader)
 
     def _chunk_done(self, chunk: Chunk, acked: bool) -> None:
         with self.cond:
@@ -243,6 +284,8 @@ class Link:
             checksum = self.config.checksum
             io = RegionIO(region)
             outstanding: collections.deque = collections.deque()
+            stall_s = self.config.stall_timeout_s
+            last_progress = time.monotonic()  # a WRITE completed, or posted with none in flight
             try:
                 while True:
                     batch: list[Chunk] = []
@@ -291,8 +334,10 @@ class Link:
                             for c in batch:
                                 self._chunk_done(c, acked=False)
                             raise TransferError(f"NIXL WRITE to {self.peer} failed to post")
+                        if not outstanding:
+                            last_progress = time.monotonic()
                         outstanding.append((handle, batch, scratch))
-                    progressed = bool(batch)
+                    progressed = False
                     while outstanding:
                         handle, done, scratch = outstanding[0]
                         state = agent.check_xfer_state(handle)
@@ -307,7 +352,14 @@ class Link:
                         if state != "DONE":
                             raise TransferError(f"NIXL WRITE to {self.peer} for request(s) "
                                                 f"{sorted({c.transfer.key for c in done})} failed")
-                    if not progressed:
+                    if progressed:
+                        last_progress = time.monotonic()
+                    elif not batch and outstanding and time.monotonic() - last_progress > stall_s:
+                        # the receiver's agent makes no progress (frozen): fail the link; the
+                        # finally below releases the handles (NIXL aborts what it can)
+                        raise self._stall_error(f"NIXL WRITE for request(s) "
+                                                f"{sorted({c.transfer.key for c in outstanding[0][1]})}")
+                    if not progressed and not batch:
                         # check_xfer_state also drives UCX progress, so poll back to back
                         # (as a raw NIXL loop does) and only yield the GIL in between
                         time.sleep(0)

@@ -19,6 +19,8 @@ Request lifecycle on the receiver (read ``entries.py`` for the bookkeeping):
    timeout, a rejected frame) unpins too, and every waiter gets ``TransferError``. If KV was
    still arriving, a frame being received stops within one 1 MiB piece (the rest is read
    and dropped); ``await released(rid)`` says when no byte can land in its blocks any more.
+   A frame whose sender stopped mid-way (frozen) is cut: after ``stall_timeout_s`` with no
+   byte its connection is closed, then ``released`` returns (tcp; nixl: see the README).
 
 Threads: ``tcp_server.py`` (accept, one reader per sender connection: blocking ``recv_into``
 straight into the region releases the GIL) and for nixl ``nixl_receive.py`` (notifications).
@@ -51,11 +53,15 @@ class CacheStoreReceiver:
     Checksums sent by the sender are always verified. ``require_checksum`` refuses (at the
     handshake, CompatError on the sender) a sender that sends none. ``on_checksum_mismatch(rid,
     layer)`` is called on the event loop for each entry failed by a checksum mismatch (metrics).
+    ``stall_timeout_s`` (tcp): a DATA frame still landing in an entry that was deleted or failed,
+    with no byte arriving for this long (a frozen sender), gets its connection closed, so
+    ``released`` is bounded by it (``tcp_server.py``).
     """
 
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 require_checksum: bool = False, on_checksum_mismatch: Callable[[str, int], None] | None = None):
+                 require_checksum: bool = False, on_checksum_mismatch: Callable[[str, int], None] | None = None,
+                 stall_timeout_s: float = 1.0):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         compat.check_layout(layout)
@@ -71,10 +77,11 @@ class CacheStoreReceiver:
         self._table = EntryTable(layout)
         self._loop = LoopCaller()
         self._counters = {"bytes_received": 0, "frames_received": 0, "frames_rejected": 0, "connections_refused": 0,
-                          "frames_verified": 0, "checksum_mismatches": 0}
+                          "frames_verified": 0, "checksum_mismatches": 0, "connections_cut": 0}
         self.require_checksum = require_checksum
         self._on_checksum_mismatch = on_checksum_mismatch
-        self._server = TcpServer(region, layout, compat, transport, self._table, self._counters, self, require_checksum)
+        self._server = TcpServer(region, layout, compat, transport, self._table, self._counters, self, require_checksum,
+                                 stall_timeout_s)
         self._waiters = WaiterBook()
         self._release_waiters = WaiterBook()
         self._timers: dict[str, asyncio.TimerHandle] = {}

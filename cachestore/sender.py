@@ -19,6 +19,10 @@ Request lifecycle on the sender:
    once: a chunk already on the wire finishes on its link (``stats()['sending_chunks']``) but
    its completion is a no-op. (A NIXL WRITE's completion can wait on the receiver's agent;
    a pin held until then outlived the request whenever the receiver stopped progressing.)
+   The link itself is bounded by ``stall_timeout_s`` (default 30 s): a receiver that takes
+   no byte (tcp) or completes no WRITE (nixl) for that long, e.g. a frozen one, fails the
+   link (its requests fail, its sockets close, ``sending_chunks`` drops to 0) and the next
+   ``bind`` to that receiver opens a new one.
 
 Failures (receiver gone, ERROR from the receiver, a wait's timeout) fail the request: its
 waiters get ``TransferError`` and it is freed; later ``store`` calls for it are ignored. When
@@ -73,13 +77,14 @@ class CacheStoreSender:
 
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
                  scheduler: str = "priority", chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_wait: int = DEFAULT_MAX_WAIT,
-                 connections_per_peer: int = 1, connect_timeout_s: float = 5.0, checksum: bool = False):
+                 connections_per_peer: int = 1, connect_timeout_s: float = 5.0, checksum: bool = False,
+                 stall_timeout_s: float = 30.0):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
-        if chunk_bytes <= 0 or connections_per_peer <= 0:
-            raise ValueError("chunk_bytes and connections_per_peer must be positive")
+        if chunk_bytes <= 0 or connections_per_peer <= 0 or not stall_timeout_s > 0:
+            raise ValueError("chunk_bytes, connections_per_peer and stall_timeout_s must be positive")
         compat.check_layout(layout)
         region.check_layout(layout)
         if transport == "nixl":
@@ -90,6 +95,7 @@ class CacheStoreSender:
         self.scheduler_name, self.max_wait = scheduler, max_wait
         self.chunk_blocks = max(1, chunk_bytes // layout.block_nbytes)
         self.connections_per_peer, self.connect_timeout_s = connections_per_peer, connect_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self._lock = threading.Lock()
         self._requests: dict[str, _TxRequest] = {}
         self._failed: OrderedDict[str, TransferError] = OrderedDict()
@@ -254,7 +260,7 @@ class CacheStoreSender:
             if stale.alive:
                 threading.Thread(target=stale.close, daemon=True).start()
         config = LinkConfig(self.region, self.layout, self.compat, self.chunk_blocks, self.connections_per_peer,
-                            self.connect_timeout_s, self._nixl, self.checksum)
+                            self.connect_timeout_s, self._nixl, self.checksum, self.stall_timeout_s)
         link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait), config)
         self._links[key] = link
         link.start()

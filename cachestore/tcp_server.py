@@ -8,7 +8,16 @@ to it: read and dropped, answered with ERROR rid); its bytes land straight in th
 a CRC32C is summed as it lands and compared before anything else (a mismatch: the blocks do
 not count as arrived, no ACK, the receiver fails the entry, ``checksum.py``); then ACK. A
 malformed frame closes that connection with an ERROR naming the problem. When a connection
-ends, the entries it bound that were not complete fail. Everything the event loop must hear
+ends, the entries it bound that were not complete fail.
+
+A sender that stops mid-frame (frozen: alive, connection open) must not leave a reader thread
+inside a DATA frame of an entry the decode has given up on: once the sender connects,
+receives on its connection time out every ``RECV_POLL_S`` (``SO_RCVTIMEO``, the thread just
+retries), and when no byte of a DATA frame has arrived for ``stall_timeout_s`` while its
+entry is deleted or failed, the connection is shut down and closed (``connections_cut``)
+before the frame ends, so no later byte of it can land and ``released`` reports only then. The
+sender's link fails on it and reconnects for later requests. An idle connection, or a frame
+whose entry is still live (its own timeout fails it, then the rule above applies), waits. Everything the event loop must hear
 goes through a ``ReceiveSink``; these threads touch only the lock-protected table.
 """
 
@@ -31,6 +40,19 @@ from .wire_io import RegionIO
 
 log = logging.getLogger("pdserve.cachestore.receiver")
 SEND_TIMEOUT_S = 5.0  # a sender that stops reading ACK/ERROR frames for this long is dropped
+RECV_POLL_S = 0.25    # receives wake up this often to check whether a stalled frame must be cut
+
+
+class FrameStalled(OSError):
+    """A DATA frame for a deleted/failed entry got no byte for the stall bound: the connection is cut."""
+
+
+def _keep_waiting(stalled_s: float) -> None:
+    """on_wait for reads that write nothing into the region (idle, headers, control frames)."""
+
+
+def _timeval(seconds: float) -> bytes:
+    return int(seconds).to_bytes(8, "little") + int((seconds - int(seconds)) * 1e6).to_bytes(8, "little")
 
 
 class ReceiveSink(Protocol):
@@ -80,8 +102,10 @@ class TcpServer:
     """Listener, accept thread and one reader thread per sender connection."""
 
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str,
-                 table: EntryTable, counters: dict, sink: ReceiveSink, require_checksum: bool = False):
+                 table: EntryTable, counters: dict, sink: ReceiveSink, require_checksum: bool = False,
+                 stall_timeout_s: float = 1.0):
         self.region, self.layout, self.compat, self.transport = region, layout, compat, transport
+        self.stall_timeout_s = stall_timeout_s
         self.require_checksum = require_checksum
         self.table, self.counters, self.sink = table, counters, sink
         self.port = 0
@@ -142,8 +166,7 @@ class TcpServer:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                            int(SEND_TIMEOUT_S).to_bytes(8, "little") + (0).to_bytes(8, "little"))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SEND_TIMEOUT_S))
             conn = SenderConnection(next(self._conn_ids), sock, f"{addr[0]}:{addr[1]}")
             with self._conns_lock:
                 self._conns[conn.id] = conn
@@ -159,22 +182,24 @@ class TcpServer:
                     log.warning("refused %s: %s", conn.peer, refused)
                 return
             conn.agent = agent
+            # receives now wake up every RECV_POLL_S (the on_wait callbacks decide: retry or cut)
+            conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(RECV_POLL_S))
             io = RegionIO(self.region) if self.transport == "tcp" else None
             scratch = memoryview(bytearray(1 << 16))
             while True:
-                frame = read_frame_header(conn.sock)
+                frame = read_frame_header(conn.sock, _keep_waiting)
                 if frame is None:
                     return
                 if frame.type == FrameType.DATA and io is not None:
                     self._on_data(conn, frame, io, scratch)
                 elif frame.type == FrameType.BIND:
-                    read_payload(conn.sock, frame)
+                    read_payload(conn.sock, frame, _keep_waiting)
                     try:
                         self.table.bind(frame.rid, conn.id)
                     except UnknownRequestError as exc:
                         conn.send(encode_control(FrameType.ERROR, frame.rid, str(exc).encode()))
                 elif frame.type in (FrameType.CANCEL, FrameType.ERROR):
-                    text = read_payload(conn.sock, frame).decode(errors="replace")
+                    text = read_payload(conn.sock, frame, _keep_waiting).decode(errors="replace")
                     if frame.rid:
                         self.sink.on_fail(frame.rid, TransferError(f"request {frame.rid!r}: the sender gave up: {text}"))
                     else:
@@ -186,6 +211,10 @@ class TcpServer:
             log.warning("CacheStore %s", reason)
             self.counters["frames_rejected"] += 1
             conn.send(encode_control(FrameType.ERROR, "", str(exc).encode()))
+        except FrameStalled as exc:
+            reason = f"sender connection {conn.peer} cut: {exc}"
+            log.warning("CacheStore %s", reason)
+            self.counters["connections_cut"] += 1
         except OSError as exc:
             reason = f"sender connection {conn.peer} failed: {exc}"
         finally:
@@ -204,7 +233,7 @@ class TcpServer:
         try:
             entry = self.table.begin_receive(f.rid, f.layer, f.block, f.nblocks)
         except (UnknownRequestError, ProtocolError) as exc:
-            discard(conn.sock, f.payload_len, scratch)
+            discard(conn.sock, f.payload_len, scratch, _keep_waiting)
             self.counters["frames_rejected"] += 1
             if isinstance(exc, ProtocolError):  # a known request writing outside its blocks: fail it
                 self.sink.on_fail(f.rid, TransferError(str(exc)))
@@ -212,9 +241,22 @@ class TcpServer:
             return
         checksum = bool(f.flags & FLAG_CRC32C)
         ok, bad = False, None
+
+        def on_wait(stalled_s: float) -> None:
+            if (entry.deleted or entry.error is not None) and stalled_s >= self.stall_timeout_s:
+                # shut the connection before the frame ends: no later byte of it can land
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                raise FrameStalled(f"DATA frame for request {f.rid!r} (layer {f.layer}, blocks {f.block}.."
+                                   f"{f.block + f.nblocks - 1}) got no byte for {stalled_s:.1f}s after the request "
+                                   "was deleted or failed (sender frozen?)")
+
         try:
             ok, got = io.recv(conn.sock, self.layout.offset(f.layer, f.block), nbytes,
-                              stop=lambda: entry.deleted or entry.error is not None, scratch=scratch, checksum=checksum)
+                              stop=lambda: entry.deleted or entry.error is not None, scratch=scratch, checksum=checksum,
+                              on_wait=on_wait)
             if ok and checksum and got != f.crc:
                 bad = ChecksumError(mismatch_text(f.rid, f.layer, f.block, f.nblocks, f.crc, got), f.rid, f.layer)
         finally:

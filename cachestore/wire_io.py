@@ -79,27 +79,29 @@ class RegionIO:
             done += n
 
     def recv(self, sock: socket.socket, offset: int, nbytes: int, stop=None, scratch: memoryview | None = None,
-             checksum: bool = False) -> tuple[bool, int]:
+             checksum: bool = False, on_wait=None) -> tuple[bool, int]:
         """Receive nbytes into the region at offset, PIECE_BYTES at a time.
 
         Before each piece ``stop()`` is asked; once it says True (the entry was deleted or
         failed meanwhile) the rest of the payload is read into ``scratch`` and dropped, so
         at most one piece lands in blocks the engine may already be reusing. Returns
         (whether every byte landed, the CRC32C of the bytes received when ``checksum``, else 0).
+        ``on_wait(stalled_s)`` is called while no byte arrives (``frames._recv_into``); it may
+        raise to give up on the frame (the receiver then closes the connection).
         """
         done, value = 0, 0
         while done < nbytes:
             if stop is not None and stop():
-                discard(sock, nbytes - done, scratch)
+                discard(sock, nbytes - done, scratch, on_wait)
                 return False, 0
             if self._view is not None:
                 n = min(PIECE_BYTES, nbytes - done)
                 piece = self._view[offset + done:offset + done + n]
-                recv_exact_into(sock, piece)
+                recv_exact_into(sock, piece, on_wait)
             else:
                 n = min(STAGE_BYTES, nbytes - done)
                 piece = self._stage_view[:n]
-                recv_exact_into(sock, piece)
+                recv_exact_into(sock, piece, on_wait)
                 self._dev[offset + done:offset + done + n].copy_(self._stage[:n])
             if checksum:
                 value = crc32c(piece, value)

@@ -485,3 +485,25 @@ def test_delete_with_a_chunk_in_flight_releases_the_pin_at_once(monkeypatch):
             p.rx.delete("d")
             await p.assert_clean()
     run(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_idle_link_outlives_the_stall_bounds(transport):
+    """The stall bounds are about no progress while work is pending: a link idle for longer than
+    both sides' bounds (and many receive polls) is neither cut nor failed."""
+    async def main():
+        async with Pair(transport, stall_timeout_s=0.5) as p:
+            p.rx._server.stall_timeout_s = 0.5
+            for rid in ("a", "b"):
+                p.tx.bind(rid, p.rx.endpoint, p.rx.expect(rid, [1, 2], 20))
+                for layer in range(L):
+                    p.tx.store(rid, layer, [5, 6])
+                await p.rx.wait_all(rid, 20)
+                await p.tx.wait_sent(rid, 20)
+                p.rx.delete(rid), p.tx.delete(rid)
+                await asyncio.sleep(1.5)
+            assert p.copied([5, 6], [1, 2])
+            assert p.tx.stats()["links"] == 1 and p.rx.stats()["connections"] == 1
+            assert p.rx.stats()["connections_cut"] == 0
+            await p.assert_clean()
+    run(main())

@@ -1,0 +1,163 @@
+"""A CacheStore peer frozen (SIGSTOP: alive, connections open, silent) mid-transfer, in its own
+process. Whatever the survivor holds for that peer is bounded by a stall timeout, not by the
+peer waking up:
+
+* a frozen receiver: the sender's link fails after ``stall_timeout_s`` without progress, so
+  its pins and its sending threads go back to 0 and later requests get a new link;
+* a sender frozen mid-frame (tcp): once the decode deleted (or timed out) the entry, the
+  receiver closes that connection after ``stall_timeout_s`` without a byte, ``released`` returns,
+  and when the sender wakes up no byte of the frame lands in the (reused) blocks.
+"""
+
+import asyncio
+import base64
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender, MemoryRegion, TransferError
+
+from harness import cachestore_peer as peer
+
+PEER = peer.__file__
+STALL_S = 2.0     # the stall bound the tests configure
+BOUND_S = 10.0    # generous: the stall bound plus slack on a loaded 2-core box
+
+
+def _wait_file(path: Path, proc, limit=60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not path.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"peer exited with {proc.returncode} (see its log)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"peer did not write {path}")
+        time.sleep(0.05)
+
+
+async def _until(cond, limit: float, what: str) -> float:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > limit:
+            raise AssertionError(f"{what}: not within {limit}s")
+        await asyncio.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _blocks(a: int, b: int) -> str:
+    return ",".join(str(i) for i in range(a, b))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport):
+    """SIGSTOP the receiver mid-transfer of a 10 MiB request: the request fails at its timeout,
+    and within the stall bound the link fails too (sending_chunks back to 0, sockets closed);
+    a fresh receiver, and the same one after SIGCONT, then serve later requests."""
+    env = {"CACHESTORE_PEER_BIG": "1", "CACHESTORE_PEER_RCVBUF": "65536", "CACHESTORE_PEER_SECOND": _blocks(40, 64)}
+
+    async def main():
+        src = peer.source_pool(True)
+        tx = CacheStoreSender(MemoryRegion.from_tensor(src), peer.BIG_LAYOUT, peer.BIG_COMPAT, transport=transport,
+                              stall_timeout_s=STALL_S)
+        await tx.start()
+        try:
+            ep_file = tmp_path / "ep.json"
+            frozen = procs.start([sys.executable, PEER, "recv", transport, str(ep_file), "r", _blocks(0, 40)],
+                                 name="receiver", env=env)
+            await asyncio.to_thread(_wait_file, ep_file, frozen)
+            doc = json.loads(ep_file.read_text())
+            endpoint = base64.b64decode(doc["endpoint"])
+            tx.bind("r", endpoint, doc["dst"])
+            tx.store("r", 0, list(range(40)))
+            await _until(lambda: tx.stats()["bytes_sent"] > 0, 30, "first bytes delivered")
+            os.killpg(frozen.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            for layer in range(1, peer.L):
+                tx.store("r", layer, list(range(40)))
+            with pytest.raises(TransferError, match="'r'"):
+                await tx.wait_sent("r", STALL_S * 3)  # stands for the session timeout
+            tx.delete("r")
+            await _until(lambda: tx.stats()["sending_chunks"] == 0 and tx.stats()["links"] == 0, BOUND_S,
+                         "the stalled link failed")
+            assert time.monotonic() - t0 < STALL_S * 3 + BOUND_S
+            s = tx.stats()
+            assert s["pinned_entries"] == 0 and s["inflight_transfers"] == 0 and s["queued_chunks"] == 0, s
+
+            # a fresh receiver gets a working link while the first one is still frozen
+            ep2 = tmp_path / "ep2.json"
+            fresh = procs.start([sys.executable, PEER, "recv", transport, str(ep2), "f", _blocks(0, 40)],
+                                name="fresh", env=env)
+            await asyncio.to_thread(_wait_file, ep2, fresh)
+            doc2 = json.loads(ep2.read_text())
+            tx.bind("f", base64.b64decode(doc2["endpoint"]), doc2["dst"])
+            for layer in range(peer.L):
+                tx.store("f", layer, list(range(40)))
+            await tx.wait_sent("f", 60)
+            tx.delete("f")
+
+            # the frozen one, woken up, is reconnected for its next request
+            os.killpg(frozen.pid, signal.SIGCONT)
+            tx.bind("r-2", endpoint, doc["dst2"])
+            for layer in range(peer.L):
+                tx.store("r-2", layer, list(range(40, 64)))
+            await tx.wait_sent("r-2", 60)
+            tx.delete("r-2")
+            s = tx.stats()
+            assert s["pinned_entries"] == 0 and s["sending_chunks"] == 0 and s["queued_chunks"] == 0, s
+        finally:
+            await tx.stop()
+    asyncio.run(asyncio.wait_for(main(), 240))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["delete", "timeout"])
+def test_sender_frozen_mid_frame_is_cut(procs, tmp_path, how):
+    """tcp: a sender SIGSTOPped half-way through a 2.5 MiB DATA frame. Once the decode deletes
+    the entry (or it times out), the receiver closes that connection within the stall bound and
+    ``released`` returns; the blocks are then reused (a pattern written into them), and after
+    SIGCONT the rest of the frame is refused: the pattern is intact."""
+    async def main():
+        dst_pool = torch.zeros(peer.geometry(True)[2])
+        rx = CacheStoreReceiver(MemoryRegion.from_tensor(dst_pool), peer.BIG_LAYOUT, peer.BIG_COMPAT, transport="tcp",
+                                stall_timeout_s=STALL_S)
+        await rx.start()
+        try:
+            dst = list(range(10, 50))
+            rx.expect("h", dst, 3.0 if how == "timeout" else 60)
+            ep_file = tmp_path / "ep.json"
+            ep_file.write_text(json.dumps({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst}))
+            proc = procs.start([sys.executable, PEER, "half", "tcp", str(ep_file), "h", _blocks(0, 40), "1"],
+                               name="sender", env={"CACHESTORE_PEER_BIG": "1"})
+            await asyncio.to_thread(_wait_file, Path(f"{ep_file}.half"), proc)
+            os.killpg(proc.pid, signal.SIGSTOP)
+            await _until(lambda: rx.stats()["receiving_frames"] == 1, 10, "the frame is being received")
+            t0 = time.monotonic()
+            if how == "delete":
+                rx.delete("h")
+            else:
+                with pytest.raises(TransferError):
+                    await rx.wait_all("h", 60)
+                rx.delete("h")
+            await rx.released("h", BOUND_S)
+            took = time.monotonic() - t0
+            assert took < BOUND_S, took
+            s = rx.stats()
+            assert s["connections_cut"] == 1 and s["connections"] == 0, s
+            assert s["pinned_entries"] == 0 and s["receiving_frames"] == 0 and s["pinned_blocks"] == 0, s
+
+            dst_pool[:, 10:50] = 7.0  # the blocks now belong to another request
+            Path(f"{ep_file}.go").write_text("go")
+            os.killpg(proc.pid, signal.SIGCONT)
+            await asyncio.to_thread(_wait_file, Path(f"{ep_file}.done"), proc)
+            await asyncio.sleep(0.5)
+            assert torch.all(dst_pool[:, 10:50] == 7.0), "a byte of the cut frame landed in freed blocks"
+            assert rx.stats()["frames_received"] == 0
+        finally:
+            await rx.stop()
+    asyncio.run(asyncio.wait_for(main(), 120))
