@@ -130,7 +130,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler,
-                              checksum=args.kv_checksum)
+                              checksum=args.kv_checksum, stall_timeout_s=args.session_timeout)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
