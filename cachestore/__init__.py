@@ -2,9 +2,9 @@
 
 Read first: ``cachestore/README.md`` (protocol sequence), then ``receiver.py`` and
 ``sender.py`` (each opens with its request lifecycle), then ``entries.py`` (pins, shared
-blocks), ``link.py`` (connections, threads), ``scheduler.py`` (MoLink / FIFO) and
-``frames.py`` (wire format). It never imports the engine: it sees a ``MemoryRegion`` (the
-KV pool tensor, registered once) and a ``KVLayout``.
+blocks), ``link.py`` (connections, threads; ``nixl_link.py`` its NIXL WRITEs),
+``scheduler.py`` (MoLink / FIFO) and ``frames.py`` (wire format). It never imports the
+engine: it sees a ``MemoryRegion`` (the KV pool tensor, registered once) and a ``KVLayout``.
 
 Usage (decode side receives, prefill side sends)::
 

@@ -7,8 +7,10 @@ request bound to that receiver. It owns:
 * ``connections`` TCP connections, each with a writer thread (control frames, then chunks
   popped from the scheduler, sent straight from the region) and a reader thread (ACK and
   ERROR frames from the receiver). Connection 0 also carries BIND and CANCEL frames;
-* for ``nixl``: one data thread that turns chunks into NIXL WRITEs with a notification and
-  counts a chunk delivered when NIXL reports it DONE (TCP stays the control channel).
+* for ``nixl``: one data thread running a ``NixlWriter`` (``nixl_link.py``) that turns
+  chunks into NIXL WRITEs with a notification and counts a chunk delivered when NIXL reports
+  it DONE (TCP stays the control channel). It reaches the link only through
+  ``take_chunks`` / ``chunk_done`` and the stall error, given at construction.
 
 With ``LinkConfig.checksum`` every slice sent carries the CRC32C of its source bytes, computed
 by the thread that sends it, right before (``checksum.py``): in the DATA header (tcp) or the
@@ -33,7 +35,6 @@ import logging
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,11 +43,11 @@ from .errors import ChecksumError, CompatError, ProtocolError, TransferError
 from .frames import FLAG_CHECKSUM_MISMATCH, FLAG_CRC32C, FrameType, encode_header, read_frame_header, read_payload
 from .handshake import client_hello
 from .memory import CompatInfo, KVLayout, MemoryRegion
+from .nixl_link import NixlWriter
 from .scheduler import Chunk
 from .wire_io import RegionIO
 
 log = logging.getLogger("pdserve.cachestore.link")
-NIXL_MAX_OUTSTANDING = 4  # WRITEs in flight per link
 
 
 class LinkOwner(Protocol):
@@ -128,6 +129,33 @@ class Link:
     def queued(self) -> int:
         with self.cond:
             return len(self.scheduler)
+
+    # ----- called by the link's data threads (nixl_link.NixlWriter) --------------------
+    def take_chunks(self, max_blocks: int, max_chunks: int, wait: bool) -> list[Chunk] | None:
+        """For a data thread: pop consecutive chunks, up to max_chunks and until max_blocks is reached.
+
+        With ``wait``, block until a chunk is queued. None once the link is down. Each chunk
+        popped counts in ``sending`` until the thread reports it with ``chunk_done``."""
+        with self.cond:
+            while wait and self.alive and not len(self.scheduler):
+                self.cond.wait()
+            if not self.alive:
+                return None
+            batch: list[Chunk] = []
+            size = 0
+            while len(self.scheduler) and size < max_blocks and len(batch) < max_chunks:
+                chunk = self.scheduler.pop()
+                self.sending += 1
+                batch.append(chunk)
+                size += chunk.nblocks
+            return batch
+
+    def chunk_done(self, chunk: Chunk, acked: bool) -> None:
+        """A data thread is done with a popped chunk; ``acked``: it reached the receiver."""
+        with self.cond:
+            self.sending -= 1
+        if acked:
+            self.owner.on_delivered(chunk.transfer.key, chunk.transfer.layer, chunk.nblocks)
 
     def fail(self, exc: BaseException) -> None:
         with self.cond:
@@ -235,18 +263,12 @@ class Link:
                                 encode_header(FrameType.DATA, t.key, t.layer, dst, n, nbytes,
                                               FLAG_CRC32C if self.config.checksum else 0, crc), payload)
                 finally:
-                    self._chunk_done(chunk, acked=False)
+                    self.chunk_done(chunk, acked=False)
         except BaseException as exc:  # noqa: BLE001 - every failure fails the link
             self.fail(self._stall_error("sending") if _stalled(exc) else exc)
         finally:
             if not self.alive:
                 self._close_sock(sock, reader)
-
-    def _chunk_done(self, chunk: Chunk, acked: bool) -> None:
-        with self.cond:
-            self.sending -= 1
-        if acked:
-            self.owner.on_delivered(chunk.transfer.key, chunk.transfer.layer, chunk.nblocks)
 
     def _reader_main(self, sock: socket.socket) -> None:
         try:
@@ -269,136 +291,11 @@ class Link:
             self.fail(exc)
 
     def _nixl_main(self) -> None:
-        """Chunks -> NIXL WRITE into the receiver's registered region, a notification per WRITE."""
-        from .nixl_backend import encode_notif
-
+        """The nixl data thread: ``nixl_link.NixlWriter`` until the link is down; any error fails it."""
         try:
-            nixl = self.config.nixl
-            agent = nixl.agent
-            ep = self.endpoint
-            remote_name = agent.add_remote_agent(ep.nixl_metadata)
-            base, _, rdev, rtype = ep.nixl_region
-            layout = self.config.layout
-            bnb = layout.block_nbytes
-            region = self.config.region
-            checksum = self.config.checksum
-            io = RegionIO(region)
-            outstanding: collections.deque = collections.deque()
-            stall_s = self.config.stall_timeout_s
-            last_progress = time.monotonic()  # a WRITE completed, or posted with none in flight
-            try:
-                while True:
-                    batch: list[Chunk] = []
-                    with self.cond:
-                        while self.alive and not len(self.scheduler) and not outstanding:
-                            self.cond.wait()
-                        if not self.alive:
-                            return
-                        # one WRITE carries consecutive chunks up to a chunk's size, so short
-                        # transfers do not each pay a WRITE's fixed cost
-                        size = 0
-                        while (len(self.scheduler) and len(outstanding) < NIXL_MAX_OUTSTANDING
-                               and size < self.config.chunk_blocks and len(batch) < 64):
-                            chunk = self.scheduler.pop()
-                            self.sending += 1
-                            batch.append(chunk)
-                            size += chunk.nblocks
-                    if batch:
-                        local, remote, records, scratch = [], [], [], []
-                        for c in batch:
-                            t = c.transfer
-                            slices = []
-                            for s, d, n in c.slices:
-                                src_off, dst_addr = layout.offset(t.layer, s), base + (t.layer * ep.num_blocks + d) * bnb
-                                crc = io.crc(src_off, n * bnb) if checksum else 0
-                                slices.append((d, n, crc))
-                                if t.corrupt:  # test hook: the first block goes from a flipped copy
-                                    t.corrupt = False
-                                    copy = self._corrupt_copy(agent, io, src_off, bnb, t)
-                                    if copy is not None:
-                                        scratch.append(copy)
-                                        local.append((copy[0], bnb, 0))
-                                        remote.append((dst_addr, bnb, rdev))
-                                        src_off, dst_addr, n = src_off + bnb, dst_addr + bnb, n - 1
-                                        if n == 0:
-                                            continue
-                                local.append((region.ptr + src_off, n * bnb, region.device_id))
-                                remote.append((dst_addr, n * bnb, rdev))
-                            records.append((t.key, t.layer, slices))
-                        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, nixl.mem_type),
-                                                       agent.get_xfer_descs(remote, rtype), remote_name,
-                                                       encode_notif(records, checksum))
-                        if agent.transfer(handle) == "ERR":
-                            handle.release()
-                            self._release_scratch(agent, scratch)
-                            for c in batch:
-                                self._chunk_done(c, acked=False)
-                            raise TransferError(f"NIXL WRITE to {self.peer} failed to post")
-                        if not outstanding:
-                            last_progress = time.monotonic()
-                        outstanding.append((handle, batch, scratch))
-                    progressed = False
-                    while outstanding:
-                        handle, done, scratch = outstanding[0]
-                        state = agent.check_xfer_state(handle)
-                        if state == "PROC":
-                            break
-                        outstanding.popleft()
-                        handle.release()
-                        self._release_scratch(agent, scratch)
-                        for c in done:
-                            self._chunk_done(c, acked=(state == "DONE"))
-                        progressed = True
-                        if state != "DONE":
-                            raise TransferError(f"NIXL WRITE to {self.peer} for request(s) "
-                                                f"{sorted({c.transfer.key for c in done})} failed")
-                    if progressed:
-                        last_progress = time.monotonic()
-                    elif not batch and outstanding and time.monotonic() - last_progress > stall_s:
-                        # the receiver's agent makes no progress (frozen): fail the link; the
-                        # finally below releases the handles (NIXL aborts what it can)
-                        raise self._stall_error(f"NIXL WRITE for request(s) "
-                                                f"{sorted({c.transfer.key for c in outstanding[0][1]})}")
-                    if not progressed and not batch:
-                        # check_xfer_state also drives UCX progress, so poll back to back
-                        # (as a raw NIXL loop does) and only yield the GIL in between
-                        time.sleep(0)
-            finally:
-                for handle, done, scratch in outstanding:
-                    try:
-                        handle.release()
-                        self._release_scratch(agent, scratch)
-                    except Exception:  # noqa: BLE001 - best effort while failing
-                        pass
-                    for c in done:
-                        self._chunk_done(c, acked=False)
-                try:
-                    agent.remove_remote_agent(remote_name)
-                except Exception:  # noqa: BLE001
-                    pass
+            cfg = self.config
+            NixlWriter(cfg.nixl, cfg.region, cfg.layout, self.endpoint, self.peer,
+                       chunk_blocks=cfg.chunk_blocks, checksum=cfg.checksum, stall_timeout_s=cfg.stall_timeout_s,
+                       take=self.take_chunks, chunk_done=self.chunk_done, stall_error=self._stall_error).run()
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
-
-    @staticmethod
-    def _corrupt_copy(agent, io: RegionIO, offset: int, nbytes: int, transfer) -> tuple | None:
-        """Test hook (checksum.py): a registered host copy of nbytes from offset with one byte flipped.
-
-        Returns (address, the copy, its NIXL registration), or None for a cuda region (not supported)."""
-        if io.region.device != "cpu":
-            log.warning("TEST HOOK: %s is not supported on cuda regions with nixl; nothing corrupted",
-                        "PDSERVE_TEST_CORRUPT_KV")
-            return None
-        import numpy as np
-
-        copy = np.frombuffer(io.copy_out(offset, nbytes), dtype=np.uint8)
-        copy[0] ^= 0xFF
-        addr = copy.__array_interface__["data"][0]
-        reg = agent.register_memory([(addr, nbytes, 0, "")], "DRAM")
-        log.warning("TEST HOOK: corrupting one byte of request %r layer %d", transfer.key, transfer.layer)
-        return addr, copy, reg
-
-    @staticmethod
-    def _release_scratch(agent, scratch: list) -> None:
-        for _, _, reg in scratch:
-            agent.deregister_memory(reg)
-        scratch.clear()
