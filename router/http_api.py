@@ -19,6 +19,7 @@ prefill cancels the request as if the client had been its own.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -112,16 +113,18 @@ class RouterApi:
                     log.warning("prefill %s unreachable (%s); trying the next one", address, exc)
                     watch.in_flight -= 1
                     continue
+                resp = None
                 try:
                     self.router.count_decision(address, why, choice, ids)
-                    resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
-                    await resp.prepare(request)
-                    first = True
                     async for chunk in upstream.content.iter_any():
-                        if first:
+                        if resp is None:  # headers go out with the first byte (a failure before it is a 502)
                             m.ttft.observe(time.perf_counter() - start)
-                            first = False
+                            resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
+                            await resp.prepare(request)
                         await resp.write(chunk)
+                    if resp is None:
+                        resp = web.Response(status=upstream.status, headers=_headers(upstream))
+                        await resp.prepare(request)
                     await resp.write_eof()
                     outcome = "ok" if upstream.status < 400 else "error"
                     reason = "relayed" if upstream.status < 400 else f"http_{upstream.status}"
@@ -129,6 +132,15 @@ class RouterApi:
                 except aiohttp.ClientError as exc:  # the prefill went away mid-response
                     log.warning("prefill %s failed mid-response: %s", address, exc)
                     outcome, reason = "error", "prefill_failed"
+                    message = f"prefill {address} failed mid-response: {type(exc).__name__}"
+                    if resp is None:
+                        return _error(502, message, "prefill_failed")
+                    if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                        # never a stream that just stops: an error event, then [DONE], as the prefill ends its own
+                        event = {"error": {"message": message, "type": "server_error", "param": None,
+                                           "code": "prefill_failed"}}
+                        await resp.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+                        await resp.write_eof()
                     return resp
                 finally:
                     if upstream.content.at_eof():
