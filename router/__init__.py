@@ -14,7 +14,8 @@ Request lifecycle on the router:
    decision and its reason (single|prefix|load|balance) are a metric label.
 4. **relay** - the body goes to that prefill's HTTP API untouched; status, content type and
    body (SSE chunks as they come) go back. A prefill that refuses the connection: the next
-   in the ranking (``--max-attempts``); none: 503.
+   in the ranking (``--max-attempts``); none: 503. A prefill that fails mid-response: a 502
+   before any byte, else an SSE error event and ``[DONE]`` (never a stream that just stops).
 5. **release** - the end of the relay (or the client leaving, which closes the upstream
    connection so the prefill cancels) drops the request's in-flight counts.
 
