@@ -214,7 +214,6 @@ class TcpServer:
         except FrameStalled as exc:
             reason = f"sender connection {conn.peer} cut: {exc}"
             log.warning("CacheStore %s", reason)
-            self.counters["connections_cut"] += 1
         except OSError as exc:
             reason = f"sender connection {conn.peer} failed: {exc}"
         finally:
@@ -249,6 +248,10 @@ class TcpServer:
                     conn.sock.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+                # counted and forgotten before the frame ends, which is what `released` waits for
+                self.counters["connections_cut"] += 1
+                with self._conns_lock:
+                    self._conns.pop(conn.id, None)
                 raise FrameStalled(f"DATA frame for request {f.rid!r} (layer {f.layer}, blocks {f.block}.."
                                    f"{f.block + f.nblocks - 1}) got no byte for {stalled_s:.1f}s after the request "
                                    "was deleted or failed (sender frozen?)")

@@ -114,6 +114,9 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
                 tx.store("r-2", layer, list(range(40, 64)))
             await tx.wait_sent("r-2", 60)
             tx.delete("r-2")
+            # the receiver's ACK can overtake the writer thread's own bookkeeping of its last chunk
+            # (tcp: another thread reads ACKs), so sending_chunks reaches 0 a moment after wait_sent
+            await _until(lambda: tx.stats()["sending_chunks"] == 0, BOUND_S, "the last chunk's bookkeeping")
             s = tx.stats()
             assert s["pinned_entries"] == 0 and s["sending_chunks"] == 0 and s["queued_chunks"] == 0, s
         finally:
