@@ -10,34 +10,21 @@ zero on every process still alive.
 
 import http.client
 import json
-import re
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import grpc
 import pytest
 
-from harness.pd_cluster import get_json, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import get_json, metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
 from pdserve.net import free_port
 from harness.procs import wait_for_port
 
 pytestmark = pytest.mark.slow
 
 LONG_PROMPT = [256] + [65 + i % 26 for i in range(149)]  # 150 tokens: 3 blocks with max_tokens 8
-
-
-def metric(url: str, name: str, **labels) -> float:
-    """Sum of a metric's samples whose labels include ``labels`` (0 when absent)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 def _generate_grpc(prefill, **fields):

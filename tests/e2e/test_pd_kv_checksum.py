@@ -7,12 +7,10 @@ greedy output (the request moves to the other decode) or, with one decode, a cle
 never wrong tokens. Afterwards nothing is held anywhere and the mismatch was counted.
 """
 
-import re
-import urllib.request
 
 import pytest
 
-from harness.pd_cluster import nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -20,17 +18,6 @@ CHECKSUM = ["--kv-checksum"]
 CORRUPT_ONE = {"PDSERVE_TEST_CORRUPT_KV": "1"}
 PROMPT = [256] + [65 + i % 26 for i in range(149)]  # 150 tokens: 3 blocks
 BODY = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-
-
-def metric(url: str, name: str, **labels) -> float:
-    """Sum of a metric's samples whose labels include ``labels`` (0 when absent)."""
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])

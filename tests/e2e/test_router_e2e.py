@@ -12,12 +12,11 @@ In one sequence (the processes are slow to start on a shared CPU):
 """
 
 import json
-import re
 import time
 
 import pytest
 
-from harness.pd_cluster import (COMMON, Server, get_json, nothing_held, post_json, start_decode, start_prefill,
+from harness.pd_cluster import (COMMON, Server, get_json, metric, nothing_held, post_json, start_decode, start_prefill,
                                 wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
 from pdserve.net import free_port
@@ -42,23 +41,6 @@ def start_prefill_at(group, decodes, http_port, grpc_port, name) -> Server:
     proc = group.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port), "--decode", ",".join(decodes),
                          "--num-blocks", "64", *COMMON, *EXTRA, name=name)
     return Server(proc, http_port, grpc_port, 0, name)
-
-
-def metric(url: str, name: str, **labels) -> float:
-    text = json_free_get(url + "/metrics")
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(rf"^{name}\{{(.*)\}} (\S+)$", line)
-        if m and all(f'{k}="{v}"' in m.group(1) for k, v in labels.items()):
-            total += float(m.group(2))
-    return total
-
-
-def json_free_get(url: str) -> str:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return resp.read().decode()
 
 
 def raw_post(url: str, data: bytes):

@@ -110,3 +110,10 @@ def wait_all_released(servers: list[Server], timeout: float = 10.0) -> dict:
 
 def nothing_held(readings: dict) -> bool:
     return all(v == 0 for r in readings.values() for v in r.values())
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of a server's metric samples called ``name`` whose labels include ``labels`` (0 when absent)."""
+    from pdserve.bench.experiments.launcher import metric_sum, scrape
+
+    return metric_sum(scrape(url + "/metrics"), name, **labels)
