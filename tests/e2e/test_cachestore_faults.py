@@ -19,16 +19,6 @@ PEER = peer.__file__
 TIMEOUT_S = 60  # the waits' timeout; the failure must be reported long before it
 
 
-def _wait_file(path: Path, proc, limit=60.0) -> None:
-    deadline = time.monotonic() + limit
-    while not path.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"peer exited with {proc.returncode} (see its log)")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"peer did not write {path}")
-        time.sleep(0.05)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
 def test_sender_process_killed_mid_transfer(procs, tmp_path, transport):
@@ -41,7 +31,7 @@ def test_sender_process_killed_mid_transfer(procs, tmp_path, transport):
             ep_file = tmp_path / "ep.json"
             ep_file.write_text(json.dumps({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst}))
             proc = procs.start([sys.executable, PEER, "send", transport, str(ep_file), "r", "1,2,3", "2"], name="sender")
-            await asyncio.to_thread(_wait_file, Path(str(ep_file) + ".stored"), proc)
+            await asyncio.to_thread(peer.wait_file, Path(str(ep_file) + ".stored"), proc)
             await rx.load("r", 0, TIMEOUT_S)
             await rx.load("r", 1, TIMEOUT_S)
             src = peer.source_pool()
@@ -70,7 +60,7 @@ def test_receiver_process_killed_mid_transfer(procs, tmp_path, transport):
         try:
             ep_file = tmp_path / "ep.json"
             proc = procs.start([sys.executable, PEER, "recv", transport, str(ep_file), "r", "4,5,6"], name="receiver")
-            await asyncio.to_thread(_wait_file, ep_file, proc)
+            await asyncio.to_thread(peer.wait_file, ep_file, proc)
             doc = json.loads(ep_file.read_text())
             tx.bind("r", base64.b64decode(doc["endpoint"]), doc["dst"])
             tx.store("r", 0, [7, 8, 9])

@@ -30,16 +30,6 @@ STALL_S = 2.0     # the stall bound the tests configure
 BOUND_S = 10.0    # generous: the stall bound plus slack on a loaded 2-core box
 
 
-def _wait_file(path: Path, proc, limit=60.0) -> None:
-    deadline = time.monotonic() + limit
-    while not path.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(f"peer exited with {proc.returncode} (see its log)")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"peer did not write {path}")
-        time.sleep(0.05)
-
-
 async def _until(cond, limit: float, what: str) -> float:
     t0 = time.monotonic()
     while not cond():
@@ -76,7 +66,7 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
             ep_file = tmp_path / "ep.json"
             frozen = procs.start([sys.executable, PEER, "recv", transport, str(ep_file), "r", _blocks(0, 40)],
                                  name="receiver", env=env)
-            await asyncio.to_thread(_wait_file, ep_file, frozen)
+            await asyncio.to_thread(peer.wait_file, ep_file, frozen)
             doc = json.loads(ep_file.read_text())
             endpoint = base64.b64decode(doc["endpoint"])
             tx.bind("r", endpoint, doc["dst"])
@@ -99,7 +89,7 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
             ep2 = tmp_path / "ep2.json"
             fresh = procs.start([sys.executable, PEER, "recv", transport, str(ep2), "f", _blocks(0, 40)],
                                 name="fresh", env=env)
-            await asyncio.to_thread(_wait_file, ep2, fresh)
+            await asyncio.to_thread(peer.wait_file, ep2, fresh)
             doc2 = json.loads(ep2.read_text())
             tx.bind("f", base64.b64decode(doc2["endpoint"]), doc2["dst"])
             for layer in range(peer.L):
@@ -145,7 +135,7 @@ def test_sender_frozen_mid_frame_is_cut(procs, tmp_path, how):
             ep_file.write_text(json.dumps({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst}))
             proc = procs.start([sys.executable, PEER, "half", "tcp", str(ep_file), "h", _blocks(0, 40), "1"],
                                name="sender", env={"CACHESTORE_PEER_BIG": "1"})
-            await asyncio.to_thread(_wait_file, Path(f"{ep_file}.half"), proc)
+            await asyncio.to_thread(peer.wait_file, Path(f"{ep_file}.half"), proc)
             os.killpg(proc.pid, signal.SIGSTOP)
             await _until(lambda: rx.stats()["receiving_frames"] == 1, 10, "the frame is being received")
             if how == "delete":
@@ -166,7 +156,7 @@ def test_sender_frozen_mid_frame_is_cut(procs, tmp_path, how):
             dst_pool[:, 10:50] = 7.0  # the blocks now belong to another request
             Path(f"{ep_file}.go").write_text("go")
             os.killpg(proc.pid, signal.SIGCONT)
-            await asyncio.to_thread(_wait_file, Path(f"{ep_file}.done"), proc)
+            await asyncio.to_thread(peer.wait_file, Path(f"{ep_file}.done"), proc)
             await asyncio.sleep(0.5)
             assert torch.all(dst_pool[:, 10:50] == 7.0), "a byte of the cut frame landed in freed blocks"
             assert rx.stats()["frames_received"] == 0

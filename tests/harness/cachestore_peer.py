@@ -113,6 +113,17 @@ def half(inp: str, rid: str, blocks: list[int], layer: int) -> None:
     time.sleep(3600)
 
 
+def wait_file(path, proc, limit=60.0) -> None:
+    """In the test: block until the peer process wrote ``path`` (it exited or took too long: an error)."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(path):
+        if proc.poll() is not None:
+            raise RuntimeError(f"peer exited with {proc.returncode} (see its log)")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"peer did not write {path}")
+        time.sleep(0.05)
+
+
 if __name__ == "__main__":
     mode, transport, path, rid, blocks = sys.argv[1:6]
     block_ids = [int(b) for b in blocks.split(",")]
