@@ -49,6 +49,7 @@ async def serve(args: argparse.Namespace) -> int:
     metrics = ServerMetrics.from_env(role="decode")
     parts = build_server_engine(args)
     engine = parts.engine
+    metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
     await engine.start()
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=args.transfer, host=args.host,
                                   port=args.kv_port, advertise_host=args.advertise_host,

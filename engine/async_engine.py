@@ -42,9 +42,10 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._num_blocks = engine.num_blocks
-        self._published = threading.Lock()  # guards _free_blocks and _num_requests
+        self._published = threading.Lock()  # guards _free_blocks, _num_requests, _prefix_hit_tokens
         self._free_blocks = engine.num_free_blocks()
         self._num_requests = engine.num_requests()
+        self._prefix_hit_tokens = engine.prefix_hit_tokens()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -86,6 +87,11 @@ class AsyncLLMEngine:
         """Requests holding engine state (waiting, running, held, reserved), as last published."""
         with self._published:
             return self._num_requests
+
+    def prefix_hit_tokens(self) -> int:
+        """Prompt tokens whose KV came from the prefix cache since start (a counter), as last published."""
+        with self._published:
+            return self._prefix_hit_tokens
 
     # ---- colocated -------------------------------------------------------------------------
     async def generate(
@@ -199,9 +205,9 @@ class AsyncLLMEngine:
 
     def _publish(self) -> None:
         """On the engine thread: make the engine's counts readable from other threads."""
-        free, requests = self.engine.num_free_blocks(), self.engine.num_requests()
+        free, requests, hits = self.engine.num_free_blocks(), self.engine.num_requests(), self.engine.prefix_hit_tokens()
         with self._published:
-            self._free_blocks, self._num_requests = free, requests
+            self._free_blocks, self._num_requests, self._prefix_hit_tokens = free, requests, hits
 
     def _abort_all(self) -> None:
         self.engine.abort_all()

@@ -104,6 +104,10 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks()
 
+    def prefix_hit_tokens(self) -> int:
+        """Prompt tokens reused from the prefix cache since start (a counter)."""
+        return self.block_manager.prefix_hits * self.block_manager.block_size
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

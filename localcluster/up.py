@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=defaults.HTTP_PORT,
                         help="HTTP port of the OpenAI endpoint: the prefill's, or with --prefill > 1 the router's "
                              "(the prefills then get free ports)")
-    parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT, help="gRPC port of the first prefill")
+    parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT,
+                        help="gRPC port of the Generate API: the prefill's, or with --prefill > 1 the router's")
     parser.add_argument("--policy", choices=["wrr", "rr"], default="wrr", help="decode selection policy")
     parser.add_argument("--local-fallback", action="store_true", help="prefills decode locally when no decode can take a request")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
@@ -99,7 +100,7 @@ class LocalCluster:
         common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads", str(a.threads)]
         common += a.extra.split() if a.extra else []
         grpc_addrs = []
-        ports = iter(free_ports(3 * a.decode + a.prefill))  # distinct, so no two servers share one
+        ports = iter(free_ports(3 * a.decode + 2 * a.prefill))  # distinct, so no two servers share one
         for i in range(a.decode):
             grpc_port, http_port, kv_port = next(ports), next(ports), next(ports)
             argv = ["decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port), *common]
@@ -108,7 +109,7 @@ class LocalCluster:
         routed = a.prefill > 1
         prefill_grpc = []
         for i in range(a.prefill):
-            port, grpc_port = (next(ports) if routed else a.port), a.grpc_port + i
+            port, grpc_port = (next(ports), next(ports)) if routed else (a.port, a.grpc_port)
             argv = ["prefill", "--port", str(port), "--grpc-port", str(grpc_port), "--decode", ",".join(grpc_addrs),
                     "--policy", a.policy, *common]
             if a.local_fallback:
@@ -117,7 +118,8 @@ class LocalCluster:
             self.endpoints.append(f"http://127.0.0.1:{port}")
             prefill_grpc.append(f"127.0.0.1:{grpc_port}")
         if routed:  # the router is the front door: prefix- and load-aware choice of prefill
-            argv = ["router", "--port", str(a.port), "--model", a.model, "--prefill", ",".join(prefill_grpc)]
+            argv = ["router", "--port", str(a.port), "--grpc-port", str(a.grpc_port), "--model", a.model,
+                    "--prefill", ",".join(prefill_grpc)]
             self.routers.append(self._server("router", argv, f"http://127.0.0.1:{a.port}/ready"))
             self.endpoints.insert(0, f"http://127.0.0.1:{a.port}")
 

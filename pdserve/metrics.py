@@ -162,6 +162,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests prefill decoded itself because no decode could take them.", ("reason",)),
     MetricSpec("kv_allocation_refusals", "pdserve_kv_allocation_refusals_total", _C,
                "Session allocations decode refused, by reason.", ("reason",)),
+    MetricSpec("prefix_cache_hit_tokens", "pdserve_prefix_cache_hit_tokens_total", _C,
+               "Prompt tokens whose KV the engine reused from its prefix cache instead of computing or receiving it."),
     MetricSpec("kv_checksum_mismatches", "pdserve_kv_checksum_mismatches_total", _C,
                "Requests whose KV failed its checksum (decode: detected on arrival; prefill: reported by a decode)."),
     # gauges
@@ -242,6 +244,19 @@ class ServerMetrics:
                 metric = Gauge(spec.name, spec.help, labelnames, registry=self.registry)
             # Without extra labels the child exists from the start, so it is scraped as 0.
             setattr(self, spec.attr, _Labelled(metric, common, spec.labels) if spec.labels else metric.labels(**common))
+        self._on_scrape: list = []
+
+    def follow_counter(self, attr: str, read) -> None:
+        """Keep the counter ``attr`` equal to ``read()`` (a running total kept elsewhere, e.g. by the
+        engine), brought up to date at every scrape."""
+        counter, last = getattr(self, attr), [0]
+
+        def refresh() -> None:
+            now = read()
+            if now > last[0]:
+                counter.inc(now - last[0])
+                last[0] = now
+        self._on_scrape.append(refresh)
 
     @classmethod
     def from_env(cls, role: str, pool: str | None = None, inference_service: str | None = None) -> "ServerMetrics":
@@ -259,6 +274,8 @@ class ServerMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this server's metrics and its content type."""
+        for refresh in self._on_scrape:
+            refresh()
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
     async def aiohttp_handler(self, request):  # noqa: ARG002 - aiohttp handler signature

@@ -126,6 +126,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     metrics = ServerMetrics.from_env(role="prefill")
     parts = build_server_engine(args)
     engine, loaded = parts.engine, parts.loaded
+    metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
     kv_events = KvEventPublisher(args.block_size)
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()

@@ -4,14 +4,16 @@ KV events), weighed against load; the response is relayed byte for byte.
 
 Request lifecycle on the router:
 
-1. **accept** - HTTP /v1/completions or /v1/chat/completions; the body is read, not validated
-   (the prefill validates it; its 400 comes back unchanged).
+1. **accept** - HTTP /v1/completions or /v1/chat/completions (or gRPC Generate with
+   ``--grpc-port``); the body is read, not validated (the prefill validates it; its 400 or
+   INVALID_ARGUMENT comes back unchanged).
 2. **hash** - the prompt is tokenized as the prefill will (chat template, then encode) and its
    reusable full blocks are hashed with the engine's chained hashes (``prompt.py``).
 3. **choose** - for every routable prefill (fresh ready load report): how many leading blocks
    the index says it holds, its requests in flight, its free blocks; ``choice.choose`` picks the
    cheapest (tokens to compute + load weight x in flight), ties by rendezvous hash. The
-   decision and its reason (single|prefix|load|balance) are a metric label.
+   decision and its reason (single|prefix|load|balance) are a metric label. ``--policy
+   round-robin`` takes the prefills in turn instead (the experiments' baseline).
 4. **relay** - the body goes to that prefill's HTTP API untouched; status, content type and
    body (SSE chunks as they come) go back. A prefill that refuses the connection: the next
    in the ranking (``--max-attempts``); none: 503. A prefill that fails mid-response: a 502
@@ -27,6 +29,7 @@ prefill gone from discovery leaves the index at once (``prefills.py``). Load is 
 Reading path (in this order):
   ``cli.py``            ``pdserve router``: flags, start-up wiring, drain
   ``http_api.py``       RouterApi: the routes and the byte-for-byte relay
+  ``grpc_api.py``       RouterGenerateServicer: gRPC Generate, relayed response by response
   ``router.py``         Router.decide: prompt hashes + index + loads -> choice
   ``choice.py``         choose(): cost, tie-break, reason (pure)
   ``index.py``          PrefixIndex: the KV-event protocol (snapshot, seq, epoch; pure)

@@ -14,6 +14,9 @@ The reason (a metric label and a log field):
 - ``prefix``  the chosen prefill holds the longest cached prefix of the prompt (> 0 blocks);
 - ``load``    another prefill held a longer prefix, but its load outweighed it;
 - ``balance`` no prefill held any of the prompt: chosen by load, then by hash.
+
+``round_robin`` is the baseline the prefix experiment compares against (``--policy
+round-robin``): the routable prefills in turn, blind to cache and load; reason ``round_robin``.
 """
 
 from __future__ import annotations
@@ -70,3 +73,13 @@ def choose(candidates: list[Candidate], num_prompt_tokens: int, prompt_key: int,
     else:
         reason = "load"
     return Choice(best.address, reason, best.overlap_blocks, tuple(c.address for c in ranked))
+
+
+def round_robin(candidates: list[Candidate], turn: int) -> Choice:
+    """The ``turn``-th candidate in address order (then the rest, for retries); blind to cache and load."""
+    if not candidates:
+        raise ValueError("no candidate prefill")
+    ordered = sorted(candidates, key=lambda c: c.address)
+    i = turn % len(ordered)
+    ranked = ordered[i:] + ordered[:i]
+    return Choice(ranked[0].address, "round_robin", ranked[0].overlap_blocks, tuple(c.address for c in ranked))

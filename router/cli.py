@@ -24,6 +24,8 @@ log = logging.getLogger("pdserve.router")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
+    parser.add_argument("--grpc-port", type=int, default=0,
+                        help="gRPC port of the Generate API, relayed to the chosen prefill's (0: no gRPC API)")
     parser.add_argument("--model", default=defaults.BUILTIN_MODEL,
                         help="the prefills' model ('tiny' or a directory with tokenizer.json): only its tokenizer is loaded")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight relays finish on shutdown")
@@ -38,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds between discovery checks (a prefill gone from discovery leaves the index within this)")
     d.add_argument("--load-interval", type=float, default=0.2, help="seconds between load polls of each prefill")
     d.add_argument("--load-expiry", type=float, default=1.5, help="seconds after which a load report no longer counts")
+    d.add_argument("--policy", choices=["prefix", "round-robin"], default="prefix",
+                   help="prefix: by cached prefix and load (the default); round-robin: in turn, blind to both (a baseline)")
     d.add_argument("--load-weight", type=float, default=64.0,
                    help="prompt tokens one request in flight is worth when weighing load against cached prefix")
     d.add_argument("--max-attempts", type=int, default=2, help="prefills to try when one cannot be connected to")
@@ -66,10 +70,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
+    import grpc
     from aiohttp import web
 
     from pdserve.metrics import ServerMetrics
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
+    from .grpc_api import RouterGenerateServicer
     from .http_api import RouterApi
     from .index import PrefixIndex
     from .prefills import PrefillSet
@@ -79,21 +86,31 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
     index = PrefixIndex()
     prefills = PrefillSet(discovery, index, metrics, name=f"router:{args.port}", interval_s=args.discovery_interval,
                           load_interval_s=args.load_interval, load_expiry_s=args.load_expiry)
-    router = Router(prefills, index, tokenizer, metrics, args.load_weight)
+    router = Router(prefills, index, tokenizer, metrics, args.load_weight, args.policy)
     draining = {"on": False}
     api = RouterApi(router, metrics, is_draining=lambda: draining["on"], max_attempts=args.max_attempts)
+    generate = RouterGenerateServicer(router, metrics, max_attempts=args.max_attempts)
     await prefills.start()
     runner = web.AppRunner(api.app(), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
-    log.info("router ready: http %s:%d, prefills %s, load weight %g tokens/request", args.host, args.port,
-             discovery.addresses() or "(none yet)", args.load_weight)
+    grpc_server = None
+    if args.grpc_port:
+        grpc_server = grpc.aio.server()
+        gpb_grpc.add_GeneratorServicer_to_server(generate, grpc_server)
+        grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+        await grpc_server.start()
+    log.info("router ready: http %s:%d, grpc %s, prefills %s, policy %s, load weight %g tokens/request", args.host,
+             args.port, args.grpc_port or "off", discovery.addresses() or "(none yet)", args.policy, args.load_weight)
     sig = await wait_for_stop_signal()
     draining["on"] = True
-    log.info("%s: draining %d in-flight request(s)", sig, api.in_flight)
-    left = await drain(lambda: api.in_flight, args.drain_timeout)
+    in_flight = lambda: api.in_flight + generate.in_flight  # noqa: E731
+    log.info("%s: draining %d in-flight request(s)", sig, in_flight())
+    left = await drain(in_flight, args.drain_timeout)
     if left:
         log.warning("stopping with %d request(s) still in flight", left)
+    if grpc_server is not None:
+        await grpc_server.stop(grace=1.0)
     await runner.cleanup()
     await prefills.stop()
     return 0

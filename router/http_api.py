@@ -8,6 +8,8 @@
 | GET  /health                 | 200 + JSON: in flight, every prefill's load and index entry      |
 | GET  /ready                  | 200 when a prefill is routable, else 503                        |
 | GET  /metrics                | Prometheus text (``ROUTER_METRICS``)                            |
+| POST /debug/route?kind=K     | the decision for a completion (K=completion) or chat body, not  |
+|                              | sent anywhere: prefill, reason, cached blocks, ranking          |
 
 The request body goes to the prefill untouched and its status, content type and body come
 back unchanged (SSE chunks as they arrive), so a 400 is the prefill's own. A prefill that
@@ -51,6 +53,7 @@ class RouterApi:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics.aiohttp_handler)
+        app.router.add_post("/debug/route", self.preview)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app
@@ -80,6 +83,18 @@ class RouterApi:
             return _error(503, "no prefill is routable", "no_prefill_available")
         async with self.session.get(routable[0].http_url + "/v1/models") as up:
             return web.Response(body=await up.read(), status=up.status, headers=_headers(up))
+
+    async def preview(self, request: web.Request) -> web.Response:
+        """What the router would do with this body now (no relay, no metrics): for operators and tests."""
+        kind = request.query.get("kind", "chat")
+        if kind not in ("chat", "completion"):
+            return web.json_response({"error": f"kind must be chat or completion, got {kind!r}"}, status=400)
+        ids = prompt_token_ids(await request.read(), kind, self.router.tokenizer)
+        choice = self.router.decide(ids, preview=True)
+        if choice is None:
+            return _error(503, "no prefill is routable", "no_prefill_available")
+        return web.json_response({"prefill": choice.address, "reason": choice.reason, "cached_blocks": choice.overlap_blocks,
+                                  "ranking": list(choice.ranking), "prompt_tokens": len(ids) if ids else None})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._relay(request, "completion")

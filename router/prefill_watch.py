@@ -23,6 +23,7 @@ import time
 
 import grpc
 
+from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 from pdserve.protos.version import KV_EVENTS_VERSION
@@ -48,6 +49,7 @@ class PrefillWatch:
         self.in_flight = 0  # requests this router is relaying to it now
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = kpb_grpc.KvEventsStub(self._channel)
+        self.generator = gpb_grpc.GeneratorStub(self._channel)  # the router's gRPC Generate relays on it
         self._tasks: list[asyncio.Task] = []
 
     # ---- what the router reads ---------------------------------------------------------------

@@ -5,14 +5,15 @@ report), asks the PrefixIndex how many leading blocks each routable prefill hold
 hands the candidates to ``choice.choose``. The load it uses for a prefill is the larger of
 its last report's requests in flight and the requests this router is relaying to it now
 (a burst counts before the next report). ``count_decision`` records the metrics once the
-request is on its way.
+request is on its way. With ``policy="round-robin"`` (the experiments' baseline) the
+candidates go to ``choice.round_robin`` instead, in turn.
 """
 
 from __future__ import annotations
 
 import logging
 
-from .choice import Candidate, Choice, choose
+from .choice import Candidate, Choice, choose, round_robin
 from .index import PrefixIndex
 from .prefills import PrefillSet
 from .prompt import prompt_hashes, prompt_key
@@ -21,12 +22,19 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(self, prefills: PrefillSet, index: PrefixIndex, tokenizer, metrics=None, load_weight: float = 64.0):
-        self.prefills, self.index, self.tokenizer = prefills, index, tokenizer
-        self.metrics, self.load_weight = metrics, load_weight
+    POLICIES = ("prefix", "round-robin")
 
-    def decide(self, prompt_ids: list[int] | None) -> Choice | None:
-        """The prefill for a prompt (None: the body could not be read; routed by load), or None if none is routable."""
+    def __init__(self, prefills: PrefillSet, index: PrefixIndex, tokenizer, metrics=None, load_weight: float = 64.0,
+                 policy: str = "prefix"):
+        if policy not in self.POLICIES:
+            raise ValueError(f"policy must be one of {self.POLICIES}, got {policy!r}")
+        self.prefills, self.index, self.tokenizer = prefills, index, tokenizer
+        self.metrics, self.load_weight, self.policy = metrics, load_weight, policy
+        self._turn = 0
+
+    def decide(self, prompt_ids: list[int] | None, preview: bool = False) -> Choice | None:
+        """The prefill for a prompt (None: the body could not be read; routed by load), or None if none is routable.
+        ``preview``: the decision only (round robin does not advance)."""
         watches = self.prefills.routable()
         if not watches:
             return None
@@ -39,6 +47,10 @@ class Router:
                 hashes[bs] = prompt_hashes(ids, bs) if ids else []
             candidates.append(Candidate(w.address, self.index.overlap(w.address, hashes[bs]),
                                         max(w.load.in_flight, w.in_flight), w.load.kv_blocks_free, bs))
+        if self.policy == "round-robin":
+            turn = self._turn
+            self._turn += 0 if preview else 1
+            return round_robin(candidates, turn)
         first_bs = watches[0].load.block_size or 1
         return choose(candidates, len(ids), prompt_key(ids, first_bs), self.load_weight)
 
