@@ -3,6 +3,7 @@
 - ``start_pd``: one prefill + N decodes (``pdserve prefill --decode ...``, ``pdserve decode``).
 - ``start_colocated``: one prefill with ``--local-fallback`` and no decode: the colocated
   engine (prefill and decode in one process, continuous batching) behind the same HTTP API.
+- ``start_routed``: N prefills (each knows every decode) + M decodes behind ``pdserve router``.
 
 Every server gets free ports and serves its model under the name ``SERVED_MODEL``.
 ``host`` lets decodes listen on a namespace's address (experiments 2 and 4); by default
@@ -23,8 +24,8 @@ SERVED_MODEL = "bench"  # the name clients put in "model", whatever checkpoint i
 @dataclass
 class Server:
     proc: Proc
-    url: str            # HTTP base (prefill: OpenAI API; decode: /metrics)
-    grpc: str = ""      # decode: the Session address prefill dials
+    url: str            # HTTP base (prefill, router: OpenAI API; decode: /metrics)
+    grpc: str = ""      # decode: the Session address prefill dials; prefill: its KV events and Generate
     netns: str | None = None
 
     @property
@@ -36,6 +37,7 @@ class Server:
 class Cluster:
     prefill: Server
     decodes: list[Server] = field(default_factory=list)
+    prefills: list[Server] = field(default_factory=list)  # start_routed: every prefill (prefill is the router)
 
     @property
     def url(self) -> str:
@@ -76,7 +78,7 @@ def start_prefill(launcher: Launcher, name: str, model: str, decodes: list[Serve
     if local_fallback:
         args.append("--local-fallback")
     proc = launcher.start(name, args, cpus=cpus, netns=netns, threads=threads)
-    server = Server(proc, f"http://127.0.0.1:{port}", netns=netns)
+    server = Server(proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", netns=netns)
     launcher.wait_ready(proc, server.url + "/ready", netns=netns)
     return server
 
@@ -101,3 +103,20 @@ def start_colocated(launcher: Launcher, model: str, *, threads: int | None = Non
     prefill = start_prefill(launcher, "colocated", model, [], threads=threads, cpus=cpus, num_blocks=num_blocks,
                             max_model_len=max_model_len, local_fallback=True, extra=extra)
     return Cluster(prefill)
+
+
+def start_routed(launcher: Launcher, model: str, n_prefills: int, n_decodes: int, *, threads: int | None = None,
+                 num_blocks: int | None = None, max_model_len: int | None = None, prefill_extra: list[str] | None = None,
+                 decode_extra: list[str] | None = None, router_extra: list[str] | None = None) -> Cluster:
+    """n_prefills prefills (each knows every decode) behind ``pdserve router``; Cluster.url is the router's."""
+    decodes = [start_decode(launcher, f"decode{i}", model, threads=threads, num_blocks=num_blocks,
+                            max_model_len=max_model_len, extra=decode_extra) for i in range(n_decodes)]
+    prefills = [start_prefill(launcher, f"prefill{i}", model, decodes, threads=threads, num_blocks=num_blocks,
+                              max_model_len=max_model_len, extra=prefill_extra) for i in range(n_prefills)]
+    port = free_port()
+    args = ["router", "--port", str(port), "--model", model, "--log-level", "WARNING",
+            "--prefill", ",".join(p.grpc for p in prefills), *(router_extra or [])]
+    proc = launcher.start("router", args)
+    router = Server(proc, f"http://127.0.0.1:{port}")
+    launcher.wait_ready(proc, router.url + "/ready")
+    return Cluster(router, decodes, prefills)

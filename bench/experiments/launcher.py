@@ -1,6 +1,6 @@
 """Start and stop the pdserve processes of one experiment, and read their /metrics.
 
-``Launcher`` starts ``pdserve prefill`` / ``pdserve decode`` (and nothing else) as child
+``Launcher`` starts ``pdserve prefill`` / ``decode`` / ``router`` (and nothing else) as child
 processes in their own sessions, optionally pinned to CPUs (``taskset``) and inside a
 network namespace (``ip netns exec``), with logs in the experiment's output folder.
 ``close()`` (or leaving the ``with`` block) stops every process it started: SIGTERM, then

@@ -77,6 +77,19 @@ def test_two_prefills_get_a_router_in_front(procs, tmp_path):
         assert resp.status == 200, body
         texts.append(body["choices"][0]["text"])
     assert len(texts) == 3
+    # the banner's gRPC port is the router's: Generate is relayed to a prefill
+    import re
+
+    import grpc
+
+    from pdserve.protos import generate_pb2 as gpb
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    grpc_address = re.search(r"gRPC Generate: (\S+)", banner).group(1)
+    with grpc.insecure_channel(grpc_address) as channel:
+        replies = list(gpb_grpc.GeneratorStub(channel).Generate(
+            gpb.GenerateRequest(prompt="a conversation about tea", max_tokens=8, temperature=0.0), timeout=60))
+    assert "".join(r.text for r in replies) == texts[0]
     metrics = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     metrics.request("GET", "/metrics")
     text = metrics.getresponse().read().decode()

@@ -137,6 +137,8 @@ def test_routing_follows_the_cache_and_survives_kill_and_restart(cluster):
     assert status == 200, routed
     assert metric(router.url, "pdserve_router_decisions_total", prefill=x.grpc_address, reason="prefix") == 1
     assert metric(router.url, "pdserve_router_prefix_hit_blocks_total") >= len(ids) // BS - 1
+    assert metric(x.url, "pdserve_prefix_cache_hit_tokens_total") >= (len(ids) // BS - 1) * BS  # the engine's own count
+    assert metric(other.url, "pdserve_prefix_cache_hit_tokens_total") == 0
     assert metric(x.url, "pdserve_prompt_tokens_total") - before[x.name] == routed["usage"]["prompt_tokens"]
     assert metric(other.url, "pdserve_prompt_tokens_total") == before[other.name]
     status, direct = post_json(other.url + "/v1/chat/completions", chat(turn2))
