@@ -7,36 +7,14 @@ with the command to run, like every other k8s test.
 import argparse
 import json
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-from harness.kube import require_tools, tools_bin_dir
+from harness.chart import CHART, by_kind, helm, render
 from harness.procs import REPO
 
 pytestmark = pytest.mark.k8s
-CHART = REPO / "charts" / "pdserve"
-
-
-def helm(*args: str) -> str:
-    bin_dir = tools_bin_dir()
-    require_tools(bin_dir, ("helm",))
-    proc = subprocess.run([str(bin_dir / "helm"), *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
-def render(*sets: str) -> list[dict]:
-    args = ["template", "rel", str(CHART), "-n", "pdserve-system"]
-    for s in sets:
-        args += ["--set", s]
-    return [d for d in yaml.safe_load_all(helm(*args)) if d]
-
-
-def by_kind(docs: list[dict], kind: str) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind]
 
 
 def operator_args(docs: list[dict]) -> list[str]:
