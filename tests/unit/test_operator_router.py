@@ -5,6 +5,7 @@ import argparse
 import copy
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pdserve import defaults
@@ -85,6 +86,9 @@ def test_router_cli_accepts_the_command_line_the_operator_writes():
     parsed = parser.parse_args(router_workloads.router_args(example(loadWeight=2.5), CONFIG)[1:])
     assert parsed.discovery == "kubernetes" and parsed.load_weight == 2.5
     cli.make_discovery(parsed)  # a valid namespace and selector (raises ValueError otherwise)
+    parsed.prefill_selector = "no-value"
+    with pytest.raises(ValueError, match="--prefill-selector must be label=value"):
+        cli.make_discovery(parsed)
 
 
 def test_zero_replicas_means_no_router_and_the_names_to_delete_cover_everything_it_makes():
