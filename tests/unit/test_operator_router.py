@@ -91,6 +91,15 @@ def test_router_cli_accepts_the_command_line_the_operator_writes():
         cli.make_discovery(parsed)
 
 
+def test_router_reads_a_model_on_a_volume_for_its_tokenizer():
+    isvc = example()
+    isvc["spec"]["model"] = {"source": "/models/qwen", "pvcName": "weights"}
+    pod = router_workloads.build_router_deployment(isvc, CONFIG)["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    assert opts(pod["containers"][0]["args"])["--model"] == "/models/qwen"
+
+
 def test_zero_replicas_means_no_router_and_the_names_to_delete_cover_everything_it_makes():
     assert router_workloads.build_router(example(replicas=0), CONFIG) == []
     assert router_workloads.router_replicas(example()) == 1  # default: one router
