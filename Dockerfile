@@ -5,6 +5,11 @@
 #
 # CPU image (default):
 #   docker build -t pdserve:cpu .
+# CPU image where only PyPI is reachable (its Linux torch wheel is the CUDA build: the nvidia-* libraries
+# it links against come along; what a CPU image never loads is pruned; tools/image/build.sh does this
+# with buildah, no Docker needed):
+#   docker build -t pdserve:cpu --build-arg TORCH_INDEX=https://pypi.org/simple \
+#     --build-arg PRUNE="triton nvidia-cusolver nvidia-cuda-cccl" .
 # CUDA image (torch's CUDA wheels and NIXL/UCX for GPU-to-GPU KV transfer):
 #   docker build -t pdserve:cuda \
 #     --build-arg BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
@@ -44,8 +49,14 @@ COPY operator ./operator
 COPY router ./router
 COPY bench ./bench
 COPY localcluster ./localcluster
+# Packages to uninstall after the install, ones the image never loads (the CPU image from PyPI's
+# CUDA torch: triton is only for torch.compile, cuSOLVER only for CUDA linear algebra, CCCL only
+# headers). Declared here, so that changing it keeps the cached layers above.
+ARG PRUNE=""
 RUN /opt/pdserve/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \
- && /opt/pdserve/bin/pdserve --help >/dev/null
+ && if [ -n "${PRUNE}" ]; then /opt/pdserve/bin/pip uninstall --yes ${PRUNE}; fi \
+ && /opt/pdserve/bin/pdserve --help >/dev/null \
+ && cd / && /opt/pdserve/bin/python -c 'import torch; torch.ones(2, 2) @ torch.ones(2, 2)'
 
 # ---- runtime: the same base, the virtual environment, a non-root user --------------------
 FROM ${BASE} AS runtime

@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test venv test-quick protos clean prometheus-bin k8s-tools
+.PHONY: serve test venv test-quick protos clean prometheus-bin k8s-tools image cluster
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -19,18 +19,30 @@ venv: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/pdserve up --model tiny --prefill 1 --decode 2
 
-# The whole suite: unit, multi-process, real Kubernetes control plane, real Prometheus.
-test: $(STAMP) prometheus-bin k8s-tools
+# The whole suite: unit, multi-process, real Kubernetes (control plane; a one-node cluster running
+# the built image), real Prometheus.
+test: $(STAMP) prometheus-bin k8s-tools image
 	$(BIN)/pytest
 
 # The Prometheus server binary (Debian package) that the tests marked `prometheus` start.
 prometheus-bin:
 	sh tools/install_prometheus.sh
 
-# etcd, kube-apiserver, kube-controller-manager (Go builds), kubectl and helm for the tests marked
-# `k8s`, cached in ${PDSERVE_CACHE:-~/.cache/pdserve}/k8s (the first build is long; reruns take a second).
+# etcd, kube-apiserver, kube-controller-manager, kubelet, kube-scheduler, kube-proxy (Go builds), kubectl
+# and helm for the tests marked `k8s`, cached in ${PDSERVE_CACHE:-~/.cache/pdserve}/k8s (the first build
+# is long; reruns take a second); the node's Debian packages (containerd, runc, CNI plugins, iptables).
 k8s-tools: $(STAMP)
 	PIP=$(BIN)/pip bash tools/k8s/build.sh
+
+# The pdserve CPU image from the Dockerfile (buildah, no Docker), as an OCI archive cached in
+# ${PDSERVE_CACHE:-~/.cache/pdserve}/image; rebuilt only when the Dockerfile, pyproject or sources change.
+image:
+	bash tools/image/build.sh
+
+# A one-node Kubernetes cluster on this machine (kubelet + containerd, the image imported) to try the
+# chart by hand; prints the KUBECONFIG and the helm command; Ctrl-C stops it and cleans the machine up.
+cluster: $(STAMP) k8s-tools image
+	$(BIN)/python tests/harness/kube_node.py
 
 # The fast tier (tests/unit: one module at a time, in process); prints how long it took.
 test-quick: $(STAMP)

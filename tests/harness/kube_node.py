@@ -151,6 +151,10 @@ def node_cluster(work_dir: Path, bin_dir: Path | None = None, with_image: bool =
                 yield cluster
         finally:
             problems += _sweep([node], bin_dir / "kube-proxy")
+            # The image store (the unpacked image: gigabytes) goes; configurations and logs stay.
+            if not host.mounts_under(node):
+                for d in ("containerd", "kubelet", "cni"):
+                    shutil.rmtree(node / d, ignore_errors=True)
             host.remove_container_log_links(node)
             problems += host.remove_empty_trees(fresh_dirs)
             problems += host.remove_cgroups(CGROUP_ROOT_NAME)

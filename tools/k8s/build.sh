@@ -102,8 +102,8 @@ go_build() {  # go_build MODULE_DIR VERSION LDFLAGS PKG=NAME...
     export GOTOOLCHAIN=local GOFLAGS=-mod=mod CGO_ENABLED=0
     "$GO" build -trimpath -ldflags="$ldflags" -o "$tmp/" "${pkgs[@]}"
   ) || rc=$?
-  pkill -P "$ticker" sleep 2>/dev/null || true  # its `sleep 60` first, then the loop itself
-  kill "$ticker" 2>/dev/null; wait "$ticker" 2>/dev/null || true
+  pkill -PIPE -P "$ticker" sleep 2>/dev/null || true  # its `sleep 60` first, then the loop itself
+  kill "$ticker" 2>/dev/null || true; wait "$ticker" 2>/dev/null || true
   [[ $rc -eq 0 ]] || { rm -rf "$tmp"; die "go build of ${names[*]} failed (see the output above)"; }
   local i
   for i in "${!pkgs[@]}"; do

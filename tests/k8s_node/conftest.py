@@ -1,0 +1,42 @@
+"""Fixtures of the real-node tier: pods run (tests/harness/kube_node.py: kubelet, containerd, runc,
+bridge CNI, kube-proxy, kube-scheduler on this machine, the pdserve image built by `make image`).
+
+- `node_kube` (package): the one-node cluster, started once for this folder, torn down after it
+  (a NodeTeardownError then fails the last test's teardown if anything was left on the machine);
+- `chart` (package): `helm install` of charts/pdserve with the built image as the operator image;
+- `chat` (package): the user's path: examples/inferenceservice.yaml applied, its status Ready,
+  then a first chat completion streamed with the `openai` client through the router's Service
+  (its ClusterIP, from this machine through kube-proxy); the times are in `chat.timings`.
+Every test file here is marked k8s and slow (they need `make k8s-tools` and `make image`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from harness import node_serving
+
+
+@pytest.fixture(scope="package")
+def node_kube(tmp_path_factory):
+    from harness.kube_node import node_cluster
+
+    with node_cluster(tmp_path_factory.mktemp("node")) as cluster:
+        print(f"\none-node cluster start-up (s): { {k: round(v, 1) for k, v in cluster.timings.items()} }")
+        yield cluster
+
+
+@pytest.fixture(scope="package")
+def chart(node_kube):
+    start = time.monotonic()
+    node_serving.helm_install(node_kube)
+    return {"helm_install_s": time.monotonic() - start}
+
+
+@pytest.fixture(scope="package")
+def chat(node_kube, chart):
+    served = node_serving.apply_example(node_kube)
+    served.timings.update(chart)
+    return served

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# Build (or reuse) the pdserve CPU image from the Dockerfile, without Docker: buildah (chroot
+# isolation, its own storage) over a Debian base made with debootstrap, exported as an OCI archive
+# that containerd imports (tests/harness/kube_node.py). No container registry is needed.
+#
+# Everything goes to a cache OUTSIDE the repository:
+#   ${PDSERVE_CACHE:-$HOME/.cache/pdserve}/image/
+#     pdserve-<inputs hash>.oci.tar   the image (localhost/pdserve:<inputs hash>), layers uncompressed
+#     pdserve-<inputs hash>.json      its name, size and how long the build took
+#     base-<recipe hash>.tar          the Debian root file system the image starts FROM
+#     buildah/                        buildah's storage (layer cache: the dependency layer is reused
+#                                     while pyproject.toml and the Dockerfile stay the same)
+# The inputs hash covers the Dockerfile, .dockerignore, pyproject.toml, README.md, every file the
+# Dockerfile COPYs, the build arguments and the base image's recipe (the section of this script that
+# makes it); the image is rebuilt only when one of them changes.
+#
+# Usage: tools/image/build.sh            build what is missing, print progress, fail loudly
+#        tools/image/build.sh --archive  only print the archive path for the current inputs
+#        tools/image/build.sh --name     only print the image name (localhost/pdserve:<hash>)
+# Environment: PDSERVE_CACHE (cache root), TORCH_INDEX and PRUNE (the Dockerfile's build arguments;
+# defaults here: PyPI and what a CPU image of PyPI's torch never loads, see below), STORAGE_DRIVER
+# (overlay, else vfs is tried), DEBIAN_MIRROR.
+#
+# torch: the Dockerfile installs it from TORCH_INDEX (download.pytorch.org's CPU wheels, ~200 MB).
+# Where only PyPI is reachable (this project's machines) that index cannot be used; PyPI's Linux
+# wheel is the CUDA build, which pulls ~3 GB of nvidia-* libraries that libtorch links against
+# (torch does not import without them: tested with --no-deps). PRUNE removes the packages of that
+# set that a CPU image never loads (triton: torch.compile only; cuSOLVER: CUDA linear algebra, loaded
+# lazily; CCCL: headers); the build then checks that torch imports and computes. The image is still
+# large here; built elsewhere with the default TORCH_INDEX it is not. The size is printed and recorded.
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$HERE/../.." && pwd)"
+CACHE="${PDSERVE_CACHE:-$HOME/.cache/pdserve}/image"
+TORCH_INDEX="${TORCH_INDEX:-https://pypi.org/simple}"
+PRUNE="${PRUNE-triton nvidia-cusolver nvidia-cuda-cccl}"
+# The base: Debian 12 (python3 3.11, the Python pyproject.toml allows) with python3-venv.
+BASE_SUITE=bookworm
+BASE_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+BASE_PACKAGES=python3,python3-venv,ca-certificates
+
+# The build context's inputs: what the Dockerfile COPYs from the context (not --from a stage).
+copied_paths() {
+  awk 'toupper($1) == "COPY" && $2 !~ /^--from/ { for (i = 2; i < NF; i++) print $i }' "$REPO/Dockerfile"
+}
+inputs_hash() {
+  local files
+  files="$(cd "$REPO" && { printf '%s\n' Dockerfile .dockerignore pyproject.toml;
+    copied_paths | xargs -r find 2>/dev/null | grep -v -e __pycache__ -e '\.pyc$' -e '\.egg-info'; } | sort -u)"
+  (cd "$REPO" && for f in $files; do [[ -f "$f" ]] && printf '%s %s\n' "$f" "$(sha256sum < "$f" | cut -c1-64)"; done
+   echo "TORCH_INDEX=$TORCH_INDEX PRUNE=$PRUNE BASE=$BASE_HASH") | sha256sum | cut -c1-16
+}
+BASE_HASH="$(printf '%s\n' "$BASE_SUITE" "$BASE_PACKAGES" "$(sed -n '/^# --- the base image/,/^# --- the image/p' "$0")" \
+  | sha256sum | cut -c1-12)"
+HASH="$(inputs_hash)"
+NAME="localhost/pdserve:$HASH"
+ARCHIVE="$CACHE/pdserve-$HASH.oci.tar"
+case "${1:-}" in
+  --archive) echo "$ARCHIVE"; exit 0 ;;
+  --name) echo "$NAME"; exit 0 ;;
+  "") ;;
+  *) echo "usage: $0 [--archive|--name]" >&2; exit 2 ;;
+esac
+
+START=$SECONDS
+say() { printf '[image %4ds] %s\n' "$((SECONDS - START))" "$*"; }
+die() { echo "image: ERROR: $*" >&2; exit 1; }
+
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.build.lock"
+if ! flock -n 9; then
+  say "another build holds $CACHE/.build.lock; waiting for it"
+  flock 9
+fi
+if [[ -s "$ARCHIVE" && -s "$CACHE/pdserve-$HASH.json" ]]; then
+  say "cached: $NAME ($(du -h "$ARCHIVE" | cut -f1) archive; $(cat "$CACHE/pdserve-$HASH.json"))"
+  exit 0
+fi
+
+# --- the tools: Debian packages -------------------------------------------------------------
+missing=()
+command -v buildah >/dev/null || missing+=(buildah)
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+if [[ ${#missing[@]} -gt 0 ]]; then
+  say "installing ${missing[*]} (Debian packages)"
+  if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null || die "cannot install ${missing[*]}"
+fi
+
+# buildah with its own storage in the cache (never the machine's /var/lib/containers).
+DRIVER="${STORAGE_DRIVER:-overlay}"
+RUNROOT="/run/pdserve-buildah-$(id -u)"
+bah() { buildah --root "$CACHE/buildah-$DRIVER" --runroot "$RUNROOT-$DRIVER" --storage-driver "$DRIVER" "$@"; }
+nice_bah() { nice buildah --root "$CACHE/buildah-$DRIVER" --runroot "$RUNROOT-$DRIVER" --storage-driver "$DRIVER" "$@"; }
+if ! probe="$(bah from scratch 2>&1)"; then
+  [[ "$DRIVER" == overlay ]] || die "buildah cannot use storage driver $DRIVER: $probe"
+  say "storage driver overlay does not work here ($probe); using vfs (slower, more disk)"
+  DRIVER=vfs
+  probe="$(bah from scratch)" || die "buildah cannot use storage driver vfs either"
+fi
+bah rm "$probe" >/dev/null
+
+# --- the base image: a Debian root file system from debootstrap -----------------------------
+BASE_TAR="$CACHE/base-$BASE_HASH.tar"
+BASE_NAME="localhost/pdserve-base:$BASE_HASH"
+if [[ ! -s "$BASE_TAR" ]]; then
+  say "debootstrap $BASE_SUITE (minbase + $BASE_PACKAGES) from $BASE_MIRROR"
+  root="$(mktemp -d "$CACHE/.rootfs.XXXXXX")"
+  trap 'rm -rf "$root"' EXIT
+  nice debootstrap --variant=minbase --include="$BASE_PACKAGES" "$BASE_SUITE" "$root" "$BASE_MIRROR" \
+    > "$CACHE/debootstrap.log" 2>&1 || die "debootstrap failed; see $CACHE/debootstrap.log"
+  # What a container image does not need: package downloads and lists, documentation, locales.
+  rm -rf "$root"/var/cache/apt/archives/*.deb "$root"/var/lib/apt/lists/* "$root"/usr/share/doc/* \
+    "$root"/usr/share/man/* "$root"/usr/share/locale/* "$root"/var/log/*.log "$root"/var/cache/debconf/*-old
+  tar -C "$root" --numeric-owner -cf "$BASE_TAR.tmp" . && mv "$BASE_TAR.tmp" "$BASE_TAR"
+  rm -rf "$root"; trap - EXIT
+  say "base root file system: $(du -h "$BASE_TAR" | cut -f1)"
+fi
+if ! bah inspect --type image "$BASE_NAME" >/dev/null 2>&1; then
+  ctr="$(bah from scratch)"
+  bah add "$ctr" "$BASE_TAR" / >/dev/null
+  bah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --cmd /bin/bash "$ctr"
+  bah commit --rm --quiet "$ctr" "$BASE_NAME" >/dev/null
+  say "base image $BASE_NAME"
+fi
+
+# --- the image: `buildah bud` of the Dockerfile ---------------------------------------------
+# Build-time only (not in the image): the machine's pip configuration and CA bundle, so pip in
+# the build reaches PyPI the way it does on this machine (e.g. through a TLS-inspecting proxy).
+volumes=()
+for f in /etc/pip.conf /etc/ssl/certs/ca-certificates.crt; do
+  [[ -f "$f" ]] && volumes+=(--volume "$f:$f:ro")
+done
+say "building $NAME from the Dockerfile (TORCH_INDEX=$TORCH_INDEX; the first build downloads torch)"
+log="$CACHE/build-$HASH.log"
+( while sleep 60; do say "still building (log: $log)"; done ) &
+ticker=$!
+rc=0
+(cd "$REPO" && nice_bah bud --isolation chroot --layers "${volumes[@]}" \
+  --build-arg BASE="$BASE_NAME" --build-arg TORCH_INDEX="$TORCH_INDEX" --build-arg PRUNE="$PRUNE" \
+  -t "$NAME" -f Dockerfile . > "$log" 2>&1) || rc=$?
+pkill -PIPE -P "$ticker" sleep 2>/dev/null || true  # SIGPIPE: bash prints no "Terminated"
+kill "$ticker" 2>/dev/null || true; wait "$ticker" 2>/dev/null || true
+[[ $rc -eq 0 ]] || { tail -30 "$log" >&2; die "buildah bud failed (log: $log)"; }
+build_s=$((SECONDS - START))
+
+# The image serves: the CLI and torch import and compute on CPU inside it (as the pods run it).
+bah run --isolation chroot "$(bah from --quiet "$NAME")" -- /opt/pdserve/bin/python -c \
+  'import torch, pdserve.cli; assert not torch.cuda.is_available(); print("torch", torch.__version__, (torch.ones(2, 2) @ torch.ones(2, 2)).sum().item())' \
+  || die "the built image cannot import pdserve and run torch on CPU"
+bah rm --all >/dev/null
+
+say "exporting $ARCHIVE"
+bah push --quiet --disable-compression "$NAME" "oci-archive:$ARCHIVE.tmp:$NAME" >/dev/null \
+  || die "buildah push to an OCI archive failed"
+mv "$ARCHIVE.tmp" "$ARCHIVE"
+unpacked="$(bah images --noheading --format '{{.Size}}' "$NAME" | head -1)"
+archive_mb=$(( $(stat -c %s "$ARCHIVE") / 1000000 ))
+total_s=$((SECONDS - START))
+printf '{"name": "%s", "archive_mb": %d, "unpacked": "%s", "build_s": %d, "total_s": %d, "torch_index": "%s", "prune": "%s"}\n' \
+  "$NAME" "$archive_mb" "$unpacked" "$build_s" "$total_s" "$TORCH_INDEX" "$PRUNE" > "$CACHE/pdserve-$HASH.json"
+
+# Keep only this image: older archives go, and every stored image but the base, this one and the
+# layers of this build (the cache of the next one: the step images buildah printed as "--> <id>").
+for old in "$CACHE"/pdserve-*.oci.tar "$CACHE"/pdserve-*.json "$CACHE"/build-*.log; do
+  [[ "$old" == *"$HASH"* ]] || rm -f "$old"
+done
+keep="$(awk '$1 == "-->" { id = ($2 == "Using") ? $4 : $2; print substr(id, 1, 11) }' "$log"
+  for image in "$NAME" "$BASE_NAME"; do bah images --noheading --format '{{.ID}}' "$image" | cut -c1-11; done)"
+bah images --all --noheading --no-trunc --format '{{.ID}}' | sed 's/^sha256://' | while read -r id; do
+  grep -qx "${id:0:11}" <<< "$keep" || bah rmi --force "$id" >/dev/null 2>&1 || true
+done
+say "built $NAME: archive ${archive_mb} MB, unpacked ${unpacked}, build ${build_s} s, total ${total_s} s"
