@@ -268,9 +268,29 @@ def _connects(ip: str, port: int) -> bool:
         return False
 
 
+def _save_pod_logs(cluster: NodeCluster) -> None:
+    """Every pod's log (and its previous container's, after a restart) and the events, into logs/pods/."""
+    out = cluster.work_dir / "logs" / "pods"
+    out.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(Exception):
+        (out / "pods.txt").write_text(cluster.kubectl("get", "pods", "-A", "-o", "wide", timeout=30, check=False).stdout)
+        (out / "events.txt").write_text(cluster.kubectl("get", "events", "-A", "--sort-by=.lastTimestamp",
+                                                        timeout=30, check=False).stdout)
+        pods = json.loads(cluster.kubectl("get", "pods", "-A", "-o", "json", timeout=30).stdout)["items"]
+        for pod in pods:
+            ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
+            for previous in (False, True):
+                proc = cluster.kubectl("logs", name, "-n", ns, "--all-containers", *(["--previous"] if previous else []),
+                                       timeout=30, check=False)
+                if proc.stdout:
+                    (out / f"{ns}_{name}{'.previous' if previous else ''}.log").write_text(proc.stdout)
+
+
 def _drain(cluster: NodeCluster, timeout: float = 90.0) -> None:
     """Delete the tests' namespaces and every pod, and wait (bounded) for the kubelet to stop them:
-    it then tears their sandboxes down through CNI, which removes their iptables rules and veths."""
+    it then tears their sandboxes down through CNI, which removes their iptables rules and veths.
+    The pods' logs are saved first (work_dir/logs/pods)."""
+    _save_pod_logs(cluster)
     with contextlib.suppress(Exception):
         names = cluster.kubectl("get", "namespaces", "-o", "jsonpath={.items[*].metadata.name}", timeout=30).stdout.split()
         extra = [n for n in names if n not in SYSTEM_NAMESPACES]

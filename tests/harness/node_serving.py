@@ -99,14 +99,17 @@ def first_model(base_url: str, timeout: float = 60.0) -> str:
     return client.models.list().data[0].id
 
 
-def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int = 16, timeout: float = 120.0):
-    """(monotonic time of the first streamed token, the whole text); raises on an error event."""
+def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int = 16, timeout: float = 120.0,
+                ignore_eos: bool = False):
+    """(monotonic time of the first streamed token, the whole text); raises on an error event.
+    ignore_eos: generate exactly max_tokens (a long stream on the built-in model)."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=timeout, max_retries=0)
     first, parts, finish = None, [], None
     for chunk in client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
-                                                max_tokens=max_tokens, stream=True):
+                                                max_tokens=max_tokens, stream=True,
+                                                extra_body={"ignore_eos": True} if ignore_eos else None):
         for choice in chunk.choices:
             if choice.delta and choice.delta.content:
                 first = first or time.monotonic()

@@ -5,7 +5,7 @@
 #
 # Everything goes to a cache OUTSIDE the repository:
 #   ${PDSERVE_CACHE:-$HOME/.cache/pdserve}/image/
-#     pdserve-<inputs hash>.oci.tar   the image (localhost/pdserve:<inputs hash>), layers uncompressed
+#     pdserve-<inputs hash>.oci.tar   the image (localhost/pdserve:<inputs hash>), layers zstd-compressed
 #     pdserve-<inputs hash>.json      its name, size and how long the build took
 #     base-<recipe hash>.tar          the Debian root file system the image starts FROM
 #     buildah/                        buildah's storage (layer cache: the dependency layer is reused
@@ -153,7 +153,7 @@ bah run --isolation chroot "$(bah from --quiet "$NAME")" -- /opt/pdserve/bin/pyt
 bah rm --all >/dev/null
 
 say "exporting $ARCHIVE"
-bah push --quiet --disable-compression "$NAME" "oci-archive:$ARCHIVE.tmp:$NAME" >/dev/null \
+bah push --quiet --compression-format zstd "$NAME" "oci-archive:$ARCHIVE.tmp:$NAME" >/dev/null \
   || die "buildah push to an OCI archive failed"
 mv "$ARCHIVE.tmp" "$ARCHIVE"
 unpacked="$(bah images --noheading --format '{{.Size}}' "$NAME" | head -1)"
@@ -164,9 +164,11 @@ printf '{"name": "%s", "archive_mb": %d, "unpacked": "%s", "build_s": %d, "total
 
 # Keep only this image: older archives go, and every stored image but the base, this one and the
 # layers of this build (the cache of the next one: the step images buildah printed as "--> <id>").
-for old in "$CACHE"/pdserve-*.oci.tar "$CACHE"/pdserve-*.json "$CACHE"/build-*.log; do
-  [[ "$old" == *"$HASH"* ]] || rm -f "$old"
+for old in "$CACHE"/pdserve-*.oci.tar "$CACHE"/pdserve-*.json "$CACHE"/build-*.log "$CACHE"/base-*.tar; do
+  [[ "$old" == *"$HASH"* || "$old" == "$BASE_TAR" ]] || rm -f "$old"
 done
+bah images --noheading --format '{{.Name}}:{{.Tag}}' | grep -v -x -e "$NAME" -e "$BASE_NAME" | grep -v '<none>' \
+  | xargs -r -n1 bah untag >/dev/null 2>&1 || true
 keep="$(awk '$1 == "-->" { id = ($2 == "Using") ? $4 : $2; print substr(id, 1, 11) }' "$log"
   for image in "$NAME" "$BASE_NAME"; do bah images --noheading --format '{{.ID}}' "$image" | cut -c1-11; done)"
 bah images --all --noheading --no-trunc --format '{{.ID}}' | sed 's/^sha256://' | while read -r id; do
