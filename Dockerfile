@@ -33,12 +33,14 @@ RUN if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import venv, ensure
 WORKDIR /src
 # Dependencies first (cached while only the sources change), read from pyproject.toml: torch
 # alone from TORCH_INDEX (CPU or CUDA build), then everything else from PyPI.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml ./
 RUN /opt/pdserve/bin/python -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]))' > /tmp/deps.txt \
  && grep '^torch' /tmp/deps.txt > /tmp/torch.txt \
  && /opt/pdserve/bin/pip install --index-url "${TORCH_INDEX}" -r /tmp/torch.txt \
  && /opt/pdserve/bin/pip install -r /tmp/deps.txt
-# Then the package itself (a regular, non-editable install of the folders pyproject.toml maps).
+# Then the package itself (a regular, non-editable install of the folders pyproject.toml maps;
+# README.md is its long description, copied here so that editing it keeps the dependency layer).
+COPY README.md ./
 COPY pdserve ./pdserve
 COPY engine ./engine
 COPY cachestore ./cachestore
