@@ -2,8 +2,9 @@
 
 - `kubectl scale` of a decode pool up while clients stream: no stream is lost and the new pod
   joins (through the EndpointSlices the prefill watches) and takes sessions;
-- `kubectl scale` down while every pod of the pool holds a long stream: the removed pods drain
-  (SIGTERM: refuse new sessions, finish live ones), so no stream is lost;
+- `kubectl scale` down while the pods it removes hold long streams (a pod-deletion-cost makes the
+  ReplicaSet remove exactly those): they drain (SIGTERM: refuse new sessions, finish live ones),
+  so no stream is lost;
 - `kubectl delete pod --force --grace-period=0` of the decode serving a stream, after its first
   tokens (the kubelet gives it 2 s, then kills it): the stream resumes on another decode (prompt +
   tokens so far are prefilled again) or ends with a clear error, and the Deployment replaces it.
@@ -43,8 +44,8 @@ LONG = 1500  # tokens of a long stream (ignore_eos): several seconds on the buil
 class Streams:
     """Streams in threads: `loop` ones back to back until the block ends, or `once` long ones."""
 
-    def __init__(self, served, loop: int = 0, once: int = 0, max_tokens: int = 24):
-        self.served, self.max_tokens = served, max_tokens
+    def __init__(self, served, loop: int = 0, once: int = 0, max_tokens: int = 24, long: int = LONG):
+        self.served, self.max_tokens, self.long = served, max_tokens, long
         self.ok, self.errors = 0, []
         self.lock, self.stopping = threading.Lock(), threading.Event()
         self.threads = [threading.Thread(target=self._run, args=(i, True), daemon=True) for i in range(loop)]
@@ -55,9 +56,10 @@ class Streams:
         while not self.stopping.is_set():
             n += 1
             try:
-                node_serving.stream_chat(self.served.base_url, self.served.model, f"client {i} request {n}",
-                                         max_tokens=self.max_tokens if repeat else LONG, timeout=300,
-                                         ignore_eos=not repeat)
+                _, _, finish = node_serving.stream_chat(
+                    self.served.base_url, self.served.model, f"client {i} request {n}",
+                    max_tokens=self.max_tokens if repeat else self.long, timeout=300, ignore_eos=True)
+                assert finish == "length", f"finish_reason {finish!r} with ignore_eos"
                 with self.lock:
                     self.ok += 1
             except Exception as e:  # every failure is a lost stream: recorded, asserted on
@@ -143,15 +145,19 @@ def test_scale_up_under_load_loses_no_stream_and_the_new_pod_serves(node_kube, c
 def test_scale_down_drains_the_streams_of_removed_pods(node_kube, chat, capsys):
     ns = chat.namespace
     pods = _scale(node_kube, ns, 3)
-    with Streams(chat, once=8) as streams:
-        # every pod of the pool holds a long stream when the scale-down comes (wrr spreads them)
-        node_kube.wait_until(lambda: all(_sessions(p) > 0 for p in pods), 60, 0.1, f"every {POOL} pod to hold a stream")
+    with Streams(chat, once=6, long=600) as streams:
+        busy = node_kube.wait_until(lambda: [p for p in pods if _sessions(p) > 0][:2] if sum(
+            _sessions(p) > 0 for p in pods) >= 2 else None, 60, 0.1, f"two {POOL} pods to hold a stream")
+        # the ReplicaSet removes the pods with the lowest deletion cost first: exactly the busy ones
+        for p in busy:
+            node_kube.kubectl("annotate", "pod", p.name, "-n", ns, "controller.kubernetes.io/pod-deletion-cost=-1000")
         node_kube.kubectl("scale", POOL_OBJECT, "-n", ns, "--replicas=1")
-    node_kube.wait_until(lambda: _settled(node_kube, ns, POOL, 1), 300, 1, f"1 {POOL} pod left")
+    (left,) = node_kube.wait_until(lambda: _settled(node_kube, ns, POOL, 1), 300, 1, f"1 {POOL} pod left")
+    assert left.name not in {p.name for p in busy}
     with capsys.disabled():
-        print(f"\nscale {POOL} 3 -> 1 with a {LONG}-token stream on every pod: {streams.ok} finished, "
+        print(f"\nscale {POOL} 3 -> 1 while the 2 removed pods hold 600-token streams: {streams.ok} of 6 finished, "
               f"{len(streams.errors)} lost {streams.errors[:1]}")
-    assert streams.ok + len(streams.errors) == 8
+    assert streams.ok + len(streams.errors) == 6
     _scale(node_kube, ns, 2)
     readings = _all_released(node_kube, ns)
     assert nothing_held(readings), readings

@@ -22,7 +22,7 @@ def test_helm_apply_example_and_stream_through_the_service(node_kube, chat, caps
     with capsys.disabled():
         print(f"\nuser path (s): {json.dumps({k: round(v, 1) for k, v in chat.timings.items()})}; "
               f"image {node_kube.image}; first answer: {chat.first_text!r}")
-    assert chat.first_text
+    assert chat.timings["apply_to_first_token_s"] >= chat.timings["apply_to_ready_s"] > 0
 
     # What runs is what the chart and the operator made, from the built image, in real pods.
     ns = chat.namespace
@@ -46,7 +46,8 @@ def test_helm_apply_example_and_stream_through_the_service(node_kube, chat, caps
     assert sorted(a.rsplit(":", 1)[0] for a in routable) == sorted(d.ip for d in decodes), (routable, decodes)
 
     # A second stream through the Service works, and afterwards nothing is held anywhere.
-    _, text = node_serving.stream_chat(chat.base_url, chat.model, "And once more.", max_tokens=8)
-    assert text
+    _, text, finish = node_serving.stream_chat(chat.base_url, chat.model, "And once more.", max_tokens=8,
+                                               ignore_eos=True)
+    assert text and finish == "length", (text, finish)
     readings = wait_all_released([prefill, *decodes])
     assert nothing_held(readings), readings
