@@ -59,6 +59,11 @@ kv_checksum_mismatches          both      decode: a request's KV failed its chec
 kv_blocks_free / _used          both      after every allocation and free (or each step)
 requests_running / _waiting     both      after every scheduler step
 known_decodes                   prefill   after each discovery / load-report update
+slo_requests, slo_attainment    prefill   once per request at its end (rejected: at arrival), by SLO class
+slo_queue_time                  prefill   a request leaves the global queue (``pdserve.slo.GlobalQueue``)
+slo_estimate_error              prefill   leaving the queue (part=queue) and at the end (part=e2e)
+slo_policy                      prefill   the queue policy places an arrival in line or orders the waiting requests
+slo_queued                      prefill   a request joins or leaves the global queue
 ==============================  ========  ================================================
 
 The router (``pdserve router``) exports its own table, ``ROUTER_METRICS`` (``ServerMetrics(role="router")``
@@ -173,6 +178,23 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("requests_waiting", "pdserve_requests_waiting", _G, "Requests waiting to be scheduled."),
     MetricSpec("known_decodes", "pdserve_known_decodes", _G,
                "Decodes prefill knows and can route to (compatible, fresh load report)."),
+    # SLO classes and the global queue (pdserve.slo); slo_class is a name from spec.slo
+    MetricSpec("slo_requests", "pdserve_slo_requests_total", _C,
+               "Requests by SLO class and outcome (ok|error|cancelled|rejected: refused at once, early rejection).",
+               ("slo_class", "outcome")),
+    MetricSpec("slo_attainment", "pdserve_slo_attainment_total", _C,
+               "Requests that met or missed their class's targets, by target (ttft|tbt|e2e|all) and result (met|missed).",
+               ("slo_class", "target", "result")),
+    MetricSpec("slo_queue_time", "pdserve_slo_queue_time_seconds", _H,
+               "Arrival of a request to leaving the global queue (a decode allocated), by SLO class.", ("slo_class",)),
+    MetricSpec("slo_estimate_error", "pdserve_slo_estimate_error_seconds", _H,
+               "|estimate at arrival - actual| of a request's queue time (part=queue) and completion time (part=e2e).",
+               ("slo_class", "part")),
+    MetricSpec("slo_policy", "pdserve_slo_policy_seconds", _H,
+               "Time the queue policy (fifo|edf|qlm) took to place an arriving request in line or to order the waiting "
+               "requests.", buckets=FINE_BUCKETS),
+    MetricSpec("slo_queued", "pdserve_slo_queued", _G, "Requests waiting in the global queue, by SLO class.",
+               ("slo_class",)),
 )
 
 

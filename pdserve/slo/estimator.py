@@ -1,0 +1,240 @@
+"""The request waiting-time estimator (QLM, Algorithm 1's companion: equations 1-4), learned online.
+
+A request's completion time is its wait, its prefill and its decode (QLM eq. 1)::
+
+    C_q = W_q + P_q + D_q
+
+- ``P_q``: prefill time of its prompt, a line ``a + b * prompt_tokens`` fitted online to what
+  requests took from admission (a decode allocated) to their first token;
+- ``D_q = (O_q - 1) * d`` (eq. 4; the first token comes with the prefill): ``O_q`` its
+  expected output length, ``E[min(O, max_tokens)]`` over the recent output lengths of its
+  class (learned online, one window per class), and ``d`` the measured time per output
+  token at the current load (QLM's ``epsilon * d``: we measure the loaded per-token time
+  directly, so the slowdown factor is 1);
+- ``W_q`` (eq. 2): QLM divides the output tokens queued ahead by the throughput,
+  ``sum O_i / Theta``. We use the same quantities one step less fluid: the backend serves
+  ``K`` requests at once (``Theta = K / d``); the running requests free their slots after
+  their expected remaining tokens, and each request ahead takes the first slot to free up
+  for ``P_i + D_i`` (``plan``). For many requests ahead this is eq. 2; for few it does not
+  pretend a half-finished batch drains as one. ``K`` is the concurrency observed whenever a
+  request had to wait (the backend was full).
+
+The spread of the wait (eq. 3: the sum of q - 1 output lengths is about normal with variance
+``(q - 1) * sigma_o^2``) is reported as ``Estimate.wait_sd``.
+
+Every number comes from observations the front door makes anyway (``observe_*``); before the
+first ones, ``warm`` is False and nothing is rejected on an estimate.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+OUTPUT_WINDOW = 256  # output lengths kept per class
+EWMA_ALPHA = 0.2
+FIT_DECAY = 0.98  # weight of older prefill observations (per new one)
+
+
+class Ewma:
+    __slots__ = ("alpha", "value")
+
+    def __init__(self, alpha: float = EWMA_ALPHA, value: float | None = None):
+        self.alpha, self.value = alpha, value
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+class LineFit:
+    """y = a + b x by exponentially decayed least squares (newer observations weigh more)."""
+
+    __slots__ = ("decay", "n", "sx", "sy", "sxx", "sxy")
+
+    def __init__(self, decay: float = FIT_DECAY):
+        self.decay = decay
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        k = self.decay
+        self.n, self.sx, self.sy = self.n * k + 1, self.sx * k + x, self.sy * k + y
+        self.sxx, self.sxy = self.sxx * k + x * x, self.sxy * k + x * y
+
+    def predict(self, x: float) -> float | None:
+        if self.n == 0:
+            return None
+        var = self.n * self.sxx - self.sx * self.sx
+        if var <= 1e-9 * max(1.0, self.sxx * self.n):  # one distinct x so far: proportional to x
+            return max(0.0, self.sy / self.sx * x) if self.sx > 0 else self.sy / self.n
+        b = (self.n * self.sxy - self.sx * self.sy) / var
+        a = (self.sy - b * self.sx) / self.n
+        if b < 0:  # noise: no slope is better than a negative one
+            return max(0.0, self.sy / self.n)
+        return max(0.0, a + b * x)
+
+
+class OutputLengths:
+    """The recent output lengths of each class (a window of ``window`` per class)."""
+
+    def __init__(self, window: int = OUTPUT_WINDOW):
+        self.window = window
+        self.by_class: dict[str, deque[int]] = {}
+        self._cache: dict[tuple, float] = {}  # answers since the last add (plans ask the same again and again)
+
+    def add(self, cls: str, n: int) -> None:
+        self.by_class.setdefault(cls, deque(maxlen=self.window)).append(n)
+        self._cache.clear()
+
+    def _samples(self, cls: str):
+        own = self.by_class.get(cls)
+        if own:
+            return own
+        return [n for d in self.by_class.values() for n in d]  # a class not seen yet: everybody's
+
+    def expected(self, cls: str, max_tokens: int, produced: int = 0) -> float:
+        """E[min(O, max_tokens) - produced | O > produced]; unknown: what is left of max_tokens."""
+        key = ("e", cls, max_tokens, produced)
+        if key not in self._cache:
+            if len(self._cache) > 4096:
+                self._cache.clear()
+            self._cache[key] = self._expected(cls, max_tokens, produced)
+        return self._cache[key]
+
+    def _expected(self, cls: str, max_tokens: int, produced: int) -> float:
+        left = max_tokens - produced
+        longer = [min(n, max_tokens) for n in self._samples(cls) if n > produced]
+        if not longer:
+            return float(left) if produced == 0 else max(1.0, left / 2)
+        return max(1.0, min(float(left), sum(longer) / len(longer) - produced))
+
+    def spread(self, cls: str, max_tokens: int) -> float:
+        """The standard deviation of min(O, max_tokens) (QLM's sigma_o)."""
+        key = ("s", cls, max_tokens)
+        if key not in self._cache:
+            samples = [min(n, max_tokens) for n in self._samples(cls)]
+            self._cache[key] = statistics.pstdev(samples) if len(samples) > 1 else 0.0
+        return self._cache[key]
+
+    def count(self) -> int:
+        return sum(len(d) for d in self.by_class.values())
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What the plan needs of one request: its class (output lengths), prompt and token limit."""
+
+    cls: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    wait: float      # W: seconds until it leaves the queue (a slot is free)
+    prefill: float   # P
+    decode: float    # D = O * d
+    output_tokens: float
+    wait_sd: float = 0.0
+
+    @property
+    def first_token(self) -> float:
+        return self.wait + self.prefill
+
+    @property
+    def total(self) -> float:
+        return self.wait + self.prefill + self.decode
+
+
+class Estimator:
+    """Measured throughput -> estimates. Not thread-safe (one event loop owns it)."""
+
+    def __init__(self, window: int = OUTPUT_WINDOW):
+        self.lengths = OutputLengths(window)
+        self.prefill_fit = LineFit()
+        self.per_token = Ewma()  # d: seconds per output token at the current load
+        self.slots = Ewma(alpha=0.3)  # K: requests served at once when the backend was full
+
+    # -- observations ----------------------------------------------------------------------
+    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
+        """Admission (a decode allocated) -> first token, for a prompt of that length."""
+        if seconds >= 0:
+            self.prefill_fit.add(prompt_tokens, seconds)
+
+    def observe_decode(self, tokens: int, seconds: float) -> None:
+        """A request's ``tokens`` (> 1) output tokens took ``seconds`` after its first one."""
+        if tokens > 1 and seconds >= 0:
+            self.per_token.add(seconds / (tokens - 1))
+
+    def observe_output(self, cls: str, tokens: int) -> None:
+        self.lengths.add(cls, tokens)
+
+    def observe_full(self, running: int) -> None:
+        """A request had to wait while ``running`` requests were being served: the backend's K."""
+        if running > 0:
+            self.slots.add(running)
+
+    @property
+    def warm(self) -> bool:
+        return self.per_token.value is not None and self.prefill_fit.n > 0
+
+    # -- estimates -------------------------------------------------------------------------
+    def prefill_time(self, prompt_tokens: int) -> float:
+        p = self.prefill_fit.predict(prompt_tokens)
+        return 0.0 if p is None else p
+
+    def output_tokens(self, job: Job, produced: int = 0) -> float:
+        return self.lengths.expected(job.cls, job.max_tokens, produced)
+
+    def service(self, job: Job) -> tuple[float, float, float]:
+        """(P, D, O) of a job about to start."""
+        out = self.output_tokens(job)
+        return self.prefill_time(job.prompt_tokens), max(0.0, out - 1) * (self.per_token.value or 0.0), out
+
+    def remaining(self, job: Job, produced: int) -> float:
+        """Seconds until a running request that has produced ``produced`` tokens frees its slot."""
+        return self.output_tokens(job, produced) * (self.per_token.value or 0.0)
+
+    def capacity(self, running: int, queue_nonempty: bool) -> int | None:
+        """K for a plan: when requests already wait, the backend is full as it is now; else what
+        was observed full before (None: never seen full, every new request starts at once)."""
+        if queue_nonempty:
+            return max(1, running)
+        if self.slots.value is None:
+            return None
+        return max(1, round(self.slots.value), running)
+
+    def plan(self, frees_in: list[float], jobs: list[Job], slots: int | None) -> list[Estimate]:
+        """Estimates of ``jobs`` served in this order: ``frees_in`` are the seconds until each
+        running request frees its slot, ``slots`` the backend's K (None: unbounded)."""
+        services = [self.service(job) for job in jobs]
+        starts = simulate(frees_in, [p + d for p, d, _ in services], slots)
+        d = self.per_token.value or 0.0
+        out, ahead_var = [], 0.0
+        for job, start, (p, dec, o) in zip(jobs, starts, services):
+            out.append(Estimate(start, p, dec, o, math.sqrt(ahead_var) * d / max(1, slots or 1)))
+            ahead_var += self.lengths.spread(job.cls, job.max_tokens) ** 2
+        return out
+
+    def snapshot(self) -> dict:
+        return {"per_token_s": self.per_token.value, "slots": self.slots.value, "warm": self.warm,
+                "prefill_s_at_128": self.prefill_time(128), "output_samples": self.lengths.count()}
+
+
+def simulate(frees_in: list[float], durations: list[float], slots: int | None) -> list[float]:
+    """Start times (seconds from now) of requests served in this order by ``slots`` servers
+    whose running requests free them after ``frees_in``; each takes its duration. None: no
+    limit (everybody starts now)."""
+    if slots is None:
+        return [0.0] * len(durations)
+    frees = sorted(frees_in)[:slots]
+    heap = frees + [0.0] * (slots - len(frees))
+    heapq.heapify(heap)
+    starts = []
+    for duration in durations:
+        start = heapq.heappop(heap)
+        starts.append(start)
+        heapq.heappush(heap, start + duration)
+    return starts

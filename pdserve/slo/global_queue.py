@@ -1,0 +1,245 @@
+"""GlobalQueue: the front door's view of its requests, by SLO class (pure: no I/O, no asyncio).
+
+The front door (the prefill; a router later) tells it what happens to each request and asks
+it two things: may this request come in at all (early rejection), and who goes next.
+
+    req = q.arrive(request_id, cls, prompt_tokens, max_tokens)  # may raise Rejected (429)
+    q.wait(req)            # it has to wait (the backend is full): joins the waiting set
+    q.head()               # the waiting request the policy sends next (fifo | edf | qlm)
+    q.admitted(req)        # it left the queue: a decode allocated its KV (now running)
+    q.token(req, n)        # n tokens reached the client (the first one ends its prefill)
+    q.finish(req, outcome) # ok | error | cancelled, exactly once (later calls are ignored)
+
+Estimates (``estimator.py``): at arrival each request gets the estimate of its wait, prefill
+and decode at the place the policy gives it now; its error against what happened is
+exported (``pdserve_slo_estimate_error_seconds``, part=queue when it leaves the queue,
+part=e2e when it finishes) and kept for ``snapshot()``.
+
+Early rejection (classes with ``earlyReject``): a request whose SLO would be missed even if
+it were served next (the running requests free the first slot, then its own prefill and
+decode; ``TTFT`` and end-to-end targets, the ones a queue can change) raises ``Rejected``
+at once, with the estimate and a ``retry_after_s`` (the excess over its target, at least a
+second). Only once the estimator is warm (it has seen prefills, decodes, output lengths).
+
+Metrics (when given a ServerMetrics; names in ``pdserve.metrics``): requests by class and
+outcome (incl. rejected), SLO met/missed per class and target (ttft, tbt, e2e and all; a
+rejected or failed request misses every target of its class, a cancelled one is not
+judged), queue time by class, requests waiting by class, estimate error, ordering cost.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from .classes import SloClass, SloClasses
+from .estimator import Estimate, Estimator, Job
+from .groups import Waiting
+from .policies import POLICIES, Context, order
+
+if TYPE_CHECKING:
+    from pdserve.metrics import ServerMetrics
+
+KEEP_RECORDS = 1024
+REORDER_AFTER_S = 0.5  # qlm: the order is recomputed on every change, and when this old
+
+
+class Rejected(Exception):
+    """Early rejection: the request cannot meet its SLO even if served next (HTTP 429)."""
+
+    def __init__(self, message: str, retry_after_s: int, estimate: Estimate):
+        super().__init__(message)
+        self.retry_after_s, self.estimate = retry_after_s, estimate
+
+
+@dataclass(eq=False)
+class SloRequest(Waiting):
+    estimate: Estimate | None = None
+    state: str = "new"  # new -> waiting -> running -> done (waiting is skipped when it need not wait)
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    tokens: int = 0
+    verdict: dict = field(default_factory=dict)
+
+
+class GlobalQueue:
+    def __init__(self, classes: SloClasses, policy: str = "fifo", metrics: ServerMetrics | None = None,
+                 clock: Callable[[], float] = time.monotonic, estimator: Estimator | None = None):
+        if policy not in POLICIES:
+            raise ValueError(f"unknown queue policy {policy!r}; known: {', '.join(POLICIES)}")
+        self.classes, self.policy, self.metrics, self.clock = classes, policy, metrics, clock
+        self.estimator = estimator or Estimator()
+        self.waiting: dict[str, SloRequest] = {}
+        self.running: dict[str, SloRequest] = {}
+        self.records: deque[dict] = deque(maxlen=KEEP_RECORDS)
+        self._seq = 0
+        self._order: list[SloRequest] | None = None
+        self._ordered_at = 0.0
+        if metrics is not None:
+            for c in classes:
+                metrics.slo_queued.labels(slo_class=c.name).set(0)
+
+    # -- the request's life ----------------------------------------------------------------
+    def arrive(self, request_id: str, cls: SloClass, prompt_tokens: int, max_tokens: int) -> SloRequest:
+        now = self.clock()
+        self._seq += 1
+        req = SloRequest(request_id, cls, now, self._seq, Job(cls.name, prompt_tokens, max_tokens))
+        if cls.early_reject and self.estimator.warm:
+            self._maybe_reject(req)
+        req.estimate = self._estimate_in_line(req)
+        return req
+
+    def wait(self, req: SloRequest) -> None:
+        """``req`` has to wait for room (idempotent)."""
+        if req.state != "new":
+            return
+        req.state = "waiting"
+        self.estimator.observe_full(len(self.running))
+        self.waiting[req.request_id] = req
+        self._changed(req.cls)
+
+    def admitted(self, req: SloRequest) -> None:
+        """``req`` left the queue: the backend took it (idempotent)."""
+        if req.state not in ("new", "waiting"):
+            return
+        was_waiting = req.state == "waiting"
+        req.state, req.admitted_at = "running", self.clock()
+        self.waiting.pop(req.request_id, None)
+        self.running[req.request_id] = req
+        waited = req.admitted_at - req.arrival
+        if self.metrics is not None:
+            self.metrics.slo_queue_time.labels(slo_class=req.cls.name).observe(waited)
+            if req.estimate is not None:
+                self.metrics.slo_estimate_error.labels(slo_class=req.cls.name, part="queue").observe(
+                    abs(req.estimate.wait - waited))
+        if was_waiting:
+            self._changed(req.cls)
+
+    def token(self, req: SloRequest, n: int = 1) -> None:
+        if req.first_token_at is None:
+            req.first_token_at = self.clock()
+            if req.admitted_at is not None:
+                self.estimator.observe_prefill(req.job.prompt_tokens, req.first_token_at - req.admitted_at)
+        req.tokens += n
+
+    def finish(self, req: SloRequest, outcome: str = "ok") -> None:
+        """The request ended: ok | error | cancelled (once; later calls are ignored)."""
+        if req.state == "done":
+            return
+        was_waiting = req.state == "waiting"
+        req.state = "done"
+        self.waiting.pop(req.request_id, None)
+        self.running.pop(req.request_id, None)
+        now = self.clock()
+        e2e = now - req.arrival
+        ttft = None if req.first_token_at is None else req.first_token_at - req.arrival
+        if outcome == "ok":
+            if req.first_token_at is not None:
+                self.estimator.observe_decode(req.tokens, now - req.first_token_at)
+            self.estimator.observe_output(req.cls.name, req.tokens)
+            req.verdict = req.cls.verdict(ttft, e2e, req.tokens)
+        elif outcome == "error":
+            req.verdict = dict.fromkeys(req.cls.targets, False)
+        self._record(req, outcome, ttft, e2e)
+        if was_waiting:
+            self._changed(req.cls)
+
+    # -- who goes next -----------------------------------------------------------------------
+    def order(self) -> list[SloRequest]:
+        """The waiting requests in the order the policy serves them."""
+        now = self.clock()
+        if self._order is None or (self.policy == "qlm" and now - self._ordered_at > REORDER_AFTER_S):
+            waiting = list(self.waiting.values())
+            self._order = self._ordered(waiting, now) if len(waiting) > 1 else waiting
+            self._ordered_at = now
+        return self._order
+
+    def head(self) -> SloRequest | None:
+        ordered = self.order()
+        return ordered[0] if ordered else None
+
+    def context(self, now: float | None = None) -> Context:
+        now = self.clock() if now is None else now
+        frees = tuple(self.estimator.remaining(r.job, r.tokens) for r in self.running.values())
+        return Context(now, self.estimator, frees, self.estimator.capacity(len(self.running), bool(self.waiting)))
+
+    def _ordered(self, waiting: list[SloRequest], now: float) -> list[SloRequest]:
+        """The policy's order (its cost observed: also placing one arrival in an empty line)."""
+        started = time.perf_counter()
+        out = order(self.policy, waiting, self.context(now))
+        if self.metrics is not None:
+            self.metrics.slo_policy.observe(time.perf_counter() - started)
+        return out
+
+    # -- estimates and rejection ------------------------------------------------------------
+    def _estimate_in_line(self, req: SloRequest) -> Estimate:
+        """Its estimate at the place the policy would give it if it had to wait now."""
+        ctx = self.context(req.arrival)
+        if not self.waiting and ctx.slots is not None and len(self.running) < ctx.slots:
+            ctx = Context(ctx.now, ctx.estimator, ctx.frees_in, None)  # room now: it goes straight in
+        line = self._ordered(list(self.waiting.values()) + [req], req.arrival)
+        plan = self.estimator.plan(list(ctx.frees_in), [w.job for w in line], ctx.slots)
+        return plan[line.index(req)]
+
+    def _maybe_reject(self, req: SloRequest) -> None:
+        ctx = self.context(req.arrival)
+        if not self.waiting and ctx.slots is not None and len(self.running) < ctx.slots:
+            return  # room now
+        est = self.estimator.plan(list(ctx.frees_in), [req.job], ctx.slots)[0]
+        c, excess, parts = req.cls, 0.0, []
+        if c.ttft_ms is not None and est.first_token * 1000 > c.ttft_ms:
+            excess = max(excess, est.first_token - c.ttft_ms / 1000)
+            parts.append(f"first token in {est.first_token:.2f}s (target {c.ttft_ms} ms)")
+        if c.e2e_ms is not None and est.total * 1000 > c.e2e_ms:
+            excess = max(excess, est.total - c.e2e_ms / 1000)
+            parts.append(f"completion in {est.total:.2f}s (target {c.e2e_ms} ms)")
+        if not parts:
+            return
+        retry = max(1, math.ceil(excess))
+        req.estimate, req.state = est, "done"
+        req.verdict = dict.fromkeys(c.targets, False)
+        self._record(req, "rejected", None, 0.0)
+        raise Rejected(
+            f"SLO class {c.name!r} cannot be met even if this request were served next: estimated wait "
+            f"{est.wait:.2f}s + prefill {est.prefill:.2f}s + decode {est.decode:.2f}s (~{est.output_tokens:.0f} "
+            f"tokens): {'; '.join(parts)}; {len(self.waiting)} waiting, {len(self.running)} running; "
+            f"retry after {retry}s", retry, est)
+
+    # -- bookkeeping -------------------------------------------------------------------------
+    def _changed(self, cls: SloClass) -> None:
+        self._order = None
+        if self.metrics is not None:
+            n = sum(1 for r in self.waiting.values() if r.cls is cls)
+            self.metrics.slo_queued.labels(slo_class=cls.name).set(n)
+
+    def _record(self, req: SloRequest, outcome: str, ttft: float | None, e2e: float) -> None:
+        est = req.estimate
+        waited = None if req.admitted_at is None else req.admitted_at - req.arrival
+        self.records.append({
+            "request_id": req.request_id, "slo_class": req.cls.name, "outcome": outcome, "tokens": req.tokens,
+            "estimate": None if est is None else {"wait": est.wait, "first_token": est.first_token, "e2e": est.total,
+                                                  "output_tokens": est.output_tokens},
+            "actual": {"wait": waited, "first_token": ttft, "e2e": e2e}, "met": req.verdict,
+        })
+        m = self.metrics
+        if m is None:
+            return
+        m.slo_requests.labels(slo_class=req.cls.name, outcome=outcome).inc()
+        for target, met in req.verdict.items():
+            m.slo_attainment.labels(slo_class=req.cls.name, target=target, result="met" if met else "missed").inc()
+        if req.verdict:
+            m.slo_attainment.labels(slo_class=req.cls.name, target="all",
+                                    result="met" if all(req.verdict.values()) else "missed").inc()
+        if outcome == "ok" and est is not None:
+            m.slo_estimate_error.labels(slo_class=req.cls.name, part="e2e").observe(abs(est.total - e2e))
+
+    def snapshot(self) -> dict:
+        return {
+            "policy": self.policy, "classes": [c.describe() for c in self.classes],
+            "waiting": {c.name: sum(1 for r in self.waiting.values() if r.cls is c) for c in self.classes},
+            "running": len(self.running), "order": [r.request_id for r in self.order()][:64],
+            "estimator": self.estimator.snapshot(), "recent": list(self.records)[-64:],
+        }

@@ -1,0 +1,94 @@
+"""The waiting-time estimator (pdserve.slo.estimator): what it learns online, and its plan of
+a queue against QLM's equations 1-4."""
+
+import math
+
+import pytest
+
+from pdserve.slo.estimator import Estimator, Job, LineFit, OutputLengths, simulate
+
+
+def test_the_prefill_line_is_learned_from_observations():
+    fit = LineFit(decay=1.0)
+    assert fit.predict(100) is None
+    fit.add(100, 0.05)
+    assert fit.predict(200) == pytest.approx(0.10)  # one length seen: proportional
+    for n in (50, 300, 700):
+        fit.add(n, 0.01 + 0.0004 * n)
+    fit.add(100, 0.01 + 0.04)
+    assert fit.predict(1000) == pytest.approx(0.01 + 0.4, rel=0.05)
+
+
+def test_a_slope_from_noise_is_never_negative():
+    fit = LineFit(decay=1.0)
+    fit.add(100, 0.2)
+    fit.add(200, 0.1)
+    assert fit.predict(10_000) == pytest.approx(0.15)
+
+
+def test_output_lengths_per_class_capped_and_conditional():
+    lengths = OutputLengths(window=4)
+    assert lengths.expected("chat", 64) == 64  # nothing learned: the whole max_tokens
+    for n in (10, 20, 30, 40):
+        lengths.add("chat", n)
+    assert lengths.expected("chat", 64) == 25
+    assert lengths.expected("chat", 20) == pytest.approx((10 + 20 + 20 + 20) / 4)  # E[min(O, max_tokens)]
+    assert lengths.expected("chat", 64, produced=25) == pytest.approx(35 - 25)  # E[O - 25 | O > 25]
+    assert lengths.expected("batch", 64) == 25  # a class not seen yet: everybody's lengths
+    lengths.add("chat", 100)  # the window keeps the last 4
+    assert lengths.expected("chat", 1000) == pytest.approx((20 + 30 + 40 + 100) / 4)
+    assert lengths.spread("chat", 1000) == pytest.approx(math.sqrt(sum((x - 47.5) ** 2 for x in (20, 30, 40, 100)) / 4))
+
+
+def test_simulate_k_slots():
+    # two slots: the running requests free them after 1 s and 3 s; each job takes 2 s
+    assert simulate([3.0, 1.0], [2.0, 2.0, 2.0], 2) == [1.0, 3.0, 3.0]
+    assert simulate([], [5.0, 5.0], 1) == [0.0, 5.0]
+    assert simulate([1.0], [1.0, 1.0], None) == [0.0, 0.0]
+    assert simulate([4.0, 1.0, 2.0], [1.0], 2) == [1.0]  # more running than slots: the first to free count
+
+
+def warm_estimator(per_token=0.01, outputs=(("chat", 100),)):
+    est = Estimator()
+    est.observe_decode(11, 10 * per_token)
+    est.observe_prefill(100, 0.05)
+    for cls, n in outputs:
+        est.observe_output(cls, n)
+    return est
+
+
+def test_plan_is_eq_1_to_4():
+    est = warm_estimator()
+    assert est.warm
+    job = Job("chat", prompt_tokens=200, max_tokens=500)
+    (e,) = est.plan([0.3], [job], slots=1)
+    assert e.wait == pytest.approx(0.3)                  # W: the running request frees the slot
+    assert e.prefill == pytest.approx(0.10)              # P: 200 tokens at 0.05 s per 100
+    assert e.decode == pytest.approx(99 * 0.01)          # D = (O - 1) * d, O learned (100 < max_tokens)
+    assert e.total == pytest.approx(0.3 + 0.1 + 0.99)    # C = W + P + D
+    assert e.first_token == pytest.approx(0.4)
+
+
+def test_a_long_queue_waits_as_eq_2_says():
+    """For many requests ahead, W_q = sum of the output tokens ahead / Theta, Theta = K / d
+    (prefill is small here, as in QLM's setting)."""
+    est = Estimator()
+    est.observe_decode(2, 0.02)  # d = 20 ms
+    est.observe_prefill(1, 0.0)
+    for n in (50, 150):  # mean 100, sigma 50
+        est.observe_output("chat", n)
+    k, q = 4, 200
+    plan = est.plan([], [Job("chat", 1, 1000)] * q, slots=k)
+    eq2 = (q - 1) * 100 / (k / 0.02)
+    assert plan[-1].wait == pytest.approx(eq2, rel=0.03)
+    # eq. 3: the spread of the wait grows with the square root of the requests ahead
+    assert plan[100].wait_sd == pytest.approx(math.sqrt(100) * 50 * 0.02 / k)
+
+
+def test_capacity_is_what_was_seen_full():
+    est = Estimator()
+    assert est.capacity(running=3, queue_nonempty=False) is None  # never full: start at once
+    assert est.capacity(running=3, queue_nonempty=True) == 3
+    est.observe_full(6)
+    assert est.capacity(running=2, queue_nonempty=False) == 6
+    assert est.capacity(running=0, queue_nonempty=True) == 1
