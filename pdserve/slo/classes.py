@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -45,6 +46,8 @@ _TARGET_KEYS = {"ttftMs": "ttft_ms", "tbtMs": "tbt_ms", "e2eMs": "e2e_ms"}
 _CLASS_KEYS = {"name", "earlyReject", "priority", *_TARGET_KEYS}
 _TOP_KEYS = {"earlyReject", "defaultClass", "classes", *_TARGET_KEYS}
 MAX_TARGET_MS = 86_400_000  # a day
+MAX_CLASSES = 16
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # a class name (also a metric label value), at most 63
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,14 +171,16 @@ def parse(obj) -> SloClasses:
     listed = obj.get("classes") or []
     if not isinstance(listed, list):
         raise ValueError("slo.classes must be a list of {name, ttftMs, tbtMs, e2eMs, earlyReject, priority}")
+    if len(listed) > MAX_CLASSES:
+        raise ValueError(f"slo.classes: at most {MAX_CLASSES} classes, got {len(listed)}")
     classes = [default]
     for i, item in enumerate(listed):
         where = f"slo.classes[{i}]"
         if not isinstance(item, Mapping):
             raise ValueError(f"{where} must be an object")
         name = item.get("name")
-        if not isinstance(name, str) or not name or len(name) > 63 or not name.replace("-", "").isalnum():
-            raise ValueError(f"{where}.name must be a short name of letters, digits and '-', got {name!r:.40}")
+        if not isinstance(name, str) or len(name) > 63 or not re.match(NAME_PATTERN, name):
+            raise ValueError(f"{where}.name must be lower-case letters, digits and '-' (at most 63), got {name!r:.40}")
         if name == DEFAULT_CLASS:
             raise ValueError(f"{where}.name: {DEFAULT_CLASS!r} is the class of slo's own ttftMs/tbtMs/e2eMs")
         classes.append(_class(where, name, item, _CLASS_KEYS))
