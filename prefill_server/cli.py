@@ -4,13 +4,16 @@ request with a decode server.
 Request lifecycle on prefill:
 
 1. **accept** - HTTP /v1/completions, /v1/chat/completions or gRPC Generate; validate and
-   tokenize (bad input: 400 / INVALID_ARGUMENT naming the field).
+   tokenize (bad input: 400 / INVALID_ARGUMENT naming the field); its SLO class (--slo-classes:
+   header X-SLO-Class or body priority; unknown: 400 naming the known ones); a class with
+   early rejection whose SLO cannot be met even if served next: 429 + Retry-After at once.
 2. **pick** - the DecodePicker chooses a decode: weighted round robin on free KV bytes
    from load reports polled every --load-report-interval seconds (``--policy rr`` for
    plain round robin); only decodes with our protocol version and a fresh report.
 3. **session** - one bidirectional Session stream to that decode: Start -> Allocation
    (or Refusal: next decode, at most --max-attempts; then --local-fallback; if every
-   decode was only busy, wait for blocks up to --queue-timeout; else 503).
+   decode was only busy, wait for blocks up to --queue-timeout in the SLO queue, in the
+   order of --queue-policy (fifo | edf | qlm); else 503).
 4. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
    each layer's blocks to decode as soon as they are written.
 5. **first token** - sampled here, sent on the Session and to the client.
@@ -47,6 +50,8 @@ import logging
 
 from pdserve import defaults
 from pdserve.server_setup import add_server_arguments, build_server_engine, drain, setup_logging, wait_for_stop_signal
+from pdserve.slo import POLICIES
+from pdserve.slo import classes as slo_classes
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -71,6 +76,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--local-fallback", action="store_true", help="decode locally when no decode can take a request")
     d.add_argument("--queue-timeout", type=float, default=10.0,
                    help="seconds a request may wait for free KV blocks (all decodes busy) before the 503")
+    d.add_argument("--queue-policy", choices=list(POLICIES), default="fifo",
+                   help="order of requests waiting for free KV blocks: fifo (arrival), edf (earliest deadline of "
+                        "their SLO class), qlm (QLM's global scheduler: request groups reordered to minimise SLO "
+                        "misses, from the waiting-time estimator)")
+    d.add_argument("--slo-classes", default=None,
+                   help="SLO classes as JSON (the InferenceService's spec.slo) or a JSON file; default: the "
+                        f"environment variable {defaults.ENV_SLO_CLASSES} the operator sets, else one best-effort "
+                        "class 'default'. Requests pick one with the header X-SLO-Class or the body field priority")
     d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
     d.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
                    help="end-to-end deadline of a request in seconds (clients may shorten it with the header "
@@ -97,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     try:
         discovery = make_discovery(args)
+        args.slo = slo_classes.load(args.slo_classes)
     except ValueError as exc:
         raise SystemExit(f"pdserve prefill: {exc}")
     if args.discovery == "static" and not discovery.addresses() and not args.local_fallback:
@@ -113,6 +127,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from pdserve.kv_events import KvEventPublisher, KvEventsServicer
     from pdserve.metrics import ServerMetrics
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
+    from pdserve.slo import GlobalQueue
     from pdserve.protos import kv_events_pb2 as kpb
     from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 
@@ -122,8 +137,10 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from .load_poller import LoadReportPoller
     from .node import PrefillNode
     from .picker import DecodePicker
+    from .slo_admission import SloAdmission
 
     metrics = ServerMetrics.from_env(role="prefill")
+    slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics)
     parts = build_server_engine(args)
     engine, loaded = parts.engine, parts.loaded
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
@@ -143,9 +160,10 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
         queue_timeout_s=args.queue_timeout, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
+        admission=SloAdmission(slo_queue, max_wait_s=args.queue_timeout),
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
-                        loaded.config.vocab_size, request_timeout_s=args.request_timeout)
+                        loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
     draining = {"on": False}
 
     def health() -> dict:
@@ -155,6 +173,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
             "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
             "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
+            "queued": len(slo_queue.waiting), "slo_running": len(slo_queue.running),
         }
 
     def load() -> kpb.ServerLoad:
@@ -175,9 +194,10 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, load), server)
     server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     await server.start()
-    log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s",
-             args.host, args.port, args.host, args.grpc_port, discovery.addresses() or "(none yet)", args.policy,
-             args.transfer, "on" if args.local_fallback else "off")
+    log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
+             "queue %s, SLO classes %s", args.host, args.port, args.host, args.grpc_port,
+             discovery.addresses() or "(none yet)", args.policy, args.transfer, "on" if args.local_fallback else "off",
+             args.queue_policy, "; ".join(c.describe() for c in args.slo))
     sig = await wait_for_stop_signal()
     draining["on"] = True
     log.info("%s: draining %d in-flight request(s)", sig, frontend.in_flight)

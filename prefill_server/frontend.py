@@ -10,7 +10,10 @@
   request by ``stream(..., timeout_s=...)`` (the client's ``X-Request-Timeout`` header or
   gRPC deadline). When it passes, the node's generator is cancelled (its Session to decode
   is cancelled and everything it holds is released) and ``RequestTimedOut`` is raised:
-  HTTP 504 / an SSE error event, gRPC DEADLINE_EXCEEDED.
+  HTTP 504 / an SSE error event, gRPC DEADLINE_EXCEEDED;
+- SLO classes (``slo``, a ``pdserve.slo.GlobalQueue``): ``slo_class(header, priority)``
+  picks the request's class (``BadRequest`` naming the known ones); ``stream`` tells the
+  queue of its arrival (``Rejected``: early rejection, HTTP 429), its tokens and its end.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve import defaults
+from pdserve.slo import HEADER as SLO_HEADER
+from pdserve.slo import Rejected
 
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
@@ -31,6 +36,7 @@ from .text_stream import TextStream
 
 if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
+    from pdserve.slo import GlobalQueue, SloClass
 
 
 DEFAULT_REQUEST_TIMEOUT_S = defaults.REQUEST_TIMEOUT_S
@@ -64,7 +70,7 @@ class Piece:
 class Frontend:
     def __init__(self, node: PrefillNode, tokenizer, sampling_cls, model_name: str, max_model_len: int,
                  metrics: ServerMetrics | None = None, vocab_size: int | None = None,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, slo: GlobalQueue | None = None):
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.node, self.tokenizer, self.sampling_cls, self.vocab_size = node, tokenizer, sampling_cls, vocab_size
@@ -72,6 +78,16 @@ class Frontend:
         self.model_name, self.max_model_len, self.metrics = model_name, max_model_len, metrics
         self.in_flight = 0
         self.active: set[str] = set()  # request ids in flight (client-given ids must be unique)
+        self.slo = slo  # the SLO classes and the global queue (pdserve.slo)
+
+    def slo_class(self, header: str | None, priority=None) -> SloClass | None:
+        """The request's SLO class from the X-SLO-Class header / body priority; BadRequest naming the known ones."""
+        if self.slo is None:
+            return None
+        try:
+            return self.slo.classes.select(header, priority)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "priority" if header is None else SLO_HEADER, "unknown_slo_class") from None
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         if parsed.kind == "chat":
@@ -110,11 +126,21 @@ class Frontend:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
-    async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None):
+    async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None,
+                     slo_class: SloClass | None = None):
         """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node,
-        RequestTimedOut once min(request_timeout_s, timeout_s) seconds have passed."""
+        RequestTimedOut once min(request_timeout_s, timeout_s) seconds have passed, Rejected
+        (pdserve.slo) at once when the class's early rejection says its SLO cannot be met."""
         if request_id in self.active:
             raise BadRequest(f"request_id {request_id!r} is already in flight", "request_id")
+        slo = None
+        if self.slo is not None:
+            try:
+                slo = self.slo.arrive(request_id, slo_class or self.slo.classes.default, len(prompt_ids), sp.max_tokens)
+            except Rejected:
+                if self.metrics is not None:
+                    self.metrics.requests.labels(outcome="error", reason="slo_rejected").inc()
+                raise
         limit = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         deadline = time.monotonic() + limit
         self.active.add(request_id)
@@ -122,7 +148,7 @@ class Frontend:
         text = TextStream(self.tokenizer.detokenizer(), sp.stop, self.tokenizer.decode)
         outcome, reason = "error", "error"
         self.in_flight += 1
-        deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline)
+        deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline, slo=slo)
 
         async def next_delta():
             return await deltas.__anext__()
@@ -141,6 +167,8 @@ class Frontend:
                 piece = Piece(delta.token_ids, text.add(delta.token_ids), delta.finished, delta.finish_reason)
                 if clock is not None and delta.token_ids:
                     clock.token(len(delta.token_ids))
+                if slo is not None and delta.token_ids:
+                    self.slo.token(slo, len(delta.token_ids))
                 if text.stopped and not delta.finished:
                     # a stop string the engine has not acted on yet (it would on its next step): stop here
                     piece.finished, piece.finish_reason = True, "stop"
@@ -150,6 +178,8 @@ class Frontend:
                     outcome, reason = "ok", piece.finish_reason or "stop"
                     if clock is not None:  # the request is served now, whatever the teardown takes
                         clock.finish(outcome, reason)
+                    if slo is not None:
+                        self.slo.finish(slo, outcome)
                     yield piece
                     return
                 yield piece
@@ -173,3 +203,5 @@ class Frontend:
             self.active.discard(request_id)
             if clock is not None:
                 clock.finish(outcome, reason)
+            if slo is not None:  # leaves the queue (if it waits) at once; the next one goes
+                self.slo.finish(slo, outcome)

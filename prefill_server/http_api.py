@@ -9,10 +9,14 @@
 | GET  /ready                  | 200 when a decode is routable or local fallback is on, else 503 |
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
+| GET  /debug/slo              | the SLO queue: policy, waiting by class, estimator, recent estimates vs actuals |
 
 Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); no decode
-and no fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
-``data: {"error": {...}}`` then ``data: [DONE]`` (non-streaming: 502).
+and no fallback -> 503 with the reasons; an SLO class that cannot be met even if the
+request were served next (a class with ``earlyReject``) -> 429 at once, ``Retry-After``
+in seconds and the estimate in the message (code ``slo_cannot_be_met``); a decode
+failing mid-stream -> an SSE event ``data: {"error": {...}}`` then ``data: [DONE]``
+(non-streaming: 502).
 
 Deadline: every request ends within ``--request-timeout`` seconds, or sooner with the
 header ``X-Request-Timeout: <seconds>`` (a positive number; anything else is a 400 naming
@@ -21,6 +25,11 @@ that has streamed nothing yet (or is not streaming) gets 504 with an OpenAI erro
 (code ``request_timeout``); a stream gets that error as an SSE event, then ``[DONE]``. A client that
 disconnects cancels its handler (``handler_cancellation``), which closes the Session, so
 the cancellation reaches decode at once.
+
+SLO class: the header ``X-SLO-Class: <name>`` or vLLM's body field ``priority`` (the class
+that declares that priority; 0 is the default class unless a class declares 0); neither:
+the default class. Unknown class or priority, or both naming different classes: 400
+(code ``unknown_slo_class``) naming the known classes (``pdserve.slo.classes``).
 """
 
 from __future__ import annotations
@@ -28,6 +37,9 @@ from __future__ import annotations
 import logging
 
 from aiohttp import web
+
+from pdserve.slo import HEADER as SLO_HEADER
+from pdserve.slo import Rejected
 
 from . import openai_api as oa
 from .closing import aclose_fully
@@ -57,7 +69,14 @@ class HttpApi:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/debug/requests/{rid}", self.debug_request)
+        app.router.add_get("/debug/slo", self.debug_slo)
         return app
+
+    async def debug_slo(self, request: web.Request) -> web.Response:
+        """The SLO queue: classes, policy, waiting per class, estimator, recent estimates vs actuals."""
+        if self.fe.slo is None:
+            return web.json_response({"error": "no SLO queue on this server"}, status=404)
+        return web.json_response(self.fe.slo.snapshot())
 
     async def debug_request(self, request: web.Request) -> web.Response:
         """Monotonic timestamps of a recent P/D request (allocation, each layer stored, KV sent)."""
@@ -98,7 +117,9 @@ class HttpApi:
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
         fe = self.fe
         try:
-            parsed = parse(oa.parse_json(await request.read()), fe.model_name, fe.max_model_len, fe.vocab_size)
+            body = oa.parse_json(await request.read())
+            parsed = parse(body, fe.model_name, fe.max_model_len, fe.vocab_size)
+            slo_class = fe.slo_class(request.headers.get(SLO_HEADER), body.get("priority"))
             prompt_ids = fe.prompt_ids(parsed)
             fe.check_prompt(prompt_ids)
             sp = fe.sampling(parsed.sampling, len(prompt_ids), parsed.kind)
@@ -107,10 +128,14 @@ class HttpApi:
             if self.metrics is not None:
                 self.metrics.requests.labels(outcome="error", reason="bad_request").inc()
             return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
-        pieces = fe.stream(parsed.request_id, prompt_ids, sp, timeout_s)
+        pieces = fe.stream(parsed.request_id, prompt_ids, sp, timeout_s, slo_class)
         try:
             try:
                 first = await pieces.__anext__()
+            except Rejected as exc:
+                resp = _json_error(429, str(exc), "rate_limit_error", code="slo_cannot_be_met")
+                resp.headers["Retry-After"] = str(exc.retry_after_s)
+                return resp
             except NoDecodeAvailable as exc:
                 return _json_error(503, str(exc), "service_unavailable", code="no_decode_available")
             except DecodeFailed as exc:

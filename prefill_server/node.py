@@ -14,7 +14,10 @@ first token, the next decode it picks (never one already tried), at most
 process; else NoDecodeAvailable. When every failure was "busy now" (decodes out of free
 blocks, or prefill's own pool full) and local fallback is off, the request waits (backoff
 up to 0.5 s) and tries again, for at most ``queue_timeout_s``, before the 503: a burst
-queues instead of failing.
+queues instead of failing. With ``admission`` (``slo_admission.py``) and the request's
+``slo`` (its ``pdserve.slo.SloRequest``) it waits in the SLO queue instead: only the request
+the queue policy puts first tries while others wait, and it leaves the queue when a decode
+allocates it.
 
 Deadline: ``generate(..., deadline=...)`` (``time.monotonic()`` seconds) is the request's
 end-to-end deadline, enforced by the caller (the Frontend cancels this generator when it
@@ -52,6 +55,9 @@ if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import AsyncLLMEngine
     from pdserve.metrics import ServerMetrics
+    from pdserve.slo import SloRequest
+
+    from .slo_admission import SloAdmission
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,7 @@ class PrefillNode:
     resume: bool = True  # continue on another decode when one fails mid-generation
     queue_timeout_s: float = 10.0  # how long a request may wait for KV blocks to free up
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
+    admission: SloAdmission | None = None  # the SLO-ordered queue; None: every waiter retries on its own
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -97,17 +104,22 @@ class PrefillNode:
         """Ready when a decode is known (or local fallback can serve)."""
         return self.local_fallback or bool(self.picker.eligible())
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None):
+    async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None,
+                       slo: SloRequest | None = None):
         reasons: list[str] = []
         produced: list[int] = []  # tokens already given to the client (for resume)
         failed_mid_stream: DecodeFailed | None = None
         m = self.metrics
         loop = asyncio.get_running_loop()
         admitted = time.monotonic()
-        deadline = loop.time() + self.queue_timeout_s
+        queue_deadline = loop.time() + self.queue_timeout_s
         backoff = 0.02
         attempt = 0
+        ticket = self.admission.ticket(slo) if self.admission is not None and slo is not None else None
         while True:
+            if ticket is not None and not await ticket.turn():  # in line behind whom the policy puts first
+                reasons.append(ticket.gave_up())
+                break
             tried: set[str] = set()
             transient = True  # every failure this round was "busy now" (worth waiting for)
             for _ in range(self.max_attempts):
@@ -138,7 +150,8 @@ class PrefillNode:
                 # leftovers of a failed attempt (a cancel still travelling) never collide with it
                 session_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
                 attempt += 1
-                stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings, deadline)
+                stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings, deadline,
+                                                 on_allocated=None if ticket is None else ticket.admitted)
                 try:
                     try:
                         first = await stream.__anext__()
@@ -176,11 +189,18 @@ class PrefillNode:
                         return
                 finally:
                     await aclose_fully(stream)
-            if self.local_fallback or not transient or loop.time() + backoff > deadline:
+            if self.local_fallback or not transient:
                 break
             # every decode (or prefill itself) is full right now: wait for blocks to free up
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 0.5)
+            if ticket is not None:
+                if not await ticket.wait():
+                    reasons.append(ticket.gave_up())
+                    break
+            elif loop.time() + backoff > queue_deadline:
+                break
+            else:
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 0.5)
             reasons = reasons[-4:]
         if self.local_fallback:
             async for delta in self._generate_locally(request_id, prompt_ids, produced, sp, reasons, failed_mid_stream):

@@ -6,6 +6,7 @@ it two things: may this request come in at all (early rejection), and who goes n
     req = q.arrive(request_id, cls, prompt_tokens, max_tokens)  # may raise Rejected (429)
     q.wait(req)            # it has to wait (the backend is full): joins the waiting set
     q.head()               # the waiting request the policy sends next (fifo | edf | qlm)
+    q.leave(req)           # it stops waiting without being admitted (tries again, gives up)
     q.admitted(req)        # it left the queue: a decode allocated its KV (now running)
     q.token(req, n)        # n tokens reached the client (the first one ends its prefill)
     q.finish(req, outcome) # ok | error | cancelled, exactly once (later calls are ignored)
@@ -63,14 +64,17 @@ class SloRequest(Waiting):
     first_token_at: float | None = None
     tokens: int = 0
     verdict: dict = field(default_factory=dict)
+    wakeup: object = None  # the front door's handle to wake it when it is first in line
 
 
 class GlobalQueue:
     def __init__(self, classes: SloClasses, policy: str = "fifo", metrics: ServerMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic, estimator: Estimator | None = None):
+                 clock: Callable[[], float] = time.monotonic, estimator: Estimator | None = None,
+                 on_change: Callable[[], None] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown queue policy {policy!r}; known: {', '.join(POLICIES)}")
         self.classes, self.policy, self.metrics, self.clock = classes, policy, metrics, clock
+        self.on_change = on_change  # the waiting set changed (a waiter may be the head now)
         self.estimator = estimator or Estimator()
         self.waiting: dict[str, SloRequest] = {}
         self.running: dict[str, SloRequest] = {}
@@ -100,6 +104,13 @@ class GlobalQueue:
         self.estimator.observe_full(len(self.running))
         self.waiting[req.request_id] = req
         self._changed(req.cls)
+
+    def leave(self, req: SloRequest) -> None:
+        """``req`` stops waiting without being admitted (it is trying again, or giving up)."""
+        if req.state == "waiting":
+            req.state = "new"
+            del self.waiting[req.request_id]
+            self._changed(req.cls)
 
     def admitted(self, req: SloRequest) -> None:
         """``req`` left the queue: the backend took it (idempotent)."""
@@ -214,12 +225,15 @@ class GlobalQueue:
         if self.metrics is not None:
             n = sum(1 for r in self.waiting.values() if r.cls is cls)
             self.metrics.slo_queued.labels(slo_class=cls.name).set(n)
+        if self.on_change is not None:
+            self.on_change()
 
     def _record(self, req: SloRequest, outcome: str, ttft: float | None, e2e: float) -> None:
         est = req.estimate
         waited = None if req.admitted_at is None else req.admitted_at - req.arrival
         self.records.append({
             "request_id": req.request_id, "slo_class": req.cls.name, "outcome": outcome, "tokens": req.tokens,
+            "arrival": req.arrival, "admitted": req.admitted_at,
             "estimate": None if est is None else {"wait": est.wait, "first_token": est.first_token, "e2e": est.total,
                                                   "output_tokens": est.output_tokens},
             "actual": {"wait": waited, "first_token": ttft, "e2e": e2e}, "met": req.verdict,

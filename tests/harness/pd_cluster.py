@@ -89,13 +89,15 @@ def start_prefill(procs, decodes: list[str], transfer: str = "tcp", num_blocks: 
 
 
 def held(health: dict) -> dict:
-    """What a server still holds for requests: sessions, used KV blocks, CacheStore entries."""
+    """What a server still holds for requests: sessions, used KV blocks, CacheStore entries (and
+    on prefill: requests in flight, in its SLO queue, admitted by it)."""
     out = {"sessions": health["sessions"], "kv_blocks_used": health["kv_blocks_used"]}
     for key, value in (health.get("cachestore") or {}).items():
         if isinstance(value, (int, float)) and any(k in key for k in HELD_KEYS):
             out[f"cachestore.{key}"] = value
-    if "in_flight" in health:
-        out["in_flight"] = health["in_flight"]
+    for key in ("in_flight", "queued", "slo_running"):  # prefill: in flight, waiting in its queue, admitted
+        if key in health:
+            out[key] = health[key]
     return out
 
 
