@@ -45,7 +45,8 @@ if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
 
 KEEP_RECORDS = 1024
-REORDER_AFTER_S = 0.5  # qlm: the order is recomputed on every change, and when this old
+REORDER_AFTER_S = 0.5  # qlm: the order is recomputed after changes, and when this old
+QLM_MIN_INTERVAL_S = 0.05  # qlm: at most one full decision this often; between, arrivals go in by EDF
 
 
 class Rejected(Exception):
@@ -80,8 +81,9 @@ class GlobalQueue:
         self.running: dict[str, SloRequest] = {}
         self.records: deque[dict] = deque(maxlen=KEEP_RECORDS)
         self._seq = 0
-        self._order: list[SloRequest] | None = None
-        self._ordered_at = 0.0
+        self._order: list[SloRequest] = []
+        self._ordered_at = -math.inf
+        self._dirty = self._patched = False
         if metrics is not None:
             for c in classes:
                 metrics.slo_queued.labels(slo_class=c.name).set(0)
@@ -160,13 +162,38 @@ class GlobalQueue:
 
     # -- who goes next -----------------------------------------------------------------------
     def order(self) -> list[SloRequest]:
-        """The waiting requests in the order the policy serves them."""
+        """The waiting requests in the order the policy serves them. A full decision after every
+        change (qlm: at most every QLM_MIN_INTERVAL_S, and at least every REORDER_AFTER_S
+        while requests wait; in between, the last order without those gone and with the new
+        arrivals put in by EDF)."""
         now = self.clock()
-        if self._order is None or (self.policy == "qlm" and now - self._ordered_at > REORDER_AFTER_S):
+        since = now - self._ordered_at
+        qlm = self.policy == "qlm"
+        if self._dirty or self._patched or (qlm and self.waiting and since > REORDER_AFTER_S):
             waiting = list(self.waiting.values())
-            self._order = self._ordered(waiting, now) if len(waiting) > 1 else waiting
-            self._ordered_at = now
+            if qlm and since < QLM_MIN_INTERVAL_S:
+                if self._dirty:
+                    self._order, self._patched = self._patch(self._order, waiting), True
+            else:
+                self._order = self._ordered(waiting, now) if len(waiting) > 1 else waiting
+                self._ordered_at, self._patched = now, False
+            self._dirty = False
         return self._order
+
+    def _patch(self, ordered: list[SloRequest], waiting: list[SloRequest]) -> list[SloRequest]:
+        """``ordered`` without the requests no longer in ``waiting``, the new ones put in by EDF
+        (before the first request with a later deadline; fifo: at the end)."""
+        keep = {id(w) for w in waiting}
+        out = [w for w in ordered if id(w) in keep]
+        known = {id(w) for w in out}
+        for new in sorted((w for w in waiting if id(w) not in known), key=lambda w: w.seq):
+            if self.policy == "fifo":
+                out.append(new)
+                continue
+            key = (new.cls.deadline(new.arrival), new.seq)
+            at = next((i for i, w in enumerate(out) if (w.cls.deadline(w.arrival), w.seq) > key), len(out))
+            out.insert(at, new)
+        return out
 
     def head(self) -> SloRequest | None:
         ordered = self.order()
@@ -178,7 +205,7 @@ class GlobalQueue:
         return Context(now, self.estimator, frees, self.estimator.capacity(len(self.running), bool(self.waiting)))
 
     def _ordered(self, waiting: list[SloRequest], now: float) -> list[SloRequest]:
-        """The policy's order (its cost observed: also placing one arrival in an empty line)."""
+        """A full decision of the policy (its cost observed)."""
         started = time.perf_counter()
         out = order(self.policy, waiting, self.context(now))
         if self.metrics is not None:
@@ -191,7 +218,7 @@ class GlobalQueue:
         ctx = self.context(req.arrival)
         if not self.waiting and ctx.slots is not None and len(self.running) < ctx.slots:
             ctx = Context(ctx.now, ctx.estimator, ctx.frees_in, None)  # room now: it goes straight in
-        line = self._ordered(list(self.waiting.values()) + [req], req.arrival)
+        line = self._patch(self.order(), list(self.waiting.values()) + [req])
         plan = self.estimator.plan(list(ctx.frees_in), [w.job for w in line], ctx.slots)
         return plan[line.index(req)]
 
@@ -221,7 +248,7 @@ class GlobalQueue:
 
     # -- bookkeeping -------------------------------------------------------------------------
     def _changed(self, cls: SloClass) -> None:
-        self._order = None
+        self._dirty = True
         if self.metrics is not None:
             n = sum(1 for r in self.waiting.values() if r.cls is cls)
             self.metrics.slo_queued.labels(slo_class=cls.name).set(n)

@@ -186,3 +186,23 @@ def test_the_queued_gauge_per_class():
 def test_unknown_policy():
     with pytest.raises(ValueError, match="unknown queue policy 'lifo'"):
         GlobalQueue(CLASSES, "lifo")
+
+
+def test_qlm_decides_at_most_every_50ms_arrivals_go_in_by_edf_between():
+    clock, m = Clock(), ServerMetrics("prefill")
+    q = GlobalQueue(CLASSES, "qlm", m, clock)
+    warm(q, clock)
+    fill(q, clock)
+    decisions = lambda: value(m, "pdserve_slo_policy_seconds_count")  # noqa: E731
+    for i in range(3):
+        q.wait(q.arrive(f"b{i}", BATCH, 100, 64))
+    q.head()
+    first = decisions()
+    late = q.arrive("i0", INTERACTIVE, 100, 10)
+    q.wait(late)
+    assert q.head() is late and decisions() == first  # put in by EDF, no new decision yet
+    clock.t += 0.06
+    assert q.head() is late and decisions() == first + 1  # the full decision after the interval
+    clock.t += 0.6
+    q.head()
+    assert decisions() == first + 2  # and again while requests wait
