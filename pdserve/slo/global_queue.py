@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
 
 KEEP_RECORDS = 1024
+OUTCOMES = ("ok", "error", "cancelled", "rejected")
 REORDER_AFTER_S = 0.5  # qlm: the order is recomputed after changes, and when this old
 QLM_MIN_INTERVAL_S = 0.05  # qlm: at most one full decision this often; between, arrivals go in by EDF
 
@@ -84,9 +85,14 @@ class GlobalQueue:
         self._order: list[SloRequest] = []
         self._ordered_at = -math.inf
         self._dirty = self._patched = False
-        if metrics is not None:
+        if metrics is not None:  # every series from the start (at 0), so that rates and ratios have data
             for c in classes:
                 metrics.slo_queued.labels(slo_class=c.name).set(0)
+                for outcome in OUTCOMES:
+                    metrics.slo_requests.labels(slo_class=c.name, outcome=outcome)
+                for target in (*c.targets, "all") if c.targets else ():
+                    for result in ("met", "missed"):
+                        metrics.slo_attainment.labels(slo_class=c.name, target=target, result=result)
 
     # -- the request's life ----------------------------------------------------------------
     def arrive(self, request_id: str, cls: SloClass, prompt_tokens: int, max_tokens: int) -> SloRequest:
