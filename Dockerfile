@@ -41,6 +41,9 @@ COPY protos ./protos
 COPY prefill_server ./prefill_server
 COPY decode_server ./decode_server
 COPY operator ./operator
+COPY router ./router
+COPY bench ./bench
+COPY localcluster ./localcluster
 RUN /opt/pdserve/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \
  && /opt/pdserve/bin/pdserve --help >/dev/null
 

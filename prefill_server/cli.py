@@ -125,7 +125,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import OutOfBlocksError, SamplingParams
     from pdserve.kv_events import KvEventPublisher, KvEventsServicer
-    from pdserve.metrics import ServerMetrics
+    from pdserve.metrics import EngineLoad, ServerMetrics
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
     from pdserve.slo import GlobalQueue
     from pdserve.protos import kv_events_pb2 as kpb
@@ -183,6 +183,14 @@ async def serve(args: argparse.Namespace, discovery) -> int:
                               num_requests=engine.num_requests(), kv_blocks_free=engine.num_free_blocks(),
                               kv_blocks_total=engine.num_blocks, http_port=args.port)
 
+    def engine_load() -> EngineLoad:
+        # running: a decode Session open (or decoding locally); waiting: admitted, no decode yet
+        running = len(node.sessions) + node.local_requests
+        return EngineLoad(waiting=max(0, frontend.in_flight - running), running=running,
+                          kv_blocks_total=engine.num_blocks, kv_blocks_free=engine.num_free_blocks(),
+                          block_size=args.block_size)
+
+    metrics.track_load(engine_load)
     await discovery.start()
     await poller.start()
     app = HttpApi(frontend, health, metrics, is_draining=lambda: draining["on"]).app()

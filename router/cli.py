@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = parser.add_argument_group("prefill discovery and routing")
     d.add_argument("--discovery", choices=["static", "kubernetes"], default="static", help="how prefills are found")
     d.add_argument("--prefill", default="", help="static prefill gRPC addresses: host:port,host:port")
-    d.add_argument("--prefill-selector", default="", help="kubernetes: label=value selecting the prefill Services")
+    d.add_argument("--prefill-selector", default="",
+                   help="kubernetes: label=value[,label=value...] selecting the prefill Services")
     d.add_argument("--namespace", default="", help="kubernetes: namespace of the prefill Services")
     d.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
     d.add_argument("--discovery-interval", type=float, default=0.2,
@@ -51,7 +52,8 @@ def make_discovery(args):
     from pdserve.discovery import KubernetesDiscovery, StaticDiscovery
 
     if args.discovery == "kubernetes":
-        return KubernetesDiscovery(args.namespace, args.prefill_selector, kubeconfig=args.kubeconfig)
+        return KubernetesDiscovery(args.namespace, args.prefill_selector, kubeconfig=args.kubeconfig,
+                                   flag="--prefill-selector")
     return StaticDiscovery([a for a in args.prefill.split(",") if a.strip()])
 
 
