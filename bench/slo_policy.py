@@ -50,7 +50,7 @@ def synthetic_queue(n: int, rng: random.Random, now: float) -> list[Waiting]:
 
 def primed_estimator(per_token_s: float) -> Estimator:
     est = Estimator()
-    est.observe_decode(2, per_token_s)
+    est.observe_gap(0.0, 1, per_token_s)
     est.observe_prefill(100, 0.02)
     est.observe_prefill(500, 0.08)
     for cls, lengths in (("interactive", (20,)), ("batch-1", (50, 100, 200, 400)), ("batch-2", (50, 100, 200, 400))):

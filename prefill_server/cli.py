@@ -137,10 +137,9 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from .load_poller import LoadReportPoller
     from .node import PrefillNode
     from .picker import DecodePicker
-    from .slo_admission import SloAdmission
+    from .slo_admission import SloAdmission, decode_kv_blocks
 
     metrics = ServerMetrics.from_env(role="prefill")
-    slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics)
     parts = build_server_engine(args)
     engine, loaded = parts.engine, parts.loaded
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
@@ -151,6 +150,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
                               checksum=args.kv_checksum, stall_timeout_s=args.session_timeout)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
+    slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics, kv_capacity=lambda: decode_kv_blocks(picker))
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
                               on_update=lambda: metrics.known_decodes.set(len(picker.eligible())))
     node = PrefillNode(

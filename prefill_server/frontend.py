@@ -29,7 +29,7 @@ from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 
 from .closing import aclose_fully
-from .decode_session import DecodeFailed
+from .decode_session import DecodeFailed, decode_reservation
 from .node import NoDecodeAvailable, PrefillNode
 from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, BadRequest, ParsedRequest, SamplingSpec
 from .text_stream import TextStream
@@ -136,7 +136,8 @@ class Frontend:
         slo = None
         if self.slo is not None:
             try:
-                slo = self.slo.arrive(request_id, slo_class or self.slo.classes.default, len(prompt_ids), sp.max_tokens)
+                slo = self.slo.arrive(request_id, slo_class or self.slo.classes.default, len(prompt_ids), sp.max_tokens,
+                                      decode_reservation(len(prompt_ids), sp.max_tokens, self.node.block_size))
             except Rejected:
                 if self.metrics is not None:
                     self.metrics.requests.labels(outcome="error", reason="slo_rejected").inc()

@@ -32,6 +32,12 @@ FIRST_BACKOFF_S = 0.01
 RECHECK_S = 0.1
 
 
+def decode_kv_blocks(picker) -> int:
+    """The KV blocks of the routable decodes in all, from their latest load reports (the SLO
+    queue's plans count blocks: a decode reserves prompt + max_tokens for a request)."""
+    return sum(load.total_blocks for load in picker._usable().values())
+
+
 class SloAdmission:
     def __init__(self, queue: GlobalQueue, max_wait_s: float, recheck_s: float = RECHECK_S):
         if not max_wait_s > 0:

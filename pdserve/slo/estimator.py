@@ -10,13 +10,17 @@ A request's completion time is its wait, its prefill and its decode (QLM eq. 1):
   expected output length, ``E[min(O, max_tokens)]`` over the recent output lengths of its
   class (learned online, one window per class), and ``d`` the measured time per output
   token at the current load (QLM's ``epsilon * d``: we measure the loaded per-token time
-  directly, so the slowdown factor is 1);
+  directly, from the gaps between the tokens of the running requests, so the slowdown
+  factor is 1);
 - ``W_q`` (eq. 2): QLM divides the output tokens queued ahead by the throughput,
-  ``sum O_i / Theta``. We use the same quantities one step less fluid: the backend serves
-  ``K`` requests at once (``Theta = K / d``); the running requests free their slots after
-  their expected remaining tokens, and each request ahead takes the first slot to free up
-  for ``P_i + D_i`` (``plan``). For many requests ahead this is eq. 2; for few it does not
-  pretend a half-finished batch drains as one. ``K`` is the concurrency observed whenever a
+  ``sum O_i / Theta``. We use the same quantities one step less fluid (``simulate``): the
+  backend serves several requests at once (``Theta = K / d``); the running requests free
+  what they hold after their expected remaining tokens, and the requests ahead start, in
+  order, as soon as what they need is free, each for ``P_i + D_i``. For many requests
+  ahead this is eq. 2; for few it does not pretend a half-finished batch drains as one.
+  What bounds concurrency in pdserve is the decodes' KV memory (a decode reserves prompt +
+  max_tokens blocks): given the decodes' total KV blocks, the plan counts blocks
+  (``by_blocks``); without it, ``K`` slots, K being the concurrency observed whenever a
   request had to wait (the backend was full).
 
 The spread of the wait (eq. 3: the sum of q - 1 output lengths is about normal with variance
@@ -36,6 +40,7 @@ from dataclasses import dataclass
 
 OUTPUT_WINDOW = 256  # output lengths kept per class
 EWMA_ALPHA = 0.2
+PER_TOKEN_WINDOW_S = 3.0  # the per-token time is measured over the token gaps of the last seconds
 FIT_DECAY = 0.98  # weight of older prefill observations (per new one)
 
 
@@ -47,6 +52,31 @@ class Ewma:
 
     def add(self, x: float) -> None:
         self.value = x if self.value is None else self.value + self.alpha * (x - self.value)
+
+
+class WindowRate:
+    """Seconds per token over the last ``window_s`` seconds of observations, weighted by tokens
+    (sum of seconds / sum of tokens: a long gap and many short ones average as they should);
+    the last value when nothing was observed for a while."""
+
+    def __init__(self, window_s: float = PER_TOKEN_WINDOW_S):
+        self.window_s = window_s
+        self.events: deque[tuple[float, int, float]] = deque()  # (when, tokens, seconds)
+        self.tokens, self.seconds = 0, 0.0
+        self.last: float | None = None
+
+    def add(self, now: float, tokens: int, seconds: float) -> None:
+        self.events.append((now, tokens, seconds))
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        while self.events and self.events[0][0] < now - self.window_s:
+            _, n, sec = self.events.popleft()
+            self.tokens, self.seconds = self.tokens - n, self.seconds - sec
+        if self.tokens > 0:
+            self.last = max(0.0, self.seconds) / self.tokens
+
+    @property
+    def value(self) -> float | None:
+        return self.last
 
 
 class LineFit:
@@ -124,11 +154,13 @@ class OutputLengths:
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """What the plan needs of one request: its class (output lengths), prompt and token limit."""
+    """What the plan needs of one request: its class (output lengths), prompt and token limit,
+    and the KV blocks a decode reserves for it (prompt + max_tokens)."""
 
     cls: str
     prompt_tokens: int
     max_tokens: int
+    blocks: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,8 +186,9 @@ class Estimator:
     def __init__(self, window: int = OUTPUT_WINDOW):
         self.lengths = OutputLengths(window)
         self.prefill_fit = LineFit()
-        self.per_token = Ewma()  # d: seconds per output token at the current load
+        self.per_token = WindowRate()  # d: seconds per output token at the current load
         self.slots = Ewma(alpha=0.3)  # K: requests served at once when the backend was full
+        self.lag = Ewma(alpha=0.2)  # seconds from room freed to the next waiting request admitted
 
     # -- observations ----------------------------------------------------------------------
     def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
@@ -163,10 +196,17 @@ class Estimator:
         if seconds >= 0:
             self.prefill_fit.add(prompt_tokens, seconds)
 
-    def observe_decode(self, tokens: int, seconds: float) -> None:
-        """A request's ``tokens`` (> 1) output tokens took ``seconds`` after its first one."""
-        if tokens > 1 and seconds >= 0:
-            self.per_token.add(seconds / (tokens - 1))
+    def observe_gap(self, now: float, tokens: int, seconds: float) -> None:
+        """A running request's next ``tokens`` tokens came ``seconds`` after its previous ones: the
+        per-token time as it is now (the batch slows down as it grows)."""
+        if tokens > 0 and seconds >= 0:
+            self.per_token.add(now, tokens, seconds)
+
+    def observe_lag(self, seconds: float) -> None:
+        """Room was freed (a request ended) and the next waiting request was admitted ``seconds``
+        later (load reports, retries): every start after a wait costs that much."""
+        if seconds >= 0:
+            self.lag.add(seconds)
 
     def observe_output(self, cls: str, tokens: int) -> None:
         self.lengths.add(cls, tokens)
@@ -206,35 +246,50 @@ class Estimator:
             return None
         return max(1, round(self.slots.value), running)
 
-    def plan(self, frees_in: list[float], jobs: list[Job], slots: int | None) -> list[Estimate]:
+    def plan(self, frees_in: list[float], jobs: list[Job], capacity: int | None, held: list[int] | None = None,
+             by_blocks: bool = False) -> list[Estimate]:
         """Estimates of ``jobs`` served in this order: ``frees_in`` are the seconds until each
-        running request frees its slot, ``slots`` the backend's K (None: unbounded)."""
+        running request frees what it holds (``held``: KV blocks with ``by_blocks``, else one
+        of K slots), ``capacity`` the backend's KV blocks or K (None: unbounded)."""
         services = [self.service(job) for job in jobs]
-        starts = simulate(frees_in, [p + d for p, d, _ in services], slots)
+        needs = [job.blocks for job in jobs] if by_blocks else None
+        starts = simulate(frees_in, [p + d for p, d, _ in services], capacity, held, needs, self.lag.value or 0.0)
         d = self.per_token.value or 0.0
+        k = max(1.0, (capacity or 1) / (sum(needs) / len(needs)) if needs else (capacity or 1))
         out, ahead_var = [], 0.0
         for job, start, (p, dec, o) in zip(jobs, starts, services):
-            out.append(Estimate(start, p, dec, o, math.sqrt(ahead_var) * d / max(1, slots or 1)))
+            out.append(Estimate(start, p, dec, o, math.sqrt(ahead_var) * d / k))
             ahead_var += self.lengths.spread(job.cls, job.max_tokens) ** 2
         return out
 
     def snapshot(self) -> dict:
-        return {"per_token_s": self.per_token.value, "slots": self.slots.value, "warm": self.warm,
+        return {"per_token_s": self.per_token.value, "slots": self.slots.value, "lag_s": self.lag.value,
+                "warm": self.warm,
                 "prefill_s_at_128": self.prefill_time(128), "output_samples": self.lengths.count()}
 
 
-def simulate(frees_in: list[float], durations: list[float], slots: int | None) -> list[float]:
-    """Start times (seconds from now) of requests served in this order by ``slots`` servers
-    whose running requests free them after ``frees_in``; each takes its duration. None: no
-    limit (everybody starts now)."""
-    if slots is None:
+def simulate(frees_in: list[float], durations: list[float], capacity: int | None,
+             held: list[int] | None = None, needs: list[int] | None = None, lag: float = 0.0) -> list[float]:
+    """Start times (seconds from now) of requests served strictly in this order by a backend of
+    ``capacity`` units (slots, or KV blocks) whose running requests hold ``held`` units each
+    (default 1) until ``frees_in``; each request needs ``needs`` units (default 1) for its
+    duration and starts when they are free (never before the one ahead of it), ``lag``
+    seconds after they were freed if it had to wait for them. None: no limit (everybody
+    starts now)."""
+    if capacity is None:
         return [0.0] * len(durations)
-    frees = sorted(frees_in)[:slots]
-    heap = frees + [0.0] * (slots - len(frees))
+    held = held if held is not None else [1] * len(frees_in)
+    needs = needs if needs is not None else [1] * len(durations)
+    heap = list(zip(frees_in, held))
     heapq.heapify(heap)
-    starts = []
-    for duration in durations:
-        start = heapq.heappop(heap)
-        starts.append(start)
-        heapq.heappush(heap, start + duration)
+    used = sum(held)
+    t, starts = 0.0, []
+    for duration, need in zip(durations, needs):
+        need = min(need, capacity)
+        while used + need > capacity and heap:
+            free_at, units = heapq.heappop(heap)
+            t, used = max(t, free_at + lag), used - units
+        starts.append(t)
+        used += need
+        heapq.heappush(heap, (t + duration, need))
     return starts

@@ -64,20 +64,24 @@ class SloRequest(Waiting):
     state: str = "new"  # new -> waiting -> running -> done (waiting is skipped when it need not wait)
     admitted_at: float | None = None
     first_token_at: float | None = None
+    last_token_at: float | None = None
     tokens: int = 0
     verdict: dict = field(default_factory=dict)
     wakeup: object = None  # the front door's handle to wake it when it is first in line
+    inputs: dict = field(default_factory=dict)  # what the estimate at arrival was made from
 
 
 class GlobalQueue:
     def __init__(self, classes: SloClasses, policy: str = "fifo", metrics: ServerMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic, estimator: Estimator | None = None,
-                 on_change: Callable[[], None] | None = None):
+                 on_change: Callable[[], None] | None = None, kv_capacity: Callable[[], int] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown queue policy {policy!r}; known: {', '.join(POLICIES)}")
         self.classes, self.policy, self.metrics, self.clock = classes, policy, metrics, clock
         self.on_change = on_change  # the waiting set changed (a waiter may be the head now)
+        self.kv_capacity = kv_capacity  # the decodes' KV blocks in all (0: not known yet): plans count blocks
         self.estimator = estimator or Estimator()
+        self.arrived: dict[str, SloRequest] = {}  # trying the decodes now, neither waiting nor admitted
         self.waiting: dict[str, SloRequest] = {}
         self.running: dict[str, SloRequest] = {}
         self.records: deque[dict] = deque(maxlen=KEEP_RECORDS)
@@ -85,6 +89,7 @@ class GlobalQueue:
         self._order: list[SloRequest] = []
         self._ordered_at = -math.inf
         self._dirty = self._patched = False
+        self._freed_at: float | None = None  # a running request ended while others waited
         if metrics is not None:  # every series from the start (at 0), so that rates and ratios have data
             for c in classes:
                 metrics.slo_queued.labels(slo_class=c.name).set(0)
@@ -95,13 +100,15 @@ class GlobalQueue:
                         metrics.slo_attainment.labels(slo_class=c.name, target=target, result=result)
 
     # -- the request's life ----------------------------------------------------------------
-    def arrive(self, request_id: str, cls: SloClass, prompt_tokens: int, max_tokens: int) -> SloRequest:
+    def arrive(self, request_id: str, cls: SloClass, prompt_tokens: int, max_tokens: int, blocks: int = 1) -> SloRequest:
+        """A request arrived; ``blocks``: the KV blocks a decode reserves for it. May raise Rejected."""
         now = self.clock()
         self._seq += 1
-        req = SloRequest(request_id, cls, now, self._seq, Job(cls.name, prompt_tokens, max_tokens))
+        req = SloRequest(request_id, cls, now, self._seq, Job(cls.name, prompt_tokens, max_tokens, max(1, blocks)))
         if cls.early_reject and self.estimator.warm:
             self._maybe_reject(req)
         req.estimate = self._estimate_in_line(req)
+        self.arrived[request_id] = req
         return req
 
     def wait(self, req: SloRequest) -> None:
@@ -110,6 +117,7 @@ class GlobalQueue:
             return
         req.state = "waiting"
         self.estimator.observe_full(len(self.running))
+        self.arrived.pop(req.request_id, None)
         self.waiting[req.request_id] = req
         self._changed(req.cls)
 
@@ -118,6 +126,7 @@ class GlobalQueue:
         if req.state == "waiting":
             req.state = "new"
             del self.waiting[req.request_id]
+            self.arrived[req.request_id] = req
             self._changed(req.cls)
 
     def admitted(self, req: SloRequest) -> None:
@@ -127,8 +136,12 @@ class GlobalQueue:
         was_waiting = req.state == "waiting"
         req.state, req.admitted_at = "running", self.clock()
         self.waiting.pop(req.request_id, None)
+        self.arrived.pop(req.request_id, None)
         self.running[req.request_id] = req
         waited = req.admitted_at - req.arrival
+        if was_waiting and self._freed_at is not None:  # room freed -> this one in
+            self.estimator.observe_lag(req.admitted_at - self._freed_at)
+            self._freed_at = None
         if self.metrics is not None:
             self.metrics.slo_queue_time.labels(slo_class=req.cls.name).observe(waited)
             if req.estimate is not None:
@@ -138,10 +151,14 @@ class GlobalQueue:
             self._changed(req.cls)
 
     def token(self, req: SloRequest, n: int = 1) -> None:
+        now = self.clock()
         if req.first_token_at is None:
-            req.first_token_at = self.clock()
+            req.first_token_at = now
             if req.admitted_at is not None:
                 self.estimator.observe_prefill(req.job.prompt_tokens, req.first_token_at - req.admitted_at)
+        else:
+            self.estimator.observe_gap(now, n, now - req.last_token_at)
+        req.last_token_at = now
         req.tokens += n
 
     def finish(self, req: SloRequest, outcome: str = "ok") -> None:
@@ -149,15 +166,16 @@ class GlobalQueue:
         if req.state == "done":
             return
         was_waiting = req.state == "waiting"
+        if req.state == "running" and self.waiting:
+            self._freed_at = self.clock()  # room for whoever waits
         req.state = "done"
+        self.arrived.pop(req.request_id, None)
         self.waiting.pop(req.request_id, None)
         self.running.pop(req.request_id, None)
         now = self.clock()
         e2e = now - req.arrival
         ttft = None if req.first_token_at is None else req.first_token_at - req.arrival
         if outcome == "ok":
-            if req.first_token_at is not None:
-                self.estimator.observe_decode(req.tokens, now - req.first_token_at)
             self.estimator.observe_output(req.cls.name, req.tokens)
             req.verdict = req.cls.verdict(ttft, e2e, req.tokens)
         elif outcome == "error":
@@ -206,9 +224,19 @@ class GlobalQueue:
         return ordered[0] if ordered else None
 
     def context(self, now: float | None = None) -> Context:
+        """What the plans see now: when each running request frees what it holds, the capacity
+        (the decodes' KV blocks when known, else K slots)."""
         now = self.clock() if now is None else now
-        frees = tuple(self.estimator.remaining(r.job, r.tokens) for r in self.running.values())
-        return Context(now, self.estimator, frees, self.estimator.capacity(len(self.running), bool(self.waiting)))
+        running = list(self.running.values())
+        frees = tuple(self.estimator.remaining(r.job, r.tokens) for r in running)
+        blocks = self.kv_capacity() if self.kv_capacity is not None else 0
+        if blocks > 0:
+            return Context(now, self.estimator, frees, blocks, tuple(r.job.blocks for r in running), by_blocks=True)
+        return Context(now, self.estimator, frees, self.estimator.capacity(len(running), bool(self.waiting)))
+
+    def _plan(self, ctx: Context, line: list[SloRequest]) -> list[Estimate]:
+        held = list(ctx.held) if ctx.held is not None else None
+        return self.estimator.plan(list(ctx.frees_in), [w.job for w in line], ctx.slots, held, ctx.by_blocks)
 
     def _ordered(self, waiting: list[SloRequest], now: float) -> list[SloRequest]:
         """A full decision of the policy (its cost observed)."""
@@ -220,19 +248,20 @@ class GlobalQueue:
 
     # -- estimates and rejection ------------------------------------------------------------
     def _estimate_in_line(self, req: SloRequest) -> Estimate:
-        """Its estimate at the place the policy would give it if it had to wait now."""
+        """Its estimate at the place the policy would give it if it had to wait now, behind the
+        requests trying the decodes right now."""
+        pending = sorted(self.arrived.values(), key=lambda w: w.seq)
+        line = pending + self._patch(self.order(), list(self.waiting.values()) + [req])
         ctx = self.context(req.arrival)
-        if not self.waiting and ctx.slots is not None and len(self.running) < ctx.slots:
-            ctx = Context(ctx.now, ctx.estimator, ctx.frees_in, None)  # room now: it goes straight in
-        line = self._patch(self.order(), list(self.waiting.values()) + [req])
-        plan = self.estimator.plan(list(ctx.frees_in), [w.job for w in line], ctx.slots)
-        return plan[line.index(req)]
+        est = self.estimator
+        req.inputs = {"ahead": line.index(req), "running": len(ctx.frees_in), "capacity": ctx.slots,
+                      "per_token_s": est.per_token.value, "lag_s": est.lag.value}
+        return self._plan(ctx, line)[line.index(req)]
 
     def _maybe_reject(self, req: SloRequest) -> None:
-        ctx = self.context(req.arrival)
-        if not self.waiting and ctx.slots is not None and len(self.running) < ctx.slots:
-            return  # room now
-        est = self.estimator.plan(list(ctx.frees_in), [req.job], ctx.slots)[0]
+        """Rejected if even served next (behind only the requests trying the decodes now) it misses."""
+        pending = sorted(self.arrived.values(), key=lambda w: w.seq)
+        est = self._plan(self.context(req.arrival), pending + [req])[-1]
         c, excess, parts = req.cls, 0.0, []
         if c.ttft_ms is not None and est.first_token * 1000 > c.ttft_ms:
             excess = max(excess, est.first_token - c.ttft_ms / 1000)
@@ -269,7 +298,7 @@ class GlobalQueue:
             "arrival": req.arrival, "admitted": req.admitted_at,
             "estimate": None if est is None else {"wait": est.wait, "first_token": est.first_token, "e2e": est.total,
                                                   "output_tokens": est.output_tokens},
-            "actual": {"wait": waited, "first_token": ttft, "e2e": e2e}, "met": req.verdict,
+            "actual": {"wait": waited, "first_token": ttft, "e2e": e2e}, "met": req.verdict, "inputs": req.inputs,
         })
         m = self.metrics
         if m is None:

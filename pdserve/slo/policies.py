@@ -8,7 +8,8 @@
   the groups are ordered to minimise the number of requests that miss their SLO, measured
   with the waiting-time estimator: each request's latest start (the latest time it can leave
   the queue and still meet every target of its class, from its estimated prefill and
-  decode time) and a simulation of the backend's K slots (``estimator.simulate``). QLM
+  decode time) and a simulation of the backend (``estimator.simulate``: K slots, or KV
+  blocks). QLM
   solves this as an ILP (its eq. 6-13); we use a greedy after Moore-Hodgson (exact for one
   server and the count of late jobs):
 
@@ -27,7 +28,7 @@
   measured by ``pdserve.bench.slo_policy_cost`` and exported as ``pdserve_slo_policy_seconds``.
 
 The orderings see a snapshot: ``Context`` (now, the estimator, when the running requests
-free their slots, K). They are pure: same input, same order.
+free what they hold, the capacity). They are pure: same input, same order.
 """
 
 from __future__ import annotations
@@ -47,8 +48,25 @@ _EPS = 1e-9
 class Context:
     now: float
     estimator: Estimator
-    frees_in: tuple[float, ...] = ()  # seconds until each running request frees its slot
-    slots: int | None = None          # K (None: unbounded)
+    frees_in: tuple[float, ...] = ()  # seconds until each running request frees what it holds
+    slots: int | None = None          # capacity: K slots, or KV blocks with by_blocks (None: unbounded)
+    held: tuple[int, ...] | None = None  # by_blocks: the KV blocks each running request holds
+    by_blocks: bool = False
+
+    def needs(self, ws: list[Waiting]) -> list[int] | None:
+        return [w.job.blocks for w in ws] if self.by_blocks else None
+
+    def starts(self, ws: list[Waiting], durations: list[float]) -> list[float]:
+        held = list(self.held) if self.held is not None else None
+        return simulate(list(self.frees_in), durations, self.slots, held, self.needs(ws), self.estimator.lag.value or 0.0)
+
+    def concurrency(self, ws: list[Waiting]) -> float:
+        """About how many of ``ws`` the backend serves at once (K)."""
+        if self.slots is None:
+            return float(max(1, len(ws)))
+        if not self.by_blocks or not ws:
+            return float(self.slots)
+        return max(1.0, self.slots / (sum(w.job.blocks for w in ws) / len(ws)))
 
 
 def order(policy: str, waiting: list[Waiting], ctx: Context) -> list[Waiting]:
@@ -74,7 +92,7 @@ def latest_start(w: Waiting, prefill: float, decode: float, now: float) -> float
 def evaluate(ordered: list[Waiting], ctx: Context) -> tuple[int, float]:
     """(requests that would miss, their total lateness in seconds) if served in this order."""
     services = [ctx.estimator.service(w.job) for w in ordered]
-    starts = simulate(list(ctx.frees_in), [p + d for p, d, _ in services], ctx.slots)
+    starts = ctx.starts(ordered, [p + d for p, d, _ in services])
     late, lateness = 0, 0.0
     for w, start, (p, d, _) in zip(ordered, starts, services):
         over = start - latest_start(w, p, d, ctx.now)
@@ -86,14 +104,14 @@ def evaluate(ordered: list[Waiting], ctx: Context) -> tuple[int, float]:
 def qlm(waiting: list[Waiting], ctx: Context) -> list[Waiting]:
     if len(waiting) < 2:
         return list(waiting)
-    est, slots = ctx.estimator, ctx.slots
+    est = ctx.estimator
     service = {id(w): est.service(w.job) for w in waiting}  # (P, D, O), once per decision
     duration = {k: p + d for k, (p, d, _) in service.items()}
     start_by = {id(w): latest_start(w, service[id(w)][0], service[id(w)][1], ctx.now) for w in waiting}
 
     def misses(flat: list[Waiting]) -> tuple[int, float, int | None]:
         """(late requests, their lateness, index of the first late one) in this order."""
-        starts = simulate(list(ctx.frees_in), [duration[id(w)] for w in flat], slots)
+        starts = ctx.starts(flat, [duration[id(w)] for w in flat])
         late, lateness, first = 0, 0.0, None
         for i, (w, s) in enumerate(zip(flat, starts)):
             over = s - start_by[id(w)]
@@ -103,10 +121,11 @@ def qlm(waiting: list[Waiting], ctx: Context) -> list[Waiting]:
         return late, lateness, first
 
     # a request late even if it went first cannot be saved by any order: it joins the tail
-    first_free = simulate(list(ctx.frees_in), [0.0], slots)[0]
-    doomed = [w for w in waiting if start_by[id(w)] < first_free - _EPS]
-    viable = [w for w in waiting if start_by[id(w)] >= first_free - _EPS]
-    groups = make_groups(viable, est.output_tokens, max(1, round((slots or len(waiting)) * GROUP_SIZE_FACTOR)))
+    first_free = {id(w): ctx.starts([w], [0.0])[0] for w in waiting}
+    doomed = [w for w in waiting if start_by[id(w)] < first_free[id(w)] - _EPS]
+    viable = [w for w in waiting if start_by[id(w)] >= first_free[id(w)] - _EPS]
+    k = ctx.concurrency(waiting)
+    groups = make_groups(viable, est.output_tokens, max(1, round(k * GROUP_SIZE_FACTOR)))
 
     def tightest(g: Group) -> float:
         return min(start_by[id(w)] for w in g.members)
@@ -131,7 +150,7 @@ def qlm(waiting: list[Waiting], ctx: Context) -> list[Waiting]:
             if seen > late_at:
                 late_group = j
                 break
-        done = sum(work(g) for g in kept + moved) / max(1, slots or 1)  # about when everything is served
+        done = sum(work(g) for g in kept + moved) / k  # about when everything is served
         candidates = kept[: late_group + 1]
         patient = [g for g in candidates if tightest(g) >= done]  # on time even at the back
         pick = max(patient, key=work) if patient else max(candidates, key=lambda g: work(g) / len(g))

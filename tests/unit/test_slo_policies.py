@@ -16,7 +16,7 @@ BEST_EFFORT = SloClass("default")
 
 def estimator(per_token=0.01, outputs=(("interactive", 20), ("batch", 200))):
     est = Estimator()
-    est.observe_decode(2, per_token)
+    est.observe_gap(0.0, 1, per_token)
     est.observe_prefill(100, 0.0)  # prefill is free here: the queue's effect alone
     for cls, n in outputs:
         est.observe_output(cls, n)
