@@ -9,7 +9,7 @@
 | GET  /ready                  | 200 when a decode is routable or local fallback is on, else 503 |
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
-| GET  /debug/slo              | the SLO queue: policy, waiting by class, estimator, recent estimates vs actuals |
+| GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
 
 Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); no decode
 and no fallback -> 503 with the reasons; an SLO class that cannot be met even if the
@@ -76,7 +76,11 @@ class HttpApi:
         """The SLO queue: classes, policy, waiting per class, estimator, recent estimates vs actuals."""
         if self.fe.slo is None:
             return web.json_response({"error": "no SLO queue on this server"}, status=404)
-        return web.json_response(self.fe.slo.snapshot())
+        try:
+            recent = int(request.query.get("recent", "64"))
+        except ValueError:
+            return web.json_response({"error": "recent must be an integer (finished requests to show)"}, status=400)
+        return web.json_response(self.fe.slo.snapshot(recent))
 
     async def debug_request(self, request: web.Request) -> web.Response:
         """Monotonic timestamps of a recent P/D request (allocation, each layer stored, KV sent)."""

@@ -10,8 +10,10 @@ this prefill's own KV pool) is too full for them; asyncio over ``pdserve.slo.Glo
         ...                # it waited --queue-timeout seconds: give up (503 as before)
 
 Only the head of the policy's order (``--queue-policy fifo|edf|qlm``) tries the decodes while
-requests wait; the others sleep until the order changes (a request joins, is admitted, ends
-or gives up: ``GlobalQueue.on_change`` wakes the new head). The head tries again after a
+requests wait; the others sleep until they become the head (the queue calls their
+``SloRequest.wakeup`` whenever its order has a new head: a request joined, was admitted,
+ended or gave up, or qlm's order changed with time), looking again every ``LOOK_S`` in any
+case. The head tries again after a
 short backoff (doubling from 10 ms to ``recheck_s``), since the picker learns of freed KV
 blocks from the decodes' load reports. A request that does not have to wait (nobody is
 waiting) never enters the queue. A client that goes away ends its request: the Frontend's
@@ -30,6 +32,7 @@ if TYPE_CHECKING:
 
 FIRST_BACKOFF_S = 0.01
 RECHECK_S = 0.1
+LOOK_S = 1.0  # a waiter that is not the head looks again this often even if nobody woke it
 
 
 def decode_kv_blocks(picker) -> int:
@@ -49,11 +52,10 @@ class SloAdmission:
         return Ticket(self, req)
 
     def notify(self) -> None:
-        """The order changed, or room may have appeared: wake the head."""
-        head = self.queue.head()
-        wakeup = getattr(head, "wakeup", None)
-        if wakeup is not None:
-            wakeup.set()
+        """The waiting set changed, or room may have appeared: wake the head."""
+        head = self.queue.head()  # a new head is woken by the queue itself (SloRequest.wakeup)
+        if head is not None and head.wakeup is not None:
+            head.wakeup()
 
     def __len__(self) -> int:
         return len(self.queue.waiting)
@@ -64,7 +66,8 @@ class Ticket:
 
     def __init__(self, adm: SloAdmission, req: SloRequest):
         self.adm, self.req = adm, req
-        self.event = req.wakeup = asyncio.Event()  # set by SloAdmission.notify when it is the head
+        self.event = asyncio.Event()
+        req.wakeup = self.event.set  # the queue calls it when this request becomes the head
         self.first_waited: float | None = None
         self.backoff = FIRST_BACKOFF_S
 
@@ -88,8 +91,8 @@ class Ticket:
             if left <= 0:
                 return False
             self.event.clear()
-            try:
-                await asyncio.wait_for(self.event.wait(), left)
+            try:  # woken when it becomes the head; a look now and then in any case
+                await asyncio.wait_for(self.event.wait(), min(left, LOOK_S))
             except asyncio.TimeoutError:
                 pass
         return True

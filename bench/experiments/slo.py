@@ -140,7 +140,7 @@ def run_policy(args, policy: str, model: str, items: list[Item]) -> dict:
         for w in warmup(args.seed):
             asyncio.run(_send_all(cluster.url, [w], 120))
         results = asyncio.run(_send_all(cluster.url, items, 900))
-        with urllib.request.urlopen(cluster.url + "/debug/slo", timeout=10) as resp:
+        with urllib.request.urlopen(cluster.url + "/debug/slo?recent=100000", timeout=10) as resp:
             debug = json.loads(resp.read())
         metrics = scrape(cluster.prefill.metrics_url)
     return summarize(args, classes, items, results, debug, metrics)

@@ -67,7 +67,7 @@ class SloRequest(Waiting):
     last_token_at: float | None = None
     tokens: int = 0
     verdict: dict = field(default_factory=dict)
-    wakeup: object = None  # the front door's handle to wake it when it is first in line
+    wakeup: Callable[[], None] | None = None  # called when it becomes first in line (the front door wakes it)
     inputs: dict = field(default_factory=dict)  # what the estimate at arrival was made from
 
 
@@ -194,6 +194,7 @@ class GlobalQueue:
         since = now - self._ordered_at
         qlm = self.policy == "qlm"
         if self._dirty or self._patched or (qlm and self.waiting and since > REORDER_AFTER_S):
+            before = self._order[0] if self._order else None
             waiting = list(self.waiting.values())
             if qlm and since < QLM_MIN_INTERVAL_S:
                 if self._dirty:
@@ -202,6 +203,9 @@ class GlobalQueue:
                 self._order = self._ordered(waiting, now) if len(waiting) > 1 else waiting
                 self._ordered_at, self._patched = now, False
             self._dirty = False
+            head = self._order[0] if self._order else None
+            if head is not None and head is not before and head.wakeup is not None:
+                head.wakeup()  # a new head (also when only time changed qlm's order): it tries now
         return self._order
 
     def _patch(self, ordered: list[SloRequest], waiting: list[SloRequest]) -> list[SloRequest]:
@@ -312,10 +316,12 @@ class GlobalQueue:
         if outcome == "ok" and est is not None:
             m.slo_estimate_error.labels(slo_class=req.cls.name, part="e2e").observe(abs(est.total - e2e))
 
-    def snapshot(self) -> dict:
+    def snapshot(self, recent: int = 64) -> dict:
+        """For /debug/slo: policy, classes, waiting by class, the order, the estimator, the last
+        ``recent`` finished requests (estimate at arrival vs actual)."""
         return {
             "policy": self.policy, "classes": [c.describe() for c in self.classes],
             "waiting": {c.name: sum(1 for r in self.waiting.values() if r.cls is c) for c in self.classes},
             "running": len(self.running), "order": [r.request_id for r in self.order()][:64],
-            "estimator": self.estimator.snapshot(), "recent": list(self.records)[-64:],
+            "estimator": self.estimator.snapshot(), "recent": list(self.records)[-recent:] if recent > 0 else [],
         }

@@ -206,3 +206,30 @@ def test_qlm_decides_at_most_every_50ms_arrivals_go_in_by_edf_between():
     clock.t += 0.6
     q.head()
     assert decisions() == first + 2  # and again while requests wait
+
+
+def test_a_new_head_is_woken_also_when_only_time_changed_the_order():
+    """qlm's order changes with time (a request that can no longer make it goes to the tail):
+    the new head's wakeup is called, or it would sleep until its deadline."""
+    from pdserve.slo import Estimator
+
+    classes = parse({"classes": [{"name": "interactive", "ttftMs": 1000}, {"name": "chat", "ttftMs": 2000},
+                                 {"name": "batch", "e2eMs": 60000}]})
+    est = Estimator()
+    est.observe_gap(0.0, 1, 0.01)
+    est.observe_prefill(100, 0.1)
+    for cls, n in (("interactive", 20), ("chat", 20), ("batch", 50)):
+        est.observe_output(cls, n)
+    clock = Clock()
+    q = GlobalQueue(classes, "qlm", None, clock, est)
+    busy = q.arrive("busy", classes.by_name["batch"], 100, 100)
+    q.admitted(busy)  # frees its slot in ~0.5 s (50 tokens expected)
+    woken = []
+    i, c = q.arrive("i", classes.by_name["interactive"], 100, 20), q.arrive("c", classes.by_name["chat"], 100, 20)
+    for r in (i, c):
+        r.wakeup = (lambda name: lambda: woken.append(name))(r.request_id)
+        q.wait(r)
+    assert q.head() is i
+    woken.clear()
+    clock.t += 1.2  # i must start by 0.9 s after its arrival: lost; c would be late behind it
+    assert q.head() is c and woken == ["c"]
