@@ -99,6 +99,8 @@ class PrefillNode:
         accounting = TransferAccounting(self.picker, self.kv_bytes_per_block, self.metrics)
         self.session_runner = SessionRunner(config, stubs=self.poller.stub, engine=self.engine, sender=self.sender,
                                             registry=self.sessions, observer=accounting)
+        if self.admission is not None:  # a fresh report may show freed blocks: the head of the queue tries
+            self.poller.on_report = lambda address: self.admission.notify()
 
     def ready(self) -> bool:
         """Ready when a decode is known (or local fallback can serve)."""
@@ -189,6 +191,8 @@ class PrefillNode:
                         return
                 finally:
                     await aclose_fully(stream)
+                    if timings.allocated and self.admission is not None and len(self.admission):
+                        self.poller.poll_now(address)  # its blocks there are free: whoever waits learns at once
             if self.local_fallback or not transient:
                 break
             # every decode (or prefill itself) is full right now: wait for blocks to free up

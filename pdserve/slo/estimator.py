@@ -107,46 +107,59 @@ class LineFit:
 
 
 class OutputLengths:
-    """The recent output lengths of each class (a window of ``window`` per class)."""
+    """The recent output lengths of each class (a window of ``window`` per class), and whether
+    each request ran to its max_tokens (a client that sets ``ignore_eos`` always does; one that
+    stops at EOS rarely): a request runs to its own limit with the class's share of those, else
+    it is as long as the ones that stopped on their own."""
 
     def __init__(self, window: int = OUTPUT_WINDOW):
         self.window = window
-        self.by_class: dict[str, deque[int]] = {}
+        self.by_class: dict[str, deque[tuple[int, bool]]] = {}
         self._cache: dict[tuple, float] = {}  # answers since the last add (plans ask the same again and again)
 
-    def add(self, cls: str, n: int) -> None:
-        self.by_class.setdefault(cls, deque(maxlen=self.window)).append(n)
+    def add(self, cls: str, n: int, hit_limit: bool = False) -> None:
+        self.by_class.setdefault(cls, deque(maxlen=self.window)).append((n, hit_limit))
         self._cache.clear()
 
     def _samples(self, cls: str):
         own = self.by_class.get(cls)
         if own:
             return own
-        return [n for d in self.by_class.values() for n in d]  # a class not seen yet: everybody's
+        return [x for d in self.by_class.values() for x in d]  # a class not seen yet: everybody's
 
-    def expected(self, cls: str, max_tokens: int, produced: int = 0) -> float:
-        """E[min(O, max_tokens) - produced | O > produced]; unknown: what is left of max_tokens."""
-        key = ("e", cls, max_tokens, produced)
+    def _cached(self, key: tuple, compute) -> float:
         if key not in self._cache:
             if len(self._cache) > 4096:
                 self._cache.clear()
-            self._cache[key] = self._expected(cls, max_tokens, produced)
+            self._cache[key] = compute()
         return self._cache[key]
+
+    def expected(self, cls: str, max_tokens: int, produced: int = 0) -> float:
+        """E[min(O, max_tokens) - produced | O > produced]; unknown: what is left of max_tokens."""
+        return self._cached(("e", cls, max_tokens, produced), lambda: self._expected(cls, max_tokens, produced))
 
     def _expected(self, cls: str, max_tokens: int, produced: int) -> float:
         left = max_tokens - produced
-        longer = [min(n, max_tokens) for n in self._samples(cls) if n > produced]
-        if not longer:
+        samples = self._samples(cls)
+        if not samples:
             return float(left) if produced == 0 else max(1.0, left / 2)
-        return max(1.0, min(float(left), sum(longer) / len(longer) - produced))
+        early = [n for n, hit in samples if not hit]
+        hit_share = 1 - len(early) / len(samples)
+        longer = [min(n, max_tokens) for n in early if n > produced]
+        # P(it runs to its limit | it made `produced` tokens) against P(it stops early later)
+        w_limit, w_early = hit_share, (1 - hit_share) * (len(longer) / len(early) if early else 0.0)
+        if w_limit + w_early == 0:
+            return max(1.0, left / 2)
+        early_left = sum(longer) / len(longer) - produced if longer else float(left)
+        value = (w_limit * left + w_early * early_left) / (w_limit + w_early)
+        return max(1.0, min(float(left), value))
 
     def spread(self, cls: str, max_tokens: int) -> float:
         """The standard deviation of min(O, max_tokens) (QLM's sigma_o)."""
-        key = ("s", cls, max_tokens)
-        if key not in self._cache:
-            samples = [min(n, max_tokens) for n in self._samples(cls)]
-            self._cache[key] = statistics.pstdev(samples) if len(samples) > 1 else 0.0
-        return self._cache[key]
+        def compute() -> float:
+            values = [max_tokens if hit else min(n, max_tokens) for n, hit in self._samples(cls)]
+            return statistics.pstdev(values) if len(values) > 1 else 0.0
+        return self._cached(("s", cls, max_tokens), compute)
 
     def count(self) -> int:
         return sum(len(d) for d in self.by_class.values())
@@ -208,8 +221,9 @@ class Estimator:
         if seconds >= 0:
             self.lag.add(seconds)
 
-    def observe_output(self, cls: str, tokens: int) -> None:
-        self.lengths.add(cls, tokens)
+    def observe_output(self, cls: str, tokens: int, hit_limit: bool = False) -> None:
+        """A request of ``cls`` finished with ``tokens`` tokens (``hit_limit``: it made max_tokens)."""
+        self.lengths.add(cls, tokens, hit_limit)
 
     def observe_full(self, running: int) -> None:
         """A request had to wait while ``running`` requests were being served: the backend's K."""

@@ -176,7 +176,7 @@ class GlobalQueue:
         e2e = now - req.arrival
         ttft = None if req.first_token_at is None else req.first_token_at - req.arrival
         if outcome == "ok":
-            self.estimator.observe_output(req.cls.name, req.tokens)
+            self.estimator.observe_output(req.cls.name, req.tokens, req.tokens >= req.job.max_tokens)
             req.verdict = req.cls.verdict(ttft, e2e, req.tokens)
         elif outcome == "error":
             req.verdict = dict.fromkeys(req.cls.targets, False)

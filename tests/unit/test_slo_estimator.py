@@ -122,3 +122,20 @@ def test_the_per_token_time_is_token_weighted_over_a_window():
     assert rate.value == pytest.approx(0.190 / 10)
     rate.add(5.0, 4, 0.020)           # later: the old ones fall out of the window
     assert rate.value == pytest.approx(0.005)
+
+
+def test_requests_that_run_to_their_limit():
+    """A class whose requests always make max_tokens (ignore_eos): a request makes its own limit,
+    whatever the others' limits were; a mixed class weighs both."""
+    lengths = OutputLengths()
+    for n in (50, 200, 400):
+        lengths.add("batch", n, hit_limit=True)
+    assert lengths.expected("batch", 300) == 300
+    assert lengths.expected("batch", 300, produced=100) == 200
+    assert lengths.spread("batch", 300) == 0.0
+    for n in (10, 30):
+        lengths.add("chat", n)           # stopped at EOS
+    lengths.add("chat", 64, hit_limit=True)
+    assert lengths.expected("chat", 64) == pytest.approx((10 + 30 + 64) / 3)
+    # after 20 tokens the short one is ruled out: half the rest stop at 30, half run to 64
+    assert lengths.expected("chat", 64, produced=20) == pytest.approx((10 + 44) / 2)

@@ -40,8 +40,8 @@ def serve(q, clock, req, tokens=10, prefill=0.1, per_token=0.01):
 
 
 def warm(q, clock, n=3, tokens=10):
-    for i in range(n):
-        serve(q, clock, q.arrive(f"warm{i}", INTERACTIVE, 100, 64), tokens)
+    for i in range(n):  # each stops (at EOS) well before its max_tokens
+        serve(q, clock, q.arrive(f"warm{i}", INTERACTIVE, 100, 1000), tokens)
 
 
 def test_a_request_that_need_not_wait_and_its_metrics():
