@@ -234,7 +234,7 @@ def targets(runs: dict) -> dict:
         ok_att = inter is not None and inter >= 0.95 and base is not None and base < 0.7
         out[p] = {"interactive_attainment": inter, "fifo_interactive_attainment": base, "batch_throughput_x_fifo": thr,
                   "attainment_met": ok_att, "throughput_met": thr is not None and thr >= 0.9}
-        lines.append(f"{p}: interactive attainment {inter:.2f} vs fifo {base:.2f} (target >= 0.95 where fifo < 0.7): "
+        lines.append(f"{p}: interactive attainment {inter:.3f} vs fifo {base:.3f} (target >= 0.95 where fifo < 0.7): "
                      f"{'met' if ok_att else 'MISSED'}; batch throughput {thr:.2f}x fifo (target >= 0.9): "
                      f"{'met' if thr is not None and thr >= 0.9 else 'MISSED'}")
     for p, r in runs.items():

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 OUTPUT_WINDOW = 256  # output lengths kept per class
 EWMA_ALPHA = 0.2
-PER_TOKEN_WINDOW_S = 3.0  # the per-token time is measured over the token gaps of the last seconds
+PER_TOKEN_WINDOW_S = 10.0  # the per-token time is measured over the token gaps of the last seconds
 FIT_DECAY = 0.98  # weight of older prefill observations (per new one)
 
 

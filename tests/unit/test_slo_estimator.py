@@ -114,7 +114,7 @@ def test_plan_in_kv_blocks():
 
 
 def test_the_per_token_time_is_token_weighted_over_a_window():
-    rate = WindowRate(window_s=3.0)
+    rate = WindowRate(window_s=3.0)  # (the default is longer)
     assert rate.value is None
     rate.add(0.0, 1, 0.100)           # one slow gap (the process was descheduled) ...
     for i in range(9):
