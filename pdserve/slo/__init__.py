@@ -8,10 +8,12 @@ cannot meet its SLO even if served next can be refused at once.
 
 Reading path (in this order):
   ``classes.py``       SloClass / SloClasses: parsing ``spec.slo`` (flag, env), selection by header or priority
-  ``estimator.py``     QLM eq. 1-4: prefill fit, per-token decode time, output lengths, K-slot plan
+  ``measures.py``      what is learned online: per-token time, prefill line, output lengths per class
+  ``estimator.py``     QLM eq. 1-4: estimates from those, the plan of a queue (KV blocks or K slots)
   ``groups.py``        QLM Algorithm 1: groups by (class, length bucket), split when too large
   ``policies.py``      fifo | edf | qlm (the global scheduler: greedy reordering of groups)
-  ``global_queue.py``  GlobalQueue: a front door's requests, estimates, early rejection, metrics
+  ``global_queue.py``  GlobalQueue: a front door's requests, estimates, early rejection, order
+  ``accounting.py``    SloAccounting: per-class metrics and the records of finished requests
 """
 
 from .classes import DEFAULT_CLASS, HEADER, SloClass, SloClasses, load, parse

@@ -22,20 +22,17 @@ decode; ``TTFT`` and end-to-end targets, the ones a queue can change) raises ``R
 at once, with the estimate and a ``retry_after_s`` (the excess over its target, at least a
 second). Only once the estimator is warm (it has seen prefills, decodes, output lengths).
 
-Metrics (when given a ServerMetrics; names in ``pdserve.metrics``): requests by class and
-outcome (incl. rejected), SLO met/missed per class and target (ttft, tbt, e2e and all; a
-rejected or failed request misses every target of its class, a cancelled one is not
-judged), queue time by class, requests waiting by class, estimate error, ordering cost.
+Metrics and the records of finished requests: ``accounting.py``.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
+from .accounting import SloAccounting
 from .classes import SloClass, SloClasses
 from .estimator import Estimate, Estimator, Job
 from .groups import Waiting
@@ -44,8 +41,6 @@ from .policies import POLICIES, Context, order
 if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
 
-KEEP_RECORDS = 1024
-OUTCOMES = ("ok", "error", "cancelled", "rejected")
 REORDER_AFTER_S = 0.5  # qlm: the order is recomputed after changes, and when this old
 QLM_MIN_INTERVAL_S = 0.05  # qlm: at most one full decision this often; between, arrivals go in by EDF
 
@@ -77,27 +72,19 @@ class GlobalQueue:
                  on_change: Callable[[], None] | None = None, kv_capacity: Callable[[], int] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"unknown queue policy {policy!r}; known: {', '.join(POLICIES)}")
-        self.classes, self.policy, self.metrics, self.clock = classes, policy, metrics, clock
+        self.classes, self.policy, self.clock = classes, policy, clock
         self.on_change = on_change  # the waiting set changed (a waiter may be the head now)
         self.kv_capacity = kv_capacity  # the decodes' KV blocks in all (0: not known yet): plans count blocks
         self.estimator = estimator or Estimator()
         self.arrived: dict[str, SloRequest] = {}  # trying the decodes now, neither waiting nor admitted
         self.waiting: dict[str, SloRequest] = {}
         self.running: dict[str, SloRequest] = {}
-        self.records: deque[dict] = deque(maxlen=KEEP_RECORDS)
+        self.account = SloAccounting(classes, metrics)
         self._seq = 0
         self._order: list[SloRequest] = []
         self._ordered_at = -math.inf
         self._dirty = self._patched = False
         self._freed_at: float | None = None  # a running request ended while others waited
-        if metrics is not None:  # every series from the start (at 0), so that rates and ratios have data
-            for c in classes:
-                metrics.slo_queued.labels(slo_class=c.name).set(0)
-                for outcome in OUTCOMES:
-                    metrics.slo_requests.labels(slo_class=c.name, outcome=outcome)
-                for target in (*c.targets, "all") if c.targets else ():
-                    for result in ("met", "missed"):
-                        metrics.slo_attainment.labels(slo_class=c.name, target=target, result=result)
 
     # -- the request's life ----------------------------------------------------------------
     def arrive(self, request_id: str, cls: SloClass, prompt_tokens: int, max_tokens: int, blocks: int = 1) -> SloRequest:
@@ -142,11 +129,7 @@ class GlobalQueue:
         if was_waiting and self._freed_at is not None:  # room freed -> this one in
             self.estimator.observe_lag(req.admitted_at - self._freed_at)
             self._freed_at = None
-        if self.metrics is not None:
-            self.metrics.slo_queue_time.labels(slo_class=req.cls.name).observe(waited)
-            if req.estimate is not None:
-                self.metrics.slo_estimate_error.labels(slo_class=req.cls.name, part="queue").observe(
-                    abs(req.estimate.wait - waited))
+        self.account.admitted(req, waited)
         if was_waiting:
             self._changed(req.cls)
 
@@ -180,7 +163,7 @@ class GlobalQueue:
             req.verdict = req.cls.verdict(ttft, e2e, req.tokens)
         elif outcome == "error":
             req.verdict = dict.fromkeys(req.cls.targets, False)
-        self._record(req, outcome, ttft, e2e)
+        self.account.finished(req, outcome, ttft, e2e)
         if was_waiting:
             self._changed(req.cls)
 
@@ -246,8 +229,7 @@ class GlobalQueue:
         """A full decision of the policy (its cost observed)."""
         started = time.perf_counter()
         out = order(self.policy, waiting, self.context(now))
-        if self.metrics is not None:
-            self.metrics.slo_policy.observe(time.perf_counter() - started)
+        self.account.decision(time.perf_counter() - started)
         return out
 
     # -- estimates and rejection ------------------------------------------------------------
@@ -278,7 +260,7 @@ class GlobalQueue:
         retry = max(1, math.ceil(excess))
         req.estimate, req.state = est, "done"
         req.verdict = dict.fromkeys(c.targets, False)
-        self._record(req, "rejected", None, 0.0)
+        self.account.finished(req, "rejected", None, 0.0)
         raise Rejected(
             f"SLO class {c.name!r} cannot be met even if this request were served next: estimated wait "
             f"{est.wait:.2f}s + prefill {est.prefill:.2f}s + decode {est.decode:.2f}s (~{est.output_tokens:.0f} "
@@ -288,33 +270,9 @@ class GlobalQueue:
     # -- bookkeeping -------------------------------------------------------------------------
     def _changed(self, cls: SloClass) -> None:
         self._dirty = True
-        if self.metrics is not None:
-            n = sum(1 for r in self.waiting.values() if r.cls is cls)
-            self.metrics.slo_queued.labels(slo_class=cls.name).set(n)
+        self.account.queued(cls, sum(1 for r in self.waiting.values() if r.cls is cls))
         if self.on_change is not None:
             self.on_change()
-
-    def _record(self, req: SloRequest, outcome: str, ttft: float | None, e2e: float) -> None:
-        est = req.estimate
-        waited = None if req.admitted_at is None else req.admitted_at - req.arrival
-        self.records.append({
-            "request_id": req.request_id, "slo_class": req.cls.name, "outcome": outcome, "tokens": req.tokens,
-            "arrival": req.arrival, "admitted": req.admitted_at,
-            "estimate": None if est is None else {"wait": est.wait, "first_token": est.first_token, "e2e": est.total,
-                                                  "output_tokens": est.output_tokens},
-            "actual": {"wait": waited, "first_token": ttft, "e2e": e2e}, "met": req.verdict, "inputs": req.inputs,
-        })
-        m = self.metrics
-        if m is None:
-            return
-        m.slo_requests.labels(slo_class=req.cls.name, outcome=outcome).inc()
-        for target, met in req.verdict.items():
-            m.slo_attainment.labels(slo_class=req.cls.name, target=target, result="met" if met else "missed").inc()
-        if req.verdict:
-            m.slo_attainment.labels(slo_class=req.cls.name, target="all",
-                                    result="met" if all(req.verdict.values()) else "missed").inc()
-        if outcome == "ok" and est is not None:
-            m.slo_estimate_error.labels(slo_class=req.cls.name, part="e2e").observe(abs(est.total - e2e))
 
     def snapshot(self, recent: int = 64) -> dict:
         """For /debug/slo: policy, classes, waiting by class, the order, the estimator, the last
@@ -323,5 +281,5 @@ class GlobalQueue:
             "policy": self.policy, "classes": [c.describe() for c in self.classes],
             "waiting": {c.name: sum(1 for r in self.waiting.values() if r.cls is c) for c in self.classes},
             "running": len(self.running), "order": [r.request_id for r in self.order()][:64],
-            "estimator": self.estimator.snapshot(), "recent": list(self.records)[-recent:] if recent > 0 else [],
+            "estimator": self.estimator.snapshot(), "recent": self.account.recent(recent),
         }

@@ -209,3 +209,28 @@ def test_a_client_that_disconnects_while_queued_leaves_at_once(servers):
     assert left_in < 1.0, left_in
     assert all(b[0] == 200 for b in batch)
     assert metric(prefill.url, "pdserve_slo_requests_total", slo_class="batch", outcome="cancelled") == cancelled + 1
+
+
+def test_through_the_router_the_class_header_reaches_the_prefill(servers, procs):
+    """``pdserve router`` forwards X-SLO-Class and relays the prefill's answer (and its
+    Retry-After) unchanged."""
+    from pdserve.net import free_port
+    from pdserve.router.http_api import _headers
+
+    from harness.pd_cluster import Server
+
+    prefill, _ = servers
+    port = free_port()
+    proc = procs.pdserve("router", "--port", str(port), "--model", "tiny", "--prefill", prefill.grpc_address,
+                         "--load-interval", "0.1", name="router")
+    router = Server(proc, port, 0, 0, "router")
+    wait_ready(router)
+    status, _, out = post(router.url, body(), {"X-SLO-Class": "batch"})
+    assert status == 200, out
+    assert recent(prefill, out)["slo_class"] == "batch"
+    status, _, out = post(router.url, body(), {"X-SLO-Class": "gold"})
+    assert status == 400 and "unknown SLO class 'gold'" in out["error"]["message"], out
+
+    class Upstream:
+        headers = {"Content-Type": "application/json", "Retry-After": "3", "X-Other": "no"}
+    assert _headers(Upstream) == {"Content-Type": "application/json", "Retry-After": "3"}

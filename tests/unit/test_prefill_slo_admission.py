@@ -39,7 +39,7 @@ def test_the_head_goes_first_and_the_next_goes_when_it_is_admitted():
         assert not later.done()  # not the head: it sleeps
         t0 = time.monotonic()
         inter.admitted()
-        assert await later is True and time.monotonic() - t0 < 0.1  # woken, not polling
+        assert await later is True and time.monotonic() - t0 < 0.5  # woken (unwoken it would look after LOOK_S, 1 s)
         batch.admitted()
         assert not q.waiting and set(q.running) == {"i", "b"}
     run(main())
@@ -54,7 +54,7 @@ def test_waiting_ends_after_max_wait_and_a_cancelled_waiter_leaves_at_once():
         t0 = time.monotonic()
         while await a.wait():
             tries += 1
-        assert 0.3 <= time.monotonic() - t0 < 0.6 and tries >= 3  # backoff 10, 20, 40, ... ms
+        assert 0.3 <= time.monotonic() - t0 < 2.0 and tries >= 3  # backoff 10, 20, 40, ... ms, then it gives up
         assert "waited 0.3s in the queue (fifo)" in a.gave_up()
         q.finish(a.req, "error")
         adm2 = SloAdmission(GlobalQueue(CLASSES, "fifo"), max_wait_s=5)

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from pdserve.slo.estimator import Estimator, Job, LineFit, OutputLengths, WindowRate, simulate
+from pdserve.slo.estimator import Estimator, Job, simulate
+from pdserve.slo.measures import LineFit, OutputLengths, WindowRate
 
 
 def test_the_prefill_line_is_learned_from_observations():

@@ -57,7 +57,7 @@ def test_a_request_that_need_not_wait_and_its_metrics():
         assert value(m, "pdserve_slo_attainment_total", slo_class="interactive", target=target, result="met") == 1
     assert value(m, "pdserve_slo_queue_time_seconds_count", slo_class="interactive") == 1
     assert value(m, "pdserve_slo_estimate_error_seconds_count", slo_class="interactive", part="e2e") == 1
-    rec = q.records[-1]
+    rec = q.account.records[-1]
     assert rec["actual"]["first_token"] == pytest.approx(0.2) and rec["met"] == {"ttft": True, "e2e": True}
     # the estimator learned from it
     assert q.estimator.per_token.value == pytest.approx(0.05)
@@ -129,7 +129,7 @@ def test_the_estimate_at_arrival_is_its_place_in_line():
     assert waits == pytest.approx([0.09, 0.09, 0.28, 0.28])  # two slots: pairs
     # the estimate's error is kept when it leaves the queue
     m = ServerMetrics("prefill")
-    q.metrics = m
+    q.account.metrics = m
     clock.t += 0.09
     for r in running:
         q.finish(r, "ok")
@@ -157,7 +157,7 @@ def test_early_rejection_with_the_estimate():
     assert "hopeless" not in q.waiting and "hopeless" not in q.running
     assert value(m, "pdserve_slo_requests_total", slo_class="interactive", outcome="rejected") == 1
     assert value(m, "pdserve_slo_attainment_total", slo_class="interactive", target="all", result="missed") == 1
-    assert q.records[-1]["outcome"] == "rejected"
+    assert q.account.records[-1]["outcome"] == "rejected"
     # batch has no early rejection: it queues
     assert q.arrive("patient", BATCH, 100, 300).estimate.wait == pytest.approx(1.99)
 
