@@ -1,5 +1,8 @@
 """The prefill server's client gRPC API: ``Generator.Generate`` (server streaming).
 
+One GenerateResponse per generated token (its ``text`` may be "", see http_api.py's
+streaming rules), then a last one with ``finish_reason`` set and no token.
+
 Status codes: INVALID_ARGUMENT for bad input (message names the field), UNAVAILABLE when
 no decode could take the request and local fallback is off (message lists the reasons),
 ABORTED when a decode failed after tokens were streamed, DEADLINE_EXCEEDED when the

@@ -2,13 +2,24 @@
 
 | route                        | answer                                                       |
 |------------------------------|--------------------------------------------------------------|
-| POST /v1/completions         | text completion; ``stream: true`` -> SSE chunks + ``[DONE]`` |
+| POST /v1/completions         | text completion; ``stream: true`` -> SSE chunks + ``[DONE]`` (below) |
 | POST /v1/chat/completions    | chat completion; same streaming rules                        |
 | GET  /v1/models              | the one served model                                         |
 | GET  /health                 | 200 + JSON counters (sessions, KV blocks, CacheStore entries) |
 | GET  /ready                  | 200 when a decode is routable or local fallback is on, else 503 |
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
+
+Streaming (``stream: true``), as vLLM does: one event per generated token, in order, whose
+``text`` (chat: ``delta.content``) is the text that token releases, ``""`` when it releases
+none (the token ends inside a UTF-8 character, decodes to nothing, or might begin a stop
+string: that text is held back and goes out with the event of the token that completes it);
+then one event with ``finish_reason`` that carries no token, its text what was still held
+back at the end (usually ``""``; chat: no ``content``); then the usage event
+(``stream_options.include_usage``) and ``data: [DONE]``. So the events without a
+finish_reason number exactly ``usage.completion_tokens``, and their texts joined with the
+last one's equal the non-streamed text. Chat: the first event also has ``role``. A stop
+string is never sent, nor the tokens after the one that completed it.
 
 Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); no decode
 and no fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
@@ -144,14 +155,15 @@ class HttpApi:
         try:
             while True:
                 n_tokens += len(piece.token_ids)
-                if piece.text or is_first:
-                    await resp.write(oa.sse(oa.chunk(parsed, piece.text, None, first=is_first)))
-                    is_first = False
-                if piece.finished:
-                    await resp.write(oa.sse(oa.chunk(parsed, None if parsed.kind == "chat" else "", piece.finish_reason)))
+                if piece.finished:  # no token: the finish reason and any text held back to the end
+                    text = piece.text if piece.text or parsed.kind == "completion" else None
+                    await resp.write(oa.sse(oa.chunk(parsed, text, piece.finish_reason, first=is_first)))
                     if parsed.include_usage:
                         await resp.write(oa.sse(oa.usage_chunk(parsed, n_prompt, n_tokens)))
                     break
+                # one event per generated token, also when its text is "" (held back)
+                await resp.write(oa.sse(oa.chunk(parsed, piece.text, None, first=is_first)))
+                is_first = False
                 piece = await pieces.__anext__()
         except (DecodeFailed, NoDecodeAvailable) as exc:
             log.warning("request %s: %s", parsed.request_id, exc)
