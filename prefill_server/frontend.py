@@ -13,7 +13,8 @@
   request by ``stream(..., timeout_s=...)`` (the client's ``X-Request-Timeout`` header or
   gRPC deadline). When it passes, the node's generator is cancelled (its Session to decode
   is cancelled and everything it holds is released) and ``RequestTimedOut`` is raised:
-  HTTP 504 / an SSE error event, gRPC DEADLINE_EXCEEDED.
+  HTTP 504 / an SSE error event, gRPC DEADLINE_EXCEEDED. A request still waiting in the
+  node's admission queue gives up just before the deadline, and its message says so.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from pdserve import defaults
 
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
-from .node import NoDecodeAvailable, PrefillNode
+from .node import NoDecodeAvailable, PrefillNode, QueueFull, QueueTimeout, RequestTooLarge
 from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, BadRequest, ParsedRequest, SamplingSpec
 from .text_stream import TextStream
 
@@ -142,6 +143,8 @@ class Frontend:
                     delta = await asyncio.wait_for(next_delta(), max(0.0, deadline - time.monotonic()))
                 except StopAsyncIteration:
                     break
+                except QueueTimeout as exc:  # the admission queue gave up just before the deadline, saying why
+                    raise RequestTimedOut(str(exc)) from None
                 except asyncio.TimeoutError:
                     raise RequestTimedOut(f"request {request_id} did not finish within its deadline of {limit:g}s "
                                           f"(--request-timeout, or the client's X-Request-Timeout / gRPC deadline)") from None
@@ -161,8 +164,9 @@ class Frontend:
                     yield Piece([], rest, True, reason)
                     return
             raise DecodeFailed("the request ended without a finish")
-        except NoDecodeAvailable:
-            reason = "no_decode"
+        except NoDecodeAvailable as exc:
+            reason = ("queue_full" if isinstance(exc, QueueFull) else
+                      "too_large" if isinstance(exc, RequestTooLarge) else "no_decode")
             raise
         except DecodeFailed:
             reason = "decode_failed"

@@ -21,17 +21,21 @@ finish_reason number exactly ``usage.completion_tokens``, and their texts joined
 last one's equal the non-streamed text. Chat: the first event also has ``role``. A stop
 string is never sent, nor the tokens after the one that completed it.
 
-Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); no decode
-and no fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
+Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); a request
+that needs more KV blocks than any decode holds in all -> 413 (``request_too_large``) at
+once; every decode merely full -> the request waits in the admission queue (no error),
+but when ``--max-queued-requests`` already wait -> 429 (``queue_full``); no decode and no
+fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
 ``data: {"error": {...}}`` then ``data: [DONE]`` (non-streaming: 502).
 
 Deadline: every request ends within ``--request-timeout`` seconds, or sooner with the
 header ``X-Request-Timeout: <seconds>`` (a positive number; anything else is a 400 naming
 the header; a value above ``--request-timeout`` is capped by it). When it passes, a request
 that has streamed nothing yet (or is not streaming) gets 504 with an OpenAI error body
-(code ``request_timeout``); a stream gets that error as an SSE event, then ``[DONE]``. A client that
-disconnects cancels its handler (``handler_cancellation``), which closes the Session, so
-the cancellation reaches decode at once.
+(code ``request_timeout``; the message says when it was waiting in the admission queue); a
+stream gets that error as an SSE event, then ``[DONE]``. A client that disconnects
+cancels its handler (``handler_cancellation``), which closes the Session (or takes the
+request out of the admission queue), so the cancellation reaches decode at once.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from . import openai_api as oa
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut, parse_timeout_header
-from .node import NoDecodeAvailable
+from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 
@@ -122,6 +126,10 @@ class HttpApi:
         try:
             try:
                 first = await pieces.__anext__()
+            except RequestTooLarge as exc:
+                return _json_error(413, str(exc), "invalid_request_error", code="request_too_large")
+            except QueueFull as exc:
+                return _json_error(429, str(exc), "overloaded_error", code="queue_full")
             except NoDecodeAvailable as exc:
                 return _json_error(503, str(exc), "service_unavailable", code="no_decode_available")
             except DecodeFailed as exc:
