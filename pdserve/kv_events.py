@@ -97,6 +97,16 @@ class KvEventPublisher:
         with self._lock:
             return self._seq, sorted(self._hashes)
 
+    def leading(self, hashes: list[int]) -> int:
+        """How many of ``hashes`` (a prompt's chained block hashes, in order) the cache holds, from the first on."""
+        with self._lock:
+            n = 0
+            for h in hashes:
+                if h not in self._hashes:
+                    break
+                n += 1
+            return n
+
     def subscribe(self) -> Subscription:
         with self._lock:
             sub = Subscription(asyncio.get_running_loop(), self._seq, sorted(self._hashes))

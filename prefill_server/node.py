@@ -8,13 +8,19 @@ front ends call. It yields ``Delta``s and raises:
 - ``DecodeFailed`` when a decode failed after tokens reached the client and the request
   could not be resumed.
 
-Routing order: the DecodePicker's choice; on refusal / unreachable / failure before the
+Routing order: the DecodePicker's choice (with ``decode_reuse``, preferring a decode whose
+prefix cache holds the prompt's leading blocks, as its KV events in ``decode_index`` say,
+weighed against free memory); on refusal / unreachable / failure before the
 first token, the next decode it picks (never one already tried), at most
 ``max_attempts`` decodes; then, with ``local_fallback``, the colocated engine in this
 process; else NoDecodeAvailable. When every failure was "busy now" (decodes out of free
 blocks, or prefill's own pool full) and local fallback is off, the request waits (backoff
 up to 0.5 s) and tries again, for at most ``queue_timeout_s``, before the 503: a burst
 queues instead of failing.
+
+Where the prompt is computed (``disaggregation``: auto|always|never): on this prefill with
+its KV moved (the P/D path), or on the chosen decode itself; in ``auto`` the Disaggregator
+decides per request from measured costs, after the decode's Allocation (decode_session.py).
 
 Deadline: ``generate(..., deadline=...)`` (``time.monotonic()`` seconds) is the request's
 end-to-end deadline, enforced by the caller (the Frontend cancels this generator when it
@@ -35,15 +41,17 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH
-from pdserve.engine import blocks_needed
+from pdserve.engine import blocks_needed, chained_hashes
 from pdserve.protos import session_pb2 as pb
 
 from .closing import aclose_fully
+from .decode_index import DecodeIndex
 from .decode_session import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionRunner,
                              SessionTimings, decode_reservation)
+from .disaggregator import Disaggregator
 from .load_poller import LoadReportPoller
 from .picker import DecodePicker
 from .transfer_accounting import TransferAccounting
@@ -80,6 +88,10 @@ class PrefillNode:
     resume: bool = True  # continue on another decode when one fails mid-generation
     queue_timeout_s: float = 10.0  # how long a request may wait for KV blocks to free up
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
+    decode_reuse: bool = True  # decodes serve the prompt's cached prefix; only the missing blocks move
+    decode_index: DecodeIndex | None = None  # the decodes' prefix caches (their KV events), for the picker
+    disaggregation: str = "always"  # auto | always | never (cost_model.py)
+    held_prefix: Callable[[list[int]], int] | None = None  # prompt hashes -> leading ones our prefix cache holds
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -88,10 +100,16 @@ class PrefillNode:
         self.local_requests = 0
         self.last_timings: dict[str, SessionTimings] = {}
         config = SessionConfig(self.compat, self.block_size, self.eos_token_ids, self.session_timeout_s,
-                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error)
-        accounting = TransferAccounting(self.picker, self.engine, self.kv_bytes_per_block, self.metrics)
+                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error, self.decode_reuse)
+        self.disaggregator = Disaggregator(self.disaggregation, picker=self.picker, block_size=self.block_size,
+                                           num_layers=self.compat.num_layers, kv_bytes_per_block=self.kv_bytes_per_block,
+                                           layerwise=self.layerwise_push, held_prefix=self.held_prefix,
+                                           metrics=self.metrics)
+        accounting = TransferAccounting(self.picker, self.engine, self.kv_bytes_per_block, self.disaggregator,
+                                        self.metrics)
         self.session_runner = SessionRunner(config, stubs=self.poller.stub, engine=self.engine, sender=self.sender,
-                                            registry=self.sessions, observer=accounting)
+                                            registry=self.sessions, observer=accounting,
+                                            disaggregator=self.disaggregator)
 
     def ready(self) -> bool:
         """Ready when a decode is known (or local fallback can serve)."""
@@ -121,7 +139,9 @@ class PrefillNode:
                     break
                 # what decode reserves: prompt + max_tokens (tokens already produced move from one to the other)
                 decode_need = decode_reservation(len(prompt_ids), sp.max_tokens, self.block_size)
-                address = self.picker.pick(exclude=tried, blocks_needed=decode_need)
+                overlap, prompt_blocks = self._decode_overlap(prompt_ids + produced)
+                address = self.picker.pick(exclude=tried, blocks_needed=decode_need, overlap=overlap,
+                                           prompt_blocks=prompt_blocks)
                 if address is None:
                     if not tried:
                         reason = self.picker.why_none(decode_need)
@@ -209,6 +229,17 @@ class PrefillNode:
         finally:
             await outputs.aclose()
             self.local_requests -= 1
+
+    def _decode_overlap(self, ids: list[int]) -> tuple[dict[str, int], int]:
+        """Leading blocks of ``ids`` each known decode holds (at most the reusable ones), and how many
+        blocks a decode could reuse at most; ({}, 0) without decode reuse or an index."""
+        if not self.decode_reuse or self.decode_index is None:
+            return {}, 0
+        reusable = (len(ids) - 1) // self.block_size  # as the engine: the last token is always computed
+        if reusable == 0:
+            return {}, 0
+        hashes = chained_hashes(ids[: reusable * self.block_size], self.block_size)
+        return {address: self.decode_index.overlap(address, hashes) for address in self.picker.known()}, reusable
 
     def _keep_timings(self, request_id: str, timings: SessionTimings) -> None:
         self.last_timings[request_id] = timings

@@ -1,0 +1,112 @@
+"""Disaggregator: the prefill's per-request choice of where a prompt is computed, fed by what
+it measured. The cost model itself is pure (cost_model.py); this holds its inputs.
+
+Lifecycle, per P/D request (called by SessionRunner on the event loop):
+
+1. ``prefill_cached_blocks(prompt_ids)`` - leading blocks this prefill's own prefix cache
+   holds (its KV-event publisher's mirror of the hash set, read under its lock);
+2. after the decode's Allocation, ``decide(address, prompt_ids, decode_cached_blocks)``
+   builds ``CostInputs`` from the measurements below and the decode's latest load report
+   (running requests, its measured prompt rate), asks ``cost_model.decide``, counts the
+   decision (``pdserve_disaggregation_decisions_total{decision, reason}``) and logs it;
+3. remote: ``computing(tokens)`` wraps the prefill's forward pass (the tokens waiting for
+   this engine are the queue of the next decision); then, via the SessionObserver,
+   ``record_prefill`` and ``record_transfer`` feed the meters.
+
+Measurements: prompt tokens per second of this prefill's recent forward passes (the engine's
+``prefill_counters``, prefix hits excluded) and KV bytes per second of its recent transfers
+(bytes over link-busy time). Their gauges: ``pdserve_prefill_tokens_per_second``,
+``pdserve_kv_link_bytes_per_second``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Callable
+
+from pdserve.engine import blocks_needed, chained_hashes
+from pdserve.rate_meter import RateMeter
+
+from .cost_model import MODES, CostInputs, Decision, decide
+
+if TYPE_CHECKING:
+    from pdserve.metrics import ServerMetrics
+
+    from .picker import DecodePicker
+
+log = logging.getLogger(__name__)
+
+
+class Disaggregator:
+    def __init__(self, mode: str, *, picker: DecodePicker, block_size: int, num_layers: int, kv_bytes_per_block: int,
+                 layerwise: bool = True, held_prefix: Callable[[list[int]], int] | None = None,
+                 metrics: ServerMetrics | None = None):
+        if mode not in MODES:
+            raise ValueError(f"unknown disaggregation mode {mode!r}; choose one of {', '.join(MODES)}")
+        self.mode, self.picker, self.metrics = mode, picker, metrics
+        self.block_size, self.num_layers, self.kv_bytes_per_block = block_size, num_layers, kv_bytes_per_block
+        self.layerwise = layerwise
+        self.held_prefix = held_prefix  # prompt hashes -> leading ones our prefix cache holds
+        self.prefill_meter = RateMeter()  # prompt tokens / s of our forward passes
+        self.link_meter = RateMeter()  # KV bytes / s of link-busy time
+        self.queued_tokens = 0  # prompt tokens handed to our engine and not computed yet
+
+    # ---- inputs -------------------------------------------------------------------------------
+    def prefill_cached_blocks(self, prompt_ids: list[int]) -> int:
+        if self.held_prefix is None or self.mode != "auto":
+            return 0
+        limit = (len(prompt_ids) - 1) // self.block_size  # as the engine: the last token is always computed
+        return min(limit, self.held_prefix(chained_hashes(prompt_ids[: limit * self.block_size], self.block_size)))
+
+    @contextlib.contextmanager
+    def computing(self, tokens: int):
+        """Around a forward pass of ``tokens`` prompt tokens on our engine (the queue others see)."""
+        self.queued_tokens += tokens
+        try:
+            yield
+        finally:
+            self.queued_tokens -= tokens
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill_meter.add(tokens, seconds)
+        rate = self.prefill_meter.rate()
+        if self.metrics is not None and rate:
+            self.metrics.prefill_rate.set(rate)
+
+    def record_transfer(self, nbytes: int, seconds: float) -> None:
+        self.link_meter.add(nbytes, seconds)
+        rate = self.link_meter.rate()
+        if self.metrics is not None and rate:
+            self.metrics.kv_link_rate.set(rate)
+
+    # ---- the decision -------------------------------------------------------------------------
+    def decide(self, address: str, request_id: str, prompt_ids: list[int], decode_cached_blocks: int,
+               prefill_cached_blocks: int = 0) -> Decision:
+        if self.mode != "auto":
+            decision = decide(self.mode, _placeholder(len(prompt_ids), self.block_size, self.num_layers))
+        else:
+            load = self.picker.load(address)
+            inputs = CostInputs(
+                prompt_tokens=len(prompt_ids), block_size=self.block_size, num_layers=self.num_layers,
+                kv_bytes_per_block=self.kv_bytes_per_block, prefill_cached_blocks=prefill_cached_blocks,
+                decode_cached_blocks=decode_cached_blocks, prefill_tokens_per_s=self.prefill_meter.rate(),
+                link_bytes_per_s=self.link_meter.rate(),
+                decode_tokens_per_s=(load.prefill_tokens_per_s or None) if load is not None else None,
+                prefill_queued_tokens=self.queued_tokens, decode_running=load.running if load is not None else 0,
+                layerwise=self.layerwise)
+            decision = decide(self.mode, inputs)
+        if self.metrics is not None:
+            self.metrics.disaggregation_decisions.labels(decision=decision.where, reason=decision.reason).inc()
+        level = logging.INFO if self.mode == "auto" else logging.DEBUG
+        log.log(level, "request %s: decode=%s prompt_blocks=%d decode_cached=%d prefill_cached=%d %s", request_id, address,
+                 blocks_needed(len(prompt_ids), self.block_size), decode_cached_blocks, prefill_cached_blocks,
+                 decision.log_fields())
+        return decision
+
+
+def _placeholder(n: int, block_size: int, num_layers: int) -> CostInputs:
+    """Inputs for a forced mode (always / never): the costs are not looked at."""
+    return CostInputs(prompt_tokens=n, block_size=block_size, num_layers=num_layers, kv_bytes_per_block=1,
+                      prefill_cached_blocks=0, decode_cached_blocks=0, prefill_tokens_per_s=None,
+                      link_bytes_per_s=None)
