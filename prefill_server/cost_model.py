@@ -10,7 +10,7 @@ measurements (``CostInputs``; none of these is a fixed threshold):
         transfer        = (prompt blocks - blocks the decode holds) * bytes per block / link rate
         pipeline(c, x)  = max(c + x / L, x + c / L) with L layers pushed as they are written
                           (c + x when the push waits for the whole forward pass)
-    local  = compute on decode * (1 + requests running there)
+    local  = compute on decode * (1 + requests running there or about to)
         compute on decode = prompt tokens after the decode's cached blocks / the decode's rate
                             (measured by the decode on the prompts it computed, from its load
                             report; until it has one, this prefill's rate: the same model)
@@ -23,7 +23,9 @@ measurements (``CostInputs``; none of these is a fixed threshold):
 - ``remote_cheaper`` / ``local_cheaper``: the costs above.
 
 Short prompts and prompts the decode mostly holds are cheap to compute there; long ones, or
-a decode busy with many running requests, go remote.
+a decode busy with many running requests, go remote. (On an idle decode with the prefill's
+speed, computing there is never dearer than computing here and moving the KV: that is right
+while it is idle; the running count it gets rises with each request placed there.)
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class CostInputs:
     link_bytes_per_s: float | None  # measured: recent transfers, bytes over link-busy time
     decode_tokens_per_s: float | None = None  # measured by the decode; None: not yet
     prefill_queued_tokens: int = 0  # prompt tokens ahead of this one on this prefill's engine
-    decode_running: int = 0  # requests in the decode's batch (its last load report)
+    decode_running: int = 0  # requests in the decode's batch or admitted to join it (its load report + since)
     layerwise: bool = True  # KV pushed layer by layer while the forward pass runs
 
     def __post_init__(self) -> None:

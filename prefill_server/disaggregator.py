@@ -7,7 +7,9 @@ Lifecycle, per P/D request (called by SessionRunner on the event loop):
    holds (its KV-event publisher's mirror of the hash set, read under its lock);
 2. after the decode's Allocation, ``decide(address, prompt_ids, decode_cached_blocks)``
    builds ``CostInputs`` from the measurements below and the decode's latest load report
-   (running requests, its measured prompt rate), asks ``cost_model.decide``, counts the
+   (requests running or about to run there: its running + waiting sessions, plus the
+   sessions this prefill opened there since the report; its measured prompt rate), asks
+   ``cost_model.decide``, counts the
    decision (``pdserve_disaggregation_decisions_total{decision, reason}``) and logs it;
 3. remote: ``computing(tokens)`` wraps the prefill's forward pass (the tokens waiting for
    this engine are the queue of the next decision); then, via the SessionObserver,
@@ -93,7 +95,8 @@ class Disaggregator:
                 decode_cached_blocks=decode_cached_blocks, prefill_tokens_per_s=self.prefill_meter.rate(),
                 link_bytes_per_s=self.link_meter.rate(),
                 decode_tokens_per_s=(load.prefill_tokens_per_s or None) if load is not None else None,
-                prefill_queued_tokens=self.queued_tokens, decode_running=load.running if load is not None else 0,
+                prefill_queued_tokens=self.queued_tokens,
+                decode_running=load.running + load.waiting if load is not None else 0,
                 layerwise=self.layerwise)
             decision = decide(self.mode, inputs)
         if self.metrics is not None:

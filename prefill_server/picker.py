@@ -109,12 +109,14 @@ class DecodePicker:
         self._entries.pop(address, None)
 
     def note_allocation(self, address: str, blocks: int, nbytes: int) -> None:
-        """A Session on ``address`` just allocated; lower its weight until the next report."""
+        """A Session on ``address`` just allocated; lower its weight (and count one more waiting
+        session there) until the next report."""
         entry = self._entries.get(address)
         if entry is not None:
             load = entry.load
             load.free_blocks = max(0, load.free_blocks - blocks)
             load.free_bytes = max(0, load.free_bytes - nbytes)
+            load.waiting += 1
 
     # -- queries ------------------------------------------------------------------------
     def _need(self, blocks_needed: int) -> int:
