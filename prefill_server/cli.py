@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="decodes serve a prompt's leading blocks from their prefix cache (finished requests' KV) "
                         "and only the missing blocks move; the picker prefers a decode that holds the prefix "
                         "(--no-decode-reuse: every prompt block moves, the picker ignores prefixes)")
-    d.add_argument("--disaggregation", choices=["auto", "always", "never"], default="always",
+    d.add_argument("--disaggregation", choices=defaults.DISAGGREGATION_MODES, default=defaults.DISAGGREGATION,
                    help="where prompts are computed: always here with the KV moved (P/D, the default); never: on "
                         "the decode itself; auto: per request by cost (measured prefill throughput and link "
                         "bandwidth, the decode's cached prefix and load)")

@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.defaults import DISAGGREGATION_MODES as MODES
 from pdserve.engine import blocks_needed
 
-MODES = ("auto", "always", "never")
 REMOTE, LOCAL = "remote", "local"
 
 
