@@ -46,7 +46,7 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.engine, self.receiver, self.compat = engine, receiver, compat
         self.kv_bytes_per_block = kv_bytes_per_block
         self.registry = SessionRegistry()
-        session_metrics = SessionMetrics(metrics, self.registry, engine, compat.block_size, kv_bytes_per_block)
+        session_metrics = SessionMetrics(metrics, self.registry, engine, kv_bytes_per_block)
         self.deps = SessionDeps(
             engine=DecodeEngine(engine, sampling_cls, session_metrics), receiver=receiver, registry=self.registry,
             metrics=session_metrics, compat=compat, max_model_len=max_model_len,

@@ -26,9 +26,9 @@ if TYPE_CHECKING:
 
 class SessionMetrics:
     def __init__(self, metrics: ServerMetrics | None, registry: SessionRegistry, engine: AsyncLLMEngine,
-                 block_size: int, kv_bytes_per_block: int):
+                 kv_bytes_per_block: int):
         self.metrics, self.registry, self.engine = metrics, registry, engine
-        self.block_size, self.kv_bytes_per_block = block_size, kv_bytes_per_block
+        self.kv_bytes_per_block = kv_bytes_per_block
 
     def refused(self, code: str) -> None:
         if self.metrics is not None:

@@ -37,11 +37,9 @@ message), and the Session call itself carries the request's deadline (plus
 process is frozen.
 
 ``SessionRunner`` is built once per prefill process from exactly what it uses: a stub per
-decode address, the engine (``prefill_only`` / ``release`` / ``prefill_counters``), the
-CacheStore sender, the registry of open sessions (request id -> decode address, for /health),
-an observer told about allocations, measurements and finished pushes (picker accounting,
-metrics), the Disaggregator and ``SessionConfig``. The messages, errors and helpers it shares
-with the node are in session_protocol.py (re-exported here).
+decode address, the engine, the CacheStore sender, the registry of open sessions (request id
+-> decode address, for /health), the observer (transfer_accounting.py), the Disaggregator and
+``SessionConfig``. Errors, Deltas and helpers are in session_protocol.py (re-exported here).
 """
 
 from __future__ import annotations
@@ -121,8 +119,7 @@ class SessionRunner:
         call = self.stubs(address).Session(timeout=timeout)
         self.registry[request_id] = address
         held = _Held()
-        try:
-            # 1. start, 2. allocation
+        try:  # 1. start, 2. allocation
             n_blocks = blocks_needed(len(prompt_ids), cfg.block_size)
             start = pb.Start(
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
