@@ -1,5 +1,7 @@
-"""pdserve.decode_server: allocates KV on command, receives it layer by layer, joins the
-request to its continuous batch and streams tokens back on the Session; serves load reports.
+"""pdserve.decode_server: allocates KV on command (reusing what its prefix cache holds of the
+prompt), receives the rest layer by layer (or computes the prompt itself when prefill says
+so), joins the request to its continuous batch and streams tokens back on the Session; serves
+load reports and its prefix cache's KV events.
 
 Reading path (in this order):
   ``session.py``          DecodeSession: the request lifecycle as a numbered list (admit -> allocate, reusing

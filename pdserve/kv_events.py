@@ -1,7 +1,10 @@
 """KV events of one server process: its prefix cache's hash set, numbered and streamed.
 
 The correctness protocol is stated in ``protos/kv_events.proto``; this module is the
-publishing end, the router's ``router/index.py`` the receiving end.
+publishing end (prefills publish for routers, decodes for prefills' decode pickers), and
+``pdserve/kv_index.py`` (fed by ``kv_follow.py``, or the router's watch) the receiving end.
+``leading(hashes)`` answers the publishing process itself: how much of a prompt its own
+prefix cache holds (the prefill's cost model asks).
 
 Lifecycle of one event:
 
