@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH
+from pdserve.defaults import DISAGGREGATION
 from pdserve.engine import blocks_needed, chained_hashes
 from pdserve.protos import session_pb2 as pb
 
@@ -90,7 +91,7 @@ class PrefillNode:
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
     decode_reuse: bool = True  # decodes serve the prompt's cached prefix; only the missing blocks move
     decode_index: DecodeIndex | None = None  # the decodes' prefix caches (their KV events), for the picker
-    disaggregation: str = "always"  # auto | always | never (cost_model.py)
+    disaggregation: str = DISAGGREGATION  # auto | always | never (cost_model.py)
     held_prefix: Callable[[list[int]], int] | None = None  # prompt hashes -> leading ones our prefix cache holds
 
     def __post_init__(self) -> None:
