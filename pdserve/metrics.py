@@ -185,10 +185,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("known_decodes", "pdserve_known_decodes", _G,
                "Decodes prefill knows and can route to (compatible, fresh load report)."),
     MetricSpec("prefill_rate", "pdserve_prefill_tokens_per_second", _G,
-               "Measured prompt throughput: prefill, of its recent forward passes; decode, of the prompts it "
-               "computed itself."),
+               "Measured prompt throughput: prefill, of its recent forward passes (marginal, the per-pass fixed "
+               "time apart); decode, of the prompts it computed itself."),
     MetricSpec("kv_link_rate", "pdserve_kv_link_bytes_per_second", _G,
-               "Prefill: measured KV transfer bandwidth of its recent transfers (bytes over link-busy time)."),
+               "Prefill: measured KV transfer bandwidth of its recent transfers (marginal, bytes over link-busy "
+               "time, the per-transfer fixed time apart)."),
 )
 
 

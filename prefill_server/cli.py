@@ -175,9 +175,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
             "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
             "decode_index": decode_index.state() if decode_index is not None else None,
-            "disaggregation": {"mode": args.disaggregation, "queued_tokens": node.disaggregator.queued_tokens,
-                               "prefill_tokens_per_s": node.disaggregator.prefill_meter.rate(),
-                               "link_bytes_per_s": node.disaggregator.link_meter.rate()},
+            "disaggregation": node.disaggregator.state(),
         }
 
     def load() -> kpb.ServerLoad:

@@ -2,25 +2,29 @@
 (``remote``, the P/D path), or on the decode itself (``local``). Pure: no I/O, no clock.
 
 The cost of each, in seconds of added latency summed over the requests it touches, from
-measurements (``CostInputs``; none of these is a fixed threshold):
+measurements (``CostInputs``; none of these is a fixed threshold). The prefill's forward
+passes and its transfers are measured as ``LinearCost``s (a fixed time per operation plus
+a time per token / per byte, fitted to recent ones: pdserve/rate_meter.py):
 
     remote = prefill queue + pipeline(compute on prefill, transfer of the missing blocks)
-        prefill queue   = prompt tokens already waiting for this prefill's engine / its rate
-        compute         = prompt tokens its own prefix cache does not hold / its rate
-        transfer        = (prompt blocks - blocks the decode holds) * bytes per block / link rate
+        prefill queue   = prompt tokens already waiting for this prefill's engine * time per token
+        compute         = prefill_compute(prompt tokens its own prefix cache does not hold)
+        transfer        = link((prompt blocks - blocks the decode holds) * bytes per block)
         pipeline(c, x)  = max(c + x / L, x + c / L) with L layers pushed as they are written
                           (c + x when the push waits for the whole forward pass)
     local  = compute on decode * (1 + requests running there or about to)
         compute on decode = prompt tokens after the decode's cached blocks / the decode's rate
                             (measured by the decode on the prompts it computed, from its load
-                            report; until it has one, this prefill's rate: the same model)
+                            report; until it has one, prefill_compute of them: the same model)
         each running request waits while the decode computes the prompt in its batch
 
 ``decide`` picks the cheaper; the reason is a metric label and a log field:
 - ``always`` / ``never``: the mode forced it (``--disaggregation always|never``);
 - ``unmeasured``: no prefill throughput or link bandwidth measured yet: remote (today's path,
   which measures both);
-- ``remote_cheaper`` / ``local_cheaper``: the costs above.
+- ``remote_cheaper`` / ``local_cheaper``: the costs above;
+- (``remeasure``: the Disaggregator's own rule, disaggregator.py: remote after a long run of
+  local decisions, to keep the measurements current.)
 
 Short prompts and prompts the decode mostly holds are cheap to compute there; long ones, or
 a decode busy with many running requests, go remote. (On an idle decode with the prefill's
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 
 from pdserve.defaults import DISAGGREGATION_MODES as MODES
 from pdserve.engine import blocks_needed
+from pdserve.rate_meter import LinearCost
 
 REMOTE, LOCAL = "remote", "local"
 
@@ -46,8 +51,8 @@ class CostInputs:
     kv_bytes_per_block: int  # all layers, K and V
     prefill_cached_blocks: int  # leading prompt blocks this prefill's own prefix cache holds
     decode_cached_blocks: int  # leading prompt blocks the decode holds (its Allocation: pinned)
-    prefill_tokens_per_s: float | None  # measured: this prefill's recent forward passes
-    link_bytes_per_s: float | None  # measured: recent transfers, bytes over link-busy time
+    prefill_compute: LinearCost | None  # measured: seconds for N prompt tokens on this prefill
+    link: LinearCost | None  # measured: link-busy seconds for N bytes of KV (recent transfers)
     decode_tokens_per_s: float | None = None  # measured by the decode; None: not yet
     prefill_queued_tokens: int = 0  # prompt tokens ahead of this one on this prefill's engine
     decode_running: int = 0  # requests in the decode's batch or admitted to join it (its load report + since)
@@ -62,10 +67,12 @@ class CostInputs:
             if not 0 <= getattr(self, name) < n_blocks:
                 raise ValueError(f"{name} must be in [0, {n_blocks}) for a prompt of {self.prompt_tokens} tokens, "
                                  f"got {getattr(self, name)}")
-        for name in ("prefill_tokens_per_s", "link_bytes_per_s", "decode_tokens_per_s"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"{name} must be > 0 or None, got {value}")
+        if self.decode_tokens_per_s is not None and not self.decode_tokens_per_s > 0:
+            raise ValueError(f"decode_tokens_per_s must be > 0 or None, got {self.decode_tokens_per_s}")
+        for name in ("prefill_compute", "link"):
+            cost = getattr(self, name)
+            if cost is not None and not (cost.fixed_s >= 0 and cost.per_unit_s > 0):
+                raise ValueError(f"{name} must have fixed_s >= 0 and per_unit_s > 0, got {cost}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,17 +95,20 @@ def pipelined(compute_s: float, transfer_s: float, num_layers: int, layerwise: b
 
 
 def remote_seconds(c: CostInputs) -> float:
-    rate = c.prefill_tokens_per_s
     to_compute = c.prompt_tokens - c.prefill_cached_blocks * c.block_size
     moved = blocks_needed(c.prompt_tokens, c.block_size) - c.decode_cached_blocks
-    transfer = moved * c.kv_bytes_per_block / c.link_bytes_per_s
-    return c.prefill_queued_tokens / rate + pipelined(to_compute / rate, transfer, c.num_layers, c.layerwise)
+    compute, transfer = c.prefill_compute.seconds(to_compute), c.link.seconds(moved * c.kv_bytes_per_block)
+    queue = c.prefill_queued_tokens * c.prefill_compute.per_unit_s
+    return queue + pipelined(compute, transfer, c.num_layers, c.layerwise)
 
 
 def local_seconds(c: CostInputs) -> float:
-    rate = c.decode_tokens_per_s or c.prefill_tokens_per_s
     to_compute = c.prompt_tokens - c.decode_cached_blocks * c.block_size
-    return to_compute / rate * (1 + c.decode_running)
+    if c.decode_tokens_per_s:
+        compute = to_compute / c.decode_tokens_per_s
+    else:
+        compute = c.prefill_compute.seconds(to_compute)
+    return compute * (1 + c.decode_running)
 
 
 def decide(mode: str, c: CostInputs) -> Decision:
@@ -108,7 +118,7 @@ def decide(mode: str, c: CostInputs) -> Decision:
         return Decision(REMOTE, "always")
     if mode == "never":
         return Decision(LOCAL, "never")
-    if c.prefill_tokens_per_s is None or c.link_bytes_per_s is None:
+    if c.prefill_compute is None or c.link is None:
         return Decision(REMOTE, "unmeasured")
     remote, local = remote_seconds(c), local_seconds(c)
     if local < remote:

@@ -128,14 +128,14 @@ class SessionRunner:
             )
             alloc = await self._allocation(call, address, start)
             timings.allocated, timings.cached_blocks = time.monotonic(), alloc.cached_blocks
-            # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
-            self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
             if HOLD_AFTER_ALLOCATION_S:  # test hook: a window in which the decode holds a reservation
                 await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)
-            # 3. decide
+            # 3. decide (before this session counts in the decode's load: it stalls the others, not itself)
             prefill_cached = self.disaggregator.prefill_cached_blocks(prompt_ids)
             decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached)
             timings.where = decision.where
+            # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
+            self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
             if decision.where == LOCAL:  # 4l
                 first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)
             else:  # 4r, 5r

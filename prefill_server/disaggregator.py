@@ -15,9 +15,16 @@ Lifecycle, per P/D request (called by SessionRunner on the event loop):
    this engine are the queue of the next decision); then, via the SessionObserver,
    ``record_prefill`` and ``record_transfer`` feed the meters.
 
-Measurements: prompt tokens per second of this prefill's recent forward passes (the engine's
-``prefill_counters``, prefix hits excluded) and KV bytes per second of its recent transfers
-(bytes over link-busy time). Their gauges: ``pdserve_prefill_tokens_per_second``,
+Two rules keep the measurements honest (both count requests, neither looks at costs): the
+cost model is used once each meter holds ``MIN_SAMPLES`` samples (until then: remote, reason
+``unmeasured``, which measures); and after ``REMEASURE_EVERY`` local decisions in a row the
+next request goes remote (reason ``remeasure``), so a prefill that looked slow once is measured
+again instead of never being used.
+
+Measurements (``CostMeter``s: a fixed time per operation plus a time per unit, fitted to the
+last 32): this prefill's recent forward passes (prompt tokens, from the engine's
+``prefill_counters``, prefix hits excluded) and its recent KV transfers (bytes over link-busy
+time). Their marginal rates are the gauges ``pdserve_prefill_tokens_per_second`` and
 ``pdserve_kv_link_bytes_per_second``.
 """
 
@@ -28,9 +35,9 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 from pdserve.engine import blocks_needed, chained_hashes
-from pdserve.rate_meter import RateMeter
+from pdserve.rate_meter import CostMeter
 
-from .cost_model import MODES, CostInputs, Decision, decide
+from .cost_model import LOCAL, MODES, REMOTE, CostInputs, Decision, decide
 
 if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
@@ -38,6 +45,9 @@ if TYPE_CHECKING:
     from .picker import DecodePicker
 
 log = logging.getLogger(__name__)
+
+MIN_SAMPLES = 3  # samples in each meter before the cost model is used
+REMEASURE_EVERY = 32  # local decisions in a row before one remote one (measures again)
 
 
 class Disaggregator:
@@ -50,9 +60,10 @@ class Disaggregator:
         self.block_size, self.num_layers, self.kv_bytes_per_block = block_size, num_layers, kv_bytes_per_block
         self.layerwise = layerwise
         self.held_prefix = held_prefix  # prompt hashes -> leading ones our prefix cache holds
-        self.prefill_meter = RateMeter()  # prompt tokens / s of our forward passes
-        self.link_meter = RateMeter()  # KV bytes / s of link-busy time
+        self.prefill_meter = CostMeter()  # seconds of our forward passes for N prompt tokens
+        self.link_meter = CostMeter()  # link-busy seconds for N bytes of KV
         self.queued_tokens = 0  # prompt tokens handed to our engine and not computed yet
+        self.local_streak = 0  # local decisions since the last remote one
 
     # ---- inputs -------------------------------------------------------------------------------
     def prefill_cached_blocks(self, prompt_ids: list[int]) -> int:
@@ -72,15 +83,27 @@ class Disaggregator:
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         self.prefill_meter.add(tokens, seconds)
-        rate = self.prefill_meter.rate()
-        if self.metrics is not None and rate:
-            self.metrics.prefill_rate.set(rate)
+        fit = self.prefill_meter.fit()
+        if self.metrics is not None and fit is not None:
+            self.metrics.prefill_rate.set(fit.rate)
 
     def record_transfer(self, nbytes: int, seconds: float) -> None:
         self.link_meter.add(nbytes, seconds)
-        rate = self.link_meter.rate()
-        if self.metrics is not None and rate:
-            self.metrics.kv_link_rate.set(rate)
+        fit = self.link_meter.fit()
+        if self.metrics is not None and fit is not None:
+            self.metrics.kv_link_rate.set(fit.rate)
+
+    @staticmethod
+    def _fit(meter: CostMeter):
+        return meter.fit() if len(meter) >= MIN_SAMPLES else None
+
+    def state(self) -> dict:
+        """For /health: the mode, the queue, and the fitted costs (fixed seconds, marginal rate)."""
+        out: dict = {"mode": self.mode, "queued_tokens": self.queued_tokens}
+        for name, meter in (("prefill_compute", self.prefill_meter), ("link", self.link_meter)):
+            fit = meter.fit()
+            out[name] = None if fit is None else {"fixed_s": fit.fixed_s, "per_second": fit.rate, "samples": len(meter)}
+        return out
 
     # ---- the decision -------------------------------------------------------------------------
     def decide(self, address: str, request_id: str, prompt_ids: list[int], decode_cached_blocks: int,
@@ -92,13 +115,16 @@ class Disaggregator:
             inputs = CostInputs(
                 prompt_tokens=len(prompt_ids), block_size=self.block_size, num_layers=self.num_layers,
                 kv_bytes_per_block=self.kv_bytes_per_block, prefill_cached_blocks=prefill_cached_blocks,
-                decode_cached_blocks=decode_cached_blocks, prefill_tokens_per_s=self.prefill_meter.rate(),
-                link_bytes_per_s=self.link_meter.rate(),
+                decode_cached_blocks=decode_cached_blocks, prefill_compute=self._fit(self.prefill_meter),
+                link=self._fit(self.link_meter),
                 decode_tokens_per_s=(load.prefill_tokens_per_s or None) if load is not None else None,
                 prefill_queued_tokens=self.queued_tokens,
                 decode_running=load.running + load.waiting if load is not None else 0,
                 layerwise=self.layerwise)
             decision = decide(self.mode, inputs)
+            self.local_streak = self.local_streak + 1 if decision.where == LOCAL else 0
+            if self.local_streak > REMEASURE_EVERY:
+                decision, self.local_streak = Decision(REMOTE, "remeasure", decision.remote_s, decision.local_s), 0
         if self.metrics is not None:
             self.metrics.disaggregation_decisions.labels(decision=decision.where, reason=decision.reason).inc()
         level = logging.INFO if self.mode == "auto" else logging.DEBUG
@@ -111,5 +137,4 @@ class Disaggregator:
 def _placeholder(n: int, block_size: int, num_layers: int) -> CostInputs:
     """Inputs for a forced mode (always / never): the costs are not looked at."""
     return CostInputs(prompt_tokens=n, block_size=block_size, num_layers=num_layers, kv_bytes_per_block=1,
-                      prefill_cached_blocks=0, decode_cached_blocks=0, prefill_tokens_per_s=None,
-                      link_bytes_per_s=None)
+                      prefill_cached_blocks=0, decode_cached_blocks=0, prefill_compute=None, link=None)
