@@ -24,7 +24,7 @@ SERVED_MODEL = "bench"  # the name clients put in "model", whatever checkpoint i
 class Server:
     proc: Proc
     url: str            # HTTP base (prefill: OpenAI API; decode: /metrics)
-    grpc: str = ""      # decode: the Session address prefill dials
+    grpc: str = ""      # decode: the Session address prefill dials; prefill: its gRPC Generate address
     netns: str | None = None
 
     @property
@@ -76,7 +76,7 @@ def start_prefill(launcher: Launcher, name: str, model: str, decodes: list[Serve
     if local_fallback:
         args.append("--local-fallback")
     proc = launcher.start(name, args, cpus=cpus, netns=netns, threads=threads)
-    server = Server(proc, f"http://127.0.0.1:{port}", netns=netns)
+    server = Server(proc, f"http://127.0.0.1:{port}", f"127.0.0.1:{grpc_port}", netns=netns)
     launcher.wait_ready(proc, server.url + "/ready", netns=netns)
     return server
 
