@@ -80,6 +80,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["DecodeSession", "SessionDeps", "SessionEnded"]
+_BACKGROUND: set[asyncio.Future] = set()  # releases of reservations made after their session was cancelled
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,18 +192,16 @@ class DecodeSession(SessionStream):
         refused = admission.refusal(start, deps.compat, max_model_len=deps.max_model_len,
                                     total_blocks=deps.engine.num_blocks, draining=deps.registry.draining,
                                     has_session=rid in deps.registry)
+        if refused is None:
+            try:
+                block_ids, cached = await self._reserve(start)
+            except deps.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
+                refused = ("out_of_blocks", getattr(exc, "reason", str(exc)))
+            except ValueError as exc:  # prompt too long, bad ids: nothing was reserved
+                refused = ("bad_request", str(exc))
         if refused is not None:
             log.info("refused %s: %s", rid, refused[1])
             await self.refuse(*refused)
-            return False
-        try:
-            block_ids, cached = await deps.engine.reserve(rid, list(start.prompt_token_ids), start.sampling.max_tokens,
-                                                          start.reuse_prefix)
-        except deps.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
-            await self.refuse("out_of_blocks", getattr(exc, "reason", str(exc)))
-            return False
-        except ValueError as exc:  # prompt too long, bad ids: nothing was reserved
-            await self.refuse("bad_request", str(exc))
             return False
         self.reserved = True
         self.cached_blocks = cached // deps.compat.block_size
@@ -215,6 +214,23 @@ class DecodeSession(SessionStream):
         await self.write(allocation=pb.Allocation(block_ids=list(for_sender), cachestore_endpoint=deps.receiver.endpoint,
                                                   cached_blocks=self.cached_blocks))
         return True
+
+    async def _reserve(self, start: pb.Start) -> tuple[list[int], int]:
+        """The engine's reservation; if we are cancelled meanwhile (prefill gone), the engine still
+        makes it: it is released as soon as it is made, never left behind."""
+        deps, rid = self.deps, start.request_id
+        task = asyncio.ensure_future(deps.engine.reserve(rid, list(start.prompt_token_ids), start.sampling.max_tokens,
+                                                         start.reuse_prefix))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def release_if_made(t: asyncio.Future) -> None:
+                if not t.cancelled() and t.exception() is None:
+                    release = asyncio.ensure_future(deps.engine.release(rid))
+                    _BACKGROUND.add(release)
+                    release.add_done_callback(_BACKGROUND.discard)
+            task.add_done_callback(release_if_made)
+            raise
 
     async def _stop_receiving(self) -> None:
         """ComputePrompt: no KV comes; drop the CacheStore entry before the engine writes the blocks."""
