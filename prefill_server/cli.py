@@ -7,20 +7,28 @@ Request lifecycle on prefill:
    tokenize (bad input: 400 / INVALID_ARGUMENT naming the field).
 2. **pick** - the DecodePicker chooses a decode: weighted round robin on free KV bytes
    from load reports polled every --load-report-interval seconds (``--policy rr`` for
-   plain round robin); only decodes with our protocol version and a fresh report.
+   plain round robin); only decodes with our protocol version and a fresh report. With
+   --decode-reuse (default) it prefers a decode whose prefix cache holds the prompt's
+   leading blocks (each decode's KV events, followed on its gRPC port), weighed against
+   free memory; a full decode never.
 3. **session** - one bidirectional Session stream to that decode: Start -> Allocation
    (or Refusal: next decode, at most --max-attempts; then --local-fallback; if every
    decode was only busy, wait in the admission queue, first come first served, until a
    decode has the blocks or the request's deadline passes (504); at most
    --max-queued-requests wait (one more: 429); a request larger than any decode's whole
-   pool: 413 at once; else 503).
-4. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
-   each layer's blocks to decode as soon as they are written.
-5. **first token** - sampled here, sent on the Session and to the client.
-6. **relay** - decode's tokens stream back on the Session and out to the client. If the
+   pool: 413 at once; else 503). The Allocation says how many leading prompt blocks the
+   decode already holds (pinned for the request).
+4. **decide** - --disaggregation auto: the cost model (measured prefill throughput, link
+   bandwidth, the decode's load) says whether the prompt is computed here (5-6) or on the
+   decode (``ComputePrompt``: the decode computes what it lacks, streams every token; go
+   to 7); ``always`` (default): here; ``never``: on the decode. Metric label + log field.
+5. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
+   each layer's blocks the decode lacks as soon as they are written.
+6. **first token** - sampled here, sent on the Session and to the client.
+7. **relay** - decode's tokens stream back on the Session and out to the client. If the
    decode dies mid-generation, the request resumes on another decode (prefill of prompt +
    tokens so far) unless --no-resume; with no decode left the client gets an error event.
-7. **release** - prefill's KV blocks after the push; the Session and CacheStore entry at
+8. **release** - prefill's KV blocks after the push; the Session and CacheStore entry at
    the end, whatever happened (a client disconnect cancels the Session, so decode frees
    its side at once).
 
@@ -83,6 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "X-Request-Timeout or a gRPC deadline); then 504 / an SSE error event / DEADLINE_EXCEEDED "
                         "and everything the request holds is freed on both ends")
     d.add_argument("--scheduler", choices=["priority", "fifo"], default="priority", help="CacheStore sender scheduling")
+    d.add_argument("--decode-reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="decodes serve a prompt's leading blocks from their prefix cache (finished requests' KV) "
+                        "and only the missing blocks move; the picker prefers a decode that holds the prefix "
+                        "(--no-decode-reuse: every prompt block moves, the picker ignores prefixes)")
+    d.add_argument("--disaggregation", choices=defaults.DISAGGREGATION_MODES, default=defaults.DISAGGREGATION,
+                   help="where prompts are computed: always here with the KV moved (P/D, the default); never: on "
+                        "the decode itself; auto: per request by cost (measured prefill throughput and link "
+                        "bandwidth, the decode's cached prefix and load)")
     d.add_argument("--no-layerwise-push", dest="layerwise_push", action="store_false",
                    help="send the KV only after the whole forward pass instead of each layer as it is written "
                         "(turns compute/transfer overlap off; for comparison)")
@@ -128,6 +144,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from .frontend import Frontend
     from .grpc_api import GenerateServicer
     from .http_api import HttpApi
+    from .decode_index import DecodeIndex
     from .load_poller import LoadReportPoller
     from .node import PrefillNode
     from .picker import DecodePicker
@@ -143,8 +160,9 @@ async def serve(args: argparse.Namespace, discovery) -> int:
                               checksum=args.kv_checksum, stall_timeout_s=args.session_timeout)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
+    decode_index = DecodeIndex() if args.decode_reuse else None
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
-                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())))
+                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index)
     node = PrefillNode(
         engine=engine, sender=sender, picker=picker, poller=poller, compat=parts.compat_message,
         block_size=args.block_size, kv_bytes_per_block=parts.kv_bytes_per_block,
@@ -152,6 +170,8 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
         queue_timeout_s=args.queue_timeout, max_queued=args.max_queued_requests, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
+        decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
+        held_prefix=kv_events.leading,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
                         loaded.config.vocab_size, request_timeout_s=args.request_timeout)
@@ -164,6 +184,8 @@ async def serve(args: argparse.Namespace, discovery) -> int:
             "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
             "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
+            "decode_index": decode_index.state() if decode_index is not None else None,
+            "disaggregation": node.disaggregator.state(),
         }
 
     def load() -> kpb.ServerLoad:
@@ -192,9 +214,10 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, load), server)
     server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     await server.start()
-    log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s",
-             args.host, args.port, args.host, args.grpc_port, discovery.addresses() or "(none yet)", args.policy,
-             args.transfer, "on" if args.local_fallback else "off")
+    log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
+             "decode reuse %s, disaggregation %s", args.host, args.port, args.host, args.grpc_port,
+             discovery.addresses() or "(none yet)", args.policy, args.transfer, "on" if args.local_fallback else "off",
+             "on" if args.decode_reuse else "off", args.disaggregation)
     sig = await wait_for_stop_signal()
     draining["on"] = True
     log.info("%s: draining %d in-flight request(s)", sig, frontend.in_flight)

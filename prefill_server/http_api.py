@@ -81,7 +81,8 @@ class HttpApi:
         if t is None:
             return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
         return web.json_response({"request_id": rid, "start": t.start, "allocated": t.allocated, "layer_stored": t.layer_stored,
-                                  "prefill_done": t.prefill_done, "kv_sent": t.kv_sent})
+                                  "prefill_done": t.prefill_done, "kv_sent": t.kv_sent, "where": t.where,
+                                  "decode_cached_blocks": t.cached_blocks, "link_busy_s": t.link_busy_s})
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": self.fe.max_model_len}

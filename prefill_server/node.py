@@ -12,7 +12,9 @@ front ends call. It yields ``Delta``s and raises:
 - ``DecodeFailed`` when a decode failed after tokens reached the client and the request
   could not be resumed.
 
-Routing order: the DecodePicker's choice; on refusal / unreachable / failure before the
+Routing order: the DecodePicker's choice (with ``decode_reuse``, preferring a decode whose
+prefix cache holds the prompt's leading blocks, as its KV events in ``decode_index`` say,
+weighed against free memory); on refusal / unreachable / failure before the
 first token, the next decode it picks (never one already tried), at most
 ``max_attempts`` decodes; then, with ``local_fallback``, the colocated engine in this
 process; else NoDecodeAvailable. When every failure was "busy now" (decodes out of free
@@ -21,6 +23,10 @@ blocks, or prefill's own pool full) and local fallback is off, the request waits
 reports and by requests ending here) and tries again when its turn comes, until its
 deadline (or ``queue_timeout_s`` when set: then the 503). A full decode is a reason to
 wait, not to fail: a burst queues instead of failing.
+
+Where the prompt is computed (``disaggregation``: auto|always|never): on this prefill with
+its KV moved (the P/D path), or on the chosen decode itself; in ``auto`` the Disaggregator
+decides per request from measured costs, after the decode's Allocation (decode_session.py).
 
 Deadline: ``generate(..., deadline=...)`` (``time.monotonic()`` seconds) is the request's
 end-to-end deadline, enforced by the caller (the Frontend cancels this generator when it
@@ -40,17 +46,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from pdserve import defaults
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH
-from pdserve.engine import blocks_needed
+from pdserve.defaults import DISAGGREGATION
+from pdserve.engine import blocks_needed, chained_hashes
 from pdserve.protos import session_pb2 as pb
 
 from .admission_queue import AdmissionQueue, QueueFull, QueueTimeout, RequestTooLarge
 from .closing import aclose_fully
+from .decode_index import DecodeIndex
 from .decode_session import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionRunner,
                              SessionTimings, decode_reservation)
+from .disaggregator import Disaggregator
 from .load_poller import LoadReportPoller
 from .picker import DecodePicker
 from .transfer_accounting import TransferAccounting
@@ -88,6 +97,10 @@ class PrefillNode:
     queue_timeout_s: float | None = None  # how long a request may wait in line for KV blocks (None: until its deadline)
     max_queued: int = defaults.MAX_QUEUED_REQUESTS  # requests that may wait in line at once; then 429
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
+    decode_reuse: bool = True  # decodes serve the prompt's cached prefix; only the missing blocks move
+    decode_index: DecodeIndex | None = None  # the decodes' prefix caches (their KV events), for the picker
+    disaggregation: str = DISAGGREGATION  # auto | always | never (cost_model.py)
+    held_prefix: Callable[[list[int]], int] | None = None  # prompt hashes -> leading ones our prefix cache holds
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -96,10 +109,15 @@ class PrefillNode:
         self.local_requests = 0
         self.last_timings: dict[str, SessionTimings] = {}
         config = SessionConfig(self.compat, self.block_size, self.eos_token_ids, self.session_timeout_s,
-                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error)
-        accounting = TransferAccounting(self.picker, self.kv_bytes_per_block, self.metrics)
+                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error, self.decode_reuse)
+        self.disaggregator = Disaggregator(self.disaggregation, picker=self.picker, block_size=self.block_size,
+                                           num_layers=self.compat.num_layers, kv_bytes_per_block=self.kv_bytes_per_block,
+                                           layerwise=self.layerwise_push, held_prefix=self.held_prefix,
+                                           metrics=self.metrics)
+        accounting = TransferAccounting(self.picker, self.kv_bytes_per_block, self.disaggregator, self.metrics)
         self.session_runner = SessionRunner(config, stubs=self.poller.stub, engine=self.engine, sender=self.sender,
-                                            registry=self.sessions, observer=accounting)
+                                            registry=self.sessions, observer=accounting,
+                                            disaggregator=self.disaggregator)
         gauge = self.metrics.requests_queued.set if self.metrics is not None else None
         self.queue = AdmissionQueue(self.max_queued, max_wait_s=self.queue_timeout_s, on_length=gauge)
         self.poller.on_report = lambda address: self.queue.notify()  # a fresh report may show freed blocks
@@ -139,7 +157,9 @@ class PrefillNode:
                         reasons.append(f"prefill has {free} free KV blocks, {need} needed")
                         too_large = False
                         break
-                    address = self.picker.pick(exclude=tried, blocks_needed=decode_need)
+                    overlap, prompt_blocks = self._decode_overlap(prompt_ids + produced)
+                    address = self.picker.pick(exclude=tried, blocks_needed=decode_need, overlap=overlap,
+                                               prompt_blocks=prompt_blocks)
                     if address is None:
                         if not tried:
                             reason = self.picker.why_none(decode_need)
@@ -251,6 +271,17 @@ class PrefillNode:
         finally:
             await outputs.aclose()
             self.local_requests -= 1
+
+    def _decode_overlap(self, ids: list[int]) -> tuple[dict[str, int], int]:
+        """Leading blocks of ``ids`` each known decode holds (at most the reusable ones), and how many
+        blocks a decode could reuse at most; ({}, 0) without decode reuse or an index."""
+        if not self.decode_reuse or self.decode_index is None:
+            return {}, 0
+        reusable = (len(ids) - 1) // self.block_size  # as the engine: the last token is always computed
+        if reusable == 0:
+            return {}, 0
+        hashes = chained_hashes(ids[: reusable * self.block_size], self.block_size)
+        return {address: self.decode_index.overlap(address, hashes) for address in self.picker.known()}, reusable
 
     def _keep_timings(self, request_id: str, timings: SessionTimings) -> None:
         self.last_timings[request_id] = timings

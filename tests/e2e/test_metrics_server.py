@@ -68,6 +68,8 @@ def test_every_metric_is_exported_with_the_common_labels():
     m.decode_retries.labels(reason="no_kv_blocks").inc()
     m.local_fallbacks.labels(reason="no_decode").inc()
     m.kv_allocation_refusals.labels(reason="no_kv_blocks").inc()
+    m.kv_prompt_blocks.labels(source="reused").inc()
+    m.disaggregation_decisions.labels(decision="remote", reason="remote_cheaper").inc()
     samples = scrape(m)
     seen = {name for name, _ in samples}
     assert exported_series_names() <= seen
