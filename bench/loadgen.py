@@ -1,4 +1,4 @@
-"""Load generator against an OpenAI-compatible endpoint: TTFT, TBT, e2e latency, goodput.
+"""Load generator against any OpenAI-compatible endpoint: TTFT, TPOT, ITL, e2e latency, goodput.
 
 Sends streaming completions (so every token's arrival is timed) with Poisson or fixed-rate
 arrivals (--request-rate, --arrival) or a fixed number of requests in flight
@@ -13,8 +13,8 @@ ITL, a timeline). Works against any OpenAI-compatible server (pdserve, vLLM, ...
 
 Examples:
   pdserve bench serving --url http://127.0.0.1:8000 --num-requests 200 --request-rate 4
-  pdserve bench serving --base-url http://127.0.0.1:8000 --model m --dataset random --tokenizer /ckpt \
-      --prompt-len 512 --output-len 64 --request-rate 1 --num-requests 30
+  pdserve bench serving --base-url http://127.0.0.1:8000 --model m --dataset random --tokenizer /ckpt
+      --prompt-len 512 --output-len 64 --request-rate 1 --num-requests 30      (one command line)
   pdserve bench serving --concurrency 8 --dataset sharegpt --dataset-path sg.json
   pdserve bench serving --slo-ttft-ms 500 --slo-tbt-ms 50 --out results/
 
