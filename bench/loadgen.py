@@ -210,9 +210,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dataset", choices=["synthetic", "random", "jsonl", "sharegpt"], default="synthetic",
                    help="where lengths come from (see the module help); random: exactly --prompt-len and --output-len")
     g.add_argument("--dataset-path", type=Path, help="the JSONL or ShareGPT file")
-    g.add_argument("--prompt-len", type=int, default=256, help="synthetic: median prompt tokens")
+    g.add_argument("--prompt-len", type=int, default=256, help="synthetic: median prompt tokens; random: exact")
     g.add_argument("--prompt-sigma", type=float, default=1.0, help="synthetic: log-normal spread of prompt lengths")
-    g.add_argument("--output-len", type=int, default=64, help="synthetic: median output tokens")
+    g.add_argument("--output-len", type=int, default=64, help="synthetic: median output tokens; random: exact")
     g.add_argument("--output-sigma", type=float, default=0.7, help="synthetic: log-normal spread of output lengths")
     g.add_argument("--max-prompt-len", type=int, default=4096, help="clip (synthetic) or skip (sharegpt) longer prompts")
     g.add_argument("--max-output-len", type=int, default=1024, help="clip output lengths")

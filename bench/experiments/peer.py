@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import shlex
+import signal
 import statistics
 import sys
 import time
@@ -76,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-tokens", type=int, default=16384, help="KV budget of each instance in tokens (default %(default)s)")
     g.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp", help="pdserve's KV transfer (default tcp)")
     g.add_argument("--vllm-untuned", action="store_true", help="vLLM without the progress-thread and NUMA fixes")
+    g.add_argument("--pdserve-prefill-extra", default="", metavar="FLAGS",
+                   help="more flags for pdserve's prefill, one string (e.g. --pdserve-prefill-extra='--queue-timeout 60')")
+    g.add_argument("--pdserve-decode-extra", default="", metavar="FLAGS", help="more flags for pdserve's decode")
+    g.add_argument("--vllm-extra", default="", metavar="FLAGS",
+                   help="more flags for both vLLM servers, one string (e.g. --vllm-extra='--enforce-eager')")
     g.add_argument("--prefill-cpu", default="0", help="core of both prefills (default 0)")
     g.add_argument("--decode-cpu", default="1", help="core of both decodes (default 1)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
@@ -137,7 +144,13 @@ def run_grid(url: str, cells: list[tuple[int, int, float]], pool: list[int], arg
     return out
 
 
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds the Launcher blocks, which stop every server (vLLM's too)
+
+
 def run(args: argparse.Namespace) -> int:
+    # SIGTERM (and SIGINT, which a shell's background job ignores) must stop the servers
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         _validate(args)
         python = vllm_python()
@@ -160,13 +173,15 @@ def run(args: argparse.Namespace) -> int:
                 if system == "pdserve":
                     c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus=args.prefill_cpu,
                                  decode_cpus=args.decode_cpu, num_blocks=-(-args.kv_tokens // BLOCK_SIZE),
-                                 max_model_len=max_len, prefill_extra=pd_extra, decode_extra=pd_extra)
+                                 max_model_len=max_len,
+                                 prefill_extra=pd_extra + shlex.split(args.pdserve_prefill_extra),
+                                 decode_extra=pd_extra + shlex.split(args.pdserve_decode_extra))
                     url = c.url
                     commands["pdserve"] = {"prefill": c.prefill.proc.popen.args, "decode": c.decodes[0].proc.popen.args}
                 else:
                     v = start_vllm_pd(launcher, python, model, kv_bytes=kv_bytes, max_len=max_len,
                                       prefill_cpu=args.prefill_cpu, decode_cpu=args.decode_cpu,
-                                      tuned=not args.vllm_untuned)
+                                      tuned=not args.vllm_untuned, extra=shlex.split(args.vllm_extra))
                     url, commands["vllm"] = v.url, v.commands
                 started = time.monotonic() - t0
                 _say(f"{system} (repeat {repeat + 1}/{args.repeats}) ready in {started:.0f} s")
