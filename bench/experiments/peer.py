@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import shlex
 import signal
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     _say(f"model {model}; vLLM python {python}; logs under {LOG_ROOT}")
     for repeat in range(args.repeats):
         for system in ("pdserve", "vllm"):
-            t0 = time.monotonic()
+            t0, load = time.monotonic(), os.getloadavg()
             with Launcher(LOG_ROOT / f"peer-{system}-{repeat}") as launcher:
                 if system == "pdserve":
                     c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus=args.prefill_cpu,
@@ -190,8 +191,8 @@ def run(args: argparse.Namespace) -> int:
                     cells = [(p, o, round(f * calibration[p]["capacity_rps"], 2)) for p in args.prompt_lens
                              for o in args.output_lens for f in args.load_fractions]
                     _say(f"calibrated on pdserve: {calibration}")
-                runs.append({"system": system, "repeat": repeat, "start_s": started,
-                             "cells": run_grid(url, cells, pool, args)})
+                runs.append({"system": system, "repeat": repeat, "start_s": started, "load_avg_before": load,
+                             "cells": run_grid(url, cells, pool, args), "load_avg_after": os.getloadavg()})
     table = aggregate(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,6 +38,11 @@ def run_figures(summary: dict, results: list[RequestResult]) -> dict:
     good = [r for r in results if r.ok]
     out["requests"] = summary["requests"]
     out["errors"] = summary["errors"]
+    examples: dict[str, str] = {}
+    for r in results:
+        if not r.ok:
+            examples.setdefault(r.error.split(":", 1)[0][:80] or "unknown", r.error[:400])
+    out["error_examples"] = examples  # the first full message of each kind
     out["ttft_quantiles"] = _quantiles([r.ttft for r in good if r.ttft is not None])
     out["itl_quantiles"] = _quantiles([g for r in good for g in r.gaps])
     return out
@@ -145,7 +150,8 @@ def plot(runs: list[dict], cells: dict, path, title: str):
                 qs = [q for r in runs if r["system"] == system and cell in r["cells"]
                       for q in r["cells"][cell][key]]
                 if qs:
-                    report.cdf(ax, qs, f"{system} {cell}")
+                    m = cells[cell]["medians"][system]
+                    report.cdf(ax, qs, f"{system} {cell} ({m['failed']}/{m['requests']} failed)")
                     ax.lines[-1].set(color=color, linestyle=styles[j % len(styles)])
         ax.set_xscale("log")
         ax.set_xlabel(f"{label} (ms)")

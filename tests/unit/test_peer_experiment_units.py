@@ -68,3 +68,15 @@ def test_aggregate_without_the_other_system_gives_medians_and_no_ratios():
     e = aggregate([{"system": "pdserve", "repeat": 0, "cells": {cell: _figures(1.0)}}])[cell]
     assert set(e["medians"]) == {"pdserve"} and "ratios" not in e
     assert cell in format_table({cell: e})
+
+
+def test_run_figures_keep_the_first_message_of_each_error_kind():
+    from pdserve.bench.loadgen_report import RequestResult, summarize
+    from pdserve.bench.experiments.peer_report import run_figures
+
+    ok = RequestResult(0, 8, 3, ok=True, ttft=0.1, e2e=0.3, gaps=[0.1, 0.1], chunks=3)
+    bad = [RequestResult(i, 8, 3, error=f"HTTP 503: busy {i}") for i in (1, 2)]
+    f = run_figures(summarize([ok, *bad], 1.0), [ok, *bad])
+    assert f["failed"] == 2 and f["requests"] == 3 and f["errors"] == {"HTTP 503": 2}
+    assert f["error_examples"] == {"HTTP 503": "HTTP 503: busy 1"}
+    assert f["tpot_mean"] == pytest.approx(0.1) and len(f["ttft_quantiles"]) == 100
