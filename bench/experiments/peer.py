@@ -149,24 +149,10 @@ def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds the Launcher blocks, which stop every server (vLLM's too)
 
 
-def run(args: argparse.Namespace) -> int:
-    # SIGTERM (and SIGINT, which a shell's background job ignores) must stop the servers
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    try:
-        _validate(args)
-        python = vllm_python()
-    except (ValueError, VllmMissing) as e:
-        print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, VllmMissing) else 2
-    max_len = max(args.prompt_lens) + max(args.output_lens) + 64
-    model = str(peer_model(MODEL_CACHE, args.model_size, max(4096, max_len)))
-    pool = tokenizer_prompt_ids(model)
-    kv_bytes = args.kv_tokens * kv_bytes_per_token(args.model_size)
+def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, max_len: int, cells):
+    """A B A B: each repeat starts pdserve's P/D, runs the grid, stops it, then the same for vLLM's."""
     pd_extra = ["--transfer", args.transfer, "--dtype", "float32"]
-    cells = None if args.rates is None else [(p, o, r) for p in args.prompt_lens for o in args.output_lens
-                                             for r in args.rates]
     calibration, runs, commands = None, [], {}
-    _say(f"model {model}; vLLM python {python}; logs under {LOG_ROOT}")
     for repeat in range(args.repeats):
         for system in ("pdserve", "vllm"):
             t0, load = time.monotonic(), os.getloadavg()
@@ -188,11 +174,39 @@ def run(args: argparse.Namespace) -> int:
                 _say(f"{system} (repeat {repeat + 1}/{args.repeats}) ready in {started:.0f} s")
                 if cells is None:
                     calibration = calibrate(url, args.prompt_lens, pool, args.request_timeout)
-                    cells = [(p, o, round(f * calibration[p]["capacity_rps"], 2)) for p in args.prompt_lens
+                    cells = [(p, o, float(f"{f * calibration[p]['capacity_rps']:.2g}")) for p in args.prompt_lens
                              for o in args.output_lens for f in args.load_fractions]
                     _say(f"calibrated on pdserve: {calibration}")
                 runs.append({"system": system, "repeat": repeat, "start_s": started, "load_avg_before": load,
                              "cells": run_grid(url, cells, pool, args), "load_avg_after": os.getloadavg()})
+    return runs, commands, calibration
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds the Launcher blocks, which stop every server (vLLM's too)
+
+
+def run(args: argparse.Namespace) -> int:
+    # SIGTERM (and SIGINT, which a shell's background job ignores) must stop the servers
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        _validate(args)
+        python = vllm_python()
+    except (ValueError, VllmMissing) as e:
+        print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, VllmMissing) else 2
+    max_len = max(args.prompt_lens) + max(args.output_lens) + 64
+    model = str(peer_model(MODEL_CACHE, args.model_size, max(4096, max_len)))
+    pool = tokenizer_prompt_ids(model)
+    kv_bytes = args.kv_tokens * kv_bytes_per_token(args.model_size)
+    cells = None if args.rates is None else [(p, o, r) for p in args.prompt_lens for o in args.output_lens
+                                             for r in args.rates]
+    _say(f"model {model}; vLLM python {python}; logs under {LOG_ROOT}")
+    try:
+        runs, commands, calibration = _alternate(args, python, model, pool, kv_bytes, max_len, cells)
+    except (RuntimeError, TimeoutError) as e:  # a server that did not start: the message names its log
+        print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
+        return 1
     table = aggregate(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
