@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gRPC port of the Generate API: the prefill's, or with --prefill > 1 the router's")
     parser.add_argument("--policy", choices=["wrr", "rr"], default="wrr", help="decode selection policy")
     parser.add_argument("--local-fallback", action="store_true", help="prefills decode locally when no decode can take a request")
+    parser.add_argument("--disaggregation", choices=defaults.DISAGGREGATION_MODES, default=defaults.DISAGGREGATION,
+                        help="where prefills compute prompts: always themselves (KV moved), never (the decode does), "
+                             "auto (per request, by measured cost)")
+    parser.add_argument("--decode-reuse", action=argparse.BooleanOptionalAction, default=True,
+                        help="decodes serve prompts' cached prefixes, only missing KV blocks move (--no-decode-reuse: all move)")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-dir", default=None, help="where process logs go (default: a new temporary folder)")
@@ -111,7 +116,8 @@ class LocalCluster:
         for i in range(a.prefill):
             port, grpc_port = (next(ports), next(ports)) if routed else (a.port, a.grpc_port)
             argv = ["prefill", "--port", str(port), "--grpc-port", str(grpc_port), "--decode", ",".join(grpc_addrs),
-                    "--policy", a.policy, *common]
+                    "--policy", a.policy, "--disaggregation", a.disaggregation,
+                    "--decode-reuse" if a.decode_reuse else "--no-decode-reuse", *common]
             if a.local_fallback:
                 argv.append("--local-fallback")
             self.prefills.append(self._server(f"prefill-{i}", argv, f"http://127.0.0.1:{port}/ready"))

@@ -41,14 +41,23 @@ Who records what (the dashboards in charts/pdserve/dashboards/ query these):
 metric                          role      recorded when
 ==============================  ========  ================================================
 ttft, tbt, e2e_latency          prefill   via RequestClock as tokens reach the client
-queue_wait                      prefill   request admitted -> a decode allocated (prefill compute starts)
+queue_wait                      prefill   request admitted -> a decode allocated (prefill compute starts;
+                                          includes its time in the admission queue)
 prefill_compute                 prefill   the forward pass over the prompt
 kv_transfer                     prefill   first layer sent -> last layer acknowledged
 kv_transfer_layer               prefill   one layer's KV send (store -> sent)
 decode_last_layer_wait          decode    allocation answered -> last layer + 1st token in
 requests                        both      once per request, at its end
 prompt_tokens, generation_...   prefill   prompt accepted / each token out (RequestClock)
-kv_transfer_bytes               both      bytes of KV sent (prefill) / received (decode)
+kv_transfer_bytes               both      bytes of KV sent (prefill) / received (decode): only the
+                                          blocks that moved (not those the decode reused)
+kv_prompt_blocks                both      a P/D request's prompt blocks by how the decode got them
+                                          (source=reused|moved|computed); decode: at admission and
+                                          once the KV is in, prefill: as the decode's Allocation said
+disaggregation_decisions        prefill   per P/D request: decision=remote|local and its reason
+prefill_tokens_per_second       both      measured prompt throughput (prefill: its forward passes;
+                                          decode: the prompts it computed itself)
+kv_link_bytes_per_second        prefill   measured KV bandwidth of its recent transfers
 decode_selections               prefill   the picker chose that decode for a request
 decode_retries                  prefill   a decode refused or failed; trying the next one
 local_fallbacks                 prefill   no decode could take it; decoding locally
@@ -61,6 +70,7 @@ requests_running / _waiting     both      read at each scrape (``track_load``): 
                                           decoding / still receiving KV; prefill: requests with
                                           a decode Session open (or decoding locally) / admitted
                                           and still waiting for a decode
+requests_queued                 prefill   a request joins or leaves the admission queue (every decode full)
 known_decodes                   prefill   after each discovery / load-report update
 slo_requests, slo_attainment    prefill   once per request at its end (rejected: at arrival), by SLO class
 slo_queue_time                  prefill   a request leaves the global queue (``pdserve.slo.GlobalQueue``)
@@ -109,10 +119,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.defaults import ENV_INFERENCE_SERVICE, ENV_POOL
+from pdserve.request_clock import RequestClock
 
 ROLES = ("prefill", "decode", "router")
 COMMON_LABELS = ("role", "pool", "inference_service")
-OUTCOMES = ("ok", "error", "cancelled")
 
 # Request-level latencies: 1 ms to 10 minutes.
 LATENCY_BUCKETS = (
@@ -194,13 +204,27 @@ METRICS: tuple[MetricSpec, ...] = (
                "Prompt tokens whose KV the engine reused from its prefix cache instead of computing or receiving it."),
     MetricSpec("kv_checksum_mismatches", "pdserve_kv_checksum_mismatches_total", _C,
                "Requests whose KV failed its checksum (decode: detected on arrival; prefill: reported by a decode)."),
+    MetricSpec("kv_prompt_blocks", "pdserve_kv_prompt_blocks_total", _C,
+               "Prompt KV blocks of P/D requests by how the decode got them: reused (its prefix cache), moved "
+               "(over the CacheStore), computed (by the decode itself).", ("source",)),
+    MetricSpec("disaggregation_decisions", "pdserve_disaggregation_decisions_total", _C,
+               "Prefill: where each P/D request's prompt was computed (decision=remote|local) and why.",
+               ("decision", "reason")),
     # gauges
     MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),
     MetricSpec("kv_blocks_used", "pdserve_kv_blocks_used", _G, "KV cache blocks in use."),
     MetricSpec("requests_running", "pdserve_requests_running", _G, "Requests in the running batch."),
     MetricSpec("requests_waiting", "pdserve_requests_waiting", _G, "Requests waiting to be scheduled."),
+    MetricSpec("requests_queued", "pdserve_requests_queued", _G,
+               "Prefill: requests in the admission queue, waiting for a decode with enough free KV blocks."),
     MetricSpec("known_decodes", "pdserve_known_decodes", _G,
                "Decodes prefill knows and can route to (compatible, fresh load report)."),
+    MetricSpec("prefill_rate", "pdserve_prefill_tokens_per_second", _G,
+               "Measured prompt throughput: prefill, of its recent forward passes (marginal, the per-pass fixed "
+               "time apart); decode, of the prompts it computed itself."),
+    MetricSpec("kv_link_rate", "pdserve_kv_link_bytes_per_second", _G,
+               "Prefill: measured KV transfer bandwidth of its recent transfers (marginal, bytes over link-busy "
+               "time, the per-transfer fixed time apart)."),
     # SLO classes and the global queue (pdserve.slo); slo_class is a name from spec.slo
     MetricSpec("slo_requests", "pdserve_slo_requests_total", _C,
                "Requests by SLO class and outcome (ok|error|cancelled|rejected: refused at once, early rejection).",
@@ -420,48 +444,3 @@ class ServerMetrics:
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
         return resp
-
-
-class RequestClock:
-    """Times one request as its client sees it: TTFT, time between tokens, end to end.
-
-    Created by ``ServerMetrics.request_clock()`` at arrival. Call ``token(n)`` when n tokens
-    are sent to the client (n > 1 spreads the gap evenly), ``finish(outcome, reason)`` once at
-    the end; it records e2e latency and the requests counter. Not thread-safe: one request
-    is handled by one task.
-    """
-
-    __slots__ = ("_m", "start", "_last", "tokens", "done")
-
-    def __init__(self, metrics: ServerMetrics):
-        self._m = metrics
-        self.start = time.perf_counter()
-        self._last: float | None = None
-        self.tokens = 0
-        self.done = False
-
-    def token(self, n: int = 1) -> None:
-        if n < 1:
-            raise ValueError(f"token count must be >= 1, got {n}")
-        now = time.perf_counter()
-        if self._last is None:
-            self._m.ttft.observe(now - self.start)
-            n_gaps = n - 1
-            gap = 0.0
-        else:
-            n_gaps = n
-            gap = (now - self._last) / n
-        for _ in range(n_gaps):
-            self._m.tbt.observe(gap)
-        self._last = now
-        self.tokens += n
-        self._m.generation_tokens.inc(n)
-
-    def finish(self, outcome: str = "ok", reason: str = "stop") -> None:
-        if self.done:
-            return
-        if outcome not in OUTCOMES:
-            raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
-        self.done = True
-        self._m.e2e_latency.observe(time.perf_counter() - self.start)
-        self._m.requests.labels(outcome=outcome, reason=reason).inc()

@@ -9,18 +9,29 @@ Request lifecycle on prefill:
    early rejection whose SLO cannot be met even if served next: 429 + Retry-After at once.
 2. **pick** - the DecodePicker chooses a decode: weighted round robin on free KV bytes
    from load reports polled every --load-report-interval seconds (``--policy rr`` for
-   plain round robin); only decodes with our protocol version and a fresh report.
+   plain round robin); only decodes with our protocol version and a fresh report. With
+   --decode-reuse (default) it prefers a decode whose prefix cache holds the prompt's
+   leading blocks (each decode's KV events, followed on its gRPC port), weighed against
+   free memory; a full decode never.
 3. **session** - one bidirectional Session stream to that decode: Start -> Allocation
    (or Refusal: next decode, at most --max-attempts; then --local-fallback; if every
-   decode was only busy, wait for blocks up to --queue-timeout in the SLO queue, in the
-   order of --queue-policy (fifo | edf | qlm); else 503).
-4. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
-   each layer's blocks to decode as soon as they are written.
-5. **first token** - sampled here, sent on the Session and to the client.
-6. **relay** - decode's tokens stream back on the Session and out to the client. If the
+   decode was only busy, wait in the admission queue, in the order of --queue-policy (fifo:
+   first come first served; edf; qlm), until a decode has the blocks or the request's
+   deadline passes (504); at most
+   --max-queued-requests wait (one more: 429); a request larger than any decode's whole
+   pool: 413 at once; else 503). The Allocation says how many leading prompt blocks the
+   decode already holds (pinned for the request).
+4. **decide** - --disaggregation auto: the cost model (measured prefill throughput, link
+   bandwidth, the decode's load) says whether the prompt is computed here (5-6) or on the
+   decode (``ComputePrompt``: the decode computes what it lacks, streams every token; go
+   to 7); ``always`` (default): here; ``never``: on the decode. Metric label + log field.
+5. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
+   each layer's blocks the decode lacks as soon as they are written.
+6. **first token** - sampled here, sent on the Session and to the client.
+7. **relay** - decode's tokens stream back on the Session and out to the client. If the
    decode dies mid-generation, the request resumes on another decode (prefill of prompt +
    tokens so far) unless --no-resume; with no decode left the client gets an error event.
-7. **release** - prefill's KV blocks after the push; the Session and CacheStore entry at
+8. **release** - prefill's KV blocks after the push; the Session and CacheStore entry at
    the end, whatever happened (a client disconnect cancels the Session, so decode frees
    its side at once).
 
@@ -74,10 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="when a decode fails mid-generation, end the stream with an error instead of resuming the "
                         "request on another decode (re-prefilling prompt + tokens so far)")
     d.add_argument("--local-fallback", action="store_true", help="decode locally when no decode can take a request")
-    d.add_argument("--queue-timeout", type=float, default=10.0,
-                   help="seconds a request may wait for free KV blocks (all decodes busy) before the 503")
+    d.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request may wait in the admission queue for free KV blocks (all decodes busy) "
+                        "before a 503 (default: until the request's deadline, then 504)")
+    d.add_argument("--max-queued-requests", type=int, default=defaults.MAX_QUEUED_REQUESTS,
+                   help="requests that may wait at once in the admission queue; one more gets 429 (queue_full)")
     d.add_argument("--queue-policy", choices=list(POLICIES), default="fifo",
-                   help="order of requests waiting for free KV blocks: fifo (arrival), edf (earliest deadline of "
+                   help="order of the requests waiting for free KV blocks: fifo (arrival), edf (earliest deadline of "
                         "their SLO class), qlm (QLM's global scheduler: request groups reordered to minimise SLO "
                         "misses, from the waiting-time estimator)")
     d.add_argument("--slo-classes", default=None,
@@ -90,6 +104,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "X-Request-Timeout or a gRPC deadline); then 504 / an SSE error event / DEADLINE_EXCEEDED "
                         "and everything the request holds is freed on both ends")
     d.add_argument("--scheduler", choices=["priority", "fifo"], default="priority", help="CacheStore sender scheduling")
+    d.add_argument("--decode-reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="decodes serve a prompt's leading blocks from their prefix cache (finished requests' KV) "
+                        "and only the missing blocks move; the picker prefers a decode that holds the prefix "
+                        "(--no-decode-reuse: every prompt block moves, the picker ignores prefixes)")
+    d.add_argument("--disaggregation", choices=defaults.DISAGGREGATION_MODES, default=defaults.DISAGGREGATION,
+                   help="where prompts are computed: always here with the KV moved (P/D, the default); never: on "
+                        "the decode itself; auto: per request by cost (measured prefill throughput and link "
+                        "bandwidth, the decode's cached prefix and load)")
     d.add_argument("--no-layerwise-push", dest="layerwise_push", action="store_false",
                    help="send the KV only after the whole forward pass instead of each layer as it is written "
                         "(turns compute/transfer overlap off; for comparison)")
@@ -106,8 +128,11 @@ def make_discovery(args):
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "prefill")
     for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout"):
-        if not getattr(args, flag) > 0:
-            raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {value}")
+    if args.max_queued_requests < 0:
+        raise SystemExit(f"pdserve prefill: --max-queued-requests must be >= 0, got {args.max_queued_requests}")
     try:
         discovery = make_discovery(args)
         args.slo = slo_classes.load(args.slo_classes)
@@ -127,17 +152,17 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from pdserve.kv_events import KvEventPublisher, KvEventsServicer
     from pdserve.metrics import EngineLoad, ServerMetrics
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
-    from pdserve.slo import GlobalQueue
     from pdserve.protos import kv_events_pb2 as kpb
     from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+    from pdserve.slo import GlobalQueue
 
     from .frontend import Frontend
     from .grpc_api import GenerateServicer
     from .http_api import HttpApi
+    from .decode_index import DecodeIndex
     from .load_poller import LoadReportPoller
     from .node import PrefillNode
     from .picker import DecodePicker
-    from .slo_admission import SloAdmission, decode_kv_blocks
 
     metrics = ServerMetrics.from_env(role="prefill")
     parts = build_server_engine(args)
@@ -150,17 +175,21 @@ async def serve(args: argparse.Namespace, discovery) -> int:
                               checksum=args.kv_checksum, stall_timeout_s=args.session_timeout)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
-    slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics, kv_capacity=lambda: decode_kv_blocks(picker))
+    # the SLO queue's plans count the decodes' KV blocks (a decode reserves prompt + max_tokens)
+    slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics,
+                            kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.eligible()))
+    decode_index = DecodeIndex() if args.decode_reuse else None
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
-                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())))
+                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index)
     node = PrefillNode(
         engine=engine, sender=sender, picker=picker, poller=poller, compat=parts.compat_message,
         block_size=args.block_size, kv_bytes_per_block=parts.kv_bytes_per_block,
         eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
         local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
-        queue_timeout_s=args.queue_timeout, session_timeout_s=args.session_timeout,
+        queue_timeout_s=args.queue_timeout, max_queued=args.max_queued_requests, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
-        admission=SloAdmission(slo_queue, max_wait_s=args.queue_timeout),
+        decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
+        held_prefix=kv_events.leading, slo_queue=slo_queue,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
                         loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
@@ -169,11 +198,13 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     def health() -> dict:
         kv_free = engine.num_free_blocks()
         return {
-            "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight,
+            "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight, "queued": len(node.queue),
+            "slo_running": len(slo_queue.running),
             "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
             "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
-            "queued": len(slo_queue.waiting), "slo_running": len(slo_queue.running),
+            "decode_index": decode_index.state() if decode_index is not None else None,
+            "disaggregation": node.disaggregator.state(),
         }
 
     def load() -> kpb.ServerLoad:
@@ -203,8 +234,9 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     await server.start()
     log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
-             "queue %s, SLO classes %s", args.host, args.port, args.host, args.grpc_port,
-             discovery.addresses() or "(none yet)", args.policy, args.transfer, "on" if args.local_fallback else "off",
+             "decode reuse %s, disaggregation %s, queue %s, SLO classes %s", args.host, args.port, args.host,
+             args.grpc_port, discovery.addresses() or "(none yet)", args.policy, args.transfer,
+             "on" if args.local_fallback else "off", "on" if args.decode_reuse else "off", args.disaggregation,
              args.queue_policy, "; ".join(c.describe() for c in args.slo))
     sig = await wait_for_stop_signal()
     draining["on"] = True

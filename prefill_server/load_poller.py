@@ -3,7 +3,10 @@
 It keeps one gRPC channel per decode address (shared with the Session streams, see
 ``channel``), follows discovery (new addresses get a channel, vanished ones are closed and
 forgotten by the picker) and feeds each answer to the DecodePicker. A decode that does not
-answer simply stops being updated; the picker lets its last report expire.
+answer simply stops being updated; the picker lets its last report expire. With a
+``DecodeIndex`` it also keeps one KV-event stream per discovered decode (on the same channel):
+a new decode is followed from the round it appears in, a vanished one is dropped from the
+index before its channel closes.
 
 ``poll_now(address)`` asks one decode at once (a request there just ended and others wait
 for blocks); ``on_report(address)``, when set, is called after each answer reached the picker.
@@ -41,7 +44,7 @@ CHANNEL_OPTIONS = [
 
 
 class LoadReportPoller:
-    def __init__(self, discovery, picker: DecodePicker, interval_s: float = 0.3, on_update=None):
+    def __init__(self, discovery, picker: DecodePicker, interval_s: float = 0.3, on_update=None, index=None):
         if interval_s <= 0:
             raise ValueError(f"load report interval must be > 0, got {interval_s}")
         self.discovery, self.picker, self.interval_s = discovery, picker, interval_s
@@ -49,6 +52,7 @@ class LoadReportPoller:
         picker.stale_rounds = max(2, math.ceil(picker.expiry_s / interval_s))
         self.on_update = on_update
         self.on_report: Callable[[str], None] | None = None
+        self.index = index  # a DecodeIndex (decode_index.py), or None: no prefix knowledge
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, asyncio.Task] = {}
@@ -76,6 +80,8 @@ class LoadReportPoller:
                 pass
         for task in self._inflight.values():
             task.cancel()
+        if self.index is not None:
+            await self.index.stop()
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -93,6 +99,8 @@ class LoadReportPoller:
         decode never delays the reports of the others); ``wait``: until they answer."""
         addresses = set(self.discovery.addresses())
         self.picker.round_started()
+        if self.index is not None:
+            self.index.reconcile(addresses, self.channel)
         for gone in set(self._channels) - addresses:
             await self._channels.pop(gone).close()
         for gone in set(self.picker.known()) - addresses:
@@ -130,6 +138,7 @@ class LoadReportPoller:
                 draining=report.draining,
                 running=report.running,
                 waiting=report.waiting,
+                prefill_tokens_per_s=report.prefill_tokens_per_s,
             ),
         )
         if self.on_report is not None:

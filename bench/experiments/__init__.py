@@ -5,7 +5,9 @@
   pdserve bench experiment routing       3. weighted round robin vs round robin: refusals, P99 TTFT
   pdserve bench experiment transmission  4. prioritised chunked KV transmission vs FIFO on tc-shaped links
   pdserve bench experiment prefix        5. multi-turn chat: round robin vs prefix-aware routing (+ decode reuse)
-  pdserve bench experiment slo           6. SLO classes: fifo vs edf vs qlm global queue, interactive + batch bursts
+  pdserve bench experiment reuse         6. multi-turn chat: decode prefix reuse and cost-based disaggregation
+  pdserve bench experiment peer          7. pdserve's P/D vs vLLM-CPU's own P/D, same checkpoint and trace
+  pdserve bench experiment slo           8. SLO classes: fifo vs edf vs qlm global queue, interactive + batch bursts
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -26,6 +28,8 @@ EXPERIMENTS: dict[str, str] = {
     "routing": "pdserve.bench.experiments.routing",
     "transmission": "pdserve.bench.experiments.transmission",
     "prefix": "pdserve.bench.experiments.prefix",
+    "reuse": "pdserve.bench.experiments.reuse",
+    "peer": "pdserve.bench.experiments.peer",
     "slo": "pdserve.bench.experiments.slo",
 }
 

@@ -1,4 +1,4 @@
-"""Experiment 6, SLO classes and the global queue (QLM): fifo vs edf vs qlm on one trace.
+"""Experiment 8, SLO classes and the global queue (QLM): fifo vs edf vs qlm on one trace.
 
 One prefill and one decode whose KV pool holds a few requests at once, so requests queue
 at the prefill (the global queue). The trace: interactive requests in a Poisson stream plus
@@ -284,7 +284,7 @@ def plot(runs: dict, path: Path) -> Path:
     axes[2].set_ylabel("estimate at arrival (s)")
     axes[2].set_title("waiting-time estimator")
     axes[2].legend()
-    fig.suptitle("Experiment 6: SLO-aware global queue (QLM) vs EDF vs FIFO")
+    fig.suptitle("Experiment 8: SLO-aware global queue (QLM) vs EDF vs FIFO")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -89,13 +89,14 @@ def start_prefill(procs, decodes: list[str], transfer: str = "tcp", num_blocks: 
 
 
 def held(health: dict) -> dict:
-    """What a server still holds for requests: sessions, used KV blocks, CacheStore entries (and
-    on prefill: requests in flight, in its SLO queue, admitted by it)."""
+    """What a server still holds for requests: sessions, used KV blocks, CacheStore entries,
+    requests in flight and in the admission queue, and requests the SLO queue counts as admitted
+    (prefill)."""
     out = {"sessions": health["sessions"], "kv_blocks_used": health["kv_blocks_used"]}
     for key, value in (health.get("cachestore") or {}).items():
         if isinstance(value, (int, float)) and any(k in key for k in HELD_KEYS):
             out[f"cachestore.{key}"] = value
-    for key in ("in_flight", "queued", "slo_running"):  # prefill: in flight, waiting in its queue, admitted
+    for key in ("in_flight", "queued", "slo_running"):  # prefill: in flight, in its admission queue, admitted
         if key in health:
             out[key] = health[key]
     return out

@@ -15,6 +15,7 @@ import yaml
 from harness.operator_harness import (CRD_NAMES, IMAGE, OPERATOR_SA, RELEASE_NAMESPACE, condition, get_json,
                                       mark_pods_ready, names, wait_for)
 from harness.procs import REPO
+from pdserve.protos.version import PROTOCOL_VERSION
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
 
@@ -113,9 +114,10 @@ def test_kubectl_scale_on_a_pool_reaches_its_deployment_and_sticks(kube, operato
 
 
 def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube, operator, ns):
+    old, new = str(PROTOCOL_VERSION), str(PROTOCOL_VERSION + 1)  # this release's protocol, and an upgrade
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
     wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 4, "Deployments", op=operator)
-    patch = {"spec": {"image": "registry.test/pdserve:2", "protocolVersion": "2"}}
+    patch = {"spec": {"image": "registry.test/pdserve:2", "protocolVersion": new}}
     kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps(patch))
 
     def rolled():
@@ -123,23 +125,23 @@ def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube,
                 for n in ("chat-prefill", "chat-decode-main", "chat-decode-big", "chat-router")]
         templates = [d["spec"]["template"] for d in deps]
         return all(t["spec"]["containers"][0]["image"] == "registry.test/pdserve:2"
-                   and t["metadata"]["labels"]["pdserve.io/protocol-version"] == "2" for t in templates)
-    wait_for(kube, rolled, "all pools on image 2 / protocol 2", op=operator)
+                   and t["metadata"]["labels"]["pdserve.io/protocol-version"] == new for t in templates)
+    wait_for(kube, rolled, f"all pools on image 2 / protocol {new}", op=operator)
     isvc = wait_for(kube, lambda: (lambda o: o if o.get("status", {}).get("observedGeneration") == o["metadata"]["generation"]
                                    else None)(get_json(kube, "inferenceservice", "chat", "-n", ns)),
                     "observedGeneration to reach the new generation", op=operator)
     assert isvc["metadata"]["generation"] >= 2
     args = get_json(kube, "deployment", "chat-prefill", "-n", ns)["spec"]["template"]["spec"]["containers"][0]["args"]
     selector = args[args.index("--decode-selector") + 1]
-    assert "pdserve.io/protocol-version=2" in selector
-    # The decode Services prefill selects now carry version 2, and select only version-2 pods.
+    assert f"pdserve.io/protocol-version={new}" in selector
+    # The decode Services prefill selects now carry the new version, and select only its pods.
     assert names(kube, "services", ns, selector) == ["chat-decode-big", "chat-decode-main"]
     service = get_json(kube, "service", "chat-decode-main", "-n", ns)
-    assert service["spec"]["selector"]["pdserve.io/protocol-version"] == "2"
-    assert names(kube, "services", ns, selector.replace("=2", "=1")) == []
-    # New ReplicaSets exist (the Deployments roll); pods of version 2 are being created.
-    wait_for(kube, lambda: names(kube, "pods", ns, "pdserve.io/protocol-version=2,pdserve.io/pool=main"),
-             "version-2 decode pods", op=operator)
+    assert service["spec"]["selector"]["pdserve.io/protocol-version"] == new
+    assert names(kube, "services", ns, selector.replace(f"={new}", f"={old}")) == []
+    # New ReplicaSets exist (the Deployments roll); pods of the new version are being created.
+    wait_for(kube, lambda: names(kube, "pods", ns, f"pdserve.io/protocol-version={new},pdserve.io/pool=main"),
+             "new-version decode pods", op=operator)
 
 
 def test_removing_a_decode_pool_deletes_it_and_its_children(kube, operator, ns):
