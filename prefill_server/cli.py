@@ -175,9 +175,10 @@ async def serve(args: argparse.Namespace, discovery) -> int:
                               checksum=args.kv_checksum, stall_timeout_s=args.session_timeout)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
-    # the SLO queue's plans count the decodes' KV blocks (a decode reserves prompt + max_tokens)
+    # the SLO queue's plans count the decodes' KV blocks in all, full or not (a decode reserves
+    # prompt + max_tokens for a request)
     slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics,
-                            kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.eligible()))
+                            kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.known()))
     decode_index = DecodeIndex() if args.decode_reuse else None
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
                               on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index)
