@@ -85,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "before a 503 (default: until the request's deadline, then 504)")
     d.add_argument("--max-queued-requests", type=int, default=defaults.MAX_QUEUED_REQUESTS,
                    help="requests that may wait at once in the admission queue; one more gets 429 (queue_full)")
+    d.add_argument("--prefills-ahead", type=int, default=2,
+                   help="requests that may hold a decode's KV allocation before this prefill computed their prompt; "
+                        "the others wait here holding nothing on a decode (a decode drops a Session whose KV does "
+                        "not arrive within --session-timeout)")
     d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
     d.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
                    help="end-to-end deadline of a request in seconds (clients may shorten it with the header "
@@ -114,7 +118,7 @@ def make_discovery(args):
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "prefill")
-    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout"):
+    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout", "prefills_ahead"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
             raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {value}")
@@ -170,7 +174,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
         queue_timeout_s=args.queue_timeout, max_queued=args.max_queued_requests, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
-        decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
+        prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
         held_prefix=kv_events.leading,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
