@@ -104,7 +104,7 @@ class PrefillNode:
         m = self.metrics
         loop = asyncio.get_running_loop()
         admitted = time.monotonic()
-        deadline = loop.time() + self.queue_timeout_s
+        queue_deadline = loop.time() + self.queue_timeout_s  # how long it may wait for KV blocks (not the request's)
         backoff = 0.02
         attempt = 0
         while True:
@@ -176,7 +176,7 @@ class PrefillNode:
                         return
                 finally:
                     await aclose_fully(stream)
-            if self.local_fallback or not transient or loop.time() + backoff > deadline:
+            if self.local_fallback or not transient or loop.time() + backoff > queue_deadline:
                 break
             # every decode (or prefill itself) is full right now: wait for blocks to free up
             await asyncio.sleep(backoff)
