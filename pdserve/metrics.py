@@ -57,7 +57,8 @@ kv_checksum_mismatches          both      decode: a request's KV failed its chec
                                           request is failed, never decoded); prefill: a decode
                                           reported that (the request is retried / resumed elsewhere)
 kv_blocks_free / _used          both      after every allocation and free (or each step)
-requests_running / _waiting     both      after every scheduler step
+requests_running / _waiting     both      at every scrape: decode: sessions decoding / not yet (KV arriving);
+                                          prefill: requests in flight past / before their first token
 known_decodes                   prefill   after each discovery / load-report update
 ==============================  ========  ================================================
 
@@ -257,6 +258,11 @@ class ServerMetrics:
                 counter.inc(now - last[0])
                 last[0] = now
         self._on_scrape.append(refresh)
+
+    def follow_gauge(self, attr: str, read) -> None:
+        """Set the gauge ``attr`` to ``read()`` at every scrape (a count kept elsewhere, read when asked)."""
+        gauge = getattr(self, attr)
+        self._on_scrape.append(lambda: gauge.set(read()))
 
     @classmethod
     def from_env(cls, role: str, pool: str | None = None, inference_service: str | None = None) -> "ServerMetrics":

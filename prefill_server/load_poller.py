@@ -1,9 +1,12 @@
 """LoadReportPoller: asks every known decode for its load report every ``interval_s``.
 
 It keeps one gRPC channel per decode address (shared with the Session streams, see
-``channel``), follows discovery (new addresses get a channel, vanished ones are closed and
-forgotten by the picker) and feeds each answer to the DecodePicker. A decode that does not
-answer simply stops being updated; the picker lets its last report expire.
+``channel``), follows discovery and feeds each answer to the DecodePicker. A new address
+gets a channel. A vanished one is forgotten by the picker at once (no new request goes
+there) and its channel is closed with a grace of ``close_grace_s``: Sessions still open on
+it finish first (a draining decode leaves discovery while it serves them; closing at once
+would cut them off). A decode that does not answer simply stops being updated; the picker
+lets its last report expire.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import math
 
 import grpc
 
+from pdserve.defaults import REQUEST_TIMEOUT_S
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
 
@@ -37,10 +41,13 @@ CHANNEL_OPTIONS = [
 
 
 class LoadReportPoller:
-    def __init__(self, discovery, picker: DecodePicker, interval_s: float = 0.3, on_update=None):
+    def __init__(self, discovery, picker: DecodePicker, interval_s: float = 0.3, on_update=None,
+                 close_grace_s: float = REQUEST_TIMEOUT_S):
         if interval_s <= 0:
             raise ValueError(f"load report interval must be > 0, got {interval_s}")
         self.discovery, self.picker, self.interval_s = discovery, picker, interval_s
+        self.close_grace_s = close_grace_s
+        self._leaving: dict[asyncio.Task, grpc.aio.Channel] = {}  # channels of vanished decodes, closing gracefully
         # Reports expire by missed rounds as well as by age (see DecodePicker.stale_rounds).
         picker.stale_rounds = max(2, math.ceil(picker.expiry_s / interval_s))
         self.on_update = on_update
@@ -71,6 +78,9 @@ class LoadReportPoller:
                 pass
         for task in self._inflight.values():
             task.cancel()
+        for task, ch in list(self._leaving.items()):
+            task.cancel()
+            await ch.close()  # no grace now: the server is stopping
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -88,10 +98,13 @@ class LoadReportPoller:
         decode never delays the reports of the others); ``wait``: until they answer."""
         addresses = set(self.discovery.addresses())
         self.picker.round_started()
-        for gone in set(self._channels) - addresses:
-            await self._channels.pop(gone).close()
         for gone in set(self.picker.known()) - addresses:
             self.picker.forget(gone)
+        for gone in set(self._channels) - addresses:
+            ch = self._channels.pop(gone)
+            task = asyncio.create_task(ch.close(grace=self.close_grace_s))
+            self._leaving[task] = ch
+            task.add_done_callback(lambda t: self._leaving.pop(t, None))
         started = []
         for address in sorted(addresses):
             task = self._inflight.get(address)
