@@ -4,7 +4,8 @@ Every ``--plan-interval`` seconds, one pass (``LocalAutoscaler.step``):
 
 1. **observe** - scrape /metrics of every ready prefill and decode that is not draining (in
    parallel, short timeouts; one that does not answer is left out of this round) into a
-   ``Snapshot``; the window is this snapshot against the one ``--plan-window`` seconds older.
+   ``Snapshot``; the window runs from the snapshot ``--plan-window`` seconds old to this one
+   (rates from its ends, gauges such as KV utilisation averaged over its snapshots).
 2. **decide** - ``Planner.decide(window, replicas)``; replicas are the servers of each pool
    that are not draining.
 3. **apply** - up: ``cluster.add_server(role)`` starts one more process; discovery lists it
@@ -31,7 +32,7 @@ from typing import Callable
 
 from pdserve.planner import POOLS, Decision, Planner, PlannerConfig, PoolLimits
 from pdserve.planner.exposition import parse, total
-from pdserve.planner.observe import KV_USED, RUNNING, WAITING, Snapshot, window_between
+from pdserve.planner.observe import KV_USED, RUNNING, WAITING, Snapshot, window_over
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +127,7 @@ class LocalAutoscaler:
         before = self.snapshots[0]
         if now - before.at < self.window_s * 0.9:  # not a whole window yet
             return []
-        window = window_between(before, snap, self.planner.config.latency_quantile)
+        window = window_over(list(self.snapshots), self.planner.config.latency_quantile)
         plan = self.planner.decide(window, {role: len(self.active(role)) for role in POOLS}, now)
         for decision in plan.changes():
             self.say(f"[autoscale] {decision.describe()}")

@@ -1,8 +1,9 @@
 """From the servers' own /metrics to a ``Window`` (pure): two snapshots, one window.
 
 A ``Snapshot`` is every ready replica's parsed /metrics (``exposition.parse``) at one time,
-by pool and replica name. ``window_between(before, after)`` turns two of them into the
-planner's ``Window``:
+by pool and replica name. ``window_over(snapshots)`` turns the snapshots of one window (the
+first at its start, the last at its end) into the planner's ``Window``
+(``window_between(before, after)`` is the two-snapshot case):
 
 - latencies: the TTFT and TBT histograms (recorded by the prefills) differenced per replica,
   summed by bucket, and read at the quantile the way PromQL's ``histogram_quantile`` does
@@ -10,7 +11,9 @@ planner's ``Window``:
 - counters (prompt / generation tokens, prefill compute seconds) differenced per replica; a
   counter that went down is a restarted replica, whose new value is its whole delta (as
   PromQL's ``rate`` treats a reset); replicas missing from either snapshot are left out;
-- gauges (requests waiting / running, KV blocks used / free) summed at each end.
+- gauges summed over replicas: requests waiting at each end (the queue now, and its growth);
+  KV utilisation and requests running averaged over the snapshots after the first (one
+  sample of a gauge is noisy: a decode holding two requests jumps 0 -> 0.5 -> 1).
 
 The series read are named in ``SERIES``; ``tests/unit/test_planner_observe.py`` checks each
 against ``pdserve.metrics``, the one table of metrics (imported there, not here: the
@@ -98,22 +101,38 @@ def _gauge(replicas: dict[str, Samples], name: str) -> float:
 
 
 def _pool(before: dict[str, Samples], after: dict[str, Samples], dt: float, tokens: float, busy: float | None,
-          kv: float | None) -> PoolLoad:
+          kv: float | None, running: float) -> PoolLoad:
     waiting = max(0.0, _gauge(after, WAITING))
     growth = (waiting - max(0.0, _gauge(before, WAITING))) / dt
-    return PoolLoad(replicas=len(after), waiting=waiting, running=max(0.0, _gauge(after, RUNNING)),
-                    waiting_growth_per_s=growth, kv_utilisation=kv, busy=busy, tokens_per_s=max(0.0, tokens / dt))
+    return PoolLoad(replicas=len(after), waiting=waiting, running=max(0.0, running), waiting_growth_per_s=growth,
+                    kv_utilisation=kv, busy=busy, tokens_per_s=max(0.0, tokens / dt))
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def _kv(decodes: dict[str, Samples]) -> float | None:
+    used, free = _gauge(decodes, KV_USED), _gauge(decodes, KV_FREE)
+    return min(1.0, max(0.0, used / (used + free))) if used + free > 0 else None
 
 
 def window_between(before: Snapshot, after: Snapshot, quantile: float = 0.9) -> Window:
+    return window_over([before, after], quantile)
+
+
+def window_over(snapshots: list[Snapshot], quantile: float = 0.9) -> Window:
+    if len(snapshots) < 2:
+        raise ValueError(f"a window needs at least 2 snapshots, got {len(snapshots)}")
+    before, after, inside = snapshots[0], snapshots[-1], snapshots[1:]
+    if any(b.at >= a.at for b, a in zip(snapshots, snapshots[1:])):
+        raise ValueError(f"snapshots must be in time order, got {[s.at for s in snapshots]}")
     dt = after.at - before.at
-    if not dt > 0:
-        raise ValueError(f"snapshots must be in time order, got {before.at} then {after.at}")
     notes = []
     common = set(before.prefill) & set(after.prefill)
     busy = _counter_delta(before.prefill, after.prefill, f"{PREFILL_COMPUTE}_sum") / dt / len(common) if common else None
-    used, free = _gauge(after.decode, KV_USED), _gauge(after.decode, KV_FREE)
-    kv = min(1.0, max(0.0, used / (used + free))) if used + free > 0 else None
+    kv = _mean([_kv(s.decode) for s in inside])
     if after.decode and kv is None:
         notes.append("decodes report no KV blocks")
     ttft = _histogram_delta(before.prefill, after.prefill, TTFT)
@@ -122,8 +141,10 @@ def window_between(before: Snapshot, after: Snapshot, quantile: float = 0.9) -> 
     generated = _counter_delta(before.prefill, after.prefill, GENERATION_TOKENS)
     return Window(
         end=after.at, duration_s=dt,
-        prefill=_pool(before.prefill, after.prefill, dt, prompt, busy, None),
-        decode=_pool(before.decode, after.decode, dt, generated, None, kv),
+        prefill=_pool(before.prefill, after.prefill, dt, prompt, busy, None,
+                      _mean([_gauge(s.prefill, RUNNING) for s in inside]) or 0.0),
+        decode=_pool(before.decode, after.decode, dt, generated, None, kv,
+                     _mean([_gauge(s.decode, RUNNING) for s in inside]) or 0.0),
         ttft_s=histogram_quantile(quantile, ttft), tbt_s=histogram_quantile(quantile, _histogram_delta(
             before.prefill, after.prefill, TBT)),
         requests=requests, notes=tuple(notes),

@@ -11,9 +11,11 @@ drove it and a reason a person can read. Rules:
 - **Queues are projected**: a queue changing at g requests/s counts as ``waiting + g *
   lookahead_s`` (at least 0), so a burst is sized by where it is going, and a backlog the
   current replicas are already draining does not buy replicas it will not need.
-- **Blame goes where the queue is**: while decode KV is at or above its target, requests
-  waiting at prefill are waiting for decode KV; they size decode (KV demand scaled by
-  (in flight + waiting) / in flight), not prefill, unless prefill is busy as well.
+- **Blame goes where the queue is**: while decode KV is at or above its target, or requests
+  wait at prefill while prefill's own compute is below its target, those requests are
+  waiting for decode KV (a pool can be full below 100%: the next request may need more blocks
+  than are left); they size decode (KV demand scaled by (in flight + waiting) / in flight),
+  not prefill, unless prefill is busy as well.
 - **Latency is an up-only signal**: a TTFT / TBT percentile above target (over at least
   ``min_requests`` requests) adds one replica, only if the pool is loaded (utilisation at
   least ``loaded_fraction``): at low load more replicas would not help, so it is reported,
@@ -65,8 +67,11 @@ def projected_waiting(window: Window, cfg: PlannerConfig) -> float:
 
 
 def decode_bound(window: Window, cfg: PlannerConfig) -> bool:
-    kv = window.decode.kv_utilisation
-    return kv is not None and kv >= cfg.kv_target
+    """Requests waiting at prefill are waiting for decode KV."""
+    kv, busy = window.decode.kv_utilisation, window.prefill.busy
+    if kv is None:
+        return False
+    return kv >= cfg.kv_target or (window.prefill.waiting > 0 and busy is not None and busy < cfg.busy_target)
 
 
 def recommend(window: Window, pool: str, cfg: PlannerConfig) -> Recommendation:

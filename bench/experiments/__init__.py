@@ -5,6 +5,7 @@
   pdserve bench experiment routing       3. weighted round robin vs round robin: refusals, P99 TTFT
   pdserve bench experiment transmission  4. prioritised chunked KV transmission vs FIFO on tc-shaped links
   pdserve bench experiment prefix        5. multi-turn chat: round robin vs prefix-aware routing (+ decode reuse)
+  pdserve bench experiment autoscale     6. pdserve up --autoscale vs static over/under-provisioned clusters, one trace
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -25,6 +26,7 @@ EXPERIMENTS: dict[str, str] = {
     "routing": "pdserve.bench.experiments.routing",
     "transmission": "pdserve.bench.experiments.transmission",
     "prefix": "pdserve.bench.experiments.prefix",
+    "autoscale": "pdserve.bench.experiments.autoscale",
 }
 
 

@@ -185,3 +185,14 @@ def test_bad_limits_and_windows_are_refused():
         Window(end=0, duration_s=0, prefill=PoolLoad(1), decode=PoolLoad(1))
     with pytest.raises(ValueError, match="replicas"):
         Planner().decide(Window(end=0, duration_s=1, prefill=PoolLoad(1), decode=PoolLoad(1)), {"prefill": 1})
+
+
+def test_a_decode_full_below_100_percent_with_a_queue_scales_decode():
+    # each request needs 3 of a decode's 8 blocks: two fit, KV tops out at 0.75, and the rest queue
+    # at prefill, whose own compute is idle: the queue is decode's, whatever the KV percentage says
+    w = Window(end=10, duration_s=3, requests=20, ttft_s=4.0, tbt_s=0.005,
+               prefill=PoolLoad(1, waiting=6, running=2, waiting_growth_per_s=1.0, busy=0.05),
+               decode=PoolLoad(1, running=2, kv_utilisation=0.62))
+    plan = Planner(WIDE).decide(w, {"prefill": 1, "decode": 1})
+    assert plan.decode.direction > 0 and "waiting at prefill" in plan.decode.reason
+    assert plan.prefill.direction == 0 and "decode" in plan.prefill.reason

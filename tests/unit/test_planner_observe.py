@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.metrics import ServerMetrics, exported_series_names
 from pdserve.planner.exposition import parse, total
-from pdserve.planner.observe import SERIES, Snapshot, histogram_quantile, window_between
+from pdserve.planner.observe import SERIES, Snapshot, histogram_quantile, window_between, window_over
 
 
 def render(m: ServerMetrics) -> dict:
@@ -111,3 +111,19 @@ def test_a_restarted_replica_counts_from_zero_and_a_new_one_is_left_out_of_rates
 def test_snapshots_out_of_order_are_refused():
     with pytest.raises(ValueError, match="time order"):
         window_between(Snapshot(5.0), Snapshot(5.0))
+
+
+def test_gauges_are_averaged_over_the_window_and_the_queue_is_read_at_its_end():
+    d, p = _decode(0, 100), _prefill()
+    snaps = []
+    for t, used, waiting in ((0.0, 90, 9), (1.0, 0, 0), (2.0, 100, 0), (3.0, 50, 3)):   # a jumpy KV gauge
+        d.kv_blocks_used.set(used), d.kv_blocks_free.set(100 - used), p.requests_waiting.set(waiting)
+        snaps.append(Snapshot(t, {"p0": render(p)}, {"d0": render(d)}))
+    w = window_over(snaps)
+    assert w.decode.kv_utilisation == pytest.approx(0.5)             # mean of 0, 1, 0.5: the start point is left out
+    assert w.prefill.waiting == 3 and w.prefill.waiting_growth_per_s == pytest.approx(-2.0)
+    assert window_between(snaps[0], snaps[-1]).decode.kv_utilisation == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="at least 2"):
+        window_over(snaps[:1])
+    with pytest.raises(ValueError, match="time order"):
+        window_over([snaps[1], snaps[0], snaps[2]])
