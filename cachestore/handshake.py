@@ -47,10 +47,12 @@ def client_hello(sock: socket.socket, compat: CompatInfo, agent: str, peer: str,
         raise ProtocolError(f"expected HELLO_OK from {peer}, got {frame.type.name}")
 
 
-def serve_hello(sock: socket.socket, compat: CompatInfo, require_checksum: bool = False) -> tuple[str | None, str]:
+def serve_hello(sock: socket.socket, compat: CompatInfo, require_checksum: bool = False,
+                on_refuse=lambda reason: None) -> tuple[str | None, str]:
     """Receiver side: read HELLO and answer it. Returns (the sender's NIXL agent name, "") when
-    accepted, (None, reason) when refused (ERROR already sent) and (None, "") when the peer
-    closed first; ProtocolError for a first frame that is not a HELLO."""
+    accepted, (None, reason) when refused (``on_refuse(reason)`` ran, then ERROR was sent: a
+    sender that sees the refusal also sees it counted) and (None, "") when the peer closed
+    first; ProtocolError for a first frame that is not a HELLO."""
     frame = read_frame_header(sock)
     if frame is None:
         return None, ""
@@ -65,11 +67,13 @@ def serve_hello(sock: socket.socket, compat: CompatInfo, require_checksum: bool 
         text = (f"incompatible peers: receiver speaks protocol {PROTOCOL_VERSION} with compat hash "
                 f"{compat.compat_hash} ({compat.describe()}), sender speaks protocol {version} with "
                 f"compat hash {their_hash} ({hello.get('compat', '?')})")
+        on_refuse(text)
         sock.sendall(encode_control(FrameType.ERROR, "", text.encode()))
         return None, text
     if require_checksum and hello.get("checksum") is not True:
         text = ("this receiver requires KV checksums (--kv-checksum) and the sender sends none: "
                 "turn checksums on at the sender (prefill --kv-checksum) or off at the receiver")
+        on_refuse(text)
         sock.sendall(encode_control(FrameType.ERROR, "", text.encode()))
         return None, text
     sock.sendall(encode_control(FrameType.HELLO_OK, "", b"{}"))

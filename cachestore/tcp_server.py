@@ -172,13 +172,15 @@ class TcpServer:
                 self._conns[conn.id] = conn
             self._spawn(self._serve, f"cachestore-rx-conn{conn.id}", conn)
 
+    def _refused(self, reason: str) -> None:
+        self.counters["connections_refused"] += 1
+
     def _serve(self, conn: SenderConnection) -> None:
         reason = "sender connection closed before all KV arrived"
         try:
-            agent, refused = serve_hello(conn.sock, self.compat, self.require_checksum)
+            agent, refused = serve_hello(conn.sock, self.compat, self.require_checksum, on_refuse=self._refused)
             if agent is None:
                 if refused:
-                    self.counters["connections_refused"] += 1
                     log.warning("refused %s: %s", conn.peer, refused)
                 return
             conn.agent = agent

@@ -41,7 +41,7 @@ async def serve(args: argparse.Namespace) -> int:
 
     from pdserve.cachestore import CacheStoreReceiver
     from pdserve.engine import OutOfBlocksError, SamplingParams
-    from pdserve.metrics import ServerMetrics
+    from pdserve.metrics import EngineLoad, ServerMetrics
     from pdserve.protos import session_pb2_grpc as pb_grpc
 
     from .service import DecodeService
@@ -61,10 +61,10 @@ async def serve(args: argparse.Namespace) -> int:
         max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
         session_timeout_s=args.session_timeout, metrics=metrics,
     )
-    metrics.follow_gauge("requests_running", service.registry.running)
-    metrics.follow_gauge("requests_waiting", service.registry.waiting)
-    metrics.follow_gauge("kv_blocks_free", engine.num_free_blocks)  # from the start, not only once blocks move
-    metrics.follow_gauge("kv_blocks_used", lambda: engine.num_blocks - engine.num_free_blocks())
+    registry = service.registry
+    metrics.track_load(lambda: EngineLoad(waiting=registry.waiting(), running=registry.running(),
+                                          kv_blocks_total=engine.num_blocks, kv_blocks_free=engine.num_free_blocks(),
+                                          block_size=args.block_size))
     server = grpc.aio.server(options=[
         ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),

@@ -1,6 +1,6 @@
 """DecodeEngine: the engine calls a decode Session makes (reserve -> add_prefilled -> release),
-each keeping the KV block gauges current; and the Sampling message turned into the engine's
-SamplingParams. Built once by DecodeService and handed to every DecodeSession in SessionDeps."""
+and the Sampling message turned into the engine's SamplingParams. Built once by DecodeService
+and handed to every DecodeSession in SessionDeps."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from pdserve.protos import session_pb2 as pb
 
 if TYPE_CHECKING:
     from pdserve.engine import AsyncLLMEngine, RequestOutput
-
-    from .session_metrics import SessionMetrics
 
 
 def sampling_from_proto(msg: pb.Sampling, sampling_cls):
@@ -23,19 +21,17 @@ def sampling_from_proto(msg: pb.Sampling, sampling_cls):
 
 
 class DecodeEngine:
-    """The engine calls a DecodeSession makes, keeping the KV block gauges current."""
+    """The engine calls a DecodeSession makes."""
 
-    def __init__(self, engine: AsyncLLMEngine, sampling_cls, metrics: SessionMetrics):
-        self.engine, self.sampling_cls, self.metrics = engine, sampling_cls, metrics
+    def __init__(self, engine: AsyncLLMEngine, sampling_cls):
+        self.engine, self.sampling_cls = engine, sampling_cls
 
     @property
     def num_blocks(self) -> int:
         return self.engine.num_blocks
 
     async def reserve(self, request_id: str, n_prompt: int, max_tokens: int) -> list[int]:
-        block_ids = await self.engine.reserve(request_id, n_prompt, max_tokens)
-        self.metrics.blocks_changed()
-        return block_ids
+        return await self.engine.reserve(request_id, n_prompt, max_tokens)
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int,
                       sampling: pb.Sampling) -> AsyncIterator[RequestOutput]:
@@ -45,4 +41,3 @@ class DecodeEngine:
     async def release(self, request_id: str) -> None:
         """Free everything the engine holds for the request: reserved blocks or a running sequence."""
         await self.engine.abort(request_id)
-        self.metrics.blocks_changed()

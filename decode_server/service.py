@@ -40,9 +40,9 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.engine, self.receiver, self.compat = engine, receiver, compat
         self.kv_bytes_per_block = kv_bytes_per_block
         self.registry = SessionRegistry()
-        session_metrics = SessionMetrics(metrics, self.registry, engine, compat.block_size, kv_bytes_per_block)
+        session_metrics = SessionMetrics(metrics, compat.block_size, kv_bytes_per_block)
         self.deps = SessionDeps(
-            engine=DecodeEngine(engine, sampling_cls, session_metrics), receiver=receiver, registry=self.registry,
+            engine=DecodeEngine(engine, sampling_cls), receiver=receiver, registry=self.registry,
             metrics=session_metrics, compat=compat, max_model_len=max_model_len,
             session_timeout_s=session_timeout_s, out_of_blocks_error=out_of_blocks_error,
         )

@@ -1,4 +1,4 @@
-"""pdserve.operator: the kopf operator that turns an InferenceService into pools, Deployments and Services.
+"""pdserve.operator: the kopf operator that turns an InferenceService into pools, a router, Deployments and Services.
 
 Importable only as ``pdserve.operator`` (the bare name ``operator`` is the standard library's).
 
@@ -8,7 +8,8 @@ Reading path:
    of ``charts/pdserve/crds/*.yaml`` (``python -m pdserve.operator.crds charts/pdserve/crds``).
 2. ``naming.py``: names, labels and selectors of every child; how prefill finds decodes.
 3. ``pools.py`` then ``workloads.py``: pure builders (InferenceService -> pools ->
-   Deployments, Services, RBAC, NetworkPolicies), unit-tested without a cluster.
+   Deployments, Services, RBAC, NetworkPolicies), unit-tested without a cluster;
+   ``router_workloads.py``: the router (``spec.router``), owned by the InferenceService itself.
 4. ``status.py``: pure status computation (Ready / Progressing / Degraded).
 5. ``handlers.py``: the kopf handlers wiring builders and status to the API
    (``kubeapi.py``: server-side apply over one ApiClient).

@@ -33,6 +33,7 @@ POLICIES = ["wrr", "rr"]
 MAX_REPLICAS = 1000
 MAX_DECODE_POOLS = 16
 MAX_BLOCK_SIZE = 1024
+MAX_LOAD_WEIGHT = 1_000_000
 
 
 # --- schema building blocks ------------------------------------------------------------
@@ -149,6 +150,23 @@ SLO = _obj(
     default={},
 )
 
+ROUTER = _obj(
+    {
+        "replicas": _int("Router pods: the front door, each request to the prefill holding most of its prompt's KV "
+                         "(0: no router, the prefill Service is the front door). Replicas decide alike from the same "
+                         "KV events, so any number may run.", 0, MAX_REPLICAS, DEFAULT_REPLICAS),
+        "resources": RESOURCES,
+        "nodeSelector": NODE_SELECTOR,
+        "tolerations": TOLERATIONS,
+        "loadWeight": {"type": "number", "minimum": 0, "maximum": MAX_LOAD_WEIGHT,
+                       "description": "Prompt tokens one request in flight on a prefill is worth when weighing load "
+                                      "against its cached prefix (`pdserve router --load-weight`; default: the "
+                                      "router's)."},
+    },
+    description="The KV-aware router in front of the prefill pool (pdserve router).",
+    default={},
+)
+
 IMAGE = _str("Container image with the pdserve command (default: the operator's own image).", minLength=1, maxLength=512)
 PULL_POLICY = _str("Image pull policy of the pods.", enum=["Always", "IfNotPresent", "Never"])
 PROTOCOL = _str("Protocol version the image speaks (default: the operator's). Pods are labelled with it "
@@ -166,7 +184,9 @@ ISVC_SPEC = _obj(
         "image": IMAGE,
         "imagePullPolicy": PULL_POLICY,
         "protocolVersion": PROTOCOL,
-        "prefill": _obj(_pool_properties("Prefill pods."), description="The prefill pool (the front door).", default={}),
+        "prefill": _obj(_pool_properties("Prefill pods."), description="The prefill pool (the front door when "
+                        "there is no router).", default={}),
+        "router": ROUTER,
         "decode": {
             "type": "array",
             "description": "One or more named decode pools; they may differ in hardware.",
@@ -213,8 +233,11 @@ ISVC_STATUS = _obj(
     {
         "observedGeneration": {"type": "integer", "format": "int64"},
         "conditions": CONDITIONS,
-        "endpoint": _str("The OpenAI-compatible HTTP endpoint (the prefill Service)."),
+        "endpoint": _str("The OpenAI-compatible HTTP endpoint: the router Service, or the prefill Service "
+                         "when spec.router.replicas is 0."),
         "prefillReady": _str("Ready/desired prefill pods."),
+        "routerReady": _str("Ready/desired router pods (absent without a router)."),
+        "router": POOL_STATUS_ITEM,
         "decodeReady": _str("Ready/desired decode pods over all pools."),
         "protocolVersion": {"type": "string"},
         "prefill": POOL_STATUS_ITEM,
@@ -304,6 +327,8 @@ def inferenceservice_crd() -> dict:
         [{"name": "Ready", "type": "string", "jsonPath": _READY},
          {"name": "Prefill", "type": "string", "jsonPath": ".status.prefillReady", "description": "ready/desired prefill pods"},
          {"name": "Decode", "type": "string", "jsonPath": ".status.decodeReady", "description": "ready/desired decode pods"},
+         {"name": "Router", "type": "string", "jsonPath": ".status.routerReady", "description": "ready/desired router pods",
+          "priority": 1},
          {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"}],
         [_NAME_RULE], scale=False)
 

@@ -4,8 +4,9 @@ Reconcile flow (every step is an idempotent server-side apply, so a restart anyw
 just runs it again; kopf re-runs unfinished handlers and ``on.resume`` covers the rest):
 
 1. ``isvc_reconcile`` (create / update / resume of an InferenceService): apply its
-   PrefillPool, DecodePools and (when enabled) NetworkPolicies, adopted by it; delete
-   DecodePools it no longer lists.
+   PrefillPool, DecodePools, router (Deployment, Service, RBAC: ``router_workloads``) and
+   (when enabled) NetworkPolicies, adopted by it; delete DecodePools it no longer lists,
+   and the router's objects when ``spec.router.replicas`` is 0.
 2. ``pool_reconcile`` (create / update / resume of a PrefillPool or DecodePool, including
    ``kubectl scale``): apply the pool's Deployment, Service and (prefill) RBAC, adopted by it.
 3. ``deployment_event`` (any event of a Deployment the operator made): recompute the
@@ -24,7 +25,7 @@ from collections.abc import Mapping
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from pdserve.operator import naming, pools, status, workloads
+from pdserve.operator import naming, pools, router_workloads, status, workloads
 from pdserve.operator.kubeapi import KubeApi, make_api_client
 
 G, V = naming.GROUP, naming.VERSION
@@ -88,11 +89,15 @@ def isvc_reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, 
     existing_decodes = {p["metadata"]["name"]: p for p in api.list("DecodePool", namespace, {naming.LABEL_ISVC: name})}
     prefill = pools.build_prefill_pool(isvc, memo.config, api.get("PrefillPool", namespace, naming.prefill_name(name)))
     decodes = pools.build_decode_pools(isvc, memo.config, existing_decodes)
-    children = [prefill, *decodes]
+    router = router_workloads.build_router(isvc, memo.config)
+    children = [prefill, *decodes, *router]
     if memo.config.network_policy:
         children += pools.build_network_policies(isvc, memo.config)
     kopf.adopt(children, owner=body)
     _apply_all(api, children)
+    if not router:  # spec.router.replicas: 0 (perhaps since they were made): the prefill is the front door
+        for kind, child in router_workloads.router_object_names(name):
+            api.delete(kind, namespace, child)
     if not memo.config.network_policy:  # turned off since they were made: remove them
         for policy in api.list("NetworkPolicy", namespace, {naming.LABEL_ISVC: name}):
             api.delete("NetworkPolicy", namespace, policy["metadata"]["name"])
@@ -183,7 +188,7 @@ def _refresh_once(api: KubeApi, namespace: str, isvc_name: str) -> None:
 
     prefill = (prefill_pool, pool_status(prefill_pool)) if prefill_pool else None
     decodes = [(p, pool_status(p)) for p in decode_pools]
-    new = status.isvc_status(isvc, prefill, decodes)
+    new = status.isvc_status(isvc, prefill, decodes, deployments.get(naming.router_name(isvc_name)))
     old = isvc.get("status") or {}
     new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)
     if _changed(old, new):

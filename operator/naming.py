@@ -7,14 +7,21 @@ An InferenceService ``chat`` in namespace ``ns`` becomes:
                            Role and RoleBinding (the pods watch EndpointSlices)
 ``chat-decode-<pool>``     one DecodePool per ``spec.decode[*]``, each with a
                            Deployment and a headless Service
+``chat-router``            the router (``spec.router.replicas`` > 0, the default):
+                           Deployment, Service (the endpoint in status),
+                           ServiceAccount, Role and RoleBinding (its pods watch
+                           the prefill Service's EndpointSlices)
 ``chat-decode``,           NetworkPolicies: decode Session and KV-transfer ports
-``chat-prefill``           admit only this service's prefill pods (when enabled)
+``chat-prefill``,          admit only this service's prefill pods; the prefill and
+``chat-router``            router front doors stay open (when enabled)
 =========================  =====================================================
 
 Every child carries the labels below. Prefill pods find decode pods by watching the
 EndpointSlices of the decode Services; the EndpointSlice controller copies a Service's
 labels onto its slices, so the selector given to prefill (``decode_selector``) matches
-the slices of exactly the compatible decode pools of the same InferenceService.
+the slices of exactly the compatible decode pools of the same InferenceService. The
+router finds prefill pods the same way (``prefill_selector``: the prefill Service, whose
+slices list every ready prefill pod with its port named "grpc").
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ API_VERSION = f"{GROUP}/{VERSION}"
 MANAGER = "pdserve-operator"
 
 LABEL_ISVC = "pdserve.io/inference-service"
-LABEL_ROLE = "pdserve.io/role"  # prefill | decode
-LABEL_POOL = "pdserve.io/pool"  # the decode pool name ("prefill" for the prefill pool)
+LABEL_ROLE = "pdserve.io/role"  # prefill | decode | router
+LABEL_POOL = "pdserve.io/pool"  # the decode pool name ("prefill" / "router" for those)
 LABEL_PROTOCOL = "pdserve.io/protocol-version"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 
@@ -63,6 +70,10 @@ def decode_name(isvc: str, pool: str) -> str:
     return f"{isvc}-decode-{pool}"
 
 
+def router_name(isvc: str) -> str:
+    return f"{isvc}-router"
+
+
 def network_policy_name(isvc: str, role: str) -> str:
     return f"{isvc}-{role}"
 
@@ -87,6 +98,15 @@ def common_labels(isvc: str, role: str, pool: str, protocol_version: str) -> dic
 def decode_selector(isvc: str, protocol_version: str) -> str:
     """The `--decode-selector` given to prefill: decode pools of this service and protocol version."""
     return f"{LABEL_ISVC}={isvc},{LABEL_ROLE}=decode,{LABEL_PROTOCOL}={protocol_label(protocol_version)}"
+
+
+def prefill_selector(isvc: str) -> str:
+    """The `--prefill-selector` given to the router: the prefill Service of this service.
+
+    No protocol version in it: the prefill Service selects its pods without one (they roll
+    in place), and the router checks each prefill's KV-event version itself.
+    """
+    return f"{LABEL_ISVC}={isvc},{LABEL_ROLE}=prefill"
 
 
 def label_selector(labels: dict[str, str]) -> str:

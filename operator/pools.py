@@ -58,7 +58,9 @@ def _pool(kind: str, name: str, namespace: str | None, isvc_name: str, role: str
     return {"apiVersion": naming.API_VERSION, "kind": kind, "metadata": metadata, "spec": {**spec, "replicas": replicas}}
 
 
-def _pool_spec(isvc: dict, config: OperatorConfig, pool_spec: dict) -> dict:
+def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
+    """What every pool (and the router) takes from the InferenceService, plus its own pod
+    settings (resources, nodeSelector, tolerations) from ``pod_settings``."""
     spec = isvc["spec"]
     name, _ = _meta(isvc)
     out = {
@@ -70,8 +72,8 @@ def _pool_spec(isvc: dict, config: OperatorConfig, pool_spec: dict) -> dict:
     if spec.get("imagePullPolicy"):
         out["imagePullPolicy"] = spec["imagePullPolicy"]
     for key in ("resources", "nodeSelector", "tolerations"):
-        if pool_spec.get(key):
-            out[key] = pool_spec[key]
+        if pod_settings.get(key):
+            out[key] = pod_settings[key]
     return out
 
 
@@ -80,7 +82,7 @@ def build_prefill_pool(isvc: dict, config: OperatorConfig, existing: dict | None
     name, namespace = _meta(isvc)
     spec = isvc["spec"]
     prefill = spec.get("prefill", {})
-    pool_spec = _pool_spec(isvc, config, prefill)
+    pool_spec = shared_spec(isvc, config, prefill)
     pool_spec["routing"] = {"policy": crds.DEFAULT_POLICY, **spec.get("routing", {})}
     pool_spec["slo"] = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **spec.get("slo", {})}
     isvc_replicas = int(prefill.get("replicas", crds.DEFAULT_REPLICAS))
@@ -97,7 +99,7 @@ def build_decode_pools(isvc: dict, config: OperatorConfig, existing: dict[str, d
     for entry in isvc["spec"]["decode"]:
         pool_name = entry["name"]
         object_name = naming.decode_name(name, pool_name)
-        pool_spec = _pool_spec(isvc, config, entry)
+        pool_spec = shared_spec(isvc, config, entry)
         pool_spec["poolName"] = pool_name
         isvc_replicas = int(entry.get("replicas", crds.DEFAULT_REPLICAS))
         pools.append(_pool("DecodePool", object_name, namespace, name, "decode", pool_name, pool_spec["protocolVersion"],

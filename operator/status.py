@@ -3,7 +3,8 @@
 Conditions (each with a reason and a message):
 
 * Ready: a pool is Ready when at least one of its pods is ready; an InferenceService is
-  Ready only when its prefill pool is Ready and at least one decode pool is.
+  Ready only when its prefill pool is Ready, at least one decode pool is, and (with a
+  router, ``spec.router.replicas`` > 0) a router pod is: the endpoint is then the router.
 * Progressing: a rollout or scale is under way (pods not yet updated/ready/removed).
 * Degraded: something is wrong that waiting will not fix by itself (a ReplicaSet cannot
   create pods, a rollout exceeded its deadline, a pool that should serve has no ready pod).
@@ -16,7 +17,7 @@ from __future__ import annotations
 import datetime
 
 from pdserve import defaults
-from pdserve.operator import naming
+from pdserve.operator import naming, router_workloads
 
 
 def now() -> str:
@@ -109,25 +110,47 @@ def _summary(name: str, pool: dict, status: dict | None) -> dict:
             "readyReplicas": int((status or {}).get("readyReplicas", 0)), "ready": _is_true(status, "Ready")}
 
 
-def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tuple[dict, dict]]) -> dict:
+def router_status(isvc: dict, deployment: dict | None) -> tuple[dict, dict] | None:
+    """(a pool-like view of the router, its status as pool_status computes it), or None without a router.
+
+    The view has the wanted replicas as ``spec.replicas`` and the Deployment's metadata (so its
+    owner generation counts towards observedGeneration); metadata is empty while it is missing.
+    """
+    wanted = router_workloads.router_replicas(isvc)
+    if wanted == 0:
+        return None
+    view = {"metadata": (deployment or {}).get("metadata", {}), "spec": {"replicas": wanted}}
+    return view, pool_status(view, deployment, naming.label_selector(
+        naming.selector_labels(isvc["metadata"]["name"], router_workloads.ROLE, router_workloads.ROLE)))
+
+
+def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tuple[dict, dict]],
+                router_deployment: dict | None = None) -> dict:
     """The status of an InferenceService from its pools and their (freshly computed) statuses.
 
     prefill: (PrefillPool, its status) or None when the pool does not exist yet;
-    decodes: (DecodePool, its status) for each decode pool that exists.
+    decodes: (DecodePool, its status) for each decode pool that exists;
+    router_deployment: the router's Deployment, or None (none wanted, or not created yet).
+    With a router the endpoint is the router Service and Ready needs a ready router pod.
     """
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta.get("namespace", "default")
     wanted = [d["name"] for d in isvc["spec"]["decode"]]
     by_pool = {p["spec"]["poolName"]: (p, s) for p, s in decodes}
+    router = router_status(isvc, router_deployment)
+    router_here = router is not None and router_deployment is not None
     # observedGeneration: the InferenceService generation every current pool was built from.
     current = ([prefill] if prefill else []) + [by_pool[n] for n in wanted if n in by_pool]
+    current += [router] if router_here else []
     built_from = [naming.owner_generation(p) for p, _ in current]
-    complete = prefill is not None and all(n in by_pool for n in wanted)
+    complete = prefill is not None and all(n in by_pool for n in wanted) and (router is None or router_here)
     generation = min(built_from) if complete and None not in built_from else None
     decode_summaries = [_summary(n, *by_pool[n]) for n in wanted if n in by_pool]
     prefill_summary = _summary("prefill", *prefill) if prefill else {"name": "prefill", "replicas": 0,
                                                                      "readyReplicas": 0, "ready": False}
+    router_summary = _summary("router", *router) if router else None
     missing = [n for n in wanted if n not in by_pool] + ([] if prefill else ["prefill"])
+    missing += ["router"] if router is not None and not router_here else []
     ready_decodes = [d["name"] for d in decode_summaries if d["ready"]]
 
     if missing:
@@ -136,18 +159,23 @@ def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tup
         ready = condition("Ready", False, "PrefillNotReady", "no prefill pod is ready", generation)
     elif not ready_decodes:
         ready = condition("Ready", False, "NoDecodePoolReady", "no decode pool has a ready pod", generation)
-    else:
-        ready = condition("Ready", True, "Serving", "prefill ready; decode pools ready: " + ", ".join(ready_decodes),
+    elif router_summary is not None and not router_summary["ready"]:
+        ready = condition("Ready", False, "RouterNotReady", "no router pod is ready (the endpoint is the router)",
                           generation)
+    else:
+        ready = condition("Ready", True, "Serving", "prefill ready; decode pools ready: " + ", ".join(ready_decodes)
+                          + ("; router ready" if router_summary else ""), generation)
 
     statuses = ([("prefill", prefill[1])] if prefill else []) + [(p["spec"]["poolName"], s) for p, s in decodes]
+    statuses += [("router", router[1])] if router_here else []
     rolling = [n for n, s in statuses if _is_true(s, "Progressing")] + missing
     progressing = condition("Progressing", bool(rolling), "PoolsRollingOut" if rolling else "Stable",
                             ("rolling out or scaling: " + ", ".join(rolling)) if rolling else "all pools settled",
                             generation)
 
     degraded_pools = [n for n, s in statuses if _is_true(s, "Degraded")]
-    idle = [s["name"] for s in [prefill_summary, *decode_summaries] if s["replicas"] > 0 and not s["ready"]]
+    summaries = [prefill_summary, *decode_summaries, *([router_summary] if router_summary else [])]
+    idle = [s["name"] for s in summaries if s["replicas"] > 0 and not s["ready"]]
     if degraded_pools:
         degraded = condition("Degraded", True, "PoolDegraded", "degraded pools: " + ", ".join(degraded_pools), generation)
     elif ready["status"] == "True" and idle:
@@ -159,12 +187,16 @@ def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tup
     decode_ready = sum(d["readyReplicas"] for d in decode_summaries)
     decode_desired = sum(d["replicas"] for d in decode_summaries)
     protocol = (prefill[0]["spec"].get("protocolVersion") if prefill else None)
+    front_door = naming.router_name(name) if router else naming.prefill_name(name)
     status = {
-        "endpoint": f"http://{naming.prefill_name(name)}.{namespace}.svc:{defaults.HTTP_PORT}",
+        "endpoint": f"http://{front_door}.{namespace}.svc:{defaults.HTTP_PORT}",
         "prefillReady": f"{prefill_summary['readyReplicas']}/{prefill_summary['replicas']}",
         "decodeReady": f"{decode_ready}/{decode_desired}",
+        # None removes the field (status is merge-patched) once the router is scaled to 0
+        "routerReady": f"{router_summary['readyReplicas']}/{router_summary['replicas']}" if router_summary else None,
         "prefill": prefill_summary,
         "decode": decode_summaries,
+        "router": router_summary,
         "conditions": [ready, progressing, degraded],
     }
     if protocol:

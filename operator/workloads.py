@@ -90,7 +90,8 @@ def _ports(role: str) -> list[dict]:
             {"name": "kv", "containerPort": defaults.KV_TRANSFER_PORT, "protocol": "TCP"}]
 
 
-def _env(spec: dict, role: str, pool_name: str) -> list[dict]:
+def pod_env(spec: dict, role: str, pool_name: str) -> list[dict]:
+    """Environment of a server pod (spec: a pool spec, or anything with inferenceService and protocolVersion)."""
     env = [
         # the metric labels inference_service and pool (pdserve.metrics reads these)
         {"name": defaults.ENV_INFERENCE_SERVICE, "value": spec["inferenceService"]},
@@ -108,7 +109,8 @@ def _env(spec: dict, role: str, pool_name: str) -> list[dict]:
     return env
 
 
-def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
+def model_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
+    """Volumes and mounts of a server pod: /tmp, and the model's PVC (read-only) when it names one."""
     volumes = [{"name": "tmp", "emptyDir": {}}]
     mounts = [{"name": "tmp", "mountPath": "/tmp"}]
     model = spec["model"]
@@ -118,30 +120,35 @@ def _volumes(spec: dict) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
+def container_security() -> dict:
+    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]}}
+
+
+def pod_security() -> dict:
+    return {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
 def build_deployment(pool: dict) -> dict:
     """The Deployment of a pool; replicas follow the pool's ``spec.replicas``."""
     name, namespace, spec, role, pool_name = _pool_facts(pool)
     labels = pool_labels(pool)
     http_port = defaults.HTTP_PORT if role == "prefill" else defaults.DECODE_HTTP_PORT
-    volumes, mounts = _volumes(spec)
+    volumes, mounts = model_volumes(spec)
     container = {
         "name": role,
         "image": spec["image"],
         "command": ["pdserve"],
         "args": prefill_args(pool) if role == "prefill" else decode_args(pool),
         "ports": _ports(role),
-        "env": _env(spec, role, pool_name),
+        "env": pod_env(spec, role, pool_name),
         "volumeMounts": mounts,
         "readinessProbe": {"httpGet": {"path": "/ready", "port": http_port}, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 10,
                           "failureThreshold": 6, "initialDelaySeconds": 10},
         "startupProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5, "failureThreshold": 120},
-        "securityContext": {
-            "runAsNonRoot": True,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security(),
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
@@ -150,8 +157,7 @@ def build_deployment(pool: dict) -> dict:
     pod_spec = {
         "containers": [container],
         "volumes": volumes,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
-                            "fsGroup": RUN_AS_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": pod_security(),
         "terminationGracePeriodSeconds": 30,
     }
     if role == "prefill":
@@ -205,7 +211,12 @@ def build_prefill_rbac(pool: dict) -> list[dict]:
     """ServiceAccount, Role and RoleBinding letting prefill pods watch decode EndpointSlices
     (and read Services) in their namespace: nothing else."""
     name, namespace, _, _, _ = _pool_facts(pool)
-    labels = pool_labels(pool)
+    return discovery_rbac(name, namespace, pool_labels(pool))
+
+
+def discovery_rbac(name: str, namespace: str | None, labels: dict) -> list[dict]:
+    """ServiceAccount ``name`` and a Role + RoleBinding of the same name: watch EndpointSlices
+    and read Services in the namespace (what ``pdserve.discovery.KubernetesDiscovery`` needs)."""
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, namespace, labels)},
         {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(name, namespace, labels),

@@ -130,13 +130,15 @@ def addresses_from_slices(slices: dict[str, dict], services: set[str], port_name
 
 
 class KubernetesDiscovery:
-    """Decode endpoints from the EndpointSlices of the Services matching ``selector`` in ``namespace``."""
+    """Endpoints (decodes for prefill, prefills for the router) from the EndpointSlices of the
+    Services matching ``selector`` in ``namespace``; ``flag`` names the selector in errors."""
 
-    def __init__(self, namespace: str, selector: str, port_name: str = "grpc", kubeconfig: str | None = None, resync_s: float = 30.0):
+    def __init__(self, namespace: str, selector: str, port_name: str = "grpc", kubeconfig: str | None = None,
+                 resync_s: float = 30.0, flag: str = "--decode-selector"):
         if not namespace:
             raise ValueError("--namespace is required with --discovery kubernetes")
         if not selector or "=" not in selector:
-            raise ValueError(f"--decode-selector must be label=value, got {selector!r}")
+            raise ValueError(f"{flag} must be label=value[,label=value...], got {selector!r}")
         self.namespace, self.selector, self.port_name = namespace, selector, port_name
         self.kubeconfig, self.resync_s = kubeconfig, resync_s
         self._services: set[str] = set()
@@ -185,7 +187,7 @@ class KubernetesDiscovery:
         with self._lock:
             addresses = addresses_from_slices(self._slices, self._services, self.port_name)
         if addresses != self._addresses:
-            log.info("decode endpoints: %s", addresses)
+            log.info("endpoints of services %s: %s", self.selector, addresses)
         self._addresses = addresses
 
     def _watch_services(self) -> None:

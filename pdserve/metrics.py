@@ -56,11 +56,31 @@ kv_allocation_refusals          decode    decode refused a Session's allocation
 kv_checksum_mismatches          both      decode: a request's KV failed its checksum on arrival (the
                                           request is failed, never decoded); prefill: a decode
                                           reported that (the request is retried / resumed elsewhere)
-kv_blocks_free / _used          both      after every allocation and free (or each step)
-requests_running / _waiting     both      at every scrape: decode: sessions decoding / not yet (KV arriving);
-                                          prefill: requests in flight past / before their first token
+kv_blocks_free / _used          both      read from the engine at each scrape (``track_load``)
+requests_running / _waiting     both      read at each scrape (``track_load``): decode: sessions
+                                          decoding / still receiving KV; prefill: requests with
+                                          a decode Session open (or decoding locally) / admitted
+                                          and still waiting for a decode
 known_decodes                   prefill   after each discovery / load-report update
 ==============================  ========  ================================================
+
+The model-server protocol (Gateway API Inference Extension). An InferencePool's endpoint
+picker (EPP) scrapes each pod's /metrics for queued and running requests, KV-cache
+utilisation and the cache's block size and block count, under vLLM's names, which are its
+defaults (``GATEWAY_METRICS``; see docs/gateway.md). A server calls ``track_load(read)`` once
+with a function returning its ``EngineLoad``; at every scrape that one reading feeds both
+those series and the pdserve_ gauges above, so the two views can never disagree:
+
+===============================  =====================================================
+``vllm:num_requests_waiting``    EngineLoad.waiting (TotalQueuedRequests)
+``vllm:num_requests_running``    EngineLoad.running (TotalRunningRequests)
+``vllm:kv_cache_usage_perc``     used / total KV blocks, 0..1 (KVCacheUtilization)
+``vllm:gpu_cache_usage_perc``    the same value under the name EPPs up to v1.1 read
+``vllm:cache_config_info``       1, labels ``block_size`` and ``num_gpu_blocks``
+===============================  =====================================================
+
+No ``vllm:lora_requests_info``: pdserve serves no LoRA adapters, and the protocol asks for
+it only from servers that do.
 
 The router (``pdserve router``) exports its own table, ``ROUTER_METRICS`` (``ServerMetrics(role="router")``
 builds it): its requests by outcome, first-byte and end-to-end latency as its client sees
@@ -76,9 +96,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.defaults import ENV_INFERENCE_SERVICE, ENV_POOL
@@ -203,6 +225,76 @@ ROUTER_METRICS: tuple[MetricSpec, ...] = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What a server holds right now, as ``track_load``'s reader returns it at each scrape."""
+
+    waiting: int  # requests admitted and queued (not yet running)
+    running: int  # requests being served
+    kv_blocks_total: int
+    kv_blocks_free: int  # free blocks, cached prefix blocks included (an allocation may take them)
+    block_size: int  # tokens per KV block
+
+    @property
+    def kv_blocks_used(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_free
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of the KV cache in use, 0..1."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayMetric:
+    """One series of the model-server protocol: its (vLLM) name, help, and what it reads."""
+
+    name: str
+    help: str
+    value: Callable[[EngineLoad], float]
+    labels: Callable[[EngineLoad], dict[str, str]] = lambda load: {}
+
+
+GATEWAY_METRICS: tuple[GatewayMetric, ...] = (
+    GatewayMetric("vllm:num_requests_waiting", "Requests queued, not yet running (model-server protocol: "
+                  "TotalQueuedRequests).", lambda load: load.waiting),
+    GatewayMetric("vllm:num_requests_running", "Requests being served (model-server protocol: TotalRunningRequests).",
+                  lambda load: load.running),
+    GatewayMetric("vllm:kv_cache_usage_perc", "KV cache blocks in use, 0..1 (model-server protocol: "
+                  "KVCacheUtilization).", lambda load: load.kv_usage),
+    GatewayMetric("vllm:gpu_cache_usage_perc", "The same as vllm:kv_cache_usage_perc, under the name endpoint "
+                  "pickers up to v1.1 read.", lambda load: load.kv_usage),
+    GatewayMetric("vllm:cache_config_info", "KV cache configuration in the labels block_size (tokens per block) and "
+                  "num_gpu_blocks (blocks in the cache); always 1.", lambda load: 1.0,
+                  lambda load: {"block_size": str(load.block_size), "num_gpu_blocks": str(load.kv_blocks_total)}),
+)
+
+
+# The METRICS gauges a tracked server's reading replaces (attribute -> EngineLoad field).
+LOAD_GAUGES = {"requests_running": "running", "requests_waiting": "waiting",
+               "kv_blocks_free": "kv_blocks_free", "kv_blocks_used": "kv_blocks_used"}
+
+
+class _LoadCollector:
+    """LOAD_GAUGES and GATEWAY_METRICS from one reading of a server's load per scrape."""
+
+    def __init__(self, read: Callable[[], EngineLoad], common: dict[str, str]):
+        self.read, self.common = read, common
+        self.specs = [spec for spec in METRICS if spec.attr in LOAD_GAUGES]
+
+    def collect(self):
+        load = self.read()
+        for spec in self.specs:
+            family = GaugeMetricFamily(spec.name, spec.help, labels=list(self.common))
+            family.add_metric(list(self.common.values()), float(getattr(load, LOAD_GAUGES[spec.attr])))
+            yield family
+        for gateway in GATEWAY_METRICS:
+            labels = {**self.common, **gateway.labels(load)}
+            family = GaugeMetricFamily(gateway.name, gateway.help, labels=list(labels))
+            family.add_metric(list(labels.values()), float(gateway.value(load)))
+            yield family
+
+
 def exported_series_names() -> set[str]:
     """Every series name a pdserve server can export (histograms as _bucket/_sum/_count)."""
     return {series for spec in METRICS for series in spec.series_names()}
@@ -233,7 +325,9 @@ class ServerMetrics:
                 raise ValueError(f"{what} must be a non-empty string, got {value!r}")
         self.role, self.pool, self.inference_service = role, pool, inference_service
         self.registry = registry if registry is not None else CollectorRegistry()
-        common = {"role": role, "pool": pool, "inference_service": inference_service}
+        self._tracking = False
+        self._families: dict[str, object] = {}
+        common = self._common = {"role": role, "pool": pool, "inference_service": inference_service}
         for spec in ROUTER_METRICS if role == "router" else METRICS:
             labelnames = COMMON_LABELS + spec.labels
             if spec.kind == "histogram":
@@ -245,6 +339,7 @@ class ServerMetrics:
                 metric = Gauge(spec.name, spec.help, labelnames, registry=self.registry)
             # Without extra labels the child exists from the start, so it is scraped as 0.
             setattr(self, spec.attr, _Labelled(metric, common, spec.labels) if spec.labels else metric.labels(**common))
+            self._families[spec.attr] = metric
         self._on_scrape: list = []
 
     def follow_counter(self, attr: str, read) -> None:
@@ -259,16 +354,27 @@ class ServerMetrics:
                 last[0] = now
         self._on_scrape.append(refresh)
 
-    def follow_gauge(self, attr: str, read) -> None:
-        """Set the gauge ``attr`` to ``read()`` at every scrape (a count kept elsewhere, read when asked)."""
-        gauge = getattr(self, attr)
-        self._on_scrape.append(lambda: gauge.set(read()))
-
     @classmethod
     def from_env(cls, role: str, pool: str | None = None, inference_service: str | None = None) -> "ServerMetrics":
         """Labels from arguments when given, else PDSERVE_POOL / PDSERVE_INFERENCE_SERVICE, else defaults."""
         return cls(role, pool or os.environ.get(ENV_POOL) or "default",
                    inference_service or os.environ.get(ENV_INFERENCE_SERVICE) or "local")
+
+    def track_load(self, read: Callable[[], EngineLoad]) -> None:
+        """Read the server's load once per scrape: the request and KV block gauges (``LOAD_GAUGES``)
+        and the model-server protocol series (``GATEWAY_METRICS``) all show that one reading.
+
+        ``read`` runs where /metrics is served (the event loop): it must be cheap and not block.
+        From then on ``set()`` on those four gauges no longer shows. Prefill and decode only.
+        """
+        if self.role == "router":
+            raise ValueError("the router holds no KV cache: track_load is for prefill and decode")
+        if self._tracking:
+            raise ValueError("track_load was already called for these metrics")
+        self._tracking = True
+        for attr in LOAD_GAUGES:
+            self.registry.unregister(self._families[attr])
+        self.registry.register(_LoadCollector(read, self._common))
 
     def request_clock(self, prompt_tokens: int = 0) -> "RequestClock":
         """Start timing one request now (its arrival); counts its prompt tokens."""

@@ -118,7 +118,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import OutOfBlocksError, SamplingParams
     from pdserve.kv_events import KvEventPublisher, KvEventsServicer
-    from pdserve.metrics import ServerMetrics
+    from pdserve.metrics import EngineLoad, ServerMetrics
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
     from pdserve.protos import kv_events_pb2 as kpb
     from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
@@ -153,8 +153,6 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
                         loaded.config.vocab_size, request_timeout_s=args.request_timeout)
-    metrics.follow_gauge("requests_waiting", lambda: frontend.before_first_token)
-    metrics.follow_gauge("requests_running", lambda: frontend.in_flight - frontend.before_first_token)
     draining = {"on": False}
 
     def health() -> dict:
@@ -173,6 +171,14 @@ async def serve(args: argparse.Namespace, discovery) -> int:
                               num_requests=engine.num_requests(), kv_blocks_free=engine.num_free_blocks(),
                               kv_blocks_total=engine.num_blocks, http_port=args.port)
 
+    def engine_load() -> EngineLoad:
+        # running: a decode Session open (or decoding locally); waiting: admitted, no decode yet
+        running = len(node.sessions) + node.local_requests
+        return EngineLoad(waiting=max(0, frontend.in_flight - running), running=running,
+                          kv_blocks_total=engine.num_blocks, kv_blocks_free=engine.num_free_blocks(),
+                          block_size=args.block_size)
+
+    metrics.track_load(engine_load)
     await discovery.start()
     await poller.start()
     app = HttpApi(frontend, health, metrics, is_draining=lambda: draining["on"]).app()

@@ -71,7 +71,6 @@ class Frontend:
         self.request_timeout_s = request_timeout_s
         self.model_name, self.max_model_len, self.metrics = model_name, max_model_len, metrics
         self.in_flight = 0
-        self.before_first_token = 0  # of those, how many have not sent a token yet (queued or prefilling)
         self.active: set[str] = set()  # request ids in flight (client-given ids must be unique)
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
@@ -123,8 +122,6 @@ class Frontend:
         text = TextStream(self.tokenizer.detokenizer(), sp.stop, self.tokenizer.decode)
         outcome, reason = "error", "error"
         self.in_flight += 1
-        self.before_first_token += 1
-        no_token_yet = True
         deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline)
 
         async def next_delta():
@@ -141,9 +138,6 @@ class Frontend:
                 except asyncio.TimeoutError:
                     raise RequestTimedOut(f"request {request_id} did not finish within its deadline of {limit:g}s "
                                           f"(--request-timeout, or the client's X-Request-Timeout / gRPC deadline)") from None
-                if no_token_yet and delta.token_ids:
-                    no_token_yet = False
-                    self.before_first_token -= 1
                 piece = Piece(delta.token_ids, text.add(delta.token_ids), delta.finished, delta.finish_reason)
                 if clock is not None and delta.token_ids:
                     clock.token(len(delta.token_ids))
@@ -176,8 +170,6 @@ class Frontend:
         finally:
             await aclose_fully(deltas)  # closes the Session (cancel reaches decode) if still open
             self.in_flight -= 1
-            if no_token_yet:
-                self.before_first_token -= 1
             self.active.discard(request_id)
             if clock is not None:
                 clock.finish(outcome, reason)

@@ -89,7 +89,7 @@ class PrefillNode:
         self.last_timings: dict[str, SessionTimings] = {}
         config = SessionConfig(self.compat, self.block_size, self.eos_token_ids, self.session_timeout_s,
                                self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error)
-        accounting = TransferAccounting(self.picker, self.engine, self.kv_bytes_per_block, self.metrics)
+        accounting = TransferAccounting(self.picker, self.kv_bytes_per_block, self.metrics)
         self.session_runner = SessionRunner(config, stubs=self.poller.stub, engine=self.engine, sender=self.sender,
                                             registry=self.sessions, observer=accounting)
 

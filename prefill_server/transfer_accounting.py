@@ -7,7 +7,8 @@ Contract (called by ``SessionRunner``, on the event loop):
    so a burst does not pile onto the decode that looked emptiest a moment ago.
 2. ``transferred(timings, blocks)`` - every layer of the request's KV reached the decode and
    prefill released its own blocks: observe compute time, transfer time (whole and per
-   layer) and bytes, and refresh the KV block gauges.
+   layer) and bytes. (The KV block gauges are read from the engine at each scrape:
+   ``ServerMetrics.track_load`` in cli.py.)
 
 Without Prometheus metrics (``metrics=None``) step 2 records nothing; step 1 always runs.
 """
@@ -20,16 +21,14 @@ from .decode_session import SessionTimings
 from .picker import DecodePicker
 
 if TYPE_CHECKING:
-    from pdserve.engine import AsyncLLMEngine
     from pdserve.metrics import ServerMetrics
 
 
 class TransferAccounting:
     """The prefill's ``SessionObserver``: picker accounting and transfer metrics."""
 
-    def __init__(self, picker: DecodePicker, engine: AsyncLLMEngine, kv_bytes_per_block: int,
-                 metrics: ServerMetrics | None = None):
-        self.picker, self.engine, self.metrics = picker, engine, metrics
+    def __init__(self, picker: DecodePicker, kv_bytes_per_block: int, metrics: ServerMetrics | None = None):
+        self.picker, self.metrics = picker, metrics
         self.kv_bytes_per_block = kv_bytes_per_block  # all layers, K and V
 
     def allocated(self, address: str, blocks_reserved: int) -> None:
@@ -45,6 +44,3 @@ class TransferAccounting:
         for seconds in timings.layer_send_seconds:
             m.kv_transfer_layer.observe(max(0.0, seconds))
         m.kv_transfer_bytes.inc(blocks * self.kv_bytes_per_block)
-        free = self.engine.num_free_blocks()
-        m.kv_blocks_free.set(free)
-        m.kv_blocks_used.set(self.engine.num_blocks - free)

@@ -35,7 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--prefill", default="", help="static prefill gRPC addresses: host:port,host:port")
     d.add_argument("--prefill-file", default="", help="file: prefill gRPC addresses, one host:port a line, re-read when "
                                                       "it changes (pdserve up --autoscale writes it)")
-    d.add_argument("--prefill-selector", default="", help="kubernetes: label=value selecting the prefill Services")
+    d.add_argument("--prefill-selector", default="",
+                   help="kubernetes: label=value[,label=value...] selecting the prefill Services")
     d.add_argument("--namespace", default="", help="kubernetes: namespace of the prefill Services")
     d.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
     d.add_argument("--discovery-interval", type=float, default=0.2,
@@ -53,7 +54,8 @@ def make_discovery(args):
     from pdserve.discovery import FileDiscovery, KubernetesDiscovery, StaticDiscovery
 
     if args.discovery == "kubernetes":
-        return KubernetesDiscovery(args.namespace, args.prefill_selector, kubeconfig=args.kubeconfig)
+        return KubernetesDiscovery(args.namespace, args.prefill_selector, kubeconfig=args.kubeconfig,
+                                   flag="--prefill-selector")
     if args.discovery == "file":
         if not args.prefill_file:
             raise ValueError("--discovery file needs --prefill-file")

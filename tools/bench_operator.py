@@ -5,12 +5,13 @@
 Starts etcd + kube-apiserver + kube-controller-manager (tests/harness/kube.py; or uses the cluster
 in $PDSERVE_KUBECONFIG), helm-installs charts/pdserve, runs `pdserve operator` locally with
 the chart's ServiceAccount token (RBAC applies), then applies N copies of
-examples/inferenceservice.yaml (each: 1 prefill + 2 decode pools -> 3 pools, 3 Deployments,
-3 Services, ServiceAccount, Role, RoleBinding, 2 NetworkPolicies) in one `kubectl apply`.
+examples/inferenceservice.yaml (each: 1 prefill + 2 decode pools -> 3 pools, plus a router:
+4 Deployments, 4 Services, 2 ServiceAccounts, Roles and RoleBindings, 3 NetworkPolicies) in one
+`kubectl apply`.
 
 Reports:
 - converge_s: from the start of the apply (objects are created one by one while the operator
-  already works; converge_after_apply_s is the part after the last one exists) until every InferenceService has its 3 Deployments and 3
+  already works; converge_after_apply_s is the part after the last one exists) until every InferenceService has its 4 Deployments and 4
   Services and a status for its current generation (decodeReady "0/3");
 - ready_s: from marking every pod Ready (pods/status, as a kubelet would; there is no
   kubelet here) until every InferenceService is Ready=True;
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             ns = args.namespace
             kube.kubectl("create", "namespace", ns)
             example = yaml.safe_load((REPO / "examples" / "inferenceservice.yaml").read_text())
+            # Deployments (and Services) per InferenceService: prefill, each decode pool, the router
+            children = 1 + len(example["spec"]["decode"]) + (example["spec"].get("router", {}).get("replicas", 1) > 0)
             items = []
             for i in range(args.count):
                 doc = copy.deepcopy(example)
@@ -109,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                 done = 0
                 for o in isvcs():
                     st, name = o.get("status") or {}, o["metadata"]["name"]
-                    if (deps.get(name) == 3 and svcs.get(name) == 3 and st.get("decodeReady") == "0/3"
+                    if (deps.get(name) == children and svcs.get(name) == children and st.get("decodeReady") == "0/3"
                             and st.get("observedGeneration") == o["metadata"]["generation"]):
                         done += 1
                 return done
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
             # The ReplicaSet controller (controller-manager, not the operator) creates the pods; wait
             # for all of them, or pods created after the marking below would never become ready.
-            pods_per_isvc = sum(int(p.get("replicas", 1)) for p in [example["spec"]["prefill"], *example["spec"]["decode"]])
+            pods_per_isvc = sum(int(p.get("replicas", 1)) for p in [example["spec"]["prefill"], *example["spec"]["decode"],
+                                                                     example["spec"].get("router", {})])
             pods_s = wait(lambda: len(core.list_namespaced_pod(ns).items) // pods_per_isvc, args.count,
                           "pods created (controller-manager)", args.timeout)
             t1 = time.monotonic()

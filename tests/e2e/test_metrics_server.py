@@ -142,12 +142,3 @@ def test_aiohttp_handler_serves_the_exposition():
     assert resp.status == 200
     assert resp.headers["Content-Type"].startswith("text/plain")
     assert b'pdserve_requests_running{inference_service="local",pool="default",role="decode"} 3.0' in resp.body
-
-
-def test_a_followed_gauge_is_read_at_every_scrape():
-    m = ServerMetrics(role="decode")
-    count = {"n": 3}
-    m.follow_gauge("requests_waiting", lambda: count["n"])
-    assert scrape(m)[("pdserve_requests_waiting", common(m))] == 3
-    count["n"] = 0
-    assert scrape(m)[("pdserve_requests_waiting", common(m))] == 0

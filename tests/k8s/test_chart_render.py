@@ -7,36 +7,14 @@ with the command to run, like every other k8s test.
 import argparse
 import json
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import yaml
 
-from harness.kube import require_tools, tools_bin_dir
+from harness.chart import CHART, by_kind, helm, render
 from harness.procs import REPO
 
 pytestmark = pytest.mark.k8s
-CHART = REPO / "charts" / "pdserve"
-
-
-def helm(*args: str) -> str:
-    bin_dir = tools_bin_dir()
-    require_tools(bin_dir, ("helm",))
-    proc = subprocess.run([str(bin_dir / "helm"), *args], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, f"helm {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
-
-
-def render(*sets: str) -> list[dict]:
-    args = ["template", "rel", str(CHART), "-n", "pdserve-system"]
-    for s in sets:
-        args += ["--set", s]
-    return [d for d in yaml.safe_load_all(helm(*args)) if d]
-
-
-def by_kind(docs: list[dict], kind: str) -> list[dict]:
-    return [d for d in docs if d["kind"] == kind]
 
 
 def operator_args(docs: list[dict]) -> list[str]:
@@ -104,9 +82,9 @@ def test_rbac_is_least_privilege():
     assert all(set(rule["verbs"]) <= {"get", "list", "watch"} for rule in cluster_read["rules"])
 
 
-def test_operator_can_grant_prefill_pods_only_what_it_holds():
-    """RBAC forbids granting what one does not hold: the prefill Role must be a subset of the operator's rules."""
-    from pdserve.operator import pools, workloads
+def test_operator_can_grant_prefill_and_router_pods_only_what_it_holds():
+    """RBAC forbids granting what one does not hold: the prefill and router Roles must be subsets of the operator's rules."""
+    from pdserve.operator import pools, router_workloads, workloads
     from pdserve.operator.config import OperatorConfig
 
     held = set()
@@ -115,9 +93,10 @@ def test_operator_can_grant_prefill_pods_only_what_it_holds():
             held |= {(g, r, v) for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     isvc = yaml.safe_load((REPO / "examples" / "inferenceservice.yaml").read_text())
     isvc["metadata"]["namespace"] = "ns"
-    pool = pools.build_prefill_pool(isvc, OperatorConfig(default_image="i:1", protocol_version="1"))
-    _, prefill_role, _ = workloads.build_prefill_rbac(pool)
-    for rule in prefill_role["rules"]:
+    config = OperatorConfig(default_image="i:1", protocol_version="1")
+    _, prefill_role, _ = workloads.build_prefill_rbac(pools.build_prefill_pool(isvc, config))
+    (router_role,) = [o for o in router_workloads.build_router(isvc, config) if o["kind"] == "Role"]
+    for rule in prefill_role["rules"] + router_role["rules"]:
         for g in rule["apiGroups"]:
             for r in rule["resources"]:
                 for v in rule["verbs"]:

@@ -41,7 +41,7 @@ class Watcher:
 
 def test_decode_changes_reach_prefill_discovery_without_restart(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
-    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 4, "4 pods", op=operator)
+    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 5, "5 pods", op=operator)
     selector = prefill_selector(kube, ns)
     # The prefill pods' ServiceAccount, made by the operator: its Role must be enough to discover.
     token = kube.token_kubeconfig(ns, "chat-prefill")
@@ -65,7 +65,7 @@ def test_decode_changes_reach_prefill_discovery_without_restart(kube, operator, 
 
 def test_after_a_protocol_upgrade_old_prefills_see_no_new_decodes(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
-    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 4, "4 pods", op=operator)
+    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 5, "5 pods", op=operator)
     old_selector = prefill_selector(kube, ns)
     token = kube.token_kubeconfig(ns, "chat-prefill")
     mark_pods_ready(kube, ns, "pdserve.io/role=decode")

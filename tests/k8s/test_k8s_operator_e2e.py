@@ -35,12 +35,12 @@ def test_chart_installs_and_crds_are_established(kube, operator):
 
 def test_example_creates_pools_deployments_services_with_owners_and_status(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
-    expected = ["chat-decode-big", "chat-decode-main", "chat-prefill"]
-    wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "three Deployments", op=operator)
+    expected = ["chat-decode-big", "chat-decode-main", "chat-prefill", "chat-router"]
+    wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "four Deployments", op=operator)
     assert names(kube, "services", ns) == expected
     assert names(kube, "prefillpools", ns) == ["chat-prefill"]
     assert names(kube, "decodepools", ns) == ["chat-decode-big", "chat-decode-main"]
-    assert names(kube, "networkpolicies", ns) == ["chat-decode", "chat-prefill"]
+    assert names(kube, "networkpolicies", ns) == ["chat-decode", "chat-prefill", "chat-router"]
 
     isvc = get_json(kube, "inferenceservice", "chat", "-n", ns)
     for pool in ("chat-prefill",):
@@ -49,9 +49,11 @@ def test_example_creates_pools_deployments_services_with_owners_and_status(kube,
         obj = get_json(kube, "decodepool", pool, "-n", ns)
         assert obj["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
     for name in expected:
-        kind = "PrefillPool" if name == "chat-prefill" else "DecodePool"
-        assert owner_kinds(get_json(kube, "deployment", name, "-n", ns)) == [(kind, name, True)]
-        assert owner_kinds(get_json(kube, "service", name, "-n", ns)) == [(kind, name, True)]
+        # the router has no pool object: the InferenceService owns its Deployment and Service
+        owner = {"chat-prefill": ("PrefillPool", name), "chat-router": ("InferenceService", "chat")}.get(
+            name, ("DecodePool", name))
+        assert owner_kinds(get_json(kube, "deployment", name, "-n", ns)) == [(*owner, True)]
+        assert owner_kinds(get_json(kube, "service", name, "-n", ns)) == [(*owner, True)]
     for kind in ("serviceaccount", "role", "rolebinding"):
         assert owner_kinds(get_json(kube, kind, "chat-prefill", "-n", ns)) == [("PrefillPool", "chat-prefill", True)]
 
@@ -65,19 +67,22 @@ def test_example_creates_pools_deployments_services_with_owners_and_status(kube,
     isvc = wait_for(kube, status_written, "InferenceService status", op=operator)
     status = isvc["status"]
     assert status["observedGeneration"] == isvc["metadata"]["generation"]
-    assert status["endpoint"] == f"http://chat-prefill.{ns}.svc:8000"
+    assert status["endpoint"] == f"http://chat-router.{ns}.svc:8000" and status["routerReady"] == "0/1"
     assert condition(isvc, "Ready")["status"] == "False" and condition(isvc, "Ready")["reason"] == "PrefillNotReady"
     assert condition(isvc, "Progressing")["status"] == "True"
     assert condition(isvc, "Degraded")["status"] == "False"
     # Printer columns come from that status.
     table = kube.kubectl("get", "pdis", "chat", "-n", ns).stdout
-    assert "0/1" in table and "0/3" in table and "chat-prefill" in table
+    assert "0/1" in table and "0/3" in table and "chat-router" in table
 
     # Ready: prefill and one decode pool get ready pods (as a kubelet would report).
     assert len(mark_pods_ready(kube, ns, "pdserve.io/inference-service=chat,pdserve.io/role=prefill")) == 1
     wait_for(kube, lambda: condition(get_json(kube, "inferenceservice", "chat", "-n", ns), "Ready")["reason"]
              == "NoDecodePoolReady", "Ready=False/NoDecodePoolReady", op=operator)
     assert len(mark_pods_ready(kube, ns, "pdserve.io/pool=big")) == 1
+    wait_for(kube, lambda: condition(get_json(kube, "inferenceservice", "chat", "-n", ns), "Ready")["reason"]
+             == "RouterNotReady", "Ready=False/RouterNotReady", op=operator)
+    assert len(mark_pods_ready(kube, ns, "pdserve.io/role=router")) == 1
     isvc = wait_for(kube, lambda: (lambda o: o if condition(o, "Ready")["status"] == "True" else None)(
         get_json(kube, "inferenceservice", "chat", "-n", ns)), "Ready=True", op=operator)
     assert condition(isvc, "Ready")["reason"] == "Serving"
@@ -109,12 +114,13 @@ def test_kubectl_scale_on_a_pool_reaches_its_deployment_and_sticks(kube, operato
 
 def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
-    wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 3, "Deployments", op=operator)
+    wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 4, "Deployments", op=operator)
     patch = {"spec": {"image": "registry.test/pdserve:2", "protocolVersion": "2"}}
     kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps(patch))
 
     def rolled():
-        deps = [get_json(kube, "deployment", n, "-n", ns) for n in ("chat-prefill", "chat-decode-main", "chat-decode-big")]
+        deps = [get_json(kube, "deployment", n, "-n", ns)
+                for n in ("chat-prefill", "chat-decode-main", "chat-decode-big", "chat-router")]
         templates = [d["spec"]["template"] for d in deps]
         return all(t["spec"]["containers"][0]["image"] == "registry.test/pdserve:2"
                    and t["metadata"]["labels"]["pdserve.io/protocol-version"] == "2" for t in templates)
@@ -138,16 +144,16 @@ def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube,
 
 def test_removing_a_decode_pool_deletes_it_and_its_children(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
-    wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 3, "Deployments", op=operator)
+    wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 4, "Deployments", op=operator)
     kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=json", "-p", '[{"op": "remove", "path": "/spec/decode/1"}]')
     wait_for(kube, lambda: names(kube, "decodepools", ns) == ["chat-decode-main"], "pool big deleted", op=operator)
-    wait_for(kube, lambda: names(kube, "deployments", ns) == ["chat-decode-main", "chat-prefill"],
+    wait_for(kube, lambda: names(kube, "deployments", ns) == ["chat-decode-main", "chat-prefill", "chat-router"],
              "its Deployment garbage-collected", op=operator)
 
 
 def test_deleting_the_inferenceservice_removes_everything_it_owned(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
-    wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 3, "Deployments", op=operator)
+    wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 4, "Deployments", op=operator)
     wait_for(kube, lambda: names(kube, "pods", ns), "pods", op=operator)
     kube.kubectl("delete", "pdis", "chat", "-n", ns, "--wait=false")
     kinds = ["prefillpools", "decodepools", "deployments", "replicasets", "pods", "services", "serviceaccounts",
@@ -168,6 +174,8 @@ INVALID = [
     ("block size too big", {"spec": {"transfer": {"blockSize": 4096}}}, "spec.transfer.blockSize"),
     ("unknown routing policy", {"spec": {"routing": {"policy": "random"}}}, "spec.routing.policy"),
     ("negative replicas", {"spec": {"prefill": {"replicas": -1}}}, "spec.prefill.replicas"),
+    ("negative router replicas", {"spec": {"router": {"replicas": -1}}}, "spec.router.replicas"),
+    ("negative router load weight", {"spec": {"router": {"loadWeight": -2}}}, "spec.router.loadWeight"),
     ("duplicate decode pool names", {"spec": {"decode": [{"name": "a"}, {"name": "a"}]}}, "spec.decode pool names must be unique"),
     ("bad pool name", {"spec": {"decode": [{"name": "Main_Pool"}]}}, "spec.decode[0].name"),
     ("relative model path", {"spec": {"model": {"source": "models/qwen"}}}, "spec.model.source"),
@@ -215,10 +223,10 @@ def test_restart_mid_reconcile_converges_to_the_same_state(kube, operator, ns):
     operator.kill()
     partial = {k: names(kube, k, ns) for k in ("decodepools", "deployments", "services")}
     try:
-        expected = sorted(["chat-prefill"] + [f"chat-decode-p{i}" for i in range(6)])
+        expected = sorted(["chat-prefill", "chat-router"] + [f"chat-decode-p{i}" for i in range(6)])
         operator.start()
-        wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "all 7 Deployments after restart", op=operator)
-        wait_for(kube, lambda: names(kube, "services", ns) == expected, "all 7 Services", op=operator)
+        wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "all 8 Deployments after restart", op=operator)
+        wait_for(kube, lambda: names(kube, "services", ns) == expected, "all 8 Services", op=operator)
         isvc = wait_for(kube, lambda: (lambda o: o if o.get("status", {}).get("decodeReady") == "0/6" else None)(
             get_json(kube, "inferenceservice", "chat", "-n", ns)), "status after restart", op=operator)
         assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]

@@ -39,7 +39,8 @@ def test_operator_with_roles_in_one_namespace_reconciles_there_only(kube, namesp
 
     kube.kubectl("apply", "-n", WATCHED, "-f", EXAMPLE)
     kube.kubectl("apply", "-n", OTHER, "-f", EXAMPLE)
-    wait_for(kube, lambda: names(kube, "deployments", WATCHED) == ["chat-decode-big", "chat-decode-main", "chat-prefill"],
+    wait_for(kube, lambda: names(kube, "deployments", WATCHED) == ["chat-decode-big", "chat-decode-main", "chat-prefill",
+                                                                 "chat-router"],
              "Deployments in the watched namespace", op=op)
     isvc = wait_for(kube, lambda: (lambda o: o if (o.get("status") or {}).get("decodeReady") == "0/3" else None)(
         get_json(kube, "inferenceservice", "chat", "-n", WATCHED)), "status in the watched namespace", op=op)

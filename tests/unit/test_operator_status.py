@@ -14,6 +14,7 @@ CONFIG = OperatorConfig(default_image="img:1", protocol_version="1")
 def isvc() -> dict:
     doc = yaml.safe_load((REPO / "examples" / "inferenceservice.yaml").read_text())
     doc["metadata"].update(namespace="ns1", generation=3)
+    doc["spec"]["router"] = {"replicas": 0}  # pools only here; the router's part: test_operator_router.py
     return doc
 
 

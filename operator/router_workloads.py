@@ -1,0 +1,164 @@
+"""Pure builders: an InferenceService -> its router (``pdserve router``, the KV-aware front door).
+
+The router has no pool object of its own: ``spec.router`` (replicas, resources, nodeSelector,
+tolerations, loadWeight) is read straight from the InferenceService, which owns the objects
+built here (``build_router``, in creation order):
+
+- ServiceAccount, Role, RoleBinding ``<isvc>-router``: watch EndpointSlices and read Services
+  in the namespace, as ``pdserve.discovery.KubernetesDiscovery`` needs, nothing else;
+- Service ``<isvc>-router`` (ClusterIP, port ``http``): the endpoint in the status;
+- Deployment ``<isvc>-router``: ``pdserve router --discovery kubernetes --prefill-selector
+  <the prefill Service's labels>``, so each router pod follows the prefill Service's
+  EndpointSlices (its ready pods, port "grpc") exactly as the prefill follows its decodes;
+- NetworkPolicy ``<isvc>-router`` when the operator runs with --network-policy: the HTTP
+  port open, nothing else (the router only dials out).
+
+``spec.router.replicas: 0`` means no router: ``router_object_names`` lists what the handler
+deletes then, and the prefill Service is the front door again. Replicas all watch the same
+prefills' KV events and choose alike (``pdserve.router.choice``), so any number may run.
+"""
+
+from __future__ import annotations
+
+from pdserve import defaults
+from pdserve.operator import crds, naming, pools, workloads
+from pdserve.operator.config import OperatorConfig
+
+ROLE = "router"
+
+
+def router_settings(isvc: dict) -> dict:
+    return isvc["spec"].get("router") or {}
+
+
+def router_replicas(isvc: dict) -> int:
+    """Router pods wanted (``spec.router.replicas``, schema default 1); 0: no router."""
+    return int(router_settings(isvc).get("replicas", crds.DEFAULT_REPLICAS))
+
+
+def _facts(isvc: dict, config: OperatorConfig) -> tuple[str, str | None, dict, dict]:
+    meta = isvc["metadata"]
+    spec = pools.shared_spec(isvc, config, router_settings(isvc))
+    return meta["name"], meta.get("namespace"), spec, naming.common_labels(meta["name"], ROLE, ROLE, spec["protocolVersion"])
+
+
+def _metadata(name: str, namespace: str | None, labels: dict) -> dict:
+    metadata = {"name": name, "labels": dict(labels)}
+    if namespace:
+        metadata["namespace"] = namespace
+    return metadata
+
+
+def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
+    """The router command line (after the `pdserve` entry point); flags as `pdserve router --help` names them."""
+    name, namespace, spec, _ = _facts(isvc, config)
+    args = [
+        "router",
+        "--host", "0.0.0.0",
+        "--port", str(defaults.HTTP_PORT),
+        "--model", spec["model"]["source"],  # only its tokenizer is loaded, to hash prompts as the prefill does
+        "--discovery", "kubernetes",
+        "--namespace", namespace or "$(POD_NAMESPACE)",
+        "--prefill-selector", naming.prefill_selector(name),
+    ]
+    load_weight = router_settings(isvc).get("loadWeight")
+    if load_weight is not None:
+        args += ["--load-weight", f"{float(load_weight):g}"]
+    return args
+
+
+def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
+    name, namespace, spec, labels = _facts(isvc, config)
+    router = naming.router_name(name)
+    volumes, mounts = workloads.model_volumes(spec)
+    port = defaults.HTTP_PORT
+    container = {
+        "name": ROLE,
+        "image": spec["image"],
+        "command": ["pdserve"],
+        "args": router_args(isvc, config),
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": workloads.pod_env(spec, ROLE, ROLE),
+        "volumeMounts": mounts,
+        # /ready is 503 while no prefill is routable: the Service sends nothing to such a router
+        "readinessProbe": {"httpGet": {"path": "/ready", "port": port}, "periodSeconds": 5, "failureThreshold": 3},
+        "livenessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 10, "failureThreshold": 6,
+                          "initialDelaySeconds": 10},
+        "startupProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5, "failureThreshold": 60},
+        "securityContext": workloads.container_security(),
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    if spec.get("resources"):
+        container["resources"] = spec["resources"]
+    pod_spec = {
+        "containers": [container],
+        "volumes": volumes,
+        "securityContext": workloads.pod_security(),
+        "serviceAccountName": router,
+        "automountServiceAccountToken": True,
+        "terminationGracePeriodSeconds": 30,
+    }
+    for key in ("nodeSelector", "tolerations"):
+        if spec.get(key):
+            pod_spec[key] = spec[key]
+    metadata = _metadata(router, namespace, labels)
+    generation = isvc["metadata"].get("generation")
+    if generation is not None:
+        metadata["annotations"] = {naming.ANNOTATION_OWNER_GENERATION: str(generation)}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata,
+        "spec": {
+            "replicas": router_replicas(isvc),
+            "selector": {"matchLabels": naming.selector_labels(name, ROLE, ROLE)},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": labels,
+                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                                             "prometheus.io/path": "/metrics"}},
+                "spec": pod_spec,
+            },
+        },
+    }
+
+
+def build_router_service(isvc: dict, config: OperatorConfig) -> dict:
+    name, namespace, _, labels = _facts(isvc, config)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(naming.router_name(name), namespace, labels),
+            "spec": {"type": "ClusterIP", "selector": naming.selector_labels(name, ROLE, ROLE),
+                     "ports": [{"name": "http", "port": defaults.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def build_router_network_policy(isvc: dict, config: OperatorConfig) -> dict:
+    name, namespace, _, labels = _facts(isvc, config)
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(naming.network_policy_name(name, ROLE), namespace, labels),
+        "spec": {
+            "podSelector": {"matchLabels": {naming.LABEL_ISVC: name, naming.LABEL_ROLE: ROLE}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"ports": [{"protocol": "TCP", "port": defaults.HTTP_PORT}]}],
+        },
+    }
+
+
+def build_router(isvc: dict, config: OperatorConfig) -> list[dict]:
+    """Everything the router needs, in creation order (empty when ``spec.router.replicas`` is 0)."""
+    if router_replicas(isvc) == 0:
+        return []
+    name, namespace, _, labels = _facts(isvc, config)
+    children = workloads.discovery_rbac(naming.router_name(name), namespace, labels)
+    children += [build_router_service(isvc, config), build_router_deployment(isvc, config)]
+    if config.network_policy:
+        children.append(build_router_network_policy(isvc, config))
+    return children
+
+
+def router_object_names(isvc_name: str) -> list[tuple[str, str]]:
+    """(kind, name) of every object ``build_router`` can make, in deletion order (the pods go first)."""
+    router = naming.router_name(isvc_name)
+    return [("Deployment", router), ("Service", router), ("NetworkPolicy", naming.network_policy_name(isvc_name, ROLE)),
+            ("RoleBinding", router), ("Role", router), ("ServiceAccount", router)]
