@@ -145,9 +145,16 @@ def run_arm(arm: str, args: argparse.Namespace, specs: list[RequestSpec], arriva
                 if d["desired"] != d["current"]:
                     events.append({"t": round(d["time"] - wall0, 2), "pool": d["pool"], "from": d["current"],
                                    "to": d["desired"], "reason": d["reason"]})
-    return {"arm": arm, "flags": arm_flags(arm, args), "wall_s": wall, "results": [r.to_json() for r in results],
+    return {"arm": arm, "flags": arm_flags(arm, args), "wall_s": wall, "results": [compact(r.to_json()) for r in results],
             "servers": monitor.samples, "scale_events": events, "sessions_finished_by_drained_decodes": drained,
             "logs": str(up_dir)}
+
+
+def compact(r: dict) -> dict:
+    """One request's result without its per-token gaps (their mean and max are what the figures use)."""
+    gaps = r.pop("gaps", None) or []
+    r["error"] = (r.get("error") or "")[:300]
+    return {**r, "mean_tbt": sum(gaps) / len(gaps) if gaps else 0.0, "max_tbt": max(gaps, default=0.0)}
 
 
 def workload(args: argparse.Namespace, trace: LoadTrace) -> tuple[list[RequestSpec], list[float]]:

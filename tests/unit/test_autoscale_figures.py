@@ -10,7 +10,7 @@ TRACE = LoadTrace(rate=1, burst=4, quiet_s=10, plateau_s=20, ramp_s=10, tail_s=1
 
 
 def req(sent_at, ttft=0.2, ok=True, gap=0.01):
-    return {"sent_at": sent_at, "ok": ok, "ttft": ttft, "gaps": [gap] * 3, "error": "" if ok else "boom"}
+    return {"sent_at": sent_at, "ok": ok, "ttft": ttft, "mean_tbt": gap, "error": "" if ok else "boom"}
 
 
 def test_attainment_and_recovery_after_the_burst():
@@ -54,3 +54,10 @@ def test_direction_changes_and_targets():
     assert all(c["met"] for c in verdict["checks"].values())
     figures["autoscale"]["process_seconds"] = 80.0
     assert not targets(figures, TRACE)["checks"]["process_seconds_vs_over"]["met"]
+
+
+def test_compact_results_keep_the_mean_and_max_gap():
+    from pdserve.bench.experiments.autoscale import compact
+
+    r = compact({"ok": True, "ttft": 0.1, "gaps": [0.01, 0.03], "error": "x" * 1000})
+    assert "gaps" not in r and r["mean_tbt"] == 0.02 and r["max_tbt"] == 0.03 and len(r["error"]) == 300
