@@ -1,7 +1,7 @@
 """Autoscaling of an InferenceService's pools (``spec.autoscaling``): the planner in the operator.
 
-A kopf timer ticks every ``TICK_S`` on each InferenceService with ``spec.autoscaling.enabled``
-and runs one round when ``intervalSeconds`` have passed since the last:
+A kopf daemon runs on each InferenceService with ``spec.autoscaling.enabled`` (it stops when
+autoscaling is turned off) and does one round every ``intervalSeconds``:
 
 1. **observe** - the pools (PrefillPool, DecodePools) and their ready pods; a ``Window`` per
    pool over ``windowSeconds`` from the metrics source (autoscaling_metrics.py: the
@@ -38,7 +38,6 @@ from pdserve.operator.autoscaling_metrics import MetricsUnavailable, PodsSource,
 from pdserve.planner import Decision, Planner, PlannerConfig, PoolLimits
 
 G, V = naming.GROUP, naming.VERSION
-TICK_S = 2.0
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
 log = logging.getLogger(__name__)
 
@@ -65,7 +64,6 @@ class IsvcState:
 
     config: PlannerConfig
     planners: dict[str, Planner] = field(default_factory=dict)  # pool object name -> its planner
-    last_round: float = 0.0
     last_change: dict[str, tuple[str, str]] = field(default_factory=dict)  # pool -> (time, reason)
     unavailable: str = ""
 
@@ -161,32 +159,35 @@ def _timestamp() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-@kopf.timer(G, V, "inferenceservices", interval=TICK_S, sharp=False, when=enabled)
-def isvc_autoscale(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger, **_) -> None:
+@kopf.daemon(G, V, "inferenceservices", when=enabled, cancellation_timeout=5.0)
+def isvc_autoscale(stopped, body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger,
+                   **_) -> None:
+    """One round every spec.autoscaling.intervalSeconds while autoscaling is on (kopf stops the
+    daemon when it is turned off or the InferenceService goes; ``body`` is always the latest)."""
     with _memo_guard:
         if not hasattr(memo, "autoscaling"):
             memo.autoscaling = {"states": {}, "source": _source(memo)}
     states, source = memo.autoscaling["states"], memo.autoscaling["source"]
-    isvc = plain(body)
-    config = planner_config(isvc)
     key = f"{namespace}/{name}"
-    state = states.get(key)
-    if state is None or state.config != config:  # new, or its bounds/targets/timings changed: start afresh
-        state = states[key] = IsvcState(config)
-    now = time.monotonic()
-    interval = float((isvc["spec"].get("autoscaling") or {}).get("intervalSeconds", 15))
-    if now - state.last_round < interval:
-        return
-    state.last_round = now
 
     def post(type_: str, reason: str, message: str) -> None:
         kopf.event(body, type=type_, reason=reason, message=message[:1000])
 
-    try:
-        for d in run_round(memo.api, source, isvc, state, now, post):
-            logger.info(f"autoscaling {d.describe()}")
-    except ApiException as e:  # the next round retries; say why once in the log
-        logger.warning(f"autoscaling round failed: {e.status} {e.reason}")
+    while not stopped:
+        isvc = plain(body)
+        config = planner_config(isvc)
+        state = states.get(key)
+        if state is None or state.config != config:  # new, or its bounds/targets/timings changed: start afresh
+            state = states[key] = IsvcState(config)
+        try:
+            for d in run_round(memo.api, source, isvc, state, time.monotonic(), post):
+                logger.info(f"autoscaling {d.describe()}")
+        except ApiException as e:  # the next round retries
+            logger.warning(f"autoscaling round failed: {e.status} {e.reason}")
+        stopped.wait(float((isvc["spec"].get("autoscaling") or {}).get("intervalSeconds", 15)))
+    states.pop(key, None)
+    if isinstance(source, PodsSource):
+        source.forget(namespace, name)
 
 
 _memo_guard = threading.Lock()

@@ -172,7 +172,7 @@ def _autoscaling_bounds(pool: str, default_max: int) -> dict:
         {"minReplicas": _int(f"Fewest {pool} pods the planner keeps.", 1, MAX_REPLICAS, 1),
          "maxReplicas": _int(f"Most {pool} pods the planner runs.", 1, MAX_REPLICAS, default_max)},
         description=f"Bounds of the {pool} pool{' (each decode pool)' if pool == 'decode' else ''}.",
-        default={},
+        default={"minReplicas": 1, "maxReplicas": default_max},
         **{"x-kubernetes-validations": [_rule("self.minReplicas <= self.maxReplicas",
                                               f"spec.autoscaling.{pool}.minReplicas must be <= maxReplicas")]},
     )

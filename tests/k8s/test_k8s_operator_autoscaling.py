@@ -147,9 +147,11 @@ def test_scale_down_marks_the_idle_pod_for_deletion_first(kube, operator, ns, tm
                         seen[pod["metadata"]["name"]] = cost
                 return replicas(kube, ns, "decodepool", DECODE) == 1
             wait_for(kube, scaled_down, "the decode pool scaled to 1", timeout=120, op=operator)
-            assert seen.get(idle) == "0" and seen.get(busy) == "1", seen  # set before the replicas changed
             wait_for(kube, lambda: [p for p in ready_pods(kube, ns, "pdserve.io/role=decode", 1)] == [busy],
                      "the idle decode pod removed, the busy one kept", op=operator)
+            scaled_down()
+            # ranked by load: the busy pod second (1), so another (the idle one, 0) went first
+            assert seen.get(busy) == "1" and seen.get(idle, "0") == "0", seen
             assert "ScaledDown" in event_reasons(kube, ns)
             assert pool_status(kube, ns, DECODE)["desired"] == 1
     finally:
@@ -166,3 +168,10 @@ def test_with_autoscaling_off_kubectl_scale_is_left_alone(kube, operator, ns):
     time.sleep(6)
     assert replicas(kube, ns, "decodepool", DECODE) == 3
     assert not (get_json(kube, "inferenceservice", ISVC, "-n", ns).get("status") or {}).get("autoscaling")
+
+
+def test_min_above_max_is_refused_by_the_api_server(kube, operator, ns):
+    doc = yaml.safe_load(isvc(ns, decode_replicas=1, decode_max=2))
+    doc["spec"]["autoscaling"]["decode"] = {"minReplicas": 3, "maxReplicas": 2}
+    proc = kube.kubectl("apply", "-f", "-", input=yaml.safe_dump(doc), check=False)
+    assert proc.returncode != 0 and "spec.autoscaling.decode.minReplicas must be <= maxReplicas" in proc.stderr
