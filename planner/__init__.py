@@ -2,8 +2,8 @@
 
 The control loop, as the operator and ``pdserve up --autoscale`` run it:
 
-1. **observe a window** - two scrapes of every ready replica's /metrics (``observe.py``)
-   become one ``Window``: TTFT and TBT
+1. **observe a window** - scrapes of every ready replica's /metrics (``observe.py``), or
+   PromQL over a Prometheus (``promql.py``), become one ``Window``: TTFT and TBT
    percentiles against the SLO, the queue at prefill and its growth, decode KV utilisation,
    prefill busy time, token rates, requests in flight.
 2. **decide** - ``Planner.decide(window, replicas)`` gives each pool a ``Decision``: the
@@ -20,7 +20,7 @@ The control loop, as the operator and ``pdserve up --autoscale`` run it:
 Reading path: ``window.py`` (the input), ``config.py`` (targets, bounds, tuning),
 ``recommend.py`` (what one window calls for, and why), ``planner.py`` (memory:
 stabilisation, cooldown, confirmation, bounds), then ``observe.py`` + ``exposition.py``
-(/metrics text -> Window).
+(/metrics text -> Window) and ``promql.py`` (Prometheus queries and answers -> Window).
 
 This package imports no other part of pdserve (the design allows ``pdserve.defaults``); the operator and
 ``localcluster`` import it.
