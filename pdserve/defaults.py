@@ -9,7 +9,8 @@ in ``pdserve.engine.defaults`` (the engine imports nothing of ours) and re-expor
 from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
-           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S"]
+           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S",
+           "MAX_QUEUED_REQUESTS"]
 
 # Prefill pods: the OpenAI-compatible HTTP API (also /health, /ready, /metrics).
 HTTP_PORT = 8000
@@ -25,6 +26,10 @@ KV_TRANSFER_PORT = 50060
 # Prefill: the end-to-end deadline of one request, in seconds (--request-timeout; clients
 # may only shorten it, with X-Request-Timeout or a gRPC deadline).
 REQUEST_TIMEOUT_S = 600.0
+
+# Prefill: requests that may wait at once in the admission queue for a decode with free KV
+# blocks (--max-queued-requests); one more gets 429.
+MAX_QUEUED_REQUESTS = 1024
 
 # Environment variables the operator sets on every pod so its metrics carry the pod's labels.
 ENV_POOL = "PDSERVE_POOL"

@@ -41,7 +41,8 @@ Who records what (the dashboards in charts/pdserve/dashboards/ query these):
 metric                          role      recorded when
 ==============================  ========  ================================================
 ttft, tbt, e2e_latency          prefill   via RequestClock as tokens reach the client
-queue_wait                      prefill   request admitted -> a decode allocated (prefill compute starts)
+queue_wait                      prefill   request admitted -> a decode allocated (prefill compute starts;
+                                          includes its time in the admission queue)
 prefill_compute                 prefill   the forward pass over the prompt
 kv_transfer                     prefill   first layer sent -> last layer acknowledged
 kv_transfer_layer               prefill   one layer's KV send (store -> sent)
@@ -61,6 +62,7 @@ requests_running / _waiting     both      read at each scrape (``track_load``): 
                                           decoding / still receiving KV; prefill: requests with
                                           a decode Session open (or decoding locally) / admitted
                                           and still waiting for a decode
+requests_queued                 prefill   a request joins or leaves the admission queue (every decode full)
 known_decodes                   prefill   after each discovery / load-report update
 ==============================  ========  ================================================
 
@@ -194,6 +196,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kv_blocks_used", "pdserve_kv_blocks_used", _G, "KV cache blocks in use."),
     MetricSpec("requests_running", "pdserve_requests_running", _G, "Requests in the running batch."),
     MetricSpec("requests_waiting", "pdserve_requests_waiting", _G, "Requests waiting to be scheduled."),
+    MetricSpec("requests_queued", "pdserve_requests_queued", _G,
+               "Prefill: requests in the admission queue, waiting for a decode with enough free KV blocks."),
     MetricSpec("known_decodes", "pdserve_known_decodes", _G,
                "Decodes prefill knows and can route to (compatible, fresh load report)."),
 )

@@ -4,6 +4,7 @@ prefills layer by layer while the CacheStore pushes each layer, relays decode's 
 Reading path (in this order):
   ``cli.py``                ``pdserve prefill``: the request lifecycle as a numbered list, start-up wiring
   ``node.py``               PrefillNode.generate: pick -> Session -> retry -> local fallback -> resume
+  ``admission_queue.py``    AdmissionQueue: requests wait in line (FIFO, deadline, max length) while every decode is full
   ``decode_session.py``     SessionRunner: the prefill end of one Session stream (Start, Allocation, KV push, tokens)
   ``transfer_accounting.py`` TransferAccounting: picker accounting of allocations, transfer metrics
   ``picker.py``             DecodePicker: smooth weighted round robin on free KV bytes, or round robin

@@ -10,7 +10,10 @@ Request lifecycle on prefill:
    plain round robin); only decodes with our protocol version and a fresh report.
 3. **session** - one bidirectional Session stream to that decode: Start -> Allocation
    (or Refusal: next decode, at most --max-attempts; then --local-fallback; if every
-   decode was only busy, wait for blocks up to --queue-timeout; else 503).
+   decode was only busy, wait in the admission queue, first come first served, until a
+   decode has the blocks or the request's deadline passes (504); at most
+   --max-queued-requests wait (one more: 429); a request larger than any decode's whole
+   pool: 413 at once; else 503).
 4. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
    each layer's blocks to decode as soon as they are written.
 5. **first token** - sampled here, sent on the Session and to the client.
@@ -72,8 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="when a decode fails mid-generation, end the stream with an error instead of resuming the "
                         "request on another decode (re-prefilling prompt + tokens so far)")
     d.add_argument("--local-fallback", action="store_true", help="decode locally when no decode can take a request")
-    d.add_argument("--queue-timeout", type=float, default=10.0,
-                   help="seconds a request may wait for free KV blocks (all decodes busy) before the 503")
+    d.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request may wait in the admission queue for free KV blocks (all decodes busy) "
+                        "before a 503 (default: until the request's deadline, then 504)")
+    d.add_argument("--max-queued-requests", type=int, default=defaults.MAX_QUEUED_REQUESTS,
+                   help="requests that may wait at once in the admission queue; one more gets 429 (queue_full)")
     d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
     d.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
                    help="end-to-end deadline of a request in seconds (clients may shorten it with the header "
@@ -100,8 +106,11 @@ def make_discovery(args):
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "prefill")
     for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout"):
-        if not getattr(args, flag) > 0:
-            raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {value}")
+    if args.max_queued_requests < 0:
+        raise SystemExit(f"pdserve prefill: --max-queued-requests must be >= 0, got {args.max_queued_requests}")
     try:
         discovery = make_discovery(args)
     except ValueError as exc:
@@ -148,7 +157,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         block_size=args.block_size, kv_bytes_per_block=parts.kv_bytes_per_block,
         eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
         local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
-        queue_timeout_s=args.queue_timeout, session_timeout_s=args.session_timeout,
+        queue_timeout_s=args.queue_timeout, max_queued=args.max_queued_requests, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
@@ -158,7 +167,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     def health() -> dict:
         kv_free = engine.num_free_blocks()
         return {
-            "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight,
+            "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight, "queued": len(node.queue),
             "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
             "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],

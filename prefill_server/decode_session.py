@@ -164,11 +164,12 @@ class SessionRunner:
         self._releasing: set[asyncio.Task] = set()  # engine releases queued by cancelled runs
 
     async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None,
-                  deadline: float | None = None):
+                  deadline: float | None = None, on_allocated: Callable[[], None] | None = None):
         """Async generator of Deltas for one request served by the decode at ``address``.
 
         ``deadline`` (``time.monotonic()`` seconds) is the request's end-to-end deadline:
         the Session call gets it (plus ``DEADLINE_SLACK_S``) as its gRPC deadline.
+        ``on_allocated`` is called once the decode allocated (after the observer was told).
         Raises Retryable before the first Delta, DecodeFailed after it.
         """
         cfg = self.config
@@ -190,6 +191,8 @@ class SessionRunner:
             timings.allocated = time.monotonic()
             # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
+            if on_allocated is not None:
+                on_allocated()
             if HOLD_AFTER_ALLOCATION_S:  # test hook: a window in which the decode holds a reservation
                 await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)
             # 3. prefill + push, layer by layer

@@ -4,13 +4,17 @@
 - ``sampling(spec, n_prompt)``: the engine's SamplingParams, with the default max_tokens
   capped by the context left, and a ``BadRequest`` when the prompt (plus max_tokens)
   does not fit the model's context;
-- ``stream(...)``: the PrefillNode's token deltas as ``Piece``s (token ids + text, stop
-  strings cut), recording the request's metrics (TTFT, TBT, e2e, outcome) exactly once;
+- ``stream(...)``: the PrefillNode's token deltas as ``Piece``s, one per generated token
+  (its id and the text it releases, "" when held back: part of a UTF-8 character or a
+  possible stop string), then a last finished Piece with no token that carries the text
+  still held back; stop strings cut; records the request's metrics (TTFT, TBT, e2e,
+  outcome) exactly once;
 - the end-to-end deadline: ``request_timeout_s`` (``--request-timeout``), shortened per
   request by ``stream(..., timeout_s=...)`` (the client's ``X-Request-Timeout`` header or
   gRPC deadline). When it passes, the node's generator is cancelled (its Session to decode
   is cancelled and everything it holds is released) and ``RequestTimedOut`` is raised:
-  HTTP 504 / an SSE error event, gRPC DEADLINE_EXCEEDED.
+  HTTP 504 / an SSE error event, gRPC DEADLINE_EXCEEDED. A request still waiting in the
+  node's admission queue gives up just before the deadline, and its message says so.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pdserve import defaults
 
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
-from .node import NoDecodeAvailable, PrefillNode
+from .node import NoDecodeAvailable, PrefillNode, QueueFull, QueueTimeout, RequestTooLarge
 from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, BadRequest, ParsedRequest, SamplingSpec
 from .text_stream import TextStream
 
@@ -55,6 +59,10 @@ def parse_timeout_header(value: str | None, name: str = "X-Request-Timeout") -> 
 
 @dataclass(slots=True)
 class Piece:
+    """What ``Frontend.stream`` yields: one generated token and the text it releases (often ""
+    while a character or a possible stop string is incomplete), or, last, the finish: no
+    token, ``finished`` set, and the text still held back at the end (usually "")."""
+
     token_ids: list[int]
     text: str
     finished: bool = False
@@ -135,27 +143,30 @@ class Frontend:
                     delta = await asyncio.wait_for(next_delta(), max(0.0, deadline - time.monotonic()))
                 except StopAsyncIteration:
                     break
+                except QueueTimeout as exc:  # the admission queue gave up just before the deadline, saying why
+                    raise RequestTimedOut(str(exc)) from None
                 except asyncio.TimeoutError:
                     raise RequestTimedOut(f"request {request_id} did not finish within its deadline of {limit:g}s "
                                           f"(--request-timeout, or the client's X-Request-Timeout / gRPC deadline)") from None
-                piece = Piece(delta.token_ids, text.add(delta.token_ids), delta.finished, delta.finish_reason)
                 if clock is not None and delta.token_ids:
                     clock.token(len(delta.token_ids))
-                if text.stopped and not delta.finished:
-                    # a stop string the engine has not acted on yet (it would on its next step): stop here
-                    piece.finished, piece.finish_reason = True, "stop"
-                if piece.finished:
-                    if not text.stopped:
-                        piece.text += text.flush()
-                    outcome, reason = "ok", piece.finish_reason or "stop"
+                for token_id in delta.token_ids:  # one Piece per token, its text possibly ""
+                    yield Piece([token_id], text.add([token_id]))
+                    if text.stopped:
+                        # a stop string ends here; tokens after it (the engine stops on its
+                        # next step, or already did) are not the client's
+                        break
+                if delta.finished or text.stopped:
+                    rest = "" if text.stopped else text.flush()
+                    outcome, reason = "ok", "stop" if text.stopped else delta.finish_reason or "stop"
                     if clock is not None:  # the request is served now, whatever the teardown takes
                         clock.finish(outcome, reason)
-                    yield piece
+                    yield Piece([], rest, True, reason)
                     return
-                yield piece
             raise DecodeFailed("the request ended without a finish")
-        except NoDecodeAvailable:
-            reason = "no_decode"
+        except NoDecodeAvailable as exc:
+            reason = ("queue_full" if isinstance(exc, QueueFull) else
+                      "too_large" if isinstance(exc, RequestTooLarge) else "no_decode")
             raise
         except DecodeFailed:
             reason = "decode_failed"

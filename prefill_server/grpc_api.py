@@ -1,7 +1,12 @@
 """The prefill server's client gRPC API: ``Generator.Generate`` (server streaming).
 
-Status codes: INVALID_ARGUMENT for bad input (message names the field), UNAVAILABLE when
-no decode could take the request and local fallback is off (message lists the reasons),
+One GenerateResponse per generated token (its ``text`` may be "", see http_api.py's
+streaming rules), then a last one with ``finish_reason`` set and no token.
+
+Status codes: INVALID_ARGUMENT for bad input (message names the field) and for a request
+larger than any decode's whole KV pool, RESOURCE_EXHAUSTED when the admission queue is
+full, UNAVAILABLE when no decode could take the request and local fallback is off
+(message lists the reasons),
 ABORTED when a decode failed after tokens were streamed, DEADLINE_EXCEEDED when the
 request's deadline passed: ``--request-timeout``, shortened by the client's own gRPC
 deadline (``context.time_remaining()``; we stop a little before it, so that our message
@@ -21,7 +26,7 @@ from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut
-from .node import NoDecodeAvailable
+from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
 
 # End this much before the client's gRPC deadline, so DEADLINE_EXCEEDED carries our message.
 CLIENT_DEADLINE_MARGIN_S = 0.05
@@ -72,6 +77,10 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
                 )
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        except RequestTooLarge as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NoDecodeAvailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except DecodeFailed as exc:

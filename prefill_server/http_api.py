@@ -2,7 +2,7 @@
 
 | route                        | answer                                                       |
 |------------------------------|--------------------------------------------------------------|
-| POST /v1/completions         | text completion; ``stream: true`` -> SSE chunks + ``[DONE]`` |
+| POST /v1/completions         | text completion; ``stream: true`` -> SSE chunks + ``[DONE]`` (below) |
 | POST /v1/chat/completions    | chat completion; same streaming rules                        |
 | GET  /v1/models              | the one served model                                         |
 | GET  /health                 | 200 + JSON counters (sessions, KV blocks, CacheStore entries) |
@@ -10,17 +10,32 @@
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
 
-Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); no decode
-and no fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
+Streaming (``stream: true``), as vLLM does: one event per generated token, in order, whose
+``text`` (chat: ``delta.content``) is the text that token releases, ``""`` when it releases
+none (the token ends inside a UTF-8 character, decodes to nothing, or might begin a stop
+string: that text is held back and goes out with the event of the token that completes it);
+then one event with ``finish_reason`` that carries no token, its text what was still held
+back at the end (usually ``""``; chat: no ``content``); then the usage event
+(``stream_options.include_usage``) and ``data: [DONE]``. So the events without a
+finish_reason number exactly ``usage.completion_tokens``, and their texts joined with the
+last one's equal the non-streamed text. Chat: the first event also has ``role``. A stop
+string is never sent, nor the tokens after the one that completed it.
+
+Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); a request
+that needs more KV blocks than any decode holds in all -> 413 (``request_too_large``) at
+once; every decode merely full -> the request waits in the admission queue (no error),
+but when ``--max-queued-requests`` already wait -> 429 (``queue_full``); no decode and no
+fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
 ``data: {"error": {...}}`` then ``data: [DONE]`` (non-streaming: 502).
 
 Deadline: every request ends within ``--request-timeout`` seconds, or sooner with the
 header ``X-Request-Timeout: <seconds>`` (a positive number; anything else is a 400 naming
 the header; a value above ``--request-timeout`` is capped by it). When it passes, a request
 that has streamed nothing yet (or is not streaming) gets 504 with an OpenAI error body
-(code ``request_timeout``); a stream gets that error as an SSE event, then ``[DONE]``. A client that
-disconnects cancels its handler (``handler_cancellation``), which closes the Session, so
-the cancellation reaches decode at once.
+(code ``request_timeout``; the message says when it was waiting in the admission queue); a
+stream gets that error as an SSE event, then ``[DONE]``. A client that disconnects
+cancels its handler (``handler_cancellation``), which closes the Session (or takes the
+request out of the admission queue), so the cancellation reaches decode at once.
 """
 
 from __future__ import annotations
@@ -33,7 +48,7 @@ from . import openai_api as oa
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut, parse_timeout_header
-from .node import NoDecodeAvailable
+from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 
@@ -111,6 +126,10 @@ class HttpApi:
         try:
             try:
                 first = await pieces.__anext__()
+            except RequestTooLarge as exc:
+                return _json_error(413, str(exc), "invalid_request_error", code="request_too_large")
+            except QueueFull as exc:
+                return _json_error(429, str(exc), "overloaded_error", code="queue_full")
             except NoDecodeAvailable as exc:
                 return _json_error(503, str(exc), "service_unavailable", code="no_decode_available")
             except DecodeFailed as exc:
@@ -144,14 +163,15 @@ class HttpApi:
         try:
             while True:
                 n_tokens += len(piece.token_ids)
-                if piece.text or is_first:
-                    await resp.write(oa.sse(oa.chunk(parsed, piece.text, None, first=is_first)))
-                    is_first = False
-                if piece.finished:
-                    await resp.write(oa.sse(oa.chunk(parsed, None if parsed.kind == "chat" else "", piece.finish_reason)))
+                if piece.finished:  # no token: the finish reason and any text held back to the end
+                    text = piece.text if piece.text or parsed.kind == "completion" else None
+                    await resp.write(oa.sse(oa.chunk(parsed, text, piece.finish_reason, first=is_first)))
                     if parsed.include_usage:
                         await resp.write(oa.sse(oa.usage_chunk(parsed, n_prompt, n_tokens)))
                     break
+                # one event per generated token, also when its text is "" (held back)
+                await resp.write(oa.sse(oa.chunk(parsed, piece.text, None, first=is_first)))
+                is_first = False
                 piece = await pieces.__anext__()
         except (DecodeFailed, NoDecodeAvailable) as exc:
             log.warning("request %s: %s", parsed.request_id, exc)

@@ -7,6 +7,9 @@ there) and its channel is closed with a grace of ``close_grace_s``: Sessions sti
 it finish first (a draining decode leaves discovery while it serves them; closing at once
 would cut them off). A decode that does not answer simply stops being updated; the picker
 lets its last report expire.
+
+``poll_now(address)`` asks one decode at once (a request there just ended and others wait
+for blocks); ``on_report(address)``, when set, is called after each answer reached the picker.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import Callable
 
 import grpc
 
@@ -51,6 +55,7 @@ class LoadReportPoller:
         # Reports expire by missed rounds as well as by age (see DecodePicker.stale_rounds).
         picker.stale_rounds = max(2, math.ceil(picker.expiry_s / interval_s))
         self.on_update = on_update
+        self.on_report: Callable[[str], None] | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, asyncio.Task] = {}
@@ -116,6 +121,12 @@ class LoadReportPoller:
         if self.on_update:
             self.on_update()
 
+    def poll_now(self, address: str) -> None:
+        """Ask ``address`` for its load report now, unless a poll of it is already in flight."""
+        task = self._inflight.get(address)
+        if self._task is not None and not self._task.done() and address in self._channels and (task is None or task.done()):
+            self._inflight[address] = asyncio.create_task(self._poll(address))
+
     async def _poll(self, address: str) -> None:
         try:
             report = await self.stub(address).GetLoadReport(pb.LoadReportRequest(), timeout=max(1.0, self.interval_s * 3))
@@ -134,3 +145,5 @@ class LoadReportPoller:
                 waiting=report.waiting,
             ),
         )
+        if self.on_report is not None:
+            self.on_report(address)

@@ -131,6 +131,14 @@ class DecodePicker:
         could_fit = [load for load in self._usable().values() if load.total_blocks == 0 or load.total_blocks >= need]
         return bool(could_fit) and all(load.free_blocks < need for load in could_fit)
 
+    def never_fits(self, blocks_needed: int) -> int | None:
+        """The largest whole pool among the fresh, compatible decodes when the request needs more
+        than each of them holds in all (no wait helps; any policy), else None."""
+        totals = [load.total_blocks for load in self._usable().values()]
+        if totals and all(0 < total < blocks_needed for total in totals):
+            return max(totals)
+        return None
+
     def known(self) -> list[str]:
         """Every decode with a report (fresh or not)."""
         return sorted(self._entries)

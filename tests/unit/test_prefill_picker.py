@@ -143,3 +143,15 @@ def test_request_larger_than_every_pool_is_not_worth_waiting_for():
     p.update("b", DecodeLoad(free_blocks=2, free_bytes=2, total_blocks=10))
     assert not p.all_full(11)  # nobody ever can
     assert "holds only 8 KV blocks in all, 11 needed" in p.why_none(11)
+
+
+@pytest.mark.parametrize("policy", ["wrr", "rr"])
+def test_never_fits_names_the_largest_pool(policy):
+    p = DecodePicker(policy=policy, clock=lambda: 0.0)
+    assert p.never_fits(11) is None  # nobody reported yet: not known to be too large
+    p.update("a", DecodeLoad(free_blocks=8, free_bytes=8, total_blocks=8))
+    p.update("b", DecodeLoad(free_blocks=0, free_bytes=0, total_blocks=16))
+    assert p.never_fits(11) is None  # b can, once it has room (any policy)
+    assert p.never_fits(17) == 16
+    p.update("c", DecodeLoad(free_blocks=4, free_bytes=4))  # a decode that does not report its pool
+    assert p.never_fits(17) is None
