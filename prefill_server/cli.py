@@ -43,10 +43,11 @@ decode as its gRPC deadline. Every wait on a decode has a timer: --connect-timeo
 its allocation, --session-timeout for the KV push and between two of its messages (a
 frozen decode is given up on, and the request resumes elsewhere or ends with an error).
 
-Decode discovery: ``--decode host:port,...`` (static) or ``--discovery kubernetes
---decode-selector label=value --namespace ns`` (watches the EndpointSlices of the
-selected decode Services). /ready is 503 while no decode is routable, unless
---local-fallback is on. SIGTERM/SIGINT: /ready turns 503, in-flight requests get
+Decode discovery: ``--decode host:port,...`` (static), ``--discovery file --decode-file
+path`` (re-read when it changes) or ``--discovery kubernetes --decode-selector label=value
+--namespace ns`` (watches the EndpointSlices of the selected decode Services). A decode
+that leaves discovery gets no new request; the Sessions open on it finish. /ready is 503
+while no decode is routable, unless --local-fallback is on. SIGTERM/SIGINT: /ready turns 503, in-flight requests get
 --drain-timeout seconds to finish, then the server stops.
 """
 
@@ -67,8 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
     parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT, help="gRPC port (Generate)")
     d = parser.add_argument_group("decode discovery and routing")
-    d.add_argument("--discovery", choices=["static", "kubernetes"], default="static", help="how decodes are found")
+    d.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static", help="how decodes are found")
     d.add_argument("--decode", default="", help="static decode gRPC addresses: host:port,host:port")
+    d.add_argument("--decode-file", default="", help="file: decode gRPC addresses, one host:port a line, re-read when it "
+                                                     "changes (pdserve up --autoscale writes it)")
     d.add_argument("--decode-selector", default="", help="kubernetes: label=value selecting the decode Services")
     d.add_argument("--namespace", default="", help="kubernetes: namespace of the decode Services")
     d.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
@@ -109,10 +112,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_discovery(args):
-    from pdserve.discovery import KubernetesDiscovery, StaticDiscovery
+    from pdserve.discovery import FileDiscovery, KubernetesDiscovery, StaticDiscovery
 
     if args.discovery == "kubernetes":
         return KubernetesDiscovery(args.namespace, args.decode_selector, kubeconfig=args.kubeconfig)
+    if args.discovery == "file":
+        if not args.decode_file:
+            raise ValueError("--discovery file needs --decode-file")
+        return FileDiscovery(args.decode_file)
     return StaticDiscovery([a for a in args.decode.split(",") if a.strip()])
 
 
