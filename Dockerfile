@@ -42,6 +42,7 @@ COPY prefill_server ./prefill_server
 COPY decode_server ./decode_server
 COPY operator ./operator
 COPY router ./router
+COPY planner ./planner
 COPY bench ./bench
 COPY localcluster ./localcluster
 RUN /opt/pdserve/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \

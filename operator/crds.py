@@ -212,6 +212,34 @@ ROUTER = _obj(
     default={},
 )
 
+def _autoscaling_bounds(pool: str, default_max: int) -> dict:
+    return _obj(
+        {"minReplicas": _int(f"Fewest {pool} pods the planner keeps.", 1, MAX_REPLICAS, 1),
+         "maxReplicas": _int(f"Most {pool} pods the planner runs.", 1, MAX_REPLICAS, default_max)},
+        description=f"Bounds of the {pool} pool{' (each decode pool)' if pool == 'decode' else ''}.",
+        default={"minReplicas": 1, "maxReplicas": default_max},
+        **{"x-kubernetes-validations": [_rule("self.minReplicas <= self.maxReplicas",
+                                              f"spec.autoscaling.{pool}.minReplicas must be <= maxReplicas")]},
+    )
+
+
+AUTOSCALING = _obj(
+    {
+        "enabled": {"type": "boolean", "default": False,
+                    "description": "Let the operator's planner set the pools' replicas (through their scale "
+                                   "subresource) to meet spec.slo. Off: replicas are yours (kubectl scale, the spec)."},
+        "prefill": _autoscaling_bounds("prefill", 4),
+        "decode": _autoscaling_bounds("decode", 4),
+        "intervalSeconds": _int("Seconds between two decisions.", 1, 3600, 15),
+        "windowSeconds": _int("Seconds of metrics one decision looks at.", 5, 3600, 60),
+        "scaleDownStabilizationSeconds": _int("A pool shrinks only to the highest need of this many seconds.",
+                                              0, 86400, 300),
+        "cooldownSeconds": _int("Seconds after a change of a pool before it may shrink.", 0, 86400, 60),
+    },
+    description="The SLO planner (pdserve.planner): scale up fast on bursts, down slowly, one drained pod at a time.",
+    default={},
+)
+
 IMAGE = _str("Container image with the pdserve command (default: the operator's own image).", minLength=1, maxLength=512)
 PULL_POLICY = _str("Image pull policy of the pods.", enum=["Always", "IfNotPresent", "Never"])
 PROTOCOL = _str("Protocol version the image speaks (default: the operator's). Pods are labelled with it "
@@ -245,6 +273,7 @@ ISVC_SPEC = _obj(
         "transfer": TRANSFER,
         "routing": ROUTING,
         "slo": SLO,
+        "autoscaling": AUTOSCALING,
     },
     required=["model", "decode"],
 )
@@ -274,6 +303,29 @@ POOL_STATUS_ITEM = _obj({
     "ready": {"type": "boolean"},
 })
 
+AUTOSCALING_STATUS = _obj(
+    {
+        "source": _str("Where the planner read its metrics: prometheus or pods."),
+        "lastDecisionTime": {"type": "string", "format": "date-time"},
+        "pools": {
+            "type": "array",
+            "description": "The last decision for each pool: desired vs current replicas, and why.",
+            "items": _obj({
+                "name": _str("The pool object (PrefillPool or DecodePool)."),
+                "role": _str("prefill or decode."),
+                "current": {"type": "integer"},
+                "desired": {"type": "integer"},
+                "ready": {"type": "integer"},
+                "signal": _str("What drove the decision: kv, busy, queue, ttft, tbt, idle, steady, hold, bounds, ..."),
+                "reason": _str("The planner's reason, in words."),
+                "lastScaleTime": {"type": "string", "format": "date-time"},
+                "lastScaleReason": {"type": "string"},
+            }),
+        },
+    },
+    description="What the planner decided last (spec.autoscaling.enabled).",
+)
+
 ISVC_STATUS = _obj(
     {
         "observedGeneration": {"type": "integer", "format": "int64"},
@@ -287,6 +339,7 @@ ISVC_STATUS = _obj(
         "protocolVersion": {"type": "string"},
         "prefill": POOL_STATUS_ITEM,
         "decode": {"type": "array", "items": POOL_STATUS_ITEM},
+        "autoscaling": AUTOSCALING_STATUS,
     },
     **{"x-kubernetes-preserve-unknown-fields": True},
 )

@@ -44,6 +44,15 @@ def pool_selector(pool: dict) -> dict[str, str]:
     return naming.selector_labels(spec["inferenceService"], role, pool_name)
 
 
+# A pod that goes (a scale-down, a rolling update) drains: preStop waits PRESTOP_SLEEP_S so that its
+# removal from the endpoints reaches prefills, routers and kube-proxy first; then SIGTERM: the
+# server stops taking work and gives its requests --drain-timeout to finish: the longest a request
+# may run (REQUEST_TIMEOUT_S). The grace period covers both, plus slack to stop.
+PRESTOP_SLEEP_S = 5
+DRAIN_TIMEOUT_S = int(defaults.REQUEST_TIMEOUT_S)
+TERMINATION_GRACE_S = PRESTOP_SLEEP_S + DRAIN_TIMEOUT_S + 15
+
+
 def prefill_args(pool: dict) -> list[str]:
     """The prefill command line (after the `pdserve` entry point); flags as `pdserve prefill --help` names them."""
     _, namespace, spec, _, _ = _pool_facts(pool)
@@ -60,6 +69,7 @@ def prefill_args(pool: dict) -> list[str]:
         "--policy", spec.get("routing", {}).get("policy", crds.DEFAULT_POLICY),
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
+        "--drain-timeout", str(DRAIN_TIMEOUT_S),
     ]
 
 
@@ -80,6 +90,7 @@ def decode_args(pool: dict) -> list[str]:
         "--model", spec["model"]["source"],
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
+        "--drain-timeout", str(DRAIN_TIMEOUT_S),
     ]
 
 
@@ -152,6 +163,7 @@ def build_deployment(pool: dict) -> dict:
                           "failureThreshold": 6, "initialDelaySeconds": 10},
         "startupProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5, "failureThreshold": 120},
         "securityContext": container_security(),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
@@ -161,7 +173,7 @@ def build_deployment(pool: dict) -> dict:
         "containers": [container],
         "volumes": volumes,
         "securityContext": pod_security(),
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
     }
     if role == "prefill":
         pod_spec["serviceAccountName"] = name

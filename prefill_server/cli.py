@@ -46,10 +46,11 @@ decode as its gRPC deadline. Every wait on a decode has a timer: --connect-timeo
 its allocation, --session-timeout for the KV push and between two of its messages (a
 frozen decode is given up on, and the request resumes elsewhere or ends with an error).
 
-Decode discovery: ``--decode host:port,...`` (static) or ``--discovery kubernetes
---decode-selector label=value --namespace ns`` (watches the EndpointSlices of the
-selected decode Services). /ready is 503 while no decode is routable, unless
---local-fallback is on. SIGTERM/SIGINT: /ready turns 503, in-flight requests get
+Decode discovery: ``--decode host:port,...`` (static), ``--discovery file --decode-file
+path`` (re-read when it changes) or ``--discovery kubernetes --decode-selector label=value
+--namespace ns`` (watches the EndpointSlices of the selected decode Services). A decode
+that leaves discovery gets no new request; the Sessions open on it finish. /ready is 503
+while no decode is routable, unless --local-fallback is on. SIGTERM/SIGINT: /ready turns 503, in-flight requests get
 --drain-timeout seconds to finish, then the server stops.
 """
 
@@ -72,8 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
     parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT, help="gRPC port (Generate)")
     d = parser.add_argument_group("decode discovery and routing")
-    d.add_argument("--discovery", choices=["static", "kubernetes"], default="static", help="how decodes are found")
+    d.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static", help="how decodes are found")
     d.add_argument("--decode", default="", help="static decode gRPC addresses: host:port,host:port")
+    d.add_argument("--decode-file", default="", help="file: decode gRPC addresses, one host:port a line, re-read when it "
+                                                     "changes (pdserve up --autoscale writes it)")
     d.add_argument("--decode-selector", default="", help="kubernetes: label=value selecting the decode Services")
     d.add_argument("--namespace", default="", help="kubernetes: namespace of the decode Services")
     d.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
@@ -98,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="SLO classes as JSON (the InferenceService's spec.slo) or a JSON file; default: the "
                         f"environment variable {defaults.ENV_SLO_CLASSES} the operator sets, else one best-effort "
                         "class 'default'. Requests pick one with the header X-SLO-Class or the body field priority")
+    d.add_argument("--prefills-ahead", type=int, default=2,
+                   help="requests that may hold a decode's KV allocation before this prefill computed their prompt; "
+                        "the others wait here holding nothing on a decode (a decode drops a Session whose KV does "
+                        "not arrive within --session-timeout)")
     d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
     d.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
                    help="end-to-end deadline of a request in seconds (clients may shorten it with the header "
@@ -118,16 +125,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_discovery(args):
-    from pdserve.discovery import KubernetesDiscovery, StaticDiscovery
+    from pdserve.discovery import FileDiscovery, KubernetesDiscovery, StaticDiscovery
 
     if args.discovery == "kubernetes":
         return KubernetesDiscovery(args.namespace, args.decode_selector, kubeconfig=args.kubeconfig)
+    if args.discovery == "file":
+        if not args.decode_file:
+            raise ValueError("--discovery file needs --decode-file")
+        return FileDiscovery(args.decode_file)
     return StaticDiscovery([a for a in args.decode.split(",") if a.strip()])
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "prefill")
-    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout"):
+    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout", "prefills_ahead"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
             raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {value}")
@@ -189,7 +200,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
         queue_timeout_s=args.queue_timeout, max_queued=args.max_queued_requests, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
-        decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
+        prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
         held_prefix=kv_events.leading, slo_queue=slo_queue,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,

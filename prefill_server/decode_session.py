@@ -2,6 +2,10 @@
 
 Request lifecycle on prefill (``SessionRunner.run``, once per request and decode tried):
 
+0. **slot** - take one of ``SessionConfig.prefills_ahead`` prefill slots (held until our
+   engine has computed the prompt, or the decode computes it): requests queued behind our
+   engine wait here, holding no decode's blocks, so a decode never times out waiting for KV
+   that is only late because this prefill is busy.
 1. **start** - open the bidirectional ``Session`` stream to the chosen decode and send
    ``Start`` (prompt tokens, sampling, blocks needed, compat, protocol version, timeout,
    ``reuse_prefix``: may the decode serve the prompt's leading blocks from its prefix cache).
@@ -93,6 +97,12 @@ class _Held:
     prefilled: bool = False  # our engine holds (or will hold) the prompt's blocks
     released: bool = False  # ... and released them
     finished: bool = False  # the decode finished the request
+    slot: asyncio.Semaphore | None = None  # a prefill slot (SessionConfig.prefills_ahead), until the prompt is computed
+
+    def free_slot(self) -> None:
+        if self.slot is not None:
+            self.slot.release()
+            self.slot = None
 
 
 class SessionRunner:
@@ -104,6 +114,9 @@ class SessionRunner:
         self.config, self.stubs, self.engine, self.sender = config, stubs, engine, sender
         self.registry, self.observer, self.disaggregator = registry, observer, disaggregator
         self._releasing: set[asyncio.Task] = set()  # engine releases queued by cancelled runs
+        if config.prefills_ahead < 1:
+            raise ValueError(f"prefills_ahead must be >= 1, got {config.prefills_ahead}")
+        self.prefill_slots = asyncio.Semaphore(config.prefills_ahead)
 
     async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None,
                   deadline: float | None = None, on_allocated: Callable[[], None] | None = None):
@@ -116,10 +129,16 @@ class SessionRunner:
         """
         cfg = self.config
         timings = timings or SessionTimings()
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
-        call = self.stubs(address).Session(timeout=timeout)
-        self.registry[request_id] = address
         held = _Held()
+        await self.prefill_slots.acquire()  # 0. a prefill slot: nothing is held on a decode while we wait
+        held.slot = self.prefill_slots
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
+            call = self.stubs(address).Session(timeout=timeout)
+        except BaseException:
+            held.free_slot()
+            raise
+        self.registry[request_id] = address
         try:  # 1. start, 2. allocation
             n_blocks = blocks_needed(len(prompt_ids), cfg.block_size)
             start = pb.Start(
@@ -140,6 +159,7 @@ class SessionRunner:
             if on_allocated is not None:
                 on_allocated()
             if decision.where == LOCAL:  # 4l
+                held.free_slot()  # our engine does not compute this prompt
                 first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)
             else:  # 4r, 5r
                 first = await self._push(call, address, request_id, prompt_ids, sp, alloc, prefill_cached, timings, held)
@@ -152,6 +172,7 @@ class SessionRunner:
                 yield delta
         finally:
             # 7. release (the synchronous steps run even if an await below is interrupted)
+            held.free_slot()
             try:
                 if not held.finished:
                     call.cancel()
@@ -206,6 +227,7 @@ class SessionRunner:
             held.prefilled = False
             raise
         timings.prefill_done = time.monotonic()
+        held.free_slot()  # the next Session may allocate while this one's KV is still on the wire
         after = self.engine.prefill_counters()
         self.observer.prefilled(after[0] - before[0], after[1] - before[1])
         for layer, block_ids in layers:  # overlap off: the whole KV goes now

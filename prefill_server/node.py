@@ -101,6 +101,7 @@ class PrefillNode:
     queue_timeout_s: float | None = None  # how long a request may wait in line for KV blocks (None: until its deadline)
     max_queued: int = defaults.MAX_QUEUED_REQUESTS  # requests that may wait in line at once; then 429
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
+    prefills_ahead: int = 2  # Sessions allocated on a decode before our engine computed their prompt (SessionConfig)
     decode_reuse: bool = True  # decodes serve the prompt's cached prefix; only the missing blocks move
     decode_index: DecodeIndex | None = None  # the decodes' prefix caches (their KV events), for the picker
     disaggregation: str = DISAGGREGATION  # auto | always | never (cost_model.py)
@@ -114,7 +115,8 @@ class PrefillNode:
         self.local_requests = 0
         self.last_timings: dict[str, SessionTimings] = {}
         config = SessionConfig(self.compat, self.block_size, self.eos_token_ids, self.session_timeout_s,
-                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error, self.decode_reuse)
+                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error, self.decode_reuse,
+                               self.prefills_ahead)
         self.disaggregator = Disaggregator(self.disaggregation, picker=self.picker, block_size=self.block_size,
                                            num_layers=self.compat.num_layers, kv_bytes_per_block=self.kv_bytes_per_block,
                                            layerwise=self.layerwise_push, held_prefix=self.held_prefix,

@@ -35,9 +35,9 @@ from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model
 
 # arm -> extra flags of (router, prefills, decodes)
 ARMS: dict[str, tuple[list[str], list[str], list[str]]] = {
-    "round-robin": (["--policy", "round-robin"], [], []),
-    "prefix": (["--policy", "prefix"], [], []),
-    "prefix+reuse+cost": (["--policy", "prefix"], [], []),
+    "round-robin": (["--policy", "round-robin"], ["--no-decode-reuse"], []),
+    "prefix": (["--policy", "prefix"], ["--no-decode-reuse"], []),
+    "prefix+reuse+cost": (["--policy", "prefix"], ["--decode-reuse", "--disaggregation", "auto"], []),
 }
 COUNTERS = ("pdserve_prompt_tokens_total", "pdserve_prefix_cache_hit_tokens_total", "pdserve_kv_transfer_bytes_total")
 
