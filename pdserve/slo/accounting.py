@@ -36,6 +36,9 @@ class SloAccounting:
             return
         for c in classes:
             metrics.slo_queued.labels(slo_class=c.name).set(0)
+            metrics.slo_queue_time.labels(slo_class=c.name)
+            for part in ("queue", "e2e"):
+                metrics.slo_estimate_error.labels(slo_class=c.name, part=part)
             for outcome in OUTCOMES:
                 metrics.slo_requests.labels(slo_class=c.name, outcome=outcome)
             for target in (*c.targets, "all") if c.targets else ():
