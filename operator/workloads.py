@@ -12,6 +12,8 @@ read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp.
 
 from __future__ import annotations
 
+import json
+
 from pdserve import defaults
 from pdserve.operator import crds, naming
 
@@ -114,9 +116,10 @@ def pod_env(spec: dict, role: str, pool_name: str) -> list[dict]:
         {"name": "PDSERVE_PROTOCOL_VERSION", "value": spec["protocolVersion"]},
     ]
     if role == "prefill":
-        slo = spec.get("slo", {})
-        env += [{"name": "PDSERVE_SLO_TTFT_MS", "value": str(slo.get("ttftMs", crds.DEFAULT_TTFT_MS))},
-                {"name": "PDSERVE_SLO_TBT_MS", "value": str(slo.get("tbtMs", crds.DEFAULT_TBT_MS))}]
+        # spec.slo as it is (pdserve.slo.classes parses it in the pod); keys sorted so that an
+        # unchanged SLO never changes the pod template
+        slo = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **spec.get("slo", {})}
+        env.append({"name": defaults.ENV_SLO_CLASSES, "value": json.dumps(slo, sort_keys=True, separators=(",", ":"))})
     return env
 
 

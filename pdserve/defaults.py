@@ -38,3 +38,7 @@ DISAGGREGATION = "always"
 # Environment variables the operator sets on every pod so its metrics carry the pod's labels.
 ENV_POOL = "PDSERVE_POOL"
 ENV_INFERENCE_SERVICE = "PDSERVE_INFERENCE_SERVICE"
+
+# The SLO classes of an InferenceService (its spec.slo as JSON), set by the operator on prefill
+# pods and read by pdserve.slo.classes.load (the flag --slo-classes wins over it).
+ENV_SLO_CLASSES = "PDSERVE_SLO_CLASSES"

@@ -72,6 +72,11 @@ requests_running / _waiting     both      read at each scrape (``track_load``): 
                                           and still waiting for a decode
 requests_queued                 prefill   a request joins or leaves the admission queue (every decode full)
 known_decodes                   prefill   after each discovery / load-report update
+slo_requests, slo_attainment    prefill   once per request at its end (rejected: at arrival), by SLO class
+slo_queue_time                  prefill   a request leaves the global queue (``pdserve.slo.GlobalQueue``)
+slo_estimate_error              prefill   leaving the queue (part=queue) and at the end (part=e2e)
+slo_policy                      prefill   the queue policy places an arrival in line or orders the waiting requests
+slo_queued                      prefill   a request joins or leaves the global queue
 ==============================  ========  ================================================
 
 The model-server protocol (Gateway API Inference Extension). An InferencePool's endpoint
@@ -220,6 +225,23 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kv_link_rate", "pdserve_kv_link_bytes_per_second", _G,
                "Prefill: measured KV transfer bandwidth of its recent transfers (marginal, bytes over link-busy "
                "time, the per-transfer fixed time apart)."),
+    # SLO classes and the global queue (pdserve.slo); slo_class is a name from spec.slo
+    MetricSpec("slo_requests", "pdserve_slo_requests_total", _C,
+               "Requests by SLO class and outcome (ok|error|cancelled|rejected: refused at once, early rejection).",
+               ("slo_class", "outcome")),
+    MetricSpec("slo_attainment", "pdserve_slo_attainment_total", _C,
+               "Requests that met or missed their class's targets, by target (ttft|tbt|e2e|all) and result (met|missed).",
+               ("slo_class", "target", "result")),
+    MetricSpec("slo_queue_time", "pdserve_slo_queue_time_seconds", _H,
+               "Arrival of a request to leaving the global queue (a decode allocated), by SLO class.", ("slo_class",)),
+    MetricSpec("slo_estimate_error", "pdserve_slo_estimate_error_seconds", _H,
+               "|estimate at arrival - actual| of a request's queue time (part=queue) and completion time (part=e2e).",
+               ("slo_class", "part")),
+    MetricSpec("slo_policy", "pdserve_slo_policy_seconds", _H,
+               "Time the queue policy (fifo|edf|qlm) took to place an arriving request in line or to order the waiting "
+               "requests.", buckets=FINE_BUCKETS),
+    MetricSpec("slo_queued", "pdserve_slo_queued", _G, "Requests waiting in the global queue, by SLO class.",
+               ("slo_class",)),
 )
 
 

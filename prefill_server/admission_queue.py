@@ -1,5 +1,5 @@
-"""AdmissionQueue: requests wait here, first come first served, while every decode is too
-full for them (asyncio only, no I/O).
+"""AdmissionQueue: requests wait here, first come first served or in the order of an SLO
+policy, while every decode is too full for them (asyncio only, no I/O).
 
 A full decode is a reason to wait, not to fail. ``PrefillNode.generate`` holds one
 ``Ticket`` per request (its place in line is its arrival)::
@@ -27,6 +27,14 @@ Limits, each a clear error:
 
 ``length`` (the ``pdserve_requests_queued`` gauge) is reported through ``on_length`` on every
 change.
+
+With an SLO queue (``slo``, a ``pdserve.slo.GlobalQueue``; ``--queue-policy fifo|edf|qlm``) the
+line is in its policy's order instead of arrival order: each ticket carries its request's
+``SloRequest``; joining the line is ``GlobalQueue.wait``, leaving it ``leave`` (or ``admitted``:
+``Ticket.admitted`` when a decode allocated), and the head is ``GlobalQueue.head()``. A new
+arrival that the policy puts first is the head at once; whenever the policy's order has a new
+head (also when only time changed qlm's order) the queue calls its ``SloRequest.wakeup``,
+which wakes its ticket.
 """
 
 from __future__ import annotations
@@ -35,9 +43,12 @@ import asyncio
 import bisect
 import itertools
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .decode_session import NoDecodeAvailable
+
+if TYPE_CHECKING:
+    from pdserve.slo import GlobalQueue, SloRequest
 
 # The queue gives up this much before the request's deadline, so its own message (why the
 # request timed out) reaches the client before the Frontend's deadline cancels the request.
@@ -64,7 +75,8 @@ class QueueTimeout(Exception):
 
 class AdmissionQueue:
     def __init__(self, max_length: int, *, max_wait_s: float | None = None, recheck_s: float = RECHECK_S,
-                 on_length: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic):
+                 on_length: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 slo: GlobalQueue | None = None):
         if max_length < 0:
             raise ValueError(f"max_length must be >= 0, got {max_length}")
         if max_wait_s is not None and not max_wait_s > 0:
@@ -73,18 +85,34 @@ class AdmissionQueue:
         self.on_length, self.clock = on_length, clock
         self._waiting: list[Ticket] = []  # in arrival order (Ticket.seq)
         self._seq = itertools.count()
+        self.slo = slo  # its policy orders the line (None: arrival order)
+        self._by_request: dict[str, Ticket] = {}  # with slo: request id -> its ticket in line
 
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def ticket(self, request_id: str, deadline: float | None = None) -> Ticket:
-        """A place in line for a request arriving now; ``deadline`` in ``clock()`` seconds."""
-        return Ticket(self, next(self._seq), request_id, deadline)
+    def ticket(self, request_id: str, deadline: float | None = None, slo: SloRequest | None = None) -> Ticket:
+        """A place in line for a request arriving now; ``deadline`` in ``clock()`` seconds; ``slo``:
+        its request in the SLO queue (its class, its estimate)."""
+        t = Ticket(self, next(self._seq), request_id, deadline, slo if self.slo is not None else None)
+        if t.slo is not None:
+            t.slo.wakeup = t._wake  # the policy's order has it first now
+        return t
 
     def notify(self) -> None:
         """KV blocks may have been freed somewhere: the head tries again."""
-        if self._waiting:
-            self._waiting[0]._wake()
+        head = self._head()
+        if head is not None:
+            head._wake()
+
+    def _head(self) -> Ticket | None:
+        if not self._waiting:
+            return None
+        if self.slo is not None:
+            first = self.slo.head()
+            if first is not None and first.request_id in self._by_request:
+                return self._by_request[first.request_id]
+        return self._waiting[0]  # arrival order (or a ticket without an SLO request)
 
     def _join(self, t: Ticket) -> None:
         if len(self._waiting) >= self.max_length:
@@ -93,13 +121,21 @@ class AdmissionQueue:
         bisect.insort(self._waiting, t, key=lambda w: w.seq)
         if t.queued_at is None:
             t.queued_at = self.clock()
+        if t.slo is not None:
+            self._by_request[t.request_id] = t
+            self.slo.wait(t.slo)
+            self._head()  # the policy places it (a new head is woken)
         self._changed()
 
     def _remove(self, t: Ticket) -> None:
-        was_head = self._waiting[0] is t
+        was_head = self._head() is t
         self._waiting.remove(t)
-        if was_head and self._waiting:
-            self._waiting[0]._wake()  # there may be room for the next one too
+        if t.slo is not None:
+            self._by_request.pop(t.request_id, None)
+            self.slo.leave(t.slo)  # nothing if it was admitted
+        head = self._head()
+        if was_head and head is not None:
+            head._wake()  # there may be room for the next one too
         self._changed()
 
     def _changed(self) -> None:
@@ -110,10 +146,11 @@ class AdmissionQueue:
 class Ticket:
     """One request's place in line (see the module docstring)."""
 
-    __slots__ = ("queue", "seq", "request_id", "deadline", "queued_at", "_queued", "_woken", "_event")
+    __slots__ = ("queue", "seq", "request_id", "deadline", "slo", "queued_at", "_queued", "_woken", "_event")
 
-    def __init__(self, queue: AdmissionQueue, seq: int, request_id: str, deadline: float | None):
-        self.queue, self.seq, self.request_id, self.deadline = queue, seq, request_id, deadline
+    def __init__(self, queue: AdmissionQueue, seq: int, request_id: str, deadline: float | None,
+                 slo: SloRequest | None = None):
+        self.queue, self.seq, self.request_id, self.deadline, self.slo = queue, seq, request_id, deadline, slo
         self.queued_at: float | None = None  # first time it had to wait
         self._queued = False
         self._woken = False
@@ -128,7 +165,7 @@ class Ticket:
         return 0.0 if self.queued_at is None else self.queue.clock() - self.queued_at
 
     def is_head(self) -> bool:
-        return self._queued and self.queue._waiting[0] is self
+        return self._queued and self.queue._head() is self
 
     async def turn(self) -> None:
         """Return when this request may try the decodes: at once if nobody waits ahead of it."""
@@ -137,7 +174,7 @@ class Ticket:
             if not self.is_head():
                 await self._until(head_only=True)
             return
-        if not q._waiting or q._waiting[0].seq > self.seq:  # nobody ahead of us
+        if not q._waiting or (q.slo is None and q._waiting[0].seq > self.seq):  # nobody ahead of us
             return
         self._enter()
         await self._until(head_only=True)
@@ -148,6 +185,12 @@ class Ticket:
         if not self._queued:
             self._enter()
         await self._until(head_only=False)
+
+    def admitted(self) -> None:
+        """A decode allocated the request: the SLO queue counts it as running; out of the line."""
+        if self.slo is not None:
+            self.queue.slo.admitted(self.slo)
+        self.leave()
 
     def leave(self) -> None:
         """Out of the queue (allocated, failed, cancelled); idempotent."""

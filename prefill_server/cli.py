@@ -4,7 +4,9 @@ request with a decode server.
 Request lifecycle on prefill:
 
 1. **accept** - HTTP /v1/completions, /v1/chat/completions or gRPC Generate; validate and
-   tokenize (bad input: 400 / INVALID_ARGUMENT naming the field).
+   tokenize (bad input: 400 / INVALID_ARGUMENT naming the field); its SLO class (--slo-classes:
+   header X-SLO-Class or body priority; unknown: 400 naming the known ones); a class with
+   early rejection whose SLO cannot be met even if served next: 429 + Retry-After at once.
 2. **pick** - the DecodePicker chooses a decode: weighted round robin on free KV bytes
    from load reports polled every --load-report-interval seconds (``--policy rr`` for
    plain round robin); only decodes with our protocol version and a fresh report. With
@@ -13,8 +15,9 @@ Request lifecycle on prefill:
    free memory; a full decode never.
 3. **session** - one bidirectional Session stream to that decode: Start -> Allocation
    (or Refusal: next decode, at most --max-attempts; then --local-fallback; if every
-   decode was only busy, wait in the admission queue, first come first served, until a
-   decode has the blocks or the request's deadline passes (504); at most
+   decode was only busy, wait in the admission queue, in the order of --queue-policy (fifo:
+   first come first served; edf; qlm), until a decode has the blocks or the request's
+   deadline passes (504); at most
    --max-queued-requests wait (one more: 429); a request larger than any decode's whole
    pool: 413 at once; else 503). The Allocation says how many leading prompt blocks the
    decode already holds (pinned for the request).
@@ -59,6 +62,8 @@ import logging
 
 from pdserve import defaults
 from pdserve.server_setup import add_server_arguments, build_server_engine, drain, setup_logging, wait_for_stop_signal
+from pdserve.slo import POLICIES
+from pdserve.slo import classes as slo_classes
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -88,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "before a 503 (default: until the request's deadline, then 504)")
     d.add_argument("--max-queued-requests", type=int, default=defaults.MAX_QUEUED_REQUESTS,
                    help="requests that may wait at once in the admission queue; one more gets 429 (queue_full)")
+    d.add_argument("--queue-policy", choices=list(POLICIES), default="fifo",
+                   help="order of the requests waiting for free KV blocks: fifo (arrival), edf (earliest deadline of "
+                        "their SLO class), qlm (QLM's global scheduler: request groups reordered to minimise SLO "
+                        "misses, from the waiting-time estimator)")
+    d.add_argument("--slo-classes", default=None,
+                   help="SLO classes as JSON (the InferenceService's spec.slo) or a JSON file; default: the "
+                        f"environment variable {defaults.ENV_SLO_CLASSES} the operator sets, else one best-effort "
+                        "class 'default'. Requests pick one with the header X-SLO-Class or the body field priority")
     d.add_argument("--prefills-ahead", type=int, default=2,
                    help="requests that may hold a decode's KV allocation before this prefill computed their prompt; "
                         "the others wait here holding nothing on a decode (a decode drops a Session whose KV does "
@@ -133,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"pdserve prefill: --max-queued-requests must be >= 0, got {args.max_queued_requests}")
     try:
         discovery = make_discovery(args)
+        args.slo = slo_classes.load(args.slo_classes)
     except ValueError as exc:
         raise SystemExit(f"pdserve prefill: {exc}")
     if args.discovery == "static" and not discovery.addresses() and not args.local_fallback:
@@ -151,6 +165,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
     from pdserve.protos import kv_events_pb2 as kpb
     from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+    from pdserve.slo import GlobalQueue
 
     from .frontend import Frontend
     from .grpc_api import GenerateServicer
@@ -171,6 +186,10 @@ async def serve(args: argparse.Namespace, discovery) -> int:
                               checksum=args.kv_checksum, stall_timeout_s=args.session_timeout)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
+    # the SLO queue's plans count the decodes' KV blocks in all, full or not (a decode reserves
+    # prompt + max_tokens for a request)
+    slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics,
+                            kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.known()))
     decode_index = DecodeIndex() if args.decode_reuse else None
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
                               on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index)
@@ -182,16 +201,17 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         queue_timeout_s=args.queue_timeout, max_queued=args.max_queued_requests, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
         prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
-        held_prefix=kv_events.leading,
+        held_prefix=kv_events.leading, slo_queue=slo_queue,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
-                        loaded.config.vocab_size, request_timeout_s=args.request_timeout)
+                        loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
     draining = {"on": False}
 
     def health() -> dict:
         kv_free = engine.num_free_blocks()
         return {
             "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight, "queued": len(node.queue),
+            "slo_running": len(slo_queue.running),
             "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
             "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
@@ -226,9 +246,10 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     await server.start()
     log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
-             "decode reuse %s, disaggregation %s", args.host, args.port, args.host, args.grpc_port,
-             discovery.addresses() or "(none yet)", args.policy, args.transfer, "on" if args.local_fallback else "off",
-             "on" if args.decode_reuse else "off", args.disaggregation)
+             "decode reuse %s, disaggregation %s, queue %s, SLO classes %s", args.host, args.port, args.host,
+             args.grpc_port, discovery.addresses() or "(none yet)", args.policy, args.transfer,
+             "on" if args.local_fallback else "off", "on" if args.decode_reuse else "off", args.disaggregation,
+             args.queue_policy, "; ".join(c.describe() for c in args.slo))
     sig = await wait_for_stop_signal()
     draining["on"] = True
     log.info("%s: draining %d in-flight request(s)", sig, frontend.in_flight)

@@ -12,6 +12,8 @@ request's deadline passed: ``--request-timeout``, shortened by the client's own 
 deadline (``context.time_remaining()``; we stop a little before it, so that our message
 arrives and the Session to decode is released by us). A client that cancels its call
 cancels this coroutine; the Session to decode is closed and both ends free the request.
+The SLO class comes from the call's metadata ``x-slo-class`` (unknown: INVALID_ARGUMENT
+naming the known classes); early rejection is RESOURCE_EXHAUSTED with the estimate.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import grpc
 
 from pdserve.protos import generate_pb2 as gpb
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
+from pdserve.slo import HEADER, Rejected
 
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
@@ -30,6 +33,7 @@ from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
 
 # End this much before the client's gRPC deadline, so DEADLINE_EXCEEDED carries our message.
 CLIENT_DEADLINE_MARGIN_S = 0.05
+SLO_METADATA = HEADER.lower()  # x-slo-class: the request's SLO class, as the HTTP header
 from .openai_api import BadRequest, check_token_ids, parse_sampling
 
 
@@ -61,12 +65,13 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             ids, sp = self._parse(request)
+            slo_class = self.fe.slo_class(dict(context.invocation_metadata() or ()).get(SLO_METADATA))
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         request_id = request.request_id or uuid.uuid4().hex
         remaining = context.time_remaining()  # None without a client deadline
         timeout_s = None if remaining is None else max(0.001, remaining - CLIENT_DEADLINE_MARGIN_S)
-        pieces = self.fe.stream(request_id, ids, sp, timeout_s)
+        pieces = self.fe.stream(request_id, ids, sp, timeout_s, slo_class)
         produced = 0
         try:
             async for piece in pieces:
@@ -79,6 +84,8 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         except RequestTooLarge as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Rejected as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except QueueFull as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NoDecodeAvailable as exc:

@@ -22,7 +22,10 @@ blocks, or prefill's own pool full) and local fallback is off, the request waits
 ``AdmissionQueue`` (``admission_queue.py``: first come first served, woken by fresh load
 reports and by requests ending here) and tries again when its turn comes, until its
 deadline (or ``queue_timeout_s`` when set: then the 503). A full decode is a reason to
-wait, not to fail: a burst queues instead of failing.
+wait, not to fail: a burst queues instead of failing. With ``slo_queue`` (a
+``pdserve.slo.GlobalQueue``) and the request's ``slo`` (its ``SloRequest``) the line is in
+the order of the SLO policy (fifo | edf | qlm) and the queue learns when a decode allocated
+the request.
 
 Where the prompt is computed (``disaggregation``: auto|always|never): on this prefill with
 its KV moved (the P/D path), or on the chosen decode itself; in ``auto`` the Disaggregator
@@ -68,6 +71,7 @@ if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import AsyncLLMEngine
     from pdserve.metrics import ServerMetrics
+    from pdserve.slo import GlobalQueue, SloRequest
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +106,7 @@ class PrefillNode:
     decode_index: DecodeIndex | None = None  # the decodes' prefix caches (their KV events), for the picker
     disaggregation: str = DISAGGREGATION  # auto | always | never (cost_model.py)
     held_prefix: Callable[[list[int]], int] | None = None  # prompt hashes -> leading ones our prefix cache holds
+    slo_queue: GlobalQueue | None = None  # SLO classes: the policy that orders the admission queue
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -121,20 +126,22 @@ class PrefillNode:
                                             registry=self.sessions, observer=accounting,
                                             disaggregator=self.disaggregator)
         gauge = self.metrics.requests_queued.set if self.metrics is not None else None
-        self.queue = AdmissionQueue(self.max_queued, max_wait_s=self.queue_timeout_s, on_length=gauge)
+        self.queue = AdmissionQueue(self.max_queued, max_wait_s=self.queue_timeout_s, on_length=gauge,
+                                    slo=self.slo_queue)
         self.poller.on_report = lambda address: self.queue.notify()  # a fresh report may show freed blocks
 
     def ready(self) -> bool:
         """Ready when a decode is known (or local fallback can serve)."""
         return self.local_fallback or bool(self.picker.eligible())
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None):
+    async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None,
+                       slo: SloRequest | None = None):
         reasons: list[str] = []
         produced: list[int] = []  # tokens already given to the client (for resume)
         failed_mid_stream: DecodeFailed | None = None
         m = self.metrics
         admitted = time.monotonic()
-        ticket = self.queue.ticket(request_id, deadline)
+        ticket = self.queue.ticket(request_id, deadline, slo)
         attempt = 0
         try:
             while True:
@@ -181,7 +188,7 @@ class PrefillNode:
                     attempt += 1
                     # once a decode allocated, the next request in line may go (the picker counts this one)
                     stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings, deadline,
-                                                     on_allocated=ticket.leave)
+                                                     on_allocated=ticket.admitted)
                     try:
                         try:
                             first = await stream.__anext__()

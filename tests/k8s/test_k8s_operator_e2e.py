@@ -183,6 +183,15 @@ INVALID = [
     ("relative model path", {"spec": {"model": {"source": "models/qwen"}}}, "spec.model.source"),
     ("model outside its volume", {"spec": {"model": {"source": "/data/q", "pvcName": "w"}}}, "spec.model.source"),
     ("zero TTFT target", {"spec": {"slo": {"ttftMs": 0}}}, "spec.slo.ttftMs"),
+    ("SLO class named default", {"spec": {"slo": {"classes": [{"name": "default"}]}}},
+     "spec.slo.classes must not declare 'default'"),
+    ("duplicate SLO classes", {"spec": {"slo": {"classes": [{"name": "a"}, {"name": "a"}]}}},
+     "spec.slo.classes names must be unique"),
+    ("duplicate SLO priorities", {"spec": {"slo": {"classes": [{"name": "a", "priority": 1}, {"name": "b", "priority": 1}]}}},
+     "spec.slo.classes priorities must be unique"),
+    ("undeclared default SLO class", {"spec": {"slo": {"defaultClass": "gold"}}}, "spec.slo.defaultClass must be"),
+    ("bad SLO class name", {"spec": {"slo": {"classes": [{"name": "Gold Tier"}]}}}, "spec.slo.classes[0].name"),
+    ("zero e2e target", {"spec": {"slo": {"classes": [{"name": "b", "e2eMs": 0}]}}}, "spec.slo.classes[0].e2eMs"),
     ("bad resource quantity", {"spec": {"decode": [{"name": "a", "resources": {"limits": {"cpu": "lots"}}}]}},
      "spec.decode[0].resources.limits.cpu"),
     ("bad toleration operator", {"spec": {"decode": [{"name": "a", "tolerations": [{"operator": "Maybe"}]}]}},
@@ -214,6 +223,35 @@ def test_invalid_inferenceservice_is_rejected_naming_the_field(kube, operator, w
     # The valid base passes the same path, so it is the one change that is rejected.
     ok = kube.kubectl("create", "--dry-run=server", "-n", "default", "-f", "-", input=json.dumps(valid), check=False)
     assert ok.returncode == 0, ok.stderr
+
+
+SLO_FORMS = [
+    ("old", {"ttftMs": 1500, "tbtMs": 80}),
+    ("new", {"ttftMs": 1500, "defaultClass": "interactive", "classes": [
+        {"name": "interactive", "ttftMs": 2000, "e2eMs": 20000, "earlyReject": True, "priority": 0},
+        {"name": "batch-1", "e2eMs": 60000, "priority": 1}, {"name": "batch-2", "e2eMs": 3600000}]}),
+]
+
+
+@pytest.mark.parametrize("form,slo", SLO_FORMS, ids=[f[0] for f in SLO_FORMS])
+def test_slo_old_and_new_forms_are_accepted_and_parse_as_the_servers_do(kube, operator, form, slo):
+    """The API server takes spec.slo in both forms, fills its defaults, and what it stores is
+    what the prefill's parser (pdserve.slo.classes) reads from PDSERVE_SLO_CLASSES."""
+    from pdserve.slo import classes
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["slo"] = slo
+    proc = kube.kubectl("create", "--dry-run=server", "-o", "json", "-n", "default", "-f", "-", input=json.dumps(doc))
+    stored = json.loads(proc.stdout)["spec"]["slo"]
+    parsed = classes.parse(stored)
+    default = parsed.by_name["default"]
+    assert (default.ttft_ms, default.tbt_ms, default.early_reject) == (1500, slo.get("tbtMs", 100), False)
+    if form == "old":
+        assert parsed.names() == ["default"] and stored["defaultClass"] == "default"
+    else:
+        assert parsed.names() == ["default", "interactive", "batch-1", "batch-2"]
+        assert parsed.select().name == "interactive" and parsed.select(priority=1).name == "batch-1"
+        assert stored["classes"][2]["earlyReject"] is False  # filled in by the schema's default
 
 
 def test_restart_mid_reconcile_converges_to_the_same_state(kube, operator, ns):

@@ -39,6 +39,28 @@ def test_prefill_pool_carries_everything_its_children_need():
     assert labels[naming.LABEL_PROTOCOL] == "7"
 
 
+def test_prefill_pods_get_the_slo_classes_the_servers_parse():
+    from pdserve.slo import classes
+
+    isvc = example()
+    isvc["spec"]["slo"] = {"ttftMs": 800, "defaultClass": "interactive", "classes": [
+        {"name": "interactive", "ttftMs": 2000, "e2eMs": 20000, "earlyReject": True, "priority": 0},
+        {"name": "batch", "e2eMs": 3600000}]}
+    pool = pools.build_prefill_pool(isvc, CONFIG)
+    env = {e["name"]: e.get("value") for e in
+           workloads.build_deployment(pool)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    parsed = classes.load(None, env)
+    assert parsed.names() == ["default", "interactive", "batch"] and parsed.select().name == "interactive"
+    assert (parsed.by_name["default"].ttft_ms, parsed.by_name["default"].tbt_ms) == (800, 100)  # tbtMs: the default
+    assert parsed.select(priority=0).early_reject and parsed.by_name["batch"].e2e_ms == 3600000
+    # the old form: the class 'default' alone; decode pods get no SLO
+    old = classes.load(None, {e["name"]: e.get("value") for e in workloads.build_deployment(
+        pools.build_prefill_pool(example(), CONFIG))["spec"]["template"]["spec"]["containers"][0]["env"]})
+    assert old.names() == ["default"] and (old.select().ttft_ms, old.select().tbt_ms) == (1000, 100)
+    decode = workloads.build_deployment(pools.build_decode_pools(example(), CONFIG)[0])
+    assert defaults.ENV_SLO_CLASSES not in {e["name"] for e in decode["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
 def test_children_record_the_owner_generation_they_were_built_from():
     isvc = example()
     isvc["metadata"]["generation"] = 7

@@ -21,7 +21,7 @@ class ScriptedNode:
     def __init__(self, deltas):
         self.deltas, self.closed_early = deltas, False
 
-    async def generate(self, request_id, prompt_ids, sp, deadline=None):
+    async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None):
         sent = 0
         try:
             for delta in self.deltas:
