@@ -181,10 +181,15 @@ def summarize(args, classes, items, results, debug, metrics) -> dict:
         "policy_mean_decision_ms": metric_sum(metrics, "pdserve_slo_policy_seconds_sum") / count * 1000 if count else None,
         "wall_s": end,
         "ttft_s": {c: [r.ttft for it, r in zip(items, results) if it.cls == c and r.ok] for c in CLASS_PRIORITY},
-        "estimates": [(r["estimate"]["e2e"], r["actual"]["e2e"], r["slo_class"]) for r in served],
-        "records": served,
+        # per served request: class, tokens, estimated / actual wait, estimated / actual completion (s)
+        "records": [[r["slo_class"], r["tokens"], _r(r["estimate"]["wait"]), _r(r["actual"]["wait"]),
+                     _r(r["estimate"]["e2e"]), _r(r["actual"]["e2e"])] for r in served],
         "errors": [r.error for r in results if not r.ok][:5],
     }
+
+
+def _r(v):
+    return None if v is None else round(v, 4)
 
 
 def _ms(v):
@@ -212,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     for policy in policies:
         runs[policy] = run_policy(args, policy, model, items)
         _print(policy, runs[policy])
-    figures = {p: {k: v for k, v in r.items() if k not in ("ttft_s", "estimates", "records")} for p, r in runs.items()}
+    figures = {p: {k: v for k, v in r.items() if k not in ("ttft_s", "records")} for p, r in runs.items()}
     figures["targets"] = targets(runs)
     png = plot(runs, out / "slo.png")
     path = report.save(out, "slo", {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
@@ -276,9 +281,9 @@ def plot(runs: dict, path: Path) -> Path:
     axes[1].legend()
     axes[1].grid(True, alpha=0.3)
     for n in names:
-        est = runs[n]["estimates"]
-        axes[2].scatter([a for _, a, _ in est], [e for e, _, _ in est], s=6, label=n)
-    top = max([max(a, e) for n in names for e, a, _ in runs[n]["estimates"]] or [1.0])
+        recs = runs[n]["records"]
+        axes[2].scatter([r[5] for r in recs], [r[4] for r in recs], s=6, label=n)
+    top = max([max(r[4], r[5]) for n in names for r in runs[n]["records"]] or [1.0])
     axes[2].plot([0, top], [0, top], color="grey", lw=1)
     axes[2].set_xlabel("actual completion time (s)")
     axes[2].set_ylabel("estimate at arrival (s)")
