@@ -200,6 +200,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests prefill decoded itself because no decode could take them.", ("reason",)),
     MetricSpec("kv_allocation_refusals", "pdserve_kv_allocation_refusals_total", _C,
                "Session allocations decode refused, by reason.", ("reason",)),
+    MetricSpec("prompt_tokens_computed", "pdserve_prompt_tokens_computed_total", _C,
+               "Prompt tokens this prefill's engine computed for P/D requests (after its prefix-cache hits)."),
     MetricSpec("prefix_cache_hit_tokens", "pdserve_prefix_cache_hit_tokens_total", _C,
                "Prompt tokens whose KV the engine reused from its prefix cache instead of computing or receiving it."),
     MetricSpec("kv_checksum_mismatches", "pdserve_kv_checksum_mismatches_total", _C,
