@@ -4,10 +4,6 @@ to end), recorded into a ServerMetrics (``pdserve/metrics.py``, whose ``request_
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from pdserve.metrics import ServerMetrics
 
 OUTCOMES = ("ok", "error", "cancelled")
 
@@ -23,7 +19,7 @@ class RequestClock:
 
     __slots__ = ("_m", "start", "_last", "tokens", "done")
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics):  # a ServerMetrics (not imported: metrics.py imports this module)
         self._m = metrics
         self.start = time.perf_counter()
         self._last: float | None = None

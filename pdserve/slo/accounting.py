@@ -22,8 +22,6 @@ from .classes import SloClass, SloClasses
 if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
 
-    from .global_queue import SloRequest
-
 KEEP_RECORDS = 1024
 OUTCOMES = ("ok", "error", "cancelled", "rejected")
 
@@ -53,7 +51,7 @@ class SloAccounting:
         if self.metrics is not None:
             self.metrics.slo_policy.observe(seconds)
 
-    def admitted(self, req: SloRequest, waited: float) -> None:
+    def admitted(self, req, waited: float) -> None:  # req: a global_queue.SloRequest (it imports this module)
         m = self.metrics
         if m is None:
             return
@@ -61,7 +59,7 @@ class SloAccounting:
         if req.estimate is not None:
             m.slo_estimate_error.labels(slo_class=req.cls.name, part="queue").observe(abs(req.estimate.wait - waited))
 
-    def finished(self, req: SloRequest, outcome: str, ttft: float | None, e2e: float) -> None:
+    def finished(self, req, outcome: str, ttft: float | None, e2e: float) -> None:
         est = req.estimate
         waited = None if req.admitted_at is None else req.admitted_at - req.arrival
         self.records.append({
