@@ -26,7 +26,7 @@ from harness.procs import ProcessGroup
 pytestmark = pytest.mark.slow
 
 DECODE_BLOCKS = 4  # of 64 tokens
-HOLD_S = 4.0  # the `held` prefill keeps each decode reservation this long before its forward pass
+HOLD_S = 6.0  # the `held` prefill keeps each decode reservation this long before its forward pass
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,10 @@ def test_deadline_queue_full_and_disconnect_while_queued(cluster):
         held.url + "/v1/completions", _body(10, 240), timeout=120))))
     thread.start()
     try:
-        _until(lambda: get_json(decode.url + "/health")[1]["sessions"] == 1, 10, "the blocker's reservation")
+        # the blocker itself may have waited in line (held's view of the decode can still be the last
+        # test's full pool): only once it left the queue does a queued count of 1 mean the next request
+        _until(lambda: get_json(decode.url + "/health")[1]["sessions"] == 1 and _queued(held) == 0, 10,
+               "the blocker's reservation")
         t0 = time.monotonic()
         late = {}
         waiter = threading.Thread(target=lambda: late.update(zip(("status", "body"), _timed(held))))
