@@ -49,6 +49,7 @@ COPY prefill_server ./prefill_server
 COPY decode_server ./decode_server
 COPY operator ./operator
 COPY router ./router
+COPY planner ./planner
 COPY bench ./bench
 COPY localcluster ./localcluster
 # Packages to uninstall after the install, ones the image never loads (the CPU image from PyPI's

@@ -4,9 +4,10 @@ This package holds the tools (load generator, experiments); no server imports it
 
   pdserve bench engine       prefill/decode tokens/s vs transformers on the same weights
   pdserve bench cachestore   layer-wise KV transfer vs raw socket and raw NIXL throughput
-  pdserve bench serving      load generator against an OpenAI endpoint (TTFT, TBT, goodput)
+  pdserve bench serving      load generator against any OpenAI endpoint (TTFT, TPOT, ITL, goodput)
   pdserve bench experiment   the P/D experiments of docs/benchmarks.md
   pdserve bench chaos        kill and pause servers under load: no hang, no wrong text, no leak
+  pdserve bench slo-policy   the cost of one ordering decision of the SLO queue (fifo, edf, qlm)
 
 Run 'pdserve bench NAME --help' for the options of one benchmark.
 """
@@ -22,6 +23,7 @@ BENCHES: dict[str, str] = {
     "serving": "pdserve.bench.loadgen",
     "experiment": "pdserve.bench.experiments",
     "chaos": "pdserve.bench.chaos",
+    "slo-policy": "pdserve.bench.slo_policy",
 }
 
 

@@ -1,14 +1,20 @@
-"""Load generator against an OpenAI-compatible endpoint: TTFT, TBT, e2e latency, goodput.
+"""Load generator against any OpenAI-compatible endpoint: TTFT, TPOT, ITL, e2e latency, goodput.
 
 Sends streaming completions (so every token's arrival is timed) with Poisson or fixed-rate
 arrivals (--request-rate, --arrival) or a fixed number of requests in flight
 (--concurrency). Prompt and output lengths come from a synthetic long-tailed distribution
-(default), a JSONL file of lengths or a ShareGPT file (--dataset). Warm-up requests are sent
-first and left out of the figures. Writes <out>/<name>.json (config, summary, every
-request) and <out>/<name>.png (CDFs of TTFT and TBT, a timeline).
+(default), exact lengths with random token-id prompts from the model's tokenizer
+(--dataset random --tokenizer DIR), a JSONL file of lengths or a ShareGPT file (--dataset).
+With ignore_eos (and min_tokens, for vLLM) every request streams exactly its output length.
+Warm-up requests are sent first and left out of the figures. Prints TTFT, TPOT, ITL (time
+between streamed chunks) and e2e (P50/P90/P99/mean), throughput and failures; writes
+<out>/<name>.json (config, summary, every request) and <out>/<name>.png (CDFs of TTFT and
+ITL, a timeline). Works against any OpenAI-compatible server (pdserve, vLLM, ...).
 
 Examples:
   pdserve bench serving --url http://127.0.0.1:8000 --num-requests 200 --request-rate 4
+  pdserve bench serving --base-url http://127.0.0.1:8000 --model m --dataset random --tokenizer /ckpt
+      --prompt-len 512 --output-len 64 --request-rate 1 --num-requests 30      (one command line)
   pdserve bench serving --concurrency 8 --dataset sharegpt --dataset-path sg.json
   pdserve bench serving --slo-ttft-ms 500 --slo-tbt-ms 50 --out results/
 
@@ -31,7 +37,7 @@ from pathlib import Path
 from pdserve.defaults import BUILTIN_MODEL, HTTP_PORT
 from pdserve.bench.loadgen_report import RequestResult, format_summary, plot, summarize
 from pdserve.bench.loadgen_workload import (LengthDistribution, RequestSpec, arrival_times, build_requests, jsonl_lengths,
-                                      sharegpt_requests, synthetic_lengths)
+                                            random_requests, sharegpt_requests, synthetic_lengths, tokenizer_prompt_ids)
 
 
 @dataclass(slots=True)
@@ -63,6 +69,7 @@ class LoadConfig:
                 "temperature": self.temperature, "stream_options": {"include_usage": True}}
         if self.ignore_eos:
             body["ignore_eos"] = True
+            body["min_tokens"] = spec.output_tokens  # servers that ignore ignore_eos still stop at max_tokens
         if self.api == "completions":
             body["prompt"] = list(spec.prompt_ids) if spec.prompt_ids is not None else spec.prompt
         else:
@@ -182,7 +189,8 @@ async def send_requests(config: LoadConfig, specs: list[RequestSpec], arrivals: 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("target")
-    g.add_argument("--url", default=f"http://127.0.0.1:{HTTP_PORT}", help="base URL of the OpenAI-compatible server")
+    g.add_argument("--url", "--base-url", dest="url", default=f"http://127.0.0.1:{HTTP_PORT}",
+                   help="base URL of the OpenAI-compatible server (without /v1)")
     g.add_argument("--model", default=BUILTIN_MODEL, help="model name to send (default: %(default)s)")
     g.add_argument("--api", choices=["completions", "chat"], default="completions", help="which endpoint to call")
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
@@ -199,17 +207,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=2, help="warm-up requests sent first, not measured")
     g.add_argument("--seed", type=int, default=0, help="random seed for lengths, prompts and arrivals")
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset", choices=["synthetic", "jsonl", "sharegpt"], default="synthetic",
-                   help="where lengths come from (see the module help)")
+    g.add_argument("--dataset", choices=["synthetic", "random", "jsonl", "sharegpt"], default="synthetic",
+                   help="where lengths come from (see the module help); random: exactly --prompt-len and --output-len")
     g.add_argument("--dataset-path", type=Path, help="the JSONL or ShareGPT file")
-    g.add_argument("--prompt-len", type=int, default=256, help="synthetic: median prompt tokens")
+    g.add_argument("--prompt-len", type=int, default=256, help="synthetic: median prompt tokens; random: exact")
     g.add_argument("--prompt-sigma", type=float, default=1.0, help="synthetic: log-normal spread of prompt lengths")
-    g.add_argument("--output-len", type=int, default=64, help="synthetic: median output tokens")
+    g.add_argument("--output-len", type=int, default=64, help="synthetic: median output tokens; random: exact")
     g.add_argument("--output-sigma", type=float, default=0.7, help="synthetic: log-normal spread of output lengths")
     g.add_argument("--max-prompt-len", type=int, default=4096, help="clip (synthetic) or skip (sharegpt) longer prompts")
     g.add_argument("--max-output-len", type=int, default=1024, help="clip output lengths")
     g.add_argument("--token-ids", type=int, metavar="VOCAB", default=None,
                    help="send prompts as random token ids below VOCAB instead of text (exact prompt lengths)")
+    g.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
+                   help="random: draw prompt ids from this tokenizer.json (or model directory), special tokens left out")
     g = parser.add_argument_group("report")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO on time to first token, for goodput")
     g.add_argument("--slo-tbt-ms", type=float, default=None, help="SLO on a request's mean time between tokens")
@@ -221,6 +231,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def workload_from_args(args: argparse.Namespace, n: int, seed: int) -> list[RequestSpec]:
     """n requests as the arguments describe (a dataset file is cycled or cut to n)."""
     rng = random.Random(seed)
+    if args.dataset == "random":
+        if args.tokenizer is None and args.token_ids is None:
+            raise ValueError("--dataset random needs --tokenizer PATH (or --token-ids VOCAB) to draw prompt ids from")
+        pool = tokenizer_prompt_ids(args.tokenizer) if args.tokenizer is not None else list(range(1, args.token_ids))
+        return random_requests(n, args.prompt_len, args.output_len, rng, pool)
     if args.dataset == "synthetic":
         lengths = synthetic_lengths(
             n, LengthDistribution(args.prompt_len, args.prompt_sigma, 1, args.max_prompt_len),

@@ -3,8 +3,10 @@
 Definitions (all times in seconds in the JSON, milliseconds in the printed table):
 
 - TTFT: request sent to first streamed token received.
-- TBT: gap between consecutive streamed chunks of one request; the percentiles pool the
-  gaps of all successful requests.
+- TBT, also called ITL (inter-token latency): gap between consecutive streamed chunks of one
+  request; the percentiles pool the gaps of all successful requests (``tbt_s`` in the JSON).
+- TPOT (time per output token): per request, (e2e - TTFT) / (output tokens - 1), over the
+  successful requests with more than one output token (as vLLM's benchmark defines it).
 - e2e: request sent to the stream's end.
 - throughput: output tokens of successful requests / wall time of the measured run.
 - goodput: successful requests per second whose TTFT <= slo_ttft and whose mean TBT
@@ -41,6 +43,13 @@ class RequestResult:
     @property
     def tokens_out(self) -> int:
         return self.usage_completion_tokens if self.usage_completion_tokens is not None else self.chunks
+
+    @property
+    def tpot(self) -> float | None:
+        """(e2e - TTFT) / (tokens - 1); None for one token or an unfinished request."""
+        if self.ttft is None or self.e2e is None or self.tokens_out < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.tokens_out - 1)
 
     @property
     def mean_tbt(self) -> float:
@@ -95,6 +104,7 @@ def summarize(results: list[RequestResult], duration: float, slo_ttft: float | N
         "prompt_tokens": in_tokens,
         "output_tokens": out_tokens,
         "ttft_s": _dist([r.ttft for r in good if r.ttft is not None]),
+        "tpot_s": _dist([r.tpot for r in good if r.tpot is not None]),
         "tbt_s": _dist([g for r in good for g in r.gaps]),
         "e2e_s": _dist([r.e2e for r in good if r.e2e is not None]),
         "slo": {"ttft_s": slo_ttft, "tbt_s": slo_tbt},
@@ -115,7 +125,7 @@ def format_summary(s: dict) -> str:
         f"goodput: {s['goodput']:.2f} req/s ({s['slo_attained'] * 100:.0f}% of requests met the SLO)",
         f"{'ms':<6}{'p50':>10}{'p90':>10}{'p99':>10}{'mean':>10}",
     ]
-    for name, key in (("TTFT", "ttft_s"), ("TBT", "tbt_s"), ("e2e", "e2e_s")):
+    for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "tbt_s"), ("e2e", "e2e_s")):
         d = s[key]
         lines.append(f"{name:<6}{ms(d['p50']):>10}{ms(d['p90']):>10}{ms(d['p99']):>10}{ms(d['mean']):>10}")
     return "\n".join(lines)

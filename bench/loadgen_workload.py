@@ -2,11 +2,14 @@
 
 Pure functions (no I/O but reading a dataset file), so they are unit-tested without a server.
 
-Lengths come from one of three sources:
+Lengths come from one of four sources:
 
 - ``synthetic`` (default): log-normal prompt and output lengths (long-tailed: most requests
   are short, a few are very long), given a median and a spread, clipped to [min, max].
 - ``jsonl``: one JSON object per line, ``{"prompt_tokens": 812, "output_tokens": 64}``.
+- ``random``: every request has exactly the given prompt and output lengths; prompts are
+  random token ids drawn from a tokenizer's vocabulary (its special tokens left out), or
+  below a vocabulary size, as in vLLM's random dataset.
 - ``sharegpt``: the ShareGPT format, a JSON list of ``{"conversations": [{"from": "human",
   "value": ...}, {"from": "gpt", "value": ...}, ...]}``; the first human turn is the prompt
   and the first reply after it gives the output length. Token counts are estimated as
@@ -75,6 +78,33 @@ def make_prompt_ids(n_tokens: int, rng: random.Random, vocab_size: int) -> tuple
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     return tuple(rng.randrange(1, vocab_size) for _ in range(n_tokens))
+
+
+def tokenizer_prompt_ids(path: str | Path) -> list[int]:
+    """The ids random prompts are drawn from: a tokenizer.json's vocabulary without its special tokens.
+
+    path is the tokenizer.json or a model directory holding one."""
+    from tokenizers import Tokenizer
+
+    p = Path(path)
+    file = p / "tokenizer.json" if p.is_dir() else p
+    if not file.is_file():
+        raise ValueError(f"--tokenizer {path}: no tokenizer.json there")
+    tok = Tokenizer.from_file(str(file))
+    special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+    ids = [i for i in range(tok.get_vocab_size(with_added_tokens=True)) if i not in special]
+    if not ids:
+        raise ValueError(f"--tokenizer {path}: every token is a special token")
+    return ids
+
+
+def random_requests(n: int, prompt_tokens: int, output_tokens: int, rng: random.Random,
+                    pool: list[int]) -> list[RequestSpec]:
+    """n requests of exactly these lengths whose prompts are ids drawn uniformly from pool."""
+    if not pool:
+        raise ValueError("no token ids to draw prompts from")
+    return [RequestSpec(prompt_tokens, output_tokens, prompt_ids=tuple(rng.choice(pool) for _ in range(prompt_tokens)))
+            for _ in range(n)]
 
 
 def synthetic_lengths(n: int, prompt: LengthDistribution, output: LengthDistribution,

@@ -21,7 +21,7 @@ figure is the median of --repeats runs; the ratio is the median, over runs, of o
 the baseline run just before it (so both saw the same machine load). Extra peak memory is each process's peak RSS
 increase during the transfer (after start-up: pools allocated and touched, agents and
 receivers created), as a fraction of the KV bytes moved.
-Targets: tcp >= 80% of raw socket, nixl >= 90% of raw NIXL, extra peak memory <= 10%.
+Targets (issue 16): tcp >= 90% of raw socket, nixl >= 95% of one raw NIXL WRITE, extra peak memory <= 10%.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def _print(args, compat: CompatInfo, layout: KVLayout, results: dict) -> None:
           f"{compat.block_size} tokens ({layout.block_nbytes // 1024} KiB); chunks of {args.chunk_mib:g} MiB; "
           f"median of {results['repeats']} runs")
     print(f"{'':26}{'GiB/s':>8}  {'ratio':>18}  {'sender +peak':>16}  {'receiver +peak':>16}  {'CPU s/GiB':>9}")
-    targets = {"tcp": 0.80, "nixl": 0.90}
+    targets = {"tcp": 0.90, "nixl": 0.95}  # issue 16
     for t in ("tcp", "nixl"):
         if f"raw_{t}" not in res:
             continue

@@ -8,9 +8,9 @@ request bound to that receiver. It owns:
   popped from the scheduler, sent straight from the region) and a reader thread (ACK and
   ERROR frames from the receiver). Connection 0 also carries BIND and CANCEL frames;
 * for ``nixl``: one data thread running a ``NixlWriter`` (``nixl_link.py``) that turns
-  chunks into NIXL WRITEs with a notification and counts a chunk delivered when NIXL reports
-  it DONE (TCP stays the control channel). It reaches the link only through
-  ``take_chunks`` / ``chunk_done`` and the stall error, given at construction.
+  chunks into NIXL WRITEs (one per layer) with a notification and counts their chunks
+  delivered when NIXL reports it DONE (TCP stays the control channel). It reaches the link
+  only through ``take_chunks`` / ``chunks_done`` and the stall error, given at construction.
 
 With ``LinkConfig.checksum`` every slice sent carries the CRC32C of its source bytes, computed
 by the thread that sends it, right before (``checksum.py``): in the DATA header (tcp) or the
@@ -135,7 +135,7 @@ class Link:
         """For a data thread: pop consecutive chunks, up to max_chunks and until max_blocks is reached.
 
         With ``wait``, block until a chunk is queued. None once the link is down. Each chunk
-        popped counts in ``sending`` until the thread reports it with ``chunk_done``."""
+        popped counts in ``sending`` until the thread reports it with ``chunks_done``."""
         with self.cond:
             while wait and self.alive and not len(self.scheduler):
                 self.cond.wait()
@@ -152,10 +152,20 @@ class Link:
 
     def chunk_done(self, chunk: Chunk, acked: bool) -> None:
         """A data thread is done with a popped chunk; ``acked``: it reached the receiver."""
+        self.chunks_done([chunk], acked)
+
+    def chunks_done(self, chunks: list[Chunk], acked: bool) -> None:
+        """A data thread is done with popped chunks (one NIXL WRITE): one count, one delivery per layer."""
         with self.cond:
-            self.sending -= 1
-        if acked:
-            self.owner.on_delivered(chunk.transfer.key, chunk.transfer.layer, chunk.nblocks)
+            self.sending -= len(chunks)
+        if not acked:
+            return
+        delivered: dict[tuple, int] = {}
+        for chunk in chunks:
+            key = (chunk.transfer.key, chunk.transfer.layer)
+            delivered[key] = delivered.get(key, 0) + chunk.nblocks
+        for (rid, layer), nblocks in delivered.items():
+            self.owner.on_delivered(rid, layer, nblocks)
 
     def fail(self, exc: BaseException) -> None:
         with self.cond:
@@ -296,6 +306,6 @@ class Link:
             cfg = self.config
             NixlWriter(cfg.nixl, cfg.region, cfg.layout, self.endpoint, self.peer,
                        chunk_blocks=cfg.chunk_blocks, checksum=cfg.checksum, stall_timeout_s=cfg.stall_timeout_s,
-                       take=self.take_chunks, chunk_done=self.chunk_done, stall_error=self._stall_error).run()
+                       take=self.take_chunks, chunks_done=self.chunks_done, stall_error=self._stall_error).run()
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)

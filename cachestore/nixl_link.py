@@ -4,15 +4,19 @@ A ``NixlWriter`` is built by its ``Link`` (``link.py``) with exactly what it use
 sender's NIXL agent (``NixlMemory``), the local region and layout, the receiver's endpoint
 (agent metadata, region descriptor, block count), and three callbacks into the link:
 ``take`` (pop a batch of chunks from the link's scheduler, or None once the link is down),
-``chunk_done`` (a popped chunk is finished; ``acked`` when NIXL reported its WRITE DONE)
-and ``stall_error`` (the error that names a stall). ``run()`` returns when the link is down
-and raises on any failure; the link's thread then fails the link. TCP stays the control
-channel (``link.py``).
+``chunks_done`` (the chunks of one WRITE are finished; ``acked`` when NIXL reported it DONE;
+booked once per WRITE, not per chunk) and ``stall_error`` (the error that names a stall).
+``run()`` returns when the link is down and raises on any failure; the link's thread then
+fails the link. TCP stays the control channel (``link.py``).
 
-One WRITE carries consecutive chunks up to ``chunk_blocks`` blocks (at most 64 chunks), so
-short transfers do not each pay a WRITE's fixed cost; its notification lists every
-(request, layer, blocks) it carries, with each slice's CRC32C when ``checksum`` is on
-(computed right before posting). At most ``NIXL_MAX_OUTSTANDING`` WRITEs are in flight.
+One WRITE per layer: a WRITE takes consecutive chunks up to a whole layer of the sender's
+pool (``layout.num_blocks`` blocks, or one chunk when ``chunk_blocks`` is larger; at most 64
+chunks), so a layer the scheduler cut into chunks goes back together (``nixl_plan.py``
+groups the chunks per layer and merges the runs and descriptors adjacent on both sides), and
+short layers share one WRITE instead of each paying a WRITE's fixed cost. Its notification
+has one record per (request, layer) it carries, with each merged slice's CRC32C when
+``checksum`` is on (computed right before posting). At most ``NIXL_MAX_OUTSTANDING`` WRITEs
+are in flight; completions are polled and booked after the next WRITE was posted.
 
 Stalls: a WRITE in flight while no WRITE of the link completes for ``stall_timeout_s``
 raises ``stall_error`` (the receiver's agent makes no progress: frozen); every handle still
@@ -33,6 +37,7 @@ from .endpoint import Endpoint
 from .errors import TransferError
 from .memory import KVLayout, MemoryRegion
 from .nixl_backend import encode_notif
+from .nixl_plan import group_layers, layer_descriptors, merge_runs_ordered
 from .scheduler import Chunk
 from .wire_io import RegionIO
 
@@ -47,7 +52,7 @@ class NixlWriter:
     def __init__(self, nixl: Any, region: MemoryRegion, layout: KVLayout, endpoint: Endpoint, peer: str, *,
                  chunk_blocks: int, checksum: bool, stall_timeout_s: float,
                  take: Callable[[int, int, bool], list[Chunk] | None],
-                 chunk_done: Callable[[Chunk, bool], None],
+                 chunks_done: Callable[[list[Chunk], bool], None],
                  stall_error: Callable[[str], BaseException]):
         self.nixl = nixl                # the sender's NixlMemory: agent, mem_type
         self.region = region
@@ -55,11 +60,13 @@ class NixlWriter:
         self.endpoint = endpoint        # nixl_metadata, nixl_region, num_blocks of the receiver
         self.remote_base, _, self.remote_dev, self.remote_type = endpoint.nixl_region
         self.peer = peer
-        self.chunk_blocks = chunk_blocks
+        # one WRITE: a whole layer of the largest request (a layer never spans the sender's
+        # pool), or a single chunk when that is larger
+        self.write_blocks = max(chunk_blocks, layout.num_blocks)
         self.checksum = checksum
         self.stall_timeout_s = stall_timeout_s
         self.take = take                # (max_blocks, max_chunks, wait) -> chunks, or None: the link is down
-        self.chunk_done = chunk_done    # (chunk, acked)
+        self.chunks_done = chunks_done  # (chunks of one WRITE, acked)
         self.stall_error = stall_error  # (what) -> the error to raise
 
     def run(self) -> None:
@@ -71,24 +78,19 @@ class NixlWriter:
         last_progress = time.monotonic()  # a WRITE completed, or posted with none in flight
         try:
             while True:
-                full = len(outstanding) >= NIXL_MAX_OUTSTANDING
-                batch = self.take(self.chunk_blocks, 0 if full else MAX_CHUNKS_PER_WRITE, not outstanding)
+                # with NIXL_MAX_OUTSTANDING WRITEs in flight only poll (no lock, no scheduler)
+                batch = [] if len(outstanding) >= NIXL_MAX_OUTSTANDING else \
+                    self.take(self.write_blocks, MAX_CHUNKS_PER_WRITE, not outstanding)
                 if batch is None:
                     return
                 if batch:
-                    local, remote, records, scratch = self._descs(agent, io, batch)
-                    handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self.nixl.mem_type),
-                                                   agent.get_xfer_descs(remote, self.remote_type), remote_name,
-                                                   encode_notif(records, self.checksum))
-                    if agent.transfer(handle) == "ERR":
-                        handle.release()
-                        _release_scratch(agent, scratch)
-                        for c in batch:
-                            self.chunk_done(c, False)
-                        raise TransferError(f"NIXL WRITE to {self.peer} failed to post")
+                    handle, scratch = self._post(agent, io, remote_name, batch)
                     if not outstanding:
                         last_progress = time.monotonic()
                     outstanding.append((handle, batch, scratch))
+                # check_xfer_state also drives UCX progress: poll back to back, as a raw NIXL
+                # loop does (it releases the GIL inside, so other threads run meanwhile);
+                # completions are booked here, after the next WRITE was posted
                 progressed = False
                 while outstanding:
                     handle, done, scratch = outstanding[0]
@@ -98,8 +100,7 @@ class NixlWriter:
                     outstanding.popleft()
                     handle.release()
                     _release_scratch(agent, scratch)
-                    for c in done:
-                        self.chunk_done(c, state == "DONE")
+                    self.chunks_done(done, state == "DONE")
                     progressed = True
                     if state != "DONE":
                         raise TransferError(f"NIXL WRITE to {self.peer} for request(s) "
@@ -111,10 +112,6 @@ class NixlWriter:
                     # finally below releases the handles (NIXL aborts what it can)
                     raise self.stall_error(f"NIXL WRITE for request(s) "
                                            f"{sorted({c.transfer.key for c in outstanding[0][1]})}")
-                if not progressed and not batch:
-                    # check_xfer_state also drives UCX progress, so poll back to back
-                    # (as a raw NIXL loop does) and only yield the GIL in between
-                    time.sleep(0)
         finally:
             for handle, done, scratch in outstanding:
                 try:
@@ -122,40 +119,48 @@ class NixlWriter:
                     _release_scratch(agent, scratch)
                 except Exception:  # noqa: BLE001 - best effort while failing
                     pass
-                for c in done:
-                    self.chunk_done(c, False)
+                self.chunks_done(done, False)
             try:
                 agent.remove_remote_agent(remote_name)
             except Exception:  # noqa: BLE001
                 pass
 
-    def _descs(self, agent, io: RegionIO, batch: list[Chunk]) -> tuple[list, list, list, list]:
-        """One WRITE's local and remote descriptors, its notification records and test-hook scratch copies."""
-        base, rdev = self.remote_base, self.remote_dev
-        num_blocks = self.endpoint.num_blocks
-        layout, region = self.layout, self.region
-        bnb = layout.block_nbytes
-        local, remote, records, scratch = [], [], [], []
-        for c in batch:
-            t = c.transfer
-            slices = []
-            for s, d, n in c.slices:
-                src_off, dst_addr = layout.offset(t.layer, s), base + (t.layer * num_blocks + d) * bnb
-                crc = io.crc(src_off, n * bnb) if self.checksum else 0
-                slices.append((d, n, crc))
-                if t.corrupt:  # test hook: the first block goes from a flipped copy
-                    t.corrupt = False
-                    copy = _corrupt_copy(agent, io, src_off, bnb, t)
-                    if copy is not None:
-                        scratch.append(copy)
-                        local.append((copy[0], bnb, 0))
-                        remote.append((dst_addr, bnb, rdev))
-                        src_off, dst_addr, n = src_off + bnb, dst_addr + bnb, n - 1
-                        if n == 0:
-                            continue
-                local.append((region.ptr + src_off, n * bnb, region.device_id))
-                remote.append((dst_addr, n * bnb, rdev))
-            records.append((t.key, t.layer, slices))
+    def _post(self, agent, io: RegionIO, remote_name: str, batch: list[Chunk]) -> tuple[Any, list]:
+        """Post one WRITE for ``batch`` (its layers whole, descriptors merged, one notification)."""
+        local, remote, records, scratch = self._plan(agent, io, batch)
+        handle = agent.initialize_xfer("WRITE", agent.get_xfer_descs(local, self.nixl.mem_type),
+                                       agent.get_xfer_descs(remote, self.remote_type), remote_name,
+                                       encode_notif(records, self.checksum))
+        if agent.transfer(handle) == "ERR":
+            handle.release()
+            _release_scratch(agent, scratch)
+            self.chunks_done(batch, False)
+            raise TransferError(f"NIXL WRITE to {self.peer} failed to post")
+        return handle, scratch
+
+    def _plan(self, agent, io: RegionIO, batch: list[Chunk]) -> tuple[list, list, list, list]:
+        """One WRITE's local and remote descriptors, its notification records (one per layer) and
+        test-hook scratch copies."""
+        layout, region, bnb = self.layout, self.region, self.layout.block_nbytes
+        ranges: list[tuple[int, int, int]] = []
+        records, scratch = [], []
+        for t, slices in group_layers(batch):
+            crcs = [io.crc(layout.offset(t.layer, s), n * bnb) if self.checksum else 0 for s, _, n in slices]
+            records.append((t.key, t.layer, [(d, n, crc) for (_, d, n), crc in zip(slices, crcs)]))
+            layer_ranges = layer_descriptors(t.layer, slices, block_nbytes=bnb, src_base=region.ptr,
+                                             src_num_blocks=layout.num_blocks, dst_base=self.remote_base,
+                                             dst_num_blocks=self.endpoint.num_blocks)
+            if t.corrupt:  # test hook: the first block goes from a flipped copy
+                t.corrupt = False
+                copy = _corrupt_copy(agent, io, layout.offset(t.layer, slices[0][0]), bnb, t)
+                if copy is not None:
+                    scratch.append(copy)
+                    src, dst, n = layer_ranges[0]
+                    layer_ranges[0:1] = [(copy[0], dst, bnb)] + ([(src + bnb, dst + bnb, n - bnb)] if n > bnb else [])
+            ranges += layer_ranges
+        ranges = merge_runs_ordered(ranges)
+        local = [(src, n, region.device_id) for src, _, n in ranges]
+        remote = [(dst, n, self.remote_dev) for _, dst, n in ranges]
         return local, remote, records, scratch
 
 

@@ -1,13 +1,19 @@
-"""pdserve.decode_server: allocates KV on command, receives it layer by layer, joins the
-request to its continuous batch and streams tokens back on the Session; serves load reports.
+"""pdserve.decode_server: allocates KV on command (reusing what its prefix cache holds of the
+prompt), receives the rest layer by layer (or computes the prompt itself when prefill says
+so), joins the request to its continuous batch and streams tokens back on the Session; serves
+load reports and its prefix cache's KV events.
 
 Reading path (in this order):
-  ``session.py``          DecodeSession: the request lifecycle as a numbered list (admit -> allocate ->
-                          transfer -> decode -> release), one instance per Session stream, given SessionDeps
+  ``session.py``          DecodeSession: the request lifecycle as a numbered list (admit -> allocate, reusing
+                          the cached prefix -> transfer or compute the prompt here -> decode -> release), one
+                          instance per Session stream, given SessionDeps
+  ``session_stream.py``   SessionStream: writes with a timer, the reader of prefill's messages, waits that
+                          end when prefill goes away
   ``admission.py``        which Starts are refused and why (pure: version, compat, draining, sizes)
   ``service.py``          DecodeService: the gRPC servicer (Session, GetLoadReport), load reports
-                          and the counters /health shows
-  ``decode_engine.py``    DecodeEngine: the engine calls a session makes (reserve, add_prefilled, release)
+                          and the counters /health shows; KvEvents (our prefix cache) on the same port
+  ``decode_engine.py``    DecodeEngine: the engine calls a session makes (reserve, add_prefilled or
+                          prefill_reserved, release), the measured speed of prompts computed here
   ``registry.py``         SessionRegistry: live sessions, the draining flag, recent layer arrivals
   ``session_metrics.py``  SessionMetrics: refusals, KV-in wait and bytes, block and request gauges
   ``cli.py``              ``pdserve decode``: start-up wiring, /health /ready /metrics, drain on SIGTERM

@@ -2,12 +2,14 @@
 
 Serves gRPC ``Decode.Session`` (one bidirectional stream per request) and
 ``Decode.GetLoadReport`` on --port, the CacheStore receiver (tcp listener or nixl agent)
-on --kv-port, and HTTP /health (JSON: sessions, KV blocks, CacheStore entries),
+on --kv-port, ``KvEvents`` (its prefix cache as a snapshot then numbered events, for the
+prefills' decode pickers) on --port too, and HTTP /health (JSON: sessions, KV blocks, CacheStore entries),
 /ready and /metrics on --http-port. SIGTERM/SIGINT: stop admitting (draining, refusals
 say so), let live sessions finish for --drain-timeout seconds, then stop.
 
-Request lifecycle on decode: see decode_server/session.py (admit -> allocate ->
-transfer -> decode -> release).
+Request lifecycle on decode: see decode_server/session.py (admit -> allocate (reusing the
+prompt's cached prefix when prefill asks) -> transfer, or compute the prompt here -> decode ->
+release).
 """
 
 from __future__ import annotations
@@ -41,7 +43,9 @@ async def serve(args: argparse.Namespace) -> int:
 
     from pdserve.cachestore import CacheStoreReceiver
     from pdserve.engine import OutOfBlocksError, SamplingParams
+    from pdserve.kv_events import KvEventPublisher, KvEventsServicer
     from pdserve.metrics import EngineLoad, ServerMetrics
+    from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
     from pdserve.protos import session_pb2_grpc as pb_grpc
 
     from .service import DecodeService
@@ -50,6 +54,8 @@ async def serve(args: argparse.Namespace) -> int:
     parts = build_server_engine(args)
     engine = parts.engine
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    kv_events = KvEventPublisher(args.block_size)
+    engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=args.transfer, host=args.host,
                                   port=args.kv_port, advertise_host=args.advertise_host,
@@ -70,6 +76,7 @@ async def serve(args: argparse.Namespace) -> int:
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),
     ])
     pb_grpc.add_DecodeServicer_to_server(service, server)
+    kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, lambda: service.server_load(args.http_port)), server)
     server.add_insecure_port(f"{args.host}:{args.port}")
     await server.start()
 

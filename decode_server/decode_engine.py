@@ -1,12 +1,15 @@
-"""DecodeEngine: the engine calls a decode Session makes (reserve -> add_prefilled -> release),
-and the Sampling message turned into the engine's SamplingParams. Built once by DecodeService
-and handed to every DecodeSession in SessionDeps."""
+"""DecodeEngine: the engine calls a decode Session makes (reserve -> add_prefilled or
+prefill_reserved -> release); the Sampling message
+turned into the engine's SamplingParams; and the measured speed of the prompts this decode
+computed itself (``computed_prompt`` -> ``prefill_rate()``, reported in every LoadReport).
+Built once by DecodeService and handed to every DecodeSession in SessionDeps."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, AsyncIterator
 
 from pdserve.protos import session_pb2 as pb
+from pdserve.rate_meter import RateMeter
 
 if TYPE_CHECKING:
     from pdserve.engine import AsyncLLMEngine, RequestOutput
@@ -23,20 +26,41 @@ def sampling_from_proto(msg: pb.Sampling, sampling_cls):
 class DecodeEngine:
     """The engine calls a DecodeSession makes."""
 
-    def __init__(self, engine: AsyncLLMEngine, sampling_cls):
-        self.engine, self.sampling_cls = engine, sampling_cls
+    def __init__(self, engine: AsyncLLMEngine, sampling_cls, metrics: SessionMetrics):
+        self.engine, self.sampling_cls, self.metrics = engine, sampling_cls, metrics
+        self.local_prompts = RateMeter()  # tokens/s of the prompts computed here (ComputePrompt)
 
     @property
     def num_blocks(self) -> int:
         return self.engine.num_blocks
 
-    async def reserve(self, request_id: str, n_prompt: int, max_tokens: int) -> list[int]:
-        return await self.engine.reserve(request_id, n_prompt, max_tokens)
+    async def reserve(self, request_id: str, prompt_ids: list[int], max_tokens: int,
+                      reuse_prefix: bool) -> tuple[list[int], int]:
+        """Blocks for prompt + max_tokens and the prompt tokens whose KV the leading ones already
+        hold (0 unless ``reuse_prefix``: then the longest cached prefix, pinned until release)."""
+        if reuse_prefix:
+            block_ids, cached = await self.engine.reserve_prefix(request_id, prompt_ids, max_tokens)
+        else:
+            block_ids, cached = await self.engine.reserve(request_id, len(prompt_ids), max_tokens), 0
+        return block_ids, cached
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int,
                       sampling: pb.Sampling) -> AsyncIterator[RequestOutput]:
         return self.engine.add_prefilled(request_id, prompt_ids, first_token,
                                          sampling_from_proto(sampling, self.sampling_cls))
+
+    def prefill_reserved(self, request_id: str, prompt_ids: list[int],
+                         sampling: pb.Sampling) -> AsyncIterator[RequestOutput]:
+        return self.engine.prefill_reserved(request_id, prompt_ids, sampling_from_proto(sampling, self.sampling_cls))
+
+    def computed_prompt(self, tokens: int, seconds: float) -> None:
+        """A prompt computed here (``tokens`` after its cached prefix) gave its first output after ``seconds``."""
+        self.local_prompts.add(tokens, seconds)
+        self.metrics.prefill_rate(self.local_prompts.rate())
+
+    def prefill_rate(self) -> float:
+        """Measured tokens/s of the prompts computed here; 0.0 before the first one."""
+        return self.local_prompts.rate() or 0.0
 
     async def release(self, request_id: str) -> None:
         """Free everything the engine holds for the request: reserved blocks or a running sequence."""

@@ -1,5 +1,10 @@
 """DecodeService: the gRPC ``Decode`` service of a decode process (Session + GetLoadReport).
 
+The same gRPC port also serves ``KvEvents`` (``pdserve/kv_events.py``): this decode's prefix
+cache (prompt blocks received and blocks its requests filled, kept after they finish) as a
+snapshot then numbered events, so each prefill's decode picker knows which decode holds a
+prompt's prefix; ``server_load`` is its GetLoad answer.
+
 Lifecycle of one ``Session`` call: the service hands it to a new ``DecodeSession``
 (decode_server/session.py lists the steps: admit -> allocate -> transfer -> decode ->
 release) together with ``SessionDeps``, built once here: the ``DecodeEngine`` adapter
@@ -16,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
 from pdserve.protos.version import PROTOCOL_VERSION
@@ -40,9 +46,9 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.engine, self.receiver, self.compat = engine, receiver, compat
         self.kv_bytes_per_block = kv_bytes_per_block
         self.registry = SessionRegistry()
-        session_metrics = SessionMetrics(metrics, compat.block_size, kv_bytes_per_block)
+        session_metrics = SessionMetrics(metrics, kv_bytes_per_block)
         self.deps = SessionDeps(
-            engine=DecodeEngine(engine, sampling_cls), receiver=receiver, registry=self.registry,
+            engine=DecodeEngine(engine, sampling_cls, session_metrics), receiver=receiver, registry=self.registry,
             metrics=session_metrics, compat=compat, max_model_len=max_model_len,
             session_timeout_s=session_timeout_s, out_of_blocks_error=out_of_blocks_error,
         )
@@ -66,8 +72,16 @@ class DecodeService(pb_grpc.DecodeServicer):
             free_blocks=free, total_blocks=self.engine.num_blocks, free_bytes=free * self.kv_bytes_per_block,
             running=running, waiting=len(self.registry) - running,
             protocol_version=PROTOCOL_VERSION, model=self.compat.model, draining=self.registry.draining,
-            transport=self.compat.transport,
+            transport=self.compat.transport, prefill_tokens_per_s=self.deps.engine.prefill_rate(),
         )
+
+    def server_load(self, http_port: int) -> kpb.ServerLoad:
+        """KvEvents.GetLoad: ready unless draining; live sessions; KV blocks; our HTTP port."""
+        draining = self.registry.draining
+        free = self.engine.num_free_blocks()
+        return kpb.ServerLoad(ready=not draining, not_ready_reason="draining" if draining else "",
+                              in_flight=len(self.registry), num_requests=self.engine.num_requests(),
+                              kv_blocks_free=free, kv_blocks_total=self.engine.num_blocks, http_port=http_port)
 
     async def counts(self) -> dict:
         """For /health and the failure tests: everything that must return to zero."""

@@ -8,19 +8,27 @@ Request lifecycle on decode (each step is a method below):
    blocks than the whole pool (``too_large``; these checks are admission.py) or when the
    engine cannot reserve them now (``out_of_blocks``: transient, prefill may wait and retry).
 2. **allocate** - the engine reserves the blocks for prompt + max_tokens (a P/D request
-   is never preempted later: its blocks are held from here to the end); the CacheStore
-   receiver is told to expect the prompt's blocks; ``Allocation`` (block ids + receiver
-   endpoint) goes back to prefill.
-3. **transfer** - KV layers arrive over the CacheStore while prefill computes; prefill's
-   ``FirstToken`` arrives on the stream once every layer was sent. Both must be in before
-   the session timeout (set by prefill in ``Start``, capped by ours). KV that fails its
+   is never preempted later: its blocks are held from here to the end). With
+   ``Start.reuse_prefix`` the reservation starts with the longest prefix of the prompt this
+   decode's prefix cache holds (``reserve_prefix``): those ``cached_blocks`` are pinned by
+   the reservation (no eviction can take them before step 5), whatever the KV events said
+   before. The CacheStore receiver is told to expect the OTHER prompt blocks;
+   ``Allocation`` (cached_blocks, their block ids, receiver endpoint) goes back to prefill.
+3. **transfer** - prefill answers with ``FirstToken`` or ``ComputePrompt`` before the
+   session timeout (set by prefill in ``Start``, capped by ours).
+   ``ComputePrompt``: the CacheStore entry is deleted (no KV comes) and the request joins
+   the batch to compute the prompt after its cached blocks here (``prefill_reserved``);
+   step 4 then streams every token, the first one included.
+   ``FirstToken``: the missing KV layers arrive over the CacheStore while prefill computes
+   (the FirstToken comes once every layer was sent); they must be in before the same
+   session timeout. KV that fails its
    checksum (``--kv-checksum``) never counts as arrived: the wait fails with ``ChecksumError``
    and prefill gets ``Error`` with code ``kv_checksum_mismatch`` (it resumes the request on
    another decode); the request never joins the batch. Then the CacheStore
    entry is deleted at once: the blocks now belong to the engine alone (they are freed by
    the engine when the request finishes, and may be re-expected for another request).
-4. **decode** - the request joins the continuous batch (``add_prefilled``); every engine
-   output becomes a ``Tokens`` message, the last one is followed by ``Finish``.
+4. **decode** - after FirstToken the request joins the continuous batch (``add_prefilled``);
+   every engine output becomes a ``Tokens`` message, the last one is followed by ``Finish``.
 5. **release** - always, whatever happened (finish, ``Cancel``/``Error`` from prefill, the
    stream breaking, a timeout, our own error): abort the request in the engine if it is
    still running, release its blocks, delete its CacheStore entry, forget the session.
@@ -40,7 +48,9 @@ Leases (each wait on prefill has a timer, so step 5 always comes):
   deadline; gRPC cancels this call when it passes, whatever prefill does.
 
 A DecodeSession is given its collaborators as ``SessionDeps`` (the engine adapter, the
-CacheStore receiver, the session registry, the metrics, the limits), never the service.
+CacheStore receiver, the session registry, the metrics, the limits), never the service. The
+stream side (writes with a timer, the reader of prefill's messages, waits that end when
+prefill goes away) is ``SessionStream`` (session_stream.py).
 """
 
 from __future__ import annotations
@@ -54,11 +64,13 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
+from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 
 from . import admission
 from .registry import SessionInfo, SessionRegistry
 from .session_metrics import SessionMetrics
+from .session_stream import SessionEnded, SessionStream
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreReceiver
@@ -67,20 +79,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-
-class SessionEnded(Exception):
-    """The session must end now; ``reason`` says why (sent to prefill as Error when possible)."""
-
-    def __init__(self, reason: str, notify: bool = True):
-        super().__init__(reason)
-        self.reason, self.notify = reason, notify
+__all__ = ["DecodeSession", "SessionDeps", "SessionEnded"]
+_BACKGROUND: set[asyncio.Future] = set()  # releases of reservations made after their session was cancelled
 
 
 @dataclass(frozen=True, slots=True)
 class SessionDeps:
     """Everything a DecodeSession uses, built once by the DecodeService."""
 
-    engine: DecodeEngine  # reserve / add_prefilled / release; num_blocks
+    engine: DecodeEngine  # reserve / add_prefilled / prefill_reserved / release; num_blocks
     receiver: CacheStoreReceiver  # expect / wait_all / load / delete / released; endpoint
     registry: SessionRegistry  # live sessions, draining flag, layer arrivals
     metrics: SessionMetrics
@@ -90,78 +97,18 @@ class SessionDeps:
     out_of_blocks_error: type[Exception]  # the engine's OutOfBlocksError (refused as out_of_blocks)
 
 
-class DecodeSession:
+class DecodeSession(SessionStream):
     """Runs steps 1-5 for one Session call."""
 
     def __init__(self, context: grpc.aio.ServicerContext, deps: SessionDeps):
-        self.context, self.deps = context, deps
+        super().__init__(context, deps.metrics, deps.session_timeout_s)
+        self.deps = deps
         self.request_id: str | None = None
         self.reserved = False
         self.expected = False
-        self.first_token: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.peer_gone = asyncio.Event()
-        self.peer_reason = ""
+        self.cached_blocks = 0  # leading prompt blocks reused from our prefix cache
         self.info: SessionInfo | None = None
         self.outcome = ("error", "error")  # (outcome, reason) for the requests counter
-
-    # -- helpers ---------------------------------------------------------------------------
-    async def _write(self, **kind) -> None:
-        """Write one message; a prefill that does not take it within the session timeout ends the session."""
-        limit = self.deps.session_timeout_s
-        try:
-            await asyncio.wait_for(self.context.write(pb.DecodeMessage(**kind)), limit)
-        except asyncio.TimeoutError:
-            raise SessionEnded(f"timed out after {limit:.1f}s writing to prefill (it stopped reading)",
-                               notify=False) from None
-
-    async def _refuse(self, code: str, reason: str) -> None:
-        self.deps.metrics.refused(code)
-        log.info("refused %s: %s", self.request_id, reason)
-        await self._write(refusal=pb.Refusal(code=code, reason=reason))
-
-    async def _read_rest(self) -> None:
-        """Reader task: FirstToken resolves the future; Cancel/Error/EOF/broken stream end the session."""
-        try:
-            while True:
-                msg = await self.context.read()
-                if msg is grpc.aio.EOF:
-                    self.peer_reason = "prefill closed the session"
-                    break
-                kind = msg.WhichOneof("kind")
-                if kind == "first_token" and not self.first_token.done():
-                    self.first_token.set_result(msg.first_token)
-                elif kind == "cancel":
-                    self.peer_reason = f"cancelled by prefill: {msg.cancel.reason}"
-                    break
-                elif kind == "error":
-                    self.peer_reason = f"prefill error: {msg.error.reason}"
-                    break
-                else:
-                    self.peer_reason = f"unexpected {kind} message in the session"
-                    break
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError, RuntimeError) as exc:
-            self.peer_reason = f"session stream broke: {exc}"
-        finally:
-            self.peer_gone.set()
-
-    async def _until_peer_gone_or(self, aw, timeout: float | None, what: str):
-        """Await ``aw`` unless prefill goes away or the timeout passes first (``aw`` is then cancelled)."""
-        task = asyncio.ensure_future(aw)
-        gone = asyncio.ensure_future(self.peer_gone.wait())
-        try:
-            done, _ = await asyncio.wait({task, gone}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # we are cancelled (the RPC ended): take the inner work down too
-            task.cancel()
-            raise
-        finally:
-            gone.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        await asyncio.wait({task})  # let it finish its own clean-up (never raises)
-        if gone in done:
-            raise SessionEnded(self.peer_reason or "prefill went away", notify=False)
-        raise SessionEnded(f"timed out after {timeout:.1f}s waiting for {what}")
 
     # -- the lifecycle -----------------------------------------------------------------------
     async def run(self) -> None:
@@ -175,34 +122,44 @@ class DecodeSession:
             self.request_id = start.request_id
             if not await self._admit(start):
                 return
-            reader = asyncio.ensure_future(self._read_rest())
+            reader = asyncio.ensure_future(self.read_rest())
             timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
             deadline = time.monotonic() + timeout
             self.info.stage = "transfer"
             arrivals = asyncio.ensure_future(self._record_layer_arrivals(timeout))
-            first_token = await self._until_peer_gone_or(self.first_token, timeout, "the first token")
+            answer = await self.until_peer_gone_or(self.answer, timeout, "the first token")
+            n_blocks = blocks_needed(len(start.prompt_token_ids), deps.compat.block_size)
+            if isinstance(answer, pb.ComputePrompt):
+                await self._stop_receiving()
+                deps.metrics.prompt_blocks(reused=self.cached_blocks, computed=n_blocks - self.cached_blocks)
+                log.info("session %s: computing the prompt here (%d of %d blocks cached): %s", self.request_id,
+                         self.cached_blocks, n_blocks, answer.reason)
+                self.info.stage = "decode"
+                await self.until_peer_gone_or(self._decode(start, None), None, "decoding")
+                return
             remaining = max(0.01, deadline - time.monotonic())
-            await self._until_peer_gone_or(deps.receiver.wait_all(self.request_id, remaining), remaining + 0.5, "the KV layers")
+            await self.until_peer_gone_or(deps.receiver.wait_all(self.request_id, remaining), remaining + 0.5, "the KV layers")
             # The KV is in the blocks: unpin the CacheStore entry now, before the engine can
             # finish the request and hand its blocks to another request's expect().
             deps.receiver.delete(self.request_id)
             self.expected = False
-            deps.metrics.kv_in(time.monotonic() - self.info.started, len(start.prompt_token_ids))
-            if first_token.finished:
-                await self._write(finish=pb.Finish(finish_reason=first_token.finish_reason or "stop", completion_tokens=1))
-                self.outcome = ("ok", first_token.finish_reason or "stop")
+            deps.metrics.kv_in(time.monotonic() - self.info.started, moved=n_blocks - self.cached_blocks,
+                               reused=self.cached_blocks)
+            if answer.finished:
+                await self.write(finish=pb.Finish(finish_reason=answer.finish_reason or "stop", completion_tokens=1))
+                self.outcome = ("ok", answer.finish_reason or "stop")
                 return
             self.info.stage = "decode"
-            await self._until_peer_gone_or(self._decode(start, first_token.token_id), None, "decoding")
+            await self.until_peer_gone_or(self._decode(start, answer.token_id), None, "decoding")
         except SessionEnded as exc:
             log.info("session %s ended: %s", self.request_id, exc.reason)
             self.outcome = ("error", "timeout" if "timed out" in exc.reason else "error") if exc.notify else ("cancelled", "prefill_gone")
             if exc.notify:
-                await self._try_write_error(exc.reason)
+                await self.try_write_error(exc.reason)
         except ChecksumError as exc:  # the KV arrived corrupted: never decode on it (counted by the receiver hook)
             log.warning("session %s: %s", self.request_id, exc)
             self.outcome = ("error", CHECKSUM_MISMATCH)
-            await self._try_write_error(str(exc), CHECKSUM_MISMATCH)
+            await self.try_write_error(str(exc), CHECKSUM_MISMATCH)
         except asyncio.CancelledError:
             self.outcome = ("cancelled", "prefill_gone")
             raise
@@ -210,7 +167,7 @@ class DecodeSession:
             log.info("session: no Start within %.1fs", deps.session_timeout_s)
         except Exception as exc:  # the engine or the receiver failed: tell prefill, then clean up
             log.exception("session %s failed", self.request_id)
-            await self._try_write_error(f"decode failed: {type(exc).__name__}: {exc}")
+            await self.try_write_error(f"decode failed: {type(exc).__name__}: {exc}")
         finally:
             if reader is not None:
                 reader.cancel()
@@ -229,53 +186,82 @@ class DecodeSession:
         except Exception:  # noqa: BLE001 - failures are handled by the session itself
             pass
 
-    async def _try_write_error(self, reason: str, code: str = "") -> None:
-        try:
-            await self._write(error=pb.Error(reason=reason, code=code))
-        except Exception:  # noqa: BLE001 - the stream may already be gone
-            pass
-
     async def _admit(self, start: pb.Start) -> bool:
         deps = self.deps
         rid = start.request_id
         refused = admission.refusal(start, deps.compat, max_model_len=deps.max_model_len,
                                     total_blocks=deps.engine.num_blocks, draining=deps.registry.draining,
                                     has_session=rid in deps.registry)
+        if refused is None:
+            try:
+                block_ids, cached = await self._reserve(start)
+            except deps.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
+                refused = ("out_of_blocks", getattr(exc, "reason", str(exc)))
+            except ValueError as exc:  # prompt too long, bad ids: nothing was reserved
+                refused = ("bad_request", str(exc))
         if refused is not None:
-            await self._refuse(*refused)
-            return False
-        n_prompt, max_tokens = len(start.prompt_token_ids), start.sampling.max_tokens
-        try:
-            block_ids = await deps.engine.reserve(rid, n_prompt, max_tokens)
-        except deps.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
-            await self._refuse("out_of_blocks", getattr(exc, "reason", str(exc)))
-            return False
-        except ValueError as exc:  # prompt too long, bad ids: nothing was reserved
-            await self._refuse("bad_request", str(exc))
+            log.info("refused %s: %s", rid, refused[1])
+            await self.refuse(*refused)
             return False
         self.reserved = True
+        self.cached_blocks = cached // deps.compat.block_size
         self.info = SessionInfo(rid, "allocate", num_blocks=len(block_ids))
         deps.registry.add(self.info)
-        prompt_blocks = list(block_ids[: start.blocks_needed])
+        to_receive = list(block_ids[self.cached_blocks: start.blocks_needed])
         timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
-        for_sender = deps.receiver.expect(rid, prompt_blocks, timeout)
+        for_sender = deps.receiver.expect(rid, to_receive, timeout)
         self.expected = True
-        await self._write(allocation=pb.Allocation(block_ids=list(for_sender), cachestore_endpoint=deps.receiver.endpoint))
+        await self.write(allocation=pb.Allocation(block_ids=list(for_sender), cachestore_endpoint=deps.receiver.endpoint,
+                                                  cached_blocks=self.cached_blocks))
         return True
 
-    async def _decode(self, start: pb.Start, first_token: int) -> None:
+    async def _reserve(self, start: pb.Start) -> tuple[list[int], int]:
+        """The engine's reservation; if we are cancelled meanwhile (prefill gone), the engine still
+        makes it: it is released as soon as it is made, never left behind."""
+        deps, rid = self.deps, start.request_id
+        task = asyncio.ensure_future(deps.engine.reserve(rid, list(start.prompt_token_ids), start.sampling.max_tokens,
+                                                         start.reuse_prefix))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            def release_if_made(t: asyncio.Future) -> None:
+                if not t.cancelled() and t.exception() is None:
+                    release = asyncio.ensure_future(deps.engine.release(rid))
+                    _BACKGROUND.add(release)
+                    release.add_done_callback(_BACKGROUND.discard)
+            task.add_done_callback(release_if_made)
+            raise
+
+    async def _stop_receiving(self) -> None:
+        """ComputePrompt: no KV comes; drop the CacheStore entry before the engine writes the blocks."""
         deps = self.deps
-        produced = 1
-        outputs = deps.engine.add_prefilled(self.request_id, list(start.prompt_token_ids), first_token, start.sampling)
+        deps.receiver.delete(self.request_id)
+        self.expected = False
+        await deps.receiver.released(self.request_id, 5.0)
+
+    async def _decode(self, start: pb.Start, first_token: int | None) -> None:
+        """Step 4: stream the engine's outputs; ``first_token`` None: compute the prompt here first."""
+        deps = self.deps
+        ids = list(start.prompt_token_ids)
+        if first_token is None:
+            produced, began = 0, time.monotonic()
+            outputs = deps.engine.prefill_reserved(self.request_id, ids, start.sampling)
+        else:
+            produced, began = 1, None
+            outputs = deps.engine.add_prefilled(self.request_id, ids, first_token, start.sampling)
         try:
             async for out in outputs:
                 if out.error:
                     raise SessionEnded(f"decode engine failed: {out.error}")
+                if began is not None:  # the prompt is computed: how fast (reported in our load reports)
+                    deps.engine.computed_prompt(len(ids) - self.cached_blocks * deps.compat.block_size,
+                                                time.monotonic() - began)
+                    began = None
                 if out.new_token_ids:
                     produced += len(out.new_token_ids)
-                    await self._write(tokens=pb.Tokens(token_ids=list(out.new_token_ids)))
+                    await self.write(tokens=pb.Tokens(token_ids=list(out.new_token_ids)))
                 if out.finished:
-                    await self._write(finish=pb.Finish(finish_reason=out.finish_reason or "stop", completion_tokens=produced))
+                    await self.write(finish=pb.Finish(finish_reason=out.finish_reason or "stop", completion_tokens=produced))
                     self.outcome = ("ok", out.finish_reason or "stop")
                     return
         finally:

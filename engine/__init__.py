@@ -55,6 +55,7 @@ P/D, prefill side::
     firsts = engine.prefill_many([(rid, ids, sampling), ...], on_layer=cb2)  # one forward, {rid: token}
         # cb2(layer_idx, {rid: block_ids}); all or nothing on errors
     engine.release(request_id)  # the caller frees the blocks once the KV is sent
+    engine.prefill_counters     # (prompt tokens computed by prefill_only/many, seconds): measured throughput
 
 P/D, decode side::
 
@@ -62,9 +63,15 @@ P/D, decode side::
         # blocks for prompt + max_tokens up front, so a P/D request is never preempted;
         # OutOfBlocksError(reason) if impossible; PromptTooLongError.
         # The prompt's KV must be written into block_ids[:blocks_needed(num_prompt_tokens, block_size)].
+    block_ids, cached = engine.reserve_prefix(request_id, prompt_token_ids, max_tokens)
+        # reserve, reusing the longest cached prefix (<= (n-1)//block_size blocks): the first
+        # cached // block_size blocks already hold that KV (shared, pinned by the reservation);
+        # write only the rest, into block_ids[cached // block_size : blocks_needed(n, block_size)].
     engine.add_prefilled(request_id, prompt_token_ids, first_token_id, sampling)
         # joins the running batch; outputs start AFTER first_token_id (prefill reported it).
         # If first_token_id already ends the request, the next step reports finished, no tokens.
+    engine.prefill_reserved(request_id, prompt_token_ids, sampling)
+        # or: compute the prompt's missing KV here in the next step, then decode (every token is output)
     engine.abort(request_id)    # also frees a reservation that never got add_prefilled
 
 Seeded sampling depends only on (seed, position), so P/D gives the colocated tokens.
@@ -75,10 +82,12 @@ asyncio (one background engine thread, thread-safe submission; see async_engine.
     async for out in aeng.generate(req_id, ids, sampling): ...
     first = await aeng.prefill_only(req_id, ids, sampling, on_layer=cb); await aeng.release(req_id)
     block_ids = await aeng.reserve(req_id, n_prompt, max_tokens)
+    block_ids, cached = await aeng.reserve_prefix(req_id, ids, max_tokens)
     async for out in aeng.add_prefilled(req_id, ids, first, sampling): ...
+    async for out in aeng.prefill_reserved(req_id, ids, sampling): ...
     await aeng.abort(req_id); await aeng.stats(); await aeng.stop()
     # leaving a stream early aborts the request and frees its blocks.
-    aeng.num_blocks; aeng.num_free_blocks(); aeng.num_requests()  # thread-safe reads, any thread
+    aeng.num_blocks; aeng.num_free_blocks(); aeng.num_requests(); aeng.prefill_counters()  # thread-safe reads
 
 Errors: PromptTooLongError (ValueError, lengths in the message), OutOfBlocksError
 (RuntimeError, ``.reason``), ModelLoadError / ConfigError (ValueError, naming the tensor or

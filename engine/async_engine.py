@@ -9,7 +9,8 @@ Lifecycle and who frees what:
   stops iterating early (break, cancellation, client gone) the request is aborted and its
   blocks freed.
 - ``prefill_only`` holds the prompt's blocks until ``release`` (or ``abort``).
-- ``reserve`` holds blocks until ``add_prefilled``'s stream ends, or ``abort``.
+- ``reserve`` / ``reserve_prefix`` hold blocks until ``add_prefilled``'s (or
+  ``prefill_reserved``'s) stream ends, or ``abort``.
 - If a step raises, every running request's stream ends with a RequestOutput whose
   ``finish_reason`` is "abort" and ``error`` names the exception; their blocks are freed.
 - ``stop()`` aborts everything still held and joins the thread.
@@ -23,6 +24,7 @@ trip to the engine thread:
   effect of its own awaited calls; the value may lag the engine by at most the step or
   call now running.
 - ``num_requests()``: requests holding engine state, published the same way.
+- ``prefill_counters()``: (prompt tokens computed by prefill_only/many, seconds), the same way.
 Never touch ``engine`` (the LLMEngine) itself from another thread.
 """
 
@@ -42,10 +44,11 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self._num_blocks = engine.num_blocks
-        self._published = threading.Lock()  # guards _free_blocks, _num_requests, _prefix_hit_tokens
+        self._published = threading.Lock()  # guards the published counts below
         self._free_blocks = engine.num_free_blocks()
         self._num_requests = engine.num_requests()
         self._prefix_hit_tokens = engine.prefix_hit_tokens()
+        self._prefill_counters = engine.prefill_counters
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -92,19 +95,17 @@ class AsyncLLMEngine:
         """Prompt tokens whose KV came from the prefix cache since start (a counter), as last published."""
         with self._published:
             return self._prefix_hit_tokens
+    def prefill_counters(self) -> tuple[int, float]:
+        """(prompt tokens prefill_only/many computed, seconds of their forward passes), as last published."""
+        with self._published:
+            return self._prefill_counters
 
     # ---- colocated -------------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Errors of add_request (bad input, too long) raise here."""
-        q = self._open_stream(request_id)
-        try:
-            await self._call(self.engine.add_request, request_id, prompt_token_ids, sampling)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        async for out in self._drain(request_id, q):
+        async for out in self._stream(request_id, self.engine.add_request, request_id, prompt_token_ids, sampling):
             yield out
 
     async def abort(self, request_id: str) -> bool:
@@ -138,17 +139,22 @@ class AsyncLLMEngine:
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
         return await self._call(self.engine.reserve, request_id, num_prompt_tokens, max_tokens)
 
+    async def reserve_prefix(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        return await self._call(self.engine.reserve_prefix, request_id, prompt_token_ids, max_tokens)
+
     async def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Join a reserved request to the batch and stream the tokens after the first one."""
-        q = self._open_stream(request_id)
-        try:
-            await self._call(self.engine.add_prefilled, request_id, prompt_token_ids, first_token_id, sampling)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        async for out in self._drain(request_id, q):
+        async for out in self._stream(request_id, self.engine.add_prefilled, request_id, prompt_token_ids,
+                                      first_token_id, sampling):
+            yield out
+
+    async def prefill_reserved(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Compute a reserved request's missing prompt KV here, then decode: streams every token."""
+        async for out in self._stream(request_id, self.engine.prefill_reserved, request_id, prompt_token_ids, sampling):
             yield out
 
     async def stats(self) -> dict:
@@ -168,6 +174,18 @@ class AsyncLLMEngine:
         return await self._call(read)
 
     # ---- internals -------------------------------------------------------------------------
+    async def _stream(self, request_id: str, fn, *args) -> AsyncIterator[RequestOutput]:
+        """Open the request's output stream, run ``fn(*args)`` on the engine thread (its error
+        raises here), then yield the request's outputs until it finishes."""
+        q = self._open_stream(request_id)
+        try:
+            await self._call(fn, *args)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, q):
+            yield out
+
     def _open_stream(self, request_id: str) -> asyncio.Queue:
         if self._thread is None:
             raise RuntimeError("AsyncLLMEngine is not started (await start() first)")
@@ -205,9 +223,11 @@ class AsyncLLMEngine:
 
     def _publish(self) -> None:
         """On the engine thread: make the engine's counts readable from other threads."""
-        free, requests, hits = self.engine.num_free_blocks(), self.engine.num_requests(), self.engine.prefix_hit_tokens()
+        e = self.engine
+        free, requests, hits, counters = e.num_free_blocks(), e.num_requests(), e.prefix_hit_tokens(), e.prefill_counters
         with self._published:
-            self._free_blocks, self._num_requests, self._prefix_hit_tokens = free, requests, hits
+            self._free_blocks, self._num_requests = free, requests
+            self._prefix_hit_tokens, self._prefill_counters = hits, counters
 
     def _abort_all(self) -> None:
         self.engine.abort_all()

@@ -12,7 +12,8 @@ waiting requests FIFO while blocks, ``max_num_seqs`` and the prefill token budge
 request that does not fit waits; one that could never fit is refused by ``add_request``),
 (3) runs ONE forward over all of them (prefills and decodes together) and samples.
 
-P/D hooks (``prefill_only``, ``prefill_many``, ``release``; ``reserve``, ``add_prefilled``):
+P/D hooks (``prefill_only``, ``prefill_many``, ``release``; ``reserve``, ``reserve_prefix``,
+``add_prefilled``, ``prefill_reserved``):
 see ``pd_hooks.py`` and ``engine/__init__.py`` for the contract.
 
 The parts, each in its own module: ``Scheduler`` (queues, admission, preemption),
@@ -232,6 +233,22 @@ class LLMEngine:
         ``ceil(num_prompt_tokens / block_size)`` of the returned ids. Raises OutOfBlocksError
         (with the reason) or PromptTooLongError. Freed by ``abort`` or when the request finishes."""
         return self.pd.reserve(request_id, num_prompt_tokens, max_tokens)
+
+    def reserve_prefix(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        """``reserve`` that first reuses the prompt's longest cached prefix: (block ids, cached tokens).
+        The leading ``cached // block_size`` blocks already hold that KV (pinned by the reservation);
+        only the rest of the prompt's KV must be written, into the blocks after them."""
+        return self.pd.reserve_prefix(request_id, prompt_token_ids, max_tokens)
+
+    def prefill_reserved(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Join a reserved request to the running batch to compute its prompt's missing KV here; its
+        outputs start with the first generated token (nothing was sampled elsewhere)."""
+        self.pd.prefill_reserved(request_id, prompt_token_ids, sampling)
+
+    @property
+    def prefill_counters(self) -> tuple[int, float]:
+        """(prompt tokens computed by prefill_only/prefill_many, seconds their forward passes took)."""
+        return self.pd.prefill_tokens, self.pd.prefill_seconds
 
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams

@@ -7,19 +7,32 @@ Prefill side (the prompt's KV is computed here and sent elsewhere):
   nothing: on any error (bad input, blocks not free now, ``on_layer`` raising) every block
   taken is freed before the error propagates.
 - Who frees: the caller, with ``release(request_id)`` once the KV is sent (or ``abort``).
+- ``prefill_tokens`` / ``prefill_seconds``: prompt tokens computed by ``prefill_many`` (prefix
+  hits excluded) and the seconds its forward passes took, summed (the measured throughput).
 
 Decode side (the prompt's KV arrives from elsewhere):
 - ``reserve`` takes blocks for prompt + max_tokens up front, so the request is never
   preempted; OutOfBlocksError (with the reason) when impossible. The prompt's KV must be
   written into the first ``blocks_needed(num_prompt_tokens, block_size)`` of them.
+- ``reserve_prefix`` is ``reserve`` that first reuses the longest cached prefix of the prompt
+  (at most ``(n_prompt - 1) // block_size`` blocks, as the colocated prefix cache): it returns
+  the block ids and ``num_cached`` tokens whose KV those leading blocks already hold. They are
+  shared with the prefix cache (and any request holding them) and pinned by the reservation:
+  no eviction can take them until the request ends. Only the prompt's KV after ``num_cached``
+  has to be written (into ``block_ids[num_cached // block_size : blocks_needed(n_prompt)]``).
 - ``add_prefilled`` joins the request to the running batch; its outputs start after the first
   token (prefill reported that one). If the first token already ends the request, the next
   step reports it finished with no tokens.
+- ``prefill_reserved`` instead computes the prompt's missing KV here (after ``num_cached``)
+  in the next step, then decodes: every token, the first one included, is an output.
+  Reserved, so never preempted.
+- Both check that the prompt starts with the tokens the reservation's cached prefix holds.
 - Who frees: the engine when the request finishes, or ``abort`` (also before add_prefilled).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from .block_manager import blocks_needed
@@ -37,6 +50,8 @@ class PDHooks:
         self.scheduler, self.runner, self.factory, self.outputs = scheduler, runner, factory, outputs
         self.block_manager = scheduler.block_manager
         self.max_model_len = max_model_len
+        self.prefill_tokens = 0  # prompt tokens computed by prefill_many (prefix hits excluded)
+        self.prefill_seconds = 0.0  # time its forward passes took
 
     # ---- prefill side ----------------------------------------------------------------------
     def prefill_many(
@@ -58,7 +73,10 @@ class PDHooks:
             if on_layer is not None:
                 tables = {s.request_id: list(s.block_table) for s in seqs}
                 layer_cb = lambda i: on_layer(i, tables)  # noqa: E731
+            started = time.perf_counter()
             tokens = self.runner.forward_and_sample(seqs, layer_cb) if seqs else []
+            self.prefill_seconds += time.perf_counter() - started
+            self.prefill_tokens += sum(len(s.prompt_ids) - s.num_computed for s in seqs)
         except BaseException:
             for seq in seqs:
                 self.block_manager.free(seq.block_table)
@@ -81,6 +99,15 @@ class PDHooks:
     # ---- decode side -----------------------------------------------------------------------
     def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
         """Blocks for prompt + max_tokens, taken now (see the module)."""
+        return self._reserve(request_id, None, num_prompt_tokens, max_tokens)[0]
+
+    def reserve_prefix(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+        """``reserve`` reusing the prompt's longest cached prefix: (block ids, cached tokens)."""
+        seq = self.factory.make(request_id, prompt_token_ids, _VALIDATE_ONLY, check_unique=False)
+        return self._reserve(request_id, seq.prompt_ids, len(seq.prompt_ids), max_tokens)
+
+    def _reserve(self, request_id: str, prompt_ids: list[int] | None, num_prompt_tokens: int,
+                 max_tokens: int) -> tuple[list[int], int]:
         if self.scheduler.in_use(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if num_prompt_tokens < 1:
@@ -90,21 +117,15 @@ class PDHooks:
         if num_prompt_tokens + 1 > self.max_model_len:
             raise PromptTooLongError(num_prompt_tokens, self.max_model_len)
         n = min(num_prompt_tokens + max_tokens, self.max_model_len)
-        table, _ = self.block_manager.allocate([], n, use_prefix_cache=False)
-        self.scheduler.add_reservation(request_id, table)
-        return list(table)
+        table, cached = self.block_manager.allocate(prompt_ids or [], n, use_prefix_cache=prompt_ids is not None)
+        self.scheduler.add_reservation(request_id, table, tuple(prompt_ids[:cached]) if cached else ())
+        return list(table), cached
 
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams
     ) -> None:
         """Join a reserved request whose prompt KV is in its blocks to the running batch."""
-        table = self.scheduler.reservation(request_id)
-        if table is None:
-            raise ValueError(f"request {request_id!r} has no reservation (call reserve first)")
-        seq = self.factory.make(request_id, prompt_token_ids, sampling, check_unique=False)
-        if blocks_needed(len(seq.prompt_ids), self.block_manager.block_size) > len(table):
-            raise ValueError(f"request {request_id!r} reserved {len(table)} blocks, too few for {len(seq.prompt_ids)} prompt tokens")
-        seq.block_table, seq.reserved = self.scheduler.take_reservation(request_id), True
+        seq = self._take_reserved(request_id, prompt_token_ids, sampling)
         seq.num_computed = len(seq.prompt_ids)
         self.scheduler.register_blocks(seq)
         self.outputs.append_token(seq, first_token_id)
@@ -114,3 +135,29 @@ class PDHooks:
             self.scheduler.finish_early(seq)
         else:
             self.scheduler.join_running(seq)
+
+    def prefill_reserved(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Join a reserved request to the running batch to compute its prompt's missing KV here."""
+        seq = self._take_reserved(request_id, prompt_token_ids, sampling)
+        self.scheduler.join_running(seq)
+
+    def _take_reserved(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:
+        """The reservation handed to a new sequence (its cached prefix counted as computed)."""
+        table = self.scheduler.reservation(request_id)
+        if table is None:
+            raise ValueError(f"request {request_id!r} has no reservation (call reserve first)")
+        seq = self.factory.make(request_id, prompt_token_ids, sampling, check_unique=False)
+        if blocks_needed(len(seq.prompt_ids), self.block_manager.block_size) > len(table):
+            raise ValueError(f"request {request_id!r} reserved {len(table)} blocks, too few for {len(seq.prompt_ids)} prompt tokens")
+        prefix = self.scheduler.reserved_prefix.get(request_id, ())
+        if tuple(seq.prompt_ids[: len(prefix)]) != prefix:
+            raise ValueError(f"request {request_id!r}: the prompt does not start with the {len(prefix)} cached tokens "
+                             "its reservation reused")
+        seq.block_table, _ = self.scheduler.take_reservation(request_id)
+        seq.reserved = True
+        seq.num_computed = seq.num_cached_tokens = len(prefix)
+        return seq
+
+
+# reserve_prefix validates prompt ids through the SequenceFactory, which wants sampling params.
+_VALIDATE_ONLY = SamplingParams(max_tokens=1)

@@ -7,7 +7,9 @@ Places a request can be, by request id:
 - ``waiting`` (FIFO deque) then ``running`` (list): the colocated path and P/D decodes.
 - held: prefilled by ``prefill_only`` on the prefill side, in ``seqs`` but in neither queue,
   until released.
-- ``reserved``: blocks taken by ``reserve`` on the decode side, before ``add_prefilled``.
+- ``reserved``: blocks taken by ``reserve`` on the decode side, before ``add_prefilled`` (or
+  ``prefill_reserved``); ``reserved_prefix`` holds the token ids of a reservation's leading
+  tokens whose KV came from the prefix cache (its first blocks are shared, cached ones).
 - ``done_early``: finished outside a step (by its first token); the next step reports it.
 
 ``schedule()`` for one step (prefill spans first, then decode rows):
@@ -40,6 +42,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # waiting, running, or prefilled-and-held
         self.reserved: dict[str, list[int]] = {}  # decode side: request id -> block table
+        self.reserved_prefix: dict[str, tuple[int, ...]] = {}  # request id -> the cached tokens it reused
         self.done_early: list[Sequence] = []  # finished outside step(); reported by the next step
         self.num_preemptions = 0  # colocated sequences freed and recomputed for lack of blocks
 
@@ -65,6 +68,7 @@ class Scheduler:
     def remove(self, request_id: str) -> bool:
         """Forget a request wherever it is and free its blocks (abort). False if unknown."""
         if request_id in self.reserved:
+            self.reserved_prefix.pop(request_id, None)
             self.block_manager.free(self.reserved.pop(request_id))
             return True
         seq = self.seqs.pop(request_id, None)
@@ -91,15 +95,18 @@ class Scheduler:
             del self.seqs[request_id]
             self.free_blocks(seq)
 
-    def add_reservation(self, request_id: str, block_table: list[int]) -> None:
+    def add_reservation(self, request_id: str, block_table: list[int], prefix: tuple[int, ...] = ()) -> None:
+        """Blocks held for a request; ``prefix``: the leading tokens whose KV they already hold."""
         self.reserved[request_id] = block_table
+        if prefix:
+            self.reserved_prefix[request_id] = prefix
 
     def reservation(self, request_id: str) -> list[int] | None:
         return self.reserved.get(request_id)
 
-    def take_reservation(self, request_id: str) -> list[int]:
-        """The reserved blocks, now owned by the caller (who hands them to a sequence)."""
-        return self.reserved.pop(request_id)
+    def take_reservation(self, request_id: str) -> tuple[list[int], tuple[int, ...]]:
+        """The reserved blocks (and the cached prefix they start with), now owned by the caller."""
+        return self.reserved.pop(request_id), self.reserved_prefix.pop(request_id, ())
 
     def join_running(self, seq: Sequence) -> None:
         """A sequence whose prompt KV is already in its blocks joins the running batch."""

@@ -13,6 +13,12 @@ Lifecycle of one supervised server (``ServerProcess``):
 4. *waiting* -> **spawn** again with the same argv: the same ports, so the prefills'
    static decode lists and load-report polls find it again.
 
+Scaling (``pdserve up --autoscale``): ``add(server, now)`` spawns one more server;
+``drain(server)`` moves it to *draining* and sends its process group SIGTERM (the server
+stops taking new work and finishes what it has); when it exits it is never restarted: it
+goes to *gone* and leaves ``servers`` (``on_change`` runs, so its address leaves discovery
+only then). A server that is not running when drained goes at once.
+
 With policy ``never`` the first exit raises ``ServerExited`` (the old behaviour of
 ``pdserve up``: stop everything; for debugging). ``RestartBackoff`` is pure (every call
 takes ``now``), so unit tests drive it with a fake clock; ``Supervisor.step(now)`` is one
@@ -22,6 +28,7 @@ pass of the watching loop (reap exits, restart what is due, probe what is starti
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from dataclasses import dataclass, field
@@ -84,6 +91,14 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
+def sigterm_group(proc: subprocess.Popen) -> None:
+    """SIGTERM a server's process group (servers run in their own sessions)."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+
+
 class ServerExited(RuntimeError):
     """Policy 'never': a server exited, so everything stops."""
 
@@ -102,8 +117,12 @@ class ServerProcess:
     log: Path
     backoff: RestartBackoff = field(default_factory=RestartBackoff)
     popen: subprocess.Popen | None = None
-    state: str = "new"          # new | starting | ready | waiting
+    state: str = "new"          # new | starting | ready | waiting | draining | gone
     restart_at: float = 0.0
+    role: str = ""              # prefill | decode | router
+    address: str = ""           # what discovery lists for it (host:grpc_port)
+    metrics_url: str = ""
+    was_ready: bool = False     # became ready once: from then on discovery lists it, until it is gone
 
     def log_tail(self, chars: int = 2000) -> str:
         try:
@@ -117,28 +136,56 @@ class Supervisor:
 
     def __init__(self, servers: list[ServerProcess], spawn: Callable[[ServerProcess], subprocess.Popen],
                  is_ready: Callable[[str], bool], policy: str = "always", say: Callable[[str], None] = print,
-                 on_change: Callable[[], None] = lambda: None):
+                 on_change: Callable[[], None] = lambda: None, terminate: Callable[[subprocess.Popen], None] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"restart policy must be one of {POLICIES}, got {policy!r}")
         self.servers, self.policy = servers, policy
         self._spawn, self._is_ready, self._say, self._on_change = spawn, is_ready, say, on_change
+        self._terminate = terminate or sigterm_group
 
     def start_all(self, now: float) -> None:
         for server in self.servers:
             self._start(server, now)
 
     def all_ready(self) -> bool:
-        return all(s.state == "ready" for s in self.servers)
+        return all(s.state == "ready" for s in self.servers if s.state != "draining")
+
+    def add(self, server: ServerProcess, now: float) -> None:
+        """Supervise one more server, started now."""
+        self.servers.append(server)
+        self._start(server, now)
+
+    def drain(self, server: ServerProcess) -> None:
+        """SIGTERM ``server`` (it drains, then exits) and never restart it; it leaves when it exits."""
+        if server not in self.servers or server.state in ("draining", "gone"):
+            return
+        running = server.popen is not None and server.popen.poll() is None
+        server.state = "draining"
+        if running:
+            self._terminate(server.popen)
+            self._say(f"[supervisor] {server.name} (pid {server.popen.pid}) draining")
+            self._on_change()
+        else:
+            self._gone(server, "was not running")
+
+    def _gone(self, server: ServerProcess, how: str) -> None:
+        server.state = "gone"
+        self.servers.remove(server)
+        self._say(f"[supervisor] {server.name} drained and stopped ({how})")
+        self._on_change()
 
     def step(self, now: float) -> None:
         """One pass: reap exits (restart, give up or raise), start what is due, probe what is starting."""
-        for server in self.servers:
-            if server.state in ("starting", "ready") and server.popen.poll() is not None:
+        for server in list(self.servers):
+            if server.state == "draining":
+                if server.popen.poll() is not None:
+                    self._gone(server, describe_exit(server.popen.returncode))
+            elif server.state in ("starting", "ready") and server.popen.poll() is not None:
                 self._exited(server, now)
             elif server.state == "waiting" and now >= server.restart_at:
                 self._start(server, now)
             elif server.state == "starting" and self._is_ready(server.ready_url):
-                server.state = "ready"
+                server.state, server.was_ready = "ready", True
                 server.backoff.on_ready(now)
                 if server.backoff.restarts:
                     self._say(f"[supervisor] {server.name} is ready again (restart {server.backoff.restarts})")
@@ -170,4 +217,5 @@ class Supervisor:
     def snapshot(self) -> dict:
         """JSON-ready state of every server (``pdserve up`` writes it to <log-dir>/servers.json for tools)."""
         return {s.name: {"pid": s.popen.pid if s.popen else None, "state": s.state, "ready_url": s.ready_url,
-                         "restarts": s.backoff.restarts, "log": str(s.log)} for s in self.servers}
+                         "restarts": s.backoff.restarts, "log": str(s.log), "role": s.role, "address": s.address}
+                for s in self.servers}

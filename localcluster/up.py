@@ -3,6 +3,10 @@
 Starts --decode decode processes and --prefill prefill processes on 127.0.0.1 (each
 prefill knows every decode through a static list), waits until all are ready (a progress
 bar), prints the endpoint with a curl and an openai-client example, and keeps running.
+With --autoscale the planner (autoscale.py) starts and drains servers within the
+--min/--max bounds: prefills then find decodes in <log-dir>/decodes.txt and the router
+(the front door whenever --max-prefill > 1) finds prefills in <log-dir>/prefills.txt;
+a server is listed once it is ready and unlisted once it has drained and exited.
 A server that dies is restarted on the same ports with capped exponential backoff while
 the others keep serving (a line per restart; see supervisor.py), unless --restart never.
 `up` ends on Ctrl-C (or SIGTERM): the prefills drain their in-flight requests first, then
@@ -29,7 +33,10 @@ from pdserve import defaults
 from pdserve.cachestore import TRANSPORTS
 from pdserve.net import free_ports
 
+from . import autoscale
 from .supervisor import POLICIES, RestartBackoff, ServerCannotStart, ServerExited, ServerProcess, Supervisor
+
+ROLES_STOP_ORDER = ("router", "prefill", "decode")  # the front door drains first, decodes last
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,11 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="gRPC port of the Generate API: the prefill's, or with --prefill > 1 the router's")
     parser.add_argument("--policy", choices=["wrr", "rr"], default="wrr", help="decode selection policy")
     parser.add_argument("--local-fallback", action="store_true", help="prefills decode locally when no decode can take a request")
+    parser.add_argument("--disaggregation", choices=defaults.DISAGGREGATION_MODES, default=defaults.DISAGGREGATION,
+                        help="where prefills compute prompts: always themselves (KV moved), never (the decode does), "
+                             "auto (per request, by measured cost)")
+    parser.add_argument("--decode-reuse", action=argparse.BooleanOptionalAction, default=True,
+                        help="decodes serve prompts' cached prefixes, only missing KV blocks move (--no-decode-reuse: all move)")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-dir", default=None, help="where process logs go (default: a new temporary folder)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for all processes to be ready")
     parser.add_argument("--extra", default="", help="extra flags passed to every server process (one string)")
+    parser.add_argument("--prefill-extra", default="", help="extra flags passed to every prefill process (one string)")
     r = parser.add_argument_group("supervision (what happens when a server process dies)")
     r.add_argument("--restart", choices=POLICIES, default="always",
                    help="always: restart it with capped exponential backoff, same ports, the others keep serving; "
@@ -59,6 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a run that stayed up this many seconds resets the backoff to --backoff-initial")
     r.add_argument("--max-failed-starts", type=int, default=5,
                    help="give up (and stop everything) when a server dies before becoming ready this many times in a row")
+    autoscale.add_arguments(parser)
 
 
 def _ready(url: str) -> bool:
@@ -78,50 +92,98 @@ class LocalCluster:
         if args.decode == 0 and not args.local_fallback:
             raise SystemExit("pdserve up: --decode 0 needs --local-fallback (nothing could decode)")
         self.args = args
+        self.scaling = autoscale.planner_config(args) if getattr(args, "autoscale", False) else None
         self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self.decodes: list[ServerProcess] = []
-        self.prefills: list[ServerProcess] = []
-        self.routers: list[ServerProcess] = []  # one router in front when there are several prefills
+        self.discovery_files = {"decode": self.log_dir / "decodes.txt", "prefill": self.log_dir / "prefills.txt"}
+        self.routed = (self.scaling.prefill.max_replicas if self.scaling else args.prefill) > 1
         self.endpoints: list[str] = []
+        self._count = {"prefill": 0, "decode": 0}
+        self._listed: dict[str, list[str] | None] = {"prefill": None, "decode": None}
+        self.supervisor = Supervisor([], self._spawn, _ready, policy=args.restart, say=say, on_change=self._write_state)
         self._plan()
-        self.supervisor = Supervisor(self.decodes + self.prefills + self.routers, self._spawn, _ready, policy=args.restart, say=say,
-                                     on_change=self._write_state)
+        self.autoscaler = None
+        if self.scaling:
+            self.autoscaler = autoscale.LocalAutoscaler(self, self.scaling, args.plan_interval, args.plan_window,
+                                                        events=self.log_dir / "autoscale.jsonl", say=say)
 
-    def _server(self, name: str, argv: list[str], ready_url: str) -> ServerProcess:
+    def servers(self, role: str) -> list[ServerProcess]:
+        return [s for s in self.supervisor.servers if s.role == role]
+
+    @property
+    def decodes(self) -> list[ServerProcess]:
+        return self.servers("decode")
+
+    @property
+    def prefills(self) -> list[ServerProcess]:
+        return self.servers("prefill")
+
+    @property
+    def routers(self) -> list[ServerProcess]:
+        return self.servers("router")
+
+    def _server(self, name: str, argv: list[str], ready_url: str, role: str, address: str, metrics_url: str) -> ServerProcess:
         a = self.args
         backoff = RestartBackoff(initial=a.backoff_initial, cap=a.backoff_cap, reset_after=a.backoff_reset,
                                  max_failed_starts=a.max_failed_starts)
-        return ServerProcess(name, argv, ready_url, self.log_dir / f"{name}.log", backoff)
+        return ServerProcess(name, argv, ready_url, self.log_dir / f"{name}.log", backoff, role=role, address=address,
+                             metrics_url=metrics_url)
+
+    def _common(self) -> list[str]:
+        a = self.args
+        common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads", str(a.threads)]
+        if self.scaling:  # a drained server finishes its longest request before it stops
+            common += ["--drain-timeout", f"{defaults.REQUEST_TIMEOUT_S:g}"]
+        return common + (a.extra.split() if a.extra else [])
+
+    def _new_decode(self) -> ServerProcess:
+        i, self._count["decode"] = self._count["decode"], self._count["decode"] + 1
+        grpc_port, http_port, kv_port = free_ports(3)
+        argv = ["decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port), *self._common()]
+        return self._server(f"decode-{i}", argv, f"http://127.0.0.1:{http_port}/ready", "decode",
+                            f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/metrics")
+
+    def _new_prefill(self, decodes: list[str]) -> ServerProcess:
+        a = self.args
+        i, self._count["prefill"] = self._count["prefill"], self._count["prefill"] + 1
+        port, grpc_port = free_ports(2) if self.routed else (a.port, a.grpc_port)
+        if self.scaling:
+            discovery = ["--discovery", "file", "--decode-file", str(self.discovery_files["decode"])]
+        else:
+            discovery = ["--decode", ",".join(decodes)]
+        argv = ["prefill", "--port", str(port), "--grpc-port", str(grpc_port), *discovery, "--policy", a.policy,
+                "--disaggregation", a.disaggregation, "--decode-reuse" if a.decode_reuse else "--no-decode-reuse",
+                *self._common(), *a.prefill_extra.split()]
+        if a.local_fallback:
+            argv.append("--local-fallback")
+        return self._server(f"prefill-{i}", argv, f"http://127.0.0.1:{port}/ready", "prefill",
+                            f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{port}/metrics")
 
     def _plan(self) -> None:
         """Every server's command line, ports included, fixed once: a restart reuses them."""
         a = self.args
-        common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads", str(a.threads)]
-        common += a.extra.split() if a.extra else []
-        grpc_addrs = []
-        ports = iter(free_ports(3 * a.decode + 2 * a.prefill))  # distinct, so no two servers share one
-        for i in range(a.decode):
-            grpc_port, http_port, kv_port = next(ports), next(ports), next(ports)
-            argv = ["decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port), *common]
-            self.decodes.append(self._server(f"decode-{i}", argv, f"http://127.0.0.1:{http_port}/ready"))
-            grpc_addrs.append(f"127.0.0.1:{grpc_port}")
-        routed = a.prefill > 1
-        prefill_grpc = []
-        for i in range(a.prefill):
-            port, grpc_port = (next(ports), next(ports)) if routed else (a.port, a.grpc_port)
-            argv = ["prefill", "--port", str(port), "--grpc-port", str(grpc_port), "--decode", ",".join(grpc_addrs),
-                    "--policy", a.policy, *common]
-            if a.local_fallback:
-                argv.append("--local-fallback")
-            self.prefills.append(self._server(f"prefill-{i}", argv, f"http://127.0.0.1:{port}/ready"))
-            self.endpoints.append(f"http://127.0.0.1:{port}")
-            prefill_grpc.append(f"127.0.0.1:{grpc_port}")
-        if routed:  # the router is the front door: prefix- and load-aware choice of prefill
-            argv = ["router", "--port", str(a.port), "--grpc-port", str(a.grpc_port), "--model", a.model,
-                    "--prefill", ",".join(prefill_grpc)]
-            self.routers.append(self._server("router", argv, f"http://127.0.0.1:{a.port}/ready"))
+        if self.scaling:
+            self._write_state()  # empty discovery files: servers are listed as they become ready
+        decodes = [self._new_decode() for _ in range(a.decode)]
+        prefills = [self._new_prefill([d.address for d in decodes]) for _ in range(a.prefill)]
+        self.supervisor.servers += decodes + prefills
+        self.endpoints = [p.metrics_url.removesuffix("/metrics") for p in prefills]
+        if self.routed:  # the router is the front door: prefix- and load-aware choice of prefill
+            prefills_arg = (["--discovery", "file", "--prefill-file", str(self.discovery_files["prefill"])] if self.scaling
+                            else ["--prefill", ",".join(p.address for p in prefills)])
+            argv = ["router", "--port", str(a.port), "--grpc-port", str(a.grpc_port), "--model", a.model, *prefills_arg]
+            self.supervisor.servers.append(self._server("router", argv, f"http://127.0.0.1:{a.port}/ready", "router", "", ""))
             self.endpoints.insert(0, f"http://127.0.0.1:{a.port}")
+
+    def add_server(self, role: str, now: float) -> ServerProcess:
+        """Start one more prefill or decode (the autoscaler's scale-up)."""
+        server = self._new_decode() if role == "decode" else self._new_prefill([])
+        self.supervisor.add(server, now)
+        return server
+
+    def drain_server(self, server: ServerProcess) -> None:
+        """Drain one server and let it go (the autoscaler's scale-down)."""
+        self.supervisor.drain(server)
 
     def _spawn(self, server: ServerProcess) -> subprocess.Popen:
         log = open(server.log, "ab")  # a restart appends to the same log
@@ -136,11 +198,16 @@ class LocalCluster:
             log.close()  # the child has its own copy
 
     def _write_state(self) -> None:
-        """<log-dir>/servers.json: pid, state and restarts of every server (for tools such as bench chaos)."""
-        path = self.log_dir / "servers.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.supervisor.snapshot(), indent=1))
-        os.replace(tmp, path)
+        """<log-dir>/servers.json: pid, state and restarts of every server (for tools such as bench chaos);
+        with --autoscale also the discovery files: the servers that became ready and have not gone."""
+        _write_atomically(self.log_dir / "servers.json", json.dumps(self.supervisor.snapshot(), indent=1))
+        if not self.scaling:
+            return
+        for role, path in self.discovery_files.items():
+            listed = sorted(s.address for s in self.servers(role) if s.was_ready)
+            if listed != self._listed[role]:
+                _write_atomically(path, "".join(f"{address}\n" for address in listed))
+                self._listed[role] = listed
 
     def start(self) -> None:
         self.supervisor.start_all(time.monotonic())
@@ -166,19 +233,26 @@ class LocalCluster:
                 time.sleep(0.2)
 
     def serve(self, stopping) -> int:
-        """Supervise until stopping() is true (0) or a server ends everything (1)."""
+        """Supervise (and autoscale) until stopping() is true (0) or a server ends everything (1)."""
         while not stopping():
             try:
                 self.supervisor.step(time.monotonic())
             except (ServerExited, ServerCannotStart) as e:
                 print(f"pdserve up: {e}\nstopping (logs in {self.log_dir})", flush=True)
                 return 1
+            if self.autoscaler is not None:
+                try:
+                    self.autoscaler.step(time.monotonic())
+                except Exception as e:  # noqa: BLE001 - a failed round must not stop the cluster; the next one retries
+                    print(f"[autoscale] round failed: {type(e).__name__}: {e}", flush=True)
             time.sleep(0.2)
         return 0
 
     def stop(self, timeout: float = 60.0) -> None:
-        for group in (self.routers, self.prefills, self.decodes):  # the front door drains first, decodes last
-            procs = [s.popen for s in group if s.popen is not None]
+        if self.autoscaler is not None:
+            self.autoscaler.close()
+        for role in ROLES_STOP_ORDER:  # the front door drains first, decodes last
+            procs = [s.popen for s in self.servers(role) if s.popen is not None]
             for proc in procs:
                 if proc.poll() is None:
                     try:
@@ -198,8 +272,13 @@ class LocalCluster:
 
     def banner(self) -> str:
         a, url = self.args, self.endpoints[0]
+        scaling = ""
+        if self.scaling:
+            p, d = self.scaling.prefill, self.scaling.decode
+            scaling = (f"\n  autoscaling: prefill {p.min_replicas}..{p.max_replicas}, decode {d.min_replicas}..{d.max_replicas} "
+                       f"(SLO TTFT {a.slo_ttft_ms:g} ms, TBT {a.slo_tbt_ms:g} ms; decisions in {self.log_dir / 'autoscale.jsonl'})")
         return f"""
-pdserve is up: {a.prefill} prefill, {a.decode} decode{', 1 router' if self.routers else ''}, model {a.model!r}, KV transfer {a.transfer}
+pdserve is up: {a.prefill} prefill, {a.decode} decode{', 1 router' if self.routers else ''}, model {a.model!r}, KV transfer {a.transfer}{scaling}
   OpenAI API: {url}/v1    ({'the router; prefills at ' + ', '.join(self.endpoints[1:]) if self.routers else 'the prefill'})
   gRPC Generate: 127.0.0.1:{a.grpc_port}    logs: {self.log_dir}
 
@@ -214,6 +293,12 @@ Ctrl-C drains in-flight requests and stops everything.
 """
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _terminate_with_parent() -> None:
     """In a child, before exec: get SIGTERM (and so drain and exit) if `pdserve up` dies, even by SIGKILL."""
     if sys.platform.startswith("linux"):
@@ -222,8 +307,12 @@ def _terminate_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    cluster = LocalCluster(args)
+    cluster = LocalCluster(args, say=_say)
     stop = {"now": False, "serving": False}
 
     def on_signal(signum, frame):

@@ -13,5 +13,7 @@ Reading path:
 4. ``status.py``: pure status computation (Ready / Progressing / Degraded).
 5. ``handlers.py``: the kopf handlers wiring builders and status to the API
    (``kubeapi.py``: server-side apply over one ApiClient).
-6. ``cli.py``: ``pdserve operator`` (``config.py``: what it is told at start-up).
+6. ``autoscaling.py``: ``spec.autoscaling``, the planner's loop per InferenceService
+   (``autoscaling_metrics.py``: Prometheus or the pods' /metrics as its source).
+7. ``cli.py``: ``pdserve operator`` (``config.py``: what it is told at start-up).
 """

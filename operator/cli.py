@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--network-policy", action="store_true", default=_env_flag("PDSERVE_NETWORK_POLICY"),
                         help="give each InferenceService NetworkPolicies admitting decode Session/KV ports only "
                              "from its own prefill pods (default $PDSERVE_NETWORK_POLICY)")
+    parser.add_argument("--prometheus-url", default=os.environ.get("PDSERVE_PROMETHEUS_URL") or None, metavar="URL",
+                        help="autoscaling (spec.autoscaling) reads the pools' metrics from this Prometheus, e.g. "
+                             "http://prometheus.monitoring:9090 (default $PDSERVE_PROMETHEUS_URL; else the operator "
+                             "scrapes the ready pods' /metrics itself)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--liveness", default=os.environ.get("PDSERVE_LIVENESS") or None, metavar="URL",
                         help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
@@ -43,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import kopf
 
-    from pdserve.operator import handlers  # registers the handlers
+    from pdserve.operator import autoscaling, handlers  # noqa: F401 - importing registers the handlers
     from pdserve.operator.config import OperatorConfig
     from pdserve.operator.naming import default_protocol_version
 
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = OperatorConfig(default_image=args.default_image,
                                 protocol_version=args.protocol_version or default_protocol_version(),
-                                network_policy=args.network_policy)
+                                network_policy=args.network_policy, prometheus_url=args.prometheus_url)
     except ValueError as e:
         raise SystemExit(f"pdserve operator: {e}") from None
     if args.kubeconfig:

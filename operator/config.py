@@ -17,13 +17,18 @@ class OperatorConfig:
         InferenceService names none (this release's ``PROTOCOL_VERSION``).
     network_policy: whether each InferenceService gets NetworkPolicies that admit the
         decode Session and KV-transfer ports only from its own prefill pods.
+    prometheus_url: where autoscaling (spec.autoscaling) queries the pools' metrics; without
+        it the operator scrapes the ready pods' /metrics itself.
     """
 
     default_image: str
     protocol_version: str
     network_policy: bool = False
+    prometheus_url: str | None = None  # autoscaling reads metrics here (PromQL); None: the pods' own /metrics
 
     def __post_init__(self) -> None:
         if not self.default_image or any(c.isspace() for c in self.default_image):
             raise ValueError(f"default image {self.default_image!r} must be a non-empty image reference without spaces")
         naming.protocol_label(self.protocol_version)  # raises with a clear message
+        if self.prometheus_url is not None and not self.prometheus_url.startswith(("http://", "https://")):
+            raise ValueError(f"prometheus URL {self.prometheus_url!r} must start with http:// or https://")

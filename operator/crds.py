@@ -19,6 +19,7 @@ import yaml
 
 from pdserve import defaults
 from pdserve.operator import naming
+from pdserve.slo import classes as slo_classes
 
 # Defaults the schema fills in; builders fall back to the same values for objects that
 # never passed through an API server (unit tests).
@@ -141,13 +142,57 @@ ROUTING = _obj(
     default={},
 )
 
+def _slo_targets(default_ttft: int | None = None, default_tbt: int | None = None) -> dict:
+    return {
+        "ttftMs": _int("Time-to-first-token target in milliseconds.", 1, 600_000, default_ttft),
+        "tbtMs": _int("Target of a request's mean time between tokens, in milliseconds.", 1, 60_000, default_tbt),
+        "e2eMs": _int("End-to-end target (arrival to last token) in milliseconds.", 1, slo_classes.MAX_TARGET_MS),
+        "earlyReject": {"type": "boolean", "default": False,
+                        "description": "Refuse a request at once (429 with Retry-After and the estimate) when the "
+                                       "estimate says its targets cannot be met even if it were served next; batch "
+                                       "classes usually queue instead."},
+    }
+
+
+SLO_CLASS = _obj(
+    {"name": _str("Class name: the X-SLO-Class header's value and the slo_class metric label.",
+                  pattern=slo_classes.NAME_PATTERN, maxLength=63),
+     **_slo_targets(),
+     "priority": _int("The vLLM request field 'priority' value that selects this class (0, when no class "
+                      "declares it, selects defaultClass).", -1_000_000, 1_000_000)},
+    required=["name"],
+)
+
 SLO = _obj(
     {
-        "ttftMs": _int("Time-to-first-token target in milliseconds.", 1, 600_000, DEFAULT_TTFT_MS),
-        "tbtMs": _int("Time-between-tokens target in milliseconds.", 1, 60_000, DEFAULT_TBT_MS),
+        **_slo_targets(DEFAULT_TTFT_MS, DEFAULT_TBT_MS),
+        "defaultClass": _str("The class of requests that name none: 'default' (this object's own targets) or "
+                             "one of classes.", pattern=slo_classes.NAME_PATTERN, maxLength=63,
+                             default=slo_classes.DEFAULT_CLASS),
+        "classes": {
+            "type": "array",
+            "description": "Named SLO classes besides 'default' (e.g. interactive, batch); a request picks one with "
+                           "the header X-SLO-Class or the body field priority.",
+            "maxItems": slo_classes.MAX_CLASSES,
+            "items": SLO_CLASS,
+            "x-kubernetes-validations": [
+                _rule("self.all(c, self.exists_one(d, d.name == c.name))", "spec.slo.classes names must be unique"),
+                _rule("self.all(c, c.name != 'default')",
+                      "spec.slo.classes must not declare 'default': it is the class of spec.slo's own targets"),
+                _rule("self.all(c, !has(c.priority) || self.exists_one(d, has(d.priority) && d.priority == c.priority))",
+                      "spec.slo.classes priorities must be unique"),
+            ],
+        },
     },
-    description="Latency targets (passed to prefill pods; dashboards compare against them).",
+    description="Latency targets (SLOs): the class 'default' from ttftMs/tbtMs/e2eMs, plus named classes. Passed "
+                "to prefill pods as PDSERVE_SLO_CLASSES; their queue orders, rejects and reports by class.",
     default={},
+    **{"x-kubernetes-validations": [
+        _rule("!has(self.defaultClass) || self.defaultClass == 'default' || "
+              "(has(self.classes) && self.classes.exists(c, c.name == self.defaultClass))",
+              "spec.slo.defaultClass must be 'default' or the name of one of spec.slo.classes",
+              fieldPath=".defaultClass"),
+    ]},
 )
 
 ROUTER = _obj(
@@ -164,6 +209,34 @@ ROUTER = _obj(
                                       "router's)."},
     },
     description="The KV-aware router in front of the prefill pool (pdserve router).",
+    default={},
+)
+
+def _autoscaling_bounds(pool: str, default_max: int) -> dict:
+    return _obj(
+        {"minReplicas": _int(f"Fewest {pool} pods the planner keeps.", 1, MAX_REPLICAS, 1),
+         "maxReplicas": _int(f"Most {pool} pods the planner runs.", 1, MAX_REPLICAS, default_max)},
+        description=f"Bounds of the {pool} pool{' (each decode pool)' if pool == 'decode' else ''}.",
+        default={"minReplicas": 1, "maxReplicas": default_max},
+        **{"x-kubernetes-validations": [_rule("self.minReplicas <= self.maxReplicas",
+                                              f"spec.autoscaling.{pool}.minReplicas must be <= maxReplicas")]},
+    )
+
+
+AUTOSCALING = _obj(
+    {
+        "enabled": {"type": "boolean", "default": False,
+                    "description": "Let the operator's planner set the pools' replicas (through their scale "
+                                   "subresource) to meet spec.slo. Off: replicas are yours (kubectl scale, the spec)."},
+        "prefill": _autoscaling_bounds("prefill", 4),
+        "decode": _autoscaling_bounds("decode", 4),
+        "intervalSeconds": _int("Seconds between two decisions.", 1, 3600, 15),
+        "windowSeconds": _int("Seconds of metrics one decision looks at.", 5, 3600, 60),
+        "scaleDownStabilizationSeconds": _int("A pool shrinks only to the highest need of this many seconds.",
+                                              0, 86400, 300),
+        "cooldownSeconds": _int("Seconds after a change of a pool before it may shrink.", 0, 86400, 60),
+    },
+    description="The SLO planner (pdserve.planner): scale up fast on bursts, down slowly, one drained pod at a time.",
     default={},
 )
 
@@ -200,6 +273,7 @@ ISVC_SPEC = _obj(
         "transfer": TRANSFER,
         "routing": ROUTING,
         "slo": SLO,
+        "autoscaling": AUTOSCALING,
     },
     required=["model", "decode"],
 )
@@ -229,6 +303,29 @@ POOL_STATUS_ITEM = _obj({
     "ready": {"type": "boolean"},
 })
 
+AUTOSCALING_STATUS = _obj(
+    {
+        "source": _str("Where the planner read its metrics: prometheus or pods."),
+        "lastDecisionTime": {"type": "string", "format": "date-time"},
+        "pools": {
+            "type": "array",
+            "description": "The last decision for each pool: desired vs current replicas, and why.",
+            "items": _obj({
+                "name": _str("The pool object (PrefillPool or DecodePool)."),
+                "role": _str("prefill or decode."),
+                "current": {"type": "integer"},
+                "desired": {"type": "integer"},
+                "ready": {"type": "integer"},
+                "signal": _str("What drove the decision: kv, busy, queue, ttft, tbt, idle, steady, hold, bounds, ..."),
+                "reason": _str("The planner's reason, in words."),
+                "lastScaleTime": {"type": "string", "format": "date-time"},
+                "lastScaleReason": {"type": "string"},
+            }),
+        },
+    },
+    description="What the planner decided last (spec.autoscaling.enabled).",
+)
+
 ISVC_STATUS = _obj(
     {
         "observedGeneration": {"type": "integer", "format": "int64"},
@@ -242,6 +339,7 @@ ISVC_STATUS = _obj(
         "protocolVersion": {"type": "string"},
         "prefill": POOL_STATUS_ITEM,
         "decode": {"type": "array", "items": POOL_STATUS_ITEM},
+        "autoscaling": AUTOSCALING_STATUS,
     },
     **{"x-kubernetes-preserve-unknown-fields": True},
 )

@@ -33,6 +33,7 @@ KINDS: dict[str, Kind] = {
     "Role": Kind("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": Kind("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "Pod": Kind("/api/v1", "pods"),
 }
 
 TIMEOUT_S = 30  # per request: a hung API server call turns into a retry, not a stuck handler
@@ -61,7 +62,7 @@ def make_api_client(kubeconfig: str | None = None, pool_size: int = 32) -> ApiCl
 
 
 class KubeApi:
-    """get / list / apply / delete / patch_status on the kinds in KINDS; errors are ApiException."""
+    """get / list / apply / patch / scale / delete / patch_status on the kinds in KINDS; errors are ApiException."""
 
     def __init__(self, client: ApiClient):
         self.client = client
@@ -110,6 +111,16 @@ class KubeApi:
     def patch_status(self, kind: str, namespace: str, name: str, status: dict) -> dict:
         """Merge-patch the status subresource."""
         return self._request("PATCH", self._path(kind, namespace, name, "status"), body={"status": status},
+                             content_type="application/merge-patch+json")
+
+    def patch(self, kind: str, namespace: str, name: str, body: dict) -> dict:
+        """Merge-patch an object (e.g. one annotation of a pod)."""
+        return self._request("PATCH", self._path(kind, namespace, name), body=body,
+                             content_type="application/merge-patch+json")
+
+    def scale(self, kind: str, namespace: str, name: str, replicas: int) -> dict:
+        """Set replicas through the scale subresource (what `kubectl scale` and the HPA write)."""
+        return self._request("PATCH", self._path(kind, namespace, name, "scale"), body={"spec": {"replicas": replicas}},
                              content_type="application/merge-patch+json")
 
     def delete(self, kind: str, namespace: str, name: str) -> bool:

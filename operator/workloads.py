@@ -12,6 +12,8 @@ read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp.
 
 from __future__ import annotations
 
+import json
+
 from pdserve import defaults
 from pdserve.operator import crds, naming
 
@@ -42,6 +44,15 @@ def pool_selector(pool: dict) -> dict[str, str]:
     return naming.selector_labels(spec["inferenceService"], role, pool_name)
 
 
+# A pod that goes (a scale-down, a rolling update) drains: preStop waits PRESTOP_SLEEP_S so that its
+# removal from the endpoints reaches prefills, routers and kube-proxy first; then SIGTERM: the
+# server stops taking work and gives its requests --drain-timeout to finish: the longest a request
+# may run (REQUEST_TIMEOUT_S). The grace period covers both, plus slack to stop.
+PRESTOP_SLEEP_S = 5
+DRAIN_TIMEOUT_S = int(defaults.REQUEST_TIMEOUT_S)
+TERMINATION_GRACE_S = PRESTOP_SLEEP_S + DRAIN_TIMEOUT_S + 15
+
+
 def prefill_args(pool: dict) -> list[str]:
     """The prefill command line (after the `pdserve` entry point); flags as `pdserve prefill --help` names them."""
     _, namespace, spec, _, _ = _pool_facts(pool)
@@ -58,6 +69,7 @@ def prefill_args(pool: dict) -> list[str]:
         "--policy", spec.get("routing", {}).get("policy", crds.DEFAULT_POLICY),
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
+        "--drain-timeout", str(DRAIN_TIMEOUT_S),
     ]
 
 
@@ -78,6 +90,7 @@ def decode_args(pool: dict) -> list[str]:
         "--model", spec["model"]["source"],
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
+        "--drain-timeout", str(DRAIN_TIMEOUT_S),
     ]
 
 
@@ -103,9 +116,10 @@ def pod_env(spec: dict, role: str, pool_name: str) -> list[dict]:
         {"name": "PDSERVE_PROTOCOL_VERSION", "value": spec["protocolVersion"]},
     ]
     if role == "prefill":
-        slo = spec.get("slo", {})
-        env += [{"name": "PDSERVE_SLO_TTFT_MS", "value": str(slo.get("ttftMs", crds.DEFAULT_TTFT_MS))},
-                {"name": "PDSERVE_SLO_TBT_MS", "value": str(slo.get("tbtMs", crds.DEFAULT_TBT_MS))}]
+        # spec.slo as it is (pdserve.slo.classes parses it in the pod); keys sorted so that an
+        # unchanged SLO never changes the pod template
+        slo = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **spec.get("slo", {})}
+        env.append({"name": defaults.ENV_SLO_CLASSES, "value": json.dumps(slo, sort_keys=True, separators=(",", ":"))})
     return env
 
 
@@ -149,6 +163,7 @@ def build_deployment(pool: dict) -> dict:
                           "failureThreshold": 6, "initialDelaySeconds": 10},
         "startupProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5, "failureThreshold": 120},
         "securityContext": container_security(),
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
@@ -158,7 +173,7 @@ def build_deployment(pool: dict) -> dict:
         "containers": [container],
         "volumes": volumes,
         "securityContext": pod_security(),
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
     }
     if role == "prefill":
         pod_spec["serviceAccountName"] = name

@@ -11,7 +11,8 @@ Reading path (see also README.md and each package's __init__):
 - ``pdserve.operator``        kopf operator for the InferenceService CRD
 - ``pdserve.cli``             the ``pdserve`` command
 - ``pdserve.defaults``        ports and other facts every part agrees on
-- ``pdserve.kv_events``       KV events of a server's prefix cache (epoch + seq), streamed to routers
+- ``pdserve.kv_events``       KV events of a server's prefix cache (epoch + seq), streamed to routers and prefills
+- ``pdserve.kv_index``        the receiving end: PrefixIndex (pure), fed by ``pdserve.kv_follow``
 """
 
 __version__ = "0.1.0"

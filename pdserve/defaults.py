@@ -9,7 +9,8 @@ in ``pdserve.engine.defaults`` (the engine imports nothing of ours) and re-expor
 from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
-           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S"]
+           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S",
+           "MAX_QUEUED_REQUESTS", "DISAGGREGATION_MODES", "DISAGGREGATION", "ENV_SLO_CLASSES"]
 
 # Prefill pods: the OpenAI-compatible HTTP API (also /health, /ready, /metrics).
 HTTP_PORT = 8000
@@ -26,6 +27,18 @@ KV_TRANSFER_PORT = 50060
 # may only shorten it, with X-Request-Timeout or a gRPC deadline).
 REQUEST_TIMEOUT_S = 600.0
 
+# Prefill: requests that may wait at once in the admission queue for a decode with free KV
+# blocks (--max-queued-requests); one more gets 429.
+MAX_QUEUED_REQUESTS = 1024
+# Prefill: where prompts are computed (--disaggregation; prefill_server/cost_model.py): "always"
+# here with the KV moved (P/D), "never" (on the decode), "auto" (per request, by measured cost).
+DISAGGREGATION_MODES = ("auto", "always", "never")
+DISAGGREGATION = "always"
+
 # Environment variables the operator sets on every pod so its metrics carry the pod's labels.
 ENV_POOL = "PDSERVE_POOL"
 ENV_INFERENCE_SERVICE = "PDSERVE_INFERENCE_SERVICE"
+
+# The SLO classes of an InferenceService (its spec.slo as JSON), set by the operator on prefill
+# pods and read by pdserve.slo.classes.load (the flag --slo-classes wins over it).
+ENV_SLO_CLASSES = "PDSERVE_SLO_CLASSES"

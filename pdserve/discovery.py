@@ -1,10 +1,16 @@
-"""Where the decode servers are: a static list, or Kubernetes EndpointSlices.
+"""Where the decode servers are: a static list, a file, or Kubernetes EndpointSlices.
 
-Both kinds expose the same small interface the prefill server uses::
+All kinds expose the same small interface the prefill server (and the router, for
+prefills) uses::
 
     d = StaticDiscovery(["127.0.0.1:50052", ...])            # or
+    d = FileDiscovery("decodes.txt")                         # or
     d = KubernetesDiscovery(namespace="ns", selector="pdserve.io/pool=main")
     await d.start(); d.addresses() -> list["host:port"]; await d.stop()
+
+File mode: one ``host:port`` a line (``#`` starts a comment), re-read whenever the file
+changes (checked on every ``addresses()`` call: one ``stat``). ``pdserve up --autoscale``
+writes it, atomically (a temporary file renamed over it), as it starts and removes servers.
 
 Kubernetes mode selects the decode **Services** by label, then follows the
 EndpointSlices of those Services (label ``kubernetes.io/service-name``). An endpoint
@@ -18,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 SERVICE_NAME_LABEL = "kubernetes.io/service-name"
@@ -41,6 +49,55 @@ class StaticDiscovery:
         self._addresses = sorted({parse_address(a) for a in addresses})
 
     def addresses(self) -> list[str]:
+        return list(self._addresses)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+class FileDiscovery:
+    """Addresses listed in a file (``--decode-file``, ``--prefill-file``), re-read when it changes.
+
+    The file must exist at start (ValueError naming it). A line that is not ``host:port`` is
+    skipped with a warning naming it; a file that goes missing later keeps the last list.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ValueError(f"discovery file {str(self.path)!r} does not exist")
+        self._stamp: tuple | None = None
+        self._addresses: list[str] = []
+        self.addresses()
+
+    def _read(self) -> list[str]:
+        found = set()
+        for lineno, line in enumerate(self.path.read_text().splitlines(), 1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            try:
+                found.add(parse_address(line))
+            except ValueError as exc:
+                log.warning("%s line %d skipped: %s", self.path, lineno, exc)
+        return sorted(found)
+
+    def addresses(self) -> list[str]:
+        try:
+            st = os.stat(self.path)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if stamp != self._stamp:
+                addresses = self._read()
+                if addresses != self._addresses:
+                    log.info("%s: %s", self.path, addresses or "(empty)")
+                self._addresses, self._stamp = addresses, stamp
+        except OSError as exc:  # gone or unreadable for a moment: keep what we had
+            if self._stamp is not None:
+                log.warning("discovery file %s: %s; keeping %s", self.path, exc, self._addresses)
+                self._stamp = None
         return list(self._addresses)
 
     async def start(self) -> None:

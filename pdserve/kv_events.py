@@ -1,7 +1,10 @@
 """KV events of one server process: its prefix cache's hash set, numbered and streamed.
 
 The correctness protocol is stated in ``protos/kv_events.proto``; this module is the
-publishing end, the router's ``router/index.py`` the receiving end.
+publishing end (prefills publish for routers, decodes for prefills' decode pickers), and
+``pdserve/kv_index.py`` (fed by ``kv_follow.py``, or the router's watch) the receiving end.
+``leading(hashes)`` answers the publishing process itself: how much of a prompt its own
+prefix cache holds (the prefill's cost model asks).
 
 Lifecycle of one event:
 
@@ -96,6 +99,16 @@ class KvEventPublisher:
         """(seq, every hash) as of that seq."""
         with self._lock:
             return self._seq, sorted(self._hashes)
+
+    def leading(self, hashes: list[int]) -> int:
+        """How many of ``hashes`` (a prompt's chained block hashes, in order) the cache holds, from the first on."""
+        with self._lock:
+            n = 0
+            for h in hashes:
+                if h not in self._hashes:
+                    break
+                n += 1
+            return n
 
     def subscribe(self) -> Subscription:
         with self._lock:

@@ -1,4 +1,4 @@
-"""Every Prometheus metric pdserve exports, defined in one place.
+"""Every Prometheus metric pdserve exports: the table is ``metric_specs.py`` (one place for the names), built here.
 
 For the servers (prefill and decode), the whole API is::
 
@@ -41,14 +41,23 @@ Who records what (the dashboards in charts/pdserve/dashboards/ query these):
 metric                          role      recorded when
 ==============================  ========  ================================================
 ttft, tbt, e2e_latency          prefill   via RequestClock as tokens reach the client
-queue_wait                      prefill   request admitted -> a decode allocated (prefill compute starts)
+queue_wait                      prefill   request admitted -> a decode allocated (prefill compute starts;
+                                          includes its time in the admission queue)
 prefill_compute                 prefill   the forward pass over the prompt
 kv_transfer                     prefill   first layer sent -> last layer acknowledged
 kv_transfer_layer               prefill   one layer's KV send (store -> sent)
 decode_last_layer_wait          decode    allocation answered -> last layer + 1st token in
 requests                        both      once per request, at its end
 prompt_tokens, generation_...   prefill   prompt accepted / each token out (RequestClock)
-kv_transfer_bytes               both      bytes of KV sent (prefill) / received (decode)
+kv_transfer_bytes               both      bytes of KV sent (prefill) / received (decode): only the
+                                          blocks that moved (not those the decode reused)
+kv_prompt_blocks                both      a P/D request's prompt blocks by how the decode got them
+                                          (source=reused|moved|computed); decode: at admission and
+                                          once the KV is in, prefill: as the decode's Allocation said
+disaggregation_decisions        prefill   per P/D request: decision=remote|local and its reason
+prefill_tokens_per_second       both      measured prompt throughput (prefill: its forward passes;
+                                          decode: the prompts it computed itself)
+kv_link_bytes_per_second        prefill   measured KV bandwidth of its recent transfers
 decode_selections               prefill   the picker chose that decode for a request
 decode_retries                  prefill   a decode refused or failed; trying the next one
 local_fallbacks                 prefill   no decode could take it; decoding locally
@@ -61,7 +70,13 @@ requests_running / _waiting     both      read at each scrape (``track_load``): 
                                           decoding / still receiving KV; prefill: requests with
                                           a decode Session open (or decoding locally) / admitted
                                           and still waiting for a decode
+requests_queued                 prefill   a request joins or leaves the admission queue (every decode full)
 known_decodes                   prefill   after each discovery / load-report update
+slo_requests, slo_attainment    prefill   once per request at its end (rejected: at arrival), by SLO class
+slo_queue_time                  prefill   a request leaves the global queue (``pdserve.slo.GlobalQueue``)
+slo_estimate_error              prefill   leaving the queue (part=queue) and at the end (part=e2e)
+slo_policy                      prefill   the queue policy places an arrival in line or orders the waiting requests
+slo_queued                      prefill   a request joins or leaves the global queue
 ==============================  ========  ================================================
 
 The model-server protocol (Gateway API Inference Extension). An InferencePool's endpoint
@@ -95,7 +110,6 @@ process and ``render()`` shows exactly one server's metrics.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -104,125 +118,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from pdserve.defaults import ENV_INFERENCE_SERVICE, ENV_POOL
-
-ROLES = ("prefill", "decode", "router")
-COMMON_LABELS = ("role", "pool", "inference_service")
-OUTCOMES = ("ok", "error", "cancelled")
-
-# Request-level latencies: 1 ms to 10 minutes.
-LATENCY_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0,
-)
-# Per-layer and per-token times start lower (100 us) and end at a minute.
-FINE_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05,
-    0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-)
-
-
-@dataclass(frozen=True, slots=True)
-class MetricSpec:
-    """One metric: attribute name on ServerMetrics, Prometheus name, kind, help, extra labels."""
-
-    attr: str
-    name: str
-    kind: str  # histogram | counter | gauge
-    help: str
-    labels: tuple[str, ...] = ()
-    buckets: tuple[float, ...] = LATENCY_BUCKETS
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("histogram", "counter", "gauge"):
-            raise ValueError(f"metric {self.name}: unknown kind {self.kind!r}")
-        if not self.name.startswith("pdserve_"):
-            raise ValueError(f"metric {self.name}: names start with 'pdserve_'")
-        if self.kind == "counter" and not self.name.endswith("_total"):
-            raise ValueError(f"counter {self.name}: counter names end with '_total'")
-        if self.kind == "histogram" and not self.name.endswith("_seconds"):
-            raise ValueError(f"histogram {self.name}: histograms here are times and end with '_seconds'")
-        if set(self.labels) & set(COMMON_LABELS):
-            raise ValueError(f"metric {self.name}: {COMMON_LABELS} are added by ServerMetrics")
-
-    def series_names(self) -> tuple[str, ...]:
-        """The names this metric appears under in a scrape (what PromQL can select)."""
-        if self.kind == "histogram":
-            return (f"{self.name}_bucket", f"{self.name}_sum", f"{self.name}_count")
-        return (self.name,)
-
-
-_H, _C, _G = "histogram", "counter", "gauge"
-METRICS: tuple[MetricSpec, ...] = (
-    # histograms
-    MetricSpec("ttft", "pdserve_time_to_first_token_seconds", _H,
-               "Arrival of a request to its first token sent to the client."),
-    MetricSpec("tbt", "pdserve_time_between_tokens_seconds", _H,
-               "Gap between consecutive tokens sent to the client.", buckets=FINE_BUCKETS),
-    MetricSpec("e2e_latency", "pdserve_e2e_request_latency_seconds", _H,
-               "Arrival of a request to its last token (or error)."),
-    MetricSpec("queue_wait", "pdserve_queue_wait_seconds", _H,
-               "Time from a request's arrival until its compute started (prefill: a decode allocated its KV)."),
-    MetricSpec("prefill_compute", "pdserve_prefill_compute_seconds", _H,
-               "Forward pass over a request's prompt on prefill."),
-    MetricSpec("kv_transfer", "pdserve_kv_transfer_seconds", _H,
-               "KV transfer of one request, first layer sent to last layer done."),
-    MetricSpec("kv_transfer_layer", "pdserve_kv_transfer_layer_seconds", _H,
-               "KV transfer of one layer of one request.", buckets=FINE_BUCKETS),
-    MetricSpec("decode_last_layer_wait", "pdserve_decode_last_layer_wait_seconds", _H,
-               "On decode: allocation answered to last KV layer and first token received."),
-    # counters
-    MetricSpec("requests", "pdserve_requests_total", _C,
-               "Requests finished, by outcome (ok|error|cancelled) and reason.", ("outcome", "reason")),
-    MetricSpec("prompt_tokens", "pdserve_prompt_tokens_total", _C, "Prompt tokens accepted."),
-    MetricSpec("generation_tokens", "pdserve_generation_tokens_total", _C, "Tokens generated and sent."),
-    MetricSpec("kv_transfer_bytes", "pdserve_kv_transfer_bytes_total", _C,
-               "KV cache bytes sent (prefill) or received (decode)."),
-    MetricSpec("decode_selections", "pdserve_decode_selections_total", _C,
-               "Requests the decode picker sent to each decode.", ("decode",)),
-    MetricSpec("decode_retries", "pdserve_decode_retries_total", _C,
-               "Times prefill moved a request on to another decode, by reason.", ("reason",)),
-    MetricSpec("local_fallbacks", "pdserve_local_fallbacks_total", _C,
-               "Requests prefill decoded itself because no decode could take them.", ("reason",)),
-    MetricSpec("kv_allocation_refusals", "pdserve_kv_allocation_refusals_total", _C,
-               "Session allocations decode refused, by reason.", ("reason",)),
-    MetricSpec("prefix_cache_hit_tokens", "pdserve_prefix_cache_hit_tokens_total", _C,
-               "Prompt tokens whose KV the engine reused from its prefix cache instead of computing or receiving it."),
-    MetricSpec("kv_checksum_mismatches", "pdserve_kv_checksum_mismatches_total", _C,
-               "Requests whose KV failed its checksum (decode: detected on arrival; prefill: reported by a decode)."),
-    # gauges
-    MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),
-    MetricSpec("kv_blocks_used", "pdserve_kv_blocks_used", _G, "KV cache blocks in use."),
-    MetricSpec("requests_running", "pdserve_requests_running", _G, "Requests in the running batch."),
-    MetricSpec("requests_waiting", "pdserve_requests_waiting", _G, "Requests waiting to be scheduled."),
-    MetricSpec("known_decodes", "pdserve_known_decodes", _G,
-               "Decodes prefill knows and can route to (compatible, fresh load report)."),
-)
-
-
-ROUTER_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("ttft", "pdserve_time_to_first_token_seconds", _H,
-               "Arrival of a request to its first byte relayed back from the prefill (router)."),
-    MetricSpec("e2e_latency", "pdserve_e2e_request_latency_seconds", _H,
-               "Arrival of a request to the end of its relayed response (router)."),
-    MetricSpec("requests", "pdserve_requests_total", _C,
-               "Requests the router finished, by outcome (ok|error|cancelled) and reason.", ("outcome", "reason")),
-    MetricSpec("router_overhead", "pdserve_router_overhead_seconds", _H,
-               "Router: arrival of a request to its prefill chosen (read the body, tokenize, hash, choose).",
-               buckets=FINE_BUCKETS),
-    MetricSpec("router_decisions", "pdserve_router_decisions_total", _C,
-               "Router: requests sent to each prefill, by reason (single|prefix|load|balance|retry).", ("prefill", "reason")),
-    MetricSpec("router_prompt_blocks", "pdserve_router_prompt_blocks_total", _C,
-               "Router: reusable full blocks of the prompts it routed."),
-    MetricSpec("router_prefix_hit_blocks", "pdserve_router_prefix_hit_blocks_total", _C,
-               "Router: of those, blocks the index says the chosen prefill already held."),
-    MetricSpec("router_index_resyncs", "pdserve_router_index_resyncs_total", _C,
-               "Router: snapshots applied to the KV-event index, by prefill and reason (initial|epoch|resync), and "
-               "streams distrusted (gap|epoch|unsynced|disconnected).", ("prefill", "reason")),
-    MetricSpec("router_index_blocks", "pdserve_router_index_blocks", _G,
-               "Router: block hashes the index holds for each prefill.", ("prefill",)),
-    MetricSpec("router_routable_prefills", "pdserve_router_routable_prefills", _G,
-               "Router: prefills with a fresh, ready load report."),
-)
+# the table itself lives in metric_specs.py; these names are re-exported from here
+from pdserve.metric_specs import (COMMON_LABELS, FINE_BUCKETS, LATENCY_BUCKETS, METRICS, ROLES,  # noqa: F401
+                                  ROUTER_METRICS, MetricSpec)
+from pdserve.request_clock import RequestClock
 
 
 @dataclass(frozen=True, slots=True)
@@ -398,48 +297,3 @@ class ServerMetrics:
         resp = web.Response(body=body)
         resp.headers["Content-Type"] = content_type
         return resp
-
-
-class RequestClock:
-    """Times one request as its client sees it: TTFT, time between tokens, end to end.
-
-    Created by ``ServerMetrics.request_clock()`` at arrival. Call ``token(n)`` when n tokens
-    are sent to the client (n > 1 spreads the gap evenly), ``finish(outcome, reason)`` once at
-    the end; it records e2e latency and the requests counter. Not thread-safe: one request
-    is handled by one task.
-    """
-
-    __slots__ = ("_m", "start", "_last", "tokens", "done")
-
-    def __init__(self, metrics: ServerMetrics):
-        self._m = metrics
-        self.start = time.perf_counter()
-        self._last: float | None = None
-        self.tokens = 0
-        self.done = False
-
-    def token(self, n: int = 1) -> None:
-        if n < 1:
-            raise ValueError(f"token count must be >= 1, got {n}")
-        now = time.perf_counter()
-        if self._last is None:
-            self._m.ttft.observe(now - self.start)
-            n_gaps = n - 1
-            gap = 0.0
-        else:
-            n_gaps = n
-            gap = (now - self._last) / n
-        for _ in range(n_gaps):
-            self._m.tbt.observe(gap)
-        self._last = now
-        self.tokens += n
-        self._m.generation_tokens.inc(n)
-
-    def finish(self, outcome: str = "ok", reason: str = "stop") -> None:
-        if self.done:
-            return
-        if outcome not in OUTCOMES:
-            raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
-        self.done = True
-        self._m.e2e_latency.observe(time.perf_counter() - self.start)
-        self._m.requests.labels(outcome=outcome, reason=reason).inc()

@@ -1,13 +1,22 @@
-"""pdserve.prefill_server: the front door. OpenAI HTTP + gRPC Generate; picks a decode,
-prefills layer by layer while the CacheStore pushes each layer, relays decode's tokens.
+"""pdserve.prefill_server: the front door. OpenAI HTTP + gRPC Generate; picks a decode
+(preferring one that holds the prompt's prefix), prefills layer by layer while the CacheStore
+pushes each layer the decode lacks (or, by cost, has the decode compute the prompt), relays
+decode's tokens.
 
 Reading path (in this order):
   ``cli.py``                ``pdserve prefill``: the request lifecycle as a numbered list, start-up wiring
   ``node.py``               PrefillNode.generate: pick -> Session -> retry -> local fallback -> resume
-  ``decode_session.py``     SessionRunner: the prefill end of one Session stream (Start, Allocation, KV push, tokens)
-  ``transfer_accounting.py`` TransferAccounting: picker accounting of allocations, transfer metrics
-  ``picker.py``             DecodePicker: smooth weighted round robin on free KV bytes, or round robin
+  ``admission_queue.py``    AdmissionQueue: requests wait in line (FIFO, deadline, max length) while every decode is full
+  ``decode_session.py``     SessionRunner: the prefill end of one Session stream (Start, Allocation, decide,
+                            KV push or ComputePrompt, tokens)
+  ``session_protocol.py``   its errors (Retryable, DecodeFailed), Delta, timings, config, message helpers
+  ``disaggregator.py``      Disaggregator: where each prompt is computed, from what it measured
+  ``cost_model.py``         the cost model behind it (pure)
+  ``transfer_accounting.py`` TransferAccounting: picker accounting of allocations, measurements, transfer metrics
+  ``picker.py``             DecodePicker: smooth weighted round robin on free KV bytes (preferring a decode
+                            that holds the prompt's prefix), or round robin
   ``load_poller.py``        polls each decode's LoadReport; one gRPC channel per decode
+  ``decode_index.py``       DecodeIndex: each decode's prefix cache, from its KV events
   ``frontend.py``           tokenize, SamplingParams, TextStream, per-request metrics (shared by both APIs)
   ``http_api.py``           aiohttp routes: /v1/completions, /v1/chat/completions, /v1/models, probes
   ``grpc_api.py``           Generator.Generate (server streaming)

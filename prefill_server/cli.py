@@ -4,20 +4,34 @@ request with a decode server.
 Request lifecycle on prefill:
 
 1. **accept** - HTTP /v1/completions, /v1/chat/completions or gRPC Generate; validate and
-   tokenize (bad input: 400 / INVALID_ARGUMENT naming the field).
+   tokenize (bad input: 400 / INVALID_ARGUMENT naming the field); its SLO class (--slo-classes:
+   header X-SLO-Class or body priority; unknown: 400 naming the known ones); a class with
+   early rejection whose SLO cannot be met even if served next: 429 + Retry-After at once.
 2. **pick** - the DecodePicker chooses a decode: weighted round robin on free KV bytes
    from load reports polled every --load-report-interval seconds (``--policy rr`` for
-   plain round robin); only decodes with our protocol version and a fresh report.
+   plain round robin); only decodes with our protocol version and a fresh report. With
+   --decode-reuse (default) it prefers a decode whose prefix cache holds the prompt's
+   leading blocks (each decode's KV events, followed on its gRPC port), weighed against
+   free memory; a full decode never.
 3. **session** - one bidirectional Session stream to that decode: Start -> Allocation
    (or Refusal: next decode, at most --max-attempts; then --local-fallback; if every
-   decode was only busy, wait for blocks up to --queue-timeout; else 503).
-4. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
-   each layer's blocks to decode as soon as they are written.
-5. **first token** - sampled here, sent on the Session and to the client.
-6. **relay** - decode's tokens stream back on the Session and out to the client. If the
+   decode was only busy, wait in the admission queue, in the order of --queue-policy (fifo:
+   first come first served; edf; qlm), until a decode has the blocks or the request's
+   deadline passes (504); at most
+   --max-queued-requests wait (one more: 429); a request larger than any decode's whole
+   pool: 413 at once; else 503). The Allocation says how many leading prompt blocks the
+   decode already holds (pinned for the request).
+4. **decide** - --disaggregation auto: the cost model (measured prefill throughput, link
+   bandwidth, the decode's load) says whether the prompt is computed here (5-6) or on the
+   decode (``ComputePrompt``: the decode computes what it lacks, streams every token; go
+   to 7); ``always`` (default): here; ``never``: on the decode. Metric label + log field.
+5. **prefill + push** - the forward pass runs layer by layer; the CacheStore sender pushes
+   each layer's blocks the decode lacks as soon as they are written.
+6. **first token** - sampled here, sent on the Session and to the client.
+7. **relay** - decode's tokens stream back on the Session and out to the client. If the
    decode dies mid-generation, the request resumes on another decode (prefill of prompt +
    tokens so far) unless --no-resume; with no decode left the client gets an error event.
-7. **release** - prefill's KV blocks after the push; the Session and CacheStore entry at
+8. **release** - prefill's KV blocks after the push; the Session and CacheStore entry at
    the end, whatever happened (a client disconnect cancels the Session, so decode frees
    its side at once).
 
@@ -32,10 +46,11 @@ decode as its gRPC deadline. Every wait on a decode has a timer: --connect-timeo
 its allocation, --session-timeout for the KV push and between two of its messages (a
 frozen decode is given up on, and the request resumes elsewhere or ends with an error).
 
-Decode discovery: ``--decode host:port,...`` (static) or ``--discovery kubernetes
---decode-selector label=value --namespace ns`` (watches the EndpointSlices of the
-selected decode Services). /ready is 503 while no decode is routable, unless
---local-fallback is on. SIGTERM/SIGINT: /ready turns 503, in-flight requests get
+Decode discovery: ``--decode host:port,...`` (static), ``--discovery file --decode-file
+path`` (re-read when it changes) or ``--discovery kubernetes --decode-selector label=value
+--namespace ns`` (watches the EndpointSlices of the selected decode Services). A decode
+that leaves discovery gets no new request; the Sessions open on it finish. /ready is 503
+while no decode is routable, unless --local-fallback is on. SIGTERM/SIGINT: /ready turns 503, in-flight requests get
 --drain-timeout seconds to finish, then the server stops.
 """
 
@@ -47,6 +62,8 @@ import logging
 
 from pdserve import defaults
 from pdserve.server_setup import add_server_arguments, build_server_engine, drain, setup_logging, wait_for_stop_signal
+from pdserve.slo import POLICIES
+from pdserve.slo import classes as slo_classes
 
 log = logging.getLogger("pdserve.prefill")
 
@@ -56,8 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
     parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT, help="gRPC port (Generate)")
     d = parser.add_argument_group("decode discovery and routing")
-    d.add_argument("--discovery", choices=["static", "kubernetes"], default="static", help="how decodes are found")
+    d.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static", help="how decodes are found")
     d.add_argument("--decode", default="", help="static decode gRPC addresses: host:port,host:port")
+    d.add_argument("--decode-file", default="", help="file: decode gRPC addresses, one host:port a line, re-read when it "
+                                                     "changes (pdserve up --autoscale writes it)")
     d.add_argument("--decode-selector", default="", help="kubernetes: label=value selecting the decode Services")
     d.add_argument("--namespace", default="", help="kubernetes: namespace of the decode Services")
     d.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
@@ -69,34 +88,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="when a decode fails mid-generation, end the stream with an error instead of resuming the "
                         "request on another decode (re-prefilling prompt + tokens so far)")
     d.add_argument("--local-fallback", action="store_true", help="decode locally when no decode can take a request")
-    d.add_argument("--queue-timeout", type=float, default=10.0,
-                   help="seconds a request may wait for free KV blocks (all decodes busy) before the 503")
+    d.add_argument("--queue-timeout", type=float, default=None,
+                   help="seconds a request may wait in the admission queue for free KV blocks (all decodes busy) "
+                        "before a 503 (default: until the request's deadline, then 504)")
+    d.add_argument("--max-queued-requests", type=int, default=defaults.MAX_QUEUED_REQUESTS,
+                   help="requests that may wait at once in the admission queue; one more gets 429 (queue_full)")
+    d.add_argument("--queue-policy", choices=list(POLICIES), default="fifo",
+                   help="order of the requests waiting for free KV blocks: fifo (arrival), edf (earliest deadline of "
+                        "their SLO class), qlm (QLM's global scheduler: request groups reordered to minimise SLO "
+                        "misses, from the waiting-time estimator)")
+    d.add_argument("--slo-classes", default=None,
+                   help="SLO classes as JSON (the InferenceService's spec.slo) or a JSON file; default: the "
+                        f"environment variable {defaults.ENV_SLO_CLASSES} the operator sets, else one best-effort "
+                        "class 'default'. Requests pick one with the header X-SLO-Class or the body field priority")
+    d.add_argument("--prefills-ahead", type=int, default=2,
+                   help="requests that may hold a decode's KV allocation before this prefill computed their prompt; "
+                        "the others wait here holding nothing on a decode (a decode drops a Session whose KV does "
+                        "not arrive within --session-timeout)")
     d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
     d.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
                    help="end-to-end deadline of a request in seconds (clients may shorten it with the header "
                         "X-Request-Timeout or a gRPC deadline); then 504 / an SSE error event / DEADLINE_EXCEEDED "
                         "and everything the request holds is freed on both ends")
     d.add_argument("--scheduler", choices=["priority", "fifo"], default="priority", help="CacheStore sender scheduling")
+    d.add_argument("--decode-reuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="decodes serve a prompt's leading blocks from their prefix cache (finished requests' KV) "
+                        "and only the missing blocks move; the picker prefers a decode that holds the prefix "
+                        "(--no-decode-reuse: every prompt block moves, the picker ignores prefixes)")
+    d.add_argument("--disaggregation", choices=defaults.DISAGGREGATION_MODES, default=defaults.DISAGGREGATION,
+                   help="where prompts are computed: always here with the KV moved (P/D, the default); never: on "
+                        "the decode itself; auto: per request by cost (measured prefill throughput and link "
+                        "bandwidth, the decode's cached prefix and load)")
     d.add_argument("--no-layerwise-push", dest="layerwise_push", action="store_false",
                    help="send the KV only after the whole forward pass instead of each layer as it is written "
                         "(turns compute/transfer overlap off; for comparison)")
 
 
 def make_discovery(args):
-    from pdserve.discovery import KubernetesDiscovery, StaticDiscovery
+    from pdserve.discovery import FileDiscovery, KubernetesDiscovery, StaticDiscovery
 
     if args.discovery == "kubernetes":
         return KubernetesDiscovery(args.namespace, args.decode_selector, kubeconfig=args.kubeconfig)
+    if args.discovery == "file":
+        if not args.decode_file:
+            raise ValueError("--discovery file needs --decode-file")
+        return FileDiscovery(args.decode_file)
     return StaticDiscovery([a for a in args.decode.split(",") if a.strip()])
 
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "prefill")
-    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout"):
-        if not getattr(args, flag) > 0:
-            raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout", "prefills_ahead"):
+        value = getattr(args, flag)
+        if value is not None and not value > 0:
+            raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {value}")
+    if args.max_queued_requests < 0:
+        raise SystemExit(f"pdserve prefill: --max-queued-requests must be >= 0, got {args.max_queued_requests}")
     try:
         discovery = make_discovery(args)
+        args.slo = slo_classes.load(args.slo_classes)
     except ValueError as exc:
         raise SystemExit(f"pdserve prefill: {exc}")
     if args.discovery == "static" and not discovery.addresses() and not args.local_fallback:
@@ -115,10 +165,12 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
     from pdserve.protos import kv_events_pb2 as kpb
     from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+    from pdserve.slo import GlobalQueue
 
     from .frontend import Frontend
     from .grpc_api import GenerateServicer
     from .http_api import HttpApi
+    from .decode_index import DecodeIndex
     from .load_poller import LoadReportPoller
     from .node import PrefillNode
     from .picker import DecodePicker
@@ -127,6 +179,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     parts = build_server_engine(args)
     engine, loaded = parts.engine, parts.loaded
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    metrics.follow_counter("prompt_tokens_computed", lambda: engine.prefill_counters()[0])
     kv_events = KvEventPublisher(args.block_size)
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()
@@ -134,27 +187,37 @@ async def serve(args: argparse.Namespace, discovery) -> int:
                               checksum=args.kv_checksum, stall_timeout_s=args.session_timeout)
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
+    # the SLO queue's plans count the decodes' KV blocks in all, full or not (a decode reserves
+    # prompt + max_tokens for a request)
+    slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics,
+                            kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.known()))
+    decode_index = DecodeIndex() if args.decode_reuse else None
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
-                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())))
+                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index)
     node = PrefillNode(
         engine=engine, sender=sender, picker=picker, poller=poller, compat=parts.compat_message,
         block_size=args.block_size, kv_bytes_per_block=parts.kv_bytes_per_block,
         eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
         local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
-        queue_timeout_s=args.queue_timeout, session_timeout_s=args.session_timeout,
+        queue_timeout_s=args.queue_timeout, max_queued=args.max_queued_requests, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
+        prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
+        held_prefix=kv_events.leading, slo_queue=slo_queue,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
-                        loaded.config.vocab_size, request_timeout_s=args.request_timeout)
+                        loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
     draining = {"on": False}
 
     def health() -> dict:
         kv_free = engine.num_free_blocks()
         return {
-            "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight,
+            "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight, "queued": len(node.queue),
+            "slo_running": len(slo_queue.running),
             "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
             "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
+            "decode_index": decode_index.state() if decode_index is not None else None,
+            "disaggregation": node.disaggregator.state(),
         }
 
     def load() -> kpb.ServerLoad:
@@ -183,9 +246,11 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, load), server)
     server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     await server.start()
-    log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s",
-             args.host, args.port, args.host, args.grpc_port, discovery.addresses() or "(none yet)", args.policy,
-             args.transfer, "on" if args.local_fallback else "off")
+    log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
+             "decode reuse %s, disaggregation %s, queue %s, SLO classes %s", args.host, args.port, args.host,
+             args.grpc_port, discovery.addresses() or "(none yet)", args.policy, args.transfer,
+             "on" if args.local_fallback else "off", "on" if args.decode_reuse else "off", args.disaggregation,
+             args.queue_policy, "; ".join(c.describe() for c in args.slo))
     sig = await wait_for_stop_signal()
     draining["on"] = True
     log.info("%s: draining %d in-flight request(s)", sig, frontend.in_flight)

@@ -2,59 +2,82 @@
 
 Request lifecycle on prefill (``SessionRunner.run``, once per request and decode tried):
 
+0. **slot** - take one of ``SessionConfig.prefills_ahead`` prefill slots (held until our
+   engine has computed the prompt, or the decode computes it): requests queued behind our
+   engine wait here, holding no decode's blocks, so a decode never times out waiting for KV
+   that is only late because this prefill is busy.
 1. **start** - open the bidirectional ``Session`` stream to the chosen decode and send
-   ``Start`` (prompt tokens, sampling, blocks needed, compat, protocol version, timeout).
-2. **allocation** - wait for ``Allocation`` (block ids + CacheStore endpoint) or
-   ``Refusal``; a refusal, an unreachable decode or a broken stream raises ``Retryable``
-   so the router can try the next decode: nothing has reached the client yet.
-3. **prefill + push** - bind the request in the CacheStore sender to decode's blocks and
+   ``Start`` (prompt tokens, sampling, blocks needed, compat, protocol version, timeout,
+   ``reuse_prefix``: may the decode serve the prompt's leading blocks from its prefix cache).
+2. **allocation** - wait for ``Allocation`` (``cached_blocks`` the decode already holds and
+   has pinned for this session, block ids for the other prompt blocks, CacheStore endpoint)
+   or ``Refusal``; a refusal, an unreachable decode or a broken stream raises ``Retryable``
+   so the node can try the next decode: nothing has reached the client yet.
+3. **decide** - the Disaggregator (cost model, cost_model.py) chooses where the prompt is
+   computed: remote (steps 4r-5r, today's P/D path) or local (4l).
+4r. **prefill + push** - bind the request in the CacheStore sender to decode's blocks and
    run prefill layer by layer; the engine's per-layer callback hands each layer's blocks
-   to ``sender.store`` (non-blocking), so the wire works while the next layer computes.
-4. **first token** - wait until every layer was sent, free prefill's own KV blocks, send
+   after the decode's cached ones to ``sender.store`` (non-blocking), so the wire works while
+   the next layer computes; only the missing blocks move.
+5r. **first token** - wait until every layer was sent, free prefill's own KV blocks, send
    ``FirstToken`` on the stream and yield it to the client.
-5. **relay** - yield decode's ``Tokens`` until ``Finish``. A decode ``Error``, a broken
+4l. **compute on decode** - send ``ComputePrompt``; the decode computes the prompt after its
+   cached blocks and streams every token; its first Tokens (or Finish) is the first Delta.
+   Before it the failures are still ``Retryable``; no KV moves, our engine is not used.
+6. **relay** - yield decode's ``Tokens`` until ``Finish``. A decode ``Error``, a broken
    stream, or no message from decode for ``session_timeout_s`` (a frozen decode keeps its
    connection open: only this timer notices) raises ``DecodeFailed`` from here on (the
-   client already has tokens; the router resumes elsewhere or the HTTP layer turns it into
+   client already has tokens; the node resumes elsewhere or the HTTP layer turns it into
    an error event).
-6. **release** - always: if the request did not finish, cancel the stream (decode frees
-   its side when it sees the cancellation); release prefill's blocks; delete the
-   CacheStore entry. Cancelling ``run`` (client gone, request deadline) releases the same
-   way, also while the engine is still computing the prompt.
+7. **release** - always: if the request did not finish, cancel the stream (decode frees
+   its side, cached blocks unpinned, when it sees the cancellation); release prefill's
+   blocks; delete the CacheStore entry. Cancelling ``run`` (client gone, request deadline)
+   releases the same way, also while the engine is still computing the prompt.
 
 Leases: every wait on the decode has a timer (``connect_timeout_s`` for the Allocation,
-``session_timeout_s`` for the KV push, the FirstToken write and each next message), and
-the Session call itself carries the request's deadline (plus ``DEADLINE_SLACK_S``) as its
-gRPC deadline, so the decode frees its side by then even if this process is frozen.
+``session_timeout_s`` for the KV push, the FirstToken / ComputePrompt write and each next
+message), and the Session call itself carries the request's deadline (plus
+``DEADLINE_SLACK_S``) as its gRPC deadline, so the decode frees its side by then even if this
+process is frozen.
 
 ``SessionRunner`` is built once per prefill process from exactly what it uses: a stub per
-decode address, the engine (``prefill_only`` / ``release``), the CacheStore sender, the
-registry of open sessions (request id -> decode address, for /health), an observer told
-about allocations and finished pushes (picker accounting, metrics) and ``SessionConfig``.
+decode address, the engine, the CacheStore sender, the registry of open sessions (request id
+-> decode address, for /health), the observer (transfer_accounting.py), the Disaggregator and
+``SessionConfig``. Errors, Deltas and helpers are in session_protocol.py (re-exported here).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import logging
+import os
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 
-from pdserve.engine import blocks_needed
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError, TransferError
+from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
+
+from .cost_model import LOCAL, link_busy_seconds
+from .session_protocol import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionObserver,
+                               SessionTimings, decode_reservation, first_token_finishes, rpc_reason, sampling_to_proto)
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import AsyncLLMEngine
     from pdserve.protos import session_pb2_grpc as pb_grpc
 
+    from .disaggregator import Disaggregator
+
 log = logging.getLogger(__name__)
+
+__all__ = ["DEADLINE_SLACK_S", "DecodeFailed", "Delta", "NoDecodeAvailable", "Retryable", "SessionConfig",
+           "SessionObserver", "SessionRunner", "SessionTimings", "decode_reservation", "first_token_finishes",
+           "sampling_to_proto"]
 
 # The Session's gRPC deadline is the request's deadline plus this: normally prefill ends the
 # request at its deadline itself (a clear error to the client, a cancel to decode); the gRPC
@@ -66,204 +89,92 @@ DEADLINE_SLACK_S = 1.0
 HOLD_AFTER_ALLOCATION_S = float(os.environ.get("PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S", "0") or 0)
 
 
-class Retryable(Exception):
-    """This decode cannot take the request (refused, unreachable, failed before any token)."""
-
-    def __init__(self, reason: str, code: str = "decode_unreachable"):
-        super().__init__(reason)
-        self.reason, self.code = reason, code
-
-
-class DecodeFailed(Exception):
-    """The decode failed after tokens reached the client; ``code`` is the decode's Error code when it
-    gave one (``kv_checksum_mismatch``: the KV arrived corrupted there), else "decode_failed"."""
-
-    def __init__(self, reason: str, code: str = "decode_failed"):
-        super().__init__(reason)
-        self.code = code or "decode_failed"
-
-
-class NoDecodeAvailable(Exception):
-    """The request cannot be served now (no decode took it, no fallback, or prefill is full): 503."""
-
-
 @dataclass(slots=True)
-class Delta:
-    """New tokens for the client; the last Delta of a request has ``finished`` set."""
+class _Held:
+    """What one run holds on this side, for step 7."""
 
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None
+    bound: bool = False  # the CacheStore sender knows the request
+    prefilled: bool = False  # our engine holds (or will hold) the prompt's blocks
+    released: bool = False  # ... and released them
+    finished: bool = False  # the decode finished the request
+    slot: asyncio.Semaphore | None = None  # a prefill slot (SessionConfig.prefills_ahead), until the prompt is computed
 
-
-@dataclass(slots=True)
-class SessionTimings:
-    """Monotonic timestamps of one P/D request (for metrics and the overlap test)."""
-
-    start: float = field(default_factory=time.monotonic)
-    allocated: float = 0.0
-    prefill_done: float = 0.0
-    kv_sent: float = 0.0
-    layer_stored: list[float] = field(default_factory=list)
-    layer_send_seconds: list[float] = field(default_factory=list)  # per layer: handed to the CacheStore -> delivered
-
-
-def decode_reservation(n_prompt: int, max_tokens: int, block_size: int) -> int:
-    """KV blocks a decode reserves for a request: prompt + max_tokens, never preempted."""
-    return blocks_needed(n_prompt + max_tokens, block_size)
-
-
-def sampling_to_proto(sp) -> pb.Sampling:
-    """The engine's SamplingParams as the Session's Sampling message."""
-    msg = pb.Sampling(
-        max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or 0,
-        stop=list(sp.stop or []), stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=bool(sp.ignore_eos),
-    )
-    if sp.seed is not None:
-        msg.seed = sp.seed
-    return msg
-
-
-def first_token_finishes(token: int, sp, eos_token_ids) -> str | None:
-    """Finish reason if prefill's sampled token already ends the request, else None."""
-    if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in eos_token_ids):
-        return "stop"
-    if sp.max_tokens <= 1:
-        return "length"
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class SessionConfig:
-    """The fixed facts of this prefill that every Session uses."""
-
-    compat: pb.Compat  # sent in Start; decode refuses a mismatch
-    block_size: int
-    eos_token_ids: tuple[int, ...] = ()
-    session_timeout_s: float = 30.0  # KV push, each wait on decode's next message, and decode's wait for us (sent in Start)
-    connect_timeout_s: float = 5.0  # Start -> Allocation
-    layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
-    out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError
-
-
-class SessionObserver(Protocol):
-    """Told what a Session did (picker accounting, metrics); see transfer_accounting.py."""
-
-    def allocated(self, address: str, blocks_reserved: int) -> None: ...
-
-    def transferred(self, timings: SessionTimings, blocks: int) -> None: ...
+    def free_slot(self) -> None:
+        if self.slot is not None:
+            self.slot.release()
+            self.slot = None
 
 
 class SessionRunner:
     """Runs the prefill end of Session streams, one ``run`` per request and decode tried."""
 
     def __init__(self, config: SessionConfig, *, stubs: Callable[[str], pb_grpc.DecodeStub], engine: AsyncLLMEngine,
-                 sender: CacheStoreSender, registry: dict[str, str], observer: SessionObserver):
+                 sender: CacheStoreSender, registry: dict[str, str], observer: SessionObserver,
+                 disaggregator: Disaggregator):
         self.config, self.stubs, self.engine, self.sender = config, stubs, engine, sender
-        self.registry, self.observer = registry, observer
+        self.registry, self.observer, self.disaggregator = registry, observer, disaggregator
         self._releasing: set[asyncio.Task] = set()  # engine releases queued by cancelled runs
+        if config.prefills_ahead < 1:
+            raise ValueError(f"prefills_ahead must be >= 1, got {config.prefills_ahead}")
+        self.prefill_slots = asyncio.Semaphore(config.prefills_ahead)
 
     async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None,
-                  deadline: float | None = None):
+                  deadline: float | None = None, on_allocated: Callable[[], None] | None = None):
         """Async generator of Deltas for one request served by the decode at ``address``.
 
         ``deadline`` (``time.monotonic()`` seconds) is the request's end-to-end deadline:
         the Session call gets it (plus ``DEADLINE_SLACK_S``) as its gRPC deadline.
+        ``on_allocated`` is called once the decode allocated (after the observer was told).
         Raises Retryable before the first Delta, DecodeFailed after it.
         """
         cfg = self.config
         timings = timings or SessionTimings()
-        timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
-        call = self.stubs(address).Session(timeout=timeout)
-        self.registry[request_id] = address
-        finished = bound = prefilled = released = False
+        held = _Held()
+        await self.prefill_slots.acquire()  # 0. a prefill slot: nothing is held on a decode while we wait
+        held.slot = self.prefill_slots
         try:
-            # 1. start
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
+            call = self.stubs(address).Session(timeout=timeout)
+        except BaseException:
+            held.free_slot()
+            raise
+        self.registry[request_id] = address
+        try:  # 1. start, 2. allocation
             n_blocks = blocks_needed(len(prompt_ids), cfg.block_size)
             start = pb.Start(
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
                 blocks_needed=n_blocks, compat=cfg.compat, protocol_version=PROTOCOL_VERSION,
-                timeout_s=cfg.session_timeout_s,
+                timeout_s=cfg.session_timeout_s, reuse_prefix=cfg.reuse_prefix,
             )
-            # 2. allocation
             alloc = await self._allocation(call, address, start)
-            timings.allocated = time.monotonic()
-            # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
-            self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
+            timings.allocated, timings.cached_blocks = time.monotonic(), alloc.cached_blocks
             if HOLD_AFTER_ALLOCATION_S:  # test hook: a window in which the decode holds a reservation
                 await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)
-            # 3. prefill + push, layer by layer
-            try:
-                self.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))
-            except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
-                raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
-            bound = True
-
-            held: list[tuple[int, list[int]]] = []  # layers written but not pushed yet (layerwise_push off)
-
-            def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
-                timings.layer_stored.append(time.monotonic())
-                if cfg.layerwise_push:
-                    self.sender.store(request_id, layer, list(block_ids)[:n_blocks])
-                else:
-                    held.append((layer, list(block_ids)[:n_blocks]))
-
-            prefilled = True
-            try:
-                first = await self.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer)
-            except cfg.out_of_blocks_error as exc:
-                prefilled = False  # prefill_only frees what it took when it fails
-                raise Retryable(f"prefill has no free KV blocks for this prompt now: {exc}", "prefill_busy") from None
-            except asyncio.CancelledError:
-                # only our wait ends: the engine thread finishes the prompt and then holds its
-                # blocks. Queue their release behind it without making the caller (a client
-                # past its deadline) wait for the computation.
-                prefilled = False
-                self._release_later(request_id)
-                raise
-            except BaseException:
-                prefilled = False
-                raise
-            timings.prefill_done = time.monotonic()
-            for layer, block_ids in held:  # overlap off: the whole KV goes now
-                self.sender.store(request_id, layer, block_ids)
-            # 4. first token
-            try:
-                await self.sender.wait_sent(request_id, cfg.session_timeout_s)
-            except Exception as exc:  # TransferError, timeout: the decode never got the KV (ChecksumError: corrupted)
-                code = CHECKSUM_MISMATCH if isinstance(exc, ChecksumError) else "kv_transfer_failed"
-                raise Retryable(f"{address}: KV transfer failed: {exc}", code) from None
-            timings.kv_sent = time.monotonic()
-            timings.layer_send_seconds = [done - stored for stored, done in self.sender.layer_times(request_id).values()]
-            await self.engine.release(request_id)
-            released = True
-            self.observer.transferred(timings, n_blocks)
-            reason = first_token_finishes(first, sp, cfg.eos_token_ids)
-            # a stop token ends the request and is not part of the output (as in the engine)
-            first_out = [] if reason == "stop" else [first]
-            try:
-                await asyncio.wait_for(call.write(pb.PrefillMessage(first_token=pb.FirstToken(
-                    token_id=first, finished=reason is not None, finish_reason=reason or ""))), cfg.session_timeout_s)
-            except asyncio.TimeoutError:
-                raise Retryable(f"{address}: did not take the first token within {cfg.session_timeout_s:g}s") from None
-            except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-                raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
-            if reason is not None:
-                finished = True
-                yield Delta(first_out, True, reason)
-                return
-            yield Delta([first])
-            # 5. relay
-            while True:
+            # 3. decide (before this session counts in the decode's load: it stalls the others, not itself)
+            prefill_cached = self.disaggregator.prefill_cached_blocks(prompt_ids)
+            decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached)
+            timings.where = decision.where
+            # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
+            self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
+            if on_allocated is not None:
+                on_allocated()
+            if decision.where == LOCAL:  # 4l
+                held.free_slot()  # our engine does not compute this prompt
+                first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)
+            else:  # 4r, 5r
+                first = await self._push(call, address, request_id, prompt_ids, sp, alloc, prefill_cached, timings, held)
+            held.finished = first.finished
+            yield first
+            # 6. relay
+            while not held.finished:
                 delta = await self._next_delta(call, address, cfg.session_timeout_s)
-                finished = delta.finished
+                held.finished = delta.finished
                 yield delta
-                if finished:
-                    return
         finally:
-            # 6. release (the synchronous steps run even if an await below is interrupted)
+            # 7. release (the synchronous steps run even if an await below is interrupted)
+            held.free_slot()
             try:
-                if not finished:
+                if not held.finished:
                     call.cancel()
                 else:
                     # half-close politely, but never wait on it unbounded
@@ -271,12 +182,91 @@ class SessionRunner:
                         await asyncio.wait_for(call.done_writing(), self.config.connect_timeout_s)
                     except Exception:  # noqa: BLE001 - already closed by decode, or no answer: cancel
                         call.cancel()
-                if prefilled and not released:
+                if held.prefilled and not held.released:
                     await self.engine.release(request_id)
             finally:
-                if bound:
+                if held.bound:
                     self.sender.delete(request_id)
                 self.registry.pop(request_id, None)
+
+    async def _push(self, call, address: str, request_id: str, prompt_ids: list[int], sp, alloc: pb.Allocation,
+                    prefill_cached: int, timings: SessionTimings, held: _Held) -> Delta:
+        """Steps 4r-5r: our forward pass pushes the blocks the decode lacks; then the FirstToken."""
+        cfg = self.config
+        first_block, n_blocks = alloc.cached_blocks, blocks_needed(len(prompt_ids), cfg.block_size)
+        try:
+            self.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))
+        except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
+            raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
+        held.bound = True
+        layers: list[tuple[int, list[int]]] = []  # layers written but not pushed yet (layerwise_push off)
+
+        def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
+            timings.layer_stored.append(time.monotonic())
+            if cfg.layerwise_push:
+                self.sender.store(request_id, layer, list(block_ids)[first_block:n_blocks])
+            else:
+                layers.append((layer, list(block_ids)[first_block:n_blocks]))
+
+        held.prefilled = True
+        before = self.engine.prefill_counters()
+        try:
+            with self.disaggregator.computing(len(prompt_ids) - prefill_cached * cfg.block_size):
+                first = await self.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer)
+        except cfg.out_of_blocks_error as exc:
+            held.prefilled = False  # prefill_only frees what it took when it fails
+            raise Retryable(f"prefill has no free KV blocks for this prompt now: {exc}", "prefill_busy") from None
+        except asyncio.CancelledError:
+            # only our wait ends: the engine thread finishes the prompt and then holds its
+            # blocks. Queue their release behind it without making the caller (a client
+            # past its deadline) wait for the computation.
+            held.prefilled = False
+            self._release_later(request_id)
+            raise
+        except BaseException:
+            held.prefilled = False
+            raise
+        timings.prefill_done = time.monotonic()
+        held.free_slot()  # the next Session may allocate while this one's KV is still on the wire
+        after = self.engine.prefill_counters()
+        self.observer.prefilled(after[0] - before[0], after[1] - before[1])
+        for layer, block_ids in layers:  # overlap off: the whole KV goes now
+            self.sender.store(request_id, layer, block_ids)
+        try:
+            await self.sender.wait_sent(request_id, cfg.session_timeout_s)
+        except Exception as exc:  # TransferError, timeout: the decode never got the KV (ChecksumError: corrupted)
+            code = CHECKSUM_MISMATCH if isinstance(exc, ChecksumError) else "kv_transfer_failed"
+            raise Retryable(f"{address}: KV transfer failed: {exc}", code) from None
+        timings.kv_sent = time.monotonic()
+        sent = sorted(self.sender.layer_times(request_id).items())
+        timings.layer_send_seconds = [done - stored for _, (stored, done) in sent]
+        timings.link_busy_s = link_busy_seconds([times for _, times in sent])
+        await self.engine.release(request_id)
+        held.released = True
+        self.observer.transferred(timings, n_blocks - first_block)
+        reason = first_token_finishes(first, sp, cfg.eos_token_ids)
+        await self._send(call, address, first_token=pb.FirstToken(
+            token_id=first, finished=reason is not None, finish_reason=reason or ""))
+        # a stop token ends the request and is not part of the output (as in the engine)
+        return Delta([] if reason == "stop" else [first], reason is not None, reason)
+
+    async def _compute_on_decode(self, call, address: str, reason: str, cached_blocks: int, n_blocks: int) -> Delta:
+        """Step 4l: the decode computes the prompt; its first message is the first Delta."""
+        await self._send(call, address, compute_prompt=pb.ComputePrompt(reason=reason))
+        self.observer.computed_on_decode(cached_blocks, n_blocks - cached_blocks)
+        try:
+            return await self._next_delta(call, address, self.config.session_timeout_s)
+        except DecodeFailed as exc:  # nothing reached the client yet: another decode may take it
+            raise Retryable(str(exc), exc.code) from None
+
+    async def _send(self, call, address: str, **kind) -> None:
+        limit = self.config.session_timeout_s
+        try:
+            await asyncio.wait_for(call.write(pb.PrefillMessage(**kind)), limit)
+        except asyncio.TimeoutError:
+            raise Retryable(f"{address}: did not take our {next(iter(kind))} within {limit:g}s") from None
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
+            raise Retryable(f"{address}: {rpc_reason(exc)}") from None
 
     def _release_later(self, request_id: str) -> None:
         task = asyncio.ensure_future(self.engine.release(request_id))
@@ -292,7 +282,7 @@ class SessionRunner:
         except asyncio.TimeoutError:
             raise Retryable(f"{address}: no answer within {cfg.connect_timeout_s:.1f}s") from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            raise Retryable(f"{address}: {_rpc_reason(exc)}") from None
+            raise Retryable(f"{address}: {rpc_reason(exc)}") from None
         if reply is grpc.aio.EOF:
             raise Retryable(f"{address}: closed the session before answering")
         kind = reply.WhichOneof("kind")
@@ -301,21 +291,26 @@ class SessionRunner:
         if kind != "allocation":
             reason = reply.error.reason if kind == "error" else f"unexpected {kind} message"
             raise Retryable(f"{address}: {reason}")
-        if len(reply.allocation.block_ids) != start.blocks_needed:
-            raise Retryable(f"{address}: allocated {len(reply.allocation.block_ids)} blocks, "
-                            f"{start.blocks_needed} needed")
-        return reply.allocation
+        alloc = reply.allocation
+        cached = alloc.cached_blocks
+        if not 0 <= cached < start.blocks_needed or (cached and not start.reuse_prefix):
+            raise Retryable(f"{address}: allocated with {cached} cached blocks for a prompt of {start.blocks_needed}"
+                            f"{'' if start.reuse_prefix else ' (no reuse asked)'}")
+        if len(alloc.block_ids) != start.blocks_needed - cached:
+            raise Retryable(f"{address}: allocated {len(alloc.block_ids)} blocks, "
+                            f"{start.blocks_needed - cached} needed ({cached} cached)")
+        return alloc
 
     @staticmethod
     async def _next_delta(call, address: str, idle_s: float) -> Delta:
-        """Step 5: decode's next Tokens (or Finish: a finished Delta) within ``idle_s``; anything
-        else (an error, a broken stream, silence: a frozen decode) raises DecodeFailed."""
+        """Decode's next Tokens (or Finish: a finished Delta) within ``idle_s``; anything else
+        (an error, a broken stream, silence: a frozen decode) raises DecodeFailed."""
         try:
             msg = await asyncio.wait_for(call.read(), idle_s)
         except asyncio.TimeoutError:
             raise DecodeFailed(f"decode {address} sent nothing for {idle_s:g}s (--session-timeout)") from None
         except grpc.aio.AioRpcError as exc:
-            raise DecodeFailed(f"decode {address} failed mid-generation: {_rpc_reason(exc)}") from None
+            raise DecodeFailed(f"decode {address} failed mid-generation: {rpc_reason(exc)}") from None
         if msg is grpc.aio.EOF:
             raise DecodeFailed(f"decode {address} closed the session before finishing")
         kind = msg.WhichOneof("kind")
@@ -326,9 +321,3 @@ class SessionRunner:
         if kind == "error":
             raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}", msg.error.code)
         raise DecodeFailed(f"decode {address} sent an unexpected {kind} message")
-
-
-def _rpc_reason(exc: Exception) -> str:
-    if isinstance(exc, grpc.aio.AioRpcError):
-        return f"{exc.code().name}: {exc.details()}"
-    return str(exc)

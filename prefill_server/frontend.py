@@ -4,13 +4,20 @@
 - ``sampling(spec, n_prompt)``: the engine's SamplingParams, with the default max_tokens
   capped by the context left, and a ``BadRequest`` when the prompt (plus max_tokens)
   does not fit the model's context;
-- ``stream(...)``: the PrefillNode's token deltas as ``Piece``s (token ids + text, stop
-  strings cut), recording the request's metrics (TTFT, TBT, e2e, outcome) exactly once;
+- ``stream(...)``: the PrefillNode's token deltas as ``Piece``s, one per generated token
+  (its id and the text it releases, "" when held back: part of a UTF-8 character or a
+  possible stop string), then a last finished Piece with no token that carries the text
+  still held back; stop strings cut; records the request's metrics (TTFT, TBT, e2e,
+  outcome) exactly once;
 - the end-to-end deadline: ``request_timeout_s`` (``--request-timeout``), shortened per
   request by ``stream(..., timeout_s=...)`` (the client's ``X-Request-Timeout`` header or
   gRPC deadline). When it passes, the node's generator is cancelled (its Session to decode
   is cancelled and everything it holds is released) and ``RequestTimedOut`` is raised:
-  HTTP 504 / an SSE error event, gRPC DEADLINE_EXCEEDED.
+  HTTP 504 / an SSE error event, gRPC DEADLINE_EXCEEDED. A request still waiting in the
+  node's admission queue gives up just before the deadline, and its message says so;
+- SLO classes (``slo``, a ``pdserve.slo.GlobalQueue``): ``slo_class(header, priority)``
+  picks the request's class (``BadRequest`` naming the known ones); ``stream`` tells the
+  queue of its arrival (``Rejected``: early rejection, HTTP 429), its tokens and its end.
 """
 
 from __future__ import annotations
@@ -22,15 +29,18 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve import defaults
+from pdserve.slo import HEADER as SLO_HEADER
+from pdserve.slo import Rejected
 
 from .closing import aclose_fully
-from .decode_session import DecodeFailed
-from .node import NoDecodeAvailable, PrefillNode
+from .decode_session import DecodeFailed, decode_reservation
+from .node import NoDecodeAvailable, PrefillNode, QueueFull, QueueTimeout, RequestTooLarge
 from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, BadRequest, ParsedRequest, SamplingSpec
 from .text_stream import TextStream
 
 if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
+    from pdserve.slo import GlobalQueue, SloClass
 
 
 DEFAULT_REQUEST_TIMEOUT_S = defaults.REQUEST_TIMEOUT_S
@@ -55,6 +65,10 @@ def parse_timeout_header(value: str | None, name: str = "X-Request-Timeout") -> 
 
 @dataclass(slots=True)
 class Piece:
+    """What ``Frontend.stream`` yields: one generated token and the text it releases (often ""
+    while a character or a possible stop string is incomplete), or, last, the finish: no
+    token, ``finished`` set, and the text still held back at the end (usually "")."""
+
     token_ids: list[int]
     text: str
     finished: bool = False
@@ -64,7 +78,7 @@ class Piece:
 class Frontend:
     def __init__(self, node: PrefillNode, tokenizer, sampling_cls, model_name: str, max_model_len: int,
                  metrics: ServerMetrics | None = None, vocab_size: int | None = None,
-                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S):
+                 request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, slo: GlobalQueue | None = None):
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
         self.node, self.tokenizer, self.sampling_cls, self.vocab_size = node, tokenizer, sampling_cls, vocab_size
@@ -72,6 +86,16 @@ class Frontend:
         self.model_name, self.max_model_len, self.metrics = model_name, max_model_len, metrics
         self.in_flight = 0
         self.active: set[str] = set()  # request ids in flight (client-given ids must be unique)
+        self.slo = slo  # the SLO classes and the global queue (pdserve.slo)
+
+    def slo_class(self, header: str | None, priority=None) -> SloClass | None:
+        """The request's SLO class from the X-SLO-Class header / body priority; BadRequest naming the known ones."""
+        if self.slo is None:
+            return None
+        try:
+            return self.slo.classes.select(header, priority)
+        except ValueError as exc:
+            raise BadRequest(str(exc), "priority" if header is None else SLO_HEADER, "unknown_slo_class") from None
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
         if parsed.kind == "chat":
@@ -110,11 +134,22 @@ class Frontend:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
 
-    async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None):
+    async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None,
+                     slo_class: SloClass | None = None):
         """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node,
-        RequestTimedOut once min(request_timeout_s, timeout_s) seconds have passed."""
+        RequestTimedOut once min(request_timeout_s, timeout_s) seconds have passed, Rejected
+        (pdserve.slo) at once when the class's early rejection says its SLO cannot be met."""
         if request_id in self.active:
             raise BadRequest(f"request_id {request_id!r} is already in flight", "request_id")
+        slo = None
+        if self.slo is not None:
+            try:
+                slo = self.slo.arrive(request_id, slo_class or self.slo.classes.default, len(prompt_ids), sp.max_tokens,
+                                      decode_reservation(len(prompt_ids), sp.max_tokens, self.node.block_size))
+            except Rejected:
+                if self.metrics is not None:
+                    self.metrics.requests.labels(outcome="error", reason="slo_rejected").inc()
+                raise
         limit = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         deadline = time.monotonic() + limit
         self.active.add(request_id)
@@ -122,7 +157,7 @@ class Frontend:
         text = TextStream(self.tokenizer.detokenizer(), sp.stop, self.tokenizer.decode)
         outcome, reason = "error", "error"
         self.in_flight += 1
-        deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline)
+        deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline, slo=slo)
 
         async def next_delta():
             return await deltas.__anext__()
@@ -135,27 +170,34 @@ class Frontend:
                     delta = await asyncio.wait_for(next_delta(), max(0.0, deadline - time.monotonic()))
                 except StopAsyncIteration:
                     break
+                except QueueTimeout as exc:  # the admission queue gave up just before the deadline, saying why
+                    raise RequestTimedOut(str(exc)) from None
                 except asyncio.TimeoutError:
                     raise RequestTimedOut(f"request {request_id} did not finish within its deadline of {limit:g}s "
                                           f"(--request-timeout, or the client's X-Request-Timeout / gRPC deadline)") from None
-                piece = Piece(delta.token_ids, text.add(delta.token_ids), delta.finished, delta.finish_reason)
                 if clock is not None and delta.token_ids:
                     clock.token(len(delta.token_ids))
-                if text.stopped and not delta.finished:
-                    # a stop string the engine has not acted on yet (it would on its next step): stop here
-                    piece.finished, piece.finish_reason = True, "stop"
-                if piece.finished:
-                    if not text.stopped:
-                        piece.text += text.flush()
-                    outcome, reason = "ok", piece.finish_reason or "stop"
+                if slo is not None and delta.token_ids:
+                    self.slo.token(slo, len(delta.token_ids))
+                for token_id in delta.token_ids:  # one Piece per token, its text possibly ""
+                    yield Piece([token_id], text.add([token_id]))
+                    if text.stopped:
+                        # a stop string ends here; tokens after it (the engine stops on its
+                        # next step, or already did) are not the client's
+                        break
+                if delta.finished or text.stopped:
+                    rest = "" if text.stopped else text.flush()
+                    outcome, reason = "ok", "stop" if text.stopped else delta.finish_reason or "stop"
                     if clock is not None:  # the request is served now, whatever the teardown takes
                         clock.finish(outcome, reason)
-                    yield piece
+                    if slo is not None:
+                        self.slo.finish(slo, outcome)
+                    yield Piece([], rest, True, reason)
                     return
-                yield piece
             raise DecodeFailed("the request ended without a finish")
-        except NoDecodeAvailable:
-            reason = "no_decode"
+        except NoDecodeAvailable as exc:
+            reason = ("queue_full" if isinstance(exc, QueueFull) else
+                      "too_large" if isinstance(exc, RequestTooLarge) else "no_decode")
             raise
         except DecodeFailed:
             reason = "decode_failed"
@@ -173,3 +215,5 @@ class Frontend:
             self.active.discard(request_id)
             if clock is not None:
                 clock.finish(outcome, reason)
+            if slo is not None:  # leaves the queue (if it waits) at once
+                self.slo.finish(slo, outcome)

@@ -1,12 +1,19 @@
 """The prefill server's client gRPC API: ``Generator.Generate`` (server streaming).
 
-Status codes: INVALID_ARGUMENT for bad input (message names the field), UNAVAILABLE when
-no decode could take the request and local fallback is off (message lists the reasons),
+One GenerateResponse per generated token (its ``text`` may be "", see http_api.py's
+streaming rules), then a last one with ``finish_reason`` set and no token.
+
+Status codes: INVALID_ARGUMENT for bad input (message names the field) and for a request
+larger than any decode's whole KV pool, RESOURCE_EXHAUSTED when the admission queue is
+full, UNAVAILABLE when no decode could take the request and local fallback is off
+(message lists the reasons),
 ABORTED when a decode failed after tokens were streamed, DEADLINE_EXCEEDED when the
 request's deadline passed: ``--request-timeout``, shortened by the client's own gRPC
 deadline (``context.time_remaining()``; we stop a little before it, so that our message
 arrives and the Session to decode is released by us). A client that cancels its call
 cancels this coroutine; the Session to decode is closed and both ends free the request.
+The SLO class comes from the call's metadata ``x-slo-class`` (unknown: INVALID_ARGUMENT
+naming the known classes); early rejection is RESOURCE_EXHAUSTED with the estimate.
 """
 
 from __future__ import annotations
@@ -17,14 +24,16 @@ import grpc
 
 from pdserve.protos import generate_pb2 as gpb
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
+from pdserve.slo import HEADER, Rejected
 
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut
-from .node import NoDecodeAvailable
+from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
 
 # End this much before the client's gRPC deadline, so DEADLINE_EXCEEDED carries our message.
 CLIENT_DEADLINE_MARGIN_S = 0.05
+SLO_METADATA = HEADER.lower()  # x-slo-class: the request's SLO class, as the HTTP header
 from .openai_api import BadRequest, check_token_ids, parse_sampling
 
 
@@ -56,12 +65,13 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             ids, sp = self._parse(request)
+            slo_class = self.fe.slo_class(dict(context.invocation_metadata() or ()).get(SLO_METADATA))
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         request_id = request.request_id or uuid.uuid4().hex
         remaining = context.time_remaining()  # None without a client deadline
         timeout_s = None if remaining is None else max(0.001, remaining - CLIENT_DEADLINE_MARGIN_S)
-        pieces = self.fe.stream(request_id, ids, sp, timeout_s)
+        pieces = self.fe.stream(request_id, ids, sp, timeout_s, slo_class)
         produced = 0
         try:
             async for piece in pieces:
@@ -72,6 +82,12 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
                 )
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+        except RequestTooLarge as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Rejected as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except NoDecodeAvailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except DecodeFailed as exc:

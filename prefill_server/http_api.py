@@ -2,25 +2,48 @@
 
 | route                        | answer                                                       |
 |------------------------------|--------------------------------------------------------------|
-| POST /v1/completions         | text completion; ``stream: true`` -> SSE chunks + ``[DONE]`` |
+| POST /v1/completions         | text completion; ``stream: true`` -> SSE chunks + ``[DONE]`` (below) |
 | POST /v1/chat/completions    | chat completion; same streaming rules                        |
 | GET  /v1/models              | the one served model                                         |
 | GET  /health                 | 200 + JSON counters (sessions, KV blocks, CacheStore entries) |
 | GET  /ready                  | 200 when a decode is routable or local fallback is on, else 503 |
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
+| GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
 
-Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); no decode
-and no fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
+Streaming (``stream: true``), as vLLM does: one event per generated token, in order, whose
+``text`` (chat: ``delta.content``) is the text that token releases, ``""`` when it releases
+none (the token ends inside a UTF-8 character, decodes to nothing, or might begin a stop
+string: that text is held back and goes out with the event of the token that completes it);
+then one event with ``finish_reason`` that carries no token, its text what was still held
+back at the end (usually ``""``; chat: no ``content``); then the usage event
+(``stream_options.include_usage``) and ``data: [DONE]``. So the events without a
+finish_reason number exactly ``usage.completion_tokens``, and their texts joined with the
+last one's equal the non-streamed text. Chat: the first event also has ``role``. A stop
+string is never sent, nor the tokens after the one that completed it.
+
+Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); a request
+that needs more KV blocks than any decode holds in all -> 413 (``request_too_large``) at
+once; every decode merely full -> the request waits in the admission queue (no error),
+but when ``--max-queued-requests`` already wait -> 429 (``queue_full``); an SLO class that
+cannot be met even if the request were served next (a class with ``earlyReject``) -> 429 at
+once, ``Retry-After`` in seconds and the estimate in the message (``slo_cannot_be_met``);
+no decode and no fallback -> 503 with the reasons; a decode failing mid-stream -> an SSE event
 ``data: {"error": {...}}`` then ``data: [DONE]`` (non-streaming: 502).
 
 Deadline: every request ends within ``--request-timeout`` seconds, or sooner with the
 header ``X-Request-Timeout: <seconds>`` (a positive number; anything else is a 400 naming
 the header; a value above ``--request-timeout`` is capped by it). When it passes, a request
 that has streamed nothing yet (or is not streaming) gets 504 with an OpenAI error body
-(code ``request_timeout``); a stream gets that error as an SSE event, then ``[DONE]``. A client that
-disconnects cancels its handler (``handler_cancellation``), which closes the Session, so
-the cancellation reaches decode at once.
+(code ``request_timeout``; the message says when it was waiting in the admission queue); a
+stream gets that error as an SSE event, then ``[DONE]``. A client that disconnects
+cancels its handler (``handler_cancellation``), which closes the Session (or takes the
+request out of the admission queue), so the cancellation reaches decode at once.
+
+SLO class: the header ``X-SLO-Class: <name>`` or vLLM's body field ``priority`` (the class
+that declares that priority; 0 is the default class unless a class declares 0); neither:
+the default class. Unknown class or priority, or both naming different classes: 400
+(code ``unknown_slo_class``) naming the known classes (``pdserve.slo.classes``).
 """
 
 from __future__ import annotations
@@ -29,11 +52,14 @@ import logging
 
 from aiohttp import web
 
+from pdserve.slo import HEADER as SLO_HEADER
+from pdserve.slo import Rejected
+
 from . import openai_api as oa
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut, parse_timeout_header
-from .node import NoDecodeAvailable
+from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
 
 TIMEOUT_HEADER = "X-Request-Timeout"
 
@@ -57,7 +83,18 @@ class HttpApi:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
         app.router.add_get("/debug/requests/{rid}", self.debug_request)
+        app.router.add_get("/debug/slo", self.debug_slo)
         return app
+
+    async def debug_slo(self, request: web.Request) -> web.Response:
+        """The SLO queue: classes, policy, waiting per class, estimator, recent estimates vs actuals."""
+        if self.fe.slo is None:
+            return web.json_response({"error": "no SLO queue on this server"}, status=404)
+        try:
+            recent = int(request.query.get("recent", "64"))
+        except ValueError:
+            return web.json_response({"error": "recent must be an integer (finished requests to show)"}, status=400)
+        return web.json_response(self.fe.slo.snapshot(recent))
 
     async def debug_request(self, request: web.Request) -> web.Response:
         """Monotonic timestamps of a recent P/D request (allocation, each layer stored, KV sent)."""
@@ -66,7 +103,8 @@ class HttpApi:
         if t is None:
             return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
         return web.json_response({"request_id": rid, "start": t.start, "allocated": t.allocated, "layer_stored": t.layer_stored,
-                                  "prefill_done": t.prefill_done, "kv_sent": t.kv_sent})
+                                  "prefill_done": t.prefill_done, "kv_sent": t.kv_sent, "where": t.where,
+                                  "decode_cached_blocks": t.cached_blocks, "link_busy_s": t.link_busy_s})
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": self.fe.max_model_len}
@@ -98,7 +136,9 @@ class HttpApi:
     async def _serve(self, request: web.Request, parse) -> web.StreamResponse:
         fe = self.fe
         try:
-            parsed = parse(oa.parse_json(await request.read()), fe.model_name, fe.max_model_len, fe.vocab_size)
+            body = oa.parse_json(await request.read())
+            parsed = parse(body, fe.model_name, fe.max_model_len, fe.vocab_size)
+            slo_class = fe.slo_class(request.headers.get(SLO_HEADER), body.get("priority"))
             prompt_ids = fe.prompt_ids(parsed)
             fe.check_prompt(prompt_ids)
             sp = fe.sampling(parsed.sampling, len(prompt_ids), parsed.kind)
@@ -107,10 +147,18 @@ class HttpApi:
             if self.metrics is not None:
                 self.metrics.requests.labels(outcome="error", reason="bad_request").inc()
             return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
-        pieces = fe.stream(parsed.request_id, prompt_ids, sp, timeout_s)
+        pieces = fe.stream(parsed.request_id, prompt_ids, sp, timeout_s, slo_class)
         try:
             try:
                 first = await pieces.__anext__()
+            except RequestTooLarge as exc:
+                return _json_error(413, str(exc), "invalid_request_error", code="request_too_large")
+            except QueueFull as exc:
+                return _json_error(429, str(exc), "overloaded_error", code="queue_full")
+            except Rejected as exc:
+                resp = _json_error(429, str(exc), "rate_limit_error", code="slo_cannot_be_met")
+                resp.headers["Retry-After"] = str(exc.retry_after_s)
+                return resp
             except NoDecodeAvailable as exc:
                 return _json_error(503, str(exc), "service_unavailable", code="no_decode_available")
             except DecodeFailed as exc:
@@ -144,14 +192,15 @@ class HttpApi:
         try:
             while True:
                 n_tokens += len(piece.token_ids)
-                if piece.text or is_first:
-                    await resp.write(oa.sse(oa.chunk(parsed, piece.text, None, first=is_first)))
-                    is_first = False
-                if piece.finished:
-                    await resp.write(oa.sse(oa.chunk(parsed, None if parsed.kind == "chat" else "", piece.finish_reason)))
+                if piece.finished:  # no token: the finish reason and any text held back to the end
+                    text = piece.text if piece.text or parsed.kind == "completion" else None
+                    await resp.write(oa.sse(oa.chunk(parsed, text, piece.finish_reason, first=is_first)))
                     if parsed.include_usage:
                         await resp.write(oa.sse(oa.usage_chunk(parsed, n_prompt, n_tokens)))
                     break
+                # one event per generated token, also when its text is "" (held back)
+                await resp.write(oa.sse(oa.chunk(parsed, piece.text, None, first=is_first)))
+                is_first = False
                 piece = await pieces.__anext__()
         except (DecodeFailed, NoDecodeAvailable) as exc:
             log.warning("request %s: %s", parsed.request_id, exc)

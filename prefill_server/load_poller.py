@@ -1,9 +1,17 @@
 """LoadReportPoller: asks every known decode for its load report every ``interval_s``.
 
 It keeps one gRPC channel per decode address (shared with the Session streams, see
-``channel``), follows discovery (new addresses get a channel, vanished ones are closed and
-forgotten by the picker) and feeds each answer to the DecodePicker. A decode that does not
-answer simply stops being updated; the picker lets its last report expire.
+``channel``), follows discovery and feeds each answer to the DecodePicker. A new address
+gets a channel. A vanished one is forgotten by the picker at once (no new request goes
+there) and its channel is closed with a grace of ``close_grace_s``: Sessions still open on
+it finish first (a draining decode leaves discovery while it serves them; closing at once
+would cut them off). A decode that does not answer simply stops being updated; the picker
+lets its last report expire. With a ``DecodeIndex`` it also keeps one KV-event stream per
+discovered decode (on the same channel): a new decode is followed from the round it appears
+in, a vanished one is dropped from the index before its channel closes.
+
+``poll_now(address)`` asks one decode at once (a request there just ended and others wait
+for blocks); ``on_report(address)``, when set, is called after each answer reached the picker.
 """
 
 from __future__ import annotations
@@ -11,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from typing import Callable
 
 import grpc
 
+from pdserve.defaults import REQUEST_TIMEOUT_S
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
 
@@ -37,13 +47,18 @@ CHANNEL_OPTIONS = [
 
 
 class LoadReportPoller:
-    def __init__(self, discovery, picker: DecodePicker, interval_s: float = 0.3, on_update=None):
+    def __init__(self, discovery, picker: DecodePicker, interval_s: float = 0.3, on_update=None, index=None,
+                 close_grace_s: float = REQUEST_TIMEOUT_S):
         if interval_s <= 0:
             raise ValueError(f"load report interval must be > 0, got {interval_s}")
         self.discovery, self.picker, self.interval_s = discovery, picker, interval_s
+        self.close_grace_s = close_grace_s
+        self._leaving: dict[asyncio.Task, grpc.aio.Channel] = {}  # channels of vanished decodes, closing gracefully
         # Reports expire by missed rounds as well as by age (see DecodePicker.stale_rounds).
         picker.stale_rounds = max(2, math.ceil(picker.expiry_s / interval_s))
         self.on_update = on_update
+        self.on_report: Callable[[str], None] | None = None
+        self.index = index  # a DecodeIndex (decode_index.py), or None: no prefix knowledge
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, asyncio.Task] = {}
@@ -71,6 +86,11 @@ class LoadReportPoller:
                 pass
         for task in self._inflight.values():
             task.cancel()
+        if self.index is not None:
+            await self.index.stop()
+        for task, ch in list(self._leaving.items()):
+            task.cancel()
+            await ch.close()  # no grace now: the server is stopping
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
@@ -88,10 +108,15 @@ class LoadReportPoller:
         decode never delays the reports of the others); ``wait``: until they answer."""
         addresses = set(self.discovery.addresses())
         self.picker.round_started()
-        for gone in set(self._channels) - addresses:
-            await self._channels.pop(gone).close()
+        if self.index is not None:
+            self.index.reconcile(addresses, self.channel)
         for gone in set(self.picker.known()) - addresses:
             self.picker.forget(gone)
+        for gone in set(self._channels) - addresses:
+            ch = self._channels.pop(gone)
+            task = asyncio.create_task(ch.close(grace=self.close_grace_s))
+            self._leaving[task] = ch
+            task.add_done_callback(lambda t: self._leaving.pop(t, None))
         started = []
         for address in sorted(addresses):
             task = self._inflight.get(address)
@@ -102,6 +127,12 @@ class LoadReportPoller:
             await asyncio.wait(started)
         if self.on_update:
             self.on_update()
+
+    def poll_now(self, address: str) -> None:
+        """Ask ``address`` for its load report now, unless a poll of it is already in flight."""
+        task = self._inflight.get(address)
+        if self._task is not None and not self._task.done() and address in self._channels and (task is None or task.done()):
+            self._inflight[address] = asyncio.create_task(self._poll(address))
 
     async def _poll(self, address: str) -> None:
         try:
@@ -119,5 +150,8 @@ class LoadReportPoller:
                 draining=report.draining,
                 running=report.running,
                 waiting=report.waiting,
+                prefill_tokens_per_s=report.prefill_tokens_per_s,
             ),
         )
+        if self.on_report is not None:
+            self.on_report(address)

@@ -5,16 +5,31 @@ front ends call. It yields ``Delta``s and raises:
 
 - ``NoDecodeAvailable`` (-> HTTP 503 / gRPC UNAVAILABLE) when no decode took the request
   after ``max_attempts`` tries and local fallback is off; the message lists every reason;
+  its kinds ``RequestTooLarge`` (-> 413 / INVALID_ARGUMENT: more KV blocks than any decode,
+  or this prefill, holds in all; never a wait) and ``QueueFull`` (-> 429 /
+  RESOURCE_EXHAUSTED: ``max_queued`` requests already wait);
+- ``QueueTimeout`` when the request's deadline came while it waited in line (-> 504);
 - ``DecodeFailed`` when a decode failed after tokens reached the client and the request
   could not be resumed.
 
-Routing order: the DecodePicker's choice; on refusal / unreachable / failure before the
+Routing order: the DecodePicker's choice (with ``decode_reuse``, preferring a decode whose
+prefix cache holds the prompt's leading blocks, as its KV events in ``decode_index`` say,
+weighed against free memory); on refusal / unreachable / failure before the
 first token, the next decode it picks (never one already tried), at most
 ``max_attempts`` decodes; then, with ``local_fallback``, the colocated engine in this
 process; else NoDecodeAvailable. When every failure was "busy now" (decodes out of free
-blocks, or prefill's own pool full) and local fallback is off, the request waits (backoff
-up to 0.5 s) and tries again, for at most ``queue_timeout_s``, before the 503: a burst
-queues instead of failing.
+blocks, or prefill's own pool full) and local fallback is off, the request waits in the
+``AdmissionQueue`` (``admission_queue.py``: first come first served, woken by fresh load
+reports and by requests ending here) and tries again when its turn comes, until its
+deadline (or ``queue_timeout_s`` when set: then the 503). A full decode is a reason to
+wait, not to fail: a burst queues instead of failing. With ``slo_queue`` (a
+``pdserve.slo.GlobalQueue``) and the request's ``slo`` (its ``SloRequest``) the line is in
+the order of the SLO policy (fifo | edf | qlm) and the queue learns when a decode allocated
+the request.
+
+Where the prompt is computed (``disaggregation``: auto|always|never): on this prefill with
+its KV moved (the P/D path), or on the chosen decode itself; in ``auto`` the Disaggregator
+decides per request from measured costs, after the decode's Allocation (decode_session.py).
 
 Deadline: ``generate(..., deadline=...)`` (``time.monotonic()`` seconds) is the request's
 end-to-end deadline, enforced by the caller (the Frontend cancels this generator when it
@@ -31,19 +46,23 @@ not the same one). Without another decode or fallback the client gets the error.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
+from pdserve import defaults
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH
-from pdserve.engine import blocks_needed
+from pdserve.defaults import DISAGGREGATION
+from pdserve.engine import blocks_needed, chained_hashes
 from pdserve.protos import session_pb2 as pb
 
+from .admission_queue import AdmissionQueue, QueueFull, QueueTimeout, RequestTooLarge
 from .closing import aclose_fully
+from .decode_index import DecodeIndex
 from .decode_session import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionRunner,
                              SessionTimings, decode_reservation)
+from .disaggregator import Disaggregator
 from .load_poller import LoadReportPoller
 from .picker import DecodePicker
 from .transfer_accounting import TransferAccounting
@@ -52,12 +71,13 @@ if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import AsyncLLMEngine
     from pdserve.metrics import ServerMetrics
+    from pdserve.slo import GlobalQueue, SloRequest
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PrefillNode", "NoDecodeAvailable", "DecodeFailed", "Delta"]
+__all__ = ["PrefillNode", "NoDecodeAvailable", "DecodeFailed", "Delta", "QueueFull", "QueueTimeout", "RequestTooLarge"]
 
-# Refusals that mean "busy now": worth waiting for (up to queue_timeout_s) when nothing else works.
+# Refusals that mean "busy now": worth waiting in line for when nothing else works.
 TRANSIENT_CODES = frozenset({"out_of_blocks", "prefill_busy"})
 
 
@@ -78,8 +98,15 @@ class PrefillNode:
     metrics: ServerMetrics | None = None
     out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError
     resume: bool = True  # continue on another decode when one fails mid-generation
-    queue_timeout_s: float = 10.0  # how long a request may wait for KV blocks to free up
+    queue_timeout_s: float | None = None  # how long a request may wait in line for KV blocks (None: until its deadline)
+    max_queued: int = defaults.MAX_QUEUED_REQUESTS  # requests that may wait in line at once; then 429
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
+    prefills_ahead: int = 2  # Sessions allocated on a decode before our engine computed their prompt (SessionConfig)
+    decode_reuse: bool = True  # decodes serve the prompt's cached prefix; only the missing blocks move
+    decode_index: DecodeIndex | None = None  # the decodes' prefix caches (their KV events), for the picker
+    disaggregation: str = DISAGGREGATION  # auto | always | never (cost_model.py)
+    held_prefix: Callable[[list[int]], int] | None = None  # prompt hashes -> leading ones our prefix cache holds
+    slo_queue: GlobalQueue | None = None  # SLO classes: the policy that orders the admission queue
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
@@ -88,100 +115,137 @@ class PrefillNode:
         self.local_requests = 0
         self.last_timings: dict[str, SessionTimings] = {}
         config = SessionConfig(self.compat, self.block_size, self.eos_token_ids, self.session_timeout_s,
-                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error)
-        accounting = TransferAccounting(self.picker, self.kv_bytes_per_block, self.metrics)
+                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error, self.decode_reuse,
+                               self.prefills_ahead)
+        self.disaggregator = Disaggregator(self.disaggregation, picker=self.picker, block_size=self.block_size,
+                                           num_layers=self.compat.num_layers, kv_bytes_per_block=self.kv_bytes_per_block,
+                                           layerwise=self.layerwise_push, held_prefix=self.held_prefix,
+                                           metrics=self.metrics)
+        accounting = TransferAccounting(self.picker, self.kv_bytes_per_block, self.disaggregator, self.metrics)
         self.session_runner = SessionRunner(config, stubs=self.poller.stub, engine=self.engine, sender=self.sender,
-                                            registry=self.sessions, observer=accounting)
+                                            registry=self.sessions, observer=accounting,
+                                            disaggregator=self.disaggregator)
+        gauge = self.metrics.requests_queued.set if self.metrics is not None else None
+        self.queue = AdmissionQueue(self.max_queued, max_wait_s=self.queue_timeout_s, on_length=gauge,
+                                    slo=self.slo_queue)
+        self.poller.on_report = lambda address: self.queue.notify()  # a fresh report may show freed blocks
 
     def ready(self) -> bool:
         """Ready when a decode is known (or local fallback can serve)."""
         return self.local_fallback or bool(self.picker.eligible())
 
-    async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None):
+    async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None,
+                       slo: SloRequest | None = None):
         reasons: list[str] = []
         produced: list[int] = []  # tokens already given to the client (for resume)
         failed_mid_stream: DecodeFailed | None = None
         m = self.metrics
-        loop = asyncio.get_running_loop()
         admitted = time.monotonic()
-        deadline = loop.time() + self.queue_timeout_s
-        backoff = 0.02
+        ticket = self.queue.ticket(request_id, deadline, slo)
         attempt = 0
-        while True:
-            tried: set[str] = set()
-            transient = True  # every failure this round was "busy now" (worth waiting for)
-            for _ in range(self.max_attempts):
-                need = blocks_needed(len(prompt_ids) + len(produced), self.block_size)
-                if need > self.engine.num_blocks:
-                    raise NoDecodeAvailable(f"the prompt needs {need} KV blocks but this prefill has only "
-                                            f"{self.engine.num_blocks}")
-                free = self.engine.num_free_blocks()
-                if need > free:
-                    reasons.append(f"prefill has {free} free KV blocks, {need} needed")
-                    break
-                # what decode reserves: prompt + max_tokens (tokens already produced move from one to the other)
-                decode_need = decode_reservation(len(prompt_ids), sp.max_tokens, self.block_size)
-                address = self.picker.pick(exclude=tried, blocks_needed=decode_need)
-                if address is None:
-                    if not tried:
-                        reason = self.picker.why_none(decode_need)
-                        if reason not in reasons:  # the same picture on every queued retry: say it once
-                            reasons.append(reason)
-                        transient = self.picker.all_full(decode_need)
-                    break
-                tried.add(address)
-                if m is not None:
-                    m.decode_selections.labels(decode=address).inc()
-                timings = SessionTimings()
-                sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
-                # each attempt is a new request for the decode, the CacheStore and our engine:
-                # leftovers of a failed attempt (a cancel still travelling) never collide with it
-                session_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
-                attempt += 1
-                stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings, deadline)
-                try:
+        try:
+            while True:
+                await ticket.turn()  # behind the requests already waiting for blocks, never ahead of them
+                tried: set[str] = set()
+                transient = True  # every failure this round was "busy now" (worth waiting for)
+                too_large = True  # every decode asked answered that the request can never fit there
+                for _ in range(self.max_attempts):
+                    need = blocks_needed(len(prompt_ids) + len(produced), self.block_size)
+                    if need > self.engine.num_blocks:
+                        raise RequestTooLarge(f"the prompt needs {need} KV blocks but this prefill has only "
+                                              f"{self.engine.num_blocks} in all")
+                    # what decode reserves: prompt + max_tokens (tokens already produced move from one to the other)
+                    decode_need = decode_reservation(len(prompt_ids), sp.max_tokens, self.block_size)
+                    largest = self.picker.never_fits(decode_need)
+                    if largest is not None and not self.local_fallback:
+                        raise RequestTooLarge(
+                            f"the request needs {decode_need} KV blocks on a decode ({len(prompt_ids)} prompt tokens + "
+                            f"max_tokens {sp.max_tokens}) but the largest decode holds only {largest} KV blocks in all")
+                    free = self.engine.num_free_blocks()
+                    if need > free:
+                        reasons.append(f"prefill has {free} free KV blocks, {need} needed")
+                        too_large = False
+                        break
+                    overlap, prompt_blocks = self._decode_overlap(prompt_ids + produced)
+                    address = self.picker.pick(exclude=tried, blocks_needed=decode_need, overlap=overlap,
+                                               prompt_blocks=prompt_blocks)
+                    if address is None:
+                        if not tried:
+                            reason = self.picker.why_none(decode_need)
+                            if reason not in reasons:  # the same picture on every queued retry: say it once
+                                reasons.append(reason)
+                            transient = self.picker.all_full(decode_need)
+                            too_large = False
+                        break
+                    tried.add(address)
+                    if m is not None:
+                        m.decode_selections.labels(decode=address).inc()
+                    timings = SessionTimings()
+                    sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
+                    # each attempt is a new request for the decode, the CacheStore and our engine:
+                    # leftovers of a failed attempt (a cancel still travelling) never collide with it
+                    session_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
+                    attempt += 1
+                    # once a decode allocated, the next request in line may go (the picker counts this one)
+                    stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings, deadline,
+                                                     on_allocated=ticket.admitted)
                     try:
-                        first = await stream.__anext__()
-                    except Retryable as exc:
-                        log.info("request %s: %s", request_id, exc.reason)
-                        reasons.append(exc.reason)
-                        transient = transient and exc.code in TRANSIENT_CODES
+                        try:
+                            first = await stream.__anext__()
+                        except Retryable as exc:
+                            log.info("request %s: %s", request_id, exc.reason)
+                            reasons.append(exc.reason)
+                            # a decode too small for it is no reason not to wait for the others
+                            transient = transient and exc.code in TRANSIENT_CODES | {"too_large"}
+                            too_large = too_large and exc.code == "too_large"
+                            if m is not None:
+                                m.decode_retries.labels(reason=exc.code).inc()
+                                if exc.code == CHECKSUM_MISMATCH:
+                                    m.kv_checksum_mismatches.inc()
+                            continue
+                        ticket.leave()
+                        self._keep_timings(request_id, timings)
+                        if m is not None and not produced:  # admitted -> a decode allocated and compute starts
+                            m.queue_wait.observe(max(0.0, timings.allocated - admitted))
+                        produced += first.token_ids
+                        yield first
+                        async for delta in stream:
+                            produced += delta.token_ids
+                            yield delta
+                        return
+                    except DecodeFailed as exc:
+                        if not self.resume:
+                            raise
+                        failed_mid_stream = exc
+                        transient = too_large = False
+                        reasons.append(str(exc))
+                        log.warning("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
                         if m is not None:
                             m.decode_retries.labels(reason=exc.code).inc()
                             if exc.code == CHECKSUM_MISMATCH:
                                 m.kv_checksum_mismatches.inc()
-                        continue
-                    self._keep_timings(request_id, timings)
-                    if m is not None and not produced:  # admitted -> a decode allocated and compute starts
-                        m.queue_wait.observe(max(0.0, timings.allocated - admitted))
-                    produced += first.token_ids
-                    yield first
-                    async for delta in stream:
-                        produced += delta.token_ids
-                        yield delta
-                    return
-                except DecodeFailed as exc:
-                    if not self.resume:
+                        if len(produced) >= sp.max_tokens:
+                            yield Delta([], True, "length")
+                            return
+                    finally:
+                        await aclose_fully(stream)
+                        if timings.allocated:
+                            self._freed(address)
+                if tried and too_large and not self.local_fallback:
+                    raise RequestTooLarge("no decode can ever hold the request: " + "; ".join(reasons[-len(tried):]))
+                if self.local_fallback or not transient:
+                    break
+                # every decode (or prefill itself) is full right now: wait in line for blocks to free up
+                try:
+                    await ticket.wait()
+                except QueueTimeout as exc:
+                    if exc.by_deadline:
                         raise
-                    failed_mid_stream = exc
-                    transient = False
                     reasons.append(str(exc))
-                    log.warning("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
-                    if m is not None:
-                        m.decode_retries.labels(reason=exc.code).inc()
-                        if exc.code == CHECKSUM_MISMATCH:
-                            m.kv_checksum_mismatches.inc()
-                    if len(produced) >= sp.max_tokens:
-                        yield Delta([], True, "length")
-                        return
-                finally:
-                    await aclose_fully(stream)
-            if self.local_fallback or not transient or loop.time() + backoff > deadline:
-                break
-            # every decode (or prefill itself) is full right now: wait for blocks to free up
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 0.5)
-            reasons = reasons[-4:]
+                    break
+                reasons = reasons[-4:]
+        finally:
+            ticket.leave()
         if self.local_fallback:
             async for delta in self._generate_locally(request_id, prompt_ids, produced, sp, reasons, failed_mid_stream):
                 yield delta
@@ -189,6 +253,13 @@ class PrefillNode:
         if failed_mid_stream is not None:
             raise DecodeFailed("; ".join(reasons))
         raise NoDecodeAvailable("no decode server could take the request: " + "; ".join(reasons))
+
+    def _freed(self, address: str) -> None:
+        """A request's Session with ``address`` ended: its blocks there are free. With requests in
+        line, ask that decode for a fresh load report now (its answer wakes the queue)."""
+        if len(self.queue):
+            self.poller.poll_now(address)
+            self.queue.notify()  # prefill's own blocks may be free too
 
     async def _generate_locally(self, request_id, prompt_ids, produced, sp, reasons, failed_mid_stream):
         if self.metrics is not None:
@@ -209,6 +280,17 @@ class PrefillNode:
         finally:
             await outputs.aclose()
             self.local_requests -= 1
+
+    def _decode_overlap(self, ids: list[int]) -> tuple[dict[str, int], int]:
+        """Leading blocks of ``ids`` each known decode holds (at most the reusable ones), and how many
+        blocks a decode could reuse at most; ({}, 0) without decode reuse or an index."""
+        if not self.decode_reuse or self.decode_index is None:
+            return {}, 0
+        reusable = (len(ids) - 1) // self.block_size  # as the engine: the last token is always computed
+        if reusable == 0:
+            return {}, 0
+        hashes = chained_hashes(ids[: reusable * self.block_size], self.block_size)
+        return {address: self.decode_index.overlap(address, hashes) for address in self.picker.known()}, reusable
 
     def _keep_timings(self, request_id: str, timings: SessionTimings) -> None:
         self.last_timings[request_id] = timings

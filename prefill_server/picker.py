@@ -11,6 +11,17 @@ protocol version, is not draining and has free KV blocks:
   known to be too full for this request is not asked (no refusal round trip).
 - ``rr``: plain round robin over the same set, blind to request size (the baseline).
 
+Prefix preference (``wrr`` only, when ``pick`` is given ``overlap``: how many leading blocks of
+the prompt each decode's prefix cache holds, from its KV events): when the eligible decodes
+hold different amounts of the prompt, the pick is the decode with the highest
+
+    prefix_weight * (blocks it holds / prompt blocks) + free KV bytes / the most free KV bytes
+
+so a decode holding the conversation wins unless it has much less free memory than the
+emptiest one (with weight 1: holding the whole prompt is worth all the free memory of the
+emptiest decode). Ties go to the first address. A full decode is never eligible, prefix or
+not. When every eligible decode holds the same amount (none, usually), plain ``wrr``.
+
 Load reports arrive from the LoadReportPoller (``update``); a report older than
 ``expiry_s`` no longer counts, so a decode that stopped answering drops out. Between
 reports, ``note_allocation`` subtracts what a Session just took, so a burst of requests
@@ -39,6 +50,7 @@ class DecodeLoad:
     draining: bool = False
     running: int = 0
     waiting: int = 0
+    prefill_tokens_per_s: float = 0.0  # measured speed of prompts the decode computed itself; 0 = none yet
 
     def __post_init__(self) -> None:
         if self.free_blocks < 0 or self.free_bytes < 0:
@@ -64,6 +76,7 @@ class DecodePicker:
     # that was paused (SIGSTOP, a long GC or event-loop stall) does not find every report
     # stale at once on resuming, before its poller had a chance to ask again. 0: clock only.
     stale_rounds: int = 0
+    prefix_weight: float = 1.0  # see "Prefix preference" above
     _entries: dict[str, _Entry] = field(default_factory=dict)
     _rr_next: int = 0
     _rounds: int = 0
@@ -96,12 +109,14 @@ class DecodePicker:
         self._entries.pop(address, None)
 
     def note_allocation(self, address: str, blocks: int, nbytes: int) -> None:
-        """A Session on ``address`` just allocated; lower its weight until the next report."""
+        """A Session on ``address`` just allocated; lower its weight (and count one more waiting
+        session there) until the next report."""
         entry = self._entries.get(address)
         if entry is not None:
             load = entry.load
             load.free_blocks = max(0, load.free_blocks - blocks)
             load.free_bytes = max(0, load.free_bytes - nbytes)
+            load.waiting += 1
 
     # -- queries ------------------------------------------------------------------------
     def _need(self, blocks_needed: int) -> int:
@@ -131,6 +146,18 @@ class DecodePicker:
         could_fit = [load for load in self._usable().values() if load.total_blocks == 0 or load.total_blocks >= need]
         return bool(could_fit) and all(load.free_blocks < need for load in could_fit)
 
+    def never_fits(self, blocks_needed: int) -> int | None:
+        """The largest whole pool among the fresh, compatible decodes when the request needs more
+        than each of them holds in all (no wait helps; any policy), else None."""
+        totals = [load.total_blocks for load in self._usable().values()]
+        if totals and all(0 < total < blocks_needed for total in totals):
+            return max(totals)
+        return None
+    def load(self, address: str) -> DecodeLoad | None:
+        """The decode's latest load report (fresh or not), None if it never reported."""
+        entry = self._entries.get(address)
+        return None if entry is None else entry.load
+
     def known(self) -> list[str]:
         """Every decode with a report (fresh or not)."""
         return sorted(self._entries)
@@ -159,11 +186,25 @@ class DecodePicker:
                 parts.append(f"{address}: {load.free_blocks} free KV blocks, {need} needed")
         return "; ".join(parts) or "no eligible decode server"
 
-    def pick(self, exclude: set[str] | frozenset[str] = frozenset(), blocks_needed: int = 0) -> str | None:
-        """The decode for the next request (needing ``blocks_needed`` blocks on decode), or None."""
+    def pick(self, exclude: set[str] | frozenset[str] = frozenset(), blocks_needed: int = 0,
+             overlap: dict[str, int] | None = None, prompt_blocks: int = 0) -> str | None:
+        """The decode for the next request (needing ``blocks_needed`` blocks on decode), or None.
+
+        ``overlap``: address -> leading prompt blocks it holds (of ``prompt_blocks``), for the
+        prefix preference (module docstring)."""
         candidates = self.eligible(exclude, blocks_needed)
         if not candidates:
             return None
+        if self.policy == "wrr" and overlap and prompt_blocks > 0:
+            held = {a: min(overlap.get(a, 0), prompt_blocks) for a in candidates}
+            if len(set(held.values())) > 1:
+                most_free = max(self._entries[a].load.free_bytes for a in candidates) or 1
+
+                def score(address: str) -> float:
+                    free = self._entries[address].load.free_bytes / most_free
+                    return self.prefix_weight * held[address] / prompt_blocks + free
+
+                return max(candidates, key=score)  # first of the best: candidates are sorted
         if self.policy == "rr":
             address = candidates[self._rr_next % len(candidates)]
             self._rr_next += 1

@@ -6,7 +6,9 @@ routes to decodes whose reported version equals its own, and a decode refuses a
 changes meaning (adding an optional field that old peers may ignore does not need a bump).
 """
 
-PROTOCOL_VERSION = 1
+# 2: Allocation.cached_blocks (decode-side prefix reuse: block_ids cover only the prompt blocks
+#    after the cached ones), Start.reuse_prefix, ComputePrompt (the decode computes the prompt).
+PROTOCOL_VERSION = 2
 
 # The KV-event stream (kv_events.proto): a router uses the index of a server only when the
 # server's SNAPSHOT carries this version. Bump it when an event's meaning changes.

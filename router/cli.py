@@ -2,10 +2,10 @@
 prefill that already holds most of its prompt's KV, weighed against load.
 
 See ``pdserve.router`` (router/__init__.py) for the request lifecycle. Prefills come from
-``--prefill host:grpc_port,...`` (static) or ``--discovery kubernetes --prefill-selector
-label=value --namespace ns`` (the EndpointSlices of the prefill Services, port "grpc");
-``--model`` must name the prefills' model (its tokenizer hashes the prompts). /ready is 503
-while no prefill is routable. SIGTERM/SIGINT: /ready turns 503, in-flight relays get
+``--prefill host:grpc_port,...`` (static), ``--discovery file --prefill-file path`` (re-read
+when it changes) or ``--discovery kubernetes --prefill-selector label=value --namespace ns``
+(the EndpointSlices of the prefill Services, port "grpc"); ``--model`` must name the
+prefills' model (its tokenizer hashes the prompts). /ready is 503 while no prefill is routable. SIGTERM/SIGINT: /ready turns 503, in-flight relays get
 --drain-timeout seconds to finish, then the router stops.
 """
 
@@ -31,8 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight relays finish on shutdown")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     d = parser.add_argument_group("prefill discovery and routing")
-    d.add_argument("--discovery", choices=["static", "kubernetes"], default="static", help="how prefills are found")
+    d.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static", help="how prefills are found")
     d.add_argument("--prefill", default="", help="static prefill gRPC addresses: host:port,host:port")
+    d.add_argument("--prefill-file", default="", help="file: prefill gRPC addresses, one host:port a line, re-read when "
+                                                      "it changes (pdserve up --autoscale writes it)")
     d.add_argument("--prefill-selector", default="",
                    help="kubernetes: label=value[,label=value...] selecting the prefill Services")
     d.add_argument("--namespace", default="", help="kubernetes: namespace of the prefill Services")
@@ -49,11 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def make_discovery(args):
-    from pdserve.discovery import KubernetesDiscovery, StaticDiscovery
+    from pdserve.discovery import FileDiscovery, KubernetesDiscovery, StaticDiscovery
 
     if args.discovery == "kubernetes":
         return KubernetesDiscovery(args.namespace, args.prefill_selector, kubeconfig=args.kubeconfig,
                                    flag="--prefill-selector")
+    if args.discovery == "file":
+        if not args.prefill_file:
+            raise ValueError("--discovery file needs --prefill-file")
+        return FileDiscovery(args.prefill_file)
     return StaticDiscovery([a for a in args.prefill.split(",") if a.strip()])
 
 

@@ -11,8 +11,9 @@
 | POST /debug/route?kind=K     | the decision for a completion (K=completion) or chat body, not  |
 |                              | sent anywhere: prefill, reason, cached blocks, ranking          |
 
-The request body goes to the prefill untouched and its status, content type and body come
-back unchanged (SSE chunks as they arrive), so a 400 is the prefill's own. A prefill that
+The request body goes to the prefill untouched (with the header ``X-SLO-Class``) and its
+status, content type, ``Retry-After`` and body come back unchanged (SSE chunks as they
+arrive), so a 400 or a 429 is the prefill's own. A prefill that
 cannot be connected to before its response starts is skipped for the next one in the
 ranking (at most ``max_attempts``); no routable prefill: 503 with an OpenAI error body. A
 client that disconnects cancels the handler, which closes the upstream connection, so the
@@ -31,7 +32,8 @@ from aiohttp import web
 from .prompt import prompt_token_ids
 
 log = logging.getLogger(__name__)
-RELAYED_HEADERS = ("Content-Type", "Cache-Control")
+RELAYED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
+FORWARDED_HEADERS = ("X-SLO-Class",)  # request headers the prefill reads (its SLO class)
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
@@ -122,8 +124,9 @@ class RouterApi:
                 why = choice.reason if attempt == 0 else "retry"
                 watch.in_flight += 1
                 try:
+                    forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
                     upstream = await self.session.post(watch.http_url + request.path, data=body,
-                                                       headers={"Content-Type": "application/json"})
+                                                       headers={"Content-Type": "application/json", **forwarded})
                 except aiohttp.ClientConnectionError as exc:
                     log.warning("prefill %s unreachable (%s); trying the next one", address, exc)
                     watch.in_flight -= 1

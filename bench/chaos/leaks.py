@@ -3,7 +3,8 @@
 Read from each surviving server after the run:
 
 - ``/metrics`` (names from pdserve/metrics.py): ``pdserve_kv_blocks_used``,
-  ``pdserve_requests_running`` and ``pdserve_requests_waiting`` (queued requests).
+  ``pdserve_requests_running``, ``pdserve_requests_waiting`` (the engine's queue) and
+  ``pdserve_requests_queued`` (prefill's admission queue).
 - ``/health``: ``sessions`` (live P/D Session streams), the CacheStore's counters of
   things held (pinned entries and blocks, in-flight transfers, waiters; the same keys as
   tests/harness/pd_cluster.py ``HELD_KEYS``), and the prefill's ``in_flight`` requests.
@@ -15,7 +16,8 @@ per server; ``leaks`` keeps the non-zero entries of every server.
 
 from __future__ import annotations
 
-HELD_GAUGES = ("pdserve_kv_blocks_used", "pdserve_requests_running", "pdserve_requests_waiting")
+HELD_GAUGES = ("pdserve_kv_blocks_used", "pdserve_requests_running", "pdserve_requests_waiting",
+               "pdserve_requests_queued")
 HELD_CACHESTORE_KEYS = ("pinned", "inflight", "queued", "sending", "receiving", "waiters")
 
 

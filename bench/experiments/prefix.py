@@ -5,7 +5,7 @@ prefix-aware routing + decode-side prefix reuse + cost-based disaggregation.
 shared system prompt, every turn appending to its conversation's history) is sent to each arm
 on a fresh cluster (cold caches), arms alternating when repeated (A B C A B C). Per arm:
 TTFT P50/P99 (every turn, and turns after the first), prompt tokens the prefills computed
-(prompt tokens minus prefix-cache hits, from their /metrics), KV bytes moved prefill -> decode,
+(``pdserve_prompt_tokens_computed_total``), KV bytes moved prefill -> decode,
 prefix-cache hits on the decodes, failed requests.
 
 Then the router's own cost on loopback: single short requests, one at a time, alternating
@@ -35,11 +35,12 @@ from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model
 
 # arm -> extra flags of (router, prefills, decodes)
 ARMS: dict[str, tuple[list[str], list[str], list[str]]] = {
-    "round-robin": (["--policy", "round-robin"], [], []),
-    "prefix": (["--policy", "prefix"], [], []),
-    "prefix+reuse+cost": (["--policy", "prefix"], [], []),
+    "round-robin": (["--policy", "round-robin"], ["--no-decode-reuse"], []),
+    "prefix": (["--policy", "prefix"], ["--no-decode-reuse"], []),
+    "prefix+reuse+cost": (["--policy", "prefix"], ["--decode-reuse", "--disaggregation", "auto"], []),
 }
-COUNTERS = ("pdserve_prompt_tokens_total", "pdserve_prefix_cache_hit_tokens_total", "pdserve_kv_transfer_bytes_total")
+COUNTERS = ("pdserve_prompt_tokens_total", "pdserve_prefix_cache_hit_tokens_total", "pdserve_kv_transfer_bytes_total",
+            "pdserve_prompt_tokens_computed_total")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +99,7 @@ def run_arm(args, arm: str, model: str, trace, round_no: int, overhead: bool) ->
     later = [t.result.ttft for t in turns if t.result.ok and t.turn > 0]
     ttft = [r.ttft for r in ok]
     delta = {k: after[k] - before[k] for k in after}
-    computed = delta["prefill:pdserve_prompt_tokens_total"] - delta["prefill:pdserve_prefix_cache_hit_tokens_total"]
+    computed = delta["prefill:pdserve_prompt_tokens_computed_total"]  # on the prefills (decodes may compute some)
     return {
         "arm": arm, "round": round_no, "wall_s": round(wall, 2), "requests": len(turns),
         "failed": trace.requests - len(ok), "errors": [t.result.error for t in turns if not t.result.ok][:5],

@@ -68,6 +68,13 @@ def test_every_metric_is_exported_with_the_common_labels():
     m.decode_retries.labels(reason="no_kv_blocks").inc()
     m.local_fallbacks.labels(reason="no_decode").inc()
     m.kv_allocation_refusals.labels(reason="no_kv_blocks").inc()
+    m.kv_prompt_blocks.labels(source="reused").inc()
+    m.disaggregation_decisions.labels(decision="remote", reason="remote_cheaper").inc()
+    m.slo_requests.labels(slo_class="default", outcome="ok").inc()
+    m.slo_attainment.labels(slo_class="default", target="ttft", result="met").inc()
+    m.slo_queue_time.labels(slo_class="default").observe(0.1)
+    m.slo_estimate_error.labels(slo_class="default", part="e2e").observe(0.1)
+    m.slo_queued.labels(slo_class="default").set(0)
     samples = scrape(m)
     seen = {name for name, _ in samples}
     assert exported_series_names() <= seen

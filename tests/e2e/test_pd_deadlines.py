@@ -208,3 +208,20 @@ def test_request_timeout_header_flag_and_grpc_deadline(procs):
         assert "X-Request-Timeout" in body["error"]["message"]
     readings = wait_all_released([prefill, decode], timeout=SLACK)
     assert nothing_held(readings), readings
+
+
+def test_a_request_may_outlast_the_queue_timeout(procs):
+    """--queue-timeout bounds only the wait for KV blocks; it once also became the Session's gRPC
+    deadline, so every request running longer than it (10 s by default) died mid-stream."""
+    decode = start_decode(procs, num_blocks=256)
+    prefill = start_prefill(procs, [decode.grpc_address], extra=["--queue-timeout", "1", "--no-resume"])
+    wait_ready(decode), wait_ready(prefill)
+    started = time.monotonic()
+    conn, resp = _sse(prefill, {"model": "tiny", "prompt": "long", "max_tokens": 1500, "ignore_eos": True,
+                                "temperature": 0})
+    events = list(_events(resp))
+    conn.close()
+    assert time.monotonic() - started > 1.5, "the stream was too short to prove anything"
+    assert not any(e.startswith('{"error"') for e in events), events[-3:]
+    assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert nothing_held(wait_all_released([prefill, decode]))

@@ -123,6 +123,38 @@ def test_openai_client_streams_chat(cluster):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+def test_openai_client_gets_one_event_per_token(cluster):
+    """Every generated token is one SSE event, in order, also when its text is "" (a byte
+    inside a UTF-8 character, EOS under ignore_eos): events before the finish == usage's
+    completion_tokens, and their text joined is the non-streamed text."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster["prefill"].url + "/v1", api_key="unused")
+    # temperature 2 + seed: the tiny model emits bytes >= 0x80 and EOS, which release no text
+    kw = dict(model="tiny", max_tokens=24, temperature=2.0, seed=1, extra_body={"ignore_eos": True})
+    for kind in ("completion", "chat"):
+        if kind == "completion":
+            create, args = client.completions.create, dict(prompt="Say hi")
+        else:
+            create, args = client.chat.completions.create, dict(messages=[{"role": "user", "content": "Say hi"}])
+        chunks = list(create(**args, **kw, stream=True, stream_options={"include_usage": True}))
+        *events, finish, usage = chunks
+        assert usage.choices == [] and usage.usage.completion_tokens == 24
+        assert finish.choices[0].finish_reason == "length"
+        assert all(c.choices[0].finish_reason is None for c in events)
+        assert len(events) == usage.usage.completion_tokens, f"{kind}: {len(events)} token events"
+        if kind == "completion":
+            texts = [c.choices[0].text for c in [*events, finish]]
+            full = create(**args, **kw).choices[0].text
+        else:
+            assert events[0].choices[0].delta.role == "assistant"
+            assert all(c.choices[0].delta.content is not None for c in events)
+            texts = [c.choices[0].delta.content or "" for c in [*events, finish]]
+            full = create(**args, **kw).choices[0].message.content
+        assert texts[:-1].count("") >= 3, f"{kind}: the prompt should produce tokens without text: {texts}"
+        assert "".join(texts) == full
+
+
 BAD = [
     (b"{not json", "invalid_json", None),
     (json.dumps({"prompt": "x"}).encode(), None, "model"),

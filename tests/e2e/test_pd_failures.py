@@ -35,7 +35,7 @@ def _generate_grpc(prefill, **fields):
         return list(gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(**fields), timeout=60))
 
 
-def test_refused_then_next_decode_then_503(procs):
+def test_refused_then_next_decode_then_413(procs):
     small = start_decode(procs, num_blocks=2, name="small")
     big = start_decode(procs, num_blocks=64, name="big")
     for d in (small, big):
@@ -52,12 +52,13 @@ def test_refused_then_next_decode_then_503(procs):
     deadline = time.monotonic() + 10  # until big's last load report expires
     while big.grpc_address in get_json(prefill.url + "/health")[1]["routable_decodes"] and time.monotonic() < deadline:
         time.sleep(0.1)
+    # the only decode left can never hold it (3 blocks, 2 in all): 413 at once, not a wait
     status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8})
-    assert status == 503, body
-    assert "refused" in body["error"]["message"] and "blocks" in body["error"]["message"], body
+    assert status == 413 and body["error"]["code"] == "request_too_large", body
+    assert "holds only 2 KV blocks in all" in body["error"]["message"], body
     with pytest.raises(grpc.RpcError) as info:
         _generate_grpc(prefill, prompt_token_ids=LONG_PROMPT, max_tokens=8)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "refused" in info.value.details()
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "2 KV blocks in all" in info.value.details()
     readings = wait_all_released([prefill, small])
     assert nothing_held(readings), readings
 

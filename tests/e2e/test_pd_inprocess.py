@@ -1,7 +1,7 @@
 """Both ends of the Session stream in one process (fast, no subprocesses): a real gRPC
 decode service with a real engine and CacheStore receiver, and a PrefillNode with its own
 engine and CacheStore sender. Checks the state machines: tokens equal the colocated
-engine's, a refusal without fallback is NoDecodeAvailable naming the reason, closing the
+engine's, a request larger than the decode's pool is RequestTooLarge naming the sizes, closing the
 client's stream cancels on decode, and everything is freed on both ends afterwards."""
 
 import asyncio
@@ -15,7 +15,7 @@ from pdserve.decode_server.service import DecodeService
 from pdserve.discovery import StaticDiscovery
 from pdserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, OutOfBlocksError, SamplingParams, load_model
 from pdserve.prefill_server.load_poller import LoadReportPoller
-from pdserve.prefill_server.node import NoDecodeAvailable, PrefillNode
+from pdserve.prefill_server.node import PrefillNode, RequestTooLarge
 from pdserve.prefill_server.picker import DecodePicker
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
@@ -117,7 +117,7 @@ def test_session_state_machines_in_one_process():
 
             # decode has 8 blocks of 64 tokens: 600 prompt + 100 new tokens need 11 -> never fits, no fallback:
             # WRR does not even ask the decode (its load report says 8 in all) and does not queue
-            with pytest.raises(NoDecodeAvailable, match="holds only 8 KV blocks in all, 11 needed"):
+            with pytest.raises(RequestTooLarge, match="needs 11 KV blocks .* holds only 8 KV blocks in all"):
                 await _collect(pair.node, "big", [256] + [70] * 599, SamplingParams(max_tokens=100, temperature=0))
             assert not any((await pair.wait_released()).values()), pair.held()
 

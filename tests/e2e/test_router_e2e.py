@@ -12,14 +12,13 @@ In one sequence (the processes are slow to start on a shared CPU):
 """
 
 import json
-import time
 
 import pytest
 
-from harness.pd_cluster import (COMMON, Server, get_json, metric, nothing_held, post_json, start_decode, start_prefill,
-                                wait_all_released, wait_ready)
+from harness.pd_cluster import (COMMON, Server, get_json, metric, nothing_held, post_json, wait_all_released,
+                                wait_ready)
 from harness.procs import ProcessGroup
-from pdserve.net import free_port
+from harness.router_cluster import start_prefills, start_router, wait_until
 from pdserve.router.choice import rendezvous
 from pdserve.router.prompt import load_tokenizer, prompt_key, prompt_token_ids
 
@@ -28,13 +27,6 @@ pytestmark = pytest.mark.slow
 BS = 16
 EXTRA = ("--block-size", str(BS))
 SYSTEM = "You are a careful assistant. " * 12  # ~340 bytes: about 21 blocks of 16 tokens
-
-
-def start_router(group, prefills: list[Server]) -> Server:
-    port = free_port()
-    proc = group.pdserve("router", "--port", str(port), "--model", "tiny", "--prefill",
-                         ",".join(p.grpc_address for p in prefills), "--load-interval", "0.1", name="router")
-    return Server(proc, port, 0, 0, "router")
 
 
 def start_prefill_at(group, decodes, http_port, grpc_port, name) -> Server:
@@ -53,14 +45,6 @@ def raw_post(url: str, data: bytes):
             return resp.status, resp.headers.get("Content-Type"), resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.headers.get("Content-Type"), exc.read()
-
-
-def wait_until(cond, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def index_of(router: Server, prefill: Server) -> dict:
@@ -104,11 +88,7 @@ def chat(messages):
 def cluster(tmp_path_factory):
     group = ProcessGroup(log_dir=tmp_path_factory.mktemp("router") / "logs")
     try:
-        decode = start_decode(group, num_blocks=128, extra=EXTRA, name="decode")
-        wait_ready(decode)
-        prefills = [start_prefill(group, [decode.grpc_address], extra=EXTRA, name=f"prefill{i}") for i in range(2)]
-        for p in prefills:
-            wait_ready(p)
+        decode, prefills = start_prefills(group, 2, EXTRA)
         router = start_router(group, prefills)
         wait_ready(router)
         wait_until(lambda: all(index_of(router, p)["index"] and index_of(router, p)["index"]["synced"]

@@ -10,15 +10,13 @@
   request; afterwards nothing is held (KV blocks, Sessions, CacheStore entries, relays).
 """
 
-import json
-import time
 
 import grpc
 import pytest
 
-from harness.pd_cluster import (COMMON, Server, get_json, metric, nothing_held, post_json, start_decode, start_prefill,
-                                wait_all_released, wait_ready)
+from harness.pd_cluster import Server, get_json, metric, nothing_held, post_json, wait_all_released, wait_ready
 from harness.procs import ProcessGroup
+from harness.router_cluster import start_prefills, start_router, wait_until
 from pdserve.net import free_ports
 from pdserve.protos import generate_pb2 as gpb
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
@@ -28,20 +26,6 @@ pytestmark = pytest.mark.slow
 BS = 16
 EXTRA = ("--block-size", str(BS))
 SYSTEMS = ["You are a careful assistant. " * 8, "Answer in French, briefly. " * 8, "Think step by step first. " * 8]
-
-
-def start_router(group, prefills: list[Server], http_port: int, grpc_port: int, name: str) -> Server:
-    proc = group.pdserve("router", "--port", str(http_port), "--grpc-port", str(grpc_port), "--model", "tiny",
-                         "--prefill", ",".join(p.grpc_address for p in prefills), "--load-interval", "0.1", name=name)
-    return Server(proc, http_port, grpc_port, 0, name)
-
-
-def wait_until(cond, what: str, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def synced(router: Server, prefills: list[Server]) -> bool:
@@ -69,11 +53,7 @@ def decision(router: Server, body: dict) -> dict:
 def cluster(tmp_path_factory):
     group = ProcessGroup(log_dir=tmp_path_factory.mktemp("routers") / "logs")
     try:
-        decode = start_decode(group, num_blocks=128, extra=EXTRA, name="decode")
-        wait_ready(decode)
-        prefills = [start_prefill(group, [decode.grpc_address], extra=EXTRA, name=f"prefill{i}") for i in range(2)]
-        for p in prefills:
-            wait_ready(p)
+        decode, prefills = start_prefills(group, 2, EXTRA)
         ports = free_ports(4)
         routers = [start_router(group, prefills, ports[2 * i], ports[2 * i + 1], f"router{i}") for i in range(2)]
         for r in routers:

@@ -1,3 +1,5 @@
 """Test harness: processes (procs), P/D clusters (pd_cluster), the real control plane (kube,
 kube_control_plane, kube_kubelet), the operator (operator_harness), a CacheStore peer process
-(cachestore_peer) and a threaded aiohttp app (threaded_app). No tests here."""
+(cachestore_peer), a threaded aiohttp app (threaded_app), multi-turn conversations for the
+decode-reuse tests (conversations) and a toy closed loop for the planner (planner_sim). No
+tests here."""

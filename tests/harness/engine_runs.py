@@ -3,7 +3,9 @@
 - ``run_all(engine, requests)`` runs requests to completion on the colocated path.
 - ``copy_prompt_kv(src, src_blocks, dst, dst_blocks, n_tokens)`` copies a prompt's KV between
   two engines' pools block by block, layer by layer: what the CacheStore does for P/D.
-- ``run_pd(prefill_engine, decode_engine, requests)`` runs requests the P/D way in one process.
+- ``run_pd(prefill_engine, decode_engine, requests, reuse=False)`` runs requests the P/D way in
+  one process; ``reuse``: the decode reserves with ``reserve_prefix`` and only the blocks after
+  its cached prefix are copied (``last_moved`` records how many per request).
 """
 
 from __future__ import annotations
@@ -28,16 +30,23 @@ def copy_layer_blocks(src: LLMEngine, src_blocks: list[int], dst: LLMEngine, dst
         dst.kv_cache.layer(layer)[d].copy_(src.kv_cache.layer(layer)[s])
 
 
+last_moved: dict[str, int] = {}  # request id -> prompt blocks copied by the last run_pd
+
+
 def run_pd(
-    prefill: LLMEngine, decode: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
+    prefill: LLMEngine, decode: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]], reuse: bool = False
 ) -> dict[str, list[int]]:
     """Each request: reserve on decode, prefill_only with a per-layer copy, release, add_prefilled."""
     out: dict[str, list[int]] = {}
     for rid, (ids, sp) in requests.items():
-        dst = decode.reserve(rid, len(ids), sp.max_tokens)
-        n = blocks_needed(len(ids), prefill.block_size)
+        if reuse:
+            dst, cached = decode.reserve_prefix(rid, ids, sp.max_tokens)
+        else:
+            dst, cached = decode.reserve(rid, len(ids), sp.max_tokens), 0
+        c, n = cached // decode.block_size, blocks_needed(len(ids), prefill.block_size)
+        last_moved[rid] = n - c
         first = prefill.prefill_only(
-            rid, ids, sp, on_layer=lambda layer, src: copy_layer_blocks(prefill, src[:n], decode, dst[:n], layer)
+            rid, ids, sp, on_layer=lambda layer, src: copy_layer_blocks(prefill, src[c:n], decode, dst[c:n], layer)
         )
         prefill.release(rid)
         decode.add_prefilled(rid, ids, first, sp)

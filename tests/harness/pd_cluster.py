@@ -89,13 +89,16 @@ def start_prefill(procs, decodes: list[str], transfer: str = "tcp", num_blocks: 
 
 
 def held(health: dict) -> dict:
-    """What a server still holds for requests: sessions, used KV blocks, CacheStore entries."""
+    """What a server still holds for requests: sessions, used KV blocks, CacheStore entries,
+    requests in flight and in the admission queue, and requests the SLO queue counts as admitted
+    (prefill)."""
     out = {"sessions": health["sessions"], "kv_blocks_used": health["kv_blocks_used"]}
     for key, value in (health.get("cachestore") or {}).items():
         if isinstance(value, (int, float)) and any(k in key for k in HELD_KEYS):
             out[f"cachestore.{key}"] = value
-    if "in_flight" in health:
-        out["in_flight"] = health["in_flight"]
+    for key in ("in_flight", "queued", "slo_running"):  # prefill: in flight, in its admission queue, admitted
+        if key in health:
+            out[key] = health[key]
     return out
 
 

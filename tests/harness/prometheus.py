@@ -20,14 +20,16 @@ from pdserve.net import free_port
 class PrometheusServer:
     """`prometheus` on 127.0.0.1:<free port> scraping static targets every `interval` seconds.
 
-    targets: list of (job, "host:port", extra_labels). Use as a context manager.
+    targets: list of (job, "host:port", extra_labels); port: where it listens (default: a free port,
+    chosen here; pass one when something must know the URL before it starts). Use as a context manager.
     """
 
-    def __init__(self, workdir: Path, targets: list[tuple[str, str, dict]], interval: float = 1.0):
+    def __init__(self, workdir: Path, targets: list[tuple[str, str, dict]], interval: float = 1.0,
+                 port: int | None = None):
         binary = shutil.which("prometheus")
         if binary is None:
             pytest.fail("the prometheus binary is missing: run `make prometheus-bin` (tools/install_prometheus.sh)")
-        self.binary, self.workdir, self.port = binary, Path(workdir), free_port()
+        self.binary, self.workdir, self.port = binary, Path(workdir), port or free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
         every = f"{int(interval * 1000)}ms"
         config = {"global": {"scrape_interval": every, "evaluation_interval": every},

@@ -73,7 +73,9 @@ def test_rbac_is_least_privilege():
     for role in roles:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-            assert not {"secrets", "pods", "nodes", "clusterroles", "clusterrolebindings"} & set(rule["resources"])
+            assert not {"secrets", "nodes", "clusterroles", "clusterrolebindings"} & set(rule["resources"])
+            if "pods" in rule["resources"]:  # autoscaling: the pod-deletion-cost annotation only
+                assert rule["resources"] == ["pods"] and set(rule["verbs"]) == {"get", "list", "patch"}
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
     main = next(r for r in roles if r["metadata"]["name"] == "rel-pdserve-operator")
     isvc = next(r for r in main["rules"] if r["resources"] == ["inferenceservices"])
@@ -166,3 +168,15 @@ def test_dockerfile_entrypoint_and_user_match_the_chart():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     assert values["podSecurityContext"]["runAsUser"] == workloads.RUN_AS_USER
     assert re.search(r"^ARG BASE=", text, re.M), "the CUDA vs CPU base is a build argument"
+
+
+def test_the_prometheus_url_reaches_the_operator_only_when_set():
+    def env(docs):
+        (deployment,) = by_kind(docs, "Deployment")
+        return {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    assert "PDSERVE_PROMETHEUS_URL" not in env(render())
+    url = "http://prometheus.monitoring:9090"
+    assert env(render(f"autoscaling.prometheusUrl={url}"))["PDSERVE_PROMETHEUS_URL"] == url
+    rules = [r for role in by_kind(render(), "ClusterRole") for r in role["rules"]]
+    assert any(r["resources"] == ["prefillpools/scale", "decodepools/scale"] and "patch" in r["verbs"] for r in rules)

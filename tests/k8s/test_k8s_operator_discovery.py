@@ -14,6 +14,9 @@ from harness.operator_harness import get_json, mark_pods_ready, names, wait_for
 from harness.procs import REPO
 from pdserve import defaults
 from pdserve.discovery import KubernetesDiscovery
+from pdserve.protos.version import PROTOCOL_VERSION
+
+OLD, NEW = str(PROTOCOL_VERSION), str(PROTOCOL_VERSION + 1)  # this release's protocol, and an upgrade
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
 
@@ -71,17 +74,17 @@ def test_after_a_protocol_upgrade_old_prefills_see_no_new_decodes(kube, operator
     mark_pods_ready(kube, ns, "pdserve.io/role=decode")
 
     with Watcher(ns, old_selector, str(token)) as old_view:
-        wait_for(kube, lambda: len(old_view.addresses()) == 3, "3 decodes of version 1")
-        kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"protocolVersion": "2"}}))
-        # The decode Services now carry (and select) version 2: a version-1 prefill sees none of them.
-        wait_for(kube, lambda: old_view.addresses() == [], "version-1 prefill losing every decode", op=operator)
-        new_selector = wait_for(kube, lambda: (lambda s: s if s.endswith("protocol-version=2") else None)(
-            prefill_selector(kube, ns)), "prefill Deployment on version 2", op=operator)
+        wait_for(kube, lambda: len(old_view.addresses()) == 3, f"3 decodes of version {OLD}")
+        kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"protocolVersion": NEW}}))
+        # The decode Services now carry (and select) the new version: an old-version prefill sees none of them.
+        wait_for(kube, lambda: old_view.addresses() == [], "old-version prefill losing every decode", op=operator)
+        new_selector = wait_for(kube, lambda: (lambda s: s if s.endswith(f"protocol-version={NEW}") else None)(
+            prefill_selector(kube, ns)), "prefill Deployment on the new version", op=operator)
         assert new_selector != old_selector
         with Watcher(ns, new_selector, str(token)) as new_view:
-            wait_for(kube, lambda: names(kube, "pods", ns, "pdserve.io/protocol-version=2,pdserve.io/role=decode"),
-                     "version-2 decode pods", op=operator)
-            new = mark_pods_ready(kube, ns, "pdserve.io/protocol-version=2,pdserve.io/role=decode")
+            wait_for(kube, lambda: names(kube, "pods", ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=decode"),
+                     "new-version decode pods", op=operator)
+            new = mark_pods_ready(kube, ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=decode")
             wait_for(kube, lambda: set(new_view.addresses()) >= {f"{ip}:{defaults.DECODE_GRPC_PORT}" for ip in new},
-                     "version-2 prefill seeing version-2 decodes")
+                     "new-version prefill seeing new-version decodes")
             assert old_view.addresses() == []

@@ -15,6 +15,7 @@ import yaml
 from harness.operator_harness import (CRD_NAMES, IMAGE, OPERATOR_SA, RELEASE_NAMESPACE, condition, get_json,
                                       mark_pods_ready, names, wait_for)
 from harness.procs import REPO
+from pdserve.protos.version import PROTOCOL_VERSION
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
 
@@ -113,9 +114,10 @@ def test_kubectl_scale_on_a_pool_reaches_its_deployment_and_sticks(kube, operato
 
 
 def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube, operator, ns):
+    old, new = str(PROTOCOL_VERSION), str(PROTOCOL_VERSION + 1)  # this release's protocol, and an upgrade
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
     wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 4, "Deployments", op=operator)
-    patch = {"spec": {"image": "registry.test/pdserve:2", "protocolVersion": "2"}}
+    patch = {"spec": {"image": "registry.test/pdserve:2", "protocolVersion": new}}
     kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps(patch))
 
     def rolled():
@@ -123,23 +125,23 @@ def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube,
                 for n in ("chat-prefill", "chat-decode-main", "chat-decode-big", "chat-router")]
         templates = [d["spec"]["template"] for d in deps]
         return all(t["spec"]["containers"][0]["image"] == "registry.test/pdserve:2"
-                   and t["metadata"]["labels"]["pdserve.io/protocol-version"] == "2" for t in templates)
-    wait_for(kube, rolled, "all pools on image 2 / protocol 2", op=operator)
+                   and t["metadata"]["labels"]["pdserve.io/protocol-version"] == new for t in templates)
+    wait_for(kube, rolled, f"all pools on image 2 / protocol {new}", op=operator)
     isvc = wait_for(kube, lambda: (lambda o: o if o.get("status", {}).get("observedGeneration") == o["metadata"]["generation"]
                                    else None)(get_json(kube, "inferenceservice", "chat", "-n", ns)),
                     "observedGeneration to reach the new generation", op=operator)
     assert isvc["metadata"]["generation"] >= 2
     args = get_json(kube, "deployment", "chat-prefill", "-n", ns)["spec"]["template"]["spec"]["containers"][0]["args"]
     selector = args[args.index("--decode-selector") + 1]
-    assert "pdserve.io/protocol-version=2" in selector
-    # The decode Services prefill selects now carry version 2, and select only version-2 pods.
+    assert f"pdserve.io/protocol-version={new}" in selector
+    # The decode Services prefill selects now carry the new version, and select only its pods.
     assert names(kube, "services", ns, selector) == ["chat-decode-big", "chat-decode-main"]
     service = get_json(kube, "service", "chat-decode-main", "-n", ns)
-    assert service["spec"]["selector"]["pdserve.io/protocol-version"] == "2"
-    assert names(kube, "services", ns, selector.replace("=2", "=1")) == []
-    # New ReplicaSets exist (the Deployments roll); pods of version 2 are being created.
-    wait_for(kube, lambda: names(kube, "pods", ns, "pdserve.io/protocol-version=2,pdserve.io/pool=main"),
-             "version-2 decode pods", op=operator)
+    assert service["spec"]["selector"]["pdserve.io/protocol-version"] == new
+    assert names(kube, "services", ns, selector.replace(f"={new}", f"={old}")) == []
+    # New ReplicaSets exist (the Deployments roll); pods of the new version are being created.
+    wait_for(kube, lambda: names(kube, "pods", ns, f"pdserve.io/protocol-version={new},pdserve.io/pool=main"),
+             "new-version decode pods", op=operator)
 
 
 def test_removing_a_decode_pool_deletes_it_and_its_children(kube, operator, ns):
@@ -181,6 +183,15 @@ INVALID = [
     ("relative model path", {"spec": {"model": {"source": "models/qwen"}}}, "spec.model.source"),
     ("model outside its volume", {"spec": {"model": {"source": "/data/q", "pvcName": "w"}}}, "spec.model.source"),
     ("zero TTFT target", {"spec": {"slo": {"ttftMs": 0}}}, "spec.slo.ttftMs"),
+    ("SLO class named default", {"spec": {"slo": {"classes": [{"name": "default"}]}}},
+     "spec.slo.classes must not declare 'default'"),
+    ("duplicate SLO classes", {"spec": {"slo": {"classes": [{"name": "a"}, {"name": "a"}]}}},
+     "spec.slo.classes names must be unique"),
+    ("duplicate SLO priorities", {"spec": {"slo": {"classes": [{"name": "a", "priority": 1}, {"name": "b", "priority": 1}]}}},
+     "spec.slo.classes priorities must be unique"),
+    ("undeclared default SLO class", {"spec": {"slo": {"defaultClass": "gold"}}}, "spec.slo.defaultClass must be"),
+    ("bad SLO class name", {"spec": {"slo": {"classes": [{"name": "Gold Tier"}]}}}, "spec.slo.classes[0].name"),
+    ("zero e2e target", {"spec": {"slo": {"classes": [{"name": "b", "e2eMs": 0}]}}}, "spec.slo.classes[0].e2eMs"),
     ("bad resource quantity", {"spec": {"decode": [{"name": "a", "resources": {"limits": {"cpu": "lots"}}}]}},
      "spec.decode[0].resources.limits.cpu"),
     ("bad toleration operator", {"spec": {"decode": [{"name": "a", "tolerations": [{"operator": "Maybe"}]}]}},
@@ -212,6 +223,35 @@ def test_invalid_inferenceservice_is_rejected_naming_the_field(kube, operator, w
     # The valid base passes the same path, so it is the one change that is rejected.
     ok = kube.kubectl("create", "--dry-run=server", "-n", "default", "-f", "-", input=json.dumps(valid), check=False)
     assert ok.returncode == 0, ok.stderr
+
+
+SLO_FORMS = [
+    ("old", {"ttftMs": 1500, "tbtMs": 80}),
+    ("new", {"ttftMs": 1500, "defaultClass": "interactive", "classes": [
+        {"name": "interactive", "ttftMs": 2000, "e2eMs": 20000, "earlyReject": True, "priority": 0},
+        {"name": "batch-1", "e2eMs": 60000, "priority": 1}, {"name": "batch-2", "e2eMs": 3600000}]}),
+]
+
+
+@pytest.mark.parametrize("form,slo", SLO_FORMS, ids=[f[0] for f in SLO_FORMS])
+def test_slo_old_and_new_forms_are_accepted_and_parse_as_the_servers_do(kube, operator, form, slo):
+    """The API server takes spec.slo in both forms, fills its defaults, and what it stores is
+    what the prefill's parser (pdserve.slo.classes) reads from PDSERVE_SLO_CLASSES."""
+    from pdserve.slo import classes
+
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["slo"] = slo
+    proc = kube.kubectl("create", "--dry-run=server", "-o", "json", "-n", "default", "-f", "-", input=json.dumps(doc))
+    stored = json.loads(proc.stdout)["spec"]["slo"]
+    parsed = classes.parse(stored)
+    default = parsed.by_name["default"]
+    assert (default.ttft_ms, default.tbt_ms, default.early_reject) == (1500, slo.get("tbtMs", 100), False)
+    if form == "old":
+        assert parsed.names() == ["default"] and stored["defaultClass"] == "default"
+    else:
+        assert parsed.names() == ["default", "interactive", "batch-1", "batch-2"]
+        assert parsed.select().name == "interactive" and parsed.select(priority=1).name == "batch-1"
+        assert stored["classes"][2]["earlyReject"] is False  # filled in by the schema's default
 
 
 def test_restart_mid_reconcile_converges_to_the_same_state(kube, operator, ns):

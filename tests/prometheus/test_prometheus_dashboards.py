@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
 DASHBOARDS = sorted((Path(__file__).resolve().parents[2] / "charts" / "pdserve" / "dashboards").glob("*.json"))
 NAMESPACE, SERVICE = "pdtest", "obs-test"
+# the second prefill's SLO classes: "strict" is missed by every request, "default" met by every one
+SLO_CLASSES = {"ttftMs": 60000, "e2eMs": 60000, "classes": [{"name": "strict", "ttftMs": 1, "priority": 1}]}
 VARIABLES = {"$namespace": NAMESPACE, "$inference_service": SERVICE, "$__rate_interval": "2m"}
 
 
@@ -46,6 +48,21 @@ def substitute(expr: str) -> str:
 def has_data(result: list) -> bool:
     """At least one series with a real number (NaN means a histogram with no observations)."""
     return any(not math.isnan(float(series["value"][1])) for series in result)
+
+
+async def slo_burst(url: str) -> list[int]:
+    """Six requests at once through a prefill whose only decode holds three: three wait in its
+    SLO queue (qlm orders them); half of them in the class 'strict'."""
+    import aiohttp
+
+    async def one(session, i):
+        body = {"model": SERVED_MODEL, "prompt": [7] * 100, "max_tokens": 16, "ignore_eos": True, "priority": i % 2}
+        async with session.post(url + "/v1/completions", json=body) as resp:
+            await resp.read()
+            return resp.status
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        return await asyncio.gather(*(one(session, i) for i in range(6)))
 
 
 def post_bad_request(url: str) -> int:
@@ -70,10 +87,14 @@ def loaded_cluster(tmp_path_factory):
             big = start_decode(launcher, "decode-big", "tiny", threads=1, num_blocks=128)
             prefill = start_prefill(launcher, "prefill", "tiny", [small, big], threads=1, local_fallback=True,
                                     extra=["--policy", "rr", "--max-attempts", "1"])
+            # a second front door without local fallback, so that requests queue (the SLO panels)
+            slo_prefill = start_prefill(launcher, "prefill-slo", "tiny", [small], threads=1, extra=[
+                "--max-attempts", "1", "--queue-policy", "qlm", "--slo-classes", json.dumps(SLO_CLASSES)])
             targets = [(name, server.url.removeprefix("http://"), {"namespace": NAMESPACE})
-                       for name, server in (("prefill", prefill), ("decode-small", small), ("decode-big", big))]
+                       for name, server in (("prefill", prefill), ("decode-small", small), ("decode-big", big),
+                                            ("prefill-slo", slo_prefill))]
             with PrometheusServer(tmp_path / "prom", targets, interval=1.0) as prom:
-                prom.wait_for_targets_up(3)
+                prom.wait_for_targets_up(4)
                 rng = random.Random(0)
                 # mostly short requests; every fifth a 500-token prompt the small decode (6 blocks) refuses
                 specs = [RequestSpec(n, 16, prompt_ids=make_prompt_ids(n, rng, 256))
@@ -83,6 +104,7 @@ def loaded_cluster(tmp_path_factory):
                 failed = [r.error for r in results if not r.ok]
                 assert not failed, failed[:3]
                 assert [post_bad_request(prefill.url) for _ in range(3)] == [400] * 3
+                assert asyncio.run(slo_burst(slo_prefill.url)) == [200] * 6
                 time.sleep(4)  # a few more scrapes after the load
                 yield prefill, prom
     finally:
@@ -118,6 +140,19 @@ def test_template_variables_find_the_cluster(loaded_cluster):
             assert {"namespace": NAMESPACE, "inference_service": SERVICE}[var["name"]] in values
 
 
+def test_the_slo_burst_queued_and_was_judged_by_class(loaded_cluster):
+    _, prom = loaded_cluster
+    sel = f'namespace="{NAMESPACE}", job="prefill-slo"'
+
+    def value(expr):
+        return sum(float(s["value"][1]) for s in prom.query(expr))
+
+    assert value(f'sum(pdserve_slo_attainment_total{{{sel}, slo_class="strict", target="ttft", result="missed"}})') == 3
+    assert value(f'sum(pdserve_slo_attainment_total{{{sel}, slo_class="default", target="all", result="met"}})') == 3
+    assert value(f'sum(pdserve_slo_policy_seconds_count{{{sel}}})') >= 1  # requests waited: qlm decided
+    assert value(f'sum(pdserve_slo_queued{{{sel}}})') == 0
+
+
 def test_dashboard_metrics_are_exported_by_the_servers(loaded_cluster):
     _, prom = loaded_cluster
     exported = set(prom.api("label/__name__/values"))
@@ -131,7 +166,7 @@ def test_dashboard_metrics_are_exported_by_the_servers(loaded_cluster):
 
 def test_load_shows_up_in_the_headline_panels(loaded_cluster):
     _, prom = loaded_cluster
-    sel = f'namespace="{NAMESPACE}", inference_service="{SERVICE}"'
+    sel = f'namespace="{NAMESPACE}", inference_service="{SERVICE}", job!="prefill-slo"'
 
     def value(expr):
         r = prom.query(expr)

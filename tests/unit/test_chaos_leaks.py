@@ -10,7 +10,8 @@ def test_held_gauges_are_read_from_a_real_metrics_page():
     m.requests_waiting.set(2)
     m.kv_blocks_free.set(100)  # not something held
     held = held_from_metrics(m.render()[0].decode())
-    assert held == {"pdserve_kv_blocks_used": 7.0, "pdserve_requests_running": 0.0, "pdserve_requests_waiting": 2.0}
+    assert held == {"pdserve_kv_blocks_used": 7.0, "pdserve_requests_running": 0.0, "pdserve_requests_waiting": 2.0,
+                    "pdserve_requests_queued": 0.0}
 
 
 def test_health_gives_sessions_cachestore_entries_and_in_flight():

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 PARTS = {
     "engine": "engine", "cachestore": "cachestore", "protos": "protos", "prefill_server": "prefill_server",
     "decode_server": "decode_server", "operator": "operator", "pdserve": "runtime", "bench": "bench",
-    "localcluster": "localcluster", "router": "router",
+    "localcluster": "localcluster", "router": "router", "planner": "planner",
 }
 SERVERS_MAY_USE = {"engine", "cachestore", "protos", "runtime"}
 
@@ -34,16 +34,20 @@ ALLOWED: dict[str, set[str]] = {
     # from the engine, cachestore and protos; it never imports a server or a tool (the CLI
     # reaches commands by module name, lazily).
     "runtime": {"engine", "cachestore", "protos"},
-    # The operator manages pods; it does not run models or serve metrics.
-    "operator": {"protos", "runtime"},
-    "localcluster": {"runtime", "cachestore"},  # cachestore: only its TRANSPORTS list
-    "bench": {"engine", "cachestore", "protos", "runtime"},
+    # The operator manages pods; it does not run models or serve metrics. It runs the planner.
+    "operator": {"protos", "runtime", "planner"},
+    "localcluster": {"runtime", "cachestore", "planner"},  # cachestore: only its TRANSPORTS list
+    "bench": {"engine", "cachestore", "protos", "runtime", "planner"},
     # The router hashes prompts with the engine's tokenizer and chained block hashes; it never
     # loads a model (ONLY_MODULES) and reaches the servers only over the network.
     "router": {"protos", "runtime", "engine"},
+    # The planner is pure decisions: of ours only the runtime's facts (defaults). The metric names it
+    # reads are checked against pdserve.metrics by its tests (importing that would load
+    # prometheus_client into the operator).
+    "planner": {"runtime"},
 }
 # (part, part it imports) -> the only modules of that part it may import.
-ONLY_MODULES = {("router", "engine"): {"tokenizer", "block_manager", "defaults"}}
+ONLY_MODULES = {("router", "engine"): {"tokenizer", "block_manager", "defaults"}, ("planner", "runtime"): {"defaults"}}
 # part -> runtime modules it must not import even though it may import the runtime.
 FORBIDDEN_RUNTIME_MODULES = {"operator": {"metrics", "server_setup", "discovery"}}
 FORBIDDEN_LIBRARIES = {
@@ -51,6 +55,7 @@ FORBIDDEN_LIBRARIES = {
     "engine": {"grpc", "aiohttp", "prometheus_client", "kopf", "kubernetes"},
     "cachestore": {"aiohttp", "prometheus_client", "kopf", "kubernetes"},
     "router": {"torch"},
+    "planner": {"prometheus_client", "torch", "grpc", "aiohttp", "kopf", "kubernetes"},
 }
 
 
@@ -133,6 +138,8 @@ def test_every_import_follows_the_design_arrows():
     ("import prometheus_client\n", "pdserve.operator", "must not use prometheus_client"),
     ("from pdserve.engine.model import DecoderModel\n", "pdserve.router", "of the engine"),
     ("from pdserve.prefill_server import openai_api\n", "pdserve.router", "router may import only"),
+    ("from pdserve.metrics import METRICS\n", "pdserve.planner", "of the runtime"),
+    ("import aiohttp\n", "pdserve.planner", "must not use aiohttp"),
 ])
 def test_the_checker_catches_a_breach(tmp_path, monkeypatch, source, package, expected):
     folder = package.split(".")[1]

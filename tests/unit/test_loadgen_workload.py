@@ -117,3 +117,42 @@ def test_percentile_matches_linear_interpolation():
     assert percentile([5.0], 99) == 5.0
     assert percentile([1, 2, 3, 4], 50) == pytest.approx(2.5)
     assert percentile(list(range(101)), 90) == pytest.approx(90)
+
+
+def test_random_requests_have_exact_lengths_from_the_tokenizer_without_special_tokens(tmp_path):
+    from pdserve.bench.experiments.peer_model import write_tokenizer
+    from pdserve.bench.loadgen_workload import random_requests, tokenizer_prompt_ids
+
+    write_tokenizer(tmp_path, 40, 128)  # ids 0..37 words, 38 <unk> and 39 EOS special
+    pool = tokenizer_prompt_ids(tmp_path)
+    assert pool == list(range(38)) and tokenizer_prompt_ids(tmp_path / "tokenizer.json") == pool
+    specs = random_requests(5, 300, 7, random.Random(0), pool)
+    assert [(s.prompt_tokens, s.output_tokens, len(s.prompt_ids)) for s in specs] == [(300, 7, 300)] * 5
+    seen = {t for s in specs for t in s.prompt_ids}
+    assert seen == set(range(38))  # 1500 draws over 38 ids reach every one, and never a special token
+    assert specs[0].prompt_ids != specs[1].prompt_ids
+    assert random_requests(2, 10, 1, random.Random(4), pool) == random_requests(2, 10, 1, random.Random(4), pool)
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        tokenizer_prompt_ids(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="no token ids"):
+        random_requests(1, 3, 1, random.Random(0), [])
+
+
+def test_tpot_per_request_and_in_the_summary():
+    a = _result(0, ttft=0.1, gaps=(0.02, 0.04))        # 3 tokens: (0.16 - 0.1) / 2
+    b = _result(1, ttft=0.2, gaps=())                   # 1 token: no TPOT
+    c = _result(2, ttft=0.1, gaps=(0.01,) * 5)          # 6 tokens, but the server counted 11 (clumped events)
+    c.usage_completion_tokens = 11
+    assert a.tpot == pytest.approx(0.03) and b.tpot is None and c.tpot == pytest.approx(0.005)
+    s = summarize([a, b, c, _result(3, ok=False)], duration=1.0)
+    assert s["tpot_s"]["count"] == 2 and s["tpot_s"]["mean"] == pytest.approx(0.0175)
+    text = format_summary(s)
+    assert "TPOT" in text and "ITL" in text
+
+
+def test_payload_asks_for_exact_lengths():
+    from pdserve.bench.loadgen import LoadConfig
+
+    body = LoadConfig(url="http://x").payload(RequestSpec(3, 9, prompt_ids=(1, 2, 3)))
+    assert body["ignore_eos"] is True and body["min_tokens"] == 9 and body["max_tokens"] == 9
+    assert "min_tokens" not in LoadConfig(url="http://x", ignore_eos=False).payload(RequestSpec(3, 9, prompt="a"))

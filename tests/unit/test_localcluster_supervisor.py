@@ -156,3 +156,40 @@ def test_policy_never_raises_on_the_first_exit(tmp_path):
 def test_unknown_policy_is_refused(tmp_path):
     with pytest.raises(ValueError, match="restart policy"):
         World(policy="sometimes", tmp_path=tmp_path)
+
+
+def test_a_drained_server_is_never_restarted_and_leaves_when_it_exits(tmp_path):
+    w = World(names=("decode-0", "decode-1"), tmp_path=tmp_path)
+    terminated, changes = [], []
+    w.sup._terminate, w.sup._on_change = terminated.append, lambda: changes.append([s.name for s in w.sup.servers])
+    w.sup.start_all(0.0)
+    w.ready_urls = {"http://decode-0/ready", "http://decode-1/ready"}
+    w.sup.step(1.0)
+    victim = w.server("decode-1")
+    w.sup.drain(victim)
+    assert terminated == [victim.popen] and victim.state == "draining" and "draining" in w.lines[-1]
+    w.sup.step(2.0)
+    assert victim in w.sup.servers                         # still finishing its requests
+    victim.popen.returncode = 0
+    w.sup.step(3.0)
+    assert victim.state == "gone" and victim not in w.sup.servers and "drained and stopped (exit code 0)" in w.lines[-1]
+    assert changes[-1] == ["decode-0"]
+    w.sup.step(60.0)
+    assert w.spawned == ["decode-0", "decode-1"]           # never restarted
+    assert w.sup.all_ready()
+
+
+def test_added_servers_are_started_and_a_dead_one_drained_goes_at_once(tmp_path):
+    w = World(names=("decode-0",), tmp_path=tmp_path)
+    w.sup.start_all(0.0)
+    extra = ServerProcess("decode-1", ["decode-1"], "http://decode-1/ready", tmp_path / "decode-1.log", role="decode")
+    w.sup.add(extra, 1.0)
+    assert w.spawned == ["decode-0", "decode-1"] and extra.state == "starting" and not extra.was_ready
+    w.ready_urls.add("http://decode-1/ready")
+    w.sup.step(2.0)
+    assert extra.state == "ready" and extra.was_ready
+    extra.popen.returncode = -signal.SIGKILL
+    w.sup.step(3.0)                                        # crashed: waiting for its restart
+    assert extra.state == "waiting"
+    w.sup.drain(extra)
+    assert extra.state == "gone" and extra not in w.sup.servers and "was not running" in w.lines[-1]

@@ -39,6 +39,28 @@ def test_prefill_pool_carries_everything_its_children_need():
     assert labels[naming.LABEL_PROTOCOL] == "7"
 
 
+def test_prefill_pods_get_the_slo_classes_the_servers_parse():
+    from pdserve.slo import classes
+
+    isvc = example()
+    isvc["spec"]["slo"] = {"ttftMs": 800, "defaultClass": "interactive", "classes": [
+        {"name": "interactive", "ttftMs": 2000, "e2eMs": 20000, "earlyReject": True, "priority": 0},
+        {"name": "batch", "e2eMs": 3600000}]}
+    pool = pools.build_prefill_pool(isvc, CONFIG)
+    env = {e["name"]: e.get("value") for e in
+           workloads.build_deployment(pool)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    parsed = classes.load(None, env)
+    assert parsed.names() == ["default", "interactive", "batch"] and parsed.select().name == "interactive"
+    assert (parsed.by_name["default"].ttft_ms, parsed.by_name["default"].tbt_ms) == (800, 100)  # tbtMs: the default
+    assert parsed.select(priority=0).early_reject and parsed.by_name["batch"].e2e_ms == 3600000
+    # the old form: the class 'default' alone; decode pods get no SLO
+    old = classes.load(None, {e["name"]: e.get("value") for e in workloads.build_deployment(
+        pools.build_prefill_pool(example(), CONFIG))["spec"]["template"]["spec"]["containers"][0]["env"]})
+    assert old.names() == ["default"] and (old.select().ttft_ms, old.select().tbt_ms) == (1000, 100)
+    decode = workloads.build_deployment(pools.build_decode_pools(example(), CONFIG)[0])
+    assert defaults.ENV_SLO_CLASSES not in {e["name"] for e in decode["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
 def test_children_record_the_owner_generation_they_were_built_from():
     isvc = example()
     isvc["metadata"]["generation"] = 7
@@ -101,7 +123,7 @@ def test_prefill_command_line_matches_the_server_cli():
         "--host": "0.0.0.0", "--port": str(defaults.HTTP_PORT), "--grpc-port": str(defaults.PREFILL_GRPC_PORT),
         "--model": "builtin:tiny", "--discovery": "kubernetes", "--namespace": "ns1",
         "--decode-selector": "pdserve.io/inference-service=chat,pdserve.io/role=decode,pdserve.io/protocol-version=7",
-        "--policy": "wrr", "--transfer": "tcp", "--block-size": "64",
+        "--policy": "wrr", "--transfer": "tcp", "--block-size": "64", "--drain-timeout": str(workloads.DRAIN_TIMEOUT_S),
     }
 
 
@@ -114,6 +136,7 @@ def test_decode_command_line_matches_the_server_cli():
         "--host": "0.0.0.0", "--advertise-host": "$(POD_IP)", "--port": str(defaults.DECODE_GRPC_PORT),
         "--http-port": str(defaults.DECODE_HTTP_PORT), "--kv-port": str(defaults.KV_TRANSFER_PORT),
         "--model": "builtin:tiny", "--transfer": "tcp", "--block-size": "64",
+        "--drain-timeout": str(workloads.DRAIN_TIMEOUT_S),
     }
     # $(POD_IP) is expanded by the kubelet from the container's environment.
     assert any(e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP" for e in container["env"])
@@ -269,3 +292,15 @@ def test_pods_carry_the_metric_labels_of_their_service_and_pool():
     with mock.patch.dict(os.environ, {ENV_INFERENCE_SERVICE: "chat", ENV_POOL: "main"}):
         m = ServerMetrics.from_env(role="decode")
     assert (m.inference_service, m.pool) == ("chat", "main")
+
+
+def test_a_pod_that_goes_drains_for_as_long_as_a_request_may_run():
+    """Scale-down and rolling updates kill no request: preStop lets the endpoint removal spread, then
+    SIGTERM gives the requests --drain-timeout (the longest a request may run), within the grace period."""
+    for pool in [pools.build_prefill_pool(example(), CONFIG), *pools.build_decode_pools(example(), CONFIG)]:
+        pod = workloads.build_deployment(pool)["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(workloads.PRESTOP_SLEEP_S)]
+        drain = int(_opts(container["args"])["--drain-timeout"])
+        assert drain >= defaults.REQUEST_TIMEOUT_S
+        assert pod["terminationGracePeriodSeconds"] > workloads.PRESTOP_SLEEP_S + drain

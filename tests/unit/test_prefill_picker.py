@@ -143,3 +143,53 @@ def test_request_larger_than_every_pool_is_not_worth_waiting_for():
     p.update("b", DecodeLoad(free_blocks=2, free_bytes=2, total_blocks=10))
     assert not p.all_full(11)  # nobody ever can
     assert "holds only 8 KV blocks in all, 11 needed" in p.why_none(11)
+
+
+@pytest.mark.parametrize("policy", ["wrr", "rr"])
+def test_never_fits_names_the_largest_pool(policy):
+    p = DecodePicker(policy=policy, clock=lambda: 0.0)
+    assert p.never_fits(11) is None  # nobody reported yet: not known to be too large
+    p.update("a", DecodeLoad(free_blocks=8, free_bytes=8, total_blocks=8))
+    p.update("b", DecodeLoad(free_blocks=0, free_bytes=0, total_blocks=16))
+    assert p.never_fits(11) is None  # b can, once it has room (any policy)
+    assert p.never_fits(17) == 16
+    p.update("c", DecodeLoad(free_blocks=4, free_bytes=4))  # a decode that does not report its pool
+    assert p.never_fits(17) is None
+def test_prefix_holder_wins_against_somewhat_more_free_memory():
+    p = _picker("wrr", a=100, b=60)
+    # b holds 8 of the prompt's 10 reusable blocks: 0.8 + 0.6 beats a's 0 + 1.0, every time
+    assert [p.pick(overlap={"b": 8}, prompt_blocks=10) for _ in range(5)] == ["b"] * 5
+    # a little prefix does not outweigh much less free memory: 0.2 + 0.6 < 1.0
+    assert p.pick(overlap={"b": 2}, prompt_blocks=10) == "a"
+
+
+def test_prefix_never_picks_a_decode_that_cannot_hold_the_request():
+    p = _picker("wrr", a=100, b=3)
+    assert p.pick(blocks_needed=5, overlap={"b": 10}, prompt_blocks=10) == "a"
+    assert p.pick(blocks_needed=5, exclude={"a"}, overlap={"b": 10}, prompt_blocks=10) is None
+
+
+def test_equal_prefixes_fall_back_to_weighted_round_robin():
+    p = _picker("wrr", a=100, b=50)
+    counts = Counter(p.pick(overlap={"a": 3, "b": 3}, prompt_blocks=4) for _ in range(300))
+    assert counts == {"a": 200, "b": 100}
+
+
+def test_rr_ignores_prefixes():
+    p = _picker("rr", a=100, b=50)
+    counts = Counter(p.pick(overlap={"b": 9}, prompt_blocks=10) for _ in range(10))
+    assert counts == {"a": 5, "b": 5}
+
+
+def test_a_shared_prefix_pile_up_is_bounded_by_free_memory():
+    # Every request shares a system prompt that only b holds (3 of 10 blocks). b gets requests
+    # until its free memory is below 70% of a's, then a gets one (and would hold it too).
+    p = _picker("wrr", a=100, b=100)
+    picks = []
+    for _ in range(20):
+        address = p.pick(overlap={"b": 3}, prompt_blocks=10)
+        picks.append(address)
+        if address == "a":
+            break
+        p.note_allocation(address, 5, 5000)
+    assert picks[-1] == "a" and 5 <= picks.count("b") <= 7, picks

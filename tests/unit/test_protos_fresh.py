@@ -27,7 +27,7 @@ def test_stale_module_is_detected(tmp_path):
     assert _gen("--proto-dir", str(tmp_path)).returncode == 0
     assert _gen("--check", "--proto-dir", str(tmp_path)).returncode == 0
     proto = tmp_path / "session.proto"
-    proto.write_text(proto.read_text().replace("bool draining = 8;", "bool draining = 8;\n  int32 extra = 10;"))
+    proto.write_text(proto.read_text().replace("bool draining = 8;", "bool draining = 8;\n  int32 extra = 99;"))
     out = _gen("--check", "--proto-dir", str(tmp_path))
     assert out.returncode == 1
     assert "session_pb2.py" in out.stdout

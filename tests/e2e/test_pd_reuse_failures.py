@@ -1,0 +1,154 @@
+"""Failures around a reused prefix, with real processes: what a decode's prefix cache promises.
+
+The defined answer (decode_server/session.py, step 2): the KV events a prefill picks a decode by
+are a hint; the Allocation is the promise. The blocks it counts in ``cached_blocks`` are pinned
+by the request's reservation until the session ends, so
+
+- a flood of other requests while the prefill holds the session cannot evict them: the
+  request reuses exactly what was promised and its greedy tokens are right;
+- a prefix evicted before the Start (the advertisement was already stale) is simply not
+  promised: the Allocation counts only what is left, the rest moves;
+- a prefill killed while the decode pins a prefix: the decode frees the session at once and
+  the prefix goes back to its cache (the next request reuses it again);
+- a client gone while the decode computes the prompt itself: the decode frees everything.
+
+Each test ends with KV blocks, Sessions and CacheStore entries back to zero on every process.
+"""
+
+import http.client
+import json
+import threading
+import time
+
+import pytest
+
+from harness.conversations import BS, ENGINE, MAX_TOKENS, blocks, colocated, conversation, generate, wait_index_caught_up
+from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
+
+pytestmark = pytest.mark.slow
+
+POOL = 24  # decode blocks: turn 2 of a conversation (8) plus one filler (16) fill it exactly
+HOLD = {"PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S": "4"}
+
+
+def filler(i: int) -> list[int]:
+    """A prompt unlike any conversation: 230 tokens + MAX_TOKENS need 16 blocks."""
+    return [256] + [(13 * i + 5 * t) % 240 + 3 for t in range(229)]
+
+
+def reused_and_moved(decode) -> tuple[float, float]:
+    return (metric(decode.url, "pdserve_kv_prompt_blocks_total", source="reused"),
+            metric(decode.url, "pdserve_kv_prompt_blocks_total", source="moved"))
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run():
+        try:
+            out["tokens"] = fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on it
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def wait_stage(decode, stage: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while get_json(decode.url + "/health")[1]["session_stages"].get(stage, 0) == 0:
+        assert time.monotonic() < deadline, f"no session reached the {stage} stage"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+def test_promised_prefix_is_pinned_and_an_evicted_one_is_not_promised(procs, transport):
+    decode = start_decode(procs, transport, POOL, extra=ENGINE)
+    wait_ready(decode)
+    plain = start_prefill(procs, [decode.grpc_address], transport, extra=ENGINE, name="plain")
+    holding = start_prefill(procs, [decode.grpc_address], transport, extra=ENGINE, name="holding", env=HOLD)
+    for p in (plain, holding):
+        wait_ready(p)
+
+    # 1. pinned: turn 2 is allocated (5 blocks promised), then three fillers recycle every other block
+    turn1, question = conversation(1)
+    answer = generate(plain, "a-t1", turn1)
+    turn2 = turn1 + answer + question
+    expected = colocated({"t2": turn2})["t2"]
+    held = (len(turn1) + MAX_TOKENS - 1) // BS
+    wait_index_caught_up(holding, [decode])
+    before = reused_and_moved(decode)
+    thread, out = in_thread(generate, holding, "a-t2", turn2)
+    wait_stage(decode, "transfer")
+    for i in range(3):
+        assert len(generate(plain, f"fill-{i}", filler(i))) == MAX_TOKENS
+    thread.join(60)
+    assert out.get("tokens") == expected, out
+    after = reused_and_moved(decode)
+    fillers_moved = 3 * blocks(len(filler(0)))
+    assert (after[0] - before[0], after[1] - before[1]) == (held, blocks(len(turn2)) - held + fillers_moved)
+
+    # 2. evicted before the Start: only what is left is promised, the rest moves; tokens still right
+    turn1, question = conversation(2)
+    answer = generate(plain, "b-t1", turn1)
+    for i in range(3, 5):
+        generate(plain, f"fill-{i}", filler(i))
+    turn2 = turn1 + answer + question
+    before = reused_and_moved(decode)
+    assert generate(plain, "b-t2", turn2) == colocated({"t2": turn2})["t2"]
+    after = reused_and_moved(decode)
+    reused, moved = after[0] - before[0], after[1] - before[1]
+    assert reused < (len(turn1) + MAX_TOKENS - 1) // BS and reused + moved == blocks(len(turn2)), (reused, moved)
+    readings = wait_all_released([decode, plain, holding])
+    assert nothing_held(readings), readings
+
+
+def test_prefill_killed_while_a_prefix_is_pinned(procs):
+    decode = start_decode(procs, "tcp", POOL, extra=ENGINE + ["--session-timeout", "5"])
+    wait_ready(decode)
+    plain = start_prefill(procs, [decode.grpc_address], extra=ENGINE, name="plain")
+    doomed = start_prefill(procs, [decode.grpc_address], extra=ENGINE, name="doomed",
+                           env={"PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S": "60"})
+    for p in (plain, doomed):
+        wait_ready(p)
+    turn1, question = conversation(3)
+    answer = generate(plain, "c-t1", turn1)
+    turn2 = turn1 + answer + question
+    held = (len(turn1) + MAX_TOKENS - 1) // BS
+    wait_index_caught_up(doomed, [decode])
+    thread, out = in_thread(generate, doomed, "c-t2-doomed", turn2)
+    wait_stage(decode, "transfer")
+    health = get_json(decode.url + "/health")[1]
+    assert health["sessions"] == 1 and health["kv_blocks_used"] == blocks(len(turn2) + MAX_TOKENS), health
+    procs.kill(doomed.proc)
+    thread.join(30)
+    assert "error" in out, out
+    readings = wait_all_released([decode], timeout=5)  # the stream broke: freed at once, not after the timeout
+    assert nothing_held(readings), readings
+    # the prefix went back to the cache: the next turn 2 reuses all of it
+    before = reused_and_moved(decode)
+    assert generate(plain, "c-t2", turn2) == colocated({"t2": turn2})["t2"]
+    assert reused_and_moved(decode)[0] - before[0] == held
+    readings = wait_all_released([decode, plain])
+    assert nothing_held(readings), readings
+
+
+def test_client_gone_while_the_decode_computes_the_prompt(procs):
+    decode = start_decode(procs, "tcp", 64, extra=ENGINE)
+    wait_ready(decode)
+    prefill = start_prefill(procs, [decode.grpc_address], extra=ENGINE + ["--disaggregation", "never"])
+    wait_ready(prefill)
+    turn1, _ = conversation(4)
+    conn = http.client.HTTPConnection("127.0.0.1", prefill.http_port, timeout=60)
+    body = {"model": "tiny", "prompt": turn1, "max_tokens": 400, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")  # the decode computed the prompt and streams tokens
+    assert get_json(decode.url + "/health")[1]["session_stages"] == {"decode": 1}
+    conn.close()
+    readings = wait_all_released([decode, prefill], timeout=5)
+    assert nothing_held(readings), readings
+    assert metric(prefill.url, "pdserve_disaggregation_decisions_total", decision="local", reason="never") == 1
+    assert metric(decode.url, "pdserve_requests_total", outcome="cancelled") == 1

@@ -1,0 +1,37 @@
+"""A router in front of real prefills sharing one decode, for the router's multi-process tests."""
+
+from __future__ import annotations
+
+import time
+
+from harness.pd_cluster import Server, start_decode, start_prefill, wait_ready
+from pdserve.net import free_port
+
+
+def start_prefills(group, n: int = 2, extra=()) -> tuple[Server, list[Server]]:
+    """One decode (128 blocks) and ``n`` prefills that know it, all ready."""
+    decode = start_decode(group, num_blocks=128, extra=extra, name="decode")
+    wait_ready(decode)
+    prefills = [start_prefill(group, [decode.grpc_address], extra=extra, name=f"prefill{i}") for i in range(n)]
+    for p in prefills:
+        wait_ready(p)
+    return decode, prefills
+
+
+def start_router(group, prefills: list[Server], http_port: int | None = None, grpc_port: int = 0,
+                 name: str = "router") -> Server:
+    """``pdserve router`` over the prefills (load polled every 0.1 s); gRPC Generate when grpc_port is given."""
+    http_port = http_port or free_port()
+    args = ["router", "--port", str(http_port), "--model", "tiny", "--prefill", ",".join(p.grpc_address for p in prefills),
+            "--load-interval", "0.1"]
+    if grpc_port:
+        args += ["--grpc-port", str(grpc_port)]
+    return Server(group.pdserve(*args, name=name), http_port, grpc_port, 0, name)
+
+
+def wait_until(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)

@@ -1,0 +1,135 @@
+"""AdmissionQueue with an SLO queue (pdserve.slo.GlobalQueue): the line is in the policy's
+order, the policy's new head is woken (also when only time changed qlm's order), a request
+leaves the SLO queue's line with its ticket and is counted as running once admitted."""
+
+import asyncio
+
+from pdserve.prefill_server.admission_queue import AdmissionQueue
+from pdserve.slo import Estimator, GlobalQueue, parse
+
+CLASSES = parse({"classes": [{"name": "interactive", "ttftMs": 1000}, {"name": "chat", "ttftMs": 2000},
+                             {"name": "batch", "e2eMs": 60000}]})
+INTERACTIVE, CHAT, BATCH = (CLASSES.by_name[n] for n in ("interactive", "chat", "batch"))
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 10))
+
+
+class Capacity:
+    def __init__(self, free):
+        self.free = free
+
+    def take(self, n):
+        if n <= self.free:
+            self.free -= n
+            return True
+        return False
+
+
+async def admit(queue, slo, cap, rid, cls, n, order):
+    """What PrefillNode.generate does with an SLO queue: turn, try, wait while full, admitted."""
+    ticket = queue.ticket(rid, None, slo.arrive(rid, cls, 10, 10))
+    try:
+        while True:
+            await ticket.turn()
+            if cap.take(n):
+                ticket.admitted()
+                order.append(rid)
+                return ticket
+            await ticket.wait()
+    finally:
+        ticket.leave()
+
+
+def test_edf_serves_an_interactive_request_before_the_batch_already_waiting():
+    async def main():
+        slo = GlobalQueue(CLASSES, "edf")
+        q = AdmissionQueue(16, recheck_s=30, slo=slo)
+        cap, order = Capacity(0), []
+        batch = [asyncio.create_task(admit(q, slo, cap, f"b{i}", BATCH, 1, order)) for i in range(3)]
+        await asyncio.sleep(0.05)
+        inter = asyncio.create_task(admit(q, slo, cap, "i", INTERACTIVE, 1, order))
+        await asyncio.sleep(0.05)
+        assert len(q) == 4 and [r.request_id for r in slo.order()][0] == "i"
+        for _ in range(4):
+            cap.free += 1
+            q.notify()
+            await asyncio.sleep(0.05)
+        await asyncio.gather(*batch, inter)
+        assert order == ["i", "b0", "b1", "b2"]
+        assert len(q) == 0 and not slo.waiting and set(slo.running) == {"i", "b0", "b1", "b2"}
+
+    run(main())
+
+
+def test_fifo_keeps_arrival_order():
+    async def main():
+        slo = GlobalQueue(CLASSES, "fifo")
+        q = AdmissionQueue(16, recheck_s=30, slo=slo)
+        cap, order = Capacity(0), []
+        tasks = [asyncio.create_task(admit(q, slo, cap, "b0", BATCH, 1, order))]
+        await asyncio.sleep(0.05)
+        tasks.append(asyncio.create_task(admit(q, slo, cap, "i", INTERACTIVE, 1, order)))
+        await asyncio.sleep(0.05)
+        cap.free = 2
+        q.notify()
+        await asyncio.gather(*tasks)
+        assert order == ["b0", "i"]
+
+    run(main())
+
+
+def test_a_cancelled_waiter_leaves_both_lines_at_once():
+    async def main():
+        slo = GlobalQueue(CLASSES, "edf")
+        q = AdmissionQueue(16, recheck_s=30, slo=slo)
+        cap, order = Capacity(0), []
+        head = asyncio.create_task(admit(q, slo, cap, "b0", BATCH, 1, order))
+        behind = asyncio.create_task(admit(q, slo, cap, "b1", BATCH, 1, order))
+        await asyncio.sleep(0.05)
+        assert len(q) == 2 and len(slo.waiting) == 2
+        behind.cancel()
+        await asyncio.gather(behind, return_exceptions=True)
+        assert len(q) == 1 and list(slo.waiting) == ["b0"]
+        cap.free = 1
+        q.notify()
+        await head
+        assert order == ["b0"] and not slo.waiting
+
+    run(main())
+
+
+def test_the_new_head_is_woken_when_only_time_changed_qlms_order():
+    """The interactive request can no longer make its TTFT; the chat request behind it still
+    can if it goes first: qlm's next decision (time only, no arrival or departure) makes chat
+    the head, and its ticket is woken, not left asleep until its deadline."""
+    async def main():
+        est = Estimator()
+        est.observe_gap(0.0, 1, 0.01)
+        est.observe_prefill(100, 0.1)
+        for cls, n in (("interactive", 20), ("chat", 20), ("batch", 50)):
+            est.observe_output(cls, n)
+        now = [100.0]
+        slo = GlobalQueue(CLASSES, "qlm", clock=lambda: now[0], estimator=est)
+        busy = slo.arrive("busy", BATCH, 100, 100)
+        slo.admitted(busy)  # frees its slot in ~0.5 s
+        q = AdmissionQueue(16, recheck_s=30, slo=slo, clock=lambda: now[0])
+        i = q.ticket("i", None, slo.arrive("i", INTERACTIVE, 100, 20))  # 0.29 s of service
+        c = q.ticket("c", None, slo.arrive("c", CHAT, 100, 20))
+        await i.turn()
+        i._enter()
+        c._enter()
+        assert q._head() is i
+        woke = asyncio.create_task(c.turn())
+        await asyncio.sleep(0.05)
+        assert not woke.done()
+        now[0] += 1.2
+        assert not i.is_head()  # the old head looks again (its recheck): qlm decides anew, c first
+        await asyncio.wait_for(woke, 1.0)  # c was woken by the queue, nobody else woke it
+        assert q._head() is c
+        c.leave()
+        i.leave()
+        assert len(q) == 0 and not slo.waiting
+
+    run(main())
