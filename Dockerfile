@@ -9,7 +9,7 @@
 # it links against come along; what a CPU image never loads is pruned; tools/image/build.sh does this
 # with buildah, no Docker needed):
 #   docker build -t pdserve:cpu --build-arg TORCH_INDEX=https://pypi.org/simple \
-#     --build-arg PRUNE="triton nvidia-cusolver nvidia-cuda-cccl" .
+#     --build-arg PRUNE="triton nvidia-cusolver nvidia-cuda-cccl" --build-arg PRUNE_NVIDIA=1 .
 # CUDA image (torch's CUDA wheels and NIXL/UCX for GPU-to-GPU KV transfer):
 #   docker build -t pdserve:cuda \
 #     --build-arg BASE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 \
@@ -54,10 +54,17 @@ COPY bench ./bench
 COPY localcluster ./localcluster
 # Packages to uninstall after the install, ones the image never loads (the CPU image from PyPI's
 # CUDA torch: triton is only for torch.compile, cuSOLVER only for CUDA linear algebra, CCCL only
-# headers). Declared here, so that changing it keeps the cached layers above.
+# headers). PRUNE_NVIDIA=1 (CPU image from PyPI's CUDA torch only) then deletes every file of the
+# nvidia-* packages that `pdserve generate` on the built-in model does not load (measured under
+# LD_DEBUG; cuDNN's engines, NVSHMEM's bitcode, headers: ~1.2 GB; see the script). Declared here, so
+# that changing them keeps the cached layers above.
+COPY tools/image/prune_nvidia.py /tmp/prune_nvidia.py
 ARG PRUNE=""
+ARG PRUNE_NVIDIA=""
 RUN /opt/pdserve/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \
  && if [ -n "${PRUNE}" ]; then /opt/pdserve/bin/pip uninstall --yes ${PRUNE}; fi \
+ && if [ "${PRUNE_NVIDIA}" = 1 ]; then /opt/pdserve/bin/python /tmp/prune_nvidia.py; fi \
+ && rm /tmp/prune_nvidia.py \
  && /opt/pdserve/bin/pdserve --help >/dev/null \
  && cd / && /opt/pdserve/bin/python -c 'import torch; torch.ones(2, 2) @ torch.ones(2, 2)'
 

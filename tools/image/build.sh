@@ -17,7 +17,7 @@
 # Usage: tools/image/build.sh            build what is missing, print progress, fail loudly
 #        tools/image/build.sh --archive  only print the archive path for the current inputs
 #        tools/image/build.sh --name     only print the image name (localhost/pdserve:<hash>)
-# Environment: PDSERVE_CACHE (cache root), TORCH_INDEX and PRUNE (the Dockerfile's build arguments;
+# Environment: PDSERVE_CACHE (cache root), TORCH_INDEX, PRUNE, PRUNE_NVIDIA (the Dockerfile's build arguments;
 # defaults here: PyPI and what a CPU image of PyPI's torch never loads, see below), STORAGE_DRIVER
 # (overlay, else vfs is tried), DEBIAN_MIRROR.
 #
@@ -26,8 +26,11 @@
 # wheel is the CUDA build, which pulls ~3 GB of nvidia-* libraries that libtorch links against
 # (torch does not import without them: tested with --no-deps). PRUNE removes the packages of that
 # set that a CPU image never loads (triton: torch.compile only; cuSOLVER: CUDA linear algebra, loaded
-# lazily; CCCL: headers); the build then checks that torch imports and computes. The image is still
-# large here; built elsewhere with the default TORCH_INDEX it is not. The size is printed and recorded.
+# lazily; CCCL: headers), and PRUNE_NVIDIA=1 deletes every nvidia-* file that serving the built-in
+# model on a CPU does not load (measured in the build: tools/image/prune_nvidia.py, ~1.2 GB); the build
+# then checks that torch imports and computes. The image is still large here (libtorch_cuda, cuBLAS,
+# NCCL, ... must exist to import torch); built elsewhere with the default TORCH_INDEX it is not. The
+# size is printed and recorded.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -35,6 +38,7 @@ REPO="$(cd "$HERE/../.." && pwd)"
 CACHE="${PDSERVE_CACHE:-$HOME/.cache/pdserve}/image"
 TORCH_INDEX="${TORCH_INDEX:-https://pypi.org/simple}"
 PRUNE="${PRUNE-triton nvidia-cusolver nvidia-cuda-cccl}"
+PRUNE_NVIDIA="${PRUNE_NVIDIA-1}"
 # The base: Debian 12 (python3 3.11, the Python pyproject.toml allows) with python3-venv.
 BASE_SUITE=bookworm
 BASE_MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
@@ -49,7 +53,7 @@ inputs_hash() {
   files="$(cd "$REPO" && { printf '%s\n' Dockerfile .dockerignore pyproject.toml;
     copied_paths | xargs -r find 2>/dev/null | grep -v -e __pycache__ -e '\.pyc$' -e '\.egg-info'; } | sort -u)"
   (cd "$REPO" && for f in $files; do [[ -f "$f" ]] && printf '%s %s\n' "$f" "$(sha256sum < "$f" | cut -c1-64)"; done
-   echo "TORCH_INDEX=$TORCH_INDEX PRUNE=$PRUNE BASE=$BASE_HASH") | sha256sum | cut -c1-16
+   echo "TORCH_INDEX=$TORCH_INDEX PRUNE=$PRUNE PRUNE_NVIDIA=$PRUNE_NVIDIA BASE=$BASE_HASH") | sha256sum | cut -c1-16
 }
 BASE_HASH="$(printf '%s\n' "$BASE_SUITE" "$BASE_PACKAGES" "$(sed -n '/^# --- the base image/,/^# --- the image/p' "$0")" \
   | sha256sum | cut -c1-12)"
@@ -139,7 +143,7 @@ log="$CACHE/build-$HASH.log"
 ticker=$!
 rc=0
 (cd "$REPO" && nice_bah bud --isolation chroot --layers "${volumes[@]}" \
-  --build-arg BASE="$BASE_NAME" --build-arg TORCH_INDEX="$TORCH_INDEX" --build-arg PRUNE="$PRUNE" \
+  --build-arg BASE="$BASE_NAME" --build-arg TORCH_INDEX="$TORCH_INDEX" --build-arg PRUNE="$PRUNE" --build-arg PRUNE_NVIDIA="$PRUNE_NVIDIA" \
   -t "$NAME" -f Dockerfile . > "$log" 2>&1) || rc=$?
 pkill -PIPE -P "$ticker" sleep 2>/dev/null || true  # SIGPIPE: bash prints no "Terminated"
 kill "$ticker" 2>/dev/null || true; wait "$ticker" 2>/dev/null || true
@@ -159,8 +163,8 @@ mv "$ARCHIVE.tmp" "$ARCHIVE"
 unpacked="$(bah images --noheading --format '{{.Size}}' "$NAME" | head -1)"
 archive_mb=$(( $(stat -c %s "$ARCHIVE") / 1000000 ))
 total_s=$((SECONDS - START))
-printf '{"name": "%s", "archive_mb": %d, "unpacked": "%s", "build_s": %d, "total_s": %d, "torch_index": "%s", "prune": "%s"}\n' \
-  "$NAME" "$archive_mb" "$unpacked" "$build_s" "$total_s" "$TORCH_INDEX" "$PRUNE" > "$CACHE/pdserve-$HASH.json"
+printf '{"name": "%s", "archive_mb": %d, "unpacked": "%s", "build_s": %d, "total_s": %d, "torch_index": "%s", "prune": "%s", "prune_nvidia": "%s"}\n' \
+  "$NAME" "$archive_mb" "$unpacked" "$build_s" "$total_s" "$TORCH_INDEX" "$PRUNE" "$PRUNE_NVIDIA" > "$CACHE/pdserve-$HASH.json"
 
 # Keep only this image: older archives go, and every stored image but the base, this one and the
 # layers of this build (the cache of the next one: the step images buildah printed as "--> <id>").
