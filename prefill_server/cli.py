@@ -87,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--no-resume", dest="resume", action="store_false",
                    help="when a decode fails mid-generation, end the stream with an error instead of resuming the "
                         "request on another decode (re-prefilling prompt + tokens so far)")
+    d.add_argument("--decode-leave-grace", type=float, default=None,
+                   help="seconds the open Sessions on a decode that left discovery may still run before its channel "
+                        "closes (a draining decode finishes them meanwhile); the ones still open then resume on "
+                        "another decode (see --no-resume). Default: --request-timeout")
     d.add_argument("--local-fallback", action="store_true", help="decode locally when no decode can take a request")
     d.add_argument("--queue-timeout", type=float, default=None,
                    help="seconds a request may wait in the admission queue for free KV blocks (all decodes busy) "
@@ -144,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {value}")
     if args.max_queued_requests < 0:
         raise SystemExit(f"pdserve prefill: --max-queued-requests must be >= 0, got {args.max_queued_requests}")
+    if args.decode_leave_grace is not None and not args.decode_leave_grace >= 0:
+        raise SystemExit(f"pdserve prefill: --decode-leave-grace must be >= 0, got {args.decode_leave_grace}")
     try:
         discovery = make_discovery(args)
         args.slo = slo_classes.load(args.slo_classes)
@@ -192,7 +198,8 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics,
                             kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.known()))
     decode_index = DecodeIndex() if args.decode_reuse else None
-    poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval,
+    leave_grace = args.request_timeout if args.decode_leave_grace is None else args.decode_leave_grace
+    poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval, close_grace_s=leave_grace,
                               on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index)
     node = PrefillNode(
         engine=engine, sender=sender, picker=picker, poller=poller, compat=parts.compat_message,

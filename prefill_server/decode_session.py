@@ -25,10 +25,11 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    cached blocks and streams every token; its first Tokens (or Finish) is the first Delta.
    Before it the failures are still ``Retryable``; no KV moves, our engine is not used.
 6. **relay** - yield decode's ``Tokens`` until ``Finish``. A decode ``Error``, a broken
-   stream, or no message from decode for ``session_timeout_s`` (a frozen decode keeps its
-   connection open: only this timer notices) raises ``DecodeFailed`` from here on (the
-   client already has tokens; the node resumes elsewhere or the HTTP layer turns it into
-   an error event).
+   stream (also a call cancelled by its channel closing: gRPC raises CancelledError there,
+   told apart from our own cancellation), or no message from decode for
+   ``session_timeout_s`` (a frozen decode keeps its connection open: only this timer
+   notices) raises ``DecodeFailed`` from here on (the client already has tokens; the node
+   resumes elsewhere or the HTTP layer turns it into an error event).
 7. **release** - always: if the request did not finish, cancel the stream (decode frees
    its side, cached blocks unpinned, when it sees the cancellation); release prefill's
    blocks; delete the CacheStore entry. Cancelling ``run`` (client gone, request deadline)
@@ -87,6 +88,21 @@ DEADLINE_SLACK_S = 1.0
 # Test hook (never set it in production): seconds the prefill waits between the decode's
 # Allocation and its forward pass, so a test can freeze it while the decode holds blocks.
 HOLD_AFTER_ALLOCATION_S = float(os.environ.get("PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S", "0") or 0)
+
+CHANNEL_CLOSED = "decode_channel_closed"  # Retryable/DecodeFailed code: the call was cancelled under us
+
+
+def _closed_under_us(call) -> bool:
+    """True for an ``asyncio.CancelledError`` out of ``call`` that is not our task's cancellation.
+
+    gRPC's asyncio API raises CancelledError from a call's read/write once the call is
+    cancelled, also when nobody cancelled our task: when its channel closes under it (the
+    load poller closes a decode's channel once the decode left discovery and the grace is
+    over, or the server stops). That is the decode's session ending, not the client's
+    request: it must become Retryable/DecodeFailed so the node tries or resumes elsewhere.
+    """
+    task = asyncio.current_task()
+    return call.cancelled() and task is not None and task.cancelling() == 0
 
 
 @dataclass(slots=True)
@@ -182,6 +198,9 @@ class SessionRunner:
                         await asyncio.wait_for(call.done_writing(), self.config.connect_timeout_s)
                     except Exception:  # noqa: BLE001 - already closed by decode, or no answer: cancel
                         call.cancel()
+                    except asyncio.CancelledError:
+                        if not _closed_under_us(call):  # the request finished; its channel closed after
+                            raise
                 if held.prefilled and not held.released:
                     await self.engine.release(request_id)
             finally:
@@ -267,6 +286,10 @@ class SessionRunner:
             raise Retryable(f"{address}: did not take our {next(iter(kind))} within {limit:g}s") from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             raise Retryable(f"{address}: {rpc_reason(exc)}") from None
+        except asyncio.CancelledError:
+            if _closed_under_us(call):
+                raise Retryable(f"{address}: the session's channel was closed", CHANNEL_CLOSED) from None
+            raise
 
     def _release_later(self, request_id: str) -> None:
         task = asyncio.ensure_future(self.engine.release(request_id))
@@ -283,6 +306,10 @@ class SessionRunner:
             raise Retryable(f"{address}: no answer within {cfg.connect_timeout_s:.1f}s") from None
         except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
             raise Retryable(f"{address}: {rpc_reason(exc)}") from None
+        except asyncio.CancelledError:
+            if _closed_under_us(call):
+                raise Retryable(f"{address}: the session's channel was closed", CHANNEL_CLOSED) from None
+            raise
         if reply is grpc.aio.EOF:
             raise Retryable(f"{address}: closed the session before answering")
         kind = reply.WhichOneof("kind")
@@ -311,6 +338,12 @@ class SessionRunner:
             raise DecodeFailed(f"decode {address} sent nothing for {idle_s:g}s (--session-timeout)") from None
         except grpc.aio.AioRpcError as exc:
             raise DecodeFailed(f"decode {address} failed mid-generation: {rpc_reason(exc)}") from None
+        except asyncio.CancelledError:
+            if _closed_under_us(call):
+                raise DecodeFailed(f"decode {address}: the session's channel was closed mid-generation "
+                                   "(the decode left discovery and its grace ended, or this server stops)",
+                                   CHANNEL_CLOSED) from None
+            raise
         if msg is grpc.aio.EOF:
             raise DecodeFailed(f"decode {address} closed the session before finishing")
         kind = msg.WhichOneof("kind")

@@ -5,7 +5,8 @@ It keeps one gRPC channel per decode address (shared with the Session streams, s
 gets a channel. A vanished one is forgotten by the picker at once (no new request goes
 there) and its channel is closed with a grace of ``close_grace_s``: Sessions still open on
 it finish first (a draining decode leaves discovery while it serves them; closing at once
-would cut them off). A decode that does not answer simply stops being updated; the picker
+would cut them off); the ones still open when the grace ends (``--decode-leave-grace``) fail
+with DecodeFailed and resume elsewhere (decode_session.py). A decode that does not answer simply stops being updated; the picker
 lets its last report expire. With a ``DecodeIndex`` it also keeps one KV-event stream per
 discovered decode (on the same channel): a new decode is followed from the round it appears
 in, a vanished one is dropped from the index before its channel closes.
