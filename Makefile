@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test venv test-quick protos clean prometheus-bin k8s-tools image cluster
+.PHONY: serve test test-deps venv test-quick protos clean prometheus-bin k8s-tools image cluster
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -20,9 +20,14 @@ serve: $(STAMP)
 	$(BIN)/pdserve up --model tiny --prefill 1 --decode 2
 
 # The whole suite: unit, multi-process, real Kubernetes (control plane; a one-node cluster running
-# the built image), real Prometheus.
-test: $(STAMP) prometheus-bin k8s-tools image
+# the built image), real Prometheus. What it needs is built first, two at a time: on a fresh machine
+# the Kubernetes binaries (Go builds, CPU-bound) and the image (downloads, unpacking, compression)
+# are the two long first builds and overlap; after that both are cached (seconds).
+test:
+	$(MAKE) -j2 test-deps
 	$(BIN)/pytest
+
+test-deps: $(STAMP) prometheus-bin k8s-tools image
 
 # The Prometheus server binary (Debian package) that the tests marked `prometheus` start.
 prometheus-bin:
