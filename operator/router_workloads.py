@@ -114,6 +114,7 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
             "replicas": router_replicas(isvc),
             "selector": {"matchLabels": naming.selector_labels(name, ROLE, ROLE)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "minReadySeconds": workloads.MIN_READY_S,
             "template": {
                 "metadata": {"labels": labels,
                              "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),

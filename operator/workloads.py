@@ -49,6 +49,11 @@ def pool_selector(pool: dict) -> dict[str, str]:
 # server stops taking work and gives its requests --drain-timeout to finish: the longest a request
 # may run (REQUEST_TIMEOUT_S). The grace period covers both, plus slack to stop.
 PRESTOP_SLEEP_S = 5
+# The other half of a rolling update: a new pod counts as available (so that an old one may go) only
+# after it was Ready this long, so that its endpoint reached the routers and prefills first (discovery,
+# then a first load report). Without it a rolling prefill left the routers with no routable prefill for
+# a moment: the old one was gone from the endpoints before the new one was routable (503s).
+MIN_READY_S = 5
 DRAIN_TIMEOUT_S = int(defaults.REQUEST_TIMEOUT_S)
 TERMINATION_GRACE_S = PRESTOP_SLEEP_S + DRAIN_TIMEOUT_S + 15
 
@@ -195,6 +200,7 @@ def build_deployment(pool: dict) -> dict:
             "replicas": int(spec.get("replicas", crds.DEFAULT_REPLICAS)),
             "selector": {"matchLabels": pool_selector(pool)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "minReadySeconds": MIN_READY_S,
             "template": {
                 "metadata": {"labels": labels,
                              "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),

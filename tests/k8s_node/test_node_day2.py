@@ -10,21 +10,17 @@
   tokens so far are prefilled again) or ends with a clear error, and the Deployment replaces it.
 Each test leaves the example's replica counts and checks that no KV block, session or CacheStore
 entry is still held anywhere.
-
-Known bug (KNOWN_BUG): the last two fail today, the same way, for a reason outside this tier; the
-tests check everything else first and then mark themselves xfail only when every lost stream
-shows that bug's signature, so any other failure still fails, and they pass once it is fixed.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 
 import pytest
 
 from harness import node_serving
+from harness.node_streams import LONG, Streams
 from harness.pd_cluster import get_json as http_json
 from harness.pd_cluster import metric, nothing_held, wait_all_released
 
@@ -32,57 +28,6 @@ pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 
 POOL = "main"
 POOL_OBJECT = f"decodepool/chat-decode-{POOL}"
-KNOWN_BUG = ("prefill closes a decode's gRPC channel as soon as discovery drops the decode "
-             "(prefill_server/load_poller.py poll_once: channel.close() with no grace), which cancels the "
-             "decode's live Sessions: the request gets asyncio.CancelledError and its HTTP stream is cut "
-             "(the router says 'prefill ... failed mid-response'). Kubernetes drops a terminating pod from "
-             "the EndpointSlices at once, so the streams a draining decode would finish are lost.")
-BUG_SIGNATURE = "failed mid-response"
-LONG = 1500  # tokens of a long stream (ignore_eos): several seconds on the built-in model
-
-
-class Streams:
-    """Streams in threads: `loop` ones back to back until the block ends, or `once` long ones."""
-
-    def __init__(self, served, loop: int = 0, once: int = 0, max_tokens: int = 24, long: int = LONG):
-        self.served, self.max_tokens, self.long = served, max_tokens, long
-        self.ok, self.errors = 0, []
-        self.lock, self.stopping = threading.Lock(), threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i, True), daemon=True) for i in range(loop)]
-        self.threads += [threading.Thread(target=self._run, args=(i, False), daemon=True) for i in range(once)]
-
-    def _run(self, i: int, repeat: bool) -> None:
-        n = 0
-        while not self.stopping.is_set():
-            n += 1
-            try:
-                _, _, finish = node_serving.stream_chat(
-                    self.served.base_url, self.served.model, f"client {i} request {n}",
-                    max_tokens=self.max_tokens if repeat else self.long, timeout=300, ignore_eos=True)
-                assert finish == "length", f"finish_reason {finish!r} with ignore_eos"
-                with self.lock:
-                    self.ok += 1
-            except Exception as e:  # every failure is a lost stream: recorded, asserted on
-                with self.lock:
-                    self.errors.append(f"client {i} request {n}: {type(e).__name__}: {e}")
-            if not repeat:
-                return
-
-    def wait_done(self, more: int, timeout: float = 120.0) -> None:
-        target = self.ok + more
-        deadline = time.monotonic() + timeout
-        while self.ok < target and not self.errors and time.monotonic() < deadline:
-            time.sleep(0.2)
-
-    def __enter__(self) -> "Streams":
-        for t in self.threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(timeout=300)
 
 
 def _settled(kube, ns: str, pool: str, count: int):
@@ -109,13 +54,6 @@ def _sessions(pod) -> int:
 def _all_released(kube, ns: str) -> dict:
     servers = [*node_serving.pod_servers(kube, ns, "prefill"), *node_serving.pod_servers(kube, ns, "decode")]
     return wait_all_released(servers, timeout=30)
-
-
-def _judge(lost: list[str]) -> None:
-    """Fail on lost streams, unless every one of them is the known bug (then xfail, naming it)."""
-    if lost and all(BUG_SIGNATURE in e for e in lost):
-        pytest.xfail(f"{len(lost)} stream(s) lost to a known bug: {KNOWN_BUG}")
-    assert lost == [], lost
 
 
 def test_scale_up_under_load_loses_no_stream_and_the_new_pod_serves(node_kube, chat, capsys):
@@ -161,7 +99,7 @@ def test_scale_down_drains_the_streams_of_removed_pods(node_kube, chat, capsys):
     _scale(node_kube, ns, 2)
     readings = _all_released(node_kube, ns)
     assert nothing_held(readings), readings
-    _judge(streams.errors)
+    assert streams.errors == [], streams.errors
 
 
 def test_delete_decode_pod_mid_stream_resumes_or_fails_clearly(node_kube, chat, capsys):
@@ -198,9 +136,8 @@ def test_delete_decode_pod_mid_stream_resumes_or_fails_clearly(node_kube, chat, 
     assert victim.name not in {p.name for p in replaced}
     readings = _all_released(node_kube, ns)
     assert nothing_held(readings), readings
-    if error and BUG_SIGNATURE not in error:  # ending with an error is allowed, if it says what happened
+    if error:  # ending with an error is allowed, if it says what happened
         assert "decode" in error.lower(), error
-    elif not error:
+    else:
         assert finish == "length" and received > at_delete, (finish, received, at_delete)
         assert metric(prefill.url, "pdserve_decode_retries_total") > retries_before
-    _judge([error] if error and BUG_SIGNATURE in error else [])

@@ -209,6 +209,7 @@ def test_deployment_selector_is_stable_across_version_changes_but_the_template_r
     assert after["spec"]["template"]["metadata"]["labels"][naming.LABEL_PROTOCOL] == "8"
     assert after["spec"]["template"] != before["spec"]["template"]  # so the Deployment rolls
     assert before["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert before["spec"]["minReadySeconds"] == workloads.MIN_READY_S > 0  # the new pod is routable before the old goes
 
 
 def test_decode_service_is_selected_by_prefill_only_at_the_same_protocol_version():
