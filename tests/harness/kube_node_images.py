@@ -20,6 +20,9 @@ from harness.procs import REPO
 
 PAUSE_IMAGE = "pdserve.local/pause:1"
 IMAGE_BUILD_SCRIPT = REPO / "tools" / "image" / "build.sh"
+# The longest the one-node cluster waits for an image build still running in the background (`make
+# test` starts it first; a first build took 25 minutes on a loaded 2-core machine).
+IMAGE_WAIT_S = 3600.0
 
 
 class ImageMissing(RuntimeError):
@@ -64,16 +67,22 @@ def write_pause_image(binary: Path, out: Path, name: str = PAUSE_IMAGE) -> Path:
     return out
 
 
-def pdserve_image() -> tuple[str, Path]:
-    """(image name, OCI archive) of the pdserve image for the current sources, built by `make image`."""
+def pdserve_image(wait_s: float = IMAGE_WAIT_S) -> tuple[str, Path]:
+    """(image name, OCI archive) of the pdserve image for the current sources, built by `make image`
+    or still being built in the background (`make test`): waits up to ``wait_s`` for that build."""
     def ask(flag: str) -> str:
         return subprocess.run(["bash", str(IMAGE_BUILD_SCRIPT), flag], capture_output=True, text=True,
                               check=True).stdout.strip()
 
+    start = time.monotonic()
+    waited = subprocess.run(["bash", str(IMAGE_BUILD_SCRIPT), "--wait"], capture_output=True, text=True,
+                            timeout=wait_s)
+    if time.monotonic() - start > 1:
+        print(f"waited {time.monotonic() - start:.0f}s for the image build: {waited.stdout.strip()}")
     name, archive = ask("--name"), Path(ask("--archive"))
     if not archive.is_file():
         raise ImageMissing(f"the pdserve image {name} is not built for these sources ({archive} is missing): "
-                           "run make image (tools/image/build.sh)")
+                           f"run make image (tools/image/build.sh)\n{waited.stderr[-3000:]}")
     return name, archive
 
 

@@ -7,16 +7,31 @@ bridge CNI, kube-proxy, kube-scheduler on this machine, the pdserve image built 
 - `chat` (package): the user's path: examples/inferenceservice.yaml applied, its status Ready,
   then a first chat completion streamed with the `openai` client through the router's Service
   (its ClusterIP, from this machine through kube-proxy); the times are in `chat.timings`.
-Every test file here is marked k8s and slow (they need `make k8s-tools` and `make image`).
+Every test file here is marked k8s and slow (they need `make k8s-tools` and `make image`). They run
+after every other test: `make test` builds the image in the background meanwhile, and the cluster's
+start-up waits for that build (the first of them gets the wait added to its time limit).
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
 from harness import node_serving
+from harness.kube_node_images import IMAGE_WAIT_S
+
+
+def pytest_collection_modifyitems(items):
+    here = Path(__file__).parent
+    mine = [item for item in items if here in Path(item.path).parents]
+    if not mine:
+        return
+    items[:] = [item for item in items if item not in mine] + mine   # last: the image may still be building
+    timeout = mine[0].get_closest_marker("timeout")
+    base = timeout.args[0] if timeout and timeout.args else 600
+    mine[0].add_marker(pytest.mark.timeout(base + IMAGE_WAIT_S), append=False)
 
 
 @pytest.fixture(scope="package")

@@ -14,9 +14,13 @@
 # Dockerfile COPYs, the build arguments and the base image's recipe (the section of this script that
 # makes it); the image is rebuilt only when one of them changes.
 #
-# Usage: tools/image/build.sh            build what is missing, print progress, fail loudly
-#        tools/image/build.sh --archive  only print the archive path for the current inputs
-#        tools/image/build.sh --name     only print the image name (localhost/pdserve:<hash>)
+# Usage: tools/image/build.sh              build what is missing, print progress, fail loudly
+#        tools/image/build.sh --archive    only print the archive path for the current inputs
+#        tools/image/build.sh --name       only print the image name (localhost/pdserve:<hash>)
+#        tools/image/build.sh --background start the build (if the image is missing) at idle CPU and I/O
+#                                          priority and return at once (`make test`: the suite runs meanwhile)
+#        tools/image/build.sh --wait       wait for a build in progress; exit 0 only if the image for the
+#                                          current inputs is there (else the background log's end, exit 1)
 # Environment: PDSERVE_CACHE (cache root), TORCH_INDEX, PRUNE, PRUNE_NVIDIA (the Dockerfile's build arguments;
 # defaults here: PyPI and what a CPU image of PyPI's torch never loads, see below), STORAGE_DRIVER
 # (overlay, else vfs is tried), DEBIAN_MIRROR.
@@ -60,38 +64,63 @@ BASE_HASH="$(printf '%s\n' "$BASE_SUITE" "$BASE_PACKAGES" "$(sed -n '/^# --- the
 HASH="$(inputs_hash)"
 NAME="localhost/pdserve:$HASH"
 ARCHIVE="$CACHE/pdserve-$HASH.oci.tar"
-case "${1:-}" in
-  --archive) echo "$ARCHIVE"; exit 0 ;;
-  --name) echo "$NAME"; exit 0 ;;
-  "") ;;
-  *) echo "usage: $0 [--archive|--name]" >&2; exit 2 ;;
-esac
-
 START=$SECONDS
 say() { printf '[image %4ds] %s\n' "$((SECONDS - START))" "$*"; }
 die() { echo "image: ERROR: $*" >&2; exit 1; }
+built() { [[ -s "$ARCHIVE" && -s "$CACHE/pdserve-$HASH.json" ]]; }
+BACKGROUND_LOG="$CACHE/background.log"
+
+case "${1:-}" in
+  --archive) echo "$ARCHIVE"; exit 0 ;;
+  --name) echo "$NAME"; exit 0 ;;
+  --background|--wait|"") ;;
+  *) echo "usage: $0 [--archive|--name|--background|--wait]" >&2; exit 2 ;;
+esac
+
+install_tools() {
+  local missing=() SUDO=""
+  command -v buildah >/dev/null || missing+=(buildah)
+  command -v debootstrap >/dev/null || missing+=(debootstrap)
+  [[ ${#missing[@]} -gt 0 ]] || return 0
+  say "installing ${missing[*]} (Debian packages)"
+  [[ $(id -u) -eq 0 ]] || SUDO="sudo"
+  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null || die "cannot install ${missing[*]}"
+}
 
 mkdir -p "$CACHE"
-exec 9>"$CACHE/.build.lock"
-if ! flock -n 9; then
-  say "another build holds $CACHE/.build.lock; waiting for it"
-  flock 9
+if [[ "${1:-}" == --wait ]]; then
+  exec 9>"$CACHE/.build.lock"
+  flock -n 9 || { say "waiting for the image build in progress (log: $BACKGROUND_LOG)"; flock 9; }
+  built || { tail -30 "$BACKGROUND_LOG" >&2 2>/dev/null || true; die "no image $NAME for the current sources: run make image"; }
+  say "ready: $NAME ($(du -h "$ARCHIVE" | cut -f1) archive)"
+  exit 0
 fi
-if [[ -s "$ARCHIVE" && -s "$CACHE/pdserve-$HASH.json" ]]; then
+if [[ "${1:-}" == --background ]]; then
+  built && { say "cached: $NAME"; exit 0; }
+  exec 9>"$CACHE/.build.lock"
+  flock -n 9 || { say "an image build is already running"; exit 0; }
+  install_tools
+  # The child inherits the lock (fd 9, the same open file), so --wait cannot slip in before it starts.
+  idle=(nice -n 19); command -v ionice >/dev/null && idle+=(ionice -c 3)
+  PDSERVE_IMAGE_LOCKED=1 setsid "${idle[@]}" bash "$0" > "$BACKGROUND_LOG" 2>&1 < /dev/null &
+  say "building $NAME in the background at idle priority (pid $!, log: $BACKGROUND_LOG)"
+  exit 0
+fi
+if [[ -z "${PDSERVE_IMAGE_LOCKED:-}" ]]; then
+  exec 9>"$CACHE/.build.lock"
+  if ! flock -n 9; then
+    say "another build holds $CACHE/.build.lock; waiting for it"
+    flock 9
+  fi
+fi
+if built; then
   say "cached: $NAME ($(du -h "$ARCHIVE" | cut -f1) archive; $(cat "$CACHE/pdserve-$HASH.json"))"
   exit 0
 fi
 
-# --- the tools: Debian packages -------------------------------------------------------------
-missing=()
-command -v buildah >/dev/null || missing+=(buildah)
-command -v debootstrap >/dev/null || missing+=(debootstrap)
-if [[ ${#missing[@]} -gt 0 ]]; then
-  say "installing ${missing[*]} (Debian packages)"
-  if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-    "${missing[@]}" >/dev/null || die "cannot install ${missing[*]}"
-fi
+# --- the tools: Debian packages (installed before a background build starts: apt has one lock) --
+install_tools
 
 # buildah with its own storage in the cache (never the machine's /var/lib/containers).
 DRIVER="${STORAGE_DRIVER:-overlay}"
