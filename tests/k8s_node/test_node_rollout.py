@@ -33,9 +33,13 @@ PROTOCOL_LABEL = "pdserve.io/protocol-version"
 ROLL_TIMEOUT_S = 600
 PROTOCOL_BUG = ("the operator relabels the decode Services with the new protocol version at once, so an "
                 "old-version prefill (its --decode-selector names the old version) finds no decode and turns "
-                "NotReady until a new-version prefill is Ready: the router has no routable prefill meanwhile "
-                "(503s for ~50 s on this node). Old-version decode Services must stay until the prefills rolled.")
-BUG_SIGNATURE = "no prefill is routable"
+                "NotReady until a new-version prefill is Ready: meanwhile the router has no routable prefill "
+                "(503), then is NotReady itself (the Service has no endpoint: connection refused); ~55 s on this "
+                "node. Old-version decode Services must stay until the prefills rolled.")
+# what a client sees of it: the old prefill's own 503 relayed, the router's 503 (no prefill Ready), the
+# router's Service without a Ready pod (refused)
+BUG_SIGNATURES = ("no decode server could take the request", "no prefill is routable", "no prefill could be reached",
+                  "APIConnectionError: Connection error.")
 
 
 def _shape(pods: list[dict]) -> dict[str, int]:
@@ -124,6 +128,7 @@ def test_image_rollout_keeps_serving(node_kube, chat, capsys):
 def test_protocol_rollout_keeps_serving(node_kube, chat, capsys):
     new_image, new_version = _next_image(node_kube), str(PROTOCOL_VERSION + 1)
     lost = _roll(node_kube, chat, capsys, {"image": new_image, "protocolVersion": new_version}, new_image, new_version)
-    if lost and all(BUG_SIGNATURE in e for e in lost):
+    other = [e for e in lost if not any(sig in e for sig in BUG_SIGNATURES)]
+    if lost and not other:
         pytest.xfail(f"{len(lost)} stream(s) lost to a known bug: {PROTOCOL_BUG}")
-    assert lost == [], lost
+    assert lost == [], f"{len(other)} of {len(lost)} lost streams are not the known bug: {other[:5]}"
