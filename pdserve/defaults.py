@@ -9,7 +9,7 @@ in ``pdserve.engine.defaults`` (the engine imports nothing of ours) and re-expor
 from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
-           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S",
+           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S", "REQUEST_TIMEOUT_HEADER",
            "MAX_QUEUED_REQUESTS", "DISAGGREGATION_MODES", "DISAGGREGATION", "ENV_SLO_CLASSES"]
 
 # Prefill pods: the OpenAI-compatible HTTP API (also /health, /ready, /metrics).
@@ -26,6 +26,8 @@ KV_TRANSFER_PORT = 50060
 # Prefill: the end-to-end deadline of one request, in seconds (--request-timeout; clients
 # may only shorten it, with X-Request-Timeout or a gRPC deadline).
 REQUEST_TIMEOUT_S = 600.0
+# The HTTP request header that shortens it (the router forwards it to the prefill).
+REQUEST_TIMEOUT_HEADER = "X-Request-Timeout"
 
 # Prefill: requests that may wait at once in the admission queue for a decode with free KV
 # blocks (--max-queued-requests); one more gets 429.

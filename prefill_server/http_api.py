@@ -52,6 +52,7 @@ import logging
 
 from aiohttp import web
 
+from pdserve.defaults import REQUEST_TIMEOUT_HEADER
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 
@@ -61,7 +62,7 @@ from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut, parse_timeout_header
 from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
 
-TIMEOUT_HEADER = "X-Request-Timeout"
+TIMEOUT_HEADER = REQUEST_TIMEOUT_HEADER
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@
 | POST /debug/route?kind=K     | the decision for a completion (K=completion) or chat body, not  |
 |                              | sent anywhere: prefill, reason, cached blocks, ranking          |
 
-The request body goes to the prefill untouched (with the header ``X-SLO-Class``) and its
+The request body goes to the prefill untouched (with the headers ``X-SLO-Class`` and ``X-Request-Timeout``) and its
 status, content type, ``Retry-After`` and body come back unchanged (SSE chunks as they
 arrive), so a 400 or a 429 is the prefill's own. A prefill that
 cannot be connected to before its response starts is skipped for the next one in the
@@ -29,11 +29,14 @@ import time
 import aiohttp
 from aiohttp import web
 
+from pdserve.defaults import REQUEST_TIMEOUT_HEADER
+from pdserve.slo import HEADER as SLO_HEADER
+
 from .prompt import prompt_token_ids
 
 log = logging.getLogger(__name__)
 RELAYED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
-FORWARDED_HEADERS = ("X-SLO-Class",)  # request headers the prefill reads (its SLO class)
+FORWARDED_HEADERS = (SLO_HEADER, REQUEST_TIMEOUT_HEADER)  # request headers the prefill reads (SLO class, deadline)
 
 
 def _error(status: int, message: str, code: str) -> web.Response:
