@@ -14,6 +14,9 @@ from pdserve.rate_meter import RateMeter
 if TYPE_CHECKING:
     from pdserve.engine import AsyncLLMEngine, RequestOutput
 
+    from .lso import LsoController
+    from .session_metrics import SessionMetrics
+
 
 def sampling_from_proto(msg: pb.Sampling, sampling_cls):
     return sampling_cls(
@@ -26,9 +29,14 @@ def sampling_from_proto(msg: pb.Sampling, sampling_cls):
 class DecodeEngine:
     """The engine calls a DecodeSession makes."""
 
-    def __init__(self, engine: AsyncLLMEngine, sampling_cls, metrics: SessionMetrics):
-        self.engine, self.sampling_cls, self.metrics = engine, sampling_cls, metrics
+    def __init__(self, engine: AsyncLLMEngine, sampling_cls, metrics: SessionMetrics, lso: LsoController | None = None):
+        self.engine, self.sampling_cls, self.metrics, self.lso = engine, sampling_cls, metrics, lso
         self.local_prompts = RateMeter()  # tokens/s of the prompts computed here (ComputePrompt)
+
+    def track(self, request_id: str, start: pb.Start) -> None:
+        """The request joins the batch: its TBT target / evictability for the LSO controller."""
+        if self.lso is not None:
+            self.lso.track(request_id, start.tbt_target_ms, start.evictable)
 
     @property
     def num_blocks(self) -> int:
@@ -63,5 +71,8 @@ class DecodeEngine:
         return self.local_prompts.rate() or 0.0
 
     async def release(self, request_id: str) -> None:
-        """Free everything the engine holds for the request: reserved blocks or a running sequence."""
+        """Free everything the engine holds for the request: reserved blocks, a running sequence
+        or one evicted to host memory."""
+        if self.lso is not None:
+            self.lso.untrack(request_id)
         await self.engine.abort(request_id)

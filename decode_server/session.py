@@ -243,6 +243,7 @@ class DecodeSession(SessionStream):
         """Step 4: stream the engine's outputs; ``first_token`` None: compute the prompt here first."""
         deps = self.deps
         ids = list(start.prompt_token_ids)
+        deps.engine.track(self.request_id, start)
         if first_token is None:
             produced, began = 0, time.monotonic()
             outputs = deps.engine.prefill_reserved(self.request_id, ids, start.sampling)

@@ -10,6 +10,7 @@ Reading path (read in this order):
   ``sequence.py``     Sequence, RequestOutput, SequenceFactory (request validation)
   ``model.py``        DecoderModel: the Llama/Qwen2 decoder over a paged KV cache (layer callback)
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
+  ``swap.py``         Swapper: a running request's KV evicted to host memory and restored (LSO)
   ``sampling.py``     SamplingParams (validated) and the batched Sampler
   ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, for asyncio servers
   ``loader.py`` / ``config.py`` / ``checkpoint.py`` / ``tokenizer.py``: loading models

@@ -39,6 +39,7 @@ from .pd_hooks import PDHooks
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
+from .swap import Swapper
 
 
 @dataclass(slots=True)
@@ -96,6 +97,7 @@ class LLMEngine:
         self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, self.tokenizer.detokenizer,
                                        config.detokenize, self.scheduler.in_use)
         self.pd = PDHooks(self.scheduler, self.runner, self.factory, self.outputs, self.max_model_len)
+        self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
 
     # ---- public queries --------------------------------------------------------------------
     @property

@@ -39,6 +39,7 @@ class RequestOutput:
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # evicted to host memory (swap.py), out of the batch until restored
     FINISHED = "finished"
 
 
@@ -60,6 +61,7 @@ class Sequence:
     pending_ids: list[int] = field(default_factory=list)  # produced, not yet reported
     pending_text: str = ""
     emitted_len: int = 0  # characters of detok.text already put into outputs
+    swapped_kv: object = None  # SWAPPED: its KV on the host (a torch tensor, swap.py)
 
     all_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step (read-only for callers)
 

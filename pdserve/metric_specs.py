@@ -98,8 +98,14 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("disaggregation_decisions", "pdserve_disaggregation_decisions_total", _C,
                "Prefill: where each P/D request's prompt was computed (decision=remote|local) and why.",
                ("decision", "reason")),
+    MetricSpec("kv_evictions", "pdserve_kv_evictions_total", _C,
+               "Decode: batch requests whose KV went to host memory so an interactive request meets its TBT "
+               "(action=evict), and came back (action=restore).", ("action",)),
     # gauges
     MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),
+    MetricSpec("kv_swapped_requests", "pdserve_kv_swapped_requests", _G,
+               "Decode: requests evicted to host memory now (out of the running batch until restored)."),
+    MetricSpec("kv_swapped_bytes", "pdserve_kv_swapped_bytes", _G, "Decode: bytes of KV evicted to host memory now."),
     MetricSpec("kv_blocks_used", "pdserve_kv_blocks_used", _G, "KV cache blocks in use."),
     MetricSpec("requests_running", "pdserve_requests_running", _G, "Requests in the running batch."),
     MetricSpec("requests_waiting", "pdserve_requests_waiting", _G, "Requests waiting to be scheduled."),

@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import AsyncLLMEngine
     from pdserve.protos import session_pb2_grpc as pb_grpc
+    from pdserve.slo import SloClass
 
     from .disaggregator import Disaggregator
 
@@ -119,12 +120,15 @@ class SessionRunner:
         self.prefill_slots = asyncio.Semaphore(config.prefills_ahead)
 
     async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None,
-                  deadline: float | None = None, on_allocated: Callable[[], None] | None = None):
+                  deadline: float | None = None, on_allocated: Callable[[], None] | None = None,
+                  slo_class: SloClass | None = None):
         """Async generator of Deltas for one request served by the decode at ``address``.
 
         ``deadline`` (``time.monotonic()`` seconds) is the request's end-to-end deadline:
         the Session call gets it (plus ``DEADLINE_SLACK_S``) as its gRPC deadline.
         ``on_allocated`` is called once the decode allocated (after the observer was told).
+        ``slo_class``: the request's SLO class; the decode learns its TBT target and whether it
+        may evict the request's KV (``decode_server/lso.py``).
         Raises Retryable before the first Delta, DecodeFailed after it.
         """
         cfg = self.config
@@ -145,6 +149,8 @@ class SessionRunner:
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
                 blocks_needed=n_blocks, compat=cfg.compat, protocol_version=PROTOCOL_VERSION,
                 timeout_s=cfg.session_timeout_s, reuse_prefix=cfg.reuse_prefix,
+                tbt_target_ms=(slo_class.tbt_ms or 0) if slo_class else 0,
+                evictable=slo_class.evictable if slo_class else False,
             )
             alloc = await self._allocation(call, address, start)
             timings.allocated, timings.cached_blocks = time.monotonic(), alloc.cached_blocks

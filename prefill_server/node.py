@@ -188,7 +188,8 @@ class PrefillNode:
                     attempt += 1
                     # once a decode allocated, the next request in line may go (the picker counts this one)
                     stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings, deadline,
-                                                     on_allocated=ticket.admitted)
+                                                     on_allocated=ticket.admitted,
+                                                     slo_class=slo.cls if slo is not None else None)
                     try:
                         try:
                             first = await stream.__anext__()

@@ -96,7 +96,7 @@ def held(health: dict) -> dict:
     for key, value in (health.get("cachestore") or {}).items():
         if isinstance(value, (int, float)) and any(k in key for k in HELD_KEYS):
             out[f"cachestore.{key}"] = value
-    for key in ("in_flight", "queued", "slo_running"):  # prefill: in flight, in its admission queue, admitted
+    for key in ("in_flight", "queued", "slo_running", "swapped_requests"):  # prefill: in flight, queued, admitted; decode: evicted
         if key in health:
             out[key] = health[key]
     return out
