@@ -74,6 +74,9 @@ class LsoController:
         self._lock = threading.Lock()  # hints are written on the event loop, read on the engine thread
         self.step_s: float | None = None
         self._since_evict = cooldown
+        if metrics is not None:  # both series exist from the start (a panel shows 0, not "no data")
+            for action in ("evict", "restore"):
+                metrics.kv_evictions.labels(action=action)
 
     def track(self, request_id: str, tbt_target_ms: int, evictable: bool) -> None:
         if tbt_target_ms <= 0 and not evictable:
