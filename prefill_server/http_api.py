@@ -70,6 +70,33 @@ def _json_error(status: int, message: str, type_: str, param=None, code=None) ->
     return web.json_response(oa.error_body(message, type_, param, code), status=status)
 
 
+# How a request that was accepted but not served fails, before its first token: exception ->
+# (HTTP status, OpenAI error type, code), first match wins (QueueFull and RequestTooLarge are
+# kinds of NoDecodeAvailable). The Batch API records the same answers (batch_runner.py).
+FAILURES = (
+    (RequestTooLarge, 413, "invalid_request_error", "request_too_large"),
+    (QueueFull, 429, "overloaded_error", "queue_full"),
+    (Rejected, 429, "rate_limit_error", "slo_cannot_be_met"),
+    (NoDecodeAvailable, 503, "service_unavailable", "no_decode_available"),
+    (DecodeFailed, 502, "server_error", "decode_failed"),
+    (RequestTimedOut, 504, "timeout_error", "request_timeout"),
+)
+FAILURE_TYPES = tuple(f[0] for f in FAILURES)
+
+
+def failure(exc: BaseException) -> tuple[int, str, str]:
+    """(HTTP status, error type, code) of one of FAILURE_TYPES."""
+    return next((status, type_, code) for kind, status, type_, code in FAILURES if isinstance(exc, kind))
+
+
+def _failure_response(exc: BaseException) -> web.Response:
+    status, type_, code = failure(exc)
+    resp = _json_error(status, str(exc), type_, code=code)
+    if isinstance(exc, Rejected):
+        resp.headers["Retry-After"] = str(exc.retry_after_s)
+    return resp
+
+
 class HttpApi:
     def __init__(self, frontend, health_fn, metrics=None, is_draining=lambda: False):
         self.fe, self.health_fn, self.metrics, self.is_draining = frontend, health_fn, metrics, is_draining
@@ -151,20 +178,8 @@ class HttpApi:
         try:
             try:
                 first = await pieces.__anext__()
-            except RequestTooLarge as exc:
-                return _json_error(413, str(exc), "invalid_request_error", code="request_too_large")
-            except QueueFull as exc:
-                return _json_error(429, str(exc), "overloaded_error", code="queue_full")
-            except Rejected as exc:
-                resp = _json_error(429, str(exc), "rate_limit_error", code="slo_cannot_be_met")
-                resp.headers["Retry-After"] = str(exc.retry_after_s)
-                return resp
-            except NoDecodeAvailable as exc:
-                return _json_error(503, str(exc), "service_unavailable", code="no_decode_available")
-            except DecodeFailed as exc:
-                return _json_error(502, str(exc), "server_error", code="decode_failed")
-            except RequestTimedOut as exc:
-                return _json_error(504, str(exc), "timeout_error", code="request_timeout")
+            except FAILURE_TYPES as exc:
+                return _failure_response(exc)
             if not parsed.stream:
                 return await self._collect(parsed, len(prompt_ids), first, pieces)
             return await self._sse(request, parsed, len(prompt_ids), first, pieces)
