@@ -35,6 +35,10 @@ Request lifecycle on prefill:
    the end, whatever happened (a client disconnect cancels the Session, so decode frees
    its side at once).
 
+Batch jobs (OpenAI's /v1/files and /v1/batches, ``batch_api.py``): kept in --batch-db (SQLite);
+their lines run as step 1-8 requests, at most --batch-max-in-flight at once, in the SLO class
+--batch-slo-class; unfinished jobs resume at start-up, each line finishing exactly once.
+
 KV events for routers (``pdserve.kv_events``, ``protos/kv_events.proto``) are served on the
 gRPC port: the prefix cache's hash set as a snapshot then BlockStored/BlockRemoved events
 stamped with this process's epoch and a sequence number, and ``GetLoad``.

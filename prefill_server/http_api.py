@@ -10,6 +10,7 @@
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
 | GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
+| /v1/files, /v1/batches       | the OpenAI Batch API (``batch_api.py``, added by ``cli.py``)  |
 
 Streaming (``stream: true``), as vLLM does: one event per generated token, in order, whose
 ``text`` (chat: ``delta.content``) is the text that token releases, ``""`` when it releases

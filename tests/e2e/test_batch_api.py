@@ -44,9 +44,10 @@ def cluster(tmp_path_factory):
     try:
         decode = start_decode(group, "tcp", num_blocks=64, name="decode")
         wait_ready(decode)
-        prefill = _prefill(group, decode, tmp / "db" / "batch.sqlite", "prefill", ["--batch-max-in-flight", "2"])
+        db = tmp / "db" / "batch.sqlite"
+        prefill = _prefill(group, decode, db, "prefill", ["--batch-max-in-flight", "2"])
         wait_ready(prefill)
-        yield {"group": group, "decode": decode, "prefill": prefill, "tmp": tmp}
+        yield {"group": group, "decode": decode, "prefill": prefill, "db": db}
     finally:
         group.close()
 
@@ -163,26 +164,25 @@ def test_refused_uploads_and_unknown_ids(servers):
 
 
 def test_restart_mid_job_finishes_every_line_exactly_once(servers):
-    group, decode, tmp = servers["group"], servers["decode"], servers["tmp"]
-    db = tmp / "restart" / "batch.sqlite"
-    n = 24
-    first = _prefill(group, decode, db, "prefill-a", ["--batch-max-in-flight", "4"])
-    wait_ready(first)
+    """Runs last: the module's prefill is SIGKILLed and replaced by one on the same database."""
+    group, decode, first = servers["group"], servers["decode"], servers["prefill"]
+    n = 16
     client = _client(first)
-    file_id = _upload(client, [_chat_line(f"r{i}", f"story {i}", max_tokens=48) for i in range(n)])
+    file_id = _upload(client, [_chat_line(f"r{i}", f"story {i}", max_tokens=32) for i in range(n)])
     batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
     deadline = time.monotonic() + 60
     while True:  # kill it with some lines done and others in flight
         health = get_json(first.url + "/health")[1]
         b = client.batches.retrieve(batch.id)
-        if b.request_counts.completed >= 3 and health["batch"]["lines_in_flight"] >= 1:
+        if b.request_counts.completed >= 2 and health["batch"]["lines_in_flight"] >= 1:
             break
-        assert b.status == "in_progress" or b.status == "validating", b
+        assert b.status in ("validating", "in_progress"), b
         assert time.monotonic() < deadline, (b, health)
         time.sleep(0.02)
     group.kill(first.proc)
     done_before = b.request_counts.completed  # read before the kill: at least this many were recorded
-    second = _prefill(group, decode, db, "prefill-b", ["--batch-max-in-flight", "4"])
+    assert done_before < n
+    second = servers["prefill"] = _prefill(group, decode, servers["db"], "prefill-restarted", ["--batch-max-in-flight", "2"])
     wait_ready(second)
     client = _client(second)
     done = _wait(client, batch.id)
@@ -191,6 +191,3 @@ def test_restart_mid_job_finishes_every_line_exactly_once(servers):
     assert sorted(o["custom_id"] for o in out) == sorted(f"r{i}" for i in range(n)), "every line exactly once"
     ran_after = get_json(second.url + "/health")[1]["batch"]["lines_run"]
     assert ran_after <= n - done_before, (ran_after, done_before)
-    readings = wait_all_released([second, decode], timeout=30.0)
-    assert nothing_held(readings), readings
-    group.kill(second.proc, 15)
