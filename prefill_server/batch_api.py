@@ -57,19 +57,10 @@ class BatchService:
     @classmethod
     def start(cls, args, frontend) -> BatchService:
         """From the flags: open the database, pick the SLO class, start the runner (resuming jobs)."""
-        for flag in ("batch_max_in_flight", "batch_max_file_bytes"):
-            if getattr(args, flag) < 1:
-                raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-        slo_class = None
+        slo_class = None  # flags checked by cli.run: --batch-slo-class names a declared class
         if frontend.slo is not None:
-            name = args.batch_slo_class
             classes = frontend.slo.classes
-            if name is not None and name not in classes.names():
-                raise SystemExit(f"pdserve prefill: --batch-slo-class {name!r} is not a declared SLO class; known: "
-                                 f"{classes.known()}")
-            slo_class = classes.by_name.get(name or defaults.BATCH_SLO_CLASS, classes.default)
-        elif args.batch_slo_class is not None:
-            raise SystemExit("pdserve prefill: --batch-slo-class needs SLO classes")
+            slo_class = classes.by_name.get(args.batch_slo_class or defaults.BATCH_SLO_CLASS, classes.default)
         if not args.batch_db:
             return cls(None, None, args.batch_max_file_bytes, "the Batch API is off on this server (--batch-db '')")
         path = os.path.expanduser(args.batch_db)

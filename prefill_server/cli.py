@@ -154,7 +154,8 @@ def make_discovery(args):
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "prefill")
-    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout", "prefills_ahead"):
+    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout", "prefills_ahead",
+                 "batch_max_in_flight", "batch_max_file_bytes"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
             raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {value}")
@@ -165,6 +166,9 @@ def run(args: argparse.Namespace) -> int:
         args.slo = slo_classes.load(args.slo_classes)
     except ValueError as exc:
         raise SystemExit(f"pdserve prefill: {exc}")
+    if args.batch_slo_class is not None and args.batch_slo_class not in args.slo.names():
+        raise SystemExit(f"pdserve prefill: --batch-slo-class {args.batch_slo_class!r} is not a declared SLO class; "
+                         f"known: {args.slo.known()}")
     if args.discovery == "static" and not discovery.addresses() and not args.local_fallback:
         log.warning("no --decode given and no --local-fallback: every request will get 503")
     return asyncio.run(serve(args, discovery))

@@ -6,7 +6,8 @@ the real ``openai`` client.
   wrong url, no body, GET, duplicate custom_id) are per-line errors in the error file and
   the job completes; the lines ran in the SLO class ``batch``; batches.list pages with
   limit/after;
-- cancel mid-job -> cancelled, with the lines that finished;
+- cancel mid-job -> cancelled, with the lines that finished; online requests are served while
+  a job runs, and at most --batch-max-in-flight lines are in flight;
 - an oversized upload, a non-JSONL upload, a purpose other than batch, an unknown input
   file, an unknown batch: clear 4xx errors naming the problem;
 - a prefill SIGKILLed while lines are in flight, started again on the same database,
@@ -136,6 +137,10 @@ def test_cancel_mid_job(servers):
     while b.status != "in_progress" or b.request_counts.completed < 1:
         b = client.batches.retrieve(batch.id)
         time.sleep(0.05)
+    # online traffic is served meanwhile; batch lines never exceed --batch-max-in-flight
+    online = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+    assert online.choices[0].finish_reason == "length"
+    assert get_json(servers["prefill"].url + "/health")[1]["batch"]["lines_in_flight"] <= 2
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
     done = _wait(client, batch.id)
