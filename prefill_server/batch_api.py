@@ -29,6 +29,7 @@ import time
 from functools import partial
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from pdserve import defaults
 
@@ -103,17 +104,20 @@ class BatchService:
             return _error(400, f"POST /v1/files takes multipart/form-data with the fields 'file' and 'purpose', got "
                                f"{request.content_type or 'no content type'}", "invalid_content_type")
         purpose, filename, content, size = None, None, bytearray(), 0
-        async for part in await request.multipart():
-            if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file":
-                filename = part.filename or "upload.jsonl"
-                while chunk := await part.read_chunk(CHUNK):
-                    size += len(chunk)  # read to the end (the client is still sending), keep at most the limit
-                    if size <= self.max_file_bytes:
-                        content += chunk
-            else:
-                await part.release()
+        try:
+            async for part in await request.multipart():
+                if part.name == "purpose":
+                    purpose = (await part.text()).strip()
+                elif part.name == "file":
+                    filename = part.filename or "upload.jsonl"
+                    while chunk := await part.read_chunk(CHUNK):
+                        size += len(chunk)  # read to the end (the client is still sending), keep at most the limit
+                        if size <= self.max_file_bytes:
+                            content += chunk
+                else:
+                    await part.release()
+        except (ValueError, AssertionError, HttpProcessingError) as exc:  # aiohttp's complaints about the framing
+            return _error(400, f"malformed multipart body: {str(exc)[:200] or type(exc).__name__}", "invalid_multipart")
         if purpose != "batch":
             return _error(400, f"purpose must be 'batch' (the only purpose this server serves), got {purpose!r}",
                           "invalid_purpose", "purpose")
