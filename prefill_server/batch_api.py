@@ -3,7 +3,8 @@
 | route                              | answer                                                      |
 |------------------------------------|-------------------------------------------------------------|
 | POST /v1/files                     | multipart ``file`` (JSONL) + ``purpose=batch`` -> the file object |
-| GET  /v1/files/{id}                | the file object                                              |
+| GET  /v1/files/{id}                | the file object (DELETE: deletes it)                         |
+| GET  /v1/files?purpose=&limit=&after= | newest first, ``limit`` 1-10000 (10000)                    |
 | GET  /v1/files/{id}/content        | the file's bytes (inputs, and the output/error files of batches) |
 | POST /v1/batches                   | ``{input_file_id, endpoint, completion_window: "24h", metadata?}`` -> the batch (validating) |
 | GET  /v1/batches/{id}              | the batch: status, ``request_counts``, output/error file ids  |
@@ -87,7 +88,9 @@ class BatchService:
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload)
+        app.router.add_get("/v1/files", self.files)
         app.router.add_get("/v1/files/{id}", self.file)
+        app.router.add_delete("/v1/files/{id}", self.delete_file)
         app.router.add_get("/v1/files/{id}/content", self.content)
         app.router.add_post("/v1/batches", self.create)
         app.router.add_get("/v1/batches", self.list)
@@ -137,6 +140,26 @@ class BatchService:
         obj = await self.store("file", request.match_info["id"])
         return web.json_response(obj) if obj else _not_found("file", request.match_info["id"])
 
+    async def delete_file(self, request: web.Request) -> web.Response:
+        if off := self._off():
+            return off
+        fid = request.match_info["id"]
+        if not await self.store("delete_file", fid):
+            return _not_found("file", fid)
+        return web.json_response({"id": fid, "object": "file", "deleted": True})
+
+    async def files(self, request: web.Request) -> web.Response:
+        if off := self._off():
+            return off
+        limit = _limit(request, 10000, 10000)
+        if isinstance(limit, web.Response):
+            return limit
+        try:
+            page, more = await self.store("list_files", limit, request.query.get("after"), request.query.get("purpose"))
+        except KeyError:
+            return _error(400, f"after: no file {request.query.get('after')[:64]!r}", "invalid_after", "after")
+        return _page(page, more)
+
     async def content(self, request: web.Request) -> web.Response:
         if off := self._off():
             return off
@@ -174,19 +197,14 @@ class BatchService:
     async def list(self, request: web.Request) -> web.Response:
         if off := self._off():
             return off
-        try:
-            limit = int(request.query.get("limit", "20"))
-        except ValueError:
-            limit = 0
-        if not 1 <= limit <= 100:
-            return _error(400, f"limit must be an integer in [1, 100], got {request.query.get('limit')!r}",
-                          "invalid_limit", "limit")
+        limit = _limit(request, 20, 100)
+        if isinstance(limit, web.Response):
+            return limit
         try:
             page, more = await self.store("list_batches", limit, request.query.get("after"))
         except KeyError:
             return _error(400, f"after: no batch {request.query.get('after')[:64]!r}", "invalid_after", "after")
-        return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                                  "last_id": page[-1]["id"] if page else None, "has_more": more})
+        return _page(page, more)
 
     async def cancel(self, request: web.Request) -> web.Response:
         if off := self._off():
@@ -200,6 +218,22 @@ class BatchService:
             return _error(409, str(exc), "batch_not_cancellable")
         self.runner.wake()
         return web.json_response(obj)
+
+
+def _limit(request: web.Request, default: int, most: int) -> int | web.Response:
+    try:
+        limit = int(request.query.get("limit", str(default)))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= most:
+        return _error(400, f"limit must be an integer in [1, {most}], got {request.query.get('limit')!r}",
+                      "invalid_limit", "limit")
+    return limit
+
+
+def _page(page: list[dict], more: bool) -> web.Response:
+    return web.json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": more})
 
 
 def _too_large(size: int, limit: int):

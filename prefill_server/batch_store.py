@@ -110,6 +110,26 @@ class BatchStore:
                 "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
                 "status_details": None}
 
+    def list_files(self, limit: int, after: str | None = None, purpose: str | None = None) -> tuple[list[dict], bool]:
+        """Newest first; ``after`` a file id: those uploaded before it; ``purpose`` filters. (page, has_more)."""
+        where, params = [], []
+        if after is not None:
+            row = self.db.execute("SELECT seq FROM files WHERE id=?", (after,)).fetchone()
+            if row is None:
+                raise KeyError(after)
+            where.append("seq<?")
+            params.append(row["seq"])
+        if purpose is not None:
+            where.append("purpose=?")
+            params.append(purpose)
+        rows = self.db.execute(f"SELECT id FROM files {'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY seq DESC "
+                               f"LIMIT ?", (*params, limit + 1)).fetchall()
+        return [self.file(r["id"]) for r in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, file_id: str) -> bool:
+        with self._tx() as db:
+            return db.execute("DELETE FROM files WHERE id=?", (file_id,)).rowcount == 1
+
     def file_content(self, file_id: str) -> bytes | None:
         row = self.db.execute("SELECT content FROM files WHERE id=?", (file_id,)).fetchone()
         return None if row is None else bytes(row["content"])

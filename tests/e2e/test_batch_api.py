@@ -9,7 +9,7 @@ the real ``openai`` client.
 - cancel mid-job -> cancelled, with the lines that finished; online requests are served while
   a job runs, and at most --batch-max-in-flight lines are in flight;
 - an oversized upload, a non-JSONL upload, a purpose other than batch, an unknown input
-  file, an unknown batch: clear 4xx errors naming the problem;
+  file, an unknown batch: clear 4xx errors naming the problem; files.list and files.delete;
 - a prefill SIGKILLed while lines are in flight, started again on the same database,
   finishes the job with every line in the output exactly once, and no line recorded
   before the kill runs again;
@@ -166,6 +166,11 @@ def test_refused_uploads_and_unknown_ids(servers):
         client.batches.retrieve("batch_nope")
     with pytest.raises(NotFoundError):
         client.files.content("file-nope")
+    file_id = _upload(client, [_chat_line("a", "x")])  # list and delete
+    assert file_id in [f.id for f in client.files.list(purpose="batch", limit=5).data]
+    assert client.files.delete(file_id).deleted
+    with pytest.raises(NotFoundError):
+        client.files.retrieve(file_id)
 
 
 def test_restart_mid_job_finishes_every_line_exactly_once(servers):

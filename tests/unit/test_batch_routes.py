@@ -77,6 +77,15 @@ def test_files_batches_list_and_cancel(tmp_path):
         assert (await (await client.get(f"/v1/files/{f['id']}/content")).read()) == (LINE + "\n").encode()
         assert (await (await client.get(f"/v1/files/{f['id']}")).json()) == f
         await _err(await client.get("/v1/files/file-nope"), 404)
+        other = await (await client.post("/v1/files", data=_form((LINE + "\n").encode(), name="two.jsonl"))).json()
+        listed = await (await client.get("/v1/files?limit=1")).json()
+        assert [x["id"] for x in listed["data"]] == [other["id"]] and listed["has_more"]
+        listed = await (await client.get(f"/v1/files?after={other['id']}&purpose=batch")).json()
+        assert [x["id"] for x in listed["data"]] == [f["id"]] and not listed["has_more"]
+        assert (await (await client.get("/v1/files?purpose=batch_output")).json())["data"] == []
+        assert (await _err(await client.get("/v1/files?limit=10001"), 400))["param"] == "limit"
+        assert (await (await client.delete(f"/v1/files/{other['id']}")).json())["deleted"] is True
+        await _err(await client.delete(f"/v1/files/{other['id']}"), 404)
         e = await _err(await client.post("/v1/batches", data=b"{nope"), 400)
         assert e["code"] == "invalid_json"
         e = await _err(await client.post("/v1/batches", json={"input_file_id": "file-nope", "endpoint": "/v1/completions",
