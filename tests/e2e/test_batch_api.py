@@ -44,9 +44,9 @@ def cluster(tmp_path_factory):
     group = ProcessGroup(log_dir=tmp / "logs")
     try:
         decode = start_decode(group, "tcp", num_blocks=64, name="decode")
-        wait_ready(decode)
         db = tmp / "db" / "batch.sqlite"
-        prefill = _prefill(group, decode, db, "prefill", ["--batch-max-in-flight", "2"])
+        prefill = _prefill(group, decode, db, "prefill", ["--batch-max-in-flight", "2"])  # both load at once
+        wait_ready(decode)
         wait_ready(prefill)
         yield {"group": group, "decode": decode, "prefill": prefill, "db": db}
     finally:
