@@ -251,13 +251,23 @@ DECODE_POOL_ITEM = _obj(
     required=["name"],
 )
 
+BATCH_STORAGE = _obj(
+    {
+        "pvcName": _str(f"A PersistentVolumeClaim for the database, mounted read-write at {defaults.BATCH_DATA_MOUNT} "
+                        "(jobs then survive the pod). One prefill per database: with a ReadWriteOnce claim run one "
+                        "prefill replica.", minLength=1, maxLength=253),
+    },
+    description="Where prefill pods keep the OpenAI Batch API's jobs and files (a SQLite database, docs/batch.md). "
+                "Without pvcName: in the pod's emptyDir, which survives container restarts but not the pod.",
+)
+
 ISVC_SPEC = _obj(
     {
         "model": MODEL,
         "image": IMAGE,
         "imagePullPolicy": PULL_POLICY,
         "protocolVersion": PROTOCOL,
-        "prefill": _obj(_pool_properties("Prefill pods."), description="The prefill pool (the front door when "
+        "prefill": _obj({**_pool_properties("Prefill pods."), "batchStorage": BATCH_STORAGE}, description="The prefill pool (the front door when "
                         "there is no router).", default={}),
         "router": ROUTER,
         "decode": {
@@ -369,7 +379,7 @@ def _pool_spec(role: str) -> dict:
     }
     required = ["inferenceService", "model", "image", "protocolVersion"]
     if role == "prefill":
-        properties.update({"routing": ROUTING, "slo": SLO})
+        properties.update({"routing": ROUTING, "slo": SLO, "batchStorage": BATCH_STORAGE})
     else:
         properties["poolName"] = _str("The pool's name in the InferenceService.", pattern=naming.DNS_LABEL,
                                       maxLength=naming.MAX_POOL_NAME)

@@ -51,6 +51,7 @@ def pool_selector(pool: dict) -> dict[str, str]:
 PRESTOP_SLEEP_S = 5
 DRAIN_TIMEOUT_S = int(defaults.REQUEST_TIMEOUT_S)
 TERMINATION_GRACE_S = PRESTOP_SLEEP_S + DRAIN_TIMEOUT_S + 15
+BATCH_DB_IN_POD = f"{defaults.BATCH_DATA_MOUNT}/batch.sqlite"  # with spec.batchStorage.pvcName
 
 
 def prefill_args(pool: dict) -> list[str]:
@@ -70,7 +71,7 @@ def prefill_args(pool: dict) -> list[str]:
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
-    ]
+    ] + (["--batch-db", BATCH_DB_IN_POD] if spec.get("batchStorage", {}).get("pvcName") else [])
 
 
 def decode_args(pool: dict) -> list[str]:
@@ -134,6 +135,16 @@ def model_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
     return volumes, mounts
 
 
+def batch_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
+    """A prefill's Batch API database volume when ``spec.batchStorage.pvcName`` names one (else the
+    database is under HOME=/tmp, the emptyDir)."""
+    claim = spec.get("batchStorage", {}).get("pvcName")
+    if not claim:
+        return [], []
+    return ([{"name": "batch", "persistentVolumeClaim": {"claimName": claim}}],
+            [{"name": "batch", "mountPath": defaults.BATCH_DATA_MOUNT}])
+
+
 def container_security() -> dict:
     return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]}}
@@ -150,6 +161,9 @@ def build_deployment(pool: dict) -> dict:
     labels = pool_labels(pool)
     http_port = defaults.HTTP_PORT if role == "prefill" else defaults.DECODE_HTTP_PORT
     volumes, mounts = model_volumes(spec)
+    if role == "prefill":
+        extra_volumes, extra_mounts = batch_volumes(spec)
+        volumes, mounts = volumes + extra_volumes, mounts + extra_mounts
     container = {
         "name": role,
         "image": spec["image"],

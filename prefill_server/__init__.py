@@ -22,6 +22,10 @@ Reading path (in this order):
   ``grpc_api.py``           Generator.Generate (server streaming)
   ``openai_api.py``         OpenAI request validation and response/SSE shapes (pure)
   ``text_stream.py``        token deltas -> text deltas with stop strings cut (pure)
+  ``batch_api.py``          the OpenAI Batch API's routes (/v1/files, /v1/batches) and its start-up (docs/batch.md)
+  ``batch_runner.py``       BatchRunner: a job's statuses, its lines through the Frontend, a bounded number in flight
+  ``batch_store.py``        BatchStore: files, jobs and lines in SQLite; each line recorded exactly once
+  ``batch_lines.py``        the Batch API's input checks: uploads, batch parameters, per-line errors (pure)
 
 Decode discovery lives in ``pdserve.discovery`` (static list or Kubernetes EndpointSlices).
 """

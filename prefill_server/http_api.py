@@ -10,6 +10,7 @@
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
 | GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
+| /v1/files, /v1/batches       | the OpenAI Batch API (``batch_api.py``, added by ``cli.py``)  |
 
 Streaming (``stream: true``), as vLLM does: one event per generated token, in order, whose
 ``text`` (chat: ``delta.content``) is the text that token releases, ``""`` when it releases
@@ -69,6 +70,33 @@ log = logging.getLogger(__name__)
 
 def _json_error(status: int, message: str, type_: str, param=None, code=None) -> web.Response:
     return web.json_response(oa.error_body(message, type_, param, code), status=status)
+
+
+# How a request that was accepted but not served fails, before its first token: exception ->
+# (HTTP status, OpenAI error type, code), first match wins (QueueFull and RequestTooLarge are
+# kinds of NoDecodeAvailable). The Batch API records the same answers (batch_runner.py).
+FAILURES = (
+    (RequestTooLarge, 413, "invalid_request_error", "request_too_large"),
+    (QueueFull, 429, "overloaded_error", "queue_full"),
+    (Rejected, 429, "rate_limit_error", "slo_cannot_be_met"),
+    (NoDecodeAvailable, 503, "service_unavailable", "no_decode_available"),
+    (DecodeFailed, 502, "server_error", "decode_failed"),
+    (RequestTimedOut, 504, "timeout_error", "request_timeout"),
+)
+FAILURE_TYPES = tuple(f[0] for f in FAILURES)
+
+
+def failure(exc: BaseException) -> tuple[int, str, str]:
+    """(HTTP status, error type, code) of one of FAILURE_TYPES."""
+    return next((status, type_, code) for kind, status, type_, code in FAILURES if isinstance(exc, kind))
+
+
+def _failure_response(exc: BaseException) -> web.Response:
+    status, type_, code = failure(exc)
+    resp = _json_error(status, str(exc), type_, code=code)
+    if isinstance(exc, Rejected):
+        resp.headers["Retry-After"] = str(exc.retry_after_s)
+    return resp
 
 
 class HttpApi:
@@ -152,20 +180,8 @@ class HttpApi:
         try:
             try:
                 first = await pieces.__anext__()
-            except RequestTooLarge as exc:
-                return _json_error(413, str(exc), "invalid_request_error", code="request_too_large")
-            except QueueFull as exc:
-                return _json_error(429, str(exc), "overloaded_error", code="queue_full")
-            except Rejected as exc:
-                resp = _json_error(429, str(exc), "rate_limit_error", code="slo_cannot_be_met")
-                resp.headers["Retry-After"] = str(exc.retry_after_s)
-                return resp
-            except NoDecodeAvailable as exc:
-                return _json_error(503, str(exc), "service_unavailable", code="no_decode_available")
-            except DecodeFailed as exc:
-                return _json_error(502, str(exc), "server_error", code="decode_failed")
-            except RequestTimedOut as exc:
-                return _json_error(504, str(exc), "timeout_error", code="request_timeout")
+            except FAILURE_TYPES as exc:
+                return _failure_response(exc)
             if not parsed.stream:
                 return await self._collect(parsed, len(prompt_ids), first, pieces)
             return await self._sse(request, parsed, len(prompt_ids), first, pieces)
