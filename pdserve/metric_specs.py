@@ -119,7 +119,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kv_link_rate", "pdserve_kv_link_bytes_per_second", _G,
                "Prefill: measured KV transfer bandwidth of its recent transfers (marginal, bytes over link-busy "
                "time, the per-transfer fixed time apart)."),
-    # SLO classes and the global queue (pdserve.slo); slo_class is a name from spec.slo
+)
+
+# SLO classes and the global queue (pdserve.slo), in every front door (the prefill, the router);
+# slo_class is a name from spec.slo
+SLO_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("slo_requests", "pdserve_slo_requests_total", _C,
                "Requests by SLO class and outcome (ok|error|cancelled|rejected: refused at once, early rejection).",
                ("slo_class", "outcome")),
@@ -127,7 +131,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests that met or missed their class's targets, by target (ttft|tbt|e2e|all) and result (met|missed).",
                ("slo_class", "target", "result")),
     MetricSpec("slo_queue_time", "pdserve_slo_queue_time_seconds", _H,
-               "Arrival of a request to leaving the global queue (a decode allocated), by SLO class.", ("slo_class",)),
+               "Arrival of a request to leaving the global queue (prefill: a decode allocated; router: sent on to a "
+               "prefill), by SLO class.", ("slo_class",)),
     MetricSpec("slo_estimate_error", "pdserve_slo_estimate_error_seconds", _H,
                "|estimate at arrival - actual| of a request's queue time (part=queue) and completion time (part=e2e).",
                ("slo_class", "part")),
@@ -137,6 +142,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("slo_queued", "pdserve_slo_queued", _G, "Requests waiting in the global queue, by SLO class.",
                ("slo_class",)),
 )
+METRICS = METRICS + SLO_METRICS
 
 
 ROUTER_METRICS: tuple[MetricSpec, ...] = (
@@ -162,4 +168,4 @@ ROUTER_METRICS: tuple[MetricSpec, ...] = (
                "Router: block hashes the index holds for each prefill.", ("prefill",)),
     MetricSpec("router_routable_prefills", "pdserve_router_routable_prefills", _G,
                "Router: prefills with a fresh, ready load report."),
-)
+) + SLO_METRICS  # its SLO queue (router/slo_gate.py), when SLO classes are declared

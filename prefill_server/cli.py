@@ -246,7 +246,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         reason = "draining" if draining["on"] else ("" if ready else picker.why_none())
         return kpb.ServerLoad(ready=ready, not_ready_reason=reason, in_flight=frontend.in_flight,
                               num_requests=engine.num_requests(), kv_blocks_free=engine.num_free_blocks(),
-                              kv_blocks_total=engine.num_blocks, http_port=args.port)
+                              kv_blocks_total=engine.num_blocks, http_port=args.port, queued=len(node.queue))
 
     def engine_load() -> EngineLoad:
         # running: a decode Session open (or decoding locally); waiting: admitted, no decode yet

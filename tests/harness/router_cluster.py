@@ -19,7 +19,7 @@ def start_prefills(group, n: int = 2, extra=()) -> tuple[Server, list[Server]]:
 
 
 def start_router(group, prefills: list[Server], http_port: int | None = None, grpc_port: int = 0,
-                 name: str = "router", prefill_file=None) -> Server:
+                 name: str = "router", prefill_file=None, extra=()) -> Server:
     """``pdserve router`` over the prefills (load polled every 0.1 s); gRPC Generate when grpc_port is given;
     ``prefill_file``: file discovery (the prefills are written there) instead of a static list."""
     http_port = http_port or free_port()
@@ -31,6 +31,7 @@ def start_router(group, prefills: list[Server], http_port: int | None = None, gr
         args += ["--prefill", ",".join(p.grpc_address for p in prefills)]
     if grpc_port:
         args += ["--grpc-port", str(grpc_port)]
+    args += list(extra)
     return Server(group.pdserve(*args, name=name), http_port, grpc_port, 0, name)
 
 
