@@ -117,11 +117,15 @@ def pod_env(spec: dict, role: str, pool_name: str) -> list[dict]:
         {"name": "PDSERVE_PROTOCOL_VERSION", "value": spec["protocolVersion"]},
     ]
     if role == "prefill":
-        # spec.slo as it is (pdserve.slo.classes parses it in the pod); keys sorted so that an
-        # unchanged SLO never changes the pod template
-        slo = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **spec.get("slo", {})}
-        env.append({"name": defaults.ENV_SLO_CLASSES, "value": json.dumps(slo, sort_keys=True, separators=(",", ":"))})
+        env.append({"name": defaults.ENV_SLO_CLASSES, "value": slo_json(spec.get("slo", {}))})
     return env
+
+
+def slo_json(slo: dict) -> str:
+    """spec.slo as it is, with the default targets (pdserve.slo.classes parses it in the pod); keys
+    sorted so that an unchanged SLO never changes the pod template."""
+    full = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **slo}
+    return json.dumps(full, sort_keys=True, separators=(",", ":"))
 
 
 def model_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
