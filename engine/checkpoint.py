@@ -1,9 +1,10 @@
 """Hugging Face checkpoint layout: tensor names, random weights, and writing safetensors.
 
 ``hf_tensor_shapes(cfg)`` says which tensors a checkpoint holds and their shapes (each
-layer's from its family's ``checkpoint_tensors``, ``engine/models/``); the loader checks checkpoints against it, and tests/benchmarks use
-``random_hf_weights`` + ``save_hf_checkpoint`` to write checkpoints that transformers and our
-loader both read.
+layer's from its family's ``checkpoint_tensors`` in ``engine/models/``); the loader checks
+checkpoints against it, and tests/benchmarks use ``random_hf_weights`` +
+``save_hf_checkpoint`` to write Llama/Qwen2 checkpoints that transformers and our loader both
+read (the other families' test checkpoints are written by transformers).
 """
 
 from __future__ import annotations
