@@ -73,6 +73,7 @@ class DecoderModel(nn.Module):
         self.attn_scale = cfg.query_pre_attn_scalar**-0.5 if cfg.query_pre_attn_scalar else None
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.rope_kinds = tuple({layer.rope_local for layer in self.layers})  # local (Gemma 3) and/or global
         self.norm = layer_cls.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -108,7 +109,7 @@ class DecoderModel(nn.Module):
 
     def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple]:
         """{local?: (cos, sin)} for the tables the layers use."""
-        return {local: self._rope(positions, dtype, local) for local in {layer.rope_local for layer in self.layers}}
+        return {local: self._rope(positions, dtype, local) for local in self.rope_kinds}
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(x)
