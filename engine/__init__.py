@@ -8,12 +8,15 @@ Reading path (read in this order):
   ``model_runner.py`` ModelRunner: sequences -> ForwardBatch (ids, positions, KV slots) -> tokens
   ``outputs.py``      OutputProcessor: EOS/stop ids, stop strings (``stop_strings.py``), RequestOutput
   ``sequence.py``     Sequence, RequestOutput, SequenceFactory (request validation)
-  ``model.py``        DecoderModel: the Llama/Qwen2 decoder over a paged KV cache (layer callback)
+  ``model.py``        DecoderModel: the decoder over a paged KV cache (layer callback); attention
+                      math (scale, soft-capping, sliding-window masks) in ``attention.py``
+  ``models/``         each family's decoder layer: llama.py (Llama, Mistral, Qwen2), qwen3.py,
+                      qwen3_moe.py (experts), gemma.py (Gemma 2, Gemma 3 text)
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
   ``swap.py``         Swapper: a running request's KV evicted to host memory and restored (LSO)
   ``sampling.py``     SamplingParams (validated) and the batched Sampler
   ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, for asyncio servers
-  ``loader.py`` / ``config.py`` / ``checkpoint.py`` / ``tokenizer.py``: loading models
+  ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)
 
