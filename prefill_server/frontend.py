@@ -73,6 +73,7 @@ class Piece:
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list | None = None  # the token's TokenLogprob (pdserve.engine.logprobs) when the request asked
 
 
 class Frontend:
@@ -98,12 +99,23 @@ class Frontend:
             raise BadRequest(str(exc), "priority" if header is None else SLO_HEADER, "unknown_slo_class") from None
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
+        """The (first) prompt's token ids."""
+        return self.prompt_ids_list(parsed)[0]
+
+    def prompt_ids_list(self, parsed: ParsedRequest) -> list[list[int]]:
+        """Every prompt's token ids: the chat template's, or each of /v1/completions' prompts."""
         if parsed.kind == "chat":
             text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text)
-        if parsed.prompt_token_ids is not None:
-            return list(parsed.prompt_token_ids)
-        return self.tokenizer.encode(parsed.prompt)
+            return [self.tokenizer.encode(text)]
+        return [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in parsed.prompts]
+
+    def echo_texts(self, parsed: ParsedRequest, prompts: list[list[int]]) -> list[str]:
+        """Per prompt, the text ``echo`` puts before each choice's text ("" without echo)."""
+        if not parsed.echo:
+            return [""] * len(prompts)
+        if parsed.sampling.logprobs is not None:
+            raise BadRequest("echo together with logprobs is not supported (it needs the prompt's logprobs)", "echo")
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(parsed.prompts, prompts)]
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -119,6 +131,9 @@ class Frontend:
             raise BadRequest(
                 f"prompt has {n_prompt} tokens but the model's context length is {self.max_model_len} "
                 f"(prompt plus at least one generated token must fit)", "prompt", "context_length_exceeded")
+        for name in ("logprobs", "response_format"):  # parsed, not served yet
+            if getattr(spec, name) is not None:
+                raise BadRequest(f"{name} is not supported by this server yet", name)
         max_tokens = spec.max_tokens
         if max_tokens is None:
             max_tokens = min(room, DEFAULT_CHAT_MAX_TOKENS if kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS)
@@ -179,8 +194,9 @@ class Frontend:
                     clock.token(len(delta.token_ids))
                 if slo is not None and delta.token_ids:
                     self.slo.token(slo, len(delta.token_ids))
-                for token_id in delta.token_ids:  # one Piece per token, its text possibly ""
-                    yield Piece([token_id], text.add([token_id]))
+                lps = delta.logprobs or ()
+                for k, token_id in enumerate(delta.token_ids):  # one Piece per token, its text possibly ""
+                    yield Piece([token_id], text.add([token_id]), logprobs=list(lps[k:k + 1]) or None)
                     if text.stopped:
                         # a stop string ends here; tokens after it (the engine stops on its
                         # next step, or already did) are not the client's

