@@ -185,6 +185,11 @@ class HFTokenizer(_ChatTemplateMixin):
         self.eos_token_ids = sorted(set(eos))
         self.vocab_size = self._tok.get_vocab_size()
 
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` (its vocabulary, for constrained decoding: engine/grammar.py)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve import defaults
+from pdserve.engine.grammar import GrammarSpec, Grammars
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 
@@ -88,6 +89,7 @@ class Frontend:
         self.in_flight = 0
         self.active: set[str] = set()  # request ids in flight (client-given ids must be unique)
         self.slo = slo  # the SLO classes and the global queue (pdserve.slo)
+        self._grammars: Grammars | None = None  # compiles response_format schemas (validation), on first use
 
     def slo_class(self, header: str | None, priority=None) -> SloClass | None:
         """The request's SLO class from the X-SLO-Class header / body priority; BadRequest naming the known ones."""
@@ -131,9 +133,7 @@ class Frontend:
             raise BadRequest(
                 f"prompt has {n_prompt} tokens but the model's context length is {self.max_model_len} "
                 f"(prompt plus at least one generated token must fit)", "prompt", "context_length_exceeded")
-        for name in ("logprobs", "response_format"):  # parsed, not served yet
-            if getattr(spec, name) is not None:
-                raise BadRequest(f"{name} is not supported by this server yet", name)
+        grammar = self.grammar(spec)
         max_tokens = spec.max_tokens
         if max_tokens is None:
             max_tokens = min(room, DEFAULT_CHAT_MAX_TOKENS if kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS)
@@ -145,9 +145,25 @@ class Frontend:
             return self.sampling_cls(
                 max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                 seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+                logprobs=spec.logprobs, grammar=grammar,
             )
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+
+    def grammar(self, spec: SamplingSpec) -> GrammarSpec | None:
+        """The request's response_format as the engine's GrammarSpec, compiled once here so a schema
+        the grammar library refuses is a BadRequest naming response_format (not a decode failure)."""
+        rf = spec.response_format
+        if rf is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size or self.tokenizer.vocab_size)
+        grammar = GrammarSpec(rf.kind, rf.schema)
+        try:
+            self._grammars.check(grammar)
+        except ValueError as exc:
+            raise BadRequest(f"response_format: {exc}", "response_format") from None
+        return grammar
 
     async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None,
                      slo_class: SloClass | None = None):

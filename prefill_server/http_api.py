@@ -11,12 +11,19 @@
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
 | GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
 
-Streaming (``stream: true``), as vLLM does: one event per generated token, in order, whose
+Choices: a request has (prompts on /v1/completions) x ``n`` choices, choice ``p * n + j`` the
+j-th sample of prompt p (``choices.py``), each its own sequence over P/D; ``usage`` sums them
+(each prompt's tokens counted once). With ``echo`` a choice's text starts with its prompt's;
+with ``logprobs`` each token carries its logprob (``openai_logprobs.py``); ``response_format``
+holds the output to JSON / a JSON Schema (engine/grammar.py).
+
+Streaming (``stream: true``), per choice, as vLLM does: one event per generated token, in order, whose
 ``text`` (chat: ``delta.content``) is the text that token releases, ``""`` when it releases
 none (the token ends inside a UTF-8 character, decodes to nothing, or might begin a stop
 string: that text is held back and goes out with the event of the token that completes it);
 then one event with ``finish_reason`` that carries no token, its text what was still held
-back at the end (usually ``""``; chat: no ``content``); then the usage event
+back at the end (usually ``""``; chat: no ``content``); events of several choices interleave
+(each has its ``index``); after the last choice's finish the usage event
 (``stream_options.include_usage``) and ``data: [DONE]``. So the events without a
 finish_reason number exactly ``usage.completion_tokens``, and their texts joined with the
 last one's equal the non-streamed text. Chat: the first event also has ``role``. A stop

@@ -2,16 +2,15 @@
 
 ``parse_completion(body)`` / ``parse_chat(body)`` turn a decoded JSON body into a
 ``ParsedRequest`` or raise ``BadRequest`` naming the field; ``error_body`` builds the
-OpenAI error object; the ``*_response`` and ``*_chunk`` helpers build the JSON the
-client sees; ``sse`` frames one Server-Sent Event.
+OpenAI error object; ``choice`` / ``response`` / ``chunk`` / ``usage_chunk`` build the JSON
+the client sees (one entry per choice, indexed); ``sse`` frames one Server-Sent Event.
 
-Every number a request may carry is checked against one table, ``NUMBERS`` (field ->
-type, range, default; null/absent = the default), token-id lists by ``check_token_ids``
-(ids in [0, vocab) where the vocabulary is known, else the int32 wire range): huge
-integers, 1e308, NaN/Infinity (Python's json accepts them), booleans, strings and lists are
-a BadRequest naming the field and the allowed range, never an error further in (the
-Session's int32/int64 fields, the sampler's float32 arithmetic). gRPC Generate uses the
-same table (``parse_sampling``).
+Every number a request may carry is checked against one table, ``NUMBERS`` in
+``openai_numbers.py`` (re-exported here), so huge integers, NaN/Infinity, booleans and
+strings in numeric fields are a BadRequest naming the field and the allowed range. gRPC
+Generate uses the same table (``parse_sampling``). The request shapes beyond sampling (a list
+of prompts, ``n``, ``echo``, ``logprobs``, ``response_format``, ``tools``) are parsed by
+``openai_params.py``.
 
 Checks that need the tokenizer or the model's context length (prompt too long) are made
 by the server after tokenizing; they raise ``BadRequest`` too.

@@ -121,3 +121,73 @@ def test_bad_shapes_get_400_naming_the_field(cluster):
         assert status == 400 and got["error"]["param"] == param, (body, got)
     status, got = post_json(url + "/v1/completions", {"model": M, "prompt": "ok", "max_tokens": 2})
     assert status == 200, got
+
+
+def _colocated_logprobs(ids, max_tokens, k):
+    """The engine's own greedy tokens and logprobs, in process (one engine, no P/D)."""
+    import torch
+
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(load_model(M), EngineConfig(num_blocks=16, max_num_seqs=1))
+    engine.add_request("x", ids, SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=k))
+    tokens, lps = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += out.new_token_ids
+            lps += out.logprobs or []
+    return tokens, lps
+
+
+def test_completion_logprobs_match_the_engine(client):
+    ids = [256, *b"Once upon"]
+    out = client.completions.create(model=M, prompt=ids, max_tokens=6, temperature=0, logprobs=3)
+    lp = out.choices[0].logprobs
+    tokens, expected = _colocated_logprobs(ids, 6, 3)
+    assert len(lp.tokens) == len(tokens) == out.usage.completion_tokens
+    # the first token's logprob was computed on prefill, the others on decode: all as colocated
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected], abs=1e-4)
+    for got, e in zip(lp.top_logprobs, expected):
+        assert len(got) == 3
+        assert sorted(got.values(), reverse=True) == pytest.approx([v for _, v in e.top], abs=1e-4)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_chat_logprobs_streamed(client):
+    chunks = list(client.chat.completions.create(model=M, messages=CHAT, max_tokens=5, temperature=0, stream=True,
+                                                 logprobs=True, top_logprobs=2))
+    entries = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    whole = client.chat.completions.create(model=M, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
+                                           top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert len(entries) == len(content) == whole.usage.completion_tokens
+    for a, b in zip(entries, content):
+        assert (a.token, a.bytes) == (b.token, b.bytes) and a.logprob == pytest.approx(b.logprob, abs=1e-5)
+        assert len(a.top_logprobs) == 2 and a.top_logprobs[0].logprob >= a.logprob - 1e-6  # greedy: the top one
+    plain = client.chat.completions.create(model=M, messages=CHAT, max_tokens=5, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}, "tag": {"enum": ["a", "bc"]}},
+          "required": ["n", "ok", "tag"], "additionalProperties": False}
+
+
+def test_response_format_json_schema_and_object(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA}}
+    out = client.chat.completions.create(model=M, messages=CHAT, max_tokens=40, temperature=1.0, seed=5, n=3,
+                                         response_format=fmt)
+    for c in out.choices:
+        doc = json.loads(c.message.content)
+        assert set(doc) == {"n", "ok", "tag"} and 0 <= doc["n"] <= 99 and doc["tag"] in ("a", "bc"), doc
+        assert isinstance(doc["ok"], bool) and c.finish_reason == "stop"
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(
+        model=M, messages=CHAT, max_tokens=40, temperature=0, response_format=fmt, stream=True))
+    assert set(json.loads(streamed)) == {"n", "ok", "tag"}
+    obj = client.completions.create(model=M, prompt="data:", max_tokens=60, temperature=0,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    text = obj.choices[0].text
+    assert text.startswith("{")
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)

@@ -1,0 +1,76 @@
+"""choices.py (the choices of one request: ids, seeds, merging, siblings after the first piece,
+an error cancels the rest) and openai_logprobs.py (OpenAI's logprobs shapes), in process."""
+
+import asyncio
+
+import pytest
+
+from pdserve.engine.logprobs import TokenLogprob
+from pdserve.engine.sampling import SamplingParams
+from pdserve.engine.tokenizer import ByteTokenizer
+from pdserve.prefill_server.choices import merged, plan
+from pdserve.prefill_server.frontend import Piece
+from pdserve.prefill_server.openai_logprobs import FLOOR, LogprobsFormatter
+
+
+def test_plan_numbers_choices_and_seeds():
+    sps = [SamplingParams(seed=7), SamplingParams()]
+    cs = plan("r", [[1], [2, 3]], sps, 2)
+    assert [(c.index, c.prompt_index, c.request_id) for c in cs] == [(0, 0, "r"), (1, 0, "r-c1"), (2, 1, "r-c2"),
+                                                                     (3, 1, "r-c3")]
+    assert [c.sampling.seed for c in cs] == [7, 8, None, None]
+
+
+def _fake(log, fail_at=None):
+    async def start(c):
+        log.append(("start", c.index))
+        try:
+            for k in range(3):
+                await asyncio.sleep(0.001)
+                if fail_at == (c.index, k):
+                    raise RuntimeError("boom")
+                yield Piece([k], "t")
+            yield Piece([], "", True, "length")
+        finally:
+            log.append(("closed", c.index))
+    return start
+
+
+def test_merged_starts_siblings_after_the_first_piece_and_ends_all():
+    log = []
+
+    async def main():
+        cs = plan("r", [[1], [2]], [SamplingParams(), SamplingParams()], 2)
+        return [e async for e in merged(cs, _fake(log))]
+
+    events = asyncio.run(main())
+    assert sorted(log[:2]) == [("start", 0), ("start", 2)]  # the leaders first
+    assert sum(1 for _, p in events if p.finished) == 4 and len(events) == 16
+    assert sorted(i for kind, i in log if kind == "closed") == [0, 1, 2, 3]
+
+
+def test_an_error_cancels_the_other_choices():
+    log = []
+
+    async def main():
+        cs = plan("r", [[1]], [SamplingParams()], 3)
+        async for _ in merged(cs, _fake(log, fail_at=(1, 1))):
+            pass
+
+    with pytest.raises(RuntimeError, match="boom"):
+        asyncio.run(main())
+    assert sorted(i for kind, i in log if kind == "closed") == [0, 1, 2]
+
+
+def test_logprobs_shapes():
+    lps = [TokenLogprob(104, -0.5, ((104, -0.5), (105, -1.0))), TokenLogprob(0xC3, float("-inf"), ((0xC3, -3.0),))]
+    comp = LogprobsFormatter("completion", ByteTokenizer(), 2)
+    part = comp.add(lps[:1], [0])
+    assert part == {"tokens": ["h"], "token_logprobs": [-0.5], "top_logprobs": [{"h": -0.5, "i": -1.0}], "text_offset": [0]}
+    comp.add(lps[1:], [1])
+    assert comp.whole()["token_logprobs"] == [-0.5, FLOOR] and comp.whole()["text_offset"] == [0, 1]
+    assert LogprobsFormatter("completion", ByteTokenizer(), 0).add(lps[:1], [0])["top_logprobs"] is None
+    chat = LogprobsFormatter("chat", ByteTokenizer(), 1)
+    entry = chat.add(lps[1:], [0])["content"][0]
+    assert entry["bytes"] == [0xC3] and entry["logprob"] == FLOOR and entry["top_logprobs"][0]["bytes"] == [0xC3]
+    assert chat.whole() == {"content": [entry]}
