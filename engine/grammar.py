@@ -7,7 +7,9 @@ xgrammar (the ``grammar`` extra: ``pip install pdserve[grammar]``, imported on f
   sends prompt + the tokens produced so far; the matcher is rebuilt by accepting them).
 - ``Grammars(tokenizer, vocab_size)``: one per engine; the tokenizer's vocabulary as xgrammar
   sees it (the built-in byte tokenizer: one raw byte per id, BOS a special token, EOS the stop
-  token; a ``tokenizer.json``: through transformers' fast tokenizer), compiled grammars cached.
+  token; a ``tokenizer.json``: its vocabulary and encoding, as xgrammar reads a Hugging Face
+  fast tokenizer), compiled grammars cached. ``eos_ids``: the tokens that end the output
+  (default: the tokenizer's).
   ``check(spec)`` raises ValueError naming what is wrong (a schema xgrammar refuses);
   ``matcher(spec, prompt_ids)`` the state one sequence carries.
 - ``Matcher``: ``mask(logits_row)`` sets every token the grammar forbids next to -inf;
@@ -50,8 +52,8 @@ def _xgr():
     return xgrammar
 
 
-def _tokenizer_info(xgr, tokenizer, vocab_size: int):
-    eos = list(getattr(tokenizer, "eos_token_ids", []) or []) or None
+def _tokenizer_info(xgr, tokenizer, vocab_size: int, eos_ids):
+    eos = sorted(eos_ids if eos_ids is not None else getattr(tokenizer, "eos_token_ids", None) or []) or None
     backend = getattr(tokenizer, "backend", None)  # HFTokenizer: the tokenizers.Tokenizer
     if backend is None:  # the built-in byte tokenizer: ids 0..255 are bytes, the rest special ("")
         vocab = [bytes([i]) if i < 256 else "" for i in range(vocab_size)]
@@ -68,8 +70,8 @@ def _tokenizer_info(xgr, tokenizer, vocab_size: int):
 
 
 class Grammars:
-    def __init__(self, tokenizer, vocab_size: int):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer, vocab_size: int, eos_ids=None):
+        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
         self._compiler = None
         self._compiled: dict[tuple[str, str | None], object] = {}
 
@@ -78,7 +80,7 @@ class Grammars:
         if key not in self._compiled:
             xgr = _xgr()
             if self._compiler is None:
-                info = _tokenizer_info(xgr, self.tokenizer, self.vocab_size)
+                info = _tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.eos_ids)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1)
             schema = spec.schema if spec.kind == "json_schema" else '{"type": "object"}'
             try:

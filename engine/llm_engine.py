@@ -94,7 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
         self.outputs = OutputProcessor(set(loaded.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)
-        self.grammars = Grammars(self.tokenizer, cfg.vocab_size)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.outputs.eos_ids)
         self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, self.tokenizer.detokenizer,
                                        config.detokenize, self.scheduler.in_use, self.grammars)
         self.pd = PDHooks(self.scheduler, self.runner, self.factory, self.outputs, self.max_model_len)

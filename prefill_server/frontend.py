@@ -107,7 +107,10 @@ class Frontend:
     def prompt_ids_list(self, parsed: ParsedRequest) -> list[list[int]]:
         """Every prompt's token ids: the chat template's, or each of /v1/completions' prompts."""
         if parsed.kind == "chat":
-            text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
+            if parsed.tools:
+                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tools=parsed.tools)
+            else:
+                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
             return [self.tokenizer.encode(text)]
         return [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in parsed.prompts]
 

@@ -23,8 +23,9 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from .openai_params import (ResponseFormat, parse_choices, parse_echo, parse_logprobs, parse_prompts,
+from .openai_params import (ResponseFormat, parse_choices, parse_echo, parse_logprobs, parse_message, parse_prompts,
                             parse_response_format, parse_tools)
+from .openai_tools import tool_grammar
 from .openai_numbers import (DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, INT32_MAX, INT64_MAX,
                              MAX_STOP_SEQUENCES, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P,
                              NUMBERS, BadRequest, NumberField, check_number, check_token_ids)
@@ -180,25 +181,6 @@ def parse_completion(body: dict, served_model: str, max_model_len: int | None = 
                          n=n, echo=echo)
 
 
-def _message_text(message, index: int) -> dict:
-    if not isinstance(message, dict):
-        raise BadRequest(f"messages[{index}] must be an object", "messages")
-    role = message.get("role")
-    if role not in ("system", "user", "assistant", "developer", "tool"):
-        raise BadRequest(f"messages[{index}].role must be one of system, user, assistant, got {role!r}", "messages")
-    content = message.get("content")
-    if isinstance(content, list):  # content parts: keep the text ones
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise BadRequest(f"messages[{index}].content parts must be {{'type': 'text', 'text': ...}}", "messages")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise BadRequest(f"messages[{index}].content must be a string", "messages")
-    return {"role": "system" if role == "developer" else role, "content": content}
-
-
 def parse_chat(body: dict, served_model: str, max_model_len: int | None = None, vocab_size: int | None = None) -> ParsedRequest:
     model, stream, include_usage = _common(body, served_model)
     messages = body.get("messages")
@@ -206,11 +188,16 @@ def parse_chat(body: dict, served_model: str, max_model_len: int | None = None, 
         raise BadRequest("missing required field 'messages'", "messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("messages must be a non-empty list", "messages")
-    parsed = [_message_text(m, i) for i, m in enumerate(messages)]
+    parsed = [parse_message(m, i) for i, m in enumerate(messages)]
     sampling = _sampling(body, "chat", ("max_tokens", "max_completion_tokens"), max_model_len, vocab_size)
     if body.get("echo") not in (None, False):
         raise BadRequest("echo is a /v1/completions field", "echo")
-    tools, tool_choice = parse_tools(body)
+    tools, tool_choice, parallel = parse_tools(body)
+    forced = tool_grammar(tools, tool_choice, parallel)
+    if forced is not None:
+        if sampling.response_format is not None:
+            raise BadRequest("response_format cannot be combined with a tool_choice that forces a call", "response_format")
+        sampling.response_format = forced
     return ParsedRequest("chat", model, sampling, messages=parsed, stream=stream, include_usage=include_usage,
                          n=parse_choices(body), tools=tools, tool_choice=tool_choice)
 

@@ -125,13 +125,19 @@ def parse_response_format(body: dict) -> ResponseFormat | None:
     return ResponseFormat("json_schema", json.dumps(schema), name)
 
 
-def parse_tools(body: dict) -> tuple[list[dict] | None, str | dict | None]:
-    """``tools`` (each ``{"type": "function", "function": {"name", "parameters"?}}``) and ``tool_choice``."""
+def parse_tools(body: dict) -> tuple[list[dict] | None, str | dict | None, bool]:
+    """``tools`` (each ``{"type": "function", "function": {"name", "parameters"?}}``), ``tool_choice``
+    and ``parallel_tool_calls`` (may one answer hold several calls; default true)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is None:
+        parallel = True
+    if not isinstance(parallel, bool):
+        raise BadRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     if tools is None:
         if choice not in (None, "none"):
             raise BadRequest("tool_choice needs tools", "tool_choice")
-        return None, None
+        return None, None, parallel
     if not isinstance(tools, list) or not tools:
         raise BadRequest("tools must be a non-empty list", "tools")
     names = []
@@ -152,4 +158,51 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | dict | None]:
             raise BadRequest(f"tool_choice must name one of the tools: {names}", "tool_choice")
     elif choice not in ("none", "auto", "required"):
         raise BadRequest("tool_choice must be none, auto, required or {\"type\": \"function\", ...}", "tool_choice")
-    return tools, choice
+    return tools, choice, parallel
+
+
+def parse_message(message, index: int) -> dict:
+    """One chat message -> {"role", "content"} (text parts joined; system for developer), plus an
+    assistant's ``tool_calls`` and a tool message's ``tool_call_id`` for the chat template."""
+    if not isinstance(message, dict):
+        raise BadRequest(f"messages[{index}] must be an object", "messages")
+    role = message.get("role")
+    if role not in ("system", "user", "assistant", "developer", "tool"):
+        raise BadRequest(f"messages[{index}].role must be one of system, user, assistant, tool, got {role!r}", "messages")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: keep the text ones
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"messages[{index}].content parts must be {{'type': 'text', 'text': ...}}", "messages")
+            texts.append(part["text"])
+        content = "".join(texts)
+    calls = message.get("tool_calls")
+    if content is None and role == "assistant" and calls:
+        content = ""
+    if not isinstance(content, str):
+        raise BadRequest(f"messages[{index}].content must be a string", "messages")
+    out = {"role": "system" if role == "developer" else role, "content": content}
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                for c in calls):
+            raise BadRequest(f"messages[{index}].tool_calls must be a list of {{\"function\": {{\"name\", \"arguments\"}}}} "
+                             "on an assistant message", "messages")
+        out["tool_calls"] = [_call_for_template(c) for c in calls]
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str):
+            raise BadRequest(f"messages[{index}].tool_call_id must be a string (the call this answers)", "messages")
+        out["tool_call_id"] = message["tool_call_id"]
+    return out
+
+
+def _call_for_template(call: dict) -> dict:
+    """An assistant's tool call as chat templates read it (arguments as an object where they parse)."""
+    fn = call["function"]
+    args = fn.get("arguments", "{}")
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        pass
+    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}

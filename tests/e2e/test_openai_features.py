@@ -191,3 +191,39 @@ def test_response_format_json_schema_and_object(client):
     assert text.startswith("{")
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather in a city", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}, "days": {"type": "integer", "minimum": 1,
+                                                                                 "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                    "additionalProperties": False}}}]
+
+
+def test_tools_forced_required_auto_and_a_tool_turn(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    out = client.chat.completions.create(model=M, messages=CHAT, tools=TOOLS, tool_choice=named, max_tokens=40,
+                                         temperature=0)
+    c = out.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None
+    call = c.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Oslo", "Rome") and 1 <= args["days"] <= 7
+    req = client.chat.completions.create(model=M, messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=60,
+                                         temperature=1.0, seed=3, parallel_tool_calls=False)
+    calls = req.choices[0].message.tool_calls
+    assert req.choices[0].finish_reason == "tool_calls" and calls and {x.function.name for x in calls} <= {"get_weather", "now"}
+    auto = client.chat.completions.create(model=M, messages=CHAT, tools=TOOLS, max_tokens=8, temperature=0)
+    assert auto.choices[0].message.tool_calls is None and isinstance(auto.choices[0].message.content, str)
+    # the call and its result go back to the model as a conversation (the chat template renders them)
+    turn = CHAT + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                   {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    again = client.chat.completions.create(model=M, messages=turn, tools=TOOLS, max_tokens=4, temperature=0)
+    assert again.usage.prompt_tokens > out.usage.prompt_tokens
+    streamed = list(client.chat.completions.create(model=M, messages=CHAT, tools=TOOLS, tool_choice=named,
+                                                   max_tokens=40, temperature=0, stream=True))
+    deltas = [d for ch in streamed for ch_c in ch.choices for d in (ch_c.delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather"
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == args
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"

@@ -74,3 +74,54 @@ def test_logprobs_shapes():
     entry = chat.add(lps[1:], [0])["content"][0]
     assert entry["bytes"] == [0xC3] and entry["logprob"] == FLOOR and entry["top_logprobs"][0]["bytes"] == [0xC3]
     assert chat.whole() == {"content": [entry]}
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now"}}]
+
+
+def test_tool_calls_parsed_from_text():
+    from pdserve.prefill_server.openai_tools import parse_tool_calls
+
+    text = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    content, calls = parse_tool_calls(text, TOOLS, "auto")
+    assert content == "Let me check." and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
+    content, calls = parse_tool_calls('{"name": "now", "parameters": {}}', TOOLS, "auto")  # Llama 3's shape
+    assert content is None and calls[0]["function"]["name"] == "now"
+    for plain in ("hello", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>{broken</tool_call>"):
+        assert parse_tool_calls(plain, TOOLS, "auto") == (plain, [])
+    assert parse_tool_calls(text, TOOLS, "none") == (text, [])
+    content, calls = parse_tool_calls('[{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "x"}}]',
+                                      TOOLS, "required")
+    assert content is None and [c["function"]["name"] for c in calls] == ["now", "get_weather"]
+    forced = {"type": "function", "function": {"name": "get_weather"}}
+    assert parse_tool_calls('{"city": "Rome"}', TOOLS, forced)[1][0]["function"] == {"name": "get_weather",
+                                                                                   "arguments": '{"city": "Rome"}'}
+
+
+def test_tool_request_shapes():
+    from pdserve.prefill_server.openai_api import BadRequest, parse_chat
+
+    msgs = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    r = parse_chat({"model": "m", "messages": msgs, "tools": TOOLS,
+                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "m")
+    assert r.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert r.messages[2]["tool_call_id"] == "c1" and r.sampling.response_format.kind == "json_schema"
+    assert parse_chat({"model": "m", "messages": msgs[:1], "tools": TOOLS}, "m").sampling.response_format is None
+    for extra, param in [({"tools": [{"type": "function"}]}, "tools"), ({"tools": "x"}, "tools"),
+                         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools"),
+                         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                         ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+                         ({"tool_choice": "required"}, "tool_choice"),
+                         ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+                          "response_format")]:
+        with pytest.raises(BadRequest) as info:
+            parse_chat({"model": "m", "messages": msgs[:1], **extra}, "m")
+        assert info.value.param == param, (extra, info.value.message)
+    with pytest.raises(BadRequest, match="tool_call_id"):
+        parse_chat({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "m")
