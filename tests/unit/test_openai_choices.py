@@ -125,3 +125,15 @@ def test_tool_request_shapes():
         assert info.value.param == param, (extra, info.value.message)
     with pytest.raises(BadRequest, match="tool_call_id"):
         parse_chat({"model": "m", "messages": [{"role": "tool", "content": "x"}]}, "m")
+
+
+def test_a_resumed_request_feeds_its_grammar_the_produced_tokens():
+    from pdserve.engine.grammar import GrammarSpec
+    from pdserve.prefill_server.node import resumed
+
+    sp = SamplingParams(max_tokens=10, grammar=GrammarSpec("json_object"), logprobs=2)
+    assert resumed(sp, 0) is sp
+    once = resumed(sp, 3)
+    assert (once.max_tokens, once.grammar.feed, once.logprobs) == (7, 3, 2)
+    # a second failure: the prompt now holds all produced tokens (node.generate sends prompt + produced)
+    assert resumed(sp, 5).grammar.feed == 5 and resumed(SamplingParams(max_tokens=4), 1).grammar is None
