@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from harness.pd_cluster import nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import get_json, metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
 from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.slow
@@ -52,6 +52,22 @@ def test_prompt_list_and_n_greedy(client):
     assert by[2] == by[3] == _one(client, "The fox")
     assert out.usage.prompt_tokens == (1 + 5) + (1 + 7)  # each prompt once (BOS + bytes), not n times
     assert 4 <= out.usage.completion_tokens <= 4 * 8
+
+
+def test_n_choices_share_the_prompts_prefill(cluster, client):
+    """The siblings of a prompt start after its first choice's first token: its full blocks are then in
+    prefill's prefix cache (each sibling's prefill computes only the last partial block) and in the
+    decode's (only that block's KV moves)."""
+    url = cluster["prefill"].url
+    ids = [256] + [(7 * i) % 250 for i in range(150)]  # 151 tokens: 2 full blocks of 64, and 23 more
+    before = metric(url, "pdserve_prefix_cache_hit_tokens_total")
+    out = client.completions.create(model=M, prompt=ids, n=3, max_tokens=3, temperature=0)
+    assert len({c.text for c in out.choices}) == 1 and len(out.choices) == 3
+    assert metric(url, "pdserve_prefix_cache_hit_tokens_total") - before == 2 * 2 * 64  # 2 siblings x 2 blocks
+    # and the decode held them too (its prefix cache): only the last block's KV moved for the siblings
+    rid = out.id.removeprefix("cmpl-")
+    timings = [get_json(f"{url}/debug/requests/{r}")[1] for r in (rid, f"{rid}-c1", f"{rid}-c2")]
+    assert [t["decode_cached_blocks"] for t in timings] == [0, 2, 2], timings
 
 
 def test_token_id_prompts_with_echo(client):
