@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AsyncIterator
 
+from pdserve.engine.grammar import GrammarSpec
 from pdserve.protos import session_pb2 as pb
 from pdserve.rate_meter import RateMeter
 
@@ -23,6 +24,9 @@ def sampling_from_proto(msg: pb.Sampling, sampling_cls):
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        grammar=GrammarSpec(msg.grammar.kind, msg.grammar.schema or None, msg.grammar.feed)
+        if msg.HasField("grammar") else None,
     )
 
 

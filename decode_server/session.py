@@ -66,6 +66,7 @@ import grpc
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
 from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
+from pdserve.protos.logprobs import logprob_to_proto
 
 from . import admission
 from .registry import SessionInfo, SessionRegistry
@@ -260,7 +261,8 @@ class DecodeSession(SessionStream):
                     began = None
                 if out.new_token_ids:
                     produced += len(out.new_token_ids)
-                    await self.write(tokens=pb.Tokens(token_ids=list(out.new_token_ids)))
+                    lps = [logprob_to_proto(lp) for lp in out.logprobs or ()]
+                    await self.write(tokens=pb.Tokens(token_ids=list(out.new_token_ids), logprobs=lps))
                 if out.finished:
                     await self.write(finish=pb.Finish(finish_reason=out.finish_reason or "stop", completion_tokens=produced))
                     self.outcome = ("ok", out.finish_reason or "stop")

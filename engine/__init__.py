@@ -15,6 +15,9 @@ Reading path (read in this order):
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
   ``swap.py``         Swapper: a running request's KV evicted to host memory and restored (LSO)
   ``sampling.py``     SamplingParams (validated) and the batched Sampler
+  ``sampling.py``     SamplingParams (validated) and the batched Sampler; ``token_logprobs``
+  ``grammar.py``      constrained decoding (xgrammar): GrammarSpec, Grammars, a Matcher per sequence
+  ``logprobs.py``     TokenLogprob (torch-free)
   ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, for asyncio servers
   ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
@@ -47,7 +50,12 @@ Colocated::
     engine.add_request(request_id, prompt_token_ids, sampling)
     engine.step() -> list[RequestOutput]
         # RequestOutput(request_id, new_token_ids, finished, finish_reason "stop"|"length"|"abort"|None,
-        #               text (delta), num_prompt_tokens, num_cached_tokens, error)
+        #               text (delta), num_prompt_tokens, num_cached_tokens, error,
+        #               logprobs: one TokenLogprob per new token when SamplingParams.logprobs is set)
+    SamplingParams(..., logprobs=k, grammar=GrammarSpec("json_schema", schema_text, feed=0))
+        # logprobs: the raw log-softmax of each sampled token + its k most likely alternatives;
+        # grammar: the sampler picks only tokens the grammar allows (xgrammar); feed = trailing
+        # prompt tokens already generated under it (a resumed request)
     engine.abort(request_id)    # frees its blocks; True if it knew the request
 
 P/D, prefill side::
@@ -58,6 +66,7 @@ P/D, prefill side::
         # Raises OutOfBlocksError if the blocks are not free now (caller may retry or fall back).
     firsts = engine.prefill_many([(rid, ids, sampling), ...], on_layer=cb2)  # one forward, {rid: token}
         # cb2(layer_idx, {rid: block_ids}); all or nothing on errors
+    engine.prefill_logprob(request_id)  # the first token's TokenLogprob (None unless asked), before release
     engine.release(request_id)  # the caller frees the blocks once the KV is sent
     engine.prefill_counters     # (prompt tokens computed by prefill_only/many, seconds): measured throughput
 

@@ -148,6 +148,10 @@ class AsyncLLMEngine:
         """LLMEngine.prefill_many (several prompts, one forward) on the engine thread."""
         return await self._call(self.engine.prefill_many, requests, on_layer)
 
+    async def prefill_logprob(self, request_id: str):
+        """The first token's TokenLogprob of a held prefill_only request (None unless it asked)."""
+        return await self._call(self.engine.prefill_logprob, request_id)
+
     async def prefill_block_ids(self, request_id: str) -> list[int]:
         return await self._call(self.engine.prefill_block_ids, request_id)
 

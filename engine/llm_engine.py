@@ -31,6 +31,7 @@ from typing import Callable
 from .block_manager import BlockManager, blocks_needed
 from .defaults import BLOCK_SIZE
 from .errors import OutOfBlocksError
+from .grammar import Grammars
 from .kv_cache import KVCache
 from .loader import LoadedModel
 from .model_runner import ModelRunner
@@ -94,8 +95,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
         self.outputs = OutputProcessor(set(loaded.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.outputs.eos_ids)
         self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, self.tokenizer.detokenizer,
-                                       config.detokenize, self.scheduler.in_use)
+                                       config.detokenize, self.scheduler.in_use, self.grammars)
         self.pd = PDHooks(self.scheduler, self.runner, self.factory, self.outputs, self.max_model_len)
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
 
@@ -177,11 +179,11 @@ class LLMEngine:
         outputs = [take_output(seq) for seq in self.scheduler.take_done_early()]
         batch = self.scheduler.schedule()
         if batch:
-            tokens = self.runner.forward_and_sample(batch, None)
-            for seq, token in zip(batch, tokens):
+            tokens, logprobs = self.runner.forward_sample(batch, None)
+            for seq, token, logprob in zip(batch, tokens, logprobs):
                 seq.num_computed = seq.num_tokens
                 self.scheduler.register_blocks(seq)
-                self.outputs.append_token(seq, token)
+                self.outputs.append_token(seq, token, logprob)
         for seq in batch:
             if seq.status is Status.FINISHED:
                 self.scheduler.finish(seq)
@@ -225,6 +227,10 @@ class LLMEngine:
     def prefill_block_ids(self, request_id: str) -> list[int]:
         """The blocks a prefill_only request holds (its prompt's KV)."""
         return self.pd.prefill_block_ids(request_id)
+
+    def prefill_logprob(self, request_id: str):
+        """The first token's TokenLogprob of a prefill_only request still held (None unless it asked)."""
+        return self.pd.prefill_logprob(request_id)
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a prefill_only request (after its KV was sent). Unknown ids are ignored."""

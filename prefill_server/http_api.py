@@ -12,12 +12,19 @@
 | GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
 | /v1/files, /v1/batches       | the OpenAI Batch API (``batch_api.py``, added by ``cli.py``)  |
 
-Streaming (``stream: true``), as vLLM does: one event per generated token, in order, whose
+Choices: a request has (prompts on /v1/completions) x ``n`` choices, choice ``p * n + j`` the
+j-th sample of prompt p (``choices.py``), each its own sequence over P/D; ``usage`` sums them
+(each prompt's tokens counted once). With ``echo`` a choice's text starts with its prompt's;
+with ``logprobs`` each token carries its logprob (``openai_logprobs.py``); ``response_format``
+holds the output to JSON / a JSON Schema (engine/grammar.py).
+
+Streaming (``stream: true``), per choice, as vLLM does: one event per generated token, in order, whose
 ``text`` (chat: ``delta.content``) is the text that token releases, ``""`` when it releases
 none (the token ends inside a UTF-8 character, decodes to nothing, or might begin a stop
 string: that text is held back and goes out with the event of the token that completes it);
 then one event with ``finish_reason`` that carries no token, its text what was still held
-back at the end (usually ``""``; chat: no ``content``); then the usage event
+back at the end (usually ``""``; chat: no ``content``); events of several choices interleave
+(each has its ``index``); after the last choice's finish the usage event
 (``stream_options.include_usage``) and ``data: [DONE]``. So the events without a
 finish_reason number exactly ``usage.completion_tokens``, and their texts joined with the
 last one's equal the non-streamed text. Chat: the first event also has ``role``. A stop
@@ -49,8 +56,6 @@ the default class. Unknown class or priority, or both naming different classes: 
 
 from __future__ import annotations
 
-import logging
-
 from aiohttp import web
 
 from pdserve.defaults import REQUEST_TIMEOUT_HEADER
@@ -58,14 +63,14 @@ from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 
 from . import openai_api as oa
+from .choices import merged, plan
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut, parse_timeout_header
 from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
+from .openai_serving import ChoiceState, collect, sse
 
 TIMEOUT_HEADER = REQUEST_TIMEOUT_HEADER
-
-log = logging.getLogger(__name__)
 
 
 def _json_error(status: int, message: str, type_: str, param=None, code=None) -> web.Response:
@@ -168,63 +173,30 @@ class HttpApi:
             body = oa.parse_json(await request.read())
             parsed = parse(body, fe.model_name, fe.max_model_len, fe.vocab_size)
             slo_class = fe.slo_class(request.headers.get(SLO_HEADER), body.get("priority"))
-            prompt_ids = fe.prompt_ids(parsed)
-            fe.check_prompt(prompt_ids)
-            sp = fe.sampling(parsed.sampling, len(prompt_ids), parsed.kind)
+            prompts = fe.prompt_ids_list(parsed)
+            samplings = []
+            for ids in prompts:
+                fe.check_prompt(ids)
+                samplings.append(fe.sampling(parsed.sampling, len(ids), parsed.kind))
+            echoes = fe.echo_texts(parsed, prompts)
             timeout_s = parse_timeout_header(request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER)
         except oa.BadRequest as exc:
             if self.metrics is not None:
                 self.metrics.requests.labels(outcome="error", reason="bad_request").inc()
             return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
-        pieces = fe.stream(parsed.request_id, prompt_ids, sp, timeout_s, slo_class)
+        choices = plan(parsed.request_id, prompts, samplings, parsed.n)
+        states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index]) for c in choices]
+        pieces = merged(choices, lambda c: fe.stream(c.request_id, c.prompt_ids, c.sampling, timeout_s, slo_class))
         try:
             try:
                 first = await pieces.__anext__()
             except FAILURE_TYPES as exc:
                 return _failure_response(exc)
+            except oa.BadRequest as exc:  # a choice's request id already in flight
+                return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
+            n_prompt = sum(len(ids) for ids in prompts)
             if not parsed.stream:
-                return await self._collect(parsed, len(prompt_ids), first, pieces)
-            return await self._sse(request, parsed, len(prompt_ids), first, pieces)
+                return await collect(parsed, states, n_prompt, first, pieces)
+            return await sse(request, parsed, states, n_prompt, first, pieces)
         finally:
             await aclose_fully(pieces)
-
-    async def _collect(self, parsed, n_prompt: int, first, pieces) -> web.Response:
-        texts, n_tokens, piece = [first.text], len(first.token_ids), first
-        try:
-            while not piece.finished:
-                piece = await pieces.__anext__()
-                texts.append(piece.text)
-                n_tokens += len(piece.token_ids)
-        except (DecodeFailed, NoDecodeAvailable) as exc:
-            return _json_error(502, str(exc), "server_error", code="decode_failed")
-        except RequestTimedOut as exc:
-            return _json_error(504, str(exc), "timeout_error", code="request_timeout")
-        return web.json_response(oa.full_response(parsed, "".join(texts), piece.finish_reason or "stop", n_prompt, n_tokens))
-
-    async def _sse(self, request: web.Request, parsed, n_prompt: int, first, pieces) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        n_tokens, piece = 0, first
-        is_first = True
-        try:
-            while True:
-                n_tokens += len(piece.token_ids)
-                if piece.finished:  # no token: the finish reason and any text held back to the end
-                    text = piece.text if piece.text or parsed.kind == "completion" else None
-                    await resp.write(oa.sse(oa.chunk(parsed, text, piece.finish_reason, first=is_first)))
-                    if parsed.include_usage:
-                        await resp.write(oa.sse(oa.usage_chunk(parsed, n_prompt, n_tokens)))
-                    break
-                # one event per generated token, also when its text is "" (held back)
-                await resp.write(oa.sse(oa.chunk(parsed, piece.text, None, first=is_first)))
-                is_first = False
-                piece = await pieces.__anext__()
-        except (DecodeFailed, NoDecodeAvailable) as exc:
-            log.warning("request %s: %s", parsed.request_id, exc)
-            await resp.write(oa.sse(oa.error_body(str(exc), "server_error", code="decode_failed")))
-        except RequestTimedOut as exc:
-            log.warning("request %s: %s", parsed.request_id, exc)
-            await resp.write(oa.sse(oa.error_body(str(exc), "timeout_error", code="request_timeout")))
-        await resp.write(oa.sse("[DONE]"))
-        await resp.write_eof()
-        return resp
