@@ -39,6 +39,7 @@ from .batch_lines import split_lines
 from .batch_store import BatchStore, response_line
 from .closing import aclose_fully
 from .http_api import FAILURE_TYPES, failure
+from .openai_serving import start, whole
 
 log = logging.getLogger(__name__)
 
@@ -62,32 +63,27 @@ class StoreThread:
 
 async def execute(frontend, slo_class, url: str, body: dict) -> tuple[int, str, dict]:
     """One batch line as a non-streamed request: (status code, request id, response body),
-    the same answer the HTTP API would give the same body."""
+    the same answer the HTTP API would give the same body (every choice, logprobs, tools)."""
     fe = frontend
     parse = oa.parse_chat if url == "/v1/chat/completions" else oa.parse_completion
     try:
         parsed = parse(body, fe.model_name, fe.max_model_len, fe.vocab_size)
-        prompt_ids = fe.prompt_ids(parsed)
-        fe.check_prompt(prompt_ids)
-        sp = fe.sampling(parsed.sampling, len(prompt_ids), parsed.kind)
+        n_prompt, states, pieces = start(fe, parsed, slo_class, None)
     except oa.BadRequest as exc:
         return 400, "", oa.error_body(exc.message, "invalid_request_error", exc.param, exc.code)
     rid = parsed.request_id
-    pieces = fe.stream(rid, prompt_ids, sp, None, slo_class)
     try:
-        texts, n_tokens, finish = [], 0, None
-        async for piece in pieces:
-            texts.append(piece.text)
-            n_tokens += len(piece.token_ids)
-            if piece.finished:
-                finish = piece.finish_reason or "stop"
-                break
-        if finish is None:
+        try:
+            first = await pieces.__anext__()
+        except StopAsyncIteration:
             return 502, rid, oa.error_body("the request ended without a finish", "server_error", code="decode_failed")
-        return 200, rid, oa.full_response(parsed, "".join(texts), finish, len(prompt_ids), n_tokens)
+        status, out = await whole(parsed, states, n_prompt, first, pieces)
+        return status, rid, out
     except FAILURE_TYPES as exc:
         status, type_, code = failure(exc)
         return status, rid, oa.error_body(str(exc), type_, code=code)
+    except oa.BadRequest as exc:  # a choice's request id already in flight
+        return 400, rid, oa.error_body(exc.message, "invalid_request_error", exc.param, exc.code)
     finally:
         await aclose_fully(pieces)
 

@@ -63,12 +63,11 @@ from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 
 from . import openai_api as oa
-from .choices import merged, plan
 from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut, parse_timeout_header
 from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
-from .openai_serving import ChoiceState, collect, sse
+from .openai_serving import collect, sse, start
 
 TIMEOUT_HEADER = REQUEST_TIMEOUT_HEADER
 
@@ -173,20 +172,12 @@ class HttpApi:
             body = oa.parse_json(await request.read())
             parsed = parse(body, fe.model_name, fe.max_model_len, fe.vocab_size)
             slo_class = fe.slo_class(request.headers.get(SLO_HEADER), body.get("priority"))
-            prompts = fe.prompt_ids_list(parsed)
-            samplings = []
-            for ids in prompts:
-                fe.check_prompt(ids)
-                samplings.append(fe.sampling(parsed.sampling, len(ids), parsed.kind))
-            echoes = fe.echo_texts(parsed, prompts)
             timeout_s = parse_timeout_header(request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER)
+            n_prompt, states, pieces = start(fe, parsed, slo_class, timeout_s)
         except oa.BadRequest as exc:
             if self.metrics is not None:
                 self.metrics.requests.labels(outcome="error", reason="bad_request").inc()
             return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
-        choices = plan(parsed.request_id, prompts, samplings, parsed.n)
-        states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index]) for c in choices]
-        pieces = merged(choices, lambda c: fe.stream(c.request_id, c.prompt_ids, c.sampling, timeout_s, slo_class))
         try:
             try:
                 first = await pieces.__anext__()
@@ -194,7 +185,6 @@ class HttpApi:
                 return _failure_response(exc)
             except oa.BadRequest as exc:  # a choice's request id already in flight
                 return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
-            n_prompt = sum(len(ids) for ids in prompts)
             if not parsed.stream:
                 return await collect(parsed, states, n_prompt, first, pieces)
             return await sse(request, parsed, states, n_prompt, first, pieces)

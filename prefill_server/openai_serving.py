@@ -24,6 +24,7 @@ import logging
 from aiohttp import web
 
 from . import openai_api as oa
+from .choices import merged, plan
 from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut
 from .node import NoDecodeAvailable
@@ -90,7 +91,24 @@ def _error(status: int, message: str, type_: str, code: str) -> web.Response:
     return web.json_response(oa.error_body(message, type_, None, code), status=status)
 
 
-async def collect(parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> web.Response:
+def start(fe, parsed: oa.ParsedRequest, slo_class, timeout_s: float | None):
+    """A parsed request's choices under way: (prompt tokens in all, ChoiceStates, the merged
+    ``(index, Piece)`` stream). Raises BadRequest for a prompt the engine cannot take (nothing
+    has started then). Both the HTTP API and the Batch API's lines start requests here."""
+    prompts = fe.prompt_ids_list(parsed)
+    samplings = []
+    for ids in prompts:
+        fe.check_prompt(ids)
+        samplings.append(fe.sampling(parsed.sampling, len(ids), parsed.kind))
+    echoes = fe.echo_texts(parsed, prompts)
+    choices = plan(parsed.request_id, prompts, samplings, parsed.n)
+    states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index]) for c in choices]
+    pieces = merged(choices, lambda c: fe.stream(c.request_id, c.prompt_ids, c.sampling, timeout_s, slo_class))
+    return sum(len(ids) for ids in prompts), states, pieces
+
+
+async def whole(parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> tuple[int, dict]:
+    """Every choice to its end: (HTTP status, the response body or an OpenAI error body)."""
     event = first
     try:
         while True:
@@ -100,11 +118,16 @@ async def collect(parsed, states: list[ChoiceState], n_prompt: int, first, piece
                 break
             event = await pieces.__anext__()
     except (DecodeFailed, NoDecodeAvailable) as exc:
-        return _error(502, str(exc), "server_error", "decode_failed")
+        return 502, oa.error_body(str(exc), "server_error", None, "decode_failed")
     except RequestTimedOut as exc:
-        return _error(504, str(exc), "timeout_error", "request_timeout")
+        return 504, oa.error_body(str(exc), "timeout_error", None, "request_timeout")
     n_tokens = sum(s.tokens for s in states)
-    return web.json_response(oa.response(parsed, [s.choice() for s in states], n_prompt, n_tokens))
+    return 200, oa.response(parsed, [s.choice() for s in states], n_prompt, n_tokens)
+
+
+async def collect(parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> web.Response:
+    status, body = await whole(parsed, states, n_prompt, first, pieces)
+    return web.json_response(body, status=status)
 
 
 async def sse(request: web.Request, parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> web.StreamResponse:

@@ -64,8 +64,9 @@ def _client(server) -> OpenAI:
     return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=30)
 
 
-def _chat_line(cid: str, text: str, max_tokens: int = 6, url: str = CHAT) -> str:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0}
+def _chat_line(cid: str, text: str, max_tokens: int = 6, url: str = CHAT, **extra) -> str:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+            **extra}
     return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
 
 
@@ -95,7 +96,7 @@ def test_upload_create_poll_download_and_list(servers):
         "{not json", _chat_line("wrong-url", "x", url="/v1/embeddings"), completion,
         json.dumps({"custom_id": "no-body", "method": "POST", "url": CHAT}),
         json.dumps({"custom_id": "get", "method": "GET", "url": CHAT, "body": {}}), _chat_line("g0", "again"),
-        _chat_line("too-long", "x", max_tokens=10**6)]
+        _chat_line("too-long", "x", max_tokens=10**6), _chat_line("n2", "two answers", n=2, logprobs=True, top_logprobs=2)]
     before = metric(servers["prefill"].url, "pdserve_slo_requests_total", slo_class="batch", outcome="ok")
     file_id = _upload(client, lines)
     assert client.files.retrieve(file_id).bytes == len(("\n".join(lines) + "\n").encode())
@@ -103,10 +104,16 @@ def test_upload_create_poll_download_and_list(servers):
     assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "1"}
     done = _wait(client, batch.id)
     assert done.status == "completed", done
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (11, 4, 7)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 5, 7)
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     out = _jsonl(client, done.output_file_id)
-    assert sorted(o["custom_id"] for o in out) == sorted(good)
+    assert sorted(o["custom_id"] for o in out) == sorted([*good, "n2"])
+    # a line gets what the online endpoint gives the same body: every choice, with its logprobs
+    n2 = next(o for o in out if o["custom_id"] == "n2")["response"]["body"]
+    assert [c["index"] for c in n2["choices"]] == [0, 1], n2
+    assert all(len(c["logprobs"]["content"]) == c_tokens for c, c_tokens in
+               zip(n2["choices"], [6, 6])), n2["choices"]
+    out = [o for o in out if o["custom_id"] != "n2"]
     for o in out:  # the same answer as the online endpoint (greedy)
         assert o["id"].startswith("batch_req_") and o["error"] is None and o["response"]["status_code"] == 200
         online = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": good[o["custom_id"]]}],
