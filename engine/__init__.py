@@ -10,6 +10,7 @@ Reading path (read in this order):
   ``sequence.py``     Sequence, RequestOutput, SequenceFactory (request validation)
   ``model.py``        DecoderModel: the Llama/Qwen2 decoder over a paged KV cache (layer callback)
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
+  ``kv_tiers.py``     KVTiers: evicted prefix-cache blocks in host memory, then disk; copied back on a hit
   ``sampling.py``     SamplingParams (validated) and the batched Sampler
   ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, for asyncio servers
   ``loader.py`` / ``config.py`` / ``checkpoint.py`` / ``tokenizer.py``: loading models
@@ -32,7 +33,10 @@ API
                         #   splits a UTF-8 character)
 
     engine = LLMEngine(loaded, EngineConfig(num_blocks=None, block_size=64, max_num_seqs=64,
-                                            max_model_len=None, enable_prefix_cache=True))
+                                            max_model_len=None, enable_prefix_cache=True,
+                                            kv_host_tier_bytes=0, kv_disk_tier_dir=None, kv_disk_tier_bytes=0))
+        # kv_*_tier_*: evicted prefix-cache blocks go to host memory then disk, a hit copies them
+        # back (kv_tiers.py); engine.tier_stats() -> {"host"|"disk": TierStats}; engine.close()
     engine.kv_cache.tensor      # [num_layers, num_blocks, 2 (K,V), block_size, num_kv_heads, head_dim]
     engine.kv_cache.block_nbytes, .num_blocks, .layer(i) (view), .block_offset(layer, block) (bytes)
     engine.num_free_blocks(); engine.num_requests()  # (both back to full / 0 when idle)
@@ -112,6 +116,7 @@ _EXPORTS = {
     "OutOfBlocksError": ".errors",
     "PromptTooLongError": ".errors",
     "KVCache": ".kv_cache",
+    "KVTiers": ".kv_tiers",
     "EngineConfig": ".llm_engine",
     "LLMEngine": ".llm_engine",
     "LoadedModel": ".loader",
@@ -142,6 +147,7 @@ if TYPE_CHECKING:
     from .config import ConfigError, ModelConfig
     from .errors import ModelLoadError, OutOfBlocksError, PromptTooLongError
     from .kv_cache import KVCache
+    from .kv_tiers import KVTiers
     from .llm_engine import EngineConfig, LLMEngine
     from .loader import LoadedModel, load_model
     from .sampling import SamplingParams
