@@ -98,7 +98,23 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("disaggregation_decisions", "pdserve_disaggregation_decisions_total", _C,
                "Prefill: where each P/D request's prompt was computed (decision=remote|local) and why.",
                ("decision", "reason")),
+    # prefix-cache tiers below the KV pool (engine/kv_tiers.py); tier = host | disk, direction = in | out
+    MetricSpec("kv_tier_hits", "pdserve_kv_tier_hits_total", _C,
+               "Prefix-cache blocks copied back into the KV pool from a lower tier instead of computed.", ("tier",)),
+    MetricSpec("kv_tier_moved_bytes", "pdserve_kv_tier_moved_bytes_total", _C,
+               "KV bytes moved into a tier (in: evicted from the pool or the tier above) or out of it (out: back "
+               "into the pool, or down).", ("tier", "direction")),
+    MetricSpec("kv_tier_move_time", "pdserve_kv_tier_move_seconds_total", _C,
+               "Seconds the engine thread spent moving KV blocks into or out of a tier (copies, disk writes/reads).",
+               ("tier", "direction")),
+    MetricSpec("kv_tier_evictions", "pdserve_kv_tier_evictions_total", _C,
+               "Blocks a tier pushed out over its byte budget (host: down to disk, or dropped; disk: deleted).",
+               ("tier",)),
+    MetricSpec("kv_tier_checksum_mismatches", "pdserve_kv_tier_checksum_mismatches_total", _C,
+               "Tier blocks that failed their checksum on the way back (each a miss: the tokens are computed).",
+               ("tier",)),
     # gauges
+    MetricSpec("kv_tier_bytes", "pdserve_kv_tier_bytes", _G, "KV bytes a prefix-cache tier holds now.", ("tier",)),
     MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),
     MetricSpec("kv_blocks_used", "pdserve_kv_blocks_used", _G, "KV cache blocks in use."),
     MetricSpec("requests_running", "pdserve_requests_running", _G, "Requests in the running batch."),
