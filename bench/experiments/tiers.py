@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
             last = runs[arm][-1]
             print(f"  round {r + 1} {arm:>8}: prefill computed {last['prefill_tokens_computed']:.0f} tokens, "
                   f"TTFT p50 {last['ttft_p50_ms']} ms p99 {last['ttft_p99_ms']} ms, wall {last['wall_s']} s", flush=True)
-    med = {arm: {k: _median([r[k] for r in rs]) for k in ("prefill_tokens_computed", "decode_blocks_computed",
+    med = {arm: {k: _round(_median([r[k] for r in rs])) for k in ("prefill_tokens_computed", "decode_blocks_computed",
                                                            "decode_blocks_reused", "kv_bytes_moved", "ttft_p50_ms",
                                                            "ttft_p99_ms", "ttft_all_p50_ms", "wall_s")}
            for arm, rs in runs.items()}
@@ -195,6 +195,10 @@ def run(args: argparse.Namespace) -> int:
           f"{'met' if met else 'MISSED'}")
     print(f"wrote {path} and {png}")
     return 0
+
+
+def _round(v):
+    return None if v is None else round(v, 2)
 
 
 def _median(values):
