@@ -27,6 +27,7 @@ under ``disk_dir``, one per engine); it also runs when the KVTiers is collected 
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -41,6 +42,7 @@ import torch
 from .kv_cache import KVCache
 
 TIERS = ("host", "disk")
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,6 +58,7 @@ class TierStats:
     seconds_out: float = 0.0
     evictions: int = 0  # blocks that left for the next tier (or out) over the budget
     checksum_mismatches: int = 0  # disk: entries whose bytes failed the checksum (each a miss)
+    write_errors: int = 0  # disk: blocks dropped because their file could not be written
 
 
 def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -134,8 +137,14 @@ class DiskTier:
         """Write ``payload`` to a file; return the hashes deleted over the budget, oldest first."""
         started = time.perf_counter()
         raw = payload.contiguous().view(-1).view(torch.uint8).numpy()
-        with open(self.path(h), "wb") as f:
-            f.write(raw)
+        try:
+            with open(self.path(h), "wb") as f:
+                f.write(raw)
+        except OSError as exc:  # disk full, directory gone: the block is lost, the engine goes on
+            self._unlink(h)
+            self.stats.write_errors += 1
+            log.warning("KV disk tier: cannot write a block to %s (%s); it is dropped", self.dir, exc)
+            return [h]
         self._entries[h] = (crc32c.crc32c(raw), raw.nbytes)
         self.stats.seconds_in += time.perf_counter() - started
         self.stats.bytes_in += raw.nbytes

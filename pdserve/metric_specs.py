@@ -113,6 +113,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kv_tier_checksum_mismatches", "pdserve_kv_tier_checksum_mismatches_total", _C,
                "Tier blocks that failed their checksum on the way back (each a miss: the tokens are computed).",
                ("tier",)),
+    MetricSpec("kv_tier_write_errors", "pdserve_kv_tier_write_errors_total", _C,
+               "Blocks a tier dropped because it could not store them (disk full, directory gone).", ("tier",)),
     # gauges
     MetricSpec("kv_tier_bytes", "pdserve_kv_tier_bytes", _G, "KV bytes a prefix-cache tier holds now.", ("tier",)),
     MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),

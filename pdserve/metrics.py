@@ -68,7 +68,8 @@ kv_checksum_mismatches          both      decode: a request's KV failed its chec
 kv_blocks_free / _used          both      read from the engine at each scrape (``track_load``)
 kv_tier_hits, _moved_bytes,     both      the engine's KV tiers' running totals (``--kv-host-tier-bytes``,
 _move_seconds, _evictions,                ``--kv-disk-tier-*``; tier=host|disk), read at each scrape
-_checksum_mismatches, _bytes              (``server_setup.follow_tier_metrics``); absent without tiers
+_checksum_mismatches,                     (``server_setup.follow_tier_metrics``); absent without tiers
+_write_errors, _bytes
 requests_running / _waiting     both      read at each scrape (``track_load``): decode: sessions
                                           decoding / still receiving KV; prefill: requests with
                                           a decode Session open (or decoding locally) / admitted

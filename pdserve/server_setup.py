@@ -165,6 +165,7 @@ def follow_tier_metrics(metrics, engine: AsyncLLMEngine) -> None:
         metrics.follow_counter("kv_tier_hits", read("hits"), tier=tier)
         metrics.follow_counter("kv_tier_evictions", read("evictions"), tier=tier)
         metrics.follow_counter("kv_tier_checksum_mismatches", read("checksum_mismatches"), tier=tier)
+        metrics.follow_counter("kv_tier_write_errors", read("write_errors"), tier=tier)
         for direction in ("in", "out"):
             metrics.follow_counter("kv_tier_moved_bytes", read(f"bytes_{direction}"), tier=tier, direction=direction)
             metrics.follow_counter("kv_tier_move_time", read(f"seconds_{direction}"), tier=tier, direction=direction)

@@ -160,3 +160,19 @@ def test_bad_budgets_are_refused(tmp_path):
         KVTiers(kv, disk_dir=str(tmp_path))
     with pytest.raises(ValueError, match="needs both"):
         KVTiers(kv, disk_bytes=1 << 20)
+
+
+def test_a_disk_write_that_fails_drops_the_block_and_the_engine_goes_on(tmp_path):
+    kv, tiers, bm = _setup(tmp_path, num_blocks=2, host_blocks=1, disk_blocks=4)
+    os.rmdir(tiers.disk.dir)  # every write fails from now on
+    hashes = []
+    for p in range(1, 5):
+        ids = _prompt(p, 1)
+        hashes.append(chained_hashes(ids[:BS], BS)[0])
+        _fill(kv, bm, ids, seed=p)
+    assert tiers.disk.stats.write_errors == 2 and tiers.disk.stats.blocks == 0
+    assert bm.listener.removed_log == hashes[:2]  # announced gone, never matched again
+    assert set(bm.prefix_hashes()) == bm.listener.live
+    table, cached = bm.allocate(_prompt(1, 1), BS + 1)
+    assert cached == 0
+    bm.free(table)
