@@ -219,12 +219,14 @@ class KVTiers:
         self.kv = kv
         self.block_bytes = kv.block_nbytes * kv.num_layers  # one block, every layer, K and V
         self.shape = (kv.num_layers, 2, kv.block_size, kv.num_kv_heads, kv.head_dim)
-        for flag, budget in (("kv host tier bytes", host_bytes), ("kv disk tier bytes", disk_bytes)):
+        for flag, budget in (("kv_host_tier_bytes (--kv-host-tier-bytes)", host_bytes),
+                             ("kv_disk_tier_bytes (--kv-disk-tier-bytes)", disk_bytes)):
             if budget < 0 or 0 < budget < self.block_bytes:
                 raise ValueError(f"{flag} must be 0 (off) or at least one KV block ({self.block_bytes} bytes), "
                                  f"got {budget}")
         if (disk_dir is None) != (disk_bytes == 0):
-            raise ValueError("the disk tier needs both a directory and a byte budget (kv disk tier dir and bytes)")
+            raise ValueError("the disk tier needs both a directory and a byte budget (--kv-disk-tier-dir and "
+                             "--kv-disk-tier-bytes)")
         self.host = HostTier(host_bytes) if host_bytes else None
         self.disk = DiskTier(disk_dir, disk_bytes, self.shape, kv.dtype) if disk_dir else None
         self._pin = kv.device.type == "cuda"
