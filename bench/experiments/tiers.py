@@ -40,8 +40,8 @@ from .cluster import start_pd
 from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model, metric_sum, scrape
 
 ARMS = ("no-tiers", "tiers")
-TIER_COUNTERS = ("pdserve_kv_tier_hits_total", "pdserve_kv_tier_moved_bytes_total", "pdserve_kv_tier_move_seconds_total",
-                 "pdserve_kv_tier_checksum_mismatches_total")
+TIER_COUNTERS = ("pdserve_kv_tier_hits_total", "pdserve_kv_tier_moved_bytes_total",
+                 "pdserve_kv_tier_move_seconds_total", "pdserve_kv_tier_checksum_mismatches_total")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -127,7 +127,8 @@ def run_arm(args, arm: str, model: str, num_blocks: int, convs, run: int) -> dic
     later = [t for (c, turn), (t, _) in results.items() if turn > 0]
     every = [t for t, _ in results.values()]
     tiers = {f"{role}:{name.removeprefix('pdserve_kv_tier_')}:{tier}": metric_sum(s, name, tier=tier)
-             for role, s in (("prefill", prefill), ("decode", decode)) for name in TIER_COUNTERS for tier in ("host", "disk")}
+             for role, s in (("prefill", prefill), ("decode", decode))
+             for name in TIER_COUNTERS for tier in ("host", "disk")}
     return {
         "prefill_tokens_computed": metric_sum(prefill, "pdserve_prompt_tokens_computed_total"),
         "decode_blocks_computed": metric_sum(decode, "pdserve_kv_prompt_blocks_total", source="computed"),
@@ -161,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
             runs[arm].append(run_arm(args, arm, model, num_blocks, convs, r))
             last = runs[arm][-1]
             print(f"  round {r + 1} {arm:>8}: prefill computed {last['prefill_tokens_computed']:.0f} tokens, "
-                  f"TTFT p50 {last['ttft_p50_ms']} ms p99 {last['ttft_p99_ms']} ms, wall {last['wall_s']} s", flush=True)
+                  f"TTFT p50 {last['ttft_p50_ms']} ms p99 {last['ttft_p99_ms']} ms, wall {last['wall_s']} s",
+                  flush=True)
     med = {arm: {k: _round(_median([r[k] for r in rs])) for k in ("prefill_tokens_computed", "decode_blocks_computed",
                                                            "decode_blocks_reused", "kv_bytes_moved", "ttft_p50_ms",
                                                            "ttft_p99_ms", "ttft_all_p50_ms", "wall_s")}
@@ -173,11 +175,13 @@ def run(args: argparse.Namespace) -> int:
     identical = all(r["answers"] == reference for rs in runs.values() for r in rs)
     clean = all(not r["tier_files_left"] for rs in runs.values() for r in rs)
     met = token_ratio is not None and token_ratio <= 0.5 and ttft_ratio is not None and ttft_ratio < 1 and identical
-    figures = {"pool_blocks": num_blocks, "working_set_tokens": ws, "working_set_x_pool": round(ws / (num_blocks * args.block_size), 2),
-               "medians": med, "prefill_tokens_ratio_tiers_vs_none": token_ratio, "ttft_p50_ratio_tiers_vs_none": ttft_ratio,
+    figures = {"pool_blocks": num_blocks, "working_set_tokens": ws,
+               "working_set_x_pool": round(ws / (num_blocks * args.block_size), 2), "medians": med,
+               "prefill_tokens_ratio_tiers_vs_none": token_ratio, "ttft_p50_ratio_tiers_vs_none": ttft_ratio,
                "tier_counters_last_run": runs["tiers"][-1]["tiers"], "greedy_identical": identical,
                "tier_files_deleted": clean, "met": met,
-               "target": ">= 50% fewer prefill tokens with tiers, lower P50 TTFT (turns after the first); same greedy tokens"}
+               "target": ">= 50% fewer prefill tokens with tiers, lower P50 TTFT (turns after the first); "
+                         "same greedy tokens"}
     png = plot(runs, out / "tiers.png")
     path = report.save(out, "tiers", {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
                                       "figures": figures, "plot": str(png),

@@ -8,8 +8,9 @@ binary, started by the test on a free port) scrapes all three every second, addi
 load generator (`pdserve bench serving`'s send_requests) plus a few invalid requests. One
 decode has a tiny KV pool and prefill uses round robin with one attempt and local
 fallback, so refusals, retries and local fallbacks really happen and their panels have
-data; the prefill has KV tiers (host, disk), so the tier panels have series. Then every panel's PromQL (template variables substituted) and every template
-variable query runs against Prometheus's HTTP API; each must return data.
+data; the prefill has KV tiers (host, disk), so the tier panels have series. Then every
+panel's PromQL (template variables substituted) and every template variable query runs
+against Prometheus's HTTP API; each must return data.
 """
 
 import asyncio

@@ -22,5 +22,6 @@ def test_server_flags_default_off_and_parse():
     add_engine_arguments(parser)
     args = parser.parse_args([])
     assert (args.kv_host_tier_bytes, args.kv_disk_tier_dir, args.kv_disk_tier_bytes) == (0, None, 0)
-    args = parser.parse_args(["--kv-host-tier-bytes", "1GiB", "--kv-disk-tier-dir", "/tmp/x", "--kv-disk-tier-bytes", "8G"])
+    args = parser.parse_args(["--kv-host-tier-bytes", "1GiB", "--kv-disk-tier-dir", "/tmp/x",
+                              "--kv-disk-tier-bytes", "8G"])
     assert (args.kv_host_tier_bytes, args.kv_disk_tier_dir, args.kv_disk_tier_bytes) == (1 << 30, "/tmp/x", 8 * 10**9)
