@@ -19,7 +19,8 @@ import asyncio
 import logging
 
 from pdserve import defaults
-from pdserve.server_setup import add_server_arguments, build_server_engine, drain, setup_logging, wait_for_stop_signal
+from pdserve.server_setup import (add_server_arguments, build_server_engine, drain, follow_tier_metrics, setup_logging,
+                                  wait_for_stop_signal)
 
 log = logging.getLogger("pdserve.decode")
 
@@ -58,6 +59,7 @@ async def serve(args: argparse.Namespace) -> int:
     parts = build_server_engine(args)
     engine = parts.engine
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    follow_tier_metrics(metrics, engine)
     kv_events = KvEventPublisher(args.block_size)
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()

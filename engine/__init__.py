@@ -14,6 +14,7 @@ Reading path (read in this order):
                       qwen3_moe.py (experts), gemma.py (Gemma 2, Gemma 3 text)
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
   ``swap.py``         Swapper: a running request's KV evicted to host memory and restored (LSO)
+  ``kv_tiers.py``     KVTiers: evicted prefix-cache blocks in host memory, then disk; copied back on a hit
   ``sampling.py``     SamplingParams (validated) and the batched Sampler
   ``sampling.py``     SamplingParams (validated) and the batched Sampler; ``token_logprobs``
   ``grammar.py``      constrained decoding (xgrammar): GrammarSpec, Grammars, a Matcher per sequence
@@ -39,7 +40,10 @@ API
                         #   splits a UTF-8 character)
 
     engine = LLMEngine(loaded, EngineConfig(num_blocks=None, block_size=64, max_num_seqs=64,
-                                            max_model_len=None, enable_prefix_cache=True))
+                                            max_model_len=None, enable_prefix_cache=True,
+                                            kv_host_tier_bytes=0, kv_disk_tier_dir=None, kv_disk_tier_bytes=0))
+        # kv_*_tier_*: evicted prefix-cache blocks go to host memory then disk, a hit copies them
+        # back (kv_tiers.py); engine.tier_stats() -> {"host"|"disk": TierStats}; engine.close()
     engine.kv_cache.tensor      # [num_layers, num_blocks, 2 (K,V), block_size, num_kv_heads, head_dim]
     engine.kv_cache.block_nbytes, .num_blocks, .layer(i) (view), .block_offset(layer, block) (bytes)
     engine.num_free_blocks(); engine.num_requests()  # (both back to full / 0 when idle)
@@ -125,6 +129,7 @@ _EXPORTS = {
     "OutOfBlocksError": ".errors",
     "PromptTooLongError": ".errors",
     "KVCache": ".kv_cache",
+    "KVTiers": ".kv_tiers",
     "EngineConfig": ".llm_engine",
     "LLMEngine": ".llm_engine",
     "LoadedModel": ".loader",
@@ -155,6 +160,7 @@ if TYPE_CHECKING:
     from .config import ConfigError, ModelConfig
     from .errors import ModelLoadError, OutOfBlocksError, PromptTooLongError
     from .kv_cache import KVCache
+    from .kv_tiers import KVTiers
     from .llm_engine import EngineConfig, LLMEngine
     from .loader import LoadedModel, load_model
     from .sampling import SamplingParams

@@ -26,6 +26,7 @@ trip to the engine thread:
 - ``num_requests()``: requests holding engine state, published the same way.
 - ``prefill_counters()``: (prompt tokens computed by prefill_only/many, seconds), the same way.
 - ``swapped()``: (requests swapped out to host memory, their bytes), the same way.
+- ``tier_stats()``: the KV tiers' running totals (hits, bytes, time), the same way.
 Never touch ``engine`` (the LLMEngine) itself from another thread.
 
 ``after_step`` (optional, set before ``start``): called on the engine thread after every
@@ -62,6 +63,7 @@ class AsyncLLMEngine:
         self._prefill_counters = engine.prefill_counters
         self._swapped = (0, 0)
         self.after_step: Callable[[LLMEngine, float, int], None] | None = None
+        self._tier_stats = engine.tier_stats()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -108,6 +110,12 @@ class AsyncLLMEngine:
         """Prompt tokens whose KV came from the prefix cache since start (a counter), as last published."""
         with self._published:
             return self._prefix_hit_tokens
+
+    def tier_stats(self) -> dict:
+        """KV tier name -> its TierStats (engine/kv_tiers.py), as last published; empty without tiers."""
+        with self._published:
+            return self._tier_stats
+
     def prefill_counters(self) -> tuple[int, float]:
         """(prompt tokens prefill_only/many computed, seconds of their forward passes), as last published."""
         with self._published:
@@ -248,7 +256,9 @@ class AsyncLLMEngine:
         e = self.engine
         free, requests, hits, counters = e.num_free_blocks(), e.num_requests(), e.prefix_hit_tokens(), e.prefill_counters
         swapped = (len(e.swapper.swapped_ids()), e.swapper.swapped_bytes())
+        tiers = e.tier_stats() if e.tiers is not None else self._tier_stats
         with self._published:
+            self._tier_stats = tiers
             self._free_blocks, self._num_requests = free, requests
             self._prefix_hit_tokens, self._prefill_counters, self._swapped = hits, counters, swapped
 

