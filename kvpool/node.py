@@ -2,9 +2,9 @@
 
 The engine's blocks serve this decode's own requests (``pooled=false``: the engine's normal
 path; ``pooled=true``: ``PooledRequest``, spilling onto lenders) and are lent to peers
-(KVLender) down to ``--reserve`` free blocks. A report thread sends the rManager's row to the
-gManager every ``--report-interval`` seconds and right after each loan or release, and frees
-loans whose borrower the gManager no longer lists.
+(KVLender) down to ``--reserve`` free blocks. The rManager's row goes to the gManager right
+after each loan, release or request here, and every ``--report-interval`` seconds from a thread
+that also frees loans whose borrower the gManager no longer lists.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ RPC_TIMEOUT_S = 10.0
 
 
 class KVNode(kvpool_pb2_grpc.KVNodeServicer):
-    def __init__(self, engine: LLMEngine, lock: threading.Lock, lender: BlockLender, borrower: Borrower | None,
-                 changed: threading.Event):
-        self.engine, self.lock, self.lender, self.borrower, self.changed = engine, lock, lender, borrower, changed
+    def __init__(self, engine: LLMEngine, lock: threading.Lock, lender: ReportingLender, borrower: Borrower | None):
+        self.engine, self.lock, self.lender, self.borrower = engine, lock, lender, borrower
         self.pooled_running = 0
 
     def Generate(self, request, context):
@@ -52,13 +51,13 @@ class KVNode(kvpool_pb2_grpc.KVNodeServicer):
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
-            self.changed.set()
+            self.lender.on_change()  # its own free blocks changed
 
     def _pooled(self, request, ids, n):
         self.pooled_running += 1
         try:
             res = PooledRequest(self.engine, self.lock, self.borrower, RPC_TIMEOUT_S).run(
-                request.request_id, ids, n, request.ignore_eos)
+                request.request_id, ids, n, request.ignore_eos, request.max_local_blocks)
         finally:
             self.pooled_running -= 1
         logits = torch.stack(res.logits).numpy().tobytes() if request.return_logits and res.logits else b""
@@ -71,6 +70,7 @@ class KVNode(kvpool_pb2_grpc.KVNodeServicer):
         """The engine's own path (colocated add_request/step), greedy: the reference."""
         sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos)
         tokens, t0 = [], time.perf_counter()
+        first = None
         with self.lock:
             self.engine.add_request(request_id, ids, sampling)
             try:
@@ -78,11 +78,15 @@ class KVNode(kvpool_pb2_grpc.KVNodeServicer):
                     outs = [o for o in self.engine.step() if o.request_id == request_id]
                     for out in outs:
                         tokens += out.new_token_ids
+                    if tokens and first is None:
+                        first = time.perf_counter()
                     if any(o.finished for o in outs):
                         break
             finally:
                 self.engine.abort(request_id)
-        return kvpool_pb2.GenerateReply(token_ids=tokens, local_blocks=0, decode_s=time.perf_counter() - t0)
+        end = time.perf_counter()
+        first = first or end
+        return kvpool_pb2.GenerateReply(token_ids=tokens, local_blocks=0, prefill_s=first - t0, decode_s=end - first)
 
     def Stats(self, request, context):
         with self.lock:
@@ -93,34 +97,47 @@ class KVNode(kvpool_pb2_grpc.KVNodeServicer):
 
 
 class ReportingLender(BlockLender):
-    """A BlockLender that wakes the report thread after each loan or release."""
+    """A BlockLender that reports its row right after each loan or release, so the gManager's
+    view is current when the borrower's Lend or Release call returns."""
 
-    def __init__(self, *args, changed: threading.Event, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.changed = changed
+        self.on_change = lambda: None
 
     def Lend(self, request, context):
         try:
             return super().Lend(request, context)
         finally:
-            self.changed.set()
+            self.on_change()
 
     def release(self, request_id: str) -> int:
         freed = super().release(request_id)
-        self.changed.set()
+        if freed:
+            self.on_change()
         return freed
 
 
-def report_loop(lender: BlockLender, gmanager, instance: str, address: str, interval: float,
-                changed: threading.Event, stop: threading.Event) -> None:
-    while not stop.is_set():
-        changed.clear()
-        try:
-            reply = gmanager.Report(lender.report(instance, address), timeout=RPC_TIMEOUT_S)
-            lender.sweep(set(reply.live_instances))
-        except grpc.RpcError:
-            lender.sweep(None)  # gManager away: only idle loans end; the ledger comes back with it
-        changed.wait(interval)
+class Reporter:
+    """Sends the rManager's ledger row to the gManager (one report at a time, never reordered)."""
+
+    def __init__(self, lender: BlockLender, gmanager: kvpool_pb2_grpc.GManagerStub, instance: str, address: str):
+        self.lender, self.gmanager, self.instance, self.address = lender, gmanager, instance, address
+        self.lock = threading.Lock()
+
+    def send(self) -> set[str] | None:
+        """The live instances the gManager lists, or None when it did not answer."""
+        with self.lock:
+            try:
+                reply = self.gmanager.Report(self.lender.report(self.instance, self.address), timeout=RPC_TIMEOUT_S)
+            except grpc.RpcError:
+                return None
+        return set(reply.live_instances)
+
+    def loop(self, interval: float, stop: threading.Event) -> None:
+        while not stop.is_set():
+            # gManager away (None): only idle loans end; the ledger comes back with it
+            self.lender.sweep(self.send())
+            stop.wait(interval)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -142,26 +159,24 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     engine = LLMEngine(load_model(args.model, seed=args.seed),
                        EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=8))
-    lock, changed, stop = threading.Lock(), threading.Event(), threading.Event()
-    lender = ReportingLender(engine, lock, args.reserve, args.loan_idle, changed=changed)
+    lock, stop = threading.Lock(), threading.Event()
+    lender = ReportingLender(engine, lock, args.reserve, args.loan_idle)
     address = f"{args.host}:{args.port}"
     gmanager = kvpool_pb2_grpc.GManagerStub(grpc.insecure_channel(args.gmanager)) if args.gmanager else None
     borrower = Borrower(args.instance_id, gmanager, kv_layout(engine), RPC_TIMEOUT_S) if gmanager else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
                          options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
     kvpool_pb2_grpc.add_KVLenderServicer_to_server(lender, server)
-    kvpool_pb2_grpc.add_KVNodeServicer_to_server(KVNode(engine, lock, lender, borrower, changed), server)
+    kvpool_pb2_grpc.add_KVNodeServicer_to_server(KVNode(engine, lock, lender, borrower), server)
     server.add_insecure_port(address)
     server.start()
-    reporter = None
     if gmanager:
-        reporter = threading.Thread(target=report_loop, daemon=True,
-                                    args=(lender, gmanager, args.instance_id, address, args.report_interval, changed, stop))
-        reporter.start()
+        reporter = Reporter(lender, gmanager, args.instance_id, address)
+        lender.on_change = reporter.send
+        threading.Thread(target=reporter.loop, args=(args.report_interval, stop), daemon=True).start()
     print(f"kvpool node {args.instance_id} listening on {address} ({args.num_blocks} blocks)", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    changed.set()
     server.stop(grace=1).wait()
     return 0

@@ -57,7 +57,9 @@ class PooledRequest:
         self.model, self.kv = engine.model, engine.kv_cache
         self.cfg = engine.model_config
 
-    def run(self, request_id: str, prompt: list[int], max_tokens: int, ignore_eos: bool = False) -> PooledResult:
+    def run(self, request_id: str, prompt: list[int], max_tokens: int, ignore_eos: bool = False,
+            max_local_blocks: int = 0) -> PooledResult:
+        """Generate greedily; ``max_local_blocks`` > 0 caps the blocks kept here (to measure spilling)."""
         n_prompt, bs = len(prompt), self.engine.block_size
         if n_prompt < 1 or max_tokens < 1:
             raise ValueError(f"need a prompt and max_tokens >= 1, got {n_prompt} tokens, max_tokens {max_tokens}")
@@ -66,6 +68,8 @@ class PooledRequest:
         local_id = POOLED_PREFIX + request_id
         with self.lock:
             free = self.engine.num_free_blocks()
+            if max_local_blocks > 0:
+                free = min(free, max_local_blocks)
             keep = min(n_prompt, free * bs - max_tokens)
             if keep < 0:
                 raise OutOfBlocksError(f"request {request_id!r}: its {max_tokens} generated tokens need "

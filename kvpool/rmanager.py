@@ -27,6 +27,7 @@ from .attention import micro_attention, to_bytes
 from .loans import Loan, LoanBook
 
 LOAN_PREFIX = "loan:"
+BORROW_ROUNDS = 3
 
 
 def kv_layout(engine: LLMEngine) -> str:
@@ -159,17 +160,25 @@ class Borrower:
     def borrow(self, request_id: str, blocks: int) -> list[RemoteLoan]:
         """Loans summing to ``blocks``; OutOfBlocksError (every loan given back) if the pool has less."""
         loans: list[RemoteLoan] = []
-        asked: set[str] = set()
         need = blocks
         try:
-            for _ in range(2):  # a second round after the gManager's view caught up
-                reply = self.gmanager.FindLenders(kvpool_pb2.FindLendersRequest(
-                    borrower=self.instance, blocks=need, exclude=sorted(asked)), timeout=self.timeout)
+            for attempt in range(BORROW_ROUNDS):  # later rounds: the gManager's view may have caught up
+                if attempt:
+                    time.sleep(0.1 * attempt)
+                try:
+                    reply = self.gmanager.FindLenders(kvpool_pb2.FindLendersRequest(
+                        borrower=self.instance, blocks=need, exclude=sorted(l.lender for l in loans)), timeout=self.timeout)
+                except grpc.RpcError as e:
+                    raise OutOfBlocksError(f"request {request_id!r} needs {blocks} KV blocks from the pool but the "
+                                           f"gManager did not answer ({e.code().name})") from None
                 for c in reply.candidates:
-                    asked.add(c.instance_id)
                     stub = self.stub(c.address)
-                    got = stub.Lend(kvpool_pb2.LendRequest(borrower=self.instance, request_id=request_id, blocks=need,
-                                                           layout=self.layout, version=KVPOOL_VERSION), timeout=self.timeout)
+                    try:
+                        got = stub.Lend(kvpool_pb2.LendRequest(
+                            borrower=self.instance, request_id=request_id, blocks=need, layout=self.layout,
+                            version=KVPOOL_VERSION), timeout=self.timeout)
+                    except grpc.RpcError:
+                        continue  # gone since its last report: the gManager drops it after its ttl
                     if got.granted_blocks:
                         loans.append(RemoteLoan(c.instance_id, c.address, stub, got.granted_blocks))
                         need -= got.granted_blocks

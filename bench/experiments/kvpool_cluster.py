@@ -37,9 +37,9 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout: float) -> None:
 
 class KVPoolCluster:
     def __init__(self, num_nodes: int, num_blocks: int, reserve: int = 1, pooled: bool = True,
-                 log_dir: Path | None = None, block_size: int | None = None, ttl_s: float = 2.0):
+                 log_dir: Path | None = None, block_size: int | None = None, ttl_s: float = 2.0, model: str = "tiny"):
         self.num_nodes, self.num_blocks, self.reserve, self.pooled = num_nodes, num_blocks, reserve, pooled
-        self.block_size, self.ttl_s, self.log_dir = block_size, ttl_s, log_dir
+        self.block_size, self.ttl_s, self.log_dir, self.model = block_size, ttl_s, log_dir, model
         self.procs: list[subprocess.Popen] = []
         self.nodes: dict[str, subprocess.Popen] = {}
         self.channels: list[grpc.Channel] = []
@@ -64,7 +64,7 @@ class KVPoolCluster:
         for i, port in enumerate(node_ports):
             name = f"decode-{i}"
             args = ["node", "--port", str(port), "--instance-id", name, "--num-blocks", str(self.num_blocks),
-                    "--reserve", str(self.reserve)]
+                    "--reserve", str(self.reserve), "--model", self.model]
             if self.pooled:
                 args += ["--gmanager", f"127.0.0.1:{self.gmanager_port}"]
             if self.block_size:
@@ -87,10 +87,10 @@ class KVPoolCluster:
         return kvpool_pb2_grpc.KVNodeStub(self._channel(self.ports[name]))
 
     def generate(self, name: str, request_id: str, prompt: list[int], max_tokens: int, pooled: bool,
-                 return_logits: bool = False, timeout: float = 300) -> kvpool_pb2.GenerateReply:
+                 return_logits: bool = False, max_local_blocks: int = 0, timeout: float = 300) -> kvpool_pb2.GenerateReply:
         return self.node(name).Generate(kvpool_pb2.GenerateRequest(
             request_id=request_id, prompt_ids=prompt, max_tokens=max_tokens, pooled=pooled, ignore_eos=True,
-            return_logits=return_logits), timeout=timeout)
+            return_logits=return_logits, max_local_blocks=max_local_blocks), timeout=timeout)
 
     def stats(self, name: str) -> kvpool_pb2.StatsReply:
         return self.node(name).Stats(kvpool_pb2.StatsRequest(), timeout=10)
