@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.2):
+        pass
     server.stop(grace=1).wait()
     return 0

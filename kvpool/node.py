@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvpool node {args.instance_id} listening on {address} ({args.num_blocks} blocks)", flush=True)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(0.2):
+        pass
     server.stop(grace=1).wait()
     return 0

@@ -95,3 +95,25 @@ def test_a_lender_killed_mid_request_fails_only_that_request_and_leaves_nothing(
     reply = cluster.generate("decode-1", "after", _prompt(900, seed=2), 8, pooled=True)
     assert list(reply.lenders) == ["decode-0"] and len(reply.token_ids) == 8
     cluster.wait(lambda: _settled(cluster), "back to zero after the next request")
+
+
+def test_a_borrower_killed_mid_request_leaves_no_loan_behind(cluster):
+    # after the lender test: decode-0 and decode-1 are left; decode-1 borrows 7 blocks from decode-0
+    outcome = {}
+
+    def run():
+        try:
+            outcome["reply"] = cluster.generate("decode-1", "orphan", _prompt(500, seed=3), 400, pooled=True)
+        except grpc.RpcError as e:
+            outcome["error"] = e
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    cluster.wait(lambda: cluster.stats("decode-0").loans == 1, "decode-1 borrowed from decode-0")
+    time.sleep(0.5)  # decoding now
+    cluster.kill("decode-1")
+    worker.join(timeout=60)
+    assert outcome["error"].code() == grpc.StatusCode.UNAVAILABLE  # the borrower itself is gone
+    # decode-0 frees the loan once the gManager no longer lists its borrower (ttl)
+    cluster.wait(lambda: _settled(cluster), "the dead borrower's loan freed and its debt gone")
+    assert cluster.ledger() == {"decode-0": {}}
