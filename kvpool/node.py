@@ -31,11 +31,13 @@ from .rmanager import BlockLender, Borrower, LenderLost, kv_layout
 DEFAULT_RESERVE = 1
 DEFAULT_REPORT_INTERVAL_S = 0.3
 RPC_TIMEOUT_S = 10.0
+NORMAL_PATH_STALL_S = 5.0  # a normal-path request that gets no token this long fails (its blocks are lent)
 
 
 class KVNode(kvpool_pb2_grpc.KVNodeServicer):
     def __init__(self, engine: LLMEngine, lock: threading.Lock, lender: ReportingLender, borrower: Borrower | None):
         self.engine, self.lock, self.lender, self.borrower = engine, lock, lender, borrower
+        self.normal_path = threading.Lock()  # one normal-path request at a time (each takes its own outputs)
         self.pooled_running = 0
 
     def Generate(self, request, context):
@@ -69,20 +71,35 @@ class KVNode(kvpool_pb2_grpc.KVNodeServicer):
     def _normal(self, request_id, ids, n, ignore_eos):
         """The engine's own path (colocated add_request/step), greedy: the reference."""
         sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos)
+        with self.normal_path:
+            return self._normal_locked(request_id, ids, sampling)
+
+    def _normal_locked(self, request_id, ids, sampling):
         tokens, t0 = [], time.perf_counter()
         first = None
         with self.lock:
             self.engine.add_request(request_id, ids, sampling)
-            try:
-                while True:
+        try:
+            progress = time.monotonic()
+            while True:
+                with self.lock:  # one step at a time: loans and reports go on between steps
                     outs = [o for o in self.engine.step() if o.request_id == request_id]
-                    for out in outs:
-                        tokens += out.new_token_ids
-                    if tokens and first is None:
-                        first = time.perf_counter()
-                    if any(o.finished for o in outs):
-                        break
-            finally:
+                    if outs:
+                        progress = time.monotonic()
+                    elif time.monotonic() - progress > NORMAL_PATH_STALL_S:
+                        raise OutOfBlocksError(
+                            f"request {request_id!r} waited {NORMAL_PATH_STALL_S:g} s for KV blocks: "
+                            f"{self.engine.num_free_blocks()} free, {self.lender.book.lent_blocks()} lent to peers")
+                if not outs:
+                    time.sleep(0.01)
+                for out in outs:
+                    tokens += out.new_token_ids
+                if tokens and first is None:
+                    first = time.perf_counter()
+                if any(o.finished for o in outs):
+                    break
+        finally:
+            with self.lock:
                 self.engine.abort(request_id)
         end = time.perf_counter()
         first = first or end

@@ -74,7 +74,7 @@ class PooledRequest:
             if keep < 0:
                 raise OutOfBlocksError(f"request {request_id!r}: its {max_tokens} generated tokens need "
                                        f"{blocks_needed(max_tokens, bs)} local blocks, {free} are free")
-            table = self.engine.reserve(local_id, max(keep, 1), max_tokens)
+            table = self.engine.reserve(local_id, max(keep + max_tokens - 1, 1), 1)  # keep + max_tokens slots
         loans: list[RemoteLoan] = []
         try:
             overflow = n_prompt - keep

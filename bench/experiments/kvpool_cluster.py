@@ -57,9 +57,7 @@ class KVPoolCluster:
         ports = free_ports(self.num_nodes + 1)
         self.gmanager_port, node_ports = ports[0], ports[1:]
         if self.pooled:
-            g = self._spawn("gmanager", ["gmanager", "--port", str(self.gmanager_port), "--ttl", str(self.ttl_s)])
-            _wait_port(self.gmanager_port, g, 60)
-            self.gmanager = kvpool_pb2_grpc.GManagerStub(self._channel(self.gmanager_port))
+            self._start_gmanager()
         self.ports: dict[str, int] = {}
         for i, port in enumerate(node_ports):
             name = f"decode-{i}"
@@ -76,6 +74,17 @@ class KVPoolCluster:
         if self.pooled:
             self.wait(lambda: len(self.ledger()) == self.num_nodes, "every decode reported to the gManager")
         return self
+
+    def _start_gmanager(self) -> None:
+        self.gmanager_proc = self._spawn("gmanager", ["gmanager", "--port", str(self.gmanager_port), "--ttl", str(self.ttl_s)])
+        _wait_port(self.gmanager_port, self.gmanager_proc, 60)
+        self.gmanager = kvpool_pb2_grpc.GManagerStub(self._channel(self.gmanager_port))
+
+    def restart_gmanager(self) -> None:
+        """SIGKILL the gManager and start a fresh one on the same port (its ledger starts empty)."""
+        os.killpg(self.gmanager_proc.pid, signal.SIGKILL)
+        self.gmanager_proc.wait(timeout=30)
+        self._start_gmanager()
 
     def _channel(self, port: int) -> grpc.Channel:
         channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[

@@ -67,6 +67,19 @@ def test_a_request_spanning_three_decodes_equals_the_engines_normal_path(cluster
     cluster.wait(lambda: _settled(cluster), "every block and debt back to zero")
 
 
+def test_a_restarted_gmanager_rebuilds_the_ledger_from_the_rmanagers_reports(cluster):
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(reply=cluster.generate(
+        "decode-0", "through-restart", _prompt(900, seed=4), 200, pooled=True)))
+    worker.start()
+    cluster.wait(lambda: cluster.stats("decode-1").loans == 1, "the request borrowed")
+    cluster.restart_gmanager()  # SIGKILL: the new one starts with an empty ledger
+    cluster.wait(lambda: cluster.ledger().get("decode-1") == {"decode-0": 7}, "the ledger rebuilt from reports")
+    worker.join(timeout=120)
+    assert len(outcome["reply"].token_ids) == 200, "the request did not survive the gManager's restart"
+    cluster.wait(lambda: _settled(cluster), "every block and debt back to zero")
+
+
 def test_a_lender_killed_mid_request_fails_only_that_request_and_leaves_nothing(cluster):
     outcome = {}
 
