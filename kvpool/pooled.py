@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.block_manager import blocks_needed
-from pdserve.engine.errors import OutOfBlocksError, PromptTooLongError
+from pdserve.engine.errors import OutOfBlocksError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protos import kvpool_pb2
 
@@ -64,7 +64,8 @@ class PooledRequest:
         if n_prompt < 1 or max_tokens < 1:
             raise ValueError(f"need a prompt and max_tokens >= 1, got {n_prompt} tokens, max_tokens {max_tokens}")
         if n_prompt + max_tokens > self.engine.max_model_len:
-            raise PromptTooLongError(n_prompt, self.engine.max_model_len - max_tokens + 1)
+            raise ValueError(f"request {request_id!r}: {n_prompt} prompt tokens + max_tokens {max_tokens} exceed the "
+                             f"maximum context length {self.engine.max_model_len}")
         local_id = POOLED_PREFIX + request_id
         with self.lock:
             free = self.engine.num_free_blocks()
@@ -87,9 +88,9 @@ class PooledRequest:
                 for loan in loans:
                     loan.start, loan.tokens = start, min(loan.blocks * bs, n_prompt - start)
                     start += loan.tokens
-                loans = [loan for loan in loans if loan.tokens]
             rows = self.kv.table_rows(torch.tensor(table)).reshape(-1)
-            return self._generate(request_id, prompt, max_tokens, ignore_eos, keep, rows, loans, len(table))
+            active = [loan for loan in loans if loan.tokens]  # all of them: the need was exact
+            return self._generate(request_id, prompt, max_tokens, ignore_eos, keep, rows, active, len(table))
         except grpc.RpcError as e:
             raise LenderLost(self._lost(request_id, loans, e)) from None
         finally:
@@ -100,10 +101,8 @@ class PooledRequest:
 
     def _lost(self, request_id: str, loans: list[RemoteLoan], error: grpc.RpcError) -> str:
         detail = error.details() if hasattr(error, "details") else str(error)
-        where = getattr(error, "lender", None)
-        names = ", ".join(f"{l.lender} ({l.address})" for l in loans) or "no lender yet"
-        return (f"request {request_id!r} failed: a KV lender did not answer ({detail}); "
-                f"{'lender ' + where if where else 'its lenders: ' + names}")
+        who = getattr(error, "lender", None) or "of " + (", ".join(f"{l.lender} ({l.address})" for l in loans) or "none")
+        return f"request {request_id!r} failed: KV lender {who} did not answer ({detail}); its KV there is lost"
 
     def _call(self, loan: RemoteLoan, method: str, message):
         future = getattr(loan.stub, method).future(message, timeout=self.timeout)
@@ -114,7 +113,7 @@ class PooledRequest:
         try:
             return future.result()
         except grpc.RpcError as e:
-            e.lender = f"{future.loan.lender} ({future.loan.address}) holding {future.loan.blocks} blocks"
+            e.lender = f"{future.loan.lender} ({future.loan.address}, holding {future.loan.blocks} of its blocks)"
             raise
 
     @torch.inference_mode()
