@@ -28,6 +28,7 @@ class GManager(kvpool_pb2_grpc.GManagerServicer):
     def __init__(self, ttl_s: float = DEFAULT_TTL_S):
         self.ledger = DebtLedger(ttl_s)
         self.lock = threading.Lock()
+        self.started = time.monotonic()  # until one ttl has passed, not every instance has reported yet
 
     def Report(self, request, context):
         if request.version != KVPOOL_VERSION:
@@ -42,7 +43,7 @@ class GManager(kvpool_pb2_grpc.GManagerServicer):
                 live = self.ledger.live()
         except ValueError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        return kvpool_pb2.ReportReply(live_instances=live)
+        return kvpool_pb2.ReportReply(live_instances=live, complete=now - self.started > self.ledger.ttl_s)
 
     def FindLenders(self, request, context):
         try:

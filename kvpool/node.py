@@ -142,17 +142,18 @@ class Reporter:
         self.lock = threading.Lock()
 
     def send(self) -> set[str] | None:
-        """The live instances the gManager lists, or None when it did not answer."""
+        """The live instances the gManager lists; None when it did not answer or has not heard
+        from everyone yet (just restarted)."""
         with self.lock:
             try:
                 reply = self.gmanager.Report(self.lender.report(self.instance, self.address), timeout=RPC_TIMEOUT_S)
             except grpc.RpcError:
                 return None
-        return set(reply.live_instances)
+        return set(reply.live_instances) if reply.complete else None
 
     def loop(self, interval: float, stop: threading.Event) -> None:
         while not stop.is_set():
-            # gManager away (None): only idle loans end; the ledger comes back with it
+            # gManager away or just restarted (None): only idle loans end
             self.lender.sweep(self.send())
             stop.wait(interval)
 

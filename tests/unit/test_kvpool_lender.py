@@ -76,3 +76,21 @@ def test_stored_kv_gives_the_micro_attention_computed_directly(engine):
     with pytest.raises(Aborted) as e:
         lender.Attend(kvpool_pb2.AttendRequest(request_id="r1", layer=0, q=q.numpy().tobytes(), num_heads=4), Context())
     assert e.value.args[0] == grpc.StatusCode.NOT_FOUND and "no loan for request 'r1'" in e.value.args[1]
+
+
+def test_a_fresh_gmanager_says_its_live_list_is_not_complete_for_one_ttl(monkeypatch):
+    from pdserve.kvpool import gmanager as gm
+
+    clock = [100.0]
+    monkeypatch.setattr(gm.time, "monotonic", lambda: clock[0])
+    g = gm.GManager(ttl_s=2.0)
+    report = kvpool_pb2.InstanceReport(instance_id="a", address="a:1", free_blocks=4, lendable_blocks=3,
+                                       lent=[kvpool_pb2.Debt(borrower="b", blocks=1)], version=KVPOOL_VERSION)
+    first = g.Report(report, Context())
+    assert list(first.live_instances) == ["a"] and not first.complete  # "b" may just not have reported yet
+    clock[0] += 2.5
+    assert g.Report(report, Context()).complete
+    found = g.FindLenders(kvpool_pb2.FindLendersRequest(borrower="b", blocks=2), Context()).candidates
+    assert [(c.instance_id, c.lendable_blocks) for c in found] == [("a", 3)]
+    with pytest.raises(Aborted, match="kvpool version 99"):
+        g.Report(kvpool_pb2.InstanceReport(instance_id="a", version=99), Context())
