@@ -3,8 +3,9 @@
 A loan is (request id, borrower, block ids, tokens written). Lending is bounded: the rManager
 keeps ``reserve`` blocks free for its own requests, so ``lendable = max(0, free - reserve)``.
 A loan ends (its blocks go back to the pool) when the borrower releases the request (it
-finished or failed), when the borrower is no longer live in the gManager's view, or when the
-loan was idle (no put or attend) for ``idle_s``; ``lent()`` is the ledger row reported.
+finished or failed), when the borrower has been missing from the gManager's live lists for
+``gone_s``, or when the loan was idle (no put or attend) for ``idle_s``; ``lent()`` is the
+ledger row reported.
 """
 
 from __future__ import annotations
@@ -19,13 +20,14 @@ class Loan:
     block_ids: list[int]
     tokens: int = 0            # tokens written so far (the prefix of the loan's slots in use)
     used_at: float = 0.0
+    missing_since: float | None = None  # when the gManager's live list first lacked the borrower
 
 
 class LoanBook:
-    def __init__(self, reserve: int, idle_s: float):
+    def __init__(self, reserve: int, idle_s: float, gone_s: float = 1.0):
         if reserve < 0:
             raise ValueError(f"reserve must be >= 0, got {reserve}")
-        self.reserve, self.idle_s = reserve, idle_s
+        self.reserve, self.idle_s, self.gone_s = reserve, idle_s, gone_s
         self.loans: dict[str, Loan] = {}
 
     def lendable(self, free_blocks: int) -> int:
@@ -50,9 +52,19 @@ class LoanBook:
         return loan
 
     def stale(self, live: set[str] | None, now: float) -> list[str]:
-        """Request ids whose borrower left the live set, or idle longer than idle_s."""
-        return [rid for rid, loan in self.loans.items()
-                if (live is not None and loan.borrower not in live) or now - loan.used_at > self.idle_s]
+        """Request ids whose borrower has been missing from every live list for ``gone_s`` (one
+        list alone may come from a gManager that has not heard from it yet), or idle for idle_s."""
+        out = []
+        for rid, loan in self.loans.items():
+            if live is not None:
+                if loan.borrower in live:
+                    loan.missing_since = None
+                elif loan.missing_since is None:
+                    loan.missing_since = now
+            gone = loan.missing_since is not None and now - loan.missing_since >= self.gone_s
+            if gone or now - loan.used_at > self.idle_s:
+                out.append(rid)
+        return out
 
     def lent(self) -> dict[str, int]:
         out: dict[str, int] = {}

@@ -43,9 +43,9 @@ def tensor(raw: bytes, *shape: int) -> torch.Tensor:
 class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
     """Lends blocks of ``engine``'s pool. ``lock`` guards every engine call (shared with the node)."""
 
-    def __init__(self, engine: LLMEngine, lock: threading.Lock, reserve: int, idle_s: float):
+    def __init__(self, engine: LLMEngine, lock: threading.Lock, reserve: int, idle_s: float, gone_s: float = 1.0):
         self.engine, self.lock = engine, lock
-        self.book = LoanBook(reserve, idle_s)
+        self.book = LoanBook(reserve, idle_s, gone_s)
         self.kv = engine.kv_cache
         self.layout = kv_layout(engine)
         self._rows: dict[str, torch.Tensor] = {}  # request id -> K rows of its loan's slots

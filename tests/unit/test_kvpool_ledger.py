@@ -111,11 +111,15 @@ def test_silent_instances_expire_with_their_rows_and_bad_reports_are_refused():
 
 
 def test_loans_of_a_gone_borrower_or_idle_ones_are_stale():
-    book = LoanBook(reserve=1, idle_s=10.0)
+    book = LoanBook(reserve=1, idle_s=10.0, gone_s=1.0)
     assert book.grant(5, free_blocks=4) == 3 and book.grant(5, free_blocks=1) == 0
     book.add(Loan("r1", "x", [0], 0, used_at=0.0))
     book.add(Loan("r2", "y", [1], 0, used_at=5.0))
     assert book.stale({"x", "y"}, now=11.0) == ["r1"]
-    assert book.stale({"x"}, now=6.0) == ["r2"]
+    assert book.stale({"x"}, now=6.0) == []       # one list without "y": maybe it has not reported yet
+    assert book.stale({"x", "y"}, now=6.5) == []  # back: the count starts over
+    assert book.stale({"x"}, now=6.6) == []
+    assert book.stale(None, now=7.0) == []        # no answer from the gManager: no news either way
+    assert book.stale({"x"}, now=7.7) == ["r2"]   # missing for >= gone_s
     with pytest.raises(ValueError, match="already holds a loan"):
         book.add(Loan("r1", "x", [2]))

@@ -54,7 +54,7 @@ def test_a_peer_with_another_kv_layout_is_refused(engine):
 
 
 def test_stored_kv_gives_the_micro_attention_computed_directly(engine):
-    lender = BlockLender(engine, threading.Lock(), reserve=0, idle_s=60.0)
+    lender = BlockLender(engine, threading.Lock(), reserve=0, idle_s=60.0, gone_s=0.0)
     assert _lend(lender, "r1", 4).granted_blocks == 4
     cfg = engine.model_config
     k, v = torch.randn(50, cfg.num_kv_heads, cfg.head_dim), torch.randn(50, cfg.num_kv_heads, cfg.head_dim)
