@@ -56,12 +56,14 @@ class KVNode(kvpool_pb2_grpc.KVNodeServicer):
             self.lender.on_change()  # its own free blocks changed
 
     def _pooled(self, request, ids, n):
-        self.pooled_running += 1
+        with self.lock:
+            self.pooled_running += 1
         try:
             res = PooledRequest(self.engine, self.lock, self.borrower, RPC_TIMEOUT_S).run(
                 request.request_id, ids, n, request.ignore_eos, request.max_local_blocks)
         finally:
-            self.pooled_running -= 1
+            with self.lock:
+                self.pooled_running -= 1
         logits = torch.stack(res.logits).numpy().tobytes() if request.return_logits and res.logits else b""
         return kvpool_pb2.GenerateReply(
             token_ids=res.token_ids, logits=logits, local_blocks=res.local_blocks,

@@ -119,6 +119,7 @@ class PooledRequest:
     @torch.inference_mode()
     def _generate(self, request_id, prompt, max_tokens, ignore_eos, keep, rows, loans, local_blocks) -> PooledResult:
         model, cfg, kv = self.model, self.cfg, self.kv
+        wire_id = self.borrower.loan_id(request_id) if loans else request_id
         heads, dim = cfg.num_heads, cfg.head_dim
         t0 = time.perf_counter()
         ids = torch.tensor(prompt, device=self.engine.device)
@@ -132,7 +133,7 @@ class PooledRequest:
             for fut in pending:
                 self._wait(fut)
             pending = [self._call(loan, "PutKV", kvpool_pb2.PutKVRequest(
-                request_id=request_id, layer=i, start=0, num_tokens=loan.tokens,
+                request_id=wire_id, layer=i, start=0, num_tokens=loan.tokens,
                 k=_as_bytes(k[loan.start : loan.start + loan.tokens]), v=_as_bytes(v[loan.start : loan.start + loan.tokens])))
                 for loan in loans]
             o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
@@ -155,7 +156,7 @@ class PooledRequest:
                 kv.write(i, rows[n_local : n_local + 1], k, v)
                 qb = _as_bytes(q[0])
                 futures = [self._call(loan, "Attend", kvpool_pb2.AttendRequest(
-                    request_id=request_id, layer=i, q=qb, num_heads=heads)) for loan in loans]
+                    request_id=wire_id, layer=i, q=qb, num_heads=heads)) for loan in loans]
                 kc, vc = kv.gather(i, rows[: n_local + 1])
                 parts = [micro_attention(q[0], kc, vc)]
                 for fut in futures:

@@ -152,6 +152,10 @@ class Borrower:
         self.instance, self.gmanager, self.layout, self.timeout = instance, gmanager, layout, rpc_timeout_s
         self._channels: dict[str, grpc.Channel] = {}
 
+    def loan_id(self, request_id: str) -> str:
+        """The id a request's loans carry on the wire: request ids are only unique per decode."""
+        return f"{self.instance}/{request_id}"
+
     def stub(self, address: str) -> kvpool_pb2_grpc.KVLenderStub:
         if address not in self._channels:
             self._channels[address] = grpc.insecure_channel(address)
@@ -175,7 +179,7 @@ class Borrower:
                     stub = self.stub(c.address)
                     try:
                         got = stub.Lend(kvpool_pb2.LendRequest(
-                            borrower=self.instance, request_id=request_id, blocks=need, layout=self.layout,
+                            borrower=self.instance, request_id=self.loan_id(request_id), blocks=need, layout=self.layout,
                             version=KVPOOL_VERSION), timeout=self.timeout)
                     except grpc.RpcError:
                         continue  # gone since its last report: the gManager drops it after its ttl
@@ -195,7 +199,7 @@ class Borrower:
         """Give every loan back (best effort: a dead lender's blocks died with it)."""
         for loan in loans:
             try:
-                loan.stub.Release(kvpool_pb2.ReleaseRequest(request_id=request_id), timeout=self.timeout)
+                loan.stub.Release(kvpool_pb2.ReleaseRequest(request_id=self.loan_id(request_id)), timeout=self.timeout)
             except grpc.RpcError:
                 pass
 

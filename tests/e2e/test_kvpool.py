@@ -36,6 +36,27 @@ def _settled(cluster: KVPoolCluster) -> bool:
             and set(ledger) == set(cluster.ports) and all(row == {} for row in ledger.values()))
 
 
+_REFERENCE = []
+
+
+def reference():
+    """The tiny model (same weights as the decodes) and the engine's normal path on a pool that
+    holds the whole request: (loaded, expected(prompt, max_tokens) -> greedy token ids)."""
+    if not _REFERENCE:
+        loaded = load_model("tiny", seed=0)
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=32))
+
+        def expected(prompt, max_tokens):
+            engine.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+            out = []
+            while engine.has_unfinished():
+                out += [t for o in engine.step() for t in o.new_token_ids]
+            return out
+
+        _REFERENCE.append((loaded, expected))
+    return _REFERENCE[0]
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     # one cluster for the module (the kill test goes last: it takes a decode away)
@@ -49,12 +70,8 @@ def test_a_request_spanning_three_decodes_equals_the_engines_normal_path(cluster
     assert sorted(reply.lenders) == ["decode-1", "decode-2"], "the overflow did not span the other two decodes"
     assert reply.local_blocks == BLOCKS
 
-    loaded = load_model("tiny", seed=0)
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=32))
-    engine.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    expected = []
-    while engine.has_unfinished():
-        expected += [t for out in engine.step() for t in out.new_token_ids]
+    loaded, expected = reference()
+    expected = expected(prompt, max_tokens)
     assert list(reply.token_ids) == expected
 
     dense = loaded.model.forward_dense(torch.tensor(prompt + expected[:-1]))[len(prompt) - 1 :]
@@ -64,6 +81,25 @@ def test_a_request_spanning_three_decodes_equals_the_engines_normal_path(cluster
     # the same prompt does not fit one decode alone: the engine says so
     with pytest.raises(grpc.RpcError, match="needs 21 KV blocks"):
         cluster.generate("decode-0", "alone", prompt, max_tokens, pooled=False)
+    cluster.wait(lambda: _settled(cluster), "every block and debt back to zero")
+
+
+def test_two_decodes_borrowing_at_once_under_the_same_request_id(cluster):
+    # request ids are unique per decode only: two loans "same" on one lender must not mix.
+    # A (decode-0, 620 + 200 tokens) borrows 5 blocks from decode-1 (ties go by name); while it
+    # runs decode-0 has no free block, so B (decode-2, 620 + 8) borrows its 2 from decode-1 too.
+    a_prompt, b_prompt, replies = _prompt(620, seed=5), _prompt(620, seed=6), {}
+    worker = threading.Thread(target=lambda: replies.update(a=cluster.generate("decode-0", "same", a_prompt, 200, pooled=True)))
+    worker.start()
+    cluster.wait(lambda: cluster.stats("decode-1").loans == 1, "A borrowed from decode-1")
+    replies["b"] = cluster.generate("decode-2", "same", b_prompt, 8, pooled=True)
+    worker.join(timeout=120)
+    _, expected = reference()
+    assert (list(replies["a"].lenders), replies["a"].borrowed_blocks) == (["decode-1"], 5)
+    # decode-1, not decode-0: B borrowed while A still held all of decode-0's blocks
+    assert (list(replies["b"].lenders), replies["b"].borrowed_blocks) == (["decode-1"], 2)
+    assert list(replies["a"].token_ids) == expected(a_prompt, 200)
+    assert list(replies["b"].token_ids) == expected(b_prompt, 8)
     cluster.wait(lambda: _settled(cluster), "every block and debt back to zero")
 
 
