@@ -13,6 +13,7 @@ import argparse
 import signal
 import threading
 import time
+import traceback
 from concurrent import futures
 
 import grpc
@@ -155,8 +156,11 @@ class Reporter:
 
     def loop(self, interval: float, stop: threading.Event) -> None:
         while not stop.is_set():
-            # gManager away or just restarted (None): only idle loans end
-            self.lender.sweep(self.send())
+            try:
+                # gManager away or just restarted (None): only idle loans end
+                self.lender.sweep(self.send())
+            except Exception:  # keep reporting: a dead report thread would make this decode look dead
+                traceback.print_exc()
             stop.wait(interval)
 
 

@@ -67,16 +67,21 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
             except (OutOfBlocksError, ValueError) as e:
                 return kvpool_pb2.LendReply(refusal=str(e))
             self.book.add(Loan(request.request_id, request.borrower, ids, 0, time.monotonic()))
-        self._rows[request.request_id] = self.kv.table_rows(torch.tensor(ids)).reshape(-1)
+            self._rows[request.request_id] = self.kv.table_rows(torch.tensor(ids)).reshape(-1)
         why = "" if n == request.blocks else f"lent {n} of {request.blocks} (reserve {self.book.reserve})"
         return kvpool_pb2.LendReply(granted_blocks=n, refusal=why)
 
     def PutKV(self, request, context):
         loan, rows = self._loan(request.request_id, context)
+        self._check_layer(request.layer, context)
         if request.start < 0 or request.start + request.num_tokens > rows.numel():
             context.abort(grpc.StatusCode.OUT_OF_RANGE, f"tokens [{request.start}, {request.start + request.num_tokens}) "
                                                         f"do not fit the loan's {rows.numel()} slots")
         shape = (request.num_tokens, self.kv.num_kv_heads, self.kv.head_dim)
+        want = 4 * request.num_tokens * self.kv.num_kv_heads * self.kv.head_dim
+        if len(request.k) != want or len(request.v) != want:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"K/V of {request.num_tokens} tokens must be {want} bytes "
+                                                            f"of float32 each, got {len(request.k)} and {len(request.v)}")
         self.kv.write(request.layer, rows[request.start : request.start + request.num_tokens],
                       tensor(request.k, *shape), tensor(request.v, *shape))
         loan.tokens = max(loan.tokens, request.start + request.num_tokens)
@@ -85,6 +90,10 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
 
     def Attend(self, request, context):
         loan, rows = self._loan(request.request_id, context)
+        self._check_layer(request.layer, context)
+        if len(request.q) != 4 * request.num_heads * self.kv.head_dim or request.num_heads % self.kv.num_kv_heads:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the query must be float32 [num_heads, {self.kv.head_dim}] "
+                                                            f"with num_heads a multiple of {self.kv.num_kv_heads}")
         if loan.tokens == 0:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"request {request.request_id!r} put no KV here yet")
         k, v = self.kv.gather(request.layer, rows[: loan.tokens])
@@ -97,6 +106,10 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
         return kvpool_pb2.ReleaseReply(freed_blocks=self.release(request.request_id))
 
     # ---- bookkeeping -----------------------------------------------------------------------
+    def _check_layer(self, layer: int, context) -> None:
+        if not 0 <= layer < self.kv.num_layers:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"layer {layer} out of range (0..{self.kv.num_layers - 1})")
+
     def _loan(self, request_id: str, context) -> tuple[Loan, torch.Tensor]:
         loan = self.book.loans.get(request_id)
         rows = self._rows.get(request_id)
@@ -115,7 +128,8 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
 
     def sweep(self, live: set[str] | None) -> list[str]:
         """Free loans of borrowers gone from ``live`` (None: unknown) or idle too long."""
-        stale = self.book.stale(live, time.monotonic())
+        with self.lock:  # Lend and release change the book from gRPC threads
+            stale = self.book.stale(live, time.monotonic())
         for request_id in stale:
             self.release(request_id)
         return stale

@@ -70,6 +70,10 @@ def test_stored_kv_gives_the_micro_attention_computed_directly(engine):
     with pytest.raises(Aborted, match="do not fit the loan's 64 slots"):
         lender.PutKV(kvpool_pb2.PutKVRequest(request_id="r1", layer=0, start=60, num_tokens=5,
                                              k=k[:5].numpy().tobytes(), v=v[:5].numpy().tobytes()), Context())
+    with pytest.raises(Aborted, match="layer 9 out of range"):
+        lender.Attend(kvpool_pb2.AttendRequest(request_id="r1", layer=9, q=q.numpy().tobytes(), num_heads=4), Context())
+    with pytest.raises(Aborted, match="must be 1024 bytes"):
+        lender.PutKV(kvpool_pb2.PutKVRequest(request_id="r1", layer=0, start=0, num_tokens=8, k=b"x", v=b"x"), Context())
     # the borrower left the gManager's live set: the loan is freed
     assert lender.sweep({"someone-else"}) == ["r1"]
     assert engine.num_free_blocks() == 6
