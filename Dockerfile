@@ -43,6 +43,7 @@ COPY decode_server ./decode_server
 COPY operator ./operator
 COPY router ./router
 COPY planner ./planner
+COPY kvpool ./kvpool
 COPY bench ./bench
 COPY localcluster ./localcluster
 RUN /opt/pdserve/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \

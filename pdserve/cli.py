@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("pdserve.prefill_server.cli", "run a prefill server (OpenAI HTTP + gRPC front door)"),
     "decode": ("pdserve.decode_server.cli", "run a decode server (Session stream + load reports)"),
     "router": ("pdserve.router.cli", "run a KV-aware router in front of several prefills (OpenAI HTTP)"),
+    "kvpool": ("pdserve.kvpool.cli", "run a KV pool's gManager or one of its decodes (DistKV-LLM)"),
     "operator": ("pdserve.operator.cli", "run the Kubernetes operator (kopf)"),
     "bench": ("pdserve.bench", "benchmarks: engine, cachestore, serving load generator, experiments"),
 }

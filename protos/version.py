@@ -15,3 +15,7 @@ PROTOCOL_VERSION = 3
 # The KV-event stream (kv_events.proto): a router uses the index of a server only when the
 # server's SNAPSHOT carries this version. Bump it when an event's meaning changes.
 KV_EVENTS_VERSION = 1
+
+# The KV pool (kvpool.proto): a gManager ignores reports, and a lender refuses loans, that carry
+# another version. Bump it when a kvpool message changes meaning.
+KVPOOL_VERSION = 1

@@ -10,7 +10,8 @@
   pdserve bench experiment peer          -  pdserve's P/D vs vLLM-CPU's own P/D, same checkpoint and trace
   pdserve bench experiment slo           8. SLO classes: fifo vs edf vs qlm global queue, interactive + batch bursts
   pdserve bench experiment tiers         9. prefix-cache tiers (host, disk): multi-turn chat, working set 4x the pool
-  pdserve bench experiment eviction     10. LSO: interactive TBT with batch requests on the decode, eviction on/off
+  pdserve bench experiment long-context 10. KV pool over 3 decodes (DistKV-LLM): longest prompt, tokens/s, spill cost
+  pdserve bench experiment eviction     11. LSO: interactive TBT with batch requests on the decode, eviction on/off
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -37,6 +38,7 @@ EXPERIMENTS: dict[str, str] = {
     "slo": "pdserve.bench.experiments.slo",
     "eviction": "pdserve.bench.experiments.eviction",
     "tiers": "pdserve.bench.experiments.tiers",
+    "long-context": "pdserve.bench.experiments.long_context",
 }
 
 
