@@ -159,13 +159,27 @@ class DecoderModel(nn.Module):
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits ``[num_seqs, vocab]`` of each sequence's last new token; writes new tokens' K/V."""
-        cfg = self.cfg
         x = self.embed_tokens(batch.input_ids)
+        x = self.run_layers(x, batch, kv, range(len(self.layers)), on_layer)
+        return self.head(x, batch)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        layer_ids: range,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` through layers ``layer_ids`` (a pipeline stage runs its
+        own range); layer ``i``'s K/V go to ``kv`` layer ``i - layer_ids.start``."""
+        cfg = self.cfg
         cos, sin = self._rope(batch.positions, x.dtype)
         sync = on_layer is not None and kv.device.type == "cuda"
-        for i, layer in enumerate(self.layers):
+        for i in layer_ids:
+            layer, c = self.layers[i], i - layer_ids.start
             q, k, v = layer.qkv(x, cos, sin)
-            kv.write(i, batch.slot_rows, k, v)
+            kv.write(c, batch.slot_rows, k, v)
             if on_layer is not None:
                 if sync:
                     torch.cuda.current_stream(kv.device).synchronize()
@@ -178,18 +192,22 @@ class DecoderModel(nn.Module):
                     vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
                     o = _attend(qs, ks, vs, causal=True)
                 else:
-                    kc, vc = kv.gather(i, span.context_rows)
+                    kc, vc = kv.gather(c, span.context_rows)
                     n_new = span.end - span.start
                     n_ctx = span.num_cached + n_new
                     mask = torch.ones(n_new, n_ctx, dtype=torch.bool, device=x.device).tril(diagonal=span.num_cached)
                     o = _attend(qs, kc.to(q.dtype).transpose(0, 1).unsqueeze(0), vc.to(q.dtype).transpose(0, 1).unsqueeze(0), mask=mask)
                 out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
             if batch.decode_rows is not None:
-                kc, vc = kv.gather(i, batch.decode_rows)  # [B, L, KVH, D]
+                kc, vc = kv.gather(c, batch.decode_rows)  # [B, L, KVH, D]
                 qd = q[batch.decode_start :].unsqueeze(2)  # [B, H, 1, D]
                 o = _attend(qd, kc.to(q.dtype).transpose(1, 2), vc.to(q.dtype).transpose(1, 2), mask=batch.decode_mask)
                 out[batch.decode_start :] = o.squeeze(2)
             x = layer.finish(x, out.view(x.shape[0], cfg.num_heads * cfg.head_dim))
+        return x
+
+    def head(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` (float32) of each sequence's last row of ``x``."""
         x = self.norm(x.index_select(0, batch.logits_rows))
         return self.lm_head(x).float()
 

@@ -1,0 +1,1 @@
+"""Pipeline parallelism (stages over torch.distributed) and its throughput schedulers (TD-Pipe)."""
