@@ -5,6 +5,7 @@ from ``--seed``, random prompt ids, greedy, ignore EOS: every request generates 
 output length) runs three ways on the same cores, one after the other in one command:
 
   single   LLMEngine, continuous batching, one process with ``--threads`` torch threads
+           (``single-1t``: the same with one thread, for a machine where 2 threads lose)
   mixed    PipelineEngine, 2 stage processes (1 torch thread each) + the controller, prefills
            and decodes in the same micro-batches (hybrid batching, the usual PP baseline)
   td-pipe  the same pipeline with TD-Pipe's schedule: prefill and decode phases in time,
@@ -55,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batched-tokens", type=int, default=1024, help="prompt tokens per prefill (micro-)batch")
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the single process (the cores)")
-    parser.add_argument("--configs", default="single,mixed,td-pipe", help="which to run, comma separated")
+    parser.add_argument("--configs", default="single,mixed,td-pipe",
+                        help="which to run, comma separated: single, single-1t (one thread), mixed, td-pipe")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-results/experiments"), help="output directory")
 
@@ -83,12 +85,12 @@ def _random_model(args, directory: str) -> str:
     return directory
 
 
-def run_single(model: str, reqs, args) -> dict:
+def run_single(model: str, reqs, args, threads: int) -> dict:
     import torch
 
     from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
     eng = LLMEngine(load_model(model), EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
                                                     max_num_seqs=args.max_num_seqs, enable_prefix_cache=False,
                                                     max_num_batched_tokens=args.max_batched_tokens, detokenize=False))
@@ -131,16 +133,19 @@ def run(args: argparse.Namespace) -> int:
     n_prompt = sum(len(ids) for _, ids, _ in reqs)
     n_out = sum(n for _, _, n in reqs)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = set(configs) - {"single", "mixed", "td-pipe"}
+    unknown = set(configs) - {"single", "single-1t", "mixed", "td-pipe"}
     if unknown:
-        raise SystemExit(f"unknown configuration(s) {sorted(unknown)}: use single, mixed, td-pipe")
+        raise SystemExit(f"unknown configuration(s) {sorted(unknown)}: use single, single-1t, mixed, td-pipe")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         model = _random_model(args, tmp) if args.model == "random" else args.model
         for name in configs:
             print(f"throughput: running {name} ({args.requests} requests, {n_prompt} prompt + {n_out} output tokens)",
                   flush=True)
-            r = run_single(model, reqs, args) if name == "single" else run_pipeline(model, reqs, args, name)
+            if name.startswith("single"):
+                r = run_single(model, reqs, args, 1 if name == "single-1t" else args.threads)
+            else:
+                r = run_pipeline(model, reqs, args, name)
             got = sum(len(v) for v in r["tokens"].values())
             if got != n_out:
                 raise RuntimeError(f"{name}: generated {got} tokens, expected {n_out} (ignore_eos)")

@@ -63,10 +63,11 @@ def stage_main(spec: StageSpec) -> None:
     """Entry point of a stage process (spawned by PipelineEngine)."""
     torch.set_num_threads(spec.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
+    stage = Stage(spec)  # load first: the controller's rendezvous returns once every stage is ready
     dist.init_process_group(backend_for(spec.device), init_method=spec.init_method, rank=spec.stage + 1,
                             world_size=spec.num_stages + 1, timeout=timedelta(seconds=spec.timeout_s))
     try:
-        Stage(spec).loop()
+        stage.loop()
     finally:
         dist.destroy_process_group()
 
