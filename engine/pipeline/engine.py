@@ -105,6 +105,7 @@ class PipelineEngine:
         self.results: dict[str, RequestOutput] = {}
         self.num_preemptions = 0
         self.stage_traces: list[list[tuple[float, float, int, int]]] = []
+        self.stage_cpu_s: list[float] = []  # CPU seconds each stage used (from close())
         self.batches: list[tuple[float, float, int, int, list[float]]] = []  # sent, returned, kind, seqs, times
         self.schedule = make_schedule(config.schedule, self)
         self._next_id = 0
@@ -285,7 +286,9 @@ class PipelineEngine:
             for s in range(self.config.num_stages):
                 box = [None]
                 dist.recv_object_list(box, src=s + 1)
-                self.stage_traces.append(box[0])
+                trace, cpu_s = box[0]
+                self.stage_traces.append(trace)
+                self.stage_cpu_s.append(cpu_s)
         finally:
             dist.destroy_process_group()
             for p in self.procs:

@@ -5,7 +5,7 @@ and the sampler. Each stage loops: receive a micro-batch (see ``protocol.py``), 
 ForwardBatch from the block tables (ModelRunner.build_batch, the one-process code), run its
 layers, send the activations on (or the sampled tokens back to the controller). It records
 (start, end, micro-batch id, kind) of every forward for the utilisation timeline, and sends
-that trace to the controller when told to stop.
+that trace (and the CPU seconds it used) to the controller when told to stop.
 
 Backend: gloo on CPU; NCCL when the device is CUDA (every message then lives on the GPU;
 written for, not tested here: this machine has no GPU).
@@ -99,6 +99,7 @@ class Stage:
 
     def loop(self) -> None:
         n = self.spec.num_stages
+        cpu0 = time.process_time()
         while True:
             header = self.link.recv_header(self.prev, n)
             cmd, mb_id, kind, num_seqs, meta_len, rows, sampling_bytes, payload_bytes = header[: P.HEADER_LEN]
@@ -106,7 +107,7 @@ class Stage:
                 if not self.last:
                     self.link.send(self.next, [torch.tensor(header)])
                 self.link.flush()
-                dist.send_object_list([self.trace], dst=0)
+                dist.send_object_list([(self.trace, time.process_time() - cpu0)], dst=0)
                 return
             payload = self.link.recv(self.prev, (payload_bytes,), torch.uint8)
             specs = [((meta_len,), torch.int64)]
