@@ -125,8 +125,10 @@ class TDPipeSchedule:
         self.phase = phase
         self.phases.append((self.clock(), phase))
         if phase == "prefill":
-            self.memory = self._simulation()
+            for batch in self.queue:  # formed, not sent: back to the ready set
+                self.engine.ready.extend(batch)
             self.queue = []
+            self.memory = self._simulation()
         else:
             self.memory = None
             n = self.engine.config.num_stages - self.in_decode
