@@ -126,8 +126,10 @@ def run_pipeline(model: str, reqs, args, schedule: str) -> dict:
     traces = [[(s - t0, e - t0, kind) for s, e, _, kind in tr] for tr in eng.stage_traces]
     util = [sum(e - s for s, e, _ in tr) / wall for tr in traces]
     phases = [(t - t0, p) for t, p in getattr(eng.schedule, "phases", [])]
+    decode_sizes = [n for _, _, kind, n, _ in eng.batches if kind != 0]
     return {"wall_s": wall, "cpu_s": cpu, "tokens": {k: v.new_token_ids for k, v in out.items()}, "preemptions": eng.num_preemptions,
             "utilisation": util, "traces": traces, "phases": phases, "micro_batches": len(eng.batches),
+            "mean_decode_batch": sum(decode_sizes) / max(len(decode_sizes), 1), "phase_switches": max(len(phases) - 1, 0),
             "load_avg": [load0, os.getloadavg()[0]]}
 
 
@@ -164,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(dict(config=name, wall_s=r["wall_s"], output_tok_s=r["output_tok_s"], total_tok_s=r["total_tok_s"],
                          cpu_s=r["cpu_s"], output_tok_per_cpu_s=r["output_tok_per_cpu_s"],
                          utilisation=r["utilisation"], preemptions=r["preemptions"], same_tokens=same,
-                         micro_batches=r.get("micro_batches"), load_avg=r["load_avg"]))
+                         micro_batches=r.get("micro_batches"), mean_decode_batch=r.get("mean_decode_batch"),
+                         phase_switches=r.get("phase_switches"), load_avg=r["load_avg"]))
     tp = {r["config"]: r["output_tok_s"] for r in rows}
     vs_mixed = report.ratio(tp.get("td-pipe"), tp.get("mixed"))
     vs_single = report.ratio(tp.get("td-pipe"), tp.get("single", tp.get("single-1t")))
@@ -188,15 +191,18 @@ def _print(rows, vs_mixed, vs_single, args, n_prompt, n_out, single_name) -> Non
           f"model {args.model} ({args.layers} layers, hidden {args.hidden}), {args.num_blocks} KV blocks of "
           f"{args.block_size}; single process {args.threads} threads, pipeline {args.stages} stages x 1 thread")
     print("| config | wall s | output tok/s | total tok/s | CPU s | output tok per CPU s | stage utilisation | "
-          "preemptions | same tokens as single | load avg start-end |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "preemptions | micro-batches (mean seqs per decode one) | phase switches | same tokens as single | "
+          "load avg start-end |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         util = " / ".join(f"{u:.0%}" for u in r["utilisation"])
         same = "-" if r["same_tokens"] is None else f"{r['same_tokens']:.0%}"
         load = f"{r['load_avg'][0]:.1f}-{r['load_avg'][1]:.1f}"
+        mbs = "-" if r["micro_batches"] is None else f"{r['micro_batches']} ({r['mean_decode_batch']:.1f})"
         print(f"| {r['config']} | {r['wall_s']:.1f} | {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | "
               f"{r['cpu_s']:.1f} | {r['output_tok_per_cpu_s']:.0f} | {util} | "
-              f"{r['preemptions']} | {same} | {load} |")
+              f"{r['preemptions']} | {mbs} | {r['phase_switches'] if r['phase_switches'] is not None else '-'} | "
+              f"{same} | {load} |")
     for label, value, target in (("TD-Pipe / mixed PP", vs_mixed, TARGET_VS_MIXED),
                                  (f"TD-Pipe / one process ({single_name})", vs_single, TARGET_VS_SINGLE)):
         if value is not None:

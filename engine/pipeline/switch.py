@@ -2,8 +2,9 @@
 
 1. Prefill -> decode, ``FutureMemory`` (the paper's Algorithm 1, "AI-based greedy prefill"):
    the KV blocks that every admitted request will hold at a few future decode steps
-   (``points``: 0, 32, 64, ... steps from now), each request growing by one token a step until
-   its predicted output length, then freeing everything. A prompt is admitted while its
+   (``points``: 0, 32, 64, ... steps from now, plus every member's last step, where the
+   peaks are), each request growing by one token a step until its predicted output length,
+   then freeing everything. A prompt is admitted while its
    contribution keeps every point within the capacity; the first prompt that does not fit
    ends the prefill phase. The prediction here is the request's ``max_tokens`` (exact for
    ignore-EOS offline sets; the paper trains a BERT classifier for open-ended outputs).
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
 from ..block_manager import blocks_needed
@@ -37,35 +37,49 @@ def future_points(horizon: int, step: int = 32) -> tuple[int, ...]:
     return tuple(range(0, max(horizon, 0) + step, step))
 
 
-@dataclass
 class FutureMemory:
-    """Simulated KV blocks in use at each of ``points`` (decode steps from now)."""
+    """Simulated KV blocks in use at future decode steps, if nothing else is admitted.
 
-    capacity_blocks: int
-    block_size: int
-    points: tuple[int, ...]
-    usage: list[int] = field(default_factory=list)
+    Checked at ``points`` (the paper's futurePoints: 0, 32, 64, ...) and, so that no peak
+    falls between two points, at every member's last step: a request's blocks only grow
+    until its last step and are freed after it, so the total is highest at some member's
+    last step (or now). Each add is O(points + members).
+    """
 
-    def __post_init__(self) -> None:
-        if not self.usage:
-            self.usage = [0] * len(self.points)
+    def __init__(self, capacity_blocks: int, block_size: int, points: tuple[int, ...] = (0,)):
+        self.capacity_blocks, self.block_size = capacity_blocks, block_size
+        self.members: list[tuple[int, int]] = []  # (kv_tokens, remaining steps)
+        self.usage: dict[int, int] = {p: 0 for p in set(points) | {0}}
+
+    def _blocks(self, kv_tokens: int, remaining: int, step: int) -> int:
+        return blocks_needed(kv_tokens + step, self.block_size) if step <= remaining else 0
 
     def contribution(self, kv_tokens: int, remaining: int) -> list[int]:
-        """Blocks one request holds at each point: it has ``kv_tokens`` tokens of KV and will
-        run ``remaining`` more decode steps (one token of KV each), then free everything."""
-        return [blocks_needed(kv_tokens + s, self.block_size) if s <= remaining else 0 for s in self.points]
+        """Blocks one request would hold at each point (sorted): it has ``kv_tokens`` tokens of
+        KV and runs ``remaining`` more decode steps (one token of KV each), then frees all."""
+        return [self._blocks(kv_tokens, remaining, p) for p in sorted(self.usage)]
+
+    def _usage_at(self, step: int) -> int:
+        if step in self.usage:
+            return self.usage[step]
+        return sum(self._blocks(kv, r, step) for kv, r in self.members)
 
     def add(self, kv_tokens: int, remaining: int) -> None:
-        for i, c in enumerate(self.contribution(kv_tokens, remaining)):
-            self.usage[i] += c
+        if remaining not in self.usage:
+            self.usage[remaining] = self._usage_at(remaining)
+        for p in self.usage:
+            self.usage[p] += self._blocks(kv_tokens, remaining, p)
+        self.members.append((kv_tokens, remaining))
 
     def fits(self, kv_tokens: int, remaining: int) -> bool:
-        """Would every point stay within the capacity with this request added?"""
-        contrib = self.contribution(kv_tokens, remaining)
-        return all(u + c <= self.capacity_blocks for u, c in zip(self.usage, contrib))
+        """Would every point (and this request's own last step) stay within the capacity?"""
+        cap = self.capacity_blocks
+        if self._usage_at(remaining) + self._blocks(kv_tokens, remaining, remaining) > cap:
+            return False
+        return all(u + self._blocks(kv_tokens, remaining, p) <= cap for p, u in self.usage.items())
 
     def peak(self) -> int:
-        return max(self.usage)
+        return max(self.usage.values())
 
 
 def admit_prompts(memory: FutureMemory, prompts: Iterable[tuple[int, int]]) -> int:

@@ -36,6 +36,8 @@ def test_contribution_grows_then_frees():
     mem = FutureMemory(capacity_blocks=100, block_size=16, points=(0, 10, 20, 30))
     # 10 tokens of KV, 20 more steps: 1 block now, 2 at step 10, 2 at step 20 (30 tokens), freed after
     assert mem.contribution(10, 20) == [1, 2, 2, 0]
+    mem.add(10, 20)
+    assert mem.usage == {0: 1, 10: 2, 20: 2, 30: 0}
 
 
 def test_greedy_prefill_admits_more_than_final_sizes_allow():
@@ -54,7 +56,7 @@ def test_greedy_prefill_admits_more_than_final_sizes_allow():
         used += need
         reserve_all += 1
     assert n > reserve_all
-    # and the exact peak of what was admitted still fits (points every 8 steps = every half block)
+    # and the exact peak of what was admitted still fits
     admitted = [(p, o - 1) for p, o in prompts[:n]]
     assert simulate_peak(admitted, bs) <= cap
     assert mem.peak() <= cap
@@ -68,7 +70,7 @@ def test_switch_point_on_random_traces_never_exceeds_capacity():
         bs = rng.choice([8, 16, 64])
         cap = rng.randint(50, 400)
         running = [(rng.randint(1, 300), rng.randint(0, 200)) for _ in range(rng.randint(0, 10))]
-        mem = FutureMemory(cap, bs, future_points(400, 1))  # every step: the exact simulation
+        mem = FutureMemory(cap, bs, future_points(400, 32))  # coarse points: the last steps keep it exact
         for kv, r in running:
             mem.add(kv, r)
         if mem.peak() > cap:
@@ -84,16 +86,17 @@ def test_switch_point_on_random_traces_never_exceeds_capacity():
 
 def test_prompt_that_fits_now_but_not_later_ends_the_phase():
     mem = FutureMemory(capacity_blocks=10, block_size=10, points=(0, 50, 100))
-    mem.add(40, 100)  # 4 blocks now, 9 at step 50, 14 > 10 would not fit anyway; usage [4, 9, 14]
-    assert mem.usage == [4, 9, 14]
+    mem.add(40, 100)  # 4 blocks now, 9 at step 50, 14 at step 100 (its last)
+    assert mem.usage == {0: 4, 50: 9, 100: 14}
     mem = FutureMemory(capacity_blocks=12, block_size=10, points=(0, 50, 100))
-    mem.add(10, 60)  # [1, 6, 0]
-    assert mem.fits(10, 60)  # + [1, 6, 0] -> 12 at step 50
-    assert not mem.fits(20, 60)  # + [2, 7, 0] -> 13 at step 50 although only 3 blocks now
+    mem.add(10, 60)  # 1 block now, 6 at step 50, 7 at step 60 (its last), 0 at 100
+    assert mem.fits(10, 50)  # + 1, 6 -> 12 at step 50; freed before 60
+    assert not mem.fits(10, 60)  # 7 + 7 = 14 at step 60 although 12 at every fixed point
     # FIFO: the first does not fit at step 50, so the phase ends although the second would fit
     assert admit_prompts(mem, [(20, 61), (10, 5)]) == 0
-    assert admit_prompts(mem, [(10, 61), (10, 61)]) == 1
-    assert mem.usage == [2, 12, 0]
+    assert admit_prompts(mem, [(10, 51), (10, 51)]) == 1
+    assert mem.usage == {0: 2, 50: 12, 60: 7, 100: 0}
+
 
 
 def test_linear_cost_fit_and_prior():
