@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             r["output_tok_per_cpu_s"] = n_out / r["cpu_s"]
             results[name] = r
             print(f"throughput: {name}: {r['wall_s']:.1f} s, {r['output_tok_s']:.0f} output tok/s", flush=True)
-    ref = results.get("single", {}).get("tokens")
+    ref = (results.get("single") or results.get("single-1t") or {}).get("tokens")
     rows = []
     for name, r in results.items():
         same = None if ref is None else sum(r["tokens"][k] == ref[k] for k in ref) / len(ref)
