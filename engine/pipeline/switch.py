@@ -14,8 +14,9 @@
    (bubble: (stages - 1) x how much the longest prefill micro-batch outlasts a decode one;
    total: those prefills + one decode step per batch + the bubble). Switch when spatial < temporal.
 3. Decode micro-batches, ``WorkStealer`` (inter-batch work stealing): a sliding window of the
-   last ``num_batches`` submitted sizes gives the average a returning batch should have;
-   a larger batch leaves its extra requests in a pool, a smaller one takes from it.
+   last ``num_batches`` submitted sizes (plus the pool, less what just finished) gives the
+   average a returning batch should have; a larger batch leaves its extra requests in a
+   pool, a smaller one takes from it.
 
 ``LinearCost`` fits stage seconds = a + b * x online (x: decode batch size or prefill tokens)
 from the times the stages report, so the intensity comparison needs no offline profile.
@@ -192,7 +193,9 @@ class WorkStealer:
         if not self.enabled:
             self.window.append(len(remaining))
             return remaining
-        avg = max((sum(self.window) - num_finished) / self.num_batches, 0.0)
+        # live requests: the window's submitted sizes, less the ones that just finished, plus
+        # those held back (or arrived late: a prefill that returned after the switch)
+        avg = max((sum(self.window) - num_finished + len(self.pool)) / self.num_batches, 0.0)
         target = max(int(math.ceil(avg - 1e-9)), 1)
         out = list(remaining)
         if len(out) > target:

@@ -157,6 +157,19 @@ def test_work_stealing_paper_example():
     assert max(sizes) - min(sizes) < 48 - 8  # closer than before stealing
     everyone = set(b0b) | set(b1) | set(b2) | set(b3) | set(ws.pool)
     assert len(everyone) == 80 + 120 + 128 + 128  # nobody lost or duplicated
+    assert sizes == [114, 114, 114, 114] and not ws.pool  # 456 requests, 4 equal batches
+
+
+def test_late_arrivals_in_the_pool_fill_the_batches():
+    """Requests whose prefill returns after the decode phase started wait in the pool; the
+    average counts them, so returning batches grow to take them all."""
+    ws = WorkStealer(2)
+    a, b = list(range(5)), list(range(5, 10))
+    ws.start([a, b])
+    ws.pool.extend(range(10, 60))  # 50 late arrivals
+    a = ws.rebalance(a, 0)
+    b = ws.rebalance(b, 0)
+    assert len(a) == 30 and len(b) == 30 and not ws.pool
 
 
 def test_work_stealing_balances_random_finishes():
