@@ -185,7 +185,7 @@ class WorkStealer:
         """A new decode phase: ``batches`` are submitted as they are."""
         self.window.clear()
         self.window.extend(len(b) for b in batches)
-        self.pool = []
+        # the pool is kept (the same list object: the engine may share it as its ready set)
 
     def rebalance(self, remaining: list, num_finished: int) -> list:
         """The batch to resubmit, from a returning batch's unfinished requests ``remaining``
@@ -210,5 +210,6 @@ class WorkStealer:
 
     def drain(self) -> list:
         """Requests still held in the pool (the phase ends: they go back to the ready set)."""
-        out, self.pool = self.pool, []
+        out = list(self.pool)
+        self.pool.clear()
         return out

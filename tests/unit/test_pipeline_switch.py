@@ -164,9 +164,12 @@ def test_late_arrivals_in_the_pool_fill_the_batches():
     """Requests whose prefill returns after the decode phase started wait in the pool; the
     average counts them, so returning batches grow to take them all."""
     ws = WorkStealer(2)
+    ready = []
+    ws.pool = ready  # shared with the engine's ready list, as the td-pipe schedule does
     a, b = list(range(5)), list(range(5, 10))
     ws.start([a, b])
-    ws.pool.extend(range(10, 60))  # 50 late arrivals
+    assert ws.pool is ready
+    ready.extend(range(10, 60))  # 50 late arrivals
     a = ws.rebalance(a, 0)
     b = ws.rebalance(b, 0)
     assert len(a) == 30 and len(b) == 30 and not ws.pool
