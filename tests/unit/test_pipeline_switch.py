@@ -175,8 +175,7 @@ def test_late_arrivals_in_the_pool_fill_the_batches():
     assert len(a) == 30 and len(b) == 30 and not ws.pool
 
 
-def test_work_stealing_balances_random_finishes():
-    rng = random.Random(3)
+def test_work_stealing_balances_uneven_finishes():
     for enabled in (True, False):
         ws = WorkStealer(2)
         ws.enabled = enabled
