@@ -23,6 +23,7 @@ Reading path (read in this order):
   ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)
+  ``pipeline/``       pipeline stages over torch.distributed + TD-Pipe scheduling (``pdserve batch``)
 
 The names below are loaded on first use, so ``pdserve.engine.defaults`` or
 ``pdserve.engine.stop_strings`` can be imported without loading torch.

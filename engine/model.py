@@ -126,20 +126,42 @@ class DecoderModel(nn.Module):
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Logits ``[num_seqs, vocab]`` of each sequence's last new token; writes new tokens' K/V."""
-        cfg = self.cfg
         x = self._embed(batch.input_ids)
+        x = self.run_layers(x, batch, kv, range(len(self.layers)), on_layer)
+        return self.head(x, batch)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        layer_ids: range,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` through layers ``layer_ids`` (a pipeline stage runs its
+        own range); layer ``i``'s K/V go to ``kv`` layer ``i - layer_ids.start``."""
+        cfg = self.cfg
         ropes = self._ropes(batch.positions, x.dtype)
         masks: dict = {}  # sliding-window masks, built once per step and window
         sync = on_layer is not None and kv.device.type == "cuda"
-        for i, layer in enumerate(self.layers):
+        for i in layer_ids:
+            layer, c = self.layers[i], i - layer_ids.start
             q, k, v = layer.qkv(x, *ropes[layer.rope_local])
-            kv.write(i, batch.slot_rows, k, v)
+            kv.write(c, batch.slot_rows, k, v)
             if on_layer is not None:
                 if sync:
                     torch.cuda.current_stream(kv.device).synchronize()
                 on_layer(i)
-            out = self._paged_attention(i, layer.window, q, k, v, batch, kv, masks)
+            out = self._paged_attention(c, layer.window, q, k, v, batch, kv, masks)
             x = layer.finish(x, out.view(x.shape[0], cfg.num_heads * cfg.head_dim))
+        return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's input: token embeddings (scaled where the family asks)."""
+        return self._embed(input_ids)
+
+    def head(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` (float32) of each sequence's last row of ``x``."""
         return self._logits(self.norm(x.index_select(0, batch.logits_rows)))
 
     def _paged_attention(self, i, window, q, k, v, batch: ForwardBatch, kv: KVCache, masks: dict) -> torch.Tensor:

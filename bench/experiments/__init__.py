@@ -12,6 +12,7 @@
   pdserve bench experiment tiers         9. prefix-cache tiers (host, disk): multi-turn chat, working set 4x the pool
   pdserve bench experiment long-context 10. KV pool over 3 decodes (DistKV-LLM): longest prompt, tokens/s, spill cost
   pdserve bench experiment eviction     11. LSO: interactive TBT with batch requests on the decode, eviction on/off
+  pdserve bench experiment throughput   12. offline tokens/s: one process vs 2-stage PP (mixed batching) vs TD-Pipe
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -39,6 +40,7 @@ EXPERIMENTS: dict[str, str] = {
     "eviction": "pdserve.bench.experiments.eviction",
     "tiers": "pdserve.bench.experiments.tiers",
     "long-context": "pdserve.bench.experiments.long_context",
+    "throughput": "pdserve.bench.experiments.throughput",
 }
 
 
