@@ -50,6 +50,7 @@ COPY decode_server ./decode_server
 COPY operator ./operator
 COPY router ./router
 COPY planner ./planner
+COPY kvpool ./kvpool
 COPY bench ./bench
 COPY localcluster ./localcluster
 # Packages to uninstall after the install, ones the image never loads (the CPU image from PyPI's

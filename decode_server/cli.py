@@ -19,7 +19,8 @@ import asyncio
 import logging
 
 from pdserve import defaults
-from pdserve.server_setup import add_server_arguments, build_server_engine, drain, setup_logging, wait_for_stop_signal
+from pdserve.server_setup import (add_server_arguments, build_server_engine, drain, follow_tier_metrics, setup_logging,
+                                  wait_for_stop_signal)
 
 log = logging.getLogger("pdserve.decode")
 
@@ -30,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=defaults.DECODE_HTTP_PORT, help="HTTP port (/health /ready /metrics)")
     parser.add_argument("--kv-port", type=int, default=defaults.KV_TRANSFER_PORT, help="CacheStore receiver port")
     parser.add_argument("--advertise-host", default=None, help="host prefill should send KV to (default: --host)")
+    parser.add_argument("--no-eviction", dest="eviction", action="store_false",
+                        help="never evict a batch request's KV to host memory while an interactive request misses "
+                             "its TBT target (on by default; it acts only for requests of SLO classes: a class with "
+                             "a tbtMs target is protected, one with neither ttftMs nor tbtMs may be evicted)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -54,6 +59,7 @@ async def serve(args: argparse.Namespace) -> int:
     parts = build_server_engine(args)
     engine = parts.engine
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    follow_tier_metrics(metrics, engine)
     kv_events = KvEventPublisher(args.block_size)
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()
@@ -65,7 +71,7 @@ async def serve(args: argparse.Namespace) -> int:
     service = DecodeService(
         engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
         max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
-        session_timeout_s=args.session_timeout, metrics=metrics,
+        session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction,
     )
     registry = service.registry
     metrics.track_load(lambda: EngineLoad(waiting=registry.waiting(), running=registry.running(),

@@ -8,11 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, AsyncIterator
 
+from pdserve.engine.grammar import GrammarSpec
 from pdserve.protos import session_pb2 as pb
 from pdserve.rate_meter import RateMeter
 
 if TYPE_CHECKING:
     from pdserve.engine import AsyncLLMEngine, RequestOutput
+
+    from .lso import LsoController
+    from .session_metrics import SessionMetrics
 
 
 def sampling_from_proto(msg: pb.Sampling, sampling_cls):
@@ -20,15 +24,23 @@ def sampling_from_proto(msg: pb.Sampling, sampling_cls):
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
         stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        grammar=GrammarSpec(msg.grammar.kind, msg.grammar.schema or None, msg.grammar.feed)
+        if msg.HasField("grammar") else None,
     )
 
 
 class DecodeEngine:
     """The engine calls a DecodeSession makes."""
 
-    def __init__(self, engine: AsyncLLMEngine, sampling_cls, metrics: SessionMetrics):
-        self.engine, self.sampling_cls, self.metrics = engine, sampling_cls, metrics
+    def __init__(self, engine: AsyncLLMEngine, sampling_cls, metrics: SessionMetrics, lso: LsoController | None = None):
+        self.engine, self.sampling_cls, self.metrics, self.lso = engine, sampling_cls, metrics, lso
         self.local_prompts = RateMeter()  # tokens/s of the prompts computed here (ComputePrompt)
+
+    def track(self, request_id: str, start: pb.Start) -> None:
+        """The request joins the batch: its TBT target / evictability for the LSO controller."""
+        if self.lso is not None:
+            self.lso.track(request_id, start.tbt_target_ms, start.evictable)
 
     @property
     def num_blocks(self) -> int:
@@ -63,5 +75,8 @@ class DecodeEngine:
         return self.local_prompts.rate() or 0.0
 
     async def release(self, request_id: str) -> None:
-        """Free everything the engine holds for the request: reserved blocks or a running sequence."""
+        """Free everything the engine holds for the request: reserved blocks, a running sequence
+        or one evicted to host memory."""
+        if self.lso is not None:
+            self.lso.untrack(request_id)
         await self.engine.abort(request_id)

@@ -27,6 +27,7 @@ from pdserve.protos import session_pb2_grpc as pb_grpc
 from pdserve.protos.version import PROTOCOL_VERSION
 
 from .decode_engine import DecodeEngine
+from .lso import LsoController
 from .registry import SessionInfo, SessionRegistry
 from .session import DecodeSession, SessionDeps
 from .session_metrics import SessionMetrics
@@ -42,13 +43,17 @@ log = logging.getLogger(__name__)
 class DecodeService(pb_grpc.DecodeServicer):
     def __init__(self, engine: AsyncLLMEngine, receiver: CacheStoreReceiver, compat: pb.Compat, *, sampling_cls,
                  out_of_blocks_error: type[Exception], max_model_len: int, kv_bytes_per_block: int,
-                 session_timeout_s: float = 30.0, metrics: ServerMetrics | None = None):
+                 session_timeout_s: float = 30.0, metrics: ServerMetrics | None = None, eviction: bool = True):
         self.engine, self.receiver, self.compat = engine, receiver, compat
         self.kv_bytes_per_block = kv_bytes_per_block
         self.registry = SessionRegistry()
         session_metrics = SessionMetrics(metrics, kv_bytes_per_block)
+        lso = None
+        if eviction:  # batch requests' KV to host memory while interactive ones miss their TBT (lso.py)
+            lso = LsoController(metrics)
+            engine.after_step = lso
         self.deps = SessionDeps(
-            engine=DecodeEngine(engine, sampling_cls, session_metrics), receiver=receiver, registry=self.registry,
+            engine=DecodeEngine(engine, sampling_cls, session_metrics, lso), receiver=receiver, registry=self.registry,
             metrics=session_metrics, compat=compat, max_model_len=max_model_len,
             session_timeout_s=session_timeout_s, out_of_blocks_error=out_of_blocks_error,
         )
@@ -93,6 +98,7 @@ class DecodeService(pb_grpc.DecodeServicer):
             "kv_blocks_total": stats["num_blocks"],
             "kv_blocks_free": stats["num_free_blocks"],
             "kv_blocks_used": stats["num_blocks"] - stats["num_free_blocks"],
+            "swapped_requests": self.engine.swapped()[0],  # evicted to host memory (lso.py)
             "cachestore": self.receiver.stats(),
             "draining": self.registry.draining,
         }

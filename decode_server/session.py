@@ -66,6 +66,7 @@ import grpc
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
 from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
+from pdserve.protos.logprobs import logprob_to_proto
 
 from . import admission
 from .registry import SessionInfo, SessionRegistry
@@ -243,6 +244,7 @@ class DecodeSession(SessionStream):
         """Step 4: stream the engine's outputs; ``first_token`` None: compute the prompt here first."""
         deps = self.deps
         ids = list(start.prompt_token_ids)
+        deps.engine.track(self.request_id, start)
         if first_token is None:
             produced, began = 0, time.monotonic()
             outputs = deps.engine.prefill_reserved(self.request_id, ids, start.sampling)
@@ -259,7 +261,8 @@ class DecodeSession(SessionStream):
                     began = None
                 if out.new_token_ids:
                     produced += len(out.new_token_ids)
-                    await self.write(tokens=pb.Tokens(token_ids=list(out.new_token_ids)))
+                    lps = [logprob_to_proto(lp) for lp in out.logprobs or ()]
+                    await self.write(tokens=pb.Tokens(token_ids=list(out.new_token_ids), logprobs=lps))
                 if out.finished:
                     await self.write(finish=pb.Finish(finish_reason=out.finish_reason or "stop", completion_tokens=produced))
                     self.outcome = ("ok", out.finish_reason or "stop")

@@ -8,13 +8,22 @@ Reading path (read in this order):
   ``model_runner.py`` ModelRunner: sequences -> ForwardBatch (ids, positions, KV slots) -> tokens
   ``outputs.py``      OutputProcessor: EOS/stop ids, stop strings (``stop_strings.py``), RequestOutput
   ``sequence.py``     Sequence, RequestOutput, SequenceFactory (request validation)
-  ``model.py``        DecoderModel: the Llama/Qwen2 decoder over a paged KV cache (layer callback)
+  ``model.py``        DecoderModel: the decoder over a paged KV cache (layer callback); attention
+                      math (scale, soft-capping, sliding-window masks) in ``attention.py``
+  ``models/``         each family's decoder layer: llama.py (Llama, Mistral, Qwen2), qwen3.py,
+                      qwen3_moe.py (experts), gemma.py (Gemma 2, Gemma 3 text)
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
+  ``swap.py``         Swapper: a running request's KV evicted to host memory and restored (LSO)
+  ``kv_tiers.py``     KVTiers: evicted prefix-cache blocks in host memory, then disk; copied back on a hit
   ``sampling.py``     SamplingParams (validated) and the batched Sampler
+  ``sampling.py``     SamplingParams (validated) and the batched Sampler; ``token_logprobs``
+  ``grammar.py``      constrained decoding (xgrammar): GrammarSpec, Grammars, a Matcher per sequence
+  ``logprobs.py``     TokenLogprob (torch-free)
   ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, for asyncio servers
-  ``loader.py`` / ``config.py`` / ``checkpoint.py`` / ``tokenizer.py``: loading models
+  ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)
+  ``pipeline/``       pipeline stages over torch.distributed + TD-Pipe scheduling (``pdserve batch``)
 
 The names below are loaded on first use, so ``pdserve.engine.defaults`` or
 ``pdserve.engine.stop_strings`` can be imported without loading torch.
@@ -32,7 +41,10 @@ API
                         #   splits a UTF-8 character)
 
     engine = LLMEngine(loaded, EngineConfig(num_blocks=None, block_size=64, max_num_seqs=64,
-                                            max_model_len=None, enable_prefix_cache=True))
+                                            max_model_len=None, enable_prefix_cache=True,
+                                            kv_host_tier_bytes=0, kv_disk_tier_dir=None, kv_disk_tier_bytes=0))
+        # kv_*_tier_*: evicted prefix-cache blocks go to host memory then disk, a hit copies them
+        # back (kv_tiers.py); engine.tier_stats() -> {"host"|"disk": TierStats}; engine.close()
     engine.kv_cache.tensor      # [num_layers, num_blocks, 2 (K,V), block_size, num_kv_heads, head_dim]
     engine.kv_cache.block_nbytes, .num_blocks, .layer(i) (view), .block_offset(layer, block) (bytes)
     engine.num_free_blocks(); engine.num_requests()  # (both back to full / 0 when idle)
@@ -43,7 +55,12 @@ Colocated::
     engine.add_request(request_id, prompt_token_ids, sampling)
     engine.step() -> list[RequestOutput]
         # RequestOutput(request_id, new_token_ids, finished, finish_reason "stop"|"length"|"abort"|None,
-        #               text (delta), num_prompt_tokens, num_cached_tokens, error)
+        #               text (delta), num_prompt_tokens, num_cached_tokens, error,
+        #               logprobs: one TokenLogprob per new token when SamplingParams.logprobs is set)
+    SamplingParams(..., logprobs=k, grammar=GrammarSpec("json_schema", schema_text, feed=0))
+        # logprobs: the raw log-softmax of each sampled token + its k most likely alternatives;
+        # grammar: the sampler picks only tokens the grammar allows (xgrammar); feed = trailing
+        # prompt tokens already generated under it (a resumed request)
     engine.abort(request_id)    # frees its blocks; True if it knew the request
 
 P/D, prefill side::
@@ -54,6 +71,7 @@ P/D, prefill side::
         # Raises OutOfBlocksError if the blocks are not free now (caller may retry or fall back).
     firsts = engine.prefill_many([(rid, ids, sampling), ...], on_layer=cb2)  # one forward, {rid: token}
         # cb2(layer_idx, {rid: block_ids}); all or nothing on errors
+    engine.prefill_logprob(request_id)  # the first token's TokenLogprob (None unless asked), before release
     engine.release(request_id)  # the caller frees the blocks once the KV is sent
     engine.prefill_counters     # (prompt tokens computed by prefill_only/many, seconds): measured throughput
 
@@ -112,6 +130,7 @@ _EXPORTS = {
     "OutOfBlocksError": ".errors",
     "PromptTooLongError": ".errors",
     "KVCache": ".kv_cache",
+    "KVTiers": ".kv_tiers",
     "EngineConfig": ".llm_engine",
     "LLMEngine": ".llm_engine",
     "LoadedModel": ".loader",
@@ -142,6 +161,7 @@ if TYPE_CHECKING:
     from .config import ConfigError, ModelConfig
     from .errors import ModelLoadError, OutOfBlocksError, PromptTooLongError
     from .kv_cache import KVCache
+    from .kv_tiers import KVTiers
     from .llm_engine import EngineConfig, LLMEngine
     from .loader import LoadedModel, load_model
     from .sampling import SamplingParams

@@ -25,19 +25,31 @@ trip to the engine thread:
   call now running.
 - ``num_requests()``: requests holding engine state, published the same way.
 - ``prefill_counters()``: (prompt tokens computed by prefill_only/many, seconds), the same way.
+- ``swapped()``: (requests swapped out to host memory, their bytes), the same way.
+- ``tier_stats()``: the KV tiers' running totals (hits, bytes, time), the same way.
 Never touch ``engine`` (the LLMEngine) itself from another thread.
+
+``after_step`` (optional, set before ``start``): called on the engine thread after every
+step as ``after_step(engine, seconds, batch_size)``, and every ``SWAP_POLL_S`` while only
+swapped-out requests are left (seconds 0, batch 0) - the decode's LSO controller evicts and
+restores there (``swap.py``), between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
+import time
 from typing import AsyncIterator, Callable
 
 from .llm_engine import LLMEngine
 from .sampling import SamplingParams
 from .sequence import RequestOutput
+
+log = logging.getLogger(__name__)
+SWAP_POLL_S = 0.02  # while only swapped-out requests are left: how often after_step may restore them
 
 
 class AsyncLLMEngine:
@@ -49,6 +61,9 @@ class AsyncLLMEngine:
         self._num_requests = engine.num_requests()
         self._prefix_hit_tokens = engine.prefix_hit_tokens()
         self._prefill_counters = engine.prefill_counters
+        self._swapped = (0, 0)
+        self.after_step: Callable[[LLMEngine, float, int], None] | None = None
+        self._tier_stats = engine.tier_stats()
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -95,10 +110,21 @@ class AsyncLLMEngine:
         """Prompt tokens whose KV came from the prefix cache since start (a counter), as last published."""
         with self._published:
             return self._prefix_hit_tokens
+
+    def tier_stats(self) -> dict:
+        """KV tier name -> its TierStats (engine/kv_tiers.py), as last published; empty without tiers."""
+        with self._published:
+            return self._tier_stats
+
     def prefill_counters(self) -> tuple[int, float]:
         """(prompt tokens prefill_only/many computed, seconds of their forward passes), as last published."""
         with self._published:
             return self._prefill_counters
+
+    def swapped(self) -> tuple[int, int]:
+        """(requests swapped out to host memory, their bytes), as last published."""
+        with self._published:
+            return self._swapped
 
     # ---- colocated -------------------------------------------------------------------------
     async def generate(
@@ -129,6 +155,10 @@ class AsyncLLMEngine:
     ) -> dict[str, int]:
         """LLMEngine.prefill_many (several prompts, one forward) on the engine thread."""
         return await self._call(self.engine.prefill_many, requests, on_layer)
+
+    async def prefill_logprob(self, request_id: str):
+        """The first token's TokenLogprob of a held prefill_only request (None unless it asked)."""
+        return await self._call(self.engine.prefill_logprob, request_id)
 
     async def prefill_block_ids(self, request_id: str) -> list[int]:
         return await self._call(self.engine.prefill_block_ids, request_id)
@@ -225,9 +255,12 @@ class AsyncLLMEngine:
         """On the engine thread: make the engine's counts readable from other threads."""
         e = self.engine
         free, requests, hits, counters = e.num_free_blocks(), e.num_requests(), e.prefix_hit_tokens(), e.prefill_counters
+        swapped = (len(e.swapper.swapped_ids()), e.swapper.swapped_bytes())
+        tiers = e.tier_stats() if e.tiers is not None else self._tier_stats
         with self._published:
+            self._tier_stats = tiers
             self._free_blocks, self._num_requests = free, requests
-            self._prefix_hit_tokens, self._prefill_counters = hits, counters
+            self._prefix_hit_tokens, self._prefill_counters, self._swapped = hits, counters, swapped
 
     def _abort_all(self) -> None:
         self.engine.abort_all()
@@ -258,8 +291,10 @@ class AsyncLLMEngine:
     def _loop(self) -> None:
         e = self.engine
         while True:
+            idle = not e.has_unfinished()
+            poll = idle and self.after_step is not None and bool(e.scheduler.swapped)
             try:
-                item = self._calls.get(block=not e.has_unfinished())
+                item = self._calls.get(block=idle, timeout=SWAP_POLL_S if poll else None)
             except queue.Empty:
                 item = False
             if item is None and self._stopping:
@@ -276,14 +311,29 @@ class AsyncLLMEngine:
                     if item:
                         self._run_call(item)
             if not e.has_unfinished():
+                if poll:
+                    self._after_step(0.0, 0)
+                    self._publish()
                 continue
+            batch = len(e.running)
+            start = time.perf_counter()
             try:
                 outputs = e.step()
             except Exception as exc:  # fail every running request, keep serving
                 outputs = e.fail_scheduled(f"{type(exc).__name__}: {exc}")
+            self._after_step(time.perf_counter() - start, batch)
             self._publish()
             for out in outputs:
                 self._deliver(out)
+
+
+    def _after_step(self, seconds: float, batch: int) -> None:
+        if self.after_step is None:
+            return
+        try:
+            self.after_step(self.engine, seconds, batch)
+        except Exception:  # noqa: BLE001 - a policy bug must not stop the engine
+            log.exception("after_step failed")
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -18,6 +18,13 @@ Contracts
   cache can match (``prefix_hashes()``): ``stored`` when a hash is recorded, ``removed`` when
   its block is evicted, ``cleared`` by ``clear_prefix_cache``. It is called on the thread that
   calls the BlockManager (the engine thread), in order, and must not call back into it.
+- ``tiers`` (optional, a LowerTiers: ``engine/kv_tiers.py``) catches evicted cached blocks:
+  their KV is copied down (host memory, then disk) instead of lost, and a prompt whose chained
+  hashes continue past the pool's blocks into a tier gets those blocks copied back into fresh
+  pool blocks (counted as cached tokens, like pool hits). A block in a lower tier is still a
+  prefix hit for this server, so the listener hears ``removed`` only when a hash leaves the
+  last tier (or fails its checksum on the way back), not when it leaves the pool, and nothing
+  when it moves between the pool and a tier: ``prefix_hashes()`` = pool hashes + tier hashes.
 """
 
 from __future__ import annotations
@@ -66,6 +73,24 @@ class PrefixCacheListener(Protocol):
     def cleared(self) -> None: ...
 
 
+class LowerTiers(Protocol):
+    """Where evicted cached blocks go (``engine/kv_tiers.py``: KVTiers); see the module docstring."""
+
+    def __contains__(self, h: int) -> bool: ...
+
+    def evict(self, h: int, block: int) -> list[int]: ...  # copy down; the hashes no tier holds any more
+
+    def take(self, h: int) -> object | None: ...  # out of its tier (None: lost or corrupt, a miss)
+
+    def restore(self, block: int, taken: object) -> None: ...  # copy a taken block into the pool
+
+    def discard(self, h: int) -> None: ...
+
+    def hashes(self) -> list[int]: ...
+
+    def clear(self) -> None: ...
+
+
 class BlockManager:
     """Reference-counted KV blocks ``0 .. num_blocks-1`` with a prefix cache."""
 
@@ -84,6 +109,7 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}  # hash -> block id, held or cached
         self.prefix_hits = 0  # blocks reused, for metrics and tests
         self.listener: PrefixCacheListener | None = None
+        self.tiers: LowerTiers | None = None
 
     # ---- queries -------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -94,28 +120,36 @@ class BlockManager:
         return len(self._cached)
 
     def prefix_hashes(self) -> list[int]:
-        """Every hash the prefix cache can match now (held or cached free blocks)."""
-        return list(self._by_hash)
+        """Every hash the prefix cache can match now (held or cached free blocks, and lower tiers)."""
+        return list(self._by_hash) + (self.tiers.hashes() if self.tiers is not None else [])
 
     def ref_count(self, block_id: int) -> int:
         return self._ref[block_id]
 
     def match_prefix(self, token_ids: list[int]) -> list[int]:
-        """Block ids holding the longest cached prefix of ``token_ids``.
+        """Block ids holding the longest cached prefix of ``token_ids`` in the pool.
 
         At most ``(len(token_ids) - 1) // block_size`` blocks: the last prompt token is always
         computed, because its logits give the first generated token.
         """
+        return self._match(token_ids)[0]
+
+    def _match(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
+        """(pool block ids of the longest cached prefix, the hashes that continue it in lower tiers)."""
         if not self.enable_prefix_cache:
-            return []
+            return [], []
         limit = (len(token_ids) - 1) // self.block_size
-        hits = []
+        hits: list[int] = []
+        lower: list[int] = []
         for h in chained_hashes(token_ids[: limit * self.block_size], self.block_size):
-            block = self._by_hash.get(h)
-            if block is None:
+            block = None if lower else self._by_hash.get(h)
+            if block is not None:
+                hits.append(block)
+            elif self.tiers is not None and h in self.tiers:
+                lower.append(h)
+            else:
                 break
-            hits.append(block)
-        return hits
+        return hits, lower
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate(self, token_ids: list[int], num_tokens: int, use_prefix_cache: bool = True) -> tuple[list[int], int]:
@@ -125,7 +159,7 @@ class BlockManager:
         KV is already in the reused blocks. Raises OutOfBlocksError (changing nothing) when
         the free blocks do not suffice.
         """
-        hits = self.match_prefix(token_ids) if use_prefix_cache else []
+        hits, lower = self._match(token_ids) if use_prefix_cache else ([], [])
         total = blocks_needed(num_tokens, self.block_size)
         fresh = total - len(hits)
         hits_from_cache = sum(1 for b in hits if self._ref[b] == 0)
@@ -137,9 +171,27 @@ class BlockManager:
             )
         for b in hits:
             self._take_ref(b)
-        self.prefix_hits += len(hits)
+        taken = self._take_lower(lower)  # before _pop_fresh: its evictions may push tier entries out
         table = hits + [self._pop_fresh() for _ in range(fresh)]
-        return table, len(hits) * self.block_size
+        for (h, payload), b in zip(taken, table[len(hits):]):
+            self.tiers.restore(b, payload)
+            self._hash[b] = h
+            self._by_hash[h] = b
+        reused = len(hits) + len(taken)
+        self.prefix_hits += reused
+        return table, reused * self.block_size
+
+    def _take_lower(self, lower: list[int]) -> list[tuple[int, object]]:
+        """Take the tier entries that continue a prefix, up to the first one lost (a miss from there)."""
+        taken = []
+        for h in lower:
+            payload = self.tiers.take(h)
+            if payload is None:
+                if self.listener is not None:
+                    self.listener.removed([h])
+                break
+            taken.append((h, payload))
+        return taken
 
     def append_slots(self, block_table: list[int], num_tokens: int) -> None:
         """Grow ``block_table`` in place so that it holds ``num_tokens`` tokens."""
@@ -169,7 +221,10 @@ class BlockManager:
             if self._hash[block] is None and h not in self._by_hash:
                 self._hash[block] = h
                 self._by_hash[h] = block
-                stored.append(h)
+                if self.tiers is not None and h in self.tiers:
+                    self.tiers.discard(h)  # computed again: the pool's copy replaces the tier's (no event)
+                else:
+                    stored.append(h)
         if stored and self.listener is not None:
             self.listener.stored(stored)
 
@@ -196,6 +251,8 @@ class BlockManager:
         self._cached.clear()
         self._by_hash.clear()
         self._hash = [None] * self.num_blocks
+        if self.tiers is not None:
+            self.tiers.clear()
         if self.listener is not None:
             self.listener.cleared()
 
@@ -213,7 +270,8 @@ class BlockManager:
             h, block = self._cached.popitem(last=False)  # least recently freed
             del self._by_hash[h]
             self._hash[block] = None
-            if self.listener is not None:
-                self.listener.removed([h])
+            gone = [h] if self.tiers is None else self.tiers.evict(h, block)
+            if gone and self.listener is not None:
+                self.listener.removed(gone)
         self._ref[block] = 1
         return block

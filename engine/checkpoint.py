@@ -1,9 +1,10 @@
 """Hugging Face checkpoint layout: tensor names, random weights, and writing safetensors.
 
-``hf_tensor_shapes(cfg)`` is the one place that says which tensors a Llama/Qwen2 checkpoint
-holds and their shapes; the loader checks checkpoints against it, and tests/benchmarks use
-``random_hf_weights`` + ``save_hf_checkpoint`` to write checkpoints that transformers and our
-loader both read.
+``hf_tensor_shapes(cfg)`` says which tensors a checkpoint holds and their shapes (each
+layer's from its family's ``checkpoint_tensors`` in ``engine/models/``); the loader checks
+checkpoints against it, and tests/benchmarks use ``random_hf_weights`` +
+``save_hf_checkpoint`` to write Llama/Qwen2 checkpoints that transformers and our loader both
+read (the other families' test checkpoints are written by transformers).
 """
 
 from __future__ import annotations
@@ -14,28 +15,17 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
+from .models import layer_class
 
 
 def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor name of the checkpoint -> its shape (lm_head only when not tied)."""
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, h)}
+    layer_cls = layer_class(cfg)
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        if cfg.attention_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
-        shapes[p + "mlp.up_proj.weight"] = (inter, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        for sources in layer_cls.checkpoint_tensors(cfg, i).values():
+            shapes.update((f"model.layers.{i}.{name}", shape) for name, shape in sources)
     shapes["model.norm.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, h)

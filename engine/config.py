@@ -1,7 +1,9 @@
 """ModelConfig: the decoder's shape, read from a Hugging Face ``config.json``.
 
-Only the Llama/Qwen2 family is supported (see ``SUPPORTED_ARCHITECTURES``); anything else
-is refused with an error naming the architecture. Rotary scaling types other than
+The architectures in ``SUPPORTED_ARCHITECTURES`` are supported (Llama, Mistral, Qwen2, Qwen3,
+Qwen3-MoE, Gemma 2, Gemma 3 text); anything else is refused with an error naming the
+architecture. What differs per family (q/k norms, Gemma's norms and soft-capping, sliding
+windows, experts) is read by ``config_families.py``. Rotary scaling types other than
 ``linear`` and ``llama3`` (and no scaling) are refused with an error naming the type.
 """
 
@@ -12,22 +14,27 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# HF `architectures` entry -> our family name (they differ only in the q/k/v bias default).
+from .config_families import DEFAULT_HEAD_DIM, DEFAULT_ROPE_THETA, family_fields
+from .errors import ConfigError
+
+# HF `architectures` entry -> our family name (engine/models/__init__.py maps it to its layers).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
-    "MistralForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class ConfigError(ValueError):
-    """A config.json the engine cannot run (unknown architecture, bad values)."""
+SUPPORTED_ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclass(slots=True)
 class ModelConfig:
-    """Shape of a Llama/Qwen2-family decoder. Validated on construction."""
+    """Shape of a supported decoder (see ``SUPPORTED_ARCHITECTURES``). Validated on construction."""
 
     vocab_size: int
     hidden_size: int
@@ -45,6 +52,22 @@ class ModelConfig:
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"  # the MLP's gate activation
+    # sliding-window attention: layer i attends to the last `sliding_window` positions (itself
+    # included) when layer_types[i] == "sliding_attention"; layer_types None -> all full
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    query_pre_attn_scalar: float | None = None  # attention scale is this ** -0.5 (Gemma); None: head_dim
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the LM head's logits
+    rope_local_theta: float | None = None  # Gemma 3: sliding layers' rotary base (unscaled); None: rope_theta
+    # mixture of experts (Qwen3-MoE): layer i is sparse unless in mlp_only_layers or (i+1) % step
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -71,6 +94,40 @@ class ModelConfig:
                 raise ConfigError(
                     f"unsupported rope_scaling type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
                 )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(
+                f"unsupported hidden_act {self.hidden_act!r}; supported: {', '.join(SUPPORTED_ACTIVATIONS)}"
+            )
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+            bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if bad:
+                raise ConfigError(f"unsupported layer type {bad[0]!r}; supported: {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and not self.sliding_window:
+                raise ConfigError("layer_types asks for sliding_attention but sliding_window is not set")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ConfigError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.num_experts:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ConfigError(
+                    f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}"
+                )
+            if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
+                raise ConfigError("moe_intermediate_size and decoder_sparse_step must be positive")
+
+    @property
+    def family(self) -> str:
+        return SUPPORTED_ARCHITECTURES[self.architecture]
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (positions it sees, itself included), or None for full attention."""
+        if self.layer_types is None or self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def is_moe_layer(self, i: int) -> bool:
+        return self.num_experts > 0 and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
 
     @property
     def context_length(self) -> int:
@@ -91,11 +148,14 @@ class ModelConfig:
             num_heads = cfg["num_attention_heads"]
             eos = cfg.get("eos_token_id")
             eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-            default_bias = SUPPORTED_ARCHITECTURES[arch] == "qwen2"
+            family = SUPPORTED_ARCHITECTURES[arch]
+            default_bias = family == "qwen2"
             rope_scaling = cfg.get("rope_scaling")
             rope_theta = cfg.get("rope_theta")
             # transformers >= 5 writes rope settings as `rope_parameters`
             params = cfg.get("rope_parameters")
+            if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+                params = params["full_attention"]  # Gemma 3: one entry per layer type (local: family_fields)
             if isinstance(params, dict):
                 rope_theta = params.get("rope_theta", rope_theta)
                 if params.get("rope_type", "default") != "default":
@@ -107,16 +167,17 @@ class ModelConfig:
                 num_layers=cfg["num_hidden_layers"],
                 num_heads=num_heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-                head_dim=cfg.get("head_dim") or 0,
+                head_dim=cfg.get("head_dim") or DEFAULT_HEAD_DIM.get(family, 0),
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
                 rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                rope_theta=float(rope_theta if rope_theta is not None else DEFAULT_ROPE_THETA.get(family, 10000.0)),
                 rope_scaling=rope_scaling,
                 attention_bias=bool(cfg.get("attention_bias", default_bias)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", family.startswith("gemma"))),
                 architecture=arch,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                **family_fields(family, cfg),
             )
         except KeyError as exc:
             raise ConfigError(f"config.json is missing the field {exc.args[0]!r}") from None
@@ -133,7 +194,11 @@ class ModelConfig:
         return cls.from_hf_dict(data)
 
     def to_hf_dict(self) -> dict:
-        """The config.json transformers needs to build the same model (used by tests and benchmarks)."""
+        """The config.json transformers needs to build the same model (used by tests and benchmarks).
+
+        Llama/Qwen2/Mistral only: other families' checkpoints are written by transformers."""
+        if self.family not in ("llama", "qwen2", "mistral"):
+            raise ConfigError(f"to_hf_dict writes Llama/Qwen2/Mistral configs, not {self.architecture!r}")
         out = {
             "architectures": [self.architecture],
             "model_type": "qwen2" if SUPPORTED_ARCHITECTURES[self.architecture] == "qwen2" else "llama",
@@ -160,13 +225,16 @@ class ModelConfig:
         return out
 
 
-def rope_inv_freq(config: ModelConfig) -> "torch.Tensor":
-    """Inverse rotary frequencies (float32, one per pair of dims), with the config's scaling applied."""
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> "torch.Tensor":
+    """Inverse rotary frequencies (float32, one per pair of dims), with the config's scaling applied.
+
+    ``local``: Gemma 3's sliding layers (base ``rope_local_theta``, never scaled)."""
     import torch
 
     dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    theta = config.rope_local_theta if local else config.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = None if local else config.rope_scaling
     rope_type = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return inv

@@ -27,5 +27,9 @@ class PromptTooLongError(ValueError):
         self.max_model_len = max_model_len
 
 
+class ConfigError(ValueError):
+    """A config.json the engine cannot run (unknown architecture, bad values)."""
+
+
 class ModelLoadError(ValueError):
     """A checkpoint the loader cannot use: a missing or mis-shaped tensor, no weights, bad files."""

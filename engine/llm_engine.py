@@ -25,13 +25,15 @@ Not thread-safe: call from one thread (AsyncLLMEngine runs it on its own thread)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from .block_manager import BlockManager, blocks_needed
 from .defaults import BLOCK_SIZE
 from .errors import OutOfBlocksError
+from .grammar import Grammars
 from .kv_cache import KVCache
+from .kv_tiers import KVTiers, TierStats
 from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .outputs import OutputProcessor, take_output
@@ -39,6 +41,7 @@ from .pd_hooks import PDHooks
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
+from .swap import Swapper
 
 
 @dataclass(slots=True)
@@ -55,6 +58,10 @@ class EngineConfig:
     kv_cache_bytes: int = 1 << 30
     seed: int | None = None  # the sampler's generator for requests without their own seed
     detokenize: bool = True  # fill RequestOutput.text (stop strings work either way)
+    # prefix-cache tiers below the pool (engine/kv_tiers.py): 0 / None = off
+    kv_host_tier_bytes: int = 0
+    kv_disk_tier_dir: str | None = None
+    kv_disk_tier_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
@@ -88,14 +95,23 @@ class LLMEngine:
             cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, loaded.device
         )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.tiers: KVTiers | None = None
+        if config.kv_host_tier_bytes or config.kv_disk_tier_bytes or config.kv_disk_tier_dir:
+            if not config.enable_prefix_cache:
+                raise ValueError("KV tiers hold evicted prefix-cache blocks: they need the prefix cache on")
+            self.tiers = KVTiers(self.kv_cache, config.kv_host_tier_bytes, config.kv_disk_tier_dir,
+                                 config.kv_disk_tier_bytes)
+            self.block_manager.tiers = self.tiers
         self.sampler = Sampler(loaded.device, config.seed)
         self.device = loaded.device
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
         self.outputs = OutputProcessor(set(loaded.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.outputs.eos_ids)
         self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, self.tokenizer.detokenizer,
-                                       config.detokenize, self.scheduler.in_use)
+                                       config.detokenize, self.scheduler.in_use, self.grammars)
         self.pd = PDHooks(self.scheduler, self.runner, self.factory, self.outputs, self.max_model_len)
+        self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
 
     # ---- public queries --------------------------------------------------------------------
     @property
@@ -108,6 +124,15 @@ class LLMEngine:
     def prefix_hit_tokens(self) -> int:
         """Prompt tokens reused from the prefix cache since start (a counter)."""
         return self.block_manager.prefix_hits * self.block_manager.block_size
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Tier name ("host", "disk") -> a copy of its running totals; empty without tiers."""
+        return {} if self.tiers is None else {n: replace(t) for n, t in self.tiers.stats().items()}
+
+    def close(self) -> None:
+        """Delete what the KV tiers hold (the disk tier's directory too). Also done at exit."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -175,11 +200,11 @@ class LLMEngine:
         outputs = [take_output(seq) for seq in self.scheduler.take_done_early()]
         batch = self.scheduler.schedule()
         if batch:
-            tokens = self.runner.forward_and_sample(batch, None)
-            for seq, token in zip(batch, tokens):
+            tokens, logprobs = self.runner.forward_sample(batch, None)
+            for seq, token, logprob in zip(batch, tokens, logprobs):
                 seq.num_computed = seq.num_tokens
                 self.scheduler.register_blocks(seq)
-                self.outputs.append_token(seq, token)
+                self.outputs.append_token(seq, token, logprob)
         for seq in batch:
             if seq.status is Status.FINISHED:
                 self.scheduler.finish(seq)
@@ -223,6 +248,10 @@ class LLMEngine:
     def prefill_block_ids(self, request_id: str) -> list[int]:
         """The blocks a prefill_only request holds (its prompt's KV)."""
         return self.pd.prefill_block_ids(request_id)
+
+    def prefill_logprob(self, request_id: str):
+        """The first token's TokenLogprob of a prefill_only request still held (None unless it asked)."""
+        return self.pd.prefill_logprob(request_id)
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a prefill_only request (after its KV was sent). Unknown ids are ignored."""

@@ -22,6 +22,7 @@ from .checkpoint import hf_tensor_shapes, random_hf_weights
 from .config import ModelConfig
 from .errors import ModelLoadError
 from .model import DecoderModel
+from .models import layer_class
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 BUILTIN_NAMES = (BUILTIN_MODEL, f"builtin:{BUILTIN_MODEL}")
@@ -60,17 +61,10 @@ class LoadedModel:
 # our parameter name -> the HF tensors concatenated (dim 0) to make it
 def _param_sources(cfg: ModelConfig) -> dict[str, list[str]]:
     src = {"embed_tokens.weight": ["model.embed_tokens.weight"], "norm.weight": ["model.norm.weight"]}
+    layer_cls = layer_class(cfg)
     for i in range(cfg.num_layers):
-        p, h = f"layers.{i}.", f"model.layers.{i}."
-        src[p + "input_layernorm.weight"] = [h + "input_layernorm.weight"]
-        src[p + "post_attention_layernorm.weight"] = [h + "post_attention_layernorm.weight"]
-        for x in "qkvo":
-            src[p + f"{x}_proj.weight"] = [h + f"self_attn.{x}_proj.weight"]
-        if cfg.attention_bias:
-            for x in "qkv":
-                src[p + f"{x}_proj.bias"] = [h + f"self_attn.{x}_proj.bias"]
-        for x in ("gate", "up", "down"):
-            src[p + f"{x}_proj.weight"] = [h + f"mlp.{x}_proj.weight"]
+        for param, sources in layer_cls.checkpoint_tensors(cfg, i).items():
+            src[f"layers.{i}.{param}"] = [f"model.layers.{i}.{name}" for name, _ in sources]
     if not cfg.tie_word_embeddings:
         src["lm_head.weight"] = ["lm_head.weight"]
     return src

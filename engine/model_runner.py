@@ -21,7 +21,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import DecoderModel, ForwardBatch, PrefillSpan
-from .sampling import Sampler
+from .sampling import Sampler, token_logprobs
 from .sequence import Sequence
 
 
@@ -32,14 +32,29 @@ class ModelRunner:
     def forward_and_sample(self, seqs: list[Sequence], on_layer: Callable[[int], None] | None) -> list[int]:
         """One forward over ``seqs`` (their uncomputed tokens) and one sampled token per sequence,
         in the order of ``seqs``. ``on_layer(layer_idx)`` runs after each layer's KV is written."""
+        return self.forward_sample(seqs, on_layer)[0]
+
+    def forward_sample(self, seqs: list[Sequence], on_layer: Callable[[int], None] | None):
+        """``forward_and_sample`` plus each token's TokenLogprob (None where the request did not ask).
+        A sequence with a grammar matcher samples only among the tokens it allows next."""
         pre = [s for s in seqs if not (s.num_tokens - s.num_computed == 1 and s.num_computed > 0)]
         dec = [s for s in seqs if s not in pre] if len(pre) != len(seqs) else []
         batch = self.build_batch(pre, dec)
         logits = self.model(batch, self.kv_cache, on_layer=on_layer)
         ordered = pre + dec
-        sampled = self.sampler.sample(logits, [s.sampling for s in ordered], [len(s.output_ids) for s in ordered])
-        by_seq = {id(s): t for s, t in zip(ordered, sampled)}
-        return [by_seq[id(s)] for s in seqs]
+        params = [s.sampling for s in ordered]
+        masked = logits
+        if any(s.matcher is not None for s in ordered):
+            masked = logits.float()  # a copy (the raw logits stay for the logprobs)
+            if masked.data_ptr() == logits.data_ptr():
+                masked = masked.clone()
+            for row, s in enumerate(ordered):
+                if s.matcher is not None:
+                    s.matcher.mask(masked[row])
+        sampled = self.sampler.sample(masked, params, [len(s.output_ids) for s in ordered])
+        lps = token_logprobs(logits, params, sampled)
+        by_seq = {id(s): (t, lp) for s, t, lp in zip(ordered, sampled, lps)}
+        return [by_seq[id(s)][0] for s in seqs], [by_seq[id(s)][1] for s in seqs]
 
     def build_batch(self, pre: list[Sequence], dec: list[Sequence]) -> ForwardBatch:
         """The ForwardBatch of prefill spans ``pre`` then decode rows ``dec``."""

@@ -25,14 +25,22 @@ class OutputProcessor:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
 
-    def append_token(self, seq: Sequence, token: int) -> None:
-        """Add one sampled token to ``seq`` and finish it if it stops here (see the module contract)."""
+    def append_token(self, seq: Sequence, token: int, logprob=None) -> None:
+        """Add one sampled token (and its TokenLogprob, when the request asked) to ``seq`` and finish
+        it if it stops here (see the module contract). A grammar's matcher accepts the token."""
         sp = seq.sampling
+        if seq.matcher is not None and (not seq.matcher.accept(token) or seq.matcher.done):
+            # the grammar ended (it allowed only a stop token, not output), or a token that was not
+            # sampled under its mask (a caller's first token) broke it
+            finish(seq, "stop")
+            return
         if (not sp.ignore_eos and token in self.eos_ids) or token in sp.stop_token_ids:
             finish(seq, "stop")
             return
         seq.append_output(token)
         seq.pending_ids.append(token)
+        if sp.logprobs is not None:
+            seq.pending_logprobs.append(logprob)
         if seq.detok is not None:
             seq.detok.add([token])
             text = seq.detok.text
@@ -68,6 +76,7 @@ def take_output(seq: Sequence) -> RequestOutput:
         text=seq.pending_text,
         num_prompt_tokens=len(seq.prompt_ids),
         num_cached_tokens=seq.num_cached_tokens,
+        logprobs=seq.pending_logprobs if seq.sampling.logprobs is not None else None,
     )
-    seq.pending_ids, seq.pending_text = [], ""
+    seq.pending_ids, seq.pending_text, seq.pending_logprobs = [], "", []
     return out

@@ -74,14 +74,15 @@ class PDHooks:
                 tables = {s.request_id: list(s.block_table) for s in seqs}
                 layer_cb = lambda i: on_layer(i, tables)  # noqa: E731
             started = time.perf_counter()
-            tokens = self.runner.forward_and_sample(seqs, layer_cb) if seqs else []
+            tokens, logprobs = self.runner.forward_sample(seqs, layer_cb) if seqs else ([], [])
             self.prefill_seconds += time.perf_counter() - started
             self.prefill_tokens += sum(len(s.prompt_ids) - s.num_computed for s in seqs)
         except BaseException:
             for seq in seqs:
                 self.block_manager.free(seq.block_table)
             raise
-        for seq in seqs:
+        for seq, logprob in zip(seqs, logprobs):
+            seq.first_logprob = logprob
             seq.num_computed = len(seq.prompt_ids)
             seq.status = Status.RUNNING
             self.scheduler.hold(seq)
@@ -91,6 +92,10 @@ class PDHooks:
     def prefill_block_ids(self, request_id: str) -> list[int]:
         """The blocks a prefill_only request holds (its prompt's KV)."""
         return list(self.scheduler.seqs[request_id].block_table)
+
+    def prefill_logprob(self, request_id: str):
+        """The first token's TokenLogprob of a held prefill_many request (None unless it asked)."""
+        return self.scheduler.seqs[request_id].first_logprob
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a prefill_only request (after its KV was sent). Unknown ids are ignored."""
@@ -129,8 +134,9 @@ class PDHooks:
         seq.num_computed = len(seq.prompt_ids)
         self.scheduler.register_blocks(seq)
         self.outputs.append_token(seq, first_token_id)
-        seq.pending_ids.clear()
+        seq.pending_ids.clear()  # prefill reported the first token (and its logprob)
         seq.pending_text = ""
+        seq.pending_logprobs.clear()
         if seq.status is Status.FINISHED:
             self.scheduler.finish_early(seq)
         else:

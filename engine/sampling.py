@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import GrammarSpec
+from .logprobs import MAX_LOGPROBS, TokenLogprob
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -20,6 +23,9 @@ class SamplingParams:
     Stop: any id in ``stop_token_ids`` or (unless ``ignore_eos``) the model's EOS ids; any
     string of ``stop`` in the generated text (the text is cut before it); ``max_tokens``
     generated tokens (reason "length"). Stop tokens are not part of the output.
+    ``logprobs``: report each output token's logprob and its ``logprobs`` most likely
+    alternatives (0: none; None: no logprobs). ``grammar``: hold the output to a grammar
+    (``grammar.py``; the sampler only picks tokens it allows).
     """
 
     max_tokens: int = 16
@@ -30,6 +36,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -60,6 +68,11 @@ class SamplingParams:
         ):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -128,3 +141,21 @@ class Sampler:
         for i, t in zip(rand, ids):
             out[i] = t
         return out
+
+
+def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
+    """Each row's sampled token's logprob and its top ``params[i].logprobs`` alternatives, from the
+    raw logits (log-softmax before temperature, filters and grammar); None for rows that did not ask."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return out
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = max(params[i].logprobs for i in rows)
+    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    for r, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = TokenLogprob(tokens[i], chosen[r], tuple(zip(top_i[r][:n], top_v[r][:n])))
+    return out

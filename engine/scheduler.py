@@ -11,6 +11,8 @@ Places a request can be, by request id:
   ``prefill_reserved``); ``reserved_prefix`` holds the token ids of a reservation's leading
   tokens whose KV came from the prefix cache (its first blocks are shared, cached ones).
 - ``done_early``: finished outside a step (by its first token); the next step reports it.
+- ``swapped``: running sequences evicted to host memory (``swap.py``): in ``seqs``, in no
+  queue, no blocks, until ``swap_in``.
 
 ``schedule()`` for one step (prefill spans first, then decode rows):
 1. every running sequence gets a slot for its next token; when blocks run out, the newest
@@ -44,6 +46,7 @@ class Scheduler:
         self.reserved: dict[str, list[int]] = {}  # decode side: request id -> block table
         self.reserved_prefix: dict[str, tuple[int, ...]] = {}  # request id -> the cached tokens it reused
         self.done_early: list[Sequence] = []  # finished outside step(); reported by the next step
+        self.swapped: dict[str, Sequence] = {}  # evicted to host memory, the first evicted first
         self.num_preemptions = 0  # colocated sequences freed and recomputed for lack of blocks
 
     # ---- the request table -----------------------------------------------------------------
@@ -80,6 +83,8 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.done_early:
             self.done_early.remove(seq)
+        self.swapped.pop(request_id, None)
+        seq.swapped_kv = None
         self.free_blocks(seq)
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         return True
@@ -129,6 +134,20 @@ class Scheduler:
         self.running.remove(seq)
         self.seqs.pop(seq.request_id, None)
         self.free_blocks(seq)
+
+    def swap_out(self, seq: Sequence) -> None:
+        """A running sequence whose KV was copied out: out of the batch, its blocks freed."""
+        self.running.remove(seq)
+        self.free_blocks(seq)
+        seq.status = Status.SWAPPED
+        self.swapped[seq.request_id] = seq
+
+    def swap_in(self, seq: Sequence, block_table: list[int]) -> None:
+        """A swapped sequence whose KV is back in ``block_table`` rejoins the batch."""
+        del self.swapped[seq.request_id]
+        seq.block_table, seq.block_hashes = block_table, []  # full blocks are registered again next step
+        seq.status = Status.RUNNING
+        self.running.append(seq)
 
     # ---- blocks of a sequence --------------------------------------------------------------
     def register_blocks(self, seq: Sequence) -> None:

@@ -34,11 +34,13 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    logprobs: list | None = None  # one TokenLogprob per new token when the request asked (SamplingParams.logprobs)
 
 
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # evicted to host memory (swap.py), out of the batch until restored
     FINISHED = "finished"
 
 
@@ -60,6 +62,10 @@ class Sequence:
     pending_ids: list[int] = field(default_factory=list)  # produced, not yet reported
     pending_text: str = ""
     emitted_len: int = 0  # characters of detok.text already put into outputs
+    swapped_kv: object = None  # SWAPPED: its KV on the host (a torch tensor, swap.py)
+    pending_logprobs: list = field(default_factory=list)  # TokenLogprob of each pending id (when asked)
+    matcher: object = None  # grammar.Matcher when the request has a grammar
+    first_logprob: object = None  # prefill_only: the first token's TokenLogprob (when asked)
 
     all_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step (read-only for callers)
 
@@ -84,9 +90,10 @@ class SequenceFactory:
     """
 
     def __init__(self, vocab_size: int, max_model_len: int, detokenizer: Callable[[], object], detokenize: bool,
-                 in_use: Callable[[str], bool]):
+                 in_use: Callable[[str], bool], grammars=None):
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.detokenizer, self.detokenize, self.in_use = detokenizer, detokenize, in_use
+        self.grammars = grammars  # grammar.Grammars: a matcher for requests with a grammar
         self.arrivals = 0
 
     def make(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -107,7 +114,13 @@ class SequenceFactory:
         if len(ids) + 1 > self.max_model_len:
             raise PromptTooLongError(len(ids), self.max_model_len)
         self.arrivals += 1
+        matcher = None
+        if sampling.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no grammar support")
+            matcher = self.grammars.matcher(sampling.grammar, ids)
         seq = Sequence(request_id, ids, sampling, self.arrivals)
+        seq.matcher = matcher
         if self.detokenize or sampling.stop:
             seq.detok = self.detokenizer()
         return seq

@@ -5,11 +5,12 @@ Both expose the same surface::
     encode(text, add_special_tokens=True) -> list[int]
     decode(ids, skip_special_tokens=True) -> str
     eos_token_ids: list[int]
-    apply_chat_template(messages, add_generation_prompt=True) -> str
+    apply_chat_template(messages, add_generation_prompt=True, tools=None) -> str  # tools: for the template
     detokenizer() -> IncrementalDetokenizer   # text deltas for streaming
 
 Chat templates: the ``chat_template`` of ``tokenizer_config.json`` rendered with jinja2 when
-there is one; otherwise ``SIMPLE_CHAT_TEMPLATE`` ("<|role|>\\ncontent\\n" per message).
+there is one; otherwise ``SIMPLE_CHAT_TEMPLATE`` ("<|role|>\\ncontent\\n" per message; with tools, a
+"<|tools|>" line first and an assistant's calls as ``<tool_call>{...}</tool_call>``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import json
 from pathlib import Path
 
 SIMPLE_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
@@ -97,7 +101,7 @@ class _ChatTemplateMixin:
     bos_token: str = ""
     eos_token: str = ""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
         for i, m in enumerate(messages):
@@ -114,6 +118,7 @@ class _ChatTemplateMixin:
         template = env.from_string(self.chat_template or SIMPLE_CHAT_TEMPLATE)
         return template.render(
             messages=messages,
+            tools=tools,
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token,
             eos_token=self.eos_token,
@@ -184,6 +189,11 @@ class HFTokenizer(_ChatTemplateMixin):
                 eos.append(tid)
         self.eos_token_ids = sorted(set(eos))
         self.vocab_size = self._tok.get_vocab_size()
+
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` (its vocabulary, for constrained decoding: engine/grammar.py)."""
+        return self._tok
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -5,7 +5,9 @@ Importable only as ``pdserve.operator`` (the bare name ``operator`` is the stand
 Reading path:
 
 1. ``crds.py``: the schema of InferenceService / PrefillPool / DecodePool, the one source
-   of ``charts/pdserve/crds/*.yaml`` (``python -m pdserve.operator.crds charts/pdserve/crds``).
+   of ``charts/pdserve/crds/*.yaml`` (``python -m pdserve.operator.crds charts/pdserve/crds``);
+   built from ``crd_schema.py`` (building blocks, limits, defaults) and ``crd_policy.py``
+   (``spec.slo``, ``spec.router``, ``spec.autoscaling``).
 2. ``naming.py``: names, labels and selectors of every child; how prefill finds decodes.
 3. ``pools.py`` then ``workloads.py``: pure builders (InferenceService -> pools ->
    Deployments, Services, RBAC, NetworkPolicies), unit-tested without a cluster;

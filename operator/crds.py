@@ -19,83 +19,11 @@ import yaml
 
 from pdserve import defaults
 from pdserve.operator import naming
-from pdserve.slo import classes as slo_classes
-
-# Defaults the schema fills in; builders fall back to the same values for objects that
-# never passed through an API server (unit tests).
-DEFAULT_REPLICAS = 1
-DEFAULT_BACKEND = "tcp"
-DEFAULT_POLICY = "wrr"
-DEFAULT_MOUNT_PATH = "/models"
-DEFAULT_TTFT_MS = 1000
-DEFAULT_TBT_MS = 100
-BACKENDS = ["tcp", "nixl"]  # = pdserve.cachestore.TRANSPORTS (checked by tests/unit/test_operator_crds.py)
-POLICIES = ["wrr", "rr"]
-MAX_REPLICAS = 1000
-MAX_DECODE_POOLS = 16
-MAX_BLOCK_SIZE = 1024
-MAX_LOAD_WEIGHT = 1_000_000
-
-
-# --- schema building blocks ------------------------------------------------------------
-
-def _obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
-    schema = {"type": "object", "properties": properties, **extra}
-    if required:
-        schema["required"] = required
-    return schema
-
-
-def _str(description: str, **extra) -> dict:
-    return {"type": "string", "description": description, **extra}
-
-
-def _int(description: str, minimum: int, maximum: int, default: int | None = None) -> dict:
-    schema = {"type": "integer", "description": description, "minimum": minimum, "maximum": maximum}
-    if default is not None:
-        schema["default"] = default
-    return schema
-
-
-def _rule(rule: str, message: str, **extra) -> dict:
-    return {"rule": rule, "message": message, **extra}
-
-
-_QUANTITY = {
-    "anyOf": [{"type": "integer"}, {"type": "string"}],
-    "x-kubernetes-int-or-string": True,
-    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
-}
-
-RESOURCES = _obj(
-    {
-        "limits": {"type": "object", "description": "Resource limits, e.g. {cpu: 4, memory: 16Gi, nvidia.com/gpu: 1}.",
-                   "additionalProperties": _QUANTITY},
-        "requests": {"type": "object", "description": "Resource requests (as in a Pod).",
-                     "additionalProperties": _QUANTITY},
-    },
-    description="Compute resources of each pod of the pool (as in a Pod's container).",
-)
-
-TOLERATIONS = {
-    "type": "array",
-    "description": "Tolerations of the pool's pods (as in a Pod).",
-    "maxItems": 32,
-    "items": _obj({
-        "key": _str("Taint key.", maxLength=316),
-        "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
-        "value": _str("Taint value.", maxLength=63),
-        "effect": _str("NoSchedule, PreferNoSchedule or NoExecute.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
-        "tolerationSeconds": {"type": "integer", "format": "int64", "description": "How long a NoExecute taint is tolerated."},
-    }),
-}
-
-NODE_SELECTOR = {
-    "type": "object",
-    "description": "Node labels the pool's pods must run on (as in a Pod); pools may differ in hardware.",
-    "additionalProperties": {"type": "string"},
-    "maxProperties": 32,
-}
+from pdserve.operator.crd_policy import AUTOSCALING, ROUTER, SLO, SLO_CLASS  # noqa: F401 - the policy layer's fragments
+from pdserve.operator.crd_schema import (  # noqa: F401 - the limits and defaults are re-exported for the builders
+    BACKENDS, DEFAULT_BACKEND, DEFAULT_MOUNT_PATH, DEFAULT_POLICY, DEFAULT_REPLICAS, DEFAULT_TBT_MS, DEFAULT_TTFT_MS,
+    MAX_BLOCK_SIZE, MAX_DECODE_POOLS, MAX_LOAD_WEIGHT, MAX_REPLICAS, NODE_SELECTOR, POLICIES, RESOURCES, TOLERATIONS,
+    _int, _obj, _rule, _str)
 
 
 def _pool_properties(replicas_description: str) -> dict:
@@ -142,104 +70,6 @@ ROUTING = _obj(
     default={},
 )
 
-def _slo_targets(default_ttft: int | None = None, default_tbt: int | None = None) -> dict:
-    return {
-        "ttftMs": _int("Time-to-first-token target in milliseconds.", 1, 600_000, default_ttft),
-        "tbtMs": _int("Target of a request's mean time between tokens, in milliseconds.", 1, 60_000, default_tbt),
-        "e2eMs": _int("End-to-end target (arrival to last token) in milliseconds.", 1, slo_classes.MAX_TARGET_MS),
-        "earlyReject": {"type": "boolean", "default": False,
-                        "description": "Refuse a request at once (429 with Retry-After and the estimate) when the "
-                                       "estimate says its targets cannot be met even if it were served next; batch "
-                                       "classes usually queue instead."},
-    }
-
-
-SLO_CLASS = _obj(
-    {"name": _str("Class name: the X-SLO-Class header's value and the slo_class metric label.",
-                  pattern=slo_classes.NAME_PATTERN, maxLength=63),
-     **_slo_targets(),
-     "priority": _int("The vLLM request field 'priority' value that selects this class (0, when no class "
-                      "declares it, selects defaultClass).", -1_000_000, 1_000_000)},
-    required=["name"],
-)
-
-SLO = _obj(
-    {
-        **_slo_targets(DEFAULT_TTFT_MS, DEFAULT_TBT_MS),
-        "defaultClass": _str("The class of requests that name none: 'default' (this object's own targets) or "
-                             "one of classes.", pattern=slo_classes.NAME_PATTERN, maxLength=63,
-                             default=slo_classes.DEFAULT_CLASS),
-        "classes": {
-            "type": "array",
-            "description": "Named SLO classes besides 'default' (e.g. interactive, batch); a request picks one with "
-                           "the header X-SLO-Class or the body field priority.",
-            "maxItems": slo_classes.MAX_CLASSES,
-            "items": SLO_CLASS,
-            "x-kubernetes-validations": [
-                _rule("self.all(c, self.exists_one(d, d.name == c.name))", "spec.slo.classes names must be unique"),
-                _rule("self.all(c, c.name != 'default')",
-                      "spec.slo.classes must not declare 'default': it is the class of spec.slo's own targets"),
-                _rule("self.all(c, !has(c.priority) || self.exists_one(d, has(d.priority) && d.priority == c.priority))",
-                      "spec.slo.classes priorities must be unique"),
-            ],
-        },
-    },
-    description="Latency targets (SLOs): the class 'default' from ttftMs/tbtMs/e2eMs, plus named classes. Passed "
-                "to prefill pods as PDSERVE_SLO_CLASSES; their queue orders, rejects and reports by class.",
-    default={},
-    **{"x-kubernetes-validations": [
-        _rule("!has(self.defaultClass) || self.defaultClass == 'default' || "
-              "(has(self.classes) && self.classes.exists(c, c.name == self.defaultClass))",
-              "spec.slo.defaultClass must be 'default' or the name of one of spec.slo.classes",
-              fieldPath=".defaultClass"),
-    ]},
-)
-
-ROUTER = _obj(
-    {
-        "replicas": _int("Router pods: the front door, each request to the prefill holding most of its prompt's KV "
-                         "(0: no router, the prefill Service is the front door). Replicas decide alike from the same "
-                         "KV events, so any number may run.", 0, MAX_REPLICAS, DEFAULT_REPLICAS),
-        "resources": RESOURCES,
-        "nodeSelector": NODE_SELECTOR,
-        "tolerations": TOLERATIONS,
-        "loadWeight": {"type": "number", "minimum": 0, "maximum": MAX_LOAD_WEIGHT,
-                       "description": "Prompt tokens one request in flight on a prefill is worth when weighing load "
-                                      "against its cached prefix (`pdserve router --load-weight`; default: the "
-                                      "router's)."},
-    },
-    description="The KV-aware router in front of the prefill pool (pdserve router).",
-    default={},
-)
-
-def _autoscaling_bounds(pool: str, default_max: int) -> dict:
-    return _obj(
-        {"minReplicas": _int(f"Fewest {pool} pods the planner keeps.", 1, MAX_REPLICAS, 1),
-         "maxReplicas": _int(f"Most {pool} pods the planner runs.", 1, MAX_REPLICAS, default_max)},
-        description=f"Bounds of the {pool} pool{' (each decode pool)' if pool == 'decode' else ''}.",
-        default={"minReplicas": 1, "maxReplicas": default_max},
-        **{"x-kubernetes-validations": [_rule("self.minReplicas <= self.maxReplicas",
-                                              f"spec.autoscaling.{pool}.minReplicas must be <= maxReplicas")]},
-    )
-
-
-AUTOSCALING = _obj(
-    {
-        "enabled": {"type": "boolean", "default": False,
-                    "description": "Let the operator's planner set the pools' replicas (through their scale "
-                                   "subresource) to meet spec.slo. Off: replicas are yours (kubectl scale, the spec)."},
-        "prefill": _autoscaling_bounds("prefill", 4),
-        "decode": _autoscaling_bounds("decode", 4),
-        "intervalSeconds": _int("Seconds between two decisions.", 1, 3600, 15),
-        "windowSeconds": _int("Seconds of metrics one decision looks at.", 5, 3600, 60),
-        "scaleDownStabilizationSeconds": _int("A pool shrinks only to the highest need of this many seconds.",
-                                              0, 86400, 300),
-        "cooldownSeconds": _int("Seconds after a change of a pool before it may shrink.", 0, 86400, 60),
-    },
-    description="The SLO planner (pdserve.planner): scale up fast on bursts, down slowly, one drained pod at a time.",
-    default={},
-)
-
 IMAGE = _str("Container image with the pdserve command (default: the operator's own image).", minLength=1, maxLength=512)
 PULL_POLICY = _str("Image pull policy of the pods.", enum=["Always", "IfNotPresent", "Never"])
 PROTOCOL = _str("Protocol version the image speaks (default: the operator's). Pods are labelled with it "
@@ -251,13 +81,23 @@ DECODE_POOL_ITEM = _obj(
     required=["name"],
 )
 
+BATCH_STORAGE = _obj(
+    {
+        "pvcName": _str(f"A PersistentVolumeClaim for the database, mounted read-write at {defaults.BATCH_DATA_MOUNT} "
+                        "(jobs then survive the pod). One prefill per database: with a ReadWriteOnce claim run one "
+                        "prefill replica.", minLength=1, maxLength=253),
+    },
+    description="Where prefill pods keep the OpenAI Batch API's jobs and files (a SQLite database, docs/batch.md). "
+                "Without pvcName: in the pod's emptyDir, which survives container restarts but not the pod.",
+)
+
 ISVC_SPEC = _obj(
     {
         "model": MODEL,
         "image": IMAGE,
         "imagePullPolicy": PULL_POLICY,
         "protocolVersion": PROTOCOL,
-        "prefill": _obj(_pool_properties("Prefill pods."), description="The prefill pool (the front door when "
+        "prefill": _obj({**_pool_properties("Prefill pods."), "batchStorage": BATCH_STORAGE}, description="The prefill pool (the front door when "
                         "there is no router).", default={}),
         "router": ROUTER,
         "decode": {
@@ -369,7 +209,7 @@ def _pool_spec(role: str) -> dict:
     }
     required = ["inferenceService", "model", "image", "protocolVersion"]
     if role == "prefill":
-        properties.update({"routing": ROUTING, "slo": SLO})
+        properties.update({"routing": ROUTING, "slo": SLO, "batchStorage": BATCH_STORAGE})
     else:
         properties["poolName"] = _str("The pool's name in the InferenceService.", pattern=naming.DNS_LABEL,
                                       maxLength=naming.MAX_POOL_NAME)

@@ -85,6 +85,8 @@ def build_prefill_pool(isvc: dict, config: OperatorConfig, existing: dict | None
     pool_spec = shared_spec(isvc, config, prefill)
     pool_spec["routing"] = {"policy": crds.DEFAULT_POLICY, **spec.get("routing", {})}
     pool_spec["slo"] = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **spec.get("slo", {})}
+    if prefill.get("batchStorage"):
+        pool_spec["batchStorage"] = prefill["batchStorage"]
     isvc_replicas = int(prefill.get("replicas", crds.DEFAULT_REPLICAS))
     return _pool("PrefillPool", naming.prefill_name(name), namespace, name, "prefill", "prefill",
                  pool_spec["protocolVersion"], pool_replicas(isvc_replicas, existing), pool_spec, isvc_replicas,

@@ -64,6 +64,9 @@ def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
     load_weight = router_settings(isvc).get("loadWeight")
     if load_weight is not None:
         args += ["--load-weight", f"{float(load_weight):g}"]
+    slo = isvc["spec"].get("slo", {})
+    if slo.get("classes"):  # named classes: the global SLO queue lives in the router (router/slo_gate.py)
+        args += ["--slo-classes", workloads.slo_json(slo)]
     return args
 
 

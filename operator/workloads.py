@@ -56,6 +56,7 @@ PRESTOP_SLEEP_S = 5
 MIN_READY_S = 5
 DRAIN_TIMEOUT_S = int(defaults.REQUEST_TIMEOUT_S)
 TERMINATION_GRACE_S = PRESTOP_SLEEP_S + DRAIN_TIMEOUT_S + 15
+BATCH_DB_IN_POD = f"{defaults.BATCH_DATA_MOUNT}/batch.sqlite"  # with spec.batchStorage.pvcName
 
 
 def prefill_args(pool: dict) -> list[str]:
@@ -75,7 +76,7 @@ def prefill_args(pool: dict) -> list[str]:
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
-    ]
+    ] + (["--batch-db", BATCH_DB_IN_POD] if spec.get("batchStorage", {}).get("pvcName") else [])
 
 
 def decode_args(pool: dict) -> list[str]:
@@ -121,11 +122,15 @@ def pod_env(spec: dict, role: str, pool_name: str) -> list[dict]:
         {"name": "PDSERVE_PROTOCOL_VERSION", "value": spec["protocolVersion"]},
     ]
     if role == "prefill":
-        # spec.slo as it is (pdserve.slo.classes parses it in the pod); keys sorted so that an
-        # unchanged SLO never changes the pod template
-        slo = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **spec.get("slo", {})}
-        env.append({"name": defaults.ENV_SLO_CLASSES, "value": json.dumps(slo, sort_keys=True, separators=(",", ":"))})
+        env.append({"name": defaults.ENV_SLO_CLASSES, "value": slo_json(spec.get("slo", {}))})
     return env
+
+
+def slo_json(slo: dict) -> str:
+    """spec.slo as it is, with the default targets (pdserve.slo.classes parses it in the pod); keys
+    sorted so that an unchanged SLO never changes the pod template."""
+    full = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **slo}
+    return json.dumps(full, sort_keys=True, separators=(",", ":"))
 
 
 def model_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
@@ -137,6 +142,16 @@ def model_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": model["pvcName"], "readOnly": True}})
         mounts.append({"name": "model", "mountPath": model.get("mountPath", crds.DEFAULT_MOUNT_PATH), "readOnly": True})
     return volumes, mounts
+
+
+def batch_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
+    """A prefill's Batch API database volume when ``spec.batchStorage.pvcName`` names one (else the
+    database is under HOME=/tmp, the emptyDir)."""
+    claim = spec.get("batchStorage", {}).get("pvcName")
+    if not claim:
+        return [], []
+    return ([{"name": "batch", "persistentVolumeClaim": {"claimName": claim}}],
+            [{"name": "batch", "mountPath": defaults.BATCH_DATA_MOUNT}])
 
 
 def container_security() -> dict:
@@ -155,6 +170,9 @@ def build_deployment(pool: dict) -> dict:
     labels = pool_labels(pool)
     http_port = defaults.HTTP_PORT if role == "prefill" else defaults.DECODE_HTTP_PORT
     volumes, mounts = model_volumes(spec)
+    if role == "prefill":
+        extra_volumes, extra_mounts = batch_volumes(spec)
+        volumes, mounts = volumes + extra_volumes, mounts + extra_mounts
     container = {
         "name": role,
         "image": spec["image"],

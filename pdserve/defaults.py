@@ -10,7 +10,8 @@ from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
            "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S",
-           "MAX_QUEUED_REQUESTS", "DISAGGREGATION_MODES", "DISAGGREGATION", "ENV_SLO_CLASSES"]
+           "REQUEST_TIMEOUT_HEADER", "MAX_QUEUED_REQUESTS", "DISAGGREGATION_MODES", "DISAGGREGATION", "ENV_SLO_CLASSES",
+           "BATCH_DB", "BATCH_DATA_MOUNT", "BATCH_MAX_IN_FLIGHT", "BATCH_MAX_FILE_BYTES", "BATCH_SLO_CLASS"]
 
 # Prefill pods: the OpenAI-compatible HTTP API (also /health, /ready, /metrics).
 HTTP_PORT = 8000
@@ -26,6 +27,8 @@ KV_TRANSFER_PORT = 50060
 # Prefill: the end-to-end deadline of one request, in seconds (--request-timeout; clients
 # may only shorten it, with X-Request-Timeout or a gRPC deadline).
 REQUEST_TIMEOUT_S = 600.0
+# The HTTP request header that shortens it (the router forwards it to the prefill).
+REQUEST_TIMEOUT_HEADER = "X-Request-Timeout"
 
 # Prefill: requests that may wait at once in the admission queue for a decode with free KV
 # blocks (--max-queued-requests); one more gets 429.
@@ -42,3 +45,16 @@ ENV_INFERENCE_SERVICE = "PDSERVE_INFERENCE_SERVICE"
 # The SLO classes of an InferenceService (its spec.slo as JSON), set by the operator on prefill
 # pods and read by pdserve.slo.classes.load (the flag --slo-classes wins over it).
 ENV_SLO_CLASSES = "PDSERVE_SLO_CLASSES"
+
+# Prefill: the OpenAI Batch API's SQLite database (--batch-db; "~" is the user's home). In a
+# pod the operator mounts a volume (emptyDir, or the InferenceService's
+# spec.prefill.batchStorage.pvcName) at BATCH_DATA_MOUNT and puts the database there.
+BATCH_DB = "~/.local/share/pdserve/batch.sqlite"
+BATCH_DATA_MOUNT = "/var/lib/pdserve"
+# Prefill: batch lines in flight at once, over all batches (--batch-max-in-flight): the rest
+# wait in the database, so online requests always find room in the admission queue.
+BATCH_MAX_IN_FLIGHT = 4
+# Prefill: the largest file POST /v1/files accepts, in bytes (--batch-max-file-bytes).
+BATCH_MAX_FILE_BYTES = 100 * 1024 * 1024
+# Prefill: the SLO class batch lines run in when the server declares it (--batch-slo-class).
+BATCH_SLO_CLASS = "batch"

@@ -19,6 +19,13 @@ Lifecycle of one event:
    subscription began (under the same lock, so events after it are exactly seq+1, ...),
    then every batch of queued events, as ``KvEventBatch`` messages.
 
+What the hash set means: every block hash a prompt can reuse on this server without computing
+it, in the KV pool or in a lower tier (``--kv-host-tier-bytes``, ``--kv-disk-tier-*``;
+``engine/kv_tiers.py``), since a tier hit is copied back, not recomputed. So a block moving from
+the pool to a tier (or back) publishes nothing; BLOCK_REMOVED means it left the last tier (or
+failed its checksum on the way back). Routers and decode pickers therefore count tiered blocks
+as hits, and ``leading`` does too: the prefill's cost model treats them as held.
+
 Only plain tuples cross the thread boundary; protobuf messages are built on the event loop.
 Who frees: a subscription is removed when its stream ends (the client leaves, the server stops).
 """

@@ -98,8 +98,32 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("disaggregation_decisions", "pdserve_disaggregation_decisions_total", _C,
                "Prefill: where each P/D request's prompt was computed (decision=remote|local) and why.",
                ("decision", "reason")),
+    MetricSpec("kv_evictions", "pdserve_kv_evictions_total", _C,
+               "Decode: batch requests whose KV went to host memory so an interactive request meets its TBT "
+               "(action=evict), and came back (action=restore).", ("action",)),
+    # prefix-cache tiers below the KV pool (engine/kv_tiers.py); tier = host | disk, direction = in | out
+    MetricSpec("kv_tier_hits", "pdserve_kv_tier_hits_total", _C,
+               "Prefix-cache blocks copied back into the KV pool from a lower tier instead of computed.", ("tier",)),
+    MetricSpec("kv_tier_moved_bytes", "pdserve_kv_tier_moved_bytes_total", _C,
+               "KV bytes moved into a tier (in: evicted from the pool or the tier above) or out of it (out: back "
+               "into the pool, or down).", ("tier", "direction")),
+    MetricSpec("kv_tier_move_time", "pdserve_kv_tier_move_seconds_total", _C,
+               "Seconds the engine thread spent moving KV blocks into or out of a tier (copies, disk writes/reads).",
+               ("tier", "direction")),
+    MetricSpec("kv_tier_evictions", "pdserve_kv_tier_evictions_total", _C,
+               "Blocks a tier pushed out over its byte budget (host: down to disk, or dropped; disk: deleted).",
+               ("tier",)),
+    MetricSpec("kv_tier_checksum_mismatches", "pdserve_kv_tier_checksum_mismatches_total", _C,
+               "Tier blocks that failed their checksum on the way back (each a miss: the tokens are computed).",
+               ("tier",)),
+    MetricSpec("kv_tier_write_errors", "pdserve_kv_tier_write_errors_total", _C,
+               "Blocks a tier dropped because it could not store them (disk full, directory gone).", ("tier",)),
     # gauges
+    MetricSpec("kv_tier_bytes", "pdserve_kv_tier_bytes", _G, "KV bytes a prefix-cache tier holds now.", ("tier",)),
     MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),
+    MetricSpec("kv_swapped_requests", "pdserve_kv_swapped_requests", _G,
+               "Decode: requests evicted to host memory now (out of the running batch until restored)."),
+    MetricSpec("kv_swapped_bytes", "pdserve_kv_swapped_bytes", _G, "Decode: bytes of KV evicted to host memory now."),
     MetricSpec("kv_blocks_used", "pdserve_kv_blocks_used", _G, "KV cache blocks in use."),
     MetricSpec("requests_running", "pdserve_requests_running", _G, "Requests in the running batch."),
     MetricSpec("requests_waiting", "pdserve_requests_waiting", _G, "Requests waiting to be scheduled."),
@@ -113,7 +137,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("kv_link_rate", "pdserve_kv_link_bytes_per_second", _G,
                "Prefill: measured KV transfer bandwidth of its recent transfers (marginal, bytes over link-busy "
                "time, the per-transfer fixed time apart)."),
-    # SLO classes and the global queue (pdserve.slo); slo_class is a name from spec.slo
+)
+
+# SLO classes and the global queue (pdserve.slo), in every front door (the prefill, the router);
+# slo_class is a name from spec.slo
+SLO_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("slo_requests", "pdserve_slo_requests_total", _C,
                "Requests by SLO class and outcome (ok|error|cancelled|rejected: refused at once, early rejection).",
                ("slo_class", "outcome")),
@@ -121,7 +149,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests that met or missed their class's targets, by target (ttft|tbt|e2e|all) and result (met|missed).",
                ("slo_class", "target", "result")),
     MetricSpec("slo_queue_time", "pdserve_slo_queue_time_seconds", _H,
-               "Arrival of a request to leaving the global queue (a decode allocated), by SLO class.", ("slo_class",)),
+               "Arrival of a request to leaving the global queue (prefill: a decode allocated; router: sent on to a "
+               "prefill), by SLO class.", ("slo_class",)),
     MetricSpec("slo_estimate_error", "pdserve_slo_estimate_error_seconds", _H,
                "|estimate at arrival - actual| of a request's queue time (part=queue) and completion time (part=e2e).",
                ("slo_class", "part")),
@@ -131,6 +160,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("slo_queued", "pdserve_slo_queued", _G, "Requests waiting in the global queue, by SLO class.",
                ("slo_class",)),
 )
+METRICS = METRICS + SLO_METRICS
 
 
 ROUTER_METRICS: tuple[MetricSpec, ...] = (
@@ -156,4 +186,4 @@ ROUTER_METRICS: tuple[MetricSpec, ...] = (
                "Router: block hashes the index holds for each prefill.", ("prefill",)),
     MetricSpec("router_routable_prefills", "pdserve_router_routable_prefills", _G,
                "Router: prefills with a fresh, ready load report."),
-)
+) + SLO_METRICS  # its SLO queue (router/slo_gate.py), when SLO classes are declared

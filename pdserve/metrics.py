@@ -66,6 +66,10 @@ kv_checksum_mismatches          both      decode: a request's KV failed its chec
                                           request is failed, never decoded); prefill: a decode
                                           reported that (the request is retried / resumed elsewhere)
 kv_blocks_free / _used          both      read from the engine at each scrape (``track_load``)
+kv_tier_hits, _moved_bytes,     both      the engine's KV tiers' running totals (``--kv-host-tier-bytes``,
+_move_seconds, _evictions,                ``--kv-disk-tier-*``; tier=host|disk), read at each scrape
+_checksum_mismatches,                     (``server_setup.follow_tier_metrics``); absent without tiers
+_write_errors, _bytes
 requests_running / _waiting     both      read at each scrape (``track_load``): decode: sessions
                                           decoding / still receiving KV; prefill: requests with
                                           a decode Session open (or decoding locally) / admitted
@@ -241,10 +245,12 @@ class ServerMetrics:
             self._families[spec.attr] = metric
         self._on_scrape: list = []
 
-    def follow_counter(self, attr: str, read) -> None:
-        """Keep the counter ``attr`` equal to ``read()`` (a running total kept elsewhere, e.g. by the
-        engine), brought up to date at every scrape."""
+    def follow_counter(self, attr: str, read, **labels: str) -> None:
+        """Keep the counter ``attr`` (with its extra ``labels``) equal to ``read()`` (a running total
+        kept elsewhere, e.g. by the engine), brought up to date at every scrape."""
         counter, last = getattr(self, attr), [0]
+        if labels:
+            counter = counter.labels(**labels)
 
         def refresh() -> None:
             now = read()
@@ -252,6 +258,13 @@ class ServerMetrics:
                 counter.inc(now - last[0])
                 last[0] = now
         self._on_scrape.append(refresh)
+
+    def follow_gauge(self, attr: str, read, **labels: str) -> None:
+        """Set the gauge ``attr`` (with its extra ``labels``) to ``read()`` at every scrape."""
+        gauge = getattr(self, attr)
+        if labels:
+            gauge = gauge.labels(**labels)
+        self._on_scrape.append(lambda: gauge.set(read()))
 
     @classmethod
     def from_env(cls, role: str, pool: str | None = None, inference_service: str | None = None) -> "ServerMetrics":

@@ -63,7 +63,34 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--session-timeout", type=float, default=30.0,
                    help="seconds one end of a Session waits on the other (KV, first token, each next message, "
                         "a write the peer does not take) before it frees the request")
+    g.add_argument("--kv-host-tier-bytes", type=byte_size, default=0,
+                   help="prefix-cache blocks evicted from the KV pool are kept in host memory up to this many "
+                        "bytes (e.g. 512MiB; 0 = off) and copied back on a prefix hit instead of recomputed "
+                        "(engine/kv_tiers.py)")
+    g.add_argument("--kv-disk-tier-dir", default=None,
+                   help="below the host tier: a directory for evicted blocks (a fresh pdserve-kv-tier-* folder "
+                        "in it, deleted at exit); needs --kv-disk-tier-bytes")
+    g.add_argument("--kv-disk-tier-bytes", type=byte_size, default=0,
+                   help="the disk tier's byte budget (e.g. 4GiB); blocks are CRC32C-checked on the way back")
     g.add_argument("--log-level", default="INFO", help="logging level")
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30,
+          "ti": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """'4096', '512MiB', '2G', '1.5GB' -> bytes (argparse type)."""
+    raw = text.strip().lower().removesuffix("b")
+    number = raw.rstrip("kmgti")
+    unit = raw[len(number):]
+    try:
+        value = float(number) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4096, 512MiB, 2GB)") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a byte size must be >= 0, got {text!r}")
+    return int(value)
 
 
 def served_model_name(args) -> str:
@@ -91,7 +118,8 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
         loaded = load_model(args.model, dtype=dtype, device=args.device)
         max_len = args.max_model_len or loaded.config.max_position_embeddings
         cfg = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                           max_model_len=max_len)
+                           max_model_len=max_len, kv_host_tier_bytes=args.kv_host_tier_bytes,
+                           kv_disk_tier_dir=args.kv_disk_tier_dir, kv_disk_tier_bytes=args.kv_disk_tier_bytes)
         engine = LLMEngine(loaded, cfg)
     except (ValueError, OSError) as exc:  # bad flags or model files: a message, not a traceback
         raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None
@@ -127,6 +155,21 @@ def build_server_engine(args) -> ServerEngine:
     region, layout, compat = kv_parts(llm, args)
     return ServerEngine(loaded, AsyncLLMEngine(llm), max_len, model_name, region, layout, compat,
                         compat_message(llm, args, model_name))
+
+
+def follow_tier_metrics(metrics, engine: AsyncLLMEngine) -> None:
+    """The pdserve_kv_tier_* metrics follow the engine's KV tiers (read at each scrape); none without tiers."""
+    for tier in engine.tier_stats():
+        def read(field: str, tier: str = tier):
+            return lambda: getattr(engine.tier_stats()[tier], field)
+        metrics.follow_counter("kv_tier_hits", read("hits"), tier=tier)
+        metrics.follow_counter("kv_tier_evictions", read("evictions"), tier=tier)
+        metrics.follow_counter("kv_tier_checksum_mismatches", read("checksum_mismatches"), tier=tier)
+        metrics.follow_counter("kv_tier_write_errors", read("write_errors"), tier=tier)
+        for direction in ("in", "out"):
+            metrics.follow_counter("kv_tier_moved_bytes", read(f"bytes_{direction}"), tier=tier, direction=direction)
+            metrics.follow_counter("kv_tier_move_time", read(f"seconds_{direction}"), tier=tier, direction=direction)
+        metrics.follow_gauge("kv_tier_bytes", read("bytes"), tier=tier)
 
 
 def kv_parts(engine: LLMEngine, args):

@@ -21,7 +21,15 @@ Reading path (in this order):
   ``http_api.py``           aiohttp routes: /v1/completions, /v1/chat/completions, /v1/models, probes
   ``grpc_api.py``           Generator.Generate (server streaming)
   ``openai_api.py``         OpenAI request validation and response/SSE shapes (pure)
+  ``openai_numbers.py``     the table every number of a request is checked against (pure)
+  ``openai_params.py``      prompts lists, n, echo, logprobs, response_format, tools (pure)
+  ``choices.py``            a request's prompts x n choices run as sequences, merged into one stream
+  ``openai_serving.py``     the choices as a whole response or SSE; ``openai_logprobs.py`` logprobs shapes
   ``text_stream.py``        token deltas -> text deltas with stop strings cut (pure)
+  ``batch_api.py``          the OpenAI Batch API's routes (/v1/files, /v1/batches) and its start-up (docs/batch.md)
+  ``batch_runner.py``       BatchRunner: a job's statuses, its lines through the Frontend, a bounded number in flight
+  ``batch_store.py``        BatchStore: files, jobs and lines in SQLite; each line recorded exactly once
+  ``batch_lines.py``        the Batch API's input checks: uploads, batch parameters, per-line errors (pure)
 
 Decode discovery lives in ``pdserve.discovery`` (static list or Kubernetes EndpointSlices).
 """

@@ -35,6 +35,10 @@ Request lifecycle on prefill:
    the end, whatever happened (a client disconnect cancels the Session, so decode frees
    its side at once).
 
+Batch jobs (OpenAI's /v1/files and /v1/batches, ``batch_api.py``): kept in --batch-db (SQLite);
+their lines run as step 1-8 requests, at most --batch-max-in-flight at once, in the SLO class
+--batch-slo-class; unfinished jobs resume at start-up, each line finishing exactly once.
+
 KV events for routers (``pdserve.kv_events``, ``protos/kv_events.proto``) are served on the
 gRPC port: the prefix cache's hash set as a snapshot then BlockStored/BlockRemoved events
 stamped with this process's epoch and a sequence number, and ``GetLoad``.
@@ -61,7 +65,8 @@ import asyncio
 import logging
 
 from pdserve import defaults
-from pdserve.server_setup import add_server_arguments, build_server_engine, drain, setup_logging, wait_for_stop_signal
+from pdserve.server_setup import (add_server_arguments, build_server_engine, drain, follow_tier_metrics, setup_logging,
+                                  wait_for_stop_signal)
 from pdserve.slo import POLICIES
 from pdserve.slo import classes as slo_classes
 
@@ -126,6 +131,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--no-layerwise-push", dest="layerwise_push", action="store_false",
                    help="send the KV only after the whole forward pass instead of each layer as it is written "
                         "(turns compute/transfer overlap off; for comparison)")
+    b = parser.add_argument_group("OpenAI Batch API (/v1/files, /v1/batches; docs/batch.md)")
+    b.add_argument("--batch-db", default=defaults.BATCH_DB,
+                   help="SQLite database of batch jobs and files; unfinished jobs resume from it after a restart "
+                        "(one prefill per database; '' turns the Batch API off)")
+    b.add_argument("--batch-max-in-flight", type=int, default=defaults.BATCH_MAX_IN_FLIGHT,
+                   help="batch lines running at once over all jobs (the others wait; online traffic keeps room)")
+    b.add_argument("--batch-max-file-bytes", type=int, default=defaults.BATCH_MAX_FILE_BYTES,
+                   help="largest file POST /v1/files accepts (a larger one: 400 file_too_large)")
+    b.add_argument("--batch-slo-class", default=None,
+                   help=f"SLO class of batch lines (default: {defaults.BATCH_SLO_CLASS!r} when --slo-classes declares "
+                        f"it, else the default class); with --queue-policy edf or qlm a class without targets waits "
+                        f"behind the online classes")
 
 
 def make_discovery(args):
@@ -142,7 +159,8 @@ def make_discovery(args):
 
 def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "prefill")
-    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout", "prefills_ahead"):
+    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout", "prefills_ahead",
+                 "batch_max_in_flight", "batch_max_file_bytes"):
         value = getattr(args, flag)
         if value is not None and not value > 0:
             raise SystemExit(f"pdserve prefill: --{flag.replace('_', '-')} must be > 0, got {value}")
@@ -155,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
         args.slo = slo_classes.load(args.slo_classes)
     except ValueError as exc:
         raise SystemExit(f"pdserve prefill: {exc}")
+    if args.batch_slo_class is not None and args.batch_slo_class not in args.slo.names():
+        raise SystemExit(f"pdserve prefill: --batch-slo-class {args.batch_slo_class!r} is not a declared SLO class; "
+                         f"known: {args.slo.known()}")
     if args.discovery == "static" and not discovery.addresses() and not args.local_fallback:
         log.warning("no --decode given and no --local-fallback: every request will get 503")
     return asyncio.run(serve(args, discovery))
@@ -173,6 +194,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
     from pdserve.slo import GlobalQueue
 
+    from .batch_api import BatchService
     from .frontend import Frontend
     from .grpc_api import GenerateServicer
     from .http_api import HttpApi
@@ -185,6 +207,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     parts = build_server_engine(args)
     engine, loaded = parts.engine, parts.loaded
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    follow_tier_metrics(metrics, engine)
     metrics.follow_counter("prompt_tokens_computed", lambda: engine.prefill_counters()[0])
     kv_events = KvEventPublisher(args.block_size)
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
@@ -224,7 +247,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
             "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
             "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
             "decode_index": decode_index.state() if decode_index is not None else None,
-            "disaggregation": node.disaggregator.state(),
+            "disaggregation": node.disaggregator.state(), "batch": batch.state(),
         }
 
     def load() -> kpb.ServerLoad:
@@ -232,7 +255,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         reason = "draining" if draining["on"] else ("" if ready else picker.why_none())
         return kpb.ServerLoad(ready=ready, not_ready_reason=reason, in_flight=frontend.in_flight,
                               num_requests=engine.num_requests(), kv_blocks_free=engine.num_free_blocks(),
-                              kv_blocks_total=engine.num_blocks, http_port=args.port)
+                              kv_blocks_total=engine.num_blocks, http_port=args.port, queued=len(node.queue))
 
     def engine_load() -> EngineLoad:
         # running: a decode Session open (or decoding locally); waiting: admitted, no decode yet
@@ -245,6 +268,8 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     await discovery.start()
     await poller.start()
     app = HttpApi(frontend, health, metrics, is_draining=lambda: draining["on"]).app()
+    batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
+    batch.add_routes(app)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -260,6 +285,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
              args.queue_policy, "; ".join(c.describe() for c in args.slo))
     sig = await wait_for_stop_signal()
     draining["on"] = True
+    await batch.stop()  # batch lines in flight stay pending in the database; they run after a restart
     log.info("%s: draining %d in-flight request(s)", sig, frontend.in_flight)
     left = await drain(lambda: frontend.in_flight, args.drain_timeout)
     if left:

@@ -61,16 +61,19 @@ import grpc
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError, TransferError
 from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
+from pdserve.protos.logprobs import logprob_to_proto
 from pdserve.protos.version import PROTOCOL_VERSION
 
 from .cost_model import LOCAL, link_busy_seconds
 from .session_protocol import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionObserver,
-                               SessionTimings, decode_reservation, first_token_finishes, rpc_reason, sampling_to_proto)
+                               SessionTimings, decode_reservation, first_token_finishes, logprob_from_proto, rpc_reason,
+                               sampling_to_proto)
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import AsyncLLMEngine
     from pdserve.protos import session_pb2_grpc as pb_grpc
+    from pdserve.slo import SloClass
 
     from .disaggregator import Disaggregator
 
@@ -135,12 +138,15 @@ class SessionRunner:
         self.prefill_slots = asyncio.Semaphore(config.prefills_ahead)
 
     async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None,
-                  deadline: float | None = None, on_allocated: Callable[[], None] | None = None):
+                  deadline: float | None = None, on_allocated: Callable[[], None] | None = None,
+                  slo_class: SloClass | None = None):
         """Async generator of Deltas for one request served by the decode at ``address``.
 
         ``deadline`` (``time.monotonic()`` seconds) is the request's end-to-end deadline:
         the Session call gets it (plus ``DEADLINE_SLACK_S``) as its gRPC deadline.
         ``on_allocated`` is called once the decode allocated (after the observer was told).
+        ``slo_class``: the request's SLO class; the decode learns its TBT target and whether it
+        may evict the request's KV (``decode_server/lso.py``).
         Raises Retryable before the first Delta, DecodeFailed after it.
         """
         cfg = self.config
@@ -161,6 +167,8 @@ class SessionRunner:
                 request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
                 blocks_needed=n_blocks, compat=cfg.compat, protocol_version=PROTOCOL_VERSION,
                 timeout_s=cfg.session_timeout_s, reuse_prefix=cfg.reuse_prefix,
+                tbt_target_ms=(slo_class.tbt_ms or 0) if slo_class else 0,
+                evictable=slo_class.evictable if slo_class else False,
             )
             alloc = await self._allocation(call, address, start)
             timings.allocated, timings.cached_blocks = time.monotonic(), alloc.cached_blocks
@@ -246,6 +254,7 @@ class SessionRunner:
             held.prefilled = False
             raise
         timings.prefill_done = time.monotonic()
+        first_lp = await self.engine.prefill_logprob(request_id) if sp.logprobs is not None else None
         held.free_slot()  # the next Session may allocate while this one's KV is still on the wire
         after = self.engine.prefill_counters()
         self.observer.prefilled(after[0] - before[0], after[1] - before[1])
@@ -264,10 +273,14 @@ class SessionRunner:
         held.released = True
         self.observer.transferred(timings, n_blocks - first_block)
         reason = first_token_finishes(first, sp, cfg.eos_token_ids)
-        await self._send(call, address, first_token=pb.FirstToken(
-            token_id=first, finished=reason is not None, finish_reason=reason or ""))
+        message = pb.FirstToken(token_id=first, finished=reason is not None, finish_reason=reason or "")
+        if first_lp is not None:
+            message.logprob.CopyFrom(logprob_to_proto(first_lp))
+        await self._send(call, address, first_token=message)
         # a stop token ends the request and is not part of the output (as in the engine)
-        return Delta([] if reason == "stop" else [first], reason is not None, reason)
+        if reason == "stop":
+            return Delta([], True, reason)
+        return Delta([first], reason is not None, reason, [first_lp] if first_lp is not None else None)
 
     async def _compute_on_decode(self, call, address: str, reason: str, cached_blocks: int, n_blocks: int) -> Delta:
         """Step 4l: the decode computes the prompt; its first message is the first Delta."""
@@ -348,7 +361,8 @@ class SessionRunner:
             raise DecodeFailed(f"decode {address} closed the session before finishing")
         kind = msg.WhichOneof("kind")
         if kind == "tokens":
-            return Delta(list(msg.tokens.token_ids))
+            lps = [logprob_from_proto(lp) for lp in msg.tokens.logprobs]
+            return Delta(list(msg.tokens.token_ids), logprobs=lps or None)
         if kind == "finish":
             return Delta([], True, msg.finish.finish_reason or "stop")
         if kind == "error":

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve import defaults
+from pdserve.engine.grammar import GrammarSpec, Grammars
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 
@@ -73,6 +74,7 @@ class Piece:
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list | None = None  # the token's TokenLogprob (pdserve.engine.logprobs) when the request asked
 
 
 class Frontend:
@@ -87,6 +89,7 @@ class Frontend:
         self.in_flight = 0
         self.active: set[str] = set()  # request ids in flight (client-given ids must be unique)
         self.slo = slo  # the SLO classes and the global queue (pdserve.slo)
+        self._grammars: Grammars | None = None  # compiles response_format schemas (validation), on first use
 
     def slo_class(self, header: str | None, priority=None) -> SloClass | None:
         """The request's SLO class from the X-SLO-Class header / body priority; BadRequest naming the known ones."""
@@ -98,12 +101,26 @@ class Frontend:
             raise BadRequest(str(exc), "priority" if header is None else SLO_HEADER, "unknown_slo_class") from None
 
     def prompt_ids(self, parsed: ParsedRequest) -> list[int]:
+        """The (first) prompt's token ids."""
+        return self.prompt_ids_list(parsed)[0]
+
+    def prompt_ids_list(self, parsed: ParsedRequest) -> list[list[int]]:
+        """Every prompt's token ids: the chat template's, or each of /v1/completions' prompts."""
         if parsed.kind == "chat":
-            text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text)
-        if parsed.prompt_token_ids is not None:
-            return list(parsed.prompt_token_ids)
-        return self.tokenizer.encode(parsed.prompt)
+            if parsed.tools:
+                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tools=parsed.tools)
+            else:
+                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
+            return [self.tokenizer.encode(text)]
+        return [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in parsed.prompts]
+
+    def echo_texts(self, parsed: ParsedRequest, prompts: list[list[int]]) -> list[str]:
+        """Per prompt, the text ``echo`` puts before each choice's text ("" without echo)."""
+        if not parsed.echo:
+            return [""] * len(prompts)
+        if parsed.sampling.logprobs is not None:
+            raise BadRequest("echo together with logprobs is not supported (it needs the prompt's logprobs)", "echo")
+        return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(parsed.prompts, prompts)]
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:
@@ -119,6 +136,7 @@ class Frontend:
             raise BadRequest(
                 f"prompt has {n_prompt} tokens but the model's context length is {self.max_model_len} "
                 f"(prompt plus at least one generated token must fit)", "prompt", "context_length_exceeded")
+        grammar = self.grammar(spec)
         max_tokens = spec.max_tokens
         if max_tokens is None:
             max_tokens = min(room, DEFAULT_CHAT_MAX_TOKENS if kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS)
@@ -130,9 +148,25 @@ class Frontend:
             return self.sampling_cls(
                 max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                 seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+                logprobs=spec.logprobs, grammar=grammar,
             )
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+
+    def grammar(self, spec: SamplingSpec) -> GrammarSpec | None:
+        """The request's response_format as the engine's GrammarSpec, compiled once here so a schema
+        the grammar library refuses is a BadRequest naming response_format (not a decode failure)."""
+        rf = spec.response_format
+        if rf is None:
+            return None
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.vocab_size or self.tokenizer.vocab_size)
+        grammar = GrammarSpec(rf.kind, rf.schema)
+        try:
+            self._grammars.check(grammar)
+        except ValueError as exc:
+            raise BadRequest(f"response_format: {exc}", "response_format") from None
+        return grammar
 
     async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None,
                      slo_class: SloClass | None = None):
@@ -179,8 +213,9 @@ class Frontend:
                     clock.token(len(delta.token_ids))
                 if slo is not None and delta.token_ids:
                     self.slo.token(slo, len(delta.token_ids))
-                for token_id in delta.token_ids:  # one Piece per token, its text possibly ""
-                    yield Piece([token_id], text.add([token_id]))
+                lps = delta.logprobs or ()
+                for k, token_id in enumerate(delta.token_ids):  # one Piece per token, its text possibly ""
+                    yield Piece([token_id], text.add([token_id]), logprobs=list(lps[k:k + 1]) or None)
                     if text.stopped:
                         # a stop string ends here; tokens after it (the engine stops on its
                         # next step, or already did) are not the client's

@@ -10,13 +10,21 @@
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
 | GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
+| /v1/files, /v1/batches       | the OpenAI Batch API (``batch_api.py``, added by ``cli.py``)  |
 
-Streaming (``stream: true``), as vLLM does: one event per generated token, in order, whose
+Choices: a request has (prompts on /v1/completions) x ``n`` choices, choice ``p * n + j`` the
+j-th sample of prompt p (``choices.py``), each its own sequence over P/D; ``usage`` sums them
+(each prompt's tokens counted once). With ``echo`` a choice's text starts with its prompt's;
+with ``logprobs`` each token carries its logprob (``openai_logprobs.py``); ``response_format``
+holds the output to JSON / a JSON Schema (engine/grammar.py).
+
+Streaming (``stream: true``), per choice, as vLLM does: one event per generated token, in order, whose
 ``text`` (chat: ``delta.content``) is the text that token releases, ``""`` when it releases
 none (the token ends inside a UTF-8 character, decodes to nothing, or might begin a stop
 string: that text is held back and goes out with the event of the token that completes it);
 then one event with ``finish_reason`` that carries no token, its text what was still held
-back at the end (usually ``""``; chat: no ``content``); then the usage event
+back at the end (usually ``""``; chat: no ``content``); events of several choices interleave
+(each has its ``index``); after the last choice's finish the usage event
 (``stream_options.include_usage``) and ``data: [DONE]``. So the events without a
 finish_reason number exactly ``usage.completion_tokens``, and their texts joined with the
 last one's equal the non-streamed text. Chat: the first event also has ``role``. A stop
@@ -48,10 +56,9 @@ the default class. Unknown class or priority, or both naming different classes: 
 
 from __future__ import annotations
 
-import logging
-
 from aiohttp import web
 
+from pdserve.defaults import REQUEST_TIMEOUT_HEADER
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 
@@ -60,14 +67,40 @@ from .closing import aclose_fully
 from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut, parse_timeout_header
 from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
+from .openai_serving import collect, sse, start
 
-TIMEOUT_HEADER = "X-Request-Timeout"
-
-log = logging.getLogger(__name__)
+TIMEOUT_HEADER = REQUEST_TIMEOUT_HEADER
 
 
 def _json_error(status: int, message: str, type_: str, param=None, code=None) -> web.Response:
     return web.json_response(oa.error_body(message, type_, param, code), status=status)
+
+
+# How a request that was accepted but not served fails, before its first token: exception ->
+# (HTTP status, OpenAI error type, code), first match wins (QueueFull and RequestTooLarge are
+# kinds of NoDecodeAvailable). The Batch API records the same answers (batch_runner.py).
+FAILURES = (
+    (RequestTooLarge, 413, "invalid_request_error", "request_too_large"),
+    (QueueFull, 429, "overloaded_error", "queue_full"),
+    (Rejected, 429, "rate_limit_error", "slo_cannot_be_met"),
+    (NoDecodeAvailable, 503, "service_unavailable", "no_decode_available"),
+    (DecodeFailed, 502, "server_error", "decode_failed"),
+    (RequestTimedOut, 504, "timeout_error", "request_timeout"),
+)
+FAILURE_TYPES = tuple(f[0] for f in FAILURES)
+
+
+def failure(exc: BaseException) -> tuple[int, str, str]:
+    """(HTTP status, error type, code) of one of FAILURE_TYPES."""
+    return next((status, type_, code) for kind, status, type_, code in FAILURES if isinstance(exc, kind))
+
+
+def _failure_response(exc: BaseException) -> web.Response:
+    status, type_, code = failure(exc)
+    resp = _json_error(status, str(exc), type_, code=code)
+    if isinstance(exc, Rejected):
+        resp.headers["Retry-After"] = str(exc.retry_after_s)
+    return resp
 
 
 class HttpApi:
@@ -139,75 +172,21 @@ class HttpApi:
             body = oa.parse_json(await request.read())
             parsed = parse(body, fe.model_name, fe.max_model_len, fe.vocab_size)
             slo_class = fe.slo_class(request.headers.get(SLO_HEADER), body.get("priority"))
-            prompt_ids = fe.prompt_ids(parsed)
-            fe.check_prompt(prompt_ids)
-            sp = fe.sampling(parsed.sampling, len(prompt_ids), parsed.kind)
             timeout_s = parse_timeout_header(request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER)
+            n_prompt, states, pieces = start(fe, parsed, slo_class, timeout_s)
         except oa.BadRequest as exc:
             if self.metrics is not None:
                 self.metrics.requests.labels(outcome="error", reason="bad_request").inc()
             return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
-        pieces = fe.stream(parsed.request_id, prompt_ids, sp, timeout_s, slo_class)
         try:
             try:
                 first = await pieces.__anext__()
-            except RequestTooLarge as exc:
-                return _json_error(413, str(exc), "invalid_request_error", code="request_too_large")
-            except QueueFull as exc:
-                return _json_error(429, str(exc), "overloaded_error", code="queue_full")
-            except Rejected as exc:
-                resp = _json_error(429, str(exc), "rate_limit_error", code="slo_cannot_be_met")
-                resp.headers["Retry-After"] = str(exc.retry_after_s)
-                return resp
-            except NoDecodeAvailable as exc:
-                return _json_error(503, str(exc), "service_unavailable", code="no_decode_available")
-            except DecodeFailed as exc:
-                return _json_error(502, str(exc), "server_error", code="decode_failed")
-            except RequestTimedOut as exc:
-                return _json_error(504, str(exc), "timeout_error", code="request_timeout")
+            except FAILURE_TYPES as exc:
+                return _failure_response(exc)
+            except oa.BadRequest as exc:  # a choice's request id already in flight
+                return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
             if not parsed.stream:
-                return await self._collect(parsed, len(prompt_ids), first, pieces)
-            return await self._sse(request, parsed, len(prompt_ids), first, pieces)
+                return await collect(parsed, states, n_prompt, first, pieces)
+            return await sse(request, parsed, states, n_prompt, first, pieces)
         finally:
             await aclose_fully(pieces)
-
-    async def _collect(self, parsed, n_prompt: int, first, pieces) -> web.Response:
-        texts, n_tokens, piece = [first.text], len(first.token_ids), first
-        try:
-            while not piece.finished:
-                piece = await pieces.__anext__()
-                texts.append(piece.text)
-                n_tokens += len(piece.token_ids)
-        except (DecodeFailed, NoDecodeAvailable) as exc:
-            return _json_error(502, str(exc), "server_error", code="decode_failed")
-        except RequestTimedOut as exc:
-            return _json_error(504, str(exc), "timeout_error", code="request_timeout")
-        return web.json_response(oa.full_response(parsed, "".join(texts), piece.finish_reason or "stop", n_prompt, n_tokens))
-
-    async def _sse(self, request: web.Request, parsed, n_prompt: int, first, pieces) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        n_tokens, piece = 0, first
-        is_first = True
-        try:
-            while True:
-                n_tokens += len(piece.token_ids)
-                if piece.finished:  # no token: the finish reason and any text held back to the end
-                    text = piece.text if piece.text or parsed.kind == "completion" else None
-                    await resp.write(oa.sse(oa.chunk(parsed, text, piece.finish_reason, first=is_first)))
-                    if parsed.include_usage:
-                        await resp.write(oa.sse(oa.usage_chunk(parsed, n_prompt, n_tokens)))
-                    break
-                # one event per generated token, also when its text is "" (held back)
-                await resp.write(oa.sse(oa.chunk(parsed, piece.text, None, first=is_first)))
-                is_first = False
-                piece = await pieces.__anext__()
-        except (DecodeFailed, NoDecodeAvailable) as exc:
-            log.warning("request %s: %s", parsed.request_id, exc)
-            await resp.write(oa.sse(oa.error_body(str(exc), "server_error", code="decode_failed")))
-        except RequestTimedOut as exc:
-            log.warning("request %s: %s", parsed.request_id, exc)
-            await resp.write(oa.sse(oa.error_body(str(exc), "timeout_error", code="request_timeout")))
-        await resp.write(oa.sse("[DONE]"))
-        await resp.write_eof()
-        return resp

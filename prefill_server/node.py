@@ -41,7 +41,9 @@ continues on the next decode (or locally) by prefilling prompt + the tokens gene
 far, with max_tokens reduced by those tokens; the client's stream just goes on. Greedy
 requests give exactly the tokens they would have; seeded random sampling restarts its
 per-position random stream at the resume point (so the continuation is a valid sample,
-not the same one). Without another decode or fallback the client gets the error.
+not the same one). A grammar (response_format) is rebuilt on the next decode by accepting
+the produced tokens first (``resumed``: its ``feed``), so the output stays valid across the
+resume. Without another decode or fallback the client gets the error.
 """
 
 from __future__ import annotations
@@ -181,14 +183,15 @@ class PrefillNode:
                     if m is not None:
                         m.decode_selections.labels(decode=address).inc()
                     timings = SessionTimings()
-                    sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
+                    sp_now = resumed(sp, len(produced))
                     # each attempt is a new request for the decode, the CacheStore and our engine:
                     # leftovers of a failed attempt (a cancel still travelling) never collide with it
                     session_id = request_id if attempt == 0 else f"{request_id}.{attempt}"
                     attempt += 1
                     # once a decode allocated, the next request in line may go (the picker counts this one)
                     stream = self.session_runner.run(address, session_id, prompt_ids + produced, sp_now, timings, deadline,
-                                                     on_allocated=ticket.admitted)
+                                                     on_allocated=ticket.admitted,
+                                                     slo_class=slo.cls if slo is not None else None)
                     try:
                         try:
                             first = await stream.__anext__()
@@ -266,13 +269,14 @@ class PrefillNode:
             self.metrics.local_fallbacks.labels(reason="decode_failed" if failed_mid_stream else "no_decode").inc()
         log.info("request %s: decoding locally (%s)", request_id, "; ".join(reasons))
         self.local_requests += 1
-        sp_now = replace(sp, max_tokens=sp.max_tokens - len(produced)) if produced else sp
+        sp_now = resumed(sp, len(produced))
         outputs = self.engine.generate(f"{request_id}.local", prompt_ids + produced, sp_now)
         try:
             async for out in outputs:
                 if out.error:
                     raise DecodeFailed(f"local decoding failed: {out.error}")
-                yield Delta(list(out.new_token_ids), out.finished, out.finish_reason if out.finished else None)
+                yield Delta(list(out.new_token_ids), out.finished, out.finish_reason if out.finished else None,
+                            out.logprobs)
                 if out.finished:
                     return
         except self.out_of_blocks_error as exc:
@@ -296,3 +300,12 @@ class PrefillNode:
         self.last_timings[request_id] = timings
         while len(self.last_timings) > 256:
             self.last_timings.pop(next(iter(self.last_timings)))
+
+
+def resumed(sp, produced: int):
+    """The SamplingParams for a request resumed after ``produced`` tokens (sent as part of the prompt):
+    max_tokens reduced by them, and a grammar told to accept them first (its state at the resume point)."""
+    if not produced:
+        return sp
+    grammar = sp.grammar if sp.grammar is None else replace(sp.grammar, feed=sp.grammar.feed + produced)
+    return replace(sp, max_tokens=sp.max_tokens - produced, grammar=grammar)

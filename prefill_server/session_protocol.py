@@ -18,7 +18,9 @@ from typing import Protocol
 import grpc
 
 from pdserve.engine import blocks_needed
+from pdserve.engine.logprobs import TokenLogprob
 from pdserve.protos import session_pb2 as pb
+from pdserve.protos.logprobs import logprob_fields
 
 
 class Retryable(Exception):
@@ -49,6 +51,7 @@ class Delta:
     token_ids: list[int]
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list | None = None  # one TokenLogprob per token (pdserve.engine.logprobs) when the request asked
 
 
 @dataclass(slots=True)
@@ -79,7 +82,15 @@ def sampling_to_proto(sp) -> pb.Sampling:
     )
     if sp.seed is not None:
         msg.seed = sp.seed
+    if sp.logprobs is not None:
+        msg.logprobs = sp.logprobs
+    if sp.grammar is not None:
+        msg.grammar.CopyFrom(pb.Grammar(kind=sp.grammar.kind, schema=sp.grammar.schema or "", feed=sp.grammar.feed))
     return msg
+
+
+def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(*logprob_fields(msg))
 
 
 def first_token_finishes(token: int, sp, eos_token_ids) -> str | None:

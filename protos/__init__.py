@@ -8,8 +8,10 @@ place the P/D protocol version is written.
 - ``session_pb2`` / ``session_pb2_grpc``: ``Decode.Session`` (bidi), ``Decode.GetLoadReport``
 - ``kv_events_pb2`` / ``kv_events_pb2_grpc``: ``KvEvents.Subscribe`` (server streaming: snapshot,
   then BlockStored/BlockRemoved/AllCleared stamped with epoch + seq), ``Snapshot``, ``GetLoad``
+- ``kvpool_pb2`` / ``kvpool_pb2_grpc``: the distributed KV pool (kvpool/): ``GManager`` (reports,
+  who has room, the debt ledger), ``KVLender`` (lend, put KV, micro-attention, release), ``KVNode``
 """
 
-from .version import KV_EVENTS_VERSION, PROTOCOL_VERSION
+from .version import KV_EVENTS_VERSION, KVPOOL_VERSION, PROTOCOL_VERSION
 
-__all__ = ["KV_EVENTS_VERSION", "PROTOCOL_VERSION"]
+__all__ = ["KV_EVENTS_VERSION", "KVPOOL_VERSION", "PROTOCOL_VERSION"]

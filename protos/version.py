@@ -8,8 +8,14 @@ changes meaning (adding an optional field that old peers may ignore does not nee
 
 # 2: Allocation.cached_blocks (decode-side prefix reuse: block_ids cover only the prompt blocks
 #    after the cached ones), Start.reuse_prefix, ComputePrompt (the decode computes the prompt).
-PROTOCOL_VERSION = 2
+# 3: Sampling.logprobs and Sampling.grammar (a decode that ignored them would sample unconstrained
+#    tokens without logprobs), FirstToken.logprob, Tokens.logprobs.
+PROTOCOL_VERSION = 3
 
 # The KV-event stream (kv_events.proto): a router uses the index of a server only when the
 # server's SNAPSHOT carries this version. Bump it when an event's meaning changes.
 KV_EVENTS_VERSION = 1
+
+# The KV pool (kvpool.proto): a gManager ignores reports, and a lender refuses loans, that carry
+# another version. Bump it when a kvpool message changes meaning.
+KVPOOL_VERSION = 1

@@ -7,6 +7,9 @@ Request lifecycle on the router:
 1. **accept** - HTTP /v1/completions or /v1/chat/completions (or gRPC Generate with
    ``--grpc-port``); the body is read, not validated (the prefill validates it; its 400 or
    INVALID_ARGUMENT comes back unchanged).
+1b. **queue** (with SLO classes or ``--queue-policy``) - its SLO class (400 if unknown), early
+   rejection (429), then the router's SLO line while every prefill is queueing, in the
+   policy's order (``slo_gate.py``; 504 at its deadline).
 2. **hash** - the prompt is tokenized as the prefill will (chat template, then encode) and its
    reusable full blocks are hashed with the engine's chained hashes (``prompt.py``).
 3. **choose** - for every routable prefill (fresh ready load report): how many leading blocks
@@ -30,6 +33,7 @@ Reading path (in this order):
   ``cli.py``            ``pdserve router``: flags, start-up wiring, drain
   ``http_api.py``       RouterApi: the routes and the byte-for-byte relay
   ``grpc_api.py``       RouterGenerateServicer: gRPC Generate, relayed response by response
+  ``slo_gate.py``       SloGate: the global SLO queue in front of the prefills (pdserve.slo's GlobalQueue)
   ``router.py``         Router.decide: prompt hashes + index + loads -> choice
   ``choice.py``         choose(): cost, tie-break, reason (pure)
   ``index.py``          PrefixIndex: the KV-event protocol (snapshot, seq, epoch; pure)

@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from pdserve import defaults
 from pdserve.server_setup import drain, setup_logging, wait_for_stop_signal
+from pdserve.slo import classes as slo_classes
+from pdserve.slo.policies import POLICIES
 
 log = logging.getLogger("pdserve.router")
 
@@ -48,6 +51,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--load-weight", type=float, default=64.0,
                    help="prompt tokens one request in flight is worth when weighing load against cached prefix")
     d.add_argument("--max-attempts", type=int, default=2, help="prefills to try when one cannot be connected to")
+    q = parser.add_argument_group("the global SLO queue (QLM), in front of every prefill")
+    q.add_argument("--slo-classes", default=None,
+                   help="SLO classes as JSON (the InferenceService's spec.slo) or a JSON file; default: the environment "
+                        f"variable {defaults.ENV_SLO_CLASSES} the operator sets. Declared classes (or --queue-policy) turn "
+                        "the router's queue on: requests wait here, in the policy's order, while every prefill queues")
+    q.add_argument("--queue-policy", choices=list(POLICIES), default=None,
+                   help="order of the requests waiting for a prefill with room: fifo (the default with classes), edf "
+                        "(earliest deadline of their class), qlm (QLM's global scheduler over request groups)")
+    q.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
+                   help="seconds a request may wait in the router's queue (a client's X-Request-Timeout or gRPC "
+                        "deadline shortens it); then 504 / DEADLINE_EXCEEDED naming the queue")
 
 
 def make_discovery(args):
@@ -67,9 +81,14 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "router")
     from .prompt import load_tokenizer
 
+    if not args.request_timeout > 0:
+        raise SystemExit(f"pdserve router: --request-timeout must be > 0, got {args.request_timeout}")
     try:
         discovery = make_discovery(args)
         tokenizer = load_tokenizer(args.model)
+        args.slo = None
+        if args.slo_classes or os.environ.get(defaults.ENV_SLO_CLASSES) or args.queue_policy:
+            args.slo = slo_classes.load(args.slo_classes)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"pdserve router: {exc}")
     if args.discovery == "static" and not discovery.addresses():
@@ -95,9 +114,18 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
     prefills = PrefillSet(discovery, index, metrics, name=f"router:{args.port}", interval_s=args.discovery_interval,
                           load_interval_s=args.load_interval, load_expiry_s=args.load_expiry)
     router = Router(prefills, index, tokenizer, metrics, args.load_weight, args.policy)
+    gate = None
+    if args.slo is not None:
+        from pdserve.slo import GlobalQueue
+
+        from .slo_gate import SloGate
+
+        gate = SloGate(GlobalQueue(args.slo, args.queue_policy or "fifo", metrics), prefills)
     draining = {"on": False}
-    api = RouterApi(router, metrics, is_draining=lambda: draining["on"], max_attempts=args.max_attempts)
-    generate = RouterGenerateServicer(router, metrics, max_attempts=args.max_attempts)
+    api = RouterApi(router, metrics, is_draining=lambda: draining["on"], max_attempts=args.max_attempts, gate=gate,
+                    request_timeout_s=args.request_timeout)
+    generate = RouterGenerateServicer(router, metrics, max_attempts=args.max_attempts, gate=gate,
+                                      request_timeout_s=args.request_timeout)
     await prefills.start()
     runner = web.AppRunner(api.app(), handler_cancellation=True)
     await runner.setup()
@@ -110,9 +138,11 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
         await grpc_server.start()
     log.info("router ready: http %s:%d, grpc %s, prefills %s, policy %s, load weight %g tokens/request", args.host,
              args.port, args.grpc_port or "off", discovery.addresses() or "(none yet)", args.policy, args.load_weight)
+    if gate is not None:
+        log.info("SLO queue: policy %s, classes %s", gate.queue.policy, "; ".join(c.describe() for c in args.slo))
     sig = await wait_for_stop_signal()
     draining["on"] = True
-    in_flight = lambda: api.in_flight + generate.in_flight  # noqa: E731
+    in_flight = lambda: api.in_flight + generate.in_flight + (gate.waiting() if gate else 0)  # noqa: E731
     log.info("%s: draining %d in-flight request(s)", sig, in_flight())
     left = await drain(in_flight, args.drain_timeout)
     if left:

@@ -11,7 +11,7 @@
 | POST /debug/route?kind=K     | the decision for a completion (K=completion) or chat body, not  |
 |                              | sent anywhere: prefill, reason, cached blocks, ranking          |
 
-The request body goes to the prefill untouched (with the header ``X-SLO-Class``) and its
+The request body goes to the prefill untouched (with the headers ``X-SLO-Class`` and ``X-Request-Timeout``) and its
 status, content type, ``Retry-After`` and body come back unchanged (SSE chunks as they
 arrive), so a 400 or a 429 is the prefill's own. A prefill that
 cannot be connected to before its response starts is skipped for the next one in the
@@ -25,25 +25,33 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 
 import aiohttp
 from aiohttp import web
 
+from pdserve.defaults import REQUEST_TIMEOUT_HEADER, REQUEST_TIMEOUT_S
+from pdserve.slo import HEADER as SLO_HEADER
+from pdserve.slo import Rejected
+
 from .prompt import prompt_token_ids
+from .slo_gate import GateTimeout, SloGate, TokenCounter, deadline_s, request_class
 
 log = logging.getLogger(__name__)
 RELAYED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
-FORWARDED_HEADERS = ("X-SLO-Class",)  # request headers the prefill reads (its SLO class)
+FORWARDED_HEADERS = (SLO_HEADER, REQUEST_TIMEOUT_HEADER)  # request headers the prefill reads (SLO class, deadline)
 
 
-def _error(status: int, message: str, code: str) -> web.Response:
-    body = {"error": {"message": message, "type": "service_unavailable", "param": None, "code": code}}
+def _error(status: int, message: str, code: str, type_: str = "service_unavailable") -> web.Response:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
     return web.json_response(body, status=status)
 
 
 class RouterApi:
-    def __init__(self, router, metrics, is_draining=lambda: False, max_attempts: int = 2):
+    def __init__(self, router, metrics, is_draining=lambda: False, max_attempts: int = 2, gate: SloGate | None = None,
+                 request_timeout_s: float = REQUEST_TIMEOUT_S):
         self.router, self.metrics, self.is_draining, self.max_attempts = router, metrics, is_draining, max_attempts
+        self.gate, self.request_timeout_s = gate, request_timeout_s  # the SLO queue (slo_gate.py), or None
         self.in_flight = 0
         self.session: aiohttp.ClientSession | None = None
 
@@ -70,6 +78,7 @@ class RouterApi:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "role": "router", "in_flight": self.in_flight,
+                                  "queued": self.gate.waiting() if self.gate is not None else 0,
                                   "draining": self.is_draining(), "prefills": self.router.state()})
 
     async def ready(self, request: web.Request) -> web.Response:
@@ -105,10 +114,34 @@ class RouterApi:
         return await self._relay(request, "chat")
 
     async def _relay(self, request: web.Request, kind: str) -> web.StreamResponse:
-        start = time.perf_counter()
-        m = self.metrics
         body = await request.read()
         ids = prompt_token_ids(body, kind, self.router.tokenizer)
+        if self.gate is None:
+            return await self._relay_to(request, body, ids, None)
+        start = time.perf_counter()
+        try:
+            cls, max_tokens = request_class(self.gate.classes, body, request.headers.get(SLO_HEADER))
+        except ValueError as exc:
+            self.metrics.requests.labels(outcome="error", reason="bad_request").inc()
+            return _error(400, str(exc), "unknown_slo_class", "invalid_request_error")
+        timeout_s = deadline_s(request.headers.get(REQUEST_TIMEOUT_HEADER), self.request_timeout_s)
+        try:
+            async with self.gate.admission(f"router-{uuid.uuid4().hex}", cls, len(ids or ()), max_tokens,
+                                           timeout_s) as passage:
+                return await self._relay_to(request, body, ids, passage)
+        except Rejected as exc:
+            self.metrics.requests.labels(outcome="error", reason="slo_rejected").inc()
+            resp = _error(429, str(exc), "slo_cannot_be_met", "rate_limit_error")
+            resp.headers["Retry-After"] = str(exc.retry_after_s)
+            return resp
+        except GateTimeout as exc:
+            self.metrics.requests.labels(outcome="error", reason="timeout").inc()
+            self.metrics.e2e_latency.observe(time.perf_counter() - start)
+            return _error(504, str(exc), "request_timeout", "timeout_error")
+
+    async def _relay_to(self, request: web.Request, body: bytes, ids: list[int] | None, passage) -> web.StreamResponse:
+        start = time.perf_counter()
+        m = self.metrics
         choice = self.router.decide(ids)
         m.router_overhead.observe(time.perf_counter() - start)
         if choice is None:
@@ -132,6 +165,7 @@ class RouterApi:
                     watch.in_flight -= 1
                     continue
                 resp = None
+                counter = TokenCounter(upstream.headers.get("Content-Type", ""), passage)
                 try:
                     self.router.count_decision(address, why, choice, ids)
                     async for chunk in upstream.content.iter_any():
@@ -139,17 +173,23 @@ class RouterApi:
                             m.ttft.observe(time.perf_counter() - start)
                             resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
                             await resp.prepare(request)
+                        counter.feed(chunk)
                         await resp.write(chunk)
                     if resp is None:
                         resp = web.Response(status=upstream.status, headers=_headers(upstream))
                         await resp.prepare(request)
                     await resp.write_eof()
+                    counter.done()
                     outcome = "ok" if upstream.status < 400 else "error"
                     reason = "relayed" if upstream.status < 400 else f"http_{upstream.status}"
+                    if passage is not None:
+                        passage.outcome = outcome
                     return resp
                 except aiohttp.ClientError as exc:  # the prefill went away mid-response
                     log.warning("prefill %s failed mid-response: %s", address, exc)
                     outcome, reason = "error", "prefill_failed"
+                    if passage is not None:
+                        passage.outcome = "error"
                     message = f"prefill {address} failed mid-response: {type(exc).__name__}"
                     if resp is None:
                         return _error(502, message, "prefill_failed")
@@ -167,6 +207,8 @@ class RouterApi:
                         upstream.close()  # the prefill sees the client leave and cancels
                     watch.in_flight -= 1
             outcome, reason = "error", "prefill_unreachable"
+            if passage is not None:
+                passage.outcome = "error"
             return _error(503, f"no prefill could be reached (tried {', '.join(choice.ranking[: self.max_attempts])})",
                           "no_prefill_available")
         finally:

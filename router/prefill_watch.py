@@ -79,12 +79,14 @@ class PrefillWatch:
         self._tasks = [asyncio.create_task(self._events(), name=f"kv-events {self.address}"),
                        asyncio.create_task(self._poll_load(), name=f"load {self.address}")]
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop watching; ``grace``: seconds the channel's calls still running (gRPC Generate
+        relays) may take before they are cancelled (None: at once)."""
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
-        await self._channel.close()
+        await self._channel.close(grace)
 
     # ---- the two tasks -------------------------------------------------------------------------
     def _count(self, reason: str) -> None:

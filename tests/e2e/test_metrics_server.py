@@ -75,7 +75,19 @@ def test_every_metric_is_exported_with_the_common_labels():
     m.slo_queue_time.labels(slo_class="default").observe(0.1)
     m.slo_estimate_error.labels(slo_class="default", part="e2e").observe(0.1)
     m.slo_queued.labels(slo_class="default").set(0)
+    # the KV tier metrics follow the engine's running totals (server_setup.follow_tier_metrics)
+    for attr in ("kv_tier_hits", "kv_tier_evictions", "kv_tier_checksum_mismatches", "kv_tier_write_errors"):
+        m.follow_counter(attr, lambda: 3, tier="disk")
+    m.follow_counter("kv_tier_moved_bytes", lambda: 4096, tier="host", direction="in")
+    m.follow_counter("kv_tier_move_time", lambda: 0.25, tier="host", direction="out")
+    held = [1024]
+    m.follow_gauge("kv_tier_bytes", lambda: held[0], tier="host")
     samples = scrape(m)
+    assert samples[("pdserve_kv_tier_hits_total", common(m, tier="disk"))] == 3
+    assert samples[("pdserve_kv_tier_move_seconds_total", common(m, tier="host", direction="out"))] == 0.25
+    assert samples[("pdserve_kv_tier_bytes", common(m, tier="host"))] == 1024
+    held[0] = 0
+    assert scrape(m)[("pdserve_kv_tier_bytes", common(m, tier="host"))] == 0  # read again at every scrape
     seen = {name for name, _ in samples}
     assert exported_series_names() <= seen
     for (name, labels) in samples:

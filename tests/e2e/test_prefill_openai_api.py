@@ -32,11 +32,18 @@ def test_valid_completion_and_chat():
         ({"model": M, "prompt": "x", "temperature": -0.1}, "temperature"),
         ({"model": M, "prompt": "x", "top_p": 0}, "top_p"),
         ({"model": M, "prompt": "x", "top_p": 1.5}, "top_p"),
-        ({"model": M, "prompt": "x", "n": 2}, "n"),
+        ({"model": M, "prompt": "x", "n": 17}, "n"),
+        ({"model": M, "prompt": ["a", [1]]}, "prompt"),
+        ({"model": M, "prompt": ["a", ""]}, "prompt"),
+        ({"model": M, "prompt": ["a"] * 33, "n": 2}, "n"),
+        ({"model": M, "prompt": "x", "echo": 1}, "echo"),
+        ({"model": M, "prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+        ({"model": M, "prompt": "x", "response_format": {"type": "xml"}}, "response_format"),
+        ({"model": M, "prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format"),
         ({"model": M, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"model": M, "prompt": "x", "stream": "yes"}, "stream"),
-        ({"model": M, "prompt": "x", "logprobs": 5}, "logprobs"),
-        ({"model": M, "prompt": "x", "echo": True}, "echo"),
+        ({"model": M, "prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"model": M, "prompt": "x", "logprobs": True}, "logprobs"),
     ],
 )
 def test_bad_completion_fields(body, param):
@@ -49,6 +56,17 @@ def test_bad_completion_fields(body, param):
 def test_unsupported_defaults_are_accepted():
     r = parse_completion({"model": M, "prompt": "x", "logprobs": None, "echo": False, "best_of": 1}, M)
     assert r.prompt == "x"
+
+
+def test_prompt_lists_n_echo_logprobs():
+    r = parse_completion({"model": M, "prompt": ["a", "b"], "n": 3, "echo": True, "logprobs": 2, "best_of": 3}, M)
+    assert (r.prompts, r.n, r.echo, r.sampling.logprobs) == (["a", "b"], 3, True, 2)
+    r = parse_completion({"model": M, "prompt": [[1, 2], [3]], "stream": True, "stream_options": {"include_usage": True}}, M)
+    assert (r.prompts, r.include_usage, r.prompt_token_ids) == ([[1, 2], [3]], True, [1, 2])
+    c = parse_chat({"model": M, "messages": [{"role": "user", "content": "a"}], "n": 2, "logprobs": True,
+                    "top_logprobs": 4, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, M)
+    assert (c.n, c.sampling.logprobs, c.sampling.response_format.kind) == (2, 4, "json_schema")
+    assert json.loads(c.sampling.response_format.schema) == {"type": "object"}
 
 
 @pytest.mark.parametrize(

@@ -25,15 +25,16 @@ BAD = [
     *[("top_p", v) for v in ("NaN", "1e308", "Infinity", "0", "-1", "1.5", "false", "1e-320")],
     *[("top_k", v) for v in (HUGE, "3000000000", "-2", "true", "NaN", '"5"', "0.5")],
     *[("seed", v) for v in (HUGE, "9223372036854775808", "-1", "true", "NaN", "1.5", '"7"', "{}")],
-    *[("n", v) for v in (HUGE, "true", "2", "NaN")],
+    *[("n", v) for v in (HUGE, "true", "17", "NaN")],
     *[("best_of", v) for v in ("2", "true", HUGE)],
-    *[("logprobs", v) for v in (HUGE, "true", "Infinity")],
-    *[("top_logprobs", v) for v in ("1e308", "3", "true")],
+    *[("logprobs", v) for v in (HUGE, "Infinity", "21")],
+    *[("top_logprobs", v) for v in ("1e308", "21", "true")],
     *[("presence_penalty", v) for v in ("1e308", "NaN", "2.5")],
     *[("frequency_penalty", v) for v in ("-Infinity", '"x"', "-3")],
     *[("stop_token_ids", v) for v in ("[1" + "0" * 21 + "]", "[3000000000]", "[-1]", "[NaN]", "[true]", "[300]", "[1.5]", "5")],
 ]
 CHAT_ONLY = [("max_completion_tokens", v) for v in ("1e308", "NaN", HUGE, "true")]
+COMPLETION_ONLY = [("logprobs", "true")]  # an integer there; chat's logprobs is the boolean
 PROMPT_IDS = ["[1, " + HUGE + "]", "[1, -1]", "[1, 300]", "[1, 1.5]", "[1, true]", "[1, null]", "[1, NaN]", "[2147483648]"]
 
 ENDPOINTS = {
@@ -71,6 +72,7 @@ def test_bad_numbers_get_400_naming_the_field(servers):
     prefill = servers["prefill"]
     cases = [(route, f, v) for route in ENDPOINTS for f, v in BAD]
     cases += [("/v1/chat/completions", f, v) for f, v in CHAT_ONLY]
+    cases += [("/v1/completions", f, v) for f, v in COMPLETION_ONLY]
     cases += [("/v1/completions", "prompt", v) for v in PROMPT_IDS]
     wrong = []
     for route, field, value in cases:

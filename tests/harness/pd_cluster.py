@@ -47,9 +47,9 @@ def get_json(url: str, timeout: float = 5.0) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-def post_json(url: str, body, timeout: float = 60.0, raw: bytes | None = None) -> tuple[int, dict]:
+def post_json(url: str, body, timeout: float = 60.0, raw: bytes | None = None, headers=None) -> tuple[int, dict]:
     data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -96,7 +96,7 @@ def held(health: dict) -> dict:
     for key, value in (health.get("cachestore") or {}).items():
         if isinstance(value, (int, float)) and any(k in key for k in HELD_KEYS):
             out[f"cachestore.{key}"] = value
-    for key in ("in_flight", "queued", "slo_running"):  # prefill: in flight, in its admission queue, admitted
+    for key in ("in_flight", "queued", "slo_running", "swapped_requests"):  # prefill: in flight, queued, admitted; decode: evicted
         if key in health:
             out[key] = health[key]
     return out

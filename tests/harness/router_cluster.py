@@ -19,13 +19,19 @@ def start_prefills(group, n: int = 2, extra=()) -> tuple[Server, list[Server]]:
 
 
 def start_router(group, prefills: list[Server], http_port: int | None = None, grpc_port: int = 0,
-                 name: str = "router") -> Server:
-    """``pdserve router`` over the prefills (load polled every 0.1 s); gRPC Generate when grpc_port is given."""
+                 name: str = "router", prefill_file=None, extra=()) -> Server:
+    """``pdserve router`` over the prefills (load polled every 0.1 s); gRPC Generate when grpc_port is given;
+    ``prefill_file``: file discovery (the prefills are written there) instead of a static list."""
     http_port = http_port or free_port()
-    args = ["router", "--port", str(http_port), "--model", "tiny", "--prefill", ",".join(p.grpc_address for p in prefills),
-            "--load-interval", "0.1"]
+    args = ["router", "--port", str(http_port), "--model", "tiny", "--load-interval", "0.1"]
+    if prefill_file is not None:
+        prefill_file.write_text("\n".join(p.grpc_address for p in prefills) + "\n")
+        args += ["--discovery", "file", "--prefill-file", str(prefill_file), "--discovery-interval", "0.1"]
+    else:
+        args += ["--prefill", ",".join(p.grpc_address for p in prefills)]
     if grpc_port:
         args += ["--grpc-port", str(grpc_port)]
+    args += list(extra)
     return Server(group.pdserve(*args, name=name), http_port, grpc_port, 0, name)
 
 

@@ -8,8 +8,9 @@ binary, started by the test on a free port) scrapes all three every second, addi
 load generator (`pdserve bench serving`'s send_requests) plus a few invalid requests. One
 decode has a tiny KV pool and prefill uses round robin with one attempt and local
 fallback, so refusals, retries and local fallbacks really happen and their panels have
-data. Then every panel's PromQL (template variables substituted) and every template
-variable query runs against Prometheus's HTTP API; each must return data.
+data; the prefill has KV tiers (host, disk), so the tier panels have series. Then every
+panel's PromQL (template variables substituted) and every template variable query runs
+against Prometheus's HTTP API; each must return data.
 """
 
 import asyncio
@@ -85,8 +86,11 @@ def loaded_cluster(tmp_path_factory):
         with Launcher(tmp_path / "logs") as launcher:
             small = start_decode(launcher, "decode-small", "tiny", threads=1, num_blocks=6)
             big = start_decode(launcher, "decode-big", "tiny", threads=1, num_blocks=128)
+            # KV tiers on the prefill, so that the tier panels have series (zero or not)
             prefill = start_prefill(launcher, "prefill", "tiny", [small, big], threads=1, local_fallback=True,
-                                    extra=["--policy", "rr", "--max-attempts", "1"])
+                                    extra=["--policy", "rr", "--max-attempts", "1", "--kv-host-tier-bytes", "1MiB",
+                                           "--kv-disk-tier-dir", str(tmp_path / "kv-disk"),
+                                           "--kv-disk-tier-bytes", "4MiB"])
             # a second front door without local fallback, so that requests queue (the SLO panels)
             slo_prefill = start_prefill(launcher, "prefill-slo", "tiny", [small], threads=1, extra=[
                 "--max-attempts", "1", "--queue-policy", "qlm", "--slo-classes", json.dumps(SLO_CLASSES)])

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 PARTS = {
     "engine": "engine", "cachestore": "cachestore", "protos": "protos", "prefill_server": "prefill_server",
     "decode_server": "decode_server", "operator": "operator", "pdserve": "runtime", "bench": "bench",
-    "localcluster": "localcluster", "router": "router", "planner": "planner",
+    "localcluster": "localcluster", "router": "router", "planner": "planner", "kvpool": "kvpool",
 }
 SERVERS_MAY_USE = {"engine", "cachestore", "protos", "runtime"}
 
@@ -37,7 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     # The operator manages pods; it does not run models or serve metrics. It runs the planner.
     "operator": {"protos", "runtime", "planner"},
     "localcluster": {"runtime", "cachestore", "planner"},  # cachestore: only its TRANSPORTS list
-    "bench": {"engine", "cachestore", "protos", "runtime", "planner"},
+    "bench": {"engine", "cachestore", "protos", "runtime", "planner", "kvpool"},
     # The router hashes prompts with the engine's tokenizer and chained block hashes; it never
     # loads a model (ONLY_MODULES) and reaches the servers only over the network.
     "router": {"protos", "runtime", "engine"},
@@ -45,6 +45,10 @@ ALLOWED: dict[str, set[str]] = {
     # reads are checked against pdserve.metrics by its tests (importing that would load
     # prometheus_client into the operator).
     "planner": {"runtime"},
+    # The KV pool (DistKV-LLM): each decode's rManager lends blocks of its engine's pool and
+    # computes micro-attention over them (the engine's model and KVCache); the gManager and the
+    # wire are gRPC (protos); defaults and free ports from the runtime.
+    "kvpool": {"engine", "protos", "runtime"},
 }
 # (part, part it imports) -> the only modules of that part it may import.
 ONLY_MODULES = {("router", "engine"): {"tokenizer", "block_manager", "defaults"}, ("planner", "runtime"): {"defaults"}}
@@ -56,6 +60,7 @@ FORBIDDEN_LIBRARIES = {
     "cachestore": {"aiohttp", "prometheus_client", "kopf", "kubernetes"},
     "router": {"torch"},
     "planner": {"prometheus_client", "torch", "grpc", "aiohttp", "kopf", "kubernetes"},
+    "kvpool": {"aiohttp", "kopf", "kubernetes"},
 }
 
 

@@ -51,18 +51,20 @@ OUT_OF_RANGE = {
     "top_p": [0, 0.0, -0.5, 1.0000001, 2, 1e-300, 5e-324],
     "top_k": [-2, INT32_MAX + 1, 3_000_000_000, 0.5],
     "seed": [-1, INT64_MAX + 1, 2**63, 1.5],
-    "n": [0, 2, -1, False],
-    "best_of": [0, 2, False],
-    "logprobs": [1, 5, -1],
-    "top_logprobs": [1, 20, False],
+    "n": [0, 17, -1, False],
+    "best_of": [0, 2, False],  # best_of must equal n (1 here)
+    "logprobs": [21, -1, 1.5],
+    "top_logprobs": [21, -1, False],
     "presence_penalty": [-2.01, 2.01, 1e30],
     "frequency_penalty": [-2.01, 2.01, -1e30],
 }
 CHAT_ONLY = {"max_completion_tokens"}
+NOT_A_NUMBER_IN_CHAT = {"logprobs"}  # a boolean there (top_logprobs is the number): test_chat_logprobs_is_a_boolean
 assert set(OUT_OF_RANGE) == set(NUMBERS), "every field of the table has its out-of-range cases here"
 
 CASES = [(endpoint, name, value) for endpoint in ("completion", "chat") for name in NUMBERS
-         for value in EVERYWHERE + OUT_OF_RANGE[name] if endpoint == "chat" or name not in CHAT_ONLY]
+         for value in EVERYWHERE + OUT_OF_RANGE[name]
+         if (endpoint == "chat" or name not in CHAT_ONLY) and not (endpoint == "chat" and name in NOT_A_NUMBER_IN_CHAT)]
 CASE_IDS = [f"{e}-{n}={_id(v)}" for e, n, v in CASES]
 
 
@@ -105,8 +107,8 @@ def test_table_ranges():
     assert r["top_p"] == (float, MIN_TOP_P, 1.0, 1.0)
     assert r["top_k"] == (int, -1, INT32_MAX, 0)
     assert r["seed"] == (int, 0, 2**63 - 1, None)
-    assert r["n"] == (int, 1, 1, 1) and r["best_of"] == (int, 1, 1, 1)
-    assert r["logprobs"] == (int, 0, 0, None) and r["top_logprobs"] == (int, 0, 0, None)
+    assert r["n"] == (int, 1, 16, 1) and r["best_of"] == (int, 1, 16, None)
+    assert r["logprobs"] == (int, 0, 20, None) and r["top_logprobs"] == (int, 0, 20, None)
     assert r["presence_penalty"] == (float, -2.0, 2.0, 0.0) == r["frequency_penalty"]
 
 
@@ -120,9 +122,12 @@ def test_null_and_absent_mean_the_default(endpoint):
 @pytest.mark.parametrize("endpoint", ["completion", "chat"])
 def test_edges_of_every_range_are_accepted(endpoint):
     lows = {"max_tokens": 1, "temperature": 0, "top_p": MIN_TOP_P, "top_k": -1, "seed": 0, "n": 1, "best_of": 1,
-            "logprobs": 0, "top_logprobs": 0, "presence_penalty": -2, "frequency_penalty": -2.0}
-    highs = {"max_tokens": CONTEXT, "temperature": 2, "top_p": 1, "top_k": INT32_MAX, "seed": INT64_MAX, "n": 1.0,
-             "best_of": 1, "logprobs": False, "top_logprobs": 0, "presence_penalty": 2, "frequency_penalty": 2.0}
+            "logprobs": 0, "presence_penalty": -2, "frequency_penalty": -2.0}
+    highs = {"max_tokens": CONTEXT, "temperature": 2, "top_p": 1, "top_k": INT32_MAX, "seed": INT64_MAX, "n": 4.0,
+             "best_of": 4, "logprobs": 20, "presence_penalty": 2, "frequency_penalty": 2.0}
+    if endpoint == "chat":  # logprobs is a boolean there, top_logprobs the number
+        lows.update(logprobs=True, top_logprobs=0)
+        highs.update(logprobs=True, top_logprobs=20)
     s = _parse(endpoint, lows).sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (1, 0.0, MIN_TOP_P, 0, 0)
     s = _parse(endpoint, highs).sampling
@@ -240,3 +245,15 @@ def test_accepted_extremes_pass_engine_wire_and_sampler(extra):
     assert 0 not in tokens
     if sp.temperature <= MIN_TEMPERATURE or sp.top_p <= MIN_TOP_P or sp.top_k == 1 or sp.greedy:
         assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_chat_logprobs_is_a_boolean():
+    for value in (1, 0, "true", 1.5):
+        with pytest.raises(BadRequest) as info:
+            _parse("chat", {"logprobs": value})
+        assert info.value.param == "logprobs" and "boolean" in info.value.message
+    with pytest.raises(BadRequest) as info:
+        _parse("chat", {"top_logprobs": 3})
+    assert info.value.param == "top_logprobs" and "logprobs: true" in info.value.message
+    assert _parse("chat", {"logprobs": True, "top_logprobs": 3}).sampling.logprobs == 3
+    assert _parse("chat", {"logprobs": False}).sampling.logprobs is None

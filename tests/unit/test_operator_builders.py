@@ -166,6 +166,28 @@ def test_server_clis_accept_the_command_lines_the_operator_writes(role):
     assert parsed is not None
 
 
+def test_prefill_batch_storage_mounts_the_claim_and_points_batch_db_at_it():
+    from pdserve.prefill_server import cli
+
+    isvc = example()
+    plain = workloads.build_deployment(pools.build_prefill_pool(isvc, CONFIG))["spec"]["template"]["spec"]
+    assert "--batch-db" not in plain["containers"][0]["args"]  # the default: under HOME=/tmp, the emptyDir
+    assert not any(v["name"] == "batch" for v in plain["volumes"])
+    isvc["spec"].setdefault("prefill", {})["batchStorage"] = {"pvcName": "jobs"}
+    pool = pools.build_prefill_pool(isvc, CONFIG)
+    assert pool["spec"]["batchStorage"] == {"pvcName": "jobs"}
+    pod = workloads.build_deployment(pool)["spec"]["template"]["spec"]
+    assert {"name": "batch", "persistentVolumeClaim": {"claimName": "jobs"}} in pod["volumes"]
+    container = pod["containers"][0]
+    assert {"name": "batch", "mountPath": defaults.BATCH_DATA_MOUNT} in container["volumeMounts"]
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    db = parser.parse_args(container["args"][1:]).batch_db
+    assert db == workloads.BATCH_DB_IN_POD and db.startswith(defaults.BATCH_DATA_MOUNT + "/")
+    decode = workloads.build_deployment(pools.build_decode_pools(isvc, CONFIG)[0])["spec"]["template"]["spec"]
+    assert not any(v["name"] == "batch" for v in decode["volumes"])
+
+
 def test_pods_are_secure_by_default_and_probe_health_and_ready():
     for pool in [pools.build_prefill_pool(example(), CONFIG), *pools.build_decode_pools(example(), CONFIG)]:
         pod = workloads.build_deployment(pool)["spec"]["template"]["spec"]

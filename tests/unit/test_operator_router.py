@@ -170,3 +170,21 @@ def test_without_a_router_the_prefill_is_the_endpoint_and_router_fields_are_remo
     assert st["router"] is None and st["routerReady"] is None
     before = copy.deepcopy(st)
     assert status.isvc_status(isvc, prefill, decodes, deployment(1, 1)) == before  # a leftover Deployment is ignored
+
+
+def test_named_slo_classes_turn_the_routers_queue_on_with_the_prefills_classes():
+    plain = opts(router_workloads.router_args(example(), CONFIG))
+    assert "--slo-classes" not in plain  # the default two targets alone: no queue in the router
+    isvc = example()
+    isvc["spec"]["slo"] = {"defaultClass": "interactive", "classes": [{"name": "interactive", "ttftMs": 500},
+                                                                     {"name": "batch", "e2eMs": 3600000}]}
+    args = router_workloads.router_args(isvc, CONFIG)
+    prefill_env = {e["name"]: e.get("value") for e in workloads.pod_env(pools.build_prefill_pool(isvc, CONFIG)["spec"],
+                                                                      "prefill", "prefill")}
+    assert opts(args)["--slo-classes"] == prefill_env[defaults.ENV_SLO_CLASSES]
+    from pdserve.router.cli import add_arguments
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    parsed = parser.parse_args(args[1:])
+    from pdserve.slo import classes
+    assert classes.load(parsed.slo_classes).names() == classes.load(prefill_env[defaults.ENV_SLO_CLASSES]).names()

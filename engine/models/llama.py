@@ -1,0 +1,125 @@
+"""Llama, Mistral, Qwen2: the base decoder layer (pre-norm attention + gated MLP) the others extend.
+
+A layer is used by ``DecoderModel`` through ``qkv(x, cos, sin) -> q, k, v`` (after the input
+norm, projections, any q/k norm, rotary) and ``finish(x, attn) -> x`` (output projection,
+residuals, MLP); the model runs attention over the paged cache in between. ``window`` (sliding
+window or None) and ``rope_local`` (Gemma 3's local rotary table) tell it how.
+
+``checkpoint_tensors(cfg, i)`` is the one place that names a layer's checkpoint tensors: our
+parameter -> the Hugging Face tensors (suffixes after ``model.layers.{i}.``) with their shapes,
+concatenated along dim 0 when there are several (the experts of a MoE layer).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+
+Tensors = dict[str, list[tuple[str, tuple[int, ...]]]]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        if dtype == torch.float32:  # one fused kernel, same result as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, 1, D] (the half-split convention of Llama checkpoints)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def activation(name: str):
+    if name == "silu":
+        return F.silu
+    return lambda x: F.gelu(x, approximate="tanh")  # gelu_pytorch_tanh (config.py refuses others)
+
+
+class DecoderLayer(nn.Module):
+    norm_class = RMSNorm
+    scales_embeddings = False  # Gemma multiplies the embeddings by sqrt(hidden_size)
+
+    def __init__(self, cfg: ModelConfig, index: int):
+        super().__init__()
+        self.cfg = cfg
+        h, d = cfg.num_heads, cfg.head_dim
+        kvh = cfg.num_kv_heads
+        self.q_size, self.kv_size = h * d, kvh * d
+        self.window = cfg.layer_window(index)
+        self.rope_local = cfg.rope_local_theta is not None and self.window is not None
+        self.act = activation(cfg.hidden_act)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.build_mlp(cfg, index)
+
+    def build_mlp(self, cfg: ModelConfig, index: int) -> None:
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-head q/k norms before rotary (Qwen3, Gemma 3); none here."""
+        return q, k
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        cfg = self.cfg
+        h = self.input_layernorm(x)
+        # F.linear on the parameters: the same math as calling the modules, less Python per call
+        q = F.linear(h, self.q_proj.weight, self.q_proj.bias)
+        k = F.linear(h, self.k_proj.weight, self.k_proj.bias)
+        v = F.linear(h, self.v_proj.weight, self.v_proj.bias)
+        q, k = self.norm_qk(q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim))
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate = self.act(F.linear(h, self.gate_proj.weight))
+        return F.linear(gate.mul_(F.linear(h, self.up_proj.weight)), self.down_proj.weight)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        x = x + F.linear(attn, self.o_proj.weight)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    @classmethod
+    def checkpoint_tensors(cls, cfg: ModelConfig, index: int) -> Tensors:
+        h = cfg.hidden_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        out: Tensors = {
+            "input_layernorm.weight": [("input_layernorm.weight", (h,))],
+            "post_attention_layernorm.weight": [("post_attention_layernorm.weight", (h,))],
+            "q_proj.weight": [("self_attn.q_proj.weight", (q, h))],
+            "k_proj.weight": [("self_attn.k_proj.weight", (kv, h))],
+            "v_proj.weight": [("self_attn.v_proj.weight", (kv, h))],
+        }
+        if cfg.attention_bias:
+            for x, n in (("q", q), ("k", kv), ("v", kv)):
+                out[f"{x}_proj.bias"] = [(f"self_attn.{x}_proj.bias", (n,))]
+        out["o_proj.weight"] = [("self_attn.o_proj.weight", (h, q))]
+        out.update(cls.mlp_tensors(cfg, index))
+        return out
+
+    @classmethod
+    def mlp_tensors(cls, cfg: ModelConfig, index: int) -> Tensors:
+        h, inter = cfg.hidden_size, cfg.intermediate_size
+        return {
+            "gate_proj.weight": [("mlp.gate_proj.weight", (inter, h))],
+            "up_proj.weight": [("mlp.up_proj.weight", (inter, h))],
+            "down_proj.weight": [("mlp.down_proj.weight", (h, inter))],
+        }

@@ -1,0 +1,24 @@
+"""Pipeline parallelism for throughput: the decoder's layers over N stage processes, and the
+schedules that keep them busy (TD-Pipe, seed 001; issue 15).
+
+Reading path:
+  ``engine.py``     PipelineEngine: the controller (requests, the one BlockManager, outputs);
+                    spawns the stages, keeps up to N micro-batches in flight
+  ``schedules.py``  what the next micro-batch is: ``mixed`` (hybrid batching) or ``td-pipe``
+  ``switch.py``     TD-Pipe's decisions as pure logic: memory simulation (prefill -> decode),
+                    intensity comparison (decode -> prefill), work stealing
+  ``stage.py``      one stage process: its layers, its layers' paged KV, the loop
+  ``protocol.py``   the messages (header + one packed payload per hop) over torch.distributed
+  ``meta.py``       a model's config and tokenizer without its weights (for the controller)
+  ``cli.py``        ``pdserve batch``: an OpenAI batch JSONL file through the pipeline
+
+::
+
+    from pdserve.engine.pipeline.engine import PipelineConfig, PipelineEngine
+    with PipelineEngine("tiny", PipelineConfig(num_stages=2, schedule="td-pipe")) as eng:
+        eng.add_request("r1", prompt_ids, SamplingParams(max_tokens=64, temperature=0))
+        outputs = eng.run()      # {request id: RequestOutput}; the same greedy tokens as LLMEngine
+
+Stages use gloo on CPU (one torch thread each by default) and NCCL on CUDA (stage s on
+cuda:s; written, not tested on this CPU-only project machine).
+"""

@@ -1,0 +1,315 @@
+"""PipelineEngine: the controller of N stage processes (TD-Pipe's "centralised engine").
+
+::
+
+    eng = PipelineEngine("tiny", PipelineConfig(num_stages=2, schedule="td-pipe"))
+    eng.add_request("r1", prompt_ids, SamplingParams(max_tokens=64, temperature=0))
+    outputs = eng.run()          # {request id: RequestOutput (all its tokens and text)}
+    eng.close()                  # stops the stages, collects their timelines (eng.stage_traces)
+
+The controller owns the requests, the one BlockManager whose block ids every stage uses, and
+the output processing (stops, text) of the one-process engine. It keeps up to ``num_stages``
+micro-batches in flight; the schedule (``schedules.py``: ``mixed`` or ``td-pipe``) says what
+the next micro-batch is whenever a slot is free, and hears every micro-batch that returns.
+The stages (``stage.py``) are separate processes started here (spawn), so the controller
+never computes: its process mostly waits on the last stage's results.
+
+Blocks grow on demand as sequences decode; when they run out, an idle sequence (newest first)
+is preempted: its blocks are freed and it is recomputed later (``num_preemptions``).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..block_manager import BlockManager, blocks_needed
+from ..defaults import BLOCK_SIZE
+from ..errors import OutOfBlocksError
+from ..outputs import OutputProcessor, take_output
+from ..sequence import RequestOutput, Sequence, SequenceFactory, Status
+from . import protocol as P
+from .meta import load_meta
+from .stage import StageSpec, backend_for, layer_split, stage_main
+
+SCHEDULES = ("td-pipe", "mixed")
+
+
+@dataclass
+class PipelineConfig:
+    num_stages: int = 2
+    schedule: str = "td-pipe"
+    num_blocks: int = 1024
+    block_size: int = BLOCK_SIZE
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # prompt tokens per prefill micro-batch
+    max_model_len: int | None = None
+    threads_per_stage: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"
+    seed: int = 0
+    enable_prefix_cache: bool = False
+    work_stealing: bool = True
+    detokenize: bool = True  # fill RequestOutput.text (stop strings work either way)
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for name in ("num_stages", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
+                     "threads_per_stage"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass
+class MicroBatch:
+    mb_id: int
+    seqs: list[Sequence]
+    kind: int
+    sent: float
+    rows: int  # new tokens (prompt tokens of prefills + one per decode)
+    times: list[float] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PipelineEngine:
+    def __init__(self, model: str, config: PipelineConfig | None = None):
+        from .schedules import make_schedule
+
+        self.config = config = config or PipelineConfig()
+        meta = load_meta(model)
+        cfg = meta.config
+        self.model_config, self.tokenizer = cfg, meta.tokenizer
+        self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
+        self.outputs = OutputProcessor(set(meta.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)
+        self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, meta.tokenizer.detokenizer, config.detokenize,
+                                       lambda rid: rid in self.seqs)
+        self.seqs: dict[str, Sequence] = {}
+        self.waiting: deque[Sequence] = deque()
+        self.ready: list[Sequence] = []  # decode-ready, not in flight
+        self.in_flight: deque[MicroBatch] = deque()
+        self.results: dict[str, RequestOutput] = {}
+        self.num_preemptions = 0
+        self.stage_traces: list[list[tuple[float, float, int, int]]] = []
+        self.stage_cpu_s: list[float] = []  # CPU seconds each stage used (from close())
+        self.batches: list[tuple[float, float, int, int, list[float]]] = []  # sent, returned, kind, seqs, times
+        self.schedule = make_schedule(config.schedule, self)
+        self._next_id = 0
+        self._device = torch.device(config.device)
+        splits = layer_split(cfg.num_layers, config.num_stages)
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.procs = []
+        for s, rng in enumerate(splits):
+            spec = StageSpec(model, config.seed, config.dtype, self._stage_device(s), s, config.num_stages, rng,
+                             config.num_blocks, config.block_size, config.threads_per_stage, init, config.timeout_s)
+            p = ctx.Process(target=stage_main, args=(spec,), daemon=True, name=f"pdserve-stage-{s}")
+            p.start()
+            self.procs.append(p)
+        try:
+            dist.init_process_group(backend_for(config.device), init_method=init, rank=0,
+                                    world_size=config.num_stages + 1, timeout=timedelta(seconds=config.timeout_s))
+        except Exception:
+            self._kill()
+            raise
+        self.link = P.Link(self._device)
+        self._closed = False
+
+    def _stage_device(self, stage: int) -> str:
+        dev = torch.device(self.config.device)
+        return f"cuda:{stage % max(torch.cuda.device_count(), 1)}" if dev.type == "cuda" else str(dev)
+
+    # ---- requests --------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling) -> None:
+        seq = self.factory.make(request_id, prompt_token_ids, sampling)
+        need = blocks_needed(min(len(seq.prompt_ids) + sampling.max_tokens, self.max_model_len), self.config.block_size)
+        if need > self.config.num_blocks:
+            raise OutOfBlocksError(f"request {request_id!r} needs {need} KV blocks but the pool has only "
+                                   f"{self.config.num_blocks}")
+        self.seqs[request_id] = seq
+        self.waiting.append(seq)
+
+    def num_running(self) -> int:
+        return len(self.seqs) - len(self.waiting)
+
+    def running_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs.values() if s.status is Status.RUNNING]
+
+    def set_schedule(self, name: str) -> None:
+        """Switch schedules between runs (the stages, their weights and KV pool stay)."""
+        from .schedules import make_schedule
+
+        if self.seqs or self.in_flight:
+            raise RuntimeError("set_schedule needs an idle engine (every request finished)")
+        if name not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
+        self.config.schedule = name
+        self.schedule = make_schedule(name, self)
+
+    # ---- blocks ----------------------------------------------------------------------------
+    def admit(self, seq: Sequence) -> bool:
+        """Blocks for a waiting sequence's tokens (False, nothing changed, if not free now)."""
+        try:
+            table, cached = self.block_manager.allocate(seq.all_ids, seq.num_tokens)
+        except OutOfBlocksError:
+            return False
+        seq.block_table, seq.num_computed, seq.status = table, cached, Status.RUNNING
+        if not seq.output_ids:
+            seq.num_cached_tokens = cached
+        return True
+
+    def grow(self, batch: list[Sequence]) -> list[Sequence]:
+        """A slot for each decode sequence's next token, preempting idle sequences (newest
+        first, then the batch's own newest) when blocks run out. Returns those that got one."""
+        out = []
+        for seq in list(batch):
+            if seq.status is not Status.RUNNING:
+                continue  # preempted for an earlier one
+            while True:
+                try:
+                    self.block_manager.append_slots(seq.block_table, seq.num_tokens)
+                    out.append(seq)
+                    break
+                except OutOfBlocksError:
+                    idle = [s for s in self.ready if s not in batch] or [s for s in batch if s is not seq and
+                                                                         s.status is Status.RUNNING]
+                    if not idle:
+                        if not self.in_flight:
+                            raise
+                        self.ready.append(seq)  # wait for in-flight work to free blocks
+                        break
+                    victim = max(idle, key=lambda s: s.arrival)
+                    self.preempt(victim)
+                    if victim in out:
+                        out.remove(victim)
+        return out
+
+    def preempt(self, seq: Sequence) -> None:
+        self.num_preemptions += 1
+        if seq in self.ready:
+            self.ready.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    # ---- the loop --------------------------------------------------------------------------
+    def run(self) -> dict[str, RequestOutput]:
+        """Run every added request to the end; their outputs by request id."""
+        while self.waiting or self.ready or self.in_flight or self.schedule.holds():
+            while len(self.in_flight) < self.config.num_stages:
+                seqs = self.schedule.next_batch()
+                if not seqs:
+                    break
+                self._send(seqs)
+            if not self.in_flight:
+                raise RuntimeError(f"the {self.config.schedule} schedule stalled with {len(self.waiting)} waiting "
+                                   f"and {len(self.ready)} ready requests and nothing in flight")
+            self._receive()
+        done, self.results = self.results, {}
+        return done
+
+    def _send(self, seqs: list[Sequence]) -> None:
+        pre = [s for s in seqs if not (s.num_tokens - s.num_computed == 1 and s.num_computed > 0)]
+        dec = [s for s in seqs if s.num_tokens - s.num_computed == 1 and s.num_computed > 0]
+        kind = P.KIND_MIXED if pre and dec else (P.KIND_PREFILL if pre else P.KIND_DECODE)
+        ordered = pre + dec
+        meta = P.encode_rows([(s.num_computed, s.all_ids[s.num_computed:], len(s.output_ids), s.block_table)
+                              for s in ordered])
+        sampling = P.pack_sampling([s.sampling for s in ordered])
+        nbytes = 0 if sampling is None else sampling.numel()
+        rows = sum(s.num_tokens - s.num_computed for s in ordered)
+        mb = MicroBatch(self._next_id, ordered, kind, time.perf_counter(), rows)
+        self._next_id += 1
+        body = P.pack([torch.tensor(meta, dtype=torch.int64)] + ([sampling] if sampling is not None else []))
+        header = [P.CMD_RUN, mb.mb_id, kind, len(ordered), len(meta), rows, nbytes, body.numel()]
+        self.link.send(1, [torch.tensor(header + [0] * self.config.num_stages), body])
+        self.in_flight.append(mb)
+
+    def _receive(self) -> None:
+        n = self.config.num_stages
+        header = self.link.recv_header(n, n)
+        mb = self.in_flight.popleft()
+        if header[1] != mb.mb_id:
+            raise RuntimeError(f"micro-batch {header[1]} came back, expected {mb.mb_id}")
+        tokens = self.link.recv(n, (header[3],), torch.int64).tolist()
+        mb.times = [t / 1e9 for t in header[P.HEADER_LEN :]]
+        self.batches.append((mb.sent, time.perf_counter(), mb.kind, len(mb.seqs), mb.times))
+        finished = []
+        for seq, token in zip(mb.seqs, tokens):
+            seq.num_computed = seq.num_tokens
+            if self.config.enable_prefix_cache:
+                self.block_manager.register_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed, seq.all_ids)
+            self.outputs.append_token(seq, token)
+            self._collect(seq)
+            if seq.status is Status.FINISHED:
+                finished.append(seq)
+                del self.seqs[seq.request_id]
+                self.block_manager.free(seq.block_table)
+                seq.block_table = []
+        alive = [s for s in mb.seqs if s.status is Status.RUNNING]
+        self.schedule.returned(mb, alive, len(finished))
+
+    def _collect(self, seq: Sequence) -> None:
+        out = take_output(seq)
+        acc = self.results.get(seq.request_id)
+        if acc is None:
+            self.results[seq.request_id] = out
+        else:
+            acc.new_token_ids = acc.new_token_ids + out.new_token_ids
+            acc.text += out.text
+            acc.finished, acc.finish_reason = out.finished, out.finish_reason
+
+    # ---- shutdown --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the stages (collecting their timelines) and leave the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.link.send(1, [torch.tensor([P.CMD_STOP] + [0] * (P.HEADER_LEN - 1 + self.config.num_stages))])
+            self.link.flush()
+            for s in range(self.config.num_stages):
+                box = [None]
+                dist.recv_object_list(box, src=s + 1)
+                trace, cpu_s = box[0]
+                self.stage_traces.append(trace)
+                self.stage_cpu_s.append(cpu_s)
+        finally:
+            dist.destroy_process_group()
+            for p in self.procs:
+                p.join(timeout=30)
+            self._kill()
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+    def __enter__(self) -> "PipelineEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is not None:
+            self._closed = True
+            try:
+                dist.destroy_process_group()
+            finally:
+                self._kill()
+        else:
+            self.close()

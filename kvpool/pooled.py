@@ -1,0 +1,173 @@
+"""PooledRequest: one request whose KV spills from this decode's pool onto lenders (DistAttention).
+
+Lifecycle:
+1. Plan: this decode keeps as many of the request's tokens as its free blocks hold (always
+   every generated token, so decode steps only append locally); the rest of the prompt (the
+   overflow) is borrowed: the ``Borrower`` gets loans from lenders the gManager suggests.
+2. Prefill, here: layer by layer over the whole prompt (the engine's prefill math), writing
+   the local tokens' KV into the local blocks and sending each overflow span's KV to its
+   lender (PutKV; one layer's sends overlap the next layer's compute). The decode moves the
+   overflow to the lenders itself; the prefill server's CacheStore is not used for it.
+3. Decode steps: per layer, the new token's K/V go into a local slot, the query goes to every
+   lender (Attend, in parallel), the local micro-attention runs meanwhile, and the partial
+   results are merged (``attention.merge``). Greedy sampling.
+4. End (finished, failed, or a lender lost): every loan is released and the local blocks are
+   freed; a lender that does not answer fails the request with ``LenderLost`` naming it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine.block_manager import blocks_needed
+from pdserve.engine.errors import OutOfBlocksError
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.protos import kvpool_pb2
+
+from .attention import from_bytes, merge, micro_attention
+from .rmanager import Borrower, LenderLost, RemoteLoan
+
+POOLED_PREFIX = "pooled:"
+
+
+@dataclass
+class PooledResult:
+    token_ids: list[int]
+    logits: list[torch.Tensor]  # [vocab] float32 per generated token
+    local_blocks: int
+    loans: list[RemoteLoan]
+    prefill_s: float
+    decode_s: float
+    extra: dict = field(default_factory=dict)
+
+
+def _as_bytes(t: torch.Tensor) -> bytes:
+    return t.float().contiguous().numpy().tobytes()
+
+
+class PooledRequest:
+    def __init__(self, engine: LLMEngine, lock: threading.Lock, borrower: Borrower | None, rpc_timeout_s: float):
+        self.engine, self.lock, self.borrower, self.timeout = engine, lock, borrower, rpc_timeout_s
+        self.model, self.kv = engine.model, engine.kv_cache
+        self.cfg = engine.model_config
+
+    def run(self, request_id: str, prompt: list[int], max_tokens: int, ignore_eos: bool = False,
+            max_local_blocks: int = 0) -> PooledResult:
+        """Generate greedily; ``max_local_blocks`` > 0 caps the blocks kept here (to measure spilling)."""
+        n_prompt, bs = len(prompt), self.engine.block_size
+        if n_prompt < 1 or max_tokens < 1:
+            raise ValueError(f"need a prompt and max_tokens >= 1, got {n_prompt} tokens, max_tokens {max_tokens}")
+        if n_prompt + max_tokens > self.engine.max_model_len:
+            raise ValueError(f"request {request_id!r}: {n_prompt} prompt tokens + max_tokens {max_tokens} exceed the "
+                             f"maximum context length {self.engine.max_model_len}")
+        local_id = POOLED_PREFIX + request_id
+        with self.lock:
+            free = self.engine.num_free_blocks()
+            if max_local_blocks > 0:
+                free = min(free, max_local_blocks)
+            keep = min(n_prompt, free * bs - max_tokens)
+            if keep < 0:
+                raise OutOfBlocksError(f"request {request_id!r}: its {max_tokens} generated tokens need "
+                                       f"{blocks_needed(max_tokens, bs)} local blocks, {free} are free")
+            table = self.engine.reserve(local_id, max(keep + max_tokens - 1, 1), 1)  # keep + max_tokens slots
+        loans: list[RemoteLoan] = []
+        try:
+            overflow = n_prompt - keep
+            if overflow:
+                if self.borrower is None:
+                    raise OutOfBlocksError(f"request {request_id!r} needs {blocks_needed(overflow, bs)} more blocks "
+                                           "and this decode has no KV pool")
+                loans = self.borrower.borrow(request_id, blocks_needed(overflow, bs))
+                start = keep
+                for loan in loans:
+                    loan.start, loan.tokens = start, min(loan.blocks * bs, n_prompt - start)
+                    start += loan.tokens
+            rows = self.kv.table_rows(torch.tensor(table)).reshape(-1)
+            active = [loan for loan in loans if loan.tokens]  # all of them: the need was exact
+            return self._generate(request_id, prompt, max_tokens, ignore_eos, keep, rows, active, len(table))
+        except grpc.RpcError as e:
+            raise LenderLost(self._lost(request_id, loans, e)) from None
+        finally:
+            if self.borrower is not None and loans:
+                self.borrower.release(request_id, loans)
+            with self.lock:
+                self.engine.abort(local_id)
+
+    def _lost(self, request_id: str, loans: list[RemoteLoan], error: grpc.RpcError) -> str:
+        detail = error.details() if hasattr(error, "details") else str(error)
+        who = getattr(error, "lender", None) or "of " + (", ".join(f"{l.lender} ({l.address})" for l in loans) or "none")
+        return f"request {request_id!r} failed: KV lender {who} did not answer ({detail}); its KV there is lost"
+
+    def _call(self, loan: RemoteLoan, method: str, message):
+        future = getattr(loan.stub, method).future(message, timeout=self.timeout)
+        future.loan = loan
+        return future
+
+    def _wait(self, future):
+        try:
+            return future.result()
+        except grpc.RpcError as e:
+            e.lender = f"{future.loan.lender} ({future.loan.address}, holding {future.loan.blocks} of its blocks)"
+            raise
+
+    @torch.inference_mode()
+    def _generate(self, request_id, prompt, max_tokens, ignore_eos, keep, rows, loans, local_blocks) -> PooledResult:
+        model, cfg, kv = self.model, self.cfg, self.kv
+        wire_id = self.borrower.loan_id(request_id) if loans else request_id
+        heads, dim = cfg.num_heads, cfg.head_dim
+        t0 = time.perf_counter()
+        ids = torch.tensor(prompt, device=self.engine.device)
+        x = model.embed_tokens(ids)
+        cos, sin = model._rope(torch.arange(len(prompt)), x.dtype)
+        pending = []
+        for i, layer in enumerate(model.layers):
+            q, k, v = layer.qkv(x, cos, sin)
+            if keep:
+                kv.write(i, rows[:keep], k[:keep], v[:keep])
+            for fut in pending:
+                self._wait(fut)
+            pending = [self._call(loan, "PutKV", kvpool_pb2.PutKVRequest(
+                request_id=wire_id, layer=i, start=0, num_tokens=loan.tokens,
+                k=_as_bytes(k[loan.start : loan.start + loan.tokens]), v=_as_bytes(v[loan.start : loan.start + loan.tokens])))
+                for loan in loans]
+            o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                               v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)
+            x = layer.finish(x, o.squeeze(0).transpose(0, 1).reshape(x.shape[0], -1))
+        for fut in pending:
+            self._wait(fut)
+        logits = [model.lm_head(model.norm(x[-1:])).float()[0]]
+        tokens = [int(logits[-1].argmax())]
+        prefill_s = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        eos = set() if ignore_eos else self.engine.eos_ids
+        n_local = keep
+        while len(tokens) < max_tokens and tokens[-1] not in eos:
+            pos = len(prompt) + len(tokens) - 1
+            x = model.embed_tokens(torch.tensor([tokens[-1]]))
+            cos, sin = model._rope(torch.tensor([pos]), x.dtype)
+            for i, layer in enumerate(model.layers):
+                q, k, v = layer.qkv(x, cos, sin)
+                kv.write(i, rows[n_local : n_local + 1], k, v)
+                qb = _as_bytes(q[0])
+                futures = [self._call(loan, "Attend", kvpool_pb2.AttendRequest(
+                    request_id=wire_id, layer=i, q=qb, num_heads=heads)) for loan in loans]
+                kc, vc = kv.gather(i, rows[: n_local + 1])
+                parts = [micro_attention(q[0], kc, vc)]
+                for fut in futures:
+                    r = self._wait(fut)
+                    parts.append(from_bytes(r.max, r.sum_exp, r.weighted, heads))
+                out = merge(parts).to(x.dtype).reshape(1, heads * dim)
+                x = layer.finish(x, out)
+            n_local += 1
+            logits.append(model.lm_head(model.norm(x)).float()[0])
+            tokens.append(int(logits[-1].argmax()))
+        if tokens[-1] in eos:
+            tokens.pop()
+            logits.pop()
+        return PooledResult(tokens, logits, local_blocks, loans, prefill_s, time.perf_counter() - t1)

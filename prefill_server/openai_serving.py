@@ -1,0 +1,166 @@
+"""An OpenAI request's choices as a whole response or as Server-Sent Events (``http_api.py``
+routes here once the first ``(index, Piece)`` of ``choices.merged`` arrived).
+
+``ChoiceState`` follows one choice: its text (after the echoed prompt, with ``echo``), the
+tokens it produced, its finish reason and its logprobs (``openai_logprobs.py``).
+
+Streaming, per choice as for a single one (see http_api.py): one event per generated token
+(its text possibly ""), the echoed prompt in that choice's first event, the first chat event
+with ``role``; then one event with its ``finish_reason``; events of different choices
+interleave as their tokens come. After every choice finished: the usage event (with
+``stream_options.include_usage``) and ``[DONE]``.
+
+Tools (chat with ``tools`` and a ``tool_choice`` other than "none", ``openai_tools.py``): a
+choice's text is parsed for tool calls once it is whole, so its stream holds the tokens back
+and sends, at its end, one event with the ``role`` and either the ``content`` or the
+``tool_calls`` (with the logprobs of all its tokens), then the finish event ("tool_calls" when
+there are calls).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from . import openai_api as oa
+from .choices import merged, plan
+from .decode_session import DecodeFailed
+from .frontend import RequestTimedOut
+from .node import NoDecodeAvailable
+from .openai_logprobs import LogprobsFormatter
+from .openai_tools import parse_tool_calls
+
+log = logging.getLogger(__name__)
+
+
+class ChoiceState:
+    def __init__(self, parsed: oa.ParsedRequest, index: int, tokenizer, echo: str = ""):
+        self.parsed, self.index = parsed, index
+        self.parts: list[str] = [echo] if echo else []
+        self.chars = len(echo)  # characters of text so far (completion logprobs' text_offset)
+        self.pending_echo = echo  # goes out with the first streamed event
+        self.tokens = 0
+        self.finish_reason: str | None = None
+        self.started = False  # a streamed event was sent (chat: the role went out)
+        top = parsed.sampling.logprobs
+        self.logprobs = None if top is None else LogprobsFormatter(parsed.kind, tokenizer, top)
+        self.tools = parsed.kind == "chat" and bool(parsed.tools) and parsed.tool_choice != "none"
+
+    def add(self, piece) -> tuple[str, dict | None]:
+        """The piece's text (the echoed prompt before the first one) and its logprobs object."""
+        lps = None
+        if self.logprobs is not None and piece.token_ids:
+            lps = self.logprobs.add(list(piece.logprobs or ()), [self.chars] * len(piece.token_ids))
+        text = self.pending_echo + piece.text
+        self.pending_echo = ""
+        self.parts.append(piece.text)
+        self.chars += len(piece.text)
+        self.tokens += len(piece.token_ids)
+        if piece.finished:
+            self.finish_reason = piece.finish_reason or "stop"
+        return text, lps
+
+    def calls(self) -> tuple[str | None, list[dict], str]:
+        """(content, tool calls, finish reason) of the whole choice."""
+        text, reason = "".join(self.parts), self.finish_reason or "stop"
+        if not self.tools:
+            return text, [], reason
+        content, calls = parse_tool_calls(text, self.parsed.tools, self.parsed.tool_choice)
+        return content, calls, "tool_calls" if calls and reason == "stop" else reason
+
+    def choice(self) -> dict:
+        whole = None if self.logprobs is None else self.logprobs.whole()
+        content, calls, reason = self.calls()
+        out = oa.choice(self.parsed, self.index, content, reason, whole)
+        if calls:
+            out["message"]["tool_calls"] = calls
+        return out
+
+    def last_chunks(self) -> list[dict]:
+        """Tools: the held-back choice as its two last stream events (content or calls, then the finish)."""
+        content, calls, reason = self.calls()
+        whole = None if self.logprobs is None else self.logprobs.whole()
+        body = oa.chunk(self.parsed, content, None, first=True, index=self.index, logprobs=whole)
+        if calls:
+            body["choices"][0]["delta"]["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+        return [body, oa.chunk(self.parsed, None, reason, index=self.index)]
+
+
+def _error(status: int, message: str, type_: str, code: str) -> web.Response:
+    return web.json_response(oa.error_body(message, type_, None, code), status=status)
+
+
+def start(fe, parsed: oa.ParsedRequest, slo_class, timeout_s: float | None):
+    """A parsed request's choices under way: (prompt tokens in all, ChoiceStates, the merged
+    ``(index, Piece)`` stream). Raises BadRequest for a prompt the engine cannot take (nothing
+    has started then). Both the HTTP API and the Batch API's lines start requests here."""
+    prompts = fe.prompt_ids_list(parsed)
+    samplings = []
+    for ids in prompts:
+        fe.check_prompt(ids)
+        samplings.append(fe.sampling(parsed.sampling, len(ids), parsed.kind))
+    echoes = fe.echo_texts(parsed, prompts)
+    choices = plan(parsed.request_id, prompts, samplings, parsed.n)
+    states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index]) for c in choices]
+    pieces = merged(choices, lambda c: fe.stream(c.request_id, c.prompt_ids, c.sampling, timeout_s, slo_class))
+    return sum(len(ids) for ids in prompts), states, pieces
+
+
+async def whole(parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> tuple[int, dict]:
+    """Every choice to its end: (HTTP status, the response body or an OpenAI error body)."""
+    event = first
+    try:
+        while True:
+            index, piece = event
+            states[index].add(piece)
+            if all(s.finish_reason for s in states):
+                break
+            event = await pieces.__anext__()
+    except (DecodeFailed, NoDecodeAvailable) as exc:
+        return 502, oa.error_body(str(exc), "server_error", None, "decode_failed")
+    except RequestTimedOut as exc:
+        return 504, oa.error_body(str(exc), "timeout_error", None, "request_timeout")
+    n_tokens = sum(s.tokens for s in states)
+    return 200, oa.response(parsed, [s.choice() for s in states], n_prompt, n_tokens)
+
+
+async def collect(parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> web.Response:
+    status, body = await whole(parsed, states, n_prompt, first, pieces)
+    return web.json_response(body, status=status)
+
+
+async def sse(request: web.Request, parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    event = first
+    try:
+        while True:
+            index, piece = event
+            state = states[index]
+            is_first = not state.started
+            state.started = True
+            text, lps = state.add(piece)
+            if state.tools:  # parsed for tool calls once whole: sent at its end
+                if piece.finished:
+                    for payload in state.last_chunks():
+                        await resp.write(oa.sse(payload))
+            elif piece.finished:  # no token: the finish reason and any text held back to the end
+                shown = text if text or parsed.kind == "completion" else None
+                await resp.write(oa.sse(oa.chunk(parsed, shown, state.finish_reason, first=is_first, index=index)))
+            else:  # one event per generated token, also when its text is "" (held back)
+                await resp.write(oa.sse(oa.chunk(parsed, text, None, first=is_first, index=index, logprobs=lps)))
+            if piece.finished and all(s.finish_reason for s in states):
+                if parsed.include_usage:
+                    await resp.write(oa.sse(oa.usage_chunk(parsed, n_prompt, sum(s.tokens for s in states))))
+                break
+            event = await pieces.__anext__()
+    except (DecodeFailed, NoDecodeAvailable) as exc:
+        log.warning("request %s: %s", parsed.request_id, exc)
+        await resp.write(oa.sse(oa.error_body(str(exc), "server_error", code="decode_failed")))
+    except RequestTimedOut as exc:
+        log.warning("request %s: %s", parsed.request_id, exc)
+        await resp.write(oa.sse(oa.error_body(str(exc), "timeout_error", code="request_timeout")))
+    await resp.write(oa.sse("[DONE]"))
+    await resp.write_eof()
+    return resp

@@ -1,0 +1,112 @@
+"""The global SLO queue in the router (router/slo_gate.py), with real processes.
+
+One decode that holds one request at a time, one prefill in front of it that keeps each decode
+reservation for a second before computing (a test hook), and two routers over that prefill:
+``edf`` and ``fifo``, with the classes ``interactive`` (a TTFT target) and ``batch``. Four batch
+requests, then one interactive, through each router: behind the edf router the interactive one
+overtakes the batch requests still waiting in the router's line; behind the fifo router it is
+served last. A request whose deadline passes in the router's line gets 504 naming that queue;
+an unknown class gets the router's own 400. Afterwards nothing is held anywhere.
+"""
+
+import json
+import threading
+import time
+
+import pytest
+
+from harness.pd_cluster import (get_json, nothing_held, post_json, start_decode, start_prefill, wait_all_released,
+                                wait_ready)
+from harness.procs import ProcessGroup
+from harness.router_cluster import start_router, wait_until
+
+pytestmark = pytest.mark.slow
+
+CLASSES = json.dumps({"defaultClass": "batch", "classes": [
+    {"name": "interactive", "ttftMs": 5000}, {"name": "batch", "e2eMs": 3600000}]})
+HOLD_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    group = ProcessGroup(log_dir=tmp_path_factory.mktemp("router-slo") / "logs")
+    try:
+        decode = start_decode(group, "tcp", 4)  # 4 blocks of 64 tokens: one request (100 + 60 tokens) at a time
+        wait_ready(decode)
+        prefill = start_prefill(group, [decode.grpc_address], "tcp", extra=["--slo-classes", CLASSES],
+                                env={"PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S": str(HOLD_S)})
+        wait_ready(prefill)
+        routers = {policy: start_router(group, [prefill], name=f"router-{policy}",
+                                        extra=["--slo-classes", CLASSES, "--queue-policy", policy])
+                   for policy in ("edf", "fifo")}
+        for r in routers.values():
+            wait_ready(r)
+        yield {"decode": decode, "prefill": prefill, **routers}
+    finally:
+        group.close()
+
+
+def _body(i):
+    return {"model": "tiny", "prompt": [256] + [65 + (i + k) % 26 for k in range(99)], "max_tokens": 60,
+            "ignore_eos": True, "temperature": 0}
+
+
+def _queued(router) -> int:
+    return get_json(router.url + "/health")[1]["queued"]
+
+
+def _burst(router) -> list[str]:
+    """Four batch requests, then an interactive one once two batch requests wait in the router's
+    line; the order in which they finish."""
+    done, lock = [], threading.Lock()
+
+    def send(name, headers):
+        status, body = post_json(router.url + "/v1/completions", _body(len(name)), timeout=120, headers=headers)
+        assert status == 200, body
+        with lock:
+            done.append(name)
+
+    threads = []
+    for i in range(4):
+        threads.append(threading.Thread(target=send, args=(f"batch{i}", {"X-SLO-Class": "batch"})))
+        threads[-1].start()
+        time.sleep(0.3)  # in this order
+    wait_until(lambda: _queued(router) >= 2, "two batch requests waiting in the router", timeout=20)
+    threads.append(threading.Thread(target=send, args=("interactive", {"X-SLO-Class": "interactive"})))
+    threads[-1].start()
+    for t in threads:
+        t.join()
+    return done
+
+
+def test_edf_lets_the_interactive_request_overtake_and_fifo_does_not(cluster):
+    edf = _burst(cluster["edf"])
+    assert edf.index("interactive") < edf.index("batch3") and edf.index("interactive") < 4, edf
+    fifo = _burst(cluster["fifo"])
+    assert fifo[-1] == "interactive", fifo
+    readings = wait_all_released([cluster["prefill"], cluster["decode"]], timeout=20.0)
+    assert nothing_held(readings), readings
+    assert _queued(cluster["edf"]) == 0 and _queued(cluster["fifo"]) == 0
+
+
+def test_deadline_in_the_router_queue_and_unknown_class(cluster):
+    router = cluster["edf"]
+    status, body = post_json(router.url + "/v1/completions", _body(0), headers={"X-SLO-Class": "gold"})
+    assert status == 400 and body["error"]["code"] == "unknown_slo_class", body
+    assert "interactive" in body["error"]["message"] and "batch" in body["error"]["message"]
+    blockers = [threading.Thread(target=post_json, args=(router.url + "/v1/completions", _body(i)),
+                                 kwargs={"timeout": 120}) for i in range(2)]
+    for t in blockers:
+        t.start()
+        time.sleep(0.3)
+    try:
+        wait_until(lambda: get_json(cluster["prefill"].url + "/health")[1]["queued"] >= 1, "the prefill queueing")
+        status, body = post_json(router.url + "/v1/completions", _body(5), headers={"X-Request-Timeout": "0.5"})
+        assert status == 504 and body["error"]["code"] == "request_timeout", body
+        assert "router's SLO queue" in body["error"]["message"], body
+    finally:
+        for t in blockers:
+            t.join()
+    readings = wait_all_released([cluster["prefill"], cluster["decode"]], timeout=20.0)
+    assert nothing_held(readings), readings
+    assert _queued(router) == 0
