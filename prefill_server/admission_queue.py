@@ -239,8 +239,12 @@ class Ticket:
     def _timeout(self, by_deadline: bool) -> QueueTimeout:
         waited = self.waited()
         if by_deadline:
-            return QueueTimeout(f"request {self.request_id} waited {waited:.1f}s in the admission queue for a decode "
-                                f"with enough free KV blocks until its deadline (--request-timeout, or the client's "
-                                f"X-Request-Timeout / gRPC deadline)", True)
+            return QueueTimeout(deadline_message(self.request_id, waited), True)
         return QueueTimeout(f"request {self.request_id} waited {waited:.1f}s in the admission queue for a decode "
                             f"with enough free KV blocks (--queue-timeout)", False)
+
+
+def deadline_message(request_id: str, waited: float) -> str:
+    """Why a request that was still waiting in the queue when its deadline came timed out (504)."""
+    return (f"request {request_id} waited {waited:.1f}s in the admission queue for a decode with enough free KV "
+            f"blocks until its deadline (--request-timeout, or the client's X-Request-Timeout / gRPC deadline)")

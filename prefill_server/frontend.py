@@ -33,6 +33,7 @@ from pdserve.engine.grammar import GrammarSpec, Grammars
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 
+from .admission_queue import deadline_message
 from .closing import aclose_fully
 from .decode_session import DecodeFailed, decode_reservation
 from .node import NoDecodeAvailable, PrefillNode, QueueFull, QueueTimeout, RequestTooLarge
@@ -207,6 +208,9 @@ class Frontend:
                 except QueueTimeout as exc:  # the admission queue gave up just before the deadline, saying why
                     raise RequestTimedOut(str(exc)) from None
                 except asyncio.TimeoutError:
+                    waited = self.node.left_while_queued.pop(request_id, None)
+                    if waited is not None:  # the deadline came while it waited in line (the queue's own timer lost the race)
+                        raise RequestTimedOut(deadline_message(request_id, waited)) from None
                     raise RequestTimedOut(f"request {request_id} did not finish within its deadline of {limit:g}s "
                                           f"(--request-timeout, or the client's X-Request-Timeout / gRPC deadline)") from None
                 if clock is not None and delta.token_ids:
@@ -246,6 +250,7 @@ class Frontend:
             raise
         finally:
             await aclose_fully(deltas)  # closes the Session (cancel reaches decode) if still open
+            self.node.left_while_queued.pop(request_id, None)
             self.in_flight -= 1
             self.active.discard(request_id)
             if clock is not None:

@@ -128,6 +128,7 @@ class PrefillNode:
                                             registry=self.sessions, observer=accounting,
                                             disaggregator=self.disaggregator)
         gauge = self.metrics.requests_queued.set if self.metrics is not None else None
+        self.left_while_queued: dict[str, float] = {}  # request id -> seconds it had waited (Frontend pops it)
         self.queue = AdmissionQueue(self.max_queued, max_wait_s=self.queue_timeout_s, on_length=gauge,
                                     slo=self.slo_queue)
         self.poller.on_report = lambda address: self.queue.notify()  # a fresh report may show freed blocks
@@ -248,6 +249,8 @@ class PrefillNode:
                     break
                 reasons = reasons[-4:]
         finally:
+            if ticket.queued:  # still in line (its deadline, or the client, cancelled it): the Frontend says so
+                self.left_while_queued[request_id] = ticket.waited()
             ticket.leave()
         if self.local_fallback:
             async for delta in self._generate_locally(request_id, prompt_ids, produced, sp, reasons, failed_mid_stream):

@@ -7,10 +7,12 @@ Delta, as happens when the relay lags); the tokenizer is the engine's byte token
 
 import asyncio
 
+import pytest
+
 from pdserve.engine import SamplingParams
 from pdserve.engine.tokenizer import ByteTokenizer
 from pdserve.prefill_server.decode_session import Delta
-from pdserve.prefill_server.frontend import Frontend
+from pdserve.prefill_server.frontend import Frontend, RequestTimedOut
 
 TOK = ByteTokenizer()
 
@@ -20,6 +22,7 @@ class ScriptedNode:
 
     def __init__(self, deltas):
         self.deltas, self.closed_early = deltas, False
+        self.left_while_queued: dict[str, float] = {}  # as PrefillNode: requests cancelled while in line
 
     async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None):
         sent = 0
@@ -96,3 +99,28 @@ def test_incomplete_character_at_the_end_is_flushed():
 def test_a_request_with_no_token_is_only_the_finish():
     pieces, _ = _run([Delta([], True, "stop")])  # e.g. the first token was a stop token
     assert len(pieces) == 1 and pieces[0].finished and pieces[0].token_ids == []
+
+
+class QueuedNode(ScriptedNode):
+    """Waits in line forever; when its generator is cancelled there, says how long it waited (as PrefillNode)."""
+
+    async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None):
+        try:
+            await asyncio.sleep(3600)
+            yield Delta([], True, "stop")
+        finally:
+            self.left_while_queued[request_id] = 0.2
+
+
+def test_a_deadline_that_wins_the_race_with_the_queue_still_names_the_queue():
+    # the queue gives up just before the deadline with its own message; on a stalled event loop the
+    # Frontend's deadline can fire first: its 504 then names the admission queue all the same
+    node = QueuedNode([])
+    fe = Frontend(node, TOK, SamplingParams, "tiny", 2048, vocab_size=TOK.vocab_size)
+
+    async def collect():
+        return [p async for p in fe.stream("r", [256, 1], SamplingParams(max_tokens=4), timeout_s=0.05)]
+
+    with pytest.raises(RequestTimedOut, match="waited 0.2s in the admission queue"):
+        asyncio.run(collect())
+    assert node.left_while_queued == {}  # popped: nothing kept per request
