@@ -134,8 +134,10 @@ class PrefillNode:
         self.poller.on_report = lambda address: self.queue.notify()  # a fresh report may show freed blocks
 
     def ready(self) -> bool:
-        """Ready when a decode is known (or local fallback can serve)."""
-        return self.local_fallback or bool(self.picker.eligible())
+        """Ready when a decode is known (or local fallback can serve); a decode that is full now
+        still counts: its requests wait in the admission queue (a full pool must not make the
+        prefill unready, or routers and Services would send nothing to it: 503s, not waits)."""
+        return self.local_fallback or bool(self.picker.usable())
 
     async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None,
                        slo: SloRequest | None = None):

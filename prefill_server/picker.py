@@ -138,6 +138,11 @@ class DecodePicker:
         need = self._need(blocks_needed)
         return [address for address, load in self._usable().items() if address not in exclude and load.free_blocks >= need]
 
+    def usable(self) -> list[str]:
+        """Decodes with a fresh report, our protocol version and not draining, full or not (a full
+        one is a reason to wait in the admission queue, not to be unready)."""
+        return list(self._usable())
+
     def all_full(self, blocks_needed: int = 0) -> bool:
         """No decode is eligible only because every fresh, compatible one is too full (busy, not broken)."""
         need = self._need(blocks_needed)

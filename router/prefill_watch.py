@@ -68,7 +68,8 @@ class PrefillWatch:
         return {
             "routable": self.routable(), "in_flight_here": self.in_flight,
             "load": None if load is None else {"ready": load.ready, "reason": load.not_ready_reason,
-                                               "in_flight": load.in_flight, "kv_blocks_free": load.kv_blocks_free,
+                                               "in_flight": load.in_flight, "queued": load.queued,
+                                               "kv_blocks_free": load.kv_blocks_free,
                                                "epoch": load.epoch, "http_port": load.http_port},
             "index": None if view is None else {"epoch": view.epoch, "seq": view.seq, "synced": view.synced,
                                                 "blocks": len(view.hashes), "block_size": view.block_size},

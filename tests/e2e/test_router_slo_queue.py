@@ -55,7 +55,13 @@ def _queued(router) -> int:
     return get_json(router.url + "/health")[1]["queued"]
 
 
-def _burst(router) -> list[str]:
+def _prefill_queued(router) -> int:
+    """The prefill's admission queue as the router last heard it."""
+    (state,) = get_json(router.url + "/health")[1]["prefills"].values()
+    return (state["load"] or {}).get("queued", 0)
+
+
+def _burst(router, decode) -> list[str]:
     """Four batch requests, then an interactive one once two batch requests wait in the router's
     line; the order in which they finish."""
     done, lock = [], threading.Lock()
@@ -67,10 +73,20 @@ def _burst(router) -> list[str]:
             done.append(name)
 
     threads = []
-    for i in range(4):
+
+    def batch(i):
         threads.append(threading.Thread(target=send, args=(f"batch{i}", {"X-SLO-Class": "batch"})))
         threads[-1].start()
-        time.sleep(0.3)  # in this order
+
+    # batch0 holds the decode, batch1 waits in the prefill's own line (and the router has heard so):
+    # from then on the router holds requests in its line, in its policy's order
+    batch(0)
+    wait_until(lambda: get_json(decode.url + "/health")[1]["sessions"] == 1, "batch0 on the decode", timeout=20)
+    batch(1)
+    wait_until(lambda: _prefill_queued(router) == 1, "batch1 in the prefill's queue, as the router hears", timeout=20)
+    for i in (2, 3):
+        batch(i)
+        time.sleep(0.2)  # in this order
     wait_until(lambda: _queued(router) >= 2, "two batch requests waiting in the router", timeout=20)
     threads.append(threading.Thread(target=send, args=("interactive", {"X-SLO-Class": "interactive"})))
     threads[-1].start()
@@ -80,9 +96,9 @@ def _burst(router) -> list[str]:
 
 
 def test_edf_lets_the_interactive_request_overtake_and_fifo_does_not(cluster):
-    edf = _burst(cluster["edf"])
+    edf = _burst(cluster["edf"], cluster["decode"])
     assert edf.index("interactive") < edf.index("batch3") and edf.index("interactive") < 4, edf
-    fifo = _burst(cluster["fifo"])
+    fifo = _burst(cluster["fifo"], cluster["decode"])
     assert fifo[-1] == "interactive", fifo
     readings = wait_all_released([cluster["prefill"], cluster["decode"]], timeout=20.0)
     assert nothing_held(readings), readings
