@@ -184,7 +184,9 @@ class EntryTable:
         with self.lock:
             entry = self._entries.get(rid)
             if entry is None or entry.deleted or entry.error is not None:
-                raise UnknownRequestError(f"DATA for request {rid!r}, which the receiver does not expect (never expected, deleted or failed)")
+                exc = UnknownRequestError(f"DATA for request {rid!r}, which the receiver does not expect (never expected, deleted or failed)")
+                exc.cause = None if entry is None or entry.deleted else entry.error  # why it failed, if it did
+                raise exc
             if not 0 <= layer < self.layout.num_layers or nblocks <= 0:
                 raise ProtocolError(f"DATA for request {rid!r}: layer {layer} / {nblocks} blocks out of range")
             for b in range(block, block + nblocks):

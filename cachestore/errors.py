@@ -26,7 +26,10 @@ class ProtocolError(TransferError):
 
 
 class UnknownRequestError(LookupError):
-    """A request id the CacheStore has no entry for (never bound/expected, or already deleted)."""
+    """A request id the CacheStore has no entry for (never bound/expected, or already deleted).
+    ``cause``: the error its entry failed with, when it failed (else None)."""
+
+    cause: BaseException | None = None
 
 
 CHECKSUM_MISMATCH = "kv_checksum_mismatch"  # the reason code the servers pass on (refusal / error code, metric label)

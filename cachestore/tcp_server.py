@@ -238,6 +238,8 @@ class TcpServer:
             self.counters["frames_rejected"] += 1
             if isinstance(exc, ProtocolError):  # a known request writing outside its blocks: fail it
                 self.sink.on_fail(f.rid, TransferError(str(exc)))
+            if isinstance(getattr(exc, "cause", None), ChecksumError):
+                return  # its ERROR (checksum mismatch, the root cause) is on its way: the sender learns that first
             conn.send(encode_control(FrameType.ERROR, f.rid, str(exc).encode()))
             return
         checksum = bool(f.flags & FLAG_CRC32C)
