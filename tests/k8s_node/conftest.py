@@ -8,18 +8,12 @@ bridge CNI, kube-proxy, kube-scheduler on this machine, the pdserve image built 
   then a first chat completion streamed with the `openai` client through the router's Service
   (its ClusterIP, from this machine through kube-proxy); the times are in `chat.timings`.
 Every test file here is marked k8s and slow (they need `make k8s-tools` and `make image`). They run
-after every other test. Without the image for the current sources they are skipped, saying so
-(`make test` does not build it: its first build does not fit beside the suite in CI's time), unless
-PDSERVE_NODE_TESTS=1 (`make test-node` builds the image and sets it): then a missing image fails.
-A build still running in the background (`tools/image/build.sh --background`) is waited for (the
-first test gets the wait added to its time limit).
+after every other test: `make test` builds the image in the background meanwhile, and the cluster's
+start-up waits for that build (the first of them gets the wait added to its time limit).
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -35,35 +29,9 @@ def pytest_collection_modifyitems(items):
     if not mine:
         return
     items[:] = [item for item in items if item not in mine] + mine   # last: the image may still be building
-    if os.environ.get("PDSERVE_NODE_TESTS") != "1" and not _image_built():
-        skip = pytest.mark.skip(reason="the pdserve image for these sources is not built: `make test-node` (or "
-                                       "`make image`, then pytest) runs the one-node tier")
-        for item in mine:
-            item.add_marker(skip)
-        return
     timeout = mine[0].get_closest_marker("timeout")
     base = timeout.args[0] if timeout and timeout.args else 600
     mine[0].add_marker(pytest.mark.timeout(base + IMAGE_WAIT_S), append=False)
-
-
-def _image_built() -> bool:
-    """The image for the current sources is built, or a build of it is running in the background."""
-    from harness.kube_node_images import IMAGE_BUILD_SCRIPT
-
-    out = subprocess.run(["bash", str(IMAGE_BUILD_SCRIPT), "--archive"], capture_output=True, text=True)
-    archive = Path(out.stdout.strip())
-    if out.returncode != 0 or archive.is_file():
-        return out.returncode == 0
-    lock = archive.parent / ".build.lock"  # build.sh holds it while it builds
-    if not lock.exists():
-        return False
-    with open(lock) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return True
-        fcntl.flock(f, fcntl.LOCK_UN)
-    return False
 
 
 @pytest.fixture(scope="package")
