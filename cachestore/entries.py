@@ -185,7 +185,8 @@ class EntryTable:
             entry = self._entries.get(rid)
             if entry is None or entry.deleted or entry.error is not None:
                 exc = UnknownRequestError(f"DATA for request {rid!r}, which the receiver does not expect (never expected, deleted or failed)")
-                exc.cause = None if entry is None or entry.deleted else entry.error  # why it failed, if it did
+                # why it failed, if it did (a failed entry may be gone already: its tombstone says)
+                exc.cause = self._failed.get(rid) if entry is None or entry.deleted else entry.error
                 raise exc
             if not 0 <= layer < self.layout.num_layers or nblocks <= 0:
                 raise ProtocolError(f"DATA for request {rid!r}: layer {layer} / {nblocks} blocks out of range")
