@@ -38,6 +38,12 @@ def index_sizes(router: Server) -> dict:
     return {a: p["index"]["blocks"] for a, p in get_json(router.url + "/health")[1]["prefills"].items()}
 
 
+def loads(router: Server) -> dict:
+    """What the router last heard of each prefill's load (a balance decision turns on it)."""
+    return {a: ((p["load"] or {}).get("in_flight"), (p["load"] or {}).get("kv_blocks_free"), p["in_flight_here"])
+            for a, p in get_json(router.url + "/health")[1]["prefills"].items()}
+
+
 def chat(system: str, user: str, max_tokens: int = 4) -> dict:
     return {"model": "tiny", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
             "max_tokens": max_tokens, "temperature": 0}
@@ -72,6 +78,8 @@ def test_two_routers_agree_and_a_restarted_router_catches_up(cluster):
         assert status == 200, out
     wait_until(lambda: index_sizes(a) == index_sizes(b), "both indexes to hold the same blocks", timeout=10)
     assert sum(index_sizes(a).values()) > 0
+    # the same loads too: a router polls them every interval, so one can still hold a view from mid-warm-up
+    wait_until(lambda: loads(a) == loads(b), "both routers to hear the same loads", timeout=10)
     probes = [chat(s, f"question {j}") for s in SYSTEMS for j in range(3)] + [chat("unseen system prompt " * 6, "x")]
     seen = [decision(a, p) for p in probes]
     assert seen == [decision(b, p) for p in probes]
@@ -84,6 +92,7 @@ def test_two_routers_agree_and_a_restarted_router_catches_up(cluster):
     wait_ready(a2)
     wait_until(lambda: synced(a2, prefills), "the restarted router synced", timeout=10)
     assert index_sizes(a2) == index_sizes(b)
+    wait_until(lambda: loads(a2) == loads(b), "the restarted router to hear the same loads", timeout=10)
     assert [decision(a2, p) for p in probes] == seen
     cluster["routers"][0] = a2
 
