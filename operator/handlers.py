@@ -8,9 +8,12 @@ just runs it again; kopf re-runs unfinished handlers and ``on.resume`` covers th
    (when enabled) NetworkPolicies, adopted by it; delete DecodePools it no longer lists,
    and the router's objects when ``spec.router.replicas`` is 0.
 2. ``pool_reconcile`` (create / update / resume of a PrefillPool or DecodePool, including
-   ``kubectl scale``): apply the pool's Deployment, Service and (prefill) RBAC, adopted by it.
+   ``kubectl scale``): apply the pool's Deployment, Service and (prefill) RBAC, adopted by it;
+   a DecodePool whose protocol version changes first keeps its old Service under another
+   name (``protocol_rollout``).
 3. ``deployment_event`` (any event of a Deployment the operator made): recompute the
-   statuses of its pools and InferenceService from the Deployments.
+   statuses of its pools and InferenceService from the Deployments, and delete the retired
+   decode Services the prefills no longer need.
 
 Deletion is the garbage collector's job (ownerReferences), so no finalizers are added and
 an InferenceService can be deleted even while the operator is down.
@@ -25,7 +28,7 @@ from collections.abc import Mapping
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from pdserve.operator import naming, pools, router_workloads, status, workloads
+from pdserve.operator import naming, pools, protocol_rollout, router_workloads, status, workloads
 from pdserve.operator.kubeapi import KubeApi, make_api_client
 
 G, V = naming.GROUP, naming.VERSION
@@ -117,6 +120,11 @@ def isvc_reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, 
 def pool_reconcile(body: kopf.Body, namespace: str, memo: kopf.Memo, **_) -> None:
     pool = plain(body)
     children = workloads.build_children(pool)
+    if pool["kind"] == "DecodePool":  # a protocol change: keep the old version's Service until prefills rolled
+        service = next(c for c in children if c["kind"] == "Service")
+        retired = protocol_rollout.retired_service(memo.api.get("Service", namespace, service["metadata"]["name"]),
+                                                   service)
+        children = [retired, *children] if retired else children
     kopf.adopt(children, owner=body)
     _apply_all(memo.api, children)
     refresh_status(memo.api, memo, namespace, pool["spec"]["inferenceService"])
@@ -188,6 +196,7 @@ def _refresh_once(api: KubeApi, namespace: str, isvc_name: str) -> None:
 
     prefill = (prefill_pool, pool_status(prefill_pool)) if prefill_pool else None
     decodes = [(p, pool_status(p)) for p in decode_pools]
+    protocol_rollout.prune(api, namespace, isvc_name, deployments, decode_pools)
     new = status.isvc_status(isvc, prefill, decodes, deployments.get(naming.router_name(isvc_name)))
     old = isvc.get("status") or {}
     new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)

@@ -40,6 +40,8 @@ LABEL_ROLE = "pdserve.io/role"  # prefill | decode | router
 LABEL_POOL = "pdserve.io/pool"  # the decode pool name ("prefill" / "router" for those)
 LABEL_PROTOCOL = "pdserve.io/protocol-version"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+# On a decode Service kept for an older protocol version while the prefills roll (protocol_rollout.py)
+LABEL_RETIRED = "pdserve.io/retired"
 
 # Annotation on a pool: the InferenceService's replica count last copied into it. While the
 # InferenceService keeps that value, `kubectl scale` on the pool wins; when it changes, it wins.

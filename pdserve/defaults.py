@@ -10,7 +10,7 @@ from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
            "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S",
-           "REQUEST_TIMEOUT_HEADER", "MAX_QUEUED_REQUESTS", "DISAGGREGATION_MODES", "DISAGGREGATION", "ENV_SLO_CLASSES",
+           "REQUEST_TIMEOUT_HEADER", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS", "DISAGGREGATION_MODES", "DISAGGREGATION", "ENV_SLO_CLASSES",
            "BATCH_DB", "BATCH_DATA_MOUNT", "BATCH_MAX_IN_FLIGHT", "BATCH_MAX_FILE_BYTES", "BATCH_SLO_CLASS"]
 
 # Prefill pods: the OpenAI-compatible HTTP API (also /health, /ready, /metrics).
@@ -29,6 +29,11 @@ KV_TRANSFER_PORT = 50060
 REQUEST_TIMEOUT_S = 600.0
 # The HTTP request header that shortens it (the router forwards it to the prefill).
 REQUEST_TIMEOUT_HEADER = "X-Request-Timeout"
+# Router: how long a request waits for a prefill that can take it (none routable, or each one
+# answered that it has no decode) before 503 (--prefill-wait). It bridges the few seconds of a
+# rollout or restart in which no prefill is ready; the router's readiness probe needs 15 s of
+# "no routable prefill" before Kubernetes stops sending it requests.
+PREFILL_WAIT_S = 10.0
 
 # Prefill: requests that may wait at once in the admission queue for a decode with free KV
 # blocks (--max-queued-requests); one more gets 429.

@@ -51,6 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--load-weight", type=float, default=64.0,
                    help="prompt tokens one request in flight is worth when weighing load against cached prefix")
     d.add_argument("--max-attempts", type=int, default=2, help="prefills to try when one cannot be connected to")
+    d.add_argument("--prefill-wait", type=float, default=defaults.PREFILL_WAIT_S, metavar="SECONDS",
+                   help="how long a request waits for a prefill that can take it (none is routable, or each tried "
+                        "has no decode for it: a rollout's gap) before 503; 0: answer 503 at once "
+                        f"(default {defaults.PREFILL_WAIT_S:g})")
     q = parser.add_argument_group("the global SLO queue (QLM), in front of every prefill")
     q.add_argument("--slo-classes", default=None,
                    help="SLO classes as JSON (the InferenceService's spec.slo) or a JSON file; default: the environment "
@@ -123,9 +127,9 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
         gate = SloGate(GlobalQueue(args.slo, args.queue_policy or "fifo", metrics), prefills)
     draining = {"on": False}
     api = RouterApi(router, metrics, is_draining=lambda: draining["on"], max_attempts=args.max_attempts, gate=gate,
-                    request_timeout_s=args.request_timeout)
+                    request_timeout_s=args.request_timeout, prefill_wait_s=args.prefill_wait)
     generate = RouterGenerateServicer(router, metrics, max_attempts=args.max_attempts, gate=gate,
-                                      request_timeout_s=args.request_timeout)
+                                      request_timeout_s=args.request_timeout, prefill_wait_s=args.prefill_wait)
     await prefills.start()
     runner = web.AppRunner(api.app(), handler_cancellation=True)
     await runner.setup()

@@ -5,7 +5,8 @@ a prefill's status (INVALID_ARGUMENT for bad input, UNAVAILABLE, ABORTED, DEADLI
 reaches the client with its own message. The prompt is looked up in the index as the prefill
 will compute it (``prompt_token_ids``, else the encoded ``prompt``). A prefill that answers
 UNAVAILABLE before its first response (it cannot be reached, or cannot take the request) is
-skipped for the next in the ranking (at most ``max_attempts``); none routable: UNAVAILABLE.
+skipped for the next in the ranking (at most ``max_attempts``); none routable: the request waits
+for one up to ``prefill_wait_s`` (and its deadline), then UNAVAILABLE.
 The client's deadline travels with the relayed call; a client that cancels cancels this
 coroutine, which cancels the relayed call, so the prefill frees the request. With an SLO queue
 (``slo_gate.py``) the request first waits its turn there (metadata ``x-slo-class``, which also
@@ -20,7 +21,7 @@ import uuid
 
 import grpc
 
-from pdserve.defaults import REQUEST_TIMEOUT_S
+from pdserve.defaults import PREFILL_WAIT_S, REQUEST_TIMEOUT_S
 from pdserve.protos import generate_pb2 as gpb
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.slo import HEADER, Rejected
@@ -33,8 +34,9 @@ log = logging.getLogger(__name__)
 
 class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
     def __init__(self, router, metrics, max_attempts: int = 2, gate: SloGate | None = None,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S):
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, prefill_wait_s: float = PREFILL_WAIT_S):
         self.router, self.metrics, self.max_attempts = router, metrics, max_attempts
+        self.prefill_wait_s = prefill_wait_s  # how long a request waits for a routable prefill
         self.gate, self.request_timeout_s = gate, request_timeout_s  # the SLO queue (slo_gate.py), or None
         self.in_flight = 0
 
@@ -76,6 +78,10 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
         start, m = time.perf_counter(), self.metrics
         choice = self.router.decide(ids)
         m.router_overhead.observe(time.perf_counter() - start)
+        if choice is None:
+            remaining = context.time_remaining()
+            wait = self.prefill_wait_s if remaining is None else min(self.prefill_wait_s, remaining)
+            choice = await self.router.decide_waiting(ids, time.monotonic() + wait)
         if choice is None:
             m.requests.labels(outcome="error", reason="no_prefill").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill is routable")

@@ -15,7 +15,10 @@ The request body goes to the prefill untouched (with the headers ``X-SLO-Class``
 status, content type, ``Retry-After`` and body come back unchanged (SSE chunks as they
 arrive), so a 400 or a 429 is the prefill's own. A prefill that
 cannot be connected to before its response starts is skipped for the next one in the
-ranking (at most ``max_attempts``); no routable prefill: 503 with an OpenAI error body. A
+ranking (at most ``max_attempts``); so is one that answers 503 ``no_decode_available`` (it
+computed nothing: during a protocol rollout its decodes leave before it does). No routable
+prefill: the request waits for one up to ``prefill_wait_s`` (and its deadline), then gets 503
+with an OpenAI error body (a prefill's own 503 if one refused it). A
 client that disconnects cancels the handler, which closes the upstream connection, so the
 prefill cancels the request as if the client had been its own.
 """
@@ -30,11 +33,12 @@ import uuid
 import aiohttp
 from aiohttp import web
 
-from pdserve.defaults import REQUEST_TIMEOUT_HEADER, REQUEST_TIMEOUT_S
+from pdserve.defaults import PREFILL_WAIT_S, REQUEST_TIMEOUT_HEADER, REQUEST_TIMEOUT_S
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 
 from .prompt import prompt_token_ids
+from .router import refusing
 from .slo_gate import GateTimeout, SloGate, TokenCounter, deadline_s, request_class
 
 log = logging.getLogger(__name__)
@@ -49,9 +53,10 @@ def _error(status: int, message: str, code: str, type_: str = "service_unavailab
 
 class RouterApi:
     def __init__(self, router, metrics, is_draining=lambda: False, max_attempts: int = 2, gate: SloGate | None = None,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S):
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, prefill_wait_s: float = PREFILL_WAIT_S):
         self.router, self.metrics, self.is_draining, self.max_attempts = router, metrics, is_draining, max_attempts
         self.gate, self.request_timeout_s = gate, request_timeout_s  # the SLO queue (slo_gate.py), or None
+        self.prefill_wait_s = prefill_wait_s  # how long a request waits for a routable prefill before 503
         self.in_flight = 0
         self.session: aiohttp.ClientSession | None = None
 
@@ -144,77 +149,110 @@ class RouterApi:
         m = self.metrics
         choice = self.router.decide(ids)
         m.router_overhead.observe(time.perf_counter() - start)
+        wait_until = time.monotonic() + min(self.prefill_wait_s, deadline_s(request.headers.get(REQUEST_TIMEOUT_HEADER),
+                                                                             self.request_timeout_s))
+        if choice is None:
+            choice = await self.router.decide_waiting(ids, wait_until)
         if choice is None:
             m.requests.labels(outcome="error", reason="no_prefill").inc()
             return _error(503, "no prefill is routable", "no_prefill_available")
         self.in_flight += 1
         outcome, reason = "cancelled", "client_disconnected"
+        refused: dict[str, float] = {}  # prefill -> when it answered that it has no decode for this request
+        refusal: tuple | None = None  # the last such answer: (upstream, body)
+        tried: list[str] = []
         try:
-            for attempt, address in enumerate(choice.ranking[: self.max_attempts]):
-                watch = self.router.prefills.watches.get(address)
-                if watch is None or not watch.routable():
-                    continue
-                why = choice.reason if attempt == 0 else "retry"
-                watch.in_flight += 1
-                try:
-                    forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-                    upstream = await self.session.post(watch.http_url + request.path, data=body,
-                                                       headers={"Content-Type": "application/json", **forwarded})
-                except aiohttp.ClientConnectionError as exc:
-                    log.warning("prefill %s unreachable (%s); trying the next one", address, exc)
-                    watch.in_flight -= 1
-                    continue
-                resp = None
-                counter = TokenCounter(upstream.headers.get("Content-Type", ""), passage)
-                try:
-                    self.router.count_decision(address, why, choice, ids)
-                    async for chunk in upstream.content.iter_any():
-                        if resp is None:  # headers go out with the first byte (a failure before it is a 502)
-                            m.ttft.observe(time.perf_counter() - start)
-                            resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
+            while choice is not None:
+                for attempt, address in enumerate(choice.ranking[: self.max_attempts]):
+                    watch = self.router.prefills.watches.get(address)
+                    if watch is None or not watch.routable() or refusing(watch, refused):
+                        continue
+                    why = choice.reason if attempt == 0 and not refused else "retry"
+                    tried.append(address)
+                    watch.in_flight += 1
+                    try:
+                        forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+                        upstream = await self.session.post(watch.http_url + request.path, data=body,
+                                                           headers={"Content-Type": "application/json", **forwarded})
+                    except aiohttp.ClientConnectionError as exc:
+                        log.warning("prefill %s unreachable (%s); trying the next one", address, exc)
+                        watch.in_flight -= 1
+                        continue
+                    if upstream.status == 503:
+                        early = await upstream.read()  # a short JSON error: nothing of the request was computed
+                        if _error_code(early) == "no_decode_available":
+                            # its decodes left before it did (a protocol rollout): another prefill may take it
+                            log.info("prefill %s has no decode for the request; trying another", address)
+                            upstream.release()
+                            watch.in_flight -= 1
+                            refused[address], refusal = time.monotonic(), (upstream, early)
+                            continue
+                    resp = None
+                    counter = TokenCounter(upstream.headers.get("Content-Type", ""), passage)
+                    try:
+                        self.router.count_decision(address, why, choice, ids)
+                        async for chunk in upstream.content.iter_any():
+                            if resp is None:  # headers go out with the first byte (a failure before it is a 502)
+                                m.ttft.observe(time.perf_counter() - start)
+                                resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
+                                await resp.prepare(request)
+                            counter.feed(chunk)
+                            await resp.write(chunk)
+                        if resp is None:
+                            resp = web.Response(status=upstream.status, headers=_headers(upstream))
                             await resp.prepare(request)
-                        counter.feed(chunk)
-                        await resp.write(chunk)
-                    if resp is None:
-                        resp = web.Response(status=upstream.status, headers=_headers(upstream))
-                        await resp.prepare(request)
-                    await resp.write_eof()
-                    counter.done()
-                    outcome = "ok" if upstream.status < 400 else "error"
-                    reason = "relayed" if upstream.status < 400 else f"http_{upstream.status}"
-                    if passage is not None:
-                        passage.outcome = outcome
-                    return resp
-                except aiohttp.ClientError as exc:  # the prefill went away mid-response
-                    log.warning("prefill %s failed mid-response: %s", address, exc)
-                    outcome, reason = "error", "prefill_failed"
-                    if passage is not None:
-                        passage.outcome = "error"
-                    message = f"prefill {address} failed mid-response: {type(exc).__name__}"
-                    if resp is None:
-                        return _error(502, message, "prefill_failed")
-                    if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                        # never a stream that just stops: an error event, then [DONE], as the prefill ends its own
-                        event = {"error": {"message": message, "type": "server_error", "param": None,
-                                           "code": "prefill_failed"}}
-                        await resp.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
                         await resp.write_eof()
-                    return resp
-                finally:
-                    if upstream.content.at_eof():
-                        upstream.release()  # keep the connection for the next request
-                    else:
-                        upstream.close()  # the prefill sees the client leave and cancels
-                    watch.in_flight -= 1
-            outcome, reason = "error", "prefill_unreachable"
+                        counter.done()
+                        outcome = "ok" if upstream.status < 400 else "error"
+                        reason = "relayed" if upstream.status < 400 else f"http_{upstream.status}"
+                        if passage is not None:
+                            passage.outcome = outcome
+                        return resp
+                    except aiohttp.ClientError as exc:  # the prefill went away mid-response
+                        log.warning("prefill %s failed mid-response: %s", address, exc)
+                        outcome, reason = "error", "prefill_failed"
+                        if passage is not None:
+                            passage.outcome = "error"
+                        message = f"prefill {address} failed mid-response: {type(exc).__name__}"
+                        if resp is None:
+                            return _error(502, message, "prefill_failed")
+                        if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                            # never a stream that just stops: an error event, then [DONE], as the prefill ends its own
+                            event = {"error": {"message": message, "type": "server_error", "param": None,
+                                               "code": "prefill_failed"}}
+                            await resp.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
+                            await resp.write_eof()
+                        return resp
+                    finally:
+                        if upstream.content.at_eof():
+                            upstream.release()  # keep the connection for the next request
+                        else:
+                            upstream.close()  # the prefill sees the client leave and cancels
+                        watch.in_flight -= 1
+                # every prefill tried refused for want of a decode: wait (bounded) for one that can take it
+                choice = await self.router.decide_waiting(ids, wait_until, refused) if refused else None
+            outcome = "error"
             if passage is not None:
                 passage.outcome = "error"
-            return _error(503, f"no prefill could be reached (tried {', '.join(choice.ranking[: self.max_attempts])})",
+            if refusal is not None:  # the last prefill's own answer, as it gave it
+                reason = "http_503"
+                upstream, early = refusal
+                return web.Response(status=503, body=early, headers=_headers(upstream))
+            reason = "prefill_unreachable"
+            return _error(503, f"no prefill could be reached (tried {', '.join(tried) or 'none routable'})",
                           "no_prefill_available")
         finally:
             self.in_flight -= 1
             m.e2e_latency.observe(time.perf_counter() - start)
             m.requests.labels(outcome=outcome, reason=reason).inc()
+
+
+def _error_code(body: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI error body, or None."""
+    try:
+        return (json.loads(body).get("error") or {}).get("code")
+    except (ValueError, AttributeError):
+        return None
 
 
 def _headers(upstream) -> dict[str, str]:

@@ -5,13 +5,17 @@ report), asks the PrefixIndex how many leading blocks each routable prefill hold
 hands the candidates to ``choice.choose``. The load it uses for a prefill is the larger of
 its last report's requests in flight and the requests this router is relaying to it now
 (a burst counts before the next report). ``count_decision`` records the metrics once the
-request is on its way. With ``policy="round-robin"`` (the experiments' baseline) the
+request is on its way. ``decide_waiting`` decides once a prefill can take the request (a
+rollout's gap: none is routable, or those that are refused it for want of a decode), or
+gives up at a deadline. With ``policy="round-robin"`` (the experiments' baseline) the
 candidates go to ``choice.round_robin`` instead, in turn.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 from .choice import Candidate, Choice, choose, round_robin
 from .index import PrefixIndex
@@ -19,6 +23,7 @@ from .prefills import PrefillSet
 from .prompt import prompt_hashes, prompt_key
 
 log = logging.getLogger(__name__)
+WAIT_POLL_S = 0.05  # how often a request waiting for a prefill that can take it looks again
 
 
 class Router:
@@ -54,6 +59,20 @@ class Router:
         first_bs = watches[0].load.block_size or 1
         return choose(candidates, len(ids), prompt_key(ids, first_bs), self.load_weight)
 
+    async def decide_waiting(self, prompt_ids: list[int] | None, until: float,
+                             refused: dict[str, float] | None = None) -> Choice | None:
+        """``decide`` once a prefill is routable that has not refused this request since its last load report
+        (``refused``: prefill -> when), or None at ``until`` (monotonic): a rollout or a restart can leave a
+        few seconds with none."""
+        refused = refused or {}
+        while time.monotonic() < until:
+            await asyncio.sleep(max(0.0, min(WAIT_POLL_S, until - time.monotonic())))
+            choice = self.decide(prompt_ids)
+            watches = self.prefills.watches
+            if choice is not None and any(a in watches and not refusing(watches[a], refused) for a in choice.ranking):
+                return choice
+        return None
+
     def count_decision(self, address: str, reason: str, choice: Choice, prompt_ids: list[int] | None) -> None:
         log.debug("route -> %s (%s, %d cached blocks)", address, reason, choice.overlap_blocks)
         if self.metrics is None:
@@ -67,3 +86,9 @@ class Router:
 
     def state(self) -> dict:
         return {address: w.state() for address, w in sorted(self.prefills.watches.items())}
+
+
+def refusing(watch, refused: dict[str, float]) -> bool:
+    """The prefill refused this request for want of a decode and has not reported its load since."""
+    at = refused.get(watch.address)
+    return at is not None and watch.load_at <= at

@@ -66,25 +66,39 @@ def test_decode_changes_reach_prefill_discovery_without_restart(kube, operator, 
         wait_for(kube, lambda: discovery.addresses() == [], "pool big scaled to zero", op=operator)
 
 
-def test_after_a_protocol_upgrade_old_prefills_see_no_new_decodes(kube, operator, ns):
+def test_a_protocol_upgrade_keeps_old_prefills_on_old_decodes_until_the_prefills_rolled(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
     wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 5, "5 pods", op=operator)
     old_selector = prefill_selector(kube, ns)
     token = kube.token_kubeconfig(ns, "chat-prefill")
-    mark_pods_ready(kube, ns, "pdserve.io/role=decode")
+    old = {f"{ip}:{defaults.DECODE_GRPC_PORT}" for ip in mark_pods_ready(kube, ns, "pdserve.io/role=decode")}
+    retired = "pdserve.io/retired=true"
 
     with Watcher(ns, old_selector, str(token)) as old_view:
-        wait_for(kube, lambda: len(old_view.addresses()) == 3, f"3 decodes of version {OLD}")
+        wait_for(kube, lambda: set(old_view.addresses()) == old and len(old) == 3, f"3 decodes of version {OLD}")
         kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"protocolVersion": NEW}}))
-        # The decode Services now carry (and select) the new version: an old-version prefill sees none of them.
-        wait_for(kube, lambda: old_view.addresses() == [], "old-version prefill losing every decode", op=operator)
         new_selector = wait_for(kube, lambda: (lambda s: s if s.endswith(f"protocol-version={NEW}") else None)(
             prefill_selector(kube, ns)), "prefill Deployment on the new version", op=operator)
         assert new_selector != old_selector
+        # each decode Service now selects the new version; a copy of it for the old one stays (retired), so an
+        # old-version prefill keeps its decodes while they roll, instead of none at once
+        wait_for(kube, lambda: len(names(kube, "services", ns, retired)) == 2, "the two retired decode Services",
+                 op=operator)
+        wait_for(kube, lambda: get_json(kube, "service", "chat-decode-main", "-n", ns)["metadata"]["labels"][
+            "pdserve.io/protocol-version"] == NEW, "the main decode Service on the new version", op=operator)
+        assert set(old_view.addresses()) == old
         with Watcher(ns, new_selector, str(token)) as new_view:
             wait_for(kube, lambda: names(kube, "pods", ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=decode"),
                      "new-version decode pods", op=operator)
-            new = mark_pods_ready(kube, ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=decode")
-            wait_for(kube, lambda: set(new_view.addresses()) >= {f"{ip}:{defaults.DECODE_GRPC_PORT}" for ip in new},
-                     "new-version prefill seeing new-version decodes")
-            assert old_view.addresses() == []
+            new = {f"{ip}:{defaults.DECODE_GRPC_PORT}"
+                   for ip in mark_pods_ready(kube, ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=decode")}
+            wait_for(kube, lambda: set(new_view.addresses()) == new, "new-version prefill seeing new-version decodes only")
+            assert set(old_view.addresses()) <= old  # never a new one (old ones go as their Deployments roll)
+            # the prefill rolls: once no old-version prefill is left, neither are the retired Services
+            wait_for(kube, lambda: names(kube, "pods", ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=prefill"),
+                     "the new-version prefill pod", op=operator)
+            mark_pods_ready(kube, ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=prefill")
+            wait_for(kube, lambda: names(kube, "services", ns, retired) == [], "the retired Services deleted",
+                     op=operator, timeout=60)
+            wait_for(kube, lambda: old_view.addresses() == [], "old-version prefill view empty")
+            assert set(new_view.addresses()) == new
