@@ -65,3 +65,27 @@ def cdf(ax, values: list[float], label: str, scale: float = 1000.0) -> None:
 
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
+
+
+def bars_and_ttft_cdf(path: Path, title: str, bars: dict[str, float], bar_title: str, ttfts: dict[str, list[float]],
+                      colors: list[str], bar_ylabel: str | None = None, ttft_label: str = "TTFT (ms)") -> Path:
+    """The two-panel figure of several experiments: one bar per run (left), each run's TTFT CDF (right)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    axes[0].bar(list(bars), list(bars.values()), color=colors[:len(bars)])
+    if bar_ylabel:
+        axes[0].set_ylabel(bar_ylabel)
+    axes[0].set_title(bar_title)
+    for name, values in ttfts.items():
+        cdf(axes[1], values, name)
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel(ttft_label)
+    axes[1].set_ylabel("fraction of requests")
+    axes[1].set_title("CDF of TTFT")
+    axes[1].legend()
+    axes[1].grid(True, alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -124,22 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plot(runs: dict, path: Path) -> Path:
-    plt = report.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = list(runs)
-    axes[0].bar(names, [runs[n]["kv_bytes_moved"] / 1e6 for n in names], color=["tab:gray", "tab:blue", "tab:green"])
-    axes[0].set_ylabel("MB")
-    axes[0].set_title("KV bytes moved prefill -> decodes")
-    for n in names:
-        report.cdf(axes[1], runs[n]["ttft_s"], n)
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("TTFT (ms)")
-    axes[1].set_ylabel("fraction of requests")
-    axes[1].set_title("CDF of TTFT")
-    axes[1].legend()
-    axes[1].grid(True, alpha=0.3)
-    fig.suptitle("Experiment 6: decode-side prefix reuse and cost-based disaggregation (multi-turn chat)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.bars_and_ttft_cdf(
+        path, "Experiment 6: decode-side prefix reuse and cost-based disaggregation (multi-turn chat)",
+        {n: r["kv_bytes_moved"] / 1e6 for n, r in runs.items()}, "KV bytes moved prefill -> decodes",
+        {n: r["ttft_s"] for n, r in runs.items()}, ["tab:gray", "tab:blue", "tab:green"], bar_ylabel="MB")

@@ -112,21 +112,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plot(runs: dict, path: Path) -> Path:
-    plt = report.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = list(runs)
-    axes[0].bar([f"{n}\nrefusals" for n in names], [runs[n]["refusals"] for n in names], color=["tab:orange", "tab:blue"])
-    axes[0].set_title("KV allocation refusals (all decodes)")
-    for n in names:
-        report.cdf(axes[1], runs[n]["ttft_s"], n)
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("TTFT (ms)")
-    axes[1].set_ylabel("fraction of requests")
-    axes[1].set_title("CDF of TTFT")
-    axes[1].legend()
-    axes[1].grid(True, alpha=0.3)
-    fig.suptitle("Experiment 3: weighted round robin (free KV) vs round robin")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.bars_and_ttft_cdf(
+        path, "Experiment 3: weighted round robin (free KV) vs round robin",
+        {f"{n}\nrefusals": r["refusals"] for n, r in runs.items()}, "KV allocation refusals (all decodes)",
+        {n: r["ttft_s"] for n, r in runs.items()}, ["tab:orange", "tab:blue"])

@@ -211,23 +211,8 @@ def _median(values):
 
 
 def plot(runs: dict, path: Path) -> Path:
-    plt = report.pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = list(runs)
-    axes[0].bar(names, [_median([r["prefill_tokens_computed"] for r in runs[n]]) for n in names],
-                color=["tab:gray", "tab:blue"])
-    axes[0].set_ylabel("prompt tokens")
-    axes[0].set_title("Prompt tokens the prefill computed (median)")
-    for n in names:
-        report.cdf(axes[1], [t for r in runs[n] for t in r["ttft_s"]], n)
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel("TTFT (ms), turns after the first")
-    axes[1].set_ylabel("fraction of requests")
-    axes[1].set_title("CDF of TTFT")
-    axes[1].legend()
-    axes[1].grid(True, alpha=0.3)
-    fig.suptitle("Experiment 9: prefix-cache tiers (host, disk), multi-turn chat, working set 4x the pool")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.bars_and_ttft_cdf(
+        path, "Experiment 9: prefix-cache tiers (host, disk), multi-turn chat, working set 4x the pool",
+        {n: _median([r["prefill_tokens_computed"] for r in rs]) for n, rs in runs.items()},
+        "Prompt tokens the prefill computed (median)", {n: [t for r in rs for t in r["ttft_s"]] for n, rs in runs.items()},
+        ["tab:gray", "tab:blue"], bar_ylabel="prompt tokens", ttft_label="TTFT (ms), turns after the first")

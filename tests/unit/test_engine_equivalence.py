@@ -5,17 +5,11 @@ preempted vs not."""
 import pytest
 import torch
 
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 from harness.engine_runs import run_all, run_pd
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, seed=1234, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.set_num_threads(1)
-    return load_model("tiny", seed=0)
 
 
 def _prompts(tiny):

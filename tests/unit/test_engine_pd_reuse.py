@@ -3,19 +3,12 @@ decode's prefix cache, pinned by the reservation) and ``prefill_reserved`` (the 
 the prompt's missing KV itself). Greedy tokens equal the colocated engine's, reuse on or off."""
 
 import pytest
-import torch
 
 from harness.engine_runs import last_moved, run_all, run_pd
-from pdserve.engine import EngineConfig, LLMEngine, OutOfBlocksError, SamplingParams, blocks_needed, load_model
+from pdserve.engine import EngineConfig, LLMEngine, OutOfBlocksError, SamplingParams, blocks_needed
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.set_num_threads(1)
-    return load_model("tiny", seed=0)
 
 
 def _engine(tiny, num_blocks=64):

@@ -6,16 +6,10 @@ import pytest
 import torch
 
 from harness.engine_runs import run_all
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 BS = 4
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.set_num_threads(1)
-    return load_model("tiny", seed=0)
 
 
 def _engine(tiny, num_blocks=64):

@@ -6,20 +6,13 @@ recomputing it (a fresh engine without tiers), on the colocated path, on the pre
 import os
 
 import pytest
-import torch
 
 from harness.engine_runs import run_all
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
 
 BS = 4
 POOL = 16  # blocks: one ~40-token conversation and its answer fill most of it
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    torch.set_num_threads(1)
-    return load_model("tiny", seed=0)
 
 
 def _engine(tiny, tmp_path=None, host_blocks=0, disk_blocks=0):
