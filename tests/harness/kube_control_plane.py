@@ -33,6 +33,7 @@ CONTROL_PLANE_BINARIES = ("etcd", "kube-apiserver", "kube-controller-manager")
 CLIENT_BINARIES = ("kubectl", "helm")
 SERVICE_CIDR = "10.96.0.0/16"  # routed only by a real node's kube-proxy; the first IP is kubernetes.default
 START_TIMEOUT_S = 180.0
+CM_STARTS = 3  # times the controller manager is started before its exit fails the start-up
 
 
 class KubeToolsMissing(RuntimeError):
@@ -220,19 +221,27 @@ def control_plane(work_dir: Path, bin_dir: Path | None = None, node_ip: str | No
         admin_kubeconfig = work_dir / "admin.kubeconfig"
         write_kubeconfig(admin_kubeconfig, cluster_entry, "pdserve-admin",
                          {"client-certificate-data": _b64(pki.admin[1]), "client-key-data": _b64(pki.admin[0])})
-        # Started at once: it retries until the API server answers, which overlaps their start-up.
-        controller_manager = group.start([
+        # Started at once: it retries until the API server answers, which overlaps their start-up. On a
+        # loaded box the API server can still lack its bootstrap RBAC roles when the controller manager's
+        # 10 s wait for /healthz ends ("forbidden"): it exits, and is started again (CM_STARTS in all).
+        cm_argv = [
             str(bin_dir / "kube-controller-manager"), f"--kubeconfig={cm_kubeconfig}", "--secure-port=0",
             "--leader-elect=false", f"--root-ca-file={pki.ca[1]}", f"--service-account-private-key-file={pki.sa_key}",
             "--use-service-account-credentials=true", f"--service-cluster-ip-range={SERVICE_CIDR}", "--v=1",
             f"--controllers={controllers}",
-        ], name="kube-controller-manager", preexec_fn=_die_with_parent)
+        ]
+        cm = {"proc": group.start(cm_argv, name="kube-controller-manager", preexec_fn=_die_with_parent), "starts": 1,
+              "name": "kube-controller-manager"}
 
         ctx = ssl.create_default_context(cafile=str(pki.ca[1]))
         ctx.load_cert_chain(str(pki.admin[1]), str(pki.admin[0]))
 
         def up(path: str) -> bool:
-            for name, proc in (("etcd", etcd), ("kube-apiserver", apiserver), ("kube-controller-manager", controller_manager)):
+            if cm["proc"].poll() is not None and cm["starts"] < CM_STARTS:
+                cm["starts"] += 1
+                cm["name"] = f"kube-controller-manager-{cm['starts']}"
+                cm["proc"] = group.start(cm_argv, name=cm["name"], preexec_fn=_die_with_parent)
+            for name, proc in (("etcd", etcd), ("kube-apiserver", apiserver), (cm["name"], cm["proc"])):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited with {proc.returncode}; its log ends:\n{_log_tail(logs / f'{name}.log')}")
             return _https_get(server + path, ctx) == 200

@@ -138,7 +138,11 @@ def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube,
     assert names(kube, "services", ns, selector) == ["chat-decode-big", "chat-decode-main"]
     service = get_json(kube, "service", "chat-decode-main", "-n", ns)
     assert service["spec"]["selector"]["pdserve.io/protocol-version"] == new
-    assert names(kube, "services", ns, selector.replace(f"={new}", f"={old}")) == []
+    # Old-version prefills still find the old decodes, through retired copies of the Services that stay until
+    # the prefills have rolled (no pod gets Ready here, so they stay: test_k8s_operator_discovery.py sees them go)
+    retired = [f"chat-decode-big-v{old}", f"chat-decode-main-v{old}"]
+    assert names(kube, "services", ns, selector.replace(f"={new}", f"={old}")) == retired
+    assert names(kube, "services", ns, "pdserve.io/retired=true") == retired
     # New ReplicaSets exist (the Deployments roll); pods of the new version are being created.
     wait_for(kube, lambda: names(kube, "pods", ns, f"pdserve.io/protocol-version={new},pdserve.io/pool=main"),
              "new-version decode pods", op=operator)
