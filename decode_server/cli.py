@@ -3,7 +3,8 @@
 Serves gRPC ``Decode.Session`` (one bidirectional stream per request) and
 ``Decode.GetLoadReport`` on --port, the CacheStore receiver (tcp listener or nixl agent)
 on --kv-port, ``KvEvents`` (its prefix cache as a snapshot then numbered events, for the
-prefills' decode pickers) on --port too, and HTTP /health (JSON: sessions, KV blocks, CacheStore entries),
+prefills' decode pickers) on --port too, with --kv-pool the KV pool's KVLender on
+--kv-pool-port (blocks lent to peers; kvpool/decode_pool.py), and HTTP /health (JSON: sessions, KV blocks, CacheStore entries),
 /ready and /metrics on --http-port. SIGTERM/SIGINT: stop admitting (draining, refusals
 say so), let live sessions finish for --drain-timeout seconds, then stop.
 
@@ -35,6 +36,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never evict a batch request's KV to host memory while an interactive request misses "
                              "its TBT target (on by default; it acts only for requests of SLO classes: a class with "
                              "a tbtMs target is protected, one with neither ttftMs nor tbtMs may be evicted)")
+    p = parser.add_argument_group("KV pool (DistKV-LLM; off unless --kv-pool)")
+    p.add_argument("--kv-pool", default="", metavar="GMANAGER",
+                   help="host:port of the KV pool's gManager: lend free KV blocks to peer decodes, and borrow theirs "
+                        "for a (greedy) request too big for our free blocks")
+    p.add_argument("--kv-pool-port", type=int, default=defaults.KV_POOL_PORT, help="KVLender gRPC port (lent blocks)")
+    p.add_argument("--kv-pool-lend-fraction", type=_fraction, default=0.5,
+                   help="at most this fraction of our KV blocks is lent to peers (the rest stays for our own requests)")
+    p.add_argument("--kv-pool-instance-id", default=None,
+                   help="our name in the pool's ledger (default: the advertised host:--kv-pool-port)")
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +80,14 @@ async def serve(args: argparse.Namespace) -> int:
     kv_events = KvEventPublisher(args.block_size)
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()
+    pool = None
+    if args.kv_pool:
+        from pdserve.kvpool.decode_pool import DecodePool
+
+        host = args.advertise_host or args.host
+        pool = DecodePool(engine, args.kv_pool_instance_id or f"{host}:{args.kv_pool_port}", args.kv_pool, args.host,
+                          args.kv_pool_port, args.advertise_host, args.kv_pool_lend_fraction)
+        pool.start()
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=args.transfer, host=args.host,
                                   port=args.kv_port, advertise_host=args.advertise_host,
                                   require_checksum=args.kv_checksum,
@@ -71,7 +96,7 @@ async def serve(args: argparse.Namespace) -> int:
     service = DecodeService(
         engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
         max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
-        session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction,
+        session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool,
     )
     registry = service.registry
     metrics.track_load(lambda: EngineLoad(waiting=registry.waiting(), running=registry.running(),
@@ -119,5 +144,7 @@ async def serve(args: argparse.Namespace) -> int:
     await server.stop(grace=1.0)
     await runner.cleanup()
     await receiver.stop()
+    if pool is not None:
+        await asyncio.to_thread(pool.stop)
     await engine.stop()
     return 0

@@ -18,10 +18,19 @@ Request lifecycle (a request too long for one decode's KV pool):
 
 Reading path: ``attention.py`` (the merge math), ``ledger.py`` (the gManager's ledger),
 ``loans.py`` (a lender's loans, bounded by its reserve), ``rmanager.py`` (KVLender + the
-Borrower), ``pooled.py`` (one pooled request), ``gmanager.py`` and ``node.py`` (the processes:
-``pdserve kvpool gmanager|node``); the wire is ``protos/kvpool.proto``.
+Borrower), ``pooled.py`` (one pooled request), ``reporting.py`` (an rManager's reports to the
+gManager), ``gmanager.py`` and ``node.py`` (the processes: ``pdserve kvpool gmanager|node``);
+``engine_thread.py`` and ``decode_pool.py`` (the pool inside a P/D decode: ``pdserve decode
+--kv-pool``); the wire is ``protos/kvpool.proto``.
 
-Not (yet) here: the decode server's Session path does not use the pool (a pooled request
-enters through ``KVNode.Generate``); the prefill server does not place KV on lenders through
-the CacheStore; no DGFM debt-cycle defragmentation; greedy sampling only on the pooled path.
+In P/D (``pdserve decode --kv-pool <gManager>``): the decode lends at most
+``--kv-pool-lend-fraction`` of its blocks; a greedy request too big for its free blocks is
+served pooled (its Allocation says ``pooled``; prefill answers ComputePrompt and the decode
+computes the prompt, putting the overflow's KV on the lenders with PutKV); its load reports
+carry the pool's room so the prefills' pickers and the 413 check count it.
+
+Not (yet) here: the prefill server does not place KV on lenders through the CacheStore (a
+pooled request's prompt is computed on its decode); no DGFM debt-cycle defragmentation;
+greedy sampling only on the pooled path (no logprobs, stop strings or grammar there); a
+pooled request runs its own decode loop (one token at a time), not in the continuous batch.
 """

@@ -140,7 +140,8 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
             lent = self.book.lent()
         return kvpool_pb2.InstanceReport(
             instance_id=instance, address=address, free_blocks=free, lendable_blocks=self.book.lendable(free),
-            lent=[kvpool_pb2.Debt(borrower=b, blocks=n) for b, n in sorted(lent.items())], version=KVPOOL_VERSION)
+            lent=[kvpool_pb2.Debt(borrower=b, blocks=n) for b, n in sorted(lent.items())], version=KVPOOL_VERSION,
+            max_lendable_blocks=self.book.lendable(self.engine.num_blocks))
 
 
 @dataclass(slots=True)

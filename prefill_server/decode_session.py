@@ -14,7 +14,9 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    or ``Refusal``; a refusal, an unreachable decode or a broken stream raises ``Retryable``
    so the node can try the next decode: nothing has reached the client yet.
 3. **decide** - the Disaggregator (cost model, cost_model.py) chooses where the prompt is
-   computed: remote (steps 4r-5r, today's P/D path) or local (4l).
+   computed: remote (steps 4r-5r, today's P/D path) or local (4l). An Allocation that says
+   ``pooled`` (the decode's KV pool holds part of the request on its lenders, no block ids for
+   us) always goes 4l: the decode computes the prompt and places the overflow on its lenders.
 4r. **prefill + push** - bind the request in the CacheStore sender to decode's blocks and
    run prefill layer by layer; the engine's per-layer callback hands each layer's blocks
    after the decode's cached ones to ``sender.store`` (non-blocking), so the wire works while
@@ -64,7 +66,7 @@ from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
 from pdserve.protos.version import PROTOCOL_VERSION
 
-from .cost_model import LOCAL, link_busy_seconds
+from .cost_model import LOCAL, Decision, link_busy_seconds
 from .session_protocol import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionObserver,
                                SessionTimings, decode_reservation, first_token_finishes, logprob_from_proto, rpc_reason,
                                sampling_to_proto)
@@ -176,7 +178,10 @@ class SessionRunner:
                 await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)
             # 3. decide (before this session counts in the decode's load: it stalls the others, not itself)
             prefill_cached = self.disaggregator.prefill_cached_blocks(prompt_ids)
-            decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached)
+            if alloc.pooled:  # no blocks to push into: the decode computes it, its overflow goes to its lenders
+                decision = Decision(LOCAL, "pooled")
+            else:
+                decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached)
             timings.where = decision.where
             # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
@@ -336,7 +341,9 @@ class SessionRunner:
         if not 0 <= cached < start.blocks_needed or (cached and not start.reuse_prefix):
             raise Retryable(f"{address}: allocated with {cached} cached blocks for a prompt of {start.blocks_needed}"
                             f"{'' if start.reuse_prefix else ' (no reuse asked)'}")
-        if len(alloc.block_ids) != start.blocks_needed - cached:
+        if alloc.pooled and (alloc.block_ids or cached):
+            raise Retryable(f"{address}: a pooled allocation came with block ids or cached blocks")
+        if not alloc.pooled and len(alloc.block_ids) != start.blocks_needed - cached:
             raise Retryable(f"{address}: allocated {len(alloc.block_ids)} blocks, "
                             f"{start.blocks_needed - cached} needed ({cached} cached)")
         return alloc
