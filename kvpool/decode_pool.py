@@ -46,7 +46,7 @@ def reserve_for(num_blocks: int, lend_fraction: float) -> int:
     """Free blocks never lent: the pool minus the lendable fraction (rounded down)."""
     if not 0.0 <= lend_fraction <= 1.0:
         raise ValueError(f"--kv-pool-lend-fraction must be within [0, 1], got {lend_fraction}")
-    return num_blocks - math.floor(num_blocks * lend_fraction)
+    return num_blocks - math.floor(num_blocks * lend_fraction + 1e-9)  # 7/8 of 8 is 7, float error or not
 
 
 class DecodePool:

@@ -143,6 +143,21 @@ def test_what_the_pool_cannot_serve_is_refused_as_too_large(cluster):
     _check_released(c, c["decodes"])
 
 
+def test_a_client_that_goes_away_mid_request_leaves_no_loan_behind(cluster):
+    from pdserve.protos import generate_pb2 as gpb
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    c = cluster
+    request = gpb.GenerateRequest(prompt_token_ids=_prompt(900, seed=5), max_tokens=300, temperature=0.0,
+                                  request_id="gone", ignore_eos=True)
+    with grpc.insecure_channel(c["prefill"].grpc_address) as ch:
+        call = gpb_grpc.GeneratorStub(ch).Generate(request, timeout=180)
+        next(call)  # the pooled request is decoding
+        assert sum(_pool(d)["loans"] for d in c["decodes"]) == 2  # 11 blocks borrowed: 7 + 4
+        call.cancel()
+    _check_released(c, c["decodes"])
+
+
 def test_a_lender_killed_mid_request_fails_only_that_request_and_leaves_nothing(cluster):
     c = cluster
     outcome = {}
@@ -181,3 +196,34 @@ def test_a_lender_killed_mid_request_fails_only_that_request_and_leaves_nothing(
 
 def _pool_name(decode) -> str:
     return decode.name  # --kv-pool-instance-id is the server's name here
+
+
+def test_a_borrower_killed_mid_request_leaves_no_loan_behind(cluster):
+    # after the lender test: two decodes are left (8 blocks each, lending 7)
+    c = cluster
+    alive = [d for d in c["decodes"] if d.proc.poll() is None]
+    assert len(alive) == 2
+    outcome = {}
+
+    def run():
+        try:
+            outcome["tokens"] = _generate(c, "orphan", _prompt(600, seed=6), 200)
+        except grpc.RpcError as e:
+            outcome["error"] = e
+
+    worker = threading.Thread(target=run)  # 13 blocks: 8 on the borrower, 5 borrowed from the other
+    worker.start()
+    lender = []
+
+    def borrowed():
+        lender[:] = [d for d in alive if _pool(d)["loans"]]
+        return len(lender) == 1
+
+    _wait(borrowed, "the request borrowed", timeout=60)
+    borrower = next(d for d in alive if d is not lender[0])
+    c["group"].kill(borrower.proc)
+    worker.join(timeout=60)
+    assert "error" in outcome, "the request finished though its decode was killed"
+    # the lender frees the loan once the gManager no longer lists its borrower (ttl)
+    _check_released(c, lender)
+    assert _ledger(c) == {lender[0].name: {}}
