@@ -88,6 +88,9 @@ async def serve(args: argparse.Namespace) -> int:
         pool = DecodePool(engine, args.kv_pool_instance_id or f"{host}:{args.kv_pool_port}", args.kv_pool, args.host,
                           args.kv_pool_port, args.advertise_host, args.kv_pool_lend_fraction)
         pool.start()
+        metrics.follow_counter("kv_pool_pooled_requests", lambda: pool.stats()["pooled_requests_total"])
+        metrics.follow_counter("kv_pool_borrowed_blocks", lambda: pool.stats()["borrowed_blocks_total"])
+        metrics.follow_gauge("kv_pool_lent_blocks", lambda: pool.stats()["lent_blocks"])
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=args.transfer, host=args.host,
                                   port=args.kv_port, advertise_host=args.advertise_host,
                                   require_checksum=args.kv_checksum,

@@ -66,7 +66,8 @@ class DecodePool:
         self.reporter = Reporter(self.lender, self.gmanager, instance_id, self.address)
         self.report_interval_s = report_interval_s
         self._room = (0, 0)
-        self.pooled_requests = self.borrowed_blocks = 0  # totals since start (/health)
+        self.pooled_requests = self.borrowed_blocks = 0  # totals since start (/health, metrics)
+        self._counts = threading.Lock()  # guards those two (never held across an engine call: read at scrapes)
         self._stop = threading.Event()
         self._server: grpc.Server | None = None
         self._thread: threading.Thread | None = None
@@ -110,7 +111,7 @@ class DecodePool:
             raise
         finally:
             self.lender.on_change()  # our free blocks changed
-        with self.lock:
+        with self._counts:
             self.pooled_requests += 1
             self.borrowed_blocks += sum(loan.blocks for loan in pooled.loans)
         return pooled
@@ -139,9 +140,9 @@ class DecodePool:
     def stats(self) -> dict:
         """For /health: loans held here for peers (``loans``, ``lent_blocks``: back to 0 when idle),
         the pool's room for us, and the requests we served pooled and the blocks they borrowed (totals)."""
-        with self.lock:
-            loans, lent = len(self.lender.book.loans), self.lender.book.lent_blocks()
+        loans = list(self.lender.book.loans.values())  # a snapshot: self.lock may be held across an engine call
+        with self._counts:
             pooled, borrowed = self.pooled_requests, self.borrowed_blocks
         free, total = self._room
-        return {"instance_id": self.instance_id, "loans": loans, "lent_blocks": lent, "pool_free_blocks": free,
+        return {"instance_id": self.instance_id, "loans": len(loans), "lent_blocks": sum(len(l.block_ids) for l in loans), "pool_free_blocks": free,
                 "pool_total_blocks": total, "pooled_requests_total": pooled, "borrowed_blocks_total": borrowed}

@@ -17,7 +17,7 @@ import time
 import grpc
 import pytest
 
-from harness.pd_cluster import get_json, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
 from harness.procs import ProcessGroup
 from pdserve.net import free_port
 from pdserve.protos import kvpool_pb2, kvpool_pb2_grpc
@@ -125,6 +125,8 @@ def test_a_prompt_longer_than_one_decodes_pool_completes_over_pd_bit_exact(clust
     pools = [_pool(d) for d in c["decodes"]]
     assert sum(p["pooled_requests_total"] for p in pools) == before + 1, pools
     assert sum(p["borrowed_blocks_total"] for p in pools) >= 13, pools
+    assert sum(metric(d.url, "pdserve_kv_pool_pooled_requests_total") for d in c["decodes"]) == before + 1
+    assert sum(metric(d.url, "pdserve_kv_pool_borrowed_blocks_total") for d in c["decodes"]) >= 13
     _check_released(c, c["decodes"])
 
 
