@@ -5,8 +5,9 @@ Serves gRPC ``Decode.Session`` (one bidirectional stream per request) and
 on --kv-port, ``KvEvents`` (its prefix cache as a snapshot then numbered events, for the
 prefills' decode pickers) on --port too, with --kv-pool the KV pool's KVLender on
 --kv-pool-port (blocks lent to peers; kvpool/decode_pool.py), and HTTP /health (JSON:
-sessions, KV blocks, CacheStore entries, the pool's loans), /ready and /metrics on --http-port. SIGTERM/SIGINT: stop admitting (draining, refusals
-say so), let live sessions finish for --drain-timeout seconds, then stop.
+sessions, KV blocks, CacheStore entries, the pool's loans), /ready and /metrics on
+--http-port. SIGTERM/SIGINT: stop admitting (draining, refusals say so), let live sessions
+finish for --drain-timeout seconds, then stop.
 
 Request lifecycle on decode: see decode_server/session.py (admit -> allocate (reusing the
 prompt's cached prefix when prefill asks) -> transfer, or compute the prompt here -> decode ->
