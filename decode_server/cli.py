@@ -81,22 +81,23 @@ async def serve(args: argparse.Namespace) -> int:
     kv_events = KvEventPublisher(args.block_size)
     engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
     await engine.start()
-    pool = None
-    if args.kv_pool:
-        from pdserve.kvpool.decode_pool import DecodePool
-
-        host = args.advertise_host or args.host
-        pool = DecodePool(engine, args.kv_pool_instance_id or f"{host}:{args.kv_pool_port}", args.kv_pool, args.host,
-                          args.kv_pool_port, args.advertise_host, args.kv_pool_lend_fraction)
-        pool.start()
-        metrics.follow_counter("kv_pool_pooled_requests", lambda: pool.stats()["pooled_requests_total"])
-        metrics.follow_counter("kv_pool_borrowed_blocks", lambda: pool.stats()["borrowed_blocks_total"])
-        metrics.follow_gauge("kv_pool_lent_blocks", lambda: pool.stats()["lent_blocks"])
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=args.transfer, host=args.host,
                                   port=args.kv_port, advertise_host=args.advertise_host,
                                   require_checksum=args.kv_checksum,
                                   on_checksum_mismatch=lambda rid, layer: metrics.kv_checksum_mismatches.inc())
     await receiver.start()
+    pool = None
+    if args.kv_pool:  # after the receiver: lenders take a pooled request's KV from the prefill through it
+        from pdserve.kvpool.decode_pool import DecodePool, ReceiverInbox
+
+        host = args.advertise_host or args.host
+        pool = DecodePool(engine, args.kv_pool_instance_id or f"{host}:{args.kv_pool_port}", args.kv_pool, args.host,
+                          args.kv_pool_port, args.advertise_host, args.kv_pool_lend_fraction,
+                          inbox=ReceiverInbox(receiver, asyncio.get_running_loop()))
+        pool.start()
+        metrics.follow_counter("kv_pool_pooled_requests", lambda: pool.stats()["pooled_requests_total"])
+        metrics.follow_counter("kv_pool_borrowed_blocks", lambda: pool.stats()["borrowed_blocks_total"])
+        metrics.follow_gauge("kv_pool_lent_blocks", lambda: pool.stats()["lent_blocks"])
     service = DecodeService(
         engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
         max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
@@ -147,8 +148,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.warning("stopping with %d session(s) still open", left)
     await server.stop(grace=1.0)
     await runner.cleanup()
-    await receiver.stop()
-    if pool is not None:
+    if pool is not None:  # before the receiver: releasing a loan deletes its CacheStore entry
         await asyncio.to_thread(pool.stop)
+    await receiver.stop()
     await engine.stop()
     return 0

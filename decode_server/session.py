@@ -49,8 +49,11 @@ Leases (each wait on prefill has a timer, so step 5 always comes):
 
 With a KV pool (``--kv-pool``), a request whose KV does not fit the blocks free here takes
 the pooled path in step 2 (pooled_session.py): local blocks plus blocks borrowed from peers,
-an Allocation that says ``pooled``, the prompt computed here (prefill answers ComputePrompt),
-greedy tokens streamed from the pooled request; step 5 releases its loans and local blocks.
+an Allocation that says ``pooled`` and lists where each part of the prompt's KV goes (our
+leading blocks, then each lender's: the prefill pushes them there; or, when not one prompt
+block fits here, none: prefill answers ComputePrompt and the prompt is computed here); in
+step 3 the lenders' parts must arrive too; greedy tokens come from the pooled request; step
+5 releases its loans and local blocks.
 
 A DecodeSession is given its collaborators as ``SessionDeps`` (the engine adapter, the
 CacheStore receiver, the session registry, the metrics, the limits), never the service. The
@@ -139,10 +142,11 @@ class DecodeSession(SessionStream):
             self.info.stage = "transfer"
             arrivals = asyncio.ensure_future(self._record_layer_arrivals(timeout))
             answer = await self.until_peer_gone_or(self.answer, timeout, "the first token")
-            if self.pooled is not None:
-                if not isinstance(answer, pb.ComputePrompt):
-                    raise SessionEnded("this request's KV lives partly on KV pool lenders: the Allocation said "
-                                       "pooled, so prefill must answer ComputePrompt, not FirstToken")
+            if self.pooled is not None and self.pooled.pushed != isinstance(answer, pb.FirstToken):
+                raise SessionEnded(f"a pooled request's Allocation {'listed' if self.pooled.pushed else 'had no'} "
+                                   f"blocks to push into: prefill must answer "
+                                   f"{'FirstToken' if self.pooled.pushed else 'ComputePrompt'}")
+            if self.pooled is not None and not self.pooled.pushed:
                 self.info.stage = "decode"
                 await self.until_peer_gone_or(self._decode_pooled(start), None, "decoding")
                 return
@@ -161,6 +165,9 @@ class DecodeSession(SessionStream):
             # finish the request and hand its blocks to another request's expect().
             deps.receiver.delete(self.request_id)
             self.expected = False
+            if self.pooled is not None:  # the lenders' parts too
+                remaining = max(0.01, deadline - time.monotonic())
+                await self.until_peer_gone_or(self._pooled_kv_in(remaining), remaining + 1.0, "the lenders' KV")
             deps.metrics.kv_in(time.monotonic() - self.info.started, moved=n_blocks - self.cached_blocks,
                                reused=self.cached_blocks)
             if answer.finished:
@@ -168,6 +175,9 @@ class DecodeSession(SessionStream):
                 self.outcome = ("ok", answer.finish_reason or "stop")
                 return
             self.info.stage = "decode"
+            if self.pooled is not None:
+                await self.until_peer_gone_or(self._decode_pooled(start, answer.token_id), None, "decoding")
+                return
             await self.until_peer_gone_or(self._decode(start, answer.token_id), None, "decoding")
         except SessionEnded as exc:
             log.info("session %s ended: %s", self.request_id, exc.reason)
@@ -244,24 +254,38 @@ class DecodeSession(SessionStream):
         """Step 2 on the pooled path: local blocks + loans, then the pooled Allocation; the
         refusal when the pool has no room either (transient, like out_of_blocks here)."""
         deps, rid = self.deps, start.request_id
+        timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
         try:
-            self.pooled = await PooledDecode.open(deps.pool, start)
+            self.pooled = await PooledDecode.open(deps.pool, start, timeout)
         except deps.out_of_blocks_error as exc:
             return "out_of_blocks", f"{why_not_local}; the KV pool: {exc}"
         except LenderLost as exc:  # while lending: nothing is held
             return "out_of_blocks", f"{why_not_local}; the KV pool: {exc}"
         self.info = SessionInfo(rid, "allocate", num_blocks=self.pooled.local_blocks)
         deps.registry.add(self.info)
-        log.info("session %s: pooled (%d local blocks, loans from %s)", rid, self.pooled.local_blocks,
-                 ", ".join(f"{l.lender}: {l.blocks}" for l in self.pooled.request.loans) or "nobody")
-        await self.write(allocation=pb.Allocation(cachestore_endpoint=deps.receiver.endpoint, pooled=True))
+        log.info("session %s: pooled (%d local blocks, loans from %s; the prompt's KV %s)", rid,
+                 self.pooled.local_blocks, ", ".join(f"{l.lender}: {l.blocks}" for l in self.pooled.request.loans)
+                 or "nobody", "pushed by prefill" if self.pooled.pushed else "computed here")
+        allocation = pb.Allocation(cachestore_endpoint=deps.receiver.endpoint, pooled=True)
+        if self.pooled.pushed:
+            allocation.block_ids.extend(deps.receiver.expect(rid, self.pooled.local_prompt_blocks(), timeout))
+            self.expected = True
+            allocation.pool_targets.extend(self.pooled.targets)
+        await self.write(allocation=allocation)
         return None
 
-    async def _decode_pooled(self, start: pb.Start) -> None:
-        """Step 4 on the pooled path: stream the pooled request's greedy tokens."""
-        produced, max_tokens = 0, start.sampling.max_tokens
+    async def _pooled_kv_in(self, timeout: float) -> None:
         try:
-            async for token in self.pooled.tokens(start.sampling):
+            await self.pooled.kv_arrived(timeout)
+        except LenderLost as exc:
+            raise SessionEnded(str(exc)) from None
+
+    async def _decode_pooled(self, start: pb.Start, first_token: int | None = None) -> None:
+        """Step 4 on the pooled path: stream the pooled request's greedy tokens (after
+        ``first_token`` when the prefill computed the prompt)."""
+        produced, max_tokens = 0 if first_token is None else 1, start.sampling.max_tokens
+        try:
+            async for token in self.pooled.tokens(start.sampling, first_token):
                 produced += 1
                 await self.write(tokens=pb.Tokens(token_ids=[token]))
         except LenderLost as exc:  # part of the KV is gone with its lender

@@ -10,9 +10,12 @@ The decode's own block manager is this instance's rManager:
   carry it so the prefills' pickers and its own admission count the pool).
 - **borrows**: ``open`` starts a ``PooledRequest`` for a request whose KV does not fit the free
   blocks here: the local part is reserved in the engine, the overflow is borrowed from
-  lenders the gManager suggests; the request's prompt is computed here (the prefill is told
-  so in the Allocation) with the overflow's KV put on the lenders, and its decode steps merge
-  the lenders' partial attention. Greedy only (the decode's admission refuses the rest).
+  lenders the gManager suggests, and its decode steps merge the lenders' partial attention.
+  Greedy only (the decode's admission refuses the rest). The prompt is computed either by
+  the prefill, which pushes each part of its KV over the CacheStore straight to where it
+  lives (``expect_kv``: this decode's own leading blocks, then each lender's; a lender's
+  receiver is reached through its ``ReceiverInbox``), or, when this decode keeps less than
+  one whole block of the prompt, here (ComputePrompt), the overflow's KV put on the lenders.
 
 Who frees what: the decode session calls ``PooledRequest.close`` when the request ends,
 whatever happened (loans released, local blocks freed); a lender frees a dead borrower's
@@ -22,6 +25,7 @@ borrowed from it (``LenderLost``).
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from concurrent import futures
@@ -49,15 +53,50 @@ def reserve_for(num_blocks: int, lend_fraction: float) -> int:
     return num_blocks - math.floor(num_blocks * lend_fraction + 1e-9)  # 7/8 of 8 is 7, float error or not
 
 
+class ReceiverInbox:
+    """A lender's CacheStore receiver, called from the KVLender's gRPC threads: every receiver
+    call runs on the event loop that owns it."""
+
+    def __init__(self, receiver, loop: asyncio.AbstractEventLoop):
+        self.receiver, self.loop = receiver, loop
+
+    def _run(self, coro, timeout_s: float):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> tuple[bytes, list[int]]:
+        async def expect():
+            return self.receiver.endpoint, list(self.receiver.expect(request_id, block_ids, timeout_s))
+        return self._run(expect(), RPC_TIMEOUT_S)
+
+    def wait(self, request_id: str, timeout_s: float) -> None:
+        """Every layer is in; the entry is unpinned (the blocks belong to the loan alone)."""
+        async def wait():
+            await self.receiver.wait_all(request_id, timeout_s)
+            self.receiver.delete(request_id)
+        self._run(wait(), timeout_s + RPC_TIMEOUT_S)
+
+    def drop(self, request_id: str) -> None:
+        """Forget the entry (if any); once this returns no frame can land in its blocks."""
+        async def drop():
+            self.receiver.delete(request_id)
+            await self.receiver.released(request_id, 5.0)
+        try:
+            self._run(drop(), RPC_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - the receiver stopped (shutting down): nothing lands any more
+            pass
+
+
 class DecodePool:
     def __init__(self, engine: AsyncLLMEngine, instance_id: str, gmanager: str, host: str, port: int,
                  advertise_host: str | None = None, lend_fraction: float = DEFAULT_LEND_FRACTION,
-                 report_interval_s: float = DEFAULT_REPORT_INTERVAL_S, loan_idle_s: float = DEFAULT_LOAN_IDLE_S):
+                 report_interval_s: float = DEFAULT_REPORT_INTERVAL_S, loan_idle_s: float = DEFAULT_LOAN_IDLE_S,
+                 inbox: ReceiverInbox | None = None):
         self.engine = EngineOnThread(engine)
         self.instance_id, self.host, self.port = instance_id, host, port
         self.address = f"{advertise_host or host}:{port}"
         self.lock = threading.Lock()  # serializes the lender's bookkeeping; engine calls go to the engine thread
         self.lender = ReportingLender(self.engine, self.lock, reserve_for(engine.num_blocks, lend_fraction), loan_idle_s)
+        self.lender.inbox = inbox
         fast = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 500)]  # back fast after a gManager restart
         self._gm_channel = grpc.insecure_channel(gmanager, options=fast)
@@ -100,12 +139,13 @@ class DecodePool:
         self._gm_channel.close()
 
     # ---- borrowing -------------------------------------------------------------------------
-    def open(self, request_id: str, prompt: list[int], max_tokens: int) -> PooledRequest:
+    def open(self, request_id: str, prompt: list[int], max_tokens: int, aligned: bool = False) -> PooledRequest:
         """A pooled request with its local blocks reserved and its overflow borrowed (blocking:
-        call it off the event loop). OutOfBlocksError (nothing held) when there is no room."""
+        call it off the event loop). OutOfBlocksError (nothing held) when there is no room.
+        ``aligned``: the local part of the prompt ends on a block boundary (the prefill pushes it)."""
         pooled = PooledRequest(self.engine, self.lock, self.borrower, RPC_TIMEOUT_S)
         try:
-            pooled.open(request_id, prompt, max_tokens)
+            pooled.open(request_id, prompt, max_tokens, aligned=aligned)
         except BaseException:
             pooled.close()
             raise

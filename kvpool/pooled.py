@@ -17,6 +17,11 @@ Lifecycle:
 The steps are ``open`` (1: plan, local reservation, loans), ``tokens`` (2-3: a generator of
 token ids; the P/D decode streams them as they come) and ``close`` (4: always); ``run`` is
 the three in one call (``pdserve kvpool node``'s Generate).
+
+In P/D the prefill may compute the prompt instead of step 2 (``open(aligned=True)``: the local
+part ends on a block boundary when at least one whole block of the prompt stays here): ``expect_kv`` has each lender's CacheStore receiver expect its
+part (the prefill pushes it there, and the local part to this decode's receiver), ``kv_arrived``
+waits until every lender has it, then ``tokens(first_token=...)`` runs only the decode steps.
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class PooledRequest:
         self.prompt: list[int] = []
         self.max_tokens = self.keep = self.local_blocks = 0
         self.rows: torch.Tensor | None = None
+        self.table: list[int] = []  # the local reservation's blocks (the prompt's leading keep tokens first)
         self.logits: list[torch.Tensor] = []  # [vocab] float32 per generated token (greedy's argmax input)
         self.prefill_s = self.decode_s = 0.0
 
@@ -82,7 +88,8 @@ class PooledRequest:
         finally:
             self.close()
 
-    def open(self, request_id: str, prompt: list[int], max_tokens: int, max_local_blocks: int = 0) -> None:
+    def open(self, request_id: str, prompt: list[int], max_tokens: int, max_local_blocks: int = 0,
+             aligned: bool = False) -> None:
         """Step 1: reserve the local blocks and borrow the overflow's. OutOfBlocksError (nothing
         held) when the local pool cannot hold the generated tokens or the lenders lack room;
         LenderLost when a lender fails while lending. ``close`` frees what this took."""
@@ -99,11 +106,13 @@ class PooledRequest:
             if max_local_blocks > 0:
                 free = min(free, max_local_blocks)
             keep = min(n_prompt, free * bs - max_tokens)
+            if aligned and bs <= keep < n_prompt:  # whole blocks here (the CacheStore moves blocks), if one fits
+                keep -= keep % bs
             if keep < 0:
                 raise OutOfBlocksError(f"request {request_id!r}: its {max_tokens} generated tokens need "
                                        f"{blocks_needed(max_tokens, bs)} local blocks, {free} are free")
             table = self.engine.reserve(local_id, max(keep + max_tokens - 1, 1), 1)  # keep + max_tokens slots
-        self.local_id, self.keep, self.local_blocks = local_id, keep, len(table)
+        self.local_id, self.keep, self.local_blocks, self.table = local_id, keep, len(table), list(table)
         self.rows = self.kv.table_rows(torch.tensor(table)).reshape(-1)
         overflow = n_prompt - keep
         if overflow:
@@ -119,12 +128,43 @@ class PooledRequest:
                 loan.start, loan.tokens = start, min(loan.blocks * bs, n_prompt - start)
                 start += loan.tokens
 
-    def tokens(self, ignore_eos: bool = False, stop_ids: frozenset[int] | set[int] = frozenset()) -> Iterator[int]:
+    def tokens(self, ignore_eos: bool = False, stop_ids: frozenset[int] | set[int] = frozenset(),
+               first_token: int | None = None) -> Iterator[int]:
         """Steps 2-3: the greedy token ids, each as soon as it is known; an EOS (unless
-        ``ignore_eos``) or a stop id ends the stream and is not yielded. LenderLost when a lender
-        does not answer."""
+        ``ignore_eos``) or a stop id ends the stream and is not yielded. ``first_token``: the
+        prompt's KV is in place already (the prefill pushed it) and its first token was
+        reported: only the tokens after it. LenderLost when a lender does not answer."""
+        ends = set(stop_ids) | (set() if ignore_eos else self.engine.eos_ids)
         try:
-            yield from self._generate(ignore_eos, set(stop_ids))
+            if first_token is None:
+                yield from self._decode(self._prefill(), True, ends)
+            else:
+                yield from self._decode(first_token, False, ends)
+        except grpc.RpcError as e:
+            raise LenderLost(self._lost(e)) from None
+
+    def expect_kv(self, timeout_s: float) -> list[tuple[RemoteLoan, str, kvpool_pb2.ExpectKVReply]]:
+        """P/D: each lender's CacheStore receiver expects its part of the prompt: (loan, entry id,
+        the endpoint and block ids the prefill binds that id to), the loans in prompt order."""
+        wire_id = self.borrower.loan_id(self.request_id)
+        out = []
+        try:
+            for i, loan in enumerate(loan for loan in self.loans if loan.tokens):
+                entry_id = f"{wire_id}#part{i}"
+                out.append((loan, entry_id, self._wait(self._call(loan, "ExpectKV", kvpool_pb2.ExpectKVRequest(
+                    request_id=wire_id, num_tokens=loan.tokens, timeout_s=timeout_s, entry_id=entry_id)))))
+            return out
+        except grpc.RpcError as e:
+            raise LenderLost(self._lost(e)) from None
+
+    def kv_arrived(self, timeout_s: float) -> None:
+        """P/D: wait until every lender has all of its part (in parallel)."""
+        futures = [self._call(loan, "KVArrived", kvpool_pb2.KVArrivedRequest(
+            request_id=self.borrower.loan_id(self.request_id), timeout_s=timeout_s), timeout_s + self.timeout)
+            for loan in self.loans if loan.tokens]
+        try:
+            for future in futures:
+                self._wait(future)
         except grpc.RpcError as e:
             raise LenderLost(self._lost(e)) from None
 
@@ -143,8 +183,8 @@ class PooledRequest:
         who = getattr(error, "lender", None) or "of " + (", ".join(f"{l.lender} ({l.address})" for l in self.loans) or "none")
         return f"request {self.request_id!r} failed: KV lender {who} did not answer ({detail}); its KV there is lost"
 
-    def _call(self, loan: RemoteLoan, method: str, message):
-        future = getattr(loan.stub, method).future(message, timeout=self.timeout)
+    def _call(self, loan: RemoteLoan, method: str, message, timeout: float | None = None):
+        future = getattr(loan.stub, method).future(message, timeout=timeout or self.timeout)
         future.loan = loan
         return future
 
@@ -156,11 +196,11 @@ class PooledRequest:
             raise
 
     @torch.inference_mode()
-    def _generate(self, ignore_eos: bool, stop_ids: set[int]) -> Iterator[int]:
-        model, cfg, kv, prompt, keep, rows = self.model, self.cfg, self.kv, self.prompt, self.keep, self.rows
+    def _prefill(self) -> int:
+        """The prompt layer by layer: local KV written here, the overflow's put on the lenders."""
+        model, kv, prompt, keep, rows = self.model, self.kv, self.prompt, self.keep, self.rows
         loans = [loan for loan in self.loans if loan.tokens]  # all of them: the need was exact
         wire_id = self.borrower.loan_id(self.request_id) if loans else self.request_id
-        heads, dim = cfg.num_heads, cfg.head_dim
         t0 = time.perf_counter()
         ids = torch.tensor(prompt, device=self.engine.device)
         x = model.embed_tokens(ids)
@@ -182,16 +222,25 @@ class PooledRequest:
         for fut in pending:
             self._wait(fut)
         self.logits = [model.lm_head(model.norm(x[-1:])).float()[0]]
-        token = int(self.logits[-1].argmax())
         self.prefill_s = time.perf_counter() - t0
+        return int(self.logits[-1].argmax())
+
+    @torch.inference_mode()
+    def _decode(self, token: int, yield_first: bool, ends: set[int]) -> Iterator[int]:
+        """Decode steps from the first token (yielded only when ``yield_first``)."""
+        model, cfg, kv, prompt, rows = self.model, self.cfg, self.kv, self.prompt, self.rows
+        loans = [loan for loan in self.loans if loan.tokens]
+        wire_id = self.borrower.loan_id(self.request_id) if loans else self.request_id
+        heads, dim = cfg.num_heads, cfg.head_dim
         t1 = time.perf_counter()
-        ends = stop_ids | (set() if ignore_eos else self.engine.eos_ids)
-        n_local, produced = keep, 1
+        n_local, produced = self.keep, 1
         while True:
-            if token in ends:
-                self.logits.pop()
-                break
-            yield token
+            if produced > 1 or yield_first:
+                if token in ends:
+                    if self.logits:
+                        self.logits.pop()
+                    break
+                yield token
             if produced == self.max_tokens:
                 break
             pos = len(prompt) + produced - 1

@@ -3,7 +3,10 @@ with 8 blocks each (lending up to 7), one prefill; real gRPC, the tiny model.
 
 - a greedy prompt longer than one decode's pool completes through the prefill with exactly
   the tokens of the engine's normal path on a pool that holds it (the decode borrowed from
-  both peers); every block, loan, debt, Session and CacheStore entry comes back to zero;
+  both peers; the prefill pushed each part of the prompt's KV straight to the decode or lender
+  holding it); every block, loan, debt, Session and CacheStore entry comes back to zero;
+- a client that goes away mid-request (here one whose prompt the decode computes itself:
+  not one whole prompt block fits beside its generated tokens) leaves nothing behind;
 - what the pool cannot serve gets a clear "too large" error at once: a request bigger than
   one decode plus all its peers can lend, and a long request that is not greedy;
 - a lender SIGKILLed mid-request fails that request with an error naming the lender, and
@@ -118,10 +121,14 @@ def _check_released(c, decodes):
 
 def test_a_prompt_longer_than_one_decodes_pool_completes_over_pd_bit_exact(cluster):
     c = cluster
-    prompt, max_tokens = _prompt(1300), 12  # 21 blocks: 8 here + 13 borrowed (7 + 6)
+    # 21 blocks: 7 prompt blocks + the generated tokens here, 14 prompt blocks borrowed (7 + 7)
+    prompt, max_tokens = _prompt(1300), 12
     before = sum(_pool(d)["pooled_requests_total"] for d in c["decodes"])
     got = _generate(c, "long", prompt, max_tokens)
     assert got == _reference(prompt, max_tokens)
+    # the prefill pushed each part of the prompt's KV to where it lives: every decode received frames
+    frames = [get_json(d.url + "/health")[1]["cachestore"]["frames_received"] for d in c["decodes"]]
+    assert all(n > 0 for n in frames), frames
     pools = [_pool(d) for d in c["decodes"]]
     assert sum(p["pooled_requests_total"] for p in pools) == before + 1, pools
     assert sum(p["borrowed_blocks_total"] for p in pools) >= 13, pools
@@ -150,12 +157,14 @@ def test_a_client_that_goes_away_mid_request_leaves_no_loan_behind(cluster):
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
     c = cluster
-    request = gpb.GenerateRequest(prompt_token_ids=_prompt(900, seed=5), max_tokens=300, temperature=0.0,
+    # 900 + 460 tokens: the generated ones leave room for 52 prompt tokens here, not one whole block:
+    # the decode computes the prompt itself (ComputePrompt) and puts 848 tokens on its lenders (7 + 7 blocks)
+    request = gpb.GenerateRequest(prompt_token_ids=_prompt(900, seed=5), max_tokens=460, temperature=0.0,
                                   request_id="gone", ignore_eos=True)
     with grpc.insecure_channel(c["prefill"].grpc_address) as ch:
         call = gpb_grpc.GeneratorStub(ch).Generate(request, timeout=180)
         next(call)  # the pooled request is decoding
-        assert sum(_pool(d)["loans"] for d in c["decodes"]) == 2  # 11 blocks borrowed: 7 + 4
+        assert sum(_pool(d)["loans"] for d in c["decodes"]) == 2
         call.cancel()
     _check_released(c, c["decodes"])
 
@@ -170,7 +179,7 @@ def test_a_lender_killed_mid_request_fails_only_that_request_and_leaves_nothing(
         except grpc.RpcError as e:
             outcome["error"] = e
 
-    # 900 prompt tokens + 300 generated: 212 prompt tokens stay on the owner, 11 blocks are borrowed
+    # 900 prompt tokens + 300 generated: 3 prompt blocks stay on the owner, 12 are borrowed (7 + 5)
     worker = threading.Thread(target=run)
     worker.start()
     lenders = []
