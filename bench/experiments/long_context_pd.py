@@ -10,8 +10,8 @@ ignored), one at a time:
 1. the longest prompt that completes (binary search), unpooled and pooled; target: pooled
    >= 2.5x unpooled;
 2. end-to-end tokens/s (prompt computed, then every token streamed back to the client) at the
-   unpooled limit (both ways: the pooled cluster serves it without borrowing) and at the
-   pooled limit (pooled only), medians of ``--repeats``.
+   unpooled limit (both ways: the pooled cluster serves it without borrowing), at twice it and
+   at the pooled limit (pooled only), medians of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -115,13 +115,19 @@ def run(args: argparse.Namespace) -> int:
         speeds = {"unpooled_limit_unpooled_e2e_tok_s": unpooled_speed,
                   "unpooled_limit_pooled_cluster_e2e_tok_s": speed(address, unpooled, args.max_tokens, args.repeats)
                   if unpooled else None,
+                  # 2x: the prefill pushes the prompt's KV to the decode and its lenders; at the limit the
+                  # decode computes it (whole blocks are one short there)
+                  "2x_unpooled_limit_pooled_e2e_tok_s": speed(address, 2 * unpooled, args.max_tokens, args.repeats)
+                  if 0 < 2 * unpooled <= pooled else None,
                   "pooled_limit_pooled_e2e_tok_s": speed(address, pooled, args.max_tokens, args.repeats) if pooled else None}
     ratio = round(pooled / unpooled, 3) if unpooled else None
     figures = {"path": "P/D: pdserve prefill + 3 pdserve decode (--kv-pool)", "unpooled_longest_prompt": unpooled,
                "pooled_longest_prompt": pooled, "ratio": ratio, "target": TARGET, **speeds,
                "met": bool(unpooled) and pooled / unpooled >= TARGET,
-               "prefill": "a pooled request's prompt is computed on its decode (ComputePrompt), the overflow's KV "
-                          "put on the lenders (PutKV); the prefill's CacheStore is not used for it"}
+               "prefill": "the prefill computes a pooled request's prompt and pushes each part of its KV over the "
+                          "CacheStore to the decode or lender holding it; when whole blocks do not fit (one block "
+                          "short, e.g. at the pooled limit) the decode computes the prompt and puts the overflow on "
+                          "its lenders (PutKV)"}
     path = report.save(args.out, "long-context-pd", {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
                                                      "figures": figures})
     print(f"long-context --pd: longest prompt that completes through P/D: unpooled {unpooled}, pooled {pooled} tokens "
