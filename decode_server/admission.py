@@ -11,7 +11,9 @@ else ``(code, reason)`` for the ``Refusal`` message. The checks, in order:
    max_tokens < 1, prompt + max_tokens exceed the context, or ``blocks_needed`` does not
    match the prompt;
 6. ``too_large`` - prompt + max_tokens need more blocks than the whole pool: it can never
-   fit, so prefill should not wait for it.
+   fit, so prefill should not wait for it. With a KV pool (``--kv-pool``) the whole pool is
+   this decode's plus the most its peers ever lend (``pool_blocks``), for the requests the
+   pooled path serves (``pooled_refusal`` None: greedy, no stop strings, logprobs or grammar).
 
 "Not enough free blocks now" (``out_of_blocks``, transient) is the engine's answer to
 ``reserve``, not decided here.
@@ -38,7 +40,7 @@ def compat_mismatch(ours: pb.Compat, theirs: pb.Compat) -> str | None:
 
 
 def refusal(start: pb.Start, compat: pb.Compat, *, max_model_len: int, total_blocks: int, draining: bool,
-            has_session: bool) -> tuple[str, str] | None:
+            has_session: bool, pool_blocks: int = 0, pooled_refusal: str | None = None) -> tuple[str, str] | None:
     """(code, reason) when decode must refuse ``start``; None when it may reserve blocks."""
     rid = start.request_id
     if not rid:
@@ -61,6 +63,23 @@ def refusal(start: pb.Start, compat: pb.Compat, *, max_model_len: int, total_blo
                                f"in blocks of {compat.block_size}")
     need = blocks_needed(n_prompt + max_tokens, compat.block_size)
     if need > total_blocks:
-        return ("too_large", f"request needs {need} KV blocks ({n_prompt} prompt tokens + max_tokens "
-                             f"{max_tokens}) but this decode has only {total_blocks} in all")
+        why = f"request needs {need} KV blocks ({n_prompt} prompt tokens + max_tokens {max_tokens})"
+        if pool_blocks <= 0:
+            return "too_large", f"{why} but this decode has only {total_blocks} in all"
+        if pooled_refusal is not None:
+            return ("too_large", f"{why}: more than this decode's {total_blocks}, and its KV pool cannot serve "
+                                 f"{pooled_refusal}")
+        if need > total_blocks + pool_blocks:
+            return ("too_large", f"{why} but this decode has only {total_blocks} in all and its KV pool lends "
+                                 f"at most {pool_blocks} more")
     return None
+
+
+def pooled_refusal(start: pb.Start) -> str | None:
+    """Why the KV pool's path cannot serve ``start`` (it is greedy, with token-level stops
+    only), or None."""
+    sampling = start.sampling
+    why = [name for name, bad in (("temperature > 0 (the pooled path is greedy)", sampling.temperature > 0),
+                                  ("stop strings", bool(sampling.stop)), ("logprobs", sampling.HasField("logprobs")),
+                                  ("a grammar", sampling.HasField("grammar"))) if bad]
+    return ", ".join(why) or None

@@ -3,9 +3,11 @@
 Serves gRPC ``Decode.Session`` (one bidirectional stream per request) and
 ``Decode.GetLoadReport`` on --port, the CacheStore receiver (tcp listener or nixl agent)
 on --kv-port, ``KvEvents`` (its prefix cache as a snapshot then numbered events, for the
-prefills' decode pickers) on --port too, and HTTP /health (JSON: sessions, KV blocks, CacheStore entries),
-/ready and /metrics on --http-port. SIGTERM/SIGINT: stop admitting (draining, refusals
-say so), let live sessions finish for --drain-timeout seconds, then stop.
+prefills' decode pickers) on --port too, with --kv-pool the KV pool's KVLender on
+--kv-pool-port (blocks lent to peers; kvpool/decode_pool.py), and HTTP /health (JSON:
+sessions, KV blocks, CacheStore entries, the pool's loans), /ready and /metrics on
+--http-port. SIGTERM/SIGINT: stop admitting (draining, refusals say so), let live sessions
+finish for --drain-timeout seconds, then stop.
 
 Request lifecycle on decode: see decode_server/session.py (admit -> allocate (reusing the
 prompt's cached prefix when prefill asks) -> transfer, or compute the prompt here -> decode ->
@@ -35,6 +37,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never evict a batch request's KV to host memory while an interactive request misses "
                              "its TBT target (on by default; it acts only for requests of SLO classes: a class with "
                              "a tbtMs target is protected, one with neither ttftMs nor tbtMs may be evicted)")
+    p = parser.add_argument_group("KV pool (DistKV-LLM; off unless --kv-pool)")
+    p.add_argument("--kv-pool", default="", metavar="GMANAGER",
+                   help="host:port of the KV pool's gManager: lend free KV blocks to peer decodes, and borrow theirs "
+                        "for a (greedy) request too big for our free blocks")
+    p.add_argument("--kv-pool-port", type=int, default=defaults.KV_POOL_PORT, help="KVLender gRPC port (lent blocks)")
+    p.add_argument("--kv-pool-lend-fraction", type=_fraction, default=0.5,
+                   help="at most this fraction of our KV blocks is lent to peers (the rest stays for our own requests)")
+    p.add_argument("--kv-pool-instance-id", default=None,
+                   help="our name in the pool's ledger (default: the advertised host:--kv-pool-port)")
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within [0, 1], got {text}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -68,10 +86,22 @@ async def serve(args: argparse.Namespace) -> int:
                                   require_checksum=args.kv_checksum,
                                   on_checksum_mismatch=lambda rid, layer: metrics.kv_checksum_mismatches.inc())
     await receiver.start()
+    pool = None
+    if args.kv_pool:  # after the receiver: lenders take a pooled request's KV from the prefill through it
+        from pdserve.kvpool.decode_pool import DecodePool, ReceiverInbox
+
+        host = args.advertise_host or args.host
+        pool = DecodePool(engine, args.kv_pool_instance_id or f"{host}:{args.kv_pool_port}", args.kv_pool, args.host,
+                          args.kv_pool_port, args.advertise_host, args.kv_pool_lend_fraction,
+                          inbox=ReceiverInbox(receiver, asyncio.get_running_loop()))
+        pool.start()
+        metrics.follow_counter("kv_pool_pooled_requests", lambda: pool.stats()["pooled_requests_total"])
+        metrics.follow_counter("kv_pool_borrowed_blocks", lambda: pool.stats()["borrowed_blocks_total"])
+        metrics.follow_gauge("kv_pool_lent_blocks", lambda: pool.stats()["lent_blocks"])
     service = DecodeService(
         engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
         max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
-        session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction,
+        session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool,
     )
     registry = service.registry
     metrics.track_load(lambda: EngineLoad(waiting=registry.waiting(), running=registry.running(),
@@ -118,6 +148,8 @@ async def serve(args: argparse.Namespace) -> int:
         log.warning("stopping with %d session(s) still open", left)
     await server.stop(grace=1.0)
     await runner.cleanup()
+    if pool is not None:  # before the receiver: releasing a loan deletes its CacheStore entry
+        await asyncio.to_thread(pool.stop)
     await receiver.stop()
     await engine.stop()
     return 0

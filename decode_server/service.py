@@ -11,7 +11,9 @@ release) together with ``SessionDeps``, built once here: the ``DecodeEngine`` ad
 (reserve / add_prefilled / release with the block gauges kept current), the CacheStore
 receiver, the ``SessionRegistry`` (live sessions, draining flag), ``SessionMetrics`` and
 the fixed limits. ``GetLoadReport`` and ``counts()`` (for /health) read the same registry
-and the engine's thread-safe ``num_free_blocks()`` / ``num_blocks``.
+and the engine's thread-safe ``num_free_blocks()`` / ``num_blocks``; with a KV pool
+(``--kv-pool``) the load report also carries the room the pool offers (``pool_free_blocks``,
+``pool_total_blocks``) and /health its loans (``kv_pool``).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from .session_metrics import SessionMetrics
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreReceiver
     from pdserve.engine import AsyncLLMEngine
+    from pdserve.kvpool.decode_pool import DecodePool
     from pdserve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -43,8 +46,9 @@ log = logging.getLogger(__name__)
 class DecodeService(pb_grpc.DecodeServicer):
     def __init__(self, engine: AsyncLLMEngine, receiver: CacheStoreReceiver, compat: pb.Compat, *, sampling_cls,
                  out_of_blocks_error: type[Exception], max_model_len: int, kv_bytes_per_block: int,
-                 session_timeout_s: float = 30.0, metrics: ServerMetrics | None = None, eviction: bool = True):
-        self.engine, self.receiver, self.compat = engine, receiver, compat
+                 session_timeout_s: float = 30.0, metrics: ServerMetrics | None = None, eviction: bool = True,
+                 pool: DecodePool | None = None):
+        self.engine, self.receiver, self.compat, self.pool = engine, receiver, compat, pool
         self.kv_bytes_per_block = kv_bytes_per_block
         self.registry = SessionRegistry()
         session_metrics = SessionMetrics(metrics, kv_bytes_per_block)
@@ -55,7 +59,7 @@ class DecodeService(pb_grpc.DecodeServicer):
         self.deps = SessionDeps(
             engine=DecodeEngine(engine, sampling_cls, session_metrics, lso), receiver=receiver, registry=self.registry,
             metrics=session_metrics, compat=compat, max_model_len=max_model_len,
-            session_timeout_s=session_timeout_s, out_of_blocks_error=out_of_blocks_error,
+            session_timeout_s=session_timeout_s, out_of_blocks_error=out_of_blocks_error, pool=pool,
         )
 
     @property
@@ -73,11 +77,13 @@ class DecodeService(pb_grpc.DecodeServicer):
     def load_report(self) -> pb.LoadReport:
         free = self.engine.num_free_blocks()
         running = self.registry.running()
+        pool_free, pool_total = self.pool.room() if self.pool is not None else (0, 0)
         return pb.LoadReport(
             free_blocks=free, total_blocks=self.engine.num_blocks, free_bytes=free * self.kv_bytes_per_block,
             running=running, waiting=len(self.registry) - running,
             protocol_version=PROTOCOL_VERSION, model=self.compat.model, draining=self.registry.draining,
             transport=self.compat.transport, prefill_tokens_per_s=self.deps.engine.prefill_rate(),
+            pool_free_blocks=pool_free, pool_total_blocks=pool_total,
         )
 
     def server_load(self, http_port: int) -> kpb.ServerLoad:
@@ -101,4 +107,5 @@ class DecodeService(pb_grpc.DecodeServicer):
             "swapped_requests": self.engine.swapped()[0],  # evicted to host memory (lso.py)
             "cachestore": self.receiver.stats(),
             "draining": self.registry.draining,
+            **({"kv_pool": self.pool.stats()} if self.pool is not None else {}),
         }

@@ -47,6 +47,14 @@ Leases (each wait on prefill has a timer, so step 5 always comes):
 - the whole Session: its gRPC deadline, set by prefill to the request's end-to-end
   deadline; gRPC cancels this call when it passes, whatever prefill does.
 
+With a KV pool (``--kv-pool``), a request whose KV does not fit the blocks free here takes
+the pooled path in step 2 (pooled_session.py): local blocks plus blocks borrowed from peers,
+an Allocation that says ``pooled`` and lists where each part of the prompt's KV goes (our
+leading blocks, then each lender's: the prefill pushes them there; or, when not one prompt
+block fits here, none: prefill answers ComputePrompt and the prompt is computed here); in
+step 3 the lenders' parts must arrive too; greedy tokens come from the pooled request; step
+5 releases its loans and local blocks.
+
 A DecodeSession is given its collaborators as ``SessionDeps`` (the engine adapter, the
 CacheStore receiver, the session registry, the metrics, the limits), never the service. The
 stream side (writes with a timer, the reader of prefill's messages, waits that end when
@@ -65,16 +73,19 @@ import grpc
 
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
 from pdserve.engine import blocks_needed
+from pdserve.kvpool.rmanager import LenderLost
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
 
 from . import admission
+from .pooled_session import PooledDecode
 from .registry import SessionInfo, SessionRegistry
 from .session_metrics import SessionMetrics
 from .session_stream import SessionEnded, SessionStream
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreReceiver
+    from pdserve.kvpool.decode_pool import DecodePool
 
     from .decode_engine import DecodeEngine
 
@@ -96,6 +107,7 @@ class SessionDeps:
     max_model_len: int
     session_timeout_s: float  # a cap on the timeout prefill asks for in Start
     out_of_blocks_error: type[Exception]  # the engine's OutOfBlocksError (refused as out_of_blocks)
+    pool: DecodePool | None = None  # --kv-pool: lend to peers, borrow for requests too big for our free blocks
 
 
 class DecodeSession(SessionStream):
@@ -108,6 +120,7 @@ class DecodeSession(SessionStream):
         self.reserved = False
         self.expected = False
         self.cached_blocks = 0  # leading prompt blocks reused from our prefix cache
+        self.pooled: PooledDecode | None = None  # the pooled path (KV partly on lenders)
         self.info: SessionInfo | None = None
         self.outcome = ("error", "error")  # (outcome, reason) for the requests counter
 
@@ -129,6 +142,14 @@ class DecodeSession(SessionStream):
             self.info.stage = "transfer"
             arrivals = asyncio.ensure_future(self._record_layer_arrivals(timeout))
             answer = await self.until_peer_gone_or(self.answer, timeout, "the first token")
+            if self.pooled is not None and self.pooled.pushed != isinstance(answer, pb.FirstToken):
+                raise SessionEnded(f"a pooled request's Allocation {'listed' if self.pooled.pushed else 'had no'} "
+                                   f"blocks to push into: prefill must answer "
+                                   f"{'FirstToken' if self.pooled.pushed else 'ComputePrompt'}")
+            if self.pooled is not None and not self.pooled.pushed:
+                self.info.stage = "decode"
+                await self.until_peer_gone_or(self._decode_pooled(start), None, "decoding")
+                return
             n_blocks = blocks_needed(len(start.prompt_token_ids), deps.compat.block_size)
             if isinstance(answer, pb.ComputePrompt):
                 await self._stop_receiving()
@@ -144,6 +165,9 @@ class DecodeSession(SessionStream):
             # finish the request and hand its blocks to another request's expect().
             deps.receiver.delete(self.request_id)
             self.expected = False
+            if self.pooled is not None:  # the lenders' parts too
+                remaining = max(0.01, deadline - time.monotonic())
+                await self.until_peer_gone_or(self._pooled_kv_in(remaining), remaining + 1.0, "the lenders' KV")
             deps.metrics.kv_in(time.monotonic() - self.info.started, moved=n_blocks - self.cached_blocks,
                                reused=self.cached_blocks)
             if answer.finished:
@@ -151,6 +175,9 @@ class DecodeSession(SessionStream):
                 self.outcome = ("ok", answer.finish_reason or "stop")
                 return
             self.info.stage = "decode"
+            if self.pooled is not None:
+                await self.until_peer_gone_or(self._decode_pooled(start, answer.token_id), None, "decoding")
+                return
             await self.until_peer_gone_or(self._decode(start, answer.token_id), None, "decoding")
         except SessionEnded as exc:
             log.info("session %s ended: %s", self.request_id, exc.reason)
@@ -190,14 +217,21 @@ class DecodeSession(SessionStream):
     async def _admit(self, start: pb.Start) -> bool:
         deps = self.deps
         rid = start.request_id
+        pooled_refusal = admission.pooled_refusal(start)
         refused = admission.refusal(start, deps.compat, max_model_len=deps.max_model_len,
                                     total_blocks=deps.engine.num_blocks, draining=deps.registry.draining,
-                                    has_session=rid in deps.registry)
+                                    has_session=rid in deps.registry,
+                                    pool_blocks=deps.pool.room()[1] if deps.pool is not None else 0,
+                                    pooled_refusal=pooled_refusal)
         if refused is None:
             try:
                 block_ids, cached = await self._reserve(start)
             except deps.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
                 refused = ("out_of_blocks", getattr(exc, "reason", str(exc)))
+                if deps.pool is not None and pooled_refusal is None:  # too big for our free blocks: borrow
+                    refused = await self._open_pooled(start, refused[1])
+                    if refused is None:
+                        return True
             except ValueError as exc:  # prompt too long, bad ids: nothing was reserved
                 refused = ("bad_request", str(exc))
         if refused is not None:
@@ -215,6 +249,50 @@ class DecodeSession(SessionStream):
         await self.write(allocation=pb.Allocation(block_ids=list(for_sender), cachestore_endpoint=deps.receiver.endpoint,
                                                   cached_blocks=self.cached_blocks))
         return True
+
+    async def _open_pooled(self, start: pb.Start, why_not_local: str) -> tuple[str, str] | None:
+        """Step 2 on the pooled path: local blocks + loans, then the pooled Allocation; the
+        refusal when the pool has no room either (transient, like out_of_blocks here)."""
+        deps, rid = self.deps, start.request_id
+        timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
+        try:
+            self.pooled = await PooledDecode.open(deps.pool, start, timeout)
+        except deps.out_of_blocks_error as exc:
+            return "out_of_blocks", f"{why_not_local}; the KV pool: {exc}"
+        except LenderLost as exc:  # while lending: nothing is held
+            return "out_of_blocks", f"{why_not_local}; the KV pool: {exc}"
+        self.info = SessionInfo(rid, "allocate", num_blocks=self.pooled.local_blocks)
+        deps.registry.add(self.info)
+        log.info("session %s: pooled (%d local blocks, loans from %s; the prompt's KV %s)", rid,
+                 self.pooled.local_blocks, ", ".join(f"{l.lender}: {l.blocks}" for l in self.pooled.request.loans)
+                 or "nobody", "pushed by prefill" if self.pooled.pushed else "computed here")
+        allocation = pb.Allocation(cachestore_endpoint=deps.receiver.endpoint, pooled=True)
+        if self.pooled.pushed:
+            allocation.block_ids.extend(deps.receiver.expect(rid, self.pooled.local_prompt_blocks(), timeout))
+            self.expected = True
+            allocation.pool_targets.extend(self.pooled.targets)
+        await self.write(allocation=allocation)
+        return None
+
+    async def _pooled_kv_in(self, timeout: float) -> None:
+        try:
+            await self.pooled.kv_arrived(timeout)
+        except LenderLost as exc:
+            raise SessionEnded(str(exc)) from None
+
+    async def _decode_pooled(self, start: pb.Start, first_token: int | None = None) -> None:
+        """Step 4 on the pooled path: stream the pooled request's greedy tokens (after
+        ``first_token`` when the prefill computed the prompt)."""
+        produced, max_tokens = 0 if first_token is None else 1, start.sampling.max_tokens
+        try:
+            async for token in self.pooled.tokens(start.sampling, first_token):
+                produced += 1
+                await self.write(tokens=pb.Tokens(token_ids=[token]))
+        except LenderLost as exc:  # part of the KV is gone with its lender
+            raise SessionEnded(str(exc)) from None
+        reason = "length" if produced >= max_tokens else "stop"
+        await self.write(finish=pb.Finish(finish_reason=reason, completion_tokens=produced))
+        self.outcome = ("ok", reason)
 
     async def _reserve(self, start: pb.Start) -> tuple[list[int], int]:
         """The engine's reservation; if we are cancelled meanwhile (prefill gone), the engine still
@@ -283,6 +361,8 @@ class DecodeSession(SessionStream):
             self.expected = False
         if self.info is not None and deps.registry.remove(self.info):
             deps.metrics.request_done(*self.outcome)
+        if self.pooled is not None:
+            await self.pooled.close()
         if self.reserved:
             release = asyncio.ensure_future(self._free_blocks(rid, was_receiving))
             try:

@@ -27,7 +27,9 @@ trip to the engine thread:
 - ``prefill_counters()``: (prompt tokens computed by prefill_only/many, seconds), the same way.
 - ``swapped()``: (requests swapped out to host memory, their bytes), the same way.
 - ``tier_stats()``: the KV tiers' running totals (hits, bytes, time), the same way.
-Never touch ``engine`` (the LLMEngine) itself from another thread.
+Never touch ``engine`` (the LLMEngine) itself from another thread; a plain thread (not the
+event loop) runs an engine call on the engine thread with ``call_blocking`` (kvpool's lender
+and pooled requests in a decode do).
 
 ``after_step`` (optional, set before ``start``): called on the engine thread after every
 step as ``after_step(engine, seconds, batch_size)``, and every ``SWAP_POLL_S`` while only
@@ -38,6 +40,7 @@ restores there (``swap.py``), between steps.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -203,6 +206,17 @@ class AsyncLLMEngine:
 
         return await self._call(read)
 
+    def call_blocking(self, fn, *args, timeout: float | None = None):
+        """From a thread other than the engine's and the event loop's: ``fn(*args)`` on the engine
+        thread (between steps); its result or its exception."""
+        if self._thread is None:
+            raise RuntimeError("AsyncLLMEngine is not started (await start() first)")
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, args, done))
+        return done.result(timeout)
+
     # ---- internals -------------------------------------------------------------------------
     async def _stream(self, request_id: str, fn, *args) -> AsyncIterator[RequestOutput]:
         """Open the request's output stream, run ``fn(*args)`` on the engine thread (its error
@@ -279,12 +293,16 @@ class AsyncLLMEngine:
             result = fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
             self._publish()
-            if reply is not None:
+            if isinstance(reply, concurrent.futures.Future):
+                reply.set_exception(exc)
+            elif reply is not None:
                 loop, fut = reply
                 loop.call_soon_threadsafe(_set_exception, fut, exc)
             return
         self._publish()
-        if reply is not None:
+        if isinstance(reply, concurrent.futures.Future):
+            reply.set_result(result)
+        elif reply is not None:
             loop, fut = reply
             loop.call_soon_threadsafe(_set_result, fut, result)
 

@@ -18,10 +18,23 @@ Request lifecycle (a request too long for one decode's KV pool):
 
 Reading path: ``attention.py`` (the merge math), ``ledger.py`` (the gManager's ledger),
 ``loans.py`` (a lender's loans, bounded by its reserve), ``rmanager.py`` (KVLender + the
-Borrower), ``pooled.py`` (one pooled request), ``gmanager.py`` and ``node.py`` (the processes:
-``pdserve kvpool gmanager|node``); the wire is ``protos/kvpool.proto``.
+Borrower), ``pooled.py`` (one pooled request), ``reporting.py`` (an rManager's reports to the
+gManager), ``gmanager.py`` and ``node.py`` (the processes: ``pdserve kvpool gmanager|node``);
+``engine_thread.py`` and ``decode_pool.py`` (the pool inside a P/D decode: ``pdserve decode
+--kv-pool``); the wire is ``protos/kvpool.proto``.
 
-Not (yet) here: the decode server's Session path does not use the pool (a pooled request
-enters through ``KVNode.Generate``); the prefill server does not place KV on lenders through
-the CacheStore; no DGFM debt-cycle defragmentation; greedy sampling only on the pooled path.
+In P/D (``pdserve decode --kv-pool <gManager>``): the decode lends at most
+``--kv-pool-lend-fraction`` of its blocks; a greedy request too big for its free blocks is
+served pooled: its Allocation says ``pooled`` and lists where each part of the prompt's KV
+lives (the decode's leading whole blocks, then each lender's, whose CacheStore receivers
+expect them: ExpectKV), so the prefill computes the prompt and pushes every part straight to
+its place (steps 2-3 become: the lenders confirm arrival, KVArrived; the decode steps start
+from the prefill's first token). When not one whole prompt block fits beside the generated
+tokens, the Allocation lists none: prefill answers ComputePrompt and the decode computes the
+prompt as in step 3, putting the overflow on the lenders by PutKV. Its load reports carry the
+pool's room so the prefills' pickers and the 413 check count it.
+
+Not (yet) here: no DGFM debt-cycle defragmentation;
+greedy sampling only on the pooled path (no logprobs, stop strings or grammar there); a
+pooled request runs its own decode loop (one token at a time), not in the continuous batch.
 """

@@ -38,7 +38,8 @@ class GManager(kvpool_pb2_grpc.GManagerServicer):
         try:
             with self.lock:
                 self.ledger.report(request.instance_id, request.address, request.free_blocks,
-                                   request.lendable_blocks, {d.borrower: d.blocks for d in request.lent}, now)
+                                   request.lendable_blocks, {d.borrower: d.blocks for d in request.lent}, now,
+                                   request.max_lendable_blocks)
                 self.ledger.expire(now)
                 live = self.ledger.live()
         except ValueError as e:
@@ -59,7 +60,7 @@ class GManager(kvpool_pb2_grpc.GManagerServicer):
         with self.lock:
             self.ledger.expire(time.monotonic())
             rows = [kvpool_pb2.LedgerRow(lender=i, address=r.address, free_blocks=r.free_blocks,
-                                         lendable_blocks=r.lendable_blocks,
+                                         lendable_blocks=r.lendable_blocks, max_lendable_blocks=r.max_lendable,
                                          lent=[kvpool_pb2.Debt(borrower=b, blocks=n) for b, n in sorted(r.lent.items())])
                     for i, r in sorted(self.ledger.rows.items())]
         return kvpool_pb2.LedgerReply(rows=rows)

@@ -24,6 +24,7 @@ class Row:
     lendable_blocks: int
     lent: dict[str, int] = field(default_factory=dict)  # borrower -> blocks
     seen_at: float = 0.0
+    max_lendable: int = 0  # the most it ever lends (its pool minus its reserve)
 
 
 class DebtLedger:
@@ -34,7 +35,7 @@ class DebtLedger:
         self.rows: dict[str, Row] = {}
 
     def report(self, instance: str, address: str, free_blocks: int, lendable_blocks: int,
-               lent: dict[str, int], now: float) -> None:
+               lent: dict[str, int], now: float, max_lendable: int = 0) -> None:
         """Replace the instance's row with what it reports now."""
         if not instance:
             raise ValueError("a report needs an instance id")
@@ -45,7 +46,7 @@ class DebtLedger:
         if bad:
             raise ValueError(f"instance {instance!r} reported impossible debts {bad} (blocks must be > 0, "
                              "and an instance cannot lend to itself)")
-        self.rows[instance] = Row(address, free_blocks, lendable_blocks, dict(lent), now)
+        self.rows[instance] = Row(address, free_blocks, lendable_blocks, dict(lent), now, max(max_lendable, lendable_blocks))
 
     def expire(self, now: float) -> list[str]:
         """Drop the rows of instances silent for longer than ttl_s; their ids."""

@@ -13,7 +13,6 @@ import argparse
 import signal
 import threading
 import time
-import traceback
 from concurrent import futures
 
 import grpc
@@ -27,11 +26,11 @@ from pdserve.engine.sampling import SamplingParams
 from pdserve.protos import kvpool_pb2, kvpool_pb2_grpc
 
 from .pooled import PooledRequest
-from .rmanager import BlockLender, Borrower, LenderLost, kv_layout
+from .reporting import RPC_TIMEOUT_S, Reporter, ReportingLender
+from .rmanager import Borrower, LenderLost, kv_layout
 
 DEFAULT_RESERVE = 1
 DEFAULT_REPORT_INTERVAL_S = 0.3
-RPC_TIMEOUT_S = 10.0
 NORMAL_PATH_STALL_S = 5.0  # a normal-path request that gets no token this long fails (its blocks are lent)
 
 
@@ -114,54 +113,6 @@ class KVNode(kvpool_pb2_grpc.KVNodeServicer):
                 num_blocks=self.engine.num_blocks, free_blocks=self.engine.num_free_blocks(),
                 loans=len(self.lender.book.loans), lent_blocks=self.lender.book.lent_blocks(),
                 engine_requests=self.engine.num_requests(), pooled_requests=self.pooled_running)
-
-
-class ReportingLender(BlockLender):
-    """A BlockLender that reports its row right after each loan or release, so the gManager's
-    view is current when the borrower's Lend or Release call returns."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.on_change = lambda: None
-
-    def Lend(self, request, context):
-        try:
-            return super().Lend(request, context)
-        finally:
-            self.on_change()
-
-    def release(self, request_id: str) -> int:
-        freed = super().release(request_id)
-        if freed:
-            self.on_change()
-        return freed
-
-
-class Reporter:
-    """Sends the rManager's ledger row to the gManager (one report at a time, never reordered)."""
-
-    def __init__(self, lender: BlockLender, gmanager: kvpool_pb2_grpc.GManagerStub, instance: str, address: str):
-        self.lender, self.gmanager, self.instance, self.address = lender, gmanager, instance, address
-        self.lock = threading.Lock()
-
-    def send(self) -> set[str] | None:
-        """The live instances the gManager lists; None when it did not answer or has not heard
-        from everyone yet (just restarted)."""
-        with self.lock:
-            try:
-                reply = self.gmanager.Report(self.lender.report(self.instance, self.address), timeout=RPC_TIMEOUT_S)
-            except grpc.RpcError:
-                return None
-        return set(reply.live_instances) if reply.complete else None
-
-    def loop(self, interval: float, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                # gManager away or just restarted (None): only idle loans end
-                self.lender.sweep(self.send())
-            except Exception:  # keep reporting: a dead report thread would make this decode look dead
-                traceback.print_exc()
-            stop.wait(interval)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,7 +6,10 @@ Lender lifecycle of one loan: Lend (blocks reserved in the engine under ``loan:<
 at most ``free - reserve``; a peer with another KV layout or protocol version is refused) ->
 PutKV per layer (the borrower writes the prompt's overflow KV) -> Attend per layer and decode
 step (micro-attention over the loan's tokens; only the query comes in, a Partial goes out) ->
-Release (the borrower's request finished or failed: blocks back to the engine). Loans whose
+Release (the borrower's request finished or failed: blocks back to the engine). In P/D, a
+lender with an ``inbox`` (its decode's CacheStore receiver, kvpool/decode_pool.py) may take
+the loan's KV from the prefill instead of PutKV: ExpectKV (the entry expected) -> the prefill
+pushes -> KVArrived (every layer in, the entry unpinned, the loan's tokens set). Loans whose
 borrower left the gManager's live set, or idle for ``idle_s``, are freed by ``sweep``.
 """
 
@@ -49,6 +52,8 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
         self.kv = engine.kv_cache
         self.layout = kv_layout(engine)
         self._rows: dict[str, torch.Tensor] = {}  # request id -> K rows of its loan's slots
+        self.inbox = None  # P/D: the decode's CacheStore receiver (ExpectKV / KVArrived); None: PutKV only
+        self._expected: dict[str, tuple[str, int]] = {}  # request id -> (its CacheStore entry, tokens it brings)
 
     # ---- KVLender --------------------------------------------------------------------------
     def Lend(self, request, context):
@@ -102,6 +107,39 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
         m, s, w = to_bytes(part)
         return kvpool_pb2.AttendReply(max=m, sum_exp=s, weighted=w)
 
+    def ExpectKV(self, request, context):
+        loan, rows = self._loan(request.request_id, context)
+        if self.inbox is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this lender takes KV by PutKV only (no CacheStore)")
+        if not 0 < request.num_tokens <= rows.numel() or request.timeout_s <= 0 or not request.entry_id:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_tokens must be within 1..{rows.numel()}, timeout_s "
+                                                            f"positive and entry_id set, got {request.num_tokens}, "
+                                                            f"{request.timeout_s}, {request.entry_id!r}")
+        if request.request_id in self._expected:
+            context.abort(grpc.StatusCode.ALREADY_EXISTS, f"KV for {request.request_id!r} is already expected here")
+        ids = loan.block_ids[: -(-request.num_tokens // self.kv.block_size)]
+        try:
+            endpoint, for_sender = self.inbox.expect(request.entry_id, ids, request.timeout_s)
+        except Exception as e:  # noqa: BLE001 - already expected, receiver stopped: the borrower must know
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot expect KV for {request.request_id!r}: {e}")
+        self._expected[request.request_id] = (request.entry_id, request.num_tokens)
+        loan.used_at = time.monotonic()
+        return kvpool_pb2.ExpectKVReply(cachestore_endpoint=endpoint, block_ids=for_sender)
+
+    def KVArrived(self, request, context):
+        loan, _ = self._loan(request.request_id, context)
+        expected = self._expected.get(request.request_id)
+        if expected is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"no KV expected for {request.request_id!r} here")
+        entry_id, tokens = expected
+        try:
+            self.inbox.wait(entry_id, request.timeout_s)
+        except Exception as e:  # noqa: BLE001 - timeout, checksum, deleted: the request cannot go on
+            context.abort(grpc.StatusCode.DATA_LOSS, f"the KV of {request.request_id!r} did not arrive here: {e}")
+        self._expected.pop(request.request_id, None)
+        loan.tokens, loan.used_at = tokens, time.monotonic()
+        return kvpool_pb2.KVArrivedReply()
+
     def Release(self, request, context):
         return kvpool_pb2.ReleaseReply(freed_blocks=self.release(request.request_id))
 
@@ -118,6 +156,9 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
         return loan, rows
 
     def release(self, request_id: str) -> int:
+        expected = self._expected.pop(request_id, None)
+        if self.inbox is not None and expected is not None:
+            self.inbox.drop(expected[0])  # no frame can land in the loan's blocks after this
         with self.lock:
             loan = self.book.pop(request_id)
             self._rows.pop(request_id, None)
@@ -140,7 +181,8 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
             lent = self.book.lent()
         return kvpool_pb2.InstanceReport(
             instance_id=instance, address=address, free_blocks=free, lendable_blocks=self.book.lendable(free),
-            lent=[kvpool_pb2.Debt(borrower=b, blocks=n) for b, n in sorted(lent.items())], version=KVPOOL_VERSION)
+            lent=[kvpool_pb2.Debt(borrower=b, blocks=n) for b, n in sorted(lent.items())], version=KVPOOL_VERSION,
+            max_lendable_blocks=self.book.lendable(self.engine.num_blocks))
 
 
 @dataclass(slots=True)

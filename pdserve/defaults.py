@@ -9,8 +9,9 @@ in ``pdserve.engine.defaults`` (the engine imports nothing of ours) and re-expor
 from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
-           "KV_TRANSFER_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE", "REQUEST_TIMEOUT_S",
-           "REQUEST_TIMEOUT_HEADER", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS", "DISAGGREGATION_MODES", "DISAGGREGATION", "ENV_SLO_CLASSES",
+           "KV_TRANSFER_PORT", "KV_POOL_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE",
+           "REQUEST_TIMEOUT_S", "REQUEST_TIMEOUT_HEADER", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS", "DISAGGREGATION_MODES",
+           "DISAGGREGATION", "ENV_SLO_CLASSES",
            "BATCH_DB", "BATCH_DATA_MOUNT", "BATCH_MAX_IN_FLIGHT", "BATCH_MAX_FILE_BYTES", "BATCH_SLO_CLASS"]
 
 # Prefill pods: the OpenAI-compatible HTTP API (also /health, /ready, /metrics).
@@ -23,6 +24,8 @@ DECODE_GRPC_PORT = 50052
 DECODE_HTTP_PORT = 8001
 # Decode pods: where the CacheStore receives KV (tcp transport listener / nixl agent).
 KV_TRANSFER_PORT = 50060
+# Decode pods with --kv-pool: the KVLender (blocks lent to peers, micro-attention over them).
+KV_POOL_PORT = 50070
 
 # Prefill: the end-to-end deadline of one request, in seconds (--request-timeout; clients
 # may only shorten it, with X-Request-Timeout or a gRPC deadline).

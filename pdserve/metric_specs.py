@@ -118,7 +118,15 @@ METRICS: tuple[MetricSpec, ...] = (
                ("tier",)),
     MetricSpec("kv_tier_write_errors", "pdserve_kv_tier_write_errors_total", _C,
                "Blocks a tier dropped because it could not store them (disk full, directory gone).", ("tier",)),
+    # the KV pool inside a decode (pdserve decode --kv-pool; kvpool/decode_pool.py)
+    MetricSpec("kv_pool_pooled_requests", "pdserve_kv_pool_pooled_requests_total", _C,
+               "Decode: requests served through the KV pool (too big for its free blocks: part of their KV "
+               "borrowed from peer decodes)."),
+    MetricSpec("kv_pool_borrowed_blocks", "pdserve_kv_pool_borrowed_blocks_total", _C,
+               "Decode: KV blocks its pooled requests borrowed from peer decodes."),
     # gauges
+    MetricSpec("kv_pool_lent_blocks", "pdserve_kv_pool_lent_blocks", _G,
+               "Decode: KV blocks of its pool lent to peer decodes' requests now."),
     MetricSpec("kv_tier_bytes", "pdserve_kv_tier_bytes", _G, "KV bytes a prefix-cache tier holds now.", ("tier",)),
     MetricSpec("kv_blocks_free", "pdserve_kv_blocks_free", _G, "KV cache blocks free."),
     MetricSpec("kv_swapped_requests", "pdserve_kv_swapped_requests", _G,

@@ -66,6 +66,8 @@ kv_checksum_mismatches          both      decode: a request's KV failed its chec
                                           request is failed, never decoded); prefill: a decode
                                           reported that (the request is retried / resumed elsewhere)
 kv_blocks_free / _used          both      read from the engine at each scrape (``track_load``)
+kv_pool_pooled_requests,       decode    --kv-pool: requests served pooled and the blocks they borrowed
+_borrowed_blocks, _lent_blocks            (totals), blocks lent to peers now; read at each scrape
 kv_tier_hits, _moved_bytes,     both      the engine's KV tiers' running totals (``--kv-host-tier-bytes``,
 _move_seconds, _evictions,                ``--kv-disk-tier-*``; tier=host|disk), read at each scrape
 _checksum_mismatches,                     (``server_setup.follow_tier_metrics``); absent without tiers

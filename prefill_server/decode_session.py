@@ -14,7 +14,11 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    or ``Refusal``; a refusal, an unreachable decode or a broken stream raises ``Retryable``
    so the node can try the next decode: nothing has reached the client yet.
 3. **decide** - the Disaggregator (cost model, cost_model.py) chooses where the prompt is
-   computed: remote (steps 4r-5r, today's P/D path) or local (4l).
+   computed: remote (steps 4r-5r, today's P/D path) or local (4l). An Allocation that says
+   ``pooled`` (the decode's KV pool holds part of the request on its lenders) goes 4r when it
+   lists ``pool_targets`` (each lender's blocks: step 4r pushes every part of the prompt's KV
+   straight to where it lives, one CacheStore binding per part) and 4l when it lists no
+   blocks (the decode computes the prompt and places the overflow on its lenders itself).
 4r. **prefill + push** - bind the request in the CacheStore sender to decode's blocks and
    run prefill layer by layer; the engine's per-layer callback hands each layer's blocks
    after the decode's cached ones to ``sender.store`` (non-blocking), so the wire works while
@@ -53,7 +57,7 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import grpc
@@ -64,7 +68,7 @@ from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
 from pdserve.protos.version import PROTOCOL_VERSION
 
-from .cost_model import LOCAL, link_busy_seconds
+from .cost_model import LOCAL, REMOTE, Decision, link_busy_seconds
 from .session_protocol import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionObserver,
                                SessionTimings, decode_reservation, first_token_finishes, logprob_from_proto, rpc_reason,
                                sampling_to_proto)
@@ -112,7 +116,7 @@ def _closed_under_us(call) -> bool:
 class _Held:
     """What one run holds on this side, for step 7."""
 
-    bound: bool = False  # the CacheStore sender knows the request
+    bound: list[str] = field(default_factory=list)  # ids the CacheStore sender knows (pooled: its lenders' parts too)
     prefilled: bool = False  # our engine holds (or will hold) the prompt's blocks
     released: bool = False  # ... and released them
     finished: bool = False  # the decode finished the request
@@ -176,7 +180,12 @@ class SessionRunner:
                 await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)
             # 3. decide (before this session counts in the decode's load: it stalls the others, not itself)
             prefill_cached = self.disaggregator.prefill_cached_blocks(prompt_ids)
-            decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached)
+            if alloc.pooled and not alloc.pool_targets:  # no blocks to push into: the decode computes it
+                decision = Decision(LOCAL, "pooled")
+            elif alloc.pooled:  # our KV goes to the decode and its lenders, each part where it lives
+                decision = Decision(REMOTE, "pooled")
+            else:
+                decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached)
             timings.where = decision.where
             # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
@@ -212,8 +221,8 @@ class SessionRunner:
                 if held.prefilled and not held.released:
                     await self.engine.release(request_id)
             finally:
-                if held.bound:
-                    self.sender.delete(request_id)
+                for bound_id in held.bound:
+                    self.sender.delete(bound_id)
                 self.registry.pop(request_id, None)
 
     async def _push(self, call, address: str, request_id: str, prompt_ids: list[int], sp, alloc: pb.Allocation,
@@ -221,19 +230,30 @@ class SessionRunner:
         """Steps 4r-5r: our forward pass pushes the blocks the decode lacks; then the FirstToken."""
         cfg = self.config
         first_block, n_blocks = alloc.cached_blocks, blocks_needed(len(prompt_ids), cfg.block_size)
-        try:
-            self.sender.bind(request_id, alloc.cachestore_endpoint, list(alloc.block_ids))
-        except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
-            raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
-        held.bound = True
+        # (sender id, endpoint, destination blocks, our prompt blocks [start, end) that go there): the
+        # decode's blocks; a pooled request's lenders take the prompt blocks after them
+        parts = [(request_id, alloc.cachestore_endpoint, list(alloc.block_ids), first_block,
+                  first_block + len(alloc.block_ids))]
+        parts += [(t.request_id, t.cachestore_endpoint, list(t.block_ids), t.first_block,
+                   t.first_block + len(t.block_ids)) for t in alloc.pool_targets]
+        for part_id, endpoint, dst, _, _ in parts:
+            try:
+                self.sender.bind(part_id, endpoint, dst)
+            except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
+                raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
+            held.bound.append(part_id)
         layers: list[tuple[int, list[int]]] = []  # layers written but not pushed yet (layerwise_push off)
+
+        def store(layer: int, block_ids: list[int]) -> None:
+            for part_id, _, _, start, end in parts:
+                self.sender.store(part_id, layer, block_ids[start:end])
 
         def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
             timings.layer_stored.append(time.monotonic())
             if cfg.layerwise_push:
-                self.sender.store(request_id, layer, list(block_ids)[first_block:n_blocks])
+                store(layer, list(block_ids))
             else:
-                layers.append((layer, list(block_ids)[first_block:n_blocks]))
+                layers.append((layer, list(block_ids)))
 
         held.prefilled = True
         before = self.engine.prefill_counters()
@@ -259,9 +279,10 @@ class SessionRunner:
         after = self.engine.prefill_counters()
         self.observer.prefilled(after[0] - before[0], after[1] - before[1])
         for layer, block_ids in layers:  # overlap off: the whole KV goes now
-            self.sender.store(request_id, layer, block_ids)
+            store(layer, block_ids)
         try:
-            await self.sender.wait_sent(request_id, cfg.session_timeout_s)
+            for part_id, *_ in parts:
+                await self.sender.wait_sent(part_id, cfg.session_timeout_s)
         except Exception as exc:  # TransferError, timeout: the decode never got the KV (ChecksumError: corrupted)
             code = CHECKSUM_MISMATCH if isinstance(exc, ChecksumError) else "kv_transfer_failed"
             raise Retryable(f"{address}: KV transfer failed: {exc}", code) from None
@@ -336,7 +357,12 @@ class SessionRunner:
         if not 0 <= cached < start.blocks_needed or (cached and not start.reuse_prefix):
             raise Retryable(f"{address}: allocated with {cached} cached blocks for a prompt of {start.blocks_needed}"
                             f"{'' if start.reuse_prefix else ' (no reuse asked)'}")
-        if len(alloc.block_ids) != start.blocks_needed - cached:
+        if alloc.pooled and (cached or bool(alloc.block_ids) != bool(alloc.pool_targets)
+                             or _pooled_blocks(alloc) not in (0, start.blocks_needed)):
+            raise Retryable(f"{address}: a pooled allocation must list every prompt block (the decode's and its "
+                            f"lenders') or none, with no cached blocks; got {_pooled_blocks(alloc)} of "
+                            f"{start.blocks_needed}, {cached} cached")
+        if not alloc.pooled and len(alloc.block_ids) != start.blocks_needed - cached:
             raise Retryable(f"{address}: allocated {len(alloc.block_ids)} blocks, "
                             f"{start.blocks_needed - cached} needed ({cached} cached)")
         return alloc
@@ -368,3 +394,8 @@ class SessionRunner:
         if kind == "error":
             raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}", msg.error.code)
         raise DecodeFailed(f"decode {address} sent an unexpected {kind} message")
+
+
+def _pooled_blocks(alloc: pb.Allocation) -> int:
+    """Prompt blocks a pooled Allocation lists: the decode's own and every lender's."""
+    return len(alloc.block_ids) + sum(len(t.block_ids) for t in alloc.pool_targets)

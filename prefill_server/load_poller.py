@@ -152,6 +152,8 @@ class LoadReportPoller:
                 running=report.running,
                 waiting=report.waiting,
                 prefill_tokens_per_s=report.prefill_tokens_per_s,
+                pool_free_blocks=report.pool_free_blocks,
+                pool_total_blocks=report.pool_total_blocks,
             ),
         )
         if self.on_report is not None:

@@ -22,6 +22,11 @@ emptiest one (with weight 1: holding the whole prompt is worth all the free memo
 emptiest decode). Ties go to the first address. A full decode is never eligible, prefix or
 not. When every eligible decode holds the same amount (none, usually), plain ``wrr``.
 
+A decode in a KV pool (``pdserve decode --kv-pool``) reports the blocks its peers could lend
+it now and at most (``pool_free_blocks``, ``pool_total_blocks``): its free blocks and its whole
+pool, as this picker sees them (``room``, ``capacity``), include them; a request bigger than
+its own pool goes there pooled (greedy requests only: the decode refuses the others).
+
 Load reports arrive from the LoadReportPoller (``update``); a report older than
 ``expiry_s`` no longer counts, so a decode that stopped answering drops out. Between
 reports, ``note_allocation`` subtracts what a Session just took, so a burst of requests
@@ -51,6 +56,18 @@ class DecodeLoad:
     running: int = 0
     waiting: int = 0
     prefill_tokens_per_s: float = 0.0  # measured speed of prompts the decode computed itself; 0 = none yet
+    pool_free_blocks: int = 0  # its KV pool's peers could lend it this many blocks now
+    pool_total_blocks: int = 0  # ... and at most this many
+
+    @property
+    def room(self) -> int:
+        """Free blocks for a request: its own plus what its pool could lend now."""
+        return self.free_blocks + self.pool_free_blocks
+
+    @property
+    def capacity(self) -> int:
+        """The largest request it can ever hold, in blocks (its pool's loans included); 0 = not reported."""
+        return self.total_blocks + self.pool_total_blocks if self.total_blocks else 0
 
     def __post_init__(self) -> None:
         if self.free_blocks < 0 or self.free_bytes < 0:
@@ -136,7 +153,7 @@ class DecodePicker:
         Only ``wrr`` looks at ``blocks_needed``; ``rr`` stays size-blind.
         """
         need = self._need(blocks_needed)
-        return [address for address, load in self._usable().items() if address not in exclude and load.free_blocks >= need]
+        return [address for address, load in self._usable().items() if address not in exclude and load.room >= need]
 
     def usable(self) -> list[str]:
         """Decodes with a fresh report, our protocol version and not draining, full or not (a full
@@ -148,13 +165,13 @@ class DecodePicker:
         need = self._need(blocks_needed)
         # busy only if some decode could hold the request once others finish; a request larger
         # than every decode's whole pool will never fit (not worth waiting for)
-        could_fit = [load for load in self._usable().values() if load.total_blocks == 0 or load.total_blocks >= need]
-        return bool(could_fit) and all(load.free_blocks < need for load in could_fit)
+        could_fit = [load for load in self._usable().values() if load.capacity == 0 or load.capacity >= need]
+        return bool(could_fit) and all(load.room < need for load in could_fit)
 
     def never_fits(self, blocks_needed: int) -> int | None:
         """The largest whole pool among the fresh, compatible decodes when the request needs more
         than each of them holds in all (no wait helps; any policy), else None."""
-        totals = [load.total_blocks for load in self._usable().values()]
+        totals = [load.capacity for load in self._usable().values()]
         if totals and all(0 < total < blocks_needed for total in totals):
             return max(totals)
         return None
@@ -183,12 +200,12 @@ class DecodePicker:
                 parts.append(f"{address}: protocol version {load.protocol_version} != ours {self.protocol_version}")
             elif load.draining:
                 parts.append(f"{address}: draining")
-            elif 0 < load.total_blocks < need:
-                parts.append(f"{address}: holds only {load.total_blocks} KV blocks in all, {need} needed")
-            elif load.free_blocks <= 0:
+            elif 0 < load.capacity < need:
+                parts.append(f"{address}: holds only {load.capacity} KV blocks in all, {need} needed")
+            elif load.room <= 0:
                 parts.append(f"{address}: no free KV blocks")
-            elif load.free_blocks < need:
-                parts.append(f"{address}: {load.free_blocks} free KV blocks, {need} needed")
+            elif load.room < need:
+                parts.append(f"{address}: {load.room} free KV blocks, {need} needed")
         return "; ".join(parts) or "no eligible decode server"
 
     def pick(self, exclude: set[str] | frozenset[str] = frozenset(), blocks_needed: int = 0,

@@ -212,6 +212,16 @@ class KVLenderStub:
                 request_serializer=kvpool__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvpool__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.ExpectKV = channel.unary_unary(
+                '/pdserve.kvpool.KVLender/ExpectKV',
+                request_serializer=kvpool__pb2.ExpectKVRequest.SerializeToString,
+                response_deserializer=kvpool__pb2.ExpectKVReply.FromString,
+                _registered_method=True)
+        self.KVArrived = channel.unary_unary(
+                '/pdserve.kvpool.KVLender/KVArrived',
+                request_serializer=kvpool__pb2.KVArrivedRequest.SerializeToString,
+                response_deserializer=kvpool__pb2.KVArrivedReply.FromString,
+                _registered_method=True)
 
 
 class KVLenderServicer:
@@ -241,6 +251,19 @@ class KVLenderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExpectKV(self, request, context):
+        """P/D (pdserve decode --kv-pool): the prefill pushes the loan's KV over the CacheStore instead of PutKV
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KVArrived(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVLenderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -263,6 +286,16 @@ def add_KVLenderServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvpool__pb2.ReleaseRequest.FromString,
                     response_serializer=kvpool__pb2.ReleaseReply.SerializeToString,
+            ),
+            'ExpectKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpectKV,
+                    request_deserializer=kvpool__pb2.ExpectKVRequest.FromString,
+                    response_serializer=kvpool__pb2.ExpectKVReply.SerializeToString,
+            ),
+            'KVArrived': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVArrived,
+                    request_deserializer=kvpool__pb2.KVArrivedRequest.FromString,
+                    response_serializer=kvpool__pb2.KVArrivedReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -373,6 +406,60 @@ class KVLender:
             '/pdserve.kvpool.KVLender/Release',
             kvpool__pb2.ReleaseRequest.SerializeToString,
             kvpool__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExpectKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.kvpool.KVLender/ExpectKV',
+            kvpool__pb2.ExpectKVRequest.SerializeToString,
+            kvpool__pb2.ExpectKVReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVArrived(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.kvpool.KVLender/KVArrived',
+            kvpool__pb2.KVArrivedRequest.SerializeToString,
+            kvpool__pb2.KVArrivedReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,9 @@ with DistAttention for its decode steps. Measured, one request at a time:
 The speed points run in one pooled cluster, rotated through in every repeat (medians), so
 the load of a shared machine drifts over all of them alike; the unpooled point is the engine's
 normal path on the same decode.
+
+``--pd``: the same longest-prompt question through the P/D serving path (``pdserve decode
+--kv-pool``), see long_context_pd.py.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--repeats", type=int, default=5, help="runs per speed point (median taken)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/experiments"), help="output directory")
+    parser.add_argument("--pd", action="store_true",
+                        help="through P/D instead: pdserve prefill + 3 pdserve decode (--kv-pool when pooled); "
+                             "longest prompt and end-to-end tokens/s (long_context_pd.py)")
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -126,6 +132,10 @@ def spill_costs(spill_rows: list[dict]) -> dict:
 def run(args: argparse.Namespace) -> int:
     if args.blocks < 2 or args.max_tokens < 1 or args.repeats < 1 or args.reserve < 0:
         raise SystemExit("need --blocks >= 2, --max-tokens >= 1, --repeats >= 1, --reserve >= 0")
+    if args.pd:
+        from .long_context_pd import run as run_pd
+
+        return run_pd(args)
     model = bench_model(MODEL_CACHE, args.model)
     bs = args.block_size
     common = dict(num_blocks=args.blocks, reserve=args.reserve, block_size=bs, model=model)

@@ -205,3 +205,38 @@ def test_thread_safe_block_reads_follow_awaited_calls(tiny):
     assert reserved == blocks_needed(24, 8)
     assert after_reserve == total - reserved
     assert after_abort == total and after_generate == total
+
+
+def test_call_blocking_runs_on_the_engine_thread_from_another_thread(tiny):
+    """kvpool's lender and pooled requests in a decode reserve and abort from their own threads
+    while a request streams; results, errors and the published counts come back as for awaited calls."""
+    import threading
+
+    async def main():
+        aeng = AsyncLLMEngine(_engine(tiny))
+        await aeng.start()
+        seen = {}
+
+        def from_a_thread():
+            seen["thread"] = aeng.call_blocking(lambda: threading.current_thread().name)
+            seen["blocks"] = aeng.call_blocking(aeng.engine.reserve, "loan:x", 20, 4, timeout=10)
+            seen["free_after"] = aeng.num_free_blocks()
+            try:
+                aeng.call_blocking(aeng.engine.reserve, "loan:x", 20, 4, timeout=10)
+            except ValueError as exc:
+                seen["error"] = str(exc)
+            seen["aborted"] = aeng.call_blocking(aeng.engine.abort, "loan:x", timeout=10)
+
+        stream = _collect(aeng.generate("g", tiny.tokenizer.encode("hello"), SP))
+        worker = asyncio.get_running_loop().run_in_executor(None, from_a_thread)
+        toks, _ = await stream
+        await worker
+        free = aeng.num_free_blocks()
+        await aeng.stop()
+        return seen, toks, free
+
+    seen, toks, free = asyncio.run(main())
+    assert seen["thread"] == "pdserve-engine"
+    assert len(seen["blocks"]) == blocks_needed(24, 8) and seen["free_after"] <= 64 - len(seen["blocks"])
+    assert "already in use" in seen["error"] and seen["aborted"] is True
+    assert len(toks) == 10 and free == 64

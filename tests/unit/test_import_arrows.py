@@ -29,7 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "protos": set(),
     "cachestore": {"protos"},
     "prefill_server": SERVERS_MAY_USE,
-    "decode_server": SERVERS_MAY_USE,
+    # decode: --kv-pool makes its block manager an rManager of the KV pool (kvpool/decode_pool.py)
+    "decode_server": SERVERS_MAY_USE | {"kvpool"},
     # The runtime (defaults, metrics, discovery, server_setup, cli) builds servers' common parts
     # from the engine, cachestore and protos; it never imports a server or a tool (the CLI
     # reaches commands by module name, lazily).

@@ -123,3 +123,10 @@ def test_loans_of_a_gone_borrower_or_idle_ones_are_stale():
     assert book.stale({"x"}, now=7.7) == ["r2"]   # missing for >= gone_s
     with pytest.raises(ValueError, match="already holds a loan"):
         book.add(Loan("r1", "x", [2]))
+
+
+def test_a_row_keeps_the_most_its_instance_ever_lends():
+    ledger = DebtLedger(ttl_s=5.0)
+    ledger.report("d0", "h:1", free_blocks=3, lendable_blocks=2, lent={"d1": 4}, now=0.0, max_lendable=7)
+    ledger.report("d1", "h:2", free_blocks=5, lendable_blocks=4, lent={}, now=0.0)  # an old rManager: no max sent
+    assert (ledger.rows["d0"].max_lendable, ledger.rows["d1"].max_lendable) == (7, 4)

@@ -98,3 +98,67 @@ def test_a_fresh_gmanager_says_its_live_list_is_not_complete_for_one_ttl(monkeyp
     assert [(c.instance_id, c.lendable_blocks) for c in found] == [("a", 3)]
     with pytest.raises(Aborted, match="kvpool version 99"):
         g.Report(kvpool_pb2.InstanceReport(instance_id="a", version=99), Context())
+
+
+class Inbox:
+    """Stands in for the decode's CacheStore receiver (one module's unit test): records the
+    entries, and 'delivers' a layer's KV by writing it into the expected blocks."""
+
+    def __init__(self, engine):
+        self.engine, self.entries, self.dropped = engine, {}, []
+
+    def expect(self, entry_id, block_ids, timeout_s):
+        if entry_id in self.entries:
+            raise ValueError(f"request {entry_id!r} is already expected")
+        self.entries[entry_id] = list(block_ids)
+        return b"endpoint", list(block_ids)
+
+    def deliver(self, entry_id, layer, k, v):
+        kv = self.engine.kv_cache
+        rows = kv.table_rows(torch.tensor(self.entries[entry_id])).reshape(-1)[: k.shape[0]]
+        kv.write(layer, rows, k, v)
+
+    def wait(self, entry_id, timeout_s):
+        if entry_id not in self.entries:
+            raise TimeoutError(f"{entry_id!r} not all arrived")
+        del self.entries[entry_id]
+
+    def drop(self, entry_id):
+        self.entries.pop(entry_id, None)
+        self.dropped.append(entry_id)
+
+
+def test_kv_pushed_by_the_prefill_through_the_cachestore_is_attended_over_and_released(engine):
+    lender = BlockLender(engine, threading.Lock(), reserve=0, idle_s=60.0)
+    lender.inbox = inbox = Inbox(engine)
+    assert _lend(lender, "r1", 4).granted_blocks == 4
+    cfg = engine.model_config
+    k, v = torch.randn(40, cfg.num_kv_heads, cfg.head_dim), torch.randn(40, cfg.num_kv_heads, cfg.head_dim)
+    reply = lender.ExpectKV(kvpool_pb2.ExpectKVRequest(request_id="r1", num_tokens=40, timeout_s=5.0,
+                                                       entry_id="r1#part0"), Context())
+    assert reply.cachestore_endpoint == b"endpoint" and len(reply.block_ids) == 3  # 40 tokens: 3 blocks of 16
+    with pytest.raises(Aborted, match="already expected"):
+        lender.ExpectKV(kvpool_pb2.ExpectKVRequest(request_id="r1", num_tokens=40, timeout_s=5.0,
+                                                   entry_id="r1#part0"), Context())
+    q = torch.randn(cfg.num_heads, cfg.head_dim)
+    attend = kvpool_pb2.AttendRequest(request_id="r1", layer=1, q=q.numpy().tobytes(), num_heads=cfg.num_heads)
+    with pytest.raises(Aborted, match="put no KV here yet"):  # not before KVArrived
+        lender.Attend(attend, Context())
+    inbox.deliver("r1#part0", 1, k, v)
+    lender.KVArrived(kvpool_pb2.KVArrivedRequest(request_id="r1", timeout_s=5.0), Context())
+    r = lender.Attend(attend, Context())
+    got, want = from_bytes(r.max, r.sum_exp, r.weighted, cfg.num_heads), micro_attention(q, k, v)
+    assert torch.equal(got.weighted, want.weighted) and torch.equal(got.max, want.max)
+    assert lender.Release(kvpool_pb2.ReleaseRequest(request_id="r1"), Context()).freed_blocks == 4
+    assert inbox.dropped == [] and engine.num_free_blocks() == 6  # the entry was unpinned on arrival already
+
+    # released before its KV arrived (the borrower's request failed): the entry is dropped first
+    assert _lend(lender, "r2", 2).granted_blocks == 2
+    lender.ExpectKV(kvpool_pb2.ExpectKVRequest(request_id="r2", num_tokens=20, timeout_s=5.0, entry_id="r2#part0"),
+                    Context())
+    lender.release("r2")
+    assert inbox.dropped == ["r2#part0"] and inbox.entries == {} and engine.num_free_blocks() == 6
+    with pytest.raises(Aborted) as e:  # a loan it never made
+        BlockLender(engine, threading.Lock(), reserve=0, idle_s=60.0).ExpectKV(
+            kvpool_pb2.ExpectKVRequest(request_id="r3", num_tokens=1, timeout_s=1.0, entry_id="x"), Context())
+    assert e.value.args[0] == grpc.StatusCode.NOT_FOUND

@@ -193,3 +193,16 @@ def test_a_shared_prefix_pile_up_is_bounded_by_free_memory():
             break
         p.note_allocation(address, 5, 5000)
     assert picks[-1] == "a" and 5 <= picks.count("b") <= 7, picks
+
+
+def test_a_decode_in_a_kv_pool_counts_what_its_peers_can_lend():
+    # a: 8 blocks of its own, its pool lends 6 now and 14 at most; b: 8 blocks, no pool
+    p = DecodePicker(policy="wrr", expiry_s=1.0, clock=Clock())
+    p.update("a", DecodeLoad(free_blocks=8, free_bytes=8000, total_blocks=8, pool_free_blocks=6, pool_total_blocks=14))
+    p.update("b", DecodeLoad(free_blocks=8, free_bytes=8000, total_blocks=8))
+    assert p.eligible(blocks_needed=14) == ["a"]  # 8 free + 6 lendable now
+    assert p.eligible(blocks_needed=15) == []
+    assert p.all_full(15)  # a can hold 22 once its peers have room again: worth waiting
+    assert p.never_fits(22) is None
+    assert p.never_fits(23) == 22  # 8 + 14: more than any decode and its pool
+    assert "holds only 22 KV blocks in all" in p.why_none(23)
