@@ -48,12 +48,7 @@ Leases (each wait on prefill has a timer, so step 5 always comes):
   deadline; gRPC cancels this call when it passes, whatever prefill does.
 
 With a KV pool (``--kv-pool``), a request whose KV does not fit the blocks free here takes
-the pooled path in step 2 (pooled_session.py): local blocks plus blocks borrowed from peers,
-an Allocation that says ``pooled`` and lists where each part of the prompt's KV goes (our
-leading blocks, then each lender's: the prefill pushes them there; or, when not one prompt
-block fits here, none: prefill answers ComputePrompt and the prompt is computed here); in
-step 3 the lenders' parts must arrive too; greedy tokens come from the pooled request; step
-5 releases its loans and local blocks.
+the pooled path (local blocks plus loans from peers; session_pooled.py, pooled_session.py).
 
 A DecodeSession is given its collaborators as ``SessionDeps`` (the engine adapter, the
 CacheStore receiver, the session registry, the metrics, the limits), never the service. The
@@ -66,28 +61,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
 from pdserve.engine import blocks_needed
-from pdserve.kvpool.rmanager import LenderLost
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
 
 from . import admission
 from .pooled_session import PooledDecode
-from .registry import SessionInfo, SessionRegistry
-from .session_metrics import SessionMetrics
-from .session_stream import SessionEnded, SessionStream
-
-if TYPE_CHECKING:
-    from pdserve.cachestore import CacheStoreReceiver
-    from pdserve.kvpool.decode_pool import DecodePool
-
-    from .decode_engine import DecodeEngine
+from .registry import SessionInfo
+from .session_deps import SessionDeps
+from .session_pooled import PooledSteps
+from .session_stream import SessionEnded
 
 log = logging.getLogger(__name__)
 
@@ -95,22 +82,7 @@ __all__ = ["DecodeSession", "SessionDeps", "SessionEnded"]
 _BACKGROUND: set[asyncio.Future] = set()  # releases of reservations made after their session was cancelled
 
 
-@dataclass(frozen=True, slots=True)
-class SessionDeps:
-    """Everything a DecodeSession uses, built once by the DecodeService."""
-
-    engine: DecodeEngine  # reserve / add_prefilled / prefill_reserved / release; num_blocks
-    receiver: CacheStoreReceiver  # expect / wait_all / load / delete / released; endpoint
-    registry: SessionRegistry  # live sessions, draining flag, layer arrivals
-    metrics: SessionMetrics
-    compat: pb.Compat  # ours: Start's must match
-    max_model_len: int
-    session_timeout_s: float  # a cap on the timeout prefill asks for in Start
-    out_of_blocks_error: type[Exception]  # the engine's OutOfBlocksError (refused as out_of_blocks)
-    pool: DecodePool | None = None  # --kv-pool: lend to peers, borrow for requests too big for our free blocks
-
-
-class DecodeSession(SessionStream):
+class DecodeSession(PooledSteps):
     """Runs steps 1-5 for one Session call."""
 
     def __init__(self, context: grpc.aio.ServicerContext, deps: SessionDeps):
@@ -249,50 +221,6 @@ class DecodeSession(SessionStream):
         await self.write(allocation=pb.Allocation(block_ids=list(for_sender), cachestore_endpoint=deps.receiver.endpoint,
                                                   cached_blocks=self.cached_blocks))
         return True
-
-    async def _open_pooled(self, start: pb.Start, why_not_local: str) -> tuple[str, str] | None:
-        """Step 2 on the pooled path: local blocks + loans, then the pooled Allocation; the
-        refusal when the pool has no room either (transient, like out_of_blocks here)."""
-        deps, rid = self.deps, start.request_id
-        timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
-        try:
-            self.pooled = await PooledDecode.open(deps.pool, start, timeout)
-        except deps.out_of_blocks_error as exc:
-            return "out_of_blocks", f"{why_not_local}; the KV pool: {exc}"
-        except LenderLost as exc:  # while lending: nothing is held
-            return "out_of_blocks", f"{why_not_local}; the KV pool: {exc}"
-        self.info = SessionInfo(rid, "allocate", num_blocks=self.pooled.local_blocks)
-        deps.registry.add(self.info)
-        log.info("session %s: pooled (%d local blocks, loans from %s; the prompt's KV %s)", rid,
-                 self.pooled.local_blocks, ", ".join(f"{l.lender}: {l.blocks}" for l in self.pooled.request.loans)
-                 or "nobody", "pushed by prefill" if self.pooled.pushed else "computed here")
-        allocation = pb.Allocation(cachestore_endpoint=deps.receiver.endpoint, pooled=True)
-        if self.pooled.pushed:
-            allocation.block_ids.extend(deps.receiver.expect(rid, self.pooled.local_prompt_blocks(), timeout))
-            self.expected = True
-            allocation.pool_targets.extend(self.pooled.targets)
-        await self.write(allocation=allocation)
-        return None
-
-    async def _pooled_kv_in(self, timeout: float) -> None:
-        try:
-            await self.pooled.kv_arrived(timeout)
-        except LenderLost as exc:
-            raise SessionEnded(str(exc)) from None
-
-    async def _decode_pooled(self, start: pb.Start, first_token: int | None = None) -> None:
-        """Step 4 on the pooled path: stream the pooled request's greedy tokens (after
-        ``first_token`` when the prefill computed the prompt)."""
-        produced, max_tokens = 0 if first_token is None else 1, start.sampling.max_tokens
-        try:
-            async for token in self.pooled.tokens(start.sampling, first_token):
-                produced += 1
-                await self.write(tokens=pb.Tokens(token_ids=[token]))
-        except LenderLost as exc:  # part of the KV is gone with its lender
-            raise SessionEnded(str(exc)) from None
-        reason = "length" if produced >= max_tokens else "stop"
-        await self.write(finish=pb.Finish(finish_reason=reason, completion_tokens=produced))
-        self.outcome = ("ok", reason)
 
     async def _reserve(self, start: pb.Start) -> tuple[list[int], int]:
         """The engine's reservation; if we are cancelled meanwhile (prefill gone), the engine still

@@ -1,0 +1,32 @@
+"""SessionDeps: what every DecodeSession is given, built once by the DecodeService (never the service itself)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pdserve.protos import session_pb2 as pb
+
+from .registry import SessionRegistry
+from .session_metrics import SessionMetrics
+
+if TYPE_CHECKING:
+    from pdserve.cachestore import CacheStoreReceiver
+    from pdserve.kvpool.decode_pool import DecodePool
+
+    from .decode_engine import DecodeEngine
+
+
+@dataclass(frozen=True, slots=True)
+class SessionDeps:
+    """Everything a DecodeSession uses, built once by the DecodeService."""
+
+    engine: DecodeEngine  # reserve / add_prefilled / prefill_reserved / release; num_blocks
+    receiver: CacheStoreReceiver  # expect / wait_all / load / delete / released; endpoint
+    registry: SessionRegistry  # live sessions, draining flag, layer arrivals
+    metrics: SessionMetrics
+    compat: pb.Compat  # ours: Start's must match
+    max_model_len: int
+    session_timeout_s: float  # a cap on the timeout prefill asks for in Start
+    out_of_blocks_error: type[Exception]  # the engine's OutOfBlocksError (refused as out_of_blocks)
+    pool: DecodePool | None = None  # --kv-pool: lend to peers, borrow for requests too big for our free blocks
