@@ -10,8 +10,8 @@ are (``num_tokens - num_computed == 1 and num_computed > 0``); every other seque
 decode rows; ``forward_and_sample`` hands the tokens back in the caller's order.
 
 Prompt logprobs (``SamplingParams.prompt_logprobs``, a sequence whose ``needs_prompt_logits``):
-the logits of every position of its prefill span are kept too (rows after each sequence's last
-row), so position p gives the logprob of prompt token p + 1. Its span must start where its
+the logits of every position of its prefill span are made too (from the last hidden states,
+``ROWS_PER_PASS`` rows at a time), so position p gives the logprob of prompt token p + 1. Its span must start where its
 prompt logprobs so far end (the scheduler gives such a sequence no prefix-cache hit).
 
 Token ``t`` of a sequence is written to K row ``kv_cache.slot_indices(block_table[t //
@@ -26,7 +26,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import DecoderModel, ForwardBatch, PrefillSpan
-from .sampling import Sampler, logprobs_of, token_logprobs
+from .sampling import ROWS_PER_PASS, Sampler, logprobs_of, token_logprobs
 from .sequence import Sequence
 
 
@@ -49,12 +49,15 @@ class ModelRunner:
         batch = self.build_batch(pre, dec)
         ordered = pre + dec
         prompt_rows = self._prompt_rows(pre, batch)
-        if prompt_rows:
-            extra = [r for _, rows, _ in prompt_rows for r in rows]
-            batch.logits_rows = torch.cat([batch.logits_rows, torch.tensor(extra, dtype=torch.long, device=self.device)])
-        logits = self.model(batch, self.kv_cache, on_layer=on_layer)
-        prompt_lps = self._prompt_logprobs(prompt_rows, logits[len(ordered):]) if prompt_rows else {}
-        logits = logits[: len(ordered)]
+        prompt_lps: dict[int, list] = {}
+        if prompt_rows:  # the forward pass by hand, to keep the hidden states of every prompt position
+            with torch.inference_mode():
+                x = self.model.embed(batch.input_ids)
+                x = self.model.run_layers(x, batch, self.kv_cache, range(len(self.model.layers)), on_layer)
+                logits = self.model.head(x, batch)
+                prompt_lps = self._prompt_logprobs(prompt_rows, x)
+        else:
+            logits = self.model(batch, self.kv_cache, on_layer=on_layer)
         params = [s.sampling for s in ordered]
         masked = logits
         if any(s.matcher is not None for s in ordered):
@@ -87,12 +90,17 @@ class ModelRunner:
             out.append((seq, [span.start + p - done for p in positions], [seq.prompt_ids[p + 1] for p in positions]))
         return out
 
-    @staticmethod
-    def _prompt_logprobs(prompt_rows, logits: torch.Tensor) -> dict[int, list]:
-        """id(sequence) -> its new prompt logprobs from ``logits`` (the extra rows, in ``prompt_rows``' order)."""
+    def _prompt_logprobs(self, prompt_rows, x: torch.Tensor) -> dict[int, list]:
+        """id(sequence) -> its new prompt logprobs, from the last layer's hidden states ``x`` (their logits
+        made ``ROWS_PER_PASS`` rows at a time: a long prompt's [tokens, vocab] never exists at once)."""
+        rows = [r for _, rs, _ in prompt_rows for r in rs]
         targets = [t for _, _, ts in prompt_rows for t in ts]
         ks = [seq.sampling.prompt_logprobs for seq, _, ts in prompt_rows for _ in ts]
-        found = logprobs_of(logits, targets, ks) if targets else []
+        found = []
+        for start in range(0, len(rows), ROWS_PER_PASS):
+            part = torch.tensor(rows[start : start + ROWS_PER_PASS], dtype=torch.long, device=x.device)
+            found += logprobs_of(self.model.logits_at(x, part), targets[start : start + ROWS_PER_PASS],
+                                 ks[start : start + ROWS_PER_PASS])
         out, at = {}, 0
         for seq, _, ts in prompt_rows:
             out[id(seq)] = ([None] if seq.num_computed == 0 else []) + found[at : at + len(ts)]

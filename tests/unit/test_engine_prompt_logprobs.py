@@ -59,6 +59,17 @@ def test_prompt_logprobs_equal_a_dense_forward_and_come_once(loaded, engine):
     assert all(o.prompt_logprobs is None for o in plain)
 
 
+def test_long_prompts_go_through_the_head_in_slices(loaded, engine, monkeypatch):
+    from pdserve.engine import model_runner, sampling
+
+    monkeypatch.setattr(model_runner, "ROWS_PER_PASS", 7)
+    monkeypatch.setattr(sampling, "ROWS_PER_PASS", 5)
+    outs = _run(engine, [("s", PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)),
+                         ("t", PROMPT[:12], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1))])
+    _check(loaded, PROMPT, outs["s"][0].prompt_logprobs, 2)
+    _check(loaded, PROMPT[:12], outs["t"][0].prompt_logprobs, 1)
+
+
 def test_one_token_prompt_and_zero_alternatives(loaded, engine):
     outs = _run(engine, [("one", [256], SamplingParams(max_tokens=1, prompt_logprobs=0))])["one"]
     assert outs[0].prompt_logprobs == [None]
