@@ -11,8 +11,9 @@ decode rows; ``forward_and_sample`` hands the tokens back in the caller's order.
 
 Prompt logprobs (``SamplingParams.prompt_logprobs``, a sequence whose ``needs_prompt_logits``):
 the logits of every position of its prefill span are made too (from the last hidden states,
-``ROWS_PER_PASS`` rows at a time), so position p gives the logprob of prompt token p + 1. Its span must start where its
-prompt logprobs so far end (the scheduler gives such a sequence no prefix-cache hit).
+``ROWS_PER_PASS`` rows at a time), so position p gives the logprob of prompt token p + 1. Its
+span must start where its prompt logprobs so far end (the scheduler and ``prefill_many`` give
+such a sequence no prefix-cache hit).
 
 Token ``t`` of a sequence is written to K row ``kv_cache.slot_indices(block_table[t //
 block_size], t % block_size)`` (see ``kv_cache.py``).

@@ -3,10 +3,10 @@
 Prefill side (the prompt's KV is computed here and sent elsewhere):
 - ``prefill_many`` (and ``prefill_only`` for one prompt) computes prompts' KV into local
   blocks in ONE forward pass, calling ``on_layer(layer_idx, {request_id: block_ids})`` on this
-  thread right after each layer's KV is written, and returns each first token (and, for a
-  request with ``prompt_logprobs``, computes its whole prompt, no prefix hit, and keeps the
-  prompt's logprobs for ``prefill_prompt_logprobs``). All or nothing: on any error (bad input, blocks not free now, ``on_layer`` raising) every block
-  taken is freed before the error propagates.
+  thread right after each layer's KV is written, and returns each first token (a request
+  with ``prompt_logprobs`` computes its whole prompt, no prefix hit, and keeps the prompt's
+  logprobs for ``prefill_prompt_logprobs``). All or nothing: on any error (bad input, blocks
+  not free now, ``on_layer`` raising) every block taken is freed before the error propagates.
 - Who frees: the caller, with ``release(request_id)`` once the KV is sent (or ``abort``).
 - ``prefill_tokens`` / ``prefill_seconds``: prompt tokens computed by ``prefill_many`` (prefix
   hits excluded) and the seconds its forward passes took, summed (the measured throughput).

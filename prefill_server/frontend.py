@@ -221,7 +221,7 @@ class Frontend:
                 if slo is not None and delta.token_ids:
                     self.slo.token(slo, len(delta.token_ids))
                 lps = delta.logprobs or ()
-                prompt_lps, delta.prompt_logprobs = delta.prompt_logprobs, None  # on the first Piece
+                prompt_lps = delta.prompt_logprobs  # (the first Delta's) go on the first Piece
                 for k, token_id in enumerate(delta.token_ids):  # one Piece per token, its text possibly ""
                     yield Piece([token_id], text.add([token_id]), logprobs=list(lps[k:k + 1]) or None,
                                 prompt_logprobs=prompt_lps)

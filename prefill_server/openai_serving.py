@@ -46,14 +46,16 @@ class PromptEcho:
     def __init__(self, text: str, ids: list[int], tokenizer):
         self.text, self.ids, self.tokenizer = text, ids, tokenizer
         self.logprobs: list | None = None
+        self._offsets: list[int] | None = None
 
     def offsets(self) -> list[int]:
         """Where each prompt token's text starts in the echoed text (as the tokenizer decodes it)."""
-        detok, out = self.tokenizer.detokenizer(), []
-        for token_id in self.ids:
-            out.append(min(len(detok.text), len(self.text)))
-            detok.add([token_id])
-        return out
+        if self._offsets is None:
+            detok, self._offsets = self.tokenizer.detokenizer(), []
+            for token_id in self.ids:
+                self._offsets.append(min(len(detok.text), len(self.text)))
+                detok.add([token_id])
+        return self._offsets
 
 
 class ChoiceState:

@@ -4,14 +4,15 @@ never``, so every other prompt is computed on the decode, while these must be co
 prefill) and on a colocated prefill (``--local-fallback``, no decode). The prompt's tokens lead
 each choice's logprobs (the first with null), their values equal the engine's in process, for
 string and token-id prompts, ``n`` > 1, lists of prompts, streamed and not; ``max_tokens: 0`` with
-echo gives the prompt only. Afterwards nothing is held on any process.
+echo gives the prompt only; a prefix the decode holds is not moved, but the prefill computes the
+whole prompt. Afterwards nothing is held on any process.
 """
 
 import json
 
 import pytest
 
-from harness.pd_cluster import metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import get_json, metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
 from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.slow
@@ -158,3 +159,26 @@ def test_colocated_prefill_gives_the_same(cluster, expected):
     zero = client.completions.create(model=M, prompt=OTHER, echo=True, logprobs=2, max_tokens=0)
     assert zero.choices[0].finish_reason == "length"
     _assert_matches(zero.choices[0].logprobs, expected["other"][0])
+
+
+def test_a_prefix_the_decode_holds_stays_there_and_the_prefill_computes_all(cluster):
+    """The decode's cached prefix still saves the transfer (those blocks hold the same KV), but the
+    prompt's logprobs come from the prefill's forward pass over the whole prompt: no prefix hit on
+    the prefill, even when its own cache holds the prompt (the second time)."""
+    import torch
+
+    from pdserve.engine import load_model
+
+    url, client = cluster["prefill"].url, _client(cluster["prefill"])
+    ids = [256] + [(7 * i) % 250 + 1 for i in range(150)]  # 151 tokens: 2 full blocks of 64
+    client.completions.create(model=M, prompt=ids, max_tokens=2, temperature=0)  # on the decode: it caches 2 blocks
+    torch.set_num_threads(1)
+    ref = torch.log_softmax(load_model(M).model.forward_dense(torch.tensor(ids)).float(), dim=-1)
+    hits = metric(url, "pdserve_prefix_cache_hit_tokens_total")
+    for _ in range(2):
+        out = client.completions.create(model=M, prompt=ids, echo=True, logprobs=1, max_tokens=0)
+        lp = out.choices[0].logprobs
+        assert lp.token_logprobs[1:] == pytest.approx([ref[i - 1, ids[i]].item() for i in range(1, len(ids))], abs=1e-4)
+        timings = get_json(f"{url}/debug/requests/{out.id.removeprefix('cmpl-')}")[1]
+        assert timings["decode_cached_blocks"] == 2, timings
+    assert metric(url, "pdserve_prefix_cache_hit_tokens_total") == hits
