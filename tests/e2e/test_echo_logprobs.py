@@ -182,3 +182,21 @@ def test_a_prefix_the_decode_holds_stays_there_and_the_prefill_computes_all(clus
         timings = get_json(f"{url}/debug/requests/{out.id.removeprefix('cmpl-')}")[1]
         assert timings["decode_cached_blocks"] == 2, timings
     assert metric(url, "pdserve_prefix_cache_hit_tokens_total") == hits
+
+
+def test_lm_eval_loglikelihood_payload(cluster, expected):
+    """The body lm-evaluation-harness's local-completions model posts for loglikelihood requests
+    (token-id prompts, max_tokens 1, logprobs 1, echo), read as it reads it: the continuation's
+    summed logprobs (``token_logprobs[ctxlen:-1]``) and whether each was the greedy token."""
+    ctx, cont = IDS[:10], IDS[10:]
+    body = {"model": M, "prompt": [ctx + cont, OTHER], "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    status, out = post_json(cluster["prefill"].url + "/v1/completions", body)
+    assert status == 200, out
+    prompt, _ = expected["ids"]
+    lp = out["choices"][0]["logprobs"]
+    assert sum(lp["token_logprobs"][len(ctx):-1]) == pytest.approx(sum(e.logprob for e in prompt[len(ctx):]), abs=1e-3)
+    greedy = all(tok == max(top.values()) for tok, top in zip(lp["token_logprobs"][len(ctx):-1],
+                                                               lp["top_logprobs"][len(ctx):-1]))
+    assert greedy == all(e.top[0][0] == e.token_id for e in prompt[len(ctx):])
+    assert len(out["choices"][1]["logprobs"]["tokens"]) == len(OTHER) + 1
