@@ -124,6 +124,44 @@ def test_prefill_only_path_keeps_them_until_release(loaded, engine):
     assert engine.num_free_blocks() == engine.num_blocks and engine.num_requests() == 0
 
 
+def test_a_prompt_computed_in_two_spans_continues_its_logprobs(loaded, engine):
+    """The runner's side of a chunked prefill (the scheduler admits whole prompts today): a span that
+    starts where the prompt's logprobs so far end continues them; one that skips positions is refused."""
+    from pdserve.engine.sequence import Sequence
+
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2)
+    seq = Sequence("chunks", list(PROMPT), sp, arrival=0)
+    seq.block_table, _ = engine.block_manager.allocate(PROMPT, len(PROMPT), use_prefix_cache=False)
+    try:
+        cut = 21
+        seq.all_ids = PROMPT[:cut]  # the first chunk: positions 0 .. cut-1
+        _, _, (first,) = engine.runner.forward_sample([seq], None)
+        seq.prompt_logprobs, seq.num_computed, seq.all_ids = first, cut, list(PROMPT)
+        assert len(first) == cut + 1  # token 0 (None) .. token cut (from the chunk's last row)
+        _, _, (rest,) = engine.runner.forward_sample([seq], None)
+        _check(loaded, PROMPT, first + rest, 2)
+        seq.prompt_logprobs = first[:-1]  # a gap: position cut-1's logits were never kept
+        with pytest.raises(RuntimeError, match="skipped position"):
+            engine.runner.forward_sample([seq], None)
+    finally:
+        engine.block_manager.free(seq.block_table)
+
+
+def test_a_preempted_request_reports_them_once(loaded):
+    """Recomputed after preemption (its prefix may then come from the cache), a request's prompt
+    logprobs are not computed or reported again."""
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=8, block_size=16, max_num_seqs=2))
+    outs = _run(engine, [("a", PROMPT[:40], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)),
+                         ("b", PROMPT[1:41], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True,
+                                                            prompt_logprobs=1))])
+    assert engine.num_preemptions > 0
+    reported = [o.prompt_logprobs for o in outs["b"] if o.prompt_logprobs is not None]
+    assert len(reported) == 1 and outs["b"][0].prompt_logprobs is reported[0]
+    _check(loaded, PROMPT[1:41], reported[0], 1)
+    assert sum(len(o.new_token_ids) for o in outs["b"]) == 60
+    assert engine.num_free_blocks() == engine.num_blocks
+
+
 def test_bad_values_are_named():
     for bad in (21, -1, True, 1.5):
         with pytest.raises(ValueError, match="prompt_logprobs"):
