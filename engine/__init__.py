@@ -57,8 +57,10 @@ Colocated::
         # RequestOutput(request_id, new_token_ids, finished, finish_reason "stop"|"length"|"abort"|None,
         #               text (delta), num_prompt_tokens, num_cached_tokens, error,
         #               logprobs: one TokenLogprob per new token when SamplingParams.logprobs is set)
-    SamplingParams(..., logprobs=k, grammar=GrammarSpec("json_schema", schema_text, feed=0))
+    SamplingParams(..., logprobs=k, prompt_logprobs=k, grammar=GrammarSpec("json_schema", schema_text, feed=0))
         # logprobs: the raw log-softmax of each sampled token + its k most likely alternatives;
+        # prompt_logprobs: the same for each prompt token given those before it, in the first
+        #   RequestOutput's prompt_logprobs ([None, TokenLogprob, ...]); computes the whole prompt (no prefix hit);
         # grammar: the sampler picks only tokens the grammar allows (xgrammar); feed = trailing
         # prompt tokens already generated under it (a resumed request)
     engine.abort(request_id)    # frees its blocks; True if it knew the request
@@ -72,6 +74,7 @@ P/D, prefill side::
     firsts = engine.prefill_many([(rid, ids, sampling), ...], on_layer=cb2)  # one forward, {rid: token}
         # cb2(layer_idx, {rid: block_ids}); all or nothing on errors
     engine.prefill_logprob(request_id)  # the first token's TokenLogprob (None unless asked), before release
+    engine.prefill_prompt_logprobs(request_id)  # the prompt's logprobs (None unless asked), before release
     engine.release(request_id)  # the caller frees the blocks once the KV is sent
     engine.prefill_counters     # (prompt tokens computed by prefill_only/many, seconds): measured throughput
 

@@ -163,6 +163,10 @@ class AsyncLLMEngine:
         """The first token's TokenLogprob of a held prefill_only request (None unless it asked)."""
         return await self._call(self.engine.prefill_logprob, request_id)
 
+    async def prefill_prompt_logprobs(self, request_id: str) -> list | None:
+        """The prompt logprobs of a held prefill_only request (None unless it asked ``prompt_logprobs``)."""
+        return await self._call(self.engine.prefill_prompt_logprobs, request_id)
+
     async def prefill_block_ids(self, request_id: str) -> list[int]:
         return await self._call(self.engine.prefill_block_ids, request_id)
 

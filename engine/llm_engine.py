@@ -200,8 +200,10 @@ class LLMEngine:
         outputs = [take_output(seq) for seq in self.scheduler.take_done_early()]
         batch = self.scheduler.schedule()
         if batch:
-            tokens, logprobs = self.runner.forward_sample(batch, None)
-            for seq, token, logprob in zip(batch, tokens, logprobs):
+            tokens, logprobs, prompt_lps = self.runner.forward_sample(batch, None)
+            for seq, token, logprob, prompt_lp in zip(batch, tokens, logprobs, prompt_lps):
+                if prompt_lp is not None:
+                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + prompt_lp
                 seq.num_computed = seq.num_tokens
                 self.scheduler.register_blocks(seq)
                 self.outputs.append_token(seq, token, logprob)
@@ -252,6 +254,11 @@ class LLMEngine:
     def prefill_logprob(self, request_id: str):
         """The first token's TokenLogprob of a prefill_only request still held (None unless it asked)."""
         return self.pd.prefill_logprob(request_id)
+
+    def prefill_prompt_logprobs(self, request_id: str) -> list | None:
+        """The prompt logprobs of a prefill_only request still held (None unless it asked
+        ``prompt_logprobs``): one entry per prompt token, None for the first."""
+        return self.pd.prefill_prompt_logprobs(request_id)
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a prefill_only request (after its KV was sent). Unknown ids are ignored."""

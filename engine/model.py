@@ -162,7 +162,11 @@ class DecoderModel(nn.Module):
 
     def head(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """Logits ``[num_seqs, vocab]`` (float32) of each sequence's last row of ``x``."""
-        return self._logits(self.norm(x.index_select(0, batch.logits_rows)))
+        return self.logits_at(x, batch.logits_rows)
+
+    def logits_at(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Logits ``[len(rows), vocab]`` (float32) of these rows of the last layer's hidden states ``x``."""
+        return self._logits(self.norm(x.index_select(0, rows)))
 
     def _paged_attention(self, i, window, q, k, v, batch: ForwardBatch, kv: KVCache, masks: dict) -> torch.Tensor:
         """Layer i's attention output ``[T, H, D]`` for every new token of the batch."""

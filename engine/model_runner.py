@@ -9,6 +9,12 @@ are (``num_tokens - num_computed == 1 and num_computed > 0``); every other seque
 *prefill* span (all its uncomputed tokens). Prefill spans come first in the batch, then
 decode rows; ``forward_and_sample`` hands the tokens back in the caller's order.
 
+Prompt logprobs (``SamplingParams.prompt_logprobs``, a sequence whose ``needs_prompt_logits``):
+the logits of every position of its prefill span are made too (from the last hidden states,
+``ROWS_PER_PASS`` rows at a time), so position p gives the logprob of prompt token p + 1. Its
+span must start where its prompt logprobs so far end (the scheduler and ``prefill_many`` give
+such a sequence no prefix-cache hit).
+
 Token ``t`` of a sequence is written to K row ``kv_cache.slot_indices(block_table[t //
 block_size], t % block_size)`` (see ``kv_cache.py``).
 """
@@ -21,7 +27,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import DecoderModel, ForwardBatch, PrefillSpan
-from .sampling import Sampler, token_logprobs
+from .sampling import ROWS_PER_PASS, Sampler, logprobs_of, token_logprobs
 from .sequence import Sequence
 
 
@@ -35,13 +41,24 @@ class ModelRunner:
         return self.forward_sample(seqs, on_layer)[0]
 
     def forward_sample(self, seqs: list[Sequence], on_layer: Callable[[int], None] | None):
-        """``forward_and_sample`` plus each token's TokenLogprob (None where the request did not ask).
-        A sequence with a grammar matcher samples only among the tokens it allows next."""
+        """``forward_and_sample`` plus, per sequence, its token's TokenLogprob (None where the request did
+        not ask) and its new prompt logprobs (a list continuing ``seq.prompt_logprobs``, starting with None
+        for the first prompt token; None where not asked). A sequence with a grammar matcher samples only
+        among the tokens it allows next."""
         pre = [s for s in seqs if not (s.num_tokens - s.num_computed == 1 and s.num_computed > 0)]
         dec = [s for s in seqs if s not in pre] if len(pre) != len(seqs) else []
         batch = self.build_batch(pre, dec)
-        logits = self.model(batch, self.kv_cache, on_layer=on_layer)
         ordered = pre + dec
+        prompt_rows = self._prompt_rows(pre, batch)
+        prompt_lps: dict[int, list] = {}
+        if prompt_rows:  # the forward pass by hand, to keep the hidden states of every prompt position
+            with torch.inference_mode():
+                x = self.model.embed(batch.input_ids)
+                x = self.model.run_layers(x, batch, self.kv_cache, range(len(self.model.layers)), on_layer)
+                logits = self.model.head(x, batch)
+                prompt_lps = self._prompt_logprobs(prompt_rows, x)
+        else:
+            logits = self.model(batch, self.kv_cache, on_layer=on_layer)
         params = [s.sampling for s in ordered]
         masked = logits
         if any(s.matcher is not None for s in ordered):
@@ -54,7 +71,42 @@ class ModelRunner:
         sampled = self.sampler.sample(masked, params, [len(s.output_ids) for s in ordered])
         lps = token_logprobs(logits, params, sampled)
         by_seq = {id(s): (t, lp) for s, t, lp in zip(ordered, sampled, lps)}
-        return [by_seq[id(s)][0] for s in seqs], [by_seq[id(s)][1] for s in seqs]
+        return ([by_seq[id(s)][0] for s in seqs], [by_seq[id(s)][1] for s in seqs],
+                [prompt_lps.get(id(s)) for s in seqs])
+
+    @staticmethod
+    def _prompt_rows(pre: list[Sequence], batch: ForwardBatch) -> list[tuple[Sequence, list[int], list[int]]]:
+        """(sequence, batch rows, the prompt tokens they predict) of each prefill span whose prompt logprobs
+        are wanted: position p of the span predicts prompt token p + 1."""
+        out = []
+        for seq, span in zip(pre, batch.prefills):
+            if not seq.needs_prompt_logits:
+                continue
+            done, n_prompt = seq.num_computed, len(seq.prompt_ids)
+            have = len(seq.prompt_logprobs or ())
+            if have != (done + 1 if done else 0):
+                raise RuntimeError(f"request {seq.request_id!r}: its prefill starts at position {done} but its prompt "
+                                   f"logprobs reach token {have}: a skipped position has no logits")
+            positions = range(done, min(n_prompt - 1, done + span.end - span.start))
+            out.append((seq, [span.start + p - done for p in positions], [seq.prompt_ids[p + 1] for p in positions]))
+        return out
+
+    def _prompt_logprobs(self, prompt_rows, x: torch.Tensor) -> dict[int, list]:
+        """id(sequence) -> its new prompt logprobs, from the last layer's hidden states ``x`` (their logits
+        made ``ROWS_PER_PASS`` rows at a time: a long prompt's [tokens, vocab] never exists at once)."""
+        rows = [r for _, rs, _ in prompt_rows for r in rs]
+        targets = [t for _, _, ts in prompt_rows for t in ts]
+        ks = [seq.sampling.prompt_logprobs for seq, _, ts in prompt_rows for _ in ts]
+        found = []
+        for start in range(0, len(rows), ROWS_PER_PASS):
+            part = torch.tensor(rows[start : start + ROWS_PER_PASS], dtype=torch.long, device=x.device)
+            found += logprobs_of(self.model.logits_at(x, part), targets[start : start + ROWS_PER_PASS],
+                                 ks[start : start + ROWS_PER_PASS])
+        out, at = {}, 0
+        for seq, _, ts in prompt_rows:
+            out[id(seq)] = ([None] if seq.num_computed == 0 else []) + found[at : at + len(ts)]
+            at += len(ts)
+        return out
 
     def build_batch(self, pre: list[Sequence], dec: list[Sequence]) -> ForwardBatch:
         """The ForwardBatch of prefill spans ``pre`` then decode rows ``dec``."""

@@ -78,5 +78,7 @@ def take_output(seq: Sequence) -> RequestOutput:
         num_cached_tokens=seq.num_cached_tokens,
         logprobs=seq.pending_logprobs if seq.sampling.logprobs is not None else None,
     )
+    if seq.prompt_logprobs is not None and not seq.prompt_logprobs_sent and not seq.needs_prompt_logits:
+        out.prompt_logprobs, seq.prompt_logprobs_sent = seq.prompt_logprobs, True  # once, with the first output
     seq.pending_ids, seq.pending_text, seq.pending_logprobs = [], "", []
     return out

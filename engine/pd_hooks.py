@@ -3,9 +3,10 @@
 Prefill side (the prompt's KV is computed here and sent elsewhere):
 - ``prefill_many`` (and ``prefill_only`` for one prompt) computes prompts' KV into local
   blocks in ONE forward pass, calling ``on_layer(layer_idx, {request_id: block_ids})`` on this
-  thread right after each layer's KV is written, and returns each first token. All or
-  nothing: on any error (bad input, blocks not free now, ``on_layer`` raising) every block
-  taken is freed before the error propagates.
+  thread right after each layer's KV is written, and returns each first token (a request
+  with ``prompt_logprobs`` computes its whole prompt, no prefix hit, and keeps the prompt's
+  logprobs for ``prefill_prompt_logprobs``). All or nothing: on any error (bad input, blocks
+  not free now, ``on_layer`` raising) every block taken is freed before the error propagates.
 - Who frees: the caller, with ``release(request_id)`` once the KV is sent (or ``abort``).
 - ``prefill_tokens`` / ``prefill_seconds``: prompt tokens computed by ``prefill_many`` (prefix
   hits excluded) and the seconds its forward passes took, summed (the measured throughput).
@@ -66,7 +67,8 @@ class PDHooks:
                 if any(s.request_id == request_id for s in seqs):
                     raise ValueError(f"request id {request_id!r} appears twice")
                 seq = self.factory.make(request_id, ids, sampling)
-                seq.block_table, seq.num_computed = self.block_manager.allocate(seq.prompt_ids, len(seq.prompt_ids))
+                seq.block_table, seq.num_computed = self.block_manager.allocate(
+                    seq.prompt_ids, len(seq.prompt_ids), use_prefix_cache=not seq.needs_prompt_logits)
                 seq.num_cached_tokens = seq.num_computed
                 seqs.append(seq)
             layer_cb = None
@@ -74,15 +76,15 @@ class PDHooks:
                 tables = {s.request_id: list(s.block_table) for s in seqs}
                 layer_cb = lambda i: on_layer(i, tables)  # noqa: E731
             started = time.perf_counter()
-            tokens, logprobs = self.runner.forward_sample(seqs, layer_cb) if seqs else ([], [])
+            tokens, logprobs, prompt_lps = self.runner.forward_sample(seqs, layer_cb) if seqs else ([], [], [])
             self.prefill_seconds += time.perf_counter() - started
             self.prefill_tokens += sum(len(s.prompt_ids) - s.num_computed for s in seqs)
         except BaseException:
             for seq in seqs:
                 self.block_manager.free(seq.block_table)
             raise
-        for seq, logprob in zip(seqs, logprobs):
-            seq.first_logprob = logprob
+        for seq, logprob, prompt_lp in zip(seqs, logprobs, prompt_lps):
+            seq.first_logprob, seq.prompt_logprobs = logprob, prompt_lp
             seq.num_computed = len(seq.prompt_ids)
             seq.status = Status.RUNNING
             self.scheduler.hold(seq)
@@ -96,6 +98,10 @@ class PDHooks:
     def prefill_logprob(self, request_id: str):
         """The first token's TokenLogprob of a held prefill_many request (None unless it asked)."""
         return self.scheduler.seqs[request_id].first_logprob
+
+    def prefill_prompt_logprobs(self, request_id: str) -> list | None:
+        """The prompt logprobs of a held prefill_many request (None unless it asked)."""
+        return self.scheduler.seqs[request_id].prompt_logprobs
 
     def release(self, request_id: str) -> None:
         """Free the blocks of a prefill_only request (after its KV was sent). Unknown ids are ignored."""

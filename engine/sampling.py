@@ -24,8 +24,10 @@ class SamplingParams:
     string of ``stop`` in the generated text (the text is cut before it); ``max_tokens``
     generated tokens (reason "length"). Stop tokens are not part of the output.
     ``logprobs``: report each output token's logprob and its ``logprobs`` most likely
-    alternatives (0: none; None: no logprobs). ``grammar``: hold the output to a grammar
-    (``grammar.py``; the sampler only picks tokens it allows).
+    alternatives (0: none; None: no logprobs). ``prompt_logprobs``: the same for every prompt
+    token given the tokens before it (the first has none), reported once with the first output;
+    such a request computes its whole prompt (no prefix-cache reuse). ``grammar``: hold the output
+    to a grammar (``grammar.py``; the sampler only picks tokens it allows).
     """
 
     max_tokens: int = 16
@@ -38,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: GrammarSpec | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -68,9 +71,10 @@ class SamplingParams:
         ):
             raise ValueError(f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids)
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
 
@@ -150,12 +154,26 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: l
     out: list[TokenLogprob | None] = [None] * len(params)
     if not rows:
         return out
-    lp = torch.log_softmax(logits[rows].float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor([tokens[i] for i in rows], device=lp.device).unsqueeze(1)).squeeze(1).tolist()
-    k = max(params[i].logprobs for i in rows)
-    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    top_v, top_i = top_v.tolist(), top_i.tolist()
-    for r, i in enumerate(rows):
-        n = params[i].logprobs
-        out[i] = TokenLogprob(tokens[i], chosen[r], tuple(zip(top_i[r][:n], top_v[r][:n])))
+    found = logprobs_of(logits[rows], [tokens[i] for i in rows], [params[i].logprobs for i in rows])
+    for i, lp in zip(rows, found):
+        out[i] = lp
+    return out
+
+
+ROWS_PER_PASS = 256  # logits rows put through log-softmax at once (a long prompt's rows go in slices)
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Row r's logprob of ``tokens[r]`` and its top ``ks[r]`` alternatives (log-softmax of the raw logits)."""
+    out: list[TokenLogprob] = []
+    for start in range(0, len(tokens), ROWS_PER_PASS):
+        end = min(start + ROWS_PER_PASS, len(tokens))
+        lp = torch.log_softmax(logits[start:end].float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(tokens[start:end], device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+        k = max(ks[start:end])
+        top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for r in range(end - start):
+            n = ks[start + r]
+            out.append(TokenLogprob(tokens[start + r], chosen[r], tuple(zip(top_i[r][:n], top_v[r][:n]))))
     return out

@@ -198,7 +198,8 @@ class Scheduler:
             seq = self.waiting[0]
             ids = seq.all_ids
             try:
-                table, cached = self.block_manager.allocate(ids, len(ids))
+                # a request that wants its prompt's logprobs needs every position's logits: no prefix hit
+                table, cached = self.block_manager.allocate(ids, len(ids), use_prefix_cache=not seq.needs_prompt_logits)
             except OutOfBlocksError:
                 break  # wait for blocks to free up
             if scheduled and len(ids) - cached > budget:

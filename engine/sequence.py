@@ -35,6 +35,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     logprobs: list | None = None  # one TokenLogprob per new token when the request asked (SamplingParams.logprobs)
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, then a TokenLogprob of
+    # token i given the tokens before it), in the request's first output only
+    prompt_logprobs: list | None = None
 
 
 class Status(enum.Enum):
@@ -66,6 +69,8 @@ class Sequence:
     pending_logprobs: list = field(default_factory=list)  # TokenLogprob of each pending id (when asked)
     matcher: object = None  # grammar.Matcher when the request has a grammar
     first_logprob: object = None  # prefill_only: the first token's TokenLogprob (when asked)
+    prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: one entry per prompt token computed so far
+    prompt_logprobs_sent: bool = False  # in an output already
 
     all_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step (read-only for callers)
 
@@ -79,6 +84,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_ids)
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """The request asked for prompt logprobs and not all are computed: its prefill keeps the logits
+        of every prompt position, so none may be skipped by the prefix cache."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs or ()) < len(self.prompt_ids)
 
 
 class SequenceFactory:

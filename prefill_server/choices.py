@@ -13,6 +13,8 @@ prefill's prefix cache (its engine registers them when it releases them after th
 the siblings' prefills compute only the prompt's last partial block, and a decode that holds
 the prompt (its KV events) is preferred for them. The prompt is computed once per prompt,
 not n times; the n sequences are not forked inside one decode (each has its own blocks there).
+Prompt logprobs (echo with logprobs) are asked by the first choice of each prompt only (it
+computes the whole prompt); its siblings show the same ones (``openai_serving.py``).
 
 ``merged`` yields every choice's pieces as they come; the first error of any choice cancels
 the others (each releases what it holds, as a cancelled single request does) and raises.
@@ -45,7 +47,11 @@ def plan(request_id: str, prompts: list[list[int]], samplings: list, n: int) -> 
     for p, (ids, sp) in enumerate(zip(prompts, samplings)):
         for j in range(n):
             index = p * n + j
-            sp_j = sp if j == 0 or sp.seed is None else replace(sp, seed=(sp.seed + j) % SEED_MOD)
+            sp_j = sp
+            if j and sp.seed is not None:
+                sp_j = replace(sp_j, seed=(sp.seed + j) % SEED_MOD)
+            if j and sp.prompt_logprobs is not None:  # the first choice's prompt logprobs serve them all
+                sp_j = replace(sp_j, prompt_logprobs=None)
             out.append(Choice(index, p, request_id if index == 0 else f"{request_id}-c{index}", ids, sp_j))
     return out
 

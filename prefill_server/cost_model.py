@@ -23,6 +23,8 @@ a time per token / per byte, fitted to recent ones: pdserve/rate_meter.py):
 - ``unmeasured``: no prefill throughput or link bandwidth measured yet: remote (today's path,
   which measures both);
 - ``remote_cheaper`` / ``local_cheaper``: the costs above;
+- ``prompt_logprobs``: the request wants its prompt's logprobs (echo with logprobs), which only
+  the prefill's forward pass over the whole prompt gives: remote in every mode (disaggregator.py);
 - (``remeasure``: the Disaggregator's own rule, disaggregator.py: remote after a long run of
   local decisions, to keep the measurements current.)
 
@@ -41,6 +43,7 @@ from pdserve.engine import blocks_needed
 from pdserve.rate_meter import LinearCost
 
 REMOTE, LOCAL = "remote", "local"
+PROMPT_LOGPROBS = "prompt_logprobs"  # the reason of a decision forced by a request's prompt logprobs
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +81,7 @@ class CostInputs:
 @dataclass(frozen=True, slots=True)
 class Decision:
     where: str  # REMOTE | LOCAL
-    reason: str  # always | never | unmeasured | remote_cheaper | local_cheaper
+    reason: str  # always | never | unmeasured | remote_cheaper | local_cheaper | prompt_logprobs
     remote_s: float | None = None
     local_s: float | None = None
 

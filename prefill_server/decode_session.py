@@ -19,6 +19,10 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    lists ``pool_targets`` (each lender's blocks: step 4r pushes every part of the prompt's KV
    straight to where it lives, one CacheStore binding per part) and 4l when it lists no
    blocks (the decode computes the prompt and places the overflow on its lenders itself).
+   A request with ``prompt_logprobs`` (echo with logprobs) is always remote: our engine
+   computes its whole prompt (no prefix hit here; the decode may still hold leading blocks,
+   which then do not move) and its prompt logprobs go with the first Delta; a pooled
+   Allocation without blocks cannot give them (Retryable: the next decode).
 4r. **prefill + push** - bind the request in the CacheStore sender to decode's blocks and
    run prefill layer by layer; the engine's per-layer callback hands each layer's blocks
    after the decode's cached ones to ``sender.store`` (non-blocking), so the wire works while
@@ -179,13 +183,19 @@ class SessionRunner:
             if HOLD_AFTER_ALLOCATION_S:  # test hook: a window in which the decode holds a reservation
                 await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)
             # 3. decide (before this session counts in the decode's load: it stalls the others, not itself)
-            prefill_cached = self.disaggregator.prefill_cached_blocks(prompt_ids)
+            # prompt logprobs need every prompt position's logits: only our engine gives them (whole prompt, no reuse)
+            needs_logits = sp.prompt_logprobs is not None
+            prefill_cached = 0 if needs_logits else self.disaggregator.prefill_cached_blocks(prompt_ids)
             if alloc.pooled and not alloc.pool_targets:  # no blocks to push into: the decode computes it
+                if needs_logits:
+                    raise Retryable(f"{address}: its KV pool would compute the prompt on the decode; prompt logprobs "
+                                    f"(echo with logprobs) need it computed here")
                 decision = Decision(LOCAL, "pooled")
             elif alloc.pooled:  # our KV goes to the decode and its lenders, each part where it lives
                 decision = Decision(REMOTE, "pooled")
             else:
-                decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached)
+                decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached,
+                                                     prompt_logprobs=needs_logits)
             timings.where = decision.where
             # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
@@ -275,6 +285,7 @@ class SessionRunner:
             raise
         timings.prefill_done = time.monotonic()
         first_lp = await self.engine.prefill_logprob(request_id) if sp.logprobs is not None else None
+        prompt_lps = await self.engine.prefill_prompt_logprobs(request_id) if sp.prompt_logprobs is not None else None
         held.free_slot()  # the next Session may allocate while this one's KV is still on the wire
         after = self.engine.prefill_counters()
         self.observer.prefilled(after[0] - before[0], after[1] - before[1])
@@ -300,8 +311,8 @@ class SessionRunner:
         await self._send(call, address, first_token=message)
         # a stop token ends the request and is not part of the output (as in the engine)
         if reason == "stop":
-            return Delta([], True, reason)
-        return Delta([first], reason is not None, reason, [first_lp] if first_lp is not None else None)
+            return Delta([], True, reason, prompt_logprobs=prompt_lps)
+        return Delta([first], reason is not None, reason, [first_lp] if first_lp is not None else None, prompt_lps)
 
     async def _compute_on_decode(self, call, address: str, reason: str, cached_blocks: int, n_blocks: int) -> Delta:
         """Step 4l: the decode computes the prompt; its first message is the first Delta."""

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable
 from pdserve.engine import blocks_needed, chained_hashes
 from pdserve.rate_meter import CostMeter
 
-from .cost_model import LOCAL, MODES, REMOTE, CostInputs, Decision, decide
+from .cost_model import LOCAL, MODES, PROMPT_LOGPROBS, REMOTE, CostInputs, Decision, decide
 
 if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
@@ -107,8 +107,12 @@ class Disaggregator:
 
     # ---- the decision -------------------------------------------------------------------------
     def decide(self, address: str, request_id: str, prompt_ids: list[int], decode_cached_blocks: int,
-               prefill_cached_blocks: int = 0) -> Decision:
-        if self.mode != "auto":
+               prefill_cached_blocks: int = 0, prompt_logprobs: bool = False) -> Decision:
+        """``prompt_logprobs``: the request wants its prompt's logprobs, which only this prefill computes:
+        remote whatever the mode and the costs (reason ``prompt_logprobs``)."""
+        if prompt_logprobs:
+            decision = Decision(REMOTE, PROMPT_LOGPROBS)
+        elif self.mode != "auto":
             decision = decide(self.mode, _placeholder(len(prompt_ids), self.block_size, self.num_layers))
         else:
             load = self.picker.load(address)

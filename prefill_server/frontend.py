@@ -76,6 +76,7 @@ class Piece:
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list | None = None  # the token's TokenLogprob (pdserve.engine.logprobs) when the request asked
+    prompt_logprobs: list | None = None  # on the first Piece, when the sampling asked prompt_logprobs (engine shape)
 
 
 class Frontend:
@@ -119,8 +120,6 @@ class Frontend:
         """Per prompt, the text ``echo`` puts before each choice's text ("" without echo)."""
         if not parsed.echo:
             return [""] * len(prompts)
-        if parsed.sampling.logprobs is not None:
-            raise BadRequest("echo together with logprobs is not supported (it needs the prompt's logprobs)", "echo")
         return [p if isinstance(p, str) else self.tokenizer.decode(ids) for p, ids in zip(parsed.prompts, prompts)]
 
     def check_prompt(self, prompt_ids: list[int]) -> None:
@@ -131,7 +130,9 @@ class Frontend:
             if bad is not None:
                 raise BadRequest(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
 
-    def sampling(self, spec: SamplingSpec, n_prompt: int, kind: str = "completion"):
+    def sampling(self, spec: SamplingSpec, n_prompt: int, kind: str = "completion", prompt_logprobs: int | None = None):
+        """``prompt_logprobs``: also the prompt's logprobs (echo with logprobs). ``max_tokens`` 0 (echo only:
+        the API shows none of the output) runs one token."""
         room = self.max_model_len - n_prompt
         if room < 1:
             raise BadRequest(
@@ -139,7 +140,9 @@ class Frontend:
                 f"(prompt plus at least one generated token must fit)", "prompt", "context_length_exceeded")
         grammar = self.grammar(spec)
         max_tokens = spec.max_tokens
-        if max_tokens is None:
+        if max_tokens == 0:
+            max_tokens = 1
+        elif max_tokens is None:
             max_tokens = min(room, DEFAULT_CHAT_MAX_TOKENS if kind == "chat" else DEFAULT_COMPLETION_MAX_TOKENS)
         elif n_prompt + max_tokens > self.max_model_len:
             raise BadRequest(
@@ -149,7 +152,7 @@ class Frontend:
             return self.sampling_cls(
                 max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                 seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
-                logprobs=spec.logprobs, grammar=grammar,
+                logprobs=spec.logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
@@ -218,8 +221,11 @@ class Frontend:
                 if slo is not None and delta.token_ids:
                     self.slo.token(slo, len(delta.token_ids))
                 lps = delta.logprobs or ()
+                prompt_lps = delta.prompt_logprobs  # (the first Delta's) go on the first Piece
                 for k, token_id in enumerate(delta.token_ids):  # one Piece per token, its text possibly ""
-                    yield Piece([token_id], text.add([token_id]), logprobs=list(lps[k:k + 1]) or None)
+                    yield Piece([token_id], text.add([token_id]), logprobs=list(lps[k:k + 1]) or None,
+                                prompt_logprobs=prompt_lps)
+                    prompt_lps = None
                     if text.stopped:
                         # a stop string ends here; tokens after it (the engine stops on its
                         # next step, or already did) are not the client's
@@ -231,7 +237,7 @@ class Frontend:
                         clock.finish(outcome, reason)
                     if slo is not None:
                         self.slo.finish(slo, outcome)
-                    yield Piece([], rest, True, reason)
+                    yield Piece([], rest, True, reason, prompt_logprobs=prompt_lps)
                     return
             raise DecodeFailed("the request ended without a finish")
         except NoDecodeAvailable as exc:

@@ -281,7 +281,7 @@ class PrefillNode:
                 if out.error:
                     raise DecodeFailed(f"local decoding failed: {out.error}")
                 yield Delta(list(out.new_token_ids), out.finished, out.finish_reason if out.finished else None,
-                            out.logprobs)
+                            out.logprobs, out.prompt_logprobs)
                 if out.finished:
                     return
         except self.out_of_blocks_error as exc:
@@ -309,8 +309,9 @@ class PrefillNode:
 
 def resumed(sp, produced: int):
     """The SamplingParams for a request resumed after ``produced`` tokens (sent as part of the prompt):
-    max_tokens reduced by them, and a grammar told to accept them first (its state at the resume point)."""
+    max_tokens reduced by them, a grammar told to accept them first (its state at the resume point), and
+    no prompt logprobs (the client got them with its first tokens)."""
     if not produced:
         return sp
     grammar = sp.grammar if sp.grammar is None else replace(sp.grammar, feed=sp.grammar.feed + produced)
-    return replace(sp, max_tokens=sp.max_tokens - produced, grammar=grammar)
+    return replace(sp, max_tokens=sp.max_tokens - produced, grammar=grammar, prompt_logprobs=None)

@@ -174,7 +174,13 @@ def parse_completion(body: dict, served_model: str, max_model_len: int | None = 
     prompts = parse_prompts(body, vocab_size)
     n = parse_choices(body, len(prompts))
     echo = parse_echo(body)
-    sampling = _sampling(body, "completion", ("max_tokens",), max_model_len, vocab_size)
+    # max_tokens 0 with echo: the prompt (and its logprobs) only, as vLLM answers; without echo it stays a 400
+    max_tokens = body.get("max_tokens")
+    echo_only = echo and isinstance(max_tokens, (int, float)) and not isinstance(max_tokens, bool) and max_tokens == 0
+    sampling = _sampling({**body, "max_tokens": None} if echo_only else body, "completion", ("max_tokens",),
+                         max_model_len, vocab_size)
+    if echo_only:
+        sampling.max_tokens = 0
     if body.get("tools") is not None:
         raise BadRequest("tools are a chat field (/v1/chat/completions)", "tools")
     return ParsedRequest("completion", model, sampling, prompts=prompts, stream=stream, include_usage=include_usage,

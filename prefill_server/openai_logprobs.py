@@ -6,6 +6,10 @@ of a choice or of one streamed chunk.
 - chat: ``{"content": [{"token": str, "logprob": float, "bytes": [int], "top_logprobs":
   [{"token", "logprob", "bytes"}]}]}``.
 
+With ``echo`` on /v1/completions the prompt's tokens come first (``add_prompt``): the first has
+no logprob (``null`` in ``token_logprobs`` and in ``top_logprobs``), each other one its logprob
+given the tokens before it, as OpenAI and vLLM report them.
+
 A token's string is the tokenizer's decoding of that token alone (a lone byte of a multi-byte
 character is U+FFFD; its ``bytes`` are then the byte itself where the tokenizer is byte-level).
 JSON has no -Infinity: a logprob below ``FLOOR`` is reported as ``FLOOR`` (as vLLM does).
@@ -40,6 +44,28 @@ class LogprobsFormatter:
         if getattr(self.tokenizer, "BOS", None) == 256 and token_id < 256:  # the built-in byte-level tokenizer
             return [token_id]
         return list(text.encode("utf-8"))
+
+    def size(self) -> int:
+        """Tokens so far (``since(size)`` gives what was added after)."""
+        return len(self.tokens) if self.kind == "completion" else len(self.items)
+
+    def since(self, start: int) -> dict:
+        """The logprobs object of the tokens added after ``start`` tokens."""
+        return self._columns(start) if self.kind == "completion" else {"content": self.items[start:]}
+
+    def add_prompt(self, prompt_ids: list[int], lps: list, offsets: list[int]) -> dict:
+        """/v1/completions with echo: the prompt's tokens (``lps``: None for the first, then a TokenLogprob
+        each, the engine's prompt logprobs), before any generated one."""
+        start = len(self.tokens)
+        for token_id, lp, offset in zip(prompt_ids, lps, offsets):
+            if lp is None:
+                self.tokens.append(self._text(token_id))
+                self.token_logprobs.append(None)
+                self.top_logprobs.append(None)
+                self.text_offset.append(offset)
+            else:
+                self.add([lp], [offset])
+        return self._columns(start)
 
     def add(self, lps: list, offsets: list[int]) -> dict:
         """Logprobs of these tokens (``offsets``: where each token's text starts in the choice's text)."""

@@ -10,6 +10,11 @@ with ``role``; then one event with its ``finish_reason``; events of different ch
 interleave as their tokens come. After every choice finished: the usage event (with
 ``stream_options.include_usage``) and ``[DONE]``.
 
+Echo with logprobs (/v1/completions): the prompt's tokens lead each choice's logprobs (the first
+with null logprob), computed by the prompt's first choice (``PromptEcho`` holds them for its
+siblings) and sent with the choice's first event. ``max_tokens: 0`` with echo (``echo_only``)
+runs one token and shows none of it: the echoed prompt (and its logprobs), finish "length".
+
 Tools (chat with ``tools`` and a ``tool_choice`` other than "none", ``openai_tools.py``): a
 choice's text is parsed for tool calls once it is whole, so its stream holds the tokens back
 and sends, at its end, one event with the ``role`` and either the ``content`` or the
@@ -34,31 +39,66 @@ from .openai_tools import parse_tool_calls
 log = logging.getLogger(__name__)
 
 
+class PromptEcho:
+    """One prompt's echo (/v1/completions ``echo``), shared by that prompt's choices: its text, its
+    token ids and, with logprobs, its prompt logprobs (from the piece that first carries them)."""
+
+    def __init__(self, text: str, ids: list[int], tokenizer):
+        self.text, self.ids, self.tokenizer = text, ids, tokenizer
+        self.logprobs: list | None = None
+        self._offsets: list[int] | None = None
+
+    def offsets(self) -> list[int]:
+        """Where each prompt token's text starts in the echoed text (as the tokenizer decodes it)."""
+        if self._offsets is None:
+            detok, self._offsets = self.tokenizer.detokenizer(), []
+            for token_id in self.ids:
+                self._offsets.append(min(len(detok.text), len(self.text)))
+                detok.add([token_id])
+        return self._offsets
+
+
 class ChoiceState:
-    def __init__(self, parsed: oa.ParsedRequest, index: int, tokenizer, echo: str = ""):
+    def __init__(self, parsed: oa.ParsedRequest, index: int, tokenizer, echo: PromptEcho | None = None):
         self.parsed, self.index = parsed, index
-        self.parts: list[str] = [echo] if echo else []
-        self.chars = len(echo)  # characters of text so far (completion logprobs' text_offset)
-        self.pending_echo = echo  # goes out with the first streamed event
+        text = echo.text if echo is not None else ""
+        self.echo = echo
+        self.parts: list[str] = [text] if text else []
+        self.chars = len(text)  # characters of text so far (completion logprobs' text_offset)
+        self.pending_echo = text  # goes out with the first streamed event
+        self.echo_only = echo is not None and parsed.sampling.max_tokens == 0  # show the prompt, not the token run
         self.tokens = 0
         self.finish_reason: str | None = None
         self.started = False  # a streamed event was sent (chat: the role went out)
         top = parsed.sampling.logprobs
         self.logprobs = None if top is None else LogprobsFormatter(parsed.kind, tokenizer, top)
+        self.prompt_logprobs_due = echo is not None and self.logprobs is not None  # the prompt's lead the logprobs
         self.tools = parsed.kind == "chat" and bool(parsed.tools) and parsed.tool_choice != "none"
 
     def add(self, piece) -> tuple[str, dict | None]:
-        """The piece's text (the echoed prompt before the first one) and its logprobs object."""
+        """The piece's text (the echoed prompt before the first one) and its logprobs object (the prompt's
+        first, with echo); an echo_only choice shows none of the generated token."""
+        if piece.prompt_logprobs is not None and self.echo is not None:
+            self.echo.logprobs = piece.prompt_logprobs  # for this choice and its siblings (choices.py)
+        token_ids, piece_text, piece_lps = ([], "", None) if self.echo_only else (piece.token_ids, piece.text,
+                                                                                  piece.logprobs)
         lps = None
-        if self.logprobs is not None and piece.token_ids:
-            lps = self.logprobs.add(list(piece.logprobs or ()), [self.chars] * len(piece.token_ids))
-        text = self.pending_echo + piece.text
+        if self.logprobs is not None:
+            start = self.logprobs.size()
+            if self.prompt_logprobs_due and self.echo.logprobs is not None:
+                self.logprobs.add_prompt(self.echo.ids, self.echo.logprobs, self.echo.offsets())
+                self.prompt_logprobs_due = False
+            if token_ids:
+                self.logprobs.add(list(piece_lps or ()), [self.chars] * len(token_ids))
+            if self.logprobs.size() > start:
+                lps = self.logprobs.since(start)
+        text = self.pending_echo + piece_text
         self.pending_echo = ""
-        self.parts.append(piece.text)
-        self.chars += len(piece.text)
-        self.tokens += len(piece.token_ids)
+        self.parts.append(piece_text)
+        self.chars += len(piece_text)
+        self.tokens += len(token_ids)
         if piece.finished:
-            self.finish_reason = piece.finish_reason or "stop"
+            self.finish_reason = "length" if self.echo_only else piece.finish_reason or "stop"
         return text, lps
 
     def calls(self) -> tuple[str | None, list[dict], str]:
@@ -96,13 +136,16 @@ def start(fe, parsed: oa.ParsedRequest, slo_class, timeout_s: float | None):
     ``(index, Piece)`` stream). Raises BadRequest for a prompt the engine cannot take (nothing
     has started then). Both the HTTP API and the Batch API's lines start requests here."""
     prompts = fe.prompt_ids_list(parsed)
+    # echo with logprobs: the prompt's own logprobs (the same top alternatives per token)
+    prompt_logprobs = parsed.sampling.logprobs if parsed.echo else None
     samplings = []
     for ids in prompts:
         fe.check_prompt(ids)
-        samplings.append(fe.sampling(parsed.sampling, len(ids), parsed.kind))
-    echoes = fe.echo_texts(parsed, prompts)
+        samplings.append(fe.sampling(parsed.sampling, len(ids), parsed.kind, prompt_logprobs=prompt_logprobs))
+    echoes = [PromptEcho(text, ids, fe.tokenizer) for text, ids in zip(fe.echo_texts(parsed, prompts), prompts)]
     choices = plan(parsed.request_id, prompts, samplings, parsed.n)
-    states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index]) for c in choices]
+    states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index] if parsed.echo else None)
+              for c in choices]
     pieces = merged(choices, lambda c: fe.stream(c.request_id, c.prompt_ids, c.sampling, timeout_s, slo_class))
     return sum(len(ids) for ids in prompts), states, pieces
 
@@ -147,7 +190,11 @@ async def sse(request: web.Request, parsed, states: list[ChoiceState], n_prompt:
                         await resp.write(oa.sse(payload))
             elif piece.finished:  # no token: the finish reason and any text held back to the end
                 shown = text if text or parsed.kind == "completion" else None
-                await resp.write(oa.sse(oa.chunk(parsed, shown, state.finish_reason, first=is_first, index=index)))
+                await resp.write(oa.sse(oa.chunk(parsed, shown, state.finish_reason, first=is_first, index=index,
+                                                 logprobs=lps)))
+            elif state.echo_only:  # the generated token is not shown: only the echoed prompt, once
+                if text or lps:
+                    await resp.write(oa.sse(oa.chunk(parsed, text, None, first=is_first, index=index, logprobs=lps)))
             else:  # one event per generated token, also when its text is "" (held back)
                 await resp.write(oa.sse(oa.chunk(parsed, text, None, first=is_first, index=index, logprobs=lps)))
             if piece.finished and all(s.finish_reason for s in states):

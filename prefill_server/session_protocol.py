@@ -52,6 +52,8 @@ class Delta:
     finished: bool = False
     finish_reason: str | None = None
     logprobs: list | None = None  # one TokenLogprob per token (pdserve.engine.logprobs) when the request asked
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), on the first Delta only
+    prompt_logprobs: list | None = None
 
 
 @dataclass(slots=True)

@@ -126,7 +126,7 @@ def test_bad_shapes_get_400_naming_the_field(cluster):
     for route, body, param in [
         ("/v1/completions", {"prompt": ["a", 3]}, "prompt"),
         ("/v1/completions", {"prompt": "a", "n": 0}, "n"),
-        ("/v1/completions", {"prompt": "a", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"prompt": "a", "echo": False, "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"messages": CHAT, "n": 99}, "n"),
         ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema",

@@ -90,3 +90,16 @@ def test_own_cached_prefix_and_queue():
     assert d.queued_tokens == 0
     always, _ = _disaggregator("always", held_prefix=lambda hashes: len(hashes))
     assert always.prefill_cached_blocks(prompt) == 0  # not looked at: the costs are not used
+
+
+def test_prompt_logprobs_are_always_remote():
+    """Only this prefill's forward pass over the whole prompt gives a request its prompt's logprobs:
+    remote in every mode, whatever the costs say (an idle decode holding most of the prompt)."""
+    prompt = list(range(1, 41))
+    for mode in ("auto", "never", "always"):
+        d, m = _disaggregator(mode)
+        _measure(d)
+        decision = d.decide("d", "r", prompt, 2, prompt_logprobs=True)
+        assert (decision.where, decision.reason) == ("remote", "prompt_logprobs"), mode
+        assert _count(m, "remote", "prompt_logprobs") == 1
+    assert d.local_streak == 0
