@@ -52,7 +52,8 @@ process is frozen.
 ``SessionRunner`` is built once per prefill process from exactly what it uses: a stub per
 decode address, the engine, the CacheStore sender, the registry of open sessions (request id
 -> decode address, for /health), the observer (transfer_accounting.py), the Disaggregator and
-``SessionConfig``. Errors, Deltas and helpers are in session_protocol.py (re-exported here).
+``SessionConfig``. Errors, Deltas and helpers are in session_protocol.py (re-exported here); the
+messages on the wire, with their timers, in session_wire.py.
 """
 
 from __future__ import annotations
@@ -64,18 +65,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-import grpc
-
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError, TransferError
 from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
 from pdserve.protos.version import PROTOCOL_VERSION
 
+from . import session_wire as wire
 from .cost_model import LOCAL, REMOTE, Decision, link_busy_seconds
 from .session_protocol import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionObserver,
-                               SessionTimings, decode_reservation, first_token_finishes, logprob_from_proto, rpc_reason,
-                               sampling_to_proto)
+                               SessionTimings, decode_reservation, first_token_finishes, sampling_to_proto)
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreSender
@@ -99,22 +98,6 @@ DEADLINE_SLACK_S = 1.0
 # Test hook (never set it in production): seconds the prefill waits between the decode's
 # Allocation and its forward pass, so a test can freeze it while the decode holds blocks.
 HOLD_AFTER_ALLOCATION_S = float(os.environ.get("PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S", "0") or 0)
-
-CHANNEL_CLOSED = "decode_channel_closed"  # Retryable/DecodeFailed code: the call was cancelled under us
-
-
-def _closed_under_us(call) -> bool:
-    """True for an ``asyncio.CancelledError`` out of ``call`` that is not our task's cancellation.
-
-    gRPC's asyncio API raises CancelledError from a call's read/write once the call is
-    cancelled, also when nobody cancelled our task: when its channel closes under it (the
-    load poller closes a decode's channel once the decode left discovery and the grace is
-    over, or the server stops). That is the decode's session ending, not the client's
-    request: it must become Retryable/DecodeFailed so the node tries or resumes elsewhere.
-    """
-    task = asyncio.current_task()
-    return call.cancelled() and task is not None and task.cancelling() == 0
-
 
 @dataclass(slots=True)
 class _Held:
@@ -178,7 +161,7 @@ class SessionRunner:
                 tbt_target_ms=(slo_class.tbt_ms or 0) if slo_class else 0,
                 evictable=slo_class.evictable if slo_class else False,
             )
-            alloc = await self._allocation(call, address, start)
+            alloc = await wire.allocation(call, address, start, self.config.connect_timeout_s)
             timings.allocated, timings.cached_blocks = time.monotonic(), alloc.cached_blocks
             if HOLD_AFTER_ALLOCATION_S:  # test hook: a window in which the decode holds a reservation
                 await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)
@@ -210,7 +193,7 @@ class SessionRunner:
             yield first
             # 6. relay
             while not held.finished:
-                delta = await self._next_delta(call, address, cfg.session_timeout_s)
+                delta = await wire.next_delta(call, address, cfg.session_timeout_s)
                 held.finished = delta.finished
                 yield delta
         finally:
@@ -226,7 +209,7 @@ class SessionRunner:
                     except Exception:  # noqa: BLE001 - already closed by decode, or no answer: cancel
                         call.cancel()
                     except asyncio.CancelledError:
-                        if not _closed_under_us(call):  # the request finished; its channel closed after
+                        if not wire.closed_under_us(call):  # the request finished; its channel closed after
                             raise
                 if held.prefilled and not held.released:
                     await self.engine.release(request_id)
@@ -308,7 +291,7 @@ class SessionRunner:
         message = pb.FirstToken(token_id=first, finished=reason is not None, finish_reason=reason or "")
         if first_lp is not None:
             message.logprob.CopyFrom(logprob_to_proto(first_lp))
-        await self._send(call, address, first_token=message)
+        await wire.send(call, address, self.config.session_timeout_s, first_token=message)
         # a stop token ends the request and is not part of the output (as in the engine)
         if reason == "stop":
             return Delta([], True, reason, prompt_logprobs=prompt_lps)
@@ -316,97 +299,14 @@ class SessionRunner:
 
     async def _compute_on_decode(self, call, address: str, reason: str, cached_blocks: int, n_blocks: int) -> Delta:
         """Step 4l: the decode computes the prompt; its first message is the first Delta."""
-        await self._send(call, address, compute_prompt=pb.ComputePrompt(reason=reason))
+        await wire.send(call, address, self.config.session_timeout_s, compute_prompt=pb.ComputePrompt(reason=reason))
         self.observer.computed_on_decode(cached_blocks, n_blocks - cached_blocks)
         try:
-            return await self._next_delta(call, address, self.config.session_timeout_s)
+            return await wire.next_delta(call, address, self.config.session_timeout_s)
         except DecodeFailed as exc:  # nothing reached the client yet: another decode may take it
             raise Retryable(str(exc), exc.code) from None
-
-    async def _send(self, call, address: str, **kind) -> None:
-        limit = self.config.session_timeout_s
-        try:
-            await asyncio.wait_for(call.write(pb.PrefillMessage(**kind)), limit)
-        except asyncio.TimeoutError:
-            raise Retryable(f"{address}: did not take our {next(iter(kind))} within {limit:g}s") from None
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            raise Retryable(f"{address}: {rpc_reason(exc)}") from None
-        except asyncio.CancelledError:
-            if _closed_under_us(call):
-                raise Retryable(f"{address}: the session's channel was closed", CHANNEL_CLOSED) from None
-            raise
 
     def _release_later(self, request_id: str) -> None:
         task = asyncio.ensure_future(self.engine.release(request_id))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
-
-    async def _allocation(self, call, address: str, start: pb.Start) -> pb.Allocation:
-        """Steps 1-2: send Start, wait for the Allocation; anything else raises Retryable."""
-        cfg = self.config
-        try:
-            await asyncio.wait_for(call.write(pb.PrefillMessage(start=start)), cfg.connect_timeout_s)
-            reply = await asyncio.wait_for(call.read(), cfg.connect_timeout_s)
-        except asyncio.TimeoutError:
-            raise Retryable(f"{address}: no answer within {cfg.connect_timeout_s:.1f}s") from None
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-            raise Retryable(f"{address}: {rpc_reason(exc)}") from None
-        except asyncio.CancelledError:
-            if _closed_under_us(call):
-                raise Retryable(f"{address}: the session's channel was closed", CHANNEL_CLOSED) from None
-            raise
-        if reply is grpc.aio.EOF:
-            raise Retryable(f"{address}: closed the session before answering")
-        kind = reply.WhichOneof("kind")
-        if kind == "refusal":
-            raise Retryable(f"{address} refused: {reply.refusal.reason}", reply.refusal.code or "refused")
-        if kind != "allocation":
-            reason = reply.error.reason if kind == "error" else f"unexpected {kind} message"
-            raise Retryable(f"{address}: {reason}")
-        alloc = reply.allocation
-        cached = alloc.cached_blocks
-        if not 0 <= cached < start.blocks_needed or (cached and not start.reuse_prefix):
-            raise Retryable(f"{address}: allocated with {cached} cached blocks for a prompt of {start.blocks_needed}"
-                            f"{'' if start.reuse_prefix else ' (no reuse asked)'}")
-        if alloc.pooled and (cached or bool(alloc.block_ids) != bool(alloc.pool_targets)
-                             or _pooled_blocks(alloc) not in (0, start.blocks_needed)):
-            raise Retryable(f"{address}: a pooled allocation must list every prompt block (the decode's and its "
-                            f"lenders') or none, with no cached blocks; got {_pooled_blocks(alloc)} of "
-                            f"{start.blocks_needed}, {cached} cached")
-        if not alloc.pooled and len(alloc.block_ids) != start.blocks_needed - cached:
-            raise Retryable(f"{address}: allocated {len(alloc.block_ids)} blocks, "
-                            f"{start.blocks_needed - cached} needed ({cached} cached)")
-        return alloc
-
-    @staticmethod
-    async def _next_delta(call, address: str, idle_s: float) -> Delta:
-        """Decode's next Tokens (or Finish: a finished Delta) within ``idle_s``; anything else
-        (an error, a broken stream, silence: a frozen decode) raises DecodeFailed."""
-        try:
-            msg = await asyncio.wait_for(call.read(), idle_s)
-        except asyncio.TimeoutError:
-            raise DecodeFailed(f"decode {address} sent nothing for {idle_s:g}s (--session-timeout)") from None
-        except grpc.aio.AioRpcError as exc:
-            raise DecodeFailed(f"decode {address} failed mid-generation: {rpc_reason(exc)}") from None
-        except asyncio.CancelledError:
-            if _closed_under_us(call):
-                raise DecodeFailed(f"decode {address}: the session's channel was closed mid-generation "
-                                   "(the decode left discovery and its grace ended, or this server stops)",
-                                   CHANNEL_CLOSED) from None
-            raise
-        if msg is grpc.aio.EOF:
-            raise DecodeFailed(f"decode {address} closed the session before finishing")
-        kind = msg.WhichOneof("kind")
-        if kind == "tokens":
-            lps = [logprob_from_proto(lp) for lp in msg.tokens.logprobs]
-            return Delta(list(msg.tokens.token_ids), logprobs=lps or None)
-        if kind == "finish":
-            return Delta([], True, msg.finish.finish_reason or "stop")
-        if kind == "error":
-            raise DecodeFailed(f"decode {address} failed mid-generation: {msg.error.reason}", msg.error.code)
-        raise DecodeFailed(f"decode {address} sent an unexpected {kind} message")
-
-
-def _pooled_blocks(alloc: pb.Allocation) -> int:
-    """Prompt blocks a pooled Allocation lists: the decode's own and every lender's."""
-    return len(alloc.block_ids) + sum(len(t.block_ids) for t in alloc.pool_targets)
