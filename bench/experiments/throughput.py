@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-batched-tokens", type=int, default=1024, help="prompt tokens per prefill (micro-)batch")
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=0,
+                        help="micro-batches in flight for td-pipe (0: --stages); mixed keeps --stages")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the single process (the cores)")
     parser.add_argument("--configs", default="single,mixed,td-pipe",
                         help="which to run, comma separated: single, single-1t (one thread), mixed, td-pipe")
@@ -114,7 +116,8 @@ def run_pipeline(model: str, reqs, args, schedule: str) -> dict:
 
     cfg = PipelineConfig(num_stages=args.stages, schedule=schedule, num_blocks=args.num_blocks,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_batched_tokens, threads_per_stage=1, detokenize=False)
+                         max_num_batched_tokens=args.max_batched_tokens, threads_per_stage=1, detokenize=False,
+                         micro_batches=args.micro_batches if schedule == "td-pipe" else 0)
     with PipelineEngine(model, cfg) as eng:
         for rid, ids, n in reqs:
             eng.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))

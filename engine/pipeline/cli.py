@@ -37,6 +37,11 @@ URLS = ("/v1/completions", "/v1/chat/completions")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="OpenAI batch input file (JSONL)")
     parser.add_argument("--output", required=True, help="where to write the results (JSONL)")
+    add_engine_arguments(parser)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and pipeline flags (also ``pdserve batch-server``'s)."""
     parser.add_argument("--model", default=BUILTIN_MODEL, help=f"built-in name or Hugging Face directory (default: {BUILTIN_MODEL})")
     parser.add_argument("--pipeline-stages", type=int, default=2, help="stage processes (1 = the one-process engine; default 2)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="td-pipe", help="pipeline schedule (default: td-pipe)")
@@ -50,8 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_line(line: str, lineno: int, tokenizer, model_name: str):
     """(custom_id, url, prompt ids, SamplingParams) of one input line; ValueError naming the problem."""
-    from ..sampling import SamplingParams
-
     try:
         req = json.loads(line)
     except json.JSONDecodeError as e:
@@ -65,15 +68,24 @@ def parse_line(line: str, lineno: int, tokenizer, model_name: str):
         raise ValueError(f"line {lineno}: url must be one of {', '.join(URLS)}, got {url!r}")
     if not isinstance(body, dict):
         raise ValueError(f"line {lineno}: body must be an object")
+    ids, sampling = parse_body(url, body, tokenizer, f"line {lineno}: ")
+    return custom_id, url, ids, sampling
+
+
+def parse_body(url: str, body: dict, tokenizer, where: str = "") -> tuple[list[int], object]:
+    """(prompt ids, SamplingParams) of one request body of ``url``; ValueError naming the problem
+    (prefixed with ``where``)."""
+    from ..sampling import SamplingParams
+
     if url == "/v1/completions":
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"line {lineno}: body.prompt must be a non-empty string")
+            raise ValueError(f"{where}body.prompt must be a non-empty string")
         ids = tokenizer.encode(prompt)
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ValueError(f"line {lineno}: body.messages must be a non-empty list of objects")
+            raise ValueError(f"{where}body.messages must be a non-empty list of objects")
         text = tokenizer.apply_chat_template(messages)
         ids = tokenizer.encode(text, add_special_tokens=not getattr(tokenizer, "bos_token", None))
     keys = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
@@ -82,8 +94,8 @@ def parse_line(line: str, lineno: int, tokenizer, model_name: str):
     try:
         sampling = SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"line {lineno}: {e}") from None
-    return custom_id, url, ids, sampling
+        raise ValueError(f"{where}{e}") from None
+    return ids, sampling
 
 
 def response_body(url: str, rid: str, model: str, text: str, reason: str, n_prompt: int, n_out: int) -> dict:
