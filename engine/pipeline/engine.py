@@ -60,6 +60,8 @@ class PipelineConfig:
     # micro-batches kept in flight (0: num_stages, the minimum that keeps every stage busy; one more
     # hides the controller's round trip: a stage finds the next micro-batch waiting when it finishes)
     micro_batches: int = 0
+    # td-pipe: fewer decode micro-batches rather than ones under this many sequences (1: always depth)
+    min_decode_batch: int = 1
     detokenize: bool = True  # fill RequestOutput.text (stop strings work either way)
     timeout_s: float = 600.0
 
@@ -67,7 +69,7 @@ class PipelineConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for name in ("num_stages", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "threads_per_stage"):
+                     "threads_per_stage", "min_decode_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.micro_batches < 0:

@@ -87,7 +87,7 @@ class TDPipeSchedule:
         self.engine = engine
         self.clock = time.perf_counter
         n = engine.config.depth  # decode micro-batches that cycle through the pipeline
-        self.stealer = switch.WorkStealer(n)
+        self.stealer = switch.WorkStealer(n, engine.config.min_decode_batch)
         self.stealer.enabled = engine.config.work_stealing
         self.stealer.pool = engine.ready  # the same list: held-back requests are ready ones
         self.decode_cost = switch.LinearCost(self.PRIOR_DECODE)
@@ -135,10 +135,11 @@ class TDPipeSchedule:
             n = self.engine.config.depth - self.in_decode
             ready = self.engine.ready
             if n > 0 and ready:
+                n = max(min(n, len(ready) // self.engine.config.min_decode_batch), 1)
                 size = -(-len(ready) // n)
                 self.queue = [ready[i : i + size] for i in range(0, len(ready), size)]
                 del ready[:]
-                self.stealer.start(self.queue)
+                self.stealer.start(self.queue, self.in_decode)
 
     def next_batch(self) -> list:
         eng = self.engine
@@ -157,7 +158,7 @@ class TDPipeSchedule:
             if batch:
                 self.in_decode += 1
                 return batch
-        if eng.ready and self.in_decode < eng.config.depth:
+        if eng.ready and self.in_decode < self.stealer.num_batches:
             # a free slot and held-back (or newly prefilled) requests: one more decode batch
             take = eng.ready[: max(self.peak_batch, 1)]
             del eng.ready[: len(take)]
