@@ -37,7 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-max-in-flight", type=int, default=None,
                         help="lines in the pipeline engine at once (default: --max-num-seqs)")
     parser.add_argument("--batch-max-file-bytes", type=int, default=defaults.BATCH_MAX_FILE_BYTES)
-    parser.add_argument("--micro-batches", type=int, default=0, help="micro-batches in flight (0: the stages)")
     parser.add_argument("--log-level", default="info")
     add_engine_arguments(parser)
 
@@ -61,14 +60,22 @@ async def _serve(args) -> int:
     from .batch_api import BatchService
     from .batch_pipeline import PipelineExecutor
     from .batch_runner import BatchRunner, StoreThread
-    from .batch_store import BatchStore
+    from .batch_store import BatchStore, StoreInUse
 
     cfg = PipelineConfig(num_stages=args.pipeline_stages, schedule=args.schedule, num_blocks=args.num_blocks,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads,
-                         device=args.device, dtype=args.dtype, micro_batches=args.micro_batches)
-    store = StoreThread(BatchStore(os.path.expanduser(args.batch_db)))  # StoreInUse: a clear exit
-    executor = PipelineExecutor(args.model, cfg)
-    await executor.start()
+                         device=args.device, dtype=args.dtype, micro_batches=args.micro_batches,
+                         min_decode_batch=args.min_decode_batch)
+    try:
+        store = StoreThread(BatchStore(os.path.expanduser(args.batch_db)))
+    except StoreInUse as exc:
+        raise SystemExit(f"pdserve batch-server: {exc}") from None
+    try:
+        executor = PipelineExecutor(args.model, cfg)
+        await executor.start()
+    except Exception as exc:
+        store.close()
+        raise SystemExit(f"pdserve batch-server: the pipeline engine did not start: {exc}") from None
     runner = BatchRunner(store, executor.execute, args.batch_max_in_flight or args.max_num_seqs)
     runner.start()
     service = BatchService(store, runner, args.batch_max_file_bytes)

@@ -51,6 +51,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage or of the one process (default: 1)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (stages then use NCCL; stage s on cuda:s)")
+    parser.add_argument("--micro-batches", type=int, default=0, help="micro-batches in flight (0: the stages)")
+    parser.add_argument("--min-decode-batch", type=int, default=1,
+                        help="td-pipe: fewer decode micro-batches rather than ones under this many sequences (default 1)")
 
 
 def parse_line(line: str, lineno: int, tokenizer, model_name: str):
@@ -130,7 +133,8 @@ def run_requests(engine_kind: str, args, requests: list) -> tuple[dict, dict]:
 
         cfg = PipelineConfig(num_stages=args.pipeline_stages, schedule=args.schedule, num_blocks=args.num_blocks,
                              block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                             threads_per_stage=args.threads, device=args.device, dtype=args.dtype)
+                             threads_per_stage=args.threads, device=args.device, dtype=args.dtype,
+                             micro_batches=args.micro_batches, min_decode_batch=args.min_decode_batch)
         with PipelineEngine(args.model, cfg) as eng:
             refused = _add_all(eng, requests)
             return eng.run(), refused
