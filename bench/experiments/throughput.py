@@ -57,9 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-batched-tokens", type=int, default=1024, help="prompt tokens per prefill (micro-)batch")
     parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=0,
+                        help="micro-batches in flight for td-pipe (0: --stages); mixed keeps --stages")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of the single process (the cores)")
     parser.add_argument("--configs", default="single,mixed,td-pipe",
-                        help="which to run, comma separated: single, single-1t (one thread), mixed, td-pipe")
+                        help="which to run, comma separated: single, single-1t (one thread), mixed, td-pipe, "
+                             "td-pipe-base (td-pipe without --micro-batches / --min-decode-batch)")
+    parser.add_argument("--min-decode-batch", type=int, default=8,
+                        help="td-pipe: fewer decode micro-batches rather than ones under this many sequences")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run every configuration this many times, alternating (the order rotates each round); "
+                             "figures are each configuration's median round")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench-results/experiments"), help="output directory")
 
@@ -108,13 +116,18 @@ def run_single(model: str, reqs, args, threads: int) -> dict:
             "utilisation": [1.0], "load_avg": [load0, os.getloadavg()[0]]}
 
 
-def run_pipeline(model: str, reqs, args, schedule: str) -> dict:
+def run_pipeline(model: str, reqs, args, name: str) -> dict:
+    """``name``: mixed, td-pipe, or td-pipe-base (TD-Pipe as before --micro-batches and
+    --min-decode-batch: num_stages decode micro-batches whatever their size)."""
     from pdserve.engine import SamplingParams
     from pdserve.engine.pipeline.engine import PipelineConfig, PipelineEngine
 
+    schedule, tuned = ("mixed", False) if name == "mixed" else ("td-pipe", name == "td-pipe")
     cfg = PipelineConfig(num_stages=args.stages, schedule=schedule, num_blocks=args.num_blocks,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                         max_num_batched_tokens=args.max_batched_tokens, threads_per_stage=1, detokenize=False)
+                         max_num_batched_tokens=args.max_batched_tokens, threads_per_stage=1, detokenize=False,
+                         micro_batches=args.micro_batches if tuned else 0,
+                         min_decode_batch=args.min_decode_batch if tuned else 1)
     with PipelineEngine(model, cfg) as eng:
         for rid, ids, n in reqs:
             eng.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
@@ -127,9 +140,14 @@ def run_pipeline(model: str, reqs, args, schedule: str) -> dict:
     util = [sum(e - s for s, e, _ in tr) / wall for tr in traces]
     phases = [(t - t0, p) for t, p in getattr(eng.schedule, "phases", [])]
     decode_sizes = [n for _, _, kind, n, _ in eng.batches if kind != 0]
+    rtt = sorted(r - s for s, r, kind, _, _ in eng.batches if kind != 0)
+    compute = sorted(sum(t) for _, _, kind, _, t in eng.batches if kind != 0)
     return {"wall_s": wall, "cpu_s": cpu, "tokens": {k: v.new_token_ids for k, v in out.items()}, "preemptions": eng.num_preemptions,
             "utilisation": util, "traces": traces, "phases": phases, "micro_batches": len(eng.batches),
             "mean_decode_batch": sum(decode_sizes) / max(len(decode_sizes), 1), "phase_switches": max(len(phases) - 1, 0),
+            # a decode micro-batch's round trip (controller -> stages -> controller) and its stages' compute, medians
+            "decode_rtt_ms": 1e3 * rtt[len(rtt) // 2] if rtt else None,
+            "decode_compute_ms": 1e3 * compute[len(compute) // 2] if compute else None,
             "load_avg": [load0, os.getloadavg()[0]]}
 
 
@@ -138,27 +156,32 @@ def run(args: argparse.Namespace) -> int:
     n_prompt = sum(len(ids) for _, ids, _ in reqs)
     n_out = sum(n for _, _, n in reqs)
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = set(configs) - {"single", "single-1t", "mixed", "td-pipe"}
+    unknown = set(configs) - {"single", "single-1t", "mixed", "td-pipe", "td-pipe-base"}
     if unknown:
-        raise SystemExit(f"unknown configuration(s) {sorted(unknown)}: use single, single-1t, mixed, td-pipe")
-    results = {}
+        raise SystemExit(f"unknown configuration(s) {sorted(unknown)}: use single, single-1t, mixed, td-pipe, td-pipe-base")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         model = _random_model(args, tmp) if args.model == "random" else args.model
-        for name in configs:
-            print(f"throughput: running {name} ({args.requests} requests, {n_prompt} prompt + {n_out} output tokens)",
-                  flush=True)
-            if name.startswith("single"):
-                r = run_single(model, reqs, args, 1 if name == "single-1t" else args.threads)
-            else:
-                r = run_pipeline(model, reqs, args, name)
-            got = sum(len(v) for v in r["tokens"].values())
-            if got != n_out:
-                raise RuntimeError(f"{name}: generated {got} tokens, expected {n_out} (ignore_eos)")
-            r["output_tok_s"] = n_out / r["wall_s"]
-            r["total_tok_s"] = (n_prompt + n_out) / r["wall_s"]
-            r["output_tok_per_cpu_s"] = n_out / r["cpu_s"]
-            results[name] = r
-            print(f"throughput: {name}: {r['wall_s']:.1f} s, {r['output_tok_s']:.0f} output tok/s", flush=True)
+        for rnd in range(args.rounds):
+            order = configs[rnd % len(configs):] + configs[:rnd % len(configs)]  # alternate who runs first
+            for name in order:
+                print(f"throughput: round {rnd + 1}/{args.rounds}: running {name} ({args.requests} requests, "
+                      f"{n_prompt} prompt + {n_out} output tokens)", flush=True)
+                if name.startswith("single"):
+                    r = run_single(model, reqs, args, 1 if name == "single-1t" else args.threads)
+                else:
+                    r = run_pipeline(model, reqs, args, name)
+                got = sum(len(v) for v in r["tokens"].values())
+                if got != n_out:
+                    raise RuntimeError(f"{name}: generated {got} tokens, expected {n_out} (ignore_eos)")
+                r["output_tok_s"] = n_out / r["wall_s"]
+                r["total_tok_s"] = (n_prompt + n_out) / r["wall_s"]
+                r["output_tok_per_cpu_s"] = n_out / r["cpu_s"]
+                runs[name].append(r)
+                print(f"throughput: {name}: {r['wall_s']:.1f} s, {r['output_tok_s']:.0f} output tok/s", flush=True)
+    results = {name: sorted(rs, key=lambda r: r["output_tok_s"])[len(rs) // 2] for name, rs in runs.items()}
     ref = (results.get("single") or results.get("single-1t") or {}).get("tokens")
     rows = []
     for name, r in results.items():
@@ -167,7 +190,10 @@ def run(args: argparse.Namespace) -> int:
                          cpu_s=r["cpu_s"], output_tok_per_cpu_s=r["output_tok_per_cpu_s"],
                          utilisation=r["utilisation"], preemptions=r["preemptions"], same_tokens=same,
                          micro_batches=r.get("micro_batches"), mean_decode_batch=r.get("mean_decode_batch"),
-                         phase_switches=r.get("phase_switches"), load_avg=r["load_avg"]))
+                         phase_switches=r.get("phase_switches"), load_avg=r["load_avg"],
+                         decode_rtt_ms=r.get("decode_rtt_ms"), decode_compute_ms=r.get("decode_compute_ms"),
+                         rounds_output_tok_s=[x["output_tok_s"] for x in runs[name]],
+                         rounds_cpu_s=[x["cpu_s"] for x in runs[name]]))
     tp = {r["config"]: r["output_tok_s"] for r in rows}
     vs_mixed = report.ratio(tp.get("td-pipe"), tp.get("mixed"))
     vs_single = report.ratio(tp.get("td-pipe"), tp.get("single", tp.get("single-1t")))
@@ -176,9 +202,13 @@ def run(args: argparse.Namespace) -> int:
     png = args.out / "throughput.png"
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, png)
+    paired = {f"td-pipe/{b}": [report.ratio(t["output_tok_s"], o["output_tok_s"]) for t, o in zip(runs["td-pipe"], runs[b])]
+              for b in ("mixed", single_name, "td-pipe-base") if "td-pipe" in runs and b in runs}
+    for label, values in paired.items():
+        print(f"per round {label}: " + ", ".join(f"{v:.2f}x" for v in values))
     doc = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "prompt_tokens": n_prompt, "output_tokens": n_out, "rows": rows,
-           "td_pipe_vs_mixed": vs_mixed, "td_pipe_vs_single": vs_single,
+           "td_pipe_vs_mixed": vs_mixed, "td_pipe_vs_single": vs_single, "per_round_ratios": paired,
            "targets": {"vs_mixed": TARGET_VS_MIXED, "vs_single": TARGET_VS_SINGLE},
            "timelines": {k: {"traces": v.get("traces"), "phases": v.get("phases")} for k, v in results.items()}}
     path = report.save(args.out, "throughput", doc)
@@ -192,8 +222,8 @@ def _print(rows, vs_mixed, vs_single, args, n_prompt, n_out, single_name) -> Non
           f"{args.block_size}; single process {args.threads} threads, pipeline {args.stages} stages x 1 thread")
     print("| config | wall s | output tok/s | total tok/s | CPU s | output tok per CPU s | stage utilisation | "
           "preemptions | micro-batches (mean seqs per decode one) | phase switches | same tokens as single | "
-          "load avg start-end |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "load avg start-end | decode micro-batch round trip / stage compute, median ms | output tok/s of each round |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         util = " / ".join(f"{u:.0%}" for u in r["utilisation"])
         same = "-" if r["same_tokens"] is None else f"{r['same_tokens']:.0%}"
@@ -202,11 +232,17 @@ def _print(rows, vs_mixed, vs_single, args, n_prompt, n_out, single_name) -> Non
         print(f"| {r['config']} | {r['wall_s']:.1f} | {r['output_tok_s']:.0f} | {r['total_tok_s']:.0f} | "
               f"{r['cpu_s']:.1f} | {r['output_tok_per_cpu_s']:.0f} | {util} | "
               f"{r['preemptions']} | {mbs} | {r['phase_switches'] if r['phase_switches'] is not None else '-'} | "
-              f"{same} | {load} |")
+              f"{same} | {load} | {_rtt(r)} | {' / '.join(f'{x:.0f}' for x in r['rounds_output_tok_s'])} |")
     for label, value, target in (("TD-Pipe / mixed PP", vs_mixed, TARGET_VS_MIXED),
                                  (f"TD-Pipe / one process ({single_name})", vs_single, TARGET_VS_SINGLE)):
         if value is not None:
             print(f"target {label} >= {target:.1f}x: {value:.2f}x {'MET' if value >= target else 'NOT MET'}")
+
+
+def _rtt(row: dict) -> str:
+    if row.get("decode_rtt_ms") is None:
+        return "-"
+    return f"{row['decode_rtt_ms']:.1f} / {row['decode_compute_ms']:.1f}"
 
 
 def plot(results: dict, path: Path) -> Path:

@@ -11,6 +11,8 @@ Reading path:
   ``protocol.py``   the messages (header + one packed payload per hop) over torch.distributed
   ``meta.py``       a model's config and tokenizer without its weights (for the controller)
   ``cli.py``        ``pdserve batch``: an OpenAI batch JSONL file through the pipeline
+                    (``pdserve batch-server``, ``prefill_server/batch_serve.py``: the Batch
+                    API whose jobs run here, one line per sequence, via ``eng.step()``)
 
 ::
 
@@ -18,6 +20,7 @@ Reading path:
     with PipelineEngine("tiny", PipelineConfig(num_stages=2, schedule="td-pipe")) as eng:
         eng.add_request("r1", prompt_ids, SamplingParams(max_tokens=64, temperature=0))
         outputs = eng.run()      # {request id: RequestOutput}; the same greedy tokens as LLMEngine
+        # or, adding requests as they come: while eng.has_work(): finished = eng.step()
 
 Stages use gloo on CPU (one torch thread each by default) and NCCL on CUDA (stage s on
 cuda:s; written, not tested on this CPU-only project machine).

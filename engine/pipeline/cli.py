@@ -37,6 +37,11 @@ URLS = ("/v1/completions", "/v1/chat/completions")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("input", help="OpenAI batch input file (JSONL)")
     parser.add_argument("--output", required=True, help="where to write the results (JSONL)")
+    add_engine_arguments(parser)
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and pipeline flags (also ``pdserve batch-server``'s)."""
     parser.add_argument("--model", default=BUILTIN_MODEL, help=f"built-in name or Hugging Face directory (default: {BUILTIN_MODEL})")
     parser.add_argument("--pipeline-stages", type=int, default=2, help="stage processes (1 = the one-process engine; default 2)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="td-pipe", help="pipeline schedule (default: td-pipe)")
@@ -46,12 +51,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per stage or of the one process (default: 1)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (stages then use NCCL; stage s on cuda:s)")
+    parser.add_argument("--micro-batches", type=int, default=0, help="micro-batches in flight (0: the stages)")
+    parser.add_argument("--min-decode-batch", type=int, default=1,
+                        help="td-pipe: fewer decode micro-batches rather than ones under this many sequences (default 1)")
 
 
 def parse_line(line: str, lineno: int, tokenizer, model_name: str):
     """(custom_id, url, prompt ids, SamplingParams) of one input line; ValueError naming the problem."""
-    from ..sampling import SamplingParams
-
     try:
         req = json.loads(line)
     except json.JSONDecodeError as e:
@@ -65,15 +71,24 @@ def parse_line(line: str, lineno: int, tokenizer, model_name: str):
         raise ValueError(f"line {lineno}: url must be one of {', '.join(URLS)}, got {url!r}")
     if not isinstance(body, dict):
         raise ValueError(f"line {lineno}: body must be an object")
+    ids, sampling = parse_body(url, body, tokenizer, f"line {lineno}: ")
+    return custom_id, url, ids, sampling
+
+
+def parse_body(url: str, body: dict, tokenizer, where: str = "") -> tuple[list[int], object]:
+    """(prompt ids, SamplingParams) of one request body of ``url``; ValueError naming the problem
+    (prefixed with ``where``)."""
+    from ..sampling import SamplingParams
+
     if url == "/v1/completions":
         prompt = body.get("prompt")
         if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"line {lineno}: body.prompt must be a non-empty string")
+            raise ValueError(f"{where}body.prompt must be a non-empty string")
         ids = tokenizer.encode(prompt)
     else:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
-            raise ValueError(f"line {lineno}: body.messages must be a non-empty list of objects")
+            raise ValueError(f"{where}body.messages must be a non-empty list of objects")
         text = tokenizer.apply_chat_template(messages)
         ids = tokenizer.encode(text, add_special_tokens=not getattr(tokenizer, "bos_token", None))
     keys = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos")
@@ -82,8 +97,8 @@ def parse_line(line: str, lineno: int, tokenizer, model_name: str):
     try:
         sampling = SamplingParams(**kwargs)
     except (ValueError, TypeError) as e:
-        raise ValueError(f"line {lineno}: {e}") from None
-    return custom_id, url, ids, sampling
+        raise ValueError(f"{where}{e}") from None
+    return ids, sampling
 
 
 def response_body(url: str, rid: str, model: str, text: str, reason: str, n_prompt: int, n_out: int) -> dict:
@@ -118,7 +133,8 @@ def run_requests(engine_kind: str, args, requests: list) -> tuple[dict, dict]:
 
         cfg = PipelineConfig(num_stages=args.pipeline_stages, schedule=args.schedule, num_blocks=args.num_blocks,
                              block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                             threads_per_stage=args.threads, device=args.device, dtype=args.dtype)
+                             threads_per_stage=args.threads, device=args.device, dtype=args.dtype,
+                             micro_batches=args.micro_batches, min_decode_batch=args.min_decode_batch)
         with PipelineEngine(args.model, cfg) as eng:
             refused = _add_all(eng, requests)
             return eng.run(), refused

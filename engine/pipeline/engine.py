@@ -57,6 +57,11 @@ class PipelineConfig:
     seed: int = 0
     enable_prefix_cache: bool = False
     work_stealing: bool = True
+    # micro-batches kept in flight (0: num_stages, the minimum that keeps every stage busy; one more
+    # hides the controller's round trip: a stage finds the next micro-batch waiting when it finishes)
+    micro_batches: int = 0
+    # td-pipe: fewer decode micro-batches rather than ones under this many sequences (1: always depth)
+    min_decode_batch: int = 1
     detokenize: bool = True  # fill RequestOutput.text (stop strings work either way)
     timeout_s: float = 600.0
 
@@ -64,9 +69,16 @@ class PipelineConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         for name in ("num_stages", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "threads_per_stage"):
+                     "threads_per_stage", "min_decode_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.micro_batches < 0:
+            raise ValueError(f"micro_batches must be >= 0 (0: num_stages), got {self.micro_batches}")
+
+    @property
+    def depth(self) -> int:
+        """Micro-batches in flight at most."""
+        return self.micro_batches or self.num_stages
 
 
 @dataclass
@@ -208,20 +220,39 @@ class PipelineEngine:
         self.waiting.appendleft(seq)
 
     # ---- the loop --------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.ready or self.in_flight or self.schedule.holds())
+
     def run(self) -> dict[str, RequestOutput]:
         """Run every added request to the end; their outputs by request id."""
-        while self.waiting or self.ready or self.in_flight or self.schedule.holds():
-            while len(self.in_flight) < self.config.num_stages:
-                seqs = self.schedule.next_batch()
-                if not seqs:
-                    break
-                self._send(seqs)
-            if not self.in_flight:
-                raise RuntimeError(f"the {self.config.schedule} schedule stalled with {len(self.waiting)} waiting "
-                                   f"and {len(self.ready)} ready requests and nothing in flight")
-            self._receive()
-        done, self.results = self.results, {}
+        done: dict[str, RequestOutput] = {}
+        while self.has_work():
+            done.update((o.request_id, o) for o in self.step())
         return done
+
+    def step(self) -> list[RequestOutput]:
+        """Fill the free micro-batch slots, wait for one micro-batch to come back; the outputs of
+        the requests that finished with it (requests may be added between steps)."""
+        while len(self.in_flight) < self.config.depth:
+            seqs = self.schedule.next_batch()
+            if not seqs:
+                break
+            self._send(seqs)
+        if not self.in_flight:
+            raise RuntimeError(f"the {self.config.schedule} schedule stalled with {len(self.waiting)} waiting "
+                               f"and {len(self.ready)} ready requests and nothing in flight")
+        return [self.results.pop(rid) for rid in self._receive()]
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request that has not started (still waiting): True if it was dropped. A running
+        one finishes (its blocks return then); the caller ignores its output."""
+        seq = self.seqs.get(request_id)
+        if seq is None or seq not in self.waiting:
+            return False
+        self.waiting.remove(seq)
+        del self.seqs[request_id]
+        self.results.pop(request_id, None)
+        return True
 
     def _send(self, seqs: list[Sequence]) -> None:
         pre = [s for s in seqs if not (s.num_tokens - s.num_computed == 1 and s.num_computed > 0)]
@@ -240,7 +271,8 @@ class PipelineEngine:
         self.link.send(1, [torch.tensor(header + [0] * self.config.num_stages), body])
         self.in_flight.append(mb)
 
-    def _receive(self) -> None:
+    def _receive(self) -> list[str]:
+        """The micro-batch that came back: its tokens appended; the ids of requests it finished."""
         n = self.config.num_stages
         header = self.link.recv_header(n, n)
         mb = self.in_flight.popleft()
@@ -263,6 +295,7 @@ class PipelineEngine:
                 seq.block_table = []
         alive = [s for s in mb.seqs if s.status is Status.RUNNING]
         self.schedule.returned(mb, alive, len(finished))
+        return [s.request_id for s in finished]
 
     def _collect(self, seq: Sequence) -> None:
         out = take_output(seq)

@@ -1,8 +1,9 @@
 """What the next micro-batch is: ``mixed`` (the baseline) and ``td-pipe``.
 
-Both answer ``next_batch()`` whenever the pipeline has a free slot (up to ``num_stages``
-micro-batches in flight) and hear ``returned(mb, alive, num_finished)`` for every micro-batch
-that comes back (its unfinished sequences ``alive``).
+Both answer ``next_batch()`` whenever the pipeline has a free slot (up to ``config.depth``
+micro-batches in flight: ``num_stages`` unless ``micro_batches`` says more) and hear
+``returned(mb, alive, num_finished)`` for every micro-batch that comes back (its unfinished
+sequences ``alive``).
 
 ``mixed`` (hybrid batching, as a pipeline-parallel vLLM runs it): each micro-batch is every
 decode-ready sequence not in flight (in steady state: the batch that just came back) plus
@@ -14,7 +15,7 @@ prompts happened to join them, and a decode must wait for its own previous step.
 (no dependency between them, so every stage stays busy), admitting prompts while the
 simulated decode of everything admitted still fits in the KV blocks (``switch.FutureMemory``);
 the first prompt that does not fit starts the *decode phase*: the decode-ready sequences are
-split into ``num_stages`` micro-batches that cycle through the pipeline, rebalanced by work
+split into ``config.depth`` micro-batches that cycle through the pipeline, rebalanced by work
 stealing every time one comes back (``switch.WorkStealer``; its pool is the engine's ``ready``
 list, which is also where sequences whose prefill returns late arrive, so the lightest batches
 absorb them). When a decode micro-batch comes back and prompts wait, the spatial-temporal
@@ -85,8 +86,8 @@ class TDPipeSchedule:
 
         self.engine = engine
         self.clock = time.perf_counter
-        n = engine.config.num_stages
-        self.stealer = switch.WorkStealer(n)
+        n = engine.config.depth  # decode micro-batches that cycle through the pipeline
+        self.stealer = switch.WorkStealer(n, engine.config.min_decode_batch)
         self.stealer.enabled = engine.config.work_stealing
         self.stealer.pool = engine.ready  # the same list: held-back requests are ready ones
         self.decode_cost = switch.LinearCost(self.PRIOR_DECODE)
@@ -131,13 +132,14 @@ class TDPipeSchedule:
             self.memory = self._simulation()
         else:
             self.memory = None
-            n = self.engine.config.num_stages - self.in_decode
+            n = self.engine.config.depth - self.in_decode
             ready = self.engine.ready
             if n > 0 and ready:
+                n = max(min(n, len(ready) // self.engine.config.min_decode_batch), 1)
                 size = -(-len(ready) // n)
                 self.queue = [ready[i : i + size] for i in range(0, len(ready), size)]
                 del ready[:]
-                self.stealer.start(self.queue)
+                self.stealer.start(self.queue, self.in_decode)
 
     def next_batch(self) -> list:
         eng = self.engine
@@ -156,7 +158,7 @@ class TDPipeSchedule:
             if batch:
                 self.in_decode += 1
                 return batch
-        if eng.ready and self.in_decode < eng.config.num_stages:
+        if eng.ready and self.in_decode < self.stealer.num_batches:
             # a free slot and held-back (or newly prefilled) requests: one more decode batch
             take = eng.ready[: max(self.peak_batch, 1)]
             del eng.ready[: len(take)]
@@ -201,7 +203,7 @@ class TDPipeSchedule:
             return False  # nothing finished since the last check: the answer is the same
         self.last_check_running = running
         n = eng.config.num_stages
-        avg = running / n
+        avg = running / eng.config.depth
         spatial = switch.spatial_intensity(max(int(avg), 1), self.decode_cost, self.peak_batch)
         if spatial >= 1.0:
             return False

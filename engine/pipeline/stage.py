@@ -59,8 +59,21 @@ def backend_for(device: str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this stage when its controller dies (even by SIGKILL), so a
+    killed batch server leaves no stage blocked in a receive until the timeout."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the stage ends at the process group's timeout
+
+
 def stage_main(spec: StageSpec) -> None:
     """Entry point of a stage process (spawned by PipelineEngine)."""
+    _die_with_parent()
     torch.set_num_threads(spec.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(spec.threads))
     stage = Stage(spec)  # load first: the controller's rendezvous returns once every stage is ready

@@ -16,7 +16,10 @@
 3. Decode micro-batches, ``WorkStealer`` (inter-batch work stealing): a sliding window of the
    last ``num_batches`` submitted sizes (plus the pool, less what just finished) gives the
    average a returning batch should have; a larger batch leaves its extra requests in a
-   pool, a smaller one takes from it.
+   pool, a smaller one takes from it. When fewer than ``num_batches x min_batch`` requests
+   are live (the tail of a decode phase), a returning batch dissolves into the pool and one
+   batch fewer cycles: on a machine where each micro-batch's round trip has a large fixed
+   cost (processes woken over TCP on 2 shared cores), two batches of 2 cost twice one of 4.
 
 ``LinearCost`` fits stage seconds = a + b * x online (x: decode batch size or prefill tokens)
 from the times the stages report, so the intensity comparison needs no offline profile.
@@ -173,18 +176,22 @@ def should_prefill(spatial: float, temporal: float) -> bool:
 class WorkStealer:
     """Sliding-window balance of ``num_batches`` decode micro-batches (see the module docstring)."""
 
-    def __init__(self, num_batches: int):
+    def __init__(self, num_batches: int, min_batch: int = 1):
         if num_batches <= 0:
             raise ValueError(f"num_batches must be positive, got {num_batches}")
-        self.num_batches = num_batches
+        if min_batch <= 0:
+            raise ValueError(f"min_batch must be positive, got {min_batch}")
+        self.max_batches = self.num_batches = num_batches
+        self.min_batch = min_batch  # fewer live requests than num_batches x this: one batch fewer
         self.window: deque[int] = deque(maxlen=num_batches)
         self.pool: list = []  # requests held back, given to the next smaller batch
         self.enabled = True
 
-    def start(self, batches: list[list]) -> None:
-        """A new decode phase: ``batches`` are submitted as they are."""
-        self.window.clear()
-        self.window.extend(len(b) for b in batches)
+    def start(self, batches: list[list], in_flight: int = 0) -> None:
+        """A new decode phase: ``batches`` are submitted as they are; with the ``in_flight`` decode
+        batches of the last phase, they are the batches that cycle from now on."""
+        self.num_batches = max(min(len(batches) + in_flight, self.max_batches), 1)
+        self.window = deque((len(b) for b in batches), maxlen=self.num_batches)
         # the pool is kept (the same list object: the engine may share it as its ready set)
 
     def rebalance(self, remaining: list, num_finished: int) -> list:
@@ -195,7 +202,15 @@ class WorkStealer:
             return remaining
         # live requests: the window's submitted sizes, less the ones that just finished, plus
         # those held back (or arrived late: a prefill that returned after the switch)
-        avg = max((sum(self.window) - num_finished + len(self.pool)) / self.num_batches, 0.0)
+        live = sum(self.window) - num_finished + len(self.pool)
+        if self.num_batches > 1 and live < self.num_batches * self.min_batch:
+            # too few requests for this many batches: this one dissolves into the pool, the next
+            # returning batch takes them (a batch's fixed cost per round trip is paid once less)
+            self.num_batches -= 1
+            self.pool.extend(remaining)
+            self.window = deque(list(self.window)[1:], maxlen=self.num_batches)
+            return []
+        avg = max(live / self.num_batches, 0.0)
         target = max(int(math.ceil(avg - 1e-9)), 1)
         out = list(remaining)
         if len(out) > target:

@@ -45,13 +45,15 @@ def test_two_stages_give_the_one_process_tokens():
     cfg = PipelineConfig(num_stages=2, schedule="mixed", num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE,
                          max_num_seqs=16, max_num_batched_tokens=128)
     with PipelineEngine("tiny", cfg) as eng:
-        for schedule in ("mixed", "td-pipe"):
+        # td-pipe twice more: 3 micro-batches in flight; decode tails merged below 4 sequences
+        for schedule, depth, min_batch in (("mixed", 0, 1), ("td-pipe", 0, 1), ("td-pipe", 3, 1), ("td-pipe", 0, 4)):
+            eng.config.micro_batches, eng.config.min_decode_batch = depth, min_batch
             eng.set_schedule(schedule)
             for rid, ids, sp in reqs:
                 eng.add_request(rid, ids, sp)
             out = eng.run()
             got = {rid: o.new_token_ids for rid, o in out.items()}
-            assert got == expected, schedule
+            assert got == expected, (schedule, depth, min_batch)
             assert all(o.finished and o.finish_reason == "length" for o in out.values())
             # nothing leaks: every block free, no request state left
             assert eng.block_manager.num_free_blocks() == NUM_BLOCKS

@@ -194,3 +194,28 @@ def test_work_stealing_balances_uneven_finishes():
         else:
             off = max(spreads[10:])
     assert on < off
+
+
+def test_a_thin_decode_tail_runs_as_fewer_batches():
+    """min_batch 4: with 2 batches cycling and fewer than 8 requests live, a returning batch
+    dissolves into the pool and the next one takes them all; from then one batch cycles."""
+    ws = WorkStealer(2, min_batch=4)
+    a, b = list(range(6)), list(range(6, 12))
+    ws.start([a, b])
+    a = ws.rebalance(a[:5], 1)  # 11 live: still 2 batches
+    assert len(a) == 5 and ws.num_batches == 2
+    b = ws.rebalance(b[:2], 4)  # 7 live < 2 x 4: b dissolves
+    assert b == [] and ws.num_batches == 1 and len(ws.pool) == 2
+    a = ws.rebalance(a, 0)  # a takes the pool
+    assert len(a) == 7 and not ws.pool
+    assert ws.rebalance(a[:1], 6) == a[:1] and ws.num_batches == 1  # never below one batch
+    with pytest.raises(ValueError, match="min_batch"):
+        WorkStealer(2, min_batch=0)
+
+
+def test_start_counts_the_batches_still_in_flight():
+    ws = WorkStealer(3)
+    ws.start([[1, 2]], in_flight=1)
+    assert ws.num_batches == 2
+    ws.start([[1], [2], [3]], in_flight=2)
+    assert ws.num_batches == 3  # never more than it was built for
