@@ -19,9 +19,12 @@ How each P/D call maps onto vLLM (``connector.py`` holds the hooks, ``bridge.py`
 - ``prefill_reserved``: the placeholder is dropped and the prompt computed here (a fresh request).
 - ``abort`` / an output stream left early: vLLM aborts the request and frees its blocks.
 
-Not supported over vLLM (a clear ValueError): constrained output (``grammar``). Not carried
-over: the first token's logprob on the prefill (``prefill_logprob`` is None), the decode's
-prefix cache (off: its reservations hold placeholder tokens), KV events, KV tiers and swap.
+Not supported over vLLM (a clear ValueError): constrained output (``grammar``) and logprobs.
+Stop strings are not given to vLLM: the prefill's TextStream cuts the text at one and ends the
+request (which aborts it here). Not carried over: the decode's prefix cache (off: its
+reservations hold placeholder tokens), KV events, KV tiers and swap; vLLM may preempt a
+decode request when its blocks run out (it then recomputes it; the built-in engine reserves
+prompt + max_tokens up front instead).
 """
 
 from __future__ import annotations
@@ -171,9 +174,11 @@ class VllmAsyncEngine:
 
         if getattr(sp, "grammar", None) is not None:
             raise ValueError("constrained output (response_format/tools) is not supported with --engine vllm")
+        if getattr(sp, "logprobs", None) is not None:
+            raise ValueError("logprobs are not supported with --engine vllm")
         return VSP(max_tokens=max_tokens if max_tokens is not None else sp.max_tokens, temperature=sp.temperature,
                    top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0, seed=sp.seed,
-                   stop=None if prefill else (list(sp.stop) or None),
+                   stop=None,  # stop strings: the prefill's TextStream cuts the text and ends the request
                    stop_token_ids=None if prefill else list(sp.stop_token_ids),
                    ignore_eos=True if prefill else sp.ignore_eos, detokenize=False,
                    output_kind=RequestOutputKind.DELTA, extra_args={"kv_transfer_params": kv} if kv else None)

@@ -90,6 +90,24 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
                         head_dim=cfg.head_dim, block_size=args.block_size, model=model_name + KV_MODEL_TAG,
                         transport=args.transfer)
     tokenizer = HFTokenizer(path, cfg.eos_token_ids)
+    VllmSamplingParams = _refusing_sampling_cls()
     engine = VllmAsyncEngine(llm, bridge, max_model_len=max_len, eos_token_ids=tuple(cfg.eos_token_ids))
     loaded = SimpleNamespace(name=path.name, config=cfg, tokenizer=tokenizer)
-    return ServerEngine(loaded, engine, max_len, model_name, region, layout, compat, message)
+    return ServerEngine(loaded, engine, max_len, model_name, region, layout, compat, message,
+                        sampling_cls=VllmSamplingParams)
+
+
+def _refusing_sampling_cls():
+    from pdserve.engine.sampling import SamplingParams
+
+    class VllmSamplingParams(SamplingParams):
+        """The engine's SamplingParams, refusing what the vLLM backend does not carry (a 400 naming it)."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.logprobs is not None:
+                raise ValueError("logprobs: not supported with --engine vllm")
+            if self.grammar is not None:
+                raise ValueError("response_format: constrained output is not supported with --engine vllm")
+
+    return VllmSamplingParams
