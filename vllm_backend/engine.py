@@ -1,0 +1,407 @@
+"""VllmAsyncEngine: vLLM's engine (in-process, one CPU worker) behind the calls pdserve's
+servers make of ``pdserve.engine.AsyncLLMEngine``, so the Session, picker, router and SLO code
+run unchanged over it.
+
+Every vLLM call runs on one engine thread; coroutines submit work through a queue and get
+results through asyncio futures/queues (as AsyncLLMEngine). The thread steps vLLM while it
+has requests (or held blocks to report freed) and sleeps on the queue otherwise.
+
+How each P/D call maps onto vLLM (``connector.py`` holds the hooks, ``bridge.py`` the state):
+- ``prefill_only``: a request with max_tokens 1 whose prompt KV the worker hands, layer by
+  layer, to ``on_layer`` (the CacheStore pushes it); returns the first token. vLLM keeps the
+  blocks after the request finished until ``release``.
+- ``reserve``: a request whose prompt is ``num_prompt_tokens`` placeholders + 1 (the slot of
+  the prefill's first token), every prompt token reported remote: vLLM's scheduler allocates
+  the blocks (WAITING_FOR_REMOTE_KVS) and they come back as the reservation.
+- ``add_prefilled``: the real prompt + first token and sampling are written into the waiting
+  request, the load is reported done, and vLLM computes the first token's KV and decodes:
+  the outputs start after the first token, as with the built-in engine.
+- ``prefill_reserved``: the placeholder is dropped and the prompt computed here (a fresh request).
+- ``abort`` / an output stream left early: vLLM aborts the request and frees its blocks.
+
+Not supported over vLLM (a clear ValueError): constrained output (``grammar``) and logprobs.
+Stop strings are not given to vLLM: the prefill's TextStream cuts the text at one and ends the
+request (which aborts it here). Not carried over: the decode's prefix cache (off: its
+reservations hold placeholder tokens), KV events, KV tiers and swap; vLLM may preempt a
+decode request when its blocks run out (it then recomputes it; the built-in engine reserves
+prompt + max_tokens up front instead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator, Callable
+
+from pdserve.engine.errors import OutOfBlocksError, PromptTooLongError
+from pdserve.engine.sequence import RequestOutput
+
+from .bridge import Bridge
+
+log = logging.getLogger(__name__)
+RESERVE_TIMEOUT_S = 10.0  # vLLM's scheduler allocates a reservation within a step or two
+IDLE_POLL_S = 0.002       # while only waiting for KV or a release: how often to step
+
+
+def _blocks_needed(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+class VllmAsyncEngine:
+    def __init__(self, llm, bridge: Bridge, *, max_model_len: int, eos_token_ids: tuple[int, ...]):
+        self.llm = llm  # vllm.v1.engine.llm_engine.LLMEngine, in-process
+        core = llm.engine_core.engine_core
+        self._scheduler = core.scheduler
+        self.bridge = bridge
+        self.block_size = bridge.block_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.num_blocks = self._pool().get_num_free_blocks()  # vLLM's null block is not ours
+        self._calls: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._firsts: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._counters = (0, 0.0)  # prompt tokens computed by prefill_only, seconds
+        self._started_at: dict[str, tuple[float, int]] = {}
+        self._num_requests = 0
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        await self._call(self._abort_all)
+        self._stopping = True
+        self._calls.put(None)
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    # ---- reads from any thread ----
+    def _pool(self):
+        return self._scheduler.kv_cache_manager.block_pool
+
+    def num_free_blocks(self) -> int:
+        return self._pool().get_num_free_blocks()
+
+    def num_requests(self) -> int:
+        return self._num_requests
+
+    def prefix_hit_tokens(self) -> int:
+        return 0
+
+    def tier_stats(self) -> dict:
+        return {}
+
+    def prefill_counters(self) -> tuple[int, float]:
+        return self._counters
+
+    def swapped(self) -> tuple[int, int]:
+        return 0, 0
+
+    async def stats(self) -> dict:
+        return {"num_free_blocks": self.num_free_blocks(), "num_blocks": self.num_blocks,
+                "num_requests": self.num_requests(), "engine": "vllm"}
+
+    # ---- colocated ----
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling) -> AsyncIterator[RequestOutput]:
+        async for out in self._stream(request_id, self._add, request_id, list(prompt_token_ids), sampling):
+            yield out
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(self._abort, request_id)
+
+    # ---- prefill side ----
+    async def prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling,
+                           on_layer: Callable[[int, list[int]], None] | None = None) -> int:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        await self._call(self._add_prefill, request_id, list(prompt_token_ids), sampling, on_layer, (loop, fut))
+        return await fut
+
+    async def prefill_many(self, requests, on_layer=None) -> dict[str, int]:
+        def one(rid):
+            return None if on_layer is None else (lambda layer, ids: on_layer(layer, {rid: ids}))
+        firsts = await asyncio.gather(*(self.prefill_only(rid, ids, sp, one(rid)) for rid, ids, sp in requests))
+        return {rid: t for (rid, _, _), t in zip(requests, firsts)}
+
+    async def prefill_logprob(self, request_id: str):
+        return None
+
+    async def release(self, request_id: str) -> None:
+        await self._call(self.bridge.release, request_id)
+
+    # ---- decode side ----
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        await self._call(self._reserve, request_id, num_prompt_tokens, max_tokens, (loop, fut))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), RESERVE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            await self.abort(request_id)
+            raise OutOfBlocksError(f"vLLM did not allocate {num_prompt_tokens} prompt tokens within "
+                                   f"{RESERVE_TIMEOUT_S:.0f} s") from None
+
+    async def reserve_prefix(self, request_id: str, prompt_token_ids: list[int], max_tokens: int):
+        return await self.reserve(request_id, len(prompt_token_ids), max_tokens), 0
+
+    async def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                            sampling) -> AsyncIterator[RequestOutput]:
+        async for out in self._stream(request_id, self._add_prefilled, request_id, list(prompt_token_ids),
+                                      first_token_id, sampling):
+            yield out
+
+    async def prefill_reserved(self, request_id: str, prompt_token_ids: list[int], sampling) -> AsyncIterator[RequestOutput]:
+        await self._call(self._drop_reservation, request_id)
+        async for out in self.generate(request_id, prompt_token_ids, sampling):
+            yield out
+
+    # ---- engine thread ----
+    def _vllm_sampling(self, sp, *, max_tokens: int | None = None, kv: dict | None = None, prefill: bool = False):
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        if getattr(sp, "grammar", None) is not None:
+            raise ValueError("constrained output (response_format/tools) is not supported with --engine vllm")
+        if getattr(sp, "logprobs", None) is not None:
+            raise ValueError("logprobs are not supported with --engine vllm")
+        return VSP(max_tokens=max_tokens if max_tokens is not None else sp.max_tokens, temperature=sp.temperature,
+                   top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0, seed=sp.seed,
+                   stop=None,  # stop strings: the prefill's TextStream cuts the text and ends the request
+                   stop_token_ids=None if prefill else list(sp.stop_token_ids),
+                   ignore_eos=True if prefill else sp.ignore_eos, detokenize=False,
+                   output_kind=RequestOutputKind.DELTA, extra_args={"kv_transfer_params": kv} if kv else None)
+
+    def _check_len(self, n_prompt: int) -> None:
+        if n_prompt < 1:
+            raise ValueError("the prompt is empty")
+        if n_prompt + 1 > self.max_model_len:
+            raise PromptTooLongError(n_prompt, self.max_model_len)
+
+    def _check_free(self, tokens: int) -> None:
+        need, free = _blocks_needed(tokens, self.block_size), self.num_free_blocks()
+        if need > free:
+            raise OutOfBlocksError(f"needs {need} KV blocks, {free} free")
+
+    def _add(self, rid: str, ids: list[int], sampling) -> None:
+        self._check_len(len(ids))
+        self.llm.add_request(rid, {"prompt_token_ids": ids}, self._vllm_sampling(sampling))
+
+    def _add_prefill(self, rid: str, ids: list[int], sampling, on_layer, reply) -> None:
+        self._check_len(len(ids))
+        self._check_free(len(ids) + 1)
+        vsp = self._vllm_sampling(sampling, max_tokens=1, kv={"pdserve": "prefill", "rid": rid}, prefill=True)
+        self.bridge.start_prefill(rid, on_layer)
+        try:
+            self.llm.add_request(rid, {"prompt_token_ids": ids}, vsp)
+        except BaseException:
+            self.bridge.forget(rid)
+            raise
+        self._firsts[rid] = reply
+        self._started_at[rid] = (time.perf_counter(), len(ids))
+
+    def _reserve(self, rid: str, n_prompt: int, max_tokens: int, reply) -> None:
+        self._check_len(n_prompt)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self._check_free(n_prompt + 1)
+        loop, fut = reply
+        self.bridge.start_decode(rid, n_prompt, lambda ids: loop.call_soon_threadsafe(_set_result, fut, list(ids)))
+        vsp = self._vllm_sampling(_Greedy(max(1, min(max_tokens - 1, self.max_model_len - n_prompt - 1))),
+                                  kv={"pdserve": "decode", "rid": rid})
+        try:
+            self.llm.add_request(rid, {"prompt_token_ids": [0] * (n_prompt + 1)}, vsp)
+        except BaseException:
+            self.bridge.forget(rid)
+            raise
+
+    def _add_prefilled(self, rid: str, ids: list[int], first: int, sampling) -> None:
+        d = self.bridge.decodes.get(rid)
+        if d is None or d.block_ids is None:
+            raise ValueError(f"request {rid!r} has no reservation (call reserve first)")
+        if len(ids) != d.num_prompt_tokens:
+            raise ValueError(f"request {rid!r} reserved {d.num_prompt_tokens} prompt tokens, got {len(ids)}")
+        stops = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.eos_token_ids))
+        if sampling.max_tokens <= 1 or first in stops:  # the first token already ends it
+            self._abort(rid)
+            reason = "stop" if first in stops else "length"
+            self._deliver(RequestOutput(rid, [], finished=True, finish_reason=reason, num_prompt_tokens=len(ids)))
+            return
+        req = self._scheduler.requests[d.internal_id]
+        tokens = list(ids) + [first]
+        req.prompt_token_ids[:] = tokens
+        req._all_token_ids[:] = tokens
+        fresh = self._vllm_sampling(sampling, max_tokens=sampling.max_tokens - 1)
+        vsp = req.sampling_params  # shared with vLLM's output processor (in-process): update in place
+        for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens"):
+            setattr(vsp, name, getattr(fresh, name))
+        vsp._all_stop_token_ids = set(vsp._all_stop_token_ids) | set(fresh.stop_token_ids or ())
+        req.max_tokens = vsp.max_tokens
+        self.bridge.loaded(rid)
+
+    def _drop_reservation(self, rid: str) -> None:
+        self.llm.abort_request([rid])
+        self.bridge.forget(rid)
+
+    def _abort(self, rid: str) -> bool:
+        known = (rid in self.bridge.prefills or rid in self.bridge.decodes or rid in self._streams
+                 or rid in self._firsts)
+        self.llm.abort_request([rid])
+        p = self.bridge.prefills.get(rid)
+        if p is not None and p.held:
+            self.bridge.release(rid)  # vLLM frees held blocks through get_finished
+        else:
+            self.bridge.forget(rid)
+        reply = self._firsts.pop(rid, None)
+        if reply is not None:
+            reply[0].call_soon_threadsafe(_set_exception, reply[1], RuntimeError(f"request {rid!r} was aborted"))
+        return known
+
+    def _abort_all(self) -> None:
+        for rid in set(self._streams) | set(self._firsts) | set(self.bridge.prefills) | set(self.bridge.decodes):
+            self._abort(rid)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        target = self._streams.get(out.request_id)
+        if target is not None:
+            target[0].call_soon_threadsafe(target[1].put_nowait, out)
+
+    def _on_output(self, out) -> None:
+        rid = out.request_id
+        comp = out.outputs[0] if out.outputs else None
+        tokens = list(comp.token_ids) if comp is not None else []
+        if rid in self._firsts:
+            if not out.finished:
+                return
+            loop, fut = self._firsts.pop(rid)
+            started, n = self._started_at.pop(rid, (time.perf_counter(), 0))
+            tokens_done, seconds = self._counters
+            self._counters = (tokens_done + n, seconds + time.perf_counter() - started)
+            error = self.bridge.prefill_errors.pop(rid, None)
+            if error is not None or not tokens:
+                self.bridge.release(rid)
+                loop.call_soon_threadsafe(_set_exception, fut,
+                                          error or RuntimeError(f"vLLM gave no first token for {rid!r}"))
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, tokens[0])
+            return
+        reason = comp.finish_reason if comp is not None else None
+        if out.finished and reason == "stop" and not isinstance(comp.stop_reason, str) and tokens:
+            tokens = tokens[:-1]  # pdserve leaves stop tokens out of the output
+        if out.finished:
+            self.bridge.forget(rid)
+        self._deliver(RequestOutput(rid, tokens, finished=out.finished, finish_reason=reason if out.finished else None,
+                                    num_prompt_tokens=len(out.prompt_token_ids or ())))
+
+    def _busy(self) -> bool:
+        return self.llm.has_unfinished_requests() or self._scheduler.has_requests() or self.bridge.has_held()
+
+    def _run_call(self, item) -> None:
+        fn, args, reply = item
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            if reply is not None:
+                reply[0].call_soon_threadsafe(_set_exception, reply[1], exc)
+            return
+        if reply is not None:
+            reply[0].call_soon_threadsafe(_set_result, reply[1], result)
+
+    def _loop(self) -> None:
+        while True:
+            busy = self._busy()
+            try:
+                item = self._calls.get(block=not busy, timeout=None)
+            except queue.Empty:
+                item = False
+            while item is not False:
+                if item is None:
+                    if self._stopping:
+                        return
+                else:
+                    self._run_call(item)
+                try:
+                    item = self._calls.get_nowait()
+                except queue.Empty:
+                    item = False
+            if not self._busy():
+                continue
+            try:
+                outputs = self.llm.step()
+            except Exception as exc:  # noqa: BLE001 - vLLM's engine is gone: fail everything held
+                log.exception("vLLM step failed")
+                self._fail_all(f"{type(exc).__name__}: {exc}")
+                continue
+            self._num_requests = self._scheduler.get_num_unfinished_requests() + len(self.bridge.prefills)
+            for out in outputs:
+                self._on_output(out)
+            if not outputs:
+                time.sleep(IDLE_POLL_S)  # waiting for KV to arrive or a release: do not spin the core
+
+    def _fail_all(self, error: str) -> None:
+        for rid in list(self._streams):
+            self._deliver(RequestOutput(rid, [], finished=True, finish_reason="abort", error=error))
+        for rid, (loop, fut) in list(self._firsts.items()):
+            loop.call_soon_threadsafe(_set_exception, fut, RuntimeError(error))
+        self._firsts.clear()
+
+    # ---- asyncio side ----
+    async def _stream(self, request_id: str, fn, *args) -> AsyncIterator[RequestOutput]:
+        if self._thread is None:
+            raise RuntimeError("VllmAsyncEngine is not started (await start() first)")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        try:
+            await self._call(fn, *args)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and self._thread is not None:
+                self._calls.put((self._abort, (request_id,), None))
+
+    async def _call(self, fn, *args):
+        if self._thread is None:
+            raise RuntimeError("VllmAsyncEngine is not started (await start() first)")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._calls.put((fn, args, (loop, fut)))
+        return await fut
+
+
+class _Greedy:
+    """Placeholder sampling of a reservation (the real one arrives with add_prefilled)."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed = max_tokens, 0.0, 1.0, 0, None
+        self.stop, self.stop_token_ids, self.ignore_eos, self.grammar = [], [], True, None
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,113 @@
+"""``build_vllm_server_engine(args, role)``: the ServerEngine of ``pdserve prefill|decode --engine vllm``.
+
+vLLM's engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler,
+the one CPU worker and PdserveConnector share the process and its ``Bridge``) from the same
+flags as the built-in engine: --model (a Hugging Face directory), --dtype, --block-size (a
+multiple of 32 on CPU), --num-blocks (the KV budget: vLLM gets exactly that many blocks, plus
+its null block), --max-num-seqs, --max-model-len. The CacheStore registers vLLM's own KV
+memory: every layer of the pool in one tensor, the layout pdserve's KVLayout describes
+(checked here: a vLLM that lays it out otherwise is refused with the reason).
+
+The compat message's ``model`` carries ``+vllm-kv`` so a built-in peer (whose block bytes are
+ordered [K/V, token, head, dim] where vLLM-CPU's are [head, token, K|V dim]) is refused by
+name at the Session's admission instead of receiving meaningless bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+from pdserve.server_setup import ServerEngine, served_model_name
+
+from .bridge import BRIDGES, Bridge
+
+KV_MODEL_TAG = "+vllm-kv"
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def build_vllm_server_engine(args, role: str) -> ServerEngine:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
+        raise SystemExit("pdserve: --engine vllm runs vLLM in-process; unset VLLM_ENABLE_V1_MULTIPROCESSING")
+    from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
+    from pdserve.engine.config import ModelConfig
+    from pdserve.engine.tokenizer import HFTokenizer
+    from pdserve.protos import session_pb2 as pb
+
+    path = Path(args.model)
+    if not (path / "config.json").is_file() or not (path / "tokenizer.json").is_file():
+        raise SystemExit(f"pdserve: --engine vllm needs --model to be a Hugging Face directory with config.json "
+                         f"and tokenizer.json, got {args.model!r}")
+    if args.block_size % 32:
+        raise SystemExit(f"pdserve: --engine vllm: vLLM-CPU needs --block-size a multiple of 32, got {args.block_size}")
+    try:
+        cfg = ModelConfig.from_file(path / "config.json")
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None
+    max_len = args.max_model_len or cfg.max_position_embeddings
+    block_nbytes = 2 * args.block_size * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[args.dtype]
+    kv_bytes = (args.num_blocks + 1) * block_nbytes * cfg.num_layers  # + vLLM's null block
+
+    key = f"{role}-{uuid.uuid4().hex[:8]}"
+    bridge = Bridge(block_size=args.block_size)
+    BRIDGES[key] = bridge
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    kv_config = KVTransferConfig(kv_connector="PdserveConnector", kv_connector_module_path="pdserve.vllm_backend.connector",
+                                 kv_role="kv_both", kv_connector_extra_config={"bridge": key})
+    engine_args = EngineArgs(model=str(path), dtype=args.dtype, max_model_len=max_len, block_size=args.block_size,
+                             kv_cache_memory_bytes=kv_bytes, enforce_eager=True, max_num_seqs=args.max_num_seqs,
+                             enable_prefix_caching=role == "prefill", kv_transfer_config=kv_config, seed=0,
+                             served_model_name=served_model_name(args))
+    try:
+        llm = LLMEngine.from_engine_args(engine_args)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"pdserve: vLLM cannot start the engine: {exc}") from None
+
+    from .engine import VllmAsyncEngine
+
+    runner = llm.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+    caches = runner.kv_caches
+    layer_nbytes = caches[0].numel() * caches[0].element_size()
+    num_blocks = caches[0].shape[0]
+    base = caches[0].data_ptr()
+    for i, t in enumerate(caches):
+        if t.data_ptr() != base + i * layer_nbytes or not t.is_contiguous() or t.shape[0] * block_nbytes != layer_nbytes:
+            raise SystemExit("pdserve: --engine vllm: vLLM's KV cache is not one [layer, block] tensor "
+                             f"(layer {i} at offset {t.data_ptr() - base}, shape {tuple(t.shape)}); this vLLM is not supported")
+    layout = KVLayout(num_layers=len(caches), num_blocks=num_blocks, block_nbytes=block_nbytes)
+    region = MemoryRegion(base, layout.nbytes, "cpu", 0, owner=caches)
+    compat = CompatInfo(dtype=args.dtype, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, block_size=args.block_size)
+    model_name = served_model_name(args)
+    message = pb.Compat(dtype=args.dtype, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, block_size=args.block_size, model=model_name + KV_MODEL_TAG,
+                        transport=args.transfer)
+    tokenizer = HFTokenizer(path, cfg.eos_token_ids)
+    VllmSamplingParams = _refusing_sampling_cls()
+    engine = VllmAsyncEngine(llm, bridge, max_model_len=max_len, eos_token_ids=tuple(cfg.eos_token_ids))
+    loaded = SimpleNamespace(name=path.name, config=cfg, tokenizer=tokenizer)
+    return ServerEngine(loaded, engine, max_len, model_name, region, layout, compat, message,
+                        sampling_cls=VllmSamplingParams)
+
+
+def _refusing_sampling_cls():
+    from pdserve.engine.sampling import SamplingParams
+
+    class VllmSamplingParams(SamplingParams):
+        """The engine's SamplingParams, refusing what the vLLM backend does not carry (a 400 naming it)."""
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.logprobs is not None:
+                raise ValueError("logprobs: not supported with --engine vllm")
+            if self.grammar is not None:
+                raise ValueError("response_format: constrained output is not supported with --engine vllm")
+
+    return VllmSamplingParams
