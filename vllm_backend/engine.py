@@ -2,9 +2,9 @@
 servers make of ``pdserve.engine.AsyncLLMEngine``, so the Session, picker, router and SLO code
 run unchanged over it.
 
-Every vLLM call runs on one engine thread; coroutines submit work through a queue and get
-results through asyncio futures/queues (as AsyncLLMEngine). The thread steps vLLM while it
-has requests (or held blocks to report freed) and sleeps on the queue otherwise.
+Every vLLM call runs on one engine thread (engine_thread.py); coroutines submit work through
+a queue and get results through asyncio futures/queues (as AsyncLLMEngine). The thread steps
+vLLM while it has requests (or held blocks to report freed) and sleeps on the queue otherwise.
 
 How each P/D call maps onto vLLM (``connector.py`` holds the hooks, ``bridge.py`` the state):
 - ``prefill_only``: a request with max_tokens 1 whose prompt KV the worker hands, layer by
@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from typing import AsyncIterator, Callable
 
@@ -40,18 +38,19 @@ from pdserve.engine.errors import OutOfBlocksError, PromptTooLongError
 from pdserve.engine.sequence import RequestOutput
 
 from .bridge import Bridge
+from .engine_thread import EngineThread, set_exception, set_result
 
 log = logging.getLogger(__name__)
 RESERVE_TIMEOUT_S = 10.0  # vLLM's scheduler allocates a reservation within a step or two
-IDLE_POLL_S = 0.002       # while only waiting for KV or a release: how often to step
 
 
 def _blocks_needed(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-class VllmAsyncEngine:
+class VllmAsyncEngine(EngineThread):
     def __init__(self, llm, bridge: Bridge, *, max_model_len: int, eos_token_ids: tuple[int, ...]):
+        super().__init__()
         self.llm = llm  # vllm.v1.engine.llm_engine.LLMEngine, in-process
         core = llm.engine_core.engine_core
         self._scheduler = core.scheduler
@@ -60,32 +59,9 @@ class VllmAsyncEngine:
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = self._pool().get_num_free_blocks()  # vLLM's null block is not ours
-        self._calls: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._firsts: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
         self._counters = (0, 0.0)  # prompt tokens computed by prefill_only, seconds
         self._started_at: dict[str, tuple[float, int]] = {}
         self._num_requests = 0
-
-    # ---- lifecycle ----
-    async def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
-        self._thread.start()
-
-    async def stop(self) -> None:
-        if self._thread is None:
-            return
-        await self._call(self._abort_all)
-        self._stopping = True
-        self._calls.put(None)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self._thread = None
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
 
     # ---- reads from any thread ----
     def _pool(self):
@@ -217,7 +193,7 @@ class VllmAsyncEngine:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self._check_free(n_prompt + 1)
         loop, fut = reply
-        self.bridge.start_decode(rid, n_prompt, lambda ids: loop.call_soon_threadsafe(_set_result, fut, list(ids)))
+        self.bridge.start_decode(rid, n_prompt, lambda ids: loop.call_soon_threadsafe(set_result, fut, list(ids)))
         vsp = self._vllm_sampling(_Greedy(max(1, min(max_tokens - 1, self.max_model_len - n_prompt - 1))),
                                   kv={"pdserve": "decode", "rid": rid})
         try:
@@ -265,17 +241,12 @@ class VllmAsyncEngine:
             self.bridge.forget(rid)
         reply = self._firsts.pop(rid, None)
         if reply is not None:
-            reply[0].call_soon_threadsafe(_set_exception, reply[1], RuntimeError(f"request {rid!r} was aborted"))
+            reply[0].call_soon_threadsafe(set_exception, reply[1], RuntimeError(f"request {rid!r} was aborted"))
         return known
 
     def _abort_all(self) -> None:
         for rid in set(self._streams) | set(self._firsts) | set(self.bridge.prefills) | set(self.bridge.decodes):
             self._abort(rid)
-
-    def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is not None:
-            target[0].call_soon_threadsafe(target[1].put_nowait, out)
 
     def _on_output(self, out) -> None:
         rid = out.request_id
@@ -291,10 +262,10 @@ class VllmAsyncEngine:
             error = self.bridge.prefill_errors.pop(rid, None)
             if error is not None or not tokens:
                 self.bridge.release(rid)
-                loop.call_soon_threadsafe(_set_exception, fut,
+                loop.call_soon_threadsafe(set_exception, fut,
                                           error or RuntimeError(f"vLLM gave no first token for {rid!r}"))
             else:
-                loop.call_soon_threadsafe(_set_result, fut, tokens[0])
+                loop.call_soon_threadsafe(set_result, fut, tokens[0])
             return
         reason = comp.finish_reason if comp is not None else None
         if out.finished and reason == "stop" and not isinstance(comp.stop_reason, str) and tokens:
@@ -304,90 +275,13 @@ class VllmAsyncEngine:
         self._deliver(RequestOutput(rid, tokens, finished=out.finished, finish_reason=reason if out.finished else None,
                                     num_prompt_tokens=len(out.prompt_token_ids or ())))
 
+    def _step(self) -> list:
+        outputs = self.llm.step()
+        self._num_requests = self._scheduler.get_num_unfinished_requests() + len(self.bridge.prefills)
+        return outputs
+
     def _busy(self) -> bool:
         return self.llm.has_unfinished_requests() or self._scheduler.has_requests() or self.bridge.has_held()
-
-    def _run_call(self, item) -> None:
-        fn, args, reply = item
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            if reply is not None:
-                reply[0].call_soon_threadsafe(_set_exception, reply[1], exc)
-            return
-        if reply is not None:
-            reply[0].call_soon_threadsafe(_set_result, reply[1], result)
-
-    def _loop(self) -> None:
-        while True:
-            busy = self._busy()
-            try:
-                item = self._calls.get(block=not busy, timeout=None)
-            except queue.Empty:
-                item = False
-            while item is not False:
-                if item is None:
-                    if self._stopping:
-                        return
-                else:
-                    self._run_call(item)
-                try:
-                    item = self._calls.get_nowait()
-                except queue.Empty:
-                    item = False
-            if not self._busy():
-                continue
-            try:
-                outputs = self.llm.step()
-            except Exception as exc:  # noqa: BLE001 - vLLM's engine is gone: fail everything held
-                log.exception("vLLM step failed")
-                self._fail_all(f"{type(exc).__name__}: {exc}")
-                continue
-            self._num_requests = self._scheduler.get_num_unfinished_requests() + len(self.bridge.prefills)
-            for out in outputs:
-                self._on_output(out)
-            if not outputs:
-                time.sleep(IDLE_POLL_S)  # waiting for KV to arrive or a release: do not spin the core
-
-    def _fail_all(self, error: str) -> None:
-        for rid in list(self._streams):
-            self._deliver(RequestOutput(rid, [], finished=True, finish_reason="abort", error=error))
-        for rid, (loop, fut) in list(self._firsts.items()):
-            loop.call_soon_threadsafe(_set_exception, fut, RuntimeError(error))
-        self._firsts.clear()
-
-    # ---- asyncio side ----
-    async def _stream(self, request_id: str, fn, *args) -> AsyncIterator[RequestOutput]:
-        if self._thread is None:
-            raise RuntimeError("VllmAsyncEngine is not started (await start() first)")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        try:
-            await self._call(fn, *args)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and self._thread is not None:
-                self._calls.put((self._abort, (request_id,), None))
-
-    async def _call(self, fn, *args):
-        if self._thread is None:
-            raise RuntimeError("VllmAsyncEngine is not started (await start() first)")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._calls.put((fn, args, (loop, fut)))
-        return await fut
-
 
 class _Greedy:
     """Placeholder sampling of a reservation (the real one arrives with add_prefilled)."""
@@ -395,13 +289,3 @@ class _Greedy:
     def __init__(self, max_tokens: int):
         self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed = max_tokens, 0.0, 1.0, 0, None
         self.stop, self.stop_token_ids, self.ignore_eos, self.grammar = [], [], True, None
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
