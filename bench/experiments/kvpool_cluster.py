@@ -7,6 +7,7 @@ the ``with`` block) stops every process (SIGTERM, then SIGKILL), also on failure
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -144,3 +145,9 @@ class KVPoolCluster:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def long_prompt(n: int, seed: int) -> list[int]:
+    """A prompt of ``n`` printable byte ids, the same for the same seed (the long-context experiments')."""
+    rnd = random.Random(seed)
+    return [rnd.randrange(32, 127) for _ in range(n)]

@@ -23,7 +23,6 @@ normal path on the same decode.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ from pdserve.defaults import BLOCK_SIZE
 from pdserve.engine import blocks_needed
 
 from . import report
-from .kvpool_cluster import KVPoolCluster
+from .kvpool_cluster import KVPoolCluster, long_prompt
 from .launcher import LOG_ROOT, MODEL_CACHE, bench_model
 
 TARGET = 2.5
@@ -53,14 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "longest prompt and end-to-end tokens/s (long_context_pd.py)")
 
 
-def _prompt(n: int, seed: int) -> list[int]:
-    rnd = random.Random(seed)
-    return [rnd.randrange(32, 127) for _ in range(n)]
-
-
 def _completes(cluster: KVPoolCluster, n: int, max_tokens: int, pooled: bool) -> bool:
     try:
-        reply = cluster.generate("decode-0", f"probe-{pooled}-{n}", _prompt(n, n), max_tokens, pooled=pooled)
+        reply = cluster.generate("decode-0", f"probe-{pooled}-{n}", long_prompt(n, n), max_tokens, pooled=pooled)
     except grpc.RpcError as e:
         if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT):
             return False
@@ -82,7 +76,7 @@ def longest(cluster: KVPoolCluster, max_tokens: int, pooled: bool, upper: int) -
 
 def _once(cluster: KVPoolCluster, n: int, tokens: int, pooled: bool, local: int, tag: str) -> dict:
     t0 = time.perf_counter()
-    reply = cluster.generate("decode-0", f"speed-{tag}", _prompt(n, 7), tokens, pooled=pooled, max_local_blocks=local)
+    reply = cluster.generate("decode-0", f"speed-{tag}", long_prompt(n, 7), tokens, pooled=pooled, max_local_blocks=local)
     wall = time.perf_counter() - t0
     return {"decode_ms": 1000 * reply.decode_s / (len(reply.token_ids) - 1), "e2e_tok_s": len(reply.token_ids) / wall,
             "spilled_blocks": reply.borrowed_blocks}

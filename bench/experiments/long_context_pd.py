@@ -28,6 +28,7 @@ from pdserve.protos import generate_pb2 as gpb
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
 from . import report
+from .kvpool_cluster import long_prompt
 from .launcher import LOG_ROOT, MODEL_CACHE, Launcher, bench_model
 
 TARGET = 2.5
@@ -66,9 +67,8 @@ def pd_cluster(model: str, blocks: int, block_size: int, reserve: int, pooled: b
 
 def generate(address: str, n: int, max_tokens: int, seed: int) -> tuple[int, float]:
     """(tokens streamed back, seconds end to end); raises grpc.RpcError when not served."""
-    from .long_context import _prompt
 
-    request = gpb.GenerateRequest(prompt_token_ids=_prompt(n, seed), max_tokens=max_tokens, temperature=0.0,
+    request = gpb.GenerateRequest(prompt_token_ids=long_prompt(n, seed), max_tokens=max_tokens, temperature=0.0,
                                   ignore_eos=True, request_id=f"lc-{n}-{seed}")
     t0 = time.perf_counter()
     with grpc.insecure_channel(address) as channel:
