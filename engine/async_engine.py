@@ -1,8 +1,9 @@
 """AsyncLLMEngine: the LLMEngine on one background thread, driven from asyncio.
 
 Every engine call runs on the engine thread (LLMEngine is not thread-safe); coroutines submit
-work through a thread-safe queue and get results through asyncio futures/queues. The thread
-runs ``step()`` whenever requests are running and sleeps on the queue otherwise.
+work through a thread-safe queue and get results through asyncio futures/queues (the queue,
+the calls and the output streams are engine_thread.py's). The thread runs ``step()`` whenever
+requests are running and sleeps on the queue otherwise.
 
 Lifecycle and who frees what:
 - ``generate`` / ``add_prefilled`` stream RequestOutputs until one is finished. If the consumer
@@ -39,14 +40,13 @@ restores there (``swap.py``), between steps.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from typing import AsyncIterator, Callable
 
+from .engine_thread import EngineThread
 from .llm_engine import LLMEngine
 from .sampling import SamplingParams
 from .sequence import RequestOutput
@@ -55,8 +55,9 @@ log = logging.getLogger(__name__)
 SWAP_POLL_S = 0.02  # while only swapped-out requests are left: how often after_step may restore them
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineThread):
     def __init__(self, engine: LLMEngine):
+        super().__init__()
         self.engine = engine
         self._num_blocks = engine.num_blocks
         self._published = threading.Lock()  # guards the published counts below
@@ -67,31 +68,6 @@ class AsyncLLMEngine:
         self._swapped = (0, 0)
         self.after_step: Callable[[LLMEngine, float, int], None] | None = None
         self._tier_stats = engine.tier_stats()
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-
-    # ---- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="pdserve-engine", daemon=True)
-        self._thread.start()
-
-    async def stop(self) -> None:
-        if self._thread is None:
-            return
-        await self._call(self._abort_all)
-        self._stopping = True
-        self._calls.put(None)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self._thread = None
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     # ---- thread-safe reads (no engine-thread round trip) -----------------------------------
     @property
@@ -210,62 +186,7 @@ class AsyncLLMEngine:
 
         return await self._call(read)
 
-    def call_blocking(self, fn, *args, timeout: float | None = None):
-        """From a thread other than the engine's and the event loop's: ``fn(*args)`` on the engine
-        thread (between steps); its result or its exception."""
-        if self._thread is None:
-            raise RuntimeError("AsyncLLMEngine is not started (await start() first)")
-        if threading.current_thread() is self._thread:
-            return fn(*args)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._calls.put((fn, args, done))
-        return done.result(timeout)
-
-    # ---- internals -------------------------------------------------------------------------
-    async def _stream(self, request_id: str, fn, *args) -> AsyncIterator[RequestOutput]:
-        """Open the request's output stream, run ``fn(*args)`` on the engine thread (its error
-        raises here), then yield the request's outputs until it finishes."""
-        q = self._open_stream(request_id)
-        try:
-            await self._call(fn, *args)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        async for out in self._drain(request_id, q):
-            yield out
-
-    def _open_stream(self, request_id: str) -> asyncio.Queue:
-        if self._thread is None:
-            raise RuntimeError("AsyncLLMEngine is not started (await start() first)")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        return q
-
-    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                out = await q.get()
-                if out.finished:
-                    finished = True
-                yield out
-                if finished:
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and self._thread is not None:
-                self._calls.put((self._abort, (request_id,), None))
-
-    async def _call(self, fn, *args):
-        if self._thread is None:
-            raise RuntimeError("AsyncLLMEngine is not started (await start() first)")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._calls.put((fn, args, (loop, fut)))
-        return await fut
-
+    # ---- internals (the engine thread: engine_thread.py) -------------------------------------
     def _abort(self, request_id: str) -> bool:
         return self.engine.abort(request_id)
 
@@ -284,31 +205,6 @@ class AsyncLLMEngine:
         self.engine.abort_all()
         for rid in list(self._streams):  # open streams end instead of waiting forever
             self._deliver(RequestOutput(rid, [], True, "abort", error="engine stopped"))
-
-    def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, out)
-
-    def _run_call(self, item) -> None:
-        fn, args, reply = item
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            self._publish()
-            if isinstance(reply, concurrent.futures.Future):
-                reply.set_exception(exc)
-            elif reply is not None:
-                loop, fut = reply
-                loop.call_soon_threadsafe(_set_exception, fut, exc)
-            return
-        self._publish()
-        if isinstance(reply, concurrent.futures.Future):
-            reply.set_result(result)
-        elif reply is not None:
-            loop, fut = reply
-            loop.call_soon_threadsafe(_set_result, fut, result)
 
     def _loop(self) -> None:
         e = self.engine
@@ -356,13 +252,3 @@ class AsyncLLMEngine:
             self.after_step(self.engine, seconds, batch)
         except Exception:  # noqa: BLE001 - a policy bug must not stop the engine
             log.exception("after_step failed")
-
-
-def _set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

@@ -34,11 +34,12 @@ import logging
 import time
 from typing import AsyncIterator, Callable
 
+from pdserve.engine.engine_thread import set_exception, set_result
 from pdserve.engine.errors import OutOfBlocksError, PromptTooLongError
 from pdserve.engine.sequence import RequestOutput
 
 from .bridge import Bridge
-from .engine_thread import EngineThread, set_exception, set_result
+from .engine_thread import VllmEngineThread
 
 log = logging.getLogger(__name__)
 RESERVE_TIMEOUT_S = 10.0  # vLLM's scheduler allocates a reservation within a step or two
@@ -48,7 +49,7 @@ def _blocks_needed(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-class VllmAsyncEngine(EngineThread):
+class VllmAsyncEngine(VllmEngineThread):
     def __init__(self, llm, bridge: Bridge, *, max_model_len: int, eos_token_ids: tuple[int, ...]):
         super().__init__()
         self.llm = llm  # vllm.v1.engine.llm_engine.LLMEngine, in-process

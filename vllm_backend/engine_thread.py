@@ -1,12 +1,10 @@
-"""EngineThread: one thread owns an engine; coroutines reach it through a queue of calls.
+"""VllmEngineThread: the engine thread (pdserve.engine.engine_thread) stepping vLLM's engine.
 
-``_call(fn, *args)`` runs ``fn`` on the engine thread between steps and returns its result (or
-raises its exception) in the caller's event loop; ``_stream(rid, fn, *args)`` does the same and
-then yields the request's outputs as the thread delivers them (``_deliver``); leaving the
-stream early aborts the request (``_abort``). The thread steps the engine (``_step``) while it is
-busy (``_busy``), hands each output to ``_on_output``, and sleeps on the queue otherwise. A step
-that raises fails every request held (``_fail_all``). Subclasses provide ``_step``, ``_busy``,
-``_on_output`` and ``_abort_all``/``_abort``.
+The thread takes every queued call, then steps vLLM (``_step``) while it is busy (``_busy``:
+requests, or held blocks to report freed), hands each output to ``_on_output``, and sleeps on
+the queue otherwise; a step with no output (waiting for KV to arrive or a release) rests
+``IDLE_POLL_S``. A step that raises fails every request held (``_fail_all``): open streams end
+with an error, and so do the first-token futures of prefill requests (``_firsts``).
 """
 
 from __future__ import annotations
@@ -14,56 +12,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
-import threading
 import time
-from typing import AsyncIterator
 
+from pdserve.engine.engine_thread import EngineThread, set_exception
 from pdserve.engine.sequence import RequestOutput
 
 log = logging.getLogger(__name__)
-IDLE_POLL_S = 0.002  # a step with no output (waiting for KV to arrive or a release): how long to rest
+IDLE_POLL_S = 0.002
 
 
-class EngineThread:
+class VllmEngineThread(EngineThread):
+    THREAD_NAME = "vllm-engine"
+
     def __init__(self):
-        self._calls: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        super().__init__()
         self._firsts: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
 
-    async def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
-        self._thread.start()
+    def _step(self) -> list:
+        raise NotImplementedError
 
-    async def stop(self) -> None:
-        if self._thread is None:
-            return
-        await self._call(self._abort_all)
-        self._stopping = True
-        self._calls.put(None)
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
-        self._thread = None
+    def _busy(self) -> bool:
+        raise NotImplementedError
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
-    def _deliver(self, out: RequestOutput) -> None:
-        target = self._streams.get(out.request_id)
-        if target is not None:
-            target[0].call_soon_threadsafe(target[1].put_nowait, out)
-
-    def _run_call(self, item) -> None:
-        fn, args, reply = item
-        try:
-            result = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            if reply is not None:
-                reply[0].call_soon_threadsafe(set_exception, reply[1], exc)
-            return
-        if reply is not None:
-            reply[0].call_soon_threadsafe(set_result, reply[1], result)
+    def _on_output(self, out) -> None:
+        raise NotImplementedError
 
     def _loop(self) -> None:
         while True:
@@ -101,45 +73,3 @@ class EngineThread:
         for rid, (loop, fut) in list(self._firsts.items()):
             loop.call_soon_threadsafe(set_exception, fut, RuntimeError(error))
         self._firsts.clear()
-
-    # ---- asyncio side ----
-    async def _stream(self, request_id: str, fn, *args) -> AsyncIterator[RequestOutput]:
-        if self._thread is None:
-            raise RuntimeError("VllmAsyncEngine is not started (await start() first)")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        try:
-            await self._call(fn, *args)
-        except BaseException:
-            self._streams.pop(request_id, None)
-            raise
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                finished = out.finished
-                yield out
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished and self._thread is not None:
-                self._calls.put((self._abort, (request_id,), None))
-
-    async def _call(self, fn, *args):
-        if self._thread is None:
-            raise RuntimeError("VllmAsyncEngine is not started (await start() first)")
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        self._calls.put((fn, args, (loop, fut)))
-        return await fut
-
-
-def set_result(fut: asyncio.Future, value) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
