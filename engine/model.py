@@ -31,6 +31,7 @@ from .attention import attend, causal_mask, decode_window_mask
 from .config import ModelConfig, rope_inv_freq
 from .kv_cache import KVCache
 from .models import layer_class
+from .packed_linear import linear
 
 
 @dataclass
@@ -112,7 +113,7 @@ class DecoderModel(nn.Module):
         return {local: self._rope(positions, dtype, local) for local in self.rope_kinds}
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(x)
+        logits = linear(x, self.lm_head)
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
