@@ -11,15 +11,20 @@ are kept and ``linear`` picks by rows; the packed copy doubles the memory of the
 weights (not of the embeddings, nor of the KV cache).
 
 ``pack_linears(model)`` gives every ``nn.Linear`` of a float32/bfloat16 model on CPU a
-``packed_weight`` attribute (skipped, with F.linear everywhere, where oneDNN is missing).
+``packed_weight`` attribute (skipped, with F.linear everywhere, where oneDNN is missing or
+the environment sets ``PDSERVE_PACKED_LINEAR=0``: the memory back, the batch speed lost).
 ``linear(x, module)`` is ``F.linear(x, module.weight, module.bias)`` in every result.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .defaults import PACKED_LINEAR_ENV
 
 PACK_BATCH_HINT = 8  # the rows oneDNN's reorder is tuned for (measured best over 2..16 rows)
 PLAIN_MAX_ROWS = 3  # up to this many rows F.linear (GEMV-like) is faster than the packed GEMM
@@ -27,7 +32,7 @@ PLAIN_MAX_ROWS = 3  # up to this many rows F.linear (GEMV-like) is faster than t
 
 def pack_linears(model: nn.Module) -> int:
     """Pack every nn.Linear weight of ``model`` (CPU, float32/bfloat16); returns how many."""
-    if not torch.backends.mkldnn.is_available():
+    if not torch.backends.mkldnn.is_available() or os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
         return 0
     packed = 0
     for module in model.modules():

@@ -45,3 +45,9 @@ def test_loaded_model_packs_its_linears_and_gives_the_plain_logits(monkeypatch):
     plain = model.forward_dense(ids)
     torch.testing.assert_close(packed, plain, atol=1e-4, rtol=1e-4)
     assert packed.argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
+def test_environment_switch_keeps_f_linear(monkeypatch):
+    monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
+    m = nn.Linear(8, 4)
+    assert pack_linears(m) == 0 and not hasattr(m, "packed_weight")
