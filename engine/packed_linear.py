@@ -4,15 +4,16 @@
 transposed-B GEMM, which on one CPU thread slows down as soon as a decode batch has a few
 rows: measured for a 2816 x 1024 fp32 weight, 0.48 ms at 1 row, 0.95 ms at 4 rows, 1.4 ms at
 8 (the weights are read once per call either way; the time is the kernel's). oneDNN with the
-weight reordered once into its blocked layout (what vLLM's CPU build does too) takes
+weight reordered once into its blocked layout takes
 0.56 / 0.56 / 0.79 ms at 1 / 4 / 8 rows and the same as F.linear at 512 rows (a prefill).
 At 1 to ``PLAIN_MAX_ROWS`` rows F.linear is still the faster one (its GEMV path), so both
 are kept and ``linear`` picks by rows; the packed copy doubles the memory of the linear
 weights (not of the embeddings, nor of the KV cache).
 
-``pack_linears(model)`` gives every ``nn.Linear`` of a float32/bfloat16 model on CPU a
-``packed_weight`` attribute (skipped, with F.linear everywhere, where oneDNN is missing or
-the environment sets ``PDSERVE_PACKED_LINEAR=0``: the memory back, the batch speed lost).
+``pack_linears(model)`` gives every ``nn.Linear`` of a float32/bfloat16 model on CPU with at
+least PACK_MIN_ELEMENTS weights a ``packed_weight`` attribute (none, F.linear everywhere, where
+oneDNN is missing or the environment sets ``PDSERVE_PACKED_LINEAR=0``: the memory back, the
+batch speed lost).
 ``linear(x, module)`` is ``F.linear(x, module.weight, module.bias)`` in every result.
 """
 
@@ -28,6 +29,9 @@ from .defaults import PACKED_LINEAR_ENV
 
 PACK_BATCH_HINT = 8  # the rows oneDNN's reorder is tuned for (measured best over 2..16 rows)
 PLAIN_MAX_ROWS = 3  # up to this many rows F.linear (GEMV-like) is faster than the packed GEMM
+# Smaller weights stay on F.linear: oneDNN's fixed cost per call dominates them (measured at 4-8
+# rows, packed / F.linear: 64x64 6.4x, 128x1024 2.3x / 1.9x, 512x512 1.6x, 1024x512 1.0x, 1024x1024 0.7-0.8x)
+PACK_MIN_ELEMENTS = 1 << 20
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -40,6 +44,8 @@ def pack_linears(model: nn.Module) -> int:
             continue
         w = module.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
+            continue
+        if w.numel() < PACK_MIN_ELEMENTS:
             continue
         try:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_BATCH_HINT)

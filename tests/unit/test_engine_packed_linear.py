@@ -15,7 +15,8 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 @needs_onednn
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_matches_f_linear_at_every_row_count(dtype, tol, bias):
+def test_linear_matches_f_linear_at_every_row_count(dtype, tol, bias, monkeypatch):
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
     torch.manual_seed(0)
     m = nn.Linear(96, 200, bias=bias).to(dtype)
     assert pack_linears(m) == 1 and m.packed_weight is not None
@@ -36,6 +37,7 @@ def test_unpacked_module_and_other_dtypes_use_f_linear():
 @needs_onednn
 def test_loaded_model_packs_its_linears_and_gives_the_plain_logits(monkeypatch):
     """Every nn.Linear of a loaded CPU model is packed; 6 rows through it give F.linear's logits."""
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights are all small
     model = load_model("tiny").model
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(hasattr(m, "packed_weight") for m in linears)
@@ -47,7 +49,15 @@ def test_loaded_model_packs_its_linears_and_gives_the_plain_logits(monkeypatch):
     assert packed.argmax(-1).tolist() == plain.argmax(-1).tolist()
 
 
+@needs_onednn
+def test_small_weights_stay_on_f_linear():
+    small, large = nn.Linear(1024, 128), nn.Linear(1024, 1024)  # 128K and 1M weights
+    assert pack_linears(nn.Sequential(small, large)) == 1
+    assert not hasattr(small, "packed_weight") and hasattr(large, "packed_weight")
+
+
 def test_environment_switch_keeps_f_linear(monkeypatch):
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
     monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
     m = nn.Linear(8, 4)
     assert pack_linears(m) == 0 and not hasattr(m, "packed_weight")
