@@ -59,6 +59,7 @@ def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """``x @ module.weight.T + module.bias``, through the packed weight when there is one and
     ``x`` has more than PLAIN_MAX_ROWS rows."""
     packed = getattr(module, "packed_weight", None)
-    if packed is None or x.dim() != 2 or x.shape[0] <= PLAIN_MAX_ROWS or x.dtype != module.weight.dtype:
+    if (packed is None or x.dim() != 2 or x.shape[0] <= PLAIN_MAX_ROWS or x.device.type != "cpu"
+            or x.dtype != packed.dtype or x.dtype != module.weight.dtype):  # (a model moved after loading)
         return F.linear(x, module.weight, module.bias)
     return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, module.bias, "none", [], "")

@@ -61,3 +61,12 @@ def test_environment_switch_keeps_f_linear(monkeypatch):
     monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
     m = nn.Linear(8, 4)
     assert pack_linears(m) == 0 and not hasattr(m, "packed_weight")
+
+
+@needs_onednn
+def test_a_module_cast_after_packing_falls_back_to_f_linear():
+    m = nn.Linear(1024, 1024)
+    assert pack_linears(m) == 1
+    m.to(torch.bfloat16)  # the packed copy is still float32: it must not be used
+    x = torch.randn(8, 1024, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, m), F.linear(x, m.weight, m.bias))
