@@ -10,3 +10,7 @@ BLOCK_SIZE = 64
 
 # The name the built-in model (random weights, byte-level tokenizer, no download) is served under.
 BUILTIN_MODEL = "tiny"
+
+# Environment variable: "0" keeps every linear layer on F.linear (no oneDNN-packed copy of the
+# weights, which doubles their memory on CPU); see packed_linear.py.
+PACKED_LINEAR_ENV = "PDSERVE_PACKED_LINEAR"

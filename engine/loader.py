@@ -23,6 +23,7 @@ from .config import ModelConfig
 from .errors import ModelLoadError
 from .model import DecoderModel
 from .models import layer_class
+from .packed_linear import pack_linears
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 BUILTIN_NAMES = (BUILTIN_MODEL, f"builtin:{BUILTIN_MODEL}")
@@ -99,6 +100,7 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
         model.lm_head.weight = model.embed_tokens.weight
     model.to(dtype=dtype)
     model.init_rope()
+    pack_linears(model)  # CPU: oneDNN-packed copies for decode batches (packed_linear.py)
     return model.eval().requires_grad_(False)
 
 

@@ -27,10 +27,11 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .attention import attend, causal_mask, decode_window_mask
+from .attention import attend, causal_mask, decode_attend, decode_window_mask, mask_bias
 from .config import ModelConfig, rope_inv_freq
 from .kv_cache import KVCache
 from .models import layer_class
+from .packed_linear import linear
 
 
 @dataclass
@@ -112,7 +113,7 @@ class DecoderModel(nn.Module):
         return {local: self._rope(positions, dtype, local) for local in self.rope_kinds}
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(x)
+        logits = linear(x, self.lm_head)
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -197,6 +198,13 @@ class DecoderModel(nn.Module):
                     masks[key] = decode_window_mask(mask, batch.positions[batch.decode_start :], window)
                 mask = masks[key]
             kc, vc = kv.gather(i, batch.decode_rows)  # [B, L, KVH, D]
+            if cap is None and q.device.type == "cpu":  # grouped heads as one matmul (attention.py)
+                key = ("decode_bias", window)
+                if key not in masks:
+                    masks[key] = mask_bias(mask, q.dtype)
+                out[batch.decode_start :] = decode_attend(q[batch.decode_start :], kc.to(q.dtype), vc.to(q.dtype),
+                                                          masks[key], scale)
+                return out
             qd = q[batch.decode_start :].unsqueeze(2)  # [B, H, 1, D]
             o = attend(qd, kc.to(q.dtype).transpose(1, 2), vc.to(q.dtype).transpose(1, 2), mask=mask, scale=scale, softcap=cap)
             out[batch.decode_start :] = o.squeeze(2)

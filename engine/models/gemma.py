@@ -9,10 +9,10 @@ soft-capping, sliding windows, Gemma 3's local rotary base) comes from ModelConf
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..packed_linear import linear
 from .llama import DecoderLayer, Tensors
 
 
@@ -47,7 +47,7 @@ class GemmaLayer(DecoderLayer):
         return (self.q_norm(q), self.k_norm(k)) if self.has_qk_norm else (q, k)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(F.linear(attn, self.o_proj.weight))
+        x = x + self.post_attention_layernorm(linear(attn, self.o_proj))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
     @classmethod

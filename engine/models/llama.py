@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..packed_linear import linear
 
 Tensors = dict[str, list[tuple[str, tuple[int, ...]]]]
 
@@ -82,19 +83,19 @@ class DecoderLayer(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         cfg = self.cfg
         h = self.input_layernorm(x)
-        # F.linear on the parameters: the same math as calling the modules, less Python per call
-        q = F.linear(h, self.q_proj.weight, self.q_proj.bias)
-        k = F.linear(h, self.k_proj.weight, self.k_proj.bias)
-        v = F.linear(h, self.v_proj.weight, self.v_proj.bias)
+        # linear(): F.linear on the parameters (or their packed copy at batch), less Python than the modules
+        q = linear(h, self.q_proj)
+        k = linear(h, self.k_proj)
+        v = linear(h, self.v_proj)
         q, k = self.norm_qk(q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate = self.act(F.linear(h, self.gate_proj.weight))
-        return F.linear(gate.mul_(F.linear(h, self.up_proj.weight)), self.down_proj.weight)
+        gate = self.act(linear(h, self.gate_proj))
+        return linear(gate.mul_(linear(h, self.up_proj)), self.down_proj)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + F.linear(attn, self.o_proj.weight)
+        x = x + linear(attn, self.o_proj)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     @classmethod

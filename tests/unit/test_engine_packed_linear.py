@@ -1,0 +1,72 @@
+"""engine/packed_linear.py: the packed (oneDNN) path gives F.linear's results at every batch size."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import packed_linear
+from engine.loader import load_model
+from engine.packed_linear import PLAIN_MAX_ROWS, linear, pack_linears
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_matches_f_linear_at_every_row_count(dtype, tol, bias, monkeypatch):
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+    torch.manual_seed(0)
+    m = nn.Linear(96, 200, bias=bias).to(dtype)
+    assert pack_linears(m) == 1 and m.packed_weight is not None
+    for rows in (1, PLAIN_MAX_ROWS, PLAIN_MAX_ROWS + 1, 8, 17, 300):
+        x = torch.randn(rows, 96, dtype=dtype)
+        got, want = linear(x, m), F.linear(x, m.weight, m.bias)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_unpacked_module_and_other_dtypes_use_f_linear():
+    m = nn.Linear(8, 4).to(torch.float16)
+    assert pack_linears(m) == 0 and not hasattr(m, "packed_weight")
+    x = torch.randn(6, 8, dtype=torch.float16)
+    assert torch.equal(linear(x, m), F.linear(x, m.weight, m.bias))
+
+
+@needs_onednn
+def test_loaded_model_packs_its_linears_and_gives_the_plain_logits(monkeypatch):
+    """Every nn.Linear of a loaded CPU model is packed; 6 rows through it give F.linear's logits."""
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)  # the tiny model's weights are all small
+    model = load_model("tiny").model
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(hasattr(m, "packed_weight") for m in linears)
+    ids = torch.arange(6) + 3
+    packed = model.forward_dense(ids)
+    monkeypatch.setattr(packed_linear, "PLAIN_MAX_ROWS", 10**9)
+    plain = model.forward_dense(ids)
+    torch.testing.assert_close(packed, plain, atol=1e-4, rtol=1e-4)
+    assert packed.argmax(-1).tolist() == plain.argmax(-1).tolist()
+
+
+@needs_onednn
+def test_small_weights_stay_on_f_linear():
+    small, large = nn.Linear(1024, 128), nn.Linear(1024, 1024)  # 128K and 1M weights
+    assert pack_linears(nn.Sequential(small, large)) == 1
+    assert not hasattr(small, "packed_weight") and hasattr(large, "packed_weight")
+
+
+def test_environment_switch_keeps_f_linear(monkeypatch):
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
+    m = nn.Linear(8, 4)
+    assert pack_linears(m) == 0 and not hasattr(m, "packed_weight")
+
+
+@needs_onednn
+def test_a_module_cast_after_packing_falls_back_to_f_linear():
+    m = nn.Linear(1024, 1024)
+    assert pack_linears(m) == 1
+    m.to(torch.bfloat16)  # the packed copy is still float32: it must not be used
+    x = torch.randn(8, 1024, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, m), F.linear(x, m.weight, m.bias))
