@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention import decode_attend, decode_window_mask, mask_bias
+from pdserve.engine.attention import decode_attend, decode_window_mask, mask_bias
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(16, 2), (4, 4), (6, 1)])

@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import packed_linear
-from engine.loader import load_model
-from engine.packed_linear import PLAIN_MAX_ROWS, linear, pack_linears
+from pdserve.engine import packed_linear
+from pdserve.engine.loader import load_model
+from pdserve.engine.packed_linear import PLAIN_MAX_ROWS, linear, pack_linears
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
