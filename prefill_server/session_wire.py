@@ -9,6 +9,7 @@ apart from our own cancellation (``closed_under_us``) and carries the code ``CHA
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
@@ -33,33 +34,33 @@ def closed_under_us(call) -> bool:
     return call.cancelled() and task is not None and task.cancelling() == 0
 
 
-async def send(call, address: str, limit: float, **kind) -> None:
-    """Write one PrefillMessage (``kind``: its one field) within ``limit`` seconds; else Retryable."""
+@contextlib.asynccontextmanager
+async def _retryable(call, address: str, silent: str):
+    """Failures of a write/read before the client has anything, as Retryable: ``silent`` when a
+    wait timed out, the RPC's reason, or the channel closed under us (our own cancellation passes)."""
     try:
-        await asyncio.wait_for(call.write(pb.PrefillMessage(**kind)), limit)
+        yield
     except asyncio.TimeoutError:
-        raise Retryable(f"{address}: did not take our {next(iter(kind))} within {limit:g}s") from None
+        raise Retryable(f"{address}: {silent}") from None
     except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
         raise Retryable(f"{address}: {rpc_reason(exc)}") from None
     except asyncio.CancelledError:
         if closed_under_us(call):
             raise Retryable(f"{address}: the session's channel was closed", CHANNEL_CLOSED) from None
         raise
+
+
+async def send(call, address: str, limit: float, **kind) -> None:
+    """Write one PrefillMessage (``kind``: its one field) within ``limit`` seconds; else Retryable."""
+    async with _retryable(call, address, f"did not take our {next(iter(kind))} within {limit:g}s"):
+        await asyncio.wait_for(call.write(pb.PrefillMessage(**kind)), limit)
 
 
 async def allocation(call, address: str, start: pb.Start, connect_timeout_s: float) -> pb.Allocation:
     """Steps 1-2: send Start, wait for the Allocation (each within ``connect_timeout_s``); anything else raises Retryable."""
-    try:
+    async with _retryable(call, address, f"no answer within {connect_timeout_s:.1f}s"):
         await asyncio.wait_for(call.write(pb.PrefillMessage(start=start)), connect_timeout_s)
         reply = await asyncio.wait_for(call.read(), connect_timeout_s)
-    except asyncio.TimeoutError:
-        raise Retryable(f"{address}: no answer within {connect_timeout_s:.1f}s") from None
-    except (grpc.aio.AioRpcError, grpc.aio.UsageError) as exc:
-        raise Retryable(f"{address}: {rpc_reason(exc)}") from None
-    except asyncio.CancelledError:
-        if closed_under_us(call):
-            raise Retryable(f"{address}: the session's channel was closed", CHANNEL_CLOSED) from None
-        raise
     if reply is grpc.aio.EOF:
         raise Retryable(f"{address}: closed the session before answering")
     kind = reply.WhichOneof("kind")

@@ -21,7 +21,6 @@ import torch
 from openai import OpenAI
 
 from harness.pd_cluster import Server, get_json, wait_ready
-from harness.procs import ProcessGroup
 from pdserve.engine import EngineConfig, LLMEngine, load_model
 from pdserve.engine.pipeline.cli import parse_body
 from pdserve.engine.pipeline.meta import load_meta
@@ -40,15 +39,6 @@ def _start(group, db, name):
     server = Server(proc, port, 0, 0, name)
     wait_ready(server)
     return server
-
-
-@pytest.fixture
-def group(tmp_path):
-    g = ProcessGroup(log_dir=tmp_path / "logs")
-    try:
-        yield g
-    finally:
-        g.close()
 
 
 def _client(server) -> OpenAI:
@@ -100,8 +90,8 @@ def _idle(server) -> dict:
             return h
 
 
-def test_a_job_runs_on_the_pipeline_and_gives_the_one_process_greedy_text(group, tmp_path):
-    server = _start(group, tmp_path / "db" / "batch.sqlite", "batch-server")
+def test_a_job_runs_on_the_pipeline_and_gives_the_one_process_greedy_text(procs, tmp_path):
+    server = _start(procs, tmp_path / "db" / "batch.sqlite", "batch-server")
     client = _client(server)
     bodies = {f"r{i}": _body(i, 4 + 3 * i) for i in range(8)}
     lines = [_line(cid, b) for cid, b in bodies.items()]
@@ -137,9 +127,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_restart_mid_job_finishes_every_line_exactly_once(group, tmp_path):
+def test_restart_mid_job_finishes_every_line_exactly_once(procs, tmp_path):
     db = tmp_path / "db" / "batch.sqlite"
-    first = _start(group, db, "batch-server")
+    first = _start(procs, db, "batch-server")
     client = _client(first)
     n = 24
     bodies = {f"r{i}": _body(i, 40 + (i % 5) * 8) for i in range(n)}
@@ -165,7 +155,7 @@ def test_restart_mid_job_finishes_every_line_exactly_once(group, tmp_path):
     while any(_alive(p) for p in stages):
         assert time.monotonic() < deadline, f"stage processes {stages} outlived their killed server"
         time.sleep(0.1)
-    second = _start(group, db, "batch-server-restarted")
+    second = _start(procs, db, "batch-server-restarted")
     client = _client(second)
     done = _wait(client, batch.id)
     assert done.status == "completed" and done.request_counts.completed == n and done.request_counts.failed == 0, done

@@ -169,19 +169,25 @@ def test_a_client_that_goes_away_mid_request_leaves_no_loan_behind(cluster):
     _check_released(c, c["decodes"])
 
 
-def test_a_lender_killed_mid_request_fails_only_that_request_and_leaves_nothing(cluster):
-    c = cluster
+def _in_background(c, rid, ids, max_tokens) -> tuple[threading.Thread, dict]:
+    """A request on its own thread (started); the dict gets its "tokens" or its gRPC "error"."""
     outcome = {}
 
     def run():
         try:
-            outcome["tokens"] = _generate(c, "victim", _prompt(900, seed=3), 300)
+            outcome["tokens"] = _generate(c, rid, ids, max_tokens)
         except grpc.RpcError as e:
             outcome["error"] = e
 
-    # 900 prompt tokens + 300 generated: 3 prompt blocks stay on the owner, 12 are borrowed (7 + 5)
     worker = threading.Thread(target=run)
     worker.start()
+    return worker, outcome
+
+
+def test_a_lender_killed_mid_request_fails_only_that_request_and_leaves_nothing(cluster):
+    c = cluster
+    # 900 prompt tokens + 300 generated: 3 prompt blocks stay on the owner, 12 are borrowed (7 + 5)
+    worker, outcome = _in_background(c, "victim", _prompt(900, seed=3), 300)
     lenders = []
 
     def borrowed_from_both():
@@ -214,16 +220,8 @@ def test_a_borrower_killed_mid_request_leaves_no_loan_behind(cluster):
     c = cluster
     alive = [d for d in c["decodes"] if d.proc.poll() is None]
     assert len(alive) == 2
-    outcome = {}
-
-    def run():
-        try:
-            outcome["tokens"] = _generate(c, "orphan", _prompt(600, seed=6), 200)
-        except grpc.RpcError as e:
-            outcome["error"] = e
-
-    worker = threading.Thread(target=run)  # 13 blocks: 8 on the borrower, 5 borrowed from the other
-    worker.start()
+    # 13 blocks: 8 on the borrower, 5 borrowed from the other
+    worker, outcome = _in_background(c, "orphan", _prompt(600, seed=6), 200)
     lender = []
 
     def borrowed():
