@@ -58,6 +58,7 @@ def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
         "--port", str(defaults.HTTP_PORT),
         "--model", spec["model"]["source"],  # only its tokenizer is loaded, to hash prompts as the prefill does
         "--discovery", "kubernetes",
+        "--drain-timeout", str(workloads.DRAIN_TIMEOUT_S),
         "--namespace", namespace or "$(POD_NAMESPACE)",
         "--prefill-selector", naming.prefill_selector(name),
     ]
@@ -89,6 +90,9 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
                           "initialDelaySeconds": 10},
         "startupProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5, "failureThreshold": 60},
         "securityContext": workloads.container_security(),
+        # a router that goes drains as a pool's pod does (workloads.PRESTOP_SLEEP_S): without the preStop
+        # wait it stopped listening while kube-proxy still sent it new connections (refused mid-rollout)
+        "lifecycle": workloads.DRAIN_LIFECYCLE,
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
@@ -100,7 +104,7 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
         "securityContext": workloads.pod_security(),
         "serviceAccountName": router,
         "automountServiceAccountToken": True,
-        "terminationGracePeriodSeconds": 30,
+        "terminationGracePeriodSeconds": workloads.TERMINATION_GRACE_S,
     }
     for key in ("nodeSelector", "tolerations"):
         if spec.get(key):

@@ -56,6 +56,7 @@ PRESTOP_SLEEP_S = 5
 MIN_READY_S = 5
 DRAIN_TIMEOUT_S = int(defaults.REQUEST_TIMEOUT_S)
 TERMINATION_GRACE_S = PRESTOP_SLEEP_S + DRAIN_TIMEOUT_S + 15
+DRAIN_LIFECYCLE = {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}}
 BATCH_DB_IN_POD = f"{defaults.BATCH_DATA_MOUNT}/batch.sqlite"  # with spec.batchStorage.pvcName
 
 
@@ -186,7 +187,7 @@ def build_deployment(pool: dict) -> dict:
                           "failureThreshold": 6, "initialDelaySeconds": 10},
         "startupProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5, "failureThreshold": 120},
         "securityContext": container_security(),
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}},
+        "lifecycle": DRAIN_LIFECYCLE,
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]

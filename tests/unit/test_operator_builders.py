@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pdserve import defaults
-from pdserve.operator import naming, pools, workloads
+from pdserve.operator import naming, pools, router_workloads, workloads
 from pdserve.operator.config import OperatorConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -189,8 +189,11 @@ def test_prefill_batch_storage_mounts_the_claim_and_points_batch_db_at_it():
 
 
 def test_pods_are_secure_by_default_and_probe_health_and_ready():
-    for pool in [pools.build_prefill_pool(example(), CONFIG), *pools.build_decode_pools(example(), CONFIG)]:
-        pod = workloads.build_deployment(pool)["spec"]["template"]["spec"]
+    deployments = [workloads.build_deployment(pool) for pool in
+                   [pools.build_prefill_pool(example(), CONFIG), *pools.build_decode_pools(example(), CONFIG)]]
+    deployments.append(router_workloads.build_router_deployment(example(), CONFIG))  # a router relays streams too
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]
         sc = container["securityContext"]
         assert sc["runAsNonRoot"] and sc["readOnlyRootFilesystem"] and not sc["allowPrivilegeEscalation"]
@@ -320,8 +323,11 @@ def test_pods_carry_the_metric_labels_of_their_service_and_pool():
 def test_a_pod_that_goes_drains_for_as_long_as_a_request_may_run():
     """Scale-down and rolling updates kill no request: preStop lets the endpoint removal spread, then
     SIGTERM gives the requests --drain-timeout (the longest a request may run), within the grace period."""
-    for pool in [pools.build_prefill_pool(example(), CONFIG), *pools.build_decode_pools(example(), CONFIG)]:
-        pod = workloads.build_deployment(pool)["spec"]["template"]["spec"]
+    deployments = [workloads.build_deployment(pool) for pool in
+                   [pools.build_prefill_pool(example(), CONFIG), *pools.build_decode_pools(example(), CONFIG)]]
+    deployments.append(router_workloads.build_router_deployment(example(), CONFIG))  # a router relays streams too
+    for deployment in deployments:
+        pod = deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]
         assert container["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", str(workloads.PRESTOP_SLEEP_S)]
         drain = int(_opts(container["args"])["--drain-timeout"])
