@@ -20,7 +20,7 @@ import argparse
 import asyncio
 import logging
 
-from pdserve import defaults
+from pdserve import defaults, gc_pauses
 from pdserve.server_setup import (add_server_arguments, attach_kv_events, build_server_engine, drain,
                                   ensure_engine_environment, follow_tier_metrics, setup_logging, wait_for_stop_signal)
 
@@ -139,6 +139,7 @@ async def serve(args: argparse.Namespace) -> int:
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.http_port).start()
+    gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
     log.info("decode ready: grpc %s:%d, http %s:%d, kv %s (%s), model %s, %d KV blocks",
              args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, parts.model_name, engine.num_blocks)
     sig = await wait_for_stop_signal()

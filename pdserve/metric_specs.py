@@ -168,7 +168,13 @@ SLO_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("slo_queued", "pdserve_slo_queued", _G, "Requests waiting in the global queue, by SLO class.",
                ("slo_class",)),
 )
-METRICS = METRICS + SLO_METRICS
+# The server process itself (pdserve/gc_pauses.py), in every role
+PROCESS_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("gc_full_collection", "pdserve_gc_full_collection_seconds", _H,
+               "Full (generation 2) garbage collections of the server process, each one's duration: every thread "
+               "waits meanwhile (a token gap that long).", buckets=FINE_BUCKETS),
+)
+METRICS = METRICS + SLO_METRICS + PROCESS_METRICS
 
 
 ROUTER_METRICS: tuple[MetricSpec, ...] = (
@@ -194,4 +200,4 @@ ROUTER_METRICS: tuple[MetricSpec, ...] = (
                "Router: block hashes the index holds for each prefill.", ("prefill",)),
     MetricSpec("router_routable_prefills", "pdserve_router_routable_prefills", _G,
                "Router: prefills with a fresh, ready load report."),
-) + SLO_METRICS  # its SLO queue (router/slo_gate.py), when SLO classes are declared
+) + SLO_METRICS + PROCESS_METRICS  # SLO_METRICS: its queue (router/slo_gate.py), with SLO classes declared

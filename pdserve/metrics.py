@@ -83,6 +83,8 @@ slo_queue_time                  prefill   a request leaves the global queue (``p
 slo_estimate_error              prefill   leaving the queue (part=queue) and at the end (part=e2e)
 slo_policy                      prefill   the queue policy places an arrival in line or orders the waiting requests
 slo_queued                      prefill   a request joins or leaves the global queue
+gc_full_collection              all       each full garbage collection of the process, after it is ready
+                                          (``pdserve.gc_pauses``; the router too)
 ==============================  ========  ================================================
 
 The model-server protocol (Gateway API Inference Extension). An InferencePool's endpoint

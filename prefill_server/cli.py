@@ -64,7 +64,7 @@ import argparse
 import asyncio
 import logging
 
-from pdserve import defaults
+from pdserve import defaults, gc_pauses
 from pdserve.server_setup import (add_server_arguments, attach_kv_events, build_server_engine, drain,
                                   ensure_engine_environment, follow_tier_metrics, setup_logging, wait_for_stop_signal)
 from pdserve.slo import POLICIES
@@ -279,6 +279,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, load), server)
     server.add_insecure_port(f"{args.host}:{args.grpc_port}")
     await server.start()
+    gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
     log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
              "decode reuse %s, disaggregation %s, queue %s, SLO classes %s", args.host, args.port, args.host,
              args.grpc_port, discovery.addresses() or "(none yet)", args.policy, args.transfer,

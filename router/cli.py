@@ -16,7 +16,7 @@ import asyncio
 import logging
 import os
 
-from pdserve import defaults
+from pdserve import defaults, gc_pauses
 from pdserve.server_setup import drain, setup_logging, wait_for_stop_signal
 from pdserve.slo import classes as slo_classes
 from pdserve.slo.policies import POLICIES
@@ -140,6 +140,7 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
         gpb_grpc.add_GeneratorServicer_to_server(generate, grpc_server)
         grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
         await grpc_server.start()
+    gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
     log.info("router ready: http %s:%d, grpc %s, prefills %s, policy %s, load weight %g tokens/request", args.host,
              args.port, args.grpc_port or "off", discovery.addresses() or "(none yet)", args.policy, args.load_weight)
     if gate is not None:

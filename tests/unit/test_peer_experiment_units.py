@@ -80,3 +80,19 @@ def test_run_figures_keep_the_first_message_of_each_error_kind():
     assert f["failed"] == 2 and f["requests"] == 3 and f["errors"] == {"HTTP 503": 2}
     assert f["error_examples"] == {"HTTP 503": "HTTP 503: busy 1"}
     assert f["tpot_mean"] == pytest.approx(0.1) and len(f["ttft_quantiles"]) == 100
+
+
+def test_pdserve_servers_get_the_same_kv_budget_on_either_engine():
+    import argparse
+
+    from pdserve.bench.experiments import peer
+
+    parser = argparse.ArgumentParser()
+    peer.add_arguments(parser)
+    flags, blocks = peer.pdserve_engine_flags(parser.parse_args(["--kv-tokens", "16384", "--transfer", "nixl"]))
+    assert flags == ["--transfer", "nixl", "--dtype", "float32"] and blocks * peer.BLOCK_SIZE == 16384
+    flags, blocks = peer.pdserve_engine_flags(parser.parse_args(["--kv-tokens", "1000", "--pdserve-engine", "vllm"]))
+    assert flags[flags.index("--engine") + 1] == "vllm" and int(flags[flags.index("--block-size") + 1]) == 32
+    assert blocks == 32  # 1000 tokens round up to whole 32-token blocks
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--pdserve-engine", "sglang"])
