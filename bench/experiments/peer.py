@@ -132,6 +132,12 @@ def calibrate(url: str, prompt_lens: list[int], pool: list[int], timeout: float)
     return out
 
 
+def cell_seed(seed: int, prompt: int, output: int, rate: float) -> int:
+    """The seed of one cell's prompts and arrivals: its own per cell, the rate included, or the cells of
+    one prompt and output length would send the same prompts and the later ones hit the prefix cache."""
+    return seed * 1_000_003 + prompt * 1009 + output * 31 + round(rate * 10_000) * 7919
+
+
 def run_grid(url: str, cells: list[tuple[int, int, float]], pool: list[int], args) -> dict:
     """Warm up, then every cell of the grid once; returns cell name -> figures."""
     for p in args.prompt_lens:
@@ -140,7 +146,7 @@ def run_grid(url: str, cells: list[tuple[int, int, float]], pool: list[int], arg
                   timeout=args.request_timeout)
     out = {}
     for p, o, rate in cells:
-        seed = args.seed * 1_000_003 + p * 1009 + o
+        seed = cell_seed(args.seed, p, o, rate)
         specs = random_requests(args.num_requests, p, o, random.Random(seed), pool)
         arrivals = arrival_times(len(specs), rate, "poisson", random.Random(seed + 1))
         results, wall = _send(url, specs, arrivals=arrivals, timeout=args.request_timeout)

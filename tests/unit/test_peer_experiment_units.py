@@ -96,3 +96,18 @@ def test_pdserve_servers_get_the_same_kv_budget_on_either_engine():
     assert blocks == 32  # 1000 tokens round up to whole 32-token blocks
     with pytest.raises(SystemExit):
         parser.parse_args(["--pdserve-engine", "sglang"])
+
+
+def test_every_cell_sends_its_own_prompts():
+    """Cells that differ only in rate must not repeat prompts (the later one would hit the prefix cache)."""
+    import random
+
+    from pdserve.bench.experiments.peer import cell_seed
+    from pdserve.bench.loadgen_workload import random_requests
+
+    pool = list(range(1000))
+    cells = [(512, 64, 0.53), (512, 64, 0.95), (512, 256, 0.53), (2048, 64, 0.53)]
+    assert len({cell_seed(0, *c) for c in cells}) == len(cells)
+    first = [random_requests(3, p, o, random.Random(cell_seed(0, p, o, r)), pool) for p, o, r in cells[:2]]
+    assert first[0][0].prompt_ids != first[1][0].prompt_ids
+    assert cell_seed(0, *cells[0]) == cell_seed(0, *cells[0]) != cell_seed(1, *cells[0])  # same for both systems
