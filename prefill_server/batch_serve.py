@@ -23,7 +23,7 @@ import os
 
 from pdserve import defaults
 from pdserve.engine.pipeline.cli import add_engine_arguments
-from pdserve.engine.pipeline.engine import PipelineConfig
+from pdserve.engine.pipeline.config import PipelineConfig
 from pdserve.server_setup import setup_logging, wait_for_stop_signal
 
 log = logging.getLogger("pdserve.batch_server")

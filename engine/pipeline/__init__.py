@@ -2,6 +2,7 @@
 schedules that keep them busy (TD-Pipe, seed 001; issue 15).
 
 Reading path:
+  ``config.py``     PipelineConfig: stages, schedule, KV blocks, batch sizes (no torch)
   ``engine.py``     PipelineEngine: the controller (requests, the one BlockManager, outputs);
                     spawns the stages, keeps up to N micro-batches in flight
   ``schedules.py``  what the next micro-batch is: ``mixed`` (hybrid batching) or ``td-pipe``

@@ -29,7 +29,7 @@ import sys
 import time
 
 from ..defaults import BLOCK_SIZE, BUILTIN_MODEL
-from .engine import SCHEDULES
+from .config import SCHEDULES
 
 URLS = ("/v1/completions", "/v1/chat/completions")
 
@@ -129,7 +129,8 @@ def run_requests(engine_kind: str, args, requests: list) -> tuple[dict, dict]:
     import torch
 
     if engine_kind == "pipeline":
-        from .engine import PipelineConfig, PipelineEngine
+        from .config import PipelineConfig
+        from .engine import PipelineEngine
 
         cfg = PipelineConfig(num_stages=args.pipeline_stages, schedule=args.schedule, num_blocks=args.num_blocks,
                              block_size=args.block_size, max_num_seqs=args.max_num_seqs,

@@ -31,55 +31,13 @@ import torch
 import torch.distributed as dist
 
 from ..block_manager import BlockManager, blocks_needed
-from ..defaults import BLOCK_SIZE
 from ..errors import OutOfBlocksError
 from ..outputs import OutputProcessor, take_output
 from ..sequence import RequestOutput, Sequence, SequenceFactory, Status
 from . import protocol as P
+from .config import SCHEDULES, PipelineConfig  # noqa: F401 - re-exported
 from .meta import load_meta
 from .stage import StageSpec, backend_for, layer_split, stage_main
-
-SCHEDULES = ("td-pipe", "mixed")
-
-
-@dataclass
-class PipelineConfig:
-    num_stages: int = 2
-    schedule: str = "td-pipe"
-    num_blocks: int = 1024
-    block_size: int = BLOCK_SIZE
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # prompt tokens per prefill micro-batch
-    max_model_len: int | None = None
-    threads_per_stage: int = 1
-    device: str = "cpu"
-    dtype: str = "float32"
-    seed: int = 0
-    enable_prefix_cache: bool = False
-    work_stealing: bool = True
-    # micro-batches kept in flight (0: num_stages, the minimum that keeps every stage busy; one more
-    # hides the controller's round trip: a stage finds the next micro-batch waiting when it finishes)
-    micro_batches: int = 0
-    # td-pipe: fewer decode micro-batches rather than ones under this many sequences (1: always depth)
-    min_decode_batch: int = 1
-    detokenize: bool = True  # fill RequestOutput.text (stop strings work either way)
-    timeout_s: float = 600.0
-
-    def __post_init__(self) -> None:
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
-        for name in ("num_stages", "num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens",
-                     "threads_per_stage", "min_decode_batch"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.micro_batches < 0:
-            raise ValueError(f"micro_batches must be >= 0 (0: num_stages), got {self.micro_batches}")
-
-    @property
-    def depth(self) -> int:
-        """Micro-batches in flight at most."""
-        return self.micro_batches or self.num_stages
-
 
 @dataclass
 class MicroBatch:
