@@ -16,7 +16,8 @@ groups the chunks per layer and merges the runs and descriptors adjacent on both
 short layers share one WRITE instead of each paying a WRITE's fixed cost. Its notification
 has one record per (request, layer) it carries, with each merged slice's CRC32C when
 ``checksum`` is on (computed right before posting). At most ``NIXL_MAX_OUTSTANDING`` WRITEs
-are in flight; completions are polled and booked after the next WRITE was posted.
+are in flight; completions are polled and booked after the next WRITE was posted, with a
+growing sleep between polls that find nothing to do (``WAIT_MIN_S`` to ``WAIT_MAX_S``).
 
 Stalls: a WRITE in flight while no WRITE of the link completes for ``stall_timeout_s``
 raises ``stall_error`` (the receiver's agent makes no progress: frozen); every handle still
@@ -44,6 +45,12 @@ from .wire_io import RegionIO
 log = logging.getLogger("pdserve.cachestore.link")  # the link's logger: this is its data thread
 NIXL_MAX_OUTSTANDING = 4  # WRITEs in flight per link
 MAX_CHUNKS_PER_WRITE = 64
+# While WRITEs are in flight and none finished and nothing new came to post, the thread sleeps
+# between polls, from WAIT_MIN_S doubling up to WAIT_MAX_S, instead of polling back to back: on
+# a prefill with one core the spinning thread took that core from the forward pass computing
+# the next layers (TTFT) for as long as a WRITE waited for the receiver's progress.
+WAIT_MIN_S = 0.00005
+WAIT_MAX_S = 0.001
 
 
 class NixlWriter:
@@ -76,6 +83,7 @@ class NixlWriter:
         io = RegionIO(self.region)
         outstanding: collections.deque = collections.deque()
         last_progress = time.monotonic()  # a WRITE completed, or posted with none in flight
+        wait_s = 0.0
         try:
             while True:
                 # with NIXL_MAX_OUTSTANDING WRITEs in flight only poll (no lock, no scheduler)
@@ -88,8 +96,7 @@ class NixlWriter:
                     if not outstanding:
                         last_progress = time.monotonic()
                     outstanding.append((handle, batch, scratch))
-                # check_xfer_state also drives UCX progress: poll back to back, as a raw NIXL
-                # loop does (it releases the GIL inside, so other threads run meanwhile);
+                # check_xfer_state also drives UCX progress (it releases the GIL inside);
                 # completions are booked here, after the next WRITE was posted
                 progressed = False
                 while outstanding:
@@ -107,11 +114,16 @@ class NixlWriter:
                                             f"{sorted({c.transfer.key for c in done})} failed")
                 if progressed:
                     last_progress = time.monotonic()
-                elif not batch and outstanding and time.monotonic() - last_progress > self.stall_timeout_s:
+                if progressed or batch or not outstanding:
+                    wait_s = 0.0
+                    continue
+                if time.monotonic() - last_progress > self.stall_timeout_s:
                     # the receiver's agent makes no progress (frozen): fail the link; the
                     # finally below releases the handles (NIXL aborts what it can)
                     raise self.stall_error(f"NIXL WRITE for request(s) "
                                            f"{sorted({c.transfer.key for c in outstanding[0][1]})}")
+                wait_s = min(WAIT_MAX_S, max(WAIT_MIN_S, 2 * wait_s))
+                time.sleep(wait_s)
         finally:
             for handle, done, scratch in outstanding:
                 try:

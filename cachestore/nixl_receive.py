@@ -9,8 +9,8 @@ blocks before they count as arrived; a mismatch is reported to the receiver (``o
 which fails the entry (``checksum.py``).
 
 NIXL's Python API offers no blocking wait and agents run without NIXL's progress thread,
-so this thread polls the agent every ``POLL_S`` (0.2 ms) while some entry still waits
-for KV. With no entry waiting it still drives the agent every ``IDLE_PROGRESS_S`` while a
+so this thread polls the agent while some entry still waits for KV: every ``POLL_S``
+(0.2 ms) after a notification, backing off to ``POLL_MAX_S`` (2 ms) while none comes. With no entry waiting it still drives the agent every ``IDLE_PROGRESS_S`` while a
 sender is connected: UCX completes a sender's WRITE (one for an entry deleted, failed or
 never expected included) only once this side makes progress too, and a sender keeps
 that WRITE's link slot until then. With no sender connected it sleeps (0.5 s, or until woken).
@@ -32,10 +32,13 @@ from .wire_io import RegionIO
 
 log = logging.getLogger("pdserve.cachestore.receiver")
 IDLE_PROGRESS_S = 0.005
-# Between two polls while some entry waits for KV. A fixed interval, like the raw NIXL loop's:
-# a backoff from 10 us polled half again as often (0.065 s of receiver CPU per 512 MiB
-# instead of 0.041 s, `pdserve bench cachestore`) for at most 0.2 ms sooner news of a layer.
+# Between two polls while some entry waits for KV: POLL_S after a notification, doubling up to
+# POLL_MAX_S while none comes. Starting lower (a backoff from 10 us) polled half again as often
+# (0.065 s of receiver CPU per 512 MiB instead of 0.041 s, `pdserve bench cachestore`) for at most
+# 0.2 ms sooner news of a layer; never backing off, a decode polled 5,000 times a second for as
+# long as some prefill was computing a prompt for it, on the core its decode steps run on.
 POLL_S = 0.0002
+POLL_MAX_S = 0.002
 
 
 class NixlReceiveLoop:
@@ -64,6 +67,7 @@ class NixlReceiveLoop:
         return self.thread
 
     def _run(self) -> None:
+        poll_s = POLL_S
         while not self._stopping:
             waiting = self.table.incomplete > 0
             if not waiting:
@@ -75,8 +79,10 @@ class NixlReceiveLoop:
             notifs = self.nixl.agent.get_new_notifs()
             if not notifs:
                 if waiting:
-                    time.sleep(POLL_S)
+                    time.sleep(poll_s)
+                    poll_s = min(POLL_MAX_S, 2 * poll_s)
                 continue
+            poll_s = POLL_S
             touched: set[str] = set()
             for msgs in notifs.values():
                 for msg in msgs:
