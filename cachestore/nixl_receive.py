@@ -10,10 +10,11 @@ which fails the entry (``checksum.py``).
 
 NIXL's Python API offers no blocking wait and agents run without NIXL's progress thread,
 so this thread polls the agent while some entry still waits for KV: every ``POLL_S``
-(0.2 ms) after a notification, backing off to ``POLL_MAX_S`` (2 ms) while none comes. With no entry waiting it still drives the agent every ``IDLE_PROGRESS_S`` while a
-sender is connected: UCX completes a sender's WRITE (one for an entry deleted, failed or
-never expected included) only once this side makes progress too, and a sender keeps
-that WRITE's link slot until then. With no sender connected it sleeps (0.5 s, or until woken).
+(0.2 ms) after a notification, backing off to ``POLL_MAX_S`` (2 ms) while none comes. With
+no entry waiting it still drives the agent every ``IDLE_PROGRESS_S`` while a sender is
+connected: UCX completes a sender's WRITE (one for an entry deleted, failed or never
+expected included) only once this side makes progress too, and a sender keeps that
+WRITE's link slot until then. With no sender connected it sleeps (0.5 s, or until woken).
 """
 
 from __future__ import annotations
