@@ -16,8 +16,9 @@ groups the chunks per layer and merges the runs and descriptors adjacent on both
 short layers share one WRITE instead of each paying a WRITE's fixed cost. Its notification
 has one record per (request, layer) it carries, with each merged slice's CRC32C when
 ``checksum`` is on (computed right before posting). At most ``NIXL_MAX_OUTSTANDING`` WRITEs
-are in flight; completions are polled and booked after the next WRITE was posted, with a
-growing sleep between polls that find nothing to do (``WAIT_MIN_S`` to ``WAIT_MAX_S``).
+are in flight; completions are polled and booked after the next WRITE was posted: back to back for
+``SPIN_S`` after the last post or completion, then with a growing sleep between polls
+(``WAIT_MIN_S`` to ``WAIT_MAX_S``).
 
 Stalls: a WRITE in flight while no WRITE of the link completes for ``stall_timeout_s``
 raises ``stall_error`` (the receiver's agent makes no progress: frozen); every handle still
@@ -45,10 +46,12 @@ from .wire_io import RegionIO
 log = logging.getLogger("pdserve.cachestore.link")  # the link's logger: this is its data thread
 NIXL_MAX_OUTSTANDING = 4  # WRITEs in flight per link
 MAX_CHUNKS_PER_WRITE = 64
-# While WRITEs are in flight and none finished and nothing new came to post, the thread sleeps
-# between polls, from WAIT_MIN_S doubling up to WAIT_MAX_S, instead of polling back to back: on
-# a prefill with one core the spinning thread took that core from the forward pass computing
-# the next layers (TTFT) for as long as a WRITE waited for the receiver's progress.
+# While WRITEs are in flight and none finished and nothing new came to post, the thread polls
+# back to back for SPIN_S after its last post or completion (a stream of WRITEs completes within
+# that: one raw WRITE's throughput), then sleeps between polls, from WAIT_MIN_S doubling up to
+# WAIT_MAX_S: spinning on, on a prefill with one core, took that core from the forward pass
+# computing the next layers for as long as a WRITE waited for the receiver's progress.
+SPIN_S = 0.001
 WAIT_MIN_S = 0.00005
 WAIT_MAX_S = 0.001
 
@@ -83,7 +86,7 @@ class NixlWriter:
         io = RegionIO(self.region)
         outstanding: collections.deque = collections.deque()
         last_progress = time.monotonic()  # a WRITE completed, or posted with none in flight
-        wait_s = 0.0
+        wait_s, last_activity = 0.0, last_progress  # last_activity: a WRITE posted or completed
         try:
             while True:
                 # with NIXL_MAX_OUTSTANDING WRITEs in flight only poll (no lock, no scheduler)
@@ -112,12 +115,15 @@ class NixlWriter:
                     if state != "DONE":
                         raise TransferError(f"NIXL WRITE to {self.peer} for request(s) "
                                             f"{sorted({c.transfer.key for c in done})} failed")
+                now = time.monotonic()
                 if progressed:
-                    last_progress = time.monotonic()
+                    last_progress = now
                 if progressed or batch or not outstanding:
-                    wait_s = 0.0
+                    wait_s, last_activity = 0.0, now
                     continue
-                if time.monotonic() - last_progress > self.stall_timeout_s:
+                if now - last_activity < SPIN_S:
+                    continue
+                if now - last_progress > self.stall_timeout_s:
                     # the receiver's agent makes no progress (frozen): fail the link; the
                     # finally below releases the handles (NIXL aborts what it can)
                     raise self.stall_error(f"NIXL WRITE for request(s) "
