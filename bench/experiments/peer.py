@@ -46,14 +46,14 @@ from pdserve.bench.loadgen_report import summarize
 from pdserve.bench.loadgen_workload import arrival_times, random_requests, tokenizer_prompt_ids
 from pdserve.defaults import BLOCK_SIZE
 
-VLLM_BLOCK_SIZE = 32  # --engine vllm: vLLM-CPU's blocks are a multiple of 32 tokens
-
 from . import report
 from .cluster import SERVED_MODEL, start_pd
 from .launcher import LOG_ROOT, MODEL_CACHE, Launcher
 from .peer_model import PEER_MODELS, kv_bytes_per_token, peer_model
 from .peer_report import aggregate, cell_name, format_table, plot, run_figures
 from .peer_vllm import VllmMissing, start_vllm_pd, vllm_python
+
+VLLM_BLOCK_SIZE = 32  # --engine vllm: vLLM-CPU's blocks are a multiple of 32 tokens
 
 
 def _ints(text: str) -> list[int]:
