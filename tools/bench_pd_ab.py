@@ -66,8 +66,7 @@ def one_run(variant: tuple[str, str, dict], model: str, pool: list[int], args, n
             else:
                 os.environ[k] = v
     figures = run_figures(summarize(results, wall), results)
-    out = {"variant": label, "ttft_mean": figures["ttft_mean"], "tpot_mean": figures["tpot_mean"], "itl_p50": figures["itl_p50"],
-           "itl_p99": figures["itl_p99"], "failed": figures["failed"]}
+    out = {"variant": label, **{k: figures[k] for k in ("ttft_mean", "tpot_mean", "itl_p50", "itl_p99", "failed")}}
     for role in ("decode", "prefill"):
         out[f"{role}_gc_full"] = after[role][0] - before[role][0]
         out[f"{role}_gc_s"] = after[role][1] - before[role][1]
