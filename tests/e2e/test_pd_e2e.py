@@ -189,8 +189,10 @@ def test_bad_input_gets_400_and_server_keeps_serving(cluster):
         with pytest.raises(grpc.RpcError) as info:
             list(gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(prompt="x", top_p=2.0), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in info.value.details()
-    status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": "still serving", "max_tokens": 3})
-    assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": "still serving", "max_tokens": 3,
+                                                                 "ignore_eos": True})
+    # ignore_eos: the random built-in model samples EOS first now and then (about 1 in 260)
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
     readings = wait_all_released([prefill, *cluster["decodes"]])
     assert nothing_held(readings), readings
 
