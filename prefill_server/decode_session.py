@@ -163,8 +163,6 @@ class SessionRunner:
             )
             alloc = await wire.allocation(call, address, start, self.config.connect_timeout_s)
             timings.allocated, timings.cached_blocks = time.monotonic(), alloc.cached_blocks
-            if HOLD_AFTER_ALLOCATION_S:  # test hook: a window in which the decode holds a reservation
-                await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)
             # 3. decide (before this session counts in the decode's load: it stalls the others, not itself)
             # prompt logprobs need every prompt position's logits: only our engine gives them (whole prompt, no reuse)
             needs_logits = sp.prompt_logprobs is not None
@@ -184,6 +182,8 @@ class SessionRunner:
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
             if on_allocated is not None:
                 on_allocated()
+            if HOLD_AFTER_ALLOCATION_S:  # test hook: a window in which the decode holds a reservation (the request
+                await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)  # has left the admission queue: it is admitted)
             if decision.where == LOCAL:  # 4l
                 held.free_slot()  # our engine does not compute this prompt
                 first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)
