@@ -163,16 +163,16 @@ class Supervisor:
         server.state = "draining"
         if running:
             self._terminate(server.popen)
-            self._say(f"[supervisor] {server.name} (pid {server.popen.pid}) draining")
             self._on_change()
+            self._say(f"[supervisor] {server.name} (pid {server.popen.pid}) draining")
         else:
             self._gone(server, "was not running")
 
     def _gone(self, server: ServerProcess, how: str) -> None:
         server.state = "gone"
         self.servers.remove(server)
+        self._on_change()  # servers.json and the discovery files first: the line below says they are current
         self._say(f"[supervisor] {server.name} drained and stopped ({how})")
-        self._on_change()
 
     def step(self, now: float) -> None:
         """One pass: reap exits (restart, give up or raise), start what is due, probe what is starting."""
@@ -187,9 +187,9 @@ class Supervisor:
             elif server.state == "starting" and self._is_ready(server.ready_url):
                 server.state, server.was_ready = "ready", True
                 server.backoff.on_ready(now)
+                self._on_change()
                 if server.backoff.restarts:
                     self._say(f"[supervisor] {server.name} is ready again (restart {server.backoff.restarts})")
-                self._on_change()
 
     def _start(self, server: ServerProcess, now: float) -> None:
         server.popen = self._spawn(server)
@@ -209,10 +209,10 @@ class Supervisor:
                 f"{server.name} cannot start: it exited before becoming ready {server.backoff.failed_starts} times "
                 f"in a row (last: {how}). Its log ({server.log}) ends with:\n{server.log_tail()}")
         server.state, server.restart_at = "waiting", now + delay
+        self._on_change()
         self._say(f"[supervisor] {server.name} (pid {server.popen.pid}) {how}"
                   f"{'' if was_ready else ' before it was ready'}; restarting in {delay:.1f}s "
                   f"(restart {server.backoff.restarts})")
-        self._on_change()
 
     def snapshot(self) -> dict:
         """JSON-ready state of every server (``pdserve up`` writes it to <log-dir>/servers.json for tools)."""
