@@ -163,16 +163,14 @@ class Supervisor:
         server.state = "draining"
         if running:
             self._terminate(server.popen)
-            self._on_change()
-            self._say(f"[supervisor] {server.name} (pid {server.popen.pid}) draining")
+            self._changed(f"{server.name} (pid {server.popen.pid}) draining")
         else:
             self._gone(server, "was not running")
 
     def _gone(self, server: ServerProcess, how: str) -> None:
         server.state = "gone"
         self.servers.remove(server)
-        self._on_change()  # servers.json and the discovery files first: the line below says they are current
-        self._say(f"[supervisor] {server.name} drained and stopped ({how})")
+        self._changed(f"{server.name} drained and stopped ({how})")
 
     def step(self, now: float) -> None:
         """One pass: reap exits (restart, give up or raise), start what is due, probe what is starting."""
@@ -187,15 +185,14 @@ class Supervisor:
             elif server.state == "starting" and self._is_ready(server.ready_url):
                 server.state, server.was_ready = "ready", True
                 server.backoff.on_ready(now)
-                self._on_change()
-                if server.backoff.restarts:
-                    self._say(f"[supervisor] {server.name} is ready again (restart {server.backoff.restarts})")
+                self._changed(f"{server.name} is ready again (restart {server.backoff.restarts})"
+                              if server.backoff.restarts else None)
 
     def _start(self, server: ServerProcess, now: float) -> None:
         server.popen = self._spawn(server)
         server.backoff.on_start(now)
         server.state = "starting"
-        self._on_change()
+        self._changed()
 
     def _exited(self, server: ServerProcess, now: float) -> None:
         how = describe_exit(server.popen.returncode)
@@ -209,10 +206,15 @@ class Supervisor:
                 f"{server.name} cannot start: it exited before becoming ready {server.backoff.failed_starts} times "
                 f"in a row (last: {how}). Its log ({server.log}) ends with:\n{server.log_tail()}")
         server.state, server.restart_at = "waiting", now + delay
+        self._changed(f"{server.name} (pid {server.popen.pid}) {how}{'' if was_ready else ' before it was ready'}; "
+                      f"restarting in {delay:.1f}s (restart {server.backoff.restarts})")
+
+    def _changed(self, line: str | None = None) -> None:
+        """Publish the new state (servers.json, the discovery files), then announce it: a reader who saw
+        the line finds the files current (CI once read a stale prefills.txt after "drained and stopped")."""
         self._on_change()
-        self._say(f"[supervisor] {server.name} (pid {server.popen.pid}) {how}"
-                  f"{'' if was_ready else ' before it was ready'}; restarting in {delay:.1f}s "
-                  f"(restart {server.backoff.restarts})")
+        if line is not None:
+            self._say(f"[supervisor] {line}")
 
     def snapshot(self) -> dict:
         """JSON-ready state of every server (``pdserve up`` writes it to <log-dir>/servers.json for tools)."""
