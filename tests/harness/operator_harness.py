@@ -156,3 +156,16 @@ def wait_for(kube, predicate, what: str, timeout: float = 60, op: OperatorProces
 def names(kube, kind: str, ns: str, selector: str = "pdserve.io/inference-service=chat") -> list[str]:
     out = json.loads(kube.kubectl("get", kind, "-n", ns, "-l", selector, "-o", "json").stdout)
     return sorted(i["metadata"]["name"] for i in out["items"])
+
+
+def settled_status(kube, ns: str, decode_ready: str, op: OperatorProcess | None = None, name: str = "chat") -> dict:
+    """The InferenceService once its status reads decode_ready and carries observedGeneration.
+
+    observedGeneration appears only when every pool (the router's Deployment too) exists, so a
+    status written between the pools and the router reads the right decodeReady without it.
+    """
+    def settled():
+        isvc = get_json(kube, "inferenceservice", name, "-n", ns) or {}
+        status = isvc.get("status") or {}
+        return isvc if status.get("decodeReady") == decode_ready and "observedGeneration" in status else None
+    return wait_for(kube, settled, f"{name} status with decodeReady {decode_ready} and observedGeneration", op=op)

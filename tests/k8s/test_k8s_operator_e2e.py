@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from harness.operator_harness import (CRD_NAMES, IMAGE, OPERATOR_SA, RELEASE_NAMESPACE, condition, get_json,
-                                      mark_pods_ready, names, wait_for)
+                                      mark_pods_ready, names, settled_status, wait_for)
 from harness.procs import REPO
 from pdserve.protos.version import PROTOCOL_VERSION
 
@@ -62,10 +62,7 @@ def test_example_creates_pools_deployments_services_with_owners_and_status(kube,
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == IMAGE and deployment["spec"]["replicas"] == 2
 
-    def status_written():
-        isvc = get_json(kube, "inferenceservice", "chat", "-n", ns)
-        return isvc if isvc.get("status", {}).get("decodeReady") == "0/3" else None
-    isvc = wait_for(kube, status_written, "InferenceService status", op=operator)
+    isvc = settled_status(kube, ns, "0/3", op=operator)
     status = isvc["status"]
     assert status["observedGeneration"] == isvc["metadata"]["generation"]
     assert status["endpoint"] == f"http://chat-router.{ns}.svc:8000" and status["routerReady"] == "0/1"
@@ -271,8 +268,7 @@ def test_restart_mid_reconcile_converges_to_the_same_state(kube, operator, ns):
         operator.start()
         wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "all 8 Deployments after restart", op=operator)
         wait_for(kube, lambda: names(kube, "services", ns) == expected, "all 8 Services", op=operator)
-        isvc = wait_for(kube, lambda: (lambda o: o if o.get("status", {}).get("decodeReady") == "0/6" else None)(
-            get_json(kube, "inferenceservice", "chat", "-n", ns)), "status after restart", op=operator)
+        isvc = settled_status(kube, ns, "0/6", op=operator)
         assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
         for name in expected:  # exactly one owner, no duplicates from the repeated reconcile
             assert len(get_json(kube, "deployment", name, "-n", ns)["metadata"]["ownerReferences"]) == 1

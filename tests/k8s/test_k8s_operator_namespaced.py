@@ -3,7 +3,7 @@ operator Roles in those namespaces only, and it works there (and nowhere else) w
 
 import pytest
 
-from harness.operator_harness import CHART, OperatorProcess, get_json, names, wait_for
+from harness.operator_harness import CHART, OperatorProcess, get_json, names, settled_status, wait_for
 from harness.procs import REPO
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
@@ -42,8 +42,7 @@ def test_operator_with_roles_in_one_namespace_reconciles_there_only(kube, namesp
     wait_for(kube, lambda: names(kube, "deployments", WATCHED) == ["chat-decode-big", "chat-decode-main", "chat-prefill",
                                                                  "chat-router"],
              "Deployments in the watched namespace", op=op)
-    isvc = wait_for(kube, lambda: (lambda o: o if (o.get("status") or {}).get("decodeReady") == "0/3" else None)(
-        get_json(kube, "inferenceservice", "chat", "-n", WATCHED)), "status in the watched namespace", op=op)
+    isvc = settled_status(kube, WATCHED, "0/3", op=op)
     assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
     assert names(kube, "networkpolicies", WATCHED) == []  # turned off in this release
     assert names(kube, "prefillpools", OTHER) == [] and names(kube, "deployments", OTHER) == []
