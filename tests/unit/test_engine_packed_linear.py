@@ -70,3 +70,23 @@ def test_a_module_cast_after_packing_falls_back_to_f_linear():
     m.to(torch.bfloat16)  # the packed copy is still float32: it must not be used
     x = torch.randn(8, 1024, dtype=torch.bfloat16)
     assert torch.equal(linear(x, m), F.linear(x, m.weight, m.bias))
+
+
+@needs_onednn
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_is_widened_to_fp32_only_where_the_cpu_emulates_it(native, monkeypatch):
+    """Without bf16 instructions the packed copy is fp32 (bias too); results stay bf16 and match."""
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(packed_linear, "native_bf16", lambda: native)
+    torch.manual_seed(1)
+    m = nn.Linear(96, 200, bias=True).to(torch.bfloat16)
+    assert pack_linears(m) == 1
+    assert m.packed_weight.dtype == (torch.bfloat16 if native else torch.float32)
+    assert m.packed_bias.dtype == m.packed_weight.dtype and m.packed_from == torch.bfloat16
+    for rows in (1, 2, 4, 17, 300):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        got = linear(x, m)
+        exact = F.linear(x.float(), m.weight.float(), m.bias.float())  # what bf16 hardware accumulates
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
+        # one bf16 rounding of the fp32 sum (relative 2^-8), whichever way it was computed
+        torch.testing.assert_close(got.float(), exact, atol=1e-2, rtol=8e-3)
