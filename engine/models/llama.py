@@ -7,8 +7,7 @@ window or None) and ``rope_local`` (Gemma 3's local rotary table) tell it how.
 
 ``checkpoint_tensors(cfg, i)`` is the one place that names a layer's checkpoint tensors: our
 parameter -> the Hugging Face tensors (suffixes after ``model.layers.{i}.``) with their shapes,
-concatenated along dim 0 when there are several (q, k and v into one projection, gate and up
-into another, the experts of a MoE layer).
+concatenated along dim 0 when there are several (the experts of a MoE layer).
 """
 
 from __future__ import annotations
@@ -66,15 +65,15 @@ class DecoderLayer(nn.Module):
         self.act = activation(cfg.hidden_act)
         self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-        # q, k and v as one projection (and gate and up below): one GEMM reads the three weights
-        # where three calls each paid the kernel's fixed cost (k and v are small); checkpoint_tensors
-        # concatenates the checkpoint's separate tensors into it
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.q_size, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         self.build_mlp(cfg, index)
 
     def build_mlp(self, cfg: ModelConfig, index: int) -> None:
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,13 +84,15 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         h = self.input_layernorm(x)
         # linear(): F.linear on the parameters (or their packed copy at batch), less Python than the modules
-        q, k, v = linear(h, self.qkv_proj).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = linear(h, self.q_proj)
+        k = linear(h, self.k_proj)
+        v = linear(h, self.v_proj)
         q, k = self.norm_qk(q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = linear(h, self.gate_up_proj).chunk(2, dim=-1)
-        return linear(self.act(gate).mul_(up), self.down_proj)
+        gate = self.act(linear(h, self.gate_proj))
+        return linear(gate.mul_(linear(h, self.up_proj)), self.down_proj)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = x + linear(attn, self.o_proj)
@@ -104,10 +105,13 @@ class DecoderLayer(nn.Module):
         out: Tensors = {
             "input_layernorm.weight": [("input_layernorm.weight", (h,))],
             "post_attention_layernorm.weight": [("post_attention_layernorm.weight", (h,))],
-            "qkv_proj.weight": [(f"self_attn.{x}_proj.weight", (n, h)) for x, n in (("q", q), ("k", kv), ("v", kv))],
+            "q_proj.weight": [("self_attn.q_proj.weight", (q, h))],
+            "k_proj.weight": [("self_attn.k_proj.weight", (kv, h))],
+            "v_proj.weight": [("self_attn.v_proj.weight", (kv, h))],
         }
         if cfg.attention_bias:
-            out["qkv_proj.bias"] = [(f"self_attn.{x}_proj.bias", (n,)) for x, n in (("q", q), ("k", kv), ("v", kv))]
+            for x, n in (("q", q), ("k", kv), ("v", kv)):
+                out[f"{x}_proj.bias"] = [(f"self_attn.{x}_proj.bias", (n,))]
         out["o_proj.weight"] = [("self_attn.o_proj.weight", (h, q))]
         out.update(cls.mlp_tensors(cfg, index))
         return out
@@ -116,6 +120,7 @@ class DecoderLayer(nn.Module):
     def mlp_tensors(cls, cfg: ModelConfig, index: int) -> Tensors:
         h, inter = cfg.hidden_size, cfg.intermediate_size
         return {
-            "gate_up_proj.weight": [("mlp.gate_proj.weight", (inter, h)), ("mlp.up_proj.weight", (inter, h))],
+            "gate_proj.weight": [("mlp.gate_proj.weight", (inter, h))],
+            "up_proj.weight": [("mlp.up_proj.weight", (inter, h))],
             "down_proj.weight": [("mlp.down_proj.weight", (h, inter))],
         }
