@@ -49,7 +49,7 @@ from pdserve.defaults import BLOCK_SIZE
 from . import report
 from .cluster import SERVED_MODEL, start_pd
 from .launcher import LOG_ROOT, MODEL_CACHE, Launcher
-from .peer_model import PEER_MODELS, kv_bytes_per_token, peer_model
+from .peer_model import DTYPE_BYTES, PEER_MODELS, kv_bytes_per_token, peer_model
 from .peer_report import aggregate, cell_name, format_table, plot, run_figures
 from .peer_vllm import VllmMissing, start_vllm_pd, vllm_python
 
@@ -81,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="peer: random 123M Llama, hidden 1024, 8 layers, fp32 (default); tiny: for tests")
     g.add_argument("--kv-tokens", type=int, default=16384, help="KV budget of each instance in tokens (default %(default)s)")
     g.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp", help="pdserve's KV transfer (default tcp)")
+    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32",
+                   help="weights, activations and KV of both systems (default %(default)s); --kv-tokens holds either way")
     g.add_argument("--pdserve-engine", choices=["builtin", "vllm"], default="builtin",
                    help="engine of pdserve's servers: builtin (default) or vllm (--engine vllm: vLLM's engine under "
                         "pdserve's P/D, block size 32; issue 17)")
@@ -159,7 +161,7 @@ def run_grid(url: str, cells: list[tuple[int, int, float]], pool: list[int], arg
 
 def pdserve_engine_flags(args) -> tuple[list[str], int]:
     """Flags of both pdserve servers and their KV blocks (--kv-tokens of them) for --pdserve-engine."""
-    flags = ["--transfer", args.transfer, "--dtype", "float32"]
+    flags = ["--transfer", args.transfer, "--dtype", args.dtype]
     if args.pdserve_engine == "builtin":
         return flags, -(-args.kv_tokens // BLOCK_SIZE)
     return (flags + ["--engine", "vllm", "--block-size", str(VLLM_BLOCK_SIZE)],
@@ -185,7 +187,8 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
                 else:
                     v = start_vllm_pd(launcher, python, model, kv_bytes=kv_bytes, max_len=max_len,
                                       prefill_cpu=args.prefill_cpu, decode_cpu=args.decode_cpu,
-                                      tuned=not args.vllm_untuned, extra=shlex.split(args.vllm_extra))
+                                      tuned=not args.vllm_untuned, extra=shlex.split(args.vllm_extra),
+                                      dtype=args.dtype)
                     url, commands["vllm"] = v.url, v.commands
                 started = time.monotonic() - t0
                 _say(f"{system} (repeat {repeat + 1}/{args.repeats}) ready in {started:.0f} s")
@@ -215,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     max_len = max(args.prompt_lens) + max(args.output_lens) + 64
     model = str(peer_model(MODEL_CACHE, args.model_size, max(4096, max_len)))
     pool = tokenizer_prompt_ids(model)
-    kv_bytes = args.kv_tokens * kv_bytes_per_token(args.model_size)
+    kv_bytes = args.kv_tokens * kv_bytes_per_token(args.model_size, DTYPE_BYTES[args.dtype])
     cells = None if args.rates is None else [(p, o, r) for p in args.prompt_lens for o in args.output_lens
                                              for r in args.rates]
     _say(f"model {model}; vLLM python {python}; logs under {LOG_ROOT}")

@@ -81,6 +81,9 @@ def peer_model(root: Path, size: str = "peer", max_len: int = 4096, seed: int = 
     return path
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the dtypes the peer experiment serves both systems in
+
+
 def kv_bytes_per_token(size: str, dtype_bytes: int = 4) -> int:
     """KV cache bytes one token takes in every layer (K and V), for sizing vLLM's KV in bytes."""
     cfg = peer_config(size, 16)

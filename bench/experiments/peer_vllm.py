@@ -55,7 +55,7 @@ class VllmPD:
 
 
 def _instance(launcher: Launcher, python: str, name: str, model: str, core: str, port: int, *, role: str,
-              kv_bytes: int, max_len: int, tuned: bool, extra: list[str]) -> tuple[Proc, dict]:
+              kv_bytes: int, max_len: int, tuned: bool, extra: list[str], dtype: str) -> tuple[Proc, dict]:
     env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_OMP_THREADS_BIND": core,
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -63,7 +63,7 @@ def _instance(launcher: Launcher, python: str, name: str, model: str, core: str,
     if tuned:
         env["PDSERVE_VLLM_TUNED"] = "1"
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--served-model-name", SERVED_MODEL,
-           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", str(max_len),
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_len),
            "--kv-cache-memory-bytes", str(kv_bytes),
            "--kv-transfer-config", json.dumps({**KV_TRANSFER_CONFIG, "kv_role": role}), *extra]
     proc = launcher.spawn(name, cmd, cpus=core, env=env, cwd=launcher.log_dir)
@@ -72,10 +72,10 @@ def _instance(launcher: Launcher, python: str, name: str, model: str, core: str,
 
 def start_vllm_pd(launcher: Launcher, python: str, model: str, *, kv_bytes: int, max_len: int,
                   prefill_cpu: str = "0", decode_cpu: str = "1", tuned: bool = True,
-                  extra: list[str] | None = None) -> VllmPD:
+                  extra: list[str] | None = None, dtype: str = "float32") -> VllmPD:
     """Prefill + decode vLLM and the proxy, each ready; everything stops with the launcher."""
     p_port, d_port, x_port = free_port(), free_port(), free_port()
-    common = {"kv_bytes": kv_bytes, "max_len": max_len, "tuned": tuned, "extra": extra or []}
+    common = {"kv_bytes": kv_bytes, "max_len": max_len, "tuned": tuned, "extra": extra or [], "dtype": dtype}
     prefill, p_cmd = _instance(launcher, python, "vllm-prefill", model, prefill_cpu, p_port, role="kv_producer", **common)
     decode, d_cmd = _instance(launcher, python, "vllm-decode", model, decode_cpu, d_port, role="kv_consumer", **common)
     launcher.wait_ready(prefill, f"http://127.0.0.1:{p_port}/health", timeout=START_TIMEOUT)

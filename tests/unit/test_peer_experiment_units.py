@@ -96,6 +96,8 @@ def test_pdserve_servers_get_the_same_kv_budget_on_either_engine():
     assert blocks == 32  # 1000 tokens round up to whole 32-token blocks
     with pytest.raises(SystemExit):
         parser.parse_args(["--pdserve-engine", "sglang"])
+    flags, _ = peer.pdserve_engine_flags(parser.parse_args(["--dtype", "bfloat16"]))
+    assert flags[flags.index("--dtype") + 1] == "bfloat16"
 
 
 def test_every_cell_sends_its_own_prompts():
