@@ -49,6 +49,21 @@ SIDES = {
 NEW_ATTEND = model_mod.decode_attend
 
 
+def primed_engine(loaded, batch: int, prompt: int) -> LLMEngine:
+    """An engine holding ``batch`` greedy requests of ``prompt`` random tokens, all prefilled:
+    each later ``step()`` is one decode step of the whole batch (for 400 tokens)."""
+    engine = LLMEngine(loaded, EngineConfig(num_blocks=batch * (prompt // 64 + 8) + 8, block_size=64,
+                                            max_num_seqs=batch, max_num_batched_tokens=max(8192, batch * prompt),
+                                            enable_prefix_cache=False))
+    rng = random.Random(batch)
+    sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"r{i}", [rng.randrange(loaded.config.vocab_size - 1) for _ in range(prompt)], sp)
+    while engine.scheduler.waiting:
+        engine.step()
+    return engine
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(PEER_MODEL))
@@ -59,15 +74,7 @@ def main() -> None:
     loaded = load_model(args.model, dtype=torch.float32)
     for case in args.cases.split(","):
         batch, prompt = map(int, case.split("x"))
-        engine = LLMEngine(loaded, EngineConfig(num_blocks=batch * (prompt // 64 + 8) + 8, block_size=64,
-                                                max_num_seqs=batch, max_num_batched_tokens=max(8192, batch * prompt),
-                                                enable_prefix_cache=False))
-        rng = random.Random(batch)
-        sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-        for i in range(batch):
-            engine.add_request(f"r{i}", [rng.randrange(loaded.config.vocab_size - 1) for _ in range(prompt)], sp)
-        while engine.scheduler.waiting:
-            engine.step()
+        engine = primed_engine(loaded, batch, prompt)
         row = {"batch": batch, "prompt": prompt}
         for change, sides in SIDES.items():
             times = {"old": [], "new": []}

@@ -26,28 +26,21 @@ PEER_MODEL = Path.home() / ".cache/pdserve/bench-models/peer-model-peer-4096"
 REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r'''
-import json, random, statistics, sys, time
+import json, statistics, sys, time
 import torch
 finder = next(m for n, m in sys.modules.items() if n.startswith("__editable___pdserve") and hasattr(m, "MAPPING"))
-repo, tree, model, dtype, cases = sys.argv[1:6]
+repo, tree, model, dtype, cases, tools = sys.argv[1:7]
 for name, path in list(finder.MAPPING.items()):
     finder.MAPPING[name] = path.replace(repo, tree, 1)
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+sys.path.insert(0, tools)
+from bench_decode_step import primed_engine  # imports the engine: after the map points at the tree
 from pdserve.engine.loader import load_model
 torch.set_num_threads(1)
 loaded = load_model(model, dtype=getattr(torch, dtype))
 out = {}
 for case in cases.split(","):
     batch, prompt = map(int, case.split("x"))
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=batch * (prompt // 64 + 8) + 8, block_size=64,
-                                            max_num_seqs=batch, max_num_batched_tokens=max(8192, batch * prompt),
-                                            enable_prefix_cache=False))
-    rng = random.Random(batch)
-    sp = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"r{i}", [rng.randrange(loaded.config.vocab_size - 1) for _ in range(prompt)], sp)
-    while engine.scheduler.waiting:
-        engine.step()
+    engine = primed_engine(loaded, batch, prompt)
     for _ in range(3):
         engine.step()
     times = []
@@ -74,7 +67,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name, tree in trees if r % 2 == 0 else trees[::-1]:
             proc = subprocess.run(["taskset", "-c", cpu, sys.executable, "-c", CHILD, str(REPO), tree, args.model,
-                                   args.dtype, args.cases], capture_output=True, text=True, check=False)
+                                   args.dtype, args.cases, str(REPO / "tools")], capture_output=True, text=True, check=False)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
                 raise SystemExit(f"{name} ({tree}) failed:\n{proc.stderr[-3000:]}")
