@@ -83,11 +83,9 @@ def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     if (packed is None or x.dim() != 2 or x.device.type != "cpu" or x.dtype != module.packed_from
             or module.weight.dtype != module.packed_from):  # (a model moved or cast after loading)
         return F.linear(x, module.weight, module.bias)
-    if packed.dtype == x.dtype:
-        if x.shape[0] <= PLAIN_MAX_ROWS:
-            return F.linear(x, module.weight, module.bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, module.packed_bias, "none", [], "")
-    if x.shape[0] <= UPCAST_PLAIN_MAX_ROWS:
+    widened = packed.dtype != x.dtype
+    if x.shape[0] <= (UPCAST_PLAIN_MAX_ROWS if widened else PLAIN_MAX_ROWS):
         return F.linear(x, module.weight, module.bias)
-    out = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, module.packed_bias, "none", [], "")
+    rows = x.to(packed.dtype).contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, module.packed_bias, "none", [], "")
     return out.to(x.dtype)

@@ -22,7 +22,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-PEER_MODEL = Path.home() / ".cache/pdserve/bench-models/peer-model-peer-4096"
 REPO = Path(__file__).resolve().parents[1]
 
 CHILD = r'''
@@ -33,10 +32,10 @@ repo, tree, model, dtype, cases, tools = sys.argv[1:7]
 for name, path in list(finder.MAPPING.items()):
     finder.MAPPING[name] = path.replace(repo, tree, 1)
 sys.path.insert(0, tools)
-from bench_decode_step import primed_engine  # imports the engine: after the map points at the tree
+from bench_decode_step import PEER_MODEL, primed_engine  # imports the engine: after the map points at the tree
 from pdserve.engine.loader import load_model
 torch.set_num_threads(1)
-loaded = load_model(model, dtype=getattr(torch, dtype))
+loaded = load_model(model or str(PEER_MODEL), dtype=getattr(torch, dtype))
 out = {}
 for case in cases.split(","):
     batch, prompt = map(int, case.split("x"))
@@ -59,15 +58,16 @@ def main() -> None:
     p.add_argument("--cases", default="1x640,4x640,12x640,32x128")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--model", default=str(PEER_MODEL))
+    p.add_argument("--model", default="", help="a checkpoint directory (default: the peer experiment's)")
     args = p.parse_args()
     trees = [(n, str(Path(t).resolve())) for n, t in (x.split("=", 1) for x in args.tree)]
     cpu = str(max(os.sched_getaffinity(0)))
     results: dict[str, list[dict]] = {n: [] for n, _ in trees}
     for r in range(args.rounds):
         for name, tree in trees if r % 2 == 0 else trees[::-1]:
-            proc = subprocess.run(["taskset", "-c", cpu, sys.executable, "-c", CHILD, str(REPO), tree, args.model,
-                                   args.dtype, args.cases, str(REPO / "tools")], capture_output=True, text=True, check=False)
+            cmd = ["taskset", "-c", cpu, sys.executable, "-c", CHILD, str(REPO), tree, args.model, args.dtype,
+                   args.cases, str(REPO / "tools")]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
                 raise SystemExit(f"{name} ({tree}) failed:\n{proc.stderr[-3000:]}")

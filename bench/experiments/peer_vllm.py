@@ -72,7 +72,7 @@ def _instance(launcher: Launcher, python: str, name: str, model: str, core: str,
 
 def start_vllm_pd(launcher: Launcher, python: str, model: str, *, kv_bytes: int, max_len: int,
                   prefill_cpu: str = "0", decode_cpu: str = "1", tuned: bool = True,
-                  extra: list[str] | None = None, dtype: str = "float32") -> VllmPD:
+                  extra: list[str] | None = None, dtype: str) -> VllmPD:
     """Prefill + decode vLLM and the proxy, each ready; everything stops with the launcher."""
     p_port, d_port, x_port = free_port(), free_port(), free_port()
     common = {"kv_bytes": kv_bytes, "max_len": max_len, "tuned": tuned, "extra": extra or [], "dtype": dtype}
