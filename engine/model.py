@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import native
 from .attention import attend, causal_mask, decode_attend, decode_window_mask, mask_bias
 from .config import ModelConfig, rope_inv_freq
 from .kv_cache import KVCache
@@ -61,6 +62,8 @@ class ForwardBatch:
     decode_rows: torch.Tensor | None  # [B, L] K rows of each decode sequence's context (padded)
     decode_mask: torch.Tensor | None  # [B, 1, 1, L] bool, True where the slot is in the context
     logits_rows: torch.Tensor  # [num_seqs] long
+    decode_tables: torch.Tensor | None = None  # [B, max_blocks] long: each decode sequence's block table (padded)
+    decode_ends: torch.Tensor | None = None  # [B] long: tokens in each decode sequence's context
 
 
 class DecoderModel(nn.Module):
@@ -191,6 +194,13 @@ class DecoderModel(nn.Module):
                 o = attend(qs, ks, vs, mask=masks[key], scale=scale, softcap=cap)
             out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         if batch.decode_rows is not None:
+            op = self._native_decode(q, cap, kv, batch)
+            if op is not None:
+                qd, pos = q[batch.decode_start :], batch.positions[batch.decode_start :]
+                starts = torch.zeros_like(batch.decode_ends) if window is None else (pos - window + 1).clamp_(min=0)
+                scale = self.attn_scale if self.attn_scale is not None else q.shape[-1] ** -0.5
+                out[batch.decode_start :] = op(qd, kv.layer(i), batch.decode_tables, starts, batch.decode_ends, scale)
+                return out
             mask = batch.decode_mask
             if window is not None:
                 key = ("decode", window)
@@ -209,6 +219,15 @@ class DecoderModel(nn.Module):
             o = attend(qd, kc.to(q.dtype).transpose(1, 2), vc.to(q.dtype).transpose(1, 2), mask=mask, scale=scale, softcap=cap)
             out[batch.decode_start :] = o.squeeze(2)
         return out
+
+    @staticmethod
+    def _native_decode(q: torch.Tensor, cap, kv: KVCache, batch: ForwardBatch):
+        """The C++ decode attention over the paged cache in place (native.py), where it applies:
+        CPU, float32/bfloat16 in both q and the cache, a head size it has, no logit soft-capping; else None."""
+        if (batch.decode_tables is None or cap is not None or q.device.type != "cpu" or q.dtype != kv.dtype
+                or q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] not in native.HEAD_DIMS):
+            return None
+        return native.paged_decode_attention()
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from . import native
 from .kv_cache import KVCache
 from .model import DecoderModel, ForwardBatch, PrefillSpan
 from .sampling import ROWS_PER_PASS, Sampler, logprobs_of, token_logprobs
@@ -34,6 +35,8 @@ from .sequence import Sequence
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, sampler: Sampler, device: torch.device):
         self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
+        if device.type == "cpu":
+            native.paged_decode_attention()  # built or found now, at start-up, not inside the first request
 
     def forward_and_sample(self, seqs: list[Sequence], on_layer: Callable[[int], None] | None) -> list[int]:
         """One forward over ``seqs`` (their uncomputed tokens) and one sampled token per sequence,
@@ -155,6 +158,8 @@ class ModelRunner:
             decode_rows=decode_rows,
             decode_mask=decode_mask,
             logits_rows=torch.tensor(logits_rows, device=dev),
+            decode_tables=table_t if dec else None,
+            decode_ends=ctx_t if dec else None,
         )
 
     def _token_rows(self, block_table: list[int], start: int, end: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Decode step time of the engine at batch, before/after the two CPU decode changes, A B A B.
+"""Decode step time of the engine at batch, before/after the three CPU decode changes, A B A B.
 
     .venv/bin/python tools/bench_decode_step.py [--cases 1x512,4x512,8x512,16x512,4x2048]
 
@@ -6,7 +6,9 @@ For each case (batch x prompt tokens) it prefills the batch once, then times dec
 the same engine while switching, step group by step group, between:
   linear:    F.linear everywhere (packed_linear.PLAIN_MAX_ROWS huge) vs the packed path;
   attention: the previous decode attention (SDPA over [B, KVH, L, D] views with a bool mask)
-             vs ``decode_attend``.
+             vs ``decode_attend`` (both with the C++ kernel off);
+  kernel:    the torch path (gather + ``decode_attend``) vs the C++ kernel over the paged cache
+             in place (engine/native.py).
 The clock is the thread's CPU time (one torch thread): robust on a shared box. Prints the
 median step time of each side and the ratio new / old per case. The model is the peer
 experiment's checkpoint (``~/.cache/pdserve/bench-models/peer-model-peer-4096``, written by
@@ -25,7 +27,7 @@ from pathlib import Path
 import torch
 
 import pdserve.engine.model as model_mod
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, packed_linear
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, native, packed_linear
 from pdserve.engine.attention import attend
 from pdserve.engine.loader import load_model
 
@@ -43,10 +45,18 @@ sdpa_decode.bias = sdpa_decode.mask = None
 SIDES = {
     "linear": {"old": lambda: setattr(packed_linear, "PLAIN_MAX_ROWS", 10**9),
                "new": lambda: setattr(packed_linear, "PLAIN_MAX_ROWS", 3)},
-    "attention": {"old": lambda: setattr(model_mod, "decode_attend", sdpa_decode),
-                  "new": lambda: setattr(model_mod, "decode_attend", NEW_ATTEND)},
+    "attention": {"old": lambda: (_kernel(False), setattr(model_mod, "decode_attend", sdpa_decode)),
+                  "new": lambda: (_kernel(False), setattr(model_mod, "decode_attend", NEW_ATTEND))},
+    "kernel": {"old": lambda: _kernel(False), "new": lambda: _kernel(True)},
 }
 NEW_ATTEND = model_mod.decode_attend
+KERNEL = native.paged_decode_attention()
+
+
+def _kernel(on: bool) -> None:
+    """Decode attention through engine/native.py's C++ kernel (on) or the torch path (off)."""
+    native._state.clear()
+    native._state.update({"op": KERNEL} if on and KERNEL is not None else {"error": "switched off by the bench"})
 
 
 def primed_engine(loaded, batch: int, prompt: int) -> LLMEngine:

@@ -1,0 +1,122 @@
+"""engine/native.py: the C++ decode attention over the paged cache in place gives SDPA's result over the
+gathered context, refuses bad tables with an error naming them, and the engine falls back to its torch path
+(with the reason) where the kernel cannot be built. Built with g++ here; skipped only on a machine without one."""
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.engine import native
+from pdserve.engine.kv_cache import KVCache
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the engine uses its torch path")
+
+
+def _case(batch_ctx, heads, kv_heads, dim, block_size, dtype, seed=0):
+    """A cache with each sequence's blocks scattered over the layer, its q, tables, context ends."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-c // block_size) for c in batch_ctx)
+    kv = KVCache(1, len(batch_ctx) * max_blocks + 3, block_size, kv_heads, dim, dtype)
+    kv.tensor.copy_(torch.randn(kv.tensor.shape, generator=g).to(dtype))
+    perm = torch.randperm(kv.num_blocks, generator=g)[: len(batch_ctx) * max_blocks]
+    tables = perm.view(len(batch_ctx), max_blocks).contiguous()
+    q = torch.randn(len(batch_ctx), heads, dim, generator=g).to(dtype)
+    return kv, q, tables, torch.tensor(batch_ctx)
+
+
+def _reference(kv, q, tables, starts, ends, scale):
+    """SDPA in float32 over the gathered context (KVCache.gather), masked to start <= p < end."""
+    rows = kv.table_rows(tables)
+    k, v = kv.gather(0, rows)
+    pos = torch.arange(rows.shape[1])
+    mask = ((pos >= starts.unsqueeze(1)) & (pos < ends.unsqueeze(1))).view(len(ends), 1, 1, -1)
+    return F.scaled_dot_product_attention(q.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+                                          attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 2, 64), (16, 8, 64), (4, 4, 128), (6, 1, 32)])
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("window", [None, 20])
+def test_kernel_matches_sdpa_over_the_gathered_context(heads, kv_heads, dim, block_size, window):
+    op = native.paged_decode_attention()
+    assert op is not None, native.unavailable_reason()
+    kv, q, tables, ends = _case([150, 1, 64, 97], heads, kv_heads, dim, block_size, torch.float32)
+    starts = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)
+    got = op(q, kv.layer(0), tables, starts, ends, 0.2)
+    torch.testing.assert_close(got, _reference(kv, q, tables, starts, ends, 0.2), atol=1e-5, rtol=1e-5)
+    # slots past a sequence's end (the rest of its last block, other sequences' blocks) change nothing
+    kv.tensor[0, tables[1, 0], :, 1:] = 1e4
+    torch.testing.assert_close(op(q, kv.layer(0), tables, starts, ends, 0.2), got)
+
+
+@needs_compiler
+def test_bfloat16_is_the_float32_arithmetic_rounded_once():
+    op = native.paged_decode_attention()
+    kv, q, tables, ends = _case([130, 7, 64], 16, 2, 64, 64, torch.bfloat16, seed=3)
+    starts = torch.zeros_like(ends)
+    got = op(q, kv.layer(0), tables, starts, ends, 0.125)
+    assert got.dtype == torch.bfloat16
+    want = _reference(kv, q, tables, starts, ends, 0.125)  # the same bf16 inputs, all in float32
+    torch.testing.assert_close(got.float(), want, atol=0, rtol=2**-8)  # within bf16's rounding of the result
+
+
+@needs_compiler
+def test_bad_tables_and_positions_are_refused_with_the_reason():
+    op = native.paged_decode_attention()
+    kv, q, tables, ends = _case([40, 10], 4, 2, 16, 16, torch.float32)
+    starts = torch.zeros_like(ends)
+    with pytest.raises(RuntimeError, match="outside its block table"):
+        op(q, kv.layer(0), tables, starts, torch.tensor([40, 10 + 16 * tables.shape[1]]), 1.0)
+    bad = tables.clone()
+    bad[0, 0] = kv.num_blocks
+    with pytest.raises(RuntimeError, match="block id outside the layer"):
+        op(q, kv.layer(0), bad, starts, ends, 1.0)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        op(q.double(), kv.layer(0), tables, starts, ends, 1.0)
+
+
+@needs_compiler
+def test_the_head_sizes_the_engine_offers_it_are_the_ones_it_has():
+    op = native.paged_decode_attention()
+    for dim in (*native.HEAD_DIMS, 80):
+        kv, q, tables, ends = _case([5], 2, 1, dim, 16, torch.float32)
+        if dim in native.HEAD_DIMS:
+            want = _reference(kv, q, tables, torch.zeros_like(ends), ends, 0.5)
+            got = op(q, kv.layer(0), tables, torch.zeros_like(ends), ends, 0.5)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:  # the model uses its torch path for these (DecoderModel._native_decode)
+            with pytest.raises(RuntimeError, match="head_dim 80"):
+                op(q, kv.layer(0), tables, torch.zeros_like(ends), ends, 0.5)
+
+
+def test_without_a_compiler_the_build_names_the_cause(monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        native.build()
+
+
+def test_the_engine_falls_back_to_its_torch_path_with_the_reason(tmp_path):
+    """A process whose kernels cannot be built (no compiler, empty cache) generates the same greedy tokens."""
+    code = ("import torch; from pdserve.engine import native, load_model, LLMEngine, EngineConfig, SamplingParams\n"
+            "e = LLMEngine(load_model('tiny'), EngineConfig(num_blocks=64, block_size=16, max_num_seqs=2))\n"
+            "e.add_request('a', list(range(40)), SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))\n"
+            "out = []\n"
+            "while e.has_unfinished():\n"
+            "    out += [t for o in e.step() for t in o.new_token_ids]\n"
+            "print(native.unavailable_reason()); print(out)\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PDSERVE_CACHE": str(tmp_path / "cache")}
+    runs = {}
+    for name, extra in {"torch": {"CXX": "/nonexistent/g++"}, "native": {}}.items():
+        done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+        runs[name] = (*done.stdout.splitlines(), done.stderr)
+    assert runs["torch"][0].startswith("no C++ compiler") and "using the torch path" in runs["torch"][2]
+    if shutil.which("g++"):
+        assert runs["native"][0] == "None"  # built into the empty cache, and used
+    assert runs["native"][1] == runs["torch"][1]

@@ -1,0 +1,88 @@
+"""The engine's C++ decode attention (engine/csrc/paged_decode.cpp) against its torch path, per layer call.
+
+    .venv/bin/python tools/bench_native_attention.py [--cases 1x640,4x640,12x640,12x2304,32x640] [--rounds 6] \
+        [--kv-heads 2] [--block-size 64]
+
+Builds (or finds) the kernel through ``engine/native.py``, checks it against the torch path on one layer
+(``KVCache.gather``'s two ``index_select`` + ``decode_attend``), then times both A B A B on one torch thread
+(thread CPU time) per case: batch x context, 16 query heads of 64 over --kv-heads KV heads, blocks scattered
+over the layer, contexts of 0.5-1x the case's length. Prints the median time per layer call of each and the
+ratio kernel / torch path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from pdserve.engine import native
+from pdserve.engine.attention import decode_attend, mask_bias
+
+
+def case(batch: int, length: int, dtype, kv_heads: int, bs: int, heads=16, dim=64):
+    g = torch.Generator().manual_seed(batch * 10007 + length)
+    num_blocks = 2 * batch * -(-length // bs) + 8
+    layer = torch.randn(num_blocks, 2, bs, kv_heads, dim, generator=g).to(dtype)
+    nb = -(-length // bs)
+    tables = torch.randperm(num_blocks, generator=g)[: batch * nb].view(batch, nb)
+    ctx = torch.tensor([length - (i * 37) % (length // 2) for i in range(batch)])
+    q = torch.randn(batch, heads, dim, generator=g).to(dtype)
+    return q, layer, tables, ctx
+
+
+def step_inputs(q, layer, tables, ctx):
+    """What the engine builds once per step and every layer reuses: K rows of the padded tables, the bias."""
+    bs = layer.shape[2]
+    rows = (tables.unsqueeze(-1) * (2 * bs) + torch.arange(bs)).view(tables.shape[0], -1)
+    mask = (torch.arange(rows.shape[1]) < ctx.unsqueeze(1)).view(len(ctx), 1, 1, -1)
+    return rows, mask_bias(mask, q.dtype)
+
+
+def engine_path(q, layer, rows, bias):
+    """One layer as engine/model.py runs it on CPU: KVCache.gather, then decode_attend."""
+    bs = layer.shape[2]
+    flat = layer.view(-1, layer.shape[3], layer.shape[4])
+    k = flat.index_select(0, rows.reshape(-1)).view(*rows.shape, *flat.shape[1:])
+    v = flat.index_select(0, rows.reshape(-1) + bs).view(*rows.shape, *flat.shape[1:])
+    return decode_attend(q, k, v, bias, None)
+
+
+def kernel(q, layer, tables, ctx):
+    return native.paged_decode_attention()(q, layer, tables, torch.zeros_like(ctx), ctx, q.shape[-1] ** -0.5)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default="1x640,4x640,12x640,12x2304,32x640", help="batch x context, comma list")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--rounds", type=int, default=6, help="A B rounds per case (8 calls each)")
+    ap.add_argument("--kv-heads", type=int, default=2, help="KV heads (16 query heads of 64)")
+    ap.add_argument("--block-size", type=int, default=64)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if native.paged_decode_attention() is None:
+        raise SystemExit(f"the kernel is unavailable: {native.unavailable_reason()}")
+    for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
+        for spec in args.cases.split(","):
+            batch, length = (int(x) for x in spec.split("x"))
+            inputs = case(batch, length, dtype, args.kv_heads, args.block_size)
+            q, layer = inputs[0], inputs[1]
+            sides = {"engine": (engine_path, (q, layer, *step_inputs(*inputs))), "kernel": (kernel, inputs)}
+            err = (engine_path(*sides["engine"][1]).float() - kernel(*inputs).float()).abs().max().item()
+            times: dict[str, list[float]] = {"engine": [], "kernel": []}
+            for _ in range(args.rounds):
+                for name, (fn, fn_args) in sides.items():
+                    t = time.thread_time()
+                    for _ in range(8):
+                        fn(*fn_args)
+                    times[name].append((time.thread_time() - t) / 8 * 1e3)
+            e, p = statistics.median(times["engine"]), statistics.median(times["kernel"])
+            print(f"{str(dtype).removeprefix('torch.'):8s} B={batch:<3d} L={length:<5d} torch path {e:6.2f} ms  "
+                  f"kernel {p:6.2f} ms  ratio {p / e:.2f}  max |diff| {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
