@@ -1,0 +1,88 @@
+"""Where a lone request's TTFT goes in pdserve's P/D: client TTFT against the prefill's own metrics.
+
+    .venv/bin/python tools/bench_ttft_parts.py [--requests 4] [--prompt 2048] [--transfer tcp]
+
+Starts one ``pdserve decode`` pinned to CPU 1 and one ``pdserve prefill`` pinned to CPU 0, one
+thread each, on the peer experiment's checkpoint (as ``pdserve bench experiment peer`` runs them;
+``--model`` for another), sends ``--requests`` prompts of ``--prompt`` random token ids one after
+another (streamed, 8 tokens each), prints each one's TTFT at the client, then the mean of the
+prefill's ``pdserve_time_to_first_token_seconds``, ``pdserve_prefill_compute_seconds`` and
+``pdserve_queue_wait_seconds`` over the same requests. Stops both servers on exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from pdserve.net import free_ports
+
+PEER_MODEL = Path.home() / ".cache/pdserve/bench-models/peer-model-peer-4096"
+PDSERVE = Path(sys.executable).parent / "pdserve"
+PARTS = ("time_to_first_token", "prefill_compute", "queue_wait")
+
+
+def _mean(metrics: str, part: str) -> float:
+    total = re.search(rf"^pdserve_{part}_seconds_sum(?:{{[^}}]*}})? (\S+)", metrics, re.M)
+    count = re.search(rf"^pdserve_{part}_seconds_count(?:{{[^}}]*}})? (\S+)", metrics, re.M)
+    return float(total.group(1)) / max(float(count.group(1)), 1.0) if total and count else float("nan")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(PEER_MODEL))
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens")
+    ap.add_argument("--transfer", default="tcp", choices=("tcp", "nixl"))
+    args = ap.parse_args()
+    if not Path(args.model).exists():
+        raise SystemExit(f"no checkpoint at {args.model}: `pdserve bench experiment peer` writes it, or pass --model")
+    http, grpc, dec, dec_http, kv = free_ports(5)
+    common = ["--model", args.model, "--served-model-name", "bench", "--log-level", "WARNING", "--threads", "1",
+              "--num-blocks", "256", "--max-model-len", str(args.prompt + 320), "--transfer", args.transfer]
+    procs = [subprocess.Popen(["taskset", "-c", "1", str(PDSERVE), "decode", "--host", "127.0.0.1", "--port", str(dec),
+                               "--http-port", str(dec_http), "--kv-port", str(kv), *common]),
+             subprocess.Popen(["taskset", "-c", "0", str(PDSERVE), "prefill", "--host", "127.0.0.1", "--port", str(http),
+                               "--grpc-port", str(grpc), *common, "--decode", f"127.0.0.1:{dec}"])]
+    base = f"http://127.0.0.1:{http}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(base + "/v1/models", timeout=1)
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            raise SystemExit("the prefill did not become ready in 300 s")
+        rng = random.Random(0)
+        for i in range(args.requests):
+            body = {"model": "bench", "prompt": [rng.randrange(16000) for _ in range(args.prompt)], "max_tokens": 8,
+                    "stream": True, "ignore_eos": True}
+            req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            t0, first = time.perf_counter(), None
+            with urllib.request.urlopen(req, timeout=300) as r:
+                for line in r:
+                    if first is None and line.startswith(b"data:"):
+                        first = time.perf_counter() - t0
+            print(f"request {i}: client TTFT {first:.3f} s", flush=True)
+        metrics = urllib.request.urlopen(base + "/metrics").read().decode()
+        print("prefill's metrics, mean over the requests: "
+              + ", ".join(f"{part} {_mean(metrics, part):.3f} s" for part in PARTS))
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
