@@ -110,7 +110,7 @@ void attend(const at::Tensor& q, const at::Tensor& layer, const at::Tensor& tabl
       }
       for (int64_t h = 0; h < H; ++h) {
         float* sh = scores.data() + h * n;
-        float m = -INFINITY, sum = 0.f;
+        float m = n > 0 ? sh[0] : 0.f, sum = 0.f;  // no infinities: the build uses -ffast-math
         for (int64_t j = 0; j < n; ++j) m = std::max(m, sh[j]);
         for (int64_t j = 0; j < n; ++j) {  // below e^-80 is 0: no denormals in the V sums (slow on x86)
           const float z = sh[j] - m;
