@@ -196,10 +196,13 @@ class DecoderModel(nn.Module):
         if batch.decode_rows is not None:
             op = self._native_decode(q, cap, kv, batch)
             if op is not None:
-                qd, pos = q[batch.decode_start :], batch.positions[batch.decode_start :]
-                starts = torch.zeros_like(batch.decode_ends) if window is None else (pos - window + 1).clamp_(min=0)
+                key = ("decode_starts", window)  # first position each row attends to, once per step and window
+                if key not in masks:
+                    pos = batch.positions[batch.decode_start :]
+                    masks[key] = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_(min=0)
                 scale = self.attn_scale if self.attn_scale is not None else q.shape[-1] ** -0.5
-                out[batch.decode_start :] = op(qd, kv.layer(i), batch.decode_tables, starts, batch.decode_ends, scale)
+                out[batch.decode_start :] = op(q[batch.decode_start :], kv.layer(i), batch.decode_tables, masks[key],
+                                               batch.decode_ends, scale)
                 return out
             mask = batch.decode_mask
             if window is not None:

@@ -129,7 +129,7 @@ class ModelRunner:
             spans.append(PrefillSpan(start, len(input_ids), done, context_rows))
             logits_rows.append(len(input_ids) - 1)
         decode_start = len(input_ids)
-        decode_rows = decode_mask = None
+        decode_rows = decode_mask = table_t = ctx_t = None
         if dec:
             bs = self.kv_cache.block_size
             max_blocks = max(len(s.block_table) for s in dec)
@@ -158,8 +158,8 @@ class ModelRunner:
             decode_rows=decode_rows,
             decode_mask=decode_mask,
             logits_rows=torch.tensor(logits_rows, device=dev),
-            decode_tables=table_t if dec else None,
-            decode_ends=ctx_t if dec else None,
+            decode_tables=table_t,
+            decode_ends=ctx_t,
         )
 
     def _token_rows(self, block_table: list[int], start: int, end: int) -> torch.Tensor:

@@ -20,38 +20,37 @@ import torch
 
 from pdserve.engine import native
 from pdserve.engine.attention import decode_attend, mask_bias
+from pdserve.engine.kv_cache import KVCache
 
 
 def case(batch: int, length: int, dtype, kv_heads: int, bs: int, heads=16, dim=64):
+    """One layer of an engine KVCache with random K/V, each sequence's blocks scattered over it; q,
+    block tables and context lengths (0.5-1x ``length``)."""
     g = torch.Generator().manual_seed(batch * 10007 + length)
-    num_blocks = 2 * batch * -(-length // bs) + 8
-    layer = torch.randn(num_blocks, 2, bs, kv_heads, dim, generator=g).to(dtype)
     nb = -(-length // bs)
-    tables = torch.randperm(num_blocks, generator=g)[: batch * nb].view(batch, nb)
+    kv = KVCache(1, 2 * batch * nb + 8, bs, kv_heads, dim, dtype)
+    kv.tensor.copy_(torch.randn(kv.tensor.shape, generator=g).to(dtype))
+    tables = torch.randperm(kv.num_blocks, generator=g)[: batch * nb].view(batch, nb)
     ctx = torch.tensor([length - (i * 37) % (length // 2) for i in range(batch)])
     q = torch.randn(batch, heads, dim, generator=g).to(dtype)
-    return q, layer, tables, ctx
+    return q, kv, tables, ctx
 
 
-def step_inputs(q, layer, tables, ctx):
+def step_inputs(kv, tables, ctx, dtype):
     """What the engine builds once per step and every layer reuses: K rows of the padded tables, the bias."""
-    bs = layer.shape[2]
-    rows = (tables.unsqueeze(-1) * (2 * bs) + torch.arange(bs)).view(tables.shape[0], -1)
+    rows = kv.table_rows(tables)
     mask = (torch.arange(rows.shape[1]) < ctx.unsqueeze(1)).view(len(ctx), 1, 1, -1)
-    return rows, mask_bias(mask, q.dtype)
+    return rows, mask_bias(mask, dtype)
 
 
-def engine_path(q, layer, rows, bias):
-    """One layer as engine/model.py runs it on CPU: KVCache.gather, then decode_attend."""
-    bs = layer.shape[2]
-    flat = layer.view(-1, layer.shape[3], layer.shape[4])
-    k = flat.index_select(0, rows.reshape(-1)).view(*rows.shape, *flat.shape[1:])
-    v = flat.index_select(0, rows.reshape(-1) + bs).view(*rows.shape, *flat.shape[1:])
+def engine_path(q, kv, rows, bias):
+    """One layer as engine/model.py runs it on CPU without the kernel: KVCache.gather, then decode_attend."""
+    k, v = kv.gather(0, rows)
     return decode_attend(q, k, v, bias, None)
 
 
-def kernel(q, layer, tables, ctx):
-    return native.paged_decode_attention()(q, layer, tables, torch.zeros_like(ctx), ctx, q.shape[-1] ** -0.5)
+def kernel(q, kv, tables, ctx):
+    return native.paged_decode_attention()(q, kv.layer(0), tables, torch.zeros_like(ctx), ctx, q.shape[-1] ** -0.5)
 
 
 def main() -> None:
@@ -69,8 +68,8 @@ def main() -> None:
         for spec in args.cases.split(","):
             batch, length = (int(x) for x in spec.split("x"))
             inputs = case(batch, length, dtype, args.kv_heads, args.block_size)
-            q, layer = inputs[0], inputs[1]
-            sides = {"engine": (engine_path, (q, layer, *step_inputs(*inputs))), "kernel": (kernel, inputs)}
+            q, kv, tables, ctx = inputs
+            sides = {"engine": (engine_path, (q, kv, *step_inputs(kv, tables, ctx, dtype))), "kernel": (kernel, inputs)}
             err = (engine_path(*sides["engine"][1]).float() - kernel(*inputs).float()).abs().max().item()
             times: dict[str, list[float]] = {"engine": [], "kernel": []}
             for _ in range(args.rounds):
