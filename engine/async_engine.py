@@ -9,7 +9,11 @@ Lifecycle and who frees what:
 - ``generate`` / ``add_prefilled`` stream RequestOutputs until one is finished. If the consumer
   stops iterating early (break, cancellation, client gone) the request is aborted and its
   blocks freed.
-- ``prefill_only`` holds the prompt's blocks until ``release`` (or ``abort``).
+- ``prefill_only`` holds the prompt's blocks until ``release`` (or ``abort``). The first token's
+  and the prompt's logprobs, when its sampling asks for them, are read in the same engine call
+  and kept here until then: ``prefill_logprob`` / ``prefill_prompt_logprobs`` answer without a
+  trip to the engine thread, which by then is usually computing the next prompt (a trip would
+  hold this request's first token until that prompt is done).
 - ``reserve`` / ``reserve_prefix`` hold blocks until ``add_prefilled``'s (or
   ``prefill_reserved``'s) stream ends, or ``abort``.
 - If a step raises, every running request's stream ends with a RequestOutput whose
@@ -66,6 +70,9 @@ class AsyncLLMEngine(EngineThread):
         self._prefix_hit_tokens = engine.prefix_hit_tokens()
         self._prefill_counters = engine.prefill_counters
         self._swapped = (0, 0)
+        # request id -> (first token's TokenLogprob, prompt logprobs) of a held prefill_only request
+        # that asked for either; written on the engine thread before prefill_only's awaiter resumes
+        self._prefill_logprobs: dict[str, tuple] = {}
         self.after_step: Callable[[LLMEngine, float, int], None] | None = None
         self._tier_stats = engine.tier_stats()
 
@@ -125,7 +132,7 @@ class AsyncLLMEngine(EngineThread):
         on_layer: Callable[[int, list[int]], None] | None = None,
     ) -> int:
         """LLMEngine.prefill_only on the engine thread (``on_layer`` is called on that thread)."""
-        return await self._call(self.engine.prefill_only, request_id, prompt_token_ids, sampling, on_layer)
+        return await self._call(self._prefill_only, request_id, prompt_token_ids, sampling, on_layer)
 
     async def prefill_many(
         self,
@@ -137,16 +144,21 @@ class AsyncLLMEngine(EngineThread):
 
     async def prefill_logprob(self, request_id: str):
         """The first token's TokenLogprob of a held prefill_only request (None unless it asked)."""
+        if request_id in self._prefill_logprobs:
+            return self._prefill_logprobs[request_id][0]
         return await self._call(self.engine.prefill_logprob, request_id)
 
     async def prefill_prompt_logprobs(self, request_id: str) -> list | None:
         """The prompt logprobs of a held prefill_only request (None unless it asked ``prompt_logprobs``)."""
+        if request_id in self._prefill_logprobs:
+            return self._prefill_logprobs[request_id][1]
         return await self._call(self.engine.prefill_prompt_logprobs, request_id)
 
     async def prefill_block_ids(self, request_id: str) -> list[int]:
         return await self._call(self.engine.prefill_block_ids, request_id)
 
     async def release(self, request_id: str) -> None:
+        self._prefill_logprobs.pop(request_id, None)
         await self._call(self.engine.release, request_id)
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
@@ -188,7 +200,15 @@ class AsyncLLMEngine(EngineThread):
 
     # ---- internals (the engine thread: engine_thread.py) -------------------------------------
     def _abort(self, request_id: str) -> bool:
+        self._prefill_logprobs.pop(request_id, None)
         return self.engine.abort(request_id)
+
+    def _prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, on_layer) -> int:
+        first = self.engine.prefill_only(request_id, prompt_token_ids, sampling, on_layer)
+        if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
+            self._prefill_logprobs[request_id] = (self.engine.prefill_logprob(request_id),
+                                                  self.engine.prefill_prompt_logprobs(request_id))
+        return first
 
     def _publish(self) -> None:
         """On the engine thread: make the engine's counts readable from other threads."""

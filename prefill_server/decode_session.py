@@ -284,7 +284,10 @@ class SessionRunner:
         sent = sorted(self.sender.layer_times(request_id).items())
         timings.layer_send_seconds = [done - stored for _, (stored, done) in sent]
         timings.link_busy_s = link_busy_seconds([times for _, times in sent])
-        await self.engine.release(request_id)
+        # the KV has left: free our copy without waiting for it, since the engine thread is usually
+        # computing the next prompt by now and the release would queue behind that prompt, holding
+        # this request's first token back by one whole prefill
+        self._release_later(request_id)
         held.released = True
         self.observer.transferred(timings, n_blocks - first_block)
         reason = first_token_finishes(first, sp, cfg.eos_token_ids)

@@ -1,13 +1,16 @@
 """Where a lone request's TTFT goes in pdserve's P/D: client TTFT against the prefill's own metrics.
 
     .venv/bin/python tools/bench_ttft_parts.py [--requests 4] [--prompt 2048] [--transfer tcp]
+        [--rate R --max-tokens 256]
 
 Starts one ``pdserve decode`` pinned to CPU 1 and one ``pdserve prefill`` pinned to CPU 0, one
 thread each, on the peer experiment's checkpoint (as ``pdserve bench experiment peer`` runs them;
 ``--model`` for another), sends ``--requests`` prompts of ``--prompt`` random token ids one after
-another (streamed, 8 tokens each), prints each one's TTFT at the client, then the mean of the
-prefill's ``pdserve_time_to_first_token_seconds``, ``pdserve_prefill_compute_seconds`` and
-``pdserve_queue_wait_seconds`` over the same requests. Stops both servers on exit.
+another (streamed, ``--max-tokens`` tokens each, 8 by default), prints each one's TTFT at the client,
+then the mean of the prefill's ``pdserve_time_to_first_token_seconds``, ``pdserve_prefill_compute_seconds``
+and ``pdserve_queue_wait_seconds`` over the same requests. With ``--rate`` the requests arrive as a
+Poisson process at that many per second instead (overlapping, as under the peer experiment's trace), so
+the prefill's compute under load can be set beside its compute alone. Stops both servers on exit.
 """
 
 from __future__ import annotations
@@ -16,9 +19,12 @@ import argparse
 import json
 import random
 import re
+import statistics
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -41,6 +47,10 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--transfer", default="tcp", choices=("tcp", "nixl"))
+    ap.add_argument("--max-tokens", type=int, default=8, help="output tokens per request")
+    ap.add_argument("--prefill-arg", action="append", default=[], help="one more flag for the prefill (repeatable)")
+    ap.add_argument("--rate", type=float, default=0.0,
+                    help="Poisson arrivals per second (0: one request after another)")
     args = ap.parse_args()
     if not Path(args.model).exists():
         raise SystemExit(f"no checkpoint at {args.model}: `pdserve bench experiment peer` writes it, or pass --model")
@@ -50,29 +60,54 @@ def main() -> int:
     procs = [subprocess.Popen(["taskset", "-c", "1", str(PDSERVE), "decode", "--host", "127.0.0.1", "--port", str(dec),
                                "--http-port", str(dec_http), "--kv-port", str(kv), *common]),
              subprocess.Popen(["taskset", "-c", "0", str(PDSERVE), "prefill", "--host", "127.0.0.1", "--port", str(http),
-                               "--grpc-port", str(grpc), *common, "--decode", f"127.0.0.1:{dec}"])]
+                               "--grpc-port", str(grpc), *common, "--decode", f"127.0.0.1:{dec}",
+                               *args.prefill_arg])]
     base = f"http://127.0.0.1:{http}"
     try:
         for _ in range(300):
             try:
-                urllib.request.urlopen(base + "/v1/models", timeout=1)
+                urllib.request.urlopen(base + "/ready", timeout=1)  # 503 until a decode reported load
                 break
             except OSError:
                 time.sleep(1)
         else:
             raise SystemExit("the prefill did not become ready in 300 s")
         rng = random.Random(0)
-        for i in range(args.requests):
-            body = {"model": "bench", "prompt": [rng.randrange(16000) for _ in range(args.prompt)], "max_tokens": 8,
-                    "stream": True, "ignore_eos": True}
+        ttfts: list[float] = []
+        failed: list[int] = []
+
+        def one(i: int, prompt: list[int]) -> None:
+            body = {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens, "stream": True,
+                    "ignore_eos": True}
             req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
             t0, first = time.perf_counter(), None
-            with urllib.request.urlopen(req, timeout=300) as r:
-                for line in r:
-                    if first is None and line.startswith(b"data:"):
-                        first = time.perf_counter() - t0
-            print(f"request {i}: client TTFT {first:.3f} s", flush=True)
+            try:
+                with urllib.request.urlopen(req, timeout=600) as r:
+                    for line in r:
+                        if first is None and line.startswith(b"data:"):
+                            first = time.perf_counter() - t0
+            except urllib.error.HTTPError as exc:
+                failed.append(exc.code)
+                print(f"request {i}: HTTP {exc.code} after {time.perf_counter() - t0:.3f} s: "
+                      f"{exc.read().decode(errors='replace')[:300]}", flush=True)
+                return
+            ttfts.append(first)
+            print(f"request {i}: sent at {t0 - start:.3f} s, client TTFT {first:.3f} s", flush=True)
+
+        threads, start = [], time.perf_counter()
+        for i in range(args.requests):
+            prompt = [rng.randrange(16000) for _ in range(args.prompt)]
+            if args.rate <= 0:
+                one(i, prompt)
+                continue
+            threads.append(threading.Thread(target=one, args=(i, prompt)))
+            threads[-1].start()
+            time.sleep(rng.expovariate(args.rate))
+        for t in threads:
+            t.join()
+        print(f"client TTFT mean {statistics.fmean(ttfts):.3f} s over {len(ttfts)} requests; "
+              f"{len(failed)} failed {sorted(failed)}")
         metrics = urllib.request.urlopen(base + "/metrics").read().decode()
         print("prefill's metrics, mean over the requests: "
               + ", ".join(f"{part} {_mean(metrics, part):.3f} s" for part in PARTS))

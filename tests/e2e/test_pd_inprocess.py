@@ -5,6 +5,7 @@ engine's, a request larger than the decode's pool is RequestTooLarge naming the 
 client's stream cancels on decode, and everything is freed on both ends afterwards."""
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -129,5 +130,36 @@ def test_session_state_machines_in_one_process():
             await gen.aclose()
             held = await pair.wait_released(timeout=1.0)
             assert not any(held.values()), held
+
+    asyncio.run(main())
+
+
+def test_first_token_leaves_while_the_prefill_engine_thread_is_busy():
+    """Once a prompt's KV has left, its first token (with its logprob) goes to the client without another
+    trip to the prefill's engine thread: by then that thread is usually computing the next prompt, and a
+    trip there (to release the blocks, to read the logprob) held the first token back by that whole prompt.
+    Here the engine thread is kept busy right after the prompt by a call that waits on ``gate``; the first
+    delta must come while it waits, and the blocks are released once the thread is free again."""
+    async def main():
+        async with Pair() as pair:
+            engine, gate = pair.p_engine.engine, threading.Event()
+            compute = engine.prefill_only
+
+            def prefill_then_busy(*args, **kwargs):  # on the engine thread
+                first = compute(*args, **kwargs)
+                pair.p_engine._calls.put((gate.wait, (30.0,), None))  # "the next prompt", queued behind this one
+                return first
+
+            engine.prefill_only = prefill_then_busy
+            gen = pair.node.generate("a", [256, *b"hello"], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
+            try:
+                first = await asyncio.wait_for(gen.__anext__(), 20.0)
+                assert len(first.token_ids) == 1 and first.logprobs and first.logprobs[0] is not None
+                assert not gate.is_set() and pair.held()["prefill_used"] > 0  # not released yet: the thread is busy
+            finally:
+                gate.set()
+            rest = [d async for d in gen]
+            assert rest[-1].finished
+            assert not any((await pair.wait_released()).values()), pair.held()
 
     asyncio.run(main())
