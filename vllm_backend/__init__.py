@@ -18,6 +18,7 @@ Reading path:
   ``engine.py``     VllmAsyncEngine: the AsyncLLMEngine calls the servers make, mapped onto vLLM
   ``connector.py``  PdserveConnector (KVConnectorBase_V1): the scheduler and worker hooks
   ``bridge.py``     Bridge: the state those three share in the one process
+  ``logprobs.py``   vLLM's per-token and prompt logprobs in the built-in engine's shape (TokenLogprob)
 
 Only ``connector.py``, ``engine.py`` and ``server.py`` import vllm; nothing outside this
 package does (tests/unit/test_import_arrows.py). pdserve's own environment never installs vLLM.

@@ -19,7 +19,15 @@ How each P/D call maps onto vLLM (``connector.py`` holds the hooks, ``bridge.py`
 - ``prefill_reserved``: the placeholder is dropped and the prompt computed here (a fresh request).
 - ``abort`` / an output stream left early: vLLM aborts the request and frees its blocks.
 
-Not supported over vLLM (a clear ValueError): constrained output (``grammar``) and logprobs.
+Logprobs (``logprobs``, ``prompt_logprobs``) are vLLM's raw ones, in the built-in engine's
+shape (``logprobs.py``): prefill_only asks them of its request and keeps the first token's
+(``prefill_logprob``) and the prompt's (``prefill_prompt_logprobs``) until ``release``;
+``add_prefilled`` asks them of the waiting request (its output processor's LogprobsProcessor,
+made for the placeholder sampling, is rebuilt), whose outputs carry one per later token.
+
+Not supported over vLLM (a clear ValueError): constrained output (``grammar``: the decode's
+request exists before its sampling arrives, and vLLM builds a request's grammar state when it
+is added).
 Stop strings are not given to vLLM: the prefill's TextStream cuts the text at one and ends the
 request (which aborts it here). Not carried over: the decode's prefix cache (off: its
 reservations hold placeholder tokens), KV events, KV tiers and swap; vLLM may preempt a
@@ -32,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
 from pdserve.engine.engine_thread import set_exception, set_result
@@ -40,6 +49,7 @@ from pdserve.engine.sequence import RequestOutput
 
 from .bridge import Bridge
 from .engine_thread import VllmEngineThread
+from .logprobs import prompt_logprobs, sample_logprobs
 
 log = logging.getLogger(__name__)
 RESERVE_TIMEOUT_S = 10.0  # vLLM's scheduler allocates a reservation within a step or two
@@ -63,6 +73,10 @@ class VllmAsyncEngine(VllmEngineThread):
         self._counters = (0, 0.0)  # prompt tokens computed by prefill_only, seconds
         self._started_at: dict[str, tuple[float, int]] = {}
         self._num_requests = 0
+        # prefill_only requests that asked: the first token's TokenLogprob, the prompt's logprobs (until release)
+        self._first_logprobs: dict[str, object] = {}
+        self._prompt_logprobs: dict[str, list] = {}
+        self._ks: dict[str, tuple[int | None, int | None]] = {}  # requests that asked: (logprobs, prompt_logprobs)
 
     # ---- reads from any thread ----
     def _pool(self):
@@ -113,10 +127,15 @@ class VllmAsyncEngine(VllmEngineThread):
         return {rid: t for (rid, _, _), t in zip(requests, firsts)}
 
     async def prefill_logprob(self, request_id: str):
-        return None
+        """The first token's TokenLogprob of a prefill_only request still held (None unless it asked)."""
+        return self._first_logprobs.get(request_id)
+
+    async def prefill_prompt_logprobs(self, request_id: str) -> list | None:
+        """The prompt logprobs of a prefill_only request still held (None unless it asked ``prompt_logprobs``)."""
+        return self._prompt_logprobs.get(request_id)
 
     async def release(self, request_id: str) -> None:
-        await self._call(self.bridge.release, request_id)
+        await self._call(self._release, request_id)
 
     # ---- decode side ----
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
@@ -151,13 +170,12 @@ class VllmAsyncEngine(VllmEngineThread):
 
         if getattr(sp, "grammar", None) is not None:
             raise ValueError("constrained output (response_format/tools) is not supported with --engine vllm")
-        if getattr(sp, "logprobs", None) is not None:
-            raise ValueError("logprobs are not supported with --engine vllm")
         return VSP(max_tokens=max_tokens if max_tokens is not None else sp.max_tokens, temperature=sp.temperature,
                    top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0, seed=sp.seed,
                    stop=None,  # stop strings: the prefill's TextStream cuts the text and ends the request
                    stop_token_ids=None if prefill else list(sp.stop_token_ids),
-                   ignore_eos=True if prefill else sp.ignore_eos, detokenize=False,
+                   ignore_eos=True if prefill else sp.ignore_eos, detokenize=False, logprobs=sp.logprobs,
+                   prompt_logprobs=getattr(sp, "prompt_logprobs", None),
                    output_kind=RequestOutputKind.DELTA, extra_args={"kv_transfer_params": kv} if kv else None)
 
     def _check_len(self, n_prompt: int) -> None:
@@ -174,6 +192,7 @@ class VllmAsyncEngine(VllmEngineThread):
     def _add(self, rid: str, ids: list[int], sampling) -> None:
         self._check_len(len(ids))
         self.llm.add_request(rid, {"prompt_token_ids": ids}, self._vllm_sampling(sampling))
+        self._ask(rid, sampling)
 
     def _add_prefill(self, rid: str, ids: list[int], sampling, on_layer, reply) -> None:
         self._check_len(len(ids))
@@ -187,6 +206,7 @@ class VllmAsyncEngine(VllmEngineThread):
             raise
         self._firsts[rid] = reply
         self._started_at[rid] = (time.perf_counter(), len(ids))
+        self._ask(rid, sampling)
 
     def _reserve(self, rid: str, n_prompt: int, max_tokens: int, reply) -> None:
         self._check_len(n_prompt)
@@ -213,7 +233,8 @@ class VllmAsyncEngine(VllmEngineThread):
         if sampling.max_tokens <= 1 or first in stops:  # the first token already ends it
             self._abort(rid)
             reason = "stop" if first in stops else "length"
-            self._deliver(RequestOutput(rid, [], finished=True, finish_reason=reason, num_prompt_tokens=len(ids)))
+            self._deliver(RequestOutput(rid, [], finished=True, finish_reason=reason, num_prompt_tokens=len(ids),
+                                        logprobs=None if sampling.logprobs is None else []))
             return
         req = self._scheduler.requests[d.internal_id]
         tokens = list(ids) + [first]
@@ -221,23 +242,43 @@ class VllmAsyncEngine(VllmEngineThread):
         req._all_token_ids[:] = tokens
         fresh = self._vllm_sampling(sampling, max_tokens=sampling.max_tokens - 1)
         vsp = req.sampling_params  # shared with vLLM's output processor (in-process): update in place
-        for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens"):
+        for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens",
+                     "logprobs"):
             setattr(vsp, name, getattr(fresh, name))
         vsp._all_stop_token_ids = set(vsp._all_stop_token_ids) | set(fresh.stop_token_ids or ())
         req.max_tokens = vsp.max_tokens
+        if vsp.logprobs is not None:  # the output processor made its LogprobsProcessor from the placeholder's
+            self._ask_logprobs(d.internal_id, vsp)
+            self._ks[rid] = (vsp.logprobs, None)
         self.bridge.loaded(rid)
 
+    def _ask_logprobs(self, internal_id: str, vsp) -> None:
+        from vllm.v1.engine.logprobs import LogprobsProcessor
+
+        state = self.llm.output_processor.request_states.get(internal_id)
+        if state is None:
+            raise RuntimeError(f"vLLM's output processor does not know request {internal_id!r}")
+        state.logprobs_processor = LogprobsProcessor.from_new_request(None, SimpleNamespace(sampling_params=vsp))
+
+    def _release(self, rid: str) -> None:
+        self._ks.pop(rid, None)
+        self._first_logprobs.pop(rid, None)
+        self._prompt_logprobs.pop(rid, None)
+        self.bridge.release(rid)
+
     def _drop_reservation(self, rid: str) -> None:
+        self._ks.pop(rid, None)
         self.llm.abort_request([rid])
         self.bridge.forget(rid)
 
     def _abort(self, rid: str) -> bool:
         known = (rid in self.bridge.prefills or rid in self.bridge.decodes or rid in self._streams
                  or rid in self._firsts)
+        self._ks.pop(rid, None)
         self.llm.abort_request([rid])
         p = self.bridge.prefills.get(rid)
         if p is not None and p.held:
-            self.bridge.release(rid)  # vLLM frees held blocks through get_finished
+            self._release(rid)  # vLLM frees held blocks through get_finished
         else:
             self.bridge.forget(rid)
         reply = self._firsts.pop(rid, None)
@@ -261,20 +302,53 @@ class VllmAsyncEngine(VllmEngineThread):
             tokens_done, seconds = self._counters
             self._counters = (tokens_done + n, seconds + time.perf_counter() - started)
             error = self.bridge.prefill_errors.pop(rid, None)
+            if error is None and tokens:
+                error = self._keep_prefill_logprobs(rid, out, comp.logprobs, tokens[:1])
             if error is not None or not tokens:
-                self.bridge.release(rid)
+                self._release(rid)
                 loop.call_soon_threadsafe(set_exception, fut,
                                           error or RuntimeError(f"vLLM gave no first token for {rid!r}"))
             else:
                 loop.call_soon_threadsafe(set_result, fut, tokens[0])
             return
         reason = comp.finish_reason if comp is not None else None
+        k, prompt_k = (self._ks.pop(rid, None) if out.finished else self._ks.get(rid)) or (None, None)
+        try:
+            lps = sample_logprobs(tokens, comp.logprobs, k) if comp is not None else None
+            prompt_lps = prompt_logprobs(list(out.prompt_token_ids or ()), out.prompt_logprobs, prompt_k)
+        except ValueError as exc:  # vLLM's logprobs do not fit its tokens: end the request with the reason
+            self._abort(rid)
+            self._deliver(RequestOutput(rid, [], finished=True, finish_reason="abort", error=str(exc)))
+            return
         if out.finished and reason == "stop" and not isinstance(comp.stop_reason, str) and tokens:
             tokens = tokens[:-1]  # pdserve leaves stop tokens out of the output
+            lps = lps[:-1] if lps is not None else None
         if out.finished:
             self.bridge.forget(rid)
         self._deliver(RequestOutput(rid, tokens, finished=out.finished, finish_reason=reason if out.finished else None,
-                                    num_prompt_tokens=len(out.prompt_token_ids or ())))
+                                    num_prompt_tokens=len(out.prompt_token_ids or ()), logprobs=lps,
+                                    prompt_logprobs=prompt_lps))
+
+    def _keep_prefill_logprobs(self, rid: str, out, positions, first: list[int]) -> Exception | None:
+        """Keeps a finished prefill_only request's first-token and prompt logprobs (when it asked) until release."""
+        k, prompt_k = self._ks.pop(rid, None) or (None, None)
+        try:
+            lps = sample_logprobs(first, positions[:1] if positions is not None else None, k)
+            prompt_lps = prompt_logprobs(list(out.prompt_token_ids or ()), out.prompt_logprobs, prompt_k)
+        except ValueError as exc:
+            return exc
+        if prompt_k is not None and prompt_lps is None:
+            return RuntimeError(f"vLLM gave no prompt logprobs for {rid!r}")
+        if lps:
+            self._first_logprobs[rid] = lps[0]
+        if prompt_lps is not None:
+            self._prompt_logprobs[rid] = prompt_lps
+        return None
+
+    def _ask(self, rid: str, sampling) -> None:
+        ks = (getattr(sampling, "logprobs", None), getattr(sampling, "prompt_logprobs", None))
+        if ks != (None, None):
+            self._ks[rid] = ks
 
     def _step(self) -> list:
         outputs = self.llm.step()
@@ -290,3 +364,4 @@ class _Greedy:
     def __init__(self, max_tokens: int):
         self.max_tokens, self.temperature, self.top_p, self.top_k, self.seed = max_tokens, 0.0, 1.0, 0, None
         self.stop, self.stop_token_ids, self.ignore_eos, self.grammar = [], [], True, None
+        self.logprobs = self.prompt_logprobs = None

@@ -109,8 +109,6 @@ def _refusing_sampling_cls():
 
         def __post_init__(self) -> None:
             super().__post_init__()
-            if self.logprobs is not None:
-                raise ValueError("logprobs: not supported with --engine vllm")
             if self.grammar is not None:
                 raise ValueError("response_format: constrained output is not supported with --engine vllm")
 

