@@ -6,7 +6,8 @@
 Starts one ``pdserve decode`` pinned to CPU 1 and one ``pdserve prefill`` pinned to CPU 0, one
 thread each, on the peer experiment's checkpoint (as ``pdserve bench experiment peer`` runs them;
 ``--model`` for another), sends ``--requests`` prompts of ``--prompt`` random token ids one after
-another (streamed, ``--max-tokens`` tokens each, 8 by default), prints each one's TTFT at the client,
+another (streamed by ``pdserve.bench.loadgen``, ``--max-tokens`` tokens each, 8 by default), prints
+each one's TTFT at the client,
 then the mean of the prefill's ``pdserve_time_to_first_token_seconds``, ``pdserve_prefill_compute_seconds``
 and ``pdserve_queue_wait_seconds`` over the same requests. With ``--rate`` the requests arrive as a
 Poisson process at that many per second instead (overlapping, as under the peer experiment's trace), so
@@ -16,18 +17,18 @@ the prefill's compute under load can be set beside its compute alone. Stops both
 from __future__ import annotations
 
 import argparse
-import json
+import asyncio
 import random
 import re
 import statistics
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
+from pdserve.bench.loadgen import LoadConfig, send_requests
+from pdserve.bench.loadgen_workload import arrival_times, random_requests
 from pdserve.net import free_ports
 
 PEER_MODEL = Path.home() / ".cache/pdserve/bench-models/peer-model-peer-4096"
@@ -59,8 +60,8 @@ def main() -> int:
               "--num-blocks", "256", "--max-model-len", str(args.prompt + 320), "--transfer", args.transfer]
     procs = [subprocess.Popen(["taskset", "-c", "1", str(PDSERVE), "decode", "--host", "127.0.0.1", "--port", str(dec),
                                "--http-port", str(dec_http), "--kv-port", str(kv), *common]),
-             subprocess.Popen(["taskset", "-c", "0", str(PDSERVE), "prefill", "--host", "127.0.0.1", "--port", str(http),
-                               "--grpc-port", str(grpc), *common, "--decode", f"127.0.0.1:{dec}",
+             subprocess.Popen(["taskset", "-c", "0", str(PDSERVE), "prefill", "--host", "127.0.0.1",
+                               "--port", str(http), "--grpc-port", str(grpc), *common, "--decode", f"127.0.0.1:{dec}",
                                *args.prefill_arg])]
     base = f"http://127.0.0.1:{http}"
     try:
@@ -73,41 +74,20 @@ def main() -> int:
         else:
             raise SystemExit("the prefill did not become ready in 300 s")
         rng = random.Random(0)
-        ttfts: list[float] = []
-        failed: list[int] = []
-
-        def one(i: int, prompt: list[int]) -> None:
-            body = {"model": "bench", "prompt": prompt, "max_tokens": args.max_tokens, "stream": True,
-                    "ignore_eos": True}
-            req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            t0, first = time.perf_counter(), None
-            try:
-                with urllib.request.urlopen(req, timeout=600) as r:
-                    for line in r:
-                        if first is None and line.startswith(b"data:"):
-                            first = time.perf_counter() - t0
-            except urllib.error.HTTPError as exc:
-                failed.append(exc.code)
-                print(f"request {i}: HTTP {exc.code} after {time.perf_counter() - t0:.3f} s: "
-                      f"{exc.read().decode(errors='replace')[:300]}", flush=True)
-                return
-            ttfts.append(first)
-            print(f"request {i}: sent at {t0 - start:.3f} s, client TTFT {first:.3f} s", flush=True)
-
-        threads, start = [], time.perf_counter()
-        for i in range(args.requests):
-            prompt = [rng.randrange(16000) for _ in range(args.prompt)]
-            if args.rate <= 0:
-                one(i, prompt)
-                continue
-            threads.append(threading.Thread(target=one, args=(i, prompt)))
-            threads[-1].start()
-            time.sleep(rng.expovariate(args.rate))
-        for t in threads:
-            t.join()
-        print(f"client TTFT mean {statistics.fmean(ttfts):.3f} s over {len(ttfts)} requests; "
-              f"{len(failed)} failed {sorted(failed)}")
+        specs = random_requests(args.requests, args.prompt, args.max_tokens, rng, list(range(16000)))
+        config = LoadConfig(url=base, model="bench", progress=False)
+        if args.rate > 0:
+            results, _ = asyncio.run(send_requests(config, specs, arrivals=arrival_times(len(specs), args.rate,
+                                                                                          "poisson", rng)))
+        else:
+            results, _ = asyncio.run(send_requests(config, specs, concurrency=1))
+        for r in results:
+            print(f"request {r.index}: sent at {r.sent_at:.3f} s, " + (f"client TTFT {r.ttft:.3f} s" if r.ok else
+                  f"failed (HTTP {r.status}): {r.error[:300]}"), flush=True)
+        ttfts = [r.ttft for r in results if r.ok]
+        failed = sorted(r.status for r in results if not r.ok)
+        print(f"client TTFT mean {statistics.fmean(ttfts) if ttfts else float('nan'):.3f} s over {len(ttfts)} "
+              f"requests; {len(failed)} failed {failed}")
         metrics = urllib.request.urlopen(base + "/metrics").read().decode()
         print("prefill's metrics, mean over the requests: "
               + ", ".join(f"{part} {_mean(metrics, part):.3f} s" for part in PARTS))
