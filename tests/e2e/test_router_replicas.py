@@ -11,6 +11,8 @@
 """
 
 
+import time
+
 import grpc
 import pytest
 
@@ -42,6 +44,24 @@ def loads(router: Server) -> dict:
     """What the router last heard of each prefill's load (a balance decision turns on it)."""
     return {a: ((p["load"] or {}).get("in_flight"), (p["load"] or {}).get("kv_blocks_free"), p["in_flight_here"])
             for a, p in get_json(router.url + "/health")[1]["prefills"].items()}
+
+
+def same_settled_loads(a: Server, b: Server, prefills: list[Server]) -> None:
+    """Wait until the prefills hold nothing and both routers have heard the same loads twice, a few polls apart.
+
+    One equal reading is not enough: the prefill's last release can land between two polls, and then
+    one router updates before the other (seen in CI as a different balance pick for an unseen prompt).
+    """
+    assert nothing_held(wait_all_released(prefills))
+
+    def settled() -> bool:
+        first = loads(a)
+        if first != loads(b):
+            return False
+        time.sleep(0.6)  # three load polls (--load-interval 0.2)
+        return loads(a) == first == loads(b)
+
+    wait_until(settled, "both routers to hear the same settled loads", timeout=15)
 
 
 def chat(system: str, user: str, max_tokens: int = 4) -> dict:
@@ -79,7 +99,7 @@ def test_two_routers_agree_and_a_restarted_router_catches_up(cluster):
     wait_until(lambda: index_sizes(a) == index_sizes(b), "both indexes to hold the same blocks", timeout=10)
     assert sum(index_sizes(a).values()) > 0
     # the same loads too: a router polls them every interval, so one can still hold a view from mid-warm-up
-    wait_until(lambda: loads(a) == loads(b), "both routers to hear the same loads", timeout=10)
+    same_settled_loads(a, b, prefills)
     probes = [chat(s, f"question {j}") for s in SYSTEMS for j in range(3)] + [chat("unseen system prompt " * 6, "x")]
     seen = [decision(a, p) for p in probes]
     assert seen == [decision(b, p) for p in probes]
@@ -92,7 +112,7 @@ def test_two_routers_agree_and_a_restarted_router_catches_up(cluster):
     wait_ready(a2)
     wait_until(lambda: synced(a2, prefills), "the restarted router synced", timeout=10)
     assert index_sizes(a2) == index_sizes(b)
-    wait_until(lambda: loads(a2) == loads(b), "the restarted router to hear the same loads", timeout=10)
+    same_settled_loads(a2, b, prefills)
     assert [decision(a2, p) for p in probes] == seen
     cluster["routers"][0] = a2
 
