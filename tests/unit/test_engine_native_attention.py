@@ -28,18 +28,19 @@ def _case(batch_ctx, heads, kv_heads, dim, block_size, dtype, seed=0):
     return kv, q, tables, torch.tensor(batch_ctx)
 
 
-def _reference(kv, q, tables, starts, ends, scale):
-    """SDPA in float32 over the gathered context (KVCache.gather), masked to start <= p < end."""
+def _reference(kv, q, tables, starts, ends, scale, dtype=torch.float32):
+    """SDPA in float32 (or dtype) over the gathered context (KVCache.gather), masked to start <= p < end."""
     rows = kv.table_rows(tables)
     k, v = kv.gather(0, rows)
     pos = torch.arange(rows.shape[1])
     mask = ((pos >= starts.unsqueeze(1)) & (pos < ends.unsqueeze(1))).view(len(ends), 1, 1, -1)
-    return F.scaled_dot_product_attention(q.float().unsqueeze(2), k.float().transpose(1, 2), v.float().transpose(1, 2),
+    return F.scaled_dot_product_attention(q.to(dtype).unsqueeze(2), k.to(dtype).transpose(1, 2),
+                                          v.to(dtype).transpose(1, 2),
                                           attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
 
 
 @needs_compiler
-@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 2, 64), (16, 8, 64), (4, 4, 128), (6, 1, 32)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 2, 64), (16, 8, 64), (4, 4, 128), (6, 1, 32), (4, 2, 16), (2, 1, 256)])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("window", [None, 20])
 def test_kernel_matches_sdpa_over_the_gathered_context(heads, kv_heads, dim, block_size, window):
@@ -52,6 +53,23 @@ def test_kernel_matches_sdpa_over_the_gathered_context(heads, kv_heads, dim, blo
     # slots past a sequence's end (the rest of its last block, other sequences' blocks) change nothing
     kv.tensor[0, tables[1, 0], :, 1:] = 1e4
     torch.testing.assert_close(op(q, kv.layer(0), tables, starts, ends, 0.2), got)
+
+
+@needs_compiler
+def test_scores_far_apart_soft_max_like_sdpa():
+    """A large scale spreads the scores over hundreds: 93% of the softmax terms of the longest
+    sequence fall below e^-80 (the kernel's vectorized exp gives 0 there) and the result is still
+    SDPA's in float64. The tolerance is 5e-5: the kernel's float32 scores of up to 255 are rounded
+    by ~1e-5 of that, and exp carries it into the weights (the kernel before the vectorized exp
+    was 2.7e-5 off float32 SDPA here, the same as now)."""
+    op = native.paged_decode_attention()
+    kv, q, tables, ends = _case([300, 17, 33], 16, 2, 64, 16, torch.float32, seed=3)
+    starts = torch.zeros_like(ends)
+    got = op(q, kv.layer(0), tables, starts, ends, 8.0)
+    kv64 = KVCache(1, kv.num_blocks, 16, 2, 64, torch.float64)
+    kv64.tensor.copy_(kv.tensor)
+    want = _reference(kv64, q.double(), tables, starts, ends, 8.0, torch.float64).float()
+    torch.testing.assert_close(got, want, atol=5e-5, rtol=5e-5)
 
 
 @needs_compiler
