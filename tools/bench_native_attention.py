@@ -1,20 +1,28 @@
 """The engine's C++ decode attention (engine/csrc/paged_decode.cpp) against its torch path, per layer call.
 
     .venv/bin/python tools/bench_native_attention.py [--cases 1x640,4x640,12x640,12x2304,32x640] [--rounds 6] \
-        [--kv-heads 2] [--block-size 64]
+        [--kv-heads 2] [--block-size 64] [--against REV]
 
 Builds (or finds) the kernel through ``engine/native.py``, checks it against the torch path on one layer
 (``KVCache.gather``'s two ``index_select`` + ``decode_attend``), then times both A B A B on one torch thread
 (thread CPU time) per case: batch x context, 16 query heads of 64 over --kv-heads KV heads, blocks scattered
 over the layer, contexts of 0.5-1x the case's length. Prints the median time per layer call of each and the
 ratio kernel / torch path.
+
+``--against REV`` (a git revision, e.g. ``HEAD~1``) also builds the kernel as it was at REV, under its
+own op name, and times it in the same rounds: the third column is that kernel, the last ratio this
+kernel / that one (how much a change to ``engine/csrc/paged_decode.cpp`` gained, measured A B A B).
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,6 +61,24 @@ def kernel(q, kv, tables, ctx):
     return native.paged_decode_attention()(q, kv.layer(0), tables, torch.zeros_like(ctx), ctx, q.shape[-1] ** -0.5)
 
 
+def kernel_at(rev: str):
+    """The kernel's source at git revision ``rev``, built under the op name pdserve_native_at_rev."""
+    src = subprocess.run(["git", "show", f"{rev}:engine/csrc/paged_decode.cpp"], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    if src.returncode != 0:
+        raise SystemExit(f"--against {rev}: {src.stderr.strip()}")
+    tmp = Path(tempfile.mkdtemp(prefix="native-at-rev-"))
+    (tmp / "at_rev.cpp").write_text(src.stdout.replace("TORCH_LIBRARY(pdserve_native,", "TORCH_LIBRARY(pdserve_native_at_rev,"))
+    cmd = native._build_command(shutil.which("g++") or "g++", tmp / "at_rev.so")
+    cmd[cmd.index(str(native.SOURCE))] = str(tmp / "at_rev.cpp")
+    built = subprocess.run(cmd, capture_output=True, text=True)
+    if built.returncode != 0:
+        raise SystemExit(f"--against {rev}: the build failed:\n{built.stderr[-2000:]}")
+    torch.ops.load_library(str(tmp / "at_rev.so"))
+    op = torch.ops.pdserve_native_at_rev.paged_decode_attention
+    return lambda q, kv, tables, ctx: op(q, kv.layer(0), tables, torch.zeros_like(ctx), ctx, q.shape[-1] ** -0.5)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default="1x640,4x640,12x640,12x2304,32x640", help="batch x context, comma list")
@@ -60,18 +86,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6, help="A B rounds per case (8 calls each)")
     ap.add_argument("--kv-heads", type=int, default=2, help="KV heads (16 query heads of 64)")
     ap.add_argument("--block-size", type=int, default=64)
+    ap.add_argument("--against", metavar="REV", help="also time the kernel as it was at this git revision")
     args = ap.parse_args()
     torch.set_num_threads(1)
     if native.paged_decode_attention() is None:
         raise SystemExit(f"the kernel is unavailable: {native.unavailable_reason()}")
+    before = kernel_at(args.against) if args.against else None
     for dtype in [getattr(torch, d) for d in args.dtypes.split(",")]:
         for spec in args.cases.split(","):
             batch, length = (int(x) for x in spec.split("x"))
             inputs = case(batch, length, dtype, args.kv_heads, args.block_size)
             q, kv, tables, ctx = inputs
             sides = {"engine": (engine_path, (q, kv, *step_inputs(kv, tables, ctx, dtype))), "kernel": (kernel, inputs)}
+            if before is not None:
+                sides["before"] = (before, inputs)
             err = (engine_path(*sides["engine"][1]).float() - kernel(*inputs).float()).abs().max().item()
-            times: dict[str, list[float]] = {"engine": [], "kernel": []}
+            times: dict[str, list[float]] = {name: [] for name in sides}
             for _ in range(args.rounds):
                 for name, (fn, fn_args) in sides.items():
                     t = time.thread_time()
@@ -79,8 +109,12 @@ def main() -> None:
                         fn(*fn_args)
                     times[name].append((time.thread_time() - t) / 8 * 1e3)
             e, p = statistics.median(times["engine"]), statistics.median(times["kernel"])
+            then = ""
+            if before is not None:
+                b = statistics.median(times["before"])
+                then = f"  kernel at {args.against} {b:6.2f} ms  now / then {p / b:.2f}"
             print(f"{str(dtype).removeprefix('torch.'):8s} B={batch:<3d} L={length:<5d} torch path {e:6.2f} ms  "
-                  f"kernel {p:6.2f} ms  ratio {p / e:.2f}  max |diff| {err:.1e}", flush=True)
+                  f"kernel {p:6.2f} ms  ratio {p / e:.2f}  max |diff| {err:.1e}{then}", flush=True)
 
 
 if __name__ == "__main__":
