@@ -49,7 +49,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", choices=ENGINES, default="builtin",
                    help="builtin: pdserve's engine; vllm: vLLM's engine with pdserve's CacheStore as its KV connector "
                         "(vllm_backend/; runs in the environment tools/install_vllm_cpu.sh builds; --model must be a "
-                        "Hugging Face directory; logprobs supported; no response_format/tools, KV tiers or decode "
+                        "Hugging Face directory; logprobs and response_format/tools supported; no KV tiers or decode "
                         "prefix cache)")
     g.add_argument("--model", default=defaults.BUILTIN_MODEL,
                    help=f"'{defaults.BUILTIN_MODEL}' (built-in, offline) or a directory with config.json + safetensors")

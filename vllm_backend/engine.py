@@ -25,9 +25,11 @@ shape (``logprobs.py``): prefill_only asks them of its request and keeps the fir
 ``add_prefilled`` asks them of the waiting request (its output processor's LogprobsProcessor,
 made for the placeholder sampling, is rebuilt), whose outputs carry one per later token.
 
-Not supported over vLLM (a clear ValueError): constrained output (``grammar``: the decode's
-request exists before its sampling arrives, and vLLM builds a request's grammar state when it
-is added).
+Constrained output (``grammar``: response_format, tools) is vLLM's structured outputs (xgrammar,
+compact JSON as the built-in engine): the prefill's request carries it, so its first token obeys
+it; the decode's request, added at ``reserve`` before its sampling is known, gets it at
+``add_prefilled`` (compiled then, and told the first token, plus the prompt tokens a resume fed
+back: ``GrammarSpec.feed``), before vLLM schedules it; vLLM advances it by every later token.
 Stop strings are not given to vLLM: the prefill's TextStream cuts the text at one and ends the
 request (which aborts it here). Not carried over: the decode's prefix cache (off: its
 reservations hold placeholder tokens), KV events, KV tiers and swap; vLLM may preempt a
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from concurrent.futures import Future, wait
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
@@ -53,6 +56,18 @@ from .logprobs import prompt_logprobs, sample_logprobs
 
 log = logging.getLogger(__name__)
 RESERVE_TIMEOUT_S = 10.0  # vLLM's scheduler allocates a reservation within a step or two
+GRAMMAR_COMPILE_TIMEOUT_S = 30.0  # a JSON schema compiles in milliseconds to a second here
+
+
+def _structured_outputs(grammar):
+    """pdserve's GrammarSpec (engine/grammar.py) as vLLM's StructuredOutputsParams (None: no grammar)."""
+    if grammar is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if grammar.kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(json=grammar.schema)
 
 
 def _blocks_needed(tokens: int, block_size: int) -> int:
@@ -65,6 +80,7 @@ class VllmAsyncEngine(VllmEngineThread):
         self.llm = llm  # vllm.v1.engine.llm_engine.LLMEngine, in-process
         core = llm.engine_core.engine_core
         self._scheduler = core.scheduler
+        self._structured = core.structured_output_manager
         self.bridge = bridge
         self.block_size = bridge.block_size
         self.max_model_len = max_model_len
@@ -168,15 +184,40 @@ class VllmAsyncEngine(VllmEngineThread):
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
-        if getattr(sp, "grammar", None) is not None:
-            raise ValueError("constrained output (response_format/tools) is not supported with --engine vllm")
         return VSP(max_tokens=max_tokens if max_tokens is not None else sp.max_tokens, temperature=sp.temperature,
                    top_p=sp.top_p, top_k=sp.top_k if sp.top_k > 0 else 0, seed=sp.seed,
                    stop=None,  # stop strings: the prefill's TextStream cuts the text and ends the request
                    stop_token_ids=None if prefill else list(sp.stop_token_ids),
                    ignore_eos=True if prefill else sp.ignore_eos, detokenize=False, logprobs=sp.logprobs,
                    prompt_logprobs=getattr(sp, "prompt_logprobs", None),
-                   output_kind=RequestOutputKind.DELTA, extra_args={"kv_transfer_params": kv} if kv else None)
+                   output_kind=RequestOutputKind.DELTA, extra_args={"kv_transfer_params": kv} if kv else None,
+                   structured_outputs=_structured_outputs(getattr(sp, "grammar", None)))
+
+    def _add_fed(self, rid: str, ids: list[int], vsp, grammar) -> None:
+        """llm.add_request, then (a resumed request: ``grammar.feed`` > 0) the grammar told the trailing
+        prompt tokens it already produced, before vLLM samples the request's first token."""
+        known = set(self._scheduler.requests) if grammar is not None and grammar.feed else None
+        self.llm.add_request(rid, {"prompt_token_ids": ids}, vsp)
+        if known is not None:
+            (internal_id,) = set(self._scheduler.requests) - known
+            try:
+                self._advance_grammar(self._scheduler.requests[internal_id], ids[len(ids) - grammar.feed:])
+            except BaseException:
+                self.llm.abort_request([rid])
+                raise
+
+    def _advance_grammar(self, req, tokens: list[int]) -> None:
+        """Wait for the request's grammar to compile and make it accept ``tokens`` (already produced
+        under it: on the prefill, the part of the prompt a resume fed back; on the decode, that and the
+        prefill's first token). vLLM's scheduler advances it by each token sampled after these."""
+        pending = req.structured_output_request._grammar
+        if isinstance(pending, Future):
+            wait([pending], timeout=GRAMMAR_COMPILE_TIMEOUT_S)
+        grammar = req.structured_output_request.grammar
+        if grammar is None or isinstance(grammar, Exception):
+            raise ValueError(f"response_format: vLLM could not compile the grammar: {grammar or 'timed out'}")
+        if tokens and not grammar.accept_tokens(req.request_id, tokens):
+            raise ValueError(f"response_format: the grammar refuses the tokens already produced ({tokens[-8:]}, ...)")
 
     def _check_len(self, n_prompt: int) -> None:
         if n_prompt < 1:
@@ -191,7 +232,7 @@ class VllmAsyncEngine(VllmEngineThread):
 
     def _add(self, rid: str, ids: list[int], sampling) -> None:
         self._check_len(len(ids))
-        self.llm.add_request(rid, {"prompt_token_ids": ids}, self._vllm_sampling(sampling))
+        self._add_fed(rid, ids, self._vllm_sampling(sampling), getattr(sampling, "grammar", None))
         self._ask(rid, sampling)
 
     def _add_prefill(self, rid: str, ids: list[int], sampling, on_layer, reply) -> None:
@@ -200,7 +241,7 @@ class VllmAsyncEngine(VllmEngineThread):
         vsp = self._vllm_sampling(sampling, max_tokens=1, kv={"pdserve": "prefill", "rid": rid}, prefill=True)
         self.bridge.start_prefill(rid, on_layer)
         try:
-            self.llm.add_request(rid, {"prompt_token_ids": ids}, vsp)
+            self._add_fed(rid, ids, vsp, getattr(sampling, "grammar", None))
         except BaseException:
             self.bridge.forget(rid)
             raise
@@ -246,11 +287,32 @@ class VllmAsyncEngine(VllmEngineThread):
                      "logprobs"):
             setattr(vsp, name, getattr(fresh, name))
         vsp._all_stop_token_ids = set(vsp._all_stop_token_ids) | set(fresh.stop_token_ids or ())
+        if not sampling.ignore_eos and self.eos_token_ids:  # the placeholder ignored EOS: end on it now, as
+            vsp._eos_token_id = self.eos_token_ids[0]       # vLLM's input processor would have set it up
+            vsp.stop_token_ids = list(dict.fromkeys([*(vsp.stop_token_ids or ()), *self.eos_token_ids[1:]]))
+            vsp._all_stop_token_ids |= set(self.eos_token_ids)
         req.max_tokens = vsp.max_tokens
         if vsp.logprobs is not None:  # the output processor made its LogprobsProcessor from the placeholder's
             self._ask_logprobs(d.internal_id, vsp)
             self._ks[rid] = (vsp.logprobs, None)
+        if fresh.structured_outputs is not None:  # the grammar starts here, past what prefill produced under it
+            try:
+                self._start_grammar(req, fresh.structured_outputs, list(ids[len(ids) - sampling.grammar.feed:]) + [first])
+            except BaseException:
+                self._abort(rid)  # the reservation's blocks go back
+                raise
         self.bridge.loaded(rid)
+
+    def _start_grammar(self, req, params, produced: list[int]) -> None:
+        """Give the waiting decode request (added at reserve, before its sampling was known) the grammar
+        vLLM would have built had the request come with it, advanced past ``produced``."""
+        from vllm.v1.structured_output.request import StructuredOutputRequest
+
+        params._backend = "xgrammar"  # what vLLM's input processor sets on a request it validates
+        req.sampling_params.structured_outputs = params
+        req.structured_output_request = StructuredOutputRequest.from_sampling_params(req.sampling_params)
+        self._structured.grammar_init(req)
+        self._advance_grammar(req, produced)
 
     def _ask_logprobs(self, internal_id: str, vsp) -> None:
         from vllm.v1.engine.logprobs import LogprobsProcessor

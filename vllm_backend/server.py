@@ -59,7 +59,7 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
     key = f"{role}-{uuid.uuid4().hex[:8]}"
     bridge = Bridge(block_size=args.block_size)
     BRIDGES[key] = bridge
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVTransferConfig, StructuredOutputsConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -68,7 +68,10 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
     engine_args = EngineArgs(model=str(path), dtype=args.dtype, max_model_len=max_len, block_size=args.block_size,
                              kv_cache_memory_bytes=kv_bytes, enforce_eager=True, max_num_seqs=args.max_num_seqs,
                              enable_prefix_caching=role == "prefill", kv_transfer_config=kv_config, seed=0,
-                             served_model_name=served_model_name(args))
+                             served_model_name=served_model_name(args),
+                             # response_format/tools: xgrammar, compact JSON as the built-in engine (engine/grammar.py)
+                             structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",
+                                                                               disable_any_whitespace=True))
     try:
         llm = LLMEngine.from_engine_args(engine_args)
     except (ValueError, OSError) as exc:
@@ -94,22 +97,6 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
                         head_dim=cfg.head_dim, block_size=args.block_size, model=model_name + KV_MODEL_TAG,
                         transport=args.transfer)
     tokenizer = HFTokenizer(path, cfg.eos_token_ids)
-    VllmSamplingParams = _refusing_sampling_cls()
     engine = VllmAsyncEngine(llm, bridge, max_model_len=max_len, eos_token_ids=tuple(cfg.eos_token_ids))
     loaded = SimpleNamespace(name=path.name, config=cfg, tokenizer=tokenizer)
-    return ServerEngine(loaded, engine, max_len, model_name, region, layout, compat, message,
-                        sampling_cls=VllmSamplingParams)
-
-
-def _refusing_sampling_cls():
-    from pdserve.engine.sampling import SamplingParams
-
-    class VllmSamplingParams(SamplingParams):
-        """The engine's SamplingParams, refusing what the vLLM backend does not carry (a 400 naming it)."""
-
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            if self.grammar is not None:
-                raise ValueError("response_format: constrained output is not supported with --engine vllm")
-
-    return VllmSamplingParams
+    return ServerEngine(loaded, engine, max_len, model_name, region, layout, compat, message)
