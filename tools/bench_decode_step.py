@@ -10,7 +10,9 @@ the same engine while switching, step group by step group, between:
   kernel:    the torch path (gather + ``decode_attend``) vs the C++ kernel over the paged cache
              in place (engine/native.py).
 The clock is the thread's CPU time (one torch thread): robust on a shared box. Prints the
-median step time of each side and the ratio new / old per case. The model is the peer
+median step time of each side and the ratio new / old per case. ``--profile`` instead prints,
+per case, torch.profiler's table of 20 decode steps as the engine runs them now (the ops by
+their own CPU time): where a step's time goes. The model is the peer
 experiment's checkpoint (``~/.cache/pdserve/bench-models/peer-model-peer-4096``, written by
 ``pdserve bench experiment peer``) or --model.
 """
@@ -74,17 +76,35 @@ def primed_engine(loaded, batch: int, prompt: int) -> LLMEngine:
     return engine
 
 
+def profile(engine: LLMEngine, case: str, steps: int = 20) -> None:
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    for _ in range(3):
+        engine.step()
+    t0 = time.thread_time()
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+    print(f"{case}: {(time.thread_time() - t0) / steps * 1000:.1f} ms per step under the profiler")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(PEER_MODEL))
     p.add_argument("--cases", default="1x512,4x512,8x512,16x512,4x2048")
     p.add_argument("--rounds", type=int, default=6, help="A B alternations per change (3 steps each)")
+    p.add_argument("--profile", action="store_true", help="the ops of 20 steps per case (torch.profiler), no A B")
     args = p.parse_args()
     torch.set_num_threads(1)
     loaded = load_model(args.model, dtype=torch.float32)
     for case in args.cases.split(","):
         batch, prompt = map(int, case.split("x"))
         engine = primed_engine(loaded, batch, prompt)
+        if args.profile:
+            profile(engine, case)
+            continue
         row = {"batch": batch, "prompt": prompt}
         for change, sides in SIDES.items():
             times = {"old": [], "new": []}

@@ -139,14 +139,19 @@ def _start_prefill(procs: ProcessGroup, model: Path, decodes: list[Server], name
     return Server(proc, http_port, grpc_port, 0, name)
 
 
+def start_ready_pair(procs: ProcessGroup, model: Path) -> tuple[Server, Server]:
+    """A decode and a prefill over it (tcp, --engine vllm), both ready: (prefill, decode)."""
+    decode = _start_decode(procs, model, "decode")
+    prefill = _start_prefill(procs, model, [decode], "prefill")
+    wait_ready(decode, START_TIMEOUT)
+    wait_ready(prefill, START_TIMEOUT)
+    return prefill, decode
+
+
 @pytest.fixture(scope="module")
 def cluster(vllm_python, model, tmp_path_factory):
     with ProcessGroup(tmp_path_factory.mktemp("vllm-pd-logs")) as procs:
-        decode = _start_decode(procs, model, "decode")
-        prefill = _start_prefill(procs, model, [decode], "prefill")
-        wait_ready(decode, START_TIMEOUT)
-        wait_ready(prefill, START_TIMEOUT)
-        yield prefill, decode
+        yield start_ready_pair(procs, model)
 
 
 def _complete(prefill: Server, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:

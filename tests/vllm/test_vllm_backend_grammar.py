@@ -21,13 +21,15 @@ import os
 import random
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
 from harness.pd_cluster import get_json, metric, nothing_held, post_json, wait_all_released, wait_ready
 from harness.procs import ProcessGroup
-from test_vllm_backend import INSTALL_WAIT_S, START_TIMEOUT, _start_decode, _start_prefill, vllm_python  # noqa: F401
+from test_vllm_backend import (  # noqa: F401 - vllm_python: the fixture
+    INSTALL_WAIT_S, START_TIMEOUT, _start_decode, _start_prefill, start_ready_pair, vllm_python)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(INSTALL_WAIT_S + 900)]
 MAX_TOKENS = 24
@@ -116,11 +118,7 @@ def colocated(vllm_python, model, tmp_path_factory) -> dict:  # noqa: F811
 @pytest.fixture(scope="module")
 def cluster(vllm_python, model, tmp_path_factory):  # noqa: F811
     with ProcessGroup(tmp_path_factory.mktemp("vllm-grammar-logs")) as procs:
-        decode = _start_decode(procs, model, "decode")
-        prefill = _start_prefill(procs, model, [decode], "prefill")
-        wait_ready(decode, START_TIMEOUT)
-        wait_ready(prefill, START_TIMEOUT)
-        yield prefill, decode
+        yield start_ready_pair(procs, model)
 
 
 @pytest.mark.parametrize("kind", sorted(FORMATS))
@@ -193,6 +191,10 @@ def test_a_resume_carries_the_grammar_to_another_decode(vllm_python, model, colo
         prefill = _start_prefill(procs, model, decodes, "prefill")
         for server in (*decodes, prefill):
             wait_ready(server, START_TIMEOUT)
+        deadline = time.monotonic() + 30  # /ready needs one decode's load; the resume needs the other's too
+        while metric(prefill.url, "pdserve_known_decodes") < 2:
+            assert time.monotonic() < deadline, "the prefill never heard both decodes' loads"
+            time.sleep(0.1)
         conn = http.client.HTTPConnection("127.0.0.1", prefill.http_port, timeout=120)
         conn.request("POST", "/v1/completions", json.dumps({
             "model": "m", "prompt": _prompts()[0], "max_tokens": LONG, "temperature": 0, "stream": True,
@@ -203,7 +205,9 @@ def test_a_resume_carries_the_grammar_to_another_decode(vllm_python, model, colo
         for line in resp:
             if not line.startswith(b"data: {"):
                 continue
-            choice = json.loads(line[6:])["choices"][0]
+            event = json.loads(line[6:])
+            assert "choices" in event, event  # an error event: the resume failed
+            choice = event["choices"][0]
             text += choice["text"]
             finish = choice["finish_reason"] or finish
             events += 1
