@@ -146,9 +146,6 @@ class ServerEngine:
     layout: KVLayout
     compat: CompatInfo  # for the CacheStore handshake
     compat_message: pb.Compat  # for the Session's Start (prefill) and admission check (decode)
-    # what the front door builds requests' sampling with (None: the engine's SamplingParams); an
-    # engine that lacks a feature refuses it there, as a 400 naming it
-    sampling_cls: type | None = None
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -235,7 +235,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
         held_prefix=kv_events.leading, slo_queue=slo_queue,
     )
-    frontend = Frontend(node, loaded.tokenizer, parts.sampling_cls or SamplingParams, parts.model_name, parts.max_model_len, metrics,
+    frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
                         loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
     draining = {"on": False}
 

@@ -70,6 +70,11 @@ def _structured_outputs(grammar):
     return StructuredOutputsParams(json=grammar.schema)
 
 
+def _fed(ids: list[int], grammar) -> list[int]:
+    """The trailing prompt tokens already produced under ``grammar`` (a resume's ``feed``; none without one)."""
+    return list(ids[len(ids) - grammar.feed:]) if grammar is not None and grammar.feed else []
+
+
 def _blocks_needed(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
@@ -196,12 +201,13 @@ class VllmAsyncEngine(VllmEngineThread):
     def _add_fed(self, rid: str, ids: list[int], vsp, grammar) -> None:
         """llm.add_request, then (a resumed request: ``grammar.feed`` > 0) the grammar told the trailing
         prompt tokens it already produced, before vLLM samples the request's first token."""
-        known = set(self._scheduler.requests) if grammar is not None and grammar.feed else None
+        fed = _fed(ids, grammar)
+        known = set(self._scheduler.requests) if fed else None
         self.llm.add_request(rid, {"prompt_token_ids": ids}, vsp)
-        if known is not None:
+        if fed:
             (internal_id,) = set(self._scheduler.requests) - known
             try:
-                self._advance_grammar(self._scheduler.requests[internal_id], ids[len(ids) - grammar.feed:])
+                self._advance_grammar(self._scheduler.requests[internal_id], fed)
             except BaseException:
                 self.llm.abort_request([rid])
                 raise
@@ -297,7 +303,7 @@ class VllmAsyncEngine(VllmEngineThread):
             self._ks[rid] = (vsp.logprobs, None)
         if fresh.structured_outputs is not None:  # the grammar starts here, past what prefill produced under it
             try:
-                self._start_grammar(req, fresh.structured_outputs, list(ids[len(ids) - sampling.grammar.feed:]) + [first])
+                self._start_grammar(req, fresh.structured_outputs, _fed(ids, sampling.grammar) + [first])
             except BaseException:
                 self._abort(rid)  # the reservation's blocks go back
                 raise
