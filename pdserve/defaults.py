@@ -10,7 +10,8 @@ from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
            "KV_TRANSFER_PORT", "KV_POOL_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE",
-           "REQUEST_TIMEOUT_S", "REQUEST_TIMEOUT_HEADER", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS", "DISAGGREGATION_MODES",
+           "REQUEST_TIMEOUT_S", "REQUEST_TIMEOUT_HEADER", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS", "RESUME_WAIT_S",
+           "DISAGGREGATION_MODES",
            "DISAGGREGATION", "ENV_SLO_CLASSES",
            "BATCH_DB", "BATCH_DATA_MOUNT", "BATCH_MAX_IN_FLIGHT", "BATCH_MAX_FILE_BYTES", "BATCH_SLO_CLASS"]
 
@@ -41,6 +42,11 @@ PREFILL_WAIT_S = 10.0
 # Prefill: requests that may wait at once in the admission queue for a decode with free KV
 # blocks (--max-queued-requests); one more gets 429.
 MAX_QUEUED_REQUESTS = 1024
+# Prefill: how long a request whose decode failed mid-generation waits (in the admission queue)
+# for a decode that can take it, when none can right now (every other one full, or not reported
+# yet: a decode that just started), before its stream ends with decode_failed (--resume-wait;
+# the request's deadline ends the wait sooner). 0: end it at once.
+RESUME_WAIT_S = 10.0
 # Prefill: where prompts are computed (--disaggregation; prefill_server/cost_model.py): "always"
 # here with the KV moved (P/D), "never" (on the decode), "auto" (per request, by measured cost).
 DISAGGREGATION_MODES = ("auto", "always", "never")

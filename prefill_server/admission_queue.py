@@ -9,6 +9,7 @@ A full decode is a reason to wait, not to fail. ``PrefillNode.generate`` holds o
     ...                    # try the decodes; while queued it is the head, the rest wait behind it
     ticket.leave()         # a decode allocated (or the request ended): the next one goes at once
     await ticket.wait()    # every decode (or prefill's own pool) was full: wait for a change
+    ticket.started()       # its first token reached the client: out of the line, its wait is over
 
 Only the head of the queue tries the decodes (strict FIFO: a small request does not
 overtake a large one forever). It tries again when ``notify()`` says that KV blocks may
@@ -23,7 +24,20 @@ Limits, each a clear error:
   client learns why: ``QueueTimeout`` -> HTTP 504 ``request_timeout``) or ``max_wait_s``
   (``--queue-timeout``, off by default: ``QueueTimeout`` with ``by_deadline`` False -> 503);
 - a client that goes away cancels the request's task: its ticket leaves at once (``leave``
-  runs in the node's ``finally``).
+  runs in the node's ``finally``);
+- ``wait(until=...)`` bounds one wait by the caller's own limit instead of ``max_wait_s``
+  (a resumed request's ``--resume-wait``): ``QueueTimeout`` with ``by_deadline`` False.
+
+Re-entry: a ticket that left (a decode allocated, or its first token came: ``started``) may
+wait again: a Retryable failure after the allocation, or a resume after its decode failed
+mid-generation (``PrefillNode.generate``). ``wait`` (or ``turn``) puts it back in line at its
+original arrival position (its ``seq``): it is older than every request that arrived after
+it, so it goes ahead of them, never ahead of an older one still waiting. After ``started``
+its next wait is a new one: ``waited()`` and ``max_wait_s`` count from when it re-enters (not
+from its first wait, which ended long ago). With an SLO queue, a re-entering request that
+the policy already admitted (its ``SloRequest`` is running) goes ahead of the policy's line,
+the oldest such one first: the policy chose it once and its client is mid-stream; it stays
+counted as running there (no second admission, no second queue-time sample).
 
 ``length`` (the ``pdserve_requests_queued`` gauge) is reported through ``on_length`` on every
 change.
@@ -87,6 +101,7 @@ class AdmissionQueue:
         self._seq = itertools.count()
         self.slo = slo  # its policy orders the line (None: arrival order)
         self._by_request: dict[str, Ticket] = {}  # with slo: request id -> its ticket in line
+        self._readmitted: list[Ticket] = []  # with slo: re-entered tickets the policy admitted once (seq order)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -108,6 +123,8 @@ class AdmissionQueue:
     def _head(self) -> Ticket | None:
         if not self._waiting:
             return None
+        if self._readmitted:  # ahead of the policy's line (module docstring, "Re-entry")
+            return self._readmitted[0]
         if self.slo is not None:
             first = self.slo.head()
             if first is not None and first.request_id in self._by_request:
@@ -123,13 +140,17 @@ class AdmissionQueue:
             t.queued_at = self.clock()
         if t.slo is not None:
             self._by_request[t.request_id] = t
-            self.slo.wait(t.slo)
+            if t.slo.state == "running":  # re-entering after the policy admitted it (a resume)
+                bisect.insort(self._readmitted, t, key=lambda w: w.seq)
+            self.slo.wait(t.slo)  # nothing if it is running
             self._head()  # the policy places it (a new head is woken)
         self._changed()
 
     def _remove(self, t: Ticket) -> None:
         was_head = self._head() is t
         self._waiting.remove(t)
+        if t in self._readmitted:
+            self._readmitted.remove(t)
         if t.slo is not None:
             self._by_request.pop(t.request_id, None)
             self.slo.leave(t.slo)  # nothing if it was admitted
@@ -151,7 +172,7 @@ class Ticket:
     def __init__(self, queue: AdmissionQueue, seq: int, request_id: str, deadline: float | None,
                  slo: SloRequest | None = None):
         self.queue, self.seq, self.request_id, self.deadline, self.slo = queue, seq, request_id, deadline, slo
-        self.queued_at: float | None = None  # first time it had to wait
+        self.queued_at: float | None = None  # when its current wait began (its first, or the one after ``started``)
         self._queued = False
         self._woken = False
         self._event = asyncio.Event()
@@ -161,7 +182,7 @@ class Ticket:
         return self._queued
 
     def waited(self) -> float:
-        """Seconds since the request first had to wait (0 if it never did)."""
+        """Seconds since its current wait began (0 if it never had to wait)."""
         return 0.0 if self.queued_at is None else self.queue.clock() - self.queued_at
 
     def is_head(self) -> bool:
@@ -179,12 +200,15 @@ class Ticket:
         self._enter()
         await self._until(head_only=True)
 
-    async def wait(self) -> None:
+    async def wait(self, until: float | None = None) -> None:
         """Every decode was too full: wait in line until this request is the head and KV blocks
-        may have been freed (or ``recheck_s`` passed). Raises QueueFull, QueueTimeout."""
+        may have been freed (or ``recheck_s`` passed). Raises QueueFull, QueueTimeout.
+
+        ``until`` (``clock()`` seconds): the caller's own limit on this wait, in place of the
+        queue's ``max_wait_s`` (the request's deadline still applies when it comes first)."""
         if not self._queued:
             self._enter()
-        await self._until(head_only=False)
+        await self._until(head_only=False, until=until)
 
     def admitted(self) -> None:
         """A decode allocated the request: the SLO queue counts it as running; out of the line."""
@@ -198,6 +222,12 @@ class Ticket:
             self._queued = False
             self.queue._remove(self)
 
+    def started(self) -> None:
+        """The request's first token reached the client: out of the queue, and its wait is over;
+        should it wait again (a resume), that is a new wait (module docstring, "Re-entry")."""
+        self.leave()
+        self.queued_at = None
+
     def _enter(self) -> None:
         self.queue._join(self)
         self._queued = True
@@ -207,25 +237,31 @@ class Ticket:
         self._woken = True
         self._event.set()
 
-    def _limit(self) -> tuple[float | None, bool]:
+    def _limit(self, until: float | None = None) -> tuple[float | None, bool]:
         """When waiting must end, and whether that is the request's deadline."""
         q = self.queue
         by_deadline = None if self.deadline is None else self.deadline - DEADLINE_MARGIN_S
-        by_cap = None if q.max_wait_s is None or self.queued_at is None else self.queued_at + q.max_wait_s
+        if until is not None:
+            by_cap = until
+        else:
+            by_cap = None if q.max_wait_s is None or self.queued_at is None else self.queued_at + q.max_wait_s
         if by_cap is None or (by_deadline is not None and by_deadline <= by_cap):
             return by_deadline, True
         return by_cap, False
 
-    async def _until(self, head_only: bool) -> None:
+    async def _until(self, head_only: bool, until: float | None = None) -> None:
         q = self.queue
         while True:
-            if self.is_head() and (head_only or self._woken):
+            limit, by_deadline = self._limit(until)
+            now = q.clock()
+            expired = limit is not None and now >= limit
+            # a wait whose limit passed ends even if a notify came meanwhile (a stream of
+            # load reports must not keep it trying past its limit)
+            if self.is_head() and (head_only or (self._woken and not expired)):
                 self._woken = False
                 return
-            limit, by_deadline = self._limit()
-            now = q.clock()
-            if limit is not None and now >= limit:
-                raise self._timeout(by_deadline)
+            if expired:
+                raise self._timeout(by_deadline, until is not None)
             timeout = None if limit is None else limit - now
             if self.is_head():  # re-check now and then: a missed notify, prefill's own pool
                 timeout = q.recheck_s if timeout is None else min(timeout, q.recheck_s)
@@ -236,10 +272,13 @@ class Ticket:
                 if self.is_head() and (limit is None or q.clock() < limit):
                     self._woken = True
 
-    def _timeout(self, by_deadline: bool) -> QueueTimeout:
+    def _timeout(self, by_deadline: bool, by_caller: bool = False) -> QueueTimeout:
         waited = self.waited()
         if by_deadline:
             return QueueTimeout(deadline_message(self.request_id, waited), True)
+        if by_caller:
+            return QueueTimeout(f"request {self.request_id} waited {waited:.1f}s in the admission queue until the "
+                                f"limit of this wait", False)
         return QueueTimeout(f"request {self.request_id} waited {waited:.1f}s in the admission queue for a decode "
                             f"with enough free KV blocks (--queue-timeout)", False)
 

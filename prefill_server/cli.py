@@ -30,7 +30,9 @@ Request lifecycle on prefill:
 6. **first token** - sampled here, sent on the Session and to the client.
 7. **relay** - decode's tokens stream back on the Session and out to the client. If the
    decode dies mid-generation, the request resumes on another decode (prefill of prompt +
-   tokens so far) unless --no-resume; with no decode left the client gets an error event.
+   tokens so far) unless --no-resume; when none can take it now (full, or not reported yet)
+   it waits in the admission queue up to --resume-wait seconds for one; then the client gets
+   an error event.
 8. **release** - prefill's KV blocks after the push; the Session and CacheStore entry at
    the end, whatever happened (a client disconnect cancels the Session, so decode frees
    its side at once).
@@ -100,6 +102,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--queue-timeout", type=float, default=None,
                    help="seconds a request may wait in the admission queue for free KV blocks (all decodes busy) "
                         "before a 503 (default: until the request's deadline, then 504)")
+    d.add_argument("--resume-wait", type=float, default=defaults.RESUME_WAIT_S,
+                   help="seconds a request whose decode failed mid-generation waits in the admission queue for "
+                        "another decode when none can take it now (all full, or not reported yet) before its stream "
+                        "ends with a decode_failed error (never past the request's deadline; default %(default)g; "
+                        "0: end it at once)")
     d.add_argument("--max-queued-requests", type=int, default=defaults.MAX_QUEUED_REQUESTS,
                    help="requests that may wait at once in the admission queue; one more gets 429 (queue_full)")
     d.add_argument("--queue-policy", choices=list(POLICIES), default="fifo",
@@ -169,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"pdserve prefill: --max-queued-requests must be >= 0, got {args.max_queued_requests}")
     if args.decode_leave_grace is not None and not args.decode_leave_grace >= 0:
         raise SystemExit(f"pdserve prefill: --decode-leave-grace must be >= 0, got {args.decode_leave_grace}")
+    if not args.resume_wait >= 0:
+        raise SystemExit(f"pdserve prefill: --resume-wait must be >= 0, got {args.resume_wait}")
     try:
         discovery = make_discovery(args)
         args.slo = slo_classes.load(args.slo_classes)
@@ -230,7 +239,8 @@ async def serve(args: argparse.Namespace, discovery) -> int:
         block_size=args.block_size, kv_bytes_per_block=parts.kv_bytes_per_block,
         eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
         local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
-        queue_timeout_s=args.queue_timeout, max_queued=args.max_queued_requests, session_timeout_s=args.session_timeout,
+        queue_timeout_s=args.queue_timeout, resume_wait_s=args.resume_wait, max_queued=args.max_queued_requests,
+        session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
         prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
         held_prefix=kv_events.leading, slo_queue=slo_queue,

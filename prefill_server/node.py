@@ -10,7 +10,7 @@ front ends call. It yields ``Delta``s and raises:
   RESOURCE_EXHAUSTED: ``max_queued`` requests already wait);
 - ``QueueTimeout`` when the request's deadline came while it waited in line (-> 504);
 - ``DecodeFailed`` when a decode failed after tokens reached the client and the request
-  could not be resumed.
+  could not be resumed (no other decode took it within ``resume_wait_s``).
 
 Routing order: the DecodePicker's choice (with ``decode_reuse``, preferring a decode whose
 prefix cache holds the prompt's leading blocks, as its KV events in ``decode_index`` say,
@@ -43,7 +43,16 @@ requests give exactly the tokens they would have; seeded random sampling restart
 per-position random stream at the resume point (so the continuation is a valid sample,
 not the same one). A grammar (response_format) is rebuilt on the next decode by accepting
 the produced tokens first (``resumed``: its ``feed``), so the output stays valid across the
-resume. Without another decode or fallback the client gets the error.
+resume. The next decode is tried at once (never the one that failed, in the same round).
+When none can take the request now (every other one full or refusing, or none has reported
+yet: a decode that just started is not known before its first load report), it waits for
+one, as a full decode is a reason to wait, not to fail: back in the admission queue at its
+arrival position (``admission_queue.py``, "Re-entry": woken by fresh load reports, fair to
+the requests already waiting) for at most ``resume_wait_s`` (``--resume-wait``, counted
+from the failure) and never past its deadline; then, with no local fallback, the client
+gets ``DecodeFailed`` naming the failure, the wait and why no decode took it (0: at once,
+without a wait). After a wait the failed decode may be tried again once a load report
+from it arrived after the failure (a transient failure); a dead or frozen one sends none.
 """
 
 from __future__ import annotations
@@ -101,6 +110,7 @@ class PrefillNode:
     out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError
     resume: bool = True  # continue on another decode when one fails mid-generation
     queue_timeout_s: float | None = None  # how long a request may wait in line for KV blocks (None: until its deadline)
+    resume_wait_s: float = defaults.RESUME_WAIT_S  # after a mid-stream failure, how long to wait for a decode (0: fail)
     max_queued: int = defaults.MAX_QUEUED_REQUESTS  # requests that may wait in line at once; then 429
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
     prefills_ahead: int = 2  # Sessions allocated on a decode before our engine computed their prompt (SessionConfig)
@@ -113,6 +123,8 @@ class PrefillNode:
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        if not self.resume_wait_s >= 0:
+            raise ValueError(f"resume_wait_s must be >= 0, got {self.resume_wait_s}")
         self.sessions: dict[str, str] = {}  # request id -> decode address, while a Session is open
         self.local_requests = 0
         self.last_timings: dict[str, SessionTimings] = {}
@@ -144,6 +156,10 @@ class PrefillNode:
         reasons: list[str] = []
         produced: list[int] = []  # tokens already given to the client (for resume)
         failed_mid_stream: DecodeFailed | None = None
+        failed_at: dict[str, float] = {}  # decode -> when it failed mid-stream (picker's clock), for _silent
+        resume_until: float | None = None  # the end of the wait for a decode after the latest failure (queue's clock)
+        gave_up = ""  # why the wait for a decode to resume on ended without one
+        announced: float | None = None  # the resume wait already logged
         m = self.metrics
         admitted = time.monotonic()
         ticket = self.queue.ticket(request_id, deadline, slo)
@@ -152,6 +168,7 @@ class PrefillNode:
             while True:
                 await ticket.turn()  # behind the requests already waiting for blocks, never ahead of them
                 tried: set[str] = set()
+                silent = self._silent(failed_at)  # failed this request mid-stream, no load report since
                 transient = True  # every failure this round was "busy now" (worth waiting for)
                 too_large = True  # every decode asked answered that the request can never fit there
                 for _ in range(self.max_attempts):
@@ -163,22 +180,32 @@ class PrefillNode:
                     decode_need = decode_reservation(len(prompt_ids), sp.max_tokens, self.block_size)
                     largest = self.picker.never_fits(decode_need)
                     if largest is not None and not self.local_fallback:
-                        raise RequestTooLarge(
-                            f"the request needs {decode_need} KV blocks on a decode ({len(prompt_ids)} prompt tokens + "
-                            f"max_tokens {sp.max_tokens}) but the largest decode holds only {largest} KV blocks in all")
+                        too_big = (f"the request needs {decode_need} KV blocks on a decode ({len(prompt_ids)} prompt "
+                                   f"tokens + max_tokens {sp.max_tokens}) but the largest decode holds only {largest} "
+                                   f"KV blocks in all")
+                        if failed_mid_stream is None:
+                            raise RequestTooLarge(too_big)
+                        if too_big not in reasons:  # resuming: the decode that failed held it; it may come back
+                            reasons.append(too_big)
+                        break
                     free = self.engine.num_free_blocks()
                     if need > free:
                         reasons.append(f"prefill has {free} free KV blocks, {need} needed")
                         too_large = False
                         break
                     overlap, prompt_blocks = self._decode_overlap(prompt_ids + produced)
-                    address = self.picker.pick(exclude=tried, blocks_needed=decode_need, overlap=overlap,
+                    address = self.picker.pick(exclude=tried | silent, blocks_needed=decode_need, overlap=overlap,
                                                prompt_blocks=prompt_blocks)
                     if address is None:
-                        if not tried:
+                        if not tried or (failed_at and self.resume_wait_s > 0):  # resuming: why no other decode
                             reason = self.picker.why_none(decode_need)
+                            failed = sorted((tried | silent) & failed_at.keys())
+                            if failed:
+                                reason = (f"not retrying {', '.join(failed)} (failed mid-generation, no load report "
+                                          f"since); {reason}")
                             if reason not in reasons:  # the same picture on every queued retry: say it once
                                 reasons.append(reason)
+                        if not tried:
                             transient = self.picker.all_full(decode_need)
                             too_large = False
                         break
@@ -209,7 +236,7 @@ class PrefillNode:
                                 if exc.code == CHECKSUM_MISMATCH:
                                     m.kv_checksum_mismatches.inc()
                             continue
-                        ticket.leave()
+                        ticket.started()  # a later wait (a resume) is a new one
                         self._keep_timings(request_id, timings)
                         if m is not None and not produced:  # admitted -> a decode allocated and compute starts
                             m.queue_wait.observe(max(0.0, timings.allocated - admitted))
@@ -223,6 +250,8 @@ class PrefillNode:
                         if not self.resume:
                             raise
                         failed_mid_stream = exc
+                        failed_at[address] = self.picker.clock()
+                        resume_until = self.queue.clock() + self.resume_wait_s
                         transient = too_large = False
                         reasons.append(str(exc))
                         log.warning("request %s: %s; resuming after %d tokens", request_id, exc, len(produced))
@@ -237,9 +266,26 @@ class PrefillNode:
                         await aclose_fully(stream)
                         if timings.allocated:
                             self._freed(address)
-                if tried and too_large and not self.local_fallback:
+                if tried and too_large and not self.local_fallback and failed_mid_stream is None:
                     raise RequestTooLarge("no decode can ever hold the request: " + "; ".join(reasons[-len(tried):]))
-                if self.local_fallback or not transient:
+                if self.local_fallback:
+                    break
+                if failed_mid_stream is not None:  # resuming, and no decode can take it now: wait for one (module doc)
+                    if not self.resume_wait_s > 0:
+                        break
+                    if announced != resume_until:
+                        announced = resume_until
+                        log.info("request %s: no decode can take it now; waiting up to %gs for one (--resume-wait)",
+                                 request_id, self.resume_wait_s)
+                    try:
+                        await ticket.wait(until=resume_until)
+                    except (QueueTimeout, QueueFull) as exc:
+                        waited = self.queue.clock() - (resume_until - self.resume_wait_s)
+                        gave_up = self._gave_up(failed_mid_stream, reasons, waited, exc)
+                        break
+                    reasons = reasons[-4:]
+                    continue
+                if not transient:
                     break
                 # every decode (or prefill itself) is full right now: wait in line for blocks to free up
                 try:
@@ -259,8 +305,28 @@ class PrefillNode:
                 yield delta
             return
         if failed_mid_stream is not None:
-            raise DecodeFailed("; ".join(reasons))
+            raise DecodeFailed(gave_up or "; ".join(reasons))
         raise NoDecodeAvailable("no decode server could take the request: " + "; ".join(reasons))
+
+    def _silent(self, failed_at: dict[str, float]) -> set[str]:
+        """The decodes that failed this request mid-stream and sent no load report since (dead or
+        frozen, it may be): not tried again until one arrives."""
+        silent = set()
+        for address, when in failed_at.items():
+            reported = self.picker.reported_at(address)
+            if reported is None or reported <= when:
+                silent.add(address)
+        return silent
+
+    def _gave_up(self, failure: DecodeFailed, reasons: list[str], waited: float, exc: Exception) -> str:
+        """The DecodeFailed message when no decode took a resumed request in time: the failure, the
+        wait and what ended it, and why no decode could take it (the reasons since the failure, each once)."""
+        after = reasons[len(reasons) - reasons[::-1].index(str(failure)):] if str(failure) in reasons else reasons
+        why = "; ".join(list(dict.fromkeys(after))[-4:]) or "no other decode known"
+        if isinstance(exc, QueueFull):
+            return f"{failure}; no decode could take the request to resume it ({why}) and it cannot wait: {exc}"
+        limit = "until the request's deadline" if exc.by_deadline else f"(--resume-wait {self.resume_wait_s:g}s)"
+        return f"{failure}; no decode could take the request to resume it: waited {waited:.1f}s for one {limit}: {why}"
 
     def _freed(self, address: str) -> None:
         """A request's Session with ``address`` ended: its blocks there are free. With requests in

@@ -180,6 +180,11 @@ class DecodePicker:
         entry = self._entries.get(address)
         return None if entry is None else entry.load
 
+    def reported_at(self, address: str) -> float | None:
+        """When the decode's latest load report arrived (``clock()`` seconds), None if it never reported."""
+        entry = self._entries.get(address)
+        return None if entry is None else entry.received_at
+
     def known(self) -> list[str]:
         """Every decode with a report (fresh or not)."""
         return sorted(self._entries)

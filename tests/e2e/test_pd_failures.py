@@ -1,8 +1,9 @@
 """Failure semantics with real processes (DESIGN.md "Failure semantics").
 
 Decode killed mid-generation: with another decode the request resumes there (prompt +
-tokens so far are prefilled again; greedy output is unchanged); with none, the client
-stream ends with an error event.
+tokens so far are prefilled again; greedy output is unchanged), also when that decode starts
+reporting only after the kill (the request waits for it, --resume-wait); with none, the
+client stream ends with an error event after --resume-wait.
 
 Each test ends by checking that KV blocks, Sessions and CacheStore entries are back to
 zero on every process still alive.
@@ -130,7 +131,7 @@ def _events(resp):
 def test_decode_killed_mid_generation_gives_error_event(procs):
     decode = start_decode(procs, name="decode")
     wait_ready(decode)
-    prefill = start_prefill(procs, [decode.grpc_address])
+    prefill = start_prefill(procs, [decode.grpc_address], extra=["--resume-wait", "1"])
     wait_ready(prefill)
     conn, resp = _sse_request(prefill, {"model": "tiny", "prompt": "go", "max_tokens": 2000, "ignore_eos": True})
     events = _events(resp)
@@ -142,6 +143,7 @@ def test_decode_killed_mid_generation_gives_error_event(procs):
     assert rest[-1] == "[DONE]"
     errors = [json.loads(e)["error"] for e in rest[:-1] if e.startswith('{"error"')]
     assert errors and errors[0]["code"] == "decode_failed" and decode.grpc_address in errors[0]["message"], rest[-3:]
+    assert "for one (--resume-wait 1s)" in errors[0]["message"], errors  # it waited for another decode first
     readings = wait_all_released([prefill])
     assert nothing_held(readings), readings
 
@@ -270,6 +272,21 @@ def test_client_disconnect_cancels_on_decode_within_a_second(procs):
         assert time.monotonic() - t0 < 1.0
 
 
+def _greedy_reference(prompt, max_tokens):
+    import torch
+
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+
+    torch.set_num_threads(1)
+    engine = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=64))
+    engine.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    expected = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            expected += out.new_token_ids
+    return expected
+
+
 def test_decode_killed_mid_generation_resumes_on_another_decode(procs):
     from pdserve.protos import generate_pb2 as gpb
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
@@ -294,19 +311,41 @@ def test_decode_killed_mid_generation_resumes_on_another_decode(procs):
             finish = resp.finish_reason or finish
     assert finish == "length" and len(got) == max_tokens
     assert metric(prefill.url, "pdserve_decode_retries_total", reason="decode_failed") == 1
-
-    import torch
-
-    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
-
-    torch.set_num_threads(1)
-    engine = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=64))
-    engine.add_request("ref", prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
-    expected = []
-    while engine.has_unfinished():
-        for out in engine.step():
-            expected += out.new_token_ids
-    assert got == expected
+    assert got == _greedy_reference(prompt, max_tokens)
     survivor = next(d for d in decodes if d is not victim)
     readings = wait_all_released([prefill, survivor])
+    assert nothing_held(readings), readings
+
+
+def test_decode_killed_before_the_other_decode_reported_resumes_there(procs):
+    """The prefill lists two decodes but only one runs: the other starts after the first is
+    killed mid-stream, so the prefill has no load report from it then (seen 1 run in 5 with two
+    decodes started together). The request waits for it instead of ending with decode_failed."""
+    from pdserve.protos import generate_pb2 as gpb
+    from pdserve.protos import generate_pb2_grpc as gpb_grpc
+
+    first = start_decode(procs, num_blocks=64, name="decode0")
+    later_port = free_port()
+    wait_ready(first)
+    # the second decode's start on this busy machine must fit in the wait
+    prefill = start_prefill(procs, [first.grpc_address, f"127.0.0.1:{later_port}"], extra=["--resume-wait", "100"])
+    wait_ready(prefill)
+    prompt, max_tokens = [256, *b"resume later"], 1000
+    got = []
+    with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
+        call = gpb_grpc.GeneratorStub(ch).Generate(
+            gpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True), timeout=180)
+        for _ in range(3):
+            got += next(call).token_ids
+        assert get_json(first.url + "/health")[1]["sessions"] == 1
+        procs.kill(first.proc)
+        later = start_decode(procs, num_blocks=64, name="decode1", grpc_port=later_port)
+        finish = ""
+        for resp in call:
+            got += resp.token_ids
+            finish = resp.finish_reason or finish
+    assert finish == "length" and len(got) == max_tokens
+    assert metric(prefill.url, "pdserve_decode_retries_total", reason="decode_failed") == 1
+    assert got == _greedy_reference(prompt, max_tokens)
+    readings = wait_all_released([prefill, later])
     assert nothing_held(readings), readings

@@ -47,7 +47,10 @@ def test_corrupted_kv_moves_to_the_other_decode_and_output_is_exact(procs, trans
 def test_corrupted_kv_with_one_decode_is_a_clear_error(procs, transport):
     decode = start_decode(procs, transfer=transport, extra=CHECKSUM)
     wait_ready(decode)
-    prefill = start_prefill(procs, [decode.grpc_address], transfer=transport, extra=CHECKSUM, env=CORRUPT_ONE)
+    # --resume-wait 0: a mismatch the decode reports after the first token (nixl) ends the request;
+    # with a wait it would resume on this decode once its next load report came (a transient failure)
+    prefill = start_prefill(procs, [decode.grpc_address], transfer=transport, extra=CHECKSUM + ["--resume-wait", "0"],
+                            env=CORRUPT_ONE)
     wait_ready(prefill)
 
     status, body = post_json(prefill.url + "/v1/completions", BODY)

@@ -73,8 +73,10 @@ def wait_ready(server: Server, timeout: float = 120.0) -> None:
     raise TimeoutError(f"{server.name} not ready within {timeout}s (last /ready: {last})")
 
 
-def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), name: str = "decode") -> Server:
-    grpc_port, http_port, kv_port = free_port(), free_port(), free_port()
+def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), name: str = "decode",
+                 grpc_port: int | None = None) -> Server:
+    """``grpc_port``: a port chosen before (a prefill may list the decode before it starts)."""
+    grpc_port, http_port, kv_port = grpc_port or free_port(), free_port(), free_port()
     proc = procs.pdserve("decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port),
                          "--transfer", transfer, "--num-blocks", str(num_blocks), *COMMON, *extra, name=name)
     return Server(proc, http_port, grpc_port, kv_port, name)

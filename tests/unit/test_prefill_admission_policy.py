@@ -133,3 +133,31 @@ def test_the_new_head_is_woken_when_only_time_changed_qlms_order():
         assert len(q) == 0 and not slo.waiting
 
     run(main())
+
+
+def test_a_resumed_request_goes_ahead_of_the_policys_line_and_stays_running():
+    """A request the policy admitted whose decode failed mid-stream waits again (a resume): it is
+    the head before the requests the policy has not admitted yet, and stays counted as running
+    (no second admission)."""
+    async def main():
+        slo = GlobalQueue(CLASSES, "edf")
+        q = AdmissionQueue(16, recheck_s=30, slo=slo)
+        cap, order = Capacity(1), []
+        first = await admit(q, slo, cap, "r", BATCH, 1, order)  # admitted at once, now running
+        first.started()
+        waiting = [asyncio.create_task(admit(q, slo, cap, f"i{k}", INTERACTIVE, 1, order)) for k in range(2)]
+        await asyncio.sleep(0.05)
+        assert len(q) == 2 and set(slo.waiting) == {"i0", "i1"}
+        resumed = asyncio.create_task(first.wait())
+        await asyncio.sleep(0.05)
+        assert len(q) == 3 and first.is_head() and set(slo.running) == {"r"}
+        q.notify()
+        await asyncio.wait_for(resumed, 1)
+        cap.free = 3
+        first.admitted()  # a decode took it again: out of the line; the policy's head goes next
+        await asyncio.gather(*waiting)
+        assert order == ["r", "i0", "i1"] and len(q) == 0 and not slo.waiting
+        assert set(slo.running) == {"r", "i0", "i1"}
+
+    run(main())
+

@@ -168,6 +168,81 @@ def test_a_cancelled_head_hands_over_to_the_next():
     run(main())
 
 
+def test_a_ticket_that_started_re_enters_at_its_arrival_position():
+    """A resumed request (its decode failed after the first token) waits again: behind an older
+    request still waiting, ahead of the ones that arrived after it; its new wait counts from
+    when it re-entered; the gauge and the queue go back to 0."""
+    async def main():
+        lengths = []
+        q = AdmissionQueue(8, recheck_s=30, on_length=lengths.append)
+        older = q.ticket("older")
+        resumed = q.ticket("resumed")
+        await resumed.turn()  # the queue is empty: straight on
+        older._enter()  # arrived first, waits (e.g. its decode refused it meanwhile)
+        resumed.started()  # its first token; no-op on the line (it never waited), its wait is over
+        newer = [q.ticket(f"n{i}") for i in range(2)]
+        for t in newer:
+            t._enter()
+        assert [t.request_id for t in q._waiting] == ["older", "n0", "n1"]
+        await asyncio.sleep(0.05)
+        task = asyncio.create_task(resumed.wait())  # its decode failed mid-stream: back in line
+        await asyncio.sleep(0.01)
+        assert [t.request_id for t in q._waiting] == ["older", "resumed", "n0", "n1"]
+        assert resumed.waited() < 0.04  # from re-entering, not from arrival
+        older.leave()  # the older one went: the resumed request is the head, before n0 and n1
+        q.notify()
+        await asyncio.wait_for(task, 1)
+        assert resumed.is_head() and not newer[0].is_head()
+        resumed.started()  # a decode took it again
+        assert resumed.queued_at is None and newer[0].is_head()
+        for t in newer:
+            t.leave()
+        assert len(q) == 0 and lengths[-1] == 0 and max(lengths) == 4
+
+    run(main())
+
+
+def test_max_wait_counts_from_re_entry_after_started():
+    async def main():
+        q = AdmissionQueue(8, max_wait_s=0.2, recheck_s=30)
+        t = q.ticket("a")
+        t._enter()
+        await asyncio.sleep(0.25)  # waited longer than max_wait_s, then a decode took it
+        t.started()
+        other = q.ticket("b")
+        other._enter()  # someone waits: the re-entered ticket is not the head at once
+        start = time.monotonic()
+        with pytest.raises(QueueTimeout, match="--queue-timeout"):
+            await t.wait()  # its own wait again: a full max_wait_s, not a timeout at once
+        assert time.monotonic() - start >= 0.15
+        t.leave()
+        other.leave()
+        assert len(q) == 0
+
+    run(main())
+
+
+def test_wait_until_bounds_one_wait_in_place_of_max_wait():
+    async def main():
+        q = AdmissionQueue(8, max_wait_s=0.05, recheck_s=0.02)
+        t = q.ticket("a", deadline=time.monotonic() + 60)
+        start = time.monotonic()
+        with pytest.raises(QueueTimeout, match="limit of this wait") as info:
+            while True:  # the head is woken every recheck_s: what the node does, until its limit
+                await t.wait(until=start + 0.3)
+        assert not info.value.by_deadline and 0.3 <= time.monotonic() - start < 1.5
+        t.leave()
+        t = q.ticket("b", deadline=time.monotonic() + 0.3)
+        with pytest.raises(QueueTimeout) as info:  # the deadline still comes first
+            while True:
+                await t.wait(until=time.monotonic() + 60)
+        assert info.value.by_deadline
+        t.leave()
+        assert len(q) == 0
+
+    run(main())
+
+
 def test_bad_settings():
     with pytest.raises(ValueError):
         AdmissionQueue(-1)

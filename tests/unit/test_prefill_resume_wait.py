@@ -1,0 +1,204 @@
+"""PrefillNode.generate resuming after a decode failed mid-stream (node.py, "Resume"), with fake
+decodes (no sockets, no engine): when no other decode can take the request now (here: the second
+decode has not reported its first load yet), the request waits in the admission queue for one,
+up to --resume-wait and never past its deadline, instead of ending with decode_failed at once."""
+
+import asyncio
+import re
+import time
+
+import pytest
+
+from pdserve.engine import SamplingParams
+from pdserve.metrics import ServerMetrics
+from pdserve.prefill_server.node import DecodeFailed, Delta, PrefillNode
+from pdserve.prefill_server.picker import DecodeLoad, DecodePicker
+from pdserve.prefill_server.session_protocol import Retryable
+from pdserve.protos import session_pb2 as pb
+
+PROMPT = [256, 1, 2, 3, 4, 5]
+MAX_TOKENS = 10
+FAIL_AFTER = 3  # tokens decode A streams before it fails
+KB = 1024
+LOAD = DecodeLoad(free_blocks=100, free_bytes=100 * KB, total_blocks=100)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 20))
+
+
+def token(position: int) -> int:
+    """The token a (greedy) decode produces at output position ``position``: any decode, same token."""
+    return 1000 + position
+
+
+class FakeEngine:
+    num_blocks = 64
+
+    def num_free_blocks(self) -> int:
+        return 64
+
+
+class FakePoller:
+    """What the node uses of the LoadReportPoller; ``report`` is a load report arriving."""
+
+    def __init__(self, picker: DecodePicker):
+        self.picker = picker
+        self.on_report = None
+
+    def stub(self, address):
+        raise AssertionError("the fake session runner opens no stream")
+
+    def poll_now(self, address) -> None:
+        pass
+
+    def report(self, address: str) -> None:
+        self.picker.update(address, DecodeLoad(LOAD.free_blocks, LOAD.free_bytes, LOAD.total_blocks))
+        if self.on_report is not None:
+            self.on_report(address)
+
+
+class FakeRunner:
+    """Stands in for SessionRunner.run: every decode streams the tokens after those already produced
+    (the resumed prompt's tail). Decode A fails mid-stream after FAIL_AFTER tokens the first time;
+    after that it is unreachable (``dies``: killed) or serves again (a transient failure)."""
+
+    def __init__(self, dies: bool = True):
+        self.dies = dies
+        self.failed = False
+        self.calls: list[tuple[str, int]] = []  # (decode, tokens already produced)
+
+    async def run(self, address, session_id, ids, sp, timings, deadline, on_allocated=None, slo_class=None):
+        done = len(ids) - len(PROMPT)
+        self.calls.append((address, done))
+        if address == "A" and self.failed and self.dies:
+            raise Retryable(f"decode {address} unreachable")
+        timings.allocated = time.monotonic()
+        if on_allocated is not None:
+            on_allocated()
+        for i in range(sp.max_tokens):
+            if address == "A" and not self.failed and i == FAIL_AFTER:
+                self.failed = True
+                raise DecodeFailed(f"decode {address} failed mid-generation: killed")
+            await asyncio.sleep(0)
+            last = i == sp.max_tokens - 1
+            yield Delta([token(done + i)], last, "length" if last else None)
+
+
+def make_node(resume_wait_s: float, runner: FakeRunner, **kw):
+    picker = DecodePicker()
+    poller = FakePoller(picker)
+    metrics = ServerMetrics(role="prefill")
+    compat = pb.Compat(dtype="float32", num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, model="tiny",
+                       transport="tcp")
+    node = PrefillNode(FakeEngine(), sender=None, picker=picker, poller=poller, compat=compat, block_size=16,
+                       kv_bytes_per_block=KB, metrics=metrics, resume_wait_s=resume_wait_s, decode_reuse=False, **kw)
+    node.session_runner = runner
+    poller.report("A")  # only A is known: B has not reported yet
+    return node, poller, metrics
+
+
+def queued_gauge(metrics: ServerMetrics) -> float:
+    return metrics.registry.get_sample_value(
+        "pdserve_requests_queued", {"role": "prefill", "pool": "default", "inference_service": "local"})
+
+
+async def collect(node, deadline=None):
+    got, finish = [], None
+    async for delta in node.generate("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                                     deadline=deadline):
+        got += delta.token_ids
+        finish = delta.finish_reason or finish
+    return got, finish
+
+
+def test_resumes_on_a_decode_whose_first_load_report_comes_after_the_failure():
+    async def main():
+        runner = FakeRunner()
+        node, poller, metrics = make_node(10.0, runner)
+        seen = {}
+
+        def b_reports():  # B's first load report, 0.3 s after the request started (and A failed)
+            seen.update(queued=len(node.queue), gauge=queued_gauge(metrics))
+            poller.report("B")
+
+        asyncio.get_running_loop().call_later(0.3, b_reports)
+        return await collect(node), runner, node, metrics, seen
+
+    (got, finish), runner, node, metrics, seen = run(main())
+    assert got == [token(i) for i in range(MAX_TOKENS)] and finish == "length"
+    assert seen == {"queued": 1, "gauge": 1.0}  # it waited in the admission queue, counted by the gauge
+    assert len(node.queue) == 0 and queued_gauge(metrics) == 0 and node.left_while_queued == {}
+    # A was not asked again: its report is still fresh, but none came after it failed
+    assert runner.calls == [("A", 0), ("B", FAIL_AFTER)]
+
+
+def test_no_decode_in_time_fails_after_the_resume_wait_naming_it():
+    async def main():
+        runner = FakeRunner()
+        node, _, metrics = make_node(0.3, runner)
+        got = []
+        t0 = time.monotonic()
+        with pytest.raises(DecodeFailed) as info:
+            async for delta in node.generate("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0)):
+                got += delta.token_ids
+        return got, info.value, time.monotonic() - t0, node, metrics, runner
+
+    got, exc, took, node, metrics, runner = run(main())
+    assert got == [token(i) for i in range(FAIL_AFTER)]
+    assert 0.25 <= took < 3, took
+    message = str(exc)
+    assert message.startswith("decode A failed mid-generation: killed; no decode could take the request"), message
+    assert re.search(r"waited (0\.[3-9]|[12]\.\d)s for one \(--resume-wait 0\.3s\)", message), message
+    assert "not retrying A" in message, message
+    assert len(node.queue) == 0 and queued_gauge(metrics) == 0
+    assert runner.calls == [("A", 0)]
+
+
+def test_resume_wait_zero_fails_at_once_as_before():
+    async def main():
+        runner = FakeRunner()
+        node, _, metrics = make_node(0, runner)
+        t0 = time.monotonic()
+        with pytest.raises(DecodeFailed) as info:
+            async for _ in node.generate("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0)):
+                pass
+        return info.value, time.monotonic() - t0, node, metrics
+
+    exc, took, node, metrics = run(main())
+    assert took < 1, took  # no wait (the 10 s default, or the recheck)
+    assert str(exc) == "decode A failed mid-generation: killed"
+    assert len(node.queue) == 0 and queued_gauge(metrics) == 0
+
+
+def test_the_deadline_ends_the_wait_before_the_resume_wait():
+    async def main():
+        runner = FakeRunner()
+        node, _, _ = make_node(10.0, runner)
+        t0 = time.monotonic()
+        with pytest.raises(DecodeFailed) as info:
+            async for _ in node.generate("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                                         deadline=t0 + 0.5):
+                pass
+        return info.value, time.monotonic() - t0, node
+
+    exc, took, node = run(main())
+    assert 0.3 <= took < 2, took  # the queue gives up a little before the deadline, not after 10 s
+    assert "until the request's deadline" in str(exc), exc
+    assert len(node.queue) == 0
+
+
+def test_the_failed_decode_is_tried_again_once_it_reports_after_the_failure():
+    """A transient failure: A fails mid-stream, no other decode exists; A's next load report
+    (after the failure) makes it eligible again, and the request resumes there."""
+
+    async def main():
+        runner = FakeRunner(dies=False)
+        node, poller, _ = make_node(10.0, runner)
+        asyncio.get_running_loop().call_later(0.3, poller.report, "A")
+        return await collect(node), runner, node
+
+    (got, finish), runner, node = run(main())
+    assert got == [token(i) for i in range(MAX_TOKENS)] and finish == "length"
+    assert runner.calls == [("A", 0), ("A", FAIL_AFTER)]
+    assert len(node.queue) == 0
