@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 
@@ -10,6 +11,26 @@ import threading
 # port out twice keeps two servers started by one process (a test, `pdserve up`) apart.
 _handed_out: set[int] = set()
 _lock = threading.Lock()
+_rng = random.Random()
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST = 10000  # ports below this are left to fixed services
+HIGHEST = 29999  # 30000-32767 is Kubernetes' NodePort range (kube-proxy may hold those ports)
+
+
+def _window() -> tuple[int, int] | None:
+    """Ports below the kernel's ephemeral range (where bind(0) never lands) and Kubernetes'
+    NodePort range, or None off Linux.
+
+    A port handed out here is bound by its server a little later, in another process; a
+    bind(0) in between (another server's client socket, vLLM's TCPStore, a test's probe) takes
+    ports from the ephemeral range only, so it cannot take ours. Seen before this: a decode
+    over vLLM failed to start because vLLM's own bind(0) had just taken its gRPC port."""
+    try:
+        low = int(open(EPHEMERAL_RANGE_FILE).read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    high = min(HIGHEST, low - 1)
+    return (LOWEST, high) if high - LOWEST >= 1000 else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -19,19 +40,26 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports, none handed out before by this process."""
-    socks, chosen = [], []
-    try:
-        with _lock:
-            while len(chosen) < n:
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, 0))
+    """``n`` distinct free ports, none handed out before by this process: below the ephemeral
+    range where there is one (``_window``), else whatever bind(0) gives."""
+    window = _window()
+    chosen: list[int] = []
+    with _lock:
+        tries = 0
+        while len(chosen) < n:
+            tries += 1
+            port = _rng.randint(*window) if window is not None and tries < 1000 else 0
+            if port in _handed_out:
+                continue
+            s = socket.socket()
+            try:
+                s.bind((host, port))
                 port = s.getsockname()[1]
-                if port not in _handed_out:
-                    chosen.append(port)
-                    _handed_out.add(port)
-        return chosen
-    finally:
-        for s in socks:
-            s.close()
+            except OSError:  # in use
+                continue
+            finally:
+                s.close()
+            if port not in _handed_out:
+                chosen.append(port)
+                _handed_out.add(port)
+    return chosen

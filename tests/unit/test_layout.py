@@ -49,3 +49,21 @@ def test_free_ports_are_distinct():
 
     ports = free_ports(64)
     assert len(set(ports)) == 64 and all(0 < p < 65536 for p in ports)
+
+
+def test_free_ports_are_below_the_ephemeral_range_and_bindable():
+    """free_ports hands out ports where no bind(0) of another process can land before its server
+    binds it (below the kernel's ephemeral range on Linux), distinct, never twice, and free."""
+    import socket
+
+    from pdserve import net
+
+    ports = net.free_ports(20)
+    assert len(set(ports)) == 20 and not set(ports) & set(net.free_ports(20))
+    window = net._window()
+    if window is not None:
+        low = int(open(net.EPHEMERAL_RANGE_FILE).read().split()[0])
+        assert all(net.LOWEST <= p <= min(net.HIGHEST, low - 1) for p in ports), ports
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
