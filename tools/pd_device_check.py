@@ -1,0 +1,138 @@
+"""P/D on one device, end to end: a real decode and prefill server, greedy text equal to the engine alone.
+
+    python tools/pd_device_check.py [--device cuda] [--dtype bfloat16] [--model tiny] [--requests 4]
+
+Starts ``pdserve decode`` and ``pdserve prefill`` (``python -m pdserve``, this interpreter, free
+loopback ports, KV over tcp; on CUDA the CacheStore stages each layer through pinned host
+memory) on ``--device``, sends ``--requests`` greedy completions of 32 tokens (prompts of 40-160
+token ids) through the prefill's OpenAI endpoint one after the other, and checks that each text
+equals what one LLMEngine on the same device gives for the same prompt, and that after the last
+one both servers hold no KV block, Session or CacheStore entry. Prints per request the end-to-end
+time and the verdict; exits 1 on any difference. Meant for a machine where the test
+suite cannot run (a GPU box with only torch and a few wheels): it needs no pytest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import torch
+
+from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+from pdserve.net import free_ports
+
+HELD = ("sessions", "kv_blocks_used", "in_flight", "queued")
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def wait_ready(name: str, proc: subprocess.Popen, url: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited with {proc.returncode} before it was ready")
+        try:
+            if get(url + "/ready")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise SystemExit(f"{name} not ready within {timeout:.0f} s")
+
+
+def held(url: str) -> dict:
+    health = get(url + "/health")[1]
+    out = {k: health[k] for k in HELD if k in health}
+    for key, value in (health.get("cachestore") or {}).items():
+        if isinstance(value, (int, float)) and any(k in key for k in ("pinned", "inflight", "queued", "sending",
+                                                                       "receiving", "waiters")):
+            out[f"cachestore.{key}"] = value
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--requests", type=int, default=4)
+    args = p.parse_args()
+    loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, loaded.config.vocab_size - 1) for _ in range(rng.randrange(40, 160))]
+               for _ in range(args.requests)]
+    sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    expected = []
+    for i, ids in enumerate(prompts):
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16))
+        engine.add_request(f"r{i}", ids, sp)
+        toks = []
+        while engine.has_unfinished():
+            for out in engine.step():
+                toks += out.new_token_ids
+        expected.append(loaded.tokenizer.decode(toks))
+    del loaded
+    dport, dhttp, kv, phttp, pgrpc = free_ports(5)
+    common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--threads", "1",
+              "--log-level", "WARNING", "--transfer", "tcp", "--num-blocks", "128"]
+    cmd = [sys.executable, "-m", "pdserve"]
+    procs = []
+    try:
+        decode = subprocess.Popen(cmd + ["decode", "--port", str(dport), "--http-port", str(dhttp), "--kv-port", str(kv),
+                                         *common])
+        procs.append(decode)
+        prefill = subprocess.Popen(cmd + ["prefill", "--port", str(phttp), "--grpc-port", str(pgrpc),
+                                          "--decode", f"127.0.0.1:{dport}", *common])
+        procs.append(prefill)
+        durl, purl = f"http://127.0.0.1:{dhttp}", f"http://127.0.0.1:{phttp}"
+        wait_ready("decode", decode, durl)
+        wait_ready("prefill", prefill, purl)
+        bad = 0
+        for i, ids in enumerate(prompts):
+            t0 = time.perf_counter()
+            body = post(purl + "/v1/completions", {"model": args.model, "prompt": ids, "max_tokens": 32,
+                                                   "temperature": 0, "ignore_eos": True})
+            text = body["choices"][0]["text"]
+            same = text == expected[i]
+            bad += not same
+            print(f"request {i}: {len(ids)} prompt tokens, {time.perf_counter() - t0:.2f} s, "
+                  f"{'same text as the engine alone' if same else 'DIFFERENT'}"
+                  + ("" if same else f": {text!r} vs {expected[i]!r}"), flush=True)
+        time.sleep(1.0)
+        left = {"decode": held(durl), "prefill": held(purl)}
+        leaked = {name: {k: v for k, v in r.items() if v} for name, r in left.items()}
+        leaked = {name: r for name, r in leaked.items() if r}
+        print(f"{args.device} {args.dtype}: {len(prompts) - bad} of {len(prompts)} P/D texts equal the engine alone; "
+              f"held after: {leaked or 'nothing'}", flush=True)
+        return 1 if bad or leaked else 0
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
