@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import time
 
-from pdserve.bench.experiments.cluster import start_pd
-from pdserve.bench.experiments.launcher import LOG_ROOT, MODEL_CACHE, Launcher, metric_sum, scrape
-from pdserve.bench.experiments.peer import _send, pdserve_engine_flags, run_grid
-from pdserve.bench.experiments.peer_model import peer_model
-from pdserve.bench.loadgen_workload import random_requests, tokenizer_prompt_ids
+from pdserve.bench.experiments.launcher import LOG_ROOT, Launcher, metric_sum, scrape
+from pdserve.bench.experiments.peer import run_grid, start_pdserve_alone
 
 HISTOGRAMS = ("pdserve_prefill_compute_seconds", "pdserve_queue_wait_seconds", "pdserve_kv_transfer_seconds",
               "pdserve_decode_last_layer_wait_seconds", "pdserve_time_between_tokens_seconds")
@@ -55,19 +51,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     a = p.parse_args()
     args = argparse.Namespace(prompt_lens=[a.prompt], output_lens=[a.output], warmup=0, seed=0, num_requests=a.requests,
-                              request_timeout=600.0, transfer="tcp", dtype="float32", pdserve_engine="builtin",
-                              kv_tokens=16384)
-    max_len = a.prompt + a.output + 64
-    model = str(peer_model(MODEL_CACHE, "peer", max(4096, max_len)))
-    pool = tokenizer_prompt_ids(model)
-    extra, blocks = pdserve_engine_flags(args)
+                              request_timeout=600.0)
     for repeat in range(a.repeats):
         with Launcher(LOG_ROOT / f"peer-cell-cpu-{repeat}") as launcher:
-            c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus="0", decode_cpus="1",
-                         num_blocks=blocks, max_model_len=max_len, prefill_extra=extra, decode_extra=extra)
+            c, pool = start_pdserve_alone(launcher, a.prompt, a.output)
             servers = {"prefill": (c.prefill.proc.popen.pid, c.prefill.url),
                        "decode": (c.decodes[0].proc.popen.pid, c.decodes[0].url)}
-            _send(c.url, random_requests(2, a.prompt, 8, random.Random(-a.prompt), pool), concurrency=1)
             before = {name: (thread_cpu(pid), histograms(url)) for name, (pid, url) in servers.items()}
             t0, load = time.monotonic(), os.getloadavg()[0]
             fig = next(iter(run_grid(c.url, [(a.prompt, a.output, a.rate)], pool, args).values()))

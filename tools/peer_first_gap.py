@@ -16,11 +16,9 @@ import argparse
 import random
 import statistics
 
-from pdserve.bench.experiments.cluster import start_pd
-from pdserve.bench.experiments.launcher import LOG_ROOT, MODEL_CACHE, Launcher
-from pdserve.bench.experiments.peer import _send, pdserve_engine_flags
-from pdserve.bench.experiments.peer_model import peer_model
-from pdserve.bench.loadgen_workload import arrival_times, random_requests, tokenizer_prompt_ids
+from pdserve.bench.experiments.launcher import LOG_ROOT, Launcher
+from pdserve.bench.experiments.peer import _send, start_pdserve_alone
+from pdserve.bench.loadgen_workload import arrival_times, random_requests
 
 
 def p99(values: list[float]) -> float:
@@ -35,14 +33,8 @@ def main() -> None:
     p.add_argument("--rate", type=float, default=0.9, help="Poisson rate, req/s")
     p.add_argument("--requests", type=int, default=24)
     a = p.parse_args()
-    args = argparse.Namespace(transfer="tcp", dtype="float32", pdserve_engine="builtin", kv_tokens=16384)
-    model = str(peer_model(MODEL_CACHE, "peer", max(4096, a.prompt + a.output + 64)))
-    pool = tokenizer_prompt_ids(model)
-    extra, blocks = pdserve_engine_flags(args)
     with Launcher(LOG_ROOT / "peer-first-gap") as launcher:
-        c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus="0", decode_cpus="1",
-                     num_blocks=blocks, max_model_len=a.prompt + a.output + 64, prefill_extra=extra, decode_extra=extra)
-        _send(c.url, random_requests(2, a.prompt, 8, random.Random(-a.prompt), pool), concurrency=1)
+        c, pool = start_pdserve_alone(launcher, a.prompt, a.output)
         specs = random_requests(a.requests, a.prompt, a.output, random.Random(7), pool)
         results, _ = _send(c.url, specs, arrivals=arrival_times(len(specs), a.rate, "poisson", random.Random(8)))
     ok = [r for r in results if r.ok and len(r.gaps) > 2]

@@ -287,28 +287,40 @@ def _greedy_reference(prompt, max_tokens):
     return expected
 
 
-def test_decode_killed_mid_generation_resumes_on_another_decode(procs):
+def _stream_through(prefill, prompt: list[int], max_tokens: int, after_three, timeout: float):
+    """Greedy Generate on the prefill's gRPC API: read 3 responses, call ``after_three()`` (a decode
+    dies there), then read the rest; (every token, the finish reason, what ``after_three`` returned)."""
     from pdserve.protos import generate_pb2 as gpb
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
+    got, finish = [], ""
+    with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
+        call = gpb_grpc.GeneratorStub(ch).Generate(
+            gpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            timeout=timeout)
+        for _ in range(3):
+            got += next(call).token_ids
+        result = after_three()
+        for resp in call:
+            got += resp.token_ids
+            finish = resp.finish_reason or finish
+    return got, finish, result
+
+
+def test_decode_killed_mid_generation_resumes_on_another_decode(procs):
     decodes = [start_decode(procs, num_blocks=64, name=f"decode{i}") for i in range(2)]
     for d in decodes:
         wait_ready(d)
     prefill = start_prefill(procs, [d.grpc_address for d in decodes])
     wait_ready(prefill)
     prompt, max_tokens = [256, *b"resume me"], 1000
-    got = []
-    with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
-        call = gpb_grpc.GeneratorStub(ch).Generate(
-            gpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True), timeout=120)
-        for _ in range(3):
-            got += next(call).token_ids
+
+    def kill_the_busy_decode():
         victim = next(d for d in decodes if get_json(d.url + "/health")[1]["sessions"] == 1)
         procs.kill(victim.proc)
-        finish = ""
-        for resp in call:
-            got += resp.token_ids
-            finish = resp.finish_reason or finish
+        return victim
+
+    got, finish, victim = _stream_through(prefill, prompt, max_tokens, kill_the_busy_decode, timeout=120)
     assert finish == "length" and len(got) == max_tokens
     assert metric(prefill.url, "pdserve_decode_retries_total", reason="decode_failed") == 1
     assert got == _greedy_reference(prompt, max_tokens)
@@ -321,9 +333,6 @@ def test_decode_killed_before_the_other_decode_reported_resumes_there(procs):
     """The prefill lists two decodes but only one runs: the other starts after the first is
     killed mid-stream, so the prefill has no load report from it then (seen 1 run in 5 with two
     decodes started together). The request waits for it instead of ending with decode_failed."""
-    from pdserve.protos import generate_pb2 as gpb
-    from pdserve.protos import generate_pb2_grpc as gpb_grpc
-
     first = start_decode(procs, num_blocks=64, name="decode0")
     later_port = free_port()
     wait_ready(first)
@@ -331,19 +340,13 @@ def test_decode_killed_before_the_other_decode_reported_resumes_there(procs):
     prefill = start_prefill(procs, [first.grpc_address, f"127.0.0.1:{later_port}"], extra=["--resume-wait", "100"])
     wait_ready(prefill)
     prompt, max_tokens = [256, *b"resume later"], 1000
-    got = []
-    with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
-        call = gpb_grpc.GeneratorStub(ch).Generate(
-            gpb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0, ignore_eos=True), timeout=180)
-        for _ in range(3):
-            got += next(call).token_ids
+
+    def kill_it_then_start_the_other():
         assert get_json(first.url + "/health")[1]["sessions"] == 1
         procs.kill(first.proc)
-        later = start_decode(procs, num_blocks=64, name="decode1", grpc_port=later_port)
-        finish = ""
-        for resp in call:
-            got += resp.token_ids
-            finish = resp.finish_reason or finish
+        return start_decode(procs, num_blocks=64, name="decode1", grpc_port=later_port)
+
+    got, finish, later = _stream_through(prefill, prompt, max_tokens, kill_it_then_start_the_other, timeout=180)
     assert finish == "length" and len(got) == max_tokens
     assert metric(prefill.url, "pdserve_decode_retries_total", reason="decode_failed") == 1
     assert got == _greedy_reference(prompt, max_tokens)

@@ -112,6 +112,16 @@ async def collect(node, deadline=None):
     return got, finish
 
 
+async def collect_failure(node, deadline=None):
+    """``collect`` for a request that must end with DecodeFailed: (its tokens before that, the error, seconds taken)."""
+    got, t0 = [], time.monotonic()
+    with pytest.raises(DecodeFailed) as info:
+        async for delta in node.generate("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
+                                         deadline=deadline):
+            got += delta.token_ids
+    return got, info.value, time.monotonic() - t0
+
+
 def test_resumes_on_a_decode_whose_first_load_report_comes_after_the_failure():
     async def main():
         runner = FakeRunner()
@@ -137,12 +147,7 @@ def test_no_decode_in_time_fails_after_the_resume_wait_naming_it():
     async def main():
         runner = FakeRunner()
         node, _, metrics = make_node(0.3, runner)
-        got = []
-        t0 = time.monotonic()
-        with pytest.raises(DecodeFailed) as info:
-            async for delta in node.generate("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0)):
-                got += delta.token_ids
-        return got, info.value, time.monotonic() - t0, node, metrics, runner
+        return *(await collect_failure(node)), node, metrics, runner
 
     got, exc, took, node, metrics, runner = run(main())
     assert got == [token(i) for i in range(FAIL_AFTER)]
@@ -159,11 +164,8 @@ def test_resume_wait_zero_fails_at_once_as_before():
     async def main():
         runner = FakeRunner()
         node, _, metrics = make_node(0, runner)
-        t0 = time.monotonic()
-        with pytest.raises(DecodeFailed) as info:
-            async for _ in node.generate("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0)):
-                pass
-        return info.value, time.monotonic() - t0, node, metrics
+        _, exc, took = await collect_failure(node)
+        return exc, took, node, metrics
 
     exc, took, node, metrics = run(main())
     assert took < 1, took  # no wait (the 10 s default, or the recheck)
@@ -175,12 +177,8 @@ def test_the_deadline_ends_the_wait_before_the_resume_wait():
     async def main():
         runner = FakeRunner()
         node, _, _ = make_node(10.0, runner)
-        t0 = time.monotonic()
-        with pytest.raises(DecodeFailed) as info:
-            async for _ in node.generate("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
-                                         deadline=t0 + 0.5):
-                pass
-        return info.value, time.monotonic() - t0, node
+        _, exc, took = await collect_failure(node, deadline=time.monotonic() + 0.5)
+        return exc, took, node
 
     exc, took, node = run(main())
     assert 0.3 <= took < 2, took  # the queue gives up a little before the deadline, not after 10 s
