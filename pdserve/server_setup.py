@@ -186,11 +186,14 @@ def ensure_engine_environment(args) -> None:
 
 
 def attach_kv_events(engine, publisher) -> None:
-    """The built-in engine's prefix cache publishes its KV events (vLLM's decode has none; its
-    prefill's cache is vLLM's own): call before the engine thread starts."""
+    """The engine's prefix cache publishes its KV events: the built-in engine's block manager, or
+    vLLM's (``--engine vllm``: its prefill's; its decode caches no prefixes). Call before the
+    engine thread starts."""
     inner = getattr(engine, "engine", None)
     if inner is not None and hasattr(inner, "block_manager"):
         inner.block_manager.listener = publisher
+    elif hasattr(engine, "publish_kv_events"):
+        engine.publish_kv_events(publisher)
 
 
 def follow_tier_metrics(metrics, engine: AsyncLLMEngine) -> None:

@@ -19,6 +19,7 @@ Reading path:
   ``connector.py``  PdserveConnector (KVConnectorBase_V1): the scheduler and worker hooks
   ``bridge.py``     Bridge: the state those three share in the one process
   ``logprobs.py``   vLLM's per-token and prompt logprobs in the built-in engine's shape (TokenLogprob)
+  ``kv_events.py``  VllmKvEvents: the prefill's prefix-cache events, re-hashed as routers hash prompts
 
 Only ``connector.py``, ``engine.py`` and ``server.py`` import vllm; nothing outside this
 package does (tests/unit/test_import_arrows.py). pdserve's own environment never installs vLLM.

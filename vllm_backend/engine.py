@@ -31,8 +31,10 @@ it; the decode's request, added at ``reserve`` before its sampling is known, get
 ``add_prefilled`` (compiled then, and told the first token, plus the prompt tokens a resume fed
 back: ``GrammarSpec.feed``), before vLLM schedules it; vLLM advances it by every later token.
 Stop strings are not given to vLLM: the prefill's TextStream cuts the text at one and ends the
-request (which aborts it here). Not carried over: the decode's prefix cache (off: its
-reservations hold placeholder tokens), KV events, KV tiers and swap; vLLM may preempt a
+request (which aborts it here). KV events: the prefill's prefix cache is vLLM's, and its events
+reach routers re-hashed as pdserve hashes prompts (``kv_events.py``, ``publish_kv_events``);
+``prefix_hit_tokens`` counts the prompt tokens vLLM found cached. Not carried over: the decode's
+prefix cache (off: its reservations hold placeholder tokens), KV tiers and swap; vLLM may preempt a
 decode request when its blocks run out (it then recomputes it; the built-in engine reserves
 prompt + max_tokens up front instead).
 """
@@ -98,6 +100,17 @@ class VllmAsyncEngine(VllmEngineThread):
         self._first_logprobs: dict[str, object] = {}
         self._prompt_logprobs: dict[str, list] = {}
         self._ks: dict[str, tuple[int | None, int | None]] = {}  # requests that asked: (logprobs, prompt_logprobs)
+        self._hit_tokens = 0  # prompt tokens of prefill_only requests vLLM's prefix cache held
+        self.kv_events = None  # VllmKvEvents once publish_kv_events ran
+
+    def publish_kv_events(self, listener) -> None:
+        """vLLM's prefix-cache events go to ``listener`` (a KvEventPublisher) as pdserve block hashes;
+        call before the engine thread starts. The engine must be built with KV-cache events on
+        (server.py does for the prefill)."""
+        from .kv_events import VllmKvEvents
+
+        self.kv_events = VllmKvEvents(listener, self.block_size)
+        self._scheduler.kv_event_publisher = self.kv_events
 
     # ---- reads from any thread ----
     def _pool(self):
@@ -110,7 +123,7 @@ class VllmAsyncEngine(VllmEngineThread):
         return self._num_requests
 
     def prefix_hit_tokens(self) -> int:
-        return 0
+        return self._hit_tokens
 
     def tier_stats(self) -> dict:
         return {}
@@ -369,6 +382,7 @@ class VllmAsyncEngine(VllmEngineThread):
             started, n = self._started_at.pop(rid, (time.perf_counter(), 0))
             tokens_done, seconds = self._counters
             self._counters = (tokens_done + n, seconds + time.perf_counter() - started)
+            self._hit_tokens += out.num_cached_tokens or 0
             error = self.bridge.prefill_errors.pop(rid, None)
             if error is None and tokens:
                 error = self._keep_prefill_logprobs(rid, out, comp.logprobs, tokens[:1])

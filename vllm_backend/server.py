@@ -59,7 +59,7 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
     key = f"{role}-{uuid.uuid4().hex[:8]}"
     bridge = Bridge(block_size=args.block_size)
     BRIDGES[key] = bridge
-    from vllm.config import KVTransferConfig, StructuredOutputsConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig, StructuredOutputsConfig
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -68,6 +68,9 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
     engine_args = EngineArgs(model=str(path), dtype=args.dtype, max_model_len=max_len, block_size=args.block_size,
                              kv_cache_memory_bytes=kv_bytes, enforce_eager=True, max_num_seqs=args.max_num_seqs,
                              enable_prefix_caching=role == "prefill", kv_transfer_config=kv_config, seed=0,
+                             # the prefill's prefix-cache events, for routers: publish_kv_events takes vLLM's
+                             # null publisher's place (engine.py, kv_events.py)
+                             kv_events_config=KVEventsConfig(enable_kv_cache_events=role == "prefill", publisher="null"),
                              served_model_name=served_model_name(args),
                              # response_format/tools: xgrammar, compact JSON as the built-in engine (engine/grammar.py)
                              structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",

@@ -348,6 +348,45 @@ def _stream_then_close(prefill: Server, ids: list[int], chunks: int) -> int:
     return seen
 
 
+def _kv_snapshot(server: Server) -> set[int]:
+    """The server's KV-event snapshot (its prefix cache's hash set, as a router's first message)."""
+    import grpc
+
+    from pdserve.protos import kv_events_pb2 as kpb
+    from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+
+    with grpc.insecure_channel(server.grpc_address) as channel:
+        snap = kpb_grpc.KvEventsStub(channel).Snapshot(kpb.SubscribeRequest(subscriber="test"), timeout=10)
+    assert snap.block_size == BLOCK
+    return set(snap.block_hashes)
+
+
+def test_prefill_kv_events_carry_the_routers_hashes_and_evictions(cluster):
+    """vLLM's prefix cache on the prefill reaches routers as the hashes a router computes from the prompt;
+    a repeat of the prompt is counted as prefix hits; evicted blocks leave the set."""
+    from harness.pd_cluster import metric
+
+    from pdserve.router.prompt import prompt_hashes
+
+    prefill, decode = cluster
+    ids = _prompts()[4]  # 130 tokens: two full blocks a later prompt can reuse
+    first = _complete(prefill, ids, max_tokens=4)
+    assert set(prompt_hashes(ids, BLOCK)) <= _kv_snapshot(prefill) and len(prompt_hashes(ids, BLOCK)) == 2
+    hits = metric(prefill.url, "pdserve_prefix_cache_hit_tokens_total")
+    assert _complete(prefill, ids, max_tokens=4) == first  # the cached blocks reach the decode too
+    assert metric(prefill.url, "pdserve_prefix_cache_hit_tokens_total") - hits == 2 * BLOCK
+    # 20 new prompts of 3 full blocks each: more than the prefill's 48 blocks, so vLLM evicts
+    rng = random.Random(11)
+    fresh = [[rng.randrange(0, 500) for _ in range(3 * BLOCK + 8)] for _ in range(20)]
+    for p in fresh:
+        _complete(prefill, p, max_tokens=2)
+    snap = _kv_snapshot(prefill)
+    assert len(snap) <= 48 and set(prompt_hashes(fresh[-1], BLOCK)) <= snap
+    assert not set(prompt_hashes(fresh[0], BLOCK)) <= snap  # the oldest went
+    readings = wait_all_released([prefill, decode])
+    assert nothing_held(readings), readings
+
+
 def test_client_abort_frees_everything(cluster):
     prefill, decode = cluster
     ids = _prompts()[4]
