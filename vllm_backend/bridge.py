@@ -13,9 +13,10 @@ Prefill side (a request's KV leaves through the CacheStore):
   ``release(rid)``; the worker's ``get_finished`` then reports it sent and vLLM frees them.
 
 Decode side (the KV arrives into vLLM's blocks):
-- ``start_decode(rid, num_prompt_tokens, on_blocks)``: the scheduler connector reports that
-  many tokens as remote (asynchronous load), and ``update_state_after_alloc`` hands the
-  blocks vLLM allocated to ``on_blocks(block_ids)``.
+- ``start_decode(rid, num_prompt_tokens, on_blocks)``: the scheduler connector reports the
+  prompt tokens past vLLM's local prefix-cache hit as remote (asynchronous load), and
+  ``update_state_after_alloc`` hands the prompt's blocks (the hit's first) and the hit's
+  length in tokens to ``on_blocks(block_ids, cached)``.
 - ``loaded(rid)`` once every layer arrived: the worker's ``get_finished`` reports the load
   done and vLLM schedules the request (it computes the last token, the prefill's first one).
 - ``forget(rid)`` on abort or finish.
@@ -42,9 +43,10 @@ class Prefill:
 @dataclass
 class Decode:
     num_prompt_tokens: int
-    on_blocks: Callable[[list[int]], None]
+    on_blocks: Callable[[list[int], int], None]
     internal_id: str | None = None
     block_ids: list[int] | None = None
+    cached: int = 0  # leading prompt tokens vLLM's prefix cache held (their blocks are not received)
     loaded: bool = False
 
 

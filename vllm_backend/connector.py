@@ -6,9 +6,11 @@ engine adapter through a ``Bridge`` (``bridge.py``); a request takes part when i
 ``kv_transfer_params`` carry ``{"pdserve": "prefill" | "decode", "rid": ...}``.
 
 Scheduler side:
-- ``get_num_new_matched_tokens``: a decode request's prompt tokens are remote, loaded
-  asynchronously (vLLM puts it in WAITING_FOR_REMOTE_KVS and allocates their blocks);
-- ``update_state_after_alloc``: those blocks go to the adapter (the CacheStore receives into them);
+- ``get_num_new_matched_tokens``: a decode request's prompt tokens past vLLM's local prefix-cache
+  hit are remote, loaded asynchronously (vLLM puts it in WAITING_FOR_REMOTE_KVS and allocates
+  their blocks);
+- ``update_state_after_alloc``: the prompt's blocks and the hit go to the adapter (the CacheStore
+  receives into the blocks after the hit);
 - ``build_connector_meta``: the prefill requests whose prompt completes in this step, with
   their prompt blocks (the worker hands each layer of them to the CacheStore);
 - ``request_finished``: a finished prefill request keeps its blocks (True) until released.
@@ -85,6 +87,7 @@ class PdserveConnector(KVConnectorBase_V1):
         if d is None or d.block_ids is not None:  # already allocated (second call after the load)
             return 0, False
         d.internal_id = request.request_id
+        d.cached = num_computed_tokens  # the reservation kept hashes for fewer than num_prompt_tokens (engine.py)
         return d.num_prompt_tokens - num_computed_tokens, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int):
@@ -96,7 +99,7 @@ class PdserveConnector(KVConnectorBase_V1):
             return
         ids = blocks.get_block_ids()[0]
         d.block_ids = list(ids[:_blocks_needed(d.num_prompt_tokens, self.bridge.block_size)])
-        d.on_blocks(d.block_ids)
+        d.on_blocks(d.block_ids, d.cached)
 
     def build_connector_meta(self, scheduler_output) -> PdserveMetadata:
         meta = PdserveMetadata()

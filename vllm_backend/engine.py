@@ -13,9 +13,14 @@ How each P/D call maps onto vLLM (``connector.py`` holds the hooks, ``bridge.py`
 - ``reserve``: a request whose prompt is ``num_prompt_tokens`` placeholders + 1 (the slot of
   the prefill's first token), every prompt token reported remote: vLLM's scheduler allocates
   the blocks (WAITING_FOR_REMOTE_KVS) and they come back as the reservation.
+- ``reserve_prefix``: the same with the real prompt + 1 placeholder, and the request's block
+  hashes cut to the prompt's full blocks before its last token (the built-in engine's limit):
+  vLLM's prefix cache matches those, and only the prompt past the hit is reported remote;
+  returns (blocks, cached tokens). ``reserve`` keeps no hashes, so placeholders never match.
 - ``add_prefilled``: the real prompt + first token and sampling are written into the waiting
-  request, the load is reported done, and vLLM computes the first token's KV and decodes:
-  the outputs start after the first token, as with the built-in engine.
+  request, its block hashes are recomputed from them (before vLLM caches its blocks), the
+  load is reported done, and vLLM computes the first token's KV and decodes: the outputs
+  start after the first token, as with the built-in engine.
 - ``prefill_reserved``: the placeholder is dropped and the prompt computed here (a fresh request).
 - ``abort`` / an output stream left early: vLLM aborts the request and frees its blocks.
 
@@ -31,10 +36,10 @@ it; the decode's request, added at ``reserve`` before its sampling is known, get
 ``add_prefilled`` (compiled then, and told the first token, plus the prompt tokens a resume fed
 back: ``GrammarSpec.feed``), before vLLM schedules it; vLLM advances it by every later token.
 Stop strings are not given to vLLM: the prefill's TextStream cuts the text at one and ends the
-request (which aborts it here). KV events: the prefill's prefix cache is vLLM's, and its events
-reach routers re-hashed as pdserve hashes prompts (``kv_events.py``, ``publish_kv_events``);
-``prefix_hit_tokens`` counts the prompt tokens vLLM found cached. Not carried over: the decode's
-prefix cache (off: its reservations hold placeholder tokens), KV tiers and swap; vLLM may preempt a
+request (which aborts it here). Prefix caches: both servers' are vLLM's, and their events
+reach routers and decode pickers re-hashed as pdserve hashes prompts (``kv_events.py``,
+``publish_kv_events``); ``prefix_hit_tokens`` counts the prompt tokens vLLM found cached (prefill:
+computed from cache; decode: not received). Not carried over: KV tiers and swap; vLLM may preempt a
 decode request when its blocks run out (it then recomputes it; the built-in engine reserves
 prompt + max_tokens up front instead).
 """
@@ -173,18 +178,23 @@ class VllmAsyncEngine(VllmEngineThread):
 
     # ---- decode side ----
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
+        block_ids, _ = await self._reserved(request_id, None, num_prompt_tokens, max_tokens)
+        return block_ids
+
+    async def reserve_prefix(self, request_id: str, prompt_token_ids: list[int], max_tokens: int):
+        return await self._reserved(request_id, list(prompt_token_ids), len(prompt_token_ids), max_tokens)
+
+    async def _reserved(self, request_id: str, prompt: list[int] | None, num_prompt_tokens: int,
+                        max_tokens: int) -> tuple[list[int], int]:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
-        await self._call(self._reserve, request_id, num_prompt_tokens, max_tokens, (loop, fut))
+        await self._call(self._reserve, request_id, prompt, num_prompt_tokens, max_tokens, (loop, fut))
         try:
             return await asyncio.wait_for(asyncio.shield(fut), RESERVE_TIMEOUT_S)
         except asyncio.TimeoutError:
             await self.abort(request_id)
             raise OutOfBlocksError(f"vLLM did not allocate {num_prompt_tokens} prompt tokens within "
                                    f"{RESERVE_TIMEOUT_S:.0f} s") from None
-
-    async def reserve_prefix(self, request_id: str, prompt_token_ids: list[int], max_tokens: int):
-        return await self.reserve(request_id, len(prompt_token_ids), max_tokens), 0
 
     async def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                             sampling) -> AsyncIterator[RequestOutput]:
@@ -268,20 +278,31 @@ class VllmAsyncEngine(VllmEngineThread):
         self._started_at[rid] = (time.perf_counter(), len(ids))
         self._ask(rid, sampling)
 
-    def _reserve(self, rid: str, n_prompt: int, max_tokens: int, reply) -> None:
+    def _reserve(self, rid: str, prompt: list[int] | None, n_prompt: int, max_tokens: int, reply) -> None:
         self._check_len(n_prompt)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         self._check_free(n_prompt + 1)
         loop, fut = reply
-        self.bridge.start_decode(rid, n_prompt, lambda ids: loop.call_soon_threadsafe(set_result, fut, list(ids)))
+
+        def on_blocks(ids: list[int], cached: int) -> None:
+            self._hit_tokens += cached
+            loop.call_soon_threadsafe(set_result, fut, (list(ids), cached))
+
+        self.bridge.start_decode(rid, n_prompt, on_blocks)
         vsp = self._vllm_sampling(_Greedy(max(1, min(max_tokens - 1, self.max_model_len - n_prompt - 1))),
                                   kv={"pdserve": "decode", "rid": rid})
+        known = set(self._scheduler.requests)
         try:
-            self.llm.add_request(rid, {"prompt_token_ids": [0] * (n_prompt + 1)}, vsp)
+            self.llm.add_request(rid, {"prompt_token_ids": (prompt or [0] * n_prompt) + [0]}, vsp)
         except BaseException:
             self.bridge.forget(rid)
             raise
+        (internal_id,) = set(self._scheduler.requests) - known
+        # vLLM looks the prompt up by these hashes at its next step: only full blocks of real tokens
+        # before the prompt's last one (a reservation without a prompt: none). add_prefilled recomputes
+        # the rest once the tokens are real.
+        del self._scheduler.requests[internal_id].block_hashes[(n_prompt - 1) // self.block_size if prompt else 0:]
 
     def _add_prefilled(self, rid: str, ids: list[int], first: int, sampling) -> None:
         d = self.bridge.decodes.get(rid)
@@ -300,6 +321,7 @@ class VllmAsyncEngine(VllmEngineThread):
         tokens = list(ids) + [first]
         req.prompt_token_ids[:] = tokens
         req._all_token_ids[:] = tokens
+        req.update_block_hashes()  # the blocks after the kept hashes, from the real tokens (before vLLM caches them)
         fresh = self._vllm_sampling(sampling, max_tokens=sampling.max_tokens - 1)
         vsp = req.sampling_params  # shared with vLLM's output processor (in-process): update in place
         for name in ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "max_tokens",

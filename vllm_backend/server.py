@@ -67,10 +67,10 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
                                  kv_role="kv_both", kv_connector_extra_config={"bridge": key})
     engine_args = EngineArgs(model=str(path), dtype=args.dtype, max_model_len=max_len, block_size=args.block_size,
                              kv_cache_memory_bytes=kv_bytes, enforce_eager=True, max_num_seqs=args.max_num_seqs,
-                             enable_prefix_caching=role == "prefill", kv_transfer_config=kv_config, seed=0,
-                             # the prefill's prefix-cache events, for routers: publish_kv_events takes vLLM's
+                             enable_prefix_caching=True, kv_transfer_config=kv_config, seed=0,
+                             # prefix-cache events, for routers and decode pickers: publish_kv_events takes vLLM's
                              # null publisher's place (engine.py, kv_events.py)
-                             kv_events_config=KVEventsConfig(enable_kv_cache_events=role == "prefill", publisher="null"),
+                             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"),
                              served_model_name=served_model_name(args),
                              # response_format/tools: xgrammar, compact JSON as the built-in engine (engine/grammar.py)
                              structured_outputs_config=StructuredOutputsConfig(backend="xgrammar",

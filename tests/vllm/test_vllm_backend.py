@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.pd_cluster import Server, get_json, nothing_held, post_json, wait_all_released, wait_ready
+from harness.pd_cluster import Server, get_json, metric, nothing_held, post_json, wait_all_released, wait_ready
 from harness.procs import VENV_BIN, ProcessGroup
 from pdserve.net import free_port
 
@@ -41,7 +41,7 @@ START_TIMEOUT = 420.0  # vLLM's start on two shared cores
 def _prompts() -> list[list[int]]:
     rng = random.Random(7)
     # lengths across block boundaries: inside one block, exactly one, one past, several
-    return [[rng.randrange(0, 500) for _ in range(n)] for n in (5, 63, 64, 65, 130, 17, 200, 31)]
+    return [[rng.randrange(0, 500) for _ in range(n)] for n in (5, 63, 64, 65, 130, 17, 200, 31, 250)]
 
 
 def _text(ids: list[int]) -> str:
@@ -164,6 +164,26 @@ def _complete(prefill: Server, ids: list[int], max_tokens: int = MAX_TOKENS) -> 
 
 def _received(decode: Server) -> int:
     return get_json(decode.url + "/health")[1]["cachestore"]["bytes_received"]
+
+
+HITS = "pdserve_prefix_cache_hit_tokens_total"
+
+
+def test_the_decode_reuses_its_prefix_cache(cluster, model, reference):
+    """A second turn (B extends A): the decode's prefix cache (vLLM's) holds A's full blocks, so only B's blocks
+    past them move and B's tokens still equal vLLM colocated's. First in the module, so nothing sent B before."""
+    prefill, decode = cluster
+    b = _prompts()[8]  # 250 tokens: 4 blocks
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    block_bytes = 2 * BLOCK * cfg["num_key_value_heads"] * head_dim * 4 * cfg["num_hidden_layers"]  # fp32 K and V
+    _complete(prefill, b[:140], max_tokens=2)  # A: the decode caches its two full blocks
+    hits, before = metric(decode.url, HITS), _received(decode)
+    assert _complete(prefill, b) == reference[8]
+    assert metric(decode.url, HITS) - hits == 2 * BLOCK
+    assert 0 < _received(decode) - before < 3 * block_bytes  # B's last 2 blocks of 4 moved
+    readings = wait_all_released([prefill, decode])
+    assert nothing_held(readings), readings
 
 
 def test_one_request_at_a_time_equals_vllm_colocated(cluster, reference):
@@ -364,17 +384,15 @@ def _kv_snapshot(server: Server) -> set[int]:
 def test_prefill_kv_events_carry_the_routers_hashes_and_evictions(cluster):
     """vLLM's prefix cache on the prefill reaches routers as the hashes a router computes from the prompt;
     a repeat of the prompt is counted as prefix hits; evicted blocks leave the set."""
-    from harness.pd_cluster import metric
-
     from pdserve.router.prompt import prompt_hashes
 
     prefill, decode = cluster
     ids = _prompts()[4]  # 130 tokens: two full blocks a later prompt can reuse
     first = _complete(prefill, ids, max_tokens=4)
     assert set(prompt_hashes(ids, BLOCK)) <= _kv_snapshot(prefill) and len(prompt_hashes(ids, BLOCK)) == 2
-    hits = metric(prefill.url, "pdserve_prefix_cache_hit_tokens_total")
+    hits = metric(prefill.url, HITS)
     assert _complete(prefill, ids, max_tokens=4) == first  # the cached blocks reach the decode too
-    assert metric(prefill.url, "pdserve_prefix_cache_hit_tokens_total") - hits == 2 * BLOCK
+    assert metric(prefill.url, HITS) - hits == 2 * BLOCK
     # 20 new prompts of 3 full blocks each: more than the prefill's 48 blocks, so vLLM evicts
     rng = random.Random(11)
     fresh = [[rng.randrange(0, 500) for _ in range(3 * BLOCK + 8)] for _ in range(20)]
