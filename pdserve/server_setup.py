@@ -187,8 +187,8 @@ def ensure_engine_environment(args) -> None:
 
 def attach_kv_events(engine, publisher) -> None:
     """The engine's prefix cache publishes its KV events: the built-in engine's block manager, or
-    vLLM's (``--engine vllm``: its prefill's; its decode caches no prefixes). Call before the
-    engine thread starts."""
+    vLLM's (``--engine vllm``: ``vllm_backend/kv_events.py``). Call before the engine thread
+    starts."""
     inner = getattr(engine, "engine", None)
     if inner is not None and hasattr(inner, "block_manager"):
         inner.block_manager.listener = publisher

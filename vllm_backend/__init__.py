@@ -2,8 +2,9 @@
 (``pdserve prefill|decode --engine vllm``), with pdserve's CacheStore as vLLM's KV connector.
 
 Request lifecycle over P/D (the Session, picker, router and SLO code are the built-in engine's):
-  1. decode: the Session's reserve adds a vLLM request whose prompt tokens are all remote; vLLM's
-     scheduler allocates their blocks (WAITING_FOR_REMOTE_KVS) and they are the Allocation;
+  1. decode: the Session's reserve adds a vLLM request whose prompt tokens past vLLM's prefix-cache
+     hit are remote; vLLM's scheduler allocates their blocks (WAITING_FOR_REMOTE_KVS) and they are
+     the Allocation (the hit's blocks first, not received);
   2. prefill: prefill_only adds a max_tokens=1 request; in the step that computes its prompt the
      worker connector's save_kv_layer hands each layer's blocks to the CacheStore, which pushes
      them straight from vLLM's KV memory into the decode's vLLM blocks;
@@ -19,7 +20,7 @@ Reading path:
   ``connector.py``  PdserveConnector (KVConnectorBase_V1): the scheduler and worker hooks
   ``bridge.py``     Bridge: the state those three share in the one process
   ``logprobs.py``   vLLM's per-token and prompt logprobs in the built-in engine's shape (TokenLogprob)
-  ``kv_events.py``  VllmKvEvents: the prefill's prefix-cache events, re-hashed as routers hash prompts
+  ``kv_events.py``  VllmKvEvents: vLLM's prefix-cache events, re-hashed as routers and pickers hash prompts
 
 Only ``connector.py``, ``engine.py`` and ``server.py`` import vllm; nothing outside this
 package does (tests/unit/test_import_arrows.py). pdserve's own environment never installs vLLM.

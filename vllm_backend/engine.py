@@ -105,13 +105,13 @@ class VllmAsyncEngine(VllmEngineThread):
         self._first_logprobs: dict[str, object] = {}
         self._prompt_logprobs: dict[str, list] = {}
         self._ks: dict[str, tuple[int | None, int | None]] = {}  # requests that asked: (logprobs, prompt_logprobs)
-        self._hit_tokens = 0  # prompt tokens of prefill_only requests vLLM's prefix cache held
+        self._hit_tokens = 0  # prompt tokens vLLM's prefix cache held (prefill_only: not computed; reserve: not received)
         self.kv_events = None  # VllmKvEvents once publish_kv_events ran
 
     def publish_kv_events(self, listener) -> None:
         """vLLM's prefix-cache events go to ``listener`` (a KvEventPublisher) as pdserve block hashes;
         call before the engine thread starts. The engine must be built with KV-cache events on
-        (server.py does for the prefill)."""
+        (server.py does)."""
         from .kv_events import VllmKvEvents
 
         self.kv_events = VllmKvEvents(listener, self.block_size)

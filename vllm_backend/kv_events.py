@@ -21,11 +21,7 @@ this object never heard of. Fewer hits are safe; a wrong hit is not.
 
 from __future__ import annotations
 
-import logging
-
 from pdserve.engine.block_manager import PrefixCacheListener, block_hash
-
-log = logging.getLogger(__name__)
 
 
 class VllmKvEvents:
