@@ -402,9 +402,10 @@ class VllmAsyncEngine(VllmEngineThread):
                 return
             loop, fut = self._firsts.pop(rid)
             started, n = self._started_at.pop(rid, (time.perf_counter(), 0))
+            cached = out.num_cached_tokens or 0  # prompt tokens vLLM's prefix cache held: not computed
             tokens_done, seconds = self._counters
-            self._counters = (tokens_done + n, seconds + time.perf_counter() - started)
-            self._hit_tokens += out.num_cached_tokens or 0
+            self._counters = (tokens_done + n - cached, seconds + time.perf_counter() - started)
+            self._hit_tokens += cached
             error = self.bridge.prefill_errors.pop(rid, None)
             if error is None and tokens:
                 error = self._keep_prefill_logprobs(rid, out, comp.logprobs, tokens[:1])

@@ -107,12 +107,14 @@ def start_colocated(launcher: Launcher, model: str, *, threads: int | None = Non
 
 def start_routed(launcher: Launcher, model: str, n_prefills: int, n_decodes: int, *, threads: int | None = None,
                  num_blocks: int | None = None, max_model_len: int | None = None, prefill_extra: list[str] | None = None,
-                 decode_extra: list[str] | None = None, router_extra: list[str] | None = None) -> Cluster:
+                 decode_extra: list[str] | None = None, router_extra: list[str] | None = None,
+                 prefill_cpus: str | None = None, decode_cpus: str | None = None) -> Cluster:
     """n_prefills prefills (each knows every decode) behind ``pdserve router``; Cluster.url is the router's."""
-    decodes = [start_decode(launcher, f"decode{i}", model, threads=threads, num_blocks=num_blocks,
+    decodes = [start_decode(launcher, f"decode{i}", model, threads=threads, cpus=decode_cpus, num_blocks=num_blocks,
                             max_model_len=max_model_len, extra=decode_extra) for i in range(n_decodes)]
-    prefills = [start_prefill(launcher, f"prefill{i}", model, decodes, threads=threads, num_blocks=num_blocks,
-                              max_model_len=max_model_len, extra=prefill_extra) for i in range(n_prefills)]
+    prefills = [start_prefill(launcher, f"prefill{i}", model, decodes, threads=threads, cpus=prefill_cpus,
+                              num_blocks=num_blocks, max_model_len=max_model_len, extra=prefill_extra)
+                for i in range(n_prefills)]
     port = free_port()
     args = ["router", "--port", str(port), "--model", model, "--log-level", "WARNING",
             "--prefill", ",".join(p.grpc for p in prefills), *(router_extra or [])]

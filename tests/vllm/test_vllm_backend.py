@@ -167,6 +167,7 @@ def _received(decode: Server) -> int:
 
 
 HITS = "pdserve_prefix_cache_hit_tokens_total"
+COMPUTED = "pdserve_prompt_tokens_computed_total"
 
 
 def test_the_decode_reuses_its_prefix_cache(cluster, model, reference):
@@ -390,9 +391,10 @@ def test_prefill_kv_events_carry_the_routers_hashes_and_evictions(cluster):
     ids = _prompts()[4]  # 130 tokens: two full blocks a later prompt can reuse
     first = _complete(prefill, ids, max_tokens=4)
     assert set(prompt_hashes(ids, BLOCK)) <= _kv_snapshot(prefill) and len(prompt_hashes(ids, BLOCK)) == 2
-    hits = metric(prefill.url, HITS)
+    hits, computed = metric(prefill.url, HITS), metric(prefill.url, COMPUTED)
     assert _complete(prefill, ids, max_tokens=4) == first  # the cached blocks reach the decode too
     assert metric(prefill.url, HITS) - hits == 2 * BLOCK
+    assert metric(prefill.url, COMPUTED) - computed == len(ids) - 2 * BLOCK
     # 20 new prompts of 3 full blocks each: more than the prefill's 48 blocks, so vLLM evicts
     rng = random.Random(11)
     fresh = [[rng.randrange(0, 500) for _ in range(3 * BLOCK + 8)] for _ in range(20)]
@@ -499,3 +501,23 @@ def test_peer_experiment_runs_pdserve_on_the_vllm_engine(vllm_python, tmp_path):
     for role in ("prefill", "decode"):
         cmd = doc["commands"]["pdserve"][role]
         assert cmd[cmd.index("--engine") + 1] == "vllm" and cmd[cmd.index("--num-blocks") + 1] == "64"
+
+
+def test_prefix_experiment_reuses_prefixes_over_the_vllm_engine(vllm_python, tmp_path):
+    """`pdserve bench experiment prefix --engine vllm` (experiment 5 over vLLM's engine, tiny checkpoint, a short
+    chat trace): with decode reuse the decodes' prefix caches (vLLM's) serve prompt blocks, so fewer KV bytes move
+    than without it, and no request fails."""
+    out = tmp_path / "out"
+    proc = subprocess.run([str(VENV_BIN / "pdserve"), "bench", "experiment", "prefix", "--engine", "vllm",
+                           "--arms", "prefix,prefix+reuse+cost", "--conversations", "3", "--turns", "3",
+                           "--system-tokens", "256", "--user-tokens", "32", "--reply-tokens", "32",
+                           "--output-tokens", "8", "--rate", "2", "--think", "0.2", "--num-blocks", "128",
+                           "--overhead-requests", "2", "--overhead-rounds", "1", "--out", str(out)],
+                          capture_output=True, text=True, timeout=1700,
+                          env={**os.environ, "PDSERVE_VLLM_PYTHON": vllm_python})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    doc = json.loads((out / "prefix.json").read_text())
+    arms = doc["figures"]["arms"]
+    assert doc["engine"] == "vllm" and all(a["failed"] == 0 for a in arms.values()), arms
+    assert arms["prefix"]["decode_prefix_hit_tokens"] == 0 < arms["prefix+reuse+cost"]["decode_prefix_hit_tokens"]
+    assert arms["prefix+reuse+cost"]["kv_bytes_moved"] < arms["prefix"]["kv_bytes_moved"]
