@@ -4,6 +4,9 @@ one request at a time and as a concurrent batch, with the prompt's KV moved by t
 (the decode received it) over tcp and over nixl; logprobs (/v1/completions with and without echo,
 chat, whole and streamed) equal vLLM's own within 1e-4; every KV block, Session and CacheStore entry
 is back to zero after success, after a client abort, and after either peer is killed mid-request.
+Prefix caches (vLLM's, both servers): the prefill's KV events carry the hashes a router computes,
+its hits are counted and not computed, evictions leave the set; a decode reuses a second turn's
+cached blocks and receives only the rest; experiment 5 runs over this engine.
 
 Needs the vLLM-CPU environment (6.5 GB; `make test-vllm` builds it with tools/install_vllm_cpu.sh,
 46 min the first time here, then runs this tier; not part of `make test`: see tests/conftest.py); the
