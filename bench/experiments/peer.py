@@ -85,7 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="weights, activations and KV of both systems (default %(default)s); --kv-tokens holds either way")
     g.add_argument("--pdserve-engine", choices=["builtin", "vllm"], default="builtin",
                    help="engine of pdserve's servers: builtin (default) or vllm (--engine vllm: vLLM's engine under "
-                        "pdserve's P/D, block size 32; issue 17)")
+                        "pdserve's P/D; issue 17)")
+    g.add_argument("--pdserve-vllm-block-size", type=int, default=VLLM_BLOCK_SIZE,
+                   help="--pdserve-engine vllm: tokens per KV block of pdserve's vLLM (a multiple of 32; default "
+                        "%(default)s; vLLM's own P/D here runs vLLM-CPU's default, 128)")
     g.add_argument("--vllm-untuned", action="store_true", help="vLLM without the progress-thread and NUMA fixes")
     g.add_argument("--pdserve-prefill-extra", default="", metavar="FLAGS",
                    help="more flags for pdserve's prefill, one string (e.g. --pdserve-prefill-extra='--queue-timeout 60')")
@@ -164,8 +167,8 @@ def pdserve_engine_flags(args) -> tuple[list[str], int]:
     flags = ["--transfer", args.transfer, "--dtype", args.dtype]
     if args.pdserve_engine == "builtin":
         return flags, -(-args.kv_tokens // BLOCK_SIZE)
-    return (flags + ["--engine", "vllm", "--block-size", str(VLLM_BLOCK_SIZE)],
-            -(-args.kv_tokens // VLLM_BLOCK_SIZE))
+    block = args.pdserve_vllm_block_size
+    return flags + ["--engine", "vllm", "--block-size", str(block)], -(-args.kv_tokens // block)
 
 
 

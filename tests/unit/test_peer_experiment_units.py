@@ -94,6 +94,9 @@ def test_pdserve_servers_get_the_same_kv_budget_on_either_engine():
     flags, blocks = peer.pdserve_engine_flags(parser.parse_args(["--kv-tokens", "1000", "--pdserve-engine", "vllm"]))
     assert flags[flags.index("--engine") + 1] == "vllm" and int(flags[flags.index("--block-size") + 1]) == 32
     assert blocks == 32  # 1000 tokens round up to whole 32-token blocks
+    flags, blocks = peer.pdserve_engine_flags(parser.parse_args(["--kv-tokens", "1000", "--pdserve-engine", "vllm",
+                                                                 "--pdserve-vllm-block-size", "128"]))
+    assert int(flags[flags.index("--block-size") + 1]) == 128 and blocks == 8
     with pytest.raises(SystemExit):
         parser.parse_args(["--pdserve-engine", "sglang"])
     flags, _ = peer.pdserve_engine_flags(parser.parse_args(["--dtype", "bfloat16"]))
