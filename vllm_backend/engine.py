@@ -225,15 +225,20 @@ class VllmAsyncEngine(VllmEngineThread):
         """llm.add_request, then (a resumed request: ``grammar.feed`` > 0) the grammar told the trailing
         prompt tokens it already produced, before vLLM samples the request's first token."""
         fed = _fed(ids, grammar)
-        known = set(self._scheduler.requests) if fed else None
-        self.llm.add_request(rid, {"prompt_token_ids": ids}, vsp)
+        req = self._add_request(rid, ids, vsp)
         if fed:
-            (internal_id,) = set(self._scheduler.requests) - known
             try:
-                self._advance_grammar(self._scheduler.requests[internal_id], fed)
+                self._advance_grammar(req, fed)
             except BaseException:
                 self.llm.abort_request([rid])
                 raise
+
+    def _add_request(self, rid: str, ids: list[int], vsp):
+        """llm.add_request; returns the scheduler's vLLM Request (its id is ours plus a random suffix)."""
+        known = set(self._scheduler.requests)
+        self.llm.add_request(rid, {"prompt_token_ids": ids}, vsp)
+        (internal_id,) = set(self._scheduler.requests) - known
+        return self._scheduler.requests[internal_id]
 
     def _advance_grammar(self, req, tokens: list[int]) -> None:
         """Wait for the request's grammar to compile and make it accept ``tokens`` (already produced
@@ -292,17 +297,15 @@ class VllmAsyncEngine(VllmEngineThread):
         self.bridge.start_decode(rid, n_prompt, on_blocks)
         vsp = self._vllm_sampling(_Greedy(max(1, min(max_tokens - 1, self.max_model_len - n_prompt - 1))),
                                   kv={"pdserve": "decode", "rid": rid})
-        known = set(self._scheduler.requests)
         try:
-            self.llm.add_request(rid, {"prompt_token_ids": (prompt or [0] * n_prompt) + [0]}, vsp)
+            req = self._add_request(rid, (prompt or [0] * n_prompt) + [0], vsp)
         except BaseException:
             self.bridge.forget(rid)
             raise
-        (internal_id,) = set(self._scheduler.requests) - known
         # vLLM looks the prompt up by these hashes at its next step: only full blocks of real tokens
         # before the prompt's last one (a reservation without a prompt: none). add_prefilled recomputes
         # the rest once the tokens are real.
-        del self._scheduler.requests[internal_id].block_hashes[(n_prompt - 1) // self.block_size if prompt else 0:]
+        del req.block_hashes[(n_prompt - 1) // self.block_size if prompt else 0:]
 
     def _add_prefilled(self, rid: str, ids: list[int], first: int, sampling) -> None:
         d = self.bridge.decodes.get(rid)
