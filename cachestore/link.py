@@ -8,7 +8,7 @@ request bound to that receiver. It owns:
   popped from the scheduler, sent straight from the region) and a reader thread (ACK and
   ERROR frames from the receiver). Connection 0 also carries BIND and CANCEL frames;
 * for ``nixl``: one data thread running a ``NixlWriter`` (``nixl_link.py``) that turns
-  chunks into NIXL WRITEs (one per layer) with a notification and counts their chunks
+  chunks into NIXL WRITEs (a layer or more each) with a notification and counts their chunks
   delivered when NIXL reports it DONE (TCP stays the control channel). It reaches the link
   only through ``take_chunks`` / ``chunks_done`` and the stall error, given at construction.
 

@@ -146,3 +146,36 @@ def test_burst_to_two_receivers(transport):
                 await rx.stop()
     run(main())
 
+
+
+def test_nixl_layers_queued_together_go_as_one_write():
+    """Layers queued while the nixl data thread waits go as ONE WRITE (up to NIXL_WRITE_BYTES), even
+    when the scheduler cut each layer into several chunks; the bytes land bit-exact and each layer
+    counts as delivered. (With a WRITE bounded by one layer of the pool this took L WRITEs.)"""
+    async def main():
+        async with Pair("nixl", chunk_bytes=8 * LAYOUT.block_nbytes) as p:  # 4 chunks per layer
+            src_blocks, dst_blocks = list(range(NB)), list(range(NB - 1, -1, -1))
+            dst = p.rx.expect("w", dst_blocks, timeout_s=20)
+            p.tx.bind("w", p.rx.endpoint, dst)
+            link = next(iter(p.tx._links.values()))
+            posted = []
+            agent = p.tx._nixl.agent
+            real_transfer = agent.transfer
+
+            def counting_transfer(handle, *a, **kw):
+                posted.append(handle)
+                return real_transfer(handle, *a, **kw)
+
+            agent.transfer = counting_transfer
+            with link.cond:  # the data thread cannot take a chunk until every layer is queued
+                for layer in range(L):
+                    p.tx.store("w", layer, src_blocks)
+            await p.tx.wait_sent("w", 20)
+            await p.rx.wait_all("w", 20)
+            assert len(posted) == 1
+            assert p.copied(src_blocks, dst_blocks)
+            assert p.tx.stats()["bytes_sent"] == L * NB * LAYOUT.block_nbytes
+            assert sorted(p.tx.layer_times("w")) == list(range(L))
+            p.rx.delete("w"), p.tx.delete("w")
+            await p.assert_clean()
+    run(main())
