@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the kernel is compiled for (its by_dim switch)
 _state: dict = {}  # "op" once loaded, or "error": why not (tried once per process)
+_variants: dict = {}  # namespace -> op, for build_variant
 
 
 def cache_dir() -> Path:
@@ -37,14 +38,15 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def _build_command(cxx: str, out: Path) -> list[str]:
+def _build_command(cxx: str, out: Path, march: str = "native", source: Path = SOURCE) -> list[str]:
+    """g++ for the library; ``march`` other than native builds one ISA level's code path (tests)."""
     import torch
     from torch.utils.cpp_extension import include_paths
 
     lib = Path(torch.__file__).parent / "lib"
-    return [cxx, "-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++20",
+    return [cxx, "-O3", f"-march={march}", "-ffast-math", "-fopenmp-simd", "-shared", "-fPIC", "-std=c++20",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-            *[f"-I{p}" for p in include_paths()], str(SOURCE), f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10",
+            *[f"-I{p}" for p in include_paths()], str(source), f"-L{lib}", "-ltorch", "-ltorch_cpu", "-lc10",
             f"-Wl,-rpath,{lib}", "-o", str(out)]
 
 
@@ -83,6 +85,38 @@ def build(verbose: bool = False) -> Path:
             raise RuntimeError(f"building {SOURCE.name} with {cxx} failed: " + " | ".join(errors[:5]))
         tmp.rename(out)
     return out
+
+
+def build_variant(namespace: str, *, march: str = "native", source_text: str | None = None):
+    """The op built apart, registered under ``namespace``: this source (or ``source_text``, e.g. the
+    kernel at another git revision for ``tools/bench_native_attention.py --against``) for
+    ``-march=march`` (the tests build each ISA level's path, AVX2 or plain loops, whatever the
+    machine's native build takes). Cached in ``cache_dir()/variants/``; RuntimeError names the cause."""
+    import torch
+
+    if namespace in _variants:
+        return _variants[namespace]
+    cxx = _compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, or $CXX) on this machine")
+    text = (SOURCE.read_text() if source_text is None else source_text).replace(
+        "TORCH_LIBRARY(pdserve_native,", f"TORCH_LIBRARY({namespace},")
+    key = hashlib.sha256("\0".join([text, march, torch.__version__, cxx]).encode()).hexdigest()[:16]
+    out = cache_dir() / "variants" / key / f"{namespace}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        src, tmp = out.with_suffix(f".{os.getpid()}.cpp"), out.with_suffix(f".{os.getpid()}.tmp")
+        src.write_text(text)
+        done = subprocess.run(_build_command(cxx, tmp, march, src), capture_output=True, text=True)
+        src.unlink(missing_ok=True)
+        if done.returncode != 0:
+            tmp.unlink(missing_ok=True)
+            errors = [ln for ln in done.stderr.splitlines() if "error" in ln] or done.stderr.splitlines()[-5:]
+            raise RuntimeError(f"building {namespace} (-march={march}) failed: " + " | ".join(errors[:5]))
+        tmp.rename(out)
+    torch.ops.load_library(str(out))
+    _variants[namespace] = getattr(torch.ops, namespace).paged_decode_attention
+    return _variants[namespace]
 
 
 def paged_decode_attention():

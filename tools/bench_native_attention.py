@@ -17,10 +17,8 @@ kernel / that one (how much a change to ``engine/csrc/paged_decode.cpp`` gained,
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 
@@ -67,15 +65,10 @@ def kernel_at(rev: str):
                          cwd=Path(__file__).resolve().parent.parent)
     if src.returncode != 0:
         raise SystemExit(f"--against {rev}: {src.stderr.strip()}")
-    tmp = Path(tempfile.mkdtemp(prefix="native-at-rev-"))
-    (tmp / "at_rev.cpp").write_text(src.stdout.replace("TORCH_LIBRARY(pdserve_native,", "TORCH_LIBRARY(pdserve_native_at_rev,"))
-    cmd = native._build_command(shutil.which("g++") or "g++", tmp / "at_rev.so")
-    cmd[cmd.index(str(native.SOURCE))] = str(tmp / "at_rev.cpp")
-    built = subprocess.run(cmd, capture_output=True, text=True)
-    if built.returncode != 0:
-        raise SystemExit(f"--against {rev}: the build failed:\n{built.stderr[-2000:]}")
-    torch.ops.load_library(str(tmp / "at_rev.so"))
-    op = torch.ops.pdserve_native_at_rev.paged_decode_attention
+    try:
+        op = native.build_variant("pdserve_native_at_rev", source_text=src.stdout)
+    except RuntimeError as e:
+        raise SystemExit(f"--against {rev}: {e}") from None
     return lambda q, kv, tables, ctx: op(q, kv.layer(0), tables, torch.zeros_like(ctx), ctx, q.shape[-1] ** -0.5)
 
 

@@ -14,6 +14,20 @@ from pdserve.engine import native
 from pdserve.engine.kv_cache import KVCache
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the engine uses its torch path")
+_CPU_FLAGS = next((ln.split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+# The kernel's code paths besides the one -march=native takes here, each built apart (native.build_variant)
+# for an x86-64 level this CPU runs: x86-64-v4 is the AVX-512 path, v3 the AVX2 + FMA one, plain x86-64
+# the loops; all three must give the same results.
+ISA_LEVELS = ["native"] + [level for level, flag in (("x86-64-v4", "avx512f"), ("x86-64-v3", "avx2"), ("x86-64", "sse2"))
+                           if flag in _CPU_FLAGS]
+
+
+def _op(level):
+    if level == "native":
+        op = native.paged_decode_attention()
+        assert op is not None, native.unavailable_reason()
+        return op
+    return native.build_variant("pdserve_native_" + level.replace("-", "_"), march=level)
 
 
 def _case(batch_ctx, heads, kv_heads, dim, block_size, dtype, seed=0):
@@ -43,9 +57,9 @@ def _reference(kv, q, tables, starts, ends, scale, dtype=torch.float32):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 2, 64), (16, 8, 64), (4, 4, 128), (6, 1, 32), (4, 2, 16), (2, 1, 256)])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("window", [None, 20])
-def test_kernel_matches_sdpa_over_the_gathered_context(heads, kv_heads, dim, block_size, window):
-    op = native.paged_decode_attention()
-    assert op is not None, native.unavailable_reason()
+@pytest.mark.parametrize("level", ISA_LEVELS)
+def test_kernel_matches_sdpa_over_the_gathered_context(heads, kv_heads, dim, block_size, window, level):
+    op = _op(level)
     kv, q, tables, ends = _case([150, 1, 64, 97], heads, kv_heads, dim, block_size, torch.float32)
     starts = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)
     got = op(q, kv.layer(0), tables, starts, ends, 0.2)
@@ -56,13 +70,14 @@ def test_kernel_matches_sdpa_over_the_gathered_context(heads, kv_heads, dim, blo
 
 
 @needs_compiler
-def test_scores_far_apart_soft_max_like_sdpa():
+@pytest.mark.parametrize("level", ISA_LEVELS)
+def test_scores_far_apart_soft_max_like_sdpa(level):
     """A large scale spreads the scores over hundreds: 93% of the softmax terms of the longest
     sequence fall below e^-80 (the kernel's vectorized exp gives 0 there) and the result is still
     SDPA's in float64. The tolerance is 5e-5: the kernel's float32 scores of up to 255 are rounded
     by ~1e-5 of that, and exp carries it into the weights (the kernel before the vectorized exp
     was 2.7e-5 off float32 SDPA here, the same as now)."""
-    op = native.paged_decode_attention()
+    op = _op(level)
     kv, q, tables, ends = _case([300, 17, 33], 16, 2, 64, 16, torch.float32, seed=3)
     starts = torch.zeros_like(ends)
     got = op(q, kv.layer(0), tables, starts, ends, 8.0)
@@ -73,8 +88,9 @@ def test_scores_far_apart_soft_max_like_sdpa():
 
 
 @needs_compiler
-def test_bfloat16_is_the_float32_arithmetic_rounded_once():
-    op = native.paged_decode_attention()
+@pytest.mark.parametrize("level", ISA_LEVELS)
+def test_bfloat16_is_the_float32_arithmetic_rounded_once(level):
+    op = _op(level)
     kv, q, tables, ends = _case([130, 7, 64], 16, 2, 64, 64, torch.bfloat16, seed=3)
     starts = torch.zeros_like(ends)
     got = op(q, kv.layer(0), tables, starts, ends, 0.125)
