@@ -50,15 +50,19 @@ def _build_command(cxx: str, out: Path, march: str = "native", source: Path = SO
             f"-Wl,-rpath,{lib}", "-o", str(out)]
 
 
+def _cpu_flags() -> str:
+    if not Path("/proc/cpuinfo").exists():
+        return ""
+    return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
+
+
 def library_path(cxx: str) -> Path:
     """Where the library built from this source, for this torch and compiler, is cached
     (``-march=native``: the machine's CPU flags are part of the key too)."""
     import torch
 
-    flags = ""
-    if Path("/proc/cpuinfo").exists():
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), cxx.encode(), flags.encode()]))
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), cxx.encode(),
+                                      _cpu_flags().encode()]))
     return cache_dir() / key.hexdigest()[:16] / "paged_decode.so"
 
 
@@ -101,7 +105,7 @@ def build_variant(namespace: str, *, march: str = "native", source_text: str | N
         raise RuntimeError("no C++ compiler (g++, or $CXX) on this machine")
     text = (SOURCE.read_text() if source_text is None else source_text).replace(
         "TORCH_LIBRARY(pdserve_native,", f"TORCH_LIBRARY({namespace},")
-    key = hashlib.sha256("\0".join([text, march, torch.__version__, cxx]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([text, march, torch.__version__, cxx, _cpu_flags()]).encode()).hexdigest()[:16]
     out = cache_dir() / "variants" / key / f"{namespace}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
