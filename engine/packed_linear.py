@@ -23,7 +23,8 @@ a bf16 weight is float32: the rows are widened to fp32, multiplied, and the resu
 bf16. That is the arithmetic bf16 hardware does (bf16 x bf16 products are exact in fp32, sums
 accumulate in fp32, the output is rounded once); only the order of the sums differs. It costs
 twice the bf16 weights' memory instead of once. At one row bf16 ``F.linear`` is as fast and
-stays (``UPCAST_PLAIN_MAX_ROWS``).
+stays (``UPCAST_PLAIN_MAX_ROWS``). Where oneDNN cannot pack bf16 at all (no AVX-512 nor
+AVX-NE-CONVERT), the weights are widened the same way, whatever ``native_bf16()`` says.
 """
 
 from __future__ import annotations
@@ -67,13 +68,24 @@ def pack_linears(model: nn.Module) -> int:
             continue
         compute = torch.float32 if w.dtype == torch.bfloat16 and widen_bf16 else w.dtype
         try:
-            module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach().to(compute), PACK_BATCH_HINT)
+            module.packed_weight = _reorder(w, compute)
         except (RuntimeError, AttributeError):  # a torch built without this oneDNN op: stay on F.linear
             return packed
         module.packed_from = w.dtype
-        module.packed_bias = None if module.bias is None else module.bias.detach().to(compute)
+        module.packed_bias = None if module.bias is None else module.bias.detach().to(module.packed_weight.dtype)
         packed += 1
     return packed
+
+
+def _reorder(w: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """oneDNN's packed copy of ``w`` in ``compute``; widened to fp32 instead where oneDNN has no bf16
+    GEMM on this CPU (it wants AVX-512 or AVX-NE-CONVERT, e.g. not on AMD Zen 3)."""
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().to(compute), PACK_BATCH_HINT)
+    except RuntimeError:
+        if compute != torch.bfloat16:
+            raise
+        return torch.ops.mkldnn._reorder_linear_weight(w.detach().float(), PACK_BATCH_HINT)
 
 
 def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:

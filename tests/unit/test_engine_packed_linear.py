@@ -73,8 +73,8 @@ def test_a_module_cast_after_packing_falls_back_to_f_linear():
 
 
 def _onednn_packs_bf16() -> bool:
-    """Whether oneDNN reorders a bf16 weight on this CPU at all (it needs AVX-512; an AVX2-only
-    CPU, e.g. AMD Zen 3, has none, and the engine widens bf16 to fp32 there anyway)."""
+    """Whether oneDNN reorders a bf16 weight on this CPU at all (it needs AVX-512 or AVX-NE-CONVERT;
+    an AVX2-only CPU, e.g. AMD Zen 3, has neither, and the engine widens bf16 to fp32 there)."""
     try:
         torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 8)
         return True
@@ -85,15 +85,15 @@ def _onednn_packs_bf16() -> bool:
 @needs_onednn
 @pytest.mark.parametrize("native", [True, False])
 def test_bf16_is_widened_to_fp32_only_where_the_cpu_emulates_it(native, monkeypatch):
-    """Without bf16 instructions the packed copy is fp32 (bias too); results stay bf16 and match."""
-    if native and not _onednn_packs_bf16():
-        pytest.skip("oneDNN has no bf16 GEMM on this CPU (no AVX-512): only the widened path can run here")
+    """Without bf16 instructions the packed copy is fp32 (bias too); results stay bf16 and match. Where
+    oneDNN cannot pack bf16 at all, the copy is widened even when the CPU is said to have them."""
+    widened = not (native and _onednn_packs_bf16())
     monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
     monkeypatch.setattr(packed_linear, "native_bf16", lambda: native)
     torch.manual_seed(1)
     m = nn.Linear(96, 200, bias=True).to(torch.bfloat16)
     assert pack_linears(m) == 1
-    assert m.packed_weight.dtype == (torch.bfloat16 if native else torch.float32)
+    assert m.packed_weight.dtype == (torch.float32 if widened else torch.bfloat16)
     assert m.packed_bias.dtype == m.packed_weight.dtype and m.packed_from == torch.bfloat16
     for rows in (1, 2, 4, 17, 300):
         x = torch.randn(rows, 96, dtype=torch.bfloat16)
