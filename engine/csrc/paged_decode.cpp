@@ -80,6 +80,13 @@ inline void axpy(float p, const float* x, float* y) {
 #endif
 }
 
+// The vectorized exp's facts, shared by the AVX-512 and AVX2 versions: e^x for x <= 0, and 0 below
+// kExpFloor (no denormals in the V sums, slow on x86): Cody-Waite reduction by ln 2 (split in a high
+// part exact in float and the rest) and a degree-7 polynomial on |r| <= ln(2)/2 (error below 1e-8
+// relative, coefficients highest first), scaled by 2^n.
+constexpr float kExpFloor = -80.f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[] = {1.f / 5040.f, 1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+
 #if defined(__AVX512F__)
 // 16 vectors -> one vector whose lane t is the sum of v[t]'s lanes: a tree of 128-bit-lane and
 // in-lane shuffles (46 instructions for 16 sums, against ~8 per horizontal reduce on its own).
@@ -94,19 +101,16 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_shuffle_f32x4(z, z, 0xD8);  // [s0-3, s8-11, s4-7, s12-15] -> s0-15
 }
 
-// e^x for x <= 0, and 0 below -80 (no denormals in the V sums): Cody-Waite reduction by ln 2 and a
-// degree-7 polynomial on |r| <= ln(2)/2 (error below 1e-8 relative), scaled by 2^n.
+// e^x for x <= 0 (the constants above), 2^n applied with scalef.
 inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 floor = _mm512_set1_ps(-80.f);
+  const __m512 floor = _mm512_set1_ps(kExpFloor);
   const __mmask16 keep = _mm512_cmp_ps_mask(x, floor, _CMP_GE_OQ);
   x = _mm512_max_ps(x, floor);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
@@ -135,19 +139,17 @@ inline __m256 sum8(const __m256* v) {
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
 }
 
-// e^x for x <= 0, and 0 below -80: the AVX-512 version's reduction and polynomial, with 2^n built
-// in the exponent bits (n >= -116 here, so a normal float).
+// e^x for x <= 0 (the constants above), 2^n built in the exponent bits (n >= -116 here, so a
+// normal float).
 inline __m256 exp_nonpositive(__m256 x) {
-  const __m256 floor = _mm256_set1_ps(-80.f);
+  const __m256 floor = _mm256_set1_ps(kExpFloor);
   const __m256 keep = _mm256_cmp_ps(x, floor, _CMP_GE_OQ);
   x = _mm256_max_ps(x, floor);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.f / 5040.f);
-  for (const float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f})
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_and_ps(keep, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
@@ -187,7 +189,7 @@ inline float softmax_numerators(float* sh, int64_t n) {
   for (int64_t j = 0; j < n; ++j) m = std::max(m, sh[j]);
   for (int64_t j = 0; j < n; ++j) {  // below e^-80 is 0: no denormals in the V sums (slow on x86)
     const float z = sh[j] - m;
-    sh[j] = z < -80.f ? 0.f : std::exp(z);
+    sh[j] = z < kExpFloor ? 0.f : std::exp(z);
     sum += sh[j];
   }
   return sum;
