@@ -50,7 +50,8 @@ def _build_command(cxx: str, out: Path, march: str = "native", source: Path = SO
             f"-Wl,-rpath,{lib}", "-o", str(out)]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's flags line of /proc/cpuinfo ("" elsewhere): part of every kernel cache key."""
     if not Path("/proc/cpuinfo").exists():
         return ""
     return next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), "")
@@ -62,7 +63,7 @@ def library_path(cxx: str) -> Path:
     import torch
 
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), cxx.encode(),
-                                      _cpu_flags().encode()]))
+                                      cpu_flags().encode()]))
     return cache_dir() / key.hexdigest()[:16] / "paged_decode.so"
 
 
@@ -105,7 +106,7 @@ def build_variant(namespace: str, *, march: str = "native", source_text: str | N
         raise RuntimeError("no C++ compiler (g++, or $CXX) on this machine")
     text = (SOURCE.read_text() if source_text is None else source_text).replace(
         "TORCH_LIBRARY(pdserve_native,", f"TORCH_LIBRARY({namespace},")
-    key = hashlib.sha256("\0".join([text, march, torch.__version__, cxx, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([text, march, torch.__version__, cxx, cpu_flags()]).encode()).hexdigest()[:16]
     out = cache_dir() / "variants" / key / f"{namespace}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

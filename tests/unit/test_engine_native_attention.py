@@ -14,7 +14,7 @@ from pdserve.engine import native
 from pdserve.engine.kv_cache import KVCache
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the engine uses its torch path")
-_CPU_FLAGS = next((ln.split() for ln in open("/proc/cpuinfo") if ln.startswith("flags")), [])
+_CPU_FLAGS = native.cpu_flags().split()
 # The kernel's code paths besides the one -march=native takes here, each built apart (native.build_variant)
 # for an x86-64 level this CPU runs: x86-64-v4 is the AVX-512 path, v3 the AVX2 + FMA one, plain x86-64
 # the loops; all three must give the same results.
