@@ -20,15 +20,21 @@ serve: $(STAMP) native
 	$(BIN)/pdserve up --model tiny --prefill 1 --decode 2
 
 # The whole suite: unit, multi-process, real Kubernetes (control plane; a one-node cluster running
-# the built image), real Prometheus. On a fresh machine the image is the longest first build (~25 min
-# on a loaded 2-core machine) and only tests/k8s_node needs it: it is built in the background at idle
-# CPU and I/O priority while the venv, Prometheus, the Kubernetes binaries and every other test run;
-# tests/k8s_node runs last and waits for it (a failed build fails those tests, with its log's end).
-# Once built, all of it is cached (seconds). `make image` builds it in the foreground.
+# the built image), real Prometheus, in parallel (pytest-xdist, TEST_WORKERS processes: the tiers that
+# mostly wait, Kubernetes and the node, beside the ones that compute; tests/harness/suite_plan.py says
+# how tests are grouped and ordered). On a fresh machine the image and the Kubernetes binaries are the
+# long first builds: both build in the background (the image at idle priority) while every test that
+# needs neither runs; the k8s and node tiers wait for them (a failed build fails those tests, with its
+# log's end). Once built, all of it is cached (seconds). The end of the output lists the 30 slowest
+# tests, each tier's time and every skipped test with its reason.
+TEST_WORKERS ?= 4
+PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
 test:
 	bash tools/image/build.sh --background
-	$(MAKE) test-deps
-	$(BIN)/pytest
+	$(MAKE) $(STAMP) native prometheus-bin
+	PIP=$(BIN)/pip bash tools/k8s/build.sh --background
+	@start=$$(date +%s); $(BIN)/pytest $(PYTEST_PARALLEL); rc=$$?; \
+	echo "pytest: $$(( $$(date +%s) - start )) s with $(TEST_WORKERS) workers"; exit $$rc
 
 test-deps: $(STAMP) native prometheus-bin k8s-tools
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import threading
@@ -17,14 +18,36 @@ LOWEST = 10000  # ports below this are left to fixed services
 HIGHEST = 29999  # 30000-32767 is Kubernetes' NodePort range (kube-proxy may hold those ports)
 
 
+# `low-high`: the ports this process and its children hand out (inherited through the environment).
+# Set by the test suite, one slice of the window per pytest-xdist worker, so that two workers never
+# hand out the same port in the moment between choosing it and binding it.
+PORTS_ENV = "PDSERVE_PORTS"
+
+
+def _env_window() -> tuple[int, int] | None:
+    value = os.environ.get(PORTS_ENV, "")
+    if not value:
+        return None
+    try:
+        low, high = (int(x) for x in value.split("-"))
+    except ValueError:
+        raise ValueError(f"{PORTS_ENV} must be LOW-HIGH (two port numbers), got {value!r}") from None
+    if not 1024 <= low < high <= 65535:
+        raise ValueError(f"{PORTS_ENV}={value!r}: need 1024 <= LOW < HIGH <= 65535")
+    return low, high
+
+
 def _window() -> tuple[int, int] | None:
-    """Ports below the kernel's ephemeral range (where bind(0) never lands) and Kubernetes'
-    NodePort range, or None off Linux.
+    """The ports to hand out: ``PDSERVE_PORTS`` where set; else below the kernel's ephemeral range
+    (where bind(0) never lands) and Kubernetes' NodePort range, or None off Linux.
 
     A port handed out here is bound by its server a little later, in another process; a
     bind(0) in between (another server's client socket, vLLM's TCPStore, a test's probe) takes
     ports from the ephemeral range only, so it cannot take ours. Seen before this: a decode
     over vLLM failed to start because vLLM's own bind(0) had just taken its gRPC port."""
+    pinned = _env_window()
+    if pinned is not None:
+        return pinned
     try:
         low = int(open(EPHEMERAL_RANGE_FILE).read().split()[0])
     except (OSError, ValueError, IndexError):

@@ -1,6 +1,8 @@
-"""`pdserve bench chaos` end to end, short: it starts its own supervised cluster, injects
-faults under a small load and writes a JSON with every request and fault; no request may
-come back with text that differs from its fault-free reference."""
+"""`pdserve bench chaos` end to end, in its smoke form (8 s of load, a fault every ~2 s): it starts its
+own supervised cluster, injects faults under a small load and writes a JSON with every request and
+fault; no request may come back with text that differs from its fault-free reference, and none hangs.
+These check the mechanism; how much completes under a given fault rate is the benchmark's figure
+(docs/benchmarks.md, 10-minute runs), never asserted here."""
 
 import json
 import os
@@ -15,8 +17,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_chaos_smoke_writes_the_report_and_nothing_is_wrong(tmp_path):
-    cmd = [str(VENV_BIN / "pdserve"), "bench", "chaos", "--duration", "20", "--concurrency", "2", "--pool", "6",
-           "--fault-interval", "5", "--leak-timeout", "20", "--out", str(tmp_path), "--name", "smoke", "--no-progress"]
+    cmd = [str(VENV_BIN / "pdserve"), "bench", "chaos", "--duration", "8", "--concurrency", "2", "--pool", "6",
+           "--fault-interval", "2", "--leak-timeout", "20", "--out", str(tmp_path), "--name", "smoke", "--no-progress"]
     # bench chaos stops the `pdserve up` it started in every case; the timeout only guards the test
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a target missed, still reported
@@ -30,7 +32,7 @@ def test_chaos_smoke_writes_the_report_and_nothing_is_wrong(tmp_path):
     for r in doc["requests"]:
         assert {"start", "end", "outcome", "error", "checked", "longest_silence"} <= set(r)
         assert r["end"] >= r["start"]
-    assert doc["faults"], "no fault was injected in 20 s"
+    assert doc["faults"], "no fault was injected in 8 s"
     for f in doc["faults"]:
         assert {"time", "kind", "target", "pid"} <= set(f)
     assert set(doc["final_readings"]) == {"prefill-0", "decode-0", "decode-1", "decode-2"}
@@ -46,8 +48,8 @@ def _namespaces() -> list[str]:
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("tc") or not shutil.which("ip"),
                     reason="--netem needs root, ip and tc")
 def test_chaos_netem_runs_in_its_own_namespace_records_netem_faults_and_deletes_it(tmp_path):
-    cmd = [str(VENV_BIN / "pdserve"), "bench", "chaos", "--netem", "--faults", "netem", "--duration", "20",
-           "--concurrency", "2", "--pool", "6", "--fault-interval", "5", "--leak-timeout", "20", "--out", str(tmp_path),
+    cmd = [str(VENV_BIN / "pdserve"), "bench", "chaos", "--netem", "--faults", "netem", "--duration", "8",
+           "--concurrency", "2", "--pool", "6", "--fault-interval", "2", "--leak-timeout", "20", "--out", str(tmp_path),
            "--name", "netem", "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out, _ = proc.communicate(timeout=600)

@@ -20,6 +20,7 @@ from pdserve.net import free_port
 COMMON = ["--model", "tiny", "--threads", "1", "--log-level", "INFO"]
 # Counters in CacheStore stats that are "things held" (must return to 0); totals are not.
 HELD_KEYS = ("pinned", "inflight", "queued", "sending", "receiving", "waiters")
+POLL_S = 0.05  # the pause between two polls of a condition
 
 
 @dataclass
@@ -105,12 +106,15 @@ def held(health: dict) -> dict:
 
 
 def wait_all_released(servers: list[Server], timeout: float = 10.0) -> dict:
-    """Poll /health until every server holds nothing; return the last readings (assert on them)."""
+    """Poll /health until every server holds nothing; return the last readings (assert on them).
+    `timeout` is a hang guard; polls are 50 ms apart (a poll without a pause takes the CPU from the
+    servers it waits for)."""
     deadline = time.monotonic() + timeout
     while True:
         readings = {s.name: held(get_json(s.url + "/health")[1]) for s in servers}
         if all(v == 0 for r in readings.values() for v in r.values()) or time.monotonic() > deadline:
             return readings
+        time.sleep(POLL_S)
 
 
 def nothing_held(readings: dict) -> bool:

