@@ -95,9 +95,29 @@ __all__ = ["DEADLINE_SLACK_S", "DecodeFailed", "Delta", "NoDecodeAvailable", "Re
 # deadline is the decode's backstop when prefill cannot say so (frozen).
 DEADLINE_SLACK_S = 1.0
 
-# Test hook (never set it in production): seconds the prefill waits between the decode's
-# Allocation and its forward pass, so a test can freeze it while the decode holds blocks.
-HOLD_AFTER_ALLOCATION_S = float(os.environ.get("PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S", "0") or 0)
+# Test hook (never set it in production; tests/harness/gates.py drives it): a directory. Between
+# the decode's Allocation and the forward pass each request writes ``held.<request id>`` there and
+# waits until a file ``open`` exists there (then removes its file), so a test holds requests while
+# the decode holds their blocks for exactly as long as it needs. Cancelling the request (its client
+# gone, its deadline: the Frontend cancels it) ends the wait. Unset: one falsy check per request.
+TEST_GATE_ENV = "PDSERVE_TEST_GATE_AFTER_ALLOCATION"
+TEST_GATE_DIR = os.environ.get(TEST_GATE_ENV, "")
+TEST_GATE_POLL_S = 0.02
+
+
+async def _wait_at_test_gate(request_id: str) -> None:
+    """The test hook above: announce the held request, wait for ``open``, withdraw the announcement."""
+    marker = os.path.join(TEST_GATE_DIR, "held." + request_id.replace(os.sep, "_"))
+    open(marker, "w").close()
+    try:
+        while not os.path.exists(os.path.join(TEST_GATE_DIR, "open")):
+            await asyncio.sleep(TEST_GATE_POLL_S)
+    finally:
+        try:
+            os.unlink(marker)
+        except OSError:
+            pass
+
 
 @dataclass(slots=True)
 class _Held:
@@ -182,8 +202,8 @@ class SessionRunner:
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
             if on_allocated is not None:
                 on_allocated()
-            if HOLD_AFTER_ALLOCATION_S:  # test hook: a window in which the decode holds a reservation (the request
-                await asyncio.sleep(HOLD_AFTER_ALLOCATION_S)  # has left the admission queue: it is admitted)
+            if TEST_GATE_DIR:  # test hook: the decode holds the reservation (the request has left the admission
+                await _wait_at_test_gate(request_id)  # queue: it is admitted) until the test opens the gate
             if decision.where == LOCAL:  # 4l
                 held.free_slot()  # our engine does not compute this prompt
                 first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)

@@ -7,6 +7,9 @@ shared, slow machine), then thaws it and checks that nothing is held on either e
 
 The end-to-end deadline (--request-timeout, X-Request-Timeout, gRPC deadline) ends a
 request with a clear error and frees it on both ends.
+
+A request the test must catch between the decode's Allocation and the prefill's forward pass is
+held there by a gate the test opens (harness/gates.py), never by a fixed time.
 """
 
 import http.client
@@ -19,13 +22,17 @@ import time
 import grpc
 import pytest
 
-from harness.pd_cluster import get_json, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.gates import Gate
+from harness.pd_cluster import (get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released,
+                                wait_ready)
+from pdserve.prefill_server.decode_session import DEADLINE_SLACK_S
 
 pytestmark = pytest.mark.slow
 
 SLACK = 8.0  # a shared 2-core machine: bounds are asserted generously, never tightened
 SESSION_TIMEOUT = 2.0
 RESUME_WAIT = 1.0  # with no other decode: how long the prefill waits for one before the error event
+HANG_GUARD_S = 60.0  # only a hang guard for the waits on an event below
 
 
 def _sse(prefill, body, headers=None, timeout=120):
@@ -102,16 +109,16 @@ def test_decode_frozen_mid_generation(procs, decodes):
     assert nothing_held(readings), readings
 
 
-def test_prefill_frozen_after_reservation_decode_frees(procs):
+def test_prefill_frozen_after_reservation_decode_frees(procs, tmp_path):
     """A prefill frozen after the decode reserved blocks (before any KV): the decode frees the
     reservation within --session-timeout; after SIGCONT the prefill's client gets an answer
     and neither end holds anything."""
     decode = start_decode(procs, name="decode", extra=["--session-timeout", str(SESSION_TIMEOUT)])
     wait_ready(decode)
-    # KV goes only after the whole forward pass, which the prefill starts 30 s after the decode
-    # allocated (a test hook): a window, wide on any machine, where the decode has reserved and waits
-    prefill = start_prefill(procs, [decode.grpc_address], extra=["--no-layerwise-push"],
-                            env={"PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S": "30"})
+    # the prefill holds the request after the decode allocated, before its forward pass (a test
+    # hook), until the gate opens: the decode has reserved and waits for KV that has not left
+    gate = Gate(tmp_path / "gate")
+    prefill = start_prefill(procs, [decode.grpc_address], extra=["--no-layerwise-push"], env=gate.env)
     wait_ready(prefill)
     total = get_json(decode.url + "/health")[1]["kv_blocks_total"]
     prompt = [256] + [97 + i % 26 for i in range(1999)]
@@ -125,10 +132,7 @@ def test_prefill_frozen_after_reservation_decode_frees(procs):
 
     thread = threading.Thread(target=client, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 60
-    while get_json(decode.url + "/health")[1]["session_stages"].get("transfer", 0) == 0:
-        assert time.monotonic() < deadline, "the request never reached the transfer stage"
-        time.sleep(0.005)
+    gate.wait_held(1)
     _freeze(prefill)
     try:
         t0 = time.monotonic()
@@ -142,21 +146,25 @@ def test_prefill_frozen_after_reservation_decode_frees(procs):
             assert time.monotonic() - t0 < SESSION_TIMEOUT + 5 + SLACK, h
             time.sleep(0.1)
     finally:
+        gate.open()  # the thawed prefill goes on with a Session the decode has already dropped
         _thaw(prefill)
-    thread.join(60)
+    thread.join(HANG_GUARD_S)
     assert not thread.is_alive() and "error" not in answer, answer
     assert answer["status"] in (502, 503, 504), answer
     readings = wait_all_released([decode, prefill], timeout=SLACK + SESSION_TIMEOUT)
     assert nothing_held(readings), readings
 
 
-def test_request_timeout_header_flag_and_grpc_deadline(procs):
+def test_request_timeout_header_flag_and_grpc_deadline(procs, tmp_path):
     from pdserve.protos import generate_pb2 as gpb
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
     decode = start_decode(procs, name="decode")
     wait_ready(decode)
-    prefill = start_prefill(procs, [decode.grpc_address], extra=["--request-timeout", "3"])
+    # a request outlives its deadline on any machine: held at the gate (closed) before its first
+    # token, or its decode frozen (SIGSTOP) after its first token
+    gate = Gate(tmp_path / "gate", opened=True)
+    prefill = start_prefill(procs, [decode.grpc_address], extra=["--request-timeout", "3"], env=gate.env)
     wait_ready(prefill)
     long_gen = {"model": "tiny", "prompt": "go", "max_tokens": 2000, "ignore_eos": True}
 
@@ -164,8 +172,14 @@ def test_request_timeout_header_flag_and_grpc_deadline(procs):
     t0 = time.monotonic()
     conn, resp = _sse(prefill, long_gen, {"X-Request-Timeout": "1"})
     assert resp.status == 200
-    rest = list(_events(resp))
-    elapsed = time.monotonic() - t0
+    events = _events(resp)
+    rest = [next(events)]
+    _freeze(decode)
+    try:
+        rest += list(events)
+        elapsed = time.monotonic() - t0
+    finally:
+        _thaw(decode)
     conn.close()
     assert rest[-1] == "[DONE]"
     chunks = [json.loads(e) for e in rest[:-1]]
@@ -175,16 +189,19 @@ def test_request_timeout_header_flag_and_grpc_deadline(procs):
     readings = wait_all_released([prefill, decode], timeout=SLACK)
     assert nothing_held(readings), readings
 
-    # nothing streamed yet (a long prompt, a deadline shorter than its prefill): 504
-    prompt = [256] + [97 + i % 26 for i in range(1999)]
-    status, body = _post(prefill, {"model": "tiny", "prompt": prompt, "max_tokens": 4}, {"X-Request-Timeout": "0.05"})
+    # nothing streamed yet (the gate holds it before its forward pass until its deadline): 504
+    gate.close()
+    status, body = _post(prefill, {"model": "tiny", "prompt": "go", "max_tokens": 4}, {"X-Request-Timeout": "0.5"})
+    gate.open()
     assert status == 504 and body["error"]["code"] == "request_timeout", body
     readings = wait_all_released([prefill, decode], timeout=SLACK)
     assert nothing_held(readings), readings
 
     # no header: the server's --request-timeout (3 s); a larger header is capped by it
+    gate.close()
     t0 = time.monotonic()
     status, body = _post(prefill, long_gen, {"X-Request-Timeout": "1000"})
+    gate.open()
     assert status == 504 and "3s" in body["error"]["message"], body
     assert 2.9 < time.monotonic() - t0 < 3 + SLACK
     readings = wait_all_released([prefill, decode], timeout=SLACK)
@@ -193,10 +210,15 @@ def test_request_timeout_header_flag_and_grpc_deadline(procs):
     # gRPC: the client's deadline
     with grpc.insecure_channel(prefill.grpc_address) as ch:
         got = []
-        with pytest.raises(grpc.RpcError) as info:
-            for r in gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(prompt="go", max_tokens=2000, ignore_eos=True),
-                                                         timeout=1.0):
-                got.append(r)
+        try:
+            with pytest.raises(grpc.RpcError) as info:
+                for r in gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(prompt="go", max_tokens=2000,
+                                                                                  ignore_eos=True), timeout=1.0):
+                    got.append(r)
+                    if len(got) == 1:
+                        _freeze(decode)
+        finally:
+            _thaw(decode)
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert got, "no token before the deadline"
     readings = wait_all_released([prefill, decode], timeout=SLACK)
@@ -211,18 +233,28 @@ def test_request_timeout_header_flag_and_grpc_deadline(procs):
     assert nothing_held(readings), readings
 
 
-def test_a_request_may_outlast_the_queue_timeout(procs):
+def test_a_request_may_outlast_the_queue_timeout(procs, tmp_path):
     """--queue-timeout bounds only the wait for KV blocks; it once also became the Session's gRPC
     deadline, so every request running longer than it (10 s by default) died mid-stream."""
+    queue_timeout = 0.5
     decode = start_decode(procs, num_blocks=256)
-    prefill = start_prefill(procs, [decode.grpc_address], extra=["--queue-timeout", "1", "--no-resume"])
+    gate = Gate(tmp_path / "gate")
+    prefill = start_prefill(procs, [decode.grpc_address], extra=["--queue-timeout", str(queue_timeout), "--no-resume"],
+                            env=gate.env)
     wait_ready(decode), wait_ready(prefill)
-    started = time.monotonic()
-    conn, resp = _sse(prefill, {"model": "tiny", "prompt": "long", "max_tokens": 1500, "ignore_eos": True,
-                                "temperature": 0})
-    events = list(_events(resp))
+    conn = http.client.HTTPConnection("127.0.0.1", prefill.http_port, timeout=120)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "long", "max_tokens": 50,
+                                                        "ignore_eos": True, "temperature": 0, "stream": True}),
+                 {"Content-Type": "application/json"})
+    gate.wait_held(1)  # its Session is open on the decode
+    # the condition under test is the Session's age, not an event: it outlives --queue-timeout (and
+    # the slack a gRPC deadline gets) while held, however fast this machine computes
+    time.sleep(queue_timeout + DEADLINE_SLACK_S + 0.5)
+    gate.open()
+    events = list(_events(conn.getresponse()))  # the response begins with the first token
     conn.close()
-    assert time.monotonic() - started > 1.5, "the stream was too short to prove anything"
     assert not any(e.startswith('{"error"') for e in events), events[-3:]
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    # that one Session served it (a Session cut off by a deadline would have been retried)
+    assert metric(decode.url, "pdserve_requests_total") == metric(decode.url, "pdserve_requests_total", outcome="ok") == 1
     assert nothing_held(wait_all_released([prefill, decode]))

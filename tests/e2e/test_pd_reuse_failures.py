@@ -13,22 +13,24 @@ by the request's reservation until the session ends, so
 - a client gone while the decode computes the prompt itself: the decode frees everything.
 
 Each test ends with KV blocks, Sessions and CacheStore entries back to zero on every process.
+A prefill that must hold a session open (its prefix pinned) holds it at a gate the test opens
+(harness/gates.py), between the decode's Allocation and its forward pass.
 """
 
 import http.client
 import json
 import threading
-import time
 
 import pytest
 
 from harness.conversations import BS, ENGINE, MAX_TOKENS, blocks, colocated, conversation, generate, wait_index_caught_up
+from harness.gates import Gate
 from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
 
 pytestmark = pytest.mark.slow
 
 POOL = 24  # decode blocks: turn 2 of a conversation (8) plus one filler (16) fill it exactly
-HOLD = {"PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S": "4"}
+HANG_GUARD_S = 60.0  # only a hang guard: a held request ends within seconds of its gate opening
 
 
 def filler(i: int) -> list[int]:
@@ -55,19 +57,13 @@ def in_thread(fn, *args) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
-def wait_stage(decode, stage: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while get_json(decode.url + "/health")[1]["session_stages"].get(stage, 0) == 0:
-        assert time.monotonic() < deadline, f"no session reached the {stage} stage"
-        time.sleep(0.01)
-
-
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
-def test_promised_prefix_is_pinned_and_an_evicted_one_is_not_promised(procs, transport):
+def test_promised_prefix_is_pinned_and_an_evicted_one_is_not_promised(procs, tmp_path, transport):
     decode = start_decode(procs, transport, POOL, extra=ENGINE)
     wait_ready(decode)
+    gate = Gate(tmp_path / "gate")
     plain = start_prefill(procs, [decode.grpc_address], transport, extra=ENGINE, name="plain")
-    holding = start_prefill(procs, [decode.grpc_address], transport, extra=ENGINE, name="holding", env=HOLD)
+    holding = start_prefill(procs, [decode.grpc_address], transport, extra=ENGINE, name="holding", env=gate.env)
     for p in (plain, holding):
         wait_ready(p)
 
@@ -80,10 +76,12 @@ def test_promised_prefix_is_pinned_and_an_evicted_one_is_not_promised(procs, tra
     wait_index_caught_up(holding, [decode])
     before = reused_and_moved(decode)
     thread, out = in_thread(generate, holding, "a-t2", turn2)
-    wait_stage(decode, "transfer")
+    gate.wait_held(1)  # allocated: its prefix is promised (pinned), its KV not sent yet
     for i in range(3):
         assert len(generate(plain, f"fill-{i}", filler(i))) == MAX_TOKENS
-    thread.join(60)
+    assert len(gate.held()) == 1 and thread.is_alive()  # it held its blocks through all three fillers
+    gate.open()
+    thread.join(HANG_GUARD_S)
     assert out.get("tokens") == expected, out
     after = reused_and_moved(decode)
     fillers_moved = 3 * blocks(len(filler(0)))
@@ -104,12 +102,12 @@ def test_promised_prefix_is_pinned_and_an_evicted_one_is_not_promised(procs, tra
     assert nothing_held(readings), readings
 
 
-def test_prefill_killed_while_a_prefix_is_pinned(procs):
-    decode = start_decode(procs, "tcp", POOL, extra=ENGINE + ["--session-timeout", "5"])
+def test_prefill_killed_while_a_prefix_is_pinned(procs, tmp_path):
+    decode = start_decode(procs, "tcp", POOL, extra=ENGINE)
     wait_ready(decode)
+    gate = Gate(tmp_path / "gate")  # never opened: the doomed prefill dies holding its session
     plain = start_prefill(procs, [decode.grpc_address], extra=ENGINE, name="plain")
-    doomed = start_prefill(procs, [decode.grpc_address], extra=ENGINE, name="doomed",
-                           env={"PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S": "60"})
+    doomed = start_prefill(procs, [decode.grpc_address], extra=ENGINE, name="doomed", env=gate.env)
     for p in (plain, doomed):
         wait_ready(p)
     turn1, question = conversation(3)
@@ -118,14 +116,17 @@ def test_prefill_killed_while_a_prefix_is_pinned(procs):
     held = (len(turn1) + MAX_TOKENS - 1) // BS
     wait_index_caught_up(doomed, [decode])
     thread, out = in_thread(generate, doomed, "c-t2-doomed", turn2)
-    wait_stage(decode, "transfer")
+    gate.wait_held(1)
     health = get_json(decode.url + "/health")[1]
     assert health["sessions"] == 1 and health["kv_blocks_used"] == blocks(len(turn2) + MAX_TOKENS), health
     procs.kill(doomed.proc)
-    thread.join(30)
+    thread.join(HANG_GUARD_S)
     assert "error" in out, out
-    readings = wait_all_released([decode], timeout=5)  # the stream broke: freed at once, not after the timeout
+    readings = wait_all_released([decode])
     assert nothing_held(readings), readings
+    # the stream broke: freed because the prefill was gone, not by the session timeout
+    assert metric(decode.url, "pdserve_requests_total", outcome="cancelled", reason="prefill_gone") == 1
+    assert metric(decode.url, "pdserve_requests_total", reason="timeout") == 0
     # the prefix went back to the cache: the next turn 2 reuses all of it
     before = reused_and_moved(decode)
     assert generate(plain, "c-t2", turn2) == colocated({"t2": turn2})["t2"]
@@ -148,7 +149,7 @@ def test_client_gone_while_the_decode_computes_the_prompt(procs):
     assert resp.readline().startswith(b"data: ")  # the decode computed the prompt and streams tokens
     assert get_json(decode.url + "/health")[1]["session_stages"] == {"decode": 1}
     conn.close()
-    readings = wait_all_released([decode, prefill], timeout=5)
+    readings = wait_all_released([decode, prefill])
     assert nothing_held(readings), readings
     assert metric(prefill.url, "pdserve_disaggregation_decisions_total", decision="local", reason="never") == 1
     assert metric(decode.url, "pdserve_requests_total", outcome="cancelled") == 1

@@ -1,20 +1,23 @@
 """The global SLO queue in the router (router/slo_gate.py), with real processes.
 
-One decode that holds one request at a time, one prefill in front of it that keeps each decode
-reservation for a second before computing (a test hook), and two routers over that prefill:
-``edf`` and ``fifo``, with the classes ``interactive`` (a TTFT target) and ``batch``. Four batch
-requests, then one interactive, through each router: behind the edf router the interactive one
-overtakes the batch requests still waiting in the router's line; behind the fifo router it is
+One decode that holds one request at a time, one prefill in front of it that holds each decode
+reservation before computing until the test opens a gate (a test hook), and two routers over that
+prefill: ``edf`` and ``fifo``, with the classes ``interactive`` (a TTFT target) and ``batch``. Four
+batch requests, then one interactive, through each router: behind the edf router the interactive
+one overtakes the batch requests still waiting in the router's line; behind the fifo router it is
 served last. A request whose deadline passes in the router's line gets 504 naming that queue;
 an unknown class gets the router's own 400. Afterwards nothing is held anywhere.
+
+Every request's place (held at the gate, in the prefill's queue, in the router's line) is waited
+for before the next one is sent; the gate opens once all of them are in place.
 """
 
 import json
 import threading
-import time
 
 import pytest
 
+from harness.gates import Gate
 from harness.pd_cluster import (get_json, nothing_held, post_json, start_decode, start_prefill, wait_all_released,
                                 wait_ready)
 from harness.procs import ProcessGroup
@@ -24,25 +27,26 @@ pytestmark = pytest.mark.slow
 
 CLASSES = json.dumps({"defaultClass": "batch", "classes": [
     {"name": "interactive", "ttftMs": 5000}, {"name": "batch", "e2eMs": 3600000}]})
-HOLD_S = 1.0
+HANG_GUARD_S = 60.0  # only a hang guard: each wait below is for an event that comes within a second or two
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     group = ProcessGroup(log_dir=tmp_path_factory.mktemp("router-slo") / "logs")
+    gate = Gate(tmp_path_factory.mktemp("gate"))
     try:
         decode = start_decode(group, "tcp", 4)  # 4 blocks of 64 tokens: one request (100 + 60 tokens) at a time
         wait_ready(decode)
-        prefill = start_prefill(group, [decode.grpc_address], "tcp", extra=["--slo-classes", CLASSES],
-                                env={"PDSERVE_TEST_HOLD_AFTER_ALLOCATION_S": str(HOLD_S)})
+        prefill = start_prefill(group, [decode.grpc_address], "tcp", extra=["--slo-classes", CLASSES], env=gate.env)
         wait_ready(prefill)
         routers = {policy: start_router(group, [prefill], name=f"router-{policy}",
                                         extra=["--slo-classes", CLASSES, "--queue-policy", policy])
                    for policy in ("edf", "fifo")}
         for r in routers.values():
             wait_ready(r)
-        yield {"decode": decode, "prefill": prefill, **routers}
+        yield {"decode": decode, "prefill": prefill, "gate": gate, **routers}
     finally:
+        gate.open()
         group.close()
 
 
@@ -61,7 +65,7 @@ def _prefill_queued(router) -> int:
     return (state["load"] or {}).get("queued", 0)
 
 
-def _burst(router, decode) -> list[str]:
+def _burst(router, gate) -> list[str]:
     """Four batch requests, then an interactive one once two batch requests wait in the router's
     line; the order in which they finish."""
     done, lock = [], threading.Lock()
@@ -78,27 +82,33 @@ def _burst(router, decode) -> list[str]:
         threads.append(threading.Thread(target=send, args=(f"batch{i}", {"X-SLO-Class": "batch"})))
         threads[-1].start()
 
-    # batch0 holds the decode, batch1 waits in the prefill's own line (and the router has heard so):
-    # from then on the router holds requests in its line, in its policy's order
-    batch(0)
-    wait_until(lambda: get_json(decode.url + "/health")[1]["sessions"] == 1, "batch0 on the decode", timeout=20)
-    batch(1)
-    wait_until(lambda: _prefill_queued(router) == 1, "batch1 in the prefill's queue, as the router hears", timeout=20)
-    for i in (2, 3):
-        batch(i)
-        time.sleep(0.2)  # in this order
-    wait_until(lambda: _queued(router) >= 2, "two batch requests waiting in the router", timeout=20)
-    threads.append(threading.Thread(target=send, args=("interactive", {"X-SLO-Class": "interactive"})))
-    threads[-1].start()
-    for t in threads:
-        t.join()
+    # batch0 holds the decode (held at the gate), batch1 waits in the prefill's own line (and the
+    # router has heard so): from then on the router holds requests in its line, in its policy's order
+    gate.close()
+    try:
+        batch(0)
+        gate.wait_held(1)
+        batch(1)
+        wait_until(lambda: _prefill_queued(router) == 1, "batch1 in the prefill's queue, as the router hears",
+                   timeout=HANG_GUARD_S)
+        for i in (2, 3):  # in this order
+            batch(i)
+            wait_until(lambda: _queued(router) == i - 1, f"batch{i} waiting in the router", timeout=HANG_GUARD_S)
+        threads.append(threading.Thread(target=send, args=("interactive", {"X-SLO-Class": "interactive"})))
+        threads[-1].start()
+        wait_until(lambda: _queued(router) == 3, "the interactive request waiting in the router", timeout=HANG_GUARD_S)
+        assert len(gate.held()) == 1  # batch0 still holds the decode: nothing has moved yet
+    finally:
+        gate.open()
+        for t in threads:
+            t.join()
     return done
 
 
 def test_edf_lets_the_interactive_request_overtake_and_fifo_does_not(cluster):
-    edf = _burst(cluster["edf"], cluster["decode"])
+    edf = _burst(cluster["edf"], cluster["gate"])
     assert edf.index("interactive") < edf.index("batch3") and edf.index("interactive") < 4, edf
-    fifo = _burst(cluster["fifo"], cluster["decode"])
+    fifo = _burst(cluster["fifo"], cluster["gate"])
     assert fifo[-1] == "interactive", fifo
     readings = wait_all_released([cluster["prefill"], cluster["decode"]], timeout=20.0)
     assert nothing_held(readings), readings
@@ -106,23 +116,29 @@ def test_edf_lets_the_interactive_request_overtake_and_fifo_does_not(cluster):
 
 
 def test_deadline_in_the_router_queue_and_unknown_class(cluster):
-    router = cluster["edf"]
+    router, gate = cluster["edf"], cluster["gate"]
     status, body = post_json(router.url + "/v1/completions", _body(0), headers={"X-SLO-Class": "gold"})
     assert status == 400 and body["error"]["code"] == "unknown_slo_class", body
     assert "interactive" in body["error"]["message"] and "batch" in body["error"]["message"]
+    # one blocker holds the decode (at the gate), the other waits in the prefill's queue, and the router
+    # has heard so: the next request waits in the router's line until its deadline
     blockers = [threading.Thread(target=post_json, args=(router.url + "/v1/completions", _body(i)),
                                  kwargs={"timeout": 120}) for i in range(2)]
-    for t in blockers:
-        t.start()
-        time.sleep(0.3)
+    gate.close()
     try:
-        wait_until(lambda: get_json(cluster["prefill"].url + "/health")[1]["queued"] >= 1, "the prefill queueing")
+        blockers[0].start()
+        gate.wait_held(1)
+        blockers[1].start()
+        wait_until(lambda: _prefill_queued(router) == 1, "the prefill queueing, as the router hears",
+                   timeout=HANG_GUARD_S)
         status, body = post_json(router.url + "/v1/completions", _body(5), headers={"X-Request-Timeout": "0.5"})
         assert status == 504 and body["error"]["code"] == "request_timeout", body
         assert "router's SLO queue" in body["error"]["message"], body
     finally:
+        gate.open()
         for t in blockers:
-            t.join()
+            if t.ident is not None:  # started
+                t.join()
     readings = wait_all_released([cluster["prefill"], cluster["decode"]], timeout=20.0)
     assert nothing_held(readings), readings
     assert _queued(router) == 0
