@@ -83,11 +83,13 @@ def _outputs(client, file_id) -> list[dict]:
 
 
 def _idle(server) -> dict:
+    """/health once the server holds no line (the caller asserts on it); 10 s is only a hang guard."""
     deadline = time.monotonic() + 10
     while True:
         h = get_json(server.url + "/health")[1]
         if (h["lines_in_engine"] == 0 and h["batch"]["lines_in_flight"] == 0) or time.monotonic() > deadline:
             return h
+        time.sleep(0.05)  # a short pause: the server needs the CPU to finish its lines
 
 
 def test_a_job_runs_on_the_pipeline_and_gives_the_one_process_greedy_text(procs, tmp_path):

@@ -5,7 +5,6 @@ import asyncio
 import base64
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender, MemoryRegio
 from harness import cachestore_peer as peer
 
 PEER = peer.__file__
-TIMEOUT_S = 60  # the waits' timeout; the failure must be reported long before it
+TIMEOUT_S = 60  # the waits' timeout; the failure must end them first (their error names the cause)
 
 
 @pytest.mark.slow
@@ -37,11 +36,11 @@ def test_sender_process_killed_mid_transfer(procs, tmp_path, transport):
             src = peer.source_pool()
             assert all(torch.equal(dst_pool[l, d], src[l, s]) for l in (0, 1) for s, d in zip([1, 2, 3], [20, 21, 25]))
             waiter = asyncio.create_task(rx.wait_all("r", TIMEOUT_S))
-            t0 = time.monotonic()
             procs.kill(proc)
-            with pytest.raises(TransferError, match="'r'"):
+            with pytest.raises(TransferError, match="'r'") as info:
                 await waiter
-            assert time.monotonic() - t0 < 10
+            # well within its timeout: the lost sender ended the wait, not TIMEOUT_S ("... within 60s")
+            assert "sender connection closed" in str(info.value), info.value
             s = rx.stats()
             assert s["pinned_entries"] == 0 and s["inflight_transfers"] == 0 and s["pinned_blocks"] == 0
             rx.delete("r")
@@ -67,14 +66,14 @@ def test_receiver_process_killed_mid_transfer(procs, tmp_path, transport):
             while tx.stats()["bytes_sent"] < 3 * peer.LAYOUT.block_nbytes:  # layer 0 delivered
                 await asyncio.sleep(0.01)
             waiter = asyncio.create_task(tx.wait_sent("r", TIMEOUT_S))
-            t0 = time.monotonic()
             procs.kill(proc)
             for layer in range(1, peer.L):
                 tx.store("r", layer, [7, 8, 9])
                 await asyncio.sleep(0.05)
-            with pytest.raises(TransferError, match="'r'"):
+            with pytest.raises(TransferError, match="'r'") as info:
                 await waiter
-            assert time.monotonic() - t0 < 10
+            # well within its timeout: the lost receiver failed the link, not TIMEOUT_S ("... within 60s")
+            assert f"within {TIMEOUT_S}s" not in str(info.value), info.value
             s = tx.stats()
             assert s["pinned_entries"] == 0 and s["inflight_transfers"] == 0 and s["queued_chunks"] == 0
             tx.delete("r")

@@ -57,10 +57,14 @@ def test_decode_index_follows_gaps_restarts_and_removal():
             await until(lambda: view().hashes == {2, 3, 4}, "two events")
             assert index.overlap(address, [1, 2]) == 0
 
+            before = pub.snapshot()[0]
             for h in range(100, 110):  # a burst beyond max_pending while the loop is busy: a gap
                 pub.stored([h])
-            await asyncio.sleep(0.2)
-            pub.stored([999])
+            # the max_pending (3) events that fit reach the subscriber; the 7 dropped after them are a gap it
+            # cannot see yet. Once it has taken those 3, the next event is queued again and reveals the gap.
+            await until(lambda: view().seq == before + 3, "the events that fit the subscriber's queue")
+            assert {100, 101, 102} <= view().hashes and 103 not in view().hashes
+            pub.stored([999])  # the next event reveals the gap
             await until(synced_to(pub), "the resync after the gap")
             assert view().seq == pub.snapshot()[0] and 999 in view().hashes
 

@@ -3,15 +3,18 @@ bench models, /metrics scraping, arguments. The experiments themselves are bench
 (`pdserve bench experiment ...`), not tests."""
 
 import os
+import re
+import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
 from pdserve.bench.experiments.launcher import BENCH_MODELS, Launcher, bench_model, metric_sum, scrape
 from pdserve.bench.experiments.netns import LinkedNamespaces
 from pdserve.metrics import ServerMetrics
+from harness.conditions import wait_until
 from harness.procs import VENV_BIN
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -25,7 +28,7 @@ while True:
     if not d: break
     if t0 is None: t0 = time.perf_counter()
     n += len(d)
-print(n / (time.perf_counter() - t0))
+print(n, n / (time.perf_counter() - t0))
 """
 SENDER = """
 import socket, sys, time
@@ -38,19 +41,40 @@ s.close()
 """
 
 
+def _qdisc(ns: str) -> str:
+    """`tc -s qdisc show` inside a namespace: each qdisc, its settings and its counters."""
+    return subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show"], capture_output=True, text=True,
+                          check=True).stdout
+
+
+def _tbf_counters(text: str) -> tuple[int, int]:
+    """(bytes sent, overlimits) of the token bucket filter in `tc -s qdisc show` output."""
+    tbf = text[text.index("qdisc tbf"):]
+    sent = re.search(r"Sent (\d+) bytes \d+ pkt \(dropped \d+, overlimits (\d+)", tbf)
+    return int(sent.group(1)), int(sent.group(2))
+
+
 @needs_root
 def test_linked_namespaces_shape_the_link_and_clean_up():
+    """The shaping is a mechanism, checked as one: a token bucket filter at the link's rate on both
+    ends, that the traffic went through and that held packets back (overlimits), and all the bytes
+    arrive. No window on the measured speed (it moved with the box's load); only a wide bound that
+    says the link is shaped at all (an unshaped veth runs hundreds of times faster)."""
     link = LinkedNamespaces(40, prefix="pdtst", subnet=211)
     with link:
         assert link.exists()
+        for ns in (link.prefill_ns, link.decode_ns):
+            assert re.search(r"qdisc tbf [^\n]* root [^\n]* rate 40Mbit ", _qdisc(ns)), _qdisc(ns)
         recv = subprocess.Popen(["ip", "netns", "exec", link.decode_ns, sys.executable, "-c", RECEIVER, link.decode_ip],
                                 stdout=subprocess.PIPE, text=True)
-        # 64 KiB x 48 = 3 MiB: ~0.63 s at 40 Mbit/s
+        # 64 KiB x 48 = 3 MiB: well past the filter's 32 KiB burst, so it must hold packets back
         subprocess.run(["ip", "netns", "exec", link.prefill_ns, sys.executable, "-c", SENDER, link.decode_ip, "48"],
                        check=True, timeout=60)
-        bytes_per_s = float(recv.communicate(timeout=60)[0])
-        assert bytes_per_s < 1.3 * 40e6 / 8, bytes_per_s  # shaped
-        assert bytes_per_s > 0.5 * 40e6 / 8, bytes_per_s  # and still a working link
+        received, bytes_per_s = recv.communicate(timeout=60)[0].split()
+        assert int(received) == 48 << 16  # a working link: every byte arrived
+        sent, overlimits = _tbf_counters(_qdisc(link.prefill_ns))
+        assert sent >= 48 << 16 and overlimits > 0, (sent, overlimits)  # through the filter, which throttled it
+        assert float(bytes_per_s) < 3 * 40e6 / 8, bytes_per_s  # shaped at all
         # the root namespace cannot reach the decode side: the link is private
         out = subprocess.run(["ip", "route", "get", link.decode_ip], capture_output=True, text=True)
         assert "dev pdtst" not in out.stdout
@@ -104,11 +128,13 @@ def test_launcher_stops_what_it_started(tmp_path):
         assert "pdserve bench serving" in proc.log.read_text()
         launcher.pdserve = sys.executable  # a long-running child instead of a server
         sleeper = launcher.start("sleeper", ["-c", "import time; time.sleep(300)"], cpus="0")
-        time.sleep(0.3)
+        # pinned: taskset set the affinity, then became the child itself (python, still running)
+        program = lambda: Path(f"/proc/{sleeper.popen.pid}/cmdline").read_bytes().split(b"\0")[0]  # noqa: E731
+        wait_until(lambda: program() == sys.executable.encode(), "taskset to exec the child")
+        assert os.sched_getaffinity(sleeper.popen.pid) == {0}
         assert sleeper.popen.poll() is None
-        t = time.monotonic()
-    assert sleeper.popen.poll() is not None
-    assert time.monotonic() - t < 10  # SIGTERM, not the grace timeout
+    # stopped by SIGTERM (python's default action: it dies of it), not SIGKILL after the 15 s grace
+    assert sleeper.popen.poll() == -signal.SIGTERM
 
 
 def test_experiment_cli_lists_and_explains():

@@ -4,7 +4,6 @@ the generator itself; the end-to-end run against a real `pdserve up` is in test_
 import asyncio
 import json
 import subprocess
-import time
 
 import pytest
 from aiohttp import web
@@ -88,9 +87,13 @@ def test_streaming_times_ttft_and_gaps(fake):
     r0, r1 = results
     assert r0.chunks == 5 and len(r0.gaps) == 4 and r0.usage_completion_tokens == 5
     assert r0.usage_prompt_tokens == 3
-    assert TTFT <= r0.ttft < TTFT + 0.5
-    assert all(g > GAP * 0.5 for g in r0.gaps)
-    assert r0.e2e >= r0.ttft + sum(r0.gaps) - 1e-6
+    # Only what the fake server guarantees: it sleeps TTFT before the first chunk and GAP between
+    # chunks after the client sent the request, so nothing the client measures can be shorter. How
+    # much longer depends on the box (a busy event loop reads two chunks at once: a gap near 0).
+    assert r0.ttft >= TTFT  # from the request's send to the first token chunk, not to the headers
+    assert all(g >= 0 for g in r0.gaps)
+    assert r0.e2e >= TTFT + 4 * GAP  # to the last chunk, not the first
+    assert r0.e2e >= r0.ttft + sum(r0.gaps) - 1e-6  # the gaps lie between the first and last token
     assert r1.sent_at >= 0.1 - 0.005
     assert wall >= r1.sent_at + r1.e2e - 1e-3
     body = fake.bodies[0]
@@ -141,7 +144,6 @@ def test_config_is_validated():
 
 def test_cli_writes_json_and_png(fake, tmp_path):
     out = tmp_path / "res"
-    t = time.perf_counter()
     proc = subprocess.run([str(VENV_BIN / "pdserve"), "bench", "serving", "--url", f"http://127.0.0.1:{fake.port}",
                            "--num-requests", "12", "--request-rate", "40", "--prompt-len", "8", "--output-len", "4",
                            "--max-output-len", "8", "--warmup", "1", "--slo-ttft-ms", "1000", "--slo-tbt-ms", "1000",
@@ -155,7 +157,6 @@ def test_cli_writes_json_and_png(fake, tmp_path):
     assert len(doc["requests"]) == 12
     assert (out / "serving.png").read_bytes()[:4] == b"\x89PNG"
     assert len(fake.bodies) == 13  # 12 measured + 1 warm-up
-    assert time.perf_counter() - t < 120
 
 
 def test_cli_bad_input_is_a_clear_error(tmp_path):

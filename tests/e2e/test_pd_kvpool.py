@@ -14,12 +14,13 @@ with 8 blocks each (lending up to 7), one prefill; real gRPC, the tiny model.
 """
 
 import random
+import re
 import threading
-import time
 
 import grpc
 import pytest
 
+from harness.conditions import wait_until
 from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
 from harness.procs import ProcessGroup
 from pdserve.net import free_port
@@ -55,7 +56,8 @@ def cluster(tmp_path_factory):
         channel = grpc.insecure_channel(f"127.0.0.1:{gm_port}")
         c = {"group": group, "prefill": prefill, "decodes": decodes, "gmanager": kvpool_pb2_grpc.GManagerStub(channel)}
         _wait(lambda: all(_pool(d)["pool_total_blocks"] == 14 for d in decodes), "every decode sees its peers' room")
-        time.sleep(1.5)  # the prefill's load poller hears the pool's room
+        _wait(lambda: _largest_decode_as_the_prefill_sees_it(c) == BLOCKS + 14,
+              "the prefill's load poller heard a decode's pool room")
         yield c
         channel.close()
     finally:
@@ -63,11 +65,18 @@ def cluster(tmp_path_factory):
 
 
 def _wait(cond, what, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for: {what}")
-        time.sleep(0.1)
+    """Poll ``cond``; ``timeout`` is only a hang guard."""
+    wait_until(cond, what, hang_guard_s=timeout, pause_s=0.1)
+
+
+def _largest_decode_as_the_prefill_sees_it(c) -> int:
+    """The most KV blocks the prefill's picker believes one decode holds, pool included: what it
+    names when it refuses a request that no decode can ever hold (a probe of 24 blocks: refused at
+    once, nothing allocated). 8 until a load report with the pool's room reached the picker."""
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(c, "probe", _prompt(1500, seed=1), 12)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    return int(re.search(r"the largest decode holds only (\d+) KV blocks", err.value.details()).group(1))
 
 
 def _pool(decode) -> dict:
@@ -85,12 +94,13 @@ def _settled(c, decodes) -> bool:
             and all(ledger.get(p["instance_id"]) == {} for p in pools))
 
 
-def _generate(c, rid, ids, max_tokens, temperature=0.0):
+def _generate(c, rid, ids, max_tokens, temperature=0.0, into: list | None = None):
+    """Greedy Generate through the prefill; ``into``: a list the tokens are appended to as they stream."""
     from pdserve.protos import generate_pb2 as gpb
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
     with grpc.insecure_channel(c["prefill"].grpc_address) as ch:
-        got = []
+        got = into if into is not None else []
         request = gpb.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=temperature,
                                       request_id=rid, ignore_eos=True)
         for resp in gpb_grpc.GeneratorStub(ch).Generate(request, timeout=180):
@@ -170,12 +180,13 @@ def test_a_client_that_goes_away_mid_request_leaves_no_loan_behind(cluster):
 
 
 def _in_background(c, rid, ids, max_tokens) -> tuple[threading.Thread, dict]:
-    """A request on its own thread (started); the dict gets its "tokens" or its gRPC "error"."""
-    outcome = {}
+    """A request on its own thread (started); the dict gets its "tokens" or its gRPC "error", and
+    "streamed": the tokens received so far."""
+    outcome = {"streamed": []}
 
     def run():
         try:
-            outcome["tokens"] = _generate(c, rid, ids, max_tokens)
+            outcome["tokens"] = _generate(c, rid, ids, max_tokens, into=outcome["streamed"])
         except grpc.RpcError as e:
             outcome["error"] = e
 
@@ -195,7 +206,9 @@ def test_a_lender_killed_mid_request_fails_only_that_request_and_leaves_nothing(
         return len(lenders) == 2
 
     _wait(borrowed_from_both, "the request borrowed from both peers", timeout=60)
-    time.sleep(1.0)  # decoding now
+    # decoding now: its first token reached the client (the decode streams tokens as they come)
+    _wait(lambda: outcome["streamed"] or "error" in outcome, "the request's first token", timeout=60)
+    assert "error" not in outcome, outcome["error"].details()
     victim = lenders[0]
     c["group"].kill(victim.proc)
     worker.join(timeout=60)

@@ -86,9 +86,13 @@ def test_stream_gap_restart_and_removal():
             await until(lambda: view().hashes == {2, 3, 4}, "two events")
 
             # a burst while the loop is busy: only max_pending fit, the rest are dropped -> gap
+            before = pub.snapshot()[0]
             for h in range(100, 110):
                 pub.stored([h])
-            await asyncio.sleep(0.2)
+            # the max_pending (3) events that fit reach the subscriber; the 7 dropped after them are a gap it
+            # cannot see yet. Once it has taken those 3, the next event is queued again and reveals the gap.
+            await until(lambda: view().seq == before + 3, "the events that fit the subscriber's queue")
+            assert {100, 101, 102} <= view().hashes and 103 not in view().hashes
             pub.stored([999])  # the next event reveals the gap
             await until(lambda: resyncs(m, address, "gap") == 1, "the gap to be seen")
             await until(synced_to(pub), "the resync after the gap")

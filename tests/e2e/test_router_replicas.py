@@ -10,9 +10,6 @@
   request; afterwards nothing is held (KV blocks, Sessions, CacheStore entries, relays).
 """
 
-
-import time
-
 import grpc
 import pytest
 
@@ -46,22 +43,26 @@ def loads(router: Server) -> dict:
             for a, p in get_json(router.url + "/health")[1]["prefills"].items()}
 
 
-def same_settled_loads(a: Server, b: Server, prefills: list[Server]) -> None:
-    """Wait until the prefills hold nothing and both routers have heard the same loads twice, a few polls apart.
+def settled_loads(prefills: list[Server]) -> dict:
+    """Each prefill's load as it reports it itself (GetLoad reads the same counters as /health)."""
+    out = {}
+    for p in prefills:
+        health = get_json(p.url + "/health")[1]
+        out[p.grpc_address] = (health["in_flight"], health["kv_blocks_free"], 0)  # 0: no relay in flight
+    return out
 
-    One equal reading is not enough: the prefill's last release can land between two polls, and then
-    one router updates before the other (seen in CI as a different balance pick for an unseen prompt).
+
+def same_settled_loads(a: Server, b: Server, prefills: list[Server]) -> None:
+    """Wait until the prefills hold nothing and each router's view of every prefill's load is the load
+    the prefill reports now.
+
+    Two routers agreeing with each other is not enough: the prefill's last release can land between two
+    polls, and then one router updates before the other (seen in CI as a different balance pick for an
+    unseen prompt). Once both hold the settled load itself, no later poll can change either view.
     """
     assert nothing_held(wait_all_released(prefills))
-
-    def settled() -> bool:
-        first = loads(a)
-        if first != loads(b):
-            return False
-        time.sleep(0.6)  # three load polls (--load-interval 0.2)
-        return loads(a) == first == loads(b)
-
-    wait_until(settled, "both routers to hear the same settled loads", timeout=15)
+    wait_until(lambda: loads(a) == settled_loads(prefills) == loads(b),
+               "both routers to hear the prefills' settled loads", timeout=15)
 
 
 def chat(system: str, user: str, max_tokens: int = 4) -> dict:

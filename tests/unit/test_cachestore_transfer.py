@@ -12,6 +12,7 @@ import torch
 from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender, MemoryRegion
 
 from harness.cachestore_pair import COMPAT, LAYOUT, NB, TRANSPORTS, L, Pair, pool, run
+from harness.conditions import until
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -24,7 +25,7 @@ def test_layerwise_bit_exact_with_subscriptions(transport):
             p.tx.bind("r1", p.rx.endpoint, for_sender)
             # subscribe to every layer BEFORE anything is stored
             loads = [asyncio.create_task(p.rx.load("r1", l, 20)) for l in range(L)]
-            await asyncio.sleep(0.05)
+            await until(lambda: p.rx.stats()["waiters"] == L, "every layer's load to wait")
             assert not any(t.done() for t in loads)
             stored = threading.Event()
 

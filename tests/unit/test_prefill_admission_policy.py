@@ -4,6 +4,7 @@ leaves the SLO queue's line with its ticket and is counted as running once admit
 
 import asyncio
 
+from harness.conditions import settle, until
 from pdserve.prefill_server.admission_queue import AdmissionQueue
 from pdserve.slo import Estimator, GlobalQueue, parse
 
@@ -48,14 +49,14 @@ def test_edf_serves_an_interactive_request_before_the_batch_already_waiting():
         q = AdmissionQueue(16, recheck_s=30, slo=slo)
         cap, order = Capacity(0), []
         batch = [asyncio.create_task(admit(q, slo, cap, f"b{i}", BATCH, 1, order)) for i in range(3)]
-        await asyncio.sleep(0.05)
+        await until(lambda: len(q) == 3, "the batch requests to wait")
         inter = asyncio.create_task(admit(q, slo, cap, "i", INTERACTIVE, 1, order))
-        await asyncio.sleep(0.05)
-        assert len(q) == 4 and [r.request_id for r in slo.order()][0] == "i"
-        for _ in range(4):
+        await until(lambda: len(q) == 4, "the interactive request to wait")
+        assert [r.request_id for r in slo.order()][0] == "i"
+        for k in range(4):
             cap.free += 1
             q.notify()
-            await asyncio.sleep(0.05)
+            await until(lambda: len(order) == k + 1, f"admission {k + 1}")
         await asyncio.gather(*batch, inter)
         assert order == ["i", "b0", "b1", "b2"]
         assert len(q) == 0 and not slo.waiting and set(slo.running) == {"i", "b0", "b1", "b2"}
@@ -69,9 +70,9 @@ def test_fifo_keeps_arrival_order():
         q = AdmissionQueue(16, recheck_s=30, slo=slo)
         cap, order = Capacity(0), []
         tasks = [asyncio.create_task(admit(q, slo, cap, "b0", BATCH, 1, order))]
-        await asyncio.sleep(0.05)
+        await until(lambda: len(q) == 1, "the batch request to wait")
         tasks.append(asyncio.create_task(admit(q, slo, cap, "i", INTERACTIVE, 1, order)))
-        await asyncio.sleep(0.05)
+        await until(lambda: len(q) == 2, "the interactive request to wait")
         cap.free = 2
         q.notify()
         await asyncio.gather(*tasks)
@@ -87,8 +88,8 @@ def test_a_cancelled_waiter_leaves_both_lines_at_once():
         cap, order = Capacity(0), []
         head = asyncio.create_task(admit(q, slo, cap, "b0", BATCH, 1, order))
         behind = asyncio.create_task(admit(q, slo, cap, "b1", BATCH, 1, order))
-        await asyncio.sleep(0.05)
-        assert len(q) == 2 and len(slo.waiting) == 2
+        await until(lambda: len(q) == 2, "both to wait")
+        assert len(slo.waiting) == 2
         behind.cancel()
         await asyncio.gather(behind, return_exceptions=True)
         assert len(q) == 1 and list(slo.waiting) == ["b0"]
@@ -122,11 +123,11 @@ def test_the_new_head_is_woken_when_only_time_changed_qlms_order():
         c._enter()
         assert q._head() is i
         woke = asyncio.create_task(c.turn())
-        await asyncio.sleep(0.05)
+        await settle()
         assert not woke.done()
         now[0] += 1.2
         assert not i.is_head()  # the old head looks again (its recheck): qlm decides anew, c first
-        await asyncio.wait_for(woke, 1.0)  # c was woken by the queue, nobody else woke it
+        await woke  # c was woken by the queue, nobody else woke it
         assert q._head() is c
         c.leave()
         i.leave()
@@ -146,13 +147,13 @@ def test_a_resumed_request_goes_ahead_of_the_policys_line_and_stays_running():
         first = await admit(q, slo, cap, "r", BATCH, 1, order)  # admitted at once, now running
         first.started()
         waiting = [asyncio.create_task(admit(q, slo, cap, f"i{k}", INTERACTIVE, 1, order)) for k in range(2)]
-        await asyncio.sleep(0.05)
-        assert len(q) == 2 and set(slo.waiting) == {"i0", "i1"}
+        await until(lambda: len(q) == 2, "two interactive requests to wait")
+        assert set(slo.waiting) == {"i0", "i1"}
         resumed = asyncio.create_task(first.wait())
-        await asyncio.sleep(0.05)
-        assert len(q) == 3 and first.is_head() and set(slo.running) == {"r"}
+        await until(lambda: len(q) == 3, "the resumed request back in line")
+        assert first.is_head() and set(slo.running) == {"r"}
         q.notify()
-        await asyncio.wait_for(resumed, 1)
+        await resumed
         cap.free = 3
         first.admitted()  # a decode took it again: out of the line; the policy's head goes next
         await asyncio.gather(*waiting)

@@ -1,16 +1,21 @@
 """PrefillNode.generate resuming after a decode failed mid-stream (node.py, "Resume"), with fake
 decodes (no sockets, no engine): when no other decode can take the request now (here: the second
 decode has not reported its first load yet), the request waits in the admission queue for one,
-up to --resume-wait and never past its deadline, instead of ending with decode_failed at once."""
+up to --resume-wait and never past its deadline, instead of ending with decode_failed at once.
+
+A load report arrives once the request waits in the admission queue (``until``), and the waits are
+on a queue clock the test moves (``Clock``; ``notify`` makes the waiting request look at it), so
+what a message says it waited is exact."""
 
 import asyncio
-import re
 import time
 
 import pytest
 
+from harness.conditions import settle, until
 from pdserve.engine import SamplingParams
 from pdserve.metrics import ServerMetrics
+from pdserve.prefill_server.admission_queue import DEADLINE_MARGIN_S
 from pdserve.prefill_server.node import DecodeFailed, Delta, PrefillNode
 from pdserve.prefill_server.picker import DecodeLoad, DecodePicker
 from pdserve.prefill_server.session_protocol import Retryable
@@ -23,8 +28,21 @@ KB = 1024
 LOAD = DecodeLoad(free_blocks=100, free_bytes=100 * KB, total_blocks=100)
 
 
+HANG_GUARD_S = 20.0  # only a hang guard
+
+
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
+    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
+
+
+class Clock:
+    """The admission queue's clock, moved by the test."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def token(position: int) -> int:
@@ -113,13 +131,18 @@ async def collect(node, deadline=None):
 
 
 async def collect_failure(node, deadline=None):
-    """``collect`` for a request that must end with DecodeFailed: (its tokens before that, the error, seconds taken)."""
-    got, t0 = [], time.monotonic()
+    """``collect`` for a request that must end with DecodeFailed: (its tokens before that, the error)."""
+    got = []
     with pytest.raises(DecodeFailed) as info:
         async for delta in node.generate("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS, temperature=0),
                                          deadline=deadline):
             got += delta.token_ids
-    return got, info.value, time.monotonic() - t0
+    return got, info.value
+
+
+async def waiting_for_a_decode(node) -> None:
+    """Until the request, its decode failed, waits in the admission queue for another one."""
+    await until(lambda: len(node.queue) == 1, "the request to wait in the admission queue")
 
 
 def test_resumes_on_a_decode_whose_first_load_report_comes_after_the_failure():
@@ -128,12 +151,15 @@ def test_resumes_on_a_decode_whose_first_load_report_comes_after_the_failure():
         node, poller, metrics = make_node(10.0, runner)
         seen = {}
 
-        def b_reports():  # B's first load report, 0.3 s after the request started (and A failed)
+        async def b_reports():  # B's first load report, once A failed and the request waits for a decode
+            await waiting_for_a_decode(node)
             seen.update(queued=len(node.queue), gauge=queued_gauge(metrics))
             poller.report("B")
 
-        asyncio.get_running_loop().call_later(0.3, b_reports)
-        return await collect(node), runner, node, metrics, seen
+        reporting = asyncio.create_task(b_reports())
+        result = await collect(node)
+        await reporting
+        return result, runner, node, metrics, seen
 
     (got, finish), runner, node, metrics, seen = run(main())
     assert got == [token(i) for i in range(MAX_TOKENS)] and finish == "length"
@@ -147,14 +173,22 @@ def test_no_decode_in_time_fails_after_the_resume_wait_naming_it():
     async def main():
         runner = FakeRunner()
         node, _, metrics = make_node(0.3, runner)
-        return *(await collect_failure(node)), node, metrics, runner
+        node.queue.clock = clock = Clock()
+        failing = asyncio.create_task(collect_failure(node))
+        await waiting_for_a_decode(node)
+        clock.now = 0.29  # not yet: it goes on waiting
+        node.queue.notify()
+        await settle()
+        assert not failing.done() and queued_gauge(metrics) == 1
+        clock.now = 0.3
+        node.queue.notify()
+        return *(await failing), node, metrics, runner
 
-    got, exc, took, node, metrics, runner = run(main())
+    got, exc, node, metrics, runner = run(main())
     assert got == [token(i) for i in range(FAIL_AFTER)]
-    assert 0.25 <= took < 3, took
     message = str(exc)
     assert message.startswith("decode A failed mid-generation: killed; no decode could take the request"), message
-    assert re.search(r"waited (0\.[3-9]|[12]\.\d)s for one \(--resume-wait 0\.3s\)", message), message
+    assert "waited 0.3s for one (--resume-wait 0.3s)" in message, message
     assert "not retrying A" in message, message
     assert len(node.queue) == 0 and queued_gauge(metrics) == 0
     assert runner.calls == [("A", 0)]
@@ -164,11 +198,16 @@ def test_resume_wait_zero_fails_at_once_as_before():
     async def main():
         runner = FakeRunner()
         node, _, metrics = make_node(0, runner)
-        _, exc, took = await collect_failure(node)
-        return exc, took, node, metrics
+        # the queue's clock stands still: a request that waited there (for the 10 s default, or a
+        # recheck) would never end; and the queue's length never changes
+        node.queue.clock = Clock()
+        lengths, gauge = [], node.queue.on_length
+        node.queue.on_length = lambda n: (lengths.append(n), gauge(n))
+        _, exc = await collect_failure(node)
+        return exc, node, metrics, lengths
 
-    exc, took, node, metrics = run(main())
-    assert took < 1, took  # no wait (the 10 s default, or the recheck)
+    exc, node, metrics, lengths = run(main())
+    assert lengths == []  # never in the admission queue: no wait
     assert str(exc) == "decode A failed mid-generation: killed"
     assert len(node.queue) == 0 and queued_gauge(metrics) == 0
 
@@ -177,12 +216,18 @@ def test_the_deadline_ends_the_wait_before_the_resume_wait():
     async def main():
         runner = FakeRunner()
         node, _, _ = make_node(10.0, runner)
-        _, exc, took = await collect_failure(node, deadline=time.monotonic() + 0.5)
-        return exc, took, node
+        node.queue.clock = clock = Clock()
+        failing = asyncio.create_task(collect_failure(node, deadline=0.5))
+        await waiting_for_a_decode(node)
+        await settle()
+        assert not failing.done()
+        clock.now = 0.5 - DEADLINE_MARGIN_S  # the queue gives up a little before the deadline, not after 10 s
+        node.queue.notify()
+        _, exc = await failing
+        return exc, node
 
-    exc, took, node = run(main())
-    assert 0.3 <= took < 2, took  # the queue gives up a little before the deadline, not after 10 s
-    assert "until the request's deadline" in str(exc), exc
+    exc, node = run(main())
+    assert "waited 0.4s for one until the request's deadline" in str(exc), exc
     assert len(node.queue) == 0
 
 
@@ -193,8 +238,15 @@ def test_the_failed_decode_is_tried_again_once_it_reports_after_the_failure():
     async def main():
         runner = FakeRunner(dies=False)
         node, poller, _ = make_node(10.0, runner)
-        asyncio.get_running_loop().call_later(0.3, poller.report, "A")
-        return await collect(node), runner, node
+
+        async def a_reports():  # after the failure: the request waits for a decode
+            await waiting_for_a_decode(node)
+            poller.report("A")
+
+        reporting = asyncio.create_task(a_reports())
+        result = await collect(node)
+        await reporting
+        return result, runner, node
 
     (got, finish), runner, node = run(main())
     assert got == [token(i) for i in range(MAX_TOKENS)] and finish == "length"

@@ -26,6 +26,7 @@ from pdserve.router.prompt import load_tokenizer
 from pdserve.router.router import Router
 
 BODY = {"model": "tiny", "prompt": [256, 65, 66, 67], "max_tokens": 2}
+HANG_GUARD_S = 30.0  # only a hang guard
 REFUSAL = {"error": {"message": "no decode server could take the request: none is known", "type": "service_unavailable",
                      "param": None, "code": "no_decode_available"}}
 
@@ -106,13 +107,23 @@ def test_a_prefill_without_a_decode_is_skipped_for_the_next():
 
 def test_with_no_prefill_routable_a_request_waits_for_one():
     async def scenario(router, url, fakes, api):
+        waiting = asyncio.Event()  # the request found no prefill routable and waits for one
+        decide_waiting = router.decide_waiting
+
+        async def recorded(*args, **kwargs):
+            waiting.set()
+            return await decide_waiting(*args, **kwargs)
+
+        router.decide_waiting = recorded
+
         async def later():
-            await asyncio.sleep(0.5)
+            await asyncio.wait_for(waiting.wait(), HANG_GUARD_S)
+            assert fakes["serving"].calls == 0  # nothing was relayed while none was routable
             set_load(fakes["serving"].watch, fakes["serving"].port)
 
-        (status, body, waited), _ = await asyncio.gather(post(url), later())
+        (status, body, _), _ = await asyncio.gather(post(url), later())
+        # served by the prefill that became routable while it waited, well before prefill_wait_s (5 s) ran out
         assert status == 200 and fakes["serving"].calls == 1, body
-        assert 0.4 <= waited < 5.0, waited
 
     asyncio.run(with_router(scenario))
 
