@@ -50,7 +50,7 @@ def pytest_configure(config):
         os.environ[net.PORTS_ENV] = f"{low}-{high}"  # the servers this worker starts inherit it
     if not hasattr(config, "workerinput"):  # the controller (or a serial run) keeps the tier clock
         config.pluginmanager.register(_TierReport(), "pdserve-tier-report")
-    if getattr(config.option, "dist", "no") != "no":
+    if worker is not None:  # the workers' collection order is the order the controller hands work out
         config.pluginmanager.register(_ParallelOrder(), "pdserve-parallel-order")
 
 
