@@ -29,6 +29,7 @@ Request lifecycle on decode (each step is a method below):
    the engine when the request finishes, and may be re-expected for another request).
 4. **decode** - after FirstToken the request joins the continuous batch (``add_prefilled``);
    every engine output becomes a ``Tokens`` message, the last one is followed by ``Finish``.
+   (A test hook may hold it just before it joins: ``TEST_GATE_ENV`` below.)
 5. **release** - always, whatever happened (finish, ``Cancel``/``Error`` from prefill, the
    stream breaking, a timeout, our own error): abort the request in the engine if it is
    still running, release its blocks, delete its CacheStore entry, forget the session.
@@ -60,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 
 import grpc
@@ -80,6 +82,31 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DecodeSession", "SessionDeps", "SessionEnded"]
 _BACKGROUND: set[asyncio.Future] = set()  # releases of reservations made after their session was cancelled
+
+# Test hook (never set it in production; tests/harness/decode_gate.py drives it): a directory. In step 4,
+# before a request joins the batch (its KV is in or prefill said ComputePrompt; after a FirstToken the
+# client already has that token), it writes ``held.<request id>`` there and waits until a file ``open``
+# exists there (then removes its file): the session stays live (/health, load reports, drain count it)
+# and holds its blocks, and nothing is decoded, for as long as the test needs, on any CPU. The event
+# loop is never blocked; prefill going away cancels the wait. Prefill's relay timer still runs (it
+# fails a stream silent for its --session-timeout). Not the pooled path. Unset: one falsy check.
+TEST_GATE_ENV = "PDSERVE_TEST_DECODE_GATE"
+TEST_GATE_DIR = os.environ.get(TEST_GATE_ENV, "")
+TEST_GATE_POLL_S = 0.02
+
+
+async def _wait_at_test_gate(request_id: str) -> None:
+    """The test hook above: announce the held request, wait for ``open``, withdraw the announcement."""
+    marker = os.path.join(TEST_GATE_DIR, "held." + request_id.replace(os.sep, "_"))
+    open(marker, "w").close()
+    try:
+        while not os.path.exists(os.path.join(TEST_GATE_DIR, "open")):
+            await asyncio.sleep(TEST_GATE_POLL_S)
+    finally:
+        try:
+            os.unlink(marker)
+        except OSError:
+            pass
 
 
 class DecodeSession(PooledSteps):
@@ -249,6 +276,8 @@ class DecodeSession(PooledSteps):
     async def _decode(self, start: pb.Start, first_token: int | None) -> None:
         """Step 4: stream the engine's outputs; ``first_token`` None: compute the prompt here first."""
         deps = self.deps
+        if TEST_GATE_DIR:  # test hook: held before joining the batch until the test opens the gate
+            await _wait_at_test_gate(self.request_id)
         ids = list(start.prompt_token_ids)
         deps.engine.track(self.request_id, start)
         if first_token is None:
