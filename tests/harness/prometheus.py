@@ -1,8 +1,16 @@
 """``PrometheusServer``: the real Prometheus binary (Debian package `prometheus`, installed by
 `make prometheus-bin`) started by a test itself, never the system service, with its own config and
-data directory on a free port on 127.0.0.1; stopped when the `with` block ends."""
+data directory on a free port on 127.0.0.1; stopped when the `with` block ends.
+
+A test that changes what a server exports waits for Prometheus to have scraped it since, instead of
+sleeping a few intervals:
+
+    since = time.time()                       # after the change
+    prom.wait_for_scrapes(1, since)           # every target scraped at least once after it
+"""
 
 import json
+import math
 import shutil
 import subprocess
 import time
@@ -15,6 +23,9 @@ import pytest
 import yaml
 
 from pdserve.net import free_port
+
+SCRAPE_STAMP_SLACK_S = 0.05
+SCRAPES_HANG_GUARD_S = 30.0  # the least wait_for_scrapes allows before it calls Prometheus stuck
 
 
 class PrometheusServer:
@@ -30,6 +41,7 @@ class PrometheusServer:
         if binary is None:
             pytest.fail("the prometheus binary is missing: run `make prometheus-bin` (tools/install_prometheus.sh)")
         self.binary, self.workdir, self.port = binary, Path(workdir), port or free_port()
+        self.targets, self.interval = targets, interval
         self.workdir.mkdir(parents=True, exist_ok=True)
         every = f"{int(interval * 1000)}ms"
         config = {"global": {"scrape_interval": every, "evaluation_interval": every},
@@ -54,7 +66,8 @@ class PrometheusServer:
                     if r.status == 200:
                         return self
             except OSError:
-                time.sleep(0.2)
+                pass
+            time.sleep(0.2)
         raise TimeoutError(f"prometheus not ready within 60s: {self.logs()[-2000:]}")
 
     def __exit__(self, *exc) -> None:
@@ -87,6 +100,32 @@ class PrometheusServer:
     def query_range(self, expr: str, seconds: float, step: float = 1.0) -> list:
         end = time.time()
         return self.api("query_range", query=expr, start=end - seconds, end=end, step=step)["result"]
+
+    def scrapes_since(self, since: float) -> dict[str, int]:
+        """target ("host:port") -> how many scrapes of it started after `since` (a time.time()): its `up` samples, each
+        stamped with its scrape's start. A scrape counts only when it started SCRAPE_STAMP_SLACK_S
+        after `since`, because Prometheus may move a scrape's stamp by up to 2 ms (timestamp alignment)."""
+        window = math.ceil(time.time() - since) + 2
+        after = since + SCRAPE_STAMP_SLACK_S
+        return {series["metric"]["instance"]: sum(float(stamp) > after for stamp, _ in series["values"])
+                for series in self.query(f"up[{window}s]")}
+
+    def wait_for_scrapes(self, n: int, since: float, timeout: float | None = None) -> None:
+        """Until every target has been scraped at least `n` times since `since` (a time.time() taken
+        after the change the test wants to see): then every series holds a value read after it.
+        timeout: a hang guard only, by default 10x the expected wait (n + 1 intervals), at least
+        SCRAPES_HANG_GUARD_S."""
+        timeout = timeout or max(SCRAPES_HANG_GUARD_S, 10 * (n + 1) * self.interval)
+        targets = {target for _, target, _ in self.targets}
+        deadline = time.monotonic() + timeout
+        while True:
+            counts = self.scrapes_since(since)
+            if all(counts.get(target, 0) >= n for target in targets):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"hang guard: not every target scraped {n} times within {timeout:.0f}s "
+                                     f"after the change: {counts}")
+            time.sleep(self.interval / 5)
 
     def wait_for_targets_up(self, n: int, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

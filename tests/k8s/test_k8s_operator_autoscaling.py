@@ -27,6 +27,7 @@ pytestmark = pytest.mark.prometheus
 ISVC = "chat"
 DECODE = f"{ISVC}-decode-main"
 PREFILL = f"{ISVC}-prefill"
+ROUND_HANG_GUARD_S = 10  # per autoscaling round (intervalSeconds is 1): a hang guard, not an expectation
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +90,26 @@ def event_reasons(kube, ns: str) -> list[str]:
     return [e["reason"] for e in out["items"]]
 
 
+def last_decision(kube, ns: str) -> str | None:
+    auto = (get_json(kube, "inferenceservice", ISVC, "-n", ns).get("status") or {}).get("autoscaling") or {}
+    return auto.get("lastDecisionTime")
+
+
+def wait_for_rounds(kube, ns: str, rounds: int, op) -> None:
+    """Until the autoscaler has finished `rounds` more rounds on the InferenceService. Each round writes
+    status.autoscaling.lastDecisionTime (whole seconds); rounds are intervalSeconds (1 s) apart, so
+    each has its own value: a new value seen is a round done (one missed between two polls only
+    makes the wait longer). The timeout is a hang guard: 10x the expected time."""
+    seen: set[str] = set()
+    first = last_decision(kube, ns)
+
+    def more() -> bool:
+        if (now := last_decision(kube, ns)) != first:
+            seen.add(now)
+        return len(seen) >= rounds
+    wait_for(kube, more, f"{rounds} more autoscaling rounds", timeout=ROUND_HANG_GUARD_S * rounds, op=op)
+
+
 def serve(tmp_path, ns: str, port: int, pods: list[FakePod]) -> PrometheusServer:
     for pod in pods:
         pod.app.__enter__()
@@ -114,7 +135,7 @@ def test_a_full_decode_pool_scales_up_to_its_max_with_status_and_events(kube, op
             ready_pods(kube, ns, "pdserve.io/role=decode", 2)          # the new decode is up; KV stays full
             wait_for(kube, lambda: "capped at max 2" in (pool_status(kube, ns, DECODE) or {}).get("reason", ""),
                      "the planner at its max", op=operator)
-            time.sleep(5)                                              # several more rounds
+            wait_for_rounds(kube, ns, 5, operator)                     # several more rounds at the max
             assert replicas(kube, ns, "decodepool", DECODE) == 2
             assert replicas(kube, ns, "prefillpool", PREFILL) == 1   # prefill min = max = 1
     finally:
@@ -127,11 +148,12 @@ def test_scale_down_marks_the_idle_pod_for_deletion_first(kube, operator, ns, tm
     (prefill_pod,) = ready_pods(kube, ns, "pdserve.io/role=prefill", 1)
     idle, busy = ready_pods(kube, ns, "pdserve.io/role=decode", 2)
     # Without a deletion cost the ReplicaSet removes the pod ready for the shortest time first: make
-    # that the busy one, so only the cost can save it.
-    time.sleep(2)
-    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    kube.kubectl("patch", "pod", busy, "-n", ns, "--subresource=status", "--type=strategic", "-p", json.dumps(
-        {"status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}]}}))
+    # that the busy one, so only the cost can save it. The idle pod has been Ready for an hour (its
+    # Ready condition says so): the ReplicaSet ranks ready times by powers of two, so seconds apart
+    # could tie, an hour cannot.
+    an_hour_ago = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 3600))
+    kube.kubectl("patch", "pod", idle, "-n", ns, "--subresource=status", "--type=strategic", "-p", json.dumps(
+        {"status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": an_hour_ago}]}}))
     pods = [FakePod(prefill_pod, "prefill", "prefill"), FakePod(idle, "decode", "main"), FakePod(busy, "decode", "main")]
     pods[2].load.update(used=10, running=3)                        # the pool at 5% KV: one decode is plenty
     seen: dict[str, str] = {}
@@ -165,9 +187,18 @@ def test_with_autoscaling_off_kubectl_scale_is_left_alone(kube, operator, ns):
     kube.kubectl("scale", "decodepool", DECODE, "-n", ns, "--replicas=3")     # above autoscaling's max: not applied
     wait_for(kube, lambda: (get_json(kube, "deployment", DECODE, "-n", ns) or {}).get("spec", {}).get("replicas") == 3,
              "the Deployment follows kubectl scale", op=operator)
-    time.sleep(6)
+    # Nothing runs on a timer here (no autoscaler): the operator acts on events. Make it reconcile
+    # the InferenceService once more (an annotation is a change kopf hands to the update handler,
+    # and an event on which it would start the autoscaler were it on), then look.
+    reconciled = f"reconciled {ns}/{ISVC}:"
+    wait_for(kube, lambda: operator.log().count(reconciled) >= 1, "the operator's first reconcile", op=operator)
+    before = operator.log().count(reconciled)
+    kube.kubectl("annotate", "inferenceservice", ISVC, "-n", ns, "test.pdserve.io/touched=1")
+    wait_for(kube, lambda: operator.log().count(reconciled) > before, "the operator to reconcile it again", op=operator)
     assert replicas(kube, ns, "decodepool", DECODE) == 3
+    assert get_json(kube, "deployment", DECODE, "-n", ns)["spec"]["replicas"] == 3
     assert not (get_json(kube, "inferenceservice", ISVC, "-n", ns).get("status") or {}).get("autoscaling")
+    assert not {"ScaledUp", "ScaledDown", "MetricsUnavailable"} & set(event_reasons(kube, ns))
 
 
 def test_min_above_max_is_refused_by_the_api_server(kube, operator, ns):

@@ -18,6 +18,7 @@ import json
 import math
 import random
 import re
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -28,7 +29,11 @@ from pdserve.bench.experiments.cluster import SERVED_MODEL, start_decode, start_
 from pdserve.bench.experiments.launcher import Launcher
 from pdserve.bench.loadgen import LoadConfig, send_requests
 from pdserve.bench.loadgen_workload import RequestSpec, arrival_times, make_prompt_ids
+from harness.conditions import HANG_GUARD_S, wait_until
+from harness.decode_gate import DecodeGate
+from harness.pd_cluster import metric
 from harness.prometheus import PrometheusServer
+from pdserve.decode_server.session import TEST_GATE_ENV
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 
@@ -52,8 +57,9 @@ def has_data(result: list) -> bool:
 
 
 async def slo_burst(url: str) -> list[int]:
-    """Six requests at once through a prefill whose only decode holds three: three wait in its
-    SLO queue (qlm orders them); half of them in the class 'strict'."""
+    """Six requests at once through a prefill whose only decode holds a few: the others wait in its
+    SLO queue (qlm orders them); half of them in the class 'strict'. (The decode's test gate holds
+    those it took until the others queued: on a fast CPU they would finish first.)"""
     import aiohttp
 
     async def one(session, i):
@@ -84,7 +90,12 @@ def loaded_cluster(tmp_path_factory):
     env.setenv("PDSERVE_INFERENCE_SERVICE", SERVICE)  # inherited by the servers
     try:
         with Launcher(tmp_path / "logs") as launcher:
+            # the small decode behind a gate (open until the SLO burst): the burst's first requests hold its
+            # blocks until the others queued at the prefill (on a fast CPU they would finish first)
+            gate = DecodeGate(tmp_path / "small-decode-gate", opened=True)
+            env.setenv(TEST_GATE_ENV, str(gate.directory))
             small = start_decode(launcher, "decode-small", "tiny", threads=1, num_blocks=6)
+            env.delenv(TEST_GATE_ENV)
             big = start_decode(launcher, "decode-big", "tiny", threads=1, num_blocks=128)
             # KV tiers on the prefill, so that the tier panels have series (zero or not)
             prefill = start_prefill(launcher, "prefill", "tiny", [small, big], threads=1, local_fallback=True,
@@ -108,8 +119,19 @@ def loaded_cluster(tmp_path_factory):
                 failed = [r.error for r in results if not r.ok]
                 assert not failed, failed[:3]
                 assert [post_bad_request(prefill.url) for _ in range(3)] == [400] * 3
-                assert asyncio.run(slo_burst(slo_prefill.url)) == [200] * 6
-                time.sleep(4)  # a few more scrapes after the load
+                gate.close()
+                burst: list = []
+                sender = threading.Thread(target=lambda: burst.extend(asyncio.run(slo_burst(slo_prefill.url))))
+                sender.start()
+                gate.wait_held(1)
+                # those the small decode's 6 blocks take are held there, the others wait in the SLO queue:
+                # qlm decides who goes next when the gate opens
+                wait_until(lambda: (waiting := metric(slo_prefill.url, "pdserve_slo_queued")) >= 1
+                           and len(gate.held()) + waiting == 6, "the burst held on the decode or in the SLO queue")
+                gate.open()
+                sender.join(HANG_GUARD_S)
+                assert burst == [200] * 6
+                prom.wait_for_scrapes(2, since=time.time())  # every server scraped twice after the load
                 yield prefill, prom
     finally:
         env.undo()

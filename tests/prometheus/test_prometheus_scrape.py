@@ -25,7 +25,7 @@ def test_prometheus_scrapes_and_queries_server_metrics(tmp_path):
             clock.finish("ok", "length")
             m.kv_transfer_layer.observe(0.002 * (i % 5 + 1))
         m.kv_blocks_free.set(123)
-        time.sleep(3)  # two scrapes at least
+        prom.wait_for_scrapes(1, since=time.time())  # a scrape that started after the last change
         sel = '{namespace="ns1", inference_service="chat", role="prefill", pool="p0"}'
         r = prom.query(f"pdserve_kv_blocks_free{sel}")
         assert [float(x["value"][1]) for x in r] == [123.0]
