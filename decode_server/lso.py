@@ -20,15 +20,26 @@ request at most.
   time predicted with one more request (linear in the batch) stays under ``restore_margin``
   of the tightest target, ``cooldown`` steps after the last eviction; a restore that finds no
   free blocks leaves it swapped (tried again next step).
+
+(A test hook may give every step a minimum duration: ``TEST_STEP_FLOOR_ENV`` below.)
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import time
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
+
+# Test hook (never set it in production; tests/e2e/test_decode_eviction.py sets it): seconds. Every engine
+# step with a running batch lasts at least this long: the engine thread waits out the rest before the step's
+# tokens go out, and the controller measures the padded step. A test can then miss the smallest TBT target a
+# class can state (1 ms) on any CPU, however fast. Unset: one comparison per step.
+TEST_STEP_FLOOR_ENV = "PDSERVE_TEST_DECODE_STEP_FLOOR_S"
+TEST_STEP_FLOOR_S = float(os.environ.get(TEST_STEP_FLOOR_ENV) or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +100,9 @@ class LsoController:
             self._hints.pop(request_id, None)
 
     def __call__(self, engine, seconds: float, batch: int) -> None:
+        if batch and TEST_STEP_FLOOR_S > seconds:  # test hook above
+            time.sleep(TEST_STEP_FLOOR_S - seconds)
+            seconds = TEST_STEP_FLOOR_S
         if batch:
             self.step_s = seconds if self.step_s is None else (1 - self.alpha) * self.step_s + self.alpha * seconds
             self._since_evict += 1

@@ -9,21 +9,30 @@ In one sequence (the processes are slow to start on a shared CPU):
 - X is SIGKILLed: the router drops its index entries and sends requests to the other;
 - X restarts on the same ports: the router resyncs from its snapshot under a new epoch;
 - afterwards nothing is held: KV blocks, Sessions, CacheStore entries, relays in flight.
+
+The decode runs behind a test gate (harness/decode_gate.py), open except while a client leaves
+mid-stream: closed, it holds that stream on the decode after its first token, so the request
+cannot finish before the client's leaving reaches the prefill, however fast the CPU decodes or
+slow the router is scheduled. Every wait is on a condition (an index entry, a cumulative counter),
+bounded only by a hang guard.
 """
 
 import json
 
 import pytest
 
-from harness.pd_cluster import (COMMON, Server, get_json, metric, nothing_held, post_json, wait_all_released,
-                                wait_ready)
+from harness.conditions import wait_until
+from harness.decode_gate import DecodeGate
+from harness.pd_cluster import (COMMON, Server, get_json, metric, nothing_held, post_json, start_decode, start_prefill,
+                                wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
-from harness.router_cluster import start_prefills, start_router, wait_until
+from harness.router_cluster import start_router
 from pdserve.router.choice import rendezvous
 from pdserve.router.prompt import load_tokenizer, prompt_key, prompt_token_ids
 
 pytestmark = pytest.mark.slow
 
+HANG_GUARD_S = 60.0  # only a hang guard: each wait below takes well under a second on an idle box
 BS = 16
 EXTRA = ("--block-size", str(BS))
 SYSTEM = "You are a careful assistant. " * 12  # ~340 bytes: about 21 blocks of 16 tokens
@@ -86,20 +95,31 @@ def chat(messages):
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    group = ProcessGroup(log_dir=tmp_path_factory.mktemp("router") / "logs")
+    tmp = tmp_path_factory.mktemp("router")
+    gate = DecodeGate(tmp / "decode-gate", opened=True)
+    group = ProcessGroup(log_dir=tmp / "logs")
     try:
-        decode, prefills = start_prefills(group, 2, EXTRA)
+        with pytest.MonkeyPatch.context() as mp:  # the decode only (start_decode passes our environment on)
+            for name, value in gate.env.items():
+                mp.setenv(name, value)
+            decode = start_decode(group, num_blocks=128, extra=EXTRA, name="decode")
+        wait_ready(decode)
+        prefills = [start_prefill(group, [decode.grpc_address], extra=EXTRA, name=f"prefill{i}") for i in range(2)]
+        for p in prefills:
+            wait_ready(p)
         router = start_router(group, prefills)
         wait_ready(router)
         wait_until(lambda: all(index_of(router, p)["index"] and index_of(router, p)["index"]["synced"]
-                               and index_of(router, p)["routable"] for p in prefills), "both prefills indexed")
-        yield {"group": group, "decode": decode, "prefills": prefills, "router": router}
+                               and index_of(router, p)["routable"] for p in prefills), "both prefills indexed",
+                   HANG_GUARD_S)
+        yield {"group": group, "decode": decode, "prefills": prefills, "router": router, "gate": gate}
     finally:
+        gate.open()
         group.close()
 
 
 def test_routing_follows_the_cache_and_survives_kill_and_restart(cluster):
-    group, decode, router = cluster["group"], cluster["decode"], cluster["router"]
+    group, decode, router, gate = cluster["group"], cluster["decode"], cluster["router"], cluster["gate"]
     p0, p1 = cluster["prefills"]
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about prefill."}]
     ids = prompt_token_ids(json.dumps(chat(turn1)).encode(), "chat", load_tokenizer("tiny"))
@@ -109,7 +129,8 @@ def test_routing_follows_the_cache_and_survives_kill_and_restart(cluster):
 
     status, first = post_json(x.url + "/v1/chat/completions", chat(turn1))
     assert status == 200, first
-    wait_until(lambda: index_of(router, x)["index"]["blocks"] >= len(ids) // BS - 1, "turn 1's blocks in the index")
+    wait_until(lambda: index_of(router, x)["index"]["blocks"] >= len(ids) // BS - 1, "turn 1's blocks in the index",
+               HANG_GUARD_S)
     turn2 = turn1 + [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                      {"role": "user", "content": "And decode?"}]
     before = {p.name: metric(p.url, "pdserve_prompt_tokens_total") for p in (x, other)}
@@ -126,10 +147,18 @@ def test_routing_follows_the_cache_and_survives_kill_and_restart(cluster):
 
     # streaming: the SSE chunks relayed as they come give the same text
     assert sse_text(router.url, chat(turn2)) == routed["choices"][0]["message"]["content"]
-    # a client that leaves mid-stream: the router closes its upstream, the prefill cancels (checked at the end)
-    leave_mid_stream(router.url, chat(turn2) | {"max_tokens": 1500, "ignore_eos": True})
-    wait_until(lambda: sum(metric(p.url, "pdserve_requests_total", outcome="cancelled", reason="client_disconnected")
-                           for p in (x, other)) == 1, "a prefill to see the client leave", timeout=10)
+    # a client that leaves mid-stream: the router closes its upstream, the prefill cancels, and so does its Session
+    # on the decode. The closed gate holds the stream on the decode after its first token, so it cannot finish
+    # first; the prefill's request counter is cumulative, so no poll can miss the cancel.
+    gate.close()
+    try:
+        leave_mid_stream(router.url, chat(turn2) | {"max_tokens": 1500, "ignore_eos": True})
+        wait_until(lambda: sum(metric(p.url, "pdserve_requests_total", outcome="cancelled", reason="client_disconnected")
+                               for p in (x, other)) == 1, "a prefill to see the client leave", HANG_GUARD_S)
+        wait_until(lambda: get_json(decode.url + "/health")[1]["sessions"] == 0, "the decode to drop the held stream",
+                   HANG_GUARD_S)
+    finally:
+        gate.open()
 
     # bad input: the prefill's own 400, byte for byte
     for bad in (b"{not json", json.dumps({"model": "tiny", "prompt": "x", "max_tokens": -1}).encode(),
@@ -142,7 +171,7 @@ def test_routing_follows_the_cache_and_survives_kill_and_restart(cluster):
     old_epoch = index_of(router, x)["index"]["epoch"]
     group.kill(x.proc)
     wait_until(lambda: not index_of(router, x)["index"]["synced"] and not index_of(router, x)["routable"],
-               "X dropped from the index", timeout=10)
+               "X dropped from the index", HANG_GUARD_S)
     assert index_of(router, x)["index"]["blocks"] == 0
     served_before = metric(router.url, "pdserve_router_decisions_total", prefill=other.grpc_address)
     for i in range(3):
@@ -154,14 +183,16 @@ def test_routing_follows_the_cache_and_survives_kill_and_restart(cluster):
     x2 = start_prefill_at(group, [decode.grpc_address], x.http_port, x.grpc_port, "prefill-restarted")
     wait_ready(x2)
     wait_until(lambda: index_of(router, x2)["index"]["synced"] and index_of(router, x2)["routable"],
-               "X back in the index", timeout=30)
+               "X back in the index", HANG_GUARD_S)
     assert index_of(router, x2)["index"]["epoch"] not in ("", old_epoch)
     assert index_of(router, x2)["index"]["epoch"] == index_of(router, x2)["load"]["epoch"]
     assert metric(router.url, "pdserve_router_index_resyncs_total", prefill=x2.grpc_address, reason="epoch") == 1
     status, out = post_json(router.url + "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 4})
     assert status == 200, out
 
-    readings = wait_all_released([other, x2, decode])
+    readings = wait_all_released([other, x2, decode], timeout=HANG_GUARD_S)
     assert nothing_held(readings), readings
-    assert get_json(router.url + "/health")[1]["in_flight"] == 0
-    assert all(p["in_flight_here"] == 0 for p in get_json(router.url + "/health")[1]["prefills"].values())
+    assert gate.held() == []
+    wait_until(lambda: (h := get_json(router.url + "/health")[1])["in_flight"] == 0
+               and all(p["in_flight_here"] == 0 for p in h["prefills"].values()), "the router's relays all ended",
+               HANG_GUARD_S)
