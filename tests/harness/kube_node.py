@@ -14,8 +14,10 @@ as Service default/kubernetes), containerd, import the images, the kubelet, kube
 scheduler; wait until the node is Ready and untainted and 10.96.0.1:443 answers from the host.
 Tear-down (also when start-up or the body fails): delete the tests' namespaces so the kubelet
 stops their pods (CNI DEL), stop the node's processes, remove what is left (containers, mounts,
-iptables chains, the bridge, cgroups, log links) and restore the sysctls; anything that could not
-be put back raises NodeTeardownError naming it. kube_node_host.py knows that machine state,
+iptables chains, the bridge, cgroups, log links) and restore the sysctls; then compare the
+machine with `machine_state()` as it was before the node started (processes, iptables chains,
+mounts, the bridge, cgroups, sysctls). Anything that could not be put back, or differs, raises
+NodeTeardownError naming it. kube_node_host.py knows that machine state,
 kube_node_config.py the configuration files, kube_node_images.py the images.
 
 Needs root, the binaries of `make k8s-tools` (kubelet, kube-proxy, kube-scheduler, pause), the
@@ -59,6 +61,8 @@ CGROUP_ROOT_NAME = "pdserve-node"
 MACHINE_DIRS = (Path("/run/containerd"), Path("/var/log/containers"))
 SYSTEM_NAMESPACES = {"default", "kube-system", "kube-public", "kube-node-lease"}
 READY_TIMEOUT_S = 300.0
+# Processes the node killed (containerd's shims, pause) are gone once reaped: a moment, bounded by this hang guard.
+EXIT_HANG_GUARD_S = 30.0
 
 
 class NodeTeardownError(RuntimeError):
@@ -90,6 +94,43 @@ def _client_kubeconfig(path: Path, server: str, pki, name: str, cn: str, org: st
     write_kubeconfig(path, {"server": server, "certificate-authority-data": _b64(pki.ca[1])}, cn,
                      {"client-certificate-data": _b64(crt), "client-key-data": _b64(key)}, "default")
     return path
+
+
+def machine_state() -> dict:
+    """What the node changes on this machine, comparable before and after: its processes (containerd,
+    shims, kubelet, kube-proxy, kube-scheduler, pause), KUBE-*/CNI-* iptables chains, mounts under a
+    node folder, the bridge, the kubelet's cgroup root and the sysctls it may set."""
+    procs = subprocess.run(["pgrep", "-af", "containerd|kubelet|kube-proxy|kube-scheduler|pause"],
+                           capture_output=True, text=True).stdout
+    return {
+        "processes": sorted(line for line in procs.splitlines()
+                            if MARKER in line or Path((line.split() + ["", ""])[1]).name == "pause"),
+        "iptables": host.iptables_leftovers(),
+        "bridge": host.link_exists(config.BRIDGE),
+        "mounts": [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+                   if f"/{MARKER}" in line.split()[4]],
+        "cgroups": [str(d) for d in host.cgroup_dirs(CGROUP_ROOT_NAME)],
+        "sysctls": {k: host.Sysctls.read(k) for k in host.SYSCTLS},
+    }
+
+
+def _not_put_back(before: dict) -> list[str]:
+    """How the machine differs from `before` (a machine_state()), once the killed processes are gone:
+    a process that was not there before is left; one that was may have ended since."""
+    deadline = time.monotonic() + EXIT_HANG_GUARD_S
+    while True:
+        after = machine_state()
+        new = sorted(set(after["processes"]) - set(before["processes"]))
+        if not new or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    problems = [f"processes left: {new}"] if new else []
+    changed = {k: v for k, v in before["sysctls"].items() if after["sysctls"].get(k) != v}
+    if changed:
+        problems.append("sysctls changed (before -> after): "
+                        + ", ".join(f"{k} {v} -> {after['sysctls'].get(k)}" for k, v in changed.items()))
+    return problems + [f"{key}: before {before[key]}, after {after[key]}" for key in before
+                       if key not in ("processes", "sysctls") and after[key] != before[key]]
 
 
 def _check_prerequisites(bin_dir: Path) -> None:
@@ -145,6 +186,8 @@ def node_cluster(work_dir: Path, bin_dir: Path | None = None, with_image: bool =
         problems = _sweep(_stale_roots(), bin_dir / "kube-proxy")
         if problems:
             raise NodeTeardownError("an earlier one-node cluster left state that cannot be removed:\n" + "\n".join(problems))
+        before = machine_state()
+        before["sysctls"] = {k: sysctls.saved.get(k) for k in host.SYSCTLS}  # what restore() writes back
         problems = []
         try:
             with _running(work_dir, node, bin_dir, image, archive) as cluster:
@@ -162,6 +205,7 @@ def node_cluster(work_dir: Path, bin_dir: Path | None = None, with_image: bool =
             left = host.iptables_leftovers()
             if left:
                 problems.append("iptables chains left: " + ", ".join(left))
+            problems += _not_put_back(before)
     if problems:
         raise NodeTeardownError("the one-node cluster could not put back:\n" + "\n".join(problems))
 

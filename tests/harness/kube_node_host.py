@@ -113,6 +113,11 @@ def iptables_leftovers() -> list[str]:
     return found
 
 
+def iptables_rules(table: str) -> list[str]:
+    """The IPv4 rules of `table` as iptables-save writes them ('-A CHAIN ...')."""
+    return [line for line in _run_out(["iptables-save", "-t", table]).splitlines() if line.startswith("-A ")]
+
+
 def remove_iptables_chains() -> list[str]:
     """Delete the rules that jump to KUBE-*/CNI-* chains, then flush and delete those chains."""
     problems = []
