@@ -70,6 +70,7 @@ from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
 from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
+from pdserve.test_gate import wait_at_gate
 
 from . import admission
 from .pooled_session import PooledDecode
@@ -92,21 +93,6 @@ _BACKGROUND: set[asyncio.Future] = set()  # releases of reservations made after 
 # fails a stream silent for its --session-timeout). Not the pooled path. Unset: one falsy check.
 TEST_GATE_ENV = "PDSERVE_TEST_DECODE_GATE"
 TEST_GATE_DIR = os.environ.get(TEST_GATE_ENV, "")
-TEST_GATE_POLL_S = 0.02
-
-
-async def _wait_at_test_gate(request_id: str) -> None:
-    """The test hook above: announce the held request, wait for ``open``, withdraw the announcement."""
-    marker = os.path.join(TEST_GATE_DIR, "held." + request_id.replace(os.sep, "_"))
-    open(marker, "w").close()
-    try:
-        while not os.path.exists(os.path.join(TEST_GATE_DIR, "open")):
-            await asyncio.sleep(TEST_GATE_POLL_S)
-    finally:
-        try:
-            os.unlink(marker)
-        except OSError:
-            pass
 
 
 class DecodeSession(PooledSteps):
@@ -277,7 +263,7 @@ class DecodeSession(PooledSteps):
         """Step 4: stream the engine's outputs; ``first_token`` None: compute the prompt here first."""
         deps = self.deps
         if TEST_GATE_DIR:  # test hook: held before joining the batch until the test opens the gate
-            await _wait_at_test_gate(self.request_id)
+            await wait_at_gate(TEST_GATE_DIR, self.request_id)
         ids = list(start.prompt_token_ids)
         deps.engine.track(self.request_id, start)
         if first_token is None:

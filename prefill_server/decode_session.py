@@ -70,6 +70,7 @@ from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
 from pdserve.protos.version import PROTOCOL_VERSION
+from pdserve.test_gate import wait_at_gate
 
 from . import session_wire as wire
 from .cost_model import LOCAL, REMOTE, Decision, link_busy_seconds
@@ -102,21 +103,6 @@ DEADLINE_SLACK_S = 1.0
 # gone, its deadline: the Frontend cancels it) ends the wait. Unset: one falsy check per request.
 TEST_GATE_ENV = "PDSERVE_TEST_GATE_AFTER_ALLOCATION"
 TEST_GATE_DIR = os.environ.get(TEST_GATE_ENV, "")
-TEST_GATE_POLL_S = 0.02
-
-
-async def _wait_at_test_gate(request_id: str) -> None:
-    """The test hook above: announce the held request, wait for ``open``, withdraw the announcement."""
-    marker = os.path.join(TEST_GATE_DIR, "held." + request_id.replace(os.sep, "_"))
-    open(marker, "w").close()
-    try:
-        while not os.path.exists(os.path.join(TEST_GATE_DIR, "open")):
-            await asyncio.sleep(TEST_GATE_POLL_S)
-    finally:
-        try:
-            os.unlink(marker)
-        except OSError:
-            pass
 
 
 @dataclass(slots=True)
@@ -203,7 +189,7 @@ class SessionRunner:
             if on_allocated is not None:
                 on_allocated()
             if TEST_GATE_DIR:  # test hook: the decode holds the reservation (the request has left the admission
-                await _wait_at_test_gate(request_id)  # queue: it is admitted) until the test opens the gate
+                await wait_at_gate(TEST_GATE_DIR, request_id)  # queue: it is admitted) until the test opens the gate
             if decision.where == LOCAL:  # 4l
                 held.free_slot()  # our engine does not compute this prompt
                 first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)

@@ -1,0 +1,51 @@
+"""The servers' test gates (pdserve/test_gate.py) as tests/harness/gates.py and decode_gate.py drive
+them: a held request is announced, goes on when the gate opens, and withdraws its announcement also
+when it is cancelled; each server reads its own variable (the prefill's PDSERVE_TEST_GATE_AFTER_ALLOCATION,
+the decode's PDSERVE_TEST_DECODE_GATE)."""
+
+import asyncio
+
+import pytest
+
+from harness.conditions import until
+from harness.decode_gate import DecodeGate
+from harness.gates import Gate
+from pdserve.test_gate import wait_at_gate
+
+HANG_GUARD_S = 10.0  # only a hang guard: each wait below ends within a few polls
+
+
+@pytest.mark.parametrize("kind", [Gate, DecodeGate])
+def test_held_until_opened_then_passes_at_once(tmp_path, kind):
+    gate = kind(tmp_path)
+
+    async def scenario():
+        held = asyncio.ensure_future(wait_at_gate(str(tmp_path), "req-1"))
+        await until(lambda: gate.held() == ["req-1"], "req-1 held", HANG_GUARD_S)
+        assert not held.done()
+        gate.open()
+        await asyncio.wait_for(held, HANG_GUARD_S)
+        assert gate.held() == []
+        await asyncio.wait_for(wait_at_gate(str(tmp_path), "req-2"), HANG_GUARD_S)  # open: not held
+        assert gate.held() == []
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("kind", [Gate, DecodeGate])
+def test_a_cancelled_request_leaves_the_gate(tmp_path, kind):
+    gate = kind(tmp_path)
+
+    async def scenario():
+        held = asyncio.ensure_future(wait_at_gate(str(tmp_path), "a/b"))  # no path separator in the file name
+        await until(lambda: gate.held() == ["a_b"], "a_b held", HANG_GUARD_S)
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        assert held.cancelled() and gate.held() == []
+
+    asyncio.run(scenario())
+
+
+def test_gate_env_names_each_servers_hook(tmp_path):
+    assert Gate(tmp_path).env == {"PDSERVE_TEST_GATE_AFTER_ALLOCATION": str(tmp_path)}
+    assert DecodeGate(tmp_path).env == {"PDSERVE_TEST_DECODE_GATE": str(tmp_path)}
