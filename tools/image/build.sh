@@ -135,6 +135,26 @@ if ! probe="$(bah from scratch 2>&1)"; then
 fi
 bah rm "$probe" >/dev/null
 
+# --- disk: a build needs room for the dependency layer, the runtime copy and the archive -------
+# Measured peak of one build over what is already stored: ~15 GB (the build stage's ~6 GB image,
+# the runtime stage's 3.6 GB layer written once as a blob and once unpacked, the 1.9 GB archive).
+# Short of that, what earlier builds left goes first (their images, archives and the layer cache;
+# the base image stays); still short, the build stops here with the numbers instead of failing halfway
+# through a layer commit with ENOSPC (and filling the disk that etcd and the tests share).
+NEED_GB="${PDSERVE_IMAGE_NEED_GB:-16}"
+free_gb() { df -P -BG "$CACHE" | awk 'NR == 2 { sub("G", "", $4); print $4 }'; }
+bah rm --all >/dev/null 2>&1 || true  # working containers a killed or failed build left behind
+if (( $(free_gb) < NEED_GB )); then
+  say "only $(free_gb) GB free on $(df -P "$CACHE" | awk 'NR == 2 { print $6 }') (a build needs ~$NEED_GB GB): removing earlier images and the layer cache"
+  rm -f "$CACHE"/pdserve-*.oci.tar "$CACHE"/pdserve-*.json "$CACHE"/*.tmp
+  base_id="$(bah images --noheading --no-trunc --format '{{.ID}}' "localhost/pdserve-base:$BASE_HASH" 2>/dev/null | sed 's/^sha256://' || true)"
+  bah images --all --noheading --no-trunc --format '{{.ID}}' | sed 's/^sha256://' | while read -r id; do
+    [[ "$id" == "$base_id" ]] || bah rmi --force "$id" >/dev/null 2>&1 || true
+  done
+  (( $(free_gb) >= NEED_GB )) || die "not enough disk for the image: $(free_gb) GB free in $CACHE, a build needs ~$NEED_GB GB (df -h; PDSERVE_CACHE moves the cache, PDSERVE_IMAGE_NEED_GB changes the check)"
+  say "$(free_gb) GB free now"
+fi
+
 # --- the base image: a Debian root file system from debootstrap -----------------------------
 BASE_TAR="$CACHE/base-$BASE_HASH.tar"
 BASE_NAME="localhost/pdserve-base:$BASE_HASH"
@@ -176,7 +196,8 @@ rc=0
   -t "$NAME" -f Dockerfile . > "$log" 2>&1) || rc=$?
 pkill -PIPE -P "$ticker" sleep 2>/dev/null || true  # SIGPIPE: bash prints no "Terminated"
 kill "$ticker" 2>/dev/null || true; wait "$ticker" 2>/dev/null || true
-[[ $rc -eq 0 ]] || { tail -30 "$log" >&2; die "buildah bud failed (log: $log)"; }
+[[ $rc -eq 0 ]] || { bah rm --all >/dev/null 2>&1 || true; tail -30 "$log" >&2; df -h "$CACHE" >&2
+                    die "buildah bud failed (log: $log)"; }
 build_s=$((SECONDS - START))
 
 # The image serves: the CLI and torch import and compute on CPU inside it (as the pods run it).
