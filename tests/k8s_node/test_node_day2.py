@@ -5,15 +5,20 @@
 - `kubectl scale` down while the pods it removes hold long streams (a pod-deletion-cost makes the
   ReplicaSet remove exactly those): they drain (SIGTERM: refuse new sessions, finish live ones),
   so no stream is lost;
-- `kubectl delete pod --force --grace-period=0` of the decode serving a stream, after its first
-  tokens (the kubelet gives it 2 s, then kills it): the stream resumes on another decode (prompt +
-  tokens so far are prefilled again) or ends with a clear error, and the Deployment replaces it.
+- the decode serving a stream dies after its first tokens (its container's process is SIGKILLed
+  through containerd, as an OOM kill or a lost node would end it), then `kubectl delete pod --force
+  --grace-period=0`: the stream resumes on another decode (prompt + tokens so far are prefilled
+  again) or ends with a clear error, and the Deployment replaces the pod. (A delete alone sends
+  SIGTERM first: the decode drains, and on a fast CPU it finishes the stream within the kubelet's
+  2 s, so nothing is resumed and the test would test nothing.)
 Each test leaves the example's replica counts and checks that no KV block, session or CacheStore
 entry is still held anywhere.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
 from collections import Counter
 
@@ -102,7 +107,24 @@ def test_scale_down_drains_the_streams_of_removed_pods(node_kube, chat, capsys):
     assert streams.errors == [], streams.errors
 
 
-def test_delete_decode_pod_mid_stream_resumes_or_fails_clearly(node_kube, chat, capsys):
+def _kill_container(kube, ns: str, pod: str) -> None:
+    """SIGKILL the pod's (one) container through containerd; returns when its process is gone."""
+    status = json.loads(kube.kubectl("get", "pod", pod, "-n", ns, "-o", "json").stdout)["status"]
+    (container,) = status["containerStatuses"]
+    cid = container["containerID"].split("://", 1)[1]
+
+    def task_pid() -> int | None:  # `ctr tasks ls`: TASK PID STATUS; None once stopped or gone
+        listed = subprocess.run([*kube.ctr, "tasks", "ls"], capture_output=True, text=True, check=True, timeout=30)
+        row = next((line.split() for line in listed.stdout.splitlines() if line.startswith(cid)), None)
+        return int(row[1]) if row and row[2] == "RUNNING" else None
+
+    pid = task_pid()
+    assert pid is not None, f"{pod}: container {cid} has no running task"
+    subprocess.run([*kube.ctr, "tasks", "kill", "-s", "SIGKILL", cid], check=True, capture_output=True, timeout=30)
+    kube.wait_until(lambda: task_pid() != pid, 30, 0.1, f"{pod}'s container (pid {pid}) to die")
+
+
+def test_decode_pod_killed_mid_stream_resumes_or_fails_clearly(node_kube, chat, capsys):
     import openai
 
     ns = chat.namespace
@@ -124,11 +146,12 @@ def test_delete_decode_pod_mid_stream_resumes_or_fails_clearly(node_kube, chat, 
                 victim = next((d for d in decodes if _sessions(d) > 0), None)
                 assert victim is not None, "no decode pod holds the stream's session"
                 at_delete = received
+                _kill_container(node_kube, ns, victim.name)
                 node_kube.kubectl("delete", "pod", victim.name, "-n", ns, "--grace-period=0", "--force")
     except openai.APIError as e:
         error = f"{type(e).__name__}: {e}"
     with capsys.disabled():
-        print(f"\ndecode {victim.name} deleted after {at_delete} streamed chunks: " +
+        print(f"\ndecode {victim.name} killed after {at_delete} streamed chunks: " +
               (f"stream failed: {error}" if error else f"resumed, {received} chunks, finish_reason {finish}"))
     pool = victim.name.split("-decode-", 1)[1].rsplit("-", 2)[0]  # <isvc>-decode-<pool>-<rs hash>-<id>
     replaced = node_kube.wait_until(lambda: _settled(node_kube, ns, pool, per_pool[pool]), 300, 1,
