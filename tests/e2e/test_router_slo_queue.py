@@ -37,7 +37,12 @@ def cluster(tmp_path_factory):
     try:
         decode = start_decode(group, "tcp", 4)  # 4 blocks of 64 tokens: one request (100 + 60 tokens) at a time
         wait_ready(decode)
-        prefill = start_prefill(group, [decode.grpc_address], "tcp", extra=["--slo-classes", CLASSES], env=gate.env)
+        # --load-report-expiry: the decode never stops answering here. On a starved CPU one late load report
+        # can make the prefill see no decode and fail the request waiting in its queue, so that it reports
+        # an empty queue and the router lets the timed request through (the likely cause of this test's one
+        # CI failure: the timed request timed out in the prefill's queue instead of the router's line)
+        prefill = start_prefill(group, [decode.grpc_address], "tcp", env=gate.env,
+                                extra=["--slo-classes", CLASSES, "--load-report-expiry", "60"])
         wait_ready(prefill)
         routers = {policy: start_router(group, [prefill], name=f"router-{policy}",
                                         extra=["--slo-classes", CLASSES, "--queue-policy", policy])
@@ -122,8 +127,12 @@ def test_deadline_in_the_router_queue_and_unknown_class(cluster):
     assert "interactive" in body["error"]["message"] and "batch" in body["error"]["message"]
     # one blocker holds the decode (at the gate), the other waits in the prefill's queue, and the router
     # has heard so: the next request waits in the router's line until its deadline
-    blockers = [threading.Thread(target=post_json, args=(router.url + "/v1/completions", _body(i)),
-                                 kwargs={"timeout": 120}) for i in range(2)]
+    outcomes: dict[int, tuple] = {}
+
+    def block(i):
+        outcomes[i] = post_json(router.url + "/v1/completions", _body(i), timeout=120)
+
+    blockers = [threading.Thread(target=block, args=(i,)) for i in range(2)]
     gate.close()
     try:
         blockers[0].start()
@@ -139,6 +148,9 @@ def test_deadline_in_the_router_queue_and_unknown_class(cluster):
         for t in blockers:
             if t.ident is not None:  # started
                 t.join()
+    # both blockers were served: neither left the prefill's queue early (which would have let the
+    # timed request through the router's line)
+    assert [outcomes[i][0] for i in sorted(outcomes)] == [200, 200], outcomes
     readings = wait_all_released([cluster["prefill"], cluster["decode"]], timeout=20.0)
     assert nothing_held(readings), readings
     assert _queued(router) == 0
