@@ -38,10 +38,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="autoscaling (spec.autoscaling) reads the pools' metrics from this Prometheus, e.g. "
                              "http://prometheus.monitoring:9090 (default $PDSERVE_PROMETHEUS_URL; else the operator "
                              "scrapes the ready pods' /metrics itself)")
+    parser.add_argument("--image-pull-secret", action="append", default=None, metavar="NAME",
+                        help="a Secret every pod the operator creates pulls its image with (repeatable; each "
+                             "InferenceService's namespace must hold one of that name); default "
+                             "$PDSERVE_IMAGE_PULL_SECRETS, comma-separated")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster, then $KUBECONFIG)")
     parser.add_argument("--liveness", default=os.environ.get("PDSERVE_LIVENESS") or None, metavar="URL",
                         help="serve kopf's liveness probe, e.g. http://0.0.0.0:8080/healthz")
     parser.add_argument("--verbose", action="store_true", help="debug logging")
+
+
+def image_pull_secrets(args: argparse.Namespace) -> list[str]:
+    """--image-pull-secret, else $PDSERVE_IMAGE_PULL_SECRETS (what the chart sets from its imagePullSecrets)."""
+    if args.image_pull_secret is not None:
+        return args.image_pull_secret
+    return [s.strip() for s in os.environ.get("PDSERVE_IMAGE_PULL_SECRETS", "").split(",") if s.strip()]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = OperatorConfig(default_image=args.default_image,
                                 protocol_version=args.protocol_version or default_protocol_version(),
-                                network_policy=args.network_policy, prometheus_url=args.prometheus_url)
+                                network_policy=args.network_policy, prometheus_url=args.prometheus_url,
+                                image_pull_secrets=tuple(image_pull_secrets(args)))
     except ValueError as e:
         raise SystemExit(f"pdserve operator: {e}") from None
     if args.kubeconfig:

@@ -19,12 +19,16 @@ class OperatorConfig:
         decode Session and KV-transfer ports only from its own prefill pods.
     prometheus_url: where autoscaling (spec.autoscaling) queries the pools' metrics; without
         it the operator scrapes the ready pods' /metrics itself.
+    image_pull_secrets: Secrets every pod the operator creates pulls its image with (the
+        chart's imagePullSecrets), after the InferenceService's own spec.imagePullSecrets; each
+        must exist in the InferenceService's namespace.
     """
 
     default_image: str
     protocol_version: str
     network_policy: bool = False
     prometheus_url: str | None = None  # autoscaling reads metrics here (PromQL); None: the pods' own /metrics
+    image_pull_secrets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.default_image or any(c.isspace() for c in self.default_image):
@@ -32,3 +36,6 @@ class OperatorConfig:
         naming.protocol_label(self.protocol_version)  # raises with a clear message
         if self.prometheus_url is not None and not self.prometheus_url.startswith(("http://", "https://")):
             raise ValueError(f"prometheus URL {self.prometheus_url!r} must start with http:// or https://")
+        for secret in self.image_pull_secrets:
+            if not naming.is_dns_subdomain(secret):
+                raise ValueError(f"image pull secret {secret!r} is not a Secret name (a DNS subdomain)")

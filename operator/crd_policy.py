@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pdserve.slo import classes as slo_classes
 
+from pdserve.operator import crd_pod
 from pdserve.operator.crd_schema import (DEFAULT_REPLICAS, DEFAULT_TBT_MS, DEFAULT_TTFT_MS, MAX_LOAD_WEIGHT,
                                          MAX_REPLICAS, NODE_SELECTOR, RESOURCES, TOLERATIONS, _int, _obj, _rule, _str)
 
@@ -75,6 +76,8 @@ ROUTER = _obj(
                        "description": "Prompt tokens one request in flight on a prefill is worth when weighing load "
                                       "against its cached prefix (`pdserve router --load-weight`; default: the "
                                       "router's)."},
+        **crd_pod.POD_SETTINGS,
+        "disruptionBudget": crd_pod.DISRUPTION_BUDGET,
     },
     description="The KV-aware router in front of the prefill pool (pdserve router).",
     default={},

@@ -1,7 +1,8 @@
 """The CRD schema's building blocks and limits (pure data): the helpers every fragment uses
-(``_obj``, ``_str``, ``_int``, ``_rule``), the pod settings every pool shares (resources,
+(``_obj``, ``_str``, ``_int``, ``_rule``), the hardware settings every pool shares (resources,
 tolerations, node selector) and the defaults and bounds the schema and the builders share.
-``crds.py`` assembles the CustomResourceDefinitions from these and ``crd_policy.py``."""
+``crds.py`` assembles the CustomResourceDefinitions from these, ``crd_pod.py`` (engine and pod
+settings) and ``crd_policy.py``."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ MAX_REPLICAS = 1000
 MAX_DECODE_POOLS = 16
 MAX_BLOCK_SIZE = 1024
 MAX_LOAD_WEIGHT = 1_000_000
+MAX_RESOURCE_NAMES = 32  # per limits / requests map (a bound keeps the CEL rules that read them cheap)
 
 
 def _obj(properties: dict, required: list[str] | None = None, **extra) -> dict:
@@ -51,10 +53,11 @@ _QUANTITY = {
 
 RESOURCES = _obj(
     {
-        "limits": {"type": "object", "description": "Resource limits, e.g. {cpu: 4, memory: 16Gi, nvidia.com/gpu: 1}.",
-                   "additionalProperties": _QUANTITY},
+        "limits": {"type": "object", "description": "Resource limits, e.g. {cpu: 4, memory: 16Gi, nvidia.com/gpu: 1, "
+                                                    "rdma/hca_shared_devices_a: 1}: any resource name.",
+                   "additionalProperties": _QUANTITY, "maxProperties": MAX_RESOURCE_NAMES},
         "requests": {"type": "object", "description": "Resource requests (as in a Pod).",
-                     "additionalProperties": _QUANTITY},
+                     "additionalProperties": _QUANTITY, "maxProperties": MAX_RESOURCE_NAMES},
     },
     description="Compute resources of each pod of the pool (as in a Pod's container).",
 )

@@ -18,7 +18,7 @@ from pathlib import Path
 import yaml
 
 from pdserve import defaults
-from pdserve.operator import naming
+from pdserve.operator import crd_pod, naming
 from pdserve.operator.crd_policy import AUTOSCALING, ROUTER, SLO, SLO_CLASS  # noqa: F401 - the policy layer's fragments
 from pdserve.operator.crd_schema import (  # noqa: F401 - the limits and defaults are re-exported for the builders
     BACKENDS, DEFAULT_BACKEND, DEFAULT_MOUNT_PATH, DEFAULT_POLICY, DEFAULT_REPLICAS, DEFAULT_TBT_MS, DEFAULT_TTFT_MS,
@@ -26,12 +26,16 @@ from pdserve.operator.crd_schema import (  # noqa: F401 - the limits and default
     _int, _obj, _rule, _str)
 
 
-def _pool_properties(replicas_description: str) -> dict:
+def _pool_properties(replicas_description: str, role: str) -> dict:
+    """What a prefill or decode pool says about its pods: count, hardware, engine, pod settings."""
     return {
         "replicas": _int(replicas_description, 0, MAX_REPLICAS, DEFAULT_REPLICAS),
         "resources": RESOURCES,
         "nodeSelector": NODE_SELECTOR,
         "tolerations": TOLERATIONS,
+        "engine": crd_pod.engine_schema(role),
+        **crd_pod.POD_SETTINGS,
+        "disruptionBudget": crd_pod.DISRUPTION_BUDGET,
     }
 
 
@@ -77,8 +81,9 @@ PROTOCOL = _str("Protocol version the image speaks (default: the operator's). Po
 
 DECODE_POOL_ITEM = _obj(
     {"name": _str("Pool name (a DNS label, unique in the service).", pattern=naming.DNS_LABEL, maxLength=naming.MAX_POOL_NAME),
-     **_pool_properties("Decode pods in this pool.")},
+     **_pool_properties("Decode pods in this pool.", "decode")},
     required=["name"],
+    **{"x-kubernetes-validations": crd_pod.POOL_RULES},
 )
 
 BATCH_STORAGE = _obj(
@@ -97,8 +102,10 @@ ISVC_SPEC = _obj(
         "image": IMAGE,
         "imagePullPolicy": PULL_POLICY,
         "protocolVersion": PROTOCOL,
-        "prefill": _obj({**_pool_properties("Prefill pods."), "batchStorage": BATCH_STORAGE}, description="The prefill pool (the front door when "
-                        "there is no router).", default={}),
+        "imagePullSecrets": crd_pod.IMAGE_PULL_SECRETS,
+        "prefill": _obj({**_pool_properties("Prefill pods.", "prefill"), "batchStorage": BATCH_STORAGE},
+                        description="The prefill pool (the front door when there is no router).", default={},
+                        **{"x-kubernetes-validations": crd_pod.POOL_RULES}),
         "router": ROUTER,
         "decode": {
             "type": "array",
@@ -116,6 +123,7 @@ ISVC_SPEC = _obj(
         "autoscaling": AUTOSCALING,
     },
     required=["model", "decode"],
+    **{"x-kubernetes-validations": [crd_pod.DTYPE_RULE]},
 )
 
 CONDITIONS = {
@@ -204,7 +212,8 @@ def _pool_spec(role: str) -> dict:
         "image": IMAGE,
         "imagePullPolicy": PULL_POLICY,
         "protocolVersion": PROTOCOL,
-        **_pool_properties(f"{role.capitalize()} pods."),
+        "imagePullSecrets": crd_pod.IMAGE_PULL_SECRETS,
+        **_pool_properties(f"{role.capitalize()} pods.", role),
         "transfer": TRANSFER,
     }
     required = ["inferenceService", "model", "image", "protocolVersion"]
@@ -214,7 +223,7 @@ def _pool_spec(role: str) -> dict:
         properties["poolName"] = _str("The pool's name in the InferenceService.", pattern=naming.DNS_LABEL,
                                       maxLength=naming.MAX_POOL_NAME)
         required.append("poolName")
-    return _obj(properties, required=required)
+    return _obj(properties, required=required, **{"x-kubernetes-validations": crd_pod.POOL_RULES})
 
 
 # --- the CRDs --------------------------------------------------------------------------

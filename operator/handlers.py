@@ -12,8 +12,14 @@ just runs it again; kopf re-runs unfinished handlers and ``on.resume`` covers th
    a DecodePool whose protocol version changes first keeps its old Service under another
    name (``protocol_rollout``).
 3. ``deployment_event`` (any event of a Deployment the operator made): recompute the
-   statuses of its pools and InferenceService from the Deployments, and delete the retired
-   decode Services the prefills no longer need.
+   statuses of its pools and InferenceService from the Deployments and pods, and delete the
+   retired decode Services the prefills no longer need.
+4. ``pod_event`` (an event of a pool's or router's pod whose problem, ``pod_problems``,
+   appeared, changed or went): the same recompute. A pod that cannot pull its image, cannot
+   be scheduled or crashes changes nothing in its Deployment's status, so without this watch
+   Degraded would wait for the Deployment's progress deadline (600 s); with it, it follows
+   the pod within a second. Each new problem becomes a Warning Event on the pool and the
+   InferenceService, once (``problem_events``).
 
 Deletion is the garbage collector's job (ownerReferences), so no finalizers are added and
 an InferenceService can be deleted even while the operator is down.
@@ -28,11 +34,14 @@ from collections.abc import Mapping
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from pdserve.operator import naming, pools, protocol_rollout, router_workloads, status, workloads
+from pdserve.operator import (naming, pod_problems, pools, problem_events, protocol_rollout, router_workloads, status,
+                              workloads)
 from pdserve.operator.kubeapi import KubeApi, make_api_client
 
 G, V = naming.GROUP, naming.VERSION
 RETRY_DELAY_S = 5
+# The pods the operator watches: those of its pools and routers (naming.common_labels).
+POD_LABELS = {naming.LABEL_MANAGED_BY: naming.MANAGER, naming.LABEL_ISVC: kopf.PRESENT}
 
 
 def plain(obj: object) -> object:
@@ -69,18 +78,23 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     settings.watching.client_timeout = 300
     # A connect attempt that hangs should fail fast and be retried.
     settings.watching.connect_timeout = 30
+    # Only our pools' pods reach the operator (filtered by the API server, not after the fact).
+    settings.watching.label_selectors["v1", "pods"] = f"{naming.LABEL_MANAGED_BY}={naming.MANAGER},{naming.LABEL_ISVC}"
     # Sync handlers run in this thread pool. They mostly wait on API round trips, so many
     # threads overlap them (tools/bench_operator.py, one run each on a loaded 2-core box:
     # with 8, pool reconciles finished ~40 s after the 50th InferenceService was created;
     # with 32, ~6 s after).
     settings.execution.max_workers = 32
-    # Kubernetes Events only for warnings and errors: reconciles are frequent.
+    # Kubernetes Events only for warnings and errors (reconciles are frequent): handler failures
+    # and the pools' problems (problem_events).
     settings.posting.level = logging.WARNING
     # After an API error, handlers retry every RETRY_DELAY_S seconds (TemporaryError), forever.
     settings.networking.request_timeout = 60
     memo.api = KubeApi(make_api_client(memo.get("kubeconfig"), pool_size=settings.execution.max_workers))
     memo.status_state = {}  # "ns/name" -> {"running", "dirty"}: see refresh_status
     memo.status_guard = threading.Lock()
+    memo.pods_with_problems = {}  # pod uid -> (reason, detail) of its problem, for pods that have one: see pod_event
+    memo.problem_ledger = problem_events.ProblemLedger(started=status.now())
 
 
 @kopf.on.resume(G, V, "inferenceservices")
@@ -140,13 +154,29 @@ def deployment_event(body: kopf.Body, namespace: str, memo: kopf.Memo, **_) -> N
             logging.getLogger(__name__).warning(f"status of {namespace}/{isvc} not refreshed: {e.status} {e.reason}")
 
 
+@kopf.on.event("v1", "pods", labels=POD_LABELS)
+def pod_event(body: kopf.Body, type: str | None, uid: str, namespace: str, memo: kopf.Memo, **_) -> None:
+    """Refresh the statuses when this pod's problem appears, changes or goes (readiness alone: deployment_event)."""
+    problem = None if type == "DELETED" else pod_problems.pod_problem(plain(body))
+    now = (problem.reason, problem.detail) if problem else None
+    before = memo.pods_with_problems.pop(uid, None) if now is None else memo.pods_with_problems.get(uid)
+    if now is not None:
+        memo.pods_with_problems[uid] = now
+    isvc = body.get("metadata", {}).get("labels", {}).get(naming.LABEL_ISVC)
+    if now != before and isvc and namespace:
+        try:
+            refresh_status(memo.api, memo, namespace, isvc)
+        except ApiException as e:  # event handlers are not retried: the next event or reconcile repairs it
+            logging.getLogger(__name__).warning(f"status of {namespace}/{isvc} not refreshed: {e.status} {e.reason}")
+
+
 def refresh_status(api: KubeApi, memo: kopf.Memo, namespace: str, isvc_name: str) -> None:
     """Recompute and write the statuses of an InferenceService's pools and of itself.
 
     Coalesced per InferenceService: its Deployments' events arrive in bursts and
     concurrently, so a call that finds a refresh of the same service running only marks it
     dirty and returns; the running one then reads everything again once more. Writes only
-    what changed.
+    what changed, then posts the Warning Events of problems not announced yet.
     """
     key = f"{namespace}/{isvc_name}"
     with memo.status_guard:
@@ -157,7 +187,9 @@ def refresh_status(api: KubeApi, memo: kopf.Memo, namespace: str, isvc_name: str
         state["running"] = True
     try:
         while True:
-            _refresh_once(api, namespace, isvc_name)
+            for health in _refresh_once(api, namespace, isvc_name) or ():
+                if memo.problem_ledger.is_new(health):
+                    problem_events.post(health)
             with memo.status_guard:
                 # Decide to stop and clear "running" in one critical section: a caller that
                 # comes in between would otherwise mark it dirty with nobody left to redo it.
@@ -175,33 +207,58 @@ def _changed(old: dict | None, new: dict) -> bool:
     return any((old or {}).get(k) != v for k, v in new.items())
 
 
-def _refresh_once(api: KubeApi, namespace: str, isvc_name: str) -> None:
+def _refresh_once(api: KubeApi, namespace: str, isvc_name: str) -> list[problem_events.PoolHealth]:
+    """Compute and write the statuses; return each pool's (and the router's) Degraded condition."""
     isvc = api.get("InferenceService", namespace, isvc_name)
     if isvc is None:
-        return
+        return []
     selector = {naming.LABEL_ISVC: isvc_name}
+    pods = api.list("Pod", namespace, selector)
     deployments = {d["metadata"]["name"]: d for d in api.list("Deployment", namespace, selector)}
     prefill_pool = api.get("PrefillPool", namespace, naming.prefill_name(isvc_name))
     decode_pools = api.list("DecodePool", namespace, selector)
     now = status.now()
+    health: list[problem_events.PoolHealth] = []
+
+    def problem_of(labels: dict[str, str]) -> pod_problems.PodProblem | None:
+        return pod_problems.pool_problem([p for p in pods if pod_problems.matches(p, labels)])
+
+    def note(key: str, name: str, pool: dict | None, degraded: dict, problem, stored: dict | None) -> None:
+        same = problem is not None and degraded["reason"] == problem.reason
+        subject = problem.subject if same else (degraded["reason"], degraded.get("message", ""))
+        health.append(problem_events.PoolHealth(key, name, pool, isvc, degraded, subject, stored))
 
     def pool_status(pool: dict) -> dict:
+        problem = problem_of(workloads.pool_selector(pool))
         new = status.pool_status(pool, deployments.get(pool["metadata"]["name"]),
-                                 naming.label_selector(workloads.pool_selector(pool)))
+                                 naming.label_selector(workloads.pool_selector(pool)), problem)
         old = pool.get("status") or {}
         new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)
         if _changed(old, new):
             api.patch_status(pool["kind"], namespace, pool["metadata"]["name"], new)
+        name = pool["spec"].get("poolName", "prefill")
+        note(pool["metadata"].get("uid", name), name, pool, _degraded(new), problem, _degraded(old))
         return new
 
     prefill = (prefill_pool, pool_status(prefill_pool)) if prefill_pool else None
     decodes = [(p, pool_status(p)) for p in decode_pools]
     protocol_rollout.prune(api, namespace, isvc_name, deployments, decode_pools)
-    new = status.isvc_status(isvc, prefill, decodes, deployments.get(naming.router_name(isvc_name)))
+    router_deployment = deployments.get(naming.router_name(isvc_name))
+    router_problem = problem_of(naming.selector_labels(isvc_name, router_workloads.ROLE, router_workloads.ROLE))
+    new = status.isvc_status(isvc, prefill, decodes, router_deployment, router_problem)
     old = isvc.get("status") or {}
     new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)
     if _changed(old, new):
         api.patch_status("InferenceService", namespace, isvc_name, new)
+    router = status.router_status(isvc, router_deployment, router_problem)
+    if router is not None and router_deployment is not None:
+        note(f"{isvc['metadata'].get('uid')}/router", "router", None, _degraded(router[1]), router_problem,
+             _degraded(old))
+    return health
+
+
+def _degraded(pool_or_isvc_status: dict) -> dict | None:
+    return next((c for c in pool_or_isvc_status.get("conditions") or [] if c.get("type") == "Degraded"), None)
 
 
 def new_memo(config, kubeconfig: str | None = None) -> kopf.Memo:
@@ -212,5 +269,5 @@ def new_memo(config, kubeconfig: str | None = None) -> kopf.Memo:
     return memo
 
 
-__all__ = ["configure", "isvc_reconcile", "pool_reconcile", "deployment_event", "refresh_status", "new_memo",
-           "make_api_client"]
+__all__ = ["configure", "isvc_reconcile", "pool_reconcile", "deployment_event", "pod_event", "refresh_status",
+           "new_memo", "make_api_client"]

@@ -33,6 +33,7 @@ KINDS: dict[str, Kind] = {
     "Role": Kind("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": Kind("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "NetworkPolicy": Kind("/apis/networking.k8s.io/v1", "networkpolicies"),
+    "PodDisruptionBudget": Kind("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": Kind("/api/v1", "pods"),
 }
 

@@ -61,7 +61,12 @@ def owner_generation(obj: dict | None) -> int | None:
 MAX_ISVC_NAME = 40
 MAX_POOL_NAME = 15
 DNS_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"  # Secrets, classes (<= 253)
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+def is_dns_subdomain(name: str) -> bool:
+    return 0 < len(name) <= 253 and re.match(DNS_SUBDOMAIN, name) is not None
 
 
 def prefill_name(isvc: str) -> str:

@@ -8,7 +8,7 @@ plain dicts without owner references; the handler adopts them (``kopf.adopt``).
 from __future__ import annotations
 
 from pdserve import defaults
-from pdserve.operator import crds, naming
+from pdserve.operator import crd_pod, crds, naming
 from pdserve.operator.config import OperatorConfig
 
 
@@ -58,9 +58,20 @@ def _pool(kind: str, name: str, namespace: str | None, isvc_name: str, role: str
     return {"apiVersion": naming.API_VERSION, "kind": kind, "metadata": metadata, "spec": {**spec, "replicas": replicas}}
 
 
+# What a pool (or the router) copies from its own part of the InferenceService (spec.prefill,
+# spec.decode[i], spec.router): its hardware, engine and pod settings (crd_pod.py).
+POD_KEYS = ("resources", "nodeSelector", "tolerations", "engine", *crd_pod.POD_SETTINGS, "disruptionBudget")
+
+
+def image_pull_secrets(isvc: dict, config: OperatorConfig) -> list[dict]:
+    """The InferenceService's spec.imagePullSecrets, then the operator's own (the chart's), once each."""
+    names = [s["name"] for s in isvc["spec"].get("imagePullSecrets") or []] + list(config.image_pull_secrets)
+    return [{"name": n} for n in dict.fromkeys(names)]
+
+
 def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
-    """What every pool (and the router) takes from the InferenceService, plus its own pod
-    settings (resources, nodeSelector, tolerations) from ``pod_settings``."""
+    """What every pool (and the router) takes from the InferenceService, plus its own hardware,
+    engine and pod settings (``POD_KEYS``) from ``pod_settings``."""
     spec = isvc["spec"]
     name, _ = _meta(isvc)
     out = {
@@ -71,8 +82,10 @@ def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
     }
     if spec.get("imagePullPolicy"):
         out["imagePullPolicy"] = spec["imagePullPolicy"]
-    for key in ("resources", "nodeSelector", "tolerations"):
-        if pod_settings.get(key):
+    if image_pull_secrets(isvc, config):
+        out["imagePullSecrets"] = image_pull_secrets(isvc, config)
+    for key in POD_KEYS:
+        if pod_settings.get(key) not in (None, {}, []):
             out[key] = pod_settings[key]
     return out
 

@@ -1,8 +1,9 @@
 """Pure builders: an InferenceService -> its router (``pdserve router``, the KV-aware front door).
 
 The router has no pool object of its own: ``spec.router`` (replicas, resources, nodeSelector,
-tolerations, loadWeight) is read straight from the InferenceService, which owns the objects
-built here (``build_router``, in creation order):
+tolerations, loadWeight, the pod settings of ``crd_pod.POD_SETTINGS``, disruptionBudget) is read
+straight from the InferenceService, which owns the objects built here (``build_router``, in
+creation order):
 
 - ServiceAccount, Role, RoleBinding ``<isvc>-router``: watch EndpointSlices and read Services
   in the namespace, as ``pdserve.discovery.KubernetesDiscovery`` needs, nothing else;
@@ -10,6 +11,9 @@ built here (``build_router``, in creation order):
 - Deployment ``<isvc>-router``: ``pdserve router --discovery kubernetes --prefill-selector
   <the prefill Service's labels>``, so each router pod follows the prefill Service's
   EndpointSlices (its ready pods, port "grpc") exactly as the prefill follows its decodes;
+  it computes nothing (no engine flags, no GPU) but loads the model's tokenizer, so it mounts
+  the model's claim when ``spec.model.pvcName`` names one;
+- PodDisruptionBudget ``<isvc>-router`` (``spec.router.disruptionBudget``, default maxUnavailable 1);
 - NetworkPolicy ``<isvc>-router`` when the operator runs with --network-policy: the HTTP
   port open, nothing else (the router only dials out).
 
@@ -21,7 +25,7 @@ prefills' KV events and choose alike (``pdserve.router.choice``), so any number 
 from __future__ import annotations
 
 from pdserve import defaults
-from pdserve.operator import crds, naming, pools, workloads
+from pdserve.operator import crds, naming, pod_settings, pools, workloads
 from pdserve.operator.config import OperatorConfig
 
 ROLE = "router"
@@ -93,6 +97,7 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
         # a router that goes drains as a pool's pod does (workloads.PRESTOP_SLEEP_S): without the preStop
         # wait it stopped listening while kube-proxy still sent it new connections (refused mid-rollout)
         "lifecycle": workloads.DRAIN_LIFECYCLE,
+        "terminationMessagePolicy": workloads.TERMINATION_MESSAGE_POLICY,
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
@@ -113,6 +118,11 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
     generation = isvc["metadata"].get("generation")
     if generation is not None:
         metadata["annotations"] = {naming.ANNOTATION_OWNER_GENERATION: str(generation)}
+    template = {"metadata": {"labels": labels,
+                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
+                                             "prometheus.io/path": "/metrics"}},
+                "spec": pod_spec}
+    pod_settings.apply(template, spec, naming.selector_labels(name, ROLE, ROLE))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -122,12 +132,7 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
             "selector": {"matchLabels": naming.selector_labels(name, ROLE, ROLE)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "minReadySeconds": workloads.MIN_READY_S,
-            "template": {
-                "metadata": {"labels": labels,
-                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-                                             "prometheus.io/path": "/metrics"}},
-                "spec": pod_spec,
-            },
+            "template": template,
         },
     }
 
@@ -137,6 +142,12 @@ def build_router_service(isvc: dict, config: OperatorConfig) -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(naming.router_name(name), namespace, labels),
             "spec": {"type": "ClusterIP", "selector": naming.selector_labels(name, ROLE, ROLE),
                      "ports": [{"name": "http", "port": defaults.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]}}
+
+
+def build_router_disruption_budget(isvc: dict, config: OperatorConfig) -> dict:
+    name, namespace, spec, labels = _facts(isvc, config)
+    return pod_settings.build_disruption_budget(_metadata(naming.router_name(name), namespace, labels),
+                                                naming.selector_labels(name, ROLE, ROLE), spec)
 
 
 def build_router_network_policy(isvc: dict, config: OperatorConfig) -> dict:
@@ -159,7 +170,8 @@ def build_router(isvc: dict, config: OperatorConfig) -> list[dict]:
         return []
     name, namespace, _, labels = _facts(isvc, config)
     children = workloads.discovery_rbac(naming.router_name(name), namespace, labels)
-    children += [build_router_service(isvc, config), build_router_deployment(isvc, config)]
+    children += [build_router_service(isvc, config), build_router_deployment(isvc, config),
+                 build_router_disruption_budget(isvc, config)]
     if config.network_policy:
         children.append(build_router_network_policy(isvc, config))
     return children
@@ -168,5 +180,6 @@ def build_router(isvc: dict, config: OperatorConfig) -> list[dict]:
 def router_object_names(isvc_name: str) -> list[tuple[str, str]]:
     """(kind, name) of every object ``build_router`` can make, in deletion order (the pods go first)."""
     router = naming.router_name(isvc_name)
-    return [("Deployment", router), ("Service", router), ("NetworkPolicy", naming.network_policy_name(isvc_name, ROLE)),
-            ("RoleBinding", router), ("Role", router), ("ServiceAccount", router)]
+    return [("Deployment", router), ("PodDisruptionBudget", router), ("Service", router),
+            ("NetworkPolicy", naming.network_policy_name(isvc_name, ROLE)), ("RoleBinding", router), ("Role", router),
+            ("ServiceAccount", router)]

@@ -6,8 +6,14 @@ Conditions (each with a reason and a message):
   Ready only when its prefill pool is Ready, at least one decode pool is, and (with a
   router, ``spec.router.replicas`` > 0) a router pod is: the endpoint is then the router.
 * Progressing: a rollout or scale is under way (pods not yet updated/ready/removed).
-* Degraded: something is wrong that waiting will not fix by itself (a ReplicaSet cannot
-  create pods, a rollout exceeded its deadline, a pool that should serve has no ready pod).
+* Degraded: something is wrong that waiting will not fix by itself. A pool's reason, first
+  that applies: ``ReplicaFailure`` (its ReplicaSet cannot create pods), a problem of its pods
+  (``pod_problems.REASONS``: ImagePullBackOff, CreateContainerError, InitContainerFailed,
+  CrashLoopBackOff, Unschedulable, with the kubelet's or scheduler's message), then
+  ``ProgressDeadlineExceeded`` (the Deployment's rollout deadline passed). An InferenceService
+  takes the reason of its first degraded pool (prefill, then decode pools, then router) and
+  lists every degraded pool's message; ``PoolUnavailable`` when it is Ready but a pool that
+  should serve has no ready pod. docs/troubleshooting.md: what each reason means, how to fix it.
 
 ``lastTransitionTime`` changes only when a condition's status changes.
 """
@@ -18,6 +24,7 @@ import datetime
 
 from pdserve import defaults
 from pdserve.operator import naming, router_workloads
+from pdserve.operator.pod_problems import PodProblem
 
 
 def now() -> str:
@@ -49,10 +56,11 @@ def _deployment_condition(deployment: dict, type_: str) -> dict | None:
     return None
 
 
-def pool_status(pool: dict, deployment: dict | None, selector: str) -> dict:
+def pool_status(pool: dict, deployment: dict | None, selector: str, problem: PodProblem | None = None) -> dict:
     """The status of a pool (without lastTransitionTime; see merge_conditions).
 
-    observedGeneration is the pool generation its Deployment was last built from.
+    observedGeneration is the pool generation its Deployment was last built from; problem: the
+    worst problem of the pool's pods (pod_problems.pool_problem), or None.
     """
     generation = naming.owner_generation(deployment)
     desired = int(pool["spec"].get("replicas", 1))
@@ -90,6 +98,8 @@ def pool_status(pool: dict, deployment: dict | None, selector: str) -> dict:
     dep_progress = _deployment_condition(deployment, "Progressing")
     if failure is not None and failure.get("status") == "True":
         degraded = condition("Degraded", True, "ReplicaFailure", failure.get("message", ""), generation)
+    elif problem is not None:
+        degraded = condition("Degraded", True, problem.reason, problem.message, generation)
     elif dep_progress is not None and dep_progress.get("reason") == "ProgressDeadlineExceeded":
         degraded = condition("Degraded", True, "ProgressDeadlineExceeded", dep_progress.get("message", ""), generation)
     else:
@@ -98,11 +108,15 @@ def pool_status(pool: dict, deployment: dict | None, selector: str) -> dict:
             "selector": selector, "conditions": [ready_cond, progressing, degraded]}
 
 
-def _is_true(status: dict | None, type_: str) -> bool:
+def _condition(status: dict | None, type_: str) -> dict:
     for cond in (status or {}).get("conditions") or []:
         if cond.get("type") == type_:
-            return cond.get("status") == "True"
-    return False
+            return cond
+    return {}
+
+
+def _is_true(status: dict | None, type_: str) -> bool:
+    return _condition(status, type_).get("status") == "True"
 
 
 def _summary(name: str, pool: dict, status: dict | None) -> dict:
@@ -110,7 +124,7 @@ def _summary(name: str, pool: dict, status: dict | None) -> dict:
             "readyReplicas": int((status or {}).get("readyReplicas", 0)), "ready": _is_true(status, "Ready")}
 
 
-def router_status(isvc: dict, deployment: dict | None) -> tuple[dict, dict] | None:
+def router_status(isvc: dict, deployment: dict | None, problem: PodProblem | None = None) -> tuple[dict, dict] | None:
     """(a pool-like view of the router, its status as pool_status computes it), or None without a router.
 
     The view has the wanted replicas as ``spec.replicas`` and the Deployment's metadata (so its
@@ -121,23 +135,24 @@ def router_status(isvc: dict, deployment: dict | None) -> tuple[dict, dict] | No
         return None
     view = {"metadata": (deployment or {}).get("metadata", {}), "spec": {"replicas": wanted}}
     return view, pool_status(view, deployment, naming.label_selector(
-        naming.selector_labels(isvc["metadata"]["name"], router_workloads.ROLE, router_workloads.ROLE)))
+        naming.selector_labels(isvc["metadata"]["name"], router_workloads.ROLE, router_workloads.ROLE)), problem)
 
 
 def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tuple[dict, dict]],
-                router_deployment: dict | None = None) -> dict:
+                router_deployment: dict | None = None, router_problem: PodProblem | None = None) -> dict:
     """The status of an InferenceService from its pools and their (freshly computed) statuses.
 
     prefill: (PrefillPool, its status) or None when the pool does not exist yet;
     decodes: (DecodePool, its status) for each decode pool that exists;
-    router_deployment: the router's Deployment, or None (none wanted, or not created yet).
+    router_deployment: the router's Deployment, or None (none wanted, or not created yet);
+    router_problem: the worst problem of the router's pods, or None.
     With a router the endpoint is the router Service and Ready needs a ready router pod.
     """
     meta = isvc["metadata"]
     name, namespace = meta["name"], meta.get("namespace", "default")
     wanted = [d["name"] for d in isvc["spec"]["decode"]]
     by_pool = {p["spec"]["poolName"]: (p, s) for p, s in decodes}
-    router = router_status(isvc, router_deployment)
+    router = router_status(isvc, router_deployment, router_problem)
     router_here = router is not None and router_deployment is not None
     # observedGeneration: the InferenceService generation every current pool was built from.
     current = ([prefill] if prefill else []) + [by_pool[n] for n in wanted if n in by_pool]
@@ -173,11 +188,13 @@ def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tup
                             ("rolling out or scaling: " + ", ".join(rolling)) if rolling else "all pools settled",
                             generation)
 
-    degraded_pools = [n for n, s in statuses if _is_true(s, "Degraded")]
+    degraded_pools = [(n, _condition(s, "Degraded")) for n, s in statuses if _is_true(s, "Degraded")]
     summaries = [prefill_summary, *decode_summaries, *([router_summary] if router_summary else [])]
     idle = [s["name"] for s in summaries if s["replicas"] > 0 and not s["ready"]]
     if degraded_pools:
-        degraded = condition("Degraded", True, "PoolDegraded", "degraded pools: " + ", ".join(degraded_pools), generation)
+        degraded = condition("Degraded", True, degraded_pools[0][1].get("reason") or "PoolDegraded",
+                             "; ".join(f"{n}: {c.get('message') or c.get('reason')}" for n, c in degraded_pools),
+                             generation)
     elif ready["status"] == "True" and idle:
         degraded = condition("Degraded", True, "PoolUnavailable", "pools without a ready pod: " + ", ".join(idle),
                              generation)

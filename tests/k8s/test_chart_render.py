@@ -74,8 +74,8 @@ def test_rbac_is_least_privilege():
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
             assert not {"secrets", "nodes", "clusterroles", "clusterrolebindings"} & set(rule["resources"])
-            if "pods" in rule["resources"]:  # autoscaling: the pod-deletion-cost annotation only
-                assert rule["resources"] == ["pods"] and set(rule["verbs"]) == {"get", "list", "patch"}
+            if "pods" in rule["resources"]:  # watched for pool problems; patched for the pod-deletion-cost annotation
+                assert rule["resources"] == ["pods"] and set(rule["verbs"]) == {"get", "list", "watch", "patch"}
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
     main = next(r for r in roles if r["metadata"]["name"] == "rel-pdserve-operator")
     isvc = next(r for r in main["rules"] if r["resources"] == ["inferenceservices"])

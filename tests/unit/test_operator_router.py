@@ -35,7 +35,8 @@ def opts(args: list[str]) -> dict[str, str]:
 def test_router_objects_are_named_labelled_and_the_deployment_follows_spec_router():
     isvc = example(replicas=3, nodeSelector={"pool": "cpu"}, resources={"requests": {"cpu": "1"}})
     objs = router_workloads.build_router(isvc, CONFIG)
-    assert [o["kind"] for o in objs] == ["ServiceAccount", "Role", "RoleBinding", "Service", "Deployment"]
+    assert [o["kind"] for o in objs] == ["ServiceAccount", "Role", "RoleBinding", "Service", "Deployment",
+                                        "PodDisruptionBudget"]
     assert {o["metadata"]["name"] for o in objs} == {"chat-router"}
     for o in objs:
         assert o["metadata"]["namespace"] == "ns1"

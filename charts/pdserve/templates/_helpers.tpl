@@ -52,8 +52,8 @@ app.kubernetes.io/component: operator
 The operator's permissions, the same whether granted cluster-wide (ClusterRole) or per
 watched namespace (Role). Nothing beyond what reconciling needs: it reads InferenceServices
 and writes only their status; it owns pools, Deployments, Services, the prefill pods'
-ServiceAccount/Role/RoleBinding and NetworkPolicies. It holds endpointslices/services read
-because RBAC only lets it grant (to prefill pods) what it holds itself.
+ServiceAccount/Role/RoleBinding, NetworkPolicies and PodDisruptionBudgets. It holds
+endpointslices/services read because RBAC only lets it grant (to prefill pods) what it holds itself.
 */}}
 {{- define "pdserve.operatorRules" -}}
 - apiGroups: ["pdserve.io"]
@@ -70,12 +70,14 @@ because RBAC only lets it grant (to prefill pods) what it holds itself.
   verbs: ["update"]
 # Autoscaling (spec.autoscaling): replicas through the pools' scale subresource, and the
 # pod-deletion-cost annotation on a pool's pods before a scale-down (least loaded goes first).
+# Pods are watched too: why a pool's pods do not run (image pull, scheduling, crashes) is its
+# Degraded condition, and a Warning Event on it and its InferenceService.
 - apiGroups: ["pdserve.io"]
   resources: ["prefillpools/scale", "decodepools/scale"]
   verbs: ["get", "patch", "update"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "patch"]
+  verbs: ["get", "list", "watch", "patch"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
@@ -87,6 +89,10 @@ because RBAC only lets it grant (to prefill pods) what it holds itself.
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# A PodDisruptionBudget per pool and router (spec.*.disruptionBudget).
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
