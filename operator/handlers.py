@@ -242,7 +242,7 @@ def _refresh_once(api: KubeApi, namespace: str, isvc_name: str) -> list[problem_
 
     prefill = (prefill_pool, pool_status(prefill_pool)) if prefill_pool else None
     decodes = [(p, pool_status(p)) for p in decode_pools]
-    protocol_rollout.prune(api, namespace, isvc_name, deployments, decode_pools)
+    protocol_rollout.prune(api, namespace, isvc_name, deployments)
     router_deployment = deployments.get(naming.router_name(isvc_name))
     router_problem = problem_of(naming.selector_labels(isvc_name, router_workloads.ROLE, router_workloads.ROLE))
     new = status.isvc_status(isvc, prefill, decodes, router_deployment, router_problem)

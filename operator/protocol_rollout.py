@@ -85,11 +85,16 @@ def stale(retired: list[dict], prefill: dict | None, decode_versions: dict[str, 
     return sorted(out)
 
 
-def prune(api, namespace: str, isvc_name: str, deployments: dict[str, dict], decode_pools: list[dict]) -> list[str]:
-    """Delete the retired decode Services of an InferenceService that nothing needs any more; their names."""
+def prune(api, namespace: str, isvc_name: str, deployments: dict[str, dict]) -> list[str]:
+    """Delete the retired decode Services of an InferenceService that nothing needs any more; their names.
+
+    The pools' versions are read after the retired Services: a retired copy exists only once its
+    pool's spec has the new version, so this order never sees the copy with the old version (read
+    before it, a copy made meanwhile by the pool's reconcile was deleted at once)."""
     retired = api.list("Service", namespace, {naming.LABEL_ISVC: isvc_name, naming.LABEL_RETIRED: "true"})
     if not retired:
         return []
+    decode_pools = api.list("DecodePool", namespace, {naming.LABEL_ISVC: isvc_name})
     versions = {p["metadata"]["name"]: p["spec"].get("protocolVersion") for p in decode_pools}
     names = stale(retired, deployments.get(naming.prefill_name(isvc_name)), versions)
     for name in names:

@@ -97,12 +97,16 @@ def test_a_retired_service_goes_once_the_prefills_rolled_or_on_a_roll_back():
 
 
 class Api:
-    """The two calls prune makes, over a dict of Services."""
+    """The calls prune makes, over dicts of Services and DecodePools; ``calls`` records their order."""
 
-    def __init__(self, services):
+    def __init__(self, services, pools=()):
         self.services = {s["metadata"]["name"]: s for s in services}
+        self.pools, self.calls = list(pools), []
 
     def list(self, kind, namespace, selector):
+        self.calls.append(kind)
+        if kind == "DecodePool":
+            return self.pools
         assert kind == "Service"
         return [s for s in self.services.values() if selector.items() <= s["metadata"]["labels"].items()]
 
@@ -111,9 +115,19 @@ class Api:
 
 
 def test_prune_deletes_only_what_is_stale():
-    api = Api([retired(OLD, "main"), {"metadata": {"name": "chat-decode-main", "labels": {naming.LABEL_ISVC: "chat"}}}])
     pools_now = [{"metadata": {"name": "chat-decode-main"}, "spec": {"protocolVersion": NEW}}]
-    assert protocol_rollout.prune(api, "ns", "chat", {"chat-prefill": prefill_deployment(OLD)}, pools_now) == []
-    assert protocol_rollout.prune(api, "ns", "chat", {"chat-prefill": prefill_deployment(NEW)}, pools_now) == [
+    api = Api([retired(OLD, "main"), {"metadata": {"name": "chat-decode-main", "labels": {naming.LABEL_ISVC: "chat"}}}],
+              pools_now)
+    assert protocol_rollout.prune(api, "ns", "chat", {"chat-prefill": prefill_deployment(OLD)}) == []
+    assert protocol_rollout.prune(api, "ns", "chat", {"chat-prefill": prefill_deployment(NEW)}) == [
         "chat-decode-main-v7"]
     assert list(api.services) == ["chat-decode-main"]
+
+
+def test_prune_reads_the_pools_versions_after_the_retired_services():
+    # a retired copy exists only once its pool has the new version: read in this order, the copy a
+    # pool's reconcile just made is never judged by the pool's old version (it was deleted at once)
+    api = Api([retired(OLD, "main")], [{"metadata": {"name": "chat-decode-main"}, "spec": {"protocolVersion": NEW}}])
+    assert protocol_rollout.prune(api, "ns", "chat", {"chat-prefill": prefill_deployment(OLD)}) == []
+    assert api.calls == ["Service", "DecodePool"]
+    assert protocol_rollout.prune(Api([]), "ns", "chat", {}) == []  # nothing retired: no pool read
