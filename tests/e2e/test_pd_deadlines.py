@@ -25,6 +25,7 @@ import pytest
 from harness.gates import Gate
 from harness.pd_cluster import (get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released,
                                 wait_ready)
+from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
 from pdserve.prefill_server.decode_session import DEADLINE_SLACK_S
 
 pytestmark = pytest.mark.slow
@@ -33,6 +34,7 @@ SLACK = 8.0  # a shared 2-core machine: bounds are asserted generously, never ti
 SESSION_TIMEOUT = 2.0
 RESUME_WAIT = 1.0  # with no other decode: how long the prefill waits for one before the error event
 HANG_GUARD_S = 60.0  # only a hang guard for the waits on an event below
+STEP_FLOOR_S = 0.025  # test_decode_frozen_mid_generation: 400 decode steps last >= 10 s
 
 
 def _sse(prefill, body, headers=None, timeout=120):
@@ -71,7 +73,12 @@ def test_decode_frozen_mid_generation(procs, decodes):
     """The prefill hears nothing from a frozen decode for --session-timeout: it gives up on it
     (resuming on the other decode, or an error event when there is none, after --resume-wait)
     and frees its side; after SIGCONT the decode sees the cancel and frees its side too."""
-    servers = [start_decode(procs, name=f"decode{i}") for i in range(decodes)]
+    # the decodes' steps last at least STEP_FLOOR_S (a test hook): the 400-token stream lasts >= 10 s on any
+    # CPU, so the decode holding it is still generating when the test has read 3 events and freezes it (on a
+    # fast CPU it had finished before a starved test process got there)
+    with pytest.MonkeyPatch.context() as mp:  # the decodes only (start_decode passes our environment on)
+        mp.setenv(TEST_STEP_FLOOR_ENV, str(STEP_FLOOR_S))
+        servers = [start_decode(procs, name=f"decode{i}") for i in range(decodes)]
     for d in servers:
         wait_ready(d)
     prefill = start_prefill(procs, [d.grpc_address for d in servers],

@@ -11,6 +11,10 @@
 - queued behind batch requests, an interactive request (no early rejection) goes first;
 - a client that disconnects while queued leaves the queue at once;
 - after every test nothing is queued, running or held on either process.
+
+The running requests of the queueing tests are held at the decode's gate (harness/decode_gate.py)
+until the test has seen what it needs, so none can end (and let a waiting one in) however fast
+the CPU decodes or however slowly the test runs.
 """
 
 import asyncio
@@ -22,6 +26,7 @@ import aiohttp
 import grpc
 import pytest
 
+from harness.decode_gate import DecodeGate
 from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
                                 wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
@@ -39,24 +44,31 @@ LONG = 300
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     group = ProcessGroup(log_dir=tmp_path_factory.mktemp("pd-slo") / "logs")
+    gate = DecodeGate(tmp_path_factory.mktemp("pd-slo-gate"), opened=True)
     try:
-        decode = start_decode(group, "tcp", num_blocks=10, name="decode")
+        with pytest.MonkeyPatch.context() as mp:  # the decode only (start_decode passes our environment on)
+            for name, value in gate.env.items():
+                mp.setenv(name, value)
+            decode = start_decode(group, "tcp", num_blocks=10, name="decode")
         wait_ready(decode)
         prefill = start_prefill(group, [decode.grpc_address], "tcp", 64, name="prefill", extra=[
             "--slo-classes", json.dumps(CLASSES), "--queue-policy", "edf", "--queue-timeout", "60",
             "--load-report-interval", "0.1"])
         wait_ready(prefill)
-        yield prefill, decode
+        yield prefill, decode, gate
     finally:
+        gate.open()
         group.close()
 
 
 @pytest.fixture
 def servers(cluster):
-    yield cluster
-    readings = wait_all_released(list(cluster), timeout=30.0)
+    prefill, decode, gate = cluster
+    yield prefill, decode
+    gate.open()
+    readings = wait_all_released([prefill, decode], timeout=30.0)
     assert nothing_held(readings), readings
-    health = get_json(cluster[0].url + "/health")[1]
+    health = get_json(prefill.url + "/health")[1]
     assert health["queued"] == 0 and health["slo_running"] == 0, health
 
 
@@ -146,7 +158,7 @@ def queued(prefill) -> int:
     return get_json(prefill.url + "/health")[1]["queued"]
 
 
-def test_full_decode_early_rejection_and_edf_order(servers):
+def test_full_decode_early_rejection_and_edf_order(servers, cluster):
     """Four long batch requests: two run, two wait. An interactive request (TTFT 100 ms,
     early rejection) cannot be served within its target even next: 429 at once. A chat
     request (TTFT 2 s, no early rejection) queues behind the two waiting batch requests and
@@ -156,11 +168,14 @@ def test_full_decode_early_rejection_and_edf_order(servers):
     for i in range(2):
         assert post(prefill.url, body(LONG), {"X-SLO-Class": "batch"})[0] == 200
 
+    gate = cluster[2]
+    gate.close()  # the two that run hold the decode's blocks until the chat request has queued
+
     async def scenario():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
             batch = [asyncio.create_task(_send(session, prefill.url, body(LONG),
                                                {"X-SLO-Class": "batch"})) for i in range(4)]
-            await _until(lambda: queued(prefill) == 2)
+            await _until(lambda: queued(prefill) == 2 and len(gate.held()) == 2)
             rejected = await _send(session, prefill.url, body(8), {"X-SLO-Class": "interactive"})
             # at once, not after a wait: answered while nothing had changed (no batch request had ended
             # to make room; the two behind the running ones still waited)
@@ -168,6 +183,7 @@ def test_full_decode_early_rejection_and_edf_order(servers):
             queued_then = queued(prefill)
             chat = asyncio.create_task(_send(session, prefill.url, body(8, priority=2)))
             await _until(lambda: queued(prefill) == 3)
+            gate.open()
             return rejected, (no_batch_ended, queued_then), await chat, await asyncio.gather(*batch)
 
     (status, headers, out, _), (no_batch_ended, queued_then), chat, batch = asyncio.run(scenario())
@@ -189,15 +205,17 @@ def test_full_decode_early_rejection_and_edf_order(servers):
     assert metric(prefill.url, "pdserve_slo_requests_total", slo_class="interactive", outcome="rejected") >= 1
 
 
-def test_a_client_that_disconnects_while_queued_leaves_at_once(servers):
+def test_a_client_that_disconnects_while_queued_leaves_at_once(servers, cluster):
     prefill, _ = servers
+    gate = cluster[2]
+    gate.close()  # the two batch requests hold the decode until the leaver has left
     cancelled = metric(prefill.url, "pdserve_slo_requests_total", slo_class="batch", outcome="cancelled")
 
     async def scenario():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as session:
             batch = [asyncio.create_task(_send(session, prefill.url, body(LONG),
                                                {"X-SLO-Class": "batch"})) for i in range(2)]
-            await _until(lambda: get_json(prefill.url + "/health")[1]["slo_running"] == 2)
+            await _until(lambda: get_json(prefill.url + "/health")[1]["slo_running"] == 2 and len(gate.held()) == 2)
             leaver = asyncio.create_task(_send(session, prefill.url, body(8),
                                                {"X-SLO-Class": "batch"}))
             await _until(lambda: queued(prefill) == 1)
@@ -205,6 +223,7 @@ def test_a_client_that_disconnects_while_queued_leaves_at_once(servers):
             await _until(lambda: queued(prefill) == 0)
             # it left because it went away, not because a slot opened: both batch requests still run
             still_running = not any(b.done() for b in batch)
+            gate.open()
             return still_running, await asyncio.gather(*batch)
 
     still_running, batch = asyncio.run(scenario())
