@@ -13,6 +13,7 @@ Reading path:
 3. ``pools.py`` then ``workloads.py``: pure builders (InferenceService -> pools ->
    Deployments, Services, RBAC, NetworkPolicies), unit-tested without a cluster;
    ``pod_settings.py``: engine flags, pod settings and PodDisruptionBudgets of every pool;
+   ``model_pods.py``: how a pod gets ``spec.model`` (a claim; hf://: an init container downloads it);
    ``router_workloads.py``: the router (``spec.router``), owned by the InferenceService itself.
 4. ``status.py``: pure status computation (Ready / Progressing / Degraded); ``pod_problems.py``:
    why a pool's pods do not run (image pull, scheduling, crashes), its Degraded reason.

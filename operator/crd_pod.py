@@ -41,17 +41,18 @@ CAPABILITIES = ("IPC_LOCK", "SYS_RESOURCE")
 ENGINE_FLAGS = ("--engine", "--device", "--dtype", "--kv-cache-memory", "--gpu-memory-utilization", "--num-blocks",
                 "--max-num-seqs", "--max-model-len")
 OPERATOR_FLAGS = {
-    "prefill": ("--host", "--port", "--grpc-port", "--model", "--discovery", "--namespace", "--decode-selector",
-                "--policy", "--transfer", "--block-size", "--drain-timeout", "--batch-db", *ENGINE_FLAGS),
-    "decode": ("--host", "--advertise-host", "--port", "--http-port", "--kv-port", "--model", "--transfer",
-               "--block-size", "--drain-timeout", *ENGINE_FLAGS),
+    "prefill": ("--host", "--port", "--grpc-port", "--model", "--served-model-name", "--discovery", "--namespace",
+                "--decode-selector", "--policy", "--transfer", "--block-size", "--drain-timeout", "--batch-db",
+                *ENGINE_FLAGS),
+    "decode": ("--host", "--advertise-host", "--port", "--http-port", "--kv-port", "--model", "--served-model-name",
+               "--transfer", "--block-size", "--drain-timeout", *ENGINE_FLAGS),
 }
 # The environment, volumes, mount paths and pod annotations the operator sets (workloads.py).
 OPERATOR_ENV = (defaults.ENV_INFERENCE_SERVICE, defaults.ENV_POOL, "POD_NAME", "POD_NAMESPACE", "POD_IP", "HOME",
                 "PDSERVE_PROTOCOL_VERSION", defaults.ENV_SLO_CLASSES)
 SHM_VOLUME, SHM_PATH = "dshm", "/dev/shm"
-OPERATOR_VOLUMES = ("tmp", "model", "batch", SHM_VOLUME)
-OPERATOR_MOUNT_PATHS = ("/tmp", SHM_PATH)
+OPERATOR_VOLUMES = ("tmp", "model", "model-cache", "batch", SHM_VOLUME)  # model-cache: model_pods.CACHE_VOLUME
+OPERATOR_MOUNT_PATHS = ("/tmp", SHM_PATH, "/model-cache")
 OPERATOR_ANNOTATIONS = ("prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path")
 # Pod labels: every key of naming.common_labels, and anything under pdserve.io/.
 OPERATOR_LABELS = tuple(naming.common_labels("x", "x", "x", "x"))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from pdserve import defaults
+from pdserve import defaults, model_source
 from pdserve.operator import crd_pod, naming
 from pdserve.operator.crd_policy import AUTOSCALING, ROUTER, SLO, SLO_CLASS  # noqa: F401 - the policy layer's fragments
 from pdserve.operator.crd_schema import (  # noqa: F401 - the limits and defaults are re-exported for the builders
@@ -39,22 +39,61 @@ def _pool_properties(replicas_description: str, role: str) -> dict:
     }
 
 
+_QUANTITY = RESOURCES["properties"]["limits"]["additionalProperties"]
+_HF_ONLY = "self.source.startsWith('hf://')"
+
 MODEL = _obj(
     {
-        "source": _str("'builtin:<name>' (e.g. builtin:tiny) or an absolute path to a Hugging Face "
-                       "safetensors checkpoint on a mounted volume.", minLength=1, maxLength=1024),
-        "pvcName": _str("A PersistentVolumeClaim holding the model, mounted read-only at mountPath.",
-                        minLength=1, maxLength=253),
-        "mountPath": _str("Where pvcName is mounted.", pattern="^/", default=DEFAULT_MOUNT_PATH, maxLength=512),
+        "source": _str("Where the model comes from: 'builtin:<name>' (e.g. builtin:tiny); an absolute path to a "
+                       "Hugging Face safetensors checkpoint (on pvcName, or a volume of the pod settings); "
+                       "'hf://org/name[@revision]': downloaded from the Hugging Face Hub by an init container of "
+                       "each pod into spec.model.cache; 'pvc://claim/path/inside': the claim mounted read-only.",
+                       minLength=1, maxLength=1024),
+        "pvcName": _str("A PersistentVolumeClaim holding the model, mounted read-only at mountPath (with an "
+                        "absolute-path source).", minLength=1, maxLength=253),
+        "mountPath": _str("Where pvcName, or the claim of a pvc:// source, is mounted.", pattern="^/",
+                          default=DEFAULT_MOUNT_PATH, maxLength=512),
+        "servedModelName": _str("The name clients put in \"model\" (and /v1/models lists). Default: the "
+                                "repository's name for hf:// (hf://Qwen/Qwen2.5-0.5B-Instruct -> Qwen2.5-0.5B-Instruct), "
+                                "the last element of a path, the name of builtin:<name>.",
+                                minLength=1, maxLength=256, pattern="^[^ ]+$"),
+        "tokenSecret": _obj(
+            {"name": _str("The Secret (in the service's namespace).", minLength=1, maxLength=253),
+             "key": _str("The key holding the token.", minLength=1, maxLength=253, default="HF_TOKEN")},
+            required=["name"],
+            description="hf:// only: a Secret with a Hugging Face token, for gated or private repositories. Only the "
+                        "init container that downloads sees it (as HF_TOKEN).",
+        ),
+        "endpoint": _str("hf:// only: the Hub to download from (HF_ENDPOINT), e.g. a mirror. Default "
+                         "https://huggingface.co.", pattern="^https?://[^ ]+$", maxLength=512),
+        "cache": _obj(
+            {"sizeLimit": {**_QUANTITY, "description": "Size limit of the emptyDir the model is downloaded into."},
+             "pvcName": _str("A PersistentVolumeClaim to download into instead of an emptyDir, so that downloads "
+                             "survive pod restarts (ReadWriteMany when pods share it across nodes).",
+                             minLength=1, maxLength=253)},
+            description="hf:// only: where each pod downloads the model. Default: an emptyDir (one download per pod).",
+            **{"x-kubernetes-validations": [
+                _rule("!(has(self.sizeLimit) && has(self.pvcName))",
+                      "spec.model.cache: set sizeLimit (an emptyDir) or pvcName, not both")]},
+        ),
     },
     required=["source"],
     description="The model both pools serve.",
     **{"x-kubernetes-validations": [
-        _rule("self.source.startsWith('builtin:') || self.source.startsWith('/')",
-              "spec.model.source must be 'builtin:<name>' or an absolute path", fieldPath=".source"),
+        _rule("self.source.startsWith('builtin:') || self.source.startsWith('/') || "
+              f"self.source.matches('{model_source.HF_PATTERN}') || self.source.matches('{model_source.PVC_PATTERN}')",
+              f"spec.model.source must be {model_source.FORMS}", fieldPath=".source"),
+        _rule("!self.source.startsWith('pvc://') || !(self.source.endsWith('/..') || self.source.contains('/../'))",
+              "spec.model.source: the path inside a pvc:// claim must not contain '..'", fieldPath=".source"),
         _rule("!has(self.pvcName) || self.source.startsWith(self.mountPath + '/')",
               "spec.model.source must be a path under spec.model.mountPath when spec.model.pvcName is set",
               fieldPath=".source"),
+        _rule(f"!has(self.tokenSecret) || {_HF_ONLY}",
+              "spec.model.tokenSecret is only for an hf:// spec.model.source", fieldPath=".tokenSecret"),
+        _rule(f"!has(self.cache) || {_HF_ONLY}",
+              "spec.model.cache is only for an hf:// spec.model.source", fieldPath=".cache"),
+        _rule(f"!has(self.endpoint) || {_HF_ONLY}",
+              "spec.model.endpoint is only for an hf:// spec.model.source", fieldPath=".endpoint"),
     ]},
 )
 

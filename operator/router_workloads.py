@@ -12,7 +12,8 @@ creation order):
   <the prefill Service's labels>``, so each router pod follows the prefill Service's
   EndpointSlices (its ready pods, port "grpc") exactly as the prefill follows its decodes;
   it computes nothing (no engine flags, no GPU) but loads the model's tokenizer, so it mounts
-  the model's claim when ``spec.model.pvcName`` names one;
+  the model's claim (``spec.model.pvcName``, pvc://) or, for hf://, downloads the config and
+  tokenizer files alone (``fetch-model --tokenizer-only``) into its own emptyDir (model_pods.py);
 - PodDisruptionBudget ``<isvc>-router`` (``spec.router.disruptionBudget``, default maxUnavailable 1);
 - NetworkPolicy ``<isvc>-router`` when the operator runs with --network-policy: the HTTP
   port open, nothing else (the router only dials out).
@@ -60,7 +61,8 @@ def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
         "router",
         "--host", "0.0.0.0",
         "--port", str(defaults.HTTP_PORT),
-        "--model", spec["model"]["source"],  # only its tokenizer is loaded, to hash prompts as the prefill does
+        # only its tokenizer is loaded, to hash prompts as the prefill does; /v1/models is the prefill's answer
+        "--model", workloads.model_plan(spec, tokenizer_only=True).model_arg,
         "--discovery", "kubernetes",
         "--drain-timeout", str(workloads.DRAIN_TIMEOUT_S),
         "--namespace", namespace or "$(POD_NAMESPACE)",
@@ -78,7 +80,7 @@ def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
 def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
     name, namespace, spec, labels = _facts(isvc, config)
     router = naming.router_name(name)
-    volumes, mounts = workloads.model_volumes(spec)
+    volumes, mounts, init_containers = workloads.model_volumes(spec, tokenizer_only=True)
     port = defaults.HTTP_PORT
     container = {
         "name": ROLE,
@@ -111,6 +113,8 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
         "automountServiceAccountToken": True,
         "terminationGracePeriodSeconds": workloads.TERMINATION_GRACE_S,
     }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     for key in ("nodeSelector", "tolerations"):
         if spec.get(key):
             pod_spec[key] = spec[key]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 from pdserve import defaults
-from pdserve.operator import crds, naming, pod_settings
+from pdserve.operator import crds, model_pods, naming, pod_settings
 
 RUN_AS_USER = 10001  # the image's `pdserve` user (see Dockerfile)
 
@@ -71,7 +71,7 @@ def prefill_args(pool: dict) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(defaults.HTTP_PORT),
         "--grpc-port", str(defaults.PREFILL_GRPC_PORT),
-        "--model", spec["model"]["source"],
+        *model_args(spec),
         "--discovery", "kubernetes",
         "--namespace", namespace or "$(POD_NAMESPACE)",
         "--decode-selector", naming.decode_selector(spec["inferenceService"], spec["protocolVersion"]),
@@ -98,12 +98,22 @@ def decode_args(pool: dict) -> list[str]:
         "--port", str(defaults.DECODE_GRPC_PORT),
         "--http-port", str(defaults.DECODE_HTTP_PORT),
         "--kv-port", str(defaults.KV_TRANSFER_PORT),
-        "--model", spec["model"]["source"],
+        *model_args(spec),
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
         *pod_settings.engine_args(spec),
     ]
+
+
+def model_plan(spec: dict, tokenizer_only: bool = False) -> model_pods.ModelPlan:
+    """How a pod gets ``spec.model`` (model_pods.py), with this module's container security."""
+    return model_pods.model_plan(spec, container_security(), TERMINATION_MESSAGE_POLICY, tokenizer_only)
+
+
+def model_args(spec: dict) -> list[str]:
+    """--model (the folder the pod reads; hf:// and pvc:// resolved) and --served-model-name."""
+    return ["--model", model_plan(spec).model_arg, "--served-model-name", model_pods.served_model_name(spec)]
 
 
 def _ports(role: str) -> list[dict]:
@@ -139,15 +149,13 @@ def slo_json(slo: dict) -> str:
     return json.dumps(full, sort_keys=True, separators=(",", ":"))
 
 
-def model_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
-    """Volumes and mounts of a server pod: /tmp, and the model's PVC (read-only) when it names one."""
-    volumes = [{"name": "tmp", "emptyDir": {}}]
-    mounts = [{"name": "tmp", "mountPath": "/tmp"}]
-    model = spec["model"]
-    if model.get("pvcName"):
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": model["pvcName"], "readOnly": True}})
-        mounts.append({"name": "model", "mountPath": model.get("mountPath", crds.DEFAULT_MOUNT_PATH), "readOnly": True})
-    return volumes, mounts
+def model_volumes(spec: dict, tokenizer_only: bool = False) -> tuple[list[dict], list[dict], list[dict]]:
+    """Volumes, the server container's mounts and the init containers of a pod: /tmp, and what
+    ``spec.model`` needs (model_pods.py: a claim read-only; for hf:// the download's cache volume and
+    the init container that fills it)."""
+    plan = model_plan(spec, tokenizer_only)
+    return ([{"name": "tmp", "emptyDir": {}}, *plan.volumes], [{"name": "tmp", "mountPath": "/tmp"}, *plan.mounts],
+            plan.init_containers)
 
 
 def batch_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
@@ -178,7 +186,7 @@ def build_deployment(pool: dict) -> dict:
     name, namespace, spec, role, pool_name = _pool_facts(pool)
     labels = pool_labels(pool)
     http_port = defaults.HTTP_PORT if role == "prefill" else defaults.DECODE_HTTP_PORT
-    volumes, mounts = model_volumes(spec)
+    volumes, mounts, init_containers = model_volumes(spec)
     if role == "prefill":
         extra_volumes, extra_mounts = batch_volumes(spec)
         volumes, mounts = volumes + extra_volumes, mounts + extra_mounts
@@ -210,6 +218,8 @@ def build_deployment(pool: dict) -> dict:
         "securityContext": pod_security(),
         "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
     }
+    if init_containers:
+        pod_spec["initContainers"] = init_containers
     if role == "prefill":
         pod_spec["serviceAccountName"] = name
         pod_spec["automountServiceAccountToken"] = True

@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("pdserve.decode_server.cli", "run a decode server (Session stream + load reports)"),
     "router": ("pdserve.router.cli", "run a KV-aware router in front of several prefills (OpenAI HTTP)"),
     "kvpool": ("pdserve.kvpool.cli", "run a KV pool's gManager or one of its decodes (DistKV-LLM)"),
+    "fetch-model": ("pdserve.model_fetch", "download a Hugging Face model (hf://org/name[@rev]) into a folder"),
     "operator": ("pdserve.operator.cli", "run the Kubernetes operator (kopf)"),
     "bench": ("pdserve.bench", "benchmarks: engine, cachestore, serving load generator, experiments"),
 }
@@ -37,7 +38,7 @@ def _top_parser() -> argparse.ArgumentParser:
         description="LLM serving with prefill/decode disaggregation. "
         "Run 'pdserve COMMAND --help' for the options of one command.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="commands:\n" + "\n".join(f"  {n:<10} {h}" for n, (_, h) in COMMANDS.items()),
+        epilog="commands:\n" + "\n".join(f"  {n:<12} {h}" for n, (_, h) in COMMANDS.items()),
     )
     parser.add_argument("--version", action="version", version=_version())
     parser.add_argument("command", choices=list(COMMANDS), metavar="COMMAND", help="one of: " + ", ".join(COMMANDS))

@@ -121,7 +121,7 @@ def test_prefill_command_line_matches_the_server_cli():
     assert args[0] == "prefill"
     assert _opts(args) == {
         "--host": "0.0.0.0", "--port": str(defaults.HTTP_PORT), "--grpc-port": str(defaults.PREFILL_GRPC_PORT),
-        "--model": "builtin:tiny", "--discovery": "kubernetes", "--namespace": "ns1",
+        "--model": "builtin:tiny", "--served-model-name": "tiny", "--discovery": "kubernetes", "--namespace": "ns1",
         "--decode-selector": "pdserve.io/inference-service=chat,pdserve.io/role=decode,pdserve.io/protocol-version=7",
         "--policy": "wrr", "--transfer": "tcp", "--block-size": "64", "--drain-timeout": str(workloads.DRAIN_TIMEOUT_S),
     }
@@ -135,7 +135,7 @@ def test_decode_command_line_matches_the_server_cli():
     assert _opts(args) == {
         "--host": "0.0.0.0", "--advertise-host": "$(POD_IP)", "--port": str(defaults.DECODE_GRPC_PORT),
         "--http-port": str(defaults.DECODE_HTTP_PORT), "--kv-port": str(defaults.KV_TRANSFER_PORT),
-        "--model": "builtin:tiny", "--transfer": "tcp", "--block-size": "64",
+        "--model": "builtin:tiny", "--served-model-name": "tiny", "--transfer": "tcp", "--block-size": "64",
         "--drain-timeout": str(workloads.DRAIN_TIMEOUT_S),
     }
     # $(POD_IP) is expanded by the kubelet from the container's environment.

@@ -1,0 +1,105 @@
+"""Pure builders: ``spec.model`` -> how a server (or router) pod gets its model.
+
+``model_plan(spec, image_settings, tokenizer_only)`` says, for each form of ``spec.model.source``
+(``pdserve.model_source``):
+
+- ``builtin:<name>`` / an absolute path: ``--model`` is the source; a path on ``pvcName`` mounts
+  that claim read-only at ``mountPath``;
+- ``pvc://claim/path``: the claim mounted read-only at ``mountPath``; ``--model`` is
+  ``<mountPath>/path``;
+- ``hf://org/name[@rev]``: an init container ``fetch-model`` (the pod's image, ``pdserve
+  fetch-model``) downloads the repository into ``/model-cache/org/name/rev`` on the volume
+  ``model-cache`` (``spec.model.cache``: an emptyDir, with ``sizeLimit``, or the claim
+  ``pvcName``); the server mounts it read-only and gets ``--model`` that folder. HF_TOKEN (from
+  ``spec.model.tokenSecret``) and HF_ENDPOINT (``spec.model.endpoint``) are in the init
+  container's environment only. A failed download ends the init container with one line, which
+  ``terminationMessagePolicy: FallbackToLogsOnError`` makes its termination message, which
+  ``pod_problems.py`` reports as InitContainerFailed.
+
+A router only hashes prompts: it fetches config and tokenizer files (``tokenizer_only``), always
+into its own emptyDir (a router may run on any node; the files are small).
+
+``served_model_name(spec)``: ``spec.model.servedModelName``, else the source's default name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve import model_source
+
+CACHE_VOLUME = "model-cache"
+CACHE_MOUNT = "/model-cache"
+INIT_CONTAINER = "fetch-model"
+DEFAULT_TOKEN_KEY = "HF_TOKEN"  # the schema's default of spec.model.tokenSecret.key
+
+
+@dataclass
+class ModelPlan:
+    """What a pod needs for its model: the ``--model`` argument, volumes, the server container's mounts,
+    init containers (empty unless the model is downloaded)."""
+
+    model_arg: str
+    volumes: list[dict] = field(default_factory=list)
+    mounts: list[dict] = field(default_factory=list)
+    init_containers: list[dict] = field(default_factory=list)
+
+
+def served_model_name(spec: dict) -> str:
+    model = spec["model"]
+    return model.get("servedModelName") or model_source.parse(model["source"]).default_served_name
+
+
+def download_dir(source: model_source.ModelSource) -> str:
+    """Where an hf:// source lands on the cache volume (one folder per repository and revision)."""
+    return f"{CACHE_MOUNT}/{source.repo}/{source.revision}"
+
+
+def _fetch_container(spec: dict, source: model_source.ModelSource, security: dict, message_policy: str,
+                     tokenizer_only: bool) -> dict:
+    model = spec["model"]
+    env = [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/huggingface"},
+           {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    if model.get("endpoint"):
+        env.append({"name": "HF_ENDPOINT", "value": model["endpoint"]})
+    secret = model.get("tokenSecret")
+    if secret:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": secret["name"], "key": secret.get("key", DEFAULT_TOKEN_KEY)}}})
+    container = {
+        "name": INIT_CONTAINER,
+        "image": spec["image"],
+        "command": ["pdserve"],
+        "args": ["fetch-model", source.text, "--dest", download_dir(source),
+                 *(["--tokenizer-only"] if tokenizer_only else [])],
+        "env": env,
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, {"name": CACHE_VOLUME, "mountPath": CACHE_MOUNT}],
+        "securityContext": security,
+        "terminationMessagePolicy": message_policy,
+    }
+    if spec.get("imagePullPolicy"):
+        container["imagePullPolicy"] = spec["imagePullPolicy"]
+    return container
+
+
+def model_plan(spec: dict, security: dict, message_policy: str, tokenizer_only: bool = False) -> ModelPlan:
+    """How a pod of ``spec`` (a pool spec, or the router's shared spec) gets its model. ``security`` and
+    ``message_policy``: the securityContext and terminationMessagePolicy of the pod's containers."""
+    model = spec["model"]
+    source = model_source.parse(model["source"])
+    mount_path = model.get("mountPath", "/models")
+    if source.kind == "hf":
+        cache = {} if tokenizer_only else (model.get("cache") or {})
+        if cache.get("pvcName"):
+            volume = {"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache["pvcName"]}}
+        else:
+            volume = {"name": CACHE_VOLUME, "emptyDir": {"sizeLimit": str(cache["sizeLimit"])} if "sizeLimit" in cache else {}}
+        return ModelPlan(download_dir(source), [volume],
+                         [{"name": CACHE_VOLUME, "mountPath": CACHE_MOUNT, "readOnly": True}],
+                         [_fetch_container(spec, source, security, message_policy, tokenizer_only)])
+    claim = source.claim if source.kind == "pvc" else model.get("pvcName")
+    plan = ModelPlan(f"{mount_path.rstrip('/')}/{source.path}" if source.kind == "pvc" else source.text)
+    if claim:
+        plan.volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        plan.mounts.append({"name": "model", "mountPath": mount_path, "readOnly": True})
+    return plan

@@ -1,0 +1,121 @@
+"""Download a Hugging Face model repository into a folder a pdserve server can load with --model.
+
+    pdserve fetch-model hf://Qwen/Qwen2.5-0.5B-Instruct --dest /model-cache/Qwen2.5-0.5B-Instruct
+    pdserve fetch-model hf://org/private-model@v1.0 --dest DIR   # HF_TOKEN=hf_... in the environment
+
+Only the files a pdserve engine reads are fetched: config.json, generation_config.json, the
+tokenizer files and the *.safetensors weights (with their index); --tokenizer-only leaves out
+the weights (a router only hashes prompts). Files already in DEST at the same commit are not
+fetched again, so a cache on a PersistentVolumeClaim survives restarts.
+
+Environment: HF_ENDPOINT (default https://huggingface.co; a mirror or a test server) and
+HF_TOKEN (gated or private repositories). Progress goes to stderr; on success the folder is
+printed on stdout. A refused token (401/403), a missing repository or revision (404) or an
+unreachable endpoint ends with one line naming the repository and the endpoint and saying what
+to do, exit status 1. The operator runs this as the init container of every pod of an
+InferenceService whose spec.model.source is hf://...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+from pdserve import model_source
+
+# what engine/loader.py and engine/tokenizer.py read; nothing else is downloaded
+CONFIG_FILES = ["config.json", "generation_config.json"]
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"]
+WEIGHT_FILES = ["*.safetensors", "model.safetensors.index.json"]
+DEFAULT_ENDPOINT = "https://huggingface.co"
+
+
+class FetchError(Exception):
+    """A download that cannot succeed as asked; the message is the one line the user sees."""
+
+
+def allow_patterns(tokenizer_only: bool) -> list[str]:
+    return CONFIG_FILES + TOKENIZER_FILES + ([] if tokenizer_only else WEIGHT_FILES)
+
+
+def endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", help="hf://org/name[@revision] (revision: a branch, tag or commit; default main)")
+    parser.add_argument("--dest", required=True, type=Path, help="folder to download into (created if missing)")
+    parser.add_argument("--tokenizer-only", action="store_true",
+                        help="only config and tokenizer files, no weights (what `pdserve router --model` reads)")
+
+
+def fetch(source: model_source.ModelSource, dest: Path, tokenizer_only: bool = False) -> Path:
+    """Download ``source`` (kind hf) into ``dest``; FetchError with the user's one line when it cannot."""
+    import httpx2
+    from huggingface_hub import HfApi, snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    where = f"{source.repo}@{source.revision} at {endpoint()}"
+    token = os.environ.get("HF_TOKEN") or None
+    refused = (f"token refused ({{status}}) for {where}: put a valid token with read access in the Secret "
+               "named by spec.model.tokenSecret (HF_TOKEN)")
+    try:
+        # Resolve the revision first: snapshot_download itself, when the Hub refuses, quietly returns whatever
+        # an earlier run left in dest (a cache on a claim), which would hide a revoked token or a deleted repo.
+        commit = HfApi(endpoint=endpoint(), token=token).model_info(source.repo, revision=source.revision).sha
+        folder = snapshot_download(repo_id=source.repo, revision=commit, local_dir=str(dest), endpoint=endpoint(),
+                                   token=token, allow_patterns=allow_patterns(tokenizer_only))
+    except RevisionNotFoundError:
+        raise FetchError(f"revision {source.revision!r} not found in {where}: check the tag, branch or "
+                         "commit after '@' in spec.model.source") from None
+    except GatedRepoError:
+        raise FetchError(f"access to gated repository {where} refused: accept its terms on the Hub with the "
+                         "account of the token in spec.model.tokenSecret (HF_TOKEN)") from None
+    except RepositoryNotFoundError as exc:
+        status = exc.response.status_code if exc.response is not None else 404
+        if token and status in (401, 403):
+            raise FetchError(refused.format(status=status)) from None
+        hint = ("check spec.model.source, and that the token in spec.model.tokenSecret can read it" if token else
+                "check spec.model.source; a private or gated repository needs spec.model.tokenSecret (HF_TOKEN)")
+        raise FetchError(f"repository not found ({status}) {where}: {hint}") from None
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else "?"
+        if status in (401, 403):
+            raise FetchError(refused.format(status=status)) from None
+        raise FetchError(f"download of {where} failed (HTTP {status}): {str(exc).splitlines()[0]}") from None
+    except (httpx2.TransportError, LocalEntryNotFoundError) as exc:
+        raise FetchError(f"cannot reach {endpoint()} for {source.repo}@{source.revision}: check HF_ENDPOINT "
+                         f"(spec.model.endpoint) and the pod's network ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    folder = Path(folder)
+    if not tokenizer_only and not any(folder.glob("*.safetensors")):
+        raise FetchError(f"{where} has no *.safetensors weights: pdserve loads safetensors checkpoints only")
+    return folder
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        source = model_source.parse(args.source)
+    except ValueError as exc:
+        print(f"pdserve fetch-model: {exc}", file=sys.stderr)
+        return 2
+    if source.kind != "hf":
+        print(f"pdserve fetch-model: {args.source!r} is not hf://org/name[@revision]", file=sys.stderr)
+        return 2
+    what = "config and tokenizer" if args.tokenizer_only else "model"
+    print(f"fetching {what} {source.repo}@{source.revision} from {endpoint()} into {args.dest}", file=sys.stderr)
+    started = time.monotonic()
+    try:
+        folder = fetch(source, args.dest, args.tokenizer_only)
+    except FetchError as exc:
+        print(f"pdserve fetch-model: {exc}", file=sys.stderr, flush=True)
+        return 1
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    print(f"fetched {source.repo}@{source.revision}: {size / 2**20:.1f} MiB in {time.monotonic() - started:.1f}s",
+          file=sys.stderr)
+    print(folder)
+    return 0
