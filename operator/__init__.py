@@ -5,7 +5,7 @@ Importable only as ``pdserve.operator`` (the bare name ``operator`` is the stand
 Reading path:
 
 1. ``crds.py``: the schema of InferenceService / PrefillPool / DecodePool, the one source
-   of ``charts/pdserve/crds/*.yaml`` (``python -m pdserve.operator.crds charts/pdserve/crds``);
+   of the chart's CRD files (``python -m pdserve.operator.crds charts/pdserve``);
    built from ``crd_schema.py`` (building blocks, limits, defaults), ``crd_pod.py`` (each pool's
    ``engine``, pod settings, disruption budget; GPU pools) and ``crd_policy.py`` (``spec.slo``,
    ``spec.router``, ``spec.autoscaling``).

@@ -3,6 +3,7 @@
     docs = render("gateway.inferencePool.enabled=true", ...)   # --set values -> the rendered objects
     (pool,) = by_kind(docs, "InferencePool")
     err = render_error("gateway.inferencePool.enabled=true")   # helm's message when it must refuse
+    err = lint_error("operator.replicas=two")                  # the same from `helm lint --strict`
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ def render_error(*sets: str) -> str:
     proc = _helm(*_template_args(sets))
     assert proc.returncode != 0, f"helm rendered {sets}:\n{proc.stdout}"
     return proc.stderr
+
+
+def lint_error(*sets: str) -> str:
+    """`helm lint --strict`'s output for values it must refuse (fails the test if it passes them)."""
+    args = ["lint", "--strict", str(CHART)]
+    for s in sets:
+        args += ["--set", s]
+    proc = _helm(*args)
+    assert proc.returncode != 0, f"helm lint passed {sets}:\n{proc.stdout}"
+    return proc.stdout + proc.stderr
 
 
 def by_kind(docs: list[dict], kind: str) -> list[dict]:

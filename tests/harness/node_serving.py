@@ -5,10 +5,11 @@
     stream_chat(served.base_url, model)    # one streamed chat completion with the openai client
     pod_servers(cluster, ns, "decode")     # the pods' HTTP ports (pod IPs: reachable from this machine)
 
-The example asks for more CPU than the node has (prefill 1, decodes 1 + 1 + 4, router 0.25, while
+The example asks for more CPU than the node has (prefill 1, decodes 1 + 1 + 1, router 0.25, while
 the node has the machine's 2 cores), so `fit_to_node` lowers every CPU *request* to 100m and keeps
-the limits and everything else; the node gets the label the "big" pool selects. That is the only
-change to the file, and the test reports it.
+the limits and everything else. That is the only change to the file, and the test reports it. The
+example selects no node labels (its "big" pool's nodeSelector is a comment); should a decode pool
+name one, `apply_example` labels the node to match.
 """
 
 from __future__ import annotations

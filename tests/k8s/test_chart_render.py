@@ -153,12 +153,6 @@ def test_network_policy_switch_reaches_the_operator():
     assert env["PDSERVE_NETWORK_POLICY"] == "false"
 
 
-def test_chart_crds_are_the_generated_ones():
-    from pdserve.operator import crds
-
-    assert {p.name for p in (CHART / "crds").glob("*.yaml")} == set(crds.all_crds())
-
-
 def test_dockerfile_entrypoint_and_user_match_the_chart():
     from pdserve.operator import workloads
 

@@ -3,7 +3,7 @@ operator Roles in those namespaces only, and it works there (and nowhere else) w
 
 import pytest
 
-from harness.operator_harness import CHART, OperatorProcess, get_json, names, settled_status, wait_for
+from harness.operator_harness import CHART, OperatorProcess, get_json, install_chart, names, settled_status, wait_for
 from harness.procs import REPO
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
@@ -12,10 +12,14 @@ RELEASE, RELEASE_NS, WATCHED, OTHER = "pdns", "pdserve-ns-test", "team-watched",
 
 @pytest.fixture
 def namespaced_operator(kube, tmp_path):
+    # The CRDs are cluster-wide and belong to one release (the suite's, install_chart): this second
+    # release installs none of its own (crds.install=false), as a second release in a real cluster would.
+    install_chart(kube)
     for ns in (WATCHED, OTHER):
         kube.kubectl("create", "namespace", ns)
     kube.helm("upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NS, "--create-namespace",
-              "--set", f"operator.watchNamespaces={{{WATCHED}}}", "--set", "networkPolicy.enabled=false")
+              "--set", f"operator.watchNamespaces={{{WATCHED}}}", "--set", "networkPolicy.enabled=false",
+              "--set", "crds.install=false")
     op = OperatorProcess(kube, tmp_path, scope=("--namespace", WATCHED),
                          service_account=(RELEASE_NS, f"{RELEASE}-pdserve-operator"))
     op.start()

@@ -73,7 +73,9 @@ def test_children_record_the_owner_generation_they_were_built_from():
 
 
 def test_decode_pools_one_per_entry_with_their_own_hardware():
-    decodes = pools.build_decode_pools(example(), CONFIG)
+    isvc = example()  # the example's "big" pool runs on any node; pinned here as its comment shows
+    isvc["spec"]["decode"][1]["nodeSelector"] = {"pdserve.io/node-class": "large"}
+    decodes = pools.build_decode_pools(isvc, CONFIG)
     assert [p["metadata"]["name"] for p in decodes] == ["chat-decode-main", "chat-decode-big"]
     main, big = decodes
     assert main["spec"]["poolName"] == "main" and main["spec"]["replicas"] == 2

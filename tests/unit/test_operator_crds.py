@@ -8,16 +8,33 @@ from pdserve import defaults
 from pdserve.operator import crds
 
 REPO = Path(__file__).resolve().parents[2]
-CRD_DIR = REPO / "charts" / "pdserve" / "crds"
+CHART = REPO / "charts" / "pdserve"
+REGENERATE = "run: .venv/bin/python -m pdserve.operator.crds charts/pdserve"
+
+
+def committed_crd_files() -> list[Path]:
+    return sorted(p for folder in (crds.TEMPLATED_DIR, crds.PLAIN_DIR) for p in (CHART / folder).glob("*.yaml"))
 
 
 def test_committed_crds_equal_the_generated_ones():
-    generated = crds.all_crds()
-    committed = {p.name for p in CRD_DIR.glob("*.yaml")}
-    assert committed == set(generated), "run: .venv/bin/python -m pdserve.operator.crds charts/pdserve/crds"
-    for name, crd in generated.items():
-        assert (CRD_DIR / name).read_text() == crds.render(crd), (
-            f"{name} is stale: run .venv/bin/python -m pdserve.operator.crds charts/pdserve/crds")
+    generated = crds.chart_files()
+    committed = {p.relative_to(CHART).as_posix() for p in committed_crd_files()}
+    assert committed == set(generated), REGENERATE
+    for relative, text in generated.items():
+        assert (CHART / relative).read_text() == text, f"{relative} is stale: {REGENERATE}"
+
+
+def test_pdserve_crds_are_templates_kept_on_uninstall_and_kopfs_stay_in_crds_folder():
+    """charts/pdserve/README.md: `helm upgrade` updates the pdserve.io CRDs; kopf's peering CRDs are
+    in Helm's crds/ folder, installed before the peering object the chart makes of them."""
+    for name, crd in crds.all_crds().items():
+        folder, held = crds.chart_crd(crd)
+        if crd["spec"]["group"] == "pdserve.io":
+            assert folder == "files/crds" and held["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+            assert held["spec"] == crd["spec"]  # the schema is the generated one, untouched
+            assert "helm.sh/resource-policy" not in (crd["metadata"].get("annotations") or {})  # all_crds() unchanged
+        else:
+            assert folder == "crds" and held is crd, name
 
 
 def _walk(schema: dict, path: str = ""):
@@ -61,7 +78,7 @@ def test_names_subresources_and_columns():
 
 
 def test_committed_yaml_has_no_aliases():
-    for path in CRD_DIR.glob("*.yaml"):
+    for path in committed_crd_files():
         text = path.read_text()
         assert "&id" not in text and "*id" not in text
         assert yaml.safe_load(text)["kind"] == "CustomResourceDefinition"
