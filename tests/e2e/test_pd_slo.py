@@ -14,7 +14,8 @@
 
 The running requests of the queueing tests are held at the decode's gate (harness/decode_gate.py)
 until the test has seen what it needs, so none can end (and let a waiting one in) however fast
-the CPU decodes or however slowly the test runs.
+the CPU decodes or however slowly the test runs. A held stream is silent: the prefill's
+--session-timeout (which would fail it and resume it, freeing its blocks) is only a hang guard here.
 """
 
 import asyncio
@@ -39,6 +40,7 @@ CLASSES = {"ttftMs": 60000, "classes": [
     {"name": "batch", "e2eMs": 600000, "priority": 1}]}
 # prompt 10 + max_tokens 300 -> 5 blocks of 64 on the decode: 10 blocks hold two such requests
 LONG = 300
+HELD_S = 600  # the prefill's --session-timeout: longer than any wait of a test on a held stream (a hang guard)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def cluster(tmp_path_factory):
         wait_ready(decode)
         prefill = start_prefill(group, [decode.grpc_address], "tcp", 64, name="prefill", extra=[
             "--slo-classes", json.dumps(CLASSES), "--queue-policy", "edf", "--queue-timeout", "60",
-            "--load-report-interval", "0.1"])
+            "--load-report-interval", "0.1", "--session-timeout", str(HELD_S)])
         wait_ready(prefill)
         yield prefill, decode, gate
     finally:
