@@ -76,10 +76,17 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
             with pytest.raises(TransferError, match="'r'"):
                 await tx.wait_sent("r", STALL_S * 3)  # stands for the session timeout
             tx.delete("r")
-            await _until(lambda: tx.stats()["sending_chunks"] == 0 and tx.stats()["links"] == 0, HANG_GUARD_S,
-                         "the stalled link failed")
+
+            def link_failures() -> list[str]:
+                return [r.getMessage() for r in caplog.records if "CacheStore link to" in r.getMessage()]
+
+            try:
+                await _until(lambda: tx.stats()["sending_chunks"] == 0 and tx.stats()["links"] == 0, HANG_GUARD_S,
+                             "the stalled link failed")
+            except AssertionError as e:  # say what the sender holds and which links failed, and why
+                raise AssertionError(f"{e}; sender stats {tx.stats()}; link failures {link_failures()}") from None
             # by the stall bound (the receiver never woke up meanwhile), not by a connection error
-            failures = [r.getMessage() for r in caplog.records if "CacheStore link to" in r.getMessage()]
+            failures = link_failures()
             assert any(f"made no progress for {STALL_S}s" in m for m in failures), failures
             s = tx.stats()
             assert s["pinned_entries"] == 0 and s["inflight_transfers"] == 0 and s["queued_chunks"] == 0, s

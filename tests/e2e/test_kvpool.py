@@ -17,6 +17,9 @@ from pdserve.bench.experiments.kvpool_cluster import KVPoolCluster
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.loader import load_model
 from pdserve.engine.sampling import SamplingParams
+from pdserve.kvpool.pooled import TEST_GATE_ENV
+
+from harness.gates import Gate
 
 pytestmark = pytest.mark.slow
 
@@ -57,10 +60,18 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def gate(tmp_path_factory):
+    """The decodes' gate (open: requests pass; a test closes it to hold a pooled request with its loans taken)."""
+    return Gate(tmp_path_factory.mktemp("kvpool-gate"), opened=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, gate):
     # one cluster for the module (the kill test goes last: it takes a decode away)
-    with KVPoolCluster(3, BLOCKS, reserve=1, log_dir=tmp_path_factory.mktemp("kvpool") / "logs") as c:
-        yield c
+    with pytest.MonkeyPatch.context() as mp:  # the decodes inherit our environment
+        mp.setenv(TEST_GATE_ENV, str(gate.directory))
+        with KVPoolCluster(3, BLOCKS, reserve=1, log_dir=tmp_path_factory.mktemp("kvpool") / "logs") as c:
+            yield c
 
 
 def test_a_request_spanning_three_decodes_equals_the_engines_normal_path(cluster):
@@ -102,14 +113,19 @@ def test_two_decodes_borrowing_at_once_under_the_same_request_id(cluster):
     cluster.wait(lambda: _settled(cluster), "every block and debt back to zero")
 
 
-def test_a_restarted_gmanager_rebuilds_the_ledger_from_the_rmanagers_reports(cluster):
+def test_a_restarted_gmanager_rebuilds_the_ledger_from_the_rmanagers_reports(cluster, gate):
     outcome = {}
+    gate.close()  # the request is held with its loans taken until the ledger is rebuilt (however fast it decodes)
     worker = threading.Thread(target=lambda: outcome.update(reply=cluster.generate(
         "decode-0", "through-restart", _prompt(900, seed=4), 200, pooled=True)))
     worker.start()
-    cluster.wait(lambda: cluster.stats("decode-1").loans == 1, "the request borrowed")
-    cluster.restart_gmanager()  # SIGKILL: the new one starts with an empty ledger
-    cluster.wait(lambda: cluster.ledger().get("decode-1") == {"decode-0": 7}, "the ledger rebuilt from reports")
+    try:
+        assert gate.wait_held(1) == ["through-restart"]
+        assert cluster.stats("decode-1").loans == 1, "the request borrowed"
+        cluster.restart_gmanager()  # SIGKILL: the new one starts with an empty ledger
+        cluster.wait(lambda: cluster.ledger().get("decode-1") == {"decode-0": 7}, "the ledger rebuilt from reports")
+    finally:
+        gate.open()
     worker.join(timeout=120)
     assert len(outcome["reply"].token_ids) == 200, "the request did not survive the gManager's restart"
     cluster.wait(lambda: _settled(cluster), "every block and debt back to zero")

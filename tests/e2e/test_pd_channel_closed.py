@@ -15,11 +15,16 @@ import re
 import pytest
 
 from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
+from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
 
 pytestmark = pytest.mark.slow
 
-MAX_TOKENS = 1500  # several seconds on the built-in model: the stream is still running when the grace ends
+MAX_TOKENS = 1500
 GRACE_S = 1.0
+# the leaving decode's steps last at least this long (a test hook): its part of the stream lasts >= 30 s on
+# any CPU, so it is still generating when the grace ends (with no floor, a fast CPU finished all 1500 tokens
+# before the prefill closed the channel: nothing resumed, 1 CI failure); the staying decode has no floor
+LEAVING_STEP_FLOOR_S = 0.02
 
 
 def stream_completion(port: int, prompt: str, max_tokens: int, on_first) -> dict:
@@ -41,7 +46,10 @@ def stream_completion(port: int, prompt: str, max_tokens: int, on_first) -> dict
 
 
 def test_a_session_whose_channel_closes_under_it_resumes_on_another_decode(procs, tmp_path):
-    leaving, staying = start_decode(procs, num_blocks=256, name="leaving"), start_decode(procs, num_blocks=256, name="staying")
+    with pytest.MonkeyPatch.context() as mp:  # start_decode passes our environment on
+        mp.setenv(TEST_STEP_FLOOR_ENV, str(LEAVING_STEP_FLOOR_S))
+        leaving = start_decode(procs, num_blocks=256, name="leaving")
+    staying = start_decode(procs, num_blocks=256, name="staying")
     decodes_file = tmp_path / "decodes.txt"
     decodes_file.write_text(f"{leaving.grpc_address}\n")              # the stream starts on `leaving`
     prefill = start_prefill(procs, [], extra=["--discovery", "file", "--decode-file", str(decodes_file),

@@ -4,6 +4,7 @@
     served = apply_example(cluster)        # examples/inferenceservice.yaml -> Ready -> first streamed token
     stream_chat(served.base_url, model)    # one streamed chat completion with the openai client
     pod_servers(cluster, ns, "decode")     # the pods' HTTP ports (pod IPs: reachable from this machine)
+    helm_test(cluster, url)                # `helm test`: the chart's test pod, one completion via url
 
 The example asks for more CPU than the node has (prefill 1, decodes 1 + 1 + 1, router 0.25, while
 the node has the machine's 2 cores), so `fit_to_node` lowers every CPU *request* to 100m and keeps
@@ -39,6 +40,15 @@ def helm_install(cluster) -> None:
                  "--set", "image.pullPolicy=Never", "--wait", "--timeout", "10m", timeout=700)
     for crd in CRD_NAMES:
         cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+
+
+def helm_test(cluster, url: str) -> str:
+    """`helm test` of the release, its test pod aimed at ``url`` (set by `helm upgrade --reuse-values`:
+    this node has no cluster DNS, so the Service's name would not resolve); returns its output with the
+    pod's log. Raises KubeCommandError (with the log) when the pod fails."""
+    cluster.helm("upgrade", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--reuse-values", "--set", f"test.url={url}",
+                 "--wait", "--timeout", "5m", timeout=400)
+    return cluster.helm("test", RELEASE, "-n", RELEASE_NAMESPACE, "--logs", "--timeout", "5m", timeout=400).stdout
 
 
 def fit_to_node(doc: dict) -> dict:

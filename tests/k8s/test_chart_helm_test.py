@@ -55,6 +55,9 @@ def test_values_name_the_inference_service_its_service_and_the_model():
     assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert not [p for p in by_kind(render("test.enabled=false"), "Pod")]
     assert "test.inferenceService" in render_error("test.inferenceService=")
+    # a whole URL instead (no cluster DNS, an Ingress); the schema refuses one that is not http(s)
+    assert env(rendered_test_pod("test.url=http://10.0.0.7:8000"))["PDSERVE_TEST_URL"] == "http://10.0.0.7:8000"
+    assert "url" in render_error("test.url=chat-router:8000")
 
 
 def test_the_api_server_accepts_the_pod_under_the_restricted_pod_security_profile(kube, ns):

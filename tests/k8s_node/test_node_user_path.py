@@ -1,6 +1,7 @@
 """The user's path on a cluster where pods run (tests/harness/kube_node.py): `helm install` the chart
 with the image built from the Dockerfile, `kubectl apply` examples/inferenceservice.yaml, wait for
-Ready, stream a chat completion with the `openai` client through the InferenceService's Service.
+Ready, stream a chat completion with the `openai` client through the InferenceService's Service, then
+`helm test` (the chart's test pod sends one completion through it from inside the cluster).
 
 The `chat` fixture (conftest.py) does the steps and times them; the figures are printed (run with
 -s to see them): apply -> Ready and apply -> first streamed token.
@@ -51,3 +52,8 @@ def test_helm_apply_example_and_stream_through_the_service(node_kube, chat, caps
     assert text and finish == "length", (text, finish)
     readings = wait_all_released([prefill, *decodes])
     assert nothing_held(readings), readings
+
+    # `helm test`: the chart's test pod, in the release's namespace, sends one completion through the
+    # same Service from inside the cluster (by its ClusterIP: this node runs no cluster DNS)
+    out = node_serving.helm_test(node_kube, chat.base_url.removesuffix("/v1"))
+    assert "Succeeded" in out and f"model {chat.model!r} answered" in out, out

@@ -3,16 +3,21 @@ lines in flight, retries of lines refused for lack of room, cancel, expiry, a cr
 
 import asyncio
 import json
+import time
 
 from pdserve.prefill_server.batch_lines import split_lines
 from pdserve.prefill_server.batch_runner import BatchRunner, StoreThread
 from pdserve.prefill_server.batch_store import BatchStore
 
 CHAT = "/v1/chat/completions"
+# only hang guards: each test takes well under a second, but its SQLite commits wait for the disk,
+# which the suite's other workers (the image import, etcd) can keep busy for seconds (a 20 s guard
+# failed once in CI)
+HANG_GUARD_S = 120.0
 
 
 def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 20))
+    return asyncio.run(asyncio.wait_for(coro, HANG_GUARD_S))
 
 
 def _content(n: int) -> bytes:
@@ -55,13 +60,13 @@ async def _setup(tmp_path, n, node, max_in_flight=2, clock=lambda: 1000):
     return store, runner, b["id"]
 
 
-async def _until(store, bid, statuses, timeout=10.0):
-    for _ in range(int(timeout / 0.01)):
-        b = await store("batch", bid)
-        if b["status"] in statuses:
-            return b
+async def _until(store, bid, statuses, timeout=HANG_GUARD_S / 2):
+    deadline = time.monotonic() + timeout
+    while (b := await store("batch", bid))["status"] not in statuses:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"hang guard: batch still {b['status']} after {timeout:g}s: {b}")
         await asyncio.sleep(0.01)
-    raise AssertionError(f"batch still {b['status']}: {b}")
+    return b
 
 
 def _lines(store_obj, file_id):
