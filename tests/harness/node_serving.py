@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
-from harness.operator_harness import CHART, CRD_NAMES, condition, get_json
+from harness.operator_harness import CHART, CRD_NAMES, condition, get_json, wait_crds_established
 from harness.procs import REPO
 from pdserve import defaults
 
@@ -38,8 +38,7 @@ def helm_install(cluster) -> None:
     cluster.helm("install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
                  "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
                  "--set", "image.pullPolicy=Never", "--wait", "--timeout", "10m", timeout=700)
-    for crd in CRD_NAMES:
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    wait_crds_established(cluster, CRD_NAMES)
 
 
 def helm_test(cluster, url: str) -> str:

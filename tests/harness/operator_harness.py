@@ -31,11 +31,19 @@ IMAGE = "registry.test/pdserve:1"
 CRD_NAMES = ["inferenceservices.pdserve.io", "prefillpools.pdserve.io", "decodepools.pdserve.io"]
 
 
+def wait_crds_established(kube, names, timeout: float = 60.0) -> None:
+    """Wait until each CRD's Established condition is True. (Not `kubectl wait --for=condition=...`:
+    on a CRD created a moment before, with no status.conditions yet, it fails at once with
+    "conditions accessor error" instead of waiting: 1 CI failure.)"""
+    for name in names:
+        kube.wait_until(lambda: (c := condition(get_json(kube, f"crd/{name}"), "Established")) and c["status"] == "True",
+                        timeout=timeout, what=f"CRD {name} established")
+
+
 def install_chart(kube) -> None:
     """helm install (or upgrade) the chart and wait until its CRDs are established."""
     kube.helm("upgrade", "--install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace")
-    for crd in CRD_NAMES:
-        kube.kubectl("wait", "--for=condition=Established", f"crd/{crd}", "--timeout=60s")
+    wait_crds_established(kube, CRD_NAMES)
     # Established comes a moment before the new resources' storage serves lists (429 until then).
     for crd in CRD_NAMES:
         kube.wait_until(lambda: kube.kubectl("get", crd.split(".")[0], "-A", check=False).returncode == 0,

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from harness.chart import by_kind, render, render_error
+from harness.operator_harness import wait_crds_established
 from harness.procs import REPO
 from pdserve import defaults
 from pdserve.operator import pools, router_workloads, workloads
@@ -74,7 +75,7 @@ def test_missing_or_bad_values_are_refused_naming_the_value():
 
 def test_the_api_server_accepts_the_rendered_pool_with_the_upstream_crd(kube):
     kube.kubectl("apply", "--server-side", "-f", str(CRD))
-    kube.kubectl("wait", "--for=condition=Established", "crd/inferencepools.inference.networking.k8s.io", "--timeout=60s")
+    wait_crds_established(kube, ["inferencepools.inference.networking.k8s.io"])
     ns = "gateway-pool"
     kube.kubectl("create", "namespace", ns)
     try:
