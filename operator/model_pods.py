@@ -16,8 +16,13 @@
   ``terminationMessagePolicy: FallbackToLogsOnError`` makes its termination message, which
   ``pod_problems.py`` reports as InitContainerFailed.
 
-A router only hashes prompts: it fetches config and tokenizer files (``tokenizer_only``), always
-into its own emptyDir (a router may run on any node; the files are small).
+A router only hashes prompts, and mounts no claim, so that it may run on any node (a ReadWriteOnce
+claim would pin it to the pools' node): its plan (``tokenizer_only``) is, for hf://, an init
+container that fetches the config and tokenizer files alone (``fetch-model --tokenizer-only``) into
+its own emptyDir; for a model on a claim (pvc://, or a path on ``pvcName``), nothing at all:
+``model_arg`` is None and the router takes the files from a prefill at start (``pdserve router
+--tokenizer-from-prefill``, ``pdserve.tokenizer_files``); builtin: and a path without a claim are
+as for a server.
 
 ``served_model_name(spec)``: ``spec.model.servedModelName``, else the source's default name.
 """
@@ -36,10 +41,11 @@ DEFAULT_TOKEN_KEY = "HF_TOKEN"  # the schema's default of spec.model.tokenSecret
 
 @dataclass
 class ModelPlan:
-    """What a pod needs for its model: the ``--model`` argument, volumes, the server container's mounts,
-    init containers (empty unless the model is downloaded)."""
+    """What a pod needs for its model: the ``--model`` argument (None: a router that takes its tokenizer
+    from a prefill), volumes, the server container's mounts, init containers (empty unless the model is
+    downloaded)."""
 
-    model_arg: str
+    model_arg: str | None
     volumes: list[dict] = field(default_factory=list)
     mounts: list[dict] = field(default_factory=list)
     init_containers: list[dict] = field(default_factory=list)
@@ -83,8 +89,9 @@ def _fetch_container(spec: dict, source: model_source.ModelSource, security: dic
 
 
 def model_plan(spec: dict, security: dict, message_policy: str, tokenizer_only: bool = False) -> ModelPlan:
-    """How a pod of ``spec`` (a pool spec, or the router's shared spec) gets its model. ``security`` and
-    ``message_policy``: the securityContext and terminationMessagePolicy of the pod's containers."""
+    """How a pod of ``spec`` (a pool spec, or the router's shared spec with ``tokenizer_only``) gets its
+    model. ``security`` and ``message_policy``: the securityContext and terminationMessagePolicy of the
+    pod's containers."""
     model = spec["model"]
     source = model_source.parse(model["source"])
     mount_path = model.get("mountPath", "/models")
@@ -98,6 +105,8 @@ def model_plan(spec: dict, security: dict, message_policy: str, tokenizer_only: 
                          [{"name": CACHE_VOLUME, "mountPath": CACHE_MOUNT, "readOnly": True}],
                          [_fetch_container(spec, source, security, message_policy, tokenizer_only)])
     claim = source.claim if source.kind == "pvc" else model.get("pvcName")
+    if claim and tokenizer_only:
+        return ModelPlan(None)  # the router: no claim; its tokenizer files come from a prefill
     plan = ModelPlan(f"{mount_path.rstrip('/')}/{source.path}" if source.kind == "pvc" else source.text)
     if claim:
         plan.volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})

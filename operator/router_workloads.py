@@ -11,9 +11,10 @@ creation order):
 - Deployment ``<isvc>-router``: ``pdserve router --discovery kubernetes --prefill-selector
   <the prefill Service's labels>``, so each router pod follows the prefill Service's
   EndpointSlices (its ready pods, port "grpc") exactly as the prefill follows its decodes;
-  it computes nothing (no engine flags, no GPU) but loads the model's tokenizer, so it mounts
-  the model's claim (``spec.model.pvcName``, pvc://) or, for hf://, downloads the config and
-  tokenizer files alone (``fetch-model --tokenizer-only``) into its own emptyDir (model_pods.py);
+  it computes nothing (no engine flags, no GPU) but loads the model's tokenizer: for hf:// it
+  downloads the config and tokenizer files alone (``fetch-model --tokenizer-only``) into its own
+  emptyDir; for a model on a claim (pvc://, ``spec.model.pvcName``) it mounts no claim (it may run
+  on any node) and takes the files from a prefill (``--tokenizer-from-prefill``) (model_pods.py);
 - PodDisruptionBudget ``<isvc>-router`` (``spec.router.disruptionBudget``, default maxUnavailable 1);
 - NetworkPolicy ``<isvc>-router`` when the operator runs with --network-policy: the HTTP
   port open, nothing else (the router only dials out).
@@ -57,12 +58,13 @@ def _metadata(name: str, namespace: str | None, labels: dict) -> dict:
 def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
     """The router command line (after the `pdserve` entry point); flags as `pdserve router --help` names them."""
     name, namespace, spec, _ = _facts(isvc, config)
+    model_arg = workloads.model_plan(spec, tokenizer_only=True).model_arg
     args = [
         "router",
         "--host", "0.0.0.0",
         "--port", str(defaults.HTTP_PORT),
         # only its tokenizer is loaded, to hash prompts as the prefill does; /v1/models is the prefill's answer
-        "--model", workloads.model_plan(spec, tokenizer_only=True).model_arg,
+        *(["--model", model_arg] if model_arg is not None else ["--tokenizer-from-prefill"]),
         "--discovery", "kubernetes",
         "--drain-timeout", str(workloads.DRAIN_TIMEOUT_S),
         "--namespace", namespace or "$(POD_NAMESPACE)",

@@ -11,7 +11,7 @@ from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
            "KV_TRANSFER_PORT", "KV_POOL_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE",
            "REQUEST_TIMEOUT_S", "REQUEST_TIMEOUT_HEADER", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS", "RESUME_WAIT_S",
-           "DISAGGREGATION_MODES",
+           "TOKENIZER_WAIT_S", "DISAGGREGATION_MODES",
            "DISAGGREGATION", "ENV_SLO_CLASSES",
            "BATCH_DB", "BATCH_DATA_MOUNT", "BATCH_MAX_IN_FLIGHT", "BATCH_MAX_FILE_BYTES", "BATCH_SLO_CLASS"]
 
@@ -38,6 +38,10 @@ REQUEST_TIMEOUT_HEADER = "X-Request-Timeout"
 # rollout or restart in which no prefill is ready; the router's readiness probe needs 15 s of
 # "no routable prefill" before Kubernetes stops sending it requests.
 PREFILL_WAIT_S = 10.0
+# Router with --tokenizer-from-prefill: how long it waits at start for a prefill that gives its
+# tokenizer files before it exits with an error (--tokenizer-wait). As long as a prefill pod may
+# take to load its model (its startup probe allows 120 x 5 s).
+TOKENIZER_WAIT_S = 600.0
 
 # Prefill: requests that may wait at once in the admission queue for a decode with free KV
 # blocks (--max-queued-requests); one more gets 429.

@@ -5,7 +5,8 @@
 
 Only the files a pdserve engine reads are fetched: config.json, generation_config.json, the
 tokenizer files and the *.safetensors weights (with their index); --tokenizer-only leaves out
-the weights (a router only hashes prompts). Files already in DEST at the same commit are not
+the weights (a router only hashes prompts; a prefill serves the same files to a router that mounts
+no model: pdserve.tokenizer_files). Files already in DEST at the same commit are not
 fetched again, so a cache on a PersistentVolumeClaim survives restarts.
 
 Environment: HF_ENDPOINT (default https://huggingface.co; a mirror or a test server) and

@@ -19,6 +19,7 @@ Reading path (in this order):
   ``decode_index.py``       DecodeIndex: each decode's prefix cache, from its KV events
   ``frontend.py``           tokenize, SamplingParams, TextStream, per-request metrics (shared by both APIs)
   ``http_api.py``           aiohttp routes: /v1/completions, /v1/chat/completions, /v1/models, probes
+  ``tokenizer_api.py``      GET /tokenizer: the model's tokenizer files, for a router that mounts no model
   ``grpc_api.py``           Generator.Generate (server streaming)
   ``openai_api.py``         OpenAI request validation and response/SSE shapes (pure)
   ``openai_numbers.py``     the table every number of a request is checked against (pure)

@@ -41,6 +41,9 @@ Batch jobs (OpenAI's /v1/files and /v1/batches, ``batch_api.py``): kept in --bat
 their lines run as step 1-8 requests, at most --batch-max-in-flight at once, in the SLO class
 --batch-slo-class; unfinished jobs resume at start-up, each line finishing exactly once.
 
+A router that mounts no model (``pdserve router --tokenizer-from-prefill``) takes this server's
+config and tokenizer files from GET /tokenizer on the HTTP port (``tokenizer_api.py``).
+
 KV events for routers (``pdserve.kv_events``, ``protos/kv_events.proto``) are served on the
 gRPC port: the prefix cache's hash set as a snapshot then BlockStored/BlockRemoved events
 stamped with this process's epoch and a sequence number, and ``GetLoad``.
@@ -204,6 +207,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
     from pdserve.slo import GlobalQueue
 
+    from . import tokenizer_api
     from .batch_api import BatchService
     from .frontend import Frontend
     from .grpc_api import GenerateServicer
@@ -281,6 +285,7 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     app = HttpApi(frontend, health, metrics, is_draining=lambda: draining["on"]).app()
     batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
     batch.add_routes(app)
+    tokenizer_api.add_routes(app, args.model)  # GET /tokenizer: for a router that mounts no model
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()

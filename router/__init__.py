@@ -40,6 +40,7 @@ Reading path (in this order):
   ``prefill_watch.py``  PrefillWatch: one prefill's event stream and load polls (gRPC)
   ``prefills.py``       PrefillSet: discovery -> watches; removal drops index entries
   ``prompt.py``         prompt token ids and block hashes from a request body
+  ``prefill_tokenizer.py`` PrefillTokenizer: the tokenizer files from a prefill (``--tokenizer-from-prefill``)
 
 The publishing end of KV events is ``pdserve/kv_events.py`` (served on each prefill's gRPC port).
 """

@@ -4,8 +4,12 @@ prefill that already holds most of its prompt's KV, weighed against load.
 See ``pdserve.router`` (router/__init__.py) for the request lifecycle. Prefills come from
 ``--prefill host:grpc_port,...`` (static), ``--discovery file --prefill-file path`` (re-read
 when it changes) or ``--discovery kubernetes --prefill-selector label=value --namespace ns``
-(the EndpointSlices of the prefill Services, port "grpc"); ``--model`` must name the
-prefills' model (its tokenizer hashes the prompts). /ready is 503 while no prefill is routable. SIGTERM/SIGINT: /ready turns 503, in-flight relays get
+(the EndpointSlices of the prefill Services, port "grpc"). The prompts are hashed with the
+prefills' tokenizer: ``--model`` names the prefills' model (a directory with its tokenizer files,
+or the built-in one), or ``--tokenizer-from-prefill`` takes the files from a prefill at start
+(``prefill_tokenizer.py``; the router then needs no copy of the model, and exits with status 1 when
+no prefill gives them within --tokenizer-wait seconds). /ready is 503 while no prefill is routable
+or the tokenizer is not loaded yet. SIGTERM/SIGINT: /ready turns 503, in-flight relays get
 --drain-timeout seconds to finish, then the router stops.
 """
 
@@ -29,8 +33,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
     parser.add_argument("--grpc-port", type=int, default=0,
                         help="gRPC port of the Generate API, relayed to the chosen prefill's (0: no gRPC API)")
-    parser.add_argument("--model", default=defaults.BUILTIN_MODEL,
-                        help="the prefills' model ('tiny' or a directory with tokenizer.json): only its tokenizer is loaded")
+    t = parser.add_mutually_exclusive_group()
+    t.add_argument("--model", default=None,  # None, not the built-in name: argparse then refuses it with the flag below
+                   help="the prefills' model ('tiny' or a directory with tokenizer.json): only its tokenizer is "
+                        f"loaded (default {defaults.BUILTIN_MODEL})")
+    t.add_argument("--tokenizer-from-prefill", action="store_true",
+                   help="instead of --model: at start, take the tokenizer files from the first prefill that answers "
+                        "(GET /tokenizer on its HTTP port); /ready is 503 until they are loaded")
+    parser.add_argument("--tokenizer-wait", type=float, default=defaults.TOKENIZER_WAIT_S, metavar="SECONDS",
+                        help="with --tokenizer-from-prefill: how long to wait for a prefill that gives its tokenizer "
+                             f"before exiting with status 1 (default {defaults.TOKENIZER_WAIT_S:g})")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight relays finish on shutdown")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     d = parser.add_argument_group("prefill discovery and routing")
@@ -85,11 +97,15 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "router")
     from .prompt import load_tokenizer
 
-    if not args.request_timeout > 0:
-        raise SystemExit(f"pdserve router: --request-timeout must be > 0, got {args.request_timeout}")
+    for flag in ("request_timeout", "tokenizer_wait"):
+        if not getattr(args, flag) > 0:
+            raise SystemExit(f"pdserve router: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     try:
         discovery = make_discovery(args)
-        tokenizer = load_tokenizer(args.model)
+        tokenizer = None  # --tokenizer-from-prefill: loaded once the router serves (serve)
+        if not args.tokenizer_from_prefill:
+            args.model = args.model or defaults.BUILTIN_MODEL
+            tokenizer = load_tokenizer(args.model)
         args.slo = None
         if args.slo_classes or os.environ.get(defaults.ENV_SLO_CLASSES) or args.queue_policy:
             args.slo = slo_classes.load(args.slo_classes)
@@ -101,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
+    """``tokenizer``: None with --tokenizer-from-prefill (a PrefillTokenizer loads it once the router serves)."""
     import grpc
     from aiohttp import web
 
@@ -110,6 +127,7 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
     from .grpc_api import RouterGenerateServicer
     from .http_api import RouterApi
     from .index import PrefixIndex
+    from .prefill_tokenizer import PrefillTokenizer
     from .prefills import PrefillSet
     from .router import Router
 
@@ -118,6 +136,7 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
     prefills = PrefillSet(discovery, index, metrics, name=f"router:{args.port}", interval_s=args.discovery_interval,
                           load_interval_s=args.load_interval, load_expiry_s=args.load_expiry)
     router = Router(prefills, index, tokenizer, metrics, args.load_weight, args.policy)
+    from_prefill = PrefillTokenizer(prefills, args.tokenizer_wait) if tokenizer is None else None
     gate = None
     if args.slo is not None:
         from pdserve.slo import GlobalQueue
@@ -127,7 +146,8 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
         gate = SloGate(GlobalQueue(args.slo, args.queue_policy or "fifo", metrics), prefills)
     draining = {"on": False}
     api = RouterApi(router, metrics, is_draining=lambda: draining["on"], max_attempts=args.max_attempts, gate=gate,
-                    request_timeout_s=args.request_timeout, prefill_wait_s=args.prefill_wait)
+                    request_timeout_s=args.request_timeout, prefill_wait_s=args.prefill_wait,
+                    tokenizer_source=from_prefill)
     generate = RouterGenerateServicer(router, metrics, max_attempts=args.max_attempts, gate=gate,
                                       request_timeout_s=args.request_timeout, prefill_wait_s=args.prefill_wait)
     await prefills.start()
@@ -141,11 +161,17 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
         grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
         await grpc_server.start()
     gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
-    log.info("router ready: http %s:%d, grpc %s, prefills %s, policy %s, load weight %g tokens/request", args.host,
-             args.port, args.grpc_port or "off", discovery.addresses() or "(none yet)", args.policy, args.load_weight)
+    log.info("router ready: http %s:%d, grpc %s, prefills %s, policy %s, load weight %g tokens/request, tokenizer %s",
+             args.host, args.port, args.grpc_port or "off", discovery.addresses() or "(none yet)", args.policy,
+             args.load_weight, "from a prefill (not loaded yet)" if from_prefill else args.model)
     if gate is not None:
         log.info("SLO queue: policy %s, classes %s", gate.queue.policy, "; ".join(c.describe() for c in args.slo))
-    sig = await wait_for_stop_signal()
+    stop = asyncio.ensure_future(wait_for_stop_signal())
+    status = 0
+    if from_prefill is not None:
+        sig, status = await _load_tokenizer_until(stop, from_prefill, router)
+    else:
+        sig = await stop
     draining["on"] = True
     in_flight = lambda: api.in_flight + generate.in_flight + (gate.waiting() if gate else 0)  # noqa: E731
     log.info("%s: draining %d in-flight request(s)", sig, in_flight())
@@ -156,4 +182,24 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
         await grpc_server.stop(grace=1.0)
     await runner.cleanup()
     await prefills.stop()
-    return 0
+    return status
+
+
+async def _load_tokenizer_until(stop: asyncio.Future, from_prefill, router) -> tuple[str, int]:
+    """Load the router's tokenizer from a prefill while serving, then wait for a stop signal:
+    (the signal's name, 0); or (why, 1) when no prefill gave its tokenizer in time."""
+    from .prefill_tokenizer import TokenizerUnavailable
+
+    loading = asyncio.ensure_future(from_prefill.load())
+    await asyncio.wait({stop, loading}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():  # stopped while still waiting for a prefill
+        loading.cancel()
+        await asyncio.gather(loading, return_exceptions=True)
+        return stop.result(), 0
+    try:
+        router.tokenizer = loading.result()
+    except TokenizerUnavailable as exc:
+        log.error("pdserve router: %s", exc)
+        stop.cancel()
+        return "no tokenizer", 1
+    return await stop, 0

@@ -43,7 +43,7 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
     def _prompt_ids(self, request: gpb.GenerateRequest) -> list[int] | None:
         if request.prompt_token_ids:
             return list(request.prompt_token_ids)
-        if request.prompt:
+        if request.prompt and self.router.tokenizer is not None:  # None: not loaded yet; routed by load alone
             return self.router.tokenizer.encode(request.prompt)
         return None  # the prefill says what is missing
 

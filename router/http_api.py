@@ -6,7 +6,7 @@
 | POST /v1/chat/completions    | the same                                                        |
 | GET  /v1/models              | relayed to the first routable prefill                           |
 | GET  /health                 | 200 + JSON: in flight, every prefill's load and index entry      |
-| GET  /ready                  | 200 when a prefill is routable, else 503                        |
+| GET  /ready                  | 200 when a prefill is routable (and the tokenizer loaded), else 503 |
 | GET  /metrics                | Prometheus text (``ROUTER_METRICS``)                            |
 | POST /debug/route?kind=K     | the decision for a completion (K=completion) or chat body, not  |
 |                              | sent anywhere: prefill, reason, cached blocks, ranking          |
@@ -53,8 +53,10 @@ def _error(status: int, message: str, code: str, type_: str = "service_unavailab
 
 class RouterApi:
     def __init__(self, router, metrics, is_draining=lambda: False, max_attempts: int = 2, gate: SloGate | None = None,
-                 request_timeout_s: float = REQUEST_TIMEOUT_S, prefill_wait_s: float = PREFILL_WAIT_S):
+                 request_timeout_s: float = REQUEST_TIMEOUT_S, prefill_wait_s: float = PREFILL_WAIT_S,
+                 tokenizer_source=None):
         self.router, self.metrics, self.is_draining, self.max_attempts = router, metrics, is_draining, max_attempts
+        self.tokenizer_source = tokenizer_source  # a PrefillTokenizer (--tokenizer-from-prefill), or None
         self.gate, self.request_timeout_s = gate, request_timeout_s  # the SLO queue (slo_gate.py), or None
         self.prefill_wait_s = prefill_wait_s  # how long a request waits for a routable prefill before 503
         self.in_flight = 0
@@ -82,13 +84,19 @@ class RouterApi:
         await self.session.close()
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok", "role": "router", "in_flight": self.in_flight,
-                                  "queued": self.gate.waiting() if self.gate is not None else 0,
-                                  "draining": self.is_draining(), "prefills": self.router.state()})
+        health = {"status": "ok", "role": "router", "in_flight": self.in_flight,
+                  "queued": self.gate.waiting() if self.gate is not None else 0,
+                  "draining": self.is_draining(), "prefills": self.router.state()}
+        if self.tokenizer_source is not None:
+            health["tokenizer"] = self.tokenizer_source.state()
+        return web.json_response(health)
 
     async def ready(self, request: web.Request) -> web.Response:
         if self.is_draining():
             return web.json_response({"ready": False, "reason": "draining"}, status=503)
+        if self.router.tokenizer is None:
+            reason = self.tokenizer_source.why_not() if self.tokenizer_source is not None else "no tokenizer"
+            return web.json_response({"ready": False, "reason": f"no tokenizer yet: {reason}"}, status=503)
         if self.router.prefills.routable():
             return web.json_response({"ready": True})
         return web.json_response({"ready": False, "reason": "no routable prefill"}, status=503)

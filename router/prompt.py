@@ -38,7 +38,10 @@ def _message(m: dict) -> dict:
 
 
 def prompt_token_ids(body: bytes, kind: str, tokenizer) -> list[int] | None:
-    """Token ids of a /v1/completions (``kind="completion"``) or /v1/chat/completions body, or None."""
+    """Token ids of a /v1/completions (``kind="completion"``) or /v1/chat/completions body, or None
+    (also while ``tokenizer`` is None: not loaded yet, ``--tokenizer-from-prefill``; routed by load alone)."""
+    if tokenizer is None:
+        return None
     try:
         doc = json.loads(body)
         if kind == "chat":

@@ -124,16 +124,30 @@ def test_hf_cache_on_a_claim_and_a_token_secret_key():
     assert {"name": "model-cache", "emptyDir": {}} in specs["router"]["volumes"]
 
 
-def test_pvc_source_mounts_the_claim_read_only():
+def test_pvc_source_mounts_the_claim_read_only_in_the_pools_and_not_in_the_router():
     isvc = example(source="pvc://weights/qwen/v1")
-    for role, spec in pod_specs(isvc).items():
+    specs = pod_specs(isvc)
+    router = specs.pop("router")
+    for spec in specs.values():
         assert "initContainers" not in spec
         assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in spec["volumes"]
         server = spec["containers"][0]
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in server["volumeMounts"]
         o = opts(server["args"])
-        assert o["--model"] == "/models/qwen/v1"
-        assert o.get("--served-model-name") == (None if role == "router" else "v1")
+        assert o["--model"] == "/models/qwen/v1" and o["--served-model-name"] == "v1"
+    # the router: no claim (it may run on any node), its tokenizer files from a prefill
+    assert "initContainers" not in router
+    assert not any("persistentVolumeClaim" in v for v in router["volumes"])
+    assert not any(m["name"] == "model" for m in router["containers"][0]["volumeMounts"])
+    args = router["containers"][0]["args"]
+    assert "--tokenizer-from-prefill" in args and "--model" not in args
+
+
+def test_the_router_plan_of_a_model_on_a_claim_is_empty():
+    for model in ({"source": "pvc://weights/qwen/v1"}, {"source": "/models/qwen", "pvcName": "weights"}):
+        spec = {"model": model, "image": "registry.local/pdserve:1"}
+        assert workloads.model_plan(spec, tokenizer_only=True) == model_pods.ModelPlan(None)
+        assert workloads.model_plan(spec).volumes  # a server's plan mounts the claim
 
 
 def test_builtin_and_path_sources_keep_their_pods():
@@ -141,6 +155,8 @@ def test_builtin_and_path_sources_keep_their_pods():
     assert all("initContainers" not in s for s in specs.values())
     assert [v["name"] for v in specs["decode"]["volumes"]] == ["tmp"]
     assert opts(specs["decode"]["containers"][0]["args"])["--served-model-name"] == "tiny"
+    router_args = specs["router"]["containers"][0]["args"]
+    assert opts(router_args)["--model"] == "builtin:tiny" and "--tokenizer-from-prefill" not in router_args
     specs = pod_specs(example(source="/models/qwen", pvcName="weights", servedModelName="qwen-7b"))
     assert opts(specs["prefill"]["containers"][0]["args"])["--model"] == "/models/qwen"
     assert opts(specs["prefill"]["containers"][0]["args"])["--served-model-name"] == "qwen-7b"

@@ -92,13 +92,38 @@ def test_router_cli_accepts_the_command_line_the_operator_writes():
         cli.make_discovery(parsed)
 
 
-def test_router_reads_a_model_on_a_volume_for_its_tokenizer():
+@pytest.mark.parametrize("model", [{"source": "/models/qwen", "pvcName": "weights"}, {"source": "pvc://weights/qwen"}])
+def test_a_router_mounts_no_model_claim_and_takes_its_tokenizer_from_a_prefill(model):
+    # a ReadWriteOnce claim would pin the router to the pools' node: the prefill serves it the files instead
+    from pdserve.router import cli
+
     isvc = example()
-    isvc["spec"]["model"] = {"source": "/models/qwen", "pvcName": "weights"}
+    isvc["spec"]["model"] = model
     pod = router_workloads.build_router_deployment(isvc, CONFIG)["spec"]["template"]["spec"]
-    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
-    assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
-    assert opts(pod["containers"][0]["args"])["--model"] == "/models/qwen"
+    assert not any("persistentVolumeClaim" in v for v in pod["volumes"])
+    assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}]  # where the fetched files go, briefly
+    (container,) = pod["containers"]
+    assert container["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}] and "initContainers" not in pod
+    args = router_workloads.router_args(isvc, CONFIG)
+    assert "--tokenizer-from-prefill" in args and "--model" not in args and container["args"] == args
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    parsed = parser.parse_args(args[1:])
+    assert parsed.tokenizer_from_prefill and parsed.tokenizer_wait == defaults.TOKENIZER_WAIT_S
+    # the pools still mount the claim and read the model from it
+    prefill = workloads.build_deployment(pools.build_prefill_pool(isvc, CONFIG))["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in prefill["volumes"]
+    assert opts(prefill["containers"][0]["args"])["--model"] == "/models/qwen"
+
+
+def test_the_router_cli_refuses_both_a_model_and_a_tokenizer_from_a_prefill(capsys):
+    from pdserve.router import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "tiny", "--tokenizer-from-prefill"])
+    assert "not allowed with argument" in capsys.readouterr().err
 
 
 def test_zero_replicas_means_no_router_and_the_names_to_delete_cover_everything_it_makes():
