@@ -20,11 +20,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.pd_cluster import nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
 from pdserve import defaults
+from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
 
 pytestmark = pytest.mark.slow
 
-DECODE_BLOCKS = 16  # one request of MAX_TOKENS fits on the decode, a second one must wait
-MAX_TOKENS = 900
+DECODE_BLOCKS = 4  # one request of MAX_TOKENS (plus its prompt: 4 blocks) fits on the decode, a second must wait
+MAX_TOKENS = 200
+# the decode's steps last at least this long (a test hook): the first request runs >= 10 s on any CPU, so the
+# second is still queued behind it when the test looks (with 900 unslowed tokens a fast CPU had finished the
+# first one before the second arrived: 1 CI failure)
+STEP_FLOOR_S = 0.05
+HANG_GUARD_S = 120.0
 
 
 def scrape(url: str) -> dict[str, tuple[float, dict]]:
@@ -63,12 +69,14 @@ def complete(url: str, results: list) -> None:
     body = {"model": "tiny", "prompt": "hello", "max_tokens": MAX_TOKENS, "ignore_eos": True}
     req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
+    with urllib.request.urlopen(req, timeout=HANG_GUARD_S) as resp:
         results.append((resp.status, json.loads(resp.read())["usage"]["completion_tokens"]))
 
 
 def test_protocol_series_move_with_real_requests(procs):
-    decode = start_decode(procs, num_blocks=DECODE_BLOCKS)
+    with pytest.MonkeyPatch.context() as mp:  # start_decode passes our environment on
+        mp.setenv(TEST_STEP_FLOOR_ENV, str(STEP_FLOOR_S))
+        decode = start_decode(procs, num_blocks=DECODE_BLOCKS)
     wait_ready(decode)
     prefill = start_prefill(procs, [decode.grpc_address], num_blocks=64)
     wait_ready(prefill)
@@ -87,15 +95,15 @@ def test_protocol_series_move_with_real_requests(procs):
     wait_until(lambda: protocol(prefill.url)["running"] == 1 and protocol(decode.url)["running"] == 1,
                "the request running on prefill and decode")
     kv = protocol(decode.url)["kv"]
-    assert kv >= 15 / DECODE_BLOCKS, kv  # prompt + max_tokens reserved on the decode
+    assert kv == 1.0, kv  # prompt + max_tokens reserved on the decode: every block
 
     second = threading.Thread(target=complete, args=(prefill.url, results))
     second.start()
     queued = wait_until(lambda: (lambda v: v if v["waiting"] == 1 else None)(protocol(prefill.url)),
                         "the second request queued on the prefill (the decode is full)")
     assert queued["running"] == 1
-    first.join(timeout=60)
-    second.join(timeout=60)
+    first.join(timeout=HANG_GUARD_S)
+    second.join(timeout=HANG_GUARD_S)
     assert results == [(200, MAX_TOKENS), (200, MAX_TOKENS)]
 
     wait_until(lambda: all(protocol(s.url) == {"waiting": 0, "running": 0, "kv": 0} for s in (prefill, decode)),
