@@ -26,6 +26,9 @@ from harness.procs import wait_for_port
 pytestmark = pytest.mark.slow
 
 LONG_PROMPT = [256] + [65 + i % 26 for i in range(149)]  # 150 tokens: 3 blocks with max_tokens 8
+# the streams a test cuts (its decode killed, its client gone) last >= 2000 x this on any CPU (a test hook), so
+# they are still running when a starved test process gets to cut them; it costs nothing (they are cut)
+CUT_STREAM_STEP_FLOOR_S = 0.005
 RELEASE_HANG_GUARD_S = 20.0  # only a hang guard on a release (less than the 30 s session timeout of the first test)
 
 
@@ -130,7 +133,7 @@ def _events(resp):
 
 
 def test_decode_killed_mid_generation_gives_error_event(procs):
-    decode = start_decode(procs, name="decode")
+    decode = start_decode(procs, name="decode", step_floor_s=CUT_STREAM_STEP_FLOOR_S)
     wait_ready(decode)
     prefill = start_prefill(procs, [decode.grpc_address], extra=["--resume-wait", "1"])
     wait_ready(prefill)
@@ -253,7 +256,7 @@ def test_incompatible_peer_is_refused_naming_both_values(procs):
 def test_client_disconnect_cancels_on_decode(procs):
     """A client that goes away mid-stream cancels its request on the prefill and on the decode (the
     session ends as cancelled, not by running its 2000 tokens to the end), and everything is freed."""
-    decode = start_decode(procs, name="decode")
+    decode = start_decode(procs, name="decode", step_floor_s=CUT_STREAM_STEP_FLOOR_S)
     wait_ready(decode)
     prefill = start_prefill(procs, [decode.grpc_address])
     wait_ready(prefill)

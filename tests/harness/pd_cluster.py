@@ -75,11 +75,17 @@ def wait_ready(server: Server, timeout: float = 120.0) -> None:
 
 
 def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), name: str = "decode",
-                 grpc_port: int | None = None) -> Server:
-    """``grpc_port``: a port chosen before (a prefill may list the decode before it starts)."""
+                 grpc_port: int | None = None, step_floor_s: float = 0.0) -> Server:
+    """``grpc_port``: a port chosen before (a prefill may list the decode before it starts).
+    ``step_floor_s``: every decode step lasts at least this long (the test hook
+    ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``): a stream of N tokens lasts >= N x that on any CPU, for a
+    test that acts while it still runs."""
+    from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
+
     grpc_port, http_port, kv_port = grpc_port or free_port(), free_port(), free_port()
+    env = {TEST_STEP_FLOOR_ENV: str(step_floor_s)} if step_floor_s else None
     proc = procs.pdserve("decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port),
-                         "--transfer", transfer, "--num-blocks", str(num_blocks), *COMMON, *extra, name=name)
+                         "--transfer", transfer, "--num-blocks", str(num_blocks), *COMMON, *extra, name=name, env=env)
     return Server(proc, http_port, grpc_port, kv_port, name)
 
 
