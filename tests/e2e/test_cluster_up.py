@@ -10,16 +10,22 @@ import time
 
 import pytest
 
+from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
 from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow
+# test_up_serves_and_ctrl_c_drains: the decodes' steps last >= 10 ms (a test hook `pdserve up` passes on
+# to them), so the 600-token stream lasts >= 6 s and is still in flight when Ctrl-C reaches the prefill,
+# however fast the CPU decodes or however late a starved test sends the signal
+DRAIN_STEP_FLOOR_S = 0.01
 
 
-def start_up(procs, tmp_path, decodes: int, prefills: int = 1):
+def start_up(procs, tmp_path, decodes: int, prefills: int = 1, env: dict | None = None):
     """`pdserve up` with `prefills` prefills and `decodes` decodes, once it printed its banner: (process, port, banner)."""
     port, grpc_port = free_port(), free_port()
     up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", str(prefills), "--decode", str(decodes),
-                      "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up")
+                      "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up",
+                     env=env)
     log = tmp_path / "logs" / "up.log"
     deadline = time.monotonic() + 180
     while "pdserve is up" not in log.read_text(errors="replace"):
@@ -30,7 +36,7 @@ def start_up(procs, tmp_path, decodes: int, prefills: int = 1):
 
 
 def test_up_serves_and_ctrl_c_drains(procs, tmp_path):
-    up, port, banner = start_up(procs, tmp_path, decodes=2)
+    up, port, banner = start_up(procs, tmp_path, decodes=2, env={TEST_STEP_FLOOR_ENV: str(DRAIN_STEP_FLOOR_S)})
     assert f"http://127.0.0.1:{port}/v1" in banner and "curl" in banner and "OpenAI(" in banner
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
