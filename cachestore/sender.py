@@ -189,8 +189,8 @@ class CacheStoreSender:
                     transfer.corrupt = True
                 try:
                     req.link.submit(transfer)
-                except TransferError as exc:
-                    link_error = exc
+                except TransferError as exc:  # named for the request, as on_link_failed names it (it may come first)
+                    link_error = type(exc)(f"request {request_id!r}: {exc}")
         if link_error is not None:
             self._fail(request_id, link_error, tell_receiver=False)
         elif done:

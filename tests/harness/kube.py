@@ -23,7 +23,7 @@ What runs (started by `local_control_plane`, all on 127.0.0.1, free ports, data 
   serviceaccount(-token), endpoint(slice), namespace and root-CA publisher controllers run.
 No kubelet and no scheduler: pods stay Pending, which is enough to test what creates them.
 `kube.make_pods_ready(namespace, selector, count)` plays scheduler and kubelet for chosen pods
-(bound to a Node that is only an API object, reported Ready with a 10.244.x.y IP, deletion
+(bound to a Node that is only an API object, reported Ready with a 10.245.x.y IP (harness/kube_kubelet.py), deletion
 confirmed), so ready counts, Deployment status and EndpointSlices behave as in a real cluster;
 the node lifecycle controller is off, as no kubelet renews that node's lease.
 
@@ -144,7 +144,7 @@ class KubeCluster:
 
         The local control plane has no scheduler and no kubelet, so this does their part: it binds
         each pod to the Node `pdserve-test-node` (an API object only), reports it Running and
-        Ready with a pod IP from 10.244.0.0/16, and from then on force-deletes it once it is
+        Ready with a pod IP from 10.245.0.0/16, and from then on force-deletes it once it is
         deleted (as a kubelet confirms a pod's termination). Controllers see real ready pods:
         ReplicaSet/Deployment ready counts rise and EndpointSlices list their IPs. Nothing runs.
         On an existing cluster (PDSERVE_KUBECONFIG) its kubelets do this; here it only waits.

@@ -10,6 +10,12 @@ import contextlib
 import datetime
 import threading
 
+# The pods' IPs: 10.245.0.0/16, an API fact only (nothing listens there). Not the real node's pod
+# subnet (kube_node_config.POD_CIDR, 10.244.0.0/24): with both tiers running at once, a fake pod's IP
+# once was a real pod's, and a prefill under test reached that pod's decode (1 failure in a busy run).
+POD_IP_PREFIX = "10.245."
+HOST_IP = POD_IP_PREFIX + "255.1"
+
 class FakeKubelet:
     """The kubelet part of make_pods_ready: one Node object, pods reported running, deletions confirmed.
 
@@ -48,15 +54,15 @@ class FakeKubelet:
                 "apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
                 "target": {"apiVersion": "v1", "kind": "Node", "name": self.NODE}}, _preload_content=False)
         self.next_ip += 1
-        ip = f"10.244.{self.next_ip // 250}.{self.next_ip % 250 + 1}"
+        ip = f"{POD_IP_PREFIX}{self.next_ip // 250}.{self.next_ip % 250 + 1}"
         now = _now()
         conditions = [{"type": t, "status": "True", "lastTransitionTime": now}
                       for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
         statuses = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": True, "started": True,
                      "restartCount": 0, "state": {"running": {"startedAt": now}}} for c in pod["spec"]["containers"]]
         self.core.patch_namespaced_pod_status(name, namespace, {"status": {
-            "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": "10.244.255.1",
-            "hostIPs": [{"ip": "10.244.255.1"}], "startTime": now, "conditions": conditions, "containerStatuses": statuses}})
+            "phase": "Running", "podIP": ip, "podIPs": [{"ip": ip}], "hostIP": HOST_IP,
+            "hostIPs": [{"ip": HOST_IP}], "startTime": now, "conditions": conditions, "containerStatuses": statuses}})
 
     def _confirm_deletions(self) -> None:
         from kubernetes.client.rest import ApiException

@@ -6,6 +6,7 @@ import uuid
 import pytest
 
 from harness import kube as kube_harness
+from harness.kube_kubelet import POD_IP_PREFIX
 
 DEPLOYMENT = """
 apiVersion: apps/v1
@@ -137,7 +138,7 @@ def test_pods_made_ready_count_in_the_deployment_and_its_endpointslice(kube, nam
     endpoints = kube.wait_until(lambda: (e := slice_endpoints()) and len(e) == 2 and e,
                                 what="2 ready endpoints in the Service's EndpointSlice")
     assert {e["targetRef"]["name"] for e in endpoints} == set(names)
-    assert all(e["addresses"][0].startswith("10.244.") for e in endpoints)
+    assert all(e["addresses"][0].startswith(POD_IP_PREFIX) for e in endpoints)
 
     # Scaling down deletes a bound pod; the fake kubelet confirms it, so it really goes away.
     kube.kubectl("scale", "deployment", "web", "--replicas=1", "-n", namespace)

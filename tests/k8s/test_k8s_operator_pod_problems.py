@@ -135,7 +135,7 @@ def test_pod_problems_make_the_service_degraded_with_warning_events_and_clear(ku
 
     # 4. The pod recovers: the conditions clear, and the service serves.
     start = time.monotonic()
-    report(kube, ns, pod, {"phase": "Running", "podIP": "10.244.9.9", "podIPs": [{"ip": "10.244.9.9"}],
+    report(kube, ns, pod, {"phase": "Running", "podIP": "10.245.9.9", "podIPs": [{"ip": "10.245.9.9"}],
                            "conditions": scheduled(ready=True), "containerStatuses": [container(
                                {"running": {"startedAt": now()}}, ready=True, restarts=3, last=last)]})
 

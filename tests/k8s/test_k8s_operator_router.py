@@ -4,7 +4,7 @@ it; replicas following spec.router.replicas, 0 removing it all (the prefill is t
 again); and a real `pdserve router` process, with the router pods' own ServiceAccount token,
 finding the prefill pods through the prefill Service's EndpointSlices as the pods would.
 
-Pods never run here (no kubelet): the harness reports them ready with 10.244.x.y IPs, so the
+Pods never run here (no kubelet): the harness reports them ready with 10.245.x.y IPs, so the
 router sees the prefill addresses but cannot reach them (none is routable, /ready is 503).
 """
 

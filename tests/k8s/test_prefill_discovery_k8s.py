@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from harness.kube_kubelet import POD_IP_PREFIX
 from harness.pd_cluster import get_json
 from pdserve.net import free_port
 from harness.procs import wait_for_port
@@ -74,7 +75,7 @@ def test_endpointslice_watch_follows_selected_decode_services(kube, tmp_path, pr
         await disc.start()
         try:
             two = await asyncio.to_thread(_wait, lambda: len(disc.addresses()) == 2 and disc.addresses(), 30, "2 decode endpoints")
-            assert all(a.startswith("10.244.") and a.endswith(":50052") for a in two), two
+            assert all(a.startswith(POD_IP_PREFIX) and a.endswith(":50052") for a in two), two
             kube.kubectl("scale", "deployment/decode-a", "-n", NS, "--replicas=3")
             await asyncio.to_thread(kube.make_pods_ready, NS, "app=decode-a", 3)
             three = await asyncio.to_thread(_wait, lambda: len(disc.addresses()) == 3 and disc.addresses(), 30, "3 endpoints")
