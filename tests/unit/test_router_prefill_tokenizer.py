@@ -10,6 +10,7 @@ import time
 import pytest
 from aiohttp import web
 
+from harness.conditions import until
 from pdserve import tokenizer_files
 from pdserve.discovery import StaticDiscovery
 from pdserve.net import free_ports
@@ -65,8 +66,7 @@ def test_an_older_prefill_is_retried_and_a_good_answer_loads_the_tokenizer(tmp_p
         source = PrefillTokenizer(prefills, wait_s=30.0, retry_s=0.05)
         loading = asyncio.ensure_future(source.load())
         try:
-            while not source.last_failure:
-                await asyncio.sleep(0.01)
+            await until(lambda: source.last_failure, "the first answer (a 404) recorded as a failure")
             assert "no /tokenizer there (a pdserve older than this router?)" in source.why_not()
             assert source.state()["loaded"] is False and not loading.done()
             old["on"] = False  # the prefill is upgraded: its next answer is the files
