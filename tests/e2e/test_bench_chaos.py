@@ -22,6 +22,7 @@ def test_chaos_smoke_writes_the_report_and_nothing_is_wrong(tmp_path):
     # bench chaos stops the `pdserve up` it started in every case; the timeout only guards the test
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]  # 1: a target missed, still reported
+    assert (tmp_path / "smoke.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "smoke.json").read_text())
     assert (tmp_path / "smoke.png").stat().st_size > 0
     s = doc["summary"]
@@ -57,6 +58,7 @@ def test_chaos_netem_runs_in_its_own_namespace_records_netem_faults_and_deletes_
     ns = f"pdchaos-{proc.pid}"
     assert f"network namespace {ns} deleted" in out, out[-4000:]
     assert ns not in _namespaces()
+    assert (tmp_path / "netem.json").exists(), out[-4000:]  # a run that failed before its report says why
     doc = json.loads((tmp_path / "netem.json").read_text())
     assert doc["config"]["netns"] == ns and doc["netem"]
     assert doc["faults"] and all(f["kind"] == "netem" and f["target"] == "prefill<->decode" for f in doc["faults"])
