@@ -148,7 +148,9 @@ class Link:
                 self.sending += 1
                 batch.append(chunk)
                 size += chunk.nblocks
-            return batch
+        for chunk in batch:  # outside the lock: the engine thread keeps storing layers meanwhile
+            chunk.transfer.wait_ready()
+        return batch
 
     def chunk_done(self, chunk: Chunk, acked: bool) -> None:
         """A data thread is done with a popped chunk; ``acked``: it reached the receiver."""
@@ -259,6 +261,7 @@ class Link:
                     continue
                 try:
                     t = chunk.transfer
+                    t.wait_ready()  # a GPU layer still being written: its event, outside the lock
                     for src, dst, n in chunk.slices:
                         nbytes = n * layout.block_nbytes
                         offset = layout.offset(t.layer, src)

@@ -13,7 +13,7 @@ import ctypes
 import operator
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 # The bytes of one element for each dtype name CompatInfo accepts.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
@@ -121,6 +121,9 @@ class MemoryRegion:
     device: str = "cpu"
     device_id: int = 0
     owner: Any = field(default=None, repr=False)  # keeps the backing tensor alive
+    # a writer that runs ahead of its device (a CUDA stream): layer -> a callable that blocks until that
+    # layer's writes queued so far are done (None: done already); None: every write is done when stored
+    layer_written: Callable[[int], Callable[[], None] | None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.ptr, int) or self.ptr <= 0:
@@ -131,7 +134,7 @@ class MemoryRegion:
             raise ValueError(f"MemoryRegion.device must be 'cpu' or 'cuda', got {self.device!r}")
 
     @classmethod
-    def from_tensor(cls, tensor: Any) -> "MemoryRegion":
+    def from_tensor(cls, tensor: Any, layer_written=None) -> "MemoryRegion":
         """The whole storage of a contiguous torch tensor (or numpy array) as one region."""
         if hasattr(tensor, "data_ptr"):  # torch
             if not tensor.is_contiguous():
@@ -140,7 +143,7 @@ class MemoryRegion:
             if device not in ("cpu", "cuda"):
                 raise ValueError(f"tensor on device {tensor.device} is not supported (cpu or cuda)")
             return cls(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device,
-                       tensor.device.index or 0, owner=tensor)
+                       tensor.device.index or 0, owner=tensor, layer_written=layer_written)
         if hasattr(tensor, "__array_interface__"):  # numpy
             if not tensor.flags["C_CONTIGUOUS"]:
                 raise ValueError("MemoryRegion.from_tensor needs a C-contiguous array")

@@ -22,7 +22,7 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 DEFAULT_MAX_WAIT = 30
 
@@ -37,6 +37,7 @@ class Transfer:
     priority: int = 0
     context: Any = None  # opaque to the scheduler (the sender's request object)
     corrupt: bool = False  # test hook (checksum.py): the link flips one byte of this transfer's next slice
+    ready: Callable[[], None] | None = None  # blocks until the source bytes are written (a GPU event); None: they are
     seq: int = -1
     left: int = field(init=False)
     _run: int = field(init=False, default=0)
@@ -50,6 +51,14 @@ class Transfer:
     @property
     def total(self) -> int:
         return sum(n for _, _, n in self.runs)
+
+    def wait_ready(self) -> None:
+        """For a link's data thread, outside its lock: wait until the writer's copy of these bytes is done
+        (``MemoryRegion.layer_written``); at once when there is nothing to wait for or it was waited for."""
+        ready = self.ready
+        if ready is not None:
+            ready()
+            self.ready = None
 
     def take(self, nblocks: int) -> list[tuple[int, int, int]]:
         """Hand out the next nblocks (or all that is left) as slices of the runs."""

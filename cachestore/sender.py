@@ -7,8 +7,10 @@ Request lifecycle on the sender:
    compatibility hash are checked here (``CompatError`` with both values); the link to that
    receiver is reused or opened (``link.py``), and BIND(rid) is queued on it.
 2. ``store(rid, layer, src_block_ids)``: called from the engine's compute thread right after
-   that layer's KV is written. Thread-safe and non-blocking: pairs src[i] -> dst[i], merges
-   runs contiguous on both sides, and pushes one Transfer to the link's scheduler.
+   that layer's KV is written (on a GPU: queued on its stream; the region's ``layer_written``
+   gives the event the link's thread waits on before it reads, so the engine never waits for
+   its own layer). Thread-safe and non-blocking: pairs src[i] -> dst[i], merges runs contiguous
+   on both sides, and pushes one Transfer to the link's scheduler.
 3. The link's threads send it (tcp DATA frames straight from the region, or NIXL WRITEs);
    the receiver ACKs each frame (tcp) / NIXL reports each WRITE done.
 4. ``await wait_sent(rid)`` returns once every layer of the layout was stored and delivered.
@@ -162,6 +164,8 @@ class CacheStoreSender:
         """
         self.layout.check_layer(layer)
         src = self.layout.check_blocks(src_block_ids, "source block id")
+        # the layer's writes as of now (a CUDA event recorded by the engine): the link waits on it, not this thread
+        ready = None if self.region.layer_written is None else self.region.layer_written(layer)
         with self._lock:
             req = self._requests.get(request_id)
             if req is None or req.deleted:
@@ -183,7 +187,7 @@ class CacheStoreSender:
             done = req.pending == 0 and len(req.stored) == self.layout.num_layers
             link_error = None
             if runs:  # under the lock: a delete() on another thread cannot slip in before the push
-                transfer = Transfer(request_id, layer, runs)
+                transfer = Transfer(request_id, layer, runs, ready=ready)
                 if self._corrupt_left > 0 and layer == self.layout.num_layers // 2:
                     self._corrupt_left -= 1
                     transfer.corrupt = True

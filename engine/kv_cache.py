@@ -39,6 +39,7 @@ class KVCache:
             num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
         )
         self._flat = self.tensor.view(num_layers, num_blocks * 2 * block_size, num_kv_heads, head_dim)
+        self._written: list = [None] * num_layers  # CUDA: an event after each layer's last marked write
 
     @property
     def dtype(self) -> torch.dtype:
@@ -82,6 +83,21 @@ class KVCache:
         flat = self._flat[layer]
         flat.index_copy_(0, k_rows, k.to(flat.dtype))
         flat.index_copy_(0, k_rows + self.block_size, v.to(flat.dtype))
+
+    def mark_written(self, layer: int) -> None:
+        """The K/V writes of ``layer`` queued so far on the current stream are what a reader on another
+        thread (the CacheStore's link) must wait for: a CUDA event recorded now, so the engine thread goes
+        on to the next layer instead of synchronizing its stream. No-op on CPU (writes are done on return)."""
+        if self.tensor.is_cuda:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.tensor.device))
+            self._written[layer] = event
+
+    def written_waiter(self, layer: int):
+        """A callable that blocks until the writes of ``layer`` marked so far are done; None when
+        nothing needs waiting (CPU, or never marked). For ``MemoryRegion(layer_written=...)``."""
+        event = self._written[layer]
+        return None if event is None else event.synchronize
 
     def gather(self, layer: int, k_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at the K rows ``k_rows`` (any shape S) -> two tensors ``[*S, num_kv_heads, head_dim]``."""

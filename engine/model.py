@@ -8,7 +8,10 @@ gather of their block tables (built once per step in ``ForwardBatch``, reused by
 
 Layer-by-layer: ``forward(batch, kv, on_layer=cb)`` calls ``cb(layer_idx)`` right after that
 layer's K/V are written into the cache (the CacheStore sends that layer while the next ones
-compute). Without ``on_layer`` it is the same code, so both give identical results.
+compute). On a GPU the writes are only queued by then: ``kv.mark_written`` records a CUDA event
+that the CacheStore's thread waits on before it reads (``KVCache.written_waiter``), so the
+engine's stream never stops for a layer. Without ``on_layer`` it is the same code, so both give
+identical results.
 
 The family's layer (``models.layer_class``) does the per-token work; this module does what is
 shared: embeddings (scaled for Gemma), rotary tables (two for Gemma 3), attention over the
@@ -147,14 +150,12 @@ class DecoderModel(nn.Module):
         cfg = self.cfg
         ropes = self._ropes(batch.positions, x.dtype)
         masks: dict = {}  # sliding-window masks, built once per step and window
-        sync = on_layer is not None and kv.device.type == "cuda"
         for i in layer_ids:
             layer, c = self.layers[i], i - layer_ids.start
             q, k, v = layer.qkv(x, *ropes[layer.rope_local])
             kv.write(c, batch.slot_rows, k, v)
             if on_layer is not None:
-                if sync:
-                    torch.cuda.current_stream(kv.device).synchronize()
+                kv.mark_written(c)  # a CUDA event the CacheStore's thread waits on; no stream sync here
                 on_layer(i)
             out = self._paged_attention(c, layer.window, q, k, v, batch, kv, masks)
             x = layer.finish(x, out.view(x.shape[0], cfg.num_heads * cfg.head_dim))

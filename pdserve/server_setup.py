@@ -275,7 +275,7 @@ def kv_parts(engine: LLMEngine, args):
     layout = KVLayout(num_layers=kv.num_layers, num_blocks=kv.num_blocks, block_nbytes=kv.block_nbytes)
     compat = CompatInfo(dtype=args.dtype, num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
                         head_dim=kv.head_dim, block_size=kv.block_size)
-    return MemoryRegion.from_tensor(kv.tensor), layout, compat
+    return MemoryRegion.from_tensor(kv.tensor, layer_written=kv.written_waiter), layout, compat
 
 
 def compat_message(engine: LLMEngine, args, model_name: str):

@@ -180,3 +180,43 @@ def test_nixl_layers_queued_together_go_as_one_write():
             p.rx.delete("w"), p.tx.delete("w")
             await p.assert_clean()
     run(main())
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_layer_is_read_only_once_its_writer_is_done(transport):
+    """A GPU engine stores a layer when its writes are only queued (KVCache.mark_written records an
+    event): the sender takes the region's waiter for that layer at store() and the link's thread waits
+    on it before it reads, so the bytes that arrive are the ones written after the store() call."""
+    async def main():
+        async with Pair(transport) as p:
+            src_blocks, dst_blocks = [1, 2, 6], [7, 8, 9]
+            final = torch.randn(L, len(src_blocks), *p.src.shape[2:])
+            entered = [threading.Event() for _ in range(L)]
+            written = [threading.Event() for _ in range(L)]
+            captured_on: list[str] = []
+
+            def layer_written(layer):  # MemoryRegion.layer_written: called by store(), on the storing thread
+                captured_on.append(threading.current_thread().name)
+
+                def wait():  # on the link's thread
+                    entered[layer].set()
+                    assert written[layer].wait(30), f"hang guard: layer {layer} never written"
+                return wait
+
+            p.tx.region.layer_written = layer_written
+            p.tx.bind("g", p.rx.endpoint, p.rx.expect("g", dst_blocks, timeout_s=20))
+            for layer in range(L):  # the engine ran ahead of its device: every layer stored, none written
+                p.tx.store("g", layer, src_blocks)
+            assert captured_on == [threading.current_thread().name] * L
+            await until(entered[0].is_set, "the link to wait for layer 0's writes")
+            assert len(p.tx.layer_times("g")) == 0, "a layer was delivered before its writes were done"
+            for layer in range(L):  # the device catches up, layer by layer
+                p.src[layer, src_blocks] = final[layer]
+                written[layer].set()
+            await p.tx.wait_sent("g", 20)
+            await p.rx.wait_all("g", 20)
+            assert all(torch.equal(p.dst[layer, d], final[layer, i]) for layer in range(L)
+                       for i, d in enumerate(dst_blocks))
+            p.rx.delete("g"), p.tx.delete("g")
+            await p.assert_clean()
+    run(main())

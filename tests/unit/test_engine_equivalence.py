@@ -87,10 +87,15 @@ def test_layer_by_layer_equals_fused_and_kv_is_written_before_callback(tiny):
     blocks_fused = fused.prefill_block_ids("r")
 
     layered = _engine(tiny)
-    seen = []
+    seen, marks = [], []
+    mark = layered.kv_cache.mark_written
+    layered.kv_cache.mark_written = lambda layer: (marks.append(layer), mark(layer))
 
     def on_layer(layer, block_ids):
         kv = layered.kv_cache
+        # the layer's writes were marked before the callback (on a GPU: the event the CacheStore's thread
+        # waits on); on CPU they are done already, so there is nothing to wait for
+        assert marks[-1] == layer and kv.written_waiter(layer) is None
         # this layer's KV is final already; the next layer's is not written yet
         assert torch.equal(kv.layer(layer)[block_ids], fused.kv_cache.layer(layer)[blocks_fused])
         if layer + 1 < kv.num_layers:
