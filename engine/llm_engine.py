@@ -25,10 +25,12 @@ Not thread-safe: call from one thread (AsyncLLMEngine runs it on its own thread)
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Callable
 
 from .block_manager import BlockManager, blocks_needed
+from .decode_graphs import DecodeGraphs
 from .defaults import BLOCK_SIZE
 from .errors import OutOfBlocksError
 from .grammar import Grammars
@@ -42,6 +44,8 @@ from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
 from .swap import Swapper
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -62,6 +66,7 @@ class EngineConfig:
     kv_host_tier_bytes: int = 0
     kv_disk_tier_dir: str | None = None
     kv_disk_tier_bytes: int = 0
+    cuda_graphs: bool = True  # on CUDA: decode steps from CUDA graphs (decode_graphs.py); False: eager (--enforce-eager)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
@@ -106,12 +111,25 @@ class LLMEngine:
         self.device = loaded.device
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
+        if config.cuda_graphs and self.device.type == "cuda":
+            self._capture_decode_graphs(config)
         self.outputs = OutputProcessor(set(loaded.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.outputs.eos_ids)
         self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, self.tokenizer.detokenizer,
                                        config.detokenize, self.scheduler.in_use, self.grammars)
         self.pd = PDHooks(self.scheduler, self.runner, self.factory, self.outputs, self.max_model_len)
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
+
+    def _capture_decode_graphs(self, config: EngineConfig) -> None:
+        """CUDA graphs for pure-decode steps up to max_num_seqs rows; a failed capture leaves the engine eager."""
+        graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
+                              blocks_needed(self.max_model_len, config.block_size))
+        try:
+            graphs.capture()
+        except Exception as exc:  # an op that cannot be captured: serve eagerly, and say so
+            log.warning("decode CUDA graphs not captured, decode runs eagerly: %s: %s", type(exc).__name__, exc)
+            return
+        self.runner.graphs = graphs
 
     # ---- public queries --------------------------------------------------------------------
     @property

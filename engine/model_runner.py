@@ -9,6 +9,9 @@ are (``num_tokens - num_computed == 1 and num_computed > 0``); every other seque
 *prefill* span (all its uncomputed tokens). Prefill spans come first in the batch, then
 decode rows; ``forward_and_sample`` hands the tokens back in the caller's order.
 
+A step of decode rows only, without a layer callback, runs from ``graphs`` (CUDA graphs, one
+per batch-size bucket: ``decode_graphs.py``) when set and the rows fit.
+
 Prompt logprobs (``SamplingParams.prompt_logprobs``, a sequence whose ``needs_prompt_logits``):
 the logits of every position of its prefill span are made too (from the last hidden states,
 ``ROWS_PER_PASS`` rows at a time), so position p gives the logprob of prompt token p + 1. Its
@@ -26,6 +29,7 @@ from typing import Callable
 import torch
 
 from . import native
+from .decode_graphs import DecodeGraphs, DecodeRow
 from .kv_cache import KVCache
 from .model import DecoderModel, ForwardBatch, PrefillSpan
 from .sampling import ROWS_PER_PASS, Sampler, logprobs_of, token_logprobs
@@ -35,6 +39,7 @@ from .sequence import Sequence
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, sampler: Sampler, device: torch.device):
         self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
+        self.graphs: DecodeGraphs | None = None  # pure-decode steps from CUDA graphs (LLMEngine sets it on CUDA)
         if device.type == "cpu":
             native.paged_decode_attention()  # built or found now, at start-up, not inside the first request
 
@@ -50,18 +55,8 @@ class ModelRunner:
         among the tokens it allows next."""
         pre = [s for s in seqs if not (s.num_tokens - s.num_computed == 1 and s.num_computed > 0)]
         dec = [s for s in seqs if s not in pre] if len(pre) != len(seqs) else []
-        batch = self.build_batch(pre, dec)
         ordered = pre + dec
-        prompt_rows = self._prompt_rows(pre, batch)
-        prompt_lps: dict[int, list] = {}
-        if prompt_rows:  # the forward pass by hand, to keep the hidden states of every prompt position
-            with torch.inference_mode():
-                x = self.model.embed(batch.input_ids)
-                x = self.model.run_layers(x, batch, self.kv_cache, range(len(self.model.layers)), on_layer)
-                logits = self.model.head(x, batch)
-                prompt_lps = self._prompt_logprobs(prompt_rows, x)
-        else:
-            logits = self.model(batch, self.kv_cache, on_layer=on_layer)
+        logits, prompt_lps = self._forward(pre, dec, on_layer)
         params = [s.sampling for s in ordered]
         masked = logits
         if any(s.matcher is not None for s in ordered):
@@ -76,6 +71,27 @@ class ModelRunner:
         by_seq = {id(s): (t, lp) for s, t, lp in zip(ordered, sampled, lps)}
         return ([by_seq[id(s)][0] for s in seqs], [by_seq[id(s)][1] for s in seqs],
                 [prompt_lps.get(id(s)) for s in seqs])
+
+    def _forward(self, pre: list[Sequence], dec: list[Sequence], on_layer) -> tuple[torch.Tensor, dict[int, list]]:
+        """Logits of every sequence (prefills, then decodes) and the new prompt logprobs by id(sequence)."""
+        if not pre and on_layer is None and self.graphs is not None:
+            rows = [self._decode_row(s) for s in dec]
+            if self.graphs.fits(rows):  # a CUDA graph of the step's bucket (decode_graphs.py)
+                with torch.inference_mode():
+                    return self.graphs.run(rows), {}
+        batch = self.build_batch(pre, dec)
+        prompt_rows = self._prompt_rows(pre, batch)
+        if not prompt_rows:
+            return self.model(batch, self.kv_cache, on_layer=on_layer), {}
+        with torch.inference_mode():  # the forward pass by hand, to keep the hidden states of every prompt position
+            x = self.model.embed(batch.input_ids)
+            x = self.model.run_layers(x, batch, self.kv_cache, range(len(self.model.layers)), on_layer)
+            return self.model.head(x, batch), self._prompt_logprobs(prompt_rows, x)
+
+    def _decode_row(self, seq: Sequence) -> DecodeRow:
+        p, bs = seq.num_computed, self.kv_cache.block_size
+        return DecodeRow(seq.all_ids[p], p, int(self.kv_cache.slot_indices(seq.block_table[p // bs], p % bs)),
+                         seq.block_table)
 
     @staticmethod
     def _prompt_rows(pre: list[Sequence], batch: ForwardBatch) -> list[tuple[Sequence, list[int], list[int]]]:

@@ -243,7 +243,7 @@ def measure_gpu_memory(loaded, engine_config, cuda=None) -> GpuMemory:
     probe = LLMEngine(loaded, EngineConfig(
         num_blocks=sum(blocks_needed(n, block_size) for n in lengths), block_size=block_size,
         max_num_seqs=len(lengths), max_model_len=max_len, enable_prefix_cache=False,
-        max_num_batched_tokens=sum(lengths), detokenize=False))
+        max_num_batched_tokens=sum(lengths), detokenize=False, cuda_graphs=False))  # the serving engine captures them
     vocab = loaded.config.vocab_size
     prompts = [(f"profile-{i}", [(i + j) % vocab for j in range(n)], SamplingParams(max_tokens=1))
                for i, n in enumerate(lengths)]

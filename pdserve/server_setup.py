@@ -79,6 +79,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "F x total - what is in use after loading the weights - the activation peak of one "
                         "profiling forward of the engine's largest step (pdserve/kv_sizing.py)")
     g.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one running batch")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="on --device cuda: run decode steps eagerly instead of from CUDA graphs (captured at start, "
+                        "one per batch-size bucket up to --max-num-seqs; engine/decode_graphs.py)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="CacheStore transport for KV")
@@ -172,7 +175,8 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
         max_len = args.max_model_len or loaded.config.max_position_embeddings
         cfg = EngineConfig(num_blocks=None, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                            max_model_len=max_len, kv_host_tier_bytes=args.kv_host_tier_bytes,
-                           kv_disk_tier_dir=args.kv_disk_tier_dir, kv_disk_tier_bytes=args.kv_disk_tier_bytes)
+                           kv_disk_tier_dir=args.kv_disk_tier_dir, kv_disk_tier_bytes=args.kv_disk_tier_bytes,
+                           cuda_graphs=not args.enforce_eager)
         mc = loaded.config
         size = kv_sizing.size_kv_pool(
             flags, dtype=args.dtype, block_size=args.block_size,
