@@ -49,6 +49,7 @@ API
     engine.kv_cache.block_nbytes, .num_blocks, .layer(i) (view), .block_offset(layer, block) (bytes)
     engine.num_free_blocks(); engine.num_requests()  # (both back to full / 0 when idle)
     blocks_needed(num_tokens, block_size)   # ceil division: blocks that hold num_tokens tokens
+    reusable_blocks(num_tokens, block_size) # (n-1)//block_size: the prompt blocks a prefix cache may supply
 
 Colocated::
 
@@ -127,6 +128,8 @@ _EXPORTS = {
     "block_hash": ".block_manager",
     "blocks_needed": ".block_manager",
     "chained_hashes": ".block_manager",
+    "reusable_blocks": ".block_manager",
+    "reusable_hashes": ".block_manager",
     "ConfigError": ".config",
     "ModelConfig": ".config",
     "ModelLoadError": ".errors",
@@ -160,7 +163,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from .async_engine import AsyncLLMEngine
-    from .block_manager import BlockManager, block_hash, blocks_needed, chained_hashes
+    from .block_manager import BlockManager, block_hash, blocks_needed, chained_hashes, reusable_blocks, reusable_hashes
     from .config import ConfigError, ModelConfig
     from .errors import ModelLoadError, OutOfBlocksError, PromptTooLongError
     from .kv_cache import KVCache

@@ -63,6 +63,18 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def reusable_blocks(num_tokens: int, block_size: int) -> int:
+    """Leading full blocks of a prompt of ``num_tokens`` that a cache may supply: never the block of
+    its last token, which is always computed (its logits give the first output token). The one place
+    for the rule; every prefix cache, router and index that predicts a hit uses it."""
+    return max(0, num_tokens - 1) // block_size
+
+
+def reusable_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """Chained hashes of the ``reusable_blocks`` of a prompt (what a prefix-cache lookup may match)."""
+    return chained_hashes(token_ids[: reusable_blocks(len(token_ids), block_size) * block_size], block_size)
+
+
 class PrefixCacheListener(Protocol):
     """Hears changes of the prefix cache's hash set (KV events); see the module docstring."""
 
@@ -129,7 +141,7 @@ class BlockManager:
     def match_prefix(self, token_ids: list[int]) -> list[int]:
         """Block ids holding the longest cached prefix of ``token_ids`` in the pool.
 
-        At most ``(len(token_ids) - 1) // block_size`` blocks: the last prompt token is always
+        At most ``reusable_blocks(len(token_ids), block_size)``: the last prompt token is always
         computed, because its logits give the first generated token.
         """
         return self._match(token_ids)[0]
@@ -138,10 +150,9 @@ class BlockManager:
         """(pool block ids of the longest cached prefix, the hashes that continue it in lower tiers)."""
         if not self.enable_prefix_cache:
             return [], []
-        limit = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
         lower: list[int] = []
-        for h in chained_hashes(token_ids[: limit * self.block_size], self.block_size):
+        for h in reusable_hashes(token_ids, self.block_size):
             block = None if lower else self._by_hash.get(h)
             if block is not None:
                 hits.append(block)

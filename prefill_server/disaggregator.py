@@ -34,7 +34,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING, Callable
 
-from pdserve.engine import blocks_needed, chained_hashes
+from pdserve.engine import blocks_needed, reusable_hashes
 from pdserve.rate_meter import CostMeter
 
 from .cost_model import LOCAL, MODES, PROMPT_LOGPROBS, REMOTE, CostInputs, Decision, decide
@@ -69,8 +69,8 @@ class Disaggregator:
     def prefill_cached_blocks(self, prompt_ids: list[int]) -> int:
         if self.held_prefix is None or self.mode != "auto":
             return 0
-        limit = (len(prompt_ids) - 1) // self.block_size  # as the engine: the last token is always computed
-        return min(limit, self.held_prefix(chained_hashes(prompt_ids[: limit * self.block_size], self.block_size)))
+        hashes = reusable_hashes(prompt_ids, self.block_size)
+        return min(len(hashes), self.held_prefix(hashes))
 
     @contextlib.contextmanager
     def computing(self, tokens: int):

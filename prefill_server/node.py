@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Callable
 from pdserve import defaults
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH
 from pdserve.defaults import DISAGGREGATION
-from pdserve.engine import blocks_needed, chained_hashes
+from pdserve.engine import blocks_needed, reusable_hashes
 from pdserve.protos import session_pb2 as pb
 
 from .admission_queue import AdmissionQueue, QueueFull, QueueTimeout, RequestTooLarge
@@ -361,11 +361,10 @@ class PrefillNode:
         blocks a decode could reuse at most; ({}, 0) without decode reuse or an index."""
         if not self.decode_reuse or self.decode_index is None:
             return {}, 0
-        reusable = (len(ids) - 1) // self.block_size  # as the engine: the last token is always computed
-        if reusable == 0:
+        hashes = reusable_hashes(ids, self.block_size)
+        if not hashes:
             return {}, 0
-        hashes = chained_hashes(ids[: reusable * self.block_size], self.block_size)
-        return {address: self.decode_index.overlap(address, hashes) for address in self.picker.known()}, reusable
+        return {address: self.decode_index.overlap(address, hashes) for address in self.picker.known()}, len(hashes)
 
     def _keep_timings(self, request_id: str, timings: SessionTimings) -> None:
         self.last_timings[request_id] = timings

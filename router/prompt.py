@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pdserve.engine.block_manager import chained_hashes
+from pdserve.engine.block_manager import chained_hashes, reusable_hashes
 from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer
 
 BUILTIN = ("tiny", "builtin:tiny")
@@ -62,8 +62,7 @@ def prompt_token_ids(body: bytes, kind: str, tokenizer) -> list[int] | None:
 def prompt_hashes(ids: list[int], block_size: int) -> list[int]:
     """Chained hashes of the blocks a prefill can reuse: never the block of the last token
     (the engine always computes it; see BlockManager.match_prefix)."""
-    limit = (len(ids) - 1) // block_size
-    return chained_hashes(ids[: limit * block_size], block_size)
+    return reusable_hashes(ids, block_size)
 
 
 def prompt_key(ids: list[int] | None, block_size: int) -> int:

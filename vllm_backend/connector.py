@@ -34,8 +34,9 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                 KVConnectorRole)
-
 from vllm.v1.request import RequestStatus
+
+from pdserve.engine.block_manager import blocks_needed
 
 from .bridge import BRIDGES, Bridge
 
@@ -54,10 +55,6 @@ def _params(request) -> dict | None:
     if isinstance(params, dict) and params.get("pdserve") in ("prefill", "decode"):
         return params
     return None
-
-
-def _blocks_needed(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class PdserveConnector(KVConnectorBase_V1):
@@ -98,7 +95,7 @@ class PdserveConnector(KVConnectorBase_V1):
         if d is None or d.block_ids is not None:
             return
         ids = blocks.get_block_ids()[0]
-        d.block_ids = list(ids[:_blocks_needed(d.num_prompt_tokens, self.bridge.block_size)])
+        d.block_ids = list(ids[:blocks_needed(d.num_prompt_tokens, self.bridge.block_size)])
         d.on_blocks(d.block_ids, d.cached)
 
     def build_connector_meta(self, scheduler_output) -> PdserveMetadata:
@@ -111,7 +108,7 @@ class PdserveConnector(KVConnectorBase_V1):
             scheduled = scheduler_output.num_scheduled_tokens.get(request.request_id, 0)
             if scheduled and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
                 ids = self._kv_cache_manager.get_block_ids(request.request_id)[0]
-                meta.saves[rid] = list(ids[:_blocks_needed(request.num_prompt_tokens, self.bridge.block_size)])
+                meta.saves[rid] = list(ids[:blocks_needed(request.num_prompt_tokens, self.bridge.block_size)])
                 p.saved = True
                 self._requests.pop(rid, None)
         return meta

@@ -53,6 +53,7 @@ from concurrent.futures import Future, wait
 from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
+from pdserve.engine.block_manager import blocks_needed, reusable_blocks
 from pdserve.engine.engine_thread import set_exception, set_result
 from pdserve.engine.errors import OutOfBlocksError, PromptTooLongError
 from pdserve.engine.sequence import RequestOutput
@@ -80,10 +81,6 @@ def _structured_outputs(grammar):
 def _fed(ids: list[int], grammar) -> list[int]:
     """The trailing prompt tokens already produced under ``grammar`` (a resume's ``feed``; none without one)."""
     return list(ids[len(ids) - grammar.feed:]) if grammar is not None and grammar.feed else []
-
-
-def _blocks_needed(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
 
 
 class VllmAsyncEngine(VllmEngineThread):
@@ -260,7 +257,7 @@ class VllmAsyncEngine(VllmEngineThread):
             raise PromptTooLongError(n_prompt, self.max_model_len)
 
     def _check_free(self, tokens: int) -> None:
-        need, free = _blocks_needed(tokens, self.block_size), self.num_free_blocks()
+        need, free = blocks_needed(tokens, self.block_size), self.num_free_blocks()
         if need > free:
             raise OutOfBlocksError(f"needs {need} KV blocks, {free} free")
 
@@ -305,7 +302,7 @@ class VllmAsyncEngine(VllmEngineThread):
         # vLLM looks the prompt up by these hashes at its next step: only full blocks of real tokens
         # before the prompt's last one (a reservation without a prompt: none). add_prefilled recomputes
         # the rest once the tokens are real.
-        del req.block_hashes[(n_prompt - 1) // self.block_size if prompt else 0:]
+        del req.block_hashes[reusable_blocks(n_prompt, self.block_size) if prompt else 0:]
 
     def _add_prefilled(self, rid: str, ids: list[int], first: int, sampling) -> None:
         d = self.bridge.decodes.get(rid)
