@@ -55,8 +55,8 @@ COPY bench ./bench
 COPY localcluster ./localcluster
 COPY vllm_backend ./vllm_backend
 # Packages to uninstall after the install, ones the image never loads (the CPU image from PyPI's
-# CUDA torch: triton is only for torch.compile, cuSOLVER only for CUDA linear algebra, CCCL only
-# headers). PRUNE_NVIDIA=1 (CPU image from PyPI's CUDA torch only) then deletes every file of the
+# CUDA torch: triton is only for torch.compile and the engine's attention kernels on CUDA
+# (engine/gpu_attention.py), cuSOLVER only for CUDA linear algebra, CCCL only headers). PRUNE_NVIDIA=1 (CPU image from PyPI's CUDA torch only) then deletes every file of the
 # nvidia-* packages that `pdserve generate` on the built-in model does not load (measured under
 # LD_DEBUG; cuDNN's engines, NVSHMEM's bitcode, headers: ~1.2 GB; see the script). Declared here, so
 # that changing them keeps the cached layers above.

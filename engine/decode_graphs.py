@@ -62,8 +62,8 @@ class DecodeRow:
 class DecodeGraphs:
     """Static buffers for up to ``buckets[-1]`` rows and one graph (or eager body) per bucket."""
 
-    def __init__(self, model: DecoderModel, kv: KVCache, max_batch: int, max_blocks: int):
-        self.model, self.kv = model, kv
+    def __init__(self, model: DecoderModel, kv: KVCache, max_batch: int, max_blocks: int, attention: str = "torch"):
+        self.model, self.kv, self.attention = model, kv, attention
         self.buckets = buckets_up_to(max_batch)
         self.max_blocks = max_blocks
         n, dev = self.buckets[-1], kv.device
@@ -124,12 +124,14 @@ class DecodeGraphs:
         """The forward a graph captures: fixed shapes from ``n`` and ``max_blocks``, device ops only."""
         kv = self.kv
         tables, ends = self.tables[:n], self.ends[:n]
-        width = self.max_blocks * kv.block_size
-        decode_rows = kv.table_rows(tables)
-        decode_mask = (torch.arange(width, device=ends.device) < ends.unsqueeze(1)).view(n, 1, 1, width)
+        decode_rows = decode_mask = None
+        if self.attention != "triton":  # attention.py's gather over the whole table width (CPU, tests)
+            width = self.max_blocks * kv.block_size
+            decode_rows = kv.table_rows(tables)
+            decode_mask = (torch.arange(width, device=ends.device) < ends.unsqueeze(1)).view(n, 1, 1, width)
         batch = ForwardBatch(input_ids=self.input_ids[:n], positions=self.positions[:n], slot_rows=self.slot_rows[:n],
                              prefills=[], decode_start=0, decode_rows=decode_rows, decode_mask=decode_mask,
-                             logits_rows=self.rows[:n], decode_tables=tables, decode_ends=ends)
+                             logits_rows=self.rows[:n], decode_tables=tables, decode_ends=ends, attention=self.attention)
         return self.model(batch, kv)
 
     # ---- start-up ---------------------------------------------------------------------

@@ -121,9 +121,16 @@ class LLMEngine:
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
 
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
-        """CUDA graphs for pure-decode steps up to max_num_seqs rows; a failed capture leaves the engine eager."""
+        """CUDA graphs for pure-decode steps up to max_num_seqs rows; a failed capture leaves the engine eager.
+        Only with the paged kernels: attention.py's decode gathers the whole table width, which a graph
+        would have to hold for every row at the model's full length."""
+        if self.runner.attention != "triton":
+            log.warning("decode CUDA graphs off: the paged attention kernels do not take this cache "
+                        "(gpu_attention.usable: block size %d, head dim %d, triton importable?); decode runs eagerly",
+                        config.block_size, self.model_config.head_dim)
+            return
         graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
-                              blocks_needed(self.max_model_len, config.block_size))
+                              blocks_needed(self.max_model_len, config.block_size), attention="triton")
         try:
             graphs.capture()
         except Exception as exc:  # an op that cannot be captured: serve eagerly, and say so

@@ -67,6 +67,11 @@ class ForwardBatch:
     logits_rows: torch.Tensor  # [num_seqs] long
     decode_tables: torch.Tensor | None = None  # [B, max_blocks] long: each decode sequence's block table (padded)
     decode_ends: torch.Tensor | None = None  # [B] long: tokens in each decode sequence's context
+    # "triton": attention by the paged kernels of gpu_attention.py (CUDA; the CPU tests use Triton's
+    # interpreter), which also need the prefill spans' block tables and lengths below; "torch": attention.py
+    attention: str = "torch"
+    prefill_tables: torch.Tensor | None = None  # [S, max_blocks] long: each prefill span's block table (padded)
+    prefill_ctx_lens: list[int] | None = None  # tokens in each prefill span's context (cached + new)
 
 
 class DecoderModel(nn.Module):
@@ -175,6 +180,8 @@ class DecoderModel(nn.Module):
 
     def _paged_attention(self, i, window, q, k, v, batch: ForwardBatch, kv: KVCache, masks: dict) -> torch.Tensor:
         """Layer i's attention output ``[T, H, D]`` for every new token of the batch."""
+        if batch.attention == "triton":
+            return self._kernel_attention(i, window, q, batch, kv, masks)
         scale, cap = self.attn_scale, self.cfg.attn_logit_softcapping
         out = torch.empty_like(q)
         for s, span in enumerate(batch.prefills):
@@ -194,7 +201,7 @@ class DecoderModel(nn.Module):
                     masks[key] = causal_mask(n_new, span.num_cached + n_new, window, q.device)
                 o = attend(qs, ks, vs, mask=masks[key], scale=scale, softcap=cap)
             out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
-        if batch.decode_rows is not None:
+        if batch.decode_tables is not None:
             op = self._native_decode(q, cap, kv, batch)
             if op is not None:
                 key = ("decode_starts", window)  # first position each row attends to, once per step and window
@@ -222,6 +229,30 @@ class DecoderModel(nn.Module):
             qd = q[batch.decode_start :].unsqueeze(2)  # [B, H, 1, D]
             o = attend(qd, kc.to(q.dtype).transpose(1, 2), vc.to(q.dtype).transpose(1, 2), mask=mask, scale=scale, softcap=cap)
             out[batch.decode_start :] = o.squeeze(2)
+        return out
+
+    def _kernel_attention(self, i, window, q, batch: ForwardBatch, kv: KVCache, masks: dict) -> torch.Tensor:
+        """Attention by the paged Triton kernels (gpu_attention.py), reading the KV blocks in place: one
+        varlen launch for every prefill span (prefix hits and chunks included: their new K/V are in the
+        cache already), one flash-decoding launch for every decode row."""
+        from . import gpu_attention
+
+        scale = self.attn_scale if self.attn_scale is not None else q.shape[-1] ** -0.5
+        cap = self.cfg.attn_logit_softcapping
+        out = torch.empty_like(q)
+        n = batch.decode_start
+        if batch.prefills:
+            starts = [span.start for span in batch.prefills]
+            lens = [span.end - span.start for span in batch.prefills]
+            out[:n] = gpu_attention.paged_prefill(q[:n], kv.layer(i), batch.prefill_tables, starts, lens,
+                                                  batch.prefill_ctx_lens, scale, softcap=cap, window=window)
+        if batch.decode_tables is not None:
+            key = ("decode_starts", window)  # first position each row attends to, once per step and window
+            if key not in masks:
+                pos = batch.positions[n:]
+                masks[key] = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_(min=0)
+            out[n:] = gpu_attention.paged_decode(q[n:], kv.layer(i), batch.decode_tables, masks[key],
+                                                 batch.decode_ends, scale, softcap=cap)
         return out
 
     @staticmethod

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from . import native
+from . import gpu_attention, native
 from .decode_graphs import DecodeGraphs, DecodeRow
 from .kv_cache import KVCache
 from .model import DecoderModel, ForwardBatch, PrefillSpan
@@ -40,6 +40,8 @@ class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, sampler: Sampler, device: torch.device):
         self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
         self.graphs: DecodeGraphs | None = None  # pure-decode steps from CUDA graphs (LLMEngine sets it on CUDA)
+        # the paged Triton kernels on CUDA where they take this cache's shapes (gpu_attention.py), else attention.py
+        self.attention = "triton" if gpu_attention.usable(kv_cache) else "torch"
         if device.type == "cpu":
             native.paged_decode_attention()  # built or found now, at start-up, not inside the first request
 
@@ -130,13 +132,14 @@ class ModelRunner:
     def build_batch(self, pre: list[Sequence], dec: list[Sequence]) -> ForwardBatch:
         """The ForwardBatch of prefill spans ``pre`` then decode rows ``dec``."""
         dev = self.device
+        kernels = self.attention == "triton"
         input_ids, positions, slot_parts, spans, logits_rows = [], [], [], [], []
         for seq in pre:
             start, ids, done = len(input_ids), seq.all_ids, seq.num_computed
             input_ids.extend(ids[done:])
             positions.extend(range(done, len(ids)))
             context_rows = None
-            if done > 0:  # a prefix hit: attention reads the cached tokens' rows too
+            if done > 0 and not kernels:  # a prefix hit: attention reads the cached tokens' rows too
                 rows = self._token_rows(seq.block_table, 0, len(ids))
                 slot_parts.append(rows[done:])
                 context_rows = rows.to(dev)
@@ -162,9 +165,14 @@ class ModelRunner:
             slot_parts.append(self.kv_cache.slot_indices(torch.tensor(blocks), torch.tensor(offsets)))
             max_ctx = max(ctx)
             table_t = torch.tensor(tables, device=dev)
-            decode_rows = self.kv_cache.table_rows(table_t)[:, :max_ctx]
             ctx_t = torch.tensor(ctx, device=dev)
-            decode_mask = (torch.arange(max_ctx, device=dev) < ctx_t.unsqueeze(1)).view(len(dec), 1, 1, max_ctx)
+            if not kernels:  # the kernels read the tables; attention.py gathers these rows
+                decode_rows = self.kv_cache.table_rows(table_t)[:, :max_ctx]
+                decode_mask = (torch.arange(max_ctx, device=dev) < ctx_t.unsqueeze(1)).view(len(dec), 1, 1, max_ctx)
+        prefill_tables = None
+        if kernels and pre:
+            width = max(len(s.block_table) for s in pre)
+            prefill_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in pre], device=dev)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, device=dev),
             positions=torch.tensor(positions, device=dev),
@@ -176,6 +184,9 @@ class ModelRunner:
             logits_rows=torch.tensor(logits_rows, device=dev),
             decode_tables=table_t,
             decode_ends=ctx_t,
+            attention=self.attention,
+            prefill_tables=prefill_tables,
+            prefill_ctx_lens=[sp.num_cached + sp.end - sp.start for sp in spans] if kernels else None,
         )
 
     def _token_rows(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
