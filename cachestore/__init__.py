@@ -53,7 +53,7 @@ far. Both sides' ``stats()`` report ``pinned_entries`` and ``inflight_transfers`
 
 from .endpoint import TRANSPORTS
 from .errors import CHECKSUM_MISMATCH, ChecksumError, CompatError, ProtocolError, TransferError, UnknownRequestError
-from .frames import PROTOCOL_VERSION
+from .frames import WIRE_VERSION
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from .receiver import CacheStoreReceiver
 from .scheduler import FifoScheduler, PriorityScheduler
@@ -61,6 +61,6 @@ from .sender import CacheStoreSender
 
 __all__ = [
     "CHECKSUM_MISMATCH", "CacheStoreReceiver", "CacheStoreSender", "ChecksumError", "CompatError", "CompatInfo", "FifoScheduler", "KVLayout",
-    "MemoryRegion", "PROTOCOL_VERSION", "PriorityScheduler", "ProtocolError", "TRANSPORTS", "TransferError",
+    "MemoryRegion", "WIRE_VERSION", "PriorityScheduler", "ProtocolError", "TRANSPORTS", "TransferError",
     "UnknownRequestError", "merge_runs",
 ]

@@ -12,7 +12,7 @@ import base64
 import json
 from dataclasses import dataclass, field
 
-from .frames import PROTOCOL_VERSION
+from .frames import WIRE_VERSION
 
 ENDPOINT_MAGIC = b"PDKVEP1:"
 TRANSPORTS = ("tcp", "nixl")  # the one list of transports (cachestore.TRANSPORTS; the CLIs use it)
@@ -27,7 +27,7 @@ class Endpoint:
     compat: str  # human-readable fields behind the hash, for error messages
     instance: str
     num_blocks: int = 0  # the receiver's pool size (its layout's num_blocks): nixl computes remote addresses
-    version: int = PROTOCOL_VERSION
+    version: int = WIRE_VERSION
     nixl_agent: str = ""
     nixl_metadata: bytes = b""
     nixl_region: tuple = field(default_factory=tuple)  # (base address, nbytes, device id, "DRAM"|"VRAM")

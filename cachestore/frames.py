@@ -3,7 +3,7 @@
 Every frame is a fixed header, then the request id (UTF-8), then ``payload_len`` bytes:
 
     magic    4s   b"PDKV"
-    version  u16  PROTOCOL_VERSION
+    version  u16  WIRE_VERSION
     type     u8   HELLO | HELLO_OK | BIND | DATA | ACK | CANCEL | ERROR
     flags    u8   DATA: FLAG_CRC32C (the crc field is set); ERROR: FLAG_CHECKSUM_MISMATCH; else 0
     rid_len  u16  length of the request id that follows (0 for connection-level frames)
@@ -35,7 +35,8 @@ from typing import Callable
 from .errors import ProtocolError
 
 MAGIC = b"PDKV"
-PROTOCOL_VERSION = 2  # 2: DATA frames carry a CRC32C, NIXL notifications one per slice
+# the CacheStore's own wire format (frames and HELLO); not the Session protocol (protos/version.py: PROTOCOL_VERSION)
+WIRE_VERSION = 2  # 2: DATA frames carry a CRC32C, NIXL notifications one per slice
 HEADER = struct.Struct("!4sHBBHIQIQI")
 FLAG_CRC32C = 0x01             # DATA: the crc field holds the payload's CRC32C
 FLAG_CHECKSUM_MISMATCH = 0x01  # ERROR: the request's KV failed its checksum on the receiver
@@ -71,7 +72,7 @@ def encode_header(ftype: FrameType, rid: str = "", layer: int = 0, block: int = 
     rid_b = rid.encode()
     if len(rid_b) > MAX_RID_LEN:
         raise ValueError(f"request id longer than {MAX_RID_LEN} bytes: {rid[:40]!r}...")
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, int(ftype), flags, len(rid_b), layer, block, nblocks, payload_len,
+    return HEADER.pack(MAGIC, WIRE_VERSION, int(ftype), flags, len(rid_b), layer, block, nblocks, payload_len,
                        crc) + rid_b
 
 
@@ -136,8 +137,8 @@ def read_frame_header(sock: socket.socket, on_wait: OnWait | None = None) -> Fra
     magic, version, ftype, flags, rid_len, layer, block, nblocks, payload_len, crc = HEADER.unpack(buf)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a pdserve CacheStore peer or a corrupted stream")
-    if version != PROTOCOL_VERSION:
-        raise ProtocolError(f"frame protocol version {version}, this side speaks {PROTOCOL_VERSION}")
+    if version != WIRE_VERSION:
+        raise ProtocolError(f"frame protocol version {version}, this side speaks {WIRE_VERSION}")
     try:
         ftype = FrameType(ftype)
     except ValueError:

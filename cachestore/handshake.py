@@ -1,6 +1,6 @@
 """The compatibility check between a sender and a receiver, at bind time and on each connection.
 
-Contract: two peers exchange KV only if they speak the same ``PROTOCOL_VERSION`` and have
+Contract: two peers exchange KV only if they speak the same ``WIRE_VERSION`` and have
 the same compatibility hash (dtype, layers, KV heads, head dim, block size). A mismatch is
 refused with both sides' values in the message, never by corrupting memory:
 
@@ -18,16 +18,16 @@ import socket
 
 from .endpoint import Endpoint
 from .errors import CompatError, ProtocolError, TransferError
-from .frames import PROTOCOL_VERSION, FrameType, encode_control, encode_json, read_frame_header, read_payload
+from .frames import WIRE_VERSION, FrameType, encode_control, encode_json, read_frame_header, read_payload
 from .memory import CompatInfo
 
 
 def check_endpoint(ep: Endpoint, compat: CompatInfo, transport: str) -> None:
     """Sender side, at bind: CompatError (both values) or ValueError (transport) on a mismatch."""
-    if ep.version != PROTOCOL_VERSION or ep.compat_hash != compat.compat_hash:
+    if ep.version != WIRE_VERSION or ep.compat_hash != compat.compat_hash:
         raise CompatError(
             f"incompatible peers: receiver {ep.host}:{ep.port} speaks protocol {ep.version} with compat hash "
-            f"{ep.compat_hash} ({ep.compat}), this sender speaks protocol {PROTOCOL_VERSION} with compat hash "
+            f"{ep.compat_hash} ({ep.compat}), this sender speaks protocol {WIRE_VERSION} with compat hash "
             f"{compat.compat_hash} ({compat.describe()})")
     if ep.transport != transport:
         raise ValueError(f"receiver {ep.host}:{ep.port} uses transport {ep.transport!r}, this sender {transport!r}")
@@ -35,7 +35,7 @@ def check_endpoint(ep: Endpoint, compat: CompatInfo, transport: str) -> None:
 
 def client_hello(sock: socket.socket, compat: CompatInfo, agent: str, peer: str, checksum: bool = False) -> None:
     """Sender side: HELLO, then HELLO_OK or raise (CompatError when the receiver refused)."""
-    sock.sendall(encode_json(FrameType.HELLO, {"version": PROTOCOL_VERSION, "compat_hash": compat.compat_hash,
+    sock.sendall(encode_json(FrameType.HELLO, {"version": WIRE_VERSION, "compat_hash": compat.compat_hash,
                                                "compat": compat.describe(), "agent": agent, "checksum": checksum}))
     frame = read_frame_header(sock)
     if frame is None:
@@ -63,8 +63,8 @@ def serve_hello(sock: socket.socket, compat: CompatInfo, require_checksum: bool 
         version, their_hash = int(hello["version"]), str(hello["compat_hash"])
     except (ValueError, KeyError, TypeError):
         raise ProtocolError("HELLO payload is not the expected JSON") from None
-    if version != PROTOCOL_VERSION or their_hash != compat.compat_hash:
-        text = (f"incompatible peers: receiver speaks protocol {PROTOCOL_VERSION} with compat hash "
+    if version != WIRE_VERSION or their_hash != compat.compat_hash:
+        text = (f"incompatible peers: receiver speaks protocol {WIRE_VERSION} with compat hash "
                 f"{compat.compat_hash} ({compat.describe()}), sender speaks protocol {version} with "
                 f"compat hash {their_hash} ({hello.get('compat', '?')})")
         on_refuse(text)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from pdserve.defaults import SESSION_TIMEOUT_S
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 class DecodeService(pb_grpc.DecodeServicer):
     def __init__(self, engine: AsyncLLMEngine, receiver: CacheStoreReceiver, compat: pb.Compat, *, sampling_cls,
                  out_of_blocks_error: type[Exception], max_model_len: int, kv_bytes_per_block: int,
-                 session_timeout_s: float = 30.0, metrics: ServerMetrics | None = None, eviction: bool = True,
+                 session_timeout_s: float = SESSION_TIMEOUT_S, metrics: ServerMetrics | None = None, eviction: bool = True,
                  pool: DecodePool | None = None):
         self.engine, self.receiver, self.compat, self.pool = engine, receiver, compat, pool
         self.kv_bytes_per_block = kv_bytes_per_block

@@ -10,7 +10,7 @@ from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 
 __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "DECODE_GRPC_PORT", "DECODE_HTTP_PORT", "HTTP_PORT",
            "KV_TRANSFER_PORT", "KV_POOL_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE",
-           "REQUEST_TIMEOUT_S", "REQUEST_TIMEOUT_HEADER", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS", "RESUME_WAIT_S",
+           "REQUEST_TIMEOUT_S", "REQUEST_TIMEOUT_HEADER", "SESSION_TIMEOUT_S", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS", "RESUME_WAIT_S",
            "TOKENIZER_WAIT_S", "DISAGGREGATION_MODES",
            "DISAGGREGATION", "ENV_SLO_CLASSES",
            "BATCH_DB", "BATCH_DATA_MOUNT", "BATCH_MAX_IN_FLIGHT", "BATCH_MAX_FILE_BYTES", "BATCH_SLO_CLASS"]
@@ -33,6 +33,10 @@ KV_POOL_PORT = 50070
 REQUEST_TIMEOUT_S = 600.0
 # The HTTP request header that shortens it (the router forwards it to the prefill).
 REQUEST_TIMEOUT_HEADER = "X-Request-Timeout"
+# Prefill and decode: the bound on each wait inside one P/D Session (--session-timeout): the KV
+# push, the prefill's wait for the decode's next message, the decode's wait for the prefill (sent
+# in Start) and the CacheStore link's stall bound.
+SESSION_TIMEOUT_S = 30.0
 # Router: how long a request waits for a prefill that can take it (none routable, or each one
 # answered that it has no decode) before 503 (--prefill-wait). It bridges the few seconds of a
 # rollout or restart in which no prefill is ready; the router's readiness probe needs 15 s of

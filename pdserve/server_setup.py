@@ -90,7 +90,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "request joins the batch and requires it from every prefill (a mismatch fails the request "
                         "with kv_checksum_mismatch; prefill moves it to another decode). Off by default: it cost "
                         "20-40%% of the CacheStore throughput on the development box (docs/benchmarks.md)")
-    g.add_argument("--session-timeout", type=float, default=30.0,
+    g.add_argument("--session-timeout", type=float, default=defaults.SESSION_TIMEOUT_S,
                    help="seconds one end of a Session waits on the other (KV, first token, each next message, "
                         "a write the peer does not take) before it frees the request")
     g.add_argument("--kv-host-tier-bytes", type=byte_size, default=0,

@@ -104,7 +104,7 @@ class PrefillNode:
     eos_token_ids: tuple[int, ...] = ()
     max_attempts: int = 3
     local_fallback: bool = False
-    session_timeout_s: float = 30.0
+    session_timeout_s: float = defaults.SESSION_TIMEOUT_S
     connect_timeout_s: float = 5.0
     metrics: ServerMetrics | None = None
     out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError

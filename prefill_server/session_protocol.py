@@ -17,6 +17,7 @@ from typing import Protocol
 
 import grpc
 
+from pdserve.defaults import SESSION_TIMEOUT_S
 from pdserve.engine import blocks_needed
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.protos import session_pb2 as pb
@@ -111,7 +112,7 @@ class SessionConfig:
     compat: pb.Compat  # sent in Start; decode refuses a mismatch
     block_size: int
     eos_token_ids: tuple[int, ...] = ()
-    session_timeout_s: float = 30.0  # KV push, each wait on decode's next message, and decode's wait for us (sent in Start)
+    session_timeout_s: float = SESSION_TIMEOUT_S  # KV push, each wait on decode's next message, and decode's wait for us (sent in Start)
     connect_timeout_s: float = 5.0  # Start -> Allocation
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
     out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError

@@ -173,11 +173,11 @@ def test_reconnects_after_receiver_restart():
 
 def _frame_socket(port, hello=False):
     """A raw client socket; with hello=True it has done a valid handshake (HELLO_OK consumed)."""
-    from pdserve.cachestore.frames import FrameType, PROTOCOL_VERSION, encode_json, read_frame_header
+    from pdserve.cachestore.frames import FrameType, WIRE_VERSION, encode_json, read_frame_header
 
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     if hello:
-        s.sendall(encode_json(FrameType.HELLO, {"version": PROTOCOL_VERSION, "compat_hash": COMPAT.compat_hash}))
+        s.sendall(encode_json(FrameType.HELLO, {"version": WIRE_VERSION, "compat_hash": COMPAT.compat_hash}))
         f = read_frame_header(s)
         assert f.type == FrameType.HELLO_OK
         s.recv(f.payload_len, socket.MSG_WAITALL)
@@ -248,8 +248,8 @@ def test_delete_mid_frame_stops_writing_within_one_piece():
         try:
             rx.expect("v", [1, 2, 3], 30)
             s = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", rx.port), 10)
-            from pdserve.cachestore.frames import PROTOCOL_VERSION, encode_json
-            s.sendall(encode_json(FrameType.HELLO, {"version": PROTOCOL_VERSION, "compat_hash": big.compat_hash}))
+            from pdserve.cachestore.frames import WIRE_VERSION, encode_json
+            s.sendall(encode_json(FrameType.HELLO, {"version": WIRE_VERSION, "compat_hash": big.compat_hash}))
             f = await asyncio.to_thread(read_frame_header, s)
             s.recv(f.payload_len, socket.MSG_WAITALL)
             s.sendall(encode_header(FrameType.BIND, "v"))
