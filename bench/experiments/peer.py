@@ -44,12 +44,13 @@ from pathlib import Path
 from pdserve.bench.loadgen import LoadConfig, send_requests
 from pdserve.bench.loadgen_report import summarize
 from pdserve.bench.loadgen_workload import arrival_times, random_requests, tokenizer_prompt_ids
+from pdserve.cachestore.memory import DTYPE_BYTES
 from pdserve.defaults import BLOCK_SIZE
 
 from . import report
 from .cluster import SERVED_MODEL, start_pd
 from .launcher import LOG_ROOT, MODEL_CACHE, Launcher
-from .peer_model import DTYPE_BYTES, PEER_MODELS, kv_bytes_per_token, peer_model
+from .peer_model import PEER_DTYPES, PEER_MODELS, kv_bytes_per_token, peer_model
 from .peer_report import aggregate, cell_name, format_table, plot, run_figures
 from .peer_vllm import VllmMissing, start_vllm_pd, vllm_python
 
@@ -81,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="peer: random 123M Llama, hidden 1024, 8 layers, fp32 (default); tiny: for tests")
     g.add_argument("--kv-tokens", type=int, default=16384, help="KV budget of each instance in tokens (default %(default)s)")
     g.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp", help="pdserve's KV transfer (default tcp)")
-    g.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="float32",
+    g.add_argument("--dtype", choices=PEER_DTYPES, default="float32",
                    help="weights, activations and KV of both systems (default %(default)s); --kv-tokens holds either way")
     g.add_argument("--pdserve-engine", choices=["builtin", "vllm"], default="builtin",
                    help="engine of pdserve's servers: builtin (default) or vllm (--engine vllm: vLLM's engine under "

@@ -81,7 +81,7 @@ def peer_model(root: Path, size: str = "peer", max_len: int = 4096, seed: int = 
     return path
 
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # the dtypes the peer experiment serves both systems in
+PEER_DTYPES = ("bfloat16", "float32")  # the dtypes the peer experiment serves both systems in (bytes: DTYPE_BYTES)
 
 
 def kv_bytes_per_token(size: str, dtype_bytes: int = 4) -> int:
