@@ -14,7 +14,8 @@ Lifecycle of one follow task (it runs until cancelled):
 
 ``on_sync(reason)`` hears every snapshot reason (initial|epoch|resync) and every distrust
 (gap|epoch|unsynced|disconnected), for metrics and logs. The index is owned by the event loop
-this runs on: no locks. (The router's ``PrefillWatch`` follows prefills the same way.)
+this runs on: no locks. Followers: the prefill's index of its decodes, the router's
+``PrefillWatch`` (of its prefills).
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 Two tasks per prefill:
 
-1. **events** - ``KvEvents.Subscribe``: the snapshot, then events, into the PrefixIndex.
-   A verdict of gap / epoch / unsynced cancels the stream and subscribes again at once (the
-   new stream starts with a snapshot). A broken stream (the prefill died or restarted)
-   forgets its hashes at once and retries with backoff (0.1 s doubling to 2 s); the next
-   snapshot's reason tells a restart (``epoch``) from a reconnect (``resync``). A snapshot of
-   another KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone).
+1. **events** - ``pdserve.kv_follow.follow`` (the one follower of KV-event streams): the
+   snapshot, then events, into the PrefixIndex. A verdict of gap / epoch / unsynced cancels
+   the stream and subscribes again at once (the new stream starts with a snapshot). A broken
+   stream (the prefill died or restarted) forgets its hashes at once and retries with backoff
+   (0.1 s doubling to 2 s); the next snapshot's reason tells a restart (``epoch``) from a
+   reconnect (``resync``), each counted in ``router_index_resyncs``. A snapshot of another
+   KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone).
 2. **load** - ``KvEvents.GetLoad`` every ``interval_s``: in flight, free blocks, ready, and the
    port of its HTTP API. A failed poll makes the prefill unroutable at once; a report older
    than ``expiry_s`` does not count.
@@ -18,24 +19,16 @@ Both tasks run on the event loop, which owns the index: no locks.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 
 import grpc
 
+from pdserve.kv_follow import follow
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
-from pdserve.protos.version import KV_EVENTS_VERSION
 
-from .index import CLEARED, REMOVED, RESYNC_VERDICTS, STORED, PrefixIndex
-
-log = logging.getLogger(__name__)
-KINDS = {kpb.KvEvent.BLOCK_STORED: STORED, kpb.KvEvent.BLOCK_REMOVED: REMOVED, kpb.KvEvent.ALL_CLEARED: CLEARED}
-
-
-class _Resubscribe(Exception):
-    pass
+from .index import PrefixIndex
 
 
 class PrefillWatch:
@@ -95,48 +88,10 @@ class PrefillWatch:
             self.metrics.router_index_resyncs.labels(prefill=self.address, reason=reason).inc()
 
     async def _events(self) -> None:
-        backoff = 0.1
-        while True:
-            stream = self._stub.Subscribe(kpb.SubscribeRequest(subscriber=self.name))
-            why = "stream ended"
-            try:
-                async for batch in stream:
-                    for ev in batch.events:
-                        self._apply(ev)
-                    backoff = 0.1
-            except _Resubscribe:
-                stream.cancel()
-                continue
-            except grpc.aio.AioRpcError as exc:
-                why = exc.code().name
-            finally:
-                self._publish_size()
-            view = self.index.view(self.address)
-            if view is not None and view.synced:
-                log.warning("kv events of %s: %s; its index entries are dropped", self.address, why)
-                self._count("disconnected")
-            self.index.forget(self.address)
+        try:
+            await follow(self._stub, self.address, self.index, self.name, on_sync=self._count)
+        finally:
             self._publish_size()
-            await asyncio.sleep(backoff)
-            backoff = min(2 * backoff, 2.0)
-
-    def _apply(self, ev) -> None:
-        if ev.kind == kpb.KvEvent.SNAPSHOT:
-            if ev.version != KV_EVENTS_VERSION:
-                log.error("prefill %s publishes KV events version %d, ours is %d: routing it by load alone",
-                          self.address, ev.version, KV_EVENTS_VERSION)
-                self.index.forget(self.address)
-                return
-            reason = self.index.apply_snapshot(self.address, ev.epoch, ev.seq, ev.block_hashes, ev.block_size)
-            log.info("kv events of %s: snapshot (%s) epoch %s seq %d, %d blocks", self.address, reason, ev.epoch[:8],
-                     ev.seq, len(ev.block_hashes))
-            self._count(reason)
-            return
-        verdict = self.index.apply_event(self.address, ev.epoch, ev.seq, KINDS[ev.kind], ev.block_hashes)
-        if verdict in RESYNC_VERDICTS:
-            log.warning("kv events of %s: %s at seq %d; resubscribing for a snapshot", self.address, verdict, ev.seq)
-            self._count(verdict)
-            raise _Resubscribe()
 
     def _publish_size(self) -> None:
         if self.metrics is not None:
