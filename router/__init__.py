@@ -36,8 +36,8 @@ Reading path (in this order):
   ``slo_gate.py``       SloGate: the global SLO queue in front of the prefills (pdserve.slo's GlobalQueue)
   ``router.py``         Router.decide: prompt hashes + index + loads -> choice
   ``choice.py``         choose(): cost, tie-break, reason (pure)
-  ``index.py``          PrefixIndex: the KV-event protocol (snapshot, seq, epoch; pure)
-  ``prefill_watch.py``  PrefillWatch: one prefill's event stream and load polls (gRPC)
+  ``prefill_watch.py``  PrefillWatch: one prefill's event stream (``pdserve/kv_follow.py`` into a
+                        ``pdserve/kv_index.py`` PrefixIndex, shared with the prefills) and load polls
   ``prefills.py``       PrefillSet: discovery -> watches; removal drops index entries
   ``prompt.py``         prompt token ids and block hashes from a request body
   ``prefill_tokenizer.py`` PrefillTokenizer: the tokenizer files from a prefill (``--tokenizer-from-prefill``)

@@ -126,7 +126,7 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
 
     from .grpc_api import RouterGenerateServicer
     from .http_api import RouterApi
-    from .index import PrefixIndex
+    from pdserve.kv_index import PrefixIndex
     from .prefill_tokenizer import PrefillTokenizer
     from .prefills import PrefillSet
     from .router import Router

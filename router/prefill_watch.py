@@ -24,11 +24,10 @@ import time
 import grpc
 
 from pdserve.kv_follow import follow
+from pdserve.kv_index import PrefixIndex
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
-
-from .index import PrefixIndex
 
 
 class PrefillWatch:

@@ -15,8 +15,8 @@ import asyncio
 import logging
 
 from pdserve.defaults import REQUEST_TIMEOUT_S
+from pdserve.kv_index import PrefixIndex
 
-from .index import PrefixIndex
 from .prefill_watch import PrefillWatch
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,9 @@ import asyncio
 import logging
 import time
 
+from pdserve.kv_index import PrefixIndex
+
 from .choice import Candidate, Choice, choose, round_robin
-from .index import PrefixIndex
 from .prefills import PrefillSet
 from .prompt import prompt_hashes, prompt_key
 

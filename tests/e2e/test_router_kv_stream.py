@@ -20,7 +20,7 @@ from pdserve.metrics import ServerMetrics
 from pdserve.net import free_port
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
-from pdserve.router.index import PrefixIndex
+from pdserve.kv_index import PrefixIndex
 from pdserve.router.prefills import PrefillSet
 
 

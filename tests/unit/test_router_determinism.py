@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from pdserve.protos import kv_events_pb2 as kpb
-from pdserve.router.index import REMOVED, STORED, PrefixIndex
+from pdserve.kv_index import REMOVED, STORED, PrefixIndex
 from pdserve.router.prefill_watch import PrefillWatch
 from pdserve.router.prefills import PrefillSet
 from pdserve.router.prompt import load_tokenizer, prompt_hashes, prompt_token_ids

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.engine.block_manager import chained_hashes
 from pdserve.router.choice import Candidate, choose
-from pdserve.router.index import CLEARED, REMOVED, STORED, PrefixIndex
+from pdserve.kv_index import CLEARED, REMOVED, STORED, PrefixIndex
 from pdserve.router.prompt import prompt_hashes, prompt_key, prompt_token_ids, load_tokenizer
 
 A, B = "10.0.0.1:50051", "10.0.0.2:50051"

@@ -15,7 +15,7 @@ from pdserve import tokenizer_files
 from pdserve.discovery import StaticDiscovery
 from pdserve.net import free_ports
 from pdserve.protos import kv_events_pb2 as kpb
-from pdserve.router.index import PrefixIndex
+from pdserve.kv_index import PrefixIndex
 from pdserve.router.prefill_tokenizer import PrefillTokenizer, TokenizerUnavailable
 from pdserve.router.prefill_watch import PrefillWatch
 from pdserve.router.prefills import PrefillSet

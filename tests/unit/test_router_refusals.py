@@ -19,7 +19,7 @@ from pdserve.metrics import ServerMetrics
 from pdserve.net import free_ports
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.router.http_api import RouterApi
-from pdserve.router.index import PrefixIndex
+from pdserve.kv_index import PrefixIndex
 from pdserve.router.prefill_watch import PrefillWatch
 from pdserve.router.prefills import PrefillSet
 from pdserve.router.prompt import load_tokenizer
