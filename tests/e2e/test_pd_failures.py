@@ -232,6 +232,39 @@ except Exception:
     assert get_json(decode.url + "/health")[1]["kv_blocks_free"] == 64
 
 
+def test_real_prefill_killed_while_its_decode_generates_decode_stops_and_frees(procs):
+    """No orphaned work: the KV has moved and the decode is generating for a prefill that relays its
+    tokens; the prefill dies; the decode stops that request at once (the Session stream broke:
+    cancelled, prefill_gone) and frees its blocks, Session and CacheStore entry. Its steps last
+    >= 50 ms (test hook), so the 2000-token stream would take >= 100 s: a release within the 20 s
+    hang guard is the decode stopping, not finishing."""
+    decode = start_decode(procs, name="decode", step_floor_s=0.05)
+    wait_ready(decode)
+    prefill = start_prefill(procs, [decode.grpc_address])
+    wait_ready(prefill)
+    client = subprocess.Popen([sys.executable, "-c", f"""
+import json, urllib.request
+body = {{"model": "tiny", "prompt": "tell me a long story", "max_tokens": 2000, "ignore_eos": True, "stream": True}}
+req = urllib.request.Request("{prefill.url}/v1/completions", json.dumps(body).encode(), {{"Content-Type": "application/json"}})
+try:
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        for line in resp:
+            print(line.decode().strip(), flush=True)
+except Exception:
+    pass
+"""], stdout=subprocess.PIPE, start_new_session=True)
+    procs.procs.append(client)
+    for _ in range(3):  # three tokens reached the client: the decode is generating, the prefill relaying
+        assert client.stdout.readline().startswith(b"data:"), "the stream ended before it started"
+        client.stdout.readline()  # the blank line after each SSE event
+    assert get_json(decode.url + "/health")[1]["session_stages"].get("decode") == 1
+    procs.kill(prefill.proc)
+    readings = wait_all_released([decode], timeout=RELEASE_HANG_GUARD_S)
+    assert nothing_held(readings), readings
+    assert _ended(decode, "cancelled", "prefill_gone") == 1
+    assert get_json(decode.url + "/health")[1]["kv_blocks_free"] == 64
+
+
 def test_incompatible_peer_is_refused_naming_both_values(procs):
     from pdserve.protos import session_pb2 as pb
     from pdserve.protos import session_pb2_grpc as pbg
