@@ -26,45 +26,24 @@ come off the wire); nixl copies the slice through a pinned buffer to sum it (cor
 an extra device-to-host copy per slice: leave checksums off on nixl+cuda until it is summed
 on the device).
 
-Test hook (never set it in production): ``PDSERVE_TEST_CORRUPT_KV=N`` in the SENDER's
-environment (the prefill) flips one byte of one layer (the middle one) of each of the first
-N requests it sends, in flight: the checksum is computed over the true source bytes, and the
-bytes sent are a copy with the byte flipped (tcp: the copy is sent instead of the source
-slice; nixl: the first block of the slice is WRITten from a registered scratch copy). The
-sender's own KV is never modified. It is read once, when a ``CacheStoreSender`` is built.
+Test hook (never used in production): ``CacheStoreSender(corrupt_kv=N)`` (the prefill passes
+its ``CORRUPT_KV_ENV`` from the environment: pdserve/test_hooks.py) flips one byte of
+one layer (the middle one) of each of the first N requests it sends, in flight: the checksum
+is computed over the true source bytes, and the bytes sent are a copy with the byte flipped
+(tcp: the copy is sent instead of the source slice; nixl: the first block of the slice is
+WRITten from a registered scratch copy). The sender's own KV is never modified.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-
 import crc32c as _crc32c
 
-log = logging.getLogger("pdserve.cachestore.checksum")
-
 ALGORITHM = "crc32c"
-CORRUPT_ENV = "PDSERVE_TEST_CORRUPT_KV"
 
 
 def crc32c(data, value: int = 0) -> int:
     """CRC32C of a bytes-like object (memoryview slices of the region: no copy), continuing ``value``."""
     return _crc32c.crc32c(data, value)
-
-
-def corrupt_budget_from_env() -> int:
-    """The test hook: how many requests to corrupt (0 when ``PDSERVE_TEST_CORRUPT_KV`` is unset)."""
-    raw = os.environ.get(CORRUPT_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        n = int(raw)
-    except ValueError:
-        raise ValueError(f"{CORRUPT_ENV}={raw!r}: expected a number of requests to corrupt") from None
-    if n > 0:
-        log.warning("%s=%d: TEST HOOK ACTIVE, one byte of one layer of the next %d request(s) will be corrupted "
-                    "in flight", CORRUPT_ENV, n, n)
-    return max(n, 0)
 
 
 def mismatch_text(rid: str, layer: int, block: int, nblocks: int, expected: int, got: int) -> str:

@@ -192,8 +192,7 @@ def _corrupt_copy(agent, io: RegionIO, offset: int, nbytes: int, transfer) -> tu
 
     Returns (address, the copy, its NIXL registration), or None for a cuda region (not supported)."""
     if io.region.device != "cpu":
-        log.warning("TEST HOOK: %s is not supported on cuda regions with nixl; nothing corrupted",
-                    "PDSERVE_TEST_CORRUPT_KV")
+        log.warning("TEST HOOK: corrupting KV in flight is not supported on cuda regions with nixl; nothing corrupted")
         return None
     import numpy as np
 

@@ -46,7 +46,6 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .checksum import corrupt_budget_from_env
 from .endpoint import TRANSPORTS, Endpoint
 from .errors import CompatError, TransferError, UnknownRequestError
 from .frames import FrameType, encode_control
@@ -80,7 +79,7 @@ class CacheStoreSender:
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
                  scheduler: str = "priority", chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_wait: int = DEFAULT_MAX_WAIT,
                  connections_per_peer: int = 1, connect_timeout_s: float = 5.0, checksum: bool = False,
-                 stall_timeout_s: float = 30.0):
+                 stall_timeout_s: float = 30.0, corrupt_kv: int = 0):
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if scheduler not in SCHEDULERS:
@@ -107,7 +106,10 @@ class CacheStoreSender:
         self._nixl = None
         self._counters = {"bytes_sent": 0, "transfers_stored": 0}
         self.checksum = checksum
-        self._corrupt_left = corrupt_budget_from_env()  # test hook (checksum.py); 0 in production
+        self._corrupt_left = corrupt_kv  # test hook (checksum.py); 0 in production
+        if corrupt_kv > 0:
+            log.warning("TEST HOOK ACTIVE: one byte of one layer of the next %d request(s) will be corrupted in flight",
+                        corrupt_kv)
 
     # ----- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:

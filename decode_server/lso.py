@@ -21,25 +21,24 @@ request at most.
   of the tightest target, ``cooldown`` steps after the last eviction; a restore that finds no
   free blocks leaves it swapped (tried again next step).
 
-(A test hook may give every step a minimum duration: ``TEST_STEP_FLOOR_ENV`` below.)
+(A test hook may give every step a minimum duration, ``step_floor_s``: by default
+pdserve/test_hooks.py's DECODE_STEP_FLOOR_ENV. Every engine step with a running batch then lasts at
+least that long: the engine thread waits out the rest before the step's tokens go out, and the
+controller measures the padded step, so a test can miss the smallest TBT target a class can state
+(1 ms) on any CPU, however fast. Off: one comparison per step.)
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 
+from pdserve.test_hooks import decode_step_floor_s
+
 log = logging.getLogger(__name__)
 
-# Test hook (never set it in production; tests/e2e/test_decode_eviction.py sets it): seconds. Every engine
-# step with a running batch lasts at least this long: the engine thread waits out the rest before the step's
-# tokens go out, and the controller measures the padded step. A test can then miss the smallest TBT target a
-# class can state (1 ms) on any CPU, however fast. Unset: one comparison per step.
-TEST_STEP_FLOOR_ENV = "PDSERVE_TEST_DECODE_STEP_FLOOR_S"
-TEST_STEP_FLOOR_S = float(os.environ.get(TEST_STEP_FLOOR_ENV) or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +78,10 @@ def decide(step_s: float | None, running: list[tuple[str, Hint | None]], swapped
 class LsoController:
     """Runs ``decide`` on the engine thread after every step (``AsyncLLMEngine.after_step``)."""
 
-    def __init__(self, metrics=None, alpha: float = 0.3, cooldown: int = 4, restore_margin: float = 0.7):
+    def __init__(self, metrics=None, alpha: float = 0.3, cooldown: int = 4, restore_margin: float = 0.7,
+                 step_floor_s: float | None = None):
         self.metrics, self.alpha, self.cooldown, self.restore_margin = metrics, alpha, cooldown, restore_margin
+        self.step_floor_s = decode_step_floor_s() if step_floor_s is None else step_floor_s  # test hook (docstring)
         self._hints: dict[str, Hint] = {}
         self._lock = threading.Lock()  # hints are written on the event loop, read on the engine thread
         self.step_s: float | None = None
@@ -100,9 +101,9 @@ class LsoController:
             self._hints.pop(request_id, None)
 
     def __call__(self, engine, seconds: float, batch: int) -> None:
-        if batch and TEST_STEP_FLOOR_S > seconds:  # test hook above
-            time.sleep(TEST_STEP_FLOOR_S - seconds)
-            seconds = TEST_STEP_FLOOR_S
+        if batch and self.step_floor_s > seconds:  # test hook (docstring)
+            time.sleep(self.step_floor_s - seconds)
+            seconds = self.step_floor_s
         if batch:
             self.step_s = seconds if self.step_s is None else (1 - self.alpha) * self.step_s + self.alpha * seconds
             self._since_evict += 1

@@ -29,7 +29,7 @@ Request lifecycle on decode (each step is a method below):
    the engine when the request finishes, and may be re-expected for another request).
 4. **decode** - after FirstToken the request joins the continuous batch (``add_prefilled``);
    every engine output becomes a ``Tokens`` message, the last one is followed by ``Finish``.
-   (A test hook may hold it just before it joins: ``TEST_GATE_ENV`` below.)
+   (A test hook may hold it just before it joins: ``DECODE_GATE_ENV`` of pdserve/test_hooks.py.)
 5. **release** - always, whatever happened (finish, ``Cancel``/``Error`` from prefill, the
    stream breaking, a timeout, our own error): abort the request in the engine if it is
    still running, release its blocks, delete its CacheStore entry, forget the session.
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 
 import grpc
@@ -70,7 +69,7 @@ from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
 from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
-from pdserve.test_gate import wait_at_gate
+from pdserve.test_hooks import DECODE_GATE_ENV, gate_dir, wait_at_gate
 
 from . import admission
 from .pooled_session import PooledDecode
@@ -91,8 +90,6 @@ _BACKGROUND: set[asyncio.Future] = set()  # releases of reservations made after 
 # and holds its blocks, and nothing is decoded, for as long as the test needs, on any CPU. The event
 # loop is never blocked; prefill going away cancels the wait. Prefill's relay timer still runs (it
 # fails a stream silent for its --session-timeout). Not the pooled path. Unset: one falsy check.
-TEST_GATE_ENV = "PDSERVE_TEST_DECODE_GATE"
-TEST_GATE_DIR = os.environ.get(TEST_GATE_ENV, "")
 
 
 class DecodeSession(PooledSteps):
@@ -262,8 +259,9 @@ class DecodeSession(PooledSteps):
     async def _decode(self, start: pb.Start, first_token: int | None) -> None:
         """Step 4: stream the engine's outputs; ``first_token`` None: compute the prompt here first."""
         deps = self.deps
-        if TEST_GATE_DIR:  # test hook: held before joining the batch until the test opens the gate
-            await wait_at_gate(TEST_GATE_DIR, self.request_id)
+        gate = gate_dir(DECODE_GATE_ENV)  # test hook: held before joining the batch until the test opens the gate
+        if gate:
+            await wait_at_gate(gate, self.request_id)
         ids = list(start.prompt_token_ids)
         deps.engine.track(self.request_id, start)
         if first_token is None:

@@ -26,7 +26,6 @@ waits until every lender has it, then ``tokens(first_token=...)`` runs only the 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,16 +39,14 @@ from pdserve.engine.block_manager import blocks_needed
 from pdserve.engine.errors import OutOfBlocksError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protos import kvpool_pb2
-from pdserve.test_gate import hold_at_gate
+from pdserve.test_hooks import KVPOOL_GATE_ENV, gate_dir, hold_at_gate
 
 from .attention import from_bytes, merge, micro_attention
 from .rmanager import Borrower, LenderLost, RemoteLoan
 
 POOLED_PREFIX = "pooled:"
-# test hook (never set in production): ``run`` holds a request with its loans taken, before its
-# first token, until the test opens the gate in this directory (pdserve/test_gate.py)
-TEST_GATE_ENV = "PDSERVE_TEST_KVPOOL_GATE"
-TEST_GATE_DIR = os.environ.get(TEST_GATE_ENV, "")
+# test hook (pdserve/test_hooks.py, KVPOOL_GATE_ENV): ``run`` holds a request with its loans taken,
+# before its first token, until the test opens the gate
 
 
 @dataclass
@@ -89,8 +86,9 @@ class PooledRequest:
         """Generate greedily; ``max_local_blocks`` > 0 caps the blocks kept here (to measure spilling)."""
         try:
             self.open(request_id, prompt, max_tokens, max_local_blocks)
-            if TEST_GATE_DIR:  # test hook above
-                hold_at_gate(TEST_GATE_DIR, request_id)
+            gate = gate_dir(KVPOOL_GATE_ENV)  # test hook above
+            if gate:
+                hold_at_gate(gate, request_id)
             tokens = list(self.tokens(ignore_eos))
             return PooledResult(tokens, self.logits, self.local_blocks, self.loans, self.prefill_s, self.decode_s)
         finally:

@@ -69,7 +69,7 @@ import argparse
 import asyncio
 import logging
 
-from pdserve import defaults, gc_pauses
+from pdserve import defaults, gc_pauses, test_hooks
 from pdserve.server_setup import (add_server_arguments, attach_kv_events, build_server_engine, drain,
                                   ensure_engine_environment, follow_tier_metrics, setup_logging, wait_for_stop_signal)
 from pdserve.slo import POLICIES
@@ -227,7 +227,8 @@ async def serve(args: argparse.Namespace, discovery) -> int:
     attach_kv_events(engine, kv_events)  # before the engine thread starts; it calls on that thread
     await engine.start()
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler,
-                              checksum=args.kv_checksum, stall_timeout_s=args.session_timeout)
+                              checksum=args.kv_checksum, stall_timeout_s=args.session_timeout,
+                              corrupt_kv=test_hooks.corrupt_kv())
     await sender.start()
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
     # the SLO queue's plans count the decodes' KV blocks in all, full or not (a decode reserves

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
@@ -70,7 +69,7 @@ from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
 from pdserve.protos.version import PROTOCOL_VERSION
-from pdserve.test_gate import wait_at_gate
+from pdserve.test_hooks import PREFILL_GATE_ENV, gate_dir, wait_at_gate
 
 from . import session_wire as wire
 from .cost_model import LOCAL, REMOTE, Decision, link_busy_seconds
@@ -96,13 +95,10 @@ __all__ = ["DEADLINE_SLACK_S", "DecodeFailed", "Delta", "NoDecodeAvailable", "Re
 # deadline is the decode's backstop when prefill cannot say so (frozen).
 DEADLINE_SLACK_S = 1.0
 
-# Test hook (never set it in production; tests/harness/gates.py drives it): a directory. Between
-# the decode's Allocation and the forward pass each request writes ``held.<request id>`` there and
-# waits until a file ``open`` exists there (then removes its file), so a test holds requests while
+# Test hook (pdserve/test_hooks.py, PREFILL_GATE_ENV; tests/harness/gates.py drives it): between the
+# decode's Allocation and the forward pass a request waits at the gate, so a test holds requests while
 # the decode holds their blocks for exactly as long as it needs. Cancelling the request (its client
-# gone, its deadline: the Frontend cancels it) ends the wait. Unset: one falsy check per request.
-TEST_GATE_ENV = "PDSERVE_TEST_GATE_AFTER_ALLOCATION"
-TEST_GATE_DIR = os.environ.get(TEST_GATE_ENV, "")
+# gone, its deadline: the Frontend cancels it) ends the wait. Off: one environment lookup per request.
 
 
 @dataclass(slots=True)
@@ -188,8 +184,9 @@ class SessionRunner:
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
             if on_allocated is not None:
                 on_allocated()
-            if TEST_GATE_DIR:  # test hook: the decode holds the reservation (the request has left the admission
-                await wait_at_gate(TEST_GATE_DIR, request_id)  # queue: it is admitted) until the test opens the gate
+            gate = gate_dir(PREFILL_GATE_ENV)  # test hook: the decode holds the reservation (the request has left
+            if gate:  # the admission queue: it is admitted) until the test opens the gate
+                await wait_at_gate(gate, request_id)
             if decision.where == LOCAL:  # 4l
                 held.free_slot()  # our engine does not compute this prompt
                 first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)

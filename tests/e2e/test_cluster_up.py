@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
+from pdserve.test_hooks import DECODE_STEP_FLOOR_ENV as TEST_STEP_FLOOR_ENV
 from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow

@@ -32,7 +32,7 @@ from harness.decode_gate import DecodeGate
 from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
                                 wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
-from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
+from pdserve.test_hooks import DECODE_STEP_FLOOR_ENV as TEST_STEP_FLOOR_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from harness.pd_cluster import nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
 from pdserve import defaults
-from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
+from pdserve.test_hooks import DECODE_STEP_FLOOR_ENV as TEST_STEP_FLOOR_ENV
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ from pdserve.bench.experiments.kvpool_cluster import KVPoolCluster
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.loader import load_model
 from pdserve.engine.sampling import SamplingParams
-from pdserve.kvpool.pooled import TEST_GATE_ENV
+from pdserve.test_hooks import KVPOOL_GATE_ENV as TEST_GATE_ENV
 
 from harness.gates import Gate
 

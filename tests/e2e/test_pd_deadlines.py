@@ -25,7 +25,7 @@ import pytest
 from harness.gates import Gate
 from harness.pd_cluster import (get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released,
                                 wait_ready)
-from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
+from pdserve.test_hooks import DECODE_STEP_FLOOR_ENV as TEST_STEP_FLOOR_ENV
 from pdserve.prefill_server.decode_session import DEADLINE_SLACK_S
 
 pytestmark = pytest.mark.slow

@@ -17,11 +17,11 @@ variable differs. A closed gate holds a stream until the prefill's --session-tim
 from __future__ import annotations
 
 from harness.gates import Gate
-from pdserve.decode_server.session import TEST_GATE_ENV
+from pdserve.test_hooks import DECODE_GATE_ENV
 
 
 class DecodeGate(Gate):
     @property
     def env(self) -> dict[str, str]:
         """The environment that puts a decode (or ``pdserve up``'s decodes) behind this gate."""
-        return {TEST_GATE_ENV: str(self.directory)}
+        return {DECODE_GATE_ENV: str(self.directory)}

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from pdserve.prefill_server.decode_session import TEST_GATE_ENV
+from pdserve.test_hooks import PREFILL_GATE_ENV
 
 HANG_GUARD_S = 60.0  # only a hang guard: a request reaches the gate in well under a second
 POLL_S = 0.02
@@ -37,7 +37,7 @@ class Gate:
     @property
     def env(self) -> dict[str, str]:
         """The environment that puts a prefill behind this gate (``start_prefill(..., env=gate.env)``)."""
-        return {TEST_GATE_ENV: str(self.directory)}
+        return {PREFILL_GATE_ENV: str(self.directory)}
 
     def open(self) -> None:
         (self.directory / "open").touch()

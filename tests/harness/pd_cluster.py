@@ -80,7 +80,7 @@ def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), n
     ``step_floor_s``: every decode step lasts at least this long (the test hook
     ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``): a stream of N tokens lasts >= N x that on any CPU, for a
     test that acts while it still runs."""
-    from pdserve.decode_server.lso import TEST_STEP_FLOOR_ENV
+    from pdserve.test_hooks import DECODE_STEP_FLOOR_ENV as TEST_STEP_FLOOR_ENV
 
     grpc_port, http_port, kv_port = grpc_port or free_port(), free_port(), free_port()
     env = {TEST_STEP_FLOOR_ENV: str(step_floor_s)} if step_floor_s else None

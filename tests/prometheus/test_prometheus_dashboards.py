@@ -33,7 +33,7 @@ from harness.conditions import HANG_GUARD_S, wait_until
 from harness.decode_gate import DecodeGate
 from harness.pd_cluster import metric
 from harness.prometheus import PrometheusServer
-from pdserve.decode_server.session import TEST_GATE_ENV
+from pdserve.test_hooks import DECODE_GATE_ENV as TEST_GATE_ENV
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
 

@@ -1,6 +1,6 @@
 """KV integrity checksums over real sockets in one process, both transports.
 
-A byte is corrupted in flight by the sender's test hook (``PDSERVE_TEST_CORRUPT_KV``, read when
+A byte is corrupted in flight by the sender's test hook (``CacheStoreSender(corrupt_kv=1)``, given when
 the sender is built): the receiver must catch it before the layer counts as arrived, name the
 layer, count it, and free everything; with checksums off the same hook shows the corruption
 really reaches the destination (so the check is what catches it)."""
@@ -12,7 +12,6 @@ import torch
 
 from pdserve.cachestore import (CHECKSUM_MISMATCH, CacheStoreReceiver, CacheStoreSender, ChecksumError, CompatError,
                                 CompatInfo, KVLayout, MemoryRegion, TransferError)
-from pdserve.cachestore.checksum import CORRUPT_ENV
 
 torch.set_num_threads(1)
 L, NB, BS, H, D = 4, 32, 16, 2, 8
@@ -23,7 +22,7 @@ SRC, DST = [3, 4, 5, 9, 0], [10, 11, 12, 2, 30]
 
 
 class Pair:
-    def __init__(self, transport: str, checksum: bool, require: bool = False):
+    def __init__(self, transport: str, checksum: bool, require: bool = False, corrupt_kv: int = 0):
         self.src = torch.randn(L, NB, 2, BS, H, D)
         self.dst = torch.zeros(L, NB, 2, BS, H, D)
         self.mismatches: list[tuple[str, int]] = []
@@ -31,7 +30,7 @@ class Pair:
                                      require_checksum=require,
                                      on_checksum_mismatch=lambda rid, layer: self.mismatches.append((rid, layer)))
         self.tx = CacheStoreSender(MemoryRegion.from_tensor(self.src), LAYOUT, COMPAT, transport=transport,
-                                   checksum=checksum)
+                                   checksum=checksum, corrupt_kv=corrupt_kv)
 
     async def __aenter__(self):
         await self.rx.start()
@@ -65,11 +64,9 @@ def run(coro):
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
-def test_a_byte_corrupted_in_flight_is_caught_and_named(transport, monkeypatch):
-    monkeypatch.setenv(CORRUPT_ENV, "1")  # the first request sent gets one byte of layer CORRUPT_LAYER flipped
-
-    async def main():
-        async with Pair(transport, checksum=True) as p:
+def test_a_byte_corrupted_in_flight_is_caught_and_named(transport):
+    async def main():  # corrupt_kv=1: the first request sent gets one byte of layer CORRUPT_LAYER flipped
+        async with Pair(transport, checksum=True, corrupt_kv=1) as p:
             p.send("bad")
             with pytest.raises(ChecksumError, match=rf"{CHECKSUM_MISMATCH}: request 'bad' layer {CORRUPT_LAYER} ") as err:
                 await p.rx.wait_all("bad", 20)
@@ -104,12 +101,10 @@ def test_a_byte_corrupted_in_flight_is_caught_and_named(transport, monkeypatch):
 
 
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
-def test_without_checksums_the_same_corruption_lands_unnoticed(transport, monkeypatch):
+def test_without_checksums_the_same_corruption_lands_unnoticed(transport):
     """The hook flips a byte of the data itself (not of the checksum): without checksums it arrives."""
-    monkeypatch.setenv(CORRUPT_ENV, "1")
-
     async def main():
-        async with Pair(transport, checksum=False) as p:
+        async with Pair(transport, checksum=False, corrupt_kv=1) as p:
             p.send("r")
             await p.rx.wait_all("r", 20)
             await p.tx.wait_sent("r", 20)

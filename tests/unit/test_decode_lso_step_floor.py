@@ -6,6 +6,7 @@ import time
 from types import SimpleNamespace
 
 from pdserve.decode_server import lso
+from pdserve.test_hooks import DECODE_STEP_FLOOR_ENV
 
 FLOOR_S = 0.004
 
@@ -14,9 +15,8 @@ def _engine():
     return SimpleNamespace(running=[], swapper=SimpleNamespace(swapped_ids=lambda: []))
 
 
-def test_a_step_shorter_than_the_floor_lasts_the_floor(monkeypatch):
-    monkeypatch.setattr(lso, "TEST_STEP_FLOOR_S", FLOOR_S)
-    controller = lso.LsoController()
+def test_a_step_shorter_than_the_floor_lasts_the_floor():
+    controller = lso.LsoController(step_floor_s=FLOOR_S)
     began = time.monotonic()
     controller(_engine(), 0.0001, 1)
     assert time.monotonic() - began >= FLOOR_S - 0.0001  # waited out the rest of the floor
@@ -26,7 +26,13 @@ def test_a_step_shorter_than_the_floor_lasts_the_floor(monkeypatch):
 
 
 def test_unset_the_step_is_measured_as_it_was(monkeypatch):
-    monkeypatch.setattr(lso, "TEST_STEP_FLOOR_S", 0.0)
+    monkeypatch.delenv(DECODE_STEP_FLOOR_ENV, raising=False)
     controller = lso.LsoController()
+    assert controller.step_floor_s == 0.0
     controller(_engine(), 0.0001, 1)
     assert controller.step_s == 0.0001
+
+
+def test_the_floor_comes_from_the_environment_when_the_controller_is_built(monkeypatch):
+    monkeypatch.setenv(DECODE_STEP_FLOOR_ENV, "0.25")
+    assert lso.LsoController().step_floor_s == 0.25  # read at construction (pdserve/test_hooks.py), not import

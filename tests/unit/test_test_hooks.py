@@ -1,4 +1,4 @@
-"""The servers' test gates (pdserve/test_gate.py) as tests/harness/gates.py and decode_gate.py drive
+"""The servers' test gates (pdserve/test_hooks.py) as tests/harness/gates.py and decode_gate.py drive
 them: a held request is announced, goes on when the gate opens, and withdraws its announcement also
 when it is cancelled; each server reads its own variable (the prefill's PDSERVE_TEST_GATE_AFTER_ALLOCATION,
 the decode's PDSERVE_TEST_DECODE_GATE)."""
@@ -10,7 +10,7 @@ import pytest
 from harness.conditions import until
 from harness.decode_gate import DecodeGate
 from harness.gates import Gate
-from pdserve.test_gate import wait_at_gate
+from pdserve.test_hooks import wait_at_gate
 
 HANG_GUARD_S = 10.0  # only a hang guard: each wait below ends within a few polls
 
@@ -49,3 +49,32 @@ def test_a_cancelled_request_leaves_the_gate(tmp_path, kind):
 def test_gate_env_names_each_servers_hook(tmp_path):
     assert Gate(tmp_path).env == {"PDSERVE_TEST_GATE_AFTER_ALLOCATION": str(tmp_path)}
     assert DecodeGate(tmp_path).env == {"PDSERVE_TEST_DECODE_GATE": str(tmp_path)}
+
+
+def test_hooks_are_read_when_used_not_at_import(monkeypatch, tmp_path):
+    from pdserve import test_hooks
+
+    for env in (test_hooks.PREFILL_GATE_ENV, test_hooks.DECODE_GATE_ENV, test_hooks.KVPOOL_GATE_ENV):
+        monkeypatch.delenv(env, raising=False)
+        assert test_hooks.gate_dir(env) == ""
+        monkeypatch.setenv(env, str(tmp_path))
+        assert test_hooks.gate_dir(env) == str(tmp_path)
+    monkeypatch.delenv(test_hooks.CORRUPT_KV_ENV, raising=False)
+    assert test_hooks.corrupt_kv() == 0
+    monkeypatch.setenv(test_hooks.CORRUPT_KV_ENV, "2")
+    assert test_hooks.corrupt_kv() == 2
+    monkeypatch.setenv(test_hooks.CORRUPT_KV_ENV, "two")
+    with pytest.raises(ValueError, match="PDSERVE_TEST_CORRUPT_KV='two': expected a number"):
+        test_hooks.corrupt_kv()
+
+
+def test_no_production_module_reads_a_test_hook_from_the_environment():
+    """Every PDSERVE_TEST_* variable is named in pdserve/test_hooks.py alone (tests name them to set them)."""
+    import pathlib
+
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    readers = [str(p.relative_to(repo)) for folder in ("engine", "cachestore", "prefill_server", "decode_server",
+                                                       "router", "kvpool", "pdserve", "localcluster", "operator")
+               for p in (repo / folder).rglob("*.py")
+               if "PDSERVE_TEST_" in p.read_text() and p.name != "test_hooks.py"]
+    assert readers == [], readers
