@@ -48,13 +48,6 @@ def _facts(isvc: dict, config: OperatorConfig) -> tuple[str, str | None, dict, d
     return meta["name"], meta.get("namespace"), spec, naming.common_labels(meta["name"], ROLE, ROLE, spec["protocolVersion"])
 
 
-def _metadata(name: str, namespace: str | None, labels: dict) -> dict:
-    metadata = {"name": name, "labels": dict(labels)}
-    if namespace:
-        metadata["namespace"] = namespace
-    return metadata
-
-
 def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
     """The router command line (after the `pdserve` entry point); flags as `pdserve router --help` names them."""
     name, namespace, spec, _ = _facts(isvc, config)
@@ -84,75 +77,25 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
     router = naming.router_name(name)
     volumes, mounts, init_containers = workloads.model_volumes(spec, tokenizer_only=True)
     port = defaults.HTTP_PORT
-    container = {
-        "name": ROLE,
-        "image": spec["image"],
-        "command": ["pdserve"],
-        "args": router_args(isvc, config),
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
-        "env": workloads.pod_env(spec, ROLE, ROLE),
-        "volumeMounts": mounts,
-        # /ready is 503 while no prefill is routable: the Service sends nothing to such a router
-        "readinessProbe": {"httpGet": {"path": "/ready", "port": port}, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 10, "failureThreshold": 6,
-                          "initialDelaySeconds": 10},
-        "startupProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5, "failureThreshold": 60},
-        "securityContext": workloads.container_security(),
-        # a router that goes drains as a pool's pod does (workloads.PRESTOP_SLEEP_S): without the preStop
-        # wait it stopped listening while kube-proxy still sent it new connections (refused mid-rollout)
-        "lifecycle": workloads.DRAIN_LIFECYCLE,
-        "terminationMessagePolicy": workloads.TERMINATION_MESSAGE_POLICY,
-    }
-    if spec.get("imagePullPolicy"):
-        container["imagePullPolicy"] = spec["imagePullPolicy"]
-    if spec.get("resources"):
-        container["resources"] = spec["resources"]
-    pod_spec = {
-        "containers": [container],
-        "volumes": volumes,
-        "securityContext": workloads.pod_security(),
-        "serviceAccountName": router,
-        "automountServiceAccountToken": True,
-        "terminationGracePeriodSeconds": workloads.TERMINATION_GRACE_S,
-    }
-    if init_containers:
-        pod_spec["initContainers"] = init_containers
-    for key in ("nodeSelector", "tolerations"):
-        if spec.get(key):
-            pod_spec[key] = spec[key]
-    metadata = _metadata(router, namespace, labels)
-    generation = isvc["metadata"].get("generation")
-    if generation is not None:
-        metadata["annotations"] = {naming.ANNOTATION_OWNER_GENERATION: str(generation)}
-    template = {"metadata": {"labels": labels,
-                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(port),
-                                             "prometheus.io/path": "/metrics"}},
-                "spec": pod_spec}
-    pod_settings.apply(template, spec, naming.selector_labels(name, ROLE, ROLE))
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": metadata,
-        "spec": {
-            "replicas": router_replicas(isvc),
-            "selector": {"matchLabels": naming.selector_labels(name, ROLE, ROLE)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
-            "minReadySeconds": workloads.MIN_READY_S,
-            "template": template,
-        },
-    }
+    container = workloads.server_container(
+        ROLE, spec, router_args(isvc, config), [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        workloads.pod_env(spec, ROLE, ROLE), mounts, port, startup_failures=60)
+    return workloads.server_deployment(
+        name=router, namespace=namespace, labels=labels, selector=naming.selector_labels(name, ROLE, ROLE), spec=spec,
+        container=container, volumes=volumes, init_containers=init_containers, service_account=router,
+        generation=isvc["metadata"].get("generation"), replicas=router_replicas(isvc), http_port=port)
 
 
 def build_router_service(isvc: dict, config: OperatorConfig) -> dict:
     name, namespace, _, labels = _facts(isvc, config)
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(naming.router_name(name), namespace, labels),
+    return {"apiVersion": "v1", "kind": "Service", "metadata": workloads.object_metadata(naming.router_name(name), namespace, labels),
             "spec": {"type": "ClusterIP", "selector": naming.selector_labels(name, ROLE, ROLE),
                      "ports": [{"name": "http", "port": defaults.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]}}
 
 
 def build_router_disruption_budget(isvc: dict, config: OperatorConfig) -> dict:
     name, namespace, spec, labels = _facts(isvc, config)
-    return pod_settings.build_disruption_budget(_metadata(naming.router_name(name), namespace, labels),
+    return pod_settings.build_disruption_budget(workloads.object_metadata(naming.router_name(name), namespace, labels),
                                                 naming.selector_labels(name, ROLE, ROLE), spec)
 
 
@@ -161,7 +104,7 @@ def build_router_network_policy(isvc: dict, config: OperatorConfig) -> dict:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(naming.network_policy_name(name, ROLE), namespace, labels),
+        "metadata": workloads.object_metadata(naming.network_policy_name(name, ROLE), namespace, labels),
         "spec": {
             "podSelector": {"matchLabels": {naming.LABEL_ISVC: name, naming.LABEL_ROLE: ROLE}},
             "policyTypes": ["Ingress"],

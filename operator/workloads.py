@@ -29,7 +29,8 @@ def _pool_facts(pool: dict) -> tuple[str, str | None, dict, str, str]:
     return meta["name"], meta.get("namespace"), spec, role, pool_name
 
 
-def _metadata(name: str, namespace: str | None, labels: dict) -> dict:
+def object_metadata(name: str, namespace: str | None, labels: dict) -> dict:
+    """An owned object's metadata: its name, a copy of its labels, its namespace (if any)."""
     metadata = {"name": name, "labels": dict(labels)}
     if namespace:
         metadata["namespace"] = namespace
@@ -181,28 +182,28 @@ def pod_security() -> dict:
             "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def build_deployment(pool: dict) -> dict:
-    """The Deployment of a pool; replicas follow the pool's ``spec.replicas``."""
-    name, namespace, spec, role, pool_name = _pool_facts(pool)
-    labels = pool_labels(pool)
-    http_port = defaults.HTTP_PORT if role == "prefill" else defaults.DECODE_HTTP_PORT
-    volumes, mounts, init_containers = model_volumes(spec)
-    if role == "prefill":
-        extra_volumes, extra_mounts = batch_volumes(spec)
-        volumes, mounts = volumes + extra_volumes, mounts + extra_mounts
+def server_container(role: str, spec: dict, args: list[str], ports: list[dict], env: list[dict], mounts: list[dict],
+                     http_port: int, startup_failures: int) -> dict:
+    """The container of a pdserve server pod (prefill, decode, router): its command, probes on
+    /ready and /health, security context, drain hook and termination message; the spec's image
+    pull policy and resources. The one place a server container is built."""
     container = {
         "name": role,
         "image": spec["image"],
         "command": ["pdserve"],
-        "args": prefill_args(pool) if role == "prefill" else decode_args(pool),
-        "ports": _ports(role),
-        "env": pod_env(spec, role, pool_name),
+        "args": args,
+        "ports": ports,
+        "env": env,
         "volumeMounts": mounts,
+        # /ready is 503 while the server cannot serve (a router: no routable prefill): its Service sends it nothing
         "readinessProbe": {"httpGet": {"path": "/ready", "port": http_port}, "periodSeconds": 5, "failureThreshold": 3},
         "livenessProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 10,
                           "failureThreshold": 6, "initialDelaySeconds": 10},
-        "startupProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5, "failureThreshold": 120},
+        "startupProbe": {"httpGet": {"path": "/health", "port": http_port}, "periodSeconds": 5,
+                         "failureThreshold": startup_failures},
         "securityContext": container_security(),
+        # a pod that goes drains first (PRESTOP_SLEEP_S): without the preStop wait it stopped listening
+        # while kube-proxy still sent it new connections (refused mid-rollout)
         "lifecycle": DRAIN_LIFECYCLE,
         # a crash at start (e.g. --device cuda without a GPU) puts the end of its log in the container's
         # termination message, which the operator's Degraded condition and Events quote (pod_problems.py)
@@ -212,6 +213,16 @@ def build_deployment(pool: dict) -> dict:
         container["imagePullPolicy"] = spec["imagePullPolicy"]
     if spec.get("resources"):
         container["resources"] = spec["resources"]
+    return container
+
+
+def server_deployment(*, name: str, namespace: str | None, labels: dict, selector: dict, spec: dict, container: dict,
+                      volumes: list[dict], init_containers: list[dict], service_account: str | None,
+                      generation: int | None, replicas: int, http_port: int) -> dict:
+    """The Deployment of pdserve server pods around ``container``: pod security, service account
+    (None: no token mounted), node selector and tolerations from the spec, Prometheus annotations,
+    the owner's generation, the pod settings of the spec (pod_settings.py), surge-only rolling updates.
+    The one place a server Deployment is built."""
     pod_spec = {
         "containers": [container],
         "volumes": volumes,
@@ -220,35 +231,49 @@ def build_deployment(pool: dict) -> dict:
     }
     if init_containers:
         pod_spec["initContainers"] = init_containers
-    if role == "prefill":
-        pod_spec["serviceAccountName"] = name
-        pod_spec["automountServiceAccountToken"] = True
-    else:
-        pod_spec["automountServiceAccountToken"] = False
-    if spec.get("nodeSelector"):
-        pod_spec["nodeSelector"] = spec["nodeSelector"]
-    if spec.get("tolerations"):
-        pod_spec["tolerations"] = spec["tolerations"]
-    metadata = _metadata(name, namespace, labels)
-    if pool["metadata"].get("generation") is not None:
-        metadata["annotations"] = {naming.ANNOTATION_OWNER_GENERATION: str(pool["metadata"]["generation"])}
+    if service_account is not None:
+        pod_spec["serviceAccountName"] = service_account
+    pod_spec["automountServiceAccountToken"] = service_account is not None
+    for key in ("nodeSelector", "tolerations"):
+        if spec.get(key):
+            pod_spec[key] = spec[key]
+    metadata = object_metadata(name, namespace, labels)
+    if generation is not None:
+        metadata["annotations"] = {naming.ANNOTATION_OWNER_GENERATION: str(generation)}
     template = {"metadata": {"labels": labels,
                              "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
                                              "prometheus.io/path": "/metrics"}},
                 "spec": pod_spec}
-    pod_settings.apply(template, spec, pool_selector(pool))
+    pod_settings.apply(template, spec, selector)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": metadata,
         "spec": {
-            "replicas": int(spec.get("replicas", crds.DEFAULT_REPLICAS)),
-            "selector": {"matchLabels": pool_selector(pool)},
+            "replicas": replicas,
+            "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
             "minReadySeconds": MIN_READY_S,
             "template": template,
         },
     }
+
+
+def build_deployment(pool: dict) -> dict:
+    """The Deployment of a pool; replicas follow the pool's ``spec.replicas``."""
+    name, namespace, spec, role, pool_name = _pool_facts(pool)
+    http_port = defaults.HTTP_PORT if role == "prefill" else defaults.DECODE_HTTP_PORT
+    volumes, mounts, init_containers = model_volumes(spec)
+    if role == "prefill":
+        extra_volumes, extra_mounts = batch_volumes(spec)
+        volumes, mounts = volumes + extra_volumes, mounts + extra_mounts
+    container = server_container(role, spec, prefill_args(pool) if role == "prefill" else decode_args(pool),
+                                 _ports(role), pod_env(spec, role, pool_name), mounts, http_port, startup_failures=120)
+    return server_deployment(name=name, namespace=namespace, labels=pool_labels(pool), selector=pool_selector(pool),
+                             spec=spec, container=container, volumes=volumes, init_containers=init_containers,
+                             service_account=name if role == "prefill" else None,  # prefills read discovery
+                             generation=pool["metadata"].get("generation"),
+                             replicas=int(spec.get("replicas", crds.DEFAULT_REPLICAS)), http_port=http_port)
 
 
 def build_service(pool: dict) -> dict:
@@ -265,7 +290,7 @@ def build_service(pool: dict) -> dict:
         spec["publishNotReadyAddresses"] = False
     else:
         spec["type"] = "ClusterIP"
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _metadata(name, namespace, pool_labels(pool)), "spec": spec}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": object_metadata(name, namespace, pool_labels(pool)), "spec": spec}
 
 
 def build_prefill_rbac(pool: dict) -> list[dict]:
@@ -279,11 +304,11 @@ def discovery_rbac(name: str, namespace: str | None, labels: dict) -> list[dict]
     """ServiceAccount ``name`` and a Role + RoleBinding of the same name: watch EndpointSlices
     and read Services in the namespace (what ``pdserve.discovery.KubernetesDiscovery`` needs)."""
     return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(name, namespace, labels)},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(name, namespace, labels),
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": object_metadata(name, namespace, labels)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": object_metadata(name, namespace, labels),
          "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
                    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(name, namespace, labels),
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": object_metadata(name, namespace, labels),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace or "default"}]},
     ]
@@ -292,7 +317,7 @@ def discovery_rbac(name: str, namespace: str | None, labels: dict) -> list[dict]
 def build_disruption_budget(pool: dict) -> dict:
     """The pool's PodDisruptionBudget (``spec.disruptionBudget``, default maxUnavailable 1)."""
     name, namespace, spec, _, _ = _pool_facts(pool)
-    return pod_settings.build_disruption_budget(_metadata(name, namespace, pool_labels(pool)), pool_selector(pool), spec)
+    return pod_settings.build_disruption_budget(object_metadata(name, namespace, pool_labels(pool)), pool_selector(pool), spec)
 
 
 def build_children(pool: dict) -> list[dict]:
