@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test test-deps native venv test-quick protos clean prometheus-bin k8s-tools image cluster test-vllm
+.PHONY: serve test lint test-deps native venv test-quick protos clean prometheus-bin k8s-tools image cluster test-vllm
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -25,18 +25,23 @@ serve: $(STAMP) native
 # how tests are grouped and ordered). On a fresh machine the image and the Kubernetes binaries are the
 # long first builds: both build in the background (the image at idle priority) while every test that
 # needs neither runs; the k8s and node tiers wait for them (a failed build fails those tests, with its
-# log's end). Once built, all of it is cached (seconds). The end of the output lists the 30 slowest
-# tests, each tier's time and every skipped test with its reason.
+# log's end). Once built, all of it is cached (seconds). `make lint` runs first. The end of the output
+# lists the 30 slowest tests, each tier's time and every skipped test with its reason.
 TEST_WORKERS ?= 4
 PYTEST_PARALLEL = -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder --durations=30
 test:
 	bash tools/image/build.sh --background
-	$(MAKE) $(STAMP) native prometheus-bin
+	$(MAKE) $(STAMP) lint native prometheus-bin
 	PIP=$(BIN)/pip bash tools/k8s/build.sh --background
 	@start=$$(date +%s); $(BIN)/pytest $(PYTEST_PARALLEL); rc=$$?; \
 	echo "pytest: $$(( $$(date +%s) - start )) s with $(TEST_WORKERS) workers"; exit $$rc
 
 test-deps: $(STAMP) native prometheus-bin k8s-tools
+
+# ruff over the whole tree (pyproject.toml's [tool.ruff]: unused and undefined names, syntax errors); the
+# first step of `make test`.
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 # The engine's C++ decode attention (engine/csrc, g++ against the venv's torch), cached in
 # ${PDSERVE_CACHE:-~/.cache/pdserve}/native (seconds to build; the engine falls back to torch without g++).

@@ -13,9 +13,13 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .config_families import DEFAULT_HEAD_DIM, DEFAULT_ROPE_THETA, family_fields
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 # HF `architectures` entry -> our family name (engine/models/__init__.py maps it to its layers).
 SUPPORTED_ARCHITECTURES = {
@@ -225,7 +229,7 @@ class ModelConfig:
         return out
 
 
-def rope_inv_freq(config: ModelConfig, local: bool = False) -> "torch.Tensor":
+def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     """Inverse rotary frequencies (float32, one per pair of dims), with the config's scaling applied.
 
     ``local``: Gemma 3's sliding layers (base ``rope_local_theta``, never scaled)."""

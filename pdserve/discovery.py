@@ -26,7 +26,6 @@ import asyncio
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 
 log = logging.getLogger(__name__)

@@ -9,7 +9,6 @@ both KV transports.
 
 import json
 import random
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc

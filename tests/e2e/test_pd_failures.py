@@ -11,7 +11,6 @@ zero on every process still alive.
 
 import http.client
 import json
-import signal
 import subprocess
 import sys
 import time

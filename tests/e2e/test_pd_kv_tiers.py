@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from harness.conversations import BS, ENGINE, MAX_TOKENS, colocated, conversation, generate, wait_index_caught_up
+from harness.conversations import ENGINE, MAX_TOKENS, colocated, conversation, generate, wait_index_caught_up
 from harness.pd_cluster import metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
 from harness.procs import ProcessGroup
 

@@ -28,7 +28,7 @@ import grpc
 import pytest
 
 from harness.decode_gate import DecodeGate
-from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
+from harness.pd_cluster import (get_json, metric, nothing_held, start_decode, start_prefill,
                                 wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
 

@@ -50,7 +50,7 @@ from harness.kube import KubeCluster
 from harness.kube_control_plane import (KubeToolsMissing, _b64, _die_with_parent, _log_tail, _stop, control_plane,
                                         require_tools, tools_bin_dir, wait_until, write_kubeconfig)
 from harness.kube_node_images import PAUSE_IMAGE, import_image, pdserve_image, write_pause_image
-from harness.procs import ProcessGroup, wait_for_port
+from harness.procs import ProcessGroup
 from pdserve.net import free_port
 
 NODE_BINARIES = ("kubelet", "kube-proxy", "kube-scheduler", "pause")

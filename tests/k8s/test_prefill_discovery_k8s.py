@@ -5,7 +5,6 @@ by a watch; and a prefill process in --discovery kubernetes mode sees those deco
 import asyncio
 import time
 
-import pytest
 
 from harness.kube_kubelet import POD_IP_PREFIX
 from harness.pd_cluster import get_json

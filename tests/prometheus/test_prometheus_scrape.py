@@ -2,7 +2,6 @@
 tests/harness/prometheus.py) scrapes pdserve's /metrics exposition and answers queries over it."""
 
 import time
-import urllib.parse
 
 import pytest
 

@@ -3,7 +3,6 @@ for the built-in model, vLLM's GPU rule with injected numbers (and a fake torch.
 profiling forward), clear errors, device and dtype defaults, the vLLM backend's mapping, --help."""
 
 import argparse
-from types import SimpleNamespace
 
 import pytest
 import torch
