@@ -10,7 +10,7 @@ Reading path (in this order):
   ``session_stream.py``   SessionStream: writes with a timer, the reader of prefill's messages, waits that
                           end when prefill goes away
   ``admission.py``        which Starts are refused and why (pure: version, compat, draining, sizes)
-  ``pooled_session.py``   PooledDecode: a request served through the KV pool (--kv-pool: KV partly on
+  ``pooled_decode.py``    PooledDecode: a request served through the KV pool (--kv-pool: KV partly on
                           lenders, prompt computed here, greedy tokens from kvpool's pooled request)
   ``service.py``          DecodeService: the gRPC servicer (Session, GetLoadReport), load reports
                           and the counters /health shows; KvEvents (our prefix cache) on the same port

@@ -49,7 +49,7 @@ Leases (each wait on prefill has a timer, so step 5 always comes):
   deadline; gRPC cancels this call when it passes, whatever prefill does.
 
 With a KV pool (``--kv-pool``), a request whose KV does not fit the blocks free here takes
-the pooled path (local blocks plus loans from peers; session_pooled.py, pooled_session.py).
+the pooled path (local blocks plus loans from peers; session_pooled.py, pooled_decode.py).
 
 A DecodeSession is given its collaborators as ``SessionDeps`` (the engine adapter, the
 CacheStore receiver, the session registry, the metrics, the limits), never the service. The
@@ -72,7 +72,7 @@ from pdserve.protos.logprobs import logprob_to_proto
 from pdserve.test_hooks import DECODE_GATE_ENV, gate_dir, wait_at_gate
 
 from . import admission
-from .pooled_session import PooledDecode
+from .pooled_decode import PooledDecode
 from .registry import SessionInfo
 from .session_deps import SessionDeps
 from .session_pooled import PooledSteps

@@ -18,7 +18,7 @@ import logging
 from pdserve.kvpool.rmanager import LenderLost
 from pdserve.protos import session_pb2 as pb
 
-from .pooled_session import PooledDecode
+from .pooled_decode import PooledDecode
 from .registry import SessionInfo
 from .session_stream import SessionEnded, SessionStream
 

@@ -20,7 +20,7 @@ Reading path: ``attention.py`` (the merge math), ``ledger.py`` (the gManager's l
 ``loans.py`` (a lender's loans, bounded by its reserve), ``rmanager.py`` (KVLender + the
 Borrower), ``pooled.py`` (one pooled request), ``reporting.py`` (an rManager's reports to the
 gManager), ``gmanager.py`` and ``node.py`` (the processes: ``pdserve kvpool gmanager|node``);
-``engine_thread.py`` and ``decode_pool.py`` (the pool inside a P/D decode: ``pdserve decode
+``engine_view.py`` and ``decode_pool.py`` (the pool inside a P/D decode: ``pdserve decode
 --kv-pool``); the wire is ``protos/kvpool.proto``.
 
 In P/D (``pdserve decode --kv-pool <gManager>``): the decode lends at most

@@ -35,7 +35,7 @@ import grpc
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.protos import kvpool_pb2, kvpool_pb2_grpc
 
-from .engine_thread import EngineOnThread
+from .engine_view import EngineOnThread
 from .pooled import PooledRequest
 from .reporting import RPC_TIMEOUT_S, Reporter, ReportingLender
 from .rmanager import Borrower, kv_layout

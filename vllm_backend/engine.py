@@ -2,7 +2,7 @@
 servers make of ``pdserve.engine.AsyncLLMEngine``, so the Session, picker, router and SLO code
 run unchanged over it.
 
-Every vLLM call runs on one engine thread (engine_thread.py); coroutines submit work through
+Every vLLM call runs on one engine thread (vllm_thread.py); coroutines submit work through
 a queue and get results through asyncio futures/queues (as AsyncLLMEngine). The thread steps
 vLLM while it has requests (or held blocks to report freed) and sleeps on the queue otherwise.
 
@@ -59,7 +59,7 @@ from pdserve.engine.errors import OutOfBlocksError, PromptTooLongError
 from pdserve.engine.sequence import RequestOutput
 
 from .bridge import Bridge
-from .engine_thread import VllmEngineThread
+from .vllm_thread import VllmEngineThread
 from .logprobs import prompt_logprobs, sample_logprobs
 
 log = logging.getLogger(__name__)
