@@ -23,6 +23,7 @@ Reading path (in this order):
   ``grpc_api.py``           Generator.Generate (server streaming)
   ``openai_api.py``         OpenAI request validation and response/SSE shapes (pure)
   ``openai_numbers.py``     the table every number of a request is checked against (pure)
+  ``errors.py``             BadRequest: an invalid request, wherever it is found (HTTP 400 / INVALID_ARGUMENT)
   ``openai_params.py``      prompts lists, n, echo, logprobs, response_format, tools (pure)
   ``choices.py``            a request's prompts x n choices run as sequences, merged into one stream
   ``openai_serving.py``     the choices as a whole response or SSE; ``openai_logprobs.py`` logprobs shapes

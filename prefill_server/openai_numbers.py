@@ -3,7 +3,7 @@
 ``NUMBERS`` (field -> type, range, default; null/absent = the default), ``check_number`` and
 ``check_token_ids`` (ids in [0, vocab) where the vocabulary is known, else the int32 wire
 range): huge integers, 1e308, NaN/Infinity (Python's json accepts them), booleans, strings
-and lists are a ``BadRequest`` naming the field and the allowed range, never an error further
+and lists are a ``BadRequest`` (errors.py) naming the field and the allowed range, never an error further
 in (the Session's int32/int64 fields, the sampler's float32 arithmetic). Re-exported by
 ``openai_api``.
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from .errors import BadRequest
 
 # Default max_tokens: the legacy completions API says 16; for chat we allow more but cap
 # it by the context left after the prompt.
@@ -32,14 +34,6 @@ MIN_TOP_P = 1e-8
 MAX_TEMPERATURE = 2.0  # OpenAI's documented range
 MAX_N = 16  # choices per prompt
 MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit; completions' logprobs uses the same
-
-
-class BadRequest(ValueError):
-    """The client's request is invalid: HTTP 400 / gRPC INVALID_ARGUMENT."""
-
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.code = message, param, code
 
 
 @dataclass(frozen=True, slots=True)
