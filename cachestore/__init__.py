@@ -44,11 +44,13 @@ Who frees what, when:
   the block is sent once (``expect`` returns -1 for it to the second request) and stays
   pinned until the last owner is deleted.
 
-Refinements against the first sketch of this API (stated here so the servers follow them):
-``expect`` takes optional ``block_hashes`` and RETURNS the dst list to pass to ``bind``
-(the hash dedupe lives on the receiver, which owns the destination blocks; ``bind``/``store``
-take no hashes). ``wait_sent`` waits for ALL layers of the layout, not only those stored so
-far. Both sides' ``stats()`` report ``pinned_entries`` and ``inflight_transfers``.
+Contract details the servers rely on: ``expect`` takes optional ``block_hashes`` and returns
+the dst list to pass to ``bind`` (the hash dedupe lives on the receiver, which owns the
+destination blocks; ``bind``/``store`` take no hashes). ``wait_sent`` waits for all layers of
+the layout, not only those stored so far. On a GPU the engine stores a layer when its writes
+are only queued: the region's ``layer_written`` (``MemoryRegion``) gives the event the link
+waits on before it reads. Both sides' ``stats()`` report ``pinned_entries`` and
+``inflight_transfers``.
 """
 
 from .endpoint import TRANSPORTS
@@ -60,7 +62,7 @@ from .scheduler import FifoScheduler, PriorityScheduler
 from .sender import CacheStoreSender
 
 __all__ = [
-    "CHECKSUM_MISMATCH", "CacheStoreReceiver", "CacheStoreSender", "ChecksumError", "CompatError", "CompatInfo", "FifoScheduler", "KVLayout",
-    "MemoryRegion", "WIRE_VERSION", "PriorityScheduler", "ProtocolError", "TRANSPORTS", "TransferError",
-    "UnknownRequestError", "merge_runs",
+    "CHECKSUM_MISMATCH", "CacheStoreReceiver", "CacheStoreSender", "ChecksumError", "CompatError", "CompatInfo",
+    "FifoScheduler", "KVLayout", "MemoryRegion", "PriorityScheduler", "ProtocolError", "TRANSPORTS", "TransferError",
+    "UnknownRequestError", "WIRE_VERSION", "merge_runs",
 ]
