@@ -1,15 +1,16 @@
 """P/D on one device, end to end: a real decode and prefill server, greedy text equal to the engine alone.
 
-    python tools/pd_device_check.py [--device cuda] [--dtype bfloat16] [--model tiny] [--requests 4]
+    python tools/pd_device_check.py [--device cuda] [--dtype bfloat16] [--model tiny] [--requests 4] [--transfer tcp|nixl]
 
 Starts ``pdserve decode`` and ``pdserve prefill`` (``python -m pdserve``, this interpreter, free
-loopback ports, KV over tcp; on CUDA the CacheStore stages each layer through pinned host
-memory) on ``--device``, sends ``--requests`` greedy completions of 32 tokens (prompts of 40-160
-token ids) through the prefill's OpenAI endpoint one after the other, and checks that each text
-equals what one LLMEngine on the same device gives for the same prompt, and that after the last
-one both servers hold no KV block, Session or CacheStore entry. Prints per request the end-to-end
-time and the verdict; exits 1 on any difference. Meant for a machine where the test
-suite cannot run (a GPU box with only torch and a few wheels): it needs no pytest.
+loopback ports, KV over ``--transfer``: tcp by default, which on CUDA stages each layer through
+pinned host memory; nixl needs the NIXL package) on ``--device``, sends ``--requests`` greedy
+completions of 32 tokens (prompts of 40-160 token ids) through the prefill's OpenAI endpoint one
+after the other, and checks that each text equals what one LLMEngine on the same device gives
+for the same prompt, and that after the last one both servers hold no KV block, Session or
+CacheStore entry. Prints per request the end-to-end time and the verdict; exits 1 on any
+difference. Meant for a machine where the test suite cannot run (a GPU box with only torch and a
+few wheels): it needs no pytest.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--model", default="tiny")
     p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--transfer", default="tcp", choices=["tcp", "nixl"], help="the servers' KV transport")
     args = p.parse_args()
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     rng = random.Random(0)
@@ -93,7 +95,7 @@ def main() -> int:
     del loaded
     dport, dhttp, kv, phttp, pgrpc = free_ports(5)
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--threads", "1",
-              "--log-level", "WARNING", "--transfer", "tcp", "--num-blocks", "128"]
+              "--log-level", "WARNING", "--transfer", args.transfer, "--num-blocks", "128"]
     cmd = [sys.executable, "-m", "pdserve"]
     procs = []
     try:
@@ -121,7 +123,7 @@ def main() -> int:
         left = {"decode": held(durl), "prefill": held(purl)}
         leaked = {name: {k: v for k, v in r.items() if v} for name, r in left.items()}
         leaked = {name: r for name, r in leaked.items() if r}
-        print(f"{args.device} {args.dtype}: {len(prompts) - bad} of {len(prompts)} P/D texts equal the engine alone; "
+        print(f"{args.device} {args.dtype} {args.transfer}: {len(prompts) - bad} of {len(prompts)} P/D texts equal the engine alone; "
               f"held after: {leaked or 'nothing'}", flush=True)
         return 1 if bad or leaked else 0
     finally:

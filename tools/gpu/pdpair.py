@@ -1,0 +1,105 @@
+"""Section 6, the P/D pair: ``tools/pd_device_check.py`` (a real decode and prefill server on this
+device, greedy texts equal to one engine alone, nothing held after) run as a subprocess.
+
+It runs from a temporary working directory (``python -m pdserve`` puts the working directory
+first on sys.path, and the repository root's ``pdserve/`` folder is not the installed package),
+in its own process group, killed as a group at ``budget`` seconds. Its lines are streamed into
+this log (prefixed ``pd|``) and kept: the per-request lines (``request i: N prompt tokens, T s,
+...``) give the timings, the last line the verdict. With the tcp transport first; then, when
+NIXL imports here (``nixl`` or ``nixl_cu12``, as cachestore/nixl_backend.py looks for it), again
+with ``--transfer nixl``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from checklib import Budget, Record, log
+
+SCRIPT = Path(__file__).resolve().parents[1] / "pd_device_check.py"
+REQUEST_LINE = re.compile(r"request (\d+): (\d+) prompt tokens, ([0-9.]+) s, (.*)")
+VERDICT_LINE = re.compile(r"(\d+) of (\d+) P/D texts equal the engine alone; held after: (.*)$")
+NIXL_PROBE = "try:\n from nixl import _api\nexcept ImportError:\n from nixl_cu12 import _api\n"
+
+
+def nixl_importable() -> tuple[bool, str]:
+    """Whether the NIXL Python package imports here (in a child, so a broken one cannot hurt us)."""
+    try:  # from /tmp: with the repository root as the working directory, its operator/ folder would
+        # shadow the standard library's operator module in the child (Python 3.12)
+        proc = subprocess.run([sys.executable, "-c", NIXL_PROBE], capture_output=True, text=True, timeout=60,
+                              cwd=tempfile.gettempdir())
+    except subprocess.TimeoutExpired:
+        return False, "import nixl timed out"
+    tail = (proc.stderr.strip().splitlines() or [""])[-1]
+    return proc.returncode == 0, "imports" if proc.returncode == 0 else tail
+
+
+def run_check(args: list[str], timeout: float, script: Path = SCRIPT) -> dict:
+    """One pd_device_check run: its rc (None: killed at ``timeout``), lines, per-request timings, verdict.
+    ``ok``: the verdict line says every text was equal and nothing was held (a run killed while its
+    servers shut down, after that line, still counts: the check itself was done)."""
+    cmd = [sys.executable, str(script), *args]
+    log("pd", "$ " + " ".join(cmd))
+    lines: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="pdpair-") as cwd:
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        reader = threading.Thread(target=_pump, args=(proc, lines), daemon=True)
+        reader.start()
+        t0 = time.time()
+        try:
+            rc = proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = None
+        reader.join(timeout=5)
+    out = {"args": args, "rc": rc, "seconds": round(time.time() - t0, 1), "lines": lines[-60:]}
+    if rc is None:
+        out["error"] = f"killed after {timeout:.0f} s"
+    requests = [m.groups() for m in map(REQUEST_LINE.search, lines) if m]
+    out["requests"] = [{"request": int(i), "prompt_tokens": int(n), "s": float(s), "verdict": v}
+                       for i, n, s, v in requests]
+    verdicts = [(line, m) for line in lines for m in [VERDICT_LINE.search(line)] if m]
+    out["verdict"] = verdicts[-1][0] if verdicts else None
+    if verdicts:
+        equal, total, held = verdicts[-1][1].groups()
+        out["ok"] = equal == total and held.strip() == "nothing" and rc in (0, None)
+        if rc is None:
+            out["error"] += " (after its verdict line, while the servers stopped)"
+    else:
+        out["ok"] = False
+    return out
+
+
+def _pump(proc: subprocess.Popen, lines: list[str]) -> None:
+    for line in proc.stdout:
+        line = line.rstrip("\n")
+        lines.append(line)
+        print(f"pd| {line}", flush=True)
+
+
+def run(ctx, rec: Record, budget: Budget) -> None:
+    ok, why = nixl_importable()
+    rec.results.update(nixl_importable=ok, nixl=why, runs=[])
+    rec.note(f"nixl: {why}")
+    transports = ["tcp"] + (["nixl"] if ok else [])
+    for transport in transports:
+        if budget.left() <= 5:
+            rec.skip(f"transfer {transport}", "budget spent")
+            continue
+        args = ["--device", ctx.device.type, "--dtype", ctx.pd_dtype_name, "--requests", str(ctx.plan.pd_requests),
+                "--transfer", transport]
+        result = run_check(args, budget.left())
+        result["transfer"] = transport
+        rec.results["runs"].append(result)
+        rec.save()
+        log("pd", f"{transport}: rc {result['rc']}, {result['verdict'] or result.get('error') or 'no verdict line'}")
