@@ -64,10 +64,14 @@ def _queued(router) -> int:
     return get_json(router.url + "/health")[1]["queued"]
 
 
-def _prefill_queued(router) -> int:
-    """The prefill's admission queue as the router last heard it."""
+def _second_waits_in_the_prefill(router) -> bool:
+    """The router last heard the prefill report two requests in flight, one of them in its admission
+    queue: the first held at the gate (after its decode's allocation), the second waiting for blocks.
+    (``queued == 1`` alone is not that state: right after the previous test, the prefill may still see
+    the decode full from an old load report and queue the FIRST request for a moment.)"""
     (state,) = get_json(router.url + "/health")[1]["prefills"].values()
-    return (state["load"] or {}).get("queued", 0)
+    load = state["load"] or {}
+    return load.get("queued", 0) == 1 and load.get("in_flight", 0) == 2
 
 
 def _burst(router, gate, prefill) -> list[str]:
@@ -95,7 +99,7 @@ def _burst(router, gate, prefill) -> list[str]:
         batch(0)
         gate.wait_held(1)
         batch(1)
-        wait_until(lambda: _prefill_queued(router) == 1, "batch1 in the prefill's queue, as the router hears",
+        wait_until(lambda: _second_waits_in_the_prefill(router), "batch1 in the prefill's queue, as the router hears",
                    timeout=HANG_GUARD_S)
         for i in (2, 3):  # in this order
             batch(i)
@@ -143,8 +147,8 @@ def test_deadline_in_the_router_queue_and_unknown_class(cluster):
         blockers[0].start()
         gate.wait_held(1)
         blockers[1].start()
-        wait_until(lambda: _prefill_queued(router) == 1, "the prefill queueing, as the router hears",
-                   timeout=HANG_GUARD_S)
+        wait_until(lambda: _second_waits_in_the_prefill(router), "the second blocker in the prefill's queue, "
+                   "as the router hears", timeout=HANG_GUARD_S)
         status, body = post_json(router.url + "/v1/completions", _body(5), headers={"X-Request-Timeout": "0.5"})
         assert status == 504 and body["error"]["code"] == "request_timeout", body
         assert "router's SLO queue" in body["error"]["message"], body
