@@ -4,7 +4,9 @@ Sends streaming completions (so every token's arrival is timed) with Poisson or 
 arrivals (--request-rate, --arrival) or a fixed number of requests in flight
 (--concurrency). Prompt and output lengths come from a synthetic long-tailed distribution
 (default), exact lengths with random token-id prompts from the model's tokenizer
-(--dataset random --tokenizer DIR), a JSONL file of lengths or a ShareGPT file (--dataset).
+(--dataset random --tokenizer DIR), a JSONL file of lengths, a ShareGPT file, or a request trace
+replayed with its own arrival times and shared prefixes (--dataset mooncake|azure: trace_replay.py,
+scaled by --trace-time-scale / --trace-length-scale / --trace-window, named in the JSON's "trace").
 With ignore_eos (and min_tokens, for vLLM) every request streams exactly its output length.
 Warm-up requests are sent first and left out of the figures. Prints TTFT, TPOT, ITL (time
 between streamed chunks) and e2e (P50/P90/P99/mean), throughput and failures; writes
@@ -16,6 +18,8 @@ Examples:
   pdserve bench serving --base-url http://127.0.0.1:8000 --model m --dataset random --tokenizer /ckpt
       --prompt-len 512 --output-len 64 --request-rate 1 --num-requests 30      (one command line)
   pdserve bench serving --concurrency 8 --dataset sharegpt --dataset-path sg.json
+  pdserve bench serving --dataset mooncake --dataset-path ../shared/traces/mooncake_conversation_trace.jsonl
+      --token-ids 250 --trace-window 0:60 --trace-length-scale 0.125 --trace-time-scale 4 --num-requests 50
   pdserve bench serving --slo-ttft-ms 500 --slo-tbt-ms 50 --out results/
 
 Library use (experiments): ``results, wall = asyncio.run(send_requests(LoadConfig(...),
@@ -36,6 +40,7 @@ from pathlib import Path
 
 from pdserve.defaults import BUILTIN_MODEL, HTTP_PORT
 from pdserve.bench.loadgen_report import RequestResult, format_summary, plot, summarize
+from pdserve.bench import trace_replay
 from pdserve.bench.loadgen_workload import (LengthDistribution, RequestSpec, arrival_times, build_requests, jsonl_lengths,
                                             random_requests, sharegpt_requests, synthetic_lengths, tokenizer_prompt_ids)
 
@@ -207,15 +212,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=2, help="warm-up requests sent first, not measured")
     g.add_argument("--seed", type=int, default=0, help="random seed for lengths, prompts and arrivals")
     g = parser.add_argument_group("workload")
-    g.add_argument("--dataset", choices=["synthetic", "random", "jsonl", "sharegpt"], default="synthetic",
-                   help="where lengths come from (see the module help); random: exactly --prompt-len and --output-len")
-    g.add_argument("--dataset-path", type=Path, help="the JSONL or ShareGPT file")
+    g.add_argument("--dataset", choices=["synthetic", "random", "jsonl", "sharegpt", *trace_replay.FORMATS],
+                   default="synthetic",
+                   help="where lengths come from (see the module help); random: exactly --prompt-len and --output-len; "
+                        "mooncake / azure: a request trace replayed with its arrival times and (mooncake) its shared "
+                        "prefixes (bench/trace_replay.py; needs --tokenizer or --token-ids)")
+    g.add_argument("--dataset-path", type=Path, help="the JSONL, ShareGPT or trace file")
+    g.add_argument("--trace-time-scale", type=float, default=1.0, metavar="X",
+                   help="trace: multiply arrival times by X (0.1 = ten times the rate; default 1)")
+    g.add_argument("--trace-length-scale", type=float, default=1.0, metavar="X",
+                   help="trace: multiply prompt and output lengths, and the 512 tokens of a hash id, by X in (0, 1]")
+    g.add_argument("--trace-window", default=None, metavar="START:DURATION",
+                   help="trace: only the requests arriving in [START, START+DURATION) seconds of the trace")
     g.add_argument("--prompt-len", type=int, default=256, help="synthetic: median prompt tokens; random: exact")
     g.add_argument("--prompt-sigma", type=float, default=1.0, help="synthetic: log-normal spread of prompt lengths")
     g.add_argument("--output-len", type=int, default=64, help="synthetic: median output tokens; random: exact")
     g.add_argument("--output-sigma", type=float, default=0.7, help="synthetic: log-normal spread of output lengths")
-    g.add_argument("--max-prompt-len", type=int, default=4096, help="clip (synthetic) or skip (sharegpt) longer prompts")
-    g.add_argument("--max-output-len", type=int, default=1024, help="clip output lengths")
+    g.add_argument("--max-prompt-len", type=int, default=4096,
+                   help="clip (synthetic; a trace, after scaling, keeping its leading blocks) or skip (sharegpt) longer "
+                        "prompts")
+    g.add_argument("--max-output-len", type=int, default=1024, help="clip output lengths (a trace's after scaling)")
     g.add_argument("--token-ids", type=int, metavar="VOCAB", default=None,
                    help="send prompts as random token ids below VOCAB instead of text (exact prompt lengths)")
     g.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
@@ -228,14 +244,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
 
+def _prompt_pool(args: argparse.Namespace) -> list[int]:
+    """The token ids prompts are drawn from: the tokenizer's vocabulary (no special tokens), or 1..VOCAB-1."""
+    return tokenizer_prompt_ids(args.tokenizer) if args.tokenizer is not None else list(range(1, args.token_ids))
+
+
+def trace_from_args(args: argparse.Namespace, n: int, seed: int) -> tuple[list[RequestSpec], list[float], str]:
+    """A trace's first n requests of the window, scaled, their arrivals and the scaling's description."""
+    if args.tokenizer is None and args.token_ids is None:
+        raise ValueError(f"--dataset {args.dataset} needs --tokenizer PATH (or --token-ids VOCAB) to build prompts")
+    if args.dataset_path is None or not args.dataset_path.is_file():
+        raise ValueError(f"--dataset {args.dataset} needs --dataset-path FILE (got {args.dataset_path})")
+    start, duration = 0.0, None
+    if args.trace_window:
+        try:
+            start_text, _, duration_text = args.trace_window.partition(":")
+            start, duration = float(start_text), float(duration_text)
+        except ValueError:
+            raise ValueError(f"--trace-window {args.trace_window!r}: expected START:DURATION in seconds") from None
+    scaling = trace_replay.Scaling(args.trace_time_scale, args.trace_length_scale, start, duration, n,
+                                   args.max_prompt_len, args.max_output_len)
+    pool = _prompt_pool(args)
+    reqs = trace_replay.read_trace(args.dataset_path, args.dataset)
+    specs, arrivals = trace_replay.replay_requests(reqs, scaling, pool, seed)
+    return specs, arrivals, scaling.describe()
+
+
 def workload_from_args(args: argparse.Namespace, n: int, seed: int) -> list[RequestSpec]:
     """n requests as the arguments describe (a dataset file is cycled or cut to n)."""
     rng = random.Random(seed)
+    if args.dataset in trace_replay.FORMATS:
+        return trace_from_args(args, n, seed)[0]
     if args.dataset == "random":
         if args.tokenizer is None and args.token_ids is None:
             raise ValueError("--dataset random needs --tokenizer PATH (or --token-ids VOCAB) to draw prompt ids from")
-        pool = tokenizer_prompt_ids(args.tokenizer) if args.tokenizer is not None else list(range(1, args.token_ids))
-        return random_requests(n, args.prompt_len, args.output_len, rng, pool)
+        return random_requests(n, args.prompt_len, args.output_len, rng, _prompt_pool(args))
     if args.dataset == "synthetic":
         lengths = synthetic_lengths(
             n, LengthDistribution(args.prompt_len, args.prompt_sigma, 1, args.max_prompt_len),
@@ -274,8 +317,14 @@ def run(args: argparse.Namespace) -> int:
         _validate(args)
         config = LoadConfig(url=args.url, model=args.model, api=args.api, temperature=args.temperature,
                             ignore_eos=args.ignore_eos, request_timeout=args.request_timeout, progress=args.progress)
-        specs = workload_from_args(args, args.num_requests, args.seed)
-        warm = workload_from_args(args, args.warmup, args.seed + 1) if args.warmup else []
+        trace_arrivals, trace = None, None
+        if args.dataset in trace_replay.FORMATS:  # the trace's own arrivals (and prefixes); warm-up: random prompts
+            specs, trace_arrivals, trace = trace_from_args(args, args.num_requests, args.seed)
+            # warm-up: short random prompts (the trace's own would fill the prefix caches ahead of the measure)
+            warm = random_requests(args.warmup, 32, 8, random.Random(args.seed + 1), _prompt_pool(args))
+        else:
+            specs = workload_from_args(args, args.num_requests, args.seed)
+            warm = workload_from_args(args, args.warmup, args.seed + 1) if args.warmup else []
     except ValueError as e:
         print(f"pdserve bench serving: error: {e}", file=sys.stderr)
         return 2
@@ -288,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
     if args.concurrency is not None:
         results, wall = asyncio.run(send_requests(config, specs, concurrency=args.concurrency))
     else:
-        arrivals = arrival_times(len(specs), args.request_rate, args.arrival, random.Random(args.seed + 2))
+        arrivals = trace_arrivals or arrival_times(len(specs), args.request_rate, args.arrival,
+                                                   random.Random(args.seed + 2))
         results, wall = asyncio.run(send_requests(config, specs, arrivals=arrivals))
     summary = summarize(results, wall, args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
                         args.slo_tbt_ms / 1000 if args.slo_tbt_ms else None)
@@ -296,6 +346,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     cfg["request_rate"] = str(args.request_rate) if math.isinf(args.request_rate) else args.request_rate
     doc = {"config": cfg, "client": asdict(config), "summary": summary, "requests": [r.to_json() for r in results]}
+    if trace is not None:
+        doc["trace"] = trace  # how the trace was cut and scaled: every result names it
+        print(f"workload: {args.dataset_path} ({args.dataset}), {trace}")
     json_path = args.out / f"{args.name}.json"
     json_path.write_text(json.dumps(doc, indent=1))
     png = plot(results, args.out / f"{args.name}.png", title=f"pdserve bench serving: {args.url}")
