@@ -22,6 +22,7 @@ import time
 import grpc
 import pytest
 
+from harness.conditions import wait_until
 from harness.gates import Gate
 from harness.pd_cluster import (get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released,
                                 wait_ready)
@@ -262,6 +263,9 @@ def test_a_request_may_outlast_the_queue_timeout(procs, tmp_path):
     conn.close()
     assert not any(e.startswith('{"error"') for e in events), events[-3:]
     assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
-    # that one Session served it (a Session cut off by a deadline would have been retried)
+    # that one Session served it (a Session cut off by a deadline would have been retried). The decode
+    # counts a Session when it ends, which may come just after the client's last event: wait for it
+    wait_until(lambda: metric(decode.url, "pdserve_requests_total") >= 1, "the decode to count the Session",
+               HANG_GUARD_S)
     assert metric(decode.url, "pdserve_requests_total") == metric(decode.url, "pdserve_requests_total", outcome="ok") == 1
     assert nothing_held(wait_all_released([prefill, decode]))
