@@ -37,15 +37,22 @@ ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "ge
 
 
 def build_tiny(family: str, seed: int = 0, std: float = 0.15):
-    """The transformers model (float32, eval) with seeded random weights."""
+    """The transformers model (float32, eval) of ``family`` with seeded random weights."""
+    config_cls, extra = FAMILIES[family]
+    return build_from_config(config_cls, extra, ARCHITECTURES[family], seed, std)
+
+
+def build_from_config(config_cls: str, extra: dict, architecture: str, seed: int = 0, std: float = 0.15):
+    """A tiny transformers model (``COMMON`` sizes plus ``extra``; float32, eval) with seeded random
+    weights: std ``std``, norms around their identity (Gemma's (1 + w) norms around 0). Also used by
+    the GPU check (tools/gpu/parity.py) for the families these tests do not build."""
     import transformers
 
-    config_cls, extra = FAMILIES[family]
     config = getattr(transformers, config_cls)(**COMMON, **extra)
-    config.architectures = [ARCHITECTURES[family]]
+    config.architectures = [architecture]
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
-    gemma = family.startswith("gemma")
+    gemma = config_cls.startswith("Gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)

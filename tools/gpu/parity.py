@@ -19,37 +19,27 @@ that folder. Two prompts (9 and 30 tokens, across the window) run as one batch:
 
 from __future__ import annotations
 
+import sys
 import tempfile
+from pathlib import Path
 
 from checklib import Budget, Record, guarded, log, release
 
-WINDOW = 12
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the tests' tiny-model builder
+from harness import hf_checkpoints  # noqa: E402
+
 PROMPT_LENS = (9, 30)
 BLOCK_SIZE = 16  # a power of two >= 16: the paged Triton kernels take it
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=112, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
-# family -> (transformers config class, its extra fields, architecture)
+# family -> (transformers config class, its extra fields, architecture): the unit tests' four families
+# (tests/harness/hf_checkpoints.py, the one home of their configs and of the tiny builder) and three more
 FAMILIES = {
     "llama": ("LlamaConfig", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 500.0, "factor": 8.0,
                                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                                    "original_max_position_embeddings": 32}), "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True), "Qwen2ForCausalLM"),
-    "mistral": ("MistralConfig", dict(sliding_window=WINDOW), "MistralForCausalLM"),
-    "qwen3": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
-                                  rope_parameters={"rope_type": "default", "rope_theta": 1000.0}), "Qwen3ForCausalLM"),
-    "gemma2": ("Gemma2Config", dict(query_pre_attn_scalar=24, sliding_window=WINDOW, attn_logit_softcapping=2.0,
-                                    final_logit_softcapping=3.0), "Gemma2ForCausalLM"),
-    "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=3.0,
-                                        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-                                        rope_parameters={
-                                            "full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                               "rope_theta": 500.0},
-                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
-               "Gemma3ForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                         norm_topk_prob=True, mlp_only_layers=[1]), "Qwen3MoeForCausalLM"),
+    "mistral": ("MistralConfig", dict(sliding_window=hf_checkpoints.WINDOW), "MistralForCausalLM"),
+    **{f: (cls, extra, hf_checkpoints.ARCHITECTURES[f]) for f, (cls, extra) in hf_checkpoints.FAMILIES.items()},
 }
-
 
 def run(ctx, rec: Record, budget: Budget) -> None:
     import transformers
@@ -90,23 +80,8 @@ def describe(row: dict) -> str:
 
 def build_hf(family: str, seed: int = 3, std: float = 0.15):
     """The transformers model (float32, CPU, eval) of ``family`` with seeded random weights."""
-    import torch
-    import transformers
-
     config_cls, extra, arch = FAMILIES[family]
-    config = getattr(transformers, config_cls)(**COMMON, **extra)
-    config.architectures = [arch]
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(seed)
-    gemma = family.startswith("gemma")
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if "norm" in name:  # Gemma stores w of (1 + w); the others w itself
-                p.copy_(0.1 * noise if gemma else 1.0 + 0.1 * noise)
-            else:
-                p.copy_(std * noise)
-    return model
+    return hf_checkpoints.build_from_config(config_cls, extra, arch, seed, std)
 
 
 def compare_family(family: str, device, dtype, n_tokens: int) -> dict:
