@@ -8,7 +8,7 @@ Sections, in order (each its own module; tools/gpu/README.md has the formulas):
   parity        engine vs transformers, one tiny model per family          (parity.py)
   decode        decode step of a random Llama-3-8B, batch x context cells  (perf.py)
   prefill       prefill_many of 1/8/32 prompts of 2048 tokens               (perf.py)
-  transformers  ours vs LlamaForCausalLM on the same tensors, alternating   (perf.py)
+  transformers  ours vs LlamaForCausalLM on the same tensors, alternating   (hf_compare.py)
   pd            tools/pd_device_check.py, tcp (and nixl where it imports)  (pdpair.py)
 
 How it runs: this process (the supervisor) imports no torch; it starts a worker process
@@ -168,12 +168,13 @@ class Context:
 
 def section_function(name: str):
     import ceilings
+    import hf_compare
     import parity
     import pdpair
     import perf
 
     return {"ceilings": ceilings.run, "parity": parity.run, "decode": perf.run_decode, "prefill": perf.run_prefill,
-            "transformers": perf.run_transformers, "pd": pdpair.run}[name]
+            "transformers": hf_compare.run_transformers, "pd": pdpair.run}[name]
 
 
 def effective_budget(plan: Plan, name: str, later: list[str], deadline: float) -> float:
