@@ -6,7 +6,8 @@ request bound to that receiver. It owns:
 * the link's scheduler (``scheduler.py``): every ``store()`` becomes a Transfer pushed here;
 * ``connections`` TCP connections, each with a writer thread (control frames, then chunks
   popped from the scheduler, sent straight from the region) and a reader thread (ACK and
-  ERROR frames from the receiver). Connection 0 also carries BIND and CANCEL frames;
+  ERROR frames from the receiver). Connection 0 also carries BIND and CANCEL frames, and no
+  chunk leaves on any connection or by NIXL while one of them waits to be sent (``_data_ready``);
 * for ``nixl``: one data thread running a ``NixlWriter`` (``nixl_link.py``) that turns
   chunks into NIXL WRITEs (a layer or more each) with a notification and counts their chunks
   delivered when NIXL reports it DONE (TCP stays the control channel). It reaches the link
@@ -97,6 +98,7 @@ class Link:
         self.closing = False
         self.error: BaseException | None = None
         self.sending = 0  # chunks popped and not yet fully sent/acknowledged by NIXL
+        self.control_sending = 0  # control frames popped and not yet handed to the kernel
         self._socks: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
         self._n_conns = 1 if endpoint.transport == "nixl" else config.connections
@@ -137,13 +139,13 @@ class Link:
         With ``wait``, block until a chunk is queued. None once the link is down. Each chunk
         popped counts in ``sending`` until the thread reports it with ``chunks_done``."""
         with self.cond:
-            while wait and self.alive and not len(self.scheduler):
+            while wait and self.alive and not self._data_ready():
                 self.cond.wait()
             if not self.alive:
                 return None
             batch: list[Chunk] = []
             size = 0
-            while len(self.scheduler) and size < max_blocks and len(batch) < max_chunks:
+            while self._data_ready() and size < max_blocks and len(batch) < max_chunks:
                 chunk = self.scheduler.pop()
                 self.sending += 1
                 batch.append(chunk)
@@ -151,6 +153,14 @@ class Link:
         for chunk in batch:  # outside the lock: the engine thread keeps storing layers meanwhile
             chunk.transfer.wait_ready()
         return batch
+
+    def _data_ready(self) -> bool:
+        """(Under ``cond``.) A chunk is queued and no control frame waits to be sent before it.
+
+        Control frames go first: a request's BIND is in the kernel before any of its bytes move on
+        another connection or by NIXL, so a sender that dies after its data moved always leaves
+        the receiver a bound entry to fail (else the receiver waits out its expect timeout)."""
+        return bool(len(self.scheduler)) and not self.control and not self.control_sending
 
     def chunk_done(self, chunk: Chunk, acked: bool) -> None:
         """A data thread is done with a popped chunk; ``acked``: it reached the receiver."""
@@ -247,17 +257,23 @@ class Link:
             while True:
                 frame, chunk = None, None
                 with self.cond:
-                    while self.alive and not (index == 0 and self.control) and not (io is not None and len(self.scheduler)):
+                    while self.alive and not (index == 0 and self.control) and not (io is not None and self._data_ready()):
                         self.cond.wait()
                     if not self.alive:
                         return
                     if index == 0 and self.control:
                         frame = self.control.popleft()
+                        self.control_sending += 1
                     else:
                         chunk = self.scheduler.pop()
                         self.sending += 1
                 if frame is not None:
-                    sock.sendall(frame)
+                    try:
+                        sock.sendall(frame)
+                    finally:
+                        with self.cond:
+                            self.control_sending -= 1
+                            self.cond.notify_all()
                     continue
                 try:
                     t = chunk.transfer

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import random
 import socket
+import tempfile
 import threading
+import time
 
 # Ports this process has handed out. The OS may give a port back to bind(0) as soon as our
 # probe socket closes, before the server it was meant for has bound it; never handing the same
@@ -16,6 +20,11 @@ _rng = random.Random()
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 LOWEST = 10000  # ports below this are left to fixed services
 HIGHEST = 29999  # 30000-32767 is Kubernetes' NodePort range (kube-proxy may hold those ports)
+# A port handed out from the window is reserved machine-wide for this long (a file per port, under
+# a lock), so that a process and its children never hand out the same port: a test hands out a
+# port for `pdserve up`, whose own choices for its servers come from the same window (seen in CI:
+# the router's port had been given to a decode's CacheStore, and the test's GET met the KV wire).
+RESERVE_S = 600.0
 
 
 # `low-high`: the ports this process and its children hand out (inherited through the environment).
@@ -63,16 +72,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` distinct free ports, none handed out before by this process: below the ephemeral
-    range where there is one (``_window``), else whatever bind(0) gives."""
+    """``n`` distinct free ports, none handed out before by this process, nor by any process of
+    this user within ``RESERVE_S``: below the ephemeral range where there is one (``_window``),
+    else whatever bind(0) gives."""
     window = _window()
     chosen: list[int] = []
-    with _lock:
+    with _lock, _reservations(window is not None) as reserved:
         tries = 0
         while len(chosen) < n:
             tries += 1
             port = _rng.randint(*window) if window is not None and tries < 1000 else 0
-            if port in _handed_out:
+            if port in _handed_out or (port and port in reserved):
                 continue
             s = socket.socket()
             try:
@@ -85,4 +95,48 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             if port not in _handed_out:
                 chosen.append(port)
                 _handed_out.add(port)
+                reserved.add(port)
     return chosen
+
+
+class _Reserved:
+    """The ports reserved by any process of this user (one file each, touched when handed out)."""
+
+    def __init__(self, folder: str | None):
+        self.folder = folder
+        self.now = time.time()
+
+    def __contains__(self, port: int) -> bool:
+        if self.folder is None:
+            return False
+        try:
+            return self.now - os.stat(os.path.join(self.folder, str(port))).st_mtime < RESERVE_S
+        except OSError:
+            return False
+
+    def add(self, port: int) -> None:
+        if self.folder is not None:
+            with open(os.path.join(self.folder, str(port)), "w"):
+                pass  # created or truncated: its mtime is now
+
+
+@contextlib.contextmanager
+def _reservations(use: bool):
+    """The machine-wide reservations, under an exclusive lock (flock) while ports are chosen;
+    none where the temp folder cannot hold them (then only this process's own choices count)."""
+    folder = os.path.join(tempfile.gettempdir(), f"pdserve-ports-{os.getuid()}")
+    fd = -1
+    if use:
+        try:
+            os.makedirs(folder, mode=0o700, exist_ok=True)
+            fd = os.open(os.path.join(folder, ".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            if fd >= 0:
+                os.close(fd)
+            fd = -1
+    try:
+        yield _Reserved(folder if fd >= 0 else None)
+    finally:
+        if fd >= 0:
+            os.close(fd)  # releases the lock

@@ -190,3 +190,30 @@ def test_nixl_import_is_guarded(monkeypatch):
     CacheStoreReceiver(*args, transport="tcp")  # tcp does not need it
     with pytest.raises(ValueError, match="transport must be one of"):
         CacheStoreSender(*args, transport="rdma")
+
+
+def test_link_moves_no_chunk_while_a_control_frame_waits():
+    """A request's BIND is handed to the kernel before any of its bytes move (by NIXL or on another
+    connection): a sender killed after its data moved then always leaves the receiver a bound entry
+    to fail, instead of one that waits out its expect timeout (seen once in CI, nixl)."""
+    import torch
+
+    from pdserve.cachestore.link import Link, LinkConfig
+
+    compat = CompatInfo("float32", 1, 1, 1, 1)
+    layout = KVLayout(1, 4, compat.block_nbytes)
+    config = LinkConfig(MemoryRegion.from_tensor(torch.zeros(8)), layout, compat, chunk_blocks=4, connections=1,
+                        connect_timeout_s=1.0)
+    ep = Endpoint("127.0.0.1", 1, "nixl", compat.compat_hash, compat.describe(), "i", num_blocks=4)
+    link = Link(owner=None, endpoint=ep, scheduler=FifoScheduler(), config=config)  # never started: no threads
+    link.send_control(encode_control(FrameType.BIND, "r"))
+    link.submit(Transfer("r", 0, [(0, 1, 2)]))
+    assert link.take_chunks(4, 4, wait=False) == []  # BIND queued
+    with link.cond:  # connection 0's writer pops it and is sending it
+        link.control.popleft()
+        link.control_sending += 1
+    assert link.take_chunks(4, 4, wait=False) == []
+    with link.cond:
+        link.control_sending -= 1
+    batch = link.take_chunks(4, 4, wait=False)
+    assert [(c.transfer.key, c.nblocks) for c in batch] == [("r", 2)] and link.sending == 1

@@ -1,6 +1,7 @@
 """The package layout: one distribution, `pdserve.*` import names, a CLI that explains itself."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 import sysconfig
@@ -84,3 +85,26 @@ def test_the_port_window_can_be_pinned_by_the_environment(monkeypatch):
         monkeypatch.setenv(net.PORTS_ENV, bad)
         with pytest.raises(ValueError, match=net.PORTS_ENV):
             net.free_ports(1)
+
+
+def test_a_child_process_never_hands_out_a_port_its_parent_handed_out(monkeypatch, tmp_path):
+    """Ports handed out are reserved machine-wide (RESERVE_S): a test's ports for `pdserve up` and the
+    ports `up` then chooses for its servers come from one window, and must not meet (CI once sent
+    the test's HTTP GET to a decode's CacheStore port)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from pdserve import net
+
+    monkeypatch.setenv(net.PORTS_ENV, "22400-22439")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    mine = net.free_ports(10)
+    code = "from pdserve import net; print(*net.free_ports(10))"
+    theirs = [int(p) for p in subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                              check=True).stdout.split()]
+    assert len(theirs) == 10 and all(22400 <= p <= 22439 for p in mine + theirs), (mine, theirs)
+    assert not set(mine) & set(theirs), (mine, theirs)
+    assert sorted(int(p.name) for p in (tmp_path / f"pdserve-ports-{os.getuid()}").iterdir()
+                  if p.name.isdigit()) == sorted(mine + theirs)
