@@ -35,6 +35,25 @@ async def _until(cond, limit: float, what: str) -> None:
     await until(cond, what, hang_guard_s=limit, pause_s=0.05)
 
 
+def _stopped(pid: int) -> bool:
+    """Every thread of pid is stopped (state T in /proc): the freeze has taken effect."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+        except (OSError, IndexError):
+            continue  # a thread that just ended
+    return bool(states) and all(st in ("T", "t") for st in states)
+
+
+async def _freeze(pid: int) -> None:
+    """SIGSTOP pid's group and wait until all its threads are stopped: what the test does next
+    (store more layers, delete) happens against a peer that certainly runs no more code. A CI run
+    once saw a receiver acknowledge a whole layer stored after the SIGSTOP had been sent."""
+    os.killpg(pid, signal.SIGSTOP)
+    await _until(lambda: _stopped(pid), HANG_GUARD_S, f"process {pid} stopped by SIGSTOP")
+
+
 def _blocks(a: int, b: int) -> str:
     return ",".join(str(i) for i in range(a, b))
 
@@ -70,11 +89,14 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
             tx.bind("r", endpoint, doc["dst"])
             tx.store("r", 0, list(range(40)))
             await _until(lambda: tx.stats()["bytes_sent"] > 0, 30, "first bytes delivered")
-            os.killpg(frozen.pid, signal.SIGSTOP)
+            await _freeze(frozen.pid)
+            at_stop = tx.stats()
             for layer in range(1, peer.L):
                 tx.store("r", layer, list(range(40)))
-            with pytest.raises(TransferError, match="'r'"):
+            with pytest.raises(TransferError, match="'r'") as gave_up:
                 await tx.wait_sent("r", STALL_S * 3)  # stands for the session timeout
+            at_give_up = tx.stats()
+            state = [l for l in open(f"/proc/{frozen.pid}/status") if l.startswith("State")]
             tx.delete("r")
 
             def link_failures() -> list[str]:
@@ -84,7 +106,8 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
                 await _until(lambda: tx.stats()["sending_chunks"] == 0 and tx.stats()["links"] == 0, HANG_GUARD_S,
                              "the stalled link failed")
             except AssertionError as e:  # say what the sender holds and which links failed, and why
-                raise AssertionError(f"{e}; sender stats {tx.stats()}; link failures {link_failures()}") from None
+                raise AssertionError(f"{e}; sender stats {tx.stats()}; link failures {link_failures()}; at SIGSTOP "
+                                     f"{at_stop}; when wait_sent gave up ({gave_up.value}) {at_give_up}, the receiver {state}") from None
             # by the stall bound (the receiver never woke up meanwhile), not by a connection error
             failures = link_failures()
             assert any(f"made no progress for {STALL_S}s" in m for m in failures), failures
@@ -142,7 +165,7 @@ def test_sender_frozen_mid_frame_is_cut(procs, tmp_path, how):
             proc = procs.start([sys.executable, PEER, "half", "tcp", str(ep_file), "h", _blocks(0, 40), "1"],
                                name="sender", env={"CACHESTORE_PEER_BIG": "1"})
             await asyncio.to_thread(peer.wait_file, Path(f"{ep_file}.half"), proc)
-            os.killpg(proc.pid, signal.SIGSTOP)
+            await _freeze(proc.pid)
             await _until(lambda: rx.stats()["receiving_frames"] == 1, 10, "the frame is being received")
             if how == "delete":
                 rx.delete("h")
