@@ -107,7 +107,9 @@ class DecoderModel(nn.Module):
             setattr(self, "rope_cos" + suffix, emb.cos())
             setattr(self, "rope_sin" + suffix, emb.sin())
 
-    def _rope(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False):
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False):
+        """(cos, sin) of the rotary embedding at ``positions``, shaped to broadcast over heads: the
+        public hook for code that runs the layers itself (``kvpool/pooled.py``)."""
         cos_t, sin_t = (self.rope_cos_local, self.rope_sin_local) if local else (self.rope_cos, self.rope_sin)
         cos = cos_t.index_select(0, positions).to(dtype).unsqueeze(1)
         sin = sin_t.index_select(0, positions).to(dtype).unsqueeze(1)
@@ -121,7 +123,7 @@ class DecoderModel(nn.Module):
 
     def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple]:
         """{local?: (cos, sin)} for the tables the layers use."""
-        return {local: self._rope(positions, dtype, local) for local in self.rope_kinds}
+        return {local: self.rope(positions, dtype, local) for local in self.rope_kinds}
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = linear(x, self.lm_head)

@@ -210,7 +210,7 @@ class PooledRequest:
         t0 = time.perf_counter()
         ids = torch.tensor(prompt, device=self.engine.device)
         x = model.embed_tokens(ids)
-        cos, sin = model._rope(torch.arange(len(prompt)), x.dtype)
+        cos, sin = model.rope(torch.arange(len(prompt)), x.dtype)
         pending = []
         for i, layer in enumerate(model.layers):
             q, k, v = layer.qkv(x, cos, sin)
@@ -251,7 +251,7 @@ class PooledRequest:
                 break
             pos = len(prompt) + produced - 1
             x = model.embed_tokens(torch.tensor([token]))
-            cos, sin = model._rope(torch.tensor([pos]), x.dtype)
+            cos, sin = model.rope(torch.tensor([pos]), x.dtype)
             for i, layer in enumerate(model.layers):
                 q, k, v = layer.qkv(x, cos, sin)
                 kv.write(i, rows[n_local : n_local + 1], k, v)
