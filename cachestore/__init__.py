@@ -2,7 +2,8 @@
 
 Read first: ``cachestore/README.md`` (protocol sequence), then ``receiver.py`` and
 ``sender.py`` (each opens with its request lifecycle), then ``entries.py`` (pins, shared
-blocks), ``link.py`` (connections, threads; ``nixl_link.py`` its NIXL WRITEs),
+blocks), ``transport.py`` (tcp and nixl behind one interface per side), ``link.py``
+(connections, threads; ``nixl_link.py`` its NIXL WRITEs),
 ``scheduler.py`` (MoLink / FIFO) and ``frames.py`` (wire format). It never imports the
 engine: it sees a ``MemoryRegion`` (the KV pool tensor, registered once) and a ``KVLayout``.
 

@@ -4,14 +4,16 @@ A ``Link`` is pooled by the sender per (host, port, receiver instance) and share
 request bound to that receiver. It owns:
 
 * the link's scheduler (``scheduler.py``): every ``store()`` becomes a Transfer pushed here;
-* ``connections`` TCP connections, each with a writer thread (control frames, then chunks
+* what differs by transport comes from ``LinkConfig.transport`` (``transport.py``): how many
+  connections, whether they carry DATA frames, the link's own data thread (nixl);
+* ``connections`` TCP connections (nixl: one), each with a writer thread (control frames, then chunks
   popped from the scheduler, sent straight from the region) and a reader thread (ACK and
   ERROR frames from the receiver). Connection 0 also carries BIND and CANCEL frames, and no
   chunk leaves on any connection or by NIXL while one of them waits to be sent (``_data_ready``);
 * for ``nixl``: one data thread running a ``NixlWriter`` (``nixl_link.py``) that turns
   chunks into NIXL WRITEs (a layer or more each) with a notification and counts their chunks
   delivered when NIXL reports it DONE (TCP stays the control channel). It reaches the link
-  only through ``take_chunks`` / ``chunks_done`` and the stall error, given at construction.
+  only through ``take_chunks`` / ``chunks_done`` and ``stall_error``.
 
 With ``LinkConfig.checksum`` every slice sent carries the CRC32C of its source bytes, computed
 by the thread that sends it, right before (``checksum.py``): in the DATA header (tcp) or the
@@ -37,15 +39,15 @@ import socket
 import struct
 import threading
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from .endpoint import Endpoint
 from .errors import ChecksumError, CompatError, ProtocolError, TransferError
 from .frames import FLAG_CHECKSUM_MISMATCH, FLAG_CRC32C, FrameType, encode_header, read_frame_header, read_payload
 from .handshake import client_hello
 from .memory import CompatInfo, KVLayout, MemoryRegion
-from .nixl_link import NixlWriter
 from .scheduler import Chunk
+from .transport import SendSide, TcpSend
 from .wire_io import RegionIO
 
 log = logging.getLogger("pdserve.cachestore.link")
@@ -74,7 +76,7 @@ class LinkConfig:
     chunk_blocks: int              # a NIXL WRITE carries consecutive chunks up to this many blocks
     connections: int               # tcp connections per receiver (nixl: one, the control channel)
     connect_timeout_s: float
-    nixl: Any = None               # the sender's NixlMemory (agent, name, mem_type), for nixl
+    transport: SendSide = TcpSend()  # the sender's transport (transport.py): connections, data thread, agent
     checksum: bool = False         # send a CRC32C with every slice (checksum.py)
     stall_timeout_s: float = 30.0  # no byte sent / no NIXL WRITE completed for this long: the link fails
 
@@ -101,14 +103,14 @@ class Link:
         self.control_sending = 0  # control frames popped and not yet handed to the kernel
         self._socks: list[socket.socket] = []
         self._threads: list[threading.Thread] = []
-        self._n_conns = 1 if endpoint.transport == "nixl" else config.connections
+        self._n_conns = config.transport.connections(config.connections)
 
     # ----- called by the sender (any thread) -------------------------------------------
     def start(self) -> None:
         for i in range(self._n_conns):
             self._spawn(self._conn_main, f"cachestore-tx-{self.peer}-c{i}", i)
-        if self.endpoint.transport == "nixl":
-            self._spawn(self._nixl_main, f"cachestore-tx-{self.peer}-nixl")
+        if self.config.transport.has_data_thread:
+            self._spawn(self._data_main, f"cachestore-tx-{self.peer}-{self.config.transport.name}")
 
     def submit(self, transfer) -> None:
         with self.cond:
@@ -221,7 +223,7 @@ class Link:
             raise TransferError(f"cannot connect to CacheStore receiver {self.peer}: {exc}") from None
         self._socks.append(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_hello(sock, self.config.compat, self.config.nixl.name if self.config.nixl else "", self.peer,
+        client_hello(sock, self.config.compat, self.config.transport.agent, self.peer,
                      self.config.checksum)
         sock.settimeout(None)
         # a send that moves no byte within the stall bound raises (EAGAIN) instead of blocking
@@ -231,7 +233,7 @@ class Link:
                         struct.pack("ll", int(sec), int((sec - int(sec)) * 1e6)))
         return sock
 
-    def _stall_error(self, what: str) -> TransferError:
+    def stall_error(self, what: str) -> TransferError:
         return TransferError(f"{what} to receiver {self.peer} made no progress for {self.config.stall_timeout_s}s "
                              "(receiver frozen or not reading): link closed")
 
@@ -252,7 +254,7 @@ class Link:
         try:
             sock = self._connect()
             reader = self._spawn(self._reader_main, f"cachestore-tx-{self.peer}-r{index}", sock)
-            io = RegionIO(self.config.region) if self.endpoint.transport == "tcp" else None
+            io = RegionIO(self.config.region) if self.config.transport.frames_carry_data else None
             layout = self.config.layout
             while True:
                 frame, chunk = None, None
@@ -294,7 +296,7 @@ class Link:
                 finally:
                     self.chunk_done(chunk, acked=False)
         except BaseException as exc:  # noqa: BLE001 - every failure fails the link
-            self.fail(self._stall_error("sending") if _stalled(exc) else exc)
+            self.fail(self.stall_error("sending") if _stalled(exc) else exc)
         finally:
             if not self.alive:
                 self._close_sock(sock, reader)
@@ -319,12 +321,9 @@ class Link:
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)
 
-    def _nixl_main(self) -> None:
-        """The nixl data thread: ``nixl_link.NixlWriter`` until the link is down; any error fails it."""
+    def _data_main(self) -> None:
+        """The transport's data thread (nixl: ``nixl_link.NixlWriter``) until the link is down; any error fails it."""
         try:
-            cfg = self.config
-            NixlWriter(cfg.nixl, cfg.region, cfg.layout, self.endpoint, self.peer,
-                       chunk_blocks=cfg.chunk_blocks, checksum=cfg.checksum, stall_timeout_s=cfg.stall_timeout_s,
-                       take=self.take_chunks, chunks_done=self.chunks_done, stall_error=self._stall_error).run()
+            self.config.transport.run_data_thread(self)
         except BaseException as exc:  # noqa: BLE001
             self.fail(exc)

@@ -36,12 +36,13 @@ import logging
 import uuid
 from typing import Callable, Iterable, Sequence
 
-from .endpoint import TRANSPORTS, Endpoint
+from .endpoint import Endpoint
 from .entries import Entry, EntryTable
 from .errors import ChecksumError, TransferError, UnknownRequestError
 from .frames import FLAG_CHECKSUM_MISMATCH
 from .memory import CompatInfo, KVLayout, MemoryRegion
 from .tcp_server import TcpServer
+from .transport import receive_side
 from .waiters import LoopCaller, WaiterBook, check_timeout
 
 log = logging.getLogger("pdserve.cachestore.receiver")
@@ -62,14 +63,8 @@ class CacheStoreReceiver:
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  require_checksum: bool = False, on_checksum_mismatch: Callable[[str, int], None] | None = None,
                  stall_timeout_s: float = 1.0):
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         compat.check_layout(layout)
         region.check_layout(layout)
-        if transport == "nixl":
-            from .nixl_backend import load_nixl
-
-            load_nixl()  # clear error now, not at the first request
         self.region, self.layout, self.compat, self.transport = region, layout, compat, transport
         self.host, self.port = host, port
         self.advertise_host = advertise_host or host
@@ -80,45 +75,34 @@ class CacheStoreReceiver:
                           "frames_verified": 0, "checksum_mismatches": 0, "connections_cut": 0}
         self.require_checksum = require_checksum
         self._on_checksum_mismatch = on_checksum_mismatch
-        self._server = TcpServer(region, layout, compat, transport, self._table, self._counters, self, require_checksum,
-                                 stall_timeout_s)
+        self._transport = receive_side(transport, region, self.instance, self._table, layout, self._counters,
+                                       self.on_arrived, self.on_corrupt)
+        self._server = TcpServer(region, layout, compat, self._transport.frames_carry_data, self._table, self._counters,
+                                 self, require_checksum, stall_timeout_s)
         self._waiters = WaiterBook()
         self._release_waiters = WaiterBook()
         self._timers: dict[str, asyncio.TimerHandle] = {}
-        self._nixl = None
-        self._nixl_loop = None
         self._endpoint: bytes | None = None
         self._started = False
 
     # ----- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        """Listen on host:port (port 0 picks a free one) and, for nixl, register the region once."""
+        """Start the transport (nixl: register the region once), then listen on host:port (port 0
+        picks a free one)."""
         self._loop.attach()
-        if self.transport == "nixl":
-            from .nixl_backend import NixlMemory
-            from .nixl_receive import NixlReceiveLoop
-
-            self._nixl = await asyncio.to_thread(NixlMemory, f"pdserve-rx-{self.instance}", self.region)
-            self._nixl_loop = NixlReceiveLoop(self._nixl, self._table, self.layout, self._counters, self.on_arrived,
-                                              lambda: self._server.connections() > 0, self.on_corrupt)
+        await self._transport.start(lambda: self._server.connections() > 0)
         self.port = self._server.listen(self.host, self.port)
-        if self._nixl_loop is not None:
-            self._nixl_loop.start()
         self._started = True
 
     async def stop(self) -> None:
         """Close every connection, fail whatever is still pinned, deregister memory."""
-        threads = self._server.close()
-        if self._nixl_loop is not None:
-            threads.append(self._nixl_loop.stop())
+        threads = self._server.close() + self._transport.stop()
         for t in threads:
             await asyncio.to_thread(t.join, 10)
         for rid in self._table.live_ids():
             self._fail(rid, TransferError(f"request {rid!r}: the receiver stopped"), tell_sender=False)
             self.delete(rid)
-        if self._nixl is not None:
-            self._nixl.close()
-            self._nixl = None
+        self._transport.close()
 
     @property
     def endpoint(self) -> bytes:
@@ -129,10 +113,7 @@ class CacheStoreReceiver:
             return self._endpoint
         ep = Endpoint(self.advertise_host, self.port, self.transport, self.compat.compat_hash, self.compat.describe(),
                       self.instance, num_blocks=self.layout.num_blocks)
-        if self._nixl is not None:
-            ep.nixl_agent = self._nixl.name
-            ep.nixl_metadata = self._nixl.metadata()
-            ep.nixl_region = (self.region.ptr, self.region.nbytes, self.region.device_id, self._nixl.mem_type)
+        self._transport.describe(ep)
         self._endpoint = ep.to_bytes()
         return self._endpoint
 
@@ -149,8 +130,7 @@ class CacheStoreReceiver:
         check_timeout(timeout_s)
         for_sender = self._table.expect(request_id, dst_block_ids, block_hashes)
         self._timers[request_id] = loop.call_later(timeout_s, self._expire, request_id, timeout_s)
-        if self._nixl_loop is not None:
-            self._nixl_loop.wake()
+        self._transport.wake()
         return for_sender
 
     async def load(self, request_id: str, layer: int, timeout_s: float) -> None:

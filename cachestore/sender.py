@@ -41,18 +41,18 @@ import asyncio
 import logging
 import threading
 import time
-import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .endpoint import TRANSPORTS, Endpoint
+from .endpoint import Endpoint
 from .errors import CompatError, TransferError, UnknownRequestError
 from .frames import FrameType, encode_control
 from .handshake import check_endpoint
 from .link import Link, LinkConfig
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from .scheduler import DEFAULT_MAX_WAIT, SCHEDULERS, Transfer, make_scheduler
+from .transport import send_side
 from .waiters import LoopCaller, WaiterBook
 
 log = logging.getLogger("pdserve.cachestore.sender")
@@ -80,18 +80,12 @@ class CacheStoreSender:
                  scheduler: str = "priority", chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_wait: int = DEFAULT_MAX_WAIT,
                  connections_per_peer: int = 1, connect_timeout_s: float = 5.0, checksum: bool = False,
                  stall_timeout_s: float = 30.0, corrupt_kv: int = 0):
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
         if chunk_bytes <= 0 or connections_per_peer <= 0 or not stall_timeout_s > 0:
             raise ValueError("chunk_bytes, connections_per_peer and stall_timeout_s must be positive")
         compat.check_layout(layout)
         region.check_layout(layout)
-        if transport == "nixl":
-            from .nixl_backend import load_nixl
-
-            load_nixl()
         self.region, self.layout, self.compat, self.transport = region, layout, compat, transport
         self.scheduler_name, self.max_wait = scheduler, max_wait
         self.chunk_blocks = max(1, chunk_bytes // layout.block_nbytes)
@@ -103,7 +97,7 @@ class CacheStoreSender:
         self._links: dict[tuple, Link] = {}
         self._waiters = WaiterBook()
         self._loop = LoopCaller()
-        self._nixl = None
+        self._transport = send_side(transport, region)  # ValueError naming the transports for another name
         self._counters = {"bytes_sent": 0, "transfers_stored": 0}
         self.checksum = checksum
         self._corrupt_left = corrupt_kv  # test hook (checksum.py); 0 in production
@@ -113,12 +107,9 @@ class CacheStoreSender:
 
     # ----- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        """Bind to the running event loop; for nixl, create the agent and register the region once."""
+        """Bind to the running event loop and start the transport (nixl: the agent, the region registered once)."""
         self._loop.attach()
-        if self.transport == "nixl":
-            from .nixl_backend import NixlMemory
-
-            self._nixl = await asyncio.to_thread(NixlMemory, f"pdserve-tx-{uuid.uuid4().hex[:12]}", self.region)
+        await self._transport.start()
 
     async def stop(self) -> None:
         """Close every link (requests still in flight fail) and deregister memory."""
@@ -129,9 +120,7 @@ class CacheStoreSender:
             await asyncio.to_thread(link.close)
         for rid in list(self._requests):
             self.delete(rid)
-        if self._nixl is not None:
-            self._nixl.close()
-            self._nixl = None
+        self._transport.close()
 
     # ----- the API ---------------------------------------------------------------------
     def bind(self, request_id: str, endpoint: bytes, dst_block_ids: Sequence[int]) -> None:
@@ -266,7 +255,7 @@ class CacheStoreSender:
             if stale.alive:
                 threading.Thread(target=stale.close, daemon=True).start()
         config = LinkConfig(self.region, self.layout, self.compat, self.chunk_blocks, self.connections_per_peer,
-                            self.connect_timeout_s, self._nixl, self.checksum, self.stall_timeout_s)
+                            self.connect_timeout_s, self._transport, self.checksum, self.stall_timeout_s)
         link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait), config)
         self._links[key] = link
         link.start()

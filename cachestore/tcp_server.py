@@ -101,10 +101,11 @@ class SenderConnection:
 class TcpServer:
     """Listener, accept thread and one reader thread per sender connection."""
 
-    def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str,
+    def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, frames_carry_data: bool,
                  table: EntryTable, counters: dict, sink: ReceiveSink, require_checksum: bool = False,
                  stall_timeout_s: float = 1.0):
-        self.region, self.layout, self.compat, self.transport = region, layout, compat, transport
+        self.region, self.layout, self.compat = region, layout, compat
+        self.frames_carry_data = frames_carry_data  # tcp: DATA frames bring the bytes (transport.py)
         self.stall_timeout_s = stall_timeout_s
         self.require_checksum = require_checksum
         self.table, self.counters, self.sink = table, counters, sink
@@ -186,7 +187,7 @@ class TcpServer:
             conn.agent = agent
             # receives now wake up every RECV_POLL_S (the on_wait callbacks decide: retry or cut)
             conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(RECV_POLL_S))
-            io = RegionIO(self.region) if self.transport == "tcp" else None
+            io = RegionIO(self.region) if self.frames_carry_data else None
             scratch = memoryview(bytearray(1 << 16))
             while True:
                 frame = read_frame_header(conn.sock, _keep_waiting)

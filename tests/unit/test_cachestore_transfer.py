@@ -160,7 +160,7 @@ def test_nixl_layers_queued_together_go_as_one_write():
             p.tx.bind("w", p.rx.endpoint, dst)
             link = next(iter(p.tx._links.values()))
             posted = []
-            agent = p.tx._nixl.agent
+            agent = p.tx._transport.memory.agent
             real_transfer = agent.transfer
 
             def counting_transfer(handle, *a, **kw):
