@@ -217,3 +217,24 @@ def test_link_moves_no_chunk_while_a_control_frame_waits():
         link.control_sending -= 1
     batch = link.take_chunks(4, 4, wait=False)
     assert [(c.transfer.key, c.nblocks) for c in batch] == [("r", 2)] and link.sending == 1
+
+
+def test_each_transport_implements_both_sides_of_the_interface():
+    """transport.py declares what the sender, receiver and link call; both transports implement
+    every member, with the same parameters (a missing or renamed one fails here, not at a request)."""
+    import inspect
+
+    from pdserve.cachestore import transport as t
+
+    for protocol, impls in ((t.ReceiveSide, (t.TcpReceive, t.NixlReceive)), (t.SendSide, (t.TcpSend, t.NixlSend))):
+        members = {n for n in vars(protocol) if not n.startswith("_")} | set(protocol.__annotations__)
+        for impl in impls:
+            for name in members:
+                assert hasattr(impl, name), f"{impl.__name__} lacks {protocol.__name__}.{name}"
+                want = vars(protocol).get(name)
+                if inspect.isfunction(want):
+                    assert (list(inspect.signature(getattr(impl, name)).parameters)
+                            == list(inspect.signature(want).parameters)), f"{impl.__name__}.{name}"
+            assert impl.name in t.TRANSPORTS
+    with pytest.raises(ValueError, match="transport must be one of"):
+        t.send_side("rdma", MemoryRegion.from_tensor(__import__("torch").zeros(4)))
