@@ -15,11 +15,11 @@ Reading path (read in this order):
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
   ``swap.py``         Swapper: a running request's KV evicted to host memory and restored (LSO)
   ``kv_tiers.py``     KVTiers: evicted prefix-cache blocks in host memory, then disk; copied back on a hit
-  ``sampling.py``     SamplingParams (validated) and the batched Sampler
   ``sampling.py``     SamplingParams (validated) and the batched Sampler; ``token_logprobs``
   ``grammar.py``      constrained decoding (xgrammar): GrammarSpec, Grammars, a Matcher per sequence
   ``logprobs.py``     TokenLogprob (torch-free)
   ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, for asyncio servers
+  ``server_engine.py`` ServerEngine: what the servers call on an engine (this one and vLLM's implement it)
   ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)

@@ -1,0 +1,81 @@
+"""ServerEngine: what the prefill and decode servers call on an engine, declared once.
+
+Two engines implement it: the built-in one (``async_engine.AsyncLLMEngine``) and vLLM's
+(``vllm_backend/engine.py: VllmAsyncEngine``); ``tests/unit/test_server_engine.py`` checks that
+both have every member below with the same parameters. The lifecycle and who frees what are
+``async_engine.py``'s docstring; in short:
+
+* colocated: ``generate`` streams a request's outputs;
+* prefill side of P/D: ``prefill_only`` / ``prefill_many`` compute prompts (``on_layer`` is called
+  on the engine thread after each layer, for the layer-wise KV push) and hold their blocks until
+  ``release``; ``prefill_logprob`` / ``prefill_prompt_logprobs`` read what the prompt's pass gave;
+* decode side: ``reserve`` / ``reserve_prefix`` hold blocks for a request whose KV is coming, then
+  ``add_prefilled`` (the prefill computed the prompt) or ``prefill_reserved`` (compute the blocks
+  this decode lacks) joins it to the batch and streams its tokens;
+* ``abort`` frees whatever a request holds; the plain reads (``num_free_blocks`` and the others
+  without ``async``) answer from any thread without a trip to the engine thread.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Callable, Protocol
+
+from .sampling import SamplingParams
+from .sequence import RequestOutput
+
+
+class ServerEngine(Protocol):
+    num_blocks: int  # the KV pool's size in blocks (constant)
+
+    # ----- colocated ---------------------------------------------------------------------
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (errors of bad input raise at the first iteration)."""
+
+    # ----- prefill side ------------------------------------------------------------------
+    async def prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                           on_layer: Callable[[int, list[int]], None] | None = None) -> int:
+        """Compute the prompt, hold its blocks until ``release``; the first token id."""
+
+    async def prefill_many(self, requests: list[tuple[str, list[int], SamplingParams]],
+                           on_layer: Callable[[int, dict[str, list[int]]], None] | None = None) -> dict[str, int]:
+        """Several prompts in one forward pass; request id -> first token id."""
+
+    async def prefill_logprob(self, request_id: str):
+        """The first token's logprob of a held prompt (None unless its sampling asked)."""
+
+    async def prefill_prompt_logprobs(self, request_id: str) -> list | None:
+        """The prompt logprobs of a held prompt (None unless its sampling asked)."""
+
+    async def release(self, request_id: str) -> None:
+        """Free a held prompt's blocks (its KV was pushed, or the request ended)."""
+
+    # ----- decode side -------------------------------------------------------------------
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
+        """Hold blocks for a prompt whose KV is coming; their ids."""
+
+    async def reserve_prefix(self, request_id: str, prompt_token_ids: list[int],
+                             max_tokens: int) -> tuple[list[int], int]:
+        """As ``reserve``, reusing the longest cached prefix: (block ids, tokens already cached)."""
+
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                      sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Join a reserved request whose KV arrived to the batch; stream the tokens after the first."""
+
+    def prefill_reserved(self, request_id: str, prompt_token_ids: list[int],
+                         sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Compute a reserved request's missing prompt KV here, then decode; stream every token."""
+
+    async def abort(self, request_id: str):
+        """Free whatever the request holds (idempotent)."""
+
+    # ----- reads from any thread ---------------------------------------------------------
+    def num_free_blocks(self) -> int: ...
+    def num_requests(self) -> int: ...
+    def prefill_counters(self) -> tuple[int, float]: ...
+    def prefix_hit_tokens(self) -> int: ...
+    def swapped(self) -> tuple[int, int]: ...
+    def tier_stats(self) -> dict: ...
+
+    async def stats(self) -> dict:
+        """Free/total blocks and request counts, read on the engine thread."""
