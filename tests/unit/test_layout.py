@@ -71,13 +71,19 @@ def test_free_ports_are_below_the_ephemeral_range_and_bindable(monkeypatch):
             s.bind(("127.0.0.1", p))
 
 
-def test_the_port_window_can_be_pinned_by_the_environment(monkeypatch):
+def test_the_port_window_can_be_pinned_by_the_environment(monkeypatch, tmp_path):
     """PDSERVE_PORTS=LOW-HIGH keeps a process (and its children) to a slice: the test suite's workers
     never choose the same port. A malformed value is an error that names the variable."""
+    import tempfile
+
     import pytest
 
     from pdserve import net
 
+    # its own reservations (pdserve.net.RESERVE_S): the machine's would fill this small window
+    # after a few runs within RESERVE_S, and the ports would come from outside it
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
     monkeypatch.setenv(net.PORTS_ENV, "21000-21099")
     ports = net.free_ports(30)
     assert all(21000 <= p <= 21099 for p in ports), ports
