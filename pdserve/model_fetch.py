@@ -15,6 +15,13 @@ printed on stdout. A refused token (401/403), a missing repository or revision (
 unreachable endpoint ends with one line naming the repository and the endpoint and saying what
 to do, exit status 1. The operator runs this as the init container of every pod of an
 InferenceService whose spec.model.source is hf://...
+
+The built-in model (``tiny`` / ``builtin:tiny``) has no repository: with --tokenizer-only its
+byte-level tokenizer is written into DEST as Hugging Face files (``ByteTokenizer.hf_files``), for
+clients that count tokens with ``transformers.AutoTokenizer`` (the benchmark tools of
+docs/benchmarks.md: ``--tokenizer DEST``); no network.
+
+    pdserve fetch-model builtin:tiny --tokenizer-only --dest /tmp/tiny-tokenizer
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import time
 from pathlib import Path
 
 from pdserve import model_source
+from pdserve.defaults import BUILTIN_MODEL
 
 # what engine/loader.py and engine/tokenizer.py read; nothing else is downloaded
 CONFIG_FILES = ["config.json", "generation_config.json"]
@@ -47,7 +55,8 @@ def endpoint() -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("source", help="hf://org/name[@revision] (revision: a branch, tag or commit; default main)")
+    parser.add_argument("source", help="hf://org/name[@revision] (revision: a branch, tag or commit; default main), or "
+                                       f"the built-in {BUILTIN_MODEL!r} with --tokenizer-only")
     parser.add_argument("--dest", required=True, type=Path, help="folder to download into (created if missing)")
     parser.add_argument("--tokenizer-only", action="store_true",
                         help="only config and tokenizer files, no weights (what `pdserve router --model` reads)")
@@ -98,7 +107,36 @@ def fetch(source: model_source.ModelSource, dest: Path, tokenizer_only: bool = F
     return folder
 
 
+def write_builtin_tokenizer(name: str, dest: Path) -> Path:
+    """The built-in model's tokenizer as Hugging Face files in ``dest`` (created if missing); files
+    already there with the same content are left as they are."""
+    from pdserve.engine.loader import tiny_config
+    from pdserve.engine.tokenizer import ByteTokenizer
+
+    if name.removeprefix(model_source.BUILTIN_PREFIX) != BUILTIN_MODEL:
+        raise FetchError(f"{name!r} is not a built-in model (the built-in one is {BUILTIN_MODEL!r})")
+    dest.mkdir(parents=True, exist_ok=True)
+    for file, text in ByteTokenizer().hf_files(tiny_config().max_position_embeddings).items():
+        path = dest / file
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+    return dest
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.source == BUILTIN_MODEL or args.source.startswith(model_source.BUILTIN_PREFIX):
+        if not args.tokenizer_only:
+            print(f"pdserve fetch-model: {args.source!r} is built in (its weights are made at start, nothing to "
+                  "fetch); --tokenizer-only writes its tokenizer as Hugging Face files", file=sys.stderr)
+            return 2
+        try:
+            folder = write_builtin_tokenizer(args.source, args.dest)
+        except FetchError as exc:
+            print(f"pdserve fetch-model: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote the byte-level tokenizer of the built-in model {args.source!r} into {folder}", file=sys.stderr)
+        print(folder)
+        return 0
     try:
         source = model_source.parse(args.source)
     except ValueError as exc:

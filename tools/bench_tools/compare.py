@@ -1,0 +1,354 @@
+"""inference-perf and aiperf against a running pdserve, beside `pdserve bench serving` at the same load.
+
+    bash tools/bench_tools/install.sh                      # the tools' pinned environments (once)
+    .venv/bin/pdserve up --model tiny --prefill 1 --decode 1 --threads 1 --port 8000 &
+    .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --out /tmp/bench-tools
+
+For each workload, ``--rounds`` times: ``pdserve bench serving`` (A), then the tool (B), against the
+same cluster, each run with its own seed (no run finds another's prompts in a prefix cache). Every
+command line is printed before it runs and kept in ``<out>/runs.json`` with the figures read back
+from each tool's own report: requests, failures, the server's prompt and output token counts (its
+``usage``), TTFT and TPOT (mean and p50, each tool's own definition, below), and ``<out>/summary.md``
+holds the B/A ratios. The workloads (llm-d's inference-perf profiles, scaled to a 2-core box):
+
+- ``ip-random``: inference-perf ``random`` (llm-d's ``guide_pd-disaggregation``: long prompts, short
+  outputs, constant rate): 640-token prompts, 32 outputs, 2 req/s for 30 s.
+- ``ip-shared-prefix``: inference-perf ``shared_prefix`` (llm-d's ``shared_prefix_synthetic``, lengths
+  / 8): 6 groups x 10 prompts, a 256-token system prompt per group + a 32-token question, 32 outputs,
+  2 req/s. pdserve bench replays the same shape as a generated Mooncake-format trace (8 shared 32-token
+  blocks + 1 own block per request, one request every 0.5 s, in group order as inference-perf sends).
+- ``aiperf-synthetic``: aiperf's synthetic prompts, 640 tokens in, 32 out, Poisson 2 req/s, 60 requests.
+- ``aiperf-mooncake``: ../shared/traces/mooncake_conversation_trace.jsonl, its first 40 s, lengths x 1/32
+  (a hash id = 16 tokens), time x 2, prompts cut at 1024 tokens; aiperf gets the same window
+  written out scaled (``mooncake_trace`` with ``--isl-block-size 16``, fixed schedule).
+
+Sampling: every run at the server's default (temperature 1): inference-perf cannot send a temperature.
+
+Definitions (why the ratios need not be 1 even on a quiet box):
+- TTFT: request sent -> first streamed event (pdserve bench; a token whose text is "" counts), first
+  event with text (inference-perf, aiperf).
+- TPOT: per request (e2e - TTFT) / (output tokens - 1) with the server's token count (pdserve bench;
+  aiperf ``inter_token_latency`` with ``--use-server-token-count``); inference-perf (last text event -
+  first text event) / (server tokens - 1) (``use_server_output_tokens``).
+
+Tokenizers: the built-in model's byte-level tokenizer as Hugging Face files (``pdserve fetch-model
+builtin:tiny --tokenizer-only``) for aiperf. inference-perf draws random ids over the whole vocabulary
+and decodes them to text; a byte vocabulary's ids >= 0x80 are not text on their own (U+FFFD), its
+exact-length loop then fails ("Could not generate a prompt of exactly N tokens"). It gets
+``tiny-ascii-sampling``: the same encoding (ids equal to pdserve's for every text without a literal
+"<0xNN>"), bytes >= 0x80 as byte-fallback tokens flagged special, which its sampler leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PDSERVE = REPO / ".venv" / "bin" / "pdserve"
+TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+WORKLOADS = ("ip-random", "ip-shared-prefix", "aiperf-synthetic", "aiperf-mooncake")
+
+RANDOM = {"prompt": 640, "output": 32, "rate": 2.0, "seconds": 30}
+SHARED = {"groups": 6, "per_group": 10, "system": 256, "question": 32, "output": 32, "rate": 2.0}
+MOONCAKE = {"window": (0, 40), "length_scale": 1 / 32, "time_scale": 2.0, "max_prompt": 1024}
+
+
+def tool_bins() -> dict[str, Path]:
+    out = subprocess.run(["bash", str(REPO / "tools" / "bench_tools" / "install.sh"), "--check"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(out.stderr.strip() or "bench tools missing: bash tools/bench_tools/install.sh")
+    return {line.split()[0]: Path(line.split()[1]) for line in out.stdout.splitlines()}
+
+
+# -- tokenizers ------------------------------------------------------------------------------
+def ascii_sampling_tokenizer(dest: Path) -> Path:
+    """pdserve's byte encoding for inference-perf's random sampler (see the module docstring)."""
+    from pdserve.engine.tokenizer import ByteTokenizer
+    from tokenizers import Tokenizer
+
+    vocab = {chr(b): b for b in range(128)} | {f"<0x{b:02X}>": b for b in range(128, 256)}
+    special = [("<s>", ByteTokenizer.BOS), ("</s>", ByteTokenizer.EOS)] + [(f"<0x{b:02X}>", b) for b in range(128, 256)]
+    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
+    doc = {
+        "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
+        "added_tokens": [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
+                          "normalized": False, "special": True} for c, i in special],
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
+        "post_processor": {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                           "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "special_tokens": {"<s>": {"id": "<s>", "ids": [ByteTokenizer.BOS], "tokens": ["<s>"]}}},
+        "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True, "ignore_merges": False,
+                  "vocab": vocab, "merges": []},
+    }
+    text = json.dumps(doc)
+    ours, theirs = ByteTokenizer(), Tokenizer.from_str(text)
+    for sample in ("hello world", " a\n\tb\x00\x7f", "héllo ✓ 日本 \ufffd", "x" * 700):
+        assert theirs.encode(sample).ids == ours.encode(sample), sample
+    dest.mkdir(parents=True, exist_ok=True)
+    (dest / "tokenizer.json").write_text(text)
+    (dest / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+         "model_max_length": 2048, "clean_up_tokenization_spaces": False}))
+    return dest
+
+
+def hub_cache_entry(tokenizer: Path, cache: Path, repo: str = "pdserve/tiny") -> str:
+    """``tokenizer``'s files as the Hub cache entry ``repo`` (revision main) under ``cache``: aiperf 0.13.0's
+    trace workers load the tokenizer in offline mode through the Hub cache only, so a local folder fails
+    there (HFValidationError: 'Repo id must be in the form ...'). Run aiperf with HF_HUB_CACHE=cache and
+    HF_HUB_OFFLINE=1, ``--tokenizer repo``."""
+    commit = "0" * 40
+    entry = cache / ("models--" + repo.replace("/", "--"))
+    snapshot = entry / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for f in tokenizer.iterdir():
+        (snapshot / f.name).write_bytes(f.read_bytes())
+    (entry / "refs").mkdir(exist_ok=True)
+    (entry / "refs" / "main").write_text(commit)
+    return repo
+
+
+# -- workload files ----------------------------------------------------------------------------
+def shared_prefix_trace(path: Path) -> Path:
+    """SHARED as a Mooncake-format trace for `pdserve bench serving --trace-length-scale 1/16`."""
+    block = SHARED["question"]
+    per_system = SHARED["system"] // block
+    lines, i = [], 0
+    for g in range(SHARED["groups"]):
+        for _ in range(SHARED["per_group"]):
+            ids = [g * 1000 + k for k in range(per_system)] + [10**6 + i]
+            lines.append({"timestamp": round(i * 1000 / SHARED["rate"]), "output_length": SHARED["output"] * 16,
+                          "input_length": (SHARED["system"] + SHARED["question"]) * 16, "hash_ids": ids})
+            i += 1
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return path
+
+
+def scaled_mooncake(path: Path) -> tuple[Path, int]:
+    """MOONCAKE's window of the trace, scaled as pdserve bench scales it, for aiperf's mooncake_trace."""
+    start, duration = MOONCAKE["window"]
+    s, cap = MOONCAKE["length_scale"], MOONCAKE["max_prompt"]
+    block = round(512 * s)
+    out = []
+    for line in TRACE.read_text().splitlines():
+        row = json.loads(line)
+        t = row["timestamp"] / 1000
+        if not start <= t < start + duration:
+            continue
+        n_in = min(max(1, round(row["input_length"] * s)), cap)
+        n_out = max(1, round(row["output_length"] * s))
+        ids = row["hash_ids"][:math.ceil(n_in / block)]
+        out.append({"timestamp": round((t - start) * MOONCAKE["time_scale"] * 1000), "input_length": n_in,
+                    "output_length": n_out, "hash_ids": ids})
+    path.write_text("".join(json.dumps(x) + "\n" for x in out))
+    return path, len(out)
+
+
+# -- commands --------------------------------------------------------------------------------
+def pdserve_cmd(url: str, out: Path, name: str, seed: int, workload: str, files: dict) -> list[str]:
+    cmd = [str(PDSERVE), "bench", "serving", "--url", url, "--model", "tiny", "--temperature", "1", "--warmup", "0",
+           "--seed", str(seed), "--out", str(out), "--name", name, "--no-progress", "--token-ids", "128"]
+    if workload in ("ip-random", "aiperf-synthetic"):
+        arrival = "fixed" if workload == "ip-random" else "poisson"
+        cmd += ["--dataset", "random", "--prompt-len", str(RANDOM["prompt"]), "--output-len", str(RANDOM["output"]),
+                "--request-rate", str(RANDOM["rate"]), "--arrival", arrival,
+                "--num-requests", str(int(RANDOM["rate"] * RANDOM["seconds"]))]
+    elif workload == "ip-shared-prefix":
+        cmd += ["--dataset", "mooncake", "--dataset-path", str(files["shared_trace"]), "--trace-length-scale", "0.0625",
+                "--num-requests", str(SHARED["groups"] * SHARED["per_group"])]
+    else:
+        start, duration = MOONCAKE["window"]
+        cmd += ["--dataset", "mooncake", "--dataset-path", str(TRACE), "--trace-window", f"{start}:{duration}",
+                "--trace-length-scale", str(MOONCAKE["length_scale"]), "--trace-time-scale", str(MOONCAKE["time_scale"]),
+                "--max-prompt-len", str(MOONCAKE["max_prompt"]), "--num-requests", str(files["mooncake_n"])]
+    return cmd
+
+
+def inference_perf_config(url: str, out: Path, seed: int, workload: str, tokenizer: Path) -> dict:
+    if workload == "ip-random":
+        n = int(RANDOM["rate"] * RANDOM["seconds"]) * 2
+        fixed = lambda v: {"min": v, "max": v, "mean": v, "std_dev": 0, "total_count": n}  # noqa: E731
+        data = {"type": "random", "input_distribution": fixed(RANDOM["prompt"]),
+                "output_distribution": fixed(RANDOM["output"])}
+        load = {"type": "constant", "stages": [{"rate": RANDOM["rate"], "duration": RANDOM["seconds"]}]}
+    else:
+        data = {"type": "shared_prefix", "shared_prefix": {
+            "num_groups": SHARED["groups"], "num_prompts_per_group": SHARED["per_group"],
+            "system_prompt_len": SHARED["system"], "question_len": SHARED["question"], "output_len": SHARED["output"],
+            "seed": seed}}
+        seconds = SHARED["groups"] * SHARED["per_group"] / SHARED["rate"]
+        load = {"type": "constant", "stages": [{"rate": SHARED["rate"], "duration": int(seconds)}]}
+    # one worker process (the default is one per core): on 2 cores every client process takes CPU from the server
+    load.update({"num_workers": 1, "base_seed": seed})
+    return {"load": load, "api": {"type": "completion", "streaming": True},
+            "server": {"type": "vllm", "model_name": "tiny", "base_url": url, "ignore_eos": True},
+            "tokenizer": {"pretrained_model_name_or_path": str(tokenizer)}, "data": data,
+            "report": {"request_lifecycle": {"summary": True, "per_stage": False, "per_request": True,
+                                             "use_server_output_tokens": True}, "prometheus": None},
+            "storage": {"local_storage": {"path": str(out)}}}
+
+
+def aiperf_cmd(bin_dir: Path, url: str, out: Path, seed: int, workload: str, files: dict) -> list[str]:
+    cmd = [str(bin_dir / "aiperf"), "profile", "--model", "tiny", "--url", url, "--endpoint-type", "completions",
+           "--streaming", "--tokenizer", files["hub_tokenizer"], "--use-server-token-count",
+           "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed), "--ui-type", "none",
+           "--no-gpu-telemetry", "--no-server-metrics", "--artifact-dir", str(out)]
+    if workload == "aiperf-synthetic":
+        cmd += ["--isl", str(RANDOM["prompt"]), "--isl-stddev", "0", "--osl", str(RANDOM["output"]), "--osl-stddev", "0",
+                "--request-rate", str(RANDOM["rate"]), "--arrival-pattern", "poisson",
+                "--request-count", str(int(RANDOM["rate"] * RANDOM["seconds"]))]
+    else:
+        cmd += ["--input-file", str(files["mooncake_file"]), "--custom-dataset-type", "mooncake_trace",
+                "--isl-block-size", str(round(512 * MOONCAKE["length_scale"])), "--fixed-schedule",
+                "--fixed-schedule-auto-offset"]
+    return cmd
+
+
+# -- reading the reports back ----------------------------------------------------------------------
+def ms(x) -> float | None:
+    return None if x is None else round(x * 1000, 3)
+
+
+def read_pdserve(path: Path) -> dict:
+    doc = json.loads(path.read_text())
+    s, reqs = doc["summary"], [r for r in doc["requests"] if r["ok"]]
+    return {"requests": s["requests"], "failed": s["failed"], "errors": s["errors"],
+            "server_prompt_tokens_mean": s["prompt_tokens"] / max(1, s["succeeded"]),
+            "server_output_tokens_mean": s["output_tokens"] / max(1, s["succeeded"]),
+            "ttft_ms": {"mean": ms(s["ttft_s"]["mean"]), "p50": ms(s["ttft_s"]["p50"])},
+            "tpot_ms": {"mean": ms(s["tpot_s"]["mean"]), "p50": ms(s["tpot_s"]["p50"])},
+            "per_request": {"ttft_ms": [ms(r["ttft"]) for r in reqs]}}
+
+
+def read_inference_perf(out: Path) -> dict:
+    doc = json.loads((out / "summary_lifecycle_metrics.json").read_text())
+    ok, lat = doc["successes"], doc["successes"]["latency"]
+    return {"requests": doc["load_summary"]["count"], "failed": doc["failures"]["count"],
+            "errors": doc["failures"].get("by_label", {}),
+            "server_prompt_tokens_mean": ok["prompt_tokens"].get("mean"),
+            "server_output_tokens_mean": ok["output_tokens"].get("mean"),
+            "token_count_mismatches": ok.get("token_count_mismatches"),
+            "ttft_ms": {"mean": ms(lat["time_to_first_token"]["mean"]), "p50": ms(lat["time_to_first_token"]["median"])},
+            "tpot_ms": {"mean": ms(lat["time_per_output_token"]["mean"]), "p50": ms(lat["time_per_output_token"]["median"])},
+            "summary": doc}
+
+
+def read_aiperf(out: Path) -> dict:
+    doc = json.loads((out / "profile_export_aiperf.json").read_text())
+    count = doc["request_count"]["avg"]
+    errors = doc.get("error_request_count", {}).get("avg", 0) if isinstance(doc.get("error_request_count"), dict) else 0
+    keep = ("request_count", "error_request_count", "time_to_first_token", "inter_token_latency", "request_latency",
+            "usage_prompt_tokens", "usage_completion_tokens", "input_sequence_length", "output_sequence_length",
+            "request_throughput", "benchmark_duration", "error_summary", "aiperf_version", "was_cancelled")
+    return {"requests": count + errors, "failed": errors, "errors": doc.get("error_summary"),
+            "server_prompt_tokens_mean": doc["usage_prompt_tokens"]["avg"],
+            "server_output_tokens_mean": doc["usage_completion_tokens"]["avg"],
+            "ttft_ms": {"mean": doc["time_to_first_token"]["avg"], "p50": doc["time_to_first_token"]["p50"]},
+            "tpot_ms": {"mean": doc["inter_token_latency"]["avg"], "p50": doc["inter_token_latency"]["p50"]},
+            "summary": {k: doc[k] for k in keep if k in doc}}
+
+
+def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
+    shown = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items())
+    print("$ " + (shown + " " if shown else "") + shlex.join(cmd), flush=True)
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=log.parent,
+                            env={**os.environ, **(env or {})}).returncode
+    if rc != 0:
+        sys.exit(f"exit status {rc}: {shlex.join(cmd)}\n(log: {log})")
+    return time.monotonic() - t0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--out", type=Path, required=True, help="folder for every report (created)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--rounds", type=int, default=2, help="A B pairs per workload (A B A B for 2)")
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    bins = tool_bins()
+    out = args.out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tok = out / "tokenizers" / "tiny"
+    subprocess.run([str(PDSERVE), "fetch-model", "builtin:tiny", "--tokenizer-only", "--dest", str(tok)], check=True,
+                   stdout=subprocess.DEVNULL)
+    files = {"tokenizer": tok, "ascii_tokenizer": ascii_sampling_tokenizer(out / "tokenizers" / "tiny-ascii-sampling"),
+             "shared_trace": shared_prefix_trace(out / "shared-prefix-trace.jsonl")}
+    files["mooncake_file"], files["mooncake_n"] = scaled_mooncake(out / "mooncake-scaled.jsonl")
+    files["hub_cache"] = out / "hf-hub-cache"
+    files["hub_tokenizer"] = hub_cache_entry(tok, files["hub_cache"])
+    runs = []
+    seed = args.seed
+    for workload in args.workloads.split(","):
+        if workload not in WORKLOADS:
+            sys.exit(f"unknown workload {workload!r}; one of {WORKLOADS}")
+        for rnd in range(args.rounds):
+            for side in ("pdserve", "tool"):
+                seed += 1
+                name = f"{workload}-{rnd + 1}-{side}"
+                folder = out / name
+                folder.mkdir(exist_ok=True)
+                if side == "pdserve":
+                    cmd = pdserve_cmd(args.url, folder, "bench", seed, workload, files)
+                elif workload.startswith("ip-"):
+                    cfg = folder / "config.yaml"
+                    import yaml
+
+                    cfg.write_text(yaml.safe_dump(inference_perf_config(args.url, folder, seed, workload,
+                                                                        files["ascii_tokenizer"]), sort_keys=False))
+                    cmd = [str(bins["inference-perf"] / "inference-perf"), "--config_file", str(cfg)]
+                env = None
+                if side == "tool" and workload.startswith("aiperf-"):
+                    cmd = aiperf_cmd(bins["aiperf"], args.url, folder, seed, workload, files)
+                    env = {"HF_HUB_CACHE": files["hub_cache"], "HF_HUB_OFFLINE": "1"}
+                started = time.strftime("%H:%M:%S", time.gmtime())
+                wall = run(cmd, folder / "log.txt", env)
+                if side == "pdserve":
+                    figures = read_pdserve(folder / "bench.json")
+                elif workload.startswith("ip-"):
+                    figures = read_inference_perf(folder)
+                else:
+                    figures = read_aiperf(folder)
+                runs.append({"workload": workload, "round": rnd + 1, "side": side, "seed": seed, "started_utc": started,
+                             "wall_s": round(wall, 1), "command": shlex.join(cmd), **figures})
+                print(f"  {name}: {figures['requests']} requests, {figures['failed']} failed, TTFT mean "
+                      f"{figures['ttft_ms']['mean']:.2f} ms, TPOT mean {figures['tpot_ms']['mean']:.3f} ms", flush=True)
+                (out / "runs.json").write_text(json.dumps(runs, indent=1))
+    (out / "summary.md").write_text(summary_table(runs))
+    print(summary_table(runs))
+    return 0
+
+
+def summary_table(runs: list[dict]) -> str:
+    rows = ["| workload | round | pdserve bench TTFT mean / p50 ms | tool TTFT mean / p50 ms | ratio mean / p50 | "
+            "pdserve bench TPOT mean / p50 ms | tool TPOT mean / p50 ms | ratio mean / p50 | failed (bench / tool) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for a in (r for r in runs if r["side"] == "pdserve"):
+        b = next((r for r in runs if r["side"] == "tool" and r["workload"] == a["workload"] and r["round"] == a["round"]),
+                 None)
+        if b is None:
+            continue
+        cells = []
+        for key in ("ttft_ms", "tpot_ms"):
+            cells.append(f"{a[key]['mean']:.2f} / {a[key]['p50']:.2f}")
+            cells.append(f"{b[key]['mean']:.2f} / {b[key]['p50']:.2f}")
+            cells.append(f"{b[key]['mean'] / a[key]['mean']:.2f} / {b[key]['p50'] / a[key]['p50']:.2f}")
+        rows.append(f"| {a['workload']} | {a['round']} | " + " | ".join(cells) + f" | {a['failed']} / {b['failed']} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
