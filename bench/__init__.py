@@ -7,6 +7,8 @@ This package holds the tools (load generator, experiments); no server imports it
   pdserve bench serving      load generator against any OpenAI endpoint (TTFT, TPOT, ITL, goodput)
   pdserve bench experiment   the P/D experiments of docs/benchmarks.md
   pdserve bench chaos        kill and pause servers under load: no hang, no wrong text, no leak
+  pdserve bench conformance  pass/fail checks of any OpenAI endpoint: greedy answers, SSE, usage, cancellation,
+                             4xx on bad input, streams when a server is killed (--kill-cmd)
   pdserve bench slo-policy   the cost of one ordering decision of the SLO queue (fifo, edf, qlm)
 
 Run 'pdserve bench NAME --help' for the options of one benchmark.
@@ -23,6 +25,7 @@ BENCHES: dict[str, str] = {
     "serving": "pdserve.bench.loadgen",
     "experiment": "pdserve.bench.experiments",
     "chaos": "pdserve.bench.chaos",
+    "conformance": "pdserve.bench.conformance",
     "slo-policy": "pdserve.bench.slo_policy",
 }
 

@@ -13,7 +13,8 @@ the others keep serving (a line per restart; see supervisor.py), unless --restar
 the decodes drain theirs, then everything stops; or when a server cannot start at all
 (it died before becoming ready --max-failed-starts times in a row: the error names it and
 shows the end of its log). Logs go to --log-dir, with servers.json (pid, state, restarts
-of every server) for tools.
+of every server) for tools, and <server>.pid (e.g. decode-0.pid) holding the pid of each
+server process while it runs (for a shell: `kill -9 $(cat DIR/decode-0.pid)`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from .supervisor import RestartBackoff, ServerCannotStart, ServerExited, ServerP
 from .up_args import add_arguments  # noqa: F401 - `pdserve up`'s flags (pdserve/cli.py finds them here)
 
 ROLES_STOP_ORDER = ("router", "prefill", "decode")  # the front door drains first, decodes last
+RUNNING_STATES = ("starting", "ready", "draining")  # a server whose process runs (supervisor.py)
 
 
 def _ready(url: str) -> bool:
@@ -64,6 +66,7 @@ class LocalCluster:
         self.endpoints: list[str] = []
         self._count = {"prefill": 0, "decode": 0}
         self._listed: dict[str, list[str] | None] = {"prefill": None, "decode": None}
+        self._pid_names: set[str] = set()  # servers that may have a <name>.pid file
         self.supervisor = Supervisor([], self._spawn, _ready, policy=args.restart, say=say, on_change=self._write_state)
         self._plan()
         self.autoscaler = None
@@ -163,8 +166,20 @@ class LocalCluster:
 
     def _write_state(self) -> None:
         """<log-dir>/servers.json: pid, state and restarts of every server (for tools such as bench chaos);
-        with --autoscale also the discovery files: the servers that became ready and have not gone."""
-        _write_atomically(self.log_dir / "servers.json", json.dumps(self.supervisor.snapshot(), indent=1))
+        <log-dir>/<server>.pid: the pid of each server process that runs now (for a shell: `kill -9 $(cat
+        DIR/decode-0.pid)`, as bench conformance's --kill-cmd); with --autoscale also the discovery files:
+        the servers that became ready and have not gone."""
+        snapshot = self.supervisor.snapshot()
+        _write_atomically(self.log_dir / "servers.json", json.dumps(snapshot, indent=1))
+        for name, server in snapshot.items():
+            pid_file = self.log_dir / f"{name}.pid"
+            if server["pid"] is not None and server["state"] in RUNNING_STATES:
+                _write_atomically(pid_file, f"{server['pid']}\n")
+            else:  # exited (waiting for its restart) or gone: no pid that a kill could hit by mistake
+                pid_file.unlink(missing_ok=True)
+        for gone in self._pid_names - set(snapshot):
+            (self.log_dir / f"{gone}.pid").unlink(missing_ok=True)
+        self._pid_names = set(snapshot)
         if not self.scaling:
             return
         for role, path in self.discovery_files.items():
@@ -233,6 +248,8 @@ class LocalCluster:
                     except ProcessLookupError:
                         pass
                     proc.wait()
+        for name in self._pid_names:  # every server has stopped: no pid file may outlive its process
+            (self.log_dir / f"{name}.pid").unlink(missing_ok=True)
 
     def banner(self) -> str:
         a, url = self.args, self.endpoints[0]

@@ -30,7 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decodes serve prompts' cached prefixes, only missing KV blocks move (--no-decode-reuse: all move)")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
-    parser.add_argument("--log-dir", default=None, help="where process logs go (default: a new temporary folder)")
+    parser.add_argument("--log-dir", default=None,
+                        help="where process logs go, with servers.json and a <server>.pid per running server "
+                             "(default: a new temporary folder)")
     parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for all processes to be ready")
     parser.add_argument("--extra", default="", help="extra flags passed to every server process (one string)")
     parser.add_argument("--prefill-extra", default="", help="extra flags passed to every prefill process (one string)")
