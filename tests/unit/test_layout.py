@@ -114,3 +114,13 @@ def test_a_child_process_never_hands_out_a_port_its_parent_handed_out(monkeypatc
     assert not set(mine) & set(theirs), (mine, theirs)
     assert sorted(int(p.name) for p in (tmp_path / f"pdserve-ports-{os.getuid()}").iterdir()
                   if p.name.isdigit()) == sorted(mine + theirs)
+
+
+def test_test_files_have_unique_names_across_tiers():
+    """The tiers' folders are not packages, so pytest imports each test file by its base name: two
+    tiers with the same file name break the collection of the whole suite ("import file mismatch")."""
+    tests = Path(__file__).resolve().parents[1]
+    seen: dict[str, Path] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        assert path.name not in seen, f"{path.relative_to(tests)} and {seen[path.name].relative_to(tests)}"
+        seen[path.name] = path
