@@ -26,7 +26,7 @@ def sampling_from_proto(msg: pb.Sampling, sampling_cls):
         stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         grammar=GrammarSpec(msg.grammar.kind, msg.grammar.schema or None, msg.grammar.feed)
-        if msg.HasField("grammar") else None,
+        if msg.HasField("grammar") else None, seed_position=msg.seed_position,
     )
 
 

@@ -2,7 +2,8 @@
 
 Seeded sampling is reproducible *per position*: the random draw for the n-th generated token
 of a request with ``seed=s`` depends only on (s, n). So a token sampled by a prefill process
-and the following ones sampled by a decode process give exactly the colocated sequence.
+and the following ones sampled by a decode process give exactly the colocated sequence, and a
+request resumed after k tokens (``seed_position=k``) goes on with the draws k, k+1, ...
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class SamplingParams:
     alternatives (0: none; None: no logprobs). ``prompt_logprobs``: the same for every prompt
     token given the tokens before it (the first has none), reported once with the first output;
     such a request computes its whole prompt (no prefix-cache reuse). ``grammar``: hold the output
-    to a grammar (``grammar.py``; the sampler only picks tokens it allows).
+    to a grammar (``grammar.py``; the sampler only picks tokens it allows). ``seed_position``: where
+    the request's first generated token sits in its seeded random stream (a request resumed after n
+    tokens, sent again as part of its prompt: n), so it draws what the uninterrupted request would have.
     """
 
     max_tokens: int = 16
@@ -41,6 +44,7 @@ class SamplingParams:
     logprobs: int | None = None
     grammar: GrammarSpec | None = None
     prompt_logprobs: int | None = None
+    seed_position: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
@@ -75,6 +79,8 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if isinstance(self.seed_position, bool) or not isinstance(self.seed_position, int) or self.seed_position < 0:
+            raise ValueError(f"seed_position must be a non-negative integer, got {self.seed_position!r}")
         if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
             raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
 
@@ -139,7 +145,7 @@ class Sampler:
             if p.seed is None:
                 noise[row].exponential_(generator=self._gen)
             else:
-                self._row_gen.manual_seed(_position_seed(p.seed, positions[i]))
+                self._row_gen.manual_seed(_position_seed(p.seed, p.seed_position + positions[i]))
                 noise[row].exponential_(generator=self._row_gen)
         ids = (probs / noise).argmax(dim=-1).tolist()
         for i, t in zip(rand, ids):

@@ -188,7 +188,12 @@ ROUTER_METRICS: tuple[MetricSpec, ...] = (
                "Router: arrival of a request to its prefill chosen (read the body, tokenize, hash, choose).",
                buckets=FINE_BUCKETS),
     MetricSpec("router_decisions", "pdserve_router_decisions_total", _C,
-               "Router: requests sent to each prefill, by reason (single|prefix|load|balance|retry).", ("prefill", "reason")),
+               "Router: requests sent to each prefill, by reason (single|prefix|load|balance|retry|resume: a "
+               "stream continued there after its prefill broke).", ("prefill", "reason")),
+    MetricSpec("router_resumes", "pdserve_router_resumes_total", _C,
+               "Router: streams whose prefill broke after the client got part of them and that could be resumed, by "
+               "outcome (resumed: other prefills finished them | failed: the client got an error event).",
+               ("outcome",)),
     MetricSpec("router_prompt_blocks", "pdserve_router_prompt_blocks_total", _C,
                "Router: reusable full blocks of the prompts it routed."),
     MetricSpec("router_prefix_hit_blocks", "pdserve_router_prefix_hit_blocks_total", _C,

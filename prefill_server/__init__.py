@@ -27,6 +27,7 @@ Reading path (in this order):
   ``openai_params.py``      prompts lists, n, echo, logprobs, response_format, tools (pure)
   ``choices.py``            a request's prompts x n choices run as sequences, merged into one stream
   ``openai_serving.py``     the choices as a whole response or SSE; ``openai_logprobs.py`` logprobs shapes
+  ``resume.py``             streams a router can resume: token ids on events, the ``pdserve_resume`` field
   ``text_stream.py``        token deltas -> text deltas with stop strings cut (pure)
   ``batch_api.py``          the OpenAI Batch API's routes (/v1/files, /v1/batches) and its start-up (docs/batch.md)
   ``batch_runner.py``       BatchRunner: a job's statuses, its lines through the Frontend, a bounded number in flight

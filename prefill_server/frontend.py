@@ -8,7 +8,8 @@
   (its id and the text it releases, "" when held back: part of a UTF-8 character or a
   possible stop string), then a last finished Piece with no token that carries the text
   still held back; stop strings cut; records the request's metrics (TTFT, TBT, e2e,
-  outcome) exactly once;
+  outcome) exactly once; ``stream(..., produced=...)`` goes on with a stream another prefill
+  began (``pdserve.stream_resume``): its text state as the whole stream's (``text_stream``);
 - the end-to-end deadline: ``request_timeout_s`` (``--request-timeout``), shortened per
   request by ``stream(..., timeout_s=...)`` (the client's ``X-Request-Timeout`` header or
   gRPC deadline). When it passes, the node's generator is cancelled (its Session to decode
@@ -32,10 +33,11 @@ from pdserve import defaults
 from pdserve.engine.grammar import GrammarSpec, Grammars
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
+from pdserve.stream_resume import RESUME_FIELD
 
 from .admission_queue import deadline_message
 from .closing import aclose_fully
-from .decode_session import DecodeFailed, decode_reservation
+from .decode_session import DecodeFailed, Delta, decode_reservation
 from .node import NoDecodeAvailable, PrefillNode, QueueFull, QueueTimeout, RequestTooLarge
 from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, BadRequest, ParsedRequest, SamplingSpec
 from .text_stream import TextStream
@@ -172,13 +174,28 @@ class Frontend:
             raise BadRequest(f"response_format: {exc}", "response_format") from None
         return grammar
 
+    def text_stream(self, stop: list[str], produced: list[int] | tuple = ()) -> TextStream:
+        """The request's TextStream, past ``produced`` (tokens a resumed stream already sent: its state
+        is what the stream's own had, text held back included; ``stopped`` when their last one completed a
+        stop string). BadRequest when a stop string ends their text before their last token."""
+        text = TextStream(self.tokenizer.detokenizer(), stop, self.tokenizer.decode)
+        for k, token_id in enumerate(produced):
+            if text.stopped:
+                raise BadRequest(f"{RESUME_FIELD}.token_ids: a stop string ends their text at token {k - 1}, before "
+                                 f"their end (the stream ended there)", f"{RESUME_FIELD}.token_ids")
+            text.add([token_id])
+        return text
+
     async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None,
-                     slo_class: SloClass | None = None):
+                     slo_class: SloClass | None = None, produced: list[int] | tuple = ()):
         """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node,
         RequestTimedOut once min(request_timeout_s, timeout_s) seconds have passed, Rejected
-        (pdserve.slo) at once when the class's early rejection says its SLO cannot be met."""
+        (pdserve.slo) at once when the class's early rejection says its SLO cannot be met.
+        ``produced``: a resumed stream's tokens the client has (at most ``sp.max_tokens``; that many:
+        only the finish comes): Pieces of the tokens after them, text as the whole stream's."""
         if request_id in self.active:
             raise BadRequest(f"request_id {request_id!r} is already in flight", "request_id")
+        text = self.text_stream(sp.stop, produced)
         slo = None
         if self.slo is not None:
             try:
@@ -192,10 +209,12 @@ class Frontend:
         deadline = time.monotonic() + limit
         self.active.add(request_id)
         clock = self.metrics.request_clock(len(prompt_ids)) if self.metrics else None
-        text = TextStream(self.tokenizer.detokenizer(), sp.stop, self.tokenizer.decode)
         outcome, reason = "error", "error"
         self.in_flight += 1
-        deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline, slo=slo)
+        if text.stopped or len(produced) >= sp.max_tokens:  # a resumed stream whose last token went out, not its finish
+            deltas = _finished("stop" if text.stopped else "length")
+        else:
+            deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline, slo=slo, produced=produced)
 
         async def next_delta():
             return await deltas.__anext__()
@@ -263,3 +282,8 @@ class Frontend:
                 clock.finish(outcome, reason)
             if slo is not None:  # leaves the queue (if it waits) at once
                 self.slo.finish(slo, outcome)
+
+
+async def _finished(reason: str):
+    """The node's Deltas of a request that has nothing left to generate: its finish only."""
+    yield Delta([], True, reason)

@@ -49,6 +49,11 @@ stream gets that error as an SSE event, then ``[DONE]``. A client that disconnec
 cancels its handler (``handler_cancellation``), which closes the Session (or takes the
 request out of the admission queue), so the cancellation reaches decode at once.
 
+Streams that outlive their prefill (``resume.py``, the contract in ``pdserve.stream_resume``): with
+the header ``X-PDServe-Resumable: 1`` (a router sends it) the events of a stream that can be resumed
+carry their token ids; the body field ``pdserve_resume`` continues a stream another prefill began
+(validated: 400 naming the field). Without a router a client whose prefill dies sees its stream break.
+
 SLO class: the header ``X-SLO-Class: <name>`` or vLLM's body field ``priority`` (the class
 that declares that priority; 0 is the default class unless a class declares 0); neither:
 the default class. Unknown class or priority, or both naming different classes: 400
@@ -69,6 +74,7 @@ from .decode_session import DecodeFailed
 from .frontend import RequestTimedOut, parse_timeout_header
 from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
 from .openai_serving import collect, sse, start
+from .resume import parse_resume, resumable
 
 TIMEOUT_HEADER = REQUEST_TIMEOUT_HEADER
 
@@ -172,9 +178,10 @@ class HttpApi:
         try:
             body = oa.parse_json(await request.read())
             parsed = parse(body, fe.model_name, fe.max_model_len, fe.vocab_size)
+            resume = parse_resume(body, parsed, fe.vocab_size)
             slo_class = fe.slo_class(request.headers.get(SLO_HEADER), body.get("priority"))
             timeout_s = parse_timeout_header(request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER)
-            n_prompt, states, pieces = start(fe, parsed, slo_class, timeout_s)
+            n_prompt, states, pieces = start(fe, parsed, slo_class, timeout_s, resume)
         except oa.BadRequest as exc:
             if self.metrics is not None:
                 self.metrics.requests.labels(outcome="error", reason="bad_request").inc()
@@ -188,6 +195,6 @@ class HttpApi:
                 return _json_error(400, exc.message, "invalid_request_error", exc.param, exc.code)
             if not parsed.stream:
                 return await collect(parsed, states, n_prompt, first, pieces)
-            return await sse(request, parsed, states, n_prompt, first, pieces)
+            return await sse(request, parsed, states, n_prompt, first, pieces, resumable(parsed, request.headers))
         finally:
             await aclose_fully(pieces)

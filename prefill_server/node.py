@@ -39,11 +39,10 @@ request by then even when this process cannot tell it (frozen).
 Resume (``resume=True``, the default): when a decode fails mid-generation, the request
 continues on the next decode (or locally) by prefilling prompt + the tokens generated so
 far, with max_tokens reduced by those tokens; the client's stream just goes on. Greedy
-requests give exactly the tokens they would have; seeded random sampling restarts its
-per-position random stream at the resume point (so the continuation is a valid sample,
-not the same one). A grammar (response_format) is rebuilt on the next decode by accepting
-the produced tokens first (``resumed``: its ``feed``), so the output stays valid across the
-resume. The next decode is tried at once (never the one that failed, in the same round).
+requests give exactly the tokens they would have, and so do seeded ones (their draws go on
+at the resume point's position: ``SamplingParams.seed_position``). A grammar (response_format)
+is rebuilt on the next decode by accepting the produced tokens first (``resumed``: its
+``feed``), so the output stays valid across the resume. The next decode is tried at once (never the one that failed, in the same round).
 When none can take the request now (every other one full or refusing, or none has reported
 yet: a decode that just started is not known before its first load report), it waits for
 one, as a full decode is a reason to wait, not to fail: back in the admission queue at its
@@ -53,6 +52,9 @@ from the failure) and never past its deadline; then, with no local fallback, the
 gets ``DecodeFailed`` naming the failure, the wait and why no decode took it (0: at once,
 without a wait). After a wait the failed decode may be tried again once a load report
 from it arrived after the failure (a transient failure); a dead or frozen one sends none.
+
+A stream begun by another prefill (``generate(..., produced=...)``: the router resumes a stream
+whose prefill died, ``pdserve.stream_resume``) starts as such a resume does, after its tokens.
 """
 
 from __future__ import annotations
@@ -152,9 +154,11 @@ class PrefillNode:
         return self.local_fallback or bool(self.picker.usable())
 
     async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None,
-                       slo: SloRequest | None = None):
+                       slo: SloRequest | None = None, produced: list[int] | tuple = ()):
+        """``produced``: tokens the client already has (fewer than ``sp.max_tokens``), from a stream another
+        prefill began (``pdserve.stream_resume``): the request goes on after them as after a decode's failure."""
         reasons: list[str] = []
-        produced: list[int] = []  # tokens already given to the client (for resume)
+        produced = list(produced)  # tokens already given to the client (for resume)
         failed_mid_stream: DecodeFailed | None = None
         failed_at: dict[str, float] = {}  # decode -> when it failed mid-stream (picker's clock), for _silent
         resume_until: float | None = None  # the end of the wait for a decode after the latest failure (queue's clock)
@@ -374,9 +378,11 @@ class PrefillNode:
 
 def resumed(sp, produced: int):
     """The SamplingParams for a request resumed after ``produced`` tokens (sent as part of the prompt):
-    max_tokens reduced by them, a grammar told to accept them first (its state at the resume point), and
-    no prompt logprobs (the client got them with its first tokens)."""
+    max_tokens reduced by them, a grammar told to accept them first (its state at the resume point), the
+    seeded draws going on at their position, and no prompt logprobs (the client got them with its first
+    tokens)."""
     if not produced:
         return sp
     grammar = sp.grammar if sp.grammar is None else replace(sp.grammar, feed=sp.grammar.feed + produced)
-    return replace(sp, max_tokens=sp.max_tokens - produced, grammar=grammar, prompt_logprobs=None)
+    return replace(sp, max_tokens=sp.max_tokens - produced, grammar=grammar, prompt_logprobs=None,
+                   seed_position=sp.seed_position + produced)

@@ -74,7 +74,9 @@ class ParsedRequest:
     echo: bool = False  # completion: each choice's text starts with its prompt's
     tools: list[dict] | None = None  # chat
     tool_choice: str | dict | None = None
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)  # the engine's and the decode's id
+    response_id: str | None = None  # the client's ``id`` when not "cmpl-"/"chatcmpl-" + request_id (a resumed stream's)
+    created: int = field(default_factory=lambda: int(time.time()))  # the response's ``created``, one for all its chunks
 
     @property
     def prompt(self) -> str | None:
@@ -220,7 +222,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 def _head(req: ParsedRequest, obj: str) -> dict:
     prefix = "cmpl-" if req.kind == "completion" else "chatcmpl-"
-    return {"id": prefix + req.request_id, "object": obj, "created": int(time.time()), "model": req.model}
+    return {"id": req.response_id or prefix + req.request_id, "object": obj, "created": req.created, "model": req.model}
 
 
 def choice(req: ParsedRequest, index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:

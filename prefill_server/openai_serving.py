@@ -15,6 +15,11 @@ with null logprob), computed by the prompt's first choice (``PromptEcho`` holds 
 siblings) and sent with the choice's first event. ``max_tokens: 0`` with echo (``echo_only``)
 runs one token and shows none of it: the echoed prompt (and its logprobs), finish "length".
 
+Resumed streams (``resume.py``; the contract: ``pdserve.stream_resume``): a stream the router can
+resume carries each event's token ids; a resumed one's choice starts as the interrupted stream
+left it (its text, tokens and role sent: ``ChoiceState.resume_after``), so its events are the ones
+the interrupted stream would have sent next, and its usage counts both parts.
+
 Tools (chat with ``tools`` and a ``tool_choice`` other than "none", ``openai_tools.py``): a
 choice's text is parsed for tool calls once it is whole, so its stream holds the tokens back
 and sends, at its end, one event with the ``role`` and either the ``content`` or the
@@ -31,10 +36,11 @@ from aiohttp import web
 from . import openai_api as oa
 from .choices import merged, plan
 from .decode_session import DecodeFailed
-from .frontend import RequestTimedOut
+from .frontend import Piece, RequestTimedOut
 from .node import NoDecodeAvailable
 from .openai_logprobs import LogprobsFormatter
 from .openai_tools import parse_tool_calls
+from .resume import Resume, tag
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +80,13 @@ class ChoiceState:
         self.logprobs = None if top is None else LogprobsFormatter(parsed.kind, tokenizer, top)
         self.prompt_logprobs_due = echo is not None and self.logprobs is not None  # the prompt's lead the logprobs
         self.tools = parsed.kind == "chat" and bool(parsed.tools) and parsed.tool_choice != "none"
+        self.finish_sent = False  # a resumed stream whose finish event went out before (only its end is left)
+
+    def resume_after(self, text: str, tokens: int, finish_reason: str | None = None) -> None:
+        """A stream resumed after ``tokens`` tokens that sent ``text`` (``resume.py``): as if it had sent them."""
+        self.parts, self.chars, self.tokens = [text], len(text), tokens
+        self.started = tokens > 0  # chat: the role went out with the first token
+        self.finish_sent = finish_reason is not None
 
     def add(self, piece) -> tuple[str, dict | None]:
         """The piece's text (the echoed prompt before the first one) and its logprobs object (the prompt's
@@ -131,10 +144,14 @@ def _error(status: int, message: str, type_: str, code: str) -> web.Response:
     return web.json_response(oa.error_body(message, type_, None, code), status=status)
 
 
-def start(fe, parsed: oa.ParsedRequest, slo_class, timeout_s: float | None):
+def start(fe, parsed: oa.ParsedRequest, slo_class, timeout_s: float | None, resume: Resume | None = None):
     """A parsed request's choices under way: (prompt tokens in all, ChoiceStates, the merged
     ``(index, Piece)`` stream). Raises BadRequest for a prompt the engine cannot take (nothing
-    has started then). Both the HTTP API and the Batch API's lines start requests here."""
+    has started then). Both the HTTP API and the Batch API's lines start requests here.
+    ``resume``: the one choice goes on after the tokens its client has (``resume.py``), under the
+    stream's id and created; with its finish sent, only the end of the stream is left."""
+    if resume is not None:
+        parsed.response_id, parsed.created = resume.id, resume.created
     prompts = fe.prompt_ids_list(parsed)
     # echo with logprobs: the prompt's own logprobs (the same top alternatives per token)
     prompt_logprobs = parsed.sampling.logprobs if parsed.echo else None
@@ -146,8 +163,21 @@ def start(fe, parsed: oa.ParsedRequest, slo_class, timeout_s: float | None):
     choices = plan(parsed.request_id, prompts, samplings, parsed.n)
     states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index] if parsed.echo else None)
               for c in choices]
-    pieces = merged(choices, lambda c: fe.stream(c.request_id, c.prompt_ids, c.sampling, timeout_s, slo_class))
+    produced = ()
+    if resume is not None:
+        resume.check(samplings[0])
+        produced = resume.token_ids
+        states[0].resume_after(fe.text_stream(samplings[0].stop, produced).text, len(produced), resume.finish_reason)
+        if resume.finish_reason is not None:
+            return sum(len(ids) for ids in prompts), states, _finish_sent(resume.finish_reason)
+    pieces = merged(choices, lambda c: fe.stream(c.request_id, c.prompt_ids, c.sampling, timeout_s, slo_class,
+                                                 produced=produced))
     return sum(len(ids) for ids in prompts), states, pieces
+
+
+async def _finish_sent(reason: str):
+    """The ``(index, Piece)`` stream of a resumed choice whose finish went out already."""
+    yield 0, Piece([], "", True, reason)
 
 
 async def whole(parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> tuple[int, dict]:
@@ -173,9 +203,15 @@ async def collect(parsed, states: list[ChoiceState], n_prompt: int, first, piece
     return web.json_response(body, status=status)
 
 
-async def sse(request: web.Request, parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> web.StreamResponse:
+async def sse(request: web.Request, parsed, states: list[ChoiceState], n_prompt: int, first, pieces,
+              resumable: bool = False) -> web.StreamResponse:
+    """``resumable``: each event carries its token ids for the router (``resume.tag``)."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+
+    def event_bytes(payload: dict, token_ids=(), **more) -> bytes:
+        return oa.sse(tag(payload, token_ids, **more) if resumable else payload)
+
     event = first
     try:
         while True:
@@ -190,16 +226,19 @@ async def sse(request: web.Request, parsed, states: list[ChoiceState], n_prompt:
                         await resp.write(oa.sse(payload))
             elif piece.finished:  # no token: the finish reason and any text held back to the end
                 shown = text if text or parsed.kind == "completion" else None
-                await resp.write(oa.sse(oa.chunk(parsed, shown, state.finish_reason, first=is_first, index=index,
-                                                 logprobs=lps)))
+                if not state.finish_sent:
+                    await resp.write(event_bytes(oa.chunk(parsed, shown, state.finish_reason, first=is_first,
+                                                          index=index, logprobs=lps), finish_reason=state.finish_reason))
             elif state.echo_only:  # the generated token is not shown: only the echoed prompt, once
                 if text or lps:
                     await resp.write(oa.sse(oa.chunk(parsed, text, None, first=is_first, index=index, logprobs=lps)))
             else:  # one event per generated token, also when its text is "" (held back)
-                await resp.write(oa.sse(oa.chunk(parsed, text, None, first=is_first, index=index, logprobs=lps)))
+                await resp.write(event_bytes(oa.chunk(parsed, text, None, first=is_first, index=index, logprobs=lps),
+                                             piece.token_ids))
             if piece.finished and all(s.finish_reason for s in states):
                 if parsed.include_usage:
-                    await resp.write(oa.sse(oa.usage_chunk(parsed, n_prompt, sum(s.tokens for s in states))))
+                    await resp.write(event_bytes(oa.usage_chunk(parsed, n_prompt, sum(s.tokens for s in states)),
+                                                 usage=True))
                 break
             event = await pieces.__anext__()
     except (DecodeFailed, NoDecodeAvailable) as exc:

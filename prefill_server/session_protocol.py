@@ -85,6 +85,7 @@ def sampling_to_proto(sp) -> pb.Sampling:
     )
     if sp.seed is not None:
         msg.seed = sp.seed
+    msg.seed_position = sp.seed_position
     if sp.logprobs is not None:
         msg.logprobs = sp.logprobs
     if sp.grammar is not None:

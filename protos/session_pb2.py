@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rsession.proto\x12\x0fpdserve.session\"\xf6\x01\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12)\n\x07grammar\x18\n \x01(\x0b\x32\x18.pdserve.session.GrammarB\x07\n\x05_seedB\x0b\n\t_logprobs\"5\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06schema\x18\x02 \x01(\t\x12\x0c\n\x04\x66\x65\x65\x64\x18\x03 \x01(\x05\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x89\x01\n\x06\x43ompat\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\ttransport\x18\x07 \x01(\t\"\x8f\x02\n\x05Start\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdserve.session.Sampling\x12\x15\n\rblocks_needed\x18\x04 \x01(\x05\x12\'\n\x06\x63ompat\x18\x05 \x01(\x0b\x32\x17.pdserve.session.Compat\x12\x18\n\x10protocol_version\x18\x06 \x01(\x05\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\x12\x14\n\x0creuse_prefix\x18\x08 \x01(\x08\x12\x15\n\rtbt_target_ms\x18\t \x01(\r\x12\x11\n\tevictable\x18\n \x01(\x08\"w\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12.\n\x07logprob\x18\x04 \x01(\x0b\x32\x1d.pdserve.session.TokenLogprob\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1f\n\rComputePrompt\x12\x0e\n\x06reason\x18\x01 \x01(\t\"%\n\x05\x45rror\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\"\x83\x02\n\x0ePrefillMessage\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.pdserve.session.StartH\x00\x12\x32\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x1b.pdserve.session.FirstTokenH\x00\x12)\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x17.pdserve.session.CancelH\x00\x12\'\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x16.pdserve.session.ErrorH\x00\x12\x38\n\x0e\x63ompute_prompt\x18\x05 \x01(\x0b\x32\x1e.pdserve.session.ComputePromptH\x00\x42\x06\n\x04kind\"\x96\x01\n\nAllocation\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x1b\n\x13\x63\x61\x63hestore_endpoint\x18\x02 \x01(\x0c\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x0e\n\x06pooled\x18\x04 \x01(\x08\x12\x31\n\x0cpool_targets\x18\x05 \x03(\x0b\x32\x1b.pdserve.session.PoolTarget\"e\n\nPoolTarget\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13\x63\x61\x63hestore_endpoint\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\"\'\n\x07Refusal\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\"L\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1d.pdserve.session.TokenLogprob\":\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xf6\x01\n\rDecodeMessage\x12\x31\n\nallocation\x18\x01 \x01(\x0b\x32\x1b.pdserve.session.AllocationH\x00\x12+\n\x07refusal\x18\x02 \x01(\x0b\x32\x18.pdserve.session.RefusalH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.pdserve.session.TokensH\x00\x12)\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x17.pdserve.session.FinishH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.pdserve.session.ErrorH\x00\x42\x06\n\x04kind\"\x13\n\x11LoadReportRequest\"\x8e\x02\n\nLoadReport\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x03\x12\x12\n\nfree_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x18\n\x10protocol_version\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x11\n\ttransport\x18\t \x01(\t\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\x12\x18\n\x10pool_free_blocks\x18\x0b \x01(\x03\x12\x19\n\x11pool_total_blocks\x18\x0c \x01(\x03\x32\xaa\x01\n\x06\x44\x65\x63ode\x12N\n\x07Session\x12\x1f.pdserve.session.PrefillMessage\x1a\x1e.pdserve.session.DecodeMessage(\x01\x30\x01\x12P\n\rGetLoadReport\x12\".pdserve.session.LoadReportRequest\x1a\x1b.pdserve.session.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rsession.proto\x12\x0fpdserve.session\"\x8d\x02\n\x08Sampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x12)\n\x07grammar\x18\n \x01(\x0b\x32\x18.pdserve.session.Grammar\x12\x15\n\rseed_position\x18\x0b \x01(\x05\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"5\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0e\n\x06schema\x18\x02 \x01(\t\x12\x0c\n\x04\x66\x65\x65\x64\x18\x03 \x01(\x05\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x89\x01\n\x06\x43ompat\x12\r\n\x05\x64type\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\x05\x12\x10\n\x08head_dim\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\r\n\x05model\x18\x06 \x01(\t\x12\x11\n\ttransport\x18\x07 \x01(\t\"\x8f\x02\n\x05Start\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.pdserve.session.Sampling\x12\x15\n\rblocks_needed\x18\x04 \x01(\x05\x12\'\n\x06\x63ompat\x18\x05 \x01(\x0b\x32\x17.pdserve.session.Compat\x12\x18\n\x10protocol_version\x18\x06 \x01(\x05\x12\x11\n\ttimeout_s\x18\x07 \x01(\x02\x12\x14\n\x0creuse_prefix\x18\x08 \x01(\x08\x12\x15\n\rtbt_target_ms\x18\t \x01(\r\x12\x11\n\tevictable\x18\n \x01(\x08\"w\n\nFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12.\n\x07logprob\x18\x04 \x01(\x0b\x32\x1d.pdserve.session.TokenLogprob\"\x18\n\x06\x43\x61ncel\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x1f\n\rComputePrompt\x12\x0e\n\x06reason\x18\x01 \x01(\t\"%\n\x05\x45rror\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\"\x83\x02\n\x0ePrefillMessage\x12\'\n\x05start\x18\x01 \x01(\x0b\x32\x16.pdserve.session.StartH\x00\x12\x32\n\x0b\x66irst_token\x18\x02 \x01(\x0b\x32\x1b.pdserve.session.FirstTokenH\x00\x12)\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x17.pdserve.session.CancelH\x00\x12\'\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x16.pdserve.session.ErrorH\x00\x12\x38\n\x0e\x63ompute_prompt\x18\x05 \x01(\x0b\x32\x1e.pdserve.session.ComputePromptH\x00\x42\x06\n\x04kind\"\x96\x01\n\nAllocation\x12\x11\n\tblock_ids\x18\x01 \x03(\x05\x12\x1b\n\x13\x63\x61\x63hestore_endpoint\x18\x02 \x01(\x0c\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x0e\n\x06pooled\x18\x04 \x01(\x08\x12\x31\n\x0cpool_targets\x18\x05 \x03(\x0b\x32\x1b.pdserve.session.PoolTarget\"e\n\nPoolTarget\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1b\n\x13\x63\x61\x63hestore_endpoint\x18\x02 \x01(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\"\'\n\x07Refusal\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\"L\n\x06Tokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1d.pdserve.session.TokenLogprob\":\n\x06\x46inish\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xf6\x01\n\rDecodeMessage\x12\x31\n\nallocation\x18\x01 \x01(\x0b\x32\x1b.pdserve.session.AllocationH\x00\x12+\n\x07refusal\x18\x02 \x01(\x0b\x32\x18.pdserve.session.RefusalH\x00\x12)\n\x06tokens\x18\x03 \x01(\x0b\x32\x17.pdserve.session.TokensH\x00\x12)\n\x06\x66inish\x18\x04 \x01(\x0b\x32\x17.pdserve.session.FinishH\x00\x12\'\n\x05\x65rror\x18\x05 \x01(\x0b\x32\x16.pdserve.session.ErrorH\x00\x42\x06\n\x04kind\"\x13\n\x11LoadReportRequest\"\x8e\x02\n\nLoadReport\x12\x13\n\x0b\x66ree_blocks\x18\x01 \x01(\x03\x12\x14\n\x0ctotal_blocks\x18\x02 \x01(\x03\x12\x12\n\nfree_bytes\x18\x03 \x01(\x03\x12\x0f\n\x07running\x18\x04 \x01(\x05\x12\x0f\n\x07waiting\x18\x05 \x01(\x05\x12\x18\n\x10protocol_version\x18\x06 \x01(\x05\x12\r\n\x05model\x18\x07 \x01(\t\x12\x10\n\x08\x64raining\x18\x08 \x01(\x08\x12\x11\n\ttransport\x18\t \x01(\t\x12\x1c\n\x14prefill_tokens_per_s\x18\n \x01(\x01\x12\x18\n\x10pool_free_blocks\x18\x0b \x01(\x03\x12\x19\n\x11pool_total_blocks\x18\x0c \x01(\x03\x32\xaa\x01\n\x06\x44\x65\x63ode\x12N\n\x07Session\x12\x1f.pdserve.session.PrefillMessage\x1a\x1e.pdserve.session.DecodeMessage(\x01\x30\x01\x12P\n\rGetLoadReport\x12\".pdserve.session.LoadReportRequest\x1a\x1b.pdserve.session.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,41 +32,41 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'session_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLING']._serialized_start=35
-  _globals['_SAMPLING']._serialized_end=281
-  _globals['_GRAMMAR']._serialized_start=283
-  _globals['_GRAMMAR']._serialized_end=336
-  _globals['_TOKENLOGPROB']._serialized_start=338
-  _globals['_TOKENLOGPROB']._serialized_end=426
-  _globals['_COMPAT']._serialized_start=429
-  _globals['_COMPAT']._serialized_end=566
-  _globals['_START']._serialized_start=569
-  _globals['_START']._serialized_end=840
-  _globals['_FIRSTTOKEN']._serialized_start=842
-  _globals['_FIRSTTOKEN']._serialized_end=961
-  _globals['_CANCEL']._serialized_start=963
-  _globals['_CANCEL']._serialized_end=987
-  _globals['_COMPUTEPROMPT']._serialized_start=989
-  _globals['_COMPUTEPROMPT']._serialized_end=1020
-  _globals['_ERROR']._serialized_start=1022
-  _globals['_ERROR']._serialized_end=1059
-  _globals['_PREFILLMESSAGE']._serialized_start=1062
-  _globals['_PREFILLMESSAGE']._serialized_end=1321
-  _globals['_ALLOCATION']._serialized_start=1324
-  _globals['_ALLOCATION']._serialized_end=1474
-  _globals['_POOLTARGET']._serialized_start=1476
-  _globals['_POOLTARGET']._serialized_end=1577
-  _globals['_REFUSAL']._serialized_start=1579
-  _globals['_REFUSAL']._serialized_end=1618
-  _globals['_TOKENS']._serialized_start=1620
-  _globals['_TOKENS']._serialized_end=1696
-  _globals['_FINISH']._serialized_start=1698
-  _globals['_FINISH']._serialized_end=1756
-  _globals['_DECODEMESSAGE']._serialized_start=1759
-  _globals['_DECODEMESSAGE']._serialized_end=2005
-  _globals['_LOADREPORTREQUEST']._serialized_start=2007
-  _globals['_LOADREPORTREQUEST']._serialized_end=2026
-  _globals['_LOADREPORT']._serialized_start=2029
-  _globals['_LOADREPORT']._serialized_end=2299
-  _globals['_DECODE']._serialized_start=2302
-  _globals['_DECODE']._serialized_end=2472
+  _globals['_SAMPLING']._serialized_end=304
+  _globals['_GRAMMAR']._serialized_start=306
+  _globals['_GRAMMAR']._serialized_end=359
+  _globals['_TOKENLOGPROB']._serialized_start=361
+  _globals['_TOKENLOGPROB']._serialized_end=449
+  _globals['_COMPAT']._serialized_start=452
+  _globals['_COMPAT']._serialized_end=589
+  _globals['_START']._serialized_start=592
+  _globals['_START']._serialized_end=863
+  _globals['_FIRSTTOKEN']._serialized_start=865
+  _globals['_FIRSTTOKEN']._serialized_end=984
+  _globals['_CANCEL']._serialized_start=986
+  _globals['_CANCEL']._serialized_end=1010
+  _globals['_COMPUTEPROMPT']._serialized_start=1012
+  _globals['_COMPUTEPROMPT']._serialized_end=1043
+  _globals['_ERROR']._serialized_start=1045
+  _globals['_ERROR']._serialized_end=1082
+  _globals['_PREFILLMESSAGE']._serialized_start=1085
+  _globals['_PREFILLMESSAGE']._serialized_end=1344
+  _globals['_ALLOCATION']._serialized_start=1347
+  _globals['_ALLOCATION']._serialized_end=1497
+  _globals['_POOLTARGET']._serialized_start=1499
+  _globals['_POOLTARGET']._serialized_end=1600
+  _globals['_REFUSAL']._serialized_start=1602
+  _globals['_REFUSAL']._serialized_end=1641
+  _globals['_TOKENS']._serialized_start=1643
+  _globals['_TOKENS']._serialized_end=1719
+  _globals['_FINISH']._serialized_start=1721
+  _globals['_FINISH']._serialized_end=1779
+  _globals['_DECODEMESSAGE']._serialized_start=1782
+  _globals['_DECODEMESSAGE']._serialized_end=2028
+  _globals['_LOADREPORTREQUEST']._serialized_start=2030
+  _globals['_LOADREPORTREQUEST']._serialized_end=2049
+  _globals['_LOADREPORT']._serialized_start=2052
+  _globals['_LOADREPORT']._serialized_end=2322
+  _globals['_DECODE']._serialized_start=2325
+  _globals['_DECODE']._serialized_end=2495
 # @@protoc_insertion_point(module_scope)

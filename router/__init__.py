@@ -19,8 +19,10 @@ Request lifecycle on the router:
    round-robin`` takes the prefills in turn instead (the experiments' baseline).
 4. **relay** - the body goes to that prefill's HTTP API untouched; status, content type and
    body (SSE chunks as they come) go back. A prefill that refuses the connection: the next
-   in the ranking (``--max-attempts``); none: 503. A prefill that fails mid-response: a 502
-   before any byte, else an SSE error event and ``[DONE]`` (never a stream that just stops).
+   in the ranking (``--max-attempts``); none: 503. A prefill that fails before any event reached
+   the client: the request goes whole to the next one; after: the stream is resumed on another
+   prefill (``resume.py``), else it ends with an SSE error event and ``[DONE]`` (never a stream
+   that just stops).
 5. **release** - the end of the relay (or the client leaving, which closes the upstream
    connection so the prefill cancels) drops the request's in-flight counts.
 
@@ -32,6 +34,7 @@ prefill gone from discovery leaves the index at once (``prefills.py``). Load is 
 Reading path (in this order):
   ``cli.py``            ``pdserve router``: flags, start-up wiring, drain
   ``http_api.py``       RouterApi: the routes and the byte-for-byte relay
+  ``resume.py``         EventRelay, resume: a stream whose prefill died, continued on another
   ``grpc_api.py``       RouterGenerateServicer: gRPC Generate, relayed response by response
   ``slo_gate.py``       SloGate: the global SLO queue in front of the prefills (pdserve.slo's GlobalQueue)
   ``router.py``         Router.decide: prompt hashes + index + loads -> choice

@@ -11,16 +11,21 @@
 | POST /debug/route?kind=K     | the decision for a completion (K=completion) or chat body, not  |
 |                              | sent anywhere: prefill, reason, cached blocks, ranking          |
 
-The request body goes to the prefill untouched (with the headers ``X-SLO-Class`` and ``X-Request-Timeout``) and its
-status, content type, ``Retry-After`` and body come back unchanged (SSE chunks as they
-arrive), so a 400 or a 429 is the prefill's own. A prefill that
+The request body goes to the prefill untouched (with the headers ``X-SLO-Class`` and ``X-Request-Timeout``,
+and ``X-PDServe-Resumable: 1``) and its status, content type, ``Retry-After`` and body come back
+unchanged (SSE events as they arrive, whole, without the token ids a prefill adds to the events of
+a stream the router can resume: ``resume.py``), so a 400 or a 429 is the prefill's own. A prefill that
 cannot be connected to before its response starts is skipped for the next one in the
 ranking (at most ``max_attempts``); so is one that answers 503 ``no_decode_available`` (it
-computed nothing: during a protocol rollout its decodes leave before it does). No routable
+computed nothing: during a protocol rollout its decodes leave before it does), and one that breaks
+before anything of its response reached the client (a whole response is read before it is sent;
+a stream is sent event by event): the request goes whole to the next prefill, never back to it.
+A prefill that breaks after part of a stream went out: the stream is resumed on another prefill
+(``resume.py``), else it ends with an error event (``prefill_failed``) and ``[DONE]``. No routable
 prefill: the request waits for one up to ``prefill_wait_s`` (and its deadline), then gets 503
-with an OpenAI error body (a prefill's own 503 if one refused it). A
-client that disconnects cancels the handler, which closes the upstream connection, so the
-prefill cancels the request as if the client had been its own.
+with an OpenAI error body (a prefill's own 503 if one refused it; 502 ``prefill_failed`` when the
+ones tried broke). A client that disconnects cancels the handler, which closes the upstream
+connection, so the prefill cancels the request as if the client had been its own.
 """
 
 from __future__ import annotations
@@ -36,8 +41,10 @@ from aiohttp import web
 from pdserve.defaults import PREFILL_WAIT_S, REQUEST_TIMEOUT_HEADER, REQUEST_TIMEOUT_S
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
+from pdserve.stream_resume import RESUMABLE_HEADER
 
 from .prompt import prompt_token_ids
+from .resume import DONE, EventRelay, StreamCut, is_sse, pipe, resume
 from .router import refusing
 from .slo_gate import GateTimeout, SloGate, TokenCounter, deadline_s, request_class
 
@@ -157,8 +164,9 @@ class RouterApi:
         m = self.metrics
         choice = self.router.decide(ids)
         m.router_overhead.observe(time.perf_counter() - start)
-        wait_until = time.monotonic() + min(self.prefill_wait_s, deadline_s(request.headers.get(REQUEST_TIMEOUT_HEADER),
-                                                                             self.request_timeout_s))
+        timeout_s = deadline_s(request.headers.get(REQUEST_TIMEOUT_HEADER), self.request_timeout_s)
+        deadline = time.monotonic() + timeout_s
+        wait_until = time.monotonic() + min(self.prefill_wait_s, timeout_s)
         if choice is None:
             choice = await self.router.decide_waiting(ids, wait_until)
         if choice is None:
@@ -169,19 +177,20 @@ class RouterApi:
         refused: dict[str, float] = {}  # prefill -> when it answered that it has no decode for this request
         refusal: tuple | None = None  # the last such answer: (upstream, body)
         tried: list[str] = []
+        failed: set[str] = set()  # prefills that broke before their response reached the client (not tried again)
+        forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         try:
             while choice is not None:
-                for attempt, address in enumerate(choice.ranking[: self.max_attempts]):
+                for attempt, address in enumerate([a for a in choice.ranking if a not in failed][: self.max_attempts]):
                     watch = self.router.prefills.watches.get(address)
                     if watch is None or not watch.routable() or refusing(watch, refused):
                         continue
-                    why = choice.reason if attempt == 0 and not refused else "retry"
+                    why = choice.reason if attempt == 0 and not refused and not failed else "retry"
                     tried.append(address)
                     watch.in_flight += 1
                     try:
-                        forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-                        upstream = await self.session.post(watch.http_url + request.path, data=body,
-                                                           headers={"Content-Type": "application/json", **forwarded})
+                        upstream = await self.session.post(watch.http_url + request.path, data=body, headers={
+                            "Content-Type": "application/json", **forwarded, RESUMABLE_HEADER: "1"})
                     except aiohttp.ClientConnectionError as exc:
                         log.warning("prefill %s unreachable (%s); trying the next one", address, exc)
                         watch.in_flight -= 1
@@ -197,15 +206,26 @@ class RouterApi:
                             continue
                     resp = None
                     counter = TokenCounter(upstream.headers.get("Content-Type", ""), passage)
+                    relay = EventRelay()
+
+                    async def write(data: bytes) -> None:
+                        nonlocal resp
+                        if resp is None:  # headers go out with the first whole event
+                            m.ttft.observe(time.perf_counter() - start)
+                            resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
+                            await resp.prepare(request)
+                        counter.feed(data)
+                        await resp.write(data)
+
+                    broke = None
                     try:
                         self.router.count_decision(address, why, choice, ids)
-                        async for chunk in upstream.content.iter_any():
-                            if resp is None:  # headers go out with the first byte (a failure before it is a 502)
-                                m.ttft.observe(time.perf_counter() - start)
-                                resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
-                                await resp.prepare(request)
-                            counter.feed(chunk)
-                            await resp.write(chunk)
+                        if is_sse(upstream):
+                            await pipe(upstream, relay, write)
+                        else:  # read whole: a prefill that breaks before its end is retried (nothing went out)
+                            data = await upstream.read()
+                            if data:
+                                await write(data)
                         if resp is None:
                             resp = web.Response(status=upstream.status, headers=_headers(upstream))
                             await resp.prepare(request)
@@ -216,29 +236,28 @@ class RouterApi:
                         if passage is not None:
                             passage.outcome = outcome
                         return resp
-                    except aiohttp.ClientError as exc:  # the prefill went away mid-response
+                    except (aiohttp.ClientError, StreamCut) as exc:  # the prefill went away mid-response
                         log.warning("prefill %s failed mid-response: %s", address, exc)
-                        outcome, reason = "error", "prefill_failed"
-                        if passage is not None:
-                            passage.outcome = "error"
-                        message = f"prefill {address} failed mid-response: {type(exc).__name__}"
-                        if resp is None:
-                            return _error(502, message, "prefill_failed")
-                        if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
-                            # never a stream that just stops: an error event, then [DONE], as the prefill ends its own
-                            event = {"error": {"message": message, "type": "server_error", "param": None,
-                                               "code": "prefill_failed"}}
-                            await resp.write(f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode())
-                            await resp.write_eof()
-                        return resp
+                        failed.add(address)
+                        broke = exc
                     finally:
                         if upstream.content.at_eof():
                             upstream.release()  # keep the connection for the next request
                         else:
                             upstream.close()  # the prefill sees the client leave and cancels
                         watch.in_flight -= 1
-                # every prefill tried refused for want of a decode: wait (bounded) for one that can take it
-                choice = await self.router.decide_waiting(ids, wait_until, refused) if refused else None
+                    if resp is None:  # nothing reached the client: the whole request goes to the next prefill
+                        continue
+                    outcome, reason = await self._after_break(request, resp, write, body, ids, relay, failed, deadline,
+                                                              forwarded, f"prefill {address} failed mid-response: "
+                                                              f"{type(broke).__name__}")
+                    if passage is not None:
+                        passage.outcome = outcome
+                    return resp
+                # every prefill tried refused for want of a decode (or broke before answering): wait (bounded)
+                # for one that can take it
+                choice = (await self.router.decide_waiting(ids, wait_until, refused, exclude=failed)
+                          if refused or failed else None)
             outcome = "error"
             if passage is not None:
                 passage.outcome = "error"
@@ -246,13 +265,34 @@ class RouterApi:
                 reason = "http_503"
                 upstream, early = refusal
                 return web.Response(status=503, body=early, headers=_headers(upstream))
-            reason = "prefill_unreachable"
-            return _error(503, f"no prefill could be reached (tried {', '.join(tried) or 'none routable'})",
-                          "no_prefill_available")
+            reason = "prefill_failed" if failed else "prefill_unreachable"
+            return _error(503 if not failed else 502,
+                          f"no prefill could {'serve' if failed else 'be reached'} (tried {', '.join(tried) or 'none routable'})",
+                          "prefill_failed" if failed else "no_prefill_available")
         finally:
             self.in_flight -= 1
             m.e2e_latency.observe(time.perf_counter() - start)
             m.requests.labels(outcome=outcome, reason=reason).inc()
+
+
+    async def _after_break(self, request, resp, write, body, ids, relay: EventRelay, failed: set[str], deadline: float,
+                           forwarded: dict[str, str], message: str) -> tuple[str, str]:
+        """The client has part of a stream whose prefill broke: resume it (``resume.py``), or end it with an
+        error event and [DONE] (never a stream that just stops); (outcome, reason) for the metrics."""
+        resumable = relay.can_resume
+        why_not = "the stream cannot be resumed" if not resumable else await resume(
+            self, request, body, ids, relay, failed, deadline, write, forwarded)
+        if resumable:
+            self.metrics.router_resumes.labels(outcome="resumed" if why_not is None else "failed").inc()
+        if why_not is not None:
+            log.warning("%s; not resumed: %s", message, why_not)
+            if not relay.error_sent:  # as the prefill ends its own stream on an error
+                event = {"error": {"message": f"{message}; not resumed: {why_not}", "type": "server_error",
+                                   "param": None, "code": "prefill_failed"}}
+                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            await resp.write(DONE)
+        await resp.write_eof()
+        return ("ok", "resumed") if why_not is None else ("error", "prefill_failed")
 
 
 def _error_code(body: bytes) -> str | None:

@@ -61,16 +61,17 @@ class Router:
         return choose(candidates, len(ids), prompt_key(ids, first_bs), self.load_weight)
 
     async def decide_waiting(self, prompt_ids: list[int] | None, until: float,
-                             refused: dict[str, float] | None = None) -> Choice | None:
+                             refused: dict[str, float] | None = None, exclude=()) -> Choice | None:
         """``decide`` once a prefill is routable that has not refused this request since its last load report
-        (``refused``: prefill -> when), or None at ``until`` (monotonic): a rollout or a restart can leave a
-        few seconds with none."""
+        (``refused``: prefill -> when) and is not in ``exclude`` (failed it), or None at ``until`` (monotonic):
+        a rollout or a restart can leave a few seconds with none."""
         refused = refused or {}
         while time.monotonic() < until:
             await asyncio.sleep(max(0.0, min(WAIT_POLL_S, until - time.monotonic())))
             choice = self.decide(prompt_ids)
             watches = self.prefills.watches
-            if choice is not None and any(a in watches and not refusing(watches[a], refused) for a in choice.ranking):
+            if choice is not None and any(a in watches and a not in exclude and not refusing(watches[a], refused)
+                                          for a in choice.ranking):
                 return choice
         return None
 

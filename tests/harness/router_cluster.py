@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import time
 
-from harness.pd_cluster import Server, start_decode, start_prefill, wait_ready
+from harness.pd_cluster import Server, get_json, start_decode, start_prefill, wait_ready
 from pdserve.net import free_port
 
 
-def start_prefills(group, n: int = 2, extra=()) -> tuple[Server, list[Server]]:
-    """One decode (128 blocks) and ``n`` prefills that know it, all ready."""
-    decode = start_decode(group, num_blocks=128, extra=extra, name="decode")
+def start_prefills(group, n: int = 2, extra=(), step_floor_s: float = 0.0) -> tuple[Server, list[Server]]:
+    """One decode (128 blocks; each step lasting at least ``step_floor_s``) and ``n`` prefills that know it, all ready."""
+    decode = start_decode(group, num_blocks=128, extra=extra, name="decode", step_floor_s=step_floor_s)
     wait_ready(decode)
     prefills = [start_prefill(group, [decode.grpc_address], extra=extra, name=f"prefill{i}") for i in range(n)]
     for p in prefills:
@@ -41,3 +41,9 @@ def wait_until(cond, what: str, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)
+
+
+def relays_in_flight(router: Server) -> dict:
+    """The router's requests in flight and, per prefill, the relays to it now (all 0 once every relay ended)."""
+    health = get_json(router.url + "/health")[1]
+    return {"in_flight": health["in_flight"], **{p: w["in_flight_here"] for p, w in health["prefills"].items()}}

@@ -45,6 +45,25 @@ def test_seed_is_per_position():
     assert a == b and len(set(a)) > 1
 
 
+def test_a_resumed_seeded_request_draws_what_the_whole_one_did(tiny):
+    """A request resumed after k tokens (prompt + those tokens as its prompt, ``seed_position=k``) samples the
+    rest of the uninterrupted request's tokens: the seeded draw of a token depends on its position in the output."""
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=16))
+    prompt = tiny.tokenizer.encode("abc")
+    sp = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    engine.add_request("whole", prompt, sp)
+    whole = [t for o in _collect(engine) for t in o.new_token_ids]
+    k = 5
+    engine.add_request("resumed", prompt + whole[:k], SamplingParams(max_tokens=12 - k, temperature=1.0, seed=3,
+                                                                     ignore_eos=True, seed_position=k))
+    assert [t for o in _collect(engine) for t in o.new_token_ids] == whole[k:]
+    engine.add_request("restarted", prompt + whole[:k], SamplingParams(max_tokens=12 - k, temperature=1.0, seed=3,
+                                                                       ignore_eos=True))
+    assert [t for o in _collect(engine) for t in o.new_token_ids] != whole[k:]  # position 0 again: other draws
+    with pytest.raises(ValueError, match="seed_position"):
+        SamplingParams(seed_position=-1)
+
+
 def test_max_tokens_and_eos(tiny):
     engine = LLMEngine(tiny, EngineConfig(num_blocks=32, block_size=16))
     prompt = tiny.tokenizer.encode("abc")

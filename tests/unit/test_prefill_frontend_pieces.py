@@ -24,7 +24,7 @@ class ScriptedNode:
         self.deltas, self.closed_early = deltas, False
         self.left_while_queued: dict[str, float] = {}  # as PrefillNode: requests cancelled while in line
 
-    async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None):
+    async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None, produced=()):
         sent = 0
         try:
             for delta in self.deltas:
@@ -104,7 +104,7 @@ def test_a_request_with_no_token_is_only_the_finish():
 class QueuedNode(ScriptedNode):
     """Waits in line forever; when its generator is cancelled there, says how long it waited (as PrefillNode)."""
 
-    async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None):
+    async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None, produced=()):
         try:
             await asyncio.sleep(3600)
             yield Delta([], True, "stop")

@@ -14,16 +14,8 @@ import time
 import aiohttp
 from aiohttp import web
 
-from pdserve.discovery import StaticDiscovery
-from pdserve.metrics import ServerMetrics
+from harness.router_fakes import counter, router_over, set_load
 from pdserve.net import free_ports
-from pdserve.protos import kv_events_pb2 as kpb
-from pdserve.router.http_api import RouterApi
-from pdserve.kv_index import PrefixIndex
-from pdserve.router.prefill_watch import PrefillWatch
-from pdserve.router.prefills import PrefillSet
-from pdserve.router.prompt import load_tokenizer
-from pdserve.router.router import Router
 
 BODY = {"model": "tiny", "prompt": [256, 65, 66, 67], "max_tokens": 2}
 HANG_GUARD_S = 30.0  # only a hang guard
@@ -35,7 +27,7 @@ class FakePrefill:
     """An HTTP server answering /v1/completions with 503 no_decode_available (``refuse``) or 200."""
 
     def __init__(self, port: int, refuse: bool):
-        self.port, self.refuse, self.calls, self.runner = port, refuse, 0, None
+        self.port, self.refuse, self.calls = port, refuse, 0
 
     async def completions(self, request: web.Request) -> web.Response:
         self.calls += 1
@@ -43,41 +35,18 @@ class FakePrefill:
             return web.json_response(REFUSAL, status=503)
         return web.json_response({"object": "text_completion", "choices": [{"text": f"served by {self.port}"}]})
 
-    async def start(self) -> None:
+    def app(self) -> web.Application:
         app = web.Application()
         app.router.add_post("/v1/completions", self.completions)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-
-def set_load(watch: PrefillWatch, http_port: int, ready: bool = True, in_flight: int = 0) -> None:
-    watch.load = kpb.ServerLoad(ready=ready, in_flight=in_flight, kv_blocks_free=100, kv_blocks_total=100,
-                                http_port=http_port, block_size=16)
-    watch.load_at = time.monotonic()
+        return app
 
 
 async def with_router(scenario, prefill_wait_s: float = 5.0):
-    """Run ``scenario(router, api_url, fakes)`` against a RouterApi over two fake prefills (loads unset)."""
-    http = free_ports(3)
+    """Run ``scenario(router, api_url, fakes, api)`` against a RouterApi over two fake prefills (loads unset)."""
+    http = free_ports(2)
     fakes = {"refusing": FakePrefill(http[0], refuse=True), "serving": FakePrefill(http[1], refuse=False)}
-    index = PrefillSet(StaticDiscovery([]), PrefixIndex())
-    metrics = ServerMetrics(role="router")
-    router = Router(index, index.index, load_tokenizer("tiny"), metrics)
-    for name, fake in fakes.items():
-        address = f"127.0.0.1:{fake.port + 10000}"  # gRPC is never used here
-        index.watches[address] = fake.watch = PrefillWatch(address, index.index, expiry_s=3600.0)
-        await fake.start()
-    api = RouterApi(router, metrics, prefill_wait_s=prefill_wait_s)
-    runner = web.AppRunner(api.app())
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", http[2]).start()
-    try:
-        return await scenario(router, f"http://127.0.0.1:{http[2]}", fakes, api)
-    finally:
-        await runner.cleanup()
-        for fake in fakes.values():
-            await fake.runner.cleanup()
+    async with router_over(fakes, prefill_wait_s) as (router, api, url):
+        return await scenario(router, url, fakes, api)
 
 
 async def post(url: str) -> tuple[int, dict, float]:
@@ -87,8 +56,7 @@ async def post(url: str) -> tuple[int, dict, float]:
 
 
 def decisions(api, reason: str) -> float:
-    return sum(s.value for m in api.metrics.registry.collect() for s in m.samples
-               if s.name == "pdserve_router_decisions_total" and s.labels.get("reason") == reason)
+    return counter(api, "pdserve_router_decisions_total", reason=reason)
 
 
 def test_a_prefill_without_a_decode_is_skipped_for_the_next():
