@@ -12,8 +12,10 @@ the load and the fault loop together. Outcomes per request: completed, failed (a
 error), cut (a stream that ended without saying why), hung (no byte for --hang-s) and
 wrong (greedy text differing from the reference). At the end every server's KV blocks,
 Sessions, CacheStore entries and queued requests must be back to zero. Writes
-<out>/<name>.json and <out>/<name>.png; exits 1 when a target is missed (0 hung, 0 wrong,
-0 leaked, >= 99% completed among requests that met no prefill outage).
+<out>/<name>.json and <out>/<name>.png; exits 1 when the target is missed: 0 cut, 0 hung,
+0 wrong, 0 leaked and >= 99.9% completed of EVERY request sent with --prefill 2 or more (the
+router resumes the streams of a prefill that dies); with one prefill (no router, its death
+ends its streams) of the requests that met no prefill outage, labelled as such.
 
 --netem (root) runs all of it inside a fresh network namespace ``pdchaos-<pid>`` and adds
 the fault kind ``netem``: tc delay/loss on the prefill <-> decode traffic only (netem.py).

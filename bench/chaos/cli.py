@@ -34,7 +34,7 @@ from .faults import KINDS, FaultLoop, read_servers
 from .leaks import held_from_health, held_from_metrics, leaks
 from .load import prompt_pool, reference_texts, run_load
 from .outcome import classify, counts
-from .report import format_table, plot, summarize
+from .report import format_table, plot, summarize, verdict
 
 
 class Cluster:
@@ -189,7 +189,8 @@ def run_chaos(args) -> int:
     if leaked:
         print(f"leaked: {leaked}")
     print(f"wrote {json_path} and {png}")
-    ok = summary["hung"] == 0 and summary["wrong"] == 0 and not leaked and summary["completed_pct_serving"] >= 99.0
+    ok, line = verdict(summary, args.prefill, bool(leaked))
+    print(line)
     return 0 if ok else 1
 
 

@@ -58,3 +58,20 @@ def test_summary_leaves_requests_during_a_prefill_outage_out_of_the_serving_perc
     assert s["completed_pct"] == pytest.approx(200 / 3)
     assert s["requests_while_serving"] == 2 and s["completed_pct_serving"] == 100.0
     assert s["faults"] == {"kill-decode": 1, "kill-prefill": 1}
+
+
+def test_the_verdict_is_over_every_request_behind_a_router():
+    """Issue 32: with two prefills behind the router the target is >= 99.9% of EVERY request sent (and
+    0 cut, hung, wrong, leaked); with one prefill (no router) the rate is over the requests that met no
+    prefill outage, and the line says so."""
+    from pdserve.bench.chaos.report import verdict
+
+    s = {"requests": 1000, "completed": 999, "failed": 1, "cut": 0, "hung": 0, "wrong": 0,
+         "completed_pct": 99.9, "completed_pct_serving": 100.0}
+    assert verdict(s, 2, False)[0] and "of every request sent" in verdict(s, 2, False)[1]
+    low = {**s, "completed": 980, "failed": 20, "completed_pct": 98.0}
+    ok, line = verdict(low, 2, False)
+    assert not ok and "98.00% completed of every request sent < 99.9%" in line
+    assert verdict(low, 1, False)[0] and "no prefill outage" in verdict(low, 1, False)[1]
+    assert not verdict({**s, "cut": 1}, 2, False)[0] and "cut 1" in verdict({**s, "cut": 1}, 2, False)[1]
+    assert not verdict(s, 2, True)[0]
