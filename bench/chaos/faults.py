@@ -6,7 +6,9 @@ Lifecycle of one fault (``Fault``):
 1. **pick**: every ``interval`` seconds on average (uniform in [0.5, 1.5] x interval) a
    kind is drawn from ``kinds`` (kill-decode, stop-decode, kill-prefill, stop-prefill,
    netem) and a target among the servers of that role that are ready and not already faulted;
-   a decode fault is skipped when it would leave no decode serving.
+   a fault is skipped when it would leave no decode serving, or no prefill serving where there
+   are two or more (issue 32's premise: one replica of each role always up; the router resumes
+   the streams of the one that dies). A single prefill, the front door itself, may be hit.
 2. **inject**: ``kill`` sends SIGKILL to the server's pid (from ``<up log-dir>/servers.json``,
    which ``pdserve up`` rewrites on every start); ``stop`` sends SIGSTOP; ``netem`` has the
    ``Shaper`` (netem.py) shape the decodes' gRPC and KV ports (target ``prefill<->decode``,
@@ -111,8 +113,9 @@ class FaultLoop:
                 return
             action, role = kind.split("-")
             ready = [n for n, s in servers.items() if n.startswith(role) and s["state"] == "ready" and n not in self._busy()]
-            if role == "decode" and len(ready) < 2:
-                continue  # keep at least one decode serving
+            replicas = sum(n.startswith(role) for n in servers)
+            if (role == "decode" or replicas >= 2) and len(ready) < 2:
+                continue  # keep one replica of the role serving (a single prefill may still be hit)
             if not ready:
                 continue
             target = self.rng.choice(sorted(ready))

@@ -75,3 +75,30 @@ def test_the_verdict_is_over_every_request_behind_a_router():
     assert verdict(low, 1, False)[0] and "no prefill outage" in verdict(low, 1, False)[1]
     assert not verdict({**s, "cut": 1}, 2, False)[0] and "cut 1" in verdict({**s, "cut": 1}, 2, False)[1]
     assert not verdict(s, 2, True)[0]
+
+
+def test_the_fault_loop_keeps_one_prefill_serving_where_there_are_two(tmp_path):
+    """With two prefills behind the router a prefill fault never takes the last one serving (the other
+    is restarting here); a single prefill, the front door itself, may still be hit."""
+    import json
+    import random
+    import subprocess
+    import time
+
+    from pdserve.bench.chaos.faults import FaultLoop
+
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        state = tmp_path / "servers.json"
+        loop = FaultLoop(state, random.Random(0), 1.0, (1, 2), ("kill-prefill",), time.perf_counter(), say=lambda *_: None)
+        state.write_text(json.dumps({"prefill-0": {"state": "ready", "pid": victim.pid},
+                                     "prefill-1": {"state": "starting", "pid": 0}}))
+        loop._inject()
+        assert loop.faults == [] and victim.poll() is None
+        state.write_text(json.dumps({"prefill-0": {"state": "ready", "pid": victim.pid}}))
+        loop._inject()
+        assert [(f.kind, f.target) for f in loop.faults] == [("kill-prefill", "prefill-0")]
+        assert victim.wait(10) == -9
+    finally:
+        victim.kill()
+        victim.wait()
