@@ -49,6 +49,9 @@ class Cluster:
                "--grpc-port", str(grpc_port), "--log-dir", str(self.log_dir), "--threads", str(args.threads),
                "--num-blocks", str(args.num_blocks), "--extra", f"--session-timeout {args.session_timeout}"]
         self.log = out / f"{args.name}-up.log"
+        # a servers.json left by an earlier run of the same --name says "ready" for servers that are gone:
+        # the reference pass then ran before this cluster listened (every request refused)
+        self.state_file.unlink(missing_ok=True)
         with open(self.log, "wb") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
 
