@@ -52,6 +52,8 @@ class VllmPD:
     decode: Proc
     proxy: Proc
     commands: dict           # name -> the command line and environment it ran with (for the report)
+    prefill_url: str = ""    # the prefill vLLM's own OpenAI endpoint (a colocated vLLM for requests
+    decode_url: str = ""     # without kv_transfer_params), and the decode's; both have /metrics
 
 
 def _instance(launcher: Launcher, python: str, name: str, model: str, core: str, port: int, *, role: str,
@@ -86,4 +88,5 @@ def start_vllm_pd(launcher: Launcher, python: str, model: str, *, kv_bytes: int,
     url = f"http://127.0.0.1:{x_port}"
     launcher.wait_ready(proxy, url + "/health", timeout=60)
     return VllmPD(url, prefill, decode, proxy, {"prefill": p_cmd, "decode": d_cmd,
-                                                "proxy": {"cmd": x_cmd, "cpus": prefill_cpu}})
+                                                "proxy": {"cmd": x_cmd, "cpus": prefill_cpu}},
+                  prefill_url=f"http://127.0.0.1:{p_port}", decode_url=f"http://127.0.0.1:{d_port}")
