@@ -100,9 +100,11 @@ class BatchRunner:
         self.retry_at: dict[tuple[str, int], float] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stopping = False
         self.lines_run = 0  # lines recorded by this process (tests, /health)
 
     def start(self) -> None:
+        self._stopping = False
         self._task = asyncio.create_task(self._loop(), name="batch-runner")
 
     def wake(self) -> None:
@@ -113,6 +115,7 @@ class BatchRunner:
 
     async def stop(self) -> None:
         """Stop starting lines and cancel those in flight (they stay pending and run after a restart)."""
+        self._stopping = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -130,9 +133,15 @@ class BatchRunner:
                 raise
             except Exception:  # a bug or a full disk: say so, keep serving, try again
                 log.exception("batch runner step failed")
+            if self._stopping:
+                return
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the inner result when the
+            # event is set in the same turn as the task's cancel (wake() then stop()), losing the
+            # cancellation, and stop() waited for ever
             try:
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(self.poll_s):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
 
     def _in_flight(self, batch_id: str) -> list[asyncio.Task]:

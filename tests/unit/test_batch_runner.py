@@ -147,3 +147,20 @@ def test_a_restart_resumes_pending_lines_only(tmp_path):
         store.close()
 
     run(main())
+
+
+def test_stop_returns_when_a_wake_comes_in_the_same_turn(tmp_path):
+    """wake() (a line just ended) right before stop(), at any point of the loop: stop returns. On Python
+    3.11 asyncio.wait_for swallowed the cancel when its event was set in the same turn, and stop()
+    waited for ever (seen once in a busy CI run; 20 of 20 here with the loop idle in its wait)."""
+    async def main():
+        store = StoreThread(BatchStore(str(tmp_path / "b.sqlite")))
+        for idle_s in (0.0, 0.05, 0.05, 0.05):  # 0.05: the loop is in its wait (any point must do)
+            runner = BatchRunner(store, Node(), 1, clock=lambda: 1000, poll_s=30, retry_s=0.01)
+            runner.start()
+            await asyncio.sleep(idle_s)
+            runner.wake()
+            await asyncio.wait_for(runner.stop(), 10)  # hang guard: stop takes milliseconds
+        store.close()
+
+    run(main())
