@@ -99,12 +99,14 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
     child = subprocess.Popen([sys.executable, "-m", "pdserve.cachestore.bench_receiver", json.dumps(geometry),
                               str(server.sockets[0].getsockname()[1])])
     try:
-        reader, writer = await asyncio.wait_for(conn, 120)
+        async with asyncio.timeout(120):
+            reader, writer = await conn
 
         async def ask(doc: dict) -> dict:
             writer.write((json.dumps(doc) + "\n").encode())
             await writer.drain()
-            line = await asyncio.wait_for(reader.readline(), 600)
+            async with asyncio.timeout(600):
+                line = await reader.readline()
             if not line:
                 raise RuntimeError(f"benchmark receiver process exited ({child.poll()})")
             return json.loads(line)
@@ -212,7 +214,8 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
 
 
 async def _read(reader: asyncio.StreamReader) -> dict:
-    line = await asyncio.wait_for(reader.readline(), 600)
+    async with asyncio.timeout(600):
+        line = await reader.readline()
     if not line:
         raise RuntimeError("benchmark receiver process exited")
     return json.loads(line)

@@ -69,7 +69,8 @@ class WaiterBook:
         try:
             if ready(rid, key):
                 return
-            await asyncio.wait_for(fut, timeout_s)
+            async with asyncio.timeout(timeout_s):
+                await fut
         except asyncio.TimeoutError:
             raise on_timeout(rid, key, timeout_s) from None
         finally:

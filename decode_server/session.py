@@ -111,7 +111,8 @@ class DecodeSession(PooledSteps):
         deps = self.deps
         reader = arrivals = None
         try:
-            first = await asyncio.wait_for(self.context.read(), timeout=deps.session_timeout_s)
+            async with asyncio.timeout(deps.session_timeout_s):
+                first = await self.context.read()
             if first is grpc.aio.EOF or first.WhichOneof("kind") != "start":
                 return
             start = first.start

@@ -46,7 +46,8 @@ class SessionStream:
     async def write(self, **kind) -> None:
         limit = self.session_timeout_s
         try:
-            await asyncio.wait_for(self.context.write(pb.DecodeMessage(**kind)), limit)
+            async with asyncio.timeout(limit):
+                await self.context.write(pb.DecodeMessage(**kind))
         except asyncio.TimeoutError:
             raise SessionEnded(f"timed out after {limit:.1f}s writing to prefill (it stopped reading)",
                                notify=False) from None

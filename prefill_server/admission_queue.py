@@ -267,7 +267,8 @@ class Ticket:
                 timeout = q.recheck_s if timeout is None else min(timeout, q.recheck_s)
             self._event.clear()
             try:
-                await asyncio.wait_for(self._event.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._event.wait()
             except asyncio.TimeoutError:
                 if self.is_head() and (limit is None or q.clock() < limit):
                     self._woken = True

@@ -208,7 +208,8 @@ class SessionRunner:
                 else:
                     # half-close politely, but never wait on it unbounded
                     try:
-                        await asyncio.wait_for(call.done_writing(), self.config.connect_timeout_s)
+                        async with asyncio.timeout(self.config.connect_timeout_s):
+                            await call.done_writing()
                     except Exception:  # noqa: BLE001 - already closed by decode, or no answer: cancel
                         call.cancel()
                     except asyncio.CancelledError:

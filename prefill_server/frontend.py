@@ -222,9 +222,12 @@ class Frontend:
         try:
             while True:
                 try:
-                    # wait_for cancels the node's generator at the deadline and waits for its
-                    # clean-up (Session cancelled, blocks and CacheStore entry released)
-                    delta = await asyncio.wait_for(next_delta(), max(0.0, deadline - time.monotonic()))
+                    # the timeout cancels the node's generator at the deadline and waits for its
+                    # clean-up (Session cancelled, blocks and CacheStore entry released); not
+                    # wait_for, which on Python 3.11 drops a client's cancel that comes in the same
+                    # turn as a token (the stream then ran on after the client had gone)
+                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                        delta = await next_delta()
                 except StopAsyncIteration:
                     break
                 except QueueTimeout as exc:  # the admission queue gave up just before the deadline, saying why

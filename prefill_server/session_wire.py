@@ -53,14 +53,17 @@ async def _retryable(call, address: str, silent: str):
 async def send(call, address: str, limit: float, **kind) -> None:
     """Write one PrefillMessage (``kind``: its one field) within ``limit`` seconds; else Retryable."""
     async with _retryable(call, address, f"did not take our {next(iter(kind))} within {limit:g}s"):
-        await asyncio.wait_for(call.write(pb.PrefillMessage(**kind)), limit)
+        async with asyncio.timeout(limit):
+            await call.write(pb.PrefillMessage(**kind))
 
 
 async def allocation(call, address: str, start: pb.Start, connect_timeout_s: float) -> pb.Allocation:
     """Steps 1-2: send Start, wait for the Allocation (each within ``connect_timeout_s``); anything else raises Retryable."""
     async with _retryable(call, address, f"no answer within {connect_timeout_s:.1f}s"):
-        await asyncio.wait_for(call.write(pb.PrefillMessage(start=start)), connect_timeout_s)
-        reply = await asyncio.wait_for(call.read(), connect_timeout_s)
+        async with asyncio.timeout(connect_timeout_s):
+            await call.write(pb.PrefillMessage(start=start))
+        async with asyncio.timeout(connect_timeout_s):
+            reply = await call.read()
     if reply is grpc.aio.EOF:
         raise Retryable(f"{address}: closed the session before answering")
     kind = reply.WhichOneof("kind")
@@ -89,7 +92,8 @@ async def next_delta(call, address: str, idle_s: float) -> Delta:
     """Decode's next Tokens (or Finish: a finished Delta) within ``idle_s``; anything else
     (an error, a broken stream, silence: a frozen decode) raises DecodeFailed."""
     try:
-        msg = await asyncio.wait_for(call.read(), idle_s)
+        async with asyncio.timeout(idle_s):
+            msg = await call.read()
     except asyncio.TimeoutError:
         raise DecodeFailed(f"decode {address} sent nothing for {idle_s:g}s (--session-timeout)") from None
     except grpc.aio.AioRpcError as exc:

@@ -102,7 +102,8 @@ class SloGate:
                                   f"(--request-timeout, or the client's X-Request-Timeout / gRPC deadline)")
             event.clear()
             try:
-                await asyncio.wait_for(event.wait(), min(left, self.recheck_s))
+                async with asyncio.timeout(min(left, self.recheck_s)):
+                    await event.wait()
             except asyncio.TimeoutError:
                 pass
 

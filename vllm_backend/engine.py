@@ -187,7 +187,8 @@ class VllmAsyncEngine(VllmEngineThread):
         fut = loop.create_future()
         await self._call(self._reserve, request_id, prompt, num_prompt_tokens, max_tokens, (loop, fut))
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), RESERVE_TIMEOUT_S)
+            async with asyncio.timeout(RESERVE_TIMEOUT_S):
+                return await asyncio.shield(fut)
         except asyncio.TimeoutError:
             await self.abort(request_id)
             raise OutOfBlocksError(f"vLLM did not allocate {num_prompt_tokens} prompt tokens within "

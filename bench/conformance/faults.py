@@ -106,7 +106,8 @@ async def run_kill(cmd: str, timeout_s: float) -> tuple[int | None, str]:
     """(exit status or None when it ran past timeout_s, its output)."""
     proc = await asyncio.create_subprocess_shell(cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            out, _ = await proc.communicate()
     except TimeoutError:
         proc.kill()
         await proc.wait()
@@ -147,7 +148,8 @@ async def kill_under_load(ctx: Context, role: str, cmd: str) -> Outcome:
     tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
     try:
         try:
-            await asyncio.wait_for(trigger.wait(), ctx.ep.hang_s)
+            async with asyncio.timeout(ctx.ep.hang_s):
+                await trigger.wait()
         except TimeoutError:
             p.add(f"the streams did not reach {after} tokens each within {ctx.ep.hang_s:g}s: {progress}")
         open_at_kill = open_after = sum(not d for d in done)

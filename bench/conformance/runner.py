@@ -74,7 +74,8 @@ class Context:
 async def run_check(ctx: Context, check: Check, timeout_s: float) -> Result:
     t0 = time.monotonic()
     try:
-        outcome = await asyncio.wait_for(check.run(ctx), timeout_s)
+        async with asyncio.timeout(timeout_s):
+            outcome = await check.run(ctx)
     except TimeoutError:
         outcome = Outcome(FAIL, f"hang guard: the check did not end within {timeout_s:g}s (--check-timeout)")
     except Exception as e:  # noqa: BLE001 - a check that raises fails; the run goes on

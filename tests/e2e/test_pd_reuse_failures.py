@@ -30,6 +30,7 @@ from harness.pd_cluster import get_json, metric, nothing_held, start_decode, sta
 pytestmark = pytest.mark.slow
 
 POOL = 24  # decode blocks: turn 2 of a conversation (8) plus one filler (16) fill it exactly
+CUT_STREAM_STEP_FLOOR_S = 0.05  # the cut stream's 400 tokens last >= 20 s; the cancel takes milliseconds
 HANG_GUARD_S = 60.0  # only a hang guard: a held request ends within seconds of its gate opening
 
 
@@ -136,7 +137,9 @@ def test_prefill_killed_while_a_prefix_is_pinned(procs, tmp_path):
 
 
 def test_client_gone_while_the_decode_computes_the_prompt(procs):
-    decode = start_decode(procs, "tcp", 64, extra=ENGINE)
+    # every decode step lasts >= CUT_STREAM_STEP_FLOOR_S, so the 400-token stream outlasts the
+    # client's close by many seconds on any CPU (a fast box once ran it to the end first)
+    decode = start_decode(procs, "tcp", 64, extra=ENGINE, step_floor_s=CUT_STREAM_STEP_FLOOR_S)
     wait_ready(decode)
     prefill = start_prefill(procs, [decode.grpc_address], extra=ENGINE + ["--disaggregation", "never"])
     wait_ready(prefill)
@@ -150,6 +153,6 @@ def test_client_gone_while_the_decode_computes_the_prompt(procs):
     assert get_json(decode.url + "/health")[1]["session_stages"] == {"decode": 1}
     conn.close()
     readings = wait_all_released([decode, prefill])
-    assert nothing_held(readings), readings
+    assert nothing_held(readings), {k: {a: b for a, b in v.items() if b} for k, v in readings.items()}
     assert metric(prefill.url, "pdserve_disaggregation_decisions_total", decision="local", reason="never") == 1
     assert metric(decode.url, "pdserve_requests_total", outcome="cancelled") == 1
