@@ -1,12 +1,16 @@
 """Token gaps of pdserve's P/D under variants of its code or environment, alternating A B A B.
 
     .venv/bin/python tools/bench_pd_ab.py --variant NAME=PDSERVE[:VAR=VALUE,...] --variant ... \
-        [--transfer tcp|nixl] [--rounds 2] [--prompt 512 --output 64 --rate 0.4 --requests 16]
+        [--server-args NAME='--flag ...'] [--transfer tcp|nixl] [--rounds 2] \
+        [--prompt 512 --output 64 --rate 0.4 --requests 16]
 
 A variant is a ``pdserve`` command (this checkout's ``.venv/bin/pdserve``, or another worktree's:
 the code before a change) and environment variables its servers get, e.g.
   --variant frozen=.venv/bin/pdserve --variant unfrozen=.venv/bin/pdserve:PDSERVE_GC_FREEZE=0
   --variant before=/work/wt/old/.venv/bin/pdserve --variant after=.venv/bin/pdserve --transfer nixl
+  --variant off=.venv/bin/pdserve --variant on=.venv/bin/pdserve \
+      --server-args off=--no-kv-checksum --server-args on=--kv-checksum
+``--server-args`` gives a variant's prefill and decode more flags.
 Each round starts the peer experiment's P/D pair once per variant (one prefill on CPU 0, one
 decode on CPU 1, one thread each), in reverse order every other round, and sends each the same
 Poisson trace of streamed requests of exactly --prompt / --output tokens. Per run it prints the
@@ -21,6 +25,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import random
 import statistics
 
@@ -43,7 +48,7 @@ def _gc(url: str) -> tuple[float, float]:
 
 def one_run(variant: tuple[str, str, dict], model: str, pool: list[int], args, name: str) -> dict:
     label, pdserve, env = variant
-    extra = ["--transfer", args.transfer, "--dtype", "float32"]
+    extra = ["--transfer", args.transfer, "--dtype", "float32", *args.server_args.get(label, [])]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the servers inherit it
     try:
@@ -91,10 +96,20 @@ def parse_variant(text: str) -> tuple[str, str, dict]:
     return name, os.path.abspath(pdserve), env
 
 
+def parse_server_args(text: str) -> tuple[str, list[str]]:
+    """NAME=FLAGS -> (name, the flags split as a shell would)."""
+    name, sep, rest = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"--server-args wants NAME=FLAGS, got {text!r}")
+    return name, shlex.split(rest)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--variant", type=parse_variant, action="append", required=True,
                    help="NAME=PDSERVE[:VAR=VALUE,...]; two or more, the first is the baseline of the ratios")
+    p.add_argument("--server-args", type=parse_server_args, action="append", default=[],
+                   help="NAME=FLAGS: more flags for that variant's prefill and decode (e.g. on=--kv-checksum)")
     p.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt", type=int, default=512)
@@ -103,6 +118,10 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    unknown = {n for n, _ in args.server_args} - {v[0] for v in args.variant}
+    if unknown:
+        p.error(f"--server-args for no --variant: {sorted(unknown)}")
+    args.server_args = dict(args.server_args)
     if len(args.variant) < 2 or len({v[0] for v in args.variant}) != len(args.variant):
         p.error("give two or more --variant, each with its own name")
     model = str(peer_model(MODEL_CACHE, "peer", 4096))
