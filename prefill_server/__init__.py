@@ -5,7 +5,11 @@ decode's tokens.
 
 Reading path (in this order):
   ``cli.py``                ``pdserve prefill``: the request lifecycle as a numbered list, start-up wiring
-  ``node.py``               PrefillNode.generate: pick -> Session -> retry -> local fallback -> resume
+  ``node.py``               PrefillNode: what one prefill process owns; ``generate``, the entry of a request
+  ``conductor.py``          RequestConductor: one request's turn in line -> pick -> Session -> retry / resume /
+                            wait in line / local fallback / give up
+  ``mid_stream_resume.py``  MidStreamResume: the policy when a decode fails a request mid-stream
+  ``local_fallback.py``     LocalFallback: the policy when no decode serves it (the colocated engine)
   ``admission_queue.py``    AdmissionQueue: requests wait in line (FIFO, deadline, max length) while every decode is full
   ``decode_session.py``     SessionRunner: the prefill end of one Session stream (Start, Allocation, decide,
                             KV push or ComputePrompt, tokens)

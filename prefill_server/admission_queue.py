@@ -1,8 +1,8 @@
 """AdmissionQueue: requests wait here, first come first served or in the order of an SLO
 policy, while every decode is too full for them (asyncio only, no I/O).
 
-A full decode is a reason to wait, not to fail. ``PrefillNode.generate`` holds one
-``Ticket`` per request (its place in line is its arrival)::
+A full decode is a reason to wait, not to fail. Each request's ``RequestConductor``
+(``conductor.py``) holds one ``Ticket`` (its place in line is its arrival)::
 
     ticket = queue.ticket(request_id, deadline)
     await ticket.turn()    # at once when nobody waits ahead; else in line until its turn
@@ -24,13 +24,16 @@ Limits, each a clear error:
   client learns why: ``QueueTimeout`` -> HTTP 504 ``request_timeout``) or ``max_wait_s``
   (``--queue-timeout``, off by default: ``QueueTimeout`` with ``by_deadline`` False -> 503);
 - a client that goes away cancels the request's task: its ticket leaves at once (``leave``
-  runs in the node's ``finally``);
+  runs in the conductor's ``finally``); a request cancelled while it waits in line (its
+  deadline, or its client) says how long it waited on that cancellation
+  (``note_waited_in_line``), which the Frontend reads back (``waited_in_line``) to name the
+  queue in its deadline message;
 - ``wait(until=...)`` bounds one wait by the caller's own limit instead of ``max_wait_s``
   (a resumed request's ``--resume-wait``): ``QueueTimeout`` with ``by_deadline`` False.
 
 Re-entry: a ticket that left (a decode allocated, or its first token came: ``started``) may
 wait again: a Retryable failure after the allocation, or a resume after its decode failed
-mid-generation (``PrefillNode.generate``). ``wait`` (or ``turn``) puts it back in line at its
+mid-generation (``conductor.py``). ``wait`` (or ``turn``) puts it back in line at its
 original arrival position (its ``seq``): it is older than every request that arrived after
 it, so it goes ahead of them, never ahead of an older one still waiting. After ``started``
 its next wait is a new one: ``waited()`` and ``max_wait_s`` count from when it re-enters (not
@@ -288,3 +291,18 @@ def deadline_message(request_id: str, waited: float) -> str:
     """Why a request that was still waiting in the queue when its deadline came timed out (504)."""
     return (f"request {request_id} waited {waited:.1f}s in the admission queue for a decode with enough free KV "
             f"blocks until its deadline (--request-timeout, or the client's X-Request-Timeout / gRPC deadline)")
+
+
+def note_waited_in_line(cancel: BaseException, waited: float) -> None:
+    """A request was cancelled while it waited in line: its cancellation carries how long it waited."""
+    cancel.waited_in_line_s = waited
+
+
+def waited_in_line(error: BaseException) -> float | None:
+    """Seconds the request had waited in line when ``error`` ended it there (the cancellation, or the
+    TimeoutError ``asyncio.timeout`` raises from it); None when it was not waiting in line."""
+    for exc in (error, error.__cause__):
+        waited = getattr(exc, "waited_in_line_s", None)
+        if waited is not None:
+            return waited
+    return None

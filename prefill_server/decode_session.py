@@ -145,40 +145,13 @@ class SessionRunner:
         cfg = self.config
         timings = timings or SessionTimings()
         held = _Held()
-        await self.prefill_slots.acquire()  # 0. a prefill slot: nothing is held on a decode while we wait
-        held.slot = self.prefill_slots
-        try:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
-            call = self.stubs(address).Session(timeout=timeout)
-        except BaseException:
-            held.free_slot()
-            raise
-        self.registry[request_id] = address
+        call = await self._open(address, request_id, deadline, held)  # 0. slot
         try:  # 1. start, 2. allocation
             n_blocks = blocks_needed(len(prompt_ids), cfg.block_size)
-            start = pb.Start(
-                request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
-                blocks_needed=n_blocks, compat=cfg.compat, protocol_version=PROTOCOL_VERSION,
-                timeout_s=cfg.session_timeout_s, reuse_prefix=cfg.reuse_prefix,
-                tbt_target_ms=(slo_class.tbt_ms or 0) if slo_class else 0,
-                evictable=slo_class.evictable if slo_class else False,
-            )
+            start = self._start(request_id, prompt_ids, sp, n_blocks, slo_class)
             alloc = await wire.allocation(call, address, start, self.config.connect_timeout_s)
             timings.allocated, timings.cached_blocks = time.monotonic(), alloc.cached_blocks
-            # 3. decide (before this session counts in the decode's load: it stalls the others, not itself)
-            # prompt logprobs need every prompt position's logits: only our engine gives them (whole prompt, no reuse)
-            needs_logits = sp.prompt_logprobs is not None
-            prefill_cached = 0 if needs_logits else self.disaggregator.prefill_cached_blocks(prompt_ids)
-            if alloc.pooled and not alloc.pool_targets:  # no blocks to push into: the decode computes it
-                if needs_logits:
-                    raise Retryable(f"{address}: its KV pool would compute the prompt on the decode; prompt logprobs "
-                                    f"(echo with logprobs) need it computed here")
-                decision = Decision(LOCAL, "pooled")
-            elif alloc.pooled:  # our KV goes to the decode and its lenders, each part where it lives
-                decision = Decision(REMOTE, "pooled")
-            else:
-                decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached,
-                                                     prompt_logprobs=needs_logits)
+            decision, prefill_cached = self._decide(address, request_id, prompt_ids, sp, alloc)  # 3. decide
             timings.where = decision.where
             # decode reserved prompt + max_tokens (not only the prompt blocks it receives)
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
@@ -200,45 +173,80 @@ class SessionRunner:
                 held.finished = delta.finished
                 yield delta
         finally:
-            # 7. release (the synchronous steps run even if an await below is interrupted)
+            await self._release(call, request_id, held)  # 7. release
+
+    async def _open(self, address: str, request_id: str, deadline: float | None, held: _Held):
+        """Step 0 (and the call for step 1): a prefill slot (nothing is held on a decode while we wait
+        for one), then the Session call to ``address``, registered as open."""
+        await self.prefill_slots.acquire()
+        held.slot = self.prefill_slots
+        try:
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
+            call = self.stubs(address).Session(timeout=timeout)
+        except BaseException:
             held.free_slot()
-            try:
-                if not held.finished:
+            raise
+        self.registry[request_id] = address
+        return call
+
+    def _start(self, request_id: str, prompt_ids: list[int], sp, n_blocks: int, slo_class: SloClass | None) -> pb.Start:
+        """Step 1's message."""
+        cfg = self.config
+        return pb.Start(
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling_to_proto(sp),
+            blocks_needed=n_blocks, compat=cfg.compat, protocol_version=PROTOCOL_VERSION,
+            timeout_s=cfg.session_timeout_s, reuse_prefix=cfg.reuse_prefix,
+            tbt_target_ms=(slo_class.tbt_ms or 0) if slo_class else 0,
+            evictable=slo_class.evictable if slo_class else False,
+        )
+
+    def _decide(self, address: str, request_id: str, prompt_ids: list[int], sp,
+                alloc: pb.Allocation) -> tuple[Decision, int]:
+        """Step 3 (before this session counts in the decode's load: it stalls the others, not itself): where
+        the prompt is computed, and how many of its leading blocks our prefix cache holds."""
+        # prompt logprobs need every prompt position's logits: only our engine gives them (whole prompt, no reuse)
+        needs_logits = sp.prompt_logprobs is not None
+        prefill_cached = 0 if needs_logits else self.disaggregator.prefill_cached_blocks(prompt_ids)
+        if alloc.pooled and not alloc.pool_targets:  # no blocks to push into: the decode computes it
+            if needs_logits:
+                raise Retryable(f"{address}: its KV pool would compute the prompt on the decode; prompt logprobs "
+                                f"(echo with logprobs) need it computed here")
+            return Decision(LOCAL, "pooled"), prefill_cached
+        if alloc.pooled:  # our KV goes to the decode and its lenders, each part where it lives
+            return Decision(REMOTE, "pooled"), prefill_cached
+        decision = self.disaggregator.decide(address, request_id, prompt_ids, alloc.cached_blocks, prefill_cached,
+                                             prompt_logprobs=needs_logits)
+        return decision, prefill_cached
+
+    async def _release(self, call, request_id: str, held: _Held) -> None:
+        """Step 7 (the synchronous steps run even if an await below is interrupted)."""
+        held.free_slot()
+        try:
+            if not held.finished:
+                call.cancel()
+            else:
+                # half-close politely, but never wait on it unbounded
+                try:
+                    async with asyncio.timeout(self.config.connect_timeout_s):
+                        await call.done_writing()
+                except Exception:  # noqa: BLE001 - already closed by decode, or no answer: cancel
                     call.cancel()
-                else:
-                    # half-close politely, but never wait on it unbounded
-                    try:
-                        async with asyncio.timeout(self.config.connect_timeout_s):
-                            await call.done_writing()
-                    except Exception:  # noqa: BLE001 - already closed by decode, or no answer: cancel
-                        call.cancel()
-                    except asyncio.CancelledError:
-                        if not wire.closed_under_us(call):  # the request finished; its channel closed after
-                            raise
-                if held.prefilled and not held.released:
-                    await self.engine.release(request_id)
-            finally:
-                for bound_id in held.bound:
-                    self.sender.delete(bound_id)
-                self.registry.pop(request_id, None)
+                except asyncio.CancelledError:
+                    if not wire.closed_under_us(call):  # the request finished; its channel closed after
+                        raise
+            if held.prefilled and not held.released:
+                await self.engine.release(request_id)
+        finally:
+            for bound_id in held.bound:
+                self.sender.delete(bound_id)
+            self.registry.pop(request_id, None)
 
     async def _push(self, call, address: str, request_id: str, prompt_ids: list[int], sp, alloc: pb.Allocation,
                     prefill_cached: int, timings: SessionTimings, held: _Held) -> Delta:
         """Steps 4r-5r: our forward pass pushes the blocks the decode lacks; then the FirstToken."""
         cfg = self.config
         first_block, n_blocks = alloc.cached_blocks, blocks_needed(len(prompt_ids), cfg.block_size)
-        # (sender id, endpoint, destination blocks, our prompt blocks [start, end) that go there): the
-        # decode's blocks; a pooled request's lenders take the prompt blocks after them
-        parts = [(request_id, alloc.cachestore_endpoint, list(alloc.block_ids), first_block,
-                  first_block + len(alloc.block_ids))]
-        parts += [(t.request_id, t.cachestore_endpoint, list(t.block_ids), t.first_block,
-                   t.first_block + len(t.block_ids)) for t in alloc.pool_targets]
-        for part_id, endpoint, dst, _, _ in parts:
-            try:
-                self.sender.bind(part_id, endpoint, dst)
-            except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
-                raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
-            held.bound.append(part_id)
+        parts = self._bind(address, request_id, alloc, held)
         layers: list[tuple[int, list[int]]] = []  # layers written but not pushed yet (layerwise_push off)
 
         def store(layer: int, block_ids: list[int]) -> None:
@@ -254,9 +262,48 @@ class SessionRunner:
 
         held.prefilled = True
         before = self.engine.prefill_counters()
+        first = await self._prefill(request_id, prompt_ids, sp, prefill_cached, on_layer, held)
+        timings.prefill_done = time.monotonic()
+        first_lp = await self.engine.prefill_logprob(request_id) if sp.logprobs is not None else None
+        prompt_lps = await self.engine.prefill_prompt_logprobs(request_id) if sp.prompt_logprobs is not None else None
+        held.free_slot()  # the next Session may allocate while this one's KV is still on the wire
+        after = self.engine.prefill_counters()
+        self.observer.prefilled(after[0] - before[0], after[1] - before[1])
+        for layer, block_ids in layers:  # overlap off: the whole KV goes now
+            store(layer, block_ids)
+        await self._wait_sent(address, request_id, parts, timings)
+        # the KV has left: free our copy without waiting for it, since the engine thread is usually
+        # computing the next prompt by now and the release would queue behind that prompt, holding
+        # this request's first token back by one whole prefill
+        self._release_later(request_id)
+        held.released = True
+        self.observer.transferred(timings, n_blocks - first_block)
+        return await self._first_token(call, address, first, first_lp, prompt_lps, sp)
+
+    def _bind(self, address: str, request_id: str, alloc: pb.Allocation, held: _Held) -> list[tuple]:
+        """Step 4r's destinations, each bound in the CacheStore sender: (sender id, endpoint, destination
+        blocks, our prompt blocks [start, end) that go there): the decode's blocks; a pooled request's
+        lenders take the prompt blocks after them."""
+        first_block = alloc.cached_blocks
+        parts = [(request_id, alloc.cachestore_endpoint, list(alloc.block_ids), first_block,
+                  first_block + len(alloc.block_ids))]
+        parts += [(t.request_id, t.cachestore_endpoint, list(t.block_ids), t.first_block,
+                   t.first_block + len(t.block_ids)) for t in alloc.pool_targets]
+        for part_id, endpoint, dst, _, _ in parts:
+            try:
+                self.sender.bind(part_id, endpoint, dst)
+            except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
+                raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
+            held.bound.append(part_id)
+        return parts
+
+    async def _prefill(self, request_id: str, prompt_ids: list[int], sp, prefill_cached: int, on_layer,
+                       held: _Held) -> int:
+        """Step 4r's forward pass (``on_layer`` after each layer); its first token."""
+        cfg = self.config
         try:
             with self.disaggregator.computing(len(prompt_ids) - prefill_cached * cfg.block_size):
-                first = await self.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer)
+                return await self.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer)
         except cfg.out_of_blocks_error as exc:
             held.prefilled = False  # prefill_only frees what it took when it fails
             raise Retryable(f"prefill has no free KV blocks for this prompt now: {exc}", "prefill_busy") from None
@@ -270,17 +317,12 @@ class SessionRunner:
         except BaseException:
             held.prefilled = False
             raise
-        timings.prefill_done = time.monotonic()
-        first_lp = await self.engine.prefill_logprob(request_id) if sp.logprobs is not None else None
-        prompt_lps = await self.engine.prefill_prompt_logprobs(request_id) if sp.prompt_logprobs is not None else None
-        held.free_slot()  # the next Session may allocate while this one's KV is still on the wire
-        after = self.engine.prefill_counters()
-        self.observer.prefilled(after[0] - before[0], after[1] - before[1])
-        for layer, block_ids in layers:  # overlap off: the whole KV goes now
-            store(layer, block_ids)
+
+    async def _wait_sent(self, address: str, request_id: str, parts: list[tuple], timings: SessionTimings) -> None:
+        """Step 5r's wait until every layer was sent (Retryable when the KV did not arrive); its timings."""
         try:
             for part_id, *_ in parts:
-                await self.sender.wait_sent(part_id, cfg.session_timeout_s)
+                await self.sender.wait_sent(part_id, self.config.session_timeout_s)
         except Exception as exc:  # TransferError, timeout: the decode never got the KV (ChecksumError: corrupted)
             code = CHECKSUM_MISMATCH if isinstance(exc, ChecksumError) else "kv_transfer_failed"
             raise Retryable(f"{address}: KV transfer failed: {exc}", code) from None
@@ -288,13 +330,10 @@ class SessionRunner:
         sent = sorted(self.sender.layer_times(request_id).items())
         timings.layer_send_seconds = [done - stored for _, (stored, done) in sent]
         timings.link_busy_s = link_busy_seconds([times for _, times in sent])
-        # the KV has left: free our copy without waiting for it, since the engine thread is usually
-        # computing the next prompt by now and the release would queue behind that prompt, holding
-        # this request's first token back by one whole prefill
-        self._release_later(request_id)
-        held.released = True
-        self.observer.transferred(timings, n_blocks - first_block)
-        reason = first_token_finishes(first, sp, cfg.eos_token_ids)
+
+    async def _first_token(self, call, address: str, first: int, first_lp, prompt_lps, sp) -> Delta:
+        """Step 5r's FirstToken on the stream, and the first Delta."""
+        reason = first_token_finishes(first, sp, self.config.eos_token_ids)
         message = pb.FirstToken(token_id=first, finished=reason is not None, finish_reason=reason or "")
         if first_lp is not None:
             message.logprob.CopyFrom(logprob_to_proto(first_lp))

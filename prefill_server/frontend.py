@@ -35,7 +35,7 @@ from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
 from pdserve.stream_resume import RESUME_FIELD
 
-from .admission_queue import deadline_message
+from .admission_queue import deadline_message, waited_in_line
 from .closing import aclose_fully
 from .decode_session import DecodeFailed, Delta, decode_reservation
 from .node import NoDecodeAvailable, PrefillNode, QueueFull, QueueTimeout, RequestTooLarge
@@ -44,7 +44,7 @@ from .text_stream import TextStream
 
 if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
-    from pdserve.slo import GlobalQueue, SloClass
+    from pdserve.slo import GlobalQueue, SloClass, SloRequest
 
 
 DEFAULT_REQUEST_TIMEOUT_S = defaults.REQUEST_TIMEOUT_S
@@ -196,15 +196,7 @@ class Frontend:
         if request_id in self.active:
             raise BadRequest(f"request_id {request_id!r} is already in flight", "request_id")
         text = self.text_stream(sp.stop, produced)
-        slo = None
-        if self.slo is not None:
-            try:
-                slo = self.slo.arrive(request_id, slo_class or self.slo.classes.default, len(prompt_ids), sp.max_tokens,
-                                      decode_reservation(len(prompt_ids), sp.max_tokens, self.node.block_size))
-            except Rejected:
-                if self.metrics is not None:
-                    self.metrics.requests.labels(outcome="error", reason="slo_rejected").inc()
-                raise
+        slo = self._arrive(request_id, slo_class, prompt_ids, sp)
         limit = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
         deadline = time.monotonic() + limit
         self.active.add(request_id)
@@ -215,43 +207,15 @@ class Frontend:
             deltas = _finished("stop" if text.stopped else "length")
         else:
             deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline, slo=slo, produced=produced)
-
-        async def next_delta():
-            return await deltas.__anext__()
-
         try:
-            while True:
-                try:
-                    # the timeout cancels the node's generator at the deadline and waits for its
-                    # clean-up (Session cancelled, blocks and CacheStore entry released); not
-                    # wait_for, which on Python 3.11 drops a client's cancel that comes in the same
-                    # turn as a token (the stream then ran on after the client had gone)
-                    async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                        delta = await next_delta()
-                except StopAsyncIteration:
-                    break
-                except QueueTimeout as exc:  # the admission queue gave up just before the deadline, saying why
-                    raise RequestTimedOut(str(exc)) from None
-                except asyncio.TimeoutError:
-                    waited = self.node.left_while_queued.pop(request_id, None)
-                    if waited is not None:  # the deadline came while it waited in line (the queue's own timer lost the race)
-                        raise RequestTimedOut(deadline_message(request_id, waited)) from None
-                    raise RequestTimedOut(f"request {request_id} did not finish within its deadline of {limit:g}s "
-                                          f"(--request-timeout, or the client's X-Request-Timeout / gRPC deadline)") from None
-                if clock is not None and delta.token_ids:
-                    clock.token(len(delta.token_ids))
-                if slo is not None and delta.token_ids:
-                    self.slo.token(slo, len(delta.token_ids))
-                lps = delta.logprobs or ()
-                prompt_lps = delta.prompt_logprobs  # (the first Delta's) go on the first Piece
-                for k, token_id in enumerate(delta.token_ids):  # one Piece per token, its text possibly ""
-                    yield Piece([token_id], text.add([token_id]), logprobs=list(lps[k:k + 1]) or None,
-                                prompt_logprobs=prompt_lps)
-                    prompt_lps = None
-                    if text.stopped:
-                        # a stop string ends here; tokens after it (the engine stops on its
-                        # next step, or already did) are not the client's
-                        break
+            while (delta := await self._next_delta(deltas, request_id, deadline, limit)) is not None:
+                if delta.token_ids:
+                    if clock is not None:
+                        clock.token(len(delta.token_ids))
+                    if slo is not None:
+                        self.slo.token(slo, len(delta.token_ids))
+                for piece in _token_pieces(delta, text):
+                    yield piece
                 if delta.finished or text.stopped:
                     rest = "" if text.stopped else text.flush()
                     outcome, reason = "ok", "stop" if text.stopped else delta.finish_reason or "stop"
@@ -259,18 +223,13 @@ class Frontend:
                         clock.finish(outcome, reason)
                     if slo is not None:
                         self.slo.finish(slo, outcome)
+                    # the Delta's prompt logprobs went on its first token's Piece, if it had one
+                    prompt_lps = None if delta.token_ids else delta.prompt_logprobs
                     yield Piece([], rest, True, reason, prompt_logprobs=prompt_lps)
                     return
             raise DecodeFailed("the request ended without a finish")
-        except NoDecodeAvailable as exc:
-            reason = ("queue_full" if isinstance(exc, QueueFull) else
-                      "too_large" if isinstance(exc, RequestTooLarge) else "no_decode")
-            raise
-        except DecodeFailed:
-            reason = "decode_failed"
-            raise
-        except RequestTimedOut:
-            reason = "timeout"
+        except (NoDecodeAvailable, DecodeFailed, RequestTimedOut) as exc:
+            reason = _failure_reason(exc)
             raise
         except (asyncio.CancelledError, GeneratorExit, ConnectionError):
             if outcome != "ok":  # closing the stream after its finished piece is no cancellation
@@ -278,13 +237,70 @@ class Frontend:
             raise
         finally:
             await aclose_fully(deltas)  # closes the Session (cancel reaches decode) if still open
-            self.node.left_while_queued.pop(request_id, None)
             self.in_flight -= 1
             self.active.discard(request_id)
             if clock is not None:
                 clock.finish(outcome, reason)
             if slo is not None:  # leaves the queue (if it waits) at once
                 self.slo.finish(slo, outcome)
+
+    def _arrive(self, request_id: str, slo_class: SloClass | None, prompt_ids: list[int], sp) -> SloRequest | None:
+        """The request's arrival in the SLO queue (None without SLO classes); Rejected, counted, when its
+        class's early rejection says its SLO cannot be met."""
+        if self.slo is None:
+            return None
+        try:
+            return self.slo.arrive(request_id, slo_class or self.slo.classes.default, len(prompt_ids), sp.max_tokens,
+                                   decode_reservation(len(prompt_ids), sp.max_tokens, self.node.block_size))
+        except Rejected:
+            if self.metrics is not None:
+                self.metrics.requests.labels(outcome="error", reason="slo_rejected").inc()
+            raise
+
+    async def _next_delta(self, deltas, request_id: str, deadline: float, limit: float) -> Delta | None:
+        """The node's next Delta (None: its Deltas ended), or RequestTimedOut saying why the deadline came."""
+        try:
+            # the timeout cancels the node's generator at the deadline and waits for its
+            # clean-up (Session cancelled, blocks and CacheStore entry released); not
+            # wait_for, which on Python 3.11 drops a client's cancel that comes in the same
+            # turn as a token (the stream then ran on after the client had gone)
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                return await deltas.__anext__()
+        except StopAsyncIteration:
+            return None
+        except QueueTimeout as exc:  # the admission queue gave up just before the deadline, saying why
+            raise RequestTimedOut(str(exc)) from None
+        except asyncio.TimeoutError as exc:
+            waited = waited_in_line(exc)
+            if waited is not None:  # the deadline came while it waited in line (the queue's own timer lost the race)
+                raise RequestTimedOut(deadline_message(request_id, waited)) from None
+            raise RequestTimedOut(f"request {request_id} did not finish within its deadline of {limit:g}s "
+                                  f"(--request-timeout, or the client's X-Request-Timeout / gRPC deadline)") from None
+
+
+def _token_pieces(delta: Delta, text: TextStream) -> list[Piece]:
+    """One Piece per token of ``delta``, its text possibly "" (the Delta's prompt logprobs on the first);
+    none after a token that completes a stop string (the engine stops on its next step, or already did:
+    tokens after it are not the client's)."""
+    pieces = []
+    lps = delta.logprobs or ()
+    for k, token_id in enumerate(delta.token_ids):
+        pieces.append(Piece([token_id], text.add([token_id]), logprobs=list(lps[k:k + 1]) or None,
+                            prompt_logprobs=delta.prompt_logprobs if k == 0 else None))
+        if text.stopped:
+            break
+    return pieces
+
+
+def _failure_reason(exc: Exception) -> str:
+    """The requests metric's reason for a request that ended with ``exc``."""
+    if isinstance(exc, QueueFull):
+        return "queue_full"
+    if isinstance(exc, RequestTooLarge):
+        return "too_large"
+    if isinstance(exc, NoDecodeAvailable):
+        return "no_decode"
+    return "decode_failed" if isinstance(exc, DecodeFailed) else "timeout"
 
 
 async def _finished(reason: str):

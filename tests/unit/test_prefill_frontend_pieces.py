@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.engine import SamplingParams
 from pdserve.engine.tokenizer import ByteTokenizer
+from pdserve.prefill_server.admission_queue import note_waited_in_line
 from pdserve.prefill_server.decode_session import Delta
 from pdserve.prefill_server.frontend import Frontend, RequestTimedOut
 
@@ -22,7 +23,6 @@ class ScriptedNode:
 
     def __init__(self, deltas):
         self.deltas, self.closed_early = deltas, False
-        self.left_while_queued: dict[str, float] = {}  # as PrefillNode: requests cancelled while in line
 
     async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None, produced=()):
         sent = 0
@@ -102,14 +102,16 @@ def test_a_request_with_no_token_is_only_the_finish():
 
 
 class QueuedNode(ScriptedNode):
-    """Waits in line forever; when its generator is cancelled there, says how long it waited (as PrefillNode)."""
+    """Waits in line forever; when its generator is cancelled there, its cancellation says how long it
+    waited (as PrefillNode's conductor)."""
 
     async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None, produced=()):
         try:
             await asyncio.sleep(3600)
             yield Delta([], True, "stop")
-        finally:
-            self.left_while_queued[request_id] = 0.2
+        except asyncio.CancelledError as cancel:
+            note_waited_in_line(cancel, 0.2)
+            raise
 
 
 def test_a_deadline_that_wins_the_race_with_the_queue_still_names_the_queue():
@@ -123,4 +125,3 @@ def test_a_deadline_that_wins_the_race_with_the_queue_still_names_the_queue():
 
     with pytest.raises(RequestTimedOut, match="waited 0.2s in the admission queue"):
         asyncio.run(collect())
-    assert node.left_while_queued == {}  # popped: nothing kept per request

@@ -39,7 +39,6 @@ class ScriptNode:
     """Writes SCRIPT from the position after ``produced`` (which must be SCRIPT's start)."""
 
     def __init__(self):
-        self.left_while_queued: dict[str, float] = {}
         self.calls: list[tuple] = []
 
     async def generate(self, request_id, prompt_ids, sp, deadline=None, slo=None, produced=()):

@@ -16,6 +16,7 @@ from harness.conditions import settle, until
 from pdserve.engine import SamplingParams
 from pdserve.metrics import ServerMetrics
 from pdserve.prefill_server.admission_queue import DEADLINE_MARGIN_S
+from pdserve.prefill_server.frontend import Frontend, RequestTimedOut
 from pdserve.prefill_server.node import DecodeFailed, Delta, PrefillNode
 from pdserve.prefill_server.picker import DecodeLoad, DecodePicker
 from pdserve.prefill_server.session_protocol import Retryable
@@ -164,7 +165,7 @@ def test_resumes_on_a_decode_whose_first_load_report_comes_after_the_failure():
     (got, finish), runner, node, metrics, seen = run(main())
     assert got == [token(i) for i in range(MAX_TOKENS)] and finish == "length"
     assert seen == {"queued": 1, "gauge": 1.0}  # it waited in the admission queue, counted by the gauge
-    assert len(node.queue) == 0 and queued_gauge(metrics) == 0 and node.left_while_queued == {}
+    assert len(node.queue) == 0 and queued_gauge(metrics) == 0
     # A was not asked again: its report is still fresh, but none came after it failed
     assert runner.calls == [("A", 0), ("B", FAIL_AFTER)]
 
@@ -252,3 +253,27 @@ def test_the_failed_decode_is_tried_again_once_it_reports_after_the_failure():
     assert got == [token(i) for i in range(MAX_TOKENS)] and finish == "length"
     assert runner.calls == [("A", 0), ("A", FAIL_AFTER)]
     assert len(node.queue) == 0
+
+
+def test_a_deadline_that_cancels_a_queued_request_names_the_queue():
+    """The queue's clock stands still, so its own timer never ends the wait: the Frontend's deadline
+    cancels the request in line, and the conductor's cancellation says how long it had waited there."""
+
+    async def main():
+        from pdserve.engine.tokenizer import ByteTokenizer
+
+        runner = FakeRunner()
+        node, poller, metrics = make_node(10.0, runner)
+        node.queue.clock = Clock()
+        poller.picker.update("A", DecodeLoad(free_blocks=0, free_bytes=0, total_blocks=100))  # full: wait in line
+        tok = ByteTokenizer()
+        fe = Frontend(node, tok, SamplingParams, "tiny", 2048, vocab_size=tok.vocab_size)
+        with pytest.raises(RequestTimedOut) as info:
+            async for _ in fe.stream("r1", PROMPT, SamplingParams(max_tokens=MAX_TOKENS), timeout_s=0.2):
+                pass
+        return info.value, node, metrics, runner
+
+    exc, node, metrics, runner = run(main())
+    assert "waited 0.0s in the admission queue" in str(exc) and "until its deadline" in str(exc), exc
+    assert len(node.queue) == 0 and queued_gauge(metrics) == 0
+    assert runner.calls == []  # never tried: the only decode was full
