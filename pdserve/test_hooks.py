@@ -4,6 +4,7 @@ set in production), read when the part that uses them is built or reached, never
 | variable                              | the hook                                                     | where       |
 |---------------------------------------|--------------------------------------------------------------|-------------|
 | ``PDSERVE_TEST_GATE_AFTER_ALLOCATION`` | the prefill holds a request after its decode's Allocation     | prefill_server/decode_session.py |
+| ``PDSERVE_TEST_LAYER_GATE``            | the prefill's engine holds a P/D prompt after its first layer's KV was handed to the CacheStore, before it computes the next layer | prefill_server/decode_session.py |
 | ``PDSERVE_TEST_DECODE_GATE``           | the decode holds a P/D request before it joins its batch      | decode_server/session.py |
 | ``PDSERVE_TEST_KVPOOL_GATE``           | a KV-pool decode holds a pooled request once its loans are taken | kvpool/pooled.py |
 | ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``   | every decode step with a running batch lasts at least this long | LsoController(step_floor_s=) |
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.02
 PREFILL_GATE_ENV = "PDSERVE_TEST_GATE_AFTER_ALLOCATION"
 DECODE_GATE_ENV = "PDSERVE_TEST_DECODE_GATE"
+LAYER_GATE_ENV = "PDSERVE_TEST_LAYER_GATE"
 KVPOOL_GATE_ENV = "PDSERVE_TEST_KVPOOL_GATE"
 DECODE_STEP_FLOOR_ENV = "PDSERVE_TEST_DECODE_STEP_FLOOR_S"
 CORRUPT_KV_ENV = "PDSERVE_TEST_CORRUPT_KV"
@@ -66,6 +68,16 @@ def _withdraw(marker: str) -> None:
         os.unlink(marker)
     except OSError:
         pass
+
+
+def hold_thread_at_gate(directory: str, request_id: str) -> None:
+    """``wait_at_gate`` for a thread that may block (the engine's, in a layer callback)."""
+    marker = _marker(directory, request_id)
+    try:
+        while not os.path.exists(os.path.join(directory, "open")):
+            time.sleep(POLL_S)
+    finally:
+        _withdraw(marker)
 
 
 async def wait_at_gate(directory: str, request_id: str) -> None:

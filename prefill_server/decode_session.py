@@ -69,7 +69,7 @@ from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
 from pdserve.protos.version import PROTOCOL_VERSION
-from pdserve.test_hooks import PREFILL_GATE_ENV, gate_dir, wait_at_gate
+from pdserve.test_hooks import LAYER_GATE_ENV, PREFILL_GATE_ENV, gate_dir, hold_thread_at_gate, wait_at_gate
 
 from . import session_wire as wire
 from .cost_model import LOCAL, REMOTE, Decision, link_busy_seconds
@@ -253,12 +253,16 @@ class SessionRunner:
             for part_id, _, _, start, end in parts:
                 self.sender.store(part_id, layer, block_ids[start:end])
 
+        layer_gate = gate_dir(LAYER_GATE_ENV)  # test hook: hold the engine after layer 0 (overlap made visible)
+
         def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
             timings.layer_stored.append(time.monotonic())
             if cfg.layerwise_push:
                 store(layer, list(block_ids))
             else:
                 layers.append((layer, list(block_ids)))
+            if layer_gate and layer == 0:
+                hold_thread_at_gate(layer_gate, request_id)
 
         held.prefilled = True
         before = self.engine.prefill_counters()

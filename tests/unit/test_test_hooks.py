@@ -10,7 +10,7 @@ import pytest
 from harness.conditions import until
 from harness.decode_gate import DecodeGate
 from harness.gates import Gate
-from pdserve.test_hooks import wait_at_gate
+from pdserve.test_hooks import hold_thread_at_gate, wait_at_gate
 
 HANG_GUARD_S = 10.0  # only a hang guard: each wait below ends within a few polls
 
@@ -46,6 +46,22 @@ def test_a_cancelled_request_leaves_the_gate(tmp_path, kind):
     asyncio.run(scenario())
 
 
+def test_a_thread_is_held_until_the_gate_opens(tmp_path):
+    """The engine thread's form (the prefill's PDSERVE_TEST_LAYER_GATE): it blocks, announced, until open."""
+    import threading
+
+    from harness.conditions import wait_until
+
+    gate = Gate(tmp_path)
+    thread = threading.Thread(target=hold_thread_at_gate, args=(str(tmp_path), "req-1"), daemon=True)
+    thread.start()
+    wait_until(lambda: gate.held() == ["req-1"], "req-1 held", HANG_GUARD_S)
+    assert thread.is_alive()
+    gate.open()
+    thread.join(HANG_GUARD_S)
+    assert not thread.is_alive() and gate.held() == []
+
+
 def test_gate_env_names_each_servers_hook(tmp_path):
     assert Gate(tmp_path).env == {"PDSERVE_TEST_GATE_AFTER_ALLOCATION": str(tmp_path)}
     assert DecodeGate(tmp_path).env == {"PDSERVE_TEST_DECODE_GATE": str(tmp_path)}
@@ -54,7 +70,8 @@ def test_gate_env_names_each_servers_hook(tmp_path):
 def test_hooks_are_read_when_used_not_at_import(monkeypatch, tmp_path):
     from pdserve import test_hooks
 
-    for env in (test_hooks.PREFILL_GATE_ENV, test_hooks.DECODE_GATE_ENV, test_hooks.KVPOOL_GATE_ENV):
+    for env in (test_hooks.PREFILL_GATE_ENV, test_hooks.DECODE_GATE_ENV, test_hooks.KVPOOL_GATE_ENV,
+                test_hooks.LAYER_GATE_ENV):
         monkeypatch.delenv(env, raising=False)
         assert test_hooks.gate_dir(env) == ""
         monkeypatch.setenv(env, str(tmp_path))
