@@ -46,6 +46,15 @@ def crc32c(data, value: int = 0) -> int:
     return _crc32c.crc32c(data, value)
 
 
+def default_on(transport: str, cuda: bool) -> tuple[bool, str]:
+    """Whether a server sums its KV when ``--kv-checksum`` is not given, and why (for its log).
+    On, except for nixl on a cuda pool: there the slice would be copied to the host to be summed."""
+    if transport == "nixl" and cuda:
+        return False, ("off: nixl on a cuda pool would copy every slice to the host to sum it (no checksum on the "
+                       "device yet); --kv-checksum turns them on")
+    return True, f"on: {ALGORITHM} per slice of KV, checked before a request joins the batch (--no-kv-checksum: off)"
+
+
 def mismatch_text(rid: str, layer: int, block: int, nblocks: int, expected: int, got: int) -> str:
     """The receiver's message for a slice whose bytes do not match: names request, layer and blocks."""
     return (f"kv_checksum_mismatch: request {rid!r} layer {layer} blocks {block}..{block + nblocks - 1}: "

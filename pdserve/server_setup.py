@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from pdserve import defaults, kv_sizing
 from pdserve.cachestore import TRANSPORTS
+from pdserve.cachestore.checksum import default_on as checksum_default_on
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
@@ -85,11 +86,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="CacheStore transport for KV")
-    g.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=None,
                    help="KV integrity: prefill sends a CRC32C with every slice of KV, decode checks it before the "
                         "request joins the batch and requires it from every prefill (a mismatch fails the request "
-                        "with kv_checksum_mismatch; prefill moves it to another decode). Off by default: it cost "
-                        "20-40%% of the CacheStore throughput on the development box (docs/benchmarks.md)")
+                        "with kv_checksum_mismatch; prefill moves it to another decode). Default: on, except with "
+                        "--transfer nixl on a cuda device (summing there copies each slice to the host); its cost "
+                        "on a P/D pair is in docs/benchmarks.md, \"KV checksums\"")
     g.add_argument("--session-timeout", type=float, default=defaults.SESSION_TIMEOUT_S,
                    help="seconds one end of a Session waits on the other (KV, first token, each next message, "
                         "a write the peer does not take) before it frees the request")
@@ -137,7 +139,8 @@ def setup_logging(level: str, role: str) -> None:
 
 def resolve_device(args) -> None:
     """--device checked against this process (CUDA asked for where torch sees none: exit with a
-    message naming CUDA and --device) and --dtype's default from it, in ``args``."""
+    message naming CUDA and --device), and the defaults that follow from it, in ``args``: --dtype's
+    and --kv-checksum's (cachestore/checksum.py: default_on)."""
     if kv_sizing.is_cuda(args.device):
         import torch
 
@@ -146,6 +149,9 @@ def resolve_device(args) -> None:
         except ValueError as exc:
             raise SystemExit(f"pdserve: {exc}") from None
     args.dtype = args.dtype or kv_sizing.default_dtype(args.device)
+    if getattr(args, "kv_checksum", False) is None:
+        args.kv_checksum, why = checksum_default_on(args.transfer, kv_sizing.is_cuda(args.device))
+        log.info("KV checksums %s", why)
 
 
 def kv_flags(args) -> kv_sizing.KVFlags:

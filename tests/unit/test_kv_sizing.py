@@ -128,6 +128,23 @@ def test_dtype_defaults_follow_the_device(monkeypatch):
     assert (kv_sizing.default_dtype("cuda:3"), kv_sizing.default_dtype("cpu")) == ("bfloat16", "float32")
 
 
+def test_kv_checksums_default_on_except_nixl_on_cuda_and_the_log_says_so(monkeypatch, caplog):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    caplog.set_level("INFO", logger="pdserve.server")
+    for argv, on in (([], True), (["--transfer", "nixl"], True), (["--device", "cuda"], True),
+                     (["--device", "cuda", "--transfer", "nixl"], False), (["--no-kv-checksum"], False),
+                     (["--device", "cuda", "--transfer", "nixl", "--kv-checksum"], True)):
+        caplog.clear()
+        args = parse(*argv)
+        resolve_device(args)
+        assert args.kv_checksum is on, argv
+        said = [r.getMessage() for r in caplog.records if "KV checksums" in r.getMessage()]
+        explicit = any(a.endswith("kv-checksum") for a in argv)
+        assert len(said) == (0 if explicit else 1), (argv, said)
+        assert explicit or ("on: crc32c" in said[0] if on else "copy every slice to the host" in said[0]), said
+
+
 def test_cuda_unavailable_stops_the_server_naming_cuda_and_the_flag(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     args = parse("--device", "cuda")
