@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import time
+from contextlib import contextmanager
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
@@ -70,24 +71,28 @@ def _withdraw(marker: str) -> None:
         pass
 
 
-def hold_thread_at_gate(directory: str, request_id: str) -> None:
-    """``wait_at_gate`` for a thread that may block (the engine's, in a layer callback)."""
+@contextmanager
+def _announced(directory: str, request_id: str):
+    """The held request's ``held.<request id>`` file while the block runs; yields the ``open`` path to watch."""
     marker = _marker(directory, request_id)
     try:
-        while not os.path.exists(os.path.join(directory, "open")):
-            time.sleep(POLL_S)
+        yield os.path.join(directory, "open")
     finally:
         _withdraw(marker)
+
+
+def hold_thread_at_gate(directory: str, request_id: str) -> None:
+    """``wait_at_gate`` for a thread that may block (the engine's, in a layer callback)."""
+    with _announced(directory, request_id) as opened:
+        while not os.path.exists(opened):
+            time.sleep(POLL_S)
 
 
 async def wait_at_gate(directory: str, request_id: str) -> None:
     """Announce the held request in ``directory``, wait for ``open``, withdraw the announcement."""
-    marker = _marker(directory, request_id)
-    try:
-        while not os.path.exists(os.path.join(directory, "open")):
+    with _announced(directory, request_id) as opened:
+        while not os.path.exists(opened):
             await asyncio.sleep(POLL_S)
-    finally:
-        _withdraw(marker)
 
 
 def hold_at_gate(directory: str, request_id: str) -> None:

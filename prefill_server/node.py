@@ -41,7 +41,6 @@ from pdserve.protos import session_pb2 as pb
 
 from .admission_queue import AdmissionQueue, QueueFull, QueueTimeout, RequestTooLarge
 from .conductor import RequestConductor
-from .mid_stream_resume import resumed
 from .decode_index import DecodeIndex
 from .decode_session import DecodeFailed, Delta, NoDecodeAvailable, SessionConfig, SessionRunner, SessionTimings
 from .disaggregator import Disaggregator
@@ -55,8 +54,7 @@ if TYPE_CHECKING:
     from pdserve.metrics import ServerMetrics
     from pdserve.slo import GlobalQueue, SloRequest
 
-__all__ = ["PrefillNode", "NoDecodeAvailable", "DecodeFailed", "Delta", "QueueFull", "QueueTimeout", "RequestTooLarge",
-           "resumed"]
+__all__ = ["PrefillNode", "NoDecodeAvailable", "DecodeFailed", "Delta", "QueueFull", "QueueTimeout", "RequestTooLarge"]
 
 
 @dataclass

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.conditions import settle
 from test_import_arrows import PARTS, REPO
 
 
@@ -25,7 +26,7 @@ async def _cancelled_in_the_turn_its_event_is_set(bounded_wait) -> str:
         return "ran on"
 
     task = asyncio.create_task(waiter())
-    await asyncio.sleep(0)  # the waiter is in its wait
+    await settle()  # the waiter is in its wait (event-loop rounds, no clock)
     event.set()
     task.cancel()
     try:

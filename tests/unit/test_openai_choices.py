@@ -129,7 +129,7 @@ def test_tool_request_shapes():
 
 def test_a_resumed_request_feeds_its_grammar_the_produced_tokens():
     from pdserve.engine.grammar import GrammarSpec
-    from pdserve.prefill_server.node import resumed
+    from pdserve.prefill_server.mid_stream_resume import resumed
 
     sp = SamplingParams(max_tokens=10, grammar=GrammarSpec("json_object"), logprobs=2)
     assert resumed(sp, 0) is sp

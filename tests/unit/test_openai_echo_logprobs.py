@@ -70,7 +70,7 @@ def test_max_tokens_zero_shows_the_prompt_only():
 
 
 def test_only_the_first_choice_asks_and_a_resume_does_not_ask_again():
-    from pdserve.prefill_server.node import resumed
+    from pdserve.prefill_server.mid_stream_resume import resumed
 
     sp = SamplingParams(max_tokens=4, seed=1, logprobs=1, prompt_logprobs=1)
     cs = plan("r", [[1, 2], [3]], [sp, sp], 2)
