@@ -46,6 +46,7 @@ COPY engine ./engine
 COPY cachestore ./cachestore
 COPY protos ./protos
 COPY prefill_server ./prefill_server
+COPY batch ./batch
 COPY decode_server ./decode_server
 COPY operator ./operator
 COPY router ./router

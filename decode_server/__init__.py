@@ -18,5 +18,6 @@ Reading path (in this order):
                           prefill_reserved, release), the measured speed of prompts computed here
   ``registry.py``         SessionRegistry: live sessions, the draining flag, recent layer arrivals
   ``session_metrics.py``  SessionMetrics: refusals, KV-in wait and bytes, block and request gauges
-  ``cli.py``              ``pdserve decode``: start-up wiring, /health /ready /metrics, drain on SIGTERM
+  ``cli.py``              ``pdserve decode``: the flags, drain on SIGTERM
+  ``wiring.py``           DecodeServer: the parts of one decode process assembled; /health /ready /metrics
 """

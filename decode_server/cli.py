@@ -12,19 +12,18 @@ finish for --drain-timeout seconds, then stop.
 Request lifecycle on decode: see decode_server/session.py (admit -> allocate (reusing the
 prompt's cached prefix when prefill asks) -> transfer, or compute the prompt here -> decode ->
 release).
+
+Start-up: ``run`` sets up the environment and logging, ``serve`` starts the parts (``wiring.py``
+says in which order and what each is given), serves until SIGTERM/SIGINT, drains and stops them.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 
-from pdserve import defaults, gc_pauses
-from pdserve.server_setup import (add_server_arguments, attach_kv_events, build_server_engine, drain,
-                                  ensure_engine_environment, follow_tier_metrics, setup_logging, wait_for_stop_signal)
-
-log = logging.getLogger("pdserve.decode")
+from pdserve import defaults
+from pdserve.server_setup import add_server_arguments, ensure_engine_environment, setup_logging, wait_for_stop_signal
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,96 +61,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def serve(args: argparse.Namespace) -> int:
-    import grpc
-    from aiohttp import web
+    """Start the parts (``wiring.py``), serve until SIGTERM/SIGINT, drain, stop."""
+    from .wiring import start
 
-    from pdserve.cachestore import CacheStoreReceiver
-    from pdserve.engine import OutOfBlocksError, SamplingParams
-    from pdserve.kv_events import KvEventPublisher, KvEventsServicer
-    from pdserve.metrics import EngineLoad, ServerMetrics
-    from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
-    from pdserve.protos import session_pb2_grpc as pb_grpc
-
-    from .service import DecodeService
-
-    metrics = ServerMetrics.from_env(role="decode")
-    parts = build_server_engine(args, "decode")
-    engine = parts.engine
-    metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
-    follow_tier_metrics(metrics, engine)
-    kv_events = KvEventPublisher(args.block_size)
-    attach_kv_events(engine, kv_events)  # before the engine thread starts; it calls on that thread
-    await engine.start()
-    receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=args.transfer, host=args.host,
-                                  port=args.kv_port, advertise_host=args.advertise_host,
-                                  require_checksum=args.kv_checksum,
-                                  on_checksum_mismatch=lambda rid, layer: metrics.kv_checksum_mismatches.inc())
-    await receiver.start()
-    pool = None
-    if args.kv_pool:  # after the receiver: lenders take a pooled request's KV from the prefill through it
-        from pdserve.kvpool.decode_pool import DecodePool, ReceiverInbox
-
-        host = args.advertise_host or args.host
-        pool = DecodePool(engine, args.kv_pool_instance_id or f"{host}:{args.kv_pool_port}", args.kv_pool, args.host,
-                          args.kv_pool_port, args.advertise_host, args.kv_pool_lend_fraction,
-                          inbox=ReceiverInbox(receiver, asyncio.get_running_loop()))
-        pool.start()
-        metrics.follow_counter("kv_pool_pooled_requests", lambda: pool.stats()["pooled_requests_total"])
-        metrics.follow_counter("kv_pool_borrowed_blocks", lambda: pool.stats()["borrowed_blocks_total"])
-        metrics.follow_gauge("kv_pool_lent_blocks", lambda: pool.stats()["lent_blocks"])
-    service = DecodeService(
-        engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
-        max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
-        session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool,
-    )
-    registry = service.registry
-    metrics.track_load(lambda: EngineLoad(waiting=registry.waiting(), running=registry.running(),
-                                          kv_blocks_total=engine.num_blocks, kv_blocks_free=engine.num_free_blocks(),
-                                          block_size=args.block_size))
-    server = grpc.aio.server(options=[
-        ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),
-    ])
-    pb_grpc.add_DecodeServicer_to_server(service, server)
-    kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, lambda: service.server_load(args.http_port)), server)
-    server.add_insecure_port(f"{args.host}:{args.port}")
-    await server.start()
-
-    async def health(request):
-        return web.json_response({"status": "ok", "role": "decode", **(await service.counts())})
-
-    async def ready(request):
-        ok = not service.registry.draining
-        return web.json_response({"ready": ok}, status=200 if ok else 503)
-
-    async def debug_request(request):
-        rid = request.match_info["rid"]
-        arrivals = service.registry.arrivals.get(rid)
-        if arrivals is None:
-            return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
-        return web.json_response({"request_id": rid, "layer_arrived": arrivals})
-
-    app = web.Application()
-    app.router.add_get("/debug/requests/{rid}", debug_request)
-    app.router.add_get("/health", health)
-    app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics.aiohttp_handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.http_port).start()
-    gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
-    log.info("decode ready: grpc %s:%d, http %s:%d, kv %s (%s), model %s, %d KV blocks",
-             args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, parts.model_name, engine.num_blocks)
+    server = await start(args)
     sig = await wait_for_stop_signal()
-    log.info("%s: draining %d session(s)", sig, len(service.registry))
-    service.registry.draining = True
-    left = await drain(lambda: len(service.registry), args.drain_timeout)
-    if left:
-        log.warning("stopping with %d session(s) still open", left)
-    await server.stop(grace=1.0)
-    await runner.cleanup()
-    if pool is not None:  # before the receiver: releasing a loan deletes its CacheStore entry
-        await asyncio.to_thread(pool.stop)
-    await receiver.stop()
-    await engine.stop()
+    await server.drain(sig, args.drain_timeout)
+    await server.stop()
     return 0

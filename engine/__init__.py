@@ -23,7 +23,9 @@ Reading path (read in this order):
   ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)
-  ``pipeline/``       pipeline stages over torch.distributed + TD-Pipe scheduling (``pdserve batch``)
+
+TD-Pipe's pipeline-parallel engine (``pdserve batch``) is built from these parts (``model.py`` runs
+a stage's range of layers) and lives with the Batch API: ``pdserve.batch.pipeline``.
 
 The names below are loaded on first use, so ``pdserve.engine.defaults`` or
 ``pdserve.engine.stop_strings`` can be imported without loading torch.

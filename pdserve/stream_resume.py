@@ -29,6 +29,13 @@ the one place these facts are written; both sides import them.
    completion tokens of both parts). With ``finish_reason`` nothing is generated: only what
    follows the finish event (the usage event when asked, then ``[DONE]``). A prefill validates
    the field like any other (400 naming it): it may come from any client.
+3. gRPC ``Generate`` (``protos/generate.proto``): every GenerateResponse already carries its token
+   ids, so nothing is added to the responses. ``GRPC_RESUME_FIELD`` (``resume_token_ids``) in a
+   GenerateRequest (the original request otherwise unchanged, ``request_id`` the stream's own) continues
+   a stream as ``RESUME_FIELD`` does: its responses are the rest of the uninterrupted stream's, the same
+   ``request_id``, ``completion_tokens`` counting the tokens the client had, ``prompt_tokens`` the
+   original prompt's. A stream ends with its finish response, so a resume never needs a finish reason.
+   Validated like any other field (INVALID_ARGUMENT naming it).
 """
 
 from __future__ import annotations
@@ -36,3 +43,4 @@ from __future__ import annotations
 RESUMABLE_HEADER = "X-PDServe-Resumable"
 EVENT_KEY = "pdserve"
 RESUME_FIELD = "pdserve_resume"
+GRPC_RESUME_FIELD = "resume_token_ids"

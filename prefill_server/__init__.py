@@ -4,7 +4,8 @@ pushes each layer the decode lacks (or, by cost, has the decode compute the prom
 decode's tokens.
 
 Reading path (in this order):
-  ``cli.py``                ``pdserve prefill``: the request lifecycle as a numbered list, start-up wiring
+  ``cli.py``                ``pdserve prefill``: the request lifecycle as a numbered list, the flags
+  ``wiring.py``             PrefillServer: the parts of one prefill process assembled, started and stopped
   ``node.py``               PrefillNode: what one prefill process owns; ``generate``, the entry of a request
   ``conductor.py``          RequestConductor: one request's turn in line -> pick -> Session -> retry / resume /
                             wait in line / local fallback / give up
@@ -33,10 +34,9 @@ Reading path (in this order):
   ``openai_serving.py``     the choices as a whole response or SSE; ``openai_logprobs.py`` logprobs shapes
   ``resume.py``             streams a router can resume: token ids on events, the ``pdserve_resume`` field
   ``text_stream.py``        token deltas -> text deltas with stop strings cut (pure)
-  ``batch_api.py``          the OpenAI Batch API's routes (/v1/files, /v1/batches) and its start-up (docs/batch.md)
-  ``batch_runner.py``       BatchRunner: a job's statuses, its lines through the Frontend, a bounded number in flight
-  ``batch_store.py``        BatchStore: files, jobs and lines in SQLite; each line recorded exactly once
-  ``batch_lines.py``        the Batch API's input checks: uploads, batch parameters, per-line errors (pure)
 
-Decode discovery lives in ``pdserve.discovery`` (static list or Kubernetes EndpointSlices).
+Decode discovery lives in ``pdserve.discovery`` (static list or Kubernetes EndpointSlices). The OpenAI
+Batch API (/v1/files, /v1/batches) lives in ``pdserve.batch`` (``batch/``, docs/batch.md): the start-up
+(``wiring.py``) mounts its routes on this server's HTTP port, and its lines run through this server's
+``Frontend``.
 """

@@ -37,7 +37,7 @@ Request lifecycle on prefill:
    the end, whatever happened (a client disconnect cancels the Session, so decode frees
    its side at once).
 
-Batch jobs (OpenAI's /v1/files and /v1/batches, ``batch_api.py``): kept in --batch-db (SQLite);
+Batch jobs (OpenAI's /v1/files and /v1/batches, the top-level ``batch/`` package): kept in --batch-db (SQLite);
 their lines run as step 1-8 requests, at most --batch-max-in-flight at once, in the SLO class
 --batch-slo-class; unfinished jobs resume at start-up, each line finishing exactly once.
 
@@ -61,6 +61,9 @@ path`` (re-read when it changes) or ``--discovery kubernetes --decode-selector l
 that leaves discovery gets no new request; the Sessions open on it finish. /ready is 503
 while no decode is routable, unless --local-fallback is on. SIGTERM/SIGINT: /ready turns 503, in-flight requests get
 --drain-timeout seconds to finish, then the server stops.
+
+Start-up: ``run`` checks the flags, ``serve`` starts the parts (``wiring.py`` says in which order
+and what each is given), serves until SIGTERM/SIGINT, drains and stops them.
 """
 
 from __future__ import annotations
@@ -69,9 +72,8 @@ import argparse
 import asyncio
 import logging
 
-from pdserve import defaults, gc_pauses, test_hooks
-from pdserve.server_setup import (add_server_arguments, attach_kv_events, build_server_engine, drain,
-                                  ensure_engine_environment, follow_tier_metrics, setup_logging, wait_for_stop_signal)
+from pdserve import defaults
+from pdserve.server_setup import add_server_arguments, ensure_engine_environment, setup_logging, wait_for_stop_signal
 from pdserve.slo import POLICIES
 from pdserve.slo import classes as slo_classes
 
@@ -183,135 +185,23 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"pdserve prefill: --resume-wait must be >= 0, got {args.resume_wait}")
     try:
         discovery = make_discovery(args)
-        args.slo = slo_classes.load(args.slo_classes)
+        slo = slo_classes.load(args.slo_classes)
     except ValueError as exc:
         raise SystemExit(f"pdserve prefill: {exc}")
-    if args.batch_slo_class is not None and args.batch_slo_class not in args.slo.names():
+    if args.batch_slo_class is not None and args.batch_slo_class not in slo.names():
         raise SystemExit(f"pdserve prefill: --batch-slo-class {args.batch_slo_class!r} is not a declared SLO class; "
-                         f"known: {args.slo.known()}")
+                         f"known: {slo.known()}")
     if args.discovery == "static" and not discovery.addresses() and not args.local_fallback:
         log.warning("no --decode given and no --local-fallback: every request will get 503")
-    return asyncio.run(serve(args, discovery))
+    return asyncio.run(serve(args, discovery, slo))
 
 
-async def serve(args: argparse.Namespace, discovery) -> int:
-    import grpc
-    from aiohttp import web
+async def serve(args: argparse.Namespace, discovery, slo: slo_classes.SloClasses) -> int:
+    """Start the parts (``wiring.py``), serve until SIGTERM/SIGINT, drain, stop."""
+    from .wiring import start
 
-    from pdserve.cachestore import CacheStoreSender
-    from pdserve.engine import OutOfBlocksError, SamplingParams
-    from pdserve.kv_events import KvEventPublisher, KvEventsServicer
-    from pdserve.metrics import EngineLoad, ServerMetrics
-    from pdserve.protos import generate_pb2_grpc as gpb_grpc
-    from pdserve.protos import kv_events_pb2 as kpb
-    from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
-    from pdserve.slo import GlobalQueue
-
-    from . import tokenizer_api
-    from .batch_api import BatchService
-    from .frontend import Frontend
-    from .grpc_api import GenerateServicer
-    from .http_api import HttpApi
-    from .decode_index import DecodeIndex
-    from .load_poller import LoadReportPoller
-    from .node import PrefillNode
-    from .picker import DecodePicker
-
-    metrics = ServerMetrics.from_env(role="prefill")
-    parts = build_server_engine(args, "prefill")
-    engine, loaded = parts.engine, parts.loaded
-    metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
-    follow_tier_metrics(metrics, engine)
-    metrics.follow_counter("prompt_tokens_computed", lambda: engine.prefill_counters()[0])
-    kv_events = KvEventPublisher(args.block_size)
-    attach_kv_events(engine, kv_events)  # before the engine thread starts; it calls on that thread
-    await engine.start()
-    sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=args.transfer, scheduler=args.scheduler,
-                              checksum=args.kv_checksum, stall_timeout_s=args.session_timeout,
-                              corrupt_kv=test_hooks.corrupt_kv())
-    await sender.start()
-    picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
-    # the SLO queue's plans count the decodes' KV blocks in all, full or not (a decode reserves
-    # prompt + max_tokens for a request)
-    slo_queue = GlobalQueue(args.slo, args.queue_policy, metrics,
-                            kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.known()))
-    decode_index = DecodeIndex() if args.decode_reuse else None
-    leave_grace = args.request_timeout if args.decode_leave_grace is None else args.decode_leave_grace
-    poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval, close_grace_s=leave_grace,
-                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index)
-    node = PrefillNode(
-        engine=engine, sender=sender, picker=picker, poller=poller, compat=parts.compat_message,
-        block_size=args.block_size, kv_bytes_per_block=parts.kv_bytes_per_block,
-        eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
-        local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
-        queue_timeout_s=args.queue_timeout, resume_wait_s=args.resume_wait, max_queued=args.max_queued_requests,
-        session_timeout_s=args.session_timeout,
-        connect_timeout_s=args.connect_timeout, metrics=metrics, out_of_blocks_error=OutOfBlocksError,
-        prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index, disaggregation=args.disaggregation,
-        held_prefix=kv_events.leading, slo_queue=slo_queue,
-    )
-    frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
-                        loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
-    draining = {"on": False}
-
-    def health() -> dict:
-        kv_free = engine.num_free_blocks()
-        return {
-            "role": "prefill", "sessions": len(node.sessions), "in_flight": frontend.in_flight, "queued": len(node.queue),
-            "slo_running": len(slo_queue.running),
-            "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
-            "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": sender.stats(),
-            "decodes": discovery.addresses(), "routable_decodes": picker.eligible(), "draining": draining["on"],
-            "decode_index": decode_index.state() if decode_index is not None else None,
-            "disaggregation": node.disaggregator.state(), "batch": batch.state(),
-        }
-
-    def load() -> kpb.ServerLoad:
-        ready = node.ready() and not draining["on"]
-        reason = "draining" if draining["on"] else ("" if ready else picker.why_none())
-        return kpb.ServerLoad(ready=ready, not_ready_reason=reason, in_flight=frontend.in_flight,
-                              num_requests=engine.num_requests(), kv_blocks_free=engine.num_free_blocks(),
-                              kv_blocks_total=engine.num_blocks, http_port=args.port, queued=len(node.queue))
-
-    def engine_load() -> EngineLoad:
-        # running: a decode Session open (or decoding locally); waiting: admitted, no decode yet
-        running = len(node.sessions) + node.local_requests
-        return EngineLoad(waiting=max(0, frontend.in_flight - running), running=running,
-                          kv_blocks_total=engine.num_blocks, kv_blocks_free=engine.num_free_blocks(),
-                          block_size=args.block_size)
-
-    metrics.track_load(engine_load)
-    await discovery.start()
-    await poller.start()
-    app = HttpApi(frontend, health, metrics, is_draining=lambda: draining["on"]).app()
-    batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
-    batch.add_routes(app)
-    tokenizer_api.add_routes(app, args.model)  # GET /tokenizer: for a router that mounts no model
-    runner = web.AppRunner(app, handler_cancellation=True)
-    await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
-    server = grpc.aio.server()
-    gpb_grpc.add_GeneratorServicer_to_server(GenerateServicer(frontend), server)
-    kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, load), server)
-    server.add_insecure_port(f"{args.host}:{args.grpc_port}")
-    await server.start()
-    gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
-    log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
-             "decode reuse %s, disaggregation %s, queue %s, SLO classes %s", args.host, args.port, args.host,
-             args.grpc_port, discovery.addresses() or "(none yet)", args.policy, args.transfer,
-             "on" if args.local_fallback else "off", "on" if args.decode_reuse else "off", args.disaggregation,
-             args.queue_policy, "; ".join(c.describe() for c in args.slo))
+    server = await start(args, discovery, slo)
     sig = await wait_for_stop_signal()
-    draining["on"] = True
-    await batch.stop()  # batch lines in flight stay pending in the database; they run after a restart
-    log.info("%s: draining %d in-flight request(s)", sig, frontend.in_flight)
-    left = await drain(lambda: frontend.in_flight, args.drain_timeout)
-    if left:
-        log.warning("stopping with %d request(s) still in flight", left)
-    await server.stop(grace=1.0)
-    await runner.cleanup()
-    await poller.stop()
-    await discovery.stop()
-    await sender.stop()
-    await engine.stop()
+    await server.drain(sig, args.drain_timeout)
+    await server.stop()
     return 0

@@ -14,6 +14,12 @@ arrives and the Session to decode is released by us). A client that cancels its 
 cancels this coroutine; the Session to decode is closed and both ends free the request.
 The SLO class comes from the call's metadata ``x-slo-class`` (unknown: INVALID_ARGUMENT
 naming the known classes); early rejection is RESOURCE_EXHAUSTED with the estimate.
+
+A request with ``resume_token_ids`` continues a stream another prefill began (a router resuming it
+after that prefill died; ``resume.py``, the contract ``pdserve.stream_resume``): the Frontend's
+``stream(..., produced=...)``, as for HTTP; ``completion_tokens`` counts those tokens, the responses keep
+the request's ``request_id``, and the request runs here under an id of its own (the first prefill's
+may still be on the decode).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from .node import NoDecodeAvailable, QueueFull, RequestTooLarge
 CLIENT_DEADLINE_MARGIN_S = 0.05
 SLO_METADATA = HEADER.lower()  # x-slo-class: the request's SLO class, as the HTTP header
 from .openai_api import BadRequest, check_token_ids, parse_sampling
+from .resume import grpc_resume
 
 
 class GenerateServicer(gpb_grpc.GeneratorServicer):
@@ -65,14 +72,16 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
     async def Generate(self, request: gpb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             ids, sp = self._parse(request)
+            resumed = grpc_resume(request.resume_token_ids, sp, self.fe.vocab_size)
             slo_class = self.fe.slo_class(dict(context.invocation_metadata() or ()).get(SLO_METADATA))
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
         request_id = request.request_id or uuid.uuid4().hex
         remaining = context.time_remaining()  # None without a client deadline
         timeout_s = None if remaining is None else max(0.001, remaining - CLIENT_DEADLINE_MARGIN_S)
-        pieces = self.fe.stream(request_id, ids, sp, timeout_s, slo_class)
-        produced = 0
+        run_id = uuid.uuid4().hex if resumed else request_id  # a resumed stream's own id here (see the module doc)
+        pieces = self.fe.stream(run_id, ids, sp, timeout_s, slo_class, produced=resumed)
+        produced = len(resumed)
         try:
             async for piece in pieces:
                 produced += len(piece.token_ids)

@@ -10,7 +10,7 @@
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
 | GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
-| /v1/files, /v1/batches       | the OpenAI Batch API (``batch_api.py``, added by ``cli.py``)  |
+| /v1/files, /v1/batches       | the OpenAI Batch API (``pdserve.batch.api``, added by ``cli.py``) |
 | GET  /tokenizer              | the model's config and tokenizer files, for a router (``tokenizer_api.py``, added by ``cli.py``) |
 
 Choices: a request has (prompts on /v1/completions) x ``n`` choices, choice ``p * n + j`` the
@@ -85,7 +85,7 @@ def _json_error(status: int, message: str, type_: str, param=None, code=None) ->
 
 # How a request that was accepted but not served fails, before its first token: exception ->
 # (HTTP status, OpenAI error type, code), first match wins (QueueFull and RequestTooLarge are
-# kinds of NoDecodeAvailable). The Batch API records the same answers (batch_runner.py).
+# kinds of NoDecodeAvailable). The Batch API records the same answers (batch/runner.py).
 FAILURES = (
     (RequestTooLarge, 413, "invalid_request_error", "request_too_large"),
     (QueueFull, 429, "overloaded_error", "queue_full"),

@@ -11,7 +11,10 @@
   not more than it. Anything else is a 400 whose ``param`` names the field. Whether the tokens are
   the ones the model would have produced is not checked: they are the client's own text, as a
   prompt is; the usage counts them as completion tokens, as the router's client received them;
-- ``tag(payload, token_ids, **more)``: an event with the extension as its last key.
+- ``tag(payload, token_ids, **more)``: an event with the extension as its last key;
+- ``grpc_resume(token_ids, sp, vocab_size)``: a gRPC GenerateRequest's ``resume_token_ids`` checked the
+  same way (ids of the vocabulary, not more than max_tokens; INVALID_ARGUMENT naming the field); gRPC
+  Generate is always one choice without echo or tools, so any stream of it can be resumed.
 
 The continuation itself is the node's resume (``PrefillNode.generate(..., produced=...)``), the
 text's the Frontend's (``Frontend.text_stream``), the response's ``openai_serving.start``.
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pdserve.stream_resume import EVENT_KEY, RESUMABLE_HEADER, RESUME_FIELD
+from pdserve.stream_resume import EVENT_KEY, GRPC_RESUME_FIELD, RESUMABLE_HEADER, RESUME_FIELD
 
 from .openai_numbers import INT64_MAX, BadRequest, check_token_ids
 
@@ -39,9 +42,13 @@ class Resume:
 
     def check(self, sp) -> None:
         """The tokens against the request's max_tokens (the engine's SamplingParams)."""
-        if len(self.token_ids) > sp.max_tokens:
-            raise BadRequest(f"{RESUME_FIELD}.token_ids holds {len(self.token_ids)} tokens, more than the request's "
-                             f"max_tokens ({sp.max_tokens})", f"{RESUME_FIELD}.token_ids")
+        _not_more_than_max_tokens(self.token_ids, sp, f"{RESUME_FIELD}.token_ids")
+
+
+def _not_more_than_max_tokens(token_ids: list[int], sp, name: str) -> None:
+    if len(token_ids) > sp.max_tokens:
+        raise BadRequest(f"{name} holds {len(token_ids)} tokens, more than the request's max_tokens "
+                         f"({sp.max_tokens})", name)
 
 
 def _why_not(parsed) -> str | None:
@@ -96,3 +103,13 @@ def tag(payload: dict, token_ids: list[int], **more) -> dict:
     """The event ``payload`` with the extension (its token ids, and ``more``) as its last key."""
     payload[EVENT_KEY] = {"token_ids": list(token_ids), **more}
     return payload
+
+
+def grpc_resume(token_ids, sp, vocab_size: int | None = None) -> list[int]:
+    """A GenerateRequest's ``resume_token_ids`` (empty: not a resume), checked against the vocabulary and
+    the request's max_tokens (the engine's SamplingParams)."""
+    if not token_ids:
+        return []
+    ids = check_token_ids(list(token_ids), GRPC_RESUME_FIELD, vocab_size)
+    _not_more_than_max_tokens(ids, sp, GRPC_RESUME_FIELD)
+    return ids

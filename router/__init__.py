@@ -17,12 +17,14 @@ Request lifecycle on the router:
    cheapest (tokens to compute + load weight x in flight), ties by rendezvous hash. The
    decision and its reason (single|prefix|load|balance) are a metric label. ``--policy
    round-robin`` takes the prefills in turn instead (the experiments' baseline).
-4. **relay** - the body goes to that prefill's HTTP API untouched; status, content type and
-   body (SSE chunks as they come) go back. A prefill that refuses the connection: the next
-   in the ranking (``--max-attempts``); none: 503. A prefill that fails before any event reached
-   the client: the request goes whole to the next one; after: the stream is resumed on another
-   prefill (``resume.py``), else it ends with an SSE error event and ``[DONE]`` (never a stream
-   that just stops).
+4. **relay** - ``relay.py`` (rank -> try prefill -> stream / retry next / resume after death / give
+   up), the same for both doors: the body goes to that prefill's HTTP API untouched (gRPC: the
+   request message to its Generate); status, content type and body (SSE chunks as they come;
+   responses one by one) go back. A prefill that refuses the connection: the next in the ranking
+   (``--max-attempts``); none: 503. A prefill that fails before any event reached the client: the
+   request goes whole to the next one; after: the stream is resumed on another prefill
+   (``resume.py``; gRPC: ``resume_token_ids``), else it ends with an SSE error event and ``[DONE]``
+   (gRPC: the broken prefill's status, saying why) -- never a stream that just stops.
 5. **release** - the end of the relay (or the client leaving, which closes the upstream
    connection so the prefill cancels) drops the request's in-flight counts.
 
@@ -33,9 +35,10 @@ prefill gone from discovery leaves the index at once (``prefills.py``). Load is 
 
 Reading path (in this order):
   ``cli.py``            ``pdserve router``: flags, start-up wiring, drain
+  ``relay.py``          Relay: one request's ranking, attempts, resumes and in-flight counts (both doors)
   ``http_api.py``       RouterApi: the routes and the byte-for-byte relay
-  ``resume.py``         EventRelay, resume: a stream whose prefill died, continued on another
-  ``grpc_api.py``       RouterGenerateServicer: gRPC Generate, relayed response by response
+  ``resume.py``         EventRelay, resume: an HTTP stream whose prefill died, continued on another
+  ``grpc_api.py``       RouterGenerateServicer: gRPC Generate, relayed response by response (and resumed)
   ``slo_gate.py``       SloGate: the global SLO queue in front of the prefills (pdserve.slo's GlobalQueue)
   ``router.py``         Router.decide: prompt hashes + index + loads -> choice
   ``choice.py``         choose(): cost, tie-break, reason (pure)

@@ -129,6 +129,7 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
     from pdserve.kv_index import PrefixIndex
     from .prefill_tokenizer import PrefillTokenizer
     from .prefills import PrefillSet
+    from .relay import Relays
     from .router import Router
 
     metrics = ServerMetrics.from_env(role="router")
@@ -145,11 +146,11 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
 
         gate = SloGate(GlobalQueue(args.slo, args.queue_policy or "fifo", metrics), prefills)
     draining = {"on": False}
-    api = RouterApi(router, metrics, is_draining=lambda: draining["on"], max_attempts=args.max_attempts, gate=gate,
-                    request_timeout_s=args.request_timeout, prefill_wait_s=args.prefill_wait,
-                    tokenizer_source=from_prefill)
-    generate = RouterGenerateServicer(router, metrics, max_attempts=args.max_attempts, gate=gate,
-                                      request_timeout_s=args.request_timeout, prefill_wait_s=args.prefill_wait)
+    relays = Relays(router, metrics, args.max_attempts, args.prefill_wait)  # both doors' relays (relay.py)
+    api = RouterApi(router, metrics, is_draining=lambda: draining["on"], gate=gate,
+                    request_timeout_s=args.request_timeout, tokenizer_source=from_prefill, relays=relays)
+    generate = RouterGenerateServicer(router, metrics, gate=gate, request_timeout_s=args.request_timeout,
+                                      relays=relays)
     await prefills.start()
     runner = web.AppRunner(api.app(), handler_cancellation=True)
     await runner.setup()

@@ -5,15 +5,16 @@
 | POST /v1/completions         | relayed byte for byte to the prefill ``Router.decide`` picks     |
 | POST /v1/chat/completions    | the same                                                        |
 | GET  /v1/models              | relayed to the first routable prefill                           |
-| GET  /health                 | 200 + JSON: in flight, every prefill's load and index entry      |
+| GET  /health                 | 200 + JSON: in flight (HTTP; gRPC), every prefill's load and index entry |
 | GET  /ready                  | 200 when a prefill is routable (and the tokenizer loaded), else 503 |
 | GET  /metrics                | Prometheus text (``ROUTER_METRICS``)                            |
 | POST /debug/route?kind=K     | the decision for a completion (K=completion) or chat body, not  |
 |                              | sent anywhere: prefill, reason, cached blocks, ranking          |
 
-The request body goes to the prefill untouched (with the headers ``X-SLO-Class`` and ``X-Request-Timeout``,
-and ``X-PDServe-Resumable: 1``) and its status, content type, ``Retry-After`` and body come back
-unchanged (SSE events as they arrive, whole, without the token ids a prefill adds to the events of
+Which prefill, the retries, the resumes and the in-flight counts are ``relay.py``'s (shared with the
+gRPC API); this module speaks HTTP. The request body goes to the prefill untouched (with the headers
+``X-SLO-Class`` and ``X-Request-Timeout``, and ``X-PDServe-Resumable: 1``) and its status, content
+type, ``Retry-After`` and body come back unchanged (SSE events as they arrive, whole, without the token ids a prefill adds to the events of
 a stream the router can resume: ``resume.py``), so a 400 or a 429 is the prefill's own. A prefill that
 cannot be connected to before its response starts is skipped for the next one in the
 ranking (at most ``max_attempts``); so is one that answers 503 ``no_decode_available`` (it
@@ -44,8 +45,8 @@ from pdserve.slo import Rejected
 from pdserve.stream_resume import RESUMABLE_HEADER
 
 from .prompt import prompt_token_ids
+from .relay import Relays
 from .resume import DONE, EventRelay, StreamCut, is_sse, pipe, resume
-from .router import refusing
 from .slo_gate import GateTimeout, SloGate, TokenCounter, deadline_s, request_class
 
 log = logging.getLogger(__name__)
@@ -61,13 +62,19 @@ def _error(status: int, message: str, code: str, type_: str = "service_unavailab
 class RouterApi:
     def __init__(self, router, metrics, is_draining=lambda: False, max_attempts: int = 2, gate: SloGate | None = None,
                  request_timeout_s: float = REQUEST_TIMEOUT_S, prefill_wait_s: float = PREFILL_WAIT_S,
-                 tokenizer_source=None):
-        self.router, self.metrics, self.is_draining, self.max_attempts = router, metrics, is_draining, max_attempts
+                 tokenizer_source=None, relays: Relays | None = None):
+        """``relays``: shared with the router's gRPC API (``relay.py``); None: its own, of ``max_attempts``
+        prefills per ranking and ``prefill_wait_s`` to wait for a routable one before 503."""
+        self.router, self.metrics, self.is_draining = router, metrics, is_draining
         self.tokenizer_source = tokenizer_source  # a PrefillTokenizer (--tokenizer-from-prefill), or None
         self.gate, self.request_timeout_s = gate, request_timeout_s  # the SLO queue (slo_gate.py), or None
-        self.prefill_wait_s = prefill_wait_s  # how long a request waits for a routable prefill before 503
-        self.in_flight = 0
+        self.relays = relays or Relays(router, metrics, max_attempts, prefill_wait_s)
         self.session: aiohttp.ClientSession | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """HTTP requests being relayed now."""
+        return self.relays.in_flight["http"]
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=16 * 1024 * 1024)
@@ -92,6 +99,7 @@ class RouterApi:
 
     async def health(self, request: web.Request) -> web.Response:
         health = {"status": "ok", "role": "router", "in_flight": self.in_flight,
+                  "in_flight_grpc": self.relays.in_flight["grpc"],
                   "queued": self.gate.waiting() if self.gate is not None else 0,
                   "draining": self.is_draining(), "prefills": self.router.state()}
         if self.tokenizer_source is not None:
@@ -160,139 +168,121 @@ class RouterApi:
             return _error(504, str(exc), "request_timeout", "timeout_error")
 
     async def _relay_to(self, request: web.Request, body: bytes, ids: list[int] | None, passage) -> web.StreamResponse:
-        start = time.perf_counter()
-        m = self.metrics
-        choice = self.router.decide(ids)
-        m.router_overhead.observe(time.perf_counter() - start)
+        """The request through the prefills (``relay.py``: rank -> try prefill -> stream / retry / resume / give up)."""
         timeout_s = deadline_s(request.headers.get(REQUEST_TIMEOUT_HEADER), self.request_timeout_s)
-        deadline = time.monotonic() + timeout_s
-        wait_until = time.monotonic() + min(self.prefill_wait_s, timeout_s)
-        if choice is None:
-            choice = await self.router.decide_waiting(ids, wait_until)
-        if choice is None:
-            m.requests.labels(outcome="error", reason="no_prefill").inc()
+        relay = self.relays.open("http", ids, timeout_s, passage)
+        if not await relay.rank():
             return _error(503, "no prefill is routable", "no_prefill_available")
-        self.in_flight += 1
-        outcome, reason = "cancelled", "client_disconnected"
-        refused: dict[str, float] = {}  # prefill -> when it answered that it has no decode for this request
-        refusal: tuple | None = None  # the last such answer: (upstream, body)
-        tried: list[str] = []
-        failed: set[str] = set()  # prefills that broke before their response reached the client (not tried again)
         forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
-        try:
-            while choice is not None:
-                for attempt, address in enumerate([a for a in choice.ranking if a not in failed][: self.max_attempts]):
-                    watch = self.router.prefills.watches.get(address)
-                    if watch is None or not watch.routable() or refusing(watch, refused):
-                        continue
-                    why = choice.reason if attempt == 0 and not refused and not failed else "retry"
-                    tried.append(address)
-                    watch.in_flight += 1
-                    try:
-                        upstream = await self.session.post(watch.http_url + request.path, data=body, headers={
-                            "Content-Type": "application/json", **forwarded, RESUMABLE_HEADER: "1"})
-                    except aiohttp.ClientConnectionError as exc:
-                        log.warning("prefill %s unreachable (%s); trying the next one", address, exc)
-                        watch.in_flight -= 1
-                        continue
-                    if upstream.status == 503:
-                        early = await upstream.read()  # a short JSON error: nothing of the request was computed
-                        if _error_code(early) == "no_decode_available":
-                            # its decodes left before it did (a protocol rollout): another prefill may take it
-                            log.info("prefill %s has no decode for the request; trying another", address)
-                            upstream.release()
-                            watch.in_flight -= 1
-                            refused[address], refusal = time.monotonic(), (upstream, early)
-                            continue
-                    resp = None
-                    counter = TokenCounter(upstream.headers.get("Content-Type", ""), passage)
-                    relay = EventRelay()
-
-                    async def write(data: bytes) -> None:
-                        nonlocal resp
-                        if resp is None:  # headers go out with the first whole event
-                            m.ttft.observe(time.perf_counter() - start)
-                            resp = web.StreamResponse(status=upstream.status, headers=_headers(upstream))
-                            await resp.prepare(request)
-                        counter.feed(data)
-                        await resp.write(data)
-
-                    broke = None
-                    try:
-                        self.router.count_decision(address, why, choice, ids)
-                        if is_sse(upstream):
-                            await pipe(upstream, relay, write)
-                        else:  # read whole: a prefill that breaks before its end is retried (nothing went out)
-                            data = await upstream.read()
-                            if data:
-                                await write(data)
-                        if resp is None:
-                            resp = web.Response(status=upstream.status, headers=_headers(upstream))
-                            await resp.prepare(request)
-                        await resp.write_eof()
-                        counter.done()
-                        outcome = "ok" if upstream.status < 400 else "error"
-                        reason = "relayed" if upstream.status < 400 else f"http_{upstream.status}"
-                        if passage is not None:
-                            passage.outcome = outcome
-                        return resp
-                    except (aiohttp.ClientError, StreamCut) as exc:  # the prefill went away mid-response
-                        log.warning("prefill %s failed mid-response: %s", address, exc)
-                        failed.add(address)
-                        broke = exc
-                    finally:
-                        if upstream.content.at_eof():
-                            upstream.release()  # keep the connection for the next request
-                        else:
-                            upstream.close()  # the prefill sees the client leave and cancels
-                        watch.in_flight -= 1
-                    if resp is None:  # nothing reached the client: the whole request goes to the next prefill
-                        continue
-                    outcome, reason = await self._after_break(request, resp, write, body, ids, relay, failed, deadline,
-                                                              forwarded, f"prefill {address} failed mid-response: "
-                                                              f"{type(broke).__name__}")
-                    if passage is not None:
-                        passage.outcome = outcome
+        with relay:
+            while (attempt := await relay.next_attempt()) is not None:
+                resp = await self._attempt(request, body, relay, attempt, forwarded)
+                if resp is not None:
                     return resp
-                # every prefill tried refused for want of a decode (or broke before answering): wait (bounded)
-                # for one that can take it
-                choice = (await self.router.decide_waiting(ids, wait_until, refused, exclude=failed)
-                          if refused or failed else None)
-            outcome = "error"
-            if passage is not None:
-                passage.outcome = "error"
-            if refusal is not None:  # the last prefill's own answer, as it gave it
-                reason = "http_503"
-                upstream, early = refusal
-                return web.Response(status=503, body=early, headers=_headers(upstream))
-            reason = "prefill_failed" if failed else "prefill_unreachable"
-            return _error(503 if not failed else 502,
-                          f"no prefill could {'serve' if failed else 'be reached'} (tried {', '.join(tried) or 'none routable'})",
-                          "prefill_failed" if failed else "no_prefill_available")
-        finally:
-            self.in_flight -= 1
-            m.e2e_latency.observe(time.perf_counter() - start)
-            m.requests.labels(outcome=outcome, reason=reason).inc()
+            return _gave_up(relay)
 
+    async def _attempt(self, request: web.Request, body: bytes, relay, attempt, forwarded: dict[str, str]):
+        """One prefill: the client's response, or None when nothing of it reached the client (the next is tried)."""
+        with attempt:
+            try:
+                upstream = await self.session.post(attempt.watch.http_url + request.path, data=body, headers={
+                    "Content-Type": "application/json", **forwarded, RESUMABLE_HEADER: "1"})
+            except aiohttp.ClientConnectionError as exc:
+                log.warning("prefill %s unreachable (%s); trying the next one", attempt.address, exc)
+                return None
+            if upstream.status == 503:
+                early = await upstream.read()  # a short JSON error: nothing of the request was computed
+                if _error_code(early) == "no_decode_available":
+                    # its decodes left before it did (a protocol rollout): another prefill may take it
+                    log.info("prefill %s has no decode for the request; trying another", attempt.address)
+                    upstream.release()
+                    attempt.refused((upstream, early))
+                    return None
+            client = _ClientResponse(request, upstream, relay)
+            try:
+                attempt.count()
+                if is_sse(upstream):
+                    await pipe(upstream, client.events, client.write)
+                else:  # read whole: a prefill that breaks before its end is retried (nothing went out)
+                    data = await upstream.read()
+                    if data:
+                        await client.write(data)
+                return await client.end()
+            except (aiohttp.ClientError, StreamCut) as exc:  # the prefill went away mid-response
+                log.warning("prefill %s failed mid-response: %s", attempt.address, exc)
+                attempt.broke()
+                broke = exc
+            finally:
+                if upstream.content.at_eof():
+                    upstream.release()  # keep the connection for the next request
+                else:
+                    upstream.close()  # the prefill sees the client leave and cancels
+        if client.resp is None:  # nothing reached the client: the whole request goes to the next prefill
+            return None
+        await self._after_break(relay, request, client, body, forwarded,
+                                f"prefill {attempt.address} failed mid-response: {type(broke).__name__}")
+        return client.resp
 
-    async def _after_break(self, request, resp, write, body, ids, relay: EventRelay, failed: set[str], deadline: float,
-                           forwarded: dict[str, str], message: str) -> tuple[str, str]:
+    async def _after_break(self, relay, request, client: _ClientResponse, body: bytes, forwarded: dict[str, str],
+                           message: str) -> None:
         """The client has part of a stream whose prefill broke: resume it (``resume.py``), or end it with an
-        error event and [DONE] (never a stream that just stops); (outcome, reason) for the metrics."""
-        resumable = relay.can_resume
+        error event and [DONE] (never a stream that just stops)."""
+        events = client.events
+        resumable = events.can_resume
         why_not = "the stream cannot be resumed" if not resumable else await resume(
-            self, request, body, ids, relay, failed, deadline, write, forwarded)
-        if resumable:
-            self.metrics.router_resumes.labels(outcome="resumed" if why_not is None else "failed").inc()
+            relay, self.session, request.path, body, events, client.write, forwarded)
+        relay.resumed(why_not, resumable)
         if why_not is not None:
             log.warning("%s; not resumed: %s", message, why_not)
-            if not relay.error_sent:  # as the prefill ends its own stream on an error
+            if not events.error_sent:  # as the prefill ends its own stream on an error
                 event = {"error": {"message": f"{message}; not resumed: {why_not}", "type": "server_error",
                                    "param": None, "code": "prefill_failed"}}
-                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-            await resp.write(DONE)
-        await resp.write_eof()
-        return ("ok", "resumed") if why_not is None else ("error", "prefill_failed")
+                await client.resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            await client.resp.write(DONE)
+        await client.resp.write_eof()
+
+
+class _ClientResponse:
+    """The client's response to a relayed request: it starts with the first whole event (or the whole body)
+    under the status and headers of the prefill that sent it; each write feeds the SLO queue's estimator."""
+
+    def __init__(self, request: web.Request, upstream, relay):
+        self.request, self.upstream, self.relay = request, upstream, relay
+        self.counter = TokenCounter(upstream.headers.get("Content-Type", ""), relay.passage)
+        self.events = EventRelay()
+        self.resp: web.StreamResponse | None = None
+
+    async def write(self, data: bytes) -> None:
+        if self.resp is None:  # headers go out with the first whole event
+            self.relay.replied()
+            self.resp = web.StreamResponse(status=self.upstream.status, headers=_headers(self.upstream))
+            await self.resp.prepare(self.request)
+        self.counter.feed(data)
+        await self.resp.write(data)
+
+    async def end(self) -> web.StreamResponse:
+        """The prefill's whole answer went out: end the response and the request."""
+        status = self.upstream.status
+        if self.resp is None:
+            self.resp = web.Response(status=status, headers=_headers(self.upstream))
+            await self.resp.prepare(self.request)
+        await self.resp.write_eof()
+        self.counter.done()
+        self.relay.finish("ok" if status < 400 else "error", "relayed" if status < 400 else f"http_{status}")
+        return self.resp
+
+
+def _gave_up(relay) -> web.Response:
+    """No prefill took the request: the last refusing prefill's own answer, else why."""
+    if relay.refusal is not None:  # the last prefill's own answer, as it gave it
+        relay.finish("error", "http_503")
+        upstream, early = relay.refusal
+        return web.Response(status=503, body=early, headers=_headers(upstream))
+    failed = bool(relay.failed)
+    relay.finish("error", "prefill_failed" if failed else "prefill_unreachable")
+    return _error(503 if not failed else 502,
+                  f"no prefill could {'serve' if failed else 'be reached'} (tried {relay.tried_text()})",
+                  "prefill_failed" if failed else "no_prefill_available")
 
 
 def _error_code(body: bytes) -> str | None:

@@ -12,9 +12,9 @@ a stream of several choices, with echo or tools, or one that ended in an error e
 extension other than an error event breaks the contract (a prefill that does not know it):
 ``broken`` says why and nothing more of that upstream reaches the client.
 
-``resume(...)`` continues a stream whose prefill broke after the client got part of it: another
-prefill (never one that failed this request; the request's ranking with its tokens so far as the
-prompt, waiting up to ``--prefill-wait`` for one) gets the client's body with ``pdserve_resume``
+``resume(...)`` continues an HTTP stream whose prefill broke after the client got part of it: another
+prefill (``relay.Relay.next_resume``: never one that failed this request; the request's ranking with its
+tokens so far as the prompt, waiting up to ``--prefill-wait`` for one) gets the client's body with ``pdserve_resume``
 (``resume_body``) and the request's deadline left (``X-Request-Timeout``), and its events go to the
 same client response; a break there resumes again. When only ``[DONE]`` is missing it is written
 here. It returns None once the stream ended, else why it could not be continued (the caller ends
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 
 import aiohttp
 
@@ -151,16 +150,6 @@ async def pipe(upstream, relay: EventRelay, write) -> None:
         raise StreamCut("the stream ended without [DONE]")
 
 
-def _next(router, key: list[int] | None, failed: set[str]):
-    """(choice, address) of the best routable prefill that has not failed this request, or (choice, None)."""
-    choice = router.decide(key)
-    for address in choice.ranking if choice is not None else ():
-        watch = router.prefills.watches.get(address)
-        if address not in failed and watch is not None and watch.routable():
-            return choice, address
-    return choice, None
-
-
 def _reason(address: str, status: int, data: bytes) -> str:
     try:
         message = json.loads(data)["error"]["message"]
@@ -169,57 +158,50 @@ def _reason(address: str, status: int, data: bytes) -> str:
     return f"{address} answered {status}: {message}"
 
 
-async def resume(api, request, body: bytes, ids: list[int] | None, relay: EventRelay, failed: set[str],
-                 deadline: float, write, forwarded: dict[str, str]) -> str | None:
-    """Continue ``relay``'s stream (see the module doc). ``api``: the RouterApi (router, session,
-    prefill_wait_s); ``deadline``: the request's (monotonic); ``write``: to the client."""
-    router = api.router
-    reasons: list[str] = []
-    wait_until = min(time.monotonic() + api.prefill_wait_s, deadline)
+async def resume(relay, session, path: str, body: bytes, events: EventRelay, write, forwarded: dict[str, str]) -> str | None:
+    """Continue ``events``' stream (see the module doc). ``relay``: the request's ``relay.Relay`` (which prefill,
+    in flight, the deadline); ``session``: the aiohttp session; ``path``: the request's; ``write``: to the client."""
     while True:
-        relay.restart()
-        if relay.only_done_left:  # the usage event went out: [DONE] is all that is missing
+        events.restart()
+        if events.only_done_left:  # the usage event went out: [DONE] is all that is missing
             await write(DONE)
-            relay.done = True
+            events.done = True
             return None
-        key = None if ids is None else ids + relay.token_ids
-        choice, address = _next(router, key, failed)
-        if address is None:
-            if await router.decide_waiting(key, wait_until, exclude=failed) is None:
-                return "; ".join(reasons[-4:]) or "no other prefill is routable"
-            continue
-        left = deadline - time.monotonic()
-        if left < 0.001:  # (X-Request-Timeout in milliseconds)
-            return "; ".join(reasons[-4:] + ["the request's deadline passed"])
+        attempt = await relay.next_resume(events.token_ids)
+        if attempt is None:
+            return relay.gave_up
         try:
-            data = resume_body(body, relay)
+            data = resume_body(body, events)
         except (ValueError, TypeError):  # the prefill read it (it streamed), so this is not expected
             return "the request's body cannot be read as JSON to resume it"
-        watch = router.prefills.watches[address]
         headers = {"Content-Type": "application/json", **forwarded, RESUMABLE_HEADER: "1",
-                   REQUEST_TIMEOUT_HEADER: f"{left:.3f}"}
-        log.info("resuming a stream on %s after %d tokens", address, len(relay.token_ids))
-        router.count_decision(address, "resume", choice, key)
-        watch.in_flight += 1
-        upstream = None
-        try:
-            upstream = await api.session.post(watch.http_url + request.path, data=data, headers=headers)
-            if upstream.status != 200 or not is_sse(upstream):
-                failed.add(address)
-                reasons.append(_reason(address, upstream.status, await upstream.read()))
-                continue
-            await pipe(upstream, relay, write)
+                   REQUEST_TIMEOUT_HEADER: f"{attempt.time_left:.3f}"}
+        log.info("resuming a stream on %s after %d tokens", attempt.address, len(events.token_ids))
+        with attempt:
+            attempt.count()
+            why = await _resume_on(session, attempt, path, data, headers, events, write)
+        if why is None:
             return None
-        except (aiohttp.ClientError, StreamCut) as exc:
-            failed.add(address)
-            reasons.append(f"{address}: {type(exc).__name__}: {exc}")
-            log.warning("prefill %s failed resuming a stream: %s", address, exc)
-            if not relay.can_resume:
-                return "; ".join(reasons[-4:])
-        finally:
-            if upstream is not None:
-                if upstream.content.at_eof():
-                    upstream.release()
-                else:
-                    upstream.close()
-            watch.in_flight -= 1
+        attempt.broke(why)
+        if not events.can_resume:
+            return "; ".join(relay.reasons[-4:])
+
+
+async def _resume_on(session, attempt, path: str, data: bytes, headers: dict, events: EventRelay, write) -> str | None:
+    """``attempt``'s prefill continues the stream: None once it ended, else why not."""
+    upstream = None
+    try:
+        upstream = await session.post(attempt.watch.http_url + path, data=data, headers=headers)
+        if upstream.status != 200 or not is_sse(upstream):
+            return _reason(attempt.address, upstream.status, await upstream.read())
+        await pipe(upstream, events, write)
+        return None
+    except (aiohttp.ClientError, StreamCut) as exc:
+        log.warning("prefill %s failed resuming a stream: %s", attempt.address, exc)
+        return f"{attempt.address}: {type(exc).__name__}: {exc}"
+    finally:
+        if upstream is not None:
+            if upstream.content.at_eof():
+                upstream.release()
+            else:
+                upstream.close()

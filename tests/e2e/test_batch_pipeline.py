@@ -22,8 +22,8 @@ from openai import OpenAI
 
 from harness.pd_cluster import Server, get_json, wait_ready
 from pdserve.engine import EngineConfig, LLMEngine, load_model
-from pdserve.engine.pipeline.cli import parse_body
-from pdserve.engine.pipeline.meta import load_meta
+from pdserve.batch.pipeline.cli import parse_body
+from pdserve.batch.pipeline.meta import load_meta
 from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow

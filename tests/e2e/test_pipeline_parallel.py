@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
-from pdserve.engine.pipeline.engine import PipelineConfig, PipelineEngine
+from pdserve.batch.pipeline.engine import PipelineConfig, PipelineEngine
 
 NUM_BLOCKS, BLOCK_SIZE = 24, 16
 

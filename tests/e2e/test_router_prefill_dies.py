@@ -5,8 +5,11 @@ A stream (greedy /v1/completions; seeded chat) goes through the router; once the
 tokens, the prefill relaying it is SIGKILLed. The router resumes the stream on the other prefill:
 the client's events equal the fault-free run's one for one (no token twice or missing, the same id
 and created, one chat role), exactly one [DONE], the usage of the one request. A non-streamed
-request whose prefill dies before its answer is sent whole to the other prefill. Afterwards nothing
-is held: decode and prefill KV blocks, Sessions, CacheStore entries, the router's relays.
+request whose prefill dies before its answer is sent whole to the other prefill. A greedy gRPC Generate
+stream through the router's gRPC port outlives its prefill the same way: its responses equal the
+fault-free run's one for one (every token once, completion_tokens 1..N, one request id, one finish).
+Afterwards nothing is held: decode and prefill KV blocks, Sessions, CacheStore entries, the router's
+relays (HTTP and gRPC).
 
 The decode's steps last at least STEP_FLOOR_S (a test hook), so a stream of MAX_TOKENS tokens lasts
 longer than the test takes to kill its prefill once the client holds K tokens, on any CPU; the kill
@@ -15,11 +18,15 @@ is set off by the client's K-th token, never by a clock.
 
 import json
 
+import grpc
 import pytest
 
 from harness.conditions import wait_until
 from harness.pd_cluster import get_json, metric, nothing_held, wait_all_released, wait_ready
 from harness.router_cluster import relays_in_flight, start_prefills, start_router
+from pdserve.net import free_port
+from pdserve.protos import generate_pb2 as gpb
+from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +37,13 @@ K = 8  # tokens the client holds when its prefill dies
 COMPLETION = dict(prompt="Once upon a time", max_tokens=MAX_TOKENS, temperature=0)
 CHAT = dict(messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=MAX_TOKENS, temperature=1.0,
             seed=7)
+GENERATE = dict(prompt="Once upon a time", max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
 def cluster(procs):
     decode, prefills = start_prefills(procs, 2, step_floor_s=STEP_FLOOR_S)
-    router = start_router(procs, prefills)
+    router = start_router(procs, prefills, grpc_port=free_port())
     wait_ready(router)
     wait_until(lambda: all(w["routable"] for w in get_json(router.url + "/health")[1]["prefills"].values()),
                "both prefills routable", HANG_GUARD_S)
@@ -146,3 +154,37 @@ def test_a_request_whose_prefill_dies_before_its_answer_is_sent_whole_to_the_oth
     readings = wait_all_released([survivor, decode], timeout=HANG_GUARD_S)
     assert nothing_held(readings), readings
     wait_until(lambda: not any(relays_in_flight(router).values()), "the router's relays all ended", HANG_GUARD_S)
+
+
+def test_a_grpc_stream_outlives_its_prefill(cluster, procs):
+    """greedy gRPC Generate through the router: the relaying prefill SIGKILLed once the client holds K tokens."""
+    router, prefills, decode = cluster["router"], cluster["prefills"], cluster["decode"]
+    victim, responses = None, []
+    with grpc.insecure_channel(router.grpc_address) as channel:
+        stub = gpb_grpc.GeneratorStub(channel)
+        reference = list(stub.Generate(gpb.GenerateRequest(**GENERATE), timeout=HANG_GUARD_S))  # fault-free
+        for response in stub.Generate(gpb.GenerateRequest(**GENERATE), timeout=HANG_GUARD_S):
+            responses.append(response)
+            if len(responses) == 1:
+                victim = _relaying(prefills)
+            if len(responses) == K:
+                procs.kill(victim.proc)  # SIGKILL, while the stream runs (nearly 4 s of decode steps left)
+    assert victim is not None and victim.proc.poll() is not None, "the relaying prefill was not killed"
+    survivor = next(p for p in prefills if p is not victim)
+    assert metric(router.url, "pdserve_router_resumes_total", outcome="resumed") == 1
+    assert metric(router.url, "pdserve_router_decisions_total", prefill=survivor.grpc_address, reason="resume") == 1
+
+    def shown(rs):
+        return [(list(r.token_ids), r.text, r.finish_reason, r.completion_tokens, r.prompt_tokens) for r in rs]
+
+    assert shown(responses) == shown(reference)  # every response, once, in order: no token twice or missing
+    *tokens, finish = responses
+    assert all(len(r.token_ids) == 1 for r in tokens) and len(tokens) == MAX_TOKENS
+    assert [r.completion_tokens for r in responses] == [*range(1, MAX_TOKENS + 1), MAX_TOKENS]
+    assert finish.finish_reason == "length" and not finish.token_ids
+    assert len({r.request_id for r in responses}) == 1 and responses[0].request_id
+
+    readings = wait_all_released([survivor, decode], timeout=HANG_GUARD_S)
+    assert nothing_held(readings), readings
+    wait_until(lambda: not any(relays_in_flight(router).values()), "the router's relays all ended", HANG_GUARD_S)
+    assert metric(router.url, "pdserve_requests_total", outcome="ok", reason="resumed") == 1

@@ -44,6 +44,8 @@ def wait_until(cond, what: str, timeout: float = 30.0) -> None:
 
 
 def relays_in_flight(router: Server) -> dict:
-    """The router's requests in flight and, per prefill, the relays to it now (all 0 once every relay ended)."""
+    """The router's requests in flight (HTTP, gRPC) and, per prefill, the relays to it now (all 0 once every
+    relay ended)."""
     health = get_json(router.url + "/health")[1]
-    return {"in_flight": health["in_flight"], **{p: w["in_flight_here"] for p, w in health["prefills"].items()}}
+    return {"in_flight": health["in_flight"], "in_flight_grpc": health["in_flight_grpc"],
+            **{p: w["in_flight_here"] for p, w in health["prefills"].items()}}

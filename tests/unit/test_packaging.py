@@ -31,3 +31,13 @@ def test_the_dockerfile_copies_every_top_level_package_folder():
     copied = set(re.findall(r"^COPY (\S+) \./\1\s*$", (ROOT / "Dockerfile").read_text(), flags=re.M))
     folders = {folder for folder in setuptools_config()["package-dir"].values()}
     assert folders - copied == set(), f"the image would be built without: {sorted(folders - copied)}"
+
+
+def test_the_vllm_environment_maps_every_top_level_package():
+    """`--engine vllm` re-runs the command under vLLM's python with pdserve's folders mapped one by
+    one (vllm_backend/env.py): a package left out there fails only in that environment."""
+    from pdserve.vllm_backend.env import SUBPACKAGES
+
+    packages = {name.split(".", 1)[1] for name in setuptools_config()["package-dir"] if name != "pdserve"}
+    assert packages == set(SUBPACKAGES), f"missing: {sorted(packages - set(SUBPACKAGES))}, " \
+                                         f"no such package: {sorted(set(SUBPACKAGES) - packages)}"

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from pdserve.engine.pipeline import cli
+from pdserve.batch.pipeline import cli
 from pdserve.engine.tokenizer import ByteTokenizer
 
 

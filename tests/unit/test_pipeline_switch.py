@@ -5,7 +5,7 @@ import random
 import pytest
 
 from pdserve.engine.block_manager import blocks_needed
-from pdserve.engine.pipeline.switch import (
+from pdserve.batch.pipeline.switch import (
     FutureMemory,
     LinearCost,
     WorkStealer,

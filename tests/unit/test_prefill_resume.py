@@ -7,13 +7,17 @@ that writes a fixed script (token n of the output is SCRIPT[n], as a determinist
   cannot (n > 1, echo) carries none;
 - resumed after ANY number of events (every cut point of a stream with a multi-byte character and a stop
   string across the cut), the continuation is exactly the rest of the uninterrupted stream: the same
-  events, the same id and created, no second chat role, usage counted as one request.
+  events, the same id and created, no second chat role, usage counted as one request;
+- gRPC Generate with ``resume_token_ids``: after any number of responses, the rest of the uninterrupted
+  stream's responses (the same request id, completion_tokens counting the tokens before); a bad list is
+  INVALID_ARGUMENT naming the field.
 """
 
 import asyncio
 import json
 
 import aiohttp
+import grpc
 import pytest
 from aiohttp import web
 
@@ -22,10 +26,13 @@ from pdserve.engine.tokenizer import ByteTokenizer
 from pdserve.net import free_port
 from pdserve.prefill_server.decode_session import Delta
 from pdserve.prefill_server.frontend import Frontend
+from pdserve.prefill_server.grpc_api import GenerateServicer
 from pdserve.prefill_server.http_api import HttpApi
 from pdserve.prefill_server.openai_api import BadRequest, parse_chat, parse_completion
 from pdserve.prefill_server.resume import Resume, parse_resume
-from pdserve.stream_resume import EVENT_KEY, RESUMABLE_HEADER, RESUME_FIELD
+from pdserve.protos import generate_pb2 as gpb
+from pdserve.protos import generate_pb2_grpc as gpb_grpc
+from pdserve.stream_resume import EVENT_KEY, GRPC_RESUME_FIELD, RESUMABLE_HEADER, RESUME_FIELD
 
 TOK = ByteTokenizer()
 SCRIPT = list("Hé wrote: a STOP sign, then more".encode())  # 'é' is two tokens; "STOP" a stop string
@@ -187,3 +194,66 @@ def test_resume_check_counts_against_the_resolved_max_tokens():
     Resume([1] * 16, "x", 1).check(SamplingParams(max_tokens=16))
     with pytest.raises(BadRequest, match="more than the request's max_tokens"):
         Resume([1] * 17, "x", 1).check(SamplingParams(max_tokens=16))
+
+
+# -- gRPC Generate: resume_token_ids (its responses already carry their token ids) -----------------------
+GRPC_REQUEST = gpb.GenerateRequest(prompt="go", max_tokens=24, stop=["STOP"], request_id="rid-1")
+
+
+async def _grpc(scenario):
+    node = ScriptNode()
+    fe = Frontend(node, TOK, SamplingParams, "tiny", 2048, vocab_size=TOK.vocab_size)
+    server = grpc.aio.server()
+    gpb_grpc.add_GeneratorServicer_to_server(GenerateServicer(fe), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = gpb_grpc.GeneratorStub(channel)
+
+            async def generate(**fields) -> list:
+                request = gpb.GenerateRequest()
+                request.CopyFrom(GRPC_REQUEST)
+                for name, value in fields.items():  # (only repeated fields here)
+                    getattr(request, name)[:] = value
+                return [r async for r in stub.Generate(request, timeout=30)]
+
+            return await scenario(generate, node)
+    finally:
+        await server.stop(None)
+
+
+def test_a_grpc_stream_resumed_after_any_response_goes_on_as_the_whole_stream():
+    async def scenario(generate, node):
+        whole = await generate()
+        *tokens, finish = whole
+        assert finish.finish_reason == "stop" and all(len(r.token_ids) == 1 for r in tokens)
+        assert [r.token_ids[0] for r in tokens] == SCRIPT[:len(tokens)]
+        assert [r.completion_tokens for r in whole] == [*range(1, len(tokens) + 1), len(tokens)]
+        for k in range(len(tokens) + 1):  # k token responses went out (the last cut: all but the finish)
+            rest = await generate(**{GRPC_RESUME_FIELD: SCRIPT[:k]})
+            assert rest == whole[k:], f"resumed after {k} responses"
+        # each continuation was asked for prompt + the tokens the client had, under an id of its own (k = 0 is
+        # no resume: the request itself again)
+        assert [c[3] for c in node.calls[1:len(tokens) + 1]] == [SCRIPT[:k] for k in range(len(tokens))]
+        assert [c[0] for c in node.calls[:2]] == ["rid-1", "rid-1"]
+        assert len({c[0] for c in node.calls[2:]} | {"rid-1"}) == len(node.calls) - 1
+
+    asyncio.run(_grpc(scenario))
+
+
+def test_bad_grpc_resume_token_ids_are_invalid_argument_naming_the_field():
+    async def scenario(generate, node):
+        for ids, why in (([1, 258], "integer token ids in [0, "), ([1, -1], "integer token ids in [0, "),
+                         (SCRIPT[:25], "more than the request's max_tokens (24)")):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await generate(**{GRPC_RESUME_FIELD: ids})
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert GRPC_RESUME_FIELD in info.value.details() and why in info.value.details(), info.value.details()
+        assert node.calls == []  # nothing ran
+        rest = await generate(stop=[], **{GRPC_RESUME_FIELD: SCRIPT[:24]})  # as many as max_tokens: the finish
+        assert [(r.finish_reason, r.completion_tokens, list(r.token_ids)) for r in rest] == [("length", 24, [])]
+        assert rest[0].prompt_tokens == 3 and node.calls == []  # BOS, g, o
+
+    asyncio.run(_grpc(scenario))

@@ -91,7 +91,8 @@ def test_no_production_module_reads_a_test_hook_from_the_environment():
 
     repo = pathlib.Path(__file__).resolve().parents[2]
     readers = [str(p.relative_to(repo)) for folder in ("engine", "cachestore", "prefill_server", "decode_server",
-                                                       "router", "kvpool", "pdserve", "localcluster", "operator")
+                                                       "router", "kvpool", "pdserve", "localcluster", "operator",
+                                                       "batch")
                for p in (repo / folder).rglob("*.py")
                if "PDSERVE_TEST_" in p.read_text() and p.name != "test_hooks.py"]
     assert readers == [], readers

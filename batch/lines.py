@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from .batch_store import error_line
+from .store import error_line
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 COMPLETION_WINDOWS = {"24h": 24 * 3600}

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ModelConfig
-from ..errors import ModelLoadError
-from ..loader import BUILTIN_NAMES, tiny_config
-from ..tokenizer import ByteTokenizer, HFTokenizer
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.errors import ModelLoadError
+from pdserve.engine.loader import BUILTIN_NAMES, tiny_config
+from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer
 
 
 @dataclass

@@ -30,10 +30,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..block_manager import BlockManager, blocks_needed
-from ..errors import OutOfBlocksError
-from ..outputs import OutputProcessor, take_output
-from ..sequence import RequestOutput, Sequence, SequenceFactory, Status
+from pdserve.engine.block_manager import BlockManager, blocks_needed
+from pdserve.engine.errors import OutOfBlocksError
+from pdserve.engine.outputs import OutputProcessor, take_output
+from pdserve.engine.sequence import RequestOutput, Sequence, SequenceFactory, Status
 from . import protocol as P
 from .config import SCHEDULES, PipelineConfig  # noqa: F401 - re-exported
 from .meta import load_meta

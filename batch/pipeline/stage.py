@@ -87,10 +87,10 @@ def stage_main(spec: StageSpec) -> None:
 
 class Stage:
     def __init__(self, spec: StageSpec):
-        from ..kv_cache import KVCache
-        from ..loader import load_model
-        from ..model_runner import ModelRunner
-        from ..sampling import Sampler
+        from pdserve.engine.kv_cache import KVCache
+        from pdserve.engine.loader import load_model
+        from pdserve.engine.model_runner import ModelRunner
+        from pdserve.engine.sampling import Sampler
 
         self.spec = spec
         self.device = torch.device(spec.device)

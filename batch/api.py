@@ -32,12 +32,12 @@ from functools import partial
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+import pdserve.prefill_server.openai_api as oa
 from pdserve import defaults
 
-from . import openai_api as oa
-from .batch_lines import COMPLETION_WINDOWS, BatchInputError, check_batch_params, check_upload
-from .batch_runner import BatchRunner, StoreThread, execute
-from .batch_store import BatchStore
+from .lines import COMPLETION_WINDOWS, BatchInputError, check_batch_params, check_upload
+from .runner import BatchRunner, StoreThread, execute
+from .store import BatchStore
 
 log = logging.getLogger(__name__)
 CHUNK = 1 << 16

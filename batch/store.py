@@ -1,7 +1,7 @@
 """BatchStore: the Batch API's files, jobs and lines in one SQLite database (WAL mode).
 
 Synchronous and single-connection: the server calls it from one worker thread
-(``batch_api.run_in_store``); the unit tests call it directly. Every change is one
+(``runner.StoreThread``); the unit tests call it directly. Every change is one
 transaction (``BEGIN IMMEDIATE``), so a process killed at any instant leaves either the
 state before or after a change, never half of one.
 

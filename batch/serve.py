@@ -4,10 +4,10 @@ Examples:
   pdserve batch-server --port 8000 --batch-db jobs.sqlite                   # 2 stages, TD-Pipe
   pdserve batch-server --port 8000 --batch-db jobs.sqlite --schedule mixed --pipeline-stages 2
 
-The same routes, database and guarantees as a prefill's Batch API (``batch_api.py``,
+The same routes, database and guarantees as a prefill's Batch API (``api.py``,
 docs/batch.md: /v1/files, /v1/batches, restart resumes every unfinished job and finishes
 each line exactly once), with no online traffic on this server: its lines are not requests
-through the admission queue but sequences of one ``PipelineEngine`` (``batch_pipeline.py``),
+through the admission queue but sequences of one ``PipelineEngine`` (``pipeline_service.py``),
 up to ``--batch-max-in-flight`` at once (default: ``--max-num-seqs``), so TD-Pipe sees whole
 batches. Online serving stays on prefill/decode servers, where batch lines (when a prefill
 runs them) go through the lowest SLO class. ``GET /health`` and ``/ready``: the executor's
@@ -22,9 +22,10 @@ import logging
 import os
 
 from pdserve import defaults
-from pdserve.engine.pipeline.cli import add_engine_arguments
-from pdserve.engine.pipeline.config import PipelineConfig
 from pdserve.server_setup import setup_logging, wait_for_stop_signal
+
+from .pipeline.cli import add_engine_arguments
+from .pipeline.config import PipelineConfig
 
 log = logging.getLogger("pdserve.batch_server")
 
@@ -57,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args) -> int:
     from aiohttp import web
 
-    from .batch_api import BatchService
-    from .batch_pipeline import PipelineExecutor
-    from .batch_runner import BatchRunner, StoreThread
-    from .batch_store import BatchStore, StoreInUse
+    from .api import BatchService
+    from .pipeline_service import PipelineExecutor
+    from .runner import BatchRunner, StoreThread
+    from .store import BatchStore, StoreInUse
 
     cfg = PipelineConfig(num_stages=args.pipeline_stages, schedule=args.schedule, num_blocks=args.num_blocks,
                          block_size=args.block_size, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..defaults import BLOCK_SIZE
+from pdserve.engine.defaults import BLOCK_SIZE
 
 SCHEDULES = ("td-pipe", "mixed")
 

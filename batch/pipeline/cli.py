@@ -18,7 +18,7 @@ null, "error": {"code": "invalid_request", "message": ...}``; a bad line never s
 
 With ``--pipeline-stages N`` (N >= 2) the model's layers are split over N stage processes
 (one torch thread each by default); ``--schedule td-pipe`` separates prefill and decode
-phases in time (see ``pdserve.engine.pipeline.schedules``).
+phases in time (see ``pdserve.batch.pipeline.schedules``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import json
 import sys
 import time
 
-from ..defaults import BLOCK_SIZE, BUILTIN_MODEL
+from pdserve.engine.defaults import BLOCK_SIZE, BUILTIN_MODEL
 from .config import SCHEDULES
 
 URLS = ("/v1/completions", "/v1/chat/completions")
@@ -78,7 +78,7 @@ def parse_line(line: str, lineno: int, tokenizer, model_name: str):
 def parse_body(url: str, body: dict, tokenizer, where: str = "") -> tuple[list[int], object]:
     """(prompt ids, SamplingParams) of one request body of ``url``; ValueError naming the problem
     (prefixed with ``where``)."""
-    from ..sampling import SamplingParams
+    from pdserve.engine.sampling import SamplingParams
 
     if url == "/v1/completions":
         prompt = body.get("prompt")
@@ -139,7 +139,7 @@ def run_requests(engine_kind: str, args, requests: list) -> tuple[dict, dict]:
         with PipelineEngine(args.model, cfg) as eng:
             refused = _add_all(eng, requests)
             return eng.run(), refused
-    from .. import EngineConfig, LLMEngine, load_model
+    from pdserve.engine import EngineConfig, LLMEngine, load_model
 
     torch.set_num_threads(args.threads)
     eng = LLMEngine(load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device),

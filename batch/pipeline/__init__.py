@@ -1,5 +1,7 @@
-"""Pipeline parallelism for throughput: the decoder's layers over N stage processes, and the
-schedules that keep them busy (TD-Pipe, seed 001; issue 15).
+"""pdserve.batch.pipeline: pipeline parallelism for throughput: the decoder's layers over N stage
+processes, and the schedules that keep them busy (TD-Pipe, seed 001; issue 15). A second engine
+built from the engine's parts (model, KV cache, block manager, sampler); of pdserve it imports
+only ``pdserve.engine``.
 
 Reading path:
   ``config.py``     PipelineConfig: stages, schedule, KV blocks, batch sizes (no torch)
@@ -12,12 +14,12 @@ Reading path:
   ``protocol.py``   the messages (header + one packed payload per hop) over torch.distributed
   ``meta.py``       a model's config and tokenizer without its weights (for the controller)
   ``cli.py``        ``pdserve batch``: an OpenAI batch JSONL file through the pipeline
-                    (``pdserve batch-server``, ``prefill_server/batch_serve.py``: the Batch
-                    API whose jobs run here, one line per sequence, via ``eng.step()``)
+                    (``pdserve batch-server``, ``batch/serve.py`` and ``batch/pipeline_service.py``:
+                    the Batch API whose jobs run here, one line per sequence, via ``eng.step()``)
 
 ::
 
-    from pdserve.engine.pipeline.engine import PipelineConfig, PipelineEngine
+    from pdserve.batch.pipeline.engine import PipelineConfig, PipelineEngine
     with PipelineEngine("tiny", PipelineConfig(num_stages=2, schedule="td-pipe")) as eng:
         eng.add_request("r1", prompt_ids, SamplingParams(max_tokens=64, temperature=0))
         outputs = eng.run()      # {request id: RequestOutput}; the same greedy tokens as LLMEngine

@@ -1,6 +1,6 @@
 """PipelineExecutor: Batch API lines run on the pipeline engine (throughput mode, TD-Pipe).
 
-The ``BatchRunner`` (``batch_runner.py``) keeps deciding which lines run and records each
+The ``BatchRunner`` (``runner.py``) keeps deciding which lines run and records each
 answer exactly once in SQLite; this executor is its ``run_line`` when the server runs batch
 jobs for throughput (``pdserve batch-server``) instead of through the online path:
 
@@ -17,7 +17,7 @@ so TD-Pipe's prefill phases and decode phases see whole batches, not a trickle.
 
 A line whose task is cancelled (batch cancelled, server stopping) is dropped from the engine
 when it has not started; a started one runs to its end and its output is ignored. Bodies
-are parsed like ``pdserve batch`` does (``engine.pipeline.cli.parse_body``): a bad body is
+are parsed like ``pdserve batch`` does (``pipeline/cli.py``'s ``parse_body``): a bad body is
 a 400 error line; a request the engine refuses (longer than the KV pool) too. If the engine
 dies (a stage crashed), every line in it and every later one answers 503: the runner keeps
 them pending, and a restarted server runs them.
@@ -31,11 +31,11 @@ import logging
 import queue
 import threading
 
-from pdserve.engine.pipeline.cli import parse_body, response_body
-from pdserve.engine.pipeline.engine import PipelineConfig, PipelineEngine
-from pdserve.engine.pipeline.meta import load_meta
+import pdserve.prefill_server.openai_api as oa
 
-from . import openai_api as oa
+from .pipeline.cli import parse_body, response_body
+from .pipeline.engine import PipelineConfig, PipelineEngine
+from .pipeline.meta import load_meta
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ One asyncio task (``_loop``) wakes on every change (a batch created or cancelled
 finished) and at least every ``poll_s`` seconds, and for each unfinished batch, oldest
 first:
 
-- ``validating``: reads the input file, splits it into lines (``batch_lines.split_lines``:
+- ``validating``: reads the input file, splits it into lines (``lines.split_lines``:
   bad lines become error lines at once) and stores them -> ``in_progress``; an input with
   no line at all -> ``failed``;
 - ``in_progress``: starts pending lines while fewer than ``max_in_flight`` lines (of all
@@ -34,12 +34,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
-from . import openai_api as oa
-from .batch_lines import split_lines
-from .batch_store import BatchStore, response_line
-from .closing import aclose_fully
-from .http_api import FAILURE_TYPES, failure
-from .openai_serving import start, whole
+import pdserve.prefill_server.openai_api as oa
+from pdserve.prefill_server.closing import aclose_fully
+from pdserve.prefill_server.http_api import FAILURE_TYPES, failure
+from pdserve.prefill_server.openai_serving import start, whole
+
+from .lines import split_lines
+from .store import BatchStore, response_line
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ import math
 from collections import deque
 from typing import Iterable, Sequence
 
-from ..block_manager import blocks_needed
+from pdserve.engine.block_manager import blocks_needed
 
 
 def future_points(horizon: int, step: int = 32) -> tuple[int, ...]:

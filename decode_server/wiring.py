@@ -1,0 +1,212 @@
+"""The decode server's assembly: its parts built and started in order, each given only the values it
+uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
+
+``start(args)`` is the one function that reads the parsed flags; the engine's builder
+(``server_setup.build_server_engine``) takes them whole. In start order:
+
+1. **metrics** - ServerMetrics for role "decode" (its settings from the environment).
+2. **engine** - model, engine and KV pool from the engine flags; the metrics follow its prefix
+   cache hits and KV tiers; a KvEventPublisher (--block-size) is attached before the engine thread
+   starts (it calls on that thread); then the engine starts.
+3. **receiver** - the CacheStoreReceiver on the engine's KV pool (region, layout, compat):
+   --transfer, listening on --host:--kv-port, advertising --advertise-host, --kv-checksum
+   required or not; a checksum mismatch counts in the metrics. Started.
+4. **KV pool** (only with --kv-pool) - DecodePool: the engine, our id in the ledger
+   (--kv-pool-instance-id, default the advertised host:--kv-pool-port), the gManager (--kv-pool),
+   --host:--kv-pool-port for its KVLender, --kv-pool-lend-fraction, and the receiver (lenders take a
+   pooled request's KV from the prefill through it: after the receiver). Started; the metrics
+   follow its counters.
+5. **service** - DecodeService: engine, receiver, compat message, the engine's sampling and
+   out-of-blocks types, model length, KV bytes per block, --session-timeout, metrics,
+   --no-eviction, the pool. The metrics track its registry's load (--block-size).
+6. **gRPC** - Decode (the service) and KvEvents (the publisher; GetLoad tells --http-port), on
+   --host:--port, with keepalive.
+7. **HTTP** - /health, /ready, /debug/requests/{rid} (Probes over the service) and /metrics, on
+   --host:--http-port.
+8. The start-up heap settles (gc_pauses), and "decode ready" is logged.
+
+Stop (``DecodeServer``): ``drain`` marks the registry draining (new Starts are refused, /ready
+503) and waits --drain-timeout for the live sessions; ``stop`` then stops gRPC, HTTP, the KV pool
+(before the receiver: releasing a loan deletes its CacheStore entry), the receiver and the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+from aiohttp import web
+
+from pdserve import gc_pauses, server_setup
+from pdserve.cachestore import CacheStoreReceiver
+from pdserve.engine import OutOfBlocksError, SamplingParams
+from pdserve.kv_events import KvEventPublisher, KvEventsServicer
+from pdserve.metrics import EngineLoad, ServerMetrics
+from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+from pdserve.protos import session_pb2_grpc as pb_grpc
+from pdserve.server_setup import ServerEngine, attach_kv_events, build_server_engine, follow_tier_metrics
+
+from .service import DecodeService
+
+if TYPE_CHECKING:
+    from pdserve.engine import AsyncLLMEngine
+    from pdserve.kvpool.decode_pool import DecodePool
+
+log = logging.getLogger("pdserve.decode")
+
+GRPC_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000), ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+async def start(args: argparse.Namespace) -> DecodeServer:
+    """Build and start every part, in the order of the module docstring."""
+    metrics = ServerMetrics.from_env(role="decode")
+    parts = build_server_engine(args, "decode")
+    engine = parts.engine
+    kv_events = await start_engine(engine, metrics, args.block_size)
+    receiver = await start_receiver(parts, metrics, args.transfer, args.host, args.kv_port, args.advertise_host,
+                                    args.kv_checksum)
+    pool = None
+    if args.kv_pool:  # after the receiver: lenders take a pooled request's KV from the prefill through it
+        instance_id = args.kv_pool_instance_id or f"{args.advertise_host or args.host}:{args.kv_pool_port}"
+        pool = start_pool(engine, receiver, metrics, instance_id=instance_id, gmanager=args.kv_pool, host=args.host,
+                          port=args.kv_pool_port, advertise_host=args.advertise_host,
+                          lend_fraction=args.kv_pool_lend_fraction)
+    service = DecodeService(
+        engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
+        max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
+        session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool,
+    )
+    track_load(metrics, service, engine, args.block_size)
+    grpc_server = await start_grpc(service, kv_events, args.http_port, args.host, args.port)
+    http_runner = await start_http(Probes(service), metrics, args.host, args.http_port)
+    gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
+    log.info("decode ready: grpc %s:%d, http %s:%d, kv %s (%s), model %s, %d KV blocks",
+             args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, parts.model_name,
+             engine.num_blocks)
+    return DecodeServer(engine, receiver, pool, service, http_runner, grpc_server)
+
+
+async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:
+    """The metrics follow the engine's counters; its prefix cache publishes KV events (attached
+    before the engine thread starts: it calls on that thread); the engine starts."""
+    metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    follow_tier_metrics(metrics, engine)
+    kv_events = KvEventPublisher(block_size)
+    attach_kv_events(engine, kv_events)
+    await engine.start()
+    return kv_events
+
+
+async def start_receiver(parts: ServerEngine, metrics: ServerMetrics, transport: str, host: str, port: int,
+                         advertise_host: str | None, require_checksum: bool) -> CacheStoreReceiver:
+    """The CacheStore receiver on the engine's KV pool, started."""
+    receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=transport, host=host,
+                                  port=port, advertise_host=advertise_host, require_checksum=require_checksum,
+                                  on_checksum_mismatch=lambda rid, layer: metrics.kv_checksum_mismatches.inc())
+    await receiver.start()
+    return receiver
+
+
+def start_pool(engine: AsyncLLMEngine, receiver: CacheStoreReceiver, metrics: ServerMetrics, *, instance_id: str,
+               gmanager: str, host: str, port: int, advertise_host: str | None, lend_fraction: float) -> DecodePool:
+    """Our part of the KV pool (--kv-pool), started; called on the event loop (the receiver's inbox
+    hands it KV there)."""
+    from pdserve.kvpool.decode_pool import DecodePool, ReceiverInbox
+
+    pool = DecodePool(engine, instance_id, gmanager, host, port, advertise_host, lend_fraction,
+                      inbox=ReceiverInbox(receiver, asyncio.get_running_loop()))
+    pool.start()
+    metrics.follow_counter("kv_pool_pooled_requests", lambda: pool.stats()["pooled_requests_total"])
+    metrics.follow_counter("kv_pool_borrowed_blocks", lambda: pool.stats()["borrowed_blocks_total"])
+    metrics.follow_gauge("kv_pool_lent_blocks", lambda: pool.stats()["lent_blocks"])
+    return pool
+
+
+def track_load(metrics: ServerMetrics, service: DecodeService, engine: AsyncLLMEngine, block_size: int) -> None:
+    """The metrics' load: the service's waiting and running sessions, the engine's KV blocks."""
+    registry = service.registry
+    metrics.track_load(lambda: EngineLoad(waiting=registry.waiting(), running=registry.running(),
+                                          kv_blocks_total=engine.num_blocks, kv_blocks_free=engine.num_free_blocks(),
+                                          block_size=block_size))
+
+
+async def start_grpc(service: DecodeService, kv_events: KvEventPublisher, http_port: int, host: str,
+                     port: int) -> grpc.aio.Server:
+    """Decode (Session, GetLoadReport) and KvEvents (GetLoad tells ``http_port``), on host:port."""
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb_grpc.add_DecodeServicer_to_server(service, server)
+    kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, lambda: service.server_load(http_port)), server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server
+
+
+async def start_http(probes: Probes, metrics: ServerMetrics, host: str, port: int) -> web.AppRunner:
+    """The probes' routes and /metrics, on host:port."""
+    app = web.Application()
+    app.router.add_get("/debug/requests/{rid}", probes.debug_request)
+    app.router.add_get("/health", probes.health)
+    app.router.add_get("/ready", probes.ready)
+    app.router.add_get("/metrics", metrics.aiohttp_handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+@dataclass(slots=True)
+class Probes:
+    """/health (the service's counts), /ready (not draining) and /debug/requests/{rid} (a request's
+    recent layer arrivals)."""
+
+    service: DecodeService
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "role": "decode", **(await self.service.counts())})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ok = not self.service.registry.draining
+        return web.json_response({"ready": ok}, status=200 if ok else 503)
+
+    async def debug_request(self, request: web.Request) -> web.Response:
+        rid = request.match_info["rid"]
+        arrivals = self.service.registry.arrivals.get(rid)
+        if arrivals is None:
+            return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
+        return web.json_response({"request_id": rid, "layer_arrived": arrivals})
+
+
+@dataclass(slots=True)
+class DecodeServer:
+    """The started parts, for the drain and the stop."""
+
+    engine: AsyncLLMEngine
+    receiver: CacheStoreReceiver
+    pool: DecodePool | None
+    service: DecodeService
+    http_runner: web.AppRunner
+    grpc_server: grpc.aio.Server
+
+    async def drain(self, sig: str, timeout_s: float) -> None:
+        """New Starts refused (/ready 503), then up to ``timeout_s`` for the live sessions."""
+        registry = self.service.registry
+        log.info("%s: draining %d session(s)", sig, len(registry))
+        registry.draining = True
+        left = await server_setup.drain(lambda: len(registry), timeout_s)
+        if left:
+            log.warning("stopping with %d session(s) still open", left)
+
+    async def stop(self) -> None:
+        await self.grpc_server.stop(grace=1.0)
+        await self.http_runner.cleanup()
+        if self.pool is not None:  # before the receiver: releasing a loan deletes its CacheStore entry
+            await asyncio.to_thread(self.pool.stop)
+        await self.receiver.stop()
+        await self.engine.stop()

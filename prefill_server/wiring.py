@@ -1,0 +1,251 @@
+"""The prefill server's assembly: its parts built and started in order, each given only the values it
+uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
+
+``start(args, discovery, slo)`` is the one function that reads the parsed flags; the engine's
+builder (``server_setup.build_server_engine``) and the Batch API's (``BatchService.start``) take
+them whole. In start order:
+
+1. **metrics** - ServerMetrics for role "prefill" (its settings from the environment).
+2. **engine** - model, engine and KV pool from the engine flags; the metrics follow its prefix
+   cache hits, KV tiers and computed prompt tokens; a KvEventPublisher (--block-size) is attached
+   before the engine thread starts (it calls on that thread); then the engine starts.
+3. **sender** - the CacheStoreSender on the engine's KV pool (region, layout, compat): --transfer,
+   --scheduler, --kv-checksum, --session-timeout as its stall timer; started.
+4. **routing** - the DecodePicker (--policy, --load-report-expiry); the SLO GlobalQueue (the SLO
+   classes, --queue-policy, the metrics, the decodes' KV blocks the picker knows); a DecodeIndex
+   with --decode-reuse; the LoadReportPoller (the discovery, the picker, --load-report-interval,
+   --decode-leave-grace (default --request-timeout), the index). Not started yet.
+5. **node** - PrefillNode: engine, sender, picker, poller, the KV facts, the tokenizer's EOS ids,
+   the metrics, the SLO queue, the KV events' held prefix and the routing flags.
+6. **frontend** - Frontend: node, tokenizer, model name and length, vocabulary size, metrics,
+   --request-timeout, SLO queue.
+7. **probes** - Probes: /health, KvEvents' GetLoad and the metrics' load, read from the parts
+   (the metrics track its load from now on).
+8. **discovery, poller** - started: load reports begin.
+9. **Batch API** - BatchService (``pdserve.batch.api``) from the --batch-* flags and the frontend
+   (resumes unfinished jobs).
+10. **HTTP** - HttpApi's routes (frontend, probes, metrics) + the Batch API's + GET /tokenizer
+    (--model), on --host:--port.
+11. **gRPC** - Generate (frontend) and KvEvents (the publisher, the probes' load), on
+    --host:--grpc-port.
+12. The start-up heap settles (gc_pauses), and "prefill ready" is logged.
+
+Stop (``PrefillServer``): ``drain`` turns /ready 503, stops the Batch API (lines in flight stay
+pending in its database) and waits --drain-timeout for the requests in flight; ``stop`` then
+stops gRPC, HTTP, the poller, the discovery, the sender and the engine, in that order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import grpc
+from aiohttp import web
+
+from pdserve import gc_pauses, server_setup, test_hooks
+from pdserve.batch.api import BatchService
+from pdserve.cachestore import CacheStoreSender
+from pdserve.engine import OutOfBlocksError, SamplingParams
+from pdserve.kv_events import KvEventPublisher, KvEventsServicer
+from pdserve.metrics import EngineLoad, ServerMetrics
+from pdserve.protos import generate_pb2_grpc as gpb_grpc
+from pdserve.protos import kv_events_pb2 as kpb
+from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+from pdserve.server_setup import ServerEngine, attach_kv_events, build_server_engine, follow_tier_metrics
+from pdserve.slo import GlobalQueue
+
+from . import tokenizer_api
+from .decode_index import DecodeIndex
+from .frontend import Frontend
+from .grpc_api import GenerateServicer
+from .http_api import HttpApi
+from .load_poller import LoadReportPoller
+from .node import PrefillNode
+from .picker import DecodePicker
+
+if TYPE_CHECKING:
+    from pdserve.discovery import FileDiscovery, KubernetesDiscovery, StaticDiscovery
+    from pdserve.engine import AsyncLLMEngine
+    from pdserve.slo import SloClasses
+
+    Discovery = StaticDiscovery | FileDiscovery | KubernetesDiscovery
+
+log = logging.getLogger("pdserve.prefill")
+
+
+async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses) -> PrefillServer:
+    """Build and start every part, in the order of the module docstring; ``slo``: the SLO classes
+    (--slo-classes, loaded and checked by ``cli.run``)."""
+    metrics = ServerMetrics.from_env(role="prefill")
+    parts = build_server_engine(args, "prefill")
+    engine, loaded = parts.engine, parts.loaded
+    kv_events = await start_engine(engine, metrics, args.block_size)
+    sender = await start_sender(parts, args.transfer, args.scheduler, args.kv_checksum, args.session_timeout)
+    picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
+    slo_queue = make_slo_queue(slo, args.queue_policy, metrics, picker)
+    decode_index = DecodeIndex() if args.decode_reuse else None
+    leave_grace = args.request_timeout if args.decode_leave_grace is None else args.decode_leave_grace
+    poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval, close_grace_s=leave_grace,
+                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index)
+    node = PrefillNode(
+        engine=engine, sender=sender, picker=picker, poller=poller, compat=parts.compat_message,
+        block_size=args.block_size, kv_bytes_per_block=parts.kv_bytes_per_block,
+        eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
+        local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
+        queue_timeout_s=args.queue_timeout, resume_wait_s=args.resume_wait, max_queued=args.max_queued_requests,
+        session_timeout_s=args.session_timeout, connect_timeout_s=args.connect_timeout, metrics=metrics,
+        out_of_blocks_error=OutOfBlocksError, prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse,
+        decode_index=decode_index, disaggregation=args.disaggregation, held_prefix=kv_events.leading,
+        slo_queue=slo_queue,
+    )
+    frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
+                        loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
+    probes = Probes(node, frontend, engine, sender, picker, discovery, decode_index, slo_queue, http_port=args.port,
+                    block_size=args.block_size)
+    metrics.track_load(probes.engine_load)
+    await discovery.start()
+    await poller.start()
+    probes.batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
+    http_runner = await start_http(frontend, probes, metrics, args.model, args.host, args.port)
+    grpc_server = await start_grpc(frontend, kv_events, probes.load, args.host, args.grpc_port)
+    gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
+    log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
+             "decode reuse %s, disaggregation %s, queue %s, SLO classes %s", args.host, args.port, args.host,
+             args.grpc_port, discovery.addresses() or "(none yet)", args.policy, args.transfer,
+             "on" if args.local_fallback else "off", "on" if args.decode_reuse else "off", args.disaggregation,
+             args.queue_policy, "; ".join(c.describe() for c in slo))
+    return PrefillServer(engine, sender, discovery, poller, frontend, probes, http_runner, grpc_server)
+
+
+async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:
+    """The metrics follow the engine's counters; its prefix cache publishes KV events (attached
+    before the engine thread starts: it calls on that thread); the engine starts."""
+    metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    follow_tier_metrics(metrics, engine)
+    metrics.follow_counter("prompt_tokens_computed", lambda: engine.prefill_counters()[0])
+    kv_events = KvEventPublisher(block_size)
+    attach_kv_events(engine, kv_events)
+    await engine.start()
+    return kv_events
+
+
+async def start_sender(parts: ServerEngine, transport: str, scheduler: str, checksum: bool,
+                       stall_timeout_s: float) -> CacheStoreSender:
+    """The CacheStore sender on the engine's KV pool, started."""
+    sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=transport, scheduler=scheduler,
+                              checksum=checksum, stall_timeout_s=stall_timeout_s, corrupt_kv=test_hooks.corrupt_kv())
+    await sender.start()
+    return sender
+
+
+def make_slo_queue(slo: SloClasses, policy: str, metrics: ServerMetrics, picker: DecodePicker) -> GlobalQueue:
+    """The SLO queue; its plans count the decodes' KV blocks in all, full or not (a decode reserves
+    prompt + max_tokens for a request)."""
+    return GlobalQueue(slo, policy, metrics,
+                       kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.known()))
+
+
+async def start_http(frontend: Frontend, probes: Probes, metrics: ServerMetrics, model: str, host: str,
+                     port: int) -> web.AppRunner:
+    """OpenAI routes and probes, the Batch API's routes, GET /tokenizer (for a router that mounts
+    no model: ``model`` is --model), listening on host:port."""
+    app = HttpApi(frontend, probes.health, metrics, is_draining=lambda: probes.draining).app()
+    probes.batch.add_routes(app)
+    tokenizer_api.add_routes(app, model)
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+async def start_grpc(frontend: Frontend, kv_events: KvEventPublisher, load: Callable[[], kpb.ServerLoad], host: str,
+                     port: int) -> grpc.aio.Server:
+    """Generate and KvEvents (with GetLoad answered by ``load``), listening on host:port."""
+    server = grpc.aio.server()
+    gpb_grpc.add_GeneratorServicer_to_server(GenerateServicer(frontend), server)
+    kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, load), server)
+    server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server
+
+
+@dataclass(slots=True)
+class Probes:
+    """What /health shows, what KvEvents' GetLoad answers and the load the metrics read, from the
+    live parts; ``draining`` is set by ``PrefillServer.drain``."""
+
+    node: PrefillNode  # its open Sessions, admission queue, local requests, disaggregator, readiness
+    frontend: Frontend  # requests in flight
+    engine: AsyncLLMEngine  # KV blocks
+    sender: CacheStoreSender
+    picker: DecodePicker
+    discovery: Discovery
+    decode_index: DecodeIndex | None
+    slo_queue: GlobalQueue
+    http_port: int  # told to routers in GetLoad
+    block_size: int
+    batch: BatchService | None = None  # set once the Batch API started, before the ports open
+    draining: bool = False
+
+    def health(self) -> dict:
+        node, engine = self.node, self.engine
+        kv_free = engine.num_free_blocks()
+        return {
+            "role": "prefill", "sessions": len(node.sessions), "in_flight": self.frontend.in_flight,
+            "queued": len(node.queue), "slo_running": len(self.slo_queue.running),
+            "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
+            "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": self.sender.stats(),
+            "decodes": self.discovery.addresses(), "routable_decodes": self.picker.eligible(),
+            "draining": self.draining,
+            "decode_index": self.decode_index.state() if self.decode_index is not None else None,
+            "disaggregation": node.disaggregator.state(), "batch": self.batch.state(),
+        }
+
+    def load(self) -> kpb.ServerLoad:
+        ready = self.node.ready() and not self.draining
+        reason = "draining" if self.draining else ("" if ready else self.picker.why_none())
+        engine = self.engine
+        return kpb.ServerLoad(ready=ready, not_ready_reason=reason, in_flight=self.frontend.in_flight,
+                              num_requests=engine.num_requests(), kv_blocks_free=engine.num_free_blocks(),
+                              kv_blocks_total=engine.num_blocks, http_port=self.http_port, queued=len(self.node.queue))
+
+    def engine_load(self) -> EngineLoad:
+        # running: a decode Session open (or decoding locally); waiting: admitted, no decode yet
+        running = len(self.node.sessions) + self.node.local_requests
+        return EngineLoad(waiting=max(0, self.frontend.in_flight - running), running=running,
+                          kv_blocks_total=self.engine.num_blocks, kv_blocks_free=self.engine.num_free_blocks(),
+                          block_size=self.block_size)
+
+
+@dataclass(slots=True)
+class PrefillServer:
+    """The started parts, for the drain and the stop."""
+
+    engine: AsyncLLMEngine
+    sender: CacheStoreSender
+    discovery: Discovery
+    poller: LoadReportPoller
+    frontend: Frontend
+    probes: Probes
+    http_runner: web.AppRunner
+    grpc_server: grpc.aio.Server
+
+    async def drain(self, sig: str, timeout_s: float) -> None:
+        """/ready 503, the Batch API stopped, then up to ``timeout_s`` for the requests in flight."""
+        self.probes.draining = True
+        await self.probes.batch.stop()  # batch lines in flight stay pending in the database; they run after a restart
+        log.info("%s: draining %d in-flight request(s)", sig, self.frontend.in_flight)
+        left = await server_setup.drain(lambda: self.frontend.in_flight, timeout_s)
+        if left:
+            log.warning("stopping with %d request(s) still in flight", left)
+
+    async def stop(self) -> None:
+        await self.grpc_server.stop(grace=1.0)
+        await self.http_runner.cleanup()
+        await self.poller.stop()
+        await self.discovery.stop()
+        await self.sender.stop()
+        await self.engine.stop()
