@@ -90,9 +90,9 @@ class LocalAutoscaler:
 
     def __init__(self, cluster, config: PlannerConfig, interval_s: float = 2.0, window_s: float = 6.0,
                  events: Path | None = None, say: Callable[[str], None] = print,
-                 fetch: Callable[[str], str | None] = fetch_metrics):
+                 fetch: Callable[[str], str | None] = fetch_metrics, paused: Callable[[], bool] = lambda: False):
         self.cluster, self.planner, self.interval_s, self.window_s = cluster, Planner(config), interval_s, window_s
-        self.events, self.say, self.fetch = events, say, fetch
+        self.events, self.say, self.fetch, self.paused = events, say, fetch, paused
         self.snapshots: deque[Snapshot] = deque()
         self.next_at = 0.0
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="scrape")
@@ -116,8 +116,9 @@ class LocalAutoscaler:
         return Snapshot(now, parsed["prefill"], parsed["decode"])
 
     def step(self, now: float) -> list[Decision]:
-        """Observe, and decide when a whole window is in; returns the decisions that changed a pool."""
-        if now < self.next_at:
+        """Observe, and decide when a whole window is in; returns the decisions that changed a pool.
+        While ``paused()`` (a test's planner gate) it neither observes nor decides: its window starts after."""
+        if now < self.next_at or self.paused():
             return []
         self.next_at = now + self.interval_s
         snap = self.observe(now)

@@ -28,10 +28,12 @@ import sys
 import tempfile
 import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 from pdserve import defaults
 from pdserve.net import free_ports
+from pdserve.test_hooks import PLANNER_GATE_ENV, gate_closed, gate_dir
 
 from . import autoscale
 from .supervisor import RestartBackoff, ServerCannotStart, ServerExited, ServerProcess, Supervisor
@@ -72,7 +74,8 @@ class LocalCluster:
         self.autoscaler = None
         if self.scaling:
             self.autoscaler = autoscale.LocalAutoscaler(self, self.scaling, args.plan_interval, args.plan_window,
-                                                        events=self.log_dir / "autoscale.jsonl", say=say)
+                                                        events=self.log_dir / "autoscale.jsonl", say=say,
+                                                        paused=partial(gate_closed, gate_dir(PLANNER_GATE_ENV)))
 
     def servers(self, role: str) -> list[ServerProcess]:
         return [s for s in self.supervisor.servers if s.role == role]

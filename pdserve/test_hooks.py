@@ -7,6 +7,7 @@ set in production), read when the part that uses them is built or reached, never
 | ``PDSERVE_TEST_LAYER_GATE``            | the prefill's engine holds a P/D prompt after its first layer's KV was handed to the CacheStore, before it computes the next layer | prefill_server/decode_session.py |
 | ``PDSERVE_TEST_DECODE_GATE``           | the decode holds a P/D request before it joins its batch      | decode_server/session.py |
 | ``PDSERVE_TEST_KVPOOL_GATE``           | a KV-pool decode holds a pooled request once its loans are taken | kvpool/pooled.py |
+| ``PDSERVE_TEST_PLANNER_GATE``          | ``pdserve up --autoscale``'s planner neither observes nor decides until the gate opens | localcluster/up.py |
 | ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``   | every decode step with a running batch lasts at least this long | LsoController(step_floor_s=) |
 | ``PDSERVE_TEST_CORRUPT_KV=N``          | the prefill's CacheStore sender flips one byte of one layer of the next N requests | CacheStoreSender(corrupt_kv=N) |
 
@@ -31,6 +32,7 @@ PREFILL_GATE_ENV = "PDSERVE_TEST_GATE_AFTER_ALLOCATION"
 DECODE_GATE_ENV = "PDSERVE_TEST_DECODE_GATE"
 LAYER_GATE_ENV = "PDSERVE_TEST_LAYER_GATE"
 KVPOOL_GATE_ENV = "PDSERVE_TEST_KVPOOL_GATE"
+PLANNER_GATE_ENV = "PDSERVE_TEST_PLANNER_GATE"
 DECODE_STEP_FLOOR_ENV = "PDSERVE_TEST_DECODE_STEP_FLOOR_S"
 CORRUPT_KV_ENV = "PDSERVE_TEST_CORRUPT_KV"
 
@@ -38,6 +40,11 @@ CORRUPT_KV_ENV = "PDSERVE_TEST_CORRUPT_KV"
 def gate_dir(env: str) -> str:
     """The gate directory of one hook (``*_GATE_ENV``); "" when the hook is off."""
     return os.environ.get(env, "")
+
+
+def gate_closed(directory: str) -> bool:
+    """True while the gate at ``directory`` holds (a hook that is on and has no ``open`` file yet)."""
+    return bool(directory) and not os.path.exists(os.path.join(directory, "open"))
 
 
 def decode_step_floor_s() -> float:

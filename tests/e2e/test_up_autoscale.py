@@ -8,7 +8,8 @@ No test relies on a stream outlasting a timer: the decodes run behind a closed t
 (harness/decode_gate.py: each P/D stream is held on its decode, first token sent, blocks held,
 nothing decoded) until the event the test is about has happened (the planner drained a server
 that provably holds streams, a scale-up, a decode left discovery); then the gate opens and
-every stream must finish. The prefills' --session-timeout is raised so that a held stream is
+every stream must finish. In the scale-down tests the planner itself is behind a gate
+(harness/planner_gate.py) until the streams are placed, so it cannot drain a server first. The prefills' --session-timeout is raised so that a held stream is
 never failed by the prefill's relay timer (30 s of silence from the decode), however slow the box.
 """
 
@@ -22,6 +23,7 @@ import time
 import pytest
 
 from harness.decode_gate import DecodeGate
+from harness.planner_gate import PlannerGate
 from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
 from harness.procs import VENV_BIN
 from pdserve.net import free_port
@@ -117,12 +119,12 @@ def wait_for(what: str, check, timeout: float = HANG_GUARD_S, up=None, log=None)
     return value
 
 
-def held_everywhere(up, log, log_dir, role: str, count: str, gate: DecodeGate, n: int, runs) -> dict[str, int]:
+def held_everywhere(up, log, log_dir, role: str, count: str, gate: DecodeGate, n: int, runs,
+                    planner: PlannerGate) -> dict[str, int]:
     """Wait until the decodes hold all ``n`` streams (each with its first token at the client) and every
-    server of ``role`` has at least one in flight (``count`` of its /health), before the planner
-    drains any of them; returns the count per server. The planner cannot drain before it has watched
-    --plan-window plus --scale-down-window seconds of ``pdserve up`` serving (5 s here); placing the
-    streams takes well under a second: a failure here says the box was too slow for the premise."""
+    server of ``role`` has at least one in flight (``count`` of its /health), then open the planner's
+    gate: its first window starts with the streams in place, so what it drains provably holds streams.
+    Returns the count per server."""
     gate.wait_held(n, HANG_GUARD_S)
     wait_first_tokens(runs)
     members = {name: s for name, s in servers(log_dir).items() if s["role"] == role}
@@ -132,19 +134,20 @@ def held_everywhere(up, log, log_dir, role: str, count: str, gate: DecodeGate, n
         return counts if all(v >= 1 for v in counts.values()) else None
 
     counts = wait_for(f"every {role} holds a stream", every_one_holds, up=up, log=log)
-    assert f"draining {role}-" not in log.read_text(), "the planner drained before the streams were placed"
+    assert "[autoscale]" not in log.read_text(), "the planner acted behind its closed gate"
+    planner.open()
     return counts
 
 
 def test_a_decode_drained_by_scale_down_under_load_loses_no_stream(procs, tmp_path):
     # 2 decodes with big KV pools: 6 held streams fill a few percent of them, so the planner goes to one
     # decode (after watching 3 s) and drains the one with fewer streams, while both hold streams.
-    gate = DecodeGate(tmp_path / "decode-gate")
+    gate, planner = DecodeGate(tmp_path / "decode-gate"), PlannerGate(tmp_path / "planner-gate")
     up, port, log, log_dir = start_up(procs, tmp_path, "--prefill", "1", "--decode", "2", "--min-decode", "1",
                                       "--max-decode", "2", "--num-blocks", "2048", "--scale-down-window", "3", *HELD,
-                                      env=gate.env)
+                                      env={**gate.env, **planner.env})
     runs = start_streams(port, 6, TOKENS, "long stream")
-    held = held_everywhere(up, log, log_dir, "decode", "sessions", gate, 6, runs)
+    held = held_everywhere(up, log, log_dir, "decode", "sessions", gate, 6, runs, planner)
     assert sum(held.values()) == 6, held
     drained = wait_for("a decode drains", lambda: re.search(r"draining (decode-\d)", log.read_text()), up=up, log=log)
     victim = drained.group(1)
@@ -208,13 +211,13 @@ def test_a_decode_pool_out_of_kv_gets_another_decode_that_prefills_use(procs, tm
 def test_a_prefill_drained_by_scale_down_behind_the_router_loses_no_stream(procs, tmp_path):
     # 2 prefills behind the router, all but idle (busy ~0, the prompts are computed): the planner goes to
     # one prefill while both relay streams held on the decode.
-    gate = DecodeGate(tmp_path / "decode-gate")
+    gate, planner = DecodeGate(tmp_path / "decode-gate"), PlannerGate(tmp_path / "planner-gate")
     up, port, log, log_dir = start_up(procs, tmp_path, "--prefill", "2", "--min-prefill", "1", "--max-prefill", "2",
                                       "--decode", "1", "--max-decode", "1", "--num-blocks", "2048",
-                                      "--scale-down-window", "3", *HELD, env=gate.env)
+                                      "--scale-down-window", "3", *HELD, env={**gate.env, **planner.env})
     assert servers(log_dir)["router"]["state"] == "ready"
     runs = start_streams(port, 6, TOKENS, "routed stream")
-    held = held_everywhere(up, log, log_dir, "prefill", "in_flight", gate, 6, runs)
+    held = held_everywhere(up, log, log_dir, "prefill", "in_flight", gate, 6, runs, planner)
     assert sum(held.values()) == 6, held
     drained = wait_for("a prefill drains", lambda: re.search(r"draining (prefill-\d)", log.read_text()), up=up, log=log)
     victim = drained.group(1)

@@ -96,6 +96,32 @@ def test_a_full_decode_pool_gets_another_decode(tmp_path):
     scaler.close()
 
 
+def test_a_paused_planner_neither_observes_nor_decides_and_its_window_starts_after():
+    cluster = FakeCluster(decodes=2)                                # idle: a running planner would drain one
+    for m in (cluster.metrics["decode-0"], cluster.metrics["decode-1"]):
+        m.kv_blocks_used.set(2), m.kv_blocks_free.set(98)
+    fetched, gate = [], {"closed": True}
+
+    def fetch(url):
+        fetched.append(url)
+        return cluster.fetch(url)
+    scaler = autoscale.LocalAutoscaler(cluster, config(), interval_s=1.0, window_s=2.0, say=lambda line: None,
+                                       fetch=fetch, paused=lambda: gate["closed"])
+    assert run(scaler, cluster, [0.0, 1.0, 2.0, 3.0, 4.0]) == [] and fetched == [] and cluster.drained == []
+    gate["closed"] = False
+    assert run(scaler, cluster, [5.0, 6.0]) == []                   # a whole window from the opening first
+    assert [(d.pool, d.desired) for d in run(scaler, cluster, [7.0])] == [("decode", 1)]
+    scaler.close()
+
+
+def test_the_planner_gate_is_closed_only_while_on_and_not_opened(tmp_path):
+    from pdserve.test_hooks import gate_closed
+    assert not gate_closed("")                                       # the hook off: never held
+    assert gate_closed(str(tmp_path))
+    (tmp_path / "open").touch()
+    assert not gate_closed(str(tmp_path))
+
+
 def test_a_server_that_does_not_answer_is_left_out_of_the_round():
     cluster = FakeCluster(decodes=2)
     fetch = lambda url: None if url.endswith("decode-1") else cluster.fetch(url)  # noqa: E731
