@@ -13,6 +13,7 @@
   pdserve bench experiment long-context 10. KV pool over 3 decodes (DistKV-LLM): longest prompt, tokens/s, spill cost
   pdserve bench experiment eviction     11. LSO: interactive TBT with batch requests on the decode, eviction on/off
   pdserve bench experiment throughput   12. offline tokens/s: one process vs 2-stage PP (mixed batching) vs TD-Pipe
+  pdserve bench experiment trace-routing -  Mooncake's conversation trace: round robin vs least loaded vs prefix routing
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -41,6 +42,7 @@ EXPERIMENTS: dict[str, str] = {
     "tiers": "pdserve.bench.experiments.tiers",
     "long-context": "pdserve.bench.experiments.long_context",
     "throughput": "pdserve.bench.experiments.throughput",
+    "trace-routing": "pdserve.bench.experiments.trace_routing",
 }
 
 
