@@ -148,76 +148,119 @@ def isvc_status(isvc: dict, prefill: tuple[dict, dict] | None, decodes: list[tup
     router_problem: the worst problem of the router's pods, or None.
     With a router the endpoint is the router Service and Ready needs a ready router pod.
     """
-    meta = isvc["metadata"]
-    name, namespace = meta["name"], meta.get("namespace", "default")
     wanted = [d["name"] for d in isvc["spec"]["decode"]]
     by_pool = {p["spec"]["poolName"]: (p, s) for p, s in decodes}
+    current_decodes = [by_pool[n] for n in wanted if n in by_pool]  # in spec.decode's order
     router = router_status(isvc, router_deployment, router_problem)
-    router_here = router is not None and router_deployment is not None
-    # observedGeneration: the InferenceService generation every current pool was built from.
-    current = ([prefill] if prefill else []) + [by_pool[n] for n in wanted if n in by_pool]
-    current += [router] if router_here else []
-    built_from = [naming.owner_generation(p) for p, _ in current]
-    complete = prefill is not None and all(n in by_pool for n in wanted) and (router is None or router_here)
-    generation = min(built_from) if complete and None not in built_from else None
-    decode_summaries = [_summary(n, *by_pool[n]) for n in wanted if n in by_pool]
-    prefill_summary = _summary("prefill", *prefill) if prefill else {"name": "prefill", "replicas": 0,
-                                                                     "readyReplicas": 0, "ready": False}
+    built_router = router if router_deployment is not None else None  # the router once its Deployment exists
+    missing = _missing_pools(wanted, by_pool, prefill, router is not None and built_router is None)
+    current = ([prefill] if prefill else []) + current_decodes + ([built_router] if built_router else [])
+    generation = _observed_generation(current, missing)
+    prefill_summary = _prefill_summary(prefill)
+    decode_summaries = [_summary(p["spec"]["poolName"], p, s) for p, s in current_decodes]
     router_summary = _summary("router", *router) if router else None
-    missing = [n for n in wanted if n not in by_pool] + ([] if prefill else ["prefill"])
-    missing += ["router"] if router is not None and not router_here else []
-    ready_decodes = [d["name"] for d in decode_summaries if d["ready"]]
-
-    if missing:
-        ready = condition("Ready", False, "PoolsMissing", "pools not created yet: " + ", ".join(missing), generation)
-    elif not prefill_summary["ready"]:
-        ready = condition("Ready", False, "PrefillNotReady", "no prefill pod is ready", generation)
-    elif not ready_decodes:
-        ready = condition("Ready", False, "NoDecodePoolReady", "no decode pool has a ready pod", generation)
-    elif router_summary is not None and not router_summary["ready"]:
-        ready = condition("Ready", False, "RouterNotReady", "no router pod is ready (the endpoint is the router)",
-                          generation)
-    else:
-        ready = condition("Ready", True, "Serving", "prefill ready; decode pools ready: " + ", ".join(ready_decodes)
-                          + ("; router ready" if router_summary else ""), generation)
-
-    statuses = ([("prefill", prefill[1])] if prefill else []) + [(p["spec"]["poolName"], s) for p, s in decodes]
-    statuses += [("router", router[1])] if router_here else []
-    rolling = [n for n, s in statuses if _is_true(s, "Progressing")] + missing
-    progressing = condition("Progressing", bool(rolling), "PoolsRollingOut" if rolling else "Stable",
-                            ("rolling out or scaling: " + ", ".join(rolling)) if rolling else "all pools settled",
-                            generation)
-
-    degraded_pools = [(n, _condition(s, "Degraded")) for n, s in statuses if _is_true(s, "Degraded")]
     summaries = [prefill_summary, *decode_summaries, *([router_summary] if router_summary else [])]
-    idle = [s["name"] for s in summaries if s["replicas"] > 0 and not s["ready"]]
-    if degraded_pools:
-        degraded = condition("Degraded", True, degraded_pools[0][1].get("reason") or "PoolDegraded",
-                             "; ".join(f"{n}: {c.get('message') or c.get('reason')}" for n, c in degraded_pools),
-                             generation)
-    elif ready["status"] == "True" and idle:
-        degraded = condition("Degraded", True, "PoolUnavailable", "pools without a ready pod: " + ", ".join(idle),
-                             generation)
-    else:
-        degraded = condition("Degraded", False, "AsExpected", "", generation)
+    statuses = _existing_statuses(prefill, decodes, built_router)
 
-    decode_ready = sum(d["readyReplicas"] for d in decode_summaries)
-    decode_desired = sum(d["replicas"] for d in decode_summaries)
-    protocol = (prefill[0]["spec"].get("protocolVersion") if prefill else None)
-    front_door = naming.router_name(name) if router else naming.prefill_name(name)
+    ready = _ready_condition(missing, prefill_summary, decode_summaries, router_summary, generation)
     status = {
-        "endpoint": f"http://{front_door}.{namespace}.svc:{defaults.HTTP_PORT}",
-        "prefillReady": f"{prefill_summary['readyReplicas']}/{prefill_summary['replicas']}",
-        "decodeReady": f"{decode_ready}/{decode_desired}",
-        # None removes the field (status is merge-patched) once the router is scaled to 0
-        "routerReady": f"{router_summary['readyReplicas']}/{router_summary['replicas']}" if router_summary else None,
+        "endpoint": _endpoint(isvc, router is not None),
+        **_ready_counts(prefill_summary, decode_summaries, router_summary),
         "prefill": prefill_summary,
         "decode": decode_summaries,
         "router": router_summary,
-        "conditions": [ready, progressing, degraded],
+        "conditions": [ready, _progressing_condition(statuses, missing, generation),
+                       _degraded_condition(statuses, summaries, ready["status"] == "True", generation)],
     }
+    protocol = prefill[0]["spec"].get("protocolVersion") if prefill else None
     if protocol:
         status["protocolVersion"] = protocol
     if generation is not None:
         status["observedGeneration"] = generation
     return status
+
+
+def _prefill_summary(prefill: tuple[dict, dict] | None) -> dict:
+    """The prefill pool's summary; no pods, not ready, while the pool does not exist yet."""
+    if prefill is None:
+        return {"name": "prefill", "replicas": 0, "readyReplicas": 0, "ready": False}
+    return _summary("prefill", *prefill)
+
+
+def _missing_pools(wanted: list[str], decodes: dict[str, tuple[dict, dict]], prefill: tuple[dict, dict] | None,
+                   router_missing: bool) -> list[str]:
+    """The pools not created yet: wanted decode pools (spec.decode's order), then prefill, then router."""
+    return ([n for n in wanted if n not in decodes] + ([] if prefill else ["prefill"])
+            + (["router"] if router_missing else []))
+
+
+def _observed_generation(current: list[tuple[dict, dict]], missing: list[str]) -> int | None:
+    """The InferenceService generation every current pool was built from (the oldest of their owner
+    generations); None while a pool is missing or one does not say what it was built from."""
+    built_from = [naming.owner_generation(pool) for pool, _ in current]
+    return None if missing or None in built_from else min(built_from)
+
+
+def _existing_statuses(prefill: tuple[dict, dict] | None, decodes: list[tuple[dict, dict]],
+                       router: tuple[dict, dict] | None) -> list[tuple[str, dict]]:
+    """(name, status) of every pool that exists, the order conditions name them in: prefill, the decode
+    pools as given (one no longer in spec.decode too, until it is deleted), router."""
+    return ([("prefill", prefill[1])] if prefill else []) + [(p["spec"]["poolName"], s) for p, s in decodes] + (
+        [("router", router[1])] if router else [])
+
+
+def _ready_condition(missing: list[str], prefill: dict, decodes: list[dict], router: dict | None,
+                     generation: int | None) -> dict:
+    """Ready, from the pool summaries: every pool created, a prefill pod ready, a decode pool with a ready
+    pod and, with a router, a router pod (the first that fails is the reason)."""
+    ready_decodes = [d["name"] for d in decodes if d["ready"]]
+    if missing:
+        return condition("Ready", False, "PoolsMissing", "pools not created yet: " + ", ".join(missing), generation)
+    if not prefill["ready"]:
+        return condition("Ready", False, "PrefillNotReady", "no prefill pod is ready", generation)
+    if not ready_decodes:
+        return condition("Ready", False, "NoDecodePoolReady", "no decode pool has a ready pod", generation)
+    if router is not None and not router["ready"]:
+        return condition("Ready", False, "RouterNotReady", "no router pod is ready (the endpoint is the router)",
+                         generation)
+    return condition("Ready", True, "Serving", "prefill ready; decode pools ready: " + ", ".join(ready_decodes)
+                     + ("; router ready" if router else ""), generation)
+
+
+def _progressing_condition(statuses: list[tuple[str, dict]], missing: list[str], generation: int | None) -> dict:
+    """Progressing while a pool rolls out or scales, or is still to be created."""
+    rolling = [n for n, s in statuses if _is_true(s, "Progressing")] + missing
+    return condition("Progressing", bool(rolling), "PoolsRollingOut" if rolling else "Stable",
+                     ("rolling out or scaling: " + ", ".join(rolling)) if rolling else "all pools settled", generation)
+
+
+def _degraded_condition(statuses: list[tuple[str, dict]], summaries: list[dict], ready: bool,
+                        generation: int | None) -> dict:
+    """Degraded: the first degraded pool's reason with every degraded pool's message; else PoolUnavailable
+    when the service is Ready but a pool that should serve has no ready pod."""
+    degraded = [(n, _condition(s, "Degraded")) for n, s in statuses if _is_true(s, "Degraded")]
+    if degraded:
+        return condition("Degraded", True, degraded[0][1].get("reason") or "PoolDegraded",
+                         "; ".join(f"{n}: {c.get('message') or c.get('reason')}" for n, c in degraded), generation)
+    idle = [s["name"] for s in summaries if s["replicas"] > 0 and not s["ready"]]
+    if ready and idle:
+        return condition("Degraded", True, "PoolUnavailable", "pools without a ready pod: " + ", ".join(idle),
+                         generation)
+    return condition("Degraded", False, "AsExpected", "", generation)
+
+
+def _ready_counts(prefill: dict, decodes: list[dict], router: dict | None) -> dict:
+    """"ready/wanted" pods of the prefill pool, of all decode pools together, and of the router."""
+    return {
+        "prefillReady": f"{prefill['readyReplicas']}/{prefill['replicas']}",
+        "decodeReady": f"{sum(d['readyReplicas'] for d in decodes)}/{sum(d['replicas'] for d in decodes)}",
+        # None removes the field (status is merge-patched) once the router is scaled to 0
+        "routerReady": f"{router['readyReplicas']}/{router['replicas']}" if router else None,
+    }
+
+
+def _endpoint(isvc: dict, has_router: bool) -> str:
+    """The InferenceService's URL in the cluster: its router Service, or without a router its prefill Service."""
+    meta = isvc["metadata"]
+    front_door = naming.router_name(meta["name"]) if has_router else naming.prefill_name(meta["name"])
+    return f"http://{front_door}.{meta.get('namespace', 'default')}.svc:{defaults.HTTP_PORT}"
