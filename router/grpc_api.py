@@ -107,6 +107,15 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
         if not await relay.rank():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no prefill is routable")
         upstream = _Upstream(request, context)
+        try:
+            async for response in self._relayed(relay, upstream):
+                yield response
+        except _Abort as end:  # the request is counted and released first: then the client gets its status
+            await context.abort(end.code, end.details)
+
+    async def _relayed(self, relay, upstream: _Upstream):
+        """``_relay``'s responses, the whole of the request's passage (``with relay``); a call that must end with
+        a status raises ``_Abort`` once the request's outcome is set."""
         with relay:
             while (attempt := await relay.next_attempt()) is not None:
                 with attempt:
@@ -125,7 +134,7 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
                             continue
                         if not (exc.code() in WENT_AWAY and upstream.sent):  # the prefill's own answer
                             relay.finish("error", f"grpc_{exc.code().name.lower()}")
-                            await context.abort(exc.code(), exc.details() or f"prefill {attempt.address}: {exc.code().name}")
+                            raise _Abort(exc.code(), exc.details() or f"prefill {attempt.address}: {exc.code().name}")
                         log.warning("prefill %s failed mid-stream: %s", attempt.address, _why(exc))
                         attempt.broke()
                         broke = exc
@@ -135,12 +144,11 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
                         yield response
                 return
             relay.finish("error", "prefill_unreachable")
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"no prefill could take the request (tried {relay.tried_text()})")
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"no prefill could take the request (tried {relay.tried_text()})")
 
     async def _after_break(self, relay, upstream: _Upstream, address: str, broke: grpc.aio.AioRpcError):
-        """Resume the stream on another prefill (``relay.next_resume``), response by response; or abort the call
-        with the broken prefill's status, why it was not resumed in its message."""
+        """Resume the stream on another prefill (``relay.next_resume``), response by response; or end the call
+        (``_Abort``) with the broken prefill's status, why it was not resumed in its message."""
         resumable = upstream.can_resume
         why_not = None if resumable else "the stream cannot be resumed"
         if upstream.finished:  # only the call's status was missing: the client has the whole stream
@@ -163,7 +171,7 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
                     if isinstance(exc, grpc.aio.AioRpcError) and upstream.resumed_sent and exc.code() not in WENT_AWAY:
                         relay.resumed(None)  # it went on, then gave its own verdict: relayed, as the first's
                         relay.finish("error", f"grpc_{exc.code().name.lower()}")
-                        await upstream.context.abort(exc.code(), exc.details() or f"prefill {attempt.address}")
+                        raise _Abort(exc.code(), exc.details() or f"prefill {attempt.address}")
                     attempt.broke(f"{attempt.address}: {_why(exc)}")
                     log.warning("prefill %s failed resuming a gRPC stream: %s", attempt.address, _why(exc))
                     if upstream.finished:  # its finish response went out: the client has the whole stream
@@ -172,7 +180,15 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
         if why_not is not None:
             message = f"prefill {address} failed mid-stream: {_why(broke)}"
             log.warning("%s; not resumed: %s", message, why_not)
-            await upstream.context.abort(broke.code(), f"{message}; not resumed: {why_not}")
+            raise _Abort(broke.code(), f"{message}; not resumed: {why_not}")
+
+
+class _Abort(Exception):
+    """The status a relayed call ends with, raised inside the request's passage and given to the client after it."""
+
+    def __init__(self, code: grpc.StatusCode, details: str):
+        super().__init__(details)
+        self.code, self.details = code, details
 
 
 class _Upstream:
