@@ -55,6 +55,9 @@ def _fraction(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.kv_pool and getattr(args, "engine", "builtin") == "vllm":
+        raise SystemExit("pdserve decode: --kv-pool needs the built-in engine: vLLM's engine (--engine vllm) "
+                         "cannot lend or borrow KV blocks")
     ensure_engine_environment(args)
     setup_logging(args.log_level, "decode")
     return asyncio.run(serve(args))

@@ -48,7 +48,7 @@ from pdserve.kv_events import KvEventPublisher, KvEventsServicer
 from pdserve.metrics import EngineLoad, ServerMetrics
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 from pdserve.protos import session_pb2_grpc as pb_grpc
-from pdserve.server_setup import ServerEngine, attach_kv_events, build_server_engine, follow_tier_metrics
+from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics
 
 from .service import DecodeService
 
@@ -104,7 +104,7 @@ async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_siz
     return kv_events
 
 
-async def start_receiver(parts: ServerEngine, metrics: ServerMetrics, transport: str, host: str, port: int,
+async def start_receiver(parts: ServerParts, metrics: ServerMetrics, transport: str, host: str, port: int,
                          advertise_host: str | None, require_checksum: bool) -> CacheStoreReceiver:
     """The CacheStore receiver on the engine's KV pool, started."""
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=transport, host=host,

@@ -1,10 +1,10 @@
 """pdserve.engine: the model runtime both servers share. It imports nothing else of pdserve.
 
 Reading path (read in this order):
-  ``llm_engine.py``   LLMEngine: the façade (colocated ``add_request``/``step``, the P/D hooks)
+  ``llm_engine.py``   LLMEngine: colocated ``add_request``/``step``; builds the parts below, holds ``pd``
   ``scheduler.py``    Scheduler: the request table, waiting/running queues, admission, preemption
   ``block_manager.py``BlockManager: ref counts, chained block hashes, prefix-reuse LRU (pure Python)
-  ``pd_hooks.py``     PDHooks: prefill_only/prefill_many/release, reserve/add_prefilled; who frees
+  ``pd_hooks.py``     PDHooks (``engine.pd``): prefill_only/prefill_many/release, reserve/add_prefilled; who frees
   ``model_runner.py`` ModelRunner: sequences -> ForwardBatch (ids, positions, KV slots) -> tokens
   ``outputs.py``      OutputProcessor: EOS/stop ids, stop strings (``stop_strings.py``), RequestOutput
   ``sequence.py``     Sequence, RequestOutput, SequenceFactory (request validation)
@@ -18,8 +18,8 @@ Reading path (read in this order):
   ``sampling.py``     SamplingParams (validated) and the batched Sampler; ``token_logprobs``
   ``grammar.py``      constrained decoding (xgrammar): GrammarSpec, Grammars, a Matcher per sequence
   ``logprobs.py``     TokenLogprob (torch-free)
-  ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, for asyncio servers
   ``server_engine.py`` ServerEngine: what the servers call on an engine (this one and vLLM's implement it)
+  ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, the built-in ServerEngine
   ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)
@@ -68,39 +68,42 @@ Colocated::
         # prompt tokens already generated under it (a resumed request)
     engine.abort(request_id)    # frees its blocks; True if it knew the request
 
+P/D: the primitives are ``engine.pd`` (PDHooks, pd_hooks.py), on the thread that steps the engine.
+
 P/D, prefill side::
 
-    first = engine.prefill_only(request_id, prompt_token_ids, sampling, on_layer=cb)  # -> int token id
+    first = engine.pd.prefill_only(request_id, prompt_token_ids, sampling, on_layer=cb)  # -> int token id
         # cb(layer_idx, block_ids) on the engine thread right after that layer's KV is written;
         # block_ids = all the prompt's blocks (KV of token t is in block_ids[t // block_size]).
         # Raises OutOfBlocksError if the blocks are not free now (caller may retry or fall back).
-    firsts = engine.prefill_many([(rid, ids, sampling), ...], on_layer=cb2)  # one forward, {rid: token}
+    firsts = engine.pd.prefill_many([(rid, ids, sampling), ...], on_layer=cb2)  # one forward, {rid: token}
         # cb2(layer_idx, {rid: block_ids}); all or nothing on errors
-    engine.prefill_logprob(request_id)  # the first token's TokenLogprob (None unless asked), before release
-    engine.prefill_prompt_logprobs(request_id)  # the prompt's logprobs (None unless asked), before release
-    engine.release(request_id)  # the caller frees the blocks once the KV is sent
-    engine.prefill_counters     # (prompt tokens computed by prefill_only/many, seconds): measured throughput
+    engine.pd.prefill_logprob(request_id)  # the first token's TokenLogprob (None unless asked), before release
+    engine.pd.prefill_prompt_logprobs(request_id)  # the prompt's logprobs (None unless asked), before release
+    engine.pd.release(request_id)  # the caller frees the blocks once the KV is sent
+    engine.pd.prefill_counters  # (prompt tokens computed by prefill_only/many, seconds): measured throughput
 
 P/D, decode side::
 
-    block_ids = engine.reserve(request_id, num_prompt_tokens, max_tokens)
+    block_ids = engine.pd.reserve(request_id, num_prompt_tokens, max_tokens)
         # blocks for prompt + max_tokens up front, so a P/D request is never preempted;
         # OutOfBlocksError(reason) if impossible; PromptTooLongError.
         # The prompt's KV must be written into block_ids[:blocks_needed(num_prompt_tokens, block_size)].
-    block_ids, cached = engine.reserve_prefix(request_id, prompt_token_ids, max_tokens)
+    block_ids, cached = engine.pd.reserve_prefix(request_id, prompt_token_ids, max_tokens)
         # reserve, reusing the longest cached prefix (<= (n-1)//block_size blocks): the first
         # cached // block_size blocks already hold that KV (shared, pinned by the reservation);
         # write only the rest, into block_ids[cached // block_size : blocks_needed(n, block_size)].
-    engine.add_prefilled(request_id, prompt_token_ids, first_token_id, sampling)
+    engine.pd.add_prefilled(request_id, prompt_token_ids, first_token_id, sampling)
         # joins the running batch; outputs start AFTER first_token_id (prefill reported it).
         # If first_token_id already ends the request, the next step reports finished, no tokens.
-    engine.prefill_reserved(request_id, prompt_token_ids, sampling)
+    engine.pd.prefill_reserved(request_id, prompt_token_ids, sampling)
         # or: compute the prompt's missing KV here in the next step, then decode (every token is output)
     engine.abort(request_id)    # also frees a reservation that never got add_prefilled
 
 Seeded sampling depends only on (seed, position), so P/D gives the colocated tokens.
 
-asyncio (one background engine thread, thread-safe submission; see async_engine.py)::
+asyncio (one background engine thread, thread-safe submission; see async_engine.py; the calls the
+servers make, declared in server_engine.py)::
 
     aeng = AsyncLLMEngine(engine); await aeng.start()
     async for out in aeng.generate(req_id, ids, sampling): ...

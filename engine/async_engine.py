@@ -1,9 +1,12 @@
-"""AsyncLLMEngine: the LLMEngine on one background thread, driven from asyncio.
+"""AsyncLLMEngine: the LLMEngine on one background thread, driven from asyncio; the built-in
+implementation of ``server_engine.py: ServerEngine``, what the prefill and decode servers call.
 
-Every engine call runs on the engine thread (LLMEngine is not thread-safe); coroutines submit
-work through a thread-safe queue and get results through asyncio futures/queues (the queue,
-the calls and the output streams are engine_thread.py's). The thread runs ``step()`` whenever
-requests are running and sleeps on the queue otherwise.
+Each call runs on the engine thread (LLMEngine is not thread-safe) and is there the LLMEngine's
+own method (``add_request``, ``abort``) or its P/D primitive (``engine.pd``: ``pd_hooks.py``),
+with nothing in between. Coroutines submit work through a thread-safe queue and get results
+through asyncio futures/queues (the queue, the calls and the output streams are
+engine_thread.py's). The thread runs ``step()`` whenever requests are running and sleeps on the
+queue otherwise.
 
 Lifecycle and who frees what:
 - ``generate`` / ``add_prefilled`` stream RequestOutputs until one is finished. If the consumer
@@ -29,7 +32,7 @@ trip to the engine thread:
   effect of its own awaited calls; the value may lag the engine by at most the step or
   call now running.
 - ``num_requests()``: requests holding engine state, published the same way.
-- ``prefill_counters()``: (prompt tokens computed by prefill_only/many, seconds), the same way.
+- ``prefill_counters()``: (prompt tokens computed by prefill_only, seconds), the same way.
 - ``swapped()``: (requests swapped out to host memory, their bytes), the same way.
 - ``tier_stats()``: the KV tiers' running totals (hits, bytes, time), the same way.
 Never touch ``engine`` (the LLMEngine) itself from another thread; a plain thread (not the
@@ -68,7 +71,7 @@ class AsyncLLMEngine(EngineThread):
         self._free_blocks = engine.num_free_blocks()
         self._num_requests = engine.num_requests()
         self._prefix_hit_tokens = engine.prefix_hit_tokens()
-        self._prefill_counters = engine.prefill_counters
+        self._prefill_counters = engine.pd.prefill_counters
         self._swapped = (0, 0)
         # request id -> (first token's TokenLogprob, prompt logprobs) of a held prefill_only request
         # that asked for either; written on the engine thread before prefill_only's awaiter resumes
@@ -103,7 +106,7 @@ class AsyncLLMEngine(EngineThread):
             return self._tier_stats
 
     def prefill_counters(self) -> tuple[int, float]:
-        """(prompt tokens prefill_only/many computed, seconds of their forward passes), as last published."""
+        """(prompt tokens prefill_only computed, seconds of their forward passes), as last published."""
         with self._published:
             return self._prefill_counters
 
@@ -131,47 +134,36 @@ class AsyncLLMEngine(EngineThread):
         sampling: SamplingParams,
         on_layer: Callable[[int, list[int]], None] | None = None,
     ) -> int:
-        """LLMEngine.prefill_only on the engine thread (``on_layer`` is called on that thread)."""
+        """``engine.pd.prefill_only`` on the engine thread (``on_layer`` is called on that thread)."""
         return await self._call(self._prefill_only, request_id, prompt_token_ids, sampling, on_layer)
-
-    async def prefill_many(
-        self,
-        requests: list[tuple[str, list[int], SamplingParams]],
-        on_layer: Callable[[int, dict[str, list[int]]], None] | None = None,
-    ) -> dict[str, int]:
-        """LLMEngine.prefill_many (several prompts, one forward) on the engine thread."""
-        return await self._call(self.engine.prefill_many, requests, on_layer)
 
     async def prefill_logprob(self, request_id: str):
         """The first token's TokenLogprob of a held prefill_only request (None unless it asked)."""
         if request_id in self._prefill_logprobs:
             return self._prefill_logprobs[request_id][0]
-        return await self._call(self.engine.prefill_logprob, request_id)
+        return await self._call(self.engine.pd.prefill_logprob, request_id)
 
     async def prefill_prompt_logprobs(self, request_id: str) -> list | None:
         """The prompt logprobs of a held prefill_only request (None unless it asked ``prompt_logprobs``)."""
         if request_id in self._prefill_logprobs:
             return self._prefill_logprobs[request_id][1]
-        return await self._call(self.engine.prefill_prompt_logprobs, request_id)
-
-    async def prefill_block_ids(self, request_id: str) -> list[int]:
-        return await self._call(self.engine.prefill_block_ids, request_id)
+        return await self._call(self.engine.pd.prefill_prompt_logprobs, request_id)
 
     async def release(self, request_id: str) -> None:
         self._prefill_logprobs.pop(request_id, None)
-        await self._call(self.engine.release, request_id)
+        await self._call(self.engine.pd.release, request_id)
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
-        return await self._call(self.engine.reserve, request_id, num_prompt_tokens, max_tokens)
+        return await self._call(self.engine.pd.reserve, request_id, num_prompt_tokens, max_tokens)
 
     async def reserve_prefix(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
-        return await self._call(self.engine.reserve_prefix, request_id, prompt_token_ids, max_tokens)
+        return await self._call(self.engine.pd.reserve_prefix, request_id, prompt_token_ids, max_tokens)
 
     async def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Join a reserved request to the batch and stream the tokens after the first one."""
-        async for out in self._stream(request_id, self.engine.add_prefilled, request_id, prompt_token_ids,
+        async for out in self._stream(request_id, self.engine.pd.add_prefilled, request_id, prompt_token_ids,
                                       first_token_id, sampling):
             yield out
 
@@ -179,7 +171,8 @@ class AsyncLLMEngine(EngineThread):
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         """Compute a reserved request's missing prompt KV here, then decode: streams every token."""
-        async for out in self._stream(request_id, self.engine.prefill_reserved, request_id, prompt_token_ids, sampling):
+        async for out in self._stream(request_id, self.engine.pd.prefill_reserved, request_id, prompt_token_ids,
+                                      sampling):
             yield out
 
     async def stats(self) -> dict:
@@ -204,16 +197,16 @@ class AsyncLLMEngine(EngineThread):
         return self.engine.abort(request_id)
 
     def _prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, on_layer) -> int:
-        first = self.engine.prefill_only(request_id, prompt_token_ids, sampling, on_layer)
+        pd = self.engine.pd
+        first = pd.prefill_only(request_id, prompt_token_ids, sampling, on_layer)
         if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
-            self._prefill_logprobs[request_id] = (self.engine.prefill_logprob(request_id),
-                                                  self.engine.prefill_prompt_logprobs(request_id))
+            self._prefill_logprobs[request_id] = (pd.prefill_logprob(request_id), pd.prefill_prompt_logprobs(request_id))
         return first
 
     def _publish(self) -> None:
         """On the engine thread: make the engine's counts readable from other threads."""
         e = self.engine
-        free, requests, hits, counters = e.num_free_blocks(), e.num_requests(), e.prefix_hit_tokens(), e.prefill_counters
+        free, requests, hits, counters = e.num_free_blocks(), e.num_requests(), e.prefix_hit_tokens(), e.pd.prefill_counters
         swapped = (len(e.swapper.swapped_ids()), e.swapper.swapped_bytes())
         tiers = e.tier_stats() if e.tiers is not None else self._tier_stats
         with self._published:

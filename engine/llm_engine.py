@@ -1,4 +1,4 @@
-"""LLMEngine: continuous batching over a paged KV cache, plus the P/D hooks (the façade).
+"""LLMEngine: continuous batching over a paged KV cache; its P/D primitives are ``engine.pd``.
 
 Colocated path (the baseline and the prefill server's local fallback)::
 
@@ -12,9 +12,9 @@ waiting requests FIFO while blocks, ``max_num_seqs`` and the prefill token budge
 request that does not fit waits; one that could never fit is refused by ``add_request``),
 (3) runs ONE forward over all of them (prefills and decodes together) and samples.
 
-P/D hooks (``prefill_only``, ``prefill_many``, ``release``; ``reserve``, ``reserve_prefix``,
-``add_prefilled``, ``prefill_reserved``):
-see ``pd_hooks.py`` and ``engine/__init__.py`` for the contract.
+P/D: ``engine.pd`` (a ``PDHooks``, ``pd_hooks.py``) holds ``prefill_only``, ``prefill_many``,
+``release``; ``reserve``, ``reserve_prefix``, ``add_prefilled``, ``prefill_reserved`` and their
+contract, over this engine's scheduler, runner and outputs; ``abort`` here frees what they hold.
 
 The parts, each in its own module: ``Scheduler`` (queues, admission, preemption),
 ``ModelRunner`` (batch building, forward, sampling), ``OutputProcessor`` (stops, text,
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Callable
 
 from .block_manager import BlockManager, blocks_needed
 from .decode_graphs import DecodeGraphs
@@ -117,6 +116,7 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.outputs.eos_ids)
         self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, self.tokenizer.detokenizer,
                                        config.detokenize, self.scheduler.in_use, self.grammars)
+        # the P/D primitives, called as engine.pd.reserve(...) etc. (pd_hooks.py)
         self.pd = PDHooks(self.scheduler, self.runner, self.factory, self.outputs, self.max_model_len)
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
 
@@ -239,85 +239,3 @@ class LLMEngine:
             elif seq.pending_ids or seq.pending_text:
                 outputs.append(take_output(seq))
         return outputs
-
-    # ---- P/D (see pd_hooks.py) -------------------------------------------------------------
-    def prefill_only(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        on_layer: Callable[[int, list[int]], None] | None = None,
-    ) -> int:
-        """Compute the prompt's KV into local blocks and return the first generated token.
-
-        ``on_layer(layer_idx, block_ids)`` is called on this thread right after each layer's
-        KV is written; ``block_ids`` are all the prompt's blocks (prefix-cache hits included).
-        The blocks stay held until ``release(request_id)``. Raises OutOfBlocksError when the
-        prompt's blocks are not free now, PromptTooLongError, ValueError. On any error
-        (including one raised by ``on_layer``) the blocks are freed before it propagates.
-        """
-        cb = None if on_layer is None else (lambda layer, tables: on_layer(layer, tables[request_id]))
-        return self.prefill_many([(request_id, prompt_token_ids, sampling)], cb)[request_id]
-
-    def prefill_many(
-        self,
-        requests: list[tuple[str, list[int], SamplingParams]],
-        on_layer: Callable[[int, dict[str, list[int]]], None] | None = None,
-    ) -> dict[str, int]:
-        """``prefill_only`` for several prompts in ONE forward pass: request id -> first token.
-
-        ``on_layer(layer_idx, {request_id: block_ids})`` after each layer's KV is written.
-        All or nothing: if any prompt is invalid or its blocks are not free, nothing is held
-        and the error propagates. Each request's blocks are held until ``release``.
-        """
-        return self.pd.prefill_many(requests, on_layer)
-
-    def prefill_block_ids(self, request_id: str) -> list[int]:
-        """The blocks a prefill_only request holds (its prompt's KV)."""
-        return self.pd.prefill_block_ids(request_id)
-
-    def prefill_logprob(self, request_id: str):
-        """The first token's TokenLogprob of a prefill_only request still held (None unless it asked)."""
-        return self.pd.prefill_logprob(request_id)
-
-    def prefill_prompt_logprobs(self, request_id: str) -> list | None:
-        """The prompt logprobs of a prefill_only request still held (None unless it asked
-        ``prompt_logprobs``): one entry per prompt token, None for the first."""
-        return self.pd.prefill_prompt_logprobs(request_id)
-
-    def release(self, request_id: str) -> None:
-        """Free the blocks of a prefill_only request (after its KV was sent). Unknown ids are ignored."""
-        self.pd.release(request_id)
-
-    def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
-        """Take blocks for prompt + max_tokens now; the prompt's KV goes into the first
-        ``ceil(num_prompt_tokens / block_size)`` of the returned ids. Raises OutOfBlocksError
-        (with the reason) or PromptTooLongError. Freed by ``abort`` or when the request finishes."""
-        return self.pd.reserve(request_id, num_prompt_tokens, max_tokens)
-
-    def reserve_prefix(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
-        """``reserve`` that first reuses the prompt's longest cached prefix: (block ids, cached tokens).
-        The leading ``cached // block_size`` blocks already hold that KV (pinned by the reservation);
-        only the rest of the prompt's KV must be written, into the blocks after them."""
-        return self.pd.reserve_prefix(request_id, prompt_token_ids, max_tokens)
-
-    def prefill_reserved(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Join a reserved request to the running batch to compute its prompt's missing KV here; its
-        outputs start with the first generated token (nothing was sampled elsewhere)."""
-        self.pd.prefill_reserved(request_id, prompt_token_ids, sampling)
-
-    @property
-    def prefill_counters(self) -> tuple[int, float]:
-        """(prompt tokens computed by prefill_only/prefill_many, seconds their forward passes took)."""
-        return self.pd.prefill_tokens, self.pd.prefill_seconds
-
-    def add_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams
-    ) -> None:
-        """Join a reserved request whose prompt KV is in its blocks to the running batch.
-
-        The first token was already reported by prefill: outputs start after it. If the first
-        token already ends the request (EOS, stop, max_tokens=1), the next ``step`` reports it
-        finished with no tokens and frees the blocks.
-        """
-        self.pd.add_prefilled(request_id, prompt_token_ids, first_token_id, sampling)

@@ -1,5 +1,10 @@
 """PDHooks: the engine's prefill/decode disaggregation primitives, on each side.
 
+An LLMEngine builds one and holds it as ``engine.pd``; these methods are the implementation
+(LLMEngine does not repeat them). Call them on the thread that steps the engine: AsyncLLMEngine
+runs them on its engine thread, kvpool and the synchronous tests call them directly. A
+request's blocks are freed by ``LLMEngine.abort`` too, wherever it is.
+
 Prefill side (the prompt's KV is computed here and sent elsewhere):
 - ``prefill_many`` (and ``prefill_only`` for one prompt) computes prompts' KV into local
   blocks in ONE forward pass, calling ``on_layer(layer_idx, {request_id: block_ids})`` on this
@@ -8,8 +13,9 @@ Prefill side (the prompt's KV is computed here and sent elsewhere):
   logprobs for ``prefill_prompt_logprobs``). All or nothing: on any error (bad input, blocks
   not free now, ``on_layer`` raising) every block taken is freed before the error propagates.
 - Who frees: the caller, with ``release(request_id)`` once the KV is sent (or ``abort``).
-- ``prefill_tokens`` / ``prefill_seconds``: prompt tokens computed by ``prefill_many`` (prefix
-  hits excluded) and the seconds its forward passes took, summed (the measured throughput).
+- ``prefill_counters``: (``prefill_tokens``, ``prefill_seconds``): prompt tokens computed by
+  ``prefill_many`` (prefix hits excluded) and the seconds its forward passes took, summed (the
+  measured throughput).
 
 Decode side (the prompt's KV arrives from elsewhere):
 - ``reserve`` takes blocks for prompt + max_tokens up front, so the request is never
@@ -54,7 +60,30 @@ class PDHooks:
         self.prefill_tokens = 0  # prompt tokens computed by prefill_many (prefix hits excluded)
         self.prefill_seconds = 0.0  # time its forward passes took
 
+    @property
+    def prefill_counters(self) -> tuple[int, float]:
+        """(prompt tokens computed by prefill_only/prefill_many, seconds their forward passes took)."""
+        return self.prefill_tokens, self.prefill_seconds
+
     # ---- prefill side ----------------------------------------------------------------------
+    def prefill_only(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        on_layer: Callable[[int, list[int]], None] | None = None,
+    ) -> int:
+        """Compute one prompt's KV into local blocks and return the first generated token.
+
+        ``on_layer(layer_idx, block_ids)`` is called on this thread right after each layer's
+        KV is written; ``block_ids`` are all the prompt's blocks (prefix-cache hits included).
+        The blocks stay held until ``release(request_id)``. Raises OutOfBlocksError when the
+        prompt's blocks are not free now, PromptTooLongError, ValueError. On any error
+        (including one raised by ``on_layer``) the blocks are freed before it propagates.
+        """
+        cb = None if on_layer is None else (lambda layer, tables: on_layer(layer, tables[request_id]))
+        return self.prefill_many([(request_id, prompt_token_ids, sampling)], cb)[request_id]
+
     def prefill_many(
         self,
         requests: list[tuple[str, list[int], SamplingParams]],
@@ -100,7 +129,8 @@ class PDHooks:
         return self.scheduler.seqs[request_id].first_logprob
 
     def prefill_prompt_logprobs(self, request_id: str) -> list | None:
-        """The prompt logprobs of a held prefill_many request (None unless it asked)."""
+        """The prompt logprobs of a held prefill_many request (None unless it asked ``prompt_logprobs``):
+        one entry per prompt token, None for the first."""
         return self.scheduler.seqs[request_id].prompt_logprobs
 
     def release(self, request_id: str) -> None:

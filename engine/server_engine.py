@@ -1,19 +1,28 @@
 """ServerEngine: what the prefill and decode servers call on an engine, declared once.
 
-Two engines implement it: the built-in one (``async_engine.AsyncLLMEngine``) and vLLM's
-(``vllm_backend/engine.py: VllmAsyncEngine``); ``tests/unit/test_server_engine.py`` checks that
-both have every member below with the same parameters. The lifecycle and who frees what are
-``async_engine.py``'s docstring; in short:
+Two engines implement it, each as the one object the servers get: the built-in
+``async_engine.AsyncLLMEngine`` (which runs ``LLMEngine`` and its ``engine.pd`` primitives on its
+engine thread) and vLLM's ``vllm_backend/engine.py: VllmAsyncEngine``.
+``tests/unit/test_server_engine.py`` checks that both have every member below with the same
+parameters and the same kind (coroutine, stream, plain call). The members are the calls found
+in ``prefill_server/``, ``decode_server/`` and ``pdserve/server_setup.py``; the lifecycle and
+who frees what are ``async_engine.py``'s docstring; in short:
 
-* colocated: ``generate`` streams a request's outputs;
-* prefill side of P/D: ``prefill_only`` / ``prefill_many`` compute prompts (``on_layer`` is called
-  on the engine thread after each layer, for the layer-wise KV push) and hold their blocks until
-  ``release``; ``prefill_logprob`` / ``prefill_prompt_logprobs`` read what the prompt's pass gave;
+* ``start`` / ``stop``: the engine thread (``stop`` aborts whatever is still held);
+* colocated: ``generate`` streams a request's outputs (the prefill's local fallback);
+* prefill side of P/D: ``prefill_only`` computes a prompt (``on_layer`` is called on the engine
+  thread after each layer, for the layer-wise KV push) and holds its blocks until ``release``;
+  ``prefill_logprob`` / ``prefill_prompt_logprobs`` read what the prompt's pass gave;
 * decode side: ``reserve`` / ``reserve_prefix`` hold blocks for a request whose KV is coming, then
   ``add_prefilled`` (the prefill computed the prompt) or ``prefill_reserved`` (compute the blocks
   this decode lacks) joins it to the batch and streams its tokens;
 * ``abort`` frees whatever a request holds; the plain reads (``num_free_blocks`` and the others
   without ``async``) answer from any thread without a trip to the engine thread.
+
+Not declared, because only one engine has them and the caller checks which it has: the built-in
+engine's ``engine`` (the LLMEngine: the KV pool's tensor for the CacheStore, its block manager's
+KV events, kvpool's ``EngineOnThread``), ``call_blocking`` (kvpool) and ``after_step`` (the
+decode's LSO eviction); vLLM's ``publish_kv_events`` (``server_setup.attach_kv_events``).
 """
 
 from __future__ import annotations
@@ -27,6 +36,13 @@ from .sequence import RequestOutput
 class ServerEngine(Protocol):
     num_blocks: int  # the KV pool's size in blocks (constant)
 
+    # ----- lifecycle ---------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+
+    async def stop(self) -> None:
+        """Abort every request still held and join the engine thread."""
+
     # ----- colocated ---------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
@@ -36,10 +52,6 @@ class ServerEngine(Protocol):
     async def prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                            on_layer: Callable[[int, list[int]], None] | None = None) -> int:
         """Compute the prompt, hold its blocks until ``release``; the first token id."""
-
-    async def prefill_many(self, requests: list[tuple[str, list[int], SamplingParams]],
-                           on_layer: Callable[[int, dict[str, list[int]]], None] | None = None) -> dict[str, int]:
-        """Several prompts in one forward pass; request id -> first token id."""
 
     async def prefill_logprob(self, request_id: str):
         """The first token's logprob of a held prompt (None unless its sampling asked)."""

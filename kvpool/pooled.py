@@ -117,7 +117,7 @@ class PooledRequest:
             if keep < 0:
                 raise OutOfBlocksError(f"request {request_id!r}: its {max_tokens} generated tokens need "
                                        f"{blocks_needed(max_tokens, bs)} local blocks, {free} are free")
-            table = self.engine.reserve(local_id, max(keep + max_tokens - 1, 1), 1)  # keep + max_tokens slots
+            table = self.engine.pd.reserve(local_id, max(keep + max_tokens - 1, 1), 1)  # keep + max_tokens slots
         self.local_id, self.keep, self.local_blocks, self.table = local_id, keep, len(table), list(table)
         self.rows = self.kv.table_rows(torch.tensor(table)).reshape(-1)
         overflow = n_prompt - keep

@@ -68,7 +68,7 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
             if n == 0:
                 return kvpool_pb2.LendReply(refusal=f"no lendable blocks (reserve {self.book.reserve})")
             try:
-                ids = self.engine.reserve(LOAN_PREFIX + request.request_id, n * bs - 1, 1)
+                ids = self.engine.pd.reserve(LOAN_PREFIX + request.request_id, n * bs - 1, 1)
             except (OutOfBlocksError, ValueError) as e:
                 return kvpool_pb2.LendReply(refusal=str(e))
             self.book.add(Loan(request.request_id, request.borrower, ids, 0, time.monotonic()))

@@ -251,7 +251,7 @@ def measure_gpu_memory(loaded, engine_config, cuda=None) -> GpuMemory:
     cuda.reset_peak_memory_stats(device)
     before = cuda.memory_allocated(device)
     try:
-        probe.prefill_many(prompts)
+        probe.pd.prefill_many(prompts)
         cuda.synchronize(device)
     except torch.OutOfMemoryError:
         raise ValueError(f"the profiling forward of {sum(lengths)} tokens ran out of memory on {device} "
@@ -259,7 +259,7 @@ def measure_gpu_memory(loaded, engine_config, cuda=None) -> GpuMemory:
                          "lower --max-num-seqs or --max-model-len, or use a larger GPU") from None
     peak = cuda.max_memory_allocated(device) - before
     for request_id, _, _ in prompts:
-        probe.release(request_id)
+        probe.pd.release(request_id)
     del probe
     gc.collect()  # the throwaway engine's KV tensor, whatever cycles hold it
     cuda.empty_cache()

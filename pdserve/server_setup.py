@@ -5,10 +5,11 @@ Start-up contract (both ``pdserve prefill`` and ``pdserve decode``):
 
 1. ``add_server_arguments(parser, ...)`` - the flags every server takes: --host,
    --drain-timeout and the model/engine/transfer group (model, dtype, block size, ...).
-2. ``build_server_engine(args)`` - --device checked and --dtype's default filled in, the model,
-   the KV pool sized from --num-blocks / --kv-cache-memory / --gpu-memory-utilization
-   (``kv_sizing.py``; one INFO line says how), the AsyncLLMEngine (not started yet) and the
-   KV pool's facts read once, before the engine thread runs: the memory region the
+2. ``build_server_engine(args)`` -> ``ServerParts`` - --device checked and --dtype's default
+   filled in, the model, the KV pool sized from --num-blocks / --kv-cache-memory /
+   --gpu-memory-utilization (``kv_sizing.py``; one INFO line says how), the engine (a
+   ``pdserve.engine.server_engine.ServerEngine``: the AsyncLLMEngine, or vLLM's; not started
+   yet) and the KV pool's facts read once, before the engine thread runs: the memory region the
    CacheStore registers once, its layout and compat info, and the compat message the
    Session carries.
 3. ``wait_for_stop_signal()`` then ``drain(count, grace)`` - stop admitting, let what is
@@ -30,7 +31,7 @@ from pdserve.cachestore.checksum import default_on as checksum_default_on
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
-    from pdserve.engine import AsyncLLMEngine, LLMEngine, LoadedModel
+    from pdserve.engine import LLMEngine, LoadedModel, server_engine
     from pdserve.protos import session_pb2 as pb
 
 
@@ -200,11 +201,11 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
 
 
 @dataclass(slots=True)
-class ServerEngine:
+class ServerParts:
     """The engine of one server process and the facts of its KV pool, read at start-up."""
 
     loaded: LoadedModel
-    engine: AsyncLLMEngine  # not started: the caller awaits engine.start()
+    engine: server_engine.ServerEngine  # AsyncLLMEngine or vLLM's; not started: the caller awaits engine.start()
     max_model_len: int
     model_name: str  # what clients put in "model"
     region: MemoryRegion  # the KV pool tensor, registered once by the CacheStore
@@ -218,7 +219,7 @@ class ServerEngine:
         return self.layout.block_nbytes * self.layout.num_layers
 
 
-def build_server_engine(args, role: str = "prefill") -> ServerEngine:
+def build_server_engine(args, role: str = "prefill") -> ServerParts:
     """Model, engine and KV facts from the flags; the KV pool is read here, before the
     engine thread starts (the engine is not started). ``--engine vllm``: vLLM's engine behind
     the same calls (``role`` "prefill" or "decode" sets its prefix cache)."""
@@ -233,8 +234,8 @@ def build_server_engine(args, role: str = "prefill") -> ServerEngine:
     loaded, llm, max_len = load_engine(args)
     model_name = served_model_name(args)
     region, layout, compat = kv_parts(llm, args)
-    return ServerEngine(loaded, AsyncLLMEngine(llm), max_len, model_name, region, layout, compat,
-                        compat_message(llm, args, model_name))
+    return ServerParts(loaded, AsyncLLMEngine(llm), max_len, model_name, region, layout, compat,
+                       compat_message(llm, args, model_name))
 
 
 def ensure_engine_environment(args) -> None:
@@ -262,7 +263,7 @@ def attach_kv_events(engine, publisher) -> None:
         engine.publish_kv_events(publisher)
 
 
-def follow_tier_metrics(metrics, engine: AsyncLLMEngine) -> None:
+def follow_tier_metrics(metrics, engine: server_engine.ServerEngine) -> None:
     """The pdserve_kv_tier_* metrics follow the engine's KV tiers (read at each scrape); none without tiers."""
     for tier in engine.tier_stats():
         def read(field: str, tier: str = tier):

@@ -54,7 +54,7 @@ from pdserve.metrics import EngineLoad, ServerMetrics
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
-from pdserve.server_setup import ServerEngine, attach_kv_events, build_server_engine, follow_tier_metrics
+from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics
 from pdserve.slo import GlobalQueue
 
 from . import tokenizer_api
@@ -132,7 +132,7 @@ async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_siz
     return kv_events
 
 
-async def start_sender(parts: ServerEngine, transport: str, scheduler: str, checksum: bool,
+async def start_sender(parts: ServerParts, transport: str, scheduler: str, checksum: bool,
                        stall_timeout_s: float) -> CacheStoreSender:
     """The CacheStore sender on the engine's KV pool, started."""
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=transport, scheduler=scheduler,

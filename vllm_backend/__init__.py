@@ -15,8 +15,8 @@ Request lifecycle over P/D (the Session, picker, router and SLO code are the bui
 
 Reading path:
   ``env.py``        where vLLM's environment is; re-running the command there (``bootstrap.py``)
-  ``server.py``     the ServerEngine of --engine vllm: vLLM built in-process, its KV memory as the region
-  ``engine.py``     VllmAsyncEngine: the AsyncLLMEngine calls the servers make, mapped onto vLLM
+  ``server.py``     the ServerParts of --engine vllm: vLLM built in-process, its KV memory as the region
+  ``engine.py``     VllmAsyncEngine: the ServerEngine calls (engine/server_engine.py) mapped onto vLLM
   ``connector.py``  PdserveConnector (KVConnectorBase_V1): the scheduler and worker hooks
   ``bridge.py``     Bridge: the state those three share in the one process
   ``logprobs.py``   vLLM's per-token and prompt logprobs in the built-in engine's shape (TokenLogprob)

@@ -1,6 +1,7 @@
 """VllmAsyncEngine: vLLM's engine (in-process, one CPU worker) behind the calls pdserve's
-servers make of ``pdserve.engine.AsyncLLMEngine``, so the Session, picker, router and SLO code
-run unchanged over it.
+servers make of an engine (``pdserve/engine/server_engine.py: ServerEngine``, which the built-in
+``AsyncLLMEngine`` implements too), so the Session, picker, router and SLO code run unchanged
+over it.
 
 Every vLLM call runs on one engine thread (vllm_thread.py); coroutines submit work through
 a queue and get results through asyncio futures/queues (as AsyncLLMEngine). The thread steps
@@ -155,12 +156,6 @@ class VllmAsyncEngine(VllmEngineThread):
         fut = loop.create_future()
         await self._call(self._add_prefill, request_id, list(prompt_token_ids), sampling, on_layer, (loop, fut))
         return await fut
-
-    async def prefill_many(self, requests, on_layer=None) -> dict[str, int]:
-        def one(rid):
-            return None if on_layer is None else (lambda layer, ids: on_layer(layer, {rid: ids}))
-        firsts = await asyncio.gather(*(self.prefill_only(rid, ids, sp, one(rid)) for rid, ids, sp in requests))
-        return {rid: t for (rid, _, _), t in zip(requests, firsts)}
 
     async def prefill_logprob(self, request_id: str):
         """The first token's TokenLogprob of a prefill_only request still held (None unless it asked)."""

@@ -1,4 +1,5 @@
-"""``build_vllm_server_engine(args, role)``: the ServerEngine of ``pdserve prefill|decode --engine vllm``.
+"""``build_vllm_server_engine(args, role)``: the ServerParts (engine and KV pool facts) of
+``pdserve prefill|decode --engine vllm``.
 
 vLLM's engine is built in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler,
 the one CPU worker and PdserveConnector share the process and its ``Bridge``) from the same
@@ -25,7 +26,7 @@ import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
-from pdserve.server_setup import ServerEngine, served_model_name
+from pdserve.server_setup import ServerParts, served_model_name
 
 from .bridge import BRIDGES, Bridge
 
@@ -67,7 +68,7 @@ def vllm_kv_cache_args(args, bytes_per_block: int) -> tuple[dict, str]:
             f"{why} (num_gpu_blocks_override {blocks + 1} with vLLM's null block)")
 
 
-def build_vllm_server_engine(args, role: str) -> ServerEngine:
+def build_vllm_server_engine(args, role: str) -> ServerParts:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     # vLLM-CPU binds its OpenMP threads itself (by default to a NUMA node's cores, whatever taskset
@@ -144,4 +145,4 @@ def build_vllm_server_engine(args, role: str) -> ServerEngine:
     tokenizer = HFTokenizer(path, cfg.eos_token_ids)
     engine = VllmAsyncEngine(llm, bridge, max_model_len=max_len, eos_token_ids=tuple(cfg.eos_token_ids))
     loaded = SimpleNamespace(name=path.name, config=cfg, tokenizer=tokenizer)
-    return ServerEngine(loaded, engine, max_len, model_name, region, layout, compat, message)
+    return ServerParts(loaded, engine, max_len, model_name, region, layout, compat, message)

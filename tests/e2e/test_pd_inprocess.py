@@ -142,15 +142,15 @@ def test_first_token_leaves_while_the_prefill_engine_thread_is_busy():
     delta must come while it waits, and the blocks are released once the thread is free again."""
     async def main():
         async with Pair() as pair:
-            engine, gate = pair.p_engine.engine, threading.Event()
-            compute = engine.prefill_only
+            pd, gate = pair.p_engine.engine.pd, threading.Event()
+            compute = pd.prefill_only
 
             def prefill_then_busy(*args, **kwargs):  # on the engine thread
                 first = compute(*args, **kwargs)
                 pair.p_engine._calls.put((gate.wait, (30.0,), None))  # "the next prompt", queued behind this one
                 return first
 
-            engine.prefill_only = prefill_then_busy
+            pd.prefill_only = prefill_then_busy
             gen = pair.node.generate("a", [256, *b"hello"], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
             try:
                 first = await asyncio.wait_for(gen.__anext__(), 20.0)

@@ -40,16 +40,16 @@ def run_pd(
     out: dict[str, list[int]] = {}
     for rid, (ids, sp) in requests.items():
         if reuse:
-            dst, cached = decode.reserve_prefix(rid, ids, sp.max_tokens)
+            dst, cached = decode.pd.reserve_prefix(rid, ids, sp.max_tokens)
         else:
-            dst, cached = decode.reserve(rid, len(ids), sp.max_tokens), 0
+            dst, cached = decode.pd.reserve(rid, len(ids), sp.max_tokens), 0
         c, n = cached // decode.block_size, blocks_needed(len(ids), prefill.block_size)
         last_moved[rid] = n - c
-        first = prefill.prefill_only(
+        first = prefill.pd.prefill_only(
             rid, ids, sp, on_layer=lambda layer, src: copy_layer_blocks(prefill, src[c:n], decode, dst[c:n], layer)
         )
-        prefill.release(rid)
-        decode.add_prefilled(rid, ids, first, sp)
+        prefill.pd.release(rid)
+        decode.pd.add_prefilled(rid, ids, first, sp)
         finished_at_first = (not sp.ignore_eos and first in decode.eos_ids) or first in sp.stop_token_ids
         out[rid] = [] if finished_at_first else [first]
     while decode.has_unfinished():

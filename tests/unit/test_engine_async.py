@@ -219,10 +219,10 @@ def test_call_blocking_runs_on_the_engine_thread_from_another_thread(tiny):
 
         def from_a_thread():
             seen["thread"] = aeng.call_blocking(lambda: threading.current_thread().name)
-            seen["blocks"] = aeng.call_blocking(aeng.engine.reserve, "loan:x", 20, 4, timeout=10)
+            seen["blocks"] = aeng.call_blocking(aeng.engine.pd.reserve, "loan:x", 20, 4, timeout=10)
             seen["free_after"] = aeng.num_free_blocks()
             try:
-                aeng.call_blocking(aeng.engine.reserve, "loan:x", 20, 4, timeout=10)
+                aeng.call_blocking(aeng.engine.pd.reserve, "loan:x", 20, 4, timeout=10)
             except ValueError as exc:
                 seen["error"] = str(exc)
             seen["aborted"] = aeng.call_blocking(aeng.engine.abort, "loan:x", timeout=10)

@@ -83,8 +83,8 @@ def test_prefix_cache_hit_equals_miss(tiny):
 def test_layer_by_layer_equals_fused_and_kv_is_written_before_callback(tiny):
     p = _prompts(tiny)[1]
     fused = _engine(tiny)
-    first_fused = fused.prefill_only("r", p, GREEDY)
-    blocks_fused = fused.prefill_block_ids("r")
+    first_fused = fused.pd.prefill_only("r", p, GREEDY)
+    blocks_fused = fused.pd.prefill_block_ids("r")
 
     layered = _engine(tiny)
     seen, marks = [], []
@@ -102,13 +102,13 @@ def test_layer_by_layer_equals_fused_and_kv_is_written_before_callback(tiny):
             assert not kv.layer(layer + 1)[block_ids].any()
         seen.append((layer, list(block_ids)))
 
-    first_layered = layered.prefill_only("r", p, GREEDY, on_layer=on_layer)
+    first_layered = layered.pd.prefill_only("r", p, GREEDY, on_layer=on_layer)
     assert first_layered == first_fused
     assert [layer for layer, _ in seen] == list(range(tiny.config.num_layers))
     assert all(b == blocks_fused for _, b in seen)
     assert torch.equal(layered.kv_cache.tensor, fused.kv_cache.tensor)
     for e in (fused, layered):
-        e.release("r")
+        e.pd.release("r")
         assert e.num_free_blocks() == e.num_blocks and e.num_requests() == 0
 
 
@@ -129,10 +129,10 @@ def test_pd_first_token_finishes_the_request(tiny):
     p = _prompts(tiny)[0]
     prefill, decode = _engine(tiny), _engine(tiny)
     sp = SamplingParams(max_tokens=1, temperature=0)
-    decode.reserve("r", len(p), 1)
-    first = prefill.prefill_only("r", p, sp)
-    prefill.release("r")
-    decode.add_prefilled("r", p, first, sp)
+    decode.pd.reserve("r", len(p), 1)
+    first = prefill.pd.prefill_only("r", p, sp)
+    prefill.pd.release("r")
+    decode.pd.add_prefilled("r", p, first, sp)
     outs = decode.step()
     assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason == "length" and outs[0].new_token_ids == []
     assert decode.num_free_blocks() == decode.num_blocks and not decode.has_unfinished()
@@ -154,20 +154,20 @@ def test_preemption_gives_the_same_tokens(tiny):
 def test_prefill_many_equals_one_by_one(tiny):
     prompts = _prompts(tiny)
     single = _engine(tiny)
-    firsts = {str(i): single.prefill_only(str(i), p, SEEDED) for i, p in enumerate(prompts)}
+    firsts = {str(i): single.pd.prefill_only(str(i), p, SEEDED) for i, p in enumerate(prompts)}
     many = _engine(tiny)
     calls = []
-    got = many.prefill_many([(str(i), p, SEEDED) for i, p in enumerate(prompts)], on_layer=lambda l, t: calls.append((l, t)))
+    got = many.pd.prefill_many([(str(i), p, SEEDED) for i, p in enumerate(prompts)], on_layer=lambda l, t: calls.append((l, t)))
     assert got == firsts
     assert [l for l, _ in calls] == list(range(tiny.config.num_layers))  # one forward for all
     for i in range(len(prompts)):
         rid = str(i)
-        assert calls[0][1][rid] == many.prefill_block_ids(rid)
-        a = single.kv_cache.tensor[:, single.prefill_block_ids(rid)]
-        b = many.kv_cache.tensor[:, many.prefill_block_ids(rid)]
+        assert calls[0][1][rid] == many.pd.prefill_block_ids(rid)
+        a = single.kv_cache.tensor[:, single.pd.prefill_block_ids(rid)]
+        b = many.kv_cache.tensor[:, many.pd.prefill_block_ids(rid)]
         assert torch.allclose(a, b, atol=1e-6)
-        single.release(rid)
-        many.release(rid)
+        single.pd.release(rid)
+        many.pd.release(rid)
     assert many.num_free_blocks() == many.num_blocks and many.num_requests() == 0
 
 

@@ -104,9 +104,9 @@ def test_prompt_too_long_names_the_lengths(tiny):
     with pytest.raises(PromptTooLongError, match="prompt has 100 tokens but the maximum context length is 100"):
         engine.add_request("a", long_prompt, SP)
     with pytest.raises(PromptTooLongError):
-        engine.prefill_only("b", long_prompt, SP)
+        engine.pd.prefill_only("b", long_prompt, SP)
     with pytest.raises(PromptTooLongError):
-        engine.reserve("c", 100, 8)
+        engine.pd.reserve("c", 100, 8)
     with pytest.raises(ValueError, match="exceeds the model's context length 2048"):
         LLMEngine(tiny, EngineConfig(num_blocks=4, max_model_len=4096))
     _assert_idle(engine)
@@ -122,7 +122,7 @@ def test_bad_prompt_and_request_ids(tiny):
     with pytest.raises(ValueError, match="'a' is already in use"):
         engine.add_request("a", [1, 2], SP)
     with pytest.raises(ValueError, match="has no reservation"):
-        engine.add_prefilled("zzz", [1, 2], 3, SP)
+        engine.pd.add_prefilled("zzz", [1, 2], 3, SP)
     assert engine.abort("a") and not engine.abort("a")
     _assert_idle(engine)
 
@@ -161,10 +161,10 @@ def test_out_of_blocks_request_waits_and_others_are_unaffected(tiny):
 
 def test_reserve_refuses_with_reason_and_changes_nothing(tiny):
     engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=16))
-    ids = engine.reserve("a", 50, 14)  # 64 tokens -> 4 blocks
+    ids = engine.pd.reserve("a", 50, 14)  # 64 tokens -> 4 blocks
     assert len(ids) == 4
     with pytest.raises(OutOfBlocksError, match="need 5 free KV blocks .* only 4 are free") as err:
-        engine.reserve("b", 60, 20)
+        engine.pd.reserve("b", 60, 20)
     assert "only 4 are free" in err.value.reason
     assert engine.num_free_blocks() == 4
     assert engine.abort("a")
@@ -173,9 +173,9 @@ def test_reserve_refuses_with_reason_and_changes_nothing(tiny):
 
 def test_prefill_only_out_of_blocks_frees_nothing_it_did_not_take(tiny):
     engine = LLMEngine(tiny, EngineConfig(num_blocks=2, block_size=16))
-    held = engine.reserve("other", 20, 4)
+    held = engine.pd.reserve("other", 20, 4)
     with pytest.raises(OutOfBlocksError):
-        engine.prefill_only("p", [65] * 20, SP)
+        engine.pd.prefill_only("p", [65] * 20, SP)
     assert engine.num_free_blocks() == 0 and engine.num_requests() == 1
     engine.abort("other")
     assert held and engine.num_free_blocks() == 2
@@ -189,7 +189,7 @@ def test_failing_callback_frees_blocks(tiny):
             raise ConnectionError("peer went away")
 
     with pytest.raises(ConnectionError):
-        engine.prefill_only("p", [65] * 40, SP, on_layer=boom)
+        engine.pd.prefill_only("p", [65] * 40, SP, on_layer=boom)
     _assert_idle(engine)
 
 
@@ -223,11 +223,11 @@ def test_bad_engine_config():
 def test_prefill_many_is_all_or_nothing(tiny):
     engine = LLMEngine(tiny, EngineConfig(num_blocks=3, block_size=16))
     with pytest.raises(OutOfBlocksError):
-        engine.prefill_many([("a", [65] * 20, SP), ("b", [66] * 20, SP)])  # 2 + 2 blocks > 3
+        engine.pd.prefill_many([("a", [65] * 20, SP), ("b", [66] * 20, SP)])  # 2 + 2 blocks > 3
     _assert_idle(engine)
     with pytest.raises(ValueError, match="appears twice"):
-        engine.prefill_many([("a", [65] * 5, SP), ("a", [66] * 5, SP)])
+        engine.pd.prefill_many([("a", [65] * 5, SP), ("a", [66] * 5, SP)])
     _assert_idle(engine)
     with pytest.raises(PromptTooLongError):
-        engine.prefill_many([("a", [65] * 5, SP), ("b", [66] * 5000, SP)])
+        engine.pd.prefill_many([("a", [65] * 5, SP), ("b", [66] * 5000, SP)])
     _assert_idle(engine)

@@ -78,16 +78,16 @@ def test_logprobs_ordered_and_the_same_on_the_prefill_path(engine):
     # P/D in one engine: prefill_only reports the first token's logprob; the KV moves (copied here)
     # into a reservation whose add_prefilled outputs the rest, each token with its own logprob
     sp = SamplingParams(max_tokens=4, temperature=0, logprobs=3)
-    first = engine.prefill_only("p", PROMPT, sp)
-    got = engine.prefill_logprob("p")
-    src = engine.prefill_block_ids("p")
-    dst = engine.reserve("d", len(PROMPT), 4)
+    first = engine.pd.prefill_only("p", PROMPT, sp)
+    got = engine.pd.prefill_logprob("p")
+    src = engine.pd.prefill_block_ids("p")
+    dst = engine.pd.reserve("d", len(PROMPT), 4)
     n = blocks_needed(len(PROMPT), engine.block_size)
     engine.kv_cache.tensor[:, dst[:n]] = engine.kv_cache.tensor[:, src[:n]]
-    engine.release("p")
+    engine.pd.release("p")
     assert first == tokens[0] and got.logprob == pytest.approx(lps[0].logprob, abs=1e-5)
     assert [t for t, _ in got.top] == [t for t, _ in lps[0].top]
-    engine.add_prefilled("d", PROMPT, first, sp)
+    engine.pd.add_prefilled("d", PROMPT, first, sp)
     rest, rest_lps = [], []
     while engine.has_unfinished():
         for out in engine.step():

@@ -25,8 +25,8 @@ def _turns(tiny):
 
 def _local(decode, rid, ids, sp):
     """prefill_reserved after reserve_prefix: every token comes out of the decode's steps."""
-    _, cached = decode.reserve_prefix(rid, ids, sp.max_tokens)
-    decode.prefill_reserved(rid, ids, sp)
+    _, cached = decode.pd.reserve_prefix(rid, ids, sp.max_tokens)
+    decode.pd.prefill_reserved(rid, ids, sp)
     got = []
     while decode.has_unfinished():
         for o in decode.step():
@@ -67,13 +67,13 @@ def test_reserved_prefix_is_pinned_until_the_request_ends(tiny):
     decode = _engine(tiny, num_blocks=24)
     run_pd(_engine(tiny), decode, {"t1": (turn1, GREEDY)}, reuse=True)
     cached_before = decode.block_manager.num_cached_blocks()
-    table, cached = decode.reserve_prefix("t2", turn2, 2)
+    table, cached = decode.pd.reserve_prefix("t2", turn2, 2)
     reused = table[: cached // BS]
     assert reused and all(decode.block_manager.ref_count(b) == 1 for b in reused)
     # fill the pool: the reused blocks are not free, so no allocation can evict them
     filler, _ = decode.block_manager.allocate([], decode.num_free_blocks() * BS, use_prefix_cache=False)
     with pytest.raises(OutOfBlocksError):
-        decode.reserve("other", 1, 1)
+        decode.pd.reserve("other", 1, 1)
     assert decode.block_manager.match_prefix(turn2)[: len(reused)] == reused
     decode.block_manager.free(filler)  # the unpinned cached blocks were evicted by the filler
     assert decode.block_manager.num_cached_blocks() < cached_before
@@ -86,29 +86,29 @@ def test_a_prompt_that_does_not_match_the_reused_prefix_is_refused(tiny):
     turn1, turn2 = _turns(tiny)
     decode = _engine(tiny)
     run_pd(_engine(tiny), decode, {"t1": (turn1, GREEDY)}, reuse=True)
-    _, cached = decode.reserve_prefix("t2", turn2, 4)
+    _, cached = decode.pd.reserve_prefix("t2", turn2, 4)
     assert cached > 0
     other = [t + 1 for t in turn2]
-    for call in (lambda: decode.add_prefilled("t2", other, 5, GREEDY), lambda: decode.prefill_reserved("t2", other, GREEDY)):
+    for call in (lambda: decode.pd.add_prefilled("t2", other, 5, GREEDY), lambda: decode.pd.prefill_reserved("t2", other, GREEDY)):
         with pytest.raises(ValueError, match="does not start with"):
             call()
     assert decode.num_requests() == 1  # still reserved; abort frees it
     decode.abort("t2")
     assert decode.num_free_blocks() == decode.num_blocks and decode.num_requests() == 0
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        decode.reserve_prefix("bad", [10**9], 4)
+        decode.pd.reserve_prefix("bad", [10**9], 4)
     assert decode.num_requests() == 0
 
 
 def test_prefill_counters_count_computed_tokens_only(tiny):
     turn1, _ = _turns(tiny)
     prefill = _engine(tiny)
-    assert prefill.prefill_counters == (0, 0.0)
-    prefill.prefill_only("a", turn1, GREEDY)
-    prefill.release("a")
-    tokens, seconds = prefill.prefill_counters
+    assert prefill.pd.prefill_counters == (0, 0.0)
+    prefill.pd.prefill_only("a", turn1, GREEDY)
+    prefill.pd.release("a")
+    tokens, seconds = prefill.pd.prefill_counters
     assert tokens == len(turn1) and seconds > 0
-    prefill.prefill_only("b", turn1, GREEDY)  # all but the last block come from its prefix cache
-    prefill.release("b")
+    prefill.pd.prefill_only("b", turn1, GREEDY)  # all but the last block come from its prefix cache
+    prefill.pd.release("b")
     cached = (len(turn1) - 1) // BS * BS
-    assert prefill.prefill_counters[0] == tokens + len(turn1) - cached
+    assert prefill.pd.prefill_counters[0] == tokens + len(turn1) - cached

@@ -112,15 +112,15 @@ def test_a_cached_prefix_is_not_reused_by_a_request_that_wants_them(loaded, engi
 def test_prefill_only_path_keeps_them_until_release(loaded, engine):
     _run(engine, [("warm", PROMPT, SamplingParams(max_tokens=1, temperature=0))])  # a cached prefix to ignore
     sp = SamplingParams(max_tokens=3, temperature=0, logprobs=1, prompt_logprobs=2)
-    firsts = engine.prefill_many([("p", PROMPT, sp), ("q", PROMPT[:30], SamplingParams(max_tokens=1, temperature=0))])
-    _check(loaded, PROMPT, engine.prefill_prompt_logprobs("p"), 2)
-    assert engine.prefill_prompt_logprobs("q") is None
+    firsts = engine.pd.prefill_many([("p", PROMPT, sp), ("q", PROMPT[:30], SamplingParams(max_tokens=1, temperature=0))])
+    _check(loaded, PROMPT, engine.pd.prefill_prompt_logprobs("p"), 2)
+    assert engine.pd.prefill_prompt_logprobs("q") is None
     colocated = _run(engine, [("c", PROMPT, sp)])["c"]
     assert firsts["p"] == colocated[0].new_token_ids[0]
-    assert [lp.logprob for lp in engine.prefill_prompt_logprobs("p")[1:]] == pytest.approx(
+    assert [lp.logprob for lp in engine.pd.prefill_prompt_logprobs("p")[1:]] == pytest.approx(
         [lp.logprob for lp in colocated[0].prompt_logprobs[1:]], abs=1e-5)
-    engine.release("p")
-    engine.release("q")
+    engine.pd.release("p")
+    engine.pd.release("q")
     assert engine.num_free_blocks() == engine.num_blocks and engine.num_requests() == 0
 
 

@@ -63,22 +63,22 @@ def test_prefill_and_decode_paths_hit_from_tiers(tiny, tmp_path):
     # prefill side: prefill_only reuses the tiered prefix and gives the same first token
     prefill = _engine(tiny, tmp_path / "p", host_blocks=2, disk_blocks=64)
     for i, ids in enumerate([first, *others]):
-        prefill.prefill_only(f"p{i}", ids, GREEDY)
-        prefill.release(f"p{i}")
-    computed_before, hit_before = prefill.prefill_counters[0], prefill.prefix_hit_tokens()
-    assert prefill.prefill_only("pf", follow, GREEDY) == expected[0]
-    prefill.release("pf")
+        prefill.pd.prefill_only(f"p{i}", ids, GREEDY)
+        prefill.pd.release(f"p{i}")
+    computed_before, hit_before = prefill.pd.prefill_counters[0], prefill.prefix_hit_tokens()
+    assert prefill.pd.prefill_only("pf", follow, GREEDY) == expected[0]
+    prefill.pd.release("pf")
     stats = prefill.tier_stats()
     reused = prefill.prefix_hit_tokens() - hit_before
     assert stats["disk"].hits > 0 and reused >= (stats["disk"].hits + stats["host"].hits) * BS
-    assert prefill.prefill_counters[0] - computed_before == len(follow) - reused  # the tier blocks were not computed
+    assert prefill.pd.prefill_counters[0] - computed_before == len(follow) - reused  # the tier blocks were not computed
     # decode side: reserve_prefix restores the prefix, prefill_reserved computes the rest
     decode = _engine(tiny, tmp_path / "d", host_blocks=64)
     for i, ids in enumerate([first, *others]):
         run_all(decode, {f"d{i}": (ids, GREEDY)})
-    _, cached = decode.reserve_prefix("df", follow, GREEDY.max_tokens)
+    _, cached = decode.pd.reserve_prefix("df", follow, GREEDY.max_tokens)
     assert cached >= decode.tier_stats()["host"].hits * BS > 0
-    decode.prefill_reserved("df", follow, GREEDY)
+    decode.pd.prefill_reserved("df", follow, GREEDY)
     got = []
     while decode.has_unfinished():
         for o in decode.step():

@@ -55,7 +55,7 @@ ALLOWED: dict[str, set[str]] = {
     # wire are gRPC (protos); defaults and free ports from the runtime.
     "kvpool": {"engine", "protos", "runtime"},
     # vLLM as the servers' engine (--engine vllm): the engine's request types and errors, the
-    # CacheStore's region/layout, the Compat message, the runtime's ServerEngine. The runtime
+    # CacheStore's region/layout, the Compat message, the runtime's ServerParts. The runtime
     # reaches it only by module name, lazily (server_setup.VLLM_SERVER_MODULE).
     "vllm_backend": {"engine", "cachestore", "protos", "runtime"},
     # The Batch API and TD-Pipe: a line answers what the prefill's online endpoint would, so it

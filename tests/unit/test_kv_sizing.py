@@ -275,3 +275,13 @@ def test_help_explains_each_flag():
     assert "activation peak" in lines["--gpu-memory-utilization"]
     assert "bfloat16 on --device cuda, float32 on cpu" in lines["--dtype"]
     assert "cpu, cuda or cuda:N" in lines["--device"]
+
+
+def test_a_kv_pool_with_vllms_engine_is_refused_naming_both_flags():
+    from pdserve.decode_server.cli import add_arguments, run
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit) as err:
+        run(parser.parse_args(["--model", "tiny", "--engine", "vllm", "--kv-pool", "127.0.0.1:1"]))
+    assert "--kv-pool needs the built-in engine" in str(err.value) and "--engine vllm" in str(err.value)

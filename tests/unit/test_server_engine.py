@@ -1,55 +1,91 @@
 """engine/server_engine.py declares what the servers call on an engine; both engines implement every
-member with the same parameters: the built-in AsyncLLMEngine (inspected) and vLLM's VllmAsyncEngine
-(read from its source, so the test needs no vLLM installed)."""
+member with the same parameters (names, kinds, defaults) and the same kind of call: the built-in
+AsyncLLMEngine and vLLM's VllmAsyncEngine (whose module imports vllm only inside functions, so the
+class is inspected here without vLLM installed). A member that drifts in either fails here."""
 
 import ast
 import inspect
-from pathlib import Path
+import textwrap
+
+import pytest
 
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.engine.server_engine import ServerEngine
+from pdserve.vllm_backend.engine import VllmAsyncEngine
 
-ROOT = Path(__file__).resolve().parents[2]
+IMPLEMENTATIONS = [AsyncLLMEngine, VllmAsyncEngine]
 
 
-def _declared() -> dict[str, list[str] | None]:
-    """member -> parameter names (None for a data attribute)."""
-    out: dict[str, list[str] | None] = {name: None for name in ServerEngine.__annotations__}
-    for name, fn in vars(ServerEngine).items():
-        if inspect.isfunction(fn) and not name.startswith("_"):
-            out[name] = list(inspect.signature(fn).parameters)
+def _kind(fn) -> str:
+    """How a caller uses it: await it, iterate it with ``async for``, or call it."""
+    if inspect.iscoroutinefunction(fn):
+        return "coroutine"
+    if inspect.isasyncgenfunction(fn):
+        return "stream"
+    return "call"
+
+
+def _declared_kind(fn) -> str:
+    """The protocol writes a stream as a plain ``def`` returning an AsyncIterator (it has no body to yield)."""
+    kind = _kind(fn)
+    return "stream" if kind == "call" and "AsyncIterator" in str(inspect.signature(fn).return_annotation) else kind
+
+
+def _params(fn) -> list[tuple[str, object, object]]:
+    """(name, kind, default) of each parameter; annotations may differ (vLLM's take its own types)."""
+    return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+
+def _methods() -> dict:
+    return {name: fn for name, fn in vars(ServerEngine).items() if inspect.isfunction(fn) and not name.startswith("_")}
+
+
+def _assigned_in_init(cls) -> set[str]:
+    """The attributes ``cls.__init__`` (or a base's) assigns on self."""
+    out = set()
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or not inspect.isfunction(init):
+            continue
+        tree = ast.parse(textwrap.dedent(inspect.getsource(init)))
+        out |= {t.attr for node in ast.walk(tree) if isinstance(node, ast.Assign) for t in node.targets
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
     return out
 
 
-def _vllm_engine() -> tuple[dict[str, list[str]], set[str]]:
-    """VllmAsyncEngine's methods -> parameter names, and the attributes its methods assign on self."""
-    tree = ast.parse((ROOT / "vllm_backend" / "engine.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VllmAsyncEngine")
-    methods = {f.name: [a.arg for a in f.args.args + f.args.kwonlyargs]
-               for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))}
-    assigned = {t.attr for node in ast.walk(cls) if isinstance(node, ast.Assign) for t in node.targets
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
-    return methods, assigned
+def test_the_declaration_lists_what_the_servers_call():
+    declared = set(_methods()) | set(ServerEngine.__annotations__)
+    assert declared == {
+        "num_blocks", "start", "stop", "generate",
+        "prefill_only", "prefill_logprob", "prefill_prompt_logprobs", "release",
+        "reserve", "reserve_prefix", "add_prefilled", "prefill_reserved", "abort",
+        "num_free_blocks", "num_requests", "prefill_counters", "prefix_hit_tokens", "swapped", "tier_stats", "stats",
+    }
 
 
-def test_the_declaration_lists_what_the_servers_need():
-    declared = _declared()
-    assert {"generate", "prefill_only", "prefill_many", "release", "reserve", "reserve_prefix", "add_prefilled",
-            "prefill_reserved", "abort", "num_free_blocks", "num_blocks"} <= set(declared)
+@pytest.mark.parametrize("cls", IMPLEMENTATIONS, ids=lambda c: c.__name__)
+def test_each_engine_has_every_method_with_the_declared_signature(cls):
+    for name, declared in _methods().items():
+        got = getattr(cls, name, None)
+        assert got is not None and inspect.isfunction(got), f"{cls.__name__} lacks ServerEngine.{name}"
+        assert _params(got) == _params(declared), f"{cls.__name__}.{name}{inspect.signature(got)} != {inspect.signature(declared)}"
+        assert _kind(got) == _declared_kind(declared), f"{cls.__name__}.{name} is a {_kind(got)}, declared a {_declared_kind(declared)}"
 
 
-def test_the_built_in_engine_implements_it():
-    for name, params in _declared().items():
-        assert hasattr(AsyncLLMEngine, name), f"AsyncLLMEngine lacks ServerEngine.{name}"
-        if params is not None:
-            assert list(inspect.signature(getattr(AsyncLLMEngine, name)).parameters) == params, name
+@pytest.mark.parametrize("cls", IMPLEMENTATIONS, ids=lambda c: c.__name__)
+def test_each_engine_has_the_declared_attributes(cls):
+    for name in ServerEngine.__annotations__:
+        assert hasattr(cls, name) or name in _assigned_in_init(cls), f"{cls.__name__} lacks ServerEngine.{name}"
 
 
-def test_the_vllm_engine_implements_it():
-    methods, assigned = _vllm_engine()
-    for name, params in _declared().items():
-        if params is None:
-            assert name in assigned or name in methods, f"VllmAsyncEngine lacks ServerEngine.{name}"
-        else:
-            assert name in methods, f"VllmAsyncEngine lacks ServerEngine.{name}"
-            assert methods[name] == params, f"VllmAsyncEngine.{name}: {methods[name]} != {params}"
+def test_a_drifted_signature_is_caught():
+    class Drifted(AsyncLLMEngine):
+        async def reserve(self, request_id: str, num_tokens: int, max_tokens: int) -> list[int]:  # renamed parameter
+            return []
+
+        def release(self, request_id: str) -> None:  # no longer a coroutine
+            return None
+
+    declared = _methods()
+    assert _params(Drifted.reserve) != _params(declared["reserve"])
+    assert _kind(Drifted.release) != _declared_kind(declared["release"])

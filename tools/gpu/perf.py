@@ -18,7 +18,7 @@ which it reads B rows) + the context's KV: B * C * layers * 2 * kv_heads * head_
 Achieved = bytes / step time; its fraction of section 1's copy bandwidth is the roofline figure.
 A cell whose KV needs more than 85% of the free memory is reported "does not fit (N GiB KV)".
 
-**prefill** (section 4): N prompts of L random tokens through ``LLMEngine.prefill_many`` (one
+**prefill** (section 4): N prompts of L random tokens through ``LLMEngine.pd.prefill_many`` (one
 forward; prefix cache off, no CUDA graphs), released after each timing; time = wall clock
 between device synchronizes, median of ``prefill_reps`` after one warm-up. FLOP =
 2 * (decoder layers' parameters) * N * L  +  2 * hidden * vocab * N (the LM head on each last
@@ -301,7 +301,7 @@ def prefill_flop(model, prompts: int, length: int) -> float:
 
 
 class PrefillRunner:
-    """Times ``engine.prefill_many`` of N random prompts of L tokens, releasing them after each call."""
+    """Times ``engine.pd.prefill_many`` of N random prompts of L tokens, releasing them after each call."""
 
     def __init__(self, ctx, engine, length: int):
         import random
@@ -320,11 +320,11 @@ class PrefillRunner:
                 for i in range(prompts)]
         sync(self.ctx.device)
         t0 = time.perf_counter()
-        self.engine.prefill_many(reqs)
+        self.engine.pd.prefill_many(reqs)
         sync(self.ctx.device)
         seconds = time.perf_counter() - t0
         for rid, _, _ in reqs:
-            self.engine.release(rid)
+            self.engine.pd.release(rid)
         return seconds
 
 
