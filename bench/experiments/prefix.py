@@ -206,14 +206,8 @@ def run(args: argparse.Namespace) -> int:
 def plot(runs: list[dict], arms: list[str], path: Path) -> Path:
     plt = report.pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    for arm in arms:
-        report.cdf(axes[0], [t for r in runs if r["arm"] == arm for t in r["ttft_s"]], arm)
-    axes[0].set_xscale("log")
-    axes[0].set_xlabel("TTFT (ms)")
-    axes[0].set_ylabel("fraction of turns")
-    axes[0].set_title("CDF of TTFT")
-    axes[0].legend()
-    axes[0].grid(True, alpha=0.3)
+    report.ttft_cdf_panel(axes[0], {arm: [t for r in runs if r["arm"] == arm for t in r["ttft_s"]] for arm in arms},
+                          of="turns")
     for ax, key, title, scale in ((axes[1], "prefill_tokens_computed", "prompt tokens prefills computed", 1),
                                   (axes[2], "kv_bytes_moved", "KV moved prefill -> decode (MiB)", 2**20)):
         ax.bar(arms, [_median([r for r in runs if r["arm"] == a], key) / scale for a in arms],

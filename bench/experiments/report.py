@@ -67,6 +67,19 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def ttft_cdf_panel(ax, ttfts: dict[str, list[float]], of: str = "requests", title: str = "CDF of TTFT",
+                   xlabel: str = "TTFT (ms)") -> None:
+    """One TTFT CDF per name (seconds in, milliseconds on a log axis), labelled, with a grid."""
+    for name, values in ttfts.items():
+        cdf(ax, values, name)
+    ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(f"fraction of {of}")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+
+
 def bars_and_ttft_cdf(path: Path, title: str, bars: dict[str, float], bar_title: str, ttfts: dict[str, list[float]],
                       colors: list[str], bar_ylabel: str | None = None, ttft_label: str = "TTFT (ms)") -> Path:
     """The two-panel figure of several experiments: one bar per run (left), each run's TTFT CDF (right)."""
@@ -76,14 +89,7 @@ def bars_and_ttft_cdf(path: Path, title: str, bars: dict[str, float], bar_title:
     if bar_ylabel:
         axes[0].set_ylabel(bar_ylabel)
     axes[0].set_title(bar_title)
-    for name, values in ttfts.items():
-        cdf(axes[1], values, name)
-    axes[1].set_xscale("log")
-    axes[1].set_xlabel(ttft_label)
-    axes[1].set_ylabel("fraction of requests")
-    axes[1].set_title("CDF of TTFT")
-    axes[1].legend()
-    axes[1].grid(True, alpha=0.3)
+    ttft_cdf_panel(axes[1], ttfts, xlabel=ttft_label)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

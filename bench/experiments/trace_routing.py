@@ -192,14 +192,8 @@ def plot(runs: list[dict], arms: list[str], summary: dict, ceiling: dict, worklo
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.8))
     colors = [ARM_COLORS[a] for a in arms]
     axes[0].set_prop_cycle(color=colors)
-    for arm in arms:
-        report.cdf(axes[0], [t for r in runs if r["arm"] == arm for t in r["ttft_s"]], arm)
-    axes[0].set_xscale("log")
-    axes[0].set_xlabel("TTFT (ms)")
-    axes[0].set_ylabel("fraction of requests")
-    axes[0].set_title("CDF of TTFT (all runs)")
-    axes[0].legend()
-    axes[0].grid(True, alpha=0.3)
+    report.ttft_cdf_panel(axes[0], {arm: [t for r in runs if r["arm"] == arm for t in r["ttft_s"]] for arm in arms},
+                          title="CDF of TTFT (all runs)")
     for ax, key, title in ((axes[1], "prefill_tokens_computed", "prompt tokens prefills computed"),
                            (axes[2], "goodput_rps", f"goodput (req/s, TTFT <= {args.slo_ttft_ms:g} ms, "
                                                     f"TBT <= {args.slo_tbt_ms:g} ms)"),
