@@ -19,5 +19,6 @@ Reading path (in this order):
   ``registry.py``         SessionRegistry: live sessions, the draining flag, recent layer arrivals
   ``session_metrics.py``  SessionMetrics: refusals, KV-in wait and bytes, block and request gauges
   ``cli.py``              ``pdserve decode``: the flags, drain on SIGTERM
-  ``wiring.py``           DecodeServer: the parts of one decode process assembled; /health /ready /metrics
+  ``wiring.py``           DecodeServer: the parts of one decode process assembled; /health /ready /metrics;
+                          ``build_service``: the DecodeService with the SessionDeps it hands every session
 """

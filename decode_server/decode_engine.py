@@ -2,7 +2,7 @@
 prefill_reserved -> release); the Sampling message
 turned into the engine's SamplingParams; and the measured speed of the prompts this decode
 computed itself (``computed_prompt`` -> ``prefill_rate()``, reported in every LoadReport).
-Built once by DecodeService and handed to every DecodeSession in SessionDeps."""
+Built once by ``wiring.build_service`` and handed to every DecodeSession in SessionDeps."""
 
 from __future__ import annotations
 

@@ -7,10 +7,10 @@ prompt's prefix; ``server_load`` is its GetLoad answer.
 
 Lifecycle of one ``Session`` call: the service hands it to a new ``DecodeSession``
 (decode_server/session.py lists the steps: admit -> allocate -> transfer -> decode ->
-release) together with ``SessionDeps``, built once here: the ``DecodeEngine`` adapter
-(reserve / add_prefilled / release with the block gauges kept current), the CacheStore
-receiver, the ``SessionRegistry`` (live sessions, draining flag), ``SessionMetrics`` and
-the fixed limits. ``GetLoadReport`` and ``counts()`` (for /health) read the same registry
+release) together with ``SessionDeps``, built once by ``wiring.build_service``: the
+``DecodeEngine`` adapter (reserve / add_prefilled / release with the block gauges kept current),
+the CacheStore receiver, the ``SessionRegistry`` (live sessions, draining flag),
+``SessionMetrics`` and the fixed limits. ``GetLoadReport`` and ``counts()`` (for /health) read the same registry
 and the engine's thread-safe ``num_free_blocks()`` / ``num_blocks``; with a KV pool
 (``--kv-pool``) the load report also carries the room the pool offers (``pool_free_blocks``,
 ``pool_total_blocks``) and /health its loans (``kv_pool``).
@@ -23,45 +23,28 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from pdserve.defaults import SESSION_TIMEOUT_S
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
 from pdserve.protos.version import PROTOCOL_VERSION
 
-from .decode_engine import DecodeEngine
-from .lso import LsoController
-from .registry import SessionInfo, SessionRegistry
+from .registry import SessionInfo
 from .session import DecodeSession, SessionDeps
-from .session_metrics import SessionMetrics
 
 if TYPE_CHECKING:
-    from pdserve.cachestore import CacheStoreReceiver
     from pdserve.engine import AsyncLLMEngine
-    from pdserve.kvpool.decode_pool import DecodePool
-    from pdserve.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
 
 class DecodeService(pb_grpc.DecodeServicer):
-    def __init__(self, engine: AsyncLLMEngine, receiver: CacheStoreReceiver, compat: pb.Compat, *, sampling_cls,
-                 out_of_blocks_error: type[Exception], max_model_len: int, kv_bytes_per_block: int,
-                 session_timeout_s: float = SESSION_TIMEOUT_S, metrics: ServerMetrics | None = None, eviction: bool = True,
-                 pool: DecodePool | None = None):
-        self.engine, self.receiver, self.compat, self.pool = engine, receiver, compat, pool
-        self.kv_bytes_per_block = kv_bytes_per_block
-        self.registry = SessionRegistry()
-        session_metrics = SessionMetrics(metrics, kv_bytes_per_block)
-        lso = None
-        if eviction:  # batch requests' KV to host memory while interactive ones miss their TBT (lso.py)
-            lso = LsoController(metrics)
-            engine.after_step = lso
-        self.deps = SessionDeps(
-            engine=DecodeEngine(engine, sampling_cls, session_metrics, lso), receiver=receiver, registry=self.registry,
-            metrics=session_metrics, compat=compat, max_model_len=max_model_len,
-            session_timeout_s=session_timeout_s, out_of_blocks_error=out_of_blocks_error, pool=pool,
-        )
+    """The Decode servicer over its built parts (``wiring.build_service``): ``engine`` for the load
+    numbers, ``deps`` handed to every DecodeSession (its registry, receiver, compat and pool read
+    here too), ``kv_bytes_per_block`` (all layers, K and V) for the free bytes reported."""
+
+    def __init__(self, engine: AsyncLLMEngine, deps: SessionDeps, kv_bytes_per_block: int):
+        self.engine, self.deps, self.kv_bytes_per_block = engine, deps, kv_bytes_per_block
+        self.registry, self.receiver, self.compat, self.pool = deps.registry, deps.receiver, deps.compat, deps.pool
 
     @property
     def sessions(self) -> dict[str, SessionInfo]:

@@ -1,4 +1,4 @@
-"""SessionDeps: what every DecodeSession is given, built once by the DecodeService (never the service itself)."""
+"""SessionDeps: what every DecodeSession is given, built once by ``wiring.build_service`` (never the service itself)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class SessionDeps:
-    """Everything a DecodeSession uses, built once by the DecodeService."""
+    """Everything a DecodeSession uses, built once by ``wiring.build_service`` and held by the DecodeService."""
 
     engine: DecodeEngine  # reserve / add_prefilled / prefill_reserved / release; num_blocks
     receiver: CacheStoreReceiver  # expect / wait_all / load / delete / released; endpoint

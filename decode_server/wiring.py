@@ -16,9 +16,13 @@ uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
    --host:--kv-pool-port for its KVLender, --kv-pool-lend-fraction, and the receiver (lenders take a
    pooled request's KV from the prefill through it: after the receiver). Started; the metrics
    follow its counters.
-5. **service** - DecodeService: engine, receiver, compat message, the engine's sampling and
-   out-of-blocks types, model length, KV bytes per block, --session-timeout, metrics,
-   --no-eviction, the pool. The metrics track its registry's load (--block-size).
+5. **service** - ``build_service``: the SessionRegistry; SessionMetrics (the metrics, KV bytes per
+   block); unless --no-eviction, the LsoController (the metrics), run by the engine after every
+   step; the DecodeEngine adapter (engine, the engine's sampling type, SessionMetrics, the
+   LsoController); SessionDeps (those, the receiver, the compat message, model length,
+   --session-timeout, the engine's out-of-blocks type, the pool); the DecodeService over the
+   engine, SessionDeps and KV bytes per block (the tests build theirs with the same function). The
+   metrics track its registry's load (--block-size).
 6. **gRPC** - Decode (the service) and KvEvents (the publisher; GetLoad tells --http-port), on
    --host:--port, with keepalive.
 7. **HTTP** - /health, /ready, /debug/requests/{rid} (Probes over the service) and /metrics, on
@@ -46,11 +50,18 @@ from pdserve.cachestore import CacheStoreReceiver
 from pdserve.engine import OutOfBlocksError, SamplingParams
 from pdserve.kv_events import KvEventPublisher, KvEventsServicer
 from pdserve.metrics import EngineLoad, ServerMetrics
+from pdserve.defaults import SESSION_TIMEOUT_S
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
 from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics
 
+from .decode_engine import DecodeEngine
+from .lso import LsoController
+from .registry import SessionRegistry
 from .service import DecodeService
+from .session_deps import SessionDeps
+from .session_metrics import SessionMetrics
 
 if TYPE_CHECKING:
     from pdserve.engine import AsyncLLMEngine
@@ -78,7 +89,7 @@ async def start(args: argparse.Namespace) -> DecodeServer:
         pool = start_pool(engine, receiver, metrics, instance_id=instance_id, gmanager=args.kv_pool, host=args.host,
                           port=args.kv_pool_port, advertise_host=args.advertise_host,
                           lend_fraction=args.kv_pool_lend_fraction)
-    service = DecodeService(
+    service = build_service(
         engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
         max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
         session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool,
@@ -91,6 +102,26 @@ async def start(args: argparse.Namespace) -> DecodeServer:
              args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, parts.model_name,
              engine.num_blocks)
     return DecodeServer(engine, receiver, pool, service, http_runner, grpc_server)
+
+
+def build_service(engine: AsyncLLMEngine, receiver: CacheStoreReceiver, compat: pb.Compat, *, sampling_cls,
+                  out_of_blocks_error: type[Exception], max_model_len: int, kv_bytes_per_block: int,
+                  session_timeout_s: float = SESSION_TIMEOUT_S, metrics: ServerMetrics | None = None,
+                  eviction: bool = True, pool: DecodePool | None = None) -> DecodeService:
+    """The DecodeService and the SessionDeps every DecodeSession is given (module docstring, step 5);
+    ``kv_bytes_per_block``: all layers, K and V; ``eviction``: batch requests' KV goes to host memory
+    while interactive ones miss their TBT (lso.py)."""
+    session_metrics = SessionMetrics(metrics, kv_bytes_per_block)
+    lso = None
+    if eviction:
+        lso = LsoController(metrics)
+        engine.after_step = lso  # the engine's hook, run on its thread after every step
+    deps = SessionDeps(
+        engine=DecodeEngine(engine, sampling_cls, session_metrics, lso), receiver=receiver, registry=SessionRegistry(),
+        metrics=session_metrics, compat=compat, max_model_len=max_model_len, session_timeout_s=session_timeout_s,
+        out_of_blocks_error=out_of_blocks_error, pool=pool,
+    )
+    return DecodeService(engine, deps, kv_bytes_per_block)
 
 
 async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:

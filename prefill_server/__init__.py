@@ -5,8 +5,9 @@ decode's tokens.
 
 Reading path (in this order):
   ``cli.py``                ``pdserve prefill``: the request lifecycle as a numbered list, the flags
-  ``wiring.py``             PrefillServer: the parts of one prefill process assembled, started and stopped
-  ``node.py``               PrefillNode: what one prefill process owns; ``generate``, the entry of a request
+  ``wiring.py``             PrefillServer: the parts of one prefill process assembled, started and stopped;
+                            ``build_node``: the PrefillNode with its SessionRunner and Disaggregator
+  ``node.py``               PrefillNode: what one prefill process owns (built parts); ``generate``, the entry of a request
   ``conductor.py``          RequestConductor: one request's turn in line -> pick -> Session -> retry / resume /
                             wait in line / local fallback / give up
   ``mid_stream_resume.py``  MidStreamResume: the policy when a decode fails a request mid-stream

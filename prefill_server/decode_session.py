@@ -49,10 +49,10 @@ message), and the Session call itself carries the request's deadline (plus
 ``DEADLINE_SLACK_S``) as its gRPC deadline, so the decode frees its side by then even if this
 process is frozen.
 
-``SessionRunner`` is built once per prefill process from exactly what it uses: a stub per
-decode address, the engine, the CacheStore sender, the registry of open sessions (request id
--> decode address, for /health), the observer (transfer_accounting.py), the Disaggregator and
-``SessionConfig``. Errors, Deltas and helpers are in session_protocol.py (re-exported here); the
+``SessionRunner`` is built once per prefill process (``wiring.build_node``) from exactly what it
+uses: a stub per decode address, the engine, the CacheStore sender, the registry of open sessions
+(request id -> decode address, for /health), the observer (transfer_accounting.py), the
+Disaggregator and ``SessionConfig``. Errors, Deltas and helpers are in session_protocol.py (re-exported here); the
 messages on the wire, with their timers, in session_wire.py.
 """
 

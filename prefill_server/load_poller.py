@@ -12,7 +12,7 @@ discovered decode (on the same channel): a new decode is followed from the round
 in, a vanished one is dropped from the index before its channel closes.
 
 ``poll_now(address)`` asks one decode at once (a request there just ended and others wait
-for blocks); ``on_report(address)``, when set, is called after each answer reached the picker.
+for blocks); ``on_report(address)``, when given, is called after each answer reached the picker.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ CHANNEL_OPTIONS = [
 
 class LoadReportPoller:
     def __init__(self, discovery, picker: DecodePicker, interval_s: float = 0.3, on_update=None, index=None,
-                 close_grace_s: float = REQUEST_TIMEOUT_S):
+                 close_grace_s: float = REQUEST_TIMEOUT_S, on_report: Callable[[str], None] | None = None):
         if interval_s <= 0:
             raise ValueError(f"load report interval must be > 0, got {interval_s}")
         self.discovery, self.picker, self.interval_s = discovery, picker, interval_s
@@ -58,7 +58,7 @@ class LoadReportPoller:
         # Reports expire by missed rounds as well as by age (see DecodePicker.stale_rounds).
         picker.stale_rounds = max(2, math.ceil(picker.expiry_s / interval_s))
         self.on_update = on_update
-        self.on_report: Callable[[str], None] | None = None
+        self.on_report = on_report  # the prefill's admission queue: a fresh report may show freed blocks
         self.index = index  # a DecodeIndex (decode_index.py), or None: no prefix knowledge
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None

@@ -18,7 +18,9 @@ decode / resume after a mid-stream failure / wait in the queue / local fallback 
 holds what outlives a request: the picker, the load poller, the admission queue (woken by every
 fresh load report and by requests ending here), the SessionRunner and Disaggregator, the open
 Sessions (request id -> decode, for /health), the latest requests' timings, and the count of
-requests decoded locally.
+requests decoded locally. Its parts come built (``wiring.build_node``: the SessionRunner with its
+config, observer and registry, the Disaggregator; ``wiring.start``: the picker, the poller and the
+admission queue); the node only checks its own settings.
 
 Deadline: ``generate(..., deadline=...)`` (``time.monotonic()`` seconds) is the request's
 end-to-end deadline, enforced by the caller (the Frontend cancels this generator when it
@@ -32,82 +34,55 @@ after its tokens.
 from __future__ import annotations
 
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve import defaults
-from pdserve.defaults import DISAGGREGATION
-from pdserve.protos import session_pb2 as pb
 
 from .admission_queue import AdmissionQueue, QueueFull, QueueTimeout, RequestTooLarge
 from .conductor import RequestConductor
 from .decode_index import DecodeIndex
-from .decode_session import DecodeFailed, Delta, NoDecodeAvailable, SessionConfig, SessionRunner, SessionTimings
+from .decode_session import DecodeFailed, Delta, NoDecodeAvailable, SessionRunner, SessionTimings
 from .disaggregator import Disaggregator
 from .load_poller import LoadReportPoller
 from .picker import DecodePicker
-from .transfer_accounting import TransferAccounting
 
 if TYPE_CHECKING:
-    from pdserve.cachestore import CacheStoreSender
     from pdserve.engine import AsyncLLMEngine
     from pdserve.metrics import ServerMetrics
-    from pdserve.slo import GlobalQueue, SloRequest
+    from pdserve.slo import SloRequest
 
 __all__ = ["PrefillNode", "NoDecodeAvailable", "DecodeFailed", "Delta", "QueueFull", "QueueTimeout", "RequestTooLarge"]
 
 
 @dataclass
 class PrefillNode:
-    engine: AsyncLLMEngine  # prefill_only / release / generate; num_blocks, num_free_blocks() from the loop
-    sender: CacheStoreSender
+    """One prefill process's request path; built by ``wiring.build_node`` (module docstring)."""
+
+    engine: AsyncLLMEngine  # num_blocks, num_free_blocks() (the conductor's fit), generate (local fallback)
     picker: DecodePicker
-    poller: LoadReportPoller
-    compat: pb.Compat
+    poller: LoadReportPoller  # poll_now: a decode where a request ended, while others wait in line
+    queue: AdmissionQueue  # the poller's reports wake it (wiring.start), and requests ending here (``freed``)
+    session_runner: SessionRunner  # one Session with a decode per attempt
+    disaggregator: Disaggregator  # the SessionRunner's; read here for /health
+    sessions: dict[str, str]  # request id -> decode address while a Session is open (the SessionRunner's registry)
     block_size: int
-    kv_bytes_per_block: int  # all layers, K and V
-    eos_token_ids: tuple[int, ...] = ()
-    max_attempts: int = 3
-    local_fallback: bool = False
-    session_timeout_s: float = defaults.SESSION_TIMEOUT_S
-    connect_timeout_s: float = 5.0
     metrics: ServerMetrics | None = None
-    out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError
+    max_attempts: int = 3  # decodes tried a round
+    local_fallback: bool = False
     resume: bool = True  # continue on another decode when one fails mid-generation
-    queue_timeout_s: float | None = None  # how long a request may wait in line for KV blocks (None: until its deadline)
     resume_wait_s: float = defaults.RESUME_WAIT_S  # after a mid-stream failure, how long to wait for a decode (0: fail)
-    max_queued: int = defaults.MAX_QUEUED_REQUESTS  # requests that may wait in line at once; then 429
-    layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
-    prefills_ahead: int = 2  # Sessions allocated on a decode before our engine computed their prompt (SessionConfig)
+    out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError (local fallback)
     decode_reuse: bool = True  # decodes serve the prompt's cached prefix; only the missing blocks move
     decode_index: DecodeIndex | None = None  # the decodes' prefix caches (their KV events), for the picker
-    disaggregation: str = DISAGGREGATION  # auto | always | never (cost_model.py)
-    held_prefix: Callable[[list[int]], int] | None = None  # prompt hashes -> leading ones our prefix cache holds
-    slo_queue: GlobalQueue | None = None  # SLO classes: the policy that orders the admission queue
+    local_requests: int = 0  # requests decoding on our engine now (local fallback)
+    last_timings: dict[str, SessionTimings] = field(default_factory=dict)  # the latest 256 requests'
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
         if not self.resume_wait_s >= 0:
             raise ValueError(f"resume_wait_s must be >= 0, got {self.resume_wait_s}")
-        self.sessions: dict[str, str] = {}  # request id -> decode address, while a Session is open
-        self.local_requests = 0
-        self.last_timings: dict[str, SessionTimings] = {}
-        config = SessionConfig(self.compat, self.block_size, self.eos_token_ids, self.session_timeout_s,
-                               self.connect_timeout_s, self.layerwise_push, self.out_of_blocks_error, self.decode_reuse,
-                               self.prefills_ahead)
-        self.disaggregator = Disaggregator(self.disaggregation, picker=self.picker, block_size=self.block_size,
-                                           num_layers=self.compat.num_layers, kv_bytes_per_block=self.kv_bytes_per_block,
-                                           layerwise=self.layerwise_push, held_prefix=self.held_prefix,
-                                           metrics=self.metrics)
-        accounting = TransferAccounting(self.picker, self.kv_bytes_per_block, self.disaggregator, self.metrics)
-        self.session_runner = SessionRunner(config, stubs=self.poller.stub, engine=self.engine, sender=self.sender,
-                                            registry=self.sessions, observer=accounting,
-                                            disaggregator=self.disaggregator)
-        gauge = self.metrics.requests_queued.set if self.metrics is not None else None
-        self.queue = AdmissionQueue(self.max_queued, max_wait_s=self.queue_timeout_s, on_length=gauge,
-                                    slo=self.slo_queue)
-        self.poller.on_report = lambda address: self.queue.notify()  # a fresh report may show freed blocks
 
     def ready(self) -> bool:
         """Ready when a decode is known (or local fallback can serve); a decode that is full now

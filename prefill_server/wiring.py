@@ -13,10 +13,18 @@ them whole. In start order:
    --scheduler, --kv-checksum, --session-timeout as its stall timer; started.
 4. **routing** - the DecodePicker (--policy, --load-report-expiry); the SLO GlobalQueue (the SLO
    classes, --queue-policy, the metrics, the decodes' KV blocks the picker knows); a DecodeIndex
-   with --decode-reuse; the LoadReportPoller (the discovery, the picker, --load-report-interval,
-   --decode-leave-grace (default --request-timeout), the index). Not started yet.
-5. **node** - PrefillNode: engine, sender, picker, poller, the KV facts, the tokenizer's EOS ids,
-   the metrics, the SLO queue, the KV events' held prefix and the routing flags.
+   with --decode-reuse; the AdmissionQueue (--max-queued-requests, --queue-timeout, the metrics'
+   queued gauge, the SLO queue); the LoadReportPoller (the discovery, the picker,
+   --load-report-interval, --decode-leave-grace (default --request-timeout), the index; each
+   report wakes the admission queue). Not started yet.
+5. **node** - ``build_node``: the Disaggregator (--disaggregation, the picker, the KV facts,
+   --layerwise-push, the KV events' held prefix, the metrics), the SessionRunner (its
+   SessionConfig: compat, --block-size, the tokenizer's EOS ids, --session-timeout,
+   --connect-timeout, --layerwise-push, the engine's out-of-blocks type, --decode-reuse,
+   --prefills-ahead; the poller's stubs, the engine, the sender, the registry of open Sessions,
+   TransferAccounting as its observer) and the PrefillNode that holds them with the picker, the
+   poller, the admission queue and the routing flags (--max-attempts, --local-fallback, --resume,
+   --resume-wait, --decode-reuse). The tests build their nodes with the same function.
 6. **frontend** - Frontend: node, tokenizer, model name and length, vocabulary size, metrics,
    --request-timeout, SLO queue.
 7. **probes** - Probes: /health, KvEvents' GetLoad and the metrics' load, read from the parts
@@ -45,7 +53,7 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from aiohttp import web
 
-from pdserve import gc_pauses, server_setup, test_hooks
+from pdserve import defaults, gc_pauses, server_setup, test_hooks
 from pdserve.batch.api import BatchService
 from pdserve.cachestore import CacheStoreSender
 from pdserve.engine import OutOfBlocksError, SamplingParams
@@ -54,17 +62,22 @@ from pdserve.metrics import EngineLoad, ServerMetrics
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+from pdserve.protos import session_pb2 as pb
 from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics
 from pdserve.slo import GlobalQueue
 
 from . import tokenizer_api
+from .admission_queue import AdmissionQueue
 from .decode_index import DecodeIndex
+from .decode_session import SessionConfig, SessionRunner
+from .disaggregator import Disaggregator
 from .frontend import Frontend
 from .grpc_api import GenerateServicer
 from .http_api import HttpApi
 from .load_poller import LoadReportPoller
 from .node import PrefillNode
 from .picker import DecodePicker
+from .transfer_accounting import TransferAccounting
 
 if TYPE_CHECKING:
     from pdserve.discovery import FileDiscovery, KubernetesDiscovery, StaticDiscovery
@@ -87,19 +100,21 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses)
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
     slo_queue = make_slo_queue(slo, args.queue_policy, metrics, picker)
     decode_index = DecodeIndex() if args.decode_reuse else None
+    queue = AdmissionQueue(args.max_queued_requests, max_wait_s=args.queue_timeout,
+                           on_length=metrics.requests_queued.set, slo=slo_queue)
     leave_grace = args.request_timeout if args.decode_leave_grace is None else args.decode_leave_grace
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval, close_grace_s=leave_grace,
-                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index)
-    node = PrefillNode(
-        engine=engine, sender=sender, picker=picker, poller=poller, compat=parts.compat_message,
-        block_size=args.block_size, kv_bytes_per_block=parts.kv_bytes_per_block,
-        eos_token_ids=tuple(loaded.tokenizer.eos_token_ids), max_attempts=args.max_attempts,
-        local_fallback=args.local_fallback, resume=args.resume, layerwise_push=args.layerwise_push,
-        queue_timeout_s=args.queue_timeout, resume_wait_s=args.resume_wait, max_queued=args.max_queued_requests,
-        session_timeout_s=args.session_timeout, connect_timeout_s=args.connect_timeout, metrics=metrics,
-        out_of_blocks_error=OutOfBlocksError, prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse,
-        decode_index=decode_index, disaggregation=args.disaggregation, held_prefix=kv_events.leading,
-        slo_queue=slo_queue,
+                              on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index,
+                              on_report=lambda address: queue.notify())  # a fresh report may show freed blocks
+    node = build_node(
+        engine, sender, picker, poller, queue, parts.compat_message, block_size=args.block_size,
+        kv_bytes_per_block=parts.kv_bytes_per_block, eos_token_ids=tuple(loaded.tokenizer.eos_token_ids),
+        max_attempts=args.max_attempts, local_fallback=args.local_fallback, resume=args.resume,
+        resume_wait_s=args.resume_wait, session_timeout_s=args.session_timeout,
+        connect_timeout_s=args.connect_timeout, layerwise_push=args.layerwise_push,
+        prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index,
+        disaggregation=args.disaggregation, held_prefix=kv_events.leading, out_of_blocks_error=OutOfBlocksError,
+        metrics=metrics,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
                         loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
@@ -118,6 +133,34 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses)
              "on" if args.local_fallback else "off", "on" if args.decode_reuse else "off", args.disaggregation,
              args.queue_policy, "; ".join(c.describe() for c in slo))
     return PrefillServer(engine, sender, discovery, poller, frontend, probes, http_runner, grpc_server)
+
+
+def build_node(engine: AsyncLLMEngine, sender: CacheStoreSender | None, picker: DecodePicker,
+               poller: LoadReportPoller, queue: AdmissionQueue, compat: pb.Compat, *, block_size: int,
+               kv_bytes_per_block: int, eos_token_ids: tuple[int, ...] = (), max_attempts: int = 3,
+               local_fallback: bool = False, resume: bool = True, resume_wait_s: float = defaults.RESUME_WAIT_S,
+               session_timeout_s: float = defaults.SESSION_TIMEOUT_S, connect_timeout_s: float = 5.0,
+               layerwise_push: bool = True, prefills_ahead: int = 2, decode_reuse: bool = True,
+               decode_index: DecodeIndex | None = None, disaggregation: str = defaults.DISAGGREGATION,
+               held_prefix: Callable[[list[int]], int] | None = None,
+               out_of_blocks_error: type[Exception] = RuntimeError, metrics: ServerMetrics | None = None) -> PrefillNode:
+    """The PrefillNode with the parts it holds for every request (module docstring, step 5): each
+    part given only what it uses. ``poller`` already wakes ``queue`` on each report (its
+    ``on_report``); ``kv_bytes_per_block``: all layers, K and V; ``held_prefix``: prompt hashes ->
+    leading ones our prefix cache holds (the KV events'); ``eos_token_ids``: the tokenizer's."""
+    sessions: dict[str, str] = {}  # request id -> decode address, while a Session is open
+    disaggregator = Disaggregator(disaggregation, picker=picker, block_size=block_size, num_layers=compat.num_layers,
+                                  kv_bytes_per_block=kv_bytes_per_block, layerwise=layerwise_push,
+                                  held_prefix=held_prefix, metrics=metrics)
+    config = SessionConfig(compat, block_size, eos_token_ids, session_timeout_s, connect_timeout_s, layerwise_push,
+                           out_of_blocks_error, reuse_prefix=decode_reuse, prefills_ahead=prefills_ahead)
+    accounting = TransferAccounting(picker, kv_bytes_per_block, disaggregator, metrics)
+    runner = SessionRunner(config, stubs=poller.stub, engine=engine, sender=sender, registry=sessions,
+                           observer=accounting, disaggregator=disaggregator)
+    return PrefillNode(engine, picker, poller, queue, runner, disaggregator, sessions, block_size, metrics=metrics,
+                       max_attempts=max_attempts, local_fallback=local_fallback, resume=resume,
+                       resume_wait_s=resume_wait_s, out_of_blocks_error=out_of_blocks_error,
+                       decode_reuse=decode_reuse, decode_index=decode_index)
 
 
 async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:

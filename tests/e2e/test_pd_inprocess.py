@@ -12,12 +12,15 @@ import pytest
 import torch
 
 from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender
-from pdserve.decode_server.service import DecodeService
+from pdserve.decode_server.wiring import build_service
 from pdserve.discovery import StaticDiscovery
 from pdserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, OutOfBlocksError, SamplingParams, load_model
+from pdserve.defaults import MAX_QUEUED_REQUESTS
+from pdserve.prefill_server.admission_queue import AdmissionQueue
 from pdserve.prefill_server.load_poller import LoadReportPoller
-from pdserve.prefill_server.node import PrefillNode, RequestTooLarge
+from pdserve.prefill_server.node import RequestTooLarge
 from pdserve.prefill_server.picker import DecodePicker
+from pdserve.prefill_server.wiring import build_node
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
 from pdserve.net import free_port
@@ -48,7 +51,7 @@ class Pair:
         region, layout, compat, msg = _parts(self.d_engine.engine)
         self.rx = CacheStoreReceiver(region, layout, compat, "tcp", "127.0.0.1", 0)
         await self.rx.start()
-        self.service = DecodeService(self.d_engine, self.rx, msg, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
+        self.service = build_service(self.d_engine, self.rx, msg, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
                                      max_model_len=2048, kv_bytes_per_block=layout.block_nbytes * layout.num_layers, session_timeout_s=5)
         self.server = grpc.aio.server()
         pb_grpc.add_DecodeServicer_to_server(self.service, self.server)
@@ -59,10 +62,13 @@ class Pair:
         self.tx = CacheStoreSender(p_region, p_layout, p_compat, "tcp")
         await self.tx.start()
         picker = DecodePicker()
-        self.poller = LoadReportPoller(StaticDiscovery([f"127.0.0.1:{port}"]), picker, interval_s=0.1)
+        queue = AdmissionQueue(MAX_QUEUED_REQUESTS)
+        self.poller = LoadReportPoller(StaticDiscovery([f"127.0.0.1:{port}"]), picker, interval_s=0.1,
+                                       on_report=lambda address: queue.notify())
         await self.poller.start()
-        self.node = PrefillNode(self.p_engine, self.tx, picker, self.poller, p_msg, 64, p_layout.block_nbytes * p_layout.num_layers,
-                                eos_token_ids=(257,), out_of_blocks_error=OutOfBlocksError, session_timeout_s=5)
+        self.node = build_node(self.p_engine, self.tx, picker, self.poller, queue, p_msg, block_size=64,
+                               kv_bytes_per_block=p_layout.block_nbytes * p_layout.num_layers, eos_token_ids=(257,),
+                               out_of_blocks_error=OutOfBlocksError, session_timeout_s=5)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + 20
         while not picker.eligible() and loop.time() < deadline:  # the first load report (slow on a busy machine)

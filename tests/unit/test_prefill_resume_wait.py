@@ -13,13 +13,15 @@ import time
 import pytest
 
 from harness.conditions import settle, until
+from pdserve.defaults import MAX_QUEUED_REQUESTS
 from pdserve.engine import SamplingParams
 from pdserve.metrics import ServerMetrics
-from pdserve.prefill_server.admission_queue import DEADLINE_MARGIN_S
+from pdserve.prefill_server.admission_queue import DEADLINE_MARGIN_S, AdmissionQueue
 from pdserve.prefill_server.frontend import Frontend, RequestTimedOut
-from pdserve.prefill_server.node import DecodeFailed, Delta, PrefillNode
+from pdserve.prefill_server.node import DecodeFailed, Delta
 from pdserve.prefill_server.picker import DecodeLoad, DecodePicker
 from pdserve.prefill_server.session_protocol import Retryable
+from pdserve.prefill_server.wiring import build_node
 from pdserve.protos import session_pb2 as pb
 
 PROMPT = [256, 1, 2, 3, 4, 5]
@@ -61,9 +63,9 @@ class FakeEngine:
 class FakePoller:
     """What the node uses of the LoadReportPoller; ``report`` is a load report arriving."""
 
-    def __init__(self, picker: DecodePicker):
+    def __init__(self, picker: DecodePicker, on_report=None):
         self.picker = picker
-        self.on_report = None
+        self.on_report = on_report
 
     def stub(self, address):
         raise AssertionError("the fake session runner opens no stream")
@@ -106,12 +108,13 @@ class FakeRunner:
 
 def make_node(resume_wait_s: float, runner: FakeRunner, **kw):
     picker = DecodePicker()
-    poller = FakePoller(picker)
     metrics = ServerMetrics(role="prefill")
+    queue = AdmissionQueue(MAX_QUEUED_REQUESTS, on_length=metrics.requests_queued.set)
+    poller = FakePoller(picker, on_report=lambda address: queue.notify())
     compat = pb.Compat(dtype="float32", num_layers=2, num_kv_heads=1, head_dim=8, block_size=16, model="tiny",
                        transport="tcp")
-    node = PrefillNode(FakeEngine(), sender=None, picker=picker, poller=poller, compat=compat, block_size=16,
-                       kv_bytes_per_block=KB, metrics=metrics, resume_wait_s=resume_wait_s, decode_reuse=False, **kw)
+    node = build_node(FakeEngine(), None, picker, poller, queue, compat, block_size=16, kv_bytes_per_block=KB,
+                      metrics=metrics, resume_wait_s=resume_wait_s, decode_reuse=False, **kw)
     node.session_runner = runner
     poller.report("A")  # only A is known: B has not reported yet
     return node, poller, metrics
