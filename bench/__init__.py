@@ -1,17 +1,31 @@
-"""Benchmarks. Each prints its figures side by side with a baseline measured in the same run.
+"""Benchmarks, all of them in this one package. Each prints its figures side by side with a
+baseline measured in the same run. No part imports this package; it imports the parts it
+measures (tests/unit/test_import_arrows.py).
 
-This package holds the tools (load generator, experiments); no server imports it.
-
-  pdserve bench engine       prefill/decode tokens/s vs transformers on the same weights
-  pdserve bench cachestore   layer-wise KV transfer vs raw socket and raw NIXL throughput
+  pdserve bench engine       prefill/decode tokens/s vs transformers on the same weights (engine/)
+  pdserve bench cachestore   layer-wise KV transfer vs raw socket and raw NIXL throughput (cachestore/)
   pdserve bench serving      load generator against any OpenAI endpoint (TTFT, TPOT, ITL, goodput)
-  pdserve bench experiment   the P/D experiments of docs/benchmarks.md
-  pdserve bench chaos        kill and pause servers under load: no hang, no wrong text, no leak
+  pdserve bench experiment   the P/D experiments of docs/benchmarks.md (experiments/)
+  pdserve bench chaos        kill and pause servers under load: no hang, no wrong text, no leak (chaos/)
   pdserve bench conformance  pass/fail checks of any OpenAI endpoint: greedy answers, SSE, usage, cancellation,
-                             4xx on bad input, streams when a server is killed (--kill-cmd)
+                             4xx on bad input, streams when a server is killed (--kill-cmd) (conformance/)
   pdserve bench slo-policy   the cost of one ordering decision of the SLO queue (fifo, edf, qlm)
 
 Run 'pdserve bench NAME --help' for the options of one benchmark.
+
+Developer A/B scripts (tools/, not a package and not installed: run them from a checkout as
+``.venv/bin/python bench/tools/NAME.py --help``):
+
+  decode_step.py        decode step time of the engine at batch, A B per change; --profile: where a step goes
+  step_ab.py            decode step time of two checkouts of the engine (before / after a change), A B A B
+  linear_merge.py       a decode step's linear layers, separate projections vs merged qkv / gate_up
+  native_attention.py   the C++ decode attention (engine/csrc) vs its torch path; --against REV
+  pd_ab.py              P/D token gaps under variants of the code or environment, A B A B
+  ttft_parts.py         where a lone request's TTFT goes in P/D (client TTFT vs the prefill's metrics)
+  operator_converge.py  N InferenceServices on a real control plane: time to converge, operator memory
+
+Reading path: loadgen.py (and its _workload and _report modules) is the client every serving
+benchmark uses; then the folder of the benchmark at hand, whose __init__ describes its files.
 """
 
 from __future__ import annotations
@@ -20,8 +34,8 @@ from pdserve.cli import Dispatcher
 
 # name -> module exposing add_arguments(parser) and run(args)
 BENCHES: dict[str, str] = {
-    "engine": "pdserve.engine.bench",
-    "cachestore": "pdserve.cachestore.bench",
+    "engine": "pdserve.bench.engine.tokens_per_s",
+    "cachestore": "pdserve.bench.cachestore.transfer",
     "serving": "pdserve.bench.loadgen",
     "experiment": "pdserve.bench.experiments",
     "chaos": "pdserve.bench.chaos",

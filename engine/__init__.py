@@ -22,7 +22,9 @@ Reading path (read in this order):
   ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, the built-in ServerEngine
   ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
-  ``cli.py`` (``pdserve generate``), ``bench.py`` (``pdserve bench engine``)
+  ``cli.py``          ``pdserve generate``
+
+Its benchmark (``pdserve bench engine``) lives with the others: ``pdserve.bench.engine``.
 
 TD-Pipe's pipeline-parallel engine (``pdserve batch``) is built from these parts (``model.py`` runs
 a stage's range of layers) and lives with the Batch API: ``pdserve.batch.pipeline``.

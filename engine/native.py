@@ -94,7 +94,7 @@ def build(verbose: bool = False) -> Path:
 
 def build_variant(namespace: str, *, march: str = "native", source_text: str | None = None):
     """The op built apart, registered under ``namespace``: this source (or ``source_text``, e.g. the
-    kernel at another git revision for ``tools/bench_native_attention.py --against``) for
+    kernel at another git revision for ``bench/tools/native_attention.py --against``) for
     ``-march=march`` (the tests build each ISA level's path, AVX2 or plain loops, whatever the
     machine's native build takes). Cached in ``cache_dir()/variants/``; RuntimeError names the cause."""
     import torch

@@ -81,7 +81,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_) -> None:
     # Only our pools' pods reach the operator (filtered by the API server, not after the fact).
     settings.watching.label_selectors["v1", "pods"] = f"{naming.LABEL_MANAGED_BY}={naming.MANAGER},{naming.LABEL_ISVC}"
     # Sync handlers run in this thread pool. They mostly wait on API round trips, so many
-    # threads overlap them (tools/bench_operator.py, one run each on a loaded 2-core box:
+    # threads overlap them (bench/tools/operator_converge.py, one run each on a loaded 2-core box:
     # with 8, pool reconciles finished ~40 s after the 50th InferenceService was created;
     # with 32, ~6 s after).
     settings.execution.max_workers = 32

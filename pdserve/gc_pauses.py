@@ -6,7 +6,7 @@ one such collection took about 100 ms on this box (``gc.collect()`` after import
 with every thread of the process stopped: a token gap that long in a decode's stream. Python
 runs one only once the objects that survived since the last one reach a quarter of the
 long-lived ones, so they are rare (none in a P/D pair serving 24 requests of 512 + 64 tokens:
-``tools/bench_pd_ab.py``, ``PDSERVE_GC_FREEZE=0`` as one variant), but a long-running server
+``bench/tools/pd_ab.py``, ``PDSERVE_GC_FREEZE=0`` as one variant), but a long-running server
 meets them. vLLM freezes its heap after start-up for the same reason.
 
 ``settle(observe)``, called once a server has started and just before it says it is ready:

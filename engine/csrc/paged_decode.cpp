@@ -13,7 +13,7 @@
 // in float32 with a vectorized exp (terms below e^-80 are 0); then each V row is accumulated into
 // those heads' outputs. The cache is read front to back, each K/V byte of the context once per layer:
 // measured 0.12x (32 x 160 tokens, 16 / 8 heads) and 0.38x (12 x 640, 16 / 2 heads) of the torch
-// path's gather + decode_attend, float32, one thread (tools/bench_native_attention.py); the 16-token
+// path's gather + decode_attend, float32, one thread (bench/tools/native_attention.py); the 16-token
 // scores and the vectorized exp took 0.74-0.90x of the time of the token-by-token version before them
 // (16 / 2 heads of 64, blocks of 16 and 64, 1 x 2300 to 32 x 160 tokens, float32 and bfloat16).
 // AVX-512 where the compiler targets it (-march=native), else AVX2 + FMA (8 tokens at a time in the

@@ -1,4 +1,4 @@
-"""Shared by the operator's real-cluster tests and tools/bench_operator.py.
+"""Shared by the operator's real-cluster tests and bench/tools/operator_converge.py.
 
 `install_chart` helm-installs charts/pdserve (CRDs, RBAC, ServiceAccount, the operator
 Deployment, whose pod stays Pending: there is no kubelet) and waits for the CRDs to be

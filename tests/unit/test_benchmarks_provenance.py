@@ -8,7 +8,7 @@ ms, s, x, %, req/s, tok/s, GiB/s, ...) carries one line
 DATE begins with YYYY-MM-DD; MACHINE names the CPU or GPU, or says "CPU not recorded"; COMMIT is
 "commit <hash> ..." or "commit not recorded ..."; RAW is "raw: <paths>" (committed output) or
 "raw output not kept: ..." (with the command to rerun). Every repository path the line names
-(under docs/ or tools/, `{a,b}` and `*` allowed) must exist.
+(under docs/, tools/ or bench/, `{a,b}` and `*` allowed) must exist.
 """
 
 import re
@@ -23,7 +23,7 @@ PROVENANCE = re.compile(
     r"^\*Provenance: (?P<date>\d{4}-\d{2}-\d{2}[^;]*); (?P<machine>[^;]+); "
     r"(?P<commit>commit (?:[0-9a-f]{7,40}|not recorded)[^;]*); "
     r"(?P<raw>(?:raw: |raw output not kept).*)\.\*$")
-PATH = re.compile(r"(?<![\w/.-])(?:docs|tools)/[\w.{},*/-]+")
+PATH = re.compile(r"(?<![\w/.-])(?:docs|tools|bench)/[\w.{},*/-]+")
 
 
 def sections():

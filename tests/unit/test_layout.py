@@ -18,6 +18,24 @@ def test_parts_import_under_pdserve():
         assert Path(module.__file__).parent.name == part
 
 
+def test_benchmarks_live_under_bench():
+    """One home for benchmarks (issue 31 item 7): `pdserve bench NAME` and the A/B scripts are all under
+    bench/ (bench/engine/, bench/cachestore/, bench/tools/, ...); no other part or tools/ keeps a
+    bench*.py of its own, and `pdserve bench` reaches only modules of pdserve.bench."""
+    import tomllib
+
+    from pdserve.bench import BENCHES
+
+    repo = Path(__file__).resolve().parents[2]
+    folders = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    stray = [str(path.relative_to(repo)) for folder in [*folders, "tools"] if folder != "bench"
+             for path in (repo / folder).rglob("bench*.py")]
+    assert not stray, f"benchmarks outside bench/: {stray}"
+    assert all(module.startswith("pdserve.bench.") for module in BENCHES.values()), BENCHES
+    for module in BENCHES.values():
+        assert importlib.util.find_spec(module) is not None, module
+
+
 def test_operator_folder_does_not_shadow_stdlib():
     import operator
 

@@ -1,6 +1,6 @@
 """Benchmark: N InferenceServices reconciling on a real control plane; time to converge and operator memory.
 
-    .venv/bin/python tools/bench_operator.py [--count 50] [--json out.json]
+    .venv/bin/python bench/tools/operator_converge.py [--count 50] [--json out.json]
 
 Starts etcd + kube-apiserver + kube-controller-manager (tests/harness/kube.py; or uses the cluster
 in $PDSERVE_KUBECONFIG), helm-installs charts/pdserve, runs `pdserve operator` locally with
@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 from harness.kube import kube_cluster  # noqa: E402

@@ -1,6 +1,6 @@
 """The linear layers of a decode step, separate projections vs merged ``qkv_proj`` / ``gate_up_proj``, A B A B.
 
-    .venv/bin/python tools/bench_linear_merge.py [--rows 1,2,3,4,8,10,16] [--rounds 8]
+    .venv/bin/python bench/tools/linear_merge.py [--rows 1,2,3,4,8,10,16] [--rounds 8]
 
 The peer experiment's shapes (hidden 1024, 16 query and 2 KV heads of 64, intermediate 2816, 8
 layers, fp32, random weights), one torch thread, each side run as the engine runs it

@@ -18,7 +18,7 @@ SHORT_REQUESTS = 4
 
 
 async def run_mixed(ask, read, region, layout, compat, transport: str, scheduler: str, chunk_bytes: int, tag: str) -> dict:
-    from .sender import CacheStoreSender
+    from pdserve.cachestore.sender import CacheStoreSender
 
     nb = layout.num_blocks
     if nb <= SHORT_REQUESTS:

@@ -1,6 +1,6 @@
 """Decode step time of two checkouts of the engine (before / after a change), alternating A B A B.
 
-    .venv/bin/python tools/bench_step_ab.py --tree before=/work/wt/old --tree after=. \
+    .venv/bin/python bench/tools/step_ab.py --tree before=/work/wt/old --tree after=. \
         [--cases 1x640,4x640,12x640,32x128] [--dtype float32] [--rounds 3]
 
 Each tree is a checkout of this repository (``git worktree add /work/wt/old <rev>``); its code
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 CHILD = r'''
 import json, statistics, sys, time
@@ -32,7 +32,7 @@ repo, tree, model, dtype, cases, tools = sys.argv[1:7]
 for name, path in list(finder.MAPPING.items()):
     finder.MAPPING[name] = path.replace(repo, tree, 1)
 sys.path.insert(0, tools)
-from bench_decode_step import PEER_MODEL, primed_engine  # imports the engine: after the map points at the tree
+from decode_step import PEER_MODEL, primed_engine  # imports the engine: after the map points at the tree
 from pdserve.engine.loader import load_model
 torch.set_num_threads(1)
 loaded = load_model(model or str(PEER_MODEL), dtype=getattr(torch, dtype))
@@ -66,7 +66,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name, tree in trees if r % 2 == 0 else trees[::-1]:
             cmd = ["taskset", "-c", cpu, sys.executable, "-c", CHILD, str(REPO), tree, args.model, args.dtype,
-                   args.cases, str(REPO / "tools")]
+                   args.cases, str(REPO / "bench" / "tools")]
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
             line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:

@@ -1,6 +1,6 @@
 """Where a lone request's TTFT goes in pdserve's P/D: client TTFT against the prefill's own metrics.
 
-    .venv/bin/python tools/bench_ttft_parts.py [--requests 4] [--prompt 2048] [--transfer tcp]
+    .venv/bin/python bench/tools/ttft_parts.py [--requests 4] [--prompt 2048] [--transfer tcp]
         [--rate R --max-tokens 256]
 
 Starts one ``pdserve decode`` pinned to CPU 1 and one ``pdserve prefill`` pinned to CPU 0, one

@@ -12,7 +12,7 @@ loopback, and prints side by side, measured in the same run:
                       (a reference: how much of the nixl gap is NIXL's per-WRITE cost)
 
 With ``--checksum both`` (the default) "ours" runs twice per repeat, checksums on then off
-(CRC32C per slice, ``checksum.py``), so the two alternate A B A B under the same load, and
+(CRC32C per slice, ``cachestore/checksum.py``), so the two alternate A B A B under the same load, and
 the checksum's cost is printed as the median over repeats of on / off (paired within a repeat).
 
 Throughput is the pool size over the time from the first byte offered to the sender to the
@@ -36,8 +36,9 @@ import subprocess
 import sys
 import time
 
-from .bench_memory import PeakRSS
-from .memory import DTYPE_BYTES, CompatInfo, KVLayout, MemoryRegion
+from pdserve.cachestore.memory import DTYPE_BYTES, CompatInfo, KVLayout, MemoryRegion
+
+from .peak_rss import PeakRSS
 
 DTYPE_BY_BYTES = {2: "float16", 4: "float32", 1: "uint8"}
 
@@ -96,8 +97,8 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                            "head_dim": compat.head_dim, "block_size": compat.block_size},
                 "layout": {"num_layers": layout.num_layers, "num_blocks": layout.num_blocks,
                            "block_nbytes": layout.block_nbytes}}
-    child = subprocess.Popen([sys.executable, "-m", "pdserve.cachestore.bench_receiver", json.dumps(geometry),
-                              str(server.sockets[0].getsockname()[1])])
+    child = subprocess.Popen([sys.executable, "-m", "pdserve.bench.cachestore.receiver_process",
+                              json.dumps(geometry), str(server.sockets[0].getsockname()[1])])
     try:
         async with asyncio.timeout(120):
             reader, writer = await conn
@@ -130,7 +131,7 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                 tx_rss = peak.stop()
                 rx_doc = await _read(reader)
             elif kind in ("raw_nixl", "rawchunks_nixl"):
-                from .nixl_backend import NixlMemory
+                from pdserve.cachestore.nixl_backend import NixlMemory
 
                 if raw_nixl is None:
                     raw_nixl = NixlMemory("bench-raw-tx", region)
@@ -143,7 +144,7 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
             else:
                 transport, mode = kind.split("_", 1)[1].split(":")
                 if kind not in senders:
-                    from .sender import CacheStoreSender
+                    from pdserve.cachestore.sender import CacheStoreSender
 
                     senders[kind] = CacheStoreSender(region, layout, compat, transport=transport,
                                                      chunk_bytes=int(args.chunk_mib * (1 << 20)), checksum=mode == "on")
@@ -172,7 +173,7 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
             await tx.stop()
         mixed = {}
         if args.mixed:
-            from .bench_mixed import run_mixed
+            from .scheduler_mix import run_mixed
 
             for transport in transports:
                 for sched in ("fifo", "priority"):

@@ -1,4 +1,4 @@
-"""The receiving process of ``pdserve bench cachestore`` (started by bench.py, not by users).
+"""The receiving process of ``pdserve bench cachestore`` (started by transfer.py, not by users).
 
 It allocates and touches its KV pool, then serves commands from the benchmark over one
 control connection (JSON lines): ``raw_tcp`` (one big recv_into the pool), ``raw_nixl``
@@ -19,8 +19,9 @@ import time
 
 import torch
 
-from .bench_memory import PeakRSS
-from .memory import CompatInfo, KVLayout, MemoryRegion
+from pdserve.cachestore.memory import CompatInfo, KVLayout, MemoryRegion
+
+from .peak_rss import PeakRSS
 
 
 async def serve(geometry: dict, control_port: int) -> None:
@@ -68,7 +69,7 @@ async def serve(geometry: dict, control_port: int) -> None:
             lsock.close()
             await reply({"rss": peak.stop(), "cpu": peak.cpu_s})
         elif cmd["cmd"] == "raw_nixl":
-            from .nixl_backend import NixlMemory
+            from pdserve.cachestore.nixl_backend import NixlMemory
 
             if nixl_mem is None:
                 nixl_mem = NixlMemory("bench-raw-rx", region)
@@ -80,7 +81,7 @@ async def serve(geometry: dict, control_port: int) -> None:
                 await asyncio.sleep(0.0002)
             await reply({"rss": peak.stop(), "cpu": peak.cpu_s})
         elif cmd["cmd"] == "ours":
-            from .receiver import CacheStoreReceiver
+            from pdserve.cachestore.receiver import CacheStoreReceiver
 
             transport = cmd["transport"]
             if transport not in receivers:
@@ -96,7 +97,7 @@ async def serve(geometry: dict, control_port: int) -> None:
             rx.delete(rid)
             await reply({"rss": rss, "cpu": peak.cpu_s, "stats": rx.stats()})
         elif cmd["cmd"] == "expect_many":
-            from .receiver import CacheStoreReceiver
+            from pdserve.cachestore.receiver import CacheStoreReceiver
 
             transport = cmd["transport"]
             if transport not in receivers:

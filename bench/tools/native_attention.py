@@ -1,6 +1,6 @@
 """The engine's C++ decode attention (engine/csrc/paged_decode.cpp) against its torch path, per layer call.
 
-    .venv/bin/python tools/bench_native_attention.py [--cases 1x640,4x640,12x640,12x2304,32x640] [--rounds 6] \
+    .venv/bin/python bench/tools/native_attention.py [--cases 1x640,4x640,12x640,12x2304,32x640] [--rounds 6] \
         [--kv-heads 2] [--block-size 64] [--against REV]
 
 Builds (or finds) the kernel through ``engine/native.py``, checks it against the torch path on one layer
@@ -62,7 +62,7 @@ def kernel(q, kv, tables, ctx):
 def kernel_at(rev: str):
     """The kernel's source at git revision ``rev``, built under the op name pdserve_native_at_rev."""
     src = subprocess.run(["git", "show", f"{rev}:engine/csrc/paged_decode.cpp"], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent)
+                         cwd=Path(__file__).resolve().parents[2])
     if src.returncode != 0:
         raise SystemExit(f"--against {rev}: {src.stderr.strip()}")
     try:

