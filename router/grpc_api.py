@@ -4,10 +4,13 @@ The request message goes to the prefill untouched and its responses come back on
 a prefill's status (INVALID_ARGUMENT for bad input, UNAVAILABLE, ABORTED, DEADLINE_EXCEEDED)
 reaches the client with its own message. The prompt is looked up in the index as the prefill
 will compute it (``prompt_token_ids``, else the encoded ``prompt``). Which prefill, the retries and
-the in-flight counts are ``relay.py``'s (shared with the HTTP API). A prefill that answers
-UNAVAILABLE before its first response (it cannot be reached, or cannot take the request) is
-skipped for the next in the ranking (at most ``max_attempts``); none routable: the request waits
-for one up to ``prefill_wait_s`` (and its deadline), then UNAVAILABLE.
+the in-flight counts are ``relay.py``'s (shared with the HTTP API). A prefill whose call ends
+UNAVAILABLE before its first response (it cannot be reached, or cannot take the request), or
+UNKNOWN / INTERNAL (it went away: a reset connection loses the responses still in the socket, and
+gRPC then says "Stream removed"), is skipped for the next in the ranking (at most
+``max_attempts``; nothing reached the client, so the request goes whole); none routable: the
+request waits for one up to ``prefill_wait_s`` (and its deadline), then UNAVAILABLE naming the
+last failure.
 
 Streams that outlive their prefill (the contract: ``pdserve.stream_resume``): a prefill that goes away
 after part of the stream reached the client (its call ends UNAVAILABLE, UNKNOWN or INTERNAL, statuses a
@@ -116,6 +119,7 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
     async def _relayed(self, relay, upstream: _Upstream):
         """``_relay``'s responses, the whole of the request's passage (``with relay``); a call that must end with
         a status raises ``_Abort`` once the request's outcome is set."""
+        last = ""
         with relay:
             while (attempt := await relay.next_attempt()) is not None:
                 with attempt:
@@ -128,9 +132,10 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
                         relay.finish("ok", "relayed")
                         return
                     except grpc.aio.AioRpcError as exc:
-                        if exc.code() == grpc.StatusCode.UNAVAILABLE and not upstream.sent:
-                            log.warning("prefill %s unavailable (%s); trying the next one", attempt.address,
-                                        exc.details())
+                        if exc.code() in WENT_AWAY and not upstream.sent:
+                            log.warning("prefill %s failed before its first response (%s); trying the next one",
+                                        attempt.address, _why(exc))
+                            last = f"; last: {attempt.address}: {_why(exc)}"
                             continue
                         if not (exc.code() in WENT_AWAY and upstream.sent):  # the prefill's own answer
                             relay.finish("error", f"grpc_{exc.code().name.lower()}")
@@ -144,7 +149,7 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
                         yield response
                 return
             relay.finish("error", "prefill_unreachable")
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"no prefill could take the request (tried {relay.tried_text()})")
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"no prefill could take the request (tried {relay.tried_text()}{last})")
 
     async def _after_break(self, relay, upstream: _Upstream, address: str, broke: grpc.aio.AioRpcError):
         """Resume the stream on another prefill (``relay.next_resume``), response by response; or end the call

@@ -3,14 +3,17 @@ the contract is pdserve/stream_resume.py), in process over real gRPC: prefills h
 servers streaming a script (response k carries token SCRIPT[k], ``completion_tokens`` k + 1, as a prefill
 writes them; a request with ``resume_token_ids`` goes on after them), their loads set by hand.
 
-- prefill A's server stops after k responses (what a drained or killed prefill's client sees: UNAVAILABLE);
-  the router resumes the stream on B with the tokens the client has and the stream's request id. At every
+- prefill A's server stops after k responses (what a drained or killed prefill's client sees: UNAVAILABLE),
+  once the client holds those k (a server stopped at once resets its connections, and responses still in
+  the router's socket are lost: the router would rightly resume from fewer, but the test names k); the
+  router resumes the stream on B with the tokens the client has and the stream's request id. At every
   cut the client's responses equal the uninterrupted stream's: no token twice or missing, one request id,
   ``completion_tokens`` 1..N, one finish. A cut after the finish response needs no resume;
 - a resume B refuses, and a B that ignores ``resume_token_ids`` (it starts over), end the call with A's
   status and why it was not resumed; nothing of such a B reaches the client;
 - a prefill's own verdict mid-stream (ABORTED: its decode failed) is relayed, not resumed; a prefill that
-  goes away before its first response is skipped for the next one (the request goes whole);
+  goes away before its first response (UNAVAILABLE, or UNKNOWN / INTERNAL as a reset connection ends a
+  call) is skipped for the next one (the request goes whole);
 - afterwards the relay counts and every prefill's in-flight count are zero.
 """
 
@@ -37,6 +40,24 @@ def script(request_id: str, start: int = 0) -> list[gpb.GenerateResponse]:
                                        completion_tokens=N)]
 
 
+class Delivery:
+    """Responses the fakes wrote (``sent``) and the client read (``received``); a fake that stops its server
+    first waits until the client holds everything it wrote (``all_received``)."""
+
+    def __init__(self):
+        self.sent = self.received = 0
+        self._changed = asyncio.Event()
+
+    def receive(self):
+        self.received += 1
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def all_received(self):
+        while self.received < self.sent:
+            await self._changed.wait()
+
+
 class ScriptGenerator(gpb_grpc.GeneratorServicer):
     """Streams SCRIPT (after a request's ``resume_token_ids``, under its request id or one of its own). ``die``:
     responses after which its server stops (its calls end UNAVAILABLE); ``verdict``: a status it ends the call
@@ -47,6 +68,7 @@ class ScriptGenerator(gpb_grpc.GeneratorServicer):
         self.port, self.die, self.verdict, self.ignore_resume = port, die, verdict, ignore_resume
         self.requests: list[gpb.GenerateRequest] = []
         self.server = None
+        self.delivery: Delivery | None = None  # set by _run
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -54,20 +76,24 @@ class ScriptGenerator(gpb_grpc.GeneratorServicer):
         responses = script(rid, 0 if self.ignore_resume else len(request.resume_token_ids))
         for k in range(len(responses) + 1):  # (its end too: after its finish response, before the call's status)
             if k == self.die:
+                await self.delivery.all_received()
                 if self.verdict is not None:
                     await context.abort(self.verdict, f"the prefill's own verdict: {self.verdict.name}")
                 asyncio.get_running_loop().create_task(self.server.stop(None))  # as a drained prefill's shutdown
                 await asyncio.Event().wait()  # cancelled by the stop
             if k < len(responses):
+                self.delivery.sent += 1
                 yield responses[k]
 
 
-async def _generate(address: str) -> tuple[list[gpb.GenerateResponse], grpc.aio.AioRpcError | None]:
+async def _generate(address: str, delivery: Delivery) -> tuple[list[gpb.GenerateResponse],
+                                                             grpc.aio.AioRpcError | None]:
     got = []
     async with grpc.aio.insecure_channel(address) as channel:
         try:
             async for response in gpb_grpc.GeneratorStub(channel).Generate(REQUEST, timeout=30):
                 got.append(response)
+                delivery.receive()
         except grpc.aio.AioRpcError as exc:
             return got, exc
     return got, None
@@ -77,6 +103,7 @@ def _run(a: ScriptGenerator, b: ScriptGenerator, scenario, prefill_wait_s: float
     """The router over A and B; A ranks first (B reports load). After the scenario nothing is in flight."""
 
     async def main():
+        a.delivery = b.delivery = Delivery()
         async with grpc_router_over({"a": a, "b": b}, prefill_wait_s) as (router, servicer, address):
             set_load(a.watch, a.port)
             set_load(b.watch, b.port, in_flight=3)
@@ -93,7 +120,7 @@ def test_a_stream_whose_prefill_goes_away_is_resumed_on_another(die):
     a.die = die
 
     async def scenario(address, servicer):
-        got, error = await _generate(address)
+        got, error = await _generate(address, a.delivery)
         assert error is None, error
         assert got == script(f"id-{a.port}")  # the uninterrupted stream, once, under A's request id
         if die > N:  # the finish went out: nothing was left to resume
@@ -121,7 +148,7 @@ def test_a_resume_no_prefill_can_continue_ends_with_the_status_and_why(b_kind):
          else ScriptGenerator(b, ignore_resume=True))
 
     async def scenario(address, servicer):
-        got, error = await _generate(address)
+        got, error = await _generate(address, a.delivery)
         assert got == script(f"id-{a.port}")[:3]  # nothing of B reached the client
         assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
         assert f"prefill 127.0.0.1:{a.port} failed mid-stream" in error.details()
@@ -138,7 +165,7 @@ def test_a_prefills_own_verdict_mid_stream_is_relayed_not_resumed():
     a, b = ScriptGenerator(a, die=4, verdict=grpc.StatusCode.ABORTED), ScriptGenerator(b)
 
     async def scenario(address, servicer):
-        got, error = await _generate(address)
+        got, error = await _generate(address, a.delivery)
         assert got == script(f"id-{a.port}")[:4] and error.code() == grpc.StatusCode.ABORTED
         assert error.details() == "the prefill's own verdict: ABORTED" and b.requests == []
         assert counter(servicer, "pdserve_router_resumes_total") == 0
@@ -147,12 +174,14 @@ def test_a_prefills_own_verdict_mid_stream_is_relayed_not_resumed():
     _run(a, b, scenario)
 
 
-def test_a_prefill_that_goes_away_before_its_first_response_is_skipped():
+@pytest.mark.parametrize("how", ["stopped", "UNKNOWN", "INTERNAL"])  # UNKNOWN "Stream removed": a reset connection
+def test_a_prefill_that_goes_away_before_its_first_response_is_skipped(how):
     a, b = free_ports(2)
-    a, b = ScriptGenerator(a, die=0), ScriptGenerator(b)
+    verdict = None if how == "stopped" else grpc.StatusCode[how]
+    a, b = ScriptGenerator(a, die=0, verdict=verdict), ScriptGenerator(b)
 
     async def scenario(address, servicer):
-        got, error = await _generate(address)
+        got, error = await _generate(address, a.delivery)
         assert error is None and got == script(f"id-{b.port}")
         assert len(a.requests) == 1 and b.requests == [REQUEST]  # the request whole, no resume
         assert counter(servicer, "pdserve_router_decisions_total", reason="retry") == 1
