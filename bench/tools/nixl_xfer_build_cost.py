@@ -1,6 +1,6 @@
 """How long NIXL takes to BUILD one WRITE handle (not to move it), three ways.
 
-    .venv/bin/python tools/nixl_xfer_build_cost.py
+    .venv/bin/python bench/tools/nixl_xfer_build_cost.py
 
 Two agents in this process, 512 MiB registered on each (32 layers x 64 blocks of 256 KiB, the
 `pdserve bench cachestore` set). For one layer, in microseconds per handle (median of 5 x 1000):

@@ -1,6 +1,6 @@
 """pdserve alone in one peer cell: how much of the P99 inter-token latency is each request's first gap.
 
-    .venv/bin/python tools/peer_first_gap.py [--prompt 512] [--output 64] [--rate 0.9] [--requests 24]
+    .venv/bin/python bench/tools/peer_first_gap.py [--prompt 512] [--output 64] [--rate 0.9] [--requests 24]
 
 pdserve streams a request's first token from the prefill and the rest from the decode, so the gap
 between the first and the second token spans the handover: the decode's step in progress, then the

@@ -1,4 +1,4 @@
-"""tools/conformance_vllm.py without vLLM: its command line, the greedy comparison and the kill command.
+"""bench/tools/conformance_vllm.py without vLLM: its command line, the greedy comparison and the kill command.
 
 The kill command is run for real through /bin/sh on a ``sleep`` started in a session of its own
 (as the Launcher starts vLLM): it must kill the whole group and exit 0 under dash too, whose
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "conformance_vllm.py"
+TOOL = Path(__file__).resolve().parents[2] / "bench" / "tools" / "conformance_vllm.py"
 
 
 @pytest.fixture(scope="module")
