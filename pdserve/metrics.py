@@ -210,12 +210,12 @@ def exported_series_names() -> set[str]:
 class _Labelled:
     """A metric with extra labels; ``labels(**extra)`` fills in the process's common labels."""
 
-    def __init__(self, metric, common: dict[str, str], extra: tuple[str, ...]):
-        self._metric, self._common, self._extra = metric, common, extra
+    def __init__(self, name: str, metric, common: dict[str, str], extra: tuple[str, ...]):
+        self._name, self._metric, self._common, self._extra = name, metric, common, extra
 
     def labels(self, **extra: str):
         if set(extra) != set(self._extra):
-            raise ValueError(f"{self._metric._name}: labels must be exactly {self._extra}, got {tuple(extra)}")
+            raise ValueError(f"{self._name}: labels must be exactly {self._extra}, got {tuple(extra)}")
         return self._metric.labels(**self._common, **{k: str(v) for k, v in extra.items()})
 
 
@@ -245,7 +245,8 @@ class ServerMetrics:
             else:
                 metric = Gauge(spec.name, spec.help, labelnames, registry=self.registry)
             # Without extra labels the child exists from the start, so it is scraped as 0.
-            setattr(self, spec.attr, _Labelled(metric, common, spec.labels) if spec.labels else metric.labels(**common))
+            child = _Labelled(spec.name, metric, common, spec.labels) if spec.labels else metric.labels(**common)
+            setattr(self, spec.attr, child)
             self._families[spec.attr] = metric
         self._on_scrape: list = []
 
