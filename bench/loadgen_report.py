@@ -19,6 +19,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .provenance import save_figure
+
 PERCENTILES = (50, 90, 99)
 
 
@@ -162,9 +164,4 @@ def plot(results: list[RequestResult], path: Path, title: str = "pdserve bench s
     ax.set_title("timeline: waiting for first token (orange), decoding (blue), failed (x)")
     ax.title.set_fontsize(9)
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..provenance import save_figure
 from .faults import Fault
 from .outcome import OUTCOMES, RequestRecord, counts, overlaps
 
@@ -113,9 +114,4 @@ def plot(records: list[RequestRecord], faults: list[Fault], path: Path, title: s
     bottom.set_xlabel("time since start (s)")
     bottom.set_ylabel(f"requests / {bin_s:.0f}s")
     fig.suptitle(title)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

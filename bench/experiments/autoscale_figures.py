@@ -146,8 +146,4 @@ def plot(runs: dict, figures: dict, trace: LoadTrace, path: Path) -> Path:
         ax.grid(True, alpha=0.3)
         ax.legend(loc="upper right", fontsize=8)
     fig.suptitle("Experiment 6: pdserve up --autoscale vs static clusters, same trace")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)

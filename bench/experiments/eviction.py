@@ -139,7 +139,4 @@ def plot(runs: dict, path: Path, tbt_ms: int) -> Path:
     ax.set_ylabel("fraction of gaps")
     ax.set_title("LSO eviction: interactive TBT with batch requests on the decode")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path, dpi=120)

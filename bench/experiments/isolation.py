@@ -149,7 +149,4 @@ def plot(runs: dict, path: Path) -> Path:
     axes[1].set_title("token gaps while long prompts arrive")
     axes[1].legend()
     fig.suptitle("Experiment 1: decode isolation, P/D vs colocated (same cores)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)

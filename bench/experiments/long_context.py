@@ -202,8 +202,4 @@ def plot(rows: list[dict], spill_rows: list[dict], path: Path, figures: dict) ->
     axes[1].legend(["median run", "fastest run"])
     axes[1].set_title(f"first lender {figures['first_lender_ms']:+} ms/token, "
                       f"each further block {figures['per_further_block_ms']:+}")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)

@@ -162,7 +162,4 @@ def plot(rows: list[dict], configs: dict, path: Path, link: str) -> Path:
     axes[0].set_ylabel("TTFT (ms, median)")
     axes[1].set_ylabel("TTFT / prefill alone")
     fig.suptitle(f"Experiment 2: layer-wise overlap ({link})")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)

@@ -160,7 +160,4 @@ def plot(runs: list[dict], cells: dict, path, title: str):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)

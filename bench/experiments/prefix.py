@@ -215,7 +215,4 @@ def plot(runs: list[dict], arms: list[str], path: Path) -> Path:
         ax.set_title(title)
         ax.tick_params(axis="x", labelsize=8)
     fig.suptitle("Experiment 5: KV-aware routing on multi-turn chat (2 prefills + 2 decodes)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)

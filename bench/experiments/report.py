@@ -3,36 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import platform
-import subprocess
 import sys
-import time
 from pathlib import Path
 
+from ..provenance import machine, save_figure
 
-def machine() -> dict:
-    """Where the experiment ran (for docs/benchmarks.md)."""
-    cpu = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    try:
-        mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    except (ValueError, OSError):
-        mem_gib = None
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[2], timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        commit = ""
-    return {"cpus": os.cpu_count(), "cpu_model": cpu, "mem_gib": round(mem_gib, 1) if mem_gib else None,
-            "kernel": platform.release(), "python": platform.python_version(), "git_commit": commit,
-            "load_avg_at_start": os.getloadavg(), "utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def command() -> str:
@@ -91,7 +66,4 @@ def bars_and_ttft_cdf(path: Path, title: str, bars: dict[str, float], bar_title:
     axes[0].set_title(bar_title)
     ttft_cdf_panel(axes[1], ttfts, xlabel=ttft_label)
     fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -290,7 +290,4 @@ def plot(runs: dict, path: Path) -> Path:
     axes[2].set_title("waiting-time estimator")
     axes[2].legend()
     fig.suptitle("Experiment 8: SLO-aware global queue (QLM) vs EDF vs FIFO")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)

@@ -264,7 +264,4 @@ def plot(results: dict, path: Path) -> Path:
         ax.set_xlim(0, r["wall_s"])
         ax.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds since the first request")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)

@@ -208,7 +208,4 @@ def plot(runs: list[dict], arms: list[str], summary: dict, ceiling: dict, worklo
     fig.suptitle(f"Prefix routing on Mooncake's conversation trace: {args.prefills} prefills + {args.decodes} decodes "
                  f"behind pdserve router, model {args.model} -- {m['cpu_model']} ({m['cpus']} CPUs), "
                  f"{m['utc'][:10]}\n{workload}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path, record=m)

@@ -160,7 +160,4 @@ def plot(results: dict, path: Path) -> Path:
         ax.legend(fontsize=8)
         ax.grid(True, alpha=0.3)
     fig.suptitle("Experiment 4: prioritised chunked KV transmission vs FIFO")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)
