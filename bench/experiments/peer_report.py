@@ -2,6 +2,11 @@
 
 Ratios are pdserve / vLLM P/D of the medians over the repeats (below 1 is better for pdserve
 on latencies, above 1 on throughput). The targets are issue 16's.
+
+A run measured under an SLO (the trace cell, peer_trace.py) also carries goodput (``goodput_rps``:
+requests meeting both the TTFT and the mean-time-between-tokens bound, per second of the run;
+DistServe's measure, ``loadgen_report.summarize``) and ``slo_attained``; ``goodput_verdict`` judges
+issue 33's target for it, pdserve's goodput >= vLLM P/D's, beside the TTFT and TPOT ratios.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import statistics
 from pdserve.bench.loadgen_report import RequestResult, percentile
 
 from . import report
+from .trace_routing_figures import pair_ratios, verdict
 
 SYSTEMS = ("pdserve", "vllm")
 # figure -> (summary key, field); "failed" and throughput are top-level numbers of the summary
@@ -22,6 +28,8 @@ FIGURES = {
 }
 # figure -> (comparison, ratio): pdserve / vLLM must be <= (or >=) the ratio
 TARGETS = {"ttft_mean": ("<=", 0.8), "tpot_mean": ("<=", 1.0), "itl_p99": ("<=", 1.0), "output_tok_s": (">=", 1.0)}
+SLO_FIGURES = ("goodput_rps", "slo_attained")  # in the figures of runs measured under an SLO only
+GOODPUT_TARGET = 1.0  # issue 33: pdserve's goodput on the trace >= vLLM P/D's
 CDF_POINTS = 100
 
 
@@ -36,6 +44,9 @@ def run_figures(summary: dict, results: list[RequestResult]) -> dict:
         value = summary[key] if field is None else summary[key][field]
         out[name] = value
     good = [r for r in results if r.ok]
+    slo = summary.get("slo") or {}
+    if slo.get("ttft_s") is not None or slo.get("tbt_s") is not None:  # measured under an SLO: goodput counts
+        out["goodput_rps"], out["slo_attained"], out["slo"] = summary["goodput"], summary["slo_attained"], slo
     out["requests"] = summary["requests"]
     out["errors"] = summary["errors"]
     examples: dict[str, str] = {}
@@ -64,7 +75,8 @@ def aggregate(runs: list[dict]) -> dict:
             per = [r["cells"][cell] for r in runs if r["system"] == system and cell in r["cells"]]
             if not per:
                 continue
-            m = {name: _median([p[name] for p in per]) for name in FIGURES if name != "failed"}
+            names = [n for n in FIGURES if n != "failed"] + [n for n in SLO_FIGURES if all(n in p for p in per)]
+            m = {name: _median([p[name] for p in per]) for name in names}
             m["failed"] = sum(p["failed"] for p in per)
             m["requests"] = sum(p["requests"] for p in per)
             m["repeats"] = len(per)
@@ -72,7 +84,8 @@ def aggregate(runs: list[dict]) -> dict:
         entry = {"medians": medians}
         if all(s in medians for s in SYSTEMS):
             ratios = {name: report.ratio(medians["pdserve"][name], medians["vllm"][name])
-                      for name in FIGURES if name != "failed"}
+                      for name in medians["pdserve"] if name in medians["vllm"] and name not in ("failed", "requests",
+                                                                                                  "repeats")}
             met = {name: _meets(ratios[name], *TARGETS[name]) for name in TARGETS}
             met["failed"] = medians["pdserve"]["failed"] == 0
             entry.update(ratios=ratios, met=met, all_met=all(met.values()))
@@ -92,8 +105,51 @@ def _meets(ratio: float | None, op: str, target: float) -> bool:
 
 
 def _cell_key(cell: str) -> tuple:
-    p, o, r = cell.split("-")
-    return int(p[1:]), int(o[1:]), float(r[1:])
+    """Grid cells by prompt, output, rate; any other cell (the trace's) after them, by name."""
+    try:
+        p, o, r = cell.split("-")
+        return 0, int(p[1:]), int(o[1:]), float(r[1:])
+    except ValueError:
+        return 1, cell
+
+
+def goodput_verdict(runs: list[dict], cells: dict, cell: str) -> dict:
+    """Issue 33's target on one cell measured under an SLO: pdserve's median goodput >= vLLM P/D's.
+
+    Also the goodput ratio of each repeat (pdserve's over vLLM's of the same repeat; the verdict says when
+    they fall on both sides of the target) and the TTFT and TPOT ratios of the medians."""
+    e = cells[cell]
+    med = e["medians"]
+    if not all(s in med and "goodput_rps" in med[s] for s in SYSTEMS):
+        return {"verdict": "no figure (a system has no run measured under an SLO)"}
+    good = {s: med[s]["goodput_rps"] for s in SYSTEMS}
+    per_repeat = [{"round": r["repeat"], "arm": r["system"], "goodput_rps": r["cells"][cell]["goodput_rps"]}
+                  for r in runs if cell in r["cells"]]
+    pairs = pair_ratios(per_repeat, "pdserve", "goodput_rps", baseline="vllm")
+    ratio = e["ratios"].get("goodput_rps")
+    if good["vllm"] == 0:  # no ratio: judge the target itself
+        word = "no request met the SLO on either system" if good["pdserve"] == 0 else "met (vLLM P/D's goodput is 0)"
+    else:
+        word = verdict(ratio, pairs, GOODPUT_TARGET, "higher")
+    keys = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99")
+    return {"target": f"goodput pdserve / vLLM P/D >= {GOODPUT_TARGET:g}", "goodput_rps": good, "ratio": ratio,
+            "ratios_per_repeat": pairs, "verdict": word, "slo_attained": {s: med[s].get("slo_attained") for s in SYSTEMS},
+            "ttft_tpot_ratios": {k: e["ratios"].get(k) for k in keys}}
+
+
+def format_goodput(v: dict, slo: str) -> str:
+    """Two lines: goodput of both systems under the SLO with the verdict, then the TTFT and TPOT ratios."""
+    if "goodput_rps" not in v:
+        return f"goodput: {v['verdict']}"
+    g, r = v["goodput_rps"], v["ttft_tpot_ratios"]
+    ratio = "-" if v["ratio"] is None else f"{v['ratio']:.2f}"
+
+    def x(k):
+        return "-" if r[k] is None else f"{r[k]:.2f}"
+    return (f"goodput ({slo}): pdserve {g['pdserve']:.2f} req/s, vLLM P/D {g['vllm']:.2f} req/s, ratio {ratio} "
+            f"[target >= {GOODPUT_TARGET:g}]: {v['verdict']}\n"
+            f"pdserve / vLLM P/D: TTFT mean {x('ttft_mean')} p50 {x('ttft_p50')} p99 {x('ttft_p99')}; "
+            f"TPOT mean {x('tpot_mean')} p50 {x('tpot_p50')} p99 {x('tpot_p99')}")
 
 
 def format_table(cells: dict) -> str:
