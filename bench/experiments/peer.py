@@ -99,10 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model-size", choices=sorted(PEER_MODELS), default=None,
                    help="peer: random 123M Llama, hidden 1024, 8 layers, fp32 (default without --trace); small: "
                         "hidden 256, 8 layers (default with --trace); tiny: for tests")
-    g.add_argument("--kv-tokens", type=int, default=16384, help="KV budget of each instance in tokens (default %(default)s)")
+    g.add_argument("--kv-tokens", type=int, default=16384,
+                   help="KV budget of each instance in tokens (default %(default)s)")
     g.add_argument("--transfer", choices=["tcp", "nixl"], default="tcp", help="pdserve's KV transfer (default tcp)")
     g.add_argument("--dtype", choices=PEER_DTYPES, default="float32",
-                   help="weights, activations and KV of both systems (default %(default)s); --kv-tokens holds either way")
+                   help="weights, activations and KV of both systems (default %(default)s); --kv-tokens holds "
+                        "either way")
     g.add_argument("--pdserve-engine", choices=["builtin", "vllm"], default="builtin",
                    help="engine of pdserve's servers: builtin (default) or vllm (--engine vllm: vLLM's engine under "
                         "pdserve's P/D; issue 17)")
@@ -111,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "%(default)s; vLLM's own P/D here runs vLLM-CPU's default, 128)")
     g.add_argument("--vllm-untuned", action="store_true", help="vLLM without the progress-thread and NUMA fixes")
     g.add_argument("--pdserve-prefill-extra", default="", metavar="FLAGS",
-                   help="more flags for pdserve's prefill, one string (e.g. --pdserve-prefill-extra='--queue-timeout 60')")
+                   help="more flags for pdserve's prefill, one string "
+                        "(e.g. --pdserve-prefill-extra='--queue-timeout 60')")
     g.add_argument("--pdserve-decode-extra", default="", metavar="FLAGS", help="more flags for pdserve's decode")
     g.add_argument("--vllm-extra", default="", metavar="FLAGS",
                    help="more flags for both vLLM servers, one string (e.g. --vllm-extra='--enforce-eager')")

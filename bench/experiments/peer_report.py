@@ -133,7 +133,8 @@ def goodput_verdict(runs: list[dict], cells: dict, cell: str) -> dict:
         word = verdict(ratio, pairs, GOODPUT_TARGET, "higher")
     keys = ("ttft_mean", "ttft_p50", "ttft_p99", "tpot_mean", "tpot_p50", "tpot_p99")
     return {"target": f"goodput pdserve / vLLM P/D >= {GOODPUT_TARGET:g}", "goodput_rps": good, "ratio": ratio,
-            "ratios_per_repeat": pairs, "verdict": word, "slo_attained": {s: med[s].get("slo_attained") for s in SYSTEMS},
+            "ratios_per_repeat": pairs, "verdict": word,
+            "slo_attained": {s: med[s].get("slo_attained") for s in SYSTEMS},
             "ttft_tpot_ratios": {k: e["ratios"].get(k) for k in keys}}
 
 

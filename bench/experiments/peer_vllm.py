@@ -78,7 +78,8 @@ def start_vllm_pd(launcher: Launcher, python: str, model: str, *, kv_bytes: int,
     """Prefill + decode vLLM and the proxy, each ready; everything stops with the launcher."""
     p_port, d_port, x_port = free_port(), free_port(), free_port()
     common = {"kv_bytes": kv_bytes, "max_len": max_len, "tuned": tuned, "extra": extra or [], "dtype": dtype}
-    prefill, p_cmd = _instance(launcher, python, "vllm-prefill", model, prefill_cpu, p_port, role="kv_producer", **common)
+    prefill, p_cmd = _instance(launcher, python, "vllm-prefill", model, prefill_cpu, p_port, role="kv_producer",
+                               **common)
     decode, d_cmd = _instance(launcher, python, "vllm-decode", model, decode_cpu, d_port, role="kv_consumer", **common)
     launcher.wait_ready(prefill, f"http://127.0.0.1:{p_port}/health", timeout=START_TIMEOUT)
     launcher.wait_ready(decode, f"http://127.0.0.1:{d_port}/health", timeout=START_TIMEOUT)

@@ -1,6 +1,7 @@
 """pdserve's P/D alone in one cell of the peer experiment, with where each server's CPU went.
 
-    .venv/bin/python bench/tools/peer_cell_cpu.py [--prompt 2048] [--output 256] [--rate 0.17] [--requests 16] [--repeats 1]
+    .venv/bin/python bench/tools/peer_cell_cpu.py [--prompt 2048] [--output 256] [--rate 0.17]
+        [--requests 16] [--repeats 1]
 
 Starts pdserve's prefill (CPU 0) and decode (CPU 1) as ``pdserve bench experiment peer`` does (same
 checkpoint, flags and KV budget, tcp, fp32), warms up, sends the cell's Poisson trace once per repeat
@@ -73,7 +74,8 @@ def main() -> None:
                 for metric, (total, count) in histograms(url).items():
                     n = count - hist0[metric][1]
                     if n:
-                        print(f"    {metric}: {n:.0f} observations, mean {(total - hist0[metric][0]) / n * 1000:.1f} ms")
+                        mean_ms = (total - hist0[metric][0]) / n * 1000
+                        print(f"    {metric}: {n:.0f} observations, mean {mean_ms:.1f} ms")
 
 
 if __name__ == "__main__":

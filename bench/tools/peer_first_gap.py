@@ -46,8 +46,9 @@ def main() -> None:
     top = p99(every)
     print(f"{len(ok)} of {len(results)} requests, {len(every)} gaps: P99 {top * 1000:.1f} ms; first gaps median "
           f"{statistics.median(first) * 1000:.1f} ms, max {max(first) * 1000:.1f} ms; other gaps median "
-          f"{statistics.median(rest) * 1000:.1f} ms, P99 {p99(rest) * 1000:.1f} ms; of the {sum(g >= top for g in every)} "
-          f"gaps at or above the P99, {sum(g >= top for g in first)} are first gaps")
+          f"{statistics.median(rest) * 1000:.1f} ms, P99 {p99(rest) * 1000:.1f} ms; "
+          f"of the {sum(g >= top for g in every)} gaps at or above the P99, "
+          f"{sum(g >= top for g in first)} are first gaps")
 
 
 if __name__ == "__main__":

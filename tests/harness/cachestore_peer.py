@@ -99,7 +99,8 @@ def half(inp: str, rid: str, blocks: list[int], layer: int) -> None:
     sock = socket.create_connection((ep.host, ep.port))
     client_hello(sock, compat, "", f"{ep.host}:{ep.port}")
     sock.sendall(encode_control(FrameType.BIND, rid))
-    sock.sendall(encode_header(FrameType.DATA, rid, layer, dst[0], len(dst), len(payload)) + payload[:len(payload) // 2])
+    sock.sendall(encode_header(FrameType.DATA, rid, layer, dst[0], len(dst), len(payload))
+                 + payload[:len(payload) // 2])
     write_atomic(inp + ".half", "ok")
     while not os.path.exists(inp + ".go"):
         time.sleep(0.01)

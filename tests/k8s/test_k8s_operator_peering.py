@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from harness.operator_harness import CHART, RELEASE, RELEASE_NAMESPACE, OperatorProcess, get_json, install_chart, wait_for
+from harness.operator_harness import (CHART, RELEASE, RELEASE_NAMESPACE, OperatorProcess, get_json, install_chart,
+                                      wait_for)
 from harness.procs import REPO
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
@@ -34,8 +35,8 @@ def test_standby_operator_takes_over_when_the_active_one_stops(kube, peering_cha
         standby.start()
 
         def peers():
-            return {p["priority"] for p in (get_json(kube, "clusterkopfpeering", peering_chart).get("status") or {}).values()
-                    if isinstance(p, dict)}
+            status = get_json(kube, "clusterkopfpeering", peering_chart).get("status") or {}
+            return {p["priority"] for p in status.values() if isinstance(p, dict)}
         wait_for(kube, lambda: peers() == {100, 10}, "both operators in the peering object", op=standby)
         kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
         wait_for(kube, lambda: get_json(kube, "deployment", "chat-decode-main", "-n", ns), "Deployments", op=active)
@@ -46,7 +47,8 @@ def test_standby_operator_takes_over_when_the_active_one_stops(kube, peering_cha
         active.stop()  # SIGTERM: kopf withdraws from the peering object
         wait_for(kube, lambda: "Resuming operations after the pause" in standby.log(), "the standby to resume",
                  timeout=90, op=standby)
-        kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"slo": {"ttftMs": 777}}}))
+        kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p",
+                     json.dumps({"spec": {"slo": {"ttftMs": 777}}}))
         wait_for(kube, lambda: get_json(kube, "prefillpool", "chat-prefill", "-n", ns)["spec"]["slo"]["ttftMs"] == 777,
                  "the standby applying the change", timeout=90, op=standby)
         assert f"reconciled {ns}/chat" in standby.log()
