@@ -119,6 +119,21 @@ def wait_for(what: str, check, timeout: float = HANG_GUARD_S, up=None, log=None)
     return value
 
 
+def routes_to_every(up, log, port: int, role: str, n: int) -> None:
+    """Wait until the door at ``port`` routes to all ``n`` servers of ``role``: the prefill's picker lists every
+    decode as eligible, or the router sees every prefill routable. A server that has not sent its first load
+    report yet is not routed to, so streams started before then all go to the others (seen in CI on a busy box:
+    6 streams on one decode, none on the other, which the scale-down tests need to hold one)."""
+
+    def routable() -> bool:
+        health = get_json(f"http://127.0.0.1:{port}/health")[1]
+        if role == "decode":
+            return len(health["routable_decodes"]) == n
+        return sum(p["routable"] for p in health["prefills"].values()) == n
+
+    wait_for(f"the door routes to every {role}", routable, up=up, log=log)
+
+
 def held_everywhere(up, log, log_dir, role: str, count: str, gate: DecodeGate, n: int, runs,
                     planner: PlannerGate) -> dict[str, int]:
     """Wait until the decodes hold all ``n`` streams (each with its first token at the client) and every
@@ -146,6 +161,7 @@ def test_a_decode_drained_by_scale_down_under_load_loses_no_stream(procs, tmp_pa
     up, port, log, log_dir = start_up(procs, tmp_path, "--prefill", "1", "--decode", "2", "--min-decode", "1",
                                       "--max-decode", "2", "--num-blocks", "2048", "--scale-down-window", "3", *HELD,
                                       env={**gate.env, **planner.env})
+    routes_to_every(up, log, port, "decode", 2)
     runs = start_streams(port, 6, TOKENS, "long stream")
     held = held_everywhere(up, log, log_dir, "decode", "sessions", gate, 6, runs, planner)
     assert sum(held.values()) == 6, held
@@ -216,6 +232,7 @@ def test_a_prefill_drained_by_scale_down_behind_the_router_loses_no_stream(procs
                                       "--decode", "1", "--max-decode", "1", "--num-blocks", "2048",
                                       "--scale-down-window", "3", *HELD, env={**gate.env, **planner.env})
     assert servers(log_dir)["router"]["state"] == "ready"
+    routes_to_every(up, log, port, "prefill", 2)
     runs = start_streams(port, 6, TOKENS, "routed stream")
     held = held_everywhere(up, log, log_dir, "prefill", "in_flight", gate, 6, runs, planner)
     assert sum(held.values()) == 6, held
