@@ -107,21 +107,25 @@ def test_scale_down_drains_the_streams_of_removed_pods(node_kube, chat, capsys):
     assert streams.errors == [], streams.errors
 
 
-def _kill_container(kube, ns: str, pod: str) -> None:
-    """SIGKILL the pod's (one) container through containerd; returns when its process is gone."""
+def _container(kube, ns: str, pod: str) -> str:
+    """The containerd id of the pod's (one) container."""
     status = json.loads(kube.kubectl("get", "pod", pod, "-n", ns, "-o", "json").stdout)["status"]
     (container,) = status["containerStatuses"]
-    cid = container["containerID"].split("://", 1)[1]
+    return container["containerID"].split("://", 1)[1]
 
-    def task_pid() -> int | None:  # `ctr tasks ls`: TASK PID STATUS; None once stopped or gone
-        listed = subprocess.run([*kube.ctr, "tasks", "ls"], capture_output=True, text=True, check=True, timeout=30)
-        row = next((line.split() for line in listed.stdout.splitlines() if line.startswith(cid)), None)
-        return int(row[1]) if row and row[2] == "RUNNING" else None
 
-    pid = task_pid()
-    assert pid is not None, f"{pod}: container {cid} has no running task"
+def _task_pid(kube, cid: str) -> int | None:
+    """The container's process (`ctr tasks ls`: TASK PID STATUS); None once stopped or gone."""
+    listed = subprocess.run([*kube.ctr, "tasks", "ls"], capture_output=True, text=True, check=True, timeout=30)
+    row = next((line.split() for line in listed.stdout.splitlines() if line.startswith(cid)), None)
+    return int(row[1]) if row and row[2] == "RUNNING" else None
+
+
+def _kill_container(kube, pod: str, cid: str, pid: int) -> None:
+    """SIGKILL the container's process through containerd (one `ctr` call: the ids were looked up before the
+    stream, so the decode has no time to finish it first); returns when the process is gone."""
     subprocess.run([*kube.ctr, "tasks", "kill", "-s", "SIGKILL", cid], check=True, capture_output=True, timeout=30)
-    kube.wait_until(lambda: task_pid() != pid, 30, 0.1, f"{pod}'s container (pid {pid}) to die")
+    kube.wait_until(lambda: _task_pid(kube, cid) != pid, 30, 0.1, f"{pod}'s container (pid {pid}) to die")
 
 
 def test_decode_pod_killed_mid_stream_resumes_or_fails_clearly(node_kube, chat, capsys):
@@ -130,6 +134,11 @@ def test_decode_pod_killed_mid_stream_resumes_or_fails_clearly(node_kube, chat, 
     ns = chat.namespace
     decodes = node_serving.pod_servers(node_kube, ns, "decode")
     (prefill,) = node_serving.pod_servers(node_kube, ns, "prefill")
+    # before the stream: each decode's container and process (the kill is then one call), and no session left
+    # open anywhere by an earlier test, so the decode holding a session below is this stream's
+    tasks = {d.name: (cid := _container(node_kube, ns, d.name), _task_pid(node_kube, cid)) for d in decodes}
+    assert all(pid is not None for _, pid in tasks.values()), tasks
+    node_kube.wait_until(lambda: all(_sessions(d) == 0 for d in decodes), 60, 0.2, "no decode to hold a session")
     retries_before = metric(prefill.url, "pdserve_decode_retries_total")
     per_pool = Counter(p["metadata"]["labels"]["pdserve.io/pool"] for p in node_kube.pods(ns, "pdserve.io/role=decode"))
     client = openai.OpenAI(base_url=chat.base_url, api_key="unused", timeout=300, max_retries=0)
@@ -146,7 +155,7 @@ def test_decode_pod_killed_mid_stream_resumes_or_fails_clearly(node_kube, chat, 
                 victim = next((d for d in decodes if _sessions(d) > 0), None)
                 assert victim is not None, "no decode pod holds the stream's session"
                 at_delete = received
-                _kill_container(node_kube, ns, victim.name)
+                _kill_container(node_kube, victim.name, *tasks[victim.name])
                 node_kube.kubectl("delete", "pod", victim.name, "-n", ns, "--grace-period=0", "--force")
     except openai.APIError as e:
         error = f"{type(e).__name__}: {e}"
