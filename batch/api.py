@@ -20,7 +20,7 @@ API is off (``--batch-db ''``) or its database could not be opened (the reason i
 The jobs of a prefill live in its own database (``--batch-db``): ask the prefill that took
 a batch for its status and files. Through ``pdserve router`` these paths are not relayed
 (docs/batch.md says why).
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -183,7 +183,8 @@ class BatchService:
             why = "no such file" if f is None else f"its purpose is {f['purpose']}, not batch"
             return _error(400, f"input_file_id {file_id[:64]!r}: {why}", "invalid_input_file", "input_file_id")
         now = int(self.clock())
-        batch = await self.store("create_batch", file_id, endpoint, window, metadata, now, now + COMPLETION_WINDOWS[window])
+        batch = await self.store("create_batch", file_id, endpoint, window, metadata, now,
+                                 now + COMPLETION_WINDOWS[window])
         self.runner.wake()
         log.info("batch %s created from %s (%s)", batch["id"], file_id, endpoint)
         return web.json_response(batch)

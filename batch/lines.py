@@ -38,7 +38,8 @@ def check_upload(content: bytes, max_bytes: int) -> None:
         raise BatchInputError(f"file is larger than this server's limit of {max_bytes} bytes (--batch-max-file-bytes)",
                               "file_too_large", "file")
     if not content.strip():
-        raise BatchInputError("file is empty; a batch input file is JSONL: one request object a line", "empty_file", "file")
+        raise BatchInputError("file is empty; a batch input file is JSONL: one request object a line", "empty_file",
+                              "file")
     try:
         text = content.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -46,7 +47,8 @@ def check_upload(content: bytes, max_bytes: int) -> None:
                               f"object a line", "invalid_file_format", "file") from None
     lines = _nonblank(text)
     if len(lines) > MAX_LINES:
-        raise BatchInputError(f"file has {len(lines)} lines; a batch takes at most {MAX_LINES}", "too_many_lines", "file")
+        raise BatchInputError(f"file has {len(lines)} lines; a batch takes at most {MAX_LINES}", "too_many_lines",
+                              "file")
     for _, line in lines:
         try:
             if isinstance(json.loads(line), dict):

@@ -72,7 +72,8 @@ class PipelineExecutor:
 
     def state(self) -> dict:
         return {"executor": "pipeline", "schedule": self.schedule_name, "stages": self.config.num_stages,
-                "lines_in_engine": self.lines_in_engine, "engine_error": None if self._error is None else str(self._error)}
+                "lines_in_engine": self.lines_in_engine,
+                "engine_error": None if self._error is None else str(self._error)}
 
     async def execute(self, url: str, body: dict) -> tuple[int, str, dict]:
         """One batch line: (status code, request id, response body) as the runner records it."""

@@ -201,7 +201,8 @@ class BatchRunner:
             for line_no, custom_id, body in await self.store("pending_lines", bid, free, busy | waiting):
                 key = (bid, line_no)
                 self.retry_at.pop(key, None)
-                self.tasks[key] = asyncio.create_task(self._line(key, endpoint, custom_id, body), name=f"batch-line-{bid}-{line_no}")
+                self.tasks[key] = asyncio.create_task(self._line(key, endpoint, custom_id, body),
+                                                      name=f"batch-line-{bid}-{line_no}")
         if not self._in_flight(bid) and not waiting and await self.store("count_pending", bid) == 0:
             await self.store("finalizing", bid, "completed", now)
             await self._finish(bid, now)
@@ -214,11 +215,13 @@ class BatchRunner:
                 raise
             except Exception as exc:  # a bug: the line gets a 500, the batch goes on
                 log.exception("batch line %s failed", key)
-                status, rid, answer = 500, "", oa.error_body(f"internal error: {exc}", "server_error", code="internal_error")
+                status, rid, answer = 500, "", oa.error_body(f"internal error: {exc}", "server_error",
+                                                             code="internal_error")
             if status in RETRY_STATUSES:
                 self.retry_at[key] = time.monotonic() + self.retry_s
                 return
-            if await self.store("record", key[0], key[1], 200 <= status < 300, response_line(custom_id, status, rid, answer)):
+            if await self.store("record", key[0], key[1], 200 <= status < 300,
+                                response_line(custom_id, status, rid, answer)):
                 self.lines_run += 1
         finally:
             self.tasks.pop(key, None)

@@ -97,13 +97,15 @@ class BatchStore:
     # -- files ----------------------------------------------------------------------------
     def add_file(self, purpose: str, filename: str, content: bytes, now: int, db=None) -> dict:
         fid = new_id("file-")
-        (db or self.db).execute("INSERT INTO files (id, purpose, filename, bytes, created_at, content) VALUES (?,?,?,?,?,?)",
+        (db or self.db).execute("INSERT INTO files (id, purpose, filename, bytes, created_at, "
+                                "content) VALUES (?,?,?,?,?,?)",
                                 (fid, purpose, filename, len(content), now, content))
         return {"id": fid, "object": "file", "bytes": len(content), "created_at": now, "filename": filename,
                 "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
 
     def file(self, file_id: str) -> dict | None:
-        row = self.db.execute("SELECT id, purpose, filename, bytes, created_at FROM files WHERE id=?", (file_id,)).fetchone()
+        row = self.db.execute("SELECT id, purpose, filename, bytes, created_at FROM files WHERE id=?",
+                              (file_id,)).fetchone()
         if row is None:
             return None
         return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
@@ -122,8 +124,9 @@ class BatchStore:
         if purpose is not None:
             where.append("purpose=?")
             params.append(purpose)
-        rows = self.db.execute(f"SELECT id FROM files {'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY seq DESC "
-                               f"LIMIT ?", (*params, limit + 1)).fetchall()
+        rows = self.db.execute(f"SELECT id FROM files "
+                               f"{'WHERE ' + ' AND '.join(where) if where else ''} ORDER BY seq DESC LIMIT ?",
+                               (*params, limit + 1)).fetchall()
         return [self.file(r["id"]) for r in rows[:limit]], len(rows) > limit
 
     def delete_file(self, file_id: str) -> bool:
@@ -162,7 +165,8 @@ class BatchStore:
         return [_batch_object(r) for r in rows[:limit]], len(rows) > limit
 
     def unfinished(self) -> list[dict]:
-        rows = self.db.execute(f"SELECT * FROM batches WHERE status IN ({','.join('?' * len(UNFINISHED))}) ORDER BY seq",
+        rows = self.db.execute(f"SELECT * FROM batches WHERE status IN "
+                               f"({','.join('?' * len(UNFINISHED))}) ORDER BY seq",
                                UNFINISHED).fetchall()
         return [_batch_object(r) for r in rows]
 
@@ -176,11 +180,13 @@ class BatchStore:
             failed = 0
             for no, (custom_id, body, error) in enumerate(lines):
                 if error is None:
-                    db.execute("INSERT INTO lines (batch_id, line_no, custom_id, body, state) VALUES (?,?,?,?,'pending')",
+                    db.execute("INSERT INTO lines (batch_id, line_no, custom_id, body, state) "
+                               "VALUES (?,?,?,?,'pending')",
                                (batch_id, no, custom_id, body))
                 else:
                     failed += 1
-                    db.execute("INSERT INTO lines (batch_id, line_no, custom_id, state, ok, result) VALUES (?,?,?,'done',0,?)",
+                    db.execute("INSERT INTO lines (batch_id, line_no, custom_id, state, ok, result) "
+                               "VALUES (?,?,?,'done',0,?)",
                                (batch_id, no, custom_id, json.dumps(error)))
             db.execute("UPDATE batches SET status='in_progress', in_progress_at=?, total=?, failed=? WHERE id=?",
                        (now, len(lines), failed, batch_id))
@@ -199,7 +205,8 @@ class BatchStore:
         return [(r[0], r[1], r[2]) for r in rows if r[0] not in skip][:limit]
 
     def count_pending(self, batch_id: str) -> int:
-        return self.db.execute("SELECT COUNT(*) FROM lines WHERE batch_id=? AND state='pending'", (batch_id,)).fetchone()[0]
+        return self.db.execute("SELECT COUNT(*) FROM lines WHERE batch_id=? AND state='pending'",
+                               (batch_id,)).fetchone()[0]
 
     def record(self, batch_id: str, line_no: int, ok: bool, result: dict) -> bool:
         """A line's output line, recorded and counted once: False when it was not pending."""
@@ -208,7 +215,8 @@ class BatchStore:
                              "AND state='pending'", (int(ok), json.dumps(result), batch_id, line_no))
             if cur.rowcount != 1:
                 return False
-            db.execute(f"UPDATE batches SET {'completed=completed+1' if ok else 'failed=failed+1'} WHERE id=?", (batch_id,))
+            db.execute(f"UPDATE batches SET {'completed=completed+1' if ok else 'failed=failed+1'} WHERE id=?",
+                       (batch_id,))
         return True
 
     def cancel(self, batch_id: str, now: int) -> dict:
@@ -219,10 +227,12 @@ class BatchStore:
             if row is None:
                 raise KeyError(batch_id)
             if row["status"] in CANCELLABLE:
-                db.execute("UPDATE batches SET status='cancelling', cancelling_at=?, final_status='cancelled' WHERE id=?",
+                db.execute("UPDATE batches SET status='cancelling', cancelling_at=?, "
+                           "final_status='cancelled' WHERE id=?",
                            (now, batch_id))
             elif row["status"] not in ("cancelling", "cancelled"):
-                raise ValueError(f"batch {batch_id} is {row['status']}; only a validating or in_progress batch can be cancelled")
+                raise ValueError(f"batch {batch_id} is {row['status']}; only a validating or "
+                                 f"in_progress batch can be cancelled")
         return self.batch(batch_id)
 
     def finalizing(self, batch_id: str, final_status: str, now: int, expired_error: dict | None = None) -> None:
@@ -233,7 +243,8 @@ class BatchStore:
                 rows = db.execute("SELECT line_no, custom_id FROM lines WHERE batch_id=? AND state='pending'",
                                   (batch_id,)).fetchall()
                 for no, custom_id in rows:
-                    db.execute("UPDATE lines SET state='done', ok=0, body=NULL, result=? WHERE batch_id=? AND line_no=?",
+                    db.execute("UPDATE lines SET state='done', ok=0, body=NULL, result=? "
+                               "WHERE batch_id=? AND line_no=?",
                                (json.dumps(error_line(custom_id, expired_error)), batch_id, no))
                 db.execute("UPDATE batches SET failed=failed+? WHERE id=?", (len(rows), batch_id))
             db.execute("UPDATE batches SET status='finalizing', finalizing_at=?, final_status=? WHERE id=? AND "
@@ -248,7 +259,8 @@ class BatchStore:
                 return self.batch(batch_id)
             final = row["final_status"] or ("cancelled" if row["status"] == "cancelling" else "completed")
             out, err = [], []
-            for ok, result in db.execute("SELECT ok, result FROM lines WHERE batch_id=? AND state='done' ORDER BY line_no",
+            for ok, result in db.execute("SELECT ok, result FROM lines WHERE batch_id=? AND "
+                                         "state='done' ORDER BY line_no",
                                          (batch_id,)):
                 (out if ok else err).append(result)
             ids = {}

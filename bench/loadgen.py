@@ -41,7 +41,8 @@ from pathlib import Path
 from pdserve.defaults import BUILTIN_MODEL, HTTP_PORT
 from pdserve.bench.loadgen_report import RequestResult, format_summary, plot, summarize
 from pdserve.bench import trace_replay
-from pdserve.bench.loadgen_workload import (LengthDistribution, RequestSpec, arrival_times, build_requests, jsonl_lengths,
+from pdserve.bench.loadgen_workload import (LengthDistribution, RequestSpec, arrival_times, build_requests,
+                                            jsonl_lengths,
                                             random_requests, sharegpt_requests, synthetic_lengths, tokenizer_prompt_ids)
 
 
@@ -121,7 +122,8 @@ async def send_one(session, config: LoadConfig, spec: RequestSpec, result: Reque
                 chunk = json.loads(data)
                 if "error" in chunk:
                     err = chunk["error"]
-                    result.error = "stream error: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                    result.error = "stream error: " + (err.get("message", str(err)) if isinstance(err, dict)
+                                                       else str(err))
                     return result
                 if chunk.get("usage"):
                     result.usage_prompt_tokens = chunk["usage"].get("prompt_tokens")
@@ -201,7 +203,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default greedy)")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (outputs may then stop before max_tokens)")
-    g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request before it counts as failed")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds per request before it counts as failed")
     g = parser.add_argument_group("arrivals")
     g.add_argument("--num-requests", type=int, default=100, help="measured requests (default: %(default)s)")
     g.add_argument("--request-rate", type=float, default=math.inf,
@@ -229,13 +232,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--output-len", type=int, default=64, help="synthetic: median output tokens; random: exact")
     g.add_argument("--output-sigma", type=float, default=0.7, help="synthetic: log-normal spread of output lengths")
     g.add_argument("--max-prompt-len", type=int, default=4096,
-                   help="clip (synthetic; a trace, after scaling, keeping its leading blocks) or skip (sharegpt) longer "
-                        "prompts")
+                   help="clip (synthetic; a trace, after scaling, keeping its leading blocks) "
+                        "or skip (sharegpt) longer prompts")
     g.add_argument("--max-output-len", type=int, default=1024, help="clip output lengths (a trace's after scaling)")
     g.add_argument("--token-ids", type=int, metavar="VOCAB", default=None,
                    help="send prompts as random token ids below VOCAB instead of text (exact prompt lengths)")
     g.add_argument("--tokenizer", type=Path, default=None, metavar="PATH",
-                   help="random: draw prompt ids from this tokenizer.json (or model directory), special tokens left out")
+                   help="random: draw prompt ids from this tokenizer.json (or model "
+                        "directory), special tokens left out")
     g = parser.add_argument_group("report")
     g.add_argument("--slo-ttft-ms", type=float, default=None, help="SLO on time to first token, for goodput")
     g.add_argument("--slo-tbt-ms", type=float, default=None, help="SLO on a request's mean time between tokens")
@@ -289,7 +293,8 @@ def workload_from_args(args: argparse.Namespace, n: int, seed: int) -> list[Requ
     if not args.dataset_path.is_file():
         raise ValueError(f"--dataset-path {args.dataset_path}: no such file")
     if args.dataset == "jsonl":
-        lengths = [(min(p, args.max_prompt_len), min(o, args.max_output_len)) for p, o in jsonl_lengths(args.dataset_path)]
+        lengths = [(min(p, args.max_prompt_len), min(o, args.max_output_len))
+                   for p, o in jsonl_lengths(args.dataset_path)]
         return build_requests([lengths[i % len(lengths)] for i in range(n)], rng, args.token_ids)
     pool = sharegpt_requests(args.dataset_path, args.max_prompt_len, args.max_output_len)
     rng.shuffle(pool)
@@ -332,7 +337,8 @@ def run(args: argparse.Namespace) -> int:
         warm_results, _ = asyncio.run(send_requests(config, warm, concurrency=min(4, len(warm))))
         failed = [r for r in warm_results if not r.ok]
         if len(failed) == len(warm_results):
-            print(f"pdserve bench serving: every warm-up request failed; first error: {failed[0].error}", file=sys.stderr)
+            print(f"pdserve bench serving: every warm-up request failed; first error: {failed[0].error}",
+                  file=sys.stderr)
             return 1
     if args.concurrency is not None:
         results, wall = asyncio.run(send_requests(config, specs, concurrency=args.concurrency))

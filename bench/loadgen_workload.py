@@ -123,7 +123,8 @@ def jsonl_lengths(path: Path) -> list[tuple[int, int]]:
                 row = json.loads(line)
                 p, o = row["prompt_tokens"], row["output_tokens"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: expected {{\"prompt_tokens\": int, \"output_tokens\": int}}: {e}") from None
+                raise ValueError(f"{path}:{lineno}: expected {{\"prompt_tokens\": int, "
+                                 f"\"output_tokens\": int}}: {e}") from None
             if not (isinstance(p, int) and isinstance(o, int) and p >= 1 and o >= 1):
                 raise ValueError(f"{path}:{lineno}: prompt_tokens and output_tokens must be integers >= 1")
             out.append((p, o))
@@ -158,7 +159,8 @@ def sharegpt_requests(path: Path, max_prompt_tokens: int, max_output_tokens: int
     return out
 
 
-def build_requests(lengths: list[tuple[int, int]], rng: random.Random, vocab_size: int | None = None) -> list[RequestSpec]:
+def build_requests(lengths: list[tuple[int, int]], rng: random.Random,
+                   vocab_size: int | None = None) -> list[RequestSpec]:
     """Turn lengths into requests with prompts (text, or token ids when vocab_size is given)."""
     out = []
     for i, (p, o) in enumerate(lengths):

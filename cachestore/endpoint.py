@@ -39,7 +39,8 @@ class Endpoint:
     def to_bytes(self) -> bytes:
         doc = {
             "host": self.host, "port": self.port, "transport": self.transport, "compat_hash": self.compat_hash,
-            "compat": self.compat, "instance": self.instance, "num_blocks": self.num_blocks, "version": self.version, "nixl_agent": self.nixl_agent,
+            "compat": self.compat, "instance": self.instance, "num_blocks": self.num_blocks, "version": self.version,
+            "nixl_agent": self.nixl_agent,
             "nixl_metadata": base64.b64encode(self.nixl_metadata).decode(), "nixl_region": list(self.nixl_region),
         }
         return ENDPOINT_MAGIC + json.dumps(doc, sort_keys=True).encode()

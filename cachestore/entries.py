@@ -161,7 +161,8 @@ class EntryTable:
         with self.lock:
             entry = self._entries.get(rid)
             if entry is None or entry.deleted or entry.error is not None:
-                raise UnknownRequestError(f"receiver has no entry for request {rid!r} (never expected, deleted or failed)")
+                raise UnknownRequestError(f"receiver has no entry for request {rid!r} (never "
+                                          f"expected, deleted or failed)")
             entry.conn = conn
 
     def stats(self) -> dict:
@@ -184,7 +185,8 @@ class EntryTable:
         with self.lock:
             entry = self._entries.get(rid)
             if entry is None or entry.deleted or entry.error is not None:
-                exc = UnknownRequestError(f"DATA for request {rid!r}, which the receiver does not expect (never expected, deleted or failed)")
+                exc = UnknownRequestError(f"DATA for request {rid!r}, which the receiver does not expect (never "
+                                          f"expected, deleted or failed)")
                 # why it failed, if it did (a failed entry may be gone already: its tombstone says)
                 exc.cause = self._failed.get(rid) if entry is None or entry.deleted else entry.error
                 raise exc
@@ -238,7 +240,8 @@ class EntryTable:
         failed = [entry]
         for other in self._release_locked(entry):
             failed += self._fail_locked(other, TransferError(
-                f"request {other!r}: a shared KV block it needed was being sent for request {rid!r}, which failed: {error}"))
+                f"request {other!r}: a shared KV block it needed was being sent for request "
+                f"{rid!r}, which failed: {error}"))
         return failed
 
     def _release_locked(self, entry: Entry) -> set[str]:

@@ -136,7 +136,8 @@ def read_frame_header(sock: socket.socket, on_wait: OnWait | None = None) -> Fra
         recv_exact_into(sock, view[first:], on_wait)
     magic, version, ftype, flags, rid_len, layer, block, nblocks, payload_len, crc = HEADER.unpack(buf)
     if magic != MAGIC:
-        raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a pdserve CacheStore peer or a corrupted stream")
+        raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a pdserve CacheStore "
+                            f"peer or a corrupted stream")
     if version != WIRE_VERSION:
         raise ProtocolError(f"frame protocol version {version}, this side speaks {WIRE_VERSION}")
     try:

@@ -259,7 +259,8 @@ class Link:
             while True:
                 frame, chunk = None, None
                 with self.cond:
-                    while self.alive and not (index == 0 and self.control) and not (io is not None and self._data_ready()):
+                    while self.alive and not (index == 0
+                                              and self.control) and not (io is not None and self._data_ready()):
                         self.cond.wait()
                     if not self.alive:
                         return
@@ -315,7 +316,8 @@ class Link:
                     if not frame.rid:
                         raise TransferError(f"receiver {self.peer} closed the connection: {text}")
                     cls = ChecksumError if frame.flags & FLAG_CHECKSUM_MISMATCH else TransferError
-                    self.owner.on_remote_error(frame.rid, cls(f"request {frame.rid!r} failed: receiver {self.peer}: {text}"))
+                    self.owner.on_remote_error(frame.rid,
+                                               cls(f"request {frame.rid!r} failed: receiver {self.peer}: {text}"))
                 else:
                     raise ProtocolError(f"unexpected {frame.type.name} frame from receiver {self.peer}")
         except BaseException as exc:  # noqa: BLE001

@@ -230,7 +230,8 @@ class CacheStoreReceiver:
                 return
         except (TransferError, UnknownRequestError):
             return
-        self._fail(rid, TransferError(f"request {rid!r}: KV did not all arrive within the expect timeout of {timeout_s}s"),
+        self._fail(rid, TransferError(f"request {rid!r}: KV did not all arrive within the "
+                                      f"expect timeout of {timeout_s}s"),
                    tell_sender=True)
 
     def _corrupt(self, err: ChecksumError) -> None:

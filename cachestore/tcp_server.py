@@ -19,7 +19,7 @@ before the frame ends, so no later byte of it can land and ``released`` reports 
 sender's link fails on it and reconnects for later requests. An idle connection, or a frame
 whose entry is still live (its own timeout fails it, then the rule above applies), waits. Everything the event loop must hear
 goes through a ``ReceiveSink``; these threads touch only the lock-protected table.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -204,7 +204,8 @@ class TcpServer:
                 elif frame.type in (FrameType.CANCEL, FrameType.ERROR):
                     text = read_payload(conn.sock, frame, _keep_waiting).decode(errors="replace")
                     if frame.rid:
-                        self.sink.on_fail(frame.rid, TransferError(f"request {frame.rid!r}: the sender gave up: {text}"))
+                        self.sink.on_fail(frame.rid,
+                                          TransferError(f"request {frame.rid!r}: the sender gave up: {text}"))
                     else:
                         log.warning("sender %s reported: %s", conn.peer, text)
                 else:

@@ -29,7 +29,8 @@ from pdserve.server_setup import add_server_arguments, ensure_engine_environment
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, drains="live sessions")
     parser.add_argument("--port", type=int, default=defaults.DECODE_GRPC_PORT, help="gRPC port (Session, load reports)")
-    parser.add_argument("--http-port", type=int, default=defaults.DECODE_HTTP_PORT, help="HTTP port (/health /ready /metrics)")
+    parser.add_argument("--http-port", type=int, default=defaults.DECODE_HTTP_PORT,
+                        help="HTTP port (/health /ready /metrics)")
     parser.add_argument("--kv-port", type=int, default=defaults.KV_TRANSFER_PORT, help="CacheStore receiver port")
     parser.add_argument("--advertise-host", default=None, help="host prefill should send KV to (default: --host)")
     parser.add_argument("--no-eviction", dest="eviction", action="store_false",

@@ -23,7 +23,7 @@ pool (``SessionDeps.pool``) takes this path instead of the engine's reservation:
    token it is computing, then every loan is released and the local blocks are freed. A close
    that is cancelled still completes (shielded); a pool opened after its session was
    cancelled is closed as soon as it is made.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

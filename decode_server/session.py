@@ -143,7 +143,8 @@ class DecodeSession(PooledSteps):
                 await self.until_peer_gone_or(self._decode(start, None), None, "decoding")
                 return
             remaining = max(0.01, deadline - time.monotonic())
-            await self.until_peer_gone_or(deps.receiver.wait_all(self.request_id, remaining), remaining + 0.5, "the KV layers")
+            await self.until_peer_gone_or(deps.receiver.wait_all(self.request_id, remaining), remaining + 0.5,
+                                          "the KV layers")
             # The KV is in the blocks: unpin the CacheStore entry now, before the engine can
             # finish the request and hand its blocks to another request's expect().
             deps.receiver.delete(self.request_id)
@@ -164,7 +165,8 @@ class DecodeSession(PooledSteps):
             await self.until_peer_gone_or(self._decode(start, answer.token_id), None, "decoding")
         except SessionEnded as exc:
             log.info("session %s ended: %s", self.request_id, exc.reason)
-            self.outcome = ("error", "timeout" if "timed out" in exc.reason else "error") if exc.notify else ("cancelled", "prefill_gone")
+            self.outcome = ("error", "timeout" if "timed out" in exc.reason
+                            else "error") if exc.notify else ("cancelled", "prefill_gone")
             if exc.notify:
                 await self.try_write_error(exc.reason)
         except ChecksumError as exc:  # the KV arrived corrupted: never decode on it (counted by the receiver hook)
@@ -229,7 +231,8 @@ class DecodeSession(PooledSteps):
         timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
         for_sender = deps.receiver.expect(rid, to_receive, timeout)
         self.expected = True
-        await self.write(allocation=pb.Allocation(block_ids=list(for_sender), cachestore_endpoint=deps.receiver.endpoint,
+        await self.write(allocation=pb.Allocation(block_ids=list(for_sender),
+                                                  cachestore_endpoint=deps.receiver.endpoint,
                                                   cached_blocks=self.cached_blocks))
         return True
 
@@ -284,7 +287,8 @@ class DecodeSession(PooledSteps):
                     lps = [logprob_to_proto(lp) for lp in out.logprobs or ()]
                     await self.write(tokens=pb.Tokens(token_ids=list(out.new_token_ids), logprobs=lps))
                 if out.finished:
-                    await self.write(finish=pb.Finish(finish_reason=out.finish_reason or "stop", completion_tokens=produced))
+                    await self.write(finish=pb.Finish(finish_reason=out.finish_reason or "stop",
+                                                      completion_tokens=produced))
                     self.outcome = ("ok", out.finish_reason or "stop")
                     return
         finally:

@@ -156,7 +156,8 @@ class AsyncLLMEngine(EngineThread):
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
         return await self._call(self.engine.pd.reserve, request_id, num_prompt_tokens, max_tokens)
 
-    async def reserve_prefix(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> tuple[list[int], int]:
+    async def reserve_prefix(self, request_id: str, prompt_token_ids: list[int],
+                             max_tokens: int) -> tuple[list[int], int]:
         return await self._call(self.engine.pd.reserve_prefix, request_id, prompt_token_ids, max_tokens)
 
     async def add_prefilled(
@@ -200,13 +201,15 @@ class AsyncLLMEngine(EngineThread):
         pd = self.engine.pd
         first = pd.prefill_only(request_id, prompt_token_ids, sampling, on_layer)
         if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
-            self._prefill_logprobs[request_id] = (pd.prefill_logprob(request_id), pd.prefill_prompt_logprobs(request_id))
+            self._prefill_logprobs[request_id] = (pd.prefill_logprob(request_id),
+                                                  pd.prefill_prompt_logprobs(request_id))
         return first
 
     def _publish(self) -> None:
         """On the engine thread: make the engine's counts readable from other threads."""
         e = self.engine
-        free, requests, hits, counters = e.num_free_blocks(), e.num_requests(), e.prefix_hit_tokens(), e.pd.prefill_counters
+        free, requests, hits, counters = (e.num_free_blocks(), e.num_requests(), e.prefix_hit_tokens(),
+                                          e.pd.prefill_counters)
         swapped = (len(e.swapper.swapped_ids()), e.swapper.swapped_bytes())
         tiers = e.tier_stats() if e.tiers is not None else self._tier_stats
         with self._published:

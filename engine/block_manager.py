@@ -213,7 +213,8 @@ class BlockManager:
             raise OutOfBlocksError(f"need {extra} more KV blocks but only {self.num_free_blocks()} are free")
         block_table.extend(self._pop_fresh() for _ in range(extra))
 
-    def register_full_blocks(self, block_table: list[int], hashes: list[int], num_tokens: int, token_ids: list[int]) -> None:
+    def register_full_blocks(self, block_table: list[int], hashes: list[int], num_tokens: int,
+                             token_ids: list[int]) -> None:
         """Record hashes of blocks that became full now that ``num_tokens`` tokens' KV is written.
 
         ``hashes`` is the caller's list of hashes of its already-registered full blocks; it

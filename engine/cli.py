@@ -22,8 +22,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", help="the prompt text (or the user message with --chat)")
-    parser.add_argument("--model", default=BUILTIN_MODEL, help=f"built-in name or Hugging Face directory (default: {BUILTIN_MODEL})")
-    parser.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the model's chat template")
+    parser.add_argument("--model", default=BUILTIN_MODEL,
+                        help=f"built-in name or Hugging Face directory (default: {BUILTIN_MODEL})")
+    parser.add_argument("--chat", action="store_true",
+                        help="wrap the prompt as a user message with the model's chat template")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default: 64)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -32,8 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep generating after the end-of-sequence token")
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 (default: cpu)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and KV cache dtype (default: float32)")
-    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"KV block size in tokens (default: {BLOCK_SIZE})")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="weights and KV cache dtype (default: float32)")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help=f"KV block size in tokens (default: {BLOCK_SIZE})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 

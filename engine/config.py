@@ -115,7 +115,8 @@ class ModelConfig:
         if self.num_experts:
             if not 0 < self.num_experts_per_tok <= self.num_experts:
                 raise ConfigError(
-                    f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got {self.num_experts_per_tok}"
+                    f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), got "
+                    f"{self.num_experts_per_tok}"
                 )
             if self.moe_intermediate_size <= 0 or self.decoder_sparse_step <= 0:
                 raise ConfigError("moe_intermediate_size and decoder_sparse_step must be positive")

@@ -131,7 +131,8 @@ class DecodeGraphs:
             decode_mask = (torch.arange(width, device=ends.device) < ends.unsqueeze(1)).view(n, 1, 1, width)
         batch = ForwardBatch(input_ids=self.input_ids[:n], positions=self.positions[:n], slot_rows=self.slot_rows[:n],
                              prefills=[], decode_start=0, decode_rows=decode_rows, decode_mask=decode_mask,
-                             logits_rows=self.rows[:n], decode_tables=tables, decode_ends=ends, attention=self.attention)
+                             logits_rows=self.rows[:n], decode_tables=tables, decode_ends=ends,
+                             attention=self.attention)
         return self.model(batch, kv)
 
     # ---- start-up ---------------------------------------------------------------------

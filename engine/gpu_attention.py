@@ -316,7 +316,8 @@ def _pow2(n: int, floor: int = 1) -> int:
 def _check(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor) -> tuple[int, int, int]:
     """(block_size, num_kv_heads, head_dim) of a cache layer the kernels take with this q; else ValueError."""
     if kv_layer.dim() != 5 or kv_layer.shape[1] != 2:
-        raise ValueError(f"kv_layer must be [num_blocks, 2, block_size, kv_heads, head_dim], got {tuple(kv_layer.shape)}")
+        raise ValueError(f"kv_layer must be [num_blocks, 2, block_size, kv_heads, head_dim], "
+                         f"got {tuple(kv_layer.shape)}")
     _, _, block_size, kv_heads, head_dim = kv_layer.shape
     problem = _shape_problem(block_size, head_dim)
     if problem is not None:

@@ -48,7 +48,8 @@ def _xgr():
     try:
         import xgrammar
     except ImportError:  # pragma: no cover - depends on the installation
-        raise ValueError("constrained output (response_format) needs xgrammar: pip install 'pdserve[grammar]'") from None
+        raise ValueError("constrained output (response_format) needs xgrammar: pip "
+                         "install 'pdserve[grammar]'") from None
     return xgrammar
 
 

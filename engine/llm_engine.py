@@ -65,7 +65,8 @@ class EngineConfig:
     kv_host_tier_bytes: int = 0
     kv_disk_tier_dir: str | None = None
     kv_disk_tier_bytes: int = 0
-    cuda_graphs: bool = True  # on CUDA: decode steps from CUDA graphs (decode_graphs.py); False: eager (--enforce-eager)
+    # on CUDA: decode steps from CUDA graphs (decode_graphs.py); False: eager (--enforce-eager)
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):

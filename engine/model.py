@@ -229,7 +229,8 @@ class DecoderModel(nn.Module):
                                                           masks[key], scale)
                 return out
             qd = q[batch.decode_start :].unsqueeze(2)  # [B, H, 1, D]
-            o = attend(qd, kc.to(q.dtype).transpose(1, 2), vc.to(q.dtype).transpose(1, 2), mask=mask, scale=scale, softcap=cap)
+            o = attend(qd, kc.to(q.dtype).transpose(1, 2), vc.to(q.dtype).transpose(1, 2), mask=mask, scale=scale,
+                       softcap=cap)
             out[batch.decode_start :] = o.squeeze(2)
         return out
 

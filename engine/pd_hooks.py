@@ -190,7 +190,8 @@ class PDHooks:
             raise ValueError(f"request {request_id!r} has no reservation (call reserve first)")
         seq = self.factory.make(request_id, prompt_token_ids, sampling, check_unique=False)
         if blocks_needed(len(seq.prompt_ids), self.block_manager.block_size) > len(table):
-            raise ValueError(f"request {request_id!r} reserved {len(table)} blocks, too few for {len(seq.prompt_ids)} prompt tokens")
+            raise ValueError(f"request {request_id!r} reserved {len(table)} blocks, too few for "
+                             f"{len(seq.prompt_ids)} prompt tokens")
         prefix = self.scheduler.reserved_prefix.get(request_id, ())
         if tuple(seq.prompt_ids[: len(prefix)]) != prefix:
             raise ValueError(f"request {request_id!r}: the prompt does not start with the {len(prefix)} cached tokens "

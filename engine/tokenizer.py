@@ -101,7 +101,8 @@ class _ChatTemplateMixin:
     bos_token: str = ""
     eos_token: str = ""
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list | None = None) -> str:
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...}")
         for i, m in enumerate(messages):

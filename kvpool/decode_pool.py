@@ -95,7 +95,8 @@ class DecodePool:
         self.instance_id, self.host, self.port = instance_id, host, port
         self.address = f"{advertise_host or host}:{port}"
         self.lock = threading.Lock()  # serializes the lender's bookkeeping; engine calls go to the engine thread
-        self.lender = ReportingLender(self.engine, self.lock, reserve_for(engine.num_blocks, lend_fraction), loan_idle_s)
+        self.lender = ReportingLender(self.engine, self.lock, reserve_for(engine.num_blocks, lend_fraction),
+                                      loan_idle_s)
         self.lender.inbox = inbox
         fast = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 500)]  # back fast after a gManager restart
@@ -115,7 +116,8 @@ class DecodePool:
     def start(self) -> None:
         """Serve KVLender and start reporting (the engine must be started)."""
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), options=[
-            ("grpc.max_receive_message_length", GRPC_MESSAGE_BYTES), ("grpc.max_send_message_length", GRPC_MESSAGE_BYTES)])
+            ("grpc.max_receive_message_length", GRPC_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", GRPC_MESSAGE_BYTES)])
         kvpool_pb2_grpc.add_KVLenderServicer_to_server(self.lender, self._server)
         if self._server.add_insecure_port(f"{self.host}:{self.port}") == 0:
             raise OSError(f"--kv-pool-port: cannot listen on {self.host}:{self.port}")
@@ -184,5 +186,6 @@ class DecodePool:
         with self._counts:
             pooled, borrowed = self.pooled_requests, self.borrowed_blocks
         free, total = self._room
-        return {"instance_id": self.instance_id, "loans": len(loans), "lent_blocks": sum(len(l.block_ids) for l in loans), "pool_free_blocks": free,
+        return {"instance_id": self.instance_id, "loans": len(loans),
+                "lent_blocks": sum(len(l.block_ids) for l in loans), "pool_free_blocks": free,
                 "pool_total_blocks": total, "pooled_requests_total": pooled, "borrowed_blocks_total": borrowed}

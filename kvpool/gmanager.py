@@ -61,7 +61,8 @@ class GManager(kvpool_pb2_grpc.GManagerServicer):
             self.ledger.expire(time.monotonic())
             rows = [kvpool_pb2.LedgerRow(lender=i, address=r.address, free_blocks=r.free_blocks,
                                          lendable_blocks=r.lendable_blocks, max_lendable_blocks=r.max_lendable,
-                                         lent=[kvpool_pb2.Debt(borrower=b, blocks=n) for b, n in sorted(r.lent.items())])
+                                         lent=[kvpool_pb2.Debt(borrower=b, blocks=n)
+                                               for b, n in sorted(r.lent.items())])
                     for i, r in sorted(self.ledger.rows.items())]
         return kvpool_pb2.LedgerReply(rows=rows)
 

@@ -46,7 +46,8 @@ class DebtLedger:
         if bad:
             raise ValueError(f"instance {instance!r} reported impossible debts {bad} (blocks must be > 0, "
                              "and an instance cannot lend to itself)")
-        self.rows[instance] = Row(address, free_blocks, lendable_blocks, dict(lent), now, max(max_lendable, lendable_blocks))
+        self.rows[instance] = Row(address, free_blocks, lendable_blocks, dict(lent), now,
+                                  max(max_lendable, lendable_blocks))
 
     def expire(self, now: float) -> list[str]:
         """Drop the rows of instances silent for longer than ttl_s; their ids."""
@@ -58,7 +59,8 @@ class DebtLedger:
     def live(self) -> list[str]:
         return sorted(self.rows)
 
-    def candidates(self, borrower: str, blocks: int, exclude: set[str] = frozenset(), limit: int = 3) -> list[tuple[str, str, int]]:
+    def candidates(self, borrower: str, blocks: int, exclude: set[str] = frozenset(),
+                   limit: int = 3) -> list[tuple[str, str, int]]:
         """(instance, address, lendable) of up to ``limit`` lenders, most lendable first."""
         if blocks <= 0:
             raise ValueError(f"blocks must be positive, got {blocks}")

@@ -22,7 +22,7 @@ In P/D the prefill may compute the prompt instead of step 2 (``open(aligned=True
 part ends on a block boundary when at least one whole block of the prompt stays here): ``expect_kv`` has each lender's CacheStore receiver expect its
 part (the prefill pushes it there, and the local part to this decode's receiver), ``kv_arrived``
 waits until every lender has it, then ``tokens(first_token=...)`` runs only the decode steps.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -186,7 +186,8 @@ class PooledRequest:
 
     def _lost(self, error: grpc.RpcError) -> str:
         detail = error.details() if hasattr(error, "details") else str(error)
-        who = getattr(error, "lender", None) or "of " + (", ".join(f"{l.lender} ({l.address})" for l in self.loans) or "none")
+        who = getattr(error, "lender",
+                      None) or "of " + (", ".join(f"{l.lender} ({l.address})" for l in self.loans) or "none")
         return f"request {self.request_id!r} failed: KV lender {who} did not answer ({detail}); its KV there is lost"
 
     def _call(self, loan: RemoteLoan, method: str, message, timeout: float | None = None):
@@ -220,7 +221,8 @@ class PooledRequest:
                 self._wait(fut)
             pending = [self._call(loan, "PutKV", kvpool_pb2.PutKVRequest(
                 request_id=wire_id, layer=i, start=0, num_tokens=loan.tokens,
-                k=_as_bytes(k[loan.start : loan.start + loan.tokens]), v=_as_bytes(v[loan.start : loan.start + loan.tokens])))
+                k=_as_bytes(k[loan.start : loan.start + loan.tokens]),
+                v=_as_bytes(v[loan.start : loan.start + loan.tokens])))
                 for loan in loans]
             o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                                                v.transpose(0, 1).unsqueeze(0), is_causal=True, enable_gqa=True)

@@ -58,8 +58,9 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
     # ---- KVLender --------------------------------------------------------------------------
     def Lend(self, request, context):
         if request.version != KVPOOL_VERSION or request.layout != self.layout:
-            return kvpool_pb2.LendReply(refusal=f"incompatible peer: version {request.version} layout {request.layout!r}, "
-                                                 f"this lender has version {KVPOOL_VERSION} layout {self.layout!r}")
+            return kvpool_pb2.LendReply(refusal=f"incompatible peer: version {request.version} "
+                                                 f"layout {request.layout!r}, this lender has version "
+                                                 f"{KVPOOL_VERSION} layout {self.layout!r}")
         if request.blocks <= 0:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"blocks must be positive, got {request.blocks}")
         bs = self.kv.block_size
@@ -80,13 +81,15 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
         loan, rows = self._loan(request.request_id, context)
         self._check_layer(request.layer, context)
         if request.start < 0 or request.start + request.num_tokens > rows.numel():
-            context.abort(grpc.StatusCode.OUT_OF_RANGE, f"tokens [{request.start}, {request.start + request.num_tokens}) "
+            context.abort(grpc.StatusCode.OUT_OF_RANGE,
+                          f"tokens [{request.start}, {request.start + request.num_tokens}) "
                                                         f"do not fit the loan's {rows.numel()} slots")
         shape = (request.num_tokens, self.kv.num_kv_heads, self.kv.head_dim)
         want = 4 * request.num_tokens * self.kv.num_kv_heads * self.kv.head_dim
         if len(request.k) != want or len(request.v) != want:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"K/V of {request.num_tokens} tokens must be {want} bytes "
-                                                            f"of float32 each, got {len(request.k)} and {len(request.v)}")
+                                                            f"of float32 each, got "
+                                                            f"{len(request.k)} and {len(request.v)}")
         self.kv.write(request.layer, rows[request.start : request.start + request.num_tokens],
                       tensor(request.k, *shape), tensor(request.v, *shape))
         loan.tokens = max(loan.tokens, request.start + request.num_tokens)
@@ -97,7 +100,8 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
         loan, rows = self._loan(request.request_id, context)
         self._check_layer(request.layer, context)
         if len(request.q) != 4 * request.num_heads * self.kv.head_dim or request.num_heads % self.kv.num_kv_heads:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the query must be float32 [num_heads, {self.kv.head_dim}] "
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"the query must be float32 [num_heads, {self.kv.head_dim}] "
                                                             f"with num_heads a multiple of {self.kv.num_kv_heads}")
         if loan.tokens == 0:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"request {request.request_id!r} put no KV here yet")
@@ -152,7 +156,8 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
         loan = self.book.loans.get(request_id)
         rows = self._rows.get(request_id)
         if loan is None or rows is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"no loan for request {request_id!r} here (released, expired, or never lent)")
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"no loan for request {request_id!r} here (released, expired, or never lent)")
         return loan, rows
 
     def release(self, request_id: str) -> int:
@@ -227,7 +232,8 @@ class Borrower:
                     time.sleep(0.1 * attempt)
                 try:
                     reply = self.gmanager.FindLenders(kvpool_pb2.FindLendersRequest(
-                        borrower=self.instance, blocks=need, exclude=sorted(l.lender for l in loans)), timeout=self.timeout)
+                        borrower=self.instance, blocks=need,
+                        exclude=sorted(l.lender for l in loans)), timeout=self.timeout)
                 except grpc.RpcError as e:
                     raise OutOfBlocksError(f"request {request_id!r} needs {blocks} KV blocks from the pool but the "
                                            f"gManager did not answer ({e.code().name})") from None
@@ -235,7 +241,8 @@ class Borrower:
                     stub = self.stub(c.address)
                     try:
                         got = stub.Lend(kvpool_pb2.LendRequest(
-                            borrower=self.instance, request_id=self.loan_id(request_id), blocks=need, layout=self.layout,
+                            borrower=self.instance, request_id=self.loan_id(request_id), blocks=need,
+                            layout=self.layout,
                             version=KVPOOL_VERSION), timeout=self.timeout)
                     except grpc.RpcError:
                         continue  # gone since its last report: the gManager drops it after its ttl

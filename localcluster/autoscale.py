@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--autoscale", action="store_true",
                    help="run the planner: --prefill/--decode are the start counts, kept within the bounds below")
     g.add_argument("--min-prefill", type=int, default=1, help="fewest prefill processes")
-    g.add_argument("--max-prefill", type=int, default=2, help="most prefill processes (> 1: a router is the front door)")
+    g.add_argument("--max-prefill", type=int, default=2,
+                   help="most prefill processes (> 1: a router is the front door)")
     g.add_argument("--min-decode", type=int, default=1, help="fewest decode processes")
     g.add_argument("--max-decode", type=int, default=4, help="most decode processes")
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="target time to first token, p90")
@@ -161,13 +162,15 @@ class LocalAutoscaler:
         if self.events is None:
             return
         figures = {"ttft_s": window.ttft_s, "tbt_s": window.tbt_s, "requests": window.requests,
-                   "prefill_waiting": window.prefill.waiting, "prefill_growth_per_s": round(window.prefill.waiting_growth_per_s, 3),
+                   "prefill_waiting": window.prefill.waiting,
+                   "prefill_growth_per_s": round(window.prefill.waiting_growth_per_s, 3),
                    "prefill_busy": window.prefill.busy, "decode_kv": window.decode.kv_utilisation,
                    "decode_running": window.decode.running}
         with open(self.events, "a") as f:
             for d in plan:
                 f.write(json.dumps({"time": time.time(), "pool": d.pool, "current": d.current, "desired": d.desired,
-                                    "ready": d.ready, "signal": d.signal, "reason": d.reason, "window": figures}) + "\n")
+                                    "ready": d.ready, "signal": d.signal, "reason": d.reason,
+                                    "window": figures}) + "\n")
 
 
 def _index(name: str) -> int:

@@ -136,7 +136,8 @@ class Supervisor:
 
     def __init__(self, servers: list[ServerProcess], spawn: Callable[[ServerProcess], subprocess.Popen],
                  is_ready: Callable[[str], bool], policy: str = "always", say: Callable[[str], None] = print,
-                 on_change: Callable[[], None] = lambda: None, terminate: Callable[[subprocess.Popen], None] | None = None):
+                 on_change: Callable[[], None] = lambda: None,
+                 terminate: Callable[[subprocess.Popen], None] | None = None):
         if policy not in POLICIES:
             raise ValueError(f"restart policy must be one of {POLICIES}, got {policy!r}")
         self.servers, self.policy = servers, policy

@@ -92,7 +92,8 @@ class LocalCluster:
     def routers(self) -> list[ServerProcess]:
         return self.servers("router")
 
-    def _server(self, name: str, argv: list[str], ready_url: str, role: str, address: str, metrics_url: str) -> ServerProcess:
+    def _server(self, name: str, argv: list[str], ready_url: str, role: str, address: str,
+                metrics_url: str) -> ServerProcess:
         a = self.args
         backoff = RestartBackoff(initial=a.backoff_initial, cap=a.backoff_cap, reset_after=a.backoff_reset,
                                  max_failed_starts=a.max_failed_starts)
@@ -101,7 +102,8 @@ class LocalCluster:
 
     def _common(self) -> list[str]:
         a = self.args
-        common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads", str(a.threads)]
+        common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads",
+                  str(a.threads)]
         if self.scaling:  # a drained server finishes its longest request before it stops
             common += ["--drain-timeout", f"{defaults.REQUEST_TIMEOUT_S:g}"]
         return common + (a.extra.split() if a.extra else [])
@@ -109,7 +111,8 @@ class LocalCluster:
     def _new_decode(self) -> ServerProcess:
         i, self._count["decode"] = self._count["decode"], self._count["decode"] + 1
         grpc_port, http_port, kv_port = free_ports(3)
-        argv = ["decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port), *self._common()]
+        argv = ["decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port),
+                *self._common()]
         return self._server(f"decode-{i}", argv, f"http://127.0.0.1:{http_port}/ready", "decode",
                             f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}/metrics")
 
@@ -139,10 +142,12 @@ class LocalCluster:
         self.supervisor.servers += decodes + prefills
         self.endpoints = [p.metrics_url.removesuffix("/metrics") for p in prefills]
         if self.routed:  # the router is the front door: prefix- and load-aware choice of prefill
-            prefills_arg = (["--discovery", "file", "--prefill-file", str(self.discovery_files["prefill"])] if self.scaling
+            prefills_arg = (["--discovery", "file", "--prefill-file", str(self.discovery_files["prefill"])]
+                            if self.scaling
                             else ["--prefill", ",".join(p.address for p in prefills)])
             argv = ["router", "--port", str(a.port), "--grpc-port", str(a.grpc_port), "--model", a.model, *prefills_arg]
-            self.supervisor.servers.append(self._server("router", argv, f"http://127.0.0.1:{a.port}/ready", "router", "", ""))
+            self.supervisor.servers.append(self._server("router", argv, f"http://127.0.0.1:{a.port}/ready", "router",
+                                                        "", ""))
             self.endpoints.insert(0, f"http://127.0.0.1:{a.port}")
 
     def add_server(self, role: str, now: float) -> ServerProcess:
@@ -259,8 +264,9 @@ class LocalCluster:
         scaling = ""
         if self.scaling:
             p, d = self.scaling.prefill, self.scaling.decode
-            scaling = (f"\n  autoscaling: prefill {p.min_replicas}..{p.max_replicas}, decode {d.min_replicas}..{d.max_replicas} "
-                       f"(SLO TTFT {a.slo_ttft_ms:g} ms, TBT {a.slo_tbt_ms:g} ms; decisions in {self.log_dir / 'autoscale.jsonl'})")
+            scaling = (f"\n  autoscaling: prefill {p.min_replicas}..{p.max_replicas}, decode "
+                       f"{d.min_replicas}..{d.max_replicas} (SLO TTFT {a.slo_ttft_ms:g} ms, TBT "
+                       f"{a.slo_tbt_ms:g} ms; decisions in {self.log_dir / 'autoscale.jsonl'})")
         return f"""
 pdserve is up: {a.prefill} prefill, {a.decode} decode{', 1 router' if self.routers else ''}, model {a.model!r}, KV transfer {a.transfer}{scaling}
   OpenAI API: {url}/v1    ({'the router; prefills at ' + ', '.join(self.endpoints[1:]) if self.routers else 'the prefill'})
@@ -274,7 +280,7 @@ for ch in c.chat.completions.create(model='{a.model}', messages=[{{'role': 'user
 print(ch.choices[0].delta.content or '', end='', flush=True)"
 
 Ctrl-C drains in-flight requests and stops everything.
-"""
+"""  # noqa: E501
 
 
 def _write_atomically(path: Path, text: str) -> None:

@@ -22,28 +22,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT,
                         help="gRPC port of the Generate API: the prefill's, or with --prefill > 1 the router's")
     parser.add_argument("--policy", choices=["wrr", "rr"], default="wrr", help="decode selection policy")
-    parser.add_argument("--local-fallback", action="store_true", help="prefills decode locally when no decode can take a request")
+    parser.add_argument("--local-fallback", action="store_true",
+                        help="prefills decode locally when no decode can take a request")
     parser.add_argument("--disaggregation", choices=defaults.DISAGGREGATION_MODES, default=defaults.DISAGGREGATION,
                         help="where prefills compute prompts: always themselves (KV moved), never (the decode does), "
                              "auto (per request, by measured cost)")
     parser.add_argument("--decode-reuse", action=argparse.BooleanOptionalAction, default=True,
-                        help="decodes serve prompts' cached prefixes, only missing KV blocks move (--no-decode-reuse: all move)")
+                        help="decodes serve prompts' cached prefixes, only missing KV blocks move "
+                             "(--no-decode-reuse: all move)")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-dir", default=None,
                         help="where process logs go, with servers.json and a <server>.pid per running server "
                              "(default: a new temporary folder)")
-    parser.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for all processes to be ready")
+    parser.add_argument("--ready-timeout", type=float, default=180.0,
+                        help="seconds to wait for all processes to be ready")
     parser.add_argument("--extra", default="", help="extra flags passed to every server process (one string)")
     parser.add_argument("--prefill-extra", default="", help="extra flags passed to every prefill process (one string)")
     r = parser.add_argument_group("supervision (what happens when a server process dies)")
     r.add_argument("--restart", choices=POLICIES, default="always",
                    help="always: restart it with capped exponential backoff, same ports, the others keep serving; "
                         "never: stop the whole cluster (for debugging)")
-    r.add_argument("--backoff-initial", type=float, default=0.5, help="seconds before the first restart (doubles each time)")
+    r.add_argument("--backoff-initial", type=float, default=0.5,
+                   help="seconds before the first restart (doubles each time)")
     r.add_argument("--backoff-cap", type=float, default=10.0, help="longest wait between restarts, seconds")
     r.add_argument("--backoff-reset", type=float, default=30.0,
                    help="a run that stayed up this many seconds resets the backoff to --backoff-initial")
     r.add_argument("--max-failed-starts", type=int, default=5,
-                   help="give up (and stop everything) when a server dies before becoming ready this many times in a row")
+                   help="give up (and stop everything) when a server dies before becoming "
+                        "ready this many times in a row")
     autoscale.add_arguments(parser)

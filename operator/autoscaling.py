@@ -50,7 +50,8 @@ def planner_config(isvc: dict) -> PlannerConfig:
     """Targets from spec.slo, bounds and timings from spec.autoscaling (schema defaults filled in)."""
     spec = isvc["spec"]
     auto, slo = spec.get("autoscaling") or {}, spec.get("slo") or {}
-    bounds = {pool: PoolLimits((auto.get(pool) or {}).get("minReplicas", 1), (auto.get(pool) or {}).get("maxReplicas", 4))
+    bounds = {pool: PoolLimits((auto.get(pool) or {}).get("minReplicas", 1),
+                               (auto.get(pool) or {}).get("maxReplicas", 4))
               for pool in ("prefill", "decode")}
     return PlannerConfig(ttft_target_s=slo.get("ttftMs", crds.DEFAULT_TTFT_MS) / 1000,
                          tbt_target_s=slo.get("tbtMs", crds.DEFAULT_TBT_MS) / 1000,
@@ -137,7 +138,8 @@ def run_round(api, source, isvc: dict, state: IsvcState, now: float, post_event)
             api.scale(objs[ref.name]["kind"], namespace, ref.name, decision.desired)
             state.last_change[ref.name] = (_timestamp(), decision.reason)
             post_event("Normal", "ScaledUp" if decision.direction > 0 else "ScaledDown",
-                       f"{objs[ref.name]['kind']} {ref.name}: {decision.current} -> {decision.desired}: {decision.reason}")
+                       f"{objs[ref.name]['kind']} {ref.name}: {decision.current} -> "
+                       f"{decision.desired}: {decision.reason}")
             changed.append(decision)
     if decisions:
         api.patch_status("InferenceService", namespace, name, {"autoscaling": _status(source.kind, decisions, state)})

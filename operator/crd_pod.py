@@ -145,7 +145,8 @@ _NAME_REF = _obj({"name": _str("Its name.", minLength=1, maxLength=253),
                  required=["name"])
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"  # RFC 1123 (volume names)
 _LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
-_CORE = {"x-kubernetes-preserve-unknown-fields": True}  # a core Kubernetes object, validated by the API server in the pod
+# a core Kubernetes object, validated by the API server in the pod
+_CORE = {"x-kubernetes-preserve-unknown-fields": True}
 
 POD_SETTINGS = {
     "env": {
@@ -186,7 +187,8 @@ POD_SETTINGS = {
                                                  enum=["DoNotSchedule", "ScheduleAnyway"])},
                       required=["maxSkew", "topologyKey", "whenUnsatisfiable"], **_CORE),
     },
-    "runtimeClassName": _str("RuntimeClass of the pool's pods (e.g. nvidia).", pattern=naming.DNS_SUBDOMAIN, maxLength=253),
+    "runtimeClassName": _str("RuntimeClass of the pool's pods (e.g. nvidia).", pattern=naming.DNS_SUBDOMAIN,
+                             maxLength=253),
     "priorityClassName": _str("PriorityClass of the pool's pods.", pattern=naming.DNS_SUBDOMAIN, maxLength=253),
     "podAnnotations": {
         "type": "object",

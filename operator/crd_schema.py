@@ -48,7 +48,8 @@ def _rule(rule: str, message: str, **extra) -> dict:
 _QUANTITY = {
     "anyOf": [{"type": "integer"}, {"type": "string"}],
     "x-kubernetes-int-or-string": True,
-    "pattern": r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$",
+    "pattern": (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"),
 }
 
 RESOURCES = _obj(
@@ -70,8 +71,10 @@ TOLERATIONS = {
         "key": _str("Taint key.", maxLength=316),
         "operator": _str("Exists or Equal.", enum=["Exists", "Equal"]),
         "value": _str("Taint value.", maxLength=63),
-        "effect": _str("NoSchedule, PreferNoSchedule or NoExecute.", enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
-        "tolerationSeconds": {"type": "integer", "format": "int64", "description": "How long a NoExecute taint is tolerated."},
+        "effect": _str("NoSchedule, PreferNoSchedule or NoExecute.",
+                       enum=["NoSchedule", "PreferNoSchedule", "NoExecute"]),
+        "tolerationSeconds": {"type": "integer", "format": "int64",
+                              "description": "How long a NoExecute taint is tolerated."},
     }),
 }
 

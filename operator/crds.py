@@ -58,8 +58,8 @@ MODEL = _obj(
         "mountPath": _str("Where pvcName, or the claim of a pvc:// source, is mounted.", pattern="^/",
                           default=DEFAULT_MOUNT_PATH, maxLength=512),
         "servedModelName": _str("The name clients put in \"model\" (and /v1/models lists). Default: the "
-                                "repository's name for hf:// (hf://Qwen/Qwen2.5-0.5B-Instruct -> Qwen2.5-0.5B-Instruct), "
-                                "the last element of a path, the name of builtin:<name>.",
+                                "repository's name for hf:// (hf://Qwen/Qwen2.5-0.5B-Instruct "
+                                "-> Qwen2.5-0.5B-Instruct), the last element of a path, the name of builtin:<name>.",
                                 minLength=1, maxLength=256, pattern="^[^ ]+$"),
         "tokenSecret": _obj(
             {"name": _str("The Secret (in the service's namespace).", minLength=1, maxLength=253),
@@ -103,7 +103,8 @@ MODEL = _obj(
 
 TRANSFER = _obj(
     {
-        "backend": _str("KV transfer backend: tcp (framed sockets) or nixl (UCX).", enum=BACKENDS, default=DEFAULT_BACKEND),
+        "backend": _str("KV transfer backend: tcp (framed sockets) or nixl (UCX).", enum=BACKENDS,
+                        default=DEFAULT_BACKEND),
         "blockSize": _int("KV cache block size in tokens.", 1, MAX_BLOCK_SIZE, defaults.BLOCK_SIZE),
     },
     description="How prefill pushes the KV cache to decode.",
@@ -117,13 +118,16 @@ ROUTING = _obj(
     default={},
 )
 
-IMAGE = _str("Container image with the pdserve command (default: the operator's own image).", minLength=1, maxLength=512)
+IMAGE = _str("Container image with the pdserve command (default: the operator's own image).", minLength=1,
+             maxLength=512)
 PULL_POLICY = _str("Image pull policy of the pods.", enum=["Always", "IfNotPresent", "Never"])
 PROTOCOL = _str("Protocol version the image speaks (default: the operator's). Pods are labelled with it "
-                "and prefill only routes to decodes of the same version.", pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+                "and prefill only routes to decodes of the same version.",
+                pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 DECODE_POOL_ITEM = _obj(
-    {"name": _str("Pool name (a DNS label, unique in the service).", pattern=naming.DNS_LABEL, maxLength=naming.MAX_POOL_NAME),
+    {"name": _str("Pool name (a DNS label, unique in the service).", pattern=naming.DNS_LABEL,
+                  maxLength=naming.MAX_POOL_NAME),
      **_pool_properties("Decode pods in this pool.", "decode")},
     required=["name"],
     **{"x-kubernetes-validations": crd_pod.POOL_RULES},
@@ -315,9 +319,12 @@ def inferenceservice_crd() -> dict:
     return _crd(
         "InferenceService", "inferenceservices", "pdis", ISVC_SPEC, ISVC_STATUS,
         [{"name": "Ready", "type": "string", "jsonPath": _READY},
-         {"name": "Prefill", "type": "string", "jsonPath": ".status.prefillReady", "description": "ready/desired prefill pods"},
-         {"name": "Decode", "type": "string", "jsonPath": ".status.decodeReady", "description": "ready/desired decode pods"},
-         {"name": "Router", "type": "string", "jsonPath": ".status.routerReady", "description": "ready/desired router pods",
+         {"name": "Prefill", "type": "string", "jsonPath": ".status.prefillReady",
+          "description": "ready/desired prefill pods"},
+         {"name": "Decode", "type": "string", "jsonPath": ".status.decodeReady",
+          "description": "ready/desired decode pods"},
+         {"name": "Router", "type": "string", "jsonPath": ".status.routerReady",
+          "description": "ready/desired router pods",
           "priority": 1},
          {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"}],
         [_NAME_RULE], scale=False)

@@ -100,7 +100,8 @@ def model_plan(spec: dict, security: dict, message_policy: str, tokenizer_only: 
         if cache.get("pvcName"):
             volume = {"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache["pvcName"]}}
         else:
-            volume = {"name": CACHE_VOLUME, "emptyDir": {"sizeLimit": str(cache["sizeLimit"])} if "sizeLimit" in cache else {}}
+            volume = {"name": CACHE_VOLUME,
+                      "emptyDir": {"sizeLimit": str(cache["sizeLimit"])} if "sizeLimit" in cache else {}}
         return ModelPlan(download_dir(source), [volume],
                          [{"name": CACHE_VOLUME, "mountPath": CACHE_MOUNT, "readOnly": True}],
                          [_fetch_container(spec, source, security, message_policy, tokenizer_only)])

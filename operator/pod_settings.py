@@ -89,7 +89,8 @@ def apply(template: dict, spec: dict, selector: dict) -> None:
         container["envFrom"] = copy.deepcopy(spec["envFrom"])
     volumes, mounts = pod.setdefault("volumes", []), container.setdefault("volumeMounts", [])
     if spec.get("shmSize") is not None:
-        volumes.append({"name": crd_pod.SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": str(spec["shmSize"])}})
+        volumes.append({"name": crd_pod.SHM_VOLUME,
+                        "emptyDir": {"medium": "Memory", "sizeLimit": str(spec["shmSize"])}})
         mounts.append({"name": crd_pod.SHM_VOLUME, "mountPath": crd_pod.SHM_PATH})
     volumes += copy.deepcopy(spec.get("extraVolumes") or [])
     mounts += copy.deepcopy(spec.get("extraVolumeMounts") or [])

@@ -55,7 +55,8 @@ def _pool(kind: str, name: str, namespace: str | None, isvc_name: str, role: str
         metadata["annotations"][naming.ANNOTATION_OWNER_GENERATION] = str(isvc_generation)
     if namespace:
         metadata["namespace"] = namespace
-    return {"apiVersion": naming.API_VERSION, "kind": kind, "metadata": metadata, "spec": {**spec, "replicas": replicas}}
+    return {"apiVersion": naming.API_VERSION, "kind": kind, "metadata": metadata,
+            "spec": {**spec, "replicas": replicas}}
 
 
 # What a pool (or the router) copies from its own part of the InferenceService (spec.prefill,
@@ -117,7 +118,8 @@ def build_decode_pools(isvc: dict, config: OperatorConfig, existing: dict[str, d
         pool_spec = shared_spec(isvc, config, entry)
         pool_spec["poolName"] = pool_name
         isvc_replicas = int(entry.get("replicas", crds.DEFAULT_REPLICAS))
-        pools.append(_pool("DecodePool", object_name, namespace, name, "decode", pool_name, pool_spec["protocolVersion"],
+        pools.append(_pool("DecodePool", object_name, namespace, name, "decode", pool_name,
+                           pool_spec["protocolVersion"],
                            pool_replicas(isvc_replicas, existing.get(object_name)), pool_spec, isvc_replicas,
                            isvc["metadata"].get("generation")))
     return pools

@@ -45,7 +45,8 @@ def router_replicas(isvc: dict) -> int:
 def _facts(isvc: dict, config: OperatorConfig) -> tuple[str, str | None, dict, dict]:
     meta = isvc["metadata"]
     spec = pools.shared_spec(isvc, config, router_settings(isvc))
-    return meta["name"], meta.get("namespace"), spec, naming.common_labels(meta["name"], ROLE, ROLE, spec["protocolVersion"])
+    return meta["name"], meta.get("namespace"), spec, naming.common_labels(meta["name"], ROLE, ROLE,
+                                                                           spec["protocolVersion"])
 
 
 def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
@@ -88,7 +89,8 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
 
 def build_router_service(isvc: dict, config: OperatorConfig) -> dict:
     name, namespace, _, labels = _facts(isvc, config)
-    return {"apiVersion": "v1", "kind": "Service", "metadata": workloads.object_metadata(naming.router_name(name), namespace, labels),
+    return {"apiVersion": "v1", "kind": "Service",
+            "metadata": workloads.object_metadata(naming.router_name(name), namespace, labels),
             "spec": {"type": "ClusterIP", "selector": naming.selector_labels(name, ROLE, ROLE),
                      "ports": [{"name": "http", "port": defaults.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]}}
 

@@ -290,7 +290,8 @@ def build_service(pool: dict) -> dict:
         spec["publishNotReadyAddresses"] = False
     else:
         spec["type"] = "ClusterIP"
-    return {"apiVersion": "v1", "kind": "Service", "metadata": object_metadata(name, namespace, pool_labels(pool)), "spec": spec}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": object_metadata(name, namespace, pool_labels(pool)),
+            "spec": spec}
 
 
 def build_prefill_rbac(pool: dict) -> list[dict]:
@@ -305,10 +306,13 @@ def discovery_rbac(name: str, namespace: str | None, labels: dict) -> list[dict]
     and read Services in the namespace (what ``pdserve.discovery.KubernetesDiscovery`` needs)."""
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": object_metadata(name, namespace, labels)},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": object_metadata(name, namespace, labels),
-         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": object_metadata(name, namespace, labels),
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"]},
                    {"apiGroups": [""], "resources": ["services"], "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": object_metadata(name, namespace, labels),
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": object_metadata(name, namespace, labels),
          "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
          "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace or "default"}]},
     ]
@@ -317,7 +321,8 @@ def discovery_rbac(name: str, namespace: str | None, labels: dict) -> list[dict]
 def build_disruption_budget(pool: dict) -> dict:
     """The pool's PodDisruptionBudget (``spec.disruptionBudget``, default maxUnavailable 1)."""
     name, namespace, spec, _, _ = _pool_facts(pool)
-    return pod_settings.build_disruption_budget(object_metadata(name, namespace, pool_labels(pool)), pool_selector(pool), spec)
+    return pod_settings.build_disruption_budget(object_metadata(name, namespace, pool_labels(pool)),
+                                                pool_selector(pool), spec)
 
 
 def build_children(pool: dict) -> list[dict]:

@@ -20,7 +20,8 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "up": ("pdserve.localcluster.up", "start a local prefill + decode cluster and serve the OpenAI API"),
     "generate": ("pdserve.engine.cli", "run the colocated engine on a prompt and stream the completion"),
-    "batch": ("pdserve.batch.pipeline.cli", "run an OpenAI batch file offline for throughput (TD-Pipe pipeline stages)"),
+    "batch": ("pdserve.batch.pipeline.cli",
+              "run an OpenAI batch file offline for throughput (TD-Pipe pipeline stages)"),
     "batch-server": ("pdserve.batch.serve", "serve the OpenAI Batch API, lines run on pipeline stages (TD-Pipe)"),
     "prefill": ("pdserve.prefill_server.cli", "run a prefill server (OpenAI HTTP + gRPC front door)"),
     "decode": ("pdserve.decode_server.cli", "run a decode server (Session stream + load reports)"),

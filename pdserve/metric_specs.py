@@ -154,7 +154,8 @@ SLO_METRICS: tuple[MetricSpec, ...] = (
                "Requests by SLO class and outcome (ok|error|cancelled|rejected: refused at once, early rejection).",
                ("slo_class", "outcome")),
     MetricSpec("slo_attainment", "pdserve_slo_attainment_total", _C,
-               "Requests that met or missed their class's targets, by target (ttft|tbt|e2e|all) and result (met|missed).",
+               "Requests that met or missed their class's targets, by target "
+               "(ttft|tbt|e2e|all) and result (met|missed).",
                ("slo_class", "target", "result")),
     MetricSpec("slo_queue_time", "pdserve_slo_queue_time_seconds", _H,
                "Arrival of a request to leaving the global queue (prefill: a decode allocated; router: sent on to a "

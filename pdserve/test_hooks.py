@@ -16,7 +16,7 @@ until a file ``open`` exists there, then withdraws its file. Tests drive the gat
 tests/harness/gates.py and decode_gate.py. The wait never blocks the event loop, and cancelling
 the request ends it. The CacheStore takes its hook through its constructor (it imports nothing
 of the runtime); the prefill's wiring reads it here.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ class PoolLimits:
         if self.min_replicas < 0:
             raise ValueError(f"min_replicas must be >= 0, got {self.min_replicas}")
         if self.max_replicas < max(1, self.min_replicas):
-            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= max(1, min_replicas ({self.min_replicas}))")
+            raise ValueError(f"max_replicas ({self.max_replicas}) must be >= max(1, "
+                             f"min_replicas ({self.min_replicas}))")
 
     def clamp(self, n: int) -> int:
         return max(self.min_replicas, min(self.max_replicas, n))

@@ -140,4 +140,5 @@ class Planner:
         if hold is not None:
             return decision(current, "hold", f"{rec.reason}; holding: {hold}")
         desired = max(stabilised, current - cfg.max_down_step)
-        return decision(desired, rec.signal, f"{rec.reason}; lowest need over {cfg.down_stabilisation_s:g}s: {stabilised}")
+        return decision(desired, rec.signal,
+                        f"{rec.reason}; lowest need over {cfg.down_stabilisation_s:g}s: {stabilised}")

@@ -34,7 +34,8 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def window_queries(labels: dict[str, str], window_s: float, quantile: float = 0.9, decode_pool: str | None = None) -> dict[str, str]:
+def window_queries(labels: dict[str, str], window_s: float, quantile: float = 0.9,
+                   decode_pool: str | None = None) -> dict[str, str]:
     if not window_s >= 1:
         raise ValueError(f"window_s must be >= 1 (Prometheus range), got {window_s}")
     w = f"[{int(window_s)}s]"

@@ -125,7 +125,8 @@ def _recommend_decode(window: Window, cfg: PlannerConfig) -> Recommendation:
     if needed < n:
         return Recommendation("decode", needed, "kv", f"decode KV {kv:.2f}: {needed} replica(s) would hold it at "
                               f"{kv * n / needed:.2f} (<= {cfg.kv_target * cfg.down_headroom:.2f})")
-    return Recommendation("decode", n, "steady", "; ".join(notes) or f"decode KV {kv:.2f} within target {cfg.kv_target:.2f}")
+    return Recommendation("decode", n, "steady",
+                          "; ".join(notes) or f"decode KV {kv:.2f} within target {cfg.kv_target:.2f}")
 
 
 def _recommend_prefill(window: Window, cfg: PlannerConfig) -> Recommendation:
@@ -138,7 +139,8 @@ def _recommend_prefill(window: Window, cfg: PlannerConfig) -> Recommendation:
     waiting = projected_waiting(window, cfg)
     blamed_on_decode = decode_bound(window, cfg) and not (busy is not None and busy >= cfg.busy_target)
     if busy is not None and busy / cfg.busy_target > 1 + cfg.tolerance:
-        ups.append((_ceil(n * busy / cfg.busy_target), "busy", f"prefill busy {busy:.2f} vs target {cfg.busy_target:.2f}",
+        ups.append((_ceil(n * busy / cfg.busy_target), "busy",
+                    f"prefill busy {busy:.2f} vs target {cfg.busy_target:.2f}",
                     False))
     queue_ratio = waiting / (cfg.queue_target * n)
     if queue_ratio > 1 + cfg.tolerance:

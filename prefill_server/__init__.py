@@ -40,4 +40,4 @@ Decode discovery lives in ``pdserve.discovery`` (static list or Kubernetes Endpo
 Batch API (/v1/files, /v1/batches) lives in ``pdserve.batch`` (``batch/``, docs/batch.md): the start-up
 (``wiring.py``) mounts its routes on this server's HTTP port, and its lines run through this server's
 ``Frontend``.
-"""
+"""  # noqa: E501

@@ -56,7 +56,8 @@ def plan(request_id: str, prompts: list[list[int]], samplings: list, n: int) -> 
     return out
 
 
-async def merged(choices: list[Choice], start: Callable[[Choice], AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+async def merged(choices: list[Choice],
+                 start: Callable[[Choice], AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
     """``(choice index, piece)`` of every choice until each yielded its finished piece."""
     events: asyncio.Queue = asyncio.Queue()
     tasks: list[asyncio.Task] = []

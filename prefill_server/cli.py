@@ -82,19 +82,25 @@ log = logging.getLogger("pdserve.prefill")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, drains="in-flight requests")
-    parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
+    parser.add_argument("--port", type=int, default=defaults.HTTP_PORT,
+                        help="HTTP port (OpenAI API, /health, /ready, /metrics)")
     parser.add_argument("--grpc-port", type=int, default=defaults.PREFILL_GRPC_PORT, help="gRPC port (Generate)")
     d = parser.add_argument_group("decode discovery and routing")
-    d.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static", help="how decodes are found")
+    d.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static",
+                   help="how decodes are found")
     d.add_argument("--decode", default="", help="static decode gRPC addresses: host:port,host:port")
-    d.add_argument("--decode-file", default="", help="file: decode gRPC addresses, one host:port a line, re-read when it "
+    d.add_argument("--decode-file", default="",
+                   help="file: decode gRPC addresses, one host:port a line, re-read when it "
                                                      "changes (pdserve up --autoscale writes it)")
     d.add_argument("--decode-selector", default="", help="kubernetes: label=value selecting the decode Services")
     d.add_argument("--namespace", default="", help="kubernetes: namespace of the decode Services")
-    d.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
-    d.add_argument("--policy", choices=["wrr", "rr"], default="wrr", help="wrr: weighted by free KV memory; rr: round robin")
+    d.add_argument("--kubeconfig", default=None,
+                   help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    d.add_argument("--policy", choices=["wrr", "rr"], default="wrr",
+                   help="wrr: weighted by free KV memory; rr: round robin")
     d.add_argument("--load-report-interval", type=float, default=0.3, help="seconds between load report polls")
-    d.add_argument("--load-report-expiry", type=float, default=1.5, help="seconds after which a load report no longer counts")
+    d.add_argument("--load-report-expiry", type=float, default=1.5,
+                   help="seconds after which a load report no longer counts")
     d.add_argument("--max-attempts", type=int, default=3, help="decodes to try per request before falling back")
     d.add_argument("--no-resume", dest="resume", action="store_false",
                    help="when a decode fails mid-generation, end the stream with an error instead of resuming the "
@@ -126,7 +132,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="requests that may hold a decode's KV allocation before this prefill computed their prompt; "
                         "the others wait here holding nothing on a decode (a decode drops a Session whose KV does "
                         "not arrive within --session-timeout)")
-    d.add_argument("--connect-timeout", type=float, default=5.0, help="seconds to wait for a decode's allocation answer")
+    d.add_argument("--connect-timeout", type=float, default=5.0,
+                   help="seconds to wait for a decode's allocation answer")
     d.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
                    help="end-to-end deadline of a request in seconds (clients may shorten it with the header "
                         "X-Request-Timeout or a gRPC deadline); then 504 / an SSE error event / DEADLINE_EXCEEDED "

@@ -164,7 +164,8 @@ class SessionRunner:
                 held.free_slot()  # our engine does not compute this prompt
                 first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)
             else:  # 4r, 5r
-                first = await self._push(call, address, request_id, prompt_ids, sp, alloc, prefill_cached, timings, held)
+                first = await self._push(call, address, request_id, prompt_ids, sp, alloc, prefill_cached, timings,
+                                         held)
             held.finished = first.finished
             yield first
             # 6. relay

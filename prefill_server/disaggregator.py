@@ -132,7 +132,8 @@ class Disaggregator:
         if self.metrics is not None:
             self.metrics.disaggregation_decisions.labels(decision=decision.where, reason=decision.reason).inc()
         level = logging.INFO if self.mode == "auto" else logging.DEBUG
-        log.log(level, "request %s: decode=%s prompt_blocks=%d decode_cached=%d prefill_cached=%d %s", request_id, address,
+        log.log(level, "request %s: decode=%s prompt_blocks=%d decode_cached=%d prefill_cached=%d %s", request_id,
+                address,
                  blocks_needed(len(prompt_ids), self.block_size), decode_cached_blocks, prefill_cached_blocks,
                  decision.log_fields())
         return decision

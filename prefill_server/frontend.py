@@ -112,7 +112,8 @@ class Frontend:
         """Every prompt's token ids: the chat template's, or each of /v1/completions' prompts."""
         if parsed.kind == "chat":
             if parsed.tools:
-                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True, tools=parsed.tools)
+                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True,
+                                                          tools=parsed.tools)
             else:
                 text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
             return [self.tokenizer.encode(text)]
@@ -153,7 +154,8 @@ class Frontend:
         try:
             return self.sampling_cls(
                 max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
-                seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids), ignore_eos=spec.ignore_eos,
+                seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
+                ignore_eos=spec.ignore_eos,
                 logprobs=spec.logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:

@@ -58,7 +58,7 @@ SLO class: the header ``X-SLO-Class: <name>`` or vLLM's body field ``priority`` 
 that declares that priority; 0 is the default class unless a class declares 0); neither:
 the default class. Unknown class or priority, or both naming different classes: 400
 (code ``unknown_slo_class``) naming the known classes (``pdserve.slo.classes``).
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -142,12 +142,14 @@ class HttpApi:
         t = self.fe.node.last_timings.get(rid)
         if t is None:
             return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
-        return web.json_response({"request_id": rid, "start": t.start, "allocated": t.allocated, "layer_stored": t.layer_stored,
+        return web.json_response({"request_id": rid, "start": t.start, "allocated": t.allocated,
+                                  "layer_stored": t.layer_stored,
                                   "prefill_done": t.prefill_done, "kv_sent": t.kv_sent, "where": t.where,
                                   "decode_cached_blocks": t.cached_blocks, "link_busy_s": t.link_busy_s})
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "pdserve", "max_model_len": self.fe.max_model_len}
+        model = {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "pdserve",
+                 "max_model_len": self.fe.max_model_len}
         return web.json_response({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:

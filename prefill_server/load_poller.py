@@ -13,7 +13,7 @@ in, a vanished one is dropped from the index before its channel closes.
 
 ``poll_now(address)`` asks one decode at once (a request there just ended and others wait
 for blocks); ``on_report(address)``, when given, is called after each answer reached the picker.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -132,12 +132,14 @@ class LoadReportPoller:
     def poll_now(self, address: str) -> None:
         """Ask ``address`` for its load report now, unless a poll of it is already in flight."""
         task = self._inflight.get(address)
-        if self._task is not None and not self._task.done() and address in self._channels and (task is None or task.done()):
+        if self._task is not None and not self._task.done() and address in self._channels and (task is None
+                                                                                               or task.done()):
             self._inflight[address] = asyncio.create_task(self._poll(address))
 
     async def _poll(self, address: str) -> None:
         try:
-            report = await self.stub(address).GetLoadReport(pb.LoadReportRequest(), timeout=max(1.0, self.interval_s * 3))
+            report = await self.stub(address).GetLoadReport(pb.LoadReportRequest(),
+                                                            timeout=max(1.0, self.interval_s * 3))
         except grpc.aio.AioRpcError as exc:
             log.debug("load report from %s failed: %s", address, exc.code())
             return

@@ -31,7 +31,8 @@ from .openai_numbers import (DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOK
                              NUMBERS, BadRequest, NumberField, check_number, check_token_ids)
 
 __all__ = ["DEFAULT_CHAT_MAX_TOKENS", "DEFAULT_COMPLETION_MAX_TOKENS", "INT32_MAX", "INT64_MAX", "MAX_STOP_SEQUENCES",
-           "MAX_STOP_TOKEN_IDS", "MAX_TEMPERATURE", "MIN_TEMPERATURE", "MIN_TOP_P", "NUMBERS", "BadRequest", "NumberField",
+           "MAX_STOP_TOKEN_IDS", "MAX_TEMPERATURE", "MIN_TEMPERATURE", "MIN_TOP_P", "NUMBERS", "BadRequest",
+           "NumberField",
            "ParsedRequest", "SamplingSpec", "check_number", "check_token_ids", "chunk", "error_body", "full_response",
            "parse_chat", "parse_completion", "parse_json", "parse_sampling", "sse", "usage", "usage_chunk"]
 
@@ -89,7 +90,8 @@ class ParsedRequest:
         return self.prompts[0] if self.prompts and isinstance(self.prompts[0], list) else None
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> dict:
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -137,7 +139,8 @@ def parse_sampling(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens"
         top_k=0 if top_k == -1 else top_k,
         seed=check_number("seed", body.get("seed")),
         stop=stop,
-        stop_token_ids=[] if stop_token_ids is None else check_token_ids(stop_token_ids, "stop_token_ids", vocab_size, MAX_STOP_TOKEN_IDS),
+        stop_token_ids=[] if stop_token_ids is None
+        else check_token_ids(stop_token_ids, "stop_token_ids", vocab_size, MAX_STOP_TOKEN_IDS),
         ignore_eos=ignore_eos,
     )
 
@@ -147,7 +150,8 @@ def _common(body: dict, served_model: str) -> tuple[str, bool, bool]:
     if model is None:
         raise BadRequest("missing required field 'model'", "model")
     if model != served_model:
-        raise BadRequest(f"model {model!r} does not exist; this server serves {served_model!r}", "model", "model_not_found")
+        raise BadRequest(f"model {model!r} does not exist; this server serves {served_model!r}", "model",
+                         "model_not_found")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", "stream")
@@ -171,7 +175,8 @@ def _sampling(body: dict, kind: str, names: tuple[str, ...], max_model_len, voca
     return spec
 
 
-def parse_completion(body: dict, served_model: str, max_model_len: int | None = None, vocab_size: int | None = None) -> ParsedRequest:
+def parse_completion(body: dict, served_model: str, max_model_len: int | None = None,
+                     vocab_size: int | None = None) -> ParsedRequest:
     model, stream, include_usage = _common(body, served_model)
     prompts = parse_prompts(body, vocab_size)
     n = parse_choices(body, len(prompts))
@@ -189,7 +194,8 @@ def parse_completion(body: dict, served_model: str, max_model_len: int | None = 
                          n=n, echo=echo)
 
 
-def parse_chat(body: dict, served_model: str, max_model_len: int | None = None, vocab_size: int | None = None) -> ParsedRequest:
+def parse_chat(body: dict, served_model: str, max_model_len: int | None = None,
+               vocab_size: int | None = None) -> ParsedRequest:
     model, stream, include_usage = _common(body, served_model)
     messages = body.get("messages")
     if messages is None:
@@ -204,7 +210,8 @@ def parse_chat(body: dict, served_model: str, max_model_len: int | None = None, 
     forced = tool_grammar(tools, tool_choice, parallel)
     if forced is not None:
         if sampling.response_format is not None:
-            raise BadRequest("response_format cannot be combined with a tool_choice that forces a call", "response_format")
+            raise BadRequest("response_format cannot be combined with a tool_choice that forces a call",
+                             "response_format")
         sampling.response_format = forced
     return ParsedRequest("chat", model, sampling, messages=parsed, stream=stream, include_usage=include_usage,
                          n=parse_choices(body), tools=tools, tool_choice=tool_choice)
@@ -217,7 +224,8 @@ def sse(payload: dict | str) -> bytes:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _head(req: ParsedRequest, obj: str) -> dict:
@@ -240,7 +248,8 @@ def response(req: ParsedRequest, choices: list[dict], prompt_tokens: int, comple
     return out
 
 
-def full_response(req: ParsedRequest, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+def full_response(req: ParsedRequest, text: str, finish_reason: str, prompt_tokens: int,
+                  completion_tokens: int) -> dict:
     return response(req, [choice(req, 0, text, finish_reason)], prompt_tokens, completion_tokens)
 
 

@@ -92,7 +92,8 @@ class LogprobsFormatter:
 
     def _columns(self, start: int) -> dict:
         return {"tokens": self.tokens[start:], "token_logprobs": self.token_logprobs[start:],
-                "top_logprobs": self.top_logprobs[start:] if self.top else None, "text_offset": self.text_offset[start:]}
+                "top_logprobs": self.top_logprobs[start:] if self.top else None,
+                "text_offset": self.text_offset[start:]}
 
     def whole(self) -> dict:
         return self._columns(0) if self.kind == "completion" else {"content": self.items}

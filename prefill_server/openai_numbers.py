@@ -88,7 +88,8 @@ def _shown(value) -> str:
     if isinstance(value, bool):
         return f"a boolean ({str(value).lower()})"
     if isinstance(value, float):
-        return "NaN" if math.isnan(value) else "Infinity" if value == math.inf else "-Infinity" if value == -math.inf else repr(value)
+        return ("NaN" if math.isnan(value) else "Infinity" if value == math.inf
+                else "-Infinity" if value == -math.inf else repr(value))
     if isinstance(value, int):
         if abs(value) < 10**30:
             return str(value)

@@ -91,7 +91,8 @@ def parse_logprobs(body: dict, kind: str) -> int | None:
         return check_number("logprobs", body.get("logprobs"))
     want = body.get("logprobs")
     if want is not None and not isinstance(want, bool):
-        raise BadRequest("logprobs must be a boolean on /v1/chat/completions (top_logprobs: <int> asks for alternatives)",
+        raise BadRequest("logprobs must be a boolean on /v1/chat/completions (top_logprobs: "
+                         "<int> asks for alternatives)",
                          "logprobs")
     top = check_number("top_logprobs", body.get("top_logprobs"))
     if top and not want:
@@ -111,7 +112,8 @@ def parse_response_format(body: dict) -> ResponseFormat | None:
     if kind == "json_object":
         return ResponseFormat("json_object")
     if kind != "json_schema":
-        raise BadRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}", "response_format")
+        raise BadRequest(f"response_format.type must be text, json_object or json_schema, got {kind!r}",
+                         "response_format")
     spec = rf.get("json_schema")
     if not isinstance(spec, dict):
         raise BadRequest("response_format.json_schema must be an object {\"name\": ..., \"schema\": {...}}",
@@ -168,7 +170,8 @@ def parse_message(message, index: int) -> dict:
         raise BadRequest(f"messages[{index}] must be an object", "messages")
     role = message.get("role")
     if role not in ("system", "user", "assistant", "developer", "tool"):
-        raise BadRequest(f"messages[{index}].role must be one of system, user, assistant, tool, got {role!r}", "messages")
+        raise BadRequest(f"messages[{index}].role must be one of system, user, assistant, tool, got {role!r}",
+                         "messages")
     content = message.get("content")
     if isinstance(content, list):  # content parts: keep the text ones
         texts = []
@@ -185,9 +188,11 @@ def parse_message(message, index: int) -> dict:
     out = {"role": "system" if role == "developer" else role, "content": content}
     if calls is not None:
         if role != "assistant" or not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+                isinstance(c, dict) and isinstance(c.get("function"), dict)
+                and isinstance(c["function"].get("name"), str)
                 for c in calls):
-            raise BadRequest(f"messages[{index}].tool_calls must be a list of {{\"function\": {{\"name\", \"arguments\"}}}} "
+            raise BadRequest(f"messages[{index}].tool_calls must be a list of {{\"function\": "
+                             f"{{\"name\", \"arguments\"}}}} "
                              "on an assistant message", "messages")
         out["tool_calls"] = [_call_for_template(c) for c in calls]
     if role == "tool":

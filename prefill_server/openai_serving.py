@@ -228,7 +228,8 @@ async def sse(request: web.Request, parsed, states: list[ChoiceState], n_prompt:
                 shown = text if text or parsed.kind == "completion" else None
                 if not state.finish_sent:
                     await resp.write(event_bytes(oa.chunk(parsed, shown, state.finish_reason, first=is_first,
-                                                          index=index, logprobs=lps), finish_reason=state.finish_reason))
+                                                          index=index, logprobs=lps),
+                                                 finish_reason=state.finish_reason))
             elif state.echo_only:  # the generated token is not shown: only the echoed prompt, once
                 if text or lps:
                     await resp.write(oa.sse(oa.chunk(parsed, text, None, first=is_first, index=index, logprobs=lps)))

@@ -113,7 +113,8 @@ class SessionConfig:
     compat: pb.Compat  # sent in Start; decode refuses a mismatch
     block_size: int
     eos_token_ids: tuple[int, ...] = ()
-    session_timeout_s: float = SESSION_TIMEOUT_S  # KV push, each wait on decode's next message, and decode's wait for us (sent in Start)
+    # KV push, each wait on decode's next message, and decode's wait for us (sent in Start)
+    session_timeout_s: float = SESSION_TIMEOUT_S
     connect_timeout_s: float = 5.0  # Start -> Allocation
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
     out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError

@@ -58,7 +58,7 @@ async def send(call, address: str, limit: float, **kind) -> None:
 
 
 async def allocation(call, address: str, start: pb.Start, connect_timeout_s: float) -> pb.Allocation:
-    """Steps 1-2: send Start, wait for the Allocation (each within ``connect_timeout_s``); anything else raises Retryable."""
+    """Steps 1-2: send Start, wait for the Allocation (each within ``connect_timeout_s``); anything else raises Retryable."""  # noqa: E501
     async with _retryable(call, address, f"no answer within {connect_timeout_s:.1f}s"):
         async with asyncio.timeout(connect_timeout_s):
             await call.write(pb.PrefillMessage(start=start))

@@ -33,7 +33,8 @@ def add_routes(app: web.Application, model: str) -> None:
             message = f"cannot read the tokenizer files of {model}: {exc}"
             log.error("%s", message)
             return web.json_response(oa.error_body(message, "server_error", code="tokenizer_unreadable"), status=500)
-        log.info("tokenizer files of %s sent to %s: %s", model, request.remote, sorted(doc["files"]) or "none (built in)")
+        log.info("tokenizer files of %s sent to %s: %s", model, request.remote,
+                 sorted(doc["files"]) or "none (built in)")
         return web.json_response(doc)
 
     app.router.add_get(tokenizer_files.ROUTE, tokenizer)

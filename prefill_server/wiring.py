@@ -143,7 +143,8 @@ def build_node(engine: AsyncLLMEngine, sender: CacheStoreSender | None, picker: 
                layerwise_push: bool = True, prefills_ahead: int = 2, decode_reuse: bool = True,
                decode_index: DecodeIndex | None = None, disaggregation: str = defaults.DISAGGREGATION,
                held_prefix: Callable[[list[int]], int] | None = None,
-               out_of_blocks_error: type[Exception] = RuntimeError, metrics: ServerMetrics | None = None) -> PrefillNode:
+               out_of_blocks_error: type[Exception] = RuntimeError,
+               metrics: ServerMetrics | None = None) -> PrefillNode:
     """The PrefillNode with the parts it holds for every request (module docstring, step 5): each
     part given only what it uses. ``poller`` already wakes ``queue`` on each report (its
     ``on_report``); ``kv_bytes_per_block``: all layers, K and V; ``held_prefix``: prompt hashes ->

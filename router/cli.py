@@ -30,7 +30,8 @@ log = logging.getLogger("pdserve.router")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
-    parser.add_argument("--port", type=int, default=defaults.HTTP_PORT, help="HTTP port (OpenAI API, /health, /ready, /metrics)")
+    parser.add_argument("--port", type=int, default=defaults.HTTP_PORT,
+                        help="HTTP port (OpenAI API, /health, /ready, /metrics)")
     parser.add_argument("--grpc-port", type=int, default=0,
                         help="gRPC port of the Generate API, relayed to the chosen prefill's (0: no gRPC API)")
     t = parser.add_mutually_exclusive_group()
@@ -43,23 +44,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer-wait", type=float, default=defaults.TOKENIZER_WAIT_S, metavar="SECONDS",
                         help="with --tokenizer-from-prefill: how long to wait for a prefill that gives its tokenizer "
                              f"before exiting with status 1 (default {defaults.TOKENIZER_WAIT_S:g})")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let in-flight relays finish on shutdown")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds to let in-flight relays finish on shutdown")
     parser.add_argument("--log-level", default="INFO", help="logging level")
     d = parser.add_argument_group("prefill discovery and routing")
-    d.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static", help="how prefills are found")
+    d.add_argument("--discovery", choices=["static", "file", "kubernetes"], default="static",
+                   help="how prefills are found")
     d.add_argument("--prefill", default="", help="static prefill gRPC addresses: host:port,host:port")
-    d.add_argument("--prefill-file", default="", help="file: prefill gRPC addresses, one host:port a line, re-read when "
+    d.add_argument("--prefill-file", default="",
+                   help="file: prefill gRPC addresses, one host:port a line, re-read when "
                                                       "it changes (pdserve up --autoscale writes it)")
     d.add_argument("--prefill-selector", default="",
                    help="kubernetes: label=value[,label=value...] selecting the prefill Services")
     d.add_argument("--namespace", default="", help="kubernetes: namespace of the prefill Services")
-    d.add_argument("--kubeconfig", default=None, help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
+    d.add_argument("--kubeconfig", default=None,
+                   help="kubernetes: kubeconfig file (default: in-cluster, then ~/.kube/config)")
     d.add_argument("--discovery-interval", type=float, default=0.2,
                    help="seconds between discovery checks (a prefill gone from discovery leaves the index within this)")
     d.add_argument("--load-interval", type=float, default=0.2, help="seconds between load polls of each prefill")
     d.add_argument("--load-expiry", type=float, default=1.5, help="seconds after which a load report no longer counts")
     d.add_argument("--policy", choices=["prefix", "round-robin"], default="prefix",
-                   help="prefix: by cached prefix and load (the default); round-robin: in turn, blind to both (a baseline)")
+                   help="prefix: by cached prefix and load (the default); round-robin: in turn, "
+                        "blind to both (a baseline)")
     d.add_argument("--load-weight", type=float, default=64.0,
                    help="prompt tokens one request in flight is worth when weighing load against cached prefix")
     d.add_argument("--max-attempts", type=int, default=2, help="prefills to try when one cannot be connected to")
@@ -69,8 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {defaults.PREFILL_WAIT_S:g})")
     q = parser.add_argument_group("the global SLO queue (QLM), in front of every prefill")
     q.add_argument("--slo-classes", default=None,
-                   help="SLO classes as JSON (the InferenceService's spec.slo) or a JSON file; default: the environment "
-                        f"variable {defaults.ENV_SLO_CLASSES} the operator sets. Declared classes (or --queue-policy) turn "
+                   help="SLO classes as JSON (the InferenceService's spec.slo) or a JSON file; "
+                        "default: the environment "
+                        f"variable {defaults.ENV_SLO_CLASSES} the operator sets. Declared classes "
+                        f"(or --queue-policy) turn "
                         "the router's queue on: requests wait here, in the policy's order, while every prefill queues")
     q.add_argument("--queue-policy", choices=list(POLICIES), default=None,
                    help="order of the requests waiting for a prefill with room: fifo (the default with classes), edf "

@@ -149,7 +149,8 @@ class RouterGenerateServicer(gpb_grpc.GeneratorServicer):
                         yield response
                 return
             relay.finish("error", "prefill_unreachable")
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"no prefill could take the request (tried {relay.tried_text()}{last})")
+            raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                         f"no prefill could take the request (tried {relay.tried_text()}{last})")
 
     async def _after_break(self, relay, upstream: _Upstream, address: str, broke: grpc.aio.AioRpcError):
         """Resume the stream on another prefill (``relay.next_resume``), response by response; or end the call

@@ -27,7 +27,7 @@ prefill: the request waits for one up to ``prefill_wait_s`` (and its deadline), 
 with an OpenAI error body (a prefill's own 503 if one refused it; 502 ``prefill_failed`` when the
 ones tried broke). A client that disconnects cancels the handler, which closes the upstream
 connection, so the prefill cancels the request as if the client had been its own.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -132,7 +132,8 @@ class RouterApi:
         choice = self.router.decide(ids, preview=True)
         if choice is None:
             return _error(503, "no prefill is routable", "no_prefill_available")
-        return web.json_response({"prefill": choice.address, "reason": choice.reason, "cached_blocks": choice.overlap_blocks,
+        return web.json_response({"prefill": choice.address, "reason": choice.reason,
+                                  "cached_blocks": choice.overlap_blocks,
                                   "ranking": list(choice.ranking), "prompt_tokens": len(ids) if ids else None})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

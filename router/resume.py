@@ -158,7 +158,8 @@ def _reason(address: str, status: int, data: bytes) -> str:
     return f"{address} answered {status}: {message}"
 
 
-async def resume(relay, session, path: str, body: bytes, events: EventRelay, write, forwarded: dict[str, str]) -> str | None:
+async def resume(relay, session, path: str, body: bytes, events: EventRelay, write,
+                 forwarded: dict[str, str]) -> str | None:
     """Continue ``events``' stream (see the module doc). ``relay``: the request's ``relay.Relay`` (which prefill,
     in flight, the deadline); ``session``: the aiohttp session; ``path``: the request's; ``write``: to the client."""
     while True:

@@ -1,7 +1,7 @@
 """Fixtures every tier shares. The tiers: unit/ (one module, in process), e2e/ (real server
 processes, real gRPC and transports on loopback), k8s/ (a real control plane; its fixtures are in
 k8s/conftest.py), k8s_node/ (a one-node cluster where the image's pods run: k8s_node/conftest.py), prometheus/ (a real Prometheus scraping live servers), vllm/ (the vLLM engine backend: `make test-vllm` only). Helpers that start
-processes and clusters are in harness/ (importable as `harness.*`)."""
+processes and clusters are in harness/ (importable as `harness.*`)."""  # noqa: E501
 
 import os
 

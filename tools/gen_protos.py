@@ -31,7 +31,8 @@ def generate(out_dir: Path, proto_dir: Path = PROTO_DIR) -> list[Path]:
     if not names:
         raise SystemExit(f"no .proto files in {proto_dir}")
     rc = protoc.main(
-        ["grpc_tools.protoc", f"-I{proto_dir}", f"-I{include}", f"--python_out={out_dir}", f"--grpc_python_out={out_dir}", *names]
+        ["grpc_tools.protoc", f"-I{proto_dir}", f"-I{include}", f"--python_out={out_dir}",
+         f"--grpc_python_out={out_dir}", *names]
     )
     if rc != 0:
         raise SystemExit(f"protoc failed with exit code {rc}")
@@ -61,7 +62,8 @@ def stale_files(proto_dir: Path = PROTO_DIR) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only check that the committed modules are fresh")
-    parser.add_argument("--proto-dir", type=Path, default=PROTO_DIR, help="folder of the .proto files and generated modules")
+    parser.add_argument("--proto-dir", type=Path, default=PROTO_DIR,
+                        help="folder of the .proto files and generated modules")
     args = parser.parse_args(argv)
     if args.check:
         stale = stale_files(args.proto_dir)

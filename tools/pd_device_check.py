@@ -11,7 +11,7 @@ for the same prompt, and that after the last one both servers hold no KV block, 
 CacheStore entry. Prints per request the end-to-end time and the verdict; exits 1 on any
 difference. Meant for a machine where the test suite cannot run (a GPU box with only torch and a
 few wheels): it needs no pytest.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -99,7 +99,8 @@ def main() -> int:
     cmd = [sys.executable, "-m", "pdserve"]
     procs = []
     try:
-        decode = subprocess.Popen(cmd + ["decode", "--port", str(dport), "--http-port", str(dhttp), "--kv-port", str(kv),
+        decode = subprocess.Popen(cmd + ["decode", "--port", str(dport), "--http-port", str(dhttp), "--kv-port",
+                                         str(kv),
                                          *common])
         procs.append(decode)
         prefill = subprocess.Popen(cmd + ["prefill", "--port", str(phttp), "--grpc-port", str(pgrpc),
@@ -123,8 +124,8 @@ def main() -> int:
         left = {"decode": held(durl), "prefill": held(purl)}
         leaked = {name: {k: v for k, v in r.items() if v} for name, r in left.items()}
         leaked = {name: r for name, r in leaked.items() if r}
-        print(f"{args.device} {args.dtype} {args.transfer}: {len(prompts) - bad} of {len(prompts)} P/D texts equal the engine alone; "
-              f"held after: {leaked or 'nothing'}", flush=True)
+        print(f"{args.device} {args.dtype} {args.transfer}: {len(prompts) - bad} of {len(prompts)} P/D "
+              f"texts equal the engine alone; held after: {leaked or 'nothing'}", flush=True)
         return 1 if bad or leaked else 0
     finally:
         for proc in procs:

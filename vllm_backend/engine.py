@@ -103,7 +103,8 @@ class VllmAsyncEngine(VllmEngineThread):
         self._first_logprobs: dict[str, object] = {}
         self._prompt_logprobs: dict[str, list] = {}
         self._ks: dict[str, tuple[int | None, int | None]] = {}  # requests that asked: (logprobs, prompt_logprobs)
-        self._hit_tokens = 0  # prompt tokens vLLM's prefix cache held (prefill_only: not computed; reserve: not received)
+        # prompt tokens vLLM's prefix cache held (prefill_only: not computed; reserve: not received)
+        self._hit_tokens = 0
         self.kv_events = None  # VllmKvEvents once publish_kv_events ran
 
     def publish_kv_events(self, listener) -> None:
@@ -195,7 +196,8 @@ class VllmAsyncEngine(VllmEngineThread):
                                       first_token_id, sampling):
             yield out
 
-    async def prefill_reserved(self, request_id: str, prompt_token_ids: list[int], sampling) -> AsyncIterator[RequestOutput]:
+    async def prefill_reserved(self, request_id: str, prompt_token_ids: list[int],
+                               sampling) -> AsyncIterator[RequestOutput]:
         await self._call(self._drop_reservation, request_id)
         async for out in self.generate(request_id, prompt_token_ids, sampling):
             yield out

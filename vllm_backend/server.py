@@ -105,7 +105,8 @@ def build_vllm_server_engine(args, role: str) -> ServerParts:
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
-    kv_config = KVTransferConfig(kv_connector="PdserveConnector", kv_connector_module_path="pdserve.vllm_backend.connector",
+    kv_config = KVTransferConfig(kv_connector="PdserveConnector",
+                                 kv_connector_module_path="pdserve.vllm_backend.connector",
                                  kv_role="kv_both", kv_connector_extra_config={"bridge": key})
     engine_args = EngineArgs(model=str(path), dtype=args.dtype, max_model_len=max_len, block_size=args.block_size,
                              **kv_args, enforce_eager=True, max_num_seqs=args.max_num_seqs,
@@ -130,9 +131,11 @@ def build_vllm_server_engine(args, role: str) -> ServerParts:
     num_blocks = caches[0].shape[0]
     base = caches[0].data_ptr()
     for i, t in enumerate(caches):
-        if t.data_ptr() != base + i * layer_nbytes or not t.is_contiguous() or t.shape[0] * block_nbytes != layer_nbytes:
+        if (t.data_ptr() != base + i * layer_nbytes or not t.is_contiguous()
+                or t.shape[0] * block_nbytes != layer_nbytes):
             raise SystemExit("pdserve: --engine vllm: vLLM's KV cache is not one [layer, block] tensor "
-                             f"(layer {i} at offset {t.data_ptr() - base}, shape {tuple(t.shape)}); this vLLM is not supported")
+                             f"(layer {i} at offset {t.data_ptr() - base}, shape {tuple(t.shape)}); "
+                             f"this vLLM is not supported")
     layout = KVLayout(num_layers=len(caches), num_blocks=num_blocks, block_nbytes=block_nbytes)
     region = MemoryRegion(base, layout.nbytes, "cpu", 0, owner=caches)
     log.info("KV cache: %d blocks = %d tokens (%d per block), %d bytes, %s on cpu (vLLM, its null block included); "

@@ -42,18 +42,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The model and pipeline flags (also ``pdserve batch-server``'s)."""
-    parser.add_argument("--model", default=BUILTIN_MODEL, help=f"built-in name or Hugging Face directory (default: {BUILTIN_MODEL})")
-    parser.add_argument("--pipeline-stages", type=int, default=2, help="stage processes (1 = the one-process engine; default 2)")
+    parser.add_argument("--model", default=BUILTIN_MODEL,
+                        help=f"built-in name or Hugging Face directory (default: {BUILTIN_MODEL})")
+    parser.add_argument("--pipeline-stages", type=int, default=2,
+                        help="stage processes (1 = the one-process engine; default 2)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="td-pipe", help="pipeline schedule (default: td-pipe)")
     parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks of every layer (default: 1024)")
-    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE, help=f"tokens per KV block (default: {BLOCK_SIZE})")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help=f"tokens per KV block (default: {BLOCK_SIZE})")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests decoding at once (default: 256)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per stage or of the one process (default: 1)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per stage or of the one process (default: 1)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (stages then use NCCL; stage s on cuda:s)")
     parser.add_argument("--micro-batches", type=int, default=0, help="micro-batches in flight (0: the stages)")
     parser.add_argument("--min-decode-batch", type=int, default=1,
-                        help="td-pipe: fewer decode micro-batches rather than ones under this many sequences (default 1)")
+                        help="td-pipe: fewer decode micro-batches rather than ones under this "
+                             "many sequences (default 1)")
 
 
 def parse_line(line: str, lineno: int, tokenizer, model_name: str):
@@ -143,7 +148,8 @@ def run_requests(engine_kind: str, args, requests: list) -> tuple[dict, dict]:
 
     torch.set_num_threads(args.threads)
     eng = LLMEngine(load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device),
-                    EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs))
+                    EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
+                                 max_num_seqs=args.max_num_seqs))
     refused = _add_all(eng, requests)
     out: dict = {}
     while eng.has_unfinished():
@@ -177,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
             errors[n] = str(e)
     requests = [(f"line{n}", ids, sp) for n, _, _, ids, sp in parsed]
     start = time.perf_counter()
-    outputs, refused = run_requests("pipeline" if args.pipeline_stages >= 2 else "single", args, requests) if requests else ({}, {})
+    outputs, refused = run_requests("pipeline" if args.pipeline_stages >= 2 else "single", args,
+                                    requests) if requests else ({}, {})
     errors.update({int(rid[4:]): msg for rid, msg in refused.items()})
     elapsed = time.perf_counter() - start
     by_line = {n: (cid, url, ids) for n, cid, url, ids, _ in parsed}
@@ -186,13 +193,15 @@ def run(args: argparse.Namespace) -> int:
         for n, line in lines:
             if n in errors:
                 cid = _custom_id(line)
-                row = {"id": f"batch_req_{n}", "custom_id": cid if n not in by_line else by_line[n][0], "response": None,
+                row = {"id": f"batch_req_{n}", "custom_id": cid if n not in by_line else by_line[n][0],
+                       "response": None,
                        "error": {"code": "invalid_request", "message": errors[n]}}
             else:
                 cid, url, ids = by_line[n]
                 o = outputs[f"line{n}"]
                 n_tokens += len(o.new_token_ids)
-                body = response_body(url, f"line{n}", args.model, o.text, o.finish_reason, len(ids), len(o.new_token_ids))
+                body = response_body(url, f"line{n}", args.model, o.text, o.finish_reason, len(ids),
+                                     len(o.new_token_ids))
                 row = {"id": f"batch_req_{n}", "custom_id": cid,
                        "response": {"status_code": 200, "request_id": f"line{n}", "body": body}, "error": None}
             f.write(json.dumps(row) + "\n")

@@ -66,7 +66,8 @@ class PipelineEngine:
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
         self.outputs = OutputProcessor(set(meta.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)
-        self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, meta.tokenizer.detokenizer, config.detokenize,
+        self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, meta.tokenizer.detokenizer,
+                                       config.detokenize,
                                        lambda rid: rid in self.seqs)
         self.seqs: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
@@ -243,7 +244,8 @@ class PipelineEngine:
         for seq, token in zip(mb.seqs, tokens):
             seq.num_computed = seq.num_tokens
             if self.config.enable_prefix_cache:
-                self.block_manager.register_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed, seq.all_ids)
+                self.block_manager.register_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed,
+                                                        seq.all_ids)
             self.outputs.append_token(seq, token)
             self._collect(seq)
             if seq.status is Status.FINISHED:

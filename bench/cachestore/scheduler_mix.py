@@ -17,7 +17,8 @@ import time
 SHORT_REQUESTS = 4
 
 
-async def run_mixed(ask, read, region, layout, compat, transport: str, scheduler: str, chunk_bytes: int, tag: str) -> dict:
+async def run_mixed(ask, read, region, layout, compat, transport: str, scheduler: str, chunk_bytes: int,
+                    tag: str) -> dict:
     from pdserve.cachestore.sender import CacheStoreSender
 
     nb = layout.num_blocks

@@ -48,14 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=4096, help="tokens of KV moved (default 4096)")
     parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (default 8)")
     parser.add_argument("--head-dim", type=int, default=128, help="head size (default 128)")
-    parser.add_argument("--dtype-bytes", type=int, choices=sorted(DTYPE_BY_BYTES), default=2, help="bytes per element (default 2)")
+    parser.add_argument("--dtype-bytes", type=int, choices=sorted(DTYPE_BY_BYTES), default=2,
+                        help="bytes per element (default 2)")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="sender chunk size in MiB (default 4)")
     parser.add_argument("--transports", default="tcp,nixl", help="comma-separated: tcp,nixl (default both)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per figure; the median is reported (default 5)")
     parser.add_argument("--quick", action="store_true", help="small set: 8 layers x 1024 tokens (32 MiB), 2 repeats")
     parser.add_argument("--mixed", action="store_true",
-                        help="also compare schedulers: short requests stored right behind a long one (fifo vs priority)")
+                        help="also compare schedulers: short requests stored right behind a "
+                             "long one (fifo vs priority)")
     parser.add_argument("--checksum", choices=["on", "off", "both"], default="both",
                         help="KV checksums (CRC32C per slice) in 'ours': on, off, or both alternating in one run "
                              "to compare (default both)")
@@ -199,7 +201,8 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
     for kind in summary:  # each run against the baseline run just before it (same machine load)
         if kind.startswith("raw_"):
             continue
-        pairs = [o["gib_s"] / r["gib_s"] for o, r in zip(runs[kind], runs["raw_" + kind.split("_", 1)[1].split(":")[0]])]
+        pairs = [o["gib_s"] / r["gib_s"]
+                 for o, r in zip(runs[kind], runs["raw_" + kind.split("_", 1)[1].split(":")[0]])]
         summary[kind]["paired_ratios"] = [round(x, 3) for x in pairs]
         summary[kind]["ratio_vs_raw"] = statistics.median(pairs)
     checksum_cost = {}
@@ -270,10 +273,10 @@ def _raw_nixl_write(nixl, region: MemoryRegion, nbytes: int, info: dict, chunk: 
 def _print(args, compat: CompatInfo, layout: KVLayout, results: dict) -> None:
     mib = layout.nbytes / (1 << 20)
     res = results["results"]
-    print(f"\nCacheStore benchmark: {layout.num_layers} layers x {args.tokens} tokens x {compat.num_kv_heads} KV heads x "
-          f"{compat.head_dim} dims x {DTYPE_BYTES[compat.dtype]} bytes x K,V = {mib:.1f} MiB; blocks of "
-          f"{compat.block_size} tokens ({layout.block_nbytes // 1024} KiB); chunks of {args.chunk_mib:g} MiB; "
-          f"median of {results['repeats']} runs")
+    print(f"\nCacheStore benchmark: {layout.num_layers} layers x {args.tokens} tokens x "
+          f"{compat.num_kv_heads} KV heads x {compat.head_dim} dims x {DTYPE_BYTES[compat.dtype]} bytes x K,V = "
+          f"{mib:.1f} MiB; blocks of {compat.block_size} tokens ({layout.block_nbytes // 1024} KiB); chunks "
+          f"of {args.chunk_mib:g} MiB; median of {results['repeats']} runs")
     print(f"{'':26}{'GiB/s':>8}  {'ratio':>18}  {'sender +peak':>16}  {'receiver +peak':>16}  {'CPU s/GiB':>9}")
     targets = {"tcp": 0.90, "nixl": 0.95}  # issue 16
     for t in ("tcp", "nixl"):
@@ -297,8 +300,9 @@ def _print(args, compat: CompatInfo, layout: KVLayout, results: dict) -> None:
                   f"{cost['cpu_s_per_gib_on']:.2f} vs {cost['cpu_s_per_gib_off']:.2f}")
         if t == "nixl" and "rawchunks_nixl" in res:
             rc = res["rawchunks_nixl"]
-            print(f"{f'raw NIXL, {args.chunk_mib:g} MiB WRITEs':26}{rc['gib_s']:8.2f}  {rc['ratio_vs_raw']:6.1%} (reference)  "
-                  f"{_mem(rc['sender_rss'], layout):>16}  {_mem(rc['receiver_rss'], layout):>16}  {rc['cpu_s_per_gib']:9.2f}")
+            print(f"{f'raw NIXL, {args.chunk_mib:g} MiB WRITEs':26}{rc['gib_s']:8.2f}  "
+                  f"{rc['ratio_vs_raw']:6.1%} (reference)  {_mem(rc['sender_rss'], layout):>16}  "
+                  f"{_mem(rc['receiver_rss'], layout):>16}  {rc['cpu_s_per_gib']:9.2f}")
             print(f"{'':26}{'':8}  (the same chunking with no CacheStore code, vs one WRITE: "
                   f"{', '.join(f'{x:.0%}' for x in rc['paired_ratios'])})")
     print("GiB/s: median of runs; ratio: median over runs of ours / the baseline run just before it")

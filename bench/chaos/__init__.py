@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", type=int, default=6, help="streaming requests kept in flight")
     g.add_argument("--pool", type=int, default=24, help="distinct prompts (mixed lengths), each with a reference text")
     g.add_argument("--sampled-fraction", type=float, default=0.25,
-                   help="fraction of requests sampled at temperature 0.8 (not checked); the rest are greedy and checked")
+                   help="fraction of requests sampled at temperature 0.8 (not checked); the "
+                        "rest are greedy and checked")
     g = parser.add_argument_group("faults")
     g.add_argument("--faults", default=None,
                    help=f"comma-separated kinds to inject, among {','.join(KINDS)} "

@@ -63,7 +63,8 @@ class Cluster:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"pdserve up exited with {self.proc.returncode}; its output ({self.log}) ends with:\n"
+                raise RuntimeError(f"pdserve up exited with {self.proc.returncode}; its output "
+                                   f"({self.log}) ends with:\n"
                                    + self.log.read_text(errors="replace")[-2000:])
             servers = read_servers(self.state_file)
             if servers and all(s["state"] == "ready" for s in servers.values()):
@@ -171,7 +172,8 @@ def run_chaos(args) -> int:
         horizon = time.perf_counter() - t0
         for r in records:
             r.outcome = classify(r, args.hang_s, reference[r.prompt_key] if r.checked else None)
-        print(f"load done: {counts(records)}; waiting for servers to settle (up to {args.leak_timeout:.0f}s)", flush=True)
+        print(f"load done: {counts(records)}; waiting for servers to settle (up to {args.leak_timeout:.0f}s)",
+              flush=True)
         readings, leaked = settle(args, cluster)
     finally:
         if shaper is not None:

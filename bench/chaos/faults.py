@@ -112,7 +112,8 @@ class FaultLoop:
                 self.say(f"chaos t={fault.time:6.1f}s netem for {fault.pause_s}s: {fault.netem}")
                 return
             action, role = kind.split("-")
-            ready = [n for n, s in servers.items() if n.startswith(role) and s["state"] == "ready" and n not in self._busy()]
+            ready = [n for n, s in servers.items() if n.startswith(role) and s["state"] == "ready"
+                     and n not in self._busy()]
             replicas = sum(n.startswith(role) for n in servers)
             if (role == "decode" or replicas >= 2) and len(ready) < 2:
                 continue  # keep one replica of the role serving (a single prefill may still be hit)

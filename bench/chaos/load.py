@@ -37,7 +37,8 @@ def prompt_pool(n: int, seed: int, prompt_words: int = 24, output_tokens: int = 
     return pool
 
 
-async def stream_one(session, config: LoadConfig, spec: RequestSpec, rec: RequestRecord, hang_s: float, t0: float) -> None:
+async def stream_one(session, config: LoadConfig, spec: RequestSpec, rec: RequestRecord, hang_s: float,
+                     t0: float) -> None:
     """Send one streaming completion; fill rec (never raises for what the server or network does)."""
     import aiohttp
 
@@ -65,7 +66,8 @@ async def stream_one(session, config: LoadConfig, spec: RequestSpec, rec: Reques
                     event = json.loads(data)
                     if "error" in event:
                         err = event["error"]
-                        rec.error = "error event: " + (err.get("message", str(err)) if isinstance(err, dict) else str(err))
+                        rec.error = "error event: " + (err.get("message", str(err)) if isinstance(err, dict)
+                                                       else str(err))
                         continue
                     for choice in event.get("choices") or []:
                         rec.text += choice.get("text") or ""
@@ -102,7 +104,8 @@ async def reference_texts(url: str, model: str, pool: list[RequestSpec], hang_s:
 
 
 async def run_load(url: str, model: str, pool: list[RequestSpec], concurrency: int, until: float, hang_s: float,
-                   sampled_fraction: float, rng: random.Random, t0: float, on_done=lambda rec: None) -> list[RequestRecord]:
+                   sampled_fraction: float, rng: random.Random, t0: float,
+                   on_done=lambda rec: None) -> list[RequestRecord]:
     """Workers send requests until `until` (seconds since t0); returns every record, ended."""
     import aiohttp
 

@@ -147,7 +147,8 @@ def netem_commands(ns: str, ports: list[int], spec: NetemSpec) -> list[list[str]
     """prio root, netem under band 4, u32 filters of the ports into band 4."""
     if not ports:
         raise ValueError("no ports to shape")
-    return [_tc(ns, "qdisc", "add", "dev", DEV, "root", "handle", "1:", "prio", "bands", "4", "priomap", *PRIOMAP.split()),
+    return [_tc(ns, "qdisc", "add", "dev", DEV, "root", "handle", "1:", "prio", "bands", "4", "priomap",
+                *PRIOMAP.split()),
             _tc(ns, "qdisc", "add", "dev", DEV, "parent", "1:4", "handle", "40:", "netem", *spec.text.split()),
             *_port_filters(ns, ports, "1:4")]
 
@@ -172,7 +173,8 @@ def htb_commands(ns: str, ports: list[int], spec: NetemSpec) -> list[list[str]]:
     cmds = [_tc(ns, "qdisc", "add", "dev", DEV, "root", "handle", "1:", "htb", "default", "0", "r2q", "100000"),
             _tc(ns, "class", "add", "dev", DEV, "parent", "1:", "classid", "1:1", "htb", "rate", rate)]
     if spec.loss_pct:
-        cmds += [_tc(ns, "qdisc", "add", "dev", DEV, "parent", "1:1", "handle", "10:", "htb", "default", "0", "r2q", "100000"),
+        cmds += [_tc(ns, "qdisc", "add", "dev", DEV, "parent", "1:1", "handle", "10:", "htb", "default", "0", "r2q",
+                     "100000"),
                  _tc(ns, "class", "add", "dev", DEV, "parent", "10:", "classid", "10:2", "htb", "rate", rate),
                  _tc(ns, "qdisc", "add", "dev", DEV, "parent", "10:2", "handle", "20:", "pfifo", "limit", "0"),
                  _tc(ns, "filter", "add", "dev", DEV, "parent", "10:", "protocol", "ip", "prio", "1", "bpf",
@@ -312,7 +314,8 @@ def inside_namespace() -> str | None:
 
 def probe_backend(ns: str) -> str:
     """'netem' if this kernel has sch_prio and sch_netem (tried on our namespace's lo, then removed), else 'htb'."""
-    probe = [_tc(ns, "qdisc", "add", "dev", DEV, "root", "handle", "1:", "prio", "bands", "4", "priomap", *PRIOMAP.split()),
+    probe = [_tc(ns, "qdisc", "add", "dev", DEV, "root", "handle", "1:", "prio", "bands", "4", "priomap",
+                 *PRIOMAP.split()),
              _tc(ns, "qdisc", "add", "dev", DEV, "parent", "1:4", "handle", "40:", "netem", "delay", "1ms")]
     try:
         return "netem" if all(_run(cmd, check=False).returncode == 0 for cmd in probe) else "htb"

@@ -61,7 +61,8 @@ from .runner import AREAS
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("endpoints")
-    g.add_argument("--url", required=True, help="base URL of the endpoint under test (http://host:port; a /v1 suffix is "
+    g.add_argument("--url", required=True,
+                   help="base URL of the endpoint under test (http://host:port; a /v1 suffix is "
                                                 "dropped)")
     g.add_argument("--reference-url", default=None,
                    help="an endpoint serving the same model whose greedy answers are the truth (e.g. a colocated "

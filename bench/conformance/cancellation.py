@@ -134,7 +134,8 @@ async def cancel_stream(ctx: Context, api: str) -> Outcome:
     s = await ctx.ep.stream(PATHS[api], ctx.ep.body(api, ctx.prompts[1], n, stream=True), stop=enough)
     if not p.check(s.status == 200, f"the stream: {s.short()}"):
         return p.outcome("")
-    p.check(s.closed_by_client, f"the stream ended before {CANCEL_AFTER_TOKENS} tokens ({s.short()}): nothing to cancel")
+    p.check(s.closed_by_client,
+            f"the stream ended before {CANCEL_AFTER_TOKENS} tokens ({s.short()}): nothing to cancel")
     settled = await settle(ctx, p, before)
     await next_request_served(ctx, p, api, answer)
     return p.outcome(f"closed after {seen['tokens']} of {n} tokens; {settled}; next request served, same text")

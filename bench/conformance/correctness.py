@@ -249,7 +249,8 @@ async def n_choices(ctx: Context, api: str) -> Outcome:
             p.check(bool(c.get("finish_reason")), f"not streamed: choice {c.get('index')} has no finish_reason")
         u = usage_of(body).get("completion_tokens")
         if all(c.get("finish_reason") == "length" for c in choices):
-            p.check(u == N_CHOICES * N_MAX_TOKENS, f"not streamed: completion_tokens {u}, not {N_CHOICES} x {N_MAX_TOKENS}")
+            p.check(u == N_CHOICES * N_MAX_TOKENS,
+                    f"not streamed: completion_tokens {u}, not {N_CHOICES} x {N_MAX_TOKENS}")
         else:
             p.check(isinstance(u, int) and u <= N_CHOICES * N_MAX_TOKENS, f"not streamed: completion_tokens {u}")
     s = await ctx.ep.stream(PATHS[api], stream_body(ctx.ep, api, prompt, N_MAX_TOKENS, n=N_CHOICES, temperature=1.0,
@@ -297,7 +298,8 @@ async def logprobs(ctx: Context, api: str) -> Outcome:
         tokens, values, tops = lp.get("tokens") or [], lp.get("token_logprobs") or [], lp.get("top_logprobs") or []
         offsets = lp.get("text_offset")
         p.check(len(tokens) == len(values) == len(tops) == count,
-                f"{len(tokens)} tokens, {len(values)} token_logprobs, {len(tops)} top_logprobs for {count} completion_tokens")
+                f"{len(tokens)} tokens, {len(values)} token_logprobs, {len(tops)} top_logprobs for "
+                f"{count} completion_tokens")
         if offsets is not None:
             p.check(len(offsets) == len(tokens) and offsets == sorted(offsets), f"text_offset {offsets[:10]} not one "
                     "non-decreasing offset per token")
@@ -394,7 +396,8 @@ async def tokenize(ctx: Context) -> Outcome:
             continue
         u = usage_of(reply.json)
         count = await _tokenize(ctx.ep, ctx.prompts[prompt], True)
-        p.check(count == u.get("prompt_tokens"), f"prompt {prompt}: /tokenize counts {count}, usage {u.get('prompt_tokens')}")
+        p.check(count == u.get("prompt_tokens"),
+                f"prompt {prompt}: /tokenize counts {count}, usage {u.get('prompt_tokens')}")
         text = c["text"]
         if "\ufffd" in text:
             continue
@@ -448,7 +451,8 @@ async def sse(ctx: Context, api: str) -> Outcome:
     done = [k for k, c in enumerate(entries) if c.get("finish_reason")]
     p.check(done == [len(entries) - 1], f"finish_reason in events {done} of {len(entries)}, not only the last")
     if api == "chat" and entries:
-        p.check((entries[0].get("delta") or {}).get("role") == "assistant", "the first chat event has no role 'assistant'")
+        p.check((entries[0].get("delta") or {}).get("role") == "assistant",
+                "the first chat event has no role 'assistant'")
         roles = {(c.get("delta") or {}).get("role") for c in entries[1:]} - {None, "assistant"}
         p.check(not roles, f"other roles in the deltas: {roles}")
     return p.outcome(f"{len(s.payloads)} events: one per token ({count}) in order, same id, valid JSON, "

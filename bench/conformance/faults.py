@@ -139,7 +139,8 @@ async def kill_under_load(ctx: Context, role: str, cmd: str) -> Outcome:
 
     async def one(i: int) -> StreamReply:
         try:
-            return await ctx.ep.stream(COMPLETIONS, ctx.ep.body("completions", prompts[i], n, stream=True), stop=counter(i))
+            return await ctx.ep.stream(COMPLETIONS, ctx.ep.body("completions", prompts[i], n, stream=True),
+                                       stop=counter(i))
         finally:
             done[i] = True
             ready()

@@ -63,7 +63,8 @@ async def completions(ctx: Context) -> Outcome:
                                               **_extra(ctx))
     p.check(len(got.choices) == 1, f"{len(got.choices)} choices")
     p.check(got.choices[0].text == want["text"], "the client's text differs from the raw answer's")
-    p.check(got.choices[0].finish_reason == want.get("finish_reason"), f"finish_reason {got.choices[0].finish_reason!r}")
+    p.check(got.choices[0].finish_reason == want.get("finish_reason"),
+            f"finish_reason {got.choices[0].finish_reason!r}")
     u = usage_of(raw.json)
     p.check(got.usage is not None and got.usage.completion_tokens == u.get("completion_tokens")
             and got.usage.prompt_tokens == u.get("prompt_tokens"), f"usage {got.usage} vs {u}")

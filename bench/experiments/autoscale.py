@@ -145,7 +145,8 @@ def run_arm(arm: str, args: argparse.Namespace, specs: list[RequestSpec], arriva
                 if d["desired"] != d["current"]:
                     events.append({"t": round(d["time"] - wall0, 2), "pool": d["pool"], "from": d["current"],
                                    "to": d["desired"], "reason": d["reason"]})
-    return {"arm": arm, "flags": arm_flags(arm, args), "wall_s": wall, "results": [compact(r.to_json()) for r in results],
+    return {"arm": arm, "flags": arm_flags(arm, args), "wall_s": wall,
+            "results": [compact(r.to_json()) for r in results],
             "servers": monitor.samples, "scale_events": events, "sessions_finished_by_drained_decodes": drained,
             "logs": str(up_dir)}
 
@@ -189,7 +190,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     png = fig.plot(runs, figures, trace, out / "autoscale.png")
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    path = report.save(out, "autoscale", {"params": params, "trace": {"phases": trace.phases(), "requests": len(arrivals)},
+    path = report.save(out, "autoscale",
+                       {"params": params, "trace": {"phases": trace.phases(), "requests": len(arrivals)},
                                           "figures": figures, "targets": verdict, "plot": str(png), "runs": runs})
     for arm, f in figures.items():
         print(fig.describe(arm, f))

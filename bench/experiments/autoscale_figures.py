@@ -28,7 +28,8 @@ def met(r: dict, slo: tuple[float, float]) -> bool:
     return bool(r["ok"]) and r["ttft"] is not None and r["ttft"] <= slo[0] and r.get("mean_tbt", 0.0) <= slo[1]
 
 
-def attainment_over_time(results: list[dict], slo, bucket_s: float, duration_s: float) -> list[tuple[float, float | None, int]]:
+def attainment_over_time(results: list[dict], slo, bucket_s: float,
+                         duration_s: float) -> list[tuple[float, float | None, int]]:
     """[(bucket start, attainment or None, requests)] by arrival time."""
     out = []
     for k in range(math.ceil(duration_s / bucket_s)):

@@ -24,13 +24,15 @@ from .cluster import SERVED_MODEL
 
 
 def send(url: str, specs: list[RequestSpec], arrivals: list[float] | None = None, concurrency: int | None = None,
-         netns: str | None = None, timeout: float = 900.0, model: str = SERVED_MODEL) -> tuple[list[RequestResult], float]:
+         netns: str | None = None, timeout: float = 900.0,
+         model: str = SERVED_MODEL) -> tuple[list[RequestResult], float]:
     if netns is None:
         config = LoadConfig(url=url, model=model, progress=False, request_timeout=timeout)
         return asyncio.run(send_requests(config, specs, arrivals=arrivals, concurrency=concurrency))
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
-        src.write_text(json.dumps({"url": url, "model": model, "timeout": timeout, "arrivals": arrivals, "concurrency": concurrency,
+        src.write_text(json.dumps({"url": url, "model": model, "timeout": timeout, "arrivals": arrivals,
+                                   "concurrency": concurrency,
                                    "specs": [_spec_json(s) for s in specs]}))
         proc = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "pdserve.bench.experiments.client",
                                str(src), str(dst)], capture_output=True, text=True)

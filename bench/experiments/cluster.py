@@ -106,7 +106,8 @@ def start_colocated(launcher: Launcher, model: str, *, threads: int | None = Non
 
 
 def start_routed(launcher: Launcher, model: str, n_prefills: int, n_decodes: int, *, threads: int | None = None,
-                 num_blocks: int | None = None, max_model_len: int | None = None, prefill_extra: list[str] | None = None,
+                 num_blocks: int | None = None, max_model_len: int | None = None,
+                 prefill_extra: list[str] | None = None,
                  decode_extra: list[str] | None = None, router_extra: list[str] | None = None,
                  prefill_cpus: str | None = None, decode_cpus: str | None = None) -> Cluster:
     """n_prefills prefills (each knows every decode) behind ``pdserve router``; Cluster.url is the router's."""

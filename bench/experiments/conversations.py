@@ -54,7 +54,8 @@ def chat_trace(conversations: int, turns: int, system_tokens: int, user_tokens: 
         raise ValueError("reply_tokens and think_s must be >= 0 and rate > 0")
     rng = random.Random(seed)
     system = make_prompt_ids(system_tokens, rng, vocab)
-    convs = [[(make_prompt_ids(user_tokens, rng, vocab), make_prompt_ids(reply_tokens, rng, vocab) if reply_tokens else ())
+    convs = [[(make_prompt_ids(user_tokens, rng, vocab),
+               make_prompt_ids(reply_tokens, rng, vocab) if reply_tokens else ())
               for _ in range(turns)] for _ in range(conversations)]
     return ChatTrace(system, convs, arrival_times(conversations, rate, "poisson", random.Random(seed + 1)), think_s,
                      output_tokens)
@@ -79,7 +80,8 @@ async def _drive(config: LoadConfig, trace: ChatTrace) -> tuple[list[TurnResult]
             for t in range(len(trace.turns[c])):
                 ids = trace.prompt(c, t)
                 spec = RequestSpec(len(ids), trace.output_tokens, prompt_ids=ids)
-                result = await send_one(session, config, spec, RequestResult(len(out), len(ids), trace.output_tokens), t0)
+                result = await send_one(session, config, spec, RequestResult(len(out), len(ids), trace.output_tokens),
+                                        t0)
                 out.append(TurnResult(c, t, result))
                 if not result.ok:
                     return  # a conversation whose turn failed ends there (counted as failed)
@@ -89,7 +91,8 @@ async def _drive(config: LoadConfig, trace: ChatTrace) -> tuple[list[TurnResult]
         return out, time.perf_counter() - t0
 
 
-def send_conversations(url: str, model: str, trace: ChatTrace, timeout: float = 600.0) -> tuple[list[TurnResult], float]:
+def send_conversations(url: str, model: str, trace: ChatTrace,
+                       timeout: float = 600.0) -> tuple[list[TurnResult], float]:
     """Run the trace against an OpenAI endpoint; every turn's result and the wall time."""
     config = LoadConfig(url=url, model=model, progress=False, request_timeout=timeout)
     return asyncio.run(_drive(config, trace))

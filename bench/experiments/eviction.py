@@ -48,12 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def slo_config(args) -> dict:
     return {"defaultClass": "interactive", "classes": [
-        {"name": "interactive", "tbtMs": args.tbt_ms, "priority": 0}, {"name": "batch", "e2eMs": 3600000, "priority": 1}]}
+        {"name": "interactive", "tbtMs": args.tbt_ms, "priority": 0},
+        {"name": "batch", "e2eMs": 3600000, "priority": 1}]}
 
 
 def workload(args) -> list[Item]:
     rng = random.Random(args.seed)
-    items = [Item(0.05 * i, "batch", RequestSpec(64, args.batch_output, prompt_ids=make_prompt_ids(64, rng, PROMPT_VOCAB)))
+    items = [Item(0.05 * i, "batch",
+                  RequestSpec(64, args.batch_output, prompt_ids=make_prompt_ids(64, rng, PROMPT_VOCAB)))
              for i in range(args.batch)]
     times = arrival_times(args.interactive, args.rate, "poisson", random.Random(args.seed + 1))
     items += [Item(2.0 + t, "interactive", RequestSpec(32, args.interactive_output,

@@ -47,7 +47,8 @@ def workload(args, vocab: int) -> tuple[list[RequestSpec], list[float], list[boo
     rng = random.Random(0)
     specs, arrivals, is_stream = [], [], []
     for i in range(args.streams):
-        specs.append(RequestSpec(args.stream_prompt, args.stream_output, prompt_ids=make_prompt_ids(args.stream_prompt, rng, vocab)))
+        specs.append(RequestSpec(args.stream_prompt, args.stream_output,
+                                 prompt_ids=make_prompt_ids(args.stream_prompt, rng, vocab)))
         arrivals.append(0.05 * i)
         is_stream.append(True)
     for i in range(args.long_prompts):

@@ -50,7 +50,8 @@ class KVPoolCluster:
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{name}.log", "wb")
-        proc = subprocess.Popen([PDSERVE, "kvpool", *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([PDSERVE, "kvpool", *args], stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         self.procs.append(proc)
         return proc
 
@@ -77,7 +78,8 @@ class KVPoolCluster:
         return self
 
     def _start_gmanager(self) -> None:
-        self.gmanager_proc = self._spawn("gmanager", ["gmanager", "--port", str(self.gmanager_port), "--ttl", str(self.ttl_s)])
+        self.gmanager_proc = self._spawn("gmanager",
+                                         ["gmanager", "--port", str(self.gmanager_port), "--ttl", str(self.ttl_s)])
         _wait_port(self.gmanager_port, self.gmanager_proc, 60)
         self.gmanager = kvpool_pb2_grpc.GManagerStub(self._channel(self.gmanager_port))
 
@@ -97,7 +99,8 @@ class KVPoolCluster:
         return kvpool_pb2_grpc.KVNodeStub(self._channel(self.ports[name]))
 
     def generate(self, name: str, request_id: str, prompt: list[int], max_tokens: int, pooled: bool,
-                 return_logits: bool = False, max_local_blocks: int = 0, timeout: float = 300) -> kvpool_pb2.GenerateReply:
+                 return_logits: bool = False, max_local_blocks: int = 0,
+                 timeout: float = 300) -> kvpool_pb2.GenerateReply:
         return self.node(name).Generate(kvpool_pb2.GenerateRequest(
             request_id=request_id, prompt_ids=prompt, max_tokens=max_tokens, pooled=pooled, ignore_eos=True,
             return_logits=return_logits, max_local_blocks=max_local_blocks), timeout=timeout)

@@ -151,7 +151,8 @@ def http_ok(url: str, netns: str | None = None) -> bool:
         except OSError:
             return False
     code = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c",
-                           f"import urllib.request,sys; sys.exit(0 if urllib.request.urlopen({url!r}, timeout=2).status == 200 else 1)"],
+                           f"import urllib.request,sys; sys.exit(0 if urllib.request.urlopen({url!r}, "
+                           f"timeout=2).status == 200 else 1)"],
                           capture_output=True).returncode
     return code == 0
 
@@ -163,7 +164,8 @@ def scrape(url: str, netns: str | None = None) -> dict[tuple[str, frozenset], fl
             text = r.read().decode()
     else:
         text = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-c",
-                               f"import urllib.request; print(urllib.request.urlopen({url!r}, timeout=10).read().decode())"],
+                               f"import urllib.request; print(urllib.request.urlopen({url!r}, "
+                               f"timeout=10).read().decode())"],
                               capture_output=True, text=True, check=True).stdout
     out = {}
     for family in text_string_to_metric_families(text):

@@ -76,7 +76,8 @@ def longest(cluster: KVPoolCluster, max_tokens: int, pooled: bool, upper: int) -
 
 def _once(cluster: KVPoolCluster, n: int, tokens: int, pooled: bool, local: int, tag: str) -> dict:
     t0 = time.perf_counter()
-    reply = cluster.generate("decode-0", f"speed-{tag}", long_prompt(n, 7), tokens, pooled=pooled, max_local_blocks=local)
+    reply = cluster.generate("decode-0", f"speed-{tag}", long_prompt(n, 7), tokens, pooled=pooled,
+                             max_local_blocks=local)
     wall = time.perf_counter() - t0
     return {"decode_ms": 1000 * reply.decode_s / (len(reply.token_ids) - 1), "e2e_tok_s": len(reply.token_ids) / wall,
             "spilled_blocks": reply.borrowed_blocks}

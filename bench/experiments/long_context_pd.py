@@ -49,7 +49,8 @@ def pd_cluster(model: str, blocks: int, block_size: int, reserve: int, pooled: b
         decodes = []
         for i in range(3):
             grpc_port, http_port = free_port(), free_port()
-            extra = [*pool_args, "--kv-pool-port", str(free_port()), "--kv-pool-instance-id", f"decode-{i}"] if pooled else []
+            extra = [*pool_args, "--kv-pool-port", str(free_port()), "--kv-pool-instance-id",
+                     f"decode-{i}"] if pooled else []
             proc = launcher.start(f"decode-{i}", ["decode", "--port", str(grpc_port), "--http-port", str(http_port),
                                                   "--kv-port", str(free_port()), "--num-blocks", str(blocks), *common,
                                                   *extra])
@@ -119,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
                   # decode computes it (whole blocks are one short there)
                   "2x_unpooled_limit_pooled_e2e_tok_s": speed(address, 2 * unpooled, args.max_tokens, args.repeats)
                   if 0 < 2 * unpooled <= pooled else None,
-                  "pooled_limit_pooled_e2e_tok_s": speed(address, pooled, args.max_tokens, args.repeats) if pooled else None}
+                  "pooled_limit_pooled_e2e_tok_s": speed(address, pooled, args.max_tokens, args.repeats) if pooled
+                  else None}
     ratio = round(pooled / unpooled, 3) if unpooled else None
     figures = {"path": "P/D: pdserve prefill + 3 pdserve decode (--kv-pool)", "unpooled_longest_prompt": unpooled,
                "pooled_longest_prompt": pooled, "ratio": ratio, "target": TARGET, **speeds,
@@ -128,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
                           "CacheStore to the decode or lender holding it; when whole blocks do not fit (one block "
                           "short, e.g. at the pooled limit) the decode computes the prompt and puts the overflow on "
                           "its lenders (PutKV)"}
-    path = report.save(args.out, "long-context-pd", {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
+    path = report.save(args.out, "long-context-pd",
+                       {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
                                                      "figures": figures})
     print(f"long-context --pd: longest prompt that completes through P/D: unpooled {unpooled}, pooled {pooled} tokens "
           f"({ratio}x; target >= {TARGET}: {'met' if figures['met'] else 'MISSED'}); end-to-end tokens/s: {speeds}")

@@ -77,7 +77,8 @@ def flag_available(flag: str) -> bool:
     import sys
     from pathlib import Path as P
 
-    out = subprocess.run([str(P(sys.executable).parent / "pdserve"), "prefill", "--help"], capture_output=True, text=True).stdout
+    out = subprocess.run([str(P(sys.executable).parent / "pdserve"), "prefill", "--help"], capture_output=True,
+                         text=True).stdout
     return flag.split("=")[0] in out
 
 
@@ -101,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         for i, (name, extra) in enumerate(configs.items()):
             launcher = stack.enter_context(Launcher(LOG_ROOT / f"overlap-{name}"))
             if extra is None:
-                cluster = start_colocated(launcher, model, threads=1, cpus="0", num_blocks=blocks, max_model_len=max_len)
+                cluster = start_colocated(launcher, model, threads=1, cpus="0", num_blocks=blocks,
+                                          max_model_len=max_len)
                 targets[name] = (cluster.url, None)
                 continue
             ns_p = ns_d = None
@@ -128,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
     worst_on = max(r["overlap_on_ratio"] for r in rows)
     figures = {"rows": rows, "worst_ratio_overlap_on": worst_on, "target": TARGET, "met": worst_on <= TARGET,
-               "overlap_off": "measured" if "overlap_off" in configs else f"unavailable: pdserve prefill has no {args.overlap_off_flag}",
+               "overlap_off": "measured" if "overlap_off" in configs
+               else f"unavailable: pdserve prefill has no {args.overlap_off_flag}",
                "link": f"{args.link_mbit} Mbit/s veth between namespaces" if args.link_mbit else "loopback"}
     name = f"overlap-{args.link_mbit:g}mbit" if args.link_mbit else "overlap"
     png = plot(rows, configs, out / f"{name}.png", figures["link"])

@@ -167,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         model = bench_model(MODEL_CACHE, args.model or "small")
     trace = chat_trace(args.conversations, args.turns, args.system_tokens, args.user_tokens, args.reply_tokens,
                        args.output_tokens, args.rate, args.think, PROMPT_VOCAB)
-    print(f"trace: {args.conversations} conversations x {args.turns} turns, prompts up to {trace.max_prompt_tokens} tokens")
+    print(f"trace: {args.conversations} conversations x {args.turns} turns, prompts up to "
+          f"{trace.max_prompt_tokens} tokens")
     runs: list[dict] = []
     for round_no in range(args.repeats):  # A B C A B C
         for arm in arms:
@@ -185,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
     if costs:
         figures["router_added_p50_ms"] = statistics.median(c["added_p50_ms"] for c in costs)
     png = plot(runs, arms, args.out / "prefix.png")
-    path = report.save(args.out, "prefix", {"model": model, "engine": args.engine, "params": {k: str(v) for k, v in vars(args).items()},
+    path = report.save(args.out, "prefix",
+                       {"model": model, "engine": args.engine, "params": {k: str(v) for k, v in vars(args).items()},
                                              "figures": figures, "plot": str(png), "runs": runs})
     for arm in arms:
         s = summary[arm]

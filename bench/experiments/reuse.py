@@ -82,7 +82,8 @@ def run_arm(args, arm: str, model: str) -> dict:
     decisions = {f"{k[0]}/{k[1]}": v for k, v in _decisions(prefill).items()}
     ttfts = [t for t, _ in results.values()]
     return {"kv_bytes_moved": metric_sum(prefill, "pdserve_kv_transfer_bytes_total"), "prompt_blocks": blocks,
-            "decisions": decisions, "ttft_p50_ms": _ms(percentile(ttfts, 50)), "ttft_p99_ms": _ms(percentile(ttfts, 99)),
+            "decisions": decisions, "ttft_p50_ms": _ms(percentile(ttfts, 50)),
+            "ttft_p99_ms": _ms(percentile(ttfts, 99)),
             "ttft_s": ttfts, "answers": {f"{c}/{t}": a for (c, t), (_, a) in sorted(results.items())}}
 
 
@@ -114,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     png = plot(runs, out / "reuse.png")
     path = report.save(out, "reuse", {"model": model, "params": {k: str(v) for k, v in vars(args).items()},
                                       "figures": figures, "plot": str(png),
-                                      "runs": {a: {k: v for k, v in r.items() if k != "answers"} for a, r in runs.items()}})
+                                      "runs": {a: {k: v for k, v in r.items() if k != "answers"}
+                                               for a, r in runs.items()}})
     for arm, r in runs.items():
         print(f"  {arm:>10}: KV moved {r['kv_bytes_moved'] / 1e6:.2f} MB, prompt blocks {r['prompt_blocks']}, "
               f"TTFT p50 {r['ttft_p50_ms']} ms p99 {r['ttft_p99_ms']} ms, decisions {r['decisions']}")

@@ -60,18 +60,23 @@ def run_policy(args, policy: str, model: str, specs, arrivals, out: Path) -> dic
     max_len = args.long_prompt + args.long_output + 64
     with Launcher(LOG_ROOT / f"routing-{policy}") as launcher:
         cluster = start_pd(launcher, model, args.decodes, prefill_threads=1, decode_threads=1,
-                           num_blocks=max(256, 2 * args.decode_blocks), decode_blocks=[args.decode_blocks] * args.decodes,
-                           max_model_len=max_len, prefill_extra=["--policy", policy, "--max-attempts", str(args.max_attempts)])
+                           num_blocks=max(256, 2 * args.decode_blocks),
+                           decode_blocks=[args.decode_blocks] * args.decodes,
+                           max_model_len=max_len,
+                           prefill_extra=["--policy", policy, "--max-attempts", str(args.max_attempts)])
         send(cluster.url, specs[:2], concurrency=1)  # warm-up
         before = [scrape(d.metrics_url) for d in cluster.decodes], scrape(cluster.prefill.metrics_url)
         results, wall = send(cluster.url, specs, arrivals=arrivals)
         after = [scrape(d.metrics_url) for d in cluster.decodes], scrape(cluster.prefill.metrics_url)
-    refusals = [metric_sum(a, "pdserve_kv_allocation_refusals_total") - metric_sum(b, "pdserve_kv_allocation_refusals_total")
+    refusals = [metric_sum(a, "pdserve_kv_allocation_refusals_total")
+                - metric_sum(b, "pdserve_kv_allocation_refusals_total")
                 for b, a in zip(before[0], after[0])]
     selections = {
-        d: metric_sum(after[1], "pdserve_decode_selections_total", decode=d) - metric_sum(before[1], "pdserve_decode_selections_total", decode=d)
+        d: (metric_sum(after[1], "pdserve_decode_selections_total", decode=d)
+            - metric_sum(before[1], "pdserve_decode_selections_total", decode=d))
         for d in (c.grpc for c in cluster.decodes)}
-    retries = metric_sum(after[1], "pdserve_decode_retries_total") - metric_sum(before[1], "pdserve_decode_retries_total")
+    retries = (metric_sum(after[1], "pdserve_decode_retries_total")
+               - metric_sum(before[1], "pdserve_decode_retries_total"))
     ttfts = [r.ttft for r in results if r.ok]
     long_ttfts = [r.ttft for r in results if r.ok and r.prompt_tokens == args.long_prompt]
     return {
@@ -104,8 +109,9 @@ def run(args: argparse.Namespace) -> int:
                                        "figures": figures, "plot": str(png), "runs": runs})
     for p in ("rr", "wrr"):
         r = runs[p]
-        print(f"  {p:>3}: refusals {r['refusals']:.0f} (per decode {r['refusals_per_decode']}), retries {r['retries']:.0f}, "
-              f"failed {r['failed']}, TTFT p50 {r['ttft_p50_ms']} ms p99 {r['ttft_p99_ms']} ms")
+        print(f"  {p:>3}: refusals {r['refusals']:.0f} (per decode {r['refusals_per_decode']}), "
+              f"retries {r['retries']:.0f}, failed {r['failed']}, TTFT p50 {r['ttft_p50_ms']} ms "
+              f"p99 {r['ttft_p99_ms']} ms")
     print(f"WRR vs RR: {'met' if met else 'MISSED'} (target: WRR no refusals where RR has some)")
     print(f"wrote {path} and {png}")
     return 0

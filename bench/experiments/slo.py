@@ -158,7 +158,8 @@ def summarize(args, classes, items, results, debug, metrics) -> dict:
         per_class[name] = {
             "requests": len(mine), "ok": sum(r.ok for _, r in mine), "met": len(met),
             "attainment": len(met) / len(mine) if mine else None,
-            "rejected": sum(r.status == 429 for _, r in mine), "failed": sum(not r.ok and r.status != 429 for _, r in mine),
+            "rejected": sum(r.status == 429 for _, r in mine),
+            "failed": sum(not r.ok and r.status != 429 for _, r in mine),
             "ttft_p50_ms": _ms(percentile(ttfts, 50)), "ttft_p99_ms": _ms(percentile(ttfts, 99)),
             "e2e_p50_ms": _ms(percentile([r.e2e for _, r in mine if r.ok], 50)),
         }
@@ -168,7 +169,8 @@ def summarize(args, classes, items, results, debug, metrics) -> dict:
     batch_tokens = sum(r.tokens_out for _, r in batch)
     end = max((r.sent_at + (r.e2e or 0.0) for r in results), default=args.duration)
     served = [r for r in debug["recent"] if r["outcome"] == "ok" and r["estimate"]]
-    e2e_err = [abs(r["estimate"]["e2e"] - r["actual"]["e2e"]) / r["actual"]["e2e"] for r in served if r["actual"]["e2e"]]
+    e2e_err = [abs(r["estimate"]["e2e"] - r["actual"]["e2e"]) / r["actual"]["e2e"] for r in served
+               if r["actual"]["e2e"]]
     waited = [r for r in served if (r["actual"]["wait"] or 0) > 0.1]
     wait_err = [abs(r["estimate"]["wait"] - r["actual"]["wait"]) / r["actual"]["wait"] for r in waited]
     count = metric_sum(metrics, "pdserve_slo_policy_seconds_count")
@@ -178,7 +180,8 @@ def summarize(args, classes, items, results, debug, metrics) -> dict:
         "estimator": {"e2e_median_rel_error": _median(e2e_err), "e2e_p90_rel_error": _pct(e2e_err, 90),
                       "wait_median_rel_error": _median(wait_err), "requests": len(e2e_err), "waited": len(wait_err)},
         "policy_decisions": count, "estimator_state": debug["estimator"],
-        "policy_mean_decision_ms": metric_sum(metrics, "pdserve_slo_policy_seconds_sum") / count * 1000 if count else None,
+        "policy_mean_decision_ms": metric_sum(metrics, "pdserve_slo_policy_seconds_sum") / count * 1000 if count
+        else None,
         "wall_s": end,
         "ttft_s": {c: [r.ttft for it, r in zip(items, results) if it.cls == c and r.ok] for c in CLASS_PRIORITY},
         # per served request: class, tokens, estimated / actual wait, estimated / actual completion (s)

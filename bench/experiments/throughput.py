@@ -22,7 +22,7 @@ Targets (issue 15): TD-Pipe >= 1.3x mixed and >= 1.0x single.
 
 The model: ``--model random`` (default) writes a random Llama checkpoint of ``--layers`` /
 ``--hidden`` (so compute, not Python, dominates a step), or ``tiny`` / a checkpoint directory.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -142,9 +142,11 @@ def run_pipeline(model: str, reqs, args, name: str) -> dict:
     decode_sizes = [n for _, _, kind, n, _ in eng.batches if kind != 0]
     rtt = sorted(r - s for s, r, kind, _, _ in eng.batches if kind != 0)
     compute = sorted(sum(t) for _, _, kind, _, t in eng.batches if kind != 0)
-    return {"wall_s": wall, "cpu_s": cpu, "tokens": {k: v.new_token_ids for k, v in out.items()}, "preemptions": eng.num_preemptions,
+    return {"wall_s": wall, "cpu_s": cpu, "tokens": {k: v.new_token_ids for k, v in out.items()},
+            "preemptions": eng.num_preemptions,
             "utilisation": util, "traces": traces, "phases": phases, "micro_batches": len(eng.batches),
-            "mean_decode_batch": sum(decode_sizes) / max(len(decode_sizes), 1), "phase_switches": max(len(phases) - 1, 0),
+            "mean_decode_batch": sum(decode_sizes) / max(len(decode_sizes), 1),
+            "phase_switches": max(len(phases) - 1, 0),
             # a decode micro-batch's round trip (controller -> stages -> controller) and its stages' compute, medians
             "decode_rtt_ms": 1e3 * rtt[len(rtt) // 2] if rtt else None,
             "decode_compute_ms": 1e3 * compute[len(compute) // 2] if compute else None,
@@ -158,7 +160,8 @@ def run(args: argparse.Namespace) -> int:
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = set(configs) - {"single", "single-1t", "mixed", "td-pipe", "td-pipe-base"}
     if unknown:
-        raise SystemExit(f"unknown configuration(s) {sorted(unknown)}: use single, single-1t, mixed, td-pipe, td-pipe-base")
+        raise SystemExit(f"unknown configuration(s) {sorted(unknown)}: use single, single-1t, "
+                         f"mixed, td-pipe, td-pipe-base")
     if args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1, got {args.rounds}")
     runs: dict[str, list[dict]] = {name: [] for name in configs}
@@ -202,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     png = args.out / "throughput.png"
     args.out.mkdir(parents=True, exist_ok=True)
     plot(results, png)
-    paired = {f"td-pipe/{b}": [report.ratio(t["output_tok_s"], o["output_tok_s"]) for t, o in zip(runs["td-pipe"], runs[b])]
+    paired = {f"td-pipe/{b}": [report.ratio(t["output_tok_s"], o["output_tok_s"])
+                               for t, o in zip(runs["td-pipe"], runs[b])]
               for b in ("mixed", single_name, "td-pipe-base") if "td-pipe" in runs and b in runs}
     for label, values in paired.items():
         print(f"per round {label}: " + ", ".join(f"{v:.2f}x" for v in values))
@@ -217,12 +221,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(rows, vs_mixed, vs_single, args, n_prompt, n_out, single_name) -> None:
-    print(f"\npdserve bench experiment throughput: {args.requests} requests ({n_prompt} prompt + {n_out} output tokens), "
-          f"model {args.model} ({args.layers} layers, hidden {args.hidden}), {args.num_blocks} KV blocks of "
-          f"{args.block_size}; single process {args.threads} threads, pipeline {args.stages} stages x 1 thread")
+    print(f"\npdserve bench experiment throughput: {args.requests} requests ({n_prompt} prompt "
+          f"+ {n_out} output tokens), model {args.model} ({args.layers} layers, hidden {args.hidden}), "
+          f"{args.num_blocks} KV blocks of {args.block_size}; single process {args.threads} threads, pipeline "
+          f"{args.stages} stages x 1 thread")
     print("| config | wall s | output tok/s | total tok/s | CPU s | output tok per CPU s | stage utilisation | "
           "preemptions | micro-batches (mean seqs per decode one) | phase switches | same tokens as single | "
-          "load avg start-end | decode micro-batch round trip / stage compute, median ms | output tok/s of each round |")
+          "load avg start-end | decode micro-batch round trip / stage compute, median ms | "
+          "output tok/s of each round |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         util = " / ".join(f"{u:.0%}" for u in r["utilisation"])

@@ -214,5 +214,6 @@ def plot(runs: dict, path: Path) -> Path:
     return report.bars_and_ttft_cdf(
         path, "Experiment 9: prefix-cache tiers (host, disk), multi-turn chat, working set 4x the pool",
         {n: _median([r["prefill_tokens_computed"] for r in rs]) for n, rs in runs.items()},
-        "Prompt tokens the prefill computed (median)", {n: [t for r in rs for t in r["ttft_s"]] for n, rs in runs.items()},
+        "Prompt tokens the prefill computed (median)",
+        {n: [t for r in rs for t in r["ttft_s"]] for n, rs in runs.items()},
         ["tab:gray", "tab:blue"], bar_ylabel="prompt tokens", ttft_label="TTFT (ms), turns after the first")

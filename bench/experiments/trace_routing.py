@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--window-start", type=float, default=0.0, help="trace seconds where the window starts")
     g.add_argument("--window", type=float, default=None, help="trace seconds of the window (default: to the end)")
     g.add_argument("--max-requests", type=int, default=None, help="at most this many requests of the window")
-    g.add_argument("--duration", type=float, default=90.0, help="seconds the replayed arrivals span (sets the time scale)")
+    g.add_argument("--duration", type=float, default=90.0,
+                   help="seconds the replayed arrivals span (sets the time scale)")
     g.add_argument("--length-scale", type=float, default=0.125, help="prompt and output lengths x this")
     g.add_argument("--max-prompt-tokens", type=int, default=4096, help="prompts cut here after scaling")
     g.add_argument("--max-output-tokens", type=int, default=32, help="outputs cut here after scaling")
@@ -79,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--repeats", type=int, default=2, help="rounds of every arm, alternating (medians reported)")
     g = parser.add_argument_group("report")
     g.add_argument("--slo-ttft-ms", type=float, default=1000.0, help="goodput's TTFT target (InferenceService default)")
-    g.add_argument("--slo-tbt-ms", type=float, default=100.0, help="goodput's mean TBT target (InferenceService default)")
+    g.add_argument("--slo-tbt-ms", type=float, default=100.0,
+                   help="goodput's mean TBT target (InferenceService default)")
     g.add_argument("--request-timeout", type=float, default=120.0, help="seconds before a request counts as failed")
     g.add_argument("--out", type=Path, default=Path("bench-results/experiments"), help="output directory")
 
@@ -178,7 +180,8 @@ def _print(arms, summary, rel, verdicts) -> None:
               f"p99 {s['tpot_p99_ms']} ms, goodput {s['goodput_rps']:.2f} req/s (SLO met {pct(s['slo_attained'])}), "
               f"computed {s['prefill_tokens_computed']:.0f} tok, KV moved {s['kv_bytes_moved'] / 2**20:.1f} MiB, "
               f"decode hits {s['decode_prefix_hit_tokens']:.0f} tok, failed {s['failed']:.0f}; hit rates: prefills "
-              f"{pct(s['prefill_hit_rate'])}, router index {pct(s['router_hit_rate'])}, decodes {pct(s['decode_hit_rate'])}")
+              f"{pct(s['prefill_hit_rate'])}, router index {pct(s['router_hit_rate'])}, decodes "
+              f"{pct(s['decode_hit_rate'])}")
     for arm, r in rel.items():
         print(f"  {arm} / {BASELINE}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items()
                                                    if v is not None and not k.endswith("hit_rate")))

@@ -69,13 +69,15 @@ def workload(args, rate: float) -> tuple[list[RequestSpec], list[float]]:
     return specs, arrival_times(len(specs), rate, "poisson", random.Random(6))
 
 
-def one_run(args, model: str, rate_mbit: float, scheduler: str, workload_: tuple | None) -> tuple[dict, tuple, float | None]:
+def one_run(args, model: str, rate_mbit: float, scheduler: str,
+            workload_: tuple | None) -> tuple[dict, tuple, float | None]:
     """Measure one scheduler on a fresh shaped link. Without a workload (the first run of a
     rate), calibrate the arrival rate first and build the workload; return it for the next run."""
     max_len = max(args.long_prompt, args.short_prompt) + args.output + 64
     blocks = 4 * blocks_needed(max_len, BLOCK_SIZE) * 4
     service = None
-    with LinkedNamespaces(rate_mbit) as link, Launcher(LOG_ROOT / f"transmission-{int(rate_mbit)}-{scheduler}") as launcher:
+    with LinkedNamespaces(rate_mbit) as link, \
+            Launcher(LOG_ROOT / f"transmission-{int(rate_mbit)}-{scheduler}") as launcher:
         decode = start_decode(launcher, "decode", model, threads=1, cpus="1", num_blocks=blocks, max_model_len=max_len,
                               host=link.decode_ip, netns=link.decode_ns)
         prefill = start_prefill(launcher, "prefill", model, [decode], threads=1, cpus="0", num_blocks=blocks,

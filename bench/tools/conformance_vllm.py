@@ -62,13 +62,16 @@ def say(msg: str) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0],
-                                epilog="See the module docstring (head -40 bench/tools/conformance_vllm.py) for what runs.")
+                                epilog="See the module docstring (head -40 "
+                                       "bench/tools/conformance_vllm.py) for what runs.")
     p.add_argument("--out", type=Path, default=Path("bench-results/conformance-vllm"),
                    help="where the JSON and Markdown of each run go (default %(default)s)")
     p.add_argument("--model-size", choices=sorted(PEER_MODELS), default="tiny",
                    help="the peer checkpoint (default tiny: vocab 512, hidden 128, 2 layers)")
-    p.add_argument("--max-model-len", type=int, default=2048, help="context length of every server (default %(default)s)")
-    p.add_argument("--kv-tokens", type=int, default=16384, help="KV budget of each server in tokens (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="context length of every server (default %(default)s)")
+    p.add_argument("--kv-tokens", type=int, default=16384,
+                   help="KV budget of each server in tokens (default %(default)s)")
     p.add_argument("--dtype", choices=PEER_DTYPES, default="float32", help="both systems (default %(default)s)")
     p.add_argument("--prefill-cpu", default="0", help="core of the prefill vLLM and the proxy (default 0)")
     p.add_argument("--decode-cpu", default="1", help="core of the decode vLLM (default 1)")

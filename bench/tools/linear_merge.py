@@ -34,7 +34,8 @@ H, I, KV, LAYERS = 1024, 2816, 128, 8
 
 def make_layer(rng: torch.Generator) -> dict:
     w = {n: torch.randn(o, i, generator=rng) * 0.02
-         for n, o, i in (("q", H, H), ("k", KV, H), ("v", KV, H), ("o", H, H), ("gate", I, H), ("up", I, H), ("down", H, I))}
+         for n, o, i in (("q", H, H), ("k", KV, H), ("v", KV, H), ("o", H, H), ("gate", I, H), ("up", I, H),
+                         ("down", H, I))}
     w["qkv"] = torch.cat([w["q"], w["k"], w["v"]])
     w["gate_up"] = torch.cat([w["gate"], w["up"]])
     packed = {n: torch.ops.mkldnn._reorder_linear_weight(t, PACK_BATCH_HINT) for n, t in w.items()
@@ -100,7 +101,8 @@ def main() -> None:
                 times[name].append((time.thread_time() - t0) / 2 * 1000)
         ms = {name: statistics.median(t) for name, t in times.items()}
         print(f"{rows:3d} rows, ms per step's linears: separate {ms['separate']:6.1f}, merged {ms['merged']:6.1f} "
-              f"({ms['merged'] / ms['separate']:.3f}), stacked {ms['stacked']:6.1f} ({ms['stacked'] / ms['separate']:.3f})",
+              f"({ms['merged'] / ms['separate']:.3f}), stacked {ms['stacked']:6.1f} "
+              f"({ms['stacked'] / ms['separate']:.3f})",
               flush=True)
 
 

@@ -53,7 +53,8 @@ def main() -> None:
         base = (i % LAYERS) * layer_bytes
         local = [(s0 + base + b * BLOCK_NBYTES, BLOCK_NBYTES, 0) for b in range(BLOCKS)]
         far = [(d0 + base + b * BLOCK_NBYTES, BLOCK_NBYTES, 0) for b in range(BLOCKS)]
-        return tx.initialize_xfer("WRITE", tx.get_xfer_descs(local, "DRAM"), tx.get_xfer_descs(far, "DRAM"), remote, b"n")
+        return tx.initialize_xfer("WRITE", tx.get_xfer_descs(local, "DRAM"), tx.get_xfer_descs(far, "DRAM"), remote,
+                                  b"n")
 
     t0 = time.perf_counter()
     prepped_local = tx.prep_xfer_dlist("NIXL_INIT_AGENT", [(s0 + j * BLOCK_NBYTES, BLOCK_NBYTES, 0)

@@ -19,7 +19,7 @@ Reports:
 - operator RSS now and peak (VmRSS / VmHWM from /proc), and the count of ERROR lines and
   tracebacks in the operator's log (should be 0).
 This is a benchmark, not a test: nothing is asserted; the figures go to docs/.
-"""
+"""  # noqa: E501
 
 from __future__ import annotations
 
@@ -124,14 +124,16 @@ def main(argv: list[str] | None = None) -> int:
 
             # The ReplicaSet controller (controller-manager, not the operator) creates the pods; wait
             # for all of them, or pods created after the marking below would never become ready.
-            pods_per_isvc = sum(int(p.get("replicas", 1)) for p in [example["spec"]["prefill"], *example["spec"]["decode"],
+            pods_per_isvc = sum(int(p.get("replicas", 1))
+                                for p in [example["spec"]["prefill"], *example["spec"]["decode"],
                                                                      example["spec"].get("router", {})])
             pods_s = wait(lambda: len(core.list_namespaced_pod(ns).items) // pods_per_isvc, args.count,
                           "pods created (controller-manager)", args.timeout)
             t1 = time.monotonic()
             now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
             body = {"status": {"phase": "Running", "podIP": "10.0.0.1", "conditions": [
-                {"type": t, "status": "True", "lastTransitionTime": now} for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]}}
+                {"type": t, "status": "True", "lastTransitionTime": now}
+                for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]}}
             pods = core.list_namespaced_pod(ns).items
             for pod in tqdm(pods, desc="marking pods ready", unit="pod"):
                 core.patch_namespaced_pod_status(pod.metadata.name, ns, body)

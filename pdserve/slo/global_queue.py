@@ -87,7 +87,8 @@ class GlobalQueue:
         self._freed_at: float | None = None  # a running request ended while others waited
 
     # -- the request's life ----------------------------------------------------------------
-    def arrive(self, request_id: str, cls: SloClass, prompt_tokens: int, max_tokens: int, blocks: int = 1) -> SloRequest:
+    def arrive(self, request_id: str, cls: SloClass, prompt_tokens: int, max_tokens: int,
+               blocks: int = 1) -> SloRequest:
         """A request arrived; ``blocks``: the KV blocks a decode reserves for it. May raise Rejected."""
         now = self.clock()
         self._seq += 1

@@ -58,7 +58,8 @@ class Context:
 
     def starts(self, ws: list[Waiting], durations: list[float]) -> list[float]:
         held = list(self.held) if self.held is not None else None
-        return simulate(list(self.frees_in), durations, self.slots, held, self.needs(ws), self.estimator.lag.value or 0.0)
+        return simulate(list(self.frees_in), durations, self.slots, held, self.needs(ws),
+                        self.estimator.lag.value or 0.0)
 
     def concurrency(self, ws: list[Waiting]) -> float:
         """About how many of ``ws`` the backend serves at once (K)."""

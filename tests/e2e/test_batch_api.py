@@ -22,7 +22,8 @@ import time
 import pytest
 from openai import BadRequestError, ConflictError, NotFoundError, OpenAI
 
-from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import (get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released,
+                                wait_ready)
 from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.slow
@@ -65,7 +66,8 @@ def _client(server) -> OpenAI:
 
 
 def _chat_line(cid: str, text: str, max_tokens: int = 6, url: str = CHAT, **extra) -> str:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0,
             **extra}
     return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
 
@@ -96,7 +98,8 @@ def test_upload_create_poll_download_and_list(servers):
         "{not json", _chat_line("wrong-url", "x", url="/v1/embeddings"), completion,
         json.dumps({"custom_id": "no-body", "method": "POST", "url": CHAT}),
         json.dumps({"custom_id": "get", "method": "GET", "url": CHAT, "body": {}}), _chat_line("g0", "again"),
-        _chat_line("too-long", "x", max_tokens=10**6), _chat_line("n2", "two answers", n=2, logprobs=True, top_logprobs=2)]
+        _chat_line("too-long", "x", max_tokens=10**6),
+        _chat_line("n2", "two answers", n=2, logprobs=True, top_logprobs=2)]
     before = metric(servers["prefill"].url, "pdserve_slo_requests_total", slo_class="batch", outcome="ok")
     file_id = _upload(client, lines)
     assert client.files.retrieve(file_id).bytes == len(("\n".join(lines) + "\n").encode())
@@ -116,12 +119,15 @@ def test_upload_create_poll_download_and_list(servers):
     out = [o for o in out if o["custom_id"] != "n2"]
     for o in out:  # the same answer as the online endpoint (greedy)
         assert o["id"].startswith("batch_req_") and o["error"] is None and o["response"]["status_code"] == 200
-        online = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": good[o["custom_id"]]}],
+        online = client.chat.completions.create(model="tiny",
+                                                messages=[{"role": "user", "content": good[o["custom_id"]]}],
                                                 max_tokens=6, temperature=0)
         body = o["response"]["body"]
-        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == online.choices[0].message.content
+        assert (body["object"] == "chat.completion"
+                and body["choices"][0]["message"]["content"] == online.choices[0].message.content)
         assert body["usage"]["completion_tokens"] == online.usage.completion_tokens
-    errors = {(e["custom_id"], (e["error"] or {}).get("code") or e["response"]["status_code"]) for e in _jsonl(client, done.error_file_id)}
+    errors = {(e["custom_id"], (e["error"] or {}).get("code") or e["response"]["status_code"])
+              for e in _jsonl(client, done.error_file_id)}
     assert errors == {(None, "invalid_json_line"), ("wrong-url", "mismatched_url"), ("c0", "mismatched_url"),
                       ("no-body", "missing_body"), ("get", "invalid_method"), ("g0", "duplicate_custom_id"),
                       ("too-long", 400)}
@@ -199,7 +205,8 @@ def test_restart_mid_job_finishes_every_line_exactly_once(servers):
     group.kill(first.proc)
     done_before = b.request_counts.completed  # read before the kill: at least this many were recorded
     assert done_before < n
-    second = servers["prefill"] = _prefill(group, decode, servers["db"], "prefill-restarted", ["--batch-max-in-flight", "2"])
+    second = servers["prefill"] = _prefill(group, decode, servers["db"], "prefill-restarted",
+                                           ["--batch-max-in-flight", "2"])
     wait_ready(second)
     client = _client(second)
     done = _wait(client, batch.id)

@@ -33,7 +33,8 @@ class Up:
         port, grpc_port = free_ports(2)
         self.log_dir, self.url = tmp / f"{name}-logs", f"http://127.0.0.1:{port}"
         self.proc = procs.start([str(VENV_BIN / "pdserve"), "up", "--model", "tiny", "--port", str(port),
-                                 "--grpc-port", str(grpc_port), "--log-dir", str(self.log_dir), *flags], name=name, env=env)
+                                 "--grpc-port", str(grpc_port), "--log-dir", str(self.log_dir), *flags], name=name,
+                                env=env)
         self.log = procs.log_dir / f"{name}.log"
 
     def wait_up(self) -> None:
@@ -51,7 +52,8 @@ def clusters(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("conformance")
     procs = ProcessGroup(log_dir=tmp / "logs")
     try:
-        pd = Up(procs, tmp, "pd", "--prefill", "1", "--decode", "1", env={DECODE_STEP_FLOOR_ENV: str(DECODE_STEP_FLOOR_S)})
+        pd = Up(procs, tmp, "pd", "--prefill", "1", "--decode", "1",
+                env={DECODE_STEP_FLOOR_ENV: str(DECODE_STEP_FLOOR_S)})
         colocated = Up(procs, tmp, "colocated", "--prefill", "1", "--decode", "0", "--local-fallback")
         pd.wait_up()
         colocated.wait_up()
@@ -101,7 +103,8 @@ def test_a_decode_killed_under_streaming_load(clusters):
     victim = int(pid_file.read_text())
     assert victim == pd.server("decode-0")["pid"]
     proc, doc = conformance(tmp, "faults", "--url", pd.url, "--reference-url", colocated.url, "--areas", "faults",
-                            "--kill-cmd", f"decode=kill -9 $(cat {pid_file})", "--fault-max-tokens", str(FAULT_MAX_TOKENS))
+                            "--kill-cmd", f"decode=kill -9 $(cat {pid_file})", "--fault-max-tokens",
+                            str(FAULT_MAX_TOKENS))
     checks = {c["name"]: c for c in doc["checks"]}
     kill = checks["faults.kill-decode"]
     assert kill["verdict"] == "PASS" and proc.returncode == 0, (kill, proc.stdout[-3000:])

@@ -29,7 +29,8 @@ def test_sender_process_killed_mid_transfer(procs, tmp_path, transport):
             dst = rx.expect("r", [20, 21, 25], TIMEOUT_S)
             ep_file = tmp_path / "ep.json"
             ep_file.write_text(json.dumps({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst}))
-            proc = procs.start([sys.executable, PEER, "send", transport, str(ep_file), "r", "1,2,3", "2"], name="sender")
+            proc = procs.start([sys.executable, PEER, "send", transport, str(ep_file), "r", "1,2,3", "2"],
+                               name="sender")
             await asyncio.to_thread(peer.wait_file, Path(str(ep_file) + ".stored"), proc)
             await rx.load("r", 0, TIMEOUT_S)
             await rx.load("r", 1, TIMEOUT_S)

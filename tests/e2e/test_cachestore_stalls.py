@@ -107,7 +107,8 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
                              "the stalled link failed")
             except AssertionError as e:  # say what the sender holds and which links failed, and why
                 raise AssertionError(f"{e}; sender stats {tx.stats()}; link failures {link_failures()}; at SIGSTOP "
-                                     f"{at_stop}; when wait_sent gave up ({gave_up.value}) {at_give_up}, the receiver {state}") from None
+                                     f"{at_stop}; when wait_sent gave up ({gave_up.value}) "
+                                     f"{at_give_up}, the receiver {state}") from None
             # by the stall bound (the receiver never woke up meanwhile), not by a connection error
             failures = link_failures()
             assert any(f"made no progress for {STALL_S}s" in m for m in failures), failures

@@ -21,10 +21,11 @@ DRAIN_STEP_FLOOR_S = 0.01
 
 
 def start_up(procs, tmp_path, decodes: int, prefills: int = 1, env: dict | None = None):
-    """`pdserve up` with `prefills` prefills and `decodes` decodes, once it printed its banner: (process, port, banner)."""
+    """`pdserve up` with `prefills` prefills and `decodes` decodes, once it printed its banner: (process, port, banner)."""  # noqa: E501
     port, grpc_port = free_port(), free_port()
     up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", str(prefills), "--decode", str(decodes),
-                      "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")], name="up",
+                      "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")],
+                     name="up",
                      env=env)
     log = tmp_path / "logs" / "up.log"
     deadline = time.monotonic() + 180
@@ -41,7 +42,8 @@ def test_up_serves_and_ctrl_c_drains(procs, tmp_path):
 
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": "drain me", "max_tokens": 600,
-                                                        "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+                                                        "ignore_eos": True, "stream": True}),
+                 {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200
     events = []

@@ -11,7 +11,8 @@ from pdserve.protos import session_pb2 as pb
 
 
 def _compat(**kw):
-    base = dict(dtype="float32", num_layers=4, num_kv_heads=2, head_dim=16, block_size=64, model="tiny", transport="tcp")
+    base = dict(dtype="float32", num_layers=4, num_kv_heads=2, head_dim=16, block_size=64, model="tiny",
+                transport="tcp")
     base.update(kw)
     return pb.Compat(**base)
 
@@ -26,7 +27,8 @@ def test_compat_mismatch_names_fields_and_both_values():
 
 @pytest.mark.parametrize("sp", [
     SamplingParams(max_tokens=7, temperature=0),
-    SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=5, seed=11, stop=["x"], stop_token_ids=[3], ignore_eos=True),
+    SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=5, seed=11, stop=["x"], stop_token_ids=[3],
+                   ignore_eos=True),
     SamplingParams(max_tokens=1, seed=0),
 ])
 def test_sampling_round_trips_over_the_session(sp):

@@ -74,7 +74,8 @@ def _batch_stream(server, max_tokens):
     conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=120)
     body = {"model": "tiny", "prompt": BATCH_PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True}
-    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json", "X-SLO-Class": "batch"})
+    conn.request("POST", "/v1/completions", json.dumps(body),
+                 {"Content-Type": "application/json", "X-SLO-Class": "batch"})
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
 

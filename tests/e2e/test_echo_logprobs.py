@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from harness.pd_cluster import get_json, metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
+                                wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.slow

@@ -19,15 +19,18 @@ def test_generate_streams_a_completion():
 
 
 def test_generate_bad_input_is_a_clear_error():
-    out = subprocess.run([PDSERVE, "generate", "x", "--temperature", "-1"], capture_output=True, text=True, timeout=120, env=ENV)
+    out = subprocess.run([PDSERVE, "generate", "x", "--temperature", "-1"], capture_output=True, text=True, timeout=120,
+                         env=ENV)
     assert out.returncode == 2 and "temperature must be >= 0, got -1" in out.stderr
-    out = subprocess.run([PDSERVE, "generate", "x", "--model", "/no/such/dir"], capture_output=True, text=True, timeout=120, env=ENV)
+    out = subprocess.run([PDSERVE, "generate", "x", "--model", "/no/such/dir"], capture_output=True, text=True,
+                         timeout=120, env=ENV)
     assert out.returncode == 2 and "neither a built-in model" in out.stderr
 
 
 def test_bench_engine_smoke():
     out = subprocess.run(
-        [PDSERVE, "bench", "engine", "--models", "tiny", "--batches", "2", "--prompt-len", "8", "--gen-len", "4", "--reps", "1"],
+        [PDSERVE, "bench", "engine", "--models", "tiny", "--batches", "2", "--prompt-len", "8", "--gen-len", "4",
+         "--reps", "1"],
         capture_output=True, text=True, timeout=300, env=ENV,
     )
     assert out.returncode == 0, out.stderr

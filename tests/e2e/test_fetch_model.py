@@ -48,7 +48,8 @@ def test_good_token_fetches_what_the_engine_reads_and_generate_loads_it(hub, tmp
                      "tokenizer_config.json"]  # README.md is not fetched
     gen = subprocess.run([PDSERVE, "generate", "hello world", "--model", str(model), "--max-tokens", "4",
                           "--ignore-eos", "--threads", "1"],
-                         capture_output=True, text=True, timeout=300, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, timeout=300,
+                         env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
     assert gen.returncode == 0, gen.stderr
     assert "[4 tokens in" in gen.stderr
     # a second run (a cache on a claim) asks the Hub again but fetches no file again
@@ -92,7 +93,8 @@ def test_missing_repository_and_revision(hub, tmp_path):
 
 
 def test_unreachable_endpoint_and_bad_source(tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2"}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_ENDPOINT": "http://127.0.0.1:9",
+           "HF_HUB_ETAG_TIMEOUT": "2"}
     out = subprocess.run([PDSERVE, "fetch-model", "hf://acme/tiny", "--dest", str(tmp_path / "m")],
                          capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 1 and "cannot reach http://127.0.0.1:9 for acme/tiny@main" in last_line(out)

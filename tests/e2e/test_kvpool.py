@@ -99,7 +99,8 @@ def test_two_decodes_borrowing_at_once_under_the_same_request_id(cluster):
     # A (decode-0, 620 + 200 tokens) borrows 5 blocks from decode-1 (ties go by name); while it
     # runs decode-0 has no free block, so B (decode-2, 620 + 8) borrows its 2 from decode-1 too.
     a_prompt, b_prompt, replies = _prompt(620, seed=5), _prompt(620, seed=6), {}
-    worker = threading.Thread(target=lambda: replies.update(a=cluster.generate("decode-0", "same", a_prompt, 200, pooled=True)))
+    worker = threading.Thread(target=lambda: replies.update(a=cluster.generate("decode-0", "same", a_prompt, 200,
+                                                                               pooled=True)))
     worker.start()
     cluster.wait(lambda: cluster.stats("decode-1").loans == 1, "A borrowed from decode-1")
     replies["b"] = cluster.generate("decode-2", "same", b_prompt, 8, pooled=True)

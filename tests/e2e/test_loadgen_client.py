@@ -32,7 +32,8 @@ class FakeOpenAI(ThreadedApp):
         body = await request.json()
         self.bodies.append(body)
         if "bad" in str(body.get("prompt", "")):
-            return web.json_response({"error": {"message": "prompt is bad", "type": "invalid_request_error"}}, status=400)
+            return web.json_response({"error": {"message": "prompt is bad", "type": "invalid_request_error"}},
+                                     status=400)
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:

@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from harness.gates import Gate
-from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released,
+from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
+                                wait_all_released,
                                 wait_ready)
 from harness.procs import ProcessGroup
 

@@ -85,7 +85,8 @@ def test_decode_frozen_mid_generation(procs, decodes):
     prefill = start_prefill(procs, [d.grpc_address for d in servers],
                             extra=["--session-timeout", str(SESSION_TIMEOUT), "--resume-wait", str(RESUME_WAIT)])
     wait_ready(prefill)
-    conn, resp = _sse(prefill, {"model": "tiny", "prompt": "go", "max_tokens": 400, "ignore_eos": True, "temperature": 0})
+    conn, resp = _sse(prefill,
+                      {"model": "tiny", "prompt": "go", "max_tokens": 400, "ignore_eos": True, "temperature": 0})
     assert resp.status == 200
     events = _events(resp)
     for _ in range(3):
@@ -267,5 +268,6 @@ def test_a_request_may_outlast_the_queue_timeout(procs, tmp_path):
     # counts a Session when it ends, which may come just after the client's last event: wait for it
     wait_until(lambda: metric(decode.url, "pdserve_requests_total") >= 1, "the decode to count the Session",
                HANG_GUARD_S)
-    assert metric(decode.url, "pdserve_requests_total") == metric(decode.url, "pdserve_requests_total", outcome="ok") == 1
+    assert metric(decode.url, "pdserve_requests_total") == metric(decode.url, "pdserve_requests_total",
+                                                                  outcome="ok") == 1
     assert nothing_held(wait_all_released([prefill, decode]))

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from harness.pd_cluster import get_json, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import (get_json, nothing_held, post_json, start_decode, start_prefill, wait_all_released,
+                                wait_ready)
 from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.slow
@@ -71,7 +72,8 @@ def _grpc_generate(address, rid, ids, max_tokens):
     with grpc.insecure_channel(address) as ch:
         stub = gpb_grpc.GeneratorStub(ch)
         got, finish = [], ""
-        for resp in stub.Generate(gpb.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, request_id=rid), timeout=120):
+        for resp in stub.Generate(gpb.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0,
+                                                      request_id=rid), timeout=120):
             got += list(resp.token_ids)
             finish = resp.finish_reason or finish
         return got, finish
@@ -99,7 +101,8 @@ def test_http_completion_matches_grpc(cluster):
     prefill = cluster["prefill"]
     ids = [256, *b"The quick brown fox"]
     got, _ = _grpc_generate(f"127.0.0.1:{prefill.grpc_port}", "cmp-grpc", ids, 12)
-    status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0})
+    status, body = post_json(prefill.url + "/v1/completions",
+                             {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0})
     assert status == 200, body
     from pdserve.engine import load_model
 
@@ -117,7 +120,8 @@ def test_openai_client_streams_chat(cluster):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
     text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    full = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=10, temperature=0)
+    full = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Say hi"}], max_tokens=10,
+                                          temperature=0)
     assert full.choices[0].message.content == text
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
@@ -164,7 +168,8 @@ BAD = [
     (json.dumps({"model": "tiny", "prompt": "x", "top_p": 0}).encode(), None, "top_p"),
     (json.dumps({"model": "tiny", "prompt": "x", "top_p": 1.01}).encode(), None, "top_p"),
     (json.dumps({"model": "tiny", "prompt": "x" * 3000}).encode(), "context_length_exceeded", "prompt"),
-    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2047}).encode(), "context_length_exceeded", "max_tokens"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2047}).encode(), "context_length_exceeded",
+     "max_tokens"),
 ]
 
 
@@ -188,7 +193,8 @@ def test_bad_input_gets_400_and_server_keeps_serving(cluster):
         with pytest.raises(grpc.RpcError) as info:
             list(gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(prompt="x", top_p=2.0), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_p" in info.value.details()
-    status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": "still serving", "max_tokens": 3,
+    status, body = post_json(prefill.url + "/v1/completions",
+                             {"model": "tiny", "prompt": "still serving", "max_tokens": 3,
                                                                  "ignore_eos": True})
     # ignore_eos: the random built-in model samples EOS first now and then (about 1 in 260)
     assert status == 200 and body["usage"]["completion_tokens"] == 3, body
@@ -203,7 +209,8 @@ def test_seeded_sampling_through_pd_matches_colocated(cluster):
     from pdserve.protos import generate_pb2 as gpb
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
-    reqs = [(f"seeded-{i}", [256, *f"seed me {i}".encode()], dict(temperature=0.9, top_p=0.95, top_k=50, seed=100 + i)) for i in range(4)]
+    reqs = [(f"seeded-{i}", [256, *f"seed me {i}".encode()], dict(temperature=0.9, top_p=0.95, top_k=50, seed=100 + i))
+            for i in range(4)]
     torch.set_num_threads(1)
     engine = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=NUM_BLOCKS))
     for rid, ids, kw in reqs:
@@ -216,7 +223,8 @@ def test_seeded_sampling_through_pd_matches_colocated(cluster):
         stub = gpb_grpc.GeneratorStub(ch)
         for rid, ids, kw in reqs:
             got = []
-            for resp in stub.Generate(gpb.GenerateRequest(prompt_token_ids=ids, max_tokens=12, ignore_eos=True, **kw), timeout=60):
+            for resp in stub.Generate(gpb.GenerateRequest(prompt_token_ids=ids, max_tokens=12, ignore_eos=True, **kw),
+                                      timeout=60):
                 got += resp.token_ids
             assert got == expected[rid], rid
 
@@ -234,7 +242,8 @@ def test_burst_beyond_kv_capacity_queues_and_succeeds(cluster):
     rng = random.Random(3)
 
     async def one(session, i):
-        body = {"model": "tiny", "prompt": "x" * rng.randint(1, 300), "max_tokens": rng.randint(1, 60), "temperature": 0,
+        body = {"model": "tiny", "prompt": "x" * rng.randint(1, 300), "max_tokens": rng.randint(1, 60),
+                "temperature": 0,
                 "stream": i % 2 == 0}
         async with session.post(prefill.url + "/v1/completions", json=body) as resp:
             text = await resp.text()

@@ -18,7 +18,8 @@ import time
 import grpc
 import pytest
 
-from harness.pd_cluster import get_json, metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
+                                wait_all_released, wait_ready)
 from pdserve.net import free_port
 from harness.procs import wait_for_port
 
@@ -47,7 +48,8 @@ def test_refused_then_next_decode_then_413(procs):
     prefill = start_prefill(procs, [small.grpc_address, big.grpc_address], extra=["--policy", "rr"])
     wait_ready(prefill)
     for _ in range(2):  # round robin: one of the two goes to `small` first, which refuses
-        status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True})
+        status, body = post_json(prefill.url + "/v1/completions",
+                                 {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True})
         assert status == 200 and body["usage"]["completion_tokens"] == 8, body
     assert metric(small.url, "pdserve_kv_allocation_refusals_total", reason="too_large") >= 1
     assert metric(prefill.url, "pdserve_decode_retries_total", reason="too_large") >= 1
@@ -73,7 +75,8 @@ def test_unreachable_decode_is_skipped(procs):
     for d in (a, b):
         wait_ready(d)
     # a long expiry keeps the dead decode "routable" so requests really hit it
-    prefill = start_prefill(procs, [a.grpc_address, b.grpc_address], extra=["--policy", "rr", "--load-report-expiry", "60"])
+    prefill = start_prefill(procs, [a.grpc_address, b.grpc_address],
+                            extra=["--policy", "rr", "--load-report-expiry", "60"])
     wait_ready(prefill)
     procs.kill(a.proc)
     for _ in range(3):
@@ -91,7 +94,8 @@ def test_local_fallback_when_no_decode_can_take_it(procs, policy):
     dead = f"127.0.0.1:{free_port()}"  # nothing listens there
     prefill = start_prefill(procs, [small.grpc_address, dead], extra=["--local-fallback", "--policy", policy])
     wait_ready(prefill)
-    status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True})
+    status, body = post_json(prefill.url + "/v1/completions",
+                             {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 8, "ignore_eos": True})
     assert status == 200 and body["usage"]["completion_tokens"] == 8, body
     assert metric(prefill.url, "pdserve_local_fallbacks_total") == 1
     # rr asks the small decode, which refuses; wrr knows from its load report that it is too small
@@ -182,7 +186,8 @@ def test_prefill_killed_or_hung_mid_transfer_decode_frees(procs):
     wait_ready(decode)
     # killed: the stream breaks, decode frees at once: for the broken stream (prefill_gone), long
     # before its 30 s timeout could have done it
-    fake = subprocess.Popen([sys.executable, "-c", _session_client_script(decode.grpc_address, 30)], stdout=subprocess.PIPE, start_new_session=True)
+    fake = subprocess.Popen([sys.executable, "-c", _session_client_script(decode.grpc_address, 30)],
+                            stdout=subprocess.PIPE, start_new_session=True)
     procs.procs.append(fake)
     assert fake.stdout.readline().strip() == b"allocation"
     held = get_json(decode.url + "/health")[1]
@@ -193,7 +198,8 @@ def test_prefill_killed_or_hung_mid_transfer_decode_frees(procs):
     assert _ended(decode, "cancelled", "prefill_gone") == 1 and _ended(decode, "error", "timeout") == 0
     # hung: the stream stays open, nothing arrives; decode frees after the session timeout (2 s):
     # it held the request until then (a session, its blocks), and the timeout is what ended it
-    fake = subprocess.Popen([sys.executable, "-c", _session_client_script(decode.grpc_address, 2)], stdout=subprocess.PIPE, start_new_session=True)
+    fake = subprocess.Popen([sys.executable, "-c", _session_client_script(decode.grpc_address, 2)],
+                            stdout=subprocess.PIPE, start_new_session=True)
     procs.procs.append(fake)
     assert fake.stdout.readline().strip() == b"allocation"
     held = get_json(decode.url + "/health")[1]
@@ -219,7 +225,7 @@ try:
     urllib.request.urlopen(req, timeout=60).read()
 except Exception:
     pass
-"""], start_new_session=True)
+"""], start_new_session=True)  # noqa: E501
     procs.procs.append(client)
     deadline = time.monotonic() + 30
     while get_json(decode.url + "/health")[1]["session_stages"].get("transfer", 0) == 0:
@@ -251,7 +257,7 @@ try:
             print(line.decode().strip(), flush=True)
 except Exception:
     pass
-"""], stdout=subprocess.PIPE, start_new_session=True)
+"""], stdout=subprocess.PIPE, start_new_session=True)  # noqa: E501
     procs.procs.append(client)
     for _ in range(3):  # three tokens reached the client: the decode is generating, the prefill relaying
         assert client.stdout.readline().startswith(b"data:"), "the stream ended before it started"
@@ -271,9 +277,11 @@ def test_incompatible_peer_is_refused_naming_both_values(procs):
 
     decode = start_decode(procs, name="decode")
     wait_ready(decode)
-    start = pb.Start(request_id="x", prompt_token_ids=[1, 2, 3], sampling=pb.Sampling(max_tokens=2, top_p=1.0), blocks_needed=1,
+    start = pb.Start(request_id="x", prompt_token_ids=[1, 2, 3], sampling=pb.Sampling(max_tokens=2, top_p=1.0),
+                     blocks_needed=1,
                      protocol_version=PROTOCOL_VERSION, timeout_s=5,
-                     compat=pb.Compat(dtype="float16", num_layers=4, num_kv_heads=2, head_dim=16, block_size=64, model="tiny", transport="tcp"))
+                     compat=pb.Compat(dtype="float16", num_layers=4, num_kv_heads=2, head_dim=16, block_size=64,
+                                      model="tiny", transport="tcp"))
     with grpc.insecure_channel(decode.grpc_address) as ch:
         replies = list(pbg.DecodeStub(ch).Session(iter([pb.PrefillMessage(start=start)]), timeout=10))
         assert replies[0].refusal.code == "incompatible"
@@ -314,7 +322,8 @@ def test_client_disconnect_cancels_on_decode(procs):
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
-        call = gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(prompt="go", max_tokens=2000, ignore_eos=True), timeout=60)
+        call = gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(prompt="go", max_tokens=2000, ignore_eos=True),
+                                                   timeout=60)
         next(call), next(call)
         call.cancel()
         assert_cancelled_everywhere(2)

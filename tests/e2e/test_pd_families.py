@@ -51,7 +51,8 @@ def _colocated(ckpt, prompts):
 
     torch.set_num_threads(1)
     engine = LLMEngine(load_model(str(ckpt)), EngineConfig(num_blocks=NUM_BLOCKS, max_num_seqs=8))
-    return run_all(engine, {rid: (ids, SamplingParams(max_tokens=m, temperature=0)) for rid, (ids, m) in prompts.items()})
+    return run_all(engine, {rid: (ids, SamplingParams(max_tokens=m, temperature=0))
+                            for rid, (ids, m) in prompts.items()})
 
 
 def _grpc_generate(address, rid, ids, max_tokens):
@@ -61,7 +62,8 @@ def _grpc_generate(address, rid, ids, max_tokens):
     with grpc.insecure_channel(address) as ch:
         stub = gpb_grpc.GeneratorStub(ch)
         got = []
-        for resp in stub.Generate(gpb.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, request_id=rid), timeout=120):
+        for resp in stub.Generate(gpb.GenerateRequest(prompt_token_ids=ids, max_tokens=max_tokens, temperature=0,
+                                                      request_id=rid), timeout=120):
             got += list(resp.token_ids)
         return got
 

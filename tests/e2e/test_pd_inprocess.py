@@ -51,8 +51,10 @@ class Pair:
         region, layout, compat, msg = _parts(self.d_engine.engine)
         self.rx = CacheStoreReceiver(region, layout, compat, "tcp", "127.0.0.1", 0)
         await self.rx.start()
-        self.service = build_service(self.d_engine, self.rx, msg, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
-                                     max_model_len=2048, kv_bytes_per_block=layout.block_nbytes * layout.num_layers, session_timeout_s=5)
+        self.service = build_service(self.d_engine, self.rx, msg, sampling_cls=SamplingParams,
+                                     out_of_blocks_error=OutOfBlocksError,
+                                     max_model_len=2048, kv_bytes_per_block=layout.block_nbytes * layout.num_layers,
+                                     session_timeout_s=5)
         self.server = grpc.aio.server()
         pb_grpc.add_DecodeServicer_to_server(self.service, self.server)
         port = free_port()
@@ -111,7 +113,8 @@ def test_session_state_machines_in_one_process():
     async def main():
         async with Pair() as pair:
             reqs = [("a", [256, *b"hello"], 9), ("b", [256] + [66] * 100, 5), ("c", [256, 1], 1)]
-            results = await asyncio.gather(*(_collect(pair.node, rid, ids, SamplingParams(max_tokens=n, temperature=0)) for rid, ids, n in reqs))
+            results = await asyncio.gather(*(_collect(pair.node, rid, ids, SamplingParams(max_tokens=n, temperature=0))
+                                             for rid, ids, n in reqs))
             ref = LLMEngine(load_model("tiny"), EngineConfig(num_blocks=16))
             for rid, ids, n in reqs:
                 ref.add_request(rid, ids, SamplingParams(max_tokens=n, temperature=0))

@@ -10,7 +10,8 @@ never wrong tokens. Afterwards nothing is held anywhere and the mismatch was cou
 
 import pytest
 
-from harness.pd_cluster import metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import (metric, nothing_held, post_json, start_decode, start_prefill, wait_all_released,
+                                wait_ready)
 
 pytestmark = pytest.mark.slow
 

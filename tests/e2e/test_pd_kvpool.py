@@ -21,7 +21,8 @@ import grpc
 import pytest
 
 from harness.conditions import wait_until
-from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import (get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released,
+                                wait_ready)
 from harness.procs import ProcessGroup
 from pdserve.net import free_port
 from pdserve.protos import kvpool_pb2, kvpool_pb2_grpc
@@ -84,7 +85,8 @@ def _pool(decode) -> dict:
 
 
 def _ledger(c) -> dict:
-    return {r.lender: {d.borrower: d.blocks for d in r.lent} for r in c["gmanager"].GetLedger(kvpool_pb2.LedgerRequest()).rows}
+    return {r.lender: {d.borrower: d.blocks for d in r.lent}
+            for r in c["gmanager"].GetLedger(kvpool_pb2.LedgerRequest()).rows}
 
 
 def _settled(c, decodes) -> bool:

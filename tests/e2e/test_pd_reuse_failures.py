@@ -23,9 +23,11 @@ import threading
 
 import pytest
 
-from harness.conversations import BS, ENGINE, MAX_TOKENS, blocks, colocated, conversation, generate, wait_index_caught_up
+from harness.conversations import (BS, ENGINE, MAX_TOKENS, blocks, colocated, conversation, generate,
+                                   wait_index_caught_up)
 from harness.gates import Gate
-from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import (get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released,
+                                wait_ready)
 
 pytestmark = pytest.mark.slow
 

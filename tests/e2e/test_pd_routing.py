@@ -32,7 +32,8 @@ def test_share_of_the_half_memory_decode(procs, policy, low, high):
     prefill = start_prefill(procs, [big.grpc_address, small.grpc_address], extra=["--policy", policy])
     wait_ready(prefill)
     for i in range(N):
-        status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": f"request {i}", "max_tokens": 2})
+        status, body = post_json(prefill.url + "/v1/completions",
+                                 {"model": "tiny", "prompt": f"request {i}", "max_tokens": 2})
         assert status == 200, body
     counts = selections(prefill)
     assert sum(counts.values()) == N, counts

@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow
 HUGE = "1" + "0" * 30  # 10**30 as a JSON literal
 # (field, raw JSON value): every one a 400 naming the field, on both endpoints unless noted
 BAD = [
-    *[("max_tokens", v) for v in ("1e308", HUGE, "NaN", "Infinity", "-Infinity", "true", '"16"', "[16]", "0", "-1", "2.5")],
+    *[("max_tokens", v) for v in ("1e308", HUGE, "NaN", "Infinity", "-Infinity", "true", '"16"', "[16]", "0", "-1",
+                                  "2.5")],
     *[("temperature", v) for v in ("1e30", "1e308", "NaN", "Infinity", "-Infinity", "true", '"0.5"', "-0.5", "1e-300")],
     *[("top_p", v) for v in ("NaN", "1e308", "Infinity", "0", "-1", "1.5", "false", "1e-320")],
     *[("top_k", v) for v in (HUGE, "3000000000", "-2", "true", "NaN", '"5"', "0.5")],
@@ -31,11 +32,13 @@ BAD = [
     *[("top_logprobs", v) for v in ("1e308", "21", "true")],
     *[("presence_penalty", v) for v in ("1e308", "NaN", "2.5")],
     *[("frequency_penalty", v) for v in ("-Infinity", '"x"', "-3")],
-    *[("stop_token_ids", v) for v in ("[1" + "0" * 21 + "]", "[3000000000]", "[-1]", "[NaN]", "[true]", "[300]", "[1.5]", "5")],
+    *[("stop_token_ids", v) for v in ("[1" + "0" * 21 + "]", "[3000000000]", "[-1]", "[NaN]", "[true]", "[300]",
+                                      "[1.5]", "5")],
 ]
 CHAT_ONLY = [("max_completion_tokens", v) for v in ("1e308", "NaN", HUGE, "true")]
 COMPLETION_ONLY = [("logprobs", "true")]  # an integer there; chat's logprobs is the boolean
-PROMPT_IDS = ["[1, " + HUGE + "]", "[1, -1]", "[1, 300]", "[1, 1.5]", "[1, true]", "[1, null]", "[1, NaN]", "[2147483648]"]
+PROMPT_IDS = ["[1, " + HUGE + "]", "[1, -1]", "[1, 300]", "[1, 1.5]", "[1, true]", "[1, null]", "[1, NaN]",
+              "[2147483648]"]
 
 ENDPOINTS = {
     "/v1/completions": '"prompt": "numbers"',
@@ -80,7 +83,8 @@ def test_bad_numbers_get_400_naming_the_field(servers):
         json.loads(raw)  # well-formed as far as Python's json goes (NaN/Infinity literals included)
         status, body = post_json(prefill.url + route, None, raw=raw)
         err = body.get("error") or {}
-        if not (status == 400 and err.get("type") == "invalid_request_error" and err.get("param") == field and field in err.get("message", "")):
+        if not (status == 400 and err.get("type") == "invalid_request_error" and err.get("param") == field
+                and field in err.get("message", "")):
             wrong.append((route, field, value, status, body))
     assert not wrong, wrong[:5]
     assert len(cases) > 150

@@ -39,7 +39,8 @@ SYSTEM = "You are a careful assistant. " * 12  # ~340 bytes: about 21 blocks of 
 
 
 def start_prefill_at(group, decodes, http_port, grpc_port, name) -> Server:
-    proc = group.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port), "--decode", ",".join(decodes),
+    proc = group.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port), "--decode",
+                         ",".join(decodes),
                          "--num-blocks", "64", *COMMON, *EXTRA, name=name)
     return Server(proc, http_port, grpc_port, 0, name)
 
@@ -82,7 +83,8 @@ def leave_mid_stream(url: str, body: dict) -> None:
 
     u = urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/chat/completions", json.dumps(body | {"stream": True}),
+                 {"Content-Type": "application/json"})
     resp = conn.getresponse()
     assert resp.status == 200 and resp.read(6) == b"data: "
     conn.sock.close()
@@ -153,7 +155,8 @@ def test_routing_follows_the_cache_and_survives_kill_and_restart(cluster):
     gate.close()
     try:
         leave_mid_stream(router.url, chat(turn2) | {"max_tokens": 1500, "ignore_eos": True})
-        wait_until(lambda: sum(metric(p.url, "pdserve_requests_total", outcome="cancelled", reason="client_disconnected")
+        wait_until(lambda: sum(metric(p.url, "pdserve_requests_total", outcome="cancelled",
+                                      reason="client_disconnected")
                                for p in (x, other)) == 1, "a prefill to see the client leave", HANG_GUARD_S)
         wait_until(lambda: get_json(decode.url + "/health")[1]["sessions"] == 0, "the decode to drop the held stream",
                    HANG_GUARD_S)
@@ -175,7 +178,8 @@ def test_routing_follows_the_cache_and_survives_kill_and_restart(cluster):
     assert index_of(router, x)["index"]["blocks"] == 0
     served_before = metric(router.url, "pdserve_router_decisions_total", prefill=other.grpc_address)
     for i in range(3):
-        status, out = post_json(router.url + "/v1/chat/completions", chat(turn2 + [{"role": "user", "content": f"#{i}"}]))
+        status, out = post_json(router.url + "/v1/chat/completions",
+                                chat(turn2 + [{"role": "user", "content": f"#{i}"}]))
         assert status == 200, out
     assert metric(router.url, "pdserve_router_decisions_total", prefill=other.grpc_address) == served_before + 3
 

@@ -11,7 +11,7 @@ that provably holds streams, a scale-up, a decode left discovery); then the gate
 every stream must finish. In the scale-down tests the planner itself is behind a gate
 (harness/planner_gate.py) until the streams are placed, so it cannot drain a server first. The prefills' --session-timeout is raised so that a held stream is
 never failed by the prefill's relay timer (30 s of silence from the decode), however slow the box.
-"""
+"""  # noqa: E501
 
 import http.client
 import json
@@ -24,13 +24,15 @@ import pytest
 
 from harness.decode_gate import DecodeGate
 from harness.planner_gate import PlannerGate
-from harness.pd_cluster import get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
+from harness.pd_cluster import (get_json, metric, nothing_held, start_decode, start_prefill, wait_all_released,
+                                wait_ready)
 from harness.procs import VENV_BIN
 from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow
 
-FAST = ["--plan-interval", "1", "--plan-window", "2", "--cooldown", "1", "--slo-ttft-ms", "20000", "--slo-tbt-ms", "5000",
+FAST = ["--plan-interval", "1", "--plan-window", "2", "--cooldown", "1", "--slo-ttft-ms", "20000", "--slo-tbt-ms",
+        "5000",
         "--max-prefill", "1", "--prefill-extra=--no-resume --session-timeout 300", "--threads", "1"]
 # (prefill: --no-resume, a cut stream is an error; --session-timeout 300, a held stream is not a silent decode)
 # Streams held on a decode with their first token at the client: the prefill computes every prompt.
@@ -169,7 +171,8 @@ def test_a_decode_drained_by_scale_down_under_load_loses_no_stream(procs, tmp_pa
     victim = drained.group(1)
     assert "[autoscale] decode 2 -> 1" in log.read_text()
     victim_log = log_dir / f"{victim}.log"
-    draining = wait_for(f"{victim} starts draining", lambda: re.search(r"draining (\d+) session", victim_log.read_text()),
+    draining = wait_for(f"{victim} starts draining",
+                        lambda: re.search(r"draining (\d+) session", victim_log.read_text()),
                         up=up, log=log)
     assert int(draining.group(1)) == held[victim] >= 1, (draining.group(0), held)  # the streams it holds, none done
     assert len(gate.held()) == 6                                           # still held: nothing decoded yet

@@ -42,7 +42,8 @@ class Pair:
     async def assert_clean(self):
         for _ in range(200):  # frees on the other side travel over the wire
             rs, ts = self.rx.stats(), self.tx.stats()
-            if rs["pinned_entries"] == rs["inflight_transfers"] == ts["pinned_entries"] == ts["inflight_transfers"] == 0:
+            if (rs["pinned_entries"] == rs["inflight_transfers"] == ts["pinned_entries"]
+                    == ts["inflight_transfers"] == 0):
                 return
             await asyncio.sleep(0.01)
         raise AssertionError(f"leaked: receiver {self.rx.stats()} sender {self.tx.stats()}")

@@ -22,7 +22,8 @@ def generate(prefill, rid: str, ids: list[int], max_tokens: int = MAX_TOKENS) ->
     with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
         got = []
         for resp in gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(
-                prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True, request_id=rid), timeout=120):
+                prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True,
+                request_id=rid), timeout=120):
             got += list(resp.token_ids)
         return got
 

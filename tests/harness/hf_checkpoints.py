@@ -26,7 +26,8 @@ FAMILIES = {
     "gemma3": ("Gemma3TextConfig", dict(query_pre_attn_scalar=24, sliding_window=WINDOW, final_logit_softcapping=3.0,
                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                                         rope_parameters={
-                                            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+                                            "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                               "rope_theta": 500.0},
                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
     # router top-2 of 4 experts, renormalised; layer 1 dense (mlp_only_layers)
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

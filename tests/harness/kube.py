@@ -59,7 +59,8 @@ from harness.kube_control_plane import (CLIENT_BINARIES, KubeToolsMissing, contr
                                 wait_until, write_kubeconfig)
 from harness.kube_kubelet import FakeKubelet
 
-__all__ = ["KubeCluster", "KubeCommandError", "KubeToolsMissing", "kube_cluster", "local_control_plane", "existing_cluster",
+__all__ = ["KubeCluster", "KubeCommandError", "KubeToolsMissing", "kube_cluster", "local_control_plane",
+           "existing_cluster",
            "require_tools", "tools_bin_dir", "wait_until"]
 
 
@@ -67,7 +68,8 @@ class KubeCommandError(subprocess.CalledProcessError):
     """A kubectl/helm command failed; str() shows its stdout and stderr."""
 
     def __str__(self) -> str:
-        return f"{' '.join(map(str, self.cmd))} exited with {self.returncode}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+        return (f"{' '.join(map(str, self.cmd))} exited with {self.returncode}\n"
+                f"stdout:\n{self.stdout}\nstderr:\n{self.stderr}")
 
 
 @dataclass
@@ -103,7 +105,8 @@ class KubeCluster:
 
     def _run(self, tool: str, args, input, check, kubeconfig, timeout) -> subprocess.CompletedProcess:
         cmd = [str(self.bin_dir / tool), *map(str, args)]
-        proc = subprocess.run(cmd, input=input, capture_output=True, text=True, env=self._env(kubeconfig), timeout=timeout)
+        proc = subprocess.run(cmd, input=input, capture_output=True, text=True, env=self._env(kubeconfig),
+                              timeout=timeout)
         if check and proc.returncode != 0:
             raise KubeCommandError(proc.returncode, cmd, proc.stdout, proc.stderr)
         return proc
@@ -151,7 +154,8 @@ class KubeCluster:
         Returns the names of the ready pods.
         """
         def pods() -> list[dict]:
-            return json.loads(self.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]
+            return json.loads(self.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o",
+                                           "json").stdout)["items"]
 
         def ready(pod: dict) -> bool:
             return any(c["type"] == "Ready" and c["status"] == "True" for c in pod["status"].get("conditions", []))
@@ -204,11 +208,13 @@ def existing_cluster(kubeconfig: Path, work_dir: Path) -> KubeCluster:
         found = {n: shutil.which(n) for n in CLIENT_BINARIES}
         dirs = {Path(p).parent for p in found.values() if p}
         if len(dirs) != 1 or not all(found.values()):
-            raise KubeToolsMissing(f"kubectl and helm are not both in {bin_dir} or in one PATH directory: run make k8s-tools")
+            raise KubeToolsMissing(f"kubectl and helm are not both in {bin_dir} or in one PATH "
+                                   f"directory: run make k8s-tools")
         bin_dir = dirs.pop()
     work_dir.mkdir(parents=True, exist_ok=True)
     cluster = KubeCluster(kubeconfig=kubeconfig, server="", bin_dir=bin_dir, work_dir=work_dir, local=False)
-    cluster.server = cluster.kubectl("config", "view", "--minify", "-o", "jsonpath={.clusters[0].cluster.server}").stdout
+    cluster.server = cluster.kubectl("config", "view", "--minify", "-o",
+                                     "jsonpath={.clusters[0].cluster.server}").stdout
     return cluster
 
 

@@ -50,7 +50,8 @@ def require_tools(bin_dir: Path, names: tuple[str, ...]) -> None:
     missing = [n for n in names if not os.access(bin_dir / n, os.X_OK)]
     if missing:
         raise KubeToolsMissing(
-            f"missing {', '.join(missing)} in {bin_dir}: run make k8s-tools (it builds them with Go once, then caches them)"
+            f"missing {', '.join(missing)} in {bin_dir}: run make k8s-tools (it builds them with "
+            f"Go once, then caches them)"
         )
 
 
@@ -84,7 +85,8 @@ def write_kubeconfig(path: Path, cluster: dict, user: str, credentials: dict, na
         "kind": "Config",
         "clusters": [{"name": "pdserve-test", "cluster": cluster}],
         "users": [{"name": user, "user": credentials}],
-        "contexts": [{"name": "pdserve-test", "context": {"cluster": "pdserve-test", "user": user, "namespace": namespace}}],
+        "contexts": [{"name": "pdserve-test",
+                      "context": {"cluster": "pdserve-test", "user": user, "namespace": namespace}}],
         "current-context": "pdserve-test",
     }
     path.write_text(yaml.safe_dump(doc))
@@ -122,7 +124,8 @@ class Pki:
         exts = ["basicConstraints = critical, CA:TRUE", "keyUsage = critical, keyCertSign, cRLSign"] if ca else [
             "basicConstraints = critical, CA:FALSE", "keyUsage = critical, digitalSignature",
             f"extendedKeyUsage = {ext}"] + ([f"subjectAltName = {', '.join(san)}"] if san else [])
-        cnf.write_text("[req]\nprompt = no\ndistinguished_name = dn\n[dn]\n" + subject + "\n[ext]\n" + "\n".join(exts) + "\n")
+        cnf.write_text("[req]\nprompt = "
+                       "no\ndistinguished_name = dn\n[dn]\n" + subject + "\n[ext]\n" + "\n".join(exts) + "\n")
         newkey = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", key]
         if ca:
             _openssl("req", "-x509", *newkey, "-config", cnf, "-extensions", "ext", "-days", "30", "-out", crt)
@@ -130,7 +133,8 @@ class Pki:
             csr = self.d / f"{name}.csr"
             _openssl("req", "-new", *newkey, "-config", cnf, "-out", csr)
             _openssl("x509", "-req", "-in", csr, "-CA", self.ca[1], "-CAkey", self.ca[0], "-set_serial",
-                     str(int.from_bytes(os.urandom(8), "big")), "-days", "30", "-extfile", cnf, "-extensions", "ext", "-out", crt)
+                     str(int.from_bytes(os.urandom(8), "big")), "-days", "30", "-extfile", cnf, "-extensions", "ext",
+                     "-out", crt)
         return key, crt
 
 
@@ -206,7 +210,8 @@ def control_plane(work_dir: Path, bin_dir: Path | None = None, node_ip: str | No
         apiserver = group.start([
             str(bin_dir / "kube-apiserver"), f"--etcd-servers=http://127.0.0.1:{etcd_port}", *node_args,
             f"--secure-port={api_port}",
-            f"--cert-dir={work_dir / 'pki'}", f"--tls-cert-file={pki.serving[1]}", f"--tls-private-key-file={pki.serving[0]}",
+            f"--cert-dir={work_dir / 'pki'}", f"--tls-cert-file={pki.serving[1]}",
+            f"--tls-private-key-file={pki.serving[0]}",
             f"--client-ca-file={pki.ca[1]}", "--authorization-mode=Node,RBAC",
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.sa_pub}", f"--service-account-signing-key-file={pki.sa_key}",
@@ -243,7 +248,8 @@ def control_plane(work_dir: Path, bin_dir: Path | None = None, node_ip: str | No
                 cm["proc"] = group.start(cm_argv, name=cm["name"], preexec_fn=_die_with_parent)
             for name, proc in (("etcd", etcd), ("kube-apiserver", apiserver), (cm["name"], cm["proc"])):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode}; its log ends:\n{_log_tail(logs / f'{name}.log')}")
+                    raise RuntimeError(f"{name} exited with {proc.returncode}; its log "
+                                       f"ends:\n{_log_tail(logs / f'{name}.log')}")
             return _https_get(server + path, ctx) == 200
 
         try:

@@ -36,7 +36,8 @@ class FakeKubelet:
             self.core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": self.NODE}})
         now = _now()
         self.core.patch_node_status(self.NODE, {"status": {
-            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "pdserve test harness",
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                            "message": "pdserve test harness",
                             "lastHeartbeatTime": now, "lastTransitionTime": now}],
             "capacity": {"cpu": "64", "memory": "256Gi", "pods": "500"},
             "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "500"},
@@ -72,7 +73,8 @@ class FakeKubelet:
                 for pod in self.core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.NODE}").items:
                     if pod.metadata.deletion_timestamp is not None:
                         with contextlib.suppress(ApiException):  # already gone
-                            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
+                            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace,
+                                                            grace_period_seconds=0)
             except Exception:  # the API server is stopping, or a transient error: try again next round
                 continue
 

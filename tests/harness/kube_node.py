@@ -185,7 +185,8 @@ def node_cluster(work_dir: Path, bin_dir: Path | None = None, with_image: bool =
         fresh_dirs = [d for d in MACHINE_DIRS if not d.exists()]
         problems = _sweep(_stale_roots(), bin_dir / "kube-proxy")
         if problems:
-            raise NodeTeardownError("an earlier one-node cluster left state that cannot be removed:\n" + "\n".join(problems))
+            raise NodeTeardownError("an earlier one-node cluster left state "
+                                    "that cannot be removed:\n" + "\n".join(problems))
         before = machine_state()
         before["sysctls"] = {k: sysctls.saved.get(k) for k in host.SYSCTLS}  # what restore() writes back
         problems = []
@@ -272,7 +273,8 @@ def _start_node(cluster: NodeCluster, cp, node: Path, bin_dir: Path, group: Proc
                                                                   metrics_port=free_port()))
     proxy = group.start([str(bin_dir / "kube-proxy"), f"--config={node / 'kube-proxy.yaml'}", "--v=1"],
                         name="kube-proxy", preexec_fn=_die_with_parent)
-    sched_kc = _client_kubeconfig(node / "scheduler.kubeconfig", cp.server, pki, "kube-scheduler", "system:kube-scheduler")
+    sched_kc = _client_kubeconfig(node / "scheduler.kubeconfig", cp.server, pki, "kube-scheduler",
+                                  "system:kube-scheduler")
     (node / "scheduler.yaml").write_text(config.kube_scheduler_yaml(kubeconfig=sched_kc))
     scheduler = group.start([str(bin_dir / "kube-scheduler"), f"--config={node / 'scheduler.yaml'}",
                              "--secure-port=0", "--v=1"], name="kube-scheduler", preexec_fn=_die_with_parent)
@@ -300,7 +302,8 @@ def _start_node(cluster: NodeCluster, cp, node: Path, bin_dir: Path, group: Proc
 
 def _alive(proc: subprocess.Popen, logs: Path, name: str) -> bool:
     if proc.poll() is not None:
-        raise RuntimeError(f"{name} exited with {proc.returncode}; its log ends:\n{_log_tail(logs / f'{name}.log', 40)}")
+        raise RuntimeError(f"{name} exited with {proc.returncode}; its log "
+                           f"ends:\n{_log_tail(logs / f'{name}.log', 40)}")
     return True
 
 
@@ -317,14 +320,16 @@ def _save_pod_logs(cluster: NodeCluster) -> None:
     out = cluster.work_dir / "logs" / "pods"
     out.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(Exception):
-        (out / "pods.txt").write_text(cluster.kubectl("get", "pods", "-A", "-o", "wide", timeout=30, check=False).stdout)
+        (out / "pods.txt").write_text(cluster.kubectl("get", "pods", "-A", "-o", "wide", timeout=30,
+                                                      check=False).stdout)
         (out / "events.txt").write_text(cluster.kubectl("get", "events", "-A", "--sort-by=.lastTimestamp",
                                                         timeout=30, check=False).stdout)
         pods = json.loads(cluster.kubectl("get", "pods", "-A", "-o", "json", timeout=30).stdout)["items"]
         for pod in pods:
             ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
             for previous in (False, True):
-                proc = cluster.kubectl("logs", name, "-n", ns, "--all-containers", *(["--previous"] if previous else []),
+                proc = cluster.kubectl("logs", name, "-n", ns, "--all-containers",
+                                       *(["--previous"] if previous else []),
                                        timeout=30, check=False)
                 if proc.stdout:
                     (out / f"{ns}_{name}{'.previous' if previous else ''}.log").write_text(proc.stdout)
@@ -336,7 +341,8 @@ def _drain(cluster: NodeCluster, timeout: float = 90.0) -> None:
     The pods' logs are saved first (work_dir/logs/pods)."""
     _save_pod_logs(cluster)
     with contextlib.suppress(Exception):
-        names = cluster.kubectl("get", "namespaces", "-o", "jsonpath={.items[*].metadata.name}", timeout=30).stdout.split()
+        names = cluster.kubectl("get", "namespaces", "-o", "jsonpath={.items[*].metadata.name}",
+                                timeout=30).stdout.split()
         extra = [n for n in names if n not in SYSTEM_NAMESPACES]
         if extra:
             cluster.kubectl("delete", "namespace", *extra, "--wait=false", timeout=30, check=False)
@@ -350,7 +356,8 @@ def _drain(cluster: NodeCluster, timeout: float = 90.0) -> None:
     # Whatever the kubelet did not stop: kill and remove the containers directly.
     if cluster.ctr:
         with contextlib.suppress(Exception):
-            ids = subprocess.run([*cluster.ctr, "tasks", "ls", "-q"], capture_output=True, text=True, timeout=30).stdout.split()
+            ids = subprocess.run([*cluster.ctr, "tasks", "ls", "-q"], capture_output=True, text=True,
+                                 timeout=30).stdout.split()
             for cid in ids:
                 subprocess.run([*cluster.ctr, "tasks", "kill", "-s", "SIGKILL", cid], capture_output=True, timeout=30)
             for cid in subprocess.run([*cluster.ctr, "containers", "ls", "-q"], capture_output=True, text=True,
@@ -365,12 +372,14 @@ def _main() -> None:
     work = Path(tempfile.mkdtemp(prefix="pdserve-cluster-"))
     start = time.monotonic()
     with node_cluster(work) as cluster:
-        print(f"one-node cluster up in {time.monotonic() - start:.0f}s ({json.dumps({k: round(v) for k, v in cluster.timings.items()})})")
+        print(f"one-node cluster up in {time.monotonic() - start:.0f}s "
+              f"({json.dumps({k: round(v) for k, v in cluster.timings.items()})})")
         print(f"node {cluster.node_name} at {cluster.node_ip}; image {cluster.image} is in containerd "
               f"(use imagePullPolicy: IfNotPresent or Never); logs in {work / 'logs'}")
         print(f"export KUBECONFIG={cluster.kubeconfig} PATH={cluster.bin_dir}:$PATH")
         print(f"helm install pdserve charts/pdserve -n pdserve-system --create-namespace "
-              f"--set image.repository={cluster.image.rsplit(':', 1)[0]} --set image.tag={cluster.image.rsplit(':', 1)[1]}")
+              f"--set image.repository={cluster.image.rsplit(':', 1)[0]} --set "
+              f"image.tag={cluster.image.rsplit(':', 1)[1]}")
         print("Ctrl-C or SIGTERM stops it and puts the machine back", flush=True)
         while True:
             signal.pause()

@@ -161,7 +161,8 @@ def describe(cluster, namespace: str) -> str:
     parts = [cluster.kubectl("get", "pdserve,deploy,pods,svc,endpointslices", "-n", namespace, "-o", "wide",
                              check=False).stdout,
              cluster.kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False).stdout[-4000:]]
-    pods = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-o", "json", check=False).stdout or '{"items": []}')
+    pods = json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-o", "json", check=False).stdout
+                      or '{"items": []}')
     for pod in pods["items"]:
         name = pod["metadata"]["name"]
         parts.append(f"--- logs {name} ---\n" + cluster.kubectl("logs", name, "-n", namespace, "--tail=30",

@@ -36,7 +36,8 @@ def wait_crds_established(kube, names, timeout: float = 60.0) -> None:
     on a CRD created a moment before, with no status.conditions yet, it fails at once with
     "conditions accessor error" instead of waiting: 1 CI failure.)"""
     for name in names:
-        kube.wait_until(lambda: (c := condition(get_json(kube, f"crd/{name}"), "Established")) and c["status"] == "True",
+        kube.wait_until(lambda: (c := condition(get_json(kube, f"crd/{name}"), "Established"))
+                        and c["status"] == "True",
                         timeout=timeout, what=f"CRD {name} established")
 
 
@@ -77,11 +78,13 @@ def mark_pods_ready(kube, namespace: str, selector: str, ready: bool = True) -> 
     them to a Node object, gives them IPs and reports them Ready), or, with ready=False, report
     the already running ones not ready (as a failing readiness probe would). Returns their IPs."""
     if ready:
-        count = len(json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"])
+        count = len(json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o",
+                                            "json").stdout)["items"])
         kube.make_pods_ready(namespace, selector, count=max(count, 1))
         return pod_ips(kube, namespace, selector)
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    for ip_pod in json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)["items"]:
+    for ip_pod in json.loads(kube.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o",
+                                          "json").stdout)["items"]:
         status = {"status": {"conditions": [{"type": t, "status": "False", "lastTransitionTime": now}
                                             for t in ("ContainersReady", "Ready")]}}
         kube.kubectl("patch", "pod", ip_pod["metadata"]["name"], "-n", namespace, "--subresource=status",
@@ -92,7 +95,8 @@ def mark_pods_ready(kube, namespace: str, selector: str, ready: bool = True) -> 
 class OperatorProcess:
     """`pdserve operator` as a local process under the chart's ServiceAccount; start/kill/stop."""
 
-    def __init__(self, kube, log_dir: Path, extra_args: tuple[str, ...] = (), scope: tuple[str, ...] = ("--all-namespaces",),
+    def __init__(self, kube, log_dir: Path, extra_args: tuple[str, ...] = (),
+                 scope: tuple[str, ...] = ("--all-namespaces",),
                  service_account: tuple[str, str] = (RELEASE_NAMESPACE, OPERATOR_SA)):
         self.kube = kube
         self.log_dir = log_dir

@@ -89,10 +89,12 @@ def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), n
     return Server(proc, http_port, grpc_port, kv_port, name)
 
 
-def start_prefill(procs, decodes: list[str], transfer: str = "tcp", num_blocks: int = 64, extra=(), name: str = "prefill",
+def start_prefill(procs, decodes: list[str], transfer: str = "tcp", num_blocks: int = 64, extra=(),
+                  name: str = "prefill",
                   env: dict | None = None) -> Server:
     http_port, grpc_port = free_port(), free_port()
-    proc = procs.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port), "--decode", ",".join(decodes),
+    proc = procs.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port), "--decode",
+                         ",".join(decodes),
                          "--transfer", transfer, "--num-blocks", str(num_blocks), *COMMON, *extra, name=name, env=env)
     return Server(proc, http_port, grpc_port, 0, name)
 
@@ -105,7 +107,8 @@ def held(health: dict) -> dict:
     for key, value in (health.get("cachestore") or {}).items():
         if isinstance(value, (int, float)) and any(k in key for k in HELD_KEYS):
             out[f"cachestore.{key}"] = value
-    for key in ("in_flight", "queued", "slo_running", "swapped_requests"):  # prefill: in flight, queued, admitted; decode: evicted
+    for key in ("in_flight", "queued", "slo_running",
+                "swapped_requests"):  # prefill: in flight, queued, admitted; decode: evicted
         if key in health:
             out[key] = health[key]
     return out

@@ -43,7 +43,8 @@ class Sim:
         if tbt is None:
             tbt = 0.03 + 0.3 * max(0.0, kv_util - 0.8)
         return Window(end=self.t, duration_s=self.dt, ttft_s=ttft * jitter(), tbt_s=tbt * jitter(), requests=100,
-                      prefill=PoolLoad(n_p, waiting=waiting, running=20 * kv, waiting_growth_per_s=(waiting - before) / self.dt,
+                      prefill=PoolLoad(n_p, waiting=waiting, running=20 * kv,
+                                       waiting_growth_per_s=(waiting - before) / self.dt,
                                        busy=busy_per, tokens_per_s=1000 * busy),
                       decode=PoolLoad(n_d, waiting=0, running=20 * kv, kv_utilisation=kv_util, tokens_per_s=500 * kv))
 

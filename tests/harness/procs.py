@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 
 
-def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+def wait_for_port(port: int, host: str = "127.0.0.1", timeout: float = 60.0,
+                  proc: subprocess.Popen | None = None) -> None:
     """Block until something accepts connections on host:port (or fail with a clear message)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

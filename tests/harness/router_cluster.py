@@ -9,7 +9,7 @@ from pdserve.net import free_port
 
 
 def start_prefills(group, n: int = 2, extra=(), step_floor_s: float = 0.0) -> tuple[Server, list[Server]]:
-    """One decode (128 blocks; each step lasting at least ``step_floor_s``) and ``n`` prefills that know it, all ready."""
+    """One decode (128 blocks; each step lasting at least ``step_floor_s``) and ``n`` prefills that know it, all ready."""  # noqa: E501
     decode = start_decode(group, num_blocks=128, extra=extra, name="decode", step_floor_s=step_floor_s)
     wait_ready(decode)
     prefills = [start_prefill(group, [decode.grpc_address], extra=extra, name=f"prefill{i}") for i in range(n)]

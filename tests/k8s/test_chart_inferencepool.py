@@ -60,7 +60,8 @@ def test_pool_selects_exactly_the_target_pods_on_their_http_port(target):
 
 def test_name_namespace_and_picker_settings_come_from_values():
     p = pool("gateway.inferencePool.name=chat-pool", "gateway.inferencePool.namespace=team-a",
-             "gateway.inferencePool.endpointPicker.port=9100", "gateway.inferencePool.endpointPicker.failureMode=FailOpen")
+             "gateway.inferencePool.endpointPicker.port=9100",
+             "gateway.inferencePool.endpointPicker.failureMode=FailOpen")
     assert (p["metadata"]["name"], p["metadata"]["namespace"]) == ("chat-pool", "team-a")
     assert p["spec"]["endpointPickerRef"]["port"] == {"number": 9100}
     assert p["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
@@ -70,7 +71,8 @@ def test_missing_or_bad_values_are_refused_naming_the_value():
     assert "gateway.inferencePool.inferenceService" in render_error("gateway.inferencePool.enabled=true")
     assert "gateway.inferencePool.endpointPicker.service" in render_error(
         "gateway.inferencePool.enabled=true", "gateway.inferencePool.inferenceService=chat")
-    assert "gateway.inferencePool.target must be router or prefill" in render_error(*ON, "gateway.inferencePool.target=decode")
+    assert "gateway.inferencePool.target must be router or prefill" in render_error(*ON,
+                                                                                    "gateway.inferencePool.target=decode")
 
 
 def test_the_api_server_accepts_the_rendered_pool_with_the_upstream_crd(kube):
@@ -82,7 +84,8 @@ def test_the_api_server_accepts_the_rendered_pool_with_the_upstream_crd(kube):
         for target in ("router", "prefill"):
             rendered = pool(f"gateway.inferencePool.target={target}", f"gateway.inferencePool.namespace={ns}",
                             f"gateway.inferencePool.name=chat-{target}")
-            kube.wait_until(lambda: kube.kubectl("apply", "-f", "-", input=json.dumps(rendered), check=False).returncode == 0,
+            kube.wait_until(lambda: kube.kubectl("apply", "-f", "-", input=json.dumps(rendered),
+                                                 check=False).returncode == 0,
                             timeout=60, what=f"the {target} InferencePool to be accepted (the new CRD serving)")
             stored = json.loads(kube.kubectl("get", "inferencepool", f"chat-{target}", "-n", ns, "-o", "json").stdout)
             assert stored["spec"]["selector"] == rendered["spec"]["selector"]

@@ -85,7 +85,7 @@ def test_rbac_is_least_privilege():
 
 
 def test_operator_can_grant_prefill_and_router_pods_only_what_it_holds():
-    """RBAC forbids granting what one does not hold: the prefill and router Roles must be subsets of the operator's rules."""
+    """RBAC forbids granting what one does not hold: the prefill and router Roles must be subsets of the operator's rules."""  # noqa: E501
     from pdserve.operator import pools, router_workloads, workloads
     from pdserve.operator.config import OperatorConfig
 

@@ -36,7 +36,8 @@ def namespace(kube):
 def owned(kube, kind: str, namespace: str, owner_kind: str, owner_name: str) -> list[dict]:
     items = json.loads(kube.kubectl("get", kind, "-n", namespace, "-o", "json").stdout)["items"]
     return [i for i in items
-            if any(r["kind"] == owner_kind and r["name"] == owner_name for r in i["metadata"].get("ownerReferences", []))]
+            if any(r["kind"] == owner_kind and r["name"] == owner_name
+                   for r in i["metadata"].get("ownerReferences", []))]
 
 
 def test_missing_binaries_fail_with_the_make_target(tmp_path):
@@ -73,7 +74,8 @@ def test_service_account_without_roles_is_forbidden_until_bound(kube, namespace)
     kube.kubectl("create", "role", "pod-reader", "--verb=get,list,watch", "--resource=pods", "-n", namespace)
     kube.kubectl("create", "rolebinding", "reader-reads-pods", "--role=pod-reader",
                  f"--serviceaccount={namespace}:reader", "-n", namespace)
-    kube.wait_until(lambda: kube.kubectl("get", "pods", "-n", namespace, kubeconfig=token_config, check=False).returncode == 0,
+    kube.wait_until(lambda: kube.kubectl("get", "pods", "-n", namespace, kubeconfig=token_config,
+                                         check=False).returncode == 0,
                     timeout=30, what="the RoleBinding to take effect")
     with kube.api_client(token_config) as api:
         assert client.CoreV1Api(api).list_namespaced_pod(namespace).items == []
@@ -104,7 +106,8 @@ def test_deployment_gets_replicaset_and_pods_and_garbage_collection_removes_them
 def test_service_gets_an_endpointslice(kube, namespace):
     kube.kubectl("create", "service", "clusterip", "web", "--tcp=8000:8000", "-n", namespace)
     slices = kube.wait_until(
-        lambda: json.loads(kube.kubectl("get", "endpointslices", "-n", namespace, "-l", "kubernetes.io/service-name=web",
+        lambda: json.loads(kube.kubectl("get", "endpointslices", "-n", namespace, "-l",
+                                        "kubernetes.io/service-name=web",
                                         "-o", "json").stdout)["items"],
         what="the endpointslice controller to create a slice")
     assert slices[0]["metadata"]["ownerReferences"][0]["kind"] == "Service"

@@ -86,7 +86,8 @@ def pool_status(kube, ns: str, name: str) -> dict | None:
 
 def event_reasons(kube, ns: str) -> list[str]:
     out = json.loads(kube.kubectl("get", "events", "-n", ns, "--field-selector",
-                                  f"involvedObject.kind=InferenceService,involvedObject.name={ISVC}", "-o", "json").stdout)
+                                  f"involvedObject.kind=InferenceService,involvedObject.name={ISVC}", "-o",
+                                  "json").stdout)
     return [e["reason"] for e in out["items"]]
 
 
@@ -154,7 +155,8 @@ def test_scale_down_marks_the_idle_pod_for_deletion_first(kube, operator, ns, tm
     an_hour_ago = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 3600))
     kube.kubectl("patch", "pod", idle, "-n", ns, "--subresource=status", "--type=strategic", "-p", json.dumps(
         {"status": {"conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": an_hour_ago}]}}))
-    pods = [FakePod(prefill_pod, "prefill", "prefill"), FakePod(idle, "decode", "main"), FakePod(busy, "decode", "main")]
+    pods = [FakePod(prefill_pod, "prefill", "prefill"), FakePod(idle, "decode", "main"),
+            FakePod(busy, "decode", "main")]
     pods[2].load.update(used=10, running=3)                        # the pool at 5% KV: one decode is plenty
     seen: dict[str, str] = {}
     try:

@@ -44,7 +44,8 @@ class Watcher:
 
 def test_decode_changes_reach_prefill_discovery_without_restart(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
-    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 5, "5 pods", op=operator)
+    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 5, "5 pods",
+             op=operator)
     selector = prefill_selector(kube, ns)
     # The prefill pods' ServiceAccount, made by the operator: its Role must be enough to discover.
     token = kube.token_kubeconfig(ns, "chat-prefill")
@@ -68,7 +69,8 @@ def test_decode_changes_reach_prefill_discovery_without_restart(kube, operator, 
 
 def test_a_protocol_upgrade_keeps_old_prefills_on_old_decodes_until_the_prefills_rolled(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
-    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 5, "5 pods", op=operator)
+    wait_for(kube, lambda: len(names(kube, "pods", ns, "pdserve.io/inference-service=chat")) == 5, "5 pods",
+             op=operator)
     old_selector = prefill_selector(kube, ns)
     token = kube.token_kubeconfig(ns, "chat-prefill")
     old = {f"{ip}:{defaults.DECODE_GRPC_PORT}" for ip in mark_pods_ready(kube, ns, "pdserve.io/role=decode")}
@@ -76,7 +78,8 @@ def test_a_protocol_upgrade_keeps_old_prefills_on_old_decodes_until_the_prefills
 
     with Watcher(ns, old_selector, str(token)) as old_view:
         wait_for(kube, lambda: set(old_view.addresses()) == old and len(old) == 3, f"3 decodes of version {OLD}")
-        kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p", json.dumps({"spec": {"protocolVersion": NEW}}))
+        kube.kubectl("patch", "pdis", "chat", "-n", ns, "--type=merge", "-p",
+                     json.dumps({"spec": {"protocolVersion": NEW}}))
         new_selector = wait_for(kube, lambda: (lambda s: s if s.endswith(f"protocol-version={NEW}") else None)(
             prefill_selector(kube, ns)), "prefill Deployment on the new version", op=operator)
         assert new_selector != old_selector
@@ -92,10 +95,12 @@ def test_a_protocol_upgrade_keeps_old_prefills_on_old_decodes_until_the_prefills
                      "new-version decode pods", op=operator)
             new = {f"{ip}:{defaults.DECODE_GRPC_PORT}"
                    for ip in mark_pods_ready(kube, ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=decode")}
-            wait_for(kube, lambda: set(new_view.addresses()) == new, "new-version prefill seeing new-version decodes only")
+            wait_for(kube, lambda: set(new_view.addresses()) == new,
+                     "new-version prefill seeing new-version decodes only")
             assert set(old_view.addresses()) <= old  # never a new one (old ones go as their Deployments roll)
             # the prefill rolls: once no old-version prefill is left, neither are the retired Services
-            wait_for(kube, lambda: names(kube, "pods", ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=prefill"),
+            wait_for(kube, lambda: names(kube, "pods", ns,
+                                         f"pdserve.io/protocol-version={NEW},pdserve.io/role=prefill"),
                      "the new-version prefill pod", op=operator)
             mark_pods_ready(kube, ns, f"pdserve.io/protocol-version={NEW},pdserve.io/role=prefill")
             wait_for(kube, lambda: names(kube, "services", ns, retired) == [], "the retired Services deleted",

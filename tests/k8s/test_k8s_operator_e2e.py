@@ -101,7 +101,8 @@ def test_kubectl_scale_on_a_pool_reaches_its_deployment_and_sticks(kube, operato
     wait_for(kube, lambda: get_json(kube, "prefillpool", "chat-prefill", "-n", ns)["spec"]["slo"]["ttftMs"] == 2000,
              "slo change reaching the PrefillPool", op=operator)
     assert get_json(kube, "decodepool", "chat-decode-main", "-n", ns)["spec"]["replicas"] == 4
-    scale = json.loads(kube.kubectl("get", "--raw", f"/apis/pdserve.io/v1alpha1/namespaces/{ns}/decodepools/chat-decode-main/scale").stdout)
+    scale = json.loads(kube.kubectl("get", "--raw",
+                                    f"/apis/pdserve.io/v1alpha1/namespaces/{ns}/decodepools/chat-decode-main/scale").stdout)
     assert scale["spec"]["replicas"] == 4
     # ... but changing the InferenceService's own count for that pool wins.
     patch = [{"op": "replace", "path": "/spec/decode/0/replicas", "value": 1}]
@@ -124,7 +125,8 @@ def test_upgrade_rolls_both_pools_and_prefill_selects_only_the_new_version(kube,
         return all(t["spec"]["containers"][0]["image"] == "registry.test/pdserve:2"
                    and t["metadata"]["labels"]["pdserve.io/protocol-version"] == new for t in templates)
     wait_for(kube, rolled, f"all pools on image 2 / protocol {new}", op=operator)
-    isvc = wait_for(kube, lambda: (lambda o: o if o.get("status", {}).get("observedGeneration") == o["metadata"]["generation"]
+    isvc = wait_for(kube, lambda: (lambda o: o
+                                   if o.get("status", {}).get("observedGeneration") == o["metadata"]["generation"]
                                    else None)(get_json(kube, "inferenceservice", "chat", "-n", ns)),
                     "observedGeneration to reach the new generation", op=operator)
     assert isvc["metadata"]["generation"] >= 2
@@ -179,7 +181,8 @@ INVALID = [
     ("negative replicas", {"spec": {"prefill": {"replicas": -1}}}, "spec.prefill.replicas"),
     ("negative router replicas", {"spec": {"router": {"replicas": -1}}}, "spec.router.replicas"),
     ("negative router load weight", {"spec": {"router": {"loadWeight": -2}}}, "spec.router.loadWeight"),
-    ("duplicate decode pool names", {"spec": {"decode": [{"name": "a"}, {"name": "a"}]}}, "spec.decode pool names must be unique"),
+    ("duplicate decode pool names", {"spec": {"decode": [{"name": "a"}, {"name": "a"}]}},
+     "spec.decode pool names must be unique"),
     ("bad pool name", {"spec": {"decode": [{"name": "Main_Pool"}]}}, "spec.decode[0].name"),
     ("relative model path", {"spec": {"model": {"source": "models/qwen"}}}, "spec.model.source"),
     ("model outside its volume", {"spec": {"model": {"source": "/data/q", "pvcName": "w"}}}, "spec.model.source"),
@@ -188,7 +191,8 @@ INVALID = [
      "spec.slo.classes must not declare 'default'"),
     ("duplicate SLO classes", {"spec": {"slo": {"classes": [{"name": "a"}, {"name": "a"}]}}},
      "spec.slo.classes names must be unique"),
-    ("duplicate SLO priorities", {"spec": {"slo": {"classes": [{"name": "a", "priority": 1}, {"name": "b", "priority": 1}]}}},
+    ("duplicate SLO priorities",
+     {"spec": {"slo": {"classes": [{"name": "a", "priority": 1}, {"name": "b", "priority": 1}]}}},
      "spec.slo.classes priorities must be unique"),
     ("undeclared default SLO class", {"spec": {"slo": {"defaultClass": "gold"}}}, "spec.slo.defaultClass must be"),
     ("bad SLO class name", {"spec": {"slo": {"classes": [{"name": "Gold Tier"}]}}}, "spec.slo.classes[0].name"),
@@ -260,13 +264,15 @@ def test_restart_mid_reconcile_converges_to_the_same_state(kube, operator, ns):
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["spec"]["decode"] = [{"name": f"p{i}", "replicas": 1} for i in range(6)]
     kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(doc))
-    wait_for(kube, lambda: names(kube, "prefillpools", ns) or names(kube, "decodepools", ns), "a first pool", op=operator)
+    wait_for(kube, lambda: names(kube, "prefillpools", ns) or names(kube, "decodepools", ns), "a first pool",
+             op=operator)
     operator.kill()
     partial = {k: names(kube, k, ns) for k in ("decodepools", "deployments", "services")}
     try:
         expected = sorted(["chat-prefill", "chat-router"] + [f"chat-decode-p{i}" for i in range(6)])
         operator.start()
-        wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "all 8 Deployments after restart", op=operator)
+        wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "all 8 Deployments after restart",
+                 op=operator)
         wait_for(kube, lambda: names(kube, "services", ns) == expected, "all 8 Services", op=operator)
         isvc = settled_status(kube, ns, "0/6", op=operator)
         assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]

@@ -216,14 +216,16 @@ INVALID = [
      ["spec.prefill.capabilities[0]"]),
     ("operator volume name", lambda s: s["prefill"]["extraVolumes"].append({"name": "tmp", "emptyDir": {}}),
      ["spec.prefill.extraVolumes", "tmp"]),
-    ("mount over /dev/shm", lambda s: s["prefill"]["extraVolumeMounts"].append({"name": "cache", "mountPath": "/dev/shm"}),
+    ("mount over /dev/shm", lambda s: s["prefill"]["extraVolumeMounts"].append({"name": "cache",
+                                                                                "mountPath": "/dev/shm"}),
      ["spec.prefill.extraVolumeMounts", "shmSize"]),
     ("mount without a path", lambda s: s["prefill"]["extraVolumeMounts"].append({"name": "cache"}),
      ["spec.prefill.extraVolumeMounts[1].mountPath"]),
     ("bad shm size", lambda s: s["prefill"].update(shmSize="big"), ["spec.prefill.shmSize"]),
     ("both budgets", lambda s: s["prefill"]["disruptionBudget"].update(maxUnavailable=1),
      ["spec.prefill.disruptionBudget", "not both"]),
-    ("budget neither count nor percentage", lambda s: s["decode"][0].update(disruptionBudget={"maxUnavailable": "half"}),
+    ("budget neither count nor percentage",
+     lambda s: s["decode"][0].update(disruptionBudget={"maxUnavailable": "half"}),
      ["spec.decode[0].disruptionBudget.maxUnavailable"]),
     ("spread without a key", lambda s: s["prefill"]["topologySpreadConstraints"][0].pop("topologyKey"),
      ["spec.prefill.topologySpreadConstraints[0].topologyKey"]),
@@ -258,10 +260,12 @@ def test_the_valid_spec_is_stored_as_written(kube, operator):
 def test_the_charts_pull_secrets_reach_the_operator():
     def env(docs):
         (deployment,) = by_kind(docs, "Deployment")
-        return deployment, {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        return deployment, {e["name"]: e.get("value")
+                            for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
 
     deployment, plain = env(render())
-    assert "PDSERVE_IMAGE_PULL_SECRETS" not in plain and "imagePullSecrets" not in deployment["spec"]["template"]["spec"]
+    assert ("PDSERVE_IMAGE_PULL_SECRETS" not in plain
+            and "imagePullSecrets" not in deployment["spec"]["template"]["spec"])
     deployment, with_secrets = env(render("imagePullSecrets={regcred,mirror}"))
     assert with_secrets["PDSERVE_IMAGE_PULL_SECRETS"] == "regcred,mirror"
     assert deployment["spec"]["template"]["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "mirror"}]

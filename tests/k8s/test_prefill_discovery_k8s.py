@@ -73,11 +73,13 @@ def test_endpointslice_watch_follows_selected_decode_services(kube, tmp_path, pr
         disc = KubernetesDiscovery(NS, "pdserve.io/role=decode", kubeconfig=str(kube.kubeconfig))
         await disc.start()
         try:
-            two = await asyncio.to_thread(_wait, lambda: len(disc.addresses()) == 2 and disc.addresses(), 30, "2 decode endpoints")
+            two = await asyncio.to_thread(_wait, lambda: len(disc.addresses()) == 2 and disc.addresses(), 30,
+                                          "2 decode endpoints")
             assert all(a.startswith(POD_IP_PREFIX) and a.endswith(":50052") for a in two), two
             kube.kubectl("scale", "deployment/decode-a", "-n", NS, "--replicas=3")
             await asyncio.to_thread(kube.make_pods_ready, NS, "app=decode-a", 3)
-            three = await asyncio.to_thread(_wait, lambda: len(disc.addresses()) == 3 and disc.addresses(), 30, "3 endpoints")
+            three = await asyncio.to_thread(_wait, lambda: len(disc.addresses()) == 3 and disc.addresses(), 30,
+                                            "3 endpoints")
             assert set(two) < set(three)
             kube.kubectl("label", "service/decode-a", "-n", NS, "pdserve.io/role=retired", "--overwrite")
             await asyncio.to_thread(_wait, lambda: disc.addresses() == [], 30, "the unselected service to drop out")
@@ -91,12 +93,15 @@ def test_endpointslice_watch_follows_selected_decode_services(kube, tmp_path, pr
     # a prefill process in kubernetes mode discovers them (pod IPs are API objects only:
     # no load report ever comes back, so it is not ready and says why)
     http_port = free_port()
-    prefill = procs.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(free_port()), "--discovery", "kubernetes",
-                            "--decode-selector", "pdserve.io/role=decode", "--namespace", NS, "--kubeconfig", str(kube.kubeconfig),
+    prefill = procs.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(free_port()), "--discovery",
+                            "kubernetes",
+                            "--decode-selector", "pdserve.io/role=decode", "--namespace", NS, "--kubeconfig",
+                            str(kube.kubeconfig),
                             "--model", "tiny", "--threads", "1", name="prefill-k8s")
     wait_for_port(http_port, proc=prefill, timeout=120)
     url = f"http://127.0.0.1:{http_port}"
-    health = _wait(lambda: len(get_json(url + "/health")[1]["decodes"]) == 3 and get_json(url + "/health")[1], 30, "prefill discovery")
+    health = _wait(lambda: len(get_json(url + "/health")[1]["decodes"]) == 3 and get_json(url + "/health")[1], 30,
+                   "prefill discovery")
     assert all(a.endswith(":50052") for a in health["decodes"])
     status, body = get_json(url + "/ready")
     assert status == 503 and body["ready"] is False

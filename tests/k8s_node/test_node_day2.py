@@ -70,7 +70,8 @@ def test_scale_up_under_load_loses_no_stream_and_the_new_pod_serves(node_kube, c
         load.wait_done(2)
         up = _scale(node_kube, ns, 3)
         (new,) = [p for p in up if p.name not in {b.name for b in before}]
-        node_kube.wait_until(lambda: new.ip in _routable(node_kube, ns), 60, 0.5, "the prefill to route to the new decode")
+        node_kube.wait_until(lambda: new.ip in _routable(node_kube, ns), 60, 0.5,
+                             "the prefill to route to the new decode")
         joined = time.monotonic() - t0
         node_kube.wait_until(lambda: metric(new.url, "pdserve_requests_total") > 0, 120, 0.5,
                              "the new decode to serve a request")

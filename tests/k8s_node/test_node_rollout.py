@@ -63,7 +63,8 @@ def _rolled_to(kube, ns: str, image: str, version: str, shape: dict[str, int]):
         return None
     for p in pods:
         ready = any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
-        if not ready or p["spec"]["containers"][0]["image"] != image or p["metadata"]["labels"][PROTOCOL_LABEL] != version:
+        if (not ready or p["spec"]["containers"][0]["image"] != image
+                or p["metadata"]["labels"][PROTOCOL_LABEL] != version):
             return None
     isvc = get_json(kube, "inferenceservice", ISVC, "-n", ns)
     if isvc.get("status", {}).get("observedGeneration") != isvc["metadata"]["generation"]:

@@ -12,7 +12,8 @@ from pdserve.batch.api import BatchService
 from pdserve.batch.runner import StoreThread
 from pdserve.batch.store import BatchStore
 
-LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": "x"}})
+LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                   "body": {"model": "tiny", "prompt": "x"}})
 
 
 class Runner:
@@ -88,7 +89,8 @@ def test_files_batches_list_and_cancel(tmp_path):
         await _err(await client.delete(f"/v1/files/{other['id']}"), 404)
         e = await _err(await client.post("/v1/batches", data=b"{nope"), 400)
         assert e["code"] == "invalid_json"
-        e = await _err(await client.post("/v1/batches", json={"input_file_id": "file-nope", "endpoint": "/v1/completions",
+        e = await _err(await client.post("/v1/batches",
+                                         json={"input_file_id": "file-nope", "endpoint": "/v1/completions",
                                                                 "completion_window": "24h"}), 400)
         assert e["param"] == "input_file_id" and "no such file" in e["message"]
         resp = await client.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",

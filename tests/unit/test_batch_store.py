@@ -13,7 +13,8 @@ CHAT = "/v1/chat/completions"
 
 def _line(cid, url=CHAT, method="POST", body=None):
     return json.dumps({"custom_id": cid, "method": method, "url": url,
-                       "body": body if body is not None else {"model": "tiny", "messages": [{"role": "user", "content": cid}]}})
+                       "body": body if body is not None
+                       else {"model": "tiny", "messages": [{"role": "user", "content": cid}]}})
 
 
 @pytest.fixture
@@ -123,7 +124,8 @@ def test_failed_batch_and_listing_with_after(store):
         f = store.add_file("batch", "x", b"{}", i)
         ids.append(store.create_batch(f["id"], CHAT, "24h", None, i, i + 1)["id"])
     store.fail(ids[0], [{"code": "empty_file", "message": "m", "line": None}], 9)
-    assert store.batch(ids[0])["status"] == "failed" and store.batch(ids[0])["errors"]["data"][0]["code"] == "empty_file"
+    assert (store.batch(ids[0])["status"] == "failed"
+            and store.batch(ids[0])["errors"]["data"][0]["code"] == "empty_file")
     page, more = store.list_batches(2)
     assert [b["id"] for b in page] == ids[:2:-1][:2] and more
     page, more = store.list_batches(2, after=page[-1]["id"])
@@ -164,7 +166,8 @@ def test_split_lines_gives_each_bad_line_its_error():
              _line("s", body={"model": "tiny", "messages": [], "stream": True}), "", "   "]
     got = split_lines("\n".join(lines).encode(), CHAT)
     codes = [(c, e and e["error"]["code"]) for c, _, e in got]
-    assert codes == [("ok", None), (None, "invalid_json_line"), (None, "invalid_json_line"), (None, "missing_custom_id"),
+    assert codes == [("ok", None), (None, "invalid_json_line"), (None, "invalid_json_line"),
+                     (None, "missing_custom_id"),
                      ("ok", "duplicate_custom_id"), ("m", "invalid_method"), ("u", "mismatched_url"),
                      ("nb", "missing_body"), ("s", "invalid_body")]
     assert got[1][2]["error"]["line"] == 2 and "line 2" in got[1][2]["error"]["message"]
@@ -172,7 +175,8 @@ def test_split_lines_gives_each_bad_line_its_error():
 
 
 @pytest.mark.parametrize("content, code", [
-    (b"x" * 101, "file_too_large"), (b"", "empty_file"), (b"\n \n", "empty_file"), (b"\xff\xfe{}", "invalid_file_format"),
+    (b"x" * 101, "file_too_large"), (b"", "empty_file"), (b"\n \n", "empty_file"),
+    (b"\xff\xfe{}", "invalid_file_format"),
     (b"a,b,c\n1,2,3\n", "invalid_file_format"), (b"[1]\n2\n", "invalid_file_format"),
 ])
 def test_uploads_that_cannot_be_batch_input(content, code):
@@ -195,7 +199,8 @@ def test_batch_params(body, param):
     with pytest.raises(BatchInputError) as info:
         check_batch_params(body)
     assert info.value.param == param
-    assert check_batch_params({"input_file_id": "f", "endpoint": CHAT, "completion_window": "24h"}) == ("f", CHAT, "24h", None)
+    assert check_batch_params({"input_file_id": "f", "endpoint": CHAT,
+                               "completion_window": "24h"}) == ("f", CHAT, "24h", None)
 
 
 def test_error_line_shape():

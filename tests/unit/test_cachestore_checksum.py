@@ -68,7 +68,8 @@ def test_a_byte_corrupted_in_flight_is_caught_and_named(transport):
     async def main():  # corrupt_kv=1: the first request sent gets one byte of layer CORRUPT_LAYER flipped
         async with Pair(transport, checksum=True, corrupt_kv=1) as p:
             p.send("bad")
-            with pytest.raises(ChecksumError, match=rf"{CHECKSUM_MISMATCH}: request 'bad' layer {CORRUPT_LAYER} ") as err:
+            with pytest.raises(ChecksumError,
+                               match=rf"{CHECKSUM_MISMATCH}: request 'bad' layer {CORRUPT_LAYER} ") as err:
                 await p.rx.wait_all("bad", 20)
             assert err.value.layer == CORRUPT_LAYER and err.value.request_id == "bad"
             # the corrupted layer never counted as arrived: a wait for it gets the same error

@@ -98,7 +98,8 @@ def test_endpoint_and_notif_roundtrip():
     records = [("r-9", 7, [(3, 2, 0xDEADBEEF), (10, 1, 5)]), ("r-10", 0, [(1, 1, 0)])]
     assert decode_notif(encode_notif(records, checksum=True)) == (True, records)
     # without checksums the crc fields go out as 0 and the flag says they mean nothing
-    assert decode_notif(encode_notif(records)) == (False, [("r-9", 7, [(3, 2, 0), (10, 1, 0)]), ("r-10", 0, [(1, 1, 0)])])
+    assert decode_notif(encode_notif(records)) == (False,
+                                                   [("r-9", 7, [(3, 2, 0), (10, 1, 0)]), ("r-10", 0, [(1, 1, 0)])])
     with pytest.raises(ProtocolError, match="truncated"):
         decode_notif(encode_notif(records)[:-3])
     with pytest.raises(ProtocolError, match="bad magic"):

@@ -95,7 +95,8 @@ qdisc pfifo 20: parent 10:2 limit 0p
  Sent 0 bytes 0 pkt (dropped 589, overlimits 0 requeues 0)
  backlog 0b 0p requeues 0
 """
-    assert parse_qdisc_stats(text) == {"10:": {"sent_pkts": 1411, "dropped": 589}, "20:": {"sent_pkts": 0, "dropped": 589}}
+    assert parse_qdisc_stats(text) == {"10:": {"sent_pkts": 1411, "dropped": 589},
+                                       "20:": {"sent_pkts": 0, "dropped": 589}}
 
 
 class FakeShaper:
@@ -125,7 +126,8 @@ def test_fault_loop_netem_kind_applies_then_clears(tmp_path):
     loop = FaultLoop(tmp_path / "servers.json", random.Random(0), 0.4, (1, 2), ("netem",), time.perf_counter(),
                      say=lambda *_: None, shaper=shaper, netem_s=(0.3, 0.3))
     asyncio.run(loop.run(1.0))
-    assert loop.faults and all(f.kind == "netem" and f.netem == "fake" and f.netem_stats and f.recovered_at for f in loop.faults)
+    assert loop.faults and all(f.kind == "netem" and f.netem == "fake" and f.netem_stats and f.recovered_at
+                               for f in loop.faults)
     assert shaper.calls[:2] == ["apply", "clear"] and shaper.calls.count("apply") == len(loop.faults)
     loop.restore()
     assert shaper.calls[-1] == "clear"

@@ -31,7 +31,8 @@ def test_a_long_silence_anywhere_is_a_hang():
 
 def test_clear_errors_fail_and_silent_ends_are_cut():
     assert classify(rec([0.1], 0.2, finished=False, error="error event: decode failed"), 30, "abc") == "failed"
-    assert classify(rec([], 0.01, finished=False, error="connection: ClientConnectorError: refused"), 30, "abc") == "failed"
+    assert classify(rec([], 0.01, finished=False, error="connection: ClientConnectorError: refused"), 30,
+                    "abc") == "failed"
     assert classify(rec([0.1], 0.2, finished=False, error=f"{UNCLEAR_PREFIX} no [DONE]"), 30, "abc") == "cut"
     assert classify(rec([0.1], 0.2, finished=False, error=""), 30, "abc") == "cut"
 
@@ -48,7 +49,8 @@ def test_overlap_with_outages():
 
 
 def test_summary_leaves_requests_during_a_prefill_outage_out_of_the_serving_percentage():
-    records = [rec([0.5], 1.0, start=0.0, index=0), rec([], 5.1, start=5.0, finished=False, error="connection: reset", index=1),
+    records = [rec([0.5], 1.0, start=0.0, index=0),
+               rec([], 5.1, start=5.0, finished=False, error="connection: reset", index=1),
                rec([9.5], 10.0, start=9.0, index=2)]
     for r, o in zip(records, ("completed", "failed", "completed")):
         r.outcome = o
@@ -90,7 +92,8 @@ def test_the_fault_loop_keeps_one_prefill_serving_where_there_are_two(tmp_path):
     victim = subprocess.Popen(["sleep", "60"])
     try:
         state = tmp_path / "servers.json"
-        loop = FaultLoop(state, random.Random(0), 1.0, (1, 2), ("kill-prefill",), time.perf_counter(), say=lambda *_: None)
+        loop = FaultLoop(state, random.Random(0), 1.0, (1, 2), ("kill-prefill",), time.perf_counter(),
+                         say=lambda *_: None)
         state.write_text(json.dumps({"prefill-0": {"state": "ready", "pid": victim.pid},
                                      "prefill-1": {"state": "starting", "pid": 0}}))
         loop._inject()

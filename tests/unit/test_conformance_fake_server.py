@@ -32,7 +32,8 @@ class FakeServer:
     async def metrics(self, request):
         if self.mode == "no-metrics":
             raise web.HTTPNotFound()
-        return web.Response(text=f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {self.in_flight}\n")
+        return web.Response(text=f"# TYPE vllm:num_requests_running "
+                                 f"gauge\nvllm:num_requests_running {self.in_flight}\n")
 
     def error(self, message: str, param: str) -> web.Response:
         if self.mode == "500":
@@ -76,7 +77,8 @@ class FakeServer:
 
         head = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": MODEL}
         if not body.get("stream"):
-            return web.json_response({**head, "choices": [{"index": 0, "text": "".join(tokens), "logprobs": lp(tokens, 0),
+            return web.json_response({**head,
+                                      "choices": [{"index": 0, "text": "".join(tokens), "logprobs": lp(tokens, 0),
                                                            "finish_reason": "length"}], "usage": usage})
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -87,8 +89,9 @@ class FakeServer:
                 if self.mode == "mixed-ids" and i == 1:
                     event["id"] = "cmpl-2"
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-            await resp.write(f"data: {json.dumps({**head, 'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}]})}\n\n"
-                             .encode())
+            await resp.write(
+                f"data: {json.dumps({**head, 'choices': [{'index': 0, 'text': '', 'finish_reason': 'length'}]})}\n\n"
+                .encode())
             if (body.get("stream_options") or {}).get("include_usage"):
                 await resp.write(f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n".encode())
             await resp.write(b"data: [DONE]\n\n" * (2 if self.mode == "two-done" else 1))
@@ -122,7 +125,8 @@ def test_the_conforming_fake_passes_the_checks_it_implements():
         out = run_against("", lambda c, s=slug: bad_input.one_case(c, s))
         assert out.verdict == PASS, (slug, out.detail)
     for check in (lambda c: correctness.sse(c, "completions"), lambda c: correctness.greedy(c, "completions"),
-                  lambda c: correctness.streamed(c, "completions"), lambda c: cancellation.cancel_stream(c, "completions")):
+                  lambda c: correctness.streamed(c, "completions"),
+                  lambda c: cancellation.cancel_stream(c, "completions")):
         out = run_against("", check)
         assert out.verdict == PASS, out.detail
 

@@ -74,7 +74,8 @@ def test_every_selector_honours_the_template_variables(path):
         assert len(selectors) == len(METRIC_RE.findall(expr)), f"{panel['title']}: a metric without a selector: {expr}"
         for metric, sel in selectors:
             assert 'namespace=~"$namespace"' in sel, f"{panel['title']}: {metric} ignores $namespace"
-            assert 'inference_service=~"$inference_service"' in sel, f"{panel['title']}: {metric} ignores $inference_service"
+            assert 'inference_service=~"$inference_service"' in sel, \
+                f"{panel['title']}: {metric} ignores $inference_service"
 
 
 def test_the_dashboards_cover_what_the_issue_asks_for():

@@ -7,7 +7,8 @@ from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
 
-COMPAT = pb.Compat(dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=64, model="tiny", transport="tcp")
+COMPAT = pb.Compat(dtype="float32", num_layers=2, num_kv_heads=2, head_dim=16, block_size=64, model="tiny",
+                   transport="tcp")
 
 
 def _start(n_prompt=1300, max_tokens=12, **sampling):

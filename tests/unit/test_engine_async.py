@@ -53,7 +53,8 @@ def test_leaving_a_stream_early_aborts_and_frees(tiny):
         engine = _engine(tiny)
         aeng = AsyncLLMEngine(engine)
         await aeng.start()
-        stream = aeng.generate("r", tiny.tokenizer.encode("hello"), SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
+        stream = aeng.generate("r", tiny.tokenizer.encode("hello"),
+                               SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
         async for out in stream:
             break
         await stream.aclose()
@@ -79,7 +80,8 @@ def test_bad_request_raises_in_caller(tiny):
                 await _collect(aeng.generate("r", [65] * 20, SP))
             with pytest.raises(ValueError, match="temperature must be >= 0"):
                 SamplingParams(temperature=-1)
-            toks, last = await _collect(aeng.generate("r", [65] * 4, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+            toks, last = await _collect(aeng.generate("r", [65] * 4,
+                                                      SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
             assert len(toks) == 3  # the same id is usable again after the failure
             return await aeng.stats()
         finally:
@@ -138,7 +140,8 @@ def test_step_failure_ends_streams_with_error_and_frees(tiny):
         aeng = AsyncLLMEngine(engine)
         await aeng.start()
         toks, last = await _collect(aeng.generate("r", [65, 66], SP))
-        ok, ok_last = await _collect(aeng.generate("s", [65, 66], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
+        ok, ok_last = await _collect(aeng.generate("s", [65, 66],
+                                                   SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)))
         stats = await aeng.stats()
         await aeng.stop()
         return last, ok_last, stats

@@ -14,7 +14,8 @@ SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.9, see
 
 def _prompts(tiny):
     tok = tiny.tokenizer
-    return [tok.encode("Hello, world"), tok.encode("The quick brown fox jumps over the lazy dog. " * 2), tok.encode("x")]
+    return [tok.encode("Hello, world"), tok.encode("The quick brown fox jumps over the lazy dog. " * 2),
+            tok.encode("x")]
 
 
 def _engine(tiny, **kw):
@@ -157,7 +158,8 @@ def test_prefill_many_equals_one_by_one(tiny):
     firsts = {str(i): single.pd.prefill_only(str(i), p, SEEDED) for i, p in enumerate(prompts)}
     many = _engine(tiny)
     calls = []
-    got = many.pd.prefill_many([(str(i), p, SEEDED) for i, p in enumerate(prompts)], on_layer=lambda l, t: calls.append((l, t)))
+    got = many.pd.prefill_many([(str(i), p, SEEDED) for i, p in enumerate(prompts)], on_layer=lambda l,
+                               t: calls.append((l, t)))
     assert got == firsts
     assert [l for l, _ in calls] == list(range(tiny.config.num_layers))  # one forward for all
     for i in range(len(prompts)):

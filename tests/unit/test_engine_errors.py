@@ -29,7 +29,8 @@ def tiny():
 
 
 def _small_cfg(**kw):
-    return ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2, num_kv_heads=1, **kw)
+    return ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=1, num_heads=2, num_kv_heads=1,
+                       **kw)
 
 
 def _checkpoint(tmp_path, cfg=None, num_shards=1, mutate=None):
@@ -80,7 +81,8 @@ def test_misshaped_weight_is_named(tmp_path):
         w["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(4, 16)
 
     d = _checkpoint(tmp_path, num_shards=2, mutate=shrink)
-    with pytest.raises(ModelLoadError, match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(4, 16\), expected \(8, 16\)"):
+    with pytest.raises(ModelLoadError,
+                       match=r"'model.layers.0.self_attn.k_proj.weight' has shape \(4, 16\), expected \(8, 16\)"):
         load_model(str(d))
 
 

@@ -103,7 +103,8 @@ def test_decode_logits_match_transformers(pair):
 def _hf_greedy(hf, ids, n):
     ids_t = torch.tensor([ids])  # an explicit mask: Gemma's pad id 0 may occur in a random prompt
     with torch.no_grad():
-        ref = hf.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        ref = hf.generate(ids_t, attention_mask=torch.ones_like(ids_t), max_new_tokens=n, min_new_tokens=n,
+                          do_sample=False)
     return ref[0, len(ids) :].tolist()
 
 

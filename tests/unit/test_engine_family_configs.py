@@ -15,8 +15,10 @@ CASES = {
     "gemma3-old-rope-keys": ("gemma3_text", "Gemma3ForCausalLM",
                              dict(sliding_window_pattern=3, rope_theta=250000.0, rope_local_base_freq=5000.0,
                                   rope_scaling={"rope_type": "linear", "factor": 8.0}, sliding_window=32)),
-    "qwen2-window": ("qwen2", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=16, max_window_layers=3)),
-    "qwen3-window": ("qwen3", "Qwen3ForCausalLM", dict(use_sliding_window=True, sliding_window=16, max_window_layers=5)),
+    "qwen2-window": ("qwen2", "Qwen2ForCausalLM",
+                     dict(use_sliding_window=True, sliding_window=16, max_window_layers=3)),
+    "qwen3-window": ("qwen3", "Qwen3ForCausalLM",
+                     dict(use_sliding_window=True, sliding_window=16, max_window_layers=5)),
     "qwen3-no-window": ("qwen3", "Qwen3ForCausalLM", dict(use_sliding_window=False, sliding_window=16)),
     "mistral-default-window": ("mistral", "MistralForCausalLM", {}),
     "qwen3moe-local-experts": ("qwen3_moe", "Qwen3MoeForCausalLM",
@@ -53,7 +55,8 @@ def test_fields_match_transformers_config(case):
         assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"] == 5000.0
         assert ours.rope_scaling["factor"] == rope["full_attention"]["factor"] == 8.0
     if model_type == "qwen3_moe":
-        assert (ours.num_experts, ours.num_experts_per_tok) == (theirs.num_experts, theirs.num_experts_per_tok) == (6, 3)
+        assert (ours.num_experts,
+                ours.num_experts_per_tok) == (theirs.num_experts, theirs.num_experts_per_tok) == (6, 3)
         sparse = [i not in theirs.mlp_only_layers and (i + 1) % theirs.decoder_sparse_step == 0 for i in range(7)]
         assert [ours.is_moe_layer(i) for i in range(7)] == sparse
 
@@ -68,7 +71,8 @@ def test_fields_match_transformers_config(case):
 ])
 def test_bad_family_values_are_named(change, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, num_kv_heads=1, **change)
+        ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_layers=2, num_heads=2, num_kv_heads=1,
+                    **change)
 
 
 def test_to_hf_dict_refuses_families_it_cannot_write():

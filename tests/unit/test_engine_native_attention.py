@@ -57,7 +57,8 @@ def _reference(kv, q, tables, starts, ends, scale, dtype=torch.float32):
 
 
 @needs_compiler
-@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 2, 64), (16, 8, 64), (4, 4, 128), (6, 1, 32), (4, 2, 16), (2, 1, 256)])
+@pytest.mark.parametrize("heads,kv_heads,dim",
+                         [(16, 2, 64), (16, 8, 64), (4, 4, 128), (6, 1, 32), (4, 2, 16), (2, 1, 256)])
 @pytest.mark.parametrize("block_size", [16, 64])
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("level", ISA_LEVELS)

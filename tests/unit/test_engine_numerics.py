@@ -34,12 +34,14 @@ CASES = {
     ),
     # q/k/v bias, tied embeddings, single file
     "qwen2-bias-tied": (
-        dict(architecture="Qwen2ForCausalLM", num_heads=4, num_kv_heads=1, attention_bias=True, tie_word_embeddings=True),
+        dict(architecture="Qwen2ForCausalLM", num_heads=4, num_kv_heads=1, attention_bias=True,
+             tie_word_embeddings=True),
         1,
     ),
     # multi-head attention, linear rope scaling
     "llama-mha-linearrope": (
-        dict(architecture="LlamaForCausalLM", num_heads=2, num_kv_heads=2, rope_scaling={"type": "linear", "factor": 2.0}),
+        dict(architecture="LlamaForCausalLM", num_heads=2, num_kv_heads=2,
+             rope_scaling={"type": "linear", "factor": 2.0}),
         1,
     ),
 }
@@ -96,7 +98,8 @@ def test_decode_logits_match_transformers(pair):
         return real_sample(logits, params, positions)
 
     engine.sampler.sample = recording_sample
-    out = run_all(engine, {str(i): (p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)})
+    out = run_all(engine, {str(i): (p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for i,
+                           p in enumerate(prompts)})
     assert len(seen) == 6 and all(s.shape[0] == len(prompts) for s in seen)
     for i, p in enumerate(prompts):
         full = p + out[str(i)]

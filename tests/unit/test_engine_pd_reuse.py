@@ -89,7 +89,8 @@ def test_a_prompt_that_does_not_match_the_reused_prefix_is_refused(tiny):
     _, cached = decode.pd.reserve_prefix("t2", turn2, 4)
     assert cached > 0
     other = [t + 1 for t in turn2]
-    for call in (lambda: decode.pd.add_prefilled("t2", other, 5, GREEDY), lambda: decode.pd.prefill_reserved("t2", other, GREEDY)):
+    for call in (lambda: decode.pd.add_prefilled("t2", other, 5, GREEDY),
+                 lambda: decode.pd.prefill_reserved("t2", other, GREEDY)):
         with pytest.raises(ValueError, match="does not start with"):
             call()
     assert decode.num_requests() == 1  # still reserved; abort frees it

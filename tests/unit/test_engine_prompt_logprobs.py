@@ -112,7 +112,8 @@ def test_a_cached_prefix_is_not_reused_by_a_request_that_wants_them(loaded, engi
 def test_prefill_only_path_keeps_them_until_release(loaded, engine):
     _run(engine, [("warm", PROMPT, SamplingParams(max_tokens=1, temperature=0))])  # a cached prefix to ignore
     sp = SamplingParams(max_tokens=3, temperature=0, logprobs=1, prompt_logprobs=2)
-    firsts = engine.pd.prefill_many([("p", PROMPT, sp), ("q", PROMPT[:30], SamplingParams(max_tokens=1, temperature=0))])
+    firsts = engine.pd.prefill_many([("p", PROMPT, sp),
+                                     ("q", PROMPT[:30], SamplingParams(max_tokens=1, temperature=0))])
     _check(loaded, PROMPT, engine.pd.prefill_prompt_logprobs("p"), 2)
     assert engine.pd.prefill_prompt_logprobs("q") is None
     colocated = _run(engine, [("c", PROMPT, sp)])["c"]

@@ -35,7 +35,8 @@ def test_the_endpoint_pickers_names_are_exported_as_gauges():
     assert value(fams, "vllm:kv_cache_usage_perc") == value(fams, "vllm:gpu_cache_usage_perc") == 0.25
     (info,) = fams["vllm:cache_config_info"]
     assert info.value == 1 and info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "200"
-    assert info.labels["pool"] == "main" and info.labels["inference_service"] == "chat" and info.labels["role"] == "decode"
+    assert (info.labels["pool"] == "main" and info.labels["inference_service"] == "chat"
+            and info.labels["role"] == "decode")
 
 
 def test_one_reading_per_scrape_feeds_the_pdserve_gauges_too():

@@ -146,7 +146,8 @@ def violations() -> list[str]:
             elif target == "runtime" and module in FORBIDDEN_RUNTIME_MODULES.get(part, ()):
                 bad.append(f"{where} (the {part} must not import pdserve.{module})")
             elif (part, target) in ONLY_MODULES and module not in ONLY_MODULES[(part, target)]:
-                bad.append(f"{where} (the {part} may import only {sorted(ONLY_MODULES[(part, target)])} of the {target})")
+                bad.append(f"{where} (the {part} may import only "
+                           f"{sorted(ONLY_MODULES[(part, target)])} of the {target})")
             if len(bad) > before:
                 seen.add((path, line))
     return sorted(bad)

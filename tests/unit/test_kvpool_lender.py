@@ -60,7 +60,8 @@ def test_stored_kv_gives_the_micro_attention_computed_directly(engine):
     k, v = torch.randn(50, cfg.num_kv_heads, cfg.head_dim), torch.randn(50, cfg.num_kv_heads, cfg.head_dim)
     for start, end in ((0, 30), (30, 50)):  # two puts, as a prefill and then more tokens would
         lender.PutKV(kvpool_pb2.PutKVRequest(request_id="r1", layer=2, start=start, num_tokens=end - start,
-                                             k=k[start:end].numpy().tobytes(), v=v[start:end].numpy().tobytes()), Context())
+                                             k=k[start:end].numpy().tobytes(), v=v[start:end].numpy().tobytes()),
+                     Context())
     q = torch.randn(cfg.num_heads, cfg.head_dim)
     r = lender.Attend(kvpool_pb2.AttendRequest(request_id="r1", layer=2, q=q.numpy().tobytes(),
                                                num_heads=cfg.num_heads), Context())
@@ -73,7 +74,8 @@ def test_stored_kv_gives_the_micro_attention_computed_directly(engine):
     with pytest.raises(Aborted, match="layer 9 out of range"):
         lender.Attend(kvpool_pb2.AttendRequest(request_id="r1", layer=9, q=q.numpy().tobytes(), num_heads=4), Context())
     with pytest.raises(Aborted, match="must be 1024 bytes"):
-        lender.PutKV(kvpool_pb2.PutKVRequest(request_id="r1", layer=0, start=0, num_tokens=8, k=b"x", v=b"x"), Context())
+        lender.PutKV(kvpool_pb2.PutKVRequest(request_id="r1", layer=0, start=0, num_tokens=8, k=b"x", v=b"x"),
+                     Context())
     # the borrower left the gManager's live set: the loan is freed
     assert lender.sweep({"someone-else"}) == ["r1"]
     assert engine.num_free_blocks() == 6

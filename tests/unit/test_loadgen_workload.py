@@ -7,7 +7,8 @@ import statistics
 import pytest
 
 from pdserve.bench.loadgen_report import RequestResult, format_summary, percentile, plot, summarize
-from pdserve.bench.loadgen_workload import (LengthDistribution, RequestSpec, arrival_times, build_requests, jsonl_lengths,
+from pdserve.bench.loadgen_workload import (LengthDistribution, RequestSpec, arrival_times, build_requests,
+                                            jsonl_lengths,
                                       make_prompt, sharegpt_requests, synthetic_lengths)
 
 

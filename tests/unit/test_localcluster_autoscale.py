@@ -76,7 +76,8 @@ def test_it_drains_the_least_loaded_decode_and_records_why(tmp_path):
     lines = [json.loads(line) for line in events.read_text().splitlines()]
     assert {line["pool"] for line in lines} == {"prefill", "decode"}
     down = next(line for line in lines if line["pool"] == "decode")
-    assert down["current"] == 2 and down["desired"] == 1 and "KV" in down["reason"] and down["window"]["decode_kv"] == 0.06
+    assert (down["current"] == 2 and down["desired"] == 1 and "KV" in down["reason"]
+            and down["window"]["decode_kv"] == 0.06)
     run(scaler, cluster, [3.0, 4.0, 5.0, 6.0])
     assert cluster.drained == ["decode-1"]                          # at min 1: no further
     scaler.close()

@@ -59,7 +59,8 @@ def test_becoming_ready_clears_the_failed_starts():
     assert b.failed_starts == 1
 
 
-@pytest.mark.parametrize("kwargs", [dict(initial=0), dict(initial=5, cap=1), dict(reset_after=0), dict(max_failed_starts=0)])
+@pytest.mark.parametrize("kwargs",
+                         [dict(initial=0), dict(initial=5, cap=1), dict(reset_after=0), dict(max_failed_starts=0)])
 def test_backoff_rejects_bad_settings(kwargs):
     with pytest.raises(ValueError):
         RestartBackoff(**kwargs)

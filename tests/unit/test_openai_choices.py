@@ -66,7 +66,8 @@ def test_logprobs_shapes():
     lps = [TokenLogprob(104, -0.5, ((104, -0.5), (105, -1.0))), TokenLogprob(0xC3, float("-inf"), ((0xC3, -3.0),))]
     comp = LogprobsFormatter("completion", ByteTokenizer(), 2)
     part = comp.add(lps[:1], [0])
-    assert part == {"tokens": ["h"], "token_logprobs": [-0.5], "top_logprobs": [{"h": -0.5, "i": -1.0}], "text_offset": [0]}
+    assert part == {"tokens": ["h"], "token_logprobs": [-0.5], "top_logprobs": [{"h": -0.5, "i": -1.0}],
+                    "text_offset": [0]}
     comp.add(lps[1:], [1])
     assert comp.whole()["token_logprobs"] == [-0.5, FLOOR] and comp.whole()["text_offset"] == [0, 1]
     assert LogprobsFormatter("completion", ByteTokenizer(), 0).add(lps[:1], [0])["top_logprobs"] is None
@@ -86,14 +87,17 @@ def test_tool_calls_parsed_from_text():
 
     text = 'Let me check.<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
     content, calls = parse_tool_calls(text, TOOLS, "auto")
-    assert content == "Let me check." and calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert content == "Let me check." and calls[0]["function"] == {"name": "get_weather",
+                                                                   "arguments": '{"city": "Oslo"}'}
     assert calls[0]["id"].startswith("call_") and calls[0]["type"] == "function"
     content, calls = parse_tool_calls('{"name": "now", "parameters": {}}', TOOLS, "auto")  # Llama 3's shape
     assert content is None and calls[0]["function"]["name"] == "now"
-    for plain in ("hello", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "<tool_call>{broken</tool_call>"):
+    for plain in ("hello", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+                  "<tool_call>{broken</tool_call>"):
         assert parse_tool_calls(plain, TOOLS, "auto") == (plain, [])
     assert parse_tool_calls(text, TOOLS, "none") == (text, [])
-    content, calls = parse_tool_calls('[{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "x"}}]',
+    content, calls = parse_tool_calls('[{"name": "now", "arguments": {}}, {"name": "get_weather", '
+                                      '"arguments": {"city": "x"}}]',
                                       TOOLS, "required")
     assert content is None and [c["function"]["name"] for c in calls] == ["now", "get_weather"]
     forced = {"type": "function", "function": {"name": "get_weather"}}
@@ -115,7 +119,8 @@ def test_tool_request_shapes():
     assert parse_chat({"model": "m", "messages": msgs[:1], "tools": TOOLS}, "m").sampling.response_format is None
     for extra, param in [({"tools": [{"type": "function"}]}, "tools"), ({"tools": "x"}, "tools"),
                          ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]}, "tools"),
-                         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+                         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+                          "tool_choice"),
                          ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
                          ({"tool_choice": "required"}, "tool_choice"),
                          ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},

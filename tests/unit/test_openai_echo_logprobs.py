@@ -16,7 +16,8 @@ from pdserve.prefill_server.openai_serving import ChoiceState, PromptEcho
 
 M = "m"
 IDS = [256, *b"hi"]
-PROMPT_LPS = [None, TokenLogprob(104, -2.0, ((105, -0.1), (104, -2.0))), TokenLogprob(105, -0.3, ((105, -0.3), (33, -4.0)))]
+PROMPT_LPS = [None, TokenLogprob(104, -2.0, ((105, -0.1), (104, -2.0))),
+              TokenLogprob(105, -0.3, ((105, -0.3), (33, -4.0)))]
 
 
 def test_max_tokens_zero_needs_echo():
@@ -36,7 +37,8 @@ def test_prompt_entries_lead_with_a_null_first():
     assert part["top_logprobs"][1] == {"i": -0.1, "h": -2.0} and part["tokens"][1:] == ["h", "i"]
     f.add([TokenLogprob(33, -1.0, ((33, -1.0), (34, -2.0)))], [2])
     assert f.whole()["token_logprobs"] == [None, -2.0, -0.3, -1.0] and f.whole()["text_offset"] == [0, 0, 1, 2]
-    assert LogprobsFormatter("completion", ByteTokenizer(), 0).add_prompt(IDS, PROMPT_LPS, [0, 0, 1])["top_logprobs"] is None
+    assert LogprobsFormatter("completion", ByteTokenizer(),
+                             0).add_prompt(IDS, PROMPT_LPS, [0, 0, 1])["top_logprobs"] is None
 
 
 def _states(body, n_states=1):
@@ -47,7 +49,8 @@ def _states(body, n_states=1):
 
 def test_siblings_show_the_first_choices_prompt_logprobs():
     first, sibling = _states({"max_tokens": 2, "n": 2}, 2)
-    text, lps = first.add(Piece([33], "!", logprobs=[TokenLogprob(33, -1.0, ((33, -1.0),))], prompt_logprobs=PROMPT_LPS))
+    text, lps = first.add(Piece([33], "!", logprobs=[TokenLogprob(33, -1.0, ((33, -1.0),))],
+                                prompt_logprobs=PROMPT_LPS))
     assert text == "hi!" and lps["token_logprobs"] == [None, -2.0, -0.3, -1.0] and lps["text_offset"] == [0, 0, 1, 2]
     text, lps = sibling.add(Piece([34], '"', logprobs=[TokenLogprob(34, -1.5, ((33, -1.0),))]))
     assert text == 'hi"' and lps["token_logprobs"] == [None, -2.0, -0.3, -1.5]

@@ -151,7 +151,8 @@ BAD_IDS = [-1, VOCAB, 10**30, 2**31, 1.0, 1.5, True, None, math.nan, math.inf, {
 def test_prompt_token_ids_out_of_vocabulary_or_not_int(bad):
     with pytest.raises(BadRequest) as info:
         parse_completion({"model": M, "prompt": [1, 2, bad]}, M, CONTEXT, VOCAB)
-    assert info.value.param == "prompt" and f"[0, {VOCAB - 1}]" in info.value.message and "index 2" in info.value.message
+    assert (info.value.param == "prompt" and f"[0, {VOCAB - 1}]" in info.value.message
+            and "index 2" in info.value.message)
 
 
 @pytest.mark.parametrize("bad", BAD_IDS, ids=_id)
@@ -197,10 +198,12 @@ GRPC_BAD = [
     ({"temperature": math.nan}, "temperature"), ({"temperature": math.inf}, "temperature"),
     ({"temperature": -math.inf}, "temperature"), ({"temperature": 1e308}, "temperature"),
     ({"temperature": -1.0}, "temperature"), ({"temperature": 1e-300}, "temperature"),
-    ({"top_p": math.nan}, "top_p"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1e308}, "top_p"), ({"top_p": 1e-300}, "top_p"),
+    ({"top_p": math.nan}, "top_p"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1e308}, "top_p"),
+    ({"top_p": 1e-300}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"top_k": -(2**31)}, "top_k"),
     ({"seed": -1}, "seed"), ({"seed": -(2**63)}, "seed"),
-    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": INT32_MAX}, "max_tokens"), ({"max_tokens": CONTEXT + 1}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"), ({"max_tokens": INT32_MAX}, "max_tokens"),
+    ({"max_tokens": CONTEXT + 1}, "max_tokens"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
     ({"stop_token_ids": [INT32_MAX]}, "stop_token_ids"), ({"stop": [""]}, "stop"), ({"stop": ["a"] * 5}, "stop"),
     ({"prompt_token_ids": [1, -1]}, "prompt_token_ids"), ({"prompt_token_ids": [1, VOCAB]}, "prompt_token_ids"),
@@ -208,7 +211,8 @@ GRPC_BAD = [
 ]
 
 
-@pytest.mark.parametrize("fields, param", GRPC_BAD, ids=[f"{list(f)[0]}={_id(list(f.values())[0])}" for f, _ in GRPC_BAD])
+@pytest.mark.parametrize("fields, param", GRPC_BAD,
+                         ids=[f"{list(f)[0]}={_id(list(f.values())[0])}" for f, _ in GRPC_BAD])
 def test_grpc_generate_numbers(fields, param):
     req = gpb.GenerateRequest(**{"prompt_token_ids": [1, 2], **fields})
     with pytest.raises(BadRequest) as info:
@@ -220,13 +224,15 @@ def test_grpc_generate_defaults_and_edges():
     ids, sp = _servicer()._parse(gpb.GenerateRequest(prompt_token_ids=[1, 2]))
     assert ids == [1, 2] and (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (16, 1.0, 1.0, 0, None)
     _, sp = _servicer()._parse(gpb.GenerateRequest(prompt_token_ids=[VOCAB - 1], max_tokens=CONTEXT - 1, temperature=0,
-                                                   top_p=MIN_TOP_P, top_k=-1, seed=INT64_MAX, stop_token_ids=[VOCAB - 1]))
+                                                   top_p=MIN_TOP_P, top_k=-1, seed=INT64_MAX,
+                                                   stop_token_ids=[VOCAB - 1]))
     assert (sp.max_tokens, sp.temperature, sp.top_k, sp.seed) == (CONTEXT - 1, 0.0, 0, INT64_MAX)
 
 
 # -- whatever the edge accepts, the engine and the wire take ------------------------------
 EXTREMES = [
-    dict(max_tokens=CONTEXT, temperature=2.0, top_p=1.0, top_k=INT32_MAX, seed=INT64_MAX, stop_token_ids=[VOCAB - 1] * MAX_STOP_TOKEN_IDS),
+    dict(max_tokens=CONTEXT, temperature=2.0, top_p=1.0, top_k=INT32_MAX, seed=INT64_MAX,
+         stop_token_ids=[VOCAB - 1] * MAX_STOP_TOKEN_IDS),
     dict(max_tokens=1, temperature=MIN_TEMPERATURE, top_p=MIN_TOP_P, top_k=-1, seed=0),
     dict(temperature=0, top_k=1),
 ]
@@ -235,8 +241,10 @@ EXTREMES = [
 @pytest.mark.parametrize("extra", EXTREMES)
 def test_accepted_extremes_pass_engine_wire_and_sampler(extra):
     spec = _parse("completion", extra).sampling
-    sp = Frontend(None, None, SamplingParams, M, CONTEXT, None, VOCAB).sampling(spec, 0 if spec.max_tokens == CONTEXT else 1)
-    msg = sampling_to_proto(sp)  # raised ValueError ("Value out of range") for seed/top_k/stop ids beyond the wire types
+    sp = Frontend(None, None, SamplingParams, M, CONTEXT, None,
+                  VOCAB).sampling(spec, 0 if spec.max_tokens == CONTEXT else 1)
+    # raised ValueError ("Value out of range") for seed/top_k/stop ids beyond the wire types
+    msg = sampling_to_proto(sp)
     assert msg.top_k == sp.top_k and (msg.seed if msg.HasField("seed") else None) == sp.seed
     torch.manual_seed(0)
     logits = torch.randn(2, VOCAB) * 5

@@ -58,7 +58,8 @@ def test_prefill_pods_get_the_slo_classes_the_servers_parse():
         pools.build_prefill_pool(example(), CONFIG))["spec"]["template"]["spec"]["containers"][0]["env"]})
     assert old.names() == ["default"] and (old.select().ttft_ms, old.select().tbt_ms) == (1000, 100)
     decode = workloads.build_deployment(pools.build_decode_pools(example(), CONFIG)[0])
-    assert defaults.ENV_SLO_CLASSES not in {e["name"] for e in decode["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert defaults.ENV_SLO_CLASSES not in {e["name"]
+                                            for e in decode["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
 def test_children_record_the_owner_generation_they_were_built_from():
@@ -107,7 +108,8 @@ def test_scaled_pool_keeps_its_replicas_until_the_isvc_count_changes():
 
 def test_stale_decode_pools_are_those_no_longer_listed():
     isvc = example()
-    assert pools.stale_decode_pools(isvc, ["chat-decode-main", "chat-decode-old", "chat-decode-big"]) == ["chat-decode-old"]
+    assert pools.stale_decode_pools(isvc,
+                                    ["chat-decode-main", "chat-decode-old", "chat-decode-big"]) == ["chat-decode-old"]
 
 
 def _opts(args: list[str]) -> dict[str, str]:
@@ -141,7 +143,8 @@ def test_decode_command_line_matches_the_server_cli():
         "--drain-timeout": str(workloads.DRAIN_TIMEOUT_S),
     }
     # $(POD_IP) is expanded by the kubelet from the container's environment.
-    assert any(e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP" for e in container["env"])
+    assert any(e["name"] == "POD_IP" and e["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+               for e in container["env"])
 
 
 def _parser_of(module_name: str) -> argparse.ArgumentParser | None:
@@ -265,9 +268,11 @@ def test_model_on_a_volume_is_mounted_read_only():
 
 def test_network_policy_admits_session_and_kv_ports_only_from_same_service_prefill():
     decode_policy, prefill_policy = pools.build_network_policies(example(), CONFIG)
-    assert decode_policy["spec"]["podSelector"]["matchLabels"] == {naming.LABEL_ISVC: "chat", naming.LABEL_ROLE: "decode"}
+    assert decode_policy["spec"]["podSelector"]["matchLabels"] == {naming.LABEL_ISVC: "chat",
+                                                                   naming.LABEL_ROLE: "decode"}
     session, health = decode_policy["spec"]["ingress"]
-    assert session["from"] == [{"podSelector": {"matchLabels": {naming.LABEL_ISVC: "chat", naming.LABEL_ROLE: "prefill"}}}]
+    assert session["from"] == [{"podSelector": {"matchLabels": {naming.LABEL_ISVC: "chat",
+                                                                naming.LABEL_ROLE: "prefill"}}}]
     assert {p["port"] for p in session["ports"]} == {defaults.DECODE_GRPC_PORT, defaults.KV_TRANSFER_PORT}
     assert "from" not in health and [p["port"] for p in health["ports"]] == [defaults.DECODE_HTTP_PORT]
     assert {p["port"] for p in prefill_policy["spec"]["ingress"][0]["ports"]} == {defaults.HTTP_PORT,

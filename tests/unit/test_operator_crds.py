@@ -52,7 +52,8 @@ def test_schemas_are_structural():
     for crd in crds.all_crds().values():
         schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
         for path, node in _walk(schema):
-            assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{crd['metadata']['name']}{path} has no type"
+            assert "type" in node or node.get("x-kubernetes-int-or-string"), \
+                f"{crd['metadata']['name']}{path} has no type"
 
 
 def test_defaults_come_from_the_shared_facts():

@@ -1,4 +1,4 @@
-"""Status refreshes are coalesced per InferenceService and never lose a request (no cluster: _refresh_once is replaced)."""
+"""Status refreshes are coalesced per InferenceService and never lose a request (no cluster: _refresh_once is replaced)."""  # noqa: E501
 
 import threading
 import time

@@ -55,7 +55,8 @@ def test_router_objects_are_named_labelled_and_the_deployment_follows_spec_route
     assert dep["spec"]["selector"]["matchLabels"] == naming.selector_labels("chat", "router", "router")
     svc = by_kind(objs)["Service"]
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
-    assert svc["spec"]["ports"] == [{"name": "http", "port": defaults.HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": defaults.HTTP_PORT, "targetPort": "http",
+                                     "protocol": "TCP"}]
 
 
 def test_router_discovers_the_prefill_service_with_a_role_like_the_prefills():
@@ -155,14 +156,16 @@ def test_router_names_fit_in_a_service_name():
 def deployment(replicas: int, ready: int, generation: str = "4") -> dict:
     return {"metadata": {"generation": 1, "annotations": {naming.ANNOTATION_OWNER_GENERATION: generation}},
             "spec": {"replicas": replicas},
-            "status": {"observedGeneration": 1, "replicas": replicas, "readyReplicas": ready, "updatedReplicas": replicas}}
+            "status": {"observedGeneration": 1, "replicas": replicas, "readyReplicas": ready,
+                       "updatedReplicas": replicas}}
 
 
 def serving_pools(isvc: dict):
     prefill = pools.build_prefill_pool(isvc, CONFIG)
     decodes = pools.build_decode_pools(isvc, CONFIG)
     return ((prefill, status.pool_status(prefill, deployment(1, 1), "s")),
-            [(d, status.pool_status(d, deployment(d["spec"]["replicas"], d["spec"]["replicas"]), "s")) for d in decodes])
+            [(d, status.pool_status(d, deployment(d["spec"]["replicas"], d["spec"]["replicas"]), "s"))
+             for d in decodes])
 
 
 def conds(st: dict) -> dict[str, tuple[str, str]]:
@@ -180,9 +183,11 @@ def test_status_endpoint_is_the_router_and_ready_waits_for_a_router_pod():
     assert conds(waiting)["Ready"] == ("False", "RouterNotReady")
     assert waiting["routerReady"] == "0/2" and waiting["router"]["ready"] is False
     serving = status.isvc_status(isvc, prefill, decodes, deployment(2, 1))
-    assert conds(serving)["Ready"] == ("True", "Serving") and conds(serving)["Progressing"] == ("True", "PoolsRollingOut")
+    assert conds(serving)["Ready"] == ("True",
+                                       "Serving") and conds(serving)["Progressing"] == ("True", "PoolsRollingOut")
     assert serving["routerReady"] == "1/2" and serving["observedGeneration"] == 4
-    assert conds(status.isvc_status(isvc, prefill, decodes, deployment(2, 2, generation="3")))["Progressing"][0] == "False"
+    assert conds(status.isvc_status(isvc, prefill, decodes,
+                                    deployment(2, 2, generation="3")))["Progressing"][0] == "False"
     assert status.isvc_status(isvc, prefill, decodes, deployment(2, 2, generation="3"))["observedGeneration"] == 3
 
 

@@ -22,7 +22,8 @@ def isvc() -> dict:
 
 def deployment(replicas: int, ready: int, updated: int | None = None, total: int | None = None, conditions=()) -> dict:
     return {"metadata": {"generation": 2}, "spec": {"replicas": replicas},
-            "status": {"observedGeneration": 2, "replicas": replicas if total is None else total, "readyReplicas": ready,
+            "status": {"observedGeneration": 2, "replicas": replicas if total is None else total,
+                       "readyReplicas": ready,
                        "updatedReplicas": replicas if updated is None else updated, "conditions": list(conditions)}}
 
 
@@ -55,7 +56,8 @@ def test_pool_degraded_on_replica_failure_or_deadline():
     assert conds(st)["Degraded"] == ("True", "ReplicaFailure")
     assert st["conditions"][2]["message"] == "quota exceeded"
     stuck = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "too slow"}
-    assert conds(status.pool_status(pool, deployment(2, 1, conditions=[stuck]), "s"))["Degraded"][1] == "ProgressDeadlineExceeded"
+    assert conds(status.pool_status(pool, deployment(2, 1, conditions=[stuck]),
+                                    "s"))["Degraded"][1] == "ProgressDeadlineExceeded"
 
 
 def test_old_pods_still_around_mean_progressing():
@@ -239,7 +241,8 @@ def test_pinned_a_crashlooping_pool_degrades_the_service():
 
 
 def test_pinned_the_first_degraded_pool_gives_the_reason_and_every_one_its_message():
-    svc, prefill, decodes = built({"prefill": 0, "main": 2, "big": 1}, prefill={"degraded": ("ReplicaFailure", "quota")},
+    svc, prefill, decodes = built({"prefill": 0, "main": 2, "big": 1},
+                                  prefill={"degraded": ("ReplicaFailure", "quota")},
                                   main={"degraded": ("ProgressDeadlineExceeded", "too slow")})
     assert status.isvc_status(svc, prefill, decodes) == expect(
         (False, "PrefillNotReady", "no prefill pod is ready"), SETTLED,

@@ -23,7 +23,8 @@ def test_every_package_folder_is_listed_in_pyproject():
         for init in (ROOT / folder).rglob("__init__.py"):
             rel = init.parent.relative_to(ROOT / folder)
             folders.add(".".join([package, *rel.parts]))
-    assert folders - listed == set(), f"package folders a non-editable install would leave out: {sorted(folders - listed)}"
+    assert folders - listed == set(), \
+        f"package folders a non-editable install would leave out: {sorted(folders - listed)}"
     assert listed - folders == set(), f"listed packages with no folder: {sorted(listed - folders)}"
 
 

@@ -13,7 +13,8 @@ MB = 1 << 20
 
 def inputs(**kw) -> CostInputs:
     base = dict(prompt_tokens=1000, block_size=BLOCK, num_layers=4, kv_bytes_per_block=MB, prefill_cached_blocks=0,
-                decode_cached_blocks=0, prefill_compute=LinearCost(0.0, 1 / 10_000), link=LinearCost(0.0, 1 / (1000 * MB)))
+                decode_cached_blocks=0, prefill_compute=LinearCost(0.0, 1 / 10_000),
+                link=LinearCost(0.0, 1 / (1000 * MB)))
     base.update(kw)
     return CostInputs(**base)
 

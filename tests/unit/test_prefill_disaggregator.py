@@ -30,7 +30,8 @@ def _measure(d, n=MIN_SAMPLES):
 
 def _count(m, decision, reason):
     return m.registry.get_sample_value("pdserve_disaggregation_decisions_total", {
-        "role": "prefill", "pool": "default", "inference_service": "local", "decision": decision, "reason": reason}) or 0
+        "role": "prefill", "pool": "default", "inference_service": "local", "decision": decision,
+        "reason": reason}) or 0
 
 
 def test_unmeasured_until_enough_samples_then_by_cost():
@@ -80,7 +81,8 @@ def test_forced_modes_ignore_costs():
 def test_own_cached_prefix_and_queue():
     prompt = list(range(1, 5 * BS + 1))  # 5 full blocks: at most 4 count (the last token is computed)
     held = set(chained_hashes(prompt, BS)[:3])
-    d, _ = _disaggregator(held_prefix=lambda hashes: next((i for i, h in enumerate(hashes) if h not in held), len(hashes)))
+    d, _ = _disaggregator(held_prefix=lambda hashes: next((i for i, h in enumerate(hashes) if h not in held),
+                                                          len(hashes)))
     assert d.prefill_cached_blocks(prompt) == 3
     held |= set(chained_hashes(prompt, BS))
     assert d.prefill_cached_blocks(prompt) == 4

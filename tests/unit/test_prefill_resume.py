@@ -98,7 +98,8 @@ def test_a_stream_resumed_after_any_event_goes_on_as_the_whole_stream(kind):
         assert done == "[DONE]" and all(EVENT_KEY in e for e in events)
         token_events = [e for e in events if e["choices"] and e["choices"][0]["finish_reason"] is None]
         finish, usage = events[len(token_events)], events[-1]
-        assert finish["choices"][0]["finish_reason"] == "stop" and usage["usage"]["completion_tokens"] == len(token_events)
+        assert (finish["choices"][0]["finish_reason"] == "stop"
+                and usage["usage"]["completion_tokens"] == len(token_events))
         assert [t for e in events for t in e[EVENT_KEY]["token_ids"]] == SCRIPT[:len(token_events)]
         assert finish[EVENT_KEY] == {"token_ids": [], "finish_reason": "stop"} and usage[EVENT_KEY]["usage"] is True
         for k in range(len(token_events) + 2):  # k events went out (the last two cuts: after the finish event)
@@ -182,7 +183,8 @@ def test_the_tokens_against_max_tokens_and_stop_strings_over_http():
         assert status == 400 and err["param"] == f"{RESUME_FIELD}.token_ids" and "stop string" in err["message"]
         assert node.calls == []  # nothing ran
         events = await _events(session, url + "/v1/completions",
-                               {**COMPLETION, "stop": [], RESUME_FIELD: {"token_ids": SCRIPT[:24], "id": "x", "created": 1}})
+                               {**COMPLETION, "stop": [],
+                                RESUME_FIELD: {"token_ids": SCRIPT[:24], "id": "x", "created": 1}})
         assert [e["choices"][0]["finish_reason"] for e in events[:-2]] == ["length"] and events[-2]["usage"] == {
             "prompt_tokens": 3, "completion_tokens": 24, "total_tokens": 27}  # BOS, g, o
         assert node.calls == []

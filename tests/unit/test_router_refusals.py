@@ -101,7 +101,8 @@ def test_when_the_wait_runs_out_the_answer_names_why():
         status, body, waited = await post(url)  # nothing routable for the whole wait
         assert status == 503 and body["error"]["code"] == "no_prefill_available", body
         assert "no prefill is routable" in body["error"]["message"] and waited >= 0.5
-        set_load(fakes["refusing"].watch, fakes["refusing"].port)  # only a prefill without a decode, never reporting again
+        set_load(fakes["refusing"].watch,
+                 fakes["refusing"].port)  # only a prefill without a decode, never reporting again
         status, body, waited = await post(url)
         assert status == 503 and body == REFUSAL and waited >= 0.5, body  # its own answer, after the wait
         assert fakes["refusing"].calls == 1  # not asked again before its next load report

@@ -31,7 +31,8 @@ N = len(SCRIPT)
 BODY = {"model": "tiny", "prompt": "go", "max_tokens": N, "stream": True, "stream_options": {"include_usage": True}}
 
 
-def events(parsed, start: int = 0, tagged: bool = True, finish_sent: bool = False, usage_sent: bool = False) -> list[bytes]:
+def events(parsed, start: int = 0, tagged: bool = True, finish_sent: bool = False,
+           usage_sent: bool = False) -> list[bytes]:
     """The script's stream as a prefill writes it, from token ``start`` on."""
     def sse(payload, ids=(), **more):
         return oa.sse(tag(payload, ids, **more) if tagged else payload)

@@ -68,8 +68,10 @@ def test_each_engine_has_every_method_with_the_declared_signature(cls):
     for name, declared in _methods().items():
         got = getattr(cls, name, None)
         assert got is not None and inspect.isfunction(got), f"{cls.__name__} lacks ServerEngine.{name}"
-        assert _params(got) == _params(declared), f"{cls.__name__}.{name}{inspect.signature(got)} != {inspect.signature(declared)}"
-        assert _kind(got) == _declared_kind(declared), f"{cls.__name__}.{name} is a {_kind(got)}, declared a {_declared_kind(declared)}"
+        assert _params(got) == _params(declared), \
+            f"{cls.__name__}.{name}{inspect.signature(got)} != {inspect.signature(declared)}"
+        assert _kind(got) == _declared_kind(declared), \
+            f"{cls.__name__}.{name} is a {_kind(got)}, declared a {_declared_kind(declared)}"
 
 
 @pytest.mark.parametrize("cls", IMPLEMENTATIONS, ids=lambda c: c.__name__)

@@ -46,7 +46,8 @@ def test_a_class_may_claim_priority_zero():
 
 
 @pytest.mark.parametrize("header, priority, words", [
-    ("gold", None, ["unknown SLO class 'gold'", "X-SLO-Class", "default", "interactive (priority -1, 0)", "batch (priority 5)"]),
+    ("gold", None, ["unknown SLO class 'gold'", "X-SLO-Class", "default", "interactive (priority -1, 0)",
+                    "batch (priority 5)"]),
     (None, 3, ["no SLO class answers priority 3", "interactive", "batch"]),
     (None, "high", ["priority must be an integer"]),
     (None, True, ["priority must be an integer"]),

@@ -157,7 +157,8 @@ def cluster(vllm_python, model, tmp_path_factory):
 
 def _complete(prefill: Server, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
     status, body = post_json(prefill.url + "/v1/completions", {"model": "m", "prompt": _text(ids),
-                                                                 "max_tokens": max_tokens, "temperature": 0}, timeout=120)
+                                                                 "max_tokens": max_tokens, "temperature": 0},
+                             timeout=120)
     assert status == 200, body
     assert body["usage"]["prompt_tokens"] == len(ids)
     return _ids(body["choices"][0]["text"])
@@ -195,7 +196,8 @@ def test_stop_strings(cluster, reference):
     ids, want = _prompts()[2], reference[2]
     full = _text(want)
     stop = f" t{want[3]}"
-    status, body = post_json(prefill.url + "/v1/completions", {"model": "m", "prompt": _text(ids), "max_tokens": MAX_TOKENS,
+    status, body = post_json(prefill.url + "/v1/completions",
+                             {"model": "m", "prompt": _text(ids), "max_tokens": MAX_TOKENS,
                                                                  "temperature": 0, "stop": [stop]})
     assert status == 200, body
     assert body["choices"][0]["text"] == full[:full.find(stop)] and body["choices"][0]["finish_reason"] == "stop"

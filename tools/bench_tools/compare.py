@@ -84,7 +84,8 @@ def ascii_sampling_tokenizer(dest: Path) -> Path:
                           "normalized": False, "special": True} for c, i in special],
         "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
         "post_processor": {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-                           "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                           "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}},
+                                    {"Sequence": {"id": "B", "type_id": 1}}],
                            "special_tokens": {"<s>": {"id": "<s>", "ids": [ByteTokenizer.BOS], "tokens": ["<s>"]}}},
         "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
@@ -170,7 +171,8 @@ def pdserve_cmd(url: str, out: Path, name: str, seed: int, workload: str, files:
     else:
         start, duration = MOONCAKE["window"]
         cmd += ["--dataset", "mooncake", "--dataset-path", str(TRACE), "--trace-window", f"{start}:{duration}",
-                "--trace-length-scale", str(MOONCAKE["length_scale"]), "--trace-time-scale", str(MOONCAKE["time_scale"]),
+                "--trace-length-scale", str(MOONCAKE["length_scale"]), "--trace-time-scale",
+                str(MOONCAKE["time_scale"]),
                 "--max-prompt-len", str(MOONCAKE["max_prompt"]), "--num-requests", str(files["mooncake_n"])]
     return cmd
 
@@ -205,7 +207,8 @@ def aiperf_cmd(bin_dir: Path, url: str, out: Path, seed: int, workload: str, fil
            "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed), "--ui-type", "none",
            "--no-gpu-telemetry", "--no-server-metrics", "--artifact-dir", str(out)]
     if workload == "aiperf-synthetic":
-        cmd += ["--isl", str(RANDOM["prompt"]), "--isl-stddev", "0", "--osl", str(RANDOM["output"]), "--osl-stddev", "0",
+        cmd += ["--isl", str(RANDOM["prompt"]), "--isl-stddev", "0", "--osl", str(RANDOM["output"]), "--osl-stddev",
+                "0",
                 "--request-rate", str(RANDOM["rate"]), "--arrival-pattern", "poisson",
                 "--request-count", str(int(RANDOM["rate"] * RANDOM["seconds"]))]
     else:
@@ -239,8 +242,10 @@ def read_inference_perf(out: Path) -> dict:
             "server_prompt_tokens_mean": ok["prompt_tokens"].get("mean"),
             "server_output_tokens_mean": ok["output_tokens"].get("mean"),
             "token_count_mismatches": ok.get("token_count_mismatches"),
-            "ttft_ms": {"mean": ms(lat["time_to_first_token"]["mean"]), "p50": ms(lat["time_to_first_token"]["median"])},
-            "tpot_ms": {"mean": ms(lat["time_per_output_token"]["mean"]), "p50": ms(lat["time_per_output_token"]["median"])},
+            "ttft_ms": {"mean": ms(lat["time_to_first_token"]["mean"]),
+                        "p50": ms(lat["time_to_first_token"]["median"])},
+            "tpot_ms": {"mean": ms(lat["time_per_output_token"]["mean"]),
+                        "p50": ms(lat["time_per_output_token"]["median"])},
             "summary": doc}
 
 
@@ -337,7 +342,8 @@ def summary_table(runs: list[dict]) -> str:
             "pdserve bench TPOT mean / p50 ms | tool TPOT mean / p50 ms | ratio mean / p50 | failed (bench / tool) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for a in (r for r in runs if r["side"] == "pdserve"):
-        b = next((r for r in runs if r["side"] == "tool" and r["workload"] == a["workload"] and r["round"] == a["round"]),
+        b = next((r for r in runs if r["side"] == "tool" and r["workload"] == a["workload"]
+                  and r["round"] == a["round"]),
                  None)
         if b is None:
             continue

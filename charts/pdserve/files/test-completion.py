@@ -39,7 +39,8 @@ def main() -> None:
     choices = answer.get("choices") or []
     if not choices or not choices[0].get("finish_reason"):
         sys.exit(f"FAIL: {URL}/v1/completions answered without a finished choice: {json.dumps(answer)[:1000]}")
-    print(f"ok: {URL} model {model!r} answered {choices[0].get('text')!r} (finish_reason {choices[0]['finish_reason']})")
+    print(f"ok: {URL} model {model!r} answered {choices[0].get('text')!r} (finish_reason "
+          f"{choices[0]['finish_reason']})")
 
 
 if __name__ == "__main__":
