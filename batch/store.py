@@ -98,8 +98,7 @@ class BatchStore:
     def add_file(self, purpose: str, filename: str, content: bytes, now: int, db=None) -> dict:
         fid = new_id("file-")
         (db or self.db).execute("INSERT INTO files (id, purpose, filename, bytes, created_at, "
-                                "content) VALUES (?,?,?,?,?,?)",
-                                (fid, purpose, filename, len(content), now, content))
+                                "content) VALUES (?,?,?,?,?,?)", (fid, purpose, filename, len(content), now, content))
         return {"id": fid, "object": "file", "bytes": len(content), "created_at": now, "filename": filename,
                 "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
 
@@ -181,13 +180,11 @@ class BatchStore:
             for no, (custom_id, body, error) in enumerate(lines):
                 if error is None:
                     db.execute("INSERT INTO lines (batch_id, line_no, custom_id, body, state) "
-                               "VALUES (?,?,?,?,'pending')",
-                               (batch_id, no, custom_id, body))
+                               "VALUES (?,?,?,?,'pending')", (batch_id, no, custom_id, body))
                 else:
                     failed += 1
                     db.execute("INSERT INTO lines (batch_id, line_no, custom_id, state, ok, result) "
-                               "VALUES (?,?,?,'done',0,?)",
-                               (batch_id, no, custom_id, json.dumps(error)))
+                               "VALUES (?,?,?,'done',0,?)", (batch_id, no, custom_id, json.dumps(error)))
             db.execute("UPDATE batches SET status='in_progress', in_progress_at=?, total=?, failed=? WHERE id=?",
                        (now, len(lines), failed, batch_id))
         return True
@@ -228,8 +225,7 @@ class BatchStore:
                 raise KeyError(batch_id)
             if row["status"] in CANCELLABLE:
                 db.execute("UPDATE batches SET status='cancelling', cancelling_at=?, "
-                           "final_status='cancelled' WHERE id=?",
-                           (now, batch_id))
+                           "final_status='cancelled' WHERE id=?", (now, batch_id))
             elif row["status"] not in ("cancelling", "cancelled"):
                 raise ValueError(f"batch {batch_id} is {row['status']}; only a validating or "
                                  f"in_progress batch can be cancelled")
@@ -260,8 +256,7 @@ class BatchStore:
             final = row["final_status"] or ("cancelled" if row["status"] == "cancelling" else "completed")
             out, err = [], []
             for ok, result in db.execute("SELECT ok, result FROM lines WHERE batch_id=? AND "
-                                         "state='done' ORDER BY line_no",
-                                         (batch_id,)):
+                                         "state='done' ORDER BY line_no", (batch_id,)):
                 (out if ok else err).append(result)
             ids = {}
             for kind, texts in (("output", out), ("error", err)):

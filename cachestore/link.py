@@ -259,8 +259,8 @@ class Link:
             while True:
                 frame, chunk = None, None
                 with self.cond:
-                    while self.alive and not (index == 0
-                                              and self.control) and not (io is not None and self._data_ready()):
+                    while (self.alive and not (index == 0 and self.control)
+                           and not (io is not None and self._data_ready())):
                         self.cond.wait()
                     if not self.alive:
                         return

@@ -165,8 +165,8 @@ class DecodeSession(PooledSteps):
             await self.until_peer_gone_or(self._decode(start, answer.token_id), None, "decoding")
         except SessionEnded as exc:
             log.info("session %s ended: %s", self.request_id, exc.reason)
-            self.outcome = ("error", "timeout" if "timed out" in exc.reason
-                            else "error") if exc.notify else ("cancelled", "prefill_gone")
+            self.outcome = (("error", "timeout" if "timed out" in exc.reason else "error") if exc.notify
+                            else ("cancelled", "prefill_gone"))
             if exc.notify:
                 await self.try_write_error(exc.reason)
         except ChecksumError as exc:  # the KV arrived corrupted: never decode on it (counted by the receiver hook)

@@ -140,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
     # reconnect fast after a gManager restart (the default backoff grows past its ttl)
     fast = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 500)]
-    gmanager = kvpool_pb2_grpc.GManagerStub(grpc.insecure_channel(args.gmanager,
-                                                                  options=fast)) if args.gmanager else None
+    gmanager = (kvpool_pb2_grpc.GManagerStub(grpc.insecure_channel(args.gmanager, options=fast))
+                if args.gmanager else None)
     borrower = Borrower(args.instance_id, gmanager, kv_layout(engine), RPC_TIMEOUT_S) if gmanager else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
                          options=[("grpc.max_receive_message_length", 256 << 20),

@@ -186,8 +186,8 @@ class PooledRequest:
 
     def _lost(self, error: grpc.RpcError) -> str:
         detail = error.details() if hasattr(error, "details") else str(error)
-        who = getattr(error, "lender",
-                      None) or "of " + (", ".join(f"{l.lender} ({l.address})" for l in self.loans) or "none")
+        who = (getattr(error, "lender", None)
+               or "of " + (", ".join(f"{l.lender} ({l.address})" for l in self.loans) or "none"))
         return f"request {self.request_id!r} failed: KV lender {who} did not answer ({detail}); its KV there is lost"
 
     def _call(self, loan: RemoteLoan, method: str, message, timeout: float | None = None):

@@ -242,8 +242,7 @@ class Borrower:
                     try:
                         got = stub.Lend(kvpool_pb2.LendRequest(
                             borrower=self.instance, request_id=self.loan_id(request_id), blocks=need,
-                            layout=self.layout,
-                            version=KVPOOL_VERSION), timeout=self.timeout)
+                            layout=self.layout, version=KVPOOL_VERSION), timeout=self.timeout)
                     except grpc.RpcError:
                         continue  # gone since its last report: the gManager drops it after its ttl
                     if got.granted_blocks:

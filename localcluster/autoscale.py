@@ -168,9 +168,9 @@ class LocalAutoscaler:
                    "decode_running": window.decode.running}
         with open(self.events, "a") as f:
             for d in plan:
-                f.write(json.dumps({"time": time.time(), "pool": d.pool, "current": d.current, "desired": d.desired,
-                                    "ready": d.ready, "signal": d.signal, "reason": d.reason,
-                                    "window": figures}) + "\n")
+                f.write(json.dumps({"time": time.time(), "pool": d.pool, "current": d.current,
+                                    "desired": d.desired, "ready": d.ready, "signal": d.signal,
+                                    "reason": d.reason, "window": figures}) + "\n")
 
 
 def _index(name: str) -> int:

@@ -49,8 +49,7 @@ SLO = _obj(
                 _rule("self.all(c, c.name != 'default')",
                       "spec.slo.classes must not declare 'default': it is the class of spec.slo's own targets"),
                 _rule("self.all(c, !has(c.priority) || self.exists_one(d, has(d.priority) && "
-                      "d.priority == c.priority))",
-                      "spec.slo.classes priorities must be unique"),
+                      "d.priority == c.priority))", "spec.slo.classes priorities must be unique"),
             ],
         },
     },

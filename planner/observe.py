@@ -131,8 +131,8 @@ def window_over(snapshots: list[Snapshot], quantile: float = 0.9) -> Window:
     dt = after.at - before.at
     notes = []
     common = set(before.prefill) & set(after.prefill)
-    busy = _counter_delta(before.prefill, after.prefill,
-                          f"{PREFILL_COMPUTE}_sum") / dt / len(common) if common else None
+    busy = (_counter_delta(before.prefill, after.prefill, f"{PREFILL_COMPUTE}_sum") / dt / len(common)
+            if common else None)
     kv = _mean([_kv(s.decode) for s in inside])
     if after.decode and kv is None:
         notes.append("decodes report no KV blocks")

@@ -155,8 +155,7 @@ class Frontend:
             return self.sampling_cls(
                 max_tokens=max_tokens, temperature=spec.temperature, top_p=spec.top_p, top_k=spec.top_k,
                 seed=spec.seed, stop=list(spec.stop), stop_token_ids=list(spec.stop_token_ids),
-                ignore_eos=spec.ignore_eos,
-                logprobs=spec.logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs,
+                ignore_eos=spec.ignore_eos, logprobs=spec.logprobs, grammar=grammar, prompt_logprobs=prompt_logprobs,
             )
         except ValueError as exc:
             raise BadRequest(str(exc)) from None

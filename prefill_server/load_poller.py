@@ -132,8 +132,8 @@ class LoadReportPoller:
     def poll_now(self, address: str) -> None:
         """Ask ``address`` for its load report now, unless a poll of it is already in flight."""
         task = self._inflight.get(address)
-        if self._task is not None and not self._task.done() and address in self._channels and (task is None
-                                                                                               or task.done()):
+        if (self._task is not None and not self._task.done() and address in self._channels
+                and (task is None or task.done())):
             self._inflight[address] = asyncio.create_task(self._poll(address))
 
     async def _poll(self, address: str) -> None:

@@ -92,8 +92,7 @@ def parse_logprobs(body: dict, kind: str) -> int | None:
     want = body.get("logprobs")
     if want is not None and not isinstance(want, bool):
         raise BadRequest("logprobs must be a boolean on /v1/chat/completions (top_logprobs: "
-                         "<int> asks for alternatives)",
-                         "logprobs")
+                         "<int> asks for alternatives)", "logprobs")
     top = check_number("top_logprobs", body.get("top_logprobs"))
     if top and not want:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")

@@ -100,8 +100,7 @@ def main() -> int:
     procs = []
     try:
         decode = subprocess.Popen(cmd + ["decode", "--port", str(dport), "--http-port", str(dhttp), "--kv-port",
-                                         str(kv),
-                                         *common])
+                                         str(kv), *common])
         procs.append(decode)
         prefill = subprocess.Popen(cmd + ["prefill", "--port", str(phttp), "--grpc-port", str(pgrpc),
                                           "--decode", f"127.0.0.1:{dport}", *common])

@@ -183,8 +183,8 @@ def run(args: argparse.Namespace) -> int:
             errors[n] = str(e)
     requests = [(f"line{n}", ids, sp) for n, _, _, ids, sp in parsed]
     start = time.perf_counter()
-    outputs, refused = run_requests("pipeline" if args.pipeline_stages >= 2 else "single", args,
-                                    requests) if requests else ({}, {})
+    outputs, refused = (run_requests("pipeline" if args.pipeline_stages >= 2 else "single", args, requests)
+                        if requests else ({}, {}))
     errors.update({int(rid[4:]): msg for rid, msg in refused.items()})
     elapsed = time.perf_counter() - start
     by_line = {n: (cid, url, ids) for n, cid, url, ids, _ in parsed}
@@ -194,8 +194,7 @@ def run(args: argparse.Namespace) -> int:
             if n in errors:
                 cid = _custom_id(line)
                 row = {"id": f"batch_req_{n}", "custom_id": cid if n not in by_line else by_line[n][0],
-                       "response": None,
-                       "error": {"code": "invalid_request", "message": errors[n]}}
+                       "response": None, "error": {"code": "invalid_request", "message": errors[n]}}
             else:
                 cid, url, ids = by_line[n]
                 o = outputs[f"line{n}"]

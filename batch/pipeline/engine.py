@@ -67,8 +67,7 @@ class PipelineEngine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
         self.outputs = OutputProcessor(set(meta.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)
         self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, meta.tokenizer.detokenizer,
-                                       config.detokenize,
-                                       lambda rid: rid in self.seqs)
+                                       config.detokenize, lambda rid: rid in self.seqs)
         self.seqs: dict[str, Sequence] = {}
         self.waiting: deque[Sequence] = deque()
         self.ready: list[Sequence] = []  # decode-ready, not in flight

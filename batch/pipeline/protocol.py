@@ -133,8 +133,8 @@ class Link:
 
 def pack(parts: list[torch.Tensor]) -> torch.Tensor:
     """Tensors -> one uint8 tensor of their bytes (in order)."""
-    return torch.cat([p.contiguous().view(-1).view(torch.uint8)
-                      for p in parts]) if parts else torch.empty(0, dtype=torch.uint8)
+    return (torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+            if parts else torch.empty(0, dtype=torch.uint8))
 
 
 def unpack(payload: torch.Tensor, specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:

@@ -67,8 +67,8 @@ def _error_kinds(records: list[RequestRecord]) -> dict[str, int]:
 
 
 def format_table(s: dict, transfer: str) -> str:
-    head = f"{'transfer':<9}{'requests':>9}" + "".join(f"{o:>10}"
-                                                       for o in OUTCOMES) + f"{'leaked':>8}{'%done':>8}{'%done*':>8}"
+    head = (f"{'transfer':<9}{'requests':>9}" + "".join(f"{o:>10}" for o in OUTCOMES)
+            + f"{'leaked':>8}{'%done':>8}{'%done*':>8}")
     row = (f"{transfer:<9}{s['requests']:>9}" + "".join(f"{s[o]:>10}" for o in OUTCOMES)
            + f"{s['leaked']:>8}{s['completed_pct']:>8.1f}{s['completed_pct_serving']:>8.1f}")
     return (f"{head}\n{row}\n(%done: of all {s['requests']} requests sent; %done*: of the "

@@ -194,8 +194,8 @@ class Endpoint:
                     if not raw:
                         out.ended = True
                         break
-                    if self._line(out,
-                                  raw.decode("utf-8", "replace").strip()) and stop is not None and stop(out.events[-1]):
+                    if (self._line(out, raw.decode("utf-8", "replace").strip())
+                            and stop is not None and stop(out.events[-1])):
                         out.closed_by_client = True
                         resp.close()  # drops the connection: the server sees the client go away
                         break

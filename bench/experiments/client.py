@@ -32,8 +32,7 @@ def send(url: str, specs: list[RequestSpec], arrivals: list[float] | None = None
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
         src.write_text(json.dumps({"url": url, "model": model, "timeout": timeout, "arrivals": arrivals,
-                                   "concurrency": concurrency,
-                                   "specs": [_spec_json(s) for s in specs]}))
+                                   "concurrency": concurrency, "specs": [_spec_json(s) for s in specs]}))
         proc = subprocess.run(["ip", "netns", "exec", netns, sys.executable, "-m", "pdserve.bench.experiments.client",
                                str(src), str(dst)], capture_output=True, text=True)
         if proc.returncode != 0:

@@ -49,8 +49,8 @@ def pd_cluster(model: str, blocks: int, block_size: int, reserve: int, pooled: b
         decodes = []
         for i in range(3):
             grpc_port, http_port = free_port(), free_port()
-            extra = [*pool_args, "--kv-pool-port", str(free_port()), "--kv-pool-instance-id",
-                     f"decode-{i}"] if pooled else []
+            extra = ([*pool_args, "--kv-pool-port", str(free_port()), "--kv-pool-instance-id", f"decode-{i}"]
+                     if pooled else [])
             proc = launcher.start(f"decode-{i}", ["decode", "--port", str(grpc_port), "--http-port", str(http_port),
                                                   "--kv-port", str(free_port()), "--num-blocks", str(blocks), *common,
                                                   *extra])
@@ -120,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
                   # decode computes it (whole blocks are one short there)
                   "2x_unpooled_limit_pooled_e2e_tok_s": speed(address, 2 * unpooled, args.max_tokens, args.repeats)
                   if 0 < 2 * unpooled <= pooled else None,
-                  "pooled_limit_pooled_e2e_tok_s": speed(address, pooled, args.max_tokens, args.repeats) if pooled
-                  else None}
+                  "pooled_limit_pooled_e2e_tok_s": speed(address, pooled, args.max_tokens, args.repeats)
+                  if pooled else None}
     ratio = round(pooled / unpooled, 3) if unpooled else None
     figures = {"path": "P/D: pdserve prefill + 3 pdserve decode (--kv-pool)", "unpooled_longest_prompt": unpooled,
                "pooled_longest_prompt": pooled, "ratio": ratio, "target": TARGET, **speeds,

@@ -180,8 +180,8 @@ def summarize(args, classes, items, results, debug, metrics) -> dict:
         "estimator": {"e2e_median_rel_error": _median(e2e_err), "e2e_p90_rel_error": _pct(e2e_err, 90),
                       "wait_median_rel_error": _median(wait_err), "requests": len(e2e_err), "waited": len(wait_err)},
         "policy_decisions": count, "estimator_state": debug["estimator"],
-        "policy_mean_decision_ms": metric_sum(metrics, "pdserve_slo_policy_seconds_sum") / count * 1000 if count
-        else None,
+        "policy_mean_decision_ms": (metric_sum(metrics, "pdserve_slo_policy_seconds_sum") / count * 1000
+                                    if count else None),
         "wall_s": end,
         "ttft_s": {c: [r.ttft for it, r in zip(items, results) if it.cls == c and r.ok] for c in CLASS_PRIORITY},
         # per served request: class, tokens, estimated / actual wait, estimated / actual completion (s)

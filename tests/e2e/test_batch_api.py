@@ -67,8 +67,7 @@ def _client(server) -> OpenAI:
 
 def _chat_line(cid: str, text: str, max_tokens: int = 6, url: str = CHAT, **extra) -> str:
     body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0,
-            **extra}
+            "temperature": 0, **extra}
     return json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body})
 
 

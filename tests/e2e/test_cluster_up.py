@@ -25,8 +25,7 @@ def start_up(procs, tmp_path, decodes: int, prefills: int = 1, env: dict | None 
     port, grpc_port = free_port(), free_port()
     up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", str(prefills), "--decode", str(decodes),
                       "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")],
-                     name="up",
-                     env=env)
+                     name="up", env=env)
     log = tmp_path / "logs" / "up.log"
     deadline = time.monotonic() + 180
     while "pdserve is up" not in log.read_text(errors="replace"):

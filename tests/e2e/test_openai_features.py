@@ -230,8 +230,8 @@ def test_tools_forced_required_auto_and_a_tool_turn(client):
     req = client.chat.completions.create(model=M, messages=CHAT, tools=TOOLS, tool_choice="required", max_tokens=60,
                                          temperature=1.0, seed=3, parallel_tool_calls=False)
     calls = req.choices[0].message.tool_calls
-    assert req.choices[0].finish_reason == "tool_calls" and calls and {x.function.name
-                                                                       for x in calls} <= {"get_weather", "now"}
+    assert (req.choices[0].finish_reason == "tool_calls" and calls
+            and {x.function.name for x in calls} <= {"get_weather", "now"})
     auto = client.chat.completions.create(model=M, messages=CHAT, tools=TOOLS, max_tokens=8, temperature=0)
     assert auto.choices[0].message.tool_calls is None and isinstance(auto.choices[0].message.content, str)
     # the call and its result go back to the model as a conversation (the chat template renders them)

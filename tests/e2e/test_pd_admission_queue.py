@@ -21,8 +21,7 @@ import pytest
 
 from harness.gates import Gate
 from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
-                                wait_all_released,
-                                wait_ready)
+                                wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.slow

@@ -268,6 +268,6 @@ def test_a_request_may_outlast_the_queue_timeout(procs, tmp_path):
     # counts a Session when it ends, which may come just after the client's last event: wait for it
     wait_until(lambda: metric(decode.url, "pdserve_requests_total") >= 1, "the decode to count the Session",
                HANG_GUARD_S)
-    assert metric(decode.url, "pdserve_requests_total") == metric(decode.url, "pdserve_requests_total",
-                                                                  outcome="ok") == 1
+    assert (metric(decode.url, "pdserve_requests_total")
+            == metric(decode.url, "pdserve_requests_total", outcome="ok") == 1)
     assert nothing_held(wait_all_released([prefill, decode]))

@@ -243,8 +243,7 @@ def test_burst_beyond_kv_capacity_queues_and_succeeds(cluster):
 
     async def one(session, i):
         body = {"model": "tiny", "prompt": "x" * rng.randint(1, 300), "max_tokens": rng.randint(1, 60),
-                "temperature": 0,
-                "stream": i % 2 == 0}
+                "temperature": 0, "stream": i % 2 == 0}
         async with session.post(prefill.url + "/v1/completions", json=body) as resp:
             text = await resp.text()
             return resp.status, '"error"' in text

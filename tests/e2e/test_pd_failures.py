@@ -278,8 +278,7 @@ def test_incompatible_peer_is_refused_naming_both_values(procs):
     decode = start_decode(procs, name="decode")
     wait_ready(decode)
     start = pb.Start(request_id="x", prompt_token_ids=[1, 2, 3], sampling=pb.Sampling(max_tokens=2, top_p=1.0),
-                     blocks_needed=1,
-                     protocol_version=PROTOCOL_VERSION, timeout_s=5,
+                     blocks_needed=1, protocol_version=PROTOCOL_VERSION, timeout_s=5,
                      compat=pb.Compat(dtype="float16", num_layers=4, num_kv_heads=2, head_dim=16, block_size=64,
                                       model="tiny", transport="tcp"))
     with grpc.insecure_channel(decode.grpc_address) as ch:

@@ -55,8 +55,8 @@ def test_second_turn_goes_to_the_decode_with_the_history_and_moves_only_new_bloc
     homes = {cid: served_by(decodes, f"{cid}-t1") for cid in convs}
     assert all(len(h) == 1 for h in homes.values()), homes
     assert {h[0] for h in homes.values()} == {"decode0", "decode1"}, homes
-    bytes_per_block = metric(prefill.url,
-                             "pdserve_kv_transfer_bytes_total") / sum(blocks(len(t)) for t, _ in convs.values())
+    bytes_per_block = (metric(prefill.url, "pdserve_kv_transfer_bytes_total")
+                       / sum(blocks(len(t)) for t, _ in convs.values()))
     wait_index_caught_up(prefill, decodes)
 
     turn2 = {cid: turn1 + first[cid] + question for cid, (turn1, question) in convs.items()}

@@ -11,10 +11,10 @@ M = "tiny"
 
 
 def test_valid_completion_and_chat():
-    r = parse_completion({"model": M, "prompt": "hi", "max_tokens": 5, "temperature": 0, "stop": "x", "stream": True},
-                         M)
-    assert (r.prompt, r.sampling.max_tokens, r.sampling.temperature, r.sampling.stop,
-            r.stream) == ("hi", 5, 0.0, ["x"], True)
+    r = parse_completion({"model": M, "prompt": "hi", "max_tokens": 5, "temperature": 0, "stop": "x",
+                          "stream": True}, M)
+    assert ((r.prompt, r.sampling.max_tokens, r.sampling.temperature, r.sampling.stop, r.stream)
+            == ("hi", 5, 0.0, ["x"], True))
     r = parse_completion({"model": M, "prompt": [[1, 2, 3]]}, M)
     assert r.prompt_token_ids == [1, 2, 3] and r.sampling.max_tokens is None
     c = parse_chat({"model": M, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],

@@ -40,8 +40,7 @@ SYSTEM = "You are a careful assistant. " * 12  # ~340 bytes: about 21 blocks of 
 
 def start_prefill_at(group, decodes, http_port, grpc_port, name) -> Server:
     proc = group.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port), "--decode",
-                         ",".join(decodes),
-                         "--num-blocks", "64", *COMMON, *EXTRA, name=name)
+                         ",".join(decodes), "--num-blocks", "64", *COMMON, *EXTRA, name=name)
     return Server(proc, http_port, grpc_port, 0, name)
 
 

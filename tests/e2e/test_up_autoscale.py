@@ -32,8 +32,7 @@ from pdserve.net import free_port
 pytestmark = pytest.mark.slow
 
 FAST = ["--plan-interval", "1", "--plan-window", "2", "--cooldown", "1", "--slo-ttft-ms", "20000", "--slo-tbt-ms",
-        "5000",
-        "--max-prefill", "1", "--prefill-extra=--no-resume --session-timeout 300", "--threads", "1"]
+        "5000", "--max-prefill", "1", "--prefill-extra=--no-resume --session-timeout 300", "--threads", "1"]
 # (prefill: --no-resume, a cut stream is an error; --session-timeout 300, a held stream is not a silent decode)
 # Streams held on a decode with their first token at the client: the prefill computes every prompt.
 HELD = ["--disaggregation", "always"]

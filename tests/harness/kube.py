@@ -60,8 +60,7 @@ from harness.kube_control_plane import (CLIENT_BINARIES, KubeToolsMissing, contr
 from harness.kube_kubelet import FakeKubelet
 
 __all__ = ["KubeCluster", "KubeCommandError", "KubeToolsMissing", "kube_cluster", "local_control_plane",
-           "existing_cluster",
-           "require_tools", "tools_bin_dir", "wait_until"]
+           "existing_cluster", "require_tools", "tools_bin_dir", "wait_until"]
 
 
 class KubeCommandError(subprocess.CalledProcessError):

@@ -37,8 +37,7 @@ class FakeKubelet:
         now = _now()
         self.core.patch_node_status(self.NODE, {"status": {
             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                            "message": "pdserve test harness",
-                            "lastHeartbeatTime": now, "lastTransitionTime": now}],
+                            "message": "pdserve test harness", "lastHeartbeatTime": now, "lastTransitionTime": now}],
             "capacity": {"cpu": "64", "memory": "256Gi", "pods": "500"},
             "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "500"},
         }})

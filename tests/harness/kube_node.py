@@ -329,8 +329,7 @@ def _save_pod_logs(cluster: NodeCluster) -> None:
             ns, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
             for previous in (False, True):
                 proc = cluster.kubectl("logs", name, "-n", ns, "--all-containers",
-                                       *(["--previous"] if previous else []),
-                                       timeout=30, check=False)
+                                       *(["--previous"] if previous else []), timeout=30, check=False)
                 if proc.stdout:
                     (out / f"{ns}_{name}{'.previous' if previous else ''}.log").write_text(proc.stdout)
 

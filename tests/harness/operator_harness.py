@@ -36,8 +36,8 @@ def wait_crds_established(kube, names, timeout: float = 60.0) -> None:
     on a CRD created a moment before, with no status.conditions yet, it fails at once with
     "conditions accessor error" instead of waiting: 1 CI failure.)"""
     for name in names:
-        kube.wait_until(lambda: (c := condition(get_json(kube, f"crd/{name}"), "Established"))
-                        and c["status"] == "True",
+        kube.wait_until(lambda: ((c := condition(get_json(kube, f"crd/{name}"), "Established"))
+                                 and c["status"] == "True"),
                         timeout=timeout, what=f"CRD {name} established")
 
 

@@ -90,8 +90,7 @@ def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), n
 
 
 def start_prefill(procs, decodes: list[str], transfer: str = "tcp", num_blocks: int = 64, extra=(),
-                  name: str = "prefill",
-                  env: dict | None = None) -> Server:
+                  name: str = "prefill", env: dict | None = None) -> Server:
     http_port, grpc_port = free_port(), free_port()
     proc = procs.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port), "--decode",
                          ",".join(decodes),

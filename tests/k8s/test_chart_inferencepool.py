@@ -84,9 +84,9 @@ def test_the_api_server_accepts_the_rendered_pool_with_the_upstream_crd(kube):
         for target in ("router", "prefill"):
             rendered = pool(f"gateway.inferencePool.target={target}", f"gateway.inferencePool.namespace={ns}",
                             f"gateway.inferencePool.name=chat-{target}")
-            kube.wait_until(lambda: kube.kubectl("apply", "-f", "-", input=json.dumps(rendered),
-                                                 check=False).returncode == 0,
-                            timeout=60, what=f"the {target} InferencePool to be accepted (the new CRD serving)")
+            kube.wait_until(
+                lambda: kube.kubectl("apply", "-f", "-", input=json.dumps(rendered), check=False).returncode == 0,
+                timeout=60, what=f"the {target} InferencePool to be accepted (the new CRD serving)")
             stored = json.loads(kube.kubectl("get", "inferencepool", f"chat-{target}", "-n", ns, "-o", "json").stdout)
             assert stored["spec"]["selector"] == rendered["spec"]["selector"]
             assert stored["spec"]["targetPorts"] == [{"number": defaults.HTTP_PORT}]

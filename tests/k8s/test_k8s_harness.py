@@ -74,9 +74,9 @@ def test_service_account_without_roles_is_forbidden_until_bound(kube, namespace)
     kube.kubectl("create", "role", "pod-reader", "--verb=get,list,watch", "--resource=pods", "-n", namespace)
     kube.kubectl("create", "rolebinding", "reader-reads-pods", "--role=pod-reader",
                  f"--serviceaccount={namespace}:reader", "-n", namespace)
-    kube.wait_until(lambda: kube.kubectl("get", "pods", "-n", namespace, kubeconfig=token_config,
-                                         check=False).returncode == 0,
-                    timeout=30, what="the RoleBinding to take effect")
+    kube.wait_until(
+        lambda: kube.kubectl("get", "pods", "-n", namespace, kubeconfig=token_config, check=False).returncode == 0,
+        timeout=30, what="the RoleBinding to take effect")
     with kube.api_client(token_config) as api:
         assert client.CoreV1Api(api).list_namespaced_pod(namespace).items == []
         # The Role is namespaced: other namespaces and other verbs stay forbidden.
@@ -107,8 +107,7 @@ def test_service_gets_an_endpointslice(kube, namespace):
     kube.kubectl("create", "service", "clusterip", "web", "--tcp=8000:8000", "-n", namespace)
     slices = kube.wait_until(
         lambda: json.loads(kube.kubectl("get", "endpointslices", "-n", namespace, "-l",
-                                        "kubernetes.io/service-name=web",
-                                        "-o", "json").stdout)["items"],
+                                        "kubernetes.io/service-name=web", "-o", "json").stdout)["items"],
         what="the endpointslice controller to create a slice")
     assert slices[0]["metadata"]["ownerReferences"][0]["kind"] == "Service"
 

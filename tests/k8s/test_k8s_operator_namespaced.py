@@ -43,9 +43,8 @@ def test_operator_with_roles_in_one_namespace_reconciles_there_only(kube, namesp
 
     kube.kubectl("apply", "-n", WATCHED, "-f", EXAMPLE)
     kube.kubectl("apply", "-n", OTHER, "-f", EXAMPLE)
-    wait_for(kube, lambda: names(kube, "deployments",
-                                 WATCHED) == ["chat-decode-big", "chat-decode-main", "chat-prefill",
-                                                                 "chat-router"],
+    wait_for(kube, lambda: (names(kube, "deployments", WATCHED)
+                            == ["chat-decode-big", "chat-decode-main", "chat-prefill", "chat-router"]),
              "Deployments in the watched namespace", op=op)
     isvc = settled_status(kube, WATCHED, "0/3", op=op)
     assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]

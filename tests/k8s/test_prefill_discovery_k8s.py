@@ -96,8 +96,7 @@ def test_endpointslice_watch_follows_selected_decode_services(kube, tmp_path, pr
     prefill = procs.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(free_port()), "--discovery",
                             "kubernetes",
                             "--decode-selector", "pdserve.io/role=decode", "--namespace", NS, "--kubeconfig",
-                            str(kube.kubeconfig),
-                            "--model", "tiny", "--threads", "1", name="prefill-k8s")
+                            str(kube.kubeconfig), "--model", "tiny", "--threads", "1", name="prefill-k8s")
     wait_for_port(http_port, proc=prefill, timeout=120)
     url = f"http://127.0.0.1:{http_port}"
     health = _wait(lambda: len(get_json(url + "/health")[1]["decodes"]) == 3 and get_json(url + "/health")[1], 30,

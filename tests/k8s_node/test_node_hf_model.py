@@ -63,8 +63,7 @@ def test_hf_model_is_fetched_by_each_pod_and_serves_a_completion(node_kube, char
     node_kube.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(doc))
     try:
         node_kube.wait_until(lambda: node_serving.isvc_ready(node_kube, NAMESPACE, "good"),
-                             node_serving.READY_TIMEOUT_S,
-                             1.0, "InferenceService hf-model/good to be Ready")
+                             node_serving.READY_TIMEOUT_S, 1.0, "InferenceService hf-model/good to be Ready")
     except TimeoutError as e:
         raise TimeoutError(f"{e}\n{node_serving.describe(node_kube, NAMESPACE)}") from None
 

@@ -14,8 +14,8 @@ def req(sent_at, ttft=0.2, ok=True, gap=0.01):
 
 
 def test_attainment_and_recovery_after_the_burst():
-    results = [req(t) for t in range(0,
-                                     10)] + [req(t, ttft=3.0) for t in range(10, 20)] + [req(t) for t in range(20, 50)]
+    results = ([req(t) for t in range(0, 10)] + [req(t, ttft=3.0) for t in range(10, 20)]
+               + [req(t) for t in range(20, 50)])
     buckets = attainment_over_time(results, SLO, 5.0, 50)
     assert [a for _, a, _ in buckets][:5] == [1.0, 1.0, 0.0, 0.0, 1.0]
     assert recovery_s(buckets, 5.0, 10.0) == 10.0                    # good again from t=20

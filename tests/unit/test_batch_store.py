@@ -199,8 +199,8 @@ def test_batch_params(body, param):
     with pytest.raises(BatchInputError) as info:
         check_batch_params(body)
     assert info.value.param == param
-    assert check_batch_params({"input_file_id": "f", "endpoint": CHAT,
-                               "completion_window": "24h"}) == ("f", CHAT, "24h", None)
+    assert (check_batch_params({"input_file_id": "f", "endpoint": CHAT, "completion_window": "24h"})
+            == ("f", CHAT, "24h", None))
 
 
 def test_error_line_shape():

@@ -221,8 +221,8 @@ def test_garbage_and_truncated_frames_close_only_that_connection():
             # 4. DATA for an unknown request id: dropped, answered with ERROR, the connection stays usable
             u = await asyncio.to_thread(_frame_socket, port, True)
             for _ in range(2):
-                u.sendall(encode_header(FrameType.DATA, "who", 0, 5, 1,
-                                        LAYOUT.block_nbytes) + b"\x07" * LAYOUT.block_nbytes)
+                u.sendall(encode_header(FrameType.DATA, "who", 0, 5, 1, LAYOUT.block_nbytes)
+                          + b"\x07" * LAYOUT.block_nbytes)
                 f = await asyncio.to_thread(read_frame_header, u)
                 assert f.type == FrameType.ERROR and f.rid == "who" and b"does not expect" in u.recv(f.payload_len)
             u.close()
@@ -255,8 +255,8 @@ def test_delete_mid_frame_stops_writing_within_one_piece():
             f = await asyncio.to_thread(read_frame_header, s)
             s.recv(f.payload_len, socket.MSG_WAITALL)
             s.sendall(encode_header(FrameType.BIND, "v"))
-            s.sendall(encode_header(FrameType.DATA, "v", 0, 1, 3,
-                                    3 * PIECE_BYTES) + b"\x07" * (PIECE_BYTES + PIECE_BYTES // 2))
+            s.sendall(encode_header(FrameType.DATA, "v", 0, 1, 3, 3 * PIECE_BYTES)
+                      + b"\x07" * (PIECE_BYTES + PIECE_BYTES // 2))
             for _ in range(500):  # block 1 (the first piece) has landed
                 if bool((dst[0, 1].view(-1).view(torch.uint8) == 7).all()):
                     break

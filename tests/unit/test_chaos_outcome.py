@@ -31,8 +31,8 @@ def test_a_long_silence_anywhere_is_a_hang():
 
 def test_clear_errors_fail_and_silent_ends_are_cut():
     assert classify(rec([0.1], 0.2, finished=False, error="error event: decode failed"), 30, "abc") == "failed"
-    assert classify(rec([], 0.01, finished=False, error="connection: ClientConnectorError: refused"), 30,
-                    "abc") == "failed"
+    assert (classify(rec([], 0.01, finished=False, error="connection: ClientConnectorError: refused"), 30, "abc")
+            == "failed")
     assert classify(rec([0.1], 0.2, finished=False, error=f"{UNCLEAR_PREFIX} no [DONE]"), 30, "abc") == "cut"
     assert classify(rec([0.1], 0.2, finished=False, error=""), 30, "abc") == "cut"
 

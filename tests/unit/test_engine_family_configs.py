@@ -55,8 +55,8 @@ def test_fields_match_transformers_config(case):
         assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"] == 5000.0
         assert ours.rope_scaling["factor"] == rope["full_attention"]["factor"] == 8.0
     if model_type == "qwen3_moe":
-        assert (ours.num_experts,
-                ours.num_experts_per_tok) == (theirs.num_experts, theirs.num_experts_per_tok) == (6, 3)
+        assert ((ours.num_experts, ours.num_experts_per_tok)
+                == (theirs.num_experts, theirs.num_experts_per_tok) == (6, 3))
         sparse = [i not in theirs.mlp_only_layers and (i + 1) % theirs.decoder_sparse_step == 0 for i in range(7)]
         assert [ours.is_moe_layer(i) for i in range(7)] == sparse
 

@@ -41,8 +41,8 @@ def test_listener_mirrors_the_prefix_cache_through_random_traffic():
         elif step % 97 == 96:
             bm.clear_prefix_cache()
         else:
-            ids = rng.choice(prefixes)[: rng.randrange(1,
-                                                       bs * 3)] + [rng.randrange(9) for _ in range(rng.randrange(0, 9))]
+            ids = (rng.choice(prefixes)[: rng.randrange(1, bs * 3)]
+                   + [rng.randrange(9) for _ in range(rng.randrange(0, 9))])
             try:
                 table, cached = bm.allocate(ids, len(ids))
             except OutOfBlocksError:

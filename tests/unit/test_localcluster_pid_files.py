@@ -48,8 +48,8 @@ def test_pid_files_follow_the_running_processes(tmp_path):
     c.supervisor.step(2.0)                                   # dead, waiting for its restart: no pid file
     assert victim.state == "waiting" and "decode-1" not in pid_files(tmp_path)
     c.supervisor.step(10.0)                                  # restarted: the new pid
-    assert victim.state in ("starting",
-                            "ready") and pid_files(tmp_path)["decode-1"] == victim.popen.pid != pids["decode-1"]
+    assert (victim.state in ("starting", "ready")
+            and pid_files(tmp_path)["decode-1"] == victim.popen.pid != pids["decode-1"])
     c.supervisor.drain(victim)                               # draining: still runs, still listed
     assert pid_files(tmp_path)["decode-1"] == victim.popen.pid
     victim.popen.returncode = 0

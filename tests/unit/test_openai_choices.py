@@ -97,8 +97,7 @@ def test_tool_calls_parsed_from_text():
         assert parse_tool_calls(plain, TOOLS, "auto") == (plain, [])
     assert parse_tool_calls(text, TOOLS, "none") == (text, [])
     content, calls = parse_tool_calls('[{"name": "now", "arguments": {}}, {"name": "get_weather", '
-                                      '"arguments": {"city": "x"}}]',
-                                      TOOLS, "required")
+                                      '"arguments": {"city": "x"}}]', TOOLS, "required")
     assert content is None and [c["function"]["name"] for c in calls] == ["now", "get_weather"]
     forced = {"type": "function", "function": {"name": "get_weather"}}
     assert parse_tool_calls('{"city": "Rome"}', TOOLS, forced)[1][0]["function"] == {"name": "get_weather",

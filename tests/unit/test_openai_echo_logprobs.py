@@ -37,8 +37,8 @@ def test_prompt_entries_lead_with_a_null_first():
     assert part["top_logprobs"][1] == {"i": -0.1, "h": -2.0} and part["tokens"][1:] == ["h", "i"]
     f.add([TokenLogprob(33, -1.0, ((33, -1.0), (34, -2.0)))], [2])
     assert f.whole()["token_logprobs"] == [None, -2.0, -0.3, -1.0] and f.whole()["text_offset"] == [0, 0, 1, 2]
-    assert LogprobsFormatter("completion", ByteTokenizer(),
-                             0).add_prompt(IDS, PROMPT_LPS, [0, 0, 1])["top_logprobs"] is None
+    assert (LogprobsFormatter("completion", ByteTokenizer(), 0).add_prompt(IDS, PROMPT_LPS, [0, 0, 1])["top_logprobs"]
+            is None)
 
 
 def _states(body, n_states=1):

@@ -108,8 +108,8 @@ def test_scaled_pool_keeps_its_replicas_until_the_isvc_count_changes():
 
 def test_stale_decode_pools_are_those_no_longer_listed():
     isvc = example()
-    assert pools.stale_decode_pools(isvc,
-                                    ["chat-decode-main", "chat-decode-old", "chat-decode-big"]) == ["chat-decode-old"]
+    assert (pools.stale_decode_pools(isvc, ["chat-decode-main", "chat-decode-old", "chat-decode-big"])
+            == ["chat-decode-old"])
 
 
 def _opts(args: list[str]) -> dict[str, str]:

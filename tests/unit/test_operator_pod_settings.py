@@ -233,8 +233,8 @@ def test_operator_pull_secrets_come_from_the_flag_or_the_charts_variable(monkeyp
     cli.add_arguments(parser)
     monkeypatch.setenv("PDSERVE_IMAGE_PULL_SECRETS", "regcred, mirror")
     assert cli.image_pull_secrets(parser.parse_args([])) == ["regcred", "mirror"]
-    assert cli.image_pull_secrets(parser.parse_args(["--image-pull-secret", "a", "--image-pull-secret",
-                                                     "b"])) == ["a", "b"]
+    assert (cli.image_pull_secrets(parser.parse_args(["--image-pull-secret", "a", "--image-pull-secret", "b"]))
+            == ["a", "b"])
     monkeypatch.delenv("PDSERVE_IMAGE_PULL_SECRETS")
     assert cli.image_pull_secrets(parser.parse_args([])) == []
     with pytest.raises(ValueError, match="image pull secret"):

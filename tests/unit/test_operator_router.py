@@ -183,11 +183,11 @@ def test_status_endpoint_is_the_router_and_ready_waits_for_a_router_pod():
     assert conds(waiting)["Ready"] == ("False", "RouterNotReady")
     assert waiting["routerReady"] == "0/2" and waiting["router"]["ready"] is False
     serving = status.isvc_status(isvc, prefill, decodes, deployment(2, 1))
-    assert conds(serving)["Ready"] == ("True",
-                                       "Serving") and conds(serving)["Progressing"] == ("True", "PoolsRollingOut")
+    assert (conds(serving)["Ready"] == ("True", "Serving")
+            and conds(serving)["Progressing"] == ("True", "PoolsRollingOut"))
     assert serving["routerReady"] == "1/2" and serving["observedGeneration"] == 4
-    assert conds(status.isvc_status(isvc, prefill, decodes,
-                                    deployment(2, 2, generation="3")))["Progressing"][0] == "False"
+    assert (conds(status.isvc_status(isvc, prefill, decodes, deployment(2, 2, generation="3")))["Progressing"][0]
+            == "False")
     assert status.isvc_status(isvc, prefill, decodes, deployment(2, 2, generation="3"))["observedGeneration"] == 3
 
 

@@ -56,8 +56,8 @@ def test_pool_degraded_on_replica_failure_or_deadline():
     assert conds(st)["Degraded"] == ("True", "ReplicaFailure")
     assert st["conditions"][2]["message"] == "quota exceeded"
     stuck = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded", "message": "too slow"}
-    assert conds(status.pool_status(pool, deployment(2, 1, conditions=[stuck]),
-                                    "s"))["Degraded"][1] == "ProgressDeadlineExceeded"
+    assert (conds(status.pool_status(pool, deployment(2, 1, conditions=[stuck]), "s"))["Degraded"][1]
+            == "ProgressDeadlineExceeded")
 
 
 def test_old_pods_still_around_mean_progressing():

@@ -30,8 +30,8 @@ def _measure(d, n=MIN_SAMPLES):
 
 def _count(m, decision, reason):
     return m.registry.get_sample_value("pdserve_disaggregation_decisions_total", {
-        "role": "prefill", "pool": "default", "inference_service": "local", "decision": decision,
-        "reason": reason}) or 0
+        "role": "prefill", "pool": "default", "inference_service": "local", "decision": decision, "reason": reason,
+    }) or 0
 
 
 def test_unmeasured_until_enough_samples_then_by_cost():

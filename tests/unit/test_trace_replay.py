@@ -60,8 +60,8 @@ def test_time_scaling_windows_and_caps(tmp_path):
         replay_requests(reqs, Scaling(start_s=100, duration_s=5), POOL)
     assert "time x2" in Scaling(time_scale=2).describe() and "64 tokens" in Scaling(length_scale=0.125).describe()
     specs, _ = replay_requests(reqs, Scaling(max_prompt_tokens=600, max_output_tokens=25), POOL)
-    assert [s.prompt_tokens for s in specs] == [600, 600, 300,
-                                                600] and [s.output_tokens for s in specs] == [25, 25, 10, 20]
+    assert ([s.prompt_tokens for s in specs] == [600, 600, 300, 600]
+            and [s.output_tokens for s in specs] == [25, 25, 10, 20])
     assert specs[0].prompt_ids[:512] == specs[1].prompt_ids[:512]  # a cut prompt keeps its leading blocks
     assert "prompts cut at 600 tokens; outputs cut at 25 tokens" in Scaling(max_prompt_tokens=600,
                                                                             max_output_tokens=25).describe()

@@ -22,8 +22,8 @@ def _pos(chosen: tuple[int, float, int], *top: tuple[int, float]) -> dict:
 
 
 def test_chosen_among_the_top_k():
-    assert token_logprob(5, _pos((5, -0.1, 1), (5, -0.1), (7, -2.0)),
-                         2) == TokenLogprob(5, -0.1, ((5, -0.1), (7, -2.0)))
+    assert (token_logprob(5, _pos((5, -0.1, 1), (5, -0.1), (7, -2.0)), 2)
+            == TokenLogprob(5, -0.1, ((5, -0.1), (7, -2.0))))
 
 
 def test_chosen_outside_the_top_k_is_not_an_alternative():

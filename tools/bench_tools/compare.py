@@ -208,8 +208,7 @@ def aiperf_cmd(bin_dir: Path, url: str, out: Path, seed: int, workload: str, fil
            "--no-gpu-telemetry", "--no-server-metrics", "--artifact-dir", str(out)]
     if workload == "aiperf-synthetic":
         cmd += ["--isl", str(RANDOM["prompt"]), "--isl-stddev", "0", "--osl", str(RANDOM["output"]), "--osl-stddev",
-                "0",
-                "--request-rate", str(RANDOM["rate"]), "--arrival-pattern", "poisson",
+                "0", "--request-rate", str(RANDOM["rate"]), "--arrival-pattern", "poisson",
                 "--request-count", str(int(RANDOM["rate"] * RANDOM["seconds"]))]
     else:
         cmd += ["--input-file", str(files["mooncake_file"]), "--custom-dataset-type", "mooncake_trace",
