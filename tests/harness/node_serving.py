@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from harness.conditions import wait_until
 from harness.operator_harness import CHART, CRD_NAMES, condition, get_json, wait_crds_established
 from harness.procs import REPO
 from pdserve import defaults
@@ -30,6 +31,7 @@ RELEASE, RELEASE_NAMESPACE = "pdserve", "pdserve-system"
 NAMESPACE = "user-path"
 CPU_REQUEST = "100m"
 READY_TIMEOUT_S = 600.0
+SERVICE_HANG_GUARD_S = 60.0  # only a hang guard: kube-proxy programs a new Service's rules within seconds
 
 
 def helm_install(cluster) -> None:
@@ -103,10 +105,23 @@ def apply_example(cluster, namespace: str = NAMESPACE) -> Served:
 
 
 def first_model(base_url: str, timeout: float = 60.0) -> str:
+    """The first model the endpoint lists, once its Service routes. An InferenceService is Ready when its
+    pods are; kube-proxy programs the Service's ClusterIP rules a moment later, and until then a connection
+    to it is refused (seen in CI: test_node_hf_model, right after Ready). A refused connection is waited
+    out (``SERVICE_HANG_GUARD_S``, only a hang guard); any other error is raised."""
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=timeout, max_retries=0)
-    return client.models.list().data[0].id
+
+    def listed() -> str | None:
+        try:
+            return client.models.list().data[0].id
+        except openai.APIConnectionError as exc:
+            if isinstance(exc, openai.APITimeoutError):
+                raise
+            return None
+
+    return wait_until(listed, f"the Service at {base_url} to accept connections", SERVICE_HANG_GUARD_S, 0.2)
 
 
 def stream_chat(base_url: str, model: str, prompt: str, max_tokens: int = 16, timeout: float = 120.0,
