@@ -38,8 +38,8 @@ test:
 
 test-deps: $(STAMP) native prometheus-bin k8s-tools
 
-# ruff over the whole tree (pyproject.toml's [tool.ruff]: unused and undefined names, syntax errors); the
-# first step of `make test`.
+# ruff over the whole tree (pyproject.toml's [tool.ruff]: unused and undefined names, syntax errors, lines over
+# 120 characters); the first step of `make test`.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
