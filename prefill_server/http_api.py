@@ -160,7 +160,7 @@ class HttpApi:
             return web.json_response({"ready": False, "reason": "draining"}, status=503)
         if self.fe.node.ready():
             return web.json_response({"ready": True})
-        return web.json_response({"ready": False, "reason": self.fe.node.picker.why_none()}, status=503)
+        return web.json_response({"ready": False, "reason": self.fe.node.why_not_ready()}, status=503)
 
     async def metrics_handler(self, request: web.Request) -> web.Response:
         if self.metrics is None:

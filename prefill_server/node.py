@@ -90,6 +90,10 @@ class PrefillNode:
         prefill unready, or routers and Services would send nothing to it: 503s, not waits)."""
         return self.local_fallback or bool(self.picker.usable())
 
+    def why_not_ready(self) -> str:
+        """What ``ready()`` misses, in words (the picker's view of the decodes): /ready's 503 reason."""
+        return self.picker.why_none()
+
     async def generate(self, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None,
                        slo: SloRequest | None = None, produced: list[int] | tuple = ()):
         """``produced``: tokens the client already has (fewer than ``sp.max_tokens``), from a stream another
