@@ -32,6 +32,16 @@ async def serve(geometry: dict, control_port: int) -> None:
     region = MemoryRegion.from_tensor(pool)
     reader, writer = await asyncio.open_connection("127.0.0.1", control_port)
     receivers: dict[str, object] = {}
+
+    async def receiver(transport: str):
+        """This process's CacheStoreReceiver of ``transport``, started on first use."""
+        from pdserve.cachestore.receiver import CacheStoreReceiver
+
+        if transport not in receivers:
+            receivers[transport] = CacheStoreReceiver(region, layout, compat, transport=transport)
+            await receivers[transport].start()
+        return receivers[transport]
+
     nixl_mem = None
     peak = PeakRSS()
 
@@ -81,13 +91,7 @@ async def serve(geometry: dict, control_port: int) -> None:
                 await asyncio.sleep(0.0002)
             await reply({"rss": peak.stop(), "cpu": peak.cpu_s})
         elif cmd["cmd"] == "ours":
-            from pdserve.cachestore.receiver import CacheStoreReceiver
-
-            transport = cmd["transport"]
-            if transport not in receivers:
-                receivers[transport] = CacheStoreReceiver(region, layout, compat, transport=transport)
-                await receivers[transport].start()
-            rx = receivers[transport]
+            rx = await receiver(cmd["transport"])
             rid = cmd["rid"]
             dst = rx.expect(rid, list(range(layout.num_blocks)), 600)
             peak.start()
@@ -97,13 +101,7 @@ async def serve(geometry: dict, control_port: int) -> None:
             rx.delete(rid)
             await reply({"rss": rss, "cpu": peak.cpu_s, "stats": rx.stats()})
         elif cmd["cmd"] == "expect_many":
-            from pdserve.cachestore.receiver import CacheStoreReceiver
-
-            transport = cmd["transport"]
-            if transport not in receivers:
-                receivers[transport] = CacheStoreReceiver(region, layout, compat, transport=transport)
-                await receivers[transport].start()
-            rx = receivers[transport]
+            rx = await receiver(cmd["transport"])
             dst = {rid: rx.expect(rid, blocks, 600) for rid, blocks in cmd["rids"].items()}
             await reply({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst})
             await asyncio.gather(*(rx.wait_all(rid, 600) for rid in dst))
