@@ -1,0 +1,40 @@
+"""bench/tools/peer_trace_alone.py without servers: its least-squares fit and the per-system summary."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TOOL = Path(__file__).resolve().parents[2] / "bench" / "tools" / "peer_trace_alone.py"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("peer_trace_alone_tool", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_fit_recovers_a_line(tool):
+    a, b = tool.fit([0.5, 1.0, 2.0, 4.0], [0.5 * 400 + 30, 1.0 * 400 + 30, 2.0 * 400 + 30, 4.0 * 400 + 30])
+    assert a == pytest.approx(400)
+    assert b == pytest.approx(30)
+
+
+def test_fit_of_one_x_is_flat(tool):
+    assert tool.fit([1.0, 1.0], [2.0, 4.0]) == (0.0, 3.0)
+
+
+def test_summary_counts_hits_and_computed_tokens(tool):
+    rows = [{"prompt": 2048, "hits": 1024, "ttft": 0.512},  # 1024 computed: 500 ms per 1,000
+            {"prompt": 4096, "hits": 0, "ttft": 2.048},  # 4096 computed: 500 ms per 1,000
+            {"prompt": 512, "hits": 512, "ttft": 0.02}]  # all hits: not among the big ones
+    s = tool.summary(rows)
+    assert s["requests"] == 3 and s["prompt_tokens"] == 6656
+    assert s["hit_share"] == pytest.approx(1536 / 6656)
+    assert s["ttft_sum_s"] == pytest.approx(2.58)
+    assert s["ttft_p50_ms"] == pytest.approx(512)
+    assert s["ms_per_1k_computed_p50_of_big"] == pytest.approx(500)
