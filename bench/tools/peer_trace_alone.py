@@ -23,13 +23,16 @@ median and, from each server's /metrics before and after, the sums of the histog
 TTFT: pdserve's prefill ``pdserve_queue_wait_seconds`` (in line until a decode allocated the
 request's blocks), ``pdserve_prefill_compute_seconds`` (allocated to the last layer computed, the
 wait for the engine included) and ``pdserve_kv_transfer_seconds``; vLLM's ``request_queue_time``
-and ``request_prefill_time`` on its prefill and its decode instance.
+and ``request_prefill_time`` on its prefill and its decode instance. With them, each side's CPU
+seconds during the replay (its processes, from /proc) over the wall time: a prefill core well below
+100% while requests wait in line is a scheduling gap, not a lack of compute.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -70,24 +73,42 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return a, my - a * mx
 
 
-def _start(launcher: Launcher, system: str, model: str, max_len: int) -> tuple[str, list[str]]:
-    """(OpenAI URL, the /metrics URLs: the prefill's first) of one system started as the peer experiment does."""
+def session_cpu_s(sid: int) -> float:
+    """CPU seconds (user + system) of the live processes of session ``sid`` (a Launcher process and what it
+    started: vLLM's engine core, pdserve's threads)."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        if int(fields[3]) == sid:
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _start(launcher: Launcher, system: str, model: str, max_len: int) -> tuple[str, list[str], list[list[int]]]:
+    """(OpenAI URL, the /metrics URLs: the prefill's first, the session ids of the prefill side and the decode
+    side) of one system started as the peer experiment does (vLLM's proxy, pinned to the prefill's core, counts
+    with the prefill)."""
     if system == "pdserve":
         flags = argparse.Namespace(transfer="tcp", dtype=DTYPE, pdserve_engine="builtin", kv_tokens=KV_TOKENS)
         extra, blocks = pdserve_engine_flags(flags)
         c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus="0", decode_cpus="1",
                      num_blocks=blocks, max_model_len=max_len, prefill_extra=extra, decode_extra=extra)
-        return c.url, [c.prefill.metrics_url, c.decodes[0].metrics_url]
+        return (c.url, [c.prefill.metrics_url, c.decodes[0].metrics_url],
+                [[c.prefill.proc.popen.pid], [c.decodes[0].proc.popen.pid]])
     kv_bytes = KV_TOKENS * kv_bytes_per_token("small", DTYPE_BYTES[DTYPE])
     v = start_vllm_pd(launcher, vllm_python(), model, kv_bytes=kv_bytes, max_len=max_len, dtype=DTYPE)
-    return v.url, [v.prefill_url + "/metrics", v.decode_url + "/metrics"]
+    return (v.url, [v.prefill_url + "/metrics", v.decode_url + "/metrics"],
+            [[v.prefill.popen.pid, v.proxy.popen.pid], [v.decode.popen.pid]])
 
 
 def one_system(system: str, model: str, max_len: int, specs: list[RequestSpec], pool: list[int]) -> list[dict]:
     """Each request alone: prompt tokens, prefix hits, TTFT (seconds)."""
     rows = []
     with Launcher(LOG_ROOT / f"peer-trace-alone-{system}") as launcher:
-        url, urls = _start(launcher, system, model, max_len)
+        url, urls, _ = _start(launcher, system, model, max_len)
         metrics = urls[0]
         warm = round(statistics.median(s.prompt_tokens for s in specs))
         send(url, random_requests(2, warm, 1, random.Random(-warm), pool), concurrency=1)
@@ -107,22 +128,22 @@ def one_system(system: str, model: str, max_len: int, specs: list[RequestSpec], 
 def under_load(system: str, model: str, max_len: int, work, pool: list[int]) -> dict:
     """The trace at its arrival times (the experiment's replay): client TTFTs and each server's histogram sums."""
     with Launcher(LOG_ROOT / f"peer-trace-load-{system}") as launcher:
-        url, urls = _start(launcher, system, model, max_len)
+        url, urls, sessions = _start(launcher, system, model, max_len)
         warm = round(statistics.median(s.prompt_tokens for s in work.specs))
         send(url, random_requests(2, warm, 8, random.Random(-warm), pool), concurrency=1)
-        before = [scrape(u) for u in urls]
+        before, cpu0 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]
         results, wall = send(url, work.specs, arrivals=work.arrivals)
-        after = [scrape(u) for u in urls]
+        after, cpu1 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]
     ttfts = sorted(r.ttft for r in results if r.ok)
     out = {"ok": len(ttfts), "failed": len(results) - len(ttfts), "wall_s": wall,
            "ttft_sum_s": sum(ttfts), "ttft_p50_ms": statistics.median(ttfts) * 1000, "servers": []}
-    for role, b, a in zip(("prefill", "decode"), before, after):
+    for role, b, a, c0, c1 in zip(("prefill", "decode"), before, after, cpu0, cpu1):
         hist = {}
         for name in BREAKDOWN[system]:
             n = metric_sum(a, name + "_count") - metric_sum(b, name + "_count")
             if n:
                 hist[name] = {"count": n, "sum_s": metric_sum(a, name + "_sum") - metric_sum(b, name + "_sum")}
-        out["servers"].append({"role": role, "histograms": hist})
+        out["servers"].append({"role": role, "histograms": hist, "cpu_s": c1 - c0})
     return out
 
 
@@ -130,6 +151,8 @@ def print_load(system: str, repeat: int, r: dict) -> None:
     print(f"{system} #{repeat + 1} under load: {r['ok']} ok, {r['failed']} failed in {r['wall_s']:.0f} s; client TTFT "
           f"sum {r['ttft_sum_s']:.1f} s, p50 {r['ttft_p50_ms']:.0f} ms", flush=True)
     for server in r["servers"]:
+        print(f"  {server['role']:8s} CPU {server['cpu_s']:.1f} s in {r['wall_s']:.0f} s "
+              f"({server['cpu_s'] / r['wall_s']:.0%} of its core)", flush=True)
         for name, h in server["histograms"].items():
             print(f"  {server['role']:8s} {name}: {h['count']:.0f} observations, sum {h['sum_s']:.1f} s, "
                   f"mean {h['sum_s'] / h['count'] * 1000:.0f} ms", flush=True)
