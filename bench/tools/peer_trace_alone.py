@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -87,7 +88,8 @@ def session_cpu_s(sid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _start(launcher: Launcher, system: str, model: str, max_len: int) -> tuple[str, list[str], list[list[int]]]:
+def _start(launcher: Launcher, system: str, model: str, max_len: int,
+           prefill_extra: tuple[str, ...] = ()) -> tuple[str, list[str], list[list[int]]]:
     """(OpenAI URL, the /metrics URLs: the prefill's first, the session ids of the prefill side and the decode
     side) of one system started as the peer experiment does (vLLM's proxy, pinned to the prefill's core, counts
     with the prefill)."""
@@ -95,7 +97,8 @@ def _start(launcher: Launcher, system: str, model: str, max_len: int) -> tuple[s
         flags = argparse.Namespace(transfer="tcp", dtype=DTYPE, pdserve_engine="builtin", kv_tokens=KV_TOKENS)
         extra, blocks = pdserve_engine_flags(flags)
         c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus="0", decode_cpus="1",
-                     num_blocks=blocks, max_model_len=max_len, prefill_extra=extra, decode_extra=extra)
+                     num_blocks=blocks, max_model_len=max_len, prefill_extra=extra + list(prefill_extra),
+                     decode_extra=extra)
         return (c.url, [c.prefill.metrics_url, c.decodes[0].metrics_url],
                 [[c.prefill.proc.popen.pid], [c.decodes[0].proc.popen.pid]])
     kv_bytes = KV_TOKENS * kv_bytes_per_token("small", DTYPE_BYTES[DTYPE])
@@ -125,10 +128,11 @@ def one_system(system: str, model: str, max_len: int, specs: list[RequestSpec], 
     return rows
 
 
-def under_load(system: str, model: str, max_len: int, work, pool: list[int]) -> dict:
+def under_load(system: str, model: str, max_len: int, work, pool: list[int],
+               prefill_extra: tuple[str, ...] = ()) -> dict:
     """The trace at its arrival times (the experiment's replay): client TTFTs and each server's histogram sums."""
     with Launcher(LOG_ROOT / f"peer-trace-load-{system}") as launcher:
-        url, urls, sessions = _start(launcher, system, model, max_len)
+        url, urls, sessions = _start(launcher, system, model, max_len, prefill_extra)
         warm = round(statistics.median(s.prompt_tokens for s in work.specs))
         send(url, random_requests(2, warm, 8, random.Random(-warm), pool), concurrency=1)
         before, cpu0 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]
@@ -179,6 +183,7 @@ def main() -> int:
     p.add_argument("--load", action="store_true",
                    help="replay at the trace's arrival times instead (as the experiment does) and print where the "
                         "servers' TTFT went (their histograms' sums)")
+    p.add_argument("--pdserve-prefill-extra", default="", help="more flags for pdserve's prefill (one string)")
     p.add_argument("--json", type=Path, default=None, help="write every request's row and the summaries here")
     a = p.parse_args()
     trace_args = argparse.Namespace(**TRACE_DEFAULTS, trace=a.trace, seed=0)
@@ -194,7 +199,8 @@ def main() -> int:
         for system in a.systems.split(","):
             t0 = time.monotonic()
             if a.load:
-                r = under_load(system, model, max_len, work, pool)
+                extra = tuple(shlex.split(a.pdserve_prefill_extra)) if system == "pdserve" else ()
+                r = under_load(system, model, max_len, work, pool, extra)
                 doc["runs"].append({"system": system, "repeat": repeat, "load": r})
                 print_load(system, repeat, r)
                 continue
