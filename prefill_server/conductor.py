@@ -202,7 +202,7 @@ class RequestConductor:
 
     def _open(self, address: str):
         """Step 3: the attempt's Session with ``address`` (not started yet) and its timings."""
-        timings = SessionTimings()
+        timings = SessionTimings(arrived=self.admitted)
         sp_now = resumed(self.sp, len(self.produced))
         session_id = self.request_id if self.attempts == 0 else f"{self.request_id}.{self.attempts}"
         self.attempts += 1

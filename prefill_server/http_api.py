@@ -9,6 +9,7 @@
 | GET  /ready                  | 200 when a decode is routable or local fallback is on, else 503 |
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
+| GET  /debug/requests         | the same for every recent P/D request, oldest first (a timeline)  |
 | GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
 | /v1/files, /v1/batches       | the OpenAI Batch API (``pdserve.batch.api``, added by ``cli.py``) |
 | GET  /tokenizer              | the model's config and tokenizer files, for a router (``tokenizer_api.py``, added by ``cli.py``) |
@@ -62,6 +63,8 @@ the default class. Unknown class or priority, or both naming different classes: 
 
 from __future__ import annotations
 
+import time
+
 from aiohttp import web
 
 from pdserve.defaults import REQUEST_TIMEOUT_HEADER
@@ -110,6 +113,13 @@ def _failure_response(exc: BaseException) -> web.Response:
     return resp
 
 
+def _timings_json(rid: str, t) -> dict:
+    """One request's SessionTimings as /debug/requests answers them (monotonic seconds)."""
+    return {"request_id": rid, "arrived": t.arrived, "start": t.start, "allocated": t.allocated,
+            "layer_stored": t.layer_stored, "prefill_done": t.prefill_done, "kv_sent": t.kv_sent, "where": t.where,
+            "decode_cached_blocks": t.cached_blocks, "link_busy_s": t.link_busy_s}
+
+
 class HttpApi:
     def __init__(self, frontend, health_fn, metrics=None, is_draining=lambda: False):
         self.fe, self.health_fn, self.metrics, self.is_draining = frontend, health_fn, metrics, is_draining
@@ -122,6 +132,7 @@ class HttpApi:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics_handler)
+        app.router.add_get("/debug/requests", self.debug_requests)
         app.router.add_get("/debug/requests/{rid}", self.debug_request)
         app.router.add_get("/debug/slo", self.debug_slo)
         return app
@@ -142,10 +153,13 @@ class HttpApi:
         t = self.fe.node.last_timings.get(rid)
         if t is None:
             return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
-        return web.json_response({"request_id": rid, "start": t.start, "allocated": t.allocated,
-                                  "layer_stored": t.layer_stored,
-                                  "prefill_done": t.prefill_done, "kv_sent": t.kv_sent, "where": t.where,
-                                  "decode_cached_blocks": t.cached_blocks, "link_busy_s": t.link_busy_s})
+        return web.json_response(_timings_json(rid, t))
+
+    async def debug_requests(self, request: web.Request) -> web.Response:
+        """The timestamps of every recent P/D request (the node keeps the latest 256), oldest first: a
+        timeline of this prefill (when each request came, was allocated, computed, sent)."""
+        timings = list(self.fe.node.last_timings.items())
+        return web.json_response({"now": time.monotonic(), "requests": [_timings_json(r, t) for r, t in timings]})
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "pdserve",

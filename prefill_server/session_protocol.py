@@ -62,6 +62,7 @@ class SessionTimings:
     """Monotonic timestamps of one P/D request (for metrics and the overlap test)."""
 
     start: float = field(default_factory=time.monotonic)
+    arrived: float = 0.0  # when the request reached this prefill (before any wait in line; set by its conductor)
     allocated: float = 0.0
     prefill_done: float = 0.0
     kv_sent: float = 0.0

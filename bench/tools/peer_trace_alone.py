@@ -38,6 +38,7 @@ import shlex
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from pdserve.bench.experiments import peer_trace
@@ -138,9 +139,12 @@ def under_load(system: str, model: str, max_len: int, work, pool: list[int],
         before, cpu0 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]
         results, wall = send(url, work.specs, arrivals=work.arrivals)
         after, cpu1 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]
+        recent = (json.loads(urllib.request.urlopen(urls[0].removesuffix("/metrics") + "/debug/requests",
+                                                    timeout=10).read())["requests"] if system == "pdserve" else [])
     ttfts = sorted(r.ttft for r in results if r.ok)
     out = {"ok": len(ttfts), "failed": len(results) - len(ttfts), "wall_s": wall,
-           "ttft_sum_s": sum(ttfts), "ttft_p50_ms": statistics.median(ttfts) * 1000, "servers": []}
+           "ttft_sum_s": sum(ttfts), "ttft_p50_ms": statistics.median(ttfts) * 1000, "servers": [],
+           "timeline": timeline(recent[-len(work.specs):])}
     for role, b, a, c0, c1 in zip(("prefill", "decode"), before, after, cpu0, cpu1):
         hist = {}
         for name in BREAKDOWN[system]:
@@ -151,9 +155,50 @@ def under_load(system: str, model: str, max_len: int, work, pool: list[int],
     return out
 
 
+def timeline(requests: list[dict], step_s: float = 0.001) -> dict:
+    """pdserve's prefill over the replay, from its /debug/requests: seconds the engine computed (the union of
+    each request's forward pass: its first layer stored, less one layer's time, to its last), and seconds it did
+    not while some request waited for it: in line (arrived, no decode allocated yet) or allocated (its forward
+    pass not begun). On a 1 ms grid."""
+    spans = []
+    for r in requests:
+        stored = r["layer_stored"]
+        if not stored or not r["prefill_done"] or not r["arrived"]:
+            continue
+        layer = (stored[-1] - stored[0]) / (len(stored) - 1) if len(stored) > 1 else 0.0
+        spans.append((r["arrived"], r["allocated"] or stored[0], stored[0] - layer, r["prefill_done"]))
+    if not spans:
+        return {}
+    t0, t1 = min(s[0] for s in spans), max(s[3] for s in spans)
+    n = int((t1 - t0) / step_s) + 1
+
+    def mark(pairs) -> bytearray:
+        grid = bytearray(n)
+        for a, b in pairs:
+            i, j = int((a - t0) / step_s), int((b - t0) / step_s)
+            if j > i:
+                grid[i:j] = b"\x01" * (j - i)
+        return grid
+
+    busy = mark((c, d) for _, _, c, d in spans)
+    in_line = mark((a, b) for a, b, _, _ in spans)
+    allocated = mark((b, c) for _, b, c, _ in spans)
+    idle_line = sum(1 for k in range(n) if in_line[k] and not busy[k] and not allocated[k])
+    idle_alloc = sum(1 for k in range(n) if allocated[k] and not busy[k])
+    return {"requests": len(spans), "span_s": n * step_s, "computing_s": sum(busy) * step_s,
+            "idle_while_allocated_waits_s": idle_alloc * step_s,
+            "idle_while_only_in_line_waits_s": idle_line * step_s}
+
+
 def print_load(system: str, repeat: int, r: dict) -> None:
     print(f"{system} #{repeat + 1} under load: {r['ok']} ok, {r['failed']} failed in {r['wall_s']:.0f} s; client TTFT "
           f"sum {r['ttft_sum_s']:.1f} s, p50 {r['ttft_p50_ms']:.0f} ms", flush=True)
+    t = r.get("timeline")
+    if t:
+        print(f"  prefill  engine timeline ({t['requests']} requests, {t['span_s']:.0f} s): computing "
+              f"{t['computing_s']:.1f} s; not computing while an allocated request waited "
+              f"{t['idle_while_allocated_waits_s']:.1f} s, while requests waited only in line "
+              f"{t['idle_while_only_in_line_waits_s']:.1f} s", flush=True)
     for server in r["servers"]:
         print(f"  {server['role']:8s} CPU {server['cpu_s']:.1f} s in {r['wall_s']:.0f} s "
               f"({server['cpu_s'] / r['wall_s']:.0%} of its core)", flush=True)

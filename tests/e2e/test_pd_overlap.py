@@ -65,6 +65,9 @@ def test_first_layer_arrives_before_last_layer_is_computed(procs, transport, tmp
     assert len(p["layer_stored"]) == 4 and len(d["layer_arrived"]) == 4, (p, d)
     first_arrived, last_computed = d["layer_arrived"][0], p["layer_stored"][-1]
     assert p["allocated"] < first_arrived < last_computed, (p, d)
+    listed = get_json(f"{prefill.url}/debug/requests")[1]  # every recent request: the same record, in a timeline
+    assert [r for r in listed["requests"] if r["request_id"] == rid] == [p], listed
+    assert p["arrived"] <= p["start"] <= p["allocated"] < listed["now"], p
     readings = wait_all_released([prefill, decode])
     assert nothing_held(readings), readings
 

@@ -38,3 +38,19 @@ def test_summary_counts_hits_and_computed_tokens(tool):
     assert s["ttft_sum_s"] == pytest.approx(2.58)
     assert s["ttft_p50_ms"] == pytest.approx(512)
     assert s["ms_per_1k_computed_p50_of_big"] == pytest.approx(500)
+
+
+def test_timeline_splits_the_engine_idle_time_by_what_waited(tool):
+    # monotonic seconds from 10 (0 means "not set"): r1 allocated at once, forward pass 11.0-11.2 (two layers
+    # 0.1 apart); r2 in line 10.5-11.5, forward pass 12.0-12.2
+    r1 = {"arrived": 10.0, "allocated": 10.0, "layer_stored": [11.1, 11.2], "prefill_done": 11.2}
+    r2 = {"arrived": 10.5, "allocated": 11.5, "layer_stored": [12.1, 12.2], "prefill_done": 12.2}
+    t = tool.timeline([r1, r2])
+    assert t["requests"] == 2
+    assert t["computing_s"] == pytest.approx(0.4, abs=0.003)
+    assert t["idle_while_allocated_waits_s"] == pytest.approx(1.5, abs=0.003)  # r1 10-11.0, r2 11.5-12.0
+    assert t["idle_while_only_in_line_waits_s"] == pytest.approx(0.3, abs=0.003)  # r2 11.2-11.5
+
+
+def test_timeline_skips_requests_without_a_forward_pass(tool):
+    assert tool.timeline([{"arrived": 1.0, "allocated": 0.0, "layer_stored": [], "prefill_done": 0.0}]) == {}
