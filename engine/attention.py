@@ -28,6 +28,31 @@ def attend(q, k, v, mask=None, causal=False, scale=None, softcap=None) -> torch.
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+# torch's CPU flash-attention kernel as an op that also returns each query's log-sum-exp (torch is pinned in
+# pyproject.toml; without the op, prefix_attend falls back to the masked SDPA)
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def prefix_attend(q, k, v, n_cached: int, scale=None) -> torch.Tensor:
+    """A prefill after a prefix-cache hit, on CPU: q [1, H, Lq, D] (the new tokens), k/v [1, KVH, n_cached + Lq, D]
+    (context then new) -> [1, H, Lq, D], each new token seeing the whole context and the new tokens up to itself.
+
+    The masked SDPA this replaces computes every (query, key) pair, the upper triangle of the new part
+    included, with the math kernel. Here torch's flash kernel runs twice: the new queries over the cached keys
+    (no mask) and over the new keys (causal, the triangle skipped); the two outputs are merged by their
+    log-sum-exps (float32). Time per call measured 0.41-0.72x of the masked call's in float32 and 0.50-0.81x
+    in bfloat16 (1,024-3,840 new tokens after 256-2,048 cached, 4 / 2 heads of 64, one thread, Intel Xeon;
+    the more new tokens, the more the triangle saves): bench/engine/prefix_attention.py."""
+    if _FLASH_CPU is None or q.device.type != "cpu" or n_cached == 0:
+        mask = causal_mask(q.shape[-2], k.shape[-2], None, q.device)
+        return attend(q, k, v, mask=mask, scale=scale)
+    o1, l1 = _FLASH_CPU(q, k[:, :, :n_cached], v[:, :, :n_cached], 0.0, False, scale=scale)
+    o2, l2 = _FLASH_CPU(q, k[:, :, n_cached:], v[:, :, n_cached:], 0.0, True, scale=scale)
+    top = torch.maximum(l1, l2)
+    w1, w2 = torch.exp(l1 - top).unsqueeze(-1), torch.exp(l2 - top).unsqueeze(-1)
+    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
+
+
 def decode_attend(q, k, v, bias, scale=None) -> torch.Tensor:
     """One new token per sequence over its gathered context, on CPU: q [B, H, D], k/v
     [B, L, KVH, D] (as ``KVCache.gather`` returns them), ``bias`` [B, 1, L] float (0 where the

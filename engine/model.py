@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from . import native
-from .attention import attend, causal_mask, decode_attend, decode_window_mask, mask_bias
+from .attention import attend, causal_mask, decode_attend, decode_window_mask, mask_bias, prefix_attend
 from .config import ModelConfig, rope_inv_freq
 from .kv_cache import KVCache
 from .models import layer_class
@@ -197,6 +197,8 @@ class DecoderModel(nn.Module):
                 ks, vs = kc.to(q.dtype).transpose(0, 1).unsqueeze(0), vc.to(q.dtype).transpose(0, 1).unsqueeze(0)
             if span.num_cached == 0 and window is None:
                 o = attend(qs, ks, vs, causal=True, scale=scale, softcap=cap)
+            elif window is None and cap is None:
+                o = prefix_attend(qs, ks, vs, span.num_cached, scale=scale)
             else:
                 key = ("prefill", s, window)
                 if key not in masks:
