@@ -143,6 +143,7 @@ def under_load(system: str, model: str, max_len: int, work, pool: list[int],
                                                     timeout=10).read())["requests"] if system == "pdserve" else [])
     ttfts = sorted(r.ttft for r in results if r.ok)
     out = {"ok": len(ttfts), "failed": len(results) - len(ttfts), "wall_s": wall,
+           "errors": [r.error for r in results if not r.ok][:3],
            "ttft_sum_s": sum(ttfts), "ttft_p50_ms": statistics.median(ttfts) * 1000, "servers": [],
            "timeline": timeline(recent[-len(work.specs):])}
     for role, b, a, c0, c1 in zip(("prefill", "decode"), before, after, cpu0, cpu1):
@@ -192,7 +193,8 @@ def timeline(requests: list[dict], step_s: float = 0.001) -> dict:
 
 def print_load(system: str, repeat: int, r: dict) -> None:
     print(f"{system} #{repeat + 1} under load: {r['ok']} ok, {r['failed']} failed in {r['wall_s']:.0f} s; client TTFT "
-          f"sum {r['ttft_sum_s']:.1f} s, p50 {r['ttft_p50_ms']:.0f} ms", flush=True)
+          f"sum {r['ttft_sum_s']:.1f} s, p50 {r['ttft_p50_ms']:.0f} ms"
+          + "".join(f"\n  failed: {e}" for e in r.get("errors", [])), flush=True)
     t = r.get("timeline")
     if t:
         print(f"  prefill  engine timeline ({t['requests']} requests, {t['span_s']:.0f} s): computing "
