@@ -7,25 +7,19 @@ kill builtin rejects ``--``.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "bench" / "tools" / "conformance_vllm.py"
-
+from harness.bench_tools import TOOLS, load_bench_tool
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("conformance_vllm_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_tool("conformance_vllm")
 
 
 def test_first_difference(tool):
@@ -47,7 +41,8 @@ def test_runs_keep_the_kill_last_and_bad_values_are_refused(tool, capsys):
 
 
 def test_help_runs_without_vllm():
-    out = subprocess.run([sys.executable, str(TOOL), "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, str(TOOLS / "conformance_vllm.py"), "--help"], capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "--vllm-extra" in out.stdout and "--runs" in out.stdout
 

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "bench" / "tools" / "peer_trace_alone.py"
-
+from harness.bench_tools import load_bench_tool
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("peer_trace_alone_tool", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_tool("peer_trace_alone")
 
 
 def test_fit_recovers_a_line(tool):
