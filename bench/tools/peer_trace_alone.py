@@ -108,14 +108,19 @@ def _start(launcher: Launcher, system: str, model: str, max_len: int,
             [[v.prefill.popen.pid, v.proxy.popen.pid], [v.decode.popen.pid]])
 
 
+def warm_up(url: str, specs: list[RequestSpec], pool: list[int], output_tokens: int) -> None:
+    """2 random requests of the specs' median prompt length (sharing no prefix with the trace), one at a time."""
+    warm = round(statistics.median(s.prompt_tokens for s in specs))
+    send(url, random_requests(2, warm, output_tokens, random.Random(-warm), pool), concurrency=1)
+
+
 def one_system(system: str, model: str, max_len: int, specs: list[RequestSpec], pool: list[int]) -> list[dict]:
     """Each request alone: prompt tokens, prefix hits, TTFT (seconds)."""
     rows = []
     with Launcher(LOG_ROOT / f"peer-trace-alone-{system}") as launcher:
         url, urls, _ = _start(launcher, system, model, max_len)
         metrics = urls[0]
-        warm = round(statistics.median(s.prompt_tokens for s in specs))
-        send(url, random_requests(2, warm, 1, random.Random(-warm), pool), concurrency=1)
+        warm_up(url, specs, pool, output_tokens=1)
         for i, spec in enumerate(specs):
             before = metric_sum(scrape(metrics), HIT_COUNTER[system])
             results, _ = send(url, [RequestSpec(spec.prompt_tokens, 1, spec.prompt, spec.prompt_ids)], concurrency=1)
@@ -134,8 +139,7 @@ def under_load(system: str, model: str, max_len: int, work, pool: list[int],
     """The trace at its arrival times (the experiment's replay): client TTFTs and each server's histogram sums."""
     with Launcher(LOG_ROOT / f"peer-trace-load-{system}") as launcher:
         url, urls, sessions = _start(launcher, system, model, max_len, prefill_extra)
-        warm = round(statistics.median(s.prompt_tokens for s in work.specs))
-        send(url, random_requests(2, warm, 8, random.Random(-warm), pool), concurrency=1)
+        warm_up(url, work.specs, pool, output_tokens=8)
         before, cpu0 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]
         results, wall = send(url, work.specs, arrivals=work.arrivals)
         after, cpu1 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]
