@@ -25,7 +25,7 @@ uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
    metrics track its registry's load (--block-size).
 6. **gRPC** - Decode (the service) and KvEvents (the publisher; GetLoad tells --http-port), on
    --host:--port, with keepalive.
-7. **HTTP** - /health, /ready, /debug/requests/{rid} (Probes over the service) and /metrics, on
+7. **HTTP** - /health, /ready, /debug/requests/{rid}, /debug/threads (Probes over the service) and /metrics, on
    --host:--http-port.
 8. The start-up heap settles (gc_pauses), and "decode ready" is logged.
 
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 
-from pdserve import gc_pauses, server_setup
+from pdserve import gc_pauses, server_setup, thread_cpu
 from pdserve.cachestore import CacheStoreReceiver
 from pdserve.engine import OutOfBlocksError, SamplingParams
 from pdserve.kv_events import KvEventPublisher, KvEventsServicer
@@ -183,6 +183,7 @@ async def start_http(probes: Probes, metrics: ServerMetrics, host: str, port: in
     """The probes' routes and /metrics, on host:port."""
     app = web.Application()
     app.router.add_get("/debug/requests/{rid}", probes.debug_request)
+    app.router.add_get("/debug/threads", probes.debug_threads)
     app.router.add_get("/health", probes.health)
     app.router.add_get("/ready", probes.ready)
     app.router.add_get("/metrics", metrics.aiohttp_handler)
@@ -194,8 +195,8 @@ async def start_http(probes: Probes, metrics: ServerMetrics, host: str, port: in
 
 @dataclass(slots=True)
 class Probes:
-    """/health (the service's counts), /ready (not draining) and /debug/requests/{rid} (a request's
-    recent layer arrivals)."""
+    """/health (the service's counts), /ready (not draining), /debug/requests/{rid} (a request's
+    recent layer arrivals) and /debug/threads (each thread's CPU seconds)."""
 
     service: DecodeService
 
@@ -212,6 +213,10 @@ class Probes:
         if arrivals is None:
             return web.json_response({"error": f"unknown request {rid!r}"}, status=404)
         return web.json_response({"request_id": rid, "layer_arrived": arrivals})
+
+    async def debug_threads(self, request: web.Request) -> web.Response:
+        """Each thread's CPU seconds so far and the process's (thread_cpu.snapshot)."""
+        return web.json_response(thread_cpu.snapshot())
 
 
 @dataclass(slots=True)

@@ -10,6 +10,7 @@
 | GET  /metrics                | Prometheus text                                              |
 | GET  /debug/requests/{id}    | monotonic timestamps of a recent P/D request (tests, tuning) |
 | GET  /debug/requests         | the same for every recent P/D request, oldest first (a timeline)  |
+| GET  /debug/threads         | CPU seconds of each of this process's threads (``pdserve/thread_cpu.py``) |
 | GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
 | /v1/files, /v1/batches       | the OpenAI Batch API (``pdserve.batch.api``, added by ``cli.py``) |
 | GET  /tokenizer              | the model's config and tokenizer files, for a router (``tokenizer_api.py``, added by ``cli.py``) |
@@ -67,6 +68,7 @@ import time
 
 from aiohttp import web
 
+from pdserve import thread_cpu
 from pdserve.defaults import REQUEST_TIMEOUT_HEADER
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
@@ -135,6 +137,7 @@ class HttpApi:
         app.router.add_get("/debug/requests", self.debug_requests)
         app.router.add_get("/debug/requests/{rid}", self.debug_request)
         app.router.add_get("/debug/slo", self.debug_slo)
+        app.router.add_get("/debug/threads", self.debug_threads)
         return app
 
     async def debug_slo(self, request: web.Request) -> web.Response:
@@ -160,6 +163,10 @@ class HttpApi:
         timeline of this prefill (when each request came, was allocated, computed, sent)."""
         timings = list(self.fe.node.last_timings.items())
         return web.json_response({"now": time.monotonic(), "requests": [_timings_json(r, t) for r, t in timings]})
+
+    async def debug_threads(self, request: web.Request) -> web.Response:
+        """Each thread's CPU seconds so far and the process's (thread_cpu.snapshot)."""
+        return web.json_response(thread_cpu.snapshot())
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.fe.model_name, "object": "model", "created": 0, "owned_by": "pdserve",

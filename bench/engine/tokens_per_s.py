@@ -189,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
                 raise SystemExit(f"unknown model {model_name!r}: use tiny or large")
             hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=dtype).to(device).eval()
             gen = torch.Generator().manual_seed(1)
-            model_rows, by_batch, ours_decode_runs = [], {}, {}
+            model_rows, by_batch, ours_runs = [], {}, {}
             for batch in batches:
                 prompts = torch.randint(0, min(cfg.vocab_size, 250), (batch, prompt_len), generator=gen).tolist()
                 by_batch[batch] = prompts
@@ -202,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
                     h_pre, h_dec, h_tok = _hf_once(hf, prompts, gen_len, clock)
                     runs.append((o_pre, o_dec, h_pre, h_dec))
                 med = [statistics.median(r[i] for r in runs) for i in range(4)]
-                ours_decode_runs[batch] = [r[1] for r in runs]
+                ours_runs[batch] = [(r[0], r[1]) for r in runs]
                 model_rows.append(
                     dict(
                         model=model_name,
@@ -222,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
                 bar.update(1)
             del hf, ours
             if args.vllm_python and device.type == "cpu" and cfg.head_dim in VLLM_CPU_HEAD_SIZES:
-                _add_vllm(args, d, cfg, by_batch, ours_decode_runs, model_rows, prompt_len, gen_len, reps, clock_kind)
+                _add_vllm(args, d, cfg, by_batch, ours_runs, model_rows, prompt_len, gen_len, reps, clock_kind)
             rows += model_rows
         bar.close()
     print(
@@ -255,8 +255,9 @@ def run(args: argparse.Namespace) -> int:
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its CPU attention kernels
 
 
-def _add_vllm(args, directory, cfg, by_batch, ours_decode_runs, model_rows, prompt_len, gen_len, reps, clock_kind):
-    """vLLM-CPU's decode tok/s and ratio into each row of this model (vllm_baseline.py)."""
+def _add_vllm(args, directory, cfg, by_batch, ours_runs, model_rows, prompt_len, gen_len, reps, clock_kind):
+    """vLLM-CPU's prefill and decode tok/s and their ratios into each row of this model (vllm_baseline.py);
+    ``ours_runs[batch]`` is [(prefill s, decode s)] per run, paired run i with vLLM's run i."""
     from pdserve.engine.block_manager import blocks_needed
     from .vllm_baseline import measure
 
@@ -268,9 +269,12 @@ def _add_vllm(args, directory, cfg, by_batch, ours_decode_runs, model_rows, prom
                   kv_bytes=kv_bytes, max_len=prompt_len + gen_len + 64)
     for row in model_rows:
         runs = got["runs"][row["batch"]]
-        ours = ours_decode_runs[row["batch"]]
-        ratios = [v[1] / o for v, o in zip(runs, ours)]  # vLLM decode seconds / ours, run i with run i
-        row.update(vllm_decode=row["batch"] * (gen_len - 1) / statistics.median(v[1] for v in runs),
+        ours = ours_runs[row["batch"]]
+        ratios = [v[1] / o[1] for v, o in zip(runs, ours)]  # vLLM decode seconds / ours, run i with run i
+        pre = [v[0] / o[0] for v, o in zip(runs, ours)]  # the same for the prefill (generate(max_tokens=1))
+        row.update(vllm_prefill=row["batch"] * prompt_len / statistics.median(v[0] for v in runs),
+                   vllm_prefill_ratio=statistics.median(pre), vllm_prefill_range=(min(pre), max(pre)),
+                   vllm_decode=row["batch"] * (gen_len - 1) / statistics.median(v[1] for v in runs),
                    vllm_ratio=statistics.median(ratios), vllm_range=(min(ratios), max(ratios)),
                    vllm_same=got["tokens"][row["batch"]] == row["ours_tokens"], vllm_version=got["version"])
 
@@ -281,12 +285,15 @@ def _print_vllm(rows) -> None:
         return
     print(f"\nvLLM-CPU {rows[0]['vllm_version']} baseline (same checkpoint, dtype, prompts, clock; a child process "
           "after ours ran):")
-    print("| model | batch | decode tok/s ours | decode tok/s vLLM-CPU | ratio ours/vLLM (min-max over "
-          "runs) | same greedy tokens |")
-    print("|" + "---|" * 6)
+    print("| model | batch | prefill tok/s ours | prefill tok/s vLLM-CPU | ratio ours/vLLM (min-max) | "
+          "decode tok/s ours | decode tok/s vLLM-CPU | ratio ours/vLLM (min-max over runs) | same greedy tokens |")
+    print("|" + "---|" * 9)
     for r in rows:
         lo, hi = r["vllm_range"]
-        print(f"| {r['model']} | {r['batch']} | {r['ours_decode']:.0f} | {r['vllm_decode']:.0f} | "
+        plo, phi = r["vllm_prefill_range"]
+        print(f"| {r['model']} | {r['batch']} | {r['ours_prefill']:.0f} | {r['vllm_prefill']:.0f} | "
+              f"{r['vllm_prefill_ratio']:.2f}x ({plo:.2f}-{phi:.2f}) | {r['ours_decode']:.0f} | "
+              f"{r['vllm_decode']:.0f} | "
               f"{r['vllm_ratio']:.2f}x ({lo:.2f}-{hi:.2f}) | {'yes' if r['vllm_same'] else 'NO'} |")
     for r in rows:
         if r["batch"] == 32:

@@ -25,7 +25,9 @@ request's blocks), ``pdserve_prefill_compute_seconds`` (allocated to the last la
 wait for the engine included) and ``pdserve_kv_transfer_seconds``; vLLM's ``request_queue_time``
 and ``request_prefill_time`` on its prefill and its decode instance. With them, each side's CPU
 seconds during the replay (its processes, from /proc) over the wall time: a prefill core well below
-100% while requests wait in line is a scheduling gap, not a lack of compute.
+100% while requests wait in line is a scheduling gap, not a lack of compute. For pdserve also each
+server's CPU seconds by thread over the replay (``GET /debug/threads`` before and after): the engine's
+thread against the event loop and the CacheStore threads that share its core.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from pdserve.bench.experiments.peer_trace import TRACE_DEFAULTS
 from pdserve.bench.experiments.peer_vllm import start_vllm_pd, vllm_python
 from pdserve.bench.experiments.trace_routing import DEFAULT_TRACE
 from pdserve.bench.loadgen_workload import RequestSpec, random_requests, tokenizer_prompt_ids
+from pdserve import thread_cpu
 from pdserve.bench.provenance import machine
 from pdserve.cachestore.memory import DTYPE_BYTES
 
@@ -140,9 +143,11 @@ def under_load(system: str, model: str, max_len: int, work, pool: list[int],
     with Launcher(LOG_ROOT / f"peer-trace-load-{system}") as launcher:
         url, urls, sessions = _start(launcher, system, model, max_len, prefill_extra)
         warm_up(url, work.specs, pool, output_tokens=8)
+        threads0 = [debug_threads(u) for u in urls] if system == "pdserve" else [None, None]
         before, cpu0 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]
         results, wall = send(url, work.specs, arrivals=work.arrivals)
         after, cpu1 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]
+        threads1 = [debug_threads(u) for u in urls] if system == "pdserve" else [None, None]
         recent = (json.loads(urllib.request.urlopen(urls[0].removesuffix("/metrics") + "/debug/requests",
                                                     timeout=10).read())["requests"] if system == "pdserve" else [])
     ttfts = sorted(r.ttft for r in results if r.ok)
@@ -150,14 +155,22 @@ def under_load(system: str, model: str, max_len: int, work, pool: list[int],
            "errors": [r.error for r in results if not r.ok][:3],
            "ttft_sum_s": sum(ttfts), "ttft_p50_ms": statistics.median(ttfts) * 1000, "servers": [],
            "timeline": timeline(recent[-len(work.specs):])}
-    for role, b, a, c0, c1 in zip(("prefill", "decode"), before, after, cpu0, cpu1):
+    for role, b, a, c0, c1, t0, t1 in zip(("prefill", "decode"), before, after, cpu0, cpu1, threads0, threads1):
         hist = {}
         for name in BREAKDOWN[system]:
             n = metric_sum(a, name + "_count") - metric_sum(b, name + "_count")
             if n:
                 hist[name] = {"count": n, "sum_s": metric_sum(a, name + "_sum") - metric_sum(b, name + "_sum")}
-        out["servers"].append({"role": role, "histograms": hist, "cpu_s": c1 - c0})
+        threads = thread_cpu.by_name_delta(t0, t1) if t0 and t1 else {}
+        out["servers"].append({"role": role, "histograms": hist, "cpu_s": c1 - c0,
+                               "threads_cpu_s": dict(sorted(threads.items(), key=lambda kv: -kv[1]))})
     return out
+
+
+def debug_threads(metrics_url: str) -> dict:
+    """A pdserve server's GET /debug/threads (each thread's CPU seconds so far)."""
+    return json.loads(urllib.request.urlopen(metrics_url.removesuffix("/metrics") + "/debug/threads",
+                                             timeout=10).read())
 
 
 def timeline(requests: list[dict], step_s: float = 0.001) -> dict:
@@ -208,6 +221,9 @@ def print_load(system: str, repeat: int, r: dict) -> None:
     for server in r["servers"]:
         print(f"  {server['role']:8s} CPU {server['cpu_s']:.1f} s in {r['wall_s']:.0f} s "
               f"({server['cpu_s'] / r['wall_s']:.0%} of its core)", flush=True)
+        if server.get("threads_cpu_s"):
+            print(f"  {server['role']:8s} CPU by thread: " + ", ".join(
+                f"{name} {cpu:.1f} s" for name, cpu in server["threads_cpu_s"].items() if cpu >= 0.05), flush=True)
         for name, h in server["histograms"].items():
             print(f"  {server['role']:8s} {name}: {h['count']:.0f} observations, sum {h['sum_s']:.1f} s, "
                   f"mean {h['sum_s'] / h['count'] * 1000:.0f} ms", flush=True)
