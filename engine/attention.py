@@ -31,6 +31,7 @@ def attend(q, k, v, mask=None, causal=False, scale=None, softcap=None) -> torch.
 # torch's CPU flash-attention kernel as an op that also returns each query's log-sum-exp (torch is pinned in
 # pyproject.toml; without the op, prefix_attend falls back to the masked SDPA)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+PAD_SHORT_PREFIX = 8  # prefix_attend pads instead of merging when the new tokens are at least 8x the cached ones
 
 
 def prefix_attend(q, k, v, n_cached: int, scale=None) -> torch.Tensor:
@@ -46,6 +47,13 @@ def prefix_attend(q, k, v, n_cached: int, scale=None) -> torch.Tensor:
     if _FLASH_CPU is None or q.device.type != "cpu" or n_cached == 0:
         mask = causal_mask(q.shape[-2], k.shape[-2], None, q.device)
         return attend(q, k, v, mask=mask, scale=scale)
+    if n_cached * PAD_SHORT_PREFIX <= q.shape[-2]:
+        # A short cached prefix (a shared first block): one causal call over the whole context, with zero query
+        # rows standing in for the cached positions. Their n_cached^2 / 2 extra pairs cost less than the second
+        # call and the merge: 89.6 against 103.4 ms at 64 cached and 3,900 new tokens, equal at 512 : 3,452
+        # (float32, the small checkpoint's heads, one thread, Intel Xeon, beside a CI run).
+        pad = q.new_zeros(q.shape[0], q.shape[1], n_cached, q.shape[3])
+        return _FLASH_CPU(torch.cat([pad, q], dim=2), k, v, 0.0, True, scale=scale)[0][:, :, n_cached:]
     o1, l1 = _FLASH_CPU(q, k[:, :, :n_cached], v[:, :, :n_cached], 0.0, False, scale=scale)
     o2, l2 = _FLASH_CPU(q, k[:, :, n_cached:], v[:, :, n_cached:], 0.0, True, scale=scale)
     top = torch.maximum(l1, l2)

@@ -16,7 +16,7 @@ def reference(q, k, v, scale):
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 1)])
-@pytest.mark.parametrize("cached,new", [(64, 32), (7, 1), (1, 40), (96, 96)])
+@pytest.mark.parametrize("cached,new", [(64, 32), (7, 1), (1, 40), (96, 96), (4, 64), (16, 200)])
 def test_prefix_attend_matches_masked_sdpa(heads, kv_heads, cached, new):
     torch.manual_seed(0)
     d = 16
@@ -55,3 +55,23 @@ def test_without_the_flash_op_it_is_the_masked_sdpa(monkeypatch):
     q = torch.randn(1, 4, 8, 16)
     k, v = torch.randn(1, 2, 24, 16), torch.randn(1, 2, 24, 16)
     torch.testing.assert_close(prefix_attend(q, k, v, 16), reference(q, k, v, None), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cached,new,calls", [(16, 128, 1), (16, 127, 2), (96, 96, 2)])
+def test_a_short_prefix_takes_one_padded_call_a_long_one_two_merged(monkeypatch, cached, new, calls):
+    """new >= 8 x cached: one causal flash call over zero rows + the new queries; else the two calls merged.
+    Both give the masked SDPA's result."""
+    seen = []
+    real = attention._FLASH_CPU
+
+    def counting(q, *rest, **kw):
+        seen.append(q.shape[-2])
+        return real(q, *rest, **kw)
+
+    monkeypatch.setattr(attention, "_FLASH_CPU", counting)
+    torch.manual_seed(4)
+    q = torch.randn(1, 4, new, 16)
+    k, v = torch.randn(1, 2, cached + new, 16), torch.randn(1, 2, cached + new, 16)
+    got = prefix_attend(q, k, v, cached)
+    assert len(seen) == calls and (calls == 2 or seen == [cached + new]), seen
+    torch.testing.assert_close(got, reference(q, k, v, None), atol=2e-5, rtol=2e-5)
