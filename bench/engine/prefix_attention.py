@@ -1,5 +1,6 @@
-"""A prefill's attention after a prefix-cache hit: ``prefix_attend`` (two flash calls merged by log-sum-exp)
-against the masked SDPA it replaced, A B A B in one process.
+"""A prefill's attention after a prefix-cache hit: ``prefix_attend`` (two flash calls merged by log-sum-exp, or
+one padded causal call when the new tokens are at least ``PAD_SHORT_PREFIX`` times the cached ones, as 256:3840
+is) against the masked SDPA it replaced, A B A B in one process.
 
     .venv/bin/python bench/engine/prefix_attention.py [--shapes 2048:2048,1024:3072,256:3840] [--heads 4:2]
         [--head-dim 64] [--rounds 7] [--dtype float32]
