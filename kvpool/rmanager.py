@@ -223,8 +223,11 @@ class Borrower:
         return kvpool_pb2_grpc.KVLenderStub(self._channels[address])
 
     def borrow(self, request_id: str, blocks: int) -> list[RemoteLoan]:
-        """Loans summing to ``blocks``; OutOfBlocksError (every loan given back) if the pool has less."""
+        """Loans summing to ``blocks``; OutOfBlocksError (every loan given back) if the pool has less, or
+        LenderLost naming the lenders that did not answer when the others could not make up for them (a
+        lender that dies while lending: the request fails as it does in its later phases)."""
         loans: list[RemoteLoan] = []
+        silent: set[str] = set()
         need = blocks
         try:
             for attempt in range(BORROW_ROUNDS):  # later rounds: the gManager's view may have caught up
@@ -244,13 +247,18 @@ class Borrower:
                             borrower=self.instance, request_id=self.loan_id(request_id), blocks=need,
                             layout=self.layout, version=KVPOOL_VERSION), timeout=self.timeout)
                     except grpc.RpcError:
-                        continue  # gone since its last report: the gManager drops it after its ttl
+                        silent.add(c.instance_id)  # gone since its last report: the gManager drops it after its ttl
+                        continue
                     if got.granted_blocks:
                         loans.append(RemoteLoan(c.instance_id, c.address, stub, got.granted_blocks))
                         need -= got.granted_blocks
                     if need == 0:
                         return loans
             got_total = blocks - need
+            if silent:
+                raise LenderLost(f"request {request_id!r} failed: KV lender {', '.join(sorted(silent))} did not "
+                                 f"answer while lending, and the others had only {got_total} of the {blocks} "
+                                 "blocks it needs")
             raise OutOfBlocksError(f"request {request_id!r} needs {blocks} KV blocks from the pool but its lenders "
                                    f"had only {got_total} to lend")
         except BaseException:

@@ -144,9 +144,10 @@ def test_a_lender_killed_mid_request_fails_only_that_request_and_leaves_nothing(
     # 900 prompt tokens + 300 generated: 11 blocks of overflow, 7 on decode-1 and 4 on decode-2
     worker = threading.Thread(target=run)
     worker.start()
-    # killed as soon as both hold part of its KV: whether the borrower is still putting the prompt's
-    # KV there (PutKV) or already decoding (Attend), the lender's silence fails the request the same
-    # way (PooledRequest._wait -> LenderLost); no phase of it can be told apart from outside
+    # killed as soon as both hold part of its KV: whether the borrower still waits for decode-2's Lend reply
+    # (Borrower.borrow), is putting the prompt's KV there (PutKV) or already decoding (Attend), the lender's
+    # silence fails the request the same way (LenderLost naming it); no phase of it can be told apart from
+    # outside (the Lend reply lost with decode-2 once ended as "had only 7 to lend", RESOURCE_EXHAUSTED)
     cluster.wait(lambda: cluster.stats("decode-2").loans == 1 and cluster.stats("decode-1").loans == 1,
                  "the request borrowed from both peers")
     cluster.kill("decode-2")
