@@ -46,13 +46,12 @@ from pathlib import Path
 from pdserve.bench.experiments import peer_trace
 from pdserve.bench.experiments.client import send
 from pdserve.bench.experiments.cluster import start_pd
-from pdserve.bench.experiments.launcher import LOG_ROOT, MODEL_CACHE, Launcher, metric_sum, scrape
+from pdserve.bench.experiments.launcher import LOG_ROOT, Launcher, metric_sum, scrape
 from pdserve.bench.experiments.peer import pdserve_engine_flags
-from pdserve.bench.experiments.peer_model import kv_bytes_per_token, peer_model
-from pdserve.bench.experiments.peer_trace import TRACE_DEFAULTS
+from pdserve.bench.experiments.peer_model import kv_bytes_per_token
 from pdserve.bench.experiments.peer_vllm import start_vllm_pd, vllm_python
 from pdserve.bench.experiments.trace_routing import DEFAULT_TRACE
-from pdserve.bench.loadgen_workload import RequestSpec, random_requests, tokenizer_prompt_ids
+from pdserve.bench.loadgen_workload import RequestSpec, random_requests
 from pdserve import thread_cpu
 from pdserve.bench.provenance import machine
 from pdserve.cachestore.memory import DTYPE_BYTES
@@ -253,11 +252,8 @@ def main() -> int:
     p.add_argument("--pdserve-prefill-extra", default="", help="more flags for pdserve's prefill (one string)")
     p.add_argument("--json", type=Path, default=None, help="write every request's row and the summaries here")
     a = p.parse_args()
-    trace_args = argparse.Namespace(**TRACE_DEFAULTS, trace=a.trace, seed=0)
-    max_len = peer_trace.max_len(trace_args)
-    model = str(peer_model(MODEL_CACHE, "small", max(4096, max_len)))
-    pool = tokenizer_prompt_ids(model)
-    work = peer_trace.workload(trace_args, pool)
+    t = peer_trace.default_trace(a.trace)
+    trace_args, max_len, model, pool, work = t.args, t.max_len, t.model, t.pool, t.work
     specs = work.specs[: a.requests]
     how = "at their arrival times" if a.load else "one at a time, 1 output token"
     print(f"{peer_trace.describe(trace_args, work)}; sent {how}; {len(specs)} requests", flush=True)

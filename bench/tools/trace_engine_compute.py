@@ -30,12 +30,8 @@ import time
 from pathlib import Path
 
 from pdserve.bench.experiments import peer_trace
-from pdserve.bench.experiments.launcher import MODEL_CACHE
-from pdserve.bench.experiments.peer_model import peer_model
-from pdserve.bench.experiments.peer_trace import TRACE_DEFAULTS
 from pdserve.bench.experiments.peer_vllm import vllm_python
 from pdserve.bench.experiments.trace_routing import DEFAULT_TRACE
-from pdserve.bench.loadgen_workload import tokenizer_prompt_ids
 from pdserve.bench.provenance import machine
 
 KV_TOKENS = 16384
@@ -117,11 +113,8 @@ def main() -> int:
     p.add_argument("--engines", default="pdserve,vllm", help="comma-separated, in the order of each repeat")
     p.add_argument("--json", type=Path, default=None, help="write every request's row and the summaries here")
     a = p.parse_args()
-    trace_args = argparse.Namespace(**TRACE_DEFAULTS, trace=a.trace, seed=0)
-    max_len = peer_trace.max_len(trace_args)
-    model = str(peer_model(MODEL_CACHE, "small", max(4096, max_len)))
-    pool = tokenizer_prompt_ids(model)
-    work = peer_trace.workload(trace_args, pool)
+    t = peer_trace.default_trace(a.trace)
+    trace_args, max_len, model, pool, work = t.args, t.max_len, t.model, t.pool, t.work
     prompts = [list(s.prompt_ids) for s in work.specs[: a.requests]]
     warm = [pool[(7 * i) % len(pool)] for i in range(round(statistics.median(len(x) for x in prompts)))]
     m = machine()
