@@ -43,6 +43,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from pdserve import thread_cpu
 from pdserve.bench.experiments import peer_trace
 from pdserve.bench.experiments.client import send
 from pdserve.bench.experiments.cluster import start_pd
@@ -52,7 +53,6 @@ from pdserve.bench.experiments.peer_model import kv_bytes_per_token
 from pdserve.bench.experiments.peer_vllm import start_vllm_pd, vllm_python
 from pdserve.bench.experiments.trace_routing import DEFAULT_TRACE
 from pdserve.bench.loadgen_workload import RequestSpec, random_requests
-from pdserve import thread_cpu
 from pdserve.bench.provenance import machine
 from pdserve.cachestore.memory import DTYPE_BYTES
 
