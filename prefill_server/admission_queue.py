@@ -52,6 +52,14 @@ line is in its policy's order instead of arrival order: each ticket carries its 
 arrival that the policy puts first is the head at once; whenever the policy's order has a new
 head (also when only time changed qlm's order) the queue calls its ``SloRequest.wakeup``,
 which wakes its ticket.
+
+Room (``room``, set by the prefill's wiring with an ordering policy): whether one more request
+may go on now, i.e. a prefill slot is free (``--prefills-ahead``). With it, ``turn`` lets a
+request through only when there is room, even when nobody waits: the others wait in this line,
+in the policy's order, instead of in the slots' own first-come-first-served wait, and each
+slot given back ``notify``s the head. Without it (fifo) the slots keep arrival order anyway.
+A head waiting for room in ``turn`` ends its wait at its deadline (``QueueTimeout``) as any
+wait in line does.
 """
 
 from __future__ import annotations
@@ -93,7 +101,7 @@ class QueueTimeout(Exception):
 class AdmissionQueue:
     def __init__(self, max_length: int, *, max_wait_s: float | None = None, recheck_s: float = RECHECK_S,
                  on_length: Callable[[int], None] | None = None, clock: Callable[[], float] = time.monotonic,
-                 slo: GlobalQueue | None = None):
+                 slo: GlobalQueue | None = None, room: Callable[[], bool] | None = None):
         if max_length < 0:
             raise ValueError(f"max_length must be >= 0, got {max_length}")
         if max_wait_s is not None and not max_wait_s > 0:
@@ -105,6 +113,10 @@ class AdmissionQueue:
         self.slo = slo  # its policy orders the line (None: arrival order)
         self._by_request: dict[str, Ticket] = {}  # with slo: request id -> its ticket in line
         self._readmitted: list[Ticket] = []  # with slo: re-entered tickets the policy admitted once (seq order)
+        self.room = room  # may one more request go on now (a prefill slot is free)? None: always
+
+    def has_room(self) -> bool:
+        return self.room is None or self.room()
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -195,10 +207,10 @@ class Ticket:
         """Return when this request may try the decodes: at once if nobody waits ahead of it."""
         q = self.queue
         if self._queued:
-            if not self.is_head():
+            if not (self.is_head() and q.has_room()):
                 await self._until(head_only=True)
             return
-        if not q._waiting or (q.slo is None and q._waiting[0].seq > self.seq):  # nobody ahead of us
+        if q.has_room() and (not q._waiting or (q.slo is None and q._waiting[0].seq > self.seq)):  # nobody ahead
             return
         self._enter()
         await self._until(head_only=True)
@@ -260,7 +272,7 @@ class Ticket:
             expired = limit is not None and now >= limit
             # a wait whose limit passed ends even if a notify came meanwhile (a stream of
             # load reports must not keep it trying past its limit)
-            if self.is_head() and (head_only or (self._woken and not expired)):
+            if self.is_head() and ((head_only and q.has_room()) or (not head_only and self._woken and not expired)):
                 self._woken = False
                 return
             if expired:

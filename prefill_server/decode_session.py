@@ -109,11 +109,11 @@ class _Held:
     prefilled: bool = False  # our engine holds (or will hold) the prompt's blocks
     released: bool = False  # ... and released them
     finished: bool = False  # the decode finished the request
-    slot: asyncio.Semaphore | None = None  # a prefill slot (SessionConfig.prefills_ahead), until the prompt is computed
+    slot: Callable[[], None] | None = None  # gives back its prefill slot (SessionConfig.prefills_ahead) once computed
 
     def free_slot(self) -> None:
         if self.slot is not None:
-            self.slot.release()
+            self.slot()
             self.slot = None
 
 
@@ -129,6 +129,16 @@ class SessionRunner:
         if config.prefills_ahead < 1:
             raise ValueError(f"prefills_ahead must be >= 1, got {config.prefills_ahead}")
         self.prefill_slots = asyncio.Semaphore(config.prefills_ahead)
+        self.on_slot_free: Callable[[], None] | None = None  # a slot was given back (the admission line's head may go)
+
+    def slot_free(self) -> bool:
+        """Whether a prefill slot is free now (a run would not wait in step 0)."""
+        return not self.prefill_slots.locked()
+
+    def _give_back_slot(self) -> None:
+        self.prefill_slots.release()
+        if self.on_slot_free is not None:
+            self.on_slot_free()
 
     async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None,
                   deadline: float | None = None, on_allocated: Callable[[], None] | None = None,
@@ -180,7 +190,7 @@ class SessionRunner:
         """Step 0 (and the call for step 1): a prefill slot (nothing is held on a decode while we wait
         for one), then the Session call to ``address``, registered as open."""
         await self.prefill_slots.acquire()
-        held.slot = self.prefill_slots
+        held.slot = self._give_back_slot
         try:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
             call = self.stubs(address).Session(timeout=timeout)

@@ -67,7 +67,12 @@ class Disaggregator:
 
     # ---- inputs -------------------------------------------------------------------------------
     def prefill_cached_blocks(self, prompt_ids: list[int]) -> int:
-        if self.held_prefix is None or self.mode != "auto":
+        """Leading prompt blocks our prefix cache holds, for ``decide`` (auto mode only; else 0)."""
+        return self.held_blocks(prompt_ids) if self.mode == "auto" else 0
+
+    def held_blocks(self, prompt_ids: list[int]) -> int:
+        """Leading prompt blocks our prefix cache holds now (0 without the KV events' mirror)."""
+        if self.held_prefix is None:
             return 0
         hashes = reusable_hashes(prompt_ids, self.block_size)
         return min(len(hashes), self.held_prefix(hashes))

@@ -251,8 +251,15 @@ class Frontend:
         if self.slo is None:
             return None
         try:
-            return self.slo.arrive(request_id, slo_class or self.slo.classes.default, len(prompt_ids), sp.max_tokens,
-                                   decode_reservation(len(prompt_ids), sp.max_tokens, self.node.block_size))
+            cls = slo_class or self.slo.classes.default
+            # the leading tokens our prefix cache holds are not computed again, so its prefill estimate counts
+            # the rest; looked up (hashing the prompt: milliseconds for a long one) only where an estimate decides
+            cached = 0
+            if self.slo.policy == "qlm" or cls.early_reject:
+                cached = self.node.disaggregator.held_blocks(prompt_ids) * self.node.block_size
+            return self.slo.arrive(request_id, cls, len(prompt_ids), sp.max_tokens,
+                                   decode_reservation(len(prompt_ids), sp.max_tokens, self.node.block_size),
+                                   cached_tokens=cached)
         except Rejected:
             if self.metrics is not None:
                 self.metrics.requests.labels(outcome="error", reason="slo_rejected").inc()

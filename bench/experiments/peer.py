@@ -230,7 +230,8 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
                     c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus=args.prefill_cpu,
                                  decode_cpus=args.decode_cpu, num_blocks=pd_blocks,
                                  max_model_len=max_len,
-                                 prefill_extra=pd_extra + shlex.split(args.pdserve_prefill_extra),
+                                 prefill_extra=pd_extra + peer_trace.pdserve_slo_flags(args)
+                                 + shlex.split(args.pdserve_prefill_extra),
                                  decode_extra=pd_extra + shlex.split(args.pdserve_decode_extra))
                     url = c.url
                     commands["pdserve"] = {"prefill": c.prefill.proc.popen.args, "decode": c.decodes[0].proc.popen.args}
@@ -272,7 +273,9 @@ def _plan(args, model: str, python: str, max_len: int, cells, work) -> str:
         "dry run (nothing started)", f"workload: {what}",
         f"checkpoint: {model} ({args.model_size}, {args.dtype}), max_model_len {max_len}, KV {args.kv_tokens} tokens "
         "per instance",
-        f"pdserve: --transfer {args.transfer}, engine {args.pdserve_engine}; vLLM: {python}, NixlConnector "
+        f"pdserve: --transfer {args.transfer}, engine {args.pdserve_engine}"
+        + (f", prefill {' '.join(peer_trace.pdserve_slo_flags(args))}" if peer_trace.pdserve_slo_flags(args) else "")
+        + f"; vLLM: {python}, NixlConnector "
         f"({'untuned' if args.vllm_untuned else 'tuned'}); prefills on CPU {args.prefill_cpu}, decodes on CPU "
         f"{args.decode_cpu}", f"runs: {order}", f"results: {Path(args.out) / args.name}.json and .png"])
 

@@ -27,11 +27,16 @@ The SLO of goodput: TTFT <= 2000 ms (a 4K-token prompt, the longest after the cu
 1.7 s alone on one core with this model, so a lower bound would fail it on any system) and mean
 time between tokens <= 100 ms (the InferenceService's default). With ``--model-size peer`` scale
 both the load and the SLO up.
+
+``--pdserve-queue-policy qlm`` (or edf) declares the same SLO to pdserve's prefill (``--slo-classes``)
+and orders its line by that policy, as an InferenceService whose ``spec.slo`` states it would; the
+default, fifo, declares nothing and serves in arrival order, as vLLM does.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 from dataclasses import dataclass
@@ -39,6 +44,7 @@ from pathlib import Path
 
 from pdserve.bench.loadgen_report import summarize
 from pdserve.bench.loadgen_workload import random_requests, tokenizer_prompt_ids
+from pdserve.slo.policies import POLICIES
 
 from .client import send
 from .launcher import MODEL_CACHE
@@ -52,7 +58,7 @@ GRID_OPTIONS = ("prompt_lens", "output_lens", "rates", "load_fractions", "num_re
 TRACE_DEFAULTS = {
     "format": "mooncake", "sample": 0.01, "window_start": 0.0, "window": None, "max_requests": None,
     "duration": 120.0, "length_scale": 0.125, "max_prompt_tokens": 4096, "max_output_tokens": 32,
-    "slo_ttft_ms": 2000.0, "slo_tbt_ms": 100.0,
+    "slo_ttft_ms": 2000.0, "slo_tbt_ms": 100.0, "pdserve_queue_policy": "fifo",
 }
 MODE_DEFAULTS = {"model_size": ("peer", "small"), "name": ("peer", "peer-trace")}  # (grid, trace)
 
@@ -85,6 +91,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"goodput's TTFT bound (default {d['slo_ttft_ms']:g})")
     g.add_argument("--slo-tbt-ms", type=float, default=argparse.SUPPRESS,
                    help=f"goodput's bound on a request's mean time between tokens (default {d['slo_tbt_ms']:g})")
+    g.add_argument("--pdserve-queue-policy", choices=list(POLICIES), default=argparse.SUPPRESS,
+                   help="pdserve's prefill orders its line by this policy with goodput's bounds declared as its SLO "
+                        "class (--queue-policy, --slo-classes), as an InferenceService with spec.slo would; default "
+                        f"{d['pdserve_queue_policy']}: no SLO declared, first come first served, as vLLM")
 
 
 def _flags(names) -> str:
@@ -111,6 +121,19 @@ def resolve(args: argparse.Namespace, grid_defaults: dict) -> None:
         for name in ("slo_ttft_ms", "slo_tbt_ms"):
             if not given[name] > 0:
                 raise ValueError(f"{_flags([name])} must be > 0, got {given[name]}")
+            if given["pdserve_queue_policy"] != "fifo" and given[name] != round(given[name]):
+                raise ValueError(f"{_flags([name])} must be whole milliseconds with --pdserve-queue-policy "
+                                 f"(an SLO class's targets are), got {given[name]}")
+
+
+def pdserve_slo_flags(args: argparse.Namespace) -> list[str]:
+    """The flags that declare goodput's bounds to pdserve's prefill as its SLO class, ordered by
+    --pdserve-queue-policy (none for the grid, or for fifo: nothing is declared then)."""
+    policy = getattr(args, "pdserve_queue_policy", "fifo")
+    if args.trace is None or policy == "fifo":
+        return []
+    return ["--queue-policy", policy, "--slo-classes",
+            json.dumps({"ttftMs": round(args.slo_ttft_ms), "tbtMs": round(args.slo_tbt_ms)})]
 
 
 def max_len(args: argparse.Namespace) -> int:

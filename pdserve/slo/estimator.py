@@ -4,8 +4,11 @@ A request's completion time is its wait, its prefill and its decode (QLM eq. 1):
 
     C_q = W_q + P_q + D_q
 
-- ``P_q``: prefill time of its prompt, a line ``a + b * prompt_tokens`` fitted online to what
-  requests took from admission (a decode allocated) to their first token;
+- ``P_q``: prefill time of its prompt, a line ``a + b * tokens`` fitted online to what
+  requests took from admission (a decode allocated) to their first token, ``tokens`` being the
+  prompt tokens the prefill computes: the prompt less the leading tokens its prefix cache held
+  at arrival (``Job.cached_tokens``; a later turn of a conversation costs its new tokens, not
+  its whole prompt, so the fit is not skewed by hits and a hit is not taken for a long wait);
 - ``D_q = (O_q - 1) * d`` (eq. 4; the first token comes with the prefill): ``O_q`` its
   expected output length, ``E[min(O, max_tokens)]`` over the recent output lengths of its
   class (learned online, one window per class), and ``d`` the measured time per output
@@ -44,12 +47,19 @@ __all__ = ["Estimate", "Estimator", "Job", "simulate"]
 @dataclass(frozen=True, slots=True)
 class Job:
     """What the plan needs of one request: its class (output lengths), prompt and token limit,
-    and the KV blocks a decode reserves for it (prompt + max_tokens)."""
+    the KV blocks a decode reserves for it (prompt + max_tokens), and the leading prompt tokens
+    the prefill's prefix cache held when it arrived (not computed again)."""
 
     cls: str
     prompt_tokens: int
     max_tokens: int
     blocks: int = 1
+    cached_tokens: int = 0
+
+    @property
+    def computed_tokens(self) -> int:
+        """Prompt tokens the prefill computes (at least the last one, whose logits give the first token)."""
+        return max(1, self.prompt_tokens - self.cached_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,10 +90,10 @@ class Estimator:
         self.lag = Ewma(alpha=0.2)  # seconds from room freed to the next waiting request admitted
 
     # -- observations ----------------------------------------------------------------------
-    def observe_prefill(self, prompt_tokens: int, seconds: float) -> None:
-        """Admission (a decode allocated) -> first token, for a prompt of that length."""
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """Admission (a decode allocated) -> first token, for a prompt of which ``tokens`` were computed."""
         if seconds >= 0:
-            self.prefill_fit.add(prompt_tokens, seconds)
+            self.prefill_fit.add(tokens, seconds)
 
     def observe_gap(self, now: float, tokens: int, seconds: float) -> None:
         """A running request's next ``tokens`` tokens came ``seconds`` after its previous ones: the
@@ -111,8 +121,9 @@ class Estimator:
         return self.per_token.value is not None and self.prefill_fit.n > 0
 
     # -- estimates -------------------------------------------------------------------------
-    def prefill_time(self, prompt_tokens: int) -> float:
-        p = self.prefill_fit.predict(prompt_tokens)
+    def prefill_time(self, tokens: int) -> float:
+        """Seconds to compute ``tokens`` prompt tokens (0 before the first observation)."""
+        p = self.prefill_fit.predict(tokens)
         return 0.0 if p is None else p
 
     def output_tokens(self, job: Job, produced: int = 0) -> float:
@@ -121,7 +132,7 @@ class Estimator:
     def service(self, job: Job) -> tuple[float, float, float]:
         """(P, D, O) of a job about to start."""
         out = self.output_tokens(job)
-        return self.prefill_time(job.prompt_tokens), max(0.0, out - 1) * (self.per_token.value or 0.0), out
+        return self.prefill_time(job.computed_tokens), max(0.0, out - 1) * (self.per_token.value or 0.0), out
 
     def remaining(self, job: Job, produced: int) -> float:
         """Seconds until a running request that has produced ``produced`` tokens frees its slot."""

@@ -88,11 +88,13 @@ class GlobalQueue:
 
     # -- the request's life ----------------------------------------------------------------
     def arrive(self, request_id: str, cls: SloClass, prompt_tokens: int, max_tokens: int,
-               blocks: int = 1) -> SloRequest:
-        """A request arrived; ``blocks``: the KV blocks a decode reserves for it. May raise Rejected."""
+               blocks: int = 1, cached_tokens: int = 0) -> SloRequest:
+        """A request arrived; ``blocks``: the KV blocks a decode reserves for it; ``cached_tokens``: its
+        leading prompt tokens the prefill's prefix cache holds now (0: unknown). May raise Rejected."""
         now = self.clock()
         self._seq += 1
-        req = SloRequest(request_id, cls, now, self._seq, Job(cls.name, prompt_tokens, max_tokens, max(1, blocks)))
+        job = Job(cls.name, prompt_tokens, max_tokens, max(1, blocks), max(0, min(cached_tokens, prompt_tokens)))
+        req = SloRequest(request_id, cls, now, self._seq, job)
         if cls.early_reject and self.estimator.warm:
             self._maybe_reject(req)
         req.estimate = self._estimate_in_line(req)
@@ -139,7 +141,7 @@ class GlobalQueue:
         if req.first_token_at is None:
             req.first_token_at = now
             if req.admitted_at is not None:
-                self.estimator.observe_prefill(req.job.prompt_tokens, req.first_token_at - req.admitted_at)
+                self.estimator.observe_prefill(req.job.computed_tokens, req.first_token_at - req.admitted_at)
         else:
             self.estimator.observe_gap(now, n, now - req.last_token_at)
         req.last_token_at = now
@@ -242,7 +244,8 @@ class GlobalQueue:
         ctx = self.context(req.arrival)
         est = self.estimator
         req.inputs = {"ahead": line.index(req), "running": len(ctx.frees_in), "capacity": ctx.slots,
-                      "per_token_s": est.per_token.value, "lag_s": est.lag.value}
+                      "per_token_s": est.per_token.value, "lag_s": est.lag.value,
+                      "cached_tokens": req.job.cached_tokens}
         return self._plan(ctx, line)[line.index(req)]
 
     def _maybe_reject(self, req: SloRequest) -> None:

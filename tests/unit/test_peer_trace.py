@@ -163,3 +163,20 @@ def test_the_report_names_the_trace_its_scaling_and_the_slo(trace):
     assert first == f"workload: {doc['workload']}"
     assert "pdserve 0.10 req/s, vLLM P/D 0.10 req/s" in goodput and "met" in goodput and "TTFT mean" in ratios
     assert json.loads(json.dumps(doc)) == doc
+
+
+def test_pdserve_queue_policy_declares_goodputs_slo_to_pdserves_prefill(trace):
+    assert peer_trace.pdserve_slo_flags(_resolved("--trace", str(trace))) == []  # fifo: nothing declared
+    assert peer_trace.pdserve_slo_flags(_resolved()) == []  # the grid has no SLO
+    args = _resolved("--trace", str(trace), "--pdserve-queue-policy", "qlm", "--slo-ttft-ms", "1500", "--sample", "1")
+    flags = peer_trace.pdserve_slo_flags(args)
+    assert flags[:3] == ["--queue-policy", "qlm", "--slo-classes"]
+    from pdserve.slo import parse  # the prefill's own parser takes what the flags declare
+    declared = parse(json.loads(flags[3])).default
+    assert (declared.ttft_ms, declared.tbt_ms) == (1500, 100)
+    with pytest.raises(ValueError, match="--slo-ttft-ms must be whole milliseconds with --pdserve-queue-policy"):
+        _resolved("--trace", str(trace), "--pdserve-queue-policy", "edf", "--slo-ttft-ms", "1500.5")
+    with pytest.raises(ValueError, match="--pdserve-queue-policy: options of --trace"):
+        _resolved("--pdserve-queue-policy", "qlm")
+    assert "prefill --queue-policy qlm --slo-classes" in peer._plan(
+        args, "m", "python", 4192, None, peer_trace.workload(args, POOL))

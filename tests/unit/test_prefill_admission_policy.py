@@ -1,11 +1,16 @@
 """AdmissionQueue with an SLO queue (pdserve.slo.GlobalQueue): the line is in the policy's
 order, the policy's new head is woken (also when only time changed qlm's order), a request
-leaves the SLO queue's line with its ticket and is counted as running once admitted."""
+leaves the SLO queue's line with its ticket and is counted as running once admitted; with
+room (the prefill's slots) a request waits in that line for a free slot, so the policy picks
+who takes each freed one."""
 
 import asyncio
+import time
+
+import pytest
 
 from harness.conditions import settle, until
-from pdserve.prefill_server.admission_queue import AdmissionQueue
+from pdserve.prefill_server.admission_queue import AdmissionQueue, QueueTimeout
 from pdserve.slo import Estimator, GlobalQueue, parse
 
 CLASSES = parse({"classes": [{"name": "interactive", "ttftMs": 1000}, {"name": "chat", "ttftMs": 2000},
@@ -162,3 +167,57 @@ def test_a_resumed_request_goes_ahead_of_the_policys_line_and_stays_running():
 
     run(main())
 
+
+
+async def take_slot(queue, slo, slots, rid, cls, order, deadline=None):
+    """What a request does with an ordering policy and the prefill's slots as the line's room: its turn, then a
+    slot (free at once, since its turn came only with room), then admitted; the slot stays taken."""
+    ticket = queue.ticket(rid, deadline, slo.arrive(rid, cls, 10, 10))
+    try:
+        await ticket.turn()
+        assert not slots.locked(), f"{rid} got its turn without a free slot"
+        await slots.acquire()
+        ticket.admitted()
+        order.append(rid)
+    finally:
+        ticket.leave()
+
+
+def test_with_room_the_policy_not_arrival_picks_who_takes_a_freed_prefill_slot():
+    async def main():
+        slo, slots = GlobalQueue(CLASSES, "edf"), asyncio.Semaphore(1)
+        q = AdmissionQueue(16, recheck_s=30, slo=slo, room=lambda: not slots.locked())
+        order = []
+
+        def give_back():  # what SessionRunner does once the engine computed a prompt
+            slots.release()
+            q.notify()
+
+        await take_slot(q, slo, slots, "b0", BATCH, order)  # a free slot and nobody waiting: at once
+        tasks = [asyncio.create_task(take_slot(q, slo, slots, "b1", BATCH, order))]
+        await until(lambda: len(q) == 1, "b1 to wait in line for the slot (nobody else waits)")
+        tasks.append(asyncio.create_task(take_slot(q, slo, slots, "i", INTERACTIVE, order)))
+        await until(lambda: len(q) == 2, "the interactive request to wait behind it")
+        await settle()
+        assert order == ["b0"]  # nobody went on without room
+        give_back()
+        await until(lambda: len(order) == 2, "one admission")
+        await settle()
+        assert order == ["b0", "i"] and len(q) == 1  # edf: the interactive one took the slot, not b1
+        give_back()
+        await asyncio.gather(*tasks)
+        assert order == ["b0", "i", "b1"] and len(q) == 0 and not slo.waiting
+
+    run(main())
+
+
+def test_a_head_waiting_for_room_ends_at_its_deadline():
+    async def main():
+        slo, slots = GlobalQueue(CLASSES, "qlm"), asyncio.Semaphore(1)
+        q = AdmissionQueue(16, recheck_s=0.05, slo=slo, room=lambda: not slots.locked())
+        await slots.acquire()  # the only slot stays taken
+        with pytest.raises(QueueTimeout) as err:
+            await take_slot(q, slo, slots, "late", CHAT, [], deadline=time.monotonic() + 0.3)
+        assert err.value.by_deadline and len(q) == 0 and not slo.waiting
+
+    run(main())

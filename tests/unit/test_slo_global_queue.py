@@ -162,6 +162,23 @@ def test_early_rejection_with_the_estimate():
     assert q.arrive("patient", BATCH, 100, 300).estimate.wait == pytest.approx(1.99)
 
 
+def test_the_prefill_estimate_counts_the_tokens_to_compute_not_the_cached_prefix():
+    clock = Clock()
+    q = GlobalQueue(CLASSES, "qlm", None, clock)
+    # 4,000-token prompts: one all new (0.4 s), one with 3,968 tokens cached (32 computed, 0.0032 s)
+    serve(q, clock, q.arrive("cold", INTERACTIVE, 4000, 10), prefill=0.4)
+    serve(q, clock, q.arrive("hit", INTERACTIVE, 4000, 10, cached_tokens=3968), prefill=0.0032)
+    fit = q.estimator.prefill_fit
+    assert fit.predict(32) == pytest.approx(0.0032, rel=0.01)  # learned by tokens computed: a line through both
+    assert fit.predict(4000) == pytest.approx(0.4, rel=0.01)
+    again = q.arrive("again", INTERACTIVE, 4000, 10, cached_tokens=3968)
+    assert again.job.computed_tokens == 32 and again.inputs["cached_tokens"] == 3968
+    assert again.estimate.prefill == pytest.approx(0.0032, rel=0.01)
+    assert q.arrive("new", INTERACTIVE, 4000, 10).estimate.prefill == pytest.approx(0.4, rel=0.01)
+    # a claimed hit longer than the prompt still computes the last token
+    assert q.arrive("odd", INTERACTIVE, 10, 10, cached_tokens=64).job.computed_tokens == 1
+
+
 def test_the_queued_gauge_per_class():
     clock, m = Clock(), ServerMetrics("prefill")
     q = GlobalQueue(CLASSES, "edf", m, clock)
