@@ -27,7 +27,8 @@ them whole. In start order:
    --resume-wait, --decode-reuse). With an ordering policy (--queue-policy edf or qlm) the prefill
    slots join the admission line: a request goes on only when one is free, and each slot given
    back wakes the line's head, so the policy (not arrival order) picks who the engine computes
-   next. The tests build their nodes with the same function.
+   next; the SLO queue's plans are then this prefill's one engine (``prefill_bound``). The tests
+   build their nodes with the same function.
 6. **frontend** - Frontend: node, tokenizer, model name and length, vocabulary size, metrics,
    --request-timeout, SLO queue.
 7. **probes** - Probes: /health, KvEvents' GetLoad and the metrics' load, read from the parts
@@ -163,6 +164,7 @@ def build_node(engine: AsyncLLMEngine, sender: CacheStoreSender | None, picker: 
                            observer=accounting, disaggregator=disaggregator)
     if queue.slo is not None and queue.slo.policy != "fifo":  # the policy orders who waits for a prefill slot too
         queue.room, runner.on_slot_free = runner.slot_free, queue.notify
+        queue.slo.prefill_bound = True  # its plans: one engine computing one prompt after another
     return PrefillNode(engine, picker, poller, queue, runner, disaggregator, sessions, block_size, metrics=metrics,
                        max_attempts=max_attempts, local_fallback=local_fallback, resume=resume,
                        resume_wait_s=resume_wait_s, out_of_blocks_error=out_of_blocks_error,

@@ -148,13 +148,15 @@ class Estimator:
         return max(1, round(self.slots.value), running)
 
     def plan(self, frees_in: list[float], jobs: list[Job], capacity: int | None, held: list[int] | None = None,
-             by_blocks: bool = False) -> list[Estimate]:
+             by_blocks: bool = False, prefill_only: bool = False) -> list[Estimate]:
         """Estimates of ``jobs`` served in this order: ``frees_in`` are the seconds until each
         running request frees what it holds (``held``: KV blocks with ``by_blocks``, else one
-        of K slots), ``capacity`` the backend's KV blocks or K (None: unbounded)."""
+        of K slots), ``capacity`` the backend's KV blocks or K (None: unbounded); with
+        ``prefill_only`` a job holds its slot for its prefill only (the line waits for a prefill)."""
         services = [self.service(job) for job in jobs]
         needs = [job.blocks for job in jobs] if by_blocks else None
-        starts = simulate(frees_in, [p + d for p, d, _ in services], capacity, held, needs, self.lag.value or 0.0)
+        durations = [p if prefill_only else p + d for p, d, _ in services]
+        starts = simulate(frees_in, durations, capacity, held, needs, self.lag.value or 0.0)
         d = self.per_token.value or 0.0
         k = max(1.0, (capacity or 1) / (sum(needs) / len(needs)) if needs else (capacity or 1))
         out, ahead_var = [], 0.0

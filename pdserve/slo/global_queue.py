@@ -75,6 +75,7 @@ class GlobalQueue:
         self.classes, self.policy, self.clock = classes, policy, clock
         self.on_change = on_change  # the waiting set changed (a waiter may be the head now)
         self.kv_capacity = kv_capacity  # the decodes' KV blocks in all (0: not known yet): plans count blocks
+        self.prefill_bound = False  # the line waits for this prefill's compute (its slots): plans count prefills
         self.estimator = estimator or Estimator()
         self.arrived: dict[str, SloRequest] = {}  # trying the decodes now, neither waiting nor admitted
         self.waiting: dict[str, SloRequest] = {}
@@ -215,9 +216,18 @@ class GlobalQueue:
 
     def context(self, now: float | None = None) -> Context:
         """What the plans see now: when each running request frees what it holds, the capacity
-        (the decodes' KV blocks when known, else K slots)."""
+        (the decodes' KV blocks when known, else K slots; with ``prefill_bound``, this prefill's
+        one engine and the prompts it has yet to compute)."""
         now = self.clock() if now is None else now
         running = list(self.running.values())
+        if self.prefill_bound:  # one engine: the admitted prompts not computed yet go first, one after another
+            computing = sorted((r for r in running if r.first_token_at is None), key=lambda r: r.admitted_at or now)
+            ends, t = [], 0.0
+            for r in computing:
+                since = max(0.0, now - (r.admitted_at or now))
+                t += max(0.0, self.estimator.prefill_time(r.job.computed_tokens) - since)
+                ends.append(t)
+            return Context(now, self.estimator, tuple(ends), 1, prefill_only=True)
         frees = tuple(self.estimator.remaining(r.job, r.tokens) for r in running)
         blocks = self.kv_capacity() if self.kv_capacity is not None else 0
         if blocks > 0:
@@ -226,7 +236,8 @@ class GlobalQueue:
 
     def _plan(self, ctx: Context, line: list[SloRequest]) -> list[Estimate]:
         held = list(ctx.held) if ctx.held is not None else None
-        return self.estimator.plan(list(ctx.frees_in), [w.job for w in line], ctx.slots, held, ctx.by_blocks)
+        return self.estimator.plan(list(ctx.frees_in), [w.job for w in line], ctx.slots, held, ctx.by_blocks,
+                                   ctx.prefill_only)
 
     def _ordered(self, waiting: list[SloRequest], now: float) -> list[SloRequest]:
         """A full decision of the policy (its cost observed)."""

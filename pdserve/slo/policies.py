@@ -28,7 +28,10 @@
   measured by ``pdserve.bench.slo_policy_cost`` and exported as ``pdserve_slo_policy_seconds``.
 
 The orderings see a snapshot: ``Context`` (now, the estimator, when the running requests
-free what they hold, the capacity). They are pure: same input, same order.
+free what they hold, the capacity). They are pure: same input, same order. Where the line
+waits for a prefill's compute (``prefill_only``: the prefill's slots gate it), the backend is
+that one engine: one request at a time, each for its prefill P, the requests it is computing
+now ahead; elsewhere it is the decodes' KV blocks (or K slots), each request for P + D.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ class Context:
     slots: int | None = None          # capacity: K slots, or KV blocks with by_blocks (None: unbounded)
     held: tuple[int, ...] | None = None  # by_blocks: the KV blocks each running request holds
     by_blocks: bool = False
+    prefill_only: bool = False  # the line waits for the prefill's compute: a request occupies it for P, not P + D
+
+    def occupies(self, prefill: float, decode: float) -> float:
+        """Seconds a request holds what the line waits for."""
+        return prefill if self.prefill_only else prefill + decode
 
     def needs(self, ws: list[Waiting]) -> list[int] | None:
         return [w.job.blocks for w in ws] if self.by_blocks else None
@@ -93,7 +101,7 @@ def latest_start(w: Waiting, prefill: float, decode: float, now: float) -> float
 def evaluate(ordered: list[Waiting], ctx: Context) -> tuple[int, float]:
     """(requests that would miss, their total lateness in seconds) if served in this order."""
     services = [ctx.estimator.service(w.job) for w in ordered]
-    starts = ctx.starts(ordered, [p + d for p, d, _ in services])
+    starts = ctx.starts(ordered, [ctx.occupies(p, d) for p, d, _ in services])
     late, lateness = 0, 0.0
     for w, start, (p, d, _) in zip(ordered, starts, services):
         over = start - latest_start(w, p, d, ctx.now)
@@ -107,7 +115,7 @@ def qlm(waiting: list[Waiting], ctx: Context) -> list[Waiting]:
         return list(waiting)
     est = ctx.estimator
     service = {id(w): est.service(w.job) for w in waiting}  # (P, D, O), once per decision
-    duration = {k: p + d for k, (p, d, _) in service.items()}
+    duration = {k: ctx.occupies(p, d) for k, (p, d, _) in service.items()}
     start_by = {id(w): latest_start(w, service[id(w)][0], service[id(w)][1], ctx.now) for w in waiting}
 
     def misses(flat: list[Waiting]) -> tuple[int, float, int | None]:

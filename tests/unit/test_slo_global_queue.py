@@ -179,6 +179,34 @@ def test_the_prefill_estimate_counts_the_tokens_to_compute_not_the_cached_prefix
     assert q.arrive("odd", INTERACTIVE, 10, 10, cached_tokens=64).job.computed_tokens == 1
 
 
+def test_a_prefill_bound_line_plans_one_engine_and_qlm_serves_who_can_still_make_it_first():
+    """The prefill's slots gate the line (``prefill_bound``): the plan is its one engine, computing the
+    admitted prompts first, then the line one prompt after another, each for its prefill only."""
+    clock = Clock()
+    q = GlobalQueue(CLASSES, "qlm", None, clock, kv_capacity=lambda: 10_000)
+    q.prefill_bound = True
+    for i in range(3):  # 1,000 tokens take 0.5 s
+        serve(q, clock, q.arrive(f"w{i}", INTERACTIVE, 1000, 10), prefill=0.5)
+    t0 = clock.t
+    old = q.arrive("old", INTERACTIVE, 1000, 10)  # it has waited 0.8 s when the plan below is made
+    q.wait(old)
+    clock.t = t0 + 0.7
+    computing = q.arrive("computing", INTERACTIVE, 1000, 10)
+    q.admitted(computing)  # the engine is computing it: 0.4 s left at t0 + 0.8
+    clock.t = t0 + 0.8
+    new = q.arrive("new", INTERACTIVE, 400, 10)  # 0.2 s of prefill
+    q.wait(new)
+    ctx = q.context()
+    assert ctx.prefill_only and ctx.slots == 1 and ctx.frees_in == pytest.approx((0.4,))
+    # first come first served: "old" starts at +0.4 (TTFT 1.7 s) and "new" at +0.9 (TTFT 1.1 s): both miss
+    # 1 s; qlm: "old" cannot make it whatever the order, so "new" goes first (TTFT 0.6 s) and one is met
+    assert [r.request_id for r in q.order()] == ["new", "old"]
+    # its estimate at arrival placed it by deadline, behind "old": the computing prompt's 0.4 s and old's 0.5 s
+    assert new.estimate.wait == pytest.approx(0.9) and new.estimate.prefill == pytest.approx(0.2)
+    q.prefill_bound = False  # the decodes' KV blocks instead: plenty, nobody waits for them
+    assert q.context().frees_in != ctx.frees_in and not q.context().prefill_only
+
+
 def test_the_queued_gauge_per_class():
     clock, m = Clock(), ServerMetrics("prefill")
     q = GlobalQueue(CLASSES, "edf", m, clock)
