@@ -269,12 +269,13 @@ def _plan(args, model: str, python: str, max_len: int, cells, work) -> str:
             + (f"rates {args.rates}" if cells else f"load fractions {args.load_fractions} of calibrated capacity")
             + f", {args.num_requests} requests per cell")
     order = " ".join(f"{s}#{r + 1}" for r in range(args.repeats) for s in ("pdserve", "vllm"))
+    slo_flags = " ".join(peer_trace.pdserve_slo_flags(args))
     return "\n".join([
         "dry run (nothing started)", f"workload: {what}",
         f"checkpoint: {model} ({args.model_size}, {args.dtype}), max_model_len {max_len}, KV {args.kv_tokens} tokens "
         "per instance",
         f"pdserve: --transfer {args.transfer}, engine {args.pdserve_engine}"
-        + (f", prefill {' '.join(peer_trace.pdserve_slo_flags(args))}" if peer_trace.pdserve_slo_flags(args) else "")
+        + (f", prefill {slo_flags}" if slo_flags else "")
         + f"; vLLM: {python}, NixlConnector "
         f"({'untuned' if args.vllm_untuned else 'tuned'}); prefills on CPU {args.prefill_cpu}, decodes on CPU "
         f"{args.decode_cpu}", f"runs: {order}", f"results: {Path(args.out) / args.name}.json and .png"])

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from .measures import OUTPUT_WINDOW, Ewma, LineFit, OutputLengths, WindowRate
 
-__all__ = ["Estimate", "Estimator", "Job", "simulate"]
+__all__ = ["Estimate", "Estimator", "Job", "occupancy", "simulate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +155,7 @@ class Estimator:
         ``prefill_only`` a job holds its slot for its prefill only (the line waits for a prefill)."""
         services = [self.service(job) for job in jobs]
         needs = [job.blocks for job in jobs] if by_blocks else None
-        durations = [p if prefill_only else p + d for p, d, _ in services]
+        durations = [occupancy(p, d, prefill_only) for p, d, _ in services]
         starts = simulate(frees_in, durations, capacity, held, needs, self.lag.value or 0.0)
         d = self.per_token.value or 0.0
         k = max(1.0, (capacity or 1) / (sum(needs) / len(needs)) if needs else (capacity or 1))
@@ -169,6 +169,12 @@ class Estimator:
         return {"per_token_s": self.per_token.value, "slots": self.slots.value, "lag_s": self.lag.value,
                 "warm": self.warm,
                 "prefill_s_at_128": self.prefill_time(128), "output_samples": self.lengths.count()}
+
+
+def occupancy(prefill: float, decode: float, prefill_only: bool) -> float:
+    """Seconds a request holds what its line waits for: its prefill alone where the line waits for a
+    prefill's compute, else its prefill and decode (the decodes' KV blocks, or K slots)."""
+    return prefill if prefill_only else prefill + decode
 
 
 def simulate(frees_in: list[float], durations: list[float], capacity: int | None,

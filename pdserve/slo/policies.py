@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .estimator import Estimator, simulate
+from .estimator import Estimator, occupancy, simulate
 from .groups import Group, Waiting, make_groups
 
 POLICIES = ("fifo", "edf", "qlm")
@@ -58,8 +58,7 @@ class Context:
     prefill_only: bool = False  # the line waits for the prefill's compute: a request occupies it for P, not P + D
 
     def occupies(self, prefill: float, decode: float) -> float:
-        """Seconds a request holds what the line waits for."""
-        return prefill if self.prefill_only else prefill + decode
+        return occupancy(prefill, decode, self.prefill_only)
 
     def needs(self, ws: list[Waiting]) -> list[int] | None:
         return [w.job.blocks for w in ws] if self.by_blocks else None
