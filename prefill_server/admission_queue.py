@@ -146,7 +146,7 @@ class AdmissionQueue:
                 return self._by_request[first.request_id]
         return self._waiting[0]  # arrival order (or a ticket without an SLO request)
 
-    def _join(self, t: Ticket) -> None:
+    def _join(self, t: Ticket, full: bool) -> None:
         if len(self._waiting) >= self.max_length:
             raise QueueFull(f"the admission queue is full ({self.max_length} requests wait for a decode with free "
                             f"KV blocks; --max-queued-requests)")
@@ -157,7 +157,7 @@ class AdmissionQueue:
             self._by_request[t.request_id] = t
             if t.slo.state == "running":  # re-entering after the policy admitted it (a resume)
                 bisect.insort(self._readmitted, t, key=lambda w: w.seq)
-            self.slo.wait(t.slo)  # nothing if it is running
+            self.slo.wait(t.slo, full)  # nothing if it is running
             self._head()  # the policy places it (a new head is woken)
         self._changed()
 
@@ -212,7 +212,7 @@ class Ticket:
             return
         if q.has_room() and (not q._waiting or (q.slo is None and q._waiting[0].seq > self.seq)):  # nobody ahead
             return
-        self._enter()
+        self._enter(full=q.has_room())  # behind others waiting for the decodes, or for a prefill slot
         await self._until(head_only=True)
 
     async def wait(self, until: float | None = None) -> None:
@@ -243,8 +243,9 @@ class Ticket:
         self.leave()
         self.queued_at = None
 
-    def _enter(self) -> None:
-        self.queue._join(self)
+    def _enter(self, full: bool = True) -> None:
+        """Into the line; ``full``: because the decodes are (not for a prefill slot)."""
+        self.queue._join(self, full)
         self._queued = True
         self._woken = False
 

@@ -27,7 +27,8 @@ them whole. In start order:
    --resume-wait, --decode-reuse). With an ordering policy (--queue-policy edf or qlm) the prefill
    slots join the admission line: a request goes on only when one is free, and each slot given
    back wakes the line's head, so the policy (not arrival order) picks who the engine computes
-   next; the SLO queue's plans are then this prefill's one engine (``prefill_bound``). The tests
+   next; the SLO queue's plans then count this prefill's one engine besides the decodes' KV
+   blocks (``prefill_bound``). The tests
    build their nodes with the same function.
 6. **frontend** - Frontend: node, tokenizer, model name and length, vocabulary size, metrics,
    --request-timeout, SLO queue.
@@ -164,7 +165,7 @@ def build_node(engine: AsyncLLMEngine, sender: CacheStoreSender | None, picker: 
                            observer=accounting, disaggregator=disaggregator)
     if queue.slo is not None and queue.slo.policy != "fifo":  # the policy orders who waits for a prefill slot too
         queue.room, runner.on_slot_free = runner.slot_free, queue.notify
-        queue.slo.prefill_bound = True  # its plans: one engine computing one prompt after another
+        queue.slo.prefill_bound = True  # its plans: the decodes' blocks and this one engine, one prompt at a time
     return PrefillNode(engine, picker, poller, queue, runner, disaggregator, sessions, block_size, metrics=metrics,
                        max_attempts=max_attempts, local_fallback=local_fallback, resume=resume,
                        resume_wait_s=resume_wait_s, out_of_blocks_error=out_of_blocks_error,

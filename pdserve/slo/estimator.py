@@ -24,7 +24,9 @@ A request's completion time is its wait, its prefill and its decode (QLM eq. 1):
   What bounds concurrency in pdserve is the decodes' KV memory (a decode reserves prompt +
   max_tokens blocks): given the decodes' total KV blocks, the plan counts blocks
   (``by_blocks``); without it, ``K`` slots, K being the concurrency observed whenever a
-  request had to wait (the backend was full).
+  request had to wait for the decodes (the backend was full). Where the line also waits for
+  the prefill's compute (its slots gate it), a request starts only when the prefill's one
+  engine is free as well: the prompts it has taken on first, then one after another.
 
 The spread of the wait (eq. 3: the sum of q - 1 output lengths is about normal with variance
 ``(q - 1) * sigma_o^2``) is reported as ``Estimate.wait_sd``.
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 
 from .measures import OUTPUT_WINDOW, Ewma, LineFit, OutputLengths, WindowRate
 
-__all__ = ["Estimate", "Estimator", "Job", "occupancy", "simulate"]
+__all__ = ["Estimate", "Estimator", "Job", "simulate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,15 +150,16 @@ class Estimator:
         return max(1, round(self.slots.value), running)
 
     def plan(self, frees_in: list[float], jobs: list[Job], capacity: int | None, held: list[int] | None = None,
-             by_blocks: bool = False, prefill_only: bool = False) -> list[Estimate]:
+             by_blocks: bool = False, engine: list[float] | None = None) -> list[Estimate]:
         """Estimates of ``jobs`` served in this order: ``frees_in`` are the seconds until each
         running request frees what it holds (``held``: KV blocks with ``by_blocks``, else one
-        of K slots), ``capacity`` the backend's KV blocks or K (None: unbounded); with
-        ``prefill_only`` a job holds its slot for its prefill only (the line waits for a prefill)."""
+        of K slots), ``capacity`` the backend's KV blocks or K (None: unbounded); ``engine``
+        (where the line also waits for the prefill's compute): the seconds until each prompt
+        the prefill's one engine has taken on is computed (``simulate``)."""
         services = [self.service(job) for job in jobs]
         needs = [job.blocks for job in jobs] if by_blocks else None
-        durations = [occupancy(p, d, prefill_only) for p, d, _ in services]
-        starts = simulate(frees_in, durations, capacity, held, needs, self.lag.value or 0.0)
+        starts = simulate(frees_in, [p + d for p, d, _ in services], capacity, held, needs, self.lag.value or 0.0,
+                          engine, [p for p, _, _ in services])
         d = self.per_token.value or 0.0
         k = max(1.0, (capacity or 1) / (sum(needs) / len(needs)) if needs else (capacity or 1))
         out, ahead_var = [], 0.0
@@ -171,34 +174,42 @@ class Estimator:
                 "prefill_s_at_128": self.prefill_time(128), "output_samples": self.lengths.count()}
 
 
-def occupancy(prefill: float, decode: float, prefill_only: bool) -> float:
-    """Seconds a request holds what its line waits for: its prefill alone where the line waits for a
-    prefill's compute, else its prefill and decode (the decodes' KV blocks, or K slots)."""
-    return prefill if prefill_only else prefill + decode
-
-
 def simulate(frees_in: list[float], durations: list[float], capacity: int | None,
-             held: list[int] | None = None, needs: list[int] | None = None, lag: float = 0.0) -> list[float]:
+             held: list[int] | None = None, needs: list[int] | None = None, lag: float = 0.0,
+             engine: list[float] | None = None, prefills: list[float] | None = None) -> list[float]:
     """Start times (seconds from now) of requests served strictly in this order by a backend of
     ``capacity`` units (slots, or KV blocks) whose running requests hold ``held`` units each
     (default 1) until ``frees_in``; each request needs ``needs`` units (default 1) for its
     duration and starts when they are free (never before the one ahead of it), ``lag``
-    seconds after they were freed if it had to wait for them. None: no limit (everybody
-    starts now)."""
-    if capacity is None:
-        return [0.0] * len(durations)
+    seconds after they were freed if it had to wait for them. None: no limit.
+
+    ``engine`` (None: not a limit): the line also waits for the prefill's one engine, busy
+    until the last of ``engine`` (the prompts it has taken on); a request starts only when
+    the engine is free as well, and holds it for its ``prefills`` seconds (one prompt after
+    another). A request thus starts at the later of the two: the decodes' room and the
+    prefill's compute; what it holds of the decodes is held from then on."""
+    n = len(durations)
+    if capacity is None and engine is None:
+        return [0.0] * n
     held = held if held is not None else [1] * len(frees_in)
-    needs = needs if needs is not None else [1] * len(durations)
+    needs = needs if needs is not None else [1] * n
+    prefills = prefills if prefills is not None else [0.0] * n
     heap = list(zip(frees_in, held))
     heapq.heapify(heap)
     used = sum(held)
+    free = max(engine, default=0.0) if engine is not None else 0.0  # when the engine can take the next prompt
     t, starts = 0.0, []
-    for duration, need in zip(durations, needs):
-        need = min(need, capacity)
-        while used + need > capacity and heap:
-            free_at, units = heapq.heappop(heap)
-            t, used = max(t, free_at + lag), used - units
+    for duration, need, prefill in zip(durations, needs, prefills):
+        if capacity is not None:
+            need = min(need, capacity)
+            while used + need > capacity and heap:
+                free_at, units = heapq.heappop(heap)
+                t, used = max(t, free_at + lag), used - units
+        if engine is not None:
+            t = max(t, free)
+            free = t + prefill
         starts.append(t)
-        used += need
-        heapq.heappush(heap, (t + duration, need))
+        if capacity is not None:
+            used += need
+            heapq.heappush(heap, (t + duration, need))
     return starts

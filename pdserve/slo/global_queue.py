@@ -75,7 +75,7 @@ class GlobalQueue:
         self.classes, self.policy, self.clock = classes, policy, clock
         self.on_change = on_change  # the waiting set changed (a waiter may be the head now)
         self.kv_capacity = kv_capacity  # the decodes' KV blocks in all (0: not known yet): plans count blocks
-        self.prefill_bound = False  # the line waits for this prefill's compute (its slots): plans count prefills
+        self.prefill_bound = False  # the line waits for this prefill's compute too (its slots): plans count it
         self.estimator = estimator or Estimator()
         self.arrived: dict[str, SloRequest] = {}  # trying the decodes now, neither waiting nor admitted
         self.waiting: dict[str, SloRequest] = {}
@@ -102,12 +102,14 @@ class GlobalQueue:
         self.arrived[request_id] = req
         return req
 
-    def wait(self, req: SloRequest) -> None:
-        """``req`` has to wait for room (idempotent)."""
+    def wait(self, req: SloRequest, full: bool = True) -> None:
+        """``req`` has to wait for room (idempotent); ``full``: the backend (the decodes) is full,
+        not only this prefill's slots, so the running requests are its K."""
         if req.state != "new":
             return
         req.state = "waiting"
-        self.estimator.observe_full(len(self.running))
+        if full:
+            self.estimator.observe_full(len(self.running))
         self.arrived.pop(req.request_id, None)
         self.waiting[req.request_id] = req
         self._changed(req.cls)
@@ -216,28 +218,32 @@ class GlobalQueue:
 
     def context(self, now: float | None = None) -> Context:
         """What the plans see now: when each running request frees what it holds, the capacity
-        (the decodes' KV blocks when known, else K slots; with ``prefill_bound``, this prefill's
-        one engine and the prompts it has yet to compute)."""
+        (the decodes' KV blocks when known, else K slots); with ``prefill_bound``, also this
+        prefill's one engine: when each prompt admitted and not computed yet will be, one after
+        another in admission order."""
         now = self.clock() if now is None else now
         running = list(self.running.values())
-        if self.prefill_bound:  # one engine: the admitted prompts not computed yet go first, one after another
+        engine = None
+        if self.prefill_bound:
             computing = sorted((r for r in running if r.first_token_at is None), key=lambda r: r.admitted_at or now)
             ends, t = [], 0.0
             for r in computing:
                 since = max(0.0, now - (r.admitted_at or now))
                 t += max(0.0, self.estimator.prefill_time(r.job.computed_tokens) - since)
                 ends.append(t)
-            return Context(now, self.estimator, tuple(ends), 1, prefill_only=True)
+            engine = tuple(ends)
         frees = tuple(self.estimator.remaining(r.job, r.tokens) for r in running)
         blocks = self.kv_capacity() if self.kv_capacity is not None else 0
         if blocks > 0:
-            return Context(now, self.estimator, frees, blocks, tuple(r.job.blocks for r in running), by_blocks=True)
-        return Context(now, self.estimator, frees, self.estimator.capacity(len(running), bool(self.waiting)))
+            return Context(now, self.estimator, frees, blocks, tuple(r.job.blocks for r in running), by_blocks=True,
+                           engine=engine)
+        return Context(now, self.estimator, frees, self.estimator.capacity(len(running), bool(self.waiting)),
+                       engine=engine)
 
     def _plan(self, ctx: Context, line: list[SloRequest]) -> list[Estimate]:
         held = list(ctx.held) if ctx.held is not None else None
-        return self.estimator.plan(list(ctx.frees_in), [w.job for w in line], ctx.slots, held, ctx.by_blocks,
-                                   ctx.prefill_only)
+        engine = list(ctx.engine) if ctx.engine is not None else None
+        return self.estimator.plan(list(ctx.frees_in), [w.job for w in line], ctx.slots, held, ctx.by_blocks, engine)
 
     def _ordered(self, waiting: list[SloRequest], now: float) -> list[SloRequest]:
         """A full decision of the policy (its cost observed)."""

@@ -28,10 +28,10 @@
   measured by ``pdserve.bench.slo_policy_cost`` and exported as ``pdserve_slo_policy_seconds``.
 
 The orderings see a snapshot: ``Context`` (now, the estimator, when the running requests
-free what they hold, the capacity). They are pure: same input, same order. Where the line
-waits for a prefill's compute (``prefill_only``: the prefill's slots gate it), the backend is
-that one engine: one request at a time, each for its prefill P, the requests it is computing
-now ahead; elsewhere it is the decodes' KV blocks (or K slots), each request for P + D.
+free what they hold, the capacity). They are pure: same input, same order. The backend is the
+decodes' KV blocks (or K slots), each request holding its share for P + D; where the line also
+waits for a prefill's compute (``engine``: the prefill's slots gate it), a request starts only
+when that one engine is free too, and holds it for its P, the prompts it is computing now ahead.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .estimator import Estimator, occupancy, simulate
+from .estimator import Estimator, simulate
 from .groups import Group, Waiting, make_groups
 
 POLICIES = ("fifo", "edf", "qlm")
@@ -55,18 +55,31 @@ class Context:
     slots: int | None = None          # capacity: K slots, or KV blocks with by_blocks (None: unbounded)
     held: tuple[int, ...] | None = None  # by_blocks: the KV blocks each running request holds
     by_blocks: bool = False
-    prefill_only: bool = False  # the line waits for the prefill's compute: a request occupies it for P, not P + D
-
-    def occupies(self, prefill: float, decode: float) -> float:
-        return occupancy(prefill, decode, self.prefill_only)
+    engine: tuple[float, ...] | None = None  # the line waits for the prefill's compute too: its prompts' ends
 
     def needs(self, ws: list[Waiting]) -> list[int] | None:
         return [w.job.blocks for w in ws] if self.by_blocks else None
 
-    def starts(self, ws: list[Waiting], durations: list[float]) -> list[float]:
+    def starts(self, ws: list[Waiting], services: list[tuple[float, float]]) -> list[float]:
+        """When each of ``ws`` would start if served in this order, each taking (P, D)."""
         held = list(self.held) if self.held is not None else None
-        return simulate(list(self.frees_in), durations, self.slots, held, self.needs(ws),
-                        self.estimator.lag.value or 0.0)
+        engine = list(self.engine) if self.engine is not None else None
+        return simulate(list(self.frees_in), [p + d for p, d in services], self.slots, held, self.needs(ws),
+                        self.estimator.lag.value or 0.0, engine, [p for p, _ in services])
+
+    def share(self, prefill: float, decode: float, k: float) -> float:
+        """Seconds of the bottleneck a request takes: its 1/k of the decodes for P + D, or (where
+        the line waits for the prefill's compute) the engine for P if that is more."""
+        served = (prefill + decode) / k
+        return served if self.engine is None else max(prefill, served)
+
+    def drained(self, services: list[tuple[float, float]], k: float) -> float:
+        """About when requests taking these (P, D) would all be served, ``k`` at a time (and one
+        prompt at a time on the prefill's engine, where the line waits for it)."""
+        served = sum(p + d for p, d in services) / k
+        if self.engine is None:
+            return served
+        return max(served, max(self.engine, default=0.0) + sum(p for p, _ in services))
 
     def concurrency(self, ws: list[Waiting]) -> float:
         """About how many of ``ws`` the backend serves at once (K)."""
@@ -100,7 +113,7 @@ def latest_start(w: Waiting, prefill: float, decode: float, now: float) -> float
 def evaluate(ordered: list[Waiting], ctx: Context) -> tuple[int, float]:
     """(requests that would miss, their total lateness in seconds) if served in this order."""
     services = [ctx.estimator.service(w.job) for w in ordered]
-    starts = ctx.starts(ordered, [ctx.occupies(p, d) for p, d, _ in services])
+    starts = ctx.starts(ordered, [(p, d) for p, d, _ in services])
     late, lateness = 0, 0.0
     for w, start, (p, d, _) in zip(ordered, starts, services):
         over = start - latest_start(w, p, d, ctx.now)
@@ -114,12 +127,12 @@ def qlm(waiting: list[Waiting], ctx: Context) -> list[Waiting]:
         return list(waiting)
     est = ctx.estimator
     service = {id(w): est.service(w.job) for w in waiting}  # (P, D, O), once per decision
-    duration = {k: ctx.occupies(p, d) for k, (p, d, _) in service.items()}
+    taking = {k: (p, d) for k, (p, d, _) in service.items()}
     start_by = {id(w): latest_start(w, service[id(w)][0], service[id(w)][1], ctx.now) for w in waiting}
 
     def misses(flat: list[Waiting]) -> tuple[int, float, int | None]:
         """(late requests, their lateness, index of the first late one) in this order."""
-        starts = ctx.starts(flat, [duration[id(w)] for w in flat])
+        starts = ctx.starts(flat, [taking[id(w)] for w in flat])
         late, lateness, first = 0, 0.0, None
         for i, (w, s) in enumerate(zip(flat, starts)):
             over = s - start_by[id(w)]
@@ -129,17 +142,18 @@ def qlm(waiting: list[Waiting], ctx: Context) -> list[Waiting]:
         return late, lateness, first
 
     # a request late even if it went first cannot be saved by any order: it joins the tail
-    first_free = {id(w): ctx.starts([w], [0.0])[0] for w in waiting}
+    first_free = {id(w): ctx.starts([w], [(0.0, 0.0)])[0] for w in waiting}
     doomed = [w for w in waiting if start_by[id(w)] < first_free[id(w)] - _EPS]
     viable = [w for w in waiting if start_by[id(w)] >= first_free[id(w)] - _EPS]
     k = ctx.concurrency(waiting)
-    groups = make_groups(viable, est.output_tokens, max(1, round(k * GROUP_SIZE_FACTOR)))
+    at_once = 1.0 if ctx.engine is not None else k  # requests leaving the line together: one prompt at a time
+    groups = make_groups(viable, est.output_tokens, max(1, round(at_once * GROUP_SIZE_FACTOR)))
 
     def tightest(g: Group) -> float:
         return min(start_by[id(w)] for w in g.members)
 
     def work(g: Group) -> float:
-        return sum(duration[id(w)] for w in g.members)
+        return sum(ctx.share(*taking[id(w)], k) for w in g.members)
 
     def flat(gs: list[Group]) -> list[Waiting]:
         return [w for g in gs for w in g.members]
@@ -158,7 +172,7 @@ def qlm(waiting: list[Waiting], ctx: Context) -> list[Waiting]:
             if seen > late_at:
                 late_group = j
                 break
-        done = sum(work(g) for g in kept + moved) / k  # about when everything is served
+        done = ctx.drained([taking[id(w)] for w in flat(kept + moved)], k)  # about when everything is served
         candidates = kept[: late_group + 1]
         patient = [g for g in candidates if tightest(g) >= done]  # on time even at the back
         pick = max(patient, key=work) if patient else max(candidates, key=lambda g: work(g) / len(g))

@@ -207,6 +207,8 @@ def test_with_room_the_policy_not_arrival_picks_who_takes_a_freed_prefill_slot()
         give_back()
         await asyncio.gather(*tasks)
         assert order == ["b0", "i", "b1"] and len(q) == 0 and not slo.waiting
+        # they waited for a prefill slot, not because the decodes were full: that is not the backend's K
+        assert slo.estimator.slots.value is None
 
     run(main())
 

@@ -59,6 +59,19 @@ def test_simulate_kv_blocks():
     assert simulate([], [1.0], 4, needs=[9]) == [0.0]  # larger than everything: capped (it never fits)
 
 
+def test_simulate_the_prefills_engine_beside_the_decodes():
+    """Where the line also waits for the prefill's one engine, a request starts at the later of
+    the decodes' room and the engine, and holds the engine for its prefill only."""
+    # decodes unbounded; the engine finishes the prompts it took on in 0.3 s; prefills 0.2, 0.5, 0.1 s
+    assert simulate([], [9.0, 9.0, 9.0], None, engine=[0.1, 0.3], prefills=[0.2, 0.5, 0.1]) == \
+        pytest.approx([0.3, 0.5, 1.0])
+    # the decodes full (one slot, freed at 2 s): the decodes bind, then the engine does not
+    assert simulate([2.0], [1.0, 1.0], 1, engine=[0.3], prefills=[0.2, 0.2]) == pytest.approx([2.0, 3.0])
+    # blocks held from the start the engine allows: the second waits for the first's blocks (0.4 + 1 s)
+    assert simulate([], [1.0, 1.0], 10, needs=[6, 6], engine=[0.4], prefills=[0.1, 0.1]) == pytest.approx([0.4, 1.4])
+    assert simulate([], [1.0], 1, engine=[], prefills=[0.5]) == [0.0]  # an idle engine: at once
+
+
 def warm_estimator(per_token=0.01, outputs=(("chat", 100),)):
     est = Estimator()
     est.observe_gap(0.0, 10, 10 * per_token)

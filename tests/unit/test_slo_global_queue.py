@@ -180,8 +180,9 @@ def test_the_prefill_estimate_counts_the_tokens_to_compute_not_the_cached_prefix
 
 
 def test_a_prefill_bound_line_plans_one_engine_and_qlm_serves_who_can_still_make_it_first():
-    """The prefill's slots gate the line (``prefill_bound``): the plan is its one engine, computing the
-    admitted prompts first, then the line one prompt after another, each for its prefill only."""
+    """The prefill's slots gate the line (``prefill_bound``): beside the decodes' KV blocks (plenty
+    here), the plan counts its one engine, computing the admitted prompts first, then the line one
+    prompt after another, each holding the engine for its prefill only."""
     clock = Clock()
     q = GlobalQueue(CLASSES, "qlm", None, clock, kv_capacity=lambda: 10_000)
     q.prefill_bound = True
@@ -189,24 +190,41 @@ def test_a_prefill_bound_line_plans_one_engine_and_qlm_serves_who_can_still_make
         serve(q, clock, q.arrive(f"w{i}", INTERACTIVE, 1000, 10), prefill=0.5)
     t0 = clock.t
     old = q.arrive("old", INTERACTIVE, 1000, 10)  # it has waited 0.8 s when the plan below is made
-    q.wait(old)
+    q.wait(old, full=False)
     clock.t = t0 + 0.7
     computing = q.arrive("computing", INTERACTIVE, 1000, 10)
     q.admitted(computing)  # the engine is computing it: 0.4 s left at t0 + 0.8
     clock.t = t0 + 0.8
     new = q.arrive("new", INTERACTIVE, 400, 10)  # 0.2 s of prefill
-    q.wait(new)
+    q.wait(new, full=False)
     ctx = q.context()
-    assert ctx.prefill_only and ctx.slots == 1 and ctx.frees_in == pytest.approx((0.4,))
+    assert ctx.by_blocks and ctx.slots == 10_000 and ctx.engine == pytest.approx((0.4,))
     # first come first served: "old" starts at +0.4 (TTFT 1.7 s) and "new" at +0.9 (TTFT 1.1 s): both miss
     # 1 s; qlm: "old" cannot make it whatever the order, so "new" goes first (TTFT 0.6 s) and one is met
     assert [r.request_id for r in q.order()] == ["new", "old"]
     # its estimate at arrival placed it by deadline, behind "old": the computing prompt's 0.4 s and old's 0.5 s
     assert new.estimate.wait == pytest.approx(0.9) and new.estimate.prefill == pytest.approx(0.2)
-    q.prefill_bound = False  # the decodes' KV blocks instead: plenty, nobody waits for them
-    assert q.context().frees_in != ctx.frees_in and not q.context().prefill_only
+    q.prefill_bound = False  # the decodes' KV blocks alone: plenty, nobody waits for them
+    assert q.context().engine is None and q.arrive("later", BATCH, 400, 10).estimate.wait == pytest.approx(0.0)
+    assert q.estimator.slots.value is None  # waiting for a prefill slot is not "the backend is full"
 
 
+def test_a_prefill_bound_line_with_the_decodes_full_waits_for_their_blocks():
+    """The engine idle but the decodes' blocks all held: a request waits for the blocks (as
+    without the prefill's slots in the line), so a TTFT it cannot meet is rejected at arrival."""
+    clock = Clock()
+    q = GlobalQueue(CLASSES, "edf", None, clock, kv_capacity=lambda: 10)
+    q.prefill_bound = True
+    serve(q, clock, q.arrive("warm", BATCH, 10, 300), tokens=300, prefill=0.01, per_token=0.01)
+    running = [q.arrive(f"r{i}", BATCH, 10, 300, blocks=5) for i in range(2)]
+    for r in running:
+        q.admitted(r)
+        q.token(r)  # computed: the engine is free, the decodes are full for about 3 s
+    assert q.context().engine == ()
+    est = q.arrive("b", BATCH, 10, 300, blocks=5).estimate
+    assert est.wait == pytest.approx(3.0, rel=0.05), est  # the running requests' 299 tokens left
+    with pytest.raises(Rejected):
+        q.arrive("i", INTERACTIVE, 10, 8, blocks=1)
 def test_the_queued_gauge_per_class():
     clock, m = Clock(), ServerMetrics("prefill")
     q = GlobalQueue(CLASSES, "edf", m, clock)
