@@ -277,7 +277,7 @@ class Ticket:
                 self._woken = False
                 return
             if expired:
-                raise self._timeout(by_deadline, until is not None)
+                raise self._timeout(by_deadline, until is not None, for_slot=head_only and not q.has_room())
             timeout = None if limit is None else limit - now
             if self.is_head():  # re-check now and then: a missed notify, prefill's own pool
                 timeout = q.recheck_s if timeout is None else min(timeout, q.recheck_s)
@@ -289,15 +289,16 @@ class Ticket:
                 if self.is_head() and (limit is None or q.clock() < limit):
                     self._woken = True
 
-    def _timeout(self, by_deadline: bool, by_caller: bool = False) -> QueueTimeout:
+    def _timeout(self, by_deadline: bool, by_caller: bool = False, for_slot: bool = False) -> QueueTimeout:
         waited = self.waited()
         if by_deadline:
             return QueueTimeout(deadline_message(self.request_id, waited), True)
         if by_caller:
             return QueueTimeout(f"request {self.request_id} waited {waited:.1f}s in the admission queue until the "
                                 f"limit of this wait", False)
-        return QueueTimeout(f"request {self.request_id} waited {waited:.1f}s in the admission queue for a decode "
-                            f"with enough free KV blocks (--queue-timeout)", False)
+        what = "a free prefill slot (--prefills-ahead)" if for_slot else "a decode with enough free KV blocks"
+        return QueueTimeout(f"request {self.request_id} waited {waited:.1f}s in the admission queue for {what} "
+                            f"(--queue-timeout)", False)
 
 
 def deadline_message(request_id: str, waited: float) -> str:

@@ -223,3 +223,17 @@ def test_a_head_waiting_for_room_ends_at_its_deadline():
         assert err.value.by_deadline and len(q) == 0 and not slo.waiting
 
     run(main())
+
+
+def test_a_head_waiting_for_a_prefill_slot_past_the_queue_timeout_says_so():
+    async def main():
+        slo, slots = GlobalQueue(CLASSES, "edf"), asyncio.Semaphore(1)
+        q = AdmissionQueue(16, max_wait_s=0.2, recheck_s=0.05, slo=slo, room=lambda: not slots.locked())
+        await slots.acquire()  # the only slot stays taken; the decodes have room
+        with pytest.raises(QueueTimeout) as err:
+            await take_slot(q, slo, slots, "slow", CHAT, [])
+        msg = str(err.value)
+        assert "for a free prefill slot (--prefills-ahead) (--queue-timeout)" in msg and "KV blocks" not in msg, msg
+        assert not err.value.by_deadline and len(q) == 0 and not slo.waiting
+
+    run(main())

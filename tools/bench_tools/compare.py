@@ -4,6 +4,11 @@
     .venv/bin/pdserve up --model tiny --prefill 1 --decode 1 --threads 1 --port 8000 &
     .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --out /tmp/bench-tools
 
+    # a model directory with Hugging Face tokenizer files instead of the built-in model (heavier, so the
+    # server's latencies, not the clients' few ms, make the figures), at a rate that fits the box:
+    .venv/bin/pdserve up --model DIR --prefill 1 --decode 1 --threads 1 --port 8000 &
+    .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --model-dir DIR --rate 0.5 --out ...
+
 For each workload, ``--rounds`` times: ``pdserve bench serving`` (A), then the tool (B), against the
 same cluster, each run with its own seed (no run finds another's prompts in a prefix cache). Every
 command line is printed before it runs and kept in ``<out>/runs.json`` with the figures read back
@@ -31,7 +36,8 @@ Definitions (why the ratios need not be 1 even on a quiet box):
   aiperf ``inter_token_latency`` with ``--use-server-token-count``); inference-perf (last text event -
   first text event) / (server tokens - 1) (``use_server_output_tokens``).
 
-Tokenizers: the built-in model's byte-level tokenizer as Hugging Face files (``pdserve fetch-model
+Tokenizers: with ``--model-dir``, that directory's tokenizer files for every tool and for pdserve bench
+(``--tokenizer``). Else the built-in model's byte-level tokenizer as Hugging Face files (``pdserve fetch-model
 builtin:tiny --tokenizer-only``) for aiperf. inference-perf draws random ids over the whole vocabulary
 and decodes them to text; a byte vocabulary's ids >= 0x80 are not text on their own (U+FFFD), its
 exact-length loop then fails ("Could not generate a prompt of exactly N tokens"). It gets
@@ -114,7 +120,8 @@ def hub_cache_entry(tokenizer: Path, cache: Path, repo: str = "pdserve/tiny") ->
     snapshot = entry / "snapshots" / commit
     snapshot.mkdir(parents=True, exist_ok=True)
     for f in tokenizer.iterdir():
-        (snapshot / f.name).write_bytes(f.read_bytes())
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or f.name == "config.json":
+            (snapshot / f.name).write_bytes(f.read_bytes())
     (entry / "refs").mkdir(exist_ok=True)
     (entry / "refs" / "main").write_text(commit)
     return repo
@@ -158,8 +165,9 @@ def scaled_mooncake(path: Path) -> tuple[Path, int]:
 
 # -- commands --------------------------------------------------------------------------------
 def pdserve_cmd(url: str, out: Path, name: str, seed: int, workload: str, files: dict) -> list[str]:
-    cmd = [str(PDSERVE), "bench", "serving", "--url", url, "--model", "tiny", "--temperature", "1", "--warmup", "0",
-           "--seed", str(seed), "--out", str(out), "--name", name, "--no-progress", "--token-ids", "128"]
+    cmd = [str(PDSERVE), "bench", "serving", "--url", url, "--model", files["model"], "--temperature", "1",
+           "--warmup", "0", "--seed", str(seed), "--out", str(out), "--name", name, "--no-progress",
+           *files["prompt_ids"]]
     if workload in ("ip-random", "aiperf-synthetic"):
         arrival = "fixed" if workload == "ip-random" else "poisson"
         cmd += ["--dataset", "random", "--prompt-len", str(RANDOM["prompt"]), "--output-len", str(RANDOM["output"]),
@@ -177,7 +185,7 @@ def pdserve_cmd(url: str, out: Path, name: str, seed: int, workload: str, files:
     return cmd
 
 
-def inference_perf_config(url: str, out: Path, seed: int, workload: str, tokenizer: Path) -> dict:
+def inference_perf_config(url: str, out: Path, seed: int, workload: str, tokenizer: Path, model: str) -> dict:
     if workload == "ip-random":
         n = int(RANDOM["rate"] * RANDOM["seconds"]) * 2
         fixed = lambda v: {"min": v, "max": v, "mean": v, "std_dev": 0, "total_count": n}  # noqa: E731
@@ -194,7 +202,7 @@ def inference_perf_config(url: str, out: Path, seed: int, workload: str, tokeniz
     # one worker process (the default is one per core): on 2 cores every client process takes CPU from the server
     load.update({"num_workers": 1, "base_seed": seed})
     return {"load": load, "api": {"type": "completion", "streaming": True},
-            "server": {"type": "vllm", "model_name": "tiny", "base_url": url, "ignore_eos": True},
+            "server": {"type": "vllm", "model_name": model, "base_url": url, "ignore_eos": True},
             "tokenizer": {"pretrained_model_name_or_path": str(tokenizer)}, "data": data,
             "report": {"request_lifecycle": {"summary": True, "per_stage": False, "per_request": True,
                                              "use_server_output_tokens": True}, "prometheus": None},
@@ -202,8 +210,9 @@ def inference_perf_config(url: str, out: Path, seed: int, workload: str, tokeniz
 
 
 def aiperf_cmd(bin_dir: Path, url: str, out: Path, seed: int, workload: str, files: dict) -> list[str]:
-    cmd = [str(bin_dir / "aiperf"), "profile", "--model", "tiny", "--url", url, "--endpoint-type", "completions",
-           "--streaming", "--tokenizer", files["hub_tokenizer"], "--use-server-token-count",
+    cmd = [str(bin_dir / "aiperf"), "profile", "--model", files["model"], "--url", url,
+           "--endpoint-type", "completions", "--streaming", "--tokenizer", files["hub_tokenizer"],
+           "--use-server-token-count",
            "--extra-inputs", "ignore_eos:true", "--random-seed", str(seed), "--ui-type", "none",
            "--no-gpu-telemetry", "--no-server-metrics", "--artifact-dir", str(out)]
     if workload == "aiperf-synthetic":
@@ -263,6 +272,14 @@ def read_aiperf(out: Path) -> dict:
             "summary": {k: doc[k] for k in keep if k in doc}}
 
 
+def served_model(url: str) -> str:
+    """The model name the server at ``url`` answers to (its /v1/models)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as resp:
+        return json.loads(resp.read())["data"][0]["id"]
+
+
 def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
     shown = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items())
     print("$ " + (shown + " " if shown else "") + shlex.join(cmd), flush=True)
@@ -282,18 +299,42 @@ def main() -> int:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
     ap.add_argument("--rounds", type=int, default=2, help="A B pairs per workload (A B A B for 2)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--model-dir", type=Path, default=None, metavar="DIR",
+                    help="the served model's directory (its Hugging Face tokenizer files go to every tool and to "
+                         "pdserve bench); default: the built-in tiny model")
+    ap.add_argument("--rate", type=float, default=RANDOM["rate"],
+                    help="requests/s of the random and shared-prefix workloads (the trace's time scale follows: "
+                         f"x{MOONCAKE['time_scale']:g} at {RANDOM['rate']:g} req/s); default %(default)s")
+    ap.add_argument("--seconds", type=float, default=RANDOM["seconds"],
+                    help="length of the random workloads (requests = rate x seconds); default %(default)s")
     args = ap.parse_args()
+    if args.rate <= 0 or args.seconds <= 0:
+        sys.exit("--rate and --seconds must be > 0")
+    MOONCAKE["time_scale"] *= RANDOM["rate"] / args.rate
+    RANDOM["rate"], SHARED["rate"], RANDOM["seconds"] = args.rate, args.rate, args.seconds
     bins = tool_bins()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    tok = out / "tokenizers" / "tiny"
-    subprocess.run([str(PDSERVE), "fetch-model", "builtin:tiny", "--tokenizer-only", "--dest", str(tok)], check=True,
-                   stdout=subprocess.DEVNULL)
-    files = {"tokenizer": tok, "ascii_tokenizer": ascii_sampling_tokenizer(out / "tokenizers" / "tiny-ascii-sampling"),
-             "shared_trace": shared_prefix_trace(out / "shared-prefix-trace.jsonl")}
+    files = {"shared_trace": shared_prefix_trace(out / "shared-prefix-trace.jsonl")}
+    if args.model_dir is None:
+        tok = out / "tokenizers" / "tiny"
+        subprocess.run([str(PDSERVE), "fetch-model", "builtin:tiny", "--tokenizer-only", "--dest", str(tok)],
+                       check=True, stdout=subprocess.DEVNULL)
+        files |= {"model": "tiny", "tokenizer": tok, "prompt_ids": ["--token-ids", "128"],
+                  "ascii_tokenizer": ascii_sampling_tokenizer(out / "tokenizers" / "tiny-ascii-sampling")}
+    else:
+        tok = args.model_dir.resolve()
+        if not (tok / "tokenizer.json").is_file():
+            sys.exit(f"--model-dir {tok}: no tokenizer.json there")
+        files |= {"model": served_model(args.url), "tokenizer": tok, "prompt_ids": ["--tokenizer", str(tok)],
+                  "ascii_tokenizer": tok}
     files["mooncake_file"], files["mooncake_n"] = scaled_mooncake(out / "mooncake-scaled.jsonl")
     files["hub_cache"] = out / "hf-hub-cache"
-    files["hub_tokenizer"] = hub_cache_entry(tok, files["hub_cache"])
+    files["hub_tokenizer"] = hub_cache_entry(tok, files["hub_cache"], "pdserve/" + files["model"].replace("/", "-"))
+    settings = {"model": files["model"], "model_dir": str(args.model_dir) if args.model_dir else None,
+                "random": RANDOM, "shared_prefix": SHARED, "mooncake": MOONCAKE}
+    (out / "settings.json").write_text(json.dumps(settings, indent=1))
+    print("settings: " + json.dumps(settings), flush=True)
     runs = []
     seed = args.seed
     for workload in args.workloads.split(","):
@@ -312,7 +353,8 @@ def main() -> int:
                     import yaml
 
                     cfg.write_text(yaml.safe_dump(inference_perf_config(args.url, folder, seed, workload,
-                                                                        files["ascii_tokenizer"]), sort_keys=False))
+                                                                        files["ascii_tokenizer"], files["model"]),
+                                                  sort_keys=False))
                     cmd = [str(bins["inference-perf"] / "inference-perf"), "--config_file", str(cfg)]
                 env = None
                 if side == "tool" and workload.startswith("aiperf-"):
