@@ -5,6 +5,7 @@ router (``spec.router``) and the planner (``spec.autoscaling``). Pure data, asse
 from __future__ import annotations
 
 from pdserve.slo import classes as slo_classes
+from pdserve.slo.policies import POLICIES
 
 from pdserve.operator import crd_pod
 from pdserve.operator.crd_schema import (DEFAULT_REPLICAS, DEFAULT_TBT_MS, DEFAULT_TTFT_MS, MAX_LOAD_WEIGHT,
@@ -52,6 +53,12 @@ SLO = _obj(
                       "d.priority == c.priority))", "spec.slo.classes priorities must be unique"),
             ],
         },
+        "queuePolicy": {"type": "string", "enum": list(POLICIES),
+                        "description": "The order in which requests that must wait (every decode full, or with edf "
+                                       "and qlm every prefill slot taken) are served (`--queue-policy` of the "
+                                       "prefills, and of the router with named classes): fifo (arrival), edf (earliest "
+                                       "deadline first) or qlm (QLM's scheduler: the most requests meeting their "
+                                       "targets). Unset: fifo."},
     },
     description="Latency targets (SLOs): the class 'default' from ttftMs/tbtMs/e2eMs, plus named classes. Passed "
                 "to prefill pods as PDSERVE_SLO_CLASSES; their queue orders, rejects and reports by class.",

@@ -69,7 +69,7 @@ def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
         args += ["--load-weight", f"{float(load_weight):g}"]
     slo = isvc["spec"].get("slo", {})
     if slo.get("classes"):  # named classes: the global SLO queue lives in the router (router/slo_gate.py)
-        args += ["--slo-classes", workloads.slo_json(slo)]
+        args += ["--slo-classes", workloads.slo_json(slo), *workloads.queue_policy_args(isvc["spec"])]
     return args
 
 

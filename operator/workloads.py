@@ -81,8 +81,15 @@ def prefill_args(pool: dict) -> list[str]:
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
         *(["--batch-db", BATCH_DB_IN_POD] if spec.get("batchStorage", {}).get("pvcName") else []),
+        *queue_policy_args(spec),
         *pod_settings.engine_args(spec),
     ]
+
+
+def queue_policy_args(spec: dict) -> list[str]:
+    """--queue-policy from spec.slo.queuePolicy (nothing when unset: the server's default, fifo)."""
+    policy = spec.get("slo", {}).get("queuePolicy")
+    return ["--queue-policy", policy] if policy else []
 
 
 def decode_args(pool: dict) -> list[str]:
@@ -146,7 +153,8 @@ def pod_env(spec: dict, role: str, pool_name: str) -> list[dict]:
 def slo_json(slo: dict) -> str:
     """spec.slo as it is, with the default targets (pdserve.slo.classes parses it in the pod); keys
     sorted so that an unchanged SLO never changes the pod template."""
-    full = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **slo}
+    full = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS,
+            **{k: v for k, v in slo.items() if k != "queuePolicy"}}  # the policy is a flag, not a class
     return json.dumps(full, sort_keys=True, separators=(",", ":"))
 
 

@@ -197,6 +197,7 @@ INVALID = [
     ("undeclared default SLO class", {"spec": {"slo": {"defaultClass": "gold"}}}, "spec.slo.defaultClass must be"),
     ("bad SLO class name", {"spec": {"slo": {"classes": [{"name": "Gold Tier"}]}}}, "spec.slo.classes[0].name"),
     ("zero e2e target", {"spec": {"slo": {"classes": [{"name": "b", "e2eMs": 0}]}}}, "spec.slo.classes[0].e2eMs"),
+    ("unknown queue policy", {"spec": {"slo": {"queuePolicy": "lifo"}}}, "spec.slo.queuePolicy"),
     ("bad resource quantity", {"spec": {"decode": [{"name": "a", "resources": {"limits": {"cpu": "lots"}}}]}},
      "spec.decode[0].resources.limits.cpu"),
     ("bad toleration operator", {"spec": {"decode": [{"name": "a", "tolerations": [{"operator": "Maybe"}]}]}},
@@ -234,7 +235,8 @@ SLO_FORMS = [
     ("old", {"ttftMs": 1500, "tbtMs": 80}),
     ("new", {"ttftMs": 1500, "defaultClass": "interactive", "classes": [
         {"name": "interactive", "ttftMs": 2000, "e2eMs": 20000, "earlyReject": True, "priority": 0},
-        {"name": "batch-1", "e2eMs": 60000, "priority": 1}, {"name": "batch-2", "e2eMs": 3600000}]}),
+        {"name": "batch-1", "e2eMs": 60000, "priority": 1}, {"name": "batch-2", "e2eMs": 3600000}],
+        "queuePolicy": "qlm"}),
 ]
 
 
@@ -248,7 +250,9 @@ def test_slo_old_and_new_forms_are_accepted_and_parse_as_the_servers_do(kube, op
     doc["spec"]["slo"] = slo
     proc = kube.kubectl("create", "--dry-run=server", "-o", "json", "-n", "default", "-f", "-", input=json.dumps(doc))
     stored = json.loads(proc.stdout)["spec"]["slo"]
-    parsed = classes.parse(stored)
+    assert stored.get("queuePolicy") == slo.get("queuePolicy")  # no default filled in: unset stays the servers' fifo
+    from pdserve.operator.workloads import slo_json
+    parsed = classes.load(slo_json(stored))  # as the prefill pods get it (PDSERVE_SLO_CLASSES)
     default = parsed.by_name["default"]
     assert (default.ttft_ms, default.tbt_ms, default.early_reject) == (1500, slo.get("tbtMs", 100), False)
     if form == "old":

@@ -39,6 +39,26 @@ def test_prefill_pool_carries_everything_its_children_need():
     assert labels[naming.LABEL_PROTOCOL] == "7"
 
 
+def test_spec_slo_queue_policy_reaches_the_prefills_flag_and_not_their_classes():
+    from pdserve.prefill_server.cli import add_arguments
+    from pdserve.slo import classes
+
+    plain = workloads.build_deployment(pools.build_prefill_pool(example(), CONFIG))
+    assert "--queue-policy" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]  # unset: the default
+    isvc = example()
+    isvc["spec"]["slo"] = {"ttftMs": 800, "queuePolicy": "qlm"}
+    container = workloads.build_deployment(pools.build_prefill_pool(isvc, CONFIG))["spec"]["template"]["spec"][
+        "containers"][0]
+    args = container["args"]
+    assert args[args.index("--queue-policy") + 1] == "qlm"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(args[1:]).queue_policy == "qlm"
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert "queuePolicy" not in env[defaults.ENV_SLO_CLASSES]
+    assert classes.load(None, env).select().ttft_ms == 800  # the servers parse the classes as before
+
+
 def test_prefill_pods_get_the_slo_classes_the_servers_parse():
     from pdserve.slo import classes
 

@@ -219,3 +219,6 @@ def test_named_slo_classes_turn_the_routers_queue_on_with_the_prefills_classes()
     parsed = parser.parse_args(args[1:])
     from pdserve.slo import classes
     assert classes.load(parsed.slo_classes).names() == classes.load(prefill_env[defaults.ENV_SLO_CLASSES]).names()
+    assert parsed.queue_policy is None  # unset: the router's default
+    isvc["spec"]["slo"]["queuePolicy"] = "edf"
+    assert parser.parse_args(router_workloads.router_args(isvc, CONFIG)[1:]).queue_policy == "edf"
