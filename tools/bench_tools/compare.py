@@ -5,9 +5,11 @@
     .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --out /tmp/bench-tools
 
     # a model directory with Hugging Face tokenizer files instead of the built-in model (heavier, so the
-    # server's latencies, not the clients' few ms, make the figures), at a rate that fits the box:
-    .venv/bin/pdserve up --model DIR --prefill 1 --decode 1 --threads 1 --port 8000 &
-    .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --model-dir DIR --rate 0.5 --out ...
+    # server's latencies, not the clients' few ms, make the figures), at a rate that fits the box; the
+    # servers on one core and the clients on the other, so no client takes CPU from the server:
+    taskset -c 1 .venv/bin/pdserve up --model DIR --prefill 1 --decode 1 --threads 1 --port 8000 &
+    taskset -c 0 .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --model-dir DIR \
+        --rate 0.7 --seconds 45 --rounds 3 --out ...
 
 For each workload, ``--rounds`` times: ``pdserve bench serving`` (A), then the tool (B), against the
 same cluster, each run with its own seed (no run finds another's prompts in a prefix cache). Every
@@ -51,6 +53,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -303,14 +306,13 @@ def main() -> int:
                     help="the served model's directory (its Hugging Face tokenizer files go to every tool and to "
                          "pdserve bench); default: the built-in tiny model")
     ap.add_argument("--rate", type=float, default=RANDOM["rate"],
-                    help="requests/s of the random and shared-prefix workloads (the trace's time scale follows: "
-                         f"x{MOONCAKE['time_scale']:g} at {RANDOM['rate']:g} req/s); default %(default)s")
+                    help="requests/s of the random and shared-prefix workloads (the trace keeps its own: its "
+                         f"window x{MOONCAKE['time_scale']:g}); default %(default)s")
     ap.add_argument("--seconds", type=float, default=RANDOM["seconds"],
                     help="length of the random workloads (requests = rate x seconds); default %(default)s")
     args = ap.parse_args()
     if args.rate <= 0 or args.seconds <= 0:
         sys.exit("--rate and --seconds must be > 0")
-    MOONCAKE["time_scale"] *= RANDOM["rate"] / args.rate
     RANDOM["rate"], SHARED["rate"], RANDOM["seconds"] = args.rate, args.rate, args.seconds
     bins = tool_bins()
     out = args.out.resolve()
@@ -330,7 +332,8 @@ def main() -> int:
                   "ascii_tokenizer": tok}
     files["mooncake_file"], files["mooncake_n"] = scaled_mooncake(out / "mooncake-scaled.jsonl")
     files["hub_cache"] = out / "hf-hub-cache"
-    files["hub_tokenizer"] = hub_cache_entry(tok, files["hub_cache"], "pdserve/" + files["model"].replace("/", "-"))
+    repo = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(files["model"]).name).strip("-.") or "model"  # a valid Hub id
+    files["hub_tokenizer"] = hub_cache_entry(tok, files["hub_cache"], "pdserve/" + repo)
     settings = {"model": files["model"], "model_dir": str(args.model_dir) if args.model_dir else None,
                 "random": RANDOM, "shared_prefix": SHARED, "mooncake": MOONCAKE}
     (out / "settings.json").write_text(json.dumps(settings, indent=1))
