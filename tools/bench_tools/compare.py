@@ -19,11 +19,14 @@ from each tool's own report: requests, failures, the server's prompt and output 
 holds the B/A ratios. The workloads (llm-d's inference-perf profiles, scaled to a 2-core box):
 
 - ``ip-random``: inference-perf ``random`` (llm-d's ``guide_pd-disaggregation``: long prompts, short
-  outputs, constant rate): 640-token prompts, 32 outputs, 2 req/s for 30 s.
+  outputs, constant rate): 640-token prompts, 32 outputs, 2 req/s for 30 s. inference-perf's
+  ``constant`` load is a Poisson process (exponential gaps at that mean rate), so pdserve bench's side
+  arrives Poisson too.
 - ``ip-shared-prefix``: inference-perf ``shared_prefix`` (llm-d's ``shared_prefix_synthetic``, lengths
   / 8): 6 groups x 10 prompts, a 256-token system prompt per group + a 32-token question, 32 outputs,
   2 req/s. pdserve bench replays the same shape as a generated Mooncake-format trace (8 shared 32-token
-  blocks + 1 own block per request, one request every 0.5 s, in group order as inference-perf sends).
+  blocks + 1 own block per request, in group order as inference-perf sends, exponential gaps drawn
+  with the run's seed).
 - ``aiperf-synthetic``: aiperf's synthetic prompts, 640 tokens in, 32 out, Poisson 2 req/s, 60 requests.
 - ``aiperf-mooncake``: ../shared/traces/mooncake_conversation_trace.jsonl, its first 40 s, lengths x 1/32
   (a hash id = 16 tokens), time x 2, prompts cut at 1024 tokens; aiperf gets the same window
@@ -131,16 +134,21 @@ def hub_cache_entry(tokenizer: Path, cache: Path, repo: str = "pdserve/tiny") ->
 
 
 # -- workload files ----------------------------------------------------------------------------
-def shared_prefix_trace(path: Path) -> Path:
-    """SHARED as a Mooncake-format trace for `pdserve bench serving --trace-length-scale 1/16`."""
+def shared_prefix_trace(path: Path, seed: int) -> Path:
+    """SHARED as a Mooncake-format trace for `pdserve bench serving --trace-length-scale 1/16`, arriving as
+    inference-perf's `constant` load does: a Poisson process (exponential gaps, drawn with ``seed``)."""
+    import random
+
+    rng = random.Random(seed)
     block = SHARED["question"]
     per_system = SHARED["system"] // block
-    lines, i = [], 0
+    lines, i, t = [], 0, 0.0
     for g in range(SHARED["groups"]):
         for _ in range(SHARED["per_group"]):
             ids = [g * 1000 + k for k in range(per_system)] + [10**6 + i]
-            lines.append({"timestamp": round(i * 1000 / SHARED["rate"]), "output_length": SHARED["output"] * 16,
+            lines.append({"timestamp": round(t * 1000), "output_length": SHARED["output"] * 16,
                           "input_length": (SHARED["system"] + SHARED["question"]) * 16, "hash_ids": ids})
+            t += rng.expovariate(SHARED["rate"])
             i += 1
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     return path
@@ -172,12 +180,13 @@ def pdserve_cmd(url: str, out: Path, name: str, seed: int, workload: str, files:
            "--warmup", "0", "--seed", str(seed), "--out", str(out), "--name", name, "--no-progress",
            *files["prompt_ids"]]
     if workload in ("ip-random", "aiperf-synthetic"):
-        arrival = "fixed" if workload == "ip-random" else "poisson"
+        # inference-perf's `constant` load and aiperf's `poisson` pattern both draw exponential gaps
         cmd += ["--dataset", "random", "--prompt-len", str(RANDOM["prompt"]), "--output-len", str(RANDOM["output"]),
-                "--request-rate", str(RANDOM["rate"]), "--arrival", arrival,
+                "--request-rate", str(RANDOM["rate"]), "--arrival", "poisson",
                 "--num-requests", str(int(RANDOM["rate"] * RANDOM["seconds"]))]
     elif workload == "ip-shared-prefix":
-        cmd += ["--dataset", "mooncake", "--dataset-path", str(files["shared_trace"]), "--trace-length-scale", "0.0625",
+        trace = shared_prefix_trace(out / "shared-prefix-trace.jsonl", seed)
+        cmd += ["--dataset", "mooncake", "--dataset-path", str(trace), "--trace-length-scale", "0.0625",
                 "--num-requests", str(SHARED["groups"] * SHARED["per_group"])]
     else:
         start, duration = MOONCAKE["window"]
@@ -317,7 +326,7 @@ def main() -> int:
     bins = tool_bins()
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
-    files = {"shared_trace": shared_prefix_trace(out / "shared-prefix-trace.jsonl")}
+    files = {}
     if args.model_dir is None:
         tok = out / "tokenizers" / "tiny"
         subprocess.run([str(PDSERVE), "fetch-model", "builtin:tiny", "--tokenizer-only", "--dest", str(tok)],
