@@ -116,6 +116,40 @@ def ascii_sampling_tokenizer(dest: Path) -> Path:
     return dest
 
 
+def word_model(source: Path, dest: Path, corpus: Path) -> Path:
+    """``source`` (a model directory whose tokenizer is word-level over made-up words, as pdserve's bench
+    models are) with the words replaced by the most frequent whitespace-separated words of ``corpus``,
+    ids and special tokens kept, the weights linked: the same model, whose vocabulary covers the
+    text aiperf draws its synthetic and trace prompts from (its Shakespeare corpus, tokenized with the
+    served tokenizer). Over made-up words that corpus is all ``<unk>``, so every prompt would be the same."""
+    doc = json.loads((source / "tokenizer.json").read_text())
+    model = doc["model"]
+    if model.get("type") != "WordLevel":
+        sys.exit(f"--word-model: {source}'s tokenizer is {model.get('type')}, not WordLevel")
+    special = {t["content"] for t in doc.get("added_tokens", [])}
+    slots = sorted(i for w, i in model["vocab"].items() if w not in special)
+    counts: dict[str, int] = {}
+    for word in corpus.read_text(errors="replace").split():
+        if word not in special:
+            counts[word] = counts.get(word, 0) + 1
+    words = sorted(counts, key=lambda w: (-counts[w], w))[:len(slots)]
+    vocab = {w: i for w, i in model["vocab"].items() if w in special}
+    vocab |= dict(zip(words, slots))
+    vocab |= {f"t{i}": i for i in slots[len(words):]}  # a short corpus: the made-up words fill the rest
+    model["vocab"] = vocab
+    for t in doc.get("added_tokens", []):  # a corpus word outside the vocabulary decodes as "<unk>" and encodes
+        if t["content"] == model.get("unk_token"):  # back to it (a special token would vanish on decode: a
+            t["special"] = False  # prompt one token shorter per such word)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        target = dest / f.name
+        if f.name == "tokenizer.json":
+            target.write_text(json.dumps(doc))
+        elif not target.exists():
+            target.symlink_to(f.resolve())
+    return dest
+
+
 def hub_cache_entry(tokenizer: Path, cache: Path, repo: str = "pdserve/tiny") -> str:
     """``tokenizer``'s files as the Hub cache entry ``repo`` (revision main) under ``cache``: aiperf 0.13.0's
     trace workers load the tokenizer in offline mode through the Hub cache only, so a local folder fails
@@ -319,11 +353,19 @@ def main() -> int:
                          f"window x{MOONCAKE['time_scale']:g}); default %(default)s")
     ap.add_argument("--seconds", type=float, default=RANDOM["seconds"],
                     help="length of the random workloads (requests = rate x seconds); default %(default)s")
+    ap.add_argument("--word-model", type=Path, default=None, metavar="SRC",
+                    help="write <out>/model: the bench model SRC with aiperf's corpus words as its vocabulary "
+                         "(see word_model), print its path and stop; serve and measure that one")
     args = ap.parse_args()
     if args.rate <= 0 or args.seconds <= 0:
         sys.exit("--rate and --seconds must be > 0")
     RANDOM["rate"], SHARED["rate"], RANDOM["seconds"] = args.rate, args.rate, args.seconds
     bins = tool_bins()
+    if args.word_model is not None:
+        corpus = next(bins["aiperf"].parent.glob("lib/python3*/site-packages/aiperf/dataset/generator/assets/"
+                                                 "shakespeare.txt"))
+        print(word_model(args.word_model.resolve(), args.out.resolve() / "model", corpus))
+        return 0
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     files = {}
