@@ -326,6 +326,42 @@ def served_model(url: str) -> str:
         return json.loads(resp.read())["data"][0]["id"]
 
 
+SERVER_SERIES = ("pdserve_time_to_first_token_seconds", "pdserve_time_between_tokens_seconds")
+
+
+def server_histograms(url: str) -> dict[str, tuple[float, float]] | None:
+    """The front door's own TTFT and gap-between-tokens histograms (sum, count) from its /metrics (None:
+    not a pdserve, or no such series)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return None
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in SERVER_SERIES:
+            total = sum(x.value for x in family.samples if x.name == family.name + "_sum")
+            count = sum(x.value for x in family.samples if x.name == family.name + "_count")
+            out[family.name] = (total, count)
+    return out if len(out) == len(SERVER_SERIES) else None
+
+
+def server_means(before: dict | None, after: dict | None) -> dict | None:
+    """The server's mean TTFT and mean gap between tokens (ms) over one run: what the load did, whichever
+    client measured it (a client's figure over the server's takes the run's own arrivals out)."""
+    if not before or not after:
+        return None
+    means = []
+    for name in SERVER_SERIES:
+        total, count = (b - a for a, b in zip(before[name], after[name]))
+        means.append(round(total / count * 1000, 3) if count > 0 else None)
+    return {"ttft_ms_mean": means[0], "gap_ms_mean": means[1]}
+
+
 def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
     shown = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items())
     print("$ " + (shown + " " if shown else "") + shlex.join(cmd), flush=True)
@@ -415,7 +451,9 @@ def main() -> int:
                     cmd = aiperf_cmd(bins["aiperf"], args.url, folder, seed, workload, files)
                     env = {"HF_HUB_CACHE": files["hub_cache"], "HF_HUB_OFFLINE": "1"}
                 started = time.strftime("%H:%M:%S", time.gmtime())
+                before = server_histograms(args.url)
                 wall = run(cmd, folder / "log.txt", env)
+                server = server_means(before, server_histograms(args.url))
                 if side == "pdserve":
                     figures = read_pdserve(folder / "bench.json")
                 elif workload.startswith("ip-"):
@@ -423,7 +461,7 @@ def main() -> int:
                 else:
                     figures = read_aiperf(folder)
                 runs.append({"workload": workload, "round": rnd + 1, "side": side, "seed": seed, "started_utc": started,
-                             "wall_s": round(wall, 1), "command": shlex.join(cmd), **figures})
+                             "wall_s": round(wall, 1), "command": shlex.join(cmd), "server": server, **figures})
                 print(f"  {name}: {figures['requests']} requests, {figures['failed']} failed, TTFT mean "
                       f"{figures['ttft_ms']['mean']:.2f} ms, TPOT mean {figures['tpot_ms']['mean']:.3f} ms", flush=True)
                 (out / "runs.json").write_text(json.dumps(runs, indent=1))
@@ -448,7 +486,34 @@ def summary_table(runs: list[dict]) -> str:
             cells.append(f"{b[key]['mean']:.2f} / {b[key]['p50']:.2f}")
             cells.append(f"{b[key]['mean'] / a[key]['mean']:.2f} / {b[key]['p50'] / a[key]['p50']:.2f}")
         rows.append(f"| {a['workload']} | {a['round']} | " + " | ".join(cells) + f" | {a['failed']} / {b['failed']} |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + "\n" + net_of_load_table(runs)
+
+
+def net_of_load_table(runs: list[dict]) -> str:
+    """Per workload, over the rounds: each side's mean over the server's own mean for the same runs, and the
+    tool's such ratio over pdserve bench's: the two clients' agreement on one measure, net of their runs'
+    different arrivals (one Poisson sample of ~30 requests queues a burst, the next does not)."""
+    rows = ["", "Net of load (client mean / the server's own mean over the same runs; request-weighted):", "",
+            "| workload | TTFT client/server: bench, tool | tool vs bench | TPOT / server gap: bench, tool | "
+            "tool vs bench |", "|---|---|---|---|---|"]
+    for workload in dict.fromkeys(r["workload"] for r in runs):
+        acc = {}
+        for r in runs:
+            srv = r.get("server")
+            if r["workload"] != workload or not srv or srv["ttft_ms_mean"] is None or srv["gap_ms_mean"] is None:
+                continue
+            n = r["requests"] - r["failed"]
+            a = acc.setdefault(r["side"], [0.0, 0.0, 0.0, 0.0])
+            a[0] += n * r["ttft_ms"]["mean"]
+            a[1] += n * srv["ttft_ms_mean"]
+            a[2] += n * r["tpot_ms"]["mean"]
+            a[3] += n * srv["gap_ms_mean"]
+        if "pdserve" not in acc or "tool" not in acc:
+            continue
+        a, b = acc["pdserve"], acc["tool"]
+        ta, tb, ga, gb = a[0] / a[1], b[0] / b[1], a[2] / a[3], b[2] / b[3]
+        rows.append(f"| {workload} | {ta:.3f}, {tb:.3f} | {tb / ta:.2f} | {ga:.3f}, {gb:.3f} | {gb / ga:.2f} |")
+    return "\n".join(rows) + "\n" if len(rows) > 5 else ""
 
 
 if __name__ == "__main__":
