@@ -104,3 +104,10 @@ def test_the_servers_means_and_the_comparison_net_of_load(compare):
     assert "| w | 1.010, 1.030 | 1.02 | 1.010, 1.000 | 0.99 |" in table
     runs[1]["server"] = None  # no server figures (not a pdserve): no such table
     assert "Net of load" not in compare.summary_table(runs)
+
+
+def test_the_word_models_source_is_a_directory_or_a_bench_size_and_anything_else_is_named(compare, tmp_path):
+    source = made_up_model(tmp_path / "src")
+    assert compare.bench_checkpoint(str(source)) == source.resolve()
+    with pytest.raises(SystemExit, match="neither a model directory with a tokenizer.json nor one of peer, small"):
+        compare.bench_checkpoint(str(tmp_path / "nothing"))

@@ -4,19 +4,23 @@
     .venv/bin/pdserve up --model tiny --prefill 1 --decode 1 --threads 1 --port 8000 &
     .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --out /tmp/bench-tools
 
-    # a model directory with Hugging Face tokenizer files instead of the built-in model (heavier, so the
-    # server's latencies, not the clients' few ms, make the figures), at a rate that fits the box; the
-    # servers on one core and the clients on the other, so no client takes CPU from the server:
-    taskset -c 1 .venv/bin/pdserve up --model DIR --prefill 1 --decode 1 --threads 1 --port 8000 &
-    taskset -c 0 .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --model-dir DIR \
-        --rate 0.7 --seconds 45 --rounds 3 --out ...
+    # a heavier model than the built-in one (the server's latencies, not the clients' few ms, make the
+    # figures): a bench checkpoint with aiperf's corpus words as its vocabulary (--word-model), served on
+    # one core with the clients on the other, so no client takes CPU from the server:
+    .venv/bin/python tools/bench_tools/compare.py --out /tmp/bt --word-model small
+    taskset -c 1 .venv/bin/pdserve up --model /tmp/bt/model --prefill 1 --decode 1 --threads 1 --port 8000 &
+    taskset -c 0 .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --model-dir /tmp/bt/model \
+        --rate 0.7 --seconds 45 --rounds 3 --out /tmp/bt/run
 
 For each workload, ``--rounds`` times: ``pdserve bench serving`` (A), then the tool (B), against the
 same cluster, each run with its own seed (no run finds another's prompts in a prefix cache). Every
 command line is printed before it runs and kept in ``<out>/runs.json`` with the figures read back
 from each tool's own report: requests, failures, the server's prompt and output token counts (its
 ``usage``), TTFT and TPOT (mean and p50, each tool's own definition, below), and ``<out>/summary.md``
-holds the B/A ratios. The workloads (llm-d's inference-perf profiles, scaled to a 2-core box):
+holds the B/A ratios and, where the server is pdserve, the same comparison net of load: each run's
+figures over the server's own mean TTFT and gap between tokens over that run (its /metrics read before
+and after), since one run of ~30 Poisson arrivals queues a burst and the next does not, whoever
+measures them. The workloads (llm-d's inference-perf profiles, scaled to a 2-core box):
 
 - ``ip-random``: inference-perf ``random`` (llm-d's ``guide_pd-disaggregation``: long prompts, short
   outputs, constant rate): 640-token prompts, 32 outputs, 2 req/s for 30 s. inference-perf's
@@ -114,6 +118,20 @@ def ascii_sampling_tokenizer(dest: Path) -> Path:
         {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
          "model_max_length": 2048, "clean_up_tokenization_spaces": False}))
     return dest
+
+
+def bench_checkpoint(source: str) -> Path:
+    """``source`` as a model directory, or the bench checkpoint of that size (``peer_model``: written once)."""
+    from pdserve.bench.experiments.launcher import MODEL_CACHE
+    from pdserve.bench.experiments.peer_model import PEER_MODELS, peer_model
+
+    if source in PEER_MODELS:
+        return peer_model(MODEL_CACHE, source, 4096)
+    path = Path(source).expanduser().resolve()
+    if not (path / "tokenizer.json").is_file():
+        sys.exit(f"--word-model {source}: neither a model directory with a tokenizer.json nor one of "
+                 f"{', '.join(sorted(PEER_MODELS))}")
+    return path
 
 
 def word_model(source: Path, dest: Path, corpus: Path) -> Path:
@@ -389,9 +407,11 @@ def main() -> int:
                          f"window x{MOONCAKE['time_scale']:g}); default %(default)s")
     ap.add_argument("--seconds", type=float, default=RANDOM["seconds"],
                     help="length of the random workloads (requests = rate x seconds); default %(default)s")
-    ap.add_argument("--word-model", type=Path, default=None, metavar="SRC",
-                    help="write <out>/model: the bench model SRC with aiperf's corpus words as its vocabulary "
-                         "(see word_model), print its path and stop; serve and measure that one")
+    ap.add_argument("--word-model", default=None, metavar="SRC",
+                    help="write <out>/model: the bench model SRC (a directory, or a size of pdserve's bench "
+                         "checkpoints: tiny, small, peer; written to the bench-models cache if missing) with "
+                         "aiperf's corpus words as its vocabulary (see word_model), print its path and stop; "
+                         "serve and measure that one")
     args = ap.parse_args()
     if args.rate <= 0 or args.seconds <= 0:
         sys.exit("--rate and --seconds must be > 0")
@@ -400,7 +420,7 @@ def main() -> int:
     if args.word_model is not None:
         corpus = next(bins["aiperf"].parent.glob("lib/python3*/site-packages/aiperf/dataset/generator/assets/"
                                                  "shakespeare.txt"))
-        print(word_model(args.word_model.resolve(), args.out.resolve() / "model", corpus))
+        print(word_model(bench_checkpoint(args.word_model), args.out.resolve() / "model", corpus))
         return 0
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
