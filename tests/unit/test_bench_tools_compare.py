@@ -5,6 +5,7 @@ take each run's load out of the comparison. No tool environment is needed."""
 import importlib.util
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,15 @@ SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "bench_tools" / "compar
 
 @pytest.fixture(scope="module")
 def compare():
-    spec = importlib.util.spec_from_file_location("bench_tools_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """compare.py as a module; it imports its siblings (tool_reports, tool_tokenizers) as its own folder's."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_tools_compare", SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
 
 
 def made_up_model(folder: Path, n: int = 12) -> Path:
@@ -85,7 +91,7 @@ def test_the_shared_prefix_trace_arrives_poisson_with_the_runs_seed(compare, tmp
 
 
 def test_the_servers_means_and_the_comparison_net_of_load(compare):
-    ttft, gap = compare.SERVER_SERIES
+    ttft, gap = sys.modules["tool_reports"].SERVER_SERIES
     before = {ttft: (1.0, 10.0), gap: (0.5, 100.0)}
     after = {ttft: (4.0, 20.0), gap: (1.5, 200.0)}
     assert compare.server_means(before, after) == {"ttft_ms_mean": 300.0, "gap_ms_mean": 10.0}

@@ -67,6 +67,10 @@ import sys
 import time
 from pathlib import Path
 
+from tool_reports import (read_aiperf, read_inference_perf, read_pdserve, served_model, server_histograms, server_means,
+                          summary_table)
+from tool_tokenizers import ascii_sampling_tokenizer, bench_checkpoint, hub_cache_entry, word_model
+
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = REPO / ".venv" / "bin" / "pdserve"
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -83,106 +87,6 @@ def tool_bins() -> dict[str, Path]:
     if out.returncode != 0:
         sys.exit(out.stderr.strip() or "bench tools missing: bash tools/bench_tools/install.sh")
     return {line.split()[0]: Path(line.split()[1]) for line in out.stdout.splitlines()}
-
-
-# -- tokenizers ------------------------------------------------------------------------------
-def ascii_sampling_tokenizer(dest: Path) -> Path:
-    """pdserve's byte encoding for inference-perf's random sampler (see the module docstring)."""
-    from pdserve.engine.tokenizer import ByteTokenizer
-    from tokenizers import Tokenizer
-
-    vocab = {chr(b): b for b in range(128)} | {f"<0x{b:02X}>": b for b in range(128, 256)}
-    special = [("<s>", ByteTokenizer.BOS), ("</s>", ByteTokenizer.EOS)] + [(f"<0x{b:02X}>", b) for b in range(128, 256)]
-    bos = {"SpecialToken": {"id": "<s>", "type_id": 0}}
-    doc = {
-        "version": "1.0", "truncation": None, "padding": None, "normalizer": None,
-        "added_tokens": [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
-                          "normalized": False, "special": True} for c, i in special],
-        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": False},
-        "post_processor": {"type": "TemplateProcessing", "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
-                           "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}},
-                                    {"Sequence": {"id": "B", "type_id": 1}}],
-                           "special_tokens": {"<s>": {"id": "<s>", "ids": [ByteTokenizer.BOS], "tokens": ["<s>"]}}},
-        "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": True, "ignore_merges": False,
-                  "vocab": vocab, "merges": []},
-    }
-    text = json.dumps(doc)
-    ours, theirs = ByteTokenizer(), Tokenizer.from_str(text)
-    for sample in ("hello world", " a\n\tb\x00\x7f", "héllo ✓ 日本 \ufffd", "x" * 700):
-        assert theirs.encode(sample).ids == ours.encode(sample), sample
-    dest.mkdir(parents=True, exist_ok=True)
-    (dest / "tokenizer.json").write_text(text)
-    (dest / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-         "model_max_length": 2048, "clean_up_tokenization_spaces": False}))
-    return dest
-
-
-def bench_checkpoint(source: str) -> Path:
-    """``source`` as a model directory, or the bench checkpoint of that size (``peer_model``: written once)."""
-    from pdserve.bench.experiments.launcher import MODEL_CACHE
-    from pdserve.bench.experiments.peer_model import PEER_MODELS, peer_model
-
-    if source in PEER_MODELS:
-        return peer_model(MODEL_CACHE, source, 4096)
-    path = Path(source).expanduser().resolve()
-    if not (path / "tokenizer.json").is_file():
-        sys.exit(f"--word-model {source}: neither a model directory with a tokenizer.json nor one of "
-                 f"{', '.join(sorted(PEER_MODELS))}")
-    return path
-
-
-def word_model(source: Path, dest: Path, corpus: Path) -> Path:
-    """``source`` (a model directory whose tokenizer is word-level over made-up words, as pdserve's bench
-    models are) with the words replaced by the most frequent whitespace-separated words of ``corpus``,
-    ids and special tokens kept, the weights linked: the same model, whose vocabulary covers the
-    text aiperf draws its synthetic and trace prompts from (its Shakespeare corpus, tokenized with the
-    served tokenizer). Over made-up words that corpus is all ``<unk>``, so every prompt would be the same."""
-    doc = json.loads((source / "tokenizer.json").read_text())
-    model = doc["model"]
-    if model.get("type") != "WordLevel":
-        sys.exit(f"--word-model: {source}'s tokenizer is {model.get('type')}, not WordLevel")
-    special = {t["content"] for t in doc.get("added_tokens", [])}
-    slots = sorted(i for w, i in model["vocab"].items() if w not in special)
-    counts: dict[str, int] = {}
-    for word in corpus.read_text(errors="replace").split():
-        if word not in special:
-            counts[word] = counts.get(word, 0) + 1
-    words = sorted(counts, key=lambda w: (-counts[w], w))[:len(slots)]
-    vocab = {w: i for w, i in model["vocab"].items() if w in special}
-    vocab |= dict(zip(words, slots))
-    vocab |= {f"t{i}": i for i in slots[len(words):]}  # a short corpus: the made-up words fill the rest
-    model["vocab"] = vocab
-    for t in doc.get("added_tokens", []):  # a corpus word outside the vocabulary decodes as "<unk>" and encodes
-        if t["content"] == model.get("unk_token"):  # back to it (a special token would vanish on decode: a
-            t["special"] = False  # prompt one token shorter per such word)
-    dest.mkdir(parents=True, exist_ok=True)
-    for f in source.iterdir():
-        target = dest / f.name
-        if f.name == "tokenizer.json":
-            target.write_text(json.dumps(doc))
-        elif not target.exists():
-            target.symlink_to(f.resolve())
-    return dest
-
-
-def hub_cache_entry(tokenizer: Path, cache: Path, repo: str = "pdserve/tiny") -> str:
-    """``tokenizer``'s files as the Hub cache entry ``repo`` (revision main) under ``cache``: aiperf 0.13.0's
-    trace workers load the tokenizer in offline mode through the Hub cache only, so a local folder fails
-    there (HFValidationError: 'Repo id must be in the form ...'). Run aiperf with HF_HUB_CACHE=cache and
-    HF_HUB_OFFLINE=1, ``--tokenizer repo``."""
-    commit = "0" * 40
-    entry = cache / ("models--" + repo.replace("/", "--"))
-    snapshot = entry / "snapshots" / commit
-    snapshot.mkdir(parents=True, exist_ok=True)
-    for f in tokenizer.iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")) or f.name == "config.json":
-            (snapshot / f.name).write_bytes(f.read_bytes())
-    (entry / "refs").mkdir(exist_ok=True)
-    (entry / "refs" / "main").write_text(commit)
-    return repo
 
 
 # -- workload files ----------------------------------------------------------------------------
@@ -288,96 +192,6 @@ def aiperf_cmd(bin_dir: Path, url: str, out: Path, seed: int, workload: str, fil
                 "--isl-block-size", str(round(512 * MOONCAKE["length_scale"])), "--fixed-schedule",
                 "--fixed-schedule-auto-offset"]
     return cmd
-
-
-# -- reading the reports back ----------------------------------------------------------------------
-def ms(x) -> float | None:
-    return None if x is None else round(x * 1000, 3)
-
-
-def read_pdserve(path: Path) -> dict:
-    doc = json.loads(path.read_text())
-    s, reqs = doc["summary"], [r for r in doc["requests"] if r["ok"]]
-    return {"requests": s["requests"], "failed": s["failed"], "errors": s["errors"],
-            "server_prompt_tokens_mean": s["prompt_tokens"] / max(1, s["succeeded"]),
-            "server_output_tokens_mean": s["output_tokens"] / max(1, s["succeeded"]),
-            "ttft_ms": {"mean": ms(s["ttft_s"]["mean"]), "p50": ms(s["ttft_s"]["p50"])},
-            "tpot_ms": {"mean": ms(s["tpot_s"]["mean"]), "p50": ms(s["tpot_s"]["p50"])},
-            "per_request": {"ttft_ms": [ms(r["ttft"]) for r in reqs]}}
-
-
-def read_inference_perf(out: Path) -> dict:
-    doc = json.loads((out / "summary_lifecycle_metrics.json").read_text())
-    ok, lat = doc["successes"], doc["successes"]["latency"]
-    return {"requests": doc["load_summary"]["count"], "failed": doc["failures"]["count"],
-            "errors": doc["failures"].get("by_label", {}),
-            "server_prompt_tokens_mean": ok["prompt_tokens"].get("mean"),
-            "server_output_tokens_mean": ok["output_tokens"].get("mean"),
-            "token_count_mismatches": ok.get("token_count_mismatches"),
-            "ttft_ms": {"mean": ms(lat["time_to_first_token"]["mean"]),
-                        "p50": ms(lat["time_to_first_token"]["median"])},
-            "tpot_ms": {"mean": ms(lat["time_per_output_token"]["mean"]),
-                        "p50": ms(lat["time_per_output_token"]["median"])},
-            "summary": doc}
-
-
-def read_aiperf(out: Path) -> dict:
-    doc = json.loads((out / "profile_export_aiperf.json").read_text())
-    count = doc["request_count"]["avg"]
-    errors = doc.get("error_request_count", {}).get("avg", 0) if isinstance(doc.get("error_request_count"), dict) else 0
-    keep = ("request_count", "error_request_count", "time_to_first_token", "inter_token_latency", "request_latency",
-            "usage_prompt_tokens", "usage_completion_tokens", "input_sequence_length", "output_sequence_length",
-            "request_throughput", "benchmark_duration", "error_summary", "aiperf_version", "was_cancelled")
-    return {"requests": count + errors, "failed": errors, "errors": doc.get("error_summary"),
-            "server_prompt_tokens_mean": doc["usage_prompt_tokens"]["avg"],
-            "server_output_tokens_mean": doc["usage_completion_tokens"]["avg"],
-            "ttft_ms": {"mean": doc["time_to_first_token"]["avg"], "p50": doc["time_to_first_token"]["p50"]},
-            "tpot_ms": {"mean": doc["inter_token_latency"]["avg"], "p50": doc["inter_token_latency"]["p50"]},
-            "summary": {k: doc[k] for k in keep if k in doc}}
-
-
-def served_model(url: str) -> str:
-    """The model name the server at ``url`` answers to (its /v1/models)."""
-    import urllib.request
-
-    with urllib.request.urlopen(url.rstrip("/") + "/v1/models", timeout=30) as resp:
-        return json.loads(resp.read())["data"][0]["id"]
-
-
-SERVER_SERIES = ("pdserve_time_to_first_token_seconds", "pdserve_time_between_tokens_seconds")
-
-
-def server_histograms(url: str) -> dict[str, tuple[float, float]] | None:
-    """The front door's own TTFT and gap-between-tokens histograms (sum, count) from its /metrics (None:
-    not a pdserve, or no such series)."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=30) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return None
-    out = {}
-    for family in text_string_to_metric_families(text):
-        if family.name in SERVER_SERIES:
-            total = sum(x.value for x in family.samples if x.name == family.name + "_sum")
-            count = sum(x.value for x in family.samples if x.name == family.name + "_count")
-            out[family.name] = (total, count)
-    return out if len(out) == len(SERVER_SERIES) else None
-
-
-def server_means(before: dict | None, after: dict | None) -> dict | None:
-    """The server's mean TTFT and mean gap between tokens (ms) over one run: what the load did, whichever
-    client measured it (a client's figure over the server's takes the run's own arrivals out)."""
-    if not before or not after:
-        return None
-    means = []
-    for name in SERVER_SERIES:
-        total, count = (b - a for a, b in zip(before[name], after[name]))
-        means.append(round(total / count * 1000, 3) if count > 0 else None)
-    return {"ttft_ms_mean": means[0], "gap_ms_mean": means[1]}
 
 
 def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
@@ -488,52 +302,6 @@ def main() -> int:
     (out / "summary.md").write_text(summary_table(runs))
     print(summary_table(runs))
     return 0
-
-
-def summary_table(runs: list[dict]) -> str:
-    rows = ["| workload | round | pdserve bench TTFT mean / p50 ms | tool TTFT mean / p50 ms | ratio mean / p50 | "
-            "pdserve bench TPOT mean / p50 ms | tool TPOT mean / p50 ms | ratio mean / p50 | failed (bench / tool) |",
-            "|---|---|---|---|---|---|---|---|---|"]
-    for a in (r for r in runs if r["side"] == "pdserve"):
-        b = next((r for r in runs if r["side"] == "tool" and r["workload"] == a["workload"]
-                  and r["round"] == a["round"]),
-                 None)
-        if b is None:
-            continue
-        cells = []
-        for key in ("ttft_ms", "tpot_ms"):
-            cells.append(f"{a[key]['mean']:.2f} / {a[key]['p50']:.2f}")
-            cells.append(f"{b[key]['mean']:.2f} / {b[key]['p50']:.2f}")
-            cells.append(f"{b[key]['mean'] / a[key]['mean']:.2f} / {b[key]['p50'] / a[key]['p50']:.2f}")
-        rows.append(f"| {a['workload']} | {a['round']} | " + " | ".join(cells) + f" | {a['failed']} / {b['failed']} |")
-    return "\n".join(rows) + "\n" + net_of_load_table(runs)
-
-
-def net_of_load_table(runs: list[dict]) -> str:
-    """Per workload, over the rounds: each side's mean over the server's own mean for the same runs, and the
-    tool's such ratio over pdserve bench's: the two clients' agreement on one measure, net of their runs'
-    different arrivals (one Poisson sample of ~30 requests queues a burst, the next does not)."""
-    rows = ["", "Net of load (client mean / the server's own mean over the same runs; request-weighted):", "",
-            "| workload | TTFT client/server: bench, tool | tool vs bench | TPOT / server gap: bench, tool | "
-            "tool vs bench |", "|---|---|---|---|---|"]
-    for workload in dict.fromkeys(r["workload"] for r in runs):
-        acc = {}
-        for r in runs:
-            srv = r.get("server")
-            if r["workload"] != workload or not srv or srv["ttft_ms_mean"] is None or srv["gap_ms_mean"] is None:
-                continue
-            n = r["requests"] - r["failed"]
-            a = acc.setdefault(r["side"], [0.0, 0.0, 0.0, 0.0])
-            a[0] += n * r["ttft_ms"]["mean"]
-            a[1] += n * srv["ttft_ms_mean"]
-            a[2] += n * r["tpot_ms"]["mean"]
-            a[3] += n * srv["gap_ms_mean"]
-        if "pdserve" not in acc or "tool" not in acc:
-            continue
-        a, b = acc["pdserve"], acc["tool"]
-        ta, tb, ga, gb = a[0] / a[1], b[0] / b[1], a[2] / a[3], b[2] / b[3]
-        rows.append(f"| {workload} | {ta:.3f}, {tb:.3f} | {tb / ta:.2f} | {ga:.3f}, {gb:.3f} | {gb / ga:.2f} |")
-    return "\n".join(rows) + "\n" if len(rows) > 5 else ""
 
 
 if __name__ == "__main__":
