@@ -28,8 +28,7 @@ them whole. In start order:
    slots join the admission line: a request goes on only when one is free, and each slot given
    back wakes the line's head, so the policy (not arrival order) picks who the engine computes
    next; the SLO queue's plans then count this prefill's one engine besides the decodes' KV
-   blocks (``prefill_bound``). The tests
-   build their nodes with the same function.
+   blocks (``prefill_bound``). The tests build their nodes with the same function.
 6. **frontend** - Frontend: node, tokenizer, model name and length, vocabulary size, metrics,
    --request-timeout, SLO queue.
 7. **probes** - Probes: /health, KvEvents' GetLoad and the metrics' load, read from the parts

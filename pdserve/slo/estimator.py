@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .measures import OUTPUT_WINDOW, Ewma, LineFit, OutputLengths, WindowRate
@@ -149,8 +150,9 @@ class Estimator:
             return None
         return max(1, round(self.slots.value), running)
 
-    def plan(self, frees_in: list[float], jobs: list[Job], capacity: int | None, held: list[int] | None = None,
-             by_blocks: bool = False, engine: list[float] | None = None) -> list[Estimate]:
+    def plan(self, frees_in: Sequence[float], jobs: list[Job], capacity: int | None,
+             held: Sequence[int] | None = None, by_blocks: bool = False,
+             engine: Sequence[float] | None = None) -> list[Estimate]:
         """Estimates of ``jobs`` served in this order: ``frees_in`` are the seconds until each
         running request frees what it holds (``held``: KV blocks with ``by_blocks``, else one
         of K slots), ``capacity`` the backend's KV blocks or K (None: unbounded); ``engine``
@@ -174,9 +176,9 @@ class Estimator:
                 "prefill_s_at_128": self.prefill_time(128), "output_samples": self.lengths.count()}
 
 
-def simulate(frees_in: list[float], durations: list[float], capacity: int | None,
-             held: list[int] | None = None, needs: list[int] | None = None, lag: float = 0.0,
-             engine: list[float] | None = None, prefills: list[float] | None = None) -> list[float]:
+def simulate(frees_in: Sequence[float], durations: Sequence[float], capacity: int | None,
+             held: Sequence[int] | None = None, needs: Sequence[int] | None = None, lag: float = 0.0,
+             engine: Sequence[float] | None = None, prefills: Sequence[float] | None = None) -> list[float]:
     """Start times (seconds from now) of requests served strictly in this order by a backend of
     ``capacity`` units (slots, or KV blocks) whose running requests hold ``held`` units each
     (default 1) until ``frees_in``; each request needs ``needs`` units (default 1) for its

@@ -240,11 +240,6 @@ class GlobalQueue:
         return Context(now, self.estimator, frees, self.estimator.capacity(len(running), bool(self.waiting)),
                        engine=engine)
 
-    def _plan(self, ctx: Context, line: list[SloRequest]) -> list[Estimate]:
-        held = list(ctx.held) if ctx.held is not None else None
-        engine = list(ctx.engine) if ctx.engine is not None else None
-        return self.estimator.plan(list(ctx.frees_in), [w.job for w in line], ctx.slots, held, ctx.by_blocks, engine)
-
     def _ordered(self, waiting: list[SloRequest], now: float) -> list[SloRequest]:
         """A full decision of the policy (its cost observed)."""
         started = time.perf_counter()
@@ -263,12 +258,12 @@ class GlobalQueue:
         req.inputs = {"ahead": line.index(req), "running": len(ctx.frees_in), "capacity": ctx.slots,
                       "per_token_s": est.per_token.value, "lag_s": est.lag.value,
                       "cached_tokens": req.job.cached_tokens}
-        return self._plan(ctx, line)[line.index(req)]
+        return ctx.plan([w.job for w in line])[line.index(req)]
 
     def _maybe_reject(self, req: SloRequest) -> None:
         """Rejected if even served next (behind only the requests trying the decodes now) it misses."""
         pending = sorted(self.arrived.values(), key=lambda w: w.seq)
-        est = self._plan(self.context(req.arrival), pending + [req])[-1]
+        est = self.context(req.arrival).plan([w.job for w in pending + [req]])[-1]
         c, excess, parts = req.cls, 0.0, []
         if c.ttft_ms is not None and est.first_token * 1000 > c.ttft_ms:
             excess = max(excess, est.first_token - c.ttft_ms / 1000)

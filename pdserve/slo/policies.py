@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .estimator import Estimator, simulate
+from .estimator import Estimate, Estimator, Job, simulate
 from .groups import Group, Waiting, make_groups
 
 POLICIES = ("fifo", "edf", "qlm")
@@ -62,10 +62,12 @@ class Context:
 
     def starts(self, ws: list[Waiting], services: list[tuple[float, float]]) -> list[float]:
         """When each of ``ws`` would start if served in this order, each taking (P, D)."""
-        held = list(self.held) if self.held is not None else None
-        engine = list(self.engine) if self.engine is not None else None
-        return simulate(list(self.frees_in), [p + d for p, d in services], self.slots, held, self.needs(ws),
-                        self.estimator.lag.value or 0.0, engine, [p for p, _ in services])
+        return simulate(self.frees_in, [p + d for p, d in services], self.slots, self.held, self.needs(ws),
+                        self.estimator.lag.value or 0.0, self.engine, [p for p, _ in services])
+
+    def plan(self, jobs: list[Job]) -> list[Estimate]:
+        """The estimator's estimates of ``jobs`` served in this order on this backend."""
+        return self.estimator.plan(self.frees_in, jobs, self.slots, self.held, self.by_blocks, self.engine)
 
     def share(self, prefill: float, decode: float, k: float) -> float:
         """Seconds of the bottleneck a request takes: its 1/k of the decodes for P + D, or (where

@@ -36,6 +36,10 @@ measures them. The workloads (llm-d's inference-perf profiles, scaled to a 2-cor
   (a hash id = 16 tokens), time x 2, prompts cut at 1024 tokens; aiperf gets the same window
   written out scaled (``mooncake_trace`` with ``--isl-block-size 16``, fixed schedule).
 
+Beside this file (the workloads, the commands and the run loop): ``tool_tokenizers.py`` (the tokenizer
+files each tool gets, and ``--word-model``'s checkpoint) and ``tool_reports.py`` (each report read back,
+the server's histograms, the ratio tables).
+
 Sampling: every run at the server's default (temperature 1): inference-perf cannot send a temperature.
 
 Definitions (why the ratios need not be 1 even on a quiet box):
@@ -60,7 +64,6 @@ import argparse
 import json
 import math
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -243,18 +246,16 @@ def main() -> int:
         tok = out / "tokenizers" / "tiny"
         subprocess.run([str(PDSERVE), "fetch-model", "builtin:tiny", "--tokenizer-only", "--dest", str(tok)],
                        check=True, stdout=subprocess.DEVNULL)
-        files |= {"model": "tiny", "tokenizer": tok, "prompt_ids": ["--token-ids", "128"],
-                  "ascii_tokenizer": ascii_sampling_tokenizer(out / "tokenizers" / "tiny-ascii-sampling")}
+        files |= {"model": "tiny", "prompt_ids": ["--token-ids", "128"],
+                  "sampling_tokenizer": ascii_sampling_tokenizer(out / "tokenizers" / "tiny-ascii-sampling")}
     else:
         tok = args.model_dir.resolve()
         if not (tok / "tokenizer.json").is_file():
             sys.exit(f"--model-dir {tok}: no tokenizer.json there")
-        files |= {"model": served_model(args.url), "tokenizer": tok, "prompt_ids": ["--tokenizer", str(tok)],
-                  "ascii_tokenizer": tok}
+        files |= {"model": served_model(args.url), "prompt_ids": ["--tokenizer", str(tok)], "sampling_tokenizer": tok}
     files["mooncake_file"], files["mooncake_n"] = scaled_mooncake(out / "mooncake-scaled.jsonl")
     files["hub_cache"] = out / "hf-hub-cache"
-    repo = re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(files["model"]).name).strip("-.") or "model"  # a valid Hub id
-    files["hub_tokenizer"] = hub_cache_entry(tok, files["hub_cache"], "pdserve/" + repo)
+    files["hub_tokenizer"] = hub_cache_entry(tok, files["hub_cache"], files["model"])
     settings = {"model": files["model"], "model_dir": str(args.model_dir) if args.model_dir else None,
                 "random": RANDOM, "shared_prefix": SHARED, "mooncake": MOONCAKE}
     (out / "settings.json").write_text(json.dumps(settings, indent=1))
@@ -277,7 +278,7 @@ def main() -> int:
                     import yaml
 
                     cfg.write_text(yaml.safe_dump(inference_perf_config(args.url, folder, seed, workload,
-                                                                        files["ascii_tokenizer"], files["model"]),
+                                                                        files["sampling_tokenizer"], files["model"]),
                                                   sort_keys=False))
                     cmd = [str(bins["inference-perf"] / "inference-perf"), "--config_file", str(cfg)]
                 env = None

@@ -5,6 +5,7 @@ tokenizer laid out as a Hugging Face Hub cache entry (aiperf's trace workers rea
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -91,11 +92,12 @@ def word_model(source: Path, dest: Path, corpus: Path) -> Path:
     return dest
 
 
-def hub_cache_entry(tokenizer: Path, cache: Path, repo: str = "pdserve/tiny") -> str:
-    """``tokenizer``'s files as the Hub cache entry ``repo`` (revision main) under ``cache``: aiperf 0.13.0's
-    trace workers load the tokenizer in offline mode through the Hub cache only, so a local folder fails
-    there (HFValidationError: 'Repo id must be in the form ...'). Run aiperf with HF_HUB_CACHE=cache and
-    HF_HUB_OFFLINE=1, ``--tokenizer repo``."""
+def hub_cache_entry(tokenizer: Path, cache: Path, model: str = "tiny") -> str:
+    """``tokenizer``'s files as the Hub cache entry ``pdserve/<model's last part>`` (revision main; made a
+    valid repo id) under ``cache``, which it returns: aiperf 0.13.0's trace workers load the tokenizer in
+    offline mode through the Hub cache only, so a local folder fails there (HFValidationError: 'Repo id
+    must be in the form ...'). Run aiperf with HF_HUB_CACHE=cache and HF_HUB_OFFLINE=1, ``--tokenizer repo``."""
+    repo = "pdserve/" + (re.sub(r"[^A-Za-z0-9_.-]+", "-", Path(model).name).strip("-.") or "model")
     commit = "0" * 40
     entry = cache / ("models--" + repo.replace("/", "--"))
     snapshot = entry / "snapshots" / commit
