@@ -16,7 +16,8 @@ Lifecycle and who frees what:
   and the prompt's logprobs, when its sampling asks for them, are read in the same engine call
   and kept here until then: ``prefill_logprob`` / ``prefill_prompt_logprobs`` answer without a
   trip to the engine thread, which by then is usually computing the next prompt (a trip would
-  hold this request's first token until that prompt is done).
+  hold this request's first token until that prompt is done). So do the prompt tokens its prefix
+  cache held (``prefill_cached_tokens``: the request's ``usage.prompt_tokens_details.cached_tokens``).
 - ``reserve`` / ``reserve_prefix`` hold blocks until ``add_prefilled``'s (or
   ``prefill_reserved``'s) stream ends, or ``abort``.
 - If a step raises, every running request's stream ends with a RequestOutput whose
@@ -76,6 +77,7 @@ class AsyncLLMEngine(EngineThread):
         # request id -> (first token's TokenLogprob, prompt logprobs) of a held prefill_only request
         # that asked for either; written on the engine thread before prefill_only's awaiter resumes
         self._prefill_logprobs: dict[str, tuple] = {}
+        self._prefill_cached: dict[str, int] = {}  # request id -> prompt tokens its prefix cache held (held requests)
         self.after_step: Callable[[LLMEngine, float, int], None] | None = None
         self._tier_stats = engine.tier_stats()
 
@@ -149,8 +151,13 @@ class AsyncLLMEngine(EngineThread):
             return self._prefill_logprobs[request_id][1]
         return await self._call(self.engine.pd.prefill_prompt_logprobs, request_id)
 
+    def prefill_cached_tokens(self, request_id: str) -> int:
+        """The prompt tokens of a held prefill_only request that the prefix cache held (0 once released)."""
+        return self._prefill_cached.get(request_id, 0)
+
     async def release(self, request_id: str) -> None:
         self._prefill_logprobs.pop(request_id, None)
+        self._prefill_cached.pop(request_id, None)
         await self._call(self.engine.pd.release, request_id)
 
     async def reserve(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> list[int]:
@@ -195,11 +202,13 @@ class AsyncLLMEngine(EngineThread):
     # ---- internals (the engine thread: engine_thread.py) -------------------------------------
     def _abort(self, request_id: str) -> bool:
         self._prefill_logprobs.pop(request_id, None)
+        self._prefill_cached.pop(request_id, None)
         return self.engine.abort(request_id)
 
     def _prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, on_layer) -> int:
         pd = self.engine.pd
         first = pd.prefill_only(request_id, prompt_token_ids, sampling, on_layer)
+        self._prefill_cached[request_id] = pd.prefill_cached_tokens(request_id)
         if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
             self._prefill_logprobs[request_id] = (pd.prefill_logprob(request_id),
                                                   pd.prefill_prompt_logprobs(request_id))

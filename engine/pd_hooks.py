@@ -133,6 +133,10 @@ class PDHooks:
         one entry per prompt token, None for the first."""
         return self.scheduler.seqs[request_id].prompt_logprobs
 
+    def prefill_cached_tokens(self, request_id: str) -> int:
+        """The prompt tokens of a held prefill_many request that its prefix cache held (not computed)."""
+        return self.scheduler.seqs[request_id].num_cached_tokens
+
     def release(self, request_id: str) -> None:
         """Free the blocks of a prefill_only request (after its KV was sent). Unknown ids are ignored."""
         self.scheduler.release(request_id)

@@ -12,7 +12,7 @@ who frees what are ``async_engine.py``'s docstring; in short:
 * colocated: ``generate`` streams a request's outputs (the prefill's local fallback);
 * prefill side of P/D: ``prefill_only`` computes a prompt (``on_layer`` is called on the engine
   thread after each layer, for the layer-wise KV push) and holds its blocks until ``release``;
-  ``prefill_logprob`` / ``prefill_prompt_logprobs`` read what the prompt's pass gave;
+  ``prefill_logprob`` / ``prefill_prompt_logprobs`` / ``prefill_cached_tokens`` read what the prompt's pass gave;
 * decode side: ``reserve`` / ``reserve_prefix`` hold blocks for a request whose KV is coming, then
   ``add_prefilled`` (the prefill computed the prompt) or ``prefill_reserved`` (compute the blocks
   this decode lacks) joins it to the batch and streams its tokens;
@@ -58,6 +58,9 @@ class ServerEngine(Protocol):
 
     async def prefill_prompt_logprobs(self, request_id: str) -> list | None:
         """The prompt logprobs of a held prompt (None unless its sampling asked)."""
+
+    def prefill_cached_tokens(self, request_id: str) -> int:
+        """The prompt tokens of a held prompt that the prefix cache held (not computed); 0 once released."""
 
     async def release(self, request_id: str) -> None:
         """Free a held prompt's blocks (its KV was pushed, or the request ended)."""

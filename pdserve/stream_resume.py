@@ -26,9 +26,11 @@ the one place these facts are written; both sides import them.
    events itself: prompt + ``token_ids`` as the prompt, ``max_tokens`` less them, the same
    sampling and seed (the sampler's position offset by them), stop strings over the text already
    sent plus the new, no second chat role, usage as ONE request (the original prompt's tokens;
-   completion tokens of both parts). With ``finish_reason`` nothing is generated: only what
-   follows the finish event (the usage event when asked, then ``[DONE]``). A prefill validates
-   the field like any other (400 naming it): it may come from any client.
+   completion tokens of both parts; ``cached_tokens`` what the continuing prefill's prefix cache
+   held of the original prompt, which may differ from the first prefill's). With
+   ``finish_reason`` nothing is generated: only what follows the finish event (the usage event
+   when asked, then ``[DONE]``). A prefill validates the field like any other (400 naming it):
+   it may come from any client.
 3. gRPC ``Generate`` (``protos/generate.proto``): every GenerateResponse already carries its token
    ids, so nothing is added to the responses. ``GRPC_RESUME_FIELD`` (``resume_token_ids``) in a
    GenerateRequest (the original request otherwise unchanged, ``request_id`` the stream's own) continues

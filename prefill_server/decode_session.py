@@ -28,9 +28,11 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    after the decode's cached ones to ``sender.store`` (non-blocking), so the wire works while
    the next layer computes; only the missing blocks move.
 5r. **first token** - wait until every layer was sent, free prefill's own KV blocks, send
-   ``FirstToken`` on the stream and yield it to the client.
+   ``FirstToken`` on the stream and yield it to the client (with the prompt tokens our prefix
+   cache held: the response's ``usage.prompt_tokens_details.cached_tokens``).
 4l. **compute on decode** - send ``ComputePrompt``; the decode computes the prompt after its
-   cached blocks and streams every token; its first Tokens (or Finish) is the first Delta.
+   cached blocks and streams every token; its first Tokens (or Finish) is the first Delta (its
+   ``cached_tokens``: the decode's cached blocks).
    Before it the failures are still ``Retryable``; no KV moves, our engine is not used.
 6. **relay** - yield decode's ``Tokens`` until ``Finish``. A decode ``Error``, a broken
    stream (also a call cancelled by its channel closing: gRPC raises CancelledError there,
@@ -279,6 +281,7 @@ class SessionRunner:
         before = self.engine.prefill_counters()
         first = await self._prefill(request_id, prompt_ids, sp, prefill_cached, on_layer, held)
         timings.prefill_done = time.monotonic()
+        cached_tokens = self.engine.prefill_cached_tokens(request_id)  # read before the release below
         first_lp = await self.engine.prefill_logprob(request_id) if sp.logprobs is not None else None
         prompt_lps = await self.engine.prefill_prompt_logprobs(request_id) if sp.prompt_logprobs is not None else None
         held.free_slot()  # the next Session may allocate while this one's KV is still on the wire
@@ -293,7 +296,9 @@ class SessionRunner:
         self._release_later(request_id)
         held.released = True
         self.observer.transferred(timings, n_blocks - first_block)
-        return await self._first_token(call, address, first, first_lp, prompt_lps, sp)
+        delta = await self._first_token(call, address, first, first_lp, prompt_lps, sp)
+        delta.cached_tokens = cached_tokens
+        return delta
 
     def _bind(self, address: str, request_id: str, alloc: pb.Allocation, held: _Held) -> list[tuple]:
         """Step 4r's destinations, each bound in the CacheStore sender: (sender id, endpoint, destination
@@ -363,9 +368,11 @@ class SessionRunner:
         await wire.send(call, address, self.config.session_timeout_s, compute_prompt=pb.ComputePrompt(reason=reason))
         self.observer.computed_on_decode(cached_blocks, n_blocks - cached_blocks)
         try:
-            return await wire.next_delta(call, address, self.config.session_timeout_s)
+            first = await wire.next_delta(call, address, self.config.session_timeout_s)
         except DecodeFailed as exc:  # nothing reached the client yet: another decode may take it
             raise Retryable(str(exc), exc.code) from None
+        first.cached_tokens = cached_blocks * self.config.block_size  # the decode computed the prompt after them
+        return first
 
     def _release_later(self, request_id: str) -> None:
         task = asyncio.ensure_future(self.engine.release(request_id))

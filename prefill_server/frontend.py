@@ -8,8 +8,10 @@
   (its id and the text it releases, "" when held back: part of a UTF-8 character or a
   possible stop string), then a last finished Piece with no token that carries the text
   still held back; stop strings cut; records the request's metrics (TTFT, TBT, e2e,
-  outcome) exactly once; ``stream(..., produced=...)`` goes on with a stream another prefill
-  began (``pdserve.stream_resume``): its text state as the whole stream's (``text_stream``);
+  outcome) exactly once; the first Piece carries the prompt tokens a prefix cache held
+  (``cached_tokens``, the first attempt's); ``stream(..., produced=...)`` goes on with a
+  stream another prefill began (``pdserve.stream_resume``): its text state as the whole
+  stream's (``text_stream``);
 - the end-to-end deadline: ``request_timeout_s`` (``--request-timeout``), shortened per
   request by ``stream(..., timeout_s=...)`` (the client's ``X-Request-Timeout`` header or
   gRPC deadline). When it passes, the node's generator is cancelled (its Session to decode
@@ -79,6 +81,7 @@ class Piece:
     finish_reason: str | None = None
     logprobs: list | None = None  # the token's TokenLogprob (pdserve.engine.logprobs) when the request asked
     prompt_logprobs: list | None = None  # on the first Piece, when the sampling asked prompt_logprobs (engine shape)
+    cached_tokens: int | None = None  # on the first Piece: the prompt tokens a prefix cache held (usage)
 
 
 class Frontend:
@@ -208,14 +211,20 @@ class Frontend:
             deltas = _finished("stop" if text.stopped else "length")
         else:
             deltas = self.node.generate(request_id, prompt_ids, sp, deadline=deadline, slo=slo, produced=produced)
+        cached: int | None = None  # the first attempt's prefix hit, told with the first Piece (``due``)
+        due = False
         try:
             while (delta := await self._next_delta(deltas, request_id, deadline, limit)) is not None:
+                if cached is None and delta.cached_tokens is not None:
+                    cached, due = delta.cached_tokens, True
                 if delta.token_ids:
                     if clock is not None:
                         clock.token(len(delta.token_ids))
                     if slo is not None:
                         self.slo.token(slo, len(delta.token_ids))
                 for piece in _token_pieces(delta, text):
+                    if due:
+                        piece.cached_tokens, due = cached, False
                     yield piece
                 if delta.finished or text.stopped:
                     rest = "" if text.stopped else text.flush()
@@ -226,7 +235,8 @@ class Frontend:
                         self.slo.finish(slo, outcome)
                     # the Delta's prompt logprobs went on its first token's Piece, if it had one
                     prompt_lps = None if delta.token_ids else delta.prompt_logprobs
-                    yield Piece([], rest, True, reason, prompt_logprobs=prompt_lps)
+                    yield Piece([], rest, True, reason, prompt_logprobs=prompt_lps,
+                                cached_tokens=cached if due else None)
                     return
             raise DecodeFailed("the request ended without a finish")
         except (NoDecodeAvailable, DecodeFailed, RequestTimedOut) as exc:

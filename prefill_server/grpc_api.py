@@ -81,13 +81,16 @@ class GenerateServicer(gpb_grpc.GeneratorServicer):
         timeout_s = None if remaining is None else max(0.001, remaining - CLIENT_DEADLINE_MARGIN_S)
         run_id = uuid.uuid4().hex if resumed else request_id  # a resumed stream's own id here (see the module doc)
         pieces = self.fe.stream(run_id, ids, sp, timeout_s, slo_class, produced=resumed)
-        produced = len(resumed)
+        produced, cached = len(resumed), 0
         try:
             async for piece in pieces:
                 produced += len(piece.token_ids)
+                if piece.cached_tokens is not None:
+                    cached = min(piece.cached_tokens, len(ids))
                 yield gpb.GenerateResponse(
                     request_id=request_id, token_ids=piece.token_ids, text=piece.text,
                     finish_reason=piece.finish_reason or "", prompt_tokens=len(ids), completion_tokens=produced,
+                    cached_tokens=cached,
                 )
         except BadRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)

@@ -44,7 +44,7 @@ class LocalFallback:
                 if out.error:
                     raise DecodeFailed(f"local decoding failed: {out.error}")
                 yield Delta(list(out.new_token_ids), out.finished, out.finish_reason if out.finished else None,
-                            out.logprobs, out.prompt_logprobs)
+                            out.logprobs, out.prompt_logprobs, out.num_cached_tokens)
                 if out.finished:
                     return
         except node.out_of_blocks_error as exc:

@@ -223,9 +223,11 @@ def sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: the prompt tokens served from a prefix cache (not computed)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": max(0, min(cached_tokens, prompt_tokens))}}
 
 
 def _head(req: ParsedRequest, obj: str) -> dict:
@@ -241,10 +243,11 @@ def choice(req: ParsedRequest, index: int, text: str, finish_reason: str, logpro
             "finish_reason": finish_reason}
 
 
-def response(req: ParsedRequest, choices: list[dict], prompt_tokens: int, completion_tokens: int) -> dict:
+def response(req: ParsedRequest, choices: list[dict], prompt_tokens: int, completion_tokens: int,
+             cached_tokens: int = 0) -> dict:
     out = _head(req, "text_completion" if req.kind == "completion" else "chat.completion")
     out["choices"] = choices
-    out["usage"] = usage(prompt_tokens, completion_tokens)
+    out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
     return out
 
 
@@ -270,8 +273,8 @@ def chunk(req: ParsedRequest, text: str | None, finish_reason: str | None = None
     return out
 
 
-def usage_chunk(req: ParsedRequest, prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_chunk(req: ParsedRequest, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     out = _head(req, "text_completion" if req.kind == "completion" else "chat.completion.chunk")
     out["choices"] = []
-    out["usage"] = usage(prompt_tokens, completion_tokens)
+    out["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
     return out

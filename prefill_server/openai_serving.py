@@ -8,7 +8,9 @@ Streaming, per choice as for a single one (see http_api.py): one event per gener
 (its text possibly ""), the echoed prompt in that choice's first event, the first chat event
 with ``role``; then one event with its ``finish_reason``; events of different choices
 interleave as their tokens come. After every choice finished: the usage event (with
-``stream_options.include_usage``) and ``[DONE]``.
+``stream_options.include_usage``) and ``[DONE]``. The usage's ``prompt_tokens_details.cached_tokens``
+counts the prompt tokens a prefix cache held, per prompt as its first choice found it
+(``cached_tokens``).
 
 Echo with logprobs (/v1/completions): the prompt's tokens lead each choice's logprobs (the first
 with null logprob), computed by the prompt's first choice (``PromptEcho`` holds them for its
@@ -65,8 +67,10 @@ class PromptEcho:
 
 
 class ChoiceState:
-    def __init__(self, parsed: oa.ParsedRequest, index: int, tokenizer, echo: PromptEcho | None = None):
-        self.parsed, self.index = parsed, index
+    def __init__(self, parsed: oa.ParsedRequest, index: int, tokenizer, echo: PromptEcho | None = None,
+                 prompt_index: int = 0):
+        self.parsed, self.index, self.prompt_index = parsed, index, prompt_index
+        self.cached_tokens = 0  # the prompt tokens a prefix cache held for this choice (its first Piece says)
         text = echo.text if echo is not None else ""
         self.echo = echo
         self.parts: list[str] = [text] if text else []
@@ -91,6 +95,8 @@ class ChoiceState:
     def add(self, piece) -> tuple[str, dict | None]:
         """The piece's text (the echoed prompt before the first one) and its logprobs object (the prompt's
         first, with echo); an echo_only choice shows none of the generated token."""
+        if piece.cached_tokens is not None:
+            self.cached_tokens = piece.cached_tokens
         if piece.prompt_logprobs is not None and self.echo is not None:
             self.echo.logprobs = piece.prompt_logprobs  # for this choice and its siblings (choices.py)
         token_ids, piece_text, piece_lps = ([], "", None) if self.echo_only else (piece.token_ids, piece.text,
@@ -140,6 +146,15 @@ class ChoiceState:
         return [body, oa.chunk(self.parsed, None, reason, index=self.index)]
 
 
+def cached_tokens(states: list[ChoiceState]) -> int:
+    """The usage's ``prompt_tokens_details.cached_tokens``: per prompt, as its first choice found the prefix cache
+    (``prompt_tokens`` counts each prompt once, however many choices it has)."""
+    first: dict[int, ChoiceState] = {}
+    for s in sorted(states, key=lambda s: s.index):
+        first.setdefault(s.prompt_index, s)
+    return sum(s.cached_tokens for s in first.values())
+
+
 def _error(status: int, message: str, type_: str, code: str) -> web.Response:
     return web.json_response(oa.error_body(message, type_, None, code), status=status)
 
@@ -161,8 +176,8 @@ def start(fe, parsed: oa.ParsedRequest, slo_class, timeout_s: float | None, resu
         samplings.append(fe.sampling(parsed.sampling, len(ids), parsed.kind, prompt_logprobs=prompt_logprobs))
     echoes = [PromptEcho(text, ids, fe.tokenizer) for text, ids in zip(fe.echo_texts(parsed, prompts), prompts)]
     choices = plan(parsed.request_id, prompts, samplings, parsed.n)
-    states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index] if parsed.echo else None)
-              for c in choices]
+    states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index] if parsed.echo else None,
+                          c.prompt_index) for c in choices]
     produced = ()
     if resume is not None:
         resume.check(samplings[0])
@@ -195,7 +210,7 @@ async def whole(parsed, states: list[ChoiceState], n_prompt: int, first, pieces)
     except RequestTimedOut as exc:
         return 504, oa.error_body(str(exc), "timeout_error", None, "request_timeout")
     n_tokens = sum(s.tokens for s in states)
-    return 200, oa.response(parsed, [s.choice() for s in states], n_prompt, n_tokens)
+    return 200, oa.response(parsed, [s.choice() for s in states], n_prompt, n_tokens, cached_tokens(states))
 
 
 async def collect(parsed, states: list[ChoiceState], n_prompt: int, first, pieces) -> web.Response:
@@ -238,8 +253,8 @@ async def sse(request: web.Request, parsed, states: list[ChoiceState], n_prompt:
                                              piece.token_ids))
             if piece.finished and all(s.finish_reason for s in states):
                 if parsed.include_usage:
-                    await resp.write(event_bytes(oa.usage_chunk(parsed, n_prompt, sum(s.tokens for s in states)),
-                                                 usage=True))
+                    await resp.write(event_bytes(oa.usage_chunk(parsed, n_prompt, sum(s.tokens for s in states),
+                                                                 cached_tokens(states)), usage=True))
                 break
             event = await pieces.__anext__()
     except (DecodeFailed, NoDecodeAvailable) as exc:

@@ -55,6 +55,9 @@ class Delta:
     logprobs: list | None = None  # one TokenLogprob per token (pdserve.engine.logprobs) when the request asked
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), on the first Delta only
     prompt_logprobs: list | None = None
+    # prompt tokens a prefix cache held (not computed), on an attempt's first Delta: this prefill's engine's
+    # when it computed the prompt, the decode's cached blocks when the decode computed it after them
+    cached_tokens: int | None = None
 
 
 @dataclass(slots=True)

@@ -102,6 +102,7 @@ class VllmAsyncEngine(VllmEngineThread):
         # prefill_only requests that asked: the first token's TokenLogprob, the prompt's logprobs (until release)
         self._first_logprobs: dict[str, object] = {}
         self._prompt_logprobs: dict[str, list] = {}
+        self._prefill_cached: dict[str, int] = {}  # prefill_only requests held: prompt tokens the prefix cache held
         self._ks: dict[str, tuple[int | None, int | None]] = {}  # requests that asked: (logprobs, prompt_logprobs)
         # prompt tokens vLLM's prefix cache held (prefill_only: not computed; reserve: not received)
         self._hit_tokens = 0
@@ -165,6 +166,10 @@ class VllmAsyncEngine(VllmEngineThread):
     async def prefill_prompt_logprobs(self, request_id: str) -> list | None:
         """The prompt logprobs of a prefill_only request still held (None unless it asked ``prompt_logprobs``)."""
         return self._prompt_logprobs.get(request_id)
+
+    def prefill_cached_tokens(self, request_id: str) -> int:
+        """The prompt tokens of a prefill_only request still held that vLLM's prefix cache held (not computed)."""
+        return self._prefill_cached.get(request_id, 0)
 
     async def release(self, request_id: str) -> None:
         await self._call(self._release, request_id)
@@ -365,6 +370,7 @@ class VllmAsyncEngine(VllmEngineThread):
         self._ks.pop(rid, None)
         self._first_logprobs.pop(rid, None)
         self._prompt_logprobs.pop(rid, None)
+        self._prefill_cached.pop(rid, None)
         self.bridge.release(rid)
 
     def _drop_reservation(self, rid: str) -> None:
@@ -412,6 +418,7 @@ class VllmAsyncEngine(VllmEngineThread):
                 loop.call_soon_threadsafe(set_exception, fut,
                                           error or RuntimeError(f"vLLM gave no first token for {rid!r}"))
             else:
+                self._prefill_cached[rid] = cached
                 loop.call_soon_threadsafe(set_result, fut, tokens[0])
             return
         reason = comp.finish_reason if comp is not None else None
@@ -430,7 +437,7 @@ class VllmAsyncEngine(VllmEngineThread):
             self.bridge.forget(rid)
         self._deliver(RequestOutput(rid, tokens, finished=out.finished, finish_reason=reason if out.finished else None,
                                     num_prompt_tokens=len(out.prompt_token_ids or ()), logprobs=lps,
-                                    prompt_logprobs=prompt_lps))
+                                    prompt_logprobs=prompt_lps, num_cached_tokens=out.num_cached_tokens or 0))
 
     def _keep_prefill_logprobs(self, rid: str, out, positions, first: list[int]) -> Exception | None:
         """Keeps a finished prefill_only request's first-token and prompt logprobs (when it asked) until release."""

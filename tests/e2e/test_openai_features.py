@@ -1,8 +1,8 @@
 """OpenAI features through the real ``openai`` client over P/D (one prefill, one decode, tcp):
 lists of prompts (strings and token-id lists), ``echo``, ``n`` > 1 on both endpoints,
-``stream_options.include_usage``, ``logprobs`` / ``top_logprobs`` (whole and streamed), and
-``response_format`` (json_object, json_schema). After the module every KV block, Session and
-CacheStore entry is released on both processes.
+``stream_options.include_usage`` (with ``prompt_tokens_details.cached_tokens``), ``logprobs`` /
+``top_logprobs`` (whole and streamed), and ``response_format`` (json_object, json_schema). After
+the module every KV block, Session and CacheStore entry is released on both processes.
 """
 
 import json
@@ -69,6 +69,12 @@ def test_n_choices_share_the_prompts_prefill(cluster, client):
     rid = out.id.removeprefix("cmpl-")
     timings = [get_json(f"{url}/debug/requests/{r}")[1] for r in (rid, f"{rid}-c1", f"{rid}-c2")]
     assert [t["decode_cached_blocks"] for t in timings] == [0, 2, 2], timings
+    # usage counts the prompt once, as its first choice found the cache: a new prompt, nothing cached
+    assert out.usage.prompt_tokens_details.cached_tokens == 0
+    # the same prompt again, streamed: its 2 full blocks come from the prefix cache (OpenAI's cached_tokens)
+    chunks = list(client.completions.create(model=M, prompt=ids, max_tokens=3, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens == 151 and chunks[-1].usage.prompt_tokens_details.cached_tokens == 2 * 64
 
 
 def test_token_id_prompts_with_echo(client):

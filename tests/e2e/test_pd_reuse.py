@@ -16,8 +16,8 @@ Multi-turn conversations (turn 2 = turn 1 + its answer + a new question):
 
 import pytest
 
-from harness.conversations import (BS, ENGINE, MAX_TOKENS, blocks, colocated, conversation, generate, served_by,
-                                   wait_index_caught_up)
+from harness.conversations import (BS, ENGINE, MAX_TOKENS, blocks, colocated, conversation, generate,
+                                   generate_counted, served_by, wait_index_caught_up)
 from harness.pd_cluster import metric, nothing_held, start_decode, start_prefill, wait_all_released, wait_ready
 from harness.procs import ProcessGroup
 
@@ -85,11 +85,24 @@ def test_greedy_tokens_equal_with_reuse_on_off_and_prompt_computed_here_or_there
     answer = colocated({"t1": turn1})["t1"]
     turn2 = turn1 + answer + question
     expected = colocated({"t2": turn2})["t2"]
+    cached = {}  # prefill -> the cached_tokens its responses reported for turn 1 and turn 2
+    reused_t2 = 0  # the decode's blocks the local prefill's turn 2 reused
     for name, prefill in prefills.items():
         rid = f"{transport}-{name}"
-        assert generate(prefill, f"{rid}-t1", turn1) == answer, name
+        got, hit1 = generate_counted(prefill, f"{rid}-t1", turn1)
+        assert got == answer, name
         wait_index_caught_up(prefill, decodes)
-        assert generate(prefill, f"{rid}-t2", turn2) == expected, name
+        before = metric(prefill.url, "pdserve_kv_prompt_blocks_total", source="reused")
+        got, hit2 = generate_counted(prefill, f"{rid}-t2", turn2)
+        assert got == expected, name
+        cached[name] = (hit1, hit2)
+        if name == "local":
+            reused_t2 = metric(prefill.url, "pdserve_kv_prompt_blocks_total", source="reused") - before
+    # usage's cached_tokens: what the engine that computed the prompt did not compute. A prefill computing it
+    # finds turn 1's full blocks in its own prefix cache on turn 2 (none on turn 1: a new conversation).
+    for name in ("reuse", "noreuse"):
+        assert cached[name] == (0, len(turn1) // BS * BS), (name, cached)
+    assert cached["local"][1] == reused_t2 * BS > 0, (cached, reused_t2)  # the decode computed after its blocks
     # what each prefill did with its prompts
     assert metric(prefills["reuse"].url, "pdserve_kv_prompt_blocks_total", source="reused") > 0
     assert metric(prefills["noreuse"].url, "pdserve_kv_prompt_blocks_total", source="reused") == 0

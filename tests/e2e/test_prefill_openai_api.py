@@ -98,7 +98,8 @@ def test_response_shapes():
     r = parse_chat({"model": M, "messages": [{"role": "user", "content": "a"}]}, M)
     full = full_response(r, "hello", "stop", 3, 2)
     assert full["choices"][0]["message"] == {"role": "assistant", "content": "hello"}
-    assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert full["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     first = chunk(r, "", first=True)
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
     assert json.loads(sse(first)[6:]) == first

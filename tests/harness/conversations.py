@@ -16,16 +16,23 @@ MAX_TOKENS = 12
 
 
 def generate(prefill, rid: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    return generate_counted(prefill, rid, ids, max_tokens)[0]
+
+
+def generate_counted(prefill, rid: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> tuple[list[int], int]:
+    """Greedy tokens over gRPC Generate, and the prompt tokens the prefix cache held (``cached_tokens``)."""
     from pdserve.protos import generate_pb2 as gpb
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
 
     with grpc.insecure_channel(f"127.0.0.1:{prefill.grpc_port}") as ch:
-        got = []
+        got, cached = [], []
         for resp in gpb_grpc.GeneratorStub(ch).Generate(gpb.GenerateRequest(
                 prompt_token_ids=ids, max_tokens=max_tokens, temperature=0, ignore_eos=True,
                 request_id=rid), timeout=120):
             got += list(resp.token_ids)
-        return got
+            cached.append(resp.cached_tokens)
+        assert len(set(cached)) == 1, cached  # known from the first response on
+        return got, cached[0]
 
 
 def served_by(decodes, rid: str) -> list[str]:

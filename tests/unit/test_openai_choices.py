@@ -141,3 +141,20 @@ def test_a_resumed_request_feeds_its_grammar_the_produced_tokens():
     assert (once.max_tokens, once.grammar.feed, once.logprobs) == (7, 3, 2)
     # a second failure: the prompt now holds all produced tokens (node.generate sends prompt + produced)
     assert resumed(sp, 5).grammar.feed == 5 and resumed(SamplingParams(max_tokens=4), 1).grammar is None
+
+
+def test_usage_counts_each_prompts_cached_tokens_once_as_its_first_choice_found_them():
+    from pdserve.prefill_server import openai_api as oa
+    from pdserve.prefill_server.openai_serving import ChoiceState, cached_tokens
+
+    parsed = oa.parse_completion({"model": "m", "prompt": ["a", "b"], "n": 2}, "m")
+    cs = plan("r", [[1] * 40, [2] * 20], [SamplingParams(), SamplingParams()], 2)
+    states = [ChoiceState(parsed, c.index, ByteTokenizer(), prompt_index=c.prompt_index) for c in cs]
+    for s, hit in zip(states, [32, 16, 0, 16]):  # a sibling may find its leader's blocks: not counted again
+        s.add(Piece([5], "x", cached_tokens=hit))
+        s.add(Piece([6], "y"))  # later pieces say nothing
+    assert cached_tokens(states) == 32 + 0
+    usage = oa.usage(60, 8, cached_tokens(states))
+    assert usage == {"prompt_tokens": 60, "completion_tokens": 8, "total_tokens": 68,
+                     "prompt_tokens_details": {"cached_tokens": 32}}
+    assert oa.usage(3, 1, 64)["prompt_tokens_details"] == {"cached_tokens": 3}  # never more than the prompt

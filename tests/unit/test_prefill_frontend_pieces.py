@@ -125,3 +125,16 @@ def test_a_deadline_that_wins_the_race_with_the_queue_still_names_the_queue():
 
     with pytest.raises(RequestTimedOut, match="waited 0.2s in the admission queue"):
         asyncio.run(collect())
+
+
+def test_the_first_piece_carries_the_first_attempts_prefix_hit():
+    # a resumed attempt's Delta (after a decode failed mid-stream) says its own hit: not the client's
+    ids = list(b"abc")
+    pieces, _ = _run([Delta(ids[:2], cached_tokens=32), Delta(ids[2:], cached_tokens=0), Delta([], True, "length")])
+    assert [p.cached_tokens for p in pieces] == [32, None, None, None]
+    # no token before the finish (a stop token first): the finish Piece carries it
+    pieces, _ = _run([Delta([], True, "stop", cached_tokens=16)])
+    assert [p.cached_tokens for p in pieces] == [16]
+    # an attempt that did not say (no prefix cache involved): nothing is claimed
+    pieces, _ = _run([Delta(ids), Delta([], True, "length")])
+    assert {p.cached_tokens for p in pieces} == {None}

@@ -186,7 +186,8 @@ def test_the_tokens_against_max_tokens_and_stop_strings_over_http():
                                {**COMPLETION, "stop": [],
                                 RESUME_FIELD: {"token_ids": SCRIPT[:24], "id": "x", "created": 1}})
         assert [e["choices"][0]["finish_reason"] for e in events[:-2]] == ["length"] and events[-2]["usage"] == {
-            "prompt_tokens": 3, "completion_tokens": 24, "total_tokens": 27}  # BOS, g, o
+            "prompt_tokens": 3, "completion_tokens": 24, "total_tokens": 27,  # BOS, g, o
+            "prompt_tokens_details": {"cached_tokens": 0}}  # nothing ran
         assert node.calls == []
 
     asyncio.run(_serve(scenario))

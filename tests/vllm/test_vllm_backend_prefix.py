@@ -17,10 +17,11 @@ import subprocess
 
 import pytest
 
-from harness.pd_cluster import Server, metric, nothing_held, wait_all_released
+from harness.pd_cluster import Server, metric, nothing_held, post_json, wait_all_released
 from harness.procs import VENV_BIN
 from test_vllm_backend import (  # noqa: F401 - cluster, colocated, model, reference, vllm_python: the fixtures
-    BLOCK, INSTALL_WAIT_S, _complete, _prompts, _received, cluster, colocated, model, reference, vllm_python)
+    BLOCK, INSTALL_WAIT_S, _complete, _ids, _prompts, _received, _text, cluster, colocated, model, reference,
+    vllm_python)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(INSTALL_WAIT_S + 900)]
 
@@ -69,7 +70,10 @@ def test_prefill_kv_events_carry_the_routers_hashes_and_evictions(cluster):
     first = _complete(prefill, ids, max_tokens=4)
     assert set(prompt_hashes(ids, BLOCK)) <= _kv_snapshot(prefill) and len(prompt_hashes(ids, BLOCK)) == 2
     hits, computed = metric(prefill.url, HITS), metric(prefill.url, COMPUTED)
-    assert _complete(prefill, ids, max_tokens=4) == first  # the cached blocks reach the decode too
+    status, body = post_json(prefill.url + "/v1/completions", {"model": "m", "prompt": _text(ids), "max_tokens": 4,
+                                                                 "temperature": 0}, timeout=120)
+    assert status == 200 and _ids(body["choices"][0]["text"]) == first  # the cached blocks reach the decode too
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 2 * BLOCK}  # the client is told of the hit
     assert metric(prefill.url, HITS) - hits == 2 * BLOCK
     assert metric(prefill.url, COMPUTED) - computed == len(ids) - 2 * BLOCK
     # 20 new prompts of 3 full blocks each: more than the prefill's 48 blocks, so vLLM evicts
