@@ -1,6 +1,7 @@
-"""tools/bench_tools/compare.py's pure parts (inference-perf and aiperf beside pdserve bench): the word-level
-bench model for aiperf's corpus, the shared-prefix trace's Poisson arrivals, and the server's own means that
-take each run's load out of the comparison. No tool environment is needed."""
+"""tools/bench_tools/compare.py's pure parts (inference-perf, aiperf and `vllm bench serve` beside pdserve
+bench): the word-level bench model for aiperf's corpus, the shared-prefix trace's Poisson arrivals, the server's
+own means that take each run's load out of the comparison, and vllm bench serve's trace command and report.
+No tool environment is needed."""
 
 import importlib.util
 import json
@@ -117,3 +118,22 @@ def test_the_word_models_source_is_a_directory_or_a_bench_size_and_anything_else
     assert compare.bench_checkpoint(str(source)) == source.resolve()
     with pytest.raises(SystemExit, match="neither a model directory with a tokenizer.json nor one of peer, small"):
         compare.bench_checkpoint(str(tmp_path / "nothing"))
+
+
+def test_vllm_bench_serve_replays_the_trace_window_and_its_report_is_read_back(compare, tmp_path):
+    files = {"model": "tiny", "tokenizer_dir": tmp_path / "tok", "mooncake_file": tmp_path / "w.jsonl", "mooncake_n": 7}
+    cmd = compare.vllm_bench_cmd(Path("/v/python"), "http://h:1", tmp_path, 9, files)
+    assert cmd[:3] == ["/v/python", "-c", compare.VLLM_BENCH]
+    args = dict(zip(cmd[3::2], cmd[4::2]))
+    # a hash id is as many tokens as pdserve bench's side makes of it; timestamps are the trace's milliseconds
+    assert args["--dataset-name"] == "timed_trace" and args["--timed-trace-chunk-hash-size"] == "16"
+    assert args["--timed-trace-sec-multiplier"] == "0.001" and args["--num-prompts"] == "7"
+    assert "--save-detailed" in cmd and args["--result-filename"] == "result.json"
+    doc = {"completed": 3, "failed": 1, "total_input_tokens": 300, "total_output_tokens": 33, "mean_ttft_ms": 200.0,
+           "median_ttft_ms": 180.0, "mean_tpot_ms": 9.0, "median_tpot_ms": 8.0, "errors": ["", "", "", "boom"],
+           "duration": 10.0}
+    (tmp_path / "result.json").write_text(json.dumps(doc))
+    got = compare.read_vllm_bench(tmp_path / "result.json")
+    assert (got["requests"], got["failed"], got["errors"]) == (4, 1, ["boom"])
+    assert got["server_prompt_tokens_mean"] == 100 and got["server_output_tokens_mean"] == 11
+    assert got["ttft_ms"] == {"mean": 200.0, "p50": 180.0} and got["tpot_ms"] == {"mean": 9.0, "p50": 8.0}

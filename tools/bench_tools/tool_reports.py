@@ -52,6 +52,21 @@ def read_aiperf(out: Path) -> dict:
             "summary": {k: doc[k] for k in keep if k in doc}}
 
 
+def read_vllm_bench(path: Path) -> dict:
+    """`vllm bench serve --save-result --save-detailed`'s JSON (TPOT: (e2e - TTFT) / (usage tokens - 1))."""
+    doc = json.loads(path.read_text())
+    done, failed = doc["completed"], doc["failed"]
+    keep = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+            "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+            "mean_itl_ms", "median_itl_ms", "mean_e2el_ms", "median_e2el_ms")
+    return {"requests": done + failed, "failed": failed, "errors": [e for e in doc.get("errors", []) if e][:5],
+            "server_prompt_tokens_mean": doc["total_input_tokens"] / max(1, done),
+            "server_output_tokens_mean": doc["total_output_tokens"] / max(1, done),
+            "ttft_ms": {"mean": doc["mean_ttft_ms"], "p50": doc["median_ttft_ms"]},
+            "tpot_ms": {"mean": doc["mean_tpot_ms"], "p50": doc["median_tpot_ms"]},
+            "summary": {k: doc[k] for k in keep if k in doc}}
+
+
 def served_model(url: str) -> str:
     """The model name the server at ``url`` answers to (its /v1/models)."""
     import urllib.request
