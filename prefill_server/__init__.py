@@ -26,6 +26,7 @@ Reading path (in this order):
   ``frontend.py``           tokenize, SamplingParams, TextStream, per-request metrics (shared by both APIs)
   ``http_api.py``           aiohttp routes: /v1/completions, /v1/chat/completions, /v1/models, probes
   ``tokenizer_api.py``      GET /tokenizer: the model's tokenizer files, for a router that mounts no model
+  ``tokenize_api.py``       POST /tokenize, /detokenize: vLLM's routes (a prompt's ids as the OpenAI routes compute them)
   ``grpc_api.py``           Generator.Generate (server streaming)
   ``openai_api.py``         OpenAI request validation and response/SSE shapes (pure)
   ``openai_numbers.py``     the table every number of a request is checked against (pure)

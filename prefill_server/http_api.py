@@ -14,6 +14,7 @@
 | GET  /debug/slo?recent=N     | the SLO queue: policy, waiting by class, estimator, the last N estimates vs actuals |
 | /v1/files, /v1/batches       | the OpenAI Batch API (``pdserve.batch.api``, added by ``cli.py``) |
 | GET  /tokenizer              | the model's config and tokenizer files, for a router (``tokenizer_api.py``, added by ``cli.py``) |
+| POST /tokenize, /detokenize  | vLLM's routes: a prompt's (or a chat's) token ids, ids' text (``tokenize_api.py``, added by ``cli.py``) |
 
 Choices: a request has (prompts on /v1/completions) x ``n`` choices, choice ``p * n + j`` the
 j-th sample of prompt p (``choices.py``), each its own sequence over P/D; ``usage`` sums them

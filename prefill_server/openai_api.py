@@ -32,8 +32,8 @@ from .openai_numbers import (DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOK
 
 __all__ = ["DEFAULT_CHAT_MAX_TOKENS", "DEFAULT_COMPLETION_MAX_TOKENS", "INT32_MAX", "INT64_MAX", "MAX_STOP_SEQUENCES",
            "MAX_STOP_TOKEN_IDS", "MAX_TEMPERATURE", "MIN_TEMPERATURE", "MIN_TOP_P", "NUMBERS", "BadRequest",
-           "NumberField",
-           "ParsedRequest", "SamplingSpec", "check_number", "check_token_ids", "chunk", "error_body", "full_response",
+           "NumberField", "ParsedRequest", "SamplingSpec", "check_model", "check_number", "check_token_ids", "chunk",
+           "error_body", "full_response",
            "parse_chat", "parse_completion", "parse_json", "parse_sampling", "sse", "usage", "usage_chunk"]
 
 @dataclass(slots=True)
@@ -145,13 +145,19 @@ def parse_sampling(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens"
     )
 
 
+def check_model(model, served_model: str) -> str:
+    """``model`` when it is the served one; else BadRequest ``model_not_found`` naming both."""
+    if model != served_model:
+        raise BadRequest(f"model {model!r} does not exist; this server serves {served_model!r}", "model",
+                         "model_not_found")
+    return model
+
+
 def _common(body: dict, served_model: str) -> tuple[str, bool, bool]:
     model = body.get("model")
     if model is None:
         raise BadRequest("missing required field 'model'", "model")
-    if model != served_model:
-        raise BadRequest(f"model {model!r} does not exist; this server serves {served_model!r}", "model",
-                         "model_not_found")
+    check_model(model, served_model)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("stream must be a boolean", "stream")

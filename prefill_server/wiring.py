@@ -70,7 +70,7 @@ from pdserve.protos import session_pb2 as pb
 from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics
 from pdserve.slo import GlobalQueue
 
-from . import tokenizer_api
+from . import tokenize_api, tokenizer_api
 from .admission_queue import AdmissionQueue
 from .decode_index import DecodeIndex
 from .decode_session import SessionConfig, SessionRunner
@@ -201,10 +201,11 @@ def make_slo_queue(slo: SloClasses, policy: str, metrics: ServerMetrics, picker:
 
 async def start_http(frontend: Frontend, probes: Probes, metrics: ServerMetrics, model: str, host: str,
                      port: int) -> web.AppRunner:
-    """OpenAI routes and probes, the Batch API's routes, GET /tokenizer (for a router that mounts
-    no model: ``model`` is --model), listening on host:port."""
+    """OpenAI routes and probes, the Batch API's routes, POST /tokenize and /detokenize, GET /tokenizer (for
+    a router that mounts no model: ``model`` is --model), listening on host:port."""
     app = HttpApi(frontend, probes.health, metrics, is_draining=lambda: probes.draining).app()
     probes.batch.add_routes(app)
+    tokenize_api.add_routes(app, frontend)
     tokenizer_api.add_routes(app, model)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()

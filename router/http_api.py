@@ -5,6 +5,7 @@
 | POST /v1/completions         | relayed byte for byte to the prefill ``Router.decide`` picks     |
 | POST /v1/chat/completions    | the same                                                        |
 | GET  /v1/models              | relayed to the first routable prefill                           |
+| POST /tokenize, /detokenize  | the same (vLLM's routes; the prefill's ``tokenize_api.py``)      |
 | GET  /health                 | 200 + JSON: in flight (HTTP; gRPC), every prefill's load and index entry |
 | GET  /ready                  | 200 when a prefill is routable (and the tokenizer loaded), else 503 |
 | GET  /metrics                | Prometheus text (``ROUTER_METRICS``)                            |
@@ -80,7 +81,9 @@ class RouterApi:
         app = web.Application(client_max_size=16 * 1024 * 1024)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models", self.first_prefill)
+        app.router.add_post("/tokenize", self.first_prefill)
+        app.router.add_post("/detokenize", self.first_prefill)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics.aiohttp_handler)
@@ -116,11 +119,15 @@ class RouterApi:
             return web.json_response({"ready": True})
         return web.json_response({"ready": False, "reason": "no routable prefill"}, status=503)
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
+    async def first_prefill(self, request: web.Request) -> web.StreamResponse:
+        """The request relayed to the first routable prefill as it came (its path, body), its answer back."""
         routable = self.router.prefills.routable()
         if not routable:
             return _error(503, "no prefill is routable", "no_prefill_available")
-        async with self.session.get(routable[0].http_url + "/v1/models") as up:
+        async with self.session.request(request.method, routable[0].http_url + request.path,
+                                        data=await request.read() if request.can_read_body else None,
+                                        headers={"Content-Type": "application/json"} if request.can_read_body
+                                        else None) as up:
             return web.Response(body=await up.read(), status=up.status, headers=_headers(up))
 
     async def preview(self, request: web.Request) -> web.Response:

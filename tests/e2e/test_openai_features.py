@@ -117,6 +117,23 @@ def test_streamed_n_with_usage(client):
     assert usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_tokenize_counts_as_the_routes_do(cluster, client):
+    """vLLM's POST /tokenize: a conversation's ids are the chat route's prompt, a prompt's the completion route's."""
+    url = cluster["prefill"].url
+    status, chat = post_json(url + "/tokenize", {"model": M, "messages": CHAT})
+    whole = client.chat.completions.create(model=M, messages=CHAT, max_tokens=1, temperature=0)
+    assert status == 200 and chat["count"] == len(chat["tokens"]) == whole.usage.prompt_tokens, chat
+    status, plain = post_json(url + "/tokenize", {"model": M, "prompt": "The fox"})
+    assert status == 200 and plain["count"] == _usage(client, "The fox").prompt_tokens == 1 + 7
+    assert post_json(url + "/detokenize", {"tokens": plain["tokens"][1:]}) == (200, {"prompt": "The fox"})
+    status, err = post_json(url + "/tokenize", {"model": "nope", "prompt": "a"})
+    assert status == 400 and err["error"]["code"] == "model_not_found", err
+
+
+def _usage(client, prompt):
+    return client.completions.create(model=M, prompt=prompt, max_tokens=1, temperature=0).usage
+
+
 def test_streamed_completion_prompt_list_echo(client):
     chunks = list(client.completions.create(model=M, prompt=["ab", "cd"], echo=True, max_tokens=3, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))

@@ -93,6 +93,12 @@ def test_a_router_without_the_model_tokenizes_as_the_prefill_with_its_files(proc
                                {"model": str(model), "prompt": TEXT, "max_tokens": 2, "temperature": 0})
     assert status == 200, answer
     assert answer["usage"]["prompt_tokens"] == len(ids)
+    # vLLM's /tokenize and /detokenize, relayed to a prefill: its tokenizer's ids and text
+    status, counted = post_json(router.url + "/tokenize", {"model": str(model), "prompt": TEXT})
+    assert status == 200 and counted["tokens"] == ids and counted["count"] == len(ids), counted
+    assert post_json(router.url + "/detokenize", {"tokens": ids}) == (200, {"prompt": TEXT})
+    status, err = post_json(router.url + "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and err["error"]["param"] == "tokens", err
     # the prefill's KV events name the blocks of the ids it computed; the router's hashes of its own ids match them
     reusable = (len(ids) - 1) // BS
     wait_until(lambda: route_preview(router, TEXT)["cached_blocks"] == reusable,
