@@ -35,7 +35,8 @@ run of ``max_tokens`` is exactly that long. Cases are every prompt of the run x 
 - ``usage.tokenize``: where the server has a tokenizer endpoint (vLLM's ``POST /tokenize``),
   prompt_tokens equals the token count of the prompt, and completion_tokens the token count of
   the completion text (texts holding U+FFFD are left out: a token that ends inside a UTF-8
-  character cannot be re-tokenized from its text). Skipped where there is none (pdserve).
+  character cannot be re-tokenized from its text). Skipped where there is none (pdserve had
+  none before f239d2a).
 - ``sse.<api>``: the raw event stream (with logprobs and usage): Content-Type
   text/event-stream; every line a ``data:`` line (or an SSE comment); every payload but the
   last valid JSON; exactly one ``data: [DONE]``, last, nothing after it; the same ``id``,

@@ -23,7 +23,7 @@ DECODE_STEP_FLOOR_S = 0.005
 FAULT_MAX_TOKENS = 800          # >= 4 s per stream at the step floor; the tiny model's context is 2048
 UP_HANG_GUARD_S = 300.0         # only a hang guard: `pdserve up` printing its banner on a loaded box
 SUITE_TIMEOUT_S = 900           # only a hang guard: the suite bounds each of its requests itself
-SKIPPED_HERE = {"usage.tokenize": "no tokenizer endpoint", "faults.*": "no --kill-cmd"}
+SKIPPED_HERE = {"faults.*": "no --kill-cmd"}
 
 
 class Up:
@@ -87,8 +87,8 @@ def test_pd_cluster_passes_every_check_against_a_colocated_reference(clusters):
     for area in ("correctness", "client", "bad-input", "cancellation"):
         assert any(c["area"] == area and c["verdict"] == "PASS" for c in doc["checks"]), area
     for name in ("greedy.completions", "greedy.chat", "stream.chat", "stop.chat", "n.completions", "logprobs.chat",
-                 "usage.completions", "sse.completions", "sse.chat", "cancel.stream.chat", "cancel.whole",
-                 "bad-input.invalid-json", "bad-input.still-serving"):
+                 "usage.completions", "usage.tokenize", "sse.completions", "sse.chat", "cancel.stream.chat",
+                 "cancel.whole", "bad-input.invalid-json", "bad-input.still-serving"):
         assert verdicts[name] == "PASS", name
     greedy = next(c for c in doc["checks"] if c["name"] == "greedy.completions")
     assert greedy["data"]["equal"] == greedy["data"]["cases"] == 9 and colocated.url in greedy["detail"]
