@@ -29,7 +29,10 @@ Request lifecycle on decode (each step is a method below):
    the engine when the request finishes, and may be re-expected for another request).
 4. **decode** - after FirstToken the request joins the continuous batch (``add_prefilled``);
    every engine output becomes a ``Tokens`` message, the last one is followed by ``Finish``.
-   (A test hook may hold it just before it joins: ``DECODE_GATE_ENV`` of pdserve/test_hooks.py.)
+   Once the Finish went out the request counts as served: the prefill closing the session then
+   (as it does, at once) is its normal end, even before our engine stream has closed.
+   (Test hooks may hold it just before it joins, ``DECODE_GATE_ENV``, and just after its Finish,
+   ``DECODE_FINISH_GATE_ENV``: pdserve/test_hooks.py.)
 5. **release** - always, whatever happened (finish, ``Cancel``/``Error`` from prefill, the
    stream breaking, a timeout, our own error): abort the request in the engine if it is
    still running, release its blocks, delete its CacheStore entry, forget the session.
@@ -69,7 +72,7 @@ from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
 from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
-from pdserve.test_hooks import DECODE_GATE_ENV, gate_dir, wait_at_gate
+from pdserve.test_hooks import DECODE_FINISH_GATE_ENV, DECODE_GATE_ENV, gate_dir, wait_at_gate
 
 from . import admission
 from .pooled_decode import PooledDecode
@@ -164,9 +167,14 @@ class DecodeSession(PooledSteps):
                 return
             await self.until_peer_gone_or(self._decode(start, answer.token_id), None, "decoding")
         except SessionEnded as exc:
-            log.info("session %s ended: %s", self.request_id, exc.reason)
-            self.outcome = (("error", "timeout" if "timed out" in exc.reason else "error") if exc.notify
-                            else ("cancelled", "prefill_gone"))
+            if self.outcome[0] == "ok" and not exc.notify:
+                # the Finish went out: the prefill closing the session after it is the request's normal end,
+                # also when it comes before our engine stream has closed
+                log.debug("session %s: %s after its Finish", self.request_id, exc.reason)
+            else:
+                log.info("session %s ended: %s", self.request_id, exc.reason)
+                self.outcome = (("error", "timeout" if "timed out" in exc.reason else "error") if exc.notify
+                                else ("cancelled", "prefill_gone"))
             if exc.notify:
                 await self.try_write_error(exc.reason)
         except ChecksumError as exc:  # the KV arrived corrupted: never decode on it (counted by the receiver hook)
@@ -174,7 +182,8 @@ class DecodeSession(PooledSteps):
             self.outcome = ("error", CHECKSUM_MISMATCH)
             await self.try_write_error(str(exc), CHECKSUM_MISMATCH)
         except asyncio.CancelledError:
-            self.outcome = ("cancelled", "prefill_gone")
+            if self.outcome[0] != "ok":  # the RPC ended before the Finish went out
+                self.outcome = ("cancelled", "prefill_gone")
             raise
         except asyncio.TimeoutError:
             log.info("session: no Start within %.1fs", deps.session_timeout_s)
@@ -290,6 +299,9 @@ class DecodeSession(PooledSteps):
                     await self.write(finish=pb.Finish(finish_reason=out.finish_reason or "stop",
                                                       completion_tokens=produced))
                     self.outcome = ("ok", out.finish_reason or "stop")
+                    finish_gate = gate_dir(DECODE_FINISH_GATE_ENV)  # test hook: the prefill's close comes first
+                    if finish_gate:
+                        await wait_at_gate(finish_gate, self.request_id)
                     return
         finally:
             await outputs.aclose()  # an unfinished stream aborts the request in the engine

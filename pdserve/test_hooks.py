@@ -6,6 +6,7 @@ set in production), read when the part that uses them is built or reached, never
 | ``PDSERVE_TEST_GATE_AFTER_ALLOCATION`` | the prefill holds a request after its decode's Allocation     | prefill_server/decode_session.py |
 | ``PDSERVE_TEST_LAYER_GATE``            | the prefill's engine holds a P/D prompt after its first layer's KV was handed to the CacheStore, before it computes the next layer | prefill_server/decode_session.py |
 | ``PDSERVE_TEST_DECODE_GATE``           | the decode holds a P/D request before it joins its batch      | decode_server/session.py |
+| ``PDSERVE_TEST_DECODE_FINISH_GATE``    | the decode holds a P/D request after its Finish went out, before its engine stream closes | decode_server/session.py |
 | ``PDSERVE_TEST_KVPOOL_GATE``           | a KV-pool decode holds a pooled request once its loans are taken | kvpool/pooled.py |
 | ``PDSERVE_TEST_PLANNER_GATE``          | ``pdserve up --autoscale``'s planner neither observes nor decides until the gate opens | localcluster/up.py |
 | ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``   | every decode step with a running batch lasts at least this long | LsoController(step_floor_s=) |
@@ -30,6 +31,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.02
 PREFILL_GATE_ENV = "PDSERVE_TEST_GATE_AFTER_ALLOCATION"
 DECODE_GATE_ENV = "PDSERVE_TEST_DECODE_GATE"
+DECODE_FINISH_GATE_ENV = "PDSERVE_TEST_DECODE_FINISH_GATE"
 LAYER_GATE_ENV = "PDSERVE_TEST_LAYER_GATE"
 KVPOOL_GATE_ENV = "PDSERVE_TEST_KVPOOL_GATE"
 PLANNER_GATE_ENV = "PDSERVE_TEST_PLANNER_GATE"

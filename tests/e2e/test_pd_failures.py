@@ -408,3 +408,23 @@ def test_decode_killed_before_the_other_decode_reported_resumes_there(procs):
     assert got == _greedy_reference(prompt, max_tokens)
     readings = wait_all_released([prefill, later])
     assert nothing_held(readings), readings
+
+
+def test_a_finished_request_counts_as_served_when_its_prefill_closes_first(procs, tmp_path):
+    """The prefill closes the Session as soon as the decode's Finish reaches it; a decode still closing its own
+    engine stream then (held there by a test hook) counts the request served, not cancelled by a gone prefill."""
+    from harness.gates import Gate
+    from pdserve.test_hooks import DECODE_FINISH_GATE_ENV
+
+    gate = Gate(tmp_path / "finish-gate")  # never opened: the prefill's close ends the hold
+    decode = start_decode(procs, env={DECODE_FINISH_GATE_ENV: str(gate.directory)})
+    wait_ready(decode)
+    prefill = start_prefill(procs, [decode.grpc_address])
+    wait_ready(prefill)
+    status, body = post_json(prefill.url + "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 4,
+                                                               "temperature": 0, "ignore_eos": True})
+    assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+    readings = wait_all_released([prefill, decode], RELEASE_HANG_GUARD_S)
+    assert nothing_held(readings), readings
+    assert metric(decode.url, "pdserve_requests_total", outcome="ok", reason="length") == 1
+    assert metric(decode.url, "pdserve_requests_total", outcome="cancelled", reason="prefill_gone") == 0

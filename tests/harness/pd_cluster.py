@@ -75,15 +75,15 @@ def wait_ready(server: Server, timeout: float = 120.0) -> None:
 
 
 def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), name: str = "decode",
-                 grpc_port: int | None = None, step_floor_s: float = 0.0) -> Server:
+                 grpc_port: int | None = None, step_floor_s: float = 0.0, env: dict | None = None) -> Server:
     """``grpc_port``: a port chosen before (a prefill may list the decode before it starts).
     ``step_floor_s``: every decode step lasts at least this long (the test hook
     ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``): a stream of N tokens lasts >= N x that on any CPU, for a
-    test that acts while it still runs."""
+    test that acts while it still runs. ``env``: more of the process's environment (other test hooks)."""
     from pdserve.test_hooks import DECODE_STEP_FLOOR_ENV as TEST_STEP_FLOOR_ENV
 
     grpc_port, http_port, kv_port = grpc_port or free_port(), free_port(), free_port()
-    env = {TEST_STEP_FLOOR_ENV: str(step_floor_s)} if step_floor_s else None
+    env = {**({TEST_STEP_FLOOR_ENV: str(step_floor_s)} if step_floor_s else {}), **(env or {})} or None
     proc = procs.pdserve("decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port),
                          "--transfer", transfer, "--num-blocks", str(num_blocks), *COMMON, *extra, name=name, env=env)
     return Server(proc, http_port, grpc_port, kv_port, name)
