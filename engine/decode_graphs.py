@@ -135,6 +135,12 @@ class DecodeGraphs:
                              attention=self.attention)
         return self.model(batch, kv)
 
+    def close(self) -> None:
+        """Drop the graphs (their memory pool goes back to the caching allocator): eager from here on."""
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+
     # ---- start-up ---------------------------------------------------------------------
     def capture(self) -> float:
         """Capture one graph per bucket (CUDA only), largest first; returns the seconds it took.

@@ -28,11 +28,9 @@ bf16/fp16 inputs dot in their dtype with fp32 accumulation; cache loads are cast
 
 Why Triton: portable Python kernels compiled just in time for the GPU at hand (no nvcc, no
 prebuilt binaries per architecture at run time), and the same kernel bodies run on CPU tensors
-under Triton's interpreter, which is how the tests check them on a machine without a GPU. The
-bodies are plain functions decorated lazily, once per mode (``triton.jit`` picks interpreter or
-compiler at decoration time from ``TRITON_INTERPRET``): CPU tensors get the interpreter, CUDA
-tensors the compiler, in the same process, without the caller setting anything. Each kernel is
-self-contained (no calls to other jit functions) for that reason. The interpreter's ``tl.dot`` cannot
+under Triton's interpreter, which is how the tests check them on a machine without a GPU
+(``triton_jit.py`` decorates the bodies once per mode). Each kernel is self-contained (no calls
+to other jit functions) for that reason. The interpreter's ``tl.dot`` cannot
 multiply bfloat16 (triton-lang/triton#11584), so there the dots take float32 operands rounded to q's
 dtype: the same products and fp32 sums as the GPU's bf16 MMA.
 
@@ -46,30 +44,20 @@ and block_size 64 needs ~170 KB (more than an A100 has).
 
 from __future__ import annotations
 
-import builtins
-import os
-import threading
-import types
 from collections.abc import Sequence
 from types import SimpleNamespace
 
 import torch
 
-_INTERPRET_ENV = "TRITON_INTERPRET"
+from . import triton_jit
+
 _TARGET_PROGRAMS = 256  # decode: programs (B * KVH * splits) that fill a GPU's SMs a few times over
 _MAX_HEAD_DIM = 256  # a [rows, 256] fp32 accumulator per program is the most that stays in registers
 
-_lock = threading.Lock()
-_state: dict = {}  # "triton": (triton, triton.language) or "error": why not; True/False -> kernels per mode
-
 
 # ---------------------------------------------------------------------------------------------
-# Kernel bodies: plain functions, decorated per mode by _kernels(). ``tl`` is bound there, in a
-# private globals dict (the interpreter also adds its own names to the globals it runs in).
-# triton.language's own jit helpers (tl.max, tl.sum, tl.cdiv, tl.zeros) were decorated for ONE mode
-# when triton was imported, so the bodies call none of them: reductions are ``tl.reduce`` with
-# triton's combine functions (which the interpreter maps to numpy by identity, and the compiler
-# inlines), the rest is written out.
+# Kernel bodies: plain functions, decorated per mode by triton_jit.kernels() (which binds ``tl``;
+# no tl.max / tl.sum / tl.zeros: reductions are ``tl.reduce`` with tl.standard's combine functions).
 
 
 def _decode_partials(Q, KV, TABLES, STARTS, ENDS, M_OUT, L_OUT, ACC_OUT, scale, softcap, blocks_per_split,
@@ -212,40 +200,15 @@ def _prefill(Q, KV, TABLES, TILES, OUT, scale, softcap, window, stride_qt, strid
 
 
 _BODIES = (_decode_partials, _decode_combine, _prefill)
-_COMBINE_FNS = ("_elementwise_max", "_sum_combine")  # the reductions' combine functions, from triton
 
 
 # ---------------------------------------------------------------------------------------------
 # Host side.
 
 
-def _triton():
-    """(triton, triton.language), imported once; RuntimeError naming why where it cannot be."""
-    with _lock:
-        if "triton" not in _state and "error" not in _state:
-            try:
-                import triton
-                import triton.language as tl
-            except Exception as exc:  # ImportError, or a broken install
-                _state["error"] = f"triton cannot be imported: {exc!r}"
-            else:
-                missing = [name for name in _COMBINE_FNS if not hasattr(tl.standard, name)]
-                if missing:
-                    _state["error"] = f"triton {triton.__version__} has no tl.standard.{', '.join(missing)}"
-                else:
-                    _state["triton"] = (triton, tl)
-    if "error" in _state:
-        raise RuntimeError(_state["error"])
-    return _state["triton"]
-
-
 def available() -> bool:
     """Whether triton imports here (the kernels' only requirement besides a supported cache shape)."""
-    try:
-        _triton()
-    except RuntimeError:
-        return False
-    return True
+    return triton_jit.available()
 
 
 def usable(kv) -> bool:
@@ -270,39 +233,14 @@ def _shape_problem(block_size: int, head_dim: int) -> str | None:
 
 def _kernels(interpret: bool) -> SimpleNamespace:
     """The three kernels decorated for the interpreter (CPU tensors) or the compiler, once each."""
-    triton, tl = _triton()
-    with _lock:
-        if interpret not in _state:
-            saved = os.environ.get(_INTERPRET_ENV)
-            if interpret:
-                os.environ[_INTERPRET_ENV] = "1"
-            else:
-                os.environ.pop(_INTERPRET_ENV, None)
-            try:
-                scope = {"__name__": __name__, "__builtins__": builtins, "tl": tl}
-                _state[interpret] = SimpleNamespace(**{
-                    body.__name__.lstrip("_"): triton.jit(_rebind(body, scope)) for body in _BODIES})
-            finally:
-                if saved is None:
-                    os.environ.pop(_INTERPRET_ENV, None)
-                else:
-                    os.environ[_INTERPRET_ENV] = saved
-        return _state[interpret]
-
-
-def _rebind(body: types.FunctionType, scope: dict) -> types.FunctionType:
-    """``body`` with ``scope`` as its globals (same code, so triton still finds its source)."""
-    fn = types.FunctionType(body.__code__, scope, body.__name__, body.__defaults__, body.__closure__)
-    fn.__annotations__ = dict(body.__annotations__)
-    fn.__qualname__, fn.__module__ = body.__qualname__, body.__module__
-    return fn
+    return triton_jit.kernels(_BODIES, interpret)
 
 
 def _dot_type(dtype: torch.dtype, interpret: bool):
     """The dtype the kernels' dots take: q's (fp32 accumulation), but float32 under the interpreter,
     whose ``tl.dot`` multiplies bfloat16 bit patterns as integers (triton-lang/triton#11584). The
     operands are rounded to q's dtype first, so the sums are what a bf16 MMA with fp32 accumulation gives."""
-    tl = _triton()[1]
+    tl = triton_jit.triton_modules()[1]
     types_ = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
     if dtype not in types_:
         raise ValueError(f"the Triton attention kernels take float32, bfloat16 or float16 q, not {dtype}")
@@ -376,13 +314,15 @@ def paged_decode(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, 
 
 def paged_prefill(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor, q_starts: Sequence[int] | torch.Tensor,
                   q_lens: Sequence[int] | torch.Tensor, ctx_lens: Sequence[int] | torch.Tensor, scale: float | None,
-                  softcap: float | None = None, window: int | None = None) -> torch.Tensor:
+                  softcap: float | None = None, window: int | None = None, *,
+                  launch: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Causal attention of the packed new tokens of S sequences over their paged contexts, in one
     launch: q ``[T, H, D]``; sequence s owns rows ``[q_starts[s], q_starts[s] + q_lens[s])``, has
     ``ctx_lens[s]`` tokens of context in blocks ``tables[s]`` (its new tokens' K/V already written,
     at the last ``q_lens[s]`` positions), so its new row i sits at ``ctx_lens[s] - q_lens[s] + i``.
     ``window``: a query at p sees keys ``p - window < j <= p``. -> ``[T, H, D]`` in q's dtype (rows
-    no sequence owns are left unwritten). The lengths are host values (lists, or CPU tensors)."""
+    no sequence owns are left unwritten). The lengths are host values (lists, or CPU tensors).
+    ``launch``: (BLOCK_M, num_warps, num_stages) instead of the defaults (the GPU check's tuning A/B)."""
     block_size, kv_heads, head_dim = _check(q, kv_layer, tables)
     interpret = q.device.type == "cpu"
     kernels, dot_ty = _kernels(interpret), _dot_type(q.dtype, interpret)
@@ -396,7 +336,7 @@ def paged_prefill(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
     dim_p = _pow2(head_dim, 16)
     # 32 rows under the interpreter: its dots are numpy matmuls, and larger ones go multi-threaded in
     # OpenBLAS, which stalls (5x slower) on a busy CPU
-    block_m = 32 if interpret or dim_p > 128 else 64
+    block_m, warps, stages = launch or (32 if interpret or dim_p > 128 else 64, 4, None)
     tiles = _tiles(starts, lens, ctx, q.shape[0], tables.shape[1] * block_size, block_m)
     if not tiles:
         return out
@@ -407,7 +347,8 @@ def paged_prefill(q: torch.Tensor, kv_layer: torch.Tensor, tables: torch.Tensor,
         q, kv_layer, tables, tile_map, out, _scale(scale, head_dim), _softcap(softcap), int(window or 1),
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *kv_layer.stride()[:4], *tables.stride(),
         GROUP=heads // kv_heads, HEAD_DIM=head_dim, DIM_P=dim_p, BLOCK_M=block_m, BLOCK_SIZE=block_size,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, DOT_TY=dot_ty, num_warps=4)
+        SOFTCAP=softcap is not None, WINDOW=window is not None, DOT_TY=dot_ty, num_warps=warps,
+        **({} if stages is None else {"num_stages": stages}))
     return out
 
 

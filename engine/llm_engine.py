@@ -130,6 +130,11 @@ class LLMEngine:
                         "(gpu_attention.usable: block size %d, head dim %d, triton importable?); decode runs eagerly",
                         config.block_size, self.model_config.head_dim)
             return
+        host_bound = sorted({type(layer).__name__ for layer in self.model.layers if not layer.graph_capturable})
+        if host_bound:
+            log.warning("decode CUDA graphs off: %s reads device values on the host every step (a MoE layer picks "
+                        "its experts there); decode runs eagerly", ", ".join(host_bound))
+            return
         graphs = DecodeGraphs(self.model, self.kv_cache, config.max_num_seqs,
                               blocks_needed(self.max_model_len, config.block_size), attention="triton")
         try:

@@ -122,6 +122,9 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
     model.to(dtype=dtype)
     model.init_rope()
     pack_linears(model)  # CPU: oneDNN-packed copies for decode batches (packed_linear.py)
+    if torch.device(device).type == "cuda":  # one matmul for q|k|v and one for gate|up (models/llama.py)
+        for layer in model.layers:
+            layer.merge_projections()
     return model.eval().requires_grad_(False)
 
 

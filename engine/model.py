@@ -18,12 +18,15 @@ shared: embeddings (scaled for Gemma), rotary tables (two for Gemma 3), attentio
 cache (``attention.py``: scale, soft-capping, sliding-window masks per layer), the LM head
 (final soft-capping).
 
-Projections are kept as separate matrices like the checkpoint's (on CPU, one merged q|k|v or
-gate|up matrix measured slower: its GEMMs pack a larger right-hand side per call).
+Projections are kept as separate matrices like the checkpoint's on CPU (one merged q|k|v or
+gate|up matrix measured slower there: its GEMMs pack a larger right-hand side per call); on CUDA
+the loader merges them (``DecoderLayer.merge_projections``: one matmul instead of three and two,
+1.07-1.13x a decode step of the 8B shape on an H200).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -74,6 +77,12 @@ class ForwardBatch:
     prefill_ctx_lens: list[int] | None = None  # tokens in each prefill span's context (cached + new)
 
 
+@functools.lru_cache(maxsize=None)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (what ``torch.tensor(value, dtype=dtype)`` holds), as a Python float."""
+    return torch.tensor(value, dtype=dtype).item()
+
+
 class DecoderModel(nn.Module):
     """The decoder plus LM head. Parameters are created empty; ``loader.py`` fills them."""
 
@@ -118,7 +127,7 @@ class DecoderModel(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:  # the scale rounded to the weights' dtype, as transformers does
-            x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+            x = x * _rounded(self.embed_scale, x.dtype)  # a Python number: no host->device copy (CUDA graphs)
         return x
 
     def _ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple]:

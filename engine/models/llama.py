@@ -12,11 +12,15 @@ concatenated along dim 0 when there are several (the experts of a MoE layer).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import gpu_elementwise
 from ..config import ModelConfig
+from ..defaults import MERGED_PROJECTIONS_ENV
 from ..packed_linear import linear
 
 Tensors = dict[str, list[tuple[str, tuple[int, ...]]]]
@@ -29,6 +33,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if gpu_elementwise.enabled(x):  # one Triton kernel on CUDA, the roundings below
+            return gpu_elementwise.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         if dtype == torch.float32:  # one fused kernel, same result as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -37,8 +43,18 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
+def _merge(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` concatenated along dim 0; each part's ``.data`` becomes its view into the result."""
+    merged = torch.cat(parts)
+    for part, view in zip(parts, merged.split([p.shape[0] for p in parts])):
+        part.data = view
+    return merged
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, 1, D] (the half-split convention of Llama checkpoints)."""
+    if gpu_elementwise.enabled(x):  # one Triton kernel on CUDA instead of five
+        return gpu_elementwise.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -50,9 +66,19 @@ def activation(name: str):
     return lambda x: F.gelu(x, approximate="tanh")  # gelu_pytorch_tanh (config.py refuses others)
 
 
+def merged_enabled() -> bool:
+    """Whether layers with merged projections use them (``PDSERVE_MERGED_PROJECTIONS`` not "0")."""
+    return os.environ.get(MERGED_PROJECTIONS_ENV, "1") != "0"
+
+
 class DecoderLayer(nn.Module):
     norm_class = RMSNorm
     scales_embeddings = False  # Gemma multiplies the embeddings by sqrt(hidden_size)
+    graph_capturable = True  # False: the layer's forward reads device values on the host (no CUDA graph)
+    # q|k|v and gate|up as one matrix each (merge_projections, on CUDA); None: separate matmuls
+    qkv_weight: torch.Tensor | None = None
+    qkv_bias: torch.Tensor | None = None
+    gate_up_weight: torch.Tensor | None = None
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -76,6 +102,19 @@ class DecoderLayer(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
+    def merge_projections(self) -> None:
+        """One matrix for q|k|v and one for gate|up (a dense MLP's), so a step runs one matmul where it ran
+        three and two: on a GPU a decode step's small matmuls are launches and split-K reductions more
+        than bytes. The separate weights become views into the merged ones (no memory added). On CPU
+        the separate (oneDNN-packed) matrices measured faster, so only CUDA models merge (loader.py)."""
+        with torch.no_grad():
+            projections = (self.q_proj, self.k_proj, self.v_proj)
+            self.qkv_weight = _merge([p.weight for p in projections])
+            if projections[0].bias is not None:
+                self.qkv_bias = _merge([p.bias for p in projections])
+            if hasattr(self, "gate_proj"):
+                self.gate_up_weight = _merge([self.gate_proj.weight, self.up_proj.weight])
+
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head q/k norms before rotary (Qwen3, Gemma 3); none here."""
         return q, k
@@ -83,14 +122,22 @@ class DecoderLayer(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         cfg = self.cfg
         h = self.input_layernorm(x)
-        # linear(): F.linear on the parameters (or their packed copy at batch), less Python than the modules
-        q = linear(h, self.q_proj)
-        k = linear(h, self.k_proj)
-        v = linear(h, self.v_proj)
+        if self.qkv_weight is not None and merged_enabled():
+            q, k, v = F.linear(h, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+        else:  # linear(): F.linear on the parameters (or their packed copy at batch), less Python than the modules
+            q = linear(h, self.q_proj)
+            k = linear(h, self.k_proj)
+            v = linear(h, self.v_proj)
         q, k = self.norm_qk(q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None and merged_enabled():
+            gate_up = F.linear(h, self.gate_up_weight)
+            if self.cfg.hidden_act == "silu" and gpu_elementwise.enabled(gate_up):
+                return linear(gpu_elementwise.silu_mul(gate_up), self.down_proj)
+            gate, up = gate_up.chunk(2, dim=-1)
+            return linear(self.act(gate).mul_(up), self.down_proj)
         gate = self.act(linear(h, self.gate_proj))
         return linear(gate.mul_(linear(h, self.up_proj)), self.down_proj)
 

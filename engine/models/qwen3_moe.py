@@ -24,6 +24,7 @@ class Qwen3MoeLayer(Qwen3Layer):
         self.sparse = cfg.is_moe_layer(index)
         if not self.sparse:
             return super().build_mlp(cfg, index)
+        self.graph_capturable = False  # mlp() picks the experts to run on the host (torch.unique(...).tolist())
         e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.router = nn.Linear(h, e, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(e * 2 * i, h))

@@ -135,3 +135,19 @@ def test_gemma3_multimodal_and_bidirectional_configs_are_refused(tmp_path):
     (d / "config.json").write_text(json.dumps({**cfg, "architectures": ["Gemma3ForConditionalGeneration"]}))
     with pytest.raises(ConfigError, match="unsupported architecture 'Gemma3ForConditionalGeneration'"):
         load_model(str(d))
+
+
+def test_decode_graphs_are_not_captured_for_a_moe_model_and_the_log_says_why(pair, caplog):
+    """A MoE layer picks its experts on the host every step (no CUDA graph can hold that): the engine
+    keeps decode eager and says so instead of failing a capture (seen on an H200: capture invalidated)."""
+    ours, _, _ = pair
+    engine = _engine(ours)
+    engine.runner.attention = "triton"  # as on CUDA; the MoE check comes before anything CUDA-only
+    moe = ours.config.family == "qwen3_moe"
+    assert any(not layer.graph_capturable for layer in engine.model.layers) == moe
+    if not moe:
+        return
+    with caplog.at_level("WARNING"):
+        engine._capture_decode_graphs(EngineConfig(num_blocks=48, block_size=8))
+    assert engine.runner.graphs is None
+    assert "Qwen3MoeLayer reads device values on the host" in caplog.text

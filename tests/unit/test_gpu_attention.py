@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from pdserve.engine import gpu_attention
+from pdserve.engine import gpu_attention, triton_jit
 from pdserve.engine.kv_cache import KVCache
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -199,7 +199,7 @@ def test_the_interpreter_is_chosen_without_touching_the_environment():
 
 def test_without_triton_the_module_says_why(monkeypatch):
     """The CPU image has no triton: available() is False and the kernels raise RuntimeError naming it."""
-    monkeypatch.setattr(gpu_attention, "_state", {})
+    monkeypatch.setattr(triton_jit, "_state", {})
     monkeypatch.setitem(sys.modules, "triton", None)
     monkeypatch.setitem(sys.modules, "triton.language", None)
     assert not gpu_attention.available()
