@@ -27,8 +27,10 @@ import urllib.request
 import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+from pdserve.engine.defaults import BLOCK_SIZE
 from pdserve.net import free_ports
 
+NUM_BLOCKS = 128  # each server's KV pool, and the engine alone's
 HELD = ("sessions", "kv_blocks_used", "in_flight", "queued")
 
 
@@ -85,7 +87,9 @@ def main() -> int:
     sp = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
     expected = []
     for i, ids in enumerate(prompts):
-        engine = LLMEngine(loaded, EngineConfig(num_blocks=64, block_size=16))
+        # the servers' block size, pool and batch limit: the same attention splits and graph buckets, so
+        # the same roundings in bf16 (with blocks of 16, bf16 texts drifted apart on an H200 at near-ties)
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=32))
         engine.add_request(f"r{i}", ids, sp)
         toks = []
         while engine.has_unfinished():
@@ -95,7 +99,8 @@ def main() -> int:
     del loaded
     dport, dhttp, kv, phttp, pgrpc = free_ports(5)
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--threads", "1",
-              "--log-level", "WARNING", "--transfer", args.transfer, "--num-blocks", "128"]
+              "--log-level", "WARNING", "--transfer", args.transfer, "--num-blocks", str(NUM_BLOCKS),
+              "--max-num-seqs", "32"]
     cmd = [sys.executable, "-m", "pdserve"]
     procs = []
     try:

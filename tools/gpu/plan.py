@@ -36,6 +36,7 @@ class Plan:
     decode_contexts: tuple = (1024, 4096)
     decode_steps: int = 20
     decode_warmup: int = 3
+    decode_ab_cells: tuple = ((1, 1024), (32, 1024))  # fused RMSNorm/rotary off vs on; the smallest is profiled
     prefill_prompts: tuple = (1, 8, 32)
     prefill_len: int = 2048
     prefill_reps: int = 3
@@ -54,6 +55,7 @@ class Plan:
 FULL = Plan()
 SMOKE = Plan(copy_bytes=16 << 20, gemm_n=256, ceiling_reps=3, ceiling_warmup=1, model_shape=dict(TINY),
              block_size=16, decode_batches=(1, 2), decode_contexts=(64, 128), decode_steps=3, decode_warmup=1,
+             decode_ab_cells=((1, 64),),
              prefill_prompts=(1, 2), prefill_len=64, prefill_reps=2, hf_decode_batches=(1, 2), hf_context=64,
              hf_prefill_prompts=(1, 2), hf_reps=2, hf_steps=3, pd_requests=1,
              budgets={"ceilings": 20, "parity": 60, "decode": 30, "prefill": 30, "transformers": 45, "pd": 90},
