@@ -124,10 +124,9 @@ class RouterApi:
         routable = self.router.prefills.routable()
         if not routable:
             return _error(503, "no prefill is routable", "no_prefill_available")
-        async with self.session.request(request.method, routable[0].http_url + request.path,
-                                        data=await request.read() if request.can_read_body else None,
-                                        headers={"Content-Type": "application/json"} if request.can_read_body
-                                        else None) as up:
+        body = await request.read() if request.can_read_body else None
+        async with self.session.request(request.method, routable[0].http_url + request.path, data=body,
+                                        headers=None if body is None else {"Content-Type": "application/json"}) as up:
             return web.Response(body=await up.read(), status=up.status, headers=_headers(up))
 
     async def preview(self, request: web.Request) -> web.Response:
