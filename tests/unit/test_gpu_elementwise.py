@@ -5,7 +5,7 @@ interpreter (the module decorates them for it on its own).
 float32: rotary bitwise equal, RMSNorm within float32 rounding (only the order of the sum of squares
 differs). bfloat16: within one bf16 rounding step, because Triton's interpreter truncates float32
 to bf16 where the GPU (and torch) round to nearest; the GPU check compares them bitwise on CUDA
-(tools/gpu/perf.py fused_exactness). ``enabled`` picks them only for CUDA tensors, and
+(tools/gpu/probes.py fused_exactness). ``enabled`` picks them only for CUDA tensors, and
 PDSERVE_FUSED_ELEMENTWISE=0 turns them off."""
 
 import pytest
