@@ -31,6 +31,9 @@ _state: dict = {}  # "triton": (triton, triton.language) or "error": why not; (b
 
 def triton_modules():
     """(triton, triton.language), imported once; RuntimeError naming why where it cannot be."""
+    found = _state.get("triton")
+    if found is not None:  # the common case, per norm and rotary call on CUDA: no lock
+        return found
     with _lock:
         if "triton" not in _state and "error" not in _state:
             try:

@@ -40,20 +40,15 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
 
-from checklib import Budget, Record, free_bytes, gib, guarded, log, read_json, release, sig, sync, time_median
+from cells import DecodeCell, fmt_step, model_config, roofline, time_steps
+from checklib import Budget, Record, free_bytes, gib, guarded, log, read_json, release, sig, sync
+from probes import attention_ab, fused_exactness, probe_cell
 
 FIT_FRACTION = 0.85
 
 
 # ---- the model ---------------------------------------------------------------------------------
-def model_config(plan):
-    from pdserve.engine import ModelConfig
-
-    return ModelConfig(**plan.model_shape)
-
-
 def build_random_model(cfg, dtype, device, seed: int = 0, std: float = 0.02):
     """A DecoderModel with random weights drawn on ``device`` (through the loader's own build_model)."""
     import torch
@@ -167,20 +162,6 @@ def kv_context_bytes(cfg, batch: int, context: int, elem: int) -> int:
     return batch * context * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * elem
 
 
-@dataclass
-class DecodeCell:
-    """The KV, rows and DecodeGraphs of one batch x context cell, ready to step."""
-
-    kv: object
-    rows: list
-    graphs: object
-    attention: str
-    kv_alloc_bytes: int
-
-    def step(self):
-        return self.graphs.run(self.rows)
-
-
 def cell_need(cfg, batch: int, context: int, block_size: int, elem: int) -> tuple[int, int]:
     """(blocks per row, bytes of the KV pool the cell allocates)."""
     per_row = math.ceil((context + 1) / block_size)
@@ -201,13 +182,6 @@ def open_cell(ctx, model, batch: int, context: int) -> DecodeCell | str:
     return DecodeCell(kv, rows, make_graphs(model, kv, batch, per_row, attention), attention, need)
 
 
-def time_steps(ctx, cell: DecodeCell) -> tuple[float, list[float]]:
-    import torch
-
-    with torch.inference_mode():
-        return time_median(cell.step, ctx.device, ctx.plan.decode_steps, ctx.plan.decode_warmup)
-
-
 def capture(ctx, cell: DecodeCell, rec: Record, label: str) -> float | None:
     """Capture the cell's graph (CUDA); its seconds, or None with a note when it cannot be had."""
     if ctx.device.type != "cuda":
@@ -219,16 +193,9 @@ def capture(ctx, cell: DecodeCell, rec: Record, label: str) -> float | None:
         return None
 
 
-def roofline(ms: float, bytes_read: int, copy_gbps: float | None) -> dict:
-    gbps = bytes_read / (ms / 1e3) / 1e9
-    return {"ms": sig(ms), "gb_per_s": sig(gbps), "fraction_of_copy": None if not copy_gbps else sig(gbps / copy_gbps)}
-
-
 def run_decode(ctx, rec: Record, budget: Budget) -> None:
     plan = ctx.plan
     if ctx.device.type == "cuda":
-        from probes import fused_exactness  # (probes.py imports this module)
-
         rec.results["fused_exactness"] = exact = {}
         with guarded(rec, "fused exactness", exact, ctx.device):
             exact.update(fused_exactness(ctx))
@@ -276,15 +243,8 @@ def decode_cell(ctx, rec: Record, model, row: dict, label: str, copy_gbps: float
                          "samples_ms": samples}
         log("decode", f"{label} graphs: {fmt_step(row['graphs'])} (capture {seconds:.1f} s)")
     if (row["batch"], row["context"]) in ctx.plan.decode_ab_cells and (seconds is not None or ctx.plan.smoke):
-        from probes import probe_cell  # (probes.py imports this module)
-
         probe_cell(ctx, rec, model, cell, row, label, copy_gbps, graphs=seconds is not None)
     cell.graphs.close()
-
-
-def fmt_step(r: dict) -> str:
-    frac = r.get("fraction_of_copy")
-    return f"{r['ms']:.3f} ms, {r['gb_per_s']:.4g} GB/s" + ("" if frac is None else f" = {100 * frac:.0f}% of copy")
 
 
 # ---- prefill -----------------------------------------------------------------------------------
@@ -341,8 +301,6 @@ class PrefillRunner:
 
 def run_prefill(ctx, rec: Record, budget: Budget) -> None:
     plan = ctx.plan
-    from probes import attention_ab  # (probes.py imports this module)
-
     rec.results["attention_ab"] = ab = {}
     with guarded(rec, "attention A/B", ab, ctx.device):
         ab.update(attention_ab(ctx, plan.prefill_prompts[min(1, len(plan.prefill_prompts) - 1)], plan.prefill_len))

@@ -18,7 +18,7 @@ import math
 import statistics
 
 from checklib import Record, log, sig, sync, time_median, time_ms
-from perf import DecodeCell, fmt_step, model_config, roofline, time_steps
+from cells import DecodeCell, fmt_step, model_config, roofline, time_steps
 
 
 def fused_exactness(ctx) -> dict:
