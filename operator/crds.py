@@ -113,8 +113,14 @@ TRANSFER = _obj(
 
 ROUTING = _obj(
     {"policy": _str("wrr: weighted round robin on free KV memory; rr: plain round robin.", enum=POLICIES,
-                    default=DEFAULT_POLICY)},
-    description="How prefill picks a decode.",
+                    default=DEFAULT_POLICY),
+     "disaggregation": _str("Where each prompt is computed (`--disaggregation` of the prefills): always (on a "
+                            "prefill, its KV moved to the decode), auto (per request, by a cost model of the "
+                            "prefill's measured speed and queue, the link, and the decode's cached prefix and load: "
+                            "e.g. a later turn whose history the decode holds may be computed there while the "
+                            "prefill is busy) or never (on the decode). Unset: always.",
+                            enum=list(defaults.DISAGGREGATION_MODES))},
+    description="How prefill picks a decode, and where each prompt is computed.",
     default={},
 )
 

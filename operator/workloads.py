@@ -82,8 +82,15 @@ def prefill_args(pool: dict) -> list[str]:
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
         *(["--batch-db", BATCH_DB_IN_POD] if spec.get("batchStorage", {}).get("pvcName") else []),
         *queue_policy_args(spec),
+        *disaggregation_args(spec),
         *pod_settings.engine_args(spec),
     ]
+
+
+def disaggregation_args(spec: dict) -> list[str]:
+    """--disaggregation from spec.routing.disaggregation (nothing when unset: the server's default, always)."""
+    mode = spec.get("routing", {}).get("disaggregation")
+    return ["--disaggregation", mode] if mode else []
 
 
 def queue_policy_args(spec: dict) -> list[str]:

@@ -175,13 +175,18 @@ def describe(args: argparse.Namespace, work: TraceWorkload) -> str:
     return f"{args.trace} ({args.format}): {work.describe()}"
 
 
-def run_trace(url: str, work: TraceWorkload, pool: list[int], args: argparse.Namespace, say=print) -> dict:
-    """Warm up, then replay the trace once; returns {TRACE_CELL: figures} (with goodput under the SLO)."""
+def replay(url: str, work: TraceWorkload, pool: list[int], args: argparse.Namespace) -> tuple[list, float]:
+    """Warm up, then replay the trace once: (every request's RequestResult, the replay's wall seconds)."""
     warm = round(statistics.median(s.prompt_tokens for s in work.specs))
     if args.warmup:
         send(url, random_requests(args.warmup, warm, 8, random.Random(-warm), pool), concurrency=1,
              timeout=args.request_timeout)
-    results, wall = send(url, work.specs, arrivals=work.arrivals, timeout=args.request_timeout)
+    return send(url, work.specs, arrivals=work.arrivals, timeout=args.request_timeout)
+
+
+def run_trace(url: str, work: TraceWorkload, pool: list[int], args: argparse.Namespace, say=print) -> dict:
+    """Warm up, then replay the trace once; returns {TRACE_CELL: figures} (with goodput under the SLO)."""
+    results, wall = replay(url, work, pool, args)
     summary = summarize(results, wall, args.slo_ttft_ms / 1000, args.slo_tbt_ms / 1000)
     f = run_figures(summary, results)
     say(f"  trace: {f['requests'] - f['failed']}/{f['requests']} ok, goodput {f['goodput_rps']:.2f} req/s, "

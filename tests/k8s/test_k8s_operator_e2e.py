@@ -198,6 +198,8 @@ INVALID = [
     ("bad SLO class name", {"spec": {"slo": {"classes": [{"name": "Gold Tier"}]}}}, "spec.slo.classes[0].name"),
     ("zero e2e target", {"spec": {"slo": {"classes": [{"name": "b", "e2eMs": 0}]}}}, "spec.slo.classes[0].e2eMs"),
     ("unknown queue policy", {"spec": {"slo": {"queuePolicy": "lifo"}}}, "spec.slo.queuePolicy"),
+    ("unknown disaggregation mode", {"spec": {"routing": {"disaggregation": "sometimes"}}},
+     "spec.routing.disaggregation"),
     ("bad resource quantity", {"spec": {"decode": [{"name": "a", "resources": {"limits": {"cpu": "lots"}}}]}},
      "spec.decode[0].resources.limits.cpu"),
     ("bad toleration operator", {"spec": {"decode": [{"name": "a", "tolerations": [{"operator": "Maybe"}]}]}},

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pdserve import defaults
-from pdserve.operator import naming, pools, router_workloads, workloads
+from pdserve.operator import crds, naming, pools, router_workloads, workloads
 from pdserve.operator.config import OperatorConfig
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,6 +57,26 @@ def test_spec_slo_queue_policy_reaches_the_prefills_flag_and_not_their_classes()
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert "queuePolicy" not in env[defaults.ENV_SLO_CLASSES]
     assert classes.load(None, env).select().ttft_ms == 800  # the servers parse the classes as before
+
+
+def test_spec_routing_disaggregation_reaches_the_prefills_flag():
+    from pdserve.prefill_server.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    plain = workloads.build_deployment(pools.build_prefill_pool(example(), CONFIG))
+    args = plain["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--disaggregation" not in args  # unset: the server's default
+    assert parser.parse_args(args[1:]).disaggregation == defaults.DISAGGREGATION
+    isvc = example()
+    isvc["spec"]["routing"] = {"disaggregation": "auto"}
+    pool = pools.build_prefill_pool(isvc, CONFIG)
+    assert pool["spec"]["routing"] == {"policy": crds.DEFAULT_POLICY, "disaggregation": "auto"}
+    args = workloads.build_deployment(pool)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert parser.parse_args(args[1:]).disaggregation == "auto"
+    schema = crds.inferenceservice_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    field = schema["properties"]["spec"]["properties"]["routing"]["properties"]["disaggregation"]
+    assert field["enum"] == list(defaults.DISAGGREGATION_MODES) and "default" not in field
 
 
 def test_prefill_pods_get_the_slo_classes_the_servers_parse():
