@@ -1,4 +1,4 @@
-"""pdserve's P/D on the peer experiment's trace under variants of its prefill's flags, A B A B.
+"""pdserve's P/D on the peer experiment's trace under variants of its prefill's flags, A B B A.
 
     .venv/bin/python bench/tools/peer_trace_arms.py --arm always='' --arm auto='--disaggregation auto' \
         [--queue-policy qlm] [--rounds 2] [--json out.json]
@@ -10,13 +10,13 @@ and the flags its prefill gets on top of the experiment's. Every run starts the 
 does (``peer_trace_alone._start``: the ``small`` checkpoint, fp32, tcp, prefill on CPU 0 and decode on
 CPU 1, one thread each, 16,384 tokens of KV), declares goodput's SLO to the prefill under
 ``--queue-policy`` (as ``--pdserve-queue-policy`` does; ``fifo`` declares nothing), warms up, and replays
-the trace at its arrival times (``peer_trace.run_trace``). The arms run in order, reversed every other
+the trace at its arrival times (``peer_trace.replay``). The arms run in order, reversed every other
 round (A B, B A, ...), each start fresh.
 
 Printed per run: goodput, the share of requests meeting the SLO, TTFT p50 / p99, TPOT p50, failed
 requests, where the prompts were computed (the prefill's ``pdserve_disaggregation_decisions_total`` by
 decision), the prompt tokens the prefill's engine computed (``pdserve_prompt_tokens_computed_total``) and
-the decode's prompt blocks by source (``pdserve_kv_prompt_blocks_total``: reused, moved, computed).
+the decode's prompt blocks by source (``pdserve_kv_prompt_blocks_total``: reused, moved, computed),
 and the requests that missed the SLO (by TTFT, by TBT; the prompt lengths of the late ones). At the end,
 per arm the medians and their ratio to the first arm, and each round's ratio. ``--json`` keeps every
 request's arrival, prompt length, TTFT and mean TBT.
@@ -87,10 +87,14 @@ def missed(rows: list[dict], ttft_ms: float, tbt_ms: float) -> dict:
             "prompts_of_late": sorted(r["prompt"] for r in late)}
 
 
+def _ms(seconds: float | None, digits: int = 0) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.{digits}f}"
+
+
 def line(name: str, r: dict) -> str:
     return (f"{name}: goodput {r['goodput_rps']:.3f} req/s, SLO met {100 * r['slo_attained']:.1f}%, "
-            f"TTFT p50 / p99 {1000 * r['ttft_p50']:.0f} / {1000 * r['ttft_p99']:.0f} ms, "
-            f"TPOT p50 {1000 * r['tpot_p50']:.1f} ms, failed {r['failed']}/{r['requests']}, "
+            f"TTFT p50 / p99 {_ms(r['ttft_p50'])} / {_ms(r['ttft_p99'])} ms, "
+            f"TPOT p50 {_ms(r['tpot_p50'], 1)} ms, failed {r['failed']}/{r['requests']}, "
             f"decisions {r['decisions']}, prefill computed {r['prefill_tokens_computed']:.0f} tokens, "
             f"decode's prompt blocks {r['decode_prompt_blocks']}; missed {r['missed']}")
 
@@ -133,14 +137,16 @@ def main() -> int:
     summary = {}
     for name in names:
         mine = [r for r in runs if r["arm"] == name]
-        summary[name] = {f: statistics.median(r[f] for r in mine) for f in FIGURES}
+        summary[name] = {f: statistics.median(v) if (v := [r[f] for r in mine if r[f] is not None]) else None
+                         for f in FIGURES}
         pairs = [r["goodput_rps"] / b["goodput_rps"] for r in mine for b in runs
                  if b["arm"] == base and b["round"] == r["round"] and b["goodput_rps"]]
         summary[name]["goodput_vs_first_per_round"] = pairs
         m, b = summary[name], summary[base]
-        print(f"{name}: median goodput {m['goodput_rps']:.3f} req/s ({m['goodput_rps'] / b['goodput_rps']:.3f}x "
-              f"{base}; per round {', '.join(f'{x:.3f}' for x in pairs)}), SLO met {100 * m['slo_attained']:.1f}%, "
-              f"TTFT p50 {1000 * m['ttft_p50']:.0f} ms, p99 {1000 * m['ttft_p99']:.0f} ms", flush=True)
+        ratio = f"{m['goodput_rps'] / b['goodput_rps']:.3f}x" if b["goodput_rps"] else "no ratio: 0 goodput"
+        print(f"{name}: median goodput {m['goodput_rps']:.3f} req/s ({ratio} {base}; per round "
+              f"{', '.join(f'{x:.3f}' for x in pairs)}), SLO met {100 * m['slo_attained']:.1f}%, "
+              f"TTFT p50 {_ms(m['ttft_p50'])} ms, p99 {_ms(m['ttft_p99'])} ms", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"machine": host, "workload": peer_trace.describe(trace.args, trace.work),
                                          "queue_policy": args.queue_policy, "runs": runs, "summary": summary},
