@@ -91,7 +91,7 @@ def session_cpu_s(sid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def _start(launcher: Launcher, system: str, model: str, max_len: int,
+def start_system(launcher: Launcher, system: str, model: str, max_len: int,
            prefill_extra: tuple[str, ...] = ()) -> tuple[str, list[str], list[list[int]]]:
     """(OpenAI URL, the /metrics URLs: the prefill's first, the session ids of the prefill side and the decode
     side) of one system started as the peer experiment does (vLLM's proxy, pinned to the prefill's core, counts
@@ -120,7 +120,7 @@ def one_system(system: str, model: str, max_len: int, specs: list[RequestSpec], 
     """Each request alone: prompt tokens, prefix hits, TTFT (seconds)."""
     rows = []
     with Launcher(LOG_ROOT / f"peer-trace-alone-{system}") as launcher:
-        url, urls, _ = _start(launcher, system, model, max_len)
+        url, urls, _ = start_system(launcher, system, model, max_len)
         metrics = urls[0]
         warm_up(url, specs, pool, output_tokens=1)
         for i, spec in enumerate(specs):
@@ -140,7 +140,7 @@ def under_load(system: str, model: str, max_len: int, work, pool: list[int],
                prefill_extra: tuple[str, ...] = ()) -> dict:
     """The trace at its arrival times (the experiment's replay): client TTFTs and each server's histogram sums."""
     with Launcher(LOG_ROOT / f"peer-trace-load-{system}") as launcher:
-        url, urls, sessions = _start(launcher, system, model, max_len, prefill_extra)
+        url, urls, sessions = start_system(launcher, system, model, max_len, prefill_extra)
         warm_up(url, work.specs, pool, output_tokens=8)
         threads0 = [debug_threads(u) for u in urls] if system == "pdserve" else [None, None]
         before, cpu0 = [scrape(u) for u in urls], [sum(map(session_cpu_s, side)) for side in sessions]

@@ -7,7 +7,7 @@
 with itself, so a change to how pdserve serves the trace is judged by runs alternated on the same box
 before it is judged against vLLM (whose own goodput moved by 10% over one day here). Each arm is a name
 and the flags its prefill gets on top of the experiment's. Every run starts the pair as the experiment
-does (``peer_trace_alone._start``: the ``small`` checkpoint, fp32, tcp, prefill on CPU 0 and decode on
+does (``peer_trace_alone.start_system``: the ``small`` checkpoint, fp32, tcp, prefill on CPU 0 and decode on
 CPU 1, one thread each, 16,384 tokens of KV), declares goodput's SLO to the prefill under
 ``--queue-policy`` (as ``--pdserve-queue-policy`` does; ``fifo`` declares nothing), warms up, and replays
 the trace at its arrival times (``peer_trace.replay``). The arms run in order, reversed every other
@@ -40,7 +40,7 @@ from pdserve.bench.provenance import machine
 from pdserve.slo.policies import POLICIES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peer_trace_alone import _start  # noqa: E402 - the tools folder is not a package
+from peer_trace_alone import start_system  # noqa: E402 - the tools folder is not a package
 
 DECISIONS = "pdserve_disaggregation_decisions_total"
 COMPUTED = "pdserve_prompt_tokens_computed_total"  # the prefill's engine, after its prefix hits
@@ -57,7 +57,7 @@ def parse_arm(text: str) -> tuple[str, list[str]]:
 
 def one_run(name: str, flags: list[str], trace: peer_trace.DefaultTrace, slo_flags: list[str]) -> dict:
     with Launcher(LOG_ROOT / f"peer-trace-arm-{name}") as launcher:
-        url, urls, _ = _start(launcher, "pdserve", trace.model, trace.max_len, tuple(slo_flags + flags))
+        url, urls, _ = start_system(launcher, "pdserve", trace.model, trace.max_len, tuple(slo_flags + flags))
         results, wall = peer_trace.replay(url, trace.work, trace.pool, trace.args)
         prefill, decode = (scrape(u) for u in urls)
     a = trace.args

@@ -1,6 +1,8 @@
 """Helpers for the engine tests that drive an LLMEngine synchronously (no server, no thread).
 
 - ``run_all(engine, requests)`` runs requests to completion on the colocated path.
+- ``record_step_logits(engine, limit)`` makes the engine's sampler keep each step's logits (a list it fills).
+- ``greedy_with_first_logits(engine, prompts, n_tokens)`` greedy tokens per prompt and the first step's logits.
 - ``copy_prompt_kv(src, src_blocks, dst, dst_blocks, n_tokens)`` copies a prompt's KV between
   two engines' pools block by block, layer by layer: what the CacheStore does for P/D.
 - ``run_pd(prefill_engine, decode_engine, requests, reuse=False)`` runs requests the P/D way in
@@ -22,6 +24,29 @@ def run_all(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingPara
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
     return out
+
+
+def record_step_logits(engine: LLMEngine, limit: int | None = None) -> list:
+    """Wrap ``engine``'s sampler so that each step's logits (rows in the batch's order) are kept, the first
+    ``limit`` steps' only when given; the list."""
+    seen = []
+    real_sample = engine.sampler.sample
+
+    def recording_sample(logits, params, positions):
+        if limit is None or len(seen) < limit:
+            seen.append(logits.clone())
+        return real_sample(logits, params, positions)
+
+    engine.sampler.sample = recording_sample
+    return seen
+
+
+def greedy_with_first_logits(engine: LLMEngine, prompts: list[list[int]], n_tokens: int):
+    """(greedy tokens per prompt, the first step's logits [prompts, vocab] in float32), ignoring EOS."""
+    seen = record_step_logits(engine, limit=1)
+    sp = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
+    out = run_all(engine, {str(i): (p, sp) for i, p in enumerate(prompts)})
+    return [out[str(i)] for i in range(len(prompts))], seen[0].float()
 
 
 def copy_layer_blocks(src: LLMEngine, src_blocks: list[int], dst: LLMEngine, dst_blocks: list[int], layer: int) -> None:

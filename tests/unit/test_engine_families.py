@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pdserve.engine import ConfigError, EngineConfig, LLMEngine, SamplingParams, load_model
-from harness.engine_runs import run_all
+from harness.engine_runs import record_step_logits, run_all
 from harness.hf_checkpoints import ARCHITECTURES, FAMILIES, WINDOW, build_tiny
 
 transformers = pytest.importorskip("transformers")
@@ -82,14 +82,7 @@ def test_prefill_logits_match_transformers(pair):
 def test_decode_logits_match_transformers(pair):
     ours, hf, prompts = pair
     engine = _engine(ours)
-    seen = []
-    real_sample = engine.sampler.sample
-
-    def recording_sample(logits, params, positions):
-        seen.append(logits.clone())
-        return real_sample(logits, params, positions)
-
-    engine.sampler.sample = recording_sample
+    seen = record_step_logits(engine)  # logits per step, rows in request order
     sp = SamplingParams(max_tokens=STEPS, temperature=0, ignore_eos=True)
     out = run_all(engine, {str(i): (p, sp) for i, p in enumerate(prompts)})
     assert len(seen) == STEPS and all(s.shape[0] == len(prompts) for s in seen)

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams, load_model
 from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
-from harness.engine_runs import run_all
+from harness.engine_runs import record_step_logits, run_all
 
 transformers = pytest.importorskip("transformers")
 
@@ -90,14 +90,7 @@ def test_prefill_logits_match_transformers(pair):
 def test_decode_logits_match_transformers(pair):
     ours, hf, prompts = pair
     engine = LLMEngine(ours, EngineConfig(num_blocks=32, block_size=8))
-    seen = []  # (request ids in row order, logits) per step
-    real_sample = engine.sampler.sample
-
-    def recording_sample(logits, params, positions):
-        seen.append(logits.clone())
-        return real_sample(logits, params, positions)
-
-    engine.sampler.sample = recording_sample
+    seen = record_step_logits(engine)  # logits per step, rows in request order
     out = run_all(engine, {str(i): (p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)) for i,
                            p in enumerate(prompts)})
     assert len(seen) == 6 and all(s.shape[0] == len(prompts) for s in seen)

@@ -7,8 +7,9 @@ the separate path. Families: Qwen2 (q/k/v biases), Qwen3 (q/k norms over the spl
 import pytest
 import torch
 
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+from pdserve.engine import EngineConfig, LLMEngine, load_model
 from pdserve.engine.defaults import MERGED_PROJECTIONS_ENV
+from harness.engine_runs import greedy_with_first_logits
 from harness.hf_checkpoints import build_from_config, build_tiny
 
 PROMPTS = [[5, 9, 13, 2, 7, 11, 3, 8, 1], list(range(3, 33))]
@@ -25,24 +26,7 @@ def _checkpoint(family: str, path):
 
 def _run(loaded):
     """(greedy tokens per prompt, first-step logits) through one engine."""
-    engine = LLMEngine(loaded, EngineConfig(num_blocks=48, block_size=8))
-    first = []
-    real = engine.sampler.sample
-
-    def recording(logits, params, positions):
-        if not first:
-            first.append(logits.float().clone())
-        return real(logits, params, positions)
-
-    engine.sampler.sample = recording
-    sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    out = {str(i): [] for i in range(len(PROMPTS))}
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, sp)
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
-    return [out[str(i)] for i in range(len(PROMPTS))], first[0]
+    return greedy_with_first_logits(LLMEngine(loaded, EngineConfig(num_blocks=48, block_size=8)), PROMPTS, 12)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "qwen3_moe"])

@@ -160,30 +160,16 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def engine_greedy(loaded, prompts: list[list[int]], n_tokens: int):
     """(greedy tokens per prompt, the first step's logits [prompts, vocab], the engine's attention path)."""
-    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+    from harness.engine_runs import greedy_with_first_logits
+    from pdserve.engine import EngineConfig, LLMEngine
 
     engine = LLMEngine(loaded, EngineConfig(num_blocks=32, block_size=BLOCK_SIZE, max_num_seqs=4, detokenize=False))
-    seen = []
-    real_sample = engine.sampler.sample
-
-    def recording_sample(logits, params, positions):
-        if not seen:
-            seen.append(logits.float().clone())
-        return real_sample(logits, params, positions)
-
-    engine.sampler.sample = recording_sample
-    sp = SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, sp)
-    while engine.has_unfinished():
-        for o in engine.step():
-            out[o.request_id].extend(o.new_token_ids)
+    tokens, first_logits = greedy_with_first_logits(engine, prompts, n_tokens)
     attention = getattr(engine.runner, "attention", "torch")
     if getattr(engine.runner, "graphs", None) is not None:
         attention += " + cuda graphs"
     engine.close()
-    return [out[str(i)] for i in range(len(prompts))], seen[0], attention
+    return tokens, first_logits, attention
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
