@@ -189,14 +189,7 @@ class ModelConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> "ModelConfig":
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"no config.json at {path}") from None
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{path} is not valid JSON: {exc}") from None
-        return cls.from_hf_dict(data)
+        return cls.from_hf_dict(read_config_json(path))
 
     def to_hf_dict(self) -> dict:
         """The config.json transformers needs to build the same model (used by tests and benchmarks).
@@ -228,6 +221,20 @@ class ModelConfig:
         if self.eos_token_ids:
             out["eos_token_id"] = self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids
         return out
+
+
+def read_config_json(path: str | Path) -> dict:
+    """The dict of a config.json; ConfigError when it is missing or not a JSON object."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json at {path}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not a JSON object")
+    return data
 
 
 def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:

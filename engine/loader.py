@@ -20,14 +20,17 @@ import torch
 from .defaults import BUILTIN_MODEL
 
 from .checkpoint import hf_tensor_shapes, random_hf_weights
-from .config import ModelConfig
-from .errors import ModelLoadError
+from .config import ModelConfig, read_config_json
+from .errors import ConfigError, ModelLoadError
+from .quant_config import read_quantization
 from .model import DecoderModel
 from .models import layer_class
 from .packed_linear import pack_linears
 from .tokenizer import ByteTokenizer, HFTokenizer
 
 BUILTIN_NAMES = (BUILTIN_MODEL, f"builtin:{BUILTIN_MODEL}")
+# the dtypes a plain (unquantized) checkpoint's tensors may have; anything else is never cast silently
+PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def tiny_config() -> ModelConfig:
@@ -113,6 +116,11 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
                 raise ModelLoadError(
                     f"weight {hf_name!r} has shape {tuple(t.shape)}, expected {expected[hf_name]} from config.json"
                 )
+            if t.dtype not in PLAIN_DTYPES:
+                raise ModelLoadError(
+                    f"weight {hf_name!r} is {str(t.dtype).removeprefix('torch.')} but config.json declares no "
+                    "quantization (no quantization_config): refusing to cast it; a quantized checkpoint names its "
+                    "method in config.json")
             parts.append(t)
         value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
         with torch.no_grad():
@@ -169,10 +177,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     seed: int = 0,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """Load the built-in model (``"tiny"``, ``"builtin:tiny"``) or a Hugging Face directory."""
+    """Load the built-in model (``"tiny"``, ``"builtin:tiny"``) or a Hugging Face directory.
+
+    ``quantization``: "fp8" quantizes the weights at load (``--quantization``); a checkpoint's own
+    ``quantization_config`` is read from config.json (``quant_config.py``) and refused unless supported."""
     device = torch.device(device)
     if name_or_path in BUILTIN_NAMES:
+        _check_quantization(read_quantization({}, quantization))
         cfg = tiny_config()
         weights = random_hf_weights(cfg, seed=seed)
         # Only printable ASCII, newline and EOS get random output weights; every other byte
@@ -188,7 +201,14 @@ def load_model(
         raise ModelLoadError(
             f"model {name_or_path!r} is neither a built-in model ({', '.join(BUILTIN_NAMES)}) nor a directory"
         )
-    cfg = ModelConfig.from_file(path / "config.json")
+    hf_config = read_config_json(path / "config.json")
+    cfg = ModelConfig.from_hf_dict(hf_config)
+    _check_quantization(read_quantization(hf_config, quantization))
     model = build_model(cfg, _SafetensorsReader(path), dtype, device)
     tokenizer = HFTokenizer(path, cfg.eos_token_ids) if (path / "tokenizer.json").exists() else ByteTokenizer()
     return LoadedModel(path.name, cfg, model, tokenizer, dtype, device)
+
+
+def _check_quantization(scheme) -> None:
+    if scheme is not None:
+        raise ConfigError(f"quantization {scheme.method!r} is recognised but pdserve does not load it yet")
