@@ -21,6 +21,8 @@ Reading path (read in this order):
   ``server_engine.py`` ServerEngine: what the servers call on an engine (this one and vLLM's implement it)
   ``async_engine.py`` AsyncLLMEngine: the engine on a background thread, the built-in ServerEngine
   ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
+  ``quant_config.py`` / ``weight_source.py`` / ``fp8.py``: quantized checkpoints read (or refused), FP8
+                      weights loaded, and their matmuls (C++ kernel ``csrc/fp8_linear.cpp`` on CPU)
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py``          ``pdserve generate``
 

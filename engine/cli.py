@@ -16,6 +16,7 @@ import sys
 import time
 
 from .defaults import BLOCK_SIZE, BUILTIN_MODEL
+from .defaults import QUANTIZATION_HELP, QUANTIZATIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -36,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device: cpu, cuda, cuda:1 (default: cpu)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="weights and KV cache dtype (default: float32)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                         help=f"KV block size in tokens (default: {BLOCK_SIZE})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -58,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
             stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
-        loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+        loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device,
+                            quantization=args.quantization)
         tok = loaded.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         ids = tok.encode(text, add_special_tokens=not (args.chat and tok.bos_token))

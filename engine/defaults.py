@@ -11,6 +11,12 @@ BLOCK_SIZE = 64
 # The name the built-in model (random weights, byte-level tokenizer, no download) is served under.
 BUILTIN_MODEL = "tiny"
 
+# What --quantization accepts (quant_config.py reads checkpoints' own quantization_config either way).
+QUANTIZATIONS = ("fp8",)
+QUANTIZATION_HELP = ("fp8: quantize the checkpoint's linear projections to FP8 (e4m3, one scale per output row) "
+                     "at load: half the weight bytes of bf16 (default: none; a checkpoint's own quantization_config "
+                     "is read either way: FP8 checkpoints load, other methods are refused at start)")
+
 # Environment variable: "0" keeps every linear layer on F.linear (no oneDNN-packed copy of the
 # weights, which doubles their memory on CPU); see packed_linear.py.
 PACKED_LINEAR_ENV = "PDSERVE_PACKED_LINEAR"

@@ -6,12 +6,17 @@
   ``model.safetensors`` or shards listed in ``model.safetensors.index.json`` (a missing or
   mis-shaped tensor -> ModelLoadError naming it), ``tokenizer.json`` (+ ``tokenizer_config.json``
   for the chat template). A directory without tokenizer.json gets the byte-level tokenizer.
+- Quantization: config.json's ``quantization_config`` is read first (``quant_config.py``: FP8 loads,
+  anything else is refused by name before a weight is read); ``quantization="fp8"``
+  (``--quantization fp8``) quantizes a plain model's projections at load. Weights are read and
+  checked by ``weight_source.py``; FP8 projections keep a ``*_scale`` buffer beside them (``fp8.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,17 +25,18 @@ import torch
 from .defaults import BUILTIN_MODEL
 
 from .checkpoint import hf_tensor_shapes, random_hf_weights
+from . import fp8
 from .config import ModelConfig, read_config_json
-from .errors import ConfigError, ModelLoadError
-from .quant_config import read_quantization
+from .errors import ModelLoadError
+from .quant_config import QuantScheme, read_quantization
+from .weight_source import WeightSource
 from .model import DecoderModel
 from .models import layer_class
 from .packed_linear import pack_linears
 from .tokenizer import ByteTokenizer, HFTokenizer
 
+log = logging.getLogger(__name__)
 BUILTIN_NAMES = (BUILTIN_MODEL, f"builtin:{BUILTIN_MODEL}")
-# the dtypes a plain (unquantized) checkpoint's tensors may have; anything else is never cast silently
-PLAIN_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def tiny_config() -> ModelConfig:
@@ -61,6 +67,7 @@ class LoadedModel:
     tokenizer: ByteTokenizer | HFTokenizer
     dtype: torch.dtype
     device: torch.device
+    quantization: QuantScheme | None = None  # FP8 projections (fp8.py), or None
 
 
 # our parameter name -> the HF tensors concatenated (dim 0) to make it
@@ -95,9 +102,10 @@ def _no_random_init():
             setattr(torch.nn.init, name, fn)
 
 
-def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.device) -> DecoderModel:
-    """A DecoderModel whose weights come from ``get_tensor(hf_name) -> Tensor`` (shapes checked)."""
-    expected = hf_tensor_shapes(cfg)
+def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.device,
+                scheme: QuantScheme | None = None) -> DecoderModel:
+    """A DecoderModel whose weights come from ``get_tensor(hf_name) -> Tensor`` (shapes checked); with
+    ``scheme``, its layers' projections are FP8 (``weight_source.py``; each ``*_scale`` beside them)."""
     with torch.device("meta"), _no_random_init():
         model = DecoderModel(cfg)
     model.to_empty(device=device)
@@ -108,26 +116,25 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
     unfilled = set(params) - set(sources_of)
     if unfilled:  # a programming error here, not a user one: never run on uninitialised memory
         raise RuntimeError(f"no checkpoint source for parameters {sorted(unfilled)}")
+    source = WeightSource(get_tensor, hf_tensor_shapes(cfg), scheme, dtype, device)
+    quantized = layer_class(cfg).QUANTIZED_PARAMS
     for name, sources in sources_of.items():
-        parts = []
-        for hf_name in sources:
-            t = get_tensor(hf_name)
-            if tuple(t.shape) != expected[hf_name]:
-                raise ModelLoadError(
-                    f"weight {hf_name!r} has shape {tuple(t.shape)}, expected {expected[hf_name]} from config.json"
-                )
-            if t.dtype not in PLAIN_DTYPES:
-                raise ModelLoadError(
-                    f"weight {hf_name!r} is {str(t.dtype).removeprefix('torch.')} but config.json declares no "
-                    "quantization (no quantization_config): refusing to cast it; a quantized checkpoint names its "
-                    "method in config.json")
-            parts.append(t)
-        value = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        fp8_capable = scheme is not None and name.startswith("layers.") and name.split(".", 2)[2] in quantized
+        value, scale = source.load(name, sources, fp8_capable)
         with torch.no_grad():
-            params[name].data = value.to(device=device, dtype=dtype).contiguous()
+            params[name].data = value
+        if scale is not None:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner).register_buffer(f"{attr}_scale", scale)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.to(dtype=dtype)
+    if scheme is not None:
+        log.info("FP8 weights (%s): %d projections, %.2f GiB (%.2f GiB in %s); matmuls: %s", scheme.method,
+                 source.fp8_params, source.fp8_bytes / 2**30, source.fp8_bytes * dtype.itemsize / 2**30,
+                 str(dtype).removeprefix("torch."), fp8.describe(torch.device(device)))
+        if scheme.static_activations:
+            log.info("the checkpoint's static input scales are not used: activations are quantized per token at "
+                     "run time where the matmuls are FP8")
     model.init_rope()
     pack_linears(model)  # CPU: oneDNN-packed copies for decode batches (packed_linear.py)
     if torch.device(device).type == "cuda":  # one matmul for q|k|v and one for gate|up (models/llama.py)
@@ -185,7 +192,7 @@ def load_model(
     ``quantization_config`` is read from config.json (``quant_config.py``) and refused unless supported."""
     device = torch.device(device)
     if name_or_path in BUILTIN_NAMES:
-        _check_quantization(read_quantization({}, quantization))
+        scheme = read_quantization({}, quantization)
         cfg = tiny_config()
         weights = random_hf_weights(cfg, seed=seed)
         # Only printable ASCII, newline and EOS get random output weights; every other byte
@@ -194,8 +201,8 @@ def load_model(
         mask = torch.zeros(cfg.vocab_size, 1)
         mask[keep] = 1.0
         weights["lm_head.weight"] = weights["lm_head.weight"] * mask * 20
-        model = build_model(cfg, weights.__getitem__, dtype, device)
-        return LoadedModel(BUILTIN_MODEL, cfg, model, ByteTokenizer(), dtype, device)
+        model = build_model(cfg, weights.__getitem__, dtype, device, scheme)
+        return LoadedModel(BUILTIN_MODEL, cfg, model, ByteTokenizer(), dtype, device, scheme)
     path = Path(name_or_path)
     if not path.is_dir():
         raise ModelLoadError(
@@ -203,12 +210,8 @@ def load_model(
         )
     hf_config = read_config_json(path / "config.json")
     cfg = ModelConfig.from_hf_dict(hf_config)
-    _check_quantization(read_quantization(hf_config, quantization))
-    model = build_model(cfg, _SafetensorsReader(path), dtype, device)
+    scheme = read_quantization(hf_config, quantization)
+    model = build_model(cfg, _SafetensorsReader(path), dtype, device, scheme)
     tokenizer = HFTokenizer(path, cfg.eos_token_ids) if (path / "tokenizer.json").exists() else ByteTokenizer()
-    return LoadedModel(path.name, cfg, model, tokenizer, dtype, device)
+    return LoadedModel(path.name, cfg, model, tokenizer, dtype, device, scheme)
 
-
-def _check_quantization(scheme) -> None:
-    if scheme is not None:
-        raise ConfigError(f"quantization {scheme.method!r} is recognised but pdserve does not load it yet")

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fp8
 from .defaults import PACKED_LINEAR_ENV
 
 PACK_BATCH_HINT = 8  # the rows oneDNN's reorder is tuned for (measured best over 2..16 rows)
@@ -90,7 +91,10 @@ def _reorder(w: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
 
 def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """``x @ module.weight.T + module.bias``, through the packed weight when there is one and
-    ``x`` has enough rows (more than PLAIN_MAX_ROWS, or UPCAST_PLAIN_MAX_ROWS when widened)."""
+    ``x`` has enough rows (more than PLAIN_MAX_ROWS, or UPCAST_PLAIN_MAX_ROWS when widened); an FP8
+    weight (``weight_scale`` beside it) through ``fp8.linear``."""
+    if module.weight.dtype == fp8.FP8:
+        return fp8.linear(x, module.weight, module.weight_scale, module.bias)
     packed = getattr(module, "packed_weight", None)
     if (packed is None or x.dim() != 2 or x.device.type != "cpu" or x.dtype != module.packed_from
             or module.weight.dtype != module.packed_from):  # (a model moved or cast after loading)

@@ -25,9 +25,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .defaults import QUANTIZATIONS
 from .errors import ConfigError
 
-QUANTIZATIONS = ("fp8",)  # what --quantization accepts
+
 SUPPORTED = ("fp8 (per-tensor weight scales; dynamic or static activations)",
              "compressed-tensors float-quantized FP8 (per-tensor or per-channel weight scales; "
              "dynamic per-token or static activations)",

@@ -104,6 +104,8 @@ class LocalCluster:
         a = self.args
         common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads",
                   str(a.threads)]
+        if a.quantization:
+            common += ["--quantization", a.quantization]
         if self.scaling:  # a drained server finishes its longest request before it stops
             common += ["--drain-timeout", f"{defaults.REQUEST_TIMEOUT_S:g}"]
         return common + (a.extra.split() if a.extra else [])

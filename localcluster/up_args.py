@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-reuse", action=argparse.BooleanOptionalAction, default=True,
                         help="decodes serve prompts' cached prefixes, only missing KV blocks move "
                              "(--no-decode-reuse: all move)")
+    parser.add_argument("--quantization", choices=defaults.QUANTIZATIONS, default=None,
+                        help=defaults.QUANTIZATION_HELP)
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-dir", default=None,

@@ -62,6 +62,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default=None, choices=kv_sizing.DTYPES,
                    help=f"weights and KV cache dtype (default: {kv_sizing.GPU_DTYPE} on --device cuda, "
                         f"{kv_sizing.CPU_DTYPE} on cpu)")
+    g.add_argument("--quantization", choices=defaults.QUANTIZATIONS, default=None, help=defaults.QUANTIZATION_HELP)
     g.add_argument("--device", type=kv_sizing.device_flag, default="cpu",
                    help="cpu, cuda or cuda:N; a CUDA device this process cannot see (no driver or GPU) stops the "
                         "server at start with a message")
@@ -178,7 +179,7 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     try:
-        loaded = load_model(args.model, dtype=dtype, device=args.device)
+        loaded = load_model(args.model, dtype=dtype, device=args.device, quantization=args.quantization)
         max_len = args.max_model_len or loaded.config.max_position_embeddings
         cfg = EngineConfig(num_blocks=None, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                            max_model_len=max_len, kv_host_tier_bytes=args.kv_host_tier_bytes,

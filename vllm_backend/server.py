@@ -109,6 +109,7 @@ def build_vllm_server_engine(args, role: str) -> ServerParts:
                                  kv_connector_module_path="pdserve.vllm_backend.connector",
                                  kv_role="kv_both", kv_connector_extra_config={"bridge": key})
     engine_args = EngineArgs(model=str(path), dtype=args.dtype, max_model_len=max_len, block_size=args.block_size,
+                             quantization=getattr(args, "quantization", None),  # vLLM's own "fp8" (at load)
                              **kv_args, enforce_eager=True, max_num_seqs=args.max_num_seqs,
                              enable_prefix_caching=True, kv_transfer_config=kv_config, seed=0,
                              # prefix-cache events, for routers and decode pickers: publish_kv_events takes vLLM's

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import gpu_elementwise
+from .. import fp8, gpu_elementwise
 from ..config import ModelConfig
 from ..defaults import MERGED_PROJECTIONS_ENV
 from ..packed_linear import linear
@@ -44,11 +44,20 @@ class RMSNorm(nn.Module):
 
 
 def _merge(parts: list[torch.Tensor]) -> torch.Tensor:
-    """``parts`` concatenated along dim 0; each part's ``.data`` becomes its view into the result."""
-    merged = torch.cat(parts)
+    """``parts`` concatenated along dim 0; each part's ``.data`` becomes its view into the result
+    (FP8 parts concatenated as their bytes)."""
+    dtype = parts[0].dtype
+    as_bytes = dtype == fp8.FP8
+    merged = torch.cat([p.view(torch.uint8) if as_bytes else p for p in parts])
+    if as_bytes:
+        merged = merged.view(dtype)
     for part, view in zip(parts, merged.split([p.shape[0] for p in parts])):
         part.data = view
     return merged
+
+
+def _merged_linear(x: torch.Tensor, weight: torch.Tensor, bias, scale) -> torch.Tensor:
+    return F.linear(x, weight, bias) if scale is None else fp8.linear(x, weight, scale, bias)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,6 +88,11 @@ class DecoderLayer(nn.Module):
     qkv_weight: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
     gate_up_weight: torch.Tensor | None = None
+    qkv_scale: torch.Tensor | None = None  # FP8 weights: the merged rows' scales (fp8.py)
+    gate_up_scale: torch.Tensor | None = None
+    # the parameters --quantization / an FP8 checkpoint makes FP8 (weight_source.py); the rest stay plain
+    QUANTIZED_PARAMS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                        "up_proj.weight", "down_proj.weight")
 
     def __init__(self, cfg: ModelConfig, index: int):
         super().__init__()
@@ -109,11 +123,17 @@ class DecoderLayer(nn.Module):
         the separate (oneDNN-packed) matrices measured faster, so only CUDA models merge (loader.py)."""
         with torch.no_grad():
             projections = (self.q_proj, self.k_proj, self.v_proj)
+            if len({p.weight.dtype for p in projections}) > 1:  # (FP8 and plain mixed: kept apart)
+                return
             self.qkv_weight = _merge([p.weight for p in projections])
             if projections[0].bias is not None:
                 self.qkv_bias = _merge([p.bias for p in projections])
-            if hasattr(self, "gate_proj"):
+            if projections[0].weight.dtype == fp8.FP8:
+                self.qkv_scale = _merge([p.weight_scale for p in projections])
+            if hasattr(self, "gate_proj") and self.gate_proj.weight.dtype == self.up_proj.weight.dtype:
                 self.gate_up_weight = _merge([self.gate_proj.weight, self.up_proj.weight])
+                if self.gate_proj.weight.dtype == fp8.FP8:
+                    self.gate_up_scale = _merge([self.gate_proj.weight_scale, self.up_proj.weight_scale])
 
     def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-head q/k norms before rotary (Qwen3, Gemma 3); none here."""
@@ -123,7 +143,8 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         h = self.input_layernorm(x)
         if self.qkv_weight is not None and merged_enabled():
-            q, k, v = F.linear(h, self.qkv_weight, self.qkv_bias).split([self.q_size, self.kv_size, self.kv_size], -1)
+            q, k, v = _merged_linear(h, self.qkv_weight, self.qkv_bias, self.qkv_scale).split(
+                [self.q_size, self.kv_size, self.kv_size], -1)
         else:  # linear(): F.linear on the parameters (or their packed copy at batch), less Python than the modules
             q = linear(h, self.q_proj)
             k = linear(h, self.k_proj)
@@ -133,7 +154,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None and merged_enabled():
-            gate_up = F.linear(h, self.gate_up_weight)
+            gate_up = _merged_linear(h, self.gate_up_weight, None, self.gate_up_scale)
             if self.cfg.hidden_act == "silu" and gpu_elementwise.enabled(gate_up):
                 return linear(gpu_elementwise.silu_mul(gate_up), self.down_proj)
             gate, up = gate_up.chunk(2, dim=-1)

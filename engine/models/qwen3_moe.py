@@ -14,12 +14,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import fp8
 from ..config import ModelConfig
 from .llama import Tensors
 from .qwen3 import Qwen3Layer
 
 
+def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight) if scale is None else fp8.linear(x, weight, scale)
+
+
 class Qwen3MoeLayer(Qwen3Layer):
+    QUANTIZED_PARAMS = (*Qwen3Layer.QUANTIZED_PARAMS, "experts_gate_up", "experts_down")
+
     def build_mlp(self, cfg: ModelConfig, index: int) -> None:
         self.sparse = cfg.is_moe_layer(index)
         if not self.sparse:
@@ -42,11 +49,16 @@ class Qwen3MoeLayer(Qwen3Layer):
         weights = weights.to(h.dtype)
         gate_up = self.experts_gate_up.view(e, 2 * i, -1)
         down = self.experts_down.view(e, -1, i)
+        # FP8 experts (fp8.py): one scale per row, sliced as the rows are
+        gate_up_scale = getattr(self, "experts_gate_up_scale", None)
+        down_scale = getattr(self, "experts_down_scale", None)
         out = torch.zeros_like(h)
         for expert in torch.unique(experts).tolist():
             tokens, slot = torch.where(experts == expert)
-            gate, up = F.linear(h[tokens], gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, down[expert]) * weights[tokens, slot, None]
+            gs = None if gate_up_scale is None else gate_up_scale.view(e, -1)[expert]
+            ds = None if down_scale is None else down_scale.view(e, -1)[expert]
+            gate, up = _expert_linear(h[tokens], gate_up[expert], gs).chunk(2, dim=-1)
+            y = _expert_linear(self.act(gate) * up, down[expert], ds) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y)
         return out
 

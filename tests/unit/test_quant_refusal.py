@@ -121,3 +121,47 @@ def test_server_start_names_the_method_in_one_line(tmp_path):
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("pdserve: cannot start the engine: unsupported quantization method 'gptq'"), done.stderr
+
+
+def _fp8_checkpoint(tmp_path, fmt="ct-channel"):
+    from harness.fp8_checkpoints import quantize_checkpoint
+
+    return quantize_checkpoint(_checkpoint(tmp_path), tmp_path / fmt, fmt)
+
+
+def _rewrite(directory, change):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(directory / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(directory / "model.safetensors"))
+
+
+def test_fp8_checkpoint_without_a_scale_is_refused_naming_it(tmp_path):
+    d = _fp8_checkpoint(tmp_path)
+    _rewrite(d, lambda t: t.pop("model.layers.0.self_attn.k_proj.weight_scale"))
+    with pytest.raises(ModelLoadError, match="'model.layers.0.self_attn.k_proj.weight_scale' is missing"):
+        load_model(str(d))
+
+
+def test_fp8_scale_of_another_shape_is_refused_naming_it(tmp_path):
+    d = _fp8_checkpoint(tmp_path)
+
+    def blockwise(t):
+        t["model.layers.0.mlp.down_proj.weight_scale"] = torch.ones(1, 1, 2)
+
+    _rewrite(d, blockwise)
+    with pytest.raises(ModelLoadError, match=r"down_proj.weight_scale has shape \(1, 1, 2\): expected one value"):
+        load_model(str(d))
+
+
+def test_int8_tensor_in_an_fp8_checkpoint_is_refused(tmp_path):
+    d = _fp8_checkpoint(tmp_path, "fp8")
+
+    def int8(t):
+        t["model.layers.0.mlp.up_proj.weight"] = t["model.layers.0.mlp.up_proj.weight"].view(torch.int8)
+
+    _rewrite(d, int8)
+    with pytest.raises(ModelLoadError, match="'model.layers.0.mlp.up_proj.weight' is int8, not float8_e4m3fn, "
+                                             "in a checkpoint quantized by fp8"):
+        load_model(str(d))

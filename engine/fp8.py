@@ -1,0 +1,118 @@
+"""FP8 (e4m3) linear weights: quantized at load, and the matmul each device runs on them.
+
+A quantized weight is float8_e4m3fn ``[out, in]`` with one float32 scale per output row (``[out]``;
+a checkpoint's per-tensor scale is repeated per row): the real weight is ``w * scale[:, None]``.
+The loader (``loader.py``) installs it on its module as ``weight`` (or ``experts_*``) beside a
+``*_scale`` buffer; ``linear(x, weight, scale, bias)`` is ``x @ (w * scale).T + bias`` on:
+
+- CPU: up to ``FEW_ROWS`` rows (a decode step), the C++ kernel reads the FP8 bytes in place
+  (``engine/csrc/fp8_linear.cpp``): half the weight bytes of bf16 per step. More rows (a prefill, a big
+  batch): the weight is widened into a buffer kept across calls, then one GEMM. Without the kernel
+  (no g++): widened per call in torch, slowly (a warning at load says so).
+- CUDA with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell): activations quantized
+  per token at run time, ``torch._scaled_mm`` with row-wise scales, bf16 out.
+- other GPUs (Ampere): widened per call (the weights stay FP8 in memory).
+
+``describe(device)`` is the one line a server logs at start saying which of these it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from . import native
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+FEW_ROWS = 4  # up to this many rows the kernel reads FP8 in place; measured faster than bf16's GEMM at 1-4 rows
+SCALED_MM_CAPABILITY = (8, 9)
+_scratch = threading.local()  # per thread: dtype -> the widening buffer (the largest weight seen)
+
+
+def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [out, in] -> (FP8 weight, float32 scale [out]): per output row, amax maps to FP8_MAX."""
+    w32 = w.float()
+    scale = (w32.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w32 / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def row_scales(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """A checkpoint's ``weight_scale`` (one value, or one per output row) -> float32 ``[rows]``."""
+    flat = scale.float().reshape(-1)
+    if flat.numel() == 1:
+        return flat.expand(rows).contiguous()
+    if flat.numel() == rows and scale.dim() <= 2 and (scale.dim() < 2 or scale.shape[1] == 1):
+        return flat.contiguous()
+    raise ValueError(f"{name} has shape {tuple(scale.shape)}: expected one value (per-tensor) or one per "
+                     f"output row ({rows}, per-channel)")
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``w * scale[:, None]`` computed in float32 (exact), then cast to ``dtype`` once."""
+    return (w.float() * scale[:, None]).to(dtype)
+
+
+def scaled_mm_capable(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= SCALED_MM_CAPABILITY
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (w * scale[:, None]).T + bias`` in ``x``'s dtype (x [..., in], w FP8 [out, in])."""
+    if x.device.type == "cpu":
+        return _cpu_linear(x, w, scale, bias)
+    if scaled_mm_capable(x.device) and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
+        return scaled_mm_linear(x, w, scale, bias)
+    return F.linear(x, dequantize(w, scale, x.dtype), bias)
+
+
+def scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """FP8 x FP8 on tensor cores: ``x``'s rows quantized with one scale each (dynamic, per token)."""
+    rows = x.reshape(-1, x.shape[-1])
+    amax = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12)
+    x_scale = amax / FP8_MAX
+    xq = (rows.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    out = torch._scaled_mm(xq, w.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16,
+                           bias=None if bias is None else bias.to(torch.bfloat16))
+    return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def _cpu_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:
+    ops = native.fp8_ops()
+    compute = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
+    rows = x.reshape(-1, x.shape[-1])
+    if ops is None:
+        return F.linear(x, dequantize(w, scale, x.dtype), bias)
+    if rows.shape[0] <= FEW_ROWS:
+        out = ops.fp8_linear(rows.to(compute).contiguous(), w.view(torch.uint8), scale, bias)
+    else:
+        wide = ops.fp8_dequantize(w.view(torch.uint8), scale, _buffer(w.shape, compute))
+        out = F.linear(rows.to(compute), wide, None if bias is None else bias.to(compute))
+    return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
+
+
+def _buffer(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A [out, in] view of this thread's widening buffer (grown to the largest weight, never shrunk)."""
+    buffers = getattr(_scratch, "by_dtype", None)
+    if buffers is None:
+        buffers = _scratch.by_dtype = {}
+    need = shape[0] * shape[1]
+    buf = buffers.get(dtype)
+    if buf is None or buf.numel() < need:
+        buf = buffers[dtype] = torch.empty(need, dtype=dtype)
+    return buf[:need].view(shape)
+
+
+def describe(device: torch.device) -> str:
+    """How FP8 weights are multiplied on ``device`` (the server's start-up line)."""
+    if device.type == "cpu":
+        if native.fp8_ops() is None:
+            return f"widened to the compute dtype per call in torch (slow: the C++ kernel is unavailable: " \
+                   f"{native.fp8_unavailable_reason()})"
+        return (f"read in place by the C++ kernel at up to {FEW_ROWS} rows (decode), widened into a buffer for "
+                "a GEMM at more (prefill)")
+    if scaled_mm_capable(device):
+        return "FP8 tensor cores (torch._scaled_mm), activations quantized per token at run time"
+    return "widened per call (this GPU has no FP8 tensor cores: compute capability below 8.9)"
