@@ -38,8 +38,8 @@ ENGINES = ("builtin", "vllm")  # = pdserve.server_setup.ENGINES (checked by the 
 CAPABILITIES = ("IPC_LOCK", "SYS_RESOURCE")
 
 # The flags the operator writes itself (workloads.py); engine.extraArgs must not repeat them.
-ENGINE_FLAGS = ("--engine", "--device", "--dtype", "--kv-cache-memory", "--gpu-memory-utilization", "--num-blocks",
-                "--max-num-seqs", "--max-model-len")
+ENGINE_FLAGS = ("--engine", "--device", "--dtype", "--quantization", "--kv-cache-memory", "--gpu-memory-utilization",
+                "--num-blocks", "--max-num-seqs", "--max-model-len")
 OPERATOR_FLAGS = {
     "prefill": ("--host", "--port", "--grpc-port", "--model", "--served-model-name", "--discovery", "--namespace",
                 "--decode-selector", "--policy", "--transfer", "--block-size", "--drain-timeout", "--batch-db",
@@ -111,6 +111,10 @@ def engine_schema(role: str) -> dict:
             "dtype": _str(f"Weights and KV cache dtype (`--dtype`). Default: {GPU_DTYPE} on a GPU pool (resources "
                           f"name {' or '.join(GPU_RESOURCES)}), {CPU_DTYPE} on the CPU. Prefill and decode "
                           "pools must compute in the same dtype.", enum=list(DTYPES), maxLength=16),
+            "quantization": _str("fp8: the model's linear projections are quantized to FP8 at load (`--quantization`; "
+                                 "half the weight bytes of bf16). Default: none; a checkpoint's own "
+                                 "quantization_config is read either way (FP8 checkpoints load, other methods are "
+                                 "refused at start).", enum=list(defaults.QUANTIZATIONS)),
             "kvCacheMemory": {**_BYTES, "description": "Bytes of the KV cache, a quantity such as 4Gi or 512Mi "
                                                       "(`--kv-cache-memory`)."},
             "gpuMemoryUtilization": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1,

@@ -57,6 +57,8 @@ def engine_args(spec: dict) -> list[str]:
         args += ["--device", crd_pod.GPU_DEVICE, "--dtype", dtype(spec)]
     elif engine.get("dtype"):  # else the server's CPU default, which is crd_pod.CPU_DTYPE
         args += ["--dtype", engine["dtype"]]
+    if engine.get("quantization"):
+        args += ["--quantization", engine["quantization"]]
     if engine.get("kvCacheMemory") is not None:
         args += ["--kv-cache-memory", str(quantity_bytes(engine["kvCacheMemory"]))]
     if engine.get("gpuMemoryUtilization") is not None:

@@ -200,6 +200,8 @@ INVALID = [
     ("unknown queue policy", {"spec": {"slo": {"queuePolicy": "lifo"}}}, "spec.slo.queuePolicy"),
     ("unknown disaggregation mode", {"spec": {"routing": {"disaggregation": "sometimes"}}},
      "spec.routing.disaggregation"),
+    ("unknown quantization", {"spec": {"decode": [{"name": "a", "engine": {"quantization": "awq"}}]}},
+     "spec.decode[0].engine.quantization"),
     ("bad resource quantity", {"spec": {"decode": [{"name": "a", "resources": {"limits": {"cpu": "lots"}}}]}},
      "spec.decode[0].resources.limits.cpu"),
     ("bad toleration operator", {"spec": {"decode": [{"name": "a", "tolerations": [{"operator": "Maybe"}]}]}},

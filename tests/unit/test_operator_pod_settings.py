@@ -22,8 +22,8 @@ def example() -> dict:
     return doc
 
 GPU = {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}
-EVERY_ENGINE_FIELD = {"name": "builtin", "dtype": "float16", "kvCacheMemory": "4Gi", "numBlocks": 9,
-                      "gpuMemoryUtilization": 0.8, "maxNumSeqs": 64, "maxModelLen": 8192}
+EVERY_ENGINE_FIELD = {"name": "builtin", "dtype": "float16", "quantization": "fp8", "kvCacheMemory": "4Gi",
+                      "numBlocks": 9, "gpuMemoryUtilization": 0.8, "maxNumSeqs": 64, "maxModelLen": 8192}
 
 
 def opts(args: list[str]) -> dict[str, str]:
@@ -61,8 +61,9 @@ def test_engine_fields_become_the_server_flags_and_extra_args_come_last():
     args = pod_settings.engine_args(spec)
     assert args[-3:] == ["--kv-checksum", "--threads", "4"]
     assert opts(args[:-3]) == {"--engine": "builtin", "--device": "cuda", "--dtype": "float16",
-                               "--kv-cache-memory": str(4 << 30), "--gpu-memory-utilization": "0.8",
-                               "--num-blocks": "9", "--max-num-seqs": "64", "--max-model-len": "8192"}
+                               "--quantization": "fp8", "--kv-cache-memory": str(4 << 30),
+                               "--gpu-memory-utilization": "0.8", "--num-blocks": "9", "--max-num-seqs": "64",
+                               "--max-model-len": "8192"}
     assert pod_settings.engine_args({"engine": {"dtype": "bfloat16"}}) == ["--dtype", "bfloat16"]  # CPU, explicit
     assert pod_settings.engine_args({"resources": {"limits": {"cpu": "4"}}}) == []
 
@@ -90,11 +91,12 @@ def test_server_clis_accept_the_gpu_command_lines(role, kv):
     module.add_arguments(parser)
     isvc = example()
     engine = {"name": "builtin", "dtype": "float16", "maxNumSeqs": 64, "maxModelLen": 8192, **kv,
-              "extraArgs": ["--kv-checksum"]}
+              "quantization": "fp8", "extraArgs": ["--kv-checksum"]}
     settings(isvc, role).update(resources=GPU, engine=engine)
     args = pod(workloads.build_deployment(pool_of(isvc, role)))[1]["args"]
     parsed = parser.parse_args(args[1:])  # SystemExit on a flag the server does not have
     assert (parsed.device, parsed.dtype, parsed.max_num_seqs, parsed.max_model_len) == ("cuda", "float16", 64, 8192)
+    assert parsed.quantization == "fp8"
     assert parsed.kv_checksum is True
 
 
@@ -131,6 +133,9 @@ def test_the_operators_lists_are_the_servers():
     server_setup.add_engine_arguments(parser)
     dtype = next(a for a in parser._actions if a.dest == "dtype")
     assert set(crd_pod.DTYPES) == set(dtype.choices)
+    quantization = next(a for a in parser._actions if a.dest == "quantization")
+    enum = crd_pod.engine_schema("decode")["properties"]["quantization"]["enum"]
+    assert set(enum) == set(quantization.choices) == {"fp8"}
 
 
 def full_settings() -> dict:
