@@ -37,7 +37,7 @@ def test_the_run_succeeds_and_prints_one_summary_table(smoke):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("GPU check summary") == 1
     table = proc.stdout[proc.stdout.index("GPU check summary"):]
-    for name in ("ceilings", "parity", "decode", "prefill", "transformers", "pd"):
+    for name in ("ceilings", "parity", "decode", "prefill", "transformers", "fp8", "pd"):
         assert f"\n{name} " in table, name
     assert len(doc["summary"]) >= 20
 
@@ -46,7 +46,7 @@ def test_every_section_is_recorded(smoke):
     _, doc = smoke
     statuses = {name: s["status"] for name, s in doc["sections"].items()}
     assert statuses == {"ceilings": "ok", "parity": "ok", "decode": "ok", "prefill": "ok", "transformers": "ok",
-                        "pd": "skipped"}
+                        "fp8": "ok", "pd": "skipped"}
     meta = doc["meta"]
     assert meta["device"] == "cpu" and meta["torch"] and meta["date"] and meta["plan"]["smoke"]
     assert meta["gpu_name"] is None and "triton" in meta
@@ -95,6 +95,21 @@ def test_transformers_runs_on_the_same_tensors(smoke):
         unit = "ms" if r["kind"] == "decode" else "s"
         assert r[f"ours_{unit}"] > 0 and r[f"theirs_{unit}"] > 0
         assert len(r[f"ours_samples_{unit}"]) == len(r[f"theirs_samples_{unit}"]) == 2
+
+
+def test_fp8_cells_have_figures(smoke):
+    """FP8 weights against the dtype's on the same random tensors: A B rounds of decode and prefill, tokens."""
+    res = smoke[1]["sections"]["fp8"]["results"]
+    assert "C++ kernel" in res["path"]  # the CPU's path (a GPU with FP8 tensor cores: torch._scaled_mm)
+    [decode] = res["decode"]
+    assert (decode["batch"], decode["context"]) == (1, 64) and len(decode["rounds"]) == 2
+    assert all(r["fp8_ms"] > 0 and r["dtype_ms"] > 0 for r in decode["rounds"]) and decode["worst_ratio"] > 0
+    [prefill] = res["prefill"]
+    assert prefill["prompts"] == 2 and prefill["worst_speedup"] > 0
+    acc = res["accuracy"]
+    assert acc["prompts"] == 2 and 0 <= acc["first_token_agreement"] <= 1 and acc["max_logit_diff_over_std"] >= 0
+    rows = [r for r in smoke[1]["summary"] if r["section"] == "fp8"]
+    assert any(r["cell"] == "decode B1 ctx 64" and r["verdict"] == "n/a (smoke)" for r in rows)
 
 
 def _fake_pd_check(tmp_path: Path, verdict: str, then_sleep: float) -> Path:

@@ -9,6 +9,7 @@ Sections, in order (each its own module; tools/gpu/README.md has the formulas):
   decode        decode step of a random Llama-3-8B, batch x context cells  (perf.py)
   prefill       prefill_many of 1/8/32 prompts of 2048 tokens               (perf.py)
   transformers  ours vs LlamaForCausalLM on the same tensors, alternating   (hf_compare.py)
+  fp8           FP8 weights vs the dtype's: decode, prefill, tokens; KV    (fp8cells.py)
   pd            tools/pd_device_check.py, tcp (and nixl where it imports)  (pdpair.py)
 
 The shapes, repetitions, budgets and this command line are in ``plan.py``.
@@ -74,13 +75,14 @@ class Context:
 
 def section_function(name: str):
     import ceilings
+    import fp8cells
     import hf_compare
     import parity
     import pdpair
     import perf
 
     return {"ceilings": ceilings.run, "parity": parity.run, "decode": perf.run_decode, "prefill": perf.run_prefill,
-            "transformers": hf_compare.run_transformers, "pd": pdpair.run}[name]
+            "transformers": hf_compare.run_transformers, "fp8": fp8cells.run_fp8, "pd": pdpair.run}[name]
 
 
 def effective_budget(plan: Plan, name: str, later: list[str], deadline: float) -> float:

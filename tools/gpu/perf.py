@@ -49,8 +49,9 @@ FIT_FRACTION = 0.85
 
 
 # ---- the model ---------------------------------------------------------------------------------
-def build_random_model(cfg, dtype, device, seed: int = 0, std: float = 0.02):
-    """A DecoderModel with random weights drawn on ``device`` (through the loader's own build_model)."""
+def build_random_model(cfg, dtype, device, seed: int = 0, std: float = 0.02, scheme=None):
+    """A DecoderModel with random weights drawn on ``device`` (through the loader's own build_model);
+    ``scheme``: a QuantScheme (fp8cells.py: the same tensors, projections quantized to FP8 at load)."""
     import torch
 
     from pdserve.engine.checkpoint import hf_tensor_shapes
@@ -63,7 +64,9 @@ def build_random_model(cfg, dtype, device, seed: int = 0, std: float = 0.02):
         t = torch.randn(shapes[name], generator=gen, device=device, dtype=dtype)
         return t.mul_(0.1).add_(1.0) if name.endswith("norm.weight") else t.mul_(std)
 
-    return build_model(cfg, tensor, dtype, device)
+    if scheme is None:
+        return build_model(cfg, tensor, dtype, device)
+    return build_model(cfg, tensor, dtype, device, scheme)
 
 
 def get_model(ctx):

@@ -204,8 +204,45 @@ def pd_rows(res: dict, plan) -> list:
     return out
 
 
+def fp8_rows(res: dict, plan) -> list:
+    """Issue 45's GPU targets: FP8 decode step <= 0.6x at batch 1, prefill of 8 x 2k >= 1.5x, FP8 KV >= 1.9x tokens."""
+    out = [("fp8", "matmuls", str(res.get("path", "?"))[:110], "", "")] if "path" in res else []
+    kv = res.get("kv") or {}
+    if "tokens_ratio" in kv:
+        out.append(("fp8", "KV tokens per byte", f"{kv['tokens_ratio']:.3g}x ({kv['fp8_block_bytes']} / "
+                    f"{kv['dtype_block_bytes']} bytes a block)", ">= 1.9x", verdict(kv["tokens_ratio"], 1.9, plan)))
+    elif kv:
+        out.append(("fp8", "KV tokens per byte", kv.get("note") or failed(kv), "", ""))
+    for c in res.get("decode", []):
+        cell = f"decode B{c['batch']} ctx {c['context']}"
+        judged = c["batch"] == 1
+        if "ratio" not in c:
+            out.append(("fp8", cell, c.get("note") or failed(c), "", "ERROR" if "error" in c else ""))
+            continue
+        fig = (f"FP8 / {res.get('dtype')} step: median {c['ratio']:.3f} (worst {c['worst_ratio']:.3f}); "
+               + ", ".join(f"{x['fp8_ms']:.3f}/{x['dtype_ms']:.3f} ms" for x in c["rounds"][:2]))
+        ok = "" if not judged else ("n/a (smoke)" if plan.smoke else "ok" if c["worst_ratio"] <= 0.6 else "MISS")
+        out.append(("fp8", cell, fig[:110], "<= 0.6 every round" if judged else "", ok))
+    for c in res.get("prefill", []):
+        cell = f"prefill {c['prompts']} x {c['length']}"
+        if "speedup" not in c:
+            out.append(("fp8", cell, failed(c), "", "ERROR"))
+            continue
+        judged = c["prompts"] == 8
+        fig = f"{res.get('dtype')} / FP8 time: median {c['speedup']:.3f} (worst {c['worst_speedup']:.3f})"
+        ok = "" if not judged else ("n/a (smoke)" if plan.smoke else "ok" if c["worst_speedup"] >= 1.5 else "MISS")
+        out.append(("fp8", cell, fig, ">= 1.5 every round" if judged else "", ok))
+    acc = res.get("accuracy") or {}
+    if "first_token_agreement" in acc:
+        out.append(("fp8", "accuracy", f"first tokens equal {pct(acc['first_token_agreement'])} of "
+                    f"{acc['prompts']}; max|logit diff| {acc['max_logit_diff_over_std']:.3g} x std", "", ""))
+    elif acc:
+        out.append(("fp8", "accuracy", failed(acc), "", "ERROR"))
+    return out
+
+
 ROWS = {"ceilings": ceilings_rows, "parity": parity_rows, "decode": decode_rows, "prefill": prefill_rows,
-        "transformers": transformers_rows, "pd": pd_rows}
+        "transformers": transformers_rows, "fp8": fp8_rows, "pd": pd_rows}
 
 
 def render_summary(doc: dict) -> str:
