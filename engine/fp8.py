@@ -18,6 +18,7 @@ The loader (``loader.py``) installs it on its module as ``weight`` (or ``experts
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -59,8 +60,17 @@ def dequantize(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (w.float() * scale[:, None]).to(dtype)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def scaled_mm_capable(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= SCALED_MM_CAPABILITY
+    """Whether ``device`` has FP8 tensor cores (CUDA compute capability 8.9+)."""
+    if device.type != "cuda":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) \
+        >= SCALED_MM_CAPABILITY
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
