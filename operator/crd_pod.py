@@ -9,7 +9,8 @@ share with it.
 - ``POOL_RULES``: the rules on one pool (a GPU-only setting needs a GPU), ``DTYPE_RULE``: the
   InferenceService's pools compute in one dtype (KV moves between them as is).
 
-A pool is a GPU pool when its resources (limits or requests) name one of ``GPU_RESOURCES``:
+A pool is a GPU pool when its resources (limits or requests) name one of ``GPU_RESOURCES`` or a
+name under ``GPU_RESOURCE_PREFIXES`` (MIG slices):
 its server gets ``--device cuda`` and ``GPU_DTYPE`` unless ``engine.dtype`` says otherwise;
 any other pool computes on the CPU (``CPU_DTYPE``). The schema refuses a spec that sets what
 is the operator's own (its server flags, environment variables, labels, annotations, volumes
@@ -26,6 +27,13 @@ from pdserve.operator import naming
 from pdserve.operator.crd_schema import _int, _obj, _rule, _str
 
 GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")  # the resource names that make a pool a GPU pool
+# ... and every name under these prefixes: NVIDIA's MIG slices (nvidia.com/mig-3g.40gb, mig-1g.10gb, ...)
+GPU_RESOURCE_PREFIXES = ("nvidia.com/mig-",)
+GPU_NAMES = " or ".join([*GPU_RESOURCES, *(p + "*" for p in GPU_RESOURCE_PREFIXES)])  # for messages
+
+
+def is_gpu_resource(name: str) -> bool:
+    return name in GPU_RESOURCES or name.startswith(GPU_RESOURCE_PREFIXES)
 GPU_DEVICE = "cuda"  # what --device says on a GPU pool (ROCm builds of torch call AMD GPUs cuda too)
 ENGINES = ("builtin", "vllm")  # = pdserve.server_setup.ENGINES (checked by the same test)
 
@@ -71,8 +79,9 @@ def gpu_cel(pool: str) -> str:
     """CEL: whether the pool object ``pool`` names a GPU in its resources."""
     parts = []
     for part in ("limits", "requests"):
-        named = " || ".join(f"'{key}' in {pool}.resources.{part}" for key in GPU_RESOURCES)
-        parts.append(f"(has({pool}.resources.{part}) && ({named}))")
+        named = " || ".join([*(f"k == '{key}'" for key in GPU_RESOURCES),
+                             *(f"k.startsWith('{prefix}')" for prefix in GPU_RESOURCE_PREFIXES)])
+        parts.append(f"(has({pool}.resources.{part}) && {pool}.resources.{part}.exists(k, {named}))")
     return f"(has({pool}.resources) && ({' || '.join(parts)}))"
 
 
@@ -109,7 +118,7 @@ def engine_schema(role: str) -> dict:
             "name": _str("builtin: pdserve's engine; vllm: vLLM's engine with pdserve's KV connector "
                          "(`--engine`; default: the server's, builtin).", enum=list(ENGINES)),
             "dtype": _str(f"Weights and KV cache dtype (`--dtype`). Default: {GPU_DTYPE} on a GPU pool (resources "
-                          f"name {' or '.join(GPU_RESOURCES)}), {CPU_DTYPE} on the CPU. Prefill and decode "
+                          f"name {GPU_NAMES}), {CPU_DTYPE} on the CPU. Prefill and decode "
                           "pools must compute in the same dtype.", enum=list(DTYPES), maxLength=16),
             "quantization": _str("fp8: the model's linear projections are quantized to FP8 at load (`--quantization`; "
                                  "half the weight bytes of bf16). Default: none; a checkpoint's own "
@@ -194,6 +203,8 @@ POD_SETTINGS = {
     "runtimeClassName": _str("RuntimeClass of the pool's pods (e.g. nvidia).", pattern=naming.DNS_SUBDOMAIN,
                              maxLength=253),
     "priorityClassName": _str("PriorityClass of the pool's pods.", pattern=naming.DNS_SUBDOMAIN, maxLength=253),
+    "schedulerName": _str("The scheduler of the pool's pods (e.g. a Kueue or Volcano scheduler); default: the "
+                          "cluster's.", pattern=naming.DNS_SUBDOMAIN, maxLength=253),
     "podAnnotations": {
         "type": "object",
         "description": "More annotations on the pool's pods; the operator's own (prometheus.io/*, pdserve.io/*) "
@@ -288,9 +299,35 @@ IMAGE_PULL_SECRETS = {
 
 POOL_RULES = [
     _rule(f"!has(self.engine) || !has(self.engine.gpuMemoryUtilization) || {gpu_cel('self')}",
-          f"engine.gpuMemoryUtilization needs a GPU in resources ({', '.join(GPU_RESOURCES)}); size a CPU pool's "
+          f"engine.gpuMemoryUtilization needs a GPU in resources ({GPU_NAMES}); size a CPU pool's "
           "KV cache with kvCacheMemory or numBlocks", fieldPath=".engine.gpuMemoryUtilization"),
+    # the vLLM backend is vLLM's CPU build (vllm_backend/): on a GPU pool it would crash-loop at start
+    _rule(f"!has(self.engine) || !has(self.engine.name) || self.engine.name != 'vllm' || !{gpu_cel('self')}",
+          f"engine.name vllm runs vLLM's CPU build only (no CUDA vLLM path is built and tested yet): a GPU pool "
+          f"(resources name {GPU_NAMES}) needs engine.name builtin", fieldPath=".engine.name"),
 ]
+
+ROLLOUT = _obj(
+    {
+        "maxSurge": {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+                     "pattern": r"^[0-9]+%?$", "description": "Pods created above replicas during a rollout (a "
+                     "number or a percentage; default 1)."},
+        "maxUnavailable": {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+                           "pattern": r"^[0-9]+%?$", "description": "Pods that may be missing during a rollout (a "
+                           "number or a percentage; default 0: a new pod is ready before an old one drains)."},
+    },
+    description="How the pool's Deployment replaces its pods (default maxSurge 1, maxUnavailable 0: one new pod "
+                "first, which needs room for one more pod). On a cluster whose GPUs are all in use, maxSurge 0 and "
+                "maxUnavailable 1 replace one pod at a time, down then up; either way an old pod drains its "
+                "requests before it stops, so no stream is lost.",
+    **{"x-kubernetes-validations": [
+        _rule("!(has(self.maxSurge) && has(self.maxUnavailable) && (self.maxSurge == 0 || self.maxSurge == '0' "
+              "|| self.maxSurge == '0%') && (self.maxUnavailable == 0 || self.maxUnavailable == '0' "
+              "|| self.maxUnavailable == '0%'))",
+              "rollout: maxSurge and maxUnavailable cannot both be 0 (nothing could be replaced)"),
+    ]},
+)
+DEFAULT_ROLLOUT = {"maxSurge": 1, "maxUnavailable": 0}
 
 DTYPE_RULE = {
     "rule": f"!has(self.prefill) || self.decode.all(d, {dtype_cel('d')} == {dtype_cel('self.prefill')})",

@@ -85,6 +85,7 @@ ROUTER = _obj(
                                       "router's)."},
         **crd_pod.POD_SETTINGS,
         "disruptionBudget": crd_pod.DISRUPTION_BUDGET,
+        "rollout": crd_pod.ROLLOUT,
     },
     description="The KV-aware router in front of the prefill pool (pdserve router).",
     default={},

@@ -40,6 +40,7 @@ def _pool_properties(replicas_description: str, role: str) -> dict:
         "engine": crd_pod.engine_schema(role),
         **crd_pod.POD_SETTINGS,
         "disruptionBudget": crd_pod.DISRUPTION_BUDGET,
+        "rollout": crd_pod.ROLLOUT,
     }
 
 

@@ -36,9 +36,9 @@ def quantity_bytes(value: int | str) -> int:
 
 
 def uses_gpu(spec: dict) -> bool:
-    """Whether the pool's resources (limits or requests) name a GPU (``crd_pod.GPU_RESOURCES``)."""
+    """Whether the pool's resources (limits or requests) name a GPU (``crd_pod.is_gpu_resource``: MIG slices too)."""
     resources = spec.get("resources") or {}
-    return any(key in (resources.get(part) or {}) for part in ("limits", "requests") for key in crd_pod.GPU_RESOURCES)
+    return any(crd_pod.is_gpu_resource(key) for part in ("limits", "requests") for key in resources.get(part) or {})
 
 
 def dtype(spec: dict) -> str:
@@ -98,7 +98,7 @@ def apply(template: dict, spec: dict, selector: dict) -> None:
     mounts += copy.deepcopy(spec.get("extraVolumeMounts") or [])
     if spec.get("capabilities"):
         container["securityContext"]["capabilities"]["add"] = list(spec["capabilities"])
-    for key in ("affinity", "runtimeClassName", "priorityClassName"):
+    for key in ("affinity", "runtimeClassName", "priorityClassName", "schedulerName"):
         if spec.get(key):
             pod[key] = copy.deepcopy(spec[key])
     if spec.get("topologySpreadConstraints"):

@@ -1,7 +1,7 @@
 """Pure builders: an InferenceService -> its router (``pdserve router``, the KV-aware front door).
 
 The router has no pool object of its own: ``spec.router`` (replicas, resources, nodeSelector,
-tolerations, loadWeight, the pod settings of ``crd_pod.POD_SETTINGS``, disruptionBudget) is read
+tolerations, loadWeight, the pod settings of ``crd_pod.POD_SETTINGS``, disruptionBudget, rollout) is read
 straight from the InferenceService, which owns the objects built here (``build_router``, in
 creation order):
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 from pdserve import defaults
-from pdserve.operator import crds, model_pods, naming, pod_settings
+from pdserve.operator import crd_pod, crds, model_pods, naming, pod_settings
 
 RUN_AS_USER = 10001  # the image's `pdserve` user (see Dockerfile)
 
@@ -267,7 +267,8 @@ def server_deployment(*, name: str, namespace: str | None, labels: dict, selecto
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": selector},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": {"type": "RollingUpdate",
+                         "rollingUpdate": {**crd_pod.DEFAULT_ROLLOUT, **(spec.get("rollout") or {})}},
             "minReadySeconds": MIN_READY_S,
             "template": template,
         },

@@ -283,3 +283,24 @@ def test_every_container_quotes_its_log_when_it_crashes():
                        router_workloads.build_router_deployment(isvc, CONFIG)]:
         _, container = pod(deployment)
         assert container["terminationMessagePolicy"] == "FallbackToLogsOnError", deployment["metadata"]["name"]
+
+
+@pytest.mark.parametrize("name", ["nvidia.com/mig-3g.40gb", "nvidia.com/mig-1g.10gb", "amd.com/gpu", "nvidia.com/gpu"])
+def test_every_gpu_resource_name_makes_a_gpu_pool(name):
+    """A MIG slice was not counted before: its pool ran on the CPU without a word."""
+    for part in ("limits", "requests"):
+        spec = {"resources": {part: {name: 1}}}
+        assert pod_settings.uses_gpu(spec)
+        assert opts(pod_settings.engine_args(spec))["--device"] == "cuda"
+    assert not pod_settings.uses_gpu({"resources": {"limits": {"nvidia.com/gpu-memory": 1, "cpu": 4}}})
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_rollout_and_scheduler_reach_the_deployment(role):
+    isvc = example()
+    assert workloads.build_deployment(pool_of(isvc, role))["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 1, "maxUnavailable": 0}  # the default: one new pod first
+    settings(isvc, role).update(rollout={"maxSurge": 0, "maxUnavailable": 1}, schedulerName="volcano")
+    dep = workloads.build_deployment(pool_of(isvc, role))
+    assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    assert dep["spec"]["template"]["spec"]["schedulerName"] == "volcano"
