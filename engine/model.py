@@ -169,7 +169,7 @@ class DecoderModel(nn.Module):
         for i in layer_ids:
             layer, c = self.layers[i], i - layer_ids.start
             q, k, v = layer.qkv(x, *ropes[layer.rope_local])
-            kv.write(c, batch.slot_rows, k, v)
+            k, v = kv.write(c, batch.slot_rows, k, v)  # fp8: as the cache holds them (dequantized)
             if on_layer is not None:
                 kv.mark_written(c)  # a CUDA event the CacheStore's thread waits on; no stream sync here
                 on_layer(i)
