@@ -6,10 +6,11 @@ Layout (a contract with the CacheStore, which registers this memory once)::
 
 ``row`` is ``head_dim`` values of the model's dtype (``kv_dtype="auto"``), or with
 ``kv_dtype="fp8"`` ``head_dim + 2`` bytes (uint8): the row's values in float8_e4m3fn and its own
-bfloat16 scale (``kv_quant.py``). Either way a block is ``block_nbytes`` contiguous bytes per
-layer that hold everything needed to read it back, scales included, so whatever moves or stores
-whole blocks (CacheStore, checksums, swap, tiers, KV pool) needs no change for fp8. ``write``
-quantizes, ``gather`` dequantizes to the model's dtype (``compute_dtype``).
+bfloat16 scale (``kv_formats.py`` why, ``kv_quant.py`` how). Either way a block is
+``block_nbytes`` contiguous bytes per layer holding everything needed to read it back, scales
+included, so whatever moves or stores whole blocks (CacheStore, checksums, swap, tiers, KV pool)
+needs no change for fp8. ``write`` quantizes, ``gather`` dequantizes to the model's dtype
+(``compute_dtype``).
 
 So the bytes of (layer, block) start at ``(layer * num_blocks + block) * block_nbytes`` and the
 blocks of one layer with contiguous ids form one contiguous byte range. ``layer(i)`` is a view
@@ -17,7 +18,7 @@ blocks of one layer with contiguous ids form one contiguous byte range. ``layer(
 
 Token slots: token ``t`` of a request lives in block ``block_table[t // block_size]`` at offset
 ``t % block_size``. ``slot_indices`` turns block ids + offsets into row indices of the flat
-per-layer view ``[num_blocks * 2 * block_size, num_kv_heads, head_dim]`` (the K row; the V row
+per-layer view ``[num_blocks * 2 * block_size, num_kv_heads, row]`` (the K row; the V row
 is ``block_size`` further).
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from . import kv_quant
+from .kv_formats import SCALE_BYTES, check_kv_dtype
 
 
 class KVCache:
@@ -41,10 +43,10 @@ class KVCache:
         kv_dtype: str = "auto",
     ):
         """``dtype``: the model's (what ``gather`` returns); ``kv_dtype``: "auto" (rows in ``dtype``) or "fp8"."""
-        self.kv_dtype = kv_quant.check_kv_dtype(kv_dtype)
+        self.kv_dtype = check_kv_dtype(kv_dtype)
         self.compute_dtype = dtype
         self.fp8 = kv_dtype == "fp8"
-        self.row_width = head_dim + kv_quant.SCALE_BYTES if self.fp8 else head_dim  # storage elements per row
+        self.row_width = head_dim + SCALE_BYTES if self.fp8 else head_dim  # storage elements per row
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -1,56 +1,25 @@
-"""The FP8 KV row: how ``KVCache`` stores one (token, KV head) of K or V when ``kv_dtype="fp8"``.
+"""FP8 KV rows in torch: what ``KVCache`` does on ``write`` and ``gather`` when ``kv_dtype="fp8"``.
 
-Contract (the bytes every mover of whole blocks carries without knowing it: the CacheStore, its
-checksums, swap, the host/disk tiers, the KV pool)::
+The row (``kv_formats.py`` says why this shape)::
 
     row = head_dim bytes of float8_e4m3fn  |  2 bytes: the row's scale, bfloat16 (little-endian)
-    value[d] = float(fp8[d]) * float(scale)
+    value[d] = float(fp8[d]) * float(scale),   scale = bfloat16(amax(|x|) / 448)
 
-The scale is dynamic, per token per KV head: ``amax(|x|) / 448`` of that row (448 = e4m3fn's
-largest finite value), rounded to bfloat16, computed when the token is written. A row never
-changes after its token is written, so decode filling a block token by token never re-quantizes
-what is there (a per-block scale would have to, whenever a later token exceeds its range), and
-each row gets the whole fp8 range: the most accurate of the scale granularities the issue allows.
-bfloat16 (not float16) because its range is float32's: a tiny row's scale never underflows to 0.
-
-Bytes per (token, head) against 16-bit K/V: ``2 * head_dim / (head_dim + 2)``: 1.94x at
-head_dim 64, 1.97x at 128 (``tokens_per_byte_gain``). The C++ decode kernel
-(``csrc/paged_decode.cpp``) reads these rows in place; ``quantize``/``dequantize`` are the torch path.
+448 is e4m3fn's largest finite value; ``x / scale`` is clamped to +-448 (the scale rounded to
+bfloat16 may be a little below amax / 448). An all-zero row gets a tiny positive scale (its values
+are 0). The C++ decode kernel (``csrc/paged_decode.cpp``) reads the same bytes.
 """
 
 from __future__ import annotations
 
 import torch
 
-KV_DTYPES = ("auto", "fp8")  # --kv-cache-dtype: auto = the model's dtype, fp8 = these rows
+from .kv_formats import SCALE_BYTES
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 SCALE_DTYPE = torch.bfloat16
-SCALE_BYTES = 2
-_TINY = 2.0**-120  # the scale of an all-zero row (any positive number: its values quantize to 0)
-
-
-def check_kv_dtype(kv_dtype: str) -> str:
-    """``kv_dtype`` if it is one of ``KV_DTYPES``, else ValueError naming the flag and the choices."""
-    if kv_dtype not in KV_DTYPES:
-        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    return kv_dtype
-
-
-def describe(kv_dtype: str, model_dtype: str) -> str:
-    """The KV cache's element type in words, for logs and refusals: 'fp8 (float8_e4m3fn + bfloat16
-    scales)' or the model dtype ('bfloat16')."""
-    return "fp8 (float8_e4m3fn + bfloat16 scale per token per KV head)" if kv_dtype == "fp8" else model_dtype
-
-
-def row_nbytes(kv_dtype: str, head_dim: int, element_bytes: int) -> int:
-    """Bytes of one (token, KV head) row of K or V: ``element_bytes`` is the model dtype's (auto)."""
-    return head_dim + SCALE_BYTES if kv_dtype == "fp8" else head_dim * element_bytes
-
-
-def tokens_per_byte_gain(head_dim: int, element_bytes: int = 2) -> float:
-    """How many more tokens an fp8 pool holds than one of ``element_bytes`` per value, in the same bytes."""
-    return row_nbytes("auto", head_dim, element_bytes) / row_nbytes("fp8", head_dim, element_bytes)
+_TINY = 2.0**-120  # the scale of an all-zero row
 
 
 def quantize(x: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from .defaults import BLOCK_SIZE
 from .errors import OutOfBlocksError
 from .grammar import Grammars
 from .kv_cache import KVCache
-from .kv_quant import check_kv_dtype
+from .kv_formats import check_kv_dtype
 from .kv_tiers import KVTiers, TierStats
 from .loader import LoadedModel
 from .model_runner import ModelRunner

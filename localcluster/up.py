@@ -103,7 +103,7 @@ class LocalCluster:
     def _common(self) -> list[str]:
         a = self.args
         common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads",
-                  str(a.threads)]
+                  str(a.threads), "--kv-cache-dtype", getattr(a, "kv_cache_dtype", "auto")]
         if self.scaling:  # a drained server finishes its longest request before it stops
             common += ["--drain-timeout", f"{defaults.REQUEST_TIMEOUT_S:g}"]
         return common + (a.extra.split() if a.extra else [])

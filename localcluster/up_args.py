@@ -10,6 +10,8 @@ from pdserve.cachestore import TRANSPORTS
 from . import autoscale
 from .supervisor import POLICIES
 
+KV_DTYPES = ("auto", "fp8")  # the servers' --kv-cache-dtype (engine/kv_formats.py; a test keeps them equal)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=defaults.BUILTIN_MODEL, help="'tiny' (built-in) or a model directory")
@@ -31,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="decodes serve prompts' cached prefixes, only missing KV blocks move "
                              "(--no-decode-reuse: all move)")
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
+    parser.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
+                        help="every server's KV cache: auto (--dtype) or fp8 (float8_e4m3fn + a bfloat16 scale per "
+                             "token per KV head: about twice the tokens per block byte)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-dir", default=None,
                         help="where process logs go, with servers.json and a <server>.pid per running server "
