@@ -102,3 +102,73 @@ def test_up_passes_the_servers_choices():
     from pdserve.localcluster import up_args
 
     assert up_args.KV_DTYPES == kv_formats.KV_DTYPES
+
+
+def test_a_server_engine_with_fp8_kv_gets_the_blocks_its_byte_budget_holds(caplog):
+    """The servers' start-up path (--kv-cache-memory with --kv-cache-dtype fp8): the pool tensor is the budget,
+    in fp8 blocks (the tiny model's float32 K/V: 64 bytes per row, 18 in fp8)."""
+    import argparse
+
+    from pdserve.server_setup import add_engine_arguments, load_engine
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    blocks = {}
+    for kv_dtype in ("auto", "fp8"):
+        args = parser.parse_args(["--model", "tiny", "--kv-cache-memory", "4MiB", "--kv-cache-dtype", kv_dtype])
+        with caplog.at_level("INFO", logger="pdserve.server"):
+            engine = load_engine(args)[1]
+        blocks[kv_dtype] = engine.num_blocks
+        assert engine.kv_cache.kv_dtype == kv_dtype and engine.kv_cache.tensor.nbytes <= 4 << 20
+    assert blocks == {"auto": 64, "fp8": (4 << 20) // (4 * 2 * 64 * 2 * 18)}
+    assert any("fp8 (float8_e4m3fn" in r.message and f"{blocks['fp8']} blocks" in r.message for r in caplog.records)
+
+
+def test_the_kv_pool_lender_stores_fp8_and_attends_over_what_it_holds(tiny):
+    """The KV pool's PutKV writes through KVCache (quantized into the lent blocks), Attend reads them back:
+    the micro-attention over the fp8 round trip of the K/V put; fp8 and auto peers refuse each other."""
+    import threading
+
+    from pdserve.engine import LLMEngine
+    from pdserve.kvpool.attention import from_bytes, micro_attention
+    from pdserve.kvpool.rmanager import BlockLender, kv_layout
+    from pdserve.protos import KVPOOL_VERSION, kvpool_pb2
+
+    engine = LLMEngine(tiny, EngineConfig(num_blocks=6, block_size=16, kv_cache_dtype="fp8"))
+    auto = LLMEngine(tiny, EngineConfig(num_blocks=1, block_size=16))
+    assert kv_layout(engine) == kv_layout(auto) + "/fp8"
+    lender = BlockLender(engine, threading.Lock(), reserve=0, idle_s=60.0)
+    refused = lender.Lend(kvpool_pb2.LendRequest(borrower="b", request_id="x", blocks=1, layout=kv_layout(auto),
+                                                 version=KVPOOL_VERSION), None)
+    assert refused.granted_blocks == 0 and "incompatible peer" in refused.refusal
+    assert lender.Lend(kvpool_pb2.LendRequest(borrower="b", request_id="r", blocks=4, layout=lender.layout,
+                                              version=KVPOOL_VERSION), None).granted_blocks == 4
+    cfg = engine.model_config
+    g = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(50, cfg.num_kv_heads, cfg.head_dim, generator=g) for _ in range(2))
+    lender.PutKV(kvpool_pb2.PutKVRequest(request_id="r", layer=1, start=0, num_tokens=50,
+                                         k=k.numpy().tobytes(), v=v.numpy().tobytes()), None)
+    q = torch.randn(cfg.num_heads, cfg.head_dim, generator=g)
+    r = lender.Attend(kvpool_pb2.AttendRequest(request_id="r", layer=1, q=q.numpy().tobytes(),
+                                               num_heads=cfg.num_heads), None)
+    got = from_bytes(r.max, r.sum_exp, r.weighted, cfg.num_heads)
+    rt = [kv_quant.dequantize(kv_quant.quantize(x), torch.float32) for x in (k, v)]
+    want = micro_attention(q, *rt)
+    for a, b in ((got.max, want.max), (got.sum_exp, want.sum_exp), (got.weighted, want.weighted)):
+        torch.testing.assert_close(a, b)
+    assert lender.Release(kvpool_pb2.ReleaseRequest(request_id="r"), None).freed_blocks == 4
+    assert engine.num_free_blocks() == 6 and engine.num_requests() == 0
+
+
+def test_on_cuda_an_fp8_cache_takes_the_torch_attention_path(monkeypatch):
+    """The paged Triton kernels read 16/32-bit rows: an fp8 cache on CUDA is not theirs (the engine gathers and
+    dequantizes in torch instead, correct but slower, and logs so)."""
+    from types import SimpleNamespace
+
+    from pdserve.engine import gpu_attention
+
+    monkeypatch.setattr(gpu_attention, "available", lambda: True)
+    cache = SimpleNamespace(device=torch.device("cuda"), block_size=16, head_dim=64, fp8=False)
+    assert gpu_attention.usable(cache)
+    cache.fp8 = True
+    assert not gpu_attention.usable(cache)
