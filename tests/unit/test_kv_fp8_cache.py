@@ -172,3 +172,11 @@ def test_on_cuda_an_fp8_cache_takes_the_torch_attention_path(monkeypatch):
     assert gpu_attention.usable(cache)
     cache.fp8 = True
     assert not gpu_attention.usable(cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_what_a_row_dequantizes_to_gives_the_same_bytes(dtype):
+    """Values that came out of an fp8 row go back into the same bytes (the KV pool's borrower attends over the
+    round trip and sends it to lenders that quantize it again)."""
+    rows = kv_quant.quantize(_rows(seed=7)[2:].to(dtype))
+    assert torch.equal(kv_quant.quantize(kv_quant.dequantize(rows, dtype)), rows)
