@@ -118,3 +118,47 @@ def test_different_kv_dtypes_refuse_each_other_naming_both(procs, prefill_kv, de
     assert metric(decode.url, "pdserve_kv_allocation_refusals_total", reason="incompatible") >= 1
     readings = wait_all_released([prefill, decode])
     assert nothing_held(readings), readings
+
+
+def test_a_prompt_spanning_three_fp8_decodes_through_the_kv_pool_equals_the_engine_alone(procs):
+    """The KV pool inside P/D with fp8 caches: the prefill pushes each part of the prompt's fp8 blocks (scales
+    inside) to the decode or the lender holding it; the tokens equal the fp8 engine alone on a pool that holds
+    the request; every block, loan, Session and CacheStore entry comes back."""
+    import re
+
+    import grpc
+
+    from harness.conditions import wait_until
+    from pdserve.net import free_port
+
+    fp8, blocks = ["--kv-cache-dtype", "fp8"], 8  # 512 tokens per decode (blocks of 64), lending up to 7
+    gm_port = free_port()
+    procs.pdserve("kvpool", "gmanager", "--port", str(gm_port), "--ttl", "2", name="gmanager")
+    decodes = [start_decode(procs, "tcp", blocks, name=f"decode{i}", extra=[
+        *fp8, "--kv-pool", f"127.0.0.1:{gm_port}", "--kv-pool-port", str(free_port()),
+        "--kv-pool-instance-id", f"decode{i}", "--kv-pool-lend-fraction", "0.875"]) for i in range(3)]
+    for d in decodes:
+        wait_ready(d)
+    prefill = start_prefill(procs, [d.grpc_address for d in decodes], "tcp", 64, extra=[*fp8, "--no-resume"])
+    wait_ready(prefill)
+    rnd = random.Random(0)
+    prompt = [rnd.randrange(32, 127) for _ in range(1300)]  # 21 blocks with its 12 tokens: 7 here, 14 borrowed
+
+    def generate_long():
+        try:
+            return generate(prefill, "long", prompt, 12)
+        except grpc.RpcError as err:  # the prefill has not heard of the pool's room yet: "only 8 KV blocks"
+            assert re.search(r"the largest decode holds only \d+ KV blocks", err.details()), err.details()
+            return None
+
+    got = []
+    wait_until(lambda: got.append(generate_long()) or got[-1] is not None, "a decode pooled the long request",
+               hang_guard_s=60, pause_s=0.2)
+    expected = _colocated_fp8({"long": prompt}, {"long": 12})["long"]
+    assert got[-1] == expected
+    pools = [get_json(d.url + "/health")[1]["kv_pool"] for d in decodes]
+    assert sum(p["pooled_requests_total"] for p in pools) == 1 and sum(p["borrowed_blocks_total"] for p in pools) >= 13
+    readings = wait_all_released([prefill, *decodes], timeout=20)
+    assert nothing_held(readings), readings
+    wait_until(lambda: all(get_json(d.url + "/health")[1]["kv_pool"]["loans"] == 0 for d in decodes),
+               "every loan given back", hang_guard_s=30, pause_s=0.1)
