@@ -97,11 +97,26 @@ def test_bad_kv_dtype_is_refused_naming_the_flag():
         EngineConfig(kv_cache_dtype="fp16")
 
 
-def test_up_passes_the_servers_choices():
-    """``pdserve up`` may not import the engine (the import arrows): its copy of the choices is checked here."""
+def test_up_gives_every_server_its_kv_cache_dtype(tmp_path):
+    """``pdserve up --kv-cache-dtype fp8`` starts every prefill and decode with it (they must agree); up may not
+    import the engine (the import arrows), so its copy of the choices is checked against the servers' here."""
+    import argparse
+
     from pdserve.localcluster import up_args
+    from pdserve.localcluster.up import LocalCluster
+    from pdserve.server_setup import add_engine_arguments
 
     assert up_args.KV_DTYPES == kv_formats.KV_DTYPES
+    parser = argparse.ArgumentParser()
+    up_args.add_arguments(parser)
+    cluster = LocalCluster(parser.parse_args(["--kv-cache-dtype", "fp8", "--log-dir", str(tmp_path)]), say=print)
+    servers = cluster.supervisor.servers
+    assert sorted(s.role for s in servers) == ["decode", "decode", "prefill"]
+    server_flags = argparse.ArgumentParser()
+    add_engine_arguments(server_flags)
+    for server in servers:
+        i = server.argv.index("--kv-cache-dtype")
+        assert server_flags.parse_known_args(server.argv[i : i + 2])[0].kv_cache_dtype == "fp8"
 
 
 def test_a_server_engine_with_fp8_kv_gets_the_blocks_its_byte_budget_holds(caplog):
