@@ -1,7 +1,9 @@
 """What the CacheStore knows about memory: one registered region and the KV layout inside it.
 
 The engine keeps its whole KV pool in ONE tensor laid out
-``[num_layers, num_blocks, 2 (K, V), block_size, num_kv_heads, head_dim]``; the bytes of
+``[num_layers, num_blocks, 2 (K, V), block_size, num_kv_heads, row]`` (a row: ``head_dim`` values
+of ``dtype``, or with ``kv_dtype="fp8"`` ``head_dim`` fp8 bytes and a 2-byte scale; the engine's
+``kv_quant.py`` is the contract; the CacheStore only needs the row's size); the bytes of
 ``(layer, block)`` start at ``(layer * num_blocks + block) * block_nbytes``, so contiguous
 block ids of one layer form one contiguous byte range. The CacheStore never sees engine
 classes: a ``MemoryRegion`` (base pointer, length, device) plus a ``KVLayout``.
@@ -17,6 +19,8 @@ from typing import Any, Callable, Sequence
 
 # The bytes of one element for each dtype name CompatInfo accepts.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+KV_DTYPES = ("auto", "fp8")  # CompatInfo.kv_dtype: the engine's --kv-cache-dtype choices (engine/kv_quant.py)
+FP8_SCALE_BYTES = 2  # an fp8 row: head_dim bytes then its bfloat16 scale (engine/kv_quant.py's row)
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,15 +77,18 @@ class KVLayout:
 class CompatInfo:
     """What both peers must agree on before any byte moves; hashed into ``compat_hash``."""
 
-    dtype: str
+    dtype: str  # the model's
     num_layers: int
     num_kv_heads: int
     head_dim: int
     block_size: int
+    kv_dtype: str = "auto"  # "auto": rows of ``dtype``; "fp8": fp8 rows with their scales (--kv-cache-dtype)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"CompatInfo.dtype {self.dtype!r} unknown; expected one of {sorted(DTYPE_BYTES)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"CompatInfo.kv_dtype {self.kv_dtype!r} unknown; expected one of {', '.join(KV_DTYPES)}")
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -90,10 +97,14 @@ class CompatInfo:
     @property
     def block_nbytes(self) -> int:
         """Bytes of one block of one layer (K and V)."""
-        return 2 * self.block_size * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        row = self.head_dim + FP8_SCALE_BYTES if self.kv_dtype == "fp8" else self.head_dim * DTYPE_BYTES[self.dtype]
+        return 2 * self.block_size * self.num_kv_heads * row
 
     def describe(self) -> str:
-        return (f"dtype={self.dtype} layers={self.num_layers} kv_heads={self.num_kv_heads} "
+        """The fields in words (hashed into ``compat_hash``; "kv_cache=fp8" only for an fp8 cache, so an auto
+        one hashes as before the field existed)."""
+        kv = " kv_cache=fp8(float8_e4m3fn+bfloat16 scales)" if self.kv_dtype == "fp8" else ""
+        return (f"dtype={self.dtype}{kv} layers={self.num_layers} kv_heads={self.num_kv_heads} "
                 f"head_dim={self.head_dim} block_size={self.block_size}")
 
     @property

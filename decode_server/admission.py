@@ -5,7 +5,9 @@ else ``(code, reason)`` for the ``Refusal`` message. The checks, in order:
 
 1. ``bad_request`` - no request id;
 2. ``version`` - the protocol versions differ;
-3. ``incompatible`` - a KV layout field differs (``compat_mismatch`` names each, both values);
+3. ``incompatible`` - a KV layout field differs (``compat_mismatch`` names each, both values; a
+   different --kv-cache-dtype is named in words first: "decode's KV cache is fp8 (...), this
+   prefill's is float32");
 4. ``draining`` - this decode is shutting down;
 5. ``bad_request`` - the request id already has a live session here, the prompt is empty,
    max_tokens < 1, prompt + max_tokens exceed the context, or ``blocks_needed`` does not
@@ -21,12 +23,22 @@ else ``(code, reason)`` for the ``Refusal`` message. The checks, in order:
 
 from __future__ import annotations
 
-from pdserve.engine import blocks_needed
+from pdserve.engine import blocks_needed, kv_formats
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
 
-# Compat fields that must be equal on both ends for KV bytes to be meaningful.
+# Compat fields that must be equal on both ends for KV bytes to be meaningful (kv_cache_dtype too: kv_dtype).
 COMPAT_FIELDS = ("dtype", "num_layers", "num_kv_heads", "head_dim", "block_size", "model", "transport")
+
+
+def kv_dtype(compat: pb.Compat) -> str:
+    """The Compat's --kv-cache-dtype ("auto" when an older peer left it unset)."""
+    return compat.kv_cache_dtype or "auto"
+
+
+def describe_kv(compat: pb.Compat) -> str:
+    """The KV cache's element type in words: 'fp8 (float8_e4m3fn + ...)' or the model dtype."""
+    return kv_formats.describe(kv_dtype(compat), compat.dtype)
 
 
 def compat_mismatch(ours: pb.Compat, theirs: pb.Compat) -> str | None:
@@ -36,6 +48,9 @@ def compat_mismatch(ours: pb.Compat, theirs: pb.Compat) -> str | None:
         for name in COMPAT_FIELDS
         if getattr(ours, name) != getattr(theirs, name)
     ]
+    if kv_dtype(ours) != kv_dtype(theirs):
+        diffs.insert(0, f"decode's KV cache is {describe_kv(ours)}, this prefill's is {describe_kv(theirs)} "
+                        f"(--kv-cache-dtype: prefill={kv_dtype(theirs)!r} decode={kv_dtype(ours)!r})")
     return "incompatible KV layout: " + ", ".join(diffs) if diffs else None
 
 

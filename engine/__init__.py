@@ -12,7 +12,8 @@ Reading path (read in this order):
                       math (scale, soft-capping, sliding-window masks) in ``attention.py``
   ``models/``         each family's decoder layer: llama.py (Llama, Mistral, Qwen2), qwen3.py,
                       qwen3_moe.py (experts), gemma.py (Gemma 2, Gemma 3 text)
-  ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore)
+  ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore); its fp8
+                      rows: ``kv_formats.py`` (the facts, torch-free), ``kv_quant.py`` (quantize/dequantize)
   ``swap.py``         Swapper: a running request's KV evicted to host memory and restored (LSO)
   ``kv_tiers.py``     KVTiers: evicted prefix-cache blocks in host memory, then disk; copied back on a hit
   ``sampling.py``     SamplingParams (validated) and the batched Sampler; ``token_logprobs``
@@ -48,10 +49,13 @@ API
 
     engine = LLMEngine(loaded, EngineConfig(num_blocks=None, block_size=64, max_num_seqs=64,
                                             max_model_len=None, enable_prefix_cache=True,
-                                            kv_host_tier_bytes=0, kv_disk_tier_dir=None, kv_disk_tier_bytes=0))
+                                            kv_host_tier_bytes=0, kv_disk_tier_dir=None, kv_disk_tier_bytes=0,
+                                            kv_cache_dtype="auto"))  # or "fp8": ~2x the tokens per byte
         # kv_*_tier_*: evicted prefix-cache blocks go to host memory then disk, a hit copies them
         # back (kv_tiers.py); engine.tier_stats() -> {"host"|"disk": TierStats}; engine.close()
-    engine.kv_cache.tensor      # [num_layers, num_blocks, 2 (K,V), block_size, num_kv_heads, head_dim]
+    engine.kv_cache.tensor      # [num_layers, num_blocks, 2 (K,V), block_size, num_kv_heads, row]: row = head_dim
+                                # values, or with EngineConfig(kv_cache_dtype="fp8") head_dim fp8 bytes + a
+                                # bfloat16 scale (uint8; kv_formats.py, kv_quant.py); gather() dequantizes
     engine.kv_cache.block_nbytes, .num_blocks, .layer(i) (view), .block_offset(layer, block) (bytes)
     engine.num_free_blocks(); engine.num_requests()  # (both back to full / 0 when idle)
     blocks_needed(num_tokens, block_size)   # ceil division: blocks that hold num_tokens tokens

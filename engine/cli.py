@@ -17,6 +17,7 @@ import time
 
 from .defaults import BLOCK_SIZE, BUILTIN_MODEL
 from .defaults import QUANTIZATION_HELP, QUANTIZATIONS
+from .kv_formats import KV_DTYPES
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="weights and KV cache dtype (default: float32)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
+    parser.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
+                        help="auto: KV cache in --dtype; fp8: float8_e4m3fn with a bfloat16 scale per token per KV "
+                             "head (about twice the tokens in the same bytes; engine/kv_formats.py)")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                         help=f"KV block size in tokens (default: {BLOCK_SIZE})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -65,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
         tok = loaded.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         ids = tok.encode(text, add_special_tokens=not (args.chat and tok.bos_token))
-        engine = LLMEngine(loaded, EngineConfig(block_size=args.block_size, max_num_seqs=1))
+        engine = LLMEngine(loaded, EngineConfig(block_size=args.block_size, max_num_seqs=1,
+                                                kv_cache_dtype=args.kv_cache_dtype))
         engine.add_request("cli", ids, sampling)
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -17,6 +17,9 @@ QUANTIZATION_HELP = ("fp8: quantize the checkpoint's linear projections to FP8 (
                      "at load: half the weight bytes of bf16 (default: none; a checkpoint's own quantization_config "
                      "is read either way: FP8 checkpoints load, other methods are refused at start)")
 
+# What --kv-cache-dtype accepts (kv_formats.py says what each is).
+KV_CACHE_DTYPES = ("auto", "fp8")
+
 # Environment variable: "0" keeps every linear layer on F.linear (no oneDNN-packed copy of the
 # weights, which doubles their memory on CPU); see packed_linear.py.
 PACKED_LINEAR_ENV = "PDSERVE_PACKED_LINEAR"

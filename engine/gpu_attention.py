@@ -214,8 +214,11 @@ def available() -> bool:
 def usable(kv) -> bool:
     """Whether the engine runs its attention on these kernels for this KVCache: a CUDA cache of a
     shape they take, and triton here. On CPU the engine keeps attention.py (and its C++ decode):
-    the interpreter is for the tests."""
-    return kv.device.type == "cuda" and supports(kv.block_size, kv.head_dim) and available()
+    the interpreter is for the tests. An fp8 cache (``kv_dtype="fp8"``) is not one of them: the kernels
+    read 16/32-bit rows, so the engine runs attention.py (dequantizing on the gather) there, correct
+    but slower (``ModelRunner`` logs it)."""
+    return (kv.device.type == "cuda" and not getattr(kv, "fp8", False) and supports(kv.block_size, kv.head_dim)
+            and available())
 
 
 def supports(block_size: int, head_dim: int) -> bool:

@@ -218,7 +218,7 @@ class KVTiers:
     def __init__(self, kv: KVCache, host_bytes: int = 0, disk_dir: str | None = None, disk_bytes: int = 0):
         self.kv = kv
         self.block_bytes = kv.block_nbytes * kv.num_layers  # one block, every layer, K and V
-        self.shape = (kv.num_layers, 2, kv.block_size, kv.num_kv_heads, kv.head_dim)
+        self.shape = kv.block_shape  # fp8: the rows carry their scales, so a block is whole as it is
         for flag, budget in (("kv_host_tier_bytes (--kv-host-tier-bytes)", host_bytes),
                              ("kv_disk_tier_bytes (--kv-disk-tier-bytes)", disk_bytes)):
             if budget < 0 or 0 < budget < self.block_bytes:

@@ -34,6 +34,7 @@ from .defaults import BLOCK_SIZE
 from .errors import OutOfBlocksError
 from .grammar import Grammars
 from .kv_cache import KVCache
+from .kv_formats import check_kv_dtype
 from .kv_tiers import KVTiers, TierStats
 from .loader import LoadedModel
 from .model_runner import ModelRunner
@@ -67,8 +68,12 @@ class EngineConfig:
     kv_disk_tier_bytes: int = 0
     # on CUDA: decode steps from CUDA graphs (decode_graphs.py); False: eager (--enforce-eager)
     cuda_graphs: bool = True
+    # "auto": K/V in the model's dtype; "fp8": float8_e4m3fn with a bfloat16 scale per token per KV head
+    # (kv_quant.py; about twice the tokens in the same bytes)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        check_kv_dtype(self.kv_cache_dtype)
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -92,13 +97,13 @@ class LLMEngine:
         self.block_size = config.block_size
         num_blocks = config.num_blocks
         if num_blocks is None:
-            probe = KVCache(cfg.num_layers, 1, config.block_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, "meta")
+            probe = KVCache(cfg.num_layers, 1, config.block_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, "meta",
+                            config.kv_cache_dtype)
             by_memory = config.kv_cache_bytes // (probe.block_nbytes * cfg.num_layers)
             by_need = config.max_num_seqs * blocks_needed(self.max_model_len, config.block_size)
             num_blocks = max(1, min(by_memory, by_need))
-        self.kv_cache = KVCache(
-            cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, loaded.device
-        )
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+                                loaded.dtype, loaded.device, config.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
         self.tiers: KVTiers | None = None
         if config.kv_host_tier_bytes or config.kv_disk_tier_bytes or config.kv_disk_tier_dir:

@@ -169,7 +169,7 @@ class DecoderModel(nn.Module):
         for i in layer_ids:
             layer, c = self.layers[i], i - layer_ids.start
             q, k, v = layer.qkv(x, *ropes[layer.rope_local])
-            kv.write(c, batch.slot_rows, k, v)
+            k, v = kv.write(c, batch.slot_rows, k, v)  # fp8: as the cache holds them (dequantized)
             if on_layer is not None:
                 kv.mark_written(c)  # a CUDA event the CacheStore's thread waits on; no stream sync here
                 on_layer(i)
@@ -272,8 +272,10 @@ class DecoderModel(nn.Module):
     @staticmethod
     def _native_decode(q: torch.Tensor, cap, kv: KVCache, batch: ForwardBatch):
         """The C++ decode attention over the paged cache in place (native.py), where it applies:
-        CPU, float32/bfloat16 in both q and the cache, a head size it has, no logit soft-capping; else None."""
-        if (batch.decode_tables is None or cap is not None or q.device.type != "cpu" or q.dtype != kv.dtype
+        CPU, float32/bfloat16 in q and the cache (or an fp8 cache: it reads the rows and their scales), a
+        head size it has, no logit soft-capping; else None."""
+        if (batch.decode_tables is None or cap is not None or q.device.type != "cpu"
+                or (q.dtype != kv.dtype and not kv.fp8)
                 or q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] not in native.HEAD_DIMS):
             return None
         return native.paged_decode_attention()

@@ -24,6 +24,7 @@ block_size], t % block_size)`` (see ``kv_cache.py``).
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -35,6 +36,7 @@ from .model import DecoderModel, ForwardBatch, PrefillSpan
 from .sampling import ROWS_PER_PASS, Sampler, logprobs_of, token_logprobs
 from .sequence import Sequence
 
+log = logging.getLogger(__name__)
 
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, sampler: Sampler, device: torch.device):
@@ -42,6 +44,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # pure-decode steps from CUDA graphs (LLMEngine sets it on CUDA)
         # the paged Triton kernels on CUDA where they take this cache's shapes (gpu_attention.py), else attention.py
         self.attention = "triton" if gpu_attention.usable(kv_cache) else "torch"
+        if kv_cache.fp8 and device.type == "cuda":
+            log.warning("--kv-cache-dtype fp8 on CUDA: attention dequantizes the gathered rows in torch (the paged "
+                        "Triton kernels read 16/32-bit rows only); correct, slower than --kv-cache-dtype auto")
         if device.type == "cpu":
             native.paged_decode_attention()  # built or found now, at start-up, not inside the first request
 

@@ -35,6 +35,7 @@ import grpc
 import torch
 import torch.nn.functional as F
 
+from pdserve.engine import kv_quant
 from pdserve.engine.block_manager import blocks_needed
 from pdserve.engine.errors import OutOfBlocksError
 from pdserve.engine.llm_engine import LLMEngine
@@ -215,6 +216,10 @@ class PooledRequest:
         pending = []
         for i, layer in enumerate(model.layers):
             q, k, v = layer.qkv(x, cos, sin)
+            if kv.fp8:
+                # attend over what the caches will hold, as the engine's prefill does (KVCache.write returns it);
+                # quantizing these values again (here and on the lenders) gives the same bytes
+                k, v = (kv_quant.dequantize(kv_quant.quantize(t), t.dtype) for t in (k, v))
             if keep:
                 kv.write(i, rows[:keep], k[:keep], v[:keep])
             for fut in pending:

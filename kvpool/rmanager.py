@@ -34,9 +34,11 @@ BORROW_ROUNDS = 3
 
 
 def kv_layout(engine: LLMEngine) -> str:
-    """What two peers must agree on to share KV: layers/kv_heads/head_dim/block_size/dtype."""
+    """What two peers must agree on to share KV: layers/kv_heads/head_dim/block_size/dtype, then "/fp8" for
+    an fp8 cache (its blocks hold fp8 rows and scales: a peer with 16/32-bit rows cannot read them)."""
     kv = engine.kv_cache
-    return f"{kv.num_layers}/{kv.num_kv_heads}/{kv.head_dim}/{kv.block_size}/{str(kv.dtype).removeprefix('torch.')}"
+    dtype = str(kv.compute_dtype).removeprefix("torch.")
+    return f"{kv.num_layers}/{kv.num_kv_heads}/{kv.head_dim}/{kv.block_size}/{dtype}" + ("/fp8" if kv.fp8 else "")
 
 
 def tensor(raw: bytes, *shape: int) -> torch.Tensor:

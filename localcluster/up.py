@@ -103,8 +103,8 @@ class LocalCluster:
     def _common(self) -> list[str]:
         a = self.args
         common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads",
-                  str(a.threads)]
-        if a.quantization:
+                  str(a.threads), "--kv-cache-dtype", getattr(a, "kv_cache_dtype", "auto")]
+        if getattr(a, "quantization", None):
             common += ["--quantization", a.quantization]
         if self.scaling:  # a drained server finishes its longest request before it stops
             common += ["--drain-timeout", f"{defaults.REQUEST_TIMEOUT_S:g}"]

@@ -11,6 +11,7 @@ from . import autoscale
 from .supervisor import POLICIES
 
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=defaults.BUILTIN_MODEL, help="'tiny' (built-in) or a model directory")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill processes")
@@ -33,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", choices=defaults.QUANTIZATIONS, default=None,
                         help=defaults.QUANTIZATION_HELP)
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
+    parser.add_argument("--kv-cache-dtype", choices=defaults.KV_CACHE_DTYPES, default="auto",
+                        help="every server's KV cache: auto (--dtype) or fp8 (float8_e4m3fn + a bfloat16 scale per "
+                             "token per KV head: about twice the tokens per block byte)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-dir", default=None,
                         help="where process logs go, with servers.json and a <server>.pid per running server "

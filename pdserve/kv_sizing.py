@@ -4,7 +4,8 @@ The first of these that applies decides (``KVFlags.source``):
 
 1. ``--num-blocks N``: exactly N blocks.
 2. ``--kv-cache-memory BYTES``: as many blocks as BYTES holds, on the CPU or the GPU. A block is
-   ``--block-size`` tokens of K and V in every layer, in the KV dtype (``pool_bytes_per_block``).
+   ``--block-size`` tokens of K and V in every layer, in the KV dtype (``pool_bytes_per_block``:
+   ``--dtype``, or with ``--kv-cache-dtype fp8`` fp8 rows and their scales, about twice the tokens).
 3. On CUDA, ``--gpu-memory-utilization F`` (default 0.9; vLLM's meaning): the server may use F of
    the device's total memory for weights, activations and KV together, so the pool gets
    ``F * total - in use after loading the weights - activation peak`` (``gpu_kv_bytes``), where
@@ -86,9 +87,11 @@ def check_cuda(device: str, available: bool, count: int) -> None:
         raise ValueError(f"--device {device}: CUDA shows {count} GPU(s) to this process (cuda:0 to cuda:{count - 1})")
 
 
-def pool_bytes_per_block(dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
-    """What one block id costs the pool: K and V of ``block_size`` tokens in every layer."""
-    return CompatInfo(dtype, num_layers, num_kv_heads, head_dim, block_size).block_nbytes * num_layers
+def pool_bytes_per_block(dtype: str, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                         kv_dtype: str = "auto") -> int:
+    """What one block id costs the pool: K and V of ``block_size`` tokens in every layer, in the KV
+    dtype (``kv_dtype`` "fp8": fp8 rows with their scales, about half of a 16-bit ``dtype``'s)."""
+    return CompatInfo(dtype, num_layers, num_kv_heads, head_dim, block_size, kv_dtype).block_nbytes * num_layers
 
 
 def human_bytes(n: int) -> str:
@@ -157,7 +160,7 @@ class KVPoolSize:
     num_blocks: int
     block_size: int  # tokens per block
     bytes_per_block: int  # every layer, K and V
-    dtype: str
+    dtype: str  # the KV cache's element type in words (kv_formats.describe)
     device: str
     reason: str  # which flag or default decided, with its numbers
 
@@ -243,7 +246,8 @@ def measure_gpu_memory(loaded, engine_config, cuda=None) -> GpuMemory:
     probe = LLMEngine(loaded, EngineConfig(
         num_blocks=sum(blocks_needed(n, block_size) for n in lengths), block_size=block_size,
         max_num_seqs=len(lengths), max_model_len=max_len, enable_prefix_cache=False,
-        max_num_batched_tokens=sum(lengths), detokenize=False, cuda_graphs=False))  # the serving engine captures them
+        max_num_batched_tokens=sum(lengths), detokenize=False, cuda_graphs=False,  # the serving engine captures them
+        kv_cache_dtype=engine_config.kv_cache_dtype))  # fp8: its quantizing writes' temporaries count too
     vocab = loaded.config.vocab_size
     prompts = [(f"profile-{i}", [(i + j) % vocab for j in range(n)], SamplingParams(max_tokens=1))
                for i, n in enumerate(lengths)]

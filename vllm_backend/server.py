@@ -88,6 +88,9 @@ def build_vllm_server_engine(args, role: str) -> ServerParts:
                          f"and tokenizer.json, got {args.model!r}")
     if args.block_size % 32:
         raise SystemExit(f"pdserve: --engine vllm: vLLM-CPU needs --block-size a multiple of 32, got {args.block_size}")
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        raise SystemExit(f"pdserve: --engine vllm takes --kv-cache-dtype auto only, got {args.kv_cache_dtype!r}: "
+                         "pdserve's fp8 KV cache (its rows and scales) is the builtin engine's (--engine builtin)")
     try:
         cfg = ModelConfig.from_file(path / "config.json")
     except (ValueError, OSError) as exc:

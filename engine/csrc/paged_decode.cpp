@@ -2,10 +2,17 @@
 // Built by engine/native.py (g++ against the installed torch) and registered as the torch op
 // pdserve_native::paged_decode_attention; engine/model.py calls it for the decode rows on CPU.
 //
-// q [B, H, D]; one layer of the cache [num_blocks, 2, block_size, KVH, D] (K then V per block,
-// engine/kv_cache.py's layout); block tables [B, max_blocks] int64; start [B] and end [B] int64:
-// each sequence attends to the positions start <= p < end (start > 0 under a sliding window).
+// q [B, H, D]; one layer of the cache [num_blocks, 2, block_size, KVH, row] (K then V per block,
+// engine/kv_cache.py's layout): row = D values in q's dtype, or an fp8 cache's uint8 rows of D + 2
+// bytes (D float8_e4m3fn values, then the row's bfloat16 scale: engine/kv_quant.py); block tables
+// [B, max_blocks] int64; start [B] and end [B] int64: each sequence attends to the positions
+// start <= p < end (start > 0 under a sliding window).
 // -> [B, H, D], in q's dtype (float32 or bfloat16; arithmetic in float32).
+//
+// fp8 rows are widened to float32 as bfloat16 ones are, times their scale: an e4m3fn byte b is the
+// float16 with bits (b & 0x7F) << 7 | (b & 0x80) << 8 times 2^8 (its 4 exponent bits land in the low
+// ones of float16's 5, bias 7 against 15; subnormals map to subnormals), converted 16 (AVX-512) or 8
+// (F16C) at a time; the plain-loop build reads a 256-entry table.
 //
 // Per sequence, 16 tokens at a time: each token's K row (all KV heads, contiguous) is read in place
 // (float32) or widened to float32 once (bfloat16), dotted with the query heads that share it, and the
@@ -25,8 +32,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -54,6 +64,70 @@ inline void widen(const T* src, float* dst) {
 #else
   for (int d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
 #endif
+}
+
+// The value of each float8_e4m3fn byte (sign, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0:
+// subnormal; 0x7F / 0xFF: NaN, which engine/kv_quant.py never writes).
+constexpr float fp8_value(int b) {
+  const int e = (b >> 3) & 15, m = b & 7;
+  float v = e == 0 ? m / 8.f : 1.f + m / 8.f;
+  for (int i = 0; i < (e == 0 ? 6 : 0); ++i) v /= 2.f;  // 2^-6 for subnormals
+  for (int i = 7; i < e; ++i) v *= 2.f;
+  for (int i = e; i < 7 && e != 0; ++i) v /= 2.f;
+  return (b & 0x80) ? -v : v;
+}
+
+constexpr std::array<float, 256> make_fp8_table() {
+  std::array<float, 256> t{};
+  for (int b = 0; b < 256; ++b) t[b] = fp8_value(b);
+  return t;
+}
+
+// The scale after a row's D fp8 bytes: bfloat16, the high half of a float32.
+inline float fp8_row_scale(const uint8_t* scale_bytes) {
+  uint16_t raw;
+  std::memcpy(&raw, scale_bytes, 2);
+  const uint32_t bits = static_cast<uint32_t>(raw) << 16;
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// An fp8 row (D bytes, then its scale) widened to float32 values.
+template <int D>
+inline void widen_fp8(const uint8_t* src, float* dst) {
+  const float scale = fp8_row_scale(src + D);
+#if defined(__AVX512F__)
+  const __m512 sv = _mm512_set1_ps(scale * 256.f);
+  const __m256i low7 = _mm256_set1_epi16(0x7F), sign = _mm256_set1_epi16(0x80);
+  for (int c = 0; c < D; c += 16) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c)));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, low7), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(b, sign), 8));
+    _mm512_store_ps(dst + c, _mm512_mul_ps(_mm512_cvtph_ps(h), sv));
+  }
+#elif defined(PDSERVE_AVX2) && defined(__F16C__)
+  const __m256 sv = _mm256_set1_ps(scale * 256.f);
+  const __m128i low7 = _mm_set1_epi16(0x7F), sign = _mm_set1_epi16(0x80);
+  for (int c = 0; c < D; c += 8) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, low7), 7), _mm_slli_epi16(_mm_and_si128(b, sign), 8));
+    _mm256_store_ps(dst + c, _mm256_mul_ps(_mm256_cvtph_ps(h), sv));
+  }
+#else
+  static constexpr std::array<float, 256> table = make_fp8_table();
+  for (int d = 0; d < D; ++d) dst[d] = table[src[d]] * scale;
+#endif
+}
+
+// A cache row of D values widened to float32: C is the cache's element (q's dtype, or uint8 for fp8 rows).
+template <typename C, int D>
+inline void widen_row(const C* src, float* dst) {
+  if constexpr (std::is_same_v<C, uint8_t>) {
+    widen_fp8<D>(src, dst);
+  } else {
+    widen<C, D>(src, dst);
+  }
 }
 
 template <int D>
@@ -242,19 +316,22 @@ inline void score_chunk(const float* const* rows, int64_t count, const float* qf
 #endif
 }
 
-template <typename T, int D>
+// T: q's (and the output's) dtype; C: the cache's element, T or uint8_t (fp8 rows of D + 2 bytes).
+template <typename T, typename C, int D>
 void attend(const at::Tensor& q, const at::Tensor& layer, const at::Tensor& tables, const at::Tensor& start,
             const at::Tensor& end, double scale, at::Tensor& out) {
-  constexpr bool wide = std::is_same_v<T, float>;  // float32 rows are read in place, bfloat16 ones widened
+  constexpr bool wide = std::is_same_v<C, float>;  // float32 rows are read in place, the others widened
+  constexpr int RW = std::is_same_v<C, uint8_t> ? D + 2 : D;  // a cache row's elements (fp8: + its scale)
   const int64_t B = q.size(0), H = q.size(1);
   const int64_t BS = layer.size(2), KVH = layer.size(3), G = H / KVH, NBT = tables.size(1);
   const T* qp = q.data_ptr<T>();
-  const T* cache = layer.data_ptr<T>();
+  const C* cache = layer.data_ptr<C>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* sp = start.data_ptr<int64_t>();
   const int64_t* ep = end.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const int64_t row = KVH * D, half = BS * row, block = 2 * half;
+  // a token's K (or V) of every KV head: `row` widened floats, `crow` cache elements
+  const int64_t row = KVH * D, crow = KVH * RW, half = BS * crow, block = 2 * half;
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> scores, inv(H);
@@ -276,11 +353,11 @@ void attend(const at::Tensor& q, const at::Tensor& layer, const at::Tensor& tabl
         const int64_t count = std::min<int64_t>(16, n - j);
         for (int64_t t = 0; t < count; ++t) {
           const int64_t pos = n0 + j + t;
-          const T* k = cache + tp[b * NBT + pos / BS] * block + (pos % BS) * row;
+          const C* k = cache + tp[b * NBT + pos / BS] * block + (pos % BS) * crow;
           if constexpr (wide) {
             rows[t] = reinterpret_cast<const float*>(k);
           } else {
-            for (int64_t g = 0; g < KVH; ++g) widen<T, D>(k + g * D, krows + t * row + g * D);
+            for (int64_t g = 0; g < KVH; ++g) widen_row<C, D>(k + g * RW, krows + t * row + g * D);
             rows[t] = krows + t * row;
           }
         }
@@ -293,13 +370,13 @@ void attend(const at::Tensor& q, const at::Tensor& layer, const at::Tensor& tabl
       std::fill(acc, acc + H * D, 0.f);
       for (int64_t j = 0; j < n; ++j) {
         const int64_t pos = n0 + j;
-        const T* v = cache + tp[b * NBT + pos / BS] * block + half + (pos % BS) * row;
+        const C* v = cache + tp[b * NBT + pos / BS] * block + half + (pos % BS) * crow;
         for (int64_t g = 0; g < KVH; ++g) {
           const float* vg;
           if constexpr (wide) {
-            vg = reinterpret_cast<const float*>(v + g * D);
+            vg = reinterpret_cast<const float*>(v + g * RW);
           } else {
-            widen<T, D>(v + g * D, x);
+            widen_row<C, D>(v + g * RW, x);
             vg = x;
           }
           for (int64_t h = g * G; h < (g + 1) * G; ++h) axpy<D>(scores[h * n + j], vg, acc + h * D);
@@ -311,15 +388,15 @@ void attend(const at::Tensor& q, const at::Tensor& layer, const at::Tensor& tabl
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 void by_dim(const at::Tensor& q, const at::Tensor& layer, const at::Tensor& tables, const at::Tensor& start,
             const at::Tensor& end, double scale, at::Tensor& out) {
   switch (q.size(2)) {
-    case 64: return attend<T, 64>(q, layer, tables, start, end, scale, out);
-    case 128: return attend<T, 128>(q, layer, tables, start, end, scale, out);
-    case 256: return attend<T, 256>(q, layer, tables, start, end, scale, out);
-    case 32: return attend<T, 32>(q, layer, tables, start, end, scale, out);
-    case 16: return attend<T, 16>(q, layer, tables, start, end, scale, out);
+    case 64: return attend<T, C, 64>(q, layer, tables, start, end, scale, out);
+    case 128: return attend<T, C, 128>(q, layer, tables, start, end, scale, out);
+    case 256: return attend<T, C, 256>(q, layer, tables, start, end, scale, out);
+    case 32: return attend<T, C, 32>(q, layer, tables, start, end, scale, out);
+    case 16: return attend<T, C, 16>(q, layer, tables, start, end, scale, out);
     default: TORCH_CHECK(false, "head_dim ", q.size(2), " (this kernel has 16, 32, 64, 128, 256)");
   }
 }
@@ -327,11 +404,13 @@ void by_dim(const at::Tensor& q, const at::Tensor& layer, const at::Tensor& tabl
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer, const at::Tensor& tables,
                                   const at::Tensor& start, const at::Tensor& end, double scale) {
   TORCH_CHECK(q.dim() == 3 && layer.dim() == 5 && tables.dim() == 2,
-              "q [B, H, D], layer [num_blocks, 2, block_size, KVH, D], tables [B, max_blocks]");
+              "q [B, H, D], layer [num_blocks, 2, block_size, KVH, D (fp8: D + 2)], tables [B, max_blocks]");
   TORCH_CHECK(q.device().is_cpu() && layer.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == layer.scalar_type(), "q and the cache must share a dtype");
+  const bool fp8 = layer.scalar_type() == at::kByte;  // engine/kv_quant.py's rows: D fp8 bytes + a bfloat16 scale
+  TORCH_CHECK(fp8 || q.scalar_type() == layer.scalar_type(), "q and the cache must share a dtype (or an fp8 cache)");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-  TORCH_CHECK(layer.is_contiguous() && layer.size(1) == 2 && layer.size(4) == q.size(2), "a contiguous layer");
+  TORCH_CHECK(layer.is_contiguous() && layer.size(1) == 2 && layer.size(4) == q.size(2) + (fp8 ? 2 : 0),
+              "a contiguous layer of rows of head_dim", fp8 ? " + 2 bytes (fp8)" : "");
   TORCH_CHECK(q.size(1) % layer.size(3) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(tables.scalar_type() == at::kLong && start.scalar_type() == at::kLong && end.scalar_type() == at::kLong,
               "int64 tables, start and end");
@@ -348,8 +427,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& layer, 
       TORCH_CHECK(0 <= tp[b * NBT + i] && tp[b * NBT + i] < blocks, "sequence ", b, ": a block id outside the layer");
   }
   auto out = at::empty(q.sizes(), q.options());
-  if (q.scalar_type() == at::kFloat) by_dim<float>(qc, layer, tc, s, e, scale, out);
-  else by_dim<c10::BFloat16>(qc, layer, tc, s, e, scale, out);
+  const bool f32 = q.scalar_type() == at::kFloat;
+  if (fp8) {
+    if (f32) by_dim<float, uint8_t>(qc, layer, tc, s, e, scale, out);
+    else by_dim<c10::BFloat16, uint8_t>(qc, layer, tc, s, e, scale, out);
+  } else if (f32) {
+    by_dim<float, float>(qc, layer, tc, s, e, scale, out);
+  } else {
+    by_dim<c10::BFloat16, c10::BFloat16>(qc, layer, tc, s, e, scale, out);
+  }
   return out;
 }
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.engine import native
+from pdserve.engine import kv_quant, native
 from pdserve.engine.kv_cache import KVCache
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the engine uses its torch path")
@@ -158,3 +158,76 @@ def test_the_engine_falls_back_to_its_torch_path_with_the_reason(tmp_path):
     if shutil.which("g++"):
         assert runs["native"][0] == "None"  # built into the empty cache, and used
     assert runs["native"][1] == runs["torch"][1]
+
+
+# ---- an fp8 cache (kv_dtype="fp8": rows of head_dim float8_e4m3fn bytes + a bfloat16 scale, kv_quant.py) ----
+
+def _fp8_case(batch_ctx, heads, kv_heads, dim, block_size, q_dtype, seed=0):
+    """An fp8 cache written through KVCache.write (values of many magnitudes, a scale per row), scattered blocks."""
+    g = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-c // block_size) for c in batch_ctx)
+    kv = KVCache(1, len(batch_ctx) * max_blocks + 3, block_size, kv_heads, dim, q_dtype, kv_dtype="fp8")
+    n = kv.num_blocks * block_size
+    rows = kv.slot_indices(torch.arange(n) // block_size, torch.arange(n) % block_size)
+    magnitude = torch.logspace(-1, 1, n).view(n, 1, 1)
+    k, v = torch.randn(n, kv_heads, dim, generator=g) * magnitude, torch.randn(n, kv_heads, dim, generator=g)
+    kv.write(0, rows, k, v)
+    perm = torch.randperm(kv.num_blocks, generator=g)[: len(batch_ctx) * max_blocks]
+    tables = perm.view(len(batch_ctx), max_blocks).contiguous()
+    return kv, torch.randn(len(batch_ctx), heads, dim, generator=g).to(q_dtype), tables, torch.tensor(batch_ctx)
+
+
+def _fp8_reference(kv, q, tables, starts, ends, scale):
+    """SDPA in float32 over the rows dequantized in float32 (kv_quant.dequantize: the torch path's arithmetic)."""
+    rows = kv.table_rows(tables)
+    flat = kv.flat_layer(0)
+    shape = (*rows.shape, kv.num_kv_heads, kv.head_dim)
+    k = kv_quant.dequantize(flat[rows.reshape(-1)], torch.float32).view(shape)
+    v = kv_quant.dequantize(flat[rows.reshape(-1) + kv.block_size], torch.float32).view(shape)
+    pos = torch.arange(rows.shape[1])
+    mask = ((pos >= starts.unsqueeze(1)) & (pos < ends.unsqueeze(1))).view(len(ends), 1, 1, -1)
+    return F.scaled_dot_product_attention(q.float().unsqueeze(2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=mask, scale=scale, enable_gqa=True).squeeze(2)
+
+
+@needs_compiler
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 2, 64), (4, 4, 128), (6, 1, 32), (4, 2, 16), (2, 1, 256)])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("level", ISA_LEVELS)
+def test_fp8_cache_matches_sdpa_over_its_dequantized_rows(heads, kv_heads, dim, q_dtype, window, level):
+    op = _op(level)
+    kv, q, tables, ends = _fp8_case([150, 1, 64, 97], heads, kv_heads, dim, 16, q_dtype)
+    starts = torch.zeros_like(ends) if window is None else (ends - window).clamp(min=0)
+    got = op(q, kv.layer(0), tables, starts, ends, 0.2)
+    assert got.dtype == q_dtype
+    want = _fp8_reference(kv, q, tables, starts, ends, 0.2)
+    if q_dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:  # within bf16's rounding of the result
+        torch.testing.assert_close(got.float(), want, atol=1e-6, rtol=2**-8)
+
+
+@needs_compiler
+@pytest.mark.parametrize("level", ISA_LEVELS)
+def test_every_fp8_byte_widens_to_its_value(level):
+    """One token per sequence: the output is its V row, so each of the 254 finite e4m3fn bytes (subnormals and
+    negatives included) must come out as torch's float8_e4m3fn value of it, times the row's scale."""
+    op = _op(level)
+    kv = KVCache(1, 4, 16, 1, 64, torch.float32, kv_dtype="fp8")
+    finite = torch.tensor([b for b in range(256) if b not in (0x7F, 0xFF)] + [0, 0], dtype=torch.uint8).view(4, 64)
+    for seq in range(4):
+        kv.tensor[0, seq, 1, 0, 0, :64] = finite[seq]  # V of token 0 of block `seq`
+        kv.tensor[0, seq, 1, 0, 0, 64:] = torch.tensor([0.75], dtype=torch.bfloat16).view(torch.uint8)
+    one = torch.ones(4, dtype=torch.long)
+    got = op(torch.randn(4, 1, 64), kv.layer(0), torch.arange(4).view(4, 1), torch.zeros_like(one), one, 1.0)
+    want = finite.view(torch.float8_e4m3fn).float() * 0.75
+    assert torch.equal(got.view(4, 64), want)
+
+
+@needs_compiler
+def test_an_fp8_cache_with_the_wrong_row_size_is_refused():
+    op = native.paged_decode_attention()
+    kv, q, tables, ends = _fp8_case([20], 4, 2, 16, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="head_dim \\+ 2 bytes"):
+        op(q[..., :8].contiguous(), kv.layer(0), tables, torch.zeros_like(ends), ends, 1.0)
