@@ -6,8 +6,9 @@ share with it.
 - ``POD_SETTINGS``: what every pool and the router may add to their pods (env, envFrom,
   affinity, topology spread, runtime and priority class, pod annotations and labels, /dev/shm,
   extra volumes and mounts, capabilities); ``DISRUPTION_BUDGET``; ``IMAGE_PULL_SECRETS``;
-- ``POOL_RULES``: the rules on one pool (a GPU-only setting needs a GPU), ``DTYPE_RULE``: the
-  InferenceService's pools compute in one dtype (KV moves between them as is).
+- ``POOL_RULES``: the rules on one pool (a GPU-only setting needs a GPU), ``DTYPE_RULE`` and
+  ``KV_DTYPE_RULE``: the InferenceService's pools compute in one dtype and keep KV in one KV dtype
+  (KV moves between them as is).
 
 A pool is a GPU pool when its resources (limits or requests) name one of ``GPU_RESOURCES`` or a
 name under ``GPU_RESOURCE_PREFIXES`` (MIG slices):
@@ -46,8 +47,8 @@ ENGINES = ("builtin", "vllm")  # = pdserve.server_setup.ENGINES (checked by the 
 CAPABILITIES = ("IPC_LOCK", "SYS_RESOURCE")
 
 # The flags the operator writes itself (workloads.py); engine.extraArgs must not repeat them.
-ENGINE_FLAGS = ("--engine", "--device", "--dtype", "--quantization", "--kv-cache-memory", "--gpu-memory-utilization",
-                "--num-blocks", "--max-num-seqs", "--max-model-len")
+ENGINE_FLAGS = ("--engine", "--device", "--dtype", "--quantization", "--kv-cache-dtype", "--kv-cache-memory",
+                "--gpu-memory-utilization", "--num-blocks", "--max-num-seqs", "--max-model-len")
 OPERATOR_FLAGS = {
     "prefill": ("--host", "--port", "--grpc-port", "--model", "--served-model-name", "--discovery", "--namespace",
                 "--decode-selector", "--policy", "--transfer", "--block-size", "--drain-timeout", "--batch-db",
@@ -124,6 +125,10 @@ def engine_schema(role: str) -> dict:
                                  "half the weight bytes of bf16). Default: none; a checkpoint's own "
                                  "quantization_config is read either way (FP8 checkpoints load, other methods are "
                                  "refused at start).", enum=list(defaults.QUANTIZATIONS)),
+            "kvCacheDtype": _str("auto: the KV cache in dtype; fp8: float8_e4m3fn with a scale per token per KV "
+                                 "head, computed as each token is written, about twice the tokens in the same bytes "
+                                 "(`--kv-cache-dtype`; the KV sizing counts the smaller blocks). Prefill and decode "
+                                 "pools must use the same.", enum=list(defaults.KV_CACHE_DTYPES)),
             "kvCacheMemory": {**_BYTES, "description": "Bytes of the KV cache, a quantity such as 4Gi or 512Mi "
                                                       "(`--kv-cache-memory`)."},
             "gpuMemoryUtilization": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1,
@@ -328,6 +333,17 @@ ROLLOUT = _obj(
     ]},
 )
 DEFAULT_ROLLOUT = {"maxSurge": 1, "maxUnavailable": 0}
+
+def kv_dtype_cel(pool: str) -> str:
+    """CEL: the KV cache dtype of the pool object ``pool`` (engine.kvCacheDtype, else auto)."""
+    return f"((has({pool}.engine) && has({pool}.engine.kvCacheDtype)) ? {pool}.engine.kvCacheDtype : 'auto')"
+
+
+KV_DTYPE_RULE = {
+    "rule": f"!has(self.prefill) || self.decode.all(d, {kv_dtype_cel('d')} == {kv_dtype_cel('self.prefill')})",
+    "message": "spec.decode pools must use spec.prefill's engine.kvCacheDtype (default auto): the KV moves between "
+               "them as is, and a prefill and a decode of different KV dtypes refuse each other",
+}
 
 DTYPE_RULE = {
     "rule": f"!has(self.prefill) || self.decode.all(d, {dtype_cel('d')} == {dtype_cel('self.prefill')})",

@@ -177,7 +177,7 @@ ISVC_SPEC = _obj(
         "autoscaling": AUTOSCALING,
     },
     required=["model", "decode"],
-    **{"x-kubernetes-validations": [crd_pod.DTYPE_RULE]},
+    **{"x-kubernetes-validations": [crd_pod.DTYPE_RULE, crd_pod.KV_DTYPE_RULE]},
 )
 
 CONDITIONS = {

@@ -59,6 +59,8 @@ def engine_args(spec: dict) -> list[str]:
         args += ["--dtype", engine["dtype"]]
     if engine.get("quantization"):
         args += ["--quantization", engine["quantization"]]
+    if engine.get("kvCacheDtype"):
+        args += ["--kv-cache-dtype", engine["kvCacheDtype"]]
     if engine.get("kvCacheMemory") is not None:
         args += ["--kv-cache-memory", str(quantity_bytes(engine["kvCacheMemory"]))]
     if engine.get("gpuMemoryUtilization") is not None:

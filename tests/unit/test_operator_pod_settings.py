@@ -22,7 +22,8 @@ def example() -> dict:
     return doc
 
 GPU = {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}
-EVERY_ENGINE_FIELD = {"name": "builtin", "dtype": "float16", "quantization": "fp8", "kvCacheMemory": "4Gi",
+EVERY_ENGINE_FIELD = {"name": "builtin", "dtype": "float16", "quantization": "fp8", "kvCacheDtype": "fp8",
+                      "kvCacheMemory": "4Gi",
                       "numBlocks": 9, "gpuMemoryUtilization": 0.8, "maxNumSeqs": 64, "maxModelLen": 8192}
 
 
@@ -61,7 +62,7 @@ def test_engine_fields_become_the_server_flags_and_extra_args_come_last():
     args = pod_settings.engine_args(spec)
     assert args[-3:] == ["--kv-checksum", "--threads", "4"]
     assert opts(args[:-3]) == {"--engine": "builtin", "--device": "cuda", "--dtype": "float16",
-                               "--quantization": "fp8", "--kv-cache-memory": str(4 << 30),
+                               "--quantization": "fp8", "--kv-cache-dtype": "fp8", "--kv-cache-memory": str(4 << 30),
                                "--gpu-memory-utilization": "0.8", "--num-blocks": "9", "--max-num-seqs": "64",
                                "--max-model-len": "8192"}
     assert pod_settings.engine_args({"engine": {"dtype": "bfloat16"}}) == ["--dtype", "bfloat16"]  # CPU, explicit
@@ -91,12 +92,12 @@ def test_server_clis_accept_the_gpu_command_lines(role, kv):
     module.add_arguments(parser)
     isvc = example()
     engine = {"name": "builtin", "dtype": "float16", "maxNumSeqs": 64, "maxModelLen": 8192, **kv,
-              "quantization": "fp8", "extraArgs": ["--kv-checksum"]}
+              "quantization": "fp8", "kvCacheDtype": "fp8", "extraArgs": ["--kv-checksum"]}
     settings(isvc, role).update(resources=GPU, engine=engine)
     args = pod(workloads.build_deployment(pool_of(isvc, role)))[1]["args"]
     parsed = parser.parse_args(args[1:])  # SystemExit on a flag the server does not have
     assert (parsed.device, parsed.dtype, parsed.max_num_seqs, parsed.max_model_len) == ("cuda", "float16", 64, 8192)
-    assert parsed.quantization == "fp8"
+    assert parsed.quantization == "fp8" and parsed.kv_cache_dtype == "fp8"
     assert parsed.kv_checksum is True
 
 
@@ -136,6 +137,9 @@ def test_the_operators_lists_are_the_servers():
     quantization = next(a for a in parser._actions if a.dest == "quantization")
     enum = crd_pod.engine_schema("decode")["properties"]["quantization"]["enum"]
     assert set(enum) == set(quantization.choices) == {"fp8"}
+    kv_dtype = next(a for a in parser._actions if a.dest == "kv_cache_dtype")
+    kv_enum = crd_pod.engine_schema("prefill")["properties"]["kvCacheDtype"]["enum"]
+    assert set(kv_enum) == set(kv_dtype.choices) == {"auto", "fp8"}
 
 
 def full_settings() -> dict:
