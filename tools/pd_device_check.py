@@ -79,6 +79,8 @@ def main() -> int:
     p.add_argument("--model", default="tiny")
     p.add_argument("--requests", type=int, default=4)
     p.add_argument("--transfer", default="tcp", choices=["tcp", "nixl"], help="the servers' KV transport")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache of the engine alone and of both servers (fp8: FP8 KV moved with its scales)")
     args = p.parse_args()
     loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     rng = random.Random(0)
@@ -89,7 +91,8 @@ def main() -> int:
     for i, ids in enumerate(prompts):
         # the servers' block size, pool and batch limit: the same attention splits and graph buckets, so
         # the same roundings in bf16 (with blocks of 16, bf16 texts drifted apart on an H200 at near-ties)
-        engine = LLMEngine(loaded, EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=32))
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, max_num_seqs=32,
+                                                kv_cache_dtype=args.kv_cache_dtype))
         engine.add_request(f"r{i}", ids, sp)
         toks = []
         while engine.has_unfinished():
@@ -100,7 +103,7 @@ def main() -> int:
     dport, dhttp, kv, phttp, pgrpc = free_ports(5)
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--threads", "1",
               "--log-level", "WARNING", "--transfer", args.transfer, "--num-blocks", str(NUM_BLOCKS),
-              "--max-num-seqs", "32"]
+              "--max-num-seqs", "32", "--kv-cache-dtype", args.kv_cache_dtype]
     cmd = [sys.executable, "-m", "pdserve"]
     procs = []
     try:

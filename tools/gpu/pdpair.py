@@ -92,23 +92,25 @@ def run(ctx, rec: Record, budget: Budget) -> None:
     ok, why = nixl_importable()
     rec.results.update(nixl_importable=ok, nixl=why, runs=[])
     rec.note(f"nixl: {why}")
-    transports = ["tcp"] + (["nixl"] if ok else [])
-    for transport in transports:
+    # (transport, KV cache dtype): issue 45's "P/D texts with FP8 KV equal to the engine alone" on tcp
+    runs = [("tcp", "auto")] + ([("nixl", "auto")] if ok else []) + [("tcp", "fp8")]
+    for transport, kv_dtype in runs:
+        label = transport if kv_dtype == "auto" else f"{transport} fp8-kv"
         if budget.left() <= 5:
-            rec.skip(f"transfer {transport}", "budget spent")
+            rec.skip(f"transfer {label}", "budget spent")
             continue
         args = ["--device", ctx.device.type, "--dtype", ctx.pd_dtype_name, "--requests", str(ctx.plan.pd_requests),
-                "--transfer", transport]
+                "--transfer", transport, "--kv-cache-dtype", kv_dtype]
         result = run_check(args, budget.left())
-        result["transfer"] = transport
+        result["transfer"] = label
         rec.results["runs"].append(result)
         rec.save()
-        log("pd", f"{transport}: rc {result['rc']}, {result['verdict'] or result.get('error') or 'no verdict line'}")
+        log("pd", f"{label}: rc {result['rc']}, {result['verdict'] or result.get('error') or 'no verdict line'}")
         if not result["ok"] and ctx.pd_dtype_name != "float32" and result["requests"] and budget.left() > 30:
             # texts apart in bf16: float32 tells rounding at a near-tie (equal there) from a real difference
             args[args.index("--dtype") + 1] = "float32"
             again = run_check(args, budget.left())
-            again["transfer"] = f"{transport} float32"
+            again["transfer"] = f"{label} float32"
             rec.results["runs"].append(again)
             rec.save()
-            log("pd", f"{transport} float32: rc {again['rc']}, {again['verdict'] or again.get('error')}")
+            log("pd", f"{label} float32: rc {again['rc']}, {again['verdict'] or again.get('error')}")
