@@ -123,3 +123,27 @@ def test_builtin_model_quantized_at_load_in_bfloat16():
     engine = LLMEngine(q, EngineConfig(num_blocks=16, block_size=8))
     tokens, _ = greedy_with_first_logits(engine, [ids[0].tolist()], 8)
     assert len(tokens[0]) == 8 and engine.num_free_blocks() == engine.num_blocks
+
+
+@pytest.mark.parametrize("reuse", [False, True])
+def test_fp8_weights_with_fp8_kv_pd_equals_the_engine_alone(family_dirs, reuse):
+    """Both halves of issue 45 at once: an FP8 checkpoint served with an FP8 KV cache, prefill and decode
+    apart in one process (KV copied layer by layer, with decode prefix reuse or without), equals the same
+    engine alone; every block back after."""
+    from pdserve.engine import SamplingParams
+    from harness.engine_runs import run_all, run_pd
+
+    family, plain, root = family_dirs
+    ckpt = quantize_checkpoint(plain, root / f"both-{reuse}", "ct-channel")
+    loaded = load_model(str(ckpt))
+    make = lambda: LLMEngine(loaded, EngineConfig(num_blocks=32, block_size=8, kv_cache_dtype="fp8"))  # noqa: E731
+    sp = SamplingParams(max_tokens=N_TOKENS, temperature=0, ignore_eos=True)
+    requests = {f"r{i}": (p, sp) for i, p in enumerate(PROMPTS)}
+    alone = run_all(make(), requests)
+    prefill, decode = make(), make()
+    if reuse:  # the decode holds the first prompt's blocks: the second run moves only what it lacks
+        run_all(decode, {"warm": (PROMPTS[0], sp)})
+    assert run_pd(prefill, decode, requests, reuse=reuse) == alone
+    for engine in (prefill, decode):
+        assert engine.num_requests() == 0
+    assert prefill.num_free_blocks() == prefill.num_blocks
