@@ -19,19 +19,3 @@ QUANTIZATION_HELP = ("fp8: quantize the checkpoint's linear projections to FP8 (
 
 # What --kv-cache-dtype accepts (kv_formats.py says what each is).
 KV_CACHE_DTYPES = ("auto", "fp8")
-
-# Environment variable: "0" keeps every linear layer on F.linear (no oneDNN-packed copy of the
-# weights, which doubles their memory on CPU); see packed_linear.py.
-PACKED_LINEAR_ENV = "PDSERVE_PACKED_LINEAR"
-
-# Environment variable: "0" keeps decode attention on the pure-torch path (gather + decode_attend)
-# instead of the C++ kernel that reads the paged KV in place; see native.py.
-NATIVE_KERNELS_ENV = "PDSERVE_NATIVE_KERNELS"
-
-# Environment variable: "0" keeps RMSNorm, rotary embeddings and the MLP's silu(gate) * up on CUDA
-# as torch ops (about 8, 5 and 2 kernels each) instead of one Triton kernel each; see gpu_elementwise.py.
-FUSED_ELEMENTWISE_ENV = "PDSERVE_FUSED_ELEMENTWISE"
-
-# Environment variable: "0" runs q, k, v (and gate, up) as separate matmuls on CUDA instead of the
-# merged matrices models/llama.py makes there (DecoderLayer.merge_projections).
-MERGED_PROJECTIONS_ENV = "PDSERVE_MERGED_PROJECTIONS"

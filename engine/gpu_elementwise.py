@@ -16,19 +16,17 @@ a layer's ~40 launches, each a few microseconds even inside a CUDA graph. Each i
 * ``silu_mul(gate_up)``: the gated MLP's ``silu(gate) * up`` on the merged gate|up projection
   (``DecoderLayer.merge_projections``), one kernel where torch runs two over strided halves.
 
-``enabled(x)``: a CUDA tensor, triton here, and ``PDSERVE_FUSED_ELEMENTWISE`` not "0" (the A/B
-switch of the GPU check). The tests run the bodies on CPU tensors under Triton's interpreter
-against the torch forms (``triton_jit.py``).
+``enabled(x)``: a CUDA tensor and triton here; the layers run the kernels when that holds and their
+``fused`` switch is on (``EngineConfig.fused_elementwise``, the A/B switch of the GPU check). The
+tests run the bodies on CPU tensors under Triton's interpreter against the torch forms (``triton_jit.py``).
 """
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from . import triton_jit
-from .defaults import FUSED_ELEMENTWISE_ENV
 
 
 def _rms_norm(X, W, OUT, eps, n_cols, stride_x, stride_o, BLOCK: tl.constexpr):
@@ -80,8 +78,9 @@ _SILU_BLOCK = 1024
 
 
 def enabled(x: torch.Tensor) -> bool:
-    """Whether the engine runs RMSNorm and rotary on these kernels for ``x``."""
-    return x.is_cuda and os.environ.get(FUSED_ELEMENTWISE_ENV, "1") != "0" and triton_jit.available()
+    """Whether these kernels can run on ``x`` (CUDA with Triton); the layers also ask their ``fused`` switch
+    (EngineConfig.fused_elementwise)."""
+    return x.is_cuda and triton_jit.available()
 
 
 def _pow2(n: int) -> int:

@@ -71,6 +71,12 @@ class EngineConfig:
     # "auto": K/V in the model's dtype; "fp8": float8_e4m3fn with a bfloat16 scale per token per KV head
     # (kv_quant.py; about twice the tokens in the same bytes)
     kv_cache_dtype: str = "auto"
+    # Engine switches, read once here (each on by default; off for A/B runs and debugging). An engine applies
+    # them to the model it runs (DecoderModel.configure), so engines sharing one loaded model share them.
+    native_kernels: bool = True  # CPU: decode attention by the C++ kernel over the paged cache (native.py)
+    packed_linear: bool = True  # CPU: oneDNN-packed copies of the linear weights for batches (packed_linear.py)
+    fused_elementwise: bool = True  # CUDA: RMSNorm, rotary, silu*mul as one Triton kernel each (gpu_elementwise.py)
+    merged_projections: bool = True  # CUDA: q|k|v and gate|up as one matmul each (models/llama.py)
 
     def __post_init__(self) -> None:
         check_kv_dtype(self.kv_cache_dtype)
@@ -115,7 +121,10 @@ class LLMEngine:
         self.sampler = Sampler(loaded.device, config.seed)
         self.device = loaded.device
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device)
+        self.model.configure(fused_elementwise=config.fused_elementwise, merged_projections=config.merged_projections,
+                             packed_linear=config.packed_linear)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
+                                  native_kernels=config.native_kernels)
         if config.cuda_graphs and self.device.type == "cuda":
             self._capture_decode_graphs(config)
         self.outputs = OutputProcessor(set(loaded.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)

@@ -38,7 +38,7 @@ from .attention import attend, causal_mask, decode_attend, decode_window_mask, m
 from .config import ModelConfig, rope_inv_freq
 from .kv_cache import KVCache
 from .models import layer_class
-from .packed_linear import linear
+from .packed_linear import linear, pack_linears, unpack_linears
 
 
 @dataclass
@@ -71,7 +71,8 @@ class ForwardBatch:
     decode_tables: torch.Tensor | None = None  # [B, max_blocks] long: each decode sequence's block table (padded)
     decode_ends: torch.Tensor | None = None  # [B] long: tokens in each decode sequence's context
     # "triton": attention by the paged kernels of gpu_attention.py (CUDA; the CPU tests use Triton's
-    # interpreter), which also need the prefill spans' block tables and lengths below; "torch": attention.py
+    # interpreter), which also need the prefill spans' block tables and lengths below; "native": attention.py
+    # with decode rows by the C++ kernel (native.py) where it applies; "torch": attention.py
     attention: str = "torch"
     prefill_tables: torch.Tensor | None = None  # [S, max_blocks] long: each prefill span's block table (padded)
     prefill_ctx_lens: list[int] | None = None  # tokens in each prefill span's context (cached + new)
@@ -102,6 +103,21 @@ class DecoderModel(nn.Module):
         for name in ("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"):
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.init_rope()
+
+    def configure(self, *, fused_elementwise: bool = True, merged_projections: bool = True,
+                  packed_linear: bool = True) -> None:
+        """The engine switches the model reads (EngineConfig's, set once by the engine): the fused CUDA
+        elementwise kernels (norms, rotary, silu*mul), the merged q|k|v and gate|up matmuls (where the loader
+        merged them), and the CPU's packed linear weights (dropped when off, packed again when back on)."""
+        for module in self.modules():
+            if hasattr(module, "fused"):
+                module.fused = fused_elementwise
+            if hasattr(module, "merged"):
+                module.merged = merged_projections
+        if packed_linear:
+            pack_linears(self)
+        else:
+            unpack_linears(self)
 
     def init_rope(self) -> None:
         """(Re)compute the rotary cos/sin tables (float32) on the model's device."""
@@ -215,7 +231,7 @@ class DecoderModel(nn.Module):
                 o = attend(qs, ks, vs, mask=masks[key], scale=scale, softcap=cap)
             out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         if batch.decode_tables is not None:
-            op = self._native_decode(q, cap, kv, batch)
+            op = self._native_decode(q, cap, kv, batch) if batch.attention == "native" else None
             if op is not None:
                 key = ("decode_starts", window)  # first position each row attends to, once per step and window
                 if key not in masks:

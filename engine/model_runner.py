@@ -39,16 +39,22 @@ from .sequence import Sequence
 log = logging.getLogger(__name__)
 
 class ModelRunner:
-    def __init__(self, model: DecoderModel, kv_cache: KVCache, sampler: Sampler, device: torch.device):
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, sampler: Sampler, device: torch.device,
+                 native_kernels: bool = True):
         self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
         self.graphs: DecodeGraphs | None = None  # pure-decode steps from CUDA graphs (LLMEngine sets it on CUDA)
-        # the paged Triton kernels on CUDA where they take this cache's shapes (gpu_attention.py), else attention.py
-        self.attention = "triton" if gpu_attention.usable(kv_cache) else "torch"
+        # chosen once: the paged Triton kernels on CUDA where they take this cache's shapes (gpu_attention.py);
+        # on CPU "native" (decode rows by the C++ kernel where it applies, native.py; the rest attention.py)
+        # unless EngineConfig.native_kernels is off or the kernel cannot be built; else "torch" (attention.py)
+        if gpu_attention.usable(kv_cache):
+            self.attention = "triton"
+        elif device.type == "cpu" and native_kernels and native.paged_decode_attention() is not None:
+            self.attention = "native"
+        else:
+            self.attention = "torch"
         if kv_cache.fp8 and device.type == "cuda":
             log.warning("--kv-cache-dtype fp8 on CUDA: attention dequantizes the gathered rows in torch (the paged "
                         "Triton kernels read 16/32-bit rows only); correct, slower than --kv-cache-dtype auto")
-        if device.type == "cpu":
-            native.paged_decode_attention()  # built or found now, at start-up, not inside the first request
 
     def forward_and_sample(self, seqs: list[Sequence], on_layer: Callable[[int], None] | None) -> list[int]:
         """One forward over ``seqs`` (their uncomputed tokens) and one sampled token per sequence,

@@ -3,8 +3,8 @@
 Two libraries, one source each: ``paged_decode.cpp`` (decode attention over the paged cache) and
 ``fp8_linear.cpp`` (FP8 weights read in place, ``fp8_ops()``: ``torch.ops.pdserve_fp8``).
 ``paged_decode_attention()`` returns the op (``torch.ops.pdserve_native.paged_decode_attention``)
-or None where it cannot be had: no g++ on the machine (the slim CPU image), a failed build, or
-the environment sets ``PDSERVE_NATIVE_KERNELS=0``. Callers then keep the pure-torch path (the
+or None where it cannot be had: no g++ on the machine (the slim CPU image) or a failed build
+(``EngineConfig.native_kernels`` off: the runner does not ask). Callers then keep the pure-torch path (the
 same results; measured slower, docs/benchmarks.md). The first call builds the library (under a
 minute) into ``${PDSERVE_CACHE:-~/.cache/pdserve}/native/<hash of source, torch, compiler>/``
 under a file lock (servers starting side by side build it once); later calls, in any process,
@@ -23,7 +23,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .defaults import NATIVE_KERNELS_ENV
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
@@ -150,9 +149,6 @@ def fp8_ops():
     """``torch.ops.pdserve_fp8`` (fp8_linear, fp8_dequantize), or None (the reason logged once per process)."""
     if "ops" in _fp8_state or "error" in _fp8_state:
         return _fp8_state.get("ops")
-    if os.environ.get(NATIVE_KERNELS_ENV, "1") == "0":
-        _fp8_state["error"] = f"{NATIVE_KERNELS_ENV}=0"
-        return None
     try:
         import torch
 
@@ -168,9 +164,6 @@ def paged_decode_attention():
     """The op, or None (with the reason logged once per process) where it cannot be had."""
     if "op" in _state or "error" in _state:
         return _state.get("op")
-    if os.environ.get(NATIVE_KERNELS_ENV, "1") == "0":
-        _state["error"] = f"{NATIVE_KERNELS_ENV}=0"
-        return None
     try:
         import torch
 

@@ -12,8 +12,8 @@ weights (not of the embeddings, nor of the KV cache).
 
 ``pack_linears(model)`` gives every ``nn.Linear`` of a float32/bfloat16 model on CPU with at
 least PACK_MIN_ELEMENTS weights a ``packed_weight`` attribute (none, F.linear everywhere, where
-oneDNN is missing or the environment sets ``PDSERVE_PACKED_LINEAR=0``: the memory back, the
-batch speed lost).
+oneDNN is missing; ``unpack_linears`` drops them when ``EngineConfig.packed_linear`` is off: the memory
+back, the batch speed lost).
 ``linear(x, module)`` is ``F.linear(x, module.weight, module.bias)`` in every result.
 
 bfloat16 on a CPU without bf16 instructions (neither AVX512-BF16 nor AMX: ``native_bf16()``)
@@ -29,14 +29,12 @@ AVX-NE-CONVERT), the weights are widened the same way, whatever ``native_bf16()`
 
 from __future__ import annotations
 
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import fp8
-from .defaults import PACKED_LINEAR_ENV
 
 PACK_BATCH_HINT = 8  # the rows oneDNN's reorder is tuned for (measured best over 2..16 rows)
 PLAIN_MAX_ROWS = 3  # up to this many rows F.linear (GEMV-like) is faster than the packed GEMM
@@ -54,13 +52,13 @@ def native_bf16() -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every nn.Linear weight of ``model`` (CPU, float32/bfloat16); returns how many."""
-    if not torch.backends.mkldnn.is_available() or os.environ.get(PACKED_LINEAR_ENV, "1") == "0":
+    """Pack every nn.Linear weight of ``model`` (CPU, float32/bfloat16) not packed yet; returns how many."""
+    if not torch.backends.mkldnn.is_available():
         return 0
     packed = 0
     widen_bf16 = not native_bf16()
     for module in model.modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, nn.Linear) or getattr(module, "packed_weight", None) is not None:
             continue
         w = module.weight
         if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
@@ -76,6 +74,14 @@ def pack_linears(model: nn.Module) -> int:
         module.packed_bias = None if module.bias is None else module.bias.detach().to(module.packed_weight.dtype)
         packed += 1
     return packed
+
+
+def unpack_linears(model: nn.Module) -> None:
+    """Drop every packed copy (EngineConfig.packed_linear off: F.linear everywhere, the memory back)."""
+    for module in model.modules():
+        for attr in ("packed_weight", "packed_bias", "packed_from"):
+            if hasattr(module, attr):
+                delattr(module, attr)
 
 
 def _reorder(w: torch.Tensor, compute: torch.dtype) -> torch.Tensor:

@@ -115,6 +115,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-disk-tier-bytes", type=byte_size, default=0,
                    help="the disk tier's byte budget (e.g. 4GiB); blocks are CRC32C-checked on the way back")
     g.add_argument("--log-level", default="INFO", help="logging level")
+    s = parser.add_argument_group("engine switches (each on by default; off for A/B runs and debugging)")
+    s.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU: decode attention by the C++ kernel over the paged KV cache (engine/native.py; without "
+                        "g++ the torch path runs either way)")
+    s.add_argument("--packed-linear", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU: oneDNN-packed copies of the large linear weights for decode batches (twice those "
+                        "weights' memory; engine/packed_linear.py)")
+    s.add_argument("--fused-elementwise", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: RMSNorm, rotary and silu*mul as one Triton kernel each (engine/gpu_elementwise.py)")
+    s.add_argument("--merged-projections", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: q|k|v and gate|up as one matmul each (engine/models/llama.py)")
 
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30,
@@ -192,7 +203,9 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
         cfg = EngineConfig(num_blocks=None, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                            max_model_len=max_len, kv_host_tier_bytes=args.kv_host_tier_bytes,
                            kv_disk_tier_dir=args.kv_disk_tier_dir, kv_disk_tier_bytes=args.kv_disk_tier_bytes,
-                           cuda_graphs=not args.enforce_eager, kv_cache_dtype=args.kv_cache_dtype)
+                           cuda_graphs=not args.enforce_eager, native_kernels=args.native_kernels,
+                           packed_linear=args.packed_linear, fused_elementwise=args.fused_elementwise,
+                           merged_projections=args.merged_projections, kv_cache_dtype=args.kv_cache_dtype)
         mc = loaded.config
         size = kv_sizing.size_kv_pool(
             flags, dtype=describe_kv(args.kv_cache_dtype, args.dtype), block_size=args.block_size,

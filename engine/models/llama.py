@@ -12,28 +12,27 @@ concatenated along dim 0 when there are several (the experts of a MoE layer).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import fp8, gpu_elementwise
 from ..config import ModelConfig
-from ..defaults import MERGED_PROJECTIONS_ENV
 from ..packed_linear import linear
 
 Tensors = dict[str, list[tuple[str, tuple[int, ...]]]]
 
 
 class RMSNorm(nn.Module):
+    fused = True  # EngineConfig.fused_elementwise (DecoderModel.configure)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if gpu_elementwise.enabled(x):  # one Triton kernel on CUDA, the roundings below
+        if self.fused and gpu_elementwise.enabled(x):  # one Triton kernel on CUDA, the roundings below
             return gpu_elementwise.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         if dtype == torch.float32:  # one fused kernel, same result as below
@@ -60,9 +59,9 @@ def _merged_linear(x: torch.Tensor, weight: torch.Tensor, bias, scale) -> torch.
     return F.linear(x, weight, bias) if scale is None else fp8.linear(x, weight, scale, bias)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, 1, D] (the half-split convention of Llama checkpoints)."""
-    if gpu_elementwise.enabled(x):  # one Triton kernel on CUDA instead of five
+    if fused and gpu_elementwise.enabled(x):  # one Triton kernel on CUDA instead of five
         return gpu_elementwise.rope(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -75,15 +74,14 @@ def activation(name: str):
     return lambda x: F.gelu(x, approximate="tanh")  # gelu_pytorch_tanh (config.py refuses others)
 
 
-def merged_enabled() -> bool:
-    """Whether layers with merged projections use them (``PDSERVE_MERGED_PROJECTIONS`` not "0")."""
-    return os.environ.get(MERGED_PROJECTIONS_ENV, "1") != "0"
-
-
 class DecoderLayer(nn.Module):
     norm_class = RMSNorm
     scales_embeddings = False  # Gemma multiplies the embeddings by sqrt(hidden_size)
     graph_capturable = True  # False: the layer's forward reads device values on the host (no CUDA graph)
+    # engine switches (EngineConfig, set by DecoderModel.configure): the merged matmuls where merged, the
+    # fused CUDA elementwise kernels
+    merged = True
+    fused = True
     # q|k|v and gate|up as one matrix each (merge_projections, on CUDA); None: separate matmuls
     qkv_weight: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
@@ -142,7 +140,7 @@ class DecoderLayer(nn.Module):
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         cfg = self.cfg
         h = self.input_layernorm(x)
-        if self.qkv_weight is not None and merged_enabled():
+        if self.qkv_weight is not None and self.merged:
             q, k, v = _merged_linear(h, self.qkv_weight, self.qkv_bias, self.qkv_scale).split(
                 [self.q_size, self.kv_size, self.kv_size], -1)
         else:  # linear(): F.linear on the parameters (or their packed copy at batch), less Python than the modules
@@ -150,12 +148,13 @@ class DecoderLayer(nn.Module):
             k = linear(h, self.k_proj)
             v = linear(h, self.v_proj)
         q, k = self.norm_qk(q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim))
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q, k = apply_rope(q, cos, sin, self.fused), apply_rope(k, cos, sin, self.fused)
+        return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is not None and merged_enabled():
+        if self.gate_up_weight is not None and self.merged:
             gate_up = _merged_linear(h, self.gate_up_weight, None, self.gate_up_scale)
-            if self.cfg.hidden_act == "silu" and gpu_elementwise.enabled(gate_up):
+            if self.cfg.hidden_act == "silu" and self.fused and gpu_elementwise.enabled(gate_up):
                 return linear(gpu_elementwise.silu_mul(gate_up), self.down_proj)
             gate, up = gate_up.chunk(2, dim=-1)
             return linear(self.act(gate).mul_(up), self.down_proj)

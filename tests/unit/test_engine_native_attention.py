@@ -231,3 +231,21 @@ def test_an_fp8_cache_with_the_wrong_row_size_is_refused():
     kv, q, tables, ends = _fp8_case([20], 4, 2, 16, 16, torch.float32)
     with pytest.raises(RuntimeError, match="head_dim \\+ 2 bytes"):
         op(q[..., :8].contiguous(), kv.layer(0), tables, torch.zeros_like(ends), ends, 1.0)
+
+
+@needs_compiler
+def test_the_engine_switch_picks_the_attention_once():
+    """EngineConfig.native_kernels: the runner picks "native" (the C++ decode kernel) or "torch" at start; the
+    tokens are the same either way."""
+    from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
+    from harness.engine_runs import run_all
+
+    loaded = load_model("tiny")
+    sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    requests = {f"r{i}": ([5 + i, 9, 40, 3, 7] * (i + 1), sp) for i in range(3)}
+    runs = {}
+    for on in (True, False):
+        engine = LLMEngine(loaded, EngineConfig(num_blocks=32, block_size=16, native_kernels=on))
+        assert engine.runner.attention == ("native" if on else "torch")
+        runs[on] = run_all(engine, requests)
+    assert runs[True] == runs[False]

@@ -56,11 +56,23 @@ def test_small_weights_stay_on_f_linear():
     assert not hasattr(small, "packed_weight") and hasattr(large, "packed_weight")
 
 
-def test_environment_switch_keeps_f_linear(monkeypatch):
-    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
-    monkeypatch.setenv("PDSERVE_PACKED_LINEAR", "0")
-    m = nn.Linear(8, 4)
-    assert pack_linears(m) == 0 and not hasattr(m, "packed_weight")
+@needs_onednn
+def test_engine_switch_drops_and_restores_the_packed_copies(monkeypatch):
+    """EngineConfig.packed_linear off: F.linear everywhere (the packed copies' memory back); on again: packed."""
+    from pdserve.engine import EngineConfig, LLMEngine, load_model
+    from pdserve.engine.packed_linear import unpack_linears
+
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)  # the tiny model's linears are all small
+    loaded = load_model("tiny")
+    layers = [m for m in loaded.model.modules() if isinstance(m, nn.Linear)]
+    m = nn.Linear(1024, 1024)
+    assert pack_linears(m) == 1 and pack_linears(m) == 0  # packed once
+    unpack_linears(m)
+    assert not hasattr(m, "packed_weight") and pack_linears(m) == 1
+    LLMEngine(loaded, EngineConfig(num_blocks=8, packed_linear=False))
+    assert not any(hasattr(x, "packed_weight") for x in layers)
+    LLMEngine(loaded, EngineConfig(num_blocks=8))
+    assert all(getattr(x, "packed_weight", None) is not None for x in layers)
 
 
 @needs_onednn

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from pdserve.engine import gpu_elementwise
-from pdserve.engine.defaults import FUSED_ELEMENTWISE_ENV
 from pdserve.engine.models.llama import RMSNorm, apply_rope
 
 BF16_STEP = 2**-7  # one bf16 rounding step, relative
@@ -84,8 +83,14 @@ def test_enabled_only_for_cuda_tensors_and_not_when_switched_off(monkeypatch):
     assert not gpu_elementwise.enabled(torch.randn(2))
     monkeypatch.setattr(gpu_elementwise.triton_jit, "available", lambda: True)
     assert gpu_elementwise.enabled(FakeCuda())
-    monkeypatch.setenv(FUSED_ELEMENTWISE_ENV, "0")
-    assert not gpu_elementwise.enabled(FakeCuda())
+    # EngineConfig.fused_elementwise off: the model's norms and layers keep the torch ops
+    from pdserve.engine import EngineConfig, LLMEngine, load_model
+
+    loaded = load_model("tiny")
+    LLMEngine(loaded, EngineConfig(num_blocks=8, fused_elementwise=False))
+    assert not any(getattr(m, "fused", False) for m in loaded.model.modules())
+    LLMEngine(loaded, EngineConfig(num_blocks=8))
+    assert loaded.model.layers[0].fused and loaded.model.layers[0].input_layernorm.fused
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 40), (3, 1500), (2, 2048)])

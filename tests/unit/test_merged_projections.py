@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from pdserve.engine import EngineConfig, LLMEngine, load_model
-from pdserve.engine.defaults import MERGED_PROJECTIONS_ENV
 from harness.engine_runs import greedy_with_first_logits
 from harness.hf_checkpoints import build_from_config, build_tiny
 
@@ -24,9 +23,10 @@ def _checkpoint(family: str, path):
     return str(path)
 
 
-def _run(loaded):
+def _run(loaded, **switches):
     """(greedy tokens per prompt, first-step logits) through one engine."""
-    return greedy_with_first_logits(LLMEngine(loaded, EngineConfig(num_blocks=48, block_size=8)), PROMPTS, 12)
+    return greedy_with_first_logits(LLMEngine(loaded, EngineConfig(num_blocks=48, block_size=8, **switches)),
+                                    PROMPTS, 12)
 
 
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma2", "qwen3_moe"])
@@ -48,6 +48,6 @@ def test_merged_projections_give_the_separate_results(family, tmp_path, monkeypa
     got_tokens, got_logits = _run(merged)
     assert got_tokens == want_tokens
     torch.testing.assert_close(got_logits, want_logits, atol=1e-5, rtol=1e-5)
-    monkeypatch.setenv(MERGED_PROJECTIONS_ENV, "0")
-    off_tokens, off_logits = _run(merged)
+    off_tokens, off_logits = _run(merged, merged_projections=False)  # EngineConfig's switch: separate matmuls
+    assert not merged.model.layers[0].merged
     assert off_tokens == want_tokens and torch.equal(off_logits, want_logits)

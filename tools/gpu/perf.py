@@ -110,11 +110,17 @@ def ceiling(ctx, key: str, field: str) -> float | None:
 
 # ---- decode ------------------------------------------------------------------------------------
 def attention_mode(kv) -> str:
-    """The attention the engine would run on this cache: "triton" (the paged kernels) or "torch"."""
+    """The attention the engine would run on this cache: "triton" (the paged kernels), "native" (CPU: the C++
+    decode kernel, where this tree has that mode) or "torch"."""
     try:
         from pdserve.engine import gpu_attention
     except ImportError:
         return "torch"
+    if kv.device.type == "cpu":
+        from pdserve.engine import model_runner, native
+
+        return "native" if "native_kernels" in model_runner.ModelRunner.__init__.__code__.co_varnames \
+            and native.paged_decode_attention() is not None else "torch"
     usable = getattr(gpu_attention, "usable", None)
     if usable is not None:
         return "triton" if usable(kv) else "torch"

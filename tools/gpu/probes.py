@@ -24,48 +24,35 @@ from cells import DecodeCell, fmt_step, model_config, roofline, time_steps
 def fused_exactness(ctx) -> dict:
     """The Triton RMSNorm and rotary against the torch ops they replace, on random bf16/fp32 inputs of
     the 8B shape: the fraction of bitwise-equal elements and the largest difference (CUDA only)."""
-    import os
-
     import torch
 
     import torch.nn.functional as F
 
     from pdserve.engine import gpu_elementwise
-    from pdserve.engine.defaults import FUSED_ELEMENTWISE_ENV
     from pdserve.engine.models.llama import RMSNorm, apply_rope
 
     gen = torch.Generator(device=ctx.device).manual_seed(11)
-    saved = os.environ.get(FUSED_ELEMENTWISE_ENV)
     out = {}
-    try:
-        for dtype in (torch.bfloat16, torch.float32):
-            name = str(dtype).split(".")[-1]
-            for rows, n in ((1, 4096), (4096, 4096), (64, 128)):
-                x = (torch.randn(rows, n, generator=gen, device=ctx.device) * 2).to(dtype)
-                norm = RMSNorm(n, 1e-5).to(ctx.device, dtype)
-                norm.weight.data = (1 + 0.1 * torch.randn(n, generator=gen, device=ctx.device)).to(dtype)
-                got = {}
-                for flag in ("0", "1"):
-                    os.environ[FUSED_ELEMENTWISE_ENV] = flag
-                    got[flag] = norm(x)
-                out[f"rms_norm {name} {rows}x{n}"] = compare(got["0"], got["1"])
-            for t, h in ((1, 32), (2048, 8)):
-                x = torch.randn(t, h, 128, generator=gen, device=ctx.device).to(dtype)
-                ang = torch.randn(t, 1, 128, generator=gen, device=ctx.device) * 50
-                cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-                got = {}
-                for flag in ("0", "1"):
-                    os.environ[FUSED_ELEMENTWISE_ENV] = flag
-                    got[flag] = apply_rope(x, cos, sin)
-                out[f"rope {name} {t}x{h}x128"] = compare(got["0"], got["1"])
-            gate_up = torch.randn(64, 2 * 14336, generator=gen, device=ctx.device).to(dtype)
-            gate, up = gate_up.chunk(2, dim=-1)
-            out[f"silu_mul {name} 64x14336"] = compare(F.silu(gate).mul_(up), gpu_elementwise.silu_mul(gate_up))
-    finally:
-        if saved is None:
-            os.environ.pop(FUSED_ELEMENTWISE_ENV, None)
-        else:
-            os.environ[FUSED_ELEMENTWISE_ENV] = saved
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).split(".")[-1]
+        for rows, n in ((1, 4096), (4096, 4096), (64, 128)):
+            x = (torch.randn(rows, n, generator=gen, device=ctx.device) * 2).to(dtype)
+            norm = RMSNorm(n, 1e-5).to(ctx.device, dtype)
+            norm.weight.data = (1 + 0.1 * torch.randn(n, generator=gen, device=ctx.device)).to(dtype)
+            got = {}
+            for fused in (False, True):  # the module's switch (EngineConfig.fused_elementwise)
+                norm.fused = fused
+                got[fused] = norm(x)
+            out[f"rms_norm {name} {rows}x{n}"] = compare(got[False], got[True])
+        for t, h in ((1, 32), (2048, 8)):
+            x = torch.randn(t, h, 128, generator=gen, device=ctx.device).to(dtype)
+            ang = torch.randn(t, 1, 128, generator=gen, device=ctx.device) * 50
+            cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
+            out[f"rope {name} {t}x{h}x128"] = compare(apply_rope(x, cos, sin, fused=False),
+                                                      apply_rope(x, cos, sin, fused=True))
+        gate_up = torch.randn(64, 2 * 14336, generator=gen, device=ctx.device).to(dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out[f"silu_mul {name} 64x14336"] = compare(F.silu(gate).mul_(up), gpu_elementwise.silu_mul(gate_up))
     for k, v in out.items():
         log("decode", f"fused {k}: {100 * v['equal']:.2f}% bitwise equal to the torch ops, "
                       f"max |diff| {v['max_diff']:.3g}")
@@ -81,10 +68,11 @@ def probe_cell(ctx, rec: Record, model, cell: DecodeCell, row: dict, label: str,
     """A decode cell of ``decode_ab_cells``: an A/B of each engine switch, a kernel profile, and (with
     the Triton attention, or in a smoke run) the decode attention alone by partition count."""
     from pdserve.engine import gpu_attention
-    from pdserve.engine.defaults import FUSED_ELEMENTWISE_ENV, MERGED_PROJECTIONS_ENV
 
-    switches = (("fused_ab", env_switch(FUSED_ELEMENTWISE_ENV), "RMSNorm + rotary as torch ops / Triton kernels"),
-                ("merged_ab", env_switch(MERGED_PROJECTIONS_ENV), "q,k,v and gate,up as separate / merged matmuls"),
+    switches = (("fused_ab", model_switch(model, "fused_elementwise"),
+                 "RMSNorm + rotary as torch ops / Triton kernels"),
+                ("merged_ab", model_switch(model, "merged_projections"),
+                 "q,k,v and gate,up as separate / merged matmuls"),
                 ("splits_ab", attr_switch(gpu_attention, "_TARGET_PROGRAMS", 256, 1024),
                  "decode attention aiming at 256 / 1024 programs"))
     for key, apply, what in switches:
@@ -97,19 +85,12 @@ def probe_cell(ctx, rec: Record, model, cell: DecodeCell, row: dict, label: str,
         row["decode_splits"] = split_sweep(ctx, model, cell, label)
 
 
-def env_switch(env: str):
-    """An ab_switch ``apply`` for an engine environment switch: "0" off, "1" on, then as it was."""
-    import os
-
-    saved = os.environ.get(env)
+def model_switch(model, name: str):
+    """An ab_switch ``apply`` for an engine switch (EngineConfig's ``name``, set on the model as the engine
+    does: ``DecoderModel.configure``): off, on, then on again (every switch's default)."""
 
     def apply(variant: str) -> None:
-        if variant != "restore":
-            os.environ[env] = "0" if variant == "off" else "1"
-        elif saved is None:
-            os.environ.pop(env, None)
-        else:
-            os.environ[env] = saved
+        model.configure(**{name: variant != "off"})
     return apply
 
 
