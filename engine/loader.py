@@ -29,6 +29,7 @@ from . import fp8
 from .config import ModelConfig, read_config_json
 from .errors import ModelLoadError
 from .quant_config import QuantScheme, read_quantization
+from .weight_memory import check_fits, too_large, weight_bytes
 from .weight_source import WeightSource
 from .model import DecoderModel
 from .models import layer_class
@@ -201,7 +202,7 @@ def load_model(
         mask = torch.zeros(cfg.vocab_size, 1)
         mask[keep] = 1.0
         weights["lm_head.weight"] = weights["lm_head.weight"] * mask * 20
-        model = build_model(cfg, weights.__getitem__, dtype, device, scheme)
+        model = _build_on_device(cfg, weights.__getitem__, dtype, device, scheme)
         return LoadedModel(BUILTIN_MODEL, cfg, model, ByteTokenizer(), dtype, device, scheme)
     path = Path(name_or_path)
     if not path.is_dir():
@@ -211,7 +212,21 @@ def load_model(
     hf_config = read_config_json(path / "config.json")
     cfg = ModelConfig.from_hf_dict(hf_config)
     scheme = read_quantization(hf_config, quantization)
-    model = build_model(cfg, _SafetensorsReader(path), dtype, device, scheme)
+    model = _build_on_device(cfg, _SafetensorsReader(path), dtype, device, scheme)
     tokenizer = HFTokenizer(path, cfg.eos_token_ids) if (path / "tokenizer.json").exists() else ByteTokenizer()
     return LoadedModel(path.name, cfg, model, tokenizer, dtype, device, scheme)
 
+
+def _build_on_device(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.device, scheme):
+    """build_model, after checking on CUDA that the weights fit the free memory (weight_memory.py): a model
+    too large is refused naming the sizes, before anything is allocated, and so is an out-of-memory error
+    while building (activations or another process took the margin)."""
+    if device.type != "cuda":
+        return build_model(cfg, get_tensor, dtype, device, scheme)
+    need = weight_bytes(cfg, dtype, scheme)
+    free, total = torch.cuda.mem_get_info(device)
+    check_fits(need, free, total, str(device))
+    try:
+        return build_model(cfg, get_tensor, dtype, device, scheme)
+    except torch.cuda.OutOfMemoryError:
+        raise too_large(need, free, total, str(device), " at the start (out of memory while loading)") from None

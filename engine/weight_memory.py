@@ -1,0 +1,56 @@
+"""How many bytes a model's weights take on its device, and a clear refusal when they cannot fit.
+
+``weight_bytes(cfg, dtype, scheme)`` counts every checkpoint tensor at the size it is loaded in:
+``dtype``'s for plain ones, one byte per element (plus a float32 scale per row) for the projections
+an FP8 scheme quantizes; a tied LM head once. ``check_fits(need, free, total, where)`` raises
+``ModelLoadError`` saying "needs N GiB, M GiB free" (and what to try) instead of letting a CUDA
+out-of-memory error end the start-up with a traceback; ``loader.load_model`` calls it on CUDA before
+building the model (``torch.cuda.mem_get_info``), and turns an out-of-memory error during the build
+into the same message.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checkpoint import hf_tensor_shapes
+from .config import ModelConfig
+from .errors import ModelLoadError
+from .models import layer_class
+from .quant_config import QuantScheme
+
+GIB = 1 << 30
+
+
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: QuantScheme | None = None) -> int:
+    """Bytes of the loaded weights (what ``build_model`` puts on the device)."""
+    quantized = layer_class(cfg).QUANTIZED_PARAMS if scheme is not None else ()
+    sources = {}  # hf name -> our parameter suffix (q_proj.weight, experts_gate_up, ...)
+    for i in range(cfg.num_layers):
+        for param, tensors in layer_class(cfg).checkpoint_tensors(cfg, i).items():
+            for name, _ in tensors:
+                sources[f"model.layers.{i}.{name}"] = param
+    total = 0
+    for name, shape in hf_tensor_shapes(cfg).items():
+        elements = 1
+        for n in shape:
+            elements *= n
+        if sources.get(name) in quantized:
+            total += elements + 4 * shape[0]  # FP8 bytes and one float32 scale per row
+        else:
+            total += elements * dtype.itemsize
+    return total
+
+
+def check_fits(need: int, free: int, total: int, where: str) -> None:
+    """ModelLoadError naming the sizes when ``need`` bytes of weights exceed ``free``."""
+    if need > free:
+        raise too_large(need, free, total, where)
+
+
+def too_large(need: int, free: int, total: int, where: str, during: str = "") -> ModelLoadError:
+    """The error of a model that does not fit: its sizes, and what to try."""
+    return ModelLoadError(
+        f"the model's weights need {need / GIB:.1f} GiB on {where}, {free / GIB:.1f} GiB free of {total / GIB:.1f} "
+        f"GiB{during}: use a GPU with more memory, --quantization fp8 (half the weight bytes of bf16), or free the "
+        "device (another process holds the rest)")
