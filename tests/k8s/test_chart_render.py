@@ -174,3 +174,22 @@ def test_the_prometheus_url_reaches_the_operator_only_when_set():
     assert env(render(f"autoscaling.prometheusUrl={url}"))["PDSERVE_PROMETHEUS_URL"] == url
     rules = [r for role in by_kind(render(), "ClusterRole") for r in role["rules"]]
     assert any(r["resources"] == ["prefillpools/scale", "decodepools/scale"] and "patch" in r["verbs"] for r in rules)
+
+
+def _notes(*sets: str) -> str:
+    args = ["install", "rel", str(CHART), "-n", "pdserve-system", "--dry-run=client"]
+    for s in sets:
+        args += ["--set", s]
+    out = helm(*args)
+    return out[out.index("NOTES:"):]
+
+
+def test_notes_speak_of_the_users_service_and_name_no_missing_url():
+    """NOTES.txt named a raw GitHub URL that does not exist and always the example's service; now it prints
+    the curl for the InferenceService and model the values name, and says how to get the image."""
+    notes = _notes("test.inferenceService=llama", "test.namespace=serving", "test.model=Llama-3.1-8B")
+    assert "https://" not in notes
+    assert "kubectl port-forward -n serving svc/llama-router 8000:8000" in notes
+    assert '"model": "Llama-3.1-8B"' in notes and "kubectl describe pdis llama -n serving" in notes
+    assert "publishes no registry image" in notes and "make image" in notes
+    assert "svc/chat-router" in _notes()  # the example's, by default
