@@ -79,11 +79,11 @@ from .pooled_decode import PooledDecode
 from .registry import SessionInfo
 from .session_deps import SessionDeps
 from .session_pooled import PooledSteps
-from .session_stream import SessionEnded
+from .session_stream import End, SessionEnded
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeSession", "SessionDeps", "SessionEnded"]
+__all__ = ["DecodeSession", "End", "SessionDeps", "SessionEnded"]
 _BACKGROUND: set[asyncio.Future] = set()  # releases of reservations made after their session was cancelled
 
 # Test hook (never set it in production; tests/harness/decode_gate.py drives it): a directory. In step 4,
@@ -173,8 +173,7 @@ class DecodeSession(PooledSteps):
                 log.debug("session %s: %s after its Finish", self.request_id, exc.reason)
             else:
                 log.info("session %s ended: %s", self.request_id, exc.reason)
-                self.outcome = (("error", "timeout" if "timed out" in exc.reason else "error") if exc.notify
-                                else ("cancelled", "prefill_gone"))
+                self.outcome = exc.end.labels
             if exc.notify:
                 await self.try_write_error(exc.reason)
         except ChecksumError as exc:  # the KV arrived corrupted: never decode on it (counted by the receiver hook)
@@ -183,7 +182,7 @@ class DecodeSession(PooledSteps):
             await self.try_write_error(str(exc), CHECKSUM_MISMATCH)
         except asyncio.CancelledError:
             if self.outcome[0] != "ok":  # the RPC ended before the Finish went out
-                self.outcome = ("cancelled", "prefill_gone")
+                self.outcome = End.PREFILL_GONE.labels
             raise
         except asyncio.TimeoutError:
             log.info("session: no Start within %.1fs", deps.session_timeout_s)
