@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve import defaults
+from pdserve.chat_prompt import chat_prompt
 from pdserve.engine.grammar import GrammarSpec, Grammars
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
@@ -113,13 +114,8 @@ class Frontend:
 
     def prompt_ids_list(self, parsed: ParsedRequest) -> list[list[int]]:
         """Every prompt's token ids: the chat template's, or each of /v1/completions' prompts."""
-        if parsed.kind == "chat":
-            if parsed.tools:
-                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True,
-                                                          tools=parsed.tools)
-            else:
-                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
-            return [self.tokenizer.encode(text)]
+        if parsed.kind == "chat":  # the rule the router hashes prompts by too (pdserve.chat_prompt)
+            return [self.tokenizer.encode(chat_prompt(self.tokenizer, parsed.messages, parsed.tools))]
         return [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in parsed.prompts]
 
     def echo_texts(self, parsed: ParsedRequest, prompts: list[list[int]]) -> list[str]:
