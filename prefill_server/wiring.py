@@ -22,13 +22,15 @@ them whole. In start order:
    SessionConfig: compat, --block-size, the tokenizer's EOS ids, --session-timeout,
    --connect-timeout, --layerwise-push, the engine's out-of-blocks type, --decode-reuse,
    --prefills-ahead; the poller's stubs, the engine, the sender, the registry of open Sessions,
-   TransferAccounting as its observer) and the PrefillNode that holds them with the picker, the
-   poller, the admission queue and the routing flags (--max-attempts, --local-fallback, --resume,
-   --resume-wait, --decode-reuse). With an ordering policy (--queue-policy edf or qlm) the prefill
-   slots join the admission line: a request goes on only when one is free, and each slot given
-   back wakes the line's head, so the policy (not arrival order) picks who the engine computes
-   next; the SLO queue's plans then count this prefill's one engine besides the decodes' KV
-   blocks (``prefill_bound``). The tests build their nodes with the same function.
+   TransferAccounting as its observer), the LocalFallback (--local-fallback), and the
+   PrefillNode that holds them: its ``ConductorDeps`` (what each request's conductor is given: the
+   engine, the picker, the admission queue, the SessionRunner, the local fallback, the routing flags
+   --max-attempts, --resume, --resume-wait, the DecodeIndex with --decode-reuse, the metrics; the
+   hooks ``wake_line`` and ``keep_latest``) and the Disaggregator. With an ordering policy
+   (--queue-policy edf or qlm) the prefill slots join the admission line: a request goes on only
+   when one is free, and each slot given back wakes the line's head, so the policy (not arrival
+   order) picks who the engine computes next; the SLO queue's plans then count this prefill's one
+   engine besides the decodes' KV blocks (``prefill_bound``). The tests build their nodes with the same function.
 6. **frontend** - Frontend: node, tokenizer, model name and length, vocabulary size, metrics,
    --request-timeout, SLO queue.
 7. **probes** - Probes: /health, KvEvents' GetLoad and the metrics' load, read from the parts
@@ -50,6 +52,7 @@ stops gRPC, HTTP, the poller, the discovery, the sender and the engine, in that 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -72,14 +75,16 @@ from pdserve.slo import GlobalQueue
 
 from . import tokenize_api, tokenizer_api
 from .admission_queue import AdmissionQueue
+from .conductor_deps import ConductorDeps
 from .decode_index import DecodeIndex
-from .decode_session import SessionConfig, SessionRunner
+from .decode_session import SessionConfig, SessionRunner, SessionTimings
 from .disaggregator import Disaggregator
 from .frontend import Frontend
 from .grpc_api import GenerateServicer
 from .http_api import HttpApi
 from .load_poller import LoadReportPoller
-from .node import PrefillNode
+from .local_fallback import LocalFallback
+from .node import PrefillNode, keep_latest, wake_line
 from .picker import DecodePicker
 from .transfer_accounting import TransferAccounting
 
@@ -165,10 +170,15 @@ def build_node(engine: AsyncLLMEngine, sender: CacheStoreSender | None, picker: 
     if queue.slo is not None and queue.slo.policy != "fifo":  # the policy orders who waits for a prefill slot too
         queue.room, runner.on_slot_free = runner.slot_free, queue.notify
         queue.slo.prefill_bound = True  # its plans: the decodes' blocks and this one engine, one prompt at a time
-    return PrefillNode(engine, picker, poller, queue, runner, disaggregator, sessions, block_size, metrics=metrics,
-                       max_attempts=max_attempts, local_fallback=local_fallback, resume=resume,
-                       resume_wait_s=resume_wait_s, out_of_blocks_error=out_of_blocks_error,
-                       decode_reuse=decode_reuse, decode_index=decode_index)
+    last_timings: dict[str, SessionTimings] = {}
+    deps = ConductorDeps(engine, picker, queue, runner, block_size,
+                         on_session_end=functools.partial(wake_line, queue, poller),
+                         keep_timings=functools.partial(keep_latest, last_timings),
+                         max_attempts=max_attempts, resume=resume, resume_wait_s=resume_wait_s,
+                         decode_index=decode_index if decode_reuse else None,
+                         fallback=LocalFallback(engine, out_of_blocks_error, metrics) if local_fallback else None,
+                         metrics=metrics)
+    return PrefillNode(deps, disaggregator, sessions, last_timings)
 
 
 async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:
