@@ -13,13 +13,14 @@ from pdserve.protos import session_pb2 as pb
 from pdserve.rate_meter import RateMeter
 
 if TYPE_CHECKING:
-    from pdserve.engine import AsyncLLMEngine, RequestOutput
+    from pdserve.engine import RequestOutput, SamplingParams
+    from pdserve.engine.server_engine import ServerEngine
 
     from .lso import LsoController
     from .session_metrics import SessionMetrics
 
 
-def sampling_from_proto(msg: pb.Sampling, sampling_cls):
+def sampling_from_proto(msg: pb.Sampling, sampling_cls: type[SamplingParams]):
     return sampling_cls(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
@@ -33,7 +34,8 @@ def sampling_from_proto(msg: pb.Sampling, sampling_cls):
 class DecodeEngine:
     """The engine calls a DecodeSession makes."""
 
-    def __init__(self, engine: AsyncLLMEngine, sampling_cls, metrics: SessionMetrics, lso: LsoController | None = None):
+    def __init__(self, engine: ServerEngine, sampling_cls: type[SamplingParams], metrics: SessionMetrics,
+                 lso: LsoController | None = None):
         self.engine, self.sampling_cls, self.metrics, self.lso = engine, sampling_cls, metrics, lso
         self.local_prompts = RateMeter()  # tokens/s of the prompts computed here (ComputePrompt)
 

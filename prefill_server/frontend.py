@@ -46,6 +46,7 @@ from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, 
 from .text_stream import TextStream
 
 if TYPE_CHECKING:
+    from pdserve.engine import SamplingParams
     from pdserve.metrics import ServerMetrics
     from pdserve.slo import GlobalQueue, SloClass, SloRequest
 
@@ -86,8 +87,8 @@ class Piece:
 
 
 class Frontend:
-    def __init__(self, node: PrefillNode, tokenizer, sampling_cls, model_name: str, max_model_len: int,
-                 metrics: ServerMetrics | None = None, vocab_size: int | None = None,
+    def __init__(self, node: PrefillNode, tokenizer, sampling_cls: type[SamplingParams], model_name: str,
+                 max_model_len: int, metrics: ServerMetrics | None = None, vocab_size: int | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, slo: GlobalQueue | None = None):
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
@@ -186,7 +187,7 @@ class Frontend:
             text.add([token_id])
         return text
 
-    async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None,
+    async def stream(self, request_id: str, prompt_ids: list[int], sp: SamplingParams, timeout_s: float | None = None,
                      slo_class: SloClass | None = None, produced: list[int] | tuple = ()):
         """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node,
         RequestTimedOut once min(request_timeout_s, timeout_s) seconds have passed, Rejected
@@ -251,7 +252,8 @@ class Frontend:
             if slo is not None:  # leaves the queue (if it waits) at once
                 self.slo.finish(slo, outcome)
 
-    def _arrive(self, request_id: str, slo_class: SloClass | None, prompt_ids: list[int], sp) -> SloRequest | None:
+    def _arrive(self, request_id: str, slo_class: SloClass | None, prompt_ids: list[int],
+                sp: SamplingParams) -> SloRequest | None:
         """The request's arrival in the SLO queue (None without SLO classes); Rejected, counted, when its
         class's early rejection says its SLO cannot be met."""
         if self.slo is None:

@@ -90,7 +90,7 @@ from .transfer_accounting import TransferAccounting
 
 if TYPE_CHECKING:
     from pdserve.discovery import FileDiscovery, KubernetesDiscovery, StaticDiscovery
-    from pdserve.engine import AsyncLLMEngine
+    from pdserve.engine.server_engine import ServerEngine
     from pdserve.slo import SloClasses
 
     Discovery = StaticDiscovery | FileDiscovery | KubernetesDiscovery
@@ -144,7 +144,7 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses)
     return PrefillServer(engine, sender, discovery, poller, frontend, probes, http_runner, grpc_server)
 
 
-def build_node(engine: AsyncLLMEngine, sender: CacheStoreSender | None, picker: DecodePicker,
+def build_node(engine: ServerEngine, sender: CacheStoreSender | None, picker: DecodePicker,
                poller: LoadReportPoller, queue: AdmissionQueue, compat: pb.Compat, *, block_size: int,
                kv_bytes_per_block: int, eos_token_ids: tuple[int, ...] = (), max_attempts: int = 3,
                local_fallback: bool = False, resume: bool = True, resume_wait_s: float = defaults.RESUME_WAIT_S,
@@ -181,7 +181,7 @@ def build_node(engine: AsyncLLMEngine, sender: CacheStoreSender | None, picker: 
     return PrefillNode(deps, disaggregator, sessions, last_timings)
 
 
-async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:
+async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:
     """The metrics follow the engine's counters; its prefix cache publishes KV events (attached
     before the engine thread starts: it calls on that thread); the engine starts."""
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
@@ -241,7 +241,7 @@ class Probes:
 
     node: PrefillNode  # its open Sessions, admission queue, local requests, disaggregator, readiness
     frontend: Frontend  # requests in flight
-    engine: AsyncLLMEngine  # KV blocks
+    engine: ServerEngine  # KV blocks
     sender: CacheStoreSender
     picker: DecodePicker
     discovery: Discovery
@@ -286,7 +286,7 @@ class Probes:
 class PrefillServer:
     """The started parts, for the drain and the stop."""
 
-    engine: AsyncLLMEngine
+    engine: ServerEngine
     sender: CacheStoreSender
     discovery: Discovery
     poller: LoadReportPoller
