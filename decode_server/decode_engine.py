@@ -6,7 +6,7 @@ Built once by ``wiring.build_service`` and handed to every DecodeSession in Sess
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator
 
 from pdserve.engine.grammar import GrammarSpec
 from pdserve.protos import session_pb2 as pb
@@ -59,12 +59,12 @@ class DecodeEngine:
         return block_ids, cached
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int,
-                      sampling: pb.Sampling) -> AsyncIterator[RequestOutput]:
+                      sampling: pb.Sampling) -> AsyncGenerator[RequestOutput, None]:
         return self.engine.add_prefilled(request_id, prompt_ids, first_token,
                                          sampling_from_proto(sampling, self.sampling_cls))
 
     def prefill_reserved(self, request_id: str, prompt_ids: list[int],
-                         sampling: pb.Sampling) -> AsyncIterator[RequestOutput]:
+                         sampling: pb.Sampling) -> AsyncGenerator[RequestOutput, None]:
         return self.engine.prefill_reserved(request_id, prompt_ids, sampling_from_proto(sampling, self.sampling_cls))
 
     def computed_prompt(self, tokens: int, seconds: float) -> None:

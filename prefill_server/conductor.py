@@ -60,7 +60,7 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator
 
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH
 from pdserve.engine import blocks_needed, reusable_hashes
@@ -112,7 +112,7 @@ class RequestConductor:
         self.admitted = time.monotonic()  # it arrived (for the queue-wait metric)
         self.ticket: Ticket = deps.queue.ticket(request_id, deadline, slo)
 
-    async def deltas(self) -> AsyncIterator[Delta]:
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The request's Deltas (the lifecycle, module docstring); raises as ``PrefillNode.generate`` says."""
         try:
             while True:

@@ -116,7 +116,7 @@ class Frontend:
     def prompt_ids_list(self, parsed: ParsedRequest) -> list[list[int]]:
         """Every prompt's token ids: the chat template's, or each of /v1/completions' prompts."""
         if parsed.kind == "chat":  # the rule the router hashes prompts by too (pdserve.chat_prompt)
-            return [self.tokenizer.encode(chat_prompt(self.tokenizer, parsed.messages, parsed.tools))]
+            return [self.tokenizer.encode(chat_prompt(self.tokenizer, parsed.messages or [], parsed.tools))]
         return [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in parsed.prompts]
 
     def echo_texts(self, parsed: ParsedRequest, prompts: list[list[int]]) -> list[str]:
@@ -217,7 +217,7 @@ class Frontend:
                 if delta.token_ids:
                     if clock is not None:
                         clock.token(len(delta.token_ids))
-                    if slo is not None:
+                    if slo is not None and self.slo is not None:
                         self.slo.token(slo, len(delta.token_ids))
                 for piece in _token_pieces(delta, text):
                     if due:
@@ -228,7 +228,7 @@ class Frontend:
                     outcome, reason = "ok", "stop" if text.stopped else delta.finish_reason or "stop"
                     if clock is not None:  # the request is served now, whatever the teardown takes
                         clock.finish(outcome, reason)
-                    if slo is not None:
+                    if slo is not None and self.slo is not None:
                         self.slo.finish(slo, outcome)
                     # the Delta's prompt logprobs went on its first token's Piece, if it had one
                     prompt_lps = None if delta.token_ids else delta.prompt_logprobs
@@ -249,7 +249,7 @@ class Frontend:
             self.active.discard(request_id)
             if clock is not None:
                 clock.finish(outcome, reason)
-            if slo is not None:  # leaves the queue (if it waits) at once
+            if slo is not None and self.slo is not None:  # leaves the queue (if it waits) at once
                 self.slo.finish(slo, outcome)
 
     def _arrive(self, request_id: str, slo_class: SloClass | None, prompt_ids: list[int],

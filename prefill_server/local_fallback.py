@@ -13,7 +13,7 @@ request.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator
 
 from .decode_session import DecodeFailed, Delta, NoDecodeAvailable
 from .mid_stream_resume import resumed
@@ -37,7 +37,7 @@ class LocalFallback:
         self.running = 0  # requests decoding on our engine now
 
     async def deltas(self, request_id: str, prompt_ids: list[int], produced: list[int], sp: SamplingParams,
-                     reasons: list[str], after_failure: bool) -> AsyncIterator[Delta]:
+                     reasons: list[str], after_failure: bool) -> AsyncGenerator[Delta, None]:
         if self.metrics is not None:
             self.metrics.local_fallbacks.labels(reason="decode_failed" if after_failure else "no_decode").inc()
         log.info("request %s: decoding locally (%s)", request_id, "; ".join(reasons))

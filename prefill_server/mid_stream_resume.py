@@ -85,8 +85,8 @@ class MidStreamResume:
     async def wait(self, ticket: Ticket, reasons: list[str]) -> bool:
         """Wait in line for a decode until ``until`` (never past the deadline); False when there is no
         wait (``resume_wait_s`` 0) or it ended without one (``gave_up`` says why)."""
-        wait_s = self.deps.resume_wait_s
-        if not wait_s > 0:
+        wait_s, until = self.deps.resume_wait_s, self.until
+        if not wait_s > 0 or until is None:  # (until: set by ``failed``)
             return False
         if self.announced != self.until:
             self.announced = self.until
@@ -95,12 +95,12 @@ class MidStreamResume:
         try:
             await ticket.wait(until=self.until)
         except (QueueTimeout, QueueFull) as exc:
-            waited = self.deps.queue.clock() - (self.until - wait_s)
+            waited = self.deps.queue.clock() - (until - wait_s)
             self.gave_up = self._gave_up(reasons, waited, exc)
             return False
         return True
 
-    def _gave_up(self, reasons: list[str], waited: float, exc: Exception) -> str:
+    def _gave_up(self, reasons: list[str], waited: float, exc: QueueTimeout | QueueFull) -> str:
         """The DecodeFailed message when no decode took a resumed request in time: the failure, the
         wait and what ended it, and why no decode could take it (the reasons since the failure, each once)."""
         failure = self.failure

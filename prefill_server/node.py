@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator
 
 from .admission_queue import AdmissionQueue, QueueFull, QueueTimeout, RequestTooLarge
 from .conductor import RequestConductor
@@ -89,7 +89,7 @@ class PrefillNode:
 
     async def generate(self, request_id: str, prompt_ids: list[int], sp: SamplingParams,
                        deadline: float | None = None, slo: SloRequest | None = None,
-                       produced: list[int] | tuple = ()) -> AsyncIterator[Delta]:
+                       produced: list[int] | tuple = ()) -> AsyncGenerator[Delta, None]:
         """``produced``: tokens the client already has (fewer than ``sp.max_tokens``), from a stream another
         prefill began (``pdserve.stream_resume``): the request goes on after them as after a decode's failure."""
         conductor = RequestConductor(self.deps, request_id, prompt_ids, sp, deadline, slo, produced)

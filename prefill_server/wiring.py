@@ -132,8 +132,8 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses)
     metrics.track_load(probes.engine_load)
     await discovery.start()
     await poller.start()
-    probes.batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
-    http_runner = await start_http(frontend, probes, metrics, args.model, args.host, args.port)
+    probes.batch = batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
+    http_runner = await start_http(frontend, probes, batch, metrics, args.model, args.host, args.port)
     grpc_server = await start_grpc(frontend, kv_events, probes.load, args.host, args.grpc_port)
     gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
     log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
@@ -144,7 +144,7 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses)
     return PrefillServer(engine, sender, discovery, poller, frontend, probes, http_runner, grpc_server)
 
 
-def build_node(engine: ServerEngine, sender: CacheStoreSender | None, picker: DecodePicker,
+def build_node(engine: ServerEngine, sender: CacheStoreSender, picker: DecodePicker,
                poller: LoadReportPoller, queue: AdmissionQueue, compat: pb.Compat, *, block_size: int,
                kv_bytes_per_block: int, eos_token_ids: tuple[int, ...] = (), max_attempts: int = 3,
                local_fallback: bool = False, resume: bool = True, resume_wait_s: float = defaults.RESUME_WAIT_S,
@@ -206,15 +206,16 @@ def make_slo_queue(slo: SloClasses, policy: str, metrics: ServerMetrics, picker:
     """The SLO queue; its plans count the decodes' KV blocks in all, full or not (a decode reserves
     prompt + max_tokens for a request)."""
     return GlobalQueue(slo, policy, metrics,
-                       kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.known()))
+                       kv_capacity=lambda: sum(load.total_blocks for a in picker.known()
+                                               if (load := picker.load(a)) is not None))
 
 
-async def start_http(frontend: Frontend, probes: Probes, metrics: ServerMetrics, model: str, host: str,
-                     port: int) -> web.AppRunner:
+async def start_http(frontend: Frontend, probes: Probes, batch: BatchService, metrics: ServerMetrics, model: str,
+                     host: str, port: int) -> web.AppRunner:
     """OpenAI routes and probes, the Batch API's routes, POST /tokenize and /detokenize, GET /tokenizer (for
     a router that mounts no model: ``model`` is --model), listening on host:port."""
     app = HttpApi(frontend, probes.health, metrics, is_draining=lambda: probes.draining).app()
-    probes.batch.add_routes(app)
+    batch.add_routes(app)
     tokenize_api.add_routes(app, frontend)
     tokenizer_api.add_routes(app, model)
     runner = web.AppRunner(app, handler_cancellation=True)
@@ -263,7 +264,8 @@ class Probes:
             "decodes": self.discovery.addresses(), "routable_decodes": self.picker.eligible(),
             "draining": self.draining,
             "decode_index": self.decode_index.state() if self.decode_index is not None else None,
-            "disaggregation": node.disaggregator.state(), "batch": self.batch.state(),
+            "disaggregation": node.disaggregator.state(),
+            "batch": self.batch.state() if self.batch is not None else None,
         }
 
     def load(self) -> kpb.ServerLoad:
@@ -298,7 +300,8 @@ class PrefillServer:
     async def drain(self, sig: str, timeout_s: float) -> None:
         """/ready 503, the Batch API stopped, then up to ``timeout_s`` for the requests in flight."""
         self.probes.draining = True
-        await self.probes.batch.stop()  # batch lines in flight stay pending in the database; they run after a restart
+        if self.probes.batch is not None:  # lines in flight stay pending in the database; they run after a restart
+            await self.probes.batch.stop()
         log.info("%s: draining %d in-flight request(s)", sig, self.frontend.in_flight)
         left = await server_setup.drain(lambda: self.frontend.in_flight, timeout_s)
         if left:
