@@ -278,6 +278,7 @@ class Link:
                             self.control_sending -= 1
                             self.cond.notify_all()
                     continue
+                assert chunk is not None and io is not None  # no control frame: a chunk, taken only with io (the wait)
                 try:
                     t = chunk.transfer
                     t.wait_ready()  # a GPU layer still being written: its event, outside the lock

@@ -30,10 +30,10 @@ NOTIF_CRC32C = 0x01
 def load_nixl() -> Any:
     """NIXL's ``_api`` module (nixl_agent, nixl_agent_config, ...), or a RuntimeError saying how to install it."""
     try:
-        from nixl import _api  # type: ignore
+        from nixl import _api
     except ImportError:
         try:
-            from nixl_cu12 import _api  # type: ignore
+            from nixl_cu12 import _api
         except ImportError as exc:
             raise RuntimeError(
                 "transport='nixl' needs the NIXL Python package (import nixl or nixl_cu12): "

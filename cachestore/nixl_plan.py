@@ -19,7 +19,10 @@ No NIXL, no threads: unit-tested in ``tests/unit/test_cachestore_nixl_plan.py``.
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
+
+if TYPE_CHECKING:
+    from .scheduler import Chunk, Transfer
 
 
 def merge_runs_ordered(runs: Iterable[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
@@ -37,9 +40,9 @@ def merge_runs_ordered(runs: Iterable[tuple[int, int, int]]) -> list[tuple[int, 
     return [(s, d, n) for s, d, n in out]
 
 
-def group_layers(chunks: Sequence) -> list[tuple[object, list[tuple[int, int, int]]]]:
+def group_layers(chunks: Sequence[Chunk]) -> list[tuple[Transfer, list[tuple[int, int, int]]]]:
     """Chunks (``.transfer``, ``.slices``) -> ``[(transfer, merged slices)]``, one per transfer, first-seen order."""
-    order: list[object] = []
+    order: list[Transfer] = []
     slices: dict[int, list[tuple[int, int, int]]] = {}
     for chunk in chunks:
         key = id(chunk.transfer)

@@ -79,8 +79,8 @@ class CacheStoreReceiver:
                                        self.on_arrived, self.on_corrupt)
         self._server = TcpServer(region, layout, compat, self._transport.frames_carry_data, self._table, self._counters,
                                  self, require_checksum, stall_timeout_s)
-        self._waiters = WaiterBook()
-        self._release_waiters = WaiterBook()
+        self._waiters: WaiterBook[int | None] = WaiterBook()  # a layer, or None: all of them
+        self._release_waiters: WaiterBook[None] = WaiterBook()
         self._timers: dict[str, asyncio.TimerHandle] = {}
         self._endpoint: bytes | None = None
         self._started = False
@@ -236,7 +236,9 @@ class CacheStoreReceiver:
 
     def _corrupt(self, err: ChecksumError) -> None:
         """Loop thread: a slice failed its checksum. Fail the entry (once) and tell the sender."""
-        rid = err.request_id
+        rid, layer = err.request_id, err.layer
+        if rid is None or layer is None:
+            raise ValueError(f"a receiver's checksum error names its request and layer: {err}")
         try:
             self._table.status(rid)
         except (TransferError, UnknownRequestError):
@@ -245,7 +247,7 @@ class CacheStoreReceiver:
         self._counters["checksum_mismatches"] += 1
         if self._on_checksum_mismatch is not None:
             try:
-                self._on_checksum_mismatch(rid, err.layer)
+                self._on_checksum_mismatch(rid, layer)
             except Exception:  # noqa: BLE001 - a metrics hook must not stop the failure
                 log.exception("on_checksum_mismatch hook failed")
         self._fail(rid, err, tell_sender=True)

@@ -95,7 +95,7 @@ class CacheStoreSender:
         self._requests: dict[str, _TxRequest] = {}
         self._failed: OrderedDict[str, TransferError] = OrderedDict()
         self._links: dict[tuple, Link] = {}
-        self._waiters = WaiterBook()
+        self._waiters: WaiterBook[None] = WaiterBook()
         self._loop = LoopCaller()
         self._transport = send_side(transport, region)  # ValueError naming the transports for another name
         self._counters = {"bytes_sent": 0, "transfers_stored": 0}

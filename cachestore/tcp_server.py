@@ -161,9 +161,10 @@ class TcpServer:
         t.start()
 
     def _accept_loop(self) -> None:
-        while not self._stopping:
+        listener = self._listener
+        while not self._stopping and listener is not None:
             try:
-                sock, addr = self._listener.accept()
+                sock, addr = listener.accept()
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -29,6 +29,8 @@ from .memory import MemoryRegion
 if TYPE_CHECKING:  # pragma: no cover
     from .entries import EntryTable
     from .memory import KVLayout
+    from .nixl_backend import NixlMemory
+    from .nixl_receive import NixlReceiveLoop
 
 
 class ReceiveSide(Protocol):
@@ -58,8 +60,11 @@ class SendSide(Protocol):
 
     name: str
     frames_carry_data: bool  # the link's connections send DATA frames (tcp) or carry control only (nixl)
-    agent: str               # named in the handshake (the NIXL agent), "" for none
     has_data_thread: bool    # a link runs ``run_data_thread`` in a thread of its own
+
+    @property
+    def agent(self) -> str:
+        """Named in the handshake (the NIXL agent), "" for none."""
 
     async def start(self) -> None:
         """Register memory (once per sender)."""
@@ -127,22 +132,23 @@ class NixlReceive:
         load_nixl()  # a clear error at construction, not at the first request
         self.region, self.instance, self.table, self.layout = region, instance, table, layout
         self.counters, self.on_arrived, self.on_corrupt = counters, on_arrived, on_corrupt
-        self.memory = None  # NixlMemory: the agent and the registered region
-        self.loop = None    # NixlReceiveLoop: the notification thread
+        self.memory: NixlMemory | None = None  # the agent and the registered region
+        self.loop: NixlReceiveLoop | None = None  # the notification thread
 
     async def start(self, has_senders: Callable[[], bool]) -> None:
         from .nixl_backend import NixlMemory
         from .nixl_receive import NixlReceiveLoop
 
-        self.memory = await asyncio.to_thread(NixlMemory, f"pdserve-rx-{self.instance}", self.region)
-        self.loop = NixlReceiveLoop(self.memory, self.table, self.layout, self.counters, self.on_arrived,
-                                    has_senders, self.on_corrupt)
-        self.loop.start()
+        self.memory = memory = await asyncio.to_thread(NixlMemory, f"pdserve-rx-{self.instance}", self.region)
+        self.loop = loop = NixlReceiveLoop(memory, self.table, self.layout, self.counters, self.on_arrived,
+                                           has_senders, self.on_corrupt)
+        loop.start()
 
     def describe(self, ep: Endpoint) -> None:
-        ep.nixl_agent = self.memory.name
-        ep.nixl_metadata = self.memory.metadata()
-        ep.nixl_region = (self.region.ptr, self.region.nbytes, self.region.device_id, self.memory.mem_type)
+        memory = _started(self.memory)
+        ep.nixl_agent = memory.name
+        ep.nixl_metadata = memory.metadata()
+        ep.nixl_region = (self.region.ptr, self.region.nbytes, self.region.device_id, memory.mem_type)
 
     def wake(self) -> None:
         if self.loop is not None:
@@ -167,7 +173,7 @@ class NixlSend:
 
         load_nixl()
         self.region = region
-        self.memory = None  # NixlMemory, created by start()
+        self.memory: NixlMemory | None = None  # created by start()
 
     @property
     def agent(self) -> str:
@@ -185,14 +191,20 @@ class NixlSend:
         from .nixl_link import NixlWriter
 
         cfg = link.config
-        NixlWriter(self.memory, cfg.region, cfg.layout, link.endpoint, link.peer, chunk_blocks=cfg.chunk_blocks,
-                   checksum=cfg.checksum, stall_timeout_s=cfg.stall_timeout_s, take=link.take_chunks,
-                   chunks_done=link.chunks_done, stall_error=link.stall_error).run()
+        NixlWriter(_started(self.memory), cfg.region, cfg.layout, link.endpoint, link.peer,
+                   chunk_blocks=cfg.chunk_blocks, checksum=cfg.checksum, stall_timeout_s=cfg.stall_timeout_s,
+                   take=link.take_chunks, chunks_done=link.chunks_done, stall_error=link.stall_error).run()
 
     def close(self) -> None:
         if self.memory is not None:
             self.memory.close()
             self.memory = None
+
+
+def _started(memory: NixlMemory | None) -> NixlMemory:
+    if memory is None:
+        raise RuntimeError("the NIXL transport is used before its start() registered the memory")
+    return memory
 
 
 def _check(name: str) -> None:

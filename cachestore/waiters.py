@@ -14,11 +14,12 @@ the awaiting task only ends that wait.
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Hashable
+from typing import Callable, Generic, Hashable, TypeVar
 
 from .errors import TransferError, UnknownRequestError
 
-Ready = Callable[[str, Hashable], bool]
+K = TypeVar("K", bound=Hashable | None)  # what a waiter waits for: a layer, or None for everything
+Ready = Callable[[str, K], bool]
 
 
 def check_timeout(timeout_s: object) -> None:
@@ -43,17 +44,18 @@ class LoopCaller:
         return self.loop
 
     def call(self, fn: Callable, *args) -> None:
+        loop = self.require("the sender or receiver")  # not attached yet: an error, not a dropped callback
         try:
-            self.loop.call_soon_threadsafe(fn, *args)
+            loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop closed during shutdown
             pass
 
 
-class WaiterBook:
+class WaiterBook(Generic[K]):
     """Futures waiting on request ids, each with a key (a layer, or None for "everything")."""
 
     def __init__(self) -> None:
-        self._by_rid: dict[str, list[tuple[Hashable, asyncio.Future]]] = {}
+        self._by_rid: dict[str, list[tuple[K, asyncio.Future]]] = {}
 
     def __contains__(self, rid: str) -> bool:
         return rid in self._by_rid
@@ -61,8 +63,8 @@ class WaiterBook:
     def count(self) -> int:
         return sum(len(v) for v in self._by_rid.values())
 
-    async def wait(self, rid: str, key: Hashable, timeout_s: float, ready: Ready,
-                   on_timeout: Callable[[str, Hashable, float], TransferError]) -> None:
+    async def wait(self, rid: str, key: K, timeout_s: float, ready: Ready[K],
+                   on_timeout: Callable[[str, K, float], TransferError]) -> None:
         check_timeout(timeout_s)
         fut = asyncio.get_running_loop().create_future()
         self._by_rid.setdefault(rid, []).append((key, fut))
@@ -80,7 +82,7 @@ class WaiterBook:
                 if not ws:
                     del self._by_rid[rid]
 
-    def wake(self, rid: str, ready: Ready) -> None:
+    def wake(self, rid: str, ready: Ready[K]) -> None:
         """Loop thread: re-check every waiter of rid; finish those that are done or failed."""
         for key, fut in list(self._by_rid.get(rid, ())):
             if fut.done():

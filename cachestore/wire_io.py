@@ -13,10 +13,14 @@ while it is still in cache.
 from __future__ import annotations
 
 import socket
+from typing import TYPE_CHECKING
 
 from .checksum import crc32c
 from .frames import discard, recv_exact_into
 from .memory import MemoryRegion
+
+if TYPE_CHECKING:
+    import torch
 
 STAGE_BYTES = 4 << 20
 PIECE_BYTES = 1 << 20  # receive granularity: a deleted entry stops receiving within one piece
@@ -28,24 +32,29 @@ class RegionIO:
     def __init__(self, region: MemoryRegion):
         self.region = region
         self._view = region.host_view() if region.device == "cpu" else None
-        self._dev = None
-        self._stage = None
+        self._staging: tuple[torch.Tensor, torch.Tensor, memoryview] | None = None  # cuda
         if region.device == "cuda":
             import torch
 
-            self._dev = region.owner.reshape(-1).view(torch.uint8)
-            self._stage = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
-            self._stage_view = memoryview(self._stage.numpy()).cast("B")
+            stage = torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True)
+            self._staging = (region.owner.reshape(-1).view(torch.uint8), stage, stage.numpy().data.cast("B"))
+
+    def _staged(self) -> tuple[torch.Tensor, torch.Tensor, memoryview]:
+        """A cuda region's bytes on the device, this thread's pinned staging buffer and a view of it."""
+        if self._staging is None:
+            raise ValueError(f"a {self.region.device} region has no staging buffer (only cuda regions are staged)")
+        return self._staging
 
     def crc(self, offset: int, nbytes: int) -> int:
         """CRC32C of nbytes of the region from offset."""
         if self._view is not None:
             return crc32c(self._view[offset:offset + nbytes])
+        dev, stage, stage_view = self._staged()
         value, done = 0, 0
         while done < nbytes:
             n = min(STAGE_BYTES, nbytes - done)
-            self._stage[:n].copy_(self._dev[offset + done:offset + done + n])
-            value = crc32c(self._stage_view[:n], value)
+            stage[:n].copy_(dev[offset + done:offset + done + n])
+            value = crc32c(stage_view[:n], value)
             done += n
         return value
 
@@ -53,29 +62,31 @@ class RegionIO:
         """A host copy of nbytes of the region from offset (the corruption test hook sends one)."""
         if self._view is not None:
             return bytearray(self._view[offset:offset + nbytes])
-        return bytearray(self._dev[offset:offset + nbytes].cpu().numpy().tobytes())
+        return bytearray(self._staged()[0][offset:offset + nbytes].cpu().numpy().tobytes())
 
     def send(self, sock: socket.socket, offset: int, nbytes: int, header: bytes = b"", payload=None) -> None:
         """Send header then nbytes of the region from offset (cpu: one sendmsg for both).
 
         ``payload`` (bytes-like, nbytes long) is sent instead of the region's bytes when given
         (the corruption test hook)."""
-        if payload is not None or self._view is not None:
-            payload = memoryview(payload) if payload is not None else self._view[offset:offset + nbytes]
-            sent = sock.sendmsg([header, payload])
+        host = memoryview(payload) if payload is not None else (
+            self._view[offset:offset + nbytes] if self._view is not None else None)
+        if host is not None:
+            sent = sock.sendmsg([header, host])
             if sent < len(header):
                 sock.sendall(header[sent:])
                 sent = len(header)
             if sent - len(header) < nbytes:
-                sock.sendall(payload[sent - len(header):])
+                sock.sendall(host[sent - len(header):])
             return
         if header:
             sock.sendall(header)
+        dev, stage, stage_view = self._staged()
         done = 0
         while done < nbytes:
             n = min(STAGE_BYTES, nbytes - done)
-            self._stage[:n].copy_(self._dev[offset + done:offset + done + n])
-            sock.sendall(self._stage_view[:n])
+            stage[:n].copy_(dev[offset + done:offset + done + n])
+            sock.sendall(stage_view[:n])
             done += n
 
     def recv(self, sock: socket.socket, offset: int, nbytes: int, stop=None, scratch: memoryview | None = None,
@@ -92,17 +103,19 @@ class RegionIO:
         done, value = 0, 0
         while done < nbytes:
             if stop is not None and stop():
-                discard(sock, nbytes - done, scratch, on_wait)
+                discard(sock, nbytes - done, scratch if scratch is not None else memoryview(bytearray(PIECE_BYTES)),
+                        on_wait)
                 return False, 0
             if self._view is not None:
                 n = min(PIECE_BYTES, nbytes - done)
                 piece = self._view[offset + done:offset + done + n]
                 recv_exact_into(sock, piece, on_wait)
             else:
+                dev, stage, stage_view = self._staged()
                 n = min(STAGE_BYTES, nbytes - done)
-                piece = self._stage_view[:n]
+                piece = stage_view[:n]
                 recv_exact_into(sock, piece, on_wait)
-                self._dev[offset + done:offset + done + n].copy_(self._stage[:n])
+                dev[offset + done:offset + done + n].copy_(stage[:n])
             if checksum:
                 value = crc32c(piece, value)
             done += n

@@ -6,20 +6,21 @@ Built once by ``wiring.build_service`` and handed to every DecodeSession in Sess
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncIterator
+from typing import TYPE_CHECKING, AsyncGenerator
 
 from pdserve.engine.grammar import GrammarSpec
 from pdserve.protos import session_pb2 as pb
 from pdserve.rate_meter import RateMeter
 
 if TYPE_CHECKING:
-    from pdserve.engine import AsyncLLMEngine, RequestOutput
+    from pdserve.engine import RequestOutput, SamplingParams
+    from pdserve.engine.server_engine import ServerEngine
 
     from .lso import LsoController
     from .session_metrics import SessionMetrics
 
 
-def sampling_from_proto(msg: pb.Sampling, sampling_cls):
+def sampling_from_proto(msg: pb.Sampling, sampling_cls: type[SamplingParams]):
     return sampling_cls(
         max_tokens=msg.max_tokens, temperature=msg.temperature, top_p=msg.top_p, top_k=msg.top_k,
         seed=msg.seed if msg.HasField("seed") else None, stop=list(msg.stop),
@@ -33,7 +34,8 @@ def sampling_from_proto(msg: pb.Sampling, sampling_cls):
 class DecodeEngine:
     """The engine calls a DecodeSession makes."""
 
-    def __init__(self, engine: AsyncLLMEngine, sampling_cls, metrics: SessionMetrics, lso: LsoController | None = None):
+    def __init__(self, engine: ServerEngine, sampling_cls: type[SamplingParams], metrics: SessionMetrics,
+                 lso: LsoController | None = None):
         self.engine, self.sampling_cls, self.metrics, self.lso = engine, sampling_cls, metrics, lso
         self.local_prompts = RateMeter()  # tokens/s of the prompts computed here (ComputePrompt)
 
@@ -57,12 +59,12 @@ class DecodeEngine:
         return block_ids, cached
 
     def add_prefilled(self, request_id: str, prompt_ids: list[int], first_token: int,
-                      sampling: pb.Sampling) -> AsyncIterator[RequestOutput]:
+                      sampling: pb.Sampling) -> AsyncGenerator[RequestOutput, None]:
         return self.engine.add_prefilled(request_id, prompt_ids, first_token,
                                          sampling_from_proto(sampling, self.sampling_cls))
 
     def prefill_reserved(self, request_id: str, prompt_ids: list[int],
-                         sampling: pb.Sampling) -> AsyncIterator[RequestOutput]:
+                         sampling: pb.Sampling) -> AsyncGenerator[RequestOutput, None]:
         return self.engine.prefill_reserved(request_id, prompt_ids, sampling_from_proto(sampling, self.sampling_cls))
 
     def computed_prompt(self, tokens: int, seconds: float) -> None:

@@ -32,7 +32,7 @@ from .registry import SessionInfo
 from .session import DecodeSession, SessionDeps
 
 if TYPE_CHECKING:
-    from pdserve.engine import AsyncLLMEngine
+    from pdserve.engine.server_engine import ServerEngine
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class DecodeService(pb_grpc.DecodeServicer):
     numbers, ``deps`` handed to every DecodeSession (its registry, receiver, compat and pool read
     here too), ``kv_bytes_per_block`` (all layers, K and V) for the free bytes reported."""
 
-    def __init__(self, engine: AsyncLLMEngine, deps: SessionDeps, kv_bytes_per_block: int):
+    def __init__(self, engine: ServerEngine, deps: SessionDeps, kv_bytes_per_block: int):
         self.engine, self.deps, self.kv_bytes_per_block = engine, deps, kv_bytes_per_block
         self.registry, self.receiver, self.compat, self.pool = deps.registry, deps.receiver, deps.compat, deps.pool
 

@@ -79,11 +79,11 @@ from .pooled_decode import PooledDecode
 from .registry import SessionInfo
 from .session_deps import SessionDeps
 from .session_pooled import PooledSteps
-from .session_stream import SessionEnded
+from .session_stream import End, SessionEnded
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodeSession", "SessionDeps", "SessionEnded"]
+__all__ = ["DecodeSession", "End", "SessionDeps", "SessionEnded"]
 _BACKGROUND: set[asyncio.Future] = set()  # releases of reservations made after their session was cancelled
 
 # Test hook (never set it in production; tests/harness/decode_gate.py drives it): a directory. In step 4,
@@ -101,7 +101,7 @@ class DecodeSession(PooledSteps):
     def __init__(self, context: grpc.aio.ServicerContext, deps: SessionDeps):
         super().__init__(context, deps.metrics, deps.session_timeout_s)
         self.deps = deps
-        self.request_id: str | None = None
+        self.request_id = ""  # the Start's (admission refuses an empty one)
         self.reserved = False
         self.expected = False
         self.cached_blocks = 0  # leading prompt blocks reused from our prefix cache
@@ -120,12 +120,13 @@ class DecodeSession(PooledSteps):
                 return
             start = first.start
             self.request_id = start.request_id
-            if not await self._admit(start):
+            info = await self._admit(start)
+            if info is None:
                 return
             reader = asyncio.ensure_future(self.read_rest())
             timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
             deadline = time.monotonic() + timeout
-            self.info.stage = "transfer"
+            info.stage = "transfer"
             arrivals = asyncio.ensure_future(self._record_layer_arrivals(timeout))
             answer = await self.until_peer_gone_or(self.answer, timeout, "the first token")
             if self.pooled is not None and self.pooled.pushed != isinstance(answer, pb.FirstToken):
@@ -133,8 +134,8 @@ class DecodeSession(PooledSteps):
                                    f"blocks to push into: prefill must answer "
                                    f"{'FirstToken' if self.pooled.pushed else 'ComputePrompt'}")
             if self.pooled is not None and not self.pooled.pushed:
-                self.info.stage = "decode"
-                await self.until_peer_gone_or(self._decode_pooled(start), None, "decoding")
+                info.stage = "decode"
+                await self.until_peer_gone_or(self._decode_pooled(self.pooled, start), None, "decoding")
                 return
             n_blocks = blocks_needed(len(start.prompt_token_ids), deps.compat.block_size)
             if isinstance(answer, pb.ComputePrompt):
@@ -142,7 +143,7 @@ class DecodeSession(PooledSteps):
                 deps.metrics.prompt_blocks(reused=self.cached_blocks, computed=n_blocks - self.cached_blocks)
                 log.info("session %s: computing the prompt here (%d of %d blocks cached): %s", self.request_id,
                          self.cached_blocks, n_blocks, answer.reason)
-                self.info.stage = "decode"
+                info.stage = "decode"
                 await self.until_peer_gone_or(self._decode(start, None), None, "decoding")
                 return
             remaining = max(0.01, deadline - time.monotonic())
@@ -154,16 +155,18 @@ class DecodeSession(PooledSteps):
             self.expected = False
             if self.pooled is not None:  # the lenders' parts too
                 remaining = max(0.01, deadline - time.monotonic())
-                await self.until_peer_gone_or(self._pooled_kv_in(remaining), remaining + 1.0, "the lenders' KV")
-            deps.metrics.kv_in(time.monotonic() - self.info.started, moved=n_blocks - self.cached_blocks,
+                await self.until_peer_gone_or(self._pooled_kv_in(self.pooled, remaining), remaining + 1.0,
+                                              "the lenders' KV")
+            deps.metrics.kv_in(time.monotonic() - info.started, moved=n_blocks - self.cached_blocks,
                                reused=self.cached_blocks)
             if answer.finished:
                 await self.write(finish=pb.Finish(finish_reason=answer.finish_reason or "stop", completion_tokens=1))
                 self.outcome = ("ok", answer.finish_reason or "stop")
                 return
-            self.info.stage = "decode"
+            info.stage = "decode"
             if self.pooled is not None:
-                await self.until_peer_gone_or(self._decode_pooled(start, answer.token_id), None, "decoding")
+                await self.until_peer_gone_or(self._decode_pooled(self.pooled, start, answer.token_id), None,
+                                              "decoding")
                 return
             await self.until_peer_gone_or(self._decode(start, answer.token_id), None, "decoding")
         except SessionEnded as exc:
@@ -173,8 +176,7 @@ class DecodeSession(PooledSteps):
                 log.debug("session %s: %s after its Finish", self.request_id, exc.reason)
             else:
                 log.info("session %s ended: %s", self.request_id, exc.reason)
-                self.outcome = (("error", "timeout" if "timed out" in exc.reason else "error") if exc.notify
-                                else ("cancelled", "prefill_gone"))
+                self.outcome = exc.end.labels
             if exc.notify:
                 await self.try_write_error(exc.reason)
         except ChecksumError as exc:  # the KV arrived corrupted: never decode on it (counted by the receiver hook)
@@ -183,7 +185,7 @@ class DecodeSession(PooledSteps):
             await self.try_write_error(str(exc), CHECKSUM_MISMATCH)
         except asyncio.CancelledError:
             if self.outcome[0] != "ok":  # the RPC ended before the Finish went out
-                self.outcome = ("cancelled", "prefill_gone")
+                self.outcome = End.PREFILL_GONE.labels
             raise
         except asyncio.TimeoutError:
             log.info("session: no Start within %.1fs", deps.session_timeout_s)
@@ -199,7 +201,7 @@ class DecodeSession(PooledSteps):
 
     async def _record_layer_arrivals(self, timeout: float) -> None:
         """Monotonic time each KV layer arrived (subscribing per layer), kept for /debug/requests."""
-        deps, times = self.deps, []
+        deps, times = self.deps, list[float]()
         deps.registry.remember_arrivals(self.request_id, times)
         try:
             for layer in range(deps.compat.num_layers):
@@ -208,7 +210,8 @@ class DecodeSession(PooledSteps):
         except Exception:  # noqa: BLE001 - failures are handled by the session itself
             pass
 
-    async def _admit(self, start: pb.Start) -> bool:
+    async def _admit(self, start: pb.Start) -> SessionInfo | None:
+        """Steps 1-2: the session registered, or None when refused (the Refusal sent)."""
         deps = self.deps
         rid = start.request_id
         pooled_refusal = admission.pooled_refusal(start)
@@ -223,19 +226,19 @@ class DecodeSession(PooledSteps):
             except deps.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
                 refused = ("out_of_blocks", getattr(exc, "reason", str(exc)))
                 if deps.pool is not None and pooled_refusal is None:  # too big for our free blocks: borrow
-                    refused = await self._open_pooled(start, refused[1])
+                    refused = await self._open_pooled(deps.pool, start, refused[1])
                     if refused is None:
-                        return True
+                        return self.info
             except ValueError as exc:  # prompt too long, bad ids: nothing was reserved
                 refused = ("bad_request", str(exc))
         if refused is not None:
             log.info("refused %s: %s", rid, refused[1])
             await self.refuse(*refused)
-            return False
+            return None
         self.reserved = True
         self.cached_blocks = cached // deps.compat.block_size
-        self.info = SessionInfo(rid, "allocate", num_blocks=len(block_ids))
-        deps.registry.add(self.info)
+        self.info = info = SessionInfo(rid, "allocate", num_blocks=len(block_ids))
+        deps.registry.add(info)
         to_receive = list(block_ids[self.cached_blocks: start.blocks_needed])
         timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
         for_sender = deps.receiver.expect(rid, to_receive, timeout)
@@ -243,7 +246,7 @@ class DecodeSession(PooledSteps):
         await self.write(allocation=pb.Allocation(block_ids=list(for_sender),
                                                   cachestore_endpoint=deps.receiver.endpoint,
                                                   cached_blocks=self.cached_blocks))
-        return True
+        return info
 
     async def _reserve(self, start: pb.Start) -> tuple[list[int], int]:
         """The engine's reservation; if we are cancelled meanwhile (prefill gone), the engine still
@@ -311,7 +314,7 @@ class DecodeSession(PooledSteps):
         """Step 5. Synchronous parts first: this runs in ``finally`` of a possibly cancelled
         task, and a second cancellation must not skip any of it; the engine abort is shielded."""
         deps, rid = self.deps, self.request_id
-        if rid is None:
+        if not rid:  # no Start (or refused before anything was held)
             return
         was_receiving = self.expected
         if self.expected:

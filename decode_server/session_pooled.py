@@ -14,13 +14,18 @@ does not fit the blocks free here.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from pdserve.kvpool.rmanager import LenderLost
 from pdserve.protos import session_pb2 as pb
 
 from .pooled_decode import PooledDecode
 from .registry import SessionInfo
+from .session_deps import SessionDeps
 from .session_stream import SessionEnded, SessionStream
+
+if TYPE_CHECKING:
+    from pdserve.kvpool.decode_pool import DecodePool
 
 log = logging.getLogger("pdserve.decode_server.session")
 
@@ -28,42 +33,48 @@ log = logging.getLogger("pdserve.decode_server.session")
 class PooledSteps(SessionStream):
     """DecodeSession's pooled-path methods (it sets ``deps``, ``info``, ``pooled``, ``expected``, ``outcome``)."""
 
-    async def _open_pooled(self, start: pb.Start, why_not_local: str) -> tuple[str, str] | None:
+    deps: SessionDeps
+    info: SessionInfo | None
+    pooled: PooledDecode | None
+    expected: bool
+    outcome: tuple[str, str]
+
+    async def _open_pooled(self, pool: DecodePool, start: pb.Start, why_not_local: str) -> tuple[str, str] | None:
         """Step 2 on the pooled path: local blocks + loans, then the pooled Allocation; the
         refusal when the pool has no room either (transient, like out_of_blocks here)."""
         deps, rid = self.deps, start.request_id
         timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
         try:
-            self.pooled = await PooledDecode.open(deps.pool, start, timeout)
+            self.pooled = pooled = await PooledDecode.open(pool, start, timeout)
         except deps.out_of_blocks_error as exc:
             return "out_of_blocks", f"{why_not_local}; the KV pool: {exc}"
         except LenderLost as exc:  # while lending: nothing is held
             return "out_of_blocks", f"{why_not_local}; the KV pool: {exc}"
-        self.info = SessionInfo(rid, "allocate", num_blocks=self.pooled.local_blocks)
+        self.info = SessionInfo(rid, "allocate", num_blocks=pooled.local_blocks)
         deps.registry.add(self.info)
         log.info("session %s: pooled (%d local blocks, loans from %s; the prompt's KV %s)", rid,
-                 self.pooled.local_blocks, ", ".join(f"{l.lender}: {l.blocks}" for l in self.pooled.request.loans)
-                 or "nobody", "pushed by prefill" if self.pooled.pushed else "computed here")
+                 pooled.local_blocks, ", ".join(f"{l.lender}: {l.blocks}" for l in pooled.request.loans)
+                 or "nobody", "pushed by prefill" if pooled.pushed else "computed here")
         allocation = pb.Allocation(cachestore_endpoint=deps.receiver.endpoint, pooled=True)
-        if self.pooled.pushed:
-            allocation.block_ids.extend(deps.receiver.expect(rid, self.pooled.local_prompt_blocks(), timeout))
+        if pooled.pushed:
+            allocation.block_ids.extend(deps.receiver.expect(rid, pooled.local_prompt_blocks(), timeout))
             self.expected = True
-            allocation.pool_targets.extend(self.pooled.targets)
+            allocation.pool_targets.extend(pooled.targets)
         await self.write(allocation=allocation)
         return None
 
-    async def _pooled_kv_in(self, timeout: float) -> None:
+    async def _pooled_kv_in(self, pooled: PooledDecode, timeout: float) -> None:
         try:
-            await self.pooled.kv_arrived(timeout)
+            await pooled.kv_arrived(timeout)
         except LenderLost as exc:
             raise SessionEnded(str(exc)) from None
 
-    async def _decode_pooled(self, start: pb.Start, first_token: int | None = None) -> None:
+    async def _decode_pooled(self, pooled: PooledDecode, start: pb.Start, first_token: int | None = None) -> None:
         """Step 4 on the pooled path: stream the pooled request's greedy tokens (after
         ``first_token`` when the prefill computed the prompt)."""
         produced, max_tokens = 0 if first_token is None else 1, start.sampling.max_tokens
         try:
-            async for token in self.pooled.tokens(start.sampling, first_token):
+            async for token in pooled.tokens(start.sampling, first_token):
                 produced += 1
                 await self.write(tokens=pb.Tokens(token_ids=[token]))
         except LenderLost as exc:  # part of the KV is gone with its lender

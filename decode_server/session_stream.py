@@ -5,21 +5,26 @@ Contract (``DecodeSession`` builds on it; its lifecycle is in session.py):
 
 - ``write(**kind)`` sends one DecodeMessage; a prefill that does not take it within
   ``session_timeout_s`` (it stopped reading: a frozen prefill, gRPC flow control full)
-  raises ``SessionEnded`` (not notified: the stream is stuck anyway).
+  raises ``SessionEnded`` (``End.PREFILL_STUCK``: not notified, the stream is stuck anyway).
 - ``refuse(code, reason)`` counts and sends a Refusal.
 - ``read_rest()`` (a task, after Start) resolves ``answer`` with prefill's decision, the
   ``FirstToken`` (its KV is on the way) or ``ComputePrompt`` (compute the prompt here); a
   Cancel, Error, end of stream, broken stream or any other message sets ``peer_gone`` with
   ``peer_reason``.
 - ``until_peer_gone_or(aw, timeout, what)`` awaits ``aw`` unless prefill goes away
-  (``SessionEnded``, not notified) or ``timeout`` passes (``SessionEnded`` naming ``what``);
-  ``aw`` is cancelled and allowed to clean up in both cases.
+  (``SessionEnded`` with ``End.PREFILL_GONE``, not notified) or ``timeout`` passes
+  (``End.TIMED_OUT``, naming ``what``); ``aw`` is cancelled and allowed to clean up in both cases.
 - ``try_write_error(reason, code)`` tells prefill why the session ends, if it still can.
+
+Why a session ends early is an ``End`` (an enum, never read from the message's words): whether
+prefill is told (``notify``) and the (outcome, reason) the requests counter counts it under
+(``labels``) follow from it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 
 import grpc
 
@@ -28,12 +33,40 @@ from pdserve.protos import session_pb2 as pb
 from .session_metrics import SessionMetrics
 
 
-class SessionEnded(Exception):
-    """The session must end now; ``reason`` says why (sent to prefill as Error when possible)."""
+class End(enum.Enum):
+    """Why a session ended before its Finish."""
 
-    def __init__(self, reason: str, notify: bool = True):
+    FAILED = "failed"  # our engine, a KV lender or the protocol failed: prefill is told
+    TIMED_OUT = "timed_out"  # prefill's answer or the KV did not come in time: prefill is told
+    PREFILL_GONE = "prefill_gone"  # prefill cancelled, failed, closed or broke the stream
+    PREFILL_STUCK = "prefill_stuck"  # prefill stopped reading our writes (frozen, flow control full)
+
+    @property
+    def notify(self) -> bool:
+        """Whether prefill is sent an Error (not when it is gone or stuck: nobody would read it)."""
+        return self in (End.FAILED, End.TIMED_OUT)
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        """(outcome, reason) of ``SessionMetrics.request_done``."""
+        return _LABELS[self]
+
+
+_LABELS = {End.FAILED: ("error", "error"), End.TIMED_OUT: ("error", "timeout"),
+           End.PREFILL_GONE: ("cancelled", "prefill_gone"), End.PREFILL_STUCK: ("cancelled", "prefill_gone")}
+
+
+class SessionEnded(Exception):
+    """The session must end now; ``reason`` says why in words (sent to prefill as Error when
+    ``end.notify``), ``end`` says why as an ``End``."""
+
+    def __init__(self, reason: str, end: End = End.FAILED):
         super().__init__(reason)
-        self.reason, self.notify = reason, notify
+        self.reason, self.end = reason, end
+
+    @property
+    def notify(self) -> bool:
+        return self.end.notify
 
 
 class SessionStream:
@@ -50,7 +83,7 @@ class SessionStream:
                 await self.context.write(pb.DecodeMessage(**kind))
         except asyncio.TimeoutError:
             raise SessionEnded(f"timed out after {limit:.1f}s writing to prefill (it stopped reading)",
-                               notify=False) from None
+                               End.PREFILL_STUCK) from None
 
     async def refuse(self, code: str, reason: str) -> None:
         self.metrics.refused(code)
@@ -95,8 +128,8 @@ class SessionStream:
         task.cancel()
         await asyncio.wait({task})  # let it finish its own clean-up (never raises)
         if gone in done:
-            raise SessionEnded(self.peer_reason or "prefill went away", notify=False)
-        raise SessionEnded(f"timed out after {timeout:.1f}s waiting for {what}")
+            raise SessionEnded(self.peer_reason or "prefill went away", End.PREFILL_GONE)
+        raise SessionEnded(f"timed out after {timeout:.1f}s waiting for {what}", End.TIMED_OUT)
 
     async def try_write_error(self, reason: str, code: str = "") -> None:
         try:

@@ -47,7 +47,7 @@ from aiohttp import web
 
 from pdserve import gc_pauses, server_setup, thread_cpu
 from pdserve.cachestore import CacheStoreReceiver
-from pdserve.engine import OutOfBlocksError, SamplingParams
+from pdserve.engine import AsyncLLMEngine, OutOfBlocksError, SamplingParams
 from pdserve.kv_events import KvEventPublisher, KvEventsServicer
 from pdserve.metrics import EngineLoad, ServerMetrics
 from pdserve.defaults import SESSION_TIMEOUT_S
@@ -64,7 +64,7 @@ from .session_deps import SessionDeps
 from .session_metrics import SessionMetrics
 
 if TYPE_CHECKING:
-    from pdserve.engine import AsyncLLMEngine
+    from pdserve.engine.server_engine import ServerEngine
     from pdserve.kvpool.decode_pool import DecodePool
 
 log = logging.getLogger("pdserve.decode")
@@ -104,9 +104,10 @@ async def start(args: argparse.Namespace) -> DecodeServer:
     return DecodeServer(engine, receiver, pool, service, http_runner, grpc_server)
 
 
-def build_service(engine: AsyncLLMEngine, receiver: CacheStoreReceiver, compat: pb.Compat, *, sampling_cls,
-                  out_of_blocks_error: type[Exception], max_model_len: int, kv_bytes_per_block: int,
-                  session_timeout_s: float = SESSION_TIMEOUT_S, metrics: ServerMetrics | None = None,
+def build_service(engine: ServerEngine, receiver: CacheStoreReceiver, compat: pb.Compat, *,
+                  sampling_cls: type[SamplingParams], out_of_blocks_error: type[Exception], max_model_len: int,
+                  kv_bytes_per_block: int, session_timeout_s: float = SESSION_TIMEOUT_S,
+                  metrics: ServerMetrics | None = None,
                   eviction: bool = True, pool: DecodePool | None = None) -> DecodeService:
     """The DecodeService and the SessionDeps every DecodeSession is given (module docstring, step 5);
     ``kv_bytes_per_block``: all layers, K and V; ``eviction``: batch requests' KV goes to host memory
@@ -115,7 +116,8 @@ def build_service(engine: AsyncLLMEngine, receiver: CacheStoreReceiver, compat: 
     lso = None
     if eviction:
         lso = LsoController(metrics)
-        engine.after_step = lso  # the engine's hook, run on its thread after every step
+        if isinstance(engine, AsyncLLMEngine):  # the built-in engine's hook, run on its thread after every step
+            engine.after_step = lso
     deps = SessionDeps(
         engine=DecodeEngine(engine, sampling_cls, session_metrics, lso), receiver=receiver, registry=SessionRegistry(),
         metrics=session_metrics, compat=compat, max_model_len=max_model_len, session_timeout_s=session_timeout_s,
@@ -124,7 +126,7 @@ def build_service(engine: AsyncLLMEngine, receiver: CacheStoreReceiver, compat: 
     return DecodeService(engine, deps, kv_bytes_per_block)
 
 
-async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:
+async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:
     """The metrics follow the engine's counters; its prefix cache publishes KV events (attached
     before the engine thread starts: it calls on that thread); the engine starts."""
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
@@ -145,12 +147,14 @@ async def start_receiver(parts: ServerParts, metrics: ServerMetrics, transport: 
     return receiver
 
 
-def start_pool(engine: AsyncLLMEngine, receiver: CacheStoreReceiver, metrics: ServerMetrics, *, instance_id: str,
+def start_pool(engine: ServerEngine, receiver: CacheStoreReceiver, metrics: ServerMetrics, *, instance_id: str,
                gmanager: str, host: str, port: int, advertise_host: str | None, lend_fraction: float) -> DecodePool:
     """Our part of the KV pool (--kv-pool), started; called on the event loop (the receiver's inbox
     hands it KV there)."""
     from pdserve.kvpool.decode_pool import DecodePool, ReceiverInbox
 
+    if not isinstance(engine, AsyncLLMEngine):  # cli.run refuses --kv-pool with --engine vllm before this
+        raise ValueError(f"--kv-pool needs the built-in engine, not {type(engine).__name__}")
     pool = DecodePool(engine, instance_id, gmanager, host, port, advertise_host, lend_fraction,
                       inbox=ReceiverInbox(receiver, asyncio.get_running_loop()))
     pool.start()
@@ -160,7 +164,7 @@ def start_pool(engine: AsyncLLMEngine, receiver: CacheStoreReceiver, metrics: Se
     return pool
 
 
-def track_load(metrics: ServerMetrics, service: DecodeService, engine: AsyncLLMEngine, block_size: int) -> None:
+def track_load(metrics: ServerMetrics, service: DecodeService, engine: ServerEngine, block_size: int) -> None:
     """The metrics' load: the service's waiting and running sessions, the engine's KV blocks."""
     registry = service.registry
     metrics.track_load(lambda: EngineLoad(waiting=registry.waiting(), running=registry.running(),
@@ -223,7 +227,7 @@ class Probes:
 class DecodeServer:
     """The started parts, for the drain and the stop."""
 
-    engine: AsyncLLMEngine
+    engine: ServerEngine
     receiver: CacheStoreReceiver
     pool: DecodePool | None
     service: DecodeService

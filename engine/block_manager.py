@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict, deque
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from .errors import OutOfBlocksError
 
@@ -85,16 +85,19 @@ class PrefixCacheListener(Protocol):
     def cleared(self) -> None: ...
 
 
-class LowerTiers(Protocol):
+Payload = TypeVar("Payload")  # what a tier hands back for a block (KVTiers: its tier and the block's tensor)
+
+
+class LowerTiers(Protocol[Payload]):
     """Where evicted cached blocks go (``engine/kv_tiers.py``: KVTiers); see the module docstring."""
 
     def __contains__(self, h: int) -> bool: ...
 
     def evict(self, h: int, block: int) -> list[int]: ...  # copy down; the hashes no tier holds any more
 
-    def take(self, h: int) -> object | None: ...  # out of its tier (None: lost or corrupt, a miss)
+    def take(self, h: int) -> Payload | None: ...  # out of its tier (None: lost or corrupt, a miss)
 
-    def restore(self, block: int, taken: object) -> None: ...  # copy a taken block into the pool
+    def restore(self, block: int, taken: Payload) -> None: ...  # copy a taken block into the pool
 
     def discard(self, h: int) -> None: ...
 
@@ -121,7 +124,7 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}  # hash -> block id, held or cached
         self.prefix_hits = 0  # blocks reused, for metrics and tests
         self.listener: PrefixCacheListener | None = None
-        self.tiers: LowerTiers | None = None
+        self.tiers: LowerTiers[Any] | None = None
 
     # ---- queries -------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -185,18 +188,24 @@ class BlockManager:
         taken = self._take_lower(lower)  # before _pop_fresh: its evictions may push tier entries out
         table = hits + [self._pop_fresh() for _ in range(fresh)]
         for (h, payload), b in zip(taken, table[len(hits):]):
-            self.tiers.restore(b, payload)
+            self._lower().restore(b, payload)
             self._hash[b] = h
             self._by_hash[h] = b
         reused = len(hits) + len(taken)
         self.prefix_hits += reused
         return table, reused * self.block_size
 
+    def _lower(self) -> LowerTiers[Any]:
+        """The lower tiers (a hash continues a prefix there only when there are some: ``_match``)."""
+        if self.tiers is None:
+            raise RuntimeError("the block manager has no lower KV tiers")
+        return self.tiers
+
     def _take_lower(self, lower: list[int]) -> list[tuple[int, object]]:
         """Take the tier entries that continue a prefix, up to the first one lost (a miss from there)."""
-        taken = []
+        taken: list[tuple[int, object]] = []
         for h in lower:
-            payload = self.tiers.take(h)
+            payload = self._lower().take(h)
             if payload is None:
                 if self.listener is not None:
                     self.listener.removed([h])
@@ -272,7 +281,8 @@ class BlockManager:
     def _take_ref(self, block: int) -> None:
         if self._ref[block] == 0:
             h = self._hash[block]
-            self._cached.pop(h, None)
+            if h is not None:
+                self._cached.pop(h, None)
         self._ref[block] += 1
 
     def _pop_fresh(self) -> int:

@@ -13,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .config_families import DEFAULT_HEAD_DIM, DEFAULT_ROPE_THETA, family_fields
 from .errors import ConfigError
@@ -197,7 +197,7 @@ class ModelConfig:
         Llama/Qwen2/Mistral only: other families' checkpoints are written by transformers."""
         if self.family not in ("llama", "qwen2", "mistral"):
             raise ConfigError(f"to_hf_dict writes Llama/Qwen2/Mistral configs, not {self.architecture!r}")
-        out = {
+        out: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": "qwen2" if SUPPORTED_ARCHITECTURES[self.architecture] == "qwen2" else "llama",
             "vocab_size": self.vocab_size,
@@ -244,10 +244,12 @@ def rope_inv_freq(config: ModelConfig, local: bool = False) -> torch.Tensor:
     import torch
 
     dim = config.head_dim
-    theta = config.rope_local_theta if local else config.rope_theta
+    theta = config.rope_local_theta if local and config.rope_local_theta is not None else config.rope_theta
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = None if local else config.rope_scaling
-    rope_type = "default" if not scaling else scaling.get("rope_type", scaling.get("type", "default"))
+    if not scaling:
+        return inv
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return inv
     factor = float(scaling["factor"])

@@ -95,6 +95,9 @@ class DecodeGraphs:
         """Logits ``[len(rows), vocab]`` (float32) of one decode step over ``rows`` (``fits(rows)``
         must hold). The result is a view of the graph's output: read it before the next step."""
         bucket = self.bucket_for(len(rows))
+        if bucket is None:
+            raise ValueError(f"{len(rows)} rows: more than the largest captured batch ({self.max_batch}); "
+                             "run() needs fits(rows)")
         self._load(rows, bucket)
         if bucket in self._graphs:
             graph, logits = self._graphs[bucket]

@@ -80,13 +80,15 @@ class Grammars:
         key = (spec.kind, spec.schema)
         if key not in self._compiled:
             xgr = _xgr()
-            if self._compiler is None:
+            compiler = self._compiler
+            if compiler is None:
                 info = _tokenizer_info(xgr, self.tokenizer, self.vocab_size, self.eos_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1)
-            schema = spec.schema if spec.kind == "json_schema" else '{"type": "object"}'
+                compiler = self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+            # (a json_schema spec has its schema: GrammarSpec checks)
+            schema = spec.schema if spec.kind == "json_schema" and spec.schema is not None else '{"type": "object"}'
             try:
                 json.loads(schema)
-                compiled = self._compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=False)
+                compiled = compiler.compile_json_schema(schema, any_whitespace=False, strict_mode=False)
             except (RuntimeError, ValueError, TypeError) as exc:
                 message = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
                 raise ValueError(f"the JSON schema cannot be used: {message[:300]}") from None

@@ -139,13 +139,13 @@ class DiskTier:
         raw = payload.contiguous().view(-1).view(torch.uint8).numpy()
         try:
             with open(self.path(h), "wb") as f:
-                f.write(raw)
+                f.write(raw.data)
         except OSError as exc:  # disk full, directory gone: the block is lost, the engine goes on
             self._unlink(h)
             self.stats.write_errors += 1
             log.warning("KV disk tier: cannot write a block to %s (%s); it is dropped", self.dir, exc)
             return [h]
-        self._entries[h] = (crc32c.crc32c(raw), raw.nbytes)
+        self._entries[h] = (crc32c.crc32c(raw.data), raw.nbytes)
         self.stats.seconds_in += time.perf_counter() - started
         self.stats.bytes_in += raw.nbytes
         self._account(raw.nbytes, +1)
@@ -253,7 +253,7 @@ class KVTiers:
         copy_block(payload, self.kv.tensor[:, block])
         elapsed = time.perf_counter() - started
         if self.host is None:
-            return self.disk.put(h, payload)
+            return self.disk.put(h, payload) if self.disk is not None else [h]  # (KVTiers has one tier at least)
         self.host.stats.seconds_in += elapsed
         self.host.stats.bytes_in += payload.nbytes
         dropped = []

@@ -163,7 +163,8 @@ class PDHooks:
             raise PromptTooLongError(num_prompt_tokens, self.max_model_len)
         n = min(num_prompt_tokens + max_tokens, self.max_model_len)
         table, cached = self.block_manager.allocate(prompt_ids or [], n, use_prefix_cache=prompt_ids is not None)
-        self.scheduler.add_reservation(request_id, table, tuple(prompt_ids[:cached]) if cached else ())
+        held = tuple(prompt_ids[:cached]) if cached and prompt_ids is not None else ()  # (a hit needs the ids)
+        self.scheduler.add_reservation(request_id, table, held)
         return list(table), cached
 
     def add_prefilled(

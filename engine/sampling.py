@@ -156,11 +156,12 @@ class Sampler:
 def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
     """Each row's sampled token's logprob and its top ``params[i].logprobs`` alternatives, from the
     raw logits (log-softmax before temperature, filters and grammar); None for rows that did not ask."""
-    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    asked = [(i, k) for i, p in enumerate(params) if (k := p.logprobs) is not None]
+    rows = [i for i, _ in asked]
     out: list[TokenLogprob | None] = [None] * len(params)
     if not rows:
         return out
-    found = logprobs_of(logits[rows], [tokens[i] for i in rows], [params[i].logprobs for i in rows])
+    found = logprobs_of(logits[rows], [tokens[i] for i in rows], [k for _, k in asked])
     for i, lp in zip(rows, found):
         out[i] = lp
     return out
@@ -178,8 +179,8 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[
         chosen = lp.gather(1, torch.tensor(tokens[start:end], device=lp.device).unsqueeze(1)).squeeze(1).tolist()
         k = max(ks[start:end])
         top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-        top_v, top_i = top_v.tolist(), top_i.tolist()
+        values, ids = top_v.tolist(), top_i.tolist()
         for r in range(end - start):
             n = ks[start + r]
-            out.append(TokenLogprob(tokens[start + r], chosen[r], tuple(zip(top_i[r][:n], top_v[r][:n]))))
+            out.append(TokenLogprob(tokens[start + r], chosen[r], tuple(zip(ids[r][:n], values[r][:n]))))
     return out

@@ -193,7 +193,8 @@ class Scheduler:
 
     def schedule_prefills(self) -> list[Sequence]:
         """Admit waiting sequences FIFO while blocks, max_num_seqs and the token budget allow."""
-        scheduled, budget = [], self.max_num_batched_tokens
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             ids = seq.all_ids

@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .errors import PromptTooLongError
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from .grammar import Matcher
+    from .tokenizer import Detokenizer
 
 
 @dataclass(slots=True)
@@ -61,13 +67,13 @@ class Sequence:
     reserved: bool = False  # P/D decode side: all blocks reserved up front, never preempted
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    detok: object = None
+    detok: Detokenizer | None = None
     pending_ids: list[int] = field(default_factory=list)  # produced, not yet reported
     pending_text: str = ""
     emitted_len: int = 0  # characters of detok.text already put into outputs
-    swapped_kv: object = None  # SWAPPED: its KV on the host (a torch tensor, swap.py)
+    swapped_kv: torch.Tensor | None = None  # SWAPPED: its KV on the host (swap.py)
     pending_logprobs: list = field(default_factory=list)  # TokenLogprob of each pending id (when asked)
-    matcher: object = None  # grammar.Matcher when the request has a grammar
+    matcher: Matcher | None = None  # when the request has a grammar
     first_logprob: object = None  # prefill_only: the first token's TokenLogprob (when asked)
     prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: one entry per prompt token computed so far
     prompt_logprobs_sent: bool = False  # in an output already
@@ -100,7 +106,7 @@ class SequenceFactory:
     Arrival numbers (the preemption order) count up from 1.
     """
 
-    def __init__(self, vocab_size: int, max_model_len: int, detokenizer: Callable[[], object], detokenize: bool,
+    def __init__(self, vocab_size: int, max_model_len: int, detokenizer: Callable[[], Detokenizer], detokenize: bool,
                  in_use: Callable[[str], bool], grammars=None):
         self.vocab_size, self.max_model_len = vocab_size, max_model_len
         self.detokenizer, self.detokenize, self.in_use = detokenizer, detokenize, in_use

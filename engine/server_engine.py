@@ -9,7 +9,8 @@ in ``prefill_server/``, ``decode_server/`` and ``pdserve/server_setup.py``; the 
 who frees what are ``async_engine.py``'s docstring; in short:
 
 * ``start`` / ``stop``: the engine thread (``stop`` aborts whatever is still held);
-* colocated: ``generate`` streams a request's outputs (the prefill's local fallback);
+* colocated: ``generate`` streams a request's outputs (the prefill's local fallback); each stream
+  is an async generator: the caller ``aclose``s one it leaves unfinished, which aborts the request;
 * prefill side of P/D: ``prefill_only`` computes a prompt (``on_layer`` is called on the engine
   thread after each layer, for the layer-wise KV push) and holds its blocks until ``release``;
   ``prefill_logprob`` / ``prefill_prompt_logprobs`` / ``prefill_cached_tokens`` read what the prompt's pass gave;
@@ -27,7 +28,7 @@ decode's LSO eviction); vLLM's ``publish_kv_events`` (``server_setup.attach_kv_e
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Callable, Protocol
+from typing import AsyncGenerator, Callable, Protocol
 
 from .sampling import SamplingParams
 from .sequence import RequestOutput
@@ -45,7 +46,7 @@ class ServerEngine(Protocol):
 
     # ----- colocated ---------------------------------------------------------------------
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+                 sampling: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Stream a request's outputs (errors of bad input raise at the first iteration)."""
 
     # ----- prefill side ------------------------------------------------------------------
@@ -74,11 +75,11 @@ class ServerEngine(Protocol):
         """As ``reserve``, reusing the longest cached prefix: (block ids, tokens already cached)."""
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                      sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+                      sampling: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Join a reserved request whose KV arrived to the batch; stream the tokens after the first."""
 
     def prefill_reserved(self, request_id: str, prompt_token_ids: list[int],
-                         sampling: SamplingParams) -> AsyncIterator[RequestOutput]:
+                         sampling: SamplingParams) -> AsyncGenerator[RequestOutput, None]:
         """Compute a reserved request's missing prompt KV here, then decode; stream every token."""
 
     async def abort(self, request_id: str):

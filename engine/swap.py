@@ -38,7 +38,7 @@ class Swapper:
         return list(self.scheduler.swapped)
 
     def swapped_bytes(self) -> int:
-        return sum(s.swapped_kv.nbytes for s in self.scheduler.swapped.values())
+        return sum(host_kv(s).nbytes for s in self.scheduler.swapped.values())
 
     def evict(self, request_id: str) -> int:
         """Move a running sequence's KV to host memory and free its blocks: the bytes moved.
@@ -56,13 +56,13 @@ class Swapper:
         return host.nbytes
 
     def blocks_to_restore(self, request_id: str) -> int:
-        return self.scheduler.swapped[request_id].swapped_kv.shape[1]
+        return host_kv(self.scheduler.swapped[request_id]).shape[1]
 
     def restore(self, request_id: str) -> bool:
         """Bring a swapped request back into fresh blocks and the running batch; False (nothing
         changed) when its blocks are not free now."""
         seq: Sequence = self.scheduler.swapped[request_id]
-        host = seq.swapped_kv
+        host = host_kv(seq)
         try:
             table = self.scheduler.block_manager.allocate([], host.shape[1] * self.kv.block_size,
                                                           use_prefix_cache=False)[0]
@@ -74,3 +74,10 @@ class Swapper:
         self.scheduler.swap_in(seq, table)
         self.restores += 1
         return True
+
+
+def host_kv(seq: Sequence) -> torch.Tensor:
+    """A swapped sequence's KV on the host (``evict`` put it there)."""
+    if seq.swapped_kv is None:
+        raise ValueError(f"request {seq.request_id!r} has no KV on the host: it is not swapped out")
+    return seq.swapped_kv

@@ -6,7 +6,7 @@ Both expose the same surface::
     decode(ids, skip_special_tokens=True) -> str
     eos_token_ids: list[int]
     apply_chat_template(messages, add_generation_prompt=True, tools=None) -> str  # tools: for the template
-    detokenizer() -> IncrementalDetokenizer   # text deltas for streaming
+    detokenizer() -> Detokenizer   # text deltas for streaming (IncrementalDetokenizer, ByteDetokenizer)
 
 Chat templates: the ``chat_template`` of ``tokenizer_config.json`` rendered with jinja2 when
 there is one; otherwise ``SIMPLE_CHAT_TEMPLATE`` ("<|role|>\\ncontent\\n" per message; with tools, a
@@ -18,6 +18,7 @@ from __future__ import annotations
 import codecs
 import json
 from pathlib import Path
+from typing import Any, Protocol
 
 SIMPLE_CHAT_TEMPLATE = (
     "{% if tools %}<|tools|>\n{{ tools | tojson }}\n{% endif %}"
@@ -26,6 +27,17 @@ SIMPLE_CHAT_TEMPLATE = (
     "{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+
+
+class Detokenizer(Protocol):
+    """Text deltas of a growing list of token ids: ``add(ids)`` the text they complete, ``flush()`` the
+    rest held back, ``text`` the total so far."""
+
+    text: str
+
+    def add(self, ids: list[int]) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -125,7 +137,7 @@ class _ChatTemplateMixin:
             eos_token=self.eos_token,
         )
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens)
 
 
@@ -169,7 +181,7 @@ class ByteTokenizer(_ChatTemplateMixin):
         byte_char = _gpt2_byte_chars()
         byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
         special = [("<s>", self.BOS), ("</s>", self.EOS)]
-        tokenizer = {
+        tokenizer: dict[str, Any] = {
             "version": "1.0",
             "truncation": None,
             "padding": None,

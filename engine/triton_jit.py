@@ -21,6 +21,7 @@ import os
 import threading
 import types
 from types import SimpleNamespace
+from typing import Any, Callable
 
 INTERPRET_ENV = "TRITON_INTERPRET"
 COMBINE_FNS = ("_elementwise_max", "_sum_combine")  # the reductions' combine functions, from triton
@@ -61,7 +62,7 @@ def available() -> bool:
     return True
 
 
-def kernels(bodies: tuple[types.FunctionType, ...], interpret: bool) -> SimpleNamespace:
+def kernels(bodies: tuple[Callable[..., Any], ...], interpret: bool) -> SimpleNamespace:
     """``bodies`` decorated for the interpreter (CPU tensors) or the compiler, once per mode; each
     kernel is named after its body without the leading underscore."""
     triton, tl = triton_modules()
@@ -85,8 +86,10 @@ def kernels(bodies: tuple[types.FunctionType, ...], interpret: bool) -> SimpleNa
         return _state[key]
 
 
-def _rebind(body: types.FunctionType, scope: dict) -> types.FunctionType:
+def _rebind(body: Callable[..., Any], scope: dict) -> types.FunctionType:
     """``body`` with ``scope`` as its globals (same code, so triton still finds its source)."""
+    if not isinstance(body, types.FunctionType):
+        raise TypeError(f"a kernel body must be a plain Python function, got {body!r}")
     fn = types.FunctionType(body.__code__, scope, body.__name__, body.__defaults__, body.__closure__)
     fn.__annotations__ = dict(body.__annotations__)
     fn.__qualname__, fn.__module__ = body.__qualname__, body.__module__

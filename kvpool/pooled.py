@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Generator, Iterator
 
 import grpc
 import torch
@@ -136,7 +136,7 @@ class PooledRequest:
                 start += loan.tokens
 
     def tokens(self, ignore_eos: bool = False, stop_ids: frozenset[int] | set[int] = frozenset(),
-               first_token: int | None = None) -> Iterator[int]:
+               first_token: int | None = None) -> Generator[int, None, None]:
         """Steps 2-3: the greedy token ids, each as soon as it is known; an EOS (unless
         ``ignore_eos``) or a stop id ends the stream and is not yielded. ``first_token``: the
         prompt's KV is in place already (the prefill pushed it) and its first token was

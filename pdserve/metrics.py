@@ -120,6 +120,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -249,6 +250,9 @@ class ServerMetrics:
             setattr(self, spec.attr, child)
             self._families[spec.attr] = metric
         self._on_scrape: list = []
+
+    if TYPE_CHECKING:  # the metrics are attributes named in METRICS (set above): the table is their one home
+        def __getattr__(self, attr: str) -> Any: ...
 
     def follow_counter(self, attr: str, read, **labels: str) -> None:
         """Keep the counter ``attr`` (with its extra ``labels``) equal to ``read()`` (a running total

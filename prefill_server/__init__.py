@@ -10,6 +10,7 @@ Reading path (in this order):
   ``node.py``               PrefillNode: what one prefill process owns (built parts); ``generate``, the entry of a request
   ``conductor.py``          RequestConductor: one request's turn in line -> pick -> Session -> retry / resume /
                             wait in line / local fallback / give up
+  ``conductor_deps.py``     ConductorDeps: what every conductor is given (parts, routing settings, hooks)
   ``mid_stream_resume.py``  MidStreamResume: the policy when a decode fails a request mid-stream
   ``local_fallback.py``     LocalFallback: the policy when no decode serves it (the colocated engine)
   ``admission_queue.py``    AdmissionQueue: requests wait in line (FIFO, deadline, max length) while every decode is full

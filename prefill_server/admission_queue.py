@@ -153,7 +153,7 @@ class AdmissionQueue:
         bisect.insort(self._waiting, t, key=lambda w: w.seq)
         if t.queued_at is None:
             t.queued_at = self.clock()
-        if t.slo is not None:
+        if t.slo is not None and self.slo is not None:  # (a ticket has an SLO request only with an SLO queue)
             self._by_request[t.request_id] = t
             if t.slo.state == "running":  # re-entering after the policy admitted it (a resume)
                 bisect.insort(self._readmitted, t, key=lambda w: w.seq)
@@ -166,7 +166,7 @@ class AdmissionQueue:
         self._waiting.remove(t)
         if t in self._readmitted:
             self._readmitted.remove(t)
-        if t.slo is not None:
+        if t.slo is not None and self.slo is not None:
             self._by_request.pop(t.request_id, None)
             self.slo.leave(t.slo)  # nothing if it was admitted
         head = self._head()
@@ -227,7 +227,7 @@ class Ticket:
 
     def admitted(self) -> None:
         """A decode allocated the request: the SLO queue counts it as running; out of the line."""
-        if self.slo is not None:
+        if self.slo is not None and self.queue.slo is not None:
             self.queue.slo.admitted(self.slo)
         self.leave()
 
@@ -257,6 +257,7 @@ class Ticket:
         """When waiting must end, and whether that is the request's deadline."""
         q = self.queue
         by_deadline = None if self.deadline is None else self.deadline - DEADLINE_MARGIN_S
+        by_cap: float | None
         if until is not None:
             by_cap = until
         else:
@@ -307,16 +308,19 @@ def deadline_message(request_id: str, waited: float) -> str:
             f"blocks until its deadline (--request-timeout, or the client's X-Request-Timeout / gRPC deadline)")
 
 
+_WAITED_IN_LINE = "waited_in_line_s"  # the attribute a cancellation in line carries
+
+
 def note_waited_in_line(cancel: BaseException, waited: float) -> None:
     """A request was cancelled while it waited in line: its cancellation carries how long it waited."""
-    cancel.waited_in_line_s = waited
+    setattr(cancel, _WAITED_IN_LINE, waited)
 
 
 def waited_in_line(error: BaseException) -> float | None:
     """Seconds the request had waited in line when ``error`` ended it there (the cancellation, or the
     TimeoutError ``asyncio.timeout`` raises from it); None when it was not waiting in line."""
     for exc in (error, error.__cause__):
-        waited = getattr(exc, "waited_in_line_s", None)
+        waited = getattr(exc, _WAITED_IN_LINE, None)
         if waited is not None:
             return waited
     return None

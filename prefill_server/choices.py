@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, replace
-from typing import AsyncIterator, Callable
+from typing import AsyncGenerator, AsyncIterator, Callable
 
 from .closing import aclose_fully
 from .frontend import Piece
@@ -57,7 +57,7 @@ def plan(request_id: str, prompts: list[list[int]], samplings: list, n: int) -> 
 
 
 async def merged(choices: list[Choice],
-                 start: Callable[[Choice], AsyncIterator[Piece]]) -> AsyncIterator[tuple[int, Piece]]:
+                 start: Callable[[Choice], AsyncGenerator[Piece, None]]) -> AsyncIterator[tuple[int, Piece]]:
     """``(choice index, piece)`` of every choice until each yielded its finished piece."""
     events: asyncio.Queue = asyncio.Queue()
     tasks: list[asyncio.Task] = []

@@ -1,7 +1,8 @@
 """RequestConductor: one request's way through this prefill, from its turn in line to its last Delta.
 
 Request lifecycle (``RequestConductor.deltas``; ``PrefillNode.generate`` creates one conductor per
-request and yields from it):
+request, given the node's ``ConductorDeps`` (conductor_deps.py: the parts, the routing settings, the
+hooks ``on_session_end`` and ``keep_timings``; never the node), and yields from it):
 
 1. **admission turn** - ``Ticket.turn``: behind the requests already waiting in the
    ``AdmissionQueue`` (``admission_queue.py``), never ahead of them; at once when nobody waits.
@@ -59,7 +60,7 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AsyncGenerator
 
 from pdserve.cachestore.errors import CHECKSUM_MISMATCH
 from pdserve.engine import blocks_needed, reusable_hashes
@@ -67,14 +68,14 @@ from pdserve.engine import blocks_needed, reusable_hashes
 from .admission_queue import QueueTimeout, RequestTooLarge, note_waited_in_line
 from .closing import aclose_fully
 from .decode_session import DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionTimings, decode_reservation
-from .local_fallback import LocalFallback
 from .mid_stream_resume import MidStreamResume, resumed
 
 if TYPE_CHECKING:
+    from pdserve.engine import SamplingParams
     from pdserve.slo import SloRequest
 
     from .admission_queue import Ticket
-    from .node import PrefillNode
+    from .conductor_deps import ConductorDeps
 
 log = logging.getLogger(__name__)
 
@@ -97,28 +98,27 @@ class _Round:
 class RequestConductor:
     """Conducts one request (module docstring): its state between the steps is these fields."""
 
-    def __init__(self, node: PrefillNode, request_id: str, prompt_ids: list[int], sp, deadline: float | None = None,
-                 slo: SloRequest | None = None, produced: list[int] | tuple = ()):
-        self.node, self.request_id, self.prompt_ids, self.sp = node, request_id, prompt_ids, sp
+    def __init__(self, deps: ConductorDeps, request_id: str, prompt_ids: list[int], sp: SamplingParams,
+                 deadline: float | None = None, slo: SloRequest | None = None, produced: list[int] | tuple = ()):
+        self.deps, self.request_id, self.prompt_ids, self.sp = deps, request_id, prompt_ids, sp
         self.deadline, self.slo = deadline, slo
         self.produced = list(produced)  # tokens the client already has (a resume goes on after them)
         self.reasons: list[str] = []  # why decodes did not take it, in order (the error's message)
         self.attempts = 0  # Sessions opened so far (each attempt is a new request for the decode)
         # what a decode reserves: prompt + max_tokens (tokens already produced move from one to the other)
-        self.decode_need = decode_reservation(len(prompt_ids), sp.max_tokens, node.block_size)
-        self.resume = MidStreamResume(node, request_id)
-        self.fallback = LocalFallback(node)
+        self.decode_need = decode_reservation(len(prompt_ids), sp.max_tokens, deps.block_size)
+        self.resume = MidStreamResume(deps, request_id)
         self.round = _Round(set())
         self.admitted = time.monotonic()  # it arrived (for the queue-wait metric)
-        self.ticket: Ticket = node.queue.ticket(request_id, deadline, slo)
+        self.ticket: Ticket = deps.queue.ticket(request_id, deadline, slo)
 
-    async def deltas(self):
+    async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The request's Deltas (the lifecycle, module docstring); raises as ``PrefillNode.generate`` says."""
         try:
             while True:
                 await self.ticket.turn()  # 1. behind the requests already waiting for blocks, never ahead of them
                 self.round = _Round(silent=self.resume.silent())
-                for _ in range(self.node.max_attempts):
+                for _ in range(self.deps.max_attempts):
                     address = self._pick()  # 2.
                     if address is None:
                         break
@@ -133,7 +133,7 @@ class RequestConductor:
                             yield delta
                         return
                     except DecodeFailed as exc:  # 4. resume
-                        if not self.node.resume:
+                        if not self.deps.resume:
                             raise
                         self._failed_mid_stream(address, exc)
                         if len(self.produced) >= self.sp.max_tokens:
@@ -149,9 +149,9 @@ class RequestConductor:
             raise
         finally:
             self.ticket.leave()
-        if not self.node.local_fallback:
+        if self.deps.fallback is None:
             raise self._give_up()  # 4. give up
-        async with aclosing(self.fallback.deltas(self.request_id, self.prompt_ids, self.produced, self.sp,
+        async with aclosing(self.deps.fallback.deltas(self.request_id, self.prompt_ids, self.produced, self.sp,
                                                  self.reasons, self.resume.failure is not None)) as local:
             async for delta in local:  # 4. local fallback
                 yield delta
@@ -161,7 +161,7 @@ class RequestConductor:
         if not self._fits():
             return None
         overlap, prompt_blocks = self._decode_overlap(self.prompt_ids + self.produced)
-        picker, r = self.node.picker, self.round
+        picker, r = self.deps.picker, self.round
         address = picker.pick(exclude=r.tried | r.silent, blocks_needed=self.decode_need, overlap=overlap,
                               prompt_blocks=prompt_blocks)
         if address is None:
@@ -172,20 +172,20 @@ class RequestConductor:
                 r.too_large = False
             return None
         r.tried.add(address)
-        if self.node.metrics is not None:
-            self.node.metrics.decode_selections.labels(decode=address).inc()
+        if self.deps.metrics is not None:
+            self.deps.metrics.decode_selections.labels(decode=address).inc()
         return address
 
     def _fits(self) -> bool:
         """Whether the request fits this prefill's free blocks now and some decode's pool; RequestTooLarge
         when it never can (a resumed one waits instead: the decode that failed held it; it may come back)."""
-        node = self.node
-        need = blocks_needed(len(self.prompt_ids) + len(self.produced), node.block_size)
-        if need > node.engine.num_blocks:
+        deps = self.deps
+        need = blocks_needed(len(self.prompt_ids) + len(self.produced), deps.block_size)
+        if need > deps.engine.num_blocks:
             raise RequestTooLarge(f"the prompt needs {need} KV blocks but this prefill has only "
-                                  f"{node.engine.num_blocks} in all")
-        largest = node.picker.never_fits(self.decode_need)
-        if largest is not None and not node.local_fallback:
+                                  f"{deps.engine.num_blocks} in all")
+        largest = deps.picker.never_fits(self.decode_need)
+        if largest is not None and deps.fallback is None:
             too_big = (f"the request needs {self.decode_need} KV blocks on a decode ({len(self.prompt_ids)} prompt "
                        f"tokens + max_tokens {self.sp.max_tokens}) but the largest decode holds only {largest} "
                        f"KV blocks in all")
@@ -193,7 +193,7 @@ class RequestConductor:
                 raise RequestTooLarge(too_big)
             self._note_once(too_big)
             return False
-        free = node.engine.num_free_blocks()
+        free = deps.engine.num_free_blocks()
         if need > free:
             self.reasons.append(f"prefill has {free} free KV blocks, {need} needed")
             self.round.too_large = False
@@ -207,7 +207,7 @@ class RequestConductor:
         session_id = self.request_id if self.attempts == 0 else f"{self.request_id}.{self.attempts}"
         self.attempts += 1
         # once a decode allocated, the next request in line may go (the picker counts this one)
-        stream = self.node.session_runner.run(address, session_id, self.prompt_ids + self.produced, sp_now, timings,
+        stream = self.deps.session_runner.run(address, session_id, self.prompt_ids + self.produced, sp_now, timings,
                                               self.deadline, on_allocated=self.ticket.admitted,
                                               slo_class=self.slo.cls if self.slo is not None else None)
         return stream, timings
@@ -220,8 +220,8 @@ class RequestConductor:
             self._refused(exc)
             return None
         self.ticket.started()  # a later wait (a resume) is a new one
-        self.node.keep_timings(self.request_id, timings)
-        m = self.node.metrics
+        self.deps.keep_timings(self.request_id, timings)
+        m = self.deps.metrics
         if m is not None and not self.produced:  # admitted -> a decode allocated and compute starts
             m.queue_wait.observe(max(0.0, timings.allocated - self.admitted))
         self.produced += first.token_ids
@@ -245,7 +245,7 @@ class RequestConductor:
         self._count_retry(exc.code)
 
     def _count_retry(self, code: str) -> None:
-        m = self.node.metrics
+        m = self.deps.metrics
         if m is not None:
             m.decode_retries.labels(reason=code).inc()
             if code == CHECKSUM_MISMATCH:
@@ -255,15 +255,15 @@ class RequestConductor:
         """The attempt's end, whatever its outcome: its Session closed, its blocks there free."""
         await aclose_fully(stream)
         if timings.allocated:
-            self.node.freed(address)
+            self.deps.on_session_end(address)
 
     async def _next_round(self) -> bool:
         """After a round that did not serve the request: whether another round comes (after a wait in
         line); False leaves the decodes (local fallback or give up)."""
-        node, r = self.node, self.round
-        if r.tried and r.too_large and not node.local_fallback and self.resume.failure is None:
+        r = self.round
+        if r.tried and r.too_large and self.deps.fallback is None and self.resume.failure is None:
             raise RequestTooLarge("no decode can ever hold the request: " + "; ".join(self.reasons[-len(r.tried):]))
-        if node.local_fallback:
+        if self.deps.fallback is not None:
             return False
         if self.resume.failure is not None:  # resuming, and no decode can take it now: wait for one
             if not await self.resume.wait(self.ticket, self.reasons):
@@ -298,10 +298,10 @@ class RequestConductor:
     def _decode_overlap(self, ids: list[int]) -> tuple[dict[str, int], int]:
         """Leading blocks of ``ids`` each known decode holds (at most the reusable ones), and how many
         blocks a decode could reuse at most; ({}, 0) without decode reuse or an index."""
-        node = self.node
-        if not node.decode_reuse or node.decode_index is None:
+        index = self.deps.decode_index
+        if index is None:
             return {}, 0
-        hashes = reusable_hashes(ids, node.block_size)
+        hashes = reusable_hashes(ids, self.deps.block_size)
         if not hashes:
             return {}, 0
-        return {address: node.decode_index.overlap(address, hashes) for address in node.picker.known()}, len(hashes)
+        return {address: index.overlap(address, hashes) for address in self.deps.picker.known()}, len(hashes)

@@ -97,11 +97,19 @@ def pipelined(compute_s: float, transfer_s: float, num_layers: int, layerwise: b
     return max(compute_s + transfer_s / num_layers, transfer_s + compute_s / num_layers)
 
 
+def _measured(c: CostInputs) -> tuple[LinearCost, LinearCost]:
+    """(prefill_compute, link); ValueError while either is unmeasured (``decide`` says "unmeasured" then)."""
+    if c.prefill_compute is None or c.link is None:
+        raise ValueError("the prefill's compute and the link's cost are not both measured yet")
+    return c.prefill_compute, c.link
+
+
 def remote_seconds(c: CostInputs) -> float:
+    prefill_compute, link = _measured(c)
     to_compute = c.prompt_tokens - c.prefill_cached_blocks * c.block_size
     moved = blocks_needed(c.prompt_tokens, c.block_size) - c.decode_cached_blocks
-    compute, transfer = c.prefill_compute.seconds(to_compute), c.link.seconds(moved * c.kv_bytes_per_block)
-    queue = c.prefill_queued_tokens * c.prefill_compute.per_unit_s
+    compute, transfer = prefill_compute.seconds(to_compute), link.seconds(moved * c.kv_bytes_per_block)
+    queue = c.prefill_queued_tokens * prefill_compute.per_unit_s
     return queue + pipelined(compute, transfer, c.num_layers, c.layerwise)
 
 
@@ -110,7 +118,7 @@ def local_seconds(c: CostInputs) -> float:
     if c.decode_tokens_per_s:
         compute = to_compute / c.decode_tokens_per_s
     else:
-        compute = c.prefill_compute.seconds(to_compute)
+        compute = _measured(c)[0].seconds(to_compute)
     return compute * (1 + c.decode_running)
 
 

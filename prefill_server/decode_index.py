@@ -49,6 +49,8 @@ class DecodeIndex:
         out = {}
         for address in self.index.servers():
             view = self.index.view(address)
+            if view is None:  # forgotten between the two reads
+                continue
             out[address] = {"synced": view.synced, "blocks": len(view.hashes), "seq": view.seq}
         return out
 

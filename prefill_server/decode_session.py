@@ -80,7 +80,8 @@ from .session_protocol import (DecodeFailed, Delta, NoDecodeAvailable, Retryable
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CacheStoreSender
-    from pdserve.engine import AsyncLLMEngine
+    from pdserve.engine import SamplingParams
+    from pdserve.engine.server_engine import ServerEngine
     from pdserve.protos import session_pb2_grpc as pb_grpc
     from pdserve.slo import SloClass
 
@@ -122,7 +123,7 @@ class _Held:
 class SessionRunner:
     """Runs the prefill end of Session streams, one ``run`` per request and decode tried."""
 
-    def __init__(self, config: SessionConfig, *, stubs: Callable[[str], pb_grpc.DecodeStub], engine: AsyncLLMEngine,
+    def __init__(self, config: SessionConfig, *, stubs: Callable[[str], pb_grpc.DecodeStub], engine: ServerEngine,
                  sender: CacheStoreSender, registry: dict[str, str], observer: SessionObserver,
                  disaggregator: Disaggregator):
         self.config, self.stubs, self.engine, self.sender = config, stubs, engine, sender
@@ -142,9 +143,9 @@ class SessionRunner:
         if self.on_slot_free is not None:
             self.on_slot_free()
 
-    async def run(self, address: str, request_id: str, prompt_ids: list[int], sp, timings: SessionTimings | None = None,
-                  deadline: float | None = None, on_allocated: Callable[[], None] | None = None,
-                  slo_class: SloClass | None = None):
+    async def run(self, address: str, request_id: str, prompt_ids: list[int], sp: SamplingParams,
+                  timings: SessionTimings | None = None, deadline: float | None = None,
+                  on_allocated: Callable[[], None] | None = None, slo_class: SloClass | None = None):
         """Async generator of Deltas for one request served by the decode at ``address``.
 
         ``deadline`` (``time.monotonic()`` seconds) is the request's end-to-end deadline:
@@ -202,7 +203,8 @@ class SessionRunner:
         self.registry[request_id] = address
         return call
 
-    def _start(self, request_id: str, prompt_ids: list[int], sp, n_blocks: int, slo_class: SloClass | None) -> pb.Start:
+    def _start(self, request_id: str, prompt_ids: list[int], sp: SamplingParams, n_blocks: int,
+               slo_class: SloClass | None) -> pb.Start:
         """Step 1's message."""
         cfg = self.config
         return pb.Start(
@@ -213,7 +215,7 @@ class SessionRunner:
             evictable=slo_class.evictable if slo_class else False,
         )
 
-    def _decide(self, address: str, request_id: str, prompt_ids: list[int], sp,
+    def _decide(self, address: str, request_id: str, prompt_ids: list[int], sp: SamplingParams,
                 alloc: pb.Allocation) -> tuple[Decision, int]:
         """Step 3 (before this session counts in the decode's load: it stalls the others, not itself): where
         the prompt is computed, and how many of its leading blocks our prefix cache holds."""
@@ -254,8 +256,8 @@ class SessionRunner:
                 self.sender.delete(bound_id)
             self.registry.pop(request_id, None)
 
-    async def _push(self, call, address: str, request_id: str, prompt_ids: list[int], sp, alloc: pb.Allocation,
-                    prefill_cached: int, timings: SessionTimings, held: _Held) -> Delta:
+    async def _push(self, call, address: str, request_id: str, prompt_ids: list[int], sp: SamplingParams,
+                    alloc: pb.Allocation, prefill_cached: int, timings: SessionTimings, held: _Held) -> Delta:
         """Steps 4r-5r: our forward pass pushes the blocks the decode lacks; then the FirstToken."""
         cfg = self.config
         first_block, n_blocks = alloc.cached_blocks, blocks_needed(len(prompt_ids), cfg.block_size)
@@ -317,7 +319,7 @@ class SessionRunner:
             held.bound.append(part_id)
         return parts
 
-    async def _prefill(self, request_id: str, prompt_ids: list[int], sp, prefill_cached: int, on_layer,
+    async def _prefill(self, request_id: str, prompt_ids: list[int], sp: SamplingParams, prefill_cached: int, on_layer,
                        held: _Held) -> int:
         """Step 4r's forward pass (``on_layer`` after each layer); its first token."""
         cfg = self.config
@@ -351,7 +353,7 @@ class SessionRunner:
         timings.layer_send_seconds = [done - stored for _, (stored, done) in sent]
         timings.link_busy_s = link_busy_seconds([times for _, times in sent])
 
-    async def _first_token(self, call, address: str, first: int, first_lp, prompt_lps, sp) -> Delta:
+    async def _first_token(self, call, address: str, first: int, first_lp, prompt_lps, sp: SamplingParams) -> Delta:
         """Step 5r's FirstToken on the stream, and the first Delta."""
         reason = first_token_finishes(first, sp, self.config.eos_token_ids)
         message = pb.FirstToken(token_id=first, finished=reason is not None, finish_reason=reason or "")

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve import defaults
+from pdserve.chat_prompt import chat_prompt
 from pdserve.engine.grammar import GrammarSpec, Grammars
 from pdserve.slo import HEADER as SLO_HEADER
 from pdserve.slo import Rejected
@@ -45,6 +46,7 @@ from .openai_api import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, 
 from .text_stream import TextStream
 
 if TYPE_CHECKING:
+    from pdserve.engine import SamplingParams
     from pdserve.metrics import ServerMetrics
     from pdserve.slo import GlobalQueue, SloClass, SloRequest
 
@@ -85,8 +87,8 @@ class Piece:
 
 
 class Frontend:
-    def __init__(self, node: PrefillNode, tokenizer, sampling_cls, model_name: str, max_model_len: int,
-                 metrics: ServerMetrics | None = None, vocab_size: int | None = None,
+    def __init__(self, node: PrefillNode, tokenizer, sampling_cls: type[SamplingParams], model_name: str,
+                 max_model_len: int, metrics: ServerMetrics | None = None, vocab_size: int | None = None,
                  request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S, slo: GlobalQueue | None = None):
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {request_timeout_s}")
@@ -113,13 +115,8 @@ class Frontend:
 
     def prompt_ids_list(self, parsed: ParsedRequest) -> list[list[int]]:
         """Every prompt's token ids: the chat template's, or each of /v1/completions' prompts."""
-        if parsed.kind == "chat":
-            if parsed.tools:
-                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True,
-                                                          tools=parsed.tools)
-            else:
-                text = self.tokenizer.apply_chat_template(parsed.messages, add_generation_prompt=True)
-            return [self.tokenizer.encode(text)]
+        if parsed.kind == "chat":  # the rule the router hashes prompts by too (pdserve.chat_prompt)
+            return [self.tokenizer.encode(chat_prompt(self.tokenizer, parsed.messages or [], parsed.tools))]
         return [list(p) if isinstance(p, list) else self.tokenizer.encode(p) for p in parsed.prompts]
 
     def echo_texts(self, parsed: ParsedRequest, prompts: list[list[int]]) -> list[str]:
@@ -190,7 +187,7 @@ class Frontend:
             text.add([token_id])
         return text
 
-    async def stream(self, request_id: str, prompt_ids: list[int], sp, timeout_s: float | None = None,
+    async def stream(self, request_id: str, prompt_ids: list[int], sp: SamplingParams, timeout_s: float | None = None,
                      slo_class: SloClass | None = None, produced: list[int] | tuple = ()):
         """Pieces until the finished one. Raises NoDecodeAvailable / DecodeFailed from the node,
         RequestTimedOut once min(request_timeout_s, timeout_s) seconds have passed, Rejected
@@ -220,7 +217,7 @@ class Frontend:
                 if delta.token_ids:
                     if clock is not None:
                         clock.token(len(delta.token_ids))
-                    if slo is not None:
+                    if slo is not None and self.slo is not None:
                         self.slo.token(slo, len(delta.token_ids))
                 for piece in _token_pieces(delta, text):
                     if due:
@@ -231,7 +228,7 @@ class Frontend:
                     outcome, reason = "ok", "stop" if text.stopped else delta.finish_reason or "stop"
                     if clock is not None:  # the request is served now, whatever the teardown takes
                         clock.finish(outcome, reason)
-                    if slo is not None:
+                    if slo is not None and self.slo is not None:
                         self.slo.finish(slo, outcome)
                     # the Delta's prompt logprobs went on its first token's Piece, if it had one
                     prompt_lps = None if delta.token_ids else delta.prompt_logprobs
@@ -252,10 +249,11 @@ class Frontend:
             self.active.discard(request_id)
             if clock is not None:
                 clock.finish(outcome, reason)
-            if slo is not None:  # leaves the queue (if it waits) at once
+            if slo is not None and self.slo is not None:  # leaves the queue (if it waits) at once
                 self.slo.finish(slo, outcome)
 
-    def _arrive(self, request_id: str, slo_class: SloClass | None, prompt_ids: list[int], sp) -> SloRequest | None:
+    def _arrive(self, request_id: str, slo_class: SloClass | None, prompt_ids: list[int],
+                sp: SamplingParams) -> SloRequest | None:
         """The request's arrival in the SLO queue (None without SLO classes); Rejected, counted, when its
         class's early rejection says its SLO cannot be met."""
         if self.slo is None:

@@ -120,8 +120,8 @@ class LoadReportPoller:
             task.add_done_callback(lambda t: self._leaving.pop(t, None))
         started = []
         for address in sorted(addresses):
-            task = self._inflight.get(address)
-            if task is None or task.done():
+            polling = self._inflight.get(address)
+            if polling is None or polling.done():
                 task = self._inflight[address] = asyncio.create_task(self._poll(address))
                 started.append(task)
         if wait and started:

@@ -1,6 +1,6 @@
 """MidStreamResume: the policy when a decode fails a request after tokens reached the client.
 
-Resume (``PrefillNode.resume``, the default; the ``RequestConductor``'s outcome "resume",
+Resume (``ConductorDeps.resume``, the default; the ``RequestConductor``'s outcome "resume",
 conductor.py): when a decode fails mid-generation, the request continues on the next decode (or
 locally) by prefilling prompt + the tokens generated so far, with max_tokens reduced by those tokens
 (``resumed``); the client's stream just goes on. Greedy requests give exactly the tokens they would
@@ -33,8 +33,10 @@ from .admission_queue import QueueFull, QueueTimeout
 from .decode_session import DecodeFailed
 
 if TYPE_CHECKING:
+    from pdserve.engine import SamplingParams
+
     from .admission_queue import Ticket
-    from .node import PrefillNode
+    from .conductor_deps import ConductorDeps
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +47,8 @@ class MidStreamResume:
     """One request's resume policy (module docstring): which decodes not to try again yet, how long
     to wait in line for another, and the message when none came."""
 
-    def __init__(self, node: PrefillNode, request_id: str):
-        self.node, self.request_id = node, request_id
+    def __init__(self, deps: ConductorDeps, request_id: str):
+        self.deps, self.request_id = deps, request_id
         self.failure: DecodeFailed | None = None  # the latest failure (set: the request is resuming)
         self.failed_at: dict[str, float] = {}  # decode -> when it failed mid-stream (picker's clock), for silent
         self.until: float | None = None  # the end of the wait for a decode after the latest failure (queue's clock)
@@ -56,19 +58,19 @@ class MidStreamResume:
     def failed(self, address: str, exc: DecodeFailed) -> None:
         """``address`` failed the request mid-stream now: the wait for another decode counts from here."""
         self.failure = exc
-        self.failed_at[address] = self.node.picker.clock()
-        self.until = self.node.queue.clock() + self.node.resume_wait_s
+        self.failed_at[address] = self.deps.picker.clock()
+        self.until = self.deps.queue.clock() + self.deps.resume_wait_s
 
     def waits_for_a_decode(self) -> bool:
         """A decode failed this request and the policy waits for another (so says why none took it)."""
-        return bool(self.failed_at) and self.node.resume_wait_s > 0
+        return bool(self.failed_at) and self.deps.resume_wait_s > 0
 
     def silent(self) -> set[str]:
         """The decodes that failed this request mid-stream and sent no load report since (dead or
         frozen, it may be): not tried again until one arrives."""
         silent = set()
         for address, when in self.failed_at.items():
-            reported = self.node.picker.reported_at(address)
+            reported = self.deps.picker.reported_at(address)
             if reported is None or reported <= when:
                 silent.add(address)
         return silent
@@ -83,8 +85,8 @@ class MidStreamResume:
     async def wait(self, ticket: Ticket, reasons: list[str]) -> bool:
         """Wait in line for a decode until ``until`` (never past the deadline); False when there is no
         wait (``resume_wait_s`` 0) or it ended without one (``gave_up`` says why)."""
-        wait_s = self.node.resume_wait_s
-        if not wait_s > 0:
+        wait_s, until = self.deps.resume_wait_s, self.until
+        if not wait_s > 0 or until is None:  # (until: set by ``failed``)
             return False
         if self.announced != self.until:
             self.announced = self.until
@@ -93,12 +95,12 @@ class MidStreamResume:
         try:
             await ticket.wait(until=self.until)
         except (QueueTimeout, QueueFull) as exc:
-            waited = self.node.queue.clock() - (self.until - wait_s)
+            waited = self.deps.queue.clock() - (until - wait_s)
             self.gave_up = self._gave_up(reasons, waited, exc)
             return False
         return True
 
-    def _gave_up(self, reasons: list[str], waited: float, exc: Exception) -> str:
+    def _gave_up(self, reasons: list[str], waited: float, exc: QueueTimeout | QueueFull) -> str:
         """The DecodeFailed message when no decode took a resumed request in time: the failure, the
         wait and what ended it, and why no decode could take it (the reasons since the failure, each once)."""
         failure = self.failure
@@ -106,11 +108,11 @@ class MidStreamResume:
         why = "; ".join(list(dict.fromkeys(after))[-4:]) or "no other decode known"
         if isinstance(exc, QueueFull):
             return f"{failure}; no decode could take the request to resume it ({why}) and it cannot wait: {exc}"
-        limit = "until the request's deadline" if exc.by_deadline else f"(--resume-wait {self.node.resume_wait_s:g}s)"
+        limit = "until the request's deadline" if exc.by_deadline else f"(--resume-wait {self.deps.resume_wait_s:g}s)"
         return f"{failure}; no decode could take the request to resume it: waited {waited:.1f}s for one {limit}: {why}"
 
 
-def resumed(sp, produced: int):
+def resumed(sp: SamplingParams, produced: int) -> SamplingParams:
     """The SamplingParams for a request resumed after ``produced`` tokens (sent as part of the prompt):
     max_tokens reduced by them, a grammar told to accept them first (its state at the resume point), the
     seeded draws going on at their position, and no prompt logprobs (the client got them with its first

@@ -241,8 +241,8 @@ def _head(req: ParsedRequest, obj: str) -> dict:
     return {"id": req.response_id or prefix + req.request_id, "object": obj, "created": req.created, "model": req.model}
 
 
-def choice(req: ParsedRequest, index: int, text: str, finish_reason: str, logprobs: dict | None = None) -> dict:
-    """One choice of a whole (non-streamed) response."""
+def choice(req: ParsedRequest, index: int, text: str | None, finish_reason: str, logprobs: dict | None = None) -> dict:
+    """One choice of a whole (non-streamed) response (``text`` None: a chat message of tool calls only)."""
     if req.kind == "completion":
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,

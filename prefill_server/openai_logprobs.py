@@ -33,8 +33,8 @@ class LogprobsFormatter:
         self.kind, self.tokenizer, self.top = kind, tokenizer, top
         self.items: list[dict] = []  # chat entries
         self.tokens: list[str] = []  # completion columns
-        self.token_logprobs: list[float] = []
-        self.top_logprobs: list[dict] = []
+        self.token_logprobs: list[float | None] = []  # None: the prompt's first token (echo)
+        self.top_logprobs: list[dict | None] = []
         self.text_offset: list[int] = []
 
     def _text(self, token_id: int) -> str:
@@ -83,10 +83,10 @@ class LogprobsFormatter:
         entries = []
         for lp in lps:
             text = self._text(lp.token_id)
-            alts = [{"token": (t := self._text(tid)), "logprob": _num(v), "bytes": self._bytes(tid, t)}
-                    for tid, v in lp.top[: self.top]]
+            top = [{"token": (t := self._text(tid)), "logprob": _num(v), "bytes": self._bytes(tid, t)}
+                   for tid, v in lp.top[: self.top]]
             entries.append({"token": text, "logprob": _num(lp.logprob), "bytes": self._bytes(lp.token_id, text),
-                            "top_logprobs": alts})
+                            "top_logprobs": top})
         self.items += entries
         return {"content": entries}
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from pdserve.chat_prompt import template_message
+
 from .openai_numbers import BadRequest, check_number, check_token_ids
 
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
@@ -163,8 +165,8 @@ def parse_tools(body: dict) -> tuple[list[dict] | None, str | dict | None, bool]
 
 
 def parse_message(message, index: int) -> dict:
-    """One chat message -> {"role", "content"} (text parts joined; system for developer), plus an
-    assistant's ``tool_calls`` and a tool message's ``tool_call_id`` for the chat template."""
+    """One chat message, checked, as the chat template reads it (``pdserve.chat_prompt.template_message``:
+    the rule the router hashes prompts by too)."""
     if not isinstance(message, dict):
         raise BadRequest(f"messages[{index}] must be an object", "messages")
     role = message.get("role")
@@ -172,19 +174,13 @@ def parse_message(message, index: int) -> dict:
         raise BadRequest(f"messages[{index}].role must be one of system, user, assistant, tool, got {role!r}",
                          "messages")
     content = message.get("content")
-    if isinstance(content, list):  # content parts: keep the text ones
-        texts = []
+    if isinstance(content, list):  # content parts: only text ones
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise BadRequest(f"messages[{index}].content parts must be {{'type': 'text', 'text': ...}}", "messages")
-            texts.append(part["text"])
-        content = "".join(texts)
     calls = message.get("tool_calls")
-    if content is None and role == "assistant" and calls:
-        content = ""
-    if not isinstance(content, str):
+    if not isinstance(content, (str, list)) and not (content is None and role == "assistant" and calls):
         raise BadRequest(f"messages[{index}].content must be a string", "messages")
-    out = {"role": "system" if role == "developer" else role, "content": content}
     if calls is not None:
         if role != "assistant" or not isinstance(calls, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("function"), dict)
@@ -193,20 +189,6 @@ def parse_message(message, index: int) -> dict:
             raise BadRequest(f"messages[{index}].tool_calls must be a list of {{\"function\": "
                              f"{{\"name\", \"arguments\"}}}} "
                              "on an assistant message", "messages")
-        out["tool_calls"] = [_call_for_template(c) for c in calls]
-    if role == "tool":
-        if not isinstance(message.get("tool_call_id"), str):
-            raise BadRequest(f"messages[{index}].tool_call_id must be a string (the call this answers)", "messages")
-        out["tool_call_id"] = message["tool_call_id"]
-    return out
-
-
-def _call_for_template(call: dict) -> dict:
-    """An assistant's tool call as chat templates read it (arguments as an object where they parse)."""
-    fn = call["function"]
-    args = fn.get("arguments", "{}")
-    try:
-        args = json.loads(args) if isinstance(args, str) else args
-    except ValueError:
-        pass
-    return {"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        raise BadRequest(f"messages[{index}].tool_call_id must be a string (the call this answers)", "messages")
+    return template_message(message)

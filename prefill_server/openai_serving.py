@@ -104,8 +104,9 @@ class ChoiceState:
         lps = None
         if self.logprobs is not None:
             start = self.logprobs.size()
-            if self.prompt_logprobs_due and self.echo.logprobs is not None:
-                self.logprobs.add_prompt(self.echo.ids, self.echo.logprobs, self.echo.offsets())
+            echo = self.echo
+            if self.prompt_logprobs_due and echo is not None and echo.logprobs is not None:
+                self.logprobs.add_prompt(echo.ids, echo.logprobs, echo.offsets())
                 self.prompt_logprobs_due = False
             if token_ids:
                 self.logprobs.add(list(piece_lps or ()), [self.chars] * len(token_ids))
@@ -178,7 +179,7 @@ def start(fe, parsed: oa.ParsedRequest, slo_class, timeout_s: float | None, resu
     choices = plan(parsed.request_id, prompts, samplings, parsed.n)
     states = [ChoiceState(parsed, c.index, fe.tokenizer, echoes[c.prompt_index] if parsed.echo else None,
                           c.prompt_index) for c in choices]
-    produced = ()
+    produced: list[int] | tuple = ()
     if resume is not None:
         resume.check(samplings[0])
         produced = resume.token_ids

@@ -237,7 +237,7 @@ class DecodePicker:
             self._rr_next += 1
             return address
         total = 0.0
-        best, best_weight = None, None
+        best, best_weight = candidates[0], None
         for address in candidates:
             entry = self._entries[address]
             weight = float(entry.load.free_bytes)

@@ -23,10 +23,14 @@ text's the Frontend's (``Frontend.text_stream``), the response's ``openai_servin
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.stream_resume import EVENT_KEY, GRPC_RESUME_FIELD, RESUMABLE_HEADER, RESUME_FIELD
 
 from .openai_numbers import INT64_MAX, BadRequest, check_token_ids
+
+if TYPE_CHECKING:
+    from pdserve.engine import SamplingParams
 
 MAX_ID_CHARS = 256
 FINISH_REASONS = ("stop", "length")
@@ -40,12 +44,12 @@ class Resume:
     created: int  # the stream's created, kept
     finish_reason: str | None = None  # the finish event went out too: only the stream's end is left
 
-    def check(self, sp) -> None:
+    def check(self, sp: SamplingParams) -> None:
         """The tokens against the request's max_tokens (the engine's SamplingParams)."""
         _not_more_than_max_tokens(self.token_ids, sp, f"{RESUME_FIELD}.token_ids")
 
 
-def _not_more_than_max_tokens(token_ids: list[int], sp, name: str) -> None:
+def _not_more_than_max_tokens(token_ids: list[int], sp: SamplingParams, name: str) -> None:
     if len(token_ids) > sp.max_tokens:
         raise BadRequest(f"{name} holds {len(token_ids)} tokens, more than the request's max_tokens "
                          f"({sp.max_tokens})", name)
@@ -105,7 +109,7 @@ def tag(payload: dict, token_ids: list[int], **more) -> dict:
     return payload
 
 
-def grpc_resume(token_ids, sp, vocab_size: int | None = None) -> list[int]:
+def grpc_resume(token_ids, sp: SamplingParams, vocab_size: int | None = None) -> list[int]:
     """A GenerateRequest's ``resume_token_ids`` (empty: not a resume), checked against the vocabulary and
     the request's max_tokens (the engine's SamplingParams)."""
     if not token_ids:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -22,6 +22,9 @@ from pdserve.engine import blocks_needed
 from pdserve.engine.logprobs import TokenLogprob
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_fields
+
+if TYPE_CHECKING:
+    from pdserve.engine import SamplingParams
 
 
 class Retryable(Exception):
@@ -81,7 +84,7 @@ def decode_reservation(n_prompt: int, max_tokens: int, block_size: int) -> int:
     return blocks_needed(n_prompt + max_tokens, block_size)
 
 
-def sampling_to_proto(sp) -> pb.Sampling:
+def sampling_to_proto(sp: SamplingParams) -> pb.Sampling:
     """The engine's SamplingParams as the Session's Sampling message."""
     msg = pb.Sampling(
         max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or 0,
@@ -101,7 +104,7 @@ def logprob_from_proto(msg: pb.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(*logprob_fields(msg))
 
 
-def first_token_finishes(token: int, sp, eos_token_ids) -> str | None:
+def first_token_finishes(token: int, sp: SamplingParams, eos_token_ids) -> str | None:
     """Finish reason if prefill's sampled token already ends the request, else None."""
     if token in (sp.stop_token_ids or ()) or (not sp.ignore_eos and token in eos_token_ids):
         return "stop"

@@ -22,13 +22,15 @@ them whole. In start order:
    SessionConfig: compat, --block-size, the tokenizer's EOS ids, --session-timeout,
    --connect-timeout, --layerwise-push, the engine's out-of-blocks type, --decode-reuse,
    --prefills-ahead; the poller's stubs, the engine, the sender, the registry of open Sessions,
-   TransferAccounting as its observer) and the PrefillNode that holds them with the picker, the
-   poller, the admission queue and the routing flags (--max-attempts, --local-fallback, --resume,
-   --resume-wait, --decode-reuse). With an ordering policy (--queue-policy edf or qlm) the prefill
-   slots join the admission line: a request goes on only when one is free, and each slot given
-   back wakes the line's head, so the policy (not arrival order) picks who the engine computes
-   next; the SLO queue's plans then count this prefill's one engine besides the decodes' KV
-   blocks (``prefill_bound``). The tests build their nodes with the same function.
+   TransferAccounting as its observer), the LocalFallback (--local-fallback), and the
+   PrefillNode that holds them: its ``ConductorDeps`` (what each request's conductor is given: the
+   engine, the picker, the admission queue, the SessionRunner, the local fallback, the routing flags
+   --max-attempts, --resume, --resume-wait, the DecodeIndex with --decode-reuse, the metrics; the
+   hooks ``wake_line`` and ``keep_latest``) and the Disaggregator. With an ordering policy
+   (--queue-policy edf or qlm) the prefill slots join the admission line: a request goes on only
+   when one is free, and each slot given back wakes the line's head, so the policy (not arrival
+   order) picks who the engine computes next; the SLO queue's plans then count this prefill's one
+   engine besides the decodes' KV blocks (``prefill_bound``). The tests build their nodes with the same function.
 6. **frontend** - Frontend: node, tokenizer, model name and length, vocabulary size, metrics,
    --request-timeout, SLO queue.
 7. **probes** - Probes: /health, KvEvents' GetLoad and the metrics' load, read from the parts
@@ -50,6 +52,7 @@ stops gRPC, HTTP, the poller, the discovery, the sender and the engine, in that 
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
@@ -72,20 +75,22 @@ from pdserve.slo import GlobalQueue
 
 from . import tokenize_api, tokenizer_api
 from .admission_queue import AdmissionQueue
+from .conductor_deps import ConductorDeps
 from .decode_index import DecodeIndex
-from .decode_session import SessionConfig, SessionRunner
+from .decode_session import SessionConfig, SessionRunner, SessionTimings
 from .disaggregator import Disaggregator
 from .frontend import Frontend
 from .grpc_api import GenerateServicer
 from .http_api import HttpApi
 from .load_poller import LoadReportPoller
-from .node import PrefillNode
+from .local_fallback import LocalFallback
+from .node import PrefillNode, keep_latest, wake_line
 from .picker import DecodePicker
 from .transfer_accounting import TransferAccounting
 
 if TYPE_CHECKING:
     from pdserve.discovery import FileDiscovery, KubernetesDiscovery, StaticDiscovery
-    from pdserve.engine import AsyncLLMEngine
+    from pdserve.engine.server_engine import ServerEngine
     from pdserve.slo import SloClasses
 
     Discovery = StaticDiscovery | FileDiscovery | KubernetesDiscovery
@@ -127,8 +132,8 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses)
     metrics.track_load(probes.engine_load)
     await discovery.start()
     await poller.start()
-    probes.batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
-    http_runner = await start_http(frontend, probes, metrics, args.model, args.host, args.port)
+    probes.batch = batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
+    http_runner = await start_http(frontend, probes, batch, metrics, args.model, args.host, args.port)
     grpc_server = await start_grpc(frontend, kv_events, probes.load, args.host, args.grpc_port)
     gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
     log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
@@ -139,7 +144,7 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses)
     return PrefillServer(engine, sender, discovery, poller, frontend, probes, http_runner, grpc_server)
 
 
-def build_node(engine: AsyncLLMEngine, sender: CacheStoreSender | None, picker: DecodePicker,
+def build_node(engine: ServerEngine, sender: CacheStoreSender, picker: DecodePicker,
                poller: LoadReportPoller, queue: AdmissionQueue, compat: pb.Compat, *, block_size: int,
                kv_bytes_per_block: int, eos_token_ids: tuple[int, ...] = (), max_attempts: int = 3,
                local_fallback: bool = False, resume: bool = True, resume_wait_s: float = defaults.RESUME_WAIT_S,
@@ -165,13 +170,18 @@ def build_node(engine: AsyncLLMEngine, sender: CacheStoreSender | None, picker: 
     if queue.slo is not None and queue.slo.policy != "fifo":  # the policy orders who waits for a prefill slot too
         queue.room, runner.on_slot_free = runner.slot_free, queue.notify
         queue.slo.prefill_bound = True  # its plans: the decodes' blocks and this one engine, one prompt at a time
-    return PrefillNode(engine, picker, poller, queue, runner, disaggregator, sessions, block_size, metrics=metrics,
-                       max_attempts=max_attempts, local_fallback=local_fallback, resume=resume,
-                       resume_wait_s=resume_wait_s, out_of_blocks_error=out_of_blocks_error,
-                       decode_reuse=decode_reuse, decode_index=decode_index)
+    last_timings: dict[str, SessionTimings] = {}
+    deps = ConductorDeps(engine, picker, queue, runner, block_size,
+                         on_session_end=functools.partial(wake_line, queue, poller),
+                         keep_timings=functools.partial(keep_latest, last_timings),
+                         max_attempts=max_attempts, resume=resume, resume_wait_s=resume_wait_s,
+                         decode_index=decode_index if decode_reuse else None,
+                         fallback=LocalFallback(engine, out_of_blocks_error, metrics) if local_fallback else None,
+                         metrics=metrics)
+    return PrefillNode(deps, disaggregator, sessions, last_timings)
 
 
-async def start_engine(engine: AsyncLLMEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:
+async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:
     """The metrics follow the engine's counters; its prefix cache publishes KV events (attached
     before the engine thread starts: it calls on that thread); the engine starts."""
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
@@ -196,15 +206,16 @@ def make_slo_queue(slo: SloClasses, policy: str, metrics: ServerMetrics, picker:
     """The SLO queue; its plans count the decodes' KV blocks in all, full or not (a decode reserves
     prompt + max_tokens for a request)."""
     return GlobalQueue(slo, policy, metrics,
-                       kv_capacity=lambda: sum(picker.load(a).total_blocks for a in picker.known()))
+                       kv_capacity=lambda: sum(load.total_blocks for a in picker.known()
+                                               if (load := picker.load(a)) is not None))
 
 
-async def start_http(frontend: Frontend, probes: Probes, metrics: ServerMetrics, model: str, host: str,
-                     port: int) -> web.AppRunner:
+async def start_http(frontend: Frontend, probes: Probes, batch: BatchService, metrics: ServerMetrics, model: str,
+                     host: str, port: int) -> web.AppRunner:
     """OpenAI routes and probes, the Batch API's routes, POST /tokenize and /detokenize, GET /tokenizer (for
     a router that mounts no model: ``model`` is --model), listening on host:port."""
     app = HttpApi(frontend, probes.health, metrics, is_draining=lambda: probes.draining).app()
-    probes.batch.add_routes(app)
+    batch.add_routes(app)
     tokenize_api.add_routes(app, frontend)
     tokenizer_api.add_routes(app, model)
     runner = web.AppRunner(app, handler_cancellation=True)
@@ -231,7 +242,7 @@ class Probes:
 
     node: PrefillNode  # its open Sessions, admission queue, local requests, disaggregator, readiness
     frontend: Frontend  # requests in flight
-    engine: AsyncLLMEngine  # KV blocks
+    engine: ServerEngine  # KV blocks
     sender: CacheStoreSender
     picker: DecodePicker
     discovery: Discovery
@@ -253,7 +264,8 @@ class Probes:
             "decodes": self.discovery.addresses(), "routable_decodes": self.picker.eligible(),
             "draining": self.draining,
             "decode_index": self.decode_index.state() if self.decode_index is not None else None,
-            "disaggregation": node.disaggregator.state(), "batch": self.batch.state(),
+            "disaggregation": node.disaggregator.state(),
+            "batch": self.batch.state() if self.batch is not None else None,
         }
 
     def load(self) -> kpb.ServerLoad:
@@ -276,7 +288,7 @@ class Probes:
 class PrefillServer:
     """The started parts, for the drain and the stop."""
 
-    engine: AsyncLLMEngine
+    engine: ServerEngine
     sender: CacheStoreSender
     discovery: Discovery
     poller: LoadReportPoller
@@ -288,7 +300,8 @@ class PrefillServer:
     async def drain(self, sig: str, timeout_s: float) -> None:
         """/ready 503, the Batch API stopped, then up to ``timeout_s`` for the requests in flight."""
         self.probes.draining = True
-        await self.probes.batch.stop()  # batch lines in flight stay pending in the database; they run after a restart
+        if self.probes.batch is not None:  # lines in flight stay pending in the database; they run after a restart
+            await self.probes.batch.stop()
         log.info("%s: draining %d in-flight request(s)", sig, self.frontend.in_flight)
         left = await server_setup.drain(lambda: self.frontend.in_flight, timeout_s)
         if left:

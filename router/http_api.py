@@ -98,7 +98,14 @@ class RouterApi:
                                              auto_decompress=False)
 
     async def _close(self, app) -> None:
-        await self.session.close()
+        if self.session is not None:
+            await self.session.close()
+
+    def _client(self) -> aiohttp.ClientSession:
+        """The HTTP client to the prefills (made when the app starts, ``_open``)."""
+        if self.session is None:
+            raise RuntimeError("the router's HTTP client is made when its app starts")
+        return self.session
 
     async def health(self, request: web.Request) -> web.Response:
         health = {"status": "ok", "role": "router", "in_flight": self.in_flight,
@@ -125,7 +132,7 @@ class RouterApi:
         if not routable:
             return _error(503, "no prefill is routable", "no_prefill_available")
         body = await request.read() if request.can_read_body else None
-        async with self.session.request(request.method, routable[0].http_url + request.path, data=body,
+        async with self._client().request(request.method, routable[0].http_url + request.path, data=body,
                                         headers=None if body is None else {"Content-Type": "application/json"}) as up:
             return web.Response(body=await up.read(), status=up.status, headers=_headers(up))
 
@@ -192,7 +199,7 @@ class RouterApi:
         """One prefill: the client's response, or None when nothing of it reached the client (the next is tried)."""
         with attempt:
             try:
-                upstream = await self.session.post(attempt.watch.http_url + request.path, data=body, headers={
+                upstream = await self._client().post(attempt.watch.http_url + request.path, data=body, headers={
                     "Content-Type": "application/json", **forwarded, RESUMABLE_HEADER: "1"})
             except aiohttp.ClientConnectionError as exc:
                 log.warning("prefill %s unreachable (%s); trying the next one", attempt.address, exc)
@@ -226,27 +233,27 @@ class RouterApi:
                     upstream.close()  # the prefill sees the client leave and cancels
         if client.resp is None:  # nothing reached the client: the whole request goes to the next prefill
             return None
-        await self._after_break(relay, request, client, body, forwarded,
+        await self._after_break(relay, request, client, client.resp, body, forwarded,
                                 f"prefill {attempt.address} failed mid-response: {type(broke).__name__}")
         return client.resp
 
-    async def _after_break(self, relay, request, client: _ClientResponse, body: bytes, forwarded: dict[str, str],
-                           message: str) -> None:
-        """The client has part of a stream whose prefill broke: resume it (``resume.py``), or end it with an
-        error event and [DONE] (never a stream that just stops)."""
+    async def _after_break(self, relay, request, client: _ClientResponse, resp: web.StreamResponse, body: bytes,
+                           forwarded: dict[str, str], message: str) -> None:
+        """The client has part of a stream (``resp``, begun) whose prefill broke: resume it (``resume.py``), or
+        end it with an error event and [DONE] (never a stream that just stops)."""
         events = client.events
         resumable = events.can_resume
         why_not = "the stream cannot be resumed" if not resumable else await resume(
-            relay, self.session, request.path, body, events, client.write, forwarded)
+            relay, self._client(), request.path, body, events, client.write, forwarded)
         relay.resumed(why_not, resumable)
         if why_not is not None:
             log.warning("%s; not resumed: %s", message, why_not)
             if not events.error_sent:  # as the prefill ends its own stream on an error
                 event = {"error": {"message": f"{message}; not resumed: {why_not}", "type": "server_error",
                                    "param": None, "code": "prefill_failed"}}
-                await client.resp.write(f"data: {json.dumps(event)}\n\n".encode())
-            await client.resp.write(DONE)
-        await client.resp.write_eof()
+                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            await resp.write(DONE)
+        await resp.write_eof()
 
 
 class _ClientResponse:

@@ -140,7 +140,7 @@ def _load(doc: dict):
             raise _FetchFailed(f"its files do not load: {type(exc).__name__}: {exc}") from None
 
 
-def _message(body: bytes, status: int) -> str:
+def _message(body: bytes | bytearray, status: int) -> str:
     """An OpenAI error body's message, else what the status means here, else the start of the body."""
     try:
         return str(json.loads(body)["error"]["message"])

@@ -52,6 +52,9 @@ class PrefillWatch:
 
     @property
     def http_url(self) -> str:
+        """Its HTTP address, from its load report (a routable prefill has one)."""
+        if self.load is None:
+            raise RuntimeError(f"prefill {self.address} has sent no load report yet: its HTTP port is unknown")
         return f"http://{self.host}:{self.load.http_port}"
 
     def state(self) -> dict:

@@ -2,8 +2,9 @@
 
 The router never validates a request: the prefill does, and its 400 goes back to the client
 unchanged. The router only tokenizes well-formed bodies the way ``prefill_server/frontend.py``
-does (chat: the chat template with the generation prompt, then encode; completion: the text
-or the token ids), to look the prompt's blocks up in the index. When it cannot (a malformed
+does (chat: ``pdserve.chat_prompt``, the one rule both use: the messages and ``tools`` through the
+chat template with the generation prompt, then encode; completion: the text or the token ids), to
+look the prompt's blocks up in the index. When it cannot (a malformed
 body), the request is routed by load alone. A tokenization that differed from the prefill's
 would cost cache hits, never correctness.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from pdserve.chat_prompt import chat_prompt, template_message
 from pdserve.engine.block_manager import chained_hashes, reusable_hashes
 from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer
 
@@ -29,14 +31,6 @@ def load_tokenizer(model: str):
     return HFTokenizer(path) if (path / "tokenizer.json").exists() else ByteTokenizer()
 
 
-def _message(m: dict) -> dict:
-    content = m.get("content")
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
-    role = m.get("role")
-    return {"role": "system" if role == "developer" else role, "content": content}
-
-
 def prompt_token_ids(body: bytes, kind: str, tokenizer) -> list[int] | None:
     """Token ids of a /v1/completions (``kind="completion"``) or /v1/chat/completions body, or None
     (also while ``tokenizer`` is None: not loaded yet, ``--tokenizer-from-prefill``; routed by load alone)."""
@@ -45,8 +39,9 @@ def prompt_token_ids(body: bytes, kind: str, tokenizer) -> list[int] | None:
     try:
         doc = json.loads(body)
         if kind == "chat":
-            messages = [_message(m) for m in doc["messages"]]
-            return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            messages = [template_message(m) for m in doc["messages"]]
+            tools = doc.get("tools")
+            return tokenizer.encode(chat_prompt(tokenizer, messages, tools if isinstance(tools, list) else None))
         prompt = doc["prompt"]
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]

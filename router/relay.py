@@ -41,11 +41,15 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.defaults import PREFILL_WAIT_S
 
 from .choice import Choice
 from .router import refusing
+
+if TYPE_CHECKING:
+    from .prefill_watch import PrefillWatch
 
 MIN_LEFT_S = 0.001  # a request with less time left than this is past its deadline (timeouts go in milliseconds)
 
@@ -186,7 +190,7 @@ class Attempt:
 
     relay: Relay
     address: str
-    watch: object  # its PrefillWatch
+    watch: PrefillWatch
     why: str  # the decision's reason label: the ranking's, retry or resume
     choice: Choice
     key: list[int] | None  # the prompt it is routed by (a resume's: with the tokens sent)

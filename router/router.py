@@ -48,16 +48,19 @@ class Router:
         hashes: dict[int, list[int]] = {}
         candidates = []
         for w in watches:
-            bs = w.load.block_size or 1
+            load = w.load
+            if load is None:  # (routable: it has one)
+                continue
+            bs = load.block_size or 1
             if bs not in hashes:
                 hashes[bs] = prompt_hashes(ids, bs) if ids else []
             candidates.append(Candidate(w.address, self.index.overlap(w.address, hashes[bs]),
-                                        max(w.load.in_flight, w.in_flight), w.load.kv_blocks_free, bs))
+                                        max(load.in_flight, w.in_flight), load.kv_blocks_free, bs))
         if self.policy == "round-robin":
             turn = self._turn
             self._turn += 0 if preview else 1
             return round_robin(candidates, turn)
-        first_bs = watches[0].load.block_size or 1
+        first_bs = candidates[0].block_size
         return choose(candidates, len(ids), prompt_key(ids, first_bs), self.load_weight)
 
     async def decide_waiting(self, prompt_ids: list[int] | None, until: float,

@@ -75,7 +75,7 @@ def activation(name: str):
 
 
 class DecoderLayer(nn.Module):
-    norm_class = RMSNorm
+    norm_class: type[nn.Module] = RMSNorm
     scales_embeddings = False  # Gemma multiplies the embeddings by sqrt(hidden_size)
     graph_capturable = True  # False: the layer's forward reads device values on the host (no CUDA graph)
     # engine switches (EngineConfig, set by DecoderModel.configure): the merged matmuls where merged, the
@@ -89,6 +89,7 @@ class DecoderLayer(nn.Module):
     qkv_scale: torch.Tensor | None = None  # FP8 weights: the merged rows' scales (fp8.py)
     gate_up_scale: torch.Tensor | None = None
     # the parameters --quantization / an FP8 checkpoint makes FP8 (weight_source.py); the rest stay plain
+    QUANTIZED_PARAMS: tuple[str, ...]
     QUANTIZED_PARAMS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
                         "up_proj.weight", "down_proj.weight")
 

@@ -67,7 +67,8 @@ class Qwen3MoeLayer(Qwen3Layer):
         if not cfg.is_moe_layer(index):
             return super().mlp_tensors(cfg, index)
         h, i = cfg.hidden_size, cfg.moe_intermediate_size
-        gate_up, down = [], []
+        gate_up: list[tuple[str, tuple[int, ...]]] = []
+        down: list[tuple[str, tuple[int, ...]]] = []
         for x in range(cfg.num_experts):
             gate_up += [(f"mlp.experts.{x}.gate_proj.weight", (i, h)), (f"mlp.experts.{x}.up_proj.weight", (i, h))]
             down.append((f"mlp.experts.{x}.down_proj.weight", (h, i)))

@@ -9,6 +9,7 @@ what a message says it waited is exact."""
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -115,7 +116,7 @@ def make_node(resume_wait_s: float, runner: FakeRunner, **kw):
                        transport="tcp")
     node = build_node(FakeEngine(), None, picker, poller, queue, compat, block_size=16, kv_bytes_per_block=KB,
                       metrics=metrics, resume_wait_s=resume_wait_s, decode_reuse=False, **kw)
-    node.session_runner = runner
+    node.deps = replace(node.deps, session_runner=runner)
     poller.report("A")  # only A is known: B has not reported yet
     return node, poller, metrics
 

@@ -26,9 +26,9 @@ def _kind(fn) -> str:
 
 
 def _declared_kind(fn) -> str:
-    """The protocol writes a stream as a plain ``def`` returning an AsyncIterator (it has no body to yield)."""
+    """The protocol writes a stream as a plain ``def`` returning an AsyncGenerator (it has no body to yield)."""
     kind = _kind(fn)
-    return "stream" if kind == "call" and "AsyncIterator" in str(inspect.signature(fn).return_annotation) else kind
+    return "stream" if kind == "call" and "AsyncGenerator" in str(inspect.signature(fn).return_annotation) else kind
 
 
 def _params(fn) -> list[tuple[str, object, object]]:
