@@ -31,8 +31,8 @@ Request lifecycle on decode (each step is a method below):
    every engine output becomes a ``Tokens`` message, the last one is followed by ``Finish``.
    Once the Finish went out the request counts as served: the prefill closing the session then
    (as it does, at once) is its normal end, even before our engine stream has closed.
-   (Test hooks may hold it just before it joins, ``DECODE_GATE_ENV``, and just after its Finish,
-   ``DECODE_FINISH_GATE_ENV``: pdserve/test_hooks.py.)
+   (Test hooks may hold it just before it joins, ``deps.gates.decode``, and just after its Finish,
+   ``deps.gates.decode_finish``: pdserve/test_hooks.py.)
 5. **release** - always, whatever happened (finish, ``Cancel``/``Error`` from prefill, the
    stream breaking, a timeout, our own error): abort the request in the engine if it is
    still running, release its blocks, delete its CacheStore entry, forget the session.
@@ -72,7 +72,7 @@ from pdserve.cachestore.errors import CHECKSUM_MISMATCH, ChecksumError
 from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
-from pdserve.test_hooks import DECODE_FINISH_GATE_ENV, DECODE_GATE_ENV, gate_dir, wait_at_gate
+from pdserve.test_hooks import wait_at_gate
 
 from . import admission
 from .pooled_decode import PooledDecode
@@ -275,7 +275,7 @@ class DecodeSession(PooledSteps):
     async def _decode(self, start: pb.Start, first_token: int | None) -> None:
         """Step 4: stream the engine's outputs; ``first_token`` None: compute the prompt here first."""
         deps = self.deps
-        gate = gate_dir(DECODE_GATE_ENV)  # test hook: held before joining the batch until the test opens the gate
+        gate = self.deps.gates.decode  # test hook: held before joining the batch until the test opens the gate
         if gate:
             await wait_at_gate(gate, self.request_id)
         ids = list(start.prompt_token_ids)
@@ -302,7 +302,7 @@ class DecodeSession(PooledSteps):
                     await self.write(finish=pb.Finish(finish_reason=out.finish_reason or "stop",
                                                       completion_tokens=produced))
                     self.outcome = ("ok", out.finish_reason or "stop")
-                    finish_gate = gate_dir(DECODE_FINISH_GATE_ENV)  # test hook: the prefill's close comes first
+                    finish_gate = self.deps.gates.decode_finish  # test hook: the prefill's close comes first
                     if finish_gate:
                         await wait_at_gate(finish_gate, self.request_id)
                     return

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pdserve.protos import session_pb2 as pb
+from pdserve.test_hooks import NO_GATES, TestGates
 
 from .registry import SessionRegistry
 from .session_metrics import SessionMetrics
@@ -30,3 +31,4 @@ class SessionDeps:
     session_timeout_s: float  # a cap on the timeout prefill asks for in Start
     out_of_blocks_error: type[Exception]  # the engine's OutOfBlocksError (refused as out_of_blocks)
     pool: DecodePool | None = None  # --kv-pool: lend to peers, borrow for requests too big for our free blocks
+    gates: TestGates = NO_GATES  # test hooks (pdserve/test_hooks.py), read once by the wiring

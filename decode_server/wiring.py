@@ -55,6 +55,7 @@ from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
 from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics
+from pdserve.test_hooks import TestGates
 
 from .decode_engine import DecodeEngine
 from .lso import LsoController
@@ -121,7 +122,7 @@ def build_service(engine: ServerEngine, receiver: CacheStoreReceiver, compat: pb
     deps = SessionDeps(
         engine=DecodeEngine(engine, sampling_cls, session_metrics, lso), receiver=receiver, registry=SessionRegistry(),
         metrics=session_metrics, compat=compat, max_model_len=max_model_len, session_timeout_s=session_timeout_s,
-        out_of_blocks_error=out_of_blocks_error, pool=pool,
+        out_of_blocks_error=out_of_blocks_error, pool=pool, gates=TestGates.from_environment(),
     )
     return DecodeService(engine, deps, kv_bytes_per_block)
 
@@ -156,7 +157,7 @@ def start_pool(engine: ServerEngine, receiver: CacheStoreReceiver, metrics: Serv
     if not isinstance(engine, AsyncLLMEngine):  # cli.run refuses --kv-pool with --engine vllm before this
         raise ValueError(f"--kv-pool needs the built-in engine, not {type(engine).__name__}")
     pool = DecodePool(engine, instance_id, gmanager, host, port, advertise_host, lend_fraction,
-                      inbox=ReceiverInbox(receiver, asyncio.get_running_loop()))
+                      inbox=ReceiverInbox(receiver, asyncio.get_running_loop()), gates=TestGates.from_environment())
     pool.start()
     metrics.follow_counter("kv_pool_pooled_requests", lambda: pool.stats()["pooled_requests_total"])
     metrics.follow_counter("kv_pool_borrowed_blocks", lambda: pool.stats()["borrowed_blocks_total"])

@@ -34,6 +34,7 @@ import grpc
 
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.protos import kvpool_pb2, kvpool_pb2_grpc
+from pdserve.test_hooks import NO_GATES, TestGates
 
 from .engine_view import EngineOnThread
 from .pooled import PooledRequest
@@ -90,8 +91,9 @@ class DecodePool:
     def __init__(self, engine: AsyncLLMEngine, instance_id: str, gmanager: str, host: str, port: int,
                  advertise_host: str | None = None, lend_fraction: float = DEFAULT_LEND_FRACTION,
                  report_interval_s: float = DEFAULT_REPORT_INTERVAL_S, loan_idle_s: float = DEFAULT_LOAN_IDLE_S,
-                 inbox: ReceiverInbox | None = None):
+                 inbox: ReceiverInbox | None = None, gates: TestGates = NO_GATES):
         self.engine = EngineOnThread(engine)
+        self.gates = gates  # test hooks (pdserve/test_hooks.py): the pooled requests' gate
         self.instance_id, self.host, self.port = instance_id, host, port
         self.address = f"{advertise_host or host}:{port}"
         self.lock = threading.Lock()  # serializes the lender's bookkeeping; engine calls go to the engine thread
@@ -145,7 +147,7 @@ class DecodePool:
         """A pooled request with its local blocks reserved and its overflow borrowed (blocking:
         call it off the event loop). OutOfBlocksError (nothing held) when there is no room.
         ``aligned``: the local part of the prompt ends on a block boundary (the prefill pushes it)."""
-        pooled = PooledRequest(self.engine, self.lock, self.borrower, RPC_TIMEOUT_S)
+        pooled = PooledRequest(self.engine, self.lock, self.borrower, RPC_TIMEOUT_S, self.gates)
         try:
             pooled.open(request_id, prompt, max_tokens, aligned=aligned)
         except BaseException:

@@ -24,6 +24,7 @@ from pdserve.engine.llm_engine import EngineConfig, LLMEngine
 from pdserve.engine.loader import load_model
 from pdserve.engine.sampling import SamplingParams
 from pdserve.protos import kvpool_pb2, kvpool_pb2_grpc
+from pdserve.test_hooks import NO_GATES, TestGates
 
 from .pooled import PooledRequest
 from .reporting import RPC_TIMEOUT_S, Reporter, ReportingLender
@@ -35,8 +36,10 @@ NORMAL_PATH_STALL_S = 5.0  # a normal-path request that gets no token this long 
 
 
 class KVNode(kvpool_pb2_grpc.KVNodeServicer):
-    def __init__(self, engine: LLMEngine, lock: threading.Lock, lender: ReportingLender, borrower: Borrower | None):
+    def __init__(self, engine: LLMEngine, lock: threading.Lock, lender: ReportingLender, borrower: Borrower | None,
+                 gates: TestGates = NO_GATES):
         self.engine, self.lock, self.lender, self.borrower = engine, lock, lender, borrower
+        self.gates = gates  # test hooks (pdserve/test_hooks.py), read once where the node starts
         self.normal_path = threading.Lock()  # one normal-path request at a time (each takes its own outputs)
         self.pooled_running = 0
 
@@ -59,7 +62,7 @@ class KVNode(kvpool_pb2_grpc.KVNodeServicer):
         with self.lock:
             self.pooled_running += 1
         try:
-            res = PooledRequest(self.engine, self.lock, self.borrower, RPC_TIMEOUT_S).run(
+            res = PooledRequest(self.engine, self.lock, self.borrower, RPC_TIMEOUT_S, self.gates).run(
                 request.request_id, ids, n, request.ignore_eos, request.max_local_blocks)
         finally:
             with self.lock:
@@ -147,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
                          options=[("grpc.max_receive_message_length", 256 << 20),
                                   ("grpc.max_send_message_length", 256 << 20)])
     kvpool_pb2_grpc.add_KVLenderServicer_to_server(lender, server)
-    kvpool_pb2_grpc.add_KVNodeServicer_to_server(KVNode(engine, lock, lender, borrower), server)
+    node = KVNode(engine, lock, lender, borrower, TestGates.from_environment())
+    kvpool_pb2_grpc.add_KVNodeServicer_to_server(node, server)
     server.add_insecure_port(address)
     server.start()
     if gmanager:

@@ -40,13 +40,13 @@ from pdserve.engine.block_manager import blocks_needed
 from pdserve.engine.errors import OutOfBlocksError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protos import kvpool_pb2
-from pdserve.test_hooks import KVPOOL_GATE_ENV, gate_dir, hold_at_gate
+from pdserve.test_hooks import NO_GATES, TestGates, hold_at_gate
 
 from .attention import from_bytes, merge, micro_attention
 from .rmanager import Borrower, LenderLost, RemoteLoan
 
 POOLED_PREFIX = "pooled:"
-# test hook (pdserve/test_hooks.py, KVPOOL_GATE_ENV): ``run`` holds a request with its loans taken,
+# test hook (pdserve/test_hooks.py, TestGates.kvpool): ``run`` holds a request with its loans taken,
 # before its first token, until the test opens the gate
 
 
@@ -68,8 +68,10 @@ def _as_bytes(t: torch.Tensor) -> bytes:
 class PooledRequest:
     """One pooled request: ``open`` -> ``tokens`` -> ``close`` (always), or ``run``."""
 
-    def __init__(self, engine: LLMEngine, lock: threading.Lock, borrower: Borrower | None, rpc_timeout_s: float):
+    def __init__(self, engine: LLMEngine, lock: threading.Lock, borrower: Borrower | None, rpc_timeout_s: float,
+                 gates: TestGates = NO_GATES):
         self.engine, self.lock, self.borrower, self.timeout = engine, lock, borrower, rpc_timeout_s
+        self.gates = gates  # test hooks (pdserve/test_hooks.py), read once where the pool is built
         self.model, self.kv = engine.model, engine.kv_cache
         self.cfg = engine.model_config
         self.request_id = ""
@@ -87,7 +89,7 @@ class PooledRequest:
         """Generate greedily; ``max_local_blocks`` > 0 caps the blocks kept here (to measure spilling)."""
         try:
             self.open(request_id, prompt, max_tokens, max_local_blocks)
-            gate = gate_dir(KVPOOL_GATE_ENV)  # test hook above
+            gate = self.gates.kvpool  # test hook above
             if gate:
                 hold_at_gate(gate, request_id)
             tokens = list(self.tokens(ignore_eos))

@@ -12,6 +12,10 @@ set in production), read when the part that uses them is built or reached, never
 | ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``   | every decode step with a running batch lasts at least this long | LsoController(step_floor_s=) |
 | ``PDSERVE_TEST_CORRUPT_KV=N``          | the prefill's CacheStore sender flips one byte of one layer of the next N requests | CacheStoreSender(corrupt_kv=N) |
 
+The gates reach the request paths as a ``TestGates`` (``TestGates.from_environment()``, read once by
+each server's wiring and handed down in its deps objects: SessionRunner, SessionDeps, the KV pool's
+decode), so no request reads the environment.
+
 A gate is a directory where a held request announces itself with ``held.<request id>`` and waits
 until a file ``open`` exists there, then withdraws its file. Tests drive the gates with
 tests/harness/gates.py and decode_gate.py. The wait never blocks the event loop, and cancelling
@@ -26,6 +30,7 @@ import logging
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 POLL_S = 0.02
@@ -37,6 +42,26 @@ KVPOOL_GATE_ENV = "PDSERVE_TEST_KVPOOL_GATE"
 PLANNER_GATE_ENV = "PDSERVE_TEST_PLANNER_GATE"
 DECODE_STEP_FLOOR_ENV = "PDSERVE_TEST_DECODE_STEP_FLOOR_S"
 CORRUPT_KV_ENV = "PDSERVE_TEST_CORRUPT_KV"
+
+
+@dataclass(frozen=True, slots=True)
+class TestGates:
+    """The request-path gates of one server process ("" = off), read once at start."""
+
+    __test__ = False  # (not a pytest test class)
+    prefill_after_allocation: str = ""  # PREFILL_GATE_ENV
+    layer: str = ""  # LAYER_GATE_ENV
+    decode: str = ""  # DECODE_GATE_ENV
+    decode_finish: str = ""  # DECODE_FINISH_GATE_ENV
+    kvpool: str = ""  # KVPOOL_GATE_ENV
+
+    @classmethod
+    def from_environment(cls) -> "TestGates":
+        return cls(gate_dir(PREFILL_GATE_ENV), gate_dir(LAYER_GATE_ENV), gate_dir(DECODE_GATE_ENV),
+                   gate_dir(DECODE_FINISH_GATE_ENV), gate_dir(KVPOOL_GATE_ENV))
+
+
+NO_GATES = TestGates()
 
 
 def gate_dir(env: str) -> str:

@@ -71,7 +71,7 @@ from pdserve.engine import blocks_needed
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.logprobs import logprob_to_proto
 from pdserve.protos.version import PROTOCOL_VERSION
-from pdserve.test_hooks import LAYER_GATE_ENV, PREFILL_GATE_ENV, gate_dir, hold_thread_at_gate, wait_at_gate
+from pdserve.test_hooks import NO_GATES, TestGates, hold_thread_at_gate, wait_at_gate
 
 from . import session_wire as wire
 from .cost_model import LOCAL, REMOTE, Decision, link_busy_seconds
@@ -98,10 +98,10 @@ __all__ = ["DEADLINE_SLACK_S", "DecodeFailed", "Delta", "NoDecodeAvailable", "Re
 # deadline is the decode's backstop when prefill cannot say so (frozen).
 DEADLINE_SLACK_S = 1.0
 
-# Test hook (pdserve/test_hooks.py, PREFILL_GATE_ENV; tests/harness/gates.py drives it): between the
-# decode's Allocation and the forward pass a request waits at the gate, so a test holds requests while
+# Test hook (pdserve/test_hooks.py, TestGates.prefill_after_allocation; tests/harness/gates.py drives it):
+# between the decode's Allocation and the forward pass a request waits at the gate, so a test holds requests while
 # the decode holds their blocks for exactly as long as it needs. Cancelling the request (its client
-# gone, its deadline: the Frontend cancels it) ends the wait. Off: one environment lookup per request.
+# gone, its deadline: the Frontend cancels it) ends the wait. Off: an empty string, read once at start.
 
 
 @dataclass(slots=True)
@@ -125,8 +125,9 @@ class SessionRunner:
 
     def __init__(self, config: SessionConfig, *, stubs: Callable[[str], pb_grpc.DecodeStub], engine: ServerEngine,
                  sender: CacheStoreSender, registry: dict[str, str], observer: SessionObserver,
-                 disaggregator: Disaggregator):
+                 disaggregator: Disaggregator, gates: TestGates = NO_GATES):
         self.config, self.stubs, self.engine, self.sender = config, stubs, engine, sender
+        self.gates = gates  # test hooks (pdserve/test_hooks.py), read once by the wiring
         self.registry, self.observer, self.disaggregator = registry, observer, disaggregator
         self._releasing: set[asyncio.Task] = set()  # engine releases queued by cancelled runs
         if config.prefills_ahead < 1:
@@ -170,7 +171,7 @@ class SessionRunner:
             self.observer.allocated(address, decode_reservation(len(prompt_ids), sp.max_tokens, cfg.block_size))
             if on_allocated is not None:
                 on_allocated()
-            gate = gate_dir(PREFILL_GATE_ENV)  # test hook: the decode holds the reservation (the request has left
+            gate = self.gates.prefill_after_allocation  # test hook: the decode holds the reservation (request has left
             if gate:  # the admission queue: it is admitted) until the test opens the gate
                 await wait_at_gate(gate, request_id)
             if decision.where == LOCAL:  # 4l
@@ -268,7 +269,7 @@ class SessionRunner:
             for part_id, _, _, start, end in parts:
                 self.sender.store(part_id, layer, block_ids[start:end])
 
-        layer_gate = gate_dir(LAYER_GATE_ENV)  # test hook: hold the engine after layer 0 (overlap made visible)
+        layer_gate = self.gates.layer  # test hook: hold the engine after layer 0 (overlap made visible)
 
         def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
             timings.layer_stored.append(time.monotonic())

@@ -166,7 +166,8 @@ def build_node(engine: ServerEngine, sender: CacheStoreSender, picker: DecodePic
                            out_of_blocks_error, reuse_prefix=decode_reuse, prefills_ahead=prefills_ahead)
     accounting = TransferAccounting(picker, kv_bytes_per_block, disaggregator, metrics)
     runner = SessionRunner(config, stubs=poller.stub, engine=engine, sender=sender, registry=sessions,
-                           observer=accounting, disaggregator=disaggregator)
+                           observer=accounting, disaggregator=disaggregator,
+                           gates=test_hooks.TestGates.from_environment())
     if queue.slo is not None and queue.slo.policy != "fifo":  # the policy orders who waits for a prefill slot too
         queue.room, runner.on_slot_free = runner.slot_free, queue.notify
         queue.slo.prefill_bound = True  # its plans: the decodes' blocks and this one engine, one prompt at a time

@@ -96,3 +96,26 @@ def test_no_production_module_reads_a_test_hook_from_the_environment():
                for p in (repo / folder).rglob("*.py")
                if "PDSERVE_TEST_" in p.read_text() and p.name != "test_hooks.py"]
     assert readers == [], readers
+
+
+def test_gates_are_read_once_at_start_not_on_the_request_path(monkeypatch, tmp_path):
+    """The request paths hold a TestGates read when the server is wired: changing the environment afterwards
+    changes nothing (before, each request looked the variable up)."""
+    from pdserve import test_hooks
+    from pdserve.test_hooks import NO_GATES, TestGates
+
+    monkeypatch.setenv(test_hooks.DECODE_GATE_ENV, str(tmp_path))
+    monkeypatch.setenv(test_hooks.LAYER_GATE_ENV, str(tmp_path / "layer"))
+    gates = TestGates.from_environment()
+    monkeypatch.delenv(test_hooks.DECODE_GATE_ENV)
+    assert gates.decode == str(tmp_path) and gates.layer == str(tmp_path / "layer")
+    assert gates.prefill_after_allocation == gates.decode_finish == gates.kvpool == ""
+    assert NO_GATES == TestGates() and not any((NO_GATES.decode, NO_GATES.layer, NO_GATES.kvpool))
+    import inspect
+
+    from pdserve.decode_server import session
+    from pdserve.prefill_server import decode_session
+    from pdserve.kvpool import pooled
+
+    for module in (session, decode_session, pooled):  # no environment read left on these request paths
+        assert "gate_dir(" not in inspect.getsource(module) and "os.environ" not in inspect.getsource(module)
