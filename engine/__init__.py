@@ -8,8 +8,9 @@ Reading path (read in this order):
   ``model_runner.py`` ModelRunner: sequences -> ForwardBatch (ids, positions, KV slots) -> tokens
   ``outputs.py``      OutputProcessor: EOS/stop ids, stop strings (``stop_strings.py``), RequestOutput
   ``sequence.py``     Sequence, RequestOutput, SequenceFactory (request validation)
-  ``model.py``        DecoderModel: the decoder over a paged KV cache (layer callback); attention
-                      math (scale, soft-capping, sliding-window masks) in ``attention.py``
+  ``model.py``        DecoderModel: the decoder over a paged KV cache (layer callback); its attention by
+                      the backend the runner chose once (``attention_backends.py``: torch, native (the
+                      C++ decode kernel), triton); attention math (scale, soft-capping, windows) in ``attention.py``
   ``models/``         each family's decoder layer: llama.py (Llama, Mistral, Qwen2), qwen3.py,
                       qwen3_moe.py (experts), gemma.py (Gemma 2, Gemma 3 text)
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore); its fp8

@@ -35,6 +35,7 @@ import torch
 
 from .kv_cache import KVCache
 from .model import DecoderModel, ForwardBatch
+from .attention_backends import backend
 
 log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
@@ -128,7 +129,7 @@ class DecodeGraphs:
         kv = self.kv
         tables, ends = self.tables[:n], self.ends[:n]
         decode_rows = decode_mask = None
-        if self.attention != "triton":  # attention.py's gather over the whole table width (CPU, tests)
+        if not backend(self.attention).reads_tables:  # attention.py's gather over the table width (CPU, tests)
             width = self.max_blocks * kv.block_size
             decode_rows = kv.table_rows(tables)
             decode_mask = (torch.arange(width, device=ends.device) < ends.unsqueeze(1)).view(n, 1, 1, width)

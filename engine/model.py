@@ -15,8 +15,8 @@ identical results.
 
 The family's layer (``models.layer_class``) does the per-token work; this module does what is
 shared: embeddings (scaled for Gemma), rotary tables (two for Gemma 3), attention over the
-cache (``attention.py``: scale, soft-capping, sliding-window masks per layer), the LM head
-(final soft-capping).
+cache (by the backend the batch names, ``attention_backends.py``; the math in ``attention.py``:
+scale, soft-capping, sliding-window masks per layer), the LM head (final soft-capping).
 
 Projections are kept as separate matrices like the checkpoint's on CPU (one merged q|k|v or
 gate|up matrix measured slower there: its GEMMs pack a larger right-hand side per call); on CUDA
@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from . import native
-from .attention import attend, causal_mask, decode_attend, decode_window_mask, mask_bias, prefix_attend
+from .attention import attend, causal_mask
+from .attention_backends import backend
 from .config import ModelConfig, rope_inv_freq
 from .kv_cache import KVCache
 from .models import layer_class
@@ -206,95 +206,10 @@ class DecoderModel(nn.Module):
         return self._logits(self.norm(x.index_select(0, rows)))
 
     def _paged_attention(self, i, window, q, k, v, batch: ForwardBatch, kv: KVCache, masks: dict) -> torch.Tensor:
-        """Layer i's attention output ``[T, H, D]`` for every new token of the batch."""
-        if batch.attention == "triton":
-            return self._kernel_attention(i, window, q, batch, kv, masks)
-        scale, cap = self.attn_scale, self.cfg.attn_logit_softcapping
-        out = torch.empty_like(q)
-        for s, span in enumerate(batch.prefills):
-            qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            n_new = span.end - span.start
-            if span.num_cached == 0:
-                ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
-                vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            else:
-                kc, vc = kv.gather(i, span.context_rows)
-                ks, vs = kc.to(q.dtype).transpose(0, 1).unsqueeze(0), vc.to(q.dtype).transpose(0, 1).unsqueeze(0)
-            if span.num_cached == 0 and window is None:
-                o = attend(qs, ks, vs, causal=True, scale=scale, softcap=cap)
-            elif window is None and cap is None:
-                o = prefix_attend(qs, ks, vs, span.num_cached, scale=scale)
-            else:
-                key = ("prefill", s, window)
-                if key not in masks:
-                    masks[key] = causal_mask(n_new, span.num_cached + n_new, window, q.device)
-                o = attend(qs, ks, vs, mask=masks[key], scale=scale, softcap=cap)
-            out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
-        if batch.decode_tables is not None:
-            op = self._native_decode(q, cap, kv, batch) if batch.attention == "native" else None
-            if op is not None:
-                key = ("decode_starts", window)  # first position each row attends to, once per step and window
-                if key not in masks:
-                    pos = batch.positions[batch.decode_start :]
-                    masks[key] = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_(min=0)
-                scale = self.attn_scale if self.attn_scale is not None else q.shape[-1] ** -0.5
-                out[batch.decode_start :] = op(q[batch.decode_start :], kv.layer(i), batch.decode_tables, masks[key],
-                                               batch.decode_ends, scale)
-                return out
-            mask = batch.decode_mask
-            if window is not None:
-                key = ("decode", window)
-                if key not in masks:
-                    masks[key] = decode_window_mask(mask, batch.positions[batch.decode_start :], window)
-                mask = masks[key]
-            kc, vc = kv.gather(i, batch.decode_rows)  # [B, L, KVH, D]
-            if cap is None and q.device.type == "cpu":  # grouped heads as one matmul (attention.py)
-                key = ("decode_bias", window)
-                if key not in masks:
-                    masks[key] = mask_bias(mask, q.dtype)
-                out[batch.decode_start :] = decode_attend(q[batch.decode_start :], kc.to(q.dtype), vc.to(q.dtype),
-                                                          masks[key], scale)
-                return out
-            qd = q[batch.decode_start :].unsqueeze(2)  # [B, H, 1, D]
-            o = attend(qd, kc.to(q.dtype).transpose(1, 2), vc.to(q.dtype).transpose(1, 2), mask=mask, scale=scale,
-                       softcap=cap)
-            out[batch.decode_start :] = o.squeeze(2)
-        return out
-
-    def _kernel_attention(self, i, window, q, batch: ForwardBatch, kv: KVCache, masks: dict) -> torch.Tensor:
-        """Attention by the paged Triton kernels (gpu_attention.py), reading the KV blocks in place: one
-        varlen launch for every prefill span (prefix hits and chunks included: their new K/V are in the
-        cache already), one flash-decoding launch for every decode row."""
-        from . import gpu_attention
-
-        scale = self.attn_scale if self.attn_scale is not None else q.shape[-1] ** -0.5
-        cap = self.cfg.attn_logit_softcapping
-        out = torch.empty_like(q)
-        n = batch.decode_start
-        if batch.prefills:
-            starts = [span.start for span in batch.prefills]
-            lens = [span.end - span.start for span in batch.prefills]
-            out[:n] = gpu_attention.paged_prefill(q[:n], kv.layer(i), batch.prefill_tables, starts, lens,
-                                                  batch.prefill_ctx_lens, scale, softcap=cap, window=window)
-        if batch.decode_tables is not None:
-            key = ("decode_starts", window)  # first position each row attends to, once per step and window
-            if key not in masks:
-                pos = batch.positions[n:]
-                masks[key] = torch.zeros_like(pos) if window is None else (pos - window + 1).clamp_(min=0)
-            out[n:] = gpu_attention.paged_decode(q[n:], kv.layer(i), batch.decode_tables, masks[key],
-                                                 batch.decode_ends, scale, softcap=cap)
-        return out
-
-    @staticmethod
-    def _native_decode(q: torch.Tensor, cap, kv: KVCache, batch: ForwardBatch):
-        """The C++ decode attention over the paged cache in place (native.py), where it applies:
-        CPU, float32/bfloat16 in q and the cache (or an fp8 cache: it reads the rows and their scales), a
-        head size it has, no logit soft-capping; else None."""
-        if (batch.decode_tables is None or cap is not None or q.device.type != "cpu"
-                or (q.dtype != kv.dtype and not kv.fp8)
-                or q.dtype not in (torch.float32, torch.bfloat16) or q.shape[-1] not in native.HEAD_DIMS):
-            return None
-        return native.paged_decode_attention()
+        """Layer i's attention output ``[T, H, D]`` for every new token of the batch, by the batch's backend
+        (``attention_backends.py``: chosen once per engine by the runner)."""
+        return backend(batch.attention).attend(i, window, q, k, v, batch, kv, masks, self.attn_scale,
+                                               self.cfg.attn_logit_softcapping)
 
     @torch.inference_mode()
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from . import gpu_attention, native
+from . import attention_backends
 from .decode_graphs import DecodeGraphs, DecodeRow
 from .kv_cache import KVCache
 from .model import DecoderModel, ForwardBatch, PrefillSpan
@@ -43,15 +43,8 @@ class ModelRunner:
                  native_kernels: bool = True):
         self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
         self.graphs: DecodeGraphs | None = None  # pure-decode steps from CUDA graphs (LLMEngine sets it on CUDA)
-        # chosen once: the paged Triton kernels on CUDA where they take this cache's shapes (gpu_attention.py);
-        # on CPU "native" (decode rows by the C++ kernel where it applies, native.py; the rest attention.py)
-        # unless EngineConfig.native_kernels is off or the kernel cannot be built; else "torch" (attention.py)
-        if gpu_attention.usable(kv_cache):
-            self.attention = "triton"
-        elif device.type == "cpu" and native_kernels and native.paged_decode_attention() is not None:
-            self.attention = "native"
-        else:
-            self.attention = "torch"
+        # the attention backend, chosen once (attention_backends.py: triton, native or torch)
+        self.attention = attention_backends.choose(kv_cache, device, native_kernels)
         if kv_cache.fp8 and device.type == "cuda":
             log.warning("--kv-cache-dtype fp8 on CUDA: attention dequantizes the gathered rows in torch (the paged "
                         "Triton kernels read 16/32-bit rows only); correct, slower than --kv-cache-dtype auto")
@@ -143,7 +136,7 @@ class ModelRunner:
     def build_batch(self, pre: list[Sequence], dec: list[Sequence]) -> ForwardBatch:
         """The ForwardBatch of prefill spans ``pre`` then decode rows ``dec``."""
         dev = self.device
-        kernels = self.attention == "triton"
+        kernels = attention_backends.backend(self.attention).reads_tables
         input_ids, positions, slot_parts, spans, logits_rows = [], [], [], [], []
         for seq in pre:
             start, ids, done = len(input_ids), seq.all_ids, seq.num_computed
