@@ -7,19 +7,13 @@ equals ``x @ (w * scale).T + bias`` up to the order of the sums, for shapes with
 on the CPU gives the same at few rows (the kernel) and many (widened into a buffer).
 """
 
-import shutil
 
 import pytest
 import torch
 
+from harness.isa_levels import ISA_LEVELS, namespace, needs_compiler
 from pdserve.engine import fp8, native
 
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: FP8 weights are widened in torch")
-_CPU_FLAGS = native.cpu_flags().split()
-ISA_LEVELS = ["native"] + [
-    pytest.param(level, marks=pytest.mark.skipif(flag not in _CPU_FLAGS, reason=f"this CPU has no {flag}: "
-                                                 f"the {level} build cannot run here"))
-    for level, flag in (("x86-64-v4", "avx512f"), ("x86-64-v3", "avx2"), ("x86-64", "sse2"))]
 
 
 def _ops(level):
@@ -27,7 +21,7 @@ def _ops(level):
         ops = native.fp8_ops()
         assert ops is not None, native.fp8_unavailable_reason()
         return ops
-    return native.build_library_variant("pdserve_fp8_" + level.replace("-", "_"), native.FP8_SOURCE, march=level)
+    return native.build_library_variant(namespace("pdserve_fp8", level), native.FP8_SOURCE, march=level)
 
 
 def _weights(n, k, seed=0):

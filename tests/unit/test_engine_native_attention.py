@@ -10,19 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from harness.isa_levels import ISA_LEVELS, namespace, needs_compiler
 from pdserve.engine import kv_quant, native
 from pdserve.engine.kv_cache import KVCache
 
-needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="no g++: the engine uses its torch path")
-_CPU_FLAGS = native.cpu_flags().split()
-# The kernel's code paths besides the one -march=native takes here, each built apart (native.build_variant)
-# for an x86-64 level: x86-64-v4 is the AVX-512 path, v3 the AVX2 + FMA one, plain x86-64 the loops; all
-# three must give the same results. Every level is collected on every CPU (the same tests everywhere);
-# a level this CPU cannot execute is skipped, naming the missing instructions.
-ISA_LEVELS = ["native"] + [
-    pytest.param(level, marks=pytest.mark.skipif(flag not in _CPU_FLAGS, reason=f"this CPU has no {flag}: "
-                                                 f"the {level} build cannot run here"))
-    for level, flag in (("x86-64-v4", "avx512f"), ("x86-64-v3", "avx2"), ("x86-64", "sse2"))]
 
 
 def _op(level):
@@ -30,7 +21,7 @@ def _op(level):
         op = native.paged_decode_attention()
         assert op is not None, native.unavailable_reason()
         return op
-    return native.build_variant("pdserve_native_" + level.replace("-", "_"), march=level)
+    return native.build_variant(namespace("pdserve_native", level), march=level)
 
 
 def _case(batch_ctx, heads, kv_heads, dim, block_size, dtype, seed=0):

@@ -2,7 +2,6 @@
 scales), in one process over both transports: layer by layer, checksummed, the receiver's gather reads what
 the sender's would (the scales came with their blocks); a peer of the other KV dtype is refused, naming both."""
 
-import asyncio
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender, CompatError
 from pdserve.engine import KVCache
 
 from harness.cachestore_pair import TRANSPORTS, run
+from harness.conditions import until
 
 L, NB, BS, H, D = 3, 12, 16, 2, 64
 
@@ -63,11 +63,8 @@ def test_fp8_blocks_move_with_their_scales_layer_by_layer_checksummed(transport)
                     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             assert rx.stats()["frames_verified"] > 0 and rx.stats()["checksum_mismatches"] == 0  # CRC32C checked
             rx.delete("r"), tx.delete("r")
-            for _ in range(200):
-                if rx.stats()["pinned_entries"] == tx.stats()["pinned_entries"] == 0:
-                    break
-                await asyncio.sleep(0.01)
-            assert rx.stats()["pinned_entries"] == tx.stats()["pinned_entries"] == 0
+            await until(lambda: rx.stats()["pinned_entries"] == tx.stats()["pinned_entries"] == 0,
+                        "both ends' entries released after delete")
         finally:
             await tx.stop()
             await rx.stop()
