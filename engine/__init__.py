@@ -25,6 +25,7 @@ Reading path (read in this order):
   ``loader.py`` / ``config.py`` (+ ``config_families.py``) / ``checkpoint.py`` / ``tokenizer.py``: loading models
   ``quant_config.py`` / ``weight_source.py`` / ``fp8.py``: quantized checkpoints read (or refused), FP8
                       weights loaded, and their matmuls (C++ kernel ``csrc/fp8_linear.cpp`` on CPU)
+  ``weight_memory.py`` the loaded weights' bytes; a model too large for its GPU refused at load, naming the sizes
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py``          ``pdserve generate``
 

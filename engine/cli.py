@@ -15,9 +15,7 @@ import argparse
 import sys
 import time
 
-from .defaults import BLOCK_SIZE, BUILTIN_MODEL
-from .defaults import QUANTIZATION_HELP, QUANTIZATIONS
-from .kv_formats import KV_DTYPES
+from .defaults import BLOCK_SIZE, BUILTIN_MODEL, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP, QUANTIZATIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -39,9 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="weights and KV cache dtype (default: float32)")
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
-    parser.add_argument("--kv-cache-dtype", choices=KV_DTYPES, default="auto",
-                        help="auto: KV cache in --dtype; fp8: float8_e4m3fn with a bfloat16 scale per token per KV "
-                             "head (about twice the tokens in the same bytes; engine/kv_formats.py)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                         help=f"KV block size in tokens (default: {BLOCK_SIZE})")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

@@ -17,5 +17,10 @@ QUANTIZATION_HELP = ("fp8: quantize the checkpoint's linear projections to FP8 (
                      "at load: half the weight bytes of bf16 (default: none; a checkpoint's own quantization_config "
                      "is read either way: FP8 checkpoints load, other methods are refused at start)")
 
-# What --kv-cache-dtype accepts (kv_formats.py says what each is).
+# What --kv-cache-dtype accepts (kv_formats.py says what each is), and its help (servers, up, generate).
 KV_CACHE_DTYPES = ("auto", "fp8")
+KV_CACHE_DTYPE_HELP = ("auto: K/V in --dtype; fp8: K/V in float8_e4m3fn with a bfloat16 scale per token per KV head, "
+                       "computed as each token is written (dynamic), stored inside each block: about twice the tokens "
+                       "in the same bytes (1.94x at head dim 64), moved by the CacheStore, checksums, tiers and KV "
+                       "pool like any block. A prefill and a decode must use the same (the Session refuses a "
+                       "mismatch, naming both); --engine vllm refuses fp8")

@@ -84,6 +84,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Te
     return F.linear(x, dequantize(w, scale, x.dtype), bias)
 
 
+def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w.T + bias``: ``F.linear`` for a plain ``w``, ``linear`` for an FP8 one (``scale`` given)."""
+    return F.linear(x, w, bias) if scale is None else linear(x, w, scale, bias)
+
+
 def scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
     """FP8 x FP8 on tensor cores: ``x``'s rows quantized with one scale each (dynamic, per token)."""
     rows = x.reshape(-1, x.shape[-1])

@@ -17,7 +17,8 @@ range, so a tiny row's scale never underflows. Its 2 bytes are the price: 3% of 
 from __future__ import annotations
 
 from .defaults import KV_CACHE_DTYPES as KV_DTYPES
-SCALE_BYTES = 2
+
+SCALE_BYTES = 2  # (cachestore/memory.py's FP8_SCALE_BYTES: the cachestore imports no engine; a test keeps them equal)
 
 
 def check_kv_dtype(kv_dtype: str) -> str:

@@ -14,10 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from .fp8 import FP8, FP8_MAX
 from .kv_formats import SCALE_BYTES
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max
 SCALE_DTYPE = torch.bfloat16
 _TINY = 2.0**-120  # the scale of an all-zero row
 

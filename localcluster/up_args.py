@@ -35,8 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=defaults.QUANTIZATION_HELP)
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
     parser.add_argument("--kv-cache-dtype", choices=defaults.KV_CACHE_DTYPES, default="auto",
-                        help="every server's KV cache: auto (--dtype) or fp8 (float8_e4m3fn + a bfloat16 scale per "
-                             "token per KV head: about twice the tokens per block byte)")
+                        help="every server's: " + defaults.KV_CACHE_DTYPE_HELP)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-dir", default=None,
                         help="where process logs go, with servers.json and a <server>.pid per running server "

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 from pdserve import defaults, kv_sizing
 from pdserve.cachestore import TRANSPORTS
 from pdserve.cachestore.checksum import default_on as checksum_default_on
-from pdserve.engine.kv_formats import KV_DTYPES
 from pdserve.engine.kv_formats import describe as describe_kv
 
 if TYPE_CHECKING:
@@ -65,12 +64,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"weights and KV cache dtype (default: {kv_sizing.GPU_DTYPE} on --device cuda, "
                         f"{kv_sizing.CPU_DTYPE} on cpu)")
     g.add_argument("--quantization", choices=defaults.QUANTIZATIONS, default=None, help=defaults.QUANTIZATION_HELP)
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_DTYPES,
-                   help="auto: K/V in --dtype; fp8: K/V in float8_e4m3fn with a bfloat16 scale per token per KV "
-                        "head, computed as each token is written (dynamic), stored inside each block: about twice "
-                        "the tokens in the same bytes (1.94x at head dim 64), moved by the CacheStore, checksums, "
-                        "tiers and KV pool like any block. A prefill and a decode must use the same (the Session "
-                        "refuses a mismatch, naming both); --engine vllm refuses fp8")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=defaults.KV_CACHE_DTYPES,
+                   help=defaults.KV_CACHE_DTYPE_HELP)
     g.add_argument("--device", type=kv_sizing.device_flag, default="cpu",
                    help="cpu, cuda or cuda:N; a CUDA device this process cannot see (no driver or GPU) stops the "
                         "server at start with a message")

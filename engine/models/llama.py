@@ -55,9 +55,6 @@ def _merge(parts: list[torch.Tensor]) -> torch.Tensor:
     return merged
 
 
-def _merged_linear(x: torch.Tensor, weight: torch.Tensor, bias, scale) -> torch.Tensor:
-    return F.linear(x, weight, bias) if scale is None else fp8.linear(x, weight, scale, bias)
-
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, 1, D] (the half-split convention of Llama checkpoints)."""
@@ -142,7 +139,7 @@ class DecoderLayer(nn.Module):
         cfg = self.cfg
         h = self.input_layernorm(x)
         if self.qkv_weight is not None and self.merged:
-            q, k, v = _merged_linear(h, self.qkv_weight, self.qkv_bias, self.qkv_scale).split(
+            q, k, v = fp8.matmul(h, self.qkv_weight, self.qkv_bias, self.qkv_scale).split(
                 [self.q_size, self.kv_size, self.kv_size], -1)
         else:  # linear(): F.linear on the parameters (or their packed copy at batch), less Python than the modules
             q = linear(h, self.q_proj)
@@ -154,7 +151,7 @@ class DecoderLayer(nn.Module):
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is not None and self.merged:
-            gate_up = _merged_linear(h, self.gate_up_weight, None, self.gate_up_scale)
+            gate_up = fp8.matmul(h, self.gate_up_weight, None, self.gate_up_scale)
             if self.cfg.hidden_act == "silu" and self.fused and gpu_elementwise.enabled(gate_up):
                 return linear(gpu_elementwise.silu_mul(gate_up), self.down_proj)
             gate, up = gate_up.chunk(2, dim=-1)

@@ -20,10 +20,6 @@ from .llama import Tensors
 from .qwen3 import Qwen3Layer
 
 
-def _expert_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight) if scale is None else fp8.linear(x, weight, scale)
-
-
 class Qwen3MoeLayer(Qwen3Layer):
     QUANTIZED_PARAMS = (*Qwen3Layer.QUANTIZED_PARAMS, "experts_gate_up", "experts_down")
 
@@ -57,8 +53,8 @@ class Qwen3MoeLayer(Qwen3Layer):
             tokens, slot = torch.where(experts == expert)
             gs = None if gate_up_scale is None else gate_up_scale.view(e, -1)[expert]
             ds = None if down_scale is None else down_scale.view(e, -1)[expert]
-            gate, up = _expert_linear(h[tokens], gate_up[expert], gs).chunk(2, dim=-1)
-            y = _expert_linear(self.act(gate) * up, down[expert], ds) * weights[tokens, slot, None]
+            gate, up = fp8.matmul(h[tokens], gate_up[expert], None, gs).chunk(2, dim=-1)
+            y = fp8.matmul(self.act(gate) * up, down[expert], None, ds) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y)
         return out
 

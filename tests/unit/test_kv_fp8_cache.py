@@ -7,7 +7,7 @@ Bad input is refused with the flag's name."""
 import pytest
 import torch
 
-from pdserve import kv_sizing
+from pdserve import defaults, kv_sizing
 from pdserve.cachestore import CompatInfo
 from pdserve.engine import EngineConfig, KVCache, kv_formats, kv_quant
 
@@ -102,7 +102,6 @@ def test_up_gives_every_server_its_kv_cache_dtype(tmp_path):
     import the engine (the import arrows): it reads the choices from pdserve.defaults, as the servers do."""
     import argparse
 
-    from pdserve import defaults
     from pdserve.localcluster import up_args
     from pdserve.localcluster.up import LocalCluster
     from pdserve.server_setup import add_engine_arguments
@@ -196,3 +195,12 @@ def test_quantizing_what_a_row_dequantizes_to_gives_the_same_bytes(dtype):
     round trip and sends it to lenders that quantize it again)."""
     rows = kv_quant.quantize(_rows(seed=7)[2:].to(dtype))
     assert torch.equal(kv_quant.quantize(kv_quant.dequantize(rows, dtype)), rows)
+
+
+def test_the_cachestores_copy_of_the_kv_formats_is_the_engines():
+    """The cachestore imports nothing of the engine (the import arrows), so it holds its own copy of the KV
+    dtypes and the fp8 row's scale bytes: they must be the engine's."""
+    from pdserve.cachestore import memory
+
+    assert memory.KV_DTYPES == kv_formats.KV_DTYPES == defaults.KV_CACHE_DTYPES
+    assert memory.FP8_SCALE_BYTES == kv_formats.SCALE_BYTES

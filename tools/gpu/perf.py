@@ -110,22 +110,10 @@ def ceiling(ctx, key: str, field: str) -> float | None:
 
 # ---- decode ------------------------------------------------------------------------------------
 def attention_mode(kv) -> str:
-    """The attention the engine would run on this cache: "triton" (the paged kernels), "native" (CPU: the C++
-    decode kernel, where this tree has that mode) or "torch"."""
-    try:
-        from pdserve.engine import gpu_attention
-    except ImportError:
-        return "torch"
-    if kv.device.type == "cpu":
-        from pdserve.engine import model_runner, native
+    """The attention backend the engine would run on this cache (attention_backends.choose)."""
+    from pdserve.engine import attention_backends
 
-        return "native" if "native_kernels" in model_runner.ModelRunner.__init__.__code__.co_varnames \
-            and native.paged_decode_attention() is not None else "torch"
-    usable = getattr(gpu_attention, "usable", None)
-    if usable is not None:
-        return "triton" if usable(kv) else "torch"
-    return "triton" if kv.device.type == "cuda" and gpu_attention.supports(kv.block_size, kv.head_dim) \
-        and gpu_attention.available() else "torch"
+    return attention_backends.choose(kv, kv.device)
 
 
 def make_graphs(model, kv, batch: int, max_blocks: int, attention: str):
