@@ -6,11 +6,13 @@ Request lifecycle on the sender:
    destination list it returned from ``expect`` (-1 = already there, skip). Version and
    compatibility hash are checked here (``CompatError`` with both values); the link to that
    receiver is reused or opened (``link.py``), and BIND(rid) is queued on it.
-2. ``store(rid, layer, src_block_ids)``: called from the engine's compute thread right after
-   that layer's KV is written (on a GPU: queued on its stream; the region's ``layer_written``
-   gives the event the link's thread waits on before it reads, so the engine never waits for
-   its own layer). Thread-safe and non-blocking: pairs src[i] -> dst[i], merges runs contiguous
-   on both sides, and pushes one Transfer to the link's scheduler.
+2. ``store(rid, layer, src_block_ids, first=0)``: called from the engine's compute thread right
+   after that layer's KV is written (all of a layer's blocks at once, or, from a chunked prefill,
+   in parts in block order: ``first`` is where the part starts among the destination blocks).
+   On a GPU the writes are queued on its stream; the region's ``layer_written`` gives the event
+   the link's thread waits on before it reads, so the engine never waits for its own layer.
+   Thread-safe and non-blocking: pairs src[i] -> dst[first + i], merges runs contiguous on both
+   sides, and pushes one Transfer to the link's scheduler.
 3. The link's threads send it (tcp DATA frames straight from the region, or NIXL WRITEs);
    the receiver ACKs each frame (tcp) / NIXL reports each WRITE done.
 4. ``await wait_sent(rid)`` returns once every layer of the layout was stored and delivered.
@@ -65,7 +67,7 @@ class _TxRequest:
     rid: str
     link: Link
     dst: list[int]
-    stored: set[int] = field(default_factory=set)
+    stored: dict[int, int] = field(default_factory=dict)  # layer -> destination blocks stored so far (from 0)
     pending: int = 0        # blocks handed to the link and not yet delivered
     layer_left: dict[int, int] = field(default_factory=dict)     # layer -> blocks not yet delivered
     layer_times: dict[int, list[float]] = field(default_factory=dict)  # layer -> [stored, delivered] (monotonic)
@@ -146,12 +148,14 @@ class CacheStoreSender:
             self._failed.pop(request_id, None)
         link.send_control(encode_control(FrameType.BIND, request_id))
 
-    def store(self, request_id: str, layer: int, src_block_ids: Sequence[int]) -> None:
+    def store(self, request_id: str, layer: int, src_block_ids: Sequence[int], first: int = 0) -> None:
         """Layer `layer` of request_id is written in src_block_ids: schedule its send. Any thread.
 
-        src_block_ids[i] goes to the i-th destination block given to bind. Ignored if the
-        request already failed (the failure surfaces in wait_sent); UnknownRequestError if
-        it was never bound; ValueError for a layer stored twice or a wrong number of blocks.
+        src_block_ids[i] goes to destination block ``first + i`` of those given to bind. A layer may
+        come in parts (a chunked prefill stores each chunk's blocks as they are written), in order:
+        each part starts where the layer's previous one ended. Ignored if the request already
+        failed (the failure surfaces in wait_sent); UnknownRequestError if it was never bound;
+        ValueError for a part out of order (a block stored twice, or one skipped) or past the end.
         """
         self.layout.check_layer(layer)
         src = self.layout.check_blocks(src_block_ids, "source block id")
@@ -165,17 +169,25 @@ class CacheStoreSender:
                 raise UnknownRequestError(f"store() for request {request_id!r}, which is not bound (or was deleted)")
             if req.error is not None:
                 return
-            if layer in req.stored:
-                raise ValueError(f"request {request_id!r}: layer {layer} stored twice")
-            runs = merge_runs(src, req.dst)
-            req.stored.add(layer)
+            have, end = req.stored.get(layer, 0), first + len(src)
+            if end > len(req.dst):
+                raise ValueError(f"request {request_id!r}: layer {layer}: blocks up to {end} stored but it has "
+                                 f"{len(req.dst)} destination blocks")
+            if first != have:
+                what = "stored twice" if first < have else f"stored with blocks [{have}, {first}) skipped"
+                raise ValueError(f"request {request_id!r}: layer {layer} {what} (blocks [{first}, {end}) after "
+                                 f"[0, {have}))")
+            runs = merge_runs(src, req.dst[first:end])
+            req.stored[layer] = end
             nblocks = sum(n for _, _, n in runs)
             req.pending += nblocks
             now = time.monotonic()
-            req.layer_left[layer] = nblocks
-            req.layer_times[layer] = [now, now] if nblocks == 0 else [now]
+            req.layer_left[layer] = req.layer_left.get(layer, 0) + nblocks
+            times = req.layer_times.setdefault(layer, [now])
+            if len(times) == 1 and req.layer_left[layer] == 0 and req.stored[layer] == len(req.dst):
+                times.append(now)  # nothing of the layer to send (every destination block was already there)
             self._counters["transfers_stored"] += 1
-            done = req.pending == 0 and len(req.stored) == self.layout.num_layers
+            done = self._done(req)
             link_error = None
             if runs:  # under the lock: a delete() on another thread cannot slip in before the push
                 transfer = Transfer(request_id, layer, runs, ready=ready)
@@ -262,7 +274,9 @@ class CacheStoreSender:
         return link
 
     def _done(self, req: _TxRequest) -> bool:
-        return req.pending == 0 and len(req.stored) == self.layout.num_layers
+        """Every block of every layer stored and delivered."""
+        return (req.pending == 0 and len(req.stored) == self.layout.num_layers
+                and all(n == len(req.dst) for n in req.stored.values()))
 
     def _ready(self, rid: str, _: object = None) -> bool:
         with self._lock:
@@ -304,7 +318,8 @@ class CacheStoreSender:
             left = req.layer_left.get(layer)
             if left is not None:
                 req.layer_left[layer] = left - nblocks
-                if left - nblocks <= 0 and len(req.layer_times[layer]) == 1:
+                whole = req.stored.get(layer) == len(req.dst)  # the layer's last part is stored too
+                if left - nblocks <= 0 and whole and len(req.layer_times[layer]) == 1:
                     req.layer_times[layer].append(time.monotonic())
             self._counters["bytes_sent"] += nblocks * self.layout.block_nbytes
             done = self._done(req)

@@ -12,7 +12,9 @@ Lifecycle and who frees what:
 - ``generate`` / ``add_prefilled`` stream RequestOutputs until one is finished. If the consumer
   stops iterating early (break, cancellation, client gone) the request is aborted and its
   blocks freed.
-- ``prefill_only`` holds the prompt's blocks until ``release`` (or ``abort``). The first token's
+- ``prefill_only`` queues a remote prefill (``engine.pd.add_remote``), which the engine's one
+  scheduler chunks and batches with everything else, and resolves with its first token; it then
+  holds the prompt's blocks until ``release`` (or ``abort``). The first token's
   and the prompt's logprobs, when its sampling asks for them, are read in the same engine call
   and kept here until then: ``prefill_logprob`` / ``prefill_prompt_logprobs`` answer without a
   trip to the engine thread, which by then is usually computing the next prompt (a trip would
@@ -48,19 +50,21 @@ restores there (``swap.py``), between steps.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
 import time
 from typing import AsyncIterator, Callable
 
-from .engine_thread import EngineThread
+from .engine_thread import EngineThread, set_exception, set_result
 from .llm_engine import LLMEngine
 from .sampling import SamplingParams
 from .sequence import RequestOutput
 
 log = logging.getLogger(__name__)
 SWAP_POLL_S = 0.02  # while only swapped-out requests are left: how often after_step may restore them
+STALL_POLL_S = 0.005  # while waiting requests fit no free blocks: how often to try again without a call
 
 
 class AsyncLLMEngine(EngineThread):
@@ -134,10 +138,21 @@ class AsyncLLMEngine(EngineThread):
         request_id: str,
         prompt_token_ids: list[int],
         sampling: SamplingParams,
-        on_layer: Callable[[int, list[int]], None] | None = None,
+        on_layer: Callable[[int, list[int], int], None] | None = None,
     ) -> int:
-        """``engine.pd.prefill_only`` on the engine thread (``on_layer`` is called on that thread)."""
-        return await self._call(self._prefill_only, request_id, prompt_token_ids, sampling, on_layer)
+        """A remote prefill (``engine.pd.add_remote``), scheduled with every other request in the order the
+        calls came (the prefill's admission line already put them in its SLO policy's order); its first
+        token. ``on_layer(layer, block_ids, first)`` is called on the engine thread as each chunk's layer
+        is written. Cancelling the wait aborts the request (its blocks freed)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        on_done = self._prefill_done(request_id, sampling, loop, fut)
+        await self._call(self.engine.pd.add_remote, request_id, prompt_token_ids, sampling, on_layer, on_done)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self._calls.put((self._abort, (request_id,), None))
+            raise
 
     async def prefill_logprob(self, request_id: str):
         """The first token's TokenLogprob of a held prefill_only request (None unless it asked)."""
@@ -205,14 +220,22 @@ class AsyncLLMEngine(EngineThread):
         self._prefill_cached.pop(request_id, None)
         return self.engine.abort(request_id)
 
-    def _prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, on_layer) -> int:
-        pd = self.engine.pd
-        first = pd.prefill_only(request_id, prompt_token_ids, sampling, on_layer)
-        self._prefill_cached[request_id] = pd.prefill_cached_tokens(request_id)
-        if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
-            self._prefill_logprobs[request_id] = (pd.prefill_logprob(request_id),
-                                                  pd.prefill_prompt_logprobs(request_id))
-        return first
+    def _prefill_done(self, request_id: str, sampling: SamplingParams, loop: asyncio.AbstractEventLoop,
+                      fut: asyncio.Future):
+        """A remote prefill's ``on_done`` (engine thread): what its held request's reads answer, then its
+        awaiter resumes."""
+        def on_done(token: int | None, error: BaseException | None) -> None:
+            if error is not None:
+                loop.call_soon_threadsafe(set_exception, fut, error)
+                return
+            pd = self.engine.pd
+            self._prefill_cached[request_id] = pd.prefill_cached_tokens(request_id)
+            if sampling.logprobs is not None or sampling.prompt_logprobs is not None:
+                self._prefill_logprobs[request_id] = (pd.prefill_logprob(request_id),
+                                                      pd.prefill_prompt_logprobs(request_id))
+            self._publish()  # the awaiter reads the prefill counters next
+            loop.call_soon_threadsafe(set_result, fut, token)
+        return on_done
 
     def _publish(self) -> None:
         """On the engine thread: make the engine's counts readable from other threads."""
@@ -236,8 +259,12 @@ class AsyncLLMEngine(EngineThread):
         while True:
             idle = not e.has_unfinished()
             poll = idle and self.after_step is not None and bool(e.scheduler.swapped)
+            # work is waiting but the last step could schedule none of it (no free blocks): wait for a call
+            # (a release, an abort) instead of spinning, a little at a time
+            stalled = not idle and e.stalled
             try:
-                item = self._calls.get(block=idle, timeout=SWAP_POLL_S if poll else None)
+                item = self._calls.get(block=idle or stalled,
+                                       timeout=SWAP_POLL_S if poll else STALL_POLL_S if stalled else None)
             except queue.Empty:
                 item = False
             if item is None and self._stopping:

@@ -8,6 +8,11 @@ Importing this module loads no torch (``pdserve.engine`` loads its modules lazil
 # KV cache block size in tokens.
 BLOCK_SIZE = 64
 
+# Chunked prefill: tokens one engine step computes (prompt chunks and decode rows together), and the most of
+# them one prompt takes in a step (0: the whole budget), so a short prompt waits for at most one chunk of a long one.
+MAX_NUM_BATCHED_TOKENS = 2048
+LONG_PREFILL_THRESHOLD = 512
+
 # The name the built-in model (random weights, byte-level tokenizer, no download) is served under.
 BUILTIN_MODEL = "tiny"
 

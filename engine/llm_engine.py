@@ -6,14 +6,18 @@ Colocated path (the baseline and the prefill server's local fallback)::
     while engine.has_unfinished():
         for out in engine.step(): ...          # RequestOutput per request that produced something
 
-Each ``step`` (1) gives every running sequence a slot for its next token, preempting the newest
-colocated sequence (freeing its blocks; it is recomputed later) when blocks run out, (2) admits
-waiting requests FIFO while blocks, ``max_num_seqs`` and the prefill token budget allow (a
-request that does not fit waits; one that could never fit is refused by ``add_request``),
-(3) runs ONE forward over all of them (prefills and decodes together) and samples.
+Each ``step`` (1) gives every running sequence at a decode row a slot for its next token,
+preempting the newest colocated sequence (freeing its blocks; it is recomputed later) when blocks
+run out, (2) gives prompts part-way their next chunk and admits waiting requests in order while
+blocks, ``max_num_seqs`` and the step's token budget allow (chunked prefill: a prompt longer than
+``long_prefill_threshold`` takes several steps; a request that does not fit waits; one that could
+never fit is refused by ``add_request``), (3) runs ONE forward over all of them (prefill chunks and
+decode rows together) and samples where a prompt's last chunk or a decode row ends. One scheduler
+for every request: a P/D remote prefill (``engine.pd.add_remote``) and the decode side's
+``prefill_reserved`` are scheduled, chunked and batched the same way (``scheduler.py``).
 
-P/D: ``engine.pd`` (a ``PDHooks``, ``pd_hooks.py``) holds ``prefill_only``, ``prefill_many``,
-``release``; ``reserve``, ``reserve_prefix``, ``add_prefilled``, ``prefill_reserved`` and their
+P/D: ``engine.pd`` (a ``PDHooks``, ``pd_hooks.py``) holds ``add_remote``, ``prefill_only``,
+``prefill_many``, ``release``; ``reserve``, ``reserve_prefix``, ``add_prefilled``, ``prefill_reserved`` and their
 contract, over this engine's scheduler, runner and outputs; ``abort`` here frees what they hold.
 
 The parts, each in its own module: ``Scheduler`` (queues, admission, preemption),
@@ -26,11 +30,12 @@ Not thread-safe: call from one thread (AsyncLLMEngine runs it on its own thread)
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, replace
 
 from .block_manager import BlockManager, blocks_needed
 from .decode_graphs import DecodeGraphs
-from .defaults import BLOCK_SIZE
+from .defaults import BLOCK_SIZE, LONG_PREFILL_THRESHOLD, MAX_NUM_BATCHED_TOKENS
 from .errors import OutOfBlocksError
 from .grammar import Grammars
 from .kv_cache import KVCache
@@ -40,6 +45,7 @@ from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .outputs import OutputProcessor, take_output
 from .pd_hooks import PDHooks
+from .remote_prefill import PrefillAborted, layer_callback
 from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
@@ -58,7 +64,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
-    max_num_batched_tokens: int = 8192
+    # tokens one step computes, prefill chunks and decode rows together (chunked prefill: a longer prompt takes
+    # several steps), and the most of them one prompt takes in a step (0: the whole budget), so short prompts
+    # and decode rows pass a long prompt after at most one of its chunks (a threshold above the budget is the budget)
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    long_prefill_threshold: int = LONG_PREFILL_THRESHOLD
     kv_cache_bytes: int = 1 << 30
     seed: int | None = None  # the sampler's generator for requests without their own seed
     detokenize: bool = True  # fill RequestOutput.text (stop strings work either way)
@@ -83,6 +93,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.long_prefill_threshold < 0:
+            raise ValueError(f"long_prefill_threshold must be >= 0 (0: the whole budget), got "
+                             f"{self.long_prefill_threshold}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 1:
@@ -120,7 +133,9 @@ class LLMEngine:
             self.block_manager.tiers = self.tiers
         self.sampler = Sampler(loaded.device, config.seed)
         self.device = loaded.device
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_threshold)
+        self.stalled = False  # the last step had work waiting but could schedule none of it (no free blocks)
         self.model.configure(fused_elementwise=config.fused_elementwise, merged_projections=config.merged_projections,
                              packed_linear=config.packed_linear)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
@@ -132,7 +147,7 @@ class LLMEngine:
         self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, self.tokenizer.detokenizer,
                                        config.detokenize, self.scheduler.in_use, self.grammars)
         # the P/D primitives, called as engine.pd.reserve(...) etc. (pd_hooks.py)
-        self.pd = PDHooks(self.scheduler, self.runner, self.factory, self.outputs, self.max_model_len)
+        self.pd = PDHooks(self.scheduler, self.factory, self.outputs, self.max_model_len, self.step)
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
 
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
@@ -224,38 +239,60 @@ class LLMEngine:
             )
         self.scheduler.add(seq)
 
-    def abort(self, request_id: str) -> bool:
-        """Forget a request wherever it is and free its blocks. False if unknown."""
-        return self.scheduler.remove(request_id)
+    def abort(self, request_id: str, error: str = "aborted") -> bool:
+        """Forget a request wherever it is and free its blocks. False if unknown. A remote prefill not yet
+        prefilled hears ``error`` (``PrefillAborted``)."""
+        seq = self.scheduler.seqs.get(request_id)
+        found = self.scheduler.remove(request_id)
+        if seq is not None and seq.remote is not None:
+            seq.remote.finish(None, PrefillAborted(f"request {request_id!r}: {error}"))
+        return found
 
     def abort_all(self) -> None:
         """Abort every request holding engine state (waiting, running, held, reserved)."""
         for request_id in self.request_ids():
-            self.abort(request_id)
+            self.abort(request_id, "the engine stopped")
 
     def fail_scheduled(self, error: str) -> list[RequestOutput]:
         """Abort every waiting or running request after a failed step; one finished
-        RequestOutput each (finish_reason "abort", ``error`` set). Held and reserved requests stay."""
+        RequestOutput each (finish_reason "abort", ``error`` set; a remote prefill hears it through its
+        ``on_done``). Held and reserved requests stay."""
         failed = list(self.scheduler.running) + list(self.scheduler.waiting)
         for seq in failed:
-            self.abort(seq.request_id)
-        return [RequestOutput(seq.request_id, [], True, "abort", error=error) for seq in failed]
+            self.abort(seq.request_id, error)
+        return [RequestOutput(seq.request_id, [], True, "abort", error=error) for seq in failed if seq.remote is None]
 
     def step(self) -> list[RequestOutput]:
-        outputs = [take_output(seq) for seq in self.scheduler.take_done_early()]
+        """One scheduled forward pass (prefill chunks and decode rows) and what it produced."""
+        outputs = self.pd.other_outputs + [take_output(seq) for seq in self.scheduler.take_done_early()]
+        self.pd.other_outputs = []
         batch = self.scheduler.schedule()
+        self.stalled = not batch and self.scheduler.has_unfinished() and not outputs
         if batch:
-            tokens, logprobs, prompt_lps = self.runner.forward_sample(batch, None)
-            for seq, token, logprob, prompt_lp in zip(batch, tokens, logprobs, prompt_lps):
-                if prompt_lp is not None:
-                    seq.prompt_logprobs = (seq.prompt_logprobs or []) + prompt_lp
-                seq.num_computed = seq.num_tokens
-                self.scheduler.register_blocks(seq)
-                self.outputs.append_token(seq, token, logprob)
+            self._run(batch)
         for seq in batch:
+            if seq.remote is not None:
+                continue  # finished (held) or failed in _run; its caller hears on_done
             if seq.status is Status.FINISHED:
                 self.scheduler.finish(seq)
                 outputs.append(take_output(seq))
             elif seq.pending_ids or seq.pending_text:
                 outputs.append(take_output(seq))
         return outputs
+
+    def _run(self, batch: list[Sequence]) -> None:
+        """The step's forward pass; each sequence's chunk counted as computed, its token appended (or, for
+        a remote prefill, its KV handed on and its first token reported: ``pd_hooks.py``)."""
+        started = time.perf_counter()
+        tokens, logprobs, prompt_lps = self.runner.forward_sample(batch, layer_callback(batch, self.block_size))
+        self.pd.count_step(batch, time.perf_counter() - started)
+        for seq, token, logprob, prompt_lp in zip(batch, tokens, logprobs, prompt_lps):
+            if prompt_lp is not None:
+                seq.prompt_logprobs = (seq.prompt_logprobs or []) + prompt_lp
+            if seq.remote is not None:
+                self.pd.remote_stepped(seq, token, logprob)
+                continue
+            seq.num_computed, seq.num_new = seq.chunk_end, 0
+            self.scheduler.register_blocks(seq)
+            if token is not None:  # None: a chunk before the prompt's last
+                self.outputs.append_token(seq, token, logprob)

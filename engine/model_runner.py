@@ -6,8 +6,10 @@ with the tokens.
 
 A sequence is a *decode* row when exactly one of its tokens is not yet in the cache and some
 are (``num_tokens - num_computed == 1 and num_computed > 0``); every other sequence is a
-*prefill* span (all its uncomputed tokens). Prefill spans come first in the batch, then
-decode rows; ``forward_and_sample`` hands the tokens back in the caller's order.
+*prefill* span: its ``num_new`` uncomputed tokens (a chunk, set by the scheduler; 0: all of
+them). Prefill spans come first in the batch, then decode rows; ``forward_and_sample`` hands
+the tokens back in the caller's order. A span that stops before the sequence's last token (a
+chunk before the last) has no logits row and samples nothing (None).
 
 A step of decode rows only, without a layer callback, runs from ``graphs`` (CUDA graphs, one
 per batch-size bucket: ``decode_graphs.py``) when set and the rows fit.
@@ -58,24 +60,28 @@ class ModelRunner:
         """``forward_and_sample`` plus, per sequence, its token's TokenLogprob (None where the request did
         not ask) and its new prompt logprobs (a list continuing ``seq.prompt_logprobs``, starting with None
         for the first prompt token; None where not asked). A sequence with a grammar matcher samples only
-        among the tokens it allows next."""
-        pre = [s for s in seqs if not (s.num_tokens - s.num_computed == 1 and s.num_computed > 0)]
+        among the tokens it allows next. A sequence whose chunk stops before its last token samples
+        nothing: its token and logprob are None."""
+        pre = [s for s in seqs if not _decode_row(s)]
         dec = [s for s in seqs if s not in pre] if len(pre) != len(seqs) else []
-        ordered = pre + dec
+        ordered = [s for s in pre if _completes(s)] + dec  # the rows that sample, in the batch's order
         logits, prompt_lps = self._forward(pre, dec, on_layer)
-        params = [s.sampling for s in ordered]
-        masked = logits
-        if any(s.matcher is not None for s in ordered):
-            masked = logits.float()  # a copy (the raw logits stay for the logprobs)
-            if masked.data_ptr() == logits.data_ptr():
-                masked = masked.clone()
-            for row, s in enumerate(ordered):
-                if s.matcher is not None:
-                    s.matcher.mask(masked[row])
-        sampled = self.sampler.sample(masked, params, [len(s.output_ids) for s in ordered])
-        lps = token_logprobs(logits, params, sampled)
-        by_seq = {id(s): (t, lp) for s, t, lp in zip(ordered, sampled, lps)}
-        return ([by_seq[id(s)][0] for s in seqs], [by_seq[id(s)][1] for s in seqs],
+        by_seq: dict[int, tuple] = {}
+        if ordered:
+            params = [s.sampling for s in ordered]
+            masked = logits
+            if any(s.matcher is not None for s in ordered):
+                masked = logits.float()  # a copy (the raw logits stay for the logprobs)
+                if masked.data_ptr() == logits.data_ptr():
+                    masked = masked.clone()
+                for row, s in enumerate(ordered):
+                    if s.matcher is not None:
+                        s.matcher.mask(masked[row])
+            sampled = self.sampler.sample(masked, params, [len(s.output_ids) for s in ordered])
+            lps = token_logprobs(logits, params, sampled)
+            by_seq = {id(s): (t, lp) for s, t, lp in zip(ordered, sampled, lps)}
+        none = (None, None)
+        return ([by_seq.get(id(s), none)[0] for s in seqs], [by_seq.get(id(s), none)[1] for s in seqs],
                 [prompt_lps.get(id(s)) for s in seqs])
 
     def _forward(self, pre: list[Sequence], dec: list[Sequence], on_layer) -> tuple[torch.Tensor, dict[int, list]]:
@@ -139,18 +145,20 @@ class ModelRunner:
         kernels = attention_backends.backend(self.attention).reads_tables
         input_ids, positions, slot_parts, spans, logits_rows = [], [], [], [], []
         for seq in pre:
-            start, ids, done = len(input_ids), seq.all_ids, seq.num_computed
-            input_ids.extend(ids[done:])
-            positions.extend(range(done, len(ids)))
+            start, done = len(input_ids), seq.num_computed
+            end = seq.chunk_end
+            input_ids.extend(seq.all_ids[done:end])
+            positions.extend(range(done, end))
             context_rows = None
-            if done > 0 and not kernels:  # a prefix hit: attention reads the cached tokens' rows too
-                rows = self._token_rows(seq.block_table, 0, len(ids))
+            if done > 0 and not kernels:  # a prefix hit or an earlier chunk: attention reads those rows too
+                rows = self._token_rows(seq.block_table, 0, end)
                 slot_parts.append(rows[done:])
                 context_rows = rows.to(dev)
             else:
-                slot_parts.append(self._token_rows(seq.block_table, done, len(ids)))
+                slot_parts.append(self._token_rows(seq.block_table, done, end))
             spans.append(PrefillSpan(start, len(input_ids), done, context_rows))
-            logits_rows.append(len(input_ids) - 1)
+            if end == seq.num_tokens:  # the prompt's last chunk: its last position samples
+                logits_rows.append(len(input_ids) - 1)
         decode_start = len(input_ids)
         decode_rows = decode_mask = table_t = ctx_t = None
         if dec:
@@ -185,7 +193,7 @@ class ModelRunner:
             decode_start=decode_start,
             decode_rows=decode_rows,
             decode_mask=decode_mask,
-            logits_rows=torch.tensor(logits_rows, device=dev),
+            logits_rows=torch.tensor(logits_rows, dtype=torch.long, device=dev),
             decode_tables=table_t,
             decode_ends=ctx_t,
             attention=self.attention,
@@ -198,3 +206,12 @@ class ModelRunner:
         pos = torch.arange(start, end)
         bs = self.kv_cache.block_size
         return self.kv_cache.slot_indices(torch.tensor(block_table)[pos // bs], pos % bs)
+
+
+def _completes(seq: Sequence) -> bool:
+    """The span reaches the sequence's last token: its last position samples the next one."""
+    return seq.chunk_end >= seq.num_tokens
+
+
+def _decode_row(seq: Sequence) -> bool:
+    return seq.num_tokens - seq.num_computed == 1 and seq.num_computed > 0

@@ -6,16 +6,18 @@ runs them on its engine thread, kvpool and the synchronous tests call them direc
 request's blocks are freed by ``LLMEngine.abort`` too, wherever it is.
 
 Prefill side (the prompt's KV is computed here and sent elsewhere):
-- ``prefill_many`` (and ``prefill_only`` for one prompt) computes prompts' KV into local
-  blocks in ONE forward pass, calling ``on_layer(layer_idx, {request_id: block_ids})`` on this
-  thread right after each layer's KV is written, and returns each first token (a request
-  with ``prompt_logprobs`` computes its whole prompt, no prefix hit, and keeps the prompt's
-  logprobs for ``prefill_prompt_logprobs``). All or nothing: on any error (bad input, blocks
-  not free now, ``on_layer`` raising) every block taken is freed before the error propagates.
+- ``add_remote`` queues a *remote prefill*, a kind of request the one Scheduler admits, chunks
+  and batches with every other (``remote_prefill.py``): ``on_layer(layer, block_ids, first)``
+  hands over each layer's newly complete blocks as every chunk is written, ``on_done(token,
+  error)`` reports its first token (it is then held) or why it failed (its blocks freed). A
+  request with ``prompt_logprobs`` computes its whole prompt, no prefix hit, and keeps the
+  prompt's logprobs for ``prefill_prompt_logprobs``.
+- ``prefill_many`` (and ``prefill_only`` for one prompt) do the same synchronously, for tests and
+  the memory profile: blocks taken now (OutOfBlocksError if not free), the engine stepped until
+  every prompt has its first token; all or nothing (any error frees every block taken).
 - Who frees: the caller, with ``release(request_id)`` once the KV is sent (or ``abort``).
-- ``prefill_counters``: (``prefill_tokens``, ``prefill_seconds``): prompt tokens computed by
-  ``prefill_many`` (prefix hits excluded) and the seconds its forward passes took, summed (the
-  measured throughput).
+- ``prefill_counters``: (``prefill_tokens``, ``prefill_seconds``): remote prompt tokens computed
+  (prefix hits excluded) and their share of the steps that computed them (the measured throughput).
 
 Decode side (the prompt's KV arrives from elsewhere):
 - ``reserve`` takes blocks for prompt + max_tokens up front, so the request is never
@@ -39,58 +41,64 @@ Decode side (the prompt's KV arrives from elsewhere):
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 from .block_manager import blocks_needed
-from .errors import PromptTooLongError
-from .model_runner import ModelRunner
+from .errors import OutOfBlocksError, PromptTooLongError
 from .outputs import OutputProcessor
+from .remote_prefill import OnDone, OnLayer, RemotePrefill, blocks_to_push
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceFactory, Status
+from .sequence import RequestOutput, Sequence, SequenceFactory, Status
 
 
 class PDHooks:
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, factory: SequenceFactory,
-                 outputs: OutputProcessor, max_model_len: int):
-        self.scheduler, self.runner, self.factory, self.outputs = scheduler, runner, factory, outputs
+    def __init__(self, scheduler: Scheduler, factory: SequenceFactory, outputs: OutputProcessor, max_model_len: int,
+                 step: Callable[[], list[RequestOutput]]):
+        self.scheduler, self.factory, self.outputs = scheduler, factory, outputs
         self.block_manager = scheduler.block_manager
         self.max_model_len = max_model_len
-        self.prefill_tokens = 0  # prompt tokens computed by prefill_many (prefix hits excluded)
-        self.prefill_seconds = 0.0  # time its forward passes took
+        self.step = step  # the engine's step (the synchronous prefill_many steps until its prompts are done)
+        self.other_outputs: list[RequestOutput] = []  # other requests' outputs of those steps: the next step's
+        self.prefill_tokens = 0  # prompt tokens computed for remote prefills (prefix hits excluded)
+        self.prefill_seconds = 0.0  # their share of the steps' forward passes
 
     @property
     def prefill_counters(self) -> tuple[int, float]:
-        """(prompt tokens computed by prefill_only/prefill_many, seconds their forward passes took)."""
+        """(prompt tokens computed for remote prefills, seconds: their share of the steps that computed them)."""
         return self.prefill_tokens, self.prefill_seconds
 
     # ---- prefill side ----------------------------------------------------------------------
-    def prefill_only(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling: SamplingParams,
-        on_layer: Callable[[int, list[int]], None] | None = None,
-    ) -> int:
-        """Compute one prompt's KV into local blocks and return the first generated token.
+    def add_remote(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                   on_layer: OnLayer | None = None, on_done: OnDone | None = None, priority: float = 0.0) -> None:
+        """Queue a remote prefill (``remote_prefill.py``): scheduled as any prompt, in ``priority`` order.
+        Raises what ``add_request`` raises (bad input, a prompt that can never fit the pool)."""
+        seq = self.factory.make(request_id, prompt_token_ids, sampling)
+        need = blocks_needed(len(seq.prompt_ids), self.block_manager.block_size)
+        if need > self.block_manager.num_blocks:
+            raise OutOfBlocksError(f"request {request_id!r} needs {need} KV blocks for its {len(seq.prompt_ids)} "
+                                   f"prompt tokens but the pool has only {self.block_manager.num_blocks}")
+        seq.remote, seq.priority = RemotePrefill(on_layer, on_done), priority
+        self.scheduler.add(seq)
 
-        ``on_layer(layer_idx, block_ids)`` is called on this thread right after each layer's
-        KV is written; ``block_ids`` are all the prompt's blocks (prefix-cache hits included).
-        The blocks stay held until ``release(request_id)``. Raises OutOfBlocksError when the
-        prompt's blocks are not free now, PromptTooLongError, ValueError. On any error
-        (including one raised by ``on_layer``) the blocks are freed before it propagates.
-        """
-        cb = None if on_layer is None else (lambda layer, tables: on_layer(layer, tables[request_id]))
+    def prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                     on_layer: OnLayer | None = None) -> int:
+        """Synchronously: one prompt's KV into local blocks taken now, its first token (``prefill_many``)."""
+        cb = None if on_layer is None else (lambda layer, _rid, blocks, first: on_layer(layer, blocks, first))
         return self.prefill_many([(request_id, prompt_token_ids, sampling)], cb)[request_id]
 
     def prefill_many(
         self,
         requests: list[tuple[str, list[int], SamplingParams]],
-        on_layer: Callable[[int, dict[str, list[int]]], None] | None = None,
+        on_layer: Callable[[int, str, list[int], int], None] | None = None,
     ) -> dict[str, int]:
-        """Several prompts' KV in one forward pass: request id -> first token (see the module)."""
+        """Synchronously (tests, profiling): several prompts as remote prefills whose blocks are taken now,
+        stepped (with whatever else the engine runs) until each has its first token: request id -> first
+        token. ``on_layer(layer, request_id, block_ids, first)`` as a remote prefill's. All or nothing:
+        OutOfBlocksError when the blocks are not free now; on any error every block taken is freed."""
         seqs: list[Sequence] = []
+        firsts: dict[str, int] = {}
+        errors: list[BaseException] = []
         try:
             for request_id, ids, sampling in requests:
                 if any(s.request_id == request_id for s in seqs):
@@ -99,26 +107,49 @@ class PDHooks:
                 seq.block_table, seq.num_computed = self.block_manager.allocate(
                     seq.prompt_ids, len(seq.prompt_ids), use_prefix_cache=not seq.needs_prompt_logits)
                 seq.num_cached_tokens = seq.num_computed
+                seq.remote = RemotePrefill(_bind(on_layer, request_id), _collect(request_id, firsts, errors))
                 seqs.append(seq)
-            layer_cb = None
-            if on_layer is not None:
-                tables = {s.request_id: list(s.block_table) for s in seqs}
-                layer_cb = lambda i: on_layer(i, tables)  # noqa: E731
-            started = time.perf_counter()
-            tokens, logprobs, prompt_lps = self.runner.forward_sample(seqs, layer_cb) if seqs else ([], [], [])
-            self.prefill_seconds += time.perf_counter() - started
-            self.prefill_tokens += sum(len(s.prompt_ids) - s.num_computed for s in seqs)
         except BaseException:
             for seq in seqs:
                 self.block_manager.free(seq.block_table)
             raise
-        for seq, logprob, prompt_lp in zip(seqs, logprobs, prompt_lps):
-            seq.first_logprob, seq.prompt_logprobs = logprob, prompt_lp
-            seq.num_computed = len(seq.prompt_ids)
-            seq.status = Status.RUNNING
-            self.scheduler.hold(seq)
-            self.scheduler.register_blocks(seq)
-        return {s.request_id: t for s, t in zip(seqs, tokens)}
+        for seq in seqs:
+            self.scheduler.join_running(seq)
+        try:
+            while len(firsts) < len(seqs) and not errors:
+                self.other_outputs += self.step()
+        finally:
+            if errors or len(firsts) < len(seqs):
+                for seq in seqs:
+                    self.scheduler.remove(seq.request_id)
+        if errors:
+            raise errors[0]
+        return firsts
+
+    def remote_stepped(self, seq: Sequence, token: int | None, logprob) -> None:
+        """After a step that computed a chunk of a remote prefill: its pushed blocks counted; the last
+        chunk's first token reported and the request held; or, if its ``on_layer`` raised, it fails."""
+        remote = seq.remote
+        assert remote is not None
+        if remote.error is not None:
+            self.scheduler.remove(seq.request_id)
+            remote.finish(None, remote.error)
+            return
+        remote.pushed = blocks_to_push(seq, self.block_manager.block_size)[1]
+        seq.num_computed, seq.num_new = seq.chunk_end, 0
+        self.scheduler.register_blocks(seq)
+        if token is None:
+            return  # more chunks to come
+        seq.first_logprob = logprob
+        self.scheduler.hold_prefilled(seq)
+        remote.finish(token, None)
+
+    def count_step(self, batch: list[Sequence], seconds: float) -> None:
+        """The prefill counters: remote prompt tokens computed in a step, and their share of its time."""
+        remote = sum(s.num_new for s in batch if s.remote is not None)
+        if remote:
+            self.prefill_tokens += remote
+            self.prefill_seconds += seconds * remote / max(1, sum(max(s.num_new, 1) for s in batch))
 
     def prefill_block_ids(self, request_id: str) -> list[int]:
         """The blocks a prefill_only request holds (its prompt's KV)."""
@@ -209,3 +240,20 @@ class PDHooks:
 
 # reserve_prefix validates prompt ids through the SequenceFactory, which wants sampling params.
 _VALIDATE_ONLY = SamplingParams(max_tokens=1)
+
+
+def _bind(on_layer, request_id: str) -> OnLayer | None:
+    """prefill_many's per-request ``on_layer``."""
+    if on_layer is None:
+        return None
+    return lambda layer, blocks, first: on_layer(layer, request_id, blocks, first)
+
+
+def _collect(request_id: str, firsts: dict[str, int], errors: list[BaseException]) -> OnDone:
+    """prefill_many's per-request ``on_done``: the first token, or the error."""
+    def on_done(token: int | None, error: BaseException | None) -> None:
+        if error is not None:
+            errors.append(error)
+        elif token is not None:
+            firsts[request_id] = token
+    return on_done

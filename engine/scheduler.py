@@ -4,9 +4,9 @@ Owns the request table and the queues; the BlockManager it is given does the blo
 accounting. Pure Python (no torch).
 
 Places a request can be, by request id:
-- ``waiting`` (FIFO deque) then ``running`` (list): the colocated path and P/D decodes.
-- held: prefilled by ``prefill_only`` on the prefill side, in ``seqs`` but in neither queue,
-  until released.
+- ``waiting`` (a deque in admission order) then ``running`` (list): every prompt and decode.
+- held: a remote prefill (the P/D prefill side) whose prompt is computed, in ``seqs`` but in
+  neither queue, until released.
 - ``reserved``: blocks taken by ``reserve`` on the decode side, before ``add_prefilled`` (or
   ``prefill_reserved``); ``reserved_prefix`` holds the token ids of a reservation's leading
   tokens whose KV came from the prefix cache (its first blocks are shared, cached ones).
@@ -15,11 +15,20 @@ Places a request can be, by request id:
   queue, no blocks, until ``swap_in``.
 
 ``schedule()`` for one step (prefill spans first, then decode rows):
-1. every running sequence gets a slot for its next token; when blocks run out, the newest
-   colocated (not reserved) running sequence is preempted: its blocks are freed and it goes
+1. every running sequence at a decode row gets a slot for its next token; when blocks run out, the
+   newest colocated (not reserved, not remote) running sequence is preempted: its blocks are freed and it goes
    back to the head of ``waiting`` to be recomputed (``num_preemptions`` counts these);
-2. waiting sequences are admitted FIFO while blocks, ``max_num_seqs`` and the prefill token
-   budget ``max_num_batched_tokens`` allow (the first one is admitted whatever its size).
+2. prompts part-way (chunked prefill) get their next chunk, then waiting sequences are admitted
+   in order (``priority``, then arrival: FIFO by default) while blocks, ``max_num_seqs`` and the
+   step's token budget ``max_num_batched_tokens`` allow, each with its first chunk. A chunk is at
+   most ``long_prefill_threshold`` tokens of one prompt (0: the whole budget), so a long prompt
+   takes several steps and short prompts and decode rows share them; each sequence's ``num_new``
+   says how many tokens it computes in the step (a chunk before the prompt's last samples nothing).
+
+Request kinds, all scheduled here: colocated (waiting -> running -> finished), the decode side's
+``prefill_reserved`` (joins ``running`` with its blocks reserved: chunked, never preempted), and
+the P/D prefill side's remote prefill (``remote_prefill.py``: waiting -> running, chunked, its KV
+pushed layer by layer as each chunk is written; once prefilled it is held, never preempted).
 
 Who frees: ``finish`` (a finished running sequence), ``remove`` (abort) and ``free_blocks``
 drop a sequence's block references exactly once; a reservation is freed by ``remove`` or
@@ -36,10 +45,14 @@ from .sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_threshold: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the most tokens of one prompt a step computes (0: the whole budget): the rest of the budget is left
+        # for other prompts, so a short one never waits for a long one's whole prefill
+        self.chunk_tokens = min(long_prefill_threshold or max_num_batched_tokens, max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # waiting, running, or prefilled-and-held
@@ -64,9 +77,18 @@ class Scheduler:
         return bool(self.waiting or self.running or self.done_early)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence at the end of ``waiting``."""
+        """Queue a new sequence in ``waiting``, in (``priority``, arrival) order: with equal priorities (the
+        default) at the end."""
         self.seqs[seq.request_id] = seq
-        self.waiting.append(seq)
+        at = len(self.waiting)
+        while at > 0 and (self.waiting[at - 1].priority, self.waiting[at - 1].arrival) > (seq.priority, seq.arrival):
+            at -= 1
+        self.waiting.insert(at, seq)
+
+    def hold_prefilled(self, seq: Sequence) -> None:
+        """A remote prefill whose prompt is computed leaves the batch; held (with its blocks) until released."""
+        self.running.remove(seq)
+        self.seqs[seq.request_id] = seq
 
     def remove(self, request_id: str) -> bool:
         """Forget a request wherever it is and free its blocks (abort). False if unknown."""
@@ -164,20 +186,32 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> list[Sequence]:
-        """The sequences of the next forward pass: admitted prefills, then running decodes."""
+        """The sequences of the next forward pass, each with its ``num_new`` tokens: prefill chunks (running
+        prompts part-way first, then newly admitted ones), then decode rows."""
         decodes = self.schedule_decodes()
-        prefills = self.schedule_prefills()
-        return prefills + decodes
+        budget = self.max_num_batched_tokens - len(decodes)
+        chunks = []
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if seq.status is Status.RUNNING and not _decode_ready(seq):
+                seq.num_new = self._chunk(seq, budget)
+                if seq.num_new:
+                    budget -= seq.num_new
+                    chunks.append(seq)
+        return chunks + self.schedule_prefills(budget) + decodes
 
     def schedule_decodes(self) -> list[Sequence]:
-        """Give every running sequence a slot for its next token, preempting when blocks run out."""
+        """Give every running sequence at a decode row a slot for its next token, preempting when blocks
+        run out."""
         scheduled = []
         for seq in list(self.running):
-            if seq.status is not Status.RUNNING:
-                continue  # preempted below
+            if seq.status is not Status.RUNNING or not _decode_ready(seq):
+                continue  # preempted below, or a prompt part-way (its blocks are all taken)
             while True:
                 try:
                     self.block_manager.append_slots(seq.block_table, seq.num_tokens)
+                    seq.num_new = 1
                     scheduled.append(seq)
                     break
                 except OutOfBlocksError:
@@ -191,11 +225,12 @@ class Scheduler:
                         scheduled.remove(victim)
         return scheduled
 
-    def schedule_prefills(self) -> list[Sequence]:
-        """Admit waiting sequences FIFO while blocks, max_num_seqs and the token budget allow."""
+    def schedule_prefills(self, budget: int | None = None) -> list[Sequence]:
+        """Admit waiting sequences in order while blocks, max_num_seqs and the token budget allow; each
+        computes its first chunk in this step."""
         scheduled: list[Sequence] = []
-        budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        budget = self.max_num_batched_tokens if budget is None else budget
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             ids = seq.all_ids
             try:
@@ -203,21 +238,33 @@ class Scheduler:
                 table, cached = self.block_manager.allocate(ids, len(ids), use_prefix_cache=not seq.needs_prompt_logits)
             except OutOfBlocksError:
                 break  # wait for blocks to free up
-            if scheduled and len(ids) - cached > budget:
-                self.block_manager.free(table)
-                break
             self.waiting.popleft()
-            budget -= len(ids) - cached
             seq.block_table, seq.num_computed = table, cached
             if not seq.output_ids:
                 seq.num_cached_tokens = cached
+            seq.num_new = self._chunk(seq, budget)
+            budget -= seq.num_new
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
         return scheduled
 
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of a prompt to compute in this step: all that are left, at most ``budget`` and the
+        per-prompt ``chunk_tokens``; a chunk before the last ends on a block boundary when it can (each
+        block's KV is then written, and pushed, by one step)."""
+        left = seq.num_tokens - seq.num_computed
+        n = min(left, budget, self.chunk_tokens)
+        if 0 < n < left:
+            end = seq.num_computed + n
+            aligned = end - end % self.block_manager.block_size
+            if aligned > seq.num_computed:
+                n = aligned - seq.num_computed
+        return max(n, 0)
+
     def _pick_victim(self) -> Sequence | None:
-        candidates = [s for s in self.running if not s.reserved and s.status is Status.RUNNING]
+        # never a reserved one (decode side) nor a remote prefill (its pushed KV cannot be taken back)
+        candidates = [s for s in self.running if not s.reserved and s.remote is None and s.status is Status.RUNNING]
         return max(candidates, key=lambda s: s.arrival) if candidates else None
 
     def _preempt(self, seq: Sequence) -> None:
@@ -225,5 +272,12 @@ class Scheduler:
         self.running.remove(seq)
         self.free_blocks(seq)
         seq.num_computed = 0
+        if not seq.prompt_logprobs_sent:  # a prompt part-way: its prompt logprobs are recomputed with it
+            seq.prompt_logprobs = None
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+
+
+def _decode_ready(seq: Sequence) -> bool:
+    """One token left to compute and some already computed: a decode row (else a prompt chunk)."""
+    return seq.num_tokens - seq.num_computed == 1 and seq.num_computed > 0

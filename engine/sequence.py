@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from .grammar import Matcher
+    from .remote_prefill import RemotePrefill
     from .tokenizer import Detokenizer
 
 
@@ -77,6 +78,11 @@ class Sequence:
     first_logprob: object = None  # prefill_only: the first token's TokenLogprob (when asked)
     prompt_logprobs: list | None = None  # SamplingParams.prompt_logprobs: one entry per prompt token computed so far
     prompt_logprobs_sent: bool = False  # in an output already
+    # set by the Scheduler for one step: how many of its uncomputed tokens this step computes (a prefill chunk, or
+    # 1 for a decode row); a chunk that stops before the prompt's end samples nothing
+    num_new: int = 0
+    priority: float = 0.0  # the order among waiting requests: lower first, then arrival (SLO queue's order)
+    remote: RemotePrefill | None = None  # P/D prefill side: its KV is pushed, and it is held once prefilled
 
     all_ids: list[int] = field(default_factory=list)  # prompt + output, kept in step (read-only for callers)
 
@@ -90,6 +96,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.all_ids)
+
+    @property
+    def chunk_end(self) -> int:
+        """Where this step's computation ends: after its ``num_new`` tokens (unset: every token left)."""
+        return self.num_computed + self.num_new if self.num_new else self.num_tokens
 
     @property
     def needs_prompt_logits(self) -> bool:

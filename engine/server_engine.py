@@ -12,7 +12,8 @@ who frees what are ``async_engine.py``'s docstring; in short:
 * colocated: ``generate`` streams a request's outputs (the prefill's local fallback); each stream
   is an async generator: the caller ``aclose``s one it leaves unfinished, which aborts the request;
 * prefill side of P/D: ``prefill_only`` computes a prompt (``on_layer`` is called on the engine
-  thread after each layer, for the layer-wise KV push) and holds its blocks until ``release``;
+  thread after each layer of each chunk, with the blocks that chunk completed, for the layer-wise
+  KV push) and holds its blocks until ``release``;
   ``prefill_logprob`` / ``prefill_prompt_logprobs`` / ``prefill_cached_tokens`` read what the prompt's pass gave;
 * decode side: ``reserve`` / ``reserve_prefix`` hold blocks for a request whose KV is coming, then
   ``add_prefilled`` (the prefill computed the prompt) or ``prefill_reserved`` (compute the blocks
@@ -51,8 +52,10 @@ class ServerEngine(Protocol):
 
     # ----- prefill side ------------------------------------------------------------------
     async def prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                           on_layer: Callable[[int, list[int]], None] | None = None) -> int:
-        """Compute the prompt, hold its blocks until ``release``; the first token id."""
+                           on_layer: Callable[[int, list[int], int], None] | None = None) -> int:
+        """Compute the prompt (after the prompts queued before it), hold its blocks until ``release``; the
+        first token id. ``on_layer(layer, block_ids, first)``: that layer's KV of the prompt
+        blocks ``[first, first + len(block_ids))`` is written (each block of each layer once)."""
 
     async def prefill_logprob(self, request_id: str):
         """The first token's logprob of a held prompt (None unless its sampling asked)."""

@@ -103,7 +103,11 @@ class LocalCluster:
     def _common(self) -> list[str]:
         a = self.args
         common = ["--model", a.model, "--transfer", a.transfer, "--num-blocks", str(a.num_blocks), "--threads",
-                  str(a.threads), "--kv-cache-dtype", getattr(a, "kv_cache_dtype", "auto")]
+                  str(a.threads), "--kv-cache-dtype", getattr(a, "kv_cache_dtype", "auto"),
+                  "--max-num-batched-tokens",
+                  str(getattr(a, "max_num_batched_tokens", defaults.MAX_NUM_BATCHED_TOKENS)),
+                  "--long-prefill-threshold",
+                  str(getattr(a, "long_prefill_threshold", defaults.LONG_PREFILL_THRESHOLD))]
         if getattr(a, "quantization", None):
             common += ["--quantization", a.quantization]
         if self.scaling:  # a drained server finishes its longest request before it stops

@@ -36,6 +36,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks per process")
     parser.add_argument("--kv-cache-dtype", choices=defaults.KV_CACHE_DTYPES, default="auto",
                         help="every server's: " + defaults.KV_CACHE_DTYPE_HELP)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS, metavar="N",
+                        help="every server's engine: tokens one step computes, prompt chunks and decode rows together "
+                             "(chunked prefill; default %(default)s)")
+    parser.add_argument("--long-prefill-threshold", type=int, default=defaults.LONG_PREFILL_THRESHOLD, metavar="N",
+                        help="every server's engine: the most tokens of one prompt a step computes (0: the whole "
+                             "budget; default %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
     parser.add_argument("--log-dir", default=None,
                         help="where process logs go, with servers.json and a <server>.pid per running server "

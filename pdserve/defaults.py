@@ -6,10 +6,11 @@ ports are defined here; the engine's facts (block size, built-in model name) are
 in ``pdserve.engine.defaults`` (the engine imports nothing of ours) and re-exported here.
 """
 
-from pdserve.engine.defaults import (BLOCK_SIZE, BUILTIN_MODEL, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES, QUANTIZATION_HELP,
-                                     QUANTIZATIONS)
+from pdserve.engine.defaults import (BLOCK_SIZE, BUILTIN_MODEL, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES,
+                                     LONG_PREFILL_THRESHOLD, MAX_NUM_BATCHED_TOKENS, QUANTIZATION_HELP, QUANTIZATIONS)
 
-__all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "QUANTIZATIONS", "QUANTIZATION_HELP", "KV_CACHE_DTYPES",
+__all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "MAX_NUM_BATCHED_TOKENS", "LONG_PREFILL_THRESHOLD", "QUANTIZATIONS",
+           "QUANTIZATION_HELP", "KV_CACHE_DTYPES",
            "KV_CACHE_DTYPE_HELP", "DECODE_GRPC_PORT",
            "DECODE_HTTP_PORT", "HTTP_PORT",
            "KV_TRANSFER_PORT", "KV_POOL_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE",

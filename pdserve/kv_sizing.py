@@ -246,7 +246,8 @@ def measure_gpu_memory(loaded, engine_config, cuda=None) -> GpuMemory:
     probe = LLMEngine(loaded, EngineConfig(
         num_blocks=sum(blocks_needed(n, block_size) for n in lengths), block_size=block_size,
         max_num_seqs=len(lengths), max_model_len=max_len, enable_prefix_cache=False,
-        max_num_batched_tokens=sum(lengths), detokenize=False, cuda_graphs=False,  # the serving engine captures them
+        max_num_batched_tokens=sum(lengths), long_prefill_threshold=0,  # one step: the serving engine's largest
+        detokenize=False, cuda_graphs=False,  # the serving engine captures them
         kv_cache_dtype=engine_config.kv_cache_dtype))  # fp8: its quantizing writes' temporaries count too
     vocab = loaded.config.vocab_size
     prompts = [(f"profile-{i}", [(i + j) % vocab for j in range(n)], SamplingParams(max_tokens=1))

@@ -85,6 +85,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "F x total - what is in use after loading the weights - the activation peak of one "
                         "profiling forward of the engine's largest step (pdserve/kv_sizing.py)")
     g.add_argument("--max-num-seqs", type=int, default=32, help="most requests in one running batch")
+    g.add_argument("--max-num-batched-tokens", type=int, default=defaults.MAX_NUM_BATCHED_TOKENS, metavar="N",
+                   help="tokens one engine step computes, prompt chunks and decode rows together (chunked prefill: a "
+                        "longer prompt takes several steps; default %(default)s)")
+    g.add_argument("--long-prefill-threshold", type=int, default=defaults.LONG_PREFILL_THRESHOLD, metavar="N",
+                   help="the most tokens of one prompt a step computes, so short prompts and decode rows share each "
+                        "step with a long prompt's chunks (0: the whole --max-num-batched-tokens; default "
+                        "%(default)s)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on --device cuda: run decode steps eagerly instead of from CUDA graphs (captured at start, "
                         "one per batch-size bucket up to --max-num-seqs; engine/decode_graphs.py)")
@@ -196,7 +203,9 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
         loaded = load_model(args.model, dtype=dtype, device=args.device, quantization=args.quantization)
         max_len = args.max_model_len or loaded.config.max_position_embeddings
         cfg = EngineConfig(num_blocks=None, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                           max_model_len=max_len, kv_host_tier_bytes=args.kv_host_tier_bytes,
+                           max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
+                           long_prefill_threshold=args.long_prefill_threshold,
+                           kv_host_tier_bytes=args.kv_host_tier_bytes,
                            kv_disk_tier_dir=args.kv_disk_tier_dir, kv_disk_tier_bytes=args.kv_disk_tier_bytes,
                            cuda_graphs=not args.enforce_eager, native_kernels=args.native_kernels,
                            packed_linear=args.packed_linear, fused_elementwise=args.fused_elementwise,

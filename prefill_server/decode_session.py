@@ -24,9 +24,11 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    which then do not move) and its prompt logprobs go with the first Delta; a pooled
    Allocation without blocks cannot give them (Retryable: the next decode).
 4r. **prefill + push** - bind the request in the CacheStore sender to decode's blocks and
-   run prefill layer by layer; the engine's per-layer callback hands each layer's blocks
-   after the decode's cached ones to ``sender.store`` (non-blocking), so the wire works while
-   the next layer computes; only the missing blocks move.
+   queue the prompt in our engine's scheduler (a remote prefill: chunked and batched with the
+   other prompts, in the SLO order's ``priority``); the engine's per-layer callback hands each
+   chunk's newly written blocks after the decode's cached ones to ``sender.store``
+   (non-blocking), so the wire works while the next layer (and the next chunk) computes; only
+   the missing blocks move, each block of each layer once.
 5r. **first token** - wait until every layer was sent, free prefill's own KV blocks, send
    ``FirstToken`` on the stream and yield it to the client (with the prompt tokens our prefix
    cache held: the response's ``usage.prompt_tokens_details.cached_tokens``).
@@ -263,21 +265,24 @@ class SessionRunner:
         cfg = self.config
         first_block, n_blocks = alloc.cached_blocks, blocks_needed(len(prompt_ids), cfg.block_size)
         parts = self._bind(address, request_id, alloc, held)
-        layers: list[tuple[int, list[int]]] = []  # layers written but not pushed yet (layerwise_push off)
+        layers: list[tuple[int, list[int], int]] = []  # layers written but not pushed yet (layerwise_push off)
 
-        def store(layer: int, block_ids: list[int]) -> None:
+        def store(layer: int, block_ids: list[int], first: int) -> None:
+            """Prompt blocks [first, first + len(block_ids)) of a layer (one chunk's), each to its part."""
             for part_id, _, _, start, end in parts:
-                self.sender.store(part_id, layer, block_ids[start:end])
+                lo, hi = max(start, first), min(end, first + len(block_ids))
+                if lo < hi:
+                    self.sender.store(part_id, layer, block_ids[lo - first:hi - first], lo - start)
 
-        layer_gate = self.gates.layer  # test hook: hold the engine after layer 0 (overlap made visible)
+        layer_gate = self.gates.layer  # test hook: hold the engine after the last chunk's layer 0 (overlap shown)
 
-        def on_layer(layer: int, block_ids) -> None:  # runs on the engine's thread
+        def on_layer(layer: int, block_ids, first: int) -> None:  # runs on the engine's thread
             timings.layer_stored.append(time.monotonic())
             if cfg.layerwise_push:
-                store(layer, list(block_ids))
+                store(layer, list(block_ids), first)
             else:
-                layers.append((layer, list(block_ids)))
-            if layer_gate and layer == 0:
+                layers.append((layer, list(block_ids), first))
+            if layer_gate and layer == 0 and first + len(block_ids) >= n_blocks:  # the prompt's last chunk
                 hold_thread_at_gate(layer_gate, request_id)
 
         held.prefilled = True
@@ -290,8 +295,8 @@ class SessionRunner:
         held.free_slot()  # the next Session may allocate while this one's KV is still on the wire
         after = self.engine.prefill_counters()
         self.observer.prefilled(after[0] - before[0], after[1] - before[1])
-        for layer, block_ids in layers:  # overlap off: the whole KV goes now
-            store(layer, block_ids)
+        for layer, block_ids, first in layers:  # overlap off: the whole KV goes now
+            store(layer, block_ids, first)
         await self._wait_sent(address, request_id, parts, timings)
         # the KV has left: free our copy without waiting for it, since the engine thread is usually
         # computing the next prompt by now and the release would queue behind that prompt, holding

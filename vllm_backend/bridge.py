@@ -70,7 +70,7 @@ class Bridge:
             if p is None or p.on_layer is None or rid in self.prefill_errors:
                 continue
             try:
-                p.on_layer(layer, list(block_ids))
+                p.on_layer(layer, list(block_ids), 0)  # every block of the prompt, from its first
             except BaseException as exc:  # noqa: BLE001 - reported by prefill_only, not raised into vLLM
                 self.prefill_errors[rid] = exc
 

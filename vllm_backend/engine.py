@@ -153,7 +153,9 @@ class VllmAsyncEngine(VllmEngineThread):
 
     # ---- prefill side ----
     async def prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling,
-                           on_layer: Callable[[int, list[int]], None] | None = None) -> int:
+                           on_layer: Callable[[int, list[int], int], None] | None = None) -> int:
+        """The prompt's KV through the connector, layer by layer (``on_layer(layer, block_ids, 0)``: every
+        block of the prompt each time); its first token."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         await self._call(self._add_prefill, request_id, list(prompt_token_ids), sampling, on_layer, (loop, fut))

@@ -21,11 +21,18 @@ HANG_GUARD_S = 60.0  # only a hang guard: layer 0 crosses loopback in millisecon
 pytestmark = pytest.mark.slow
 
 
+# the prompt (2000 tokens) computed whole in one step, or in chunks of 512 tokens (the default): 4 steps
+CHUNKING = {"whole": (["--long-prefill-threshold", "0", "--max-num-batched-tokens", "4096"], 1),
+            "chunked": (["--long-prefill-threshold", "512"], 4)}
+
+
+@pytest.mark.parametrize("chunking", sorted(CHUNKING))
 @pytest.mark.parametrize("transport", ["tcp", "nixl"])
-def test_first_layer_arrives_before_last_layer_is_computed(procs, transport, tmp_path):
-    """The prefill's engine is held after layer 0 (the test hook ``PDSERVE_TEST_LAYER_GATE``) until the
-    decode says layer 0 arrived: with the layer-wise push it does, before the last layer is computed,
-    however the box schedules the threads (with the push off nothing would arrive: the hang guard fires)."""
+def test_first_layer_arrives_before_last_layer_is_computed(procs, transport, chunking, tmp_path):
+    """The prefill's engine is held after the last chunk's layer 0 (the test hook ``PDSERVE_TEST_LAYER_GATE``)
+    until the decode says layer 0 arrived (every block of it, the earlier chunks' too): with the layer-wise
+    push it does, before the last layer is computed, however the box schedules the threads (with the push off
+    nothing would arrive: the hang guard fires)."""
     from pdserve.protos import generate_pb2 as gpb
     import grpc
     from pdserve.protos import generate_pb2_grpc as gpb_grpc
@@ -33,7 +40,8 @@ def test_first_layer_arrives_before_last_layer_is_computed(procs, transport, tmp
     gate = Gate(tmp_path / "layer-gate")  # closed
     decode = start_decode(procs, transport, num_blocks=64, name="decode")
     wait_ready(decode)
-    prefill = start_prefill(procs, [decode.grpc_address], transport, num_blocks=64,
+    extra, chunks = CHUNKING[chunking]
+    prefill = start_prefill(procs, [decode.grpc_address], transport, num_blocks=64, extra=extra,
                             env={LAYER_GATE_ENV: str(gate.directory)})
     wait_ready(prefill)
     prompt = [256] + [97 + i % 26 for i in range(1999)]
@@ -62,7 +70,7 @@ def test_first_layer_arrives_before_last_layer_is_computed(procs, transport, tmp
     assert "error" not in out, out
     p = get_json(f"{prefill.url}/debug/requests/{rid}")[1]
     d = get_json(f"{decode.url}/debug/requests/{rid}")[1]
-    assert len(p["layer_stored"]) == 4 and len(d["layer_arrived"]) == 4, (p, d)
+    assert len(p["layer_stored"]) == 4 * chunks and len(d["layer_arrived"]) == 4, (p, d)  # a store per layer per chunk
     first_arrived, last_computed = d["layer_arrived"][0], p["layer_stored"][-1]
     assert p["allocated"] < first_arrived < last_computed, (p, d)
     listed = get_json(f"{prefill.url}/debug/requests")[1]  # every recent request: the same record, in a timeline

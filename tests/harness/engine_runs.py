@@ -70,9 +70,12 @@ def run_pd(
             dst, cached = decode.pd.reserve(rid, len(ids), sp.max_tokens), 0
         c, n = cached // decode.block_size, blocks_needed(len(ids), prefill.block_size)
         last_moved[rid] = n - c
-        first = prefill.pd.prefill_only(
-            rid, ids, sp, on_layer=lambda layer, src: copy_layer_blocks(prefill, src[c:n], decode, dst[c:n], layer)
-        )
+        def on_layer(layer: int, src: list[int], first: int, c=c, dst=dst) -> None:  # blocks [first, first+len)
+            lo = max(c, first)
+            if lo < first + len(src):
+                copy_layer_blocks(prefill, src[lo - first:], decode, dst[lo:first + len(src)], layer)
+
+        first = prefill.pd.prefill_only(rid, ids, sp, on_layer=on_layer)
         prefill.pd.release(rid)
         decode.pd.add_prefilled(rid, ids, first, sp)
         finished_at_first = (not sp.ignore_eos and first in decode.eos_ids) or first in sp.stop_token_ids

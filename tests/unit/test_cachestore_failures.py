@@ -85,6 +85,13 @@ def test_unknown_request_ids(transport):
             p.tx.store("r", 0, [1, 2])
             with pytest.raises(ValueError, match="stored twice"):
                 p.tx.store("r", 0, [1, 2])
+            # a layer in parts (a chunked prefill): in block order, none twice, none skipped
+            with pytest.raises(ValueError, match=r"blocks \[0, 1\) skipped"):
+                p.tx.store("r", 1, [2], first=1)
+            p.tx.store("r", 1, [1])
+            with pytest.raises(ValueError, match="stored twice"):
+                p.tx.store("r", 1, [1], first=0)
+            p.tx.store("r", 1, [2], first=1)
             p.rx.delete("r"), p.tx.delete("r")
             await p.assert_clean()
     run(main())

@@ -102,12 +102,11 @@ def test_async_pd_equals_colocated(tiny):
         await apre.start()
         await adec.start()
         dst = await adec.reserve("r", len(p), sp.max_tokens)
-        n = blocks_needed(len(p), 8)
         layers = []
 
-        def on_layer(layer, src):
+        def on_layer(layer, src, first):
             layers.append(layer)
-            copy_layer_blocks(pre, src[:n], dec, dst[:n], layer)
+            copy_layer_blocks(pre, src, dec, dst[first:first + len(src)], layer)
 
         first = await apre.prefill_only("r", p, sp, on_layer=on_layer)
         await apre.release("r")

@@ -92,7 +92,8 @@ def test_layer_by_layer_equals_fused_and_kv_is_written_before_callback(tiny):
     mark = layered.kv_cache.mark_written
     layered.kv_cache.mark_written = lambda layer: (marks.append(layer), mark(layer))
 
-    def on_layer(layer, block_ids):
+    def on_layer(layer, block_ids, first):
+        assert first == 0  # one chunk (the prompt is shorter than the engine's per-prompt chunk)
         kv = layered.kv_cache
         # the layer's writes were marked before the callback (on a GPU: the event the CacheStore's thread
         # waits on); on CPU they are done already, so there is nothing to wait for
@@ -158,13 +159,16 @@ def test_prefill_many_equals_one_by_one(tiny):
     firsts = {str(i): single.pd.prefill_only(str(i), p, SEEDED) for i, p in enumerate(prompts)}
     many = _engine(tiny)
     calls = []
-    got = many.pd.prefill_many([(str(i), p, SEEDED) for i, p in enumerate(prompts)], on_layer=lambda l,
-                               t: calls.append((l, t)))
+    got = many.pd.prefill_many([(str(i), p, SEEDED) for i, p in enumerate(prompts)],
+                               on_layer=lambda layer, rid, blocks, first: calls.append((layer, rid, blocks, first)))
     assert got == firsts
-    assert [l for l, _ in calls] == list(range(tiny.config.num_layers))  # one forward for all
-    for i in range(len(prompts)):
+    n = len(prompts)
+    # one forward for all: every layer's callbacks come together, each request's once per layer
+    assert [layer for layer, *_ in calls] == [layer for layer in range(tiny.config.num_layers) for _ in range(n)]
+    for i in range(n):
         rid = str(i)
-        assert calls[0][1][rid] == many.pd.prefill_block_ids(rid)
+        assert [(blocks, first) for _, r, blocks, first in calls[:n] if r == rid] == \
+            [(many.pd.prefill_block_ids(rid), 0)]
         a = single.kv_cache.tensor[:, single.pd.prefill_block_ids(rid)]
         b = many.kv_cache.tensor[:, many.pd.prefill_block_ids(rid)]
         assert torch.allclose(a, b, atol=1e-6)

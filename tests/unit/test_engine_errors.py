@@ -186,7 +186,7 @@ def test_prefill_only_out_of_blocks_frees_nothing_it_did_not_take(tiny):
 def test_failing_callback_frees_blocks(tiny):
     engine = LLMEngine(tiny, EngineConfig(num_blocks=8, block_size=16))
 
-    def boom(layer, blocks):
+    def boom(layer, blocks, first):
         if layer == 2:
             raise ConnectionError("peer went away")
 

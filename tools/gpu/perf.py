@@ -258,6 +258,7 @@ def prefill_engine(ctx, model, max_prompts: int, length: int):
     blocks = max_prompts * math.ceil((length + 1) / bs) + 4
     return LLMEngine(loaded, EngineConfig(num_blocks=blocks, block_size=bs, max_num_seqs=max(max_prompts, 1),
                                           enable_prefix_cache=False, max_num_batched_tokens=max_prompts * length,
+                                          long_prefill_threshold=0,  # every prompt whole in one forward
                                           cuda_graphs=False, detokenize=False))
 
 

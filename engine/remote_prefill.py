@@ -1,0 +1,88 @@
+"""RemotePrefill: a request whose KV is computed here and pushed elsewhere (the P/D prefill side).
+
+A request kind, not a second path: the Scheduler admits, chunks and batches it as any prompt
+(``scheduler.py``); what differs is what happens to its KV and its first token:
+
+- after every layer of every step that wrote some of its prompt, ``on_layer(layer, block_ids,
+  first)`` gets the prompt blocks ``[first, first + len(block_ids))`` whose KV for that layer is
+  now complete: a block is handed over once per layer, when its last token's KV is written
+  (the first step's call starts at block 0, prefix-cache hits included; the last step's call
+  ends with the prompt's last, maybe partial, block), so the receiver sees every block of
+  every layer exactly once, in block order per layer;
+- when its last chunk is computed, its first token is sampled and ``on_done(token, None)`` is
+  called; the request is then *held* (its blocks kept, in no queue) until ``release``;
+- if ``on_layer`` raises, or the request is aborted or its step fails before that,
+  ``on_done(None, error)`` is called once and its blocks are freed.
+
+Both callbacks run on the thread that steps the engine. ``pushed`` counts the leading prompt
+blocks already handed to ``on_layer`` (every layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from .block_manager import blocks_needed
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
+
+OnLayer = Callable[[int, list[int], int], None]
+OnDone = Callable[[int | None, BaseException | None], None]
+
+
+class PrefillAborted(RuntimeError):
+    """A remote prefill ended before its first token (aborted, or the engine stopped)."""
+
+
+@dataclass(slots=True)
+class RemotePrefill:
+    on_layer: OnLayer | None
+    on_done: OnDone | None
+    pushed: int = 0  # leading prompt blocks handed to on_layer, every layer
+    error: BaseException | None = None  # what on_layer raised (the request fails after the step)
+    done: bool = False  # on_done was called
+
+    def finish(self, token: int | None, error: BaseException | None) -> None:
+        """Call ``on_done`` once."""
+        if self.done:
+            return
+        self.done = True
+        if self.on_done is not None:
+            self.on_done(token, error)
+
+
+def blocks_to_push(seq: Sequence, block_size: int) -> tuple[int, int]:
+    """The prompt blocks ``[first, end)`` this step completes for a remote sequence: every block whose
+    tokens are all computed once the step's ``num_new`` tokens are, the last partial block at the end."""
+    assert seq.remote is not None
+    done = seq.num_computed + seq.num_new
+    n_prompt = len(seq.prompt_ids)
+    end = blocks_needed(n_prompt, block_size) if done >= n_prompt else done // block_size
+    return seq.remote.pushed, end
+
+
+def layer_callback(batch: list[Sequence], block_size: int) -> Callable[[int], None] | None:
+    """The model's per-layer callback for one step: each remote sequence's newly complete blocks to its
+    ``on_layer``; an error is kept on the sequence (the step goes on for the others). None when no
+    remote sequence of the batch pushes anything this step."""
+    pushes = []
+    for seq in batch:
+        if seq.remote is None or seq.remote.on_layer is None:
+            continue
+        first, end = blocks_to_push(seq, block_size)
+        if end > first:
+            pushes.append((seq.remote, seq.block_table[first:end], first))
+    if not pushes:
+        return None
+
+    def on_layer(layer: int) -> None:
+        for remote, block_ids, first in pushes:
+            if remote.error is None:
+                try:
+                    remote.on_layer(layer, list(block_ids), first)  # type: ignore[misc]
+                except Exception as exc:  # noqa: BLE001 - this request fails after the step, the others go on
+                    remote.error = exc
+
+    return on_layer
