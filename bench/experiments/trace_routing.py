@@ -45,6 +45,7 @@ from .prefix import wait_routable
 from .trace_routing_figures import (BASELINE, DECODE_BLOCK_SOURCES, DECODE_COUNTERS, PREFILL_COUNTERS,
                                     ROUTER_COUNTERS, TARGETS, arm_order, counter_delta, pair_ratios, ratios,
                                     run_figures, summarize_arms, verdict)
+from ..trace_replay import MOONCAKE_TRACE
 from .trace_workload import TraceWorkload, build_workload, reuse_ceiling
 
 LEAST_LOADED_WEIGHT = 1_000_000  # prompt tokens per request in flight: more than any prompt (the CRD's maximum)
@@ -54,7 +55,7 @@ ARMS: dict[str, list[str]] = {  # arm -> router flags
     "prefix": ["--policy", "prefix"],
 }
 ARM_COLORS = {"round-robin": "tab:orange", "least-loaded": "tab:green", "prefix": "tab:blue"}
-DEFAULT_TRACE = Path("../shared/traces/mooncake_conversation_trace.jsonl")
+DEFAULT_TRACE = MOONCAKE_TRACE  # bench/traces/, shipped with the repository
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
