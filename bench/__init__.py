@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from pdserve.cli import Dispatcher
 
+from .provenance import run_start
+
 # name -> module exposing add_arguments(parser) and run(args)
 BENCHES: dict[str, str] = {
     "engine": "pdserve.bench.engine.tokens_per_s",
@@ -44,4 +46,11 @@ BENCHES: dict[str, str] = {
 }
 
 
-add_arguments, run = Dispatcher("pdserve bench", BENCHES, "benchmark").functions()
+add_arguments, _run_bench = Dispatcher("pdserve bench", BENCHES, "benchmark").functions()
+
+
+def run(args):
+    """Record where and on what the run starts (provenance.run_start: load, CPU, commit, dirty tree), then run
+    the benchmark; every result it writes carries that record."""
+    run_start()
+    return _run_bench(args)

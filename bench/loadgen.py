@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.defaults import BUILTIN_MODEL, HTTP_PORT
+from pdserve.bench.provenance import write_json
 from pdserve.bench.loadgen_report import RequestResult, format_summary, plot, summarize
 from pdserve.bench import trace_replay
 from pdserve.bench.loadgen_workload import (LengthDistribution, RequestSpec, arrival_times, build_requests,
@@ -355,8 +356,7 @@ def run(args: argparse.Namespace) -> int:
     if trace is not None:
         doc["trace"] = trace  # how the trace was cut and scaled: every result names it
         print(f"workload: {args.dataset_path} ({args.dataset}), {trace}")
-    json_path = args.out / f"{args.name}.json"
-    json_path.write_text(json.dumps(doc, indent=1))
+    json_path = write_json(args.out / f"{args.name}.json", doc)
     png = plot(results, args.out / f"{args.name}.png", title=f"pdserve bench serving: {args.url}")
     print(format_summary(summary))
     print(f"wrote {json_path} and {png}")

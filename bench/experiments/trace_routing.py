@@ -208,7 +208,7 @@ def plot(runs: list[dict], arms: list[str], summary: dict, ceiling: dict, worklo
     axes[3].axhline(ceiling["one_cache"], color="k", ls="--", lw=1, label="trace ceiling, one cache")
     axes[3].axhline(ceiling["round_robin"], color="gray", ls=":", lw=1, label="trace ceiling, round robin")
     axes[3].legend(fontsize=7)
-    m = report.machine()
+    m = report.run_start()
     fig.suptitle(f"Prefix routing on Mooncake's conversation trace: {args.prefills} prefills + {args.decodes} decodes "
                  f"behind pdserve router, model {args.model} -- {m['cpu_model']} ({m['cpus']} CPUs), "
                  f"{m['utc'][:10]}\n{workload}", fontsize=9)
