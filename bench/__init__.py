@@ -13,16 +13,19 @@ measures (tests/unit/test_import_arrows.py).
 
 Run 'pdserve bench NAME --help' for the options of one benchmark.
 
+  pdserve bench reproduce    rerun a row of docs/results.md and print its new figure beside the published one
+
 Developer A/B scripts (tools/, not a package and not installed: run them from a checkout as
 ``.venv/bin/python bench/tools/NAME.py --help``):
 
   decode_step.py        decode step time of the engine at batch, A B per change; --profile: where a step goes
   step_ab.py            decode step time of two checkouts of the engine (before / after a change), A B A B
-  linear_merge.py       a decode step's linear layers, separate projections vs merged qkv / gate_up
   native_attention.py   the C++ decode attention (engine/csrc) vs its torch path; --against REV
-  pd_ab.py              P/D token gaps under variants of the code or environment, A B A B
-  ttft_parts.py         where a lone request's TTFT goes in P/D (client TTFT vs the prefill's metrics)
   operator_converge.py  N InferenceServices on a real control plane: time to converge, operator memory
+  conformance_vllm.py   pdserve bench conformance against vLLM's own P/D (a pair it starts)
+
+One-off investigation tools live beside the raw output of the figure they produced
+(docs/bench_raw/<run>/tools/, docs/bench_raw/README.md), not here.
 
 Reading path: loadgen.py (and its _workload and _report modules) is the client every serving
 benchmark uses; then the folder of the benchmark at hand, whose __init__ describes its files.
