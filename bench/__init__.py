@@ -46,6 +46,7 @@ BENCHES: dict[str, str] = {
     "chaos": "pdserve.bench.chaos",
     "conformance": "pdserve.bench.conformance",
     "slo-policy": "pdserve.bench.slo_policy",
+    "reproduce": "pdserve.bench.reproduce",
 }
 
 
