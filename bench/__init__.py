@@ -10,10 +10,9 @@ measures (tests/unit/test_import_arrows.py).
   pdserve bench conformance  pass/fail checks of any OpenAI endpoint: greedy answers, SSE, usage, cancellation,
                              4xx on bad input, streams when a server is killed (--kill-cmd) (conformance/)
   pdserve bench slo-policy   the cost of one ordering decision of the SLO queue (fifo, edf, qlm)
+  pdserve bench reproduce    rerun a row of docs/results.md and print its new figure beside the published one
 
 Run 'pdserve bench NAME --help' for the options of one benchmark.
-
-  pdserve bench reproduce    rerun a row of docs/results.md and print its new figure beside the published one
 
 Developer A/B scripts (tools/, not a package and not installed: run them from a checkout as
 ``.venv/bin/python bench/tools/NAME.py --help``):

@@ -5,9 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..provenance import run_start, save_figure, write_json
-
-__all__ = ["command", "save", "run_start", "save_figure", "pyplot", "cdf"]
+from ..provenance import save_figure, write_json
 
 
 

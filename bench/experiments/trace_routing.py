@@ -45,6 +45,7 @@ from .prefix import wait_routable
 from .trace_routing_figures import (BASELINE, DECODE_BLOCK_SOURCES, DECODE_COUNTERS, PREFILL_COUNTERS,
                                     ROUTER_COUNTERS, TARGETS, arm_order, counter_delta, pair_ratios, ratios,
                                     run_figures, summarize_arms, verdict)
+from ..provenance import run_start
 from ..trace_replay import MOONCAKE_TRACE
 from .trace_workload import TraceWorkload, build_workload, reuse_ceiling
 
@@ -208,7 +209,7 @@ def plot(runs: list[dict], arms: list[str], summary: dict, ceiling: dict, worklo
     axes[3].axhline(ceiling["one_cache"], color="k", ls="--", lw=1, label="trace ceiling, one cache")
     axes[3].axhline(ceiling["round_robin"], color="gray", ls=":", lw=1, label="trace ceiling, round robin")
     axes[3].legend(fontsize=7)
-    m = report.run_start()
+    m = run_start()
     fig.suptitle(f"Prefix routing on Mooncake's conversation trace: {args.prefills} prefills + {args.decodes} decodes "
                  f"behind pdserve router, model {args.model} -- {m['cpu_model']} ({m['cpus']} CPUs), "
                  f"{m['utc'][:10]}\n{workload}", fontsize=9)

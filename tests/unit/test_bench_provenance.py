@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pdserve import bench
 from pdserve.bench import provenance
-from pdserve.bench.experiments import report
+from pdserve.bench.experiments import report, trace_routing_figures
 from pdserve.bench.experiments.peer_report import run_figures
 from pdserve.bench.loadgen_report import RequestResult, summarize
 from pdserve.bench.provenance import machine, save_figure, stamp
@@ -86,11 +86,12 @@ def test_a_run_that_did_not_record_its_start_says_so(tmp_path):
     assert provenance.run_start.cache_info().currsize == 0  # a later start record is still its own
 
 
-def test_the_peer_experiment_keeps_every_requests_record():
+def test_the_peer_and_trace_routing_experiments_keep_every_requests_record():
     ok = RequestResult(0, prompt_tokens=8, output_tokens=2, ok=True, ttft=0.1, e2e=0.2, gaps=[0.1])
     failed = RequestResult(1, prompt_tokens=8, output_tokens=2, ok=False, error="HTTP 500: boom")
-    figures = run_figures(summarize([ok, failed], 1.0), [ok, failed])
-    assert figures["per_request"] == [ok.to_json(), failed.to_json()]
+    records = [ok.to_json(), failed.to_json()]
+    assert run_figures(summarize([ok, failed], 1.0), [ok, failed])["per_request"] == records
+    assert trace_routing_figures.run_figures([ok, failed], 1.0, {}, 2.0, 0.1)["per_request"] == records
 
 
 def _writes_json(tree: ast.AST) -> bool:
