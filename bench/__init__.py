@@ -10,6 +10,7 @@ measures (tests/unit/test_import_arrows.py).
   pdserve bench conformance  pass/fail checks of any OpenAI endpoint: greedy answers, SSE, usage, cancellation,
                              4xx on bad input, streams when a server is killed (--kill-cmd) (conformance/)
   pdserve bench slo-policy   the cost of one ordering decision of the SLO queue (fifo, edf, qlm)
+  pdserve bench reproduce    rerun a row of docs/results.md and print its new figure beside the published one
 
 Run 'pdserve bench NAME --help' for the options of one benchmark.
 
@@ -18,11 +19,12 @@ Developer A/B scripts (tools/, not a package and not installed: run them from a 
 
   decode_step.py        decode step time of the engine at batch, A B per change; --profile: where a step goes
   step_ab.py            decode step time of two checkouts of the engine (before / after a change), A B A B
-  linear_merge.py       a decode step's linear layers, separate projections vs merged qkv / gate_up
   native_attention.py   the C++ decode attention (engine/csrc) vs its torch path; --against REV
-  pd_ab.py              P/D token gaps under variants of the code or environment, A B A B
-  ttft_parts.py         where a lone request's TTFT goes in P/D (client TTFT vs the prefill's metrics)
   operator_converge.py  N InferenceServices on a real control plane: time to converge, operator memory
+  conformance_vllm.py   pdserve bench conformance against vLLM's own P/D (a pair it starts)
+
+One-off investigation tools live beside the raw output of the figure they produced
+(docs/bench_raw/<run>/tools/, docs/bench_raw/README.md), not here.
 
 Reading path: loadgen.py (and its _workload and _report modules) is the client every serving
 benchmark uses; then the folder of the benchmark at hand, whose __init__ describes its files.
@@ -31,6 +33,8 @@ benchmark uses; then the folder of the benchmark at hand, whose __init__ describ
 from __future__ import annotations
 
 from pdserve.cli import Dispatcher
+
+from .provenance import run_start
 
 # name -> module exposing add_arguments(parser) and run(args)
 BENCHES: dict[str, str] = {
@@ -41,7 +45,15 @@ BENCHES: dict[str, str] = {
     "chaos": "pdserve.bench.chaos",
     "conformance": "pdserve.bench.conformance",
     "slo-policy": "pdserve.bench.slo_policy",
+    "reproduce": "pdserve.bench.reproduce",
 }
 
 
-add_arguments, run = Dispatcher("pdserve bench", BENCHES, "benchmark").functions()
+add_arguments, _run_bench = Dispatcher("pdserve bench", BENCHES, "benchmark").functions()
+
+
+def run(args):
+    """Record where and on what the run starts (provenance.run_start: load, CPU, commit, dirty tree), then run
+    the benchmark; every result it writes carries that record."""
+    run_start()
+    return _run_bench(args)

@@ -18,7 +18,7 @@ Examples:
   pdserve bench serving --base-url http://127.0.0.1:8000 --model m --dataset random --tokenizer /ckpt
       --prompt-len 512 --output-len 64 --request-rate 1 --num-requests 30      (one command line)
   pdserve bench serving --concurrency 8 --dataset sharegpt --dataset-path sg.json
-  pdserve bench serving --dataset mooncake --dataset-path ../shared/traces/mooncake_conversation_trace.jsonl
+  pdserve bench serving --dataset mooncake --dataset-path bench/traces/mooncake_conversation_trace.jsonl.xz
       --token-ids 250 --trace-window 0:60 --trace-length-scale 0.125 --trace-time-scale 4 --num-requests 50
   pdserve bench serving --slo-ttft-ms 500 --slo-tbt-ms 50 --out results/
 
@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from pdserve.defaults import BUILTIN_MODEL, HTTP_PORT
+from pdserve.bench.provenance import write_json
 from pdserve.bench.loadgen_report import RequestResult, format_summary, plot, summarize
 from pdserve.bench import trace_replay
 from pdserve.bench.loadgen_workload import (LengthDistribution, RequestSpec, arrival_times, build_requests,
@@ -355,8 +356,7 @@ def run(args: argparse.Namespace) -> int:
     if trace is not None:
         doc["trace"] = trace  # how the trace was cut and scaled: every result names it
         print(f"workload: {args.dataset_path} ({args.dataset}), {trace}")
-    json_path = args.out / f"{args.name}.json"
-    json_path.write_text(json.dumps(doc, indent=1))
+    json_path = write_json(args.out / f"{args.name}.json", doc)
     png = plot(results, args.out / f"{args.name}.png", title=f"pdserve bench serving: {args.url}")
     print(format_summary(summary))
     print(f"wrote {json_path} and {png}")

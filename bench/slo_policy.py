@@ -15,7 +15,6 @@ fifo is the baseline the ratios are against.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import time
@@ -25,6 +24,8 @@ from pdserve.slo.classes import SloClass
 from pdserve.slo.estimator import Estimator, Job
 from pdserve.slo.groups import Waiting
 from pdserve.slo.policies import POLICIES, Context, evaluate, order
+
+from .provenance import write_json
 
 CLASSES = (SloClass("interactive", ttft_ms=1000, e2e_ms=20_000), SloClass("batch-1", e2e_ms=60_000),
            SloClass("batch-2", e2e_ms=3_600_000))
@@ -83,7 +84,5 @@ def run(args: argparse.Namespace) -> int:
             rows.append({"n": n, "policy": policy, "decision_s": cost, "late": late, "lateness_s": lateness})
             print(f"{n:>6} {policy:>6} {cost * 1000:>10.3f}ms {cost / base:>8.1f} {late:>6} {lateness:>11.1f}")
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "slo_policy.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
-                                                              "rows": rows}, indent=2))
+        write_json(args.out / "slo_policy.json", {"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows})
     return 0

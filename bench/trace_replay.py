@@ -2,7 +2,7 @@
 
 Pure functions (no I/O but reading the trace file), unit-tested without a server. Two formats:
 
-- ``mooncake``: Mooncake's JSONL (``../shared/traces/mooncake_conversation_trace.jsonl``), one request
+- ``mooncake``: Mooncake's JSONL (``MOONCAKE_TRACE``: bench/traces/, its README names source and licence), one request
   per line: ``{"timestamp": ms, "input_length": tokens, "output_length": tokens, "hash_ids": [...]}``.
   Each hash id stands for one ``TRACE_BLOCK_TOKENS``-token block of the prompt (the last one may be
   partial); two requests that share leading ids share that prefix.
@@ -26,13 +26,17 @@ A replay (``replay_requests``) keeps the trace's structure and says how it was s
    scaled length; tokens past its blocks (a trace whose length exceeds its ids) and every prompt
    of a trace without ids are drawn per request.
 
+A trace file may be xz- or gzip-compressed (``.xz``, ``.gz``): it is read as it is.
+
 ``Scaling.describe()`` is the one line every result names.
 """
 
 from __future__ import annotations
 
 import csv
+import gzip
 import json
+import lzma
 import random
 from dataclasses import dataclass
 from datetime import datetime
@@ -41,6 +45,7 @@ from pathlib import Path
 from .loadgen_workload import RequestSpec
 
 TRACE_BLOCK_TOKENS = 512  # tokens one Mooncake hash id stands for
+MOONCAKE_TRACE = Path(__file__).resolve().parent / "traces" / "mooncake_conversation_trace.jsonl.xz"  # bench/traces
 FORMATS = ("mooncake", "azure")
 _AZURE_COLUMNS = (("TIMESTAMP", "ContextTokens", "GeneratedTokens"), ("timestamp", "input_length", "output_length"))
 
@@ -106,6 +111,16 @@ def read_trace(path: Path, fmt: str) -> list[TraceRequest]:
     return sorted(reqs, key=lambda r: r.time_s)
 
 
+def open_text(path: Path, newline: str | None = None):
+    """A trace file opened as UTF-8 text, decompressed on the fly when its name ends in ``.xz`` or ``.gz``."""
+    path = Path(path)
+    if path.suffix == ".xz":
+        return lzma.open(path, "rt", encoding="utf-8", newline=newline)
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8", newline=newline)
+    return open(path, encoding="utf-8", newline=newline)
+
+
 def _positive_int(value, what: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{where}: {what} must be an integer >= 1, got {value!r}")
@@ -114,7 +129,7 @@ def _positive_int(value, what: str, where: str) -> int:
 
 def _read_mooncake(path: Path) -> list[TraceRequest]:
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -146,7 +161,7 @@ def _seconds(value: str, where: str) -> float:
 
 
 def _read_azure(path: Path) -> list[TraceRequest]:
-    with open(path, encoding="utf-8", newline="") as f:
+    with open_text(path, newline="") as f:
         reader = csv.DictReader(f)
         header = tuple(reader.fieldnames or ())
         cols = next((c for c in _AZURE_COLUMNS if set(c) <= set(header)), None)

@@ -6,8 +6,8 @@ one such collection took about 100 ms on this box (``gc.collect()`` after import
 with every thread of the process stopped: a token gap that long in a decode's stream. Python
 runs one only once the objects that survived since the last one reach a quarter of the
 long-lived ones, so they are rare (none in a P/D pair serving 24 requests of 512 + 64 tokens:
-``bench/tools/pd_ab.py``, ``PDSERVE_GC_FREEZE=0`` as one variant), but a long-running server
-meets them. vLLM freezes its heap after start-up for the same reason.
+``docs/bench_raw/2026-11-29-house-ab/tools/pd_ab.py``, ``PDSERVE_GC_FREEZE=0`` as one variant), but a
+long-running server meets them. vLLM freezes its heap after start-up for the same reason.
 
 ``settle(observe)``, called once a server has started and just before it says it is ready:
 - collects once and freezes what is left (``gc.freeze``: the permanent generation, which later

@@ -6,7 +6,7 @@ checksums, streaming). ``snapshot()`` names that work: each live Python thread's
 seconds it used since it started (from /proc), and the process's total; what the
 named threads do not account for ran on threads Python did not start (torch's intra-op pool, UCX,
 gRPC's core). Two snapshots around a load test give each thread's share of the core
-(``bench/tools/peer_trace_alone.py --load``).
+(``docs/bench_raw/2026-11-29-peer-trace-load/tools/peer_trace_alone.py --load``).
 """
 
 from __future__ import annotations

@@ -38,6 +38,7 @@ import time
 
 from pdserve.cachestore.memory import DTYPE_BYTES, CompatInfo, KVLayout, MemoryRegion
 
+from ..provenance import write_json
 from .peak_rss import PeakRSS
 
 DTYPE_BY_BYTES = {2: "float16", 4: "float32", 1: "uint8"}
@@ -80,8 +81,7 @@ def run(args: argparse.Namespace) -> int:
     results = asyncio.run(_bench(args, compat, layout, transports))
     _print(args, compat, layout, results)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
+        write_json(args.json, results)
     return 0
 
 

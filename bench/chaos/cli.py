@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pdserve.net import free_port
 
+from ..provenance import write_json
 from .faults import KINDS, FaultLoop, read_servers
 from .leaks import held_from_health, held_from_metrics, leaks
 from .load import prompt_pool, reference_texts, run_load
@@ -185,8 +186,7 @@ def run_chaos(args) -> int:
            "faults": [f.to_json() for f in faults.faults], "final_readings": readings, "leaks": leaked,
            "restarts": cluster.restart_lines(), "up_log": str(cluster.log), "server_logs": str(cluster.log_dir),
            "netem": shaper.describe() if shaper is not None else None}
-    json_path = out / f"{args.name}.json"
-    json_path.write_text(json.dumps(doc, indent=1))
+    json_path = write_json(out / f"{args.name}.json", doc)
     png = plot(records, faults.faults, out / f"{args.name}.png",
                title=f"pdserve bench chaos: --transfer {args.transfer}, {args.prefill} prefill + {args.decode} decode, "
                      f"{args.duration:.0f}s")

@@ -7,9 +7,9 @@ detail and its structured data, the run's configuration and the same counts.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from .. import provenance
 from .verdict import Result, summary
 
 DETAIL_WIDTH = 100
@@ -48,7 +48,4 @@ def document(results: list[Result], config: dict) -> dict:
 
 
 def write_json(path: Path, results: list[Result], config: dict) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document(results, config), indent=1, default=str))
-    return path
+    return provenance.write_json(path, document(results, config))

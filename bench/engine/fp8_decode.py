@@ -16,14 +16,13 @@ machine (CPU model, commit) for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from pdserve.bench.provenance import machine
+from pdserve.bench.provenance import run_start, write_json
 from pdserve.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams, fp8, load_model, native
 from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
 
@@ -87,12 +86,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--json", default=None, help="write the record here")
     args = p.parse_args(argv)
+    started = run_start()
     torch.set_num_threads(args.threads)
-    rec = {"machine": machine(), "threads": args.threads, "context": args.context, "fp8_path": fp8.describe(
+    rec = {"threads": args.threads, "context": args.context, "fp8_path": fp8.describe(
         torch.device("cpu")), "batches": {}}
     flags = set(native.cpu_flags().split())
     rec["isa"] = [f for f in ("avx2", "f16c", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    print(f"CPU: {rec['machine']['cpu_model']} ({' '.join(rec['isa'])}); commit {rec['machine']['git_commit']}; "
+    print(f"CPU: {started['cpu_model']} ({' '.join(rec['isa'])}); commit {started['git_commit']}; "
           f"{args.threads} thread(s); FP8 matmuls: {rec['fp8_path']}")
     directory = checkpoint()
     for batch in (int(b) for b in args.batches.split(",")):
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
               f"{byts['fp8'][1] / byts['bf16'][1]:.2f}x")
         del engines
     if args.json:
-        Path(args.json).write_text(json.dumps(rec, indent=2))
+        write_json(args.json, rec)
     return 0
 
 

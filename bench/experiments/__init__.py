@@ -17,7 +17,8 @@
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
-command, the machine, the figures, every measurement) and <out>/<name>.png.
+command, the provenance record of its start: bench/provenance.py, the figures, every measurement) and
+<out>/<name>.png.
 Run 'pdserve bench experiment NAME --help' for an experiment's options.
 
 Reading order: launcher.py (processes), cluster.py (server layouts), client.py (requests),

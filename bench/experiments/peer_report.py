@@ -38,7 +38,7 @@ def cell_name(prompt: int, output: int, rate: float) -> str:
 
 
 def run_figures(summary: dict, results: list[RequestResult]) -> dict:
-    """One run of one cell: the figures, plus TTFT and ITL quantiles for the plot (not every gap)."""
+    """One run of one cell: the figures, TTFT and ITL quantiles for the plot, and every request's record."""
     out = {}
     for name, (key, field) in FIGURES.items():
         value = summary[key] if field is None else summary[key][field]
@@ -54,6 +54,7 @@ def run_figures(summary: dict, results: list[RequestResult]) -> dict:
         if not r.ok:
             examples.setdefault(r.error.split(":", 1)[0][:80] or "unknown", r.error[:400])
     out["error_examples"] = examples  # the first full message of each kind
+    out["per_request"] = [r.to_json() for r in results]  # the raw records the figures come from (issue 52 item 4)
     out["ttft_quantiles"] = _quantiles([r.ttft for r in good if r.ttft is not None])
     out["itl_quantiles"] = _quantiles([g for r in good for g in r.gaps])
     return out

@@ -39,16 +39,13 @@ import argparse
 import json
 import random
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.bench.loadgen_report import summarize
-from pdserve.bench.loadgen_workload import random_requests, tokenizer_prompt_ids
+from pdserve.bench.loadgen_workload import random_requests
 from pdserve.slo.policies import POLICIES
 
 from .client import send
-from .launcher import MODEL_CACHE
-from .peer_model import peer_model
 from .peer_report import format_goodput, goodput_verdict, run_figures
 from .trace_routing import DEFAULT_TRACE
 from .trace_workload import TraceWorkload, build_workload
@@ -139,26 +136,6 @@ def pdserve_slo_flags(args: argparse.Namespace) -> list[str]:
 def max_len(args: argparse.Namespace) -> int:
     """The checkpoint's and servers' context: the longest prompt and output the cuts allow, and a margin."""
     return args.max_prompt_tokens + args.max_output_tokens + 64
-
-
-@dataclass(frozen=True)
-class DefaultTrace:
-    """The trace at this experiment's defaults (seed 0) on the ``small`` checkpoint, as the tools that take the
-    peer trace apart replay it (bench/tools/peer_trace_alone.py, bench/tools/trace_engine_compute.py)."""
-
-    args: argparse.Namespace
-    max_len: int
-    model: str  # the checkpoint's directory
-    pool: list[int]  # the token ids prompts are made of
-    work: TraceWorkload
-
-
-def default_trace(trace: Path = DEFAULT_TRACE) -> DefaultTrace:
-    args = argparse.Namespace(**TRACE_DEFAULTS, trace=trace, seed=0)
-    length = max_len(args)
-    model = str(peer_model(MODEL_CACHE, "small", max(4096, length)))
-    pool = tokenizer_prompt_ids(model)
-    return DefaultTrace(args, length, model, pool, workload(args, pool))
 
 
 def workload(args: argparse.Namespace, pool: list[int]) -> TraceWorkload:

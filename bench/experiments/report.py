@@ -1,12 +1,11 @@
-"""What every experiment writes: <out>/<name>.json (machine, command, figures) and a PNG."""
+"""What every experiment writes: <out>/<name>.json (the run's provenance, command, figures) and a PNG."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-from ..provenance import machine, save_figure
+from ..provenance import save_figure, write_json
 
 
 
@@ -15,12 +14,7 @@ def command() -> str:
 
 
 def save(out: Path, name: str, doc: dict) -> Path:
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.json"
-    path.write_text(json.dumps({"experiment": name, "command": command(), "machine": machine(), **doc}, indent=1,
-                               default=str))
-    return path
+    return write_json(Path(out) / f"{name}.json", {"experiment": name, "command": command(), **doc})
 
 
 def pyplot():

@@ -45,6 +45,8 @@ from .prefix import wait_routable
 from .trace_routing_figures import (BASELINE, DECODE_BLOCK_SOURCES, DECODE_COUNTERS, PREFILL_COUNTERS,
                                     ROUTER_COUNTERS, TARGETS, arm_order, counter_delta, pair_ratios, ratios,
                                     run_figures, summarize_arms, verdict)
+from ..provenance import run_start
+from ..trace_replay import MOONCAKE_TRACE
 from .trace_workload import TraceWorkload, build_workload, reuse_ceiling
 
 LEAST_LOADED_WEIGHT = 1_000_000  # prompt tokens per request in flight: more than any prompt (the CRD's maximum)
@@ -54,7 +56,7 @@ ARMS: dict[str, list[str]] = {  # arm -> router flags
     "prefix": ["--policy", "prefix"],
 }
 ARM_COLORS = {"round-robin": "tab:orange", "least-loaded": "tab:green", "prefix": "tab:blue"}
-DEFAULT_TRACE = Path("../shared/traces/mooncake_conversation_trace.jsonl")
+DEFAULT_TRACE = MOONCAKE_TRACE  # bench/traces/, shipped with the repository
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -207,7 +209,7 @@ def plot(runs: list[dict], arms: list[str], summary: dict, ceiling: dict, worklo
     axes[3].axhline(ceiling["one_cache"], color="k", ls="--", lw=1, label="trace ceiling, one cache")
     axes[3].axhline(ceiling["round_robin"], color="gray", ls=":", lw=1, label="trace ceiling, round robin")
     axes[3].legend(fontsize=7)
-    m = report.machine()
+    m = run_start()
     fig.suptitle(f"Prefix routing on Mooncake's conversation trace: {args.prefills} prefills + {args.decodes} decodes "
                  f"behind pdserve router, model {args.model} -- {m['cpu_model']} ({m['cpus']} CPUs), "
                  f"{m['utc'][:10]}\n{workload}", fontsize=9)

@@ -87,6 +87,7 @@ def run_figures(results: list[RequestResult], wall_s: float, counters: dict[str,
         "router_decisions": {k.split(":", 2)[2]: v for k, v in counters.items() if k.startswith("router:decisions:")},
         "decode_hit_rate": _share(blocks["reused"], sum(blocks.values())),
         "ttft_s": [r.ttft for r in results if r.ok and r.ttft is not None],
+        "per_request": [r.to_json() for r in results],  # the raw records the figures come from (issue 52 item 4)
     }
 
 

@@ -47,6 +47,7 @@ def test_table_markdown_and_json(tmp_path):
     assert md.splitlines()[0] == "| area | check | verdict | time | detail |" and "9/9 \\| equal" in md
     path = write_json(tmp_path / "out" / "c.json", rows, {"url": "http://x"})
     doc = json.loads(path.read_text())
+    assert doc.pop("provenance")["git_commit"]  # bench/provenance.write_json: the run's start record first
     assert doc == json.loads(json.dumps(document(rows, {"url": "http://x"})))
     assert doc["config"] == {"url": "http://x"} and doc["summary"]["failed_checks"] == ["bad-input.absurd-n"]
     assert doc["checks"][0]["detail"].endswith("x" * 300)  # the JSON keeps the whole detail

@@ -1,18 +1,20 @@
 """Trace replay (bench/trace_replay.py): equal hash ids give equal token blocks, the block structure
 is kept under length scaling, time scaling and windows, both trace formats with errors that name
-the line, and Mooncake's real conversation trace (../shared/traces) read whole."""
+the line, and Mooncake's real conversation trace (bench/traces, xz-compressed) read whole."""
 
 import argparse
+import gzip
 import json
+import lzma
 from pathlib import Path
 
 import pytest
 
 from pdserve.bench import loadgen, trace_replay
-from pdserve.bench.trace_replay import TRACE_BLOCK_TOKENS, Scaling, TraceRequest, read_trace, replay_requests
+from pdserve.bench.trace_replay import (MOONCAKE_TRACE, TRACE_BLOCK_TOKENS, Scaling, TraceRequest, read_trace,
+                                        replay_requests)
 
 POOL = list(range(1, 1000))
-SHARED_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
 def _mooncake(tmp_path, rows) -> Path:
@@ -117,15 +119,23 @@ def test_bad_traces_name_the_line(tmp_path, text, fmt, message):
         read_trace(path, "csv")
 
 
-def test_the_shared_mooncake_trace_reads_whole():
-    """The real trace beside the repository (../shared/traces): one hour, 12,031 requests, shared prefixes."""
-    assert SHARED_TRACE.is_file(), f"{SHARED_TRACE} is missing (CI has ../shared beside the repository)"
-    reqs = read_trace(SHARED_TRACE, "mooncake")
+def test_the_mooncake_trace_in_the_repository_reads_whole():
+    """The real trace shipped in bench/traces (xz): one hour, 12,031 requests, shared prefixes."""
+    assert MOONCAKE_TRACE.is_file(), f"{MOONCAKE_TRACE} is missing (bench/traces/README.md says how to rebuild it)"
+    reqs = read_trace(MOONCAKE_TRACE, "mooncake")
     assert len(reqs) == 12031 and reqs[-1].time_s < 3700
     specs, arrivals = replay_requests(reqs, Scaling(length_scale=1 / 64, duration_s=60.0), POOL)
     assert arrivals[0] == 0.0 and arrivals[-1] < 60.0 and len(specs) > 50
     firsts = [s.prompt_ids[:8] for s, r in zip(specs, reqs) if r.hash_ids and r.hash_ids[0] == 0]
     assert len(firsts) > 1 and all(f == firsts[0] for f in firsts)  # hash id 0 opens many prompts: one block
+
+
+def test_compressed_traces_read_as_plain_ones(tmp_path):
+    plain = _mooncake(tmp_path, ROWS)
+    for suffix, compress in ((".xz", lzma.compress), (".gz", gzip.compress)):
+        packed = tmp_path / f"trace.jsonl{suffix}"
+        packed.write_bytes(compress(plain.read_bytes()))
+        assert read_trace(packed, "mooncake") == read_trace(plain, "mooncake")
 
 
 def test_bench_serving_takes_a_trace(tmp_path):

