@@ -29,6 +29,7 @@ from pdserve import defaults, kv_sizing
 from pdserve.cachestore import TRANSPORTS
 from pdserve.cachestore.checksum import default_on as checksum_default_on
 from pdserve.engine.kv_formats import describe as describe_kv
+from pdserve.test_hooks import prefill_step_floor_s
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
@@ -260,7 +261,10 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     loaded, llm, max_len = load_engine(args)
     model_name = served_model_name(args)
     region, layout, compat = kv_parts(llm, args)
-    return ServerParts(loaded, AsyncLLMEngine(llm), max_len, model_name, region, layout, compat,
+    engine = AsyncLLMEngine(llm)
+    if role == "prefill":
+        engine.step_floor_s = prefill_step_floor_s()  # a test hook (pdserve/test_hooks.py), 0 in production
+    return ServerParts(loaded, engine, max_len, model_name, region, layout, compat,
                        compat_message(llm, args, model_name))
 
 

@@ -10,6 +10,7 @@ set in production), read when the part that uses them is built or reached, never
 | ``PDSERVE_TEST_KVPOOL_GATE``           | a KV-pool decode holds a pooled request once its loans are taken | kvpool/pooled.py |
 | ``PDSERVE_TEST_PLANNER_GATE``          | ``pdserve up --autoscale``'s planner neither observes nor decides until the gate opens | localcluster/up.py |
 | ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``   | every decode step with a running batch lasts at least this long | LsoController(step_floor_s=) |
+| ``PDSERVE_TEST_PREFILL_STEP_FLOOR_S``  | every step of the prefill's engine lasts at least this long     | AsyncLLMEngine.step_floor_s (server_setup.py) |
 | ``PDSERVE_TEST_CORRUPT_KV=N``          | the prefill's CacheStore sender flips one byte of one layer of the next N requests | CacheStoreSender(corrupt_kv=N) |
 
 The gates reach the request paths as a ``TestGates`` (``TestGates.from_environment()``, read once by
@@ -41,6 +42,7 @@ LAYER_GATE_ENV = "PDSERVE_TEST_LAYER_GATE"
 KVPOOL_GATE_ENV = "PDSERVE_TEST_KVPOOL_GATE"
 PLANNER_GATE_ENV = "PDSERVE_TEST_PLANNER_GATE"
 DECODE_STEP_FLOOR_ENV = "PDSERVE_TEST_DECODE_STEP_FLOOR_S"
+PREFILL_STEP_FLOOR_ENV = "PDSERVE_TEST_PREFILL_STEP_FLOOR_S"
 CORRUPT_KV_ENV = "PDSERVE_TEST_CORRUPT_KV"
 
 
@@ -72,6 +74,12 @@ def gate_dir(env: str) -> str:
 def gate_closed(directory: str) -> bool:
     """True while the gate at ``directory`` holds (a hook that is on and has no ``open`` file yet)."""
     return bool(directory) and not os.path.exists(os.path.join(directory, "open"))
+
+
+def prefill_step_floor_s() -> float:
+    """Seconds every step of the prefill's engine lasts at least (0: off): a long prompt's chunks then take
+    long enough that a test's short prompt arrives while they run, on any CPU."""
+    return float(os.environ.get(PREFILL_STEP_FLOOR_ENV) or 0)
 
 
 def decode_step_floor_s() -> float:
