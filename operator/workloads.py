@@ -9,7 +9,9 @@ rolls. The decode Service carries the version label too, and prefill's
 Pods run with secure defaults: non-root, no capabilities, no privilege escalation, a
 read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp. A pool's engine
 and pod settings (``spec.engine``, env, volumes, scheduling, ...: ``crd_pod.py``) are added by
-``pod_settings.py``; each Deployment gets a PodDisruptionBudget.
+``pod_settings.py``; each Deployment gets a PodDisruptionBudget. With ``spec.auth`` a prefill pod (and
+the router, ``router_workloads.py``) mounts the API keys' Secret read-only and gets ``--api-key-file``
+(``auth_volumes``, ``auth_args``).
 """
 
 from __future__ import annotations
