@@ -12,6 +12,7 @@ started with the same ``--api-key-file`` (one named key, one unnamed) on free po
 - /health, /ready and /metrics answer without a key;
 - the per-key counter moves by the requests each key made, under the key's name (the unnamed key's
   derived name), and refusals by reason; the scrape holds no key;
+- a router that takes its tokenizer from a prefill (--tokenizer-from-prefill) does so with its own key;
 - after wrong and right keys, no server's log (DEBUG) holds either key;
 - an unreadable or empty key file ends each server (and ``pdserve up``) at start with one line naming it.
 """
@@ -162,6 +163,21 @@ def test_requests_are_counted_per_key_name(doors):
     for server in (router, prefill):
         scrape = get(server.url + "/metrics")[1].decode()
         assert ALICE not in scrape and UNNAMED not in scrape and WRONG not in scrape
+
+
+def test_a_router_takes_its_tokenizer_from_a_prefill_behind_keys(doors, procs, tmp_path):
+    """The operator's router for a model on a claim: --tokenizer-from-prefill asks GET /tokenizer with its own
+    first key (without one the prefill answers 401 and the router would never be ready)."""
+    assert get(doors["prefill"].url + "/tokenizer")[0] == 401
+    port = free_port()
+    proc = procs.pdserve("router", "--port", str(port), "--tokenizer-from-prefill", "--prefill",
+                         doors["prefill"].grpc_address, "--load-interval", "0.1",
+                         "--api-key-file", str(doors["tmp"] / "api-keys"), name="router-tokenizer")
+    router = Server(proc, port, 0, 0, "router-tokenizer")
+    wait_ready(router)
+    assert chat(client(router, UNNAMED)).usage.completion_tokens == 4
+    log = (tmp_path / "logs" / "router-tokenizer.log").read_text(errors="replace")  # the procs fixture's logs
+    assert "tokenizer from prefill" in log and ALICE not in log and UNNAMED not in log
 
 
 def test_no_key_in_any_log(doors):
