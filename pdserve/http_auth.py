@@ -65,14 +65,15 @@ class Door:
     metrics: object | None = None
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, prog: str, metrics=None) -> Door:
-        """The keys of --api-key-file and --metrics-key-file; a file that cannot be used ends the process (one line)."""
+    def from_args(cls, args: argparse.Namespace, prog: str) -> Door:
+        """The keys of --api-key-file and --metrics-key-file (not counted yet: ``counted_by``); a file that cannot
+        be used ends the process with one line, ``prog: <file>: <why>``."""
         try:
             keys = api_keys.ApiKeys(api_keys.load(args.api_key_file)) if args.api_key_file else None
             metrics_keys = api_keys.ApiKeys(api_keys.load(args.metrics_key_file)) if args.metrics_key_file else None
         except api_keys.KeyFileError as exc:
             raise SystemExit(f"{prog}: {exc}") from None
-        return cls(keys, metrics_keys, metrics)
+        return cls(keys, metrics_keys)
 
     def counted_by(self, metrics) -> Door:
         """This door, its requests counted per key in ``metrics`` (a ServerMetrics)."""

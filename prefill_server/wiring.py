@@ -65,13 +65,13 @@ from pdserve import defaults, gc_pauses, server_setup, test_hooks
 from pdserve.batch.api import BatchService
 from pdserve.cachestore import CacheStoreSender
 from pdserve.engine import OutOfBlocksError, SamplingParams
+from pdserve.http_auth import Door
 from pdserve.kv_events import KvEventPublisher, KvEventsServicer
 from pdserve.metrics import EngineLoad, ServerMetrics
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 from pdserve.protos import session_pb2 as pb
-from pdserve.http_auth import Door
 from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics
 from pdserve.slo import GlobalQueue
 
