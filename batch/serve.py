@@ -11,7 +11,8 @@ through the admission queue but sequences of one ``PipelineEngine`` (``pipeline_
 up to ``--batch-max-in-flight`` at once (default: ``--max-num-seqs``), so TD-Pipe sees whole
 batches. Online serving stays on prefill/decode servers, where batch lines (when a prefill
 runs them) go through the lowest SLO class. ``GET /health`` and ``/ready``: the executor's
-state and the runner's (lines in flight, lines run).
+state and the runner's (lines in flight, lines run). With --api-key-file every other route needs
+one of its keys (``pdserve.http_auth``; this server has no /metrics, so nothing is counted per key).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import logging
 import os
 
-from pdserve import defaults
+from pdserve import defaults, http_auth
 from pdserve.server_setup import setup_logging, wait_for_stop_signal
 
 from .pipeline.cli import add_engine_arguments
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="lines in the pipeline engine at once (default: --max-num-seqs)")
     parser.add_argument("--batch-max-file-bytes", type=int, default=defaults.BATCH_MAX_FILE_BYTES)
     parser.add_argument("--log-level", default="info")
+    http_auth.add_arguments(parser)
     add_engine_arguments(parser)
 
 
@@ -52,10 +54,11 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"pdserve batch-server: --{flag.replace('_', '-')} must be > 0, got {value}")
     if not args.batch_db:
         raise SystemExit("pdserve batch-server: --batch-db must name a database file")
-    return asyncio.run(_serve(args))
+    door = http_auth.Door.from_args(args, "pdserve batch-server")
+    return asyncio.run(_serve(args, door))
 
 
-async def _serve(args) -> int:
+async def _serve(args, door: http_auth.Door) -> int:
     from aiohttp import web
 
     from .api import BatchService
@@ -88,11 +91,13 @@ async def _serve(args) -> int:
 
     app.router.add_get("/health", health)
     app.router.add_get("/ready", health)
+    door.install(app)  # no /metrics here: its requests are not counted per key
     web_runner = web.AppRunner(app, handler_cancellation=True)
     await web_runner.setup()
     await web.TCPSite(web_runner, args.host, args.port).start()
-    log.info("batch server ready: http %s:%d, database %s, %d pipeline stages, schedule %s, %d line(s) at once",
-             args.host, args.port, args.batch_db, args.pipeline_stages, args.schedule, runner.max_in_flight)
+    log.info("batch server ready: http %s:%d, database %s, %d pipeline stages, schedule %s, %d line(s) at once, %s",
+             args.host, args.port, args.batch_db, args.pipeline_stages, args.schedule, runner.max_in_flight,
+             door.describe())
     sig = await wait_for_stop_signal()
     log.info("%s: stopping (lines in flight stay pending and run after a restart)", sig)
     await runner.stop()

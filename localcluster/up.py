@@ -31,7 +31,7 @@ import urllib.request
 from functools import partial
 from pathlib import Path
 
-from pdserve import defaults
+from pdserve import api_keys, defaults
 from pdserve.net import free_ports
 from pdserve.test_hooks import PLANNER_GATE_ENV, gate_closed, gate_dir
 
@@ -59,6 +59,11 @@ class LocalCluster:
             raise SystemExit("pdserve up: need --prefill >= 1 and --decode >= 0")
         if args.decode == 0 and not args.local_fallback:
             raise SystemExit("pdserve up: --decode 0 needs --local-fallback (nothing could decode)")
+        if getattr(args, "api_key_file", None):  # a bad file: one line now, not a server that cannot start
+            try:
+                api_keys.load(args.api_key_file)
+            except api_keys.KeyFileError as exc:
+                raise SystemExit(f"pdserve up: {exc}") from None
         self.args = args
         self.scaling = autoscale.planner_config(args) if getattr(args, "autoscale", False) else None
         self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
@@ -114,6 +119,11 @@ class LocalCluster:
             common += ["--drain-timeout", f"{defaults.REQUEST_TIMEOUT_S:g}"]
         return common + (a.extra.split() if a.extra else [])
 
+    def _door(self) -> list[str]:
+        """--api-key-file for the OpenAI doors (router, prefills), as an absolute path (checked by ``__init__``)."""
+        path = getattr(self.args, "api_key_file", None)
+        return ["--api-key-file", str(Path(path).resolve())] if path else []
+
     def _new_decode(self) -> ServerProcess:
         i, self._count["decode"] = self._count["decode"], self._count["decode"] + 1
         grpc_port, http_port, kv_port = free_ports(3)
@@ -132,7 +142,7 @@ class LocalCluster:
             discovery = ["--decode", ",".join(decodes)]
         argv = ["prefill", "--port", str(port), "--grpc-port", str(grpc_port), *discovery, "--policy", a.policy,
                 "--disaggregation", a.disaggregation, "--decode-reuse" if a.decode_reuse else "--no-decode-reuse",
-                *self._common(), *a.prefill_extra.split()]
+                *self._common(), *self._door(), *a.prefill_extra.split()]
         if a.local_fallback:
             argv.append("--local-fallback")
         return self._server(f"prefill-{i}", argv, f"http://127.0.0.1:{port}/ready", "prefill",
@@ -151,7 +161,8 @@ class LocalCluster:
             prefills_arg = (["--discovery", "file", "--prefill-file", str(self.discovery_files["prefill"])]
                             if self.scaling
                             else ["--prefill", ",".join(p.address for p in prefills)])
-            argv = ["router", "--port", str(a.port), "--grpc-port", str(a.grpc_port), "--model", a.model, *prefills_arg]
+            argv = ["router", "--port", str(a.port), "--grpc-port", str(a.grpc_port), "--model", a.model, *prefills_arg,
+                    *self._door()]
             self.supervisor.servers.append(self._server("router", argv, f"http://127.0.0.1:{a.port}/ready", "router",
                                                         "", ""))
             self.endpoints.insert(0, f"http://127.0.0.1:{a.port}")
@@ -273,15 +284,19 @@ class LocalCluster:
             scaling = (f"\n  autoscaling: prefill {p.min_replicas}..{p.max_replicas}, decode "
                        f"{d.min_replicas}..{d.max_replicas} (SLO TTFT {a.slo_ttft_ms:g} ms, TBT "
                        f"{a.slo_tbt_ms:g} ms; decisions in {self.log_dir / 'autoscale.jsonl'})")
+        api_key, curl_auth, keys = ", api_key='none'", "", ""
+        if getattr(a, "api_key_file", None):  # never a key itself: the banner goes to logs
+            api_key, curl_auth = "", " -H \"Authorization: Bearer $OPENAI_API_KEY\""  # the client reads the variable
+            keys = f"\n  API keys: {Path(a.api_key_file).resolve()} (export OPENAI_API_KEY=<one of them>)"
         return f"""
 pdserve is up: {a.prefill} prefill, {a.decode} decode{', 1 router' if self.routers else ''}, model {a.model!r}, KV transfer {a.transfer}{scaling}
   OpenAI API: {url}/v1    ({'the router; prefills at ' + ', '.join(self.endpoints[1:]) if self.routers else 'the prefill'})
-  gRPC Generate: 127.0.0.1:{a.grpc_port}    logs: {self.log_dir}
+  gRPC Generate: 127.0.0.1:{a.grpc_port}    logs: {self.log_dir}{keys}
 
-  curl {url}/v1/completions -H 'Content-Type: application/json' \\
+  curl {url}/v1/completions -H 'Content-Type: application/json'{curl_auth} \\
        -d '{{"model": "{a.model}", "prompt": "Hello", "max_tokens": 16, "stream": true}}'
 
-  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1', api_key='none'); \\
+  python -c "from openai import OpenAI; c = OpenAI(base_url='{url}/v1'{api_key}); \\
 for ch in c.chat.completions.create(model='{a.model}', messages=[{{'role': 'user', 'content': 'Hi'}}], max_tokens=16, stream=True): \\
 print(ch.choices[0].delta.content or '', end='', flush=True)"
 

@@ -6,6 +6,7 @@ import argparse
 
 from pdserve import defaults
 from pdserve.cachestore import TRANSPORTS
+from pdserve.http_auth import API_KEY_FILE_HELP
 
 from . import autoscale
 from .supervisor import POLICIES
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to wait for all processes to be ready")
     parser.add_argument("--extra", default="", help="extra flags passed to every server process (one string)")
     parser.add_argument("--prefill-extra", default="", help="extra flags passed to every prefill process (one string)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="passed to the router and every prefill (the OpenAI doors); the decodes' ports take no "
+                             "keys. " + API_KEY_FILE_HELP)
     r = parser.add_argument_group("supervision (what happens when a server process dies)")
     r.add_argument("--restart", choices=POLICIES, default="always",
                    help="always: restart it with capped exponential backoff, same ports, the others keep serving; "

@@ -52,7 +52,7 @@ ENGINE_FLAGS = ("--engine", "--device", "--dtype", "--quantization", "--kv-cache
 OPERATOR_FLAGS = {
     "prefill": ("--host", "--port", "--grpc-port", "--model", "--served-model-name", "--discovery", "--namespace",
                 "--decode-selector", "--policy", "--transfer", "--block-size", "--drain-timeout", "--batch-db",
-                *ENGINE_FLAGS),
+                "--api-key-file", *ENGINE_FLAGS),
     "decode": ("--host", "--advertise-host", "--port", "--http-port", "--kv-port", "--model", "--served-model-name",
                "--transfer", "--block-size", "--drain-timeout", *ENGINE_FLAGS),
 }
@@ -60,8 +60,9 @@ OPERATOR_FLAGS = {
 OPERATOR_ENV = (defaults.ENV_INFERENCE_SERVICE, defaults.ENV_POOL, "POD_NAME", "POD_NAMESPACE", "POD_IP", "HOME",
                 "PDSERVE_PROTOCOL_VERSION", defaults.ENV_SLO_CLASSES)
 SHM_VOLUME, SHM_PATH = "dshm", "/dev/shm"
-OPERATOR_VOLUMES = ("tmp", "model", "model-cache", "batch", SHM_VOLUME)  # model-cache: model_pods.CACHE_VOLUME
-OPERATOR_MOUNT_PATHS = ("/tmp", SHM_PATH, "/model-cache")
+# model-cache: model_pods.CACHE_VOLUME; api-keys: workloads.API_KEYS_VOLUME (spec.auth)
+OPERATOR_VOLUMES = ("tmp", "model", "model-cache", "batch", "api-keys", SHM_VOLUME)
+OPERATOR_MOUNT_PATHS = ("/tmp", SHM_PATH, "/model-cache", defaults.API_KEYS_MOUNT)
 OPERATOR_ANNOTATIONS = ("prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path")
 # Pod labels: every key of naming.common_labels, and anything under pdserve.io/.
 OPERATOR_LABELS = tuple(naming.common_labels("x", "x", "x", "x"))

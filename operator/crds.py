@@ -125,6 +125,21 @@ ROUTING = _obj(
     default={},
 )
 
+AUTH = _obj(
+    {"apiKeySecret": _str("A Secret in the service's namespace holding the API keys: one key a line, or name:key (the "
+                          "name is what the metrics count requests under; blank lines and # comments ignored). "
+                          "Clients send a key as 'Authorization: Bearer <key>' (the OpenAI client's api_key).",
+                          minLength=1, maxLength=253, pattern=naming.DNS_SUBDOMAIN),
+     "key": _str("The Secret's key that holds the key file.", minLength=1, maxLength=253,
+                 pattern=r"^[-._a-zA-Z0-9]+$", default=defaults.API_KEYS_SECRET_KEY)},
+    required=["apiKeySecret"],
+    description="API keys at the OpenAI doors: the router and the prefills (with their Batch API) answer 401 to a "
+                "request without one of the keys, on every route but /health, /ready and /metrics. The operator "
+                "mounts the Secret read-only and passes it as --api-key-file; pods read it at start (restart them "
+                "after changing the Secret). Unset: no keys, the doors are open. docs/security.md says what the keys "
+                "stop and what they do not.",
+)
+
 IMAGE = _str("Container image with the pdserve command (default: the operator's own image).", minLength=1,
              maxLength=512)
 PULL_POLICY = _str("Image pull policy of the pods.", enum=["Always", "IfNotPresent", "Never"])
@@ -175,6 +190,7 @@ ISVC_SPEC = _obj(
         "routing": ROUTING,
         "slo": SLO,
         "autoscaling": AUTOSCALING,
+        "auth": AUTH,
     },
     required=["model", "decode"],
     **{"x-kubernetes-validations": [crd_pod.DTYPE_RULE, crd_pod.KV_DTYPE_RULE]},
@@ -272,7 +288,7 @@ def _pool_spec(role: str) -> dict:
     }
     required = ["inferenceService", "model", "image", "protocolVersion"]
     if role == "prefill":
-        properties.update({"routing": ROUTING, "slo": SLO, "batchStorage": BATCH_STORAGE})
+        properties.update({"routing": ROUTING, "slo": SLO, "batchStorage": BATCH_STORAGE, "auth": AUTH})
     else:
         properties["poolName"] = _str("The pool's name in the InferenceService.", pattern=naming.DNS_LABEL,
                                       maxLength=naming.MAX_POOL_NAME)

@@ -102,6 +102,8 @@ def build_prefill_pool(isvc: dict, config: OperatorConfig, existing: dict | None
     pool_spec["slo"] = {"ttftMs": crds.DEFAULT_TTFT_MS, "tbtMs": crds.DEFAULT_TBT_MS, **spec.get("slo", {})}
     if prefill.get("batchStorage"):
         pool_spec["batchStorage"] = prefill["batchStorage"]
+    if spec.get("auth"):  # the API keys: the prefill's HTTP port is a door too (the router's is rendered from spec)
+        pool_spec["auth"] = spec["auth"]
     isvc_replicas = int(prefill.get("replicas", crds.DEFAULT_REPLICAS))
     return _pool("PrefillPool", naming.prefill_name(name), namespace, name, "prefill", "prefill",
                  pool_spec["protocolVersion"], pool_replicas(isvc_replicas, existing), pool_spec, isvc_replicas,

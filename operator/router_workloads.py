@@ -15,6 +15,8 @@ creation order):
   downloads the config and tokenizer files alone (``fetch-model --tokenizer-only``) into its own
   emptyDir; for a model on a claim (pvc://, ``spec.model.pvcName``) it mounts no claim (it may run
   on any node) and takes the files from a prefill (``--tokenizer-from-prefill``) (model_pods.py);
+  with ``spec.auth`` the API keys' Secret mounted read-only and ``--api-key-file`` (the same keys as the
+  prefills': a client's key is checked here and again by the prefill it is relayed to);
 - PodDisruptionBudget ``<isvc>-router`` (``spec.router.disruptionBudget``, default maxUnavailable 1);
 - NetworkPolicy ``<isvc>-router`` when the operator runs with --network-policy: the HTTP
   port open, nothing else (the router only dials out).
@@ -63,6 +65,7 @@ def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
         "--drain-timeout", str(workloads.DRAIN_TIMEOUT_S),
         "--namespace", namespace or "$(POD_NAMESPACE)",
         "--prefill-selector", naming.prefill_selector(name),
+        *workloads.auth_args(isvc["spec"]),  # the prefills' keys: clients' keys go on to them, and the router's own
     ]
     load_weight = router_settings(isvc).get("loadWeight")
     if load_weight is not None:
@@ -77,6 +80,8 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
     name, namespace, spec, labels = _facts(isvc, config)
     router = naming.router_name(name)
     volumes, mounts, init_containers = workloads.model_volumes(spec, tokenizer_only=True)
+    auth_volumes, auth_mounts = workloads.auth_volumes(isvc["spec"])
+    volumes, mounts = volumes + auth_volumes, mounts + auth_mounts
     port = defaults.HTTP_PORT
     container = workloads.server_container(
         ROLE, spec, router_args(isvc, config), [{"name": "http", "containerPort": port, "protocol": "TCP"}],

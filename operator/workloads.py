@@ -9,7 +9,9 @@ rolls. The decode Service carries the version label too, and prefill's
 Pods run with secure defaults: non-root, no capabilities, no privilege escalation, a
 read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp. A pool's engine
 and pod settings (``spec.engine``, env, volumes, scheduling, ...: ``crd_pod.py``) are added by
-``pod_settings.py``; each Deployment gets a PodDisruptionBudget.
+``pod_settings.py``; each Deployment gets a PodDisruptionBudget. With ``spec.auth`` a prefill pod (and
+the router, ``router_workloads.py``) mounts the API keys' Secret read-only and gets ``--api-key-file``
+(``auth_volumes``, ``auth_args``).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ DRAIN_TIMEOUT_S = int(defaults.REQUEST_TIMEOUT_S)
 TERMINATION_GRACE_S = PRESTOP_SLEEP_S + DRAIN_TIMEOUT_S + 15
 DRAIN_LIFECYCLE = {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_S)]}}}
 BATCH_DB_IN_POD = f"{defaults.BATCH_DATA_MOUNT}/batch.sqlite"  # with spec.batchStorage.pvcName
+API_KEYS_VOLUME = "api-keys"  # with spec.auth: its Secret
+API_KEY_FILE_IN_POD = f"{defaults.API_KEYS_MOUNT}/{defaults.API_KEYS_FILE}"
 
 
 def prefill_args(pool: dict) -> list[str]:
@@ -81,6 +85,7 @@ def prefill_args(pool: dict) -> list[str]:
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
         *(["--batch-db", BATCH_DB_IN_POD] if spec.get("batchStorage", {}).get("pvcName") else []),
+        *auth_args(spec),
         *queue_policy_args(spec),
         *disaggregation_args(spec),
         *pod_settings.engine_args(spec),
@@ -184,6 +189,23 @@ def batch_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
             [{"name": "batch", "mountPath": defaults.BATCH_DATA_MOUNT}])
 
 
+def auth_args(spec: dict) -> list[str]:
+    """--api-key-file where ``auth_volumes`` mounts spec.auth's Secret (nothing without spec.auth)."""
+    return ["--api-key-file", API_KEY_FILE_IN_POD] if spec.get("auth") else []
+
+
+def auth_volumes(spec: dict) -> tuple[list[dict], list[dict]]:
+    """The Secret of spec.auth (its one key, as the file API_KEYS_FILE), mounted read-only at API_KEYS_MOUNT, for
+    a router or prefill pod; nothing without spec.auth. Readable by the pod's group (fsGroup) only."""
+    auth = spec.get("auth")
+    if not auth:
+        return [], []
+    items = [{"key": auth.get("key", defaults.API_KEYS_SECRET_KEY), "path": defaults.API_KEYS_FILE}]
+    return ([{"name": API_KEYS_VOLUME, "secret": {"secretName": auth["apiKeySecret"], "items": items,
+                                                  "defaultMode": 0o440}}],
+            [{"name": API_KEYS_VOLUME, "mountPath": defaults.API_KEYS_MOUNT, "readOnly": True}])
+
+
 TERMINATION_MESSAGE_POLICY = "FallbackToLogsOnError"  # the log's end when the container wrote no message
 
 
@@ -281,8 +303,8 @@ def build_deployment(pool: dict) -> dict:
     http_port = defaults.HTTP_PORT if role == "prefill" else defaults.DECODE_HTTP_PORT
     volumes, mounts, init_containers = model_volumes(spec)
     if role == "prefill":
-        extra_volumes, extra_mounts = batch_volumes(spec)
-        volumes, mounts = volumes + extra_volumes, mounts + extra_mounts
+        for extra_volumes, extra_mounts in (batch_volumes(spec), auth_volumes(spec)):
+            volumes, mounts = volumes + extra_volumes, mounts + extra_mounts
     container = server_container(role, spec, prefill_args(pool) if role == "prefill" else decode_args(pool),
                                  _ports(role), pod_env(spec, role, pool_name), mounts, http_port, startup_failures=120)
     return server_deployment(name=name, namespace=namespace, labels=pool_labels(pool), selector=pool_selector(pool),

@@ -14,6 +14,7 @@ Reading path (see also README.md and each package's __init__):
 - ``pdserve.kv_events``       KV events of a server's prefix cache (epoch + seq), streamed to routers and prefills
 - ``pdserve.kv_index``        the receiving end: PrefixIndex (pure), fed by ``pdserve.kv_follow``
 - ``pdserve.chat_prompt``     the chat-to-prompt rule the prefill tokenizes by and the router hashes by
+- ``pdserve.http_auth``       API keys at the OpenAI doors (router, prefill, batch server); the key file: ``api_keys``
 """
 
 __version__ = "0.1.0"

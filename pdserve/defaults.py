@@ -17,7 +17,8 @@ __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "MAX_NUM_BATCHED_TOKENS", "LONG_PREFIL
            "REQUEST_TIMEOUT_S", "REQUEST_TIMEOUT_HEADER", "SESSION_TIMEOUT_S", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS",
            "RESUME_WAIT_S", "TOKENIZER_WAIT_S", "DISAGGREGATION_MODES",
            "DISAGGREGATION", "ENV_SLO_CLASSES",
-           "BATCH_DB", "BATCH_DATA_MOUNT", "BATCH_MAX_IN_FLIGHT", "BATCH_MAX_FILE_BYTES", "BATCH_SLO_CLASS"]
+           "BATCH_DB", "BATCH_DATA_MOUNT", "BATCH_MAX_IN_FLIGHT", "BATCH_MAX_FILE_BYTES", "BATCH_SLO_CLASS",
+           "API_KEYS_MOUNT", "API_KEYS_FILE", "API_KEYS_SECRET_KEY"]
 
 # Prefill pods: the OpenAI-compatible HTTP API (also /health, /ready, /metrics).
 HTTP_PORT = 8000
@@ -84,3 +85,10 @@ BATCH_MAX_IN_FLIGHT = 4
 BATCH_MAX_FILE_BYTES = 100 * 1024 * 1024
 # Prefill: the SLO class batch lines run in when the server declares it (--batch-slo-class).
 BATCH_SLO_CLASS = "batch"
+
+# Router and prefill pods of an InferenceService with spec.auth: the operator mounts the Secret's key
+# (spec.auth.key, default API_KEYS_SECRET_KEY) read-only as the file API_KEYS_FILE in API_KEYS_MOUNT and
+# passes that path as --api-key-file (pdserve/http_auth.py).
+API_KEYS_MOUNT = "/etc/pdserve/api-keys"
+API_KEYS_FILE = "keys"
+API_KEYS_SECRET_KEY = "api-keys"

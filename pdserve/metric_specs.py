@@ -176,7 +176,17 @@ PROCESS_METRICS: tuple[MetricSpec, ...] = (
                "Full (generation 2) garbage collections of the server process, each one's duration: every thread "
                "waits meanwhile (a token gap that long).", buckets=FINE_BUCKETS),
 )
-METRICS = METRICS + SLO_METRICS + PROCESS_METRICS
+# API keys at the OpenAI doors (pdserve/http_auth.py), in the prefill and the router: a key's name
+# (api_keys.py), never the key
+AUTH_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("api_key_requests", "pdserve_api_key_requests_total", _C,
+               "Requests let in by each API key, by the key's name (name:key in the key file, else key- and 8 hex "
+               "digits of its SHA-256).", ("api_key",)),
+    MetricSpec("api_key_refusals", "pdserve_api_key_refusals_total", _C,
+               "Requests refused with 401 at the door, by reason (missing: no Bearer key; invalid: not a known key).",
+               ("reason",)),
+)
+METRICS = METRICS + SLO_METRICS + PROCESS_METRICS + AUTH_METRICS
 
 
 ROUTER_METRICS: tuple[MetricSpec, ...] = (
@@ -207,4 +217,5 @@ ROUTER_METRICS: tuple[MetricSpec, ...] = (
                "Router: block hashes the index holds for each prefill.", ("prefill",)),
     MetricSpec("router_routable_prefills", "pdserve_router_routable_prefills", _G,
                "Router: prefills with a fresh, ready load report."),
-) + SLO_METRICS + PROCESS_METRICS  # SLO_METRICS: its queue (router/slo_gate.py), with SLO classes declared
+    # SLO_METRICS: its queue (router/slo_gate.py), with SLO classes declared; AUTH_METRICS: its door's API keys
+) + SLO_METRICS + PROCESS_METRICS + AUTH_METRICS

@@ -85,6 +85,10 @@ slo_policy                      prefill   the queue policy places an arrival in 
 slo_queued                      prefill   a request joins or leaves the global queue
 gc_full_collection              all       each full garbage collection of the process, after it is ready
                                           (``pdserve.gc_pauses``; the router too)
+api_key_requests,               prefill,  with --api-key-file: a request the door let in, by the key's
+api_key_refusals                router    name (never the key); one it refused with 401, by reason
+                                          (missing|invalid); /health, /ready, /metrics not counted
+                                          (``pdserve.http_auth``)
 ==============================  ========  ================================================
 
 The model-server protocol (Gateway API Inference Extension). An InferencePool's endpoint

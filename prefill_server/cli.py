@@ -72,7 +72,7 @@ import argparse
 import asyncio
 import logging
 
-from pdserve import defaults
+from pdserve import defaults, http_auth
 from pdserve.server_setup import add_server_arguments, ensure_engine_environment, setup_logging, wait_for_stop_signal
 from pdserve.slo import POLICIES
 from pdserve.slo import classes as slo_classes
@@ -162,6 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help=f"SLO class of batch lines (default: {defaults.BATCH_SLO_CLASS!r} when --slo-classes declares "
                         f"it, else the default class); with --queue-policy edf or qlm a class without targets waits "
                         f"behind the online classes")
+    http_auth.add_arguments(parser)
 
 
 def make_discovery(args):
@@ -198,16 +199,17 @@ def run(args: argparse.Namespace) -> int:
     if args.batch_slo_class is not None and args.batch_slo_class not in slo.names():
         raise SystemExit(f"pdserve prefill: --batch-slo-class {args.batch_slo_class!r} is not a declared SLO class; "
                          f"known: {slo.known()}")
+    door = http_auth.Door.from_args(args, "pdserve prefill")  # before the model loads: a bad key file ends it at once
     if args.discovery == "static" and not discovery.addresses() and not args.local_fallback:
         log.warning("no --decode given and no --local-fallback: every request will get 503")
-    return asyncio.run(serve(args, discovery, slo))
+    return asyncio.run(serve(args, discovery, slo, door))
 
 
-async def serve(args: argparse.Namespace, discovery, slo: slo_classes.SloClasses) -> int:
+async def serve(args: argparse.Namespace, discovery, slo: slo_classes.SloClasses, door: http_auth.Door) -> int:
     """Start the parts (``wiring.py``), serve until SIGTERM/SIGINT, drain, stop."""
     from .wiring import start
 
-    server = await start(args, discovery, slo)
+    server = await start(args, discovery, slo, door)
     sig = await wait_for_stop_signal()
     await server.drain(sig, args.drain_timeout)
     await server.stop()

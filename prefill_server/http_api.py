@@ -34,6 +34,10 @@ finish_reason number exactly ``usage.completion_tokens``, and their texts joined
 last one's equal the non-streamed text. Chat: the first event also has ``role``. A stop
 string is never sent, nor the tokens after the one that completed it.
 
+API keys (``--api-key-file``): every route but /health, /ready and /metrics answers 401
+(``invalid_api_key``) to a request without one, before its handler (``pdserve.http_auth``, installed by
+``wiring.start_http``).
+
 Errors: bad input -> 400 with an OpenAI error body (the server keeps serving); a request
 that needs more KV blocks than any decode holds in all -> 413 (``request_too_large``) at
 once; every decode merely full -> the request waits in the admission queue (no error),

@@ -39,7 +39,8 @@ them whole. In start order:
 9. **Batch API** - BatchService (``pdserve.batch.api``) from the --batch-* flags and the frontend
    (resumes unfinished jobs).
 10. **HTTP** - HttpApi's routes (frontend, probes, metrics) + the Batch API's + GET /tokenizer
-    (--model), on --host:--port.
+    (--model), behind the API keys (``pdserve.http_auth.Door``: every route but /health, /ready and
+    /metrics; requests counted per key in the metrics), on --host:--port.
 11. **gRPC** - Generate (frontend) and KvEvents (the publisher, the probes' load), on
     --host:--grpc-port.
 12. The start-up heap settles (gc_pauses), and "prefill ready" is logged.
@@ -64,6 +65,7 @@ from pdserve import defaults, gc_pauses, server_setup, test_hooks
 from pdserve.batch.api import BatchService
 from pdserve.cachestore import CacheStoreSender
 from pdserve.engine import OutOfBlocksError, SamplingParams
+from pdserve.http_auth import Door
 from pdserve.kv_events import KvEventPublisher, KvEventsServicer
 from pdserve.metrics import EngineLoad, ServerMetrics
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
@@ -98,9 +100,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("pdserve.prefill")
 
 
-async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses) -> PrefillServer:
+async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses, door: Door) -> PrefillServer:
     """Build and start every part, in the order of the module docstring; ``slo``: the SLO classes
-    (--slo-classes, loaded and checked by ``cli.run``)."""
+    (--slo-classes, loaded and checked by ``cli.run``); ``door``: the API keys (--api-key-file,
+    --metrics-key-file, read by ``cli.run``)."""
     metrics = ServerMetrics.from_env(role="prefill")
     parts = build_server_engine(args, "prefill")
     engine, loaded = parts.engine, parts.loaded
@@ -133,7 +136,8 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses)
     await discovery.start()
     await poller.start()
     probes.batch = batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
-    http_runner = await start_http(frontend, probes, batch, metrics, args.model, args.host, args.port)
+    http_runner = await start_http(frontend, probes, batch, metrics, args.model, args.host, args.port,
+                                   door.counted_by(metrics))
     grpc_server = await start_grpc(frontend, kv_events, probes.load, args.host, args.grpc_port)
     gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
     log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
@@ -141,6 +145,7 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses)
              args.grpc_port, discovery.addresses() or "(none yet)", args.policy, args.transfer,
              "on" if args.local_fallback else "off", "on" if args.decode_reuse else "off", args.disaggregation,
              args.queue_policy, "; ".join(c.describe() for c in slo))
+    log.info("HTTP door: %s", door.describe())
     return PrefillServer(engine, sender, discovery, poller, frontend, probes, http_runner, grpc_server)
 
 
@@ -212,10 +217,11 @@ def make_slo_queue(slo: SloClasses, policy: str, metrics: ServerMetrics, picker:
 
 
 async def start_http(frontend: Frontend, probes: Probes, batch: BatchService, metrics: ServerMetrics, model: str,
-                     host: str, port: int) -> web.AppRunner:
+                     host: str, port: int, door: Door) -> web.AppRunner:
     """OpenAI routes and probes, the Batch API's routes, POST /tokenize and /detokenize, GET /tokenizer (for
-    a router that mounts no model: ``model`` is --model), listening on host:port."""
+    a router that mounts no model: ``model`` is --model), behind ``door``'s API keys, listening on host:port."""
     app = HttpApi(frontend, probes.health, metrics, is_draining=lambda: probes.draining).app()
+    door.install(app)
     batch.add_routes(app)
     tokenize_api.add_routes(app, frontend)
     tokenizer_api.add_routes(app, model)

@@ -10,7 +10,9 @@ or the built-in one), or ``--tokenizer-from-prefill`` takes the files from a pre
 (``prefill_tokenizer.py``; the router then needs no copy of the model, and exits with status 1 when
 no prefill gives them within --tokenizer-wait seconds). /ready is 503 while no prefill is routable
 or the tokenizer is not loaded yet. SIGTERM/SIGINT: /ready turns 503, in-flight relays get
---drain-timeout seconds to finish, then the router stops.
+--drain-timeout seconds to finish, then the router stops. With --api-key-file every HTTP route but
+/health, /ready and /metrics needs one of its keys (``pdserve.http_auth``); the client's
+``Authorization`` header goes on to the prefill, so prefills behind a router take the same key file.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import asyncio
 import logging
 import os
 
-from pdserve import defaults, gc_pauses
+from pdserve import defaults, gc_pauses, http_auth
 from pdserve.server_setup import drain, setup_logging, wait_for_stop_signal
 from pdserve.slo import classes as slo_classes
 from pdserve.slo.policies import POLICIES
@@ -86,6 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     q.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
                    help="seconds a request may wait in the router's queue (a client's X-Request-Timeout or gRPC "
                         "deadline shortens it); then 504 / DEADLINE_EXCEEDED naming the queue")
+    http_auth.add_arguments(parser)
 
 
 def make_discovery(args):
@@ -121,11 +124,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"pdserve router: {exc}")
     if args.discovery == "static" and not discovery.addresses():
         raise SystemExit("pdserve router: no --prefill given")
-    return asyncio.run(serve(args, discovery, tokenizer))
+    door = http_auth.Door.from_args(args, "pdserve router")
+    return asyncio.run(serve(args, discovery, tokenizer, door))
 
 
-async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
-    """``tokenizer``: None with --tokenizer-from-prefill (a PrefillTokenizer loads it once the router serves)."""
+async def serve(args: argparse.Namespace, discovery, tokenizer, door: http_auth.Door) -> int:
+    """``tokenizer``: None with --tokenizer-from-prefill (a PrefillTokenizer loads it once the router serves);
+    ``door``: the API keys (every HTTP route but /health, /ready, /metrics)."""
     import grpc
     from aiohttp import web
 
@@ -145,7 +150,8 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
     prefills = PrefillSet(discovery, index, metrics, name=f"router:{args.port}", interval_s=args.discovery_interval,
                           load_interval_s=args.load_interval, load_expiry_s=args.load_expiry)
     router = Router(prefills, index, tokenizer, metrics, args.load_weight, args.policy)
-    from_prefill = PrefillTokenizer(prefills, args.tokenizer_wait) if tokenizer is None else None
+    own_key = door.keys.first() if door.keys is not None else None  # the prefills take the same keys
+    from_prefill = PrefillTokenizer(prefills, args.tokenizer_wait, api_key=own_key) if tokenizer is None else None
     gate = None
     if args.slo is not None:
         from pdserve.slo import GlobalQueue
@@ -160,7 +166,9 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
     generate = RouterGenerateServicer(router, metrics, gate=gate, request_timeout_s=args.request_timeout,
                                       relays=relays)
     await prefills.start()
-    runner = web.AppRunner(api.app(), handler_cancellation=True)
+    app = api.app()
+    door.counted_by(metrics).install(app)
+    runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     grpc_server = None
@@ -173,6 +181,7 @@ async def serve(args: argparse.Namespace, discovery, tokenizer) -> int:
     log.info("router ready: http %s:%d, grpc %s, prefills %s, policy %s, load weight %g tokens/request, tokenizer %s",
              args.host, args.port, args.grpc_port or "off", discovery.addresses() or "(none yet)", args.policy,
              args.load_weight, "from a prefill (not loaded yet)" if from_prefill else args.model)
+    log.info("HTTP door: %s", door.describe())
     if gate is not None:
         log.info("SLO queue: policy %s, classes %s", gate.queue.policy, "; ".join(c.describe() for c in args.slo))
     stop = asyncio.ensure_future(wait_for_stop_signal())

@@ -14,7 +14,8 @@
 
 Which prefill, the retries, the resumes and the in-flight counts are ``relay.py``'s (shared with the
 gRPC API); this module speaks HTTP. The request body goes to the prefill untouched (with the headers
-``X-SLO-Class`` and ``X-Request-Timeout``, and ``X-PDServe-Resumable: 1``) and its status, content
+``X-SLO-Class``, ``X-Request-Timeout`` and ``Authorization`` (the client's API key: a prefill behind
+API keys checks it too, ``pdserve.http_auth``), and ``X-PDServe-Resumable: 1``) and its status, content
 type, ``Retry-After`` and body come back unchanged (SSE events as they arrive, whole, without the token ids a prefill adds to the events of
 a stream the router can resume: ``resume.py``), so a 400 or a 429 is the prefill's own. A prefill that
 cannot be connected to before its response starts is skipped for the next one in the
@@ -38,7 +39,7 @@ import time
 import uuid
 
 import aiohttp
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from pdserve.defaults import PREFILL_WAIT_S, REQUEST_TIMEOUT_HEADER, REQUEST_TIMEOUT_S
 from pdserve.slo import HEADER as SLO_HEADER
@@ -52,7 +53,8 @@ from .slo_gate import GateTimeout, SloGate, TokenCounter, deadline_s, request_cl
 
 log = logging.getLogger(__name__)
 RELAYED_HEADERS = ("Content-Type", "Cache-Control", "Retry-After")
-FORWARDED_HEADERS = (SLO_HEADER, REQUEST_TIMEOUT_HEADER)  # request headers the prefill reads (SLO class, deadline)
+# request headers the prefill reads: SLO class, deadline, the client's API key (pdserve.http_auth)
+FORWARDED_HEADERS = (SLO_HEADER, REQUEST_TIMEOUT_HEADER, hdrs.AUTHORIZATION)
 
 
 def _error(status: int, message: str, code: str, type_: str = "service_unavailable") -> web.Response:
@@ -132,8 +134,11 @@ class RouterApi:
         if not routable:
             return _error(503, "no prefill is routable", "no_prefill_available")
         body = await request.read() if request.can_read_body else None
+        headers = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
         async with self._client().request(request.method, routable[0].http_url + request.path, data=body,
-                                        headers=None if body is None else {"Content-Type": "application/json"}) as up:
+                                        headers=headers) as up:
             return web.Response(body=await up.read(), status=up.status, headers=_headers(up))
 
     async def preview(self, request: web.Request) -> web.Response:

@@ -50,8 +50,10 @@ class _FetchFailed(Exception):
 
 
 class PrefillTokenizer:
-    def __init__(self, prefills: PrefillSet, wait_s: float, retry_s: float = RETRY_S):
+    def __init__(self, prefills: PrefillSet, wait_s: float, retry_s: float = RETRY_S, api_key: bytes | None = None):
+        """``api_key``: sent as ``Authorization: Bearer`` (prefills behind API keys take the router's)."""
         self.prefills, self.wait_s, self.retry_s = prefills, wait_s, retry_s
+        self.headers = {"Authorization": "Bearer " + api_key.decode()} if api_key else {}
         self.source: str | None = None  # the prefill the files came from, once loaded
         self.files: list[str] = []
         self.last_failure = ""
@@ -112,7 +114,7 @@ class PrefillTokenizer:
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> dict:
         try:
-            async with session.get(url) as resp:
+            async with session.get(url, headers=self.headers) as resp:
                 body = bytearray()
                 async for chunk in resp.content.iter_chunked(1 << 16):
                     body += chunk

@@ -76,6 +76,8 @@ def test_every_metric_is_exported_with_the_common_labels():
     m.slo_estimate_error.labels(slo_class="default", part="e2e").observe(0.1)
     m.slo_queued.labels(slo_class="default").set(0)
     m.kv_evictions.labels(action="evict").inc()
+    m.api_key_requests.labels(api_key="alice").inc()  # the OpenAI doors' keys (pdserve.http_auth)
+    m.api_key_refusals.labels(reason="missing").inc()
     # the KV tier metrics follow the engine's running totals (server_setup.follow_tier_metrics)
     for attr in ("kv_tier_hits", "kv_tier_evictions", "kv_tier_checksum_mismatches", "kv_tier_write_errors"):
         m.follow_counter(attr, lambda: 3, tier="disk")

@@ -8,7 +8,8 @@ binary, started by the test on a free port) scrapes all three every second, addi
 load generator (`pdserve bench serving`'s send_requests) plus a few invalid requests. One
 decode has a tiny KV pool and prefill uses round robin with one attempt and local
 fallback, so refusals, retries and local fallbacks really happen and their panels have
-data; the prefill has KV tiers (host, disk), so the tier panels have series. Then every
+data; the prefill has KV tiers (host, disk), so the tier panels have series; a second prefill
+(SLO classes, its burst queues) is behind an API key, so the per-key panel has series. Then every
 panel's PromQL (template variables substituted) and every template variable query runs
 against Prometheus's HTTP API; each must return data.
 """
@@ -41,6 +42,9 @@ DASHBOARDS = sorted((Path(__file__).resolve().parents[2] / "charts" / "pdserve" 
 NAMESPACE, SERVICE = "pdtest", "obs-test"
 # the second prefill's SLO classes: "strict" is missed by every request, "default" met by every one
 SLO_CLASSES = {"ttftMs": 60000, "e2eMs": 60000, "classes": [{"name": "strict", "ttftMs": 1, "priority": 1}]}
+# the second prefill is behind an API key (the per-key panel): the burst sends it, one request without it is refused
+BURST_KEY = "sk-dashboards-burst-3c9a"
+BURST_AUTH = {"Authorization": f"Bearer {BURST_KEY}"}
 VARIABLES = {"$namespace": NAMESPACE, "$inference_service": SERVICE, "$__rate_interval": "2m"}
 
 
@@ -64,7 +68,7 @@ async def slo_burst(url: str) -> list[int]:
 
     async def one(session, i):
         body = {"model": SERVED_MODEL, "prompt": [7] * 100, "max_tokens": 16, "ignore_eos": True, "priority": i % 2}
-        async with session.post(url + "/v1/completions", json=body) as resp:
+        async with session.post(url + "/v1/completions", json=body, headers=BURST_AUTH) as resp:
             await resp.read()
             return resp.status
 
@@ -72,8 +76,9 @@ async def slo_burst(url: str) -> list[int]:
         return await asyncio.gather(*(one(session, i) for i in range(6)))
 
 
-def post_bad_request(url: str) -> int:
-    body = json.dumps({"model": SERVED_MODEL, "prompt": "x", "max_tokens": -1}).encode()
+def post_status(url: str, max_tokens: int) -> int:
+    """The status of a /v1/completions with no header but its content type (max_tokens -1: a bad request)."""
+    body = json.dumps({"model": SERVED_MODEL, "prompt": "x", "max_tokens": max_tokens}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     try:
         urllib.request.urlopen(req, timeout=10)
@@ -102,9 +107,12 @@ def loaded_cluster(tmp_path_factory):
                                     extra=["--policy", "rr", "--max-attempts", "1", "--kv-host-tier-bytes", "1MiB",
                                            "--kv-disk-tier-dir", str(tmp_path / "kv-disk"),
                                            "--kv-disk-tier-bytes", "4MiB"])
-            # a second front door without local fallback, so that requests queue (the SLO panels)
+            # a second front door without local fallback, so that requests queue (the SLO panels), behind an API key
+            keys = tmp_path / "api-keys"
+            keys.write_text(f"burst:{BURST_KEY}\n")
             slo_prefill = start_prefill(launcher, "prefill-slo", "tiny", [small], threads=1, extra=[
-                "--max-attempts", "1", "--queue-policy", "qlm", "--slo-classes", json.dumps(SLO_CLASSES)])
+                "--max-attempts", "1", "--queue-policy", "qlm", "--slo-classes", json.dumps(SLO_CLASSES),
+                "--api-key-file", str(keys)])
             targets = [(name, server.url.removeprefix("http://"), {"namespace": NAMESPACE})
                        for name, server in (("prefill", prefill), ("decode-small", small), ("decode-big", big),
                                             ("prefill-slo", slo_prefill))]
@@ -118,7 +126,8 @@ def loaded_cluster(tmp_path_factory):
                 results, _ = asyncio.run(send_requests(config, specs, arrivals=arrival_times(40, 8.0, "poisson", rng)))
                 failed = [r.error for r in results if not r.ok]
                 assert not failed, failed[:3]
-                assert [post_bad_request(prefill.url) for _ in range(3)] == [400] * 3
+                assert [post_status(prefill.url, -1) for _ in range(3)] == [400] * 3
+                assert post_status(slo_prefill.url, 1) == 401  # no key: the refusals' series
                 gate.close()
                 burst: list = []
                 sender = threading.Thread(target=lambda: burst.extend(asyncio.run(slo_burst(slo_prefill.url))))
