@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import pickle
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
+
+if TYPE_CHECKING:
+    from ..model import DecoderModel
 
 STOP = -1  # a steps header: the worker returns
 IDLE_TIMEOUT = timedelta(days=365)  # a worker waiting for rank 0's next step
@@ -33,11 +36,14 @@ class TPGroup:
     def __init__(self, store: dist.Store, rank: int, size: int, device: torch.device, timeout_s: float):
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         timeout = timedelta(seconds=timeout_s)
-        self.steps = dist.ProcessGroupGloo(dist.PrefixStore("steps", store), rank, size, IDLE_TIMEOUT)
-        self.payload = dist.ProcessGroupGloo(dist.PrefixStore("payload", store), rank, size, timeout)
-        self.compute = self.payload
+        # (Any: torch's stubs do not declare the backends' collectives)
+        self.steps: Any = dist.ProcessGroupGloo(dist.PrefixStore("steps", store), rank, size, IDLE_TIMEOUT)
+        self.payload: Any = dist.ProcessGroupGloo(dist.PrefixStore("payload", store), rank, size, timeout)
+        self.compute: Any = self.payload
         if device.type == "cuda":  # the model's tensors stay on the GPU: NCCL for them, gloo for the bytes
-            self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, size, timeout)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, size, options)
 
     # ---- the step's inputs (rank 0 sends, the others receive) ----------------------------------
     def send(self, message: object) -> None:
@@ -49,7 +55,7 @@ class TPGroup:
     def send_stop(self) -> None:
         self.steps.broadcast(torch.tensor([STOP]), 0).wait()
 
-    def receive(self) -> object | None:
+    def receive(self) -> Any:
         """A worker: the next message from rank 0, or None when rank 0 stops the group."""
         header = torch.empty(1, dtype=torch.long)
         self.steps.broadcast(header, 0).wait()
@@ -78,10 +84,10 @@ class TPGroup:
 
         return gather
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: DecoderModel) -> None:
         """Hook the collectives on ``model``'s row-parallel projections and its LM head (a DecoderModel)."""
         for layer in model.layers:
             for name in ("o_proj", "down_proj"):
                 if hasattr(layer, name):
-                    getattr(layer, name).combine = self.all_reduce
-        model.lm_head.combine = self.gather_vocab(model.cfg.vocab_size)
+                    setattr(getattr(layer, name), "combine", self.all_reduce)
+        setattr(model.lm_head, "combine", self.gather_vocab(model.cfg.vocab_size))

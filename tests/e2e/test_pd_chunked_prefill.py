@@ -3,9 +3,10 @@ after one of the long prompt's chunks, not after its whole prefill.
 
 The prefill's engine steps are given a floor (the test hook ``PDSERVE_TEST_PREFILL_STEP_FLOOR_S``), so
 the long prompt's four chunks take four floors on any CPU and the short request, sent once the long
-prompt holds its blocks in the engine (after its first step), reaches the engine while the long prompt still has chunks to go. The assertion is
-on the order the prefill recorded (the short prompt's prefill done before the long one's), not on a
-duration. Both texts equal the same prompts served one at a time (afterwards); nothing is held afterwards.
+prompt holds its blocks in the engine (after its first step), reaches the engine while the long prompt
+still has chunks to go. The assertion is on the order the prefill recorded (the short prompt's prefill
+done before the long one's), not on a duration. Both texts equal the same prompts served one at a time
+(afterwards); nothing is held afterwards.
 """
 
 import threading
