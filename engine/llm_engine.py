@@ -170,6 +170,10 @@ class LLMEngine:
         # the P/D primitives, called as engine.pd.reserve(...) etc. (pd_hooks.py)
         self.pd = PDHooks(self.scheduler, self.factory, self.outputs, self.max_model_len, self.step)
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
+        if config.tensor_parallel_size > 1:  # rank 0's pool holds only its KV heads: nothing moves in or out
+            self.pd.kv_stays = self.swapper.kv_stays = (
+                f"KV cannot move out of or into a tensor-parallel engine yet (size {config.tensor_parallel_size}: "
+                "each rank's pool holds only its KV heads): compute prompts where they decode")
 
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
         """CUDA graphs for pure-decode steps up to max_num_seqs rows; a failed capture leaves the engine eager.

@@ -6,22 +6,28 @@ split; Qwen2 with q/k/v biases, one KV head replicated on both ranks and a vocab
 Mistral; Qwen3, Gemma 2, Gemma 3 from transformers' checkpoints: q/k norms, sliding windows, a tied LM
 head); chunked prefill, prefix-cache hits and prompt logprobs under TP 2. The ranks' shards of the
 built-in model are the TP 1 weights sliced. A worker killed mid-stream fails the next step with one line
-naming its rank; the engine is lost and its other workers gone. After close() no worker is left running.
+naming its rank; the engine is lost and its other workers gone, and the AsyncLLMEngine ends the streams and
+calls ``on_lost`` (a server exits there). After close() no worker is left running. The server flags that
+clash with TP > 1 are refused in one line; KV never crosses a TP engine's pool (P/D between TP servers is
+not built yet).
 """
 
+import argparse
+import asyncio
 import os
 import signal
 
 import pytest
 import torch
 
-from harness.conditions import wait_until
+from harness.conditions import until, wait_until
 from harness.engine_runs import record_step_logits, run_all
 from harness.hf_checkpoints import build_tiny
-from pdserve.engine import ConfigError, EngineConfig, LLMEngine, ModelConfig, SamplingParams, load_model
+from pdserve.engine import AsyncLLMEngine, ConfigError, EngineConfig, LLMEngine, ModelConfig, SamplingParams, load_model
 from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
 from pdserve.engine.errors import TensorParallelError
 from pdserve.engine.tp.shard import ShardError
+from pdserve.server_setup import check_tensor_parallel
 
 TOL = 1e-4
 STEPS = 12
@@ -164,3 +170,64 @@ def test_sizes_that_do_not_split_the_model_are_refused_naming_the_problem(tmp_pa
     with pytest.raises(ValueError, match="KV tiers with tensor parallelism"):
         EngineConfig(tensor_parallel_size=2, kv_host_tier_bytes=1 << 20)
     assert issubclass(ShardError, ValueError) and not issubclass(ShardError, ConfigError)
+
+
+def test_the_async_engine_fails_the_streams_and_calls_on_lost_when_a_rank_dies():
+    """What a server hears (it exits there: server_setup.exit_server): the streams end with the one line."""
+    engine = _engine("tiny", 2)
+    lost: list[BaseException] = []
+
+    async def main():
+        aeng = AsyncLLMEngine(engine)
+        aeng.on_lost = lost.append
+        await aeng.start()
+        outs = []
+        async for out in aeng.generate("r", [256, 72, 105], SamplingParams(max_tokens=200, temperature=0,
+                                                                           ignore_eos=True)):
+            if not outs:
+                os.kill(engine.runner.steps.procs[0].pid, signal.SIGKILL)
+            outs.append(out)
+        await until(lambda: lost, "on_lost called")
+        await aeng.stop()
+        return outs[-1]
+
+    try:
+        last = asyncio.run(main())
+    finally:
+        engine.close()
+    assert last.finish_reason == "abort" and "tensor-parallel rank 1" in last.error
+    assert isinstance(lost[0], TensorParallelError) and "rank 1" in str(lost[0])
+
+
+def _server_args(**flags) -> argparse.Namespace:
+    base = dict(tensor_parallel_size=2, engine="builtin", disaggregation="never", kv_pool="", eviction=True)
+    return argparse.Namespace(**{**base, **flags})
+
+
+def test_server_flags_that_clash_with_tensor_parallelism_are_refused_in_one_line():
+    with pytest.raises(SystemExit, match="--tensor-parallel-size 2 needs the built-in engine"):
+        check_tensor_parallel(_server_args(engine="vllm"), "decode")
+    with pytest.raises(SystemExit, match="--tensor-parallel-size 2 needs --disaggregation never .* got "
+                                         "--disaggregation always"):
+        check_tensor_parallel(_server_args(disaggregation="always"), "prefill")
+    with pytest.raises(SystemExit, match="--kv-pool needs --tensor-parallel-size 1"):
+        check_tensor_parallel(_server_args(kv_pool="gm:1"), "decode")
+    with pytest.raises(SystemExit, match="--tensor-parallel-size must be >= 1, got 0"):
+        check_tensor_parallel(_server_args(tensor_parallel_size=0), "decode")
+    args = _server_args()
+    check_tensor_parallel(args, "decode")
+    assert args.eviction is False  # each rank holds only its KV heads: nothing is evicted to host memory
+
+
+def test_kv_never_crosses_a_tensor_parallel_engines_pool():
+    engine = _engine("tiny", 2)
+    try:
+        with pytest.raises(ValueError, match="KV cannot move out of or into a tensor-parallel engine"):
+            engine.pd.prefill_only("p", [256, 72], GREEDY, on_layer=lambda *a: None)
+        engine.pd.reserve("d", 2, 4)
+        with pytest.raises(ValueError, match="KV cannot move"):
+            engine.pd.add_prefilled("d", [256, 72], 105, GREEDY)
+        engine.pd.prefill_reserved("d", [256, 72], GREEDY)  # computed here: allowed
+        assert sum(len(o.new_token_ids) for o in _drain(engine)) == STEPS and engine.num_requests() == 0
+    finally:
+        engine.close()
