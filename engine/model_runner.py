@@ -199,8 +199,7 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
             slot_parts.append(self.kv_cache.slot_indices(torch.tensor(blocks), torch.tensor(offsets)))
             max_ctx = max(ctx)
-            table_t = torch.tensor(tables, device=dev)
-            ctx_t = torch.tensor(ctx, device=dev)
+            table_t, ctx_t = torch.tensor(tables, device=dev), torch.tensor(ctx, device=dev)
             if not kernels:  # the kernels read the tables; attention.py gathers these rows
                 decode_rows = self.kv_cache.table_rows(table_t)[:, :max_ctx]
                 decode_mask = (torch.arange(max_ctx, device=dev) < ctx_t.unsqueeze(1)).view(len(dec), 1, 1, max_ctx)
