@@ -43,6 +43,7 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+
 class LocalSteps:
     """The forward of a step in this process (tensor-parallel size 1)."""
 

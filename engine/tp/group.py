@@ -90,4 +90,6 @@ class TPGroup:
             for name in ("o_proj", "down_proj"):
                 if hasattr(layer, name):
                     setattr(getattr(layer, name), "combine", self.all_reduce)
+            if getattr(layer, "sparse", False):  # a MoE layer: its experts' summed output (models/qwen3_moe.py)
+                setattr(layer, "combine", self.all_reduce)
         setattr(model.lm_head, "combine", self.gather_vocab(model.cfg.vocab_size))

@@ -19,9 +19,16 @@ Per layer, rank r of N holds (H heads, KVH KV heads, I the MLP's intermediate si
   vocab-parallel one would add an all-reduce of [T, hidden] to every step (8 MiB for a 2k-token
   prefill at hidden 1024) to save V x hidden bytes per rank. A tied LM head takes its rows from it.
 
+MoE layers (qwen3_moe): every expert is split as a dense MLP is, by its own width (gate/up rows, down
+columns of ``moe_intermediate_size / N``), and the router is whole: each rank routes every token the same
+way and runs every chosen expert on its slice; the layer's output is summed across ranks (one all-reduce,
+as a dense MLP's). Tensor parallelism inside the experts rather than expert parallelism: it needs no
+token exchange and keeps each rank's work the same whatever the router picks (expert parallelism would
+balance only on average, and a rank would wait on the busiest one every layer).
+
 FP8 checkpoints: a ``*.weight_scale`` with one entry per output row is sliced with its weight's rows;
-others (per tensor, or a column-sliced weight's rows) stay whole. MoE layers (qwen3_moe) are
-refused: their experts are not split yet. ``Shard(0, 1, cfg)`` is the whole model (TP 1).
+others (per tensor, or a column-sliced weight's rows) stay whole. ``Shard(0, 1, cfg)`` is the whole model
+(TP 1).
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ _SLICES = {
     "self_attn.o_proj.weight": (1, "q"),
     "mlp.gate_proj.weight": (0, "mlp"), "mlp.up_proj.weight": (0, "mlp"), "mlp.down_proj.weight": (1, "mlp"),
 }
+# a MoE layer's experts ("mlp.experts.<e>.<suffix>"): each expert's MLP split as a dense one, by its own width
+_EXPERT_SLICES = {"gate_proj.weight": (0, "moe"), "up_proj.weight": (0, "moe"), "down_proj.weight": (1, "moe")}
 
 
 class ShardError(ValueError):
@@ -62,7 +71,8 @@ class Shard:
         """The model this rank runs: its heads, KV heads and MLP width (the rest as the checkpoint's)."""
         cfg = self.full
         return replace(cfg, num_heads=cfg.num_heads // self.size, num_kv_heads=len(self.kv_heads),
-                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size // self.size)
+                       head_dim=cfg.head_dim, intermediate_size=cfg.intermediate_size // self.size,
+                       moe_intermediate_size=cfg.moe_intermediate_size // self.size)
 
     @property
     def kv_heads(self) -> range:
@@ -86,8 +96,8 @@ class Shard:
             return range(self.rank * per, (self.rank + 1) * per)
         if kind == "kv":
             return range(self.kv_heads.start * d, self.kv_heads.stop * d)
-        if kind == "mlp":
-            per = self.full.intermediate_size // self.size
+        if kind in ("mlp", "moe"):
+            per = (self.full.intermediate_size if kind == "mlp" else self.full.moe_intermediate_size) // self.size
             return range(self.rank * per, (self.rank + 1) * per)
         rows = self.vocab_rows  # "vocab"
         return range(self.rank * rows, min((self.rank + 1) * rows, self.full.vocab_size))
@@ -96,7 +106,8 @@ class Shard:
         """(dim, indices) of the checkpoint tensor ``hf_name`` this rank takes; None: the whole tensor."""
         if hf_name == "lm_head.weight":
             return 0, self._range("vocab")
-        for suffix, (dim, kind) in _SLICES.items():
+        slices = _EXPERT_SLICES if ".mlp.experts." in hf_name else _SLICES
+        for suffix, (dim, kind) in slices.items():
             if hf_name.endswith(suffix):
                 return dim, self._range(kind)
         return None
@@ -118,10 +129,11 @@ class Shard:
 
     def _whole(self, hf_name: str) -> int:
         """Rows of the whole weight ``hf_name`` along the dim its rule slices (for its scale's length)."""
-        _, kind = next((v for s, v in _SLICES.items() if hf_name.endswith(s)), (0, "vocab"))
+        slices = _EXPERT_SLICES if ".mlp.experts." in hf_name else _SLICES
+        _, kind = next((v for s, v in slices.items() if hf_name.endswith(s)), (0, "vocab"))
         cfg = self.full
-        return {"q": cfg.num_heads * cfg.head_dim, "kv": cfg.num_kv_heads * cfg.head_dim,
-                "mlp": cfg.intermediate_size, "vocab": cfg.vocab_size}[kind]
+        return {"q": cfg.num_heads * cfg.head_dim, "kv": cfg.num_kv_heads * cfg.head_dim, "mlp": cfg.intermediate_size,
+                "moe": cfg.moe_intermediate_size, "vocab": cfg.vocab_size}[kind]
 
     def tied_head(self, embedding: torch.nn.Parameter) -> torch.nn.Parameter:
         """The LM head of a model whose head is its embedding: the embedding itself, or this rank's rows."""
@@ -146,9 +158,9 @@ def check_splittable(cfg: ModelConfig, size: int) -> None:
         raise ShardError(f"tensor-parallel size must be >= 1, got {size}")
     if size == 1:
         return
-    if cfg.num_experts:
-        raise ShardError(f"tensor parallelism does not split MoE experts yet: {cfg.architecture} needs "
-                         f"tensor-parallel size 1, got {size}")
+    if cfg.num_experts and cfg.moe_intermediate_size % size:
+        raise ShardError(f"tensor-parallel size {size} does not divide the model's expert MLP size "
+                         f"{cfg.moe_intermediate_size}")
     if cfg.num_heads % size:
         raise ShardError(f"tensor-parallel size {size} does not divide the model's {cfg.num_heads} attention heads")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:

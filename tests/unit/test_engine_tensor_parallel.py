@@ -4,12 +4,12 @@ TP 2 against TP 1 on the same checkpoint: greedy tokens identical and the logits
 float32 tolerance, on every dense family the engine has (Llama: the built-in model, 4 heads / 2 KV heads
 split; Qwen2 with q/k/v biases, one KV head replicated on both ranks and a vocabulary of odd size, padded;
 Mistral; Qwen3, Gemma 2, Gemma 3 from transformers' checkpoints: q/k norms, sliding windows, a tied LM
-head); chunked prefill, prefix-cache hits and prompt logprobs under TP 2. The ranks' shards of the
-built-in model are the TP 1 weights sliced. A worker killed mid-stream fails the next step with one line
-naming its rank; the engine is lost and its other workers gone, and the AsyncLLMEngine ends the streams and
-calls ``on_lost`` (a server exits there). After close() no worker is left running. The server flags that
-clash with TP > 1 are refused in one line; KV never crosses a TP engine's pool (P/D between TP servers is
-not built yet).
+head) and on the MoE one (Qwen3-MoE: each expert split, the router whole); chunked prefill, prefix-cache
+hits and prompt logprobs under TP 2. The ranks' shards of the built-in model are the TP 1 weights sliced.
+A worker killed mid-stream fails the next step with one line naming its rank; the engine is lost and its
+other workers gone, and the AsyncLLMEngine ends the streams and calls ``on_lost`` (a server exits there).
+After close() no worker is left running. The server flags that clash with TP > 1 are refused in one line;
+KV never crosses a TP engine's pool (P/D between TP servers is not built yet).
 """
 
 import argparse
@@ -40,8 +40,9 @@ def one_thread():
 
 
 def _llama_like(directory, architecture: str, **fields) -> str:
-    cfg = ModelConfig(vocab_size=131, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                      num_kv_heads=1, architecture=architecture, max_position_embeddings=256, **fields)
+    shape = dict(vocab_size=131, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=1,
+                 max_position_embeddings=256)
+    cfg = ModelConfig(architecture=architecture, **{**shape, **fields})
     save_hf_checkpoint(random_hf_weights(cfg, seed=5, std=0.15), cfg, directory)
     return str(directory)
 
@@ -77,7 +78,7 @@ def _prompts(vocab: int) -> dict:
     return {str(i): (torch.randint(0, vocab, (n,), generator=gen).tolist(), GREEDY) for i, n in enumerate((9, 30))}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3", "qwen3_moe"])
 def test_tp2_greedy_tokens_and_logits_equal_tp1(family, tmp_path):
     model = _checkpoint(family, tmp_path)
     requests = _prompts(128)
@@ -163,10 +164,12 @@ def test_sizes_that_do_not_split_the_model_are_refused_naming_the_problem(tmp_pa
         load_model("tiny", tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 but the model was loaded for 1 rank\(s\)"):
         LLMEngine(load_model("tiny"), EngineConfig(tensor_parallel_size=2))
-    moe = tmp_path / "moe"
-    build_tiny("qwen3_moe").save_pretrained(str(moe))
-    with pytest.raises(ShardError, match="does not split MoE experts yet: Qwen3MoeForCausalLM"):
-        load_model(str(moe), tensor_parallel_size=2)
+    with pytest.raises(ShardError, match="tensor-parallel size 2 does not divide the model's MLP intermediate size "
+                                         "95"):
+        load_model(_llama_like(tmp_path / "odd", "LlamaForCausalLM", intermediate_size=95), tensor_parallel_size=2)
+    with pytest.raises(ShardError, match="size 4 and the model's 6 KV heads: one must divide the other"):
+        load_model(_llama_like(tmp_path / "kv", "LlamaForCausalLM", num_heads=12, num_kv_heads=6, hidden_size=96),
+                   tensor_parallel_size=4)
     with pytest.raises(ValueError, match="KV tiers with tensor parallelism"):
         EngineConfig(tensor_parallel_size=2, kv_host_tier_bytes=1 << 20)
     assert issubclass(ShardError, ValueError) and not issubclass(ShardError, ConfigError)
