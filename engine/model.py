@@ -160,21 +160,12 @@ class DecoderModel(nn.Module):
         return logits.float()
 
     @torch.inference_mode()
-    def forward(
-        self,
-        batch: ForwardBatch,
-        kv: KVCache,
-        on_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab]`` of each sequence's last new token; writes new tokens' K/V."""
-        return self.step(batch, kv, (), on_layer)
-
-    @torch.inference_mode()
-    def step(self, batch: ForwardBatch, kv: KVCache, extra_rows=(), on_layer: Callable[[int], None] | None = None,
-             on_rows: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
-        """``forward``, then the logits of each tensor of row indices in ``extra_rows`` (prompt logprobs), handed
-        to ``on_rows(i, logits)`` one tensor at a time. Every tensor-parallel rank runs exactly this (the same
-        collectives in the same order: ``tp/``)."""
+    def forward(self, batch: ForwardBatch, kv: KVCache, on_layer: Callable[[int], None] | None = None,
+                extra_rows=(), on_rows: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` of each sequence's last new token; writes new tokens' K/V. Then the
+        logits of each tensor of row indices in ``extra_rows`` (prompt logprobs), handed to ``on_rows(i,
+        logits)`` one tensor at a time. Every tensor-parallel rank runs exactly this (the same collectives in
+        the same order: ``tp/``)."""
         x = self._embed(batch.input_ids)
         x = self.run_layers(x, batch, kv, range(len(self.layers)), on_layer)
         logits = self.head(x, batch)

@@ -51,7 +51,7 @@ class LocalSteps:
         self.model, self.kv = model, kv_cache
 
     def run(self, batch: ForwardBatch, extra_rows, on_layer, on_rows) -> torch.Tensor:
-        return self.model.step(batch, self.kv, extra_rows, on_layer, on_rows)
+        return self.model(batch, self.kv, on_layer, extra_rows, on_rows)
 
     def close(self) -> None:
         pass

@@ -12,7 +12,7 @@
 
 ``run(batch, extra_rows, on_layer, on_rows)`` is the runner's forward (``model_runner.py``: the same
 call as ``LocalSteps``): the step's ForwardBatch and prompt-logprob rows go to every rank (pickled,
-``group.send``), then rank 0 runs ``DecoderModel.step`` as they do, and gets the whole vocabulary's
+``group.send``), then rank 0 runs the model's forward as they do, and gets the whole vocabulary's
 logits. A failure part-way (a rank dead or hung, or any error here once the ranks have the step) leaves
 the ranks out of step: the engine is then lost for good, ``run`` raises TensorParallelError (naming the
 rank that exited, with its exit code) now and on every later call, and the workers are stopped.
@@ -97,7 +97,7 @@ class TensorParallelSteps:
             raise self.lost
         try:
             self.group.send((on_cpu(batch), [rows.cpu() for rows in extra_rows]))
-            return self.model.step(batch, self.kv, extra_rows, on_layer, on_rows)
+            return self.model(batch, self.kv, on_layer, extra_rows, on_rows)
         except Exception as exc:  # the ranks are out of step whatever failed: the engine is lost
             self.lost = TensorParallelError(self._why(exc))
             self.close()

@@ -5,7 +5,7 @@
    the engine switches, makes its KV cache (rank 0's block count, its own KV heads); if it cannot,
    it writes the one-line reason to the store (``error/<rank>``, which rank 0 reports) and exits 1;
 3. waits at the barrier until every rank is ready, then runs each step rank 0 sends
-   (``DecoderModel.step``: the same forward, the same collectives) until rank 0 says STOP (exit 0) or
+   (the model's forward: the same one, the same collectives) until rank 0 says STOP (exit 0) or
    goes away (its wait fails: exit 1). Its logits are thrown away: rank 0 samples.
 """
 
@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
         group.barrier()
         while (message := group.receive()) is not None:
             batch, extra_rows = message
-            model.step(moved(batch, device), kv, [rows.to(device) for rows in extra_rows])
+            model(moved(batch, device), kv, None, [rows.to(device) for rows in extra_rows])
     except RuntimeError as exc:  # rank 0 went away, or a collective failed: nothing left to do
         log.warning("stopping: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return 1

@@ -126,7 +126,7 @@ def test_async_pd_equals_colocated(tiny):
 def test_step_failure_ends_streams_with_error_and_frees(tiny):
     async def main():
         engine = _engine(tiny)
-        real = engine.model.step
+        real = engine.model.forward
         calls = {"n": 0}
 
         def flaky(*a, **kw):
@@ -135,7 +135,7 @@ def test_step_failure_ends_streams_with_error_and_frees(tiny):
                 raise RuntimeError("device fell over")
             return real(*a, **kw)
 
-        engine.model.step = flaky
+        engine.model.forward = flaky
         aeng = AsyncLLMEngine(engine)
         await aeng.start()
         toks, last = await _collect(aeng.generate("r", [65, 66], SP))
