@@ -66,8 +66,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
     # tokens one step computes, prefill chunks and decode rows together (chunked prefill: a longer prompt takes
-    # several steps), and the most of them one prompt takes in a step (0: the whole budget), so short prompts
-    # and decode rows pass a long prompt after at most one of its chunks (a threshold above the budget is the budget)
+    # several steps), and the most of them a long prompt takes in a step while a short prompt waits (0: the whole
+    # budget), so the short one passes it after at most one of its chunks (a threshold above the budget is the budget)
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     long_prefill_threshold: int = LONG_PREFILL_THRESHOLD
     kv_cache_bytes: int = 1 << 30

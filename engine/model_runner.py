@@ -167,22 +167,11 @@ class ModelRunner:
         """The ForwardBatch of prefill spans ``pre`` then decode rows ``dec``."""
         dev = self.device
         kernels = attention_backends.backend(self.attention).reads_tables
-        input_ids, positions, slot_parts, spans, logits_rows = [], [], [], [], []
-        for seq in pre:
-            start, done = len(input_ids), seq.num_computed
-            end = seq.chunk_end
-            input_ids.extend(seq.all_ids[done:end])
-            positions.extend(range(done, end))
-            context_rows = None
-            if done > 0 and not kernels:  # a prefix hit or an earlier chunk: attention reads those rows too
-                rows = self._token_rows(seq.block_table, 0, end)
-                slot_parts.append(rows[done:])
-                context_rows = rows.to(dev)
-            else:
-                slot_parts.append(self._token_rows(seq.block_table, done, end))
-            spans.append(PrefillSpan(start, len(input_ids), done, context_rows))
-            if end == seq.num_tokens:  # the prompt's last chunk: its last position samples
-                logits_rows.append(len(input_ids) - 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        logits_rows: list[int] = []
+        spans = [self._prefill_span(seq, kernels, input_ids, positions, slot_parts, logits_rows) for seq in pre]
         decode_start = len(input_ids)
         decode_rows = decode_mask = table_t = ctx_t = None
         if dec:
@@ -223,6 +212,23 @@ class ModelRunner:
             prefill_tables=prefill_tables,
             prefill_ctx_lens=[sp.num_cached + sp.end - sp.start for sp in spans] if kernels else None,
         )
+
+    def _prefill_span(self, seq: Sequence, kernels: bool, input_ids: list[int], positions: list[int],
+                      slot_parts: list[torch.Tensor], logits_rows: list[int]) -> PrefillSpan:
+        """One prefill span's tokens, positions, KV rows and (its prompt's last chunk) logits row, appended."""
+        start, done, end = len(input_ids), seq.num_computed, seq.chunk_end
+        input_ids.extend(seq.all_ids[done:end])
+        positions.extend(range(done, end))
+        context_rows = None
+        if done > 0 and not kernels:  # a prefix hit or an earlier chunk: attention reads those rows too
+            rows = self._token_rows(seq.block_table, 0, end)
+            slot_parts.append(rows[done:])
+            context_rows = rows.to(self.device)
+        else:
+            slot_parts.append(self._token_rows(seq.block_table, done, end))
+        if end == seq.num_tokens:  # the prompt's last chunk: its last position samples
+            logits_rows.append(len(input_ids) - 1)
+        return PrefillSpan(start, len(input_ids), done, context_rows)
 
     def _token_rows(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """K rows (CPU, long) of tokens ``start .. end-1`` of a sequence with ``block_table``."""

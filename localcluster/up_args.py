@@ -41,8 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every server's engine: tokens one step computes, prompt chunks and decode rows together "
                              "(chunked prefill; default %(default)s)")
     parser.add_argument("--long-prefill-threshold", type=int, default=defaults.LONG_PREFILL_THRESHOLD, metavar="N",
-                        help="every server's engine: the most tokens of one prompt a step computes (0: the whole "
-                             "budget; default %(default)s)")
+                        help="every server's engine: while a short prompt waits, the most tokens of a long prompt a "
+                             "step computes (0: the whole budget; default %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (per rank)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                         help="every server's engine split over N ranks, one process each (engine/tp/); N > 1 needs "

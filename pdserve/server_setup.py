@@ -93,8 +93,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens one engine step computes, prompt chunks and decode rows together (chunked prefill: a "
                         "longer prompt takes several steps; default %(default)s)")
     g.add_argument("--long-prefill-threshold", type=int, default=defaults.LONG_PREFILL_THRESHOLD, metavar="N",
-                   help="the most tokens of one prompt a step computes, so short prompts and decode rows share each "
-                        "step with a long prompt's chunks (0: the whole --max-num-batched-tokens; default "
+                   help="while a short prompt waits, the most tokens of a long prompt a step computes, so the short "
+                        "one shares the next step and passes it (0: the whole --max-num-batched-tokens; default "
                         "%(default)s)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on --device cuda: run decode steps eagerly instead of from CUDA graphs (captured at start, "
