@@ -30,6 +30,10 @@ Reading path (read in this order):
   ``weight_memory.py`` the loaded weights' bytes; a model too large for its GPU refused at load, naming the sizes
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py``          ``pdserve generate``
+  ``tp/``             tensor parallelism: each rank's shard of the weights (``shard.py``), the process group and
+                      its collectives hooked on the projections (``group.py``), rank 0 starting the workers and
+                      sending each step's ForwardBatch (``ranks.py``), a worker's loop (``worker.py``);
+                      ``load_model(..., tensor_parallel_size=N)`` + ``EngineConfig(tensor_parallel_size=N)``
 
 Its benchmark (``pdserve bench engine``) lives with the others: ``pdserve.bench.engine``.
 
