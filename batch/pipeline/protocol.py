@@ -47,7 +47,7 @@ def encode_rows(rows: list[tuple[int, list[int], int, list[int]]]) -> list[int]:
 
 class OffsetIds:
     """``all_ids`` of a sequence of which only the ids from ``offset`` on are known (a stage
-    needs no more): indexing and ``[offset:]`` work as on the full list, and ``len``."""
+    needs no more): indexing and ``[offset:stop]`` work as on the full list, and ``len``."""
 
     __slots__ = ("offset", "ids")
 
@@ -59,9 +59,9 @@ class OffsetIds:
 
     def __getitem__(self, key):
         if isinstance(key, slice):
-            if key.start != self.offset or key.stop is not None or key.step is not None:
+            if key.start != self.offset or key.step is not None:
                 raise IndexError(f"only [{self.offset}:] of these ids is known")
-            return self.ids
+            return self.ids if key.stop is None else self.ids[: key.stop - self.offset]
         return self.ids[key - self.offset]
 
 
@@ -73,6 +73,15 @@ class Row:
     def __init__(self, num_computed: int, new_ids: list[int], n_generated: int, table: list[int]):
         self.num_computed, self.n_generated, self.block_table = num_computed, n_generated, table
         self.all_ids = OffsetIds(num_computed, new_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_ids)
+
+    @property
+    def chunk_end(self) -> int:
+        """Where this micro-batch's computation of the sequence ends: every known id (no chunks here)."""
+        return len(self.all_ids)
 
     @property
     def is_decode(self) -> bool:

@@ -152,14 +152,16 @@ def test_first_token_leaves_while_the_prefill_engine_thread_is_busy():
     async def main():
         async with Pair() as pair:
             pd, gate = pair.p_engine.engine.pd, threading.Event()
-            compute = pd.prefill_only
+            add_remote = pd.add_remote
 
-            def prefill_then_busy(*args, **kwargs):  # on the engine thread
-                first = compute(*args, **kwargs)
-                pair.p_engine._calls.put((gate.wait, (30.0,), None))  # "the next prompt", queued behind this one
-                return first
+            def add_then_busy(request_id, ids, sampling, on_layer=None, on_done=None, priority=0.0):
+                def done(token, error):  # on the engine thread, in the step that computed the prompt
+                    if token is not None:  # "the next prompt", queued behind this one
+                        pair.p_engine._calls.put((gate.wait, (30.0,), None))
+                    on_done(token, error)
+                add_remote(request_id, ids, sampling, on_layer, done, priority)
 
-            pd.prefill_only = prefill_then_busy
+            pd.add_remote = add_then_busy
             gen = pair.node.generate("a", [256, *b"hello"], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
             try:
                 first = await asyncio.wait_for(gen.__anext__(), 20.0)
