@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from pdserve.kvpool.rmanager import LenderLost
+from pdserve.kvpool.errors import LenderLost
 from pdserve.protos import session_pb2 as pb
 
 from .pooled_decode import PooledDecode

@@ -162,11 +162,11 @@ _EXPORTS = {
     "PromptTooLongError": ".errors",
     "KVCache": ".kv_cache",
     "KVTiers": ".kv_tiers",
-    "EngineConfig": ".llm_engine",
+    "EngineConfig": ".engine_config",
     "LLMEngine": ".llm_engine",
     "LoadedModel": ".loader",
     "load_model": ".loader",
-    "SamplingParams": ".sampling",
+    "SamplingParams": ".sampling_params",
     "RequestOutput": ".sequence",
 }
 
@@ -193,7 +193,8 @@ if TYPE_CHECKING:
     from .errors import ModelLoadError, OutOfBlocksError, PromptTooLongError
     from .kv_cache import KVCache
     from .kv_tiers import KVTiers
-    from .llm_engine import EngineConfig, LLMEngine
+    from .engine_config import EngineConfig
+    from .llm_engine import LLMEngine
     from .loader import LoadedModel, load_model
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
     from .sequence import RequestOutput

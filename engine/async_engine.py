@@ -55,13 +55,15 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from .engine_thread import EngineThread, set_exception, set_result
 from .errors import TensorParallelError
-from .llm_engine import LLMEngine
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import RequestOutput
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 SWAP_POLL_S = 0.02  # while only swapped-out requests are left: how often after_step may restore them

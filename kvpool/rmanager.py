@@ -27,6 +27,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protos import KVPOOL_VERSION, kvpool_pb2, kvpool_pb2_grpc
 
 from .attention import micro_attention, to_bytes
+from .errors import LenderLost
 from .loans import Loan, LoanBook
 
 LOAN_PREFIX = "loan:"
@@ -202,10 +203,6 @@ class RemoteLoan:
     blocks: int
     start: int = 0
     tokens: int = 0
-
-
-class LenderLost(RuntimeError):
-    """A lender holding part of a request's KV did not answer: the request cannot go on."""
 
 
 class Borrower:
