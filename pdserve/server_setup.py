@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("pdserve.server")
-ENGINES = ("builtin", "vllm")
+ENGINES = ("builtin", "vllm", "sim")
 # --engine vllm: reached by module name, lazily (only that module, in vLLM's environment, imports vllm)
 VLLM_SERVER_MODULE = "pdserve.vllm_backend.server"
 TP_LOST_EXIT_CODE = 3  # a tensor-parallel rank died or hung (exit_server): the supervisor restarts the server
@@ -59,7 +59,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="builtin: pdserve's engine; vllm: vLLM's engine with pdserve's CacheStore as its KV connector "
                         "(vllm_backend/; runs in the environment tools/install_vllm_cpu.sh builds; --model must be a "
                         "Hugging Face directory; logprobs and response_format/tools supported; no KV tiers or decode "
-                        "prefix cache)")
+                        "prefix cache); sim: no model, each step sleeps the time a profile models (engine/sim/: the "
+                        "real scheduler, prefix cache and KV moves; tokens a hash of the context; needs --sim-profile)")
+    g.add_argument("--sim-profile", default=None, metavar="PATH",
+                   help="--engine sim: the profile JSON (model shape and step time, engine/sim/profile.py), or a "
+                        "shipped one by name: cpu-small, h200-llama3-8b")
     g.add_argument("--model", default=defaults.BUILTIN_MODEL,
                    help=f"'{defaults.BUILTIN_MODEL}' (built-in, offline) or a directory with config.json + safetensors")
     g.add_argument("--served-model-name", default=None,
@@ -261,9 +265,13 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     """Model, engine and KV facts from the flags; the KV pool is read here, before the
     engine thread starts (the engine is not started). ``--engine vllm``: vLLM's engine behind
     the same calls (``role`` "prefill" or "decode" sets its prefix cache)."""
+    check_tensor_parallel(args, role)
+    if getattr(args, "engine", "builtin") == "sim":
+        from pdserve.sim_server import build_sim_server_engine  # loads no torch
+
+        return build_sim_server_engine(args, role)
     from pdserve.engine import AsyncLLMEngine
 
-    check_tensor_parallel(args, role)
     if getattr(args, "engine", "builtin") == "vllm":
         import importlib
 
