@@ -121,6 +121,10 @@ class LocalCluster:
                   "--long-prefill-threshold",
                   str(getattr(a, "long_prefill_threshold", defaults.LONG_PREFILL_THRESHOLD)),
                   "--tensor-parallel-size", str(getattr(a, "tensor_parallel_size", 1))]
+        if getattr(a, "engine", "builtin") == "sim":
+            profile = Path(a.sim_profile)  # a file: by its absolute path; else a shipped profile's name
+            common += ["--engine", "sim", "--sim-profile",
+                       str(profile.resolve()) if profile.is_file() else a.sim_profile]
         if getattr(a, "quantization", None):
             common += ["--quantization", a.quantization]
         if self.scaling:  # a drained server finishes its longest request before it stops

@@ -11,10 +11,19 @@ from pdserve.http_auth import API_KEY_FILE_HELP
 from . import autoscale
 from .supervisor import POLICIES
 
+UP_ENGINES = ("builtin", "sim")  # the servers' --engine choices up starts (vLLM's needs its own environment)
+SIM_DEFAULT_PROFILE = "cpu-small"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=defaults.BUILTIN_MODEL, help="'tiny' (built-in) or a model directory")
+    parser.add_argument("--engine", choices=UP_ENGINES, default="builtin",
+                        help="every server's engine: builtin, or sim (no model: the scheduler, prefix cache and KV "
+                             "moves of builtin, each step the time --sim-profile models; engine/sim/); a sim server "
+                             "takes about 75 MiB, so a hundred fit a laptop")
+    parser.add_argument("--sim-profile", default=SIM_DEFAULT_PROFILE, metavar="PATH",
+                        help="--engine sim: the profile JSON, or a shipped one by name: cpu-small (measured on a "
+                             "2-core Xeon for the bench's small model), h200-llama3-8b (default %(default)s)")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill processes")
     parser.add_argument("--decode", type=int, default=2, help="number of decode processes")
     parser.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="KV transport between them")
