@@ -72,6 +72,8 @@ STALL_POLL_S = 0.005  # while waiting requests fit no free blocks: how often to 
 
 class AsyncLLMEngine(EngineThread):
     def __init__(self, engine: LLMEngine):
+        """``engine``: an LLMEngine, or the simulated engine (``sim/engine.py``'s SimEngine: the same EngineCore
+        and the members this thread reads: ``kv_cache.block_nbytes``, ``swapper``, ``tiers``)."""
         super().__init__()
         self.engine = engine
         self._num_blocks = engine.num_blocks

@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=UP_ENGINES, default="builtin",
                         help="every server's engine: builtin, or sim (no model: the scheduler, prefix cache and KV "
                              "moves of builtin, each step the time --sim-profile models; engine/sim/); a sim server "
-                             "takes about 75 MiB, so a hundred fit a laptop")
+                             "takes 60-75 MiB, so a hundred fit in 8 GiB")
     parser.add_argument("--sim-profile", default=SIM_DEFAULT_PROFILE, metavar="PATH",
                         help="--engine sim: the profile JSON, or a shipped one by name: cpu-small (measured on a "
                              "2-core Xeon for the bench's small model), h200-llama3-8b (default %(default)s)")

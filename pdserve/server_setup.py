@@ -264,7 +264,8 @@ class ServerParts:
 def build_server_engine(args, role: str = "prefill") -> ServerParts:
     """Model, engine and KV facts from the flags; the KV pool is read here, before the
     engine thread starts (the engine is not started). ``--engine vllm``: vLLM's engine behind
-    the same calls (``role`` "prefill" or "decode" sets its prefix cache)."""
+    the same calls (``role`` "prefill" or "decode" sets its prefix cache). ``--engine sim``: the simulated
+    engine (``sim_server.py``; loads no torch)."""
     check_tensor_parallel(args, role)
     if getattr(args, "engine", "builtin") == "sim":
         from pdserve.sim_server import build_sim_server_engine  # loads no torch
