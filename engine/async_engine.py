@@ -58,6 +58,7 @@ import time
 from typing import AsyncIterator, Callable
 
 from .engine_thread import EngineThread, set_exception, set_result
+from .errors import TensorParallelError
 from .llm_engine import LLMEngine
 from .sampling import SamplingParams
 from .sequence import RequestOutput
@@ -84,6 +85,9 @@ class AsyncLLMEngine(EngineThread):
         self._prefill_cached: dict[str, int] = {}  # request id -> prompt tokens its prefix cache held (held requests)
         self.after_step: Callable[[LLMEngine, float, int], None] | None = None
         self.step_floor_s = 0.0  # a test hook (pdserve/test_hooks.py, set by the wiring): every step lasts this long
+        # called on the engine thread when a step raised TensorParallelError (a rank died or hung: the engine can
+        # never step again), after the running requests failed; a server sets it to exit (server_setup.py)
+        self.on_lost: Callable[[BaseException], None] | None = None
         self._tier_stats = engine.tier_stats()
 
     # ---- thread-safe reads (no engine-thread round trip) -----------------------------------
@@ -292,6 +296,11 @@ class AsyncLLMEngine(EngineThread):
                 outputs = e.step()
             except Exception as exc:  # fail every running request, keep serving
                 outputs = e.fail_scheduled(f"{type(exc).__name__}: {exc}")
+                if isinstance(exc, TensorParallelError) and self.on_lost is not None:
+                    for out in outputs:
+                        self._deliver(out)
+                    self.on_lost(exc)
+                    continue
             if self.step_floor_s > time.perf_counter() - start:  # test hook: steps a test can count on any CPU
                 time.sleep(self.step_floor_s - (time.perf_counter() - start))
             self._after_step(time.perf_counter() - start, batch)

@@ -40,7 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help=KV_CACHE_DTYPE_HELP)
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                         help=f"KV block size in tokens (default: {BLOCK_SIZE})")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; with --tensor-parallel-size, each rank's)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="split the model over N ranks, one process each (engine/tp/; default: 1)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,24 +64,31 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
         )
         loaded = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device,
-                            quantization=args.quantization)
+                            quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size)
         tok = loaded.tokenizer
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         ids = tok.encode(text, add_special_tokens=not (args.chat and tok.bos_token))
         engine = LLMEngine(loaded, EngineConfig(block_size=args.block_size, max_num_seqs=1,
-                                                kv_cache_dtype=args.kv_cache_dtype))
-        engine.add_request("cli", ids, sampling)
+                                                kv_cache_dtype=args.kv_cache_dtype,
+                                                tensor_parallel_size=args.tensor_parallel_size))
     except (ValueError, RuntimeError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     start = time.perf_counter()
     n, reason = 0, None
-    while engine.has_unfinished():
-        for out in engine.step():
-            n += len(out.new_token_ids)
-            sys.stdout.write(out.text)
-            sys.stdout.flush()
-            reason = out.finish_reason
+    try:
+        engine.add_request("cli", ids, sampling)
+        while engine.has_unfinished():
+            for out in engine.step():
+                n += len(out.new_token_ids)
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+                reason = out.finish_reason
+    except (ValueError, RuntimeError) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        engine.close()  # (the other tensor-parallel ranks stop)
     elapsed = time.perf_counter() - start
     print(f"\n[{n} tokens in {elapsed:.2f}s, {n / max(elapsed, 1e-9):.1f} tok/s, finish: {reason}]", file=sys.stderr)
     return 0

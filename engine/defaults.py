@@ -9,7 +9,8 @@ Importing this module loads no torch (``pdserve.engine`` loads its modules lazil
 BLOCK_SIZE = 64
 
 # Chunked prefill: tokens one engine step computes (prompt chunks and decode rows together), and the most of
-# them one prompt takes in a step (0: the whole budget), so a short prompt waits for at most one chunk of a long one.
+# them a long prompt takes in a step while a short one waits (0: the whole budget), so the short one waits for
+# at most one chunk of the long one.
 MAX_NUM_BATCHED_TOKENS = 2048
 LONG_PREFILL_THRESHOLD = 512
 

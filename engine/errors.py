@@ -33,3 +33,8 @@ class ConfigError(ValueError):
 
 class ModelLoadError(ValueError):
     """A checkpoint the loader cannot use: a missing or mis-shaped tensor, no weights, bad files."""
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank died, hung past its timeout, or could not start: the engine cannot step
+    any more (every later step raises this again). The message names the rank where it is known."""

@@ -50,6 +50,7 @@ from .sampling import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
 from .swap import Swapper
+from .tp.ranks import TensorParallelSteps
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_cache: bool = True
     # tokens one step computes, prefill chunks and decode rows together (chunked prefill: a longer prompt takes
-    # several steps), and the most of them one prompt takes in a step (0: the whole budget), so short prompts
-    # and decode rows pass a long prompt after at most one of its chunks (a threshold above the budget is the budget)
+    # several steps), and the most of them a long prompt takes in a step while a short prompt waits (0: the whole
+    # budget), so the short one passes it after at most one of its chunks (a threshold above the budget is the budget)
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     long_prefill_threshold: int = LONG_PREFILL_THRESHOLD
     kv_cache_bytes: int = 1 << 30
@@ -87,6 +88,11 @@ class EngineConfig:
     packed_linear: bool = True  # CPU: oneDNN-packed copies of the linear weights for batches (packed_linear.py)
     fused_elementwise: bool = True  # CUDA: RMSNorm, rotary, silu*mul as one Triton kernel each (gpu_elementwise.py)
     merged_projections: bool = True  # CUDA: q|k|v and gate|up as one matmul each (models/llama.py)
+    # tensor parallelism (tp/): the ranks the model is split over, one process each; the model must be loaded
+    # for as many (load_model(..., tensor_parallel_size=N): rank 0's shard); this process is rank 0 and starts
+    # the others. tensor_parallel_timeout_s bounds how long a step waits on a rank that hangs
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         check_kv_dtype(self.kv_cache_dtype)
@@ -100,12 +106,23 @@ class EngineConfig:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.kv_host_tier_bytes or self.kv_disk_tier_bytes
+                                              or self.kv_disk_tier_dir):
+            raise ValueError("KV tiers with tensor parallelism are not built yet (they would copy rank 0's KV heads "
+                             "only): use tensor_parallel_size 1 or no KV tiers")
 
 
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
         config = config or EngineConfig()
         cfg = loaded.config
+        if config.tensor_parallel_size != loaded.tensor_parallel_size:
+            raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size} but the model was loaded for "
+                             f"{loaded.tensor_parallel_size} rank(s): load_model(..., tensor_parallel_size="
+                             f"{config.tensor_parallel_size})")
+        kv_shape = loaded.model.cfg  # this rank's heads (tp/shard.py): the whole model's at tensor-parallel size 1
         self.loaded, self.config, self.model_config = loaded, config, cfg
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         if config.max_model_len is not None and config.max_model_len > cfg.context_length:
@@ -116,12 +133,12 @@ class LLMEngine:
         self.block_size = config.block_size
         num_blocks = config.num_blocks
         if num_blocks is None:
-            probe = KVCache(cfg.num_layers, 1, config.block_size, cfg.num_kv_heads, cfg.head_dim, loaded.dtype, "meta",
-                            config.kv_cache_dtype)
+            probe = KVCache(cfg.num_layers, 1, config.block_size, kv_shape.num_kv_heads, cfg.head_dim, loaded.dtype,
+                            "meta", config.kv_cache_dtype)
             by_memory = config.kv_cache_bytes // (probe.block_nbytes * cfg.num_layers)
             by_need = config.max_num_seqs * blocks_needed(self.max_model_len, config.block_size)
             num_blocks = max(1, min(by_memory, by_need))
-        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, cfg.num_kv_heads, cfg.head_dim,
+        self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_shape.num_kv_heads, cfg.head_dim,
                                 loaded.dtype, loaded.device, config.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
         self.tiers: KVTiers | None = None
@@ -136,10 +153,14 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.long_prefill_threshold)
         self.stalled = False  # the last step had work waiting but could schedule none of it (no free blocks)
-        self.model.configure(fused_elementwise=config.fused_elementwise, merged_projections=config.merged_projections,
-                             packed_linear=config.packed_linear)
+        switches = dict(fused_elementwise=config.fused_elementwise, merged_projections=config.merged_projections,
+                        packed_linear=config.packed_linear)
+        self.model.configure(**switches)
+        steps = None  # this process's model alone
+        if config.tensor_parallel_size > 1:  # the other ranks started, each step sent to them (tp/ranks.py)
+            steps = TensorParallelSteps.start(loaded, self.kv_cache, switches, config.tensor_parallel_timeout_s)
         self.runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
-                                  native_kernels=config.native_kernels)
+                                  native_kernels=config.native_kernels, steps=steps)
         if config.cuda_graphs and self.device.type == "cuda":
             self._capture_decode_graphs(config)
         self.outputs = OutputProcessor(set(loaded.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)
@@ -149,11 +170,19 @@ class LLMEngine:
         # the P/D primitives, called as engine.pd.reserve(...) etc. (pd_hooks.py)
         self.pd = PDHooks(self.scheduler, self.factory, self.outputs, self.max_model_len, self.step)
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
+        if config.tensor_parallel_size > 1:  # rank 0's pool holds only its KV heads: nothing moves in or out
+            self.pd.kv_stays = self.swapper.kv_stays = (
+                f"KV cannot move out of or into a tensor-parallel engine yet (size {config.tensor_parallel_size}: "
+                "each rank's pool holds only its KV heads): compute prompts where they decode")
 
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
         """CUDA graphs for pure-decode steps up to max_num_seqs rows; a failed capture leaves the engine eager.
         Only with the paged kernels: attention.py's decode gathers the whole table width, which a graph
         would have to hold for every row at the model's full length."""
+        if self.config.tensor_parallel_size > 1:
+            log.warning("decode CUDA graphs off: tensor parallelism runs every step eagerly (graphs per rank are not "
+                        "built yet)")
+            return
         if self.runner.attention != "triton":
             log.warning("decode CUDA graphs off: the paged attention kernels do not take this cache "
                         "(gpu_attention.usable: block size %d, head dim %d, triton importable?); decode runs eagerly",
@@ -190,9 +219,11 @@ class LLMEngine:
         return {} if self.tiers is None else {n: replace(t) for n, t in self.tiers.stats().items()}
 
     def close(self) -> None:
-        """Delete what the KV tiers hold (the disk tier's directory too). Also done at exit."""
+        """Delete what the KV tiers hold (the disk tier's directory too) and stop the other tensor-parallel
+        ranks. Also done at exit."""
         if self.tiers is not None:
             self.tiers.close()
+        self.runner.steps.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

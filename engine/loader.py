@@ -10,6 +10,10 @@
   anything else is refused by name before a weight is read); ``quantization="fp8"``
   (``--quantization fp8``) quantizes a plain model's projections at load. Weights are read and
   checked by ``weight_source.py``; FP8 projections keep a ``*_scale`` buffer beside them (``fp8.py``).
+- Tensor parallelism: ``tensor_parallel_size=N, rank=r`` loads rank r's shard only (``tp/shard.py``: the
+  rows or columns of each checkpoint tensor it holds, read as slices of the safetensors; the built-in
+  model's random tensors are made whole and sliced, so every N gives the same weights). ``LoadedModel.source``
+  is how to load it again, which the other ranks do (``tp/worker.py``).
 """
 
 from __future__ import annotations
@@ -30,11 +34,12 @@ from .config import ModelConfig, read_config_json
 from .errors import ModelLoadError
 from .quant_config import QuantScheme, read_quantization
 from .weight_memory import check_fits, too_large, weight_bytes
-from .weight_source import WeightSource
+from .weight_source import WeightSource, shape_error
 from .model import DecoderModel
 from .models import layer_class
 from .packed_linear import pack_linears
 from .tokenizer import ByteTokenizer, HFTokenizer
+from .tp.shard import Shard
 
 log = logging.getLogger(__name__)
 BUILTIN_NAMES = (BUILTIN_MODEL, f"builtin:{BUILTIN_MODEL}")
@@ -58,9 +63,21 @@ def tiny_config() -> ModelConfig:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """``load_model``'s arguments: what another tensor-parallel rank needs to load its own shard."""
+
+    name_or_path: str
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+    seed: int = 0
+    quantization: str | None = None
+
+
 @dataclass
 class LoadedModel:
-    """What ``load_model`` returns: the shape, the torch module (eval mode), the tokenizer."""
+    """What ``load_model`` returns: the shape, the torch module (eval mode), the tokenizer. With tensor
+    parallelism ``model`` is this rank's shard (``shard.config`` its shape) and ``config`` the whole model's."""
 
     name: str
     config: ModelConfig
@@ -69,6 +86,12 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     quantization: QuantScheme | None = None  # FP8 projections (fp8.py), or None
+    shard: Shard | None = None  # None: the whole model (tensor-parallel size 1)
+    source: ModelSource | None = None  # how it was loaded (None: built by hand, not loadable by other ranks)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.shard is None else self.shard.size
 
 
 # our parameter name -> the HF tensors concatenated (dim 0) to make it
@@ -104,20 +127,26 @@ def _no_random_init():
 
 
 def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.device,
-                scheme: QuantScheme | None = None) -> DecoderModel:
+                scheme: QuantScheme | None = None, shard: Shard | None = None) -> DecoderModel:
     """A DecoderModel whose weights come from ``get_tensor(hf_name) -> Tensor`` (shapes checked); with
-    ``scheme``, its layers' projections are FP8 (``weight_source.py``; each ``*_scale`` beside them)."""
+    ``scheme``, its layers' projections are FP8 (``weight_source.py``; each ``*_scale`` beside them). With
+    ``shard``, the rank's part of each tensor (``get_tensor`` may return a safetensors slice)."""
+    shard = shard or Shard(0, 1, cfg)
     with torch.device("meta"), _no_random_init():
-        model = DecoderModel(cfg)
+        model = DecoderModel(shard.config, vocab_rows=shard.vocab_rows)
     model.to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty may untie; tie again before filling
+    tied = cfg.tie_word_embeddings
+    if tied and shard.size == 1:  # to_empty may untie; tie again before filling
         model.lm_head.weight = model.embed_tokens.weight
     params = dict(model.named_parameters())
     sources_of = _param_sources(cfg)
-    unfilled = set(params) - set(sources_of)
+    unfilled = set(params) - set(sources_of) - ({"lm_head.weight"} if tied else set())
     if unfilled:  # a programming error here, not a user one: never run on uninitialised memory
         raise RuntimeError(f"no checkpoint source for parameters {sorted(unfilled)}")
-    source = WeightSource(get_tensor, hf_tensor_shapes(cfg), scheme, dtype, device)
+    full_shapes = hf_tensor_shapes(cfg)
+    source = WeightSource(_sharded(get_tensor, shard, full_shapes),
+                          {name: shard.shape(name, shape) for name, shape in full_shapes.items()},
+                          scheme, dtype, device)
     quantized = layer_class(cfg).QUANTIZED_PARAMS
     for name, sources in sources_of.items():
         fp8_capable = scheme is not None and name.startswith("layers.") and name.split(".", 2)[2] in quantized
@@ -127,8 +156,8 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
         if scale is not None:
             owner, _, attr = name.rpartition(".")
             model.get_submodule(owner).register_buffer(f"{attr}_scale", scale)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
+    if tied:  # the embedding's rows of this rank's vocabulary (all of them at size 1)
+        model.lm_head.weight = shard.tied_head(model.embed_tokens.weight)
     if scheme is not None:
         log.info("FP8 weights (%s): %d projections, %.2f GiB (%.2f GiB in %s); matmuls: %s", scheme.method,
                  source.fp8_params, source.fp8_bytes / 2**30, source.fp8_bytes * dtype.itemsize / 2**30,
@@ -142,6 +171,21 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
         for layer in model.layers:
             layer.merge_projections()
     return model.eval().requires_grad_(False)
+
+
+def _sharded(get_tensor, shard: Shard, full_shapes: dict[str, tuple[int, ...]]):
+    """``get_tensor`` giving ``shard``'s part of each tensor, the whole tensor's shape checked first."""
+    if shard.size == 1:
+        return get_tensor
+
+    def get(name: str) -> torch.Tensor:
+        whole = get_tensor.slice(name) if hasattr(get_tensor, "slice") else get_tensor(name)
+        shape = tuple(whole.get_shape()) if hasattr(whole, "get_shape") else tuple(whole.shape)
+        if name in full_shapes and shape != full_shapes[name]:
+            raise shape_error(name, shape, full_shapes[name])
+        return shard.take(name, whole, shape)
+
+    return get
 
 
 class _SafetensorsReader:
@@ -179,6 +223,13 @@ class _SafetensorsReader:
             raise ModelLoadError(f"weight {name!r} is missing from the checkpoint in {self.directory}")
         return self._handles[f].get_tensor(name)
 
+    def slice(self, name: str):
+        """The tensor ``name`` unread: index it (``[a:b]``, ``[:, a:b]``) to read only those rows or columns."""
+        f = self.weight_map.get(name)
+        if f is None or name not in self._handles[f].keys():
+            raise ModelLoadError(f"weight {name!r} is missing from the checkpoint in {self.directory}")
+        return self._handles[f].get_slice(name)
+
 
 def load_model(
     name_or_path: str,
@@ -186,15 +237,21 @@ def load_model(
     device: str | torch.device = "cpu",
     seed: int = 0,
     quantization: str | None = None,
+    tensor_parallel_size: int = 1,
+    rank: int = 0,
 ) -> LoadedModel:
     """Load the built-in model (``"tiny"``, ``"builtin:tiny"``) or a Hugging Face directory.
 
     ``quantization``: "fp8" quantizes the weights at load (``--quantization``); a checkpoint's own
-    ``quantization_config`` is read from config.json (``quant_config.py``) and refused unless supported."""
+    ``quantization_config`` is read from config.json (``quant_config.py``) and refused unless supported.
+    ``tensor_parallel_size`` > 1: only rank ``rank``'s shard (``tp/shard.py``; ShardError, a ValueError,
+    when the model cannot be split so), on ``device`` (rank 0's; rank r's is ``tp.rank_device``)."""
+    source = ModelSource(name_or_path, dtype, str(device), seed, quantization)
     device = torch.device(device)
     if name_or_path in BUILTIN_NAMES:
         scheme = read_quantization({}, quantization)
         cfg = tiny_config()
+        shard = Shard(rank, tensor_parallel_size, cfg)
         weights = random_hf_weights(cfg, seed=seed)
         # Only printable ASCII, newline and EOS get random output weights; every other byte
         # gets logit 0 and rarely wins, so the built-in model's text is printable gibberish.
@@ -202,8 +259,8 @@ def load_model(
         mask = torch.zeros(cfg.vocab_size, 1)
         mask[keep] = 1.0
         weights["lm_head.weight"] = weights["lm_head.weight"] * mask * 20
-        model = _build_on_device(cfg, weights.__getitem__, dtype, device, scheme)
-        return LoadedModel(BUILTIN_MODEL, cfg, model, ByteTokenizer(), dtype, device, scheme)
+        model = _build_on_device(cfg, weights.__getitem__, dtype, device, scheme, shard)
+        return LoadedModel(BUILTIN_MODEL, cfg, model, ByteTokenizer(), dtype, device, scheme, shard, source)
     path = Path(name_or_path)
     if not path.is_dir():
         raise ModelLoadError(
@@ -211,22 +268,23 @@ def load_model(
         )
     hf_config = read_config_json(path / "config.json")
     cfg = ModelConfig.from_hf_dict(hf_config)
+    shard = Shard(rank, tensor_parallel_size, cfg)
     scheme = read_quantization(hf_config, quantization)
-    model = _build_on_device(cfg, _SafetensorsReader(path), dtype, device, scheme)
+    model = _build_on_device(cfg, _SafetensorsReader(path), dtype, device, scheme, shard)
     tokenizer = HFTokenizer(path, cfg.eos_token_ids) if (path / "tokenizer.json").exists() else ByteTokenizer()
-    return LoadedModel(path.name, cfg, model, tokenizer, dtype, device, scheme)
+    return LoadedModel(path.name, cfg, model, tokenizer, dtype, device, scheme, shard, source)
 
 
-def _build_on_device(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.device, scheme):
+def _build_on_device(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.device, scheme, shard: Shard):
     """build_model, after checking on CUDA that the weights fit the free memory (weight_memory.py): a model
     too large is refused naming the sizes, before anything is allocated, and so is an out-of-memory error
     while building (activations or another process took the margin)."""
     if device.type != "cuda":
-        return build_model(cfg, get_tensor, dtype, device, scheme)
-    need = weight_bytes(cfg, dtype, scheme)
+        return build_model(cfg, get_tensor, dtype, device, scheme, shard)
+    need = weight_bytes(shard.config, dtype, scheme)
     free, total = torch.cuda.mem_get_info(device)
     check_fits(need, free, total, str(device))
     try:
-        return build_model(cfg, get_tensor, dtype, device, scheme)
+        return build_model(cfg, get_tensor, dtype, device, scheme, shard)
     except torch.cuda.OutOfMemoryError:
         raise too_large(need, free, total, str(device), " at the start (out of memory while loading)") from None

@@ -87,7 +87,9 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
 class DecoderModel(nn.Module):
     """The decoder plus LM head. Parameters are created empty; ``loader.py`` fills them."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, vocab_rows: int | None = None):
+        """``vocab_rows``: the LM head's rows when a tensor-parallel rank holds only its part of the
+        vocabulary (``tp/shard.py``); None: the whole vocabulary."""
         super().__init__()
         self.cfg = cfg
         layer_cls = layer_class(cfg)
@@ -97,8 +99,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
         self.rope_kinds = tuple({layer.rope_local for layer in self.layers})  # local (Gemma 3) and/or global
         self.norm = layer_cls.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.lm_head = nn.Linear(cfg.hidden_size, vocab_rows or cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings and self.lm_head.out_features == cfg.vocab_size:
             self.lm_head.weight = self.embed_tokens.weight
         for name in ("rope_cos", "rope_sin", "rope_cos_local", "rope_sin_local"):
             self.register_buffer(name, torch.empty(0), persistent=False)
@@ -158,16 +160,20 @@ class DecoderModel(nn.Module):
         return logits.float()
 
     @torch.inference_mode()
-    def forward(
-        self,
-        batch: ForwardBatch,
-        kv: KVCache,
-        on_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """Logits ``[num_seqs, vocab]`` of each sequence's last new token; writes new tokens' K/V."""
+    def forward(self, batch: ForwardBatch, kv: KVCache, on_layer: Callable[[int], None] | None = None,
+                extra_rows=(), on_rows: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` of each sequence's last new token; writes new tokens' K/V. Then the
+        logits of each tensor of row indices in ``extra_rows`` (prompt logprobs), handed to ``on_rows(i,
+        logits)`` one tensor at a time. Every tensor-parallel rank runs exactly this (the same collectives in
+        the same order: ``tp/``)."""
         x = self._embed(batch.input_ids)
         x = self.run_layers(x, batch, kv, range(len(self.layers)), on_layer)
-        return self.head(x, batch)
+        logits = self.head(x, batch)
+        for i, rows in enumerate(extra_rows):
+            part = self.logits_at(x, rows)
+            if on_rows is not None:
+                on_rows(i, part)
+        return logits
 
     def run_layers(
         self,

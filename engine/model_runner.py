@@ -11,6 +11,9 @@ them). Prefill spans come first in the batch, then decode rows; ``forward_and_sa
 the tokens back in the caller's order. A span that stops before the sequence's last token (a
 chunk before the last) has no logits row and samples nothing (None).
 
+The forward itself is ``steps.run(batch, extra_rows, on_layer, on_rows)``: ``LocalSteps`` (this process's
+model), or with tensor parallelism ``tp.ranks.TensorParallelSteps`` (the batch sent to every rank first).
+
 A step of decode rows only, without a layer callback, runs from ``graphs`` (CUDA graphs, one
 per batch-size bucket: ``decode_graphs.py``) when set and the rows fit.
 
@@ -40,10 +43,25 @@ from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 
+
+class LocalSteps:
+    """The forward of a step in this process (tensor-parallel size 1)."""
+
+    def __init__(self, model: DecoderModel, kv_cache: KVCache):
+        self.model, self.kv = model, kv_cache
+
+    def run(self, batch: ForwardBatch, extra_rows, on_layer, on_rows) -> torch.Tensor:
+        return self.model(batch, self.kv, on_layer, extra_rows, on_rows)
+
+    def close(self) -> None:
+        pass
+
+
 class ModelRunner:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, sampler: Sampler, device: torch.device,
-                 native_kernels: bool = True):
+                 native_kernels: bool = True, steps=None):
         self.model, self.kv_cache, self.sampler, self.device = model, kv_cache, sampler, device
+        self.steps = steps or LocalSteps(model, kv_cache)  # runs each step's forward (tp/ranks.py with TP)
         self.graphs: DecodeGraphs | None = None  # pure-decode steps from CUDA graphs (LLMEngine sets it on CUDA)
         # the attention backend, chosen once (attention_backends.py: triton, native or torch)
         self.attention = attention_backends.choose(kv_cache, device, native_kernels)
@@ -93,12 +111,9 @@ class ModelRunner:
                     return self.graphs.run(rows), {}
         batch = self.build_batch(pre, dec)
         prompt_rows = self._prompt_rows(pre, batch)
-        if not prompt_rows:
-            return self.model(batch, self.kv_cache, on_layer=on_layer), {}
-        with torch.inference_mode():  # the forward pass by hand, to keep the hidden states of every prompt position
-            x = self.model.embed(batch.input_ids)
-            x = self.model.run_layers(x, batch, self.kv_cache, range(len(self.model.layers)), on_layer)
-            return self.model.head(x, batch), self._prompt_logprobs(prompt_rows, x)
+        extra_rows, on_rows, found = self._prompt_parts(prompt_rows)
+        logits = self.steps.run(batch, extra_rows, on_layer, on_rows)
+        return logits, self._prompt_logprobs(prompt_rows, found)
 
     def _decode_row(self, seq: Sequence) -> DecodeRow:
         p, bs = seq.num_computed, self.kv_cache.block_size
@@ -122,17 +137,26 @@ class ModelRunner:
             out.append((seq, [span.start + p - done for p in positions], [seq.prompt_ids[p + 1] for p in positions]))
         return out
 
-    def _prompt_logprobs(self, prompt_rows, x: torch.Tensor) -> dict[int, list]:
-        """id(sequence) -> its new prompt logprobs, from the last layer's hidden states ``x`` (their logits
-        made ``ROWS_PER_PASS`` rows at a time: a long prompt's [tokens, vocab] never exists at once)."""
+    def _prompt_parts(self, prompt_rows):
+        """The rows whose logits the prompt logprobs need, ``ROWS_PER_PASS`` at a time (a long prompt's
+        [tokens, vocab] never exists at once), the ``on_rows(i, logits)`` that turns part ``i``'s logits into
+        logprobs, and the list it fills, in order."""
         rows = [r for _, rs, _ in prompt_rows for r in rs]
         targets = [t for _, _, ts in prompt_rows for t in ts]
         ks = [seq.sampling.prompt_logprobs for seq, _, ts in prompt_rows for _ in ts]
-        found = []
-        for start in range(0, len(rows), ROWS_PER_PASS):
-            part = torch.tensor(rows[start : start + ROWS_PER_PASS], dtype=torch.long, device=x.device)
-            found += logprobs_of(self.model.logits_at(x, part), targets[start : start + ROWS_PER_PASS],
-                                 ks[start : start + ROWS_PER_PASS])
+        starts = range(0, len(rows), ROWS_PER_PASS)
+        parts = [torch.tensor(rows[s : s + ROWS_PER_PASS], dtype=torch.long, device=self.device) for s in starts]
+        found: list = []
+
+        def on_rows(i: int, logits: torch.Tensor) -> None:
+            s = starts[i]
+            found.extend(logprobs_of(logits, targets[s : s + ROWS_PER_PASS], ks[s : s + ROWS_PER_PASS]))
+
+        return parts, on_rows, found
+
+    @staticmethod
+    def _prompt_logprobs(prompt_rows, found: list) -> dict[int, list]:
+        """id(sequence) -> its new prompt logprobs, from ``found`` (every prompt row's, in order)."""
         out, at = {}, 0
         for seq, _, ts in prompt_rows:
             out[id(seq)] = ([None] if seq.num_computed == 0 else []) + found[at : at + len(ts)]
@@ -143,22 +167,11 @@ class ModelRunner:
         """The ForwardBatch of prefill spans ``pre`` then decode rows ``dec``."""
         dev = self.device
         kernels = attention_backends.backend(self.attention).reads_tables
-        input_ids, positions, slot_parts, spans, logits_rows = [], [], [], [], []
-        for seq in pre:
-            start, done = len(input_ids), seq.num_computed
-            end = seq.chunk_end
-            input_ids.extend(seq.all_ids[done:end])
-            positions.extend(range(done, end))
-            context_rows = None
-            if done > 0 and not kernels:  # a prefix hit or an earlier chunk: attention reads those rows too
-                rows = self._token_rows(seq.block_table, 0, end)
-                slot_parts.append(rows[done:])
-                context_rows = rows.to(dev)
-            else:
-                slot_parts.append(self._token_rows(seq.block_table, done, end))
-            spans.append(PrefillSpan(start, len(input_ids), done, context_rows))
-            if end == seq.num_tokens:  # the prompt's last chunk: its last position samples
-                logits_rows.append(len(input_ids) - 1)
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_parts: list[torch.Tensor] = []
+        logits_rows: list[int] = []
+        spans = [self._prefill_span(seq, kernels, input_ids, positions, slot_parts, logits_rows) for seq in pre]
         decode_start = len(input_ids)
         decode_rows = decode_mask = table_t = ctx_t = None
         if dec:
@@ -176,8 +189,7 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
             slot_parts.append(self.kv_cache.slot_indices(torch.tensor(blocks), torch.tensor(offsets)))
             max_ctx = max(ctx)
-            table_t = torch.tensor(tables, device=dev)
-            ctx_t = torch.tensor(ctx, device=dev)
+            table_t, ctx_t = torch.tensor(tables, device=dev), torch.tensor(ctx, device=dev)
             if not kernels:  # the kernels read the tables; attention.py gathers these rows
                 decode_rows = self.kv_cache.table_rows(table_t)[:, :max_ctx]
                 decode_mask = (torch.arange(max_ctx, device=dev) < ctx_t.unsqueeze(1)).view(len(dec), 1, 1, max_ctx)
@@ -200,6 +212,23 @@ class ModelRunner:
             prefill_tables=prefill_tables,
             prefill_ctx_lens=[sp.num_cached + sp.end - sp.start for sp in spans] if kernels else None,
         )
+
+    def _prefill_span(self, seq: Sequence, kernels: bool, input_ids: list[int], positions: list[int],
+                      slot_parts: list[torch.Tensor], logits_rows: list[int]) -> PrefillSpan:
+        """One prefill span's tokens, positions, KV rows and (its prompt's last chunk) logits row, appended."""
+        start, done, end = len(input_ids), seq.num_computed, seq.chunk_end
+        input_ids.extend(seq.all_ids[done:end])
+        positions.extend(range(done, end))
+        context_rows = None
+        if done > 0 and not kernels:  # a prefix hit or an earlier chunk: attention reads those rows too
+            rows = self._token_rows(seq.block_table, 0, end)
+            slot_parts.append(rows[done:])
+            context_rows = rows.to(self.device)
+        else:
+            slot_parts.append(self._token_rows(seq.block_table, done, end))
+        if end == seq.num_tokens:  # the prompt's last chunk: its last position samples
+            logits_rows.append(len(input_ids) - 1)
+        return PrefillSpan(start, len(input_ids), done, context_rows)
 
     def _token_rows(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """K rows (CPU, long) of tokens ``start .. end-1`` of a sequence with ``block_table``."""

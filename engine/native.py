@@ -6,7 +6,8 @@ Two libraries, one source each: ``paged_decode.cpp`` (decode attention over the 
 or None where it cannot be had: no g++ on the machine (the slim CPU image) or a failed build
 (``EngineConfig.native_kernels`` off: the runner does not ask). Callers then keep the pure-torch path (the
 same results; measured slower, docs/benchmarks.md). The first call builds the library (under a
-minute) into ``${PDSERVE_CACHE:-~/.cache/pdserve}/native/<hash of source, torch, compiler>/``
+minute) into ``<cache root>/native/<hash of source, torch, compiler>/`` (the root: ``~/.cache/pdserve``,
+or what ``set_cache_root`` was given: pdserve's CLI gives ``$PDSERVE_CACHE``)
 under a file lock (servers starting side by side build it once); later calls, in any process,
 load it in milliseconds. ``make test-deps`` and ``make serve`` build it ahead
 (``python -m pdserve.engine.native``), so no server waits on the compiler.
@@ -37,10 +38,17 @@ HEAD_DIMS = (16, 32, 64, 128, 256)  # the head sizes the kernel is compiled for 
 _state: dict = {}  # "op" once loaded, or "error": why not (tried once per process)
 _fp8_state: dict = {}  # the same for fp8_ops(): "ops" or "error"
 _variants: dict = {}  # namespace -> op, for build_variant
+_cache_root: dict[str, Path] = {}  # "root": set_cache_root's (default ~/.cache/pdserve)
+
+
+def set_cache_root(root: str | Path) -> None:
+    """Where the built libraries go (``<root>/native``), set once by the process's entry point: pdserve's CLI
+    passes ``$PDSERVE_CACHE`` (the engine reads no environment of ours)."""
+    _cache_root["root"] = Path(root)
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_CACHE", Path.home() / ".cache" / "pdserve")) / "native"
+    return _cache_root.get("root", Path.home() / ".cache" / "pdserve") / "native"
 
 
 def _compiler() -> str | None:
@@ -187,9 +195,16 @@ def unavailable_reason() -> str | None:
     return _state.get("error")
 
 
-def main() -> int:
-    """``python -m pdserve.engine.native``: build (or find) the kernels; exit 0 even without a
-    compiler (the engine falls back), printing which it is."""
+def main(argv: list[str] | None = None) -> int:
+    """``python -m pdserve.engine.native [--cache-root DIR]``: build (or find) the kernels; exit 0 even without
+    a compiler (the engine falls back), printing which it is."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m pdserve.engine.native", description=main.__doc__)
+    parser.add_argument("--cache-root", default=None, help="where <root>/native goes (default ~/.cache/pdserve)")
+    args = parser.parse_args(argv)
+    if args.cache_root:
+        set_cache_root(args.cache_root)
     for source in LIBRARIES:
         try:
             print(f"engine C++ kernels: {build(verbose=True, source=source)}")

@@ -98,7 +98,15 @@ def _reorder(w: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
 def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     """``x @ module.weight.T + module.bias``, through the packed weight when there is one and
     ``x`` has enough rows (more than PLAIN_MAX_ROWS, or UPCAST_PLAIN_MAX_ROWS when widened); an FP8
-    weight (``weight_scale`` beside it) through ``fp8.linear``."""
+    weight (``weight_scale`` beside it) through ``fp8.linear``. A tensor-parallel rank's projection
+    that holds part of a sum or of the vocabulary has its output combined across ranks by
+    ``module.combine`` (``tp/group.py``: the all-reduce, the LM head's gather)."""
+    out = _linear(x, module)
+    combine = module.__dict__.get("combine")  # (a plain dict read: no nn.Module __getattr__ per call)
+    return out if combine is None else combine(out)
+
+
+def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     if module.weight.dtype == fp8.FP8:
         return fp8.linear(x, module.weight, module.weight_scale, module.bias)
     packed = getattr(module, "packed_weight", None)

@@ -62,6 +62,9 @@ class PDHooks:
         self.other_outputs: list[RequestOutput] = []  # other requests' outputs of those steps: the next step's
         self.prefill_tokens = 0  # prompt tokens computed for remote prefills (prefix hits excluded)
         self.prefill_seconds = 0.0  # their share of the steps' forward passes
+        # why KV may not move out of or into this engine's pool (tensor parallelism: rank 0's pool holds only its
+        # KV heads), or None; checked by every call whose KV crosses the pool's edge
+        self.kv_stays: str | None = None
 
     @property
     def prefill_counters(self) -> tuple[int, float]:
@@ -73,6 +76,7 @@ class PDHooks:
                    on_layer: OnLayer | None = None, on_done: OnDone | None = None, priority: float = 0.0) -> None:
         """Queue a remote prefill (``remote_prefill.py``): scheduled as any prompt, in ``priority`` order.
         Raises what ``add_request`` raises (bad input, a prompt that can never fit the pool)."""
+        self._check_kv_moves(on_layer)
         seq = self.factory.make(request_id, prompt_token_ids, sampling)
         need = blocks_needed(len(seq.prompt_ids), self.block_manager.block_size)
         if need > self.block_manager.num_blocks:
@@ -96,6 +100,7 @@ class PDHooks:
         stepped (with whatever else the engine runs) until each has its first token: request id -> first
         token. ``on_layer(layer, request_id, block_ids, first)`` as a remote prefill's. All or nothing:
         OutOfBlocksError when the blocks are not free now; on any error every block taken is freed."""
+        self._check_kv_moves(on_layer)
         seqs: list[Sequence] = []
         firsts: dict[str, int] = {}
         errors: list[BaseException] = []
@@ -202,6 +207,7 @@ class PDHooks:
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams
     ) -> None:
         """Join a reserved request whose prompt KV is in its blocks to the running batch."""
+        self._check_kv_moves(add_prefilled=True)
         seq = self._take_reserved(request_id, prompt_token_ids, sampling)
         seq.num_computed = len(seq.prompt_ids)
         self.scheduler.register_blocks(seq)
@@ -213,6 +219,11 @@ class PDHooks:
             self.scheduler.finish_early(seq)
         else:
             self.scheduler.join_running(seq)
+
+    def _check_kv_moves(self, on_layer: object = None, add_prefilled: bool = False) -> None:
+        """ValueError (``kv_stays``) when KV would be pushed out (an ``on_layer``) or was written in from outside."""
+        if self.kv_stays is not None and (on_layer is not None or add_prefilled):
+            raise ValueError(self.kv_stays)
 
     def prefill_reserved(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Join a reserved request to the running batch to compute its prompt's missing KV here."""

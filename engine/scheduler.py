@@ -20,10 +20,13 @@ Places a request can be, by request id:
    back to the head of ``waiting`` to be recomputed (``num_preemptions`` counts these);
 2. prompts part-way (chunked prefill) get their next chunk, then waiting sequences are admitted
    in order (``priority``, then arrival: FIFO by default) while blocks, ``max_num_seqs`` and the
-   step's token budget ``max_num_batched_tokens`` allow, each with its first chunk. A chunk is at
-   most ``long_prefill_threshold`` tokens of one prompt (0: the whole budget), so a long prompt
-   takes several steps and short prompts and decode rows share them; each sequence's ``num_new``
-   says how many tokens it computes in the step (a chunk before the prompt's last samples nothing).
+   step's token budget ``max_num_batched_tokens`` allow, each with its first chunk: a prompt longer
+   than the budget takes several steps. At most ``max_partial_prefills`` (1) prompts are part-way
+   at once (two long prompts run one after the other: interleaved, each would get its first
+   token later). While a short prompt waits, a long prompt's chunk is at most
+   ``long_prefill_threshold`` tokens (0: the whole budget), so the short one shares the step and
+   passes it. Each sequence's ``num_new`` says how many tokens it computes in the step (a chunk
+   before the prompt's last samples nothing).
 
 Request kinds, all scheduled here: colocated (waiting -> running -> finished), the decode side's
 ``prefill_reserved`` (joins ``running`` with its blocks reserved: chunked, never preempted), and
@@ -43,16 +46,19 @@ from .block_manager import BlockManager
 from .errors import OutOfBlocksError
 from .sequence import Sequence, Status
 
+SHORT_SCAN = 8  # waiting prompts looked at per step for a short one that may pass a long prompt
+
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_threshold: int = 0):
+                 long_prefill_threshold: int = 0, max_partial_prefills: int = 1):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # the most tokens of one prompt a step computes (0: the whole budget): the rest of the budget is left
         # for other prompts, so a short one never waits for a long one's whole prefill
         self.chunk_tokens = min(long_prefill_threshold or max_num_batched_tokens, max_num_batched_tokens)
+        self.max_partial_prefills = max_partial_prefills  # prompts part-way at once (the rest wait their turn)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # waiting, running, or prefilled-and-held
@@ -190,16 +196,17 @@ class Scheduler:
         prompts part-way first, then newly admitted ones), then decode rows."""
         decodes = self.schedule_decodes()
         budget = self.max_num_batched_tokens - len(decodes)
-        chunks = []
+        chunks, limit = [], self._limit(budget)
         for seq in self.running:
             if budget <= 0:
                 break
             if seq.status is Status.RUNNING and not _decode_ready(seq):
-                seq.num_new = self._chunk(seq, budget)
+                seq.num_new = self._chunk(seq.num_computed, seq.num_tokens, min(budget, limit))
                 if seq.num_new:
                     budget -= seq.num_new
                     chunks.append(seq)
-        return chunks + self.schedule_prefills(budget) + decodes
+        partial = sum(1 for s in chunks if s.chunk_end < s.num_tokens)  # still part-way after this step
+        return chunks + self.schedule_prefills(budget, partial) + decodes
 
     def schedule_decodes(self) -> list[Sequence]:
         """Give every running sequence at a decode row a slot for its next token, preempting when blocks
@@ -225,41 +232,63 @@ class Scheduler:
                         scheduled.remove(victim)
         return scheduled
 
-    def schedule_prefills(self, budget: int | None = None) -> list[Sequence]:
+    def schedule_prefills(self, budget: int | None = None, partial: int = 0) -> list[Sequence]:
         """Admit waiting sequences in order while blocks, max_num_seqs and the token budget allow; each
-        computes its first chunk in this step."""
+        computes its first chunk in this step. One that would stay part-way after it keeps its place while
+        ``max_partial_prefills`` prompts already are (``partial``), and a shorter one behind it that this
+        step finishes may go: two long prompts run one after the other, not interleaved (which would delay
+        the first one's first token by the second one's compute), and short prompts pass both."""
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens if budget is None else budget
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if len(self.running) >= self.max_num_seqs or budget <= 0:
+                break
             ids = seq.all_ids
             try:
                 # a request that wants its prompt's logprobs needs every position's logits: no prefix hit
                 table, cached = self.block_manager.allocate(ids, len(ids), use_prefix_cache=not seq.needs_prompt_logits)
             except OutOfBlocksError:
                 break  # wait for blocks to free up
-            self.waiting.popleft()
-            seq.block_table, seq.num_computed = table, cached
+            n = self._chunk(cached, len(ids), self._limit(budget, after=seq))
+            if cached + n < len(ids):
+                if partial >= self.max_partial_prefills:  # it keeps its place; a shorter one behind it may go
+                    self.block_manager.free(table)
+                    continue
+                partial += 1
+            self.waiting.remove(seq)
+            seq.block_table, seq.num_computed, seq.num_new = table, cached, n
             if not seq.output_ids:
                 seq.num_cached_tokens = cached
-            seq.num_new = self._chunk(seq, budget)
-            budget -= seq.num_new
+            budget -= n
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
         return scheduled
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        """Tokens of a prompt to compute in this step: all that are left, at most ``budget`` and the
-        per-prompt ``chunk_tokens``; a chunk before the last ends on a block boundary when it can (each
-        block's KV is then written, and pushed, by one step)."""
-        left = seq.num_tokens - seq.num_computed
-        n = min(left, budget, self.chunk_tokens)
+    def _limit(self, budget: int, after: Sequence | None = None) -> int:
+        """The most tokens of one prompt in this step: the whole ``budget``, unless a short prompt waits (one
+        of the first ``SHORT_SCAN`` waiting after ``after`` whose prompt, less its prefix-cache hit, fits
+        beside a chunk of ``chunk_tokens``): then ``chunk_tokens``, so that it passes the long prompt now."""
+        if self.chunk_tokens >= budget:
+            return budget
+        waiting = list(self.waiting)
+        start = waiting.index(after) + 1 if after is not None else 0
+        for seq in waiting[start:start + SHORT_SCAN]:
+            hit = 0 if seq.needs_prompt_logits else len(self.block_manager.match_prefix(seq.all_ids))
+            if seq.num_tokens - hit * self.block_manager.block_size <= budget - self.chunk_tokens:
+                return self.chunk_tokens
+        return budget
+
+    def _chunk(self, done: int, total: int, limit: int) -> int:
+        """Tokens of a sequence (``done`` of ``total`` computed) to compute in this step: all that are left,
+        at most ``limit``; a chunk before the last ends on a block boundary when it can (each block's KV is
+        then written, and pushed, by one step)."""
+        left = total - done
+        n = min(left, limit)
         if 0 < n < left:
-            end = seq.num_computed + n
-            aligned = end - end % self.block_manager.block_size
-            if aligned > seq.num_computed:
-                n = aligned - seq.num_computed
+            aligned = done + n - (done + n) % self.block_manager.block_size
+            if aligned > done:
+                n = aligned - done
         return max(n, 0)
 
     def _pick_victim(self) -> Sequence | None:

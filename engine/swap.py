@@ -32,6 +32,7 @@ class Swapper:
         self.scheduler, self.kv = scheduler, kv_cache
         self.evictions = 0
         self.restores = 0
+        self.kv_stays: str | None = None  # why KV may not leave the pool (tensor parallelism), or None
 
     def swapped_ids(self) -> list[str]:
         """Swapped-out requests, the first evicted first."""
@@ -46,6 +47,8 @@ class Swapper:
         seq = self.scheduler.seqs.get(request_id)
         if seq is None or seq.status is not Status.RUNNING or seq not in self.scheduler.running:
             raise ValueError(f"request {request_id!r} is not running: only a running request can be evicted")
+        if self.kv_stays is not None:
+            raise ValueError(self.kv_stays)
         index = torch.tensor(seq.block_table, dtype=torch.long, device=self.kv.device)
         host = self.kv.tensor.index_select(1, index).to("cpu")
         if self.kv.device.type == "cuda":

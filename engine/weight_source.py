@@ -44,8 +44,7 @@ class WeightSource:
     def _read(self, hf_name: str) -> torch.Tensor:
         t = self.get_tensor(hf_name)
         if tuple(t.shape) != self.expected[hf_name]:
-            raise ModelLoadError(
-                f"weight {hf_name!r} has shape {tuple(t.shape)}, expected {self.expected[hf_name]} from config.json")
+            raise shape_error(hf_name, tuple(t.shape), self.expected[hf_name])
         if t.dtype in PLAIN_DTYPES:
             return t
         if t.dtype == fp8.FP8 and self.scheme is not None and self.scheme.in_checkpoint:
@@ -85,6 +84,10 @@ class WeightSource:
         self.fp8_params += 1
         self.fp8_bytes += weight.numel()
         return weight.to(self.device).contiguous(), scale.to(device=self.device, dtype=torch.float32).contiguous()
+
+
+def shape_error(hf_name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> ModelLoadError:
+    return ModelLoadError(f"weight {hf_name!r} has shape {shape}, expected {expected} from config.json")
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

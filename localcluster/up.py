@@ -59,6 +59,13 @@ class LocalCluster:
             raise SystemExit("pdserve up: need --prefill >= 1 and --decode >= 0")
         if args.decode == 0 and not args.local_fallback:
             raise SystemExit("pdserve up: --decode 0 needs --local-fallback (nothing could decode)")
+        tp = getattr(args, "tensor_parallel_size", 1)
+        if tp < 1:
+            raise SystemExit(f"pdserve up: --tensor-parallel-size must be >= 1, got {tp}")
+        if tp > 1 and args.disaggregation != "never":
+            raise SystemExit(f"pdserve up: --tensor-parallel-size {tp} needs --disaggregation never (KV does not move "
+                             f"between servers at tensor-parallel size > 1 yet), got --disaggregation "
+                             f"{args.disaggregation}")
         if getattr(args, "api_key_file", None):  # a bad file: one line now, not a server that cannot start
             try:
                 api_keys.load(args.api_key_file)
@@ -113,7 +120,8 @@ class LocalCluster:
                   "--max-num-batched-tokens",
                   str(getattr(a, "max_num_batched_tokens", defaults.MAX_NUM_BATCHED_TOKENS)),
                   "--long-prefill-threshold",
-                  str(getattr(a, "long_prefill_threshold", defaults.LONG_PREFILL_THRESHOLD))]
+                  str(getattr(a, "long_prefill_threshold", defaults.LONG_PREFILL_THRESHOLD)),
+                  "--tensor-parallel-size", str(getattr(a, "tensor_parallel_size", 1))]
         if getattr(a, "quantization", None):
             common += ["--quantization", a.quantization]
         if self.scaling:  # a drained server finishes its longest request before it stops

@@ -41,9 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every server's engine: tokens one step computes, prompt chunks and decode rows together "
                              "(chunked prefill; default %(default)s)")
     parser.add_argument("--long-prefill-threshold", type=int, default=defaults.LONG_PREFILL_THRESHOLD, metavar="N",
-                        help="every server's engine: the most tokens of one prompt a step computes (0: the whole "
-                             "budget; default %(default)s)")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process")
+                        help="every server's engine: while a short prompt waits, the most tokens of a long prompt a "
+                             "step computes (0: the whole budget; default %(default)s)")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (per rank)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="every server's engine split over N ranks, one process each (engine/tp/); N > 1 needs "
+                             "--disaggregation never: KV does not move between servers at N > 1 yet (default: 1)")
     parser.add_argument("--log-dir", default=None,
                         help="where process logs go, with servers.json and a <server>.pid per running server "
                              "(default: a new temporary folder)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help). Keep in the order a new user meets them.
@@ -99,6 +100,10 @@ class Dispatcher:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if os.environ.get("PDSERVE_CACHE"):  # where the engine's C++ kernels are built (engine/native.py)
+        from pdserve.engine import native
+
+        native.set_cache_root(os.environ["PDSERVE_CACHE"])
     if not argv or argv[0] not in COMMANDS:
         _top_parser().parse_args(argv or ["--help"])
         return 2

@@ -12,7 +12,8 @@ Start-up contract (both ``pdserve prefill`` and ``pdserve decode``):
    ``pdserve.engine.server_engine.ServerEngine``: the AsyncLLMEngine, or vLLM's; not started
    yet) and the KV pool's facts read once, before the engine thread runs: the memory region the
    CacheStore registers once, its layout and compat info, and the compat message the
-   Session carries.
+   Session carries. ``--tensor-parallel-size N`` (``check_tensor_parallel``): the engine starts N - 1 worker
+   ranks (engine/tp/); a rank that dies or hangs ends this process (``exit_server``, exit code 3).
 3. ``wait_for_stop_signal()`` then ``drain(count, grace)`` - stop admitting, let what is
    in flight finish, then the caller stops its servers, CacheStore and engine.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -42,6 +44,7 @@ log = logging.getLogger("pdserve.server")
 ENGINES = ("builtin", "vllm")
 # --engine vllm: reached by module name, lazily (only that module, in vLLM's environment, imports vllm)
 VLLM_SERVER_MODULE = "pdserve.vllm_backend.server"
+TP_LOST_EXIT_CODE = 3  # a tensor-parallel rank died or hung (exit_server): the supervisor restarts the server
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, drains: str) -> None:
     """--host, --drain-timeout (``drains`` names what it waits for), the TLS flags (``tls.py``) and the
@@ -93,14 +96,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="tokens one engine step computes, prompt chunks and decode rows together (chunked prefill: a "
                         "longer prompt takes several steps; default %(default)s)")
     g.add_argument("--long-prefill-threshold", type=int, default=defaults.LONG_PREFILL_THRESHOLD, metavar="N",
-                   help="the most tokens of one prompt a step computes, so short prompts and decode rows share each "
-                        "step with a long prompt's chunks (0: the whole --max-num-batched-tokens; default "
+                   help="while a short prompt waits, the most tokens of a long prompt a step computes, so the short "
+                        "one shares the next step and passes it (0: the whole --max-num-batched-tokens; default "
                         "%(default)s)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on --device cuda: run decode steps eagerly instead of from CUDA graphs (captured at start, "
                         "one per batch-size bucket up to --max-num-seqs; engine/decode_graphs.py)")
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; with --tensor-parallel-size, each rank's)")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the model over N ranks, one process each, started by this server (engine/tp/: heads, "
+                        "MLP rows and the vocabulary split; gloo on CPU, NCCL on cuda:I..I+N-1); KV does not move "
+                        "between servers at N > 1 yet: a prefill needs --disaggregation never (default: 1)")
     g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="CacheStore transport for KV")
     g.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=None,
                    help="KV integrity: prefill sends a CRC32C with every slice of KV, decode checks it before the "
@@ -197,6 +205,7 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
     import torch
 
     from pdserve.engine import EngineConfig, LLMEngine, load_model
+    from pdserve.engine.errors import TensorParallelError
 
     resolve_device(args)
     flags = kv_flags(args)
@@ -204,7 +213,8 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     try:
-        loaded = load_model(args.model, dtype=dtype, device=args.device, quantization=args.quantization)
+        loaded = load_model(args.model, dtype=dtype, device=args.device, quantization=args.quantization,
+                            tensor_parallel_size=args.tensor_parallel_size)
         max_len = args.max_model_len or loaded.config.max_position_embeddings
         cfg = EngineConfig(num_blocks=None, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                            max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -213,8 +223,9 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
                            kv_disk_tier_dir=args.kv_disk_tier_dir, kv_disk_tier_bytes=args.kv_disk_tier_bytes,
                            cuda_graphs=not args.enforce_eager, native_kernels=args.native_kernels,
                            packed_linear=args.packed_linear, fused_elementwise=args.fused_elementwise,
-                           merged_projections=args.merged_projections, kv_cache_dtype=args.kv_cache_dtype)
-        mc = loaded.config
+                           merged_projections=args.merged_projections, kv_cache_dtype=args.kv_cache_dtype,
+                           tensor_parallel_size=args.tensor_parallel_size)
+        mc = loaded.model.cfg  # this rank's KV heads (tensor parallelism): the pool each rank holds
         size = kv_sizing.size_kv_pool(
             flags, dtype=describe_kv(args.kv_cache_dtype, args.dtype), block_size=args.block_size,
             bytes_per_block=kv_sizing.pool_bytes_per_block(args.dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim,
@@ -225,8 +236,8 @@ def load_engine(args) -> tuple[LoadedModel, LLMEngine, int]:
             log.warning("the KV pool holds %d tokens, fewer than the context length %d: a request needing more "
                         "is refused", size.tokens, max_len)
         engine = LLMEngine(loaded, replace(cfg, num_blocks=size.num_blocks))
-    except (ValueError, OSError) as exc:  # bad flags or model files: a message, not a traceback
-        raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None
+    except (ValueError, OSError, TensorParallelError) as exc:  # bad flags or model files, a rank that could not
+        raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None  # start: a message, not a traceback
     return loaded, engine, max_len
 
 
@@ -255,6 +266,7 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     the same calls (``role`` "prefill" or "decode" sets its prefix cache)."""
     from pdserve.engine import AsyncLLMEngine
 
+    check_tensor_parallel(args, role)
     if getattr(args, "engine", "builtin") == "vllm":
         import importlib
 
@@ -265,10 +277,42 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     model_name = served_model_name(args)
     region, layout, compat = kv_parts(llm, args)
     engine = AsyncLLMEngine(llm)
+    engine.on_lost = exit_server
     if role == "prefill":
         engine.step_floor_s = prefill_step_floor_s()  # a test hook (pdserve/test_hooks.py), 0 in production
     return ServerParts(loaded, engine, max_len, model_name, region, layout, compat,
                        compat_message(llm, args, model_name))
+
+
+def exit_server(exc: BaseException) -> None:
+    """A tensor-parallel rank died or hung: the engine cannot step again, so the process ends now, one line
+    naming the rank, and its supervisor (``pdserve up``, Kubernetes) restarts it."""
+    log.critical("%s: exiting", exc)
+    logging.shutdown()
+    os._exit(TP_LOST_EXIT_CODE)
+
+
+def check_tensor_parallel(args, role: str) -> None:
+    """--tensor-parallel-size against the other flags: exit with one line naming the clash. A decode's KV
+    eviction to host memory (lso.py) is turned off at N > 1 (each rank holds only its KV heads)."""
+    n = getattr(args, "tensor_parallel_size", 1)
+    if n < 1:
+        raise SystemExit(f"pdserve {role}: --tensor-parallel-size must be >= 1, got {n}")
+    if n == 1:
+        return
+    if getattr(args, "engine", "builtin") == "vllm":
+        raise SystemExit(f"pdserve {role}: --tensor-parallel-size {n} needs the built-in engine (--engine builtin); "
+                         "pass vLLM's own parallelism through its engine arguments")
+    if role == "prefill" and getattr(args, "disaggregation", "never") != "never":
+        raise SystemExit(f"pdserve prefill: --tensor-parallel-size {n} needs --disaggregation never (KV does not "
+                         f"move between servers at tensor-parallel size > 1 yet), got --disaggregation "
+                         f"{args.disaggregation}")
+    if role == "decode" and getattr(args, "kv_pool", ""):
+        raise SystemExit(f"pdserve decode: --kv-pool needs --tensor-parallel-size 1 (lent blocks would hold rank 0's "
+                         f"KV heads only), got {n}")
+    if role == "decode" and getattr(args, "eviction", False):
+        log.info("KV eviction to host memory off: --tensor-parallel-size %d (each rank holds only its KV heads)", n)
+        args.eviction = False
 
 
 def ensure_engine_environment(args) -> None:

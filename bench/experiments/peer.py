@@ -57,7 +57,7 @@ from pdserve.bench.loadgen_workload import arrival_times, random_requests, token
 from pdserve.cachestore.memory import DTYPE_BYTES
 from pdserve.defaults import BLOCK_SIZE
 
-from . import peer_trace, report
+from . import peer_baseline, peer_trace, report
 from .cluster import SERVED_MODEL, start_pd
 from .launcher import LOG_ROOT, MODEL_CACHE, Launcher
 from .peer_model import PEER_DTYPES, PEER_MODELS, kv_bytes_per_token, peer_model
@@ -112,6 +112,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--pdserve-engine vllm: tokens per KV block of pdserve's vLLM (a multiple of 32; default "
                         "%(default)s; vLLM's own P/D here runs vLLM-CPU's default, 128)")
     g.add_argument("--vllm-untuned", action="store_true", help="vLLM without the progress-thread and NUMA fixes")
+    g.add_argument("--baseline-tree", type=Path, default=None, metavar="DIR",
+                   help="a third system, 'baseline': pdserve from another checkout with its own .venv (e.g. the "
+                        "commit before a change: git worktree add DIR COMMIT && make -C DIR venv native), started "
+                        "with the same flags and alternated with the others; the report adds pdserve / baseline "
+                        "ratios per repeat")
+    g.add_argument("--no-vllm", action="store_true",
+                   help="leave vLLM's P/D out (with --baseline-tree: pdserve against its baseline only)")
     g.add_argument("--pdserve-prefill-extra", default="", metavar="FLAGS",
                    help="more flags for pdserve's prefill, one string "
                         "(e.g. --pdserve-prefill-extra='--queue-timeout 60')")
@@ -207,10 +214,12 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
     pd_extra, pd_blocks = pdserve_engine_flags(args)
     calibration, runs, commands = None, [], {}
     for repeat in range(args.repeats):
-        for system in ("pdserve", "vllm"):
+        for system in systems(args):
             t0, load = time.monotonic(), os.getloadavg()
             with Launcher(LOG_ROOT / f"peer-{system}-{repeat}") as launcher:
-                if system == "pdserve":
+                if system == "baseline":  # the other checkout's pdserve, the same flags
+                    launcher.pdserve = str(baseline_pdserve(args.baseline_tree))
+                if system in ("pdserve", "baseline"):
                     c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus=args.prefill_cpu,
                                  decode_cpus=args.decode_cpu, num_blocks=pd_blocks,
                                  max_model_len=max_len,
@@ -218,7 +227,7 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
                                  + shlex.split(args.pdserve_prefill_extra),
                                  decode_extra=pd_extra + shlex.split(args.pdserve_decode_extra))
                     url = c.url
-                    commands["pdserve"] = {"prefill": c.prefill.proc.popen.args, "decode": c.decodes[0].proc.popen.args}
+                    commands[system] = {"prefill": c.prefill.proc.popen.args, "decode": c.decodes[0].proc.popen.args}
                 else:
                     v = start_vllm_pd(launcher, python, model, kv_bytes=kv_bytes, max_len=max_len,
                                       prefill_cpu=args.prefill_cpu, decode_cpu=args.decode_cpu,
@@ -241,6 +250,19 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
     return runs, commands, calibration
 
 
+def systems(args) -> list[str]:
+    """The systems of each repeat, in the order they run."""
+    return ["pdserve"] + (["baseline"] if args.baseline_tree else []) + ([] if args.no_vllm else ["vllm"])
+
+
+def baseline_pdserve(tree: Path) -> Path:
+    """The baseline checkout's pdserve command (ValueError naming what is missing)."""
+    command = Path(tree) / ".venv" / "bin" / "pdserve"
+    if not command.exists():
+        raise ValueError(f"--baseline-tree {tree}: no {command} (make -C {tree} venv native builds it)")
+    return command
+
+
 def _exit_on_sigterm(signum, frame) -> None:
     raise SystemExit(128 + signum)  # unwinds the Launcher blocks, which stop every server (vLLM's too)
 
@@ -252,7 +274,7 @@ def _plan(args, model: str, python: str, max_len: int, cells, work) -> str:
             if work is not None else f"grid {args.prompt_lens} x {args.output_lens} x "
             + (f"rates {args.rates}" if cells else f"load fractions {args.load_fractions} of calibrated capacity")
             + f", {args.num_requests} requests per cell")
-    order = " ".join(f"{s}#{r + 1}" for r in range(args.repeats) for s in ("pdserve", "vllm"))
+    order = " ".join(f"{s}#{r + 1}" for r in range(args.repeats) for s in systems(args))
     slo_flags = " ".join(peer_trace.pdserve_slo_flags(args))
     return "\n".join([
         "dry run (nothing started)", f"workload: {what}",
@@ -270,7 +292,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     try:
         _validate(args)
-        python = vllm_python()
+        if args.baseline_tree:
+            baseline_pdserve(args.baseline_tree)
+        python = "not used (--no-vllm)" if args.no_vllm else vllm_python()
     except VllmMissing as e:
         if not args.dry_run:
             print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
@@ -301,6 +325,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdserve bench experiment peer: error: {e}", file=sys.stderr)
         return 1
     table = aggregate(runs)
+    versus_baseline = peer_baseline.compare(runs, table) if args.baseline_tree else {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine = "" if args.pdserve_engine == "builtin" else ", vLLM engine"
@@ -313,9 +338,12 @@ def run(args: argparse.Namespace) -> int:
     path = report.save(out, args.name, {"params": params, "model": {"path": model, "size": args.model_size},
                                         "max_model_len": max_len, "kv_bytes_vllm": kv_bytes, "calibration": calibration,
                                         **trace_doc, "commands": commands, "cells": table, "runs": runs,
+                                        "versus_baseline": versus_baseline,
                                         "plot": str(png)})
     print(format_table(table))
-    if trace:
+    if trace and not args.no_vllm:
         print(trace_text)
+    if versus_baseline:
+        print(peer_baseline.format_compare(versus_baseline))
     print(f"wrote {path} and {png}")
     return 0

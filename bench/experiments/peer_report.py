@@ -18,7 +18,8 @@ from pdserve.bench.loadgen_report import RequestResult, percentile
 from . import report
 from .trace_routing_figures import pair_ratios, verdict
 
-SYSTEMS = ("pdserve", "vllm")
+SYSTEMS = ("pdserve", "vllm")  # the pair the targets compare
+RUN_SYSTEMS = ("pdserve", "baseline", "vllm")  # what a run may hold (baseline: --baseline-tree, peer_baseline.py)
 # figure -> (summary key, field); "failed" and throughput are top-level numbers of the summary
 FIGURES = {
     "ttft_mean": ("ttft_s", "mean"), "ttft_p50": ("ttft_s", "p50"), "ttft_p99": ("ttft_s", "p99"),
@@ -72,7 +73,7 @@ def aggregate(runs: list[dict]) -> dict:
     out = {}
     for cell in cells:
         medians = {}
-        for system in SYSTEMS:
+        for system in RUN_SYSTEMS:
             per = [r["cells"][cell] for r in runs if r["system"] == system and cell in r["cells"]]
             if not per:
                 continue
@@ -204,7 +205,7 @@ def plot(runs: list[dict], cells: dict, path, title: str):
     styles = ["-", "--", ":", "-."]
     for ax, key, label in ((axes[1], "ttft_quantiles", "TTFT"), (axes[2], "itl_quantiles", "ITL")):
         for j, cell in enumerate(names):
-            for system, color in zip(SYSTEMS, ("tab:blue", "tab:orange")):
+            for system, color in zip(RUN_SYSTEMS, ("tab:blue", "tab:green", "tab:orange")):
                 qs = [q for r in runs if r["system"] == system and cell in r["cells"]
                       for q in r["cells"][cell][key]]
                 if qs:

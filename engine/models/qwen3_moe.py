@@ -56,7 +56,8 @@ class Qwen3MoeLayer(Qwen3Layer):
             gate, up = fp8.matmul(h[tokens], gate_up[expert], None, gs).chunk(2, dim=-1)
             y = fp8.matmul(self.act(gate) * up, down[expert], None, ds) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y)
-        return out
+        combine = self.__dict__.get("combine")  # tensor parallelism: every rank's slice of the experts summed (tp/)
+        return out if combine is None else combine(out)
 
     @classmethod
     def mlp_tensors(cls, cfg: ModelConfig, index: int) -> Tensors:

@@ -21,9 +21,9 @@ HANG_GUARD_S = 60.0  # only a hang guard: layer 0 crosses loopback in millisecon
 pytestmark = pytest.mark.slow
 
 
-# the prompt (2000 tokens) computed whole in one step, or in chunks of 512 tokens (the default): 4 steps
-CHUNKING = {"whole": (["--long-prefill-threshold", "0", "--max-num-batched-tokens", "4096"], 1),
-            "chunked": (["--long-prefill-threshold", "512"], 4)}
+# the prompt (2000 tokens) computed whole in one step, or in chunks of 512 tokens (a step's budget): 4 steps
+CHUNKING = {"whole": (["--max-num-batched-tokens", "4096"], 1),
+            "chunked": (["--max-num-batched-tokens", "512"], 4)}
 
 
 @pytest.mark.parametrize("chunking", sorted(CHUNKING))

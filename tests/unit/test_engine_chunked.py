@@ -40,7 +40,7 @@ def test_chunked_colocated_equals_whole(tiny, sp):
 
 
 def test_a_step_never_exceeds_its_budget_and_a_chunk_ends_on_a_block(tiny):
-    engine = _engine(tiny, chunk=10, budget=16)
+    engine = _engine(tiny, chunk=8, budget=16)
     sizes = []
     real = engine.runner.forward_sample
 
@@ -53,7 +53,7 @@ def test_a_step_never_exceeds_its_budget_and_a_chunk_ends_on_a_block(tiny):
     assert got == run_all(_engine(tiny), {str(i): (p, GREEDY) for i, p in enumerate(_prompts(tiny))})
     assert all(sum(n for _, n, _ in step) <= 16 for step in sizes)
     chunks = [(done, n) for step in sizes for done, n, total in step if done + n < total]  # before a prompt's last
-    assert len(chunks) > 20 and max(n for _, n in chunks) <= 10
+    assert len(chunks) > 20 and max(n for _, n in chunks) <= 16
     # each ends on a block boundary, unless it is what was left of the budget and less than a block
     assert all((done + n) % 4 == 0 or n < 4 for done, n in chunks)
 
@@ -63,7 +63,7 @@ def test_remote_prefill_in_chunks_pushes_every_block_of_every_layer_once_in_orde
     whole = _engine(tiny)
     first_whole = whole.pd.prefill_only("r", p, GREEDY)
     blocks_whole = whole.pd.prefill_block_ids("r")
-    chunked = _engine(tiny, chunk=8)
+    chunked = _engine(tiny, budget=32)  # 229 tokens: 8 chunks
     calls: dict[int, list[tuple[int, list[int]]]] = {}
     kv = chunked.kv_cache
 
@@ -90,7 +90,7 @@ def test_remote_prefill_in_chunks_pushes_every_block_of_every_layer_once_in_orde
 def test_pd_with_chunked_prefill_and_chunked_decode_equals_colocated(tiny, reuse):
     requests = {str(i): (p, GREEDY) for i, p in enumerate(_prompts(tiny))}
     colocated = run_all(_engine(tiny), requests)
-    prefill, decode = _engine(tiny, chunk=8), _engine(tiny, chunk=12)
+    prefill, decode = _engine(tiny, budget=32), _engine(tiny, budget=48)
     assert run_pd(prefill, decode, requests, reuse=reuse) == colocated
     assert prefill.num_free_blocks() == prefill.num_blocks and prefill.num_requests() == 0
 
@@ -98,7 +98,7 @@ def test_pd_with_chunked_prefill_and_chunked_decode_equals_colocated(tiny, reuse
 def test_prefill_reserved_is_chunked_and_equals_colocated(tiny):
     p = _prompts(tiny)[0]
     expected = run_all(_engine(tiny), {"r": (p, GREEDY)})["r"]
-    decode = _engine(tiny, chunk=8)
+    decode = _engine(tiny, budget=8)
     decode.pd.reserve("r", len(p), GREEDY.max_tokens)
     decode.pd.prefill_reserved("r", p, GREEDY)
     got, steps = [], 0
@@ -112,17 +112,41 @@ def test_prefill_reserved_is_chunked_and_equals_colocated(tiny):
 
 
 def test_a_short_prompt_passes_a_long_one_after_one_chunk(tiny):
-    """The long prompt is 2k tokens (the tiny model's whole context); the short one arrives after its first
-    chunk and gets its first token in the next step, while the long one still has most of its chunks to go."""
+    """The long prompt is 2k tokens (the tiny model's whole context); alone it takes the whole budget per step;
+    the short one arrives after its first chunk and gets its first token in the next step, beside a chunk of
+    long_prefill_threshold tokens, while the long one still has chunks to go."""
     long_ids = [(7 * i) % 200 + 5 for i in range(2000)]
-    engine = _engine(tiny, chunk=512, budget=1024, num_blocks=520)
+    engine = _engine(tiny, chunk=256, budget=512, num_blocks=520)
     engine.add_request("long", long_ids, GREEDY)
-    assert engine.step() == []  # its first chunk
+    assert engine.step() == []  # its first chunk, the whole budget
+    long_seq = engine.scheduler.seqs["long"]
+    assert long_seq.num_computed == 512
     engine.add_request("short", _prompts(tiny)[1], GREEDY)
     outs = engine.step()
     assert [o.request_id for o in outs] == ["short"] and outs[0].new_token_ids
-    long_seq = engine.scheduler.seqs["long"]
-    assert long_seq.num_computed == 1024  # two chunks of 512: the short one waited for one
+    assert long_seq.num_computed == 768  # a chunk of 256 beside the short one: it waited for one chunk
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_free_blocks() == engine.num_blocks
+
+
+def test_two_long_prompts_run_one_after_the_other_and_a_short_one_passes_both(tiny):
+    """At most one prompt part-way: the second long prompt waits for the first (interleaved, both would get their
+    first token late); a short prompt is admitted beside them whenever it finishes in the step."""
+    engine = _engine(tiny, chunk=16, budget=64, num_blocks=256)
+    a, b = _prompts(tiny)[0], list(reversed(_prompts(tiny)[0]))
+    engine.add_request("a", a, GREEDY)
+    engine.add_request("b", b, GREEDY)
+    firsts, step = {}, 0
+    while len(firsts) < 3:
+        step += 1
+        assert not (engine.scheduler.seqs["a"].num_computed < len(a)
+                    and 0 < engine.scheduler.seqs["b"].num_computed < len(b))  # never both part-way
+        if step == 2:
+            engine.add_request("short", _prompts(tiny)[1], GREEDY)
+        for o in engine.step():
+            firsts.setdefault(o.request_id, step)
+    assert firsts["short"] == 2 < firsts["a"] < firsts["b"]  # short: beside a (b, long, waits its turn)
     while engine.has_unfinished():
         engine.step()
     assert engine.num_free_blocks() == engine.num_blocks
@@ -143,7 +167,7 @@ def test_waiting_order_follows_priority_then_arrival(tiny):
 
 
 def test_remote_prefill_abort_and_failure_free_everything(tiny):
-    engine = _engine(tiny, chunk=8)
+    engine = _engine(tiny, budget=32)
     heard = {}
     p = _prompts(tiny)[0]
     engine.pd.add_remote("aborted", p, GREEDY, on_done=lambda t, e: heard.setdefault("aborted", e))

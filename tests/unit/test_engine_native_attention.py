@@ -138,7 +138,7 @@ def test_the_engine_falls_back_to_its_torch_path_with_the_reason(tmp_path):
             "while e.has_unfinished():\n"
             "    out += [t for o in e.step() for t in o.new_token_ids]\n"
             "print(native.unavailable_reason()); print(out)\n")
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PDSERVE_CACHE": str(tmp_path / "cache")}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}  # an empty cache: ~/.cache/pdserve under tmp_path
     runs = {}
     for name, extra in {"torch": {"CXX": "/nonexistent/g++"}, "native": {}}.items():
         done = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,

@@ -116,3 +116,30 @@ def test_every_cell_sends_its_own_prompts():
     first = [random_requests(3, p, o, random.Random(cell_seed(0, p, o, r)), pool) for p, o, r in cells[:2]]
     assert first[0][0].prompt_ids != first[1][0].prompt_ids
     assert cell_seed(0, *cells[0]) == cell_seed(0, *cells[0]) != cell_seed(1, *cells[0])  # same for both systems
+
+
+def test_the_baseline_tree_is_compared_per_repeat_with_its_target(tmp_path):
+    """--baseline-tree: pdserve / baseline per figure, each repeat's ratio, the verdict on TTFT p99 <= 0.7."""
+    import argparse
+
+    from pdserve.bench.experiments.peer import baseline_pdserve, systems
+    from pdserve.bench.experiments.peer_baseline import compare, format_compare
+
+    cell = "trace"
+    runs = []
+    for repeat, (mine, before) in enumerate(((0.5, 1.0), (0.6, 1.0), (0.9, 1.0))):
+        runs.append({"system": "pdserve", "repeat": repeat, "cells": {cell: _figures(mine)}})
+        runs.append({"system": "baseline", "repeat": repeat, "cells": {cell: _figures(before)}})
+    table = aggregate(runs)
+    assert set(table[cell]["medians"]) == {"pdserve", "baseline"} and "ratios" not in table[cell]  # no vLLM
+    got = compare(runs, table)[cell]
+    assert got["ttft_p99"]["ratio"] == pytest.approx(0.6)
+    assert got["ttft_p99"]["pairs"] == pytest.approx([0.5, 0.6, 0.9])
+    assert got["ttft_p99"]["verdict"] == "met (pairs on both sides of the target)"  # one repeat at 0.9 > 0.7
+    assert "verdict" not in got["tpot_mean"] and got["output_tok_s"]["better"] == "higher"
+    assert "ttft_p99" in format_compare({cell: got})
+    args = argparse.Namespace(baseline_tree=tmp_path, no_vllm=True)
+    assert systems(args) == ["pdserve", "baseline"]
+    assert systems(argparse.Namespace(baseline_tree=None, no_vllm=False)) == ["pdserve", "vllm"]
+    with pytest.raises(ValueError, match="make -C"):
+        baseline_pdserve(tmp_path)

@@ -1,0 +1,15 @@
+"""Tensor parallelism for the built-in engine: one process per rank, torch.distributed between them
+(gloo on CPU, NCCL for the model's collectives on CUDA).
+
+Rank 0 is the engine the servers talk to: it owns the Scheduler, samples, and speaks to the world. Each
+step it sends the step's ForwardBatch to the other ranks; every rank runs the same forward on its shard
+of the weights and of the KV heads; rank 0 gets the whole vocabulary's logits and samples.
+
+Reading path:
+  ``shard.py``   Shard: which heads, MLP rows and vocabulary rows a rank holds; the checkpoint slices that
+                 make them (the loader reads only those) and the rank's ModelConfig
+  ``group.py``   TPGroup: the process groups, the step's broadcast, the all-reduce and the LM head's gather
+                 (hooked on the projections: the model code is unchanged)
+  ``ranks.py``   TensorParallelSteps: rank 0 starts the workers, sends each step, names a rank that died
+  ``worker.py``  a worker rank's process: load its shard, then run each step until rank 0 stops
+"""

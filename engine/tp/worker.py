@@ -1,0 +1,69 @@
+"""A tensor-parallel worker rank: ``python -m pdserve.engine.tp.worker SPEC_JSON`` (started by rank 0, ``ranks.py``).
+
+1. joins the process group through rank 0's TCPStore (``group.py``);
+2. loads its shard of the model from the same source as rank 0 (``load_model(..., rank=r)``), applies
+   the engine switches, makes its KV cache (rank 0's block count, its own KV heads); if it cannot,
+   it writes the one-line reason to the store (``error/<rank>``, which rank 0 reports) and exits 1;
+3. waits at the barrier until every rank is ready, then runs each step rank 0 sends
+   (the model's forward: the same one, the same collectives) until rank 0 says STOP (exit 0) or
+   goes away (its wait fails: exit 1). Its logits are thrown away: rank 0 samples.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..kv_cache import KVCache
+from ..loader import load_model
+from .group import TPGroup
+from .ranks import START_TIMEOUT_S, moved, rank_device
+
+log = logging.getLogger("pdserve.engine.tp.worker")
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[0])
+    rank, size = spec["rank"], spec["size"]
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s tp rank {rank} %(levelname)s %(message)s")
+    torch.set_num_threads(spec["threads"])
+    model_spec = spec["model"]
+    device = rank_device(torch.device(model_spec["device"]), rank)
+    store = dist.TCPStore("127.0.0.1", spec["port"], size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
+    group = TPGroup(store, rank, size, device, spec["timeout_s"])
+    try:
+        model, kv = _load(spec, rank, device)
+        group.attach(model)
+    except Exception as exc:  # noqa: BLE001 - rank 0 reports it, in one line
+        store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}")
+        return 1
+    try:
+        group.barrier()
+        while (message := group.receive()) is not None:
+            batch, extra_rows = message
+            model(moved(batch, device), kv, None, [rows.to(device) for rows in extra_rows])
+    except RuntimeError as exc:  # rank 0 went away, or a collective failed: nothing left to do
+        log.warning("stopping: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return 1
+    return 0
+
+
+def _load(spec: dict, rank: int, device: torch.device):
+    """This rank's model shard (engine switches applied) and its KV cache."""
+    m = spec["model"]
+    loaded = load_model(m["name_or_path"], dtype=getattr(torch, m["dtype"]), device=device, seed=m["seed"],
+                        quantization=m["quantization"], tensor_parallel_size=spec["size"], rank=rank)
+    loaded.model.configure(**spec["switches"])
+    cfg, kv = loaded.model.cfg, spec["kv"]
+    cache = KVCache(cfg.num_layers, kv["num_blocks"], kv["block_size"], cfg.num_kv_heads, cfg.head_dim, loaded.dtype,
+                    device, kv["kv_dtype"])
+    return loaded.model, cache
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
