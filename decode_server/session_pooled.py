@@ -57,7 +57,9 @@ class PooledSteps(SessionStream):
                  or "nobody", "pushed by prefill" if pooled.pushed else "computed here")
         allocation = pb.Allocation(cachestore_endpoint=deps.receiver.endpoint, pooled=True)
         if pooled.pushed:
-            allocation.block_ids.extend(deps.receiver.expect(rid, pooled.local_prompt_blocks(), timeout))
+            dst = deps.receiver.expect(rid, pooled.local_prompt_blocks(), timeout)
+            allocation.block_ids.extend(dst)
+            allocation.kv_token = dst.token
             self.expected = True
             allocation.pool_targets.extend(pooled.targets)
         await self.write(allocation=allocation)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve import defaults
+from pdserve import defaults, tls
 from pdserve.cachestore import TRANSPORTS
 from pdserve.http_auth import API_KEY_FILE_HELP
 
@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", default=None, metavar="PATH",
                         help="passed to the router and every prefill (the OpenAI doors); the decodes' ports take no "
                              "keys. " + API_KEY_FILE_HELP)
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS on every internal connection with a throwaway CA and certificate made in "
+                             "<log-dir>/tls at start (or give your own: --tls-cert/--tls-key/--tls-ca)")
+    tls.add_arguments(parser)
     r = parser.add_argument_group("supervision (what happens when a server process dies)")
     r.add_argument("--restart", choices=POLICIES, default="always",
                    help="always: restart it with capped exponential backoff, same ports, the others keep serving; "

@@ -4,7 +4,8 @@ KV-pool construction, the compat message, and running until SIGTERM/SIGINT with 
 Start-up contract (both ``pdserve prefill`` and ``pdserve decode``):
 
 1. ``add_server_arguments(parser, ...)`` - the flags every server takes: --host,
-   --drain-timeout and the model/engine/transfer group (model, dtype, block size, ...).
+   --drain-timeout, --tls-cert/--tls-key/--tls-ca (``tls.py``) and the model/engine/transfer group
+   (model, dtype, block size, ...).
 2. ``build_server_engine(args)`` -> ``ServerParts`` - --device checked and --dtype's default
    filled in, the model, the KV pool sized from --num-blocks / --kv-cache-memory /
    --gpu-memory-utilization (``kv_sizing.py``; one INFO line says how), the engine (a
@@ -27,7 +28,7 @@ import signal
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from pdserve import defaults, kv_sizing
+from pdserve import defaults, kv_sizing, tls
 from pdserve.cachestore import TRANSPORTS
 from pdserve.cachestore.checksum import default_on as checksum_default_on
 from pdserve.engine.kv_formats import describe as describe_kv
@@ -46,10 +47,12 @@ VLLM_SERVER_MODULE = "pdserve.vllm_backend.server"
 TP_LOST_EXIT_CODE = 3  # a tensor-parallel rank died or hung (exit_server): the supervisor restarts the server
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, drains: str) -> None:
-    """--host, --drain-timeout (``drains`` names what it waits for) and the engine flags."""
+    """--host, --drain-timeout (``drains`` names what it waits for), the TLS flags (``tls.py``) and the
+    engine flags."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help=f"seconds to let {drains} finish on shutdown")
+    tls.add_arguments(parser)
     add_engine_arguments(parser)
 
 
