@@ -11,6 +11,7 @@ measures (tests/unit/test_import_arrows.py).
                              4xx on bad input, streams when a server is killed (--kill-cmd) (conformance/)
   pdserve bench slo-policy   the cost of one ordering decision of the SLO queue (fifo, edf, qlm)
   pdserve bench reproduce    rerun a row of docs/results.md and print its new figure beside the published one
+  pdserve bench sim-profile  fit a profile of the simulated engine (--engine sim) to the built-in engine's steps here
 
 Run 'pdserve bench NAME --help' for the options of one benchmark.
 
@@ -46,6 +47,7 @@ BENCHES: dict[str, str] = {
     "conformance": "pdserve.bench.conformance",
     "slo-policy": "pdserve.bench.slo_policy",
     "reproduce": "pdserve.bench.reproduce",
+    "sim-profile": "pdserve.bench.sim_profile",
 }
 
 

@@ -15,14 +15,15 @@ Usage (decode side receives, prefill side sends)::
 
     rx = CacheStoreReceiver(region, layout, compat, transport="tcp", host="127.0.0.1", port=0)
     await rx.start(); ep = rx.endpoint                  # bytes for the prefill (address, version, hash, nixl md)
-    dst = rx.expect(rid, dst_block_ids, timeout_s)      # pin; returns the dst list for the sender
+    dst = rx.expect(rid, dst_block_ids, timeout_s)      # pin; the dst list for the sender, dst.token its bind token
     await rx.load(rid, layer, timeout_s)                # woken when that layer arrived
     await rx.wait_all(rid, timeout_s)                   # every layer arrived
     rx.delete(rid)                                      # unpin (idempotent)
 
     tx = CacheStoreSender(region, layout, compat, transport="tcp", scheduler="priority")
     await tx.start()
-    tx.bind(rid, ep, dst)                               # CompatError on version/hash mismatch
+    tx.bind(rid, ep, dst)                               # CompatError on version/hash mismatch; dst.token
+                                                        # (over the wire: bind(rid, ep, blocks, token))
     tx.store(rid, layer, src_block_ids)                 # any thread, non-blocking, after the layer's KV is written
     await tx.wait_sent(rid, timeout_s)                  # every layer delivered (acked)
     tx.delete(rid)
@@ -41,6 +42,9 @@ Who frees what, when:
 * KV integrity: with ``CacheStoreSender(checksum=True)`` every slice carries a CRC32C that the
   receiver checks before the blocks count as arrived; a mismatch fails the request with
   ``ChecksumError`` (a ``TransferError``) on both sides (``checksum.py``).
+* Only the sender given ``dst`` (with its token) can bind the request or send its KV: a BIND or
+  DATA with another token is refused and the entry untouched (``entries.py``). With ``tls`` (a
+  ``TlsContexts``, ``tls_sockets.py``) both sides' connections are mutual TLS.
 * Two live requests share a dst block only if ``expect`` got equal block hashes for it:
   the block is sent once (``expect`` returns -1 for it to the second request) and stays
   pinned until the last owner is deleted.
@@ -55,15 +59,18 @@ waits on before it reads. Both sides' ``stats()`` report ``pinned_entries`` and
 """
 
 from .endpoint import TRANSPORTS
-from .errors import CHECKSUM_MISMATCH, ChecksumError, CompatError, ProtocolError, TransferError, UnknownRequestError
+from .entries import Destination
+from .errors import (CHECKSUM_MISMATCH, BindRefused, ChecksumError, CompatError, ProtocolError, TransferError,
+                     UnknownRequestError)
 from .frames import WIRE_VERSION
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from .receiver import CacheStoreReceiver
 from .scheduler import FifoScheduler, PriorityScheduler
 from .sender import CacheStoreSender
+from .tls_sockets import TlsContexts
 
 __all__ = [
-    "CHECKSUM_MISMATCH", "CacheStoreReceiver", "CacheStoreSender", "ChecksumError", "CompatError", "CompatInfo",
-    "FifoScheduler", "KVLayout", "MemoryRegion", "PriorityScheduler", "ProtocolError", "TRANSPORTS", "TransferError",
-    "UnknownRequestError", "WIRE_VERSION", "merge_runs",
+    "BindRefused", "CHECKSUM_MISMATCH", "CacheStoreReceiver", "CacheStoreSender", "ChecksumError", "CompatError",
+    "CompatInfo", "Destination", "FifoScheduler", "KVLayout", "MemoryRegion", "PriorityScheduler", "ProtocolError",
+    "TRANSPORTS", "TlsContexts", "TransferError", "UnknownRequestError", "WIRE_VERSION", "merge_runs",
 ]

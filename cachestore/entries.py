@@ -10,16 +10,26 @@ hash for it (the decode shares a prefix block); then the block is transferred on
 first entry, its *provider*) and counts as arrived for every owner. Deleting one owner never
 releases a block another owner still pins. Any other overlap is refused (it would let one
 request overwrite another's KV).
+
+Bind tokens: ``expect`` draws a random token for each entry and returns it with the destination list
+(``Destination.token``); the decode hands both to the prefill on the request's Session. ``bind`` and
+``begin_receive`` refuse (``BindRefused``) a token that is not the entry's, before anything else is
+checked or changed, so a peer that merely knows a live request id can neither bind it, nor write into
+its blocks, nor fail it; ``bound_by`` says whether a connection bound an entry (only that connection
+may CANCEL it).
 """
 
 from __future__ import annotations
 
+import hmac
+import secrets
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from .errors import ProtocolError, TransferError, UnknownRequestError
+from .errors import BindRefused, ProtocolError, TransferError, UnknownRequestError
+from .frames import TOKEN_BYTES
 from .memory import KVLayout
 
 TOMBSTONES = 4096  # remembered failures, so late waits get the reason, not "unknown request"
@@ -33,11 +43,28 @@ class _Block:
     arrived: int = 0  # bit per layer
 
 
+class Destination(list):
+    """What ``expect`` returns: the destination block list for the sender (-1: already there), and
+    ``token``, the bind token the sender must present with it (``CacheStoreSender.bind``)."""
+
+    __slots__ = ("token",)
+
+    def __init__(self, blocks, token: bytes):
+        super().__init__(blocks)
+        self.token = token
+
+
+def _refused(rid: str, what: str) -> BindRefused:
+    return BindRefused(f"{what} for request {rid!r} refused: its bind token is not the one this receiver issued "
+                       "for it (only the prefill that holds the request's Session may send its KV)")
+
+
 @dataclass(slots=True)
 class Entry:
     rid: str
     blocks: list[int]
     counts: list[int]
+    token: bytes = b""           # the bind token issued by expect (never logged)
     layers_done: int = 0
     conn: int | None = None      # the control connection that bound it (None before BIND)
     receiving: int = 0           # DATA frames currently being written into its blocks
@@ -62,8 +89,9 @@ class EntryTable:
         self._incomplete = 0  # live entries still waiting for KV (the nixl thread polls only then)
 
     # ----- event loop side -------------------------------------------------------------
-    def expect(self, rid: str, dst_blocks: Sequence[int], hashes: Sequence[object] | None = None) -> list[int]:
-        """Pin an entry; returns the dst list for the sender (-1 where a shared block is already provided)."""
+    def expect(self, rid: str, dst_blocks: Sequence[int], hashes: Sequence[object] | None = None) -> Destination:
+        """Pin an entry; returns the dst list for the sender (-1 where a shared block is already provided)
+        with the entry's new bind token."""
         if not isinstance(rid, str) or not rid:
             raise ValueError(f"request id must be a non-empty str, got {rid!r}")
         blocks = self.layout.check_blocks(dst_blocks, "destination block id")
@@ -80,7 +108,7 @@ class EntryTable:
                     raise ValueError(
                         f"request {rid!r}: destination block {b} is pinned by live request(s) {sorted(st.owners)}; "
                         "two live requests may share a block only with equal block hashes")
-            entry = Entry(rid, blocks, [0] * self.layout.num_layers)
+            entry = Entry(rid, blocks, [0] * self.layout.num_layers, secrets.token_bytes(TOKEN_BYTES))
             for_sender: list[int] = []
             for i, b in enumerate(blocks):
                 st = self._blocks.get(b)
@@ -97,7 +125,7 @@ class EntryTable:
             self._entries[rid] = entry
             self._incomplete += not entry.complete
             self._failed.pop(rid, None)
-            return for_sender
+            return Destination(for_sender, entry.token)
 
     def status(self, rid: str) -> Entry:
         """The live entry, or raise its failure (TransferError) / UnknownRequestError."""
@@ -157,13 +185,23 @@ class EntryTable:
         with self.lock:
             return [rid for rid, e in self._entries.items() if not e.deleted]
 
-    def bind(self, rid: str, conn: int) -> None:
+    def bind(self, rid: str, conn: int, token: bytes) -> None:
+        """Connection ``conn`` carries rid from now on (its CANCEL and its closing reach the entry);
+        BindRefused for a wrong token, UnknownRequestError for no live entry."""
         with self.lock:
             entry = self._entries.get(rid)
             if entry is None or entry.deleted or entry.error is not None:
                 raise UnknownRequestError(f"receiver has no entry for request {rid!r} (never "
                                           f"expected, deleted or failed)")
+            if not hmac.compare_digest(token, entry.token):
+                raise _refused(rid, "BIND")
             entry.conn = conn
+
+    def bound_by(self, rid: str, conn: int) -> bool:
+        """True when connection ``conn`` bound rid (with its token) and the entry is live."""
+        with self.lock:
+            entry = self._entries.get(rid)
+            return entry is not None and not entry.deleted and entry.conn == conn
 
     def stats(self) -> dict:
         with self.lock:
@@ -176,8 +214,10 @@ class EntryTable:
             }
 
     # ----- socket thread side ----------------------------------------------------------
-    def begin_receive(self, rid: str, layer: int, block: int, nblocks: int) -> Entry:
-        """Check a DATA frame may land; pins the entry until end_receive. Raises without pinning.
+    def begin_receive(self, rid: str, layer: int, block: int, nblocks: int, token: bytes) -> Entry:
+        """Check a DATA frame (or NIXL notification) may land; pins the entry until end_receive. Raises
+        without pinning: UnknownRequestError, BindRefused (``token`` is not the entry's: nothing else
+        is checked, the entry is untouched), ProtocolError (layer or blocks not the entry's).
 
         The returned entry's ``deleted``/``error`` may be read without the lock while the
         bytes arrive, to stop writing into blocks that were released meanwhile.
@@ -190,6 +230,8 @@ class EntryTable:
                 # why it failed, if it did (a failed entry may be gone already: its tombstone says)
                 exc.cause = self._failed.get(rid) if entry is None or entry.deleted else entry.error
                 raise exc
+            if not hmac.compare_digest(token, entry.token):
+                raise _refused(rid, "KV")
             if not 0 <= layer < self.layout.num_layers or nblocks <= 0:
                 raise ProtocolError(f"DATA for request {rid!r}: layer {layer} / {nblocks} blocks out of range")
             for b in range(block, block + nblocks):

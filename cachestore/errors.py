@@ -32,6 +32,12 @@ class UnknownRequestError(LookupError):
     cause: BaseException | None = None
 
 
+class BindRefused(UnknownRequestError):
+    """A BIND, DATA frame or NIXL notification for a live request carried another bind token than the
+    one the receiver issued for it (``expect``): not from the prefill that owns the request's Session.
+    Refused without touching the entry; the message names the request, never a token."""
+
+
 CHECKSUM_MISMATCH = "kv_checksum_mismatch"  # the reason code the servers pass on (refusal / error code, metric label)
 
 

@@ -12,6 +12,7 @@ Every frame is a fixed header, then the request id (UTF-8), then ``payload_len``
     nblocks  u32  DATA/ACK: number of contiguous destination blocks
     payload  u64  length of the payload after the request id
     crc      u32  DATA with FLAG_CRC32C: CRC32C of the payload (``checksum.py``); else 0
+    token    16s  BIND and DATA: the bind token the receiver issued for the request (``expect``); else zeros
 
 DATA payloads are exactly ``nblocks * block_nbytes`` bytes of KV, received straight into the
 destination blocks; the receiver checks the crc before it ACKs (and before the blocks count
@@ -20,6 +21,9 @@ request with FLAG_CHECKSUM_MISMATCH says its KV arrived corrupted (the sender ra
 ``ChecksumError``).
 
 Version 2 added the crc field and the flags (version 1 had a 34-byte header, flags always 0).
+Version 3 added the token (a 54-byte header): a BIND or DATA frame whose token is not the one the
+receiver issued for that request is refused (``entries.py``), so only the prefill that got the
+decode's Allocation on its Session can push KV for the request.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .errors import ProtocolError
+from .tls_sockets import WOULD_BLOCK, recv_flags
 
 MAGIC = b"PDKV"
 # the CacheStore's own wire format (frames and HELLO); not the Session protocol (protos/version.py: PROTOCOL_VERSION)
-WIRE_VERSION = 2  # 2: DATA frames carry a CRC32C, NIXL notifications one per slice
-HEADER = struct.Struct("!4sHBBHIQIQI")
+WIRE_VERSION = 3  # 2: DATA frames carry a CRC32C, NIXL notifications one per slice; 3: bind tokens
+HEADER = struct.Struct("!4sHBBHIQIQI16s")
+TOKEN_BYTES = 16  # a request's bind token (entries.py), in BIND/DATA headers and NIXL notifications
 FLAG_CRC32C = 0x01             # DATA: the crc field holds the payload's CRC32C
 FLAG_CHECKSUM_MISMATCH = 0x01  # ERROR: the request's KV failed its checksum on the receiver
 MAX_RID_LEN = 1024
@@ -64,19 +70,22 @@ class Frame:
     payload_len: int = 0
     flags: int = 0
     crc: int = 0
+    token: bytes = bytes(TOKEN_BYTES)
 
 
 def encode_header(ftype: FrameType, rid: str = "", layer: int = 0, block: int = 0, nblocks: int = 0,
-                  payload_len: int = 0, flags: int = 0, crc: int = 0) -> bytes:
+                  payload_len: int = 0, flags: int = 0, crc: int = 0, token: bytes = b"") -> bytes:
     """Header + request id bytes (the payload is sent after it, from wherever it lives)."""
     rid_b = rid.encode()
     if len(rid_b) > MAX_RID_LEN:
         raise ValueError(f"request id longer than {MAX_RID_LEN} bytes: {rid[:40]!r}...")
+    if len(token) not in (0, TOKEN_BYTES):
+        raise ValueError(f"a bind token is {TOKEN_BYTES} bytes, got {len(token)}")
     return HEADER.pack(MAGIC, WIRE_VERSION, int(ftype), flags, len(rid_b), layer, block, nblocks, payload_len,
-                       crc) + rid_b
+                       crc, token) + rid_b
 
 
-def encode_control(ftype: FrameType, rid: str = "", payload: bytes = b"", **fields: int) -> bytes:
+def encode_control(ftype: FrameType, rid: str = "", payload: bytes = b"", **fields) -> bytes:
     """A whole small frame (header, rid and payload) as one bytes object."""
     return encode_header(ftype, rid, payload_len=len(payload), **fields) + payload
 
@@ -90,12 +99,13 @@ OnWait = Callable[[float], None]
 
 def _recv_into(sock: socket.socket, view: memoryview, n: int, on_wait: OnWait | None, since: float) -> int:
     """One recv_into(MSG_WAITALL). On a socket with ``SO_RCVTIMEO`` (the receiver's connections)
-    a receive that got no byte within it raises EAGAIN: with ``on_wait`` given, it is called
-    with the seconds since ``since`` (the last byte) and may raise to give up; then it retries."""
+    a receive that got no byte within it raises EAGAIN (a TLS socket: SSLWantReadError): with
+    ``on_wait`` given, it is called with the seconds since ``since`` (the last byte) and may raise
+    to give up; then it retries. TLS sockets take no MSG_WAITALL (``tls_sockets.recv_flags``)."""
     while True:
         try:
-            return sock.recv_into(view, n, socket.MSG_WAITALL)
-        except BlockingIOError:
+            return sock.recv_into(view, n, recv_flags(sock))
+        except WOULD_BLOCK:
             if on_wait is None:
                 raise
             on_wait(time.monotonic() - since)
@@ -134,7 +144,7 @@ def read_frame_header(sock: socket.socket, on_wait: OnWait | None = None) -> Fra
         return None
     if first < HEADER.size:
         recv_exact_into(sock, view[first:], on_wait)
-    magic, version, ftype, flags, rid_len, layer, block, nblocks, payload_len, crc = HEADER.unpack(buf)
+    magic, version, ftype, flags, rid_len, layer, block, nblocks, payload_len, crc, token = HEADER.unpack(buf)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a pdserve CacheStore "
                             f"peer or a corrupted stream")
@@ -154,7 +164,7 @@ def read_frame_header(sock: socket.socket, on_wait: OnWait | None = None) -> Fra
             rid = recv_exact(sock, rid_len, on_wait).decode()
         except UnicodeDecodeError:
             raise ProtocolError("request id is not valid UTF-8") from None
-    return Frame(ftype, rid, layer, block, nblocks, payload_len, flags, crc)
+    return Frame(ftype, rid, layer, block, nblocks, payload_len, flags, crc, token)
 
 
 def read_payload(sock: socket.socket, frame: Frame, on_wait: OnWait | None = None) -> bytes:

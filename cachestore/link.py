@@ -6,7 +6,8 @@ request bound to that receiver. It owns:
 * the link's scheduler (``scheduler.py``): every ``store()`` becomes a Transfer pushed here;
 * what differs by transport comes from ``LinkConfig.transport`` (``transport.py``): how many
   connections, whether they carry DATA frames, the link's own data thread (nixl);
-* ``connections`` TCP connections (nixl: one), each with a writer thread (control frames, then chunks
+* ``connections`` TCP connections (nixl: one), each (with ``LinkConfig.tls``) a mutual TLS session
+  first (``tls_sockets.py``), each with a writer thread (control frames, then chunks
   popped from the scheduler, sent straight from the region) and a reader thread (ACK and
   ERROR frames from the receiver). Connection 0 also carries BIND and CANCEL frames, and no
   chunk leaves on any connection or by NIXL while one of them waits to be sent (``_data_ready``);
@@ -36,6 +37,7 @@ import collections
 import errno
 import logging
 import socket
+import ssl
 import struct
 import threading
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ from .frames import FLAG_CHECKSUM_MISMATCH, FLAG_CRC32C, FrameType, encode_heade
 from .handshake import client_hello
 from .memory import CompatInfo, KVLayout, MemoryRegion
 from .scheduler import Chunk
+from .tls_sockets import WOULD_BLOCK, TlsContexts, wrap_client
 from .transport import SendSide, TcpSend
 from .wire_io import RegionIO
 
@@ -79,11 +82,12 @@ class LinkConfig:
     transport: SendSide = TcpSend()  # the sender's transport (transport.py): connections, data thread, agent
     checksum: bool = False         # send a CRC32C with every slice (checksum.py)
     stall_timeout_s: float = 30.0  # no byte sent / no NIXL WRITE completed for this long: the link fails
+    tls: TlsContexts | None = None  # mutual TLS on every connection (tls_sockets.py); None: plain TCP
 
 
 def _stalled(exc: BaseException) -> bool:
-    """An OSError that SO_SNDTIMEO produced (send took no byte within the timeout)."""
-    return isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK)
+    """An OSError that SO_SNDTIMEO produced (send took no byte within the timeout; TLS: SSLWantWriteError)."""
+    return isinstance(exc, WOULD_BLOCK) or (isinstance(exc, OSError) and exc.errno in (errno.EAGAIN, errno.EWOULDBLOCK))
 
 
 class Link:
@@ -221,10 +225,15 @@ class Link:
             sock = socket.create_connection((ep.host, ep.port), timeout=self.config.connect_timeout_s)
         except OSError as exc:
             raise TransferError(f"cannot connect to CacheStore receiver {self.peer}: {exc}") from None
-        self._socks.append(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_hello(sock, self.config.compat, self.config.transport.agent, self.peer,
-                     self.config.checksum)
+        if self.config.tls is not None:  # the handshake first, within the connect timeout (tls_sockets.py)
+            sock = wrap_client(sock, self.config.tls, self.peer, self.config.connect_timeout_s)
+        self._socks.append(sock)
+        try:
+            client_hello(sock, self.config.compat, self.config.transport.agent, self.peer, self.config.checksum)
+        except ssl.SSLError as exc:  # TLS 1.3: the receiver's verdict on our certificate arrives with its first reply
+            raise TransferError(f"CacheStore receiver {self.peer} refused this sender at the TLS handshake: "
+                                f"{exc.reason or exc}") from None
         sock.settimeout(None)
         # a send that moves no byte within the stall bound raises (EAGAIN) instead of blocking
         # for ever on a receiver that is alive but frozen; reads are not bounded (idle is fine)
@@ -294,7 +303,7 @@ class Link:
                             log.warning("TEST HOOK: corrupting one byte of request %r layer %d", t.key, t.layer)
                         io.send(sock, offset, nbytes,
                                 encode_header(FrameType.DATA, t.key, t.layer, dst, n, nbytes,
-                                              FLAG_CRC32C if self.config.checksum else 0, crc), payload)
+                                              FLAG_CRC32C if self.config.checksum else 0, crc, t.token), payload)
                 finally:
                     self.chunk_done(chunk, acked=False)
         except BaseException as exc:  # noqa: BLE001 - every failure fails the link

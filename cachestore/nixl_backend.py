@@ -18,11 +18,12 @@ import struct
 from typing import Any
 
 from .errors import ProtocolError
+from .frames import TOKEN_BYTES
 from .memory import MemoryRegion
 
-NOTIF_MAGIC = b"PDN2"                    # "PDNX" before slices carried a checksum (CacheStore protocol 1)
+NOTIF_MAGIC = b"PDN3"                    # "PDNX" (protocol 1), "PDN2" (2: checksums), "PDN3" (3: bind tokens)
 _NOTIF_COUNT = struct.Struct("!4sBH")    # magic, flags (NOTIF_CRC32C), number of records
-_NOTIF_HEAD = struct.Struct("!IHH")      # per record: layer, rid_len, nslices
+_NOTIF_HEAD = struct.Struct(f"!IHH{TOKEN_BYTES}s")  # per record: layer, rid_len, nslices, the request's bind token
 _NOTIF_SLICE = struct.Struct("!QII")     # dst block, nblocks, CRC32C of the slice's bytes (0 without NOTIF_CRC32C)
 NOTIF_CRC32C = 0x01
 
@@ -79,19 +80,23 @@ class NixlMemory:
                 self._reg = None
 
 
-def encode_notif(records: list[tuple[str, int, list[tuple[int, int, int]]]], checksum: bool = False) -> bytes:
-    """Notification text for one WRITE: (request id, layer, [(dst block, nblocks, crc32c)]) records.
+NotifRecord = tuple[str, int, bytes, list[tuple[int, int, int]]]
+
+
+def encode_notif(records: list[NotifRecord], checksum: bool = False) -> bytes:
+    """Notification text for one WRITE: (request id, layer, bind token, [(dst block, nblocks, crc32c)])
+    records.
 
     ``checksum`` says the crc values are meant (set NOTIF_CRC32C); without it they are sent as 0."""
     out = [_NOTIF_COUNT.pack(NOTIF_MAGIC, NOTIF_CRC32C if checksum else 0, len(records))]
-    for rid, layer, slices in records:
+    for rid, layer, token, slices in records:
         rid_b = rid.encode()
-        out.append(_NOTIF_HEAD.pack(layer, len(rid_b), len(slices)) + rid_b)
+        out.append(_NOTIF_HEAD.pack(layer, len(rid_b), len(slices), token) + rid_b)
         out.extend(_NOTIF_SLICE.pack(b, n, crc if checksum else 0) for b, n, crc in slices)
     return b"".join(out)
 
 
-def decode_notif(msg: bytes) -> tuple[bool, list[tuple[str, int, list[tuple[int, int, int]]]]]:
+def decode_notif(msg: bytes) -> tuple[bool, list[NotifRecord]]:
     """(whether the slices carry checksums, the records) of a notification; ProtocolError if it is not
     one of ours or is malformed."""
     try:
@@ -100,13 +105,13 @@ def decode_notif(msg: bytes) -> tuple[bool, list[tuple[str, int, list[tuple[int,
             raise ProtocolError(f"NIXL notification with bad magic {magic!r}")
         pos, records = _NOTIF_COUNT.size, []
         for _ in range(count):
-            layer, rid_len, nslices = _NOTIF_HEAD.unpack_from(msg, pos)
+            layer, rid_len, nslices, token = _NOTIF_HEAD.unpack_from(msg, pos)
             pos += _NOTIF_HEAD.size
             rid = msg[pos:pos + rid_len].decode(errors="replace")
             pos += rid_len
             slices = [_NOTIF_SLICE.unpack_from(msg, pos + i * _NOTIF_SLICE.size) for i in range(nslices)]
             pos += nslices * _NOTIF_SLICE.size
-            records.append((rid, layer, slices))
+            records.append((rid, layer, token, slices))
     except struct.error:
         raise ProtocolError(f"NIXL notification of {len(msg)} bytes is truncated") from None
     if pos != len(msg):

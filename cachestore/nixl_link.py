@@ -169,7 +169,7 @@ class NixlWriter:
         records, scratch = [], []
         for t, slices in group_layers(batch):
             crcs = [io.crc(layout.offset(t.layer, s), n * bnb) if self.checksum else 0 for s, _, n in slices]
-            records.append((t.key, t.layer, [(d, n, crc) for (_, d, n), crc in zip(slices, crcs)]))
+            records.append((t.key, t.layer, t.token, [(d, n, crc) for (_, d, n), crc in zip(slices, crcs)]))
             layer_ranges = layer_descriptors(t.layer, slices, block_nbytes=bnb, src_base=region.ptr,
                                              src_num_blocks=layout.num_blocks, dst_base=self.remote_base,
                                              dst_num_blocks=self.endpoint.num_blocks)

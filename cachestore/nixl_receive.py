@@ -101,10 +101,10 @@ class NixlReceiveLoop:
             return set()
         touched: set[str] = set()
         bnb = self.layout.block_nbytes
-        for rid, layer, slices in records:
+        for rid, layer, token, slices in records:
             for block, n, crc in slices:
                 try:
-                    self.table.begin_receive(rid, layer, block, n)
+                    self.table.begin_receive(rid, layer, block, n, token)
                 except (UnknownRequestError, ProtocolError) as exc:
                     self.counters["frames_rejected"] += 1
                     log.warning("NIXL write rejected: %s", exc)

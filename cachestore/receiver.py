@@ -5,8 +5,9 @@ Request lifecycle on the receiver (read ``entries.py`` for the bookkeeping):
 1. ``expect(rid, dst_block_ids, timeout_s)`` pins an entry: the blocks the decode allocated.
    It returns the destination list to give the sender (-1 where a shared block, same hash,
    is already provided by another live entry).
-2. The sender connects (HELLO: version + compatibility hash, refused on mismatch), sends
-   BIND(rid) on its control connection, then DATA frames (tcp) or NIXL WRITEs + notifications
+2. The sender connects (with ``tls``: a mutual TLS handshake first; then HELLO: version +
+   compatibility hash, refused on mismatch), sends BIND(rid, token) on its control connection
+   (a wrong token: refused, the entry untouched), then DATA frames (tcp) or NIXL WRITEs + notifications
    (nixl). Each frame's bytes land straight in the entry's blocks; the frame is checked first
    (request known, blocks allocated to it), otherwise nothing is written and the sender gets ERROR.
 3. ``await load(rid, layer)`` / ``await wait_all(rid)`` subscribe and are woken when the layer
@@ -37,11 +38,12 @@ import uuid
 from typing import Callable, Iterable, Sequence
 
 from .endpoint import Endpoint
-from .entries import Entry, EntryTable
+from .entries import Destination, Entry, EntryTable
 from .errors import ChecksumError, TransferError, UnknownRequestError
 from .frames import FLAG_CHECKSUM_MISMATCH
 from .memory import CompatInfo, KVLayout, MemoryRegion
 from .tcp_server import TcpServer
+from .tls_sockets import TlsContexts
 from .transport import receive_side
 from .waiters import LoopCaller, WaiterBook, check_timeout
 
@@ -56,13 +58,14 @@ class CacheStoreReceiver:
     layer)`` is called on the event loop for each entry failed by a checksum mismatch (metrics).
     ``stall_timeout_s`` (tcp): a DATA frame still landing in an entry that was deleted or failed,
     with no byte arriving for this long (a frozen sender), gets its connection closed, so
-    ``released`` is bounded by it (``tcp_server.py``).
+    ``released`` is bounded by it (``tcp_server.py``). ``tls``: mutual TLS on every connection
+    (``tls_sockets.py``); None: plain TCP.
     """
 
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  require_checksum: bool = False, on_checksum_mismatch: Callable[[str, int], None] | None = None,
-                 stall_timeout_s: float = 1.0):
+                 stall_timeout_s: float = 1.0, tls: TlsContexts | None = None):
         compat.check_layout(layout)
         region.check_layout(layout)
         self.region, self.layout, self.compat, self.transport = region, layout, compat, transport
@@ -72,13 +75,14 @@ class CacheStoreReceiver:
         self._table = EntryTable(layout)
         self._loop = LoopCaller()
         self._counters = {"bytes_received": 0, "frames_received": 0, "frames_rejected": 0, "connections_refused": 0,
-                          "frames_verified": 0, "checksum_mismatches": 0, "connections_cut": 0}
+                          "frames_verified": 0, "checksum_mismatches": 0, "connections_cut": 0, "tls_refused": 0,
+                          "binds_refused": 0}
         self.require_checksum = require_checksum
         self._on_checksum_mismatch = on_checksum_mismatch
         self._transport = receive_side(transport, region, self.instance, self._table, layout, self._counters,
                                        self.on_arrived, self.on_corrupt)
         self._server = TcpServer(region, layout, compat, self._transport.frames_carry_data, self._table, self._counters,
-                                 self, require_checksum, stall_timeout_s)
+                                 self, require_checksum, stall_timeout_s, tls)
         self._waiters: WaiterBook[int | None] = WaiterBook()  # a layer, or None: all of them
         self._release_waiters: WaiterBook[None] = WaiterBook()
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -119,12 +123,14 @@ class CacheStoreReceiver:
 
     # ----- the API ---------------------------------------------------------------------
     def expect(self, request_id: str, dst_block_ids: Sequence[int], timeout_s: float,
-               block_hashes: Sequence[object] | None = None) -> list[int]:
+               block_hashes: Sequence[object] | None = None) -> Destination:
         """Pin an entry for request_id: its KV lands in dst_block_ids (same order as the sender's blocks).
 
         Returns the destination list to hand to the sender's ``bind``: equal to
         dst_block_ids, except -1 where a block (same hash) is already provided by another
-        live entry. If not every layer has arrived within timeout_s the entry fails and is freed.
+        live entry; its ``token`` is the request's bind token, which only the sender given it
+        may present (``entries.py``): hand both to the prefill of the request's Session only.
+        If not every layer has arrived within timeout_s the entry fails and is freed.
         """
         loop = self._loop.require("receiver")
         check_timeout(timeout_s)

@@ -36,6 +36,7 @@ class Transfer:
     runs: list[tuple[int, int, int]]
     priority: int = 0
     context: Any = None  # opaque to the scheduler (the sender's request object)
+    token: bytes = b""  # the request's bind token (entries.py): in its DATA headers / NIXL notification records
     corrupt: bool = False  # test hook (checksum.py): the link flips one byte of this transfer's next slice
     ready: Callable[[], None] | None = None  # blocks until the source bytes are written (a GPU event); None: they are
     seq: int = -1

@@ -2,10 +2,13 @@
 
 Request lifecycle on the sender:
 
-1. ``bind(rid, endpoint, dst_block_ids)``: the decode's endpoint bytes and the
-   destination list it returned from ``expect`` (-1 = already there, skip). Version and
+1. ``bind(rid, endpoint, dst_block_ids, token)``: the decode's endpoint bytes, the
+   destination list it returned from ``expect`` (-1 = already there, skip) and that list's bind
+   token (``Destination.token``: the default when the list is one). Version and
    compatibility hash are checked here (``CompatError`` with both values); the link to that
-   receiver is reused or opened (``link.py``), and BIND(rid) is queued on it.
+   receiver is reused or opened (``link.py``; with ``tls`` each connection is mutual TLS), and
+   BIND(rid, token) is queued on it. Every DATA frame (NIXL notification record) of rid carries the
+   token too: the receiver refuses KV for rid with any other.
 2. ``store(rid, layer, src_block_ids, first=0)``: called from the engine's compute thread right
    after that layer's KV is written (all of a layer's blocks at once, or, from a chunked prefill,
    in parts in block order: ``first`` is where the part starts among the destination blocks).
@@ -49,11 +52,12 @@ from typing import Sequence
 
 from .endpoint import Endpoint
 from .errors import CompatError, TransferError, UnknownRequestError
-from .frames import FrameType, encode_control
+from .frames import TOKEN_BYTES, FrameType, encode_control
 from .handshake import check_endpoint
 from .link import Link, LinkConfig
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from .scheduler import DEFAULT_MAX_WAIT, SCHEDULERS, Transfer, make_scheduler
+from .tls_sockets import TlsContexts
 from .transport import send_side
 from .waiters import LoopCaller, WaiterBook
 
@@ -67,6 +71,7 @@ class _TxRequest:
     rid: str
     link: Link
     dst: list[int]
+    token: bytes  # the receiver's bind token for rid (never logged)
     stored: dict[int, int] = field(default_factory=dict)  # layer -> destination blocks stored so far (from 0)
     pending: int = 0        # blocks handed to the link and not yet delivered
     layer_left: dict[int, int] = field(default_factory=dict)     # layer -> blocks not yet delivered
@@ -81,7 +86,7 @@ class CacheStoreSender:
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
                  scheduler: str = "priority", chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_wait: int = DEFAULT_MAX_WAIT,
                  connections_per_peer: int = 1, connect_timeout_s: float = 5.0, checksum: bool = False,
-                 stall_timeout_s: float = 30.0, corrupt_kv: int = 0):
+                 stall_timeout_s: float = 30.0, corrupt_kv: int = 0, tls: TlsContexts | None = None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
         if chunk_bytes <= 0 or connections_per_peer <= 0 or not stall_timeout_s > 0:
@@ -93,6 +98,7 @@ class CacheStoreSender:
         self.chunk_blocks = max(1, chunk_bytes // layout.block_nbytes)
         self.connections_per_peer, self.connect_timeout_s = connections_per_peer, connect_timeout_s
         self.stall_timeout_s = stall_timeout_s
+        self.tls = tls  # mutual TLS on every link connection (tls_sockets.py); None: plain TCP
         self._lock = threading.Lock()
         self._requests: dict[str, _TxRequest] = {}
         self._failed: OrderedDict[str, TransferError] = OrderedDict()
@@ -125,17 +131,24 @@ class CacheStoreSender:
         self._transport.close()
 
     # ----- the API ---------------------------------------------------------------------
-    def bind(self, request_id: str, endpoint: bytes, dst_block_ids: Sequence[int]) -> None:
-        """Attach request_id to a receiver: its endpoint bytes and the dst list from its ``expect``.
+    def bind(self, request_id: str, endpoint: bytes, dst_block_ids: Sequence[int], token: bytes | None = None) -> None:
+        """Attach request_id to a receiver: its endpoint bytes, the dst list from its ``expect`` and
+        that list's bind token (default: ``dst_block_ids.token``, when it is the ``Destination`` itself).
 
         Raises CompatError (both values in the message) if the receiver speaks another
-        protocol version or compatibility hash, ValueError for bad ids or a transport mismatch.
+        protocol version or compatibility hash, ValueError for bad ids, a missing or malformed
+        token or a transport mismatch.
         """
         self._loop.require("sender")
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request id must be a non-empty str, got {request_id!r}")
         ep = Endpoint.from_bytes(endpoint)
         check_endpoint(ep, self.compat, self.transport)
+        if token is None:
+            token = getattr(dst_block_ids, "token", None)
+        if not isinstance(token, bytes) or len(token) != TOKEN_BYTES:
+            raise ValueError(f"request {request_id!r}: bind() needs the receiver's {TOKEN_BYTES}-byte bind token "
+                             "(the Destination that expect() returned, or its token)")
         dst = KVLayout(self.layout.num_layers, max(ep.num_blocks, 1), self.layout.block_nbytes).check_blocks(
             dst_block_ids, "destination block id", allow_skip=True)
         if not dst:
@@ -144,9 +157,9 @@ class CacheStoreSender:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already bound (delete it first)")
             link = self._link_for(ep)
-            self._requests[request_id] = _TxRequest(request_id, link, dst)
+            self._requests[request_id] = _TxRequest(request_id, link, dst, token)
             self._failed.pop(request_id, None)
-        link.send_control(encode_control(FrameType.BIND, request_id))
+        link.send_control(encode_control(FrameType.BIND, request_id, token=token))
 
     def store(self, request_id: str, layer: int, src_block_ids: Sequence[int], first: int = 0) -> None:
         """Layer `layer` of request_id is written in src_block_ids: schedule its send. Any thread.
@@ -190,7 +203,7 @@ class CacheStoreSender:
             done = self._done(req)
             link_error = None
             if runs:  # under the lock: a delete() on another thread cannot slip in before the push
-                transfer = Transfer(request_id, layer, runs, ready=ready)
+                transfer = Transfer(request_id, layer, runs, token=req.token, ready=ready)
                 if self._corrupt_left > 0 and layer == self.layout.num_layers // 2:
                     self._corrupt_left -= 1
                     transfer.corrupt = True
@@ -267,7 +280,7 @@ class CacheStoreSender:
             if stale.alive:
                 threading.Thread(target=stale.close, daemon=True).start()
         config = LinkConfig(self.region, self.layout, self.compat, self.chunk_blocks, self.connections_per_peer,
-                            self.connect_timeout_s, self._transport, self.checksum, self.stall_timeout_s)
+                            self.connect_timeout_s, self._transport, self.checksum, self.stall_timeout_s, self.tls)
         link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait), config)
         self._links[key] = link
         link.start()

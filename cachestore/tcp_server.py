@@ -1,10 +1,14 @@
 """The receiver's TCP side: accept sender connections and serve each on its own thread.
 
-Contract: every accepted connection first passes the handshake (``handshake.serve_hello``),
-then carries BIND, DATA (tcp transport), CANCEL and ERROR frames. A DATA frame is checked
-against the ``EntryTable`` before a byte is written (unknown request or blocks not allocated
-to it: read and dropped, answered with ERROR rid); its bytes land straight in the region,
-1 MiB at a time, stopping when the entry is deleted or failed meanwhile; a frame that carries
+Contract: with ``tls`` every accepted connection first does a mutual TLS handshake
+(``tls_sockets.py``: refused peers are counted and logged once a host); then every connection
+passes the handshake (``handshake.serve_hello``), then carries BIND, DATA (tcp transport), CANCEL
+and ERROR frames. A BIND or DATA frame must carry the request's bind token (``entries.py``): with
+another token it is refused (a DATA frame's bytes read and dropped), answered with ERROR rid, and
+the entry is untouched; a CANCEL or ERROR for a request counts only from the connection that bound
+it. A DATA frame is checked against the ``EntryTable`` before a byte is written (unknown request,
+wrong token or blocks not allocated to it: read and dropped, answered with ERROR rid); its bytes
+land straight in the region, 1 MiB at a time, stopping when the entry is deleted or failed meanwhile; a frame that carries
 a CRC32C is summed as it lands and compared before anything else (a mismatch: the blocks do
 not count as arrived, no ACK, the receiver fails the entry, ``checksum.py``); then ACK. A
 malformed frame closes that connection with an ERROR naming the problem. When a connection
@@ -31,11 +35,12 @@ from typing import Iterable, Protocol
 
 from .checksum import mismatch_text
 from .entries import EntryTable
-from .errors import ChecksumError, ProtocolError, TransferError, UnknownRequestError
+from .errors import BindRefused, ChecksumError, ProtocolError, TransferError, UnknownRequestError
 from .frames import (FLAG_CRC32C, Frame, FrameType, discard, encode_control, encode_header, read_frame_header,
                      read_payload)
 from .handshake import serve_hello
 from .memory import CompatInfo, KVLayout, MemoryRegion
+from .tls_sockets import TlsContexts, TlsRefusals
 from .wire_io import RegionIO
 
 log = logging.getLogger("pdserve.cachestore.receiver")
@@ -80,6 +85,7 @@ class SenderConnection:
         self.sock = sock
         self.peer = peer
         self.agent = ""  # the sender's NIXL agent name (from HELLO)
+        self.refusals_logged = False  # a wrong bind token from this connection was logged (once)
         self._send_lock = threading.Lock()
 
     def send(self, data: bytes) -> bool:
@@ -103,8 +109,9 @@ class TcpServer:
 
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, frames_carry_data: bool,
                  table: EntryTable, counters: dict, sink: ReceiveSink, require_checksum: bool = False,
-                 stall_timeout_s: float = 1.0):
+                 stall_timeout_s: float = 1.0, tls: TlsContexts | None = None):
         self.region, self.layout, self.compat = region, layout, compat
+        self.tls = TlsRefusals(tls, counters) if tls is not None else None
         self.frames_carry_data = frames_carry_data  # tcp: DATA frames bring the bytes (transport.py)
         self.stall_timeout_s = stall_timeout_s
         self.require_checksum = require_checksum
@@ -180,6 +187,11 @@ class TcpServer:
     def _serve(self, conn: SenderConnection) -> None:
         reason = "sender connection closed before all KV arrived"
         try:
+            if self.tls is not None:
+                wrapped = self.tls.accept(conn.sock, conn.peer)
+                if wrapped is None:
+                    return
+                conn.sock = wrapped
             agent, refused = serve_hello(conn.sock, self.compat, self.require_checksum, on_refuse=self._refused)
             if agent is None:
                 if refused:
@@ -199,12 +211,17 @@ class TcpServer:
                 elif frame.type == FrameType.BIND:
                     read_payload(conn.sock, frame, _keep_waiting)
                     try:
-                        self.table.bind(frame.rid, conn.id)
+                        self.table.bind(frame.rid, conn.id, frame.token)
                     except UnknownRequestError as exc:
+                        if isinstance(exc, BindRefused):
+                            self._refused_token(conn, exc)
                         conn.send(encode_control(FrameType.ERROR, frame.rid, str(exc).encode()))
                 elif frame.type in (FrameType.CANCEL, FrameType.ERROR):
                     text = read_payload(conn.sock, frame, _keep_waiting).decode(errors="replace")
-                    if frame.rid:
+                    if frame.rid and not self.table.bound_by(frame.rid, conn.id):
+                        log.debug("ignored %s for request %r from %s, which did not bind it", frame.type.name,
+                                  frame.rid, conn.peer)
+                    elif frame.rid:
                         self.sink.on_fail(frame.rid,
                                           TransferError(f"request {frame.rid!r}: the sender gave up: {text}"))
                     else:
@@ -229,16 +246,26 @@ class TcpServer:
             if failed:
                 self.sink.on_arrived([e.rid for e in failed])
 
+    def _refused_token(self, conn: SenderConnection, exc: BindRefused) -> None:
+        """A BIND or DATA frame with a wrong bind token: counted; logged once a connection."""
+        self.counters["binds_refused"] += 1
+        if not conn.refusals_logged:
+            conn.refusals_logged = True
+            log.warning("CacheStore connection from %s: %s (later refusals on this connection are counted in "
+                        "binds_refused, not logged)", conn.peer, exc)
+
     def _on_data(self, conn: SenderConnection, f: Frame, io: RegionIO, scratch: memoryview) -> None:
         nbytes = f.nblocks * self.layout.block_nbytes
         if f.payload_len != nbytes or f.nblocks == 0 or f.block + f.nblocks > self.layout.num_blocks:
             raise ProtocolError(f"DATA frame for {f.rid!r}: {f.nblocks} blocks from block {f.block} with a payload of "
                                 f"{f.payload_len} bytes does not fit blocks of {self.layout.block_nbytes} bytes")
         try:
-            entry = self.table.begin_receive(f.rid, f.layer, f.block, f.nblocks)
+            entry = self.table.begin_receive(f.rid, f.layer, f.block, f.nblocks, f.token)
         except (UnknownRequestError, ProtocolError) as exc:
             discard(conn.sock, f.payload_len, scratch, _keep_waiting)
             self.counters["frames_rejected"] += 1
+            if isinstance(exc, BindRefused):
+                self._refused_token(conn, exc)
             if isinstance(exc, ProtocolError):  # a known request writing outside its blocks: fail it
                 self.sink.on_fail(f.rid, TransferError(str(exc)))
             if isinstance(getattr(exc, "cause", None), ChecksumError):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from .checksum import crc32c
 from .frames import discard, recv_exact_into
 from .memory import MemoryRegion
+from .tls_sockets import send_two
 
 if TYPE_CHECKING:
     import torch
@@ -65,19 +66,14 @@ class RegionIO:
         return bytearray(self._staged()[0][offset:offset + nbytes].cpu().numpy().tobytes())
 
     def send(self, sock: socket.socket, offset: int, nbytes: int, header: bytes = b"", payload=None) -> None:
-        """Send header then nbytes of the region from offset (cpu: one sendmsg for both).
+        """Send header then nbytes of the region from offset (cpu: one sendmsg for both; TLS: two writes).
 
         ``payload`` (bytes-like, nbytes long) is sent instead of the region's bytes when given
         (the corruption test hook)."""
         host = memoryview(payload) if payload is not None else (
             self._view[offset:offset + nbytes] if self._view is not None else None)
         if host is not None:
-            sent = sock.sendmsg([header, host])
-            if sent < len(header):
-                sock.sendall(header[sent:])
-                sent = len(header)
-            if sent - len(header) < nbytes:
-                sock.sendall(host[sent - len(header):])
+            send_two(sock, header, host)
             return
         if header:
             sock.sendall(header)

@@ -56,8 +56,8 @@ def _fraction(text: str) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.kv_pool and getattr(args, "engine", "builtin") == "vllm":
-        raise SystemExit("pdserve decode: --kv-pool needs the built-in engine: vLLM's engine (--engine vllm) "
+    if args.kv_pool and getattr(args, "engine", "builtin") != "builtin":
+        raise SystemExit(f"pdserve decode: --kv-pool needs the built-in engine: --engine {args.engine} "
                          "cannot lend or borrow KV blocks")
     ensure_engine_environment(args)
     setup_logging(args.log_level, "decode")

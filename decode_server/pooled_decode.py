@@ -94,7 +94,8 @@ class PooledDecode:
                 return request, None
             try:
                 return request, [pb.PoolTarget(request_id=entry_id, cachestore_endpoint=reply.cachestore_endpoint,
-                                               block_ids=list(reply.block_ids), first_block=loan.start // bs)
+                                               block_ids=list(reply.block_ids), first_block=loan.start // bs,
+                                               kv_token=reply.kv_token)
                                  for loan, entry_id, reply in request.expect_kv(timeout_s)]
             except BaseException:
                 pool.close(request)

@@ -245,7 +245,7 @@ class DecodeSession(PooledSteps):
         self.expected = True
         await self.write(allocation=pb.Allocation(block_ids=list(for_sender),
                                                   cachestore_endpoint=deps.receiver.endpoint,
-                                                  cached_blocks=self.cached_blocks))
+                                                  cached_blocks=self.cached_blocks, kv_token=for_sender.token))
         return info
 
     async def _reserve(self, start: pb.Start) -> tuple[list[int], int]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from pdserve.kvpool.rmanager import LenderLost
+from pdserve.kvpool.errors import LenderLost
 from pdserve.protos import session_pb2 as pb
 
 from .pooled_decode import PooledDecode
@@ -57,7 +57,9 @@ class PooledSteps(SessionStream):
                  or "nobody", "pushed by prefill" if pooled.pushed else "computed here")
         allocation = pb.Allocation(cachestore_endpoint=deps.receiver.endpoint, pooled=True)
         if pooled.pushed:
-            allocation.block_ids.extend(deps.receiver.expect(rid, pooled.local_prompt_blocks(), timeout))
+            dst = deps.receiver.expect(rid, pooled.local_prompt_blocks(), timeout)
+            allocation.block_ids.extend(dst)
+            allocation.kv_token = dst.token
             self.expected = True
             allocation.pool_targets.extend(pooled.targets)
         await self.write(allocation=allocation)

@@ -8,9 +8,11 @@ uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
 2. **engine** - model, engine and KV pool from the engine flags; the metrics follow its prefix
    cache hits and KV tiers; a KvEventPublisher (--block-size) is attached before the engine thread
    starts (it calls on that thread); then the engine starts.
+0. **TLS** - --tls-cert/--tls-key/--tls-ca read and checked (``pdserve/tls.py``), before anything
+   loads: with them the receiver, the gRPC port and the KV pool's connections are mutual TLS.
 3. **receiver** - the CacheStoreReceiver on the engine's KV pool (region, layout, compat):
    --transfer, listening on --host:--kv-port, advertising --advertise-host, --kv-checksum
-   required or not; a checksum mismatch counts in the metrics. Started.
+   required or not, the TLS files; a checksum mismatch counts in the metrics. Started.
 4. **KV pool** (only with --kv-pool) - DecodePool: the engine, our id in the ledger
    (--kv-pool-instance-id, default the advertised host:--kv-pool-port), the gManager (--kv-pool),
    --host:--kv-pool-port for its KVLender, --kv-pool-lend-fraction, and the receiver (lenders take a
@@ -45,7 +47,7 @@ from typing import TYPE_CHECKING
 import grpc
 from aiohttp import web
 
-from pdserve import gc_pauses, server_setup, thread_cpu
+from pdserve import gc_pauses, server_setup, thread_cpu, tls
 from pdserve.cachestore import CacheStoreReceiver
 from pdserve.engine import AsyncLLMEngine, OutOfBlocksError, SamplingParams
 from pdserve.kv_events import KvEventPublisher, KvEventsServicer
@@ -78,25 +80,26 @@ GRPC_OPTIONS = [
 
 async def start(args: argparse.Namespace) -> DecodeServer:
     """Build and start every part, in the order of the module docstring."""
+    tls_files = tls.from_args(args, "pdserve decode")  # before the model loads: a bad file ends it at once
     metrics = ServerMetrics.from_env(role="decode")
     parts = build_server_engine(args, "decode")
     engine = parts.engine
     kv_events = await start_engine(engine, metrics, args.block_size)
     receiver = await start_receiver(parts, metrics, args.transfer, args.host, args.kv_port, args.advertise_host,
-                                    args.kv_checksum)
+                                    args.kv_checksum, tls_files)
     pool = None
     if args.kv_pool:  # after the receiver: lenders take a pooled request's KV from the prefill through it
         instance_id = args.kv_pool_instance_id or f"{args.advertise_host or args.host}:{args.kv_pool_port}"
         pool = start_pool(engine, receiver, metrics, instance_id=instance_id, gmanager=args.kv_pool, host=args.host,
                           port=args.kv_pool_port, advertise_host=args.advertise_host,
-                          lend_fraction=args.kv_pool_lend_fraction)
+                          lend_fraction=args.kv_pool_lend_fraction, tls_files=tls_files)
     service = build_service(
         engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
         max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
         session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool,
     )
     track_load(metrics, service, engine, args.block_size)
-    grpc_server = await start_grpc(service, kv_events, args.http_port, args.host, args.port)
+    grpc_server = await start_grpc(service, kv_events, args.http_port, args.host, args.port, tls_files)
     http_runner = await start_http(Probes(service), metrics, args.host, args.http_port)
     gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
     log.info("decode ready: grpc %s:%d, http %s:%d, kv %s (%s), model %s, %d KV blocks",
@@ -139,17 +142,20 @@ async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size:
 
 
 async def start_receiver(parts: ServerParts, metrics: ServerMetrics, transport: str, host: str, port: int,
-                         advertise_host: str | None, require_checksum: bool) -> CacheStoreReceiver:
-    """The CacheStore receiver on the engine's KV pool, started."""
+                         advertise_host: str | None, require_checksum: bool,
+                         tls_files: tls.TlsFiles | None) -> CacheStoreReceiver:
+    """The CacheStore receiver on the engine's KV pool (mutual TLS with ``tls_files``), started."""
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=transport, host=host,
                                   port=port, advertise_host=advertise_host, require_checksum=require_checksum,
+                                  tls=tls_files,
                                   on_checksum_mismatch=lambda rid, layer: metrics.kv_checksum_mismatches.inc())
     await receiver.start()
     return receiver
 
 
 def start_pool(engine: ServerEngine, receiver: CacheStoreReceiver, metrics: ServerMetrics, *, instance_id: str,
-               gmanager: str, host: str, port: int, advertise_host: str | None, lend_fraction: float) -> DecodePool:
+               gmanager: str, host: str, port: int, advertise_host: str | None, lend_fraction: float,
+               tls_files: tls.TlsFiles | None = None) -> DecodePool:
     """Our part of the KV pool (--kv-pool), started; called on the event loop (the receiver's inbox
     hands it KV there)."""
     from pdserve.kvpool.decode_pool import DecodePool, ReceiverInbox
@@ -157,7 +163,8 @@ def start_pool(engine: ServerEngine, receiver: CacheStoreReceiver, metrics: Serv
     if not isinstance(engine, AsyncLLMEngine):  # cli.run refuses --kv-pool with --engine vllm before this
         raise ValueError(f"--kv-pool needs the built-in engine, not {type(engine).__name__}")
     pool = DecodePool(engine, instance_id, gmanager, host, port, advertise_host, lend_fraction,
-                      inbox=ReceiverInbox(receiver, asyncio.get_running_loop()), gates=TestGates.from_environment())
+                      inbox=ReceiverInbox(receiver, asyncio.get_running_loop()), gates=TestGates.from_environment(),
+                      tls=tls_files)
     pool.start()
     metrics.follow_counter("kv_pool_pooled_requests", lambda: pool.stats()["pooled_requests_total"])
     metrics.follow_counter("kv_pool_borrowed_blocks", lambda: pool.stats()["borrowed_blocks_total"])
@@ -174,12 +181,13 @@ def track_load(metrics: ServerMetrics, service: DecodeService, engine: ServerEng
 
 
 async def start_grpc(service: DecodeService, kv_events: KvEventPublisher, http_port: int, host: str,
-                     port: int) -> grpc.aio.Server:
-    """Decode (Session, GetLoadReport) and KvEvents (GetLoad tells ``http_port``), on host:port."""
+                     port: int, tls_files: tls.TlsFiles | None = None) -> grpc.aio.Server:
+    """Decode (Session, GetLoadReport) and KvEvents (GetLoad tells ``http_port``), on host:port (mutual TLS
+    with ``tls_files``)."""
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb_grpc.add_DecodeServicer_to_server(service, server)
     kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, lambda: service.server_load(http_port)), server)
-    server.add_insecure_port(f"{host}:{port}")
+    tls.add_port(server, f"{host}:{port}", tls_files)
     await server.start()
     return server
 

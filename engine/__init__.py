@@ -2,6 +2,8 @@
 
 Reading path (read in this order):
   ``llm_engine.py``   LLMEngine: colocated ``add_request``/``step``; builds the parts below, holds ``pd``
+  ``engine_core.py``  EngineCore: what LLMEngine shares with the simulated engine (admission, step, abort, reads);
+                      ``engine_config.py`` EngineConfig; ``sampling_params.py`` SamplingParams (both torch-free)
   ``scheduler.py``    Scheduler: the request table, waiting/running queues, admission, chunked prefill (a
                       token budget per step), preemption: ONE scheduler for every kind of request
   ``block_manager.py``BlockManager: ref counts, chained block hashes, prefix-reuse LRU (pure Python)
@@ -30,6 +32,8 @@ Reading path (read in this order):
   ``weight_memory.py`` the loaded weights' bytes; a model too large for its GPU refused at load, naming the sizes
   ``defaults.py``     BLOCK_SIZE, BUILTIN_MODEL (``pdserve.defaults`` re-exports them)
   ``cli.py``          ``pdserve generate``
+  ``sim/``            the simulated engine (``--engine sim``): EngineCore over a profile's modelled step time, no
+                      model, no torch (its __init__ has the request lifecycle)
   ``tp/``             tensor parallelism: each rank's shard of the weights (``shard.py``), the process group and
                       its collectives hooked on the projections (``group.py``), rank 0 starting the workers and
                       sending each step's ForwardBatch (``ranks.py``), a worker's loop (``worker.py``);
@@ -162,11 +166,11 @@ _EXPORTS = {
     "PromptTooLongError": ".errors",
     "KVCache": ".kv_cache",
     "KVTiers": ".kv_tiers",
-    "EngineConfig": ".llm_engine",
+    "EngineConfig": ".engine_config",
     "LLMEngine": ".llm_engine",
     "LoadedModel": ".loader",
     "load_model": ".loader",
-    "SamplingParams": ".sampling",
+    "SamplingParams": ".sampling_params",
     "RequestOutput": ".sequence",
 }
 
@@ -193,7 +197,8 @@ if TYPE_CHECKING:
     from .errors import ModelLoadError, OutOfBlocksError, PromptTooLongError
     from .kv_cache import KVCache
     from .kv_tiers import KVTiers
-    from .llm_engine import EngineConfig, LLMEngine
+    from .engine_config import EngineConfig
+    from .llm_engine import LLMEngine
     from .loader import LoadedModel, load_model
-    from .sampling import SamplingParams
+    from .sampling_params import SamplingParams
     from .sequence import RequestOutput

@@ -55,13 +55,15 @@ import logging
 import queue
 import threading
 import time
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from .engine_thread import EngineThread, set_exception, set_result
 from .errors import TensorParallelError
-from .llm_engine import LLMEngine
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import RequestOutput
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 SWAP_POLL_S = 0.02  # while only swapped-out requests are left: how often after_step may restore them
@@ -70,6 +72,8 @@ STALL_POLL_S = 0.005  # while waiting requests fit no free blocks: how often to 
 
 class AsyncLLMEngine(EngineThread):
     def __init__(self, engine: LLMEngine):
+        """``engine``: an LLMEngine, or the simulated engine (``sim/engine.py``'s SimEngine: the same EngineCore
+        and the members this thread reads: ``kv_cache.block_nbytes``, ``swapper``, ``tiers``)."""
         super().__init__()
         self.engine = engine
         self._num_blocks = engine.num_blocks

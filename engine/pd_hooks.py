@@ -47,7 +47,7 @@ from .block_manager import blocks_needed
 from .errors import OutOfBlocksError, PromptTooLongError
 from .outputs import OutputProcessor
 from .remote_prefill import OnDone, OnLayer, RemotePrefill, blocks_to_push
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
 

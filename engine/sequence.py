@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from .errors import PromptTooLongError
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch

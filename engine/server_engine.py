@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import AsyncGenerator, Callable, Protocol
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .sequence import RequestOutput
 
 

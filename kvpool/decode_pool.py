@@ -32,6 +32,7 @@ from concurrent import futures
 
 import grpc
 
+from pdserve import tls as tls_files
 from pdserve.engine.async_engine import AsyncLLMEngine
 from pdserve.protos import kvpool_pb2, kvpool_pb2_grpc
 from pdserve.test_hooks import NO_GATES, TestGates
@@ -64,9 +65,11 @@ class ReceiverInbox:
     def _run(self, coro, timeout_s: float):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
-    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> tuple[bytes, list[int]]:
+    def expect(self, request_id: str, block_ids: list[int], timeout_s: float) -> tuple[bytes, list[int], bytes]:
+        """The receiver's endpoint, the destination list and its bind token (the prefill binds with both)."""
         async def expect():
-            return self.receiver.endpoint, list(self.receiver.expect(request_id, block_ids, timeout_s))
+            dst = self.receiver.expect(request_id, block_ids, timeout_s)
+            return self.receiver.endpoint, list(dst), dst.token
         return self._run(expect(), RPC_TIMEOUT_S)
 
     def wait(self, request_id: str, timeout_s: float) -> None:
@@ -91,7 +94,8 @@ class DecodePool:
     def __init__(self, engine: AsyncLLMEngine, instance_id: str, gmanager: str, host: str, port: int,
                  advertise_host: str | None = None, lend_fraction: float = DEFAULT_LEND_FRACTION,
                  report_interval_s: float = DEFAULT_REPORT_INTERVAL_S, loan_idle_s: float = DEFAULT_LOAN_IDLE_S,
-                 inbox: ReceiverInbox | None = None, gates: TestGates = NO_GATES):
+                 inbox: ReceiverInbox | None = None, gates: TestGates = NO_GATES,
+                 tls: tls_files.TlsFiles | None = None):
         self.engine = EngineOnThread(engine)
         self.gates = gates  # test hooks (pdserve/test_hooks.py): the pooled requests' gate
         self.instance_id, self.host, self.port = instance_id, host, port
@@ -102,9 +106,10 @@ class DecodePool:
         self.lender.inbox = inbox
         fast = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
                 ("grpc.max_reconnect_backoff_ms", 500)]  # back fast after a gManager restart
-        self._gm_channel = grpc.insecure_channel(gmanager, options=fast)
+        self.tls = tls  # mutual TLS on the lender's port and to the gManager and lenders (pdserve/tls.py)
+        self._gm_channel = tls_files.channel(gmanager, tls, options=fast)
         self.gmanager = kvpool_pb2_grpc.GManagerStub(self._gm_channel)
-        self.borrower = Borrower(instance_id, self.gmanager, kv_layout(self.engine), RPC_TIMEOUT_S)
+        self.borrower = Borrower(instance_id, self.gmanager, kv_layout(self.engine), RPC_TIMEOUT_S, tls)
         self.reporter = Reporter(self.lender, self.gmanager, instance_id, self.address)
         self.report_interval_s = report_interval_s
         self._room = (0, 0)
@@ -121,7 +126,7 @@ class DecodePool:
             ("grpc.max_receive_message_length", GRPC_MESSAGE_BYTES),
             ("grpc.max_send_message_length", GRPC_MESSAGE_BYTES)])
         kvpool_pb2_grpc.add_KVLenderServicer_to_server(self.lender, self._server)
-        if self._server.add_insecure_port(f"{self.host}:{self.port}") == 0:
+        if tls_files.add_port(self._server, f"{self.host}:{self.port}", self.tls) == 0:
             raise OSError(f"--kv-pool-port: cannot listen on {self.host}:{self.port}")
         self._server.start()
         self.lender.on_change = self.reporter.send

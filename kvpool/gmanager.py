@@ -17,6 +17,7 @@ from concurrent import futures
 
 import grpc
 
+from pdserve import tls
 from pdserve.protos import KVPOOL_VERSION, kvpool_pb2, kvpool_pb2_grpc
 
 from .ledger import DebtLedger
@@ -72,12 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--ttl", type=float, default=DEFAULT_TTL_S,
                         help="seconds without a report after which an instance (and its ledger row) is dropped")
+    tls.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    files = tls.from_args(args, "pdserve kvpool gmanager")
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     kvpool_pb2_grpc.add_GManagerServicer_to_server(GManager(args.ttl), server)
-    server.add_insecure_port(f"{args.host}:{args.port}")
+    tls.add_port(server, f"{args.host}:{args.port}", files)
     server.start()
     print(f"gmanager listening on {args.host}:{args.port}", flush=True)
     stop = threading.Event()

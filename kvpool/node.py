@@ -18,6 +18,7 @@ from concurrent import futures
 import grpc
 import torch
 
+from pdserve import tls
 from pdserve.defaults import BLOCK_SIZE, BUILTIN_MODEL
 from pdserve.engine.errors import OutOfBlocksError
 from pdserve.engine.llm_engine import EngineConfig, LLMEngine
@@ -131,9 +132,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-interval", type=float, default=DEFAULT_REPORT_INTERVAL_S)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
+    tls.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    files = tls.from_args(args, "pdserve kvpool node")
     torch.set_num_threads(args.threads)
     engine = LLMEngine(load_model(args.model, seed=args.seed),
                        EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=8))
@@ -143,16 +146,16 @@ def run(args: argparse.Namespace) -> int:
     # reconnect fast after a gManager restart (the default backoff grows past its ttl)
     fast = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 500)]
-    gmanager = (kvpool_pb2_grpc.GManagerStub(grpc.insecure_channel(args.gmanager, options=fast))
+    gmanager = (kvpool_pb2_grpc.GManagerStub(tls.channel(args.gmanager, files, options=fast))
                 if args.gmanager else None)
-    borrower = Borrower(args.instance_id, gmanager, kv_layout(engine), RPC_TIMEOUT_S) if gmanager else None
+    borrower = Borrower(args.instance_id, gmanager, kv_layout(engine), RPC_TIMEOUT_S, files) if gmanager else None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16),
                          options=[("grpc.max_receive_message_length", 256 << 20),
                                   ("grpc.max_send_message_length", 256 << 20)])
     kvpool_pb2_grpc.add_KVLenderServicer_to_server(lender, server)
     node = KVNode(engine, lock, lender, borrower, TestGates.from_environment())
     kvpool_pb2_grpc.add_KVNodeServicer_to_server(node, server)
-    server.add_insecure_port(address)
+    tls.add_port(server, address, files)
     server.start()
     if gmanager:
         reporter = Reporter(lender, gmanager, args.instance_id, address)

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from pdserve import tls as tls_files
 from pdserve.engine.errors import OutOfBlocksError
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.protos import KVPOOL_VERSION, kvpool_pb2, kvpool_pb2_grpc
 
 from .attention import micro_attention, to_bytes
+from .errors import LenderLost
 from .loans import Loan, LoanBook
 
 LOAN_PREFIX = "loan:"
@@ -125,12 +127,12 @@ class BlockLender(kvpool_pb2_grpc.KVLenderServicer):
             context.abort(grpc.StatusCode.ALREADY_EXISTS, f"KV for {request.request_id!r} is already expected here")
         ids = loan.block_ids[: -(-request.num_tokens // self.kv.block_size)]
         try:
-            endpoint, for_sender = self.inbox.expect(request.entry_id, ids, request.timeout_s)
+            endpoint, for_sender, token = self.inbox.expect(request.entry_id, ids, request.timeout_s)
         except Exception as e:  # noqa: BLE001 - already expected, receiver stopped: the borrower must know
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot expect KV for {request.request_id!r}: {e}")
         self._expected[request.request_id] = (request.entry_id, request.num_tokens)
         loan.used_at = time.monotonic()
-        return kvpool_pb2.ExpectKVReply(cachestore_endpoint=endpoint, block_ids=for_sender)
+        return kvpool_pb2.ExpectKVReply(cachestore_endpoint=endpoint, block_ids=for_sender, kv_token=token)
 
     def KVArrived(self, request, context):
         loan, _ = self._loan(request.request_id, context)
@@ -204,15 +206,13 @@ class RemoteLoan:
     tokens: int = 0
 
 
-class LenderLost(RuntimeError):
-    """A lender holding part of a request's KV did not answer: the request cannot go on."""
-
-
 class Borrower:
     """Finds room on peers for a request's overflow (the gManager suggests, lenders decide)."""
 
-    def __init__(self, instance: str, gmanager: kvpool_pb2_grpc.GManagerStub, layout: str, rpc_timeout_s: float):
+    def __init__(self, instance: str, gmanager: kvpool_pb2_grpc.GManagerStub, layout: str, rpc_timeout_s: float,
+                 tls: tls_files.TlsFiles | None = None):
         self.instance, self.gmanager, self.layout, self.timeout = instance, gmanager, layout, rpc_timeout_s
+        self.tls = tls  # mutual TLS to the lenders (pdserve/tls.py); None: plain
         self._channels: dict[str, grpc.Channel] = {}
 
     def loan_id(self, request_id: str) -> str:
@@ -221,7 +221,7 @@ class Borrower:
 
     def stub(self, address: str) -> kvpool_pb2_grpc.KVLenderStub:
         if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address)
+            self._channels[address] = tls_files.channel(address, self.tls)
         return kvpool_pb2_grpc.KVLenderStub(self._channels[address])
 
     def borrow(self, request_id: str, blocks: int) -> list[RemoteLoan]:

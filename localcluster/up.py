@@ -31,7 +31,7 @@ import urllib.request
 from functools import partial
 from pathlib import Path
 
-from pdserve import api_keys, defaults
+from pdserve import api_keys, defaults, tls
 from pdserve.net import free_ports
 from pdserve.test_hooks import PLANNER_GATE_ENV, gate_closed, gate_dir
 
@@ -75,6 +75,7 @@ class LocalCluster:
         self.scaling = autoscale.planner_config(args) if getattr(args, "autoscale", False) else None
         self.log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdserve-up-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.tls = self._tls_files(args)
         self.discovery_files = {"decode": self.log_dir / "decodes.txt", "prefill": self.log_dir / "prefills.txt"}
         self.routed = (self.scaling.prefill.max_replicas if self.scaling else args.prefill) > 1
         self.endpoints: list[str] = []
@@ -121,11 +122,26 @@ class LocalCluster:
                   "--long-prefill-threshold",
                   str(getattr(a, "long_prefill_threshold", defaults.LONG_PREFILL_THRESHOLD)),
                   "--tensor-parallel-size", str(getattr(a, "tensor_parallel_size", 1))]
+        if getattr(a, "engine", "builtin") == "sim":
+            profile = Path(a.sim_profile)  # a file: by its absolute path; else a shipped profile's name
+            common += ["--engine", "sim", "--sim-profile",
+                       str(profile.resolve()) if profile.is_file() else a.sim_profile]
         if getattr(a, "quantization", None):
             common += ["--quantization", a.quantization]
         if self.scaling:  # a drained server finishes its longest request before it stops
             common += ["--drain-timeout", f"{defaults.REQUEST_TIMEOUT_S:g}"]
+        common += tls.flags(self.tls)
         return common + (a.extra.split() if a.extra else [])
+
+    def _tls_files(self, args: argparse.Namespace) -> tls.TlsFiles | None:
+        """--tls-cert/--tls-key/--tls-ca as given (checked now), or with --tls a throwaway CA and one
+        certificate for every server, made in <log-dir>/tls (``tls_certs.throwaway``); None: plain."""
+        files = tls.from_args(args, "pdserve up")
+        if files is None and getattr(args, "tls", False):
+            from pdserve import tls_certs  # the cryptography package: only when a CA is made
+
+            files = tls_certs.throwaway(str(self.log_dir))
+        return files
 
     def _door(self) -> list[str]:
         """--api-key-file for the OpenAI doors (router, prefills), as an absolute path (checked by ``__init__``)."""
@@ -170,7 +186,7 @@ class LocalCluster:
                             if self.scaling
                             else ["--prefill", ",".join(p.address for p in prefills)])
             argv = ["router", "--port", str(a.port), "--grpc-port", str(a.grpc_port), "--model", a.model, *prefills_arg,
-                    *self._door()]
+                    *self._door(), *tls.flags(self.tls)]
             self.supervisor.servers.append(self._server("router", argv, f"http://127.0.0.1:{a.port}/ready", "router",
                                                         "", ""))
             self.endpoints.insert(0, f"http://127.0.0.1:{a.port}")
@@ -296,6 +312,8 @@ class LocalCluster:
         if getattr(a, "api_key_file", None):  # never a key itself: the banner goes to logs
             api_key, curl_auth = "", " -H \"Authorization: Bearer $OPENAI_API_KEY\""  # the client reads the variable
             keys = f"\n  API keys: {Path(a.api_key_file).resolve()} (export OPENAI_API_KEY=<one of them>)"
+        if self.tls is not None:  # gRPC clients need a certificate of this CA (never the key in a banner)
+            keys += f"\n  mutual TLS on every internal connection: CA {self.tls.ca}, certificate {self.tls.cert}"
         return f"""
 pdserve is up: {a.prefill} prefill, {a.decode} decode{', 1 router' if self.routers else ''}, model {a.model!r}, KV transfer {a.transfer}{scaling}
   OpenAI API: {url}/v1    ({'the router; prefills at ' + ', '.join(self.endpoints[1:]) if self.routers else 'the prefill'})

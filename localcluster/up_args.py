@@ -4,17 +4,26 @@ from __future__ import annotations
 
 import argparse
 
-from pdserve import defaults
+from pdserve import defaults, tls
 from pdserve.cachestore import TRANSPORTS
 from pdserve.http_auth import API_KEY_FILE_HELP
 
 from . import autoscale
 from .supervisor import POLICIES
 
+UP_ENGINES = ("builtin", "sim")  # the servers' --engine choices up starts (vLLM's needs its own environment)
+SIM_DEFAULT_PROFILE = "cpu-small"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=defaults.BUILTIN_MODEL, help="'tiny' (built-in) or a model directory")
+    parser.add_argument("--engine", choices=UP_ENGINES, default="builtin",
+                        help="every server's engine: builtin, or sim (no model: the scheduler, prefix cache and KV "
+                             "moves of builtin, each step the time --sim-profile models; engine/sim/); a sim server "
+                             "takes 60-75 MiB, so a hundred fit in 8 GiB")
+    parser.add_argument("--sim-profile", default=SIM_DEFAULT_PROFILE, metavar="PATH",
+                        help="--engine sim: the profile JSON, or a shipped one by name: cpu-small (measured on a "
+                             "2-core Xeon for the bench's small model), h200-llama3-8b (default %(default)s)")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill processes")
     parser.add_argument("--decode", type=int, default=2, help="number of decode processes")
     parser.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="KV transport between them")
@@ -57,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key-file", default=None, metavar="PATH",
                         help="passed to the router and every prefill (the OpenAI doors); the decodes' ports take no "
                              "keys. " + API_KEY_FILE_HELP)
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS on every internal connection with a throwaway CA and certificate made in "
+                             "<log-dir>/tls at start (or give your own: --tls-cert/--tls-key/--tls-ca)")
+    tls.add_arguments(parser)
     r = parser.add_argument_group("supervision (what happens when a server process dies)")
     r.add_argument("--restart", choices=POLICIES, default="always",
                    help="always: restart it with capped exponential backoff, same ports, the others keep serving; "

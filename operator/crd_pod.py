@@ -36,7 +36,7 @@ GPU_NAMES = " or ".join([*GPU_RESOURCES, *(p + "*" for p in GPU_RESOURCE_PREFIXE
 def is_gpu_resource(name: str) -> bool:
     return name in GPU_RESOURCES or name.startswith(GPU_RESOURCE_PREFIXES)
 GPU_DEVICE = "cuda"  # what --device says on a GPU pool (ROCm builds of torch call AMD GPUs cuda too)
-ENGINES = ("builtin", "vllm")  # = pdserve.server_setup.ENGINES (checked by the same test)
+ENGINES = ("builtin", "vllm", "sim")  # = pdserve.server_setup.ENGINES (checked by the same test)
 
 # Linux capabilities a pool may add to its container (everything else stays dropped):
 # IPC_LOCK lets a process pin memory beyond RLIMIT_MEMLOCK, which RDMA needs to register the KV
@@ -48,7 +48,7 @@ CAPABILITIES = ("IPC_LOCK", "SYS_RESOURCE")
 
 # The flags the operator writes itself (workloads.py); engine.extraArgs must not repeat them.
 ENGINE_FLAGS = ("--engine", "--device", "--dtype", "--quantization", "--kv-cache-dtype", "--kv-cache-memory",
-                "--gpu-memory-utilization", "--num-blocks", "--max-num-seqs", "--max-model-len")
+                "--gpu-memory-utilization", "--num-blocks", "--max-num-seqs", "--max-model-len", "--sim-profile")
 OPERATOR_FLAGS = {
     "prefill": ("--host", "--port", "--grpc-port", "--model", "--served-model-name", "--discovery", "--namespace",
                 "--decode-selector", "--policy", "--transfer", "--block-size", "--drain-timeout", "--batch-db",
@@ -117,8 +117,11 @@ def engine_schema(role: str) -> dict:
     """``engine`` of a prefill or decode pool: the server's engine flags."""
     return _obj(
         {
-            "name": _str("builtin: pdserve's engine; vllm: vLLM's engine with pdserve's KV connector "
-                         "(`--engine`; default: the server's, builtin).", enum=list(ENGINES)),
+            "name": _str("builtin: pdserve's engine; vllm: vLLM's engine with pdserve's KV connector; sim: no "
+                         "model, each step the time simProfile models (a pod of about 75 MiB, for control-plane "
+                         "tests at scale) (`--engine`; default: the server's, builtin).", enum=list(ENGINES)),
+            "simProfile": _str("name: sim: the profile, a shipped one by name (cpu-small, h200-llama3-8b) or a path "
+                               "in the image (`--sim-profile`).", minLength=1, maxLength=1024),
             "dtype": _str(f"Weights and KV cache dtype (`--dtype`). Default: {GPU_DTYPE} on a GPU pool (resources "
                           f"name {GPU_NAMES}), {CPU_DTYPE} on the CPU. Prefill and decode "
                           "pools must compute in the same dtype.", enum=list(DTYPES), maxLength=16),
@@ -155,6 +158,8 @@ def engine_schema(role: str) -> dict:
                   ".filter(x, x).size() <= 1",
                   "engine: set at most one of kvCacheMemory, gpuMemoryUtilization and numBlocks (each sizes the "
                   "KV cache)"),
+            _rule("has(self.name) && self.name == 'sim' ? has(self.simProfile) : !has(self.simProfile)",
+                  "engine: simProfile goes with name: sim, and name: sim needs it"),
         ]},
     )
 

@@ -53,6 +53,8 @@ def engine_args(spec: dict) -> list[str]:
     args = []
     if engine.get("name"):
         args += ["--engine", engine["name"]]
+    if engine.get("simProfile"):
+        args += ["--sim-profile", engine["simProfile"]]
     if uses_gpu(spec):
         args += ["--device", crd_pod.GPU_DEVICE, "--dtype", dtype(spec)]
     elif engine.get("dtype"):  # else the server's CPU default, which is crd_pod.CPU_DTYPE

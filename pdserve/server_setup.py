@@ -4,7 +4,8 @@ KV-pool construction, the compat message, and running until SIGTERM/SIGINT with 
 Start-up contract (both ``pdserve prefill`` and ``pdserve decode``):
 
 1. ``add_server_arguments(parser, ...)`` - the flags every server takes: --host,
-   --drain-timeout and the model/engine/transfer group (model, dtype, block size, ...).
+   --drain-timeout, --tls-cert/--tls-key/--tls-ca (``tls.py``) and the model/engine/transfer group
+   (model, dtype, block size, ...).
 2. ``build_server_engine(args)`` -> ``ServerParts`` - --device checked and --dtype's default
    filled in, the model, the KV pool sized from --num-blocks / --kv-cache-memory /
    --gpu-memory-utilization (``kv_sizing.py``; one INFO line says how), the engine (a
@@ -27,7 +28,7 @@ import signal
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from pdserve import defaults, kv_sizing
+from pdserve import defaults, kv_sizing, tls
 from pdserve.cachestore import TRANSPORTS
 from pdserve.cachestore.checksum import default_on as checksum_default_on
 from pdserve.engine.kv_formats import describe as describe_kv
@@ -40,16 +41,18 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("pdserve.server")
-ENGINES = ("builtin", "vllm")
+ENGINES = ("builtin", "vllm", "sim")
 # --engine vllm: reached by module name, lazily (only that module, in vLLM's environment, imports vllm)
 VLLM_SERVER_MODULE = "pdserve.vllm_backend.server"
 TP_LOST_EXIT_CODE = 3  # a tensor-parallel rank died or hung (exit_server): the supervisor restarts the server
 
 def add_server_arguments(parser: argparse.ArgumentParser, *, drains: str) -> None:
-    """--host, --drain-timeout (``drains`` names what it waits for) and the engine flags."""
+    """--host, --drain-timeout (``drains`` names what it waits for), the TLS flags (``tls.py``) and the
+    engine flags."""
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 in a pod)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help=f"seconds to let {drains} finish on shutdown")
+    tls.add_arguments(parser)
     add_engine_arguments(parser)
 
 
@@ -59,7 +62,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="builtin: pdserve's engine; vllm: vLLM's engine with pdserve's CacheStore as its KV connector "
                         "(vllm_backend/; runs in the environment tools/install_vllm_cpu.sh builds; --model must be a "
                         "Hugging Face directory; logprobs and response_format/tools supported; no KV tiers or decode "
-                        "prefix cache)")
+                        "prefix cache); sim: no model, each step sleeps the time a profile models (engine/sim/: the "
+                        "real scheduler, prefix cache and KV moves; tokens a hash of the context; needs --sim-profile)")
+    g.add_argument("--sim-profile", default=None, metavar="PATH",
+                   help="--engine sim: the profile JSON (model shape and step time, engine/sim/profile.py), or a "
+                        "shipped one by name: cpu-small, h200-llama3-8b")
     g.add_argument("--model", default=defaults.BUILTIN_MODEL,
                    help=f"'{defaults.BUILTIN_MODEL}' (built-in, offline) or a directory with config.json + safetensors")
     g.add_argument("--served-model-name", default=None,
@@ -260,10 +267,15 @@ class ServerParts:
 def build_server_engine(args, role: str = "prefill") -> ServerParts:
     """Model, engine and KV facts from the flags; the KV pool is read here, before the
     engine thread starts (the engine is not started). ``--engine vllm``: vLLM's engine behind
-    the same calls (``role`` "prefill" or "decode" sets its prefix cache)."""
+    the same calls (``role`` "prefill" or "decode" sets its prefix cache). ``--engine sim``: the simulated
+    engine (``sim_server.py``; loads no torch)."""
+    check_tensor_parallel(args, role)
+    if getattr(args, "engine", "builtin") == "sim":
+        from pdserve.sim_server import build_sim_server_engine  # loads no torch
+
+        return build_sim_server_engine(args, role)
     from pdserve.engine import AsyncLLMEngine
 
-    check_tensor_parallel(args, role)
     if getattr(args, "engine", "builtin") == "vllm":
         import importlib
 

@@ -317,9 +317,10 @@ class SessionRunner:
                   first_block + len(alloc.block_ids))]
         parts += [(t.request_id, t.cachestore_endpoint, list(t.block_ids), t.first_block,
                    t.first_block + len(t.block_ids)) for t in alloc.pool_targets]
-        for part_id, endpoint, dst, _, _ in parts:
+        tokens = [alloc.kv_token] + [t.kv_token for t in alloc.pool_targets]
+        for (part_id, endpoint, dst, _, _), token in zip(parts, tokens):
             try:
-                self.sender.bind(part_id, endpoint, dst)
+                self.sender.bind(part_id, endpoint, dst, token)
             except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
                 raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
             held.bound.append(part_id)

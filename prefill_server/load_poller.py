@@ -26,6 +26,7 @@ import grpc
 
 from pdserve.defaults import REQUEST_TIMEOUT_S
 from pdserve.protos import session_pb2 as pb
+from pdserve.tls import TlsFiles, aio_channel
 from pdserve.protos import session_pb2_grpc as pb_grpc
 
 from .picker import DecodeLoad, DecodePicker
@@ -49,7 +50,8 @@ CHANNEL_OPTIONS = [
 
 class LoadReportPoller:
     def __init__(self, discovery, picker: DecodePicker, interval_s: float = 0.3, on_update=None, index=None,
-                 close_grace_s: float = REQUEST_TIMEOUT_S, on_report: Callable[[str], None] | None = None):
+                 close_grace_s: float = REQUEST_TIMEOUT_S, on_report: Callable[[str], None] | None = None,
+                 tls: TlsFiles | None = None):
         if interval_s <= 0:
             raise ValueError(f"load report interval must be > 0, got {interval_s}")
         self.discovery, self.picker, self.interval_s = discovery, picker, interval_s
@@ -60,6 +62,7 @@ class LoadReportPoller:
         self.on_update = on_update
         self.on_report = on_report  # the prefill's admission queue: a fresh report may show freed blocks
         self.index = index  # a DecodeIndex (decode_index.py), or None: no prefix knowledge
+        self.tls = tls  # mutual TLS on every channel (pdserve/tls.py: the files as of the channel's making)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, asyncio.Task] = {}
@@ -67,7 +70,7 @@ class LoadReportPoller:
     def channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            ch = self._channels[address] = aio_channel(address, self.tls, options=CHANNEL_OPTIONS)
         return ch
 
     def stub(self, address: str) -> pb_grpc.DecodeStub:

@@ -5,6 +5,9 @@ uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
 builder (``server_setup.build_server_engine``) and the Batch API's (``BatchService.start``) take
 them whole. In start order:
 
+0. **TLS** - --tls-cert/--tls-key/--tls-ca read and checked (``pdserve/tls.py``), before anything
+   loads: with them the sender's links, the poller's channels to the decodes (Sessions, load
+   reports, KV events) and the gRPC port are mutual TLS.
 1. **metrics** - ServerMetrics for role "prefill" (its settings from the environment).
 2. **engine** - model, engine and KV pool from the engine flags; the metrics follow its prefix
    cache hits, KV tiers and computed prompt tokens; a KvEventPublisher (--block-size) is attached
@@ -61,7 +64,7 @@ from typing import TYPE_CHECKING, Callable
 import grpc
 from aiohttp import web
 
-from pdserve import defaults, gc_pauses, server_setup, test_hooks
+from pdserve import defaults, gc_pauses, server_setup, test_hooks, tls
 from pdserve.batch.api import BatchService
 from pdserve.cachestore import CacheStoreSender
 from pdserve.engine import OutOfBlocksError, SamplingParams
@@ -104,11 +107,13 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses,
     """Build and start every part, in the order of the module docstring; ``slo``: the SLO classes
     (--slo-classes, loaded and checked by ``cli.run``); ``door``: the API keys (--api-key-file,
     --metrics-key-file, read by ``cli.run``)."""
+    tls_files = tls.from_args(args, "pdserve prefill")  # before the model loads: a bad file ends it at once
     metrics = ServerMetrics.from_env(role="prefill")
     parts = build_server_engine(args, "prefill")
     engine, loaded = parts.engine, parts.loaded
     kv_events = await start_engine(engine, metrics, args.block_size)
-    sender = await start_sender(parts, args.transfer, args.scheduler, args.kv_checksum, args.session_timeout)
+    sender = await start_sender(parts, args.transfer, args.scheduler, args.kv_checksum, args.session_timeout,
+                                tls_files)
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
     slo_queue = make_slo_queue(slo, args.queue_policy, metrics, picker)
     decode_index = DecodeIndex() if args.decode_reuse else None
@@ -117,7 +122,8 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses,
     leave_grace = args.request_timeout if args.decode_leave_grace is None else args.decode_leave_grace
     poller = LoadReportPoller(discovery, picker, interval_s=args.load_report_interval, close_grace_s=leave_grace,
                               on_update=lambda: metrics.known_decodes.set(len(picker.eligible())), index=decode_index,
-                              on_report=lambda address: queue.notify())  # a fresh report may show freed blocks
+                              on_report=lambda address: queue.notify(),  # a fresh report may show freed blocks
+                              tls=tls_files)
     node = build_node(
         engine, sender, picker, poller, queue, parts.compat_message, block_size=args.block_size,
         kv_bytes_per_block=parts.kv_bytes_per_block, eos_token_ids=tuple(loaded.tokenizer.eos_token_ids),
@@ -138,7 +144,7 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses,
     probes.batch = batch = BatchService.start(args, frontend)  # resumes unfinished batch jobs
     http_runner = await start_http(frontend, probes, batch, metrics, args.model, args.host, args.port,
                                    door.counted_by(metrics))
-    grpc_server = await start_grpc(frontend, kv_events, probes.load, args.host, args.grpc_port)
+    grpc_server = await start_grpc(frontend, kv_events, probes.load, args.host, args.grpc_port, tls_files)
     gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
     log.info("prefill ready: http %s:%d, grpc %s:%d, decodes %s, policy %s, transfer %s, local fallback %s, "
              "decode reuse %s, disaggregation %s, queue %s, SLO classes %s", args.host, args.port, args.host,
@@ -200,10 +206,11 @@ async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size:
 
 
 async def start_sender(parts: ServerParts, transport: str, scheduler: str, checksum: bool,
-                       stall_timeout_s: float) -> CacheStoreSender:
-    """The CacheStore sender on the engine's KV pool, started."""
+                       stall_timeout_s: float, tls_files: tls.TlsFiles | None = None) -> CacheStoreSender:
+    """The CacheStore sender on the engine's KV pool (mutual TLS with ``tls_files``), started."""
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=transport, scheduler=scheduler,
-                              checksum=checksum, stall_timeout_s=stall_timeout_s, corrupt_kv=test_hooks.corrupt_kv())
+                              checksum=checksum, stall_timeout_s=stall_timeout_s, corrupt_kv=test_hooks.corrupt_kv(),
+                              tls=tls_files)
     await sender.start()
     return sender
 
@@ -232,12 +239,13 @@ async def start_http(frontend: Frontend, probes: Probes, batch: BatchService, me
 
 
 async def start_grpc(frontend: Frontend, kv_events: KvEventPublisher, load: Callable[[], kpb.ServerLoad], host: str,
-                     port: int) -> grpc.aio.Server:
-    """Generate and KvEvents (with GetLoad answered by ``load``), listening on host:port."""
+                     port: int, tls_files: tls.TlsFiles | None = None) -> grpc.aio.Server:
+    """Generate and KvEvents (with GetLoad answered by ``load``), listening on host:port (mutual TLS with
+    ``tls_files``)."""
     server = grpc.aio.server()
     gpb_grpc.add_GeneratorServicer_to_server(GenerateServicer(frontend), server)
     kpb_grpc.add_KvEventsServicer_to_server(KvEventsServicer(kv_events, load), server)
-    server.add_insecure_port(f"{host}:{port}")
+    tls.add_port(server, f"{host}:{port}", tls_files)
     await server.start()
     return server
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvpool.proto\x12\x0epdserve.kvpool\"(\n\x04\x44\x65\x62t\x12\x10\n\x08\x62orrower\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\"\xb6\x01\n\x0eInstanceReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x17\n\x0flendable_blocks\x18\x04 \x01(\x05\x12\"\n\x04lent\x18\x05 \x03(\x0b\x32\x14.pdserve.kvpool.Debt\x12\x0f\n\x07version\x18\x06 \x01(\x05\x12\x1b\n\x13max_lendable_blocks\x18\x07 \x01(\x05\"7\n\x0bReportReply\x12\x16\n\x0elive_instances\x18\x01 \x03(\t\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\"G\n\x12\x46indLendersRequest\x12\x10\n\x08\x62orrower\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\x12\x0f\n\x07\x65xclude\x18\x03 \x03(\t\"J\n\tCandidate\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0flendable_blocks\x18\x03 \x01(\x05\"A\n\x10\x46indLendersReply\x12-\n\ncandidates\x18\x01 \x03(\x0b\x32\x19.pdserve.kvpool.Candidate\"\x0f\n\rLedgerRequest\"\x9b\x01\n\tLedgerRow\x12\x0e\n\x06lender\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x17\n\x0flendable_blocks\x18\x04 \x01(\x05\x12\"\n\x04lent\x18\x05 \x03(\x0b\x32\x14.pdserve.kvpool.Debt\x12\x1b\n\x13max_lendable_blocks\x18\x06 \x01(\x05\"6\n\x0bLedgerReply\x12\'\n\x04rows\x18\x01 \x03(\x0b\x32\x19.pdserve.kvpool.LedgerRow\"^\n\x0f\x45xpectKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x10\n\x08\x65ntry_id\x18\x04 \x01(\t\"?\n\rExpectKVReply\x12\x1b\n\x13\x63\x61\x63hestore_endpoint\x18\x01 \x01(\x0c\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\"9\n\x10KVArrivedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x10\n\x0eKVArrivedReply\"d\n\x0bLendRequest\x12\x10\n\x08\x62orrower\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x05\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x05\"4\n\tLendReply\x12\x16\n\x0egranted_blocks\x18\x01 \x01(\x05\x12\x0f\n\x07refusal\x18\x02 \x01(\t\"j\n\x0cPutKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\r\n\x05start\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\"\x0c\n\nPutKVReply\"P\n\rAttendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\t\n\x01q\x18\x03 \x01(\x0c\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\"=\n\x0b\x41ttendReply\x12\x0b\n\x03max\x18\x01 \x01(\x0c\x12\x0f\n\x07sum_exp\x18\x02 \x01(\x0c\x12\x10\n\x08weighted\x18\x03 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x0cReleaseReply\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\x05\"\xa2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06pooled\x18\x04 \x01(\x08\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x12\x18\n\x10max_local_blocks\x18\x07 \x01(\x05\"\x97\x01\n\rGenerateReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06logits\x18\x02 \x01(\x0c\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\x05\x12\x17\n\x0f\x62orrowed_blocks\x18\x04 \x01(\x05\x12\x0f\n\x07lenders\x18\x05 \x03(\t\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x07 \x01(\x01\"\x0e\n\x0cStatsRequest\"\x8b\x01\n\nStatsReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\r\n\x05loans\x18\x03 \x01(\x05\x12\x13\n\x0blent_blocks\x18\x04 \x01(\x05\x12\x17\n\x0f\x65ngine_requests\x18\x05 \x01(\x05\x12\x17\n\x0fpooled_requests\x18\x06 \x01(\x05\x32\xef\x01\n\x08GManager\x12\x45\n\x06Report\x12\x1e.pdserve.kvpool.InstanceReport\x1a\x1b.pdserve.kvpool.ReportReply\x12S\n\x0b\x46indLenders\x12\".pdserve.kvpool.FindLendersRequest\x1a .pdserve.kvpool.FindLendersReply\x12G\n\tGetLedger\x12\x1d.pdserve.kvpool.LedgerRequest\x1a\x1b.pdserve.kvpool.LedgerReply2\xb7\x03\n\x08KVLender\x12>\n\x04Lend\x12\x1b.pdserve.kvpool.LendRequest\x1a\x19.pdserve.kvpool.LendReply\x12\x41\n\x05PutKV\x12\x1c.pdserve.kvpool.PutKVRequest\x1a\x1a.pdserve.kvpool.PutKVReply\x12\x44\n\x06\x41ttend\x12\x1d.pdserve.kvpool.AttendRequest\x1a\x1b.pdserve.kvpool.AttendReply\x12G\n\x07Release\x12\x1e.pdserve.kvpool.ReleaseRequest\x1a\x1c.pdserve.kvpool.ReleaseReply\x12J\n\x08\x45xpectKV\x12\x1f.pdserve.kvpool.ExpectKVRequest\x1a\x1d.pdserve.kvpool.ExpectKVReply\x12M\n\tKVArrived\x12 .pdserve.kvpool.KVArrivedRequest\x1a\x1e.pdserve.kvpool.KVArrivedReply2\x97\x01\n\x06KVNode\x12J\n\x08Generate\x12\x1f.pdserve.kvpool.GenerateRequest\x1a\x1d.pdserve.kvpool.GenerateReply\x12\x41\n\x05Stats\x12\x1c.pdserve.kvpool.StatsRequest\x1a\x1a.pdserve.kvpool.StatsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0ckvpool.proto\x12\x0epdserve.kvpool\"(\n\x04\x44\x65\x62t\x12\x10\n\x08\x62orrower\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\"\xb6\x01\n\x0eInstanceReport\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x17\n\x0flendable_blocks\x18\x04 \x01(\x05\x12\"\n\x04lent\x18\x05 \x03(\x0b\x32\x14.pdserve.kvpool.Debt\x12\x0f\n\x07version\x18\x06 \x01(\x05\x12\x1b\n\x13max_lendable_blocks\x18\x07 \x01(\x05\"7\n\x0bReportReply\x12\x16\n\x0elive_instances\x18\x01 \x03(\t\x12\x10\n\x08\x63omplete\x18\x02 \x01(\x08\"G\n\x12\x46indLendersRequest\x12\x10\n\x08\x62orrower\x18\x01 \x01(\t\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x05\x12\x0f\n\x07\x65xclude\x18\x03 \x03(\t\"J\n\tCandidate\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0flendable_blocks\x18\x03 \x01(\x05\"A\n\x10\x46indLendersReply\x12-\n\ncandidates\x18\x01 \x03(\x0b\x32\x19.pdserve.kvpool.Candidate\"\x0f\n\rLedgerRequest\"\x9b\x01\n\tLedgerRow\x12\x0e\n\x06lender\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0b\x66ree_blocks\x18\x03 \x01(\x05\x12\x17\n\x0flendable_blocks\x18\x04 \x01(\x05\x12\"\n\x04lent\x18\x05 \x03(\x0b\x32\x14.pdserve.kvpool.Debt\x12\x1b\n\x13max_lendable_blocks\x18\x06 \x01(\x05\"6\n\x0bLedgerReply\x12\'\n\x04rows\x18\x01 \x03(\x0b\x32\x19.pdserve.kvpool.LedgerRow\"^\n\x0f\x45xpectKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x11\n\ttimeout_s\x18\x03 \x01(\x01\x12\x10\n\x08\x65ntry_id\x18\x04 \x01(\t\"Q\n\rExpectKVReply\x12\x1b\n\x13\x63\x61\x63hestore_endpoint\x18\x01 \x01(\x0c\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\x12\x10\n\x08kv_token\x18\x03 \x01(\x0c\"9\n\x10KVArrivedRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttimeout_s\x18\x02 \x01(\x01\"\x10\n\x0eKVArrivedReply\"d\n\x0bLendRequest\x12\x10\n\x08\x62orrower\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0e\n\x06\x62locks\x18\x03 \x01(\x05\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07version\x18\x05 \x01(\x05\"4\n\tLendReply\x12\x16\n\x0egranted_blocks\x18\x01 \x01(\x05\x12\x0f\n\x07refusal\x18\x02 \x01(\t\"j\n\x0cPutKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\r\n\x05start\x18\x03 \x01(\x05\x12\x12\n\nnum_tokens\x18\x04 \x01(\x05\x12\t\n\x01k\x18\x05 \x01(\x0c\x12\t\n\x01v\x18\x06 \x01(\x0c\"\x0c\n\nPutKVReply\"P\n\rAttendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05layer\x18\x02 \x01(\x05\x12\t\n\x01q\x18\x03 \x01(\x0c\x12\x11\n\tnum_heads\x18\x04 \x01(\x05\"=\n\x0b\x41ttendReply\x12\x0b\n\x03max\x18\x01 \x01(\x0c\x12\x0f\n\x07sum_exp\x18\x02 \x01(\x0c\x12\x10\n\x08weighted\x18\x03 \x01(\x0c\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x0cReleaseReply\x12\x14\n\x0c\x66reed_blocks\x18\x01 \x01(\x05\"\xa2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12\x12\n\nmax_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06pooled\x18\x04 \x01(\x08\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12\x15\n\rreturn_logits\x18\x06 \x01(\x08\x12\x18\n\x10max_local_blocks\x18\x07 \x01(\x05\"\x97\x01\n\rGenerateReply\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06logits\x18\x02 \x01(\x0c\x12\x14\n\x0clocal_blocks\x18\x03 \x01(\x05\x12\x17\n\x0f\x62orrowed_blocks\x18\x04 \x01(\x05\x12\x0f\n\x07lenders\x18\x05 \x03(\t\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x07 \x01(\x01\"\x0e\n\x0cStatsRequest\"\x8b\x01\n\nStatsReply\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\r\n\x05loans\x18\x03 \x01(\x05\x12\x13\n\x0blent_blocks\x18\x04 \x01(\x05\x12\x17\n\x0f\x65ngine_requests\x18\x05 \x01(\x05\x12\x17\n\x0fpooled_requests\x18\x06 \x01(\x05\x32\xef\x01\n\x08GManager\x12\x45\n\x06Report\x12\x1e.pdserve.kvpool.InstanceReport\x1a\x1b.pdserve.kvpool.ReportReply\x12S\n\x0b\x46indLenders\x12\".pdserve.kvpool.FindLendersRequest\x1a .pdserve.kvpool.FindLendersReply\x12G\n\tGetLedger\x12\x1d.pdserve.kvpool.LedgerRequest\x1a\x1b.pdserve.kvpool.LedgerReply2\xb7\x03\n\x08KVLender\x12>\n\x04Lend\x12\x1b.pdserve.kvpool.LendRequest\x1a\x19.pdserve.kvpool.LendReply\x12\x41\n\x05PutKV\x12\x1c.pdserve.kvpool.PutKVRequest\x1a\x1a.pdserve.kvpool.PutKVReply\x12\x44\n\x06\x41ttend\x12\x1d.pdserve.kvpool.AttendRequest\x1a\x1b.pdserve.kvpool.AttendReply\x12G\n\x07Release\x12\x1e.pdserve.kvpool.ReleaseRequest\x1a\x1c.pdserve.kvpool.ReleaseReply\x12J\n\x08\x45xpectKV\x12\x1f.pdserve.kvpool.ExpectKVRequest\x1a\x1d.pdserve.kvpool.ExpectKVReply\x12M\n\tKVArrived\x12 .pdserve.kvpool.KVArrivedRequest\x1a\x1e.pdserve.kvpool.KVArrivedReply2\x97\x01\n\x06KVNode\x12J\n\x08Generate\x12\x1f.pdserve.kvpool.GenerateRequest\x1a\x1d.pdserve.kvpool.GenerateReply\x12\x41\n\x05Stats\x12\x1c.pdserve.kvpool.StatsRequest\x1a\x1a.pdserve.kvpool.StatsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -52,39 +52,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_EXPECTKVREQUEST']._serialized_start=763
   _globals['_EXPECTKVREQUEST']._serialized_end=857
   _globals['_EXPECTKVREPLY']._serialized_start=859
-  _globals['_EXPECTKVREPLY']._serialized_end=922
-  _globals['_KVARRIVEDREQUEST']._serialized_start=924
-  _globals['_KVARRIVEDREQUEST']._serialized_end=981
-  _globals['_KVARRIVEDREPLY']._serialized_start=983
-  _globals['_KVARRIVEDREPLY']._serialized_end=999
-  _globals['_LENDREQUEST']._serialized_start=1001
-  _globals['_LENDREQUEST']._serialized_end=1101
-  _globals['_LENDREPLY']._serialized_start=1103
-  _globals['_LENDREPLY']._serialized_end=1155
-  _globals['_PUTKVREQUEST']._serialized_start=1157
-  _globals['_PUTKVREQUEST']._serialized_end=1263
-  _globals['_PUTKVREPLY']._serialized_start=1265
-  _globals['_PUTKVREPLY']._serialized_end=1277
-  _globals['_ATTENDREQUEST']._serialized_start=1279
-  _globals['_ATTENDREQUEST']._serialized_end=1359
-  _globals['_ATTENDREPLY']._serialized_start=1361
-  _globals['_ATTENDREPLY']._serialized_end=1422
-  _globals['_RELEASEREQUEST']._serialized_start=1424
-  _globals['_RELEASEREQUEST']._serialized_end=1460
-  _globals['_RELEASEREPLY']._serialized_start=1462
-  _globals['_RELEASEREPLY']._serialized_end=1498
-  _globals['_GENERATEREQUEST']._serialized_start=1501
-  _globals['_GENERATEREQUEST']._serialized_end=1663
-  _globals['_GENERATEREPLY']._serialized_start=1666
-  _globals['_GENERATEREPLY']._serialized_end=1817
-  _globals['_STATSREQUEST']._serialized_start=1819
-  _globals['_STATSREQUEST']._serialized_end=1833
-  _globals['_STATSREPLY']._serialized_start=1836
-  _globals['_STATSREPLY']._serialized_end=1975
-  _globals['_GMANAGER']._serialized_start=1978
-  _globals['_GMANAGER']._serialized_end=2217
-  _globals['_KVLENDER']._serialized_start=2220
-  _globals['_KVLENDER']._serialized_end=2659
-  _globals['_KVNODE']._serialized_start=2662
-  _globals['_KVNODE']._serialized_end=2813
+  _globals['_EXPECTKVREPLY']._serialized_end=940
+  _globals['_KVARRIVEDREQUEST']._serialized_start=942
+  _globals['_KVARRIVEDREQUEST']._serialized_end=999
+  _globals['_KVARRIVEDREPLY']._serialized_start=1001
+  _globals['_KVARRIVEDREPLY']._serialized_end=1017
+  _globals['_LENDREQUEST']._serialized_start=1019
+  _globals['_LENDREQUEST']._serialized_end=1119
+  _globals['_LENDREPLY']._serialized_start=1121
+  _globals['_LENDREPLY']._serialized_end=1173
+  _globals['_PUTKVREQUEST']._serialized_start=1175
+  _globals['_PUTKVREQUEST']._serialized_end=1281
+  _globals['_PUTKVREPLY']._serialized_start=1283
+  _globals['_PUTKVREPLY']._serialized_end=1295
+  _globals['_ATTENDREQUEST']._serialized_start=1297
+  _globals['_ATTENDREQUEST']._serialized_end=1377
+  _globals['_ATTENDREPLY']._serialized_start=1379
+  _globals['_ATTENDREPLY']._serialized_end=1440
+  _globals['_RELEASEREQUEST']._serialized_start=1442
+  _globals['_RELEASEREQUEST']._serialized_end=1478
+  _globals['_RELEASEREPLY']._serialized_start=1480
+  _globals['_RELEASEREPLY']._serialized_end=1516
+  _globals['_GENERATEREQUEST']._serialized_start=1519
+  _globals['_GENERATEREQUEST']._serialized_end=1681
+  _globals['_GENERATEREPLY']._serialized_start=1684
+  _globals['_GENERATEREPLY']._serialized_end=1835
+  _globals['_STATSREQUEST']._serialized_start=1837
+  _globals['_STATSREQUEST']._serialized_end=1851
+  _globals['_STATSREPLY']._serialized_start=1854
+  _globals['_STATSREPLY']._serialized_end=1993
+  _globals['_GMANAGER']._serialized_start=1996
+  _globals['_GMANAGER']._serialized_end=2235
+  _globals['_KVLENDER']._serialized_start=2238
+  _globals['_KVLENDER']._serialized_end=2677
+  _globals['_KVNODE']._serialized_start=2680
+  _globals['_KVNODE']._serialized_end=2831
 # @@protoc_insertion_point(module_scope)

@@ -10,7 +10,9 @@ changes meaning (adding an optional field that old peers may ignore does not nee
 #    after the cached ones), Start.reuse_prefix, ComputePrompt (the decode computes the prompt).
 # 3: Sampling.logprobs and Sampling.grammar (a decode that ignored them would sample unconstrained
 #    tokens without logprobs), FirstToken.logprob, Tokens.logprobs.
-PROTOCOL_VERSION = 3
+# 4: Allocation.kv_token and PoolTarget.kv_token (the CacheStore refuses KV without the decode's bind
+#    token: a prefill that sent none would have every transfer refused).
+PROTOCOL_VERSION = 4
 
 # The KV-event stream (kv_events.proto): a router uses the index of a server only when the
 # server's SNAPSHOT carries this version. Bump it when an event's meaning changes.
@@ -18,4 +20,5 @@ KV_EVENTS_VERSION = 1
 
 # The KV pool (kvpool.proto): a gManager ignores reports, and a lender refuses loans, that carry
 # another version. Bump it when a kvpool message changes meaning.
-KVPOOL_VERSION = 1
+# 2: ExpectKVReply.kv_token (the lender's bind token, passed on to the prefill).
+KVPOOL_VERSION = 2

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import os
 
-from pdserve import defaults, gc_pauses, http_auth
+from pdserve import defaults, gc_pauses, http_auth, tls
 from pdserve.server_setup import drain, setup_logging, wait_for_stop_signal
 from pdserve.slo import classes as slo_classes
 from pdserve.slo.policies import POLICIES
@@ -89,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait in the router's queue (a client's X-Request-Timeout or gRPC "
                         "deadline shortens it); then 504 / DEADLINE_EXCEEDED naming the queue")
     http_auth.add_arguments(parser)
+    tls.add_arguments(parser)
 
 
 def make_discovery(args):
@@ -125,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if args.discovery == "static" and not discovery.addresses():
         raise SystemExit("pdserve router: no --prefill given")
     door = http_auth.Door.from_args(args, "pdserve router")
+    args.tls = tls.from_args(args, "pdserve router")
     return asyncio.run(serve(args, discovery, tokenizer, door))
 
 
@@ -148,7 +150,7 @@ async def serve(args: argparse.Namespace, discovery, tokenizer, door: http_auth.
     metrics = ServerMetrics.from_env(role="router")
     index = PrefixIndex()
     prefills = PrefillSet(discovery, index, metrics, name=f"router:{args.port}", interval_s=args.discovery_interval,
-                          load_interval_s=args.load_interval, load_expiry_s=args.load_expiry)
+                          load_interval_s=args.load_interval, load_expiry_s=args.load_expiry, tls=args.tls)
     router = Router(prefills, index, tokenizer, metrics, args.load_weight, args.policy)
     own_key = door.keys.first() if door.keys is not None else None  # the prefills take the same keys
     from_prefill = PrefillTokenizer(prefills, args.tokenizer_wait, api_key=own_key) if tokenizer is None else None
@@ -175,7 +177,7 @@ async def serve(args: argparse.Namespace, discovery, tokenizer, door: http_auth.
     if args.grpc_port:
         grpc_server = grpc.aio.server()
         gpb_grpc.add_GeneratorServicer_to_server(generate, grpc_server)
-        grpc_server.add_insecure_port(f"{args.host}:{args.grpc_port}")
+        tls.add_port(grpc_server, f"{args.host}:{args.grpc_port}", args.tls)
         await grpc_server.start()
     gc_pauses.settle(metrics.gc_full_collection.observe)  # freeze the start-up heap, time full collections
     log.info("router ready: http %s:%d, grpc %s, prefills %s, policy %s, load weight %g tokens/request, tokenizer %s",

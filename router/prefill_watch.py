@@ -28,18 +28,19 @@ from pdserve.kv_index import PrefixIndex
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
+from pdserve.tls import TlsFiles, aio_channel
 
 
 class PrefillWatch:
     def __init__(self, address: str, index: PrefixIndex, metrics=None, name: str = "router",
-                 interval_s: float = 0.2, expiry_s: float = 1.5):
+                 interval_s: float = 0.2, expiry_s: float = 1.5, tls: TlsFiles | None = None):
         self.address, self.index, self.metrics, self.name = address, index, metrics, name
         self.interval_s, self.expiry_s = interval_s, expiry_s
         self.host = address.rpartition(":")[0]
         self.load: kpb.ServerLoad | None = None
         self.load_at = 0.0
         self.in_flight = 0  # requests this router is relaying to it now
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = aio_channel(address, tls)  # mutual TLS with ``tls`` (pdserve/tls.py)
         self._stub = kpb_grpc.KvEventsStub(self._channel)
         self.generator = gpb_grpc.GeneratorStub(self._channel)  # the router's gRPC Generate relays on it
         self._tasks: list[asyncio.Task] = []

@@ -16,6 +16,7 @@ import logging
 
 from pdserve.defaults import REQUEST_TIMEOUT_S
 from pdserve.kv_index import PrefixIndex
+from pdserve.tls import TlsFiles
 
 from .prefill_watch import PrefillWatch
 
@@ -24,10 +25,12 @@ log = logging.getLogger(__name__)
 
 class PrefillSet:
     def __init__(self, discovery, index: PrefixIndex, metrics=None, name: str = "router", interval_s: float = 0.2,
-                 load_interval_s: float = 0.2, load_expiry_s: float = 1.5, close_grace_s: float = REQUEST_TIMEOUT_S):
+                 load_interval_s: float = 0.2, load_expiry_s: float = 1.5, close_grace_s: float = REQUEST_TIMEOUT_S,
+                 tls: TlsFiles | None = None):
         self.discovery, self.index, self.metrics, self.name = discovery, index, metrics, name
         self.interval_s, self.load_interval_s, self.load_expiry_s = interval_s, load_interval_s, load_expiry_s
         self.close_grace_s = close_grace_s
+        self.tls = tls  # mutual TLS to the prefills' gRPC ports (pdserve/tls.py); None: plain
         self.watches: dict[str, PrefillWatch] = {}
         self._leaving: dict[asyncio.Task, PrefillWatch] = {}  # watches of departed prefills, closing gracefully
         self._task: asyncio.Task | None = None
@@ -48,7 +51,8 @@ class PrefillSet:
                 self.metrics.router_index_blocks.labels(prefill=address).set(0)
         for address in sorted(want - set(self.watches)):
             log.info("prefill %s joined", address)
-            watch = PrefillWatch(address, self.index, self.metrics, self.name, self.load_interval_s, self.load_expiry_s)
+            watch = PrefillWatch(address, self.index, self.metrics, self.name, self.load_interval_s, self.load_expiry_s,
+                                 tls=self.tls)
             self.watches[address] = watch
             await watch.start()
         if self.metrics is not None:

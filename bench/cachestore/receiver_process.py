@@ -95,7 +95,7 @@ async def serve(geometry: dict, control_port: int) -> None:
             rid = cmd["rid"]
             dst = rx.expect(rid, list(range(layout.num_blocks)), 600)
             peak.start()
-            await reply({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst})
+            await reply({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst, "token": dst.token.hex()})
             await rx.wait_all(rid, 600)
             rss = peak.stop()
             rx.delete(rid)
@@ -103,7 +103,8 @@ async def serve(geometry: dict, control_port: int) -> None:
         elif cmd["cmd"] == "expect_many":
             rx = await receiver(cmd["transport"])
             dst = {rid: rx.expect(rid, blocks, 600) for rid, blocks in cmd["rids"].items()}
-            await reply({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst})
+            await reply({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst,
+                         "tokens": {rid: d.token.hex() for rid, d in dst.items()}})
             await asyncio.gather(*(rx.wait_all(rid, 600) for rid in dst))
             for rid in dst:
                 rx.delete(rid)

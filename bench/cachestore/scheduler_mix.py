@@ -32,7 +32,7 @@ async def run_mixed(ask, read, region, layout, compat, transport: str, scheduler
         info = await ask({"cmd": "expect_many", "transport": transport, "rids": rids})
         endpoint = base64.b64decode(info["endpoint"])
         for rid in rids:
-            tx.bind(rid, endpoint, info["dst"][rid])
+            tx.bind(rid, endpoint, info["dst"][rid], bytes.fromhex(info["tokens"][rid]))
         t0 = time.perf_counter()
         for layer in range(layout.num_layers):
             tx.store(f"{tag}-long", layer, long_blocks)

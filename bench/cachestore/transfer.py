@@ -156,7 +156,7 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                 info = await ask({"cmd": "ours", "transport": transport, "rid": rid})
                 peak.start()
                 t0 = time.perf_counter()
-                tx.bind(rid, base64.b64decode(info["endpoint"]), info["dst"])
+                tx.bind(rid, base64.b64decode(info["endpoint"]), info["dst"], bytes.fromhex(info["token"]))
                 blocks = list(range(layout.num_blocks))
                 for layer in range(layout.num_layers):
                     tx.store(rid, layer, blocks)

@@ -28,7 +28,7 @@ def test_sender_process_killed_mid_transfer(procs, tmp_path, transport):
         try:
             dst = rx.expect("r", [20, 21, 25], TIMEOUT_S)
             ep_file = tmp_path / "ep.json"
-            ep_file.write_text(json.dumps({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst}))
+            ep_file.write_text(json.dumps(peer.endpoint_doc(rx.endpoint, dst)))
             proc = procs.start([sys.executable, PEER, "send", transport, str(ep_file), "r", "1,2,3", "2"],
                                name="sender")
             await asyncio.to_thread(peer.wait_file, Path(str(ep_file) + ".stored"), proc)
@@ -62,7 +62,7 @@ def test_receiver_process_killed_mid_transfer(procs, tmp_path, transport):
             proc = procs.start([sys.executable, PEER, "recv", transport, str(ep_file), "r", "4,5,6"], name="receiver")
             await asyncio.to_thread(peer.wait_file, ep_file, proc)
             doc = json.loads(ep_file.read_text())
-            tx.bind("r", base64.b64decode(doc["endpoint"]), doc["dst"])
+            tx.bind("r", base64.b64decode(doc["endpoint"]), peer.destination(doc))
             tx.store("r", 0, [7, 8, 9])
             while tx.stats()["bytes_sent"] < 3 * peer.LAYOUT.block_nbytes:  # layer 0 delivered
                 await asyncio.sleep(0.01)

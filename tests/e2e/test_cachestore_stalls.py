@@ -86,7 +86,7 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
             await asyncio.to_thread(peer.wait_file, ep_file, frozen)
             doc = json.loads(ep_file.read_text())
             endpoint = base64.b64decode(doc["endpoint"])
-            tx.bind("r", endpoint, doc["dst"])
+            tx.bind("r", endpoint, peer.destination(doc))
             tx.store("r", 0, list(range(40)))
             await _until(lambda: tx.stats()["bytes_sent"] > 0, 30, "first bytes delivered")
             await _freeze(frozen.pid)
@@ -121,7 +121,7 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
                                 name="fresh", env=env)
             await asyncio.to_thread(peer.wait_file, ep2, fresh)
             doc2 = json.loads(ep2.read_text())
-            tx.bind("f", base64.b64decode(doc2["endpoint"]), doc2["dst"])
+            tx.bind("f", base64.b64decode(doc2["endpoint"]), peer.destination(doc2))
             for layer in range(peer.L):
                 tx.store("f", layer, list(range(40)))
             await tx.wait_sent("f", 60)
@@ -129,7 +129,7 @@ def test_receiver_frozen_mid_transfer_frees_the_link(procs, tmp_path, transport,
 
             # the frozen one, woken up, is reconnected for its next request
             os.killpg(frozen.pid, signal.SIGCONT)
-            tx.bind("r-2", endpoint, doc["dst2"])
+            tx.bind("r-2", endpoint, peer.destination(doc, "dst2"))
             for layer in range(peer.L):
                 tx.store("r-2", layer, list(range(40, 64)))
             await tx.wait_sent("r-2", 60)
@@ -160,9 +160,9 @@ def test_sender_frozen_mid_frame_is_cut(procs, tmp_path, how):
             dst = list(range(10, 50))
             # "timeout": the entry's own expiry, long enough for the sender process to start on a
             # loaded box (a 3 s expiry sometimes ran out before its first byte was sent)
-            rx.expect("h", dst, 20.0 if how == "timeout" else 60)
+            sent = rx.expect("h", dst, 20.0 if how == "timeout" else 60)
             ep_file = tmp_path / "ep.json"
-            ep_file.write_text(json.dumps({"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst}))
+            ep_file.write_text(json.dumps(peer.endpoint_doc(rx.endpoint, sent)))
             proc = procs.start([sys.executable, PEER, "half", "tcp", str(ep_file), "h", _blocks(0, 40), "1"],
                                name="sender", env={"CACHESTORE_PEER_BIG": "1"})
             await asyncio.to_thread(peer.wait_file, Path(f"{ep_file}.half"), proc)

@@ -20,12 +20,12 @@ pytestmark = pytest.mark.slow
 DRAIN_STEP_FLOOR_S = 0.01
 
 
-def start_up(procs, tmp_path, decodes: int, prefills: int = 1, env: dict | None = None):
+def start_up(procs, tmp_path, decodes: int, prefills: int = 1, env: dict | None = None, extra=()):
     """`pdserve up` with `prefills` prefills and `decodes` decodes, once it printed its banner: (process, port, banner)."""  # noqa: E501
     port, grpc_port = free_port(), free_port()
     up = procs.start([str(procs_bin()), "up", "--model", "tiny", "--prefill", str(prefills), "--decode", str(decodes),
-                      "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs")],
-                     name="up", env=env)
+                      "--port", str(port), "--grpc-port", str(grpc_port), "--log-dir", str(tmp_path / "up-logs"),
+                      *extra], name="up", env=env)
     log = tmp_path / "logs" / "up.log"
     deadline = time.monotonic() + 180
     while "pdserve is up" not in log.read_text(errors="replace"):
@@ -127,3 +127,23 @@ def test_servers_stop_when_up_is_killed(procs, tmp_path):
                  open(f"/proc/{pid}/stat").read().split()[2] != "Z"]
         time.sleep(0.3)
     assert not alive, f"servers still running after pdserve up was killed: {alive}"
+
+
+def test_up_starts_a_simulated_cluster(procs, tmp_path):
+    """--engine sim --prefill 2 --decode 4: six sim servers and a router start and serve; each server's log
+    names the profile."""
+    up, port, banner = start_up(procs, tmp_path, decodes=4, prefills=2, extra=["--engine", "sim"])
+    assert "1 router" in banner
+    for prompt in ("simulated tea", "simulated ships"):
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                                                            "temperature": 0}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 200, body
+        assert body["usage"]["completion_tokens"] == 8  # the sim runs every request to max_tokens
+    os.killpg(up.pid, signal.SIGINT)
+    assert up.wait(90) == 0
+    logs = {p.name: p.read_text(errors="replace") for p in (tmp_path / "up-logs").glob("*.log")}
+    servers = [n for n in logs if n != "router.log"]
+    assert len(servers) == 6 and all("simulated engine: profile cpu-small" in logs[n] for n in servers), sorted(logs)

@@ -12,6 +12,7 @@ L, NB, BS, H, D = 4, 32, 16, 2, 8
 COMPAT = CompatInfo("float32", L, H, D, BS)
 LAYOUT = KVLayout(L, NB, COMPAT.block_nbytes)
 TRANSPORTS = ["tcp", "nixl"]
+NO_TOKEN = bytes(16)  # a bind token no receiver issued (for binds the receiver refuses anyway, or never sees)
 
 
 def pool(random: bool) -> torch.Tensor:

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender, CompatInfo, KVLayout, MemoryRegion
+from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender, CompatInfo, Destination, KVLayout, MemoryRegion
 
 L, NB, BS, H, D = 4, 32, 16, 2, 8
 COMPAT = CompatInfo("float32", L, H, D, BS)
@@ -49,6 +49,17 @@ def source_pool(is_big: bool = False) -> torch.Tensor:
     return torch.randn(geometry(is_big)[2], generator=torch.Generator().manual_seed(0))
 
 
+def endpoint_doc(endpoint: bytes, dst) -> dict:
+    """What a receiver hands a sender here (the decode's Allocation, as JSON): its endpoint, the
+    destination list ``expect`` returned and that list's bind token."""
+    return {"endpoint": base64.b64encode(endpoint).decode(), "dst": list(dst), "dst_token": dst.token.hex()}
+
+
+def destination(doc: dict, key: str = "dst") -> Destination:
+    """The Destination of an ``endpoint_doc`` (``key``: "dst", or "dst2" for the second request)."""
+    return Destination(doc[key], bytes.fromhex(doc[key + "_token"]))
+
+
 def write_atomic(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(text)
@@ -62,10 +73,10 @@ async def recv(transport: str, out: str, rid: str, blocks: list[int]) -> None:
     await rx.start()
     if os.environ.get("CACHESTORE_PEER_RCVBUF"):  # accepted connections inherit it
         rx._server._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, int(os.environ["CACHESTORE_PEER_RCVBUF"]))
-    dst = rx.expect(rid, blocks, 120)
-    doc = {"endpoint": base64.b64encode(rx.endpoint).decode(), "dst": dst}
+    doc = endpoint_doc(rx.endpoint, rx.expect(rid, blocks, 120))
     if os.environ.get("CACHESTORE_PEER_SECOND"):  # also expect RID-2 on these blocks (a later request)
-        doc["dst2"] = rx.expect(rid + "-2", [int(b) for b in os.environ["CACHESTORE_PEER_SECOND"].split(",")], 120)
+        second = rx.expect(rid + "-2", [int(b) for b in os.environ["CACHESTORE_PEER_SECOND"].split(",")], 120)
+        doc.update(dst2=list(second), dst2_token=second.token.hex())
     write_atomic(out, json.dumps(doc))
     await asyncio.Event().wait()
 
@@ -75,7 +86,7 @@ async def send(transport: str, inp: str, rid: str, blocks: list[int], layers: in
     tx = CacheStoreSender(MemoryRegion.from_tensor(source_pool(big())), layout, compat, transport=transport)
     await tx.start()
     doc = json.load(open(inp))
-    tx.bind(rid, base64.b64decode(doc["endpoint"]), doc["dst"])
+    tx.bind(rid, base64.b64decode(doc["endpoint"]), destination(doc))
     for layer in range(layers):
         tx.store(rid, layer, blocks)
     while tx.stats()["bytes_sent"] < layers * len(blocks) * layout.block_nbytes:
@@ -98,8 +109,9 @@ def half(inp: str, rid: str, blocks: list[int], layer: int) -> None:
     payload = src[layer, blocks[0]:blocks[0] + len(blocks)].contiguous().numpy().tobytes()
     sock = socket.create_connection((ep.host, ep.port))
     client_hello(sock, compat, "", f"{ep.host}:{ep.port}")
-    sock.sendall(encode_control(FrameType.BIND, rid))
-    sock.sendall(encode_header(FrameType.DATA, rid, layer, dst[0], len(dst), len(payload))
+    token = bytes.fromhex(doc["dst_token"])
+    sock.sendall(encode_control(FrameType.BIND, rid, token=token))
+    sock.sendall(encode_header(FrameType.DATA, rid, layer, dst[0], len(dst), len(payload), token=token)
                  + payload[:len(payload) // 2])
     write_atomic(inp + ".half", "ok")
     while not os.path.exists(inp + ".go"):

@@ -7,8 +7,13 @@ from pdserve.cachestore.entries import EntryTable
 from pdserve.cachestore.errors import ProtocolError
 
 
+def _token(t, rid):
+    """The bind token expect() drew for rid (what its sender presents)."""
+    return t.status(rid).token
+
+
 def _arrive(t, rid, layer, block, n=1):
-    t.begin_receive(rid, layer, block, n)
+    t.begin_receive(rid, layer, block, n, _token(t, rid))
     return t.end_receive(rid, layer, block, n, True)
 
 
@@ -67,18 +72,18 @@ def test_frames_are_checked_before_writing():
     t = EntryTable(KVLayout(2, 16, 8))
     t.expect("a", [1, 2])
     with pytest.raises(UnknownRequestError, match="'zzz'"):
-        t.begin_receive("zzz", 0, 1, 1)
+        t.begin_receive("zzz", 0, 1, 1, bytes(16))
     with pytest.raises(ProtocolError, match="block 3"):
-        t.begin_receive("a", 0, 2, 2)
+        t.begin_receive("a", 0, 2, 2, _token(t, "a"))
     with pytest.raises(ProtocolError, match="layer 5"):
-        t.begin_receive("a", 5, 1, 1)
+        t.begin_receive("a", 5, 1, 1, _token(t, "a"))
     assert t.stats()["receiving_frames"] == 0
 
 
 def test_delete_while_receiving_keeps_pin_until_frame_done():
     t = EntryTable(KVLayout(1, 16, 8))
     t.expect("a", [1, 2])
-    t.begin_receive("a", 0, 1, 1)
+    t.begin_receive("a", 0, 1, 1, _token(t, "a"))
     unfinished, _ = t.delete("a")
     assert unfinished is not None
     assert t.stats()["pinned_entries"] == 1  # the frame still writes into block 1
@@ -89,7 +94,7 @@ def test_delete_while_receiving_keeps_pin_until_frame_done():
 def test_failed_entry_deleted_while_a_frame_still_writes():
     t = EntryTable(KVLayout(1, 16, 8))
     t.expect("a", [1, 2])
-    t.begin_receive("a", 0, 1, 1)
+    t.begin_receive("a", 0, 1, 1, _token(t, "a"))
     t.fail("a", TransferError("timeout"))
     assert t.stats()["pinned_blocks"] == 0  # released at once; the entry waits for its frame
     assert t.delete("a") == (None, [])

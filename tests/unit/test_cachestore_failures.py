@@ -13,7 +13,7 @@ from pdserve.cachestore import (CacheStoreReceiver, CacheStoreSender, CompatErro
                                 MemoryRegion, TransferError, UnknownRequestError)
 from pdserve.cachestore.endpoint import Endpoint
 
-from harness.cachestore_pair import BS, COMPAT, LAYOUT, NB, TRANSPORTS, D, H, L, Pair, pool, run
+from harness.cachestore_pair import BS, COMPAT, LAYOUT, NB, NO_TOKEN, TRANSPORTS, D, H, L, Pair, pool, run
 from harness.conditions import settle, until
 
 
@@ -27,15 +27,14 @@ def test_compat_mismatch_refused_with_both_values():
         await tx.start()
         try:
             with pytest.raises(CompatError) as info:
-                tx.bind("r", rx.endpoint, [1])
+                tx.bind("r", rx.endpoint, [1], NO_TOKEN)
             msg = str(info.value)
             assert (other.compat_hash in msg and COMPAT.compat_hash in msg
                     and "block_size=32" in msg and "block_size=16" in msg)
             # a forged endpoint that claims our hash: the receiver itself refuses at HELLO
             ep = Endpoint.from_bytes(rx.endpoint)
             ep.compat_hash = COMPAT.compat_hash
-            rx.expect("r", [1], 10)
-            tx.bind("r", ep.to_bytes(), [1])
+            tx.bind("r", ep.to_bytes(), rx.expect("r", [1], 10))
             for l in range(L):
                 tx.store("r", l, [0])
             with pytest.raises(CompatError) as info:
@@ -61,7 +60,7 @@ def test_unknown_request_ids(transport):
             with pytest.raises(UnknownRequestError, match="'nope'"):
                 await p.tx.wait_sent("nope", 1)
             # the sender binds a request the receiver never expected
-            p.tx.bind("ghost", p.rx.endpoint, [3])
+            p.tx.bind("ghost", p.rx.endpoint, [3], NO_TOKEN)
             for l in range(L):
                 p.tx.store("ghost", l, [3])
             with pytest.raises(TransferError, match="ghost"):
@@ -169,7 +168,7 @@ def test_reconnects_after_receiver_restart():
             # request fails with a clear error naming the receiver, nothing stays pinned
             await until(lambda: tx.stats()["links"] == 0, "the sender to see the receiver's link closed")
             ep = Endpoint.from_bytes(rx.endpoint)
-            tx.bind("gone", rx.endpoint, [1])
+            tx.bind("gone", rx.endpoint, [1], NO_TOKEN)
             tx.store("gone", 0, [1])
             with pytest.raises(TransferError, match=f"cannot connect to CacheStore receiver 127.0.0.1:{ep.port}"):
                 await tx.wait_sent("gone", 10)
@@ -200,16 +199,17 @@ def test_garbage_and_truncated_frames_close_only_that_connection():
             port = p.rx.port
             # 1. garbage: not even a header
             g = await asyncio.to_thread(_frame_socket, port)
-            g.sendall(b"\x16\x03\x01garbage that is not a pdserve frame at all....")
+            g.sendall(b"\x16\x03\x01garbage that is not a pdserve frame at all, longer than a header....")
             f = await asyncio.to_thread(read_frame_header, g)
             assert f.type == FrameType.ERROR and b"bad frame magic" in g.recv(f.payload_len)
             assert g.recv(10) == b""  # closed
             g.close()
             # 2. truncated DATA for a real entry: the entry fails, nothing else does
-            p.rx.expect("victim", [1, 2], 30)
+            token = p.rx.expect("victim", [1, 2], 30).token
             t = await asyncio.to_thread(_frame_socket, port, True)
-            t.sendall(encode_header(FrameType.BIND, "victim"))
-            t.sendall(encode_header(FrameType.DATA, "victim", 0, 1, 2, 2 * LAYOUT.block_nbytes) + b"\x01" * 100)
+            t.sendall(encode_header(FrameType.BIND, "victim", token=token))
+            t.sendall(encode_header(FrameType.DATA, "victim", 0, 1, 2, 2 * LAYOUT.block_nbytes, token=token)
+                      + b"\x01" * 100)
             waiter = asyncio.create_task(p.rx.wait_all("victim", 30))
             # meanwhile a real sender is served normally
             p.tx.bind("ok", p.rx.endpoint, p.rx.expect("ok", [9], 30))
@@ -255,14 +255,14 @@ def test_delete_mid_frame_stops_writing_within_one_piece():
         rx = CacheStoreReceiver(MemoryRegion.from_tensor(dst), layout, big)
         await rx.start()
         try:
-            rx.expect("v", [1, 2, 3], 30)
+            token = rx.expect("v", [1, 2, 3], 30).token
             s = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", rx.port), 10)
             from pdserve.cachestore.frames import WIRE_VERSION, encode_json
             s.sendall(encode_json(FrameType.HELLO, {"version": WIRE_VERSION, "compat_hash": big.compat_hash}))
             f = await asyncio.to_thread(read_frame_header, s)
             s.recv(f.payload_len, socket.MSG_WAITALL)
-            s.sendall(encode_header(FrameType.BIND, "v"))
-            s.sendall(encode_header(FrameType.DATA, "v", 0, 1, 3, 3 * PIECE_BYTES)
+            s.sendall(encode_header(FrameType.BIND, "v", token=token))
+            s.sendall(encode_header(FrameType.DATA, "v", 0, 1, 3, 3 * PIECE_BYTES, token=token)
                       + b"\x07" * (PIECE_BYTES + PIECE_BYTES // 2))
             for _ in range(500):  # block 1 (the first piece) has landed
                 if bool((dst[0, 1].view(-1).view(torch.uint8) == 7).all()):

@@ -75,7 +75,7 @@ def test_frames_roundtrip_and_garbage():
         assert (f.flags, f.crc) == (FLAG_CRC32C, 0xFEEDF00D)
         f = read_frame_header(b)
         assert f.type == FrameType.ERROR and f.payload_len == 3 and b.recv(3) == b"why"
-        a.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 20)
+        a.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 40)
         with pytest.raises(ProtocolError, match="bad frame magic"):
             read_frame_header(b)
     finally:
@@ -95,11 +95,12 @@ def test_endpoint_and_notif_roundtrip():
     assert back == ep
     with pytest.raises(ValueError, match="not a pdserve CacheStore endpoint"):
         Endpoint.from_bytes(b"hello")
-    records = [("r-9", 7, [(3, 2, 0xDEADBEEF), (10, 1, 5)]), ("r-10", 0, [(1, 1, 0)])]
+    tok9, tok10 = b"9" * 16, b"t" * 16
+    records = [("r-9", 7, tok9, [(3, 2, 0xDEADBEEF), (10, 1, 5)]), ("r-10", 0, tok10, [(1, 1, 0)])]
     assert decode_notif(encode_notif(records, checksum=True)) == (True, records)
     # without checksums the crc fields go out as 0 and the flag says they mean nothing
-    assert decode_notif(encode_notif(records)) == (False,
-                                                   [("r-9", 7, [(3, 2, 0), (10, 1, 0)]), ("r-10", 0, [(1, 1, 0)])])
+    assert decode_notif(encode_notif(records)) == (False, [("r-9", 7, tok9, [(3, 2, 0), (10, 1, 0)]),
+                                                           ("r-10", 0, tok10, [(1, 1, 0)])])
     with pytest.raises(ProtocolError, match="truncated"):
         decode_notif(encode_notif(records)[:-3])
     with pytest.raises(ProtocolError, match="bad magic"):

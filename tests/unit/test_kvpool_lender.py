@@ -113,7 +113,7 @@ class Inbox:
         if entry_id in self.entries:
             raise ValueError(f"request {entry_id!r} is already expected")
         self.entries[entry_id] = list(block_ids)
-        return b"endpoint", list(block_ids)
+        return b"endpoint", list(block_ids), b"t" * 16
 
     def deliver(self, entry_id, layer, k, v):
         kv = self.engine.kv_cache
@@ -139,6 +139,7 @@ def test_kv_pushed_by_the_prefill_through_the_cachestore_is_attended_over_and_re
     reply = lender.ExpectKV(kvpool_pb2.ExpectKVRequest(request_id="r1", num_tokens=40, timeout_s=5.0,
                                                        entry_id="r1#part0"), Context())
     assert reply.cachestore_endpoint == b"endpoint" and len(reply.block_ids) == 3  # 40 tokens: 3 blocks of 16
+    assert reply.kv_token == b"t" * 16  # the receiver's bind token, for the prefill's bind
     with pytest.raises(Aborted, match="already expected"):
         lender.ExpectKV(kvpool_pb2.ExpectKVRequest(request_id="r1", num_tokens=40, timeout_s=5.0,
                                                    entry_id="r1#part0"), Context())

@@ -22,7 +22,8 @@ def example() -> dict:
     return doc
 
 GPU = {"limits": {"nvidia.com/gpu": 1, "memory": "64Gi"}}
-EVERY_ENGINE_FIELD = {"name": "builtin", "dtype": "float16", "quantization": "fp8", "kvCacheDtype": "fp8",
+EVERY_ENGINE_FIELD = {"name": "sim", "simProfile": "cpu-small", "dtype": "float16", "quantization": "fp8",
+                      "kvCacheDtype": "fp8",
                       "kvCacheMemory": "4Gi",
                       "numBlocks": 9, "gpuMemoryUtilization": 0.8, "maxNumSeqs": 64, "maxModelLen": 8192}
 
@@ -61,7 +62,8 @@ def test_engine_fields_become_the_server_flags_and_extra_args_come_last():
     spec = {"resources": GPU, "engine": {**EVERY_ENGINE_FIELD, "extraArgs": ["--kv-checksum", "--threads", "4"]}}
     args = pod_settings.engine_args(spec)
     assert args[-3:] == ["--kv-checksum", "--threads", "4"]
-    assert opts(args[:-3]) == {"--engine": "builtin", "--device": "cuda", "--dtype": "float16",
+    assert opts(args[:-3]) == {"--engine": "sim", "--sim-profile": "cpu-small", "--device": "cuda",
+                               "--dtype": "float16",
                                "--quantization": "fp8", "--kv-cache-dtype": "fp8", "--kv-cache-memory": str(4 << 30),
                                "--gpu-memory-utilization": "0.8", "--num-blocks": "9", "--max-num-seqs": "64",
                                "--max-model-len": "8192"}
@@ -308,3 +310,9 @@ def test_rollout_and_scheduler_reach_the_deployment(role):
     dep = workloads.build_deployment(pool_of(isvc, role))
     assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
     assert dep["spec"]["template"]["spec"]["schedulerName"] == "volcano"
+
+
+def test_a_sim_pool_passes_its_profile():
+    spec = {"engine": {"name": "sim", "simProfile": "h200-llama3-8b", "numBlocks": 4096}}
+    args = pod_settings.engine_args(spec)
+    assert args[:4] == ["--engine", "sim", "--sim-profile", "h200-llama3-8b"] and "--num-blocks" in args

@@ -1,0 +1,68 @@
+"""EngineConfig: an engine's sizes and switches, validated (torch-free: the simulated engine (``sim/``)
+takes the same sizes; ``llm_engine.py``'s LLMEngine reads every field)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .defaults import BLOCK_SIZE, LONG_PREFILL_THRESHOLD, MAX_NUM_BATCHED_TOKENS
+from .kv_formats import check_kv_dtype
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Engine sizes. ``num_blocks=None``: as many blocks as ``kv_cache_bytes`` holds, at most
+    enough for ``max_num_seqs`` full-length sequences. ``max_model_len=None``: the model's context."""
+
+    num_blocks: int | None = None
+    block_size: int = BLOCK_SIZE
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_cache: bool = True
+    # tokens one step computes, prefill chunks and decode rows together (chunked prefill: a longer prompt takes
+    # several steps), and the most of them a long prompt takes in a step while a short prompt waits (0: the whole
+    # budget), so the short one passes it after at most one of its chunks (a threshold above the budget is the budget)
+    max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    long_prefill_threshold: int = LONG_PREFILL_THRESHOLD
+    kv_cache_bytes: int = 1 << 30
+    seed: int | None = None  # the sampler's generator for requests without their own seed
+    detokenize: bool = True  # fill RequestOutput.text (stop strings work either way)
+    # prefix-cache tiers below the pool (engine/kv_tiers.py): 0 / None = off
+    kv_host_tier_bytes: int = 0
+    kv_disk_tier_dir: str | None = None
+    kv_disk_tier_bytes: int = 0
+    # on CUDA: decode steps from CUDA graphs (decode_graphs.py); False: eager (--enforce-eager)
+    cuda_graphs: bool = True
+    # "auto": K/V in the model's dtype; "fp8": float8_e4m3fn with a bfloat16 scale per token per KV head
+    # (kv_quant.py; about twice the tokens in the same bytes)
+    kv_cache_dtype: str = "auto"
+    # Engine switches, read once here (each on by default; off for A/B runs and debugging). An engine applies
+    # them to the model it runs (DecoderModel.configure), so engines sharing one loaded model share them.
+    native_kernels: bool = True  # CPU: decode attention by the C++ kernel over the paged cache (native.py)
+    packed_linear: bool = True  # CPU: oneDNN-packed copies of the linear weights for batches (packed_linear.py)
+    fused_elementwise: bool = True  # CUDA: RMSNorm, rotary, silu*mul as one Triton kernel each (gpu_elementwise.py)
+    merged_projections: bool = True  # CUDA: q|k|v and gate|up as one matmul each (models/llama.py)
+    # tensor parallelism (tp/): the ranks the model is split over, one process each; the model must be loaded
+    # for as many (load_model(..., tensor_parallel_size=N): rank 0's shard); this process is rank 0 and starts
+    # the others. tensor_parallel_timeout_s bounds how long a step waits on a rank that hangs
+    tensor_parallel_size: int = 1
+    tensor_parallel_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        check_kv_dtype(self.kv_cache_dtype)
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.long_prefill_threshold < 0:
+            raise ValueError(f"long_prefill_threshold must be >= 0 (0: the whole budget), got "
+                             f"{self.long_prefill_threshold}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and (self.kv_host_tier_bytes or self.kv_disk_tier_bytes
+                                              or self.kv_disk_tier_dir):
+            raise ValueError("KV tiers with tensor parallelism are not built yet (they would copy rank 0's KV heads "
+                             "only): use tensor_parallel_size 1 or no KV tiers")
