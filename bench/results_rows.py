@@ -112,6 +112,17 @@ ROWS: tuple[ResultRow, ...] = (
         "--cases 1x640,12x640,12x2304,32x640",
         "docs/bench_raw/2026-12-06-fp8-kv-attention/native_attention.txt"),
     ResultRow(
+        "engine-one-scheduler-trace", "Engine",
+        "TTFT p99 and goodput on the Mooncake trace (185 requests, P/D, one prefill core + one decode core), "
+        "the one scheduler with chunked prefill / the tree before it (ef9d8ea), alternated in one invocation",
+        "TTFT p99 0.67, 0.62; goodput 1.01, 1.12 (per repeat)",
+        "target TTFT p99 <= 0.7x met in both pairs; **small model only**, one invocation on a loaded box (the "
+        "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model the pairs fall on both sides (0.44, 1.28): "
+        "not shown. Needs a checkout of ef9d8ea with its .venv at ../base",
+        "2026-12-06", "Intel Xeon, 2 cores, load 1.7-6.9", "5ab1fc0",
+        f"pdserve bench experiment peer --trace {TRACE} --baseline-tree ../base --repeats 2 --out OUT",
+        "docs/bench_raw/2026-12-06-chunked-trace/one-partial-5ab1fc0-printed.txt"),
+    ResultRow(
         "transport-checksums", "Transports",
         "KV checksums on / off, a P/D pair over tcp: TTFT, TPOT", "0.99, 1.00 (nixl: 1.02, 1.00)",
         "met (cost <= 3%); per-pair TTFT 0.78-1.05: within noise; the A/B tool is archived beside its output",
