@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from pdserve.bench.provenance import cpu_model
+
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
@@ -120,19 +122,9 @@ def measure(args):
     model = SimModel(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, "float32", cfg.vocab_size,
                      cfg.max_position_embeddings, tuple(cfg.eos_token_ids))
     source = (f"pdserve bench sim-profile --model {args.model} --threads {args.threads}: the built-in engine's "
-              f"forward timed on {platform.processor() or platform.machine()} ({_cpu_name()}), "
+              f"forward timed on {platform.processor() or platform.machine()} ({cpu_model() or 'unknown CPU'}), "
               f"{datetime.date.today()}, {len(samples)} steps in {time.time() - started:.0f} s")
     return samples, model, source
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def gpu_check_samples(path: Path):

@@ -196,12 +196,16 @@ class Scheduler:
         prompts part-way first, then newly admitted ones), then decode rows."""
         decodes = self.schedule_decodes()
         budget = self.max_num_batched_tokens - len(decodes)
-        chunks, limit = [], self._limit(budget)
+        chunks: list[Sequence] = []
+        limit: int | None = None  # looked up once (against the step's budget), only for a prompt longer than a chunk
+        step_budget = budget
         for seq in self.running:
             if budget <= 0:
                 break
             if seq.status is Status.RUNNING and not _decode_ready(seq):
-                seq.num_new = self._chunk(seq.num_computed, seq.num_tokens, min(budget, limit))
+                if limit is None and seq.num_tokens - seq.num_computed > self.chunk_tokens:
+                    limit = self._limit(step_budget)
+                seq.num_new = self._chunk(seq.num_computed, seq.num_tokens, min(budget, limit or budget))
                 if seq.num_new:
                     budget -= seq.num_new
                     chunks.append(seq)
@@ -249,7 +253,8 @@ class Scheduler:
                 table, cached = self.block_manager.allocate(ids, len(ids), use_prefix_cache=not seq.needs_prompt_logits)
             except OutOfBlocksError:
                 break  # wait for blocks to free up
-            n = self._chunk(cached, len(ids), self._limit(budget, after=seq))
+            long = len(ids) - cached > self.chunk_tokens  # only then may a short prompt behind it cut its chunk
+            n = self._chunk(cached, len(ids), self._limit(budget, after=seq) if long else budget)
             if cached + n < len(ids):
                 if partial >= self.max_partial_prefills:  # it keeps its place; a shorter one behind it may go
                     self.block_manager.free(table)
