@@ -117,10 +117,6 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, "abort"
         return True
 
-    def hold(self, seq: Sequence) -> None:
-        """Keep a prefilled sequence (and its blocks) in the table, in neither queue, until released."""
-        self.seqs[seq.request_id] = seq
-
     def release(self, request_id: str) -> None:
         """Forget a held sequence and free its blocks. Unknown (or queued) ids are ignored."""
         seq = self.seqs.get(request_id)
