@@ -124,3 +124,32 @@ def test_the_schema_bounds_and_the_cel_rules_name_the_field():
 
 def test_cpu_quantities():
     assert [parallelism.cpu_cores(v) for v in (2, "500m", "1.5", "4000m")] == [2, 0.5, 1.5, 4]
+
+
+DOC = REPO / "docs" / "parallelism.md"
+
+
+def rendered_excerpt(template: dict) -> dict:
+    """What docs/parallelism.md shows of a pod: its server's flags, environment, resources and mounts, and the
+    pod's volumes (the rest is as on every pool: README.md, "On Kubernetes")."""
+    c = container(template)
+    return {"containers": [{"name": c["name"], "args": c["args"], "env": c["env"], "resources": c["resources"],
+                            "volumeMounts": c["volumeMounts"]}],
+            "volumes": template["spec"]["volumes"]}
+
+
+def doc_block(name: str) -> dict:
+    """The YAML block after the marker ``<!-- rendered: NAME -->`` in docs/parallelism.md."""
+    text = DOC.read_text().split(f"<!-- rendered: {name} -->", 1)[1]
+    return yaml.safe_load(text.split("```yaml", 1)[1].split("```", 1)[0])
+
+
+@pytest.mark.parametrize("name", ["llama70b-prefill", "llama70b-decode-main"])
+def test_the_docs_show_the_pods_the_operator_renders(name):
+    """docs/parallelism.md's pod specs are the builders' output for examples/inferenceservice-llama70b-tp.yaml
+    (operator protocol version 1, no namespace: the pod's own), so the page cannot drift from the code."""
+    isvc = yaml.safe_load((REPO / "examples" / "inferenceservice-llama70b-tp.yaml").read_text())
+    config = OperatorConfig(default_image="ghcr.io/example/pdserve:0.1.0", protocol_version="1")
+    built = [pools.build_prefill_pool(isvc, config), *pools.build_decode_pools(isvc, config)]
+    templates = {p["metadata"]["name"]: workloads.build_deployment(p)["spec"]["template"] for p in built}
+    assert doc_block(name) == rendered_excerpt(templates[name])
