@@ -12,6 +12,7 @@ it). The API server refuses, each with a message naming the numbers:
   ranks of a pod run on one kind of GPU;
 - a MIG pool with N > 1: a CUDA process sees one MIG device only (NVIDIA's MIG user guide, "CUDA device
   enumeration"), and rank r of this engine opens ``cuda:r``;
+- N > 1 with ``engine.name`` vllm or sim (their servers run one rank and exit at start otherwise);
 - ``engine.extraArgs`` naming ``--tensor-parallel-size`` (the field says it).
 
 A CPU pool takes any N: its ranks are gloo processes. It should ask for N cpu at least, one core per
@@ -95,6 +96,10 @@ POOL_RULES = [
           "parallelism.tensor must be 1 on MIG slices (nvidia.com/mig-*): a CUDA process sees one MIG device only, "
           "so the ranks of one pod cannot each open their own; use whole GPUs (nvidia.com/gpu)",
           fieldPath=".parallelism"),
+    _rule(f"{tensor_cel('self')} == 1 || !has(self.engine) || !has(self.engine.name) || "
+          "self.engine.name == 'builtin'",
+          "parallelism.tensor above 1 needs engine.name builtin: the vllm backend (vLLM's CPU build) and the sim "
+          "run one rank, and their servers refuse --tensor-parallel-size at start", fieldPath=".parallelism"),
     _rule(f"!has(self.engine) || !has(self.engine.extraArgs) || !{_flag_taken('self')}",
           f"engine.extraArgs must not set {FLAG}: use parallelism.tensor (the operator renders the flag, and "
           "admission checks it against the pod's GPUs)", fieldPath=".engine.extraArgs"),

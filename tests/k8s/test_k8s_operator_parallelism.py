@@ -127,6 +127,11 @@ REFUSED = [
      ["parallelism.tensor is 4 (default 1) but resources give each pod 4000m GPUs (nvidia.com/gpu)"]),
     ("two GPU resources", lambda s: _gpus(s["prefill"], {"limits": {"nvidia.com/gpu": 2, "amd.com/gpu": 2}}, 4),
      ["spec.prefill.resources", "must name one GPU resource"]),
+    ("the vLLM backend at size 2", lambda s: _gpus(s["decode"][0], {"limits": {"cpu": "4"}}, 2) or
+     s["decode"][0].update(engine={"name": "vllm", "dtype": "bfloat16"}),
+     ["spec.decode[0].parallelism", "parallelism.tensor above 1 needs engine.name builtin"]),
+    ("the sim at size 4", lambda s: s["prefill"]["engine"].update(name="sim", simProfile="cpu-small"),
+     ["spec.prefill.parallelism", "parallelism.tensor above 1 needs engine.name builtin"]),
     ("the flag in extraArgs", lambda s: s["prefill"]["engine"].update(extraArgs=["--tensor-parallel-size", "4"]),
      ["spec.prefill.engine.extraArgs", "must not set --tensor-parallel-size: use parallelism.tensor"]),
     ("flag=value in extraArgs", lambda s: s["decode"][0]["engine"].update(extraArgs=["--tensor-parallel-size=8"]),
