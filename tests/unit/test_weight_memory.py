@@ -82,3 +82,29 @@ def test_a_rank_that_does_not_fit_is_refused_naming_the_rank_the_size_and_both_b
                                              r"size; an InferenceService pool's parallelism.tensor"):
         check_fits(need, int(39.0 * GIB), int(39.4 * GIB), on)
     assert where("cuda:0", Shard(0, 1, LLAMA_70B), whole) == "cuda:0"  # size 1: as before
+
+
+def test_the_loader_checks_each_rank_against_its_own_gpu(monkeypatch):
+    """The loader's CUDA path (loader._build_on_device) asks its rank's GPU for free memory and refuses before
+    anything is allocated. (The CUDA query is the one stand-in here: no GPU on this machine.)"""
+    from pdserve.engine import loader
+
+    asked = []
+
+    def mem_get_info(device):
+        asked.append(str(device))
+        return int(39.0 * GIB), int(39.4 * GIB)
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+
+    def never(name):
+        raise AssertionError(f"read {name} before the check")
+
+    with pytest.raises(ModelLoadError, match=r"need 66.7 GiB on cuda:1 \(tensor-parallel rank 1 of 2: its shard of "
+                                             r"the model's 131.4 GiB\), 39.0 GiB free"):
+        loader._build_on_device(LLAMA_70B, never, torch.bfloat16, torch.device("cuda:1"), None,
+                                Shard(1, 2, LLAMA_70B))
+    assert asked == ["cuda:1"]
+    with pytest.raises(ModelLoadError, match=r"need 131.4 GiB on cuda:0, 39.0 GiB free of 39.4 GiB: use a GPU with "
+                                             r"more memory, --quantization fp8"):
+        loader._build_on_device(LLAMA_70B, never, torch.bfloat16, torch.device("cuda:0"), None, Shard(0, 1, LLAMA_70B))
