@@ -23,7 +23,8 @@ renders as before.
   Nothing else: every rank is a process of the one container, so they share its IPC namespace (CUDA
   IPC between them needs no hostIPC), and their rendezvous is on localhost (no NCCL_SOCKET_IFNAME);
   no locked memory beyond the driver's own pinning is used between GPUs of one node (IPC_LOCK stays a
-  pod setting, for RDMA). A CPU pool's ranks use gloo over TCP on localhost: no /dev/shm, no NCCL.
+  pod setting, for RDMA). A CPU pool's ranks need no NCCL, and their shared-memory segment
+  (``engine/tp/shm_collectives.py``: 2 MiB per rank) fits the container's own 64 MiB /dev/shm.
 """
 
 from __future__ import annotations
