@@ -39,6 +39,7 @@ PARALLELISM = _obj(
     description="How each pod of the pool splits the model (docs/parallelism.md).",
 )
 
+
 def tensor_cel(pool: str) -> str:
     """CEL: the pool's tensor-parallel size (parallelism.tensor, else 1)."""
     return f"((has({pool}.parallelism) && has({pool}.parallelism.tensor)) ? {pool}.parallelism.tensor : 1)"
