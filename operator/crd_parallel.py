@@ -67,8 +67,14 @@ def _mig(pool: str) -> str:
     return f"{_part(pool)}.exists(k, {prefixes})"
 
 
+# The flag and every abbreviation argparse takes for it (the servers' parsers allow them, and no other of their
+# flags starts with --te): --te, --ten, ..., --tensor-parallel-size.
+SPELLINGS = [FLAG[:n] for n in range(len("--te"), len(FLAG) + 1)]
+
+
 def _flag_taken(pool: str) -> str:
-    return f"{pool}.engine.extraArgs.exists(a, a == '{FLAG}' || a.startsWith('{FLAG}='))"
+    spellings = "[" + ", ".join(f"'{f}'" for f in SPELLINGS) + "]"
+    return f"{pool}.engine.extraArgs.exists(a, a in {spellings} || {spellings}.exists(f, a.startsWith(f + '=')))"
 
 
 def _tensor_text(pool: str) -> str:

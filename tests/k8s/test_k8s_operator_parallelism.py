@@ -136,6 +136,10 @@ REFUSED = [
      ["spec.prefill.engine.extraArgs", "must not set --tensor-parallel-size: use parallelism.tensor"]),
     ("flag=value in extraArgs", lambda s: s["decode"][0]["engine"].update(extraArgs=["--tensor-parallel-size=8"]),
      ["spec.decode[0].engine.extraArgs", "use parallelism.tensor"]),
+    ("an abbreviation of the flag", lambda s: s["prefill"]["engine"].update(extraArgs=["--tensor-par", "2"]),
+     ["spec.prefill.engine.extraArgs", "use parallelism.tensor"]),
+    ("an abbreviation with a value", lambda s: s["prefill"]["engine"].update(extraArgs=["--te=2"]),
+     ["spec.prefill.engine.extraArgs", "use parallelism.tensor"]),
     ("size 0", lambda s: s["prefill"].update(parallelism={"tensor": 0}), ["spec.prefill.parallelism.tensor"]),
     ("size above one node's GPUs", lambda s: s["prefill"].update(parallelism={"tensor": 17}),
      ["spec.prefill.parallelism.tensor"]),
@@ -158,6 +162,7 @@ ACCEPTED = [
     ("one MIG slice", lambda s: _gpus(s["prefill"], {"limits": {"nvidia.com/mig-1g.10gb": 1}}, None)),
     ("a CPU pool without cpu resources", lambda s: _gpus(s["decode"][0], {"limits": {"memory": "8Gi"}}, 2)),
     ("a CPU pool with a cpu per rank", lambda s: _gpus(s["decode"][0], {"requests": {"cpu": "4000m"}}, 4)),
+    ("other flags beginning alike", lambda s: s["prefill"]["engine"].update(extraArgs=["--threads", "4", "--tls-ca=/etc/ca.pem"])),
     ("a CPU pool with fewer cpu than ranks (slow, documented)",
      lambda s: _gpus(s["decode"][0], {"limits": {"cpu": "1"}}, 2)),
 ]

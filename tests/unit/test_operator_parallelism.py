@@ -122,6 +122,18 @@ def test_the_schema_bounds_and_the_cel_rules_name_the_field():
                for r in crd_parallel.POOL_RULES)
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_every_spelling_the_servers_take_for_the_flag_is_refused(role):
+    """argparse takes unique abbreviations: the ones the schema refuses are exactly those naming the flag."""
+    module = importlib.import_module(f"pdserve.{role}_server.cli")
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    options = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    taken = [f for f in (crd_parallel.FLAG[:n] for n in range(3, len(crd_parallel.FLAG) + 1))
+             if [o for o in options if o.startswith(f)] == [crd_parallel.FLAG]]
+    assert taken == crd_parallel.SPELLINGS
+
+
 def test_cpu_quantities():
     assert [parallelism.cpu_cores(v) for v in (2, "500m", "1.5", "4000m")] == [2, 0.5, 1.5, 4]
 
