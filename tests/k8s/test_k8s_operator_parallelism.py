@@ -162,7 +162,8 @@ ACCEPTED = [
     ("one MIG slice", lambda s: _gpus(s["prefill"], {"limits": {"nvidia.com/mig-1g.10gb": 1}}, None)),
     ("a CPU pool without cpu resources", lambda s: _gpus(s["decode"][0], {"limits": {"memory": "8Gi"}}, 2)),
     ("a CPU pool with a cpu per rank", lambda s: _gpus(s["decode"][0], {"requests": {"cpu": "4000m"}}, 4)),
-    ("other flags beginning alike", lambda s: s["prefill"]["engine"].update(extraArgs=["--threads", "4", "--tls-ca=/etc/ca.pem"])),
+    ("other flags beginning alike",
+     lambda s: s["prefill"]["engine"].update(extraArgs=["--threads", "4", "--tls-ca=/etc/ca.pem"])),
     ("a CPU pool with fewer cpu than ranks (slow, documented)",
      lambda s: _gpus(s["decode"][0], {"limits": {"cpu": "1"}}, 2)),
 ]
