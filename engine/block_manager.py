@@ -50,10 +50,18 @@ def block_hash(parent: int | None, token_ids: list[int] | tuple[int, ...]) -> in
 
 
 def chained_hashes(token_ids: list[int], block_size: int, parent: int | None = None) -> list[int]:
-    """Hashes of every full block of ``token_ids`` (a trailing partial block has none)."""
+    """Hashes of every full block of ``token_ids`` (a trailing partial block has none): ``block_hash`` of each,
+    chained, with the ids packed once (the router hashes every prompt: its bytes per block are the same)."""
+    num_full = len(token_ids) // block_size if block_size > 0 else 0
+    if num_full == 0:
+        return []
+    data = memoryview(struct.pack(f"<{num_full * block_size}q", *token_ids[: num_full * block_size]))
+    step = 8 * block_size
     out = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+    for start in range(0, num_full * step, step):
+        h = hashlib.blake2b(struct.pack("<q", -1 if parent is None else parent), digest_size=8)
+        h.update(data[start : start + step])
+        parent = struct.unpack("<q", h.digest())[0]
         out.append(parent)
     return out
 

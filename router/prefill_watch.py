@@ -23,6 +23,7 @@ import time
 
 import grpc
 
+from pdserve.defaults import KV_EVENTS_MAX_MESSAGE_BYTES
 from pdserve.kv_follow import follow
 from pdserve.kv_index import PrefixIndex
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
@@ -40,7 +41,8 @@ class PrefillWatch:
         self.load: kpb.ServerLoad | None = None
         self.load_at = 0.0
         self.in_flight = 0  # requests this router is relaying to it now
-        self._channel = aio_channel(address, tls)  # mutual TLS with ``tls`` (pdserve/tls.py)
+        # mutual TLS with ``tls`` (pdserve/tls.py); a snapshot of every block the prefill holds is one message
+        self._channel = aio_channel(address, tls, [("grpc.max_receive_message_length", KV_EVENTS_MAX_MESSAGE_BYTES)])
         self._stub = kpb_grpc.KvEventsStub(self._channel)
         self.generator = gpb_grpc.GeneratorStub(self._channel)  # the router's gRPC Generate relays on it
         self._tasks: list[asyncio.Task] = []
