@@ -31,6 +31,7 @@ from pathlib import Path
 from pdserve.bench.experiments.launcher import Launcher
 
 from .client import poisson, trace_bodies
+from . import report
 from .index_ops import measure
 from .provenance_note import load_note
 from .restart import restart_under_load
@@ -53,12 +54,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--saturate-rate", type=float, default=300.0, help="req/s offered to find the ceiling")
     parser.add_argument("--restart-blocks", type=int, default=10_000_000)
     parser.add_argument("--restart-prefills", type=int, default=64)
+    parser.add_argument("--baseline-checkout", type=Path, default=None,
+                        help="another checkout (with its .venv) whose router runs A B A B against this one's")
+    parser.add_argument("--rounds", type=int, default=2, help="A B rounds of the serving windows")
     parser.add_argument("--skip-index", action="store_true")
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-restart", action="store_true")
     parser.add_argument("--router-cpus", default="0")
     parser.add_argument("--fleet-cpus", default="1")
     parser.add_argument("--client-cpus", default="1")
+    parser.add_argument("--nice", type=int, default=0,
+                        help="niceness of this process, the fleet and the router (a shared box: -10 keeps them run)")
     parser.add_argument("--out", type=Path, required=True)
 
 
@@ -66,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from pdserve.bench.provenance import write_json
 
     os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
+    if args.nice:
+        os.setpriority(os.PRIO_PROCESS, 0, args.nice)
     doc: dict = {"command": "pdserve bench router-scale", "args": {k: str(v) for k, v in vars(args).items()}}
     doc["target"] = prefills_rate(args.trace, args.profile)
     print("target:", describe(doc["target"]), flush=True)
@@ -84,51 +92,86 @@ def run(args: argparse.Namespace) -> int:
         doc["restart"] = restart(args, logs)
     doc["load_note"] = load_note()
     path = write_json(args.out / "router_scale.json", doc)
+    print("\n".join(report.lines(doc, doc["target"]["mean_output_tokens"])))
     print(f"wrote {path}")
     return 0
 
 
 def serving(args: argparse.Namespace, count: int, logs: Path) -> dict:
+    """A B A B: this checkout's router and (``--baseline-checkout``) another's, each started on the same fleet in
+    turn, each window through it paired with one straight to the stand-ins."""
     per = args.serving_blocks // count
     out: dict = {"prefills": count, "blocks": per * count, "windows": []}
     bodies, _ = trace_bodies(args.trace, args.requests, 1)
     arrivals = poisson(len(bodies), args.rate, seed=count)
+    routers = [("branch", None)]
+    if args.baseline_checkout:
+        routers.append(("baseline", str(args.baseline_checkout / ".venv" / "bin" / "pdserve")))
+        out["baseline_commit"] = git_commit(args.baseline_checkout)
     with Launcher(logs / f"serving-{count}") as launcher:
         setup = Setup(launcher, count, capacity=per, preload=per, router_cpus=args.router_cpus,
-                      fleet_cpus=args.fleet_cpus)
+                      fleet_cpus=args.fleet_cpus, nice=args.nice)
         setup.start_fleet()
-        out["router_start"] = setup.start_router()
-        out["router_quiet_cpu_util"] = quiet(setup, 5.0)
-        for via in ("router", "direct", "router", "direct"):
-            w = window(setup, via, bodies, arrivals)
-            out["windows"].append(w)
-            print(f"serving {count}:", json.dumps(w), flush=True)
-        sbodies, _ = trace_bodies(args.trace, args.requests // 2, args.stream_tokens)
-        w = window(setup, "router", sbodies, poisson(len(sbodies), args.rate / 2, seed=count + 1))
-        w["stream_tokens"] = args.stream_tokens
-        out["streamed"] = w
-        print(f"serving {count} streamed:", json.dumps(w), flush=True)
-        n_sat = int(args.saturate_rate * 8)
-        satb, _ = trace_bodies(args.trace, n_sat, 1)
-        w = window(setup, "router", satb, poisson(n_sat, args.saturate_rate, seed=count + 2))
-        out["saturate"] = w
-        print(f"serving {count} saturate:", json.dumps(w), flush=True)
+        for rnd in range(args.rounds):
+            for name, pdserve in routers:
+                start = setup.start_router(name=f"router-{name}-{rnd}", pdserve=pdserve)
+                quiet_util = quiet(setup, 3.0)
+                for via in ("router", "direct"):
+                    w = window(setup, via, bodies, arrivals)
+                    w.update(router=name, round=rnd, router_start=start, router_quiet_cpu_util=quiet_util)
+                    out["windows"].append(w)
+                    print(f"serving {count}:", json.dumps(w), flush=True)
+                if rnd == 0 and name == "branch":
+                    out["streamed"] = streamed(args, setup, count)
+                    out["saturate"] = saturate(args, setup, count)
+                setup.stop_router()
     out.update(derive(out))
     return out
 
 
+def streamed(args: argparse.Namespace, setup: Setup, count: int) -> dict:
+    sbodies, _ = trace_bodies(args.trace, args.requests // 2, args.stream_tokens)
+    w = window(setup, "router", sbodies, poisson(len(sbodies), args.rate / 2, seed=count + 1))
+    w["stream_tokens"] = args.stream_tokens
+    print(f"serving {count} streamed:", json.dumps(w), flush=True)
+    return w
+
+
+def saturate(args: argparse.Namespace, setup: Setup, count: int) -> dict:
+    n_sat = int(args.saturate_rate * 6)
+    satb, _ = trace_bodies(args.trace, n_sat, 1)
+    w = window(setup, "router", satb, poisson(n_sat, args.saturate_rate, seed=count + 2))
+    print(f"serving {count} saturate:", json.dumps(w), flush=True)
+    return w
+
+
+def git_commit(checkout: Path) -> str:
+    import subprocess
+
+    done = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip()
+
+
 def derive(out: dict) -> dict:
-    """Added latency (router - direct, per pair), CPU per request and per relayed event."""
+    """Per router: added TTFT (its window less the direct one beside it), CPU ms per request; per relayed event."""
     wins = out["windows"]
-    pairs = [(wins[i], wins[i + 1]) for i in range(0, len(wins) - 1, 2)]
-    added = [{"p50_ms": r["ttft_p50_ms"] - d["ttft_p50_ms"], "p99_ms": r["ttft_p99_ms"] - d["ttft_p99_ms"]}
-             for r, d in pairs if r["ttft_p50_ms"] is not None and d["ttft_p50_ms"] is not None]
-    cpu_req = [r["router_cpu_ms_per_request"] for r, _ in pairs]
-    base = min(cpu_req)
-    st = out["streamed"]
-    per_event = (st["router_cpu_ms_per_request"] - base) / max(1, st["stream_tokens"] - 1)
-    return {"added_ttft": added, "cpu_ms_per_request": cpu_req, "cpu_ms_per_event": per_event,
-            "core_capacity_per_s_1_token": 1e3 / base}
+    by: dict[str, dict] = {}
+    for r, d in zip(wins[0::2], wins[1::2]):
+        b = by.setdefault(r["router"], {"added_ttft": [], "cpu_ms_per_request": []})
+        if r["ttft_p50_ms"] is not None and d["ttft_p50_ms"] is not None:
+            b["added_ttft"].append({"p50_ms": r["ttft_p50_ms"] - d["ttft_p50_ms"],
+                                    "p99_ms": r["ttft_p99_ms"] - d["ttft_p99_ms"]})
+        b["cpu_ms_per_request"].append(r["router_cpu_ms_per_request"])
+    for b in by.values():
+        b["core_capacity_per_s_1_token"] = 1e3 / min(b["cpu_ms_per_request"])
+    st = out.get("streamed")
+    if st is not None:
+        base = min(by["branch"]["cpu_ms_per_request"])
+        by["branch"]["cpu_ms_per_event"] = (st["router_cpu_ms_per_request"] - base) / max(1, st["stream_tokens"] - 1)
+    if "baseline" in by:
+        by["cpu_ratio_baseline_over_branch"] = (min(by["baseline"]["cpu_ms_per_request"])
+                                                / min(by["branch"]["cpu_ms_per_request"]))
+    return {"by_router": by}
 
 
 def restart(args: argparse.Namespace, logs: Path) -> dict:
@@ -139,7 +182,7 @@ def restart(args: argparse.Namespace, logs: Path) -> dict:
     bodies, _ = trace_bodies(args.trace, n, 1)
     with Launcher(logs / "restart") as launcher:
         setup = Setup(launcher, count, capacity=per, preload=per, router_cpus=args.router_cpus,
-                      fleet_cpus=args.fleet_cpus)
+                      fleet_cpus=args.fleet_cpus, nice=args.nice)
         t = time.monotonic()
         setup.start_fleet(timeout=900)
         out["fleet_start_s"] = time.monotonic() - t

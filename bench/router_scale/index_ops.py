@@ -4,7 +4,8 @@ A cluster of ``servers`` prefills holds ``blocks`` blocks in all (random 64-bit 
 ``block_hash`` values are uniform), built the way a router builds it: one snapshot per prefill.
 Then, timed (best of ``repeats``):
 
-- ``stored``: BLOCK_STORED events of ``stored_size`` hashes (a prefill's chunk of new blocks);
+- ``stored``: BLOCK_STORED events of ``stored_size`` hashes (a prefill's chunk of new blocks), and the
+  longest single event (``worst_event_ms``: a growing set is rehashed whole inside one event);
 - ``removed``: BLOCK_REMOVED events of one hash each (the engine evicts one block per event);
 - ``wire``: the same stored/removed mix through the router's real receiving path: a serialized
   ``KvEventBatch`` parsed and applied by ``pdserve.kv_follow``'s ``_apply`` (protobuf decode included);
@@ -85,15 +86,21 @@ def run_size(impl: str, blocks: int, servers: int, stored_size: int = 16, prompt
             seq[name] += 1
             removed.append((name, seq[name], REMOVED, [h]))
 
+    worst = [0.0]
+
     def apply(batch):
+        clock = time.perf_counter
         for name, s, kind, hs in batch:
+            t = clock()
             index.apply_event(name, "e", s, kind, hs)
+            worst[0] = max(worst[0], clock() - t)
 
     out = {"impl": impl, "blocks": blocks, "servers": servers, "index_bytes": held_bytes,
            "bytes_per_block": held_bytes / blocks, "build_s": build_s}
     out["stored_events_per_s"] = _best(lambda: apply(stored), n_ev, 1)
     out["stored_blocks_per_s"] = out["stored_events_per_s"] * stored_size
     out["removed_events_per_s"] = _best(lambda: apply(removed), n_ev, 1)
+    out["worst_event_ms"] = worst[0] * 1e3  # the longest single event of both (a set's resize lands on one)
     out["wire_events_per_s"] = _wire(index, names, seq, rng, stored_size, repeats)
     out["match_requests_per_s"] = _match(index, names, snapshots, prompt_blocks, repeats, rng)
     name0, snap0 = names[0], snapshots[0].tolist()

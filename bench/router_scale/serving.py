@@ -46,6 +46,7 @@ class Setup:
     fleet_cpus: str = "1"
     prefill_s: float = 0.0
     itl_s: float = 0.0
+    nice: int = 0  # the fleet's and the router's niceness (the box is shared: a lower one keeps them scheduled)
     grpc: list[str] = field(default_factory=list)
     http: list[str] = field(default_factory=list)
     fleet: Proc | None = None
@@ -57,7 +58,7 @@ class Setup:
 
         spec = json.dumps({"count": self.count, "capacity": self.capacity, "preload": self.preload,
                            "prefill_s": self.prefill_s, "itl_s": self.itl_s})
-        self.fleet = self.launcher.spawn(f"fleet-{self.count}", [sys.executable, "-u", "-m",
+        self.fleet = self.launcher.spawn(f"fleet-{self.count}", [*self._nice(), sys.executable, "-u", "-m",
                                                                   "pdserve.bench.router_scale.fleet", spec],
                                          cpus=self.fleet_cpus)
         deadline = time.monotonic() + timeout
@@ -72,19 +73,29 @@ class Setup:
             time.sleep(0.5)
         raise TimeoutError(f"the fleet did not start in {timeout}s")
 
-    def start_router(self, name: str = "router", port: int | None = None) -> dict:
-        """Start the router (on ``port``: a restart keeps its address); seconds from its start until it is ready
-        (/ready: a prefill routable) and until its index holds every stand-in's blocks."""
+    def start_router(self, name: str = "router", port: int | None = None, pdserve: str | None = None) -> dict:
+        """Start the router (on ``port``: a restart keeps its address; ``pdserve``: the command of another
+        checkout, for a baseline); seconds from its start until it is ready (/ready: a prefill routable) and
+        until its index holds every stand-in's blocks."""
         port = port or free_port()
         self.router_url = f"http://127.0.0.1:{port}"
         t0 = time.monotonic()
-        self.router = self.launcher.start(name, ["router", "--port", str(port), "--model", "tiny",
-                                                 "--prefill", ",".join(self.grpc), "--log-level", "WARNING"],
-                                          cpus=self.router_cpus)
+        self.router = self.launcher.spawn(name, [*self._nice(), pdserve or self.launcher.pdserve, "router", "--port",
+                                                 str(port),
+                                                 "--model", "tiny", "--prefill", ",".join(self.grpc),
+                                                 "--log-level", "WARNING"], cpus=self.router_cpus)
         self.launcher.wait_ready(self.router, self.router_url + "/ready", timeout=300)
         ready = time.monotonic() - t0
         self.wait_synced(timeout=600)
         return {"ready_s": ready, "synced_s": time.monotonic() - t0, "index_blocks": self.index_state()[1]}
+
+    def _nice(self) -> list[str]:
+        return ["nice", "-n", str(self.nice)] if self.nice else []
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            self.launcher.stop(self.router)
+            self.router = None
 
     def index_state(self) -> tuple[int, int]:
         """(prefills whose view is synced, blocks in the router's index) from its /health."""

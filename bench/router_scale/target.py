@@ -28,7 +28,7 @@ def prefills_rate(trace: Path, profile: str = "h200-llama3-8b", prefills: int = 
     reqs = read_trace(trace, "mooncake")
     seen: set[int] = set()
     busy = {"reuse": 0.0, "no_reuse": 0.0}
-    tokens = {"input": 0, "cached": 0}
+    tokens = {"input": 0, "cached": 0, "output": 0}
     for r in reqs:
         hit = 0
         for h in r.hash_ids:
@@ -39,6 +39,7 @@ def prefills_rate(trace: Path, profile: str = "h200-llama3-8b", prefills: int = 
         # the engine never reuses the block of the last token
         cached = min(hit * TRACE_BLOCK_TOKENS, max(0, r.input_length - 1))
         tokens["input"] += r.input_length
+        tokens["output"] += r.output_length
         tokens["cached"] += cached
         for case, c in (("reuse", cached), ("no_reuse", 0)):
             new = r.input_length - c
@@ -49,6 +50,7 @@ def prefills_rate(trace: Path, profile: str = "h200-llama3-8b", prefills: int = 
     out = {"profile": prof.name, "prefills": prefills, "step_tokens": step_tokens, "requests": n,
            "trace_rate_per_s": n / span if span > 0 else None,
            "mean_input_tokens": tokens["input"] / n, "mean_cached_tokens_reuse": tokens["cached"] / n,
+           "mean_output_tokens": tokens["output"] / n,
            "step": {"base_s": st.base_s, "prefill_token_s": st.prefill_token_s, "prefill_pair_s": st.prefill_pair_s}}
     for case, total in busy.items():
         mean = total / n
