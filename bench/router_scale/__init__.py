@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--saturate-rate", type=float, default=300.0, help="req/s offered to find the ceiling")
     parser.add_argument("--restart-blocks", type=int, default=10_000_000)
     parser.add_argument("--restart-prefills", type=int, default=64)
+    parser.add_argument("--restart-rate", type=float, default=10.0, help="req/s sent while the router restarts")
+    parser.add_argument("--restart-load-s", type=float, default=60.0, help="seconds of that load (kill at 1/4)")
     parser.add_argument("--baseline-checkout", type=Path, default=None,
                         help="another checkout (with its .venv) whose router runs A B A B against this one's")
     parser.add_argument("--rounds", type=int, default=2, help="A B rounds of the serving windows")
@@ -178,7 +180,7 @@ def restart(args: argparse.Namespace, logs: Path) -> dict:
     count = args.restart_prefills
     per = args.restart_blocks // count
     out: dict = {"prefills": count, "blocks": per * count}
-    n = int(args.rate * 30)
+    n = int(args.restart_rate * args.restart_load_s)
     bodies, _ = trace_bodies(args.trace, n, 1)
     with Launcher(logs / "restart") as launcher:
         setup = Setup(launcher, count, capacity=per, preload=per, router_cpus=args.router_cpus,
@@ -189,6 +191,7 @@ def restart(args: argparse.Namespace, logs: Path) -> dict:
         out["first_start"] = setup.start_router()
         out["router_rss_bytes"] = rss_bytes(setup.router.popen.pid)
         print("restart: first start", json.dumps(out), flush=True)
-        out["under_load"] = restart_under_load(setup, bodies, poisson(n, args.rate, seed=7), kill_at_s=8.0)
+        out["under_load"] = restart_under_load(setup, bodies, poisson(n, args.restart_rate, seed=7),
+                                               kill_at_s=args.restart_load_s / 4)
         print("restart:", json.dumps(out["under_load"]), flush=True)
     return out

@@ -46,7 +46,9 @@ def lines(doc: dict, output_tokens: float | None = None) -> list[str]:
         out.append(f"restart {r['blocks'] / 1e6:g}M blocks / {r['prefills']} prefills: first start synced in "
                    f"{r['first_start']['synced_s']:.1f} s (router RSS {r['router_rss_bytes'] / GIB:.2f} GiB); "
                    f"after SIGKILL ready in {u['restart']['ready_s']:.1f} s, index whole in "
-                   f"{u['restart']['synced_s']:.1f} s")
+                   f"{u['restart']['synced_s']:.1f} s; the new router's CPU until then "
+                   f"{u['restart'].get('router_cpu_s', float('nan')):.1f} s, the fleet's "
+                   f"{u.get('fleet_cpu_s', float('nan')):.1f} s")
         for phase, p in u["phases"].items():
             out.append(f"  {phase}: sent {p['sent']}, ok {p['ok']}, errors {p['errors']} {p['error_kinds']}, "
                        f"TTFT p50 {p['ttft_p50_ms'] or float('nan'):.0f} ms")

@@ -16,7 +16,7 @@ import threading
 import time
 
 from .client import Result, send_all, summary
-from .serving import Setup
+from .serving import Setup, cpu_seconds
 
 
 def restart_under_load(setup: Setup, bodies: list[bytes], arrivals: list[float], kill_at_s: float) -> dict:
@@ -34,7 +34,9 @@ def restart_under_load(setup: Setup, bodies: list[bytes], arrivals: list[float],
     t_kill = time.perf_counter()
     os.killpg(old.popen.pid, signal.SIGKILL)
     old.popen.wait(timeout=30)
+    fleet0 = cpu_seconds(setup.fleet.popen.pid)
     times = setup.start_router(name="router-restarted", port=port)
+    fleet_cpu = cpu_seconds(setup.fleet.popen.pid) - fleet0
     th.join()
     wall = time.perf_counter() - t_start
     ready_at = t_kill + times["ready_s"]
@@ -52,7 +54,7 @@ def restart_under_load(setup: Setup, bodies: list[bytes], arrivals: list[float],
     phases: dict[str, list[Result]] = {}
     for r in results:
         phases.setdefault(phase(r), []).append(r)
-    out = {"kill_at_s": kill_at_s, "restart": times, "wall_s": wall,
+    out = {"kill_at_s": kill_at_s, "restart": times, "wall_s": wall, "fleet_cpu_s": fleet_cpu,
            "phases": {k: summary(v, wall) for k, v in phases.items()},
            "router_after": setup.metrics()}
     return out

@@ -87,7 +87,9 @@ class Setup:
         self.launcher.wait_ready(self.router, self.router_url + "/ready", timeout=300)
         ready = time.monotonic() - t0
         self.wait_synced(timeout=600)
-        return {"ready_s": ready, "synced_s": time.monotonic() - t0, "index_blocks": self.index_state()[1]}
+        synced = time.monotonic() - t0
+        return {"ready_s": ready, "synced_s": synced, "router_cpu_s": cpu_seconds(self.router.popen.pid),
+                "index_blocks": self.index_state()[1]}
 
     def _nice(self) -> list[str]:
         return ["nice", "-n", str(self.nice)] if self.nice else []
