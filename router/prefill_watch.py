@@ -8,7 +8,8 @@ Two tasks per prefill:
    stream (the prefill died or restarted) forgets its hashes at once and retries with backoff
    (0.1 s doubling to 2 s); the next snapshot's reason tells a restart (``epoch``) from a
    reconnect (``resync``), each counted in ``router_index_resyncs``. A snapshot of another
-   KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone).
+   KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone). A snapshot is one
+   gRPC message of every hash the prefill holds: the channel takes up to ``KV_EVENTS_MAX_MESSAGE_BYTES``.
 2. **load** - ``KvEvents.GetLoad`` every ``interval_s``: in flight, free blocks, ready, and the
    port of its HTTP API. A failed poll makes the prefill unroutable at once; a report older
    than ``expiry_s`` does not count.
