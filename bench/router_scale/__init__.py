@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline-checkout", type=Path, default=None,
                         help="another checkout (with its .venv) whose router runs A B A B against this one's")
     parser.add_argument("--rounds", type=int, default=2, help="A B rounds of the serving windows")
+    parser.add_argument("--evictions", default="batched",
+                        help="how the stand-ins publish evictions: batched (the engine now), per-block (before), "
+                             "or both, comma separated, each on its own fleet")
     parser.add_argument("--skip-index", action="store_true")
     parser.add_argument("--skip-serving", action="store_true")
     parser.add_argument("--skip-restart", action="store_true")
@@ -89,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
                 print("index:", json.dumps(row), flush=True)
     logs = args.out / "logs"
     if not args.skip_serving:
-        doc["serving"] = [serving(args, n, logs) for n in counts]
+        modes = args.evictions.split(",")
+        doc["serving"] = [serving(args, n, logs, mode, first=(mode == modes[0])) for n in counts for mode in modes]
     if not args.skip_restart:
         doc["restart"] = restart(args, logs)
     doc["load_note"] = load_note()
@@ -99,20 +103,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def serving(args: argparse.Namespace, count: int, logs: Path) -> dict:
+def serving(args: argparse.Namespace, count: int, logs: Path, evictions: str = "batched", first: bool = True) -> dict:
     """A B A B: this checkout's router and (``--baseline-checkout``) another's, each started on the same fleet in
-    turn, each window through it paired with one straight to the stand-ins."""
+    turn, each window through it paired with one straight to the stand-ins. ``first``: also the streamed and
+    saturation windows (once per prefill count)."""
     per = args.serving_blocks // count
-    out: dict = {"prefills": count, "blocks": per * count, "windows": []}
+    out: dict = {"prefills": count, "blocks": per * count, "evictions": evictions, "windows": []}
     bodies, _ = trace_bodies(args.trace, args.requests, 1)
     arrivals = poisson(len(bodies), args.rate, seed=count)
     routers = [("branch", None)]
     if args.baseline_checkout:
         routers.append(("baseline", str(args.baseline_checkout / ".venv" / "bin" / "pdserve")))
         out["baseline_commit"] = git_commit(args.baseline_checkout)
-    with Launcher(logs / f"serving-{count}") as launcher:
+    with Launcher(logs / f"serving-{count}-{evictions}") as launcher:
         setup = Setup(launcher, count, capacity=per, preload=per, router_cpus=args.router_cpus,
-                      fleet_cpus=args.fleet_cpus, nice=args.nice)
+                      fleet_cpus=args.fleet_cpus, nice=args.nice, evictions=evictions)
         setup.start_fleet()
         for rnd in range(args.rounds):
             for name, pdserve in routers:
@@ -123,7 +128,7 @@ def serving(args: argparse.Namespace, count: int, logs: Path) -> dict:
                     w.update(router=name, round=rnd, router_start=start, router_quiet_cpu_util=quiet_util)
                     out["windows"].append(w)
                     print(f"serving {count}:", json.dumps(w), flush=True)
-                if rnd == 0 and name == "branch":
+                if rnd == 0 and name == "branch" and first:
                     out["streamed"] = streamed(args, setup, count)
                     out["saturate"] = saturate(args, setup, count)
                 setup.stop_router()

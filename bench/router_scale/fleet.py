@@ -11,10 +11,11 @@ Each ``StandIn`` serves, on its own ports:
 
 What it stands in for is the engine: its "prefix cache" is an LRU of ``capacity`` block hashes (the
 engine's chained hashes of the prompt, ``engine.block_manager.reusable_hashes``), so a request stores
-the blocks it did not hold (one BLOCK_STORED event) and evicts the oldest beyond capacity (one
-BLOCK_REMOVED event per block, as the engine's ``_pop_fresh`` does). ``preload`` blocks of random
-hashes fill it at start, so a router's index is at size before the first request. No model runs: the
-tokens are ``prompt[-1] + i`` and the prefill takes ``prefill_s``.
+the blocks it did not hold (one BLOCK_STORED event) and evicts the oldest beyond capacity: one
+BLOCK_REMOVED event with all of them (``evictions="batched"``, as the engine publishes since
+``BlockManager._pop_fresh_many``), or one event per block (``"per-block"``, as it did before).
+``preload`` blocks of random hashes fill it at start, so a router's index is at size before the first
+request. No model runs: the tokens are ``prompt[-1] + i`` and the prefill takes ``prefill_s``.
 
 Run ``python -m pdserve.bench.router_scale.fleet '{"count": 64, ...}'``: it prints one JSON line
 (``{"grpc": [...], "http": [...]}``) once every stand-in serves, and stops on SIGTERM or SIGINT.
@@ -41,6 +42,7 @@ from pdserve.stream_resume import EVENT_KEY, RESUMABLE_HEADER
 
 BLOCK_SIZE = 64  # the engine's default (engine/defaults.py BLOCK_SIZE)
 GRPC_OPTIONS = [("grpc.max_send_message_length", -1)]
+EVICTIONS = ("batched", "per-block")
 
 
 def sse(payload: dict) -> bytes:
@@ -48,8 +50,11 @@ def sse(payload: dict) -> bytes:
 
 
 class StandIn:
-    def __init__(self, capacity: int, preload: int, prefill_s: float, itl_s: float, seed: int):
-        self.capacity, self.prefill_s, self.itl_s = capacity, prefill_s, itl_s
+    def __init__(self, capacity: int, preload: int, prefill_s: float, itl_s: float, seed: int,
+                 evictions: str = "batched"):
+        if evictions not in EVICTIONS:
+            raise ValueError(f"evictions must be one of {EVICTIONS}, got {evictions!r}")
+        self.capacity, self.prefill_s, self.itl_s, self.evictions = capacity, prefill_s, itl_s, evictions
         self.publisher = KvEventPublisher(BLOCK_SIZE)  # the servers' own max_pending
         self.cache: OrderedDict[int, None] = OrderedDict()
         self.in_flight = 0
@@ -84,9 +89,12 @@ class StandIn:
         if new:
             self.cache.update(dict.fromkeys(new))
             self.publisher.stored(new)
-        while len(self.cache) > self.capacity:
-            h, _ = self.cache.popitem(last=False)
-            self.publisher.removed([h])
+        gone = [self.cache.popitem(last=False)[0] for _ in range(len(self.cache) - self.capacity)]
+        if gone and self.evictions == "batched":
+            self.publisher.removed(gone)
+        elif gone:
+            for h in gone:
+                self.publisher.removed([h])
         return cached
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -147,8 +155,8 @@ class StandIn:
 
 
 async def serve(count: int, capacity: int, preload: int, prefill_s: float = 0.0, itl_s: float = 0.0,
-                host: str = "127.0.0.1", seed: int = 0) -> None:
-    fleet = [StandIn(capacity, preload, prefill_s, itl_s, seed * 1000 + i) for i in range(count)]
+                host: str = "127.0.0.1", seed: int = 0, evictions: str = "batched") -> None:
+    fleet = [StandIn(capacity, preload, prefill_s, itl_s, seed * 1000 + i, evictions) for i in range(count)]
     for s in fleet:
         await s.start(host)
     print(json.dumps({"grpc": [f"{host}:{s.grpc_port}" for s in fleet],

@@ -23,7 +23,8 @@ def lines(doc: dict, output_tokens: float | None = None) -> list[str]:
             b = by[name]
             added = "; ".join(f"{a['p50_ms']:.1f}/{a['p99_ms']:.1f}" for a in b["added_ttft"])
             cpu = ", ".join(f"{c:.2f}" for c in b["cpu_ms_per_request"])
-            out.append(f"serving {s['prefills']} prefills, router {name}: CPU ms/request {cpu} -> "
+            out.append(f"serving {s['prefills']} prefills ({s.get('evictions', 'per-block')} evictions), router "
+                       f"{name}: CPU ms/request {cpu} -> "
                        f"{b['core_capacity_per_s_1_token']:.0f} req/s per core (1-token responses); "
                        f"added TTFT p50/p99 ms {added}")
         if "cpu_ratio_baseline_over_branch" in by:

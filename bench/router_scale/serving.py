@@ -46,6 +46,7 @@ class Setup:
     fleet_cpus: str = "1"
     prefill_s: float = 0.0
     itl_s: float = 0.0
+    evictions: str = "batched"  # how the stand-ins publish evictions (fleet.EVICTIONS)
     nice: int = 0  # the fleet's and the router's niceness (the box is shared: a lower one keeps them scheduled)
     grpc: list[str] = field(default_factory=list)
     http: list[str] = field(default_factory=list)
@@ -57,10 +58,9 @@ class Setup:
         import sys
 
         spec = json.dumps({"count": self.count, "capacity": self.capacity, "preload": self.preload,
-                           "prefill_s": self.prefill_s, "itl_s": self.itl_s})
-        self.fleet = self.launcher.spawn(f"fleet-{self.count}", [*self._nice(), sys.executable, "-u", "-m",
-                                                                  "pdserve.bench.router_scale.fleet", spec],
-                                         cpus=self.fleet_cpus)
+                           "prefill_s": self.prefill_s, "itl_s": self.itl_s, "evictions": self.evictions})
+        cmd = [*self._nice(), sys.executable, "-u", "-m", "pdserve.bench.router_scale.fleet", spec]
+        self.fleet = self.launcher.spawn(f"fleet-{self.count}-{self.evictions}", cmd, cpus=self.fleet_cpus)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.fleet.popen.poll() is not None:

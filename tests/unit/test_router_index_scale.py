@@ -70,3 +70,34 @@ def test_chained_hashes_are_block_hash_chained():
     # the bytes hashed are the parent then the block's ids, little-endian int64 (what every process computes)
     assert chained_hashes([7, 8], 2) == [block_hash(None, (7, 8))]
     assert struct.calcsize("<q") == 8
+
+
+def test_an_allocation_publishes_its_evictions_in_one_event():
+    from pdserve.engine.block_manager import BlockManager
+
+    class Listener:
+        def __init__(self):
+            self.events = []
+
+        def stored(self, hashes):
+            self.events.append(("stored", list(hashes)))
+
+        def removed(self, hashes):
+            self.events.append(("removed", list(hashes)))
+
+        def cleared(self):
+            self.events.append(("cleared", []))
+
+    bm = BlockManager(num_blocks=6, block_size=4)
+    bm.listener = Listener()
+    ids = list(range(17))  # 4 full blocks + 1
+    table, _ = bm.allocate(ids, len(ids))
+    hashes: list[int] = []
+    bm.register_full_blocks(table, hashes, len(ids), ids)
+    bm.free(table)
+    other = [99] * 21  # 6 blocks: 1 free + 4 cached of `ids` (and the tail block freed without a hash)
+    table2, cached = bm.allocate(other, len(other))
+    assert cached == 0 and len(table2) == 6
+    removals = [e for e in bm.listener.events if e[0] == "removed"]
+    assert removals == [("removed", hashes[::-1])]  # one event, the prefix's tail evicted first
+    assert bm.prefix_hashes() == []
