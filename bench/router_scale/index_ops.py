@@ -6,7 +6,8 @@ Then, timed (best of ``repeats``):
 
 - ``stored``: BLOCK_STORED events of ``stored_size`` hashes (a prefill's chunk of new blocks), and the
   longest single event (``worst_event_ms``: a growing set is rehashed whole inside one event);
-- ``removed``: BLOCK_REMOVED events of one hash each (the engine evicts one block per event);
+- ``removed``: BLOCK_REMOVED events of one hash each (how the engine published evictions before an
+  allocation's evictions went out in one event: the worst case);
 - ``wire``: the same stored/removed mix through the router's real receiving path: a serialized
   ``KvEventBatch`` parsed and applied by ``pdserve.kv_follow``'s ``_apply`` (protobuf decode included);
 - ``match``: one request's decision lookups: the prompt's ``prompt_blocks`` hashes against every prefill
@@ -173,3 +174,36 @@ def measure(impl: str, blocks: int, servers: int, **kw) -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(run_size(**json.loads(sys.argv[1]))))
+
+
+def eviction_cost(blocks_per_request: int = 118, requests: int = 300, rounds: int = 4, seed: int = 0) -> dict:
+    """Router CPU for one request's evictions through protobuf + ``kv_follow._apply``: ``blocks_per_request``
+    BLOCK_REMOVED events of one hash (per-block) against one event of them all (batched), A B per round."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    index = PrefixIndex()
+    name = "10.0.0.1:50051"
+    note = lambda reason: None  # noqa: E731
+    out: dict = {"blocks_per_request": blocks_per_request, "per_block_ms": [], "batched_ms": []}
+    seq = 0
+    for _ in range(rounds):
+        for mode in ("per_block", "batched"):
+            hs = rng.integers(-(2**63), 2**63 - 1, size=blocks_per_request * requests, dtype="int64").tolist()
+            index.apply_snapshot(name, "e" * 32, seq, hs, 64)
+            wires = []
+            for r in range(requests):
+                part = hs[r * blocks_per_request:(r + 1) * blocks_per_request]
+                groups = [[h] for h in part] if mode == "per_block" else [part]
+                evs = []
+                for g in groups:
+                    seq += 1
+                    evs.append(kpb.KvEvent(epoch="e" * 32, seq=seq, kind=kpb.KvEvent.BLOCK_REMOVED, block_hashes=g))
+                wires.append(kpb.KvEventBatch(events=evs).SerializeToString())
+            t = time.process_time()
+            for data in wires:
+                for ev in kpb.KvEventBatch.FromString(data).events:
+                    _apply(ev, name, index, note)
+            out[f"{mode}_ms"].append((time.process_time() - t) / requests * 1e3)
+    out["ratio"] = min(out["per_block_ms"]) / min(out["batched_ms"])
+    return out
