@@ -43,7 +43,7 @@ class Plan:
     hf_decode_batches: tuple = (1, 8, 32)
     hf_context: int = 1024
     hf_prefill_prompts: tuple = (1, 8, 32)
-    hf_reps: int = 3
+    hf_reps: int = 5  # warm samples per side (after one warm-up each), medians compared
     hf_steps: int = 10
     pd_requests: int = 4
     fp8_decode_batches: tuple = (1, 32)  # fp8cells.py: FP8 weights against the dtype's, A B A B

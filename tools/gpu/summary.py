@@ -270,6 +270,7 @@ def render_summary(doc: dict) -> str:
     meta = doc["meta"]
     head = (f"GPU check summary: {meta.get('gpu_name') or meta.get('device', '?')}, {meta.get('dtype', '?')}, "
             f"torch {meta.get('torch')}, triton {meta.get('triton')}, commit {(meta.get('commit') or 'unknown')[:12]} "
+            f"(tree: {meta.get('tree', '?')}) "
             f"(sources sha256 {(meta.get('source_sha256') or '?')[:12]}), "
             f"{meta.get('date')}, {meta.get('elapsed_s')} s")
     rows = [("section", "cell", "figure", "target", "verdict")] + [tuple(r.values()) for r in doc["summary"]]
