@@ -68,8 +68,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--engine sim: the profile JSON (model shape and step time, engine/sim/profile.py), or a "
                         "shipped one by name: cpu-small, h200-llama3-8b")
     g.add_argument("--sim-kv-scale", type=int, default=1, metavar="N",
-                   help="--engine sim: the CacheStore's blocks carry 1/N of the profile's KV bytes (N divides kv_heads x "
-                        "head_dim), so many servers of a large shape fit one box (default 1: the real bytes)")
+                   help="--engine sim: the CacheStore's blocks carry 1/N of the profile's KV bytes (N divides "
+                        "kv_heads x head_dim), so many servers of a large shape fit a box (default 1: real bytes)")
     g.add_argument("--sim-link-gbps", type=float, default=None, metavar="GBPS",
                    help="--engine sim, prefill: the KV link modelled at this bandwidth, for the real bytes "
                         "(cachestore/link_model.py; default: none, the bytes move at the wire's speed)")
@@ -281,7 +281,8 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     check_tensor_parallel(args, role)
     if getattr(args, "engine", "builtin") != "sim" and (getattr(args, "sim_kv_scale", 1) != 1
                                                         or getattr(args, "sim_link_gbps", None) is not None):
-        raise SystemExit("pdserve: --sim-kv-scale and --sim-link-gbps model a simulated cluster: they need --engine sim")
+        raise SystemExit("pdserve: --sim-kv-scale and --sim-link-gbps model a simulated cluster: they need "
+                         "--engine sim")
     if getattr(args, "engine", "builtin") == "sim":
         from pdserve.sim_server import build_sim_server_engine  # loads no torch
 

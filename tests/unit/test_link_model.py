@@ -34,7 +34,8 @@ def test_slices_queue_on_the_modelled_wire_at_their_real_bytes():
 
 
 def test_bad_link_parameters_are_refused():
-    for kwargs, word in (({"bandwidth_bytes_s": 0}, "bandwidth"), ({"bandwidth_bytes_s": 1, "latency_s": -1}, "latency"),
+    for kwargs, word in (({"bandwidth_bytes_s": 0}, "bandwidth"),
+                         ({"bandwidth_bytes_s": 1, "latency_s": -1}, "latency"),
                          ({"bandwidth_bytes_s": 1, "payload_scale": 0}, "scale")):
         with pytest.raises(ValueError, match=word):
             LinkModel(**kwargs)

@@ -49,7 +49,8 @@ def test_ratios_over_baselines_and_targets():
 def test_arm_layouts():
     class A:
         decodes, picker_decodes = 32, 64
-    assert arm_layout(A, "prefix")[0] == 32 and arm_layout(A, "wrr") == (64, ["--policy", "prefix"], ["--policy", "wrr"])
+    assert arm_layout(A, "prefix")[0] == 32
+    assert arm_layout(A, "wrr") == (64, ["--policy", "prefix"], ["--policy", "wrr"])
     assert arm_layout(A, "rr")[2] == ["--policy", "rr"] and arm_layout(A, "round-robin")[1][-1] == "round-robin"
     with pytest.raises(ValueError, match="unknown arm"):
         arm_layout(A, "random")
