@@ -119,7 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "ratios per repeat")
     g.add_argument("--sim-profile", default=None, metavar="PATH|measure",
                    help="a system 'sim': pdserve's P/D on --engine sim with this profile (a file, a shipped name, or "
-                        "'measure': measured here on the served checkpoint right before the first start), alternated "
+                        "'measure': measured here on the served checkpoint right before each sim start, so each "
+                        "repeat's profile has the box's speed of that moment), alternated "
                         "with pdserve; the report adds sim / pdserve ratios against the fidelity band (peer_sim.py)")
     g.add_argument("--no-vllm", action="store_true",
                    help="leave vLLM's P/D out (with --baseline-tree: pdserve against its baseline only)")
@@ -226,7 +227,8 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
                 if system == "baseline":  # the other checkout's pdserve, the same flags
                     launcher.pdserve = str(baseline_pdserve(args.baseline_tree))
                 if system in ("pdserve", "baseline", "sim"):
-                    sim = ["--engine", "sim", "--sim-profile", str(args.sim_profile)] if system == "sim" else []
+                    sim = (["--engine", "sim", "--sim-profile", sim_profile(args, model, repeat)]
+                           if system == "sim" else [])
                     c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus=args.prefill_cpu,
                                  decode_cpus=args.decode_cpu, num_blocks=pd_blocks,
                                  max_model_len=max_len,
@@ -255,6 +257,14 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
                 runs.append({"system": system, "repeat": repeat, "start_s": started, "load_avg_before": load,
                              "cells": measured, "load_avg_after": os.getloadavg()})
     return runs, commands, calibration
+
+
+def sim_profile(args, model: str, repeat: int) -> str:
+    """The sim system's profile: --sim-profile, or with 'measure' one measured now (peer_sim.measure_profile)."""
+    if args.sim_profile != "measure":
+        return str(args.sim_profile)
+    path = Path(args.out) / f"{args.name}-profile-{repeat}.json"
+    return str(peer_sim.measure_profile(model, path, args.prefill_cpu, _say))
 
 
 def systems(args) -> list[str]:
@@ -327,9 +337,6 @@ def run(args: argparse.Namespace) -> int:
         print(_plan(args, model, python, max_len, cells, work))
         return 0
     _say(f"model {model}; vLLM python {python}; logs under {LOG_ROOT}")
-    if args.sim_profile == "measure":
-        args.sim_profile = str(peer_sim.measure_profile(model, Path(args.out) / f"{args.name}-profile.json",
-                                                        args.prefill_cpu, _say))
     try:
         runs, commands, calibration = _alternate(args, python, model, pool, kv_bytes, max_len, cells, work)
     except (RuntimeError, TimeoutError) as e:  # a server that did not start: the message names its log

@@ -3,11 +3,12 @@ P/D on the simulated engine (``--engine sim``), started with the same flags, cor
 alternated with it in every repeat, so the simulator is judged against the real engine on the same box, the same
 requests and the same load in one invocation.
 
-``--sim-profile measure`` measures the profile in the same invocation, right before the first start:
-``bench/sim_profile.py``'s measurement of the very checkpoint the servers load (the peer checkpoint of
-``--model-size``), pinned to the prefill's core, one thread, written to ``<out>/<name>-profile.json``. A box whose
-load changes between that minute and the runs shifts the real engine's time but not the profile's: that is the
-drift this system shows.
+``--sim-profile measure`` measures the profile in the same invocation, right before each sim start (after the real
+run of the same repeat): ``bench/sim_profile.py``'s measurement of the very checkpoint the servers load (the peer
+checkpoint of ``--model-size``), pinned to the prefill's core, one thread, written to
+``<out>/<name>-profile-<repeat>.json``. A box whose load changes between that minute and the runs shifts the real
+engine's time but not the profile's: that is the drift this system shows, and measuring per repeat keeps it to
+the minutes of one repeat.
 
 ``compare`` gives, per figure, the ratio sim / pdserve of the medians over the repeats and the ratio of each
 repeat (the sim's run over pdserve's run of the same repeat); the fidelity target (issue 50: within 15%) holds on
