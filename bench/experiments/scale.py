@@ -53,7 +53,7 @@ from ..trace_replay import MOONCAKE_TRACE, read_trace
 
 PICKER_ARMS = {"wrr": ["--policy", "wrr"], "rr": ["--policy", "rr"]}
 ALL_ARMS = (*ROUTER_ARMS, *PICKER_ARMS, "day")
-SIM_MODEL = "sim-llama3-8b"  # not a directory: the sim servers and the router read the byte-level tokenizer
+SIM_MODEL = "tiny"  # the built-in name: the sim servers and the router read its byte-level tokenizer (no weights)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
