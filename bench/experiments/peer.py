@@ -269,8 +269,8 @@ def sim_profile(args, model: str, repeat: int) -> str:
 
 def systems(args) -> list[str]:
     """The systems of each repeat, in the order they run."""
-    return (["pdserve"] + (["baseline"] if args.baseline_tree else []) + (["sim"] if args.sim_profile else [])
-            + ([] if args.no_vllm else ["vllm"]))
+    sim = ["sim"] if getattr(args, "sim_profile", None) else []
+    return ["pdserve"] + (["baseline"] if args.baseline_tree else []) + sim + ([] if args.no_vllm else ["vllm"])
 
 
 def baseline_pdserve(tree: Path) -> Path:
