@@ -135,11 +135,14 @@ def run_arm(args, arm: str, profile: Path, specs, arrivals, max_len: int) -> dic
         rss = scale_report.rss_mib([p.popen.pid for p in launcher.procs])
         _say(f"{arm}: {args.prefills} prefills + {n_decodes} decodes + router up in {started:.0f} s, "
              f"RSS {rss['total']:.0f} MiB; {len(specs)} requests over {arrivals[-1]:.0f} wall s")
+        pids = [p.popen.pid for p in launcher.procs]
+        cpu_before = scale_report.cpu_seconds(pids)
         results, wall = send(cluster.url, specs, arrivals=arrivals, timeout=args.request_timeout)
-        cpu = scale_report.cpu_seconds([p.popen.pid for p in launcher.procs])
+        cpu = scale_report.cpu_seconds(pids) - cpu_before
     figures = scale_report.arm_figures(results, wall, args.speedup, args.slo_ttft_ms / 1000, args.slo_tbt_ms / 1000)
     _say(f"  {arm}: " + scale_report.one_line(figures))
-    return {"arm": arm, "decodes": n_decodes, "start_s": started, "rss_mib": rss, "servers_cpu_s": cpu,
+    return {"arm": arm, "decodes": n_decodes, "start_s": started, "rss_mib": rss, "servers_cpu_s_in_run": cpu,
+            "servers_cores_in_run": cpu / wall,
             "wall_s": wall, "load_avg_before": load_before, "load_avg_after": os.getloadavg(), **figures}
 
 
