@@ -47,7 +47,7 @@ from .client import send
 from .cluster import start_routed
 from .launcher import LOG_ROOT, Launcher
 from .prefix import wait_routable
-from .scale_workload import daily_cycle, full_workload, rate_by_bin, reuse_bound
+from .scale_workload import daily_cycle, full_workload, rate_by_bin, reuse_bound, unqueued_ttft
 from .trace_routing import ARMS as ROUTER_ARMS
 from ..trace_replay import MOONCAKE_TRACE, read_trace
 
@@ -104,6 +104,20 @@ def derive_profile(name: str, speedup: float, context: int, out: Path) -> Path:
     return out
 
 
+def ttft_floor(reqs, args) -> dict:
+    """The no-queueing TTFT of every request on the profile (``unqueued_ttft``), best router against round robin:
+    P50/P99 and the share within the TTFT SLO, what routing could change if the cluster never queued."""
+    step = load_profile(args.profile).step
+    out = {}
+    for name, one in (("one_cache", True), ("round_robin", False)):
+        v = sorted(unqueued_ttft(reqs, step.prefill_s, args.prefills, one))
+        out[f"unqueued_ttft_{name}"] = {"p50_s": v[len(v) // 2], "p99_s": v[min(len(v) - 1, int(0.99 * len(v)))],
+                                        "within_slo": sum(x <= args.slo_ttft_ms / 1000 for x in v) / len(v),
+                                        "prefill_busy": sum(v) / args.prefills / max(1e-9, reqs[-1].time_s
+                                                                                      - reqs[0].time_s)}
+    return out
+
+
 def server_flags(args, profile: Path) -> list[str]:
     return ["--engine", "sim", "--sim-profile", str(profile), "--sim-kv-scale", str(args.kv_scale),
             "--max-num-batched-tokens", str(args.max_num_batched_tokens)]
@@ -156,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
     reqs = read_trace(args.trace, "mooncake")[: args.max_requests]
     specs, arrivals = full_workload(reqs, args.speedup, args.seed)
     bound = reuse_bound(reqs, args.prefills)
+    bound.update(ttft_floor(reqs, args))
     day_reqs, cycle = daily_cycle(reqs, args.day_s, args.peak_to_trough, args.day_load, args.seed)
     longest = max(r.input_length + r.output_length for r in reqs + day_reqs)
     max_len = -(-(longest + 64) // 1024) * 1024
@@ -163,7 +178,9 @@ def run(args: argparse.Namespace) -> int:
     plan = (f"{len(specs)} requests over {arrivals[-1] * args.speedup:.0f} simulated s "
             f"({arrivals[-1]:.0f} wall s at --speedup {args.speedup:g}); {sum(s.prompt_tokens for s in specs)} "
             f"prompt tokens; reuse bound: one cache {bound['one_cache']:.1%}, round robin over {args.prefills} "
-            f"{bound['round_robin']:.1%}; arms {arms}; max_model_len {max_len}")
+            f"{bound['round_robin']:.1%}; no-queueing TTFT p99 best router / round robin "
+            f"{bound['unqueued_ttft_one_cache']['p99_s'] / bound['unqueued_ttft_round_robin']['p99_s']:.2f}; "
+            f"arms {arms}; max_model_len {max_len}")
     if args.dry_run:
         print("dry run (nothing started)\n" + plan)
         return 0

@@ -110,6 +110,21 @@ def reuse_bound(reqs: list[trace_replay.TraceRequest], n_prefills: int = 1) -> d
             "prompt_tokens": total, "block_tokens": BLOCK}
 
 
+def unqueued_ttft(reqs: list[trace_replay.TraceRequest], prefill_s, n_prefills: int, one_cache: bool) -> list[float]:
+    """Each request's TTFT with no queueing: ``prefill_s(new, cached)`` (a profile's ``StepTime.prefill_s``) of
+    what a perfect prefix cache leaves to compute, with one cache for all (``one_cache``: the best router) or
+    round robin's ``n_prefills`` caches; the floor no routing policy goes below, whatever the load."""
+    caches: list[set[int]] = [set() for _ in range(1 if one_cache else n_prefills)]
+    out = []
+    for i, r in enumerate(reqs):
+        chain = _chain(r.hash_ids[: -(-r.input_length // BLOCK)])
+        cache = caches[i % len(caches)]
+        served = min(r.input_length - 1, BLOCK * _leading(chain, cache))
+        out.append(prefill_s(r.input_length - served, served))
+        cache.update(chain)
+    return out
+
+
 def _chain(ids: Sequence[int]) -> list[int]:
     """Each position's prefix as one hash (block i stands for ids[:i + 1])."""
     out, h = [], 0

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from pdserve.bench.experiments.scale_workload import (BLOCK, BlockPrompt, DayCycle, conversations, daily_cycle,
-                                                      full_workload, rate_by_bin, reuse_bound)
+                                                      full_workload, rate_by_bin, reuse_bound, unqueued_ttft)
 from pdserve.bench.trace_replay import TraceRequest
 
 
@@ -95,3 +95,13 @@ def test_rate_by_bin_counts_arrivals_per_second_of_each_bin():
     assert rate_by_bin([0.0, 1.0, 2.5, 9.9, 10.0], day_s=10.0, bins=2) == [0.6, 0.2]
     with pytest.raises(ValueError):
         rate_by_bin([], 10.0, 0)
+
+
+def test_unqueued_ttft_computes_only_what_the_caches_miss():
+    reqs = [TraceRequest(0, 2 * BLOCK, 1, (0, 1)), TraceRequest(1, 3 * BLOCK, 1, (0, 1, 2)),
+            TraceRequest(2, 3 * BLOCK, 1, (0, 1, 3))]
+    cost = lambda new, cached: new + cached / 1000  # noqa: E731 - a stand-in for StepTime.prefill_s
+    one = unqueued_ttft(reqs, cost, n_prefills=2, one_cache=True)
+    assert one == [2 * BLOCK, BLOCK + 2 * BLOCK / 1000, BLOCK + 2 * BLOCK / 1000]
+    rr = unqueued_ttft(reqs, cost, n_prefills=2, one_cache=False)  # request 1 on the other, empty cache
+    assert rr == [2 * BLOCK, 3 * BLOCK, BLOCK + 2 * BLOCK / 1000]
