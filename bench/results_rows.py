@@ -207,6 +207,18 @@ ROWS: tuple[ResultRow, ...] = (
         "2026-12-06", "Intel Xeon, 2 cores, load 13-36", "ac6da28",
         f"pdserve bench experiment peer --trace {TRACE} --repeats 2 --no-vllm --sim-profile measure --out OUT",
         "docs/bench_raw/2026-12-06-sim-fidelity/fidelity-trace-ac6da28.json"),
+    ResultRow(
+        "sim-scale-trace-prefix", "Simulation",
+        "prefix-aware / round-robin routing, 8 prefills + 32 decodes of `--engine sim` (H200 Llama-3-8B profile), "
+        "Mooncake trace at real rate and lengths, first 600 requests (201 s): TTFT p99, goodput (TTFT <= 2 s, "
+        "TBT <= 100 ms)",
+        "0.59x, 2.92x (least loaded: 0.46x, 2.44x)",
+        "P99 target <= 0.5x **missed**; goodput over 1.3x but **not shown**: one pass per arm on a box at load "
+        "12-65, the sims' steps 3x their profile (1.5-1.7 of 2 cores used by the sim servers); the whole trace's "
+        "bound: reuse 37.4% vs 13.9%, no-queueing P99 0.81x: the targets cannot hold at its real rate",
+        "2026-12-06", "Intel Xeon, 2 cores, load 12-65", "3506855",
+        "pdserve bench experiment scale --arms round-robin,least-loaded,prefix --max-requests 600 --out OUT",
+        "docs/bench_raw/2026-12-06-sim-scale/scale-routing.json"),
 )
 
 # Below an area's table: figures without a row (no raw output kept, or no one command), and how to get one.
