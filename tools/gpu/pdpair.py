@@ -6,7 +6,7 @@ first on sys.path, and the repository root's ``pdserve/`` folder is not the inst
 in its own process group, killed as a group at ``budget`` seconds. Its lines are streamed into
 this log (prefixed ``pd|``) and kept: the per-request lines (``request i: N prompt tokens, T s,
 ...``) give the timings, the last line the verdict. With the tcp transport first; then, when
-NIXL imports here (``nixl`` or ``nixl_cu12``, as cachestore/nixl_backend.py looks for it), again
+NIXL imports here (as cachestore/nixl_backend.load_nixl looks for it: nixl, nixl_cu13, nixl_cu12), again
 with ``--transfer nixl``. A run whose texts differ in bf16 is repeated in float32: equal there, the
 bf16 difference is rounding at a near-tie; different there too, it is a bug.
 """
@@ -28,7 +28,7 @@ from checklib import Budget, Record, log
 SCRIPT = Path(__file__).resolve().parents[1] / "pd_device_check.py"
 REQUEST_LINE = re.compile(r"request (\d+): (\d+) prompt tokens, ([0-9.]+) s, (.*)")
 VERDICT_LINE = re.compile(r"(\d+) of (\d+) P/D texts equal the engine alone; held after: (.*)$")
-NIXL_PROBE = "try:\n from nixl import _api\nexcept ImportError:\n from nixl_cu12 import _api\n"
+NIXL_PROBE = "from pdserve.cachestore.nixl_backend import load_nixl\nprint(load_nixl().__name__)\n"
 
 
 def nixl_importable() -> tuple[bool, str]:
@@ -40,7 +40,7 @@ def nixl_importable() -> tuple[bool, str]:
     except subprocess.TimeoutExpired:
         return False, "import nixl timed out"
     tail = (proc.stderr.strip().splitlines() or [""])[-1]
-    return proc.returncode == 0, "imports" if proc.returncode == 0 else tail
+    return proc.returncode == 0, f"imports ({proc.stdout.strip()})" if proc.returncode == 0 else tail
 
 
 def run_check(args: list[str], timeout: float, script: Path = SCRIPT) -> dict:
