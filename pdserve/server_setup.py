@@ -26,7 +26,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve import defaults, kv_sizing, tls
 from pdserve.cachestore import TRANSPORTS
@@ -67,6 +67,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-profile", default=None, metavar="PATH",
                    help="--engine sim: the profile JSON (model shape and step time, engine/sim/profile.py), or a "
                         "shipped one by name: cpu-small, h200-llama3-8b")
+    g.add_argument("--sim-kv-scale", type=int, default=1, metavar="N",
+                   help="--engine sim: the CacheStore's blocks carry 1/N of the profile's KV bytes (N divides "
+                        "kv_heads x head_dim), so many servers of a large shape fit a box (default 1: real bytes)")
+    g.add_argument("--sim-link-gbps", type=float, default=None, metavar="GBPS",
+                   help="--engine sim, prefill: the KV link modelled at this bandwidth, for the real bytes "
+                        "(cachestore/link_model.py; default: none, the bytes move at the wire's speed)")
+    g.add_argument("--sim-link-latency-us", type=float, default=0.0, metavar="US",
+                   help="--engine sim with --sim-link-gbps: the modelled link's one-way latency (default 0)")
     g.add_argument("--model", default=defaults.BUILTIN_MODEL,
                    help=f"'{defaults.BUILTIN_MODEL}' (built-in, offline) or a directory with config.json + safetensors")
     g.add_argument("--served-model-name", default=None,
@@ -257,6 +265,7 @@ class ServerParts:
     layout: KVLayout
     compat: CompatInfo  # for the CacheStore handshake
     compat_message: pb.Compat  # for the Session's Start (prefill) and admission check (decode)
+    link_model: Any = None  # --engine sim: the modelled KV link (cachestore/link_model.py) the sender paces by
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -270,6 +279,10 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     the same calls (``role`` "prefill" or "decode" sets its prefix cache). ``--engine sim``: the simulated
     engine (``sim_server.py``; loads no torch)."""
     check_tensor_parallel(args, role)
+    if getattr(args, "engine", "builtin") != "sim" and (getattr(args, "sim_kv_scale", 1) != 1
+                                                        or getattr(args, "sim_link_gbps", None) is not None):
+        raise SystemExit("pdserve: --sim-kv-scale and --sim-link-gbps model a simulated cluster: they need "
+                         "--engine sim")
     if getattr(args, "engine", "builtin") == "sim":
         from pdserve.sim_server import build_sim_server_engine  # loads no torch
 
