@@ -65,6 +65,9 @@ class PDHooks:
         # why KV may not move out of or into this engine's pool (tensor parallelism: rank 0's pool holds only its
         # KV heads), or None; checked by every call whose KV crosses the pool's edge
         self.kv_stays: str | None = None
+        # tensor parallelism: copies the blocks whose KV arrived (rank 0's transfer pool) into every rank's pool
+        # before the request joins the batch (tp/transfer.py); None: the KV arrived in the pool itself
+        self.install: Callable[[list[int]], None] | None = None
 
     @property
     def prefill_counters(self) -> tuple[int, float]:
@@ -209,6 +212,9 @@ class PDHooks:
         """Join a reserved request whose prompt KV is in its blocks to the running batch."""
         self._check_kv_moves(add_prefilled=True)
         seq = self._take_reserved(request_id, prompt_token_ids, sampling)
+        if self.install is not None:  # the blocks after the cached prefix: those the KV arrived in
+            bs = self.block_manager.block_size
+            self.install(seq.block_table[seq.num_cached_tokens // bs: blocks_needed(len(seq.prompt_ids), bs)])
         seq.num_computed = len(seq.prompt_ids)
         self.scheduler.register_blocks(seq)
         self.outputs.append_token(seq, first_token_id)

@@ -1,0 +1,108 @@
+"""KV in and out of tensor-parallel engines (engine/tp/transfer.py), in one process: a prefill engine of TP
+size p pushes its prompts' KV layer by layer (``prefill_only``'s ``on_layer``, the blocks copied out of its
+``transfer_cache`` as the CacheStore reads them) into a decode engine of TP size d (into its ``transfer_cache``,
+as the CacheStore writes them; ``add_prefilled`` scatters them to the ranks), and the decode's greedy tokens
+equal the colocated TP 1 engine's, for (p, d) in (1, 2), (2, 1), (2, 2): on the built-in model (2 KV heads, one
+per rank) and on a Qwen2-shaped one with 1 KV head (replicated on both ranks); with a prefix cached on the
+decode (only the blocks after it move) and chunked prefills (each chunk's blocks pushed as written). After
+each run every block of both engines is free. A TP engine without ``kv_transfer`` refuses to move KV.
+"""
+
+import pytest
+import torch
+
+from harness.engine_runs import last_moved, run_all, run_pd
+from pdserve.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams, load_model
+from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+PAIRS = [(1, 2), (2, 1), (2, 2)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def one_kv_head(tmp_path_factory) -> str:
+    """Qwen2-shaped: q/k/v biases, 4 heads over 1 KV head (replicated on both ranks at TP 2)."""
+    cfg = ModelConfig(architecture="Qwen2ForCausalLM", vocab_size=131, hidden_size=64, intermediate_size=96,
+                      num_layers=2, num_heads=4, num_kv_heads=1, max_position_embeddings=256, attention_bias=True)
+    directory = tmp_path_factory.mktemp("qwen2-1kv")
+    save_hf_checkpoint(random_hf_weights(cfg, seed=5, std=0.15), cfg, directory)
+    return str(directory)
+
+
+def _engine(model: str, tp: int, **config) -> LLMEngine:
+    loaded = load_model(model, tensor_parallel_size=tp)
+    return LLMEngine(loaded, EngineConfig(num_blocks=48, block_size=8, tensor_parallel_size=tp, kv_transfer=True,
+                                          **config))
+
+
+def _requests(vocab: int, lengths=(9, 30, 17)) -> dict:
+    gen = torch.Generator().manual_seed(7)
+    return {f"r{i}": (torch.randint(0, vocab, (n,), generator=gen).tolist(), GREEDY) for i, n in enumerate(lengths)}
+
+
+def _colocated(model: str, requests: dict) -> dict:
+    engine = _engine(model, 1)
+    try:
+        return run_all(engine, requests)
+    finally:
+        engine.close()
+
+
+def _all_free(*engines: LLMEngine) -> None:
+    for e in engines:
+        assert e.num_free_blocks() == e.num_blocks
+        assert not e.has_unfinished() and not e.scheduler.seqs
+
+
+@pytest.mark.parametrize("model", ["tiny", "one_kv_head"])
+def test_pd_between_tp_sizes_equals_colocated_tp1(model, request):
+    model = "tiny" if model == "tiny" else request.getfixturevalue(model)
+    vocab = 256 if model == "tiny" else 131
+    requests = _requests(vocab)
+    expected = _colocated(model, requests)
+    for p, d in PAIRS:
+        prefill, decode = _engine(model, p), _engine(model, d)
+        try:
+            got = run_pd(prefill, decode, requests)
+            assert got == expected, f"P{p} -> D{d}"
+            _all_free(prefill, decode)
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def test_a_cached_prefix_on_the_decode_and_chunked_prefills():
+    """(P2, D2): the second request shares its first 3 blocks with the first, cached on the decode (only the
+    blocks after them move); the prefill cuts each prompt in chunks of 8 tokens (each chunk's blocks pushed)."""
+    gen = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, 256, (24,), generator=gen).tolist()
+    requests = {"a": (shared + [5, 6, 7], GREEDY), "b": (shared + [9, 10, 11, 12, 13], GREEDY)}
+    expected = _colocated("tiny", requests)
+    prefill = _engine("tiny", 2, max_num_batched_tokens=8, long_prefill_threshold=8, enable_prefix_cache=False)
+    decode = _engine("tiny", 2)
+    try:
+        assert run_pd(prefill, decode, requests, reuse=True) == expected
+        assert last_moved["b"] == 1  # 4 prompt blocks, 3 cached
+        _all_free(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_a_tp_engine_without_kv_transfer_refuses_to_move_kv():
+    engine = LLMEngine(load_model("tiny", tensor_parallel_size=2),
+                       EngineConfig(num_blocks=16, block_size=8, tensor_parallel_size=2))
+    try:
+        assert engine.transfer is None and engine.transfer_cache is engine.kv_cache
+        with pytest.raises(ValueError, match="cannot move out of or into this tensor-parallel engine"):
+            engine.pd.prefill_only("x", [1, 2, 3], GREEDY, on_layer=lambda *a: None)
+        engine.pd.reserve("y", 3, 4)
+        with pytest.raises(ValueError, match="cannot move out of or into this tensor-parallel engine"):
+            engine.pd.add_prefilled("y", [1, 2, 3], 4, GREEDY)
+    finally:
+        engine.close()
