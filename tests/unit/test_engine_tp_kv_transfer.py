@@ -5,7 +5,8 @@ as the CacheStore writes them; ``add_prefilled`` scatters them to the ranks), an
 equal the colocated TP 1 engine's, for (p, d) in (1, 2), (2, 1), (2, 2): on the built-in model (2 KV heads, one
 per rank) and on a Qwen2-shaped one with 1 KV head (replicated on both ranks); with a prefix cached on the
 decode (only the blocks after it move) and chunked prefills (each chunk's blocks pushed as written). After
-each run every block of both engines is free. A TP engine without ``kv_transfer`` refuses to move KV.
+each run every block of both engines is free. (A TP engine without ``kv_transfer`` refuses to move KV:
+test_engine_tensor_parallel.py.)
 """
 
 import pytest
@@ -94,15 +95,27 @@ def test_a_cached_prefix_on_the_decode_and_chunked_prefills():
         decode.close()
 
 
-def test_a_tp_engine_without_kv_transfer_refuses_to_move_kv():
-    engine = LLMEngine(load_model("tiny", tensor_parallel_size=2),
-                       EngineConfig(num_blocks=16, block_size=8, tensor_parallel_size=2))
+@pytest.mark.parametrize("p, d", [(4, 2), (1, 4)])
+def test_tp4_with_replicated_kv_heads(p, d):
+    """TP 4 on the built-in model's 2 KV heads: each head on two ranks (replicated), on either side."""
+    requests = _requests(256, lengths=(12, 26))
+    expected = _colocated("tiny", requests)
+    prefill, decode = _engine("tiny", p), _engine("tiny", d)
     try:
-        assert engine.transfer is None and engine.transfer_cache is engine.kv_cache
-        with pytest.raises(ValueError, match="cannot move out of or into this tensor-parallel engine"):
-            engine.pd.prefill_only("x", [1, 2, 3], GREEDY, on_layer=lambda *a: None)
-        engine.pd.reserve("y", 3, 4)
-        with pytest.raises(ValueError, match="cannot move out of or into this tensor-parallel engine"):
-            engine.pd.add_prefilled("y", [1, 2, 3], 4, GREEDY)
+        assert run_pd(prefill, decode, requests) == expected
+        _all_free(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_the_transfer_pool_holds_every_kv_head_and_each_rank_only_its_own():
+    """A TP 2 engine's pool holds 1 of the built-in model's 2 KV heads, its transfer pool (the CacheStore's
+    region) both: the blocks on the wire are a TP 1 pool's."""
+    engine = _engine("tiny", 2)
+    try:
+        assert engine.kv_cache.num_kv_heads == 1
+        assert engine.transfer_cache.num_kv_heads == 2 and engine.transfer_cache.num_blocks == engine.num_blocks
+        assert engine.transfer is not None and engine.transfer.rank_heads == [range(0, 1), range(1, 2)]
     finally:
         engine.close()
