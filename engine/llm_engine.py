@@ -121,6 +121,11 @@ class LLMEngine(EngineCore):
         self.pd.install = steps.install
 
     @property
+    def tensor_parallel_lost(self) -> BaseException | None:
+        """Why the tensor-parallel ranks are lost for good (a rank died or hung: tp/ranks.py), or None."""
+        return getattr(self.runner.steps, "lost", None)
+
+    @property
     def transfer_cache(self) -> KVCache:
         """The pool KV moves in and out of (the CacheStore's region): the KV cache, or with tensor parallelism
         rank 0's transfer pool (every KV head of every block)."""

@@ -4,6 +4,8 @@ server starts its own worker ranks (gloo on the CPU). Greedy tokens over gRPC eq
 on the built-in model (2 KV heads: one per rank at TP 2), prompts long enough for chunked prefills; the
 decode's load report counts its free blocks at one rank's bytes per block (its tightest rank: rank 0's
 transfer pool is not KV room); afterwards every KV block, Session and CacheStore entry is free on both.
+A pairing whose KV head shards do not nest (6 KV heads, P2 and D3) is refused by the decode, the request
+failing with its reason naming both sizes.
 """
 
 from concurrent.futures import ThreadPoolExecutor
@@ -88,3 +90,32 @@ def test_pd_between_tp_sizes_equals_colocated_tp1(cluster, colocated):
     rank_block = 4 * 2 * 16 * (2 // cluster["decode_tp"]) * 16 * 4
     assert report.free_blocks == report.total_blocks == NUM_BLOCKS
     assert report.free_bytes == NUM_BLOCKS * rank_block
+
+
+def test_a_pairing_whose_head_shards_do_not_nest_is_refused_naming_both_sizes(tmp_path):
+    """6 KV heads: a prefill of TP 2 (3 heads a rank) and a decode of TP 3 (2 a rank) each start, but a decode
+    rank's heads straddle two prefill ranks' shards: the decode refuses the Session, the request fails with
+    the decode's reason naming both sizes, and nothing is held after."""
+    from pdserve.engine import ModelConfig
+    from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
+
+    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=256, hidden_size=96, intermediate_size=96,
+                      num_layers=1, num_heads=6, num_kv_heads=6, max_position_embeddings=256)
+    save_hf_checkpoint(random_hf_weights(cfg, seed=5, std=0.15), cfg, tmp_path / "six")
+    model = ("--model", str(tmp_path / "six"))
+    group = ProcessGroup(log_dir=tmp_path / "logs")
+    try:
+        decode = start_decode(group, "tcp", NUM_BLOCKS, extra=(*SERVER, *model, "--tensor-parallel-size", "3"))
+        prefill = start_prefill(group, [decode.grpc_address], "tcp", NUM_BLOCKS,
+                                extra=(*SERVER, *model, "--tensor-parallel-size", "2", "--disaggregation", "always"))
+        wait_ready(decode, timeout=300)
+        wait_ready(prefill, timeout=300)
+        with pytest.raises(grpc.RpcError) as err:
+            _generate(prefill.grpc_address, "bad", _ids(20))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "prefill tensor-parallel size 2 and decode tensor-parallel size 3" in err.value.details(), \
+            err.value.details()
+        readings = wait_all_released([prefill, decode])
+        assert nothing_held(readings), readings
+    finally:
+        group.close()

@@ -5,15 +5,23 @@ as the CacheStore writes them; ``add_prefilled`` scatters them to the ranks), an
 equal the colocated TP 1 engine's, for (p, d) in (1, 2), (2, 1), (2, 2): on the built-in model (2 KV heads, one
 per rank) and on a Qwen2-shaped one with 1 KV head (replicated on both ranks); with a prefix cached on the
 decode (only the blocks after it move) and chunked prefills (each chunk's blocks pushed as written). After
-each run every block of both engines is free. (A TP engine without ``kv_transfer`` refuses to move KV:
+each run every block of both engines is free. A decode whose worker died before the scatter fails the request
+naming the rank and calls ``on_lost`` (its server exits there), though no step runs. (A TP engine without ``kv_transfer`` refuses to move KV:
 test_engine_tensor_parallel.py.)
 """
+
+import asyncio
+import os
+import signal
 
 import pytest
 import torch
 
+from harness.conditions import until
+
 from harness.engine_runs import last_moved, run_all, run_pd
-from pdserve.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams, load_model
+from pdserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, ModelConfig, SamplingParams, load_model
+from pdserve.engine.errors import TensorParallelError
 from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -119,3 +127,29 @@ def test_the_transfer_pool_holds_every_kv_head_and_each_rank_only_its_own():
         assert engine.transfer is not None and engine.transfer.rank_heads == [range(0, 1), range(1, 2)]
     finally:
         engine.close()
+
+
+def test_a_rank_lost_at_the_scatter_fails_the_request_and_calls_on_lost():
+    """The scatter runs in a call (add_prefilled), not a step: the AsyncLLMEngine still hears the loss."""
+    engine = _engine("tiny", 2)
+    lost: list[BaseException] = []
+
+    async def main():
+        aeng = AsyncLLMEngine(engine)
+        aeng.on_lost = lost.append
+        await aeng.start()
+        try:
+            await aeng.reserve("r", 3, 4)
+            os.kill(engine.runner.steps.procs[0].pid, signal.SIGKILL)
+            with pytest.raises(TensorParallelError, match="tensor-parallel rank 1"):
+                async for _ in aeng.add_prefilled("r", [1, 2, 3], 4, GREEDY):
+                    pass
+            await until(lambda: lost, "on_lost called")
+        finally:
+            await aeng.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()
+    assert len(lost) == 1 and isinstance(lost[0], TensorParallelError) and "rank 1" in str(lost[0])
