@@ -4,10 +4,10 @@ size p pushes its prompts' KV layer by layer (``prefill_only``'s ``on_layer``, t
 as the CacheStore writes them; ``add_prefilled`` scatters them to the ranks), and the decode's greedy tokens
 equal the colocated TP 1 engine's, for (p, d) in (1, 2), (2, 1), (2, 2): on the built-in model (2 KV heads, one
 per rank) and on a Qwen2-shaped one with 1 KV head (replicated on both ranks); with a prefix cached on the
-decode (only the blocks after it move) and chunked prefills (each chunk's blocks pushed as written). After
-each run every block of both engines is free. A decode whose worker died before the scatter fails the request
-naming the rank and calls ``on_lost`` (its server exits there), though no step runs. (A TP engine without ``kv_transfer`` refuses to move KV:
-test_engine_tensor_parallel.py.)
+decode (only the blocks after it move) and chunked prefills (each chunk's blocks pushed as written); TP 4 with
+replicated heads (P4 -> D2, P1 -> D4). After each run every block of both engines is free. A decode whose worker
+died before the scatter fails the request naming the rank and calls ``on_lost`` (its server exits there),
+though no step runs. (A TP engine without ``kv_transfer`` refuses to move KV: test_engine_tensor_parallel.py.)
 """
 
 import asyncio
