@@ -51,6 +51,9 @@ class EngineConfig:
     # pool through rank 0's transfer pool, the whole model's KV heads for every block (tp/transfer.py; its
     # memory is the cost). False: a TP engine refuses to move KV. No effect at tensor_parallel_size 1
     kv_transfer: bool = False
+    # with kv_transfer at tensor_parallel_size > 1: each rank's KV shard summed (CRC32C) on both sides of rank 0's
+    # hop (tp/transfer.py; the servers' --kv-checksum, whose wire checksums cover the rest of the way)
+    kv_checksum: bool = False
 
     def __post_init__(self) -> None:
         check_kv_dtype(self.kv_cache_dtype)

@@ -118,6 +118,7 @@ class LLMEngine(EngineCore):
         full = self.model_config
         heads = [Shard(r, size, full).kv_heads for r in range(size)]
         self.transfer = steps.transfer = KVTransferPool(self.kv_cache, full.num_kv_heads, heads)
+        steps.checksum = config.kv_checksum
         self.pd.install = steps.install
 
     @property

@@ -211,10 +211,12 @@ class PDHooks:
     ) -> None:
         """Join a reserved request whose prompt KV is in its blocks to the running batch."""
         self._check_kv_moves(add_prefilled=True)
+        table = self.scheduler.reservation(request_id)
+        if self.install is not None and table is not None:  # the blocks after the cached prefix: the KV's, in
+            bs = self.block_manager.block_size  # every rank's pool before the reservation is taken (a failure
+            cached = len(self.scheduler.reserved_prefix.get(request_id, ()))  # leaves it to the caller's abort)
+            self.install(table[cached // bs: blocks_needed(len(prompt_token_ids), bs)])
         seq = self._take_reserved(request_id, prompt_token_ids, sampling)
-        if self.install is not None:  # the blocks after the cached prefix: those the KV arrived in
-            bs = self.block_manager.block_size
-            self.install(seq.block_table[seq.num_cached_tokens // bs: blocks_needed(len(seq.prompt_ids), bs)])
         seq.num_computed = len(seq.prompt_ids)
         self.scheduler.register_blocks(seq)
         self.outputs.append_token(seq, first_token_id)

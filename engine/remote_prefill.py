@@ -72,6 +72,12 @@ class LayerCallback:
         self.pushes = pushes
         self.blocks = sorted({b for _, block_ids, _ in pushes for b in block_ids})
 
+    def fail(self, error: BaseException) -> None:
+        """Every pushing request of the step fails after it (its KV is not handed over any more)."""
+        for remote, _, _ in self.pushes:
+            if remote.error is None:
+                remote.error = error
+
     def __call__(self, layer: int) -> None:
         for remote, block_ids, first in self.pushes:
             if remote.error is None:

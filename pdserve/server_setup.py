@@ -119,7 +119,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "request joins the batch and requires it from every prefill (a mismatch fails the request "
                         "with kv_checksum_mismatch; prefill moves it to another decode). Default: on, except with "
                         "--transfer nixl on a cuda device (summing there copies each slice to the host); its cost "
-                        "on a P/D pair is in docs/benchmarks.md, \"KV checksums\"")
+                        "on a P/D pair is in docs/benchmarks.md, \"KV checksums\"; with --tensor-parallel-size each rank's KV "
+                        "shard is summed across rank 0's hop too: engine/tp/transfer.py")
     g.add_argument("--session-timeout", type=float, default=defaults.SESSION_TIMEOUT_S,
                    help="seconds one end of a Session waits on the other (KV, first token, each next message, "
                         "a write the peer does not take) before it frees the request")
@@ -229,7 +230,8 @@ def load_engine(args, kv_transfer: bool = False) -> tuple[LoadedModel, LLMEngine
                            cuda_graphs=not args.enforce_eager, native_kernels=args.native_kernels,
                            packed_linear=args.packed_linear, fused_elementwise=args.fused_elementwise,
                            merged_projections=args.merged_projections, kv_cache_dtype=args.kv_cache_dtype,
-                           tensor_parallel_size=args.tensor_parallel_size, kv_transfer=kv_transfer)
+                           tensor_parallel_size=args.tensor_parallel_size, kv_transfer=kv_transfer,
+                           kv_checksum=bool(getattr(args, "kv_checksum", False)))
         size = kv_sizing.size_kv_pool(
             flags, dtype=describe_kv(args.kv_cache_dtype, args.dtype), block_size=args.block_size,
             bytes_per_block=rank0_bytes_per_block(args, loaded, kv_transfer),

@@ -84,11 +84,12 @@ class TPGroup:
 
         return gather
 
-    def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's ``t`` (one shape on all ranks) at rank 0, in rank order; [] on the other ranks."""
+    def gather(self, t: torch.Tensor, small: bool = False) -> list[torch.Tensor]:
+        """Every rank's ``t`` (one shape on all ranks) at rank 0, in rank order; [] on the other ranks.
+        ``small``: a CPU tensor (a checksum), over the payload group (gloo) whatever the device."""
         t = t.contiguous()
         parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
-        self.compute.gather(parts, t, 0).wait()
+        (self.payload if small else self.compute).gather(parts, t, 0).wait()
         return parts
 
     def scatter(self, parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,7 +36,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import TensorParallelError
+from ..errors import ShardChecksumError, TensorParallelError
 from ..model import ForwardBatch
 from .group import TPGroup
 from .transfer import KVTransferPool
@@ -66,6 +66,7 @@ class TensorParallelSteps:
     def __init__(self, model, kv_cache, group: TPGroup, procs: list[subprocess.Popen]):
         self.model, self.kv, self.group, self.procs = model, kv_cache, group, procs
         self.transfer: KVTransferPool | None = None  # rank 0's whole-heads pool, when KV moves (transfer.py)
+        self.checksum = False  # each rank's shard summed across rank 0's hop (transfer.py; EngineConfig.kv_checksum)
         self.lost: TensorParallelError | None = None
         self._finalizer = weakref.finalize(self, _stop, group, procs)
 
@@ -99,7 +100,7 @@ class TensorParallelSteps:
         blocks = self._push_blocks(on_layer)
 
         def step() -> torch.Tensor:
-            self.group.send((STEP, on_cpu(batch), [rows.cpu() for rows in extra_rows], blocks))
+            self.group.send((STEP, on_cpu(batch), [rows.cpu() for rows in extra_rows], blocks, self.checksum))
             hook = on_layer if blocks is None else self._gathering(on_layer, blocks)
             return self.model(batch, self.kv, hook, extra_rows, on_rows)
 
@@ -112,8 +113,9 @@ class TensorParallelSteps:
             raise ValueError("this tensor-parallel engine has no KV transfer pool (EngineConfig.kv_transfer)")
 
         def scatter() -> None:
-            self.group.send((INSTALL, list(blocks)))
-            transfer.install(self.group, list(blocks))
+            sums = transfer.sums(list(blocks)) if self.checksum else None
+            self.group.send((INSTALL, list(blocks), sums))
+            transfer.install(self.group, list(blocks), sums)
 
         self._in_step(scatter)
 
@@ -123,6 +125,8 @@ class TensorParallelSteps:
             raise self.lost
         try:
             return work()
+        except ShardChecksumError:  # found after every rank's part of the collectives: still in step
+            raise
         except Exception as exc:  # the ranks are out of step whatever failed: the engine is lost
             self.lost = TensorParallelError(self._why(exc))
             self.close()
@@ -144,7 +148,11 @@ class TensorParallelSteps:
         assert transfer is not None
 
         def hook(layer: int) -> None:
-            transfer.gathered(self.group, layer, idx)
+            bad = transfer.gathered(self.group, layer, idx, self.checksum)
+            if bad:  # never stored: the step's pushing requests fail after the step, the ranks go on in step
+                on_layer.fail(ShardChecksumError(
+                    f"kv_checksum_mismatch: tensor-parallel rank(s) {bad}'s shard of layer {layer}, KV blocks "
+                    f"{blocks[0]}..{blocks[-1]}, did not land intact in rank 0's transfer pool"))
             on_layer(layer)
 
         return hook

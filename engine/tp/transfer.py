@@ -20,6 +20,14 @@ peers, with no change to the CacheStore's bytes.
 Replicated KV heads (fewer KV heads than ranks): ranks holding the same head hold the same values; the
 gather writes that head once per rank (the same bytes), the scatter gives each rank its copy.
 
+Checksums per shard (``checksum``: the servers' ``--kv-checksum``): the wire's CRC32C per slice covers rank
+0's transfer pool to the decode's; each rank's shard is summed on both sides of rank 0's hop too, so every
+shard is checked from the prefill rank's pool to the decode rank's. The push: each rank sums its shard of the
+layer's blocks, rank 0 sums each where it landed in the transfer pool (a mismatch fails the step's pushing
+requests: ``ShardChecksumError``; their KV is never stored). The arrival: rank 0 sums each rank's shard
+before it scatters, each rank where it landed in its pool, and the ranks agree on the outcome (a mismatch
+fails the request before it joins the batch). Either way the ranks stay in step.
+
 Why not each rank pushing its own shard on its own link (the per-rank design, DESIGN.md)? It needs a
 CacheStore sender and receiver per rank (worker processes with their own event loops and endpoints), a
 Session carrying one endpoint per decode rank, and transfers addressed by head range (a head shard of a
@@ -35,6 +43,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import ShardChecksumError
 from ..kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -59,31 +68,67 @@ class KVTransferPool:
         whole = self.cache.tensor if layer is None else self.cache.tensor[layer]
         return whole[..., heads.start:heads.stop, :]
 
-    def gathered(self, group: TPGroup, layer: int, blocks: torch.Tensor) -> None:
-        """Rank 0, the push: every rank's heads of ``blocks`` in ``layer`` into the transfer pool."""
+    def gathered(self, group: TPGroup, layer: int, blocks: torch.Tensor, checksum: bool) -> list[int]:
+        """Rank 0, the push: every rank's heads of ``blocks`` in ``layer`` into the transfer pool; the ranks
+        whose shard did not land as they summed it (``checksum``; else [])."""
         parts = group.gather(self.pool.tensor[layer].index_select(0, blocks))
+        sums = group.gather(shard_sum(parts[0]), small=True) if checksum else []
         dst = blocks.to(self.cache.device)
         for rank, part in enumerate(parts):
             self._heads(rank, layer).index_copy_(0, dst, part.to(self.cache.device))
         self.cache.mark_written(layer)
+        return [rank for rank, expected in enumerate(sums)
+                if int(expected) != int(shard_sum(self._heads(rank, layer).index_select(0, dst)))]
 
-    def install(self, group: TPGroup, blocks: list[int]) -> None:
-        """Rank 0, the arrival: ``blocks`` (every layer) from the transfer pool into every rank's pool
-        (the workers were sent the block ids first: ``TensorParallelSteps.install``)."""
+    def install(self, group: TPGroup, blocks: list[int], sums: list[int] | None) -> None:
+        """Rank 0, the arrival: ``blocks`` (every layer) from the transfer pool into every rank's pool (the
+        workers were sent the block ids and ``sums``, each rank's shard sum or None, first:
+        ``TensorParallelSteps.install``). ShardChecksumError when a shard did not land intact on some rank."""
         idx = torch.tensor(blocks, dtype=torch.long, device=self.cache.device)
         parts = [self._heads(rank).index_select(1, idx) for rank in range(len(self.rank_heads))]
         mine = group.scatter(parts)
-        self.pool.tensor.index_copy_(1, idx.to(self.pool.device), mine.to(self.pool.device))
+        at = idx.to(self.pool.device)
+        self.pool.tensor.index_copy_(1, at, mine.to(self.pool.device))
+        if sums is not None and agree_failed(group, int(shard_sum(self.pool.tensor.index_select(1, at))) != sums[0]):
+            raise ShardChecksumError(f"kv_checksum_mismatch: a tensor-parallel rank's shard of KV blocks "
+                                     f"{blocks[0]}..{blocks[-1]} did not land intact in its pool")
+
+    def sums(self, blocks: list[int]) -> list[int]:
+        """Each rank's shard sum of ``blocks`` (every layer) as the transfer pool holds them (sent with INSTALL)."""
+        idx = torch.tensor(blocks, dtype=torch.long, device=self.cache.device)
+        return [int(shard_sum(self._heads(rank).index_select(1, idx))) for rank in range(len(self.rank_heads))]
 
 
-def send_layer(group: TPGroup, kv: KVCache, layer: int, blocks: torch.Tensor) -> None:
-    """A worker, the push: its heads of ``blocks`` in ``layer`` to rank 0 (``KVTransferPool.gathered``)."""
-    group.gather(kv.tensor[layer].index_select(0, blocks.to(kv.device)))
+def shard_sum(t: torch.Tensor) -> torch.Tensor:
+    """CRC32C of a shard's bytes (a one-element int64 tensor: what the gather moves)."""
+    import crc32c
+
+    data = t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return torch.tensor([crc32c.crc32c(data)], dtype=torch.long)
 
 
-def receive_blocks(group: TPGroup, kv: KVCache, blocks: list[int]) -> None:
-    """A worker, the arrival: its heads of ``blocks`` (every layer) from rank 0 into its pool."""
+def agree_failed(group: TPGroup, failed: bool) -> bool:
+    """Whether any rank failed (every rank calls it: one all-reduce of the flags, on the CPU)."""
+    flag = torch.tensor([1 if failed else 0], dtype=torch.long)
+    group.payload.allreduce([flag]).wait()
+    return int(flag) > 0
+
+
+def send_layer(group: TPGroup, kv: KVCache, layer: int, blocks: torch.Tensor, checksum: bool) -> None:
+    """A worker, the push: its heads of ``blocks`` in ``layer`` to rank 0 (``KVTransferPool.gathered``), and with
+    ``checksum`` their sum."""
+    part = kv.tensor[layer].index_select(0, blocks.to(kv.device))
+    group.gather(part)
+    if checksum:
+        group.gather(shard_sum(part), small=True)
+
+
+def receive_blocks(group: TPGroup, kv: KVCache, blocks: list[int], sums: list[int] | None) -> None:
+    """A worker, the arrival: its heads of ``blocks`` (every layer) from rank 0 into its pool; with ``sums``
+    (each rank's shard sum, from rank 0) checked where they landed, the outcome agreed with every rank."""
     idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
     shape = (kv.num_layers, len(blocks), *kv.tensor.shape[2:])
     part = group.scatter([], torch.empty(shape, dtype=kv.tensor.dtype, device=kv.device))
     kv.tensor.index_copy_(1, idx, part)
+    if sums is not None:
+        agree_failed(group, int(shard_sum(kv.tensor.index_select(1, idx))) != sums[group.rank])

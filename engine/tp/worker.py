@@ -60,18 +60,18 @@ def _serve(message: tuple, group: TPGroup, model, kv: KVCache, device: torch.dev
     """One message of rank 0: a step (its forward; its heads of the pushed blocks gathered after each layer),
     or blocks that arrived (its heads of them scattered into its pool): ``transfer.py``."""
     if message[0] == INSTALL:
-        receive_blocks(group, kv, message[1])
+        receive_blocks(group, kv, message[1], message[2])
         return
-    _, batch, extra_rows, blocks = message
+    _, batch, extra_rows, blocks, checksum = message
     on_layer = None
     if blocks is not None:
         idx = torch.tensor(blocks, dtype=torch.long, device=device)
-        on_layer = functools.partial(_send_layer, group, kv, idx)
+        on_layer = functools.partial(_send_layer, group, kv, idx, checksum)
     model(moved(batch, device), kv, on_layer, [rows.to(device) for rows in extra_rows])
 
 
-def _send_layer(group: TPGroup, kv: KVCache, blocks: torch.Tensor, layer: int) -> None:
-    send_layer(group, kv, layer, blocks)
+def _send_layer(group: TPGroup, kv: KVCache, blocks: torch.Tensor, checksum: bool, layer: int) -> None:
+    send_layer(group, kv, layer, blocks, checksum)
 
 
 def _load(spec: dict, rank: int, device: torch.device):

@@ -7,7 +7,8 @@ per rank) and on a Qwen2-shaped one with 1 KV head (replicated on both ranks); w
 decode (only the blocks after it move) and chunked prefills (each chunk's blocks pushed as written); TP 4 with
 replicated heads (P4 -> D2, P1 -> D4). After each run every block of both engines is free. A decode whose worker
 died before the scatter fails the request naming the rank and calls ``on_lost`` (its server exits there),
-though no step runs. (A TP engine without ``kv_transfer`` refuses to move KV: test_engine_tensor_parallel.py.)
+though no step runs. With ``kv_checksum`` a shard corrupted on rank 0's hop fails its requests, not the engine.
+(A TP engine without ``kv_transfer`` refuses to move KV: test_engine_tensor_parallel.py.)
 """
 
 import asyncio
@@ -21,7 +22,7 @@ from harness.conditions import until
 
 from harness.engine_runs import last_moved, run_all, run_pd
 from pdserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, ModelConfig, SamplingParams, load_model
-from pdserve.engine.errors import TensorParallelError
+from pdserve.engine.errors import ShardChecksumError, TensorParallelError
 from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -153,3 +154,49 @@ def test_a_rank_lost_at_the_scatter_fails_the_request_and_calls_on_lost():
     finally:
         engine.close()
     assert len(lost) == 1 and isinstance(lost[0], TensorParallelError) and "rank 1" in str(lost[0])
+
+
+def _flip_first_byte(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1).view(torch.uint8)[0] ^= 0xFF
+    return t
+
+
+def test_a_shard_corrupted_on_rank_0s_hop_fails_its_requests_and_the_ranks_stay_in_step():
+    """kv_checksum: rank 1's shard of a pushed layer is corrupted as it reaches rank 0 (the gather's result
+    altered, once): the prefill's requests of that step fail with kv_checksum_mismatch and nothing of the
+    corrupted layer is handed to on_layer; rank 0's shard corrupted as it is scattered at a decode: add_prefilled
+    fails, the reservation stays for the caller's abort. Then both engines serve the next request as TP 1 does."""
+    requests = _requests(256, lengths=(20,))
+    expected = _colocated("tiny", requests)
+    prefill, decode = _engine("tiny", 2, kv_checksum=True), _engine("tiny", 2, kv_checksum=True)
+    try:
+        real_gather, real_scatter = prefill.runner.steps.group.gather, decode.runner.steps.group.scatter
+        layers: list[int] = []
+
+        def corrupt_gather(t, small=False):
+            prefill.runner.steps.group.gather = real_gather  # once
+            parts = real_gather(t, small)
+            return [parts[0], _flip_first_byte(parts[1])]
+
+        prefill.runner.steps.group.gather = corrupt_gather
+        with pytest.raises(ShardChecksumError, match="kv_checksum_mismatch: tensor-parallel rank\\(s\\) \\[1\\]"):
+            prefill.pd.prefill_only("bad", requests["r0"][0], GREEDY, on_layer=lambda layer, *a: layers.append(layer))
+        assert 0 not in layers
+
+        def corrupt_scatter(parts, out=None):
+            decode.runner.steps.group.scatter = real_scatter  # once
+            return _flip_first_byte(real_scatter(parts, out))
+
+        decode.runner.steps.group.scatter = corrupt_scatter
+        decode.pd.reserve("bad", 20, 4)
+        with pytest.raises(ShardChecksumError, match="did not land intact"):
+            decode.pd.add_prefilled("bad", requests["r0"][0], 7, GREEDY)
+        decode.abort("bad")
+        _all_free(prefill, decode)
+        assert prefill.tensor_parallel_lost is None and decode.tensor_parallel_lost is None
+        assert run_pd(prefill, decode, requests) == expected
+        _all_free(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
