@@ -119,8 +119,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "request joins the batch and requires it from every prefill (a mismatch fails the request "
                         "with kv_checksum_mismatch; prefill moves it to another decode). Default: on, except with "
                         "--transfer nixl on a cuda device (summing there copies each slice to the host); its cost "
-                        "on a P/D pair is in docs/benchmarks.md, \"KV checksums\"; with --tensor-parallel-size each rank's KV "
-                        "shard is summed across rank 0's hop too: engine/tp/transfer.py")
+                        "on a P/D pair is in docs/benchmarks.md, \"KV checksums\"; with --tensor-parallel-size "
+                        "each rank's KV shard is summed across rank 0's hop too: engine/tp/transfer.py")
     g.add_argument("--session-timeout", type=float, default=defaults.SESSION_TIMEOUT_S,
                    help="seconds one end of a Session waits on the other (KV, first token, each next message, "
                         "a write the peer does not take) before it frees the request")
