@@ -111,6 +111,8 @@ class TensorParallelSteps:
         transfer = self.transfer
         if transfer is None:
             raise ValueError("this tensor-parallel engine has no KV transfer pool (EngineConfig.kv_transfer)")
+        if not blocks:
+            return
 
         def scatter() -> None:
             sums = transfer.sums(list(blocks)) if self.checksum else None

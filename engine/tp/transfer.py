@@ -32,9 +32,10 @@ Why not each rank pushing its own shard on its own link (the per-rank design, DE
 CacheStore sender and receiver per rank (worker processes with their own event loops and endpoints), a
 Session carrying one endpoint per decode rank, and transfers addressed by head range (a head shard of a
 block is not contiguous in the pool layout ``[.., block, 2, block_size, heads, row]``). The CacheStore
-contract carries a region's head range already (``CompatInfo.kv_heads``) so that change can come without a
-wire break; the price of this design is rank 0's transfer pool (memory: the whole model's KV for every
-block, counted when the pool is sized) and one gather or scatter per layer through rank 0.
+contract carries a region's head range already (``CompatInfo.first_kv_head``, ``model_kv_heads``) so that
+change can come without a wire break; the price of this design is rank 0's transfer pool (memory: the whole
+model's KV for every block, counted when the pool is sized) and one gather or scatter per layer through
+rank 0.
 """
 
 from __future__ import annotations
