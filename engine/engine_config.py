@@ -54,6 +54,9 @@ class EngineConfig:
     # with kv_transfer at tensor_parallel_size > 1: each rank's KV shard summed (CRC32C) on both sides of rank 0's
     # hop (tp/transfer.py; the servers' --kv-checksum, whose wire checksums cover the rest of the way)
     kv_checksum: bool = False
+    # CPU ranks: a decode step's all-reduces and logits gather through shared memory (tp/shm_collectives.py),
+    # not gloo's loopback TCP (False: gloo for all; larger tensors go by gloo either way)
+    tensor_parallel_shm: bool = True
 
     def __post_init__(self) -> None:
         check_kv_dtype(self.kv_cache_dtype)
