@@ -86,6 +86,8 @@ def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
         out["imagePullPolicy"] = spec["imagePullPolicy"]
     if image_pull_secrets(isvc, config):
         out["imagePullSecrets"] = image_pull_secrets(isvc, config)
+    if config.tls != "off":  # mutual TLS: the pods mount this Secret (tls_pods.py; tls_issuer.py fills it)
+        out["tlsSecret"] = naming.tls_secret_name(name)
     for key in POD_KEYS:
         if pod_settings.get(key) not in (None, {}, []):
             out[key] = pod_settings[key]
