@@ -14,8 +14,8 @@ An InferenceService ``chat`` in namespace ``ns`` becomes:
 ``chat-tls``,               with mutual TLS (operator ``--tls``): the Secret its pods
 ``chat-tls-ca``            mount, and the Secret of its own CA (tls_issuer.py)
 ``chat-decode``,           NetworkPolicies: decode Session and KV-transfer ports
-``chat-prefill``,          admit only this service's prefill pods; the prefill and
-``chat-router``            router front doors stay open (when enabled)
+``chat-prefill``,          admit only this service's prefill pods, the prefill's gRPC
+``chat-router``            port only its routers; the HTTP doors stay open (when enabled)
 =========================  =====================================================
 
 Every child carries the labels below. Prefill pods find decode pods by watching the
