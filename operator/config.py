@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from pdserve.operator import naming
 
+TLS_MODES = ("off", "self-signed", "cert-manager")
+
 
 @dataclass(frozen=True, slots=True)
 class OperatorConfig:
@@ -19,6 +21,9 @@ class OperatorConfig:
         decode Session and KV-transfer ports only from its own prefill pods.
     prometheus_url: where autoscaling (spec.autoscaling) queries the pools' metrics; without
         it the operator scrapes the ready pods' /metrics itself.
+    tls: mutual TLS between every pod of an InferenceService (TLS_MODES): "off"; "self-signed": the operator
+        makes each InferenceService its own CA and certificate (tls_issuer.py); "cert-manager": it asks
+        cert-manager for them (Issuer and Certificate objects). Either way the pods mount ``<isvc>-tls``.
     image_pull_secrets: Secrets every pod the operator creates pulls its image with (the
         chart's imagePullSecrets), after the InferenceService's own spec.imagePullSecrets; each
         must exist in the InferenceService's namespace.
@@ -29,6 +34,7 @@ class OperatorConfig:
     network_policy: bool = False
     prometheus_url: str | None = None  # autoscaling reads metrics here (PromQL); None: the pods' own /metrics
     image_pull_secrets: tuple[str, ...] = ()
+    tls: str = "off"
 
     def __post_init__(self) -> None:
         if not self.default_image or any(c.isspace() for c in self.default_image):
@@ -36,6 +42,8 @@ class OperatorConfig:
         naming.protocol_label(self.protocol_version)  # raises with a clear message
         if self.prometheus_url is not None and not self.prometheus_url.startswith(("http://", "https://")):
             raise ValueError(f"prometheus URL {self.prometheus_url!r} must start with http:// or https://")
+        if self.tls not in TLS_MODES:
+            raise ValueError(f"tls {self.tls!r} must be one of {', '.join(TLS_MODES)}")
         for secret in self.image_pull_secrets:
             if not naming.is_dns_subdomain(secret):
                 raise ValueError(f"image pull secret {secret!r} is not a Secret name (a DNS subdomain)")

@@ -288,6 +288,9 @@ def _pool_spec(role: str) -> dict:
         "imagePullSecrets": crd_pod.IMAGE_PULL_SECRETS,
         **_pool_properties(f"{role.capitalize()} pods.", role),
         "transfer": TRANSFER,
+        "tlsSecret": _str("The Secret of the InferenceService's certificate and CA (tls.crt, tls.key, ca.crt) its "
+                          "pods mount for mutual TLS; set by the operator's --tls, absent without it.",
+                          pattern=naming.DNS_SUBDOMAIN, maxLength=253),
     }
     required = ["inferenceService", "model", "image", "protocolVersion"]
     if role == "prefill":

@@ -3,7 +3,8 @@
 Reconcile flow (every step is an idempotent server-side apply, so a restart anywhere in it
 just runs it again; kopf re-runs unfinished handlers and ``on.resume`` covers the rest):
 
-1. ``isvc_reconcile`` (create / update / resume of an InferenceService): apply its
+1. ``isvc_reconcile`` (create / update / resume of an InferenceService): apply (with ``--tls``)
+   its certificate's Secrets when missing or due (``tls_issuer``; also ``tls_renewal``, hourly), its
    PrefillPool, DecodePools, router (Deployment, Service, RBAC: ``router_workloads``) and
    (when enabled) NetworkPolicies, adopted by it; delete DecodePools it no longer lists,
    and the router's objects when ``spec.router.replicas`` is 0.
@@ -35,7 +36,7 @@ import kopf
 from kubernetes.client.exceptions import ApiException
 
 from pdserve.operator import (naming, pod_problems, pools, problem_events, protocol_rollout, router_workloads, status,
-                              workloads)
+                              tls_issuer, workloads)
 from pdserve.operator.kubeapi import KubeApi, make_api_client
 
 G, V = naming.GROUP, naming.VERSION
@@ -59,6 +60,10 @@ def _apply_all(api: KubeApi, objs: list[dict]) -> None:
             api.apply(obj)
         except ApiException as e:
             what = f"{obj['kind']} {obj['metadata'].get('namespace')}/{obj['metadata']['name']}"
+            if e.status == 404 and obj["apiVersion"].startswith("cert-manager.io/"):
+                raise kopf.TemporaryError(f"cannot apply {what}: cert-manager is not installed (no "
+                                          f"{obj['apiVersion']} API); install it or run the operator with --tls "
+                                          "self-signed", delay=60) from e
             if e.status in (400, 403, 422):
                 # Not fixed by retrying soon; say what and why (RBAC, schema), then retry slowly.
                 raise kopf.TemporaryError(f"cannot apply {what}: {e.status} {e.reason}: {e.body}", delay=60) from e
@@ -107,7 +112,7 @@ def isvc_reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, 
     prefill = pools.build_prefill_pool(isvc, memo.config, api.get("PrefillPool", namespace, naming.prefill_name(name)))
     decodes = pools.build_decode_pools(isvc, memo.config, existing_decodes)
     router = router_workloads.build_router(isvc, memo.config)
-    children = [prefill, *decodes, *router]
+    children = [*tls_issuer.objects(api, isvc, memo.config), prefill, *decodes, *router]  # certificates first
     if memo.config.network_policy:
         children += pools.build_network_policies(isvc, memo.config)
     kopf.adopt(children, owner=body)
@@ -123,6 +128,16 @@ def isvc_reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, 
         api.delete("DecodePool", namespace, stale)
     refresh_status(api, memo, namespace, name)
     logger.info(f"reconciled {namespace}/{name}: {len(children)} children applied")
+
+
+@kopf.timer(G, V, "inferenceservices", interval=tls_issuer.CHECK_INTERVAL_S, initial_delay=tls_issuer.CHECK_INTERVAL_S)
+def tls_renewal(body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    """Renew an InferenceService's certificate between reconciles (self-signed mode; tls_issuer.py)."""
+    if memo.config.tls != "self-signed":
+        return
+    renewed = tls_issuer.objects(memo.api, plain(body), memo.config)
+    kopf.adopt(renewed, owner=body)
+    _apply_all(memo.api, renewed)
 
 
 @kopf.on.resume(G, V, "prefillpools")
@@ -270,4 +285,4 @@ def new_memo(config, kubeconfig: str | None = None) -> kopf.Memo:
 
 
 __all__ = ["configure", "isvc_reconcile", "pool_reconcile", "deployment_event", "pod_event", "refresh_status",
-           "new_memo", "make_api_client"]
+           "new_memo", "make_api_client", "tls_renewal"]

@@ -86,6 +86,8 @@ def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
         out["imagePullPolicy"] = spec["imagePullPolicy"]
     if image_pull_secrets(isvc, config):
         out["imagePullSecrets"] = image_pull_secrets(isvc, config)
+    if config.tls != "off":  # mutual TLS: the pods mount this Secret (tls_pods.py; tls_issuer.py fills it)
+        out["tlsSecret"] = naming.tls_secret_name(name)
     for key in POD_KEYS:
         if pod_settings.get(key) not in (None, {}, []):
             out[key] = pod_settings[key]
@@ -141,8 +143,13 @@ def build_network_policies(isvc: dict, config: OperatorConfig) -> list[dict]:
     Decode pods: the Session (gRPC) and KV-transfer ports admit only this service's
     prefill pods. With ``nixl`` the UCX data path uses ports it picks at run time, so every
     port is admitted from those pods. The decode HTTP port (health, metrics) stays open.
-    Prefill pods: the HTTP and gRPC front door stays open; nothing else is admitted.
+    Prefill pods: the HTTP port stays open (the OpenAI door behind its API keys, /metrics);
+    the gRPC port (Generate, KV events and load reports, which take no API key) admits only
+    this service's router pods when it has a router, and stays open (the clients' gRPC door)
+    when ``spec.router.replicas`` is 0. Nothing else is admitted.
     """
+    from pdserve.operator import router_workloads  # it imports this module
+
     name, namespace = _meta(isvc)
     version = protocol_version(isvc, config)
     backend = isvc["spec"].get("transfer", {}).get("backend", crds.DEFAULT_BACKEND)
@@ -151,11 +158,14 @@ def build_network_policies(isvc: dict, config: OperatorConfig) -> list[dict]:
     if backend == "tcp":
         session_rule["ports"] = [{"protocol": "TCP", "port": defaults.DECODE_GRPC_PORT},
                                  {"protocol": "TCP", "port": defaults.KV_TRANSFER_PORT}]
+    grpc_rule: dict = {"ports": [{"protocol": "TCP", "port": defaults.PREFILL_GRPC_PORT}]}
+    if router_workloads.router_replicas(isvc) > 0:
+        grpc_rule["from"] = [{"podSelector": {"matchLabels": {naming.LABEL_ISVC: name,
+                                                              naming.LABEL_ROLE: router_workloads.ROLE}}}]
     policies = []
     for role, ingress in (
         ("decode", [session_rule, {"ports": [{"protocol": "TCP", "port": defaults.DECODE_HTTP_PORT}]}]),
-        ("prefill", [{"ports": [{"protocol": "TCP", "port": defaults.HTTP_PORT},
-                                {"protocol": "TCP", "port": defaults.PREFILL_GRPC_PORT}]}]),
+        ("prefill", [{"ports": [{"protocol": "TCP", "port": defaults.HTTP_PORT}]}, grpc_rule]),
     ):
         metadata = {"name": naming.network_policy_name(name, role),
                     "labels": naming.common_labels(name, role, role if role == "prefill" else "all", version)}

@@ -315,8 +315,14 @@ def test_network_policy_admits_session_and_kv_ports_only_from_same_service_prefi
                                                                 naming.LABEL_ROLE: "prefill"}}}]
     assert {p["port"] for p in session["ports"]} == {defaults.DECODE_GRPC_PORT, defaults.KV_TRANSFER_PORT}
     assert "from" not in health and [p["port"] for p in health["ports"]] == [defaults.DECODE_HTTP_PORT]
-    assert {p["port"] for p in prefill_policy["spec"]["ingress"][0]["ports"]} == {defaults.HTTP_PORT,
-                                                                                 defaults.PREFILL_GRPC_PORT}
+    http, grpc = prefill_policy["spec"]["ingress"]
+    assert "from" not in http and [p["port"] for p in http["ports"]] == [defaults.HTTP_PORT]
+    # gRPC (Generate, KV events, load reports: no API key) only from the service's routers while it has them
+    assert [p["port"] for p in grpc["ports"]] == [defaults.PREFILL_GRPC_PORT]
+    assert grpc["from"] == [{"podSelector": {"matchLabels": {naming.LABEL_ISVC: "chat", naming.LABEL_ROLE: "router"}}}]
+    no_router = example()
+    no_router["spec"]["router"] = {"replicas": 0}
+    assert "from" not in pools.build_network_policies(no_router, CONFIG)[1]["spec"]["ingress"][1]
     nixl = example()
     nixl["spec"]["transfer"] = {"backend": "nixl"}
     session = pools.build_network_policies(nixl, CONFIG)[0]["spec"]["ingress"][0]

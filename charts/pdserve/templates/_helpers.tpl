@@ -55,6 +55,17 @@ and writes only their status; it owns pools, Deployments, Services, the prefill 
 ServiceAccount/Role/RoleBinding, NetworkPolicies and PodDisruptionBudgets. It holds
 endpointslices/services read because RBAC only lets it grant (to prefill pods) what it holds itself.
 */}}
+{{/* The operator's --tls mode: off, self-signed or cert-manager (tls.issuer auto: cert-manager when its API is
+installed). */}}
+{{- define "pdserve.tlsMode" -}}
+{{- if not .Values.tls.enabled -}}off
+{{- else if eq .Values.tls.issuer "cert-manager" -}}cert-manager
+{{- else if eq .Values.tls.issuer "operator" -}}self-signed
+{{- else if .Capabilities.APIVersions.Has "cert-manager.io/v1/Certificate" -}}cert-manager
+{{- else -}}self-signed
+{{- end -}}
+{{- end -}}
+
 {{- define "pdserve.operatorRules" -}}
 - apiGroups: ["pdserve.io"]
   resources: ["inferenceservices"]
@@ -100,4 +111,17 @@ endpointslices/services read because RBAC only lets it grant (to prefill pods) w
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- $tls := include "pdserve.tlsMode" . }}
+{{- if ne $tls "off" }}
+# Mutual TLS (tls.enabled): each InferenceService's CA and certificate, in Secrets the operator writes
+# (self-signed) or reads nothing of (cert-manager writes them from the Certificates below).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
+{{- if eq $tls "cert-manager" }}
+- apiGroups: ["cert-manager.io"]
+  resources: ["issuers", "certificates"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
 {{- end -}}
