@@ -35,6 +35,8 @@ KINDS: dict[str, Kind] = {
     "NetworkPolicy": Kind("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": Kind("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": Kind("/api/v1", "pods"),
+    "Job": Kind("/apis/batch/v1", "jobs"),  # spec.model.cache on a claim: the download (model_cache.py)
+    "PersistentVolumeClaim": Kind("/api/v1", "persistentvolumeclaims"),
 }
 
 TIMEOUT_S = 30  # per request: a hung API server call turns into a retry, not a stuck handler
