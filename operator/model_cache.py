@@ -182,7 +182,7 @@ def model_status(isvc: dict, job: dict | None, pods: list[dict]) -> dict | None:
     counts = {k: int(note[k]) for k in ("bytesDone", "bytesTotal", "filesDone", "filesTotal") if k in note}
     out.update(counts)
     problem = pod_problems.pool_problem(pods)
-    if _job_condition(job, "Complete"):
+    if _job_condition(job, "Complete") or note.get("phase") == "Downloaded":  # the pod's word: Complete follows
         return {**out, "phase": "Downloaded", "reason": "Downloaded", "progress": progress_line(counts),
                 "message": f"downloaded into claim {claim}: {progress_line(counts)}"}
     failed = _job_condition(job, "Failed")

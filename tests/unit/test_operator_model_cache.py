@@ -136,9 +136,9 @@ def test_a_refused_token_is_failed_with_its_reason_and_says_how_to_retry_once_th
 def test_a_download_pod_that_cannot_start_names_why():
     doc = isvc(size="1Gi")
     pod = {"metadata": {"name": "chat-model-x-abc", "labels": model_cache.selector("chat")},
-           "status": {"phase": "Pending", "conditions": [{"type": "PodScheduled", "status": "False",
-                                                          "reason": "Unschedulable",
-                                                          "message": "pod has unbound immediate PersistentVolumeClaims"}]}}
+           "status": {"phase": "Pending", "conditions": [{
+               "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+               "message": "pod has unbound immediate PersistentVolumeClaims"}]}}
     pending = model_cache.model_status(doc, job(), [pod])
     assert pending["phase"] == "Pending" and pending["reason"] == "Unschedulable"
     assert "unbound immediate PersistentVolumeClaims" in pending["message"]
