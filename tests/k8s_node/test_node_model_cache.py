@@ -93,7 +93,8 @@ def status_of(node_kube, name: str) -> dict:
 
 
 def test_six_pods_of_one_inference_service_download_the_model_once(node_kube, chart, hub):
-    node_kube.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(cached_isvc("once", "hf-good", hub.url)))
+    doc = cached_isvc("once", "hf-good", hub.url)
+    node_kube.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=yaml.safe_dump(doc))
 
     def all_ready() -> bool:
         s = status_of(node_kube, "once")
@@ -149,7 +150,7 @@ def test_a_refused_token_shows_on_the_inference_service_and_the_pods_wait(node_k
         return cond if cond and cond["status"] == "True" and cond["reason"] == "TokenRefused" else None
 
     try:
-        node_kube.wait_until(lambda: degraded() is not None, 300, 1.0, "InferenceService refused Degraded: TokenRefused")
+        node_kube.wait_until(lambda: degraded() is not None, 300, 1.0, "refused: Degraded TokenRefused")
     except TimeoutError as e:
         raise TimeoutError(f"{e}\n{node_serving.describe(node_kube, NAMESPACE)}\n"
                            f"{json.dumps(status_of(node_kube, 'refused'), indent=1)}") from None
