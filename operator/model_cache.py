@@ -162,7 +162,9 @@ def _annotation(job: dict) -> dict:
 
 
 def progress_line(counts: dict) -> str:
-    """"37% (1.2 of 3.2 GiB, 3/7 files)"."""
+    """"37% (1.20 of 3.20 GiB, 3/7 files)"; "" before the Job's pod said anything."""
+    if not counts:
+        return ""
     total = int(counts.get("bytesTotal") or 0)
     done = int(counts.get("bytesDone") or 0)
     share = f"{100 * done // total}% " if total else ""
@@ -184,7 +186,7 @@ def model_status(isvc: dict, job: dict | None, pods: list[dict]) -> dict | None:
     problem = pod_problems.pool_problem(pods)
     if _job_condition(job, "Complete") or note.get("phase") == "Downloaded":  # the pod's word: Complete follows
         return {**out, "phase": "Downloaded", "reason": "Downloaded", "progress": progress_line(counts),
-                "message": f"downloaded into claim {claim}: {progress_line(counts)}"}
+                "message": f"downloaded into claim {claim}" + (f": {progress_line(counts)}" if counts else "")}
     failed = _job_condition(job, "Failed")
     if note.get("phase") == "Failed" or failed:
         reason = note.get("reason") or "DownloadFailed"
@@ -202,7 +204,9 @@ def model_status(isvc: dict, job: dict | None, pods: list[dict]) -> dict | None:
 
 def with_model(isvc_status: dict, model: dict | None, generation: int | None) -> dict:
     """The InferenceService's status with ``status.model`` and the ModelCached condition; while the model is
-    not downloaded, a not-Ready condition names the download; a failed download is Degraded."""
+    not downloaded, a not-Ready condition names the download; a failed download is Degraded. A download longer
+    than the Deployments' progress deadline (600 s) is not Degraded ProgressDeadlineExceeded (the pools, whose
+    pods wait for it, still say so)."""
     if model is None:  # no claim cache (perhaps no longer): remove what an earlier status had
         return {**isvc_status, "model": None}
     done = model["phase"] == "Downloaded"
@@ -214,5 +218,8 @@ def with_model(isvc_status: dict, model: dict | None, generation: int | None) ->
                              f"model: {model['message']}", generation)
         elif cond["type"] == "Degraded" and model["phase"] == "Failed":
             cond = condition("Degraded", True, model["reason"], f"model download: {model['message']}", generation)
+        elif cond["type"] == "Degraded" and cond.get("reason") == "ProgressDeadlineExceeded" and not done:
+            cond = condition("Degraded", False, "ModelDownloading", f"pods wait for the model: {model['message']}",
+                             generation)
         conditions.append(cond)
     return {**isvc_status, "model": model, "conditions": [*conditions, cached]}

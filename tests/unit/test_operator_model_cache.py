@@ -166,3 +166,10 @@ def test_with_model_names_the_download_on_ready_and_a_failure_on_degraded():
     conds = {c["type"]: c for c in model_cache.with_model(_isvc_status(True), done, 3)["conditions"]}
     assert conds["Ready"]["reason"] == "Serving" and conds["ModelCached"]["status"] == "True"
     assert model_cache.with_model(_isvc_status(True), None, 3)["model"] is None  # removed (merge patch)
+    # a download longer than the Deployments' progress deadline is not a degraded service
+    late = _isvc_status(False)
+    late["conditions"][2] = status.condition("Degraded", True, "ProgressDeadlineExceeded", "prefill: ...", 3)
+    conds = {c["type"]: c for c in model_cache.with_model(late, going, 3)["conditions"]}
+    assert conds["Degraded"]["status"] == "False" and conds["Degraded"]["reason"] == "ModelDownloading"
+    bare = model_cache.model_status(doc, job(None, "Complete"), [])
+    assert bare["message"] == "downloaded into claim chat-model-cache"
