@@ -6,7 +6,9 @@
 1. opens a TCPStore on a free localhost port and starts ranks 1..N-1, each a
    ``python -m pdserve.engine.tp.worker`` process (``worker.py``) told the model's source, its rank, the
    KV pool's size and the engine switches; torch's thread count is rank 0's;
-2. joins the process group with them (``group.py``) and hooks its collectives on rank 0's model;
+2. joins the process group with them (``group.py``) and hooks its collectives on rank 0's model; on the
+   CPU (``shm``) it makes the shared-memory segment of the small collectives first (``shm_collectives.py``),
+   which every rank maps before the barrier and rank 0 then unlinks;
 3. waits until every rank has loaded its shard and made its KV cache (a rank that cannot: a
    TensorParallelError with its one-line reason).
 
@@ -36,14 +38,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import TensorParallelError
+from ..errors import ShardChecksumError, TensorParallelError
 from ..model import ForwardBatch
+from . import shm_collectives
 from .group import TPGroup
+from .shm_collectives import ShmCollectives
+from .transfer import KVTransferPool
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # the ranks' rendezvous: their Python and torch start, on a loaded box
 STOP_GRACE_S = 10.0  # a rank told to stop that has not exited by then is killed
+STEP, INSTALL = "step", "install"  # what rank 0 sends: a step (its batch), or blocks arrived (transfer.py)
 EXIT_GRACE_S = 5.0  # after a failed collective: how long to wait for a rank's exit status, to name it
 
 
@@ -63,11 +69,13 @@ def check_devices(device: torch.device, size: int) -> None:
 class TensorParallelSteps:
     def __init__(self, model, kv_cache, group: TPGroup, procs: list[subprocess.Popen]):
         self.model, self.kv, self.group, self.procs = model, kv_cache, group, procs
+        self.transfer: KVTransferPool | None = None  # rank 0's whole-heads pool, when KV moves (transfer.py)
+        self.checksum = False  # each rank's shard summed across rank 0's hop (transfer.py; EngineConfig.kv_checksum)
         self.lost: TensorParallelError | None = None
         self._finalizer = weakref.finalize(self, _stop, group, procs)
 
     @classmethod
-    def start(cls, loaded, kv_cache, switches: dict, timeout_s: float) -> "TensorParallelSteps":
+    def start(cls, loaded, kv_cache, switches: dict, timeout_s: float, shm: bool = True) -> "TensorParallelSteps":
         size, device = loaded.tensor_parallel_size, loaded.device
         if loaded.source is None:
             raise ValueError("tensor parallelism needs a model from load_model (the other ranks load their "
@@ -79,29 +87,88 @@ class TensorParallelSteps:
                 "model": {**asdict(loaded.source), "dtype": str(loaded.source.dtype).removeprefix("torch.")},
                 "kv": {"num_blocks": kv_cache.num_blocks, "block_size": kv_cache.block_size,
                        "kv_dtype": kv_cache.kv_dtype}, "switches": switches}
+        segment = shm_collectives.create_segment(size) if shm and shm_collectives.usable(device) else ""
+        store.set("shm", segment)  # the workers open it before the barrier ("": gloo for every collective)
         procs = [subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp.worker",
                                    json.dumps({**spec, "rank": r})]) for r in range(1, size)]
         try:
             group = TPGroup(store, 0, size, device, timeout_s)
+            if segment:
+                group.use_shm(ShmCollectives(segment, 0, size, timeout_s, lambda: _exited_now(procs)))
             group.attach(loaded.model)
-            group.barrier()  # every rank loaded its shard
+            group.barrier()  # every rank loaded its shard (and mapped the segment)
         except RuntimeError as exc:
             _kill(procs)
             raise TensorParallelError(_start_failure(store, procs, exc)) from None
+        finally:
+            if segment:  # mapped by every rank (or not needed): nothing left in /dev/shm
+                shm_collectives.unlink_segment(segment, size)
         log.info("tensor parallelism: %d ranks (worker pids %s), %s", size, [p.pid for p in procs],
-                 "NCCL" if device.type == "cuda" else "gloo")
+                 "NCCL" if device.type == "cuda" else "gloo" + (" and shared memory" if segment else ""))
         return cls(loaded.model, kv_cache, group, procs)
 
     def run(self, batch: ForwardBatch, extra_rows, on_layer, on_rows) -> torch.Tensor:
+        blocks = self._push_blocks(on_layer)
+
+        def step() -> torch.Tensor:
+            self.group.send((STEP, on_cpu(batch), [rows.cpu() for rows in extra_rows], blocks, self.checksum))
+            hook = on_layer if blocks is None else self._gathering(on_layer, blocks)
+            return self.model(batch, self.kv, hook, extra_rows, on_rows)
+
+        return self._in_step(step)
+
+    def install(self, blocks: list[int]) -> None:
+        """The decode's arrival (``transfer.py``): ``blocks`` of the transfer pool into every rank's pool."""
+        transfer = self.transfer
+        if transfer is None:
+            raise ValueError("this tensor-parallel engine has no KV transfer pool (EngineConfig.kv_transfer)")
+        if not blocks:
+            return
+
+        def scatter() -> None:
+            sums = transfer.sums(list(blocks)) if self.checksum else None
+            self.group.send((INSTALL, list(blocks), sums))
+            transfer.install(self.group, list(blocks), sums)
+
+        self._in_step(scatter)
+
+    def _in_step(self, work):
+        """``work()`` with every rank: any failure leaves the ranks out of step, so the engine is lost."""
         if self.lost is not None:
             raise self.lost
         try:
-            self.group.send((on_cpu(batch), [rows.cpu() for rows in extra_rows]))
-            return self.model(batch, self.kv, on_layer, extra_rows, on_rows)
+            return work()
+        except ShardChecksumError:  # found after every rank's part of the collectives: still in step
+            raise
         except Exception as exc:  # the ranks are out of step whatever failed: the engine is lost
             self.lost = TensorParallelError(self._why(exc))
             self.close()
             raise self.lost from None
+
+    def _push_blocks(self, on_layer) -> list[int] | None:
+        """The block ids a step's layer callback pushes (``remote_prefill.LayerCallback.blocks``), or None."""
+        blocks = getattr(on_layer, "blocks", None)
+        if blocks is None:
+            return None
+        if self.transfer is None:
+            raise ValueError("this tensor-parallel engine has no KV transfer pool (EngineConfig.kv_transfer): its "
+                             "KV cannot be pushed")
+        return list(blocks)
+
+    def _gathering(self, on_layer, blocks: list[int]):
+        """The step's layer callback after each layer's heads of ``blocks`` are gathered into the transfer pool."""
+        transfer, idx = self.transfer, torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
+        assert transfer is not None
+
+        def hook(layer: int) -> None:
+            bad = transfer.gathered(self.group, layer, idx, self.checksum)
+            if bad:  # never stored: the step's pushing requests fail after the step, the ranks go on in step
+                on_layer.fail(ShardChecksumError(
+                    f"kv_checksum_mismatch: tensor-parallel rank(s) {bad}'s shard of layer {layer}, KV blocks "
+                    f"{blocks[0]}..{blocks[-1]}, did not land intact in rank 0's transfer pool"))
+            on_layer(layer)
+
+        return hook
 
     def _why(self, exc: BaseException) -> str:
         """One line: the rank that exited and its exit code, else a timeout, else what failed here."""
@@ -162,6 +229,14 @@ def _start_failure(store: dist.TCPStore, procs: list[subprocess.Popen], exc: Bas
     return f"the tensor-parallel ranks did not start: {str(exc).splitlines()[0]}"
 
 
+def _exited_now(procs: list[subprocess.Popen]) -> str | None:
+    """A worker that has exited, in words (the shared-memory collectives' ``lost``), or None."""
+    for rank, proc in enumerate(procs, start=1):
+        if proc.poll() is not None:
+            return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+    return None
+
+
 def _stop(group: TPGroup, procs: list[subprocess.Popen]) -> None:
     """STOP to every rank still running, then wait; kill what has not exited by STOP_GRACE_S."""
     if all(p.poll() is None for p in procs):
@@ -176,6 +251,7 @@ def _stop(group: TPGroup, procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             log.warning("tensor-parallel worker pid %d did not stop within %gs: killed", p.pid, STOP_GRACE_S)
     _kill(procs)
+    group.close()
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
