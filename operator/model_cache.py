@@ -162,13 +162,14 @@ def _annotation(job: dict) -> dict:
 
 
 def progress_line(counts: dict) -> str:
-    """"37% (1.20 of 3.20 GiB, 3/7 files)"; "" before the Job's pod said anything."""
+    """"37% (1.20 of 3.20 GiB, 3/7 files)" (GiB, MiB or KiB by the total); "" before the Job's pod said anything."""
     if not counts:
         return ""
     total = int(counts.get("bytesTotal") or 0)
     done = int(counts.get("bytesDone") or 0)
     share = f"{100 * done // total}% " if total else ""
-    return (f"{share}({done / 2**30:.2f} of {total / 2**30:.2f} GiB, "
+    unit, scale = next(((u, s) for u, s in (("GiB", 2**30), ("MiB", 2**20)) if total >= s), ("KiB", 2**10))
+    return (f"{share}({done / scale:.2f} of {total / scale:.2f} {unit}, "
             f"{counts.get('filesDone', 0)}/{counts.get('filesTotal', 0)} files)")
 
 

@@ -115,6 +115,8 @@ def test_status_follows_the_job_from_pending_to_downloading_to_downloaded():
     going = model_cache.model_status(doc, job({"phase": "Downloading", **counts}), [])
     assert going["phase"] == "Downloading" and going["bytesDone"] == 3 * 2**29 and going["filesTotal"] == 4
     assert going["progress"] == "75% (1.50 of 2.00 GiB, 1/4 files)"
+    small = model_cache.progress_line({"bytesDone": 94242, "bytesTotal": 94242, "filesDone": 5, "filesTotal": 5})
+    assert small == "100% (92.03 of 92.03 KiB, 5/5 files)"
     done = model_cache.model_status(doc, job({"phase": "Downloaded", **counts}, "Complete"), [])
     assert done["phase"] == "Downloaded" and done["claim"] == "chat-model-cache"
 
