@@ -38,6 +38,8 @@ KINDS: dict[str, Kind] = {
     "Secret": Kind("/api/v1", "secrets"),  # mutual TLS: each InferenceService's CA and certificate (tls_issuer.py)
     "Issuer": Kind("/apis/cert-manager.io/v1", "issuers"),  # the same, from cert-manager
     "Certificate": Kind("/apis/cert-manager.io/v1", "certificates"),
+    "Job": Kind("/apis/batch/v1", "jobs"),  # spec.model.cache on a claim: the download (model_cache.py)
+    "PersistentVolumeClaim": Kind("/api/v1", "persistentvolumeclaims"),
 }
 
 TIMEOUT_S = 30  # per request: a hung API server call turns into a retry, not a stuck handler

@@ -145,3 +145,18 @@ def default_protocol_version() -> str:
     from pdserve.protos.version import PROTOCOL_VERSION
 
     return protocol_label(PROTOCOL_VERSION)
+
+
+# spec.model.cache on a claim (model_cache.py): the claim the operator makes (cache.size), the download
+# Job (one per source, endpoint and token Secret: `digest`) and the ServiceAccount, Role and RoleBinding
+# that let the Job's pod write its progress into that Job.
+def model_cache_claim(isvc: str) -> str:
+    return f"{isvc}-model-cache"
+
+
+def model_download_job(isvc: str, digest: str) -> str:
+    return f"{isvc}-model-{digest}"
+
+
+def model_download_account(isvc: str) -> str:
+    return f"{isvc}-model-download"

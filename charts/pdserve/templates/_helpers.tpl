@@ -101,6 +101,14 @@ installed). */}}
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# spec.model.cache on a claim: the claim (cache.size) and one download Job per InferenceService;
+# the Job's pod may get and patch its own Job (a Role the operator makes, so it holds those verbs).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
 # A PodDisruptionBudget per pool and router (spec.*.disruptionBudget).
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
