@@ -5,9 +5,9 @@ into the decode's registered memory; each WRITE carries a notification naming, f
 (request, layer) it holds, the destination blocks and (with checksums on) each slice's CRC32C,
 which the decode's agent delivers after the bytes have landed.
 
-Import name: the PyPI wheel ``nixl-cu12`` installs ``nixl_cu12``; source builds install
-``nixl``. Both are tried; the error (with the install hint) appears only when the ``nixl``
-transport is chosen.
+Import name: the PyPI wheels ``nixl-cu12`` and ``nixl-cu13`` (the CUDA image's: torch's CUDA 13) install
+``nixl_cu12`` and ``nixl_cu13``; source builds install ``nixl``. All are tried; the error (with the install
+hint) appears only when the ``nixl`` transport is chosen.
 """
 
 from __future__ import annotations
@@ -30,15 +30,19 @@ NOTIF_CRC32C = 0x01
 
 def load_nixl() -> Any:
     """NIXL's ``_api`` module (nixl_agent, nixl_agent_config, ...), or a RuntimeError saying how to install it."""
-    try:
-        from nixl import _api
-    except ImportError:
+    import importlib
+
+    _api, error = None, None
+    for name in ("nixl", "nixl_cu13", "nixl_cu12"):
         try:
-            from nixl_cu12 import _api
+            _api = importlib.import_module(f"{name}._api")
+            break
         except ImportError as exc:
-            raise RuntimeError(
-                "transport='nixl' needs the NIXL Python package (import nixl or nixl_cu12): "
-                "pip install 'pdserve[nixl]' (nixl-cu12), or use transport='tcp'") from exc
+            error = exc
+    if _api is None:
+        raise RuntimeError(
+            "transport='nixl' needs the NIXL Python package (import nixl, nixl_cu13 or nixl_cu12): "
+            "pip install 'pdserve[nixl]' (nixl-cu12), or use transport='tcp'") from error
     if not os.environ.get("NIXL_LOG_LEVEL"):
         # NIXL logs every agent and backend creation at INFO to stdout; keep warnings only
         logging.getLogger("nixl").setLevel(logging.WARNING)
