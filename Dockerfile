@@ -13,12 +13,11 @@
 # CUDA image (`make image-cuda`: tools/image/build.sh --cuda): no CUDA base image. The CUDA user-space
 # libraries are the nvidia-* wheels PyPI's Linux torch (a CUDA 13 build) depends on; the driver
 # (libcuda.so.1, libnvidia-ml.so.1) is the node's, mounted into the pod by the NVIDIA container
-# toolkit. KIND=cuda adds the `cuda` extra (nixl-cu13: NIXL and UCX with its CUDA transports, for
-# GPU-to-GPU KV transfer), deletes what a GPU pod never loads (tools/image/prune_cuda.py) and puts a C
+# toolkit. KIND=cuda adds nixl-cu13 (NIXL and UCX with its CUDA transports, for GPU-to-GPU KV
+# transfer), deletes what a GPU pod never loads (tools/image/prune_cuda.py) and puts a C
 # compiler and the Python headers in the runtime stage: Triton builds its launcher with them the first
 # time a kernel runs.
-#   docker build -t pdserve:cuda --build-arg KIND=cuda --build-arg TORCH_INDEX=https://pypi.org/simple \
-#     --build-arg PRUNE=nvidia-cuda-cccl .
+#   docker build -t pdserve:cuda --build-arg KIND=cuda --build-arg TORCH_INDEX=https://pypi.org/simple .
 #
 # Ports the servers listen on are in pdserve/defaults.py (the one place for them).
 
@@ -28,6 +27,7 @@ ARG BASE=python:3.12-slim-bookworm
 # ---- build: a virtual environment with pdserve and its dependencies ----------------------
 FROM ${BASE} AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
+ARG EXTRAS=""
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN if ! command -v python3 >/dev/null 2>&1 || ! python3 -c 'import venv, ensurepip' 2>/dev/null; then \
         apt-get update && apt-get install -y --no-install-recommends python3 python3-venv && rm -rf /var/lib/apt/lists/*; \
@@ -62,18 +62,22 @@ COPY vllm_backend ./vllm_backend
 # CUDA torch: triton is only for torch.compile and the engine's attention kernels on CUDA
 # (engine/gpu_attention.py), cuSOLVER only for CUDA linear algebra, CCCL only headers). PRUNE_NVIDIA=1 (CPU image from PyPI's CUDA torch only) then deletes every file of the
 # nvidia-* packages that `pdserve generate` on the built-in model does not load (measured under
-# LD_DEBUG; cuDNN's engines, NVSHMEM's bitcode, headers: ~1.2 GB; see the script). KIND=cuda installs
-# the `cuda` extra and runs prune_cuda.py instead (headers, static archives, device bitcode, profilers,
-# Triton's AMD backend: what a GPU pod never loads; see the script). These ARGs (EXTRAS too) are
-# declared here, so that changing them keeps the cached dependency layer above (one layer for both kinds).
+# LD_DEBUG; cuDNN's engines, NVSHMEM's bitcode, headers: ~1.2 GB; see the script). KIND=cuda runs
+# prune_cuda.py instead (headers, static archives, device bitcode, profilers,
+# Triton's AMD backend: what a GPU pod never loads; see the script). These ARGs are declared here, so
+# that changing them keeps the cached dependency layer above: one layer for both kinds (which is also
+# why the CUDA image's NIXL is not an extra of its own: pyproject.toml is that layer's input). KIND=cuda
+# installs NIXL's CUDA 13 build (nixl-cu13: PyPI's torch is a CUDA 13 build, and nixl-cu12 would bring
+# CUDA 12's runtime beside it) at the version pyproject.toml's `nixl` extra pins, the one place for it.
 COPY tools/image/prune_nvidia.py tools/image/prune_cuda.py /tmp/
-ARG EXTRAS=""
 ARG PRUNE=""
 ARG PRUNE_NVIDIA=""
 ARG KIND=cpu
 RUN case "${KIND}" in cpu|cuda) ;; *) echo "KIND must be cpu or cuda, not '${KIND}'" >&2; exit 2 ;; esac \
- && extras="${EXTRAS}" && if [ "${KIND}" = cuda ]; then extras="${extras:+${extras},}cuda"; fi \
- && /opt/pdserve/bin/pip install ".${extras:+[${extras}]}" \
+ && /opt/pdserve/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \
+ && if [ "${KIND}" = cuda ]; then \
+        /opt/pdserve/bin/pip install "$(/opt/pdserve/bin/python -c 'import tomllib; (pin,) = [d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["nixl"] if d.startswith("nixl-cu12==")]; print(pin.replace("nixl-cu12", "nixl-cu13"))')"; \
+    fi \
  && if [ -n "${PRUNE}" ]; then /opt/pdserve/bin/pip uninstall --yes ${PRUNE}; fi \
  && if [ "${PRUNE_NVIDIA}" = 1 ]; then /opt/pdserve/bin/python /tmp/prune_nvidia.py; fi \
  && if [ "${KIND}" = cuda ]; then /opt/pdserve/bin/python /tmp/prune_cuda.py; fi \

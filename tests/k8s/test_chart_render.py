@@ -212,4 +212,6 @@ def test_notes_speak_of_the_users_service_and_name_no_missing_url():
     assert "kubectl port-forward -n serving svc/llama-router 8000:8000" in notes
     assert '"model": "Llama-3.1-8B"' in notes and "kubectl describe pdis llama -n serving" in notes
     assert "publishes no registry image" in notes and "make image" in notes
+    assert "make image-cuda" in notes and "not there yet" not in notes
+    assert "run ghcr.io/pdserve/pdserve-cuda:0.1.0." in " ".join(notes.split())  # the GPU pools' image
     assert "svc/chat-router" in _notes()  # the example's, by default
