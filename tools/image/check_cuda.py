@@ -254,15 +254,23 @@ def build_launcher(stubs: Path) -> None:
 
 
 def main() -> None:
+    """``--triton-only``: step 3 alone, in any environment with triton and gcc (the test suite runs it in the
+    development venv: tests/unit/test_triton_sm90_compile.py)."""
+    triton_only = sys.argv[1:] == ["--triton-only"]
+    if sys.argv[1:] and not triton_only:
+        sys.exit("usage: check_cuda.py [--triton-only]")
     start = time.monotonic()
     print(f"check_cuda: {sys.executable}, site-packages {SITE}", flush=True)
     with tempfile.TemporaryDirectory(prefix="check-cuda-") as tmp:
         stubs = Path(tmp)
         os.environ.setdefault("TRITON_CACHE_DIR", str(stubs / "triton-cache"))
-        check_nixl_agent()
-        transports = ucx_cuda_transports()
-        check_torch(stubs, transports)
-        check_ucx_cuda(transports)
+        if not triton_only:
+            check_nixl_agent()
+            transports = ucx_cuda_transports()
+            check_torch(stubs, transports)
+            check_ucx_cuda(transports)
+        else:
+            driver_stubs([], stubs)  # an empty libcuda.so.1 to link the launcher against
         compile_kernels()
         build_launcher(stubs)
     print(f"check_cuda: {'FAILED: ' + ', '.join(failures) if failures else 'all passed'} "
