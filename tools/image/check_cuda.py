@@ -217,7 +217,8 @@ def compile_kernels() -> None:
             continue
         cubin = compiled.asm.get("cubin", b"")
         step(f"Triton compiles {name} for sm_90", len(cubin) > 0 and ".target sm_90" in compiled.asm["ptx"],
-             f"{len(cubin)} bytes of cubin, {compiled.metadata.shared} bytes of shared memory, {time.monotonic() - start:.1f} s")
+             f"{len(cubin)} bytes of cubin, {compiled.metadata.shared} bytes of shared memory, "
+             f"{time.monotonic() - start:.1f} s")
 
 
 def build_launcher(stubs: Path) -> None:
