@@ -47,6 +47,9 @@ class EngineConfig:
     # the others. tensor_parallel_timeout_s bounds how long a step waits on a rank that hangs
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    # CPU ranks: a decode step's all-reduces and logits gather through shared memory (tp/shm_collectives.py),
+    # not gloo's loopback TCP (False: gloo for all; larger tensors go by gloo either way)
+    tensor_parallel_shm: bool = True
 
     def __post_init__(self) -> None:
         check_kv_dtype(self.kv_cache_dtype)

@@ -83,7 +83,8 @@ class LLMEngine(EngineCore):
         self.model.configure(**switches)
         steps = None  # this process's model alone
         if config.tensor_parallel_size > 1:  # the other ranks started, each step sent to them (tp/ranks.py)
-            steps = TensorParallelSteps.start(loaded, self.kv_cache, switches, config.tensor_parallel_timeout_s)
+            steps = TensorParallelSteps.start(loaded, self.kv_cache, switches, config.tensor_parallel_timeout_s,
+                                              config.tensor_parallel_shm)
         runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
                              native_kernels=config.native_kernels, steps=steps)
         eos_ids = set(loaded.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)

@@ -5,7 +5,9 @@ threads beside them (the same two cores without the all-reduces), in one process
 
 The model is the peer experiment's ~121M-parameter random Llama (``experiments/peer_model.py`` "peer": hidden
 1024, 8 layers, 16 heads / 2 KV heads, MLP 2816, vocabulary 16384; float32), loaded once per case: TP 1 one
-thread, TP 2 (rank 0 here, rank 1 a worker process, one thread each, gloo), TP 1 two threads.
+thread, TP 2 (rank 0 here, rank 1 a worker process, one thread each: a decode step's all-reduces and logits
+gather through shared memory, ``engine/tp/shm_collectives.py``, larger ones by gloo), TP 1 two threads, and TP 2
+with every collective by gloo (``tensor_parallel_shm=False``: what shared memory saves).
 
 - prefill: one request of ``--prompt-len`` random tokens, max_tokens 1, computed in one step (no chunking, no
   prefix cache): the time from add_request to its token;
@@ -32,16 +34,17 @@ from pdserve.bench.provenance import machine
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, load_model
 from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
 
-CASES = (("TP 1, 1 thread", 1, 1), ("TP 2, 1 thread per rank", 2, 1), ("TP 1, 2 threads", 1, 2))
+CASES = (("TP 1, 1 thread", 1, 1, True), ("TP 2, 1 thread per rank", 2, 1, True), ("TP 1, 2 threads", 1, 2, True),
+         ("TP 2, gloo collectives", 2, 1, False))
 DECODE_PROMPT = 128
 
 
-def make_engine(path: str, ranks: int, threads: int, max_len: int) -> LLMEngine:
+def make_engine(path: str, ranks: int, threads: int, max_len: int, shm: bool = True) -> LLMEngine:
     torch.set_num_threads(threads)  # (a worker rank takes rank 0's count when it starts)
     loaded = load_model(path, tensor_parallel_size=ranks)
     return LLMEngine(loaded, EngineConfig(max_num_seqs=1, max_model_len=max_len, enable_prefix_cache=False,
                                           max_num_batched_tokens=max_len, long_prefill_threshold=0,
-                                          tensor_parallel_size=ranks))
+                                          tensor_parallel_size=ranks, tensor_parallel_shm=shm))
 
 
 def time_prefill(engine: LLMEngine, prompt: list[int]) -> float:
@@ -78,7 +81,7 @@ def measure(engines: list, threads: list[int], what, rounds: int) -> list[list[f
 def report(title: str, times: list[list[float]], unit: float, unit_name: str) -> None:
     print(title)
     base = times[0]
-    for (name, _, _), t in zip(CASES, times):
+    for (name, *_), t in zip(CASES, times):
         ratios = [b / x for b, x in zip(base, t)]
         print(f"  {name:26s} {statistics.median(t) * unit:9.1f} {unit_name}   TP 1 (1 thread) / this: "
               f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
@@ -102,8 +105,8 @@ def main() -> None:
         print(f"random Llama {n_params / 1e6:.0f}M parameters (hidden {cfg.hidden_size}, {cfg.num_layers} layers, "
               f"{cfg.num_heads}/{cfg.num_kv_heads} heads, MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size}), "
               f"float32; {a.rounds} rounds, order reversed every other round; wall clock")
-        engines = [make_engine(tmp, ranks, threads, max_len) for _, ranks, threads in CASES]
-        threads = [t for _, _, t in CASES]
+        engines = [make_engine(tmp, ranks, threads, max_len, shm) for _, ranks, threads, shm in CASES]
+        threads = [t for _, _, t, _ in CASES]
         try:
             for i, e in enumerate(engines):  # warm-up: the first call of each kernel
                 torch.set_num_threads(threads[i])

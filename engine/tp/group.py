@@ -12,6 +12,9 @@ process may hold several engines. Two groups, both gloo on CPU (the compute one 
   gather of the vocabulary-parallel LM head's logits. Its timeout (``timeout_s``) bounds how long
   rank 0 waits on a rank that hangs; one that dies fails the collective at once.
 
+On the CPU the collectives small enough (a decode step's) go through shared memory instead of gloo when
+``use_shm`` gave them a segment (``shm_collectives.py``: rank 0 makes it, ``ranks.py``/``worker.py`` open it).
+
 ``attach(model)`` hooks those collectives on the model's projections (``combine``, which
 ``packed_linear.linear`` applies to a projection's output): the family's layer code is unchanged.
 """
@@ -24,6 +27,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from .shm_collectives import ShmCollectives
 
 if TYPE_CHECKING:
     from ..model import DecoderModel
@@ -44,6 +49,16 @@ class TPGroup:
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.compute = dist.ProcessGroupNCCL(dist.PrefixStore("compute", store), rank, size, options)
+        self.shm: ShmCollectives | None = None  # CPU ranks: the small collectives through shared memory
+
+    def use_shm(self, shm: ShmCollectives) -> None:
+        """From now on, collectives that fit a slot go through ``shm`` (every rank switches before the barrier)."""
+        self.shm = shm
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
     # ---- the step's inputs (rank 0 sends, the others receive) ----------------------------------
     def send(self, message: object) -> None:
@@ -72,14 +87,19 @@ class TPGroup:
     # ---- the model's collectives -----------------------------------------------------------------
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum over ranks of ``t`` (in place): a row-parallel projection's output."""
+        if self.shm is not None and self.shm.fits(t):
+            return self.shm.all_reduce(t)
         self.compute.allreduce([t]).wait()
         return t
 
     def gather_vocab(self, vocab_size: int):
         """``combine`` for the LM head: each rank's logits ``[rows, V/N]`` -> every rank's ``[rows, V]``."""
         def gather(t: torch.Tensor) -> torch.Tensor:
+            t = t.contiguous()
+            if self.shm is not None and self.shm.fits(t):
+                return self.shm.all_gather_last(t)[..., :vocab_size]
             parts = [torch.empty_like(t) for _ in range(self.size)]
-            self.compute.allgather([parts], [t.contiguous()]).wait()
+            self.compute.allgather([parts], [t]).wait()
             return torch.cat(parts, dim=-1)[..., :vocab_size]
 
         return gather

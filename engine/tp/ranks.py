@@ -6,7 +6,9 @@
 1. opens a TCPStore on a free localhost port and starts ranks 1..N-1, each a
    ``python -m pdserve.engine.tp.worker`` process (``worker.py``) told the model's source, its rank, the
    KV pool's size and the engine switches; torch's thread count is rank 0's;
-2. joins the process group with them (``group.py``) and hooks its collectives on rank 0's model;
+2. joins the process group with them (``group.py``) and hooks its collectives on rank 0's model; on the
+   CPU (``shm``) it makes the shared-memory segment of the small collectives first (``shm_collectives.py``),
+   which every rank maps before the barrier and rank 0 then unlinks;
 3. waits until every rank has loaded its shard and made its KV cache (a rank that cannot: a
    TensorParallelError with its one-line reason).
 
@@ -38,7 +40,9 @@ import torch.distributed as dist
 
 from ..errors import TensorParallelError
 from ..model import ForwardBatch
+from . import shm_collectives
 from .group import TPGroup
+from .shm_collectives import ShmCollectives
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +71,7 @@ class TensorParallelSteps:
         self._finalizer = weakref.finalize(self, _stop, group, procs)
 
     @classmethod
-    def start(cls, loaded, kv_cache, switches: dict, timeout_s: float) -> "TensorParallelSteps":
+    def start(cls, loaded, kv_cache, switches: dict, timeout_s: float, shm: bool = True) -> "TensorParallelSteps":
         size, device = loaded.tensor_parallel_size, loaded.device
         if loaded.source is None:
             raise ValueError("tensor parallelism needs a model from load_model (the other ranks load their "
@@ -79,17 +83,24 @@ class TensorParallelSteps:
                 "model": {**asdict(loaded.source), "dtype": str(loaded.source.dtype).removeprefix("torch.")},
                 "kv": {"num_blocks": kv_cache.num_blocks, "block_size": kv_cache.block_size,
                        "kv_dtype": kv_cache.kv_dtype}, "switches": switches}
+        segment = shm_collectives.create_segment(size) if shm and shm_collectives.usable(device) else ""
+        store.set("shm", segment)  # the workers open it before the barrier ("": gloo for every collective)
         procs = [subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp.worker",
                                    json.dumps({**spec, "rank": r})]) for r in range(1, size)]
         try:
             group = TPGroup(store, 0, size, device, timeout_s)
+            if segment:
+                group.use_shm(ShmCollectives(segment, 0, size, timeout_s, lambda: _exited_now(procs)))
             group.attach(loaded.model)
-            group.barrier()  # every rank loaded its shard
+            group.barrier()  # every rank loaded its shard (and mapped the segment)
         except RuntimeError as exc:
             _kill(procs)
             raise TensorParallelError(_start_failure(store, procs, exc)) from None
+        finally:
+            if segment:  # mapped by every rank (or not needed): nothing left in /dev/shm
+                shm_collectives.unlink_segment(segment, size)
         log.info("tensor parallelism: %d ranks (worker pids %s), %s", size, [p.pid for p in procs],
-                 "NCCL" if device.type == "cuda" else "gloo")
+                 "NCCL" if device.type == "cuda" else "gloo" + (" and shared memory" if segment else ""))
         return cls(loaded.model, kv_cache, group, procs)
 
     def run(self, batch: ForwardBatch, extra_rows, on_layer, on_rows) -> torch.Tensor:
@@ -162,6 +173,14 @@ def _start_failure(store: dist.TCPStore, procs: list[subprocess.Popen], exc: Bas
     return f"the tensor-parallel ranks did not start: {str(exc).splitlines()[0]}"
 
 
+def _exited_now(procs: list[subprocess.Popen]) -> str | None:
+    """A worker that has exited, in words (the shared-memory collectives' ``lost``), or None."""
+    for rank, proc in enumerate(procs, start=1):
+        if proc.poll() is not None:
+            return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.returncode}"
+    return None
+
+
 def _stop(group: TPGroup, procs: list[subprocess.Popen]) -> None:
     """STOP to every rank still running, then wait; kill what has not exited by STOP_GRACE_S."""
     if all(p.poll() is None for p in procs):
@@ -176,6 +195,7 @@ def _stop(group: TPGroup, procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             log.warning("tensor-parallel worker pid %d did not stop within %gs: killed", p.pid, STOP_GRACE_S)
     _kill(procs)
+    group.close()
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from datetime import timedelta
 
@@ -23,6 +24,7 @@ from ..kv_cache import KVCache
 from ..loader import load_model
 from .group import TPGroup
 from .ranks import START_TIMEOUT_S, moved, rank_device
+from .shm_collectives import ShmCollectives
 
 log = logging.getLogger("pdserve.engine.tp.worker")
 
@@ -37,6 +39,10 @@ def main(argv: list[str]) -> int:
     store = dist.TCPStore("127.0.0.1", spec["port"], size, False, timeout=timedelta(seconds=START_TIMEOUT_S))
     group = TPGroup(store, rank, size, device, spec["timeout_s"])
     try:
+        segment = store.get("shm").decode()
+        if segment:  # rank 0 made one: open it before the barrier (rank 0 unlinks it after)
+            parent = os.getppid()
+            group.use_shm(ShmCollectives(segment, rank, size, spec["timeout_s"], lambda: _parent_gone(parent)))
         model, kv = _load(spec, rank, device)
         group.attach(model)
     except Exception as exc:  # noqa: BLE001 - rank 0 reports it, in one line
@@ -51,6 +57,10 @@ def main(argv: list[str]) -> int:
         log.warning("stopping: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return 1
     return 0
+
+
+def _parent_gone(parent: int) -> str | None:
+    return None if os.getppid() == parent else f"tensor-parallel rank 0 (pid {parent}) exited"
 
 
 def _load(spec: dict, rank: int, device: torch.device):

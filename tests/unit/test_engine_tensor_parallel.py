@@ -8,8 +8,10 @@ head) and on the MoE one (Qwen3-MoE: each expert split, the router whole); chunk
 hits and prompt logprobs under TP 2. The ranks' shards of the built-in model are the TP 1 weights sliced.
 A worker killed mid-stream fails the next step with one line naming its rank; the engine is lost and its
 other workers gone, and the AsyncLLMEngine ends the streams and calls ``on_lost`` (a server exits there).
-After close() no worker is left running. The server flags that clash with TP > 1 are refused in one line;
-KV never crosses a TP engine's pool (P/D between TP servers is not built yet).
+On the CPU the small collectives go through shared memory by default; gloo alone gives the same tokens, and
+the segment leaves /dev/shm before the first step. After close() no worker is left running. The server flags
+that clash with TP > 1 are refused in one line; KV never crosses a TP engine's pool (P/D between TP servers is
+not built yet).
 """
 
 import argparse
@@ -88,6 +90,26 @@ def test_tp2_greedy_tokens_and_logits_equal_tp1(family, tmp_path):
     assert len(two_logits) == len(one_logits) == STEPS
     for step, (a, b) in enumerate(zip(one_logits, two_logits)):
         assert a.shape == b.shape and (a - b).abs().max().item() <= TOL, f"step {step}"
+
+
+def test_shared_memory_collectives_give_gloos_tokens_and_leave_nothing_in_dev_shm():
+    """The CPU ranks' small collectives through shared memory (the default) against gloo for every one."""
+    requests = _prompts(128)
+    runs = {}
+    for shm in (True, False):
+        engine = _engine("tiny", 2, tensor_parallel_shm=shm)
+        try:
+            segment = engine.runner.steps.group.shm
+            assert (segment is not None) == shm
+            if segment is not None:  # unlinked once every rank mapped it (before the first step)
+                assert not [f for f in os.listdir("/dev/shm") if f.startswith(os.path.basename(segment.path))]
+            seen = record_step_logits(engine)
+            runs[shm] = run_all(engine, requests), seen
+        finally:
+            engine.close()
+    assert runs[True][0] == runs[False][0]
+    for a, b in zip(runs[True][1], runs[False][1]):
+        assert (a - b).abs().max().item() <= TOL
 
 
 def test_chunked_prefill_prefix_hits_and_prompt_logprobs_under_tp2():

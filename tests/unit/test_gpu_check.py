@@ -1,10 +1,10 @@
 """tools/gpu/check.py, the prepared GPU check, end to end on this CPU (``--device cpu --smoke``).
 
-One smoke run in a subprocess (300 s hang guard; about 35 s here): every section is in
+One smoke run in a subprocess (300 s hang guard; about 55 s here): every section is in
 check.json with its figures (times, rates and fractions > 0), parity holds for every family
 in float32 (tokens equal, logits within 1e-4), the transformers twin computes the same logits,
-and the summary table is printed. The P/D section is skipped in a CPU smoke run (two servers:
-about 45 s here); its parsing and its kill at the budget are checked on a stand-in script.
+TP 2 on gloo gives TP 1's tokens, and the summary table is printed. The P/D section is skipped in a
+CPU smoke run (two servers: about 45 s here); its parsing and its kill at the budget are checked on a stand-in script.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_the_run_succeeds_and_prints_one_summary_table(smoke):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("GPU check summary") == 1
     table = proc.stdout[proc.stdout.index("GPU check summary"):]
-    for name in ("ceilings", "parity", "decode", "prefill", "transformers", "fp8", "pd"):
+    for name in ("ceilings", "parity", "decode", "prefill", "transformers", "fp8", "pd", "tp"):
         assert f"\n{name} " in table, name
     assert len(doc["summary"]) >= 20
 
@@ -46,10 +46,21 @@ def test_every_section_is_recorded(smoke):
     _, doc = smoke
     statuses = {name: s["status"] for name, s in doc["sections"].items()}
     assert statuses == {"ceilings": "ok", "parity": "ok", "decode": "ok", "prefill": "ok", "transformers": "ok",
-                        "fp8": "ok", "pd": "skipped"}
+                        "fp8": "ok", "pd": "skipped", "tp": "ok"}
     meta = doc["meta"]
     assert meta["device"] == "cpu" and meta["torch"] and meta["date"] and meta["plan"]["smoke"]
     assert meta["gpu_name"] is None and "triton" in meta
+
+
+def test_tensor_parallel_two_ranks_equal_one(smoke):
+    """The tp section on the CPU: TP 2 (gloo, one worker process) greedy tokens equal TP 1's, every time > 0."""
+    res = smoke[1]["sections"]["tp"]["results"]
+    assert res["sizes"] == [1, 2] and not res.get("unmeasured")
+    one, two = res["runs"]
+    assert two["tokens_equal"] and two["tokens"] == one["tokens"] and len(one["tokens"][0]) == 6
+    for row in (one, two):
+        assert row["prefill_ms"] > 0 and row["decode_b1_ms"] > 0 and row["decode_bn_ms"] > 0
+    assert two["prefill_speedup"] > 0 and two["decode_b1_speedup"] > 0
 
 
 def test_ceilings_are_positive(smoke):

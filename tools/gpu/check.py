@@ -80,9 +80,11 @@ def section_function(name: str):
     import parity
     import pdpair
     import perf
+    import tpcell
 
     return {"ceilings": ceilings.run, "parity": parity.run, "decode": perf.run_decode, "prefill": perf.run_prefill,
-            "transformers": hf_compare.run_transformers, "fp8": fp8cells.run_fp8, "pd": pdpair.run}[name]
+            "transformers": hf_compare.run_transformers, "fp8": fp8cells.run_fp8, "pd": pdpair.run,
+            "tp": tpcell.run_tp}[name]
 
 
 def effective_budget(plan: Plan, name: str, later: list[str], deadline: float) -> float:

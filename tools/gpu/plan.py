@@ -9,9 +9,9 @@ import argparse
 import os
 from dataclasses import dataclass, field, replace
 
-SECTIONS = ("ceilings", "parity", "decode", "prefill", "transformers", "fp8", "pd")
+SECTIONS = ("ceilings", "parity", "decode", "prefill", "transformers", "fp8", "pd", "tp")
 # seconds each later section is guaranteed before the deadline (a slow section cannot starve them)
-RESERVE = {"ceilings": 5, "parity": 20, "decode": 30, "prefill": 15, "transformers": 30, "fp8": 30, "pd": 75}
+RESERVE = {"ceilings": 5, "parity": 20, "decode": 30, "prefill": 15, "transformers": 30, "fp8": 30, "pd": 75, "tp": 20}
 FINAL = ("ok", "partial", "error", "killed", "crashed", "skipped")
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
                  num_kv_heads=8, head_dim=128, max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -51,8 +51,14 @@ class Plan:
     fp8_rounds: int = 4
     fp8_prefill_prompts: tuple = (8,)
     fp8_accuracy_prompts: int = 8
+    tp_layers: int = 4  # tpcell.py: the plan's widths with this many layers, TP 1 against every TP size that fits
+    tp_prompts: int = 4
+    tp_tokens: int = 16
+    tp_reps: int = 3
+    tp_decode_batch: int = 8
     budgets: dict = field(default_factory=lambda: {"ceilings": 30, "parity": 75, "decode": 150, "prefill": 45,
-                                                   "transformers": 110, "fp8": 60, "pd": 120})
+                                                   "transformers": 110, "fp8": 60, "pd": 120,
+                                                   "tp": 90})
     deadline: float = 450.0  # seconds after the start; the device command's limit is 600
     smoke: bool = False
 
@@ -64,8 +70,9 @@ SMOKE = Plan(copy_bytes=16 << 20, gemm_n=256, ceiling_reps=3, ceiling_warmup=1, 
              prefill_prompts=(1, 2), prefill_len=64, prefill_reps=2, hf_decode_batches=(1, 2), hf_context=64,
              hf_prefill_prompts=(1, 2), hf_reps=2, hf_steps=3, pd_requests=1, fp8_decode_batches=(1,),
              fp8_context=64, fp8_rounds=2, fp8_prefill_prompts=(2,), fp8_accuracy_prompts=2,
+             tp_layers=2, tp_prompts=2, tp_tokens=6, tp_reps=1, tp_decode_batch=2,
              budgets={"ceilings": 20, "parity": 60, "decode": 30, "prefill": 30, "transformers": 45, "fp8": 30,
-                      "pd": 90},
+                      "pd": 90, "tp": 60},
              deadline=280.0, smoke=True)
 
 

@@ -241,8 +241,29 @@ def fp8_rows(res: dict, plan) -> list:
     return out
 
 
+def tp_rows(res: dict, plan) -> list:
+    """Issue 47: TP n against TP 1 (tokens equal; speed reported, not judged: multi-GPU figures are unmeasured
+    until a machine with several GPUs runs this)."""
+    out = [("tp", "sizes", f"{res.get('sizes')} ({res.get('layers')} layers, {res.get('dtype')})", "", "")]
+    if res.get("unmeasured"):
+        out.append(("tp", "TP > 1", res["unmeasured"][:110], "", "n/a"))
+    for r in res.get("runs", []):
+        cell = f"TP {r['size']}"
+        if "prefill_ms" not in r:
+            out.append(("tp", cell, failed(r), "", "ERROR"))
+            continue
+        fig = f"prefill {r['prefill_ms']:.1f} ms, decode b1 {r['decode_b1_ms']:.2f} ms, b{plan.tp_decode_batch} " \
+              f"{r['decode_bn_ms']:.2f} ms"
+        if r["size"] == 1:
+            out.append(("tp", cell, fig, "", ""))
+            continue
+        fig += f" (x{r['prefill_speedup']}, x{r['decode_b1_speedup']}, x{r['decode_bn_speedup']} of TP 1)"
+        out.append(("tp", cell, fig[:110], "tokens equal TP 1", "ok" if r.get("tokens_equal") else "FAIL"))
+    return out
+
+
 ROWS = {"ceilings": ceilings_rows, "parity": parity_rows, "decode": decode_rows, "prefill": prefill_rows,
-        "transformers": transformers_rows, "fp8": fp8_rows, "pd": pd_rows}
+        "transformers": transformers_rows, "fp8": fp8_rows, "pd": pd_rows, "tp": tp_rows}
 
 
 def render_summary(doc: dict) -> str:
