@@ -76,7 +76,7 @@ ARG KIND=cpu
 RUN case "${KIND}" in cpu|cuda) ;; *) echo "KIND must be cpu or cuda, not '${KIND}'" >&2; exit 2 ;; esac \
  && /opt/pdserve/bin/pip install ".${EXTRAS:+[$EXTRAS]}" \
  && if [ "${KIND}" = cuda ]; then \
-        /opt/pdserve/bin/pip install "$(/opt/pdserve/bin/python -c 'import tomllib; (pin,) = [d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["nixl"] if d.startswith("nixl-cu12==")]; print(pin.replace("nixl-cu12", "nixl-cu13"))')"; \
+        /opt/pdserve/bin/pip install "$(/opt/pdserve/bin/python -I -c 'import tomllib; (pin,) = [d for d in tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["nixl"] if d.startswith("nixl-cu12==")]; print(pin.replace("nixl-cu12", "nixl-cu13"))')"; \
     fi \
  && if [ -n "${PRUNE}" ]; then /opt/pdserve/bin/pip uninstall --yes ${PRUNE}; fi \
  && if [ "${PRUNE_NVIDIA}" = 1 ]; then /opt/pdserve/bin/python /tmp/prune_nvidia.py; fi \
