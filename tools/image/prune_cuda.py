@@ -29,7 +29,9 @@ RULES = (
     ("nvidia/cu13/lib/libpcsamplingutil.so", "CUPTI's PC sampling utility"),
     ("nvidia/cu13/lib/libcheckpoint.so", "CUPTI's checkpoint API"),
     ("torch/include", "torch's C++ headers: building C++ extensions (no C++ compiler in the image)"),
-    ("triton/backends/amd", "Triton's AMD backend"),
+    ("triton/backends/amd/lib", "Triton's AMD code generator and device libraries: compiling for AMD GPUs only "
+     "(its Python modules stay: Triton imports every backend it finds)"),
+    ("triton/backends/amd/include", "HIP headers for Triton's AMD launcher"),
     ("triton/backends/nvidia/lib/cupti*", "two more CUPTI copies, for Triton's profiler (proton)"),
     ("triton/_C/libproton.so", "Triton's profiler (proton)"),
     ("triton/backends/nvidia/bin/cuobjdump", "a disassembler for Triton's debug dumps"),
