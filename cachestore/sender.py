@@ -55,6 +55,7 @@ from .errors import CompatError, TransferError, UnknownRequestError
 from .frames import TOKEN_BYTES, FrameType, encode_control
 from .handshake import check_endpoint
 from .link import Link, LinkConfig
+from .link_model import LinkModel
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from .scheduler import DEFAULT_MAX_WAIT, SCHEDULERS, Transfer, make_scheduler
 from .tls_sockets import TlsContexts
@@ -86,7 +87,8 @@ class CacheStoreSender:
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
                  scheduler: str = "priority", chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_wait: int = DEFAULT_MAX_WAIT,
                  connections_per_peer: int = 1, connect_timeout_s: float = 5.0, checksum: bool = False,
-                 stall_timeout_s: float = 30.0, corrupt_kv: int = 0, tls: TlsContexts | None = None):
+                 stall_timeout_s: float = 30.0, corrupt_kv: int = 0, tls: TlsContexts | None = None,
+                 link_model: LinkModel | None = None):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
         if chunk_bytes <= 0 or connections_per_peer <= 0 or not stall_timeout_s > 0:
@@ -99,6 +101,9 @@ class CacheStoreSender:
         self.connections_per_peer, self.connect_timeout_s = connections_per_peer, connect_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.tls = tls  # mutual TLS on every link connection (tls_sockets.py); None: plain TCP
+        if link_model is not None and transport != "tcp":
+            raise ValueError(f"a modelled link (link_model.py) paces the tcp transport only, got {transport!r}")
+        self.link_model = link_model  # a simulated link (link_model.py), shared by every link; None: the wire's
         self._lock = threading.Lock()
         self._requests: dict[str, _TxRequest] = {}
         self._failed: OrderedDict[str, TransferError] = OrderedDict()
@@ -280,7 +285,8 @@ class CacheStoreSender:
             if stale.alive:
                 threading.Thread(target=stale.close, daemon=True).start()
         config = LinkConfig(self.region, self.layout, self.compat, self.chunk_blocks, self.connections_per_peer,
-                            self.connect_timeout_s, self._transport, self.checksum, self.stall_timeout_s, self.tls)
+                            self.connect_timeout_s, self._transport, self.checksum, self.stall_timeout_s, self.tls,
+                            self.link_model)
         link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait), config)
         self._links[key] = link
         link.start()

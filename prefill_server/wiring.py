@@ -210,7 +210,7 @@ async def start_sender(parts: ServerParts, transport: str, scheduler: str, check
     """The CacheStore sender on the engine's KV pool (mutual TLS with ``tls_files``), started."""
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=transport, scheduler=scheduler,
                               checksum=checksum, stall_timeout_s=stall_timeout_s, corrupt_kv=test_hooks.corrupt_kv(),
-                              tls=tls_files)
+                              tls=tls_files, link_model=parts.link_model)
     await sender.start()
     return sender
 

@@ -8,7 +8,8 @@ Two tasks per prefill:
    stream (the prefill died or restarted) forgets its hashes at once and retries with backoff
    (0.1 s doubling to 2 s); the next snapshot's reason tells a restart (``epoch``) from a
    reconnect (``resync``), each counted in ``router_index_resyncs``. A snapshot of another
-   KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone).
+   KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone). A snapshot is one
+   gRPC message of every hash the prefill holds: the channel takes up to ``KV_EVENTS_MAX_MESSAGE_BYTES``.
 2. **load** - ``KvEvents.GetLoad`` every ``interval_s``: in flight, free blocks, ready, and the
    port of its HTTP API. A failed poll makes the prefill unroutable at once; a report older
    than ``expiry_s`` does not count.
@@ -23,12 +24,16 @@ import time
 
 import grpc
 
+from pdserve.defaults import KV_EVENTS_MAX_MESSAGE_BYTES
 from pdserve.kv_follow import follow
 from pdserve.kv_index import PrefixIndex
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 from pdserve.tls import TlsFiles, aio_channel
+
+
+RETIRE_GRACE_S = 600.0  # after a certificate rotation: how long the old channel's relays may still run
 
 
 class PrefillWatch:
@@ -40,10 +45,18 @@ class PrefillWatch:
         self.load: kpb.ServerLoad | None = None
         self.load_at = 0.0
         self.in_flight = 0  # requests this router is relaying to it now
-        self._channel = aio_channel(address, tls)  # mutual TLS with ``tls`` (pdserve/tls.py)
+        self.tls = tls  # mutual TLS (pdserve/tls.py); a rotation gets a new channel (_renew_if_rotated)
+        self._tasks: list[asyncio.Task] = []
+        self._retiring: set[asyncio.Task] = set()  # old channels closing once their relays end
+        self._open_channel()
+
+    def _open_channel(self) -> None:
+        # a snapshot of every block the prefill holds is one message
+        options = [("grpc.max_receive_message_length", KV_EVENTS_MAX_MESSAGE_BYTES)]
+        self._stamp = self.tls.stamp() if self.tls is not None else None
+        self._channel = aio_channel(self.address, self.tls, options)
         self._stub = kpb_grpc.KvEventsStub(self._channel)
         self.generator = gpb_grpc.GeneratorStub(self._channel)  # the router's gRPC Generate relays on it
-        self._tasks: list[asyncio.Task] = []
 
     # ---- what the router reads ---------------------------------------------------------------
     def routable(self) -> bool:
@@ -84,6 +97,24 @@ class PrefillWatch:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self._channel.close(grace)
+        for task in list(self._retiring):
+            task.cancel()
+
+    def _renew_if_rotated(self) -> bool:
+        """When the TLS files were rotated since the channel was made: a new channel (and KV-event stream:
+        the index resyncs this prefill) for what comes next; the old one closes once its relays end (up to
+        RETIRE_GRACE_S). Returns whether it renewed."""
+        if self.tls is None or self.tls.stamp() == self._stamp:
+            return False
+        old = self._channel
+        self._open_channel()
+        task = asyncio.create_task(old.close(RETIRE_GRACE_S))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        if self._tasks:  # started: follow the events on the new channel
+            self._tasks[0].cancel()
+            self._tasks[0] = asyncio.create_task(self._events(), name=f"kv-events {self.address}")
+        return True
 
     # ---- the two tasks -------------------------------------------------------------------------
     def _count(self, reason: str) -> None:
@@ -103,6 +134,7 @@ class PrefillWatch:
 
     async def _poll_load(self) -> None:
         while True:
+            self._renew_if_rotated()
             try:
                 self.load = await self._stub.GetLoad(kpb.LoadRequest(), timeout=max(1.0, self.interval_s * 5))
                 self.load_at = time.monotonic()
