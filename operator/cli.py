@@ -29,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-image", default=os.environ.get("PDSERVE_IMAGE") or None,
                         help="image for InferenceServices that name none (default $PDSERVE_IMAGE; required "
                              "one way or the other)")
+    parser.add_argument("--cuda-image", default=os.environ.get("PDSERVE_CUDA_IMAGE") or None,
+                        help="image for the prefill and decode pools that ask for an NVIDIA GPU, when their "
+                             "InferenceService names none (default $PDSERVE_CUDA_IMAGE; else --default-image)")
     parser.add_argument("--protocol-version", default=None,
                         help="protocol version for InferenceServices that name none (default: this release's)")
     parser.add_argument("--network-policy", action="store_true", default=_env_flag("PDSERVE_NETWORK_POLICY"),
@@ -70,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve operator: --default-image (or $PDSERVE_IMAGE) is required: "
                          "the image pods run when an InferenceService names none")
     try:
-        config = OperatorConfig(default_image=args.default_image,
+        config = OperatorConfig(default_image=args.default_image, cuda_image=args.cuda_image,
                                 protocol_version=args.protocol_version or default_protocol_version(),
                                 network_policy=args.network_policy, prometheus_url=args.prometheus_url,
                                 image_pull_secrets=tuple(image_pull_secrets(args)), tls=args.tls)

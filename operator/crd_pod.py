@@ -33,6 +33,9 @@ GPU_RESOURCE_PREFIXES = ("nvidia.com/mig-",)
 GPU_NAMES = " or ".join([*GPU_RESOURCES, *(p + "*" for p in GPU_RESOURCE_PREFIXES)])  # for messages
 
 
+NVIDIA_PREFIX = "nvidia.com/"  # the GPU resources (nvidia.com/gpu, MIG slices) whose pools run the CUDA image
+
+
 def is_gpu_resource(name: str) -> bool:
     return name in GPU_RESOURCES or name.startswith(GPU_RESOURCE_PREFIXES)
 GPU_DEVICE = "cuda"  # what --device says on a GPU pool (ROCm builds of torch call AMD GPUs cuda too)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pdserve import defaults
 from pdserve.operator import crd_pod, crds, naming
 from pdserve.operator.config import OperatorConfig
+from pdserve.operator.pod_settings import uses_nvidia_gpu
 
 
 def _meta(body: dict) -> tuple[str, str | None]:
@@ -71,6 +72,12 @@ def image_pull_secrets(isvc: dict, config: OperatorConfig) -> list[dict]:
     return [{"name": n} for n in dict.fromkeys(names)]
 
 
+def default_image(config: OperatorConfig, pod_settings: dict) -> str:
+    """The image of a pool whose InferenceService names none: the operator's CUDA image where the pool
+    asks for an NVIDIA GPU (pod_settings.uses_nvidia_gpu), else its default image."""
+    return config.cuda_image if config.cuda_image and uses_nvidia_gpu(pod_settings) else config.default_image
+
+
 def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
     """What every pool (and the router) takes from the InferenceService, plus its own hardware,
     engine and pod settings (``POD_KEYS``) from ``pod_settings``."""
@@ -78,7 +85,7 @@ def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
     name, _ = _meta(isvc)
     out = {
         "inferenceService": name,
-        "image": spec.get("image") or config.default_image,
+        "image": spec.get("image") or default_image(config, pod_settings),
         "protocolVersion": protocol_version(isvc, config),
         **_with_defaults(spec),
     }

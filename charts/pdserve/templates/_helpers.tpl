@@ -43,6 +43,12 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The CUDA image reference (repository defaults to image.repository + "-cuda", tag to image.tag). */}}
+{{- define "pdserve.cudaImage" -}}
+{{- $cuda := .Values.image.cuda | default dict -}}
+{{- printf "%s:%s" (default (printf "%s-cuda" .Values.image.repository) $cuda.repository) (default (default .Chart.AppVersion .Values.image.tag) $cuda.tag) -}}
+{{- end -}}
+
 {{/* Whether kopf peering is on (explicitly, or because there is more than one replica). */}}
 {{- define "pdserve.peering" -}}
 {{- if or .Values.operator.peering.enabled (gt (int .Values.operator.replicas) 1) -}}true{{- end -}}
