@@ -163,7 +163,7 @@ ACCEPTED = [
     ("a CPU pool without cpu resources", lambda s: _gpus(s["decode"][0], {"limits": {"memory": "8Gi"}}, 2)),
     ("a CPU pool with a cpu per rank", lambda s: _gpus(s["decode"][0], {"requests": {"cpu": "4000m"}}, 4)),
     ("other flags beginning alike",
-     lambda s: s["prefill"]["engine"].update(extraArgs=["--threads", "4", "--tls-ca=/etc/ca.pem"])),
+     lambda s: s["prefill"]["engine"].update(extraArgs=["--threads", "4"])),
     ("a CPU pool with fewer cpu than ranks (slow, documented)",
      lambda s: _gpus(s["decode"][0], {"limits": {"cpu": "1"}}, 2)),
 ]
