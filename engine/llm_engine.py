@@ -75,7 +75,7 @@ class LLMEngine(EngineCore):
             by_need = config.max_num_seqs * blocks_needed(max_model_len, config.block_size)
             num_blocks = max(1, min(by_memory, by_need))
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_shape.num_kv_heads, cfg.head_dim,
-                                loaded.dtype, loaded.device, config.kv_cache_dtype)
+                                loaded.dtype, loaded.device, config.kv_cache_dtype, config.kv_cache_shared)
         self.sampler = Sampler(loaded.device, config.seed)
         self.device = loaded.device
         switches = dict(fused_elementwise=config.fused_elementwise, merged_projections=config.merged_projections,
