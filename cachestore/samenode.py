@@ -66,8 +66,13 @@ def describe(region: MemoryRegion) -> dict:
         st = os.fstat(fd)
         return {"boot_id": node, "kind": "memfd", "pid": os.getpid(), "fd": fd, "dev": st.st_dev, "ino": st.st_ino,
                 "nbytes": region.nbytes}
+    try:
+        handle = _export_cuda(region.owner)
+    except (AttributeError, RuntimeError, TypeError) as exc:  # no tensor behind it, or the driver refuses
+        log.warning("the KV pool cannot be exported by CUDA IPC (%s): no same-node KV transfer to it", exc)
+        return {}
     return {"boot_id": node, "kind": "cuda_ipc", "nbytes": region.nbytes, "device": region.device_id,
-            "handle": _export_cuda(region.owner)}
+            "handle": handle}
 
 
 def _export_cuda(tensor: Any) -> list:
