@@ -5,8 +5,9 @@ Read first: ``cachestore/README.md`` (protocol sequence), then ``receiver.py`` a
 blocks), ``transport.py`` (tcp and nixl behind one interface per side), ``link.py``
 (connections, threads; ``nixl_link.py`` its NIXL WRITEs),
 ``samenode.py`` (a decode's pool mapped by a prefill of the same machine: ``samenode_link.py``,
-``samenode_receive.py``, ``landing.py``), ``scheduler.py`` (MoLink / FIFO) and ``frames.py`` (wire format). It never imports the
-engine: it sees a ``MemoryRegion`` (the KV pool tensor, registered once) and a ``KVLayout``.
+``samenode_receive.py``, ``landing.py``), ``scheduler.py`` (MoLink / FIFO) and ``frames.py``
+(wire format). It never imports the engine: it sees a ``MemoryRegion`` (the KV pool tensor,
+registered once) and a ``KVLayout``.
 
 Usage (decode side receives, prefill side sends)::
 
@@ -74,5 +75,6 @@ from .tls_sockets import TlsContexts
 __all__ = [
     "BindRefused", "CHECKSUM_MISMATCH", "CacheStoreReceiver", "CacheStoreSender", "ChecksumError", "CompatError",
     "CompatInfo", "Destination", "FifoScheduler", "KVLayout", "MemoryRegion", "PriorityScheduler", "ProtocolError",
-    "SAME_NODE_MODES", "SameNodeError", "TRANSPORTS", "TlsContexts", "TransferError", "UnknownRequestError", "WIRE_VERSION", "merge_runs",
+    "SAME_NODE_MODES", "SameNodeError",
+    "TRANSPORTS", "TlsContexts", "TransferError", "UnknownRequestError", "WIRE_VERSION", "merge_runs",
 ]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
-from typing import Any
+from typing import Any, cast
 
 from .memory import MemoryRegion
 
@@ -164,7 +164,7 @@ def _open_memfd(desc: dict, nbytes: int) -> Any:
         storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
     finally:
         os.close(fd)  # the mapping keeps the memory; the fd is not needed any more
-    return torch.empty(0, dtype=torch.uint8).set_(storage)
+    return torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
 
 
 def _open_cuda(desc: dict, region: MemoryRegion, nbytes: int) -> RemoteRegion:

@@ -88,7 +88,7 @@ class SameNodeSend:
                 t.corrupt = False
                 flips.append((t.layer * self.remote_num_blocks + slices[0][1]) * bnb)
                 log.warning("TEST HOOK: corrupting one byte of request %r layer %d", t.key, t.layer)
-            records.append((t.key, t.layer, t.token, out))
+            records.append((str(t.key), t.layer, t.token, out))
         remote.sync()  # every byte landed before the receiver hears of it
         for dst in flips:
             remote.flip(dst)

@@ -310,7 +310,8 @@ class CacheStoreSender:
         if self.same_node == "off":
             return None
         try:
-            remote = open_remote(ep.local, self.region, self.layout.num_layers * ep.num_blocks * self.layout.block_nbytes)
+            needs = self.layout.num_layers * ep.num_blocks * self.layout.block_nbytes
+            remote = open_remote(ep.local, self.region, needs)
         except SameNodeError as exc:
             if self.same_node == "on":
                 raise TransferError(f"same-node KV transfer to {ep.host}:{ep.port} is required (same_node='on') "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import cast
 
 import torch
 
@@ -35,5 +36,5 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tens
     except BaseException:
         os.close(fd)
         raise
-    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    flat = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
     return flat.view(dtype).view(shape), fd

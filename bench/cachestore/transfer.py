@@ -54,8 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per element (default 2)")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="sender chunk size in MiB (default 4)")
-    parser.add_argument("--transports", default="tcp,nixl", help="comma-separated: tcp,nixl,samenode (default tcp,nixl; "
-                        "samenode: the receiver's pool mapped here, cachestore/samenode.py)")
+    parser.add_argument("--transports", default="tcp,nixl",
+                        help="comma-separated: tcp,nixl,samenode (default tcp,nixl; samenode: the receiver's pool "
+                             "mapped here, cachestore/samenode.py)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per figure; the median is reported (default 5)")
     parser.add_argument("--quick", action="store_true", help="small set: 8 layers x 1024 tokens (32 MiB), 2 repeats")
     parser.add_argument("--mixed", action="store_true",
@@ -119,7 +120,8 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
         kinds = []
         modes = ["on", "off"] if args.checksum == "both" else [args.checksum]
         for t in transports:
-            kinds += ([f"raw_{t}"] if t != "samenode" else []) + [f"ours_{t}:{m}" for m in modes] + (["rawchunks_nixl"] if t == "nixl" else [])
+            kinds += ([f"raw_{t}"] if t != "samenode" else []) + [f"ours_{t}:{m}" for m in modes]
+            kinds += ["rawchunks_nixl"] if t == "nixl" else []
         runs: dict[str, list[dict]] = {k: [] for k in kinds}
         senders: dict[str, object] = {}
         raw_nixl = None

@@ -78,7 +78,8 @@ def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), n
                  grpc_port: int | None = None, step_floor_s: float = 0.0, env: dict | None = None,
                  same_node: str = "off") -> Server:
     """``same_node``: ``--kv-same-node`` (off by default here: a test of ``transfer`` moves KV by it;
-    tests/e2e/test_pd_same_node.py covers the same-node path). ``grpc_port``: a port chosen before (a prefill may list the decode before it starts).
+    tests/e2e/test_pd_same_node.py covers the same-node path). ``grpc_port``: a port chosen before (a prefill
+    may list the decode before it starts).
     ``step_floor_s``: every decode step lasts at least this long (the test hook
     ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``): a stream of N tokens lasts >= N x that on any CPU, for a
     test that acts while it still runs. ``env``: more of the process's environment (other test hooks)."""
