@@ -7,7 +7,8 @@ in its own process group, killed as a group at ``budget`` seconds. Its lines are
 this log (prefixed ``pd|``) and kept: the per-request lines (``request i: N prompt tokens, T s,
 ...``) give the timings, the last line the verdict. With the tcp transport first; then, when
 NIXL imports here (``nixl`` or ``nixl_cu12``, as cachestore/nixl_backend.py looks for it), again
-with ``--transfer nixl``. A run whose texts differ in bf16 is repeated in float32: equal there, the
+with ``--transfer nixl``; and with ``--transfer samenode`` (the decode's pool exported by CUDA IPC,
+the prefill copying each layer into it device to device, cachestore/samenode.py). A run whose texts differ in bf16 is repeated in float32: equal there, the
 bf16 difference is rounding at a near-tie; different there too, it is a bug.
 """
 
@@ -93,7 +94,8 @@ def run(ctx, rec: Record, budget: Budget) -> None:
     rec.results.update(nixl_importable=ok, nixl=why, runs=[])
     rec.note(f"nixl: {why}")
     # (transport, KV cache dtype): issue 45's "P/D texts with FP8 KV equal to the engine alone" on tcp
-    runs = [("tcp", "auto")] + ([("nixl", "auto")] if ok else []) + [("tcp", "fp8")]
+    # samenode (issue 51 item 1): the decode's pool by CUDA IPC, each layer copied device to device
+    runs = [("tcp", "auto"), ("samenode", "auto")] + ([("nixl", "auto")] if ok else []) + [("tcp", "fp8")]
     for transport, kv_dtype in runs:
         label = transport if kv_dtype == "auto" else f"{transport} fp8-kv"
         if budget.left() <= 5:
