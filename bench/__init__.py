@@ -12,6 +12,7 @@ measures (tests/unit/test_import_arrows.py).
   pdserve bench slo-policy   the cost of one ordering decision of the SLO queue (fifo, edf, qlm)
   pdserve bench reproduce    rerun a row of docs/results.md and print its new figure beside the published one
   pdserve bench sim-profile  fit a profile of the simulated engine (--engine sim) to the built-in engine's steps here
+  pdserve bench router-scale the router and its KV index at 16-64 prefills: req/s on one core, added latency, restart
 
 Run 'pdserve bench NAME --help' for the options of one benchmark.
 
@@ -48,6 +49,7 @@ BENCHES: dict[str, str] = {
     "slo-policy": "pdserve.bench.slo_policy",
     "reproduce": "pdserve.bench.reproduce",
     "sim-profile": "pdserve.bench.sim_profile",
+    "router-scale": "pdserve.bench.router_scale",
 }
 
 

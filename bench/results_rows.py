@@ -152,6 +152,20 @@ ROWS: tuple[ResultRow, ...] = (
         "pdserve bench experiment trace-routing --prefills 3 --out OUT",
         "docs/bench_raw/2026-11-30-trace-routing-3-prefills/trace_routing.json", reads="trace_routing"),
     ResultRow(
+        "router-scale-core", "Routing",
+        "one router core before 16 / 64 stand-in prefills (real KV-event streams, gRPC, SSE), the conversation "
+        "trace's prompts (real lengths): req/s one core carries against the rate of 64 H200 prefills (183 req/s, "
+        "from the h200-llama3-8b profile); index memory at 10M blocks",
+        "~200 / ~130-150 req/s (1-token responses); ~55 req/s streaming the trace's 343-token outputs; "
+        "10M blocks in 0.68-0.70 GiB",
+        "index met (Python sets, no native structure needed); 183 req/s met at 16 prefills and missed at 64 "
+        "(estimated from CPU per request), **missed 3.3x** when the outputs stream through it (34-40 us per "
+        "event); P99 added latency <= 5 ms **not shown** (load average 12-29: the best pair 27 ms p50)",
+        "2026-12-06", "Intel Xeon, 2 cores, load 12-29", "da8748f",
+        "pdserve bench router-scale --baseline-checkout /work/main --rate 30 --requests 300 --saturate-rate 120 "
+        "--nice -10 --out OUT",
+        "docs/bench_raw/2026-12-06-router-scale/router_scale.json"),
+    ResultRow(
         "slo-qlm-bursts", "SLO",
         "interactive SLO attainment and batch tok/s under bursts, qlm vs fifo (tiny model)",
         "1.0 vs 0.57; batch 0.91x fifo",

@@ -5,13 +5,14 @@ into the decode's registered memory; each WRITE carries a notification naming, f
 (request, layer) it holds, the destination blocks and (with checksums on) each slice's CRC32C,
 which the decode's agent delivers after the bytes have landed.
 
-Import name: the PyPI wheel ``nixl-cu12`` installs ``nixl_cu12``; source builds install
-``nixl``. Both are tried; the error (with the install hint) appears only when the ``nixl``
-transport is chosen.
+Import name: the PyPI wheels ``nixl-cu12``/``nixl-cu13`` install ``nixl_cu12``/``nixl_cu13`` (CUDA 12 or
+13 builds: the one matching torch's CUDA); source builds install ``nixl``. All are tried (``NIXL_MODULES``,
+in order); the error (with the install hint) appears only when the ``nixl`` transport is chosen.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import struct
@@ -28,17 +29,21 @@ _NOTIF_SLICE = struct.Struct("!QII")     # dst block, nblocks, CRC32C of the sli
 NOTIF_CRC32C = 0x01
 
 
+NIXL_MODULES = ("nixl", "nixl_cu13", "nixl_cu12")  # a source build, then the PyPI wheels' import names
+
+
 def load_nixl() -> Any:
     """NIXL's ``_api`` module (nixl_agent, nixl_agent_config, ...), or a RuntimeError saying how to install it."""
-    try:
-        from nixl import _api
-    except ImportError:
+    for name in NIXL_MODULES:
         try:
-            from nixl_cu12 import _api
-        except ImportError as exc:
-            raise RuntimeError(
-                "transport='nixl' needs the NIXL Python package (import nixl or nixl_cu12): "
-                "pip install 'pdserve[nixl]' (nixl-cu12), or use transport='tcp'") from exc
+            _api = importlib.import_module(f"{name}._api")
+            break
+        except ImportError:
+            continue
+    else:
+        raise RuntimeError(
+            f"transport='nixl' needs the NIXL Python package (import {', '.join(NIXL_MODULES)}): "
+            "pip install 'pdserve[nixl]' (nixl-cu12), or use transport='tcp'")
     if not os.environ.get("NIXL_LOG_LEVEL"):
         # NIXL logs every agent and backend creation at INFO to stdout; keep warnings only
         logging.getLogger("nixl").setLevel(logging.WARNING)

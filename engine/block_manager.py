@@ -16,7 +16,8 @@ Contracts
   and nothing changed.
 - ``listener`` (optional, a PrefixCacheListener) hears every change of the set of hashes the
   cache can match (``prefix_hashes()``): ``stored`` when a hash is recorded, ``removed`` when
-  its block is evicted, ``cleared`` by ``clear_prefix_cache``. It is called on the thread that
+  its block is evicted (once per allocation, with every block it evicted: one KV event, not one
+  per block), ``cleared`` by ``clear_prefix_cache``. It is called on the thread that
   calls the BlockManager (the engine thread), in order, and must not call back into it.
 - ``tiers`` (optional, a LowerTiers: ``engine/kv_tiers.py``) catches evicted cached blocks:
   their KV is copied down (host memory, then disk) instead of lost, and a prompt whose chained
@@ -50,10 +51,18 @@ def block_hash(parent: int | None, token_ids: list[int] | tuple[int, ...]) -> in
 
 
 def chained_hashes(token_ids: list[int], block_size: int, parent: int | None = None) -> list[int]:
-    """Hashes of every full block of ``token_ids`` (a trailing partial block has none)."""
+    """Hashes of every full block of ``token_ids`` (a trailing partial block has none): ``block_hash`` of each,
+    chained, with the ids packed once (the router hashes every prompt: its bytes per block are the same)."""
+    num_full = len(token_ids) // block_size if block_size > 0 else 0
+    if num_full == 0:
+        return []
+    data = memoryview(struct.pack(f"<{num_full * block_size}q", *token_ids[: num_full * block_size]))
+    step = 8 * block_size
     out = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+    for start in range(0, num_full * step, step):
+        h = hashlib.blake2b(struct.pack("<q", -1 if parent is None else parent), digest_size=8)
+        h.update(data[start : start + step])
+        parent = struct.unpack("<q", h.digest())[0]
         out.append(parent)
     return out
 
@@ -186,7 +195,7 @@ class BlockManager:
         for b in hits:
             self._take_ref(b)
         taken = self._take_lower(lower)  # before _pop_fresh: its evictions may push tier entries out
-        table = hits + [self._pop_fresh() for _ in range(fresh)]
+        table = hits + self._pop_fresh_many(fresh)
         for (h, payload), b in zip(taken, table[len(hits):]):
             self._lower().restore(b, payload)
             self._hash[b] = h
@@ -220,7 +229,7 @@ class BlockManager:
             return
         if extra > self.num_free_blocks():
             raise OutOfBlocksError(f"need {extra} more KV blocks but only {self.num_free_blocks()} are free")
-        block_table.extend(self._pop_fresh() for _ in range(extra))
+        block_table.extend(self._pop_fresh_many(extra))
 
     def register_full_blocks(self, block_table: list[int], hashes: list[int], num_tokens: int,
                              token_ids: list[int]) -> None:
@@ -285,15 +294,23 @@ class BlockManager:
                 self._cached.pop(h, None)
         self._ref[block] += 1
 
-    def _pop_fresh(self) -> int:
+    def _pop_fresh_many(self, n: int) -> list[int]:
+        """``n`` fresh blocks; the hashes their evictions took from the cache go to the listener in one call."""
+        gone: list[int] = []
+        blocks = [self._pop_fresh(gone) for _ in range(n)]
+        if gone and self.listener is not None:
+            self.listener.removed(gone)
+        return blocks
+
+    def _pop_fresh(self, gone: list[int]) -> int:
+        """A fresh block (a free one, else the least recently freed cached one, evicted: its hash, or what
+        the tiers let go, is appended to ``gone``)."""
         if self._free:
             block = self._free.popleft()
         else:
             h, block = self._cached.popitem(last=False)  # least recently freed
             del self._by_hash[h]
             self._hash[block] = None
-            gone = [h] if self.tiers is None else self.tiers.evict(h, block)
-            if gone and self.listener is not None:
-                self.listener.removed(gone)
+            gone += [h] if self.tiers is None else self.tiers.evict(h, block)
         self._ref[block] = 1
         return block

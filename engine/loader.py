@@ -33,7 +33,7 @@ from . import fp8
 from .config import ModelConfig, read_config_json
 from .errors import ModelLoadError
 from .quant_config import QuantScheme, read_quantization
-from .weight_memory import check_fits, too_large, weight_bytes
+from .weight_memory import check_fits, too_large, weight_bytes, where
 from .weight_source import WeightSource, shape_error
 from .model import DecoderModel
 from .models import layer_class
@@ -278,13 +278,15 @@ def load_model(
 def _build_on_device(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.device, scheme, shard: Shard):
     """build_model, after checking on CUDA that the weights fit the free memory (weight_memory.py): a model
     too large is refused naming the sizes, before anything is allocated, and so is an out-of-memory error
-    while building (activations or another process took the margin)."""
+    while building (activations or another process took the margin). At tensor-parallel size N each rank
+    checks its own shard on its own GPU, and its refusal names the rank, N and the whole model's size."""
     if device.type != "cuda":
         return build_model(cfg, get_tensor, dtype, device, scheme, shard)
-    need = weight_bytes(shard.config, dtype, scheme)
+    need = weight_bytes(cfg, dtype, scheme, shard)  # this rank's part (the whole model at size 1)
+    on = where(str(device), shard, weight_bytes(cfg, dtype, scheme) if shard.size > 1 else need)
     free, total = torch.cuda.mem_get_info(device)
-    check_fits(need, free, total, str(device))
+    check_fits(need, free, total, on)
     try:
         return build_model(cfg, get_tensor, dtype, device, scheme, shard)
     except torch.cuda.OutOfMemoryError:
-        raise too_large(need, free, total, str(device), " at the start (out of memory while loading)") from None
+        raise too_large(need, free, total, on, " at the start (out of memory while loading)") from None

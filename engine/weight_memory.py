@@ -2,11 +2,15 @@
 
 ``weight_bytes(cfg, dtype, scheme)`` counts every checkpoint tensor at the size it is loaded in:
 ``dtype``'s for plain ones, one byte per element (plus a float32 scale per row) for the projections
-an FP8 scheme quantizes; a tied LM head once. ``check_fits(need, free, total, where)`` raises
-``ModelLoadError`` saying "needs N GiB, M GiB free" (and what to try) instead of letting a CUDA
-out-of-memory error end the start-up with a traceback; ``loader.load_model`` calls it on CUDA before
-building the model (``torch.cuda.mem_get_info``), and turns an out-of-memory error during the build
-into the same message.
+an FP8 scheme quantizes; a tied LM head once. With a tensor-parallel ``shard`` (``tp/shard.py``) it is
+that rank's part: each tensor at the shape the rank loads (heads, MLP rows and LM-head rows divided by
+the size, the embedding and norms whole), so the check is per rank, on the rank's own GPU.
+``check_fits(need, free, total, where)`` raises ``ModelLoadError`` saying "needs N GiB, M GiB free"
+(and what to try) instead of letting a CUDA out-of-memory error end the start-up with a traceback;
+``loader.load_model`` calls it on CUDA before building the model (``torch.cuda.mem_get_info``), and
+turns an out-of-memory error during the build into the same message. ``where(device, shard, whole)``
+names the device, and at tensor-parallel size > 1 the rank, the size and the whole model's bytes (a
+worker rank's refusal reaches rank 0's log as "tensor-parallel rank R could not start: ...").
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from .config import ModelConfig
 from .errors import ModelLoadError
 from .models import layer_class
 from .quant_config import QuantScheme
+from .tp.shard import Shard
 
 GIB = 1 << 30
 
 
-def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: QuantScheme | None = None) -> int:
-    """Bytes of the loaded weights (what ``build_model`` puts on the device)."""
+def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: QuantScheme | None = None,
+                 shard: Shard | None = None) -> int:
+    """Bytes of the loaded weights (what ``build_model`` puts on the device); with ``shard`` (``cfg`` the
+    whole model's), what that tensor-parallel rank loads."""
     quantized = layer_class(cfg).QUANTIZED_PARAMS if scheme is not None else ()
     sources = {}  # hf name -> our parameter suffix (q_proj.weight, experts_gate_up, ...)
     for i in range(cfg.num_layers):
@@ -31,7 +38,8 @@ def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: QuantScheme | Non
             for name, _ in tensors:
                 sources[f"model.layers.{i}.{name}"] = param
     total = 0
-    for name, shape in hf_tensor_shapes(cfg).items():
+    for name, whole in hf_tensor_shapes(cfg).items():
+        shape = whole if shard is None else shard.shape(name, whole)
         elements = 1
         for n in shape:
             elements *= n
@@ -48,9 +56,20 @@ def check_fits(need: int, free: int, total: int, where: str) -> None:
         raise too_large(need, free, total, where)
 
 
+def where(device: str, shard: Shard | None = None, whole: int = 0) -> str:
+    """The device a check is about: itself at tensor-parallel size 1; else also the rank, the size, and the
+    whole model's weight bytes (``whole``), which the size divides."""
+    if shard is None or shard.size == 1:
+        return device
+    return (f"{device} (tensor-parallel rank {shard.rank} of {shard.size}: its shard of the model's "
+            f"{whole / GIB:.1f} GiB)")
+
+
 def too_large(need: int, free: int, total: int, where: str, during: str = "") -> ModelLoadError:
     """The error of a model that does not fit: its sizes, and what to try."""
+    more = ("more tensor-parallel ranks (--tensor-parallel-size; an InferenceService pool's parallelism.tensor and "
+            "as many GPUs), " if "tensor-parallel rank" in where else "")
     return ModelLoadError(
         f"the model's weights need {need / GIB:.1f} GiB on {where}, {free / GIB:.1f} GiB free of {total / GIB:.1f} "
-        f"GiB{during}: use a GPU with more memory, --quantization fp8 (half the weight bytes of bf16), or free the "
-        "device (another process holds the rest)")
+        f"GiB{during}: use a GPU with more memory, {more}--quantization fp8 (half the weight bytes of bf16), or free "
+        "the device (another process holds the rest)")

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from pdserve import defaults, model_source
-from pdserve.operator import crd_pod, naming
+from pdserve.operator import crd_parallel, crd_pod, naming
 from pdserve.operator.crd_policy import AUTOSCALING, ROUTER, SLO, SLO_CLASS  # noqa: F401 - the policy layer's fragments
 from pdserve.operator.crd_schema import (  # noqa: F401 - the limits and defaults are re-exported for the builders
     BACKENDS, DEFAULT_BACKEND, DEFAULT_MOUNT_PATH, DEFAULT_POLICY, DEFAULT_REPLICAS, DEFAULT_TBT_MS, DEFAULT_TTFT_MS,
@@ -38,12 +38,15 @@ def _pool_properties(replicas_description: str, role: str) -> dict:
         "nodeSelector": NODE_SELECTOR,
         "tolerations": TOLERATIONS,
         "engine": crd_pod.engine_schema(role),
+        "parallelism": crd_parallel.PARALLELISM,
         **crd_pod.POD_SETTINGS,
         "disruptionBudget": crd_pod.DISRUPTION_BUDGET,
         "rollout": crd_pod.ROLLOUT,
     }
 
 
+# the rules on one pool: its settings' (crd_pod.py), then its parallelism's (crd_parallel.py)
+POOL_RULES = [*crd_pod.POOL_RULES, *crd_parallel.POOL_RULES]
 _QUANTITY = RESOURCES["properties"]["limits"]["additionalProperties"]
 _HF_ONLY = "self.source.startsWith('hf://')"
 
@@ -152,7 +155,7 @@ DECODE_POOL_ITEM = _obj(
                   maxLength=naming.MAX_POOL_NAME),
      **_pool_properties("Decode pods in this pool.", "decode")},
     required=["name"],
-    **{"x-kubernetes-validations": crd_pod.POOL_RULES},
+    **{"x-kubernetes-validations": POOL_RULES},
 )
 
 BATCH_STORAGE = _obj(
@@ -174,7 +177,7 @@ ISVC_SPEC = _obj(
         "imagePullSecrets": crd_pod.IMAGE_PULL_SECRETS,
         "prefill": _obj({**_pool_properties("Prefill pods.", "prefill"), "batchStorage": BATCH_STORAGE},
                         description="The prefill pool (the front door when there is no router).", default={},
-                        **{"x-kubernetes-validations": crd_pod.POOL_RULES}),
+                        **{"x-kubernetes-validations": POOL_RULES}),
         "router": ROUTER,
         "decode": {
             "type": "array",
@@ -293,7 +296,7 @@ def _pool_spec(role: str) -> dict:
         properties["poolName"] = _str("The pool's name in the InferenceService.", pattern=naming.DNS_LABEL,
                                       maxLength=naming.MAX_POOL_NAME)
         required.append("poolName")
-    return _obj(properties, required=required, **{"x-kubernetes-validations": crd_pod.POOL_RULES})
+    return _obj(properties, required=required, **{"x-kubernetes-validations": POOL_RULES})
 
 
 # --- the CRDs --------------------------------------------------------------------------

@@ -3,10 +3,11 @@ additions and a PodDisruptionBudget. The schema of these settings is ``crd_pod.p
 
 - ``engine_args(spec)``: the engine flags of a prefill or decode server: ``--device cuda`` and a
   GPU dtype on a GPU pool (``uses_gpu``), and what ``spec.engine`` says (dtype, KV cache size,
-  batch and context limits, engine, then ``extraArgs`` verbatim);
+  batch and context limits, engine), ``parallelism`` (``parallelism.py``), then ``extraArgs`` verbatim;
 - ``apply(template, spec, selector)``: adds the pod settings to a pod template the workload
   builders made (env, envFrom, volumes and mounts, /dev/shm, capabilities, scheduling, image
-  pull secrets, pod labels and annotations under the operator's own);
+  pull secrets, pod labels and annotations under the operator's own), then what tensor parallelism
+  needs (``parallelism.apply``);
 - ``build_disruption_budget(...)``: the PodDisruptionBudget that goes with each Deployment.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import copy
 from decimal import Decimal, InvalidOperation
 
-from pdserve.operator import crd_pod
+from pdserve.operator import crd_pod, parallelism
 
 _SUFFIXES = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
              "Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "Ti": 1 << 40, "Pi": 1 << 50, "Ei": 1 << 60}
@@ -71,7 +72,7 @@ def engine_args(spec: dict) -> list[str]:
                         ("maxModelLen", "--max-model-len")):
         if engine.get(field) is not None:
             args += [flag, str(int(engine[field]))]
-    return args + list(engine.get("extraArgs") or [])
+    return args + parallelism.args(spec, uses_gpu(spec)) + list(engine.get("extraArgs") or [])
 
 
 def _spread(constraint: dict, selector: dict) -> dict:
@@ -113,6 +114,7 @@ def apply(template: dict, spec: dict, selector: dict) -> None:
         metadata["labels"] = {**spec["podLabels"], **metadata["labels"]}
     if spec.get("podAnnotations"):
         metadata["annotations"] = {**spec["podAnnotations"], **metadata.get("annotations", {})}
+    parallelism.apply(template, spec, uses_gpu(spec))
 
 
 DEFAULT_BUDGET = {"maxUnavailable": 1}

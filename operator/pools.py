@@ -60,9 +60,9 @@ def _pool(kind: str, name: str, namespace: str | None, isvc_name: str, role: str
 
 
 # What a pool (or the router) copies from its own part of the InferenceService (spec.prefill,
-# spec.decode[i], spec.router): its hardware, engine and pod settings (crd_pod.py).
-POD_KEYS = ("resources", "nodeSelector", "tolerations", "engine", *crd_pod.POD_SETTINGS, "disruptionBudget",
-            "rollout")
+# spec.decode[i], spec.router): its hardware, engine, parallelism (crd_parallel.py) and pod settings (crd_pod.py).
+POD_KEYS = ("resources", "nodeSelector", "tolerations", "engine", "parallelism", *crd_pod.POD_SETTINGS,
+            "disruptionBudget", "rollout")
 
 
 def image_pull_secrets(isvc: dict, config: OperatorConfig) -> list[dict]:

@@ -15,7 +15,7 @@ __all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "MAX_NUM_BATCHED_TOKENS", "LONG_PREFIL
            "DECODE_HTTP_PORT", "HTTP_PORT",
            "KV_TRANSFER_PORT", "KV_POOL_PORT", "PREFILL_GRPC_PORT", "ENV_POOL", "ENV_INFERENCE_SERVICE",
            "REQUEST_TIMEOUT_S", "REQUEST_TIMEOUT_HEADER", "SESSION_TIMEOUT_S", "PREFILL_WAIT_S", "MAX_QUEUED_REQUESTS",
-           "RESUME_WAIT_S", "TOKENIZER_WAIT_S", "DISAGGREGATION_MODES",
+           "RESUME_WAIT_S", "TOKENIZER_WAIT_S", "KV_EVENTS_MAX_MESSAGE_BYTES", "DISAGGREGATION_MODES",
            "DISAGGREGATION", "ENV_SLO_CLASSES",
            "BATCH_DB", "BATCH_DATA_MOUNT", "BATCH_MAX_IN_FLIGHT", "BATCH_MAX_FILE_BYTES", "BATCH_SLO_CLASS",
            "API_KEYS_MOUNT", "API_KEYS_FILE", "API_KEYS_SECRET_KEY"]
@@ -32,6 +32,12 @@ DECODE_HTTP_PORT = 8001
 KV_TRANSFER_PORT = 50060
 # Decode pods with --kv-pool: the KVLender (blocks lent to peers, micro-attention over them).
 KV_POOL_PORT = 50070
+
+# KV-event subscribers (the router of its prefills): the largest gRPC message they take. A stream's first
+# message is the server's whole hash set (protos/kv_events.proto): ~10 bytes per block, so gRPC's 4 MiB
+# default refused every prefill holding more than ~400k blocks (`pdserve bench router-scale`, issue 50);
+# 256 MiB is ~25M blocks per prefill.
+KV_EVENTS_MAX_MESSAGE_BYTES = 256 * 2**20
 
 # Prefill: the end-to-end deadline of one request, in seconds (--request-timeout; clients
 # may only shorten it, with X-Request-Timeout or a gRPC deadline).

@@ -8,7 +8,8 @@ Two tasks per prefill:
    stream (the prefill died or restarted) forgets its hashes at once and retries with backoff
    (0.1 s doubling to 2 s); the next snapshot's reason tells a restart (``epoch``) from a
    reconnect (``resync``), each counted in ``router_index_resyncs``. A snapshot of another
-   KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone).
+   KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone). A snapshot is one
+   gRPC message of every hash the prefill holds: the channel takes up to ``KV_EVENTS_MAX_MESSAGE_BYTES``.
 2. **load** - ``KvEvents.GetLoad`` every ``interval_s``: in flight, free blocks, ready, and the
    port of its HTTP API. A failed poll makes the prefill unroutable at once; a report older
    than ``expiry_s`` does not count.
@@ -23,6 +24,7 @@ import time
 
 import grpc
 
+from pdserve.defaults import KV_EVENTS_MAX_MESSAGE_BYTES
 from pdserve.kv_follow import follow
 from pdserve.kv_index import PrefixIndex
 from pdserve.protos import generate_pb2_grpc as gpb_grpc
@@ -40,7 +42,8 @@ class PrefillWatch:
         self.load: kpb.ServerLoad | None = None
         self.load_at = 0.0
         self.in_flight = 0  # requests this router is relaying to it now
-        self._channel = aio_channel(address, tls)  # mutual TLS with ``tls`` (pdserve/tls.py)
+        # mutual TLS with ``tls`` (pdserve/tls.py); a snapshot of every block the prefill holds is one message
+        self._channel = aio_channel(address, tls, [("grpc.max_receive_message_length", KV_EVENTS_MAX_MESSAGE_BYTES)])
         self._stub = kpb_grpc.KvEventsStub(self._channel)
         self.generator = gpb_grpc.GeneratorStub(self._channel)  # the router's gRPC Generate relays on it
         self._tasks: list[asyncio.Task] = []

@@ -47,8 +47,8 @@ def prompt_token_ids(body: bytes, kind: str, tokenizer) -> list[int] | None:
             prompt = prompt[0]
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return list(prompt)
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):  # JSON's ints (not true/false)
+            return prompt
     except Exception:  # noqa: BLE001 - malformed: the prefill will say why
         return None
     return None

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 
+from pdserve.engine.block_manager import reusable_blocks
 from pdserve.kv_index import PrefixIndex
 
 from .choice import Candidate, Choice, choose, round_robin
@@ -85,7 +86,7 @@ class Router:
         self.metrics.router_decisions.labels(prefill=address, reason=reason).inc()
         watch = self.prefills.watches.get(address)
         if prompt_ids and watch is not None and watch.load is not None:
-            self.metrics.router_prompt_blocks.inc(len(prompt_hashes(prompt_ids, watch.load.block_size or 1)))
+            self.metrics.router_prompt_blocks.inc(reusable_blocks(len(prompt_ids), watch.load.block_size or 1))
             if address == choice.address:
                 self.metrics.router_prefix_hit_blocks.inc(choice.overlap_blocks)
 

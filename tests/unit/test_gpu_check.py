@@ -150,3 +150,26 @@ def test_pd_pair_reads_the_verdict_and_kills_at_its_budget(tmp_path):
     assert slow["rc"] is None and slow["ok"] and "killed after 3 s" in slow["error"] and slow["seconds"] < 30
     bad = "cuda bfloat16 tcp: 1 of 2 P/D texts equal the engine alone; held after: nothing"
     assert not pdpair.run_check([], 60, script=_fake_pd_check(tmp_path, bad, 0))["ok"]
+
+
+def test_the_long_prompt_cell_reads_ttft_and_kv_figures_and_summarises_them(tmp_path):
+    """pd_device_check.py --prompt-lens lines (TTFT against the prefill alone, KV per request) parsed and shown."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import pdpair
+        import summary
+    finally:
+        sys.path.remove(str(TOOLS))
+    line = ("request 0: 2048 prompt tokens, 0.80 s, ttft 51.5 ms vs prefill alone 47.0 ms (1.10x), kv span 40.2 ms, "
+            "kv layer sends 6.0 ms, kv 32.0 MiB, same text as the engine alone")
+    script = tmp_path / "fake_long.py"
+    script.write_text(f"print({line!r})\nprint('cuda bfloat16 tcp: 1 of 1 P/D texts equal the engine alone; "
+                      "held after: nothing')\n")
+    got = pdpair.run_check([], 60, script=script)
+    assert got["ok"] and got["requests"][0] == {
+        "request": 0, "prompt_tokens": 2048, "s": 0.8, "verdict": line.split("0.80 s, ", 1)[1], "ttft_ms": 51.5,
+        "alone_ttft_ms": 47.0, "ttft_ratio": 1.1, "kv_span_ms": 40.2, "kv_layer_sends_ms": 6.0, "kv_mib": 32.0}
+    got["transfer"] = "tcp long"
+    rows = summary.pd_rows({"long": [got]}, None)
+    cell = [r for r in rows if r[1] == "tcp long 2048 tokens"]
+    assert cell and "1.10x alone" in cell[0][2] and "5.21 GiB/s" in cell[0][2] and cell[0][4] == "ok"

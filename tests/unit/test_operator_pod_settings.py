@@ -219,8 +219,9 @@ def test_pool_specs_carry_the_settings_and_the_pool_schemas_keep_them():
     isvc_spec = crds.inferenceservice_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     for part in (isvc_spec["properties"]["prefill"], isvc_spec["properties"]["decode"]["items"]):
         assert set(pools.POD_KEYS) <= set(part["properties"])
-    assert set(pools.POD_KEYS) - {"engine"} <= set(isvc_spec["properties"]["router"]["properties"])
-    assert "engine" not in isvc_spec["properties"]["router"]["properties"]  # the router computes nothing
+    assert set(pools.POD_KEYS) - {"engine", "parallelism"} <= set(isvc_spec["properties"]["router"]["properties"])
+    for key in ("engine", "parallelism"):  # the router computes nothing
+        assert key not in isvc_spec["properties"]["router"]["properties"]
 
 
 def test_every_pod_pulls_with_the_services_then_the_operators_secrets():

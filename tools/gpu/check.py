@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from checklib import Budget, Record, log, read_json, release, write_json  # noqa: E402
 from plan import FINAL, RESERVE, SECTIONS, Plan, make_plan, wanted_sections  # noqa: E402
 from plan import parse_args as _parse_args  # noqa: E402
+import tree_stamp  # noqa: E402
 from summary import render_summary, summary_rows  # noqa: E402
 
 
@@ -243,8 +244,8 @@ class Supervisor:
         self.start = float(os.environ.get("CHECK_START", time.time()))
         self.deadline = self.start + plan.deadline
         self.proc: subprocess.Popen | None = None
-        self.meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.start)), "commit": git_commit(),
-                     "source_sha256": source_hash(), "argv": argv, "plan": asdict(plan), "host": os.uname().nodename}
+        self.meta = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.start)), **tree_stamp.identity(),
+                     "argv": argv, "plan": asdict(plan), "host": os.uname().nodename}
         self.stamps: dict[str, float] = {}
         self.killed_why = ""
 
@@ -360,30 +361,6 @@ class Supervisor:
         log("check", f"wrote {self.out / 'check.json'}")
         bad = [n for n, s in doc["sections"].items() if s.get("status") in ("error", "killed", "crashed")]
         return 1 if bad else 0
-
-
-def git_commit() -> str | None:
-    try:
-        proc = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if proc.returncode != 0:
-        return None
-    return proc.stdout.strip() or None
-
-
-def source_hash() -> str:
-    """sha256 over the Python sources the check runs (paths and contents): the code's identity where
-    the copy on the GPU machine has no .git to ask for the commit."""
-    import hashlib
-
-    root = Path(__file__).resolve().parents[2]
-    digest = hashlib.sha256()
-    for folder in ("pdserve", "engine", "cachestore", "protos", "prefill_server", "decode_server", "tools"):
-        for path in sorted((root / folder).rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()
 
 
 def supervise(args: argparse.Namespace, argv: list[str]) -> int:

@@ -14,8 +14,12 @@
 #                        refuses any other major version or an older 7.x
 #   grpcio==1.85.1       protos/*_pb2_grpc.py refuse a grpcio older than 1.85.1
 # check.sh installs .whl/*.whl into /tmp/site and puts it first on PYTHONPATH, so these exact
-# versions win there. Not needed by the check: kopf and kubernetes (operator only), nixl
-# (optional transport), xgrammar (only for constrained output; imported lazily).
+# versions win there. Not needed by the check: kopf and kubernetes (operator only), xgrammar (only for
+# constrained output; imported lazily).
+# NIXL, for the P/D cell's nixl transport on the GPU's memory (issue 51): the published wheel of the
+# machine's CUDA major (torch 2.11+cu130 there: nixl-cu13; NIXL=nixl-cu12==... for a CUDA 12 machine,
+# NIXL= for none) is 59 MB, too big to carry; tools/gpu/slim_nixl_wheel.py cuts it to the UCX backend
+# and what it loads (about 11 MiB) in .whl/, from a download kept in ~/.cache/pdserve/wheels.
 #
 # Prints each wheel and the total size: the working tree that travels to the GPU machine
 # (tracked + untracked-not-ignored files, plus the carried .whl/) must stay under 64 MiB.
@@ -30,12 +34,26 @@ if ! "$PY" -m pip --version >/dev/null 2>&1; then
     PY=.venv/bin/python
 fi
 
-mkdir -p .whl
-for spec in "${WHEELS[@]}"; do
+NIXL=${NIXL-nixl-cu13==1.5.1}
+CACHE=${PDSERVE_CACHE:-$HOME/.cache/pdserve}/wheels
+
+download() {  # download SPEC DIR: the cp312 manylinux wheel of SPEC, no dependencies
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whl "$spec"
+        -d "$2" "$1"
+}
+
+mkdir -p .whl
+for spec in "${WHEELS[@]}"; do
+    download "$spec" .whl
 done
+if [ -n "$NIXL" ]; then
+    mkdir -p "$CACHE"
+    download "$NIXL" "$CACHE"
+    name=$(echo "${NIXL%%==*}" | tr - _)
+    published=$(ls -t "$CACHE/$name-${NIXL##*==}-"*cp312*.whl | head -1)
+    "$PY" tools/gpu/slim_nixl_wheel.py "$published" --out .whl | tail -1
+fi
 
 exclude=.git/info/exclude
 if [ -d .git ] && ! grep -qxF '/.whl/' "$exclude" 2>/dev/null; then

@@ -152,7 +152,8 @@ def hf_decode_cell(ctx, rec: Record, model, hf, row: dict, label: str) -> None:
 
     plan = ctx.plan
     steps, warm = plan.hf_steps, plan.decode_warmup
-    log("transformers", f"{label}: {plan.hf_reps} alternating repetitions of {steps} steps each side")
+    log("transformers", f"{label}: one warm-up each, then {plan.hf_reps} alternating repetitions of {steps} steps "
+                        "each side")
     cell = open_cell(ctx, model, row["batch"], row["context"])
     if isinstance(cell, str):
         row["note"] = cell
@@ -170,6 +171,7 @@ def hf_decode_cell(ctx, rec: Record, model, hf, row: dict, label: str) -> None:
         with torch.inference_mode():
             return time_median(theirs.step, ctx.device, steps, warm)[0]
 
+    ours_once(), theirs_once()  # one warm-up each (the first replay, their first cache build), not counted
     row.update(compared(*alternate(plan.hf_reps, ours_once, theirs_once), "ms"))
 
 

@@ -6,7 +6,7 @@ first on sys.path, and the repository root's ``pdserve/`` folder is not the inst
 in its own process group, killed as a group at ``budget`` seconds. Its lines are streamed into
 this log (prefixed ``pd|``) and kept: the per-request lines (``request i: N prompt tokens, T s,
 ...``) give the timings, the last line the verdict. With the tcp transport first; then, when
-NIXL imports here (``nixl`` or ``nixl_cu12``, as cachestore/nixl_backend.py looks for it), again
+NIXL imports here (as cachestore/nixl_backend.load_nixl looks for it: nixl, nixl_cu13, nixl_cu12), again
 with ``--transfer nixl``; and with ``--transfer samenode`` (the decode's pool exported by CUDA IPC,
 the prefill copying each layer into it device to device, cachestore/samenode.py). A run whose texts differ in bf16 is repeated in float32: equal there, the
 bf16 difference is rounding at a near-tie; different there too, it is a bug.
@@ -22,14 +22,17 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from checklib import Budget, Record, log
 
 SCRIPT = Path(__file__).resolve().parents[1] / "pd_device_check.py"
 REQUEST_LINE = re.compile(r"request (\d+): (\d+) prompt tokens, ([0-9.]+) s, (.*)")
+LONG_FIGURES = re.compile(r"ttft ([0-9.]+) ms vs prefill alone ([0-9.]+) ms \(([0-9.]+)x\), kv span ([0-9.]+) ms, "
+                          r"kv layer sends ([0-9.]+) ms, kv ([0-9.]+) MiB")
 VERDICT_LINE = re.compile(r"(\d+) of (\d+) P/D texts equal the engine alone; held after: (.*)$")
-NIXL_PROBE = "try:\n from nixl import _api\nexcept ImportError:\n from nixl_cu12 import _api\n"
+NIXL_PROBE = "from pdserve.cachestore.nixl_backend import load_nixl\nprint(load_nixl().__name__)\n"
 
 
 def nixl_importable() -> tuple[bool, str]:
@@ -41,7 +44,7 @@ def nixl_importable() -> tuple[bool, str]:
     except subprocess.TimeoutExpired:
         return False, "import nixl timed out"
     tail = (proc.stderr.strip().splitlines() or [""])[-1]
-    return proc.returncode == 0, "imports" if proc.returncode == 0 else tail
+    return proc.returncode == 0, f"imports ({proc.stdout.strip()})" if proc.returncode == 0 else tail
 
 
 def run_check(args: list[str], timeout: float, script: Path = SCRIPT) -> dict:
@@ -68,7 +71,7 @@ def run_check(args: list[str], timeout: float, script: Path = SCRIPT) -> dict:
     if rc is None:
         out["error"] = f"killed after {timeout:.0f} s"
     requests = [m.groups() for m in map(REQUEST_LINE.search, lines) if m]
-    out["requests"] = [{"request": int(i), "prompt_tokens": int(n), "s": float(s), "verdict": v}
+    out["requests"] = [{"request": int(i), "prompt_tokens": int(n), "s": float(s), "verdict": v, **long_figures(v)}
                        for i, n, s, v in requests]
     verdicts = [(line, m) for line in lines for m in [VERDICT_LINE.search(line)] if m]
     out["verdict"] = verdicts[-1][0] if verdicts else None
@@ -80,6 +83,39 @@ def run_check(args: list[str], timeout: float, script: Path = SCRIPT) -> dict:
     else:
         out["ok"] = False
     return out
+
+
+def long_figures(rest: str) -> dict:
+    """The long cell's figures on a request line (pd_device_check.py --prompt-lens), or nothing."""
+    m = LONG_FIGURES.search(rest)
+    if not m:
+        return {}
+    keys = ("ttft_ms", "alone_ttft_ms", "ttft_ratio", "kv_span_ms", "kv_layer_sends_ms", "kv_mib")
+    return dict(zip(keys, map(float, m.groups())))
+
+
+def long_cell(ctx, rec: Record, budget: Budget, transports: list[str]) -> None:
+    """Issue 51's P/D cell: prompts of ``pd_long_prompts`` tokens on a checkpoint of the plan's widths with
+    ``pd_long_layers`` layers, per transport: TTFT against the prefill alone, KV per request, texts equal."""
+    from tpcell import write_checkpoint
+
+    plan = ctx.plan
+    lens = ",".join(map(str, plan.pd_long_prompts))
+    with tempfile.TemporaryDirectory(prefix="pd-ckpt-") as path:
+        shape = dict(plan.model_shape, max_position_embeddings=max(plan.model_shape["max_position_embeddings"],
+                                                                   max(plan.pd_long_prompts) + 64))
+        write_checkpoint(replace(plan, model_shape=shape, tp_layers=plan.pd_long_layers), path, ctx.dtype)
+        for transport in transports:
+            if budget.left() <= 20:
+                rec.skip(f"long {transport}", "budget spent")
+                continue
+            args = ["--device", ctx.device.type, "--dtype", ctx.pd_dtype_name, "--requests", "1", "--model", path,
+                    "--transfer", transport, "--prompt-lens", lens]
+            result = run_check(args, budget.left())
+            result["transfer"] = f"{transport} long"
+            rec.results.setdefault("long", []).append(result)
+            rec.save()
+            log("pd", f"long {transport}: rc {result['rc']}, {result['verdict'] or result.get('error')}")
 
 
 def _pump(proc: subprocess.Popen, lines: list[str]) -> None:
@@ -116,3 +152,7 @@ def run(ctx, rec: Record, budget: Budget) -> None:
             rec.results["runs"].append(again)
             rec.save()
             log("pd", f"{label} float32: rc {again['rc']}, {again['verdict'] or again.get('error')}")
+    if budget.left() > 60:
+        long_cell(ctx, rec, budget, ["tcp", "samenode"] + (["nixl"] if ok else []))
+    else:
+        rec.skip("long prompts", "budget spent")

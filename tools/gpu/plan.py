@@ -43,9 +43,11 @@ class Plan:
     hf_decode_batches: tuple = (1, 8, 32)
     hf_context: int = 1024
     hf_prefill_prompts: tuple = (1, 8, 32)
-    hf_reps: int = 3
+    hf_reps: int = 5  # warm samples per side (after one warm-up each), medians compared
     hf_steps: int = 10
     pd_requests: int = 4
+    pd_long_prompts: tuple = (1024, 2048, 8192)  # pdpair.py's long cell: TTFT against the prefill alone, KV moved
+    pd_long_layers: int = 4  # ... on a checkpoint of the plan's widths with this many layers
     fp8_decode_batches: tuple = (1, 32)  # fp8cells.py: FP8 weights against the dtype's, A B A B
     fp8_context: int = 1024
     fp8_rounds: int = 4
@@ -57,7 +59,7 @@ class Plan:
     tp_reps: int = 3
     tp_decode_batch: int = 8
     budgets: dict = field(default_factory=lambda: {"ceilings": 30, "parity": 75, "decode": 150, "prefill": 45,
-                                                   "transformers": 110, "fp8": 60, "pd": 120,
+                                                   "transformers": 110, "fp8": 60, "pd": 240,
                                                    "tp": 90})
     deadline: float = 450.0  # seconds after the start; the device command's limit is 600
     smoke: bool = False
@@ -68,7 +70,8 @@ SMOKE = Plan(copy_bytes=16 << 20, gemm_n=256, ceiling_reps=3, ceiling_warmup=1, 
              block_size=16, decode_batches=(1, 2), decode_contexts=(64, 128), decode_steps=3, decode_warmup=1,
              decode_ab_cells=((1, 64),),
              prefill_prompts=(1, 2), prefill_len=64, prefill_reps=2, hf_decode_batches=(1, 2), hf_context=64,
-             hf_prefill_prompts=(1, 2), hf_reps=2, hf_steps=3, pd_requests=1, fp8_decode_batches=(1,),
+             hf_prefill_prompts=(1, 2), hf_reps=2, hf_steps=3, pd_requests=1, pd_long_prompts=(64, 128),
+             fp8_decode_batches=(1,),
              fp8_context=64, fp8_rounds=2, fp8_prefill_prompts=(2,), fp8_accuracy_prompts=2,
              tp_layers=2, tp_prompts=2, tp_tokens=6, tp_reps=1, tp_decode_batch=2,
              budgets={"ceilings": 20, "parity": 60, "decode": 30, "prefill": 30, "transformers": 45, "fp8": 30,

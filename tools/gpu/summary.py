@@ -201,6 +201,18 @@ def pd_rows(res: dict, plan) -> list:
         mean = f"; {sum(times) / len(times):.2f} s per request" if times else ""
         fig = (r.get("verdict") or r.get("error") or f"rc {r['rc']}, no verdict line") + mean
         out.append(("pd", r["transfer"], fig[:110], "all equal, nothing held", "ok" if r.get("ok") else "FAIL"))
+    for r in res.get("long", []):
+        out.append(("pd", r["transfer"], (r.get("verdict") or r.get("error") or f"rc {r['rc']}")[:110],
+                    "all equal, nothing held", "ok" if r.get("ok") else "FAIL"))
+        for q in r.get("requests", []):
+            if "ttft_ratio" not in q:
+                continue
+            rate = q["kv_mib"] / 1024 / (q["kv_layer_sends_ms"] / 1e3) if q["kv_layer_sends_ms"] else float("nan")
+            fig = (f"ttft {q['ttft_ms']:.1f} ms = {q['ttft_ratio']:.2f}x alone; kv {q['kv_mib']:.1f} MiB, sends "
+                   f"{q['kv_layer_sends_ms']:.1f} ms ({rate:.2f} GiB/s), span {q['kv_span_ms']:.1f} ms")
+            target = "<= 1.1x at 2k" if q["prompt_tokens"] == 2048 else ""
+            ok = "" if not target else ("ok" if q["ttft_ratio"] <= 1.1 else "MISS")
+            out.append(("pd", f"{r['transfer']} {q['prompt_tokens']} tokens", fig[:110], target, ok))
     return out
 
 
@@ -270,6 +282,7 @@ def render_summary(doc: dict) -> str:
     meta = doc["meta"]
     head = (f"GPU check summary: {meta.get('gpu_name') or meta.get('device', '?')}, {meta.get('dtype', '?')}, "
             f"torch {meta.get('torch')}, triton {meta.get('triton')}, commit {(meta.get('commit') or 'unknown')[:12]} "
+            f"(tree: {meta.get('tree', '?')}) "
             f"(sources sha256 {(meta.get('source_sha256') or '?')[:12]}), "
             f"{meta.get('date')}, {meta.get('elapsed_s')} s")
     rows = [("section", "cell", "figure", "target", "verdict")] + [tuple(r.values()) for r in doc["summary"]]

@@ -1,0 +1,56 @@
+"""The figures of a router-scale run as lines of text (printed at its end; docs/benchmarks.md quotes them)."""
+
+from __future__ import annotations
+
+GIB = 2**30
+
+
+def lines(doc: dict, output_tokens: float | None = None) -> list[str]:
+    t = doc["target"]
+    out = [f"target: {t['reuse']['rate_per_s']:.0f} req/s (64 prefills, with the trace's reuse), "
+           f"{t['no_reuse']['rate_per_s']:.0f} req/s (without)"]
+    for row in doc.get("index", []):
+        out.append(f"index {row['blocks'] / 1e6:g}M blocks / {row['servers']} prefills: "
+                   f"{row['index_bytes'] / GIB:.2f} GiB ({row['bytes_per_block']:.0f} B/block); events/s stored "
+                   f"{row['stored_events_per_s']:.0f}, removed {row['removed_events_per_s']:.0f}, wire "
+                   f"{row['wire_events_per_s']:.0f}; decisions' lookups {row['match_requests_per_s']:.0f} req/s; "
+                   f"worst event {row.get('worst_event_ms', float('nan')):.1f} ms")
+    for s in doc.get("serving", []):
+        by = s["by_router"]
+        for name in ("branch", "baseline"):
+            if name not in by:
+                continue
+            b = by[name]
+            added = "; ".join(f"{a['p50_ms']:.1f}/{a['p99_ms']:.1f}" for a in b["added_ttft"])
+            cpu = ", ".join(f"{c:.2f}" for c in b["cpu_ms_per_request"])
+            out.append(f"serving {s['prefills']} prefills ({s.get('evictions', 'per-block')} evictions), router "
+                       f"{name}: CPU ms/request {cpu} -> "
+                       f"{b['core_capacity_per_s_1_token']:.0f} req/s per core (1-token responses); "
+                       f"added TTFT p50/p99 ms {added}")
+        if "cpu_ratio_baseline_over_branch" in by:
+            out.append(f"serving {s['prefills']}: router CPU per request, baseline / branch "
+                       f"{by['cpu_ratio_baseline_over_branch']:.2f}x")
+        b = by["branch"]
+        if "cpu_ms_per_event" in b and output_tokens:
+            per_req = min(b["cpu_ms_per_request"]) + b["cpu_ms_per_event"] * output_tokens
+            out.append(f"serving {s['prefills']}: {b['cpu_ms_per_event'] * 1e3:.1f} us per relayed event; at the "
+                       f"trace's mean {output_tokens:.0f} output tokens {per_req:.1f} ms/request -> "
+                       f"{1e3 / per_req:.0f} req/s per core")
+        sat = s.get("saturate")
+        if sat:
+            out.append(f"serving {s['prefills']} saturate: offered {sat['offered_per_s']:.0f} req/s, completed "
+                       f"{sat['completed_per_s']:.0f} req/s, errors {sat['errors']}, router CPU "
+                       f"{sat['router_cpu_util'] * 100:.0f}%")
+    r = doc.get("restart")
+    if r:
+        u = r["under_load"]
+        out.append(f"restart {r['blocks'] / 1e6:g}M blocks / {r['prefills']} prefills: first start synced in "
+                   f"{r['first_start']['synced_s']:.1f} s (router RSS {r['router_rss_bytes'] / GIB:.2f} GiB); "
+                   f"after SIGKILL ready in {u['restart']['ready_s']:.1f} s, index whole in "
+                   f"{u['restart']['synced_s']:.1f} s; the new router's CPU until then "
+                   f"{u['restart'].get('router_cpu_s', float('nan')):.1f} s, the fleet's "
+                   f"{u.get('fleet_cpu_s', float('nan')):.1f} s")
+        for phase, p in u["phases"].items():
+            out.append(f"  {phase}: sent {p['sent']}, ok {p['ok']}, errors {p['errors']} {p['error_kinds']}, "
+                       f"TTFT p50 {p['ttft_p50_ms'] or float('nan'):.0f} ms")
+    return out
