@@ -79,7 +79,8 @@ def measure(args):
     from pdserve.engine.sim.runner import step_shape
 
     torch.set_num_threads(args.threads)
-    loaded = load_model(bench_model(MODEL_CACHE, args.model))
+    checkpoint = args.model if Path(args.model).is_dir() else bench_model(MODEL_CACHE, args.model)
+    loaded = load_model(checkpoint)
     cfg = loaded.config
     engine = LLMEngine(loaded, EngineConfig(num_blocks=2048, max_num_seqs=max(args.batches), detokenize=False))
     samples: list = []

@@ -47,6 +47,7 @@ from .endpoint import Endpoint
 from .errors import ChecksumError, CompatError, ProtocolError, TransferError
 from .frames import FLAG_CHECKSUM_MISMATCH, FLAG_CRC32C, FrameType, encode_header, read_frame_header, read_payload
 from .handshake import client_hello
+from .link_model import LinkModel
 from .memory import CompatInfo, KVLayout, MemoryRegion
 from .scheduler import Chunk
 from .tls_sockets import WOULD_BLOCK, TlsContexts, wrap_client
@@ -83,6 +84,7 @@ class LinkConfig:
     checksum: bool = False         # send a CRC32C with every slice (checksum.py)
     stall_timeout_s: float = 30.0  # no byte sent / no NIXL WRITE completed for this long: the link fails
     tls: TlsContexts | None = None  # mutual TLS on every connection (tls_sockets.py); None: plain TCP
+    link_model: LinkModel | None = None  # a simulated link (link_model.py): paces every slice; None: the wire's speed
 
 
 def _stalled(exc: BaseException) -> bool:
@@ -295,6 +297,8 @@ class Link:
                         nbytes = n * layout.block_nbytes
                         offset = layout.offset(t.layer, src)
                         crc = io.crc(offset, nbytes) if self.config.checksum else 0
+                        if self.config.link_model is not None:
+                            self.config.link_model.wait(nbytes)
                         payload = None
                         if t.corrupt:  # test hook: send a copy with one byte flipped (the source is untouched)
                             t.corrupt = False

@@ -83,6 +83,11 @@ class CompatInfo:
     head_dim: int
     block_size: int
     kv_dtype: str = "auto"  # "auto": rows of ``dtype``; "fp8": fp8 rows with their scales (--kv-cache-dtype)
+    # The KV heads a block of this region holds: ``num_kv_heads`` of the model's ``model_kv_heads`` from
+    # ``first_kv_head`` (a tensor-parallel rank's shard); model_kv_heads 0: every head (the servers' regions
+    # today: engine/tp/transfer.py). Two regions of different head ranges never bind (their hashes differ)
+    first_kv_head: int = 0
+    model_kv_heads: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -93,6 +98,9 @@ class CompatInfo:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"CompatInfo.{name} must be a positive int, got {value!r}")
+        if self.model_kv_heads and not 0 <= self.first_kv_head <= self.model_kv_heads - self.num_kv_heads:
+            raise ValueError(f"CompatInfo: KV heads {self.first_kv_head}..{self.first_kv_head + self.num_kv_heads - 1}"
+                             f" are not heads of a model with {self.model_kv_heads}")
 
     @property
     def block_nbytes(self) -> int:
@@ -104,8 +112,16 @@ class CompatInfo:
         """The fields in words (hashed into ``compat_hash``; "kv_cache=fp8" only for an fp8 cache, so an auto
         one hashes as before the field existed)."""
         kv = " kv_cache=fp8(float8_e4m3fn+bfloat16 scales)" if self.kv_dtype == "fp8" else ""
-        return (f"dtype={self.dtype}{kv} layers={self.num_layers} kv_heads={self.num_kv_heads} "
+        return (f"dtype={self.dtype}{kv} layers={self.num_layers} kv_heads={self.num_kv_heads}{self._head_range()} "
                 f"head_dim={self.head_dim} block_size={self.block_size}")
+
+    def _head_range(self) -> str:
+        """The head range in words, ``(first..last of N)``, for a region holding part of the model's KV heads;
+        empty for every head (so a whole region hashes as before the fields existed)."""
+        if not self.model_kv_heads or (self.first_kv_head == 0 and self.num_kv_heads == self.model_kv_heads):
+            return ""
+        last = self.first_kv_head + self.num_kv_heads - 1
+        return f"({self.first_kv_head}..{last} of {self.model_kv_heads})"
 
     @property
     def compat_hash(self) -> str:

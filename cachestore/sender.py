@@ -63,6 +63,7 @@ from .errors import CompatError, TransferError, UnknownRequestError
 from .frames import TOKEN_BYTES, FrameType, encode_control
 from .handshake import check_endpoint
 from .link import Link, LinkConfig
+from .link_model import LinkModel
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from .samenode import SAME_NODE_MODES, SameNodeError, open_remote
 from .samenode_link import SameNodeSend
@@ -97,7 +98,7 @@ class CacheStoreSender:
                  scheduler: str = "priority", chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_wait: int = DEFAULT_MAX_WAIT,
                  connections_per_peer: int = 1, connect_timeout_s: float = 5.0, checksum: bool = False,
                  stall_timeout_s: float = 30.0, corrupt_kv: int = 0, tls: TlsContexts | None = None,
-                 same_node: str = "auto"):
+                 link_model: LinkModel | None = None, same_node: str = "auto"):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
         if same_node not in SAME_NODE_MODES:
@@ -112,6 +113,9 @@ class CacheStoreSender:
         self.connections_per_peer, self.connect_timeout_s = connections_per_peer, connect_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.tls = tls  # mutual TLS on every link connection (tls_sockets.py); None: plain TCP
+        if link_model is not None and transport != "tcp":
+            raise ValueError(f"a modelled link (link_model.py) paces the tcp transport only, got {transport!r}")
+        self.link_model = link_model  # a simulated link (link_model.py), shared by every link; None: the wire's
         self._lock = threading.Lock()
         self._requests: dict[str, _TxRequest] = {}
         self._failed: OrderedDict[str, TransferError] = OrderedDict()
@@ -296,7 +300,7 @@ class CacheStoreSender:
                 threading.Thread(target=stale.close, daemon=True).start()
         config = LinkConfig(self.region, self.layout, self.compat, self.chunk_blocks, self.connections_per_peer,
                             self.connect_timeout_s, self._same_node_side(ep) or self._transport, self.checksum,
-                            self.stall_timeout_s, self.tls)
+                            self.stall_timeout_s, self.tls, self.link_model)
         link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait), config)
         self._links[key] = link
         link.start()
@@ -307,7 +311,7 @@ class CacheStoreSender:
 
         ``same_node="on"`` raises TransferError naming why the region cannot be mapped; "auto" logs it
         once per receiver instance and falls back."""
-        if self.same_node == "off":
+        if self.same_node == "off" or self.link_model is not None:  # a modelled link paces the tcp path it models
             return None
         try:
             needs = self.layout.num_layers * ep.num_blocks * self.layout.block_nbytes

@@ -7,7 +7,8 @@ else ``(code, reason)`` for the ``Refusal`` message. The checks, in order:
 2. ``version`` - the protocol versions differ;
 3. ``incompatible`` - a KV layout field differs (``compat_mismatch`` names each, both values; a
    different --kv-cache-dtype is named in words first: "decode's KV cache is fp8 (...), this
-   prefill's is float32");
+   prefill's is float32"); or the two tensor-parallel sizes do not pair (``tp/shard.pairing_error``:
+   their KV head shards must nest; the message names both sizes);
 4. ``draining`` - this decode is shutting down;
 5. ``bad_request`` - the request id already has a live session here, the prompt is empty,
    max_tokens < 1, prompt + max_tokens exceed the context, or ``blocks_needed`` does not
@@ -24,6 +25,7 @@ else ``(code, reason)`` for the ``Refusal`` message. The checks, in order:
 from __future__ import annotations
 
 from pdserve.engine import blocks_needed, kv_formats
+from pdserve.engine.tp.shard import pairing_error
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
 
@@ -51,7 +53,10 @@ def compat_mismatch(ours: pb.Compat, theirs: pb.Compat) -> str | None:
     if kv_dtype(ours) != kv_dtype(theirs):
         diffs.insert(0, f"decode's KV cache is {describe_kv(ours)}, this prefill's is {describe_kv(theirs)} "
                         f"(--kv-cache-dtype: prefill={kv_dtype(theirs)!r} decode={kv_dtype(ours)!r})")
-    return "incompatible KV layout: " + ", ".join(diffs) if diffs else None
+    if diffs:
+        return "incompatible KV layout: " + ", ".join(diffs)
+    pairing = pairing_error(ours.num_kv_heads, theirs.tensor_parallel_size or 1, ours.tensor_parallel_size or 1)
+    return None if pairing is None else "incompatible tensor parallelism: " + pairing
 
 
 def refusal(start: pb.Start, compat: pb.Compat, *, max_model_len: int, total_blocks: int, draining: bool,

@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 class DecodeService(pb_grpc.DecodeServicer):
     """The Decode servicer over its built parts (``wiring.build_service``): ``engine`` for the load
     numbers, ``deps`` handed to every DecodeSession (its registry, receiver, compat and pool read
-    here too), ``kv_bytes_per_block`` (all layers, K and V) for the free bytes reported."""
+    here too), ``kv_bytes_per_block`` (all layers, K and V; with tensor parallelism one rank's pool: every rank holds
+    the same block ids, so free blocks times it is the tightest rank's free memory) for the free bytes reported."""
 
     def __init__(self, engine: ServerEngine, deps: SessionDeps, kv_bytes_per_block: int):
         self.engine, self.deps, self.kv_bytes_per_block = engine, deps, kv_bytes_per_block

@@ -96,6 +96,7 @@ async def start(args: argparse.Namespace) -> DecodeServer:
     service = build_service(
         engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
         max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
+        free_bytes_per_block=parts.free_bytes_per_block,
         session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool,
     )
     track_load(metrics, service, engine, args.block_size)
@@ -112,9 +113,12 @@ def build_service(engine: ServerEngine, receiver: CacheStoreReceiver, compat: pb
                   sampling_cls: type[SamplingParams], out_of_blocks_error: type[Exception], max_model_len: int,
                   kv_bytes_per_block: int, session_timeout_s: float = SESSION_TIMEOUT_S,
                   metrics: ServerMetrics | None = None,
-                  eviction: bool = True, pool: DecodePool | None = None) -> DecodeService:
+                  eviction: bool = True, pool: DecodePool | None = None,
+                  free_bytes_per_block: int | None = None) -> DecodeService:
     """The DecodeService and the SessionDeps every DecodeSession is given (module docstring, step 5);
-    ``kv_bytes_per_block``: all layers, K and V; ``eviction``: batch requests' KV goes to host memory
+    ``kv_bytes_per_block``: all layers, K and V, as the wire moves it; ``free_bytes_per_block``: what a free
+    block is worth in the load report (tensor parallelism: one rank's pool, the tightest; default the same);
+    ``eviction``: batch requests' KV goes to host memory
     while interactive ones miss their TBT (lso.py)."""
     session_metrics = SessionMetrics(metrics, kv_bytes_per_block)
     lso = None
@@ -127,7 +131,7 @@ def build_service(engine: ServerEngine, receiver: CacheStoreReceiver, compat: pb
         metrics=session_metrics, compat=compat, max_model_len=max_model_len, session_timeout_s=session_timeout_s,
         out_of_blocks_error=out_of_blocks_error, pool=pool, gates=TestGates.from_environment(),
     )
-    return DecodeService(engine, deps, kv_bytes_per_block)
+    return DecodeService(engine, deps, free_bytes_per_block or kv_bytes_per_block)
 
 
 async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size: int) -> KvEventPublisher:

@@ -92,6 +92,7 @@ class AsyncLLMEngine(EngineThread):
         # called on the engine thread when a step raised TensorParallelError (a rank died or hung: the engine can
         # never step again), after the running requests failed; a server sets it to exit (server_setup.py)
         self.on_lost: Callable[[BaseException], None] | None = None
+        self._lost_reported = False  # on_lost was called
         self._tier_stats = engine.tier_stats()
 
     # ---- thread-safe reads (no engine-thread round trip) -----------------------------------
@@ -263,6 +264,18 @@ class AsyncLLMEngine(EngineThread):
         for rid in list(self._streams):  # open streams end instead of waiting forever
             self._deliver(RequestOutput(rid, [], True, "abort", error="engine stopped"))
 
+    def _lost_in_call(self) -> bool:
+        """A call (not a step) found the tensor-parallel ranks lost (``add_prefilled``'s scatter: tp/transfer.py):
+        fail what runs and call ``on_lost`` once, as a failed step does; True then."""
+        lost = getattr(self.engine, "tensor_parallel_lost", None)
+        if lost is None or self.on_lost is None or self._lost_reported:
+            return False
+        self._lost_reported = True
+        for out in self.engine.fail_scheduled(str(lost)):
+            self._deliver(out)
+        self.on_lost(lost)
+        return True
+
     def _loop(self) -> None:
         e = self.engine
         while True:
@@ -289,6 +302,8 @@ class AsyncLLMEngine(EngineThread):
                         return
                     if item:
                         self._run_call(item)
+                if self._lost_in_call():
+                    continue
             if not e.has_unfinished():
                 if poll:
                     self._after_step(0.0, 0)
@@ -303,6 +318,7 @@ class AsyncLLMEngine(EngineThread):
                 if isinstance(exc, TensorParallelError) and self.on_lost is not None:
                     for out in outputs:
                         self._deliver(out)
+                    self._lost_reported = True
                     self.on_lost(exc)
                     continue
             if self.step_floor_s > time.perf_counter() - start:  # test hook: steps a test can count on any CPU

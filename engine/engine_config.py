@@ -47,6 +47,13 @@ class EngineConfig:
     # the others. tensor_parallel_timeout_s bounds how long a step waits on a rank that hangs
     tensor_parallel_size: int = 1
     tensor_parallel_timeout_s: float = 60.0
+    # tensor parallelism and P/D: KV moves out of (a prefill's push) or into (a decode's arrival) this engine's
+    # pool through rank 0's transfer pool, the whole model's KV heads for every block (tp/transfer.py; its
+    # memory is the cost). False: a TP engine refuses to move KV. No effect at tensor_parallel_size 1
+    kv_transfer: bool = False
+    # with kv_transfer at tensor_parallel_size > 1: each rank's KV shard summed (CRC32C) on both sides of rank 0's
+    # hop (tp/transfer.py; the servers' --kv-checksum, whose wire checksums cover the rest of the way)
+    kv_checksum: bool = False
     # CPU ranks: a decode step's all-reduces and logits gather through shared memory (tp/shm_collectives.py),
     # not gloo's loopback TCP (False: gloo for all; larger tensors go by gloo either way)
     tensor_parallel_shm: bool = True

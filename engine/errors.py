@@ -38,3 +38,8 @@ class ModelLoadError(ValueError):
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank died, hung past its timeout, or could not start: the engine cannot step
     any more (every later step raises this again). The message names the rank where it is known."""
+
+
+class ShardChecksumError(ValueError):
+    """A tensor-parallel rank's shard of some KV blocks did not arrive intact at the other end of rank 0's hop
+    (``EngineConfig.kv_checksum``: tp/transfer.py): the requests whose KV it is fail; the ranks stay in step."""

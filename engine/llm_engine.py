@@ -45,6 +45,8 @@ from .model_runner import ModelRunner
 from .sampling import Sampler
 from .swap import Swapper
 from .tp.ranks import TensorParallelSteps
+from .tp.shard import Shard
+from .tp.transfer import KVTransferPool
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,8 @@ class LLMEngine(EngineCore):
             by_need = config.max_num_seqs * blocks_needed(max_model_len, config.block_size)
             num_blocks = max(1, min(by_memory, by_need))
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_shape.num_kv_heads, cfg.head_dim,
-                                loaded.dtype, loaded.device, config.kv_cache_dtype, config.kv_cache_shared)
+                                loaded.dtype, loaded.device, config.kv_cache_dtype,
+                                config.kv_cache_shared and config.tensor_parallel_size == 1)  # else: the transfer pool
         self.sampler = Sampler(loaded.device, config.seed)
         self.device = loaded.device
         switches = dict(fused_elementwise=config.fused_elementwise, merged_projections=config.merged_projections,
@@ -100,10 +103,37 @@ class LLMEngine(EngineCore):
         if config.cuda_graphs and self.device.type == "cuda":
             self._capture_decode_graphs(config)
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
-        if config.tensor_parallel_size > 1:  # rank 0's pool holds only its KV heads: nothing moves in or out
-            self.pd.kv_stays = self.swapper.kv_stays = (
-                f"KV cannot move out of or into a tensor-parallel engine yet (size {config.tensor_parallel_size}: "
-                "each rank's pool holds only its KV heads): compute prompts where they decode")
+        self.transfer: KVTransferPool | None = None
+        if steps is not None:
+            self._tensor_parallel_kv(config, steps)
+
+    def _tensor_parallel_kv(self, config: EngineConfig, steps: TensorParallelSteps) -> None:
+        """Rank 0's pool holds only its KV heads: KV moves in and out through the transfer pool (P/D,
+        ``config.kv_transfer``: tp/transfer.py) or not at all; never to host memory (the swapper)."""
+        size = config.tensor_parallel_size
+        self.swapper.kv_stays = (f"KV cannot move out of a tensor-parallel engine's pool to host memory (size {size}: "
+                                 "each rank's pool holds only its KV heads)")
+        if not config.kv_transfer:
+            self.pd.kv_stays = (f"KV cannot move out of or into this tensor-parallel engine (size {size}: each rank's "
+                                "pool holds only its KV heads; EngineConfig.kv_transfer makes its transfer pool)")
+            return
+        full = self.model_config
+        heads = [Shard(r, size, full).kv_heads for r in range(size)]
+        self.transfer = steps.transfer = KVTransferPool(self.kv_cache, full.num_kv_heads, heads,
+                                                        shared=config.kv_cache_shared)
+        steps.checksum = config.kv_checksum
+        self.pd.install = steps.install
+
+    @property
+    def tensor_parallel_lost(self) -> BaseException | None:
+        """Why the tensor-parallel ranks are lost for good (a rank died or hung: tp/ranks.py), or None."""
+        return getattr(self.runner.steps, "lost", None)
+
+    @property
+    def transfer_cache(self) -> KVCache:
+        """The pool KV moves in and out of (the CacheStore's region): the KV cache, or with tensor parallelism
+        rank 0's transfer pool (every KV head of every block)."""
+        return self.kv_cache if self.transfer is None else self.transfer.cache
 
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
         """CUDA graphs for pure-decode steps up to max_num_seqs rows; a failed capture leaves the engine eager.

@@ -65,6 +65,9 @@ class PDHooks:
         # why KV may not move out of or into this engine's pool (tensor parallelism: rank 0's pool holds only its
         # KV heads), or None; checked by every call whose KV crosses the pool's edge
         self.kv_stays: str | None = None
+        # tensor parallelism: copies the blocks whose KV arrived (rank 0's transfer pool) into every rank's pool
+        # before the request joins the batch (tp/transfer.py); None: the KV arrived in the pool itself
+        self.install: Callable[[list[int]], None] | None = None
 
     @property
     def prefill_counters(self) -> tuple[int, float]:
@@ -208,6 +211,11 @@ class PDHooks:
     ) -> None:
         """Join a reserved request whose prompt KV is in its blocks to the running batch."""
         self._check_kv_moves(add_prefilled=True)
+        table = self.scheduler.reservation(request_id)
+        if self.install is not None and table is not None:  # the blocks after the cached prefix: the KV's, in
+            bs = self.block_manager.block_size  # every rank's pool before the reservation is taken (a failure
+            cached = len(self.scheduler.reserved_prefix.get(request_id, ()))  # leaves it to the caller's abort)
+            self.install(table[cached // bs: blocks_needed(len(prompt_token_ids), bs)])
         seq = self._take_reserved(request_id, prompt_token_ids, sampling)
         seq.num_computed = len(seq.prompt_ids)
         self.scheduler.register_blocks(seq)

@@ -63,26 +63,37 @@ def blocks_to_push(seq: Sequence, block_size: int) -> tuple[int, int]:
     return seq.remote.pushed, end
 
 
-def layer_callback(batch: list[Sequence], block_size: int) -> Callable[[int], None] | None:
+class LayerCallback:
     """The model's per-layer callback for one step: each remote sequence's newly complete blocks to its
-    ``on_layer``; an error is kept on the sequence (the step goes on for the others). None when no
-    remote sequence of the batch pushes anything this step."""
-    pushes = []
-    for seq in batch:
-        if seq.remote is None or seq.remote.on_layer is None:
-            continue
-        first, end = blocks_to_push(seq, block_size)
-        if end > first:
-            pushes.append((seq.remote, seq.block_table[first:end], first))
-    if not pushes:
-        return None
+    ``on_layer``; an error is kept on the sequence (the step goes on for the others). ``blocks``: every
+    block id the step pushes (a tensor-parallel engine gathers them at rank 0 first: ``tp/transfer.py``)."""
 
-    def on_layer(layer: int) -> None:
-        for remote, block_ids, first in pushes:
+    def __init__(self, pushes: list[tuple[RemotePrefill, list[int], int]]):
+        self.pushes = pushes
+        self.blocks = sorted({b for _, block_ids, _ in pushes for b in block_ids})
+
+    def fail(self, error: BaseException) -> None:
+        """Every pushing request of the step fails after it (its KV is not handed over any more)."""
+        for remote, _, _ in self.pushes:
+            if remote.error is None:
+                remote.error = error
+
+    def __call__(self, layer: int) -> None:
+        for remote, block_ids, first in self.pushes:
             if remote.error is None:
                 try:
                     remote.on_layer(layer, list(block_ids), first)  # type: ignore[misc]
                 except Exception as exc:  # noqa: BLE001 - this request fails after the step, the others go on
                     remote.error = exc
 
-    return on_layer
+
+def layer_callback(batch: list[Sequence], block_size: int) -> LayerCallback | None:
+    """The step's ``LayerCallback``; None when no remote sequence of the batch pushes anything this step."""
+    pushes = []
+    for seq in batch:
+        if seq.remote is None or seq.remote.on_layer is None:
+            continue
+        first, end = blocks_to_push(seq, block_size)
+        if end > first:
+            pushes.append((seq.remote, list(seq.block_table[first:end]), first))
+    return LayerCallback(pushes) if pushes else None

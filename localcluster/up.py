@@ -62,10 +62,6 @@ class LocalCluster:
         tp = getattr(args, "tensor_parallel_size", 1)
         if tp < 1:
             raise SystemExit(f"pdserve up: --tensor-parallel-size must be >= 1, got {tp}")
-        if tp > 1 and args.disaggregation != "never":
-            raise SystemExit(f"pdserve up: --tensor-parallel-size {tp} needs --disaggregation never (KV does not move "
-                             f"between servers at tensor-parallel size > 1 yet), got --disaggregation "
-                             f"{args.disaggregation}")
         if getattr(args, "api_key_file", None):  # a bad file: one line now, not a server that cannot start
             try:
                 api_keys.load(args.api_key_file)

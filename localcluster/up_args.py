@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "step computes (0: the whole budget; default %(default)s)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per process (per rank)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="every server's engine split over N ranks, one process each (engine/tp/); N > 1 needs "
-                             "--disaggregation never: KV does not move between servers at N > 1 yet (default: 1)")
+                        help="every server's engine split over N ranks, one process each (engine/tp/); P/D KV goes "
+                             "through each server's rank 0 (engine/tp/transfer.py) (default: 1)")
     parser.add_argument("--log-dir", default=None,
                         help="where process logs go, with servers.json and a <server>.pid per running server "
                              "(default: a new temporary folder)")

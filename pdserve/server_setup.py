@@ -26,7 +26,7 @@ import logging
 import os
 import signal
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdserve import defaults, kv_sizing, tls
 from pdserve.cachestore import SAME_NODE_MODES, TRANSPORTS
@@ -67,6 +67,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sim-profile", default=None, metavar="PATH",
                    help="--engine sim: the profile JSON (model shape and step time, engine/sim/profile.py), or a "
                         "shipped one by name: cpu-small, h200-llama3-8b")
+    g.add_argument("--sim-kv-scale", type=int, default=1, metavar="N",
+                   help="--engine sim: the CacheStore's blocks carry 1/N of the profile's KV bytes (N divides "
+                        "kv_heads x head_dim), so many servers of a large shape fit a box (default 1: real bytes)")
+    g.add_argument("--sim-link-gbps", type=float, default=None, metavar="GBPS",
+                   help="--engine sim, prefill: the KV link modelled at this bandwidth, for the real bytes "
+                        "(cachestore/link_model.py; default: none, the bytes move at the wire's speed)")
+    g.add_argument("--sim-link-latency-us", type=float, default=0.0, metavar="US",
+                   help="--engine sim with --sim-link-gbps: the modelled link's one-way latency (default 0)")
     g.add_argument("--model", default=defaults.BUILTIN_MODEL,
                    help=f"'{defaults.BUILTIN_MODEL}' (built-in, offline) or a directory with config.json + safetensors")
     g.add_argument("--served-model-name", default=None,
@@ -111,8 +119,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="torch CPU threads (default: torch's choice; with --tensor-parallel-size, each rank's)")
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N ranks, one process each, started by this server (engine/tp/: heads, "
-                        "MLP rows and the vocabulary split; gloo on CPU, NCCL on cuda:I..I+N-1); KV does not move "
-                        "between servers at N > 1 yet: a prefill needs --disaggregation never (default: 1)")
+                        "MLP rows and the vocabulary split; gloo on CPU, NCCL on cuda:I..I+N-1); P/D KV goes through "
+                        "rank 0's transfer pool, every KV head of every block (engine/tp/transfer.py) (default: 1)")
     g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="CacheStore transport for KV")
     g.add_argument("--kv-same-node", choices=SAME_NODE_MODES, default="auto",
                    help="KV between a prefill and a decode of one machine: the decode shares its KV pool (CPU: in a "
@@ -125,7 +133,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "request joins the batch and requires it from every prefill (a mismatch fails the request "
                         "with kv_checksum_mismatch; prefill moves it to another decode). Default: on, except with "
                         "--transfer nixl on a cuda device (summing there copies each slice to the host); its cost "
-                        "on a P/D pair is in docs/benchmarks.md, \"KV checksums\"")
+                        "on a P/D pair is in docs/benchmarks.md, \"KV checksums\"; with --tensor-parallel-size "
+                        "each rank's KV shard is summed across rank 0's hop too: engine/tp/transfer.py")
     g.add_argument("--session-timeout", type=float, default=defaults.SESSION_TIMEOUT_S,
                    help="seconds one end of a Session waits on the other (KV, first token, each next message, "
                         "a write the peer does not take) before it frees the request")
@@ -209,10 +218,12 @@ def kv_flags(args) -> kv_sizing.KVFlags:
         raise SystemExit(f"pdserve: {exc}") from None
 
 
-def load_engine(args, role: str = "prefill") -> tuple[LoadedModel, LLMEngine, int]:
+def load_engine(args, kv_transfer: bool = False, role: str = "prefill") -> tuple[LoadedModel, LLMEngine, int]:
     """(loaded model, LLMEngine, context length) from the flags, the KV pool sized by kv_sizing (one
-    INFO line says how); bad flags or files exit with a message. A decode's CPU pool is in shared memory
-    unless ``--kv-same-node off`` (a prefill of this machine writes KV straight into it)."""
+    INFO line says how); bad flags or files exit with a message. ``kv_transfer``: KV moves in or out (P/D):
+    at --tensor-parallel-size > 1 rank 0 holds a transfer pool too (engine/tp/transfer.py), sized with it.
+    A decode's CPU pool KV moves into (the pool, or the transfer pool) is in shared memory unless
+    ``--kv-same-node off`` (a prefill of this machine writes KV straight into it)."""
     import torch
 
     from pdserve.engine import EngineConfig, LLMEngine, load_model
@@ -235,13 +246,12 @@ def load_engine(args, role: str = "prefill") -> tuple[LoadedModel, LLMEngine, in
                            cuda_graphs=not args.enforce_eager, native_kernels=args.native_kernels,
                            packed_linear=args.packed_linear, fused_elementwise=args.fused_elementwise,
                            merged_projections=args.merged_projections, kv_cache_dtype=args.kv_cache_dtype,
-                           tensor_parallel_size=args.tensor_parallel_size,
+                           tensor_parallel_size=args.tensor_parallel_size, kv_transfer=kv_transfer,
+                           kv_checksum=bool(getattr(args, "kv_checksum", False)),
                            kv_cache_shared=role == "decode" and getattr(args, "kv_same_node", "off") != "off")
-        mc = loaded.model.cfg  # this rank's KV heads (tensor parallelism): the pool each rank holds
         size = kv_sizing.size_kv_pool(
             flags, dtype=describe_kv(args.kv_cache_dtype, args.dtype), block_size=args.block_size,
-            bytes_per_block=kv_sizing.pool_bytes_per_block(args.dtype, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                                           args.block_size, args.kv_cache_dtype),
+            bytes_per_block=rank0_bytes_per_block(args, loaded, kv_transfer),
             measure_gpu=lambda: kv_sizing.measure_gpu_memory(loaded, cfg))
         log.info("%s", size.describe())
         if size.tokens < max_len:
@@ -251,6 +261,25 @@ def load_engine(args, role: str = "prefill") -> tuple[LoadedModel, LLMEngine, in
     except (ValueError, OSError, TensorParallelError) as exc:  # bad flags or model files, a rank that could not
         raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None  # start: a message, not a traceback
     return loaded, engine, max_len
+
+
+def rank0_bytes_per_block(args, loaded: LoadedModel, kv_transfer: bool) -> int:
+    """What one block id costs this process's device: its pool's KV heads (tensor parallelism: rank 0's, which
+    every rank holds as many of), plus at --tensor-parallel-size > 1 with ``kv_transfer`` every KV head of the
+    model again (rank 0's transfer pool, engine/tp/transfer.py): rank 0 is the tightest rank, so it sizes the
+    pool every rank holds."""
+    mc = loaded.model.cfg  # this rank's KV heads (tensor parallelism): the pool each rank holds
+    heads = mc.num_kv_heads
+    if kv_transfer and loaded.tensor_parallel_size > 1:
+        heads += loaded.config.num_kv_heads
+    return kv_sizing.pool_bytes_per_block(args.dtype, mc.num_layers, heads, mc.head_dim, args.block_size,
+                                          args.kv_cache_dtype)
+
+
+def moves_kv(args, role: str) -> bool:
+    """Whether this server's KV moves in or out (P/D): a decode's always may; a prefill's unless it never
+    disaggregates."""
+    return role == "decode" or getattr(args, "disaggregation", "never") != "never"
 
 
 @dataclass(slots=True)
@@ -265,11 +294,20 @@ class ServerParts:
     layout: KVLayout
     compat: CompatInfo  # for the CacheStore handshake
     compat_message: pb.Compat  # for the Session's Start (prefill) and admission check (decode)
+    link_model: Any = None  # --engine sim: the modelled KV link (cachestore/link_model.py) the sender paces by
+    # one block of every layer, K and V, in each rank's pool (tensor parallelism: a rank's KV heads; every rank
+    # holds the same block ids, so the tightest rank's free bytes are the free blocks times this); 0: the wire's
+    rank_bytes_per_block: int = 0
 
     @property
     def kv_bytes_per_block(self) -> int:
-        """One block of every layer, K and V: what a block costs a decode."""
+        """One block of every layer, K and V, as the CacheStore moves it (every KV head)."""
         return self.layout.block_nbytes * self.layout.num_layers
+
+    @property
+    def free_bytes_per_block(self) -> int:
+        """What a free block is worth in a decode's free-memory report: its tightest rank's (one rank's pool)."""
+        return self.rank_bytes_per_block or self.kv_bytes_per_block
 
 
 def build_server_engine(args, role: str = "prefill") -> ServerParts:
@@ -278,6 +316,10 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     the same calls (``role`` "prefill" or "decode" sets its prefix cache). ``--engine sim``: the simulated
     engine (``sim_server.py``; loads no torch)."""
     check_tensor_parallel(args, role)
+    if getattr(args, "engine", "builtin") != "sim" and (getattr(args, "sim_kv_scale", 1) != 1
+                                                        or getattr(args, "sim_link_gbps", None) is not None):
+        raise SystemExit("pdserve: --sim-kv-scale and --sim-link-gbps model a simulated cluster: they need "
+                         "--engine sim")
     if getattr(args, "engine", "builtin") == "sim":
         from pdserve.sim_server import build_sim_server_engine  # loads no torch
 
@@ -290,7 +332,7 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
         resolve_device(args)
         return importlib.import_module(VLLM_SERVER_MODULE).build_vllm_server_engine(args, role)
 
-    loaded, llm, max_len = load_engine(args, role)
+    loaded, llm, max_len = load_engine(args, kv_transfer=moves_kv(args, role), role=role)
     model_name = served_model_name(args)
     region, layout, compat = kv_parts(llm, args)
     engine = AsyncLLMEngine(llm)
@@ -298,7 +340,8 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     if role == "prefill":
         engine.step_floor_s = prefill_step_floor_s()  # a test hook (pdserve/test_hooks.py), 0 in production
     return ServerParts(loaded, engine, max_len, model_name, region, layout, compat,
-                       compat_message(llm, args, model_name))
+                       compat_message(llm, args, model_name),
+                       rank_bytes_per_block=llm.kv_cache.block_nbytes * llm.kv_cache.num_layers)
 
 
 def exit_server(exc: BaseException) -> None:
@@ -320,10 +363,6 @@ def check_tensor_parallel(args, role: str) -> None:
     if getattr(args, "engine", "builtin") == "vllm":
         raise SystemExit(f"pdserve {role}: --tensor-parallel-size {n} needs the built-in engine (--engine builtin); "
                          "pass vLLM's own parallelism through its engine arguments")
-    if role == "prefill" and getattr(args, "disaggregation", "never") != "never":
-        raise SystemExit(f"pdserve prefill: --tensor-parallel-size {n} needs --disaggregation never (KV does not "
-                         f"move between servers at tensor-parallel size > 1 yet), got --disaggregation "
-                         f"{args.disaggregation}")
     if role == "decode" and getattr(args, "kv_pool", ""):
         raise SystemExit(f"pdserve decode: --kv-pool needs --tensor-parallel-size 1 (lent blocks would hold rank 0's "
                          f"KV heads only), got {n}")
@@ -376,10 +415,11 @@ def kv_parts(engine: LLMEngine, args):
     """(MemoryRegion, KVLayout, CompatInfo) of the engine's KV pool for the CacheStore."""
     from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
 
-    kv = engine.kv_cache
+    kv = engine.transfer_cache  # every KV head: the pool, or with tensor parallelism rank 0's transfer pool
     layout = KVLayout(num_layers=kv.num_layers, num_blocks=kv.num_blocks, block_nbytes=kv.block_nbytes)
     compat = CompatInfo(dtype=args.dtype, num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
-                        head_dim=kv.head_dim, block_size=kv.block_size, kv_dtype=kv.kv_dtype)
+                        head_dim=kv.head_dim, block_size=kv.block_size, kv_dtype=kv.kv_dtype,
+                        model_kv_heads=engine.model_config.num_kv_heads)
     return (MemoryRegion.from_tensor(kv.tensor, layer_written=kv.written_waiter, shared_fd=kv.shared_fd), layout,
             compat)
 
@@ -387,9 +427,10 @@ def kv_parts(engine: LLMEngine, args):
 def compat_message(engine: LLMEngine, args, model_name: str):
     from pdserve.protos import session_pb2 as pb
 
-    kv = engine.kv_cache
+    kv = engine.transfer_cache  # every KV head (the wire's blocks, whatever the tensor-parallel size)
     return pb.Compat(dtype=args.dtype, num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
-                     block_size=kv.block_size, model=model_name, transport=args.transfer, kv_cache_dtype=kv.kv_dtype)
+                     block_size=kv.block_size, model=model_name, transport=args.transfer, kv_cache_dtype=kv.kv_dtype,
+                     tensor_parallel_size=engine.config.tensor_parallel_size)
 
 
 async def wait_for_stop_signal() -> str:

@@ -12,8 +12,14 @@
    prefill and a sim decode is the real number of bytes).
 4. The Compat the Session carries tags the model ``+sim``: a sim server pairs only with sim servers.
 
-Not built: a scaled payload with a modelled link time (the bytes move at the wire's own speed), KV
-tiers, the decode's swap to host memory (--eviction is turned off), --kv-pool, tensor parallelism.
+5. A scaled payload (``--sim-kv-scale N``): the CacheStore's blocks are 1/N of the profile's bytes (its wire
+   shape, ``wire_compat``: one KV head of ``kv_heads * head_dim / N``), so the region, the pages touched and the
+   bytes moved are 1/N; the pool's size in blocks is the profile's (sized at the real bytes per block).
+6. A modelled link (``--sim-link-gbps``, ``--sim-link-latency-us``, prefill): the sender paces each slice as the
+   modelled link would carry its real bytes (``cachestore/link_model.py``).
+
+Not built: KV tiers, the decode's swap to host memory (--eviction is turned off), --kv-pool, tensor
+parallelism.
 """
 
 from __future__ import annotations
@@ -59,11 +65,12 @@ def build_sim_server_engine(args, role: str) -> ServerParts:
         args.eviction = False
     tokenizer = sim_tokenizer(args.model, shape.eos_token_ids, shape.vocab_size)
     max_len = args.max_model_len or shape.context_length
-    compat = CompatInfo(dtype=shape.dtype, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
-                        head_dim=shape.head_dim, block_size=args.block_size)
+    real = CompatInfo(dtype=shape.dtype, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
+                      head_dim=shape.head_dim, block_size=args.block_size)
+    compat = wire_compat(real, args.sim_kv_scale)
     try:
         size = kv_sizing.size_kv_pool(kv_flags(args), dtype=shape.dtype, block_size=args.block_size,
-                                      bytes_per_block=compat.block_nbytes * shape.num_layers)
+                                      bytes_per_block=real.block_nbytes * shape.num_layers)
         log.info("%s", size.describe())
         config = EngineConfig(num_blocks=size.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -81,13 +88,45 @@ def build_sim_server_engine(args, role: str) -> ServerParts:
     pool = mmap.mmap(-1, layout.nbytes)  # anonymous: pages take memory once written
     region = MemoryRegion(ctypes.addressof(ctypes.c_char.from_buffer(pool)), layout.nbytes, "cpu", 0, owner=pool)
     model_name = served_model_name(args)
-    message = pb.Compat(dtype=shape.dtype, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads,
-                        head_dim=shape.head_dim, block_size=args.block_size, model=model_name + SIM_MODEL_TAG,
+    message = pb.Compat(dtype=shape.dtype, num_layers=shape.num_layers, num_kv_heads=compat.num_kv_heads,
+                        head_dim=compat.head_dim, block_size=args.block_size, model=model_name + SIM_MODEL_TAG,
                         transport=args.transfer, kv_cache_dtype="auto")
     log.info("simulated engine: profile %s (%s), %d KV blocks, %d KV bytes per token", profile.name,
              profile.source[:120] or "no source given", size.num_blocks, shape.kv_bytes_per_token)
     loaded = SimpleNamespace(name=model_name, config=SimpleNamespace(vocab_size=shape.vocab_size), tokenizer=tokenizer)
-    return ServerParts(loaded, engine, max_len, model_name, region, layout, compat, message)  # type: ignore[arg-type]
+    link = sim_link_model(args, real.block_nbytes // compat.block_nbytes) if role == "prefill" else None
+    if link is not None:
+        log.info("%s", link.describe())
+    return ServerParts(loaded, engine, max_len, model_name, region, layout, compat, message,  # type: ignore[arg-type]
+                       link)
+
+
+def wire_compat(real, scale: int):
+    """The CacheStore's shape for ``--sim-kv-scale scale``: the real one (scale 1), or one KV head of
+    ``kv_heads * head_dim / scale`` elements, so a block carries 1/scale of its real bytes."""
+    from pdserve.cachestore import CompatInfo
+
+    row = real.num_kv_heads * real.head_dim
+    if scale < 1 or row % scale:
+        raise SystemExit(f"pdserve: --sim-kv-scale {scale} must be >= 1 and divide kv_heads x head_dim ({row})")
+    if scale == 1:
+        return real
+    return CompatInfo(dtype=real.dtype, num_layers=real.num_layers, num_kv_heads=1, head_dim=row // scale,
+                      block_size=real.block_size)
+
+
+def sim_link_model(args, payload_scale: int):
+    """The prefill's modelled KV link (--sim-link-gbps), or None (the bytes move at the wire's speed)."""
+    from pdserve.cachestore.link_model import LinkModel
+
+    if args.sim_link_gbps is None:
+        return None
+    if args.transfer != "tcp":
+        raise SystemExit(f"pdserve: --sim-link-gbps paces the tcp transport only, got --transfer {args.transfer}")
+    try:
+        return LinkModel(args.sim_link_gbps * 1e9 / 8, args.sim_link_latency_us / 1e6, payload_scale)
+    except ValueError as exc:
+        raise SystemExit(f"pdserve: --sim-link-gbps: {exc}") from None
 
 
 def sim_tokenizer(model: str, eos_token_ids, vocab_size: int):

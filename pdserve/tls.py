@@ -13,9 +13,12 @@ Without them every internal port stays plain, as before.
    certificate and CA while open streams keep their session; clients must show a certificate
    signed by the CA (``require_client_authentication``).
 2. gRPC clients: ``aio_channel``/``channel(address, tls, options)``: our certificate and the CA, read
-   when the channel is made (a channel made after a rotation uses the new files; a long-lived
-   channel keeps what it read); every server's certificate must carry ``SERVER_NAME``, which clients
+   when the channel is made; every server's certificate must carry ``SERVER_NAME``, which clients
    check (``grpc.ssl_target_name_override``): pods are reached by IP, certificates name the service.
+   A channel keeps what it read, so the long-lived ones (the prefill's to each decode, the router's
+   to each prefill) compare ``stamp()`` with the one they were made under and, when the files
+   changed, make a new channel for new calls while the old one's open streams finish (closed with
+   a grace): a rotation to a new CA reaches reconnections too, and drops no stream.
 3. The CacheStore's sockets (``cachestore/tls_sockets.py``): ``server_context``/``client_context``,
    rebuilt at the next connection after a file changed (its size, time or inode: a Kubernetes
    Secret update swaps a symlink). Server contexts send no TLS 1.3 session tickets (a reader thread
@@ -176,6 +179,10 @@ class TlsFiles:
             if loaded is not None:
                 log.info("TLS files changed: new connections use the new certificate (%s)", self.cert)
             return self._loaded
+
+    def stamp(self) -> tuple:
+        """Which reading of the files is current (changes when a rotation has been loaded)."""
+        return self.current().stamp
 
     # ----- the CacheStore's sockets (cachestore.TlsContexts) -------------------------------
     def server_context(self) -> ssl.SSLContext:

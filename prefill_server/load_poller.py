@@ -62,16 +62,32 @@ class LoadReportPoller:
         self.on_update = on_update
         self.on_report = on_report  # the prefill's admission queue: a fresh report may show freed blocks
         self.index = index  # a DecodeIndex (decode_index.py), or None: no prefix knowledge
-        self.tls = tls  # mutual TLS on every channel (pdserve/tls.py: the files as of the channel's making)
+        self.tls = tls  # mutual TLS on every channel (pdserve/tls.py; a rotation gets a new channel: channel())
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stamps: dict[str, tuple | None] = {}  # the TLS files' reading each channel was made under
         self._task: asyncio.Task | None = None
         self._inflight: dict[str, asyncio.Task] = {}
 
     def channel(self, address: str) -> grpc.aio.Channel:
+        """The channel to ``address``; a new one when the TLS files were rotated since it was made (the old
+        one's open calls, Session streams included, finish within ``close_grace_s``)."""
+        stamp = self.tls.stamp() if self.tls is not None else None
         ch = self._channels.get(address)
+        if ch is not None and self._stamps.get(address) != stamp:
+            self._retire(address)
+            ch = None
         if ch is None:
             ch = self._channels[address] = aio_channel(address, self.tls, options=CHANNEL_OPTIONS)
+            self._stamps[address] = stamp
         return ch
+
+    def _retire(self, address: str) -> None:
+        """Close ``address``'s channel gracefully in the background (no new call gets it)."""
+        ch = self._channels.pop(address)
+        self._stamps.pop(address, None)
+        task = asyncio.create_task(ch.close(grace=self.close_grace_s))
+        self._leaving[task] = ch
+        task.add_done_callback(lambda t: self._leaving.pop(t, None))
 
     def stub(self, address: str) -> pb_grpc.DecodeStub:
         return pb_grpc.DecodeStub(self.channel(address))
@@ -98,6 +114,7 @@ class LoadReportPoller:
         for ch in self._channels.values():
             await ch.close()
         self._channels.clear()
+        self._stamps.clear()
 
     async def _loop(self) -> None:
         while True:
@@ -117,10 +134,7 @@ class LoadReportPoller:
         for gone in set(self.picker.known()) - addresses:
             self.picker.forget(gone)
         for gone in set(self._channels) - addresses:
-            ch = self._channels.pop(gone)
-            task = asyncio.create_task(ch.close(grace=self.close_grace_s))
-            self._leaving[task] = ch
-            task.add_done_callback(lambda t: self._leaving.pop(t, None))
+            self._retire(gone)
         started = []
         for address in sorted(addresses):
             polling = self._inflight.get(address)

@@ -127,10 +127,13 @@ class DecodePicker:
 
     def note_allocation(self, address: str, blocks: int, nbytes: int) -> None:
         """A Session on ``address`` just allocated; lower its weight (and count one more waiting
-        session there) until the next report."""
+        session there) until the next report. ``nbytes``: our estimate; the decode's own bytes per block
+        (its free bytes over its free blocks: a tensor-parallel decode reports one rank's) when it has some."""
         entry = self._entries.get(address)
         if entry is not None:
             load = entry.load
+            if load.free_blocks:
+                nbytes = blocks * (load.free_bytes // load.free_blocks)
             load.free_blocks = max(0, load.free_blocks - blocks)
             load.free_bytes = max(0, load.free_bytes - nbytes)
             load.waiting += 1

@@ -212,7 +212,7 @@ async def start_sender(parts: ServerParts, transport: str, scheduler: str, check
     ``CacheStoreSender``), started."""
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=transport, scheduler=scheduler,
                               checksum=checksum, stall_timeout_s=stall_timeout_s, corrupt_kv=test_hooks.corrupt_kv(),
-                              tls=tls_files, same_node=same_node)
+                              tls=tls_files, link_model=parts.link_model, same_node=same_node)
     await sender.start()
     return sender
 

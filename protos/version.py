@@ -12,6 +12,10 @@ changes meaning (adding an optional field that old peers may ignore does not nee
 #    tokens without logprobs), FirstToken.logprob, Tokens.logprobs.
 # 4: Allocation.kv_token and PoolTarget.kv_token (the CacheStore refuses KV without the decode's bind
 #    token: a prefill that sent none would have every transfer refused).
+#    (not bumped: Compat.tensor_parallel_size, field 9, an optional field old peers ignore: a TP server's blocks
+#    on the wire hold every KV head, as a TP 1 server's, so an older TP 1 peer pairs with it unchanged; an older
+#    peer's 0 reads as 1. The CacheStore's WIRE_VERSION is not bumped either: CompatInfo's head range is in
+#    the compat hash only for a region with part of the heads, which no server registers yet.)
 PROTOCOL_VERSION = 4
 
 # The KV-event stream (kv_events.proto): a router uses the index of a server only when the

@@ -33,6 +33,9 @@ from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 from pdserve.tls import TlsFiles, aio_channel
 
 
+RETIRE_GRACE_S = 600.0  # after a certificate rotation: how long the old channel's relays may still run
+
+
 class PrefillWatch:
     def __init__(self, address: str, index: PrefixIndex, metrics=None, name: str = "router",
                  interval_s: float = 0.2, expiry_s: float = 1.5, tls: TlsFiles | None = None):
@@ -42,11 +45,18 @@ class PrefillWatch:
         self.load: kpb.ServerLoad | None = None
         self.load_at = 0.0
         self.in_flight = 0  # requests this router is relaying to it now
-        # mutual TLS with ``tls`` (pdserve/tls.py); a snapshot of every block the prefill holds is one message
-        self._channel = aio_channel(address, tls, [("grpc.max_receive_message_length", KV_EVENTS_MAX_MESSAGE_BYTES)])
+        self.tls = tls  # mutual TLS (pdserve/tls.py); a rotation gets a new channel (_renew_if_rotated)
+        self._tasks: list[asyncio.Task] = []
+        self._retiring: set[asyncio.Task] = set()  # old channels closing once their relays end
+        self._open_channel()
+
+    def _open_channel(self) -> None:
+        # a snapshot of every block the prefill holds is one message
+        options = [("grpc.max_receive_message_length", KV_EVENTS_MAX_MESSAGE_BYTES)]
+        self._stamp = self.tls.stamp() if self.tls is not None else None
+        self._channel = aio_channel(self.address, self.tls, options)
         self._stub = kpb_grpc.KvEventsStub(self._channel)
         self.generator = gpb_grpc.GeneratorStub(self._channel)  # the router's gRPC Generate relays on it
-        self._tasks: list[asyncio.Task] = []
 
     # ---- what the router reads ---------------------------------------------------------------
     def routable(self) -> bool:
@@ -87,6 +97,24 @@ class PrefillWatch:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
         await self._channel.close(grace)
+        for task in list(self._retiring):
+            task.cancel()
+
+    def _renew_if_rotated(self) -> bool:
+        """When the TLS files were rotated since the channel was made: a new channel (and KV-event stream:
+        the index resyncs this prefill) for what comes next; the old one closes once its relays end (up to
+        RETIRE_GRACE_S). Returns whether it renewed."""
+        if self.tls is None or self.tls.stamp() == self._stamp:
+            return False
+        old = self._channel
+        self._open_channel()
+        task = asyncio.create_task(old.close(RETIRE_GRACE_S))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+        if self._tasks:  # started: follow the events on the new channel
+            self._tasks[0].cancel()
+            self._tasks[0] = asyncio.create_task(self._events(), name=f"kv-events {self.address}")
+        return True
 
     # ---- the two tasks -------------------------------------------------------------------------
     def _count(self, reason: str) -> None:
@@ -106,6 +134,7 @@ class PrefillWatch:
 
     async def _poll_load(self) -> None:
         while True:
+            self._renew_if_rotated()
             try:
                 self.load = await self._stub.GetLoad(kpb.LoadRequest(), timeout=max(1.0, self.interval_s * 5))
                 self.load_at = time.monotonic()

@@ -14,6 +14,7 @@
   pdserve bench experiment eviction     11. LSO: interactive TBT with batch requests on the decode, eviction on/off
   pdserve bench experiment throughput   12. offline tokens/s: one process vs 2-stage PP (mixed batching) vs TD-Pipe
   pdserve bench experiment trace-routing -  Mooncake's conversation trace: round robin vs least loaded vs prefix routing
+  pdserve bench experiment scale         -  the whole Mooncake trace on simulated clusters: routing, picker, a day
 
 Each one starts its servers (on free ports, pinned to CPUs where the experiment says),
 runs its workload, stops everything (also on failure), and writes <out>/<name>.json (the
@@ -44,6 +45,7 @@ EXPERIMENTS: dict[str, str] = {
     "long-context": "pdserve.bench.experiments.long_context",
     "throughput": "pdserve.bench.experiments.throughput",
     "trace-routing": "pdserve.bench.experiments.trace_routing",
+    "scale": "pdserve.bench.experiments.scale",
 }
 
 

@@ -57,7 +57,7 @@ from pdserve.bench.loadgen_workload import arrival_times, random_requests, token
 from pdserve.cachestore.memory import DTYPE_BYTES
 from pdserve.defaults import BLOCK_SIZE
 
-from . import peer_baseline, peer_trace, report
+from . import peer_baseline, peer_sim, peer_trace, report
 from .cluster import SERVED_MODEL, start_pd
 from .launcher import LOG_ROOT, MODEL_CACHE, Launcher
 from .peer_model import PEER_DTYPES, PEER_MODELS, kv_bytes_per_token, peer_model
@@ -117,6 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "commit before a change: git worktree add DIR COMMIT && make -C DIR venv native), started "
                         "with the same flags and alternated with the others; the report adds pdserve / baseline "
                         "ratios per repeat")
+    g.add_argument("--sim-profile", default=None, metavar="PATH|measure",
+                   help="a system 'sim': pdserve's P/D on --engine sim with this profile (a file, a shipped name, or "
+                        "'measure': measured here on the served checkpoint right before each sim start, so each "
+                        "repeat's profile has the box's speed of that moment), alternated "
+                        "with pdserve; the report adds sim / pdserve ratios against the fidelity band (peer_sim.py)")
     g.add_argument("--no-vllm", action="store_true",
                    help="leave vLLM's P/D out (with --baseline-tree: pdserve against its baseline only)")
     g.add_argument("--pdserve-prefill-extra", default="", metavar="FLAGS",
@@ -141,6 +146,8 @@ def _say(msg: str) -> None:
 
 def _validate(args) -> None:
     peer_trace.resolve(args, GRID_DEFAULTS)
+    if args.sim_profile and args.pdserve_engine != "builtin":
+        raise ValueError("--sim-profile judges the simulated engine against the built-in one: drop --pdserve-engine")
     for name in ("num_requests", "repeats", "kv_tokens") if args.trace is None else ("repeats", "kv_tokens"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -219,13 +226,15 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
             with Launcher(LOG_ROOT / f"peer-{system}-{repeat}") as launcher:
                 if system == "baseline":  # the other checkout's pdserve, the same flags
                     launcher.pdserve = str(baseline_pdserve(args.baseline_tree))
-                if system in ("pdserve", "baseline"):
+                if system in ("pdserve", "baseline", "sim"):
+                    sim = (["--engine", "sim", "--sim-profile", sim_profile(args, model, repeat)]
+                           if system == "sim" else [])
                     c = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, prefill_cpus=args.prefill_cpu,
                                  decode_cpus=args.decode_cpu, num_blocks=pd_blocks,
                                  max_model_len=max_len,
-                                 prefill_extra=pd_extra + peer_trace.pdserve_slo_flags(args)
+                                 prefill_extra=pd_extra + sim + peer_trace.pdserve_slo_flags(args)
                                  + shlex.split(args.pdserve_prefill_extra),
-                                 decode_extra=pd_extra + shlex.split(args.pdserve_decode_extra))
+                                 decode_extra=pd_extra + sim + shlex.split(args.pdserve_decode_extra))
                     url = c.url
                     commands[system] = {"prefill": c.prefill.proc.popen.args, "decode": c.decodes[0].proc.popen.args}
                 else:
@@ -250,9 +259,18 @@ def _alternate(args, python: str, model: str, pool: list[int], kv_bytes: int, ma
     return runs, commands, calibration
 
 
+def sim_profile(args, model: str, repeat: int) -> str:
+    """The sim system's profile: --sim-profile, or with 'measure' one measured now (peer_sim.measure_profile)."""
+    if args.sim_profile != "measure":
+        return str(args.sim_profile)
+    path = Path(args.out) / f"{args.name}-profile-{repeat}.json"
+    return str(peer_sim.measure_profile(model, path, args.prefill_cpu, _say))
+
+
 def systems(args) -> list[str]:
     """The systems of each repeat, in the order they run."""
-    return ["pdserve"] + (["baseline"] if args.baseline_tree else []) + ([] if args.no_vllm else ["vllm"])
+    sim = ["sim"] if getattr(args, "sim_profile", None) else []
+    return ["pdserve"] + (["baseline"] if args.baseline_tree else []) + sim + ([] if args.no_vllm else ["vllm"])
 
 
 def baseline_pdserve(tree: Path) -> Path:
@@ -326,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     table = aggregate(runs)
     versus_baseline = peer_baseline.compare(runs, table) if args.baseline_tree else {}
+    fidelity = peer_sim.compare(runs, table) if args.sim_profile else {}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engine = "" if args.pdserve_engine == "builtin" else ", vLLM engine"
@@ -338,12 +357,15 @@ def run(args: argparse.Namespace) -> int:
     path = report.save(out, args.name, {"params": params, "model": {"path": model, "size": args.model_size},
                                         "max_model_len": max_len, "kv_bytes_vllm": kv_bytes, "calibration": calibration,
                                         **trace_doc, "commands": commands, "cells": table, "runs": runs,
-                                        "versus_baseline": versus_baseline,
+                                        "versus_baseline": versus_baseline, "sim_fidelity": fidelity,
+                                        "sim_profile": args.sim_profile,
                                         "plot": str(png)})
     print(format_table(table))
     if trace and not args.no_vllm:
         print(trace_text)
     if versus_baseline:
         print(peer_baseline.format_compare(versus_baseline))
+    if fidelity:
+        print(peer_sim.format_compare(fidelity))
     print(f"wrote {path} and {png}")
     return 0

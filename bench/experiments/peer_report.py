@@ -19,7 +19,8 @@ from . import report
 from .trace_routing_figures import pair_ratios, verdict
 
 SYSTEMS = ("pdserve", "vllm")  # the pair the targets compare
-RUN_SYSTEMS = ("pdserve", "baseline", "vllm")  # what a run may hold (baseline: --baseline-tree, peer_baseline.py)
+RUN_SYSTEMS = ("pdserve", "baseline", "sim", "vllm")  # what a run may hold (baseline: --baseline-tree,
+# peer_baseline.py; sim: --sim-profile, peer_sim.py)
 # figure -> (summary key, field); "failed" and throughput are top-level numbers of the summary
 FIGURES = {
     "ttft_mean": ("ttft_s", "mean"), "ttft_p50": ("ttft_s", "p50"), "ttft_p99": ("ttft_s", "p99"),
@@ -205,7 +206,7 @@ def plot(runs: list[dict], cells: dict, path, title: str):
     styles = ["-", "--", ":", "-."]
     for ax, key, label in ((axes[1], "ttft_quantiles", "TTFT"), (axes[2], "itl_quantiles", "ITL")):
         for j, cell in enumerate(names):
-            for system, color in zip(RUN_SYSTEMS, ("tab:blue", "tab:green", "tab:orange")):
+            for system, color in zip(RUN_SYSTEMS, ("tab:blue", "tab:green", "tab:purple", "tab:orange")):
                 qs = [q for r in runs if r["system"] == system and cell in r["cells"]
                       for q in r["cells"][cell][key]]
                 if qs:

@@ -12,4 +12,6 @@ Reading path:
                  (hooked on the projections: the model code is unchanged)
   ``ranks.py``   TensorParallelSteps: rank 0 starts the workers, sends each step, names a rank that died
   ``worker.py``  a worker rank's process: load its shard, then run each step until rank 0 stops
+  ``transfer.py`` P/D: KV pushed from or arrived in a TP engine, through rank 0's transfer pool (every KV
+                 head of every block): gathered from the ranks per layer, scattered to them on arrival
 """

@@ -104,6 +104,24 @@ class TPGroup:
 
         return gather
 
+    def gather(self, t: torch.Tensor, small: bool = False) -> list[torch.Tensor]:
+        """Every rank's ``t`` (one shape on all ranks) at rank 0, in rank order; [] on the other ranks.
+        ``small``: a CPU tensor (a checksum), over the payload group (gloo) whatever the device."""
+        t = t.contiguous()
+        parts = [torch.empty_like(t) for _ in range(self.size)] if self.rank == 0 else []
+        (self.payload if small else self.compute).gather(parts, t, 0).wait()
+        return parts
+
+    def scatter(self, parts: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rank 0 gives ``parts[r]`` to rank ``r`` (``parts``: one per rank, one shape); the others pass ``out``
+        (that shape) to receive into. Returns this rank's part."""
+        if self.rank == 0:
+            parts = [p.contiguous() for p in parts]
+            out = torch.empty_like(parts[0])
+        assert out is not None
+        self.compute.scatter(out, parts if self.rank == 0 else [], 0).wait()
+        return out
+
     def attach(self, model: DecoderModel) -> None:
         """Hook the collectives on ``model``'s row-parallel projections and its LM head (a DecoderModel)."""
         for layer in model.layers:

@@ -38,16 +38,18 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..errors import TensorParallelError
+from ..errors import ShardChecksumError, TensorParallelError
 from ..model import ForwardBatch
 from . import shm_collectives
 from .group import TPGroup
 from .shm_collectives import ShmCollectives
+from .transfer import KVTransferPool
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 300.0  # the ranks' rendezvous: their Python and torch start, on a loaded box
 STOP_GRACE_S = 10.0  # a rank told to stop that has not exited by then is killed
+STEP, INSTALL = "step", "install"  # what rank 0 sends: a step (its batch), or blocks arrived (transfer.py)
 EXIT_GRACE_S = 5.0  # after a failed collective: how long to wait for a rank's exit status, to name it
 
 
@@ -67,6 +69,8 @@ def check_devices(device: torch.device, size: int) -> None:
 class TensorParallelSteps:
     def __init__(self, model, kv_cache, group: TPGroup, procs: list[subprocess.Popen]):
         self.model, self.kv, self.group, self.procs = model, kv_cache, group, procs
+        self.transfer: KVTransferPool | None = None  # rank 0's whole-heads pool, when KV moves (transfer.py)
+        self.checksum = False  # each rank's shard summed across rank 0's hop (transfer.py; EngineConfig.kv_checksum)
         self.lost: TensorParallelError | None = None
         self._finalizer = weakref.finalize(self, _stop, group, procs)
 
@@ -104,15 +108,67 @@ class TensorParallelSteps:
         return cls(loaded.model, kv_cache, group, procs)
 
     def run(self, batch: ForwardBatch, extra_rows, on_layer, on_rows) -> torch.Tensor:
+        blocks = self._push_blocks(on_layer)
+
+        def step() -> torch.Tensor:
+            self.group.send((STEP, on_cpu(batch), [rows.cpu() for rows in extra_rows], blocks, self.checksum))
+            hook = on_layer if blocks is None else self._gathering(on_layer, blocks)
+            return self.model(batch, self.kv, hook, extra_rows, on_rows)
+
+        return self._in_step(step)
+
+    def install(self, blocks: list[int]) -> None:
+        """The decode's arrival (``transfer.py``): ``blocks`` of the transfer pool into every rank's pool."""
+        transfer = self.transfer
+        if transfer is None:
+            raise ValueError("this tensor-parallel engine has no KV transfer pool (EngineConfig.kv_transfer)")
+        if not blocks:
+            return
+
+        def scatter() -> None:
+            sums = transfer.sums(list(blocks)) if self.checksum else None
+            self.group.send((INSTALL, list(blocks), sums))
+            transfer.install(self.group, list(blocks), sums)
+
+        self._in_step(scatter)
+
+    def _in_step(self, work):
+        """``work()`` with every rank: any failure leaves the ranks out of step, so the engine is lost."""
         if self.lost is not None:
             raise self.lost
         try:
-            self.group.send((on_cpu(batch), [rows.cpu() for rows in extra_rows]))
-            return self.model(batch, self.kv, on_layer, extra_rows, on_rows)
+            return work()
+        except ShardChecksumError:  # found after every rank's part of the collectives: still in step
+            raise
         except Exception as exc:  # the ranks are out of step whatever failed: the engine is lost
             self.lost = TensorParallelError(self._why(exc))
             self.close()
             raise self.lost from None
+
+    def _push_blocks(self, on_layer) -> list[int] | None:
+        """The block ids a step's layer callback pushes (``remote_prefill.LayerCallback.blocks``), or None."""
+        blocks = getattr(on_layer, "blocks", None)
+        if blocks is None:
+            return None
+        if self.transfer is None:
+            raise ValueError("this tensor-parallel engine has no KV transfer pool (EngineConfig.kv_transfer): its "
+                             "KV cannot be pushed")
+        return list(blocks)
+
+    def _gathering(self, on_layer, blocks: list[int]):
+        """The step's layer callback after each layer's heads of ``blocks`` are gathered into the transfer pool."""
+        transfer, idx = self.transfer, torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
+        assert transfer is not None
+
+        def hook(layer: int) -> None:
+            bad = transfer.gathered(self.group, layer, idx, self.checksum)
+            if bad:  # never stored: the step's pushing requests fail after the step, the ranks go on in step
+                on_layer.fail(ShardChecksumError(
+                    f"kv_checksum_mismatch: tensor-parallel rank(s) {bad}'s shard of layer {layer}, KV blocks "
+                    f"{blocks[0]}..{blocks[-1]}, did not land intact in rank 0's transfer pool"))
+            on_layer(layer)
+
+        return hook
 
     def _why(self, exc: BaseException) -> str:
         """One line: the rank that exited and its exit code, else a timeout, else what failed here."""

@@ -6,11 +6,14 @@
    it writes the one-line reason to the store (``error/<rank>``, which rank 0 reports) and exits 1;
 3. waits at the barrier until every rank is ready, then runs each step rank 0 sends
    (the model's forward: the same one, the same collectives) until rank 0 says STOP (exit 0) or
-   goes away (its wait fails: exit 1). Its logits are thrown away: rank 0 samples.
+   goes away (its wait fails: exit 1). Its logits are thrown away: rank 0 samples. A step that pushes KV
+   sends its heads of the pushed blocks to rank 0 after each layer; blocks that arrived at a decode come
+   from rank 0 into its pool (``transfer.py``).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,8 +26,9 @@ import torch.distributed as dist
 from ..kv_cache import KVCache
 from ..loader import load_model
 from .group import TPGroup
-from .ranks import START_TIMEOUT_S, moved, rank_device
+from .ranks import INSTALL, START_TIMEOUT_S, moved, rank_device
 from .shm_collectives import ShmCollectives
+from .transfer import receive_blocks, send_layer
 
 log = logging.getLogger("pdserve.engine.tp.worker")
 
@@ -51,12 +55,29 @@ def main(argv: list[str]) -> int:
     try:
         group.barrier()
         while (message := group.receive()) is not None:
-            batch, extra_rows = message
-            model(moved(batch, device), kv, None, [rows.to(device) for rows in extra_rows])
+            _serve(message, group, model, kv, device)
     except RuntimeError as exc:  # rank 0 went away, or a collective failed: nothing left to do
         log.warning("stopping: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return 1
     return 0
+
+
+def _serve(message: tuple, group: TPGroup, model, kv: KVCache, device: torch.device) -> None:
+    """One message of rank 0: a step (its forward; its heads of the pushed blocks gathered after each layer),
+    or blocks that arrived (its heads of them scattered into its pool): ``transfer.py``."""
+    if message[0] == INSTALL:
+        receive_blocks(group, kv, message[1], message[2])
+        return
+    _, batch, extra_rows, blocks, checksum = message
+    on_layer = None
+    if blocks is not None:
+        idx = torch.tensor(blocks, dtype=torch.long, device=device)
+        on_layer = functools.partial(_send_layer, group, kv, idx, checksum)
+    model(moved(batch, device), kv, on_layer, [rows.to(device) for rows in extra_rows])
+
+
+def _send_layer(group: TPGroup, kv: KVCache, blocks: torch.Tensor, checksum: bool, layer: int) -> None:
+    send_layer(group, kv, layer, blocks, checksum)
 
 
 def _parent_gone(parent: int) -> str | None:

@@ -105,3 +105,33 @@ def _rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise AssertionError(f"no VmRSS for process {pid}")
+
+
+KV_SCALE, LINK_GBPS = 8, 0.05  # a scaled payload over a slow modelled link: 6.25 MB of real KV bytes a second
+
+
+def test_scaled_payload_waits_the_modelled_link(tmp_path):
+    """--sim-kv-scale 8 --sim-link-gbps 0.05: the CacheStore moves 1/8 of the real bytes, the request waits the
+    modelled time of the real ones, and its tokens are the colocated sim's still."""
+    import time
+
+    group = ProcessGroup(log_dir=tmp_path / "logs")
+    scaled = [*SIM, "--sim-kv-scale", str(KV_SCALE)]
+    try:
+        decode = start_decode(group, "tcp", NUM_BLOCKS, extra=scaled)
+        wait_ready(decode)
+        prefill = start_prefill(group, [decode.grpc_address], "tcp", NUM_BLOCKS,
+                                extra=[*scaled, "--sim-link-gbps", str(LINK_GBPS), "--sim-link-latency-us", "1000"])
+        wait_ready(prefill)
+        ids = [256] + [random.Random(9).randrange(1, 256) for _ in range(4 * 64 - 1)]  # 4 blocks
+        real_bytes = 4 * 2 * 64 * 4 * 32 * 4 * 8  # cpu-small's shape: 2 MiB
+        start = time.monotonic()
+        got = generate(prefill, "scaled-0", ids, 3)
+        elapsed = time.monotonic() - start
+        assert got == colocated({"scaled-0": ids}, {"scaled-0": 3})["scaled-0"]
+        assert metric(prefill.url, "pdserve_kv_transfer_bytes_total") == real_bytes // KV_SCALE
+        modelled = real_bytes * 8 / (LINK_GBPS * 1e9)  # 0.34 s: far above the loopback's own time
+        assert elapsed >= modelled, (elapsed, modelled)
+        assert nothing_held(wait_all_released([prefill, decode]))
+    finally:
+        group.close()

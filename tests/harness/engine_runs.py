@@ -50,9 +50,10 @@ def greedy_with_first_logits(engine: LLMEngine, prompts: list[list[int]], n_toke
 
 
 def copy_layer_blocks(src: LLMEngine, src_blocks: list[int], dst: LLMEngine, dst_blocks: list[int], layer: int) -> None:
-    """Copy one layer of ``src_blocks`` of ``src``'s pool into ``dst_blocks`` of ``dst``'s pool."""
+    """Copy one layer of ``src_blocks`` of ``src``'s pool into ``dst_blocks`` of ``dst``'s pool (the pools KV
+    moves through: a tensor-parallel engine's transfer pool, ``LLMEngine.transfer_cache``)."""
     for s, d in zip(src_blocks, dst_blocks):
-        dst.kv_cache.layer(layer)[d].copy_(src.kv_cache.layer(layer)[s])
+        dst.transfer_cache.layer(layer)[d].copy_(src.transfer_cache.layer(layer)[s])
 
 
 last_moved: dict[str, int] = {}  # request id -> prompt blocks copied by the last run_pd

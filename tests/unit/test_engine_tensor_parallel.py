@@ -10,8 +10,8 @@ A worker killed mid-stream fails the next step with one line naming its rank; th
 other workers gone, and the AsyncLLMEngine ends the streams and calls ``on_lost`` (a server exits there).
 On the CPU the small collectives go through shared memory by default; gloo alone gives the same tokens, and
 the segment leaves /dev/shm before the first step. After close() no worker is left running. The server flags
-that clash with TP > 1 are refused in one line; KV never crosses a TP engine's pool (P/D between TP servers is
-not built yet).
+that clash with TP > 1 are refused in one line; KV never crosses the pool of a TP engine made without
+``kv_transfer`` (P/D between TP servers: test_engine_tp_kv_transfer.py, e2e/test_pd_tensor_parallel.py).
 """
 
 import argparse
@@ -232,9 +232,7 @@ def _server_args(**flags) -> argparse.Namespace:
 def test_server_flags_that_clash_with_tensor_parallelism_are_refused_in_one_line():
     with pytest.raises(SystemExit, match="--tensor-parallel-size 2 needs the built-in engine"):
         check_tensor_parallel(_server_args(engine="vllm"), "decode")
-    with pytest.raises(SystemExit, match="--tensor-parallel-size 2 needs --disaggregation never .* got "
-                                         "--disaggregation always"):
-        check_tensor_parallel(_server_args(disaggregation="always"), "prefill")
+    check_tensor_parallel(_server_args(disaggregation="always"), "prefill")  # P/D at TP > 1: KV moves (transfer.py)
     with pytest.raises(SystemExit, match="--kv-pool needs --tensor-parallel-size 1"):
         check_tensor_parallel(_server_args(kv_pool="gm:1"), "decode")
     with pytest.raises(SystemExit, match="--tensor-parallel-size must be >= 1, got 0"):
@@ -244,10 +242,13 @@ def test_server_flags_that_clash_with_tensor_parallelism_are_refused_in_one_line
     assert args.eviction is False  # each rank holds only its KV heads: nothing is evicted to host memory
 
 
-def test_kv_never_crosses_a_tensor_parallel_engines_pool():
+def test_kv_never_crosses_the_pool_of_a_tensor_parallel_engine_without_kv_transfer():
+    """Without EngineConfig.kv_transfer (its transfer pool) a TP engine refuses to push KV or take pushed KV
+    (test_engine_tp_kv_transfer.py: with it); computing a reserved prompt here is allowed."""
     engine = _engine("tiny", 2)
     try:
-        with pytest.raises(ValueError, match="KV cannot move out of or into a tensor-parallel engine"):
+        assert engine.transfer is None and engine.transfer_cache is engine.kv_cache
+        with pytest.raises(ValueError, match="KV cannot move out of or into this tensor-parallel engine"):
             engine.pd.prefill_only("p", [256, 72], GREEDY, on_layer=lambda *a: None)
         engine.pd.reserve("d", 2, 4)
         with pytest.raises(ValueError, match="KV cannot move"):

@@ -285,3 +285,21 @@ def test_a_kv_pool_with_vllms_engine_is_refused_naming_both_flags():
     with pytest.raises(SystemExit) as err:
         run(parser.parse_args(["--model", "tiny", "--engine", "vllm", "--kv-pool", "127.0.0.1:1"]))
     assert "--kv-pool needs the built-in engine" in str(err.value) and "--engine vllm" in str(err.value)
+
+
+def test_a_tensor_parallel_server_that_moves_kv_counts_rank_0s_transfer_pool():
+    """--tensor-parallel-size 2 on the built-in model (2 KV heads): a rank's pool holds 1 head per block; a server
+    that moves KV (P/D) holds both again in rank 0's transfer pool (engine/tp/transfer.py), so rank 0, the
+    tightest rank, pays 3 heads per block and its budget gives a third as many blocks as 1 head would."""
+    args = parse("--model", "tiny", "--kv-cache-memory", "4MiB", "--tensor-parallel-size", "2")
+    _, engine, _ = load_engine(args, kv_transfer=True)
+    try:
+        assert engine.num_blocks == (4 * MIB) // (3 * 32 * 1024)
+        assert engine.kv_cache.tensor.nbytes + engine.transfer_cache.tensor.nbytes <= 4 * MIB
+    finally:
+        engine.close()
+    _, engine, _ = load_engine(args)  # no KV moves: no transfer pool, one head per block
+    try:
+        assert engine.num_blocks == 128 and engine.transfer is None
+    finally:
+        engine.close()

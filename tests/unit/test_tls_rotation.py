@@ -159,3 +159,54 @@ def test_grpc_rotation_keeps_an_open_stream(tmp_path):
         finally:
             await server.stop(None)
     run(main())
+
+
+def test_long_lived_client_channels_follow_a_rotation_and_keep_their_open_streams(tmp_path):
+    """The prefill's channel to a decode (LoadReportPoller.channel) and the router's to a prefill (PrefillWatch)
+    are made anew after the files rotate to a new CA, so new calls reach a server that now trusts only the new CA;
+    the streams open on the old channels finish on their old sessions."""
+    from types import SimpleNamespace
+
+    from pdserve.kv_index import PrefixIndex
+    from pdserve.prefill_server.load_poller import LoadReportPoller
+    from pdserve.router.prefill_watch import PrefillWatch
+
+    old_ca, new_ca = tls_certs.make_ca("old"), tls_certs.make_ca("new")
+    server_files = tls_certs.write(str(tmp_path / "s"), "s", tls_certs.issue(old_ca, "s"), old_ca)
+    client = tls_certs.write(str(tmp_path / "c"), "c", tls_certs.issue(old_ca, "c"), old_ca)
+
+    async def first(stub, model: str, ticker):
+        stream = stub.Generate(gpb.GenerateRequest(model=model, max_tokens=2), timeout=30)
+        ticker.step(model)
+        assert (await stream.read()).token_ids == [0]
+        return stream
+
+    async def main():
+        ticker = _Ticker()
+        server = grpc.aio.server()
+        gpb_grpc.add_GeneratorServicer_to_server(ticker, server)
+        address = f"127.0.0.1:{tls.add_port(server, '127.0.0.1:0', server_files)}"
+        await server.start()
+        poller = LoadReportPoller(None, SimpleNamespace(expiry_s=1.0), close_grace_s=30, tls=client)
+        watch = PrefillWatch(address, PrefixIndex(), tls=client)
+        try:
+            old = poller.channel(address)
+            assert poller.channel(address) is old  # unchanged files: the same channel
+            streams = [await first(gpb_grpc.GeneratorStub(old), "p", ticker), await first(watch.generator, "r", ticker)]
+            _replace(server_files, tls_certs.issue(new_ca, "s2"), new_ca)
+            _replace(client, tls_certs.issue(new_ca, "c2"), new_ca)
+            fresh = poller.channel(address)
+            assert fresh is not old and poller.channel(address) is fresh
+            assert watch._renew_if_rotated() and not watch._renew_if_rotated()
+            for stub, model in ((gpb_grpc.GeneratorStub(fresh), "p2"), (watch.generator, "r2")):
+                ticker.step(model)  # a new connection with the new CA's files: served
+                assert [r.token_ids[0] async for r in stub.Generate(gpb.GenerateRequest(model=model, max_tokens=1),
+                                                                    timeout=10)] == [0]
+            for stream, model in zip(streams, ("p", "r")):  # the open streams finish on their old sessions
+                ticker.step(model)
+                assert (await stream.read()).token_ids == [1]
+        finally:
+            await poller.stop()
+            await watch.stop(None)
+            await server.stop(None)
+    run(main())

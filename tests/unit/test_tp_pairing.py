@@ -1,0 +1,67 @@
+"""Which prefill and decode tensor-parallel sizes pair (engine/tp/shard.pairing_error), the decode's admission
+refusing the others naming both sizes (decode_server/admission.py), and the CacheStore's CompatInfo carrying a
+region's KV head range (a region with part of the heads never binds to one with another part, or all of them;
+a region with every head hashes as before the range existed)."""
+
+import pytest
+
+from pdserve.cachestore import CompatInfo
+from pdserve.decode_server import admission
+from pdserve.engine.tp.shard import kv_head_ranges, pairing_error
+from pdserve.protos import session_pb2 as pb
+from pdserve.protos.version import PROTOCOL_VERSION
+
+
+@pytest.mark.parametrize("heads, p, d", [(2, 1, 2), (2, 2, 1), (2, 2, 2), (2, 4, 2), (2, 1, 4), (1, 2, 4), (8, 4, 2),
+                                          (6, 3, 6), (4, 4, 1)])
+def test_sizes_whose_head_shards_nest_pair(heads, p, d):
+    assert pairing_error(heads, p, d) is None
+
+
+def test_sizes_that_do_not_divide_one_another_are_refused_naming_both():
+    why = pairing_error(6, 2, 3)
+    assert why is not None and "prefill tensor-parallel size 2 and decode tensor-parallel size 3" in why
+    assert "do not divide one another" in why and "6 KV heads" in why
+    why = pairing_error(4, 3, 1)
+    assert why is not None and "size 3 and decode tensor-parallel size 1" in why and "4 KV heads" in why
+
+
+def test_kv_head_ranges_split_or_replicate():
+    assert kv_head_ranges(4, 2) == [range(0, 2), range(2, 4)]
+    assert kv_head_ranges(2, 4) == [range(0, 1), range(0, 1), range(1, 2), range(1, 2)]
+
+
+def _compat(tp: int) -> pb.Compat:
+    return pb.Compat(dtype="float32", num_layers=2, num_kv_heads=6, head_dim=16, block_size=16, model="m",
+                     transport="tcp", tensor_parallel_size=tp)
+
+
+def _start(tp: int) -> pb.Start:
+    return pb.Start(request_id="r", prompt_token_ids=[1, 2, 3], blocks_needed=1, compat=_compat(tp),
+                    protocol_version=PROTOCOL_VERSION, sampling=pb.Sampling(max_tokens=4))
+
+
+def _refusal(prefill_tp: int, decode_tp: int):
+    return admission.refusal(_start(prefill_tp), _compat(decode_tp), max_model_len=64, total_blocks=8,
+                             draining=False, has_session=False)
+
+
+def test_the_decode_refuses_a_prefill_whose_tp_size_does_not_pair_with_its_own():
+    code, reason = _refusal(2, 3)
+    assert code == "incompatible"
+    assert "prefill tensor-parallel size 2 and decode tensor-parallel size 3" in reason, reason
+    assert _refusal(2, 1) is None and _refusal(1, 2) is None and _refusal(3, 6) is None
+    old_prefill = _start(0)  # a peer from before the field: TP 1
+    assert admission.refusal(old_prefill, _compat(2), max_model_len=64, total_blocks=8, draining=False,
+                             has_session=False) is None
+
+
+def test_compat_info_carries_a_regions_head_range():
+    whole = CompatInfo("float32", 2, 4, 16, 16)
+    assert CompatInfo("float32", 2, 4, 16, 16, model_kv_heads=4).compat_hash == whole.compat_hash
+    half = CompatInfo("float32", 2, 2, 16, 16, first_kv_head=2, model_kv_heads=4)
+    other = CompatInfo("float32", 2, 2, 16, 16, first_kv_head=0, model_kv_heads=4)
+    assert "kv_heads=2(2..3 of 4)" in half.describe()
+    assert len({half.compat_hash, other.compat_hash, whole.compat_hash}) == 3
+    with pytest.raises(ValueError, match="KV heads 3..4 are not heads of a model with 4"):
+        CompatInfo("float32", 2, 2, 16, 16, first_kv_head=3, model_kv_heads=4)
