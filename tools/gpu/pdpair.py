@@ -9,7 +9,8 @@ this log (prefixed ``pd|``) and kept: the per-request lines (``request i: N prom
 NIXL imports here (as cachestore/nixl_backend.load_nixl looks for it: nixl, nixl_cu13, nixl_cu12), again
 with ``--transfer nixl``; and with ``--transfer samenode`` (the decode's pool exported by CUDA IPC,
 the prefill copying each layer into it device to device, cachestore/samenode.py). A run whose
-texts differ in bf16 is repeated in float32: equal there, the bf16 difference is rounding at a near-tie; different there too, it is a bug.
+texts differ in bf16 is repeated in float32: equal there, the bf16 difference is rounding at a
+near-tie; different there too, it is a bug.
 """
 
 from __future__ import annotations
