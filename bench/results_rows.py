@@ -146,14 +146,14 @@ ROWS: tuple[ResultRow, ...] = (
         "transport-same-node", "Transports",
         "KV transfer time of one request, same-node (decode's pool mapped by the prefill, memcpy per layer) / tcp "
         "and / nixl, 2k tokens of the 8B shape (256 MiB), CPU pools, checksums off (on)",
-        "run 2 (load 8-9): 0.60 / tcp, 0.28 / nixl, 103 ms (on: 0.82, 0.88); run 1 (load 16-21): 0.40, 0.92 (on: "
-        "0.84, 0.91); CPU s/GiB 0.22-0.24 vs tcp 0.61-0.64, nixl 0.28-0.33",
-        "below tcp and nixl in both runs; paired ratios 0.10-4.0 on a loaded box: only the direction and the CPU cost "
-        "are firm; issue 51's < 10 ms over cuda-ipc on a GPU: unmeasured (no GPU)",
-        "2026-12-06", "Intel Xeon, 2 cores", "e3c940a",
+        "0.46 / tcp, 0.68 / nixl: 50 ms for 256 MiB, 5.0 GiB/s (checksums on: 0.72, 0.87); CPU s/GiB 0.20 vs tcp "
+        "0.59, nixl 0.31",
+        "faster than both (pairs 0.28-0.51 / 0.64-0.69, load 3); two runs at load 8-21 point the same way; issue 51's "
+        "< 10 ms over cuda-ipc on a GPU: unmeasured (no GPU)",
+        "2026-12-06", "Intel Xeon, 2 cores", "7bfa225",
         "pdserve bench cachestore --layers 32 --tokens 2048 --transports tcp,nixl,samenode --repeats 5 "
         "--json OUT/cachestore.json",
-        "docs/bench_raw/2026-12-06-same-node/cachestore-2k-run2-printed.txt"),
+        "docs/bench_raw/2026-12-06-same-node/cachestore-2k-run3-printed.txt"),
     ResultRow(
         "routing-trace-prefix", "Routing",
         "prefix-aware / round-robin routing, 3 prefills + 2 decodes, Mooncake trace: prompt tokens computed, "
