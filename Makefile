@@ -4,7 +4,7 @@ VENV   ?= .venv
 STAMP  := $(VENV)/.installed-stamp
 BIN    := $(VENV)/bin
 
-.PHONY: serve test lint test-deps native venv test-quick protos clean prometheus-bin k8s-tools image cluster test-vllm bench-tools
+.PHONY: serve test lint test-deps native venv test-quick protos clean prometheus-bin k8s-tools image image-cuda image-cuda-check cluster test-vllm bench-tools
 
 # Create the virtual environment and install pdserve with every extra (once per pyproject change).
 $(STAMP): pyproject.toml
@@ -79,6 +79,18 @@ k8s-tools: $(STAMP)
 # ${PDSERVE_CACHE:-~/.cache/pdserve}/image; rebuilt only when the Dockerfile, pyproject or sources change.
 image:
 	bash tools/image/build.sh
+
+# The pdserve CUDA image (tools/image/README.md: the nvidia-* libraries torch loads, nixl-cu13 with UCX's
+# CUDA transports, Triton with a C compiler and the Python headers; no CUDA base image, no registry),
+# cached beside the CPU image (its cuda/ folder). The build ends with the image check below.
+image-cuda:
+	bash tools/image/build.sh --cuda
+
+# The CUDA image's check without a GPU (tools/image/check_cuda.py, in the built image): torch's CUDA
+# libraries load, NIXL's UCX plugin and UCX's CUDA transports load, Triton compiles two engine kernels for
+# sm_90 and builds its launcher with the image's gcc. Not in `make test`: tools/image/README.md says why.
+image-cuda-check:
+	bash tools/image/build.sh --cuda --check
 
 # A one-node Kubernetes cluster on this machine (kubelet + containerd, the image imported) to try the
 # chart by hand; prints the KUBECONFIG and the helm command; Ctrl-C stops it and cleans the machine up.

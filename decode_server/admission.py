@@ -7,7 +7,7 @@ else ``(code, reason)`` for the ``Refusal`` message. The checks, in order:
 2. ``version`` - the protocol versions differ;
 3. ``incompatible`` - a KV layout field differs (``compat_mismatch`` names each, both values; a
    different --kv-cache-dtype is named in words first: "decode's KV cache is fp8 (...), this
-   prefill's is float32"); or the two tensor-parallel sizes do not pair (``tp/shard.pairing_error``:
+   prefill's is float32"); or the two tensor-parallel sizes do not pair (``tp/heads.pairing_error``:
    their KV head shards must nest; the message names both sizes);
 4. ``draining`` - this decode is shutting down;
 5. ``bad_request`` - the request id already has a live session here, the prompt is empty,
@@ -25,7 +25,7 @@ else ``(code, reason)`` for the ``Refusal`` message. The checks, in order:
 from __future__ import annotations
 
 from pdserve.engine import blocks_needed, kv_formats
-from pdserve.engine.tp.shard import pairing_error
+from pdserve.engine.tp.heads import pairing_error
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
 

@@ -29,11 +29,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--default-image", default=os.environ.get("PDSERVE_IMAGE") or None,
                         help="image for InferenceServices that name none (default $PDSERVE_IMAGE; required "
                              "one way or the other)")
+    parser.add_argument("--cuda-image", default=os.environ.get("PDSERVE_CUDA_IMAGE") or None,
+                        help="image for the prefill and decode pools that ask for an NVIDIA GPU, when their "
+                             "InferenceService names none (default $PDSERVE_CUDA_IMAGE; else --default-image)")
     parser.add_argument("--protocol-version", default=None,
                         help="protocol version for InferenceServices that name none (default: this release's)")
     parser.add_argument("--network-policy", action="store_true", default=_env_flag("PDSERVE_NETWORK_POLICY"),
                         help="give each InferenceService NetworkPolicies admitting decode Session/KV ports only "
                              "from its own prefill pods (default $PDSERVE_NETWORK_POLICY)")
+    parser.add_argument("--tls", default=os.environ.get("PDSERVE_TLS") or "off", metavar="MODE",
+                        help="mutual TLS between the pods of each InferenceService, each with a CA of its own: off, "
+                             "self-signed (the operator makes the CA and certificate) or cert-manager (it asks "
+                             "cert-manager for them); default $PDSERVE_TLS, else off (docs/security.md)")
     parser.add_argument("--prometheus-url", default=os.environ.get("PDSERVE_PROMETHEUS_URL") or None, metavar="URL",
                         help="autoscaling (spec.autoscaling) reads the pools' metrics from this Prometheus, e.g. "
                              "http://prometheus.monitoring:9090 (default $PDSERVE_PROMETHEUS_URL; else the operator "
@@ -66,10 +73,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve operator: --default-image (or $PDSERVE_IMAGE) is required: "
                          "the image pods run when an InferenceService names none")
     try:
-        config = OperatorConfig(default_image=args.default_image,
+        config = OperatorConfig(default_image=args.default_image, cuda_image=args.cuda_image,
                                 protocol_version=args.protocol_version or default_protocol_version(),
                                 network_policy=args.network_policy, prometheus_url=args.prometheus_url,
-                                image_pull_secrets=tuple(image_pull_secrets(args)))
+                                image_pull_secrets=tuple(image_pull_secrets(args)), tls=args.tls)
     except ValueError as e:
         raise SystemExit(f"pdserve operator: {e}") from None
     if args.kubeconfig:

@@ -24,13 +24,16 @@ from __future__ import annotations
 from pdserve import defaults
 # the servers' --dtype choices and defaults on each kind of device: one place (torch-free)
 from pdserve.kv_sizing import CPU_DTYPE, DTYPES, GPU_DTYPE  # noqa: F401 - re-exported for the builders
-from pdserve.operator import naming
+from pdserve.operator import naming, tls_pods
 from pdserve.operator.crd_schema import _int, _obj, _rule, _str
 
 GPU_RESOURCES = ("nvidia.com/gpu", "amd.com/gpu")  # the resource names that make a pool a GPU pool
 # ... and every name under these prefixes: NVIDIA's MIG slices (nvidia.com/mig-3g.40gb, mig-1g.10gb, ...)
 GPU_RESOURCE_PREFIXES = ("nvidia.com/mig-",)
 GPU_NAMES = " or ".join([*GPU_RESOURCES, *(p + "*" for p in GPU_RESOURCE_PREFIXES)])  # for messages
+
+
+NVIDIA_PREFIX = "nvidia.com/"  # the GPU resources (nvidia.com/gpu, MIG slices) whose pools run the CUDA image
 
 
 def is_gpu_resource(name: str) -> bool:
@@ -52,17 +55,17 @@ ENGINE_FLAGS = ("--engine", "--device", "--dtype", "--quantization", "--kv-cache
 OPERATOR_FLAGS = {
     "prefill": ("--host", "--port", "--grpc-port", "--model", "--served-model-name", "--discovery", "--namespace",
                 "--decode-selector", "--policy", "--transfer", "--block-size", "--drain-timeout", "--batch-db",
-                "--api-key-file", *ENGINE_FLAGS),
+                "--api-key-file", *tls_pods.FLAGS, *ENGINE_FLAGS),
     "decode": ("--host", "--advertise-host", "--port", "--http-port", "--kv-port", "--model", "--served-model-name",
-               "--transfer", "--block-size", "--drain-timeout", *ENGINE_FLAGS),
+               "--transfer", "--block-size", "--drain-timeout", *tls_pods.FLAGS, *ENGINE_FLAGS),
 }
 # The environment, volumes, mount paths and pod annotations the operator sets (workloads.py).
 OPERATOR_ENV = (defaults.ENV_INFERENCE_SERVICE, defaults.ENV_POOL, "POD_NAME", "POD_NAMESPACE", "POD_IP", "HOME",
                 "PDSERVE_PROTOCOL_VERSION", defaults.ENV_SLO_CLASSES)
 SHM_VOLUME, SHM_PATH = "dshm", "/dev/shm"
-# model-cache: model_pods.CACHE_VOLUME; api-keys: workloads.API_KEYS_VOLUME (spec.auth)
-OPERATOR_VOLUMES = ("tmp", "model", "model-cache", "batch", "api-keys", SHM_VOLUME)
-OPERATOR_MOUNT_PATHS = ("/tmp", SHM_PATH, "/model-cache", defaults.API_KEYS_MOUNT)
+# model-cache: model_pods.CACHE_VOLUME; api-keys: workloads.API_KEYS_VOLUME (spec.auth); tls: tls_pods.VOLUME
+OPERATOR_VOLUMES = ("tmp", "model", "model-cache", "batch", "api-keys", tls_pods.VOLUME, SHM_VOLUME)
+OPERATOR_MOUNT_PATHS = ("/tmp", SHM_PATH, "/model-cache", defaults.API_KEYS_MOUNT, tls_pods.MOUNT)
 OPERATOR_ANNOTATIONS = ("prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path")
 # Pod labels: every key of naming.common_labels, and anything under pdserve.io/.
 OPERATOR_LABELS = tuple(naming.common_labels("x", "x", "x", "x"))

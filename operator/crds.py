@@ -54,8 +54,9 @@ MODEL = _obj(
     {
         "source": _str("Where the model comes from: 'builtin:<name>' (e.g. builtin:tiny); an absolute path to a "
                        "Hugging Face safetensors checkpoint (on pvcName, or a volume of the pod settings); "
-                       "'hf://org/name[@revision]': downloaded from the Hugging Face Hub by an init container of "
-                       "each pod into spec.model.cache; 'pvc://claim/path/inside': the claim mounted read-only.",
+                       "'hf://org/name[@revision]': downloaded from the Hugging Face Hub into spec.model.cache (an "
+                       "emptyDir: by each pod; a claim: once, by a Job); 'pvc://claim/path/inside': the claim "
+                       "mounted read-only.",
                        minLength=1, maxLength=1024),
         "pvcName": _str("A PersistentVolumeClaim holding the model, mounted read-only at mountPath (with an "
                         "absolute-path source).", minLength=1, maxLength=253),
@@ -75,14 +76,30 @@ MODEL = _obj(
         "endpoint": _str("hf:// only: the Hub to download from (HF_ENDPOINT), e.g. a mirror. Default "
                          "https://huggingface.co.", pattern="^https?://[^ ]+$", maxLength=512),
         "cache": _obj(
-            {"sizeLimit": {**_QUANTITY, "description": "Size limit of the emptyDir the model is downloaded into."},
-             "pvcName": _str("A PersistentVolumeClaim to download into instead of an emptyDir, so that downloads "
-                             "survive pod restarts (ReadWriteMany when pods share it across nodes).",
-                             minLength=1, maxLength=253)},
-            description="hf:// only: where each pod downloads the model. Default: an emptyDir (one download per pod).",
+            {"sizeLimit": {**_QUANTITY, "description": "Size limit of the emptyDir each pod downloads the model "
+                                                      "into (one download per pod)."},
+             "pvcName": _str("A PersistentVolumeClaim of yours the model is downloaded into once, by the operator's "
+                             "download Job; the pods mount it read-only and wait for the Job. ReadWriteMany when the "
+                             "pods run on more than one node.", minLength=1, maxLength=253),
+             "size": {**_QUANTITY, "description": "The operator makes a PersistentVolumeClaim <name>-model-cache of "
+                                                 "this size (owned by the InferenceService: deleted with it), "
+                                                 "downloads the model into it once with a Job, and the pods mount it "
+                                                 "read-only. At least the model's size."},
+             "storageClassName": _str("With size: the claim's StorageClass (default: the cluster's default "
+                                      "class).", minLength=1, maxLength=253),
+             "accessMode": _str("With size: the claim's access mode. ReadWriteOnce (one node at a time) serves "
+                                "every pod when they all run on one node; across nodes use ReadWriteMany. Default "
+                                "ReadWriteOnce.", enum=["ReadWriteOnce", "ReadWriteMany"])},
+            description="hf:// only: where the model is downloaded. Default: an emptyDir per pod (one download per "
+                        "pod). With pvcName or size: once per InferenceService, into a claim (status.model shows "
+                        "the download).",
             **{"x-kubernetes-validations": [
-                _rule("!(has(self.sizeLimit) && has(self.pvcName))",
-                      "spec.model.cache: set sizeLimit (an emptyDir) or pvcName, not both")]},
+                _rule("[has(self.sizeLimit), has(self.pvcName), has(self.size)].filter(x, x).size() <= 1",
+                      "spec.model.cache: set one of sizeLimit (an emptyDir per pod), pvcName (your claim) or size "
+                      "(a claim the operator makes)"),
+                _rule("has(self.size) || !(has(self.storageClassName) || has(self.accessMode))",
+                      "spec.model.cache: storageClassName and accessMode are only for a claim the operator makes "
+                      "(size)")]},
         ),
     },
     required=["source"],
@@ -247,6 +264,23 @@ AUTOSCALING_STATUS = _obj(
     description="What the planner decided last (spec.autoscaling.enabled).",
 )
 
+MODEL_STATUS = _obj(
+    {
+        "source": _str("spec.model.source being downloaded."),
+        "claim": _str("The claim it is downloaded into."),
+        "job": _str("The download Job."),
+        "phase": _str("Pending, Downloading, Downloaded or Failed."),
+        "reason": _str("Why (TokenRefused, RepoNotFound, ... when Failed)."),
+        "message": _str("What the download says, in words."),
+        "progress": _str("Share, bytes and files done."),
+        "bytesDone": {"type": "integer", "format": "int64"},
+        "bytesTotal": {"type": "integer", "format": "int64"},
+        "filesDone": {"type": "integer"},
+        "filesTotal": {"type": "integer"},
+    },
+    description="The download of an hf:// model into a claim (spec.model.cache pvcName or size).",
+)
+
 ISVC_STATUS = _obj(
     {
         "observedGeneration": {"type": "integer", "format": "int64"},
@@ -261,6 +295,7 @@ ISVC_STATUS = _obj(
         "prefill": POOL_STATUS_ITEM,
         "decode": {"type": "array", "items": POOL_STATUS_ITEM},
         "autoscaling": AUTOSCALING_STATUS,
+        "model": MODEL_STATUS,
     },
     **{"x-kubernetes-preserve-unknown-fields": True},
 )
@@ -288,6 +323,9 @@ def _pool_spec(role: str) -> dict:
         "imagePullSecrets": crd_pod.IMAGE_PULL_SECRETS,
         **_pool_properties(f"{role.capitalize()} pods.", role),
         "transfer": TRANSFER,
+        "tlsSecret": _str("The Secret of the InferenceService's certificate and CA (tls.crt, tls.key, ca.crt) its "
+                          "pods mount for mutual TLS; set by the operator's --tls, absent without it.",
+                          pattern=naming.DNS_SUBDOMAIN, maxLength=253),
     }
     required = ["inferenceService", "model", "image", "protocolVersion"]
     if role == "prefill":
@@ -352,7 +390,9 @@ def inferenceservice_crd() -> dict:
          {"name": "Router", "type": "string", "jsonPath": ".status.routerReady",
           "description": "ready/desired router pods",
           "priority": 1},
-         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"}],
+         {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
+         {"name": "Model", "type": "string", "jsonPath": ".status.model.phase",
+          "description": "the download of an hf:// model into a claim", "priority": 1}],
         [_NAME_RULE], scale=False)
 
 

@@ -3,7 +3,8 @@
 Reconcile flow (every step is an idempotent server-side apply, so a restart anywhere in it
 just runs it again; kopf re-runs unfinished handlers and ``on.resume`` covers the rest):
 
-1. ``isvc_reconcile`` (create / update / resume of an InferenceService): apply its
+1. ``isvc_reconcile`` (create / update / resume of an InferenceService): apply (with ``--tls``)
+   its certificate's Secrets when missing or due (``tls_issuer``; also ``tls_renewal``, hourly), its
    PrefillPool, DecodePools, router (Deployment, Service, RBAC: ``router_workloads``) and
    (when enabled) NetworkPolicies, adopted by it; delete DecodePools it no longer lists,
    and the router's objects when ``spec.router.replicas`` is 0.
@@ -21,6 +22,11 @@ just runs it again; kopf re-runs unfinished handlers and ``on.resume`` covers th
    the pod within a second. Each new problem becomes a Warning Event on the pool and the
    InferenceService, once (``problem_events``).
 
+5. ``download_job_event`` (an event of a download Job: ``spec.model.cache`` on a claim,
+   ``model_cache``): its progress annotation or end changes the InferenceService's
+   ``status.model``; the current Job, deleted to retry a failed download, is made again.
+   ``isvc_reconcile`` applies the Job (and once, the claim) and deletes Jobs of an earlier source.
+
 Deletion is the garbage collector's job (ownerReferences), so no finalizers are added and
 an InferenceService can be deleted even while the operator is down.
 """
@@ -34,8 +40,8 @@ from collections.abc import Mapping
 import kopf
 from kubernetes.client.exceptions import ApiException
 
-from pdserve.operator import (naming, pod_problems, pools, problem_events, protocol_rollout, router_workloads, status,
-                              workloads)
+from pdserve.operator import (model_cache, naming, pod_problems, pools, problem_events, protocol_rollout,
+                              router_workloads, status, tls_issuer, workloads)
 from pdserve.operator.kubeapi import KubeApi, make_api_client
 
 G, V = naming.GROUP, naming.VERSION
@@ -59,6 +65,10 @@ def _apply_all(api: KubeApi, objs: list[dict]) -> None:
             api.apply(obj)
         except ApiException as e:
             what = f"{obj['kind']} {obj['metadata'].get('namespace')}/{obj['metadata']['name']}"
+            if e.status == 404 and obj["apiVersion"].startswith("cert-manager.io/"):
+                raise kopf.TemporaryError(f"cannot apply {what}: cert-manager is not installed (no "
+                                          f"{obj['apiVersion']} API); install it or run the operator with --tls "
+                                          "self-signed", delay=60) from e
             if e.status in (400, 403, 422):
                 # Not fixed by retrying soon; say what and why (RBAC, schema), then retry slowly.
                 raise kopf.TemporaryError(f"cannot apply {what}: {e.status} {e.reason}: {e.body}", delay=60) from e
@@ -107,11 +117,15 @@ def isvc_reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, 
     prefill = pools.build_prefill_pool(isvc, memo.config, api.get("PrefillPool", namespace, naming.prefill_name(name)))
     decodes = pools.build_decode_pools(isvc, memo.config, existing_decodes)
     router = router_workloads.build_router(isvc, memo.config)
-    children = [prefill, *decodes, *router]
+    children = [*tls_issuer.objects(api, isvc, memo.config), prefill, *decodes, *router]  # certificates first
     if memo.config.network_policy:
         children += pools.build_network_policies(isvc, memo.config)
+    children += _model_cache_children(api, isvc, memo.config)
     kopf.adopt(children, owner=body)
     _apply_all(api, children)
+    for stale in model_cache.stale_jobs(isvc, api.list("Job", namespace, model_cache.selector(name))):
+        logger.info(f"deleting download Job {stale}: spec.model changed")
+        api.delete("Job", namespace, stale)
     if not router:  # spec.router.replicas: 0 (perhaps since they were made): the prefill is the front door
         for kind, child in router_workloads.router_object_names(name):
             api.delete(kind, namespace, child)
@@ -123,6 +137,50 @@ def isvc_reconcile(body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, 
         api.delete("DecodePool", namespace, stale)
     refresh_status(api, memo, namespace, name)
     logger.info(f"reconciled {namespace}/{name}: {len(children)} children applied")
+
+
+@kopf.timer(G, V, "inferenceservices", interval=tls_issuer.CHECK_INTERVAL_S, initial_delay=tls_issuer.CHECK_INTERVAL_S)
+def tls_renewal(body: kopf.Body, memo: kopf.Memo, **_) -> None:
+    """Renew an InferenceService's certificate between reconciles (self-signed mode; tls_issuer.py)."""
+    if memo.config.tls != "self-signed":
+        return
+    renewed = tls_issuer.objects(memo.api, plain(body), memo.config)
+    kopf.adopt(renewed, owner=body)
+    _apply_all(memo.api, renewed)
+
+
+def _model_cache_children(api: KubeApi, isvc: dict, config) -> list[dict]:
+    """The download Job and its RBAC (spec.model.cache on a claim), and the claim while it does not exist
+    (created once: its spec is immutable)."""
+    claim = model_cache.build_claim(isvc, config)
+    meta = isvc["metadata"]
+    new_claim = [claim] if claim and api.get("PersistentVolumeClaim", meta["namespace"],
+                                              claim["metadata"]["name"]) is None else []
+    return [*new_claim, *model_cache.build(isvc, config)]
+
+
+DOWNLOAD_JOB_LABELS = {naming.LABEL_MANAGED_BY: naming.MANAGER, naming.LABEL_ROLE: model_cache.ROLE}
+
+
+@kopf.on.event("batch", "v1", "jobs", labels=DOWNLOAD_JOB_LABELS)
+def download_job_event(body: kopf.Body, type: str | None, namespace: str, memo: kopf.Memo, **_) -> None:
+    """A download Job's progress (its annotation) or end: refresh the status. A current Job deleted (to retry a
+    failed download): make it again."""
+    isvc_name = body.get("metadata", {}).get("labels", {}).get(naming.LABEL_ISVC)
+    if not (isvc_name and namespace):
+        return
+    api: KubeApi = memo.api
+    try:
+        if type == "DELETED":
+            isvc = api.get("InferenceService", namespace, isvc_name)
+            if (isvc and not isvc["metadata"].get("deletionTimestamp") and model_cache.cache_claim(isvc)
+                    and model_cache.job_name(isvc) == body["metadata"]["name"]):
+                children = model_cache.build(isvc, memo.config)
+                kopf.adopt(children, owner=isvc)
+                _apply_all(api, children)
+        refresh_status(api, memo, namespace, isvc_name)
+    except (ApiException, kopf.TemporaryError) as e:  # not retried: the next event or reconcile repairs it
+        logging.getLogger(__name__).warning(f"download Job {namespace}/{body['metadata'].get('name')}: {e}")
 
 
 @kopf.on.resume(G, V, "prefillpools")
@@ -204,7 +262,10 @@ def refresh_status(api: KubeApi, memo: kopf.Memo, namespace: str, isvc_name: str
 
 
 def _changed(old: dict | None, new: dict) -> bool:
-    return any((old or {}).get(k) != v for k, v in new.items())
+    def plain_value(v):  # a nested None removes a key (merge patch), so it equals an absent key
+        return {k: x for k, x in v.items() if x is not None} if isinstance(v, dict) else v
+
+    return any(plain_value((old or {}).get(k)) != plain_value(v) for k, v in new.items())
 
 
 def _refresh_once(api: KubeApi, namespace: str, isvc_name: str) -> list[problem_events.PoolHealth]:
@@ -246,6 +307,7 @@ def _refresh_once(api: KubeApi, namespace: str, isvc_name: str) -> list[problem_
     router_deployment = deployments.get(naming.router_name(isvc_name))
     router_problem = problem_of(naming.selector_labels(isvc_name, router_workloads.ROLE, router_workloads.ROLE))
     new = status.isvc_status(isvc, prefill, decodes, router_deployment, router_problem)
+    new = model_cache.with_model(new, _model_status(api, isvc, pods), new.get("observedGeneration"))
     old = isvc.get("status") or {}
     new["conditions"] = status.merge_conditions(old.get("conditions"), new["conditions"], now)
     if _changed(old, new):
@@ -255,6 +317,16 @@ def _refresh_once(api: KubeApi, namespace: str, isvc_name: str) -> list[problem_
         note(f"{isvc['metadata'].get('uid')}/router", "router", None, _degraded(router[1]), router_problem,
              _degraded(old))
     return health
+
+
+def _model_status(api: KubeApi, isvc: dict, pods: list[dict]) -> dict | None:
+    """status.model: the download Job of spec.model.cache on a claim, and its pods (None without one)."""
+    if model_cache.cache_claim(isvc) is None:
+        return None
+    meta = isvc["metadata"]
+    job = api.get("Job", meta["namespace"], model_cache.job_name(isvc))
+    mine = model_cache.selector(meta["name"])
+    return model_cache.model_status(isvc, job, [p for p in pods if pod_problems.matches(p, mine)])
 
 
 def _degraded(pool_or_isvc_status: dict) -> dict | None:
@@ -269,5 +341,5 @@ def new_memo(config, kubeconfig: str | None = None) -> kopf.Memo:
     return memo
 
 
-__all__ = ["configure", "isvc_reconcile", "pool_reconcile", "deployment_event", "pod_event", "refresh_status",
-           "new_memo", "make_api_client"]
+__all__ = ["configure", "isvc_reconcile", "pool_reconcile", "deployment_event", "pod_event", "download_job_event",
+           "refresh_status", "new_memo", "make_api_client", "tls_renewal"]

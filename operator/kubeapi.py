@@ -35,6 +35,11 @@ KINDS: dict[str, Kind] = {
     "NetworkPolicy": Kind("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": Kind("/apis/policy/v1", "poddisruptionbudgets"),
     "Pod": Kind("/api/v1", "pods"),
+    "Secret": Kind("/api/v1", "secrets"),  # mutual TLS: each InferenceService's CA and certificate (tls_issuer.py)
+    "Issuer": Kind("/apis/cert-manager.io/v1", "issuers"),  # the same, from cert-manager
+    "Certificate": Kind("/apis/cert-manager.io/v1", "certificates"),
+    "Job": Kind("/apis/batch/v1", "jobs"),  # spec.model.cache on a claim: the download (model_cache.py)
+    "PersistentVolumeClaim": Kind("/api/v1", "persistentvolumeclaims"),
 }
 
 TIMEOUT_S = 30  # per request: a hung API server call turns into a retry, not a stuck handler

@@ -11,9 +11,11 @@ An InferenceService ``chat`` in namespace ``ns`` becomes:
                            Deployment, Service (the endpoint in status),
                            ServiceAccount, Role and RoleBinding (its pods watch
                            the prefill Service's EndpointSlices)
+``chat-tls``,               with mutual TLS (operator ``--tls``): the Secret its pods
+``chat-tls-ca``            mount, and the Secret of its own CA (tls_issuer.py)
 ``chat-decode``,           NetworkPolicies: decode Session and KV-transfer ports
-``chat-prefill``,          admit only this service's prefill pods; the prefill and
-``chat-router``            router front doors stay open (when enabled)
+``chat-prefill``,          admit only this service's prefill pods, the prefill's gRPC
+``chat-router``            port only its routers; the HTTP doors stay open (when enabled)
 =========================  =====================================================
 
 Every child carries the labels below. Prefill pods find decode pods by watching the
@@ -85,6 +87,16 @@ def network_policy_name(isvc: str, role: str) -> str:
     return f"{isvc}-{role}"
 
 
+def tls_secret_name(isvc: str) -> str:
+    """The Secret of an InferenceService's certificate (tls.crt, tls.key) and its CA (ca.crt): its pods mount it."""
+    return f"{isvc}-tls"
+
+
+def tls_ca_secret_name(isvc: str) -> str:
+    """The Secret of an InferenceService's own CA (its key signs the certificate); no pod mounts it."""
+    return f"{isvc}-tls-ca"
+
+
 def selector_labels(isvc: str, role: str, pool: str) -> dict[str, str]:
     """The labels a pool's Deployment selects its pods by (immutable once created)."""
     return {LABEL_ISVC: isvc, LABEL_ROLE: role, LABEL_POOL: pool}
@@ -133,3 +145,18 @@ def default_protocol_version() -> str:
     from pdserve.protos.version import PROTOCOL_VERSION
 
     return protocol_label(PROTOCOL_VERSION)
+
+
+# spec.model.cache on a claim (model_cache.py): the claim the operator makes (cache.size), the download
+# Job (one per source, endpoint and token Secret: `digest`) and the ServiceAccount, Role and RoleBinding
+# that let the Job's pod write its progress into that Job.
+def model_cache_claim(isvc: str) -> str:
+    return f"{isvc}-model-cache"
+
+
+def model_download_job(isvc: str, digest: str) -> str:
+    return f"{isvc}-model-{digest}"
+
+
+def model_download_account(isvc: str) -> str:
+    return f"{isvc}-model-download"

@@ -42,6 +42,14 @@ def uses_gpu(spec: dict) -> bool:
     return any(crd_pod.is_gpu_resource(key) for part in ("limits", "requests") for key in resources.get(part) or {})
 
 
+def uses_nvidia_gpu(spec: dict) -> bool:
+    """Whether the pool asks for an NVIDIA GPU (nvidia.com/gpu or a MIG slice): such pools run the operator's
+    CUDA image (pools.default_image); an AMD pool names its own (ROCm) image, pdserve builds none."""
+    resources = spec.get("resources") or {}
+    return any(crd_pod.is_gpu_resource(key) and key.startswith(crd_pod.NVIDIA_PREFIX)
+               for part in ("limits", "requests") for key in resources.get(part) or {})
+
+
 def dtype(spec: dict) -> str:
     """The dtype the pool computes in: ``engine.dtype``, else the GPU's or the CPU's default."""
     explicit = (spec.get("engine") or {}).get("dtype")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pdserve import defaults
 from pdserve.operator import crd_pod, crds, naming
 from pdserve.operator.config import OperatorConfig
+from pdserve.operator.pod_settings import uses_nvidia_gpu
 
 
 def _meta(body: dict) -> tuple[str, str | None]:
@@ -71,6 +72,12 @@ def image_pull_secrets(isvc: dict, config: OperatorConfig) -> list[dict]:
     return [{"name": n} for n in dict.fromkeys(names)]
 
 
+def default_image(config: OperatorConfig, pod_settings: dict) -> str:
+    """The image of a pool whose InferenceService names none: the operator's CUDA image where the pool
+    asks for an NVIDIA GPU (pod_settings.uses_nvidia_gpu), else its default image."""
+    return config.cuda_image if config.cuda_image and uses_nvidia_gpu(pod_settings) else config.default_image
+
+
 def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
     """What every pool (and the router) takes from the InferenceService, plus its own hardware,
     engine and pod settings (``POD_KEYS``) from ``pod_settings``."""
@@ -78,7 +85,7 @@ def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
     name, _ = _meta(isvc)
     out = {
         "inferenceService": name,
-        "image": spec.get("image") or config.default_image,
+        "image": spec.get("image") or default_image(config, pod_settings),
         "protocolVersion": protocol_version(isvc, config),
         **_with_defaults(spec),
     }
@@ -86,6 +93,8 @@ def shared_spec(isvc: dict, config: OperatorConfig, pod_settings: dict) -> dict:
         out["imagePullPolicy"] = spec["imagePullPolicy"]
     if image_pull_secrets(isvc, config):
         out["imagePullSecrets"] = image_pull_secrets(isvc, config)
+    if config.tls != "off":  # mutual TLS: the pods mount this Secret (tls_pods.py; tls_issuer.py fills it)
+        out["tlsSecret"] = naming.tls_secret_name(name)
     for key in POD_KEYS:
         if pod_settings.get(key) not in (None, {}, []):
             out[key] = pod_settings[key]
@@ -141,8 +150,13 @@ def build_network_policies(isvc: dict, config: OperatorConfig) -> list[dict]:
     Decode pods: the Session (gRPC) and KV-transfer ports admit only this service's
     prefill pods. With ``nixl`` the UCX data path uses ports it picks at run time, so every
     port is admitted from those pods. The decode HTTP port (health, metrics) stays open.
-    Prefill pods: the HTTP and gRPC front door stays open; nothing else is admitted.
+    Prefill pods: the HTTP port stays open (the OpenAI door behind its API keys, /metrics);
+    the gRPC port (Generate, KV events and load reports, which take no API key) admits only
+    this service's router pods when it has a router, and stays open (the clients' gRPC door)
+    when ``spec.router.replicas`` is 0. Nothing else is admitted.
     """
+    from pdserve.operator import router_workloads  # it imports this module
+
     name, namespace = _meta(isvc)
     version = protocol_version(isvc, config)
     backend = isvc["spec"].get("transfer", {}).get("backend", crds.DEFAULT_BACKEND)
@@ -151,11 +165,14 @@ def build_network_policies(isvc: dict, config: OperatorConfig) -> list[dict]:
     if backend == "tcp":
         session_rule["ports"] = [{"protocol": "TCP", "port": defaults.DECODE_GRPC_PORT},
                                  {"protocol": "TCP", "port": defaults.KV_TRANSFER_PORT}]
+    grpc_rule: dict = {"ports": [{"protocol": "TCP", "port": defaults.PREFILL_GRPC_PORT}]}
+    if router_workloads.router_replicas(isvc) > 0:
+        grpc_rule["from"] = [{"podSelector": {"matchLabels": {naming.LABEL_ISVC: name,
+                                                              naming.LABEL_ROLE: router_workloads.ROLE}}}]
     policies = []
     for role, ingress in (
         ("decode", [session_rule, {"ports": [{"protocol": "TCP", "port": defaults.DECODE_HTTP_PORT}]}]),
-        ("prefill", [{"ports": [{"protocol": "TCP", "port": defaults.HTTP_PORT},
-                                {"protocol": "TCP", "port": defaults.PREFILL_GRPC_PORT}]}]),
+        ("prefill", [{"ports": [{"protocol": "TCP", "port": defaults.HTTP_PORT}]}, grpc_rule]),
     ):
         metadata = {"name": naming.network_policy_name(name, role),
                     "labels": naming.common_labels(name, role, role if role == "prefill" else "all", version)}

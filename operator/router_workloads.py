@@ -16,7 +16,8 @@ creation order):
   emptyDir; for a model on a claim (pvc://, ``spec.model.pvcName``) it mounts no claim (it may run
   on any node) and takes the files from a prefill (``--tokenizer-from-prefill``) (model_pods.py);
   with ``spec.auth`` the API keys' Secret mounted read-only and ``--api-key-file`` (the same keys as the
-  prefills': a client's key is checked here and again by the prefill it is relayed to);
+  prefills': a client's key is checked here and again by the prefill it is relayed to); with the
+  operator's ``--tls`` its InferenceService's certificate and the ``--tls-*`` flags (``tls_pods.py``);
 - PodDisruptionBudget ``<isvc>-router`` (``spec.router.disruptionBudget``, default maxUnavailable 1);
 - NetworkPolicy ``<isvc>-router`` when the operator runs with --network-policy: the HTTP
   port open, nothing else (the router only dials out).
@@ -29,7 +30,7 @@ prefills' KV events and choose alike (``pdserve.router.choice``), so any number 
 from __future__ import annotations
 
 from pdserve import defaults
-from pdserve.operator import crds, naming, pod_settings, pools, workloads
+from pdserve.operator import crds, naming, pod_settings, pools, tls_pods, workloads
 from pdserve.operator.config import OperatorConfig
 
 ROLE = "router"
@@ -66,6 +67,7 @@ def router_args(isvc: dict, config: OperatorConfig) -> list[str]:
         "--namespace", namespace or "$(POD_NAMESPACE)",
         "--prefill-selector", naming.prefill_selector(name),
         *workloads.auth_args(isvc["spec"]),  # the prefills' keys: clients' keys go on to them, and the router's own
+        *tls_pods.tls_args(spec),  # mutual TLS to the prefills (KV events, load reports)
     ]
     load_weight = router_settings(isvc).get("loadWeight")
     if load_weight is not None:
@@ -80,8 +82,8 @@ def build_router_deployment(isvc: dict, config: OperatorConfig) -> dict:
     name, namespace, spec, labels = _facts(isvc, config)
     router = naming.router_name(name)
     volumes, mounts, init_containers = workloads.model_volumes(spec, tokenizer_only=True)
-    auth_volumes, auth_mounts = workloads.auth_volumes(isvc["spec"])
-    volumes, mounts = volumes + auth_volumes, mounts + auth_mounts
+    for extra_volumes, extra_mounts in (workloads.auth_volumes(isvc["spec"]), tls_pods.tls_volumes(spec)):
+        volumes, mounts = volumes + extra_volumes, mounts + extra_mounts
     port = defaults.HTTP_PORT
     container = workloads.server_container(
         ROLE, spec, router_args(isvc, config), [{"name": "http", "containerPort": port, "protocol": "TCP"}],

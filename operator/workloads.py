@@ -11,7 +11,8 @@ read-only root file system (``/tmp`` is an emptyDir), RuntimeDefault seccomp. A 
 and pod settings (``spec.engine``, env, volumes, scheduling, ...: ``crd_pod.py``) are added by
 ``pod_settings.py``; each Deployment gets a PodDisruptionBudget. With ``spec.auth`` a prefill pod (and
 the router, ``router_workloads.py``) mounts the API keys' Secret read-only and gets ``--api-key-file``
-(``auth_volumes``, ``auth_args``).
+(``auth_volumes``, ``auth_args``). With ``spec.tlsSecret`` (the operator's ``--tls``) every pod mounts its
+InferenceService's certificate and passes the ``--tls-*`` flags (``tls_pods.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from __future__ import annotations
 import json
 
 from pdserve import defaults
-from pdserve.operator import crd_pod, crds, model_pods, naming, pod_settings
+from pdserve.operator import crd_pod, crds, model_pods, naming, pod_settings, tls_pods
 
 RUN_AS_USER = 10001  # the image's `pdserve` user (see Dockerfile)
 
@@ -86,6 +87,7 @@ def prefill_args(pool: dict) -> list[str]:
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
         *(["--batch-db", BATCH_DB_IN_POD] if spec.get("batchStorage", {}).get("pvcName") else []),
         *auth_args(spec),
+        *tls_pods.tls_args(spec),
         *queue_policy_args(spec),
         *disaggregation_args(spec),
         *pod_settings.engine_args(spec),
@@ -122,6 +124,7 @@ def decode_args(pool: dict) -> list[str]:
         "--transfer", transfer.get("backend", crds.DEFAULT_BACKEND),
         "--block-size", str(transfer.get("blockSize", defaults.BLOCK_SIZE)),
         "--drain-timeout", str(DRAIN_TIMEOUT_S),
+        *tls_pods.tls_args(spec),
         *pod_settings.engine_args(spec),
     ]
 
@@ -305,6 +308,8 @@ def build_deployment(pool: dict) -> dict:
     if role == "prefill":
         for extra_volumes, extra_mounts in (batch_volumes(spec), auth_volumes(spec)):
             volumes, mounts = volumes + extra_volumes, mounts + extra_mounts
+    tls_volumes, tls_mounts = tls_pods.tls_volumes(spec)
+    volumes, mounts = volumes + tls_volumes, mounts + tls_mounts
     container = server_container(role, spec, prefill_args(pool) if role == "prefill" else decode_args(pool),
                                  _ports(role), pod_env(spec, role, pool_name), mounts, http_port, startup_failures=120)
     return server_deployment(name=name, namespace=namespace, labels=pool_labels(pool), selector=pool_selector(pool),

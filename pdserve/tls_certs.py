@@ -4,8 +4,8 @@ package; no X.509 is written by hand).
 ``pdserve up`` makes a throwaway CA in its log folder at each start (``throwaway``): one certificate
 for all its servers, valid for a day, its CA key dropped once it has signed (nothing can be signed
 with it afterwards). Tests make CAs and certificates of their own with ``make_ca`` / ``issue`` (a
-second CA for an attacker, a new certificate for a rotation). In Kubernetes the chart makes them
-(charts/pdserve/templates/tls-secret.yaml).
+second CA for an attacker, a new certificate for a rotation). In Kubernetes the operator makes a CA
+and a certificate for each InferenceService with them (operator/tls_issuer.py).
 """
 
 from __future__ import annotations

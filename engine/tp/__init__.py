@@ -8,6 +8,8 @@ of the weights and of the KV heads; rank 0 gets the whole vocabulary's logits an
 Reading path:
   ``shard.py``   Shard: which heads, MLP rows and vocabulary rows a rank holds; the checkpoint slices that
                  make them (the loader reads only those) and the rank's ModelConfig
+  ``heads.py``   which KV heads each rank holds, and which prefill/decode TP sizes pair (torch-free: the
+                 decode's admission check reads it)
   ``group.py``   TPGroup: the process groups, the step's broadcast, the all-reduce and the LM head's gather
                  (hooked on the projections: the model code is unchanged)
   ``ranks.py``   TensorParallelSteps: rank 0 starts the workers, sends each step, names a rank that died

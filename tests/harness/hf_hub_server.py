@@ -15,7 +15,8 @@ Errors as the Hub signals them (``X-Error-Code``, which the client maps to its e
 unknown repository 404 ``RepoNotFound``, an unknown revision 404 ``RevisionNotFound``, an unknown
 file 404 ``EntryNotFound``. With ``token`` set every request needs ``Authorization: Bearer
 <token>``: none gets 401 ``RepoNotFound`` (a private repository looks missing), a wrong one 401
-"Invalid credentials". ``requests`` records (method, path) of what was asked.
+"Invalid credentials". ``requests`` records (method, path) of what was asked, ``bytes_served`` the
+file bytes sent (the bodies of GET .../resolve/...: what a download costs the Hub).
 
     with HubServer({"acme/tiny": folder}, token="hf_good") as hub:
         env = {"HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_good"}
@@ -49,6 +50,7 @@ class HubServer:
         self.token, self.host, self.port = token, host, free_port()
         self.url = f"http://{advertise or host}:{self.port}"
         self.requests: list[tuple[str, str]] = []
+        self.bytes_served = 0
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self._serve, daemon=True)
@@ -127,6 +129,7 @@ class HubServer:
                    "Accept-Ranges": "bytes"}
         if request.method == "HEAD":
             return web.Response(status=200, headers=headers)
+        self.bytes_served += len(data)
         return web.Response(body=data, headers=headers, content_type="application/octet-stream")
 
     def _serve(self) -> None:

@@ -1,6 +1,7 @@
 """A one-node Kubernetes cluster on this machine, where pods really run: the control plane of
 kube_control_plane.py plus kube-scheduler, kube-proxy (iptables), kubelet, containerd (CRI), runc
-and the bridge CNI plugin. The pdserve image (tools/image/build.sh) is imported into containerd,
+and the bridge CNI plugin, with NetworkPolicies enforced by kube-router's policy controller
+(kube_node_policy.py). The pdserve image (tools/image/build.sh) is imported into containerd,
 so pods use it with imagePullPolicy IfNotPresent or Never; no registry is involved.
 
     with node_cluster(work_dir) as cluster:            # a NodeCluster (a KubeCluster) once the node is Ready
@@ -11,17 +12,18 @@ so pods use it with imagePullPolicy IfNotPresent or Never; no registry is involv
 Start-up: lock the machine (one such cluster at a time), record the sysctls, sweep what a killed
 run may have left, start the control plane with the API server on every address (pods reach it
 as Service default/kubernetes), containerd, import the images, the kubelet, kube-proxy and the
-scheduler; wait until the node is Ready and untainted and 10.96.0.1:443 answers from the host.
+scheduler; wait until the node is Ready and untainted and 10.96.0.1:443 answers from the host;
+then kube-router, until it has synced the policies once.
 Tear-down (also when start-up or the body fails): delete the tests' namespaces so the kubelet
 stops their pods (CNI DEL), stop the node's processes, remove what is left (containers, mounts,
-iptables chains, the bridge, cgroups, log links) and restore the sysctls; then compare the
+iptables chains, kube-router's ipsets, the bridge, cgroups, log links) and restore the sysctls; then compare the
 machine with `machine_state()` as it was before the node started (processes, iptables chains,
 mounts, the bridge, cgroups, sysctls). Anything that could not be put back, or differs, raises
 NodeTeardownError naming it. kube_node_host.py knows that machine state,
 kube_node_config.py the configuration files, kube_node_images.py the images.
 
-Needs root, the binaries of `make k8s-tools` (kubelet, kube-proxy, kube-scheduler, pause), the
-Debian packages containerd, runc, containernetworking-plugins, iptables (tools/k8s/build.sh installs
+Needs root, the binaries of `make k8s-tools` (kubelet, kube-proxy, kube-scheduler, pause, kube-router),
+the Debian packages containerd, runc, containernetworking-plugins, iptables, ipset (tools/k8s/build.sh installs
 them) and `make image`. Standalone (`make cluster`): `.venv/bin/python tests/harness/kube_node.py`.
 """
 
@@ -46,6 +48,7 @@ if __name__ == "__main__":  # standalone: make `harness` importable as in the te
 
 from harness import kube_node_config as config
 from harness import kube_node_host as host
+from harness import kube_node_policy as policy
 from harness.kube import KubeCluster
 from harness.kube_control_plane import (KubeToolsMissing, _b64, _die_with_parent, _log_tail, _stop, control_plane,
                                         require_tools, tools_bin_dir, wait_until, write_kubeconfig)
@@ -53,8 +56,8 @@ from harness.kube_node_images import PAUSE_IMAGE, import_image, pdserve_image, w
 from harness.procs import ProcessGroup
 from pdserve.net import free_port
 
-NODE_BINARIES = ("kubelet", "kube-proxy", "kube-scheduler", "pause")
-HOST_COMMANDS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "ip")
+NODE_BINARIES = ("kubelet", "kube-proxy", "kube-scheduler", "pause", policy.BINARY)
+HOST_COMMANDS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "ip", "ipset")
 MARKER = "pdserve-node"  # every directory of the node is under a folder of this name (the sweep finds them)
 CGROUP_ROOT_NAME = "pdserve-node"
 # Made by containerd's shims and the kubelet when missing; removed again if they were missing before.
@@ -100,12 +103,13 @@ def machine_state() -> dict:
     """What the node changes on this machine, comparable before and after: its processes (containerd,
     shims, kubelet, kube-proxy, kube-scheduler, pause), KUBE-*/CNI-* iptables chains, mounts under a
     node folder, the bridge, the kubelet's cgroup root and the sysctls it may set."""
-    procs = subprocess.run(["pgrep", "-af", "containerd|kubelet|kube-proxy|kube-scheduler|pause"],
+    procs = subprocess.run(["pgrep", "-af", "containerd|kubelet|kube-proxy|kube-scheduler|kube-router|pause"],
                            capture_output=True, text=True).stdout
     return {
         "processes": sorted(line for line in procs.splitlines()
                             if MARKER in line or Path((line.split() + ["", ""])[1]).name == "pause"),
         "iptables": host.iptables_leftovers(),
+        "ipsets": policy.ipsets(),
         "bridge": host.link_exists(config.BRIDGE),
         "mounts": [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()
                    if f"/{MARKER}" in line.split()[4]],
@@ -138,7 +142,7 @@ def _check_prerequisites(bin_dir: Path) -> None:
     missing = [c for c in HOST_COMMANDS if shutil.which(c) is None]
     if missing or not Path(config.CNI_BIN_DIR, "bridge").exists():
         raise KubeToolsMissing(f"missing {', '.join(missing) or 'the CNI plugins'}: run make k8s-tools "
-                               "(it installs containerd, runc, containernetworking-plugins and iptables)")
+                               "(it installs containerd, runc, containernetworking-plugins, iptables and ipset)")
     if subprocess.run(["id", "-u"], capture_output=True, text=True).stdout.strip() != "0":
         raise PermissionError("the one-node cluster needs root (containerd, kubelet, iptables)")
 
@@ -157,6 +161,7 @@ def _sweep(work_roots: list[Path], proxy: Path | None) -> list[str]:
     if proxy is not None:
         subprocess.run([str(proxy), "--cleanup", "--v=0"], capture_output=True, timeout=60)
     problems += host.remove_iptables_chains()
+    problems += policy.destroy_ipsets()  # kube-router's: only once no rule uses them
     problems += host.unmount_under(*work_roots)
     problems += host.delete_link(config.BRIDGE)
     return problems
@@ -298,6 +303,12 @@ def _start_node(cluster: NodeCluster, cp, node: Path, bin_dir: Path, group: Proc
         tails = "\n".join(f"--- {n} ---\n{_log_tail(logs / f'{n}.log')}" for n in procs)
         raise TimeoutError(f"{e}\n{tails}") from None
     timings["node_s"] = time.monotonic() - t
+    # NetworkPolicies enforced (kube_node_policy.py): kube-router's policy controller, once the node exists
+    t = time.monotonic()
+    router_kc = _client_kubeconfig(node / "kube-router.kubeconfig", cp.server, pki, "kube-router", "system:kube-router",
+                                   org="system:masters")
+    policy.start(group, bin_dir, router_kc, logs)
+    timings["network_policy_s"] = time.monotonic() - t
 
 
 def _alive(proc: subprocess.Popen, logs: Path, name: str) -> bool:

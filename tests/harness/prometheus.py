@@ -136,3 +136,43 @@ class PrometheusServer:
                 return
             time.sleep(0.5)
         raise AssertionError(f"targets not all up: {[(t['scrapeUrl'], t['health'], t['lastError']) for t in active]}")
+
+
+class RecordedExporter:
+    """Serves a recorded exposition-format text (e.g. dcgm-exporter's /metrics, tests/prometheus/fixtures) at
+    http://127.0.0.1:<free port>/metrics for Prometheus to scrape, as that exporter would; a context manager.
+    ``target`` is the "host:port" to give PrometheusServer."""
+
+    def __init__(self, text: str):
+        import http.server
+
+        body = text.encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - the http.server interface
+                if self.path != "/metrics":
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # quiet: Prometheus scrapes every interval
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.target = f"127.0.0.1:{self.server.server_address[1]}"
+
+    def __enter__(self) -> "RecordedExporter":
+        import threading
+
+        self.thread = threading.Thread(target=self.server.serve_forever, name="recorded-exporter", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()

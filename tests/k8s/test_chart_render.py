@@ -61,9 +61,29 @@ def test_default_render_runs_the_operator_cli_cluster_wide_and_securely():
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["PDSERVE_IMAGE"] == "ghcr.io/pdserve/pdserve:0.1.0" and env["PDSERVE_NETWORK_POLICY"] == "true"
+    assert env["PDSERVE_CUDA_IMAGE"] == "ghcr.io/pdserve/pdserve-cuda:0.1.0"
     (sa,) = by_kind(docs, "ServiceAccount")
     assert pod["serviceAccountName"] == sa["metadata"]["name"] == "rel-pdserve-operator"
     assert by_kind(docs, "NetworkPolicy") and not by_kind(docs, "ServiceMonitor")
+
+
+def test_one_image_per_kind_reaches_the_operator():
+    """image.cuda defaults to image.repository + "-cuda" and image.tag; each can be set on its own, and the
+    operator's CLI reads both from the environment the chart sets."""
+    def images(*sets: str) -> tuple[str, str]:
+        (deployment,) = by_kind(render(*sets), "Deployment")
+        env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        return env["PDSERVE_IMAGE"], env["PDSERVE_CUDA_IMAGE"]
+
+    assert images("image.repository=reg.example/p", "image.tag=v7") == ("reg.example/p:v7", "reg.example/p-cuda:v7")
+    assert images("image.repository=localhost/pdserve", "image.tag=abc", "image.cuda.repository=localhost/pdserve-cuda",
+                  "image.cuda.tag=def") == ("localhost/pdserve:abc", "localhost/pdserve-cuda:def")
+    default, cuda = images("image.cuda.tag=v9")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PDSERVE_IMAGE", default)
+        env.setenv("PDSERVE_CUDA_IMAGE", cuda)
+        args = parse_operator_cli(["operator"])
+    assert (args.default_image, args.cuda_image) == ("ghcr.io/pdserve/pdserve:0.1.0", "ghcr.io/pdserve/pdserve-cuda:v9")
 
 
 def test_rbac_is_least_privilege():
@@ -73,7 +93,9 @@ def test_rbac_is_least_privilege():
     for role in roles:
         for rule in role["rules"]:
             assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
-            assert not {"secrets", "nodes", "clusterroles", "clusterrolebindings"} & set(rule["resources"])
+            assert not {"nodes", "clusterroles", "clusterrolebindings"} & set(rule["resources"])
+            if "secrets" in rule["resources"]:  # mutual TLS: each InferenceService's certificate (test_chart_tls.py)
+                assert rule["resources"] == ["secrets"] and set(rule["verbs"]) == {"get", "create", "patch"}
             if "pods" in rule["resources"]:  # watched for pool problems; patched for the pod-deletion-cost annotation
                 assert rule["resources"] == ["pods"] and set(rule["verbs"]) == {"get", "list", "watch", "patch"}
             assert not {"escalate", "bind", "impersonate"} & set(rule["verbs"])
@@ -192,4 +214,6 @@ def test_notes_speak_of_the_users_service_and_name_no_missing_url():
     assert "kubectl port-forward -n serving svc/llama-router 8000:8000" in notes
     assert '"model": "Llama-3.1-8B"' in notes and "kubectl describe pdis llama -n serving" in notes
     assert "publishes no registry image" in notes and "make image" in notes
+    assert "make image-cuda" in notes and "not there yet" not in notes
+    assert "run ghcr.io/pdserve/pdserve-cuda:0.1.0." in " ".join(notes.split())  # the GPU pools' image
     assert "svc/chat-router" in _notes()  # the example's, by default

@@ -78,7 +78,7 @@ INVALID = [
     ("token for a path", {"source": "/models/x", "tokenSecret": {"name": "t"}}, "spec.model.tokenSecret is only for"),
     ("cache for builtin", {"source": "builtin:tiny", "cache": {"pvcName": "c"}}, "spec.model.cache is only for"),
     ("both caches", {"source": "hf://org/name", "cache": {"pvcName": "c", "sizeLimit": "1Gi"}},
-     "set sizeLimit (an emptyDir) or pvcName, not both"),
+     "set one of sizeLimit (an emptyDir per pod), pvcName (your claim) or size"),
     ("endpoint not a URL", {"source": "hf://org/name", "endpoint": "mirror"}, "spec.model.endpoint"),
 ]
 

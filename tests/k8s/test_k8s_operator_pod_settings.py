@@ -6,7 +6,9 @@ the API server with a message naming the field. Also: the chart hands its imageP
 operator.
 
 The operator here runs with --image-pull-secret operator-pull (what the chart's
-imagePullSecrets turn into), so its Secret lands on every pod after the InferenceService's own.
+imagePullSecrets turn into), so its Secret lands on every pod after the InferenceService's own,
+and with --cuda-image (the chart's image.cuda, as $PDSERVE_CUDA_IMAGE), which the pools that ask
+for an NVIDIA GPU run; every other pod runs the default (CPU) image.
 """
 
 import copy
@@ -16,11 +18,12 @@ import pytest
 import yaml
 
 from harness.chart import by_kind, render
-from harness.operator_harness import OperatorProcess, get_json, install_chart, names, wait_for
+from harness.operator_harness import IMAGE, OperatorProcess, get_json, install_chart, names, wait_for
 from harness.procs import REPO
 
 EXAMPLE = REPO / "examples" / "inferenceservice.yaml"
 GPU = {"limits": {"nvidia.com/gpu": 1, "rdma/hca_shared_devices_a": 1, "memory": "64Gi"}}
+CUDA_IMAGE = "registry.test/pdserve-cuda:1"
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +31,8 @@ def operator(kube, tmp_path_factory):
     """The chart installed and one operator that adds the Secret operator-pull to every pod's pull secrets."""
     install_chart(kube)
     op = OperatorProcess(kube, tmp_path_factory.mktemp("operator"),
-                         extra_args=("--network-policy", "--image-pull-secret", "operator-pull"))
+                         extra_args=("--network-policy", "--image-pull-secret", "operator-pull",
+                                     "--cuda-image", CUDA_IMAGE))
     op.start()
     try:
         yield op
@@ -65,6 +69,7 @@ def gpu_isvc() -> dict:
         {"name": "gpu", "replicas": 3, "resources": GPU, "engine": {"gpuMemoryUtilization": 0.85, "name": "builtin"}},
         {"name": "amd", "replicas": 1, "resources": {"limits": {"amd.com/gpu": 1}},
          "engine": {"numBlocks": 4096, "dtype": "bfloat16"}},
+        {"name": "mig", "replicas": 1, "resources": {"limits": {"nvidia.com/mig-3g.40gb": 1}}},
     ]
     spec["router"] = {"replicas": 2, "podLabels": {"team": "llm"}, "disruptionBudget": {"maxUnavailable": "50%"}}
     return doc
@@ -80,10 +85,14 @@ def flags(args: list[str]) -> dict[str, str]:
 
 def test_gpu_pools_and_pod_settings_reach_the_pods_and_each_pool_gets_a_disruption_budget(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(gpu_isvc()))
-    expected = ["chat-decode-amd", "chat-decode-gpu", "chat-prefill", "chat-router"]
-    wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "four Deployments", op=operator)
-    wait_for(kube, lambda: names(kube, "poddisruptionbudgets", ns) == expected, "four PodDisruptionBudgets",
+    expected = ["chat-decode-amd", "chat-decode-gpu", "chat-decode-mig", "chat-prefill", "chat-router"]
+    wait_for(kube, lambda: names(kube, "deployments", ns) == expected, "five Deployments", op=operator)
+    wait_for(kube, lambda: names(kube, "poddisruptionbudgets", ns) == expected, "five PodDisruptionBudgets",
              op=operator)
+    # The image per kind: NVIDIA GPU pools (a whole GPU or a MIG slice) the CUDA image, the rest the default.
+    images = {name: pod_spec(kube, ns, name)["spec"]["containers"][0]["image"] for name in expected}
+    assert images == {"chat-prefill": CUDA_IMAGE, "chat-decode-gpu": CUDA_IMAGE, "chat-decode-mig": CUDA_IMAGE,
+                      "chat-decode-amd": IMAGE, "chat-router": IMAGE}
 
     prefill = pod_spec(kube, ns, "chat-prefill")
     container = prefill["spec"]["containers"][0]
@@ -158,6 +167,8 @@ def test_gpu_pools_and_pod_settings_reach_the_pods_and_each_pool_gets_a_disrupti
 def test_cpu_pools_compute_as_before_and_their_settings_change_the_pods(kube, operator, ns):
     kube.kubectl("apply", "-n", ns, "-f", EXAMPLE)
     wait_for(kube, lambda: len(names(kube, "deployments", ns)) == 4, "Deployments", op=operator)
+    assert {pod_spec(kube, ns, name)["spec"]["containers"][0]["image"] for name in names(kube, "deployments", ns)} == {
+        IMAGE}  # no pool asks for a GPU: the CPU image everywhere
     args = pod_spec(kube, ns, "chat-decode-main")["spec"]["containers"][0]["args"]
     assert not {"--device", "--dtype", "--kv-cache-memory", "--num-blocks"} & set(args)
     patch = [{"op": "add", "path": "/spec/decode/0/engine", "value": {"kvCacheMemory": "512Mi", "dtype": "float32"}},

@@ -9,9 +9,12 @@ load generator (`pdserve bench serving`'s send_requests) plus a few invalid requ
 decode has a tiny KV pool and prefill uses round robin with one attempt and local
 fallback, so refusals, retries and local fallbacks really happen and their panels have
 data; the prefill has KV tiers (host, disk), so the tier panels have series; a second prefill
-(SLO classes, its burst queues) is behind an API key, so the per-key panel has series. Then every
-panel's PromQL (template variables substituted) and every template variable query runs
-against Prometheus's HTTP API; each must return data.
+(SLO classes, its burst queues) is behind an API key, so the per-key panel has series. The GPU
+row's panels read NVIDIA's dcgm-exporter: Prometheus also scrapes a recorded dcgm-exporter
+/metrics (fixtures/dcgm_exporter.prom: GPUs of these servers' pods, as a ServiceMonitor labels
+them with `pod`, and GPUs of other pods). Then every panel's PromQL (template variables
+substituted) and every template variable query runs against Prometheus's HTTP API; each must
+return data.
 """
 
 import asyncio
@@ -33,7 +36,7 @@ from pdserve.bench.loadgen_workload import RequestSpec, arrival_times, make_prom
 from harness.conditions import HANG_GUARD_S, wait_until
 from harness.decode_gate import DecodeGate
 from harness.pd_cluster import metric
-from harness.prometheus import PrometheusServer
+from harness.prometheus import PrometheusServer, RecordedExporter
 from pdserve.test_hooks import DECODE_GATE_ENV as TEST_GATE_ENV
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow]
@@ -46,6 +49,19 @@ SLO_CLASSES = {"ttftMs": 60000, "e2eMs": 60000, "classes": [{"name": "strict", "
 BURST_KEY = "sk-dashboards-burst-3c9a"
 BURST_AUTH = {"Authorization": f"Bearer {BURST_KEY}"}
 VARIABLES = {"$namespace": NAMESPACE, "$inference_service": SERVICE, "$__rate_interval": "2m"}
+DCGM_FIXTURE = Path(__file__).parent / "fixtures" / "dcgm_exporter.prom"
+# the `pod` label a ServiceMonitor gives each server's series: the pod names the recorded dcgm-exporter's GPUs carry
+PODS = {"prefill": "obs-test-prefill-7c9d5b8f6-k2x7p", "decode-small": "obs-test-decode-small-6b8c9d7f5-w9p3r",
+        "decode-big": "obs-test-decode-big-5f6d8c7b9-q4m8n", "prefill-slo": "obs-test-prefill-slo-84d6c9f7b-t5v2z"}
+
+
+def panels(dash: dict):
+    """Every panel that queries (rows are headings; a collapsed row holds its panels)."""
+    for panel in dash["panels"]:
+        if panel["type"] == "row":
+            yield from panel.get("panels", [])
+        else:
+            yield panel
 
 
 def substitute(expr: str) -> str:
@@ -113,11 +129,13 @@ def loaded_cluster(tmp_path_factory):
             slo_prefill = start_prefill(launcher, "prefill-slo", "tiny", [small], threads=1, extra=[
                 "--max-attempts", "1", "--queue-policy", "qlm", "--slo-classes", json.dumps(SLO_CLASSES),
                 "--api-key-file", str(keys)])
-            targets = [(name, server.url.removeprefix("http://"), {"namespace": NAMESPACE})
+            targets = [(name, server.url.removeprefix("http://"), {"namespace": NAMESPACE, "pod": PODS[name]})
                        for name, server in (("prefill", prefill), ("decode-small", small), ("decode-big", big),
                                             ("prefill-slo", slo_prefill))]
-            with PrometheusServer(tmp_path / "prom", targets, interval=1.0) as prom:
-                prom.wait_for_targets_up(4)
+            with RecordedExporter(DCGM_FIXTURE.read_text()) as dcgm, \
+                    PrometheusServer(tmp_path / "prom", [*targets, ("dcgm-exporter", dcgm.target, {})],
+                                     interval=1.0) as prom:
+                prom.wait_for_targets_up(5)
                 rng = random.Random(0)
                 # mostly short requests; every fifth a 500-token prompt the small decode (6 blocks) refuses
                 specs = [RequestSpec(n, 16, prompt_ids=make_prompt_ids(n, rng, 256))
@@ -152,7 +170,7 @@ def test_every_panel_returns_data(loaded_cluster):
     checked = 0
     for path in DASHBOARDS:
         dash = json.loads(path.read_text())
-        for panel in dash["panels"]:
+        for panel in panels(dash):
             for target in panel["targets"]:
                 expr = substitute(target["expr"])
                 checked += 1
@@ -193,7 +211,7 @@ def test_dashboard_metrics_are_exported_by_the_servers(loaded_cluster):
     exported = set(prom.api("label/__name__/values"))
     named = set()
     for path in DASHBOARDS:
-        for panel in json.loads(path.read_text())["panels"]:
+        for panel in panels(json.loads(path.read_text())):
             for target in panel["targets"]:
                 named |= set(re.findall(r"\bpdserve_[a-z0-9_]+\b", target["expr"]))
     assert not named - exported, f"named by a panel but not scraped from any server: {sorted(named - exported)}"
@@ -216,3 +234,38 @@ def test_load_shows_up_in_the_headline_panels(loaded_cluster):
     assert value(f'sum(pdserve_local_fallbacks_total{{{sel}}})') >= 1
     assert value(f'sum(pdserve_decode_selections_total{{{sel}}})') >= 40
     assert value(f'sum(pdserve_kv_transfer_bytes_total{{{sel}, role="prefill"}})') > 0
+
+
+def recorded_gpus(metric: str) -> dict[tuple[str, str, str], float]:
+    """(namespace, pod, gpu) -> value of `metric` in the recorded dcgm-exporter output."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.labels["namespace"], s.labels["pod"], s.labels["gpu"]): s.value
+            for family in text_string_to_metric_families(DCGM_FIXTURE.read_text()) for s in family.samples
+            if s.name == metric}
+
+
+def test_the_gpu_row_shows_the_gpus_of_the_services_pods_and_no_others(loaded_cluster):
+    """Each GPU panel's series are exactly the GPUs dcgm-exporter maps to this InferenceService's pdserve pods,
+    with their role and the recorded values (in the panel's unit): not another team's pod's GPU, not a
+    non-pdserve pod's in the same namespace, not an idle GPU; with $namespace = All too."""
+    _, prom = loaded_cluster
+    dash = json.loads((DASHBOARDS[0].parent / "pdserve-latency.json").read_text())
+    gpu_panels = {p["title"]: p for p in panels(dash) if "DCGM_FI_DEV_" in p["targets"][0]["expr"]}
+    assert set(gpu_panels) == {"GPU utilisation", "GPU memory used and free", "GPU power", "GPU SM clock"}
+    roles = {pod: "prefill" if name.startswith("prefill") else "decode" for name, pod in PODS.items()}
+    recorded = recorded_gpus("DCGM_FI_DEV_GPU_UTIL")
+    ours = {key for key in recorded if key[0] == NAMESPACE and key[1] in roles}
+    assert len(ours) == 4 and len(recorded) == 7  # three GPUs to leave out
+    for namespace in (NAMESPACE, ".*"):
+        for panel in gpu_panels.values():
+            for target in panel["targets"]:
+                expr = target["expr"].replace("$namespace", namespace)
+                metric = re.search(r"DCGM_FI_DEV_[A-Z_]+", expr).group(0)
+                scale = {"DCGM_FI_DEV_FB_USED": 1 << 20, "DCGM_FI_DEV_FB_FREE": 1 << 20,
+                         "DCGM_FI_DEV_SM_CLOCK": 1e6}.get(metric, 1)
+                got = {(s["metric"]["namespace"], s["metric"]["pod"], s["metric"]["gpu"]): (s["metric"]["role"],
+                       float(s["value"][1])) for s in prom.query(substitute(expr))}
+                want = {key: (roles[key[1]], value * scale)
+                        for key, value in recorded_gpus(metric).items() if key in ours}
+                assert got == want, f"{panel['title']} ($namespace={namespace}): {expr}"

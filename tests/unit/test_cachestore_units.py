@@ -180,7 +180,7 @@ def test_nixl_import_is_guarded(monkeypatch):
 
     from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender
 
-    for name in ("nixl", "nixl._api", "nixl_cu12", "nixl_cu12._api"):
+    for name in ("nixl", "nixl._api", "nixl_cu12", "nixl_cu12._api", "nixl_cu13", "nixl_cu13._api"):
         monkeypatch.setitem(sys.modules, name, None)  # as if neither package were installed
     compat = CompatInfo("float32", 1, 1, 4, 2)
     pool = torch.zeros(1, 4, 2, 2, 1, 4)

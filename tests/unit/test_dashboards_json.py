@@ -21,8 +21,17 @@ def load(path):
     return json.loads(path.read_text())
 
 
-def panel_exprs(dash):
+def panels(dash):
+    """Every panel that queries (rows are headings; a collapsed row holds its panels)."""
     for panel in dash["panels"]:
+        if panel["type"] == "row":
+            yield from panel.get("panels", [])
+        else:
+            yield panel
+
+
+def panel_exprs(dash):
+    for panel in panels(dash):
         for target in panel.get("targets", []):
             yield panel, target["expr"]
 
@@ -42,12 +51,15 @@ def test_there_are_dashboards_for_latency_and_kv():
 def test_dashboard_structure(path):
     dash = load(path)
     assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 30
-    ids = [p["id"] for p in dash["panels"]]
+    rows = [p for p in dash["panels"] if p["type"] == "row"]
+    ids = [p["id"] for p in [*rows, *panels(dash)]]
     assert len(ids) == len(set(ids))
+    for row in rows:
+        assert row["title"] and "targets" not in row and row["gridPos"]["w"] == 24, row
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert {"datasource", "namespace", "inference_service"} <= set(variables)
     assert variables["datasource"]["query"] == "prometheus"
-    for panel in dash["panels"]:
+    for panel in panels(dash):
         assert panel["title"] and panel["targets"], panel
         assert panel["datasource"]["uid"] == "${datasource}"
         g = panel["gridPos"]
@@ -95,3 +107,27 @@ def test_the_dashboards_cover_what_the_issue_asks_for():
     # every metric defined is shown somewhere (a metric nobody can see is dead weight)
     unseen = {spec.name for spec in METRICS} - base
     assert not unseen, f"metrics no dashboard shows: {sorted(unseen)}"
+
+
+DCGM_RE = re.compile(r"\b(DCGM_FI_DEV_[A-Z_]+)\s*\{([^}]*)\}")
+# a GPU's series joined to the pdserve pod holding it (dcgm-exporter's pod mapping labels it namespace/pod)
+POD_JOIN = ("* on (namespace, pod) group_left (role) group by (namespace, pod, role) "
+            '(pdserve_requests_running{namespace=~"$namespace", inference_service=~"$inference_service"})')
+
+
+def test_the_gpu_row_reads_dcgm_for_the_services_pods():
+    """The latency dashboard's GPU row: utilisation, framebuffer used and free, power, SM clock from dcgm-exporter,
+    each series kept only for the pods of the selected InferenceServices (the live check with recorded DCGM
+    samples is in tests/prometheus/test_prometheus_dashboards.py)."""
+    dash = load(next(p for p in DASHBOARDS if p.name == "pdserve-latency.json"))
+    (row,) = [p for p in dash["panels"] if p["type"] == "row"]
+    assert "DCGM" in row["title"]
+    gpu = [(panel, expr) for panel, expr in panel_exprs(dash) if "DCGM_FI_DEV_" in expr]
+    named = {m for _, expr in gpu for m, _ in DCGM_RE.findall(expr)}
+    assert named == {"DCGM_FI_DEV_GPU_UTIL", "DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_POWER_USAGE",
+                     "DCGM_FI_DEV_SM_CLOCK"}
+    for panel, expr in gpu:
+        assert panel["gridPos"]["y"] > row["gridPos"]["y"], f"{panel['title']} is not under the GPU row"
+        assert expr.endswith(POD_JOIN), f"{panel['title']}: not joined to the service's pods: {expr}"
+        for metric, sel in DCGM_RE.findall(expr):
+            assert sel == 'namespace=~"$namespace"', f"{panel['title']}: {metric}{{{sel}}}"

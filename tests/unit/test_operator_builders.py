@@ -315,8 +315,14 @@ def test_network_policy_admits_session_and_kv_ports_only_from_same_service_prefi
                                                                 naming.LABEL_ROLE: "prefill"}}}]
     assert {p["port"] for p in session["ports"]} == {defaults.DECODE_GRPC_PORT, defaults.KV_TRANSFER_PORT}
     assert "from" not in health and [p["port"] for p in health["ports"]] == [defaults.DECODE_HTTP_PORT]
-    assert {p["port"] for p in prefill_policy["spec"]["ingress"][0]["ports"]} == {defaults.HTTP_PORT,
-                                                                                 defaults.PREFILL_GRPC_PORT}
+    http, grpc = prefill_policy["spec"]["ingress"]
+    assert "from" not in http and [p["port"] for p in http["ports"]] == [defaults.HTTP_PORT]
+    # gRPC (Generate, KV events, load reports: no API key) only from the service's routers while it has them
+    assert [p["port"] for p in grpc["ports"]] == [defaults.PREFILL_GRPC_PORT]
+    assert grpc["from"] == [{"podSelector": {"matchLabels": {naming.LABEL_ISVC: "chat", naming.LABEL_ROLE: "router"}}}]
+    no_router = example()
+    no_router["spec"]["router"] = {"replicas": 0}
+    assert "from" not in pools.build_network_policies(no_router, CONFIG)[1]["spec"]["ingress"][1]
     nixl = example()
     nixl["spec"]["transfer"] = {"backend": "nixl"}
     session = pools.build_network_policies(nixl, CONFIG)[0]["spec"]["ingress"][0]
@@ -337,6 +343,30 @@ def test_bad_operator_config_is_a_clear_error():
         OperatorConfig(default_image="x", protocol_version="has space")
     with pytest.raises(ValueError, match="default image"):
         OperatorConfig(default_image="", protocol_version="1")
+    with pytest.raises(ValueError, match="CUDA image 'reg/p cuda:1' must be .* without spaces"):
+        OperatorConfig(default_image="reg/p:1", cuda_image="reg/p cuda:1", protocol_version="1")
+
+
+def test_nvidia_gpu_pools_run_the_cuda_image_and_the_rest_the_default():
+    """The image per kind (the chart's image.cuda): a pool asking for an NVIDIA GPU (a whole one or a MIG slice)
+    runs the CUDA image; a CPU or AMD pool and the router the default; spec.image wins for all; without a CUDA
+    image every pool runs the default (as before)."""
+    config = OperatorConfig(default_image="reg/p:1", cuda_image="reg/p-cuda:1", protocol_version="1")
+    isvc = example()
+    isvc["spec"]["prefill"]["resources"] = {"limits": {"nvidia.com/gpu": 1}}
+    isvc["spec"]["decode"] = [{"name": "mig", "resources": {"limits": {"nvidia.com/mig-1g.10gb": 1}}},
+                              {"name": "amd", "resources": {"limits": {"amd.com/gpu": 1}}},
+                              {"name": "cpu", "resources": {"limits": {"cpu": "4"}}}]
+
+    def images(config):
+        built = [pools.build_prefill_pool(isvc, config), *pools.build_decode_pools(isvc, config)]
+        return {p["metadata"]["name"]: p["spec"]["image"] for p in built}
+
+    assert images(config) == {"chat-prefill": "reg/p-cuda:1", "chat-decode-mig": "reg/p-cuda:1",
+                              "chat-decode-amd": "reg/p:1", "chat-decode-cpu": "reg/p:1"}
+    assert set(images(CONFIG).values()) == {CONFIG.default_image}
+    isvc["spec"]["image"] = "mine:2"
+    assert set(images(config).values()) == {"mine:2"}
 
 
 def test_protocol_version_comes_from_the_protos_package():

@@ -108,20 +108,24 @@ def test_hf_source_gets_an_init_container_that_downloads_into_the_cache():
             assert o["--served-model-name"] == "Qwen2.5-0.5B-Instruct"
 
 
-def test_hf_cache_on_a_claim_and_a_token_secret_key():
+def test_hf_cache_on_a_claim_is_mounted_read_only_and_waited_for_without_the_token():
+    """A claim cache (pvcName): no download in the pods (the operator's Job does it once: test_operator_model_cache)."""
     isvc = example(source="hf://org/private", tokenSecret={"name": "hf", "key": "token"}, cache={"pvcName": "hf-cache"},
                    servedModelName="my-model")
     specs = pod_specs(isvc)
     for role in ("prefill", "decode"):
         spec = specs[role]
-        assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in spec["volumes"]
-        env = {e["name"]: e for e in spec["initContainers"][0]["env"]}
-        assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf", "key": "token"}
-        assert "HF_ENDPOINT" not in env
+        assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache", "readOnly": True}} in \
+            spec["volumes"]
+        (wait,) = spec["initContainers"]
+        assert wait["name"] == "wait-model" and wait["args"][-1] == "--wait"
+        assert not any(e["name"] in ("HF_TOKEN", "HF_ENDPOINT") for e in wait["env"])
         o = opts(spec["containers"][0]["args"])
         assert o["--model"] == "/model-cache/org/private/main" and o["--served-model-name"] == "my-model"
-    # the router never writes into the users' claim: its own emptyDir
-    assert {"name": "model-cache", "emptyDir": {}} in specs["router"]["volumes"]
+    # the router mounts no claim and downloads nothing: its tokenizer files come from a prefill
+    assert "initContainers" not in specs["router"]
+    assert not any("persistentVolumeClaim" in v for v in specs["router"]["volumes"])
+    assert "--tokenizer-from-prefill" in specs["router"]["containers"][0]["args"]
 
 
 def test_pvc_source_mounts_the_claim_read_only_in_the_pools_and_not_in_the_router():

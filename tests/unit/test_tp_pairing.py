@@ -1,4 +1,4 @@
-"""Which prefill and decode tensor-parallel sizes pair (engine/tp/shard.pairing_error), the decode's admission
+"""Which prefill and decode tensor-parallel sizes pair (engine/tp/heads.pairing_error), the decode's admission
 refusing the others naming both sizes (decode_server/admission.py), and the CacheStore's CompatInfo carrying a
 region's KV head range (a region with part of the heads never binds to one with another part, or all of them;
 a region with every head hashes as before the range existed)."""
@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.cachestore import CompatInfo
 from pdserve.decode_server import admission
-from pdserve.engine.tp.shard import kv_head_ranges, pairing_error
+from pdserve.engine.tp.heads import kv_head_ranges, pairing_error
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos.version import PROTOCOL_VERSION
 

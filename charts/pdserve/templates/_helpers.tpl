@@ -43,6 +43,12 @@ app.kubernetes.io/component: operator
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The CUDA image reference (repository defaults to image.repository + "-cuda", tag to image.tag). */}}
+{{- define "pdserve.cudaImage" -}}
+{{- $cuda := .Values.image.cuda | default dict -}}
+{{- printf "%s:%s" (default (printf "%s-cuda" .Values.image.repository) $cuda.repository) (default (default .Chart.AppVersion .Values.image.tag) $cuda.tag) -}}
+{{- end -}}
+
 {{/* Whether kopf peering is on (explicitly, or because there is more than one replica). */}}
 {{- define "pdserve.peering" -}}
 {{- if or .Values.operator.peering.enabled (gt (int .Values.operator.replicas) 1) -}}true{{- end -}}
@@ -55,6 +61,17 @@ and writes only their status; it owns pools, Deployments, Services, the prefill 
 ServiceAccount/Role/RoleBinding, NetworkPolicies and PodDisruptionBudgets. It holds
 endpointslices/services read because RBAC only lets it grant (to prefill pods) what it holds itself.
 */}}
+{{/* The operator's --tls mode: off, self-signed or cert-manager (tls.issuer auto: cert-manager when its API is
+installed). */}}
+{{- define "pdserve.tlsMode" -}}
+{{- if not .Values.tls.enabled -}}off
+{{- else if eq .Values.tls.issuer "cert-manager" -}}cert-manager
+{{- else if eq .Values.tls.issuer "operator" -}}self-signed
+{{- else if .Capabilities.APIVersions.Has "cert-manager.io/v1/Certificate" -}}cert-manager
+{{- else -}}self-signed
+{{- end -}}
+{{- end -}}
+
 {{- define "pdserve.operatorRules" -}}
 - apiGroups: ["pdserve.io"]
   resources: ["inferenceservices"]
@@ -90,6 +107,14 @@ endpointslices/services read because RBAC only lets it grant (to prefill pods) w
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+# spec.model.cache on a claim: the claim (cache.size) and one download Job per InferenceService;
+# the Job's pod may get and patch its own Job (a Role the operator makes, so it holds those verbs).
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
 # A PodDisruptionBudget per pool and router (spec.*.disruptionBudget).
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
@@ -100,4 +125,17 @@ endpointslices/services read because RBAC only lets it grant (to prefill pods) w
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- $tls := include "pdserve.tlsMode" . }}
+{{- if ne $tls "off" }}
+# Mutual TLS (tls.enabled): each InferenceService's CA and certificate, in Secrets the operator writes
+# (self-signed) or reads nothing of (cert-manager writes them from the Certificates below).
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
+{{- if eq $tls "cert-manager" }}
+- apiGroups: ["cert-manager.io"]
+  resources: ["issuers", "certificates"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
 {{- end -}}
