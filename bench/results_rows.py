@@ -143,6 +143,18 @@ ROWS: tuple[ResultRow, ...] = (
         "--transfer tcp --rounds 3 --prompt 512 --output 256 --rate 0.47 --requests 12",
         "docs/bench_raw/2026-11-28-checksums/pd-ab-tcp.txt"),
     ResultRow(
+        "transport-same-node", "Transports",
+        "KV transfer time of one request, same-node (decode's pool mapped by the prefill, memcpy per layer) / tcp "
+        "and / nixl, 2k tokens of the 8B shape (256 MiB), CPU pools, checksums off (on)",
+        "0.46 / tcp, 0.68 / nixl: 50 ms for 256 MiB, 5.0 GiB/s (checksums on: 0.72, 0.87); CPU s/GiB 0.20 vs tcp "
+        "0.59, nixl 0.31",
+        "faster than both (pairs 0.28-0.51 / 0.64-0.69, load 3); two runs at load 8-21 point the same way; issue 51's "
+        "< 10 ms over cuda-ipc on a GPU: unmeasured (no GPU)",
+        "2026-12-06", "Intel Xeon, 2 cores", "7bfa225",
+        "pdserve bench cachestore --layers 32 --tokens 2048 --transports tcp,nixl,samenode --repeats 5 "
+        "--json OUT/cachestore.json",
+        "docs/bench_raw/2026-12-06-same-node/cachestore-2k-run3-printed.txt"),
+    ResultRow(
         "routing-trace-prefix", "Routing",
         "prefix-aware / round-robin routing, 3 prefills + 2 decodes, Mooncake trace: prompt tokens computed, "
         "goodput, P99 TTFT",

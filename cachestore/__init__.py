@@ -4,8 +4,10 @@ Read first: ``cachestore/README.md`` (protocol sequence), then ``receiver.py`` a
 ``sender.py`` (each opens with its request lifecycle), then ``entries.py`` (pins, shared
 blocks), ``transport.py`` (tcp and nixl behind one interface per side), ``link.py``
 (connections, threads; ``nixl_link.py`` its NIXL WRITEs),
-``scheduler.py`` (MoLink / FIFO) and ``frames.py`` (wire format). It never imports the
-engine: it sees a ``MemoryRegion`` (the KV pool tensor, registered once) and a ``KVLayout``.
+``samenode.py`` (a decode's pool mapped by a prefill of the same machine: ``samenode_link.py``,
+``samenode_receive.py``, ``landing.py``), ``scheduler.py`` (MoLink / FIFO) and ``frames.py``
+(wire format). It never imports the engine: it sees a ``MemoryRegion`` (the KV pool tensor,
+registered once) and a ``KVLayout``.
 
 Usage (decode side receives, prefill side sends)::
 
@@ -65,6 +67,7 @@ from .errors import (CHECKSUM_MISMATCH, BindRefused, ChecksumError, CompatError,
 from .frames import WIRE_VERSION
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
 from .receiver import CacheStoreReceiver
+from .samenode import SAME_NODE_MODES, SameNodeError
 from .scheduler import FifoScheduler, PriorityScheduler
 from .sender import CacheStoreSender
 from .tls_sockets import TlsContexts
@@ -72,5 +75,6 @@ from .tls_sockets import TlsContexts
 __all__ = [
     "BindRefused", "CHECKSUM_MISMATCH", "CacheStoreReceiver", "CacheStoreSender", "ChecksumError", "CompatError",
     "CompatInfo", "Destination", "FifoScheduler", "KVLayout", "MemoryRegion", "PriorityScheduler", "ProtocolError",
+    "SAME_NODE_MODES", "SameNodeError",
     "TRANSPORTS", "TlsContexts", "TransferError", "UnknownRequestError", "WIRE_VERSION", "merge_runs",
 ]

@@ -2,8 +2,9 @@
 
 It says where to connect (host, port), which protocol version and compatibility hash the
 receiver speaks (the sender refuses a mismatch before connecting), which receiver instance
-this is (a restarted receiver gets a new one, so pooled connections are not reused), and for
-the ``nixl`` transport the agent metadata and the registered region descriptor.
+this is (a restarted receiver gets a new one, so pooled connections are not reused), for
+the ``nixl`` transport the agent metadata and the registered region descriptor, and when its
+pool can be shared with processes of its machine, how to map it (``local``, ``samenode.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class Endpoint:
     nixl_agent: str = ""
     nixl_metadata: bytes = b""
     nixl_region: tuple = field(default_factory=tuple)  # (base address, nbytes, device id, "DRAM"|"VRAM")
+    local: dict = field(default_factory=dict)  # the region shared with processes of this node (samenode.py), or {}
 
     def __post_init__(self) -> None:
         if self.transport not in TRANSPORTS:
@@ -42,6 +44,7 @@ class Endpoint:
             "compat": self.compat, "instance": self.instance, "num_blocks": self.num_blocks, "version": self.version,
             "nixl_agent": self.nixl_agent,
             "nixl_metadata": base64.b64encode(self.nixl_metadata).decode(), "nixl_region": list(self.nixl_region),
+            "local": self.local,
         }
         return ENDPOINT_MAGIC + json.dumps(doc, sort_keys=True).encode()
 
@@ -54,6 +57,7 @@ class Endpoint:
             return cls(host=doc["host"], port=int(doc["port"]), transport=doc["transport"],
                        compat_hash=doc["compat_hash"], compat=doc["compat"], instance=doc["instance"],
                        num_blocks=int(doc["num_blocks"]), version=int(doc["version"]), nixl_agent=doc["nixl_agent"],
-                       nixl_metadata=base64.b64decode(doc["nixl_metadata"]), nixl_region=tuple(doc["nixl_region"]))
+                       nixl_metadata=base64.b64decode(doc["nixl_metadata"]), nixl_region=tuple(doc["nixl_region"]),
+                       local=dict(doc.get("local") or {}))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed CacheStore endpoint bytes: {exc}") from None

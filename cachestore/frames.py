@@ -4,7 +4,7 @@ Every frame is a fixed header, then the request id (UTF-8), then ``payload_len``
 
     magic    4s   b"PDKV"
     version  u16  WIRE_VERSION
-    type     u8   HELLO | HELLO_OK | BIND | DATA | ACK | CANCEL | ERROR
+    type     u8   HELLO | HELLO_OK | BIND | DATA | ACK | CANCEL | ERROR | WRITTEN
     flags    u8   DATA: FLAG_CRC32C (the crc field is set); ERROR: FLAG_CHECKSUM_MISMATCH; else 0
     rid_len  u16  length of the request id that follows (0 for connection-level frames)
     layer    u32  DATA/ACK: the layer
@@ -58,6 +58,8 @@ class FrameType(enum.IntEnum):
     ACK = 5       # receiver -> sender: those bytes landed (same rid/layer/block/nblocks)
     CANCEL = 6    # sender -> receiver: the sender gave up on rid
     ERROR = 7     # either way: UTF-8 reason; with a rid it fails that request, without it the connection
+    WRITTEN = 8   # sender -> receiver (same node): KV already copied into the shared region; payload: records
+                  # as a NIXL notification's (samenode_receive.py), answered with an ACK per slice
 
 
 @dataclass(slots=True)

@@ -151,6 +151,8 @@ class MemoryRegion:
     # a writer that runs ahead of its device (a CUDA stream): layer -> a callable that blocks until that
     # layer's writes queued so far are done (None: done already); None: every write is done when stored
     layer_written: Callable[[int], Callable[[], None] | None] | None = field(default=None, repr=False)
+    # cpu: the memfd the region lives in (engine/kv_shared.py), so a process on this node can map it (samenode.py)
+    shared_fd: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.ptr, int) or self.ptr <= 0:
@@ -161,8 +163,9 @@ class MemoryRegion:
             raise ValueError(f"MemoryRegion.device must be 'cpu' or 'cuda', got {self.device!r}")
 
     @classmethod
-    def from_tensor(cls, tensor: Any, layer_written=None) -> "MemoryRegion":
-        """The whole storage of a contiguous torch tensor (or numpy array) as one region."""
+    def from_tensor(cls, tensor: Any, layer_written=None, shared_fd: int | None = None) -> "MemoryRegion":
+        """The whole storage of a contiguous torch tensor (or numpy array) as one region; ``shared_fd``: the
+        memfd it lives in (cpu, for same-node senders)."""
         if hasattr(tensor, "data_ptr"):  # torch
             if not tensor.is_contiguous():
                 raise ValueError("MemoryRegion.from_tensor needs a contiguous tensor (the whole KV pool)")
@@ -170,7 +173,8 @@ class MemoryRegion:
             if device not in ("cpu", "cuda"):
                 raise ValueError(f"tensor on device {tensor.device} is not supported (cpu or cuda)")
             return cls(tensor.data_ptr(), tensor.numel() * tensor.element_size(), device,
-                       tensor.device.index or 0, owner=tensor, layer_written=layer_written)
+                       tensor.device.index or 0, owner=tensor, layer_written=layer_written,
+                       shared_fd=shared_fd if device == "cpu" else None)
         if hasattr(tensor, "__array_interface__"):  # numpy
             if not tensor.flags["C_CONTIGUOUS"]:
                 raise ValueError("MemoryRegion.from_tensor needs a C-contiguous array")

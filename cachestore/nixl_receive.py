@@ -3,10 +3,11 @@
 Contract: each notification says the bytes of one WRITE have landed and names, for each
 (request, layer) it carries, the destination blocks (``nixl_backend.decode_notif``). A
 record for a request the ``EntryTable`` does not expect, or for blocks not allocated to it,
-is counted as rejected and dropped (the bytes are already there: NIXL WRITEs are one-sided).
-When the notification carries checksums, each slice's bytes are summed in the destination
-blocks before they count as arrived; a mismatch is reported to the receiver (``on_corrupt``),
-which fails the entry (``checksum.py``).
+is counted as rejected (a wrong bind token: in ``binds_refused``) and dropped (the bytes are
+already there: NIXL WRITEs are one-sided). When the notification carries checksums, each slice's
+bytes are summed in the destination blocks before they count as arrived; a mismatch is reported to
+the receiver (``on_corrupt``), which fails the entry (``checksum.py``). The checks are
+``landing.land``, shared with the same-node path's WRITTEN frames.
 
 NIXL's Python API offers no blocking wait and agents run without NIXL's progress thread,
 so this thread polls the agent while some entry still waits for KV: every ``POLL_S``
@@ -25,9 +26,9 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from .checksum import mismatch_text
 from .entries import EntryTable
-from .errors import ChecksumError, ProtocolError, UnknownRequestError
+from .errors import ChecksumError, ProtocolError
+from .landing import land
 from .memory import KVLayout
 from .nixl_backend import NixlMemory, decode_notif
 from .wire_io import RegionIO
@@ -99,29 +100,9 @@ class NixlReceiveLoop:
         except ProtocolError as exc:
             log.warning("dropped a NIXL notification: %s", exc)
             return set()
-        touched: set[str] = set()
-        bnb = self.layout.block_nbytes
-        for rid, layer, token, slices in records:
-            for block, n, crc in slices:
-                try:
-                    self.table.begin_receive(rid, layer, block, n, token)
-                except (UnknownRequestError, ProtocolError) as exc:
-                    self.counters["frames_rejected"] += 1
-                    log.warning("NIXL write rejected: %s", exc)
-                    continue
-                bad = None
-                try:
-                    if checksummed:
-                        got = self._io.crc(self.layout.offset(layer, block), n * bnb)
-                        if got != crc:
-                            bad = ChecksumError(mismatch_text(rid, layer, block, n, crc, got), rid, layer)
-                        else:
-                            self.counters["frames_verified"] += 1
-                finally:
-                    touched |= self.table.end_receive(rid, layer, block, n, bad is None)
-                if bad is not None:
-                    self._on_corrupt(bad)
-                    continue
-                self.counters["bytes_received"] += n * bnb
-                self.counters["frames_received"] += 1
-        return touched
+        out = land(records, checksummed, self.table, self.layout, self._io, self.counters)  # landing.py
+        for _, why in out.refused:
+            log.warning("NIXL write rejected: %s", why)
+        for bad in out.corrupt:
+            self._on_corrupt(bad)
+        return out.touched

@@ -42,6 +42,7 @@ from .entries import Destination, Entry, EntryTable
 from .errors import ChecksumError, TransferError, UnknownRequestError
 from .frames import FLAG_CHECKSUM_MISMATCH
 from .memory import CompatInfo, KVLayout, MemoryRegion
+from .samenode_receive import SameNodeReceive
 from .tcp_server import TcpServer
 from .tls_sockets import TlsContexts
 from .transport import receive_side
@@ -59,13 +60,15 @@ class CacheStoreReceiver:
     ``stall_timeout_s`` (tcp): a DATA frame still landing in an entry that was deleted or failed,
     with no byte arriving for this long (a frozen sender), gets its connection closed, so
     ``released`` is bounded by it (``tcp_server.py``). ``tls``: mutual TLS on every connection
-    (``tls_sockets.py``); None: plain TCP.
+    (``tls_sockets.py``); None: plain TCP. ``same_node``: offer a shareable region (a cpu pool in a
+    memfd, ``engine/kv_shared.py``; any cuda pool) to senders on this machine, which then copy KV
+    straight into it and send WRITTEN frames (``samenode_receive.py``); False: never.
     """
 
     def __init__(self, region: MemoryRegion, layout: KVLayout, compat: CompatInfo, transport: str = "tcp",
                  host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  require_checksum: bool = False, on_checksum_mismatch: Callable[[str, int], None] | None = None,
-                 stall_timeout_s: float = 1.0, tls: TlsContexts | None = None):
+                 stall_timeout_s: float = 1.0, tls: TlsContexts | None = None, same_node: bool = True):
         compat.check_layout(layout)
         region.check_layout(layout)
         self.region, self.layout, self.compat, self.transport = region, layout, compat, transport
@@ -76,13 +79,17 @@ class CacheStoreReceiver:
         self._loop = LoopCaller()
         self._counters = {"bytes_received": 0, "frames_received": 0, "frames_rejected": 0, "connections_refused": 0,
                           "frames_verified": 0, "checksum_mismatches": 0, "connections_cut": 0, "tls_refused": 0,
-                          "binds_refused": 0}
+                          "binds_refused": 0, "same_node_frames": 0}
         self.require_checksum = require_checksum
         self._on_checksum_mismatch = on_checksum_mismatch
         self._transport = receive_side(transport, region, self.instance, self._table, layout, self._counters,
                                        self.on_arrived, self.on_corrupt)
         self._server = TcpServer(region, layout, compat, self._transport.frames_carry_data, self._table, self._counters,
                                  self, require_checksum, stall_timeout_s, tls)
+        # a shareable region (a cpu pool in a memfd, a cuda pool) is offered to same-node senders (samenode.py)
+        self._same_node = SameNodeReceive(region, layout, self._table, self._counters, self) if same_node else None
+        if self._same_node is not None and self._same_node.descriptor:
+            self._server.written = self._same_node.handle
         self._waiters: WaiterBook[int | None] = WaiterBook()  # a layer, or None: all of them
         self._release_waiters: WaiterBook[None] = WaiterBook()
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -118,6 +125,8 @@ class CacheStoreReceiver:
         ep = Endpoint(self.advertise_host, self.port, self.transport, self.compat.compat_hash, self.compat.describe(),
                       self.instance, num_blocks=self.layout.num_blocks)
         self._transport.describe(ep)
+        if self._same_node is not None:
+            ep.local = self._same_node.descriptor
         self._endpoint = ep.to_bytes()
         return self._endpoint
 

@@ -31,6 +31,14 @@ Request lifecycle on the sender:
    link (its requests fail, its sockets close, ``sending_chunks`` drops to 0) and the next
    ``bind`` to that receiver opens a new one.
 
+Same node (``same_node``, ``samenode.py``): when the receiver's endpoint offers its region and this
+process can map it (same machine; cpu: a memfd it may open; cuda: a CUDA IPC handle it may open),
+the link to that receiver copies each layer straight into it and tells the receiver with a WRITTEN
+frame on the control connection (``samenode_link.py``); the lifecycle, checksums and failures are
+those of tcp (a layer counts delivered on the receiver's ACK). ``"auto"`` (default) falls back to the
+sender's transport, logged once a receiver; ``"on"`` makes ``bind`` raise TransferError instead;
+``"off"`` never maps.
+
 Failures (receiver gone, ERROR from the receiver, a wait's timeout) fail the request: its
 waiters get ``TransferError`` and it is freed; later ``store`` calls for it are ignored. When
 the receiver found the KV corrupted (``checksum=True``: every slice carries a CRC32C,
@@ -57,6 +65,8 @@ from .handshake import check_endpoint
 from .link import Link, LinkConfig
 from .link_model import LinkModel
 from .memory import CompatInfo, KVLayout, MemoryRegion, merge_runs
+from .samenode import SAME_NODE_MODES, SameNodeError, open_remote
+from .samenode_link import SameNodeSend
 from .scheduler import DEFAULT_MAX_WAIT, SCHEDULERS, Transfer, make_scheduler
 from .tls_sockets import TlsContexts
 from .transport import send_side
@@ -88,9 +98,11 @@ class CacheStoreSender:
                  scheduler: str = "priority", chunk_bytes: int = DEFAULT_CHUNK_BYTES, max_wait: int = DEFAULT_MAX_WAIT,
                  connections_per_peer: int = 1, connect_timeout_s: float = 5.0, checksum: bool = False,
                  stall_timeout_s: float = 30.0, corrupt_kv: int = 0, tls: TlsContexts | None = None,
-                 link_model: LinkModel | None = None):
+                 link_model: LinkModel | None = None, same_node: str = "auto"):
         if scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {scheduler!r}")
+        if same_node not in SAME_NODE_MODES:
+            raise ValueError(f"same_node must be one of {SAME_NODE_MODES}, got {same_node!r}")
         if chunk_bytes <= 0 or connections_per_peer <= 0 or not stall_timeout_s > 0:
             raise ValueError("chunk_bytes, connections_per_peer and stall_timeout_s must be positive")
         compat.check_layout(layout)
@@ -111,7 +123,9 @@ class CacheStoreSender:
         self._waiters: WaiterBook[None] = WaiterBook()
         self._loop = LoopCaller()
         self._transport = send_side(transport, region)  # ValueError naming the transports for another name
-        self._counters = {"bytes_sent": 0, "transfers_stored": 0}
+        self._counters = {"bytes_sent": 0, "transfers_stored": 0, "same_node_links": 0}
+        self.same_node = same_node  # auto: a same-node link when the receiver's region maps here; on: only; off: never
+        self._fallbacks_logged: set[str] = set()  # receiver instances whose shared region did not map (logged once)
         self.checksum = checksum
         self._corrupt_left = corrupt_kv  # test hook (checksum.py); 0 in production
         if corrupt_kv > 0:
@@ -285,12 +299,34 @@ class CacheStoreSender:
             if stale.alive:
                 threading.Thread(target=stale.close, daemon=True).start()
         config = LinkConfig(self.region, self.layout, self.compat, self.chunk_blocks, self.connections_per_peer,
-                            self.connect_timeout_s, self._transport, self.checksum, self.stall_timeout_s, self.tls,
-                            self.link_model)
+                            self.connect_timeout_s, self._same_node_side(ep) or self._transport, self.checksum,
+                            self.stall_timeout_s, self.tls, self.link_model)
         link = Link(self, ep, make_scheduler(self.scheduler_name, self.chunk_blocks, self.max_wait), config)
         self._links[key] = link
         link.start()
         return link
+
+    def _same_node_side(self, ep: Endpoint) -> SameNodeSend | None:
+        """A same-node transport for a new link to ep's receiver, or None: the sender's own (samenode.py).
+
+        ``same_node="on"`` raises TransferError naming why the region cannot be mapped; "auto" logs it
+        once per receiver instance and falls back."""
+        if self.same_node == "off" or self.link_model is not None:  # a modelled link paces the tcp path it models
+            return None
+        try:
+            needs = self.layout.num_layers * ep.num_blocks * self.layout.block_nbytes
+            remote = open_remote(ep.local, self.region, needs)
+        except SameNodeError as exc:
+            if self.same_node == "on":
+                raise TransferError(f"same-node KV transfer to {ep.host}:{ep.port} is required (same_node='on') "
+                                    f"and impossible: {exc}") from None
+            if ep.local and ep.instance not in self._fallbacks_logged:
+                self._fallbacks_logged.add(ep.instance)
+                log.info("CacheStore receiver %s:%s offers its region on this node but it does not map here (%s): "
+                         "KV goes by %s", ep.host, ep.port, exc, self.transport)
+            return None
+        self._counters["same_node_links"] += 1
+        return SameNodeSend(remote, ep.num_blocks)
 
     def _done(self, req: _TxRequest) -> bool:
         """Every block of every layer stored and delivered."""

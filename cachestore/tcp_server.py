@@ -31,7 +31,7 @@ import itertools
 import logging
 import socket
 import threading
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from .checksum import mismatch_text
 from .entries import EntryTable
@@ -123,6 +123,8 @@ class TcpServer:
         self._conns_lock = threading.Lock()
         self._conn_ids = itertools.count(1)
         self._stopping = False
+        # WRITTEN frames (a same-node sender copied into the shared region): samenode_receive.SameNodeReceive.handle
+        self.written: Callable[[SenderConnection, Frame, Callable], None] | None = None
 
     def listen(self, host: str, port: int) -> int:
         """Bind host:port (0 picks a free one), start accepting; returns the port."""
@@ -208,6 +210,8 @@ class TcpServer:
                     return
                 if frame.type == FrameType.DATA and io is not None:
                     self._on_data(conn, frame, io, scratch)
+                elif frame.type == FrameType.WRITTEN and self.written is not None:
+                    self.written(conn, frame, _keep_waiting)
                 elif frame.type == FrameType.BIND:
                     read_payload(conn.sock, frame, _keep_waiting)
                     try:

@@ -86,7 +86,7 @@ async def start(args: argparse.Namespace) -> DecodeServer:
     engine = parts.engine
     kv_events = await start_engine(engine, metrics, args.block_size)
     receiver = await start_receiver(parts, metrics, args.transfer, args.host, args.kv_port, args.advertise_host,
-                                    args.kv_checksum, tls_files)
+                                    args.kv_checksum, tls_files, same_node=args.kv_same_node != "off")
     pool = None
     if args.kv_pool:  # after the receiver: lenders take a pooled request's KV from the prefill through it
         instance_id = args.kv_pool_instance_id or f"{args.advertise_host or args.host}:{args.kv_pool_port}"
@@ -147,11 +147,12 @@ async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size:
 
 async def start_receiver(parts: ServerParts, metrics: ServerMetrics, transport: str, host: str, port: int,
                          advertise_host: str | None, require_checksum: bool,
-                         tls_files: tls.TlsFiles | None) -> CacheStoreReceiver:
-    """The CacheStore receiver on the engine's KV pool (mutual TLS with ``tls_files``), started."""
+                         tls_files: tls.TlsFiles | None, same_node: bool = True) -> CacheStoreReceiver:
+    """The CacheStore receiver on the engine's KV pool (mutual TLS with ``tls_files``; ``same_node``: its
+    pool offered to prefills of this machine), started."""
     receiver = CacheStoreReceiver(parts.region, parts.layout, parts.compat, transport=transport, host=host,
                                   port=port, advertise_host=advertise_host, require_checksum=require_checksum,
-                                  tls=tls_files,
+                                  tls=tls_files, same_node=same_node,
                                   on_checksum_mismatch=lambda rid, layer: metrics.kv_checksum_mismatches.inc())
     await receiver.start()
     return receiver

@@ -57,6 +57,9 @@ class EngineConfig:
     # CPU ranks: a decode step's all-reduces and logits gather through shared memory (tp/shm_collectives.py),
     # not gloo's loopback TCP (False: gloo for all; larger tensors go by gloo either way)
     tensor_parallel_shm: bool = True
+    # CPU: the KV pool in shared memory (kv_shared.py: a memfd, mode 0600) so that a prefill process on this
+    # machine can map it and write KV straight into it (the CacheStore's same-node transport); no effect on cuda
+    kv_cache_shared: bool = False
 
     def __post_init__(self) -> None:
         check_kv_dtype(self.kv_cache_dtype)

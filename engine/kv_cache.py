@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import kv_quant
+from . import kv_quant, kv_shared
 from .kv_formats import SCALE_BYTES, check_kv_dtype
 
 
@@ -41,8 +41,11 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         kv_dtype: str = "auto",
+        shared: bool = False,
     ):
-        """``dtype``: the model's (what ``gather`` returns); ``kv_dtype``: "auto" (rows in ``dtype``) or "fp8"."""
+        """``dtype``: the model's (what ``gather`` returns); ``kv_dtype``: "auto" (rows in ``dtype``) or "fp8";
+        ``shared`` (cpu): the pool in shared memory another process of this machine may map (``kv_shared.py``,
+        ``shared_fd`` its fd; same-node P/D)."""
         self.kv_dtype = check_kv_dtype(kv_dtype)
         self.compute_dtype = dtype
         self.fp8 = kv_dtype == "fp8"
@@ -52,8 +55,13 @@ class KVCache:
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.tensor = torch.zeros(num_layers, num_blocks, 2, block_size, num_kv_heads, self.row_width,
-                                  dtype=torch.uint8 if self.fp8 else dtype, device=device)
+        shape = (num_layers, num_blocks, 2, block_size, num_kv_heads, self.row_width)
+        storage_dtype = torch.uint8 if self.fp8 else dtype
+        self.shared_fd: int | None = None
+        if shared and torch.device(device).type == "cpu":
+            self.tensor, self.shared_fd = kv_shared.shared_zeros(shape, storage_dtype)
+        else:
+            self.tensor = torch.zeros(shape, dtype=storage_dtype, device=device)
         self._flat = self.tensor.view(num_layers, num_blocks * 2 * block_size, num_kv_heads, self.row_width)
         self._written: list = [None] * num_layers  # CUDA: an event after each layer's last marked write
 

@@ -77,7 +77,8 @@ class LLMEngine(EngineCore):
             by_need = config.max_num_seqs * blocks_needed(max_model_len, config.block_size)
             num_blocks = max(1, min(by_memory, by_need))
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_shape.num_kv_heads, cfg.head_dim,
-                                loaded.dtype, loaded.device, config.kv_cache_dtype)
+                                loaded.dtype, loaded.device, config.kv_cache_dtype,
+                                config.kv_cache_shared and config.tensor_parallel_size == 1)  # else: the transfer pool
         self.sampler = Sampler(loaded.device, config.seed)
         self.device = loaded.device
         switches = dict(fused_elementwise=config.fused_elementwise, merged_projections=config.merged_projections,
@@ -118,7 +119,8 @@ class LLMEngine(EngineCore):
             return
         full = self.model_config
         heads = [Shard(r, size, full).kv_heads for r in range(size)]
-        self.transfer = steps.transfer = KVTransferPool(self.kv_cache, full.num_kv_heads, heads)
+        self.transfer = steps.transfer = KVTransferPool(self.kv_cache, full.num_kv_heads, heads,
+                                                        shared=config.kv_cache_shared)
         steps.checksum = config.kv_checksum
         self.pd.install = steps.install
 

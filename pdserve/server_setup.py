@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve import defaults, kv_sizing, tls
-from pdserve.cachestore import TRANSPORTS
+from pdserve.cachestore import SAME_NODE_MODES, TRANSPORTS
 from pdserve.cachestore.checksum import default_on as checksum_default_on
 from pdserve.engine.kv_formats import describe as describe_kv
 from pdserve.test_hooks import prefill_step_floor_s
@@ -122,6 +122,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "MLP rows and the vocabulary split; gloo on CPU, NCCL on cuda:I..I+N-1); P/D KV goes through "
                         "rank 0's transfer pool, every KV head of every block (engine/tp/transfer.py) (default: 1)")
     g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="CacheStore transport for KV")
+    g.add_argument("--kv-same-node", choices=SAME_NODE_MODES, default="auto",
+                   help="KV between a prefill and a decode of one machine: the decode shares its KV pool (CPU: in a "
+                        "memfd, mode 0600; cuda: a CUDA IPC handle) and the prefill copies each layer straight into "
+                        "it (cachestore/samenode.py). auto: when the decode offers it and the prefill can map it, "
+                        "else --transfer (logged once a decode); on (prefill): only that, a decode it cannot map "
+                        "fails the request; off: never (decode: its pool is not shared)")
     g.add_argument("--kv-checksum", action=argparse.BooleanOptionalAction, default=None,
                    help="KV integrity: prefill sends a CRC32C with every slice of KV, decode checks it before the "
                         "request joins the batch and requires it from every prefill (a mismatch fails the request "
@@ -212,10 +218,12 @@ def kv_flags(args) -> kv_sizing.KVFlags:
         raise SystemExit(f"pdserve: {exc}") from None
 
 
-def load_engine(args, kv_transfer: bool = False) -> tuple[LoadedModel, LLMEngine, int]:
+def load_engine(args, kv_transfer: bool = False, role: str = "prefill") -> tuple[LoadedModel, LLMEngine, int]:
     """(loaded model, LLMEngine, context length) from the flags, the KV pool sized by kv_sizing (one
     INFO line says how); bad flags or files exit with a message. ``kv_transfer``: KV moves in or out (P/D):
-    at --tensor-parallel-size > 1 rank 0 holds a transfer pool too (engine/tp/transfer.py), sized with it."""
+    at --tensor-parallel-size > 1 rank 0 holds a transfer pool too (engine/tp/transfer.py), sized with it.
+    A decode's CPU pool KV moves into (the pool, or the transfer pool) is in shared memory unless
+    ``--kv-same-node off`` (a prefill of this machine writes KV straight into it)."""
     import torch
 
     from pdserve.engine import EngineConfig, LLMEngine, load_model
@@ -239,7 +247,8 @@ def load_engine(args, kv_transfer: bool = False) -> tuple[LoadedModel, LLMEngine
                            packed_linear=args.packed_linear, fused_elementwise=args.fused_elementwise,
                            merged_projections=args.merged_projections, kv_cache_dtype=args.kv_cache_dtype,
                            tensor_parallel_size=args.tensor_parallel_size, kv_transfer=kv_transfer,
-                           kv_checksum=bool(getattr(args, "kv_checksum", False)))
+                           kv_checksum=bool(getattr(args, "kv_checksum", False)),
+                           kv_cache_shared=role == "decode" and getattr(args, "kv_same_node", "off") != "off")
         size = kv_sizing.size_kv_pool(
             flags, dtype=describe_kv(args.kv_cache_dtype, args.dtype), block_size=args.block_size,
             bytes_per_block=rank0_bytes_per_block(args, loaded, kv_transfer),
@@ -323,7 +332,7 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
         resolve_device(args)
         return importlib.import_module(VLLM_SERVER_MODULE).build_vllm_server_engine(args, role)
 
-    loaded, llm, max_len = load_engine(args, kv_transfer=moves_kv(args, role))
+    loaded, llm, max_len = load_engine(args, kv_transfer=moves_kv(args, role), role=role)
     model_name = served_model_name(args)
     region, layout, compat = kv_parts(llm, args)
     engine = AsyncLLMEngine(llm)
@@ -411,7 +420,8 @@ def kv_parts(engine: LLMEngine, args):
     compat = CompatInfo(dtype=args.dtype, num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads,
                         head_dim=kv.head_dim, block_size=kv.block_size, kv_dtype=kv.kv_dtype,
                         model_kv_heads=engine.model_config.num_kv_heads)
-    return MemoryRegion.from_tensor(kv.tensor, layer_written=kv.written_waiter), layout, compat
+    return (MemoryRegion.from_tensor(kv.tensor, layer_written=kv.written_waiter, shared_fd=kv.shared_fd), layout,
+            compat)
 
 
 def compat_message(engine: LLMEngine, args, model_name: str):

@@ -113,7 +113,7 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses,
     engine, loaded = parts.engine, parts.loaded
     kv_events = await start_engine(engine, metrics, args.block_size)
     sender = await start_sender(parts, args.transfer, args.scheduler, args.kv_checksum, args.session_timeout,
-                                tls_files)
+                                tls_files, same_node=args.kv_same_node)
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
     slo_queue = make_slo_queue(slo, args.queue_policy, metrics, picker)
     decode_index = DecodeIndex() if args.decode_reuse else None
@@ -206,11 +206,13 @@ async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size:
 
 
 async def start_sender(parts: ServerParts, transport: str, scheduler: str, checksum: bool,
-                       stall_timeout_s: float, tls_files: tls.TlsFiles | None = None) -> CacheStoreSender:
-    """The CacheStore sender on the engine's KV pool (mutual TLS with ``tls_files``), started."""
+                       stall_timeout_s: float, tls_files: tls.TlsFiles | None = None,
+                       same_node: str = "auto") -> CacheStoreSender:
+    """The CacheStore sender on the engine's KV pool (mutual TLS with ``tls_files``; ``same_node``: see
+    ``CacheStoreSender``), started."""
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=transport, scheduler=scheduler,
                               checksum=checksum, stall_timeout_s=stall_timeout_s, corrupt_kv=test_hooks.corrupt_kv(),
-                              tls=tls_files, link_model=parts.link_model)
+                              tls=tls_files, link_model=parts.link_model, same_node=same_node)
     await sender.start()
     return sender
 

@@ -1,11 +1,14 @@
 """P/D on one device, end to end: a real decode and prefill server, greedy text equal to the engine alone.
 
-    python tools/pd_device_check.py [--device cuda] [--dtype bfloat16] [--model tiny] [--requests 4] [--transfer tcp|nixl]
+    python tools/pd_device_check.py [--device cuda] [--dtype bfloat16] [--model tiny] [--requests 4] [--transfer tcp|nixl|samenode]
         [--prompt-lens 1024,2048,8192]
 
 Starts ``pdserve decode`` and ``pdserve prefill`` (``python -m pdserve``, this interpreter, free
 loopback ports, KV over ``--transfer``: tcp by default, which on CUDA stages each layer through
-pinned host memory; nixl needs the NIXL package) on ``--device``, sends ``--requests`` greedy
+pinned host memory; nixl needs the NIXL package; samenode: the decode's pool shared with the prefill,
+which copies each layer straight into it, a device-to-device copy from CUDA IPC memory on cuda, a
+memcpy into a memfd on the CPU: ``--kv-same-node on``, and the check fails unless the prefill
+used it; tcp and nixl run with ``--kv-same-node off``) on ``--device``, sends ``--requests`` greedy
 completions of 32 tokens (prompts of 40-160 token ids) through the prefill's OpenAI endpoint one
 after the other, and checks that each text equals what one LLMEngine on the same device gives
 for the same prompt, and that after the last one both servers hold no KV block, Session or
@@ -191,7 +194,9 @@ def main() -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--model", default="tiny")
     p.add_argument("--requests", type=int, default=4, help="prompts (per length with --prompt-lens)")
-    p.add_argument("--transfer", default="tcp", choices=["tcp", "nixl"], help="the servers' KV transport")
+    p.add_argument("--transfer", default="tcp", choices=["tcp", "nixl", "samenode"],
+                   help="the servers' KV transport (samenode: cachestore/samenode.py over tcp's control channel; "
+                        "tcp and nixl run with --kv-same-node off)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the KV cache of the engine alone and of both servers (fp8: FP8 KV moved with its scales)")
     p.add_argument("--prompt-lens", type=lambda v: [int(x) for x in v.split(",") if x], default=[],
@@ -206,7 +211,9 @@ def main() -> int:
     del loaded
     dport, dhttp, kv, phttp, pgrpc = free_ports(5)
     common = ["--model", args.model, "--device", args.device, "--dtype", args.dtype, "--threads", "1",
-              "--log-level", "WARNING", "--transfer", args.transfer, "--num-blocks", str(num_blocks),
+              "--log-level", "WARNING", "--num-blocks", str(num_blocks),
+              "--transfer", "tcp" if args.transfer == "samenode" else args.transfer,
+              "--kv-same-node", "on" if args.transfer == "samenode" else "off",
               "--max-num-seqs", "32", "--kv-cache-dtype", args.kv_cache_dtype]
     cmd = [sys.executable, "-m", "pdserve"]
     procs = []
@@ -225,6 +232,10 @@ def main() -> int:
         left = {"decode": held(durl), "prefill": held(purl)}
         leaked = {name: {k: v for k, v in r.items() if v} for name, r in left.items()}
         leaked = {name: r for name, r in leaked.items() if r}
+        links = get(purl + "/health")[1]["cachestore"].get("same_node_links", 0)
+        if (links > 0) != (args.transfer == "samenode"):
+            print(f"the prefill opened {links} same-node link(s) with --transfer {args.transfer}", flush=True)
+            bad += 1
         print(f"{args.device} {args.dtype} {args.transfer}: {len(prompts) - bad} of {len(prompts)} P/D "
               f"texts equal the engine alone; held after: {leaked or 'nothing'}", flush=True)
         return 1 if bad or leaked else 0

@@ -21,15 +21,24 @@ import torch
 
 from pdserve.cachestore.memory import CompatInfo, KVLayout, MemoryRegion
 
+from pdserve.engine.kv_shared import shared_zeros
+
 from .peak_rss import PeakRSS
+
+
+def _wire(transport: str) -> str:
+    """The CacheStore transport under a benchmark's name: samenode is tcp's control channel with the pool shared."""
+    return "tcp" if transport == "samenode" else transport
 
 
 async def serve(geometry: dict, control_port: int) -> None:
     compat = CompatInfo(**geometry["compat"])
     layout = KVLayout(**geometry["layout"])
-    pool = torch.empty(layout.nbytes, dtype=torch.uint8)
+    # in a memfd (what a decode server's CPU pool is, unless --kv-same-node off) so that the same-node sender can
+    # map it; tcp and nixl receive into the same pages
+    pool, fd = shared_zeros((layout.nbytes,), torch.uint8)
     pool.fill_(0)  # touch every page before any measurement
-    region = MemoryRegion.from_tensor(pool)
+    region = MemoryRegion.from_tensor(pool, shared_fd=fd)
     reader, writer = await asyncio.open_connection("127.0.0.1", control_port)
     receivers: dict[str, object] = {}
 
@@ -37,8 +46,9 @@ async def serve(geometry: dict, control_port: int) -> None:
         """This process's CacheStoreReceiver of ``transport``, started on first use."""
         from pdserve.cachestore.receiver import CacheStoreReceiver
 
-        if transport not in receivers:
-            receivers[transport] = CacheStoreReceiver(region, layout, compat, transport=transport)
+        if transport not in receivers:  # samenode: a tcp receiver offering its pool (cachestore/samenode.py)
+            receivers[transport] = CacheStoreReceiver(region, layout, compat, transport=_wire(transport),
+                                                      same_node=transport == "samenode")
             await receivers[transport].start()
         return receivers[transport]
 

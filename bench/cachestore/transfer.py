@@ -42,6 +42,7 @@ from ..provenance import write_json
 from .peak_rss import PeakRSS
 
 DTYPE_BY_BYTES = {2: "float16", 4: "float32", 1: "uint8"}
+BENCH_TRANSPORTS = ("tcp", "nixl", "samenode")  # samenode: no raw baseline; compared with ours tcp / nixl per request
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes per element (default 2)")
     parser.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
     parser.add_argument("--chunk-mib", type=float, default=4.0, help="sender chunk size in MiB (default 4)")
-    parser.add_argument("--transports", default="tcp,nixl", help="comma-separated: tcp,nixl (default both)")
+    parser.add_argument("--transports", default="tcp,nixl",
+                        help="comma-separated: tcp,nixl,samenode (default tcp,nixl; samenode: the receiver's pool "
+                             "mapped here, cachestore/samenode.py)")
     parser.add_argument("--repeats", type=int, default=5, help="runs per figure; the median is reported (default 5)")
     parser.add_argument("--quick", action="store_true", help="small set: 8 layers x 1024 tokens (32 MiB), 2 repeats")
     parser.add_argument("--mixed", action="store_true",
@@ -72,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--tokens ({args.tokens}) must be a multiple of --block-size ({args.block_size})")
     transports = [t.strip() for t in args.transports.split(",") if t.strip()]
     for t in transports:
-        if t not in ("tcp", "nixl"):
-            raise SystemExit(f"unknown transport {t!r} in --transports (tcp, nixl)")
+        if t not in BENCH_TRANSPORTS:
+            raise SystemExit(f"unknown transport {t!r} in --transports ({', '.join(BENCH_TRANSPORTS)})")
     if args.repeats <= 0:
         raise SystemExit("--repeats must be positive")
     compat = CompatInfo(DTYPE_BY_BYTES[args.dtype_bytes], args.layers, args.kv_heads, args.head_dim, args.block_size)
@@ -117,7 +120,8 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
         kinds = []
         modes = ["on", "off"] if args.checksum == "both" else [args.checksum]
         for t in transports:
-            kinds += [f"raw_{t}"] + [f"ours_{t}:{m}" for m in modes] + (["rawchunks_nixl"] if t == "nixl" else [])
+            kinds += ([f"raw_{t}"] if t != "samenode" else []) + [f"ours_{t}:{m}" for m in modes]
+            kinds += ["rawchunks_nixl"] if t == "nixl" else []
         runs: dict[str, list[dict]] = {k: [] for k in kinds}
         senders: dict[str, object] = {}
         raw_nixl = None
@@ -148,8 +152,10 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                 if kind not in senders:
                     from pdserve.cachestore.sender import CacheStoreSender
 
-                    senders[kind] = CacheStoreSender(region, layout, compat, transport=transport,
-                                                     chunk_bytes=int(args.chunk_mib * (1 << 20)), checksum=mode == "on")
+                    senders[kind] = CacheStoreSender(region, layout, compat,
+                                                     transport="tcp" if transport == "samenode" else transport,
+                                                     chunk_bytes=int(args.chunk_mib * (1 << 20)), checksum=mode == "on",
+                                                     same_node="on" if transport == "samenode" else "off")
                     await senders[kind].start()
                 tx = senders[kind]
                 rid = f"{kind}-{repeat}"
@@ -199,7 +205,7 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                    "receiver_cpu_s": statistics.median(r["receiver_cpu_s"] for r in v),
                    "runs_gib_s": [round(r["gib_s"], 3) for r in v]} for k, v in runs.items()}
     for kind in summary:  # each run against the baseline run just before it (same machine load)
-        if kind.startswith("raw_"):
+        if kind.startswith("raw_") or "raw_" + kind.split("_", 1)[1].split(":")[0] not in runs:
             continue
         pairs = [o["gib_s"] / r["gib_s"]
                  for o, r in zip(runs[kind], runs["raw_" + kind.split("_", 1)[1].split(":")[0]])]
@@ -214,7 +220,26 @@ async def _bench(args, compat: CompatInfo, layout: KVLayout, transports: list[st
                                 "cpu_s_per_gib_on": summary[f"ours_{t}:on"]["cpu_s_per_gib"],
                                 "cpu_s_per_gib_off": summary[f"ours_{t}:off"]["cpu_s_per_gib"]}
     return {"kv_bytes": layout.nbytes, "repeats": args.repeats, "results": summary, "mixed": mixed,
-            "checksum": args.checksum, "checksum_cost": checksum_cost}
+            "checksum": args.checksum, "checksum_cost": checksum_cost, "per_request": _per_request(runs, modes)}
+
+
+def _per_request(runs: dict[str, list[dict]], modes: list[str]) -> dict:
+    """Per checksum mode: each transport's time for the request (median ms) and samenode / tcp, samenode / nixl
+    paired within a repeat (the runs of one repeat follow each other: the same machine load)."""
+    out: dict = {}
+    for mode in modes:
+        ms = {t: statistics.median(r["seconds"] * 1e3 for r in runs[f"ours_{t}:{mode}"])
+              for t in BENCH_TRANSPORTS if f"ours_{t}:{mode}" in runs}
+        doc: dict = {"ms": ms}
+        same = runs.get(f"ours_samenode:{mode}")
+        for other in ("tcp", "nixl"):
+            base = runs.get(f"ours_{other}:{mode}")
+            if same and base:
+                pairs = [a["seconds"] / b["seconds"] for a, b in zip(same, base)]
+                doc[f"samenode_vs_{other}"] = {"paired_ratios": [round(x, 3) for x in pairs],
+                                               "ratio": statistics.median(pairs)}
+        out[mode] = doc
+    return out
 
 
 async def _read(reader: asyncio.StreamReader) -> dict:
@@ -305,6 +330,21 @@ def _print(args, compat: CompatInfo, layout: KVLayout, results: dict) -> None:
                   f"{_mem(rc['receiver_rss'], layout):>16}  {rc['cpu_s_per_gib']:9.2f}")
             print(f"{'':26}{'':8}  (the same chunking with no CacheStore code, vs one WRITE: "
                   f"{', '.join(f'{x:.0%}' for x in rc['paired_ratios'])})")
+    if "ours_samenode:" + (["on", "off"] if args.checksum == "both" else [args.checksum])[0] in res:
+        print(f"{'ours samenode':26}(a tcp control channel; each layer copied into the receiver's mapped pool)")
+        for kind in (k for k in res if k.startswith("ours_samenode:")):
+            r = res[kind]
+            print(f"{'ours samenode (crc ' + kind.split(':')[1] + ')':26}{r['gib_s']:8.2f}  {'':>18}  "
+                  f"{_mem(r['sender_rss'], layout):>16}  {_mem(r['receiver_rss'], layout):>16}  "
+                  f"{r['cpu_s_per_gib']:9.2f}")
+    for mode, doc in results.get("per_request", {}).items():
+        times = ", ".join(f"{t} {v:.1f} ms" for t, v in doc["ms"].items())
+        print(f"\nKV transfer time of the request ({mib:.0f} MiB), crc {mode}: {times} (median)")
+        for other in ("tcp", "nixl"):
+            r = doc.get(f"samenode_vs_{other}")
+            if r:
+                print(f"  samenode / {other}: {r['ratio']:.3f} of the time (paired: "
+                      f"{', '.join(f'{x:.3f}' for x in r['paired_ratios'])})")
     print("GiB/s: median of runs; ratio: median over runs of ours / the baseline run just before it")
     print("peak = peak RSS increase during the transfer, MiB (% of KV bytes); target <= 10%")
     print("CPU s/GiB = CPU time of both processes (all threads) per GiB moved, median; load-independent")

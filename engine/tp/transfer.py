@@ -54,10 +54,11 @@ if TYPE_CHECKING:
 class KVTransferPool:
     """Rank 0's whole-heads copy of the pool's blocks (see the module), and the head range of every rank."""
 
-    def __init__(self, kv: KVCache, num_kv_heads: int, rank_heads: list[range]):
+    def __init__(self, kv: KVCache, num_kv_heads: int, rank_heads: list[range], shared: bool = False):
+        """``shared``: the transfer pool in shared memory (CPU; same-node P/D maps it: ../kv_shared.py)."""
         self.pool, self.rank_heads = kv, rank_heads
         self.cache = KVCache(kv.num_layers, kv.num_blocks, kv.block_size, num_kv_heads, kv.head_dim,
-                             kv.compute_dtype, kv.device, kv.kv_dtype)
+                             kv.compute_dtype, kv.device, kv.kv_dtype, shared)
 
     @property
     def tensor(self) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """P/D between tensor-parallel servers, through real processes (engine/tp/transfer.py): a prefill of TP size p
-pushes its prompts' KV to a decode of TP size d, for (p, d) in (1, 2), (2, 1), (2, 2), over tcp and nixl. Each
+pushes its prompts' KV to a decode of TP size d, for (p, d) in (1, 2), (2, 1), (2, 2), over tcp and nixl (and
+(2, 2) same-node: the decode's transfer pool mapped by the prefill). Each
 server starts its own worker ranks (gloo on the CPU). Greedy tokens over gRPC equal the colocated TP 1 engine's
 on the built-in model (2 KV heads: one per rank at TP 2), prompts long enough for chunked prefills; the
 decode's load report counts its free blocks at one rank's bytes per block (its tightest rank: rank 0's
@@ -24,14 +25,17 @@ PROMPTS = {"r0": 7, "r1": 40, "r2": 150}  # prompt tokens (r2 takes several chun
 SERVER = ("--threads", "1", "--block-size", "16", "--max-num-batched-tokens", "64")
 
 
-@pytest.fixture(scope="module", params=[(t, p, d) for t in ("tcp", "nixl") for p, d in ((1, 2), (2, 1), (2, 2))],
-                ids=lambda v: f"{v[0]}-P{v[1]}-D{v[2]}")
+# samenode: the decode's transfer pool (rank 0) in a memfd, the prefill writing into it (--kv-same-node on)
+@pytest.fixture(scope="module", params=[(t, p, d) for t in ("tcp", "nixl") for p, d in ((1, 2), (2, 1), (2, 2))]
+                + [("samenode", 2, 2)], ids=lambda v: f"{v[0]}-P{v[1]}-D{v[2]}")
 def cluster(request, tmp_path_factory):
     transport, p, d = request.param
+    wire, same_node = ("tcp", "on") if transport == "samenode" else (transport, "off")
     group = ProcessGroup(log_dir=tmp_path_factory.mktemp(f"pd-tp-{transport}-{p}-{d}") / "logs")
     try:
-        decode = start_decode(group, transport, NUM_BLOCKS, extra=(*SERVER, "--tensor-parallel-size", str(d)))
-        prefill = start_prefill(group, [decode.grpc_address], transport, NUM_BLOCKS,
+        decode = start_decode(group, wire, NUM_BLOCKS, extra=(*SERVER, "--tensor-parallel-size", str(d)),
+                              same_node=same_node)
+        prefill = start_prefill(group, [decode.grpc_address], wire, NUM_BLOCKS, same_node=same_node,
                                 extra=(*SERVER, "--tensor-parallel-size", str(p), "--disaggregation", "always"))
         wait_ready(decode, timeout=300)
         wait_ready(prefill, timeout=300)

@@ -12,6 +12,9 @@ L, NB, BS, H, D = 4, 32, 16, 2, 8
 COMPAT = CompatInfo("float32", L, H, D, BS)
 LAYOUT = KVLayout(L, NB, COMPAT.block_nbytes)
 TRANSPORTS = ["tcp", "nixl"]
+# Pair's also: "samenode", a tcp receiver whose pool is in a memfd (offered) and a sender that must map it
+# (same_node="on"; cachestore/samenode.py)
+PAIR_TRANSPORTS = [*TRANSPORTS, "samenode"]
 NO_TOKEN = bytes(16)  # a bind token no receiver issued (for binds the receiver refuses anyway, or never sees)
 
 
@@ -25,7 +28,14 @@ class Pair:
 
     def __init__(self, transport: str, **tx_kw):
         self.src, self.dst = pool(True), pool(False)
-        self.rx = CacheStoreReceiver(MemoryRegion.from_tensor(self.dst), LAYOUT, COMPAT, transport=transport)
+        fd = None
+        if transport == "samenode":
+            from pdserve.engine.kv_shared import shared_zeros
+
+            self.dst, fd = shared_zeros(self.dst.shape, self.dst.dtype)
+            transport, tx_kw = "tcp", {"same_node": "on", **tx_kw}
+        self.rx = CacheStoreReceiver(MemoryRegion.from_tensor(self.dst, shared_fd=fd), LAYOUT, COMPAT,
+                                     transport=transport)
         self.tx = CacheStoreSender(MemoryRegion.from_tensor(self.src), LAYOUT, COMPAT, transport=transport, **tx_kw)
 
     async def __aenter__(self):

@@ -75,8 +75,11 @@ def wait_ready(server: Server, timeout: float = 120.0) -> None:
 
 
 def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), name: str = "decode",
-                 grpc_port: int | None = None, step_floor_s: float = 0.0, env: dict | None = None) -> Server:
-    """``grpc_port``: a port chosen before (a prefill may list the decode before it starts).
+                 grpc_port: int | None = None, step_floor_s: float = 0.0, env: dict | None = None,
+                 same_node: str = "off") -> Server:
+    """``same_node``: ``--kv-same-node`` (off by default here: a test of ``transfer`` moves KV by it;
+    tests/e2e/test_pd_same_node.py covers the same-node path). ``grpc_port``: a port chosen before (a prefill
+    may list the decode before it starts).
     ``step_floor_s``: every decode step lasts at least this long (the test hook
     ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``): a stream of N tokens lasts >= N x that on any CPU, for a
     test that acts while it still runs. ``env``: more of the process's environment (other test hooks)."""
@@ -85,16 +88,18 @@ def start_decode(procs, transfer: str = "tcp", num_blocks: int = 64, extra=(), n
     grpc_port, http_port, kv_port = grpc_port or free_port(), free_port(), free_port()
     env = {**({TEST_STEP_FLOOR_ENV: str(step_floor_s)} if step_floor_s else {}), **(env or {})} or None
     proc = procs.pdserve("decode", "--port", str(grpc_port), "--http-port", str(http_port), "--kv-port", str(kv_port),
-                         "--transfer", transfer, "--num-blocks", str(num_blocks), *COMMON, *extra, name=name, env=env)
+                         "--transfer", transfer, "--kv-same-node", same_node, "--num-blocks", str(num_blocks), *COMMON,
+                         *extra, name=name, env=env)
     return Server(proc, http_port, grpc_port, kv_port, name)
 
 
 def start_prefill(procs, decodes: list[str], transfer: str = "tcp", num_blocks: int = 64, extra=(),
-                  name: str = "prefill", env: dict | None = None) -> Server:
+                  name: str = "prefill", env: dict | None = None, same_node: str = "off") -> Server:
     http_port, grpc_port = free_port(), free_port()
     proc = procs.pdserve("prefill", "--port", str(http_port), "--grpc-port", str(grpc_port), "--decode",
                          ",".join(decodes),
-                         "--transfer", transfer, "--num-blocks", str(num_blocks), *COMMON, *extra, name=name, env=env)
+                         "--transfer", transfer, "--kv-same-node", same_node, "--num-blocks", str(num_blocks), *COMMON,
+                         *extra, name=name, env=env)
     return Server(proc, http_port, grpc_port, 0, name)
 
 

@@ -25,12 +25,19 @@ class Pair:
     def __init__(self, transport: str, checksum: bool, require: bool = False, corrupt_kv: int = 0):
         self.src = torch.randn(L, NB, 2, BS, H, D)
         self.dst = torch.zeros(L, NB, 2, BS, H, D)
+        fd, same_node = None, "off"
+        if transport == "samenode":  # the receiver's pool in a memfd, mapped by the sender (cachestore/samenode.py)
+            from pdserve.engine.kv_shared import shared_zeros
+
+            self.dst, fd = shared_zeros(self.dst.shape, self.dst.dtype)
+            transport, same_node = "tcp", "on"
         self.mismatches: list[tuple[str, int]] = []
-        self.rx = CacheStoreReceiver(MemoryRegion.from_tensor(self.dst), LAYOUT, COMPAT, transport=transport,
+        self.rx = CacheStoreReceiver(MemoryRegion.from_tensor(self.dst, shared_fd=fd), LAYOUT, COMPAT,
+                                     transport=transport,
                                      require_checksum=require,
                                      on_checksum_mismatch=lambda rid, layer: self.mismatches.append((rid, layer)))
         self.tx = CacheStoreSender(MemoryRegion.from_tensor(self.src), LAYOUT, COMPAT, transport=transport,
-                                   checksum=checksum, corrupt_kv=corrupt_kv)
+                                   checksum=checksum, corrupt_kv=corrupt_kv, same_node=same_node)
 
     async def __aenter__(self):
         await self.rx.start()
@@ -63,7 +70,7 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, 60))
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "samenode"])
 def test_a_byte_corrupted_in_flight_is_caught_and_named(transport):
     async def main():  # corrupt_kv=1: the first request sent gets one byte of layer CORRUPT_LAYER flipped
         async with Pair(transport, checksum=True, corrupt_kv=1) as p:
@@ -81,7 +88,7 @@ def test_a_byte_corrupted_in_flight_is_caught_and_named(transport):
                 await p.tx.wait_sent("bad", 20)
                 # nixl: a WRITE counts as delivered once NIXL reports it done, before the receiver
                 # checked it; the receiver's failure is what stops the request there
-                assert transport == "nixl", "tcp must never confirm a corrupted slice"
+                assert transport == "nixl", "tcp and samenode must never confirm a corrupted slice"
             except TransferError as exc:  # tcp always, nixl when the ERROR came first: a ChecksumError
                 assert isinstance(exc, ChecksumError), exc
             p.rx.delete("bad"), p.tx.delete("bad")
@@ -101,7 +108,7 @@ def test_a_byte_corrupted_in_flight_is_caught_and_named(transport):
     run(main())
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "samenode"])
 def test_without_checksums_the_same_corruption_lands_unnoticed(transport):
     """The hook flips a byte of the data itself (not of the checksum): without checksums it arrives."""
     async def main():
@@ -120,7 +127,7 @@ def test_without_checksums_the_same_corruption_lands_unnoticed(transport):
     run(main())
 
 
-@pytest.mark.parametrize("transport", ["tcp", "nixl"])
+@pytest.mark.parametrize("transport", ["tcp", "nixl", "samenode"])
 def test_receiver_requiring_checksums_refuses_a_sender_without(transport):
     async def main():
         async with Pair(transport, checksum=False, require=True) as p:

@@ -13,7 +13,7 @@ from pdserve.cachestore import (CacheStoreReceiver, CacheStoreSender, CompatErro
                                 MemoryRegion, TransferError, UnknownRequestError)
 from pdserve.cachestore.endpoint import Endpoint
 
-from harness.cachestore_pair import BS, COMPAT, LAYOUT, NB, NO_TOKEN, TRANSPORTS, D, H, L, Pair, pool, run
+from harness.cachestore_pair import BS, COMPAT, LAYOUT, NB, NO_TOKEN, PAIR_TRANSPORTS, D, H, L, Pair, pool, run
 from harness.conditions import settle, until
 
 
@@ -49,7 +49,7 @@ def test_compat_mismatch_refused_with_both_values():
     run(main())
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PAIR_TRANSPORTS)
 def test_unknown_request_ids(transport):
     async def main():
         async with Pair(transport) as p:
@@ -96,7 +96,7 @@ def test_unknown_request_ids(transport):
     run(main())
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PAIR_TRANSPORTS)
 def test_timeouts_and_cancellation_free_entries(transport):
     async def main():
         async with Pair(transport) as p:
@@ -324,7 +324,7 @@ def test_delete_with_a_chunk_in_flight_releases_the_pin_at_once(monkeypatch):
     run(main())
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PAIR_TRANSPORTS)
 def test_idle_link_outlives_the_stall_bounds(transport, monkeypatch):
     """The stall bounds are about no progress while work is pending: a link idle for longer than
     both sides' bounds (and many receive polls) is neither cut nor failed. How long it has been idle

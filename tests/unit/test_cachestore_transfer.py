@@ -11,11 +11,11 @@ import torch
 
 from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender, MemoryRegion
 
-from harness.cachestore_pair import COMPAT, LAYOUT, NB, TRANSPORTS, L, Pair, pool, run
+from harness.cachestore_pair import COMPAT, LAYOUT, NB, PAIR_TRANSPORTS, TRANSPORTS, L, Pair, pool, run
 from harness.conditions import until
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PAIR_TRANSPORTS)
 def test_layerwise_bit_exact_with_subscriptions(transport):
     async def main():
         async with Pair(transport) as p:
@@ -50,7 +50,7 @@ def test_layerwise_bit_exact_with_subscriptions(transport):
     run(main())
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PAIR_TRANSPORTS)
 @pytest.mark.parametrize("scheduler", ["priority", "fifo"])
 def test_many_requests_chunked_multi_connection(transport, scheduler):
     async def main():
@@ -79,7 +79,7 @@ def test_many_requests_chunked_multi_connection(transport, scheduler):
     run(main())
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PAIR_TRANSPORTS)
 def test_identical_prompts_share_blocks_sent_once(transport):
     async def main():
         async with Pair(transport) as p:
@@ -182,7 +182,7 @@ def test_nixl_layers_queued_together_go_as_one_write():
     run(main())
 
 
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", PAIR_TRANSPORTS)
 def test_a_layer_is_read_only_once_its_writer_is_done(transport):
     """A GPU engine stores a layer when its writes are only queued (KVCache.mark_written records an
     event): the sender takes the region's waiter for that layer at store() and the link's thread waits

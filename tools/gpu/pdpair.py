@@ -7,8 +7,10 @@ in its own process group, killed as a group at ``budget`` seconds. Its lines are
 this log (prefixed ``pd|``) and kept: the per-request lines (``request i: N prompt tokens, T s,
 ...``) give the timings, the last line the verdict. With the tcp transport first; then, when
 NIXL imports here (as cachestore/nixl_backend.load_nixl looks for it: nixl, nixl_cu13, nixl_cu12), again
-with ``--transfer nixl``. A run whose texts differ in bf16 is repeated in float32: equal there, the
-bf16 difference is rounding at a near-tie; different there too, it is a bug.
+with ``--transfer nixl``; and with ``--transfer samenode`` (the decode's pool exported by CUDA IPC,
+the prefill copying each layer into it device to device, cachestore/samenode.py). A run whose
+texts differ in bf16 is repeated in float32: equal there, the bf16 difference is rounding at a
+near-tie; different there too, it is a bug.
 """
 
 from __future__ import annotations
@@ -129,7 +131,8 @@ def run(ctx, rec: Record, budget: Budget) -> None:
     rec.results.update(nixl_importable=ok, nixl=why, runs=[])
     rec.note(f"nixl: {why}")
     # (transport, KV cache dtype): issue 45's "P/D texts with FP8 KV equal to the engine alone" on tcp
-    runs = [("tcp", "auto")] + ([("nixl", "auto")] if ok else []) + [("tcp", "fp8")]
+    # samenode (issue 51 item 1): the decode's pool by CUDA IPC, each layer copied device to device
+    runs = [("tcp", "auto"), ("samenode", "auto")] + ([("nixl", "auto")] if ok else []) + [("tcp", "fp8")]
     for transport, kv_dtype in runs:
         label = transport if kv_dtype == "auto" else f"{transport} fp8-kv"
         if budget.left() <= 5:
@@ -151,6 +154,6 @@ def run(ctx, rec: Record, budget: Budget) -> None:
             rec.save()
             log("pd", f"{label} float32: rc {again['rc']}, {again['verdict'] or again.get('error')}")
     if budget.left() > 60:
-        long_cell(ctx, rec, budget, ["tcp"] + (["nixl"] if ok else []))
+        long_cell(ctx, rec, budget, ["tcp", "samenode"] + (["nixl"] if ok else []))
     else:
         rec.skip("long prompts", "budget spent")

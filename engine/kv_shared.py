@@ -1,0 +1,40 @@
+"""A CPU KV pool in shared memory that another process of this machine can map (same-node P/D).
+
+``shared_zeros(shape, dtype)`` allocates the tensor in a memfd (``memfd_create``: anonymous
+shared memory; no file in /dev/shm or anywhere else, so nothing is left behind when the process
+exits, however it exits) with mode 0600, and returns it with the fd. The fd stays open for the
+process's life: the CacheStore names it (pid, fd, inode) in the decode's endpoint so that a
+prefill on the same machine maps the same pages (``cachestore/samenode.py``) through
+``/proc/<pid>/fd/<fd>``, which only a process of the same user (ptrace-read access) may open.
+The memory is freed when the last mapping and fd are gone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import cast
+
+import torch
+
+
+def available() -> bool:
+    """memfd_create exists (Linux)."""
+    return hasattr(os, "memfd_create")
+
+
+def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(a zeroed contiguous CPU tensor in a fresh memfd, the memfd's fd)."""
+    if not available():
+        raise RuntimeError("a shared KV pool needs memfd_create (Linux)")
+    nbytes = max(1, math.prod(shape) * torch.empty(0, dtype=dtype).element_size())
+    fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o600)
+        os.ftruncate(fd, nbytes)  # zero pages, allocated on first touch
+        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    flat = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
+    return flat.view(dtype).view(shape), fd
