@@ -123,6 +123,19 @@ ROWS: tuple[ResultRow, ...] = (
         "--cases 1x640,12x640,12x2304,32x640",
         "docs/bench_raw/2026-12-06-fp8-kv-attention/native_attention.txt"),
     ResultRow(
+        "engine-tp2-cpu", "Engine",
+        "tensor parallelism on the CPU, 122M-parameter random Llama (float32): TP 2 (one thread per rank, gloo + "
+        "shared-memory collectives) / TP 1 on one thread, prefill of 2048 tokens and decode step at batch 1; TP 1 on "
+        "two threads and TP 2 with gloo alone beside them, one process, 3 rounds, order reversed every other round",
+        "prefill 1.81x (1.75-1.83); decode 1.25x (1.22-1.26); TP 1 two threads: 1.86x, 1.59x; TP 2 gloo alone: "
+        "decode 0.81x",
+        "targets met on a quiet box (load 0.5): prefill >= 1.6x, decode at batch 1 no slower (gloo alone was "
+        "0.78-0.83x: the shared-memory all-reduce is the difference); two threads in one process still beat two ranks "
+        "at decode (the all-reduces' cost)",
+        "2026-12-06", "Intel Xeon, 2 cores, load 0.5", "40086d2",
+        "python -m pdserve.bench.engine.tensor_parallel --rounds 3 --prompt-len 2048 --decode-steps 32",
+        "docs/bench_raw/2026-12-06-tp-shm/run1.txt"),
+    ResultRow(
         "engine-one-scheduler-trace", "Engine",
         "TTFT p99 and goodput on the Mooncake trace (185 requests, P/D, one prefill core + one decode core), "
         "the one scheduler with chunked prefill / the tree before it (ef9d8ea), alternated in one invocation",
