@@ -157,8 +157,8 @@ class AsyncLLMEngine(EngineThread):
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         on_done = self._prefill_done(request_id, sampling, loop, fut)
-        await self._call(self.engine.pd.add_remote, request_id, prompt_token_ids, sampling, on_layer, on_done)
-        try:
+        try:  # a cancel while the add is queued too: the abort goes on the queue after it (the queue keeps order)
+            await self._call(self.engine.pd.add_remote, request_id, prompt_token_ids, sampling, on_layer, on_done)
             return await fut
         except asyncio.CancelledError:
             self._calls.put((self._abort, (request_id,), None))

@@ -39,6 +39,9 @@ def helm_install(cluster) -> None:
     repository, tag = cluster.image.rsplit(":", 1)
     cluster.helm("install", RELEASE, str(CHART), "-n", RELEASE_NAMESPACE, "--create-namespace",
                  "--set", f"image.repository={repository}", "--set", f"image.tag={tag}",
+                 # this node builds no CUDA image (make image-cuda): a GPU pool here runs the CPU image, and fails
+                 # for want of a GPU as the GPU-pool test expects, instead of waiting on an image never pulled
+                 "--set", f"image.cuda.repository={repository}", "--set", f"image.cuda.tag={tag}",
                  "--set", "image.pullPolicy=Never", "--wait", "--timeout", "10m", timeout=700)
     wait_crds_established(cluster, CRD_NAMES)
 

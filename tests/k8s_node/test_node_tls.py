@@ -78,8 +78,11 @@ def der(pem: bytes) -> bytes:
 
 def test_pods_serve_over_mutual_tls_refuse_strangers_and_take_a_renewed_certificate(node_kube, chat, tmp_path):
     ns = chat.namespace
-    pods = [p for p in node_kube.pods(ns, "pdserve.io/inference-service=chat") if p["status"].get("phase") == "Running"]
-    assert len(pods) == 5, [p["metadata"]["name"] for p in pods]
+    def serving() -> list[dict]:  # Running and not on its way out (a test before may have scaled a pool down)
+        return [p for p in node_kube.pods(ns, "pdserve.io/inference-service=chat")
+                if p["status"].get("phase") == "Running" and not p["metadata"].get("deletionTimestamp")]
+    node_kube.wait_until(lambda: len(serving()) == 5, 180, 1.0, "the service's five pods, none terminating")
+    pods = serving()
     for pod in pods:
         args = pod["spec"]["containers"][0]["args"]
         assert args[args.index("--tls-ca") + 1] == "/etc/pdserve/tls/ca.crt", pod["metadata"]["name"]

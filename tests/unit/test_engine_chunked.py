@@ -191,6 +191,25 @@ def test_remote_prefill_abort_and_failure_free_everything(tiny):
     assert engine.num_free_blocks() == engine.num_blocks and engine.num_requests() == 0
 
 
+def test_a_remote_prefill_cancelled_while_its_add_is_queued_leaves_nothing(tiny):
+    """Cancelled before the engine thread answered its add (found by CI under load: the request was added after
+    the cancel and stayed, waiting, for ever): the abort is queued after the add, so nothing is left."""
+    async def main():
+        aeng = AsyncLLMEngine(_engine(tiny, num_blocks=64))
+        await aeng.start()
+        task = asyncio.ensure_future(aeng.prefill_only("c", _prompts(tiny)[0], GREEDY))
+        await asyncio.sleep(0)  # the task ran to its first wait: the add is queued, its answer not yet delivered
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        stats = await aeng.stats()
+        await aeng.stop()
+        return stats
+
+    stats = asyncio.run(main())
+    assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
 def test_async_remote_prefill_waits_for_blocks_then_runs_and_cancel_frees(tiny):
     """A remote prefill that finds no free blocks waits in the scheduler (no error, no spin) until a held
     prompt is released; a cancelled wait aborts its request."""
