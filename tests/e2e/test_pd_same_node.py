@@ -18,10 +18,10 @@ WRITTEN frames on the CacheStore control connection:
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
+from harness.conditions import wait_until
 from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
                                 wait_all_released, wait_ready)
 
@@ -136,13 +136,11 @@ except Exception:
     pass
 """], start_new_session=True)  # noqa: E501
     procs.procs.append(client)
-    deadline = time.monotonic() + 30
-    while True:  # mid-transfer: the decode has allocated, some layers were written into its pool
+    def mid_transfer() -> bool:  # the decode has allocated, some layers were written into its pool
         health = get_json(decode.url + "/health")[1]
-        if health["session_stages"].get("transfer", 0) and health["cachestore"]["same_node_frames"]:
-            break
-        assert time.monotonic() < deadline, "the request never reached the transfer stage by the same-node path"
-        time.sleep(0.005)
+        return bool(health["session_stages"].get("transfer", 0) and health["cachestore"]["same_node_frames"])
+
+    wait_until(mid_transfer, "the request at the transfer stage by the same-node path", pause_s=0.005)
     procs.kill(prefill.proc)
     readings = wait_all_released([decode], timeout=5)
     assert nothing_held(readings), readings
