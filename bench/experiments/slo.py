@@ -38,13 +38,14 @@ from pdserve.slo import classes as slo_classes
 
 from . import report
 from .cluster import SERVED_MODEL, start_pd
-from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model, metric_sum, scrape
+from .launcher import LOG_ROOT, MODEL_HELP, PROMPT_VOCAB, Launcher, experiment_model, metric_sum, scrape
 
 CLASS_PRIORITY = {"interactive": 0, "batch": 1}
+MAX_MODEL_LEN = 800 + 400 + 64  # the longest prompt and output of LENGTHS, and a block
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="tiny | small | medium | a checkpoint directory")
+    parser.add_argument("--model", default="tiny", help=MODEL_HELP)
     parser.add_argument("--policies", default="fifo,edf,qlm", help="queue policies to compare, comma separated")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     parser.add_argument("--rate", type=float, default=1.5, help="interactive requests per second (Poisson)")
@@ -131,10 +132,9 @@ async def send_items(url: str, items: list[Item], timeout: float) -> list[Reques
 def run_policy(args, policy: str, model: str, items: list[Item]) -> dict:
     slo = slo_config(args)
     classes = slo_classes.parse(slo)
-    max_len = 800 + 400 + 64
     with Launcher(LOG_ROOT / f"slo-{policy}") as launcher:
         cluster = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, num_blocks=256,
-                           decode_blocks=[args.decode_blocks], max_model_len=max_len,
+                           decode_blocks=[args.decode_blocks], max_model_len=MAX_MODEL_LEN,
                            prefill_extra=["--queue-policy", policy, "--slo-classes", json.dumps(slo),
                                           "--queue-timeout", "600", "--load-report-interval", "0.1"])
         for w in warmup(args.seed):
@@ -212,7 +212,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    model = bench_model(MODEL_CACHE, args.model)
+    try:
+        model = experiment_model(args.model, MAX_MODEL_LEN)
+    except ValueError as e:
+        raise SystemExit(f"slo: {e}") from None
     items = workload(args)
     print(f"trace: {sum(i.cls == 'interactive' for i in items)} interactive, {sum(i.cls == 'batch' for i in items)} "
           f"batch over {args.duration:g}s")
