@@ -27,6 +27,15 @@ are cut at 4K, outputs at 32 tokens (the decodes share the 2 cores). 1% of the c
 the whole hour (185 requests with seed 0), time scaled so they arrive over 90 s: about 100
 core-seconds of prefill without any cache hit. With cluster start-up, 6 runs (3 arms x 2) take
 about 12 minutes on a quiet 2-core box.
+
+At 122M parameters (``--model peer``: the peer experiment's random Llama, hidden 1024, 8 layers,
+written once by ``peer_model.py``): a 1K-token prefill takes about 2 s of a core, 8 times ``small``'s,
+so the same load (about 1.1 cores of prefill without cache hits) is 0.4% of the conversations (75
+requests with seed 0, 83K prompt tokens after the cut) over 150 s, prompts cut at 2K (the checkpoint
+holds 4,096 positions), and the SLO scaled as the peer experiment's trace cell at this model scales
+it (TTFT <= 8 s, TBT <= 200 ms): ``--model peer --sample 0.004 --duration 150 --max-prompt-tokens 2048
+--slo-ttft-ms 8000 --slo-tbt-ms 200 --request-timeout 300``; with ``--arms round-robin,prefix`` 4 runs
+take about 15 minutes.
 """
 
 from __future__ import annotations
