@@ -17,6 +17,14 @@ median relative error (|estimate at arrival - actual| / actual, completion time 
 served request and waiting time of the requests that waited), the policy's mean decision
 cost. Targets (issue 11): interactive attainment >= 0.95 where fifo's < 0.7; batch throughput
 >= 0.9x fifo's; estimator median error <= 20%.
+
+The defaults fit the built-in ``tiny`` model (a decode step of a few ms here). At 122M parameters
+(``--model peer``: the peer experiment's random Llama, written once by ``peer_model.py``) a decode
+step of a few requests takes 45-57 ms on one core here (the peer experiment's TPOT at 512 / 64), about
+3.5 times ``tiny``'s (its batch requests, about three at a time, decoded at 184 tok/s: 16 ms a step),
+so every time is stretched 4 times and the lengths kept: interactive ``--rate 0.375``, bursts of 16
+``--burst-every 80``, ``--interactive-ttft-ms 8000 --interactive-e2e-ms 24000 --batch-e2e-ms 720000``;
+``--duration 160`` (two bursts instead of three, so that two policies take about 12 minutes).
 """
 
 from __future__ import annotations
