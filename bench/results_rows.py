@@ -167,9 +167,10 @@ ROWS: tuple[ResultRow, ...] = (
         "the one scheduler with chunked prefill / the tree before it (ef9d8ea), alternated in one invocation",
         "TTFT p99 0.67, 0.62; goodput 1.01, 1.12 (per repeat)",
         "target TTFT p99 <= 0.7x met in both pairs; **small model only**, one invocation on a loaded box (the "
-        "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model, fifo on a loaded box, the pairs fell on both "
-        "sides (0.44, 1.28), and with qlm + auto on a quiet box (pd-vllm-trace-123m-qlm-auto's run, where no queue "
-        "builds) it is **missed** in both pairs (1.09, 1.05). Needs a checkout of ef9d8ea with its .venv at ../base",
+        "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model, fifo on a loaded box, the pairs fell on "
+        "both sides (0.44, 1.28), and with qlm + auto on a quiet box (pd-vllm-trace-123m-qlm-auto's run, where no "
+        "queue builds) it is **missed** in both pairs (1.09, 1.05). Needs a checkout of ef9d8ea with its .venv at "
+        "../base",
         "2026-12-06", "Intel Xeon, 2 cores, load 1.7-6.9", "5ab1fc0",
         f"pdserve bench experiment peer --trace {TRACE} --baseline-tree ../base --repeats 2 --out OUT",
         "docs/bench_raw/2026-12-06-chunked-trace/one-partial-5ab1fc0-printed.txt"),
@@ -211,10 +212,25 @@ ROWS: tuple[ResultRow, ...] = (
         "goodput, P99 TTFT",
         "0.82x, 1.10x, 1.09x",
         "tokens met the trace's own bound (0.79x) within 3 points, target 0.6x missed; goodput pairs 1.20, 1.02; "
-        "P99 **within noise** (0.69, 1.67); **small model only**",
+        "P99 **within noise** (0.69, 1.67); **small model**: the 122M rerun (next row) ran on a loaded box and "
+        "measured the load, not the routing",
         "2026-11-30", "Intel Xeon, 2 cores, quiet", "6ac12ea",
         "pdserve bench experiment trace-routing --prefills 3 --out OUT",
         "docs/bench_raw/2026-11-30-trace-routing-3-prefills/trace_routing.json", reads="trace_routing"),
+    ResultRow(
+        "routing-trace-prefix-122m", "Routing",
+        "prefix-aware / round-robin routing, 3 prefills + 2 decodes, Mooncake trace scaled to the 122M-parameter "
+        "Llama (75 requests over 150 s, prompts cut at 2048): prompt tokens computed, goodput (TTFT <= 8 s, "
+        "TBT <= 200 ms), P99 TTFT",
+        "0.92x, 0.00x, 1.85x (pairs: tokens 0.78, 1.05; P99 TTFT 5.76, 1.13)",
+        "every target missed, and **not a measure of routing: loaded box** (load 4 -> 56 during the first pair; "
+        "three of four runs overloaded, SLO met by 0% of requests, 7-19 timed out at 300 s); the pair that began "
+        "at load 4 computed 0.78x the tokens (the trace's bound 0.73x); needs a quiet rerun",
+        "2026-12-06", "Intel Xeon, 2 cores, load 4-35 at the run starts", "b7afa58",
+        "pdserve bench experiment trace-routing --prefills 3 --model peer --sample 0.004 --duration 150 "
+        "--max-prompt-tokens 2048 --slo-ttft-ms 8000 --slo-tbt-ms 200 --arms round-robin,prefix --repeats 2 "
+        "--request-timeout 300 --out OUT",
+        "docs/bench_raw/2026-12-06-trace-routing-122m/trace_routing.json", reads="trace_routing"),
     ResultRow(
         "router-scale-core", "Routing",
         "one router core before 16 / 64 stand-in prefills (real KV-event streams, gRPC, SSE), the conversation "
