@@ -250,7 +250,8 @@ ROWS: tuple[ResultRow, ...] = (
         "interactive SLO attainment and batch tok/s under bursts, qlm vs fifo (tiny model)",
         "1.0 vs 0.57; batch 0.91x fifo",
         "met in the committed run; of four runs, qlm missed attainment once (0.93) and batch once (0.88): "
-        "one committed run, the others not kept",
+        "one committed run, the others not kept; **tiny model only**: the 122M attempt (`--model peer`, "
+        "2026-12-06, load 14-83) gave no figure",
         "2026-11-23", "Intel Xeon, 2 cores, load 6-10", "f29acc7",
         "pdserve bench experiment slo --duration 60 --burst 16 --out OUT", "docs/experiments/slo.json"),
     ResultRow(

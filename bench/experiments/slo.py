@@ -24,7 +24,8 @@ step of a few requests takes 45-57 ms on one core here (the peer experiment's TP
 3.5 times ``tiny``'s (its batch requests, about three at a time, decoded at 184 tok/s: 16 ms a step),
 so every time is stretched 4 times and the lengths kept: interactive ``--rate 0.375``, bursts of 16
 ``--burst-every 80``, ``--interactive-ttft-ms 8000 --interactive-e2e-ms 24000 --batch-e2e-ms 720000``;
-``--duration 160`` (two bursts instead of three, so that two policies take about 12 minutes).
+``--duration 160`` (two bursts instead of three; two policies planned for about 12 minutes on a quiet
+box, not yet seen: the one attempt, at load 14-83, was stopped after 18 minutes of fifo).
 """
 
 from __future__ import annotations
