@@ -135,6 +135,11 @@ def test_prompt_hashes_match_the_engine_and_skip_the_last_token():
     assert prompt_hashes(ids, 16) == chained_hashes(ids[: (len(ids) - 1) // 16 * 16], 16)
     assert prompt_hashes(list(range(32)), 16) == chained_hashes(list(range(16)), 16)  # last block holds the last token
     assert prompt_token_ids(b'{"prompt": [1, 2, 3]}', "completion", tok) == [1, 2, 3]
+    assert prompt_token_ids(b'{"prompt": [[4, 5]]}', "completion", tok) == [4, 5]
+    assert prompt_token_ids(b'{"prompt": []}', "completion", tok) == []
+    for not_ids in (b'{"prompt": [1, true]}', b'{"prompt": [1, 2.0]}', b'{"prompt": [1, "2"]}',
+                    b'{"prompt": [[1], 2]}'):
+        assert prompt_token_ids(not_ids, "completion", tok) is None, not_ids  # JSON integers only
     assert prompt_token_ids(b'{"prompt": "hi"}', "completion", tok) == tok.encode("hi")
     for bad in (b"{not json", b'{"messages": 3}', b'{"prompt": 5}', b"[]"):
         assert prompt_token_ids(bad, "chat", tok) is None and prompt_token_ids(bad, "completion", tok) is None
