@@ -145,10 +145,10 @@ def serving(args: argparse.Namespace, count: int, logs: Path, evictions: str = "
                 quiet_before = quiet(setup, 5.0)
                 for via in ("router", "both"):  # the router's CPU of its own requests; then the added latency
                     w = window(setup, via, bodies, arrivals)
-                    if via == "router":  # its idle share: the mean of one look before the window and one after
-                        quiet_after = quiet(setup, 5.0)
+                    if via == "router":  # its idle share: looked at after the window (just after its start the
+                        quiet_after = quiet(setup, 5.0)  # router still settles: the look before reads high)
                     w.update(router=name, round=rnd, router_start=start, router_quiet_cpu_util_before_after=[
-                        quiet_before, quiet_after], router_quiet_cpu_util=(quiet_before + quiet_after) / 2)
+                        quiet_before, quiet_after], router_quiet_cpu_util=quiet_after)
                     w["index_after"] = setup.index_agreement(timeout=10.0)  # no KV event lost in the window
                     out["windows"].append(w)
                     print(f"serving {count}:", json.dumps(w), flush=True)
