@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 from pdserve.chat_prompt import chat_prompt, template_message
-from pdserve.engine.block_manager import chained_hashes, reusable_hashes
+from pdserve.engine.block_manager import LazyReusableHashes, chained_hashes, reusable_hashes
 from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer
 
 BUILTIN = ("tiny", "builtin:tiny")
@@ -77,6 +77,12 @@ def prompt_hashes(ids: list[int], block_size: int) -> list[int]:
     """Chained hashes of the blocks a prefill can reuse: never the block of the last token
     (the engine always computes it; see BlockManager.match_prefix)."""
     return reusable_hashes(ids, block_size)
+
+
+def lazy_prompt_hashes(ids: list[int], block_size: int) -> LazyReusableHashes:
+    """``prompt_hashes``, each block hashed only when a lookup first reaches it (``Router.decide``: the
+    index walks each prefill's match until its first miss, so only the longest match + 1 are hashed)."""
+    return LazyReusableHashes(ids, block_size)
 
 
 def prompt_key(ids: list[int] | None, block_size: int) -> int:
