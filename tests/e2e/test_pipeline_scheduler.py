@@ -12,7 +12,6 @@
 
 import random
 
-import pytest
 import torch
 
 from pdserve.batch.pipeline.engine import PipelineConfig, PipelineEngine
@@ -85,7 +84,8 @@ def test_both_schedules_admit_in_the_slo_queues_order():
         sent = _spans(eng)
         for schedule in ("mixed", "td-pipe"):
             eng.set_schedule(schedule)
-            for policy, order in orders.items():
+            for policy in ("edf", "qlm"):  # (fifo: arrival order, what the schedules did before)
+                order = orders[policy]
                 sent.clear()
                 rank = {rid: i for i, rid in enumerate(order)}
                 for rid in arrival:  # they arrive in arrival order; the queue's order is their priority
@@ -110,8 +110,7 @@ def _one_process(requests, num_blocks):
     return out
 
 
-@pytest.mark.parametrize("schedule", ["td-pipe", "mixed"])
-def test_a_long_prompt_is_chunked_by_the_budget_and_a_short_one_passes_it(schedule):
+def test_a_long_prompt_is_chunked_by_the_budget_and_a_short_one_passes_it():
     rng = random.Random(2)
     long = [rng.randrange(3, 250) for _ in range(150)]
     shorts = [[rng.randrange(3, 250) for _ in range(n)] for n in (9, 12, 6)]
@@ -120,21 +119,28 @@ def test_a_long_prompt_is_chunked_by_the_budget_and_a_short_one_passes_it(schedu
     requests += [(f"short{i}", ids, seeded if i == 1 else GREEDY) for i, ids in enumerate(shorts)]
     expected = _one_process(requests, 64)  # the whole prompt in one pass
     budget, threshold = 32, 16
-    cfg = PipelineConfig(num_stages=2, schedule=schedule, num_blocks=64, block_size=BLOCK, max_num_seqs=8,
+    cfg = PipelineConfig(num_stages=2, schedule="td-pipe", num_blocks=64, block_size=BLOCK, max_num_seqs=8,
                          max_num_batched_tokens=budget, long_prefill_threshold=threshold)
     with PipelineEngine("tiny", cfg) as eng:
         sent = _spans(eng)
-        for rid, ids, sp in requests:
-            eng.add_request(rid, ids, sp)
-        out = eng.run()
-        assert {rid: o.new_token_ids for rid, o in out.items()} == expected
-        _assert_nothing_held(eng, 64)
+        for schedule in ("td-pipe", "mixed"):
+            eng.set_schedule(schedule)
+            sent.clear()
+            for rid, ids, sp in requests:
+                eng.add_request(rid, ids, sp)
+            out = eng.run()
+            assert {rid: o.new_token_ids for rid, o in out.items()} == expected, schedule
+            _assert_nothing_held(eng, 64)
+            _assert_chunked(sent, len(long), budget, threshold)
+
+
+def _assert_chunked(sent, n_long: int, budget: int, threshold: int) -> None:
     assert all(sum(end - start for _, start, end, _ in batch) <= budget for batch in sent)
-    long_spans = [(start, end) for batch in sent for rid, start, end, total in batch
-                  if rid == "long" and end - start > 0 and start < len(long)]
-    assert len(long_spans) > len(long) // budget  # in chunks, none longer than the budget
-    assert long_spans[0][0] == 0 and long_spans[-1][1] == len(long)
+    long_spans = [(start, end) for batch in sent for rid, start, end, _ in batch
+                  if rid == "long" and start < n_long]
+    assert len(long_spans) > n_long // budget  # in chunks, none longer than the budget
+    assert long_spans[0][0] == 0 and long_spans[-1][1] == n_long
     assert all(a[1] == b[0] for a, b in zip(long_spans, long_spans[1:]))  # each token computed once, in order
     assert all(end % BLOCK == 0 for _, end in long_spans[:-1])  # a chunk before the last ends on a block
-    first = sent[0]
-    assert [(rid, start, end) for rid, start, end, _ in first][:2] == [("long", 0, threshold), ("short0", 0, 9)]
+    first = [(rid, start, end) for rid, start, end, _ in sent[0]]
+    assert first[:2] == [("long", 0, threshold), ("short0", 0, 9)]  # the short one beside the long one's first chunk

@@ -58,4 +58,4 @@ def test_the_checks_find_what_they_look_for():
           "    return os.environ.get('PDSERVE_X')\n"
     tree = ast.parse(src)
     assert _long_functions(tree) == ["3 f (63 lines)"]
-    assert _pdserve_names(tree) == ["64 'PDSERVE_X'"]
+    assert _pdserve_names(tree) == ["65 'PDSERVE_X'"]
