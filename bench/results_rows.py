@@ -212,25 +212,11 @@ ROWS: tuple[ResultRow, ...] = (
         "goodput, P99 TTFT",
         "0.82x, 1.10x, 1.09x",
         "tokens met the trace's own bound (0.79x) within 3 points, target 0.6x missed; goodput pairs 1.20, 1.02; "
-        "P99 **within noise** (0.69, 1.67); **small model**: the 122M rerun (next row) ran on a loaded box and "
-        "measured the load, not the routing",
+        "P99 **within noise** (0.69, 1.67); **small model only**: a 122M rerun (docs/benchmarks.md, 2026-12-06) ran "
+        "on a loaded box and measured the load, not the routing (raw: bench_raw/2026-12-06-trace-routing-122m)",
         "2026-11-30", "Intel Xeon, 2 cores, quiet", "6ac12ea",
         "pdserve bench experiment trace-routing --prefills 3 --out OUT",
         "docs/bench_raw/2026-11-30-trace-routing-3-prefills/trace_routing.json", reads="trace_routing"),
-    ResultRow(
-        "routing-trace-prefix-122m", "Routing",
-        "prefix-aware / round-robin routing, 3 prefills + 2 decodes, Mooncake trace scaled to the 122M-parameter "
-        "Llama (75 requests over 150 s, prompts cut at 2048): prompt tokens computed, goodput (TTFT <= 8 s, "
-        "TBT <= 200 ms), P99 TTFT",
-        "0.92x, 0.00x, 1.85x (pairs: tokens 0.78, 1.05; P99 TTFT 5.76, 1.13)",
-        "every target missed, and **not a measure of routing: loaded box** (load 4 -> 56 during the first pair; "
-        "three of four runs overloaded, SLO met by 0% of requests, 7-19 timed out at 300 s); the pair that began "
-        "at load 4 computed 0.78x the tokens (the trace's bound 0.73x); needs a quiet rerun",
-        "2026-12-06", "Intel Xeon, 2 cores, load 4-35 at the run starts", "b7afa58",
-        "pdserve bench experiment trace-routing --prefills 3 --model peer --sample 0.004 --duration 150 "
-        "--max-prompt-tokens 2048 --slo-ttft-ms 8000 --slo-tbt-ms 200 --arms round-robin,prefix --repeats 2 "
-        "--request-timeout 300 --out OUT",
-        "docs/bench_raw/2026-12-06-trace-routing-122m/trace_routing.json", reads="trace_routing"),
     ResultRow(
         "router-scale-core", "Routing",
         "one router core before 16 / 64 stand-in prefills (real KV-event streams, gRPC, SSE), the conversation "
