@@ -27,6 +27,7 @@ from .remote_prefill import PrefillAborted, layer_callback
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
+from .step_budget import StepShape, StepTimeModel, TbtBudget, shape_of
 
 if TYPE_CHECKING:
     from .kv_tiers import KVTiers, TierStats
@@ -49,6 +50,13 @@ class EngineCore:
                                        self.scheduler.in_use, grammars)
         # the P/D primitives, called as engine.pd.reserve(...) etc. (pd_hooks.py)
         self.pd = PDHooks(self.scheduler, self.factory, self.outputs, max_model_len, self.step)
+        # the TBT bound's gate over a model of this engine's own decode steps (step_budget.py), or None
+        self.step_model: StepTimeModel | None = None
+        if config.tbt_slo_ms:
+            self.step_model = StepTimeModel()
+            self.scheduler.join_gate = TbtBudget(config.tbt_slo_ms / 1000.0, self.step_model)
+        self.last_shape: StepShape | None = None  # the last step's batch (kept for a step trace or a step model)
+        self.keep_shapes = bool(config.step_trace) or self.step_model is not None
 
     # ---- public queries --------------------------------------------------------------------
     @property
@@ -140,8 +148,12 @@ class EngineCore:
         self.pd.other_outputs = []
         batch = self.scheduler.schedule()
         self.stalled = not batch and self.scheduler.has_unfinished() and not outputs
-        if batch:
-            self._run(batch)
+        if not batch:
+            self.last_shape = None
+            return outputs
+        started = time.perf_counter()
+        shape = shape_of(batch) if self.keep_shapes else None
+        self._run(batch)
         for seq in batch:
             if seq.remote is not None:
                 continue  # finished (held) or failed in _run; its caller hears on_done
@@ -150,6 +162,10 @@ class EngineCore:
                 outputs.append(take_output(seq))
             elif seq.pending_ids or seq.pending_text:
                 outputs.append(take_output(seq))
+        if shape is not None:
+            self.last_shape = shape
+            if self.step_model is not None and not shape.chunk_tokens:  # a pure decode step: the TBT bound's
+                self.step_model.observe(shape.rows, shape.ctx_tokens, time.perf_counter() - started)
         return outputs
 
     def _run(self, batch: list[Sequence]) -> None:

@@ -226,7 +226,7 @@ class PDHooks:
         if seq.status is Status.FINISHED:
             self.scheduler.finish_early(seq)
         else:
-            self.scheduler.join_running(seq)
+            self.scheduler.join_prefilled(seq)  # at once, or as a TBT bound finds it room (step_budget.py)
 
     def _check_kv_moves(self, on_layer: object = None, add_prefilled: bool = False) -> None:
         """ValueError (``kv_stays``) when KV would be pushed out (an ``on_layer``) or was written in from outside."""
