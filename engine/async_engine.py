@@ -42,6 +42,9 @@ Never touch ``engine`` (the LLMEngine) itself from another thread; a plain threa
 event loop) runs an engine call on the engine thread with ``call_blocking`` (kvpool's lender
 and pooled requests in a decode do).
 
+``trace`` (with ``EngineConfig.step_trace``): a ``StepTrace`` (step_trace.py) the thread fills, one record per
+step: what ran in and just before it (the calls, collections, other threads' CPU, the batch); None when off.
+
 ``after_step`` (optional, set before ``start``): called on the engine thread after every
 step as ``after_step(engine, seconds, batch_size)``, and every ``SWAP_POLL_S`` while only
 swapped-out requests are left (seconds 0, batch 0) - the decode's LSO controller evicts and

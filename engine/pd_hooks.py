@@ -44,7 +44,7 @@ from __future__ import annotations
 from typing import Callable
 
 from .block_manager import blocks_needed
-from .errors import OutOfBlocksError, PromptTooLongError
+from .errors import OutOfBlocksError, PromptTooLongError, TbtBoundError
 from .outputs import OutputProcessor
 from .remote_prefill import OnDone, OnLayer, RemotePrefill, blocks_to_push
 from .sampling_params import SamplingParams
@@ -200,11 +200,27 @@ class PDHooks:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if num_prompt_tokens + 1 > self.max_model_len:
             raise PromptTooLongError(num_prompt_tokens, self.max_model_len)
+        self._check_room(request_id, num_prompt_tokens)
         n = min(num_prompt_tokens + max_tokens, self.max_model_len)
         table, cached = self.block_manager.allocate(prompt_ids or [], n, use_prefix_cache=prompt_ids is not None)
         held = tuple(prompt_ids[:cached]) if cached and prompt_ids is not None else ()  # (a hit needs the ids)
         self.scheduler.add_reservation(request_id, table, held)
         return list(table), cached
+
+    def _check_room(self, request_id: str, num_prompt_tokens: int) -> None:
+        """With a TBT bound (the scheduler's ``join_gate``): TbtBoundError unless the step predicted with every
+        request running, waiting to join or reserved (its KV on its way), and this one, stays within it. A
+        reservation's context is counted as this prompt's (the reserved ones' prompts are not kept)."""
+        gate = self.scheduler.join_gate
+        if gate is None:
+            return
+        s = self.scheduler
+        rows = len(s.running) + len(s.joining) + len(s.reserved)
+        ctx = sum(q.num_tokens for q in s.running) + sum(q.num_tokens for q in s.joining)
+        ctx += len(s.reserved) * num_prompt_tokens
+        if not gate.admits(rows, ctx, num_prompt_tokens):
+            raise TbtBoundError(f"request {request_id!r}: no room within the TBT bound of {1000 * gate.bound_s:g} ms "
+                                f"now ({rows} requests running, waiting to join or with their KV on the way)")
 
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams

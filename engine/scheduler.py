@@ -28,6 +28,9 @@ Places a request can be, by request id:
    passes it. Each sequence's ``num_new`` says how many tokens it computes in the step (a chunk
    before the prompt's last samples nothing).
 
+Decode side with a TBT bound (``join_gate``, step_budget.py): a prefilled sequence waits in ``joining``
+(its blocks held) until ``admit_joining``, at the start of each ``schedule``, finds it room.
+
 Request kinds, all scheduled here: colocated (waiting -> running -> finished), the decode side's
 ``prefill_reserved`` (joins ``running`` with its blocks reserved: chunked, never preempted), and
 the P/D prefill side's remote prefill (``remote_prefill.py``: waiting -> running, chunked, its KV

@@ -1,15 +1,16 @@
 """--tbt-slo-ms and --step-trace on a real P/D pair (a prefill and a decode process, KV over tcp).
 
-A decode started with a TBT bound no step can meet (1 microsecond) keeps its batch to one request:
-three requests whose KV is in wait, their blocks held, and join one after the other as the one
-running finishes; every one completes with all its tokens, and afterwards the decode holds nothing.
-Its step trace (GET /debug/steps, and the file written when it stops) shows it: no step with more than
-one decode row, and steps with requests waiting to join.
+A decode started with a TBT bound no step can meet (1 microsecond) keeps its batch to one request: of
+three requests sent together it allocates one and refuses the others for now (code ``tbt_bound``, busy
+now), which wait in the prefill's line, before their prompts are computed, and are allocated one after
+the other as the one running finishes; every one completes with all its tokens, and afterwards neither
+server holds anything. The decode's step trace (GET /debug/steps, and the file written when it stops)
+shows it: no step with more than one decode row. (Requests whose KV is already in and that wait in the
+engine for room, the bound's other half, are engine unit tests: tests/unit/test_step_budget.py.)
 
-Nothing here depends on the CPU's speed: the three requests are held before they join (the decode test
-gate, harness/decode_gate.py) until all three are there, so without the bound they would join the same
-step; and a step of the tiny model takes far more than a microsecond on any CPU. The step floor (test
-hook) makes each request's decode last long enough (>= 0.4 s) for the others to be waiting meanwhile.
+Nothing here depends on the CPU's speed: the first request is held before it joins the batch (the decode
+test gate, harness/decode_gate.py) until the other two wait in the prefill's line, so all three overlap;
+and a step of the tiny model takes far more than a microsecond on any CPU.
 """
 
 import json
@@ -17,15 +18,15 @@ import threading
 
 import pytest
 
+from harness.conditions import wait_until
 from harness.decode_gate import DecodeGate
-from harness.pd_cluster import (get_json, nothing_held, post_json, start_decode, start_prefill, wait_all_released,
-                                wait_ready)
+from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
+                                wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
 
 pytestmark = pytest.mark.slow
 
 HANG_GUARD_S = 60.0  # only a hang guard
-STEP_FLOOR_S = 0.004  # every decode step lasts at least this (test hook)
 MAX_TOKENS = 100
 
 
@@ -43,7 +44,7 @@ def test_the_bound_keeps_the_batch_within_it_and_every_request_completes(tmp_pat
         with pytest.MonkeyPatch.context() as mp:  # the decode only
             for name, value in gate.env.items():
                 mp.setenv(name, value)
-            decode = start_decode(group, "tcp", 256, step_floor_s=STEP_FLOOR_S,
+            decode = start_decode(group, "tcp", 256,
                                   extra=["--tbt-slo-ms", "0.001", "--step-trace", str(trace_file)])
         wait_ready(decode)
         prefill = start_prefill(group, [decode.grpc_address], "tcp")
@@ -52,7 +53,10 @@ def test_the_bound_keeps_the_batch_within_it_and_every_request_completes(tmp_pat
         threads = [threading.Thread(target=_complete, args=(prefill, i, results)) for i in range(3)]
         for t in threads:
             t.start()
-        gate.wait_held(3, HANG_GUARD_S)  # all three prefilled, KV in, held before joining
+        gate.wait_held(1, HANG_GUARD_S)  # one allocated, prefilled, held before it joins the batch
+        wait_until(lambda: get_json(prefill.url + "/health")[1]["queued"] == 2, "two requests in the prefill's line",
+                   HANG_GUARD_S)
+        assert len(gate.held()) == 1  # the others were refused for now, not allocated
         gate.open()
         for t in threads:
             t.join(HANG_GUARD_S)
@@ -62,7 +66,7 @@ def test_the_bound_keeps_the_batch_within_it_and_every_request_completes(tmp_pat
         steps = get_json(decode.url + "/debug/steps")[1]["steps"]
         assert sum(s["rows"] for s in steps) == 3 * (MAX_TOKENS - 1)  # every decode step is in the trace
         assert max(s["rows"] for s in steps) == 1  # never two requests in one step
-        assert max(s["waiting_join"] for s in steps) >= 1  # others waited meanwhile, their KV held
+        assert metric(decode.url, "pdserve_kv_allocation_refusals_total", reason="tbt_bound") >= 2
         readings = wait_all_released([prefill, decode], timeout=HANG_GUARD_S)
         assert nothing_held(readings), readings
     finally:

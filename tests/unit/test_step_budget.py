@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from pdserve.engine import EngineConfig, LLMEngine, SamplingParams
+from pdserve.engine import EngineConfig, LLMEngine, OutOfBlocksError, SamplingParams
+from pdserve.engine.errors import TbtBoundError
 from pdserve.engine.step_budget import StepShape, StepTimeModel, TbtBudget, shape_of
 
 BS = 4
@@ -72,9 +73,10 @@ def _decode(tiny, **config):
     return LLMEngine(tiny, EngineConfig(num_blocks=64, block_size=BS, **config))
 
 
-def _prefilled(engine, rid, max_tokens):
+def _prefilled(engine, rid, max_tokens, reserve=True):
     """Reserve and join as a P/D decode does once the KV is in (the KV's content does not matter here)."""
-    engine.pd.reserve(rid, len(PROMPT), max_tokens)
+    if reserve:
+        engine.pd.reserve(rid, len(PROMPT), max_tokens)
     engine.pd.add_prefilled(rid, PROMPT, 7, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
 
 
@@ -89,14 +91,32 @@ def _run(engine):
     return tokens, sizes
 
 
-def test_the_batch_is_capped_by_the_prediction_and_the_rest_join_as_others_finish(tiny):
+def test_a_reservation_over_the_bound_is_refused_for_now(tiny):
     engine = _decode(tiny, tbt_slo_ms=25.0)
+    engine.scheduler.join_gate = TbtBudget(0.025, PerRow(0.010))  # two rows fit 25 ms, three do not
+    free = engine.num_free_blocks()
+    engine.pd.reserve("a", len(PROMPT), 4)
+    _prefilled(engine, "b", 4)  # one reserved (KV on its way), one running: both count
+    with pytest.raises(TbtBoundError, match="TBT bound of 25 ms") as refused:
+        engine.pd.reserve("c", len(PROMPT), 4)
+    assert isinstance(refused.value, OutOfBlocksError) and refused.value.code == "tbt_bound"  # busy now
+    assert "c" not in engine.request_ids()
+    engine.abort("a")
+    engine.pd.reserve("c", len(PROMPT), 4)  # room again
+    engine.abort("b"), engine.abort("c")
+    assert engine.num_free_blocks() == free and engine.num_requests() == 0
+
+
+def test_the_batch_is_capped_by_the_prediction_and_the_rest_join_as_others_finish(tiny):
+    engine = _decode(tiny)
+    free = engine.num_free_blocks()
+    for rid, n in (("a", 3), ("b", 6), ("c", 6)):  # reserved before the bound (the prediction changed since)
+        engine.pd.reserve(rid, len(PROMPT), n)
     model = PerRow(0.010)  # 10 ms a row: two rows fit 25 ms, three do not
     engine.scheduler.join_gate = TbtBudget(0.025, model)
-    free = engine.num_free_blocks()
-    _prefilled(engine, "a", 3)
-    _prefilled(engine, "b", 6)
-    _prefilled(engine, "c", 6)
+    _prefilled(engine, "a", 3, reserve=False)
+    _prefilled(engine, "b", 6, reserve=False)
+    _prefilled(engine, "c", 6, reserve=False)
     held = free - engine.num_free_blocks()
     engine.step()
     assert [s.request_id for s in engine.running] == ["a", "b"]
@@ -119,11 +139,13 @@ def test_without_a_bound_every_prefilled_request_joins_at_once(tiny):
 
 
 def test_a_waiting_request_aborted_frees_its_blocks(tiny):
-    engine = _decode(tiny, tbt_slo_ms=1.0)
-    engine.scheduler.join_gate = TbtBudget(0.001, PerRow(1.0))  # one at a time
+    engine = _decode(tiny)
     free = engine.num_free_blocks()
-    _prefilled(engine, "a", 8)
-    _prefilled(engine, "b", 8)
+    engine.pd.reserve("a", len(PROMPT), 8)
+    engine.pd.reserve("b", len(PROMPT), 8)
+    engine.scheduler.join_gate = TbtBudget(0.001, PerRow(1.0))  # one at a time
+    _prefilled(engine, "a", 8, reserve=False)
+    _prefilled(engine, "b", 8, reserve=False)
     engine.step()
     assert [s.request_id for s in engine.scheduler.joining] == ["b"]
     assert engine.abort("b")
@@ -133,14 +155,17 @@ def test_a_waiting_request_aborted_frees_its_blocks(tiny):
 
 
 def test_the_engine_fits_its_own_decode_steps(tiny):
-    engine = _decode(tiny, tbt_slo_ms=10_000.0)  # a bound nothing reaches: every request joins
+    engine = _decode(tiny, tbt_slo_ms=10_000.0)  # a bound nothing reaches, once the model has seen a step
     assert isinstance(engine.scheduler.join_gate.model, StepTimeModel)
-    for rid in ("a", "b", "c"):
-        _prefilled(engine, rid, 5)
+    _prefilled(engine, "a", 5)
+    engine.step()  # one row seen: one more may be tried
+    _prefilled(engine, "b", 5)
+    engine.step()
+    _prefilled(engine, "c", 5)
     tokens, sizes = _run(engine)
     model = engine.step_model
-    assert model.steps == len(sizes) and set(model.by_rows) == set(sizes)
-    assert tokens == {"a": 4, "b": 4, "c": 4}
+    assert model.steps == len(sizes) + 2 and set(model.by_rows) == {1, 2, 3}
+    assert tokens == {"a": 2, "b": 3, "c": 4}  # (the tokens of the two steps above were not collected)
 
 
 def test_a_batch_shape_counts_rows_chunks_and_context(tiny):
