@@ -56,6 +56,7 @@ class EngineCore:
             self.step_model = StepTimeModel()
             self.scheduler.join_gate = TbtBudget(config.tbt_slo_ms / 1000.0, self.step_model)
         self.last_shape: StepShape | None = None  # the last step's batch (kept for a step trace or a step model)
+        self._last_end = 0.0  # when that step ended (perf_counter)
         self.keep_shapes = bool(config.step_trace) or self.step_model is not None
 
     # ---- public queries --------------------------------------------------------------------
@@ -163,10 +164,19 @@ class EngineCore:
             elif seq.pending_ids or seq.pending_text:
                 outputs.append(take_output(seq))
         if shape is not None:
-            self.last_shape = shape
-            if self.step_model is not None and not shape.chunk_tokens:  # a pure decode step: the TBT bound's
-                self.step_model.observe(shape.rows, shape.ctx_tokens, time.perf_counter() - started)
+            self._observe(shape, started)
         return outputs
+
+    def _observe(self, shape: StepShape, started: float) -> None:
+        """Keep the step's shape; a pure decode step teaches the TBT bound's model the time between tokens of its
+        requests: from the end of the step before when one of them was in it too (the calls and the outputs'
+        delivery in between count), else from this step's start."""
+        end = time.perf_counter()
+        if self.step_model is not None and not shape.chunk_tokens:
+            last = self.last_shape
+            begun = self._last_end if last is not None and shape.ids & last.ids else started
+            self.step_model.observe(shape.rows, shape.ctx_tokens, end - begun)
+        self.last_shape, self._last_end = shape, end
 
     def _run(self, batch: list[Sequence]) -> None:
         """The step's forward pass; each sequence's chunk counted as computed, its token appended (or, for

@@ -3,7 +3,8 @@ within a time-between-tokens bound.
 
 - ``StepShape``: what a step computes (decode rows, prompt tokens, the batch's context) and whom.
 - ``StepTimeModel``: an online fit of a pure decode step's seconds against its rows and context, from
-  the steps the engine measures itself (``observe``): least squares over ``1, rows, context``
+  the steps the engine measures itself (``observe``: the time between a running request's tokens, the
+  gap since the step before included: ``EngineCore._observe``): least squares over ``1, rows, context``
   with older steps weighing less (``decay`` per step), and per row count the recent step time
   (``predict`` never answers less than what a batch of as many or fewer rows took: a step does not get
   faster with more rows). Until it has seen two row counts it predicts from what it saw: a batch one
