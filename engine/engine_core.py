@@ -125,6 +125,7 @@ class EngineCore:
         prefilled hears ``error`` (``PrefillAborted``)."""
         seq = self.scheduler.seqs.get(request_id)
         found = self.scheduler.remove(request_id)
+        self.pd.reserved_at.pop(request_id, None)
         if seq is not None and seq.remote is not None:
             seq.remote.finish(None, PrefillAborted(f"request {request_id!r}: {error}"))
         return found

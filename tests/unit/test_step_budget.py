@@ -104,7 +104,34 @@ def test_a_reservation_over_the_bound_is_refused_for_now(tiny):
     engine.abort("a")
     engine.pd.reserve("c", len(PROMPT), 4)  # room again
     engine.abort("b"), engine.abort("c")
-    assert engine.num_free_blocks() == free and engine.num_requests() == 0
+    assert engine.num_free_blocks() == free and engine.num_requests() == 0 and not engine.pd.reserved_at
+
+
+def test_a_running_request_that_ends_before_a_new_one_could_join_leaves_it_room(tiny):
+    engine = _decode(tiny, tbt_slo_ms=25.0)
+    engine.scheduler.join_gate = TbtBudget(0.025, PerRow(0.010))  # two rows fit, three do not
+    _prefilled(engine, "long", 50)
+    _prefilled(engine, "short", 3)  # joins with 2 tokens left
+    engine.step()
+    engine.pd.join_lead_s = 0.0  # no lead time learned yet: every running request counts
+    with pytest.raises(TbtBoundError):
+        engine.pd.reserve("c", len(PROMPT), 4)
+    engine.pd.join_lead_s = 0.05  # reservations took 50 ms to join lately: "short" (1 token, ~20 ms) is gone by then
+    engine.pd.reserve("c", len(PROMPT), 4)
+    engine.pd.join_lead_s = 0.005  # 5 ms: it is still running then
+    with pytest.raises(TbtBoundError):
+        engine.pd.reserve("d", len(PROMPT), 4)
+    for rid in ("long", "short", "c"):
+        engine.abort(rid)
+    assert engine.num_requests() == 0 and not engine.pd.reserved_at
+
+
+def test_the_lead_time_is_measured_from_reserve_to_add_prefilled(tiny):
+    engine = _decode(tiny, tbt_slo_ms=10_000.0)
+    engine.pd.reserve("a", len(PROMPT), 4)
+    assert "a" in engine.pd.reserved_at and engine.pd.join_lead_s == 0.0
+    _prefilled(engine, "a", 4, reserve=False)
+    assert engine.pd.join_lead_s > 0 and not engine.pd.reserved_at
 
 
 def test_the_batch_is_capped_by_the_prediction_and_the_rest_join_as_others_finish(tiny):
