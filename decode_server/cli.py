@@ -38,10 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "its TBT target (on by default; it acts only for requests of SLO classes: a class with "
                              "a tbtMs target is protected, one with neither ttftMs nor tbtMs may be evicted)")
     parser.add_argument("--tbt-slo-ms", type=_positive_ms, default=0.0, metavar="MS",
-                        help="a time-between-tokens bound: a request whose KV is in joins the running batch only while "
-                             "the step time predicted with it (fitted online to this decode's own steps, by batch size "
-                             "and context) stays within MS; the others wait, their KV held, and join as requests "
-                             "finish (a request alone always runs). Default: no bound (built-in and sim engines)")
+                        help="a time-between-tokens bound: a request is allocated (and, once its KV is in, joins the "
+                             "running batch) only while the step time predicted for it (fitted online to this decode's "
+                             "own steps, by batch size and context) stays within MS; others are refused for now (code "
+                             "tbt_bound: the prefill waits and asks again) or wait, their KV held, and join as others "
+                             "finish. A request alone always runs. Default: no bound (built-in and sim engines)")
     parser.add_argument("--step-trace", default=None, metavar="FILE",
                         help="debug: record what happened in and just before every engine step (the batch, requests "
                              "joining, KV arriving, Python collections, other threads' CPU: engine/step_trace.py) and "
