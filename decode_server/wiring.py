@@ -118,7 +118,7 @@ def follow_steps(engine: ServerEngine, receiver: CacheStoreReceiver) -> StepTrac
     step (``kv_bytes``: tcp and same-node alike); the trace, or None."""
     trace = getattr(engine, "trace", None)
     if trace is not None:
-        trace.probes["kv_bytes"] = lambda: receiver.stats()["bytes_received"]
+        trace.probes["kv_bytes"] = receiver.bytes_received
     return trace
 
 

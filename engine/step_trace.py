@@ -24,7 +24,8 @@ A debug recorder (``EngineConfig.step_trace``: how many steps it keeps, 0 = off;
 - ``pending``: requests holding blocks but not yet in the batch (a decode's reservations: KV on its
   way), ``waiting_join``: requests whose KV is in but that wait for room (a TBT bound);
 - one key per probe (``probes``: name -> a function returning a running total, e.g. the
-  CacheStore's bytes received): its increase over the step.
+  CacheStore's bytes received, safe to call from the engine thread): its increase over the step
+  (NaN when it raised).
 
 Not thread-safe: the engine thread writes, others read ``records()`` (a copy) after it stopped or
 accept a snapshot that may miss the newest step.
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import resource
 import threading
 import time
@@ -102,7 +104,14 @@ class StepTrace:
         """Just before a step: the clocks and probes it is measured against."""
         self._before = (time.perf_counter(), time.thread_time(), time.process_time(), self._loop_clock())
         self._faults_before = _thread_faults()
-        self._probe_before = {name: float(read()) for name, read in self.probes.items()}
+        self._probe_before = {name: self._probe(name) for name in self.probes}
+
+    def _probe(self, name: str) -> float:
+        """A probe's running total; NaN when it raised (a debug record never stops the engine)."""
+        try:
+            return float(self.probes[name]())
+        except Exception:  # noqa: BLE001 - any probe error: no figure for this step
+            return math.nan
 
     def stepped(self, shape: StepShape | None, pending: int = 0, waiting_join: int = 0) -> None:
         """Just after the step ``begin`` opened; ``shape``: its batch (``EngineCore.last_shape``)."""
@@ -121,8 +130,8 @@ class StepTrace:
             "other_cpu_s": round(max(0.0, cpu - mine - loop), 6), "wait_s": round(max(0.0, wall - cpu), 6),
             "faults": _thread_faults() - self._faults_before, "pending": pending, "waiting_join": waiting_join,
         }
-        for name, read in self.probes.items():
-            rec[name] = float(read()) - self._probe_before.get(name, 0.0)
+        for name in self.probes:
+            rec[name] = self._probe(name) - self._probe_before.get(name, 0.0)
         self.records_kept.append(rec)
         self._rows_seen.add(shape.rows)
         self._last_ids, self._last_end = shape.ids, end
