@@ -4,7 +4,8 @@ Reads the JSON lines a decode writes with ``--step-trace FILE`` (engine/step_tra
 pure decode steps (no prompt chunk). A step's *interval* is its wall time plus the gap before it
 (the calls run between steps, the outputs' delivery): what a client sees between two tokens. Each
 interval is compared with the median interval of steps of the same number of rows (a batch of three
-is slower than one of one: that is batching, not a tail), and the slowest ``--top`` fraction (1 %)
+is slower than one of one: that is batching, not a tail; the gap counts only when a request of the step
+before is in this one), and the slowest ``--top`` fraction (1 %)
 of steps by that ratio is split by cause, each counted also over all steps (its base rate), so a
 cause shows as over-represented among the slow ones or not:
 
@@ -42,6 +43,13 @@ def load(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def interval(step: dict) -> float:
+    """The time between tokens the step gave a request of the step before: the gap before it counts when one
+    of its requests was in the step before (else the gap was idle time or another request's wait to join)."""
+    continued = step["rows"] + (1 if step["chunk_tokens"] else 0) > step["joined"]
+    return step["seconds"] + (step["gap_s"] if continued else 0.0)
+
+
 def causes(step: dict, median: float, share: float) -> list[str]:
     """The causes a step shows (module docstring), in CAUSES order."""
     found = []
@@ -70,13 +78,12 @@ def analyse(steps: list[dict], top: float = 0.01, share: float = 0.1) -> dict:
         raise ValueError("no pure decode step in the trace")
     by_rows: dict[int, list[float]] = defaultdict(list)
     for s in decode:
-        by_rows[s["rows"]].append(s["seconds"] + s["gap_s"])
+        by_rows[s["rows"]].append(interval(s))
     medians = {rows: statistics.median(v) for rows, v in by_rows.items()}
     rated = []
     for s in decode:
         median = medians[s["rows"]]
-        interval = s["seconds"] + s["gap_s"]
-        rated.append((interval / median, s, causes(s, median, share)))
+        rated.append((interval(s) / median, s, causes(s, median, share)))
     rated.sort(key=lambda r: -r[0])
     n_slow = max(1, round(top * len(rated)))
     slow, base = Counter(), Counter()
