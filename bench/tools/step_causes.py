@@ -22,7 +22,11 @@ cause shows as over-represented among the slow ones or not:
   the core: a loaded box);
 - ``none``: none of these.
 
-  .venv/bin/python bench/tools/step_causes.py decode-steps.jsonl [--top 0.01] [--json out.json]
+With ``--by cpu`` the steps are ranked by the CPU time the decode's own threads spent in them instead
+(engine + event loop + others): on a box whose other processes take the core, wall times are mostly
+their doing (``wait``), CPU times are pdserve's.
+
+  .venv/bin/python bench/tools/step_causes.py decode-steps.jsonl [--top 0.01] [--by cpu] [--json out.json]
 """
 
 from __future__ import annotations
@@ -50,8 +54,17 @@ def interval(step: dict) -> float:
     return step["seconds"] + (step["gap_s"] if continued else 0.0)
 
 
-def causes(step: dict, median: float, share: float) -> list[str]:
-    """The causes a step shows (module docstring), in CAUSES order."""
+def own_cpu(step: dict) -> float:
+    """The CPU time the decode's process spent in the step, all its threads: what a loaded box does not inflate
+    (another process taking the core adds wall time, ``wait_s``, not CPU time)."""
+    return step["engine_cpu_s"] + step["loop_cpu_s"] + step["other_cpu_s"]
+
+
+MEASURES = {"interval": interval, "cpu": own_cpu}
+
+
+def causes(step: dict, median: float, share: float, wait: bool = True) -> list[str]:
+    """The causes a step shows (module docstring), in CAUSES order (``wait`` False: not that one)."""
     found = []
     gens = {g for g, _ in step.get("gc", [])}
     found += [f"gc{g}" for g in (2, 1, 0) if g in gens]
@@ -67,23 +80,24 @@ def causes(step: dict, median: float, share: float) -> list[str]:
         found.append("transfer")
     limit = share * median
     for name, key in (("calls", "calls_s"), ("loop", "loop_cpu_s"), ("other", "other_cpu_s"), ("wait", "wait_s")):
-        if step[key] > limit:
+        if step[key] > limit and (wait or name != "wait"):
             found.append(name)
     return found or ["none"]
 
 
-def analyse(steps: list[dict], top: float = 0.01, share: float = 0.1) -> dict:
+def analyse(steps: list[dict], top: float = 0.01, share: float = 0.1, by: str = "interval") -> dict:
+    measure = MEASURES[by]
     decode = [s for s in steps if s["rows"] > 0 and not s["chunk_tokens"]]
     if not decode:
         raise ValueError("no pure decode step in the trace")
     by_rows: dict[int, list[float]] = defaultdict(list)
     for s in decode:
-        by_rows[s["rows"]].append(interval(s))
+        by_rows[s["rows"]].append(measure(s))
     medians = {rows: statistics.median(v) for rows, v in by_rows.items()}
     rated = []
     for s in decode:
         median = medians[s["rows"]]
-        rated.append((interval(s) / median, s, causes(s, median, share)))
+        rated.append((measure(s) / median, s, causes(s, median, share, wait=by == "interval")))
     rated.sort(key=lambda r: -r[0])
     n_slow = max(1, round(top * len(rated)))
     slow, base = Counter(), Counter()
@@ -92,7 +106,7 @@ def analyse(steps: list[dict], top: float = 0.01, share: float = 0.1) -> dict:
         if i < n_slow:
             slow.update(found)
     return {
-        "steps": len(steps), "decode_steps": len(decode), "slow_steps": n_slow, "top": top, "share": share,
+        "steps": len(steps), "decode_steps": len(decode), "slow_steps": n_slow, "top": top, "share": share, "by": by,
         "median_interval_s_by_rows": {str(k): round(v, 6) for k, v in sorted(medians.items())},
         "steps_by_rows": {str(k): len(v) for k, v in sorted(by_rows.items())},
         "causes": {c: {"slow": slow[c], "slow_frac": round(slow[c] / n_slow, 3), "all": base[c],
@@ -106,8 +120,9 @@ def analyse(steps: list[dict], top: float = 0.01, share: float = 0.1) -> dict:
 
 
 def format_report(out: dict) -> str:
+    what = "interval" if out.get("by", "interval") == "interval" else "own CPU"
     lines = [f"{out['decode_steps']} pure decode steps of {out['steps']}; slowest {out['slow_steps']} "
-             f"({out['top']:.0%}) by interval / median interval of their batch size "
+             f"({out['top']:.0%}) by {what} / median {what} of their batch size "
              f"(medians ms by rows: " + ", ".join(f"{k}: {1000 * v:.1f}" for k, v in
                                                    out["median_interval_s_by_rows"].items()) + ")",
              f"{'cause':<10}{'slow':>6}{'of slow':>9}{'all':>8}{'of all':>8}"]
@@ -129,11 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share", type=float, default=0.1,
                    help="a thread's CPU (or the calls, or the wait) counts as a cause above this share of the "
                         "median interval (default 0.1)")
+    p.add_argument("--by", choices=sorted(MEASURES), default="interval",
+                   help="rank steps by their interval (wall time: what a client sees) or by the CPU time the decode's "
+                        "own threads spent in them (cpu: what pdserve itself costs, not inflated by other processes "
+                        "taking the core)")
     p.add_argument("--json", type=Path, default=None, help="also write the analysis here")
     a = p.parse_args(argv)
     steps = [s for path in a.trace for s in load(path)]
     try:
-        out = analyse(steps, a.top, a.share)
+        out = analyse(steps, a.top, a.share, a.by)
     except ValueError as exc:
         print(f"step_causes: {exc}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("step_causes", REPO / "bench" / "tools" / "step_causes.py")
 step_causes = importlib.util.module_from_spec(spec)
@@ -36,7 +38,7 @@ def test_a_joining_step_counts_its_join_and_not_its_gap():
     only_new = _step(0.040, joined=1, gap_s=5.0)  # after idle: the gap is no request's time between tokens
     assert step_causes.interval(only_new) == 0.040 and "join" in step_causes.causes(only_new, 0.04, 0.1)
     one_of_two = _step(0.050, rows=2, joined=1, gap_s=0.010)  # the other request waited the gap too
-    assert step_causes.interval(one_of_two) == 0.060
+    assert step_causes.interval(one_of_two) == pytest.approx(0.060)
 
 
 def test_the_command_prints_and_writes_the_analysis(tmp_path, capsys):
