@@ -7,9 +7,10 @@ within a time-between-tokens bound.
   gap since the step before included: ``EngineCore._observe``): least squares over ``1, rows, context``
   with older steps weighing less (``decay`` per step), and per row count the recent step time
   (``predict`` never answers less than what a batch of as many or fewer rows took: a step does not get
-  faster with more rows). Until it has seen two row counts it predicts from what it saw: a batch one
-  row larger than any seen is allowed (None: unknown; its steps then teach the fit), a larger one not
-  yet (infinite), and before any step only one row.
+  faster with more rows). Until it has seen two row counts it predicts from what it saw: for a batch
+  up to one row larger than any seen, what the largest one took (a lower bound: tried when within
+  the bound, and its steps then teach the fit), for a larger one infinity (not yet), and before any
+  step only one row.
 - ``TbtBudget``: the scheduler's join gate (``Scheduler.join_gate``): ``admits(rows, ctx, seq_ctx)`` is
   True when the batch is empty, or when the step predicted with one more row and its context is within
   ``bound_s``. Requests it does not admit keep their place (and their KV) and are asked again before
@@ -93,9 +94,9 @@ class StepTimeModel:
     def predict(self, rows: int, ctx_tokens: int) -> float | None:
         floor = self.floor(rows)
         coef = self.fit()
-        if coef is None:  # one row more than the largest batch seen is tried (None); more is not yet (inf)
+        if coef is None:  # up to one row more than the largest batch seen: what fewer rows took (a lower bound)
             largest = max(self.by_rows, default=0)
-            return floor if rows <= largest else None if rows == largest + 1 and largest else math.inf
+            return floor if largest and rows <= largest + 1 else math.inf
         fitted = coef[0] + coef[1] * rows + coef[2] * ctx_tokens / 1000.0
         return max(fitted, floor or 0.0)
 

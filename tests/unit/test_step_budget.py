@@ -37,14 +37,15 @@ def test_the_fit_recovers_a_linear_step_time():
     assert model.predict(6, 3000) == pytest.approx(0.010 + 0.012 + 0.003, abs=1e-6)
 
 
-def test_before_the_fit_only_one_row_more_than_seen_is_tried():
+def test_before_the_fit_only_one_row_more_than_seen_is_tried_and_only_if_fewer_rows_were_within_the_bound():
     model = StepTimeModel()
     assert model.predict(2, 100) == math.inf  # nothing seen: one row only (admits() never asks for one)
     model.observe(1, 100, 0.02)
     assert model.fit() is None  # one row count: no fit
     assert model.predict(1, 100) == 0.02
-    assert model.predict(2, 200) is None  # unknown: tried
+    assert model.predict(2, 200) == 0.02  # one row more: at least what one took (tried if that is within a bound)
     assert model.predict(3, 300) == math.inf  # not before two rows were seen
+    assert TbtBudget(0.03, model).admits(1, 100, 100) and not TbtBudget(0.01, model).admits(1, 100, 100)
 
 
 def test_a_prediction_never_undercuts_a_smaller_batch_seen():
