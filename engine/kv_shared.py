@@ -12,8 +12,8 @@ Every page is touched (written) once here, at start: a memfd's pages are otherwi
 mapped on first touch, so a KV block's first use faults in whichever decode step first reads or
 writes it (the step trace counted up to about 700 faults in a step that a request joined: fewer
 than the prompt's pages, the kernel maps several a fault; those steps took 8% more CPU than their
-batch size's median: ``faults`` in docs/bench_raw/2026-12-06-decode-tails/). A pool in ordinary memory (``torch.zeros``) is written once
-at allocation the same way.
+batch size's median: ``faults`` in docs/bench_raw/2026-12-06-decode-tails/). A pool in ordinary
+memory (``torch.zeros``) is written once at allocation the same way.
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ class StepTrace:
         self._gc_start = 0.0
         self._calls, self._calls_s = 0, 0.0
         self._last_end = self._origin
-        self._last_ids: set[str] = set()
+        self._last_ids: frozenset[str] = frozenset()
         self._rows_seen: set[int] = set()
         self._loop_clock = _thread_clock(threading.main_thread())
         self._before: tuple[float, ...] = ()
