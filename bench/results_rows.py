@@ -167,9 +167,10 @@ ROWS: tuple[ResultRow, ...] = (
         "the one scheduler with chunked prefill / the tree before it (ef9d8ea), alternated in one invocation",
         "TTFT p99 0.67, 0.62; goodput 1.01, 1.12 (per repeat)",
         "target TTFT p99 <= 0.7x met in both pairs; **small model only**, one invocation on a loaded box (the "
-        "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model, fifo on a loaded box, the pairs fell on both "
-        "sides (0.44, 1.28), and with qlm + auto on a quiet box (pd-vllm-trace-123m-qlm-auto's run, where no queue "
-        "builds) it is **missed** in both pairs (1.09, 1.05). Needs a checkout of ef9d8ea with its .venv at ../base",
+        "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model, fifo on a loaded box, the pairs fell on "
+        "both sides (0.44, 1.28), and with qlm + auto on a quiet box (pd-vllm-trace-123m-qlm-auto's run, where no "
+        "queue builds) it is **missed** in both pairs (1.09, 1.05). Needs a checkout of ef9d8ea with its .venv at "
+        "../base",
         "2026-12-06", "Intel Xeon, 2 cores, load 1.7-6.9", "5ab1fc0",
         f"pdserve bench experiment peer --trace {TRACE} --baseline-tree ../base --repeats 2 --out OUT",
         "docs/bench_raw/2026-12-06-chunked-trace/one-partial-5ab1fc0-printed.txt"),
