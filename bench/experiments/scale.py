@@ -69,6 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--peak-to-trough", type=float, default=3.0,
                    help="day arms: the day's peak rate / trough (scale_workload.py says why 3)")
     g.add_argument("--day-load", type=float, default=1.0, help="day arms: mean rate x the trace's")
+    g.add_argument("--turn-pace", type=float, default=1.0,
+                   help="day arms: a conversation's waits between turns / this (1: the trace's users' own pace)")
     g.add_argument("--day-bins", type=int, default=12, help="day arms: parts of the day for its trough and peak")
     g.add_argument("--day-max-factor", type=float, default=2.0,
                    help="day-planner: the most replicas of a pool, x the peak's sizing (at least it + 1)")
@@ -183,11 +185,14 @@ def run(args: argparse.Namespace) -> int:
     specs, arrivals = full_workload(reqs, args.speedup, args.seed)
     bound = reuse_bound(reqs, args.prefills)
     bound.update(ttft_floor(reqs, args))
-    day_reqs, cycle = daily_cycle(reqs, args.day_s, args.peak_to_trough, args.day_load, args.seed)
-    base_step = load_profile(args.profile).step
-    sizing = scale_day.day_sizing(day_reqs, args.day_s, args.day_bins, base_step, args.max_num_batched_tokens,
-                                  args.num_blocks, args.slo_tbt_ms / 1000)
-    pools = sizing.pop("_pools")
+    day_reqs, cycle = daily_cycle(reqs, args.day_s, args.peak_to_trough, args.day_load, args.seed,
+                                  args.turn_pace)
+    sizing: dict = {}
+    pools: dict = {}
+    if any(a in scale_day.DAY_ARMS for a in arms):  # the pools each day arm runs, from the profile
+        sizing = scale_day.day_sizing(day_reqs, args.day_s, args.day_bins, load_profile(args.profile).step,
+                                      args.max_num_batched_tokens, args.num_blocks, args.slo_tbt_ms / 1000)
+        pools = sizing.pop("_pools")
     longest = max(r.input_length + r.output_length for r in reqs + day_reqs)
     max_len = -(-(longest + 64) // 1024) * 1024
     out = Path(args.out)
@@ -197,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             f"{bound['round_robin']:.1%}; no-queueing TTFT p99 best router / round robin "
             f"{bound['unqueued_ttft_one_cache']['p99_s'] / bound['unqueued_ttft_round_robin']['p99_s']:.2f}; "
             f"arms {arms}; max_model_len {max_len}")
-    if any(a in scale_day.DAY_ARMS for a in arms):
+    if pools:
         r = sizing["rates_rps"]
         plan += (f"; the day: {len(day_reqs)} requests over {args.day_s:g} s, rate trough/mean/peak {r['trough']:.2f}/"
                  f"{r['mean']:.2f}/{r['peak']:.2f} req/s, pools (prefills, decodes) "
