@@ -44,7 +44,7 @@ from pathlib import Path
 
 from pdserve.engine.sim.profile import StepTime, load_profile
 
-from . import report, scale_day, scale_report
+from . import report, scale_day, scale_day_figure, scale_report
 from .client import send
 from .cluster import start_routed
 from .launcher import LOG_ROOT, Launcher
@@ -229,6 +229,9 @@ def run(args: argparse.Namespace) -> int:
     path = report.save(out, args.name, doc)
     print(scale_report.format_table(doc))
     print("\n".join(scale_day.format_lines(doc)))
+    png = scale_day_figure.plot(runs, out / f"{args.name}-day.png", args.speedup)
+    if png is not None:
+        print(f"wrote {png}")
     print(f"wrote {path}")
     return 0
 

@@ -136,6 +136,11 @@ def arm_bounds(arm: str, pools: dict[str, Pools], max_factor: float) -> dict[str
     return {role: (getattr(pools[fixed], f"{role}s"),) * 3 for role in POOL_ROLES}
 
 
+def running(counts: dict, role: str) -> int:
+    """Processes of ``role`` that run in one ``Monitor`` sample."""
+    return sum(counts.get(role, {}).get(s, 0) for s in POD_STATES)
+
+
 def pod_seconds(samples: list[tuple[float, dict]], end_s: float) -> dict[str, float]:
     """Pod-seconds by role from [0, end_s] of ``Monitor`` samples ``(t, {role: {state: n}})``: each sample's count
     holds until the next (the first from 0)."""
@@ -145,7 +150,7 @@ def pod_seconds(samples: list[tuple[float, dict]], end_s: float) -> dict[str, fl
         stop = min(end_s, samples[i + 1][0] if i + 1 < len(samples) else end_s)
         if stop > start:
             for role in POOL_ROLES:
-                out[role] += (stop - start) * sum(counts.get(role, {}).get(s, 0) for s in POD_STATES)
+                out[role] += (stop - start) * running(counts, role)
     out["total"] = sum(out[role] for role in POOL_ROLES)
     return out
 
@@ -161,8 +166,8 @@ def timeline(results: list[dict], samples: list[tuple[float, dict]], day_wall_s:
         met = [r for r in mine if r["ok"] and r["ttft"] is not None and r["ttft"] <= slo_ttft_s
                and r["mean_tbt"] <= slo_tbt_s]
         inside = [(t, c) for t, c in samples if lo <= t < hi]
-        pods = {role: (sum(sum(c.get(role, {}).get(s, 0) for s in POD_STATES) for _, c in inside) / len(inside)
-                       if inside else None) for role in POOL_ROLES}
+        pods = {role: (sum(running(c, role) for _, c in inside) / len(inside) if inside else None)
+                for role in POOL_ROLES}
         rows.append({"from_s": lo, "rps": len(mine) / width, "prefills": pods["prefill"], "decodes": pods["decode"],
                      "slo_attained": len(met) / len(mine) if mine else None})
     return rows
@@ -260,7 +265,8 @@ def run_arm(args, arm: str, profile: Path, day_reqs, pools: dict[str, Pools], ma
             "start_s": started, "wall_s": wall, "load_avg_before": load_before, "load_avg_after": os.getloadavg(),
             **figures, "pod_seconds": pods,
             "slo_met_per_pod_hour": (figures["slo_attained"] * figures["requests"] / hours) if hours else None,
-            "scale_events": events,
+            "scale_events": events, "pods_over_time": [(round(t, 2), running(c, "prefill"), running(c, "decode"))
+                                                       for t, c in monitor.samples],
             "timeline": timeline(rows, monitor.samples, arrivals[-1], args.day_bins, slo_ttft / args.speedup,
                                  slo_tbt / args.speedup),
             "results": rows, "logs": str(log_dir / "up")}

@@ -197,3 +197,15 @@ def test_the_scale_experiment_takes_the_day_arms_and_plans_them_on_the_shipped_p
     plan = capsys.readouterr().out
     assert "the day:" in plan and "peak" in plan and "mean" in plan
     load_profile(args.profile)  # the shipped profile the sizing used
+
+
+def test_the_day_figure_draws_the_day_arms_and_nothing_without_them(tmp_path):
+    from pdserve.bench.experiments import scale_day_figure
+
+    line = [{"from_s": 0.0, "rps": 1.0, "slo_attained": 1.0}, {"from_s": 10.0, "rps": 3.0, "slo_attained": 0.5}]
+    runs = [{"arm": arm, "timeline": line, "pods_over_time": [(0.0, 1, 1), (12.0, n, 1)],
+             "pod_seconds": {"total": 10.0 * n}} for arm, n in (("day-planner", 2), ("day-peak", 3))]
+    path = scale_day_figure.plot(runs + [{"arm": "prefix"}], tmp_path / "day.png", speedup=1.0)
+    assert path == tmp_path / "day.png" and path.stat().st_size > 10_000
+    assert scale_day_figure.plot([{"arm": "prefix"}], tmp_path / "none.png", 1.0) is None
+    assert not (tmp_path / "none.png").exists()
