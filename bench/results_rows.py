@@ -212,7 +212,8 @@ ROWS: tuple[ResultRow, ...] = (
         "goodput, P99 TTFT",
         "0.82x, 1.10x, 1.09x",
         "tokens met the trace's own bound (0.79x) within 3 points, target 0.6x missed; goodput pairs 1.20, 1.02; "
-        "P99 **within noise** (0.69, 1.67); **small model only**",
+        "P99 **within noise** (0.69, 1.67); **small model only**: a 122M rerun (docs/benchmarks.md, 2026-12-06) ran "
+        "on a loaded box and measured the load, not the routing (raw: bench_raw/2026-12-06-trace-routing-122m)",
         "2026-11-30", "Intel Xeon, 2 cores, quiet", "6ac12ea",
         "pdserve bench experiment trace-routing --prefills 3 --out OUT",
         "docs/bench_raw/2026-11-30-trace-routing-3-prefills/trace_routing.json", reads="trace_routing"),
@@ -237,7 +238,8 @@ ROWS: tuple[ResultRow, ...] = (
         "interactive SLO attainment and batch tok/s under bursts, qlm vs fifo (tiny model)",
         "1.0 vs 0.57; batch 0.91x fifo",
         "met in the committed run; of four runs, qlm missed attainment once (0.93) and batch once (0.88): "
-        "one committed run, the others not kept",
+        "one committed run, the others not kept; **tiny model only**: the 122M attempt (`--model peer`, "
+        "2026-12-06, load 14-83) gave no figure",
         "2026-11-23", "Intel Xeon, 2 cores, load 6-10", "f29acc7",
         "pdserve bench experiment slo --duration 60 --burst 16 --out OUT", "docs/experiments/slo.json"),
     ResultRow(
