@@ -78,9 +78,13 @@ def shape(pods: int, decode_pools: int) -> tuple[int, list[int]]:
     return prefills, [decodes // n + (1 if i < decodes % n else 0) for i in range(n)]
 
 
-def surge_fraction(value: str) -> float:
-    """A rollout field as a fraction of a pool ("25%" -> 0.25); a count is taken as one pod per pool."""
-    return int(value[:-1]) / 100 if value.endswith("%") else (1.0 if int(value) > 0 else 0.0)
+def rollout_pods(value: str, replicas: int, round_up: bool) -> int:
+    """The pods a rollout field means for a pool of `replicas`: a count as it is, a percentage of the pool
+    rounded as a Deployment rounds it (maxSurge up, maxUnavailable down)."""
+    if not value.endswith("%"):
+        return int(value)
+    share = replicas * int(value[:-1]) / 100
+    return math.ceil(share) if round_up else math.floor(share)
 
 
 def service(image: str, pods: int, decode_pools: int, rollout: dict) -> dict:
@@ -123,7 +127,7 @@ def _kind(cmdline: str, cgroup: str, work: str) -> str | None:
 
 def processes(work: Path) -> dict[str, list[dict]]:
     """The cluster's processes by kind: pid, RSS and PSS (bytes), CPU seconds (user + system)."""
-    tick = 100.0
+    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, list[dict]] = {}
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -352,8 +356,7 @@ def pods_needed(n: int, decode_pools: int, surge: str, unavailable: str) -> int:
     """Pods on the node at a rollout's peak: the pools', each pool's surge and its terminating pods
     (maxUnavailable: they hold their address until they are gone), and OTHER_PODS."""
     prefills, decodes = shape(n, decode_pools)
-    extra = sum(math.ceil(r * surge_fraction(surge)) + math.floor(r * surge_fraction(unavailable))
-                for r in [prefills, *decodes])
+    extra = sum(rollout_pods(surge, r, True) + rollout_pods(unavailable, r, False) for r in [prefills, *decodes])
     return n + extra + OTHER_PODS
 
 

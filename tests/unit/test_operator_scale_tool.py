@@ -43,7 +43,8 @@ def test_a_rollouts_peak_counts_surge_and_terminating_pods(tool):
     # 200 = 40 prefills + 4 x 40 decodes: 4 surge and 4 terminating per pool, and the others
     assert tool.pods_needed(200, 4, "10%", "10%") == 200 + 5 * 8 + tool.OTHER_PODS
     assert tool.pods_needed(10, 1, "1", "0") == 10 + 2 + tool.OTHER_PODS      # a count: one pod per pool
-    assert tool.surge_fraction("25%") == 0.25 and tool.surge_fraction("0") == 0.0
+    assert tool.rollout_pods("25%", 10, True) == 3 and tool.rollout_pods("25%", 10, False) == 2
+    assert tool.rollout_pods("0", 10, True) == 0 and tool.rollout_pods("3", 10, False) == 3
 
 
 def test_processes_are_told_apart_by_subcommand_cgroup_and_work_folder(tool):
