@@ -178,9 +178,14 @@ def _stale_roots() -> list[Path]:
 
 
 @contextlib.contextmanager
-def node_cluster(work_dir: Path, bin_dir: Path | None = None, with_image: bool = True) -> Iterator[NodeCluster]:
+def node_cluster(work_dir: Path, bin_dir: Path | None = None, with_image: bool = True,
+                 max_pods: int | None = None) -> Iterator[NodeCluster]:
     """The one-node cluster (see the module docstring); with_image=False leaves the pdserve image out
-    (only the pause image is in containerd)."""
+    (only the pause image is in containerd); max_pods: the node's pod capacity (default the kubelet's, 110;
+    at most config.MAX_PODS, the addresses of the pods' /24)."""
+    if max_pods is not None and not 1 <= max_pods <= config.MAX_PODS:
+        raise ValueError(f"max_pods {max_pods}: the node's pod network ({config.POD_CIDR}) holds 1 to "
+                         f"{config.MAX_PODS} pods")
     bin_dir = bin_dir or tools_bin_dir()
     _check_prerequisites(bin_dir)
     image, archive = pdserve_image() if with_image else ("", None)
@@ -196,7 +201,7 @@ def node_cluster(work_dir: Path, bin_dir: Path | None = None, with_image: bool =
         before["sysctls"] = {k: sysctls.saved.get(k) for k in host.SYSCTLS}  # what restore() writes back
         problems = []
         try:
-            with _running(work_dir, node, bin_dir, image, archive) as cluster:
+            with _running(work_dir, node, bin_dir, image, archive, max_pods) as cluster:
                 yield cluster
         finally:
             problems += _sweep([node], bin_dir / "kube-proxy")
@@ -217,7 +222,8 @@ def node_cluster(work_dir: Path, bin_dir: Path | None = None, with_image: bool =
 
 
 @contextlib.contextmanager
-def _running(work_dir: Path, node: Path, bin_dir: Path, image: str, archive: Path | None) -> Iterator[NodeCluster]:
+def _running(work_dir: Path, node: Path, bin_dir: Path, image: str, archive: Path | None,
+             max_pods: int | None = None) -> Iterator[NodeCluster]:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     node_ip = host.host_ip()
@@ -228,7 +234,7 @@ def _running(work_dir: Path, node: Path, bin_dir: Path, image: str, archive: Pat
         cluster = NodeCluster(kubeconfig=cp.kubeconfig, server=cp.server, bin_dir=cp.bin_dir, work_dir=work_dir,
                               node_ip=node_ip, image=image, timings=timings)
         try:
-            _start_node(cluster, cp, node, bin_dir, group, archive)
+            _start_node(cluster, cp, node, bin_dir, group, archive, max_pods)
             timings["total_s"] = time.monotonic() - t0
             yield cluster
         finally:
@@ -238,7 +244,8 @@ def _running(work_dir: Path, node: Path, bin_dir: Path, image: str, archive: Pat
             group.close()
 
 
-def _start_node(cluster: NodeCluster, cp, node: Path, bin_dir: Path, group: ProcessGroup, archive: Path | None) -> None:
+def _start_node(cluster: NodeCluster, cp, node: Path, bin_dir: Path, group: ProcessGroup, archive: Path | None,
+                max_pods: int | None = None) -> None:
     timings, logs = cluster.timings, cluster.work_dir / "logs"
     for d in ("containerd/root", "containerd/state", "cni/net.d", "cni/ipam", "kubelet", "pod-logs", "volume-plugins"):
         (node / d).mkdir(parents=True, exist_ok=True)
@@ -268,7 +275,7 @@ def _start_node(cluster: NodeCluster, cp, node: Path, bin_dir: Path, group: Proc
     (node / "kubelet.yaml").write_text(config.kubelet_yaml(
         root_dir=node / "kubelet", ca=pki.ca[1], serving=serving, runtime_socket=sock,
         cgroup_root=f"/{CGROUP_ROOT_NAME}", port=kubelet_port, healthz_port=healthz_port,
-        logs_dir=node / "pod-logs", plugin_dir=node / "volume-plugins"))
+        logs_dir=node / "pod-logs", plugin_dir=node / "volume-plugins", max_pods=max_pods))
     t = time.monotonic()
     kubelet = group.start([str(bin_dir / "kubelet"), f"--config={node / 'kubelet.yaml'}", f"--kubeconfig={kubelet_kc}",
                            f"--root-dir={node / 'kubelet'}", f"--hostname-override={config.NODE_NAME}",

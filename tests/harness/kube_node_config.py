@@ -21,6 +21,7 @@ import yaml
 NODE_NAME = "pdserve-node"
 POD_CIDR = "10.244.0.0/24"  # the bridge's subnet (its gateway, the host, is .1)
 POD_GATEWAY = "10.244.0.1"
+MAX_PODS = 253  # addresses of POD_CIDR for pods: .2 to .254
 BRIDGE = "pdsv0"
 CNI_BIN_DIR = "/usr/lib/cni"  # Debian's containernetworking-plugins
 
@@ -77,7 +78,8 @@ def cni_conflist(ipam_dir: Path) -> str:
 
 
 def kubelet_yaml(*, root_dir: Path, ca: Path, serving: tuple[Path, Path], runtime_socket: Path, cgroup_root: str,
-                 port: int, healthz_port: int, logs_dir: Path, plugin_dir: Path) -> str:
+                 port: int, healthz_port: int, logs_dir: Path, plugin_dir: Path, max_pods: int | None = None) -> str:
+    """max_pods: the node's pod capacity (None: the kubelet's default, 110; POD_CIDR holds MAX_PODS)."""
     return yaml.safe_dump({
         "apiVersion": "kubelet.config.k8s.io/v1beta1",
         "kind": "KubeletConfiguration",
@@ -115,6 +117,7 @@ def kubelet_yaml(*, root_dir: Path, ca: Path, serving: tuple[Path, Path], runtim
         "syncFrequency": "10s",
         "fileCheckFrequency": "10s",
         "shutdownGracePeriod": "0s",
+        **({"maxPods": max_pods} if max_pods else {}),
     }, sort_keys=False)
 
 

@@ -90,8 +90,14 @@ def apply_example(cluster, namespace: str = NAMESPACE) -> Served:
     cluster.kubectl("create", "namespace", namespace)
     start = time.monotonic()
     cluster.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+    return wait_served(cluster, namespace, name, start)
+
+
+def wait_served(cluster, namespace: str, name: str, start: float, timeout: float = READY_TIMEOUT_S) -> Served:
+    """The InferenceService `name` once it is Ready and has streamed a first completion through its
+    endpoint; timings from `start` (time.monotonic() of the apply). The TimeoutError describes the namespace."""
     try:
-        cluster.wait_until(lambda: isvc_ready(cluster, namespace, name), READY_TIMEOUT_S, 1.0,
+        cluster.wait_until(lambda: isvc_ready(cluster, namespace, name), timeout, 1.0,
                            f"InferenceService {namespace}/{name} to be Ready")
     except TimeoutError as e:
         raise TimeoutError(f"{e}\n{describe(cluster, namespace)}") from None
@@ -105,6 +111,14 @@ def apply_example(cluster, namespace: str = NAMESPACE) -> Served:
     first_token_at, text, _ = stream_chat(base_url, model, "Say hello to Kubernetes.", max_tokens=16)
     return Served(namespace, name, base_url, model, text, {
         "apply_to_ready_s": ready - start, "apply_to_first_token_s": first_token_at - start})
+
+
+def advertise(cluster, resource: str, count: int | None) -> None:
+    """Set (None: remove) the node's capacity and allocatable of an extended resource (e.g. nvidia.com/gpu)
+    through its status subresource, as a device plugin would report it; the scheduler counts it from then on."""
+    value = None if count is None else str(count)
+    patch = {"status": {"capacity": {resource: value}, "allocatable": {resource: value}}}
+    cluster.kubectl("patch", "node", cluster.node_name, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
 
 
 def first_model(base_url: str, timeout: float = 60.0) -> str:

@@ -27,13 +27,6 @@ NAMESPACE = "gpu-pool"
 DEGRADED_WITHIN_S = 60.0  # the issue's bound: a pod's problem -> Degraded on the InferenceService
 
 
-def _advertise(kube, count: int | None) -> None:
-    """Set (or with None remove) the node's nvidia.com/gpu capacity through its status subresource."""
-    value = None if count is None else str(count)
-    patch = {"status": {"capacity": {GPU: value}, "allocatable": {GPU: value}}}
-    kube.kubectl("patch", "node", kube.node_name, "--subresource=status", "--type=merge", "-p", json.dumps(patch))
-
-
 def _gpu_service() -> dict:
     gpu = {"requests": {"cpu": node_serving.CPU_REQUEST, "memory": "256Mi"}, "limits": {GPU: 1}}
     return {
@@ -56,7 +49,7 @@ def _warnings(kube) -> list[dict]:
 
 def test_a_gpu_pool_without_a_gpu_fails_clearly_and_the_cpu_pools_keep_serving(node_kube, chat, capsys):
     kube = node_kube
-    _advertise(kube, 2)
+    node_serving.advertise(kube, GPU, 2)
     kube.kubectl("create", "namespace", NAMESPACE)
     try:
         kube.kubectl("apply", "-n", NAMESPACE, "-f", "-", input=json.dumps(_gpu_service()))
@@ -98,6 +91,6 @@ def test_a_gpu_pool_without_a_gpu_fails_clearly_and_the_cpu_pools_keep_serving(n
         # a hang guard, not an expectation: deleting a namespace with a crash-looping pod took over 120 s
         # once on a loaded box (a CI run beside two busy loops), and the subprocess's own limit must be later
         kube.kubectl("delete", "namespace", NAMESPACE, "--wait=true", "--timeout=600s", check=False, timeout=660)
-        _advertise(kube, None)
+        node_serving.advertise(kube, GPU, None)
     capacity = json.loads(kube.kubectl("get", "node", kube.node_name, "-o", "json").stdout)["status"]["capacity"]
     assert GPU not in capacity, capacity
