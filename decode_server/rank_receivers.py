@@ -12,7 +12,8 @@ admitted to the batch only when every rank's entry is complete (``wait_all``), w
 only through rank 0) the session uses the one receiver on rank 0's transfer pool, as before.
 
 A TP 1 decode has one rank: its receiver is the ordinary one (its pool holds every head), so a TP 2 prefill
-can push rank by rank into it where the heads pair (replicated KV heads).
+can push rank by rank into it where the heads pair (replicated KV heads). Between two TP 1 servers it is never
+offered (one shard of every head: the ordinary path, unchanged).
 
 ``RankArrival`` is what one session holds: the targets it expected, and the waits and clean-up over all of
 them (the same calls the session makes on a single receiver: ``load``, ``wait_all``, ``delete``,
@@ -51,10 +52,12 @@ class RankReceivers:
         self.arrivals = [0] * len(self.receivers)
 
     def pairs_with(self, theirs: pb.Compat) -> bool:
-        """Whether a prefill of ``theirs`` pushes per rank to us: it speaks our per-rank push and every rank of
-        ours holds exactly the heads of one rank of its."""
-        return (theirs.kv_push == KV_PUSH_VERSION
-                and rank_sources(self.num_kv_heads, theirs.tensor_parallel_size or 1, len(self.receivers)) is not None)
+        """Whether a prefill of ``theirs`` pushes per rank to us: it speaks our per-rank push, one of the two has
+        several ranks (TP 1 to TP 1 is one shard of every head: the ordinary path), and every rank of ours holds
+        exactly the heads of one rank of its."""
+        size = theirs.tensor_parallel_size or 1
+        return (theirs.kv_push == KV_PUSH_VERSION and max(size, len(self.receivers)) > 1
+                and rank_sources(self.num_kv_heads, size, len(self.receivers)) is not None)
 
     def expect(self, request_id: str, blocks: Sequence[int], timeout_s: float) -> RankArrival:
         """Pin ``blocks`` on every rank's receiver (under ``rank_request_id``); the arrival to wait on and free."""

@@ -313,7 +313,6 @@ class ServerParts:
     rank_parts: list = field(default_factory=list)
     tensor_parallel_size: int = 1
     kv_landed: set[str] | None = None  # the engine's LLMEngine.kv_landed (decode: KV in every rank's pool)
-    kv_pushes: Any = None  # () -> the engine's pushing steps by path (LLMEngine.kv_pushes), or None
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -359,8 +358,7 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     return ServerParts(loaded, engine, max_len, model_name, region, layout, compat,
                        compat_message(llm, args, model_name, bool(ranks)),
                        rank_bytes_per_block=llm.kv_cache.block_nbytes * llm.kv_cache.num_layers, rank_parts=ranks,
-                       tensor_parallel_size=llm.config.tensor_parallel_size, kv_landed=llm.kv_landed,
-                       kv_pushes=lambda: llm.kv_pushes)
+                       tensor_parallel_size=llm.config.tensor_parallel_size, kv_landed=llm.kv_landed)
 
 
 def exit_server(exc: BaseException) -> None:

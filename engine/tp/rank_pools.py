@@ -21,6 +21,7 @@ push is not offered there and the KV goes through rank 0's transfer pool (``tran
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,8 +61,6 @@ def map_pools(store: dist.Store, own: KVCache, heads: list[range]) -> list[RankP
 
 def close_pools(pools: list[RankPool]) -> None:
     """Rank 0: close the fds of the mapped pools (the mappings go with their tensors)."""
-    import os
-
     for pool in pools[1:]:
         if pool.shared_fd is not None:
             os.close(pool.shared_fd)

@@ -94,3 +94,5 @@ def test_the_decode_offers_the_per_rank_push_only_to_a_prefill_that_speaks_it_an
     assert not ranks.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=1, kv_push=KV_PUSH_VERSION))
     one_head = RankReceivers([object(), object()], num_kv_heads=1, landed=set())  # type: ignore[list-item]
     assert one_head.pairs_with(pb.Compat(num_kv_heads=1, tensor_parallel_size=0, kv_push=KV_PUSH_VERSION))  # TP 1
+    tp1 = RankReceivers([object()], num_kv_heads=2, landed=set())  # type: ignore[list-item]
+    assert not tp1.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=1, kv_push=KV_PUSH_VERSION))
