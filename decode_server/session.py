@@ -165,7 +165,7 @@ class DecodeSession(PooledSteps):
             deps.metrics.kv_in(time.monotonic() - info.started, moved=n_blocks - self.cached_blocks,
                                reused=self.cached_blocks)
             if answer.finished:
-                await self.write(finish=pb.Finish(finish_reason=answer.finish_reason or "stop", completion_tokens=1))
+                await self.write_finish(answer.finish_reason or "stop", 1)
                 self.outcome = ("ok", answer.finish_reason or "stop")
                 return
             info.stage = "decode"
@@ -189,8 +189,8 @@ class DecodeSession(PooledSteps):
             self.outcome = ("error", CHECKSUM_MISMATCH)
             await self.try_write_error(str(exc), CHECKSUM_MISMATCH)
         except asyncio.CancelledError:
-            if self.outcome[0] != "ok":  # the RPC ended before the Finish went out
-                self.outcome = End.PREFILL_GONE.labels
+            if self.outcome[0] != "ok":  # the RPC ended before the Finish went out (or while it did)
+                self.outcome = self.cancelled_labels()
             raise
         except asyncio.TimeoutError:
             log.info("session: no Start within %.1fs", deps.session_timeout_s)
@@ -309,8 +309,7 @@ class DecodeSession(PooledSteps):
                     lps = [logprob_to_proto(lp) for lp in out.logprobs or ()]
                     await self.write(tokens=pb.Tokens(token_ids=list(out.new_token_ids), logprobs=lps))
                 if out.finished:
-                    await self.write(finish=pb.Finish(finish_reason=out.finish_reason or "stop",
-                                                      completion_tokens=produced))
+                    await self.write_finish(out.finish_reason or "stop", produced)
                     self.outcome = ("ok", out.finish_reason or "stop")
                     finish_gate = self.deps.gates.decode_finish  # test hook: the prefill's close comes first
                     if finish_gate:

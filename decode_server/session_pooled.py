@@ -82,5 +82,5 @@ class PooledSteps(SessionStream):
         except LenderLost as exc:  # part of the KV is gone with its lender
             raise SessionEnded(str(exc)) from None
         reason = "length" if produced >= max_tokens else "stop"
-        await self.write(finish=pb.Finish(finish_reason=reason, completion_tokens=produced))
+        await self.write_finish(reason, produced)
         self.outcome = ("ok", reason)

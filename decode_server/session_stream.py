@@ -15,6 +15,9 @@ Contract (``DecodeSession`` builds on it; its lifecycle is in session.py):
   (``SessionEnded`` with ``End.PREFILL_GONE``, not notified) or ``timeout`` passes
   (``End.TIMED_OUT``, naming ``what``); ``aw`` is cancelled and allowed to clean up in both cases.
 - ``try_write_error(reason, code)`` tells prefill why the session ends, if it still can.
+- ``write_finish(reason, tokens)`` sends the Finish; ``cancelled_labels()`` is how a session the RPC's
+  end cancelled is counted: ended "ok" once its Finish was being written (the prefill closes the
+  session when it reads it, which may cancel us before the write returns), prefill gone before.
 
 Why a session ends early is an ``End`` (an enum, never read from the message's words): whether
 prefill is told (``notify``) and the (outcome, reason) the requests counter counts it under
@@ -75,6 +78,7 @@ class SessionStream:
         self.answer: asyncio.Future = asyncio.get_running_loop().create_future()  # FirstToken | ComputePrompt
         self.peer_gone = asyncio.Event()
         self.peer_reason = ""
+        self.finishing = ""  # the Finish's finish_reason once its write began
 
     async def write(self, **kind) -> None:
         limit = self.session_timeout_s
@@ -84,6 +88,17 @@ class SessionStream:
         except asyncio.TimeoutError:
             raise SessionEnded(f"timed out after {limit:.1f}s writing to prefill (it stopped reading)",
                                End.PREFILL_STUCK) from None
+
+    async def write_finish(self, reason: str, completion_tokens: int) -> None:
+        """Send the Finish. The prefill closes the session as soon as it reads it, and that can cancel
+        us while this write is still awaited: ``cancelled_labels`` then counts the request as ended."""
+        self.finishing = reason
+        await self.write(finish=pb.Finish(finish_reason=reason, completion_tokens=completion_tokens))
+
+    def cancelled_labels(self) -> tuple[str, str]:
+        """(outcome, reason) of a session whose RPC ended under it: ("ok", its finish_reason) once the
+        Finish was being written (a completed request, not a lost one), prefill gone before that."""
+        return ("ok", self.finishing) if self.finishing else End.PREFILL_GONE.labels
 
     async def refuse(self, code: str, reason: str) -> None:
         self.metrics.refused(code)

@@ -77,3 +77,22 @@ def test_a_write_prefill_never_takes_ends_prefill_stuck_though_its_words_say_tim
     exc = asyncio.run(go())
     assert "timed out" in exc.reason  # the words; the counter's labels come from the End alone
     assert exc.end is End.PREFILL_STUCK and exc.end.labels == ("cancelled", "prefill_gone") and not exc.notify
+
+
+def test_a_session_cancelled_while_its_finish_is_written_ended_ok_not_prefill_gone():
+    """The prefill closes the session as soon as it reads the Finish; that cancels the decode's
+    handler, sometimes before its write of the Finish has returned (CI saw a completed request counted
+    as cancelled/prefill_gone under load). Cancelled before the Finish: prefill gone."""
+    async def go():
+        stream = SessionStream(FakeContext(stuck=True), SessionMetrics(None, 1), session_timeout_s=60.0)
+        before = stream.cancelled_labels()
+        writing = asyncio.ensure_future(stream.write_finish("length", 3))
+        await asyncio.sleep(0)  # the write is now awaited
+        writing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await writing
+        return before, stream.cancelled_labels()
+
+    before, after = asyncio.run(go())
+    assert before == End.PREFILL_GONE.labels == ("cancelled", "prefill_gone")
+    assert after == ("ok", "length")

@@ -138,6 +138,9 @@ def test_the_baseline_tree_is_compared_per_repeat_with_its_target(tmp_path):
     assert got["ttft_p99"]["verdict"] == "met (pairs on both sides of the target)"  # one repeat at 0.9 > 0.7
     assert "verdict" not in got["tpot_mean"] and got["output_tok_s"]["better"] == "higher"
     assert "ttft_p99" in format_compare({cell: got})
+    grid_runs = [{**r, "cells": {"p512-o256-r0.5": r["cells"][cell]}} for r in runs]  # a grid cell: no target
+    got_grid = compare(grid_runs, aggregate(grid_runs))["p512-o256-r0.5"]
+    assert "verdict" not in got_grid["ttft_p99"] and "target" not in format_compare({"g": got_grid})
     args = argparse.Namespace(baseline_tree=tmp_path, no_vllm=True)
     assert systems(args) == ["pdserve", "baseline"]
     assert systems(argparse.Namespace(baseline_tree=None, no_vllm=False)) == ["pdserve", "vllm"]

@@ -275,10 +275,11 @@ printf '{"name": "%s", "archive_mb": %d, "unpacked": "%s", "build_s": %d, "total
 for old in "$DIR/$PREFIX"-*.oci.tar "$DIR/$PREFIX"-*.json "$DIR"/build-*.log "$CACHE"/base-*.tar; do
   [[ "$old" == *"$HASH"* || "$old" == "$BASE_TAR" ]] || rm -f "$old"
 done
-other_names="$(cat "$OTHER_DIR/$OTHER_PREFIX"-*.json 2>/dev/null | sed -n 's/.*"name": "\([^"]*\)".*/\1/p')"
+# (a cache that never built the other kind has no such file: no names, not a failed build)
+other_names="$(cat "$OTHER_DIR/$OTHER_PREFIX"-*.json 2>/dev/null | sed -n 's/.*"name": "\([^"]*\)".*/\1/p' || true)"
 bah images --noheading --format '{{.Name}}:{{.Tag}}' | grep -v -x -e "$NAME" -e "$BASE_NAME" ${other_names:+$(printf -- '-e %s ' $other_names)} \
   | grep -v '<none>' | xargs -r -n1 bah untag >/dev/null 2>&1 || true
-keep="$(cat "$log" "$OTHER_DIR"/build-*.log 2>/dev/null | awk '$1 == "-->" { id = ($2 == "Using") ? $4 : $2; print substr(id, 1, 11) }'
+keep="$(cat "$log" "$OTHER_DIR"/build-*.log 2>/dev/null | awk '$1 == "-->" { id = ($2 == "Using") ? $4 : $2; print substr(id, 1, 11) }' || true
   for image in "$NAME" "$BASE_NAME" $other_names; do bah images --noheading --format '{{.ID}}' "$image" 2>/dev/null | cut -c1-11; done)"
 bah images --all --noheading --no-trunc --format '{{.ID}}' | sed 's/^sha256://' | while read -r id; do
   grep -qx "${id:0:11}" <<< "$keep" || bah rmi --force "$id" >/dev/null 2>&1 || true
