@@ -67,7 +67,9 @@ async def _serve(args, door: http_auth.Door) -> int:
     from .store import BatchStore, StoreInUse
 
     cfg = PipelineConfig(num_stages=args.pipeline_stages, schedule=args.schedule, num_blocks=args.num_blocks,
-                         block_size=args.block_size, max_num_seqs=args.max_num_seqs, threads_per_stage=args.threads,
+                         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                         max_num_batched_tokens=args.max_num_batched_tokens,
+                         long_prefill_threshold=args.long_prefill_threshold, threads_per_stage=args.threads,
                          device=args.device, dtype=args.dtype, micro_batches=args.micro_batches,
                          min_decode_batch=args.min_decode_batch)
     try:

@@ -167,9 +167,10 @@ ROWS: tuple[ResultRow, ...] = (
         "the one scheduler with chunked prefill / the tree before it (ef9d8ea), alternated in one invocation",
         "TTFT p99 0.67, 0.62; goodput 1.01, 1.12 (per repeat)",
         "target TTFT p99 <= 0.7x met in both pairs; **small model only**, one invocation on a loaded box (the "
-        "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model, fifo on a loaded box, the pairs fell on both "
-        "sides (0.44, 1.28), and with qlm + auto on a quiet box (pd-vllm-trace-123m-qlm-auto's run, where no queue "
-        "builds) it is **missed** in both pairs (1.09, 1.05). Needs a checkout of ef9d8ea with its .venv at ../base",
+        "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model, fifo on a loaded box, the pairs fell on "
+        "both sides (0.44, 1.28), and with qlm + auto on a quiet box (pd-vllm-trace-123m-qlm-auto's run, where no "
+        "queue builds) it is **missed** in both pairs (1.09, 1.05). Needs a checkout of ef9d8ea with its .venv at "
+        "../base",
         "2026-12-06", "Intel Xeon, 2 cores, load 1.7-6.9", "5ab1fc0",
         f"pdserve bench experiment peer --trace {TRACE} --baseline-tree ../base --repeats 2 --out OUT",
         "docs/bench_raw/2026-12-06-chunked-trace/one-partial-5ab1fc0-printed.txt"),
@@ -219,16 +220,18 @@ ROWS: tuple[ResultRow, ...] = (
         "router-scale-core", "Routing",
         "one router core before 16 / 64 stand-in prefills (real KV-event streams, gRPC, SSE), the conversation "
         "trace's prompts (real lengths): req/s one core carries against the rate of 64 H200 prefills (183 req/s, "
-        "from the h200-llama3-8b profile); index memory at 10M blocks",
-        "~200 / ~130-150 req/s (1-token responses); ~55 req/s streaming the trace's 343-token outputs; "
-        "10M blocks in 0.68-0.70 GiB",
-        "index met (Python sets, no native structure needed); 183 req/s met at 16 prefills and missed at 64 "
-        "(estimated from CPU per request), **missed 3.3x** when the outputs stream through it (34-40 us per "
-        "event); P99 added latency <= 5 ms **not shown** (load average 12-29: the best pair 27 ms p50)",
-        "2026-12-06", "Intel Xeon, 2 cores, load 12-29", "da8748f",
-        "pdserve bench router-scale --baseline-checkout /work/main --rate 30 --requests 300 --saturate-rate 120 "
-        "--nice -10 --out OUT",
-        "docs/bench_raw/2026-12-06-router-scale/router_scale.json"),
+        "from the h200-llama3-8b profile), added TTFT against a direct connection; index memory at 10M blocks",
+        "~410 / ~340 req/s (1-token responses; the router's CPU per request less its idle share; main's router "
+        "~270 / ~210 in the same run); added TTFT p50 +1.6 to +2.4 ms, p99 +4.9 to +7.7 ms (main's +10.5 to "
+        "+22.1); 10M blocks in 0.68-0.70 GiB",
+        "183 req/s at 64 prefills met on the CPU estimate (not a direct saturation: the stand-ins' shared core "
+        "gives out first); P99 added latency <= 5 ms **missed** in 3 of 4 windows (the stand-ins' own P99 12-26 "
+        "ms on a box at load 20-37); streaming ~185-200 req/s (6.7-8.9 us per relayed event, stand-ins writing "
+        "events back to back, no baseline); index met",
+        "2026-12-06", "Intel Xeon, 2 cores, load 20-37 (the bench at SCHED_FIFO)", "fe0ebd1 vs main fc26d21",
+        "pdserve bench router-scale --skip-index --skip-restart --baseline-checkout /work/main --prefills 16,64 "
+        "--rate 30 --requests 450 --saturate-rate 0 --rt 10 --rounds 2 --asyncio-variant --out OUT",
+        "docs/bench_raw/2026-12-06-router-scale-2/router_scale.json"),
     ResultRow(
         "slo-qlm-bursts", "SLO",
         "interactive SLO attainment and batch tok/s under bursts, qlm vs fifo (tiny model)",

@@ -21,10 +21,14 @@ A new backend (FlashInfer on CUDA) is a class here and a row in ``BACKENDS``; th
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from . import gpu_attention, native
 from .attention import attend, causal_mask, decode_attend, decode_window_mask, mask_bias, prefix_attend
+
+log = logging.getLogger(__name__)
 
 
 class TorchAttention:
@@ -148,4 +152,7 @@ def choose(kv, device: torch.device, native_kernels: bool = True) -> str:
         return "triton"
     if device.type == "cpu" and native_kernels and native.paged_decode_attention() is not None:
         return "native"
+    if kv.fp8 and device.type == "cuda":
+        log.warning("--kv-cache-dtype fp8 on CUDA: attention dequantizes the gathered rows in torch (the paged "
+                    "Triton kernels read 16/32-bit rows only); correct, slower than --kv-cache-dtype auto")
     return "torch"

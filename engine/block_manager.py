@@ -67,6 +67,47 @@ def chained_hashes(token_ids: list[int], block_size: int, parent: int | None = N
     return out
 
 
+class LazyReusableHashes:
+    """``reusable_hashes(token_ids, block_size)``, each block hashed only when a reader first reaches it.
+
+    A lookup walks a prompt's hashes until the first block a server lacks, so a router that asks every
+    prefill needs the hashes only up to the longest prefix any of them holds, plus one: for most prompts a
+    few of their blocks (a 12k-token prompt has 187; hashing them all took 0.45 ms of the router's CPU).
+    Iterating gives the same values as ``reusable_hashes`` (``block_hash`` chained); ``computed`` says how
+    many blocks were hashed so far.
+    """
+
+    __slots__ = ("_ids", "_block_size", "_blocks", "_hashes", "_pack")
+
+    def __init__(self, token_ids: list[int], block_size: int):
+        self._ids, self._block_size = token_ids, block_size
+        self._blocks = reusable_blocks(len(token_ids), block_size) if block_size > 0 else 0
+        self._hashes: list[int] = []
+        self._pack = struct.Struct(f"<{block_size}q").pack if self._blocks else None
+
+    def __len__(self) -> int:
+        return self._blocks
+
+    @property
+    def computed(self) -> int:
+        return len(self._hashes)
+
+    def _next(self) -> int:
+        i, bs, done = len(self._hashes), self._block_size, self._hashes
+        h = hashlib.blake2b(struct.pack("<q", done[-1] if done else -1), digest_size=8)
+        h.update(self._pack(*self._ids[i * bs:(i + 1) * bs]))  # type: ignore[misc]
+        value = struct.unpack("<q", h.digest())[0]
+        done.append(value)
+        return value
+
+    def __iter__(self):
+        done = self._hashes
+        i = 0
+        while i < self._blocks:
+            yield done[i] if i < len(done) else self._next()
+            i += 1
+
+
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size). The one place for it."""
     return -(-num_tokens // block_size)

@@ -29,7 +29,6 @@ block_size], t % block_size)`` (see ``kv_cache.py``).
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 import torch
@@ -40,8 +39,6 @@ from .kv_cache import KVCache
 from .model import DecoderModel, ForwardBatch, PrefillSpan
 from .sampling import ROWS_PER_PASS, Sampler, logprobs_of, token_logprobs
 from .sequence import Sequence
-
-log = logging.getLogger(__name__)
 
 
 class LocalSteps:
@@ -65,9 +62,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None  # pure-decode steps from CUDA graphs (LLMEngine sets it on CUDA)
         # the attention backend, chosen once (attention_backends.py: triton, native or torch)
         self.attention = attention_backends.choose(kv_cache, device, native_kernels)
-        if kv_cache.fp8 and device.type == "cuda":
-            log.warning("--kv-cache-dtype fp8 on CUDA: attention dequantizes the gathered rows in torch (the paged "
-                        "Triton kernels read 16/32-bit rows only); correct, slower than --kv-cache-dtype auto")
 
     def forward_and_sample(self, seqs: list[Sequence], on_layer: Callable[[int], None] | None) -> list[int]:
         """One forward over ``seqs`` (their uncomputed tokens) and one sampled token per sequence,

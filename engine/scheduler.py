@@ -28,10 +28,16 @@ Places a request can be, by request id:
    passes it. Each sequence's ``num_new`` says how many tokens it computes in the step (a chunk
    before the prompt's last samples nothing).
 
+``schedule_prompts(budget, admits)`` is step 2 alone (the prompt work of a step): the pipeline
+engine (``batch/pipeline``), whose decode rows its own schedules form (micro-batches, TD-Pipe's
+phases and work stealing), takes every prompt through it; ``admits(seq)``, asked last before a
+prompt is admitted, is where TD-Pipe's KV-memory simulation says no (which ends its prefill phase).
+
 Request kinds, all scheduled here: colocated (waiting -> running -> finished), the decode side's
-``prefill_reserved`` (joins ``running`` with its blocks reserved: chunked, never preempted), and
+``prefill_reserved`` (joins ``running`` with its blocks reserved: chunked, never preempted),
 the P/D prefill side's remote prefill (``remote_prefill.py``: waiting -> running, chunked, its KV
-pushed layer by layer as each chunk is written; once prefilled it is held, never preempted).
+pushed layer by layer as each chunk is written; once prefilled it is held, never preempted), and
+the pipeline engine's prompts (chunked; a chunk is sent while the one before is in flight).
 
 Who frees: ``finish`` (a finished running sequence), ``remove`` (abort) and ``free_blocks``
 drop a sequence's block references exactly once; a reservation is freed by ``remove`` or
@@ -41,11 +47,13 @@ handed over to its sequence by the caller.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from .block_manager import BlockManager
 from .errors import OutOfBlocksError
 from .sequence import Sequence, Status
 
+Admits = Callable[[Sequence], bool]  # a caller's last word on a prompt about to be admitted (schedule_prefills)
 SHORT_SCAN = 8  # waiting prompts looked at per step for a short one that may pass a long prompt
 
 
@@ -191,7 +199,15 @@ class Scheduler:
         """The sequences of the next forward pass, each with its ``num_new`` tokens: prefill chunks (running
         prompts part-way first, then newly admitted ones), then decode rows."""
         decodes = self.schedule_decodes()
-        budget = self.max_num_batched_tokens - len(decodes)
+        return self.schedule_prompts(self.max_num_batched_tokens - len(decodes)) + decodes
+
+    def schedule_prompts(self, budget: int | None = None, admits: Admits | None = None) -> list[Sequence]:
+        """The prompt work of one step within ``budget`` tokens (None: the whole step's budget), each sequence
+        with its ``num_new``: the next chunk of every running prompt part-way, then waiting prompts admitted
+        in order (``schedule_prefills``; ``admits`` as there). A running sequence at a decode row, or whose
+        every token is computed (or in flight), gets nothing here. The pipeline engine's schedules call this
+        for their prefill admission (``batch/pipeline/schedules.py``); ``schedule`` for a colocated step."""
+        budget = self.max_num_batched_tokens if budget is None else budget
         chunks: list[Sequence] = []
         limit: int | None = None  # looked up once (against the step's budget), only for a prompt longer than a chunk
         step_budget = budget
@@ -206,7 +222,7 @@ class Scheduler:
                     budget -= seq.num_new
                     chunks.append(seq)
         partial = sum(1 for s in chunks if s.chunk_end < s.num_tokens)  # still part-way after this step
-        return chunks + self.schedule_prefills(budget, partial) + decodes
+        return chunks + self.schedule_prefills(budget, partial, admits)
 
     def schedule_decodes(self) -> list[Sequence]:
         """Give every running sequence at a decode row a slot for its next token, preempting when blocks
@@ -225,19 +241,23 @@ class Scheduler:
                     victim = self._pick_victim()
                     if victim is None:
                         raise  # cannot happen: add_request refuses what can never fit
-                    self._preempt(victim)
+                    self.preempt(victim)
                     if victim is seq:
                         break
                     if victim in scheduled:
                         scheduled.remove(victim)
         return scheduled
 
-    def schedule_prefills(self, budget: int | None = None, partial: int = 0) -> list[Sequence]:
+    def schedule_prefills(self, budget: int | None = None, partial: int = 0,
+                          admits: Admits | None = None) -> list[Sequence]:
         """Admit waiting sequences in order while blocks, max_num_seqs and the token budget allow; each
         computes its first chunk in this step. One that would stay part-way after it keeps its place while
         ``max_partial_prefills`` prompts already are (``partial``), and a shorter one behind it that this
         step finishes may go: two long prompts run one after the other, not interleaved (which would delay
-        the first one's first token by the second one's compute), and short prompts pass both."""
+        the first one's first token by the second one's compute), and short prompts pass both.
+        ``admits(seq)``, when given, is asked last, once its blocks are taken: False stops admission here
+        (its blocks go back; it keeps its place); True admits it (nothing after refuses it, so the caller
+        may count it in). TD-Pipe's prefill phase passes its KV-memory simulation (``switch.FutureMemory``)."""
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens if budget is None else budget
         for seq in list(self.waiting):
@@ -256,6 +276,9 @@ class Scheduler:
                     self.block_manager.free(table)
                     continue
                 partial += 1
+            if admits is not None and not admits(seq):
+                self.block_manager.free(table)
+                break
             self.waiting.remove(seq)
             seq.block_table, seq.num_computed, seq.num_new = table, cached, n
             if not seq.output_ids:
@@ -297,7 +320,8 @@ class Scheduler:
         candidates = [s for s in self.running if not s.reserved and s.remote is None and s.status is Status.RUNNING]
         return max(candidates, key=lambda s: s.arrival) if candidates else None
 
-    def _preempt(self, seq: Sequence) -> None:
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks; it goes back to the head of ``waiting`` to be recomputed."""
         self.num_preemptions += 1
         self.running.remove(seq)
         self.free_blocks(seq)

@@ -102,6 +102,12 @@ class KvEventPublisher:
                     sub.pending -= 1
 
     # ---- subscriber side: the event loop -------------------------------------------------
+    @property
+    def seq(self) -> int:
+        """The number of the last event published (0: none yet)."""
+        with self._lock:
+            return self._seq
+
     def snapshot(self) -> tuple[int, list[int]]:
         """(seq, every hash) as of that seq."""
         with self._lock:

@@ -22,6 +22,7 @@ or arrival order across servers), so ``choice.choose`` gives them the same answe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
@@ -96,8 +97,9 @@ class PrefixIndex:
     def view(self, server: str) -> ServerView | None:
         return self._views.get(server)
 
-    def overlap(self, server: str, prompt_hashes: list[int]) -> int:
-        """Leading blocks of the prompt (its chained hashes, in order) the server holds; 0 unless synced."""
+    def overlap(self, server: str, prompt_hashes: Iterable[int]) -> int:
+        """Leading blocks of the prompt (its chained hashes, in order) the server holds; 0 unless synced.
+        Read only up to the first block it lacks (the router's hashes are computed as far as that)."""
         view = self._views.get(server)
         if view is None or not view.synced:
             return 0

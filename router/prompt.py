@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgspec
+
 from pdserve.chat_prompt import chat_prompt, template_message
-from pdserve.engine.block_manager import chained_hashes, reusable_hashes
+from pdserve.engine.block_manager import LazyReusableHashes, chained_hashes, reusable_hashes
 from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer
 
 BUILTIN = ("tiny", "builtin:tiny")
@@ -31,11 +33,28 @@ def load_tokenizer(model: str):
     return HFTokenizer(path) if (path / "tokenizer.json").exists() else ByteTokenizer()
 
 
+class _TokenIdsPrompt(msgspec.Struct):
+    """A completion body whose prompt is token ids (the other fields are the prefill's to read)."""
+
+    prompt: list[int]
+
+
+_TOKEN_IDS = msgspec.json.Decoder(_TokenIdsPrompt)
+
+
 def prompt_token_ids(body: bytes, kind: str, tokenizer) -> list[int] | None:
     """Token ids of a /v1/completions (``kind="completion"``) or /v1/chat/completions body, or None
-    (also while ``tokenizer`` is None: not loaded yet, ``--tokenizer-from-prefill``; routed by load alone)."""
+    (also while ``tokenizer`` is None: not loaded yet, ``--tokenizer-from-prefill``; routed by load alone).
+    A completion of token ids is read by msgspec against ``_TokenIdsPrompt``: parsed and checked to be JSON
+    integers (not true/false, not 1.0) in one pass in C (a 12k-token prompt: 0.3 ms, against 1.0 ms for
+    ``json`` and a Python check of each id); any other body takes the general path below."""
     if tokenizer is None:
         return None
+    if kind == "completion":
+        try:
+            return _TOKEN_IDS.decode(body).prompt
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
     try:
         doc = json.loads(body)
         if kind == "chat":
@@ -58,6 +77,12 @@ def prompt_hashes(ids: list[int], block_size: int) -> list[int]:
     """Chained hashes of the blocks a prefill can reuse: never the block of the last token
     (the engine always computes it; see BlockManager.match_prefix)."""
     return reusable_hashes(ids, block_size)
+
+
+def lazy_prompt_hashes(ids: list[int], block_size: int) -> LazyReusableHashes:
+    """``prompt_hashes``, each block hashed only when a lookup first reaches it (``Router.decide``: the
+    index walks each prefill's match until its first miss, so only the longest match + 1 are hashed)."""
+    return LazyReusableHashes(ids, block_size)
 
 
 def prompt_key(ids: list[int] | None, block_size: int) -> int:

@@ -1,7 +1,8 @@
 """Router: one decision per request, from the index and the prefills' loads.
 
 ``decide(prompt_ids)`` hashes the prompt's reusable blocks (per block size the prefills
-report), asks the PrefixIndex how many leading blocks each routable prefill holds, and
+report; each block only when a lookup reaches it: the longest match + 1), asks the PrefixIndex
+how many leading blocks each routable prefill holds, and
 hands the candidates to ``choice.choose``. The load it uses for a prefill is the larger of
 its last report's requests in flight and the requests this router is relaying to it now
 (a burst counts before the next report). ``count_decision`` records the metrics once the
@@ -16,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from pdserve.engine.block_manager import reusable_blocks
 from pdserve.kv_index import PrefixIndex
 
 from .choice import Candidate, Choice, choose, round_robin
 from .prefills import PrefillSet
-from .prompt import prompt_hashes, prompt_key
+from .prompt import lazy_prompt_hashes, prompt_key
 
 log = logging.getLogger(__name__)
 WAIT_POLL_S = 0.05  # how often a request waiting for a prefill that can take it looks again
@@ -46,7 +48,7 @@ class Router:
         if not watches:
             return None
         ids = prompt_ids or []
-        hashes: dict[int, list[int]] = {}
+        hashes: dict[int, Iterable[int]] = {}  # per block size: hashed as far as the lookups read
         candidates = []
         for w in watches:
             load = w.load
@@ -54,7 +56,7 @@ class Router:
                 continue
             bs = load.block_size or 1
             if bs not in hashes:
-                hashes[bs] = prompt_hashes(ids, bs) if ids else []
+                hashes[bs] = lazy_prompt_hashes(ids, bs) if ids else []
             candidates.append(Candidate(w.address, self.index.overlap(w.address, hashes[bs]),
                                         max(load.in_flight, w.in_flight), load.kv_blocks_free, bs))
         if self.policy == "round-robin":

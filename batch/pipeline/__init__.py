@@ -5,9 +5,10 @@ only ``pdserve.engine``.
 
 Reading path:
   ``config.py``     PipelineConfig: stages, schedule, KV blocks, batch sizes (no torch)
-  ``engine.py``     PipelineEngine: the controller (requests, the one BlockManager, outputs);
-                    spawns the stages, keeps up to N micro-batches in flight
-  ``schedules.py``  what the next micro-batch is: ``mixed`` (hybrid batching) or ``td-pipe``
+  ``engine.py``     PipelineEngine: the controller (requests in the engine's one Scheduler, the one
+                    BlockManager, outputs); spawns the stages, keeps up to N micro-batches in flight
+  ``schedules.py``  what the next micro-batch is: ``mixed`` (hybrid batching) or ``td-pipe``; the
+                    prompts in it (queue order, token budget, chunks, blocks) are the Scheduler's
   ``switch.py``     TD-Pipe's decisions as pure logic: memory simulation (prefill -> decode),
                     intensity comparison (decode -> prefill), work stealing
   ``stage.py``      one stage process: its layers, its layers' paged KV, the loop

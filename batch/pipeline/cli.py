@@ -51,6 +51,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                         help=f"tokens per KV block (default: {BLOCK_SIZE})")
     parser.add_argument("--max-num-seqs", type=int, default=256, help="requests decoding at once (default: 256)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                        help="tokens per (micro-)batch, prompt spans and decode rows: a longer prompt is computed in "
+                             "chunks (default: 2048)")
+    parser.add_argument("--long-prefill-threshold", type=int, default=0, metavar="N",
+                        help="the most tokens of one prompt per (micro-)batch while a shorter one waits, so that it "
+                             "passes (0: the whole --max-num-batched-tokens; default 0)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per stage or of the one process (default: 1)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
@@ -139,6 +145,8 @@ def run_requests(engine_kind: str, args, requests: list) -> tuple[dict, dict]:
 
         cfg = PipelineConfig(num_stages=args.pipeline_stages, schedule=args.schedule, num_blocks=args.num_blocks,
                              block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             long_prefill_threshold=args.long_prefill_threshold,
                              threads_per_stage=args.threads, device=args.device, dtype=args.dtype,
                              micro_batches=args.micro_batches, min_decode_batch=args.min_decode_batch)
         with PipelineEngine(args.model, cfg) as eng:
@@ -149,7 +157,8 @@ def run_requests(engine_kind: str, args, requests: list) -> tuple[dict, dict]:
     torch.set_num_threads(args.threads)
     eng = LLMEngine(load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device),
                     EngineConfig(num_blocks=args.num_blocks, block_size=args.block_size,
-                                 max_num_seqs=args.max_num_seqs))
+                                 max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                 long_prefill_threshold=args.long_prefill_threshold))
     refused = _add_all(eng, requests)
     out: dict = {}
     while eng.has_unfinished():

@@ -17,7 +17,10 @@ class PipelineConfig:
     num_blocks: int = 1024
     block_size: int = BLOCK_SIZE
     max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # prompt tokens per prefill micro-batch
+    max_num_batched_tokens: int = 2048  # tokens per micro-batch (prompt spans + decode rows): the Scheduler's budget
+    # the most tokens of one prompt per micro-batch while a shorter prompt waits (0: the whole budget); a prompt
+    # longer than the budget is computed in chunks either way (the one-process engine's EngineConfig has the same)
+    long_prefill_threshold: int = 0
     max_model_len: int | None = None
     threads_per_stage: int = 1
     device: str = "cpu"
@@ -40,6 +43,9 @@ class PipelineConfig:
                      "threads_per_stage", "min_decode_batch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.long_prefill_threshold < 0:
+            raise ValueError(f"long_prefill_threshold must be >= 0 (0: the whole budget), got "
+                             f"{self.long_prefill_threshold}")
         if self.micro_batches < 0:
             raise ValueError(f"micro_batches must be >= 0 (0: num_stages), got {self.micro_batches}")
 

@@ -8,9 +8,20 @@
     eng.close()                  # stops the stages, collects their timelines (eng.stage_traces)
 
 The controller owns the requests, the one BlockManager whose block ids every stage uses, and
-the output processing (stops, text) of the one-process engine. It keeps up to ``num_stages``
-micro-batches in flight; the schedule (``schedules.py``: ``mixed`` or ``td-pipe``) says what
-the next micro-batch is whenever a slot is free, and hears every micro-batch that returns.
+the output processing (stops, text) of the one-process engine. Its requests live in the
+engine's one ``Scheduler`` (``pdserve.engine.scheduler``): waiting in the queue's order
+(``priority``, then arrival: the SLO queue's order, as in the one-process engine), running
+once admitted. It keeps up to ``num_stages`` micro-batches in flight; the schedule
+(``schedules.py``: ``mixed`` or ``td-pipe``) says what the next micro-batch is whenever a slot
+is free, and hears every micro-batch that returns. Which prompts enter a micro-batch, and how
+many of their tokens, is the Scheduler's answer (``schedule_prompts``: one token budget,
+chunked prefill, blocks), asked by both schedules.
+
+Chunked prefill: a prompt longer than the budget (or ``long_prefill_threshold`` while a short
+one waits) is sent as several spans. The stages run micro-batches in the order they were sent,
+so a span's KV is written before any later micro-batch reads it: the next chunk may be sent
+while the one before is still in flight (``num_computed`` moves on when a span is sent). Only
+a prompt's last span samples a token.
 The stages (``stage.py``) are separate processes started here (spawn), so the controller
 never computes: its process mostly waits on the last stage's results.
 
@@ -33,6 +44,7 @@ import torch.distributed as dist
 from pdserve.engine.block_manager import BlockManager, blocks_needed
 from pdserve.engine.errors import OutOfBlocksError
 from pdserve.engine.outputs import OutputProcessor, take_output
+from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.sequence import RequestOutput, Sequence, SequenceFactory, Status
 from . import protocol as P
 from .config import SCHEDULES, PipelineConfig  # noqa: F401 - re-exported
@@ -45,7 +57,8 @@ class MicroBatch:
     seqs: list[Sequence]
     kind: int
     sent: float
-    rows: int  # new tokens (prompt tokens of prefills + one per decode)
+    rows: int  # new tokens (prompt tokens of prefill spans + one per decode)
+    samplers: list[Sequence] = field(default_factory=list)  # the rows that sample a token, in order
     times: list[float] = field(default_factory=list)
 
 
@@ -65,15 +78,15 @@ class PipelineEngine:
         self.model_config, self.tokenizer = cfg, meta.tokenizer
         self.max_model_len = min(config.max_model_len or cfg.context_length, cfg.context_length)
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_cache)
+        # the one scheduler of every prompt (the one-process engine's): queue order, token budget, chunks, blocks
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.long_prefill_threshold)
         self.outputs = OutputProcessor(set(meta.tokenizer.eos_token_ids) | set(cfg.eos_token_ids), self.max_model_len)
         self.factory = SequenceFactory(cfg.vocab_size, self.max_model_len, meta.tokenizer.detokenizer,
-                                       config.detokenize, lambda rid: rid in self.seqs)
-        self.seqs: dict[str, Sequence] = {}
-        self.waiting: deque[Sequence] = deque()
+                                       config.detokenize, self.scheduler.in_use)
         self.ready: list[Sequence] = []  # decode-ready, not in flight
         self.in_flight: deque[MicroBatch] = deque()
         self.results: dict[str, RequestOutput] = {}
-        self.num_preemptions = 0
         self.stage_traces: list[list[tuple[float, float, int, int]]] = []
         self.stage_cpu_s: list[float] = []  # CPU seconds each stage used (from close())
         self.batches: list[tuple[float, float, int, int, list[float]]] = []  # sent, returned, kind, seqs, times
@@ -104,20 +117,43 @@ class PipelineEngine:
         return f"cuda:{stage % max(torch.cuda.device_count(), 1)}" if dev.type == "cuda" else str(dev)
 
     # ---- requests --------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling, priority: float = 0.0) -> None:
+        """Queue a request. ``priority``: its place in the queue (lower first, then arrival), as the one-process
+        engine's Scheduler takes it: a caller holding an SLO queue (``pdserve.slo``: fifo, edf, qlm) passes
+        each request's rank in that queue's order."""
         seq = self.factory.make(request_id, prompt_token_ids, sampling)
         need = blocks_needed(min(len(seq.prompt_ids) + sampling.max_tokens, self.max_model_len), self.config.block_size)
         if need > self.config.num_blocks:
             raise OutOfBlocksError(f"request {request_id!r} needs {need} KV blocks but the pool has only "
                                    f"{self.config.num_blocks}")
-        self.seqs[request_id] = seq
-        self.waiting.append(seq)
+        seq.priority = priority
+        self.scheduler.add(seq)
+
+    @property
+    def seqs(self) -> dict[str, Sequence]:
+        """Every request not finished (waiting or running), by id."""
+        return self.scheduler.seqs
+
+    @property
+    def waiting(self):
+        """The waiting requests, in the order the Scheduler admits them."""
+        return self.scheduler.waiting
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
 
     def num_running(self) -> int:
-        return len(self.seqs) - len(self.waiting)
+        return len(self.scheduler.running)
 
     def running_seqs(self) -> list[Sequence]:
-        return [s for s in self.seqs.values() if s.status is Status.RUNNING]
+        return list(self.scheduler.running)
+
+    def prompts(self, budget: int | None = None, admits=None) -> list[Sequence]:
+        """The prompt spans of the next micro-batch: the Scheduler's ``schedule_prompts`` (chunks of prompts
+        part-way, then waiting prompts admitted in the queue's order within ``budget`` tokens; None: the
+        whole ``max_num_batched_tokens``), ``admits`` as there."""
+        return self.scheduler.schedule_prompts(budget, admits)
 
     def set_schedule(self, name: str) -> None:
         """Switch schedules between runs (the stages, their weights and KV pool stay)."""
@@ -131,17 +167,6 @@ class PipelineEngine:
         self.schedule = make_schedule(name, self)
 
     # ---- blocks ----------------------------------------------------------------------------
-    def admit(self, seq: Sequence) -> bool:
-        """Blocks for a waiting sequence's tokens (False, nothing changed, if not free now)."""
-        try:
-            table, cached = self.block_manager.allocate(seq.all_ids, seq.num_tokens)
-        except OutOfBlocksError:
-            return False
-        seq.block_table, seq.num_computed, seq.status = table, cached, Status.RUNNING
-        if not seq.output_ids:
-            seq.num_cached_tokens = cached
-        return True
-
     def grow(self, batch: list[Sequence]) -> list[Sequence]:
         """A slot for each decode sequence's next token, preempting idle sequences (newest
         first, then the batch's own newest) when blocks run out. Returns those that got one."""
@@ -169,17 +194,15 @@ class PipelineEngine:
         return out
 
     def preempt(self, seq: Sequence) -> None:
-        self.num_preemptions += 1
+        """An idle running sequence's blocks freed; it waits again, first, to be recomputed."""
         if seq in self.ready:
             self.ready.remove(seq)
-        self.block_manager.free(seq.block_table)
-        seq.block_table, seq.block_hashes, seq.num_computed = [], [], 0
-        seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self.scheduler.preempt(seq)
 
     # ---- the loop --------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self.waiting or self.ready or self.in_flight or self.schedule.holds())
+        return bool(self.waiting or self.ready or self.in_flight or self.schedule.holds()
+                    or any(s.num_tokens - s.num_computed > 1 for s in self.scheduler.running))  # a prompt part-way
 
     def run(self) -> dict[str, RequestOutput]:
         """Run every added request to the end; their outputs by request id."""
@@ -207,23 +230,27 @@ class PipelineEngine:
         seq = self.seqs.get(request_id)
         if seq is None or seq not in self.waiting:
             return False
-        self.waiting.remove(seq)
-        del self.seqs[request_id]
+        self.scheduler.remove(request_id)
         self.results.pop(request_id, None)
         return True
 
     def _send(self, seqs: list[Sequence]) -> None:
-        pre = [s for s in seqs if not (s.num_tokens - s.num_computed == 1 and s.num_computed > 0)]
-        dec = [s for s in seqs if s.num_tokens - s.num_computed == 1 and s.num_computed > 0]
+        """One micro-batch to the first stage: prefill spans (each sequence's ``num_new`` tokens: a chunk; 0: all
+        it has left), then decode rows. A span's ``num_computed`` moves to its end now (see the module doc)."""
+        pre = [s for s in seqs if not _decode_ready(s)]
+        dec = [s for s in seqs if _decode_ready(s)]
         kind = P.KIND_MIXED if pre and dec else (P.KIND_PREFILL if pre else P.KIND_DECODE)
         ordered = pre + dec
-        meta = P.encode_rows([(s.num_computed, s.all_ids[s.num_computed:], len(s.output_ids), s.block_table)
-                              for s in ordered])
-        sampling = P.pack_sampling([s.sampling for s in ordered])
+        meta = P.encode_rows([(s.num_computed, s.all_ids[s.num_computed:s.chunk_end], len(s.output_ids),
+                               s.block_table, s.num_tokens) for s in ordered])
+        samplers = [s for s in ordered if s.chunk_end >= s.num_tokens]  # a prompt's last span, or a decode row
+        sampling = P.pack_sampling([s.sampling for s in samplers]) if samplers else None
         nbytes = 0 if sampling is None else sampling.numel()
-        rows = sum(s.num_tokens - s.num_computed for s in ordered)
-        mb = MicroBatch(self._next_id, ordered, kind, time.perf_counter(), rows)
+        rows = sum(s.chunk_end - s.num_computed for s in ordered)
+        mb = MicroBatch(self._next_id, ordered, kind, time.perf_counter(), rows, samplers)
         self._next_id += 1
+        for s in ordered:
+            s.num_computed, s.num_new = (s.chunk_end if s in pre else s.num_computed), 0
         body = P.pack([torch.tensor(meta, dtype=torch.int64)] + ([sampling] if sampling is not None else []))
         header = [P.CMD_RUN, mb.mb_id, kind, len(ordered), len(meta), rows, nbytes, body.numel()]
         self.link.send(1, [torch.tensor(header + [0] * self.config.num_stages), body])
@@ -236,23 +263,24 @@ class PipelineEngine:
         mb = self.in_flight.popleft()
         if header[1] != mb.mb_id:
             raise RuntimeError(f"micro-batch {header[1]} came back, expected {mb.mb_id}")
-        tokens = self.link.recv(n, (header[3],), torch.int64).tolist()
+        tokens = self.link.recv(n, (len(mb.samplers),), torch.int64).tolist() if mb.samplers else []
         mb.times = [t / 1e9 for t in header[P.HEADER_LEN :]]
         self.batches.append((mb.sent, time.perf_counter(), mb.kind, len(mb.seqs), mb.times))
-        finished = []
-        for seq, token in zip(mb.seqs, tokens):
+        for seq in mb.samplers:
             seq.num_computed = seq.num_tokens
-            if self.config.enable_prefix_cache:
-                self.block_manager.register_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed,
-                                                        seq.all_ids)
+        if self.config.enable_prefix_cache:  # up to num_computed (a later span in flight is computed before any reader)
+            for seq in mb.seqs:
+                self.scheduler.register_blocks(seq)
+        finished = []
+        for seq, token in zip(mb.samplers, tokens):
             self.outputs.append_token(seq, token)
             self._collect(seq)
             if seq.status is Status.FINISHED:
                 finished.append(seq)
-                del self.seqs[seq.request_id]
-                self.block_manager.free(seq.block_table)
-                seq.block_table = []
-        alive = [s for s in mb.seqs if s.status is Status.RUNNING]
+                self.scheduler.finish(seq)
+        # the decode-ready ones (a prompt whose last span was this one, a decode row, or a prompt whose chunk
+        # left only its last token: that one is computed as a decode row)
+        alive = [s for s in mb.seqs if s.status is Status.RUNNING and _decode_ready(s)]
         self.schedule.returned(mb, alive, len(finished))
         return [s.request_id for s in finished]
 
@@ -305,3 +333,8 @@ class PipelineEngine:
                 self._kill()
         else:
             self.close()
+
+
+def _decode_ready(seq: Sequence) -> bool:
+    """One token left to compute and some computed: a decode row (else a prefill span)."""
+    return seq.num_tokens - seq.num_computed == 1 and seq.num_computed > 0

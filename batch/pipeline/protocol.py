@@ -9,11 +9,15 @@ Ranks: 0 is the controller (the process that owns requests and blocks), stage ``
            stage writes its own slot)
   payload  uint8[payload bytes], the concatenation of
            meta     int64[meta length]: per sequence ``num_computed, n_new, n_generated,
-                    n_blocks, block_table..., new token ids...`` (prefill spans first, then
-                    decode rows: the order of the logits, so of the tokens that come back)
+                    num_tokens, n_blocks, block_table..., new token ids...`` (prefill spans
+                    first, then decode rows: the order of the logits, so of the tokens that
+                    come back). A span that ends before ``num_tokens`` (a chunk of a prompt
+                    before its last) writes its KV and samples nothing.
            hidden   [rows, hidden_size] activations (into stage 1 onwards; the model dtype)
-           sampling pickled SamplingParams list, only when some row is not greedy
-           (from the last stage to 0 the payload is the sampled tokens, int64[num_seqs])
+           sampling pickled SamplingParams list of the rows that sample, only when some is
+                    not greedy
+           (from the last stage to 0 the payload is the sampled tokens, int64[rows that
+           sample], in row order; nothing when no row samples)
 
 Every stage holds the same block ids (the controller's one BlockManager): block ``b`` on stage
 ``s`` holds the KV of stage ``s``'s layers for the tokens that block ``b`` holds.
@@ -35,11 +39,11 @@ KIND_NAMES = {KIND_PREFILL: "prefill", KIND_DECODE: "decode", KIND_MIXED: "mixed
 HEADER_LEN = 8  # + num_stages timing slots
 
 
-def encode_rows(rows: list[tuple[int, list[int], int, list[int]]]) -> list[int]:
-    """``[(num_computed, new_ids, n_generated, block_table), ...]`` -> the flat meta."""
+def encode_rows(rows: list[tuple[int, list[int], int, list[int], int]]) -> list[int]:
+    """``[(num_computed, new_ids, n_generated, block_table, num_tokens), ...]`` -> the flat meta."""
     out: list[int] = []
-    for num_computed, new_ids, n_generated, table in rows:
-        out += (num_computed, len(new_ids), n_generated, len(table))
+    for num_computed, new_ids, n_generated, table, num_tokens in rows:
+        out += (num_computed, len(new_ids), n_generated, num_tokens, len(table))
         out += table
         out += new_ids
     return out
@@ -68,34 +72,36 @@ class OffsetIds:
 class Row:
     """One sequence of a micro-batch as a stage sees it (what ModelRunner.build_batch reads)."""
 
-    __slots__ = ("num_computed", "all_ids", "block_table", "n_generated")
+    __slots__ = ("num_computed", "all_ids", "block_table", "n_generated", "num_tokens")
 
-    def __init__(self, num_computed: int, new_ids: list[int], n_generated: int, table: list[int]):
+    def __init__(self, num_computed: int, new_ids: list[int], n_generated: int, table: list[int], num_tokens: int):
         self.num_computed, self.n_generated, self.block_table = num_computed, n_generated, table
         self.all_ids = OffsetIds(num_computed, new_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.all_ids)
+        self.num_tokens = num_tokens  # the sequence's tokens in all (a chunk ends before)
 
     @property
     def chunk_end(self) -> int:
-        """Where this micro-batch's computation of the sequence ends: every known id (no chunks here)."""
+        """Where this micro-batch's computation of the sequence ends: after its known ids."""
         return len(self.all_ids)
 
     @property
+    def samples(self) -> bool:
+        """The span reaches the sequence's last token: its last position samples the next one."""
+        return self.chunk_end >= self.num_tokens
+
+    @property
     def is_decode(self) -> bool:
-        return len(self.all_ids.ids) == 1 and self.num_computed > 0
+        return self.num_tokens - self.num_computed == 1 and self.num_computed > 0
 
 
 def decode_rows(meta: list[int], num_seqs: int) -> list[Row]:
     rows, i = [], 0
     for _ in range(num_seqs):
-        num_computed, n_new, n_generated, n_blocks = meta[i : i + 4]
-        i += 4
+        num_computed, n_new, n_generated, num_tokens, n_blocks = meta[i : i + 5]
+        i += 5
         table = meta[i : i + n_blocks]
         i += n_blocks
-        rows.append(Row(num_computed, meta[i : i + n_new], n_generated, table))
+        rows.append(Row(num_computed, meta[i : i + n_new], n_generated, table, num_tokens))
         i += n_new
     return rows
 

@@ -5,16 +5,24 @@ micro-batches in flight: ``num_stages`` unless ``micro_batches`` says more) and 
 ``returned(mb, alive, num_finished)`` for every micro-batch that comes back (its unfinished
 sequences ``alive``).
 
+What enters a micro-batch of prompts is never decided here: both schedules ask the engine's
+one Scheduler (``engine.prompts``: ``pdserve.engine.scheduler.Scheduler.schedule_prompts``),
+which gives prompts part-way their next chunk and admits waiting ones in the queue's order
+(priority: the SLO queue's order; then arrival) while blocks, ``max_num_seqs`` and the token
+budget allow, a long prompt in chunks. The schedules decide *when* prompts run and what
+else shares the micro-batch.
+
 ``mixed`` (hybrid batching, as a pipeline-parallel vLLM runs it): each micro-batch is every
-decode-ready sequence not in flight (in steady state: the batch that just came back) plus
-waiting prompts admitted FIFO while their blocks are free and the prefill token budget lasts.
+decode-ready sequence not in flight (in steady state: the batch that just came back) plus the
+Scheduler's prompt work within what the decode rows leave of the step's token budget.
 Prefills and decodes share micro-batches, so micro-batches differ in size with whatever
 prompts happened to join them, and a decode must wait for its own previous step.
 
 ``td-pipe`` (temporally disaggregated): a *prefill phase* sends only prefill micro-batches
-(no dependency between them, so every stage stays busy), admitting prompts while the
-simulated decode of everything admitted still fits in the KV blocks (``switch.FutureMemory``);
-the first prompt that does not fit starts the *decode phase*: the decode-ready sequences are
+(no dependency between them, so every stage stays busy: a long prompt's chunks follow each
+other), the Scheduler admitting prompts while the simulated decode of everything admitted
+still fits in the KV blocks (``switch.FutureMemory``, its ``admits`` check); the first prompt
+that does not fit starts the *decode phase*: the decode-ready sequences are
 split into ``config.depth`` micro-batches that cycle through the pipeline, rebalanced by work
 stealing every time one comes back (``switch.WorkStealer``; its pool is the engine's ``ready``
 list, which is also where sequences whose prefill returns late arrive, so the lightest batches
@@ -37,27 +45,6 @@ def make_schedule(name: str, engine):
     raise ValueError(f"unknown schedule {name!r}")
 
 
-def _admit_fifo(engine, budget: int, limit=None, on_admit=None) -> list:
-    """Waiting prompts admitted FIFO while blocks, max_num_seqs, ``budget`` tokens and
-    ``limit(seq)`` allow (the first one whatever its size); ``on_admit(seq)`` for each."""
-    out = []
-    while engine.waiting and engine.num_running() < engine.config.max_num_seqs:
-        seq = engine.waiting[0]
-        n = seq.num_tokens
-        if out and n > budget:
-            break
-        if limit is not None and not limit(seq):
-            break
-        if not engine.admit(seq):
-            break
-        engine.waiting.popleft()
-        if on_admit is not None:
-            on_admit(seq)
-        budget -= n - seq.num_computed
-        out.append(seq)
-    return out
-
-
 class MixedSchedule:
     def __init__(self, engine):
         self.engine = engine
@@ -67,7 +54,7 @@ class MixedSchedule:
         eng = self.engine
         decodes, eng.ready = eng.ready, []
         decodes = eng.grow(decodes)
-        prefills = _admit_fifo(eng, eng.config.max_num_batched_tokens)
+        prefills = eng.prompts(eng.config.max_num_batched_tokens - len(decodes))  # one budget for the step
         return prefills + decodes
 
     def returned(self, mb, alive: list, num_finished: int) -> None:
@@ -116,10 +103,13 @@ class TDPipeSchedule:
         """Decode steps left after its (re)prefill: the predicted output length is max_tokens."""
         return max(seq.sampling.max_tokens - len(seq.output_ids) - 1, 0)
 
-    def _fits(self, seq) -> bool:
-        if self.engine.num_running() == 0:
-            return True  # never stall: one request always fits (add_request checked the pool)
-        return self.memory.fits(seq.num_tokens, self._remaining(seq))
+    def _admits(self, seq) -> bool:
+        """The Scheduler's last question on a prompt it is about to admit: does the simulated decode of
+        everything admitted still fit with it? If so it is counted in (the Scheduler then admits it)."""
+        if self.engine.num_running() and not self.memory.fits(seq.num_tokens, self._remaining(seq)):
+            return False  # (none running: it fits, never stall; add_request checked the pool)
+        self.memory.add(seq.num_tokens, self._remaining(seq))
+        return True
 
     # ---- phases ----------------------------------------------------------------------------
     def _enter(self, phase: str) -> None:
@@ -146,8 +136,7 @@ class TDPipeSchedule:
         if self.phase == "prefill":
             if self.memory is None:
                 self.memory = self._simulation()
-            batch = _admit_fifo(eng, eng.config.max_num_batched_tokens, self._fits,
-                                lambda seq: self.memory.add(seq.num_tokens, self._remaining(seq)))
+            batch = eng.prompts(admits=self._admits)
             if batch:
                 return batch
             if eng.in_flight and eng.in_flight[-1].kind == P.KIND_PREFILL and not eng.ready:

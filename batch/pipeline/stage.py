@@ -136,9 +136,9 @@ class Stage:
             t1 = time.perf_counter()
             header[P.HEADER_LEN + self.spec.stage] = int((t1 - t0) * 1e9)
             self.trace.append((t0, t1, mb_id, kind))
-            if self.last:
+            if self.last:  # the sampled tokens (none when every row is a chunk before a prompt's last)
                 header[P.HEADER_LEN - 1] = out.numel() * 8
-                self.link.send(0, [torch.tensor(header), out])
+                self.link.send(0, [torch.tensor(header)] + ([out] if out.numel() else []))
             else:
                 body = P.pack([meta, out] + ([sampling] if sampling is not None else []))
                 header[P.HEADER_LEN - 1] = body.numel()
@@ -156,10 +156,13 @@ class Stage:
         x = self.model.run_layers(x, batch, self.kv, range(*self.spec.layers))
         if not self.last:
             return x
+        samplers = [r for r in rows if r.samples]  # the logits rows, in order (build_batch: a span's last chunk)
+        if not samplers:
+            return torch.empty(0, dtype=torch.int64)
         logits = self.model.head(x, batch)
         if sampling is None:
             tokens = logits.argmax(dim=-1)
         else:
             params = P.unpack_sampling(sampling)
-            tokens = torch.tensor(self.runner.sampler.sample(logits, params, [r.n_generated for r in rows]))
+            tokens = torch.tensor(self.runner.sampler.sample(logits, params, [r.n_generated for r in samplers]))
         return tokens.to(torch.int64)

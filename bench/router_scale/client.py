@@ -2,8 +2,9 @@
 
 ``trace_bodies`` builds each request's JSON body from per-hash-id fragments (512 token ids each, as
 ``bench/trace_replay.py`` maps a hash id to tokens), so thousands of 12k-token bodies cost little here.
-``send_all`` posts them at their arrival times, round robin over ``urls`` (one router, or every prefill
-directly), and records per request: status, time to its first SSE event (TTFT) and to its end.
+``send_all`` posts them at their arrival times, round robin over ``urls`` (one router, every prefill
+directly, or the two interleaved: ``serving.urls_of``), and records per request: status, time to its first
+SSE event (TTFT) and to its end.
 """
 
 from __future__ import annotations
@@ -111,5 +112,6 @@ def summary(results: list[Result], wall_s: float) -> dict:
     return {"sent": len(results), "ok": len(ok), "errors": len(results) - len(ok),
             "error_kinds": sorted({r.error for r in results if r.error}),
             "completed_per_s": len(ok) / wall_s if wall_s > 0 else None,
-            "ttft_p50_ms": pct(ttft, 50) and pct(ttft, 50) * 1e3, "ttft_p99_ms": pct(ttft, 99) and pct(ttft, 99) * 1e3,
+            "ttft_p50_ms": pct(ttft, 50) and pct(ttft, 50) * 1e3, "ttft_p90_ms": pct(ttft, 90) and pct(ttft, 90) * 1e3,
+            "ttft_p99_ms": pct(ttft, 99) and pct(ttft, 99) * 1e3, "ttft_max_ms": ttft[-1] * 1e3 if ttft else None,
             "ttft_mean_ms": sum(ttft) / len(ttft) * 1e3 if ttft else None}

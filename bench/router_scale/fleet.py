@@ -7,7 +7,8 @@ Each ``StandIn`` serves, on its own ports:
 - HTTP ``POST /v1/completions`` (aiohttp): the prompt's token ids, an OpenAI SSE stream of
   ``max_tokens`` token events (``itl_s`` apart), the finish event and ``[DONE]``, each event carrying
   the resume extension when the router asks for it (``pdserve.stream_resume``), as a prefill writes them;
-  ``stream: false`` gets one JSON response.
+  ``stream: false`` gets one JSON response; ``GET /state``: its publisher's epoch and last seq and the blocks
+it holds (what a router's index of it should say once it caught up).
 
 What it stands in for is the engine: its "prefix cache" is an LRU of ``capacity`` block hashes (the
 engine's chained hashes of the prompt, ``engine.block_manager.reusable_hashes``), so a request stores
@@ -137,6 +138,11 @@ class StandIn:
         await resp.write_eof()
         return resp
 
+    async def state(self, request: web.Request) -> web.Response:
+        """What a router's view of this stand-in should be once it caught up: epoch, last seq, blocks."""
+        return web.json_response({"epoch": self.publisher.epoch, "seq": self.publisher.seq,
+                                  "blocks": len(self.cache)})
+
     async def start(self, host: str) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
         self._grpc = grpc.aio.server(options=GRPC_OPTIONS)
@@ -145,6 +151,7 @@ class StandIn:
         await self._grpc.start()
         app = web.Application(client_max_size=64 * 2**20)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/state", self.state)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, host, self.http_port).start()

@@ -17,22 +17,29 @@ def lines(doc: dict, output_tokens: float | None = None) -> list[str]:
                    f"worst event {row.get('worst_event_ms', float('nan')):.1f} ms")
     for s in doc.get("serving", []):
         by = s["by_router"]
-        for name in ("branch", "baseline"):
+        for name in ("branch", "branch-asyncio", "baseline"):
             if name not in by:
                 continue
             b = by[name]
-            added = "; ".join(f"{a['p50_ms']:.1f}/{a['p99_ms']:.1f}" for a in b["added_ttft"])
+            added = "; ".join(f"+{a['p50_ms']:.1f}/+{a['p99_ms']:.1f} ({a['router_p50_ms']:.1f}/"
+                              f"{a['router_p99_ms']:.1f} vs {a['direct_p50_ms']:.1f}/{a['direct_p99_ms']:.1f})"
+                              for a in b["added_ttft"])
             cpu = ", ".join(f"{c:.2f}" for c in b["cpu_ms_per_request"])
+            marginal = ", ".join(f"{c['marginal_ms_per_request']:.2f}" for c in b["capacity"])
+            cap = b.get("core_capacity_per_s")
             out.append(f"serving {s['prefills']} prefills ({s.get('evictions', 'per-block')} evictions), router "
-                       f"{name}: CPU ms/request {cpu} -> "
-                       f"{b['core_capacity_per_s_1_token']:.0f} req/s per core (1-token responses); "
+                       f"{name}: CPU ms/request {cpu}, less its idle share {marginal} -> "
+                       f"{cap if cap is not None else float('nan'):.0f} req/s per core (1-token responses; "
+                       f"{b['core_capacity_per_s_1_token']:.0f} with the idle work amortized at the window's rate); "
                        f"added TTFT p50/p99 ms {added}")
         if "cpu_ratio_baseline_over_branch" in by:
             out.append(f"serving {s['prefills']}: router CPU per request, baseline / branch "
-                       f"{by['cpu_ratio_baseline_over_branch']:.2f}x")
-        b = by["branch"]
+                       f"{by['cpu_ratio_baseline_over_branch']:.2f}x (less the idle share "
+                       f"{by.get('marginal_ratio_baseline_over_branch', float('nan')):.2f}x; per round "
+                       f"{', '.join(f'{r:.2f}' for r in by.get('marginal_ratios_per_round', []))})")
+        b = by.get("branch", {})
         if "cpu_ms_per_event" in b and output_tokens:
-            per_req = min(b["cpu_ms_per_request"]) + b["cpu_ms_per_event"] * output_tokens
+            per_req = b["marginal_ms_per_request"] + b["cpu_ms_per_event"] * output_tokens
             out.append(f"serving {s['prefills']}: {b['cpu_ms_per_event'] * 1e3:.1f} us per relayed event; at the "
                        f"trace's mean {output_tokens:.0f} output tokens {per_req:.1f} ms/request -> "
                        f"{1e3 / per_req:.0f} req/s per core")
@@ -50,6 +57,11 @@ def lines(doc: dict, output_tokens: float | None = None) -> list[str]:
                    f"{u['restart']['synced_s']:.1f} s; the new router's CPU until then "
                    f"{u['restart'].get('router_cpu_s', float('nan')):.1f} s, the fleet's "
                    f"{u.get('fleet_cpu_s', float('nan')):.1f} s")
+        agree = u.get("index_after")
+        if agree:
+            out.append(f"  after the load: the new router's index agrees with {agree['agree']} of "
+                       f"{agree['prefills']} stand-ins (epoch, last seq, blocks; {agree['index_blocks']} of "
+                       f"{agree['blocks']} blocks) {agree['after_s']:.1f} s after it ended")
         for phase, p in u["phases"].items():
             out.append(f"  {phase}: sent {p['sent']}, ok {p['ok']}, errors {p['errors']} {p['error_kinds']}, "
                        f"TTFT p50 {p['ttft_p50_ms'] or float('nan'):.0f} ms")

@@ -3,8 +3,10 @@
 The load keeps going to the router's address. What requests see: until the new process listens,
 connection errors; once it listens and a load report came in (/ready), requests are routed by load
 alone (decision reason ``balance``) until each prefill's snapshot is applied; then by prefix again.
-Nothing of the KV events is lost for good: each new subscription starts with the prefill's snapshot
-(``protos/kv_events.proto``), so the rebuilt index is the prefills' state as of that snapshot.
+Nothing of the KV events should be lost for good: each new subscription starts with the prefill's snapshot
+(``protos/kv_events.proto``), so the rebuilt index is the prefills' state as of that snapshot, and the
+events after it follow. Measured: once the load is over, ``index_agreement`` compares the new router's
+entry of every stand-in (epoch, last seq, blocks) with the stand-in's own (its GET /state).
 """
 
 from __future__ import annotations
@@ -56,5 +58,5 @@ def restart_under_load(setup: Setup, bodies: list[bytes], arrivals: list[float],
         phases.setdefault(phase(r), []).append(r)
     out = {"kill_at_s": kill_at_s, "restart": times, "wall_s": wall, "fleet_cpu_s": fleet_cpu,
            "phases": {k: summary(v, wall) for k, v in phases.items()},
-           "router_after": setup.metrics()}
+           "router_after": setup.metrics(), "index_after": setup.index_agreement()}
     return out

@@ -54,3 +54,75 @@ def test_the_stand_in_publishes_stores_and_one_removal_per_evicted_block():
         s.publisher.unsubscribe(sub)
 
     asyncio.run(main())
+
+
+def test_an_interleaved_window_sends_every_other_request_through_the_router_and_splits_them_back():
+    from pdserve.bench.router_scale.serving import sides, urls_of
+
+    urls = urls_of("both", "R", ["a", "b", "c"])
+    sent = [urls[i % len(urls)] for i in range(12)]  # client.send_all's round robin
+    assert sent == ["R", "a", "R", "b", "R", "c"] * 2
+    routed, direct = sides(list(range(12)), "both")
+    assert [sent[i] for i in routed] == ["R"] * 6 and sorted(sent[i] for i in direct) == ["a", "a", "b", "b", "c", "c"]
+    assert urls_of("router", "R", ["a"]) == ["R"] and urls_of("direct", "R", ["a", "b"]) == ["a", "b"]
+    assert sides([1, 2], "router") == ([1, 2], []) and sides([1, 2], "direct") == ([], [1, 2])
+    with pytest.raises(ValueError, match="via must be one of"):
+        urls_of("sideways", "R", ["a"])
+
+
+def test_core_capacity_takes_the_idle_share_out_of_the_cpu_per_request():
+    from pdserve.bench.router_scale.serving import core_capacity
+
+    # 10 s window, 300 requests, 1.2 s of CPU; idle the router takes 6% of its core (0.6 s of those 1.2)
+    c = core_capacity(cpu_s=1.2, wall_s=10.0, quiet_util=0.06, requests=300)
+    assert c["marginal_ms_per_request"] == pytest.approx(2.0)  # (1.2 - 0.6) / 300
+    assert c["per_s"] == pytest.approx(0.94 / 0.002)  # the core left after the idle work, 2 ms a request
+    assert c["naive_per_s"] == pytest.approx(250.0)  # 300 / 1.2: idle amortized at 30 req/s
+    assert core_capacity(cpu_s=0.5, wall_s=10.0, quiet_util=0.06, requests=300)["per_s"] is None  # idle > window
+
+
+def test_derive_pairs_each_router_window_with_its_direct_side_and_its_idle_share():
+    from pdserve.bench.router_scale import derive
+
+    def win(router, via, cpu, p50, p99, direct=None):
+        w = {"router": router, "via": via, "router_cpu_s": cpu, "wall_s": 10.0, "ok": 200,
+             "router_cpu_ms_per_request": cpu / 200 * 1e3, "router_quiet_cpu_util": 0.05,
+             "ttft_p50_ms": p50, "ttft_p99_ms": p99}
+        if direct:
+            w["direct"] = {"ttft_p50_ms": direct[0], "ttft_p99_ms": direct[1]}
+        return w
+
+    out = {"windows": [win("branch", "router", 0.9, 5, 9), win("branch", "both", 0.7, 4.0, 8.0, (2.5, 5.0)),
+                       win("baseline", "router", 1.3, 6, 12), win("baseline", "both", 1.0, 5.0, 11.0, (2.0, 4.0))],
+           "streamed": {"router_cpu_s": 1.9, "wall_s": 10.0, "ok": 200, "stream_tokens": 11}}
+    by = derive(out)["by_router"]
+    assert by["branch"]["added_ttft"] == [{"p50_ms": 1.5, "p99_ms": 3.0, "router_p50_ms": 4.0, "router_p99_ms": 8.0,
+                                           "direct_p50_ms": 2.5, "direct_p99_ms": 5.0}]
+    assert by["branch"]["cpu_ms_per_request"] == [pytest.approx(4.5)]  # the router-only window, not the interleaved
+    assert by["branch"]["marginal_ms_per_request"] == pytest.approx(2.0)  # (0.9 - 0.5) / 200
+    assert by["baseline"]["marginal_ms_per_request"] == pytest.approx(4.0)
+    assert by["marginal_ratio_baseline_over_branch"] == pytest.approx(2.0)
+    assert by["marginal_ratios_per_round"] == [pytest.approx(2.0)]
+    assert by["branch"]["core_capacity_per_s"] == pytest.approx(0.95 / 0.002)
+    assert by["branch"]["cpu_ms_per_event"] == pytest.approx(0.5)  # (1.9 - 0.5) / 200 = 7 ms a stream; 5 ms over 10
+
+
+def test_a_view_agrees_with_its_prefill_only_when_synced_at_the_same_epoch_seq_and_size():
+    from pdserve.bench.router_scale.serving import agrees
+
+    truth = {"epoch": "e1", "seq": 40, "blocks": 1000}
+    view = {"epoch": "e1", "seq": 40, "synced": True, "blocks": 1000, "block_size": 64}
+    assert agrees(view, truth)
+    assert not agrees(None, truth)
+    for key, value in (("seq", 39), ("epoch", "e0"), ("synced", False), ("blocks", 999)):
+        assert not agrees({**view, key: value}, truth), key
+
+
+def test_the_publisher_says_its_last_seq():
+    async def main():
+        s = StandIn(capacity=2, preload=0, prefill_s=0.0, itl_s=0.0, seed=0)
+        assert s.publisher.seq == 0
+        s.admit(list(range(BLOCK_SIZE * 3 + 1)))  # 3 blocks stored, 1 evicted: two events
+        assert s.publisher.seq == 2 and len(s.cache) == 2
+
+    asyncio.run(main())

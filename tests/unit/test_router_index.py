@@ -135,7 +135,42 @@ def test_prompt_hashes_match_the_engine_and_skip_the_last_token():
     assert prompt_hashes(ids, 16) == chained_hashes(ids[: (len(ids) - 1) // 16 * 16], 16)
     assert prompt_hashes(list(range(32)), 16) == chained_hashes(list(range(16)), 16)  # last block holds the last token
     assert prompt_token_ids(b'{"prompt": [1, 2, 3]}', "completion", tok) == [1, 2, 3]
+    assert prompt_token_ids(b'{"prompt": [[4, 5]]}', "completion", tok) == [4, 5]
+    assert prompt_token_ids(b'{"prompt": []}', "completion", tok) == []
+    for not_ids in (b'{"prompt": [1, true]}', b'{"prompt": [1, 2.0]}', b'{"prompt": [1, "2"]}',
+                    b'{"prompt": [[1], 2]}'):
+        assert prompt_token_ids(not_ids, "completion", tok) is None, not_ids  # JSON integers only
     assert prompt_token_ids(b'{"prompt": "hi"}', "completion", tok) == tok.encode("hi")
     for bad in (b"{not json", b'{"messages": 3}', b'{"prompt": 5}', b"[]"):
         assert prompt_token_ids(bad, "chat", tok) is None and prompt_token_ids(bad, "completion", tok) is None
     assert prompt_key(None, 16) == 0 and prompt_key([1, 2], 16) == prompt_key([1, 2], 16)
+
+
+def _reference_ids(body: bytes, tok):
+    """The general reading of a completion's prompt (json, then a check of each id), as the router did
+    before msgspec: the fast path must give exactly this."""
+    import json
+
+    try:
+        prompt = json.loads(body)["prompt"]
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return tok.encode(prompt)
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            return prompt
+    except Exception:  # noqa: BLE001
+        return None
+    return None
+
+
+def test_token_id_prompts_read_in_c_are_the_general_readings():
+    tok = load_tokenizer("tiny")
+    bodies = [b'{"prompt": [1, 2, 3], "max_tokens": 4, "stream": true}',
+              b'{"stream": false, "prompt": [0, -5, 9223372036854775807, -9223372036854775808]}',
+              b'{"prompt": [18446744073709551615]}', b'{"prompt": [1e3]}', b'{"prompt": [1, null]}',
+              b'{"prompt": [1, 2], "model": "caf\xc3\xa9", "extra": {"x": [true, 1.5]}}',
+              b'{"prompt": [7], "prompt": [8, 9]}', b'{"prompt": [1, 2]} trailing', b'{"prompt": [1, 2,]}',
+              b'{"prompt": [3]}', b'[1, 2]', b'{"prompt": {"a": 1}}', b'{"prompt": ["a"]}', b'{"prompt": [[1, 2]]}']
+    for body in bodies:
+        assert prompt_token_ids(body, "completion", tok) == _reference_ids(body, tok), body

@@ -101,3 +101,22 @@ def test_an_allocation_publishes_its_evictions_in_one_event():
     removals = [e for e in bm.listener.events if e[0] == "removed"]
     assert removals == [("removed", hashes[::-1])]  # one event, the prefix's tail evicted first
     assert bm.prefix_hashes() == []
+
+
+def test_lazy_hashes_are_the_reusable_hashes_and_only_as_many_as_a_lookup_reads():
+    from pdserve.engine.block_manager import LazyReusableHashes
+
+    rng = random.Random(3)
+    for n, bs in ((0, 16), (1, 16), (16, 16), (17, 16), (33, 16), (1000, 64), (12035, 64), (5, 1)):
+        ids = [rng.randrange(1 << 40) for _ in range(n)]
+        lazy = LazyReusableHashes(ids, bs)
+        assert list(lazy) == reusable_hashes(ids, bs) and len(lazy) == reusable_blocks(n, bs), (n, bs)
+        assert list(lazy) == reusable_hashes(ids, bs)  # read again: the same, from what was computed
+    ids = [rng.randrange(1 << 40) for _ in range(64 * 40 + 1)]
+    full = reusable_hashes(ids, 64)
+    index = PrefixIndex()
+    index.apply_snapshot("a", "e", 0, full[:3], 64)
+    index.apply_snapshot("b", "e", 0, full[:7], 64)
+    lazy = LazyReusableHashes(ids, 64)
+    assert [index.overlap(s, lazy) for s in ("a", "b", "c")] == [3, 7, 0]
+    assert lazy.computed == 8  # the longest match (7) + the block that missed, not all 40
