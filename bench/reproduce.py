@@ -65,12 +65,22 @@ def _routing(out: Path) -> str:
             f"P99 TTFT {p['ttft_p99_ms'] / rr['ttft_p99_ms']:.2f}x")
 
 
+def _scale_day(out: Path) -> str:
+    doc = json.loads((out / "day.json").read_text())
+    arms = {r["arm"]: r for r in doc["runs"]}
+    plan, peak = arms["day-planner"], arms["day-peak"]
+    return (f"pod-seconds {plan['pod_seconds']['total'] / peak['pod_seconds']['total']:.2f}x peak sizing; "
+            f"SLO met {plan['slo_attained']:.3f} vs {peak['slo_attained']:.3f}; "
+            f"{doc['day_verdict']['target']['verdict']}")
+
+
 def _printed(out: Path) -> str:
     lines = (out / "printed.txt").read_text().splitlines()
     return "the last lines it printed (the figure is among them):\n  " + "\n  ".join(lines[-TAIL_LINES:])
 
 
-FIGURE_READERS = {"peer_goodput": _goodput, "peer_ttft": _ttft, "trace_routing": _routing, "printed": _printed}
+FIGURE_READERS = {"peer_goodput": _goodput, "peer_ttft": _ttft, "trace_routing": _routing, "scale_day": _scale_day,
+                  "printed": _printed}
 
 
 def list_rows() -> str:

@@ -212,7 +212,8 @@ ROWS: tuple[ResultRow, ...] = (
         "goodput, P99 TTFT",
         "0.82x, 1.10x, 1.09x",
         "tokens met the trace's own bound (0.79x) within 3 points, target 0.6x missed; goodput pairs 1.20, 1.02; "
-        "P99 **within noise** (0.69, 1.67); **small model only**",
+        "P99 **within noise** (0.69, 1.67); **small model only**: a 122M rerun (docs/benchmarks.md, 2026-12-06) ran "
+        "on a loaded box and measured the load, not the routing (raw: bench_raw/2026-12-06-trace-routing-122m)",
         "2026-11-30", "Intel Xeon, 2 cores, quiet", "6ac12ea",
         "pdserve bench experiment trace-routing --prefills 3 --out OUT",
         "docs/bench_raw/2026-11-30-trace-routing-3-prefills/trace_routing.json", reads="trace_routing"),
@@ -237,7 +238,8 @@ ROWS: tuple[ResultRow, ...] = (
         "interactive SLO attainment and batch tok/s under bursts, qlm vs fifo (tiny model)",
         "1.0 vs 0.57; batch 0.91x fifo",
         "met in the committed run; of four runs, qlm missed attainment once (0.93) and batch once (0.88): "
-        "one committed run, the others not kept",
+        "one committed run, the others not kept; **tiny model only**: the 122M attempt (`--model peer`, "
+        "2026-12-06, load 14-83) gave no figure",
         "2026-11-23", "Intel Xeon, 2 cores, load 6-10", "f29acc7",
         "pdserve bench experiment slo --duration 60 --burst 16 --out OUT", "docs/experiments/slo.json"),
     ResultRow(
@@ -299,6 +301,21 @@ ROWS: tuple[ResultRow, ...] = (
         "2026-12-06", "Intel Xeon, 2 cores, load 12-65", "3506855",
         "pdserve bench experiment scale --arms round-robin,least-loaded,prefix --max-requests 600 --out OUT",
         "docs/bench_raw/2026-12-06-sim-scale/scale-routing.json"),
+    ResultRow(
+        "sim-day-planner", "Simulation",
+        "the SLO planner (`pdserve up --engine sim --autoscale`, 1-6 prefills, 1-2 decodes) / fixed at the day's "
+        "peak sizing (3 prefills + 1 decode), a compressed day of the Mooncake trace (80 simulated s, peak/trough "
+        "3, 218 requests, turn waits / 30) at 1/4 real time, H200 Llama-3-8B profile: pod-seconds, SLO met "
+        "(TTFT <= 2 s, mean TBT <= 100 ms)",
+        "1.32x pod-seconds; SLO met 0.784 vs 0.587 (SLO-met requests per pod-hour 1,185 vs 1,173)",
+        "target (the SLO held at fewer pod-seconds than peak sizing) **missed**: neither arm held p90 TTFT <= 2 s "
+        "(4.6 s, 10.5 s) on a box at load 20-31 (the sims' decode steps 1.8x their profile); the planner's prefill "
+        "busy signal read 2-6x the engine's real busy time (per-request intervals that overlap in a batch) and "
+        "kept it near its 6-prefill maximum; one pass per arm",
+        "2026-12-06", "Intel Xeon, 2 cores, load 20-31", "10552b2",
+        "pdserve bench experiment scale --arms day-planner,day-peak --speedup 0.25 --day-s 80 --turn-pace 30 "
+        "--day-bins 8 --request-timeout 600 --out OUT --name day",
+        "docs/bench_raw/2026-12-06-scale-day/day.json", reads="scale_day"),
 )
 
 # Below an area's table: figures without a row (no raw output kept, or no one command), and how to get one.

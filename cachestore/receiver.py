@@ -190,6 +190,10 @@ class CacheStoreReceiver:
     def _on_release_timeout(rid: str, _: object, timeout_s: float) -> TransferError:
         return TransferError(f"request {rid!r}: a frame was still writing into its blocks after {timeout_s}s")
 
+    def bytes_received(self) -> int:
+        """KV bytes landed so far (tcp and same-node): a running total any thread may read (one dict read)."""
+        return self._counters["bytes_received"]
+
     def stats(self) -> dict:
         s = self._table.stats()
         s["connections"] = self._server.connections()

@@ -37,6 +37,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="never evict a batch request's KV to host memory while an interactive request misses "
                              "its TBT target (on by default; it acts only for requests of SLO classes: a class with "
                              "a tbtMs target is protected, one with neither ttftMs nor tbtMs may be evicted)")
+    parser.add_argument("--tbt-slo-ms", type=_positive_ms, default=0.0, metavar="MS",
+                        help="a time-between-tokens bound: a request is allocated (and, once its KV is in, joins the "
+                             "running batch) only while the step time predicted for it (fitted online to this decode's "
+                             "own steps, by batch size and context) stays within MS; others are refused for now (code "
+                             "tbt_bound: the prefill waits and asks again) or wait, their KV held, and join as others "
+                             "finish. A request alone always runs. Default: no bound (built-in and sim engines)")
+    parser.add_argument("--step-trace", default=None, metavar="FILE",
+                        help="debug: record what happened in and just before every engine step (the batch, requests "
+                             "joining, KV arriving, Python collections, other threads' CPU: engine/step_trace.py) and "
+                             "write the records to FILE (JSON lines) when the decode stops; also GET /debug/steps")
     p = parser.add_argument_group("KV pool (DistKV-LLM; off unless --kv-pool)")
     p.add_argument("--kv-pool", default="", metavar="GMANAGER",
                    help="host:port of the KV pool's gManager: lend free KV blocks to peer decodes, and borrow theirs "
@@ -46,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="at most this fraction of our KV blocks is lent to peers (the rest stays for our own requests)")
     p.add_argument("--kv-pool-instance-id", default=None,
                    help="our name in the pool's ledger (default: the advertised host:--kv-pool-port)")
+
+
+def _positive_ms(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of milliseconds, got {text}")
+    return value
 
 
 def _fraction(text: str) -> float:
@@ -59,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
     if args.kv_pool and getattr(args, "engine", "builtin") != "builtin":
         raise SystemExit(f"pdserve decode: --kv-pool needs the built-in engine: --engine {args.engine} "
                          "cannot lend or borrow KV blocks")
+    if (args.tbt_slo_ms or args.step_trace) and getattr(args, "engine", "builtin") == "vllm":
+        raise SystemExit("pdserve decode: --tbt-slo-ms and --step-trace need the built-in (or sim) engine, not "
+                         "--engine vllm")
     ensure_engine_environment(args)
     setup_logging(args.log_level, "decode")
     return asyncio.run(serve(args))

@@ -229,8 +229,9 @@ class DecodeSession(PooledSteps):
             try:
                 block_ids, cached = await self._reserve(start)
             except deps.out_of_blocks_error as exc:  # busy now; blocks free up as requests finish
-                refused = ("out_of_blocks", getattr(exc, "reason", str(exc)))
-                if deps.pool is not None and pooled_refusal is None:  # too big for our free blocks: borrow
+                code = getattr(exc, "code", "out_of_blocks")  # "tbt_bound": no room within --tbt-slo-ms now
+                refused = (code, getattr(exc, "reason", str(exc)))
+                if code == "out_of_blocks" and deps.pool is not None and pooled_refusal is None:  # borrow
                     refused = await self._open_pooled(deps.pool, start, refused[1])
                     if refused is None:
                         return self.info

@@ -29,8 +29,9 @@ uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
    metrics track its registry's load (--block-size).
 6. **gRPC** - Decode (the service) and KvEvents (the publisher; GetLoad tells --http-port), on
    --host:--port, with keepalive.
-7. **HTTP** - /health, /ready, /debug/requests/{rid}, /debug/threads (Probes over the service) and /metrics, on
-   --host:--http-port.
+7. **HTTP** - /health, /ready, /debug/requests/{rid}, /debug/threads, /debug/steps (Probes over the service) and
+   /metrics, on --host:--http-port. With --step-trace the engine's step records also count the CacheStore's
+   bytes received (``follow_steps``), and ``stop`` writes them to its file.
 8. The start-up heap settles (gc_pauses), and "decode ready" is logged.
 
 Stop (``DecodeServer``): ``drain`` marks the registry draining (new Starts are refused, /ready
@@ -52,6 +53,7 @@ from aiohttp import web
 from pdserve import gc_pauses, server_setup, thread_cpu, tls
 from pdserve.cachestore import CacheStoreReceiver
 from pdserve.engine import AsyncLLMEngine, OutOfBlocksError, SamplingParams
+from pdserve.engine.step_trace import StepTrace
 from pdserve.kv_events import KvEventPublisher, KvEventsServicer
 from pdserve.metrics import EngineLoad, ServerMetrics
 from pdserve.defaults import SESSION_TIMEOUT_S
@@ -103,6 +105,7 @@ async def start(args: argparse.Namespace) -> DecodeServer:
         free_bytes_per_block=parts.free_bytes_per_block,
         session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool, ranks=ranks,
     )
+    trace = follow_steps(engine, receiver)
     track_load(metrics, service, engine, args.block_size)
     grpc_server = await start_grpc(service, kv_events, args.http_port, args.host, args.port, tls_files)
     http_runner = await start_http(Probes(service), metrics, args.host, args.http_port)
@@ -110,7 +113,17 @@ async def start(args: argparse.Namespace) -> DecodeServer:
     log.info("decode ready: grpc %s:%d, http %s:%d, kv %s (%s), model %s, %d KV blocks",
              args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, parts.model_name,
              engine.num_blocks)
-    return DecodeServer(engine, receiver, pool, service, http_runner, grpc_server, ranks)
+    return DecodeServer(engine, receiver, pool, service, http_runner, grpc_server, trace,
+                        getattr(args, "step_trace", None), ranks)
+
+
+def follow_steps(engine: ServerEngine, receiver: CacheStoreReceiver) -> StepTrace | None:
+    """With --step-trace: the engine's step records also count the KV bytes the CacheStore received in each
+    step (``kv_bytes``: tcp and same-node alike); the trace, or None."""
+    trace = getattr(engine, "trace", None)
+    if trace is not None:
+        trace.probes["kv_bytes"] = receiver.bytes_received
+    return trace
 
 
 def build_service(engine: ServerEngine, receiver: CacheStoreReceiver, compat: pb.Compat, *,
@@ -226,6 +239,7 @@ async def start_http(probes: Probes, metrics: ServerMetrics, host: str, port: in
     app = web.Application()
     app.router.add_get("/debug/requests/{rid}", probes.debug_request)
     app.router.add_get("/debug/threads", probes.debug_threads)
+    app.router.add_get("/debug/steps", probes.debug_steps)
     app.router.add_get("/health", probes.health)
     app.router.add_get("/ready", probes.ready)
     app.router.add_get("/metrics", metrics.aiohttp_handler)
@@ -260,6 +274,13 @@ class Probes:
         """Each thread's CPU seconds so far and the process's (thread_cpu.snapshot)."""
         return web.json_response(thread_cpu.snapshot())
 
+    async def debug_steps(self, request: web.Request) -> web.Response:
+        """The engine's step records (--step-trace: engine/step_trace.py); 404 without it."""
+        trace = getattr(self.service.engine, "trace", None)
+        if trace is None:
+            return web.json_response({"error": "no step trace: start the decode with --step-trace FILE"}, status=404)
+        return web.json_response({"steps": trace.records()})
+
 
 @dataclass(slots=True)
 class DecodeServer:
@@ -271,6 +292,8 @@ class DecodeServer:
     service: DecodeService
     http_runner: web.AppRunner
     grpc_server: grpc.aio.Server
+    trace: StepTrace | None = None  # --step-trace: written to trace_path at stop
+    trace_path: str | None = None
     ranks: RankReceivers | None = None  # the per-rank push's receivers (the receiver itself at size 1)
 
     async def drain(self, sig: str, timeout_s: float) -> None:
@@ -292,3 +315,8 @@ class DecodeServer:
             if rank_receiver is not self.receiver:
                 await rank_receiver.stop()
         await self.engine.stop()
+        if self.trace is not None:
+            self.trace.close()
+            if self.trace_path:
+                n = await asyncio.to_thread(self.trace.dump, self.trace_path)
+                log.info("step trace: %d steps written to %s", n, self.trace_path)

@@ -42,6 +42,9 @@ Never touch ``engine`` (the LLMEngine) itself from another thread; a plain threa
 event loop) runs an engine call on the engine thread with ``call_blocking`` (kvpool's lender
 and pooled requests in a decode do).
 
+``trace`` (with ``EngineConfig.step_trace``): a ``StepTrace`` (step_trace.py) the thread fills, one record per
+step: what ran in and just before it (the calls, collections, other threads' CPU, the batch); None when off.
+
 ``after_step`` (optional, set before ``start``): called on the engine thread after every
 step as ``after_step(engine, seconds, batch_size)``, and every ``SWAP_POLL_S`` while only
 swapped-out requests are left (seconds 0, batch 0) - the decode's LSO controller evicts and
@@ -61,6 +64,7 @@ from .engine_thread import EngineThread, set_exception, set_result
 from .errors import TensorParallelError
 from .sampling_params import SamplingParams
 from .sequence import RequestOutput
+from .step_trace import StepTrace
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -94,6 +98,10 @@ class AsyncLLMEngine(EngineThread):
         self.on_lost: Callable[[BaseException], None] | None = None
         self._lost_reported = False  # on_lost was called
         self._tier_stats = engine.tier_stats()
+        # debug: what happened in and just before each step (step_trace.py), with EngineConfig.step_trace
+        self.trace: StepTrace | None = None
+        if getattr(engine.config, "step_trace", 0):
+            self.trace = StepTrace(engine.config.step_trace)
 
     # ---- thread-safe reads (no engine-thread round trip) -----------------------------------
     @property
@@ -292,16 +300,8 @@ class AsyncLLMEngine(EngineThread):
             if item is None and self._stopping:
                 return
             if item:
-                self._run_call(item)
-                while True:  # take every queued call before the next step
-                    try:
-                        item = self._calls.get_nowait()
-                    except queue.Empty:
-                        break
-                    if item is None and self._stopping:
-                        return
-                    if item:
-                        self._run_call(item)
+                if not self._run_calls(item):
+                    return
                 if self._lost_in_call():
                     continue
             if not e.has_unfinished():
@@ -309,25 +309,51 @@ class AsyncLLMEngine(EngineThread):
                     self._after_step(0.0, 0)
                     self._publish()
                 continue
-            batch = len(e.running)
-            start = time.perf_counter()
-            try:
-                outputs = e.step()
-            except Exception as exc:  # fail every running request, keep serving
-                outputs = e.fail_scheduled(f"{type(exc).__name__}: {exc}")
-                if isinstance(exc, TensorParallelError) and self.on_lost is not None:
-                    for out in outputs:
-                        self._deliver(out)
-                    self._lost_reported = True
-                    self.on_lost(exc)
-                    continue
-            if self.step_floor_s > time.perf_counter() - start:  # test hook: steps a test can count on any CPU
-                time.sleep(self.step_floor_s - (time.perf_counter() - start))
-            self._after_step(time.perf_counter() - start, batch)
-            self._publish()
-            for out in outputs:
-                self._deliver(out)
+            self._step()
 
+    def _run_calls(self, item) -> bool:
+        """Run ``item`` and every call queued behind it, before the next step; False: stop (``stop()``)."""
+        started, count = time.perf_counter(), 0
+        while True:
+            if item is None:
+                if self._stopping:
+                    return False
+            else:
+                self._run_call(item)
+                count += 1
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                break
+        if self.trace is not None:
+            self.trace.calls_done(count, time.perf_counter() - started)
+        return True
+
+    def _step(self) -> None:
+        """One engine step, then ``after_step``, the published counts and the outputs delivered."""
+        e, trace = self.engine, self.trace
+        batch = len(e.running)
+        start = time.perf_counter()
+        if trace is not None:
+            trace.begin()
+        try:
+            outputs = e.step()
+        except Exception as exc:  # fail every running request, keep serving
+            outputs = e.fail_scheduled(f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, TensorParallelError) and self.on_lost is not None:
+                for out in outputs:
+                    self._deliver(out)
+                self._lost_reported = True
+                self.on_lost(exc)
+                return
+        if trace is not None:
+            trace.stepped(e.last_shape, len(e.scheduler.reserved), len(e.scheduler.joining))
+        if self.step_floor_s > time.perf_counter() - start:  # test hook: steps a test can count on any CPU
+            time.sleep(self.step_floor_s - (time.perf_counter() - start))
+        self._after_step(time.perf_counter() - start, batch)
+        self._publish()
+        for out in outputs:
+            self._deliver(out)
 
     def _after_step(self, seconds: float, batch: int) -> None:
         if self.after_step is None:

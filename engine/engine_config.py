@@ -64,6 +64,12 @@ class EngineConfig:
     # CPU: the KV pool in shared memory (kv_shared.py: a memfd, mode 0600) so that a prefill process on this
     # machine can map it and write KV straight into it (the CacheStore's same-node transport); no effect on cuda
     kv_cache_shared: bool = False
+    # a decode's TBT bound (step_budget.py): a request whose KV is in joins the running batch only while the step
+    # time predicted with it (an online fit of this engine's own steps) stays within this many ms; 0: no bound
+    tbt_slo_ms: float = 0.0
+    # debug: keep a record of the last this many steps (step_trace.py: what happened in and just before each);
+    # 0: off
+    step_trace: int = 0
 
     def __post_init__(self) -> None:
         check_kv_dtype(self.kv_cache_dtype)
@@ -73,6 +79,10 @@ class EngineConfig:
         if self.long_prefill_threshold < 0:
             raise ValueError(f"long_prefill_threshold must be >= 0 (0: the whole budget), got "
                              f"{self.long_prefill_threshold}")
+        if not self.tbt_slo_ms >= 0:
+            raise ValueError(f"tbt_slo_ms must be >= 0 (0: no bound), got {self.tbt_slo_ms}")
+        if self.step_trace < 0:
+            raise ValueError(f"step_trace must be >= 0 (0: off), got {self.step_trace}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 1:

@@ -27,6 +27,7 @@ from .remote_prefill import PrefillAborted, layer_callback
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
+from .step_budget import StepShape, StepTimeModel, TbtBudget, shape_of
 
 if TYPE_CHECKING:
     from .kv_tiers import KVTiers, TierStats
@@ -49,6 +50,14 @@ class EngineCore:
                                        self.scheduler.in_use, grammars)
         # the P/D primitives, called as engine.pd.reserve(...) etc. (pd_hooks.py)
         self.pd = PDHooks(self.scheduler, self.factory, self.outputs, max_model_len, self.step)
+        # the TBT bound's gate over a model of this engine's own decode steps (step_budget.py), or None
+        self.step_model: StepTimeModel | None = None
+        if config.tbt_slo_ms:
+            self.step_model = StepTimeModel()
+            self.scheduler.join_gate = TbtBudget(config.tbt_slo_ms / 1000.0, self.step_model)
+        self.last_shape: StepShape | None = None  # the last step's batch (kept for a step trace or a step model)
+        self._last_end = 0.0  # when that step ended (perf_counter)
+        self.keep_shapes = bool(config.step_trace) or self.step_model is not None
 
     # ---- public queries --------------------------------------------------------------------
     @property
@@ -116,6 +125,7 @@ class EngineCore:
         prefilled hears ``error`` (``PrefillAborted``)."""
         seq = self.scheduler.seqs.get(request_id)
         found = self.scheduler.remove(request_id)
+        self.pd.reserved_at.pop(request_id, None)
         if seq is not None and seq.remote is not None:
             seq.remote.finish(None, PrefillAborted(f"request {request_id!r}: {error}"))
         return found
@@ -140,8 +150,12 @@ class EngineCore:
         self.pd.other_outputs = []
         batch = self.scheduler.schedule()
         self.stalled = not batch and self.scheduler.has_unfinished() and not outputs
-        if batch:
-            self._run(batch)
+        if not batch:
+            self.last_shape = None
+            return outputs
+        started = time.perf_counter()
+        shape = shape_of(batch) if self.keep_shapes else None
+        self._run(batch)
         for seq in batch:
             if seq.remote is not None:
                 continue  # finished (held) or failed in _run; its caller hears on_done
@@ -150,7 +164,20 @@ class EngineCore:
                 outputs.append(take_output(seq))
             elif seq.pending_ids or seq.pending_text:
                 outputs.append(take_output(seq))
+        if shape is not None:
+            self._observe(shape, started)
         return outputs
+
+    def _observe(self, shape: StepShape, started: float) -> None:
+        """Keep the step's shape; a pure decode step teaches the TBT bound's model the time between tokens of its
+        requests: from the end of the step before when one of them was in it too (the calls and the outputs'
+        delivery in between count), else from this step's start."""
+        end = time.perf_counter()
+        if self.step_model is not None and not shape.chunk_tokens:
+            last = self.last_shape
+            begun = self._last_end if last is not None and shape.ids & last.ids else started
+            self.step_model.observe(shape.rows, shape.ctx_tokens, end - begun)
+        self.last_shape, self._last_end = shape, end
 
     def _run(self, batch: list[Sequence]) -> None:
         """The step's forward pass; each sequence's chunk counted as computed, its token appended (or, for

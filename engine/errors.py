@@ -15,6 +15,13 @@ class OutOfBlocksError(RuntimeError):
         self.reason = reason
 
 
+class TbtBoundError(OutOfBlocksError):
+    """A decode with a TBT bound (``EngineConfig.tbt_slo_ms``) has no room for one more request now: the step
+    predicted with it would be over the bound. Busy now, as out of blocks: a prefill waits and asks again."""
+
+    code = "tbt_bound"
+
+
 class PromptTooLongError(ValueError):
     """The prompt (plus at least one generated token) does not fit the model's context."""
 

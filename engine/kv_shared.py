@@ -7,6 +7,13 @@ process's life: the CacheStore names it (pid, fd, inode) in the decode's endpoin
 prefill on the same machine maps the same pages (``cachestore/samenode.py``) through
 ``/proc/<pid>/fd/<fd>``, which only a process of the same user (ptrace-read access) may open.
 The memory is freed when the last mapping and fd are gone.
+
+Every page is touched (written) once here, at start: a memfd's pages are otherwise allocated and
+mapped on first touch, so a KV block's first use faults in whichever decode step first reads or
+writes it (the step trace counted up to about 700 faults in a step that a request joined: fewer
+than the prompt's pages, the kernel maps several a fault; those steps took 8% more CPU than their
+batch size's median: ``faults`` in docs/bench_raw/2026-12-06-decode-tails/). A pool in ordinary
+memory (``torch.zeros``) is written once at allocation the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tens
         os.close(fd)
         raise
     flat = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
+    flat.zero_()  # every page allocated and mapped now, not on first touch in a step (module docstring)
     return flat.view(dtype).view(shape), fd
 
 

@@ -19,6 +19,8 @@ for every request: a P/D remote prefill (``engine.pd.add_remote``) and the decod
 P/D: ``engine.pd`` (a ``PDHooks``, ``pd_hooks.py``) holds ``add_remote``, ``prefill_only``,
 ``prefill_many``, ``release``; ``reserve``, ``reserve_prefix``, ``add_prefilled``, ``prefill_reserved`` and their
 contract, over this engine's scheduler, runner and outputs; ``abort`` here frees what they hold.
+With ``EngineConfig.tbt_slo_ms`` a decode's batch is bounded by its predicted step time
+(``step_budget.py``: ``reserve`` refuses for now, ``add_prefilled`` waits to join).
 
 The parts, each in its own module: ``Scheduler`` (queues, admission, preemption),
 ``ModelRunner`` (batch building, forward, sampling), ``OutputProcessor`` (stops, text,

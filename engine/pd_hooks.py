@@ -41,15 +41,18 @@ Decode side (the prompt's KV arrives from elsewhere):
 
 from __future__ import annotations
 
+import math
+import time
 from typing import Callable
 
 from .block_manager import blocks_needed
-from .errors import OutOfBlocksError, PromptTooLongError
+from .errors import OutOfBlocksError, PromptTooLongError, TbtBoundError
 from .outputs import OutputProcessor
 from .remote_prefill import OnDone, OnLayer, RemotePrefill, blocks_to_push
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
+from .step_budget import TbtBudget
 
 
 class PDHooks:
@@ -69,6 +72,10 @@ class PDHooks:
         # pool) into every rank's pool before the request joins the batch (tp/transfer.py), unless it arrived in
         # every rank's pool itself (the per-rank push: LLMEngine.kv_landed); None: the KV arrived in the pool itself
         self.install: Callable[[str, list[int]], None] | None = None
+        # with a TBT bound: when each reservation was made, and the recent time from a reservation to its
+        # add_prefilled (EWMA; 0.0: none seen yet): how far ahead ``_check_room`` looks
+        self.reserved_at: dict[str, float] = {}
+        self.join_lead_s = 0.0
 
     @property
     def prefill_counters(self) -> tuple[int, float]:
@@ -202,11 +209,42 @@ class PDHooks:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         if num_prompt_tokens + 1 > self.max_model_len:
             raise PromptTooLongError(num_prompt_tokens, self.max_model_len)
+        self._check_room(request_id, num_prompt_tokens)
         n = min(num_prompt_tokens + max_tokens, self.max_model_len)
         table, cached = self.block_manager.allocate(prompt_ids or [], n, use_prefix_cache=prompt_ids is not None)
         held = tuple(prompt_ids[:cached]) if cached and prompt_ids is not None else ()  # (a hit needs the ids)
         self.scheduler.add_reservation(request_id, table, held)
         return list(table), cached
+
+    def _check_room(self, request_id: str, num_prompt_tokens: int) -> None:
+        """With a TBT bound (the scheduler's ``join_gate``): TbtBoundError unless the step predicted for when this
+        request joins stays within it (``_rows_at_join``, plus this one). The reservation is then timed until its
+        ``add_prefilled`` (``join_lead_s``)."""
+        gate = self.scheduler.join_gate
+        if gate is None:
+            return
+        rows, ctx = self._rows_at_join(gate, num_prompt_tokens)
+        if not gate.admits(rows, ctx, num_prompt_tokens):
+            raise TbtBoundError(f"request {request_id!r}: no room within the TBT bound of {1000 * gate.bound_s:g} ms "
+                                f"now ({rows} requests will be running, waiting to join or have their KV on the way "
+                                "when it would join)")
+        self.reserved_at[request_id] = time.perf_counter()
+
+    def _rows_at_join(self, gate: TbtBudget, num_prompt_tokens: int) -> tuple[int, int]:
+        """(rows, context) the batch will hold when a request reserved now joins: every request waiting to join or
+        reserved (a reservation's context counted as this prompt's: theirs are not kept), and each running one
+        that will not have finished by then: its tokens left (``max_tokens``) times the step predicted now is more
+        than the time reservations took to join lately (``join_lead_s``; unknown yet: every running one)."""
+        s = self.scheduler
+        rows = len(s.joining) + len(s.reserved)
+        ctx = sum(q.num_tokens for q in s.joining) + len(s.reserved) * num_prompt_tokens
+        running_ctx = sum(q.num_tokens for q in s.running)
+        step = gate.model.predict(len(s.running), running_ctx) if s.running and self.join_lead_s else None
+        for q in s.running:
+            left = q.sampling.max_tokens - len(q.output_ids)
+            if step is None or not math.isfinite(step) or left * step > self.join_lead_s:
+                rows, ctx = rows + 1, ctx + q.num_tokens
+        return rows, ctx
 
     def add_prefilled(
         self, request_id: str, prompt_token_ids: list[int], first_token_id: int, sampling: SamplingParams
@@ -219,6 +257,7 @@ class PDHooks:
             cached = len(self.scheduler.reserved_prefix.get(request_id, ()))  # leaves it to the caller's abort)
             self.install(request_id, table[cached // bs: blocks_needed(len(prompt_token_ids), bs)])
         seq = self._take_reserved(request_id, prompt_token_ids, sampling)
+        self._joined(request_id)
         seq.num_computed = len(seq.prompt_ids)
         self.scheduler.register_blocks(seq)
         self.outputs.append_token(seq, first_token_id)
@@ -228,7 +267,14 @@ class PDHooks:
         if seq.status is Status.FINISHED:
             self.scheduler.finish_early(seq)
         else:
-            self.scheduler.join_running(seq)
+            self.scheduler.join_prefilled(seq)  # at once, or as a TBT bound finds it room (step_budget.py)
+
+    def _joined(self, request_id: str) -> None:
+        """A reservation's KV is in: its time since ``reserve`` into ``join_lead_s`` (0.3 of the new one)."""
+        at = self.reserved_at.pop(request_id, None)
+        if at is not None:
+            lead = time.perf_counter() - at
+            self.join_lead_s = lead if not self.join_lead_s else 0.7 * self.join_lead_s + 0.3 * lead
 
     def _check_kv_moves(self, on_layer: object = None, add_prefilled: bool = False) -> None:
         """ValueError (``kv_stays``) when KV would be pushed out (an ``on_layer``) or was written in from outside."""
@@ -238,6 +284,7 @@ class PDHooks:
     def prefill_reserved(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Join a reserved request to the running batch to compute its prompt's missing KV here."""
         seq = self._take_reserved(request_id, prompt_token_ids, sampling)
+        self.reserved_at.pop(request_id, None)  # (its prompt is computed here: no KV lead to learn from)
         self.scheduler.join_running(seq)
 
     def _take_reserved(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> Sequence:

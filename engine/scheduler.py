@@ -33,6 +33,9 @@ engine (``batch/pipeline``), whose decode rows its own schedules form (micro-bat
 phases and work stealing), takes every prompt through it; ``admits(seq)``, asked last before a
 prompt is admitted, is where TD-Pipe's KV-memory simulation says no (which ends its prefill phase).
 
+Decode side with a TBT bound (``join_gate``, step_budget.py): a prefilled sequence waits in ``joining``
+(its blocks held) until ``admit_joining``, at the start of each ``schedule``, finds it room.
+
 Request kinds, all scheduled here: colocated (waiting -> running -> finished), the decode side's
 ``prefill_reserved`` (joins ``running`` with its blocks reserved: chunked, never preempted),
 the P/D prefill side's remote prefill (``remote_prefill.py``: waiting -> running, chunked, its KV
@@ -52,6 +55,7 @@ from typing import Callable
 from .block_manager import BlockManager
 from .errors import OutOfBlocksError
 from .sequence import Sequence, Status
+from .step_budget import TbtBudget
 
 Admits = Callable[[Sequence], bool]  # a caller's last word on a prompt about to be admitted (schedule_prefills)
 SHORT_SCAN = 8  # waiting prompts looked at per step for a short one that may pass a long prompt
@@ -75,6 +79,10 @@ class Scheduler:
         self.done_early: list[Sequence] = []  # finished outside step(); reported by the next step
         self.swapped: dict[str, Sequence] = {}  # evicted to host memory, the first evicted first
         self.num_preemptions = 0  # colocated sequences freed and recomputed for lack of blocks
+        # decode side, with a TBT bound (step_budget.py): prefilled sequences whose KV is in, waiting for room in
+        # the batch; ``join_gate`` says whether one more fits (None: every one joins at once)
+        self.joining: deque[Sequence] = deque()
+        self.join_gate: TbtBudget | None = None
 
     # ---- the request table -----------------------------------------------------------------
     def in_use(self, request_id: str) -> bool:
@@ -88,7 +96,7 @@ class Scheduler:
         return len(self.seqs) + len(self.reserved)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.done_early)
+        return bool(self.waiting or self.running or self.done_early or self.joining)
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence in ``waiting``, in (``priority``, arrival) order: with equal priorities (the
@@ -117,6 +125,8 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
+        if seq in self.joining:
+            self.joining.remove(seq)
         if seq in self.done_early:
             self.done_early.remove(seq)
         self.swapped.pop(request_id, None)
@@ -128,7 +138,7 @@ class Scheduler:
     def release(self, request_id: str) -> None:
         """Forget a held sequence and free its blocks. Unknown (or queued) ids are ignored."""
         seq = self.seqs.get(request_id)
-        if seq is not None and seq not in self.running and seq not in self.waiting:
+        if seq is not None and seq not in self.running and seq not in self.waiting and seq not in self.joining:
             del self.seqs[request_id]
             self.free_blocks(seq)
 
@@ -150,6 +160,29 @@ class Scheduler:
         seq.status = Status.RUNNING
         self.seqs[seq.request_id] = seq
         self.running.append(seq)
+
+    def join_prefilled(self, seq: Sequence) -> None:
+        """A prefilled sequence (its KV in its blocks) joins the running batch now, or with a ``join_gate`` waits
+        in ``joining`` until ``admit_joining`` finds it room."""
+        if self.join_gate is None:
+            self.join_running(seq)
+            return
+        seq.status = Status.RUNNING
+        self.seqs[seq.request_id] = seq
+        self.joining.append(seq)
+
+    def admit_joining(self) -> None:
+        """Move waiting prefilled sequences into the batch, first come first, while the gate admits them."""
+        if not self.joining:
+            return
+        ctx = sum(seq.num_tokens for seq in self.running)
+        while self.joining:
+            seq = self.joining[0]
+            if self.join_gate is not None and not self.join_gate.admits(len(self.running), ctx, seq.num_tokens):
+                return
+            self.joining.popleft()
+            self.running.append(seq)
+            ctx += seq.num_tokens
 
     def finish_early(self, seq: Sequence) -> None:
         """A sequence finished outside a step: its blocks are freed, the next step reports it."""
@@ -197,7 +230,9 @@ class Scheduler:
     # ---- one step --------------------------------------------------------------------------
     def schedule(self) -> list[Sequence]:
         """The sequences of the next forward pass, each with its ``num_new`` tokens: prefill chunks (running
-        prompts part-way first, then newly admitted ones), then decode rows."""
+        prompts part-way first, then newly admitted ones), then decode rows; prefilled sequences waiting to
+        join come in first, as the TBT bound allows."""
+        self.admit_joining()
         decodes = self.schedule_decodes()
         return self.schedule_prompts(self.max_num_batched_tokens - len(decodes)) + decodes
 

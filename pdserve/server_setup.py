@@ -258,7 +258,8 @@ def load_engine(args, kv_transfer: bool = False, role: str = "prefill") -> tuple
                            tensor_parallel_size=args.tensor_parallel_size, kv_transfer=kv_transfer,
                            kv_push_per_rank=getattr(args, "kv_push", "gather") == "per-rank",
                            kv_checksum=bool(getattr(args, "kv_checksum", False)),
-                           kv_cache_shared=role == "decode" and getattr(args, "kv_same_node", "off") != "off")
+                           kv_cache_shared=role == "decode" and getattr(args, "kv_same_node", "off") != "off",
+                           **step_switches(args))
         size = kv_sizing.size_kv_pool(
             flags, dtype=describe_kv(args.kv_cache_dtype, args.dtype), block_size=args.block_size,
             bytes_per_block=rank0_bytes_per_block(args, loaded, kv_transfer),
@@ -271,6 +272,16 @@ def load_engine(args, kv_transfer: bool = False, role: str = "prefill") -> tuple
     except (ValueError, OSError, TensorParallelError) as exc:  # bad flags or model files, a rank that could not
         raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None  # start: a message, not a traceback
     return loaded, engine, max_len
+
+
+STEP_TRACE_STEPS = 500_000  # steps a decode's --step-trace keeps (the newest; about 100 MB at most)
+
+
+def step_switches(args) -> dict:
+    """The EngineConfig fields of a decode's step flags: --tbt-slo-ms (the TBT-bounded batch) and --step-trace
+    (the step records, engine/step_trace.py); absent flags (the prefill's) leave both off."""
+    return {"tbt_slo_ms": float(getattr(args, "tbt_slo_ms", 0.0) or 0.0),
+            "step_trace": STEP_TRACE_STEPS if getattr(args, "step_trace", None) else 0}
 
 
 def rank0_bytes_per_block(args, loaded: LoadedModel, kv_transfer: bool) -> int:

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from pdserve import kv_sizing
-from pdserve.server_setup import ServerParts, kv_flags, resolve_device, served_model_name
+from pdserve.server_setup import ServerParts, kv_flags, resolve_device, served_model_name, step_switches
 
 log = logging.getLogger("pdserve.server")
 SIM_MODEL_TAG = "+sim"  # on the Compat's model: a sim server pairs only with sim servers
@@ -77,7 +77,7 @@ def build_sim_server_engine(args, role: str) -> ServerParts:
                               long_prefill_threshold=args.long_prefill_threshold,
                               kv_host_tier_bytes=args.kv_host_tier_bytes, kv_disk_tier_dir=args.kv_disk_tier_dir,
                               kv_disk_tier_bytes=args.kv_disk_tier_bytes,
-                              tensor_parallel_size=args.tensor_parallel_size)
+                              tensor_parallel_size=args.tensor_parallel_size, **step_switches(args))
         sim = SimEngine(profile, tokenizer, config)
     except ValueError as exc:
         raise SystemExit(f"pdserve: cannot start the engine: {exc}") from None

@@ -82,7 +82,8 @@ log = logging.getLogger(__name__)
 __all__ = ["RequestConductor", "TRANSIENT_CODES"]
 
 # Refusals that mean "busy now": worth waiting in line for when nothing else works.
-TRANSIENT_CODES = frozenset({"out_of_blocks", "prefill_busy"})
+# busy now: wait in line and ask again ("tbt_bound": a decode's --tbt-slo-ms has no room for one more request now)
+TRANSIENT_CODES = frozenset({"out_of_blocks", "prefill_busy", "tbt_bound"})
 
 
 @dataclass(slots=True)

@@ -104,7 +104,7 @@ class Monitor(threading.Thread):
             self.done.wait(self.every)
 
 
-def _wait_all_ready(servers_json: Path, proc, timeout: float = 300.0) -> None:
+def wait_all_ready(servers_json: Path, proc, timeout: float = 300.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.popen.poll() is not None:
@@ -127,7 +127,7 @@ def run_arm(arm: str, args: argparse.Namespace, specs: list[RequestSpec], arriva
         proc = launcher.start(f"up-{arm}", ["up", *arm_flags(arm, args), "--port", str(port), "--grpc-port",
                                             str(grpc_port), "--log-dir", str(up_dir)])
         launcher.wait_ready(proc, url + "/ready", timeout=300)
-        _wait_all_ready(up_dir / "servers.json", proc)
+        wait_all_ready(up_dir / "servers.json", proc)
         send(url, specs[:2], concurrency=1, model="tiny")  # warm-up, not measured
         (up_dir / "autoscale.jsonl").unlink(missing_ok=True)  # decisions of the measured run only
         t0, wall0 = time.perf_counter(), time.time()

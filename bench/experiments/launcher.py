@@ -8,7 +8,9 @@ with logs in the experiment's output folder.
 SIGKILL after a grace period, also when the experiment fails.
 
 ``bench_model(dir, size)`` writes a random-weight Llama checkpoint bigger than the built-in
-``tiny`` one, so that prefill compute and KV sizes are large enough to measure.
+``tiny`` one, so that prefill compute and KV sizes are large enough to measure; ``experiment_model(name)``
+is an experiment's ``--model``: ``tiny``, a ``bench_model`` size, ``peer`` (the peer experiment's 122M
+Llama, ``peer_model.py``) or a checkpoint directory.
 """
 
 from __future__ import annotations
@@ -62,6 +64,24 @@ def bench_model(directory: Path, size: str, max_len: int = 16384) -> str:
                       bos_token_id=tiny.bos_token_id, eos_token_ids=list(tiny.eos_token_ids))
     save_hf_checkpoint(random_hf_weights(cfg, seed=0), cfg, path)
     return str(path)
+
+
+MODEL_HELP = (f"tiny | {' | '.join(BENCH_MODELS)} | peer (the peer experiment's 122M-parameter random Llama, "
+              "written once under ~/.cache/pdserve/bench-models) | a checkpoint directory")
+
+
+def experiment_model(name: str, max_len: int = 4096) -> str:
+    """The servers' model for an experiment's ``--model`` (``MODEL_HELP``); a checkpoint is written once."""
+    if name == "tiny" or name in BENCH_MODELS:
+        return bench_model(MODEL_CACHE, name)
+    if name == "peer":
+        from .peer_model import peer_model
+
+        return str(peer_model(MODEL_CACHE, "peer", max(4096, max_len)))  # the peer experiment's file for <= 4096
+    if (Path(name) / "config.json").is_file():
+        return name
+    raise ValueError(f"--model {name!r}: neither tiny, {', '.join(BENCH_MODELS)}, peer nor a checkpoint directory "
+                     "(no config.json there)")
 
 
 @dataclass

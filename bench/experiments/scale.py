@@ -10,8 +10,10 @@ fresh cluster (cold caches):
 - ``wrr``, ``rr`` (with ``--picker-decodes``, default 64): prefix routing, the prefills' decode picker
   (``--policy wrr|rr``) over that many decodes;
 - ``day``: prefix routing on a compressed day (``scale_workload.daily_cycle``: the trace's conversations on a
-  daily cycle squeezed into ``--day-s``), static at the full cluster: the load curve the SLO planner would follow
-  (the planner itself over that day is not run here: see docs/benchmarks.md).
+  daily cycle squeezed into ``--day-s``), static at the full cluster;
+- ``day-planner``, ``day-peak``, ``day-mean`` (``scale_day.py``): that day on ``pdserve up --engine sim
+  --autoscale``, the SLO planner sizing both pools against fixed sizing at the day's peak and at its mean:
+  SLO attainment, goodput and pod-seconds per arm.
 
 What is simulated, and what is real. The servers are the real processes (router, prefills' Session, picker, SLO
 queue, KV events, the real scheduler, BlockManager and prefix cache); each engine step sleeps the profile's time
@@ -42,7 +44,7 @@ from pathlib import Path
 
 from pdserve.engine.sim.profile import StepTime, load_profile
 
-from . import report, scale_report
+from . import report, scale_day, scale_day_figure, scale_report
 from .client import send
 from .cluster import start_routed
 from .launcher import LOG_ROOT, Launcher
@@ -52,7 +54,7 @@ from .trace_routing import ARMS as ROUTER_ARMS
 from ..trace_replay import MOONCAKE_TRACE, read_trace
 
 PICKER_ARMS = {"wrr": ["--policy", "wrr"], "rr": ["--policy", "rr"]}
-ALL_ARMS = (*ROUTER_ARMS, *PICKER_ARMS, "day")
+ALL_ARMS = (*ROUTER_ARMS, *PICKER_ARMS, "day", *scale_day.DAY_ARMS)
 SIM_MODEL = "tiny"  # the built-in name: the sim servers and the router read its byte-level tokenizer (no weights)
 
 
@@ -63,9 +65,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speedup", type=float, default=1.0,
                    help="simulated seconds per wall second: arrivals, step and link times / k (default 1)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--day-s", type=float, default=3600.0, help="'day' arm: simulated seconds of the compressed day")
-    g.add_argument("--peak-to-trough", type=float, default=4.0, help="'day' arm: the day's peak rate / trough")
-    g.add_argument("--day-load", type=float, default=1.0, help="'day' arm: mean rate x the trace's")
+    g.add_argument("--day-s", type=float, default=3600.0, help="day arms: simulated seconds of the compressed day")
+    g.add_argument("--peak-to-trough", type=float, default=3.0,
+                   help="day arms: the day's peak rate / trough (scale_workload.py says why 3)")
+    g.add_argument("--day-load", type=float, default=1.0, help="day arms: mean rate x the trace's")
+    g.add_argument("--turn-pace", type=float, default=1.0,
+                   help="day arms: a conversation's waits between turns / this (1: the trace's users' own pace)")
+    g.add_argument("--day-bins", type=int, default=12, help="day arms: parts of the day for its trough and peak")
+    g.add_argument("--day-max-factor", type=float, default=2.0,
+                   help="day-planner: the most replicas of a pool, x the peak's sizing (at least it + 1)")
+    g.add_argument("--plan-interval", type=float, default=1.0, help="day-planner: wall seconds between decisions")
+    g.add_argument("--plan-window", type=float, default=4.0, help="day-planner: wall seconds of metrics per decision")
+    g.add_argument("--scale-down-window", type=float, default=10.0,
+                   help="day-planner: wall seconds of stabilisation before a scale-down")
+    g.add_argument("--cooldown", type=float, default=5.0, help="day-planner: wall seconds after a change before a "
+                   "scale-down")
     g = parser.add_argument_group("cluster")
     g.add_argument("--arms", default="round-robin,least-loaded,prefix", help=f"comma list of {', '.join(ALL_ARMS)}")
     g.add_argument("--prefills", type=int, default=8)
@@ -171,7 +185,14 @@ def run(args: argparse.Namespace) -> int:
     specs, arrivals = full_workload(reqs, args.speedup, args.seed)
     bound = reuse_bound(reqs, args.prefills)
     bound.update(ttft_floor(reqs, args))
-    day_reqs, cycle = daily_cycle(reqs, args.day_s, args.peak_to_trough, args.day_load, args.seed)
+    day_reqs, cycle = daily_cycle(reqs, args.day_s, args.peak_to_trough, args.day_load, args.seed,
+                                  args.turn_pace)
+    sizing: dict = {}
+    pools: dict = {}
+    if any(a in scale_day.DAY_ARMS for a in arms):  # the pools each day arm runs, from the profile
+        sizing = scale_day.day_sizing(day_reqs, args.day_s, args.day_bins, load_profile(args.profile).step,
+                                      args.max_num_batched_tokens, args.num_blocks, args.slo_tbt_ms / 1000)
+        pools = sizing.pop("_pools")
     longest = max(r.input_length + r.output_length for r in reqs + day_reqs)
     max_len = -(-(longest + 64) // 1024) * 1024
     out = Path(args.out)
@@ -181,6 +202,11 @@ def run(args: argparse.Namespace) -> int:
             f"{bound['round_robin']:.1%}; no-queueing TTFT p99 best router / round robin "
             f"{bound['unqueued_ttft_one_cache']['p99_s'] / bound['unqueued_ttft_round_robin']['p99_s']:.2f}; "
             f"arms {arms}; max_model_len {max_len}")
+    if pools:
+        r = sizing["rates_rps"]
+        plan += (f"; the day: {len(day_reqs)} requests over {args.day_s:g} s, rate trough/mean/peak {r['trough']:.2f}/"
+                 f"{r['mean']:.2f}/{r['peak']:.2f} req/s, pools (prefills, decodes) "
+                 + ", ".join(f"{k} {v.prefills}+{v.decodes}" for k, v in pools.items()))
     if args.dry_run:
         print("dry run (nothing started)\n" + plan)
         return 0
@@ -193,19 +219,27 @@ def run(args: argparse.Namespace) -> int:
             row = run_arm(args, arm, profile, day_specs, day_arrivals, max_len)
             row["day"] = {**dataclasses.asdict(cycle), "requests": len(day_reqs),
                           "rate_by_bin": rate_by_bin([r.time_s for r in day_reqs], args.day_s, 24)}
+        elif arm in scale_day.DAY_ARMS:
+            row = scale_day.run_arm(args, arm, profile, day_reqs, pools, max_len, _say)
         else:
             row = run_arm(args, arm, profile, specs, arrivals, max_len)
         runs.append(row)
-        report.save(out, args.name, _doc(args, plan, bound, profile, runs))  # after every arm: a partial result
-    doc = _doc(args, plan, bound, profile, runs)
+        report.save(out, args.name, _doc(args, plan, bound, profile, runs, sizing, cycle))  # a partial result
+    doc = _doc(args, plan, bound, profile, runs, sizing, cycle)
     path = report.save(out, args.name, doc)
     print(scale_report.format_table(doc))
+    print("\n".join(scale_day.format_lines(doc)))
+    png = scale_day_figure.plot(runs, out / f"{args.name}-day.png", args.speedup)
+    if png is not None:
+        print(f"wrote {png}")
     print(f"wrote {path}")
     return 0
 
 
-def _doc(args, plan: str, bound: dict, profile: Path, runs: list[dict]) -> dict:
+def _doc(args, plan: str, bound: dict, profile: Path, runs: list[dict], sizing: dict, cycle) -> dict:
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
     compared = scale_report.compare(runs)
     return {"params": params, "plan": plan, "reuse_bound": bound, "profile": json.loads(profile.read_text()),
-            "runs": runs, "ratios": compared, "targets": scale_report.targets(compared)}
+            "runs": runs, "ratios": compared, "targets": scale_report.targets(compared),
+            "day": {**dataclasses.asdict(cycle), **sizing},
+            "day_verdict": scale_day.verdict(runs, args.slo_ttft_ms / 1000, args.slo_tbt_ms / 1000)}

@@ -17,6 +17,15 @@ median relative error (|estimate at arrival - actual| / actual, completion time 
 served request and waiting time of the requests that waited), the policy's mean decision
 cost. Targets (issue 11): interactive attainment >= 0.95 where fifo's < 0.7; batch throughput
 >= 0.9x fifo's; estimator median error <= 20%.
+
+The defaults fit the built-in ``tiny`` model (a decode step of a few ms here). At 122M parameters
+(``--model peer``: the peer experiment's random Llama, written once by ``peer_model.py``) a decode
+step of a few requests takes 45-57 ms on one core here (the peer experiment's TPOT at 512 / 64), about
+3.5 times ``tiny``'s (its batch requests, about three at a time, decoded at 184 tok/s: 16 ms a step),
+so every time is stretched 4 times and the lengths kept: interactive ``--rate 0.375``, bursts of 16
+``--burst-every 80``, ``--interactive-ttft-ms 8000 --interactive-e2e-ms 24000 --batch-e2e-ms 720000``;
+``--duration 160`` (two bursts instead of three; two policies planned for about 12 minutes on a quiet
+box, not yet seen: the one attempt, at load 14-83, was stopped after 18 minutes of fifo).
 """
 
 from __future__ import annotations
@@ -38,13 +47,14 @@ from pdserve.slo import classes as slo_classes
 
 from . import report
 from .cluster import SERVED_MODEL, start_pd
-from .launcher import LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model, metric_sum, scrape
+from .launcher import LOG_ROOT, MODEL_HELP, PROMPT_VOCAB, Launcher, experiment_model, metric_sum, scrape
 
 CLASS_PRIORITY = {"interactive": 0, "batch": 1}
+MAX_MODEL_LEN = 800 + 400 + 64  # the longest prompt and output of LENGTHS, and a block
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="tiny | small | medium | a checkpoint directory")
+    parser.add_argument("--model", default="tiny", help=MODEL_HELP)
     parser.add_argument("--policies", default="fifo,edf,qlm", help="queue policies to compare, comma separated")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals")
     parser.add_argument("--rate", type=float, default=1.5, help="interactive requests per second (Poisson)")
@@ -131,10 +141,9 @@ async def send_items(url: str, items: list[Item], timeout: float) -> list[Reques
 def run_policy(args, policy: str, model: str, items: list[Item]) -> dict:
     slo = slo_config(args)
     classes = slo_classes.parse(slo)
-    max_len = 800 + 400 + 64
     with Launcher(LOG_ROOT / f"slo-{policy}") as launcher:
         cluster = start_pd(launcher, model, 1, prefill_threads=1, decode_threads=1, num_blocks=256,
-                           decode_blocks=[args.decode_blocks], max_model_len=max_len,
+                           decode_blocks=[args.decode_blocks], max_model_len=MAX_MODEL_LEN,
                            prefill_extra=["--queue-policy", policy, "--slo-classes", json.dumps(slo),
                                           "--queue-timeout", "600", "--load-report-interval", "0.1"])
         for w in warmup(args.seed):
@@ -212,7 +221,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    model = bench_model(MODEL_CACHE, args.model)
+    try:
+        model = experiment_model(args.model, MAX_MODEL_LEN)
+    except ValueError as e:
+        raise SystemExit(f"slo: {e}") from None
     items = workload(args)
     print(f"trace: {sum(i.cls == 'interactive' for i in items)} interactive, {sum(i.cls == 'batch' for i in items)} "
           f"batch over {args.duration:g}s")

@@ -27,6 +27,15 @@ are cut at 4K, outputs at 32 tokens (the decodes share the 2 cores). 1% of the c
 the whole hour (185 requests with seed 0), time scaled so they arrive over 90 s: about 100
 core-seconds of prefill without any cache hit. With cluster start-up, 6 runs (3 arms x 2) take
 about 12 minutes on a quiet 2-core box.
+
+At 122M parameters (``--model peer``: the peer experiment's random Llama, hidden 1024, 8 layers,
+written once by ``peer_model.py``): a 1K-token prefill takes about 2 s of a core, 8 times ``small``'s,
+so the same load (about 1.1 cores of prefill without cache hits) is 0.4% of the conversations (75
+requests with seed 0, 83K prompt tokens after the cut) over 150 s, prompts cut at 2K (the checkpoint
+holds 4,096 positions), and the SLO scaled as the peer experiment's trace cell at this model scales
+it (TTFT <= 8 s, TBT <= 200 ms): ``--model peer --sample 0.004 --duration 150 --max-prompt-tokens 2048
+--slo-ttft-ms 8000 --slo-tbt-ms 200 --request-timeout 300``; with ``--arms round-robin,prefix`` 4 runs
+take about 15 minutes.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from pdserve.defaults import BLOCK_SIZE
 from . import report
 from .client import send
 from .cluster import Cluster, start_routed
-from .launcher import BENCH_MODELS, LOG_ROOT, MODEL_CACHE, PROMPT_VOCAB, Launcher, bench_model, metric_sum, scrape
+from .launcher import LOG_ROOT, MODEL_HELP, PROMPT_VOCAB, Launcher, experiment_model, metric_sum, scrape
 from .prefix import wait_routable
 from .trace_routing_figures import (BASELINE, DECODE_BLOCK_SOURCES, DECODE_COUNTERS, PREFILL_COUNTERS,
                                     ROUTER_COUNTERS, TARGETS, arm_order, counter_delta, pair_ratios, ratios,
@@ -74,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-prompt-tokens", type=int, default=4096, help="prompts cut here after scaling")
     g.add_argument("--max-output-tokens", type=int, default=32, help="outputs cut here after scaling")
     g = parser.add_argument_group("cluster and arms")
-    g.add_argument("--model", default="small", help="tiny | small | medium | a checkpoint directory")
+    g.add_argument("--model", default="small", help=MODEL_HELP)
     g.add_argument("--prefills", type=int, default=2, help="prefills behind the router (2 or 3)")
     g.add_argument("--decodes", type=int, default=2, help="decodes")
     g.add_argument("--num-blocks", type=int, default=1536, help="KV blocks of every server (64 tokens each)")
@@ -141,10 +150,10 @@ def run(args: argparse.Namespace) -> int:
                               start_s=args.window_start, window_s=args.window, max_requests=args.max_requests,
                               max_prompt_tokens=args.max_prompt_tokens, max_output_tokens=args.max_output_tokens,
                               seed=args.seed)
+        model = experiment_model(args.model, args.max_prompt_tokens + args.max_output_tokens + 64)
     except ValueError as e:
         raise SystemExit(f"trace-routing: {e}") from None
     arms = _arms(args.arms)
-    model = bench_model(MODEL_CACHE, args.model) if args.model == "tiny" or args.model in BENCH_MODELS else args.model
     ceiling = reuse_ceiling(work.specs, args.prefills, BLOCK_SIZE)
     bound = ceiling["computed_ratio_bound"]
     print(f"workload: {work.describe()}; {work.prompt_tokens} prompt tokens")

@@ -105,3 +105,37 @@ def test_unqueued_ttft_computes_only_what_the_caches_miss():
     assert one == [2 * BLOCK, BLOCK + 2 * BLOCK / 1000, BLOCK + 2 * BLOCK / 1000]
     rr = unqueued_ttft(reqs, cost, n_prefills=2, one_cache=False)  # request 1 on the other, empty cache
     assert rr == [2 * BLOCK, 3 * BLOCK, BLOCK + 2 * BLOCK / 1000]
+
+
+def test_turn_pace_divides_a_conversations_waits_between_turns():
+    reqs = _conversations(400, turns=3, gap=30.0)
+    day, _ = daily_cycle(reqs, day_s=2000.0, peak_to_trough=3.0, seed=3, turn_pace=10.0)
+    whole = [c for c in conversations(day) if c[0].time_s < 1900]
+    assert whole and all([r.time_s - c[0].time_s for r in c] == pytest.approx([0, 3, 6]) for c in whole)
+    with pytest.raises(ValueError, match="turn_pace"):
+        daily_cycle(reqs, 2000.0, turn_pace=0)
+
+
+def test_a_day_of_the_mooncake_trace_keeps_its_lengths_and_its_reuse():
+    """The day the scale experiment runs (240 s, turn pace 10): the trace's prompt and output lengths (median and
+    p90 within 10%) and the share of prompt tokens a perfect prefix cache serves (within 5 points); at the users'
+    own pace the same day loses most of that reuse (the second turns fall after it ends)."""
+    from pdserve.bench.trace_replay import MOONCAKE_TRACE, read_trace
+
+    reqs = read_trace(MOONCAKE_TRACE, "mooncake")
+    day, cycle = daily_cycle(reqs, day_s=240.0, peak_to_trough=3.0, seed=0, turn_pace=10.0)
+
+    def q(values, p):
+        return sorted(values)[int(p * len(values))]
+
+    for length in ("input_length", "output_length"):
+        for p in (0.5, 0.9):
+            trace_q, day_q = q([getattr(r, length) for r in reqs], p), q([getattr(r, length) for r in day], p)
+            assert day_q == pytest.approx(trace_q, rel=0.1), (length, p)
+    trace_reuse = reuse_bound(reqs)["one_cache"]
+    assert reuse_bound(day)["one_cache"] == pytest.approx(trace_reuse, abs=0.05)
+    slow, _ = daily_cycle(reqs, day_s=240.0, peak_to_trough=3.0, seed=0)
+    assert reuse_bound(slow)["one_cache"] < trace_reuse / 2
+    per_bin = rate_by_bin([r.time_s for r in day], 240.0, 4)  # the middle of the day busier than its ends
+    assert per_bin[1] + per_bin[2] > 1.5 * (per_bin[0] + per_bin[3])
+    assert len(day) / 240.0 == pytest.approx(len(reqs) / (reqs[-1].time_s - reqs[0].time_s), rel=0.25)
