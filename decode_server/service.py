@@ -27,6 +27,7 @@ from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
 from pdserve.protos.version import PROTOCOL_VERSION
+from pdserve.server_setup import merged_stats
 
 from .registry import SessionInfo
 from .session import DecodeSession, SessionDeps
@@ -90,7 +91,8 @@ class DecodeService(pb_grpc.DecodeServicer):
             "kv_blocks_free": stats["num_free_blocks"],
             "kv_blocks_used": stats["num_blocks"] - stats["num_free_blocks"],
             "swapped_requests": self.engine.swapped()[0],  # evicted to host memory (lso.py)
-            "cachestore": self.receiver.stats(),
+            "cachestore": merged_stats(self.receiver, self.deps.ranks.receivers if self.deps.ranks else []),
+            "kv_push": self.deps.ranks.state() if self.deps.ranks is not None else None,
             "draining": self.registry.draining,
             **({"kv_pool": self.pool.stats()} if self.pool is not None else {}),
         }

@@ -13,7 +13,9 @@ Request lifecycle on decode (each step is a method below):
    decode's prefix cache holds (``reserve_prefix``): those ``cached_blocks`` are pinned by
    the reservation (no eviction can take them before step 5), whatever the KV events said
    before. The CacheStore receiver is told to expect the OTHER prompt blocks;
-   ``Allocation`` (cached_blocks, their block ids, receiver endpoint) goes back to prefill.
+   ``Allocation`` (cached_blocks, their block ids, receiver endpoint) goes back to prefill. Or, where the
+   prefill pushes per rank (``rank_receivers.py``), every rank's receiver expects them and the Allocation
+   lists one ``RankTarget`` per rank; every wait and clean-up below then covers every rank's entry.
 3. **transfer** - prefill answers with ``FirstToken`` or ``ComputePrompt`` before the
    session timeout (set by prefill in ``Start``, capped by ours).
    ``ComputePrompt``: the CacheStore entry is deleted (no KV comes) and the request joins
@@ -76,8 +78,9 @@ from pdserve.test_hooks import wait_at_gate
 
 from . import admission
 from .pooled_decode import PooledDecode
+from .rank_receivers import RankArrival
 from .registry import SessionInfo
-from .session_deps import SessionDeps
+from .session_deps import KVArrival, SessionDeps
 from .session_pooled import PooledSteps
 from .session_stream import End, SessionEnded
 
@@ -104,6 +107,8 @@ class DecodeSession(PooledSteps):
         self.request_id = ""  # the Start's (admission refuses an empty one)
         self.reserved = False
         self.expected = False
+        self.kv_in: KVArrival = deps.receiver  # where this request's KV lands: the receiver, or every rank's
+        self.arrival: RankArrival | None = None  # the per-rank push's entries (rank_receivers.py), when offered
         self.cached_blocks = 0  # leading prompt blocks reused from our prefix cache
         self.pooled: PooledDecode | None = None  # the pooled path (KV partly on lenders)
         self.info: SessionInfo | None = None
@@ -147,11 +152,11 @@ class DecodeSession(PooledSteps):
                 await self.until_peer_gone_or(self._decode(start, None), None, "decoding")
                 return
             remaining = max(0.01, deadline - time.monotonic())
-            await self.until_peer_gone_or(deps.receiver.wait_all(self.request_id, remaining), remaining + 0.5,
+            await self.until_peer_gone_or(self.kv_in.wait_all(self.request_id, remaining), remaining + 0.5,
                                           "the KV layers")
             # The KV is in the blocks: unpin the CacheStore entry now, before the engine can
             # finish the request and hand its blocks to another request's expect().
-            deps.receiver.delete(self.request_id)
+            self.kv_in.delete(self.request_id)
             self.expected = False
             if self.pooled is not None:  # the lenders' parts too
                 remaining = max(0.01, deadline - time.monotonic())
@@ -205,7 +210,7 @@ class DecodeSession(PooledSteps):
         deps.registry.remember_arrivals(self.request_id, times)
         try:
             for layer in range(deps.compat.num_layers):
-                await deps.receiver.load(self.request_id, layer, timeout)
+                await self.kv_in.load(self.request_id, layer, timeout)
                 times.append(time.monotonic())
         except Exception:  # noqa: BLE001 - failures are handled by the session itself
             pass
@@ -242,6 +247,12 @@ class DecodeSession(PooledSteps):
         deps.registry.add(info)
         to_receive = list(block_ids[self.cached_blocks: start.blocks_needed])
         timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
+        if deps.ranks is not None and deps.ranks.pairs_with(start.compat):  # each prefill rank pushes to our ranks
+            self.kv_in = self.arrival = deps.ranks.expect(rid, to_receive, timeout)
+            self.expected = True
+            await self.write(allocation=pb.Allocation(block_ids=to_receive, cached_blocks=self.cached_blocks,
+                                                      rank_targets=self.arrival.targets))
+            return info
         for_sender = deps.receiver.expect(rid, to_receive, timeout)
         self.expected = True
         await self.write(allocation=pb.Allocation(block_ids=list(for_sender),
@@ -268,10 +279,9 @@ class DecodeSession(PooledSteps):
 
     async def _stop_receiving(self) -> None:
         """ComputePrompt: no KV comes; drop the CacheStore entry before the engine writes the blocks."""
-        deps = self.deps
-        deps.receiver.delete(self.request_id)
+        self.kv_in.delete(self.request_id)
         self.expected = False
-        await deps.receiver.released(self.request_id, 5.0)
+        await self.kv_in.released(self.request_id, 5.0)
 
     async def _decode(self, start: pb.Start, first_token: int | None) -> None:
         """Step 4: stream the engine's outputs; ``first_token`` None: compute the prompt here first."""
@@ -318,8 +328,10 @@ class DecodeSession(PooledSteps):
             return
         was_receiving = self.expected
         if self.expected:
-            deps.receiver.delete(rid)
+            self.kv_in.delete(rid)
             self.expected = False
+        if self.arrival is not None:
+            self.arrival.forget()
         if self.info is not None and deps.registry.remove(self.info):
             deps.metrics.request_done(*self.outcome)
         if self.pooled is not None:
@@ -337,7 +349,7 @@ class DecodeSession(PooledSteps):
         deps = self.deps
         if was_receiving:
             try:
-                await deps.receiver.released(rid, 5.0)
+                await self.kv_in.released(rid, 5.0)
             except Exception as exc:  # noqa: BLE001 - still free them; log why it took so long
                 log.warning("request %s: %s", rid, exc)
         await deps.engine.release(rid)

@@ -12,7 +12,9 @@ uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
    loads: with them the receiver, the gRPC port and the KV pool's connections are mutual TLS.
 3. **receiver** - the CacheStoreReceiver on the engine's KV pool (region, layout, compat):
    --transfer, listening on --host:--kv-port, advertising --advertise-host, --kv-checksum
-   required or not, the TLS files; a checksum mismatch counts in the metrics. Started.
+   required or not, the TLS files; a checksum mismatch counts in the metrics. Started. With the per-rank
+   push (``ServerParts.rank_parts``, --kv-push per-rank) the rank receivers too: one per rank on its pool,
+   rank r's on --kv-port + 1 + r (``start_rank_receivers``; at size 1 the receiver itself).
 4. **KV pool** (only with --kv-pool) - DecodePool: the engine, our id in the ledger
    (--kv-pool-instance-id, default the advertised host:--kv-pool-port), the gManager (--kv-pool),
    --host:--kv-pool-port for its KVLender, --kv-pool-lend-fraction, and the receiver (lenders take a
@@ -34,7 +36,7 @@ uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
 
 Stop (``DecodeServer``): ``drain`` marks the registry draining (new Starts are refused, /ready
 503) and waits --drain-timeout for the live sessions; ``stop`` then stops gRPC, HTTP, the KV pool
-(before the receiver: releasing a loan deletes its CacheStore entry), the receiver and the engine.
+(before the receiver: releasing a loan deletes its CacheStore entry), the receiver(s) and the engine.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import grpc
@@ -63,6 +65,7 @@ from pdserve.test_hooks import TestGates
 
 from .decode_engine import DecodeEngine
 from .lso import LsoController
+from .rank_receivers import RankReceivers
 from .registry import SessionRegistry
 from .service import DecodeService
 from .session_deps import SessionDeps
@@ -89,6 +92,7 @@ async def start(args: argparse.Namespace) -> DecodeServer:
     kv_events = await start_engine(engine, metrics, args.block_size)
     receiver = await start_receiver(parts, metrics, args.transfer, args.host, args.kv_port, args.advertise_host,
                                     args.kv_checksum, tls_files, same_node=args.kv_same_node != "off")
+    ranks = await start_rank_receivers(parts, receiver, metrics, args, tls_files)
     pool = None
     if args.kv_pool:  # after the receiver: lenders take a pooled request's KV from the prefill through it
         instance_id = args.kv_pool_instance_id or f"{args.advertise_host or args.host}:{args.kv_pool_port}"
@@ -99,7 +103,7 @@ async def start(args: argparse.Namespace) -> DecodeServer:
         engine, receiver, parts.compat_message, sampling_cls=SamplingParams, out_of_blocks_error=OutOfBlocksError,
         max_model_len=parts.max_model_len, kv_bytes_per_block=parts.kv_bytes_per_block,
         free_bytes_per_block=parts.free_bytes_per_block,
-        session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool,
+        session_timeout_s=args.session_timeout, metrics=metrics, eviction=args.eviction, pool=pool, ranks=ranks,
     )
     trace = follow_steps(engine, receiver)
     track_load(metrics, service, engine, args.block_size)
@@ -110,7 +114,7 @@ async def start(args: argparse.Namespace) -> DecodeServer:
              args.host, args.port, args.host, args.http_port, args.kv_port, args.transfer, parts.model_name,
              engine.num_blocks)
     return DecodeServer(engine, receiver, pool, service, http_runner, grpc_server, trace,
-                        getattr(args, "step_trace", None))
+                        getattr(args, "step_trace", None), ranks)
 
 
 def follow_steps(engine: ServerEngine, receiver: CacheStoreReceiver) -> StepTrace | None:
@@ -127,7 +131,7 @@ def build_service(engine: ServerEngine, receiver: CacheStoreReceiver, compat: pb
                   kv_bytes_per_block: int, session_timeout_s: float = SESSION_TIMEOUT_S,
                   metrics: ServerMetrics | None = None,
                   eviction: bool = True, pool: DecodePool | None = None,
-                  free_bytes_per_block: int | None = None) -> DecodeService:
+                  free_bytes_per_block: int | None = None, ranks: RankReceivers | None = None) -> DecodeService:
     """The DecodeService and the SessionDeps every DecodeSession is given (module docstring, step 5);
     ``kv_bytes_per_block``: all layers, K and V, as the wire moves it; ``free_bytes_per_block``: what a free
     block is worth in the load report (tensor parallelism: one rank's pool, the tightest; default the same);
@@ -142,7 +146,7 @@ def build_service(engine: ServerEngine, receiver: CacheStoreReceiver, compat: pb
     deps = SessionDeps(
         engine=DecodeEngine(engine, sampling_cls, session_metrics, lso), receiver=receiver, registry=SessionRegistry(),
         metrics=session_metrics, compat=compat, max_model_len=max_model_len, session_timeout_s=session_timeout_s,
-        out_of_blocks_error=out_of_blocks_error, pool=pool, gates=TestGates.from_environment(),
+        out_of_blocks_error=out_of_blocks_error, pool=pool, gates=TestGates.from_environment(), ranks=ranks,
     )
     return DecodeService(engine, deps, free_bytes_per_block or kv_bytes_per_block)
 
@@ -169,6 +173,26 @@ async def start_receiver(parts: ServerParts, metrics: ServerMetrics, transport: 
                                   on_checksum_mismatch=lambda rid, layer: metrics.kv_checksum_mismatches.inc())
     await receiver.start()
     return receiver
+
+
+async def start_rank_receivers(parts: ServerParts, receiver: CacheStoreReceiver, metrics: ServerMetrics, args,
+                               tls_files: tls.TlsFiles | None) -> RankReceivers | None:
+    """The per-rank push's receivers (rank_receivers.py), started: at tensor-parallel size 1 the receiver itself; at
+    N one per rank on its pool, rank r's on ``--kv-port`` + 1 + r (an ephemeral port when --kv-port is 0). None
+    when this server does not offer the per-rank push (``ServerParts.rank_parts`` empty: --kv-push gather, CUDA)."""
+    if not parts.rank_parts:
+        return None
+    receivers = [receiver]
+    if parts.tensor_parallel_size > 1:
+        receivers = []
+        for rank, (region, layout, compat) in enumerate(parts.rank_parts):
+            rank_parts = replace(parts, region=region, layout=layout, compat=compat)
+            port = args.kv_port + 1 + rank if args.kv_port else 0
+            receivers.append(await start_receiver(rank_parts, metrics, args.transfer, args.host, port,
+                                                  args.advertise_host, args.kv_checksum, tls_files,
+                                                  same_node=args.kv_same_node != "off"))
+    assert parts.kv_landed is not None
+    return RankReceivers(receivers, parts.compat_message.num_kv_heads, parts.kv_landed)
 
 
 def start_pool(engine: ServerEngine, receiver: CacheStoreReceiver, metrics: ServerMetrics, *, instance_id: str,
@@ -270,6 +294,7 @@ class DecodeServer:
     grpc_server: grpc.aio.Server
     trace: StepTrace | None = None  # --step-trace: written to trace_path at stop
     trace_path: str | None = None
+    ranks: RankReceivers | None = None  # the per-rank push's receivers (the receiver itself at size 1)
 
     async def drain(self, sig: str, timeout_s: float) -> None:
         """New Starts refused (/ready 503), then up to ``timeout_s`` for the live sessions."""
@@ -286,6 +311,9 @@ class DecodeServer:
         if self.pool is not None:  # before the receiver: releasing a loan deletes its CacheStore entry
             await asyncio.to_thread(self.pool.stop)
         await self.receiver.stop()
+        for rank_receiver in self.ranks.receivers if self.ranks is not None else []:
+            if rank_receiver is not self.receiver:
+                await rank_receiver.stop()
         await self.engine.stop()
         if self.trace is not None:
             self.trace.close()

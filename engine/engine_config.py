@@ -51,6 +51,10 @@ class EngineConfig:
     # pool through rank 0's transfer pool, the whole model's KV heads for every block (tp/transfer.py; its
     # memory is the cost). False: a TP engine refuses to move KV. No effect at tensor_parallel_size 1
     kv_transfer: bool = False
+    # with kv_transfer at tensor_parallel_size > 1 on the CPU: every rank's pool in shared memory, mapped by rank 0
+    # (tp/rank_pools.py), so each rank's KV head shard can move on its own CacheStore link (the per-rank push:
+    # the servers' --kv-push). The transfer pool stays, for peers that pair only through it
+    kv_push_per_rank: bool = True
     # with kv_transfer at tensor_parallel_size > 1: each rank's KV shard summed (CRC32C) on both sides of rank 0's
     # hop (tp/transfer.py; the servers' --kv-checksum, whose wire checksums cover the rest of the way)
     kv_checksum: bool = False

@@ -46,3 +46,33 @@ def shared_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tens
     flat = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
     flat.zero_()  # every page allocated and mapped now, not on first touch in a step (module docstring)
     return flat.view(dtype).view(shape), fd
+
+
+def describe(fd: int) -> dict:
+    """What another process of this machine (and user) needs to map the memfd ``fd`` of this one (``open_shared``)."""
+    st = os.fstat(fd)
+    return {"pid": os.getpid(), "fd": fd, "dev": st.st_dev, "ino": st.st_ino}
+
+
+def open_shared(desc: dict, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """(the tensor ``shape`` of ``dtype`` in another process's memfd named by ``describe``, mapped here; this
+    process's own fd of it). RuntimeError naming why it cannot (the process gone, another user, another memfd
+    under that fd number)."""
+    path = f"/proc/{desc['pid']}/fd/{desc['fd']}"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        raise RuntimeError(f"cannot open the shared KV pool {path}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (desc["dev"], desc["ino"]):
+            raise RuntimeError(f"{path} is not the shared KV pool named (another file under that fd number)")
+        nbytes = max(1, math.prod(shape) * torch.empty(0, dtype=dtype).element_size())
+        if st.st_size < nbytes:
+            raise RuntimeError(f"the shared KV pool {path} holds {st.st_size} bytes, {nbytes} expected")
+        storage = torch.UntypedStorage.from_file(f"/proc/self/fd/{fd}", shared=True, nbytes=nbytes)
+    except BaseException:
+        os.close(fd)
+        raise
+    flat = torch.empty(0, dtype=torch.uint8).set_(cast(torch.UntypedStorage, storage))
+    return flat.view(dtype).view(shape), fd

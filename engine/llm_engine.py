@@ -46,6 +46,7 @@ from .loader import LoadedModel
 from .model_runner import ModelRunner
 from .sampling import Sampler
 from .swap import Swapper
+from .tp.rank_pools import RankPool
 from .tp.ranks import TensorParallelSteps
 from .tp.shard import Shard
 from .tp.transfer import KVTransferPool
@@ -80,7 +81,7 @@ class LLMEngine(EngineCore):
             num_blocks = max(1, min(by_memory, by_need))
         self.kv_cache = KVCache(cfg.num_layers, num_blocks, config.block_size, kv_shape.num_kv_heads, cfg.head_dim,
                                 loaded.dtype, loaded.device, config.kv_cache_dtype,
-                                config.kv_cache_shared and config.tensor_parallel_size == 1)  # else: the transfer pool
+                                config.kv_cache_shared)
         self.sampler = Sampler(loaded.device, config.seed)
         self.device = loaded.device
         switches = dict(fused_elementwise=config.fused_elementwise, merged_projections=config.merged_projections,
@@ -89,7 +90,8 @@ class LLMEngine(EngineCore):
         steps = None  # this process's model alone
         if config.tensor_parallel_size > 1:  # the other ranks started, each step sent to them (tp/ranks.py)
             steps = TensorParallelSteps.start(loaded, self.kv_cache, switches, config.tensor_parallel_timeout_s,
-                                              config.tensor_parallel_shm)
+                                              config.tensor_parallel_shm,
+                                              shared_pools=config.kv_transfer and config.kv_push_per_rank)
         runner = ModelRunner(self.model, self.kv_cache, self.sampler, self.device,
                              native_kernels=config.native_kernels, steps=steps)
         eos_ids = set(loaded.tokenizer.eos_token_ids) | set(cfg.eos_token_ids)
@@ -106,6 +108,9 @@ class LLMEngine(EngineCore):
             self._capture_decode_graphs(config)
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
         self.transfer: KVTransferPool | None = None
+        # request ids whose KV the per-rank push put in every rank's pool (set by the decode's server before
+        # add_prefilled; taken there): no scatter from the transfer pool for them (tp/rank_pools.py)
+        self.kv_landed: set[str] = set()
         if steps is not None:
             self._tensor_parallel_kv(config, steps)
 
@@ -124,7 +129,31 @@ class LLMEngine(EngineCore):
         self.transfer = steps.transfer = KVTransferPool(self.kv_cache, full.num_kv_heads, heads,
                                                         shared=config.kv_cache_shared)
         steps.checksum = config.kv_checksum
-        self.pd.install = steps.install
+        self.pd.install = self._install
+
+    def _install(self, request_id: str, blocks: list[int]) -> None:
+        """The decode's arrival: the blocks from the transfer pool to every rank, unless the per-rank push put them
+        in every rank's pool already (``kv_landed``)."""
+        if request_id in self.kv_landed:
+            self.kv_landed.discard(request_id)
+            return
+        self.runner.steps.install(blocks)
+
+    @property
+    def rank_pools(self) -> list[RankPool]:
+        """Every rank's KV pool for the per-rank push (``tp/rank_pools.py``), in rank order: this engine's pool at
+        tensor-parallel size 1; [] when its ranks' pools are not mapped here (CUDA, ``kv_push_per_rank`` off)."""
+        steps = self.runner.steps
+        if isinstance(steps, TensorParallelSteps):
+            return steps.rank_pools
+        heads = range(self.model_config.num_kv_heads)
+        return [RankPool(0, self.kv_cache.tensor, self.kv_cache.shared_fd, heads)]
+
+    @property
+    def kv_pushes(self) -> dict[str, int]:
+        """Pushing steps by how their KV left the ranks ("gather" through rank 0, "per_rank"); {} at size 1."""
+        steps = self.runner.steps
+        return dict(steps.pushes) if isinstance(steps, TensorParallelSteps) else {}
 
     @property
     def tensor_parallel_lost(self) -> BaseException | None:

@@ -68,9 +68,10 @@ class PDHooks:
         # why KV may not move out of or into this engine's pool (tensor parallelism: rank 0's pool holds only its
         # KV heads), or None; checked by every call whose KV crosses the pool's edge
         self.kv_stays: str | None = None
-        # tensor parallelism: copies the blocks whose KV arrived (rank 0's transfer pool) into every rank's pool
-        # before the request joins the batch (tp/transfer.py); None: the KV arrived in the pool itself
-        self.install: Callable[[list[int]], None] | None = None
+        # tensor parallelism: ``install(request_id, blocks)`` copies the blocks whose KV arrived (rank 0's transfer
+        # pool) into every rank's pool before the request joins the batch (tp/transfer.py), unless it arrived in
+        # every rank's pool itself (the per-rank push: LLMEngine.kv_landed); None: the KV arrived in the pool itself
+        self.install: Callable[[str, list[int]], None] | None = None
         # with a TBT bound: when each reservation was made, and the recent time from a reservation to its
         # add_prefilled (EWMA; 0.0: none seen yet): how far ahead ``_check_room`` looks
         self.reserved_at: dict[str, float] = {}
@@ -98,7 +99,8 @@ class PDHooks:
     def prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      on_layer: OnLayer | None = None) -> int:
         """Synchronously: one prompt's KV into local blocks taken now, its first token (``prefill_many``)."""
-        cb = None if on_layer is None else (lambda layer, _rid, blocks, first: on_layer(layer, blocks, first))
+        cb = None if on_layer is None else _direct_as(on_layer, lambda layer, _rid, blocks, first: on_layer(layer,
+                                                                                                      blocks, first))
         return self.prefill_many([(request_id, prompt_token_ids, sampling)], cb)[request_id]
 
     def prefill_many(
@@ -253,7 +255,7 @@ class PDHooks:
         if self.install is not None and table is not None:  # the blocks after the cached prefix: the KV's, in
             bs = self.block_manager.block_size  # every rank's pool before the reservation is taken (a failure
             cached = len(self.scheduler.reserved_prefix.get(request_id, ()))  # leaves it to the caller's abort)
-            self.install(table[cached // bs: blocks_needed(len(prompt_token_ids), bs)])
+            self.install(request_id, table[cached // bs: blocks_needed(len(prompt_token_ids), bs)])
         seq = self._take_reserved(request_id, prompt_token_ids, sampling)
         self._joined(request_id)
         seq.num_computed = len(seq.prompt_ids)
@@ -312,7 +314,14 @@ def _bind(on_layer, request_id: str) -> OnLayer | None:
     """prefill_many's per-request ``on_layer``."""
     if on_layer is None:
         return None
-    return lambda layer, blocks, first: on_layer(layer, request_id, blocks, first)
+    return _direct_as(on_layer, lambda layer, blocks, first: on_layer(layer, request_id, blocks, first))
+
+
+def _direct_as(on_layer, wrapper):
+    """``wrapper`` with ``on_layer``'s ``kv_direct`` (its KV leaves from every rank's own pool: remote_prefill.py)."""
+    if getattr(on_layer, "kv_direct", False):
+        wrapper.kv_direct = True
+    return wrapper
 
 
 def _collect(request_id: str, firsts: dict[str, int], errors: list[BaseException]) -> OnDone:

@@ -66,11 +66,15 @@ def blocks_to_push(seq: Sequence, block_size: int) -> tuple[int, int]:
 class LayerCallback:
     """The model's per-layer callback for one step: each remote sequence's newly complete blocks to its
     ``on_layer``; an error is kept on the sequence (the step goes on for the others). ``blocks``: every
-    block id the step pushes (a tensor-parallel engine gathers them at rank 0 first: ``tp/transfer.py``)."""
+    block id the step pushes through rank 0 (a tensor-parallel engine gathers them there first:
+    ``tp/transfer.py``); ``direct``: some request's KV leaves from every rank's own pool (its ``on_layer``
+    has a true ``kv_direct``: the per-rank push, ``tp/rank_pools.py``; the ranks only sync after each layer)."""
 
     def __init__(self, pushes: list[tuple[RemotePrefill, list[int], int]]):
         self.pushes = pushes
-        self.blocks = sorted({b for _, block_ids, _ in pushes for b in block_ids})
+        direct = [getattr(remote.on_layer, "kv_direct", False) for remote, _, _ in pushes]
+        self.blocks = sorted({b for (_, block_ids, _), d in zip(pushes, direct) if not d for b in block_ids})
+        self.direct = any(direct)
 
     def fail(self, error: BaseException) -> None:
         """Every pushing request of the step fails after it (its KV is not handed over any more)."""

@@ -8,7 +8,7 @@ plain dicts without owner references; the handler adopts them (``kopf.adopt``).
 from __future__ import annotations
 
 from pdserve import defaults
-from pdserve.operator import crd_pod, crds, naming
+from pdserve.operator import crd_pod, crds, naming, parallelism
 from pdserve.operator.config import OperatorConfig
 from pdserve.operator.pod_settings import uses_nvidia_gpu
 
@@ -147,7 +147,8 @@ def stale_decode_pools(isvc: dict, existing_names: list[str]) -> list[str]:
 def build_network_policies(isvc: dict, config: OperatorConfig) -> list[dict]:
     """NetworkPolicies of an InferenceService.
 
-    Decode pods: the Session (gRPC) and KV-transfer ports admit only this service's
+    Decode pods: the Session (gRPC) and KV-transfer ports (with tensor-parallel decode pools, the ranks'
+    receivers' ports after it too: the per-rank push) admit only this service's
     prefill pods. With ``nixl`` the UCX data path uses ports it picks at run time, so every
     port is admitted from those pods. The decode HTTP port (health, metrics) stays open.
     Prefill pods: the HTTP port stays open (the OpenAI door behind its API keys, /metrics);
@@ -163,8 +164,11 @@ def build_network_policies(isvc: dict, config: OperatorConfig) -> list[dict]:
     same_service_prefill = {"podSelector": {"matchLabels": {naming.LABEL_ISVC: name, naming.LABEL_ROLE: "prefill"}}}
     session_rule: dict = {"from": [same_service_prefill]}  # nixl/UCX: any port, same-service prefill only
     if backend == "tcp":
-        session_rule["ports"] = [{"protocol": "TCP", "port": defaults.DECODE_GRPC_PORT},
-                                 {"protocol": "TCP", "port": defaults.KV_TRANSFER_PORT}]
+        kv_rule: dict = {"protocol": "TCP", "port": defaults.KV_TRANSFER_PORT}
+        ranks = max([parallelism.tensor_size(pool) for pool in isvc["spec"].get("decode", [])] or [1])
+        if ranks > 1:  # rank r's receiver of the per-rank push: KV_TRANSFER_PORT + 1 + r (decode_server/wiring.py)
+            kv_rule["endPort"] = defaults.KV_TRANSFER_PORT + ranks
+        session_rule["ports"] = [{"protocol": "TCP", "port": defaults.DECODE_GRPC_PORT}, kv_rule]
     grpc_rule: dict = {"ports": [{"protocol": "TCP", "port": defaults.PREFILL_GRPC_PORT}]}
     if router_workloads.router_replicas(isvc) > 0:
         grpc_rule["from"] = [{"podSelector": {"matchLabels": {naming.LABEL_ISVC: name,

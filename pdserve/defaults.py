@@ -29,7 +29,7 @@ DECODE_GRPC_PORT = 50052
 # Decode pods: /health, /ready and /metrics over HTTP.
 DECODE_HTTP_PORT = 8001
 # Decode pods: where the CacheStore receives KV (tcp transport listener / nixl agent).
-KV_TRANSFER_PORT = 50060
+KV_TRANSFER_PORT = 50060  # a tensor-parallel decode's rank r receives its KV head shard on this + 1 + r (per-rank push)
 # Decode pods with --kv-pool: the KVLender (blocks lent to peers, micro-attention over them).
 KV_POOL_PORT = 50070
 

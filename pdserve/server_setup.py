@@ -25,7 +25,7 @@ import asyncio
 import logging
 import os
 import signal
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from pdserve import defaults, kv_sizing, tls
@@ -33,6 +33,8 @@ from pdserve.cachestore import SAME_NODE_MODES, TRANSPORTS
 from pdserve.cachestore.checksum import default_on as checksum_default_on
 from pdserve.engine.kv_formats import describe as describe_kv
 from pdserve.test_hooks import prefill_step_floor_s
+
+KV_PUSH_MODES = ("per-rank", "gather")  # --kv-push
 
 if TYPE_CHECKING:
     from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
@@ -120,7 +122,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the model over N ranks, one process each, started by this server (engine/tp/: heads, "
                         "MLP rows and the vocabulary split; gloo on CPU, NCCL on cuda:I..I+N-1); P/D KV goes through "
-                        "rank 0's transfer pool, every KV head of every block (engine/tp/transfer.py) (default: 1)")
+                        "each rank's KV head shard on its own CacheStore link where the peer pairs so "
+                        "(--kv-push), else through rank 0's transfer pool (engine/tp/transfer.py) (default: 1)")
+    g.add_argument("--kv-push", choices=KV_PUSH_MODES, default="per-rank",
+                   help="P/D KV of a tensor-parallel server, or of a TP 1 server paired with one. per-rank: each "
+                        "prefill rank pushes its own KV head shard to the decode ranks holding those heads, one "
+                        "CacheStore sender and receiver per rank (CPU; the peer must speak it too, and its heads "
+                        "pair: engine/tp/heads.py rank_sources); gather: never (every KV head through rank 0's "
+                        "transfer pool, engine/tp/transfer.py, as with a peer that does not) (default: per-rank)")
     g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="CacheStore transport for KV")
     g.add_argument("--kv-same-node", choices=SAME_NODE_MODES, default="auto",
                    help="KV between a prefill and a decode of one machine: the decode shares its KV pool (CPU: in a "
@@ -247,6 +256,7 @@ def load_engine(args, kv_transfer: bool = False, role: str = "prefill") -> tuple
                            packed_linear=args.packed_linear, fused_elementwise=args.fused_elementwise,
                            merged_projections=args.merged_projections, kv_cache_dtype=args.kv_cache_dtype,
                            tensor_parallel_size=args.tensor_parallel_size, kv_transfer=kv_transfer,
+                           kv_push_per_rank=getattr(args, "kv_push", "gather") == "per-rank",
                            kv_checksum=bool(getattr(args, "kv_checksum", False)),
                            kv_cache_shared=role == "decode" and getattr(args, "kv_same_node", "off") != "off",
                            **step_switches(args))
@@ -309,6 +319,11 @@ class ServerParts:
     # one block of every layer, K and V, in each rank's pool (tensor parallelism: a rank's KV heads; every rank
     # holds the same block ids, so the tightest rank's free bytes are the free blocks times this); 0: the wire's
     rank_bytes_per_block: int = 0
+    # the per-rank push (--kv-push per-rank; engine/tp/rank_pools.py): (region, layout, compat) of every rank's pool
+    # in rank order, each compat naming the rank's KV heads; [] when this server does not offer it
+    rank_parts: list = field(default_factory=list)
+    tensor_parallel_size: int = 1
+    kv_landed: set[str] | None = None  # the engine's LLMEngine.kv_landed (decode: KV in every rank's pool)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -350,9 +365,11 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     engine.on_lost = exit_server
     if role == "prefill":
         engine.step_floor_s = prefill_step_floor_s()  # a test hook (pdserve/test_hooks.py), 0 in production
+    ranks = rank_parts(llm, args)
     return ServerParts(loaded, engine, max_len, model_name, region, layout, compat,
-                       compat_message(llm, args, model_name),
-                       rank_bytes_per_block=llm.kv_cache.block_nbytes * llm.kv_cache.num_layers)
+                       compat_message(llm, args, model_name, bool(ranks)),
+                       rank_bytes_per_block=llm.kv_cache.block_nbytes * llm.kv_cache.num_layers, rank_parts=ranks,
+                       tensor_parallel_size=llm.config.tensor_parallel_size, kv_landed=llm.kv_landed)
 
 
 def exit_server(exc: BaseException) -> None:
@@ -435,13 +452,50 @@ def kv_parts(engine: LLMEngine, args):
             compat)
 
 
-def compat_message(engine: LLMEngine, args, model_name: str):
-    from pdserve.protos import session_pb2 as pb
+def rank_parts(engine: LLMEngine, args) -> list[tuple[MemoryRegion, KVLayout, CompatInfo]]:
+    """(MemoryRegion, KVLayout, CompatInfo) of every rank's pool, in rank order, for the per-rank push (one
+    CacheStore sender or receiver each: engine/tp/rank_pools.py); each compat names the rank's KV heads of the
+    model's (a TP 1 server's one pool: every head, hashing as ``kv_parts``'). [] with --kv-push gather, or when the
+    ranks' pools are not mapped here (CUDA)."""
+    from pdserve.cachestore import CompatInfo, KVLayout, MemoryRegion
 
-    kv = engine.transfer_cache  # every KV head (the wire's blocks, whatever the tensor-parallel size)
+    if getattr(args, "kv_push", "gather") != "per-rank" or getattr(args, "engine", "builtin") != "builtin":
+        return []
+    kv, parts = engine.kv_cache, []
+    for pool in engine.rank_pools:
+        layout = KVLayout(num_layers=kv.num_layers, num_blocks=kv.num_blocks, block_nbytes=kv.block_nbytes)
+        compat = CompatInfo(dtype=args.dtype, num_layers=kv.num_layers, num_kv_heads=len(pool.heads),
+                            head_dim=kv.head_dim, block_size=kv.block_size, kv_dtype=kv.kv_dtype,
+                            first_kv_head=pool.heads.start, model_kv_heads=engine.model_config.num_kv_heads)
+        written = kv.written_waiter if pool.rank == 0 else None
+        parts.append((MemoryRegion.from_tensor(pool.tensor, layer_written=written, shared_fd=pool.shared_fd), layout,
+                      compat))
+    return parts
+
+
+def merged_stats(first, others) -> dict:
+    """``first.stats()`` with the numeric counters of every other CacheStore end (not ``first`` itself) added: the
+    entries a server holds, over all of its senders or receivers (what must come back to zero)."""
+    out = dict(first.stats())
+    for other in others:
+        if other is first:
+            continue
+        for key, value in other.stats().items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and isinstance(out.get(key, 0), int):
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+def compat_message(engine: LLMEngine, args, model_name: str, per_rank: bool = False):
+    """The Compat a Session carries; ``per_rank``: this server offers the per-rank push (``rank_parts``)."""
+    from pdserve.protos import session_pb2 as pb
+    from pdserve.protos.version import KV_PUSH_VERSION
+
+    kv = engine.transfer_cache  # every KV head (the wire's blocks through rank 0, whatever the tensor-parallel size)
     return pb.Compat(dtype=args.dtype, num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
                      block_size=kv.block_size, model=model_name, transport=args.transfer, kv_cache_dtype=kv.kv_dtype,
-                     tensor_parallel_size=engine.config.tensor_parallel_size)
+                     tensor_parallel_size=engine.config.tensor_parallel_size,
+                     kv_push=KV_PUSH_VERSION if per_rank else 0)
 
 
 async def wait_for_stop_signal() -> str:

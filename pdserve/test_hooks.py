@@ -11,7 +11,7 @@ set in production), read when the part that uses them is built or reached, never
 | ``PDSERVE_TEST_PLANNER_GATE``          | ``pdserve up --autoscale``'s planner neither observes nor decides until the gate opens | localcluster/up.py |
 | ``PDSERVE_TEST_DECODE_STEP_FLOOR_S``   | every decode step with a running batch lasts at least this long | LsoController(step_floor_s=) |
 | ``PDSERVE_TEST_PREFILL_STEP_FLOOR_S``  | every step of the prefill's engine lasts at least this long     | AsyncLLMEngine.step_floor_s (server_setup.py) |
-| ``PDSERVE_TEST_CORRUPT_KV=N``          | the prefill's CacheStore sender flips one byte of one layer of the next N requests | CacheStoreSender(corrupt_kv=N) |
+| ``PDSERVE_TEST_CORRUPT_KV=N``          | the prefill's CacheStore sender (per-rank push: its last rank's) flips one byte of one layer of the next N requests | CacheStoreSender(corrupt_kv=N) |
 
 The gates reach the request paths as a ``TestGates`` (``TestGates.from_environment()``, read once by
 each server's wiring and handed down in its deps objects: SessionRunner, SessionDeps, the KV pool's

@@ -28,7 +28,9 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    other prompts, in the SLO order's ``priority``); the engine's per-layer callback hands each
    chunk's newly written blocks after the decode's cached ones to ``sender.store``
    (non-blocking), so the wire works while the next layer (and the next chunk) computes; only
-   the missing blocks move, each block of each layer once.
+   the missing blocks move, each block of each layer once. With ``rank_targets`` in the Allocation
+   (the per-rank push, ``rank_senders.py``) there is one destination per decode rank, each bound in the
+   sender of our rank holding its heads, and each layer goes to every one of them.
 5r. **first token** - wait until every layer was sent, free prefill's own KV blocks, send
    ``FirstToken`` on the stream and yield it to the client (with the prompt tokens our prefix
    cache held: the response's ``usage.prompt_tokens_details.cached_tokens``).
@@ -77,6 +79,7 @@ from pdserve.test_hooks import NO_GATES, TestGates, hold_thread_at_gate, wait_at
 
 from . import session_wire as wire
 from .cost_model import LOCAL, REMOTE, Decision, link_busy_seconds
+from .rank_senders import Part, RankSenders
 from .session_protocol import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionObserver,
                                SessionTimings, decode_reservation, first_token_finishes, sampling_to_proto)
 
@@ -110,7 +113,7 @@ DEADLINE_SLACK_S = 1.0
 class _Held:
     """What one run holds on this side, for step 7."""
 
-    bound: list[str] = field(default_factory=list)  # ids the CacheStore sender knows (pooled: its lenders' parts too)
+    bound: list[Part] = field(default_factory=list)  # parts a CacheStore sender knows (pooled: lenders'; per rank)
     prefilled: bool = False  # our engine holds (or will hold) the prompt's blocks
     released: bool = False  # ... and released them
     finished: bool = False  # the decode finished the request
@@ -127,8 +130,9 @@ class SessionRunner:
 
     def __init__(self, config: SessionConfig, *, stubs: Callable[[str], pb_grpc.DecodeStub], engine: ServerEngine,
                  sender: CacheStoreSender, registry: dict[str, str], observer: SessionObserver,
-                 disaggregator: Disaggregator, gates: TestGates = NO_GATES):
+                 disaggregator: Disaggregator, gates: TestGates = NO_GATES, ranks: RankSenders | None = None):
         self.config, self.stubs, self.engine, self.sender = config, stubs, engine, sender
+        self.ranks = ranks  # the per-rank push's senders (rank_senders.py); None: not offered (Compat.kv_push 0)
         self.gates = gates  # test hooks (pdserve/test_hooks.py), read once by the wiring
         self.registry, self.observer, self.disaggregator = registry, observer, disaggregator
         self._releasing: set[asyncio.Task] = set()  # engine releases queued by cancelled runs
@@ -255,8 +259,8 @@ class SessionRunner:
             if held.prefilled and not held.released:
                 await self.engine.release(request_id)
         finally:
-            for bound_id in held.bound:
-                self.sender.delete(bound_id)
+            for part in held.bound:
+                part.sender.delete(part.request_id)
             self.registry.pop(request_id, None)
 
     async def _push(self, call, address: str, request_id: str, prompt_ids: list[int], sp: SamplingParams,
@@ -269,10 +273,10 @@ class SessionRunner:
 
         def store(layer: int, block_ids: list[int], first: int) -> None:
             """Prompt blocks [first, first + len(block_ids)) of a layer (one chunk's), each to its part."""
-            for part_id, _, _, start, end in parts:
-                lo, hi = max(start, first), min(end, first + len(block_ids))
+            for part in parts:
+                lo, hi = max(part.start, first), min(part.end, first + len(block_ids))
                 if lo < hi:
-                    self.sender.store(part_id, layer, block_ids[lo - first:hi - first], lo - start)
+                    part.sender.store(part.request_id, layer, block_ids[lo - first:hi - first], lo - part.start)
 
         layer_gate = self.gates.layer  # test hook: hold the engine after the last chunk's layer 0 (overlap shown)
 
@@ -284,6 +288,9 @@ class SessionRunner:
                 layers.append((layer, list(block_ids), first))
             if layer_gate and layer == 0 and first + len(block_ids) >= n_blocks:  # the prompt's last chunk
                 hold_thread_at_gate(layer_gate, request_id)
+
+        # per rank: every rank's pool is read by its own sender (the engine's ranks only sync after each layer)
+        setattr(on_layer, "kv_direct", bool(alloc.rank_targets))
 
         held.prefilled = True
         before = self.engine.prefill_counters()
@@ -308,22 +315,28 @@ class SessionRunner:
         delta.cached_tokens = cached_tokens
         return delta
 
-    def _bind(self, address: str, request_id: str, alloc: pb.Allocation, held: _Held) -> list[tuple]:
-        """Step 4r's destinations, each bound in the CacheStore sender: (sender id, endpoint, destination
-        blocks, our prompt blocks [start, end) that go there): the decode's blocks; a pooled request's
-        lenders take the prompt blocks after them."""
-        first_block = alloc.cached_blocks
-        parts = [(request_id, alloc.cachestore_endpoint, list(alloc.block_ids), first_block,
-                  first_block + len(alloc.block_ids))]
-        parts += [(t.request_id, t.cachestore_endpoint, list(t.block_ids), t.first_block,
-                   t.first_block + len(t.block_ids)) for t in alloc.pool_targets]
-        tokens = [alloc.kv_token] + [t.kv_token for t in alloc.pool_targets]
-        for (part_id, endpoint, dst, _, _), token in zip(parts, tokens):
-            try:
-                self.sender.bind(part_id, endpoint, dst, token)
-            except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
-                raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
-            held.bound.append(part_id)
+    def _bind(self, address: str, request_id: str, alloc: pb.Allocation, held: _Held) -> list[Part]:
+        """Step 4r's destinations, each bound in its CacheStore sender (``Part``): the decode's blocks; a pooled
+        request's lenders take the prompt blocks after them; with rank targets, each decode rank's heads of the
+        decode's blocks, from the rank of ours holding them (``rank_senders.py``)."""
+        first_block, n = alloc.cached_blocks, len(alloc.block_ids)
+        try:
+            if alloc.rank_targets:
+                if self.ranks is None:
+                    raise ValueError("the decode offered the per-rank push, which this prefill did not ask for")
+                parts = self.ranks.parts(alloc)
+                tokens = [t.kv_token for t in alloc.rank_targets]
+            else:
+                parts = [Part(request_id, alloc.cachestore_endpoint, list(alloc.block_ids), first_block,
+                              first_block + n, self.sender)]
+                parts += [Part(t.request_id, t.cachestore_endpoint, list(t.block_ids), t.first_block,
+                               t.first_block + len(t.block_ids), self.sender) for t in alloc.pool_targets]
+                tokens = [alloc.kv_token] + [t.kv_token for t in alloc.pool_targets]
+            for part, token in zip(parts, tokens):
+                part.sender.bind(part.request_id, part.endpoint, part.dst, token)
+                held.bound.append(part)
+        except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
+            raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
         return parts
 
     async def _prefill(self, request_id: str, prompt_ids: list[int], sp: SamplingParams, prefill_cached: int, on_layer,
@@ -347,16 +360,21 @@ class SessionRunner:
             held.prefilled = False
             raise
 
-    async def _wait_sent(self, address: str, request_id: str, parts: list[tuple], timings: SessionTimings) -> None:
+    async def _wait_sent(self, address: str, request_id: str, parts: list[Part], timings: SessionTimings) -> None:
         """Step 5r's wait until every layer was sent (Retryable when the KV did not arrive); its timings."""
         try:
-            for part_id, *_ in parts:
-                await self.sender.wait_sent(part_id, self.config.session_timeout_s)
+            for part in parts:
+                await part.sender.wait_sent(part.request_id, self.config.session_timeout_s)
         except Exception as exc:  # TransferError, timeout: the decode never got the KV (ChecksumError: corrupted)
             code = CHECKSUM_MISMATCH if isinstance(exc, ChecksumError) else "kv_transfer_failed"
             raise Retryable(f"{address}: KV transfer failed: {exc}", code) from None
         timings.kv_sent = time.monotonic()
-        sent = sorted(self.sender.layer_times(request_id).items())
+        if self.ranks is not None:
+            if parts[0].per_rank:  # rank targets: every rank's shard delivered
+                self.ranks.sent(parts)
+            else:
+                self.ranks.whole_heads += 1
+        sent = sorted(parts[0].sender.layer_times(parts[0].request_id).items())
         timings.layer_send_seconds = [done - stored for _, (stored, done) in sent]
         timings.link_busy_s = link_busy_seconds([times for _, times in sent])
 

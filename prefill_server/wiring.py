@@ -13,7 +13,9 @@ them whole. In start order:
    cache hits, KV tiers and computed prompt tokens; a KvEventPublisher (--block-size) is attached
    before the engine thread starts (it calls on that thread); then the engine starts.
 3. **sender** - the CacheStoreSender on the engine's KV pool (region, layout, compat): --transfer,
-   --scheduler, --kv-checksum, --session-timeout as its stall timer; started.
+   --scheduler, --kv-checksum, --session-timeout as its stall timer; started. With the per-rank push
+   (``ServerParts.rank_parts``, --kv-push per-rank) one more per rank on its pool (``start_rank_senders``;
+   at size 1 the sender itself), handed to the SessionRunner.
 4. **routing** - the DecodePicker (--policy, --load-report-expiry); the SLO GlobalQueue (the SLO
    classes, --queue-policy, the metrics, the decodes' KV blocks the picker knows); a DecodeIndex
    with --decode-reuse; the AdmissionQueue (--max-queued-requests, --queue-timeout, the metrics'
@@ -58,7 +60,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
 import grpc
@@ -75,7 +77,7 @@ from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 from pdserve.protos import session_pb2 as pb
-from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics
+from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics, merged_stats
 from pdserve.slo import GlobalQueue
 
 from . import tokenize_api, tokenizer_api
@@ -91,6 +93,7 @@ from .load_poller import LoadReportPoller
 from .local_fallback import LocalFallback
 from .node import PrefillNode, keep_latest, wake_line
 from .picker import DecodePicker
+from .rank_senders import RankSenders
 from .transfer_accounting import TransferAccounting
 
 if TYPE_CHECKING:
@@ -114,6 +117,7 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses,
     kv_events = await start_engine(engine, metrics, args.block_size)
     sender = await start_sender(parts, args.transfer, args.scheduler, args.kv_checksum, args.session_timeout,
                                 tls_files, same_node=args.kv_same_node)
+    ranks = await start_rank_senders(parts, sender, args, tls_files)
     picker = DecodePicker(policy=args.policy, expiry_s=args.load_report_expiry)
     slo_queue = make_slo_queue(slo, args.queue_policy, metrics, picker)
     decode_index = DecodeIndex() if args.decode_reuse else None
@@ -132,12 +136,12 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses,
         connect_timeout_s=args.connect_timeout, layerwise_push=args.layerwise_push,
         prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index,
         disaggregation=args.disaggregation, held_prefix=kv_events.leading, out_of_blocks_error=OutOfBlocksError,
-        metrics=metrics,
+        metrics=metrics, ranks=ranks,
     )
     frontend = Frontend(node, loaded.tokenizer, SamplingParams, parts.model_name, parts.max_model_len, metrics,
                         loaded.config.vocab_size, request_timeout_s=args.request_timeout, slo=slo_queue)
     probes = Probes(node, frontend, engine, sender, picker, discovery, decode_index, slo_queue, http_port=args.port,
-                    block_size=args.block_size)
+                    block_size=args.block_size, ranks=ranks)
     metrics.track_load(probes.engine_load)
     await discovery.start()
     await poller.start()
@@ -152,7 +156,7 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses,
              "on" if args.local_fallback else "off", "on" if args.decode_reuse else "off", args.disaggregation,
              args.queue_policy, "; ".join(c.describe() for c in slo))
     log.info("HTTP door: %s", door.describe())
-    return PrefillServer(engine, sender, discovery, poller, frontend, probes, http_runner, grpc_server)
+    return PrefillServer(engine, sender, discovery, poller, frontend, probes, http_runner, grpc_server, ranks)
 
 
 def build_node(engine: ServerEngine, sender: CacheStoreSender, picker: DecodePicker,
@@ -164,7 +168,7 @@ def build_node(engine: ServerEngine, sender: CacheStoreSender, picker: DecodePic
                decode_index: DecodeIndex | None = None, disaggregation: str = defaults.DISAGGREGATION,
                held_prefix: Callable[[list[int]], int] | None = None,
                out_of_blocks_error: type[Exception] = RuntimeError,
-               metrics: ServerMetrics | None = None) -> PrefillNode:
+               metrics: ServerMetrics | None = None, ranks: RankSenders | None = None) -> PrefillNode:
     """The PrefillNode with the parts it holds for every request (module docstring, step 5): each
     part given only what it uses. ``poller`` already wakes ``queue`` on each report (its
     ``on_report``); ``kv_bytes_per_block``: all layers, K and V; ``held_prefix``: prompt hashes ->
@@ -178,7 +182,7 @@ def build_node(engine: ServerEngine, sender: CacheStoreSender, picker: DecodePic
     accounting = TransferAccounting(picker, kv_bytes_per_block, disaggregator, metrics)
     runner = SessionRunner(config, stubs=poller.stub, engine=engine, sender=sender, registry=sessions,
                            observer=accounting, disaggregator=disaggregator,
-                           gates=test_hooks.TestGates.from_environment())
+                           gates=test_hooks.TestGates.from_environment(), ranks=ranks)
     if queue.slo is not None and queue.slo.policy != "fifo":  # the policy orders who waits for a prefill slot too
         queue.room, runner.on_slot_free = runner.slot_free, queue.notify
         queue.slo.prefill_bound = True  # its plans: the decodes' blocks and this one engine, one prompt at a time
@@ -207,14 +211,34 @@ async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size:
 
 async def start_sender(parts: ServerParts, transport: str, scheduler: str, checksum: bool,
                        stall_timeout_s: float, tls_files: tls.TlsFiles | None = None,
-                       same_node: str = "auto") -> CacheStoreSender:
+                       same_node: str = "auto", corrupt: bool = True) -> CacheStoreSender:
     """The CacheStore sender on the engine's KV pool (mutual TLS with ``tls_files``; ``same_node``: see
-    ``CacheStoreSender``), started."""
+    ``CacheStoreSender``), started; ``corrupt``: it takes the test hook ``PDSERVE_TEST_CORRUPT_KV``."""
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=transport, scheduler=scheduler,
-                              checksum=checksum, stall_timeout_s=stall_timeout_s, corrupt_kv=test_hooks.corrupt_kv(),
+                              checksum=checksum, stall_timeout_s=stall_timeout_s,
+                              corrupt_kv=test_hooks.corrupt_kv() if corrupt else 0,
                               tls=tls_files, link_model=parts.link_model, same_node=same_node)
     await sender.start()
     return sender
+
+
+async def start_rank_senders(parts: ServerParts, sender: CacheStoreSender, args,
+                             tls_files: tls.TlsFiles | None) -> RankSenders | None:
+    """The per-rank push's senders (rank_senders.py), started: at tensor-parallel size 1 the sender itself; at N one
+    per rank on its pool. None when this server does not offer the per-rank push (``ServerParts.rank_parts`` empty:
+    --kv-push gather, CUDA)."""
+    if not parts.rank_parts:
+        return None
+    senders = [sender]
+    if parts.tensor_parallel_size > 1:
+        senders = []
+        last = len(parts.rank_parts) - 1
+        for rank, (region, layout, compat) in enumerate(parts.rank_parts):
+            rank_parts = replace(parts, region=region, layout=layout, compat=compat)
+            senders.append(await start_sender(rank_parts, args.transfer, args.scheduler, args.kv_checksum,
+                                              args.session_timeout, tls_files, same_node=args.kv_same_node,
+                                              corrupt=rank == last))  # the test hook: one rank's shard fails
+    return RankSenders(senders, parts.compat_message.num_kv_heads)
 
 
 def make_slo_queue(slo: SloClasses, policy: str, metrics: ServerMetrics, picker: DecodePicker) -> GlobalQueue:
@@ -267,6 +291,7 @@ class Probes:
     slo_queue: GlobalQueue
     http_port: int  # told to routers in GetLoad
     block_size: int
+    ranks: RankSenders | None = None  # the per-rank push's senders (the sender itself at size 1)
     batch: BatchService | None = None  # set once the Batch API started, before the ports open
     draining: bool = False
 
@@ -277,7 +302,9 @@ class Probes:
             "role": "prefill", "sessions": len(node.sessions), "in_flight": self.frontend.in_flight,
             "queued": len(node.queue), "slo_running": len(self.slo_queue.running),
             "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
-            "kv_blocks_used": engine.num_blocks - kv_free, "cachestore": self.sender.stats(),
+            "kv_blocks_used": engine.num_blocks - kv_free,
+            "cachestore": merged_stats(self.sender, self.ranks.senders if self.ranks is not None else []),
+            "kv_push": self.ranks.state() if self.ranks is not None else None,
             "decodes": self.discovery.addresses(), "routable_decodes": self.picker.eligible(),
             "draining": self.draining,
             "decode_index": self.decode_index.state() if self.decode_index is not None else None,
@@ -313,6 +340,7 @@ class PrefillServer:
     probes: Probes
     http_runner: web.AppRunner
     grpc_server: grpc.aio.Server
+    ranks: RankSenders | None = None
 
     async def drain(self, sig: str, timeout_s: float) -> None:
         """/ready 503, the Batch API stopped, then up to ``timeout_s`` for the requests in flight."""
@@ -330,4 +358,7 @@ class PrefillServer:
         await self.poller.stop()
         await self.discovery.stop()
         await self.sender.stop()
+        for rank_sender in self.ranks.senders if self.ranks is not None else []:
+            if rank_sender is not self.sender:
+                await rank_sender.stop()
         await self.engine.stop()

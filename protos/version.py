@@ -15,8 +15,19 @@ changes meaning (adding an optional field that old peers may ignore does not nee
 #    (not bumped: Compat.tensor_parallel_size, field 9, an optional field old peers ignore: a TP server's blocks
 #    on the wire hold every KV head, as a TP 1 server's, so an older TP 1 peer pairs with it unchanged; an older
 #    peer's 0 reads as 1. The CacheStore's WIRE_VERSION is not bumped either: CompatInfo's head range is in
-#    the compat hash only for a region with part of the heads, which no server registers yet.)
+#    the compat hash only for a region with part of the heads, which only the per-rank push's senders and
+#    receivers register, offered only to a peer whose Compat.kv_push says it speaks it: KV_PUSH_VERSION.)
 PROTOCOL_VERSION = 4
+
+# The per-rank KV push (engine/tp/heads.py rank_sources; docs/design.md "CacheStore contract"): each prefill
+# rank pushes its own KV head shard straight to the decode ranks holding those heads, one CacheStore receiver
+# per decode rank (Allocation.rank_targets). Each end says the version it speaks in Compat.kv_push; the decode
+# offers rank targets only when the prefill's equals this, else the whole heads go through rank 0 (the gather
+# path, engine/tp/transfer.py), so PROTOCOL_VERSION is unchanged (an older peer sends and reads 0). Bump it when
+# what a rank target means changes.
+# 1: a rank target takes whole blocks of one decode rank's head range, sent by a prefill rank holding exactly
+#    that range (equal shards, or replicated KV heads).
+KV_PUSH_VERSION = 1
 
 # The KV-event stream (kv_events.proto): a router uses the index of a server only when the
 # server's SNAPSHOT carries this version. Bump it when an event's meaning changes.

@@ -14,6 +14,10 @@ Reading path:
                  (hooked on the projections: the model code is unchanged)
   ``ranks.py``   TensorParallelSteps: rank 0 starts the workers, sends each step, names a rank that died
   ``worker.py``  a worker rank's process: load its shard, then run each step until rank 0 stops
-  ``transfer.py`` P/D: KV pushed from or arrived in a TP engine, through rank 0's transfer pool (every KV
-                 head of every block): gathered from the ranks per layer, scattered to them on arrival
+  ``rank_pools.py`` P/D, the per-rank push: every rank's pool in shared memory, mapped by rank 0, whose
+                 server runs one CacheStore sender or receiver per rank on them: each rank's KV head shard moves
+                 on its own link, straight from or into its pool (``heads.rank_sources``: who feeds whom)
+  ``transfer.py`` P/D, the fallback (a peer that does not speak the per-rank push, heads that pair only
+                 through rank 0, CUDA): KV through rank 0's transfer pool (every KV head of every block),
+                 gathered from the ranks per layer, scattered to them on arrival
 """

@@ -80,6 +80,15 @@ class TPGroup:
         self.payload.broadcast(data, 0).wait()
         return pickle.loads(data.numpy().tobytes())
 
+    def sync(self) -> None:
+        """Every rank has got here (the per-rank push's "every rank wrote this layer": ``rank_pools.py``): a
+        one-element all-reduce, through shared memory when there is a segment, else gloo (with the timeout)."""
+        flag = torch.zeros(1)
+        if self.shm is not None:
+            self.shm.all_reduce(flag)
+        else:
+            self.payload.allreduce([flag]).wait()
+
     def barrier(self) -> None:
         """Every rank here (``steps``: no timeout but a rank's death, e.g. while the others load)."""
         self.steps.allreduce([torch.zeros(1)]).wait()

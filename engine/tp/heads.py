@@ -1,4 +1,5 @@
-"""Which KV heads each tensor-parallel rank holds, and whether two TP sizes may pair for P/D: plain arithmetic,
+"""Which KV heads each tensor-parallel rank holds, whether two TP sizes may pair for P/D, and which prefill rank
+pushes each decode rank its heads (the per-rank push): plain arithmetic,
 no torch (the decode's admission check imports it, and a sim server must stay small)."""
 
 from __future__ import annotations
@@ -30,3 +31,22 @@ def pairing_error(num_kv_heads: int, prefill: int, decode: int) -> str | None:
                 return (f"{sizes} do not divide one another: over the model's {num_kv_heads} KV heads a decode "
                         f"rank's heads {d.start}..{d.stop - 1} straddle prefill ranks' shards")
     return None
+
+
+def rank_sources(num_kv_heads: int, prefill: int, decode: int) -> list[int] | None:
+    """The per-rank push's plan (``protos/version.py`` KV_PUSH_VERSION): for each decode rank, the prefill rank
+    that sends it its KV heads, whole blocks from that rank's pool into the decode rank's; None when some decode
+    rank's heads are not exactly one prefill rank's (e.g. 2 heads from TP 1 into TP 2: a decode rank needs part of
+    a block, which the per-rank push does not move; the KV then goes through rank 0, ``transfer.py``). Equal
+    sizes pair rank to rank; fewer KV heads than ranks (replicated heads) pair whatever the sizes: a head held
+    by several prefill ranks is sent by one of them, spread over them round robin."""
+    if pairing_error(num_kv_heads, prefill, decode) is not None:
+        return None
+    ours = kv_head_ranges(num_kv_heads, prefill)
+    sources = []
+    for d, heads in enumerate(kv_head_ranges(num_kv_heads, decode)):
+        holders = [p for p, theirs in enumerate(ours) if theirs == heads]
+        if not holders:
+            return None
+        sources.append(holders[d % len(holders)])
+    return sources

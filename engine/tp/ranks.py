@@ -42,6 +42,8 @@ from ..errors import ShardChecksumError, TensorParallelError
 from ..model import ForwardBatch
 from . import shm_collectives
 from .group import TPGroup
+from .heads import kv_head_ranges
+from .rank_pools import RankPool, close_pools, map_pools
 from .shm_collectives import ShmCollectives
 from .transfer import KVTransferPool
 
@@ -72,11 +74,17 @@ class TensorParallelSteps:
         self.transfer: KVTransferPool | None = None  # rank 0's whole-heads pool, when KV moves (transfer.py)
         self.checksum = False  # each rank's shard summed across rank 0's hop (transfer.py; EngineConfig.kv_checksum)
         self.lost: TensorParallelError | None = None
+        self.rank_pools: list[RankPool] = []  # every rank's pool, mapped here (per-rank push: rank_pools.py)
+        self.pushes = {"gather": 0, "per_rank": 0}  # pushing steps by how their KV left the ranks
         self._finalizer = weakref.finalize(self, _stop, group, procs)
 
     @classmethod
-    def start(cls, loaded, kv_cache, switches: dict, timeout_s: float, shm: bool = True) -> "TensorParallelSteps":
+    def start(cls, loaded, kv_cache, switches: dict, timeout_s: float, shm: bool = True,
+              shared_pools: bool = False) -> "TensorParallelSteps":
+        """``shared_pools`` (CPU): every worker's pool in a memfd that rank 0 maps (``rank_pools``), for the
+        per-rank push; the pools are then ``rank_pools``, in rank order."""
         size, device = loaded.tensor_parallel_size, loaded.device
+        shared_pools = shared_pools and device.type == "cpu"
         if loaded.source is None:
             raise ValueError("tensor parallelism needs a model from load_model (the other ranks load their "
                              "shards from the same source)")
@@ -86,7 +94,7 @@ class TensorParallelSteps:
         spec = {"port": store.port, "size": size, "timeout_s": timeout_s, "threads": torch.get_num_threads(),
                 "model": {**asdict(loaded.source), "dtype": str(loaded.source.dtype).removeprefix("torch.")},
                 "kv": {"num_blocks": kv_cache.num_blocks, "block_size": kv_cache.block_size,
-                       "kv_dtype": kv_cache.kv_dtype}, "switches": switches}
+                       "kv_dtype": kv_cache.kv_dtype, "shared": shared_pools}, "switches": switches}
         segment = shm_collectives.create_segment(size) if shm and shm_collectives.usable(device) else ""
         store.set("shm", segment)  # the workers open it before the barrier ("": gloo for every collective)
         procs = [subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp.worker",
@@ -96,7 +104,9 @@ class TensorParallelSteps:
             if segment:
                 group.use_shm(ShmCollectives(segment, 0, size, timeout_s, lambda: _exited_now(procs)))
             group.attach(loaded.model)
-            group.barrier()  # every rank loaded its shard (and mapped the segment)
+            group.barrier()  # every rank loaded its shard (and mapped the segment, and named its pool)
+            pools = map_pools(store, kv_cache, kv_head_ranges(loaded.config.num_kv_heads, size)) if shared_pools \
+                else []
         except RuntimeError as exc:
             _kill(procs)
             raise TensorParallelError(_start_failure(store, procs, exc)) from None
@@ -105,14 +115,21 @@ class TensorParallelSteps:
                 shm_collectives.unlink_segment(segment, size)
         log.info("tensor parallelism: %d ranks (worker pids %s), %s", size, [p.pid for p in procs],
                  "NCCL" if device.type == "cuda" else "gloo" + (" and shared memory" if segment else ""))
-        return cls(loaded.model, kv_cache, group, procs)
+        steps = cls(loaded.model, kv_cache, group, procs)
+        steps.rank_pools = pools
+        return steps
 
     def run(self, batch: ForwardBatch, extra_rows, on_layer, on_rows) -> torch.Tensor:
         blocks = self._push_blocks(on_layer)
+        sync = bool(getattr(on_layer, "direct", False))  # some request's KV leaves from every rank's pool
 
         def step() -> torch.Tensor:
-            self.group.send((STEP, on_cpu(batch), [rows.cpu() for rows in extra_rows], blocks, self.checksum))
-            hook = on_layer if blocks is None else self._gathering(on_layer, blocks)
+            self.group.send((STEP, on_cpu(batch), [rows.cpu() for rows in extra_rows], blocks, self.checksum, sync))
+            hook = on_layer
+            if blocks is not None:  # the gather is a collective: every rank wrote the layer once it is done
+                hook = self._gathering(on_layer, blocks)
+            elif sync:
+                hook = self._synced(on_layer)
             return self.model(batch, self.kv, hook, extra_rows, on_rows)
 
         return self._in_step(step)
@@ -146,19 +163,34 @@ class TensorParallelSteps:
             raise self.lost from None
 
     def _push_blocks(self, on_layer) -> list[int] | None:
-        """The block ids a step's layer callback pushes (``remote_prefill.LayerCallback.blocks``), or None."""
+        """The block ids a step's layer callback pushes through rank 0 (``remote_prefill.LayerCallback.blocks``:
+        not those of per-rank pushes), or None."""
         blocks = getattr(on_layer, "blocks", None)
-        if blocks is None:
+        if not blocks:
             return None
         if self.transfer is None:
             raise ValueError("this tensor-parallel engine has no KV transfer pool (EngineConfig.kv_transfer): its "
                              "KV cannot be pushed")
         return list(blocks)
 
+    def _synced(self, on_layer):
+        """The step's layer callback once every rank has written the layer (the per-rank push: rank 0's senders
+        read each rank's pool from then on)."""
+        self.pushes["per_rank"] += 1
+
+        def hook(layer: int) -> None:
+            self.group.sync()
+            on_layer(layer)
+
+        return hook
+
     def _gathering(self, on_layer, blocks: list[int]):
         """The step's layer callback after each layer's heads of ``blocks`` are gathered into the transfer pool."""
         transfer, idx = self.transfer, torch.tensor(blocks, dtype=torch.long, device=self.kv.device)
         assert transfer is not None
+        self.pushes["gather"] += 1
+        if getattr(on_layer, "direct", False):
+            self.pushes["per_rank"] += 1
 
         def hook(layer: int) -> None:
             bad = transfer.gathered(self.group, layer, idx, self.checksum)
@@ -199,8 +231,9 @@ class TensorParallelSteps:
         return [p.pid for p in self.procs]
 
     def close(self) -> None:
-        """Stop the other ranks (idempotent)."""
+        """Stop the other ranks (idempotent); close the mapped pools' fds (the mappings live while tensors use them)."""
         self._finalizer()
+        close_pools(self.rank_pools)
 
 
 def on_cpu(batch: ForwardBatch) -> ForwardBatch:

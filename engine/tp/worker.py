@@ -8,7 +8,8 @@
    (the model's forward: the same one, the same collectives) until rank 0 says STOP (exit 0) or
    goes away (its wait fails: exit 1). Its logits are thrown away: rank 0 samples. A step that pushes KV
    sends its heads of the pushed blocks to rank 0 after each layer; blocks that arrived at a decode come
-   from rank 0 into its pool (``transfer.py``).
+   from rank 0 into its pool (``transfer.py``). With the per-rank push its pool is in a memfd that rank 0
+   maps (``rank_pools.py``): a pushing step only syncs after each layer, arrivals need nothing of it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 from ..kv_cache import KVCache
 from ..loader import load_model
+from . import rank_pools
 from .group import TPGroup
 from .ranks import INSTALL, START_TIMEOUT_S, moved, rank_device
 from .shm_collectives import ShmCollectives
@@ -49,6 +51,8 @@ def main(argv: list[str]) -> int:
             group.use_shm(ShmCollectives(segment, rank, size, spec["timeout_s"], lambda: _parent_gone(parent)))
         model, kv = _load(spec, rank, device)
         group.attach(model)
+        if kv.shared_fd is not None:  # rank 0 maps it after the barrier (the per-rank push: rank_pools.py)
+            rank_pools.publish(store, rank, kv)
     except Exception as exc:  # noqa: BLE001 - rank 0 reports it, in one line
         store.set(f"error/{rank}", f"{type(exc).__name__}: {exc}")
         return 1
@@ -68,16 +72,22 @@ def _serve(message: tuple, group: TPGroup, model, kv: KVCache, device: torch.dev
     if message[0] == INSTALL:
         receive_blocks(group, kv, message[1], message[2])
         return
-    _, batch, extra_rows, blocks, checksum = message
+    _, batch, extra_rows, blocks, checksum, sync = message
     on_layer = None
-    if blocks is not None:
+    if blocks is not None:  # the gather (a collective: it also says every rank wrote the layer)
         idx = torch.tensor(blocks, dtype=torch.long, device=device)
         on_layer = functools.partial(_send_layer, group, kv, idx, checksum)
+    elif sync:  # per-rank pushes only: rank 0's senders read every rank's pool once all wrote the layer
+        on_layer = functools.partial(_synced, group)
     model(moved(batch, device), kv, on_layer, [rows.to(device) for rows in extra_rows])
 
 
 def _send_layer(group: TPGroup, kv: KVCache, blocks: torch.Tensor, checksum: bool, layer: int) -> None:
     send_layer(group, kv, layer, blocks, checksum)
+
+
+def _synced(group: TPGroup, layer: int) -> None:
+    group.sync()
 
 
 def _parent_gone(parent: int) -> str | None:
@@ -92,7 +102,7 @@ def _load(spec: dict, rank: int, device: torch.device):
     loaded.model.configure(**spec["switches"])
     cfg, kv = loaded.model.cfg, spec["kv"]
     cache = KVCache(cfg.num_layers, kv["num_blocks"], kv["block_size"], cfg.num_kv_heads, cfg.head_dim, loaded.dtype,
-                    device, kv["kv_dtype"])
+                    device, kv["kv_dtype"], kv.get("shared", False))
     return loaded.model, cache
 
 

@@ -9,6 +9,11 @@ replicated heads (P4 -> D2, P1 -> D4). After each run every block of both engine
 died before the scatter fails the request naming the rank and calls ``on_lost`` (its server exits there),
 though no step runs. With ``kv_checksum`` a shard corrupted on rank 0's hop fails its requests, not the engine.
 (A TP engine without ``kv_transfer`` refuses to move KV: test_engine_tensor_parallel.py.)
+The per-rank push (tp/rank_pools.py) in one process: each decode rank's blocks copied layer by layer from the
+pool of the prefill rank holding its heads, as rank 0 maps every rank's pool (``rank_pools``), the decode told the
+KV landed in its ranks' pools: tokens equal colocated TP 1 for (P2, D2) on the built-in model and (P1, D2),
+(P2, D1), (P2, D2) with one replicated KV head, with neither engine's transfer pool ever written (no gather, no
+scatter) and the prefill's pushing steps all per rank.
 """
 
 import asyncio
@@ -23,6 +28,7 @@ from harness.conditions import until
 from harness.engine_runs import last_moved, run_all, run_pd
 from pdserve.engine import AsyncLLMEngine, EngineConfig, LLMEngine, ModelConfig, SamplingParams, load_model
 from pdserve.engine.errors import ShardChecksumError, TensorParallelError
+from pdserve.engine.tp.heads import rank_sources
 from pdserve.engine.checkpoint import random_hf_weights, save_hf_checkpoint
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -80,6 +86,56 @@ def test_pd_between_tp_sizes_equals_colocated_tp1(model, request):
         try:
             got = run_pd(prefill, decode, requests)
             assert got == expected, f"P{p} -> D{d}"
+            _all_free(prefill, decode)
+        finally:
+            prefill.close()
+            decode.close()
+
+
+def _run_per_rank(prefill: LLMEngine, decode: LLMEngine, requests: dict) -> dict:
+    """run_pd's requests with the per-rank push: every decode rank's heads of a layer's blocks copied from the pool
+    of the prefill rank holding them, after every prefill rank wrote the layer (the on_layer's ``kv_direct``)."""
+    sources = rank_sources(prefill.model_config.num_kv_heads, prefill.config.tensor_parallel_size,
+                           decode.config.tensor_parallel_size)
+    assert sources is not None
+    src_pools, dst_pools = prefill.rank_pools, decode.rank_pools
+    out: dict[str, list[int]] = {}
+    for rid, (ids, sp) in requests.items():
+        dst = decode.pd.reserve(rid, len(ids), sp.max_tokens)
+
+        def on_layer(layer: int, src: list[int], first: int, dst=dst) -> None:
+            for d, s in enumerate(sources):
+                for a, b in zip(src, dst[first:first + len(src)]):
+                    dst_pools[d].tensor[layer][b].copy_(src_pools[s].tensor[layer][a])
+
+        setattr(on_layer, "kv_direct", True)
+        first = prefill.pd.prefill_only(rid, ids, sp, on_layer=on_layer)
+        prefill.pd.release(rid)
+        decode.kv_landed.add(rid)
+        decode.pd.add_prefilled(rid, ids, first, sp)
+        decode.kv_landed.discard(rid)  # (a TP 1 decode has no scatter to take it)
+        out[rid] = [first]
+    while decode.has_unfinished():
+        for o in decode.step():
+            out[o.request_id].extend(o.new_token_ids)
+    return out
+
+
+@pytest.mark.parametrize("model, pairs", [("tiny", [(2, 2)]), ("one_kv_head", PAIRS)])
+def test_the_per_rank_push_equals_colocated_tp1_without_the_transfer_pools(model, pairs, request):
+    model = "tiny" if model == "tiny" else request.getfixturevalue(model)
+    requests = _requests(256 if model == "tiny" else 131, lengths=(9, 30))
+    expected = _colocated(model, requests)
+    for p, d in pairs:
+        prefill, decode = _engine(model, p), _engine(model, d)
+        try:
+            assert len(prefill.rank_pools) == p and len(decode.rank_pools) == d
+            assert _run_per_rank(prefill, decode, requests) == expected, f"P{p} -> D{d}"
+            for engine in (prefill, decode):  # rank 0's transfer pool: never gathered into, never scattered from
+                if engine.config.tensor_parallel_size > 1:
+                    assert not engine.transfer_cache.tensor.any()
+            if p > 1:
+                assert prefill.kv_pushes["gather"] == 0 and prefill.kv_pushes["per_rank"] > 0
             _all_free(prefill, decode)
         finally:
             prefill.close()

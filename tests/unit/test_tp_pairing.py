@@ -1,15 +1,19 @@
 """Which prefill and decode tensor-parallel sizes pair (engine/tp/heads.pairing_error), the decode's admission
 refusing the others naming both sizes (decode_server/admission.py), and the CacheStore's CompatInfo carrying a
 region's KV head range (a region with part of the heads never binds to one with another part, or all of them;
-a region with every head hashes as before the range existed)."""
+a region with every head hashes as before the range existed). The per-rank push's plan (heads.rank_sources:
+which prefill rank feeds each decode rank, None where a decode rank would need part of a prefill rank's
+blocks) and the decode's rule for offering it (the prefill's Compat.kv_push equal to KV_PUSH_VERSION, and the
+heads pairing rank for rank: decode_server/rank_receivers.py)."""
 
 import pytest
 
 from pdserve.cachestore import CompatInfo
 from pdserve.decode_server import admission
-from pdserve.engine.tp.heads import kv_head_ranges, pairing_error
+from pdserve.decode_server.rank_receivers import RankReceivers
+from pdserve.engine.tp.heads import kv_head_ranges, pairing_error, rank_sources
 from pdserve.protos import session_pb2 as pb
-from pdserve.protos.version import PROTOCOL_VERSION
+from pdserve.protos.version import KV_PUSH_VERSION, PROTOCOL_VERSION
 
 
 @pytest.mark.parametrize("heads, p, d", [(2, 1, 2), (2, 2, 1), (2, 2, 2), (2, 4, 2), (2, 1, 4), (1, 2, 4), (8, 4, 2),
@@ -65,3 +69,30 @@ def test_compat_info_carries_a_regions_head_range():
     assert len({half.compat_hash, other.compat_hash, whole.compat_hash}) == 3
     with pytest.raises(ValueError, match="KV heads 3..4 are not heads of a model with 4"):
         CompatInfo("float32", 2, 2, 16, 16, first_kv_head=3, model_kv_heads=4)
+
+
+@pytest.mark.parametrize("heads, p, d, sources", [
+    (2, 2, 2, [0, 1]),  # equal sizes: rank to rank
+    (8, 4, 4, [0, 1, 2, 3]),
+    (1, 1, 2, [0, 0]),  # one KV head, replicated on both decode ranks: the TP 1 prefill feeds both
+    (1, 2, 1, [0]),  # replicated on both prefill ranks: one of them sends
+    (2, 4, 2, [0, 3]),  # each head on two prefill ranks: spread over them
+    (2, 1, 4, None),  # a decode rank holds head 0 only, the TP 1 prefill's blocks hold both heads
+    (2, 1, 2, None), (2, 2, 1, None), (4, 2, 4, None), (8, 4, 2, None),
+    (6, 2, 3, None),  # not even paired
+])
+def test_rank_sources_pair_each_decode_rank_with_a_prefill_rank_of_exactly_its_heads(heads, p, d, sources):
+    assert rank_sources(heads, p, d) == sources
+
+
+def test_the_decode_offers_the_per_rank_push_only_to_a_prefill_that_speaks_it_and_pairs():
+    ranks = RankReceivers([object(), object()], num_kv_heads=2, landed=set())  # type: ignore[list-item]
+    speaks = pb.Compat(num_kv_heads=2, tensor_parallel_size=2, kv_push=KV_PUSH_VERSION)
+    assert ranks.pairs_with(speaks)
+    assert not ranks.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=2))  # older peer, or --kv-push gather
+    assert not ranks.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=2, kv_push=KV_PUSH_VERSION + 1))
+    assert not ranks.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=1, kv_push=KV_PUSH_VERSION))
+    one_head = RankReceivers([object(), object()], num_kv_heads=1, landed=set())  # type: ignore[list-item]
+    assert one_head.pairs_with(pb.Compat(num_kv_heads=1, tensor_parallel_size=0, kv_push=KV_PUSH_VERSION))  # TP 1
+    tp1 = RankReceivers([object()], num_kv_heads=2, landed=set())  # type: ignore[list-item]
+    assert not tp1.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=1, kv_push=KV_PUSH_VERSION))
