@@ -213,7 +213,7 @@ async def start_sender(parts: ServerParts, transport: str, scheduler: str, check
                        stall_timeout_s: float, tls_files: tls.TlsFiles | None = None,
                        same_node: str = "auto", corrupt: bool = True) -> CacheStoreSender:
     """The CacheStore sender on the engine's KV pool (mutual TLS with ``tls_files``; ``same_node``: see
-    ``CacheStoreSender``), started; ``corrupt``: it takes the test hook ``PDSERVE_TEST_CORRUPT_KV``."""
+    ``CacheStoreSender``), started; ``corrupt``: it takes the corrupt-KV test hook (``test_hooks.corrupt_kv``)."""
     sender = CacheStoreSender(parts.region, parts.layout, parts.compat, transport=transport, scheduler=scheduler,
                               checksum=checksum, stall_timeout_s=stall_timeout_s,
                               corrupt_kv=test_hooks.corrupt_kv() if corrupt else 0,
