@@ -12,12 +12,12 @@ import json
 import random
 import signal
 import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from harness.conditions import wait_until
 from harness.pd_cluster import metric
 from harness.procs import VENV_BIN
 from pdserve.engine.sim.profile import load_profile
@@ -39,14 +39,12 @@ def slow_prefill_profile(path):
 
 
 def wait_for(what: str, check, up, log, timeout: float = HANG_GUARD_S):
-    """``check()``'s first truthy value; ``timeout`` is only a hang guard; fails at once if `up` exits."""
-    deadline = time.monotonic() + timeout
-    while not (value := check()):
+    """``check()``'s first truthy value (harness.conditions.wait_until); fails at once if `up` exits."""
+    def checked():
         assert up.poll() is None, f"pdserve up exited:\n{log.read_text(errors='replace')[-3000:]}"
-        assert time.monotonic() < deadline, f"hang guard: {what}: not within {timeout:g}s\n" + \
-            log.read_text(errors="replace")[-3000:]
-        time.sleep(0.2)
-    return value
+        return check()
+
+    return wait_until(checked, what, hang_guard_s=timeout)
 
 
 class Load:
