@@ -177,6 +177,7 @@ class RouterApi:
     async def _relay(self, request: web.Request, kind: str) -> web.StreamResponse:
         clock = Clock(request.headers.get(REQUEST_ID_HEADER))
         body = await request.read()
+        clock.body = time.perf_counter()
         ids = prompt_token_ids(body, kind, self.router.tokenizer)
         if self.gate is None:
             return await self._relay_to(request, body, ids, None, clock)

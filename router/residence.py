@@ -17,9 +17,10 @@ bytes) and after 2 (the kernel delivering them) are not here either: the end-to-
 router-scale`` sees those.
 
 ``Residences.record`` observes their sum once per request in ``router_residence`` (a Prometheus histogram)
-and keeps the last ``RECENT`` requests' two parts (and, of the first, the part until the prefill was chosen:
-``decided_s``), each with its sequence number and the client's ``X-Request-Id`` (if it sent one), for
-``GET /debug/residence?since=N`` (``http_api.py``): what a benchmark reads per request.
+and keeps the last ``RECENT`` requests' two parts (and, of the first, the parts until the body was read,
+``body_s``, and until the prefill was chosen, ``decided_s``), each with its sequence number and the
+client's ``X-Request-Id`` (if it sent one), for ``GET /debug/residence?since=N`` (``http_api.py``): what a
+benchmark reads per request.
 """
 
 from __future__ import annotations
@@ -48,14 +49,15 @@ class TimedBody(BytesPayload):
 
 
 class Clock:
-    """One request's residence stamps: ``accepted`` (made when the handler starts), ``decided`` (its prefills
-    ranked), ``sent`` (the body written to the prefill whose answer is relayed), ``read`` (the first answer's
-    bytes read from it)."""
+    """One request's residence stamps: ``accepted`` (made when the handler starts), ``body`` (its body read),
+    ``decided`` (its prefills ranked), ``sent`` (the body written to the prefill whose answer is relayed),
+    ``read`` (the first answer's bytes read from it)."""
 
-    __slots__ = ("accepted", "decided", "sent", "read", "request_id", "done")
+    __slots__ = ("accepted", "body", "decided", "sent", "read", "request_id", "done")
 
     def __init__(self, request_id: str | None = None):
         self.accepted = time.perf_counter()
+        self.body: float | None = None
         self.decided: float | None = None
         self.sent: float | None = None
         self.read: float | None = None
@@ -69,7 +71,7 @@ class Residences:
     def __init__(self, metrics, recent: int = RECENT):
         self.metrics = metrics
         self.count = 0  # requests recorded since start (the sequence number of the last one)
-        self._recent: deque[tuple[int, float, float, float | None, str | None]] = deque(maxlen=recent)
+        self._recent: deque[tuple[int, float, float, float | None, float | None, str | None]] = deque(maxlen=recent)
 
     def record(self, clock: Clock, written_at: float) -> None:
         """The first of the answer was written to the client at ``written_at``: observe the request once."""
@@ -78,12 +80,13 @@ class Residences:
         clock.done = True
         request_s, response_s = clock.sent - clock.accepted, written_at - clock.read
         self.count += 1
+        body_s = None if clock.body is None else clock.body - clock.accepted
         decided_s = None if clock.decided is None else clock.decided - clock.accepted
-        self._recent.append((self.count, request_s, response_s, decided_s, clock.request_id))
+        self._recent.append((self.count, request_s, response_s, body_s, decided_s, clock.request_id))
         self.metrics.router_residence.observe(request_s + response_s)
 
     def since(self, seq: int) -> dict:
         """The recorded requests after sequence number ``seq`` that are still kept: seconds of each part."""
-        rows = [{"seq": n, "request_s": a, "response_s": b, "decided_s": d, "request_id": rid}
-                for n, a, b, d, rid in self._recent if n > seq]
+        rows = [{"seq": n, "request_s": a, "response_s": b, "body_s": r, "decided_s": d, "request_id": rid}
+                for n, a, b, r, d, rid in self._recent if n > seq]
         return {"count": self.count, "kept": len(self._recent), "requests": rows}

@@ -82,10 +82,12 @@ def _f(x: float | None) -> str:
 def residence_line(r: dict) -> str:
     """One window's router-own time per request (``residence.py``)."""
     t, q, a, o = r["total"], r["request_part"], r["response_part"], r["ttft_less_router"]
+    body = r.get("body_part", {})
     tail = ", ".join(f"{x['ttft_ms']:.1f} ({x['router_ms']:.2f})" for x in r.get("ttft_tail", []))
     return (f"{r['via']} window: the router's own time per request ({r['requests']} requests) p50/p99/max "
             f"{_f(t['p50_ms'])}/{_f(t['p99_ms'])}/{_f(t['max_ms'])} ms, {r['over_target']} over "
-            f"{r['target_ms']:g} ms (request part p50/p99 {_f(q['p50_ms'])}/{_f(q['p99_ms'])}, of it until the "
+            f"{r['target_ms']:g} ms (request part p50/p99 {_f(q['p50_ms'])}/{_f(q['p99_ms'])}, of it until the body "
+            f"was read {_f(body.get('p50_ms'))}/{_f(body.get('p99_ms'))}, until the "
             f"prefill was chosen {_f(r['decided_part']['p50_ms'])}/{_f(r['decided_part']['p99_ms'])}; response part "
             f"{_f(a['p50_ms'])}/{_f(a['p99_ms'])}); TTFT less it p50/p99 {_f(o['p50_ms'])}/{_f(o['p99_ms'])} "
             f"({r['matched']} matched); the slowest TTFTs (the router's own ms): {tail}")

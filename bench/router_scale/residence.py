@@ -58,6 +58,7 @@ def summarize(recorded: list[dict], results: list[Result], routed_ids: list[int]
     out = {"requests": len(recorded), "total": _stats(total),
            "request_part": _stats([r["request_s"] for r in recorded]),
            "response_part": _stats([r["response_s"] for r in recorded]),
+           "body_part": _stats([r["body_s"] for r in recorded if r.get("body_s") is not None]),
            "decided_part": _stats([r["decided_s"] for r in recorded if r.get("decided_s") is not None]),
            "over_target": sum(1 for t in total if t * 1e3 > target_ms), "target_ms": target_ms}
     by_id = {r["request_id"]: r for r in recorded if r.get("request_id") is not None}

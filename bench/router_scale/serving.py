@@ -240,7 +240,9 @@ def window(setup: Setup, via: str, bodies: list[bytes], arrivals: list[float]) -
         out["decide_ms_mean"] = (after["overhead_s_sum"] - before["overhead_s_sum"]) / n * 1e3 if n else None
     if own0 is not None:  # the router's own time per request (router/residence.py)
         routed_ids = list(range(0, len(results), 2 if via == "both" else 1))
-        out["residence"] = residence.summarize(residence.rows(setup.router_url, own0) or [], results, routed_ids)
+        rows = residence.rows(setup.router_url, own0) or []
+        out["residence"] = residence.summarize(rows, results, routed_ids)
+        out["residence_rows"] = rows  # each request's parts (seconds), with its index in the window
     return out
 
 

@@ -134,14 +134,14 @@ def test_the_routers_own_time_is_matched_to_the_clients_requests_by_their_id():
 
     # an interleaved window of 6: the even ones through the router (ids 0, 2, 4), the odd ones direct
     results = [Result(0.0, 200, ttft=t) for t in (0.010, 0.003, 0.004, 0.003, 0.020, 0.003)]
-    recorded = [{"seq": 7 + k, "request_s": a, "response_s": b, "decided_s": a / 2, "request_id": rid}
+    recorded = [{"seq": 7 + k, "request_s": a, "response_s": b, "body_s": a / 4, "decided_s": a / 2, "request_id": rid}
                 for k, (a, b, rid) in enumerate(((0.001, 0.0005, "0"), (0.002, 0.0005, "2"), (0.004, 0.002, "4")))]
     s = summarize(recorded, results, routed_ids=[0, 2, 4])
     assert s["requests"] == 3 and s["matched"] == 3
     assert s["total"]["p50_ms"] == pytest.approx(2.5) and s["total"]["max_ms"] == pytest.approx(6.0)
     assert s["over_target"] == 1 and s["target_ms"] == 5.0  # 6 ms > 5 ms
     assert s["request_part"]["max_ms"] == pytest.approx(4.0) and s["response_part"]["p50_ms"] == pytest.approx(0.5)
-    assert s["decided_part"]["max_ms"] == pytest.approx(2.0)
+    assert s["decided_part"]["max_ms"] == pytest.approx(2.0) and s["body_part"]["max_ms"] == pytest.approx(1.0)
     # TTFT less the router's own time: 10 - 1.5, 4 - 2.5, 20 - 6 ms
     less = s["ttft_less_router"]
     assert less["p50_ms"] == pytest.approx(8.5) and less["max_ms"] == pytest.approx(14)
