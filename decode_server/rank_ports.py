@@ -5,18 +5,23 @@ they are used: rank 0..N-1's receivers first (tensor-parallel size N > 1; at siz
 one on ``--kv-port``), then the receivers of head slices (``engine/tp/pieces.py``), in the order they are made
 (at the first request that needs each); a slice made once the list is used up listens on a free port the system
 picks (fine on one machine; a NetworkPolicy admits only the listed ports). Without the flag, rank r's receiver is
-on ``--kv-port`` + 1 + r (the chart's NetworkPolicy admits that range) and every slice's on a free port.
+on ``--kv-port`` + 1 + r and the slices' on the ``defaults.KV_SLICE_PORTS`` ports after those (a TP 1 decode's
+from ``--kv-port`` + 1), which the operator's NetworkPolicy admits (``operator/pools.py``), then free ports.
 
 At start, before the model loads: a port listed twice, a port that is one of the server's own (``--port``,
 ``--http-port``, ``--kv-port``, ``--kv-pool-port`` with ``--kv-pool``), fewer ports than ranks, or a port another
-process holds now ends the decode with one line naming the port and the flag; the default range is checked the
-same way (a clash names ``--kv-rank-ports`` as the way out).
+process holds now ends the decode with one line naming the port and the flag; the ranks' default ports are
+checked the same way (a clash names ``--kv-rank-ports`` as the way out). The slices' default ports are not
+checked at start (most decodes never make a slice): one of the server's own is skipped, and one another process
+holds when the slice is made fails that request's Session naming the port.
 """
 
 from __future__ import annotations
 
 import argparse
 import socket
+
+from pdserve import defaults
 
 
 def parse_ports(text: str) -> list[int]:
@@ -58,6 +63,16 @@ def rank_ports(args, ranks: int) -> list[int]:
             raise SystemExit(f"pdserve decode: {flag} includes port {port}, which is {name}: give the per-rank push "
                              f"receivers other ports (--kv-rank-ports)")
     return listed
+
+
+def default_slice_ports(args, ranks: int) -> list[int]:
+    """The slices' ports without --kv-rank-ports: the KV_SLICE_PORTS after the ranks' (none of the server's own);
+    [] with the flag or with --kv-port 0 (free ports)."""
+    if getattr(args, "kv_rank_ports", None) is not None or not args.kv_port:
+        return []
+    first = args.kv_port + 1 + (ranks if ranks > 1 else 0)
+    own = {args.port, args.http_port, args.kv_port, getattr(args, "kv_pool_port", 0)}
+    return [port for port in range(first, first + defaults.KV_SLICE_PORTS) if port not in own and port <= 65535]
 
 
 def check_free(host: str, ports: list[int]) -> None:

@@ -67,7 +67,7 @@ from pdserve.test_hooks import TestGates
 
 from .decode_engine import DecodeEngine
 from .lso import LsoController
-from .rank_ports import PortList, check_free, rank_ports
+from .rank_ports import PortList, check_free, default_slice_ports, rank_ports
 from .rank_receivers import RankReceivers
 from .registry import SessionRegistry
 from .service import DecodeService
@@ -183,9 +183,10 @@ def push_ports(args) -> list[int]:
     """The per-rank push receivers' ports (rank_ports.py), checked and free; [] when the push is off."""
     if getattr(args, "kv_push", "gather") != "per-rank" or getattr(args, "engine", "builtin") != "builtin":
         return []
-    ports = rank_ports(args, getattr(args, "tensor_parallel_size", 1))
+    ranks = getattr(args, "tensor_parallel_size", 1)
+    ports = rank_ports(args, ranks)
     check_free(args.host, ports)
-    return ports
+    return ports + default_slice_ports(args, ranks)
 
 
 async def start_rank_receivers(parts: ServerParts, receiver: CacheStoreReceiver, metrics: ServerMetrics, args,
@@ -208,10 +209,16 @@ async def start_rank_receivers(parts: ServerParts, receiver: CacheStoreReceiver,
 
     async def make_slice(rank: int, heads: range):
         """A head slice's staging pool and its receiver (engine/tp/pieces.py), at the first request that needs it."""
-        staged, region, layout, compat = head_slice_parts(parts, rank, heads)
-        rx = await start_receiver(replace(parts, region=region, layout=layout, compat=compat), metrics, args.transfer,
-                                  args.host, ports.take(), args.advertise_host, args.kv_checksum, tls_files,
-                                  same_node=False)
+        same_node, port = args.kv_same_node != "off", ports.take()
+        staged, region, layout, compat = head_slice_parts(parts, rank, heads, shared=same_node)
+        try:
+            rx = await start_receiver(replace(parts, region=region, layout=layout, compat=compat), metrics,
+                                      args.transfer, args.host, port, args.advertise_host, args.kv_checksum, tls_files,
+                                      same_node=same_node)
+        except OSError as exc:
+            staged.close()
+            raise RuntimeError(f"the receiver of KV heads {heads.start}..{heads.stop - 1} of rank {rank} cannot listen "
+                               f"on port {port}: {exc.strerror or exc} (give free ports in --kv-rank-ports)") from None
         log.info("per-rank push: KV heads %d..%d of rank %d land in a staging pool of %.1f MiB (port %d)",
                  heads.start, heads.stop - 1, rank, staged.nbytes / 2**20, rx.port)
         return staged, rx
@@ -341,6 +348,8 @@ class DecodeServer:
         for rank_receiver in self.ranks.all_receivers if self.ranks is not None else []:
             if rank_receiver is not self.receiver:
                 await rank_receiver.stop()
+        for staged, _ in self.ranks.slices.values() if self.ranks is not None else []:
+            staged.close()  # a staging pool's memfd (the mapping goes with the tensor)
         await self.engine.stop()
         if self.trace is not None:
             self.trace.close()

@@ -334,19 +334,20 @@ def rank_parts(engine: LLMEngine, args) -> list[tuple[MemoryRegion, KVLayout, Co
     return parts
 
 
-def head_slice_parts(parts: ServerParts, rank: int, heads: range):
+def head_slice_parts(parts: ServerParts, rank: int, heads: range, shared: bool = False):
     """A staging pool for KV heads ``heads`` of rank ``rank``'s pool (engine/tp/pieces.py: a partial piece of the
     per-rank push), and its (MemoryRegion, KVLayout, CompatInfo): the compat of a rank holding exactly those heads,
-    so it binds only to such a rank's pool (or slice). ValueError for heads that are not a part of the rank's."""
+    so it binds only to such a rank's pool (or slice). ``shared``: in a memfd (a decode's, offered to same-node
+    senders). ValueError for heads that are not a part of the rank's."""
     from pdserve.cachestore import KVLayout, MemoryRegion
     from pdserve.engine.tp.pieces import HeadSlice
 
     pool = parts.rank_pools[rank]
-    staged = HeadSlice(pool.tensor, pool.heads, heads)
+    staged = HeadSlice(pool.tensor, pool.heads, heads, shared)
     compat = replace(parts.rank_parts[rank][2], num_kv_heads=len(heads), first_kv_head=heads.start)
     layout = KVLayout(num_layers=parts.layout.num_layers, num_blocks=parts.layout.num_blocks,
                       block_nbytes=compat.block_nbytes)
-    return staged, MemoryRegion.from_tensor(staged.tensor), layout, compat
+    return staged, MemoryRegion.from_tensor(staged.tensor, shared_fd=staged.shared_fd), layout, compat
 
 
 def kv_push_version(rank_pools: list) -> int:

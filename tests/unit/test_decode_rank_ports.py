@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from pdserve.decode_server.rank_ports import PortList, check_free, parse_ports, rank_ports
+from pdserve import defaults
+from pdserve.decode_server.rank_ports import PortList, check_free, default_slice_ports, parse_ports, rank_ports
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -26,11 +27,17 @@ def test_ports_and_ranges_parse_in_order():
             parse_ports(bad)
 
 
-def test_the_default_is_kv_port_plus_one_plus_rank():
+def test_the_default_is_kv_port_plus_one_plus_rank_then_the_slices():
     assert rank_ports(_args(), 2) == [50061, 50062]
     assert rank_ports(_args(), 1) == []  # the rank's receiver is the one on --kv-port
     assert rank_ports(_args(kv_port=0), 4) == []  # ephemeral ports (tests)
     assert rank_ports(_args(kv_rank_ports=[40000, 40001, 40002]), 2) == [40000, 40001, 40002]
+    n = defaults.KV_SLICE_PORTS
+    assert default_slice_ports(_args(), 2) == list(range(50063, 50063 + n))  # after the ranks'
+    assert default_slice_ports(_args(), 1) == list(range(50061, 50061 + n))
+    assert 50064 not in default_slice_ports(_args(port=50064), 1)  # one of the server's own: skipped
+    assert default_slice_ports(_args(kv_rank_ports=[40000]), 1) == []  # the list says
+    assert default_slice_ports(_args(kv_port=0), 1) == []
 
 
 @pytest.mark.parametrize("kw, ranks, message", [

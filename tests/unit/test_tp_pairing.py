@@ -93,7 +93,9 @@ def test_the_decode_offers_the_per_rank_push_only_to_a_prefill_that_speaks_it_an
     assert ranks.pairs_with(speaks)
     assert not ranks.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=2))  # older peer, or --kv-push gather
     assert not ranks.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=2, kv_push=KV_PUSH_VERSION + 1))
-    assert not ranks.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=1, kv_push=KV_PUSH_VERSION))
+    # TP 1 into TP 2 on 2 KV heads: a slice of the prefill's heads per decode rank, packed by the prefill (version 2)
+    assert ranks.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=1, kv_push=KV_PUSH_VERSION))
+    assert not ranks.pairs_with(pb.Compat(num_kv_heads=2, tensor_parallel_size=1, kv_push=1))  # v1: whole shards
     one_head = RankReceivers([object(), object()], num_kv_heads=1, landed=set())  # type: ignore[list-item]
     assert one_head.pairs_with(pb.Compat(num_kv_heads=1, tensor_parallel_size=0, kv_push=KV_PUSH_VERSION))  # TP 1
     tp1 = RankReceivers([object()], num_kv_heads=2, landed=set())  # type: ignore[list-item]
