@@ -33,6 +33,7 @@ from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start
                                 wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
 from pdserve.engine.tp.heads import rank_pieces
+from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -82,8 +83,10 @@ def cluster(request, tmp_path_factory, one_kv_head):
     fault = _id(request.param) == FAULT
     group = ProcessGroup(log_dir=tmp_path_factory.mktemp(f"pd-tp-{_id(request.param)}") / "logs")
     try:
+        ports = ",".join(str(free_port()) for _ in range(d + 2))  # the ranks' receivers, then head slices'
         decode = start_decode(group, wire, NUM_BLOCKS, same_node=same_node,
-                              extra=(*SERVER, "--model", model, "--tensor-parallel-size", str(d)))
+                              extra=(*SERVER, "--model", model, "--tensor-parallel-size", str(d),
+                                     "--kv-rank-ports", ports))
         prefill = start_prefill(group, [decode.grpc_address], wire, NUM_BLOCKS, same_node=same_node,
                                 env={"PDSERVE_TEST_CORRUPT_KV": "1"} if fault else None,
                                 extra=(*SERVER, "--model", model, "--tensor-parallel-size", str(p),

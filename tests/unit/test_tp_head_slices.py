@@ -38,8 +38,8 @@ class Side:
     def __init__(self, full: torch.Tensor, size: int, transport: str, fill: bool):
         self.heads = kv_head_ranges(full.shape[4], size)
         self.model_heads, self.transport = full.shape[4], transport
-        self.pools = [full[..., h.start:h.stop, :].clone() if fill else torch.zeros_like(full[..., h.start:h.stop, :])
-                      for h in self.heads]
+        parts = [full[..., h.start:h.stop, :] for h in self.heads]
+        self.pools = [p.clone(memory_format=torch.contiguous_format) if fill else torch.zeros(p.shape) for p in parts]
 
     def ends(self, tensor: torch.Tensor, heads: range):
         compat = _compat(heads, self.model_heads)
