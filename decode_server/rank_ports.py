@@ -71,7 +71,7 @@ def default_slice_ports(args, ranks: int) -> list[int]:
     if getattr(args, "kv_rank_ports", None) is not None or not args.kv_port:
         return []
     first = args.kv_port + 1 + (ranks if ranks > 1 else 0)
-    own = {args.port, args.http_port, args.kv_port, getattr(args, "kv_pool_port", 0)}
+    own = {args.port, args.http_port, args.kv_port, args.kv_pool_port if getattr(args, "kv_pool", "") else 0}
     return [port for port in range(first, first + defaults.KV_SLICE_PORTS) if port not in own and port <= 65535]
 
 

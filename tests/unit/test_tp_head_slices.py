@@ -127,6 +127,9 @@ def test_every_decode_rank_gets_exactly_its_heads_from_the_prefill_ranks(transpo
             assert rx.unpacked == (p if heads == 2 and p > d else 0)  # TP 2 into TP 1: both pieces unpacked
             assert rx.arrivals == [1] * d
             received = [e.stats() for e in rx.all_receivers]
+            head_bytes = 2 * BS * D * 4  # one KV head of one block of one layer, K and V, float32
+            # exactly the heads each decode rank holds, each block of each layer once: no whole blocks, no repeats
+            assert sum(s["bytes_received"] for s in received) == L * len(DST) * head_bytes * sum(map(len, decode.heads))
             assert sum(s["frames_verified"] for s in received) > 0
             assert sum(s["checksum_mismatches"] for s in received) == 0
             arrival.delete()
