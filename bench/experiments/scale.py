@@ -27,6 +27,12 @@ which the report measures: the decode's TPOT against the profile's step time at 
 is raised to the trace's longest request (``derive_profile``; Llama-3.1-8B's 128K shape, the step time
 extrapolated past the 8K it was measured at).
 
+``--clock virtual`` serves the same arms in one process on a discrete-event clock instead (``scale_virtual.py``,
+``virtual_*.py``): the same router decision, sim engines (scheduler, BlockManager, prefix cache), decode picker and
+link model, time advanced by events, so the whole trace runs in minutes whatever the box's load; ``--clock both``
+runs each arm on both and reports virtual / wall per figure (the drift). ``--rate-scale k`` divides the trace's
+arrival times by k (the load raised, its lengths and reuse kept).
+
 Figures per arm (``scale_report.py``): TTFT p50/p99, TPOT p50/p99, goodput under ``--slo-ttft-ms`` /
 ``--slo-tbt-ms``, failed requests; ratios over round robin (``rr`` for the picker arms); the targets (issue 50:
 prefix P99 TTFT <= 0.5x round robin, goodput >= 1.3x) beside the trace's reuse bound (``reuse_bound``).

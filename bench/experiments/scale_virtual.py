@@ -23,7 +23,7 @@ from pdserve.engine.sim.profile import SimProfile
 
 from . import report, scale_report
 from .virtual_clock import VRequest
-from .virtual_cluster import ClusterSpec, VirtualCluster
+from .virtual_cluster import LOAD_WEIGHT, ClusterSpec, VirtualCluster
 
 FIDELITY_FIGURES = ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "tpot_p50_s", "tpot_p99_s", "goodput_rps",
                     "slo_attained")
@@ -33,7 +33,7 @@ def router_settings(flags: list[str]) -> tuple[str, float]:
     """(policy, load weight) from an arm's ``pdserve router`` flags."""
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--policy", default="prefix")
-    parser.add_argument("--load-weight", type=float, default=ClusterSpec.load_weight)
+    parser.add_argument("--load-weight", type=float, default=LOAD_WEIGHT)
     parsed = parser.parse_args(flags)
     return parsed.policy, parsed.load_weight
 

@@ -38,6 +38,7 @@ from .virtual_prefill import VirtualPrefill
 
 ROUTER_LOAD_INTERVAL_S = 0.2  # PrefillSet's load_interval_s default
 DECODE_LOAD_INTERVAL_S = 0.3  # LoadReportPoller's interval_s default
+LOAD_WEIGHT = 64.0  # the router's --load-weight default
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +53,7 @@ class ClusterSpec:
     link_gbps: float = 400.0
     link_latency_us: float = 5.0
     policy: str = "prefix"  # the router's
-    load_weight: float = 64.0  # the router's --load-weight default
+    load_weight: float = LOAD_WEIGHT
     picker: str = "wrr"
     decode_reuse: bool = True
     prefills_ahead: int = 2

@@ -124,7 +124,7 @@ class VirtualPrefill:
         while self.line and self.slots < self.prefills_ahead:
             r = self.line[0]
             if not self._allocate(r):
-                return  # no decode holds it now: the line waits for a decode to free blocks (``decode_freed``)
+                return  # no decode holds it now: the line waits for one to free blocks (a finish admits again)
             self.line.popleft()
             try:
                 self.engine.pd.add_remote(str(r.index), r.ids, SamplingParams(max_tokens=max(1, r.n_out)),

@@ -64,17 +64,20 @@ def test_one_request_ttft_and_tpot_by_hand_with_the_link_behind_the_compute():
     assert decode.blocks.num_free_blocks() == decode.blocks.num_blocks  # its blocks back (cached, evictable)
 
 
-def test_prompts_waiting_together_share_the_engines_step():
+def test_two_slots_ahead_and_prompts_waiting_together_share_the_engines_step():
     c = cluster()
-    a, b = req(0, 0.0, list(range(1, 129)), 2), req(1, 0.0, list(range(2, 130)), 2)
-    c.run([a, b])
-    # both prompts in one step of the real scheduler: 0.01 + 256 x 0.001
-    assert a.first_at == pytest.approx(0.266, abs=1e-6) and b.first_at == pytest.approx(0.266, abs=1e-6)
+    a = req(0, 0.0, list(range(1, 129)), 2)
+    b, d = req(1, 0.05, list(range(2, 130)), 2), req(2, 0.05, list(range(3, 131)), 2)
+    c.run([a, b, d])
+    assert a.first_at == pytest.approx(0.138, abs=1e-6)  # alone: its step began when it came
+    # b took the second slot during a's step, d waited in line until a's prompt was computed; then both
+    # prompts share one step of the real scheduler: 0.01 + 256 x 0.001
+    assert b.first_at == pytest.approx(0.138 + 0.266, abs=1e-6) and d.first_at == pytest.approx(0.404, abs=1e-6)
 
 
 def test_a_cached_prefix_cuts_the_prefill_and_the_kv_moved_and_prefix_routing_finds_it():
     first = list(range(1, 193))  # 3 blocks
-    second = first[:128] + list(range(200, 264))  # its first 2 blocks are the first prompt's
+    second = first[:128] + list(range(100, 164))  # its first 2 blocks are the first prompt's
 
     def serve(policy: str) -> tuple[VRequest, VRequest]:
         c = cluster(prefills=2, policy=policy)
