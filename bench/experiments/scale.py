@@ -72,6 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speedup", type=float, default=1.0,
                    help="simulated seconds per wall second: arrivals, step and link times / k (default 1)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--jobs", type=int, default=1,
+                   help="--clock virtual: arms run this many at a time, each in its own process (default 1)")
     g.add_argument("--rate-scale", type=float, default=1.0,
                    help="the trace's arrival rate x this (its times / k: load raised, lengths and reuse kept)")
     g.add_argument("--clock", choices=CLOCKS, default="wall",
@@ -193,10 +195,10 @@ def run(args: argparse.Namespace) -> int:
     bad = [a for a in arms if a not in ALL_ARMS]
     planner_virtual = args.clock != "wall" and any(a in scale_day.DAY_ARMS for a in arms)
     if bad or not arms or args.speedup <= 0 or args.rate_scale <= 0 or args.prefills < 1 or args.decodes < 1 \
-            or planner_virtual:
+            or planner_virtual or args.jobs < 1:
         print(f"pdserve bench experiment scale: error: arms {bad or arms} (one of {', '.join(ALL_ARMS)}; "
               f"{', '.join(scale_day.DAY_ARMS)} on --clock wall only), --speedup and --rate-scale > 0, --prefills "
-              "and --decodes >= 1", file=sys.stderr)
+              "and --decodes >= 1, --jobs >= 1", file=sys.stderr)
         return 2
     reqs = read_trace(args.trace, "mooncake")[: args.max_requests]
     specs, arrivals = full_workload(reqs, args.speedup * args.rate_scale, args.seed)
@@ -234,6 +236,15 @@ def run(args: argparse.Namespace) -> int:
     virtual: list[dict] = []
     real_profile = (load_profile(derive_profile(args.profile, 1.0, max_len, out / f"{args.name}-profile-x1.json"))
                     if args.clock != "wall" else None)
+    if args.clock == "virtual":  # every arm at once (``--jobs``), then the same report
+        assert real_profile is not None
+        work = {arm: (full_workload(day_reqs, 1.0, args.seed) if arm == "day" else
+                      (specs, [a * args.speedup for a in arrivals])) for arm in arms}
+        virtual = scale_virtual.run_arms(args, arms, {a: arm_layout(args, a) for a in arms}, real_profile, work,
+                                         max_len, args.jobs)
+        for row in virtual:
+            _say(f"  {row['arm']} (virtual clock, {row['wall_s']:.0f} s): " + scale_report.one_line(row))
+        arms = []
     for arm in arms:
         arm_specs, arm_arrivals = specs, arrivals
         if arm == "day":

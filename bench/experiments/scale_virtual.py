@@ -17,7 +17,9 @@ and the box's load, which this records beside it).
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
+from concurrent.futures import ProcessPoolExecutor
 
 from pdserve.engine.sim.profile import SimProfile
 
@@ -70,6 +72,30 @@ def run_arm(args, arm: str, layout, profile: SimProfile, specs, arrivals: list[f
             "decode_busy_mean": sum(dbusy) / len(dbusy), "decode_busy_max": max(dbusy),
             "load_avg_before": load_before, "load_avg_after": os.getloadavg(), **figures,
             "ttfts_s": [r.ttft for r in results if r.ttft is not None] if len(results) <= 2000 else None}
+
+
+_WORK: tuple | None = None  # what a forked worker of ``run_arms`` reads (set by its parent before the fork)
+
+
+def _run_one(arm: str) -> dict:
+    args, layouts, profile, work, max_len = _WORK  # type: ignore[misc]
+    specs, arrivals = work[arm]
+    return run_arm(args, arm, layouts[arm], profile, specs, arrivals, max_len)
+
+
+def run_arms(args, arms: list[str], layouts: dict, profile: SimProfile, work: dict, max_len: int,
+             jobs: int = 1) -> list[dict]:
+    """Every arm, ``jobs`` at a time in forked processes (each arm is one process's work: a fresh cluster),
+    in ``arms`` order; ``work``: arm -> (specs, arrivals)."""
+    global _WORK
+    if jobs <= 1 or len(arms) <= 1:
+        return [run_arm(args, arm, layouts[arm], profile, *work[arm], max_len) for arm in arms]
+    _WORK = (args, layouts, profile, work, max_len)
+    try:
+        with ProcessPoolExecutor(min(jobs, len(arms)), mp_context=multiprocessing.get_context("fork")) as pool:
+            return list(pool.map(_run_one, arms))
+    finally:
+        _WORK = None
 
 
 def fidelity(wall_runs: list[dict], virtual_runs: list[dict]) -> dict:
