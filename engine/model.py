@@ -170,7 +170,8 @@ class DecoderModel(nn.Module):
         x = self._embed(batch.input_ids)
         layers = range(len(self.layers))
         if extra_rows or batch.logits_rows.shape[0] >= x.shape[0]:  # every row's last hidden state is read
-            logits = self.head(self.run_layers(x, batch, kv, layers, on_layer), batch)
+            x = self.run_layers(x, batch, kv, layers, on_layer)
+            logits = self.head(x, batch)
         else:  # a prefill: only its sampled rows leave the last layer (``run_layers``' out_rows)
             x = self.run_layers(x, batch, kv, layers, on_layer, out_rows=batch.logits_rows)
             logits = self._logits(self.norm(x))
