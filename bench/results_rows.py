@@ -316,19 +316,19 @@ ROWS: tuple[ResultRow, ...] = (
         "docs/bench_raw/2026-12-06-sim-scale/scale-routing.json"),
     ResultRow(
         "sim-day-planner", "Simulation",
-        "the SLO planner (`pdserve up --engine sim --autoscale`, 1-6 prefills, 1-2 decodes) / fixed at the day's "
-        "peak sizing (3 prefills + 1 decode), a compressed day of the Mooncake trace (80 simulated s, peak/trough "
-        "3, 218 requests, turn waits / 30) at 1/4 real time, H200 Llama-3-8B profile: pod-seconds, SLO met "
-        "(TTFT <= 2 s, mean TBT <= 100 ms)",
-        "1.32x pod-seconds; SLO met 0.784 vs 0.587 (SLO-met requests per pod-hour 1,185 vs 1,173)",
-        "target (the SLO held at fewer pod-seconds than peak sizing) **missed**: neither arm held p90 TTFT <= 2 s "
-        "(4.6 s, 10.5 s) on a box at load 20-31 (the sims' decode steps 1.8x their profile); the planner's prefill "
-        "busy signal read 2-6x the engine's real busy time (per-request intervals that overlap in a batch) and "
-        "kept it near its 6-prefill maximum; one pass per arm",
-        "2026-12-06", "Intel Xeon, 2 cores, load 20-31", "10552b2",
+        "the SLO planner (`pdserve up --engine sim --autoscale`, 1-6 prefills, 1-2 decodes, prefill busy from the "
+        "engines' own busy time) / fixed at the day's peak sizing (3 prefills + 1 decode), a compressed day of the "
+        "Mooncake trace (80 simulated s, peak/trough 3, 218 requests, turn waits / 30) at 1/4 real time, H200 "
+        "Llama-3-8B profile: pod-seconds, SLO met (TTFT <= 2 s, mean TBT <= 100 ms)",
+        "1.27x pod-seconds; SLO met 0.817 vs 0.587 (run 4: 1.30x of the mean peak; main's planner 1.44x, 1.56x)",
+        "target (the SLO held at fewer pod-seconds than peak sizing) **missed**: no arm held p90 TTFT <= 2 s "
+        "(planner 4.4 s, peak 11.4 s) on a box at load 7-34 (the sims' decode steps 1.4-1.9x their profile, so "
+        "peak sizing is short); the busy signal is fixed (max 1.01 against main's 5.4): 0.83-0.92x main's "
+        "pod-seconds at +5 to +9 points of SLO met, A B A B, one pass per arm",
+        "2026-12-06", "Intel Xeon, 2 cores, load 7-34", "9e7e46c",
         "pdserve bench experiment scale --arms day-planner,day-peak --speedup 0.25 --day-s 80 --turn-pace 30 "
         "--day-bins 8 --request-timeout 600 --out OUT --name day",
-        "docs/bench_raw/2026-12-06-scale-day/day.json", reads="scale_day"),
+        "docs/bench_raw/2026-12-06-planner-busy/2-branch/day.json", reads="scale_day"),
 )
 
 # Below an area's table: figures without a row (no raw output kept, or no one command), and how to get one.

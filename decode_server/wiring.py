@@ -159,6 +159,7 @@ async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size:
     """The metrics follow the engine's counters; its prefix cache publishes KV events (attached
     before the engine thread starts: it calls on that thread); the engine starts."""
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    metrics.follow_counter("engine_busy", engine.busy_seconds)
     follow_tier_metrics(metrics, engine)
     kv_events = KvEventPublisher(block_size)
     attach_kv_events(engine, kv_events)
