@@ -44,16 +44,40 @@ class TorchAttention:
             out[n:] = self._decode(i, window, q[n:], batch, kv, masks, scale, softcap)
         return out
 
+    def attend_rows(self, i, window, q, k, v, batch, kv, masks: dict, scale, softcap) -> torch.Tensor:
+        """``attend`` for the batch's sampled rows alone (``logits_rows``: the last row of each span that ends
+        its prompt, then every decode row) -> [len(logits_rows), H, D]. A span's last token sees its whole
+        context (within ``window``: its last ``window`` keys), so its row is one query over those keys, no mask."""
+        parts = [self._last_row(span, i, window, q, k, v, kv, scale, softcap) for span in batch.prefills
+                 if span.samples]
+        if batch.decode_tables is not None:
+            n = batch.decode_start
+            parts.append(self._decode(i, window, q[n:], batch, kv, masks, scale, softcap))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    @staticmethod
+    def _last_row(span, i, window, q, k, v, kv, scale, softcap) -> torch.Tensor:
+        ks, vs = TorchAttention._span_kv(span, i, q, k, v, kv)
+        if window is not None:
+            ks, vs = ks[:, :, -window:], vs[:, :, -window:]
+        qs = q[span.end - 1 : span.end].transpose(0, 1).unsqueeze(0)
+        return attend(qs, ks, vs, scale=scale, softcap=softcap).squeeze(0).transpose(0, 1)
+
+    @staticmethod
+    def _span_kv(span, i, q, k, v, kv) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill span's keys and values [1, KVH, context, D]: its own new ones, or (after a prefix hit or an
+        earlier chunk) its whole context gathered from the cache."""
+        if span.num_cached == 0:
+            kc, vc = k[span.start : span.end], v[span.start : span.end]
+        else:
+            kc, vc = kv.gather(i, span.context_rows)
+        return kc.to(q.dtype).transpose(0, 1).unsqueeze(0), vc.to(q.dtype).transpose(0, 1).unsqueeze(0)
+
     @staticmethod
     def _prefill_span(s, span, i, window, q, k, v, kv, masks: dict, scale, softcap) -> torch.Tensor:
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)
         n_new = span.end - span.start
-        if span.num_cached == 0:
-            ks = k[span.start : span.end].transpose(0, 1).unsqueeze(0)
-            vs = v[span.start : span.end].transpose(0, 1).unsqueeze(0)
-        else:
-            kc, vc = kv.gather(i, span.context_rows)
-            ks, vs = kc.to(q.dtype).transpose(0, 1).unsqueeze(0), vc.to(q.dtype).transpose(0, 1).unsqueeze(0)
+        ks, vs = TorchAttention._span_kv(span, i, q, k, v, kv)
         if span.num_cached == 0 and window is None:
             o = attend(qs, ks, vs, causal=True, scale=scale, softcap=softcap)
         elif window is None and softcap is None:

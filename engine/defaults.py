@@ -13,6 +13,13 @@ BLOCK_SIZE = 64
 # at most one chunk of the long one.
 MAX_NUM_BATCHED_TOKENS = 2048
 LONG_PREFILL_THRESHOLD = 512
+# On a CPU, prompts share an engine step only up to this many prompt tokens together (EngineConfig.solo_prompt_tokens;
+# the servers' default on --device cpu, 0 on CUDA where a second prompt in a step costs little): a step's time there
+# grows with its tokens past a floor (reading the weights), so a second prompt delays the first one's first token.
+# Measured (the 122M peer checkpoint, fp32, one thread, thread CPU time per prefill): 8 / 16 / 32 / 64 / 128 / 256 /
+# 512 tokens 77 / 89 / 112 / 164 / 248 / 453 / 930 ms: two prompts of 64 or fewer together cost the first little and
+# save the second its own step's floor; past 128 in all a step's time grows with its tokens (docs/benchmarks.md).
+SOLO_PROMPT_TOKENS_CPU = 128
 
 # The name the built-in model (random weights, byte-level tokenizer, no download) is served under.
 BUILTIN_MODEL = "tiny"

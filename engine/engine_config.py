@@ -24,6 +24,11 @@ class EngineConfig:
     # budget), so the short one passes it after at most one of its chunks (a threshold above the budget is the budget)
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
     long_prefill_threshold: int = LONG_PREFILL_THRESHOLD
+    # prompts share a step only up to this many prompt tokens together (0: up to the budget). Where a step's time
+    # grows with its tokens (a CPU), sharing delays the first prompt's first token by the others' compute: there a
+    # prompt runs alone, and a short prompt passes a long one part-way in a step of its own (scheduler.py). The
+    # servers choose it once by device (pdserve/server_args.py: SOLO_PROMPT_TOKENS_CPU on a CPU, 0 on CUDA)
+    solo_prompt_tokens: int = 0
     kv_cache_bytes: int = 1 << 30
     seed: int | None = None  # the sampler's generator for requests without their own seed
     detokenize: bool = True  # fill RequestOutput.text (stop strings work either way)
@@ -76,6 +81,9 @@ class EngineConfig:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.solo_prompt_tokens < 0:
+            raise ValueError(f"solo_prompt_tokens must be >= 0 (0: prompts share a step up to the budget), got "
+                             f"{self.solo_prompt_tokens}")
         if self.long_prefill_threshold < 0:
             raise ValueError(f"long_prefill_threshold must be >= 0 (0: the whole budget), got "
                              f"{self.long_prefill_threshold}")

@@ -42,7 +42,7 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
         self.tiers: KVTiers | None = None
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.long_prefill_threshold)
+                                   config.long_prefill_threshold, solo_prompt_tokens=config.solo_prompt_tokens)
         self.stalled = False  # the last step had work waiting but could schedule none of it (no free blocks)
         self.runner = runner
         self.outputs = OutputProcessor(eos_ids, max_model_len)

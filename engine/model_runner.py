@@ -220,9 +220,10 @@ class ModelRunner:
             context_rows = rows.to(self.device)
         else:
             slot_parts.append(self._token_rows(seq.block_table, done, end))
-        if end == seq.num_tokens:  # the prompt's last chunk: its last position samples
+        samples = end == seq.num_tokens  # the prompt's last chunk: its last position samples
+        if samples:
             logits_rows.append(len(input_ids) - 1)
-        return PrefillSpan(start, len(input_ids), done, context_rows)
+        return PrefillSpan(start, len(input_ids), done, context_rows, samples)
 
     def _token_rows(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         """K rows (CPU, long) of tokens ``start .. end-1`` of a sequence with ``block_table``."""

@@ -63,7 +63,7 @@ SHORT_SCAN = 8  # waiting prompts looked at per step for a short one that may pa
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_threshold: int = 0, max_partial_prefills: int = 1):
+                 long_prefill_threshold: int = 0, max_partial_prefills: int = 1, solo_prompt_tokens: int = 0):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -71,6 +71,10 @@ class Scheduler:
         # for other prompts, so a short one never waits for a long one's whole prefill
         self.chunk_tokens = min(long_prefill_threshold or max_num_batched_tokens, max_num_batched_tokens)
         self.max_partial_prefills = max_partial_prefills  # prompts part-way at once (the rest wait their turn)
+        # prompts share a step only up to this many prompt tokens (0: up to the budget): where a forward pass's time
+        # grows with its tokens (one CPU core), a second prompt in the step delays the first one's first token by
+        # its own compute, so there a prompt runs alone and a short one passes a long one by a step of its own
+        self.solo_prompt_tokens = solo_prompt_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}  # waiting, running, or prefilled-and-held
@@ -246,6 +250,10 @@ class Scheduler:
         chunks: list[Sequence] = []
         limit: int | None = None  # looked up once (against the step's budget), only for a prompt longer than a chunk
         step_budget = budget
+        if self.solo_prompt_tokens:
+            passing = self._short_passes(budget, admits)
+            if passing:
+                return passing
         for seq in self.running:
             if budget <= 0:
                 break
@@ -257,7 +265,17 @@ class Scheduler:
                     budget -= seq.num_new
                     chunks.append(seq)
         partial = sum(1 for s in chunks if s.chunk_end < s.num_tokens)  # still part-way after this step
-        return chunks + self.schedule_prefills(budget, partial, admits)
+        return chunks + self.schedule_prefills(budget, partial, admits, in_step=sum(s.num_new for s in chunks))
+
+    def _short_passes(self, budget: int, admits: Admits | None) -> list[Sequence]:
+        """With ``solo_prompt_tokens``: while a short prompt waits to pass a long one part-way (``_limit``), the
+        waiting prompts this step completes, in a step of their own (the long one sits it out); none (the long
+        one goes on) when no short one waits or none can be admitted now."""
+        part_way = [s for s in self.running if s.status is Status.RUNNING and not _decode_ready(s)]
+        long = any(s.num_tokens - s.num_computed > self.chunk_tokens for s in part_way)
+        if not long or self._limit(budget) >= budget:
+            return []
+        return self.schedule_prefills(budget, len(part_way), admits)
 
     def schedule_decodes(self) -> list[Sequence]:
         """Give every running sequence at a decode row a slot for its next token, preempting when blocks
@@ -284,7 +302,7 @@ class Scheduler:
         return scheduled
 
     def schedule_prefills(self, budget: int | None = None, partial: int = 0,
-                          admits: Admits | None = None) -> list[Sequence]:
+                          admits: Admits | None = None, in_step: int = 0) -> list[Sequence]:
         """Admit waiting sequences in order while blocks, max_num_seqs and the token budget allow; each
         computes its first chunk in this step. One that would stay part-way after it keeps its place while
         ``max_partial_prefills`` prompts already are (``partial``), and a shorter one behind it that this
@@ -292,7 +310,9 @@ class Scheduler:
         the first one's first token by the second one's compute), and short prompts pass both.
         ``admits(seq)``, when given, is asked last, once its blocks are taken: False stops admission here
         (its blocks go back; it keeps its place); True admits it (nothing after refuses it, so the caller
-        may count it in). TD-Pipe's prefill phase passes its KV-memory simulation (``switch.FutureMemory``)."""
+        may count it in). TD-Pipe's prefill phase passes its KV-memory simulation (``switch.FutureMemory``).
+        ``in_step``: prompt tokens the step already has; with ``solo_prompt_tokens`` a prompt joins a step that
+        has some only while the two together stay within it (else it waits for the next step, in its place)."""
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens if budget is None else budget
         for seq in list(self.waiting):
@@ -306,6 +326,9 @@ class Scheduler:
                 break  # wait for blocks to free up
             long = len(ids) - cached > self.chunk_tokens  # only then may a short prompt behind it cut its chunk
             n = self._chunk(cached, len(ids), self._limit(budget, after=seq) if long else budget)
+            if self.solo_prompt_tokens and in_step and in_step + n > self.solo_prompt_tokens:
+                self.block_manager.free(table)
+                break  # it runs in a step of its own, next
             if cached + n < len(ids):
                 if partial >= self.max_partial_prefills:  # it keeps its place; a shorter one behind it may go
                     self.block_manager.free(table)
@@ -318,7 +341,7 @@ class Scheduler:
             seq.block_table, seq.num_computed, seq.num_new = table, cached, n
             if not seq.output_ids:
                 seq.num_cached_tokens = cached
-            budget -= n
+            budget, in_step = budget - n, in_step + n
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(seq)

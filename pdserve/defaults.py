@@ -7,9 +7,11 @@ in ``pdserve.engine.defaults`` (the engine imports nothing of ours) and re-expor
 """
 
 from pdserve.engine.defaults import (BLOCK_SIZE, BUILTIN_MODEL, KV_CACHE_DTYPE_HELP, KV_CACHE_DTYPES,
-                                     LONG_PREFILL_THRESHOLD, MAX_NUM_BATCHED_TOKENS, QUANTIZATION_HELP, QUANTIZATIONS)
+                                     LONG_PREFILL_THRESHOLD, MAX_NUM_BATCHED_TOKENS, QUANTIZATION_HELP, QUANTIZATIONS,
+                                     SOLO_PROMPT_TOKENS_CPU)
 
-__all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "MAX_NUM_BATCHED_TOKENS", "LONG_PREFILL_THRESHOLD", "QUANTIZATIONS",
+__all__ = ["BLOCK_SIZE", "BUILTIN_MODEL", "MAX_NUM_BATCHED_TOKENS", "LONG_PREFILL_THRESHOLD", "SOLO_PROMPT_TOKENS_CPU",
+           "QUANTIZATIONS",
            "QUANTIZATION_HELP", "KV_CACHE_DTYPES",
            "KV_CACHE_DTYPE_HELP", "DECODE_GRPC_PORT",
            "DECODE_HTTP_PORT", "HTTP_PORT",

@@ -77,6 +77,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="while a short prompt waits, the most tokens of a long prompt a step computes, so the short "
                         "one shares the next step and passes it (0: the whole --max-num-batched-tokens; default "
                         "%(default)s)")
+    g.add_argument("--solo-prompt-tokens", type=int, default=None, metavar="N",
+                   help="prompts share an engine step only up to N prompt tokens together, and a short prompt passes "
+                        "a long one part-way in a step of its own (0: prompts share a step up to "
+                        "--max-num-batched-tokens; default: "
+                        f"{defaults.SOLO_PROMPT_TOKENS_CPU} on --device cpu, where a step's time grows with its tokens "
+                        "and a second prompt delays the first one's first token; 0 on cuda)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="on --device cuda: run decode steps eagerly instead of from CUDA graphs (captured at start, "
                         "one per batch-size bucket up to --max-num-seqs; engine/decode_graphs.py)")

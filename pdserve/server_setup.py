@@ -27,7 +27,7 @@ import signal
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from pdserve import kv_sizing
+from pdserve import defaults, kv_sizing
 from pdserve.cachestore.checksum import default_on as checksum_default_on
 from pdserve.engine.kv_formats import describe as describe_kv
 from pdserve.test_hooks import prefill_step_floor_s
@@ -108,6 +108,7 @@ def load_engine(args, kv_transfer: bool = False, role: str = "prefill") -> tuple
         cfg = EngineConfig(num_blocks=None, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                            max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
                            long_prefill_threshold=args.long_prefill_threshold,
+                           solo_prompt_tokens=solo_prompt_tokens(args),
                            kv_host_tier_bytes=args.kv_host_tier_bytes,
                            kv_disk_tier_dir=args.kv_disk_tier_dir, kv_disk_tier_bytes=args.kv_disk_tier_bytes,
                            cuda_graphs=not args.enforce_eager, native_kernels=args.native_kernels,
@@ -133,6 +134,15 @@ def load_engine(args, kv_transfer: bool = False, role: str = "prefill") -> tuple
 
 
 STEP_TRACE_STEPS = 500_000  # steps a decode's --step-trace keeps (the newest; about 100 MB at most)
+
+
+def solo_prompt_tokens(args) -> int:
+    """EngineConfig.solo_prompt_tokens from --solo-prompt-tokens, by default chosen once by the device: on a CPU
+    prompts share a step only up to SOLO_PROMPT_TOKENS_CPU tokens, on CUDA up to the step's budget."""
+    flag = getattr(args, "solo_prompt_tokens", None)
+    if flag is not None:
+        return flag
+    return 0 if kv_sizing.is_cuda(args.device) else defaults.SOLO_PROMPT_TOKENS_CPU
 
 
 def step_switches(args) -> dict:

@@ -75,6 +75,7 @@ def build_sim_server_engine(args, role: str) -> ServerParts:
         config = EngineConfig(num_blocks=size.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens,
                               long_prefill_threshold=args.long_prefill_threshold,
+                              solo_prompt_tokens=args.solo_prompt_tokens or 0,  # a profile names no device: as given
                               kv_host_tier_bytes=args.kv_host_tier_bytes, kv_disk_tier_dir=args.kv_disk_tier_dir,
                               kv_disk_tier_bytes=args.kv_disk_tier_bytes,
                               tensor_parallel_size=args.tensor_parallel_size, **step_switches(args))

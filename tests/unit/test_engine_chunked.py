@@ -241,3 +241,23 @@ def test_async_remote_prefill_waits_for_blocks_then_runs_and_cancel_frees(tiny):
 
     stats = asyncio.run(main())
     assert stats["num_free_blocks"] == stats["num_blocks"] and stats["num_requests"] == 0
+
+
+def test_solo_prompts_give_the_same_tokens_and_a_short_one_passes_a_long_one_alone(tiny):
+    """EngineConfig.solo_prompt_tokens (the servers' default on a CPU): prompts share a step only up to that many
+    tokens; a short prompt arriving while a long one is part-way gets a step of its own, the long one sitting it out."""
+    requests = {str(i): (p, GREEDY) for i, p in enumerate(_prompts(tiny))}
+    assert run_all(_engine(tiny, 8, 32, solo_prompt_tokens=16), requests) == run_all(_engine(tiny), requests)
+    engine = _engine(tiny, chunk=256, budget=512, num_blocks=520, solo_prompt_tokens=64)
+    engine.add_request("long", [(7 * i) % 200 + 5 for i in range(2000)], GREEDY)
+    assert engine.step() == []  # its first chunk, the whole budget
+    long_seq = engine.scheduler.seqs["long"]
+    engine.add_request("short", _prompts(tiny)[1], GREEDY)
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["short"] and outs[0].new_token_ids
+    assert long_seq.num_computed == 512  # it sat the short one's step out
+    engine.step()
+    assert long_seq.num_computed == 1020  # the budget less the short one's decode row, cut to a block boundary
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.num_free_blocks() == engine.num_blocks

@@ -69,3 +69,54 @@ def test_schedule_is_decode_rows_then_the_same_prompt_work():
     step = s.schedule()
     # the decode row takes one token of the 8: the prompt's chunk is what is left (7), cut to a block boundary
     assert [(q.request_id, q.num_new) for q in step] == [("p", 4), ("d", 1)]
+
+
+def _solo(solo, budget=64, threshold=16) -> Scheduler:
+    return Scheduler(BlockManager(64, 4, enable_prefix_cache=False), 8, budget, threshold, solo_prompt_tokens=solo)
+
+
+def test_solo_prompts_run_one_per_step_unless_together_within_the_bound():
+    s = _solo(8)
+    for i, (rid, n) in enumerate((("a", 12), ("b", 4), ("c", 4))):
+        s.add(_seq(rid, n, i))
+    step = s.schedule_prompts()
+    assert [(q.request_id, q.num_new) for q in step] == [("a", 12)]  # b would make it 16 > 8: it waits its turn
+    assert [q.request_id for q in s.waiting] == ["b", "c"] and s.waiting[0].block_table == []
+    a = step[0]
+    a.num_computed, a.num_new = 12, 0
+    a.append_output(5)  # a decode row now
+    step = s.schedule_prompts()
+    assert [(q.request_id, q.num_new) for q in step] == [("b", 4), ("c", 4)]  # 4 + 4 <= 8: tiny prompts share
+    off = _solo(0)
+    for i, (rid, n) in enumerate((("a", 12), ("b", 4), ("c", 4))):
+        off.add(_seq(rid, n, i))
+    assert [q.request_id for q in off.schedule_prompts()] == ["a", "b", "c"]  # 0: they share up to the budget
+
+
+def test_a_short_prompt_passes_a_long_one_part_way_in_a_step_of_its_own():
+    s = _solo(8)
+    s.add(_seq("long", 200, 0))
+    first = s.schedule_prompts()
+    assert [(q.request_id, q.num_new) for q in first] == [("long", 64)]  # alone: the whole budget
+    long = first[0]
+    long.num_computed, long.num_new = 64, 0
+    s.add(_seq("short", 6, 1))
+    step = s.schedule_prompts()
+    assert [(q.request_id, q.num_new) for q in step] == [("short", 6)]  # the long one sits this step out
+    assert long.num_new == 0 and long.num_computed == 64
+    short = step[0]
+    short.num_computed, short.num_new = 6, 0
+    short.append_output(5)
+    step = s.schedule_prompts()
+    assert [(q.request_id, q.num_new) for q in step] == [("long", 64)]  # nobody waits: the whole budget again
+
+
+def test_a_long_prompt_goes_on_when_the_short_one_cannot_be_admitted():
+    s = Scheduler(BlockManager(52, 4, enable_prefix_cache=False), 8, 64, 16, solo_prompt_tokens=8)
+    s.add(_seq("long", 200, 0))
+    long = s.schedule_prompts()[0]
+    long.num_computed, long.num_new = 64, 0
+    s.add(_seq("short", 12, 1))  # 3 blocks: only 2 are free (the long one holds 50)
+    step = s.schedule_prompts()
+    assert [(q.request_id, q.num_new) for q in step] == [("long", 16)]  # its chunk, cut while the short one waits
+    assert [q.request_id for q in s.waiting] == ["short"] and s.block_manager.num_free_blocks() == 2
