@@ -352,8 +352,7 @@ class AsyncLLMEngine(EngineThread):
             time.sleep(self.step_floor_s - (time.perf_counter() - start))
         self._after_step(time.perf_counter() - start, batch)
         self._publish()
-        for out in outputs:
-            self._deliver(out)
+        self._deliver_all(outputs)
 
     def _after_step(self, seconds: float, batch: int) -> None:
         if self.after_step is None:

@@ -242,3 +242,44 @@ def test_call_blocking_runs_on_the_engine_thread_from_another_thread(tiny):
     assert len(seen["blocks"]) == blocks_needed(24, 8) and seen["free_after"] <= 64 - len(seen["blocks"])
     assert "already in use" in seen["error"] and seen["aborted"] is True
     assert len(toks) == 10 and free == 64
+
+
+def test_a_steps_outputs_reach_their_streams_in_order_with_one_wake_up_per_loop():
+    """EngineThread._deliver_all (what the engine thread does after each step): every output to its own
+    request's stream, in order, none to a request with no open stream, and one call_soon_threadsafe for
+    all of them (each such call writes the loop's wake-up pipe)."""
+    import threading
+
+    from pdserve.engine.engine_thread import EngineThread
+    from pdserve.engine.sequence import RequestOutput
+
+    async def main():
+        thread, loop = EngineThread(), asyncio.get_running_loop()
+        queues = {rid: asyncio.Queue() for rid in ("a", "b")}
+        for rid, q in queues.items():
+            thread._streams[rid] = (loop, q)
+        wakes = []
+        real = loop.call_soon_threadsafe
+
+        def counted(*args):
+            wakes.append(args)
+            return real(*args)
+
+        loop.call_soon_threadsafe = counted
+        outs = [RequestOutput("a", [1]), RequestOutput("b", [2]), RequestOutput("gone", [3]),
+                RequestOutput("a", [4], True, "length")]
+        try:
+            other = threading.Thread(target=thread._deliver_all, args=(outs,))  # (as the engine thread)
+            other.start()
+            other.join()
+            first_a, first_b = await queues["a"].get(), await queues["b"].get()
+            second_a = await queues["a"].get()
+        finally:
+            del loop.call_soon_threadsafe
+        return len(wakes), [first_a, second_a, first_b], [q.qsize() for q in queues.values()]
+
+    wakes, got, left = asyncio.run(main())
+    assert wakes == 1
+    assert [(o.request_id, o.new_token_ids, o.finished) for o in got] == [("a", [1], False), ("a", [4], True),
+                                                                          ("b", [2], False)]
+    assert left == [0, 0]
