@@ -42,10 +42,10 @@ def test_cuda_gets_triton_merged_projections_and_its_gpus_fp8_matmul(gpu, capabi
 
 def test_cuda_without_the_switch_or_triton_keeps_torch_ops_between_merged_matmuls(gpu):
     gpu(9, 0)
-    off = layer_ops.choose("cuda", fused_elementwise=False)
+    off = layer_ops.choose("cuda:0", fused_elementwise=False)
     assert type(off) is CudaOps and off.merges_projections
     gpu(9, 0, triton=False)
-    assert type(layer_ops.choose("cuda")) is CudaOps
+    assert type(layer_ops.choose("cuda:0")) is CudaOps
     assert type(layer_ops.choose("meta")) is TorchOps  # any other device: the reference, nothing merged
     assert not layer_ops.choose("meta").merges_projections
 
