@@ -352,7 +352,8 @@ class AsyncLLMEngine(EngineThread):
             time.sleep(self.step_floor_s - (time.perf_counter() - start))
         self._after_step(time.perf_counter() - start, batch)
         self._publish()
-        self._deliver_all(outputs)
+        for out in outputs:
+            self._deliver(out)
 
     def _after_step(self, seconds: float, batch: int) -> None:
         if self.after_step is None:

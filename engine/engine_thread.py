@@ -4,8 +4,7 @@ An engine is not thread-safe, so every call runs on its thread, between steps:
 - ``_call(fn, *args)`` (a coroutine) runs ``fn`` there and returns its result, or raises its
   exception, in the caller's event loop;
 - ``_stream(rid, fn, *args)`` does the same, then yields the request's outputs as the thread
-  ``_deliver``s them (a step's all at once: ``_deliver_all``, one wake-up of each event loop) until one
-  is finished; a consumer that stops early (break, cancellation,
+  ``_deliver``s them until one is finished; a consumer that stops early (break, cancellation,
   client gone) has the request aborted (``_abort``, on the thread);
 - ``call_blocking(fn, *args)`` is ``_call`` for a plain thread (neither the engine's nor an
   event loop's).
@@ -155,23 +154,6 @@ class EngineThread:
         if target is not None:
             loop, q = target
             loop.call_soon_threadsafe(q.put_nowait, out)
-
-    def _deliver_all(self, outs: list[RequestOutput]) -> None:
-        """On the engine thread: a step's outputs to their streams, in order, with one ``call_soon_threadsafe``
-        per event loop for all of them: each such call writes the loop's wake-up pipe, so a step of N rows
-        woke the loop (and made a syscall here) N times; now once."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outs:
-            target = self._streams.get(out.request_id)
-            if target is not None:
-                by_loop.setdefault(target[0], []).append((target[1], out))
-        for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
 
 
 def set_result(fut: asyncio.Future, value) -> None:
