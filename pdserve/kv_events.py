@@ -28,12 +28,16 @@ as hits, and ``leading`` does too: the prefill's cost model treats them as held.
 
 Only plain tuples cross the thread boundary; protobuf messages are built on the event loop.
 Who frees: a subscription is removed when its stream ends (the client leaves, the server stops).
+
+The servicer also answers the server's load: ``GetLoad`` once, ``WatchLoad`` as a stream (routers read
+one stream per prefill instead of polling: ``router/prefill_watch.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
 import uuid
 from dataclasses import dataclass, field
@@ -46,6 +50,8 @@ from pdserve.protos.version import KV_EVENTS_VERSION
 log = logging.getLogger(__name__)
 
 STORED, REMOVED, CLEARED = kpb.KvEvent.BLOCK_STORED, kpb.KvEvent.BLOCK_REMOVED, kpb.KvEvent.ALL_CLEARED
+LOAD_PUSH_DEFAULT_S = 0.2  # WatchLoad's period when the caller names none (the router's --load-interval default)
+LOAD_PUSH_MIN_S = 0.01  # the shortest period WatchLoad pushes at, whatever the caller asks
 
 
 @dataclass(eq=False, slots=True)
@@ -175,8 +181,23 @@ class KvEventsServicer(kpb_grpc.KvEventsServicer):
     async def Snapshot(self, request, context):
         return self.publisher.snapshot_message(*self.publisher.snapshot())
 
-    async def GetLoad(self, request, context):
+    def load(self) -> kpb.ServerLoad:
+        """The server's load now, with its publisher's epoch and block size."""
         load = self.load_fn()
         load.epoch = self.publisher.epoch
         load.block_size = self.publisher.block_size
         return load
+
+    async def GetLoad(self, request, context):
+        return self.load()
+
+    async def WatchLoad(self, request, context):
+        """GetLoad's answer at once, then every ``interval_ms`` (at least LOAD_PUSH_MIN_S; 0: LOAD_PUSH_DEFAULT_S)
+        until the caller leaves. The first pause is a random part of the period, so the streams a router opens
+        together (one per prefill) do not all push in the same instant."""
+        period = max(LOAD_PUSH_MIN_S, request.interval_ms / 1000 if request.interval_ms else LOAD_PUSH_DEFAULT_S)
+        pause = period * random.random()
+        while True:
+            yield self.load()
+            await asyncio.sleep(pause)
+            pause = period

@@ -199,6 +199,11 @@ ROUTER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("router_overhead", "pdserve_router_overhead_seconds", _H,
                "Router: arrival of a request to its prefill chosen (read the body, tokenize, hash, choose).",
                buckets=FINE_BUCKETS),
+    MetricSpec("router_residence", "pdserve_router_residence_seconds", _H,
+               "Router: its own time on a request's way to the first byte, once per request relayed over HTTP: "
+               "the request seen -> its body written to the prefill, plus the first answer's bytes read from the "
+               "prefill -> written to the client (router/residence.py); the prefill's time is not in it.",
+               buckets=FINE_BUCKETS),
     MetricSpec("router_decisions", "pdserve_router_decisions_total", _C,
                "Router: requests sent to each prefill, by reason (single|prefix|load|balance|retry|resume: a "
                "stream continued there after its prefill broke).", ("prefill", "reason")),

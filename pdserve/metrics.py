@@ -111,7 +111,8 @@ it only from servers that do.
 
 The router (``pdserve router``) exports its own table, ``ROUTER_METRICS`` (``ServerMetrics(role="router")``
 builds it): its requests by outcome, first-byte and end-to-end latency as its client sees
-them, its own work per request (arrival -> prefill chosen), its decisions by prefill and
+them, its own work per request (arrival -> prefill chosen), its own time on the way to the first
+byte without the prefill's (``router_residence``: ``pdserve/router/residence.py``), its decisions by prefill and
 reason, prompt blocks and prefix-hit blocks, index resyncs by prefill and reason, index size
 and routable prefills.
 

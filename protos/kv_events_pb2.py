@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fkv_events.proto\x12\x11pdserve.kv_events\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\xdb\x01\n\x07KvEvent\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12-\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.pdserve.kv_events.KvEvent.Kind\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\r\"J\n\x04Kind\x12\x0c\n\x08SNAPSHOT\x10\x00\x12\x10\n\x0c\x42LOCK_STORED\x10\x01\x12\x11\n\rBLOCK_REMOVED\x10\x02\x12\x0f\n\x0b\x41LL_CLEARED\x10\x03\":\n\x0cKvEventBatch\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.pdserve.kv_events.KvEvent\"\r\n\x0bLoadRequest\"\xd5\x01\n\nServerLoad\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x18\n\x10not_ready_reason\x18\x03 \x01(\t\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x14\n\x0cnum_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x11\n\thttp_port\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0e\n\x06queued\x18\n \x01(\r2\xf6\x01\n\x08KvEvents\x12S\n\tSubscribe\x12#.pdserve.kv_events.SubscribeRequest\x1a\x1f.pdserve.kv_events.KvEventBatch0\x01\x12K\n\x08Snapshot\x12#.pdserve.kv_events.SubscribeRequest\x1a\x1a.pdserve.kv_events.KvEvent\x12H\n\x07GetLoad\x12\x1e.pdserve.kv_events.LoadRequest\x1a\x1d.pdserve.kv_events.ServerLoadb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x0fkv_events.proto\x12\x11pdserve.kv_events\"&\n\x10SubscribeRequest\x12\x12\n\nsubscriber\x18\x01 \x01(\t\"\xdb\x01\n\x07KvEvent\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12-\n\x04kind\x18\x03 \x01(\x0e\x32\x1f.pdserve.kv_events.KvEvent.Kind\x12\x14\n\x0c\x62lock_hashes\x18\x04 \x03(\x03\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x0f\n\x07version\x18\x06 \x01(\r\"J\n\x04Kind\x12\x0c\n\x08SNAPSHOT\x10\x00\x12\x10\n\x0c\x42LOCK_STORED\x10\x01\x12\x11\n\rBLOCK_REMOVED\x10\x02\x12\x0f\n\x0b\x41LL_CLEARED\x10\x03\":\n\x0cKvEventBatch\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.pdserve.kv_events.KvEvent\"\"\n\x0bLoadRequest\x12\x13\n\x0binterval_ms\x18\x01 \x01(\r\"\xd5\x01\n\nServerLoad\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\r\n\x05ready\x18\x02 \x01(\x08\x12\x18\n\x10not_ready_reason\x18\x03 \x01(\t\x12\x11\n\tin_flight\x18\x04 \x01(\r\x12\x14\n\x0cnum_requests\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x06 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x11\n\thttp_port\x18\x08 \x01(\r\x12\x12\n\nblock_size\x18\t \x01(\r\x12\x0e\n\x06queued\x18\n \x01(\r2\xc4\x02\n\x08KvEvents\x12S\n\tSubscribe\x12#.pdserve.kv_events.SubscribeRequest\x1a\x1f.pdserve.kv_events.KvEventBatch0\x01\x12K\n\x08Snapshot\x12#.pdserve.kv_events.SubscribeRequest\x1a\x1a.pdserve.kv_events.KvEvent\x12H\n\x07GetLoad\x12\x1e.pdserve.kv_events.LoadRequest\x1a\x1d.pdserve.kv_events.ServerLoad\x12L\n\tWatchLoad\x12\x1e.pdserve.kv_events.LoadRequest\x1a\x1d.pdserve.kv_events.ServerLoad0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,9 +40,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_KVEVENTBATCH']._serialized_start=300
   _globals['_KVEVENTBATCH']._serialized_end=358
   _globals['_LOADREQUEST']._serialized_start=360
-  _globals['_LOADREQUEST']._serialized_end=373
-  _globals['_SERVERLOAD']._serialized_start=376
-  _globals['_SERVERLOAD']._serialized_end=589
-  _globals['_KVEVENTS']._serialized_start=592
-  _globals['_KVEVENTS']._serialized_end=838
+  _globals['_LOADREQUEST']._serialized_end=394
+  _globals['_SERVERLOAD']._serialized_start=397
+  _globals['_SERVERLOAD']._serialized_end=610
+  _globals['_KVEVENTS']._serialized_start=613
+  _globals['_KVEVENTS']._serialized_end=937
 # @@protoc_insertion_point(module_scope)

@@ -49,6 +49,11 @@ class KvEventsStub:
                 request_serializer=kv__events__pb2.LoadRequest.SerializeToString,
                 response_deserializer=kv__events__pb2.ServerLoad.FromString,
                 _registered_method=True)
+        self.WatchLoad = channel.unary_stream(
+                '/pdserve.kv_events.KvEvents/WatchLoad',
+                request_serializer=kv__events__pb2.LoadRequest.SerializeToString,
+                response_deserializer=kv__events__pb2.ServerLoad.FromString,
+                _registered_method=True)
 
 
 class KvEventsServicer:
@@ -75,6 +80,14 @@ class KvEventsServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchLoad(self, request, context):
+        """The same load pushed: GetLoad's answer at once, then every `interval_ms`, until the caller leaves
+        (routers read one stream instead of polling; a server without it answers UNIMPLEMENTED: poll GetLoad).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KvEventsServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,6 +103,11 @@ def add_KvEventsServicer_to_server(servicer, server):
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
+                    request_deserializer=kv__events__pb2.LoadRequest.FromString,
+                    response_serializer=kv__events__pb2.ServerLoad.SerializeToString,
+            ),
+            'WatchLoad': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchLoad,
                     request_deserializer=kv__events__pb2.LoadRequest.FromString,
                     response_serializer=kv__events__pb2.ServerLoad.SerializeToString,
             ),
@@ -173,6 +191,33 @@ class KvEvents:
             request,
             target,
             '/pdserve.kv_events.KvEvents/GetLoad',
+            kv__events__pb2.LoadRequest.SerializeToString,
+            kv__events__pb2.ServerLoad.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.kv_events.KvEvents/WatchLoad',
             kv__events__pb2.LoadRequest.SerializeToString,
             kv__events__pb2.ServerLoad.FromString,
             options,

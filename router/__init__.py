@@ -31,13 +31,15 @@ Request lifecycle on the router:
 Meanwhile, per prefill (``prefill_watch.py``): a KV-event stream (snapshot, then
 BlockStored/BlockRemoved/AllCleared with epoch + seq) keeps the index; a gap or a new epoch
 means resubscribe for a snapshot; a broken stream forgets the prefill's hashes at once; a
-prefill gone from discovery leaves the index at once (``prefills.py``). Load is polled.
+prefill gone from discovery leaves the index at once (``prefills.py``). Load is polled (the
+watches' polls spread over the interval).
 
 Reading path (in this order):
   ``cli.py``            ``pdserve router``: flags, start-up wiring, drain
   ``relay.py``          Relay: one request's ranking, attempts, resumes and in-flight counts (both doors)
   ``http_api.py``       RouterApi: the routes and the byte-for-byte relay
   ``resume.py``         EventRelay, resume: an HTTP stream whose prefill died, continued on another
+  ``residence.py``      the router's own time per request on the way to its first byte (a metric, /debug/residence)
   ``grpc_api.py``       RouterGenerateServicer: gRPC Generate, relayed response by response (and resumed)
   ``slo_gate.py``       SloGate: the global SLO queue in front of the prefills (pdserve.slo's GlobalQueue)
   ``router.py``         Router.decide: prompt hashes + index + loads -> choice

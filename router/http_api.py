@@ -11,6 +11,8 @@
 | GET  /metrics                | Prometheus text (``ROUTER_METRICS``)                            |
 | POST /debug/route?kind=K     | the decision for a completion (K=completion) or chat body, not  |
 |                              | sent anywhere: prefill, reason, cached blocks, ranking          |
+| GET  /debug/residence?since=N| the router's own time of each request recorded after number N   |
+|                              | (its two parts: ``residence.py``; the last 4096 are kept)        |
 
 Which prefill, the retries, the resumes and the in-flight counts are ``relay.py``'s (shared with the
 gRPC API); this module speaks HTTP. The request body goes to the prefill untouched (with the headers
@@ -48,6 +50,7 @@ from pdserve.stream_resume import RESUMABLE_HEADER
 
 from .prompt import prompt_token_ids
 from .relay import Relays
+from .residence import REQUEST_ID_HEADER, Clock, Residences, TimedBody
 from .resume import DONE, EventRelay, StreamCut, is_sse, pipe, resume
 from .slo_gate import GateTimeout, SloGate, TokenCounter, deadline_s, request_class
 
@@ -72,6 +75,7 @@ class RouterApi:
         self.tokenizer_source = tokenizer_source  # a PrefillTokenizer (--tokenizer-from-prefill), or None
         self.gate, self.request_timeout_s = gate, request_timeout_s  # the SLO queue (slo_gate.py), or None
         self.relays = relays or Relays(router, metrics, max_attempts, prefill_wait_s)
+        self.residences = Residences(metrics)  # the router's own time per request (residence.py)
         self.session: aiohttp.ClientSession | None = None
 
     @property
@@ -90,6 +94,7 @@ class RouterApi:
         app.router.add_get("/ready", self.ready)
         app.router.add_get("/metrics", self.metrics.aiohttp_handler)
         app.router.add_post("/debug/route", self.preview)
+        app.router.add_get("/debug/residence", self.residence)
         app.on_startup.append(self._open)
         app.on_cleanup.append(self._close)
         return app
@@ -154,6 +159,15 @@ class RouterApi:
                                   "cached_blocks": choice.overlap_blocks,
                                   "ranking": list(choice.ranking), "prompt_tokens": len(ids) if ids else None})
 
+    async def residence(self, request: web.Request) -> web.Response:
+        """The router's own time of the requests recorded after ``since`` (``residence.py``)."""
+        try:
+            since = int(request.query.get("since", "0"))
+        except ValueError:
+            return web.json_response({"error": f"since must be an integer, got {request.query['since']!r}"},
+                                     status=400)
+        return web.json_response(self.residences.since(since))
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._relay(request, "completion")
 
@@ -161,10 +175,12 @@ class RouterApi:
         return await self._relay(request, "chat")
 
     async def _relay(self, request: web.Request, kind: str) -> web.StreamResponse:
+        clock = Clock(request.headers.get(REQUEST_ID_HEADER))
         body = await request.read()
+        clock.body = time.perf_counter()
         ids = prompt_token_ids(body, kind, self.router.tokenizer)
         if self.gate is None:
-            return await self._relay_to(request, body, ids, None)
+            return await self._relay_to(request, body, ids, None, clock)
         start = time.perf_counter()
         try:
             cls, max_tokens = request_class(self.gate.classes, body, request.headers.get(SLO_HEADER))
@@ -175,7 +191,7 @@ class RouterApi:
         try:
             async with self.gate.admission(f"router-{uuid.uuid4().hex}", cls, len(ids or ()), max_tokens,
                                            timeout_s) as passage:
-                return await self._relay_to(request, body, ids, passage)
+                return await self._relay_to(request, body, ids, passage, clock)
         except Rejected as exc:
             self.metrics.requests.labels(outcome="error", reason="slo_rejected").inc()
             resp = _error(429, str(exc), "slo_cannot_be_met", "rate_limit_error")
@@ -186,25 +202,29 @@ class RouterApi:
             self.metrics.e2e_latency.observe(time.perf_counter() - start)
             return _error(504, str(exc), "request_timeout", "timeout_error")
 
-    async def _relay_to(self, request: web.Request, body: bytes, ids: list[int] | None, passage) -> web.StreamResponse:
+    async def _relay_to(self, request: web.Request, body: bytes, ids: list[int] | None, passage,
+                        clock: Clock) -> web.StreamResponse:
         """The request through the prefills (``relay.py``: rank -> try prefill -> stream / retry / resume / give up)."""
         timeout_s = deadline_s(request.headers.get(REQUEST_TIMEOUT_HEADER), self.request_timeout_s)
         relay = self.relays.open("http", ids, timeout_s, passage)
         if not await relay.rank():
             return _error(503, "no prefill is routable", "no_prefill_available")
+        clock.decided = time.perf_counter()
         forwarded = {h: request.headers[h] for h in FORWARDED_HEADERS if h in request.headers}
         with relay:
             while (attempt := await relay.next_attempt()) is not None:
-                resp = await self._attempt(request, body, relay, attempt, forwarded)
+                resp = await self._attempt(request, body, relay, attempt, forwarded, clock)
                 if resp is not None:
                     return resp
             return _gave_up(relay)
 
-    async def _attempt(self, request: web.Request, body: bytes, relay, attempt, forwarded: dict[str, str]):
+    async def _attempt(self, request: web.Request, body: bytes, relay, attempt, forwarded: dict[str, str],
+                       clock: Clock):
         """One prefill: the client's response, or None when nothing of it reached the client (the next is tried)."""
         with attempt:
+            sent = TimedBody(body)  # notes when the body was written (the router's residence: residence.py)
             try:
-                upstream = await self._client().post(attempt.watch.http_url + request.path, data=body, headers={
+                upstream = await self._client().post(attempt.watch.http_url + request.path, data=sent, headers={
                     "Content-Type": "application/json", **forwarded, RESUMABLE_HEADER: "1"})
             except aiohttp.ClientConnectionError as exc:
                 log.warning("prefill %s unreachable (%s); trying the next one", attempt.address, exc)
@@ -217,13 +237,14 @@ class RouterApi:
                     upstream.release()
                     attempt.refused((upstream, early))
                     return None
-            client = _ClientResponse(request, upstream, relay)
+            client = _ClientResponse(request, upstream, relay, self.residences, clock, sent)
             try:
                 attempt.count()
                 if is_sse(upstream):
                     await pipe(upstream, client.events, client.write)
                 else:  # read whole: a prefill that breaks before its end is retried (nothing went out)
                     data = await upstream.read()
+                    client.events.read_at = time.perf_counter()
                     if data:
                         await client.write(data)
                 return await client.end()
@@ -265,19 +286,28 @@ class _ClientResponse:
     """The client's response to a relayed request: it starts with the first whole event (or the whole body)
     under the status and headers of the prefill that sent it; each write feeds the SLO queue's estimator."""
 
-    def __init__(self, request: web.Request, upstream, relay):
+    def __init__(self, request: web.Request, upstream, relay, residences: Residences, clock: Clock, sent: TimedBody):
         self.request, self.upstream, self.relay = request, upstream, relay
+        self.residences, self.clock, self.sent = residences, clock, sent
         self.counter = TokenCounter(upstream.headers.get("Content-Type", ""), relay.passage)
         self.events = EventRelay()
         self.resp: web.StreamResponse | None = None
 
     async def write(self, data: bytes) -> None:
-        if self.resp is None:  # headers go out with the first whole event
+        resp, first = self.resp, self.resp is None
+        if resp is None:  # headers go out with the first whole event
             self.relay.replied()
-            self.resp = web.StreamResponse(status=self.upstream.status, headers=_headers(self.upstream))
-            await self.resp.prepare(self.request)
+            resp = self.resp = web.StreamResponse(status=self.upstream.status, headers=_headers(self.upstream))
+            await resp.prepare(self.request)
         self.counter.feed(data)
-        await self.resp.write(data)
+        await resp.write(data)
+        if first:
+            self._first_written()
+
+    def _first_written(self) -> None:
+        """The first of the answer is on the client's connection: the request's residence (``residence.py``)."""
+        self.clock.sent, self.clock.read = self.sent.written_at, self.events.read_at
+        self.residences.record(self.clock, time.perf_counter())
 
     async def end(self) -> web.StreamResponse:
         """The prefill's whole answer went out: end the response and the request."""
@@ -285,7 +315,10 @@ class _ClientResponse:
         if self.resp is None:
             self.resp = web.Response(status=status, headers=_headers(self.upstream))
             await self.resp.prepare(self.request)
-        await self.resp.write_eof()
+            await self.resp.write_eof()
+            self._first_written()
+        else:
+            await self.resp.write_eof()
         self.counter.done()
         self.relay.finish("ok" if status < 400 else "error", "relayed" if status < 400 else f"http_{status}")
         return self.resp

@@ -10,9 +10,16 @@ Two tasks per prefill:
    reconnect (``resync``), each counted in ``router_index_resyncs``. A snapshot of another
    KV_EVENTS_VERSION is not used (the prefill is still routed to, by load alone). A snapshot is one
    gRPC message of every hash the prefill holds: the channel takes up to ``KV_EVENTS_MAX_MESSAGE_BYTES``.
-2. **load** - ``KvEvents.GetLoad`` every ``interval_s``: in flight, free blocks, ready, and the
-   port of its HTTP API. A failed poll makes the prefill unroutable at once; a report older
-   than ``expiry_s`` does not count.
+2. **load** - in flight, free blocks, ready, and the port of its HTTP API, every ``interval_s``:
+   pushed by the prefill on one ``KvEvents.WatchLoad`` stream (a message read costs the router
+   a fraction of a poll's call: at 64 prefills the polls were most of its idle core), or, from a
+   prefill without it (UNIMPLEMENTED: an older server), polled with ``KvEvents.GetLoad``. A failed
+   poll, or a stream that breaks or stays silent for a poll's timeout, makes the prefill
+   unroutable at once; a report older than ``expiry_s`` does not count. The first report is
+   asked at once; a poll's pause after it is a part of ``interval_s`` set by the address
+   (``poll_phase``; the prefill spreads its pushes the same way), so the watches a router starts
+   together (at its start, 64 of them) report spread over the interval, not in one burst of
+   replies every interval that holds the event loop, and the requests on it, for all at once.
 
 Both tasks run on the event loop, which owns the index: no locks.
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import zlib
 
 import grpc
 
@@ -36,6 +44,12 @@ from pdserve.tls import TlsFiles, aio_channel
 RETIRE_GRACE_S = 600.0  # after a certificate rotation: how long the old channel's relays may still run
 
 
+def poll_phase(address: str) -> float:
+    """The part of the load-poll interval, in [0, 1), a prefill's watch waits after its first poll (by its
+    address: the same every run, spread over the prefills)."""
+    return (zlib.crc32(address.encode()) % 1024) / 1024
+
+
 class PrefillWatch:
     def __init__(self, address: str, index: PrefixIndex, metrics=None, name: str = "router",
                  interval_s: float = 0.2, expiry_s: float = 1.5, tls: TlsFiles | None = None):
@@ -45,6 +59,7 @@ class PrefillWatch:
         self.load: kpb.ServerLoad | None = None
         self.load_at = 0.0
         self.in_flight = 0  # requests this router is relaying to it now
+        self.pushed = True  # its load comes on a WatchLoad stream (False: an older prefill, polled)
         self.tls = tls  # mutual TLS (pdserve/tls.py); a rotation gets a new channel (_renew_if_rotated)
         self._tasks: list[asyncio.Task] = []
         self._retiring: set[asyncio.Task] = set()  # old channels closing once their relays end
@@ -87,7 +102,7 @@ class PrefillWatch:
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
         self._tasks = [asyncio.create_task(self._events(), name=f"kv-events {self.address}"),
-                       asyncio.create_task(self._poll_load(), name=f"load {self.address}")]
+                       asyncio.create_task(self._load(), name=f"load {self.address}")]
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop watching; ``grace``: seconds the channel's calls still running (gRPC Generate
@@ -132,13 +147,50 @@ class PrefillWatch:
             view = self.index.view(self.address)
             self.metrics.router_index_blocks.labels(prefill=self.address).set(len(view.hashes) if view else 0)
 
-    async def _poll_load(self) -> None:
+    @property
+    def _silence_s(self) -> float:
+        """How long a load poll may take, or a load stream be silent, before the prefill is unroutable."""
+        return max(1.0, self.interval_s * 5)
+
+    async def _load(self) -> None:
+        """Load reports: pushed on one stream (``WatchLoad``) while the prefill speaks it, else polled (``GetLoad``)."""
+        pause = self.interval_s * poll_phase(self.address)  # then interval_s: the polls spread (module doc)
         while True:
             self._renew_if_rotated()
-            try:
-                self.load = await self._stub.GetLoad(kpb.LoadRequest(), timeout=max(1.0, self.interval_s * 5))
-                self.load_at = time.monotonic()
-            except grpc.aio.AioRpcError:
-                self.load = None
+            if self.pushed:
+                if await self._watch_load():
+                    continue  # again at once: on the renewed channel, or polled
+            else:
+                try:
+                    self.load = await self._stub.GetLoad(kpb.LoadRequest(), timeout=self._silence_s)
+                    self.load_at = time.monotonic()
+                except grpc.aio.AioRpcError:
+                    self.load = None
             self._publish_size()
-            await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(pause)
+            pause = self.interval_s
+
+    async def _watch_load(self) -> bool:
+        """The prefill's WatchLoad stream into ``load`` until it ends, breaks or is silent for ``_silence_s``: then
+        the load is None (unroutable at once, as after a failed poll) and False (open it again after a pause).
+        True: at once again, after a TLS rotation (a new channel; the last report still counts) or on a prefill
+        that has no WatchLoad (an older server: polled from now on, ``pushed`` False)."""
+        call = self._stub.WatchLoad(kpb.LoadRequest(interval_ms=max(1, round(self.interval_s * 1000))))
+        try:
+            async with asyncio.timeout(self._silence_s) as silence:
+                async for load in call:
+                    self.load, self.load_at = load, time.monotonic()
+                    self._publish_size()
+                    if self._renew_if_rotated():
+                        return True
+                    silence.reschedule(asyncio.get_running_loop().time() + self._silence_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.pushed, self.load = False, None
+                return True
+        except TimeoutError:
+            pass
+        finally:
+            call.cancel()
+        self.load = None
+        return False

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import aiohttp
 
@@ -75,6 +76,7 @@ class EventRelay:
         self.error_sent = False  # an error event went out (the prefill ended the stream with one)
         self.strict = False  # a resumed upstream: every event but an error one must carry the extension
         self.broken: str | None = None
+        self.read_at: float | None = None  # perf_counter when the last upstream chunk was read (residence.py)
         self._buf = b""
 
     @property
@@ -141,6 +143,7 @@ async def pipe(upstream, relay: EventRelay, write) -> None:
     """``upstream``'s events through ``relay`` to ``write`` until ``[DONE]``; StreamCut when it ends before
     (or breaks the contract), aiohttp.ClientError when it breaks."""
     async for chunk in upstream.content.iter_any():
+        relay.read_at = time.perf_counter()
         out = relay.feed(chunk)
         if out:
             await write(out)

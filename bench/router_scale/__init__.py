@@ -11,7 +11,9 @@
    ``--rate``, each router in turn, A B A B (``--baseline-checkout``): once all through the router (its CPU
    per request and, less its idle share, what one core carries: ``serving.core_capacity``), once every
    other request through the router and the rest straight to the stand-ins (one load: the added TTFT
-   p50/p99 of the router's half over the direct half); a streamed window (``--stream-tokens``) gives the
+   p50/p99 of the router's half over the direct half; and, per request, the router's own time on the way to
+   the first byte, read from the router: ``residence.py``); once per prefill count the extra hop alone
+   (``hop.py``: the same bodies to a server that does nothing); a streamed window (``--stream-tokens``) gives the
    cost per relayed event; a window at ``--saturate-rate`` (0: none) what one core carries when the fleet
    keeps up. ``--rt``: the bench's processes run SCHED_FIFO (a shared box's other work waits).
    ``--profile-router``: then this checkout's router once more under cProfile, its top functions in
@@ -36,6 +38,7 @@ from pathlib import Path
 from pdserve.bench.experiments.launcher import Launcher
 
 from .client import poisson, trace_bodies
+from .hop import hop_window
 from . import report
 from .index_ops import measure
 from .provenance_note import load_note
@@ -157,6 +160,9 @@ def serving(args: argparse.Namespace, count: int, logs: Path, evictions: str = "
                     if args.saturate_rate > 0:
                         out["saturate"] = saturate(args, setup, count)
                 setup.stop_router()
+        if first:  # the extra hop's own cost: the same load to a server that does nothing (hop.py)
+            out["hop"] = hop_window(setup, bodies, arrivals)
+            print(f"serving {count} hop:", json.dumps(out["hop"]), flush=True)
         if args.profile_router and first:
             out["profile"] = profile(args, setup, count, bodies, arrivals)
     out.update(derive(out))
@@ -211,7 +217,10 @@ def derive(out: dict) -> dict:
     request, and what one core carries (``core_capacity``); per relayed event (the streamed window)."""
     by: dict[str, dict] = {}
     for w in out["windows"]:
-        b = by.setdefault(w["router"], {"added_ttft": [], "cpu_ms_per_request": [], "capacity": []})
+        b = by.setdefault(w["router"], {"added_ttft": [], "cpu_ms_per_request": [], "capacity": [],
+                                        "residence": []})
+        if w.get("residence"):
+            b["residence"].append({"via": w["via"], **w["residence"]})
         d = w.get("direct")
         if w["via"] == "both" and d and w["ttft_p50_ms"] is not None and d["ttft_p50_ms"] is not None:
             b["added_ttft"].append({"p50_ms": w["ttft_p50_ms"] - d["ttft_p50_ms"],

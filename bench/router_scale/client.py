@@ -3,8 +3,9 @@
 ``trace_bodies`` builds each request's JSON body from per-hash-id fragments (512 token ids each, as
 ``bench/trace_replay.py`` maps a hash id to tokens), so thousands of 12k-token bodies cost little here.
 ``send_all`` posts them at their arrival times, round robin over ``urls`` (one router, every prefill
-directly, or the two interleaved: ``serving.urls_of``), and records per request: status, time to its first
-SSE event (TTFT) and to its end.
+directly, or the two interleaved: ``serving.urls_of``), each with its index as ``X-Request-Id`` (the router
+keeps it with its own time of the request: ``router/residence.py``), and records per request: status, time
+to its first SSE event (TTFT) and to its end.
 """
 
 from __future__ import annotations
@@ -59,10 +60,10 @@ def trace_bodies(path: Path, n: int, max_tokens: int, stream: bool = True, seed:
     return bodies, rate
 
 
-async def _one(session: aiohttp.ClientSession, url: str, body: bytes, res: Result) -> None:
+async def _one(session: aiohttp.ClientSession, url: str, body: bytes, res: Result, request_id: str) -> None:
     try:
         async with session.post(url + "/v1/completions", data=body,
-                                headers={"Content-Type": "application/json"}) as resp:
+                                headers={"Content-Type": "application/json", "X-Request-Id": request_id}) as resp:
             res.status = resp.status
             async for chunk in resp.content.iter_any():
                 if res.ttft is None and chunk:
@@ -88,7 +89,7 @@ async def send_all(urls: list[str], bodies: list[bytes], arrivals: list[float],
                 await asyncio.sleep(delay)
             res = Result(time.perf_counter())
             results.append(res)
-            tasks.append(asyncio.create_task(_one(session, urls[i % len(urls)], body, res)))
+            tasks.append(asyncio.create_task(_one(session, urls[i % len(urls)], body, res, str(i))))
         await asyncio.gather(*tasks)
     return results
 
@@ -102,16 +103,22 @@ def poisson(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
+def pct(xs: list[float], p: float) -> float | None:
+    """The ``p``-th percentile of the sorted ``xs`` (the value at rank ``int(p/100 * n)``); None if empty."""
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else None
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
 def summary(results: list[Result], wall_s: float) -> dict:
     ok = [r for r in results if r.status == 200 and not r.error and r.ttft is not None]
     ttft = sorted(r.ttft for r in ok)
 
-    def pct(xs, p):
-        return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else None
-
     return {"sent": len(results), "ok": len(ok), "errors": len(results) - len(ok),
             "error_kinds": sorted({r.error for r in results if r.error}),
             "completed_per_s": len(ok) / wall_s if wall_s > 0 else None,
-            "ttft_p50_ms": pct(ttft, 50) and pct(ttft, 50) * 1e3, "ttft_p90_ms": pct(ttft, 90) and pct(ttft, 90) * 1e3,
-            "ttft_p99_ms": pct(ttft, 99) and pct(ttft, 99) * 1e3, "ttft_max_ms": ttft[-1] * 1e3 if ttft else None,
+            "ttft_p50_ms": ms(pct(ttft, 50)), "ttft_p90_ms": ms(pct(ttft, 90)),
+            "ttft_p99_ms": ms(pct(ttft, 99)), "ttft_max_ms": ttft[-1] * 1e3 if ttft else None,
             "ttft_mean_ms": sum(ttft) / len(ttft) * 1e3 if ttft else None}

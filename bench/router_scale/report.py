@@ -32,6 +32,13 @@ def lines(doc: dict, output_tokens: float | None = None) -> list[str]:
                        f"{cap if cap is not None else float('nan'):.0f} req/s per core (1-token responses; "
                        f"{b['core_capacity_per_s_1_token']:.0f} with the idle work amortized at the window's rate); "
                        f"added TTFT p50/p99 ms {added}")
+            for r in b.get("residence", []):
+                out.append("  " + residence_line(r))
+        if s.get("hop"):
+            h = s["hop"]
+            out.append(f"serving {s['prefills']}: the extra hop alone (the same bodies to a server that does nothing, "
+                       f"on the router's CPU): time to first byte p50/p99/max {_f(h['ttft_p50_ms'])}/"
+                       f"{_f(h['ttft_p99_ms'])}/{_f(h['ttft_max_ms'])} ms")
         if "cpu_ratio_baseline_over_branch" in by:
             out.append(f"serving {s['prefills']}: router CPU per request, baseline / branch "
                        f"{by['cpu_ratio_baseline_over_branch']:.2f}x (less the idle share "
@@ -66,3 +73,21 @@ def lines(doc: dict, output_tokens: float | None = None) -> list[str]:
             out.append(f"  {phase}: sent {p['sent']}, ok {p['ok']}, errors {p['errors']} {p['error_kinds']}, "
                        f"TTFT p50 {p['ttft_p50_ms'] or float('nan'):.0f} ms")
     return out
+
+
+def _f(x: float | None) -> str:
+    return "nan" if x is None else f"{x:.2f}"
+
+
+def residence_line(r: dict) -> str:
+    """One window's router-own time per request (``residence.py``)."""
+    t, q, a, o = r["total"], r["request_part"], r["response_part"], r["ttft_less_router"]
+    body = r.get("body_part", {})
+    tail = ", ".join(f"{x['ttft_ms']:.1f} ({x['router_ms']:.2f})" for x in r.get("ttft_tail", []))
+    return (f"{r['via']} window: the router's own time per request ({r['requests']} requests) p50/p99/max "
+            f"{_f(t['p50_ms'])}/{_f(t['p99_ms'])}/{_f(t['max_ms'])} ms, {r['over_target']} over "
+            f"{r['target_ms']:g} ms (request part p50/p99 {_f(q['p50_ms'])}/{_f(q['p99_ms'])}, of it until the body "
+            f"was read {_f(body.get('p50_ms'))}/{_f(body.get('p99_ms'))}, until the "
+            f"prefill was chosen {_f(r['decided_part']['p50_ms'])}/{_f(r['decided_part']['p99_ms'])}; response part "
+            f"{_f(a['p50_ms'])}/{_f(a['p99_ms'])}); TTFT less it p50/p99 {_f(o['p50_ms'])}/{_f(o['p99_ms'])} "
+            f"({r['matched']} matched); the slowest TTFTs (the router's own ms): {tail}")

@@ -6,9 +6,9 @@ blocks (its /health), and can restart the router (``restart_router``); ``profile
 the standard library's cProfile, its statistics written when it stops. ``window`` sends one load
 (``client.send_all``, from this process: pin it with ``os.sched_setaffinity``) through the router, straight
 to the stand-ins, or both interleaved (the added latency: one load, the same moments), and reads the
-router's CPU seconds (``/proc/PID/stat``) over it. ``rt``: the fleet and the router run under SCHED_FIFO
-(``chrt -f``) at that priority, ahead of the shared box's other work (the kernel still leaves 5% of each
-core to the rest: ``sched_rt_runtime_us``).
+router's CPU seconds (``/proc/PID/stat``) over it and its own time per request (``residence.py``). ``rt``:
+the fleet and the router run under SCHED_FIFO (``chrt -f``) at that priority, ahead of the shared box's other
+work (the kernel still leaves 5% of each core to the rest: ``sched_rt_runtime_us``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from pdserve.bench.experiments.launcher import Launcher, Proc, metric_sum, scrape
 from pdserve.net import free_port
 
+from . import residence
 from .client import send_all, summary
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -215,6 +216,7 @@ def window(setup: Setup, via: str, bodies: list[bytes], arrivals: list[float]) -
     urls = urls_of(via, setup.router_url, setup.http)
     pid = setup.router.popen.pid if setup.router is not None else None
     before = setup.metrics() if via != "direct" else None
+    own0 = residence.count(setup.router_url) if via != "direct" else None  # None: no such route (older router)
     cpu0, t0 = (cpu_seconds(pid) if pid else 0.0), time.monotonic()
     load0 = os.getloadavg()[0]
     results = asyncio.run(send_all(urls, bodies, arrivals))
@@ -236,6 +238,11 @@ def window(setup: Setup, via: str, bodies: list[bytes], arrivals: list[float]) -
                                    if v - before["decisions"].get(k, 0)}
         n = after["overhead_count"] - before["overhead_count"]
         out["decide_ms_mean"] = (after["overhead_s_sum"] - before["overhead_s_sum"]) / n * 1e3 if n else None
+    if own0 is not None:  # the router's own time per request (router/residence.py)
+        routed_ids = list(range(0, len(results), 2 if via == "both" else 1))
+        rows = residence.rows(setup.router_url, own0) or []
+        out["residence"] = residence.summarize(rows, results, routed_ids)
+        out["residence_rows"] = rows  # each request's parts (seconds), with its index in the window
     return out
 
 

@@ -126,3 +126,49 @@ def test_the_publisher_says_its_last_seq():
         assert s.publisher.seq == 2 and len(s.cache) == 2
 
     asyncio.run(main())
+
+
+def test_the_routers_own_time_is_matched_to_the_clients_requests_by_their_id():
+    from pdserve.bench.router_scale.client import Result
+    from pdserve.bench.router_scale.residence import summarize
+
+    # an interleaved window of 6: the even ones through the router (ids 0, 2, 4), the odd ones direct
+    results = [Result(0.0, 200, ttft=t) for t in (0.010, 0.003, 0.004, 0.003, 0.020, 0.003)]
+    recorded = [{"seq": 7 + k, "request_s": a, "response_s": b, "body_s": a / 4, "decided_s": a / 2, "request_id": rid}
+                for k, (a, b, rid) in enumerate(((0.001, 0.0005, "0"), (0.002, 0.0005, "2"), (0.004, 0.002, "4")))]
+    s = summarize(recorded, results, routed_ids=[0, 2, 4])
+    assert s["requests"] == 3 and s["matched"] == 3
+    assert s["total"]["p50_ms"] == pytest.approx(2.5) and s["total"]["max_ms"] == pytest.approx(6.0)
+    assert s["over_target"] == 1 and s["target_ms"] == 5.0  # 6 ms > 5 ms
+    assert s["request_part"]["max_ms"] == pytest.approx(4.0) and s["response_part"]["p50_ms"] == pytest.approx(0.5)
+    assert s["decided_part"]["max_ms"] == pytest.approx(2.0) and s["body_part"]["max_ms"] == pytest.approx(1.0)
+    # TTFT less the router's own time: 10 - 1.5, 4 - 2.5, 20 - 6 ms
+    less = s["ttft_less_router"]
+    assert less["p50_ms"] == pytest.approx(8.5) and less["max_ms"] == pytest.approx(14)
+    assert s["ttft_tail"] == [{"ttft_ms": pytest.approx(20.0), "router_ms": pytest.approx(6.0)}]
+    failed = [Result(0.0, 503, ttft=0.001)] + results[1:]  # a request that failed is not matched
+    assert summarize(recorded, failed, routed_ids=[0, 2, 4])["matched"] == 2
+
+
+def test_the_hops_server_answers_each_request_once_its_body_is_in_keep_alive_and_split():
+    from pdserve.bench.router_scale.hop import RESPONSE, Answer
+
+    class Transport:
+        def __init__(self):
+            self.out: list[bytes] = []
+
+        def write(self, data: bytes) -> None:
+            self.out.append(data)
+
+    t = Transport()
+    a = Answer()
+    a.connection_made(t)
+    body = b"x" * 1000
+    req = b"POST /v1/completions HTTP/1.1\r\nHost: h\r\nContent-Length: 1000\r\n\r\n" + body
+    a.data_received(req[:30])
+    a.data_received(req[30:500])
+    assert t.out == []  # headers or body not whole yet
+    a.data_received(req[500:] + req[:100])  # the end of one request and the start of the next
+    assert t.out == [RESPONSE]
+    a.data_received(req[100:] + b"GET / HTTP/1.1\r\nHost: h\r\n\r\n")
+    assert t.out == [RESPONSE] * 3
