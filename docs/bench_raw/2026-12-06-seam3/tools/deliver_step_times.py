@@ -22,4 +22,6 @@ for variant in ("before", "after", "before", "after"):
     LLMEngine.step = step
     res = asyncio.run(d.one_run(loaded, 16, 200))
     LLMEngine.step = orig_step
-    print(variant, res, "steps", len(durs), "step ms med %.2f" % (1000*statistics.median(durs)), "gap ms med %.2f max %.1f sum %.2fs" % (1000*statistics.median(gaps), 1000*max(gaps), sum(gaps)), flush=True)
+    print(variant, res, "steps", len(durs), "step ms med %.2f" % (1000*statistics.median(durs)),
+          "gap ms med %.2f max %.1f sum %.2fs" % (1000*statistics.median(gaps), 1000*max(gaps), sum(gaps)),
+          flush=True)
