@@ -74,13 +74,20 @@ def _scale_day(out: Path) -> str:
             f"{doc['day_verdict']['target']['verdict']}")
 
 
+def _scale_routing(out: Path) -> str:
+    doc = json.loads((out / "scale.json").read_text())
+    p = doc["ratios"]["prefix"]
+    return (f"P99 TTFT {p['ttft_p99_s']:.2f}x, goodput {p['goodput_rps']:.2f}x round robin; "
+            + ", ".join(f"{k} {t['verdict']}" for k, t in doc["targets"].items()))
+
+
 def _printed(out: Path) -> str:
     lines = (out / "printed.txt").read_text().splitlines()
     return "the last lines it printed (the figure is among them):\n  " + "\n  ".join(lines[-TAIL_LINES:])
 
 
 FIGURE_READERS = {"peer_goodput": _goodput, "peer_ttft": _ttft, "trace_routing": _routing, "scale_day": _scale_day,
-                  "printed": _printed}
+                  "scale_routing": _scale_routing, "printed": _printed}
 
 
 def list_rows() -> str:

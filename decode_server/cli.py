@@ -25,6 +25,8 @@ import asyncio
 from pdserve import defaults
 from pdserve.server_setup import add_server_arguments, ensure_engine_environment, setup_logging, wait_for_stop_signal
 
+from .rank_ports import parse_ports
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, drains="live sessions")
@@ -32,6 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=defaults.DECODE_HTTP_PORT,
                         help="HTTP port (/health /ready /metrics)")
     parser.add_argument("--kv-port", type=int, default=defaults.KV_TRANSFER_PORT, help="CacheStore receiver port")
+    parser.add_argument("--kv-rank-ports", type=parse_ports, default=None, metavar="PORTS",
+                        help="ports of the per-rank KV push's receivers, comma-separated ports and ranges A-B, used in "
+                             "order: one per tensor-parallel rank, then one per head slice as each is first needed "
+                             "(later slices: free ports). Default: --kv-port + 1 + rank. Checked at start: no port "
+                             "twice, none of the server's own, each free")
     parser.add_argument("--advertise-host", default=None, help="host prefill should send KV to (default: --host)")
     parser.add_argument("--no-eviction", dest="eviction", action="store_false",
                         help="never evict a batch request's KV to host memory while an interactive request misses "

@@ -91,7 +91,7 @@ class DecodeService(pb_grpc.DecodeServicer):
             "kv_blocks_free": stats["num_free_blocks"],
             "kv_blocks_used": stats["num_blocks"] - stats["num_free_blocks"],
             "swapped_requests": self.engine.swapped()[0],  # evicted to host memory (lso.py)
-            "cachestore": merged_stats(self.receiver, self.deps.ranks.receivers if self.deps.ranks else []),
+            "cachestore": merged_stats(self.receiver, self.deps.ranks.all_receivers if self.deps.ranks else []),
             "kv_push": self.deps.ranks.state() if self.deps.ranks is not None else None,
             "draining": self.registry.draining,
             **({"kv_pool": self.pool.stats()} if self.pool is not None else {}),

@@ -14,8 +14,9 @@ Request lifecycle on decode (each step is a method below):
    the reservation (no eviction can take them before step 5), whatever the KV events said
    before. The CacheStore receiver is told to expect the OTHER prompt blocks;
    ``Allocation`` (cached_blocks, their block ids, receiver endpoint) goes back to prefill. Or, where the
-   prefill pushes per rank (``rank_receivers.py``), every rank's receiver expects them and the Allocation
-   lists one ``RankTarget`` per rank; every wait and clean-up below then covers every rank's entry.
+   prefill pushes per rank (``rank_receivers.py``), every piece's receiver (a rank's, or a slice of a rank's
+   heads) expects them and the Allocation lists one ``RankTarget`` per piece; every wait and clean-up below then
+   covers every piece's entry.
 3. **transfer** - prefill answers with ``FirstToken`` or ``ComputePrompt`` before the
    session timeout (set by prefill in ``Start``, capped by ours).
    ``ComputePrompt``: the CacheStore entry is deleted (no KV comes) and the request joins
@@ -247,8 +248,10 @@ class DecodeSession(PooledSteps):
         deps.registry.add(info)
         to_receive = list(block_ids[self.cached_blocks: start.blocks_needed])
         timeout = min(start.timeout_s or deps.session_timeout_s, deps.session_timeout_s)
-        if deps.ranks is not None and deps.ranks.pairs_with(start.compat):  # each prefill rank pushes to our ranks
-            self.kv_in = self.arrival = deps.ranks.expect(rid, to_receive, timeout)
+        pieces = deps.ranks.plan(start.compat) if deps.ranks is not None else None
+        if pieces is not None:  # each prefill rank pushes its pieces to our ranks
+            assert deps.ranks is not None
+            self.kv_in = self.arrival = await deps.ranks.expect(rid, to_receive, timeout, pieces)
             self.expected = True
             await self.write(allocation=pb.Allocation(block_ids=to_receive, cached_blocks=self.cached_blocks,
                                                       rank_targets=self.arrival.targets))

@@ -14,7 +14,8 @@ uses, and stopped in reverse (``cli.serve``: parse -> build -> run -> drain).
    --transfer, listening on --host:--kv-port, advertising --advertise-host, --kv-checksum
    required or not, the TLS files; a checksum mismatch counts in the metrics. Started. With the per-rank
    push (``ServerParts.rank_parts``, --kv-push per-rank) the rank receivers too: one per rank on its pool,
-   rank r's on --kv-port + 1 + r (``start_rank_receivers``; at size 1 the receiver itself).
+   on --kv-rank-ports in order, default --kv-port + 1 + r, checked before the model loads (``rank_ports.py``,
+   ``start_rank_receivers``; at size 1 the receiver itself), and head slices' receivers made at first use.
 4. **KV pool** (only with --kv-pool) - DecodePool: the engine, our id in the ledger
    (--kv-pool-instance-id, default the advertised host:--kv-pool-port), the gManager (--kv-pool),
    --host:--kv-pool-port for its KVLender, --kv-pool-lend-fraction, and the receiver (lenders take a
@@ -60,11 +61,13 @@ from pdserve.defaults import SESSION_TIMEOUT_S
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 from pdserve.protos import session_pb2 as pb
 from pdserve.protos import session_pb2_grpc as pb_grpc
-from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics
+from pdserve.server_setup import (ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics,
+                                  head_slice_parts)
 from pdserve.test_hooks import TestGates
 
 from .decode_engine import DecodeEngine
 from .lso import LsoController
+from .rank_ports import PortList, check_free, default_slice_ports, rank_ports
 from .rank_receivers import RankReceivers
 from .registry import SessionRegistry
 from .service import DecodeService
@@ -86,13 +89,14 @@ GRPC_OPTIONS = [
 async def start(args: argparse.Namespace) -> DecodeServer:
     """Build and start every part, in the order of the module docstring."""
     tls_files = tls.from_args(args, "pdserve decode")  # before the model loads: a bad file ends it at once
+    ports = push_ports(args)  # before the model loads too: a clash or a taken port ends it at once
     metrics = ServerMetrics.from_env(role="decode")
     parts = build_server_engine(args, "decode")
     engine = parts.engine
     kv_events = await start_engine(engine, metrics, args.block_size)
     receiver = await start_receiver(parts, metrics, args.transfer, args.host, args.kv_port, args.advertise_host,
                                     args.kv_checksum, tls_files, same_node=args.kv_same_node != "off")
-    ranks = await start_rank_receivers(parts, receiver, metrics, args, tls_files)
+    ranks = await start_rank_receivers(parts, receiver, metrics, args, tls_files, PortList(ports))
     pool = None
     if args.kv_pool:  # after the receiver: lenders take a pooled request's KV from the prefill through it
         instance_id = args.kv_pool_instance_id or f"{args.advertise_host or args.host}:{args.kv_pool_port}"
@@ -155,6 +159,7 @@ async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size:
     """The metrics follow the engine's counters; its prefix cache publishes KV events (attached
     before the engine thread starts: it calls on that thread); the engine starts."""
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    metrics.follow_counter("engine_busy", engine.busy_seconds)
     follow_tier_metrics(metrics, engine)
     kv_events = KvEventPublisher(block_size)
     attach_kv_events(engine, kv_events)
@@ -175,24 +180,54 @@ async def start_receiver(parts: ServerParts, metrics: ServerMetrics, transport: 
     return receiver
 
 
+def push_ports(args) -> list[int]:
+    """The per-rank push receivers' ports (rank_ports.py), checked and free; [] when the push is off."""
+    if getattr(args, "kv_push", "gather") != "per-rank" or getattr(args, "engine", "builtin") != "builtin":
+        return []
+    ranks = getattr(args, "tensor_parallel_size", 1)
+    ports = rank_ports(args, ranks)
+    check_free(args.host, ports)
+    return ports + default_slice_ports(args, ranks)
+
+
 async def start_rank_receivers(parts: ServerParts, receiver: CacheStoreReceiver, metrics: ServerMetrics, args,
-                               tls_files: tls.TlsFiles | None) -> RankReceivers | None:
+                               tls_files: tls.TlsFiles | None, ports: PortList | None = None) -> RankReceivers | None:
     """The per-rank push's receivers (rank_receivers.py), started: at tensor-parallel size 1 the receiver itself; at
-    N one per rank on its pool, rank r's on ``--kv-port`` + 1 + r (an ephemeral port when --kv-port is 0). None
-    when this server does not offer the per-rank push (``ServerParts.rank_parts`` empty: --kv-push gather, CUDA)."""
+    N one per rank on its pool, on ``ports`` in order (rank_ports.py: --kv-rank-ports, default --kv-port + 1 + r;
+    ephemeral when none are left), and a maker of head slices' receivers (the next port each). None when this
+    server does not offer the per-rank push (``ServerParts.rank_parts`` empty: --kv-push gather, CUDA)."""
     if not parts.rank_parts:
         return None
+    ports = ports or PortList([])
     receivers = [receiver]
     if parts.tensor_parallel_size > 1:
         receivers = []
-        for rank, (region, layout, compat) in enumerate(parts.rank_parts):
+        for region, layout, compat in parts.rank_parts:
             rank_parts = replace(parts, region=region, layout=layout, compat=compat)
-            port = args.kv_port + 1 + rank if args.kv_port else 0
-            receivers.append(await start_receiver(rank_parts, metrics, args.transfer, args.host, port,
+            receivers.append(await start_receiver(rank_parts, metrics, args.transfer, args.host, ports.take(),
                                                   args.advertise_host, args.kv_checksum, tls_files,
                                                   same_node=args.kv_same_node != "off"))
+
+    async def make_slice(rank: int, heads: range):
+        """A head slice's staging pool and its receiver (engine/tp/pieces.py), at the first request that needs it."""
+        same_node, port = args.kv_same_node != "off", ports.take()
+        staged, region, layout, compat = head_slice_parts(parts, rank, heads, shared=same_node)
+        try:
+            rx = await start_receiver(replace(parts, region=region, layout=layout, compat=compat), metrics,
+                                      args.transfer, args.host, port, args.advertise_host, args.kv_checksum, tls_files,
+                                      same_node=same_node)
+        except OSError as exc:
+            staged.close()
+            raise RuntimeError(f"the receiver of KV heads {heads.start}..{heads.stop - 1} of rank {rank} cannot listen "
+                               f"on port {port}: {exc.strerror or exc} (give free ports in --kv-rank-ports)") from None
+        log.info("per-rank push: KV heads %d..%d of rank %d land in a staging pool of %.1f MiB (port %d)",
+                 heads.start, heads.stop - 1, rank, staged.nbytes / 2**20, rx.port)
+        return staged, rx
+
     assert parts.kv_landed is not None
-    return RankReceivers(receivers, parts.compat_message.num_kv_heads, parts.kv_landed)
+    version = parts.compat_message.kv_push
+    return RankReceivers(receivers, parts.compat_message.num_kv_heads, parts.kv_landed,
+                         make_slice if version >= 2 else None, version)
 
 
 def start_pool(engine: ServerEngine, receiver: CacheStoreReceiver, metrics: ServerMetrics, *, instance_id: str,
@@ -311,9 +346,11 @@ class DecodeServer:
         if self.pool is not None:  # before the receiver: releasing a loan deletes its CacheStore entry
             await asyncio.to_thread(self.pool.stop)
         await self.receiver.stop()
-        for rank_receiver in self.ranks.receivers if self.ranks is not None else []:
+        for rank_receiver in self.ranks.all_receivers if self.ranks is not None else []:
             if rank_receiver is not self.receiver:
                 await rank_receiver.stop()
+        for staged, _ in self.ranks.slices.values() if self.ranks is not None else []:
+            staged.close()  # a staging pool's memfd (the mapping goes with the tensor)
         await self.engine.stop()
         if self.trace is not None:
             self.trace.close()

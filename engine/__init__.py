@@ -141,6 +141,7 @@ servers make, declared in server_engine.py)::
     await aeng.abort(req_id); await aeng.stats(); await aeng.stop()
     # leaving a stream early aborts the request and frees its blocks.
     aeng.num_blocks; aeng.num_free_blocks(); aeng.num_requests(); aeng.prefill_counters()  # thread-safe reads
+    aeng.busy_seconds()  # seconds in steps since start (one engine thread: never more than the wall time)
 
 Errors: PromptTooLongError (ValueError, lengths in the message), OutOfBlocksError
 (RuntimeError, ``.reason``), ModelLoadError / ConfigError (ValueError, naming the tensor or

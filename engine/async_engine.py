@@ -38,6 +38,9 @@ trip to the engine thread:
 - ``prefill_counters()``: (prompt tokens computed by prefill_only, seconds), the same way.
 - ``swapped()``: (requests swapped out to host memory, their bytes), the same way.
 - ``tier_stats()``: the KV tiers' running totals (hits, bytes, time), the same way.
+- ``busy_seconds()``: seconds the engine thread spent in steps since start, the step in progress up to
+  now (``busy_clock.py``): one engine core, so steps never overlap and its growth over a window is at most
+  the window (the planner's prefill utilisation; for ``--engine sim`` the steps' modelled sleeps count).
 Never touch ``engine`` (the LLMEngine) itself from another thread; a plain thread (not the
 event loop) runs an engine call on the engine thread with ``call_blocking`` (kvpool's lender
 and pooled requests in a decode do).
@@ -60,6 +63,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
+from .busy_clock import BusyClock
 from .engine_thread import EngineThread, set_exception, set_result
 from .errors import TensorParallelError
 from .sampling_params import SamplingParams
@@ -98,6 +102,7 @@ class AsyncLLMEngine(EngineThread):
         self.on_lost: Callable[[BaseException], None] | None = None
         self._lost_reported = False  # on_lost was called
         self._tier_stats = engine.tier_stats()
+        self._busy_clock = BusyClock()  # seconds in steps (the thread's own: steps never overlap)
         # debug: what happened in and just before each step (step_trace.py), with EngineConfig.step_trace
         self.trace: StepTrace | None = None
         if getattr(engine.config, "step_trace", 0):
@@ -138,6 +143,10 @@ class AsyncLLMEngine(EngineThread):
         """(requests swapped out to host memory, their bytes), as last published."""
         with self._published:
             return self._swapped
+
+    def busy_seconds(self) -> float:
+        """Seconds the engine thread spent in steps since start, the step in progress up to now."""
+        return self._busy_clock.seconds()
 
     # ---- colocated -------------------------------------------------------------------------
     async def generate(
@@ -334,6 +343,7 @@ class AsyncLLMEngine(EngineThread):
         e, trace = self.engine, self.trace
         batch = len(e.running)
         start = time.perf_counter()
+        self._busy_clock.begin()
         if trace is not None:
             trace.begin()
         try:
@@ -341,6 +351,7 @@ class AsyncLLMEngine(EngineThread):
         except Exception as exc:  # fail every running request, keep serving
             outputs = e.fail_scheduled(f"{type(exc).__name__}: {exc}")
             if isinstance(exc, TensorParallelError) and self.on_lost is not None:
+                self._busy_clock.end()
                 for out in outputs:
                     self._deliver(out)
                 self._lost_reported = True
@@ -350,6 +361,7 @@ class AsyncLLMEngine(EngineThread):
             trace.stepped(e.last_shape, len(e.scheduler.reserved), len(e.scheduler.joining))
         if self.step_floor_s > time.perf_counter() - start:  # test hook: steps a test can count on any CPU
             time.sleep(self.step_floor_s - (time.perf_counter() - start))
+        self._busy_clock.end()
         self._after_step(time.perf_counter() - start, batch)
         self._publish()
         for out in outputs:

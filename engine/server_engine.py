@@ -96,5 +96,9 @@ class ServerEngine(Protocol):
     def swapped(self) -> tuple[int, int]: ...
     def tier_stats(self) -> dict: ...
 
+    def busy_seconds(self) -> float:
+        """Seconds the engine spent running steps since start (steps never overlap: its growth over a window
+        is at most the window), the step in progress up to now."""
+
     async def stats(self) -> dict:
         """Free/total blocks and request counts, read on the engine thread."""

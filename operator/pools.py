@@ -165,9 +165,14 @@ def build_network_policies(isvc: dict, config: OperatorConfig) -> list[dict]:
     session_rule: dict = {"from": [same_service_prefill]}  # nixl/UCX: any port, same-service prefill only
     if backend == "tcp":
         kv_rule: dict = {"protocol": "TCP", "port": defaults.KV_TRANSFER_PORT}
-        ranks = max([parallelism.tensor_size(pool) for pool in isvc["spec"].get("decode", [])] or [1])
-        if ranks > 1:  # rank r's receiver of the per-rank push: KV_TRANSFER_PORT + 1 + r (decode_server/wiring.py)
-            kv_rule["endPort"] = defaults.KV_TRANSFER_PORT + ranks
+        sizes = [parallelism.tensor_size(pool) for pool in isvc["spec"].get("decode", [])] or [1]
+        ranks, end = max(sizes), defaults.KV_TRANSFER_PORT
+        if ranks > 1:  # rank r's receiver of the per-rank push: KV_TRANSFER_PORT + 1 + r (decode_server/rank_ports.py)
+            end += ranks
+        if parallelism.tensor_size(isvc["spec"].get("prefill", {})) > min(sizes):  # head slices' receivers after them
+            end += defaults.KV_SLICE_PORTS
+        if end > defaults.KV_TRANSFER_PORT:
+            kv_rule["endPort"] = end
         session_rule["ports"] = [{"protocol": "TCP", "port": defaults.DECODE_GRPC_PORT}, kv_rule]
     grpc_rule: dict = {"ports": [{"protocol": "TCP", "port": defaults.PREFILL_GRPC_PORT}]}
     if router_workloads.router_replicas(isvc) > 0:

@@ -30,6 +30,9 @@ DECODE_GRPC_PORT = 50052
 DECODE_HTTP_PORT = 8001
 # Decode pods: where the CacheStore receives KV (tcp transport listener / nixl agent).
 KV_TRANSFER_PORT = 50060  # a tensor-parallel decode's rank r receives its KV head shard on this + 1 + r (per-rank push)
+# Decode pods: head slices' receivers of the per-rank push (decode_server/rank_ports.py), by default on the ports
+# after the ranks' (a TP 1 decode's: KV_TRANSFER_PORT + 1 ...); more than this many take free ports
+KV_SLICE_PORTS = 8
 # Decode pods with --kv-pool: the KVLender (blocks lent to peers, micro-attention over them).
 KV_POOL_PORT = 50070
 

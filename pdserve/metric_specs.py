@@ -86,6 +86,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Requests prefill decoded itself because no decode could take them.", ("reason",)),
     MetricSpec("kv_allocation_refusals", "pdserve_kv_allocation_refusals_total", _C,
                "Session allocations decode refused, by reason.", ("reason",)),
+    MetricSpec("engine_busy", "pdserve_engine_busy_seconds_total", _C,
+               "Seconds the engine spent running steps (one engine thread: steps never overlap, so its rate is the "
+               "engine's utilisation, at most 1; a step in progress counts up to the scrape)."),
     MetricSpec("prompt_tokens_computed", "pdserve_prompt_tokens_computed_total", _C,
                "Prompt tokens this prefill's engine computed for P/D requests (after its prefix-cache hits)."),
     MetricSpec("prefix_cache_hit_tokens", "pdserve_prefix_cache_hit_tokens_total", _C,

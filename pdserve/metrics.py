@@ -66,6 +66,9 @@ kv_checksum_mismatches          both      decode: a request's KV failed its chec
                                           request is failed, never decoded); prefill: a decode
                                           reported that (the request is retried / resumed elsewhere)
 kv_blocks_free / _used          both      read from the engine at each scrape (``track_load``)
+engine_busy                     both      the engine's seconds in steps, read at each scrape (one engine
+                                          thread: its rate is the engine's utilisation, at most 1; the
+                                          planner's prefill ``busy``)
 kv_pool_pooled_requests,       decode    --kv-pool: requests served pooled and the blocks they borrowed
 _borrowed_blocks, _lent_blocks            (totals), blocks lent to peers now; read at each scrape
 kv_tier_hits, _moved_bytes,     both      the engine's KV tiers' running totals (``--kv-host-tier-bytes``,

@@ -90,10 +90,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         "(--kv-push), else through rank 0's transfer pool (engine/tp/transfer.py) (default: 1)")
     g.add_argument("--kv-push", choices=KV_PUSH_MODES, default="per-rank",
                    help="P/D KV of a tensor-parallel server, or of a TP 1 server paired with one. per-rank: each "
-                        "prefill rank pushes its own KV head shard to the decode ranks holding those heads, one "
-                        "CacheStore sender and receiver per rank (CPU; the peer must speak it too, and its heads "
-                        "pair: engine/tp/heads.py rank_sources); gather: never (every KV head through rank 0's "
-                        "transfer pool, engine/tp/transfer.py, as with a peer that does not) (default: per-rank)")
+                        "prefill rank sends each decode rank exactly the KV heads it needs, one CacheStore sender and "
+                        "receiver per rank (its whole shard, or a slice packed contiguous, or into a staging pool "
+                        "unpacked on arrival: engine/tp/heads.py rank_pieces, engine/tp/pieces.py; CPU; the peer "
+                        "must speak it too); gather: never (every KV head through rank 0's transfer pool, "
+                        "engine/tp/transfer.py, as with a peer that does not) (default: per-rank)")
     g.add_argument("--transfer", choices=TRANSPORTS, default="tcp", help="CacheStore transport for KV")
     g.add_argument("--kv-same-node", choices=SAME_NODE_MODES, default="auto",
                    help="KV between a prefill and a decode of one machine: the decode shares its KV pool (CPU: in a "

@@ -180,6 +180,7 @@ class ServerParts:
     # the per-rank push (--kv-push per-rank; engine/tp/rank_pools.py): (region, layout, compat) of every rank's pool
     # in rank order, each compat naming the rank's KV heads; [] when this server does not offer it
     rank_parts: list = field(default_factory=list)
+    rank_pools: list = field(default_factory=list)  # engine/tp/rank_pools.RankPool of each rank, as rank_parts
     tensor_parallel_size: int = 1
     kv_landed: set[str] | None = None  # the engine's LLMEngine.kv_landed (decode: KV in every rank's pool)
 
@@ -224,9 +225,11 @@ def build_server_engine(args, role: str = "prefill") -> ServerParts:
     if role == "prefill":
         engine.step_floor_s = prefill_step_floor_s()  # a test hook (pdserve/test_hooks.py), 0 in production
     ranks = rank_parts(llm, args)
+    pools = list(llm.rank_pools) if ranks else []
     return ServerParts(loaded, engine, max_len, model_name, region, layout, compat,
-                       compat_message(llm, args, model_name, bool(ranks)),
+                       compat_message(llm, args, model_name, kv_push_version(pools)),
                        rank_bytes_per_block=llm.kv_cache.block_nbytes * llm.kv_cache.num_layers, rank_parts=ranks,
+                       rank_pools=pools,
                        tensor_parallel_size=llm.config.tensor_parallel_size, kv_landed=llm.kv_landed)
 
 
@@ -331,6 +334,33 @@ def rank_parts(engine: LLMEngine, args) -> list[tuple[MemoryRegion, KVLayout, Co
     return parts
 
 
+def head_slice_parts(parts: ServerParts, rank: int, heads: range, shared: bool = False):
+    """A staging pool for KV heads ``heads`` of rank ``rank``'s pool (engine/tp/pieces.py: a partial piece of the
+    per-rank push), and its (MemoryRegion, KVLayout, CompatInfo): the compat of a rank holding exactly those heads,
+    so it binds only to such a rank's pool (or slice). ``shared``: in a memfd (a decode's, offered to same-node
+    senders). ValueError for heads that are not a part of the rank's."""
+    from pdserve.cachestore import KVLayout, MemoryRegion
+    from pdserve.engine.tp.pieces import HeadSlice
+
+    pool = parts.rank_pools[rank]
+    staged = HeadSlice(pool.tensor, pool.heads, heads, shared)
+    compat = replace(parts.rank_parts[rank][2], num_kv_heads=len(heads), first_kv_head=heads.start)
+    layout = KVLayout(num_layers=parts.layout.num_layers, num_blocks=parts.layout.num_blocks,
+                      block_nbytes=compat.block_nbytes)
+    return staged, MemoryRegion.from_tensor(staged.tensor, shared_fd=staged.shared_fd), layout, compat
+
+
+def kv_push_version(rank_pools: list) -> int:
+    """The per-rank push a server of these rank pools speaks (protos/version.py): KV_PUSH_VERSION where the pools
+    are on the CPU (head slices packed and unpacked there: engine/tp/pieces.py), 1 (whole shards only) on a GPU,
+    0 when it offers none (no pools: --kv-push gather, CUDA at N > 1)."""
+    from pdserve.protos.version import KV_PUSH_VERSION
+
+    if not rank_pools:
+        return 0
+    return KV_PUSH_VERSION if rank_pools[0].tensor.device.type == "cpu" else 1
+
+
 def merged_stats(first, others) -> dict:
     """``first.stats()`` with the numeric counters of every other CacheStore end (not ``first`` itself) added: the
     entries a server holds, over all of its senders or receivers (what must come back to zero)."""
@@ -344,16 +374,15 @@ def merged_stats(first, others) -> dict:
     return out
 
 
-def compat_message(engine: LLMEngine, args, model_name: str, per_rank: bool = False):
-    """The Compat a Session carries; ``per_rank``: this server offers the per-rank push (``rank_parts``)."""
+def compat_message(engine: LLMEngine, args, model_name: str, kv_push: int = 0):
+    """The Compat a Session carries; ``kv_push``: the per-rank push this server offers (``kv_push_version``; 0:
+    none)."""
     from pdserve.protos import session_pb2 as pb
-    from pdserve.protos.version import KV_PUSH_VERSION
 
     kv = engine.transfer_cache  # every KV head (the wire's blocks through rank 0, whatever the tensor-parallel size)
     return pb.Compat(dtype=args.dtype, num_layers=kv.num_layers, num_kv_heads=kv.num_kv_heads, head_dim=kv.head_dim,
                      block_size=kv.block_size, model=model_name, transport=args.transfer, kv_cache_dtype=kv.kv_dtype,
-                     tensor_parallel_size=engine.config.tensor_parallel_size,
-                     kv_push=KV_PUSH_VERSION if per_rank else 0)
+                     tensor_parallel_size=engine.config.tensor_parallel_size, kv_push=kv_push)
 
 
 async def wait_for_stop_signal() -> str:

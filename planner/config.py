@@ -43,7 +43,7 @@ class PlannerConfig:
     decode: PoolLimits = field(default_factory=PoolLimits)
     tolerance: float = 0.1                # |ratio - 1| below this: no change (the HPA's default)
     kv_target: float = 0.7                # decode: KV blocks in use / all blocks
-    busy_target: float = 0.7              # prefill: fraction of the time its engine computes prefills
+    busy_target: float = 0.7              # prefill: fraction of the time its engine runs steps
     queue_target: float = 4.0             # prefill: requests waiting for their first token, per replica
     lookahead_s: float = 10.0             # a growing queue is projected this far ahead (burst sizing)
     max_up_factor: float = 2.0            # one decision at most doubles a pool (and adds at least one)

@@ -8,9 +8,14 @@ first at its start, the last at its end) into the planner's ``Window``
 - latencies: the TTFT and TBT histograms (recorded by the prefills) differenced per replica,
   summed by bucket, and read at the quantile the way PromQL's ``histogram_quantile`` does
   (linear within a bucket);
-- counters (prompt / generation tokens, prefill compute seconds) differenced per replica; a
+- counters (prompt / generation tokens, the engine's busy seconds) differenced per replica; a
   counter that went down is a restarted replica, whose new value is its whole delta (as
   PromQL's ``rate`` treats a reset); replicas missing from either snapshot are left out;
+- prefill ``busy``: the growth of each prefill engine's own busy time (``ENGINE_BUSY``: seconds its
+  one engine thread spent in steps, which never overlap) over the window, per replica that reports
+  it: at most 1. Not the requests' compute intervals (``pdserve_prefill_compute_seconds``): those
+  overlap whenever a step batches several prompts, and their sum read several times a prefill's
+  real busy time in the compressed-day experiment (docs/benchmarks.md);
 - gauges summed over replicas: requests waiting at each end (the queue now, and its growth);
   KV utilisation and requests running averaged over the snapshots after the first (one
   sample of a gauge is noisy: a decode holding two requests jumps 0 -> 0.5 -> 1).
@@ -30,14 +35,14 @@ from .window import PoolLoad, Window
 
 TTFT = "pdserve_time_to_first_token_seconds"
 TBT = "pdserve_time_between_tokens_seconds"
-PREFILL_COMPUTE = "pdserve_prefill_compute_seconds"
+ENGINE_BUSY = "pdserve_engine_busy_seconds_total"
 PROMPT_TOKENS = "pdserve_prompt_tokens_total"
 GENERATION_TOKENS = "pdserve_generation_tokens_total"
 WAITING = "pdserve_requests_waiting"
 RUNNING = "pdserve_requests_running"
 KV_USED = "pdserve_kv_blocks_used"
 KV_FREE = "pdserve_kv_blocks_free"
-SERIES = (f"{TTFT}_bucket", f"{TTFT}_count", f"{TBT}_bucket", f"{PREFILL_COMPUTE}_sum", PROMPT_TOKENS,
+SERIES = (f"{TTFT}_bucket", f"{TTFT}_count", f"{TBT}_bucket", ENGINE_BUSY, PROMPT_TOKENS,
           GENERATION_TOKENS, WAITING, RUNNING, KV_USED, KV_FREE)
 
 
@@ -96,6 +101,16 @@ def _counter_delta(before: dict[str, Samples], after: dict[str, Samples], name: 
     return out
 
 
+def _busy(before: dict[str, Samples], after: dict[str, Samples], dt: float) -> float | None:
+    """The engines' busy fraction of the window, per replica in both snapshots that reports its busy time
+    (None: none does)."""
+    reporting = {r for r in set(before) & set(after) if ENGINE_BUSY in after[r] and ENGINE_BUSY in before[r]}
+    if not reporting:
+        return None
+    seconds = _counter_delta({r: before[r] for r in reporting}, {r: after[r] for r in reporting}, ENGINE_BUSY)
+    return seconds / dt / len(reporting)
+
+
 def _gauge(replicas: dict[str, Samples], name: str) -> float:
     return sum(total(s, name) for s in replicas.values())
 
@@ -130,9 +145,7 @@ def window_over(snapshots: list[Snapshot], quantile: float = 0.9) -> Window:
         raise ValueError(f"snapshots must be in time order, got {[s.at for s in snapshots]}")
     dt = after.at - before.at
     notes = []
-    common = set(before.prefill) & set(after.prefill)
-    busy = (_counter_delta(before.prefill, after.prefill, f"{PREFILL_COMPUTE}_sum") / dt / len(common)
-            if common else None)
+    busy = _busy(before.prefill, after.prefill, dt)
     kv = _mean([_kv(s.decode) for s in inside])
     if after.decode and kv is None:
         notes.append("decodes report no KV blocks")

@@ -9,16 +9,17 @@ numbers to ``window_from_values`` with the ready replicas of each pool (from the
 status: a series of a pod gone a minute ago is still in Prometheus, a ready count is not).
 
 The same rules as ``observe.py``: latencies from the prefills' histograms at the quantile,
-counters as rates over the window, KV utilisation and requests running averaged over it, the
-queue now and its change over the window. ``pod_load_query`` ranks a pool's pods by requests
-in flight (by the ``pod`` label), for the pod-deletion cost of a scale-down.
+counters as rates over the window (prefill busy: the engines' own busy seconds), KV utilisation
+and requests running averaged over it, the queue now and its change over the window.
+``pod_load_query`` ranks a pool's pods by requests in flight (by the ``pod`` label), for the
+pod-deletion cost of a scale-down.
 """
 
 from __future__ import annotations
 
 import math
 
-from .observe import GENERATION_TOKENS, KV_FREE, KV_USED, PREFILL_COMPUTE, PROMPT_TOKENS, RUNNING, TBT, TTFT, WAITING
+from .observe import ENGINE_BUSY, GENERATION_TOKENS, KV_FREE, KV_USED, PROMPT_TOKENS, RUNNING, TBT, TTFT, WAITING
 from .window import PoolLoad, Window
 
 
@@ -45,7 +46,7 @@ def window_queries(labels: dict[str, str], window_s: float, quantile: float = 0.
         "ttft": f"histogram_quantile({quantile}, sum by (le) (rate({TTFT}_bucket{p}{w})))",
         "tbt": f"histogram_quantile({quantile}, sum by (le) (rate({TBT}_bucket{p}{w})))",
         "requests": f"sum(increase({TTFT}_count{p}{w}))",
-        "prefill_compute": f"sum(rate({PREFILL_COMPUTE}_sum{p}{w}))",
+        "prefill_busy": f"sum(rate({ENGINE_BUSY}{p}{w}))",
         "prefill_waiting": f"sum({WAITING}{p})",
         "prefill_waiting_delta": f"sum(delta({WAITING}{p}{w}))",
         "prefill_running": f"sum(avg_over_time({RUNNING}{p}{w}))",
@@ -76,8 +77,8 @@ def window_from_values(values: dict[str, float | None], window_s: float, end: fl
     n = lambda key: _num(values, key) or 0.0  # noqa: E731
     used, free = _num(values, "kv_used"), _num(values, "kv_free")
     kv = min(1.0, max(0.0, used / (used + free))) if used is not None and free is not None and used + free > 0 else None
-    compute = _num(values, "prefill_compute")
-    busy = compute / prefill_ready if compute is not None and prefill_ready > 0 else None
+    busy_s = _num(values, "prefill_busy")  # the prefill engines' seconds in steps per second, summed
+    busy = busy_s / prefill_ready if busy_s is not None and prefill_ready > 0 else None
     notes = () if kv is not None or decode_ready == 0 else ("Prometheus has no decode KV series",)
     return Window(
         end=end, duration_s=window_s, ttft_s=_num(values, "ttft"), tbt_s=_num(values, "tbt"),

@@ -6,7 +6,7 @@ drove it and a reason a person can read. Rules:
 
 - **Utilisation, HPA-style**: a pool is sized so its utilisation lands at the target,
   ``ceil(n * utilisation / target)``, when the ratio is more than ``tolerance`` above 1.
-  Decode: KV utilisation. Prefill: ``busy`` (the share of time computing prefills) and the
+  Decode: KV utilisation. Prefill: ``busy`` (the share of time its engine runs steps) and the
   queue of requests waiting for a first token, per replica.
 - **Queues are projected**: a queue changing at g requests/s counts as ``waiting + g *
   lookahead_s`` (at least 0), so a burst is sized by where it is going, and a backlog the
@@ -161,7 +161,7 @@ def _recommend_prefill(window: Window, cfg: PlannerConfig) -> Recommendation:
     if ups:
         return _pick_up("prefill", n, ups, cfg)
     if busy is None:
-        return Recommendation("prefill", n, "hold", "no prefill compute time reported", hold=True)
+        return Recommendation("prefill", n, "hold", "no prefill engine busy time reported", hold=True)
     if ttft is not None and ttft > cfg.ttft_target_s * cfg.latency_down_fraction:
         return Recommendation("prefill", n, "hold", "; ".join(notes) or f"TTFT {ttft:.2f} s is near its target "
                               f"{cfg.ttft_target_s:.2f} s", hold=True)

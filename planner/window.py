@@ -21,8 +21,9 @@ class PoolLoad:
       sessions not decoding yet (KV arriving) / in the running batch.
     - ``waiting_growth_per_s``: how fast ``waiting`` grew over the window (a burst).
     - ``kv_utilisation``: KV blocks in use / all blocks (None: not reported).
-    - ``busy``: prefill only: the fraction of the window its engine spent computing prefills,
-      per replica (None: not known).
+    - ``busy``: prefill only: the fraction of the window its engine spent running steps, per
+      replica (``pdserve_engine_busy_seconds_total``: one engine thread, so at most 1; None: not
+      known).
     - ``tokens_per_s``: prefill: prompt tokens accepted; decode: tokens generated.
     """
 

@@ -29,8 +29,9 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    chunk's newly written blocks after the decode's cached ones to ``sender.store``
    (non-blocking), so the wire works while the next layer (and the next chunk) computes; only
    the missing blocks move, each block of each layer once. With ``rank_targets`` in the Allocation
-   (the per-rank push, ``rank_senders.py``) there is one destination per decode rank, each bound in the
-   sender of our rank holding its heads, and each layer goes to every one of them.
+   (the per-rank push, ``rank_senders.py``) there is one destination per piece (heads of one decode rank
+   from one of our ranks), each bound in the sender of our rank holding its heads (or of the slice of them it
+   takes, packed contiguous after each layer), and each layer goes to every one of them.
 5r. **first token** - wait until every layer was sent, free prefill's own KV blocks, send
    ``FirstToken`` on the stream and yield it to the client (with the prompt tokens our prefix
    cache held: the response's ``usage.prompt_tokens_details.cached_tokens``).
@@ -268,7 +269,7 @@ class SessionRunner:
         """Steps 4r-5r: our forward pass pushes the blocks the decode lacks; then the FirstToken."""
         cfg = self.config
         first_block, n_blocks = alloc.cached_blocks, blocks_needed(len(prompt_ids), cfg.block_size)
-        parts = self._bind(address, request_id, alloc, held)
+        parts = await self._bind(address, request_id, alloc, held)
         layers: list[tuple[int, list[int], int]] = []  # layers written but not pushed yet (layerwise_push off)
 
         def store(layer: int, block_ids: list[int], first: int) -> None:
@@ -276,7 +277,10 @@ class SessionRunner:
             for part in parts:
                 lo, hi = max(part.start, first), min(part.end, first + len(block_ids))
                 if lo < hi:
-                    part.sender.store(part.request_id, layer, block_ids[lo - first:hi - first], lo - part.start)
+                    src = block_ids[lo - first:hi - first]
+                    if part.pack is not None:  # a slice of a rank's heads: made contiguous first (tp/pieces.py)
+                        part.pack(layer, src)
+                    part.sender.store(part.request_id, layer, src, lo - part.start)
 
         layer_gate = self.gates.layer  # test hook: hold the engine after the last chunk's layer 0 (overlap shown)
 
@@ -315,7 +319,7 @@ class SessionRunner:
         delta.cached_tokens = cached_tokens
         return delta
 
-    def _bind(self, address: str, request_id: str, alloc: pb.Allocation, held: _Held) -> list[Part]:
+    async def _bind(self, address: str, request_id: str, alloc: pb.Allocation, held: _Held) -> list[Part]:
         """Step 4r's destinations, each bound in its CacheStore sender (``Part``): the decode's blocks; a pooled
         request's lenders take the prompt blocks after them; with rank targets, each decode rank's heads of the
         decode's blocks, from the rank of ours holding them (``rank_senders.py``)."""
@@ -324,7 +328,7 @@ class SessionRunner:
             if alloc.rank_targets:
                 if self.ranks is None:
                     raise ValueError("the decode offered the per-rank push, which this prefill did not ask for")
-                parts = self.ranks.parts(alloc)
+                parts = await self.ranks.parts(alloc)
                 tokens = [t.kv_token for t in alloc.rank_targets]
             else:
                 parts = [Part(request_id, alloc.cachestore_endpoint, list(alloc.block_ids), first_block,

@@ -77,7 +77,8 @@ from pdserve.protos import generate_pb2_grpc as gpb_grpc
 from pdserve.protos import kv_events_pb2 as kpb
 from pdserve.protos import kv_events_pb2_grpc as kpb_grpc
 from pdserve.protos import session_pb2 as pb
-from pdserve.server_setup import ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics, merged_stats
+from pdserve.server_setup import (ServerParts, attach_kv_events, build_server_engine, follow_tier_metrics,
+                                  head_slice_parts, merged_stats)
 from pdserve.slo import GlobalQueue
 
 from . import tokenize_api, tokenizer_api
@@ -201,6 +202,7 @@ async def start_engine(engine: ServerEngine, metrics: ServerMetrics, block_size:
     """The metrics follow the engine's counters; its prefix cache publishes KV events (attached
     before the engine thread starts: it calls on that thread); the engine starts."""
     metrics.follow_counter("prefix_cache_hit_tokens", engine.prefix_hit_tokens)
+    metrics.follow_counter("engine_busy", engine.busy_seconds)
     follow_tier_metrics(metrics, engine)
     metrics.follow_counter("prompt_tokens_computed", lambda: engine.prefill_counters()[0])
     kv_events = KvEventPublisher(block_size)
@@ -238,7 +240,18 @@ async def start_rank_senders(parts: ServerParts, sender: CacheStoreSender, args,
             senders.append(await start_sender(rank_parts, args.transfer, args.scheduler, args.kv_checksum,
                                               args.session_timeout, tls_files, same_node=args.kv_same_node,
                                               corrupt=rank == last))  # the test hook: one rank's shard fails
-    return RankSenders(senders, parts.compat_message.num_kv_heads)
+
+    async def make_slice(rank: int, heads: range):
+        """A head slice's staging pool and its sender (engine/tp/pieces.py), at the first request that needs it."""
+        staged, region, layout, compat = head_slice_parts(parts, rank, heads)
+        log.info("per-rank push: KV heads %d..%d of rank %d packed for a decode rank that holds only them "
+                 "(a staging pool of %.1f MiB)", heads.start, heads.stop - 1, rank, staged.nbytes / 2**20)
+        return staged, await start_sender(replace(parts, region=region, layout=layout, compat=compat), args.transfer,
+                                          args.scheduler, args.kv_checksum, args.session_timeout, tls_files,
+                                          same_node=args.kv_same_node, corrupt=False)
+
+    cpu = parts.compat_message.kv_push >= 2
+    return RankSenders(senders, parts.compat_message.num_kv_heads, make_slice if cpu else None)
 
 
 def make_slo_queue(slo: SloClasses, policy: str, metrics: ServerMetrics, picker: DecodePicker) -> GlobalQueue:
@@ -303,7 +316,7 @@ class Probes:
             "queued": len(node.queue), "slo_running": len(self.slo_queue.running),
             "local_requests": node.local_requests, "kv_blocks_total": engine.num_blocks, "kv_blocks_free": kv_free,
             "kv_blocks_used": engine.num_blocks - kv_free,
-            "cachestore": merged_stats(self.sender, self.ranks.senders if self.ranks is not None else []),
+            "cachestore": merged_stats(self.sender, self.ranks.all_senders if self.ranks is not None else []),
             "kv_push": self.ranks.state() if self.ranks is not None else None,
             "decodes": self.discovery.addresses(), "routable_decodes": self.picker.eligible(),
             "draining": self.draining,
@@ -358,7 +371,7 @@ class PrefillServer:
         await self.poller.stop()
         await self.discovery.stop()
         await self.sender.stop()
-        for rank_sender in self.ranks.senders if self.ranks is not None else []:
+        for rank_sender in self.ranks.all_senders if self.ranks is not None else []:
             if rank_sender is not self.sender:
                 await rank_sender.stop()
         await self.engine.stop()

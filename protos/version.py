@@ -27,7 +27,14 @@ PROTOCOL_VERSION = 4
 # what a rank target means changes.
 # 1: a rank target takes whole blocks of one decode rank's head range, sent by a prefill rank holding exactly
 #    that range (equal shards, or replicated KV heads).
-KV_PUSH_VERSION = 1
+# 2: a rank target is a piece (heads.rank_pieces): RankTarget.prefill_rank, first_kv_head and num_kv_heads name
+#    its sender and heads, and every nesting pairing is served: a slice of a prefill rank's shard is packed
+#    contiguous before it is sent (TP 1 into TP 2 on 2 KV heads), several prefill ranks' shards land in staging
+#    pools of a decode rank and are unpacked into its pool (TP 2 into TP 1); engine/tp/pieces.py. The CacheStore's
+#    wire is unchanged (a piece is whole blocks of a region holding exactly its heads). A decode still offers a
+#    version-1 prefill its whole-shard pairings; a server whose pools are on a GPU says 1 (no slices there). A
+#    version-1 decode offers a version-2 prefill nothing (it takes only its own version): rank 0's gather path.
+KV_PUSH_VERSION = 2
 
 # The KV-event stream (kv_events.proto): a router uses the index of a server only when the
 # server's SNAPSHOT carries this version. Bump it when an event's meaning changes.

@@ -55,6 +55,7 @@ from types import SimpleNamespace
 from typing import AsyncIterator, Callable
 
 from pdserve.engine.block_manager import blocks_needed, reusable_blocks
+from pdserve.engine.busy_clock import BusyClock
 from pdserve.engine.engine_thread import set_exception, set_result
 from pdserve.engine.errors import OutOfBlocksError, PromptTooLongError
 from pdserve.engine.sequence import RequestOutput
@@ -97,6 +98,7 @@ class VllmAsyncEngine(VllmEngineThread):
         self.eos_token_ids = tuple(eos_token_ids)
         self.num_blocks = self._pool().get_num_free_blocks()  # vLLM's null block is not ours
         self._counters = (0, 0.0)  # prompt tokens computed by prefill_only, seconds
+        self._busy_clock = BusyClock()  # seconds in vLLM's steps (this thread's: they never overlap)
         self._started_at: dict[str, tuple[float, int]] = {}
         self._num_requests = 0
         # prefill_only requests that asked: the first token's TokenLogprob, the prompt's logprobs (until release)
@@ -138,6 +140,9 @@ class VllmAsyncEngine(VllmEngineThread):
 
     def swapped(self) -> tuple[int, int]:
         return 0, 0
+
+    def busy_seconds(self) -> float:
+        return self._busy_clock.seconds()
 
     async def stats(self) -> dict:
         return {"num_free_blocks": self.num_free_blocks(), "num_blocks": self.num_blocks,
@@ -463,7 +468,11 @@ class VllmAsyncEngine(VllmEngineThread):
             self._ks[rid] = ks
 
     def _step(self) -> list:
-        outputs = self.llm.step()
+        self._busy_clock.begin()
+        try:
+            outputs = self.llm.step()
+        finally:
+            self._busy_clock.end()
         self._num_requests = self._scheduler.get_num_unfinished_requests() + len(self.bridge.prefills)
         return outputs
 

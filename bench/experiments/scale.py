@@ -27,6 +27,12 @@ which the report measures: the decode's TPOT against the profile's step time at 
 is raised to the trace's longest request (``derive_profile``; Llama-3.1-8B's 128K shape, the step time
 extrapolated past the 8K it was measured at).
 
+``--clock virtual`` serves the same arms in one process on a discrete-event clock instead (``scale_virtual.py``,
+``virtual_*.py``): the same router decision, sim engines (scheduler, BlockManager, prefix cache), decode picker and
+link model, time advanced by events, so the whole trace runs in minutes whatever the box's load; ``--clock both``
+runs each arm on both and reports virtual / wall per figure (the drift). ``--rate-scale k`` divides the trace's
+arrival times by k (the load raised, its lengths and reuse kept).
+
 Figures per arm (``scale_report.py``): TTFT p50/p99, TPOT p50/p99, goodput under ``--slo-ttft-ms`` /
 ``--slo-tbt-ms``, failed requests; ratios over round robin (``rr`` for the picker arms); the targets (issue 50:
 prefix P99 TTFT <= 0.5x round robin, goodput >= 1.3x) beside the trace's reuse bound (``reuse_bound``).
@@ -44,7 +50,7 @@ from pathlib import Path
 
 from pdserve.engine.sim.profile import StepTime, load_profile
 
-from . import report, scale_day, scale_day_figure, scale_report
+from . import report, scale_day, scale_day_figure, scale_report, scale_virtual
 from .client import send
 from .cluster import start_routed
 from .launcher import LOG_ROOT, Launcher
@@ -55,6 +61,7 @@ from ..trace_replay import MOONCAKE_TRACE, read_trace
 
 PICKER_ARMS = {"wrr": ["--policy", "wrr"], "rr": ["--policy", "rr"]}
 ALL_ARMS = (*ROUTER_ARMS, *PICKER_ARMS, "day", *scale_day.DAY_ARMS)
+CLOCKS = ("wall", "virtual", "both")
 SIM_MODEL = "tiny"  # the built-in name: the sim servers and the router read its byte-level tokenizer (no weights)
 
 
@@ -65,6 +72,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--speedup", type=float, default=1.0,
                    help="simulated seconds per wall second: arrivals, step and link times / k (default 1)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--jobs", type=int, default=1,
+                   help="--clock virtual: arms run this many at a time, each in its own process (default 1)")
+    g.add_argument("--rate-scale", type=float, default=1.0,
+                   help="the trace's arrival rate x this (its times / k: load raised, lengths and reuse kept)")
+    g.add_argument("--clock", choices=CLOCKS, default="wall",
+                   help="wall: the sim servers as processes, in real time / --speedup; virtual: one process on a "
+                        "discrete-event clock (scale_virtual.py: the same router, engines and picker, no sleeps); "
+                        "both: each arm on both, and virtual / wall per figure")
     g.add_argument("--day-s", type=float, default=3600.0, help="day arms: simulated seconds of the compressed day")
     g.add_argument("--peak-to-trough", type=float, default=3.0,
                    help="day arms: the day's peak rate / trough (scale_workload.py says why 3)")
@@ -127,8 +142,9 @@ def ttft_floor(reqs, args) -> dict:
         v = sorted(unqueued_ttft(reqs, step.prefill_s, args.prefills, one))
         out[f"unqueued_ttft_{name}"] = {"p50_s": v[len(v) // 2], "p99_s": v[min(len(v) - 1, int(0.99 * len(v)))],
                                         "within_slo": sum(x <= args.slo_ttft_ms / 1000 for x in v) / len(v),
-                                        "prefill_busy": sum(v) / args.prefills / max(1e-9, reqs[-1].time_s
-                                                                                      - reqs[0].time_s)}
+                                        "prefill_busy": sum(v) / args.prefills / max(1e-9, (reqs[-1].time_s
+                                                                                       - reqs[0].time_s)
+                                                                                      / args.rate_scale)}
     return out
 
 
@@ -177,12 +193,15 @@ def run_arm(args, arm: str, profile: Path, specs, arrivals, max_len: int) -> dic
 def run(args: argparse.Namespace) -> int:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     bad = [a for a in arms if a not in ALL_ARMS]
-    if bad or not arms or args.speedup <= 0 or args.prefills < 1 or args.decodes < 1:
-        print(f"pdserve bench experiment scale: error: arms {bad or arms} (one of {', '.join(ALL_ARMS)}), "
-              "--speedup > 0, --prefills and --decodes >= 1", file=sys.stderr)
+    planner_virtual = args.clock != "wall" and any(a in scale_day.DAY_ARMS for a in arms)
+    if bad or not arms or args.speedup <= 0 or args.rate_scale <= 0 or args.prefills < 1 or args.decodes < 1 \
+            or planner_virtual or args.jobs < 1:
+        print(f"pdserve bench experiment scale: error: arms {bad or arms} (one of {', '.join(ALL_ARMS)}; "
+              f"{', '.join(scale_day.DAY_ARMS)} on --clock wall only), --speedup and --rate-scale > 0, --prefills "
+              "and --decodes >= 1, --jobs >= 1", file=sys.stderr)
         return 2
     reqs = read_trace(args.trace, "mooncake")[: args.max_requests]
-    specs, arrivals = full_workload(reqs, args.speedup, args.seed)
+    specs, arrivals = full_workload(reqs, args.speedup * args.rate_scale, args.seed)
     bound = reuse_bound(reqs, args.prefills)
     bound.update(ttft_floor(reqs, args))
     day_reqs, cycle = daily_cycle(reqs, args.day_s, args.peak_to_trough, args.day_load, args.seed,
@@ -197,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     max_len = -(-(longest + 64) // 1024) * 1024
     out = Path(args.out)
     plan = (f"{len(specs)} requests over {arrivals[-1] * args.speedup:.0f} simulated s "
-            f"({arrivals[-1]:.0f} wall s at --speedup {args.speedup:g}); {sum(s.prompt_tokens for s in specs)} "
+            f"({arrivals[-1]:.0f} wall s at --speedup {args.speedup:g}, --clock {args.clock}, rate x "
+            f"{args.rate_scale:g}); {sum(s.prompt_tokens for s in specs)} "
             f"prompt tokens; reuse bound: one cache {bound['one_cache']:.1%}, round robin over {args.prefills} "
             f"{bound['round_robin']:.1%}; no-queueing TTFT p99 best router / round robin "
             f"{bound['unqueued_ttft_one_cache']['p99_s'] / bound['unqueued_ttft_round_robin']['p99_s']:.2f}; "
@@ -212,22 +232,37 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _say(plan)
     profile = derive_profile(args.profile, args.speedup, max_len, out / f"{args.name}-profile.json")
-    runs = []
+    runs: list[dict] = []
+    virtual: list[dict] = []
+    real_profile = (load_profile(derive_profile(args.profile, 1.0, max_len, out / f"{args.name}-profile-x1.json"))
+                    if args.clock != "wall" else None)
+    if args.clock == "virtual":  # every arm at once (``--jobs``), then the same report
+        assert real_profile is not None
+        work = {arm: (full_workload(day_reqs, 1.0, args.seed) if arm == "day" else
+                      (specs, [a * args.speedup for a in arrivals])) for arm in arms}
+        virtual = scale_virtual.run_arms(args, arms, {a: arm_layout(args, a) for a in arms}, real_profile, work,
+                                         max_len, args.jobs)
+        for row in virtual:
+            _say(f"  {row['arm']} (virtual clock, {row['wall_s']:.0f} s): " + scale_report.one_line(row))
+        arms = []
     for arm in arms:
+        arm_specs, arm_arrivals = specs, arrivals
         if arm == "day":
-            day_specs, day_arrivals = full_workload(day_reqs, args.speedup, args.seed)
-            row = run_arm(args, arm, profile, day_specs, day_arrivals, max_len)
-            row["day"] = {**dataclasses.asdict(cycle), "requests": len(day_reqs),
-                          "rate_by_bin": rate_by_bin([r.time_s for r in day_reqs], args.day_s, 24)}
-        elif arm in scale_day.DAY_ARMS:
-            row = scale_day.run_arm(args, arm, profile, day_reqs, pools, max_len, _say)
-        else:
-            row = run_arm(args, arm, profile, specs, arrivals, max_len)
-        runs.append(row)
-        report.save(out, args.name, _doc(args, plan, bound, profile, runs, sizing, cycle))  # a partial result
-    doc = _doc(args, plan, bound, profile, runs, sizing, cycle)
+            arm_specs, arm_arrivals = full_workload(day_reqs, args.speedup, args.seed)
+        if args.clock != "virtual":
+            runs.append(_wall_arm(args, arm, profile, arm_specs, arm_arrivals, max_len, day_reqs, pools, cycle))
+            report.save(out, args.name, _doc(args, plan, bound, profile, runs, sizing, cycle, virtual))  # partial
+        if args.clock != "wall":
+            assert real_profile is not None
+            row = scale_virtual.run_arm(args, arm, arm_layout(args, arm), real_profile, arm_specs,
+                                        [a * args.speedup for a in arm_arrivals], max_len)
+            _say(f"  {arm} (virtual clock, {row['wall_s']:.0f} s): " + scale_report.one_line(row))
+            virtual.append(row)
+            report.save(out, args.name, _doc(args, plan, bound, profile, runs, sizing, cycle, virtual))  # partial
+    doc = _doc(args, plan, bound, profile, runs, sizing, cycle, virtual)
     path = report.save(out, args.name, doc)
     print(scale_report.format_table(doc))
+    print("\n".join(scale_virtual.format_lines(doc)))
     print("\n".join(scale_day.format_lines(doc)))
     png = scale_day_figure.plot(runs, out / f"{args.name}-day.png", args.speedup)
     if png is not None:
@@ -236,10 +271,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _doc(args, plan: str, bound: dict, profile: Path, runs: list[dict], sizing: dict, cycle) -> dict:
+def _wall_arm(args, arm: str, profile: Path, specs, arrivals, max_len: int, day_reqs, pools, cycle) -> dict:
+    """One arm on the process cluster (``--clock wall``)."""
+    if arm in scale_day.DAY_ARMS:
+        return scale_day.run_arm(args, arm, profile, day_reqs, pools, max_len, _say)
+    row = run_arm(args, arm, profile, specs, arrivals, max_len)
+    if arm == "day":
+        row["day"] = {**dataclasses.asdict(cycle), "requests": len(day_reqs),
+                      "rate_by_bin": rate_by_bin([r.time_s for r in day_reqs], args.day_s, 24)}
+    return row
+
+
+def _doc(args, plan: str, bound: dict, profile: Path, runs: list[dict], sizing: dict, cycle,
+         virtual: list[dict] | None = None) -> dict:
+    """The run's JSON: ``runs`` (and its ratios and targets) are the wall clock's, or the virtual clock's when only
+    it ran; with both clocks the virtual arms are ``virtual_runs`` and ``fidelity`` is virtual / wall."""
     params = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "func"}
-    compared = scale_report.compare(runs)
-    return {"params": params, "plan": plan, "reuse_bound": bound, "profile": json.loads(profile.read_text()),
-            "runs": runs, "ratios": compared, "targets": scale_report.targets(compared),
-            "day": {**dataclasses.asdict(cycle), **sizing},
-            "day_verdict": scale_day.verdict(runs, args.slo_ttft_ms / 1000, args.slo_tbt_ms / 1000)}
+    virtual = virtual or []
+    main = runs or virtual
+    compared = scale_report.compare(main)
+    doc = {"params": params, "plan": plan, "reuse_bound": bound, "profile": json.loads(profile.read_text()),
+           "clock": args.clock, "runs": main, "ratios": compared, "targets": scale_report.targets(compared),
+           "day": {**dataclasses.asdict(cycle), **sizing},
+           "day_verdict": scale_day.verdict(runs, args.slo_ttft_ms / 1000, args.slo_tbt_ms / 1000)}
+    if runs and virtual:
+        compared_v = scale_report.compare(virtual)
+        doc.update(virtual_runs=virtual, virtual_ratios=compared_v, virtual_targets=scale_report.targets(compared_v),
+                   fidelity=scale_virtual.fidelity(runs, virtual))
+    elif virtual:
+        doc["virtual_runs"] = virtual
+    return doc

@@ -1,8 +1,10 @@
 """Which KV heads each tensor-parallel rank holds, whether two TP sizes may pair for P/D, and which prefill rank
-pushes each decode rank its heads (the per-rank push): plain arithmetic,
+pushes each decode rank which of its heads (the per-rank push's pieces): plain arithmetic,
 no torch (the decode's admission check imports it, and a sim server must stay small)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 def kv_head_ranges(num_kv_heads: int, size: int) -> list[range]:
@@ -34,10 +36,10 @@ def pairing_error(num_kv_heads: int, prefill: int, decode: int) -> str | None:
 
 
 def rank_sources(num_kv_heads: int, prefill: int, decode: int) -> list[int] | None:
-    """The per-rank push's plan (``protos/version.py`` KV_PUSH_VERSION): for each decode rank, the prefill rank
-    that sends it its KV heads, whole blocks from that rank's pool into the decode rank's; None when some decode
-    rank's heads are not exactly one prefill rank's (e.g. 2 heads from TP 1 into TP 2: a decode rank needs part of
-    a block, which the per-rank push does not move; the KV then goes through rank 0, ``transfer.py``). Equal
+    """The per-rank push's version-1 plan (``protos/version.py`` KV_PUSH_VERSION 1, whole shards only; version 2
+    is ``rank_pieces``): for each decode rank, the prefill rank that sends it its KV heads, whole blocks from that
+    rank's pool into the decode rank's; None when some decode rank's heads are not exactly one prefill rank's (e.g.
+    2 heads from TP 1 into TP 2: a decode rank needs a slice, which version 1 does not move). Equal
     sizes pair rank to rank; fewer KV heads than ranks (replicated heads) pair whatever the sizes: a head held
     by several prefill ranks is sent by one of them, spread over them round robin."""
     if pairing_error(num_kv_heads, prefill, decode) is not None:
@@ -50,3 +52,43 @@ def rank_sources(num_kv_heads: int, prefill: int, decode: int) -> list[int] | No
             return None
         sources.append(holders[d % len(holders)])
     return sources
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """One move of the per-rank push (KV_PUSH_VERSION 2): KV heads ``heads`` (the model's numbering) of every pushed
+    block, from prefill rank ``prefill_rank`` to decode rank ``decode_rank``. ``whole_source``: the heads are the
+    prefill rank's whole shard (sent straight from its pool), else a slice of it (packed contiguous first);
+    ``whole_dest``: they are the decode rank's whole shard (landing straight in its pool), else a slice of it
+    (landing in a staging pool, unpacked into the rank's pool before the request joins the batch)."""
+
+    decode_rank: int
+    prefill_rank: int
+    heads: range
+    whole_source: bool
+    whole_dest: bool
+
+
+def rank_pieces(num_kv_heads: int, prefill: int, decode: int) -> list[Piece] | None:
+    """Every move of the per-rank push between a prefill of ``prefill`` ranks and a decode of ``decode``, in decode
+    rank order then head order: each decode rank gets each of its heads exactly once, from a prefill rank holding
+    it (a head held by several prefill ranks, replicated: one of them, round robin over the decode ranks, as
+    ``rank_sources``). None when the sizes do not pair (``pairing_error``). Where the shards nest, a decode rank's
+    heads are either inside one prefill rank's shard (one piece, a slice of that shard when smaller: e.g. 2 KV
+    heads from TP 1 into TP 2) or the union of several prefill ranks' shards (one piece from each: TP 2 into
+    TP 1)."""
+    if pairing_error(num_kv_heads, prefill, decode) is not None:
+        return None
+    ours, theirs = kv_head_ranges(num_kv_heads, prefill), kv_head_ranges(num_kv_heads, decode)
+    pieces = []
+    for d, heads in enumerate(theirs):
+        holders = [p for p, shard in enumerate(ours) if shard.start <= heads.start and heads.stop <= shard.stop]
+        if holders:  # inside one prefill rank's shard (several: replicated heads)
+            p = holders[d % len(holders)]
+            pieces.append(Piece(d, p, heads, ours[p] == heads, True))
+            continue
+        for shard in sorted({s for s in ours if heads.start <= s.start and s.stop <= heads.stop},
+                            key=lambda r: r.start):
+            holding = [p for p, s in enumerate(ours) if s == shard]
+            pieces.append(Piece(d, holding[d % len(holding)], shard, True, False))
+    return pieces

@@ -28,14 +28,13 @@ requests: ``ShardChecksumError``; their KV is never stored). The arrival: rank 0
 before it scatters, each rank where it landed in its pool, and the ranks agree on the outcome (a mismatch
 fails the request before it joins the batch). Either way the ranks stay in step.
 
-This is the fallback since the per-rank push (``rank_pools.py``: each rank's shard on its own CacheStore link,
-straight from its pool into the decode ranks that hold those heads, no transfer pool on the path) landed; it
-serves a peer that does not speak the per-rank push (``Compat.kv_push``, protos/version.py), pairings where a
-decode rank needs part of a prefill rank's blocks (2 KV heads from TP 1 into TP 2: the per-rank push moves whole
-blocks of one head range, and a head shard of a block is strided in the pool layout
-``[.., block, 2, block_size, heads, row]``), ``--kv-push gather``, and CUDA (the ranks' pools are not mapped
-into rank 0's process there). Its price: rank 0's transfer pool (memory: the whole model's KV for every block,
-counted when the pool is sized) and one gather or scatter per layer through rank 0.
+This is the fallback since the per-rank push (``rank_pools.py``: each piece of a rank's heads on its own
+CacheStore link, straight from its pool, or a staging pool of a slice of it, ``pieces.py``, into the decode ranks
+that hold those heads, no transfer pool on the path) landed; it serves a peer that does not speak the per-rank
+push (``Compat.kv_push``, protos/version.py) or speaks only version 1 (whole shards) for a pairing that needs
+slices, ``--kv-push gather``, and CUDA (the ranks' pools are not mapped into rank 0's process there). Its price:
+rank 0's transfer pool (memory: the whole model's KV for every block, counted when the pool is sized) and one
+gather or scatter per layer through rank 0.
 """
 
 from __future__ import annotations

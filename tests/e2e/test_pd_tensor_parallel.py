@@ -7,12 +7,14 @@ free blocks at one rank's bytes per block (its tightest rank: rank 0's transfer 
 Which path moved the KV is asserted from both servers' /health ``kv_push`` counters:
 
 - the per-rank push (engine/tp/rank_pools.py, prefill_server/rank_senders.py, decode_server/rank_receivers.py):
-  each prefill rank's head shard on its own CacheStore sender, straight into the decode ranks holding those
-  heads, each decode rank's receiver counting every block of every layer; (P2, D2) on the built-in model (2 KV
-  heads, one per rank) and (P1, D2), (P2, D1) on a model of 1 KV head (replicated on the ranks of size 2), over
-  tcp and nixl, and (P2, D2) same-node (each decode rank's pool mapped by the prefill);
-- rank 0's gather/scatter (engine/tp/transfer.py), the fallback: (P1, D2) on the built-in model (a decode rank
-  holds one of the TP 1 prefill's two heads: not a whole shard), and (P2, D2) with a prefill started with
+  each piece (heads of one decode rank from one prefill rank: engine/tp/heads.rank_pieces) on its prefill rank's
+  own CacheStore sender, straight into the decode rank holding those heads, each piece's receiver counting every
+  block of every layer; (P2, D2) on the built-in model (2 KV heads, one per rank); (P1, D2) on it, each decode
+  rank getting a slice of the TP 1 prefill's heads packed contiguous (engine/tp/pieces.py); (P2, D1) on it, each
+  prefill rank's head landing in a staging pool of the decode and unpacked into its pool; (P1, D2), (P2, D1) on
+  a model of 1 KV head (replicated on the ranks of size 2); over tcp and nixl, and (P2, D2) same-node (each
+  decode rank's pool mapped by the prefill);
+- rank 0's gather/scatter (engine/tp/transfer.py), the fallback: (P2, D2) with a prefill started with
   ``--kv-push gather`` (it does not speak the per-rank push: the decode answers with rank 0's receiver).
 
 On the tcp (P2, D2) cluster one rank's push fails first (the test hook ``PDSERVE_TEST_CORRUPT_KV=1`` on the
@@ -30,6 +32,8 @@ import pytest
 from harness.pd_cluster import (get_json, metric, nothing_held, post_json, start_decode, start_prefill,
                                 wait_all_released, wait_ready)
 from harness.procs import ProcessGroup
+from pdserve.engine.tp.heads import rank_pieces
+from pdserve.net import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -40,13 +44,14 @@ SERVER = ("--threads", "1", "--block-size", "16", "--max-num-batched-tokens", "6
 # (transport, prefill TP, decode TP, model, the path expected, prefill's extra flags)
 CLUSTERS = [
     ("tcp", 2, 2, "tiny", "per_rank", ("--resume-wait", "0")),  # and one rank's push fails first (the hook)
+    ("tcp", 1, 2, "tiny", "per_rank", ()),  # each decode rank a slice of the prefill's heads (packed)
+    ("tcp", 2, 1, "tiny", "per_rank", ()),  # the decode's one rank both prefill ranks' heads (unpacked)
     ("tcp", 1, 2, "one_kv_head", "per_rank", ()),
     ("tcp", 2, 1, "one_kv_head", "per_rank", ()),
-    ("tcp", 1, 2, "tiny", "gather", ()),
     ("tcp", 2, 2, "tiny", "gather", ("--kv-push", "gather")),
     ("nixl", 2, 2, "tiny", "per_rank", ()),
-    ("nixl", 1, 2, "one_kv_head", "per_rank", ()),
-    ("nixl", 2, 1, "one_kv_head", "per_rank", ()),
+    ("nixl", 1, 2, "tiny", "per_rank", ()),
+    ("nixl", 2, 1, "tiny", "per_rank", ()),
     ("samenode", 2, 2, "tiny", "per_rank", ()),
 ]
 FAULT = "tcp-P2-D2-tiny-per_rank"
@@ -78,8 +83,10 @@ def cluster(request, tmp_path_factory, one_kv_head):
     fault = _id(request.param) == FAULT
     group = ProcessGroup(log_dir=tmp_path_factory.mktemp(f"pd-tp-{_id(request.param)}") / "logs")
     try:
+        ports = ",".join(str(free_port()) for _ in range(d + 2))  # the ranks' receivers, then head slices'
         decode = start_decode(group, wire, NUM_BLOCKS, same_node=same_node,
-                              extra=(*SERVER, "--model", model, "--tensor-parallel-size", str(d)))
+                              extra=(*SERVER, "--model", model, "--tensor-parallel-size", str(d),
+                                     "--kv-rank-ports", ports))
         prefill = start_prefill(group, [decode.grpc_address], wire, NUM_BLOCKS, same_node=same_node,
                                 env={"PDSERVE_TEST_CORRUPT_KV": "1"} if fault else None,
                                 extra=(*SERVER, "--model", model, "--tensor-parallel-size", str(p),
@@ -164,10 +171,16 @@ def test_pd_between_tp_sizes_equals_colocated_tp1(cluster, colocated):
     readings = wait_all_released([prefill, decode])
     assert nothing_held(readings), readings
     sent, received = _kv_push(prefill), _kv_push(decode)
-    if cluster["path"] == "per_rank":  # every decode rank got its shard of each request, from our ranks
-        assert sum(sent["shards_sent"]) - sum(before["shards_sent"]) == len(PROMPTS) * cluster["decode_tp"], sent
+    if cluster["path"] == "per_rank":  # every decode rank got its heads of each request, piece by piece
+        p, d, heads = cluster["prefill_tp"], cluster["decode_tp"], 2 if cluster["model"] == "tiny" else 1
+        pieces = rank_pieces(heads, p, d)
+        assert pieces is not None
+        assert sum(sent["shards_sent"]) - sum(before["shards_sent"]) == len(PROMPTS) * len(pieces), sent
         assert sent["whole_heads"] == before["whole_heads"], sent
-        assert received["shards_received"] == [len(PROMPTS)] * cluster["decode_tp"], received
+        assert received["shards_received"] == [len(PROMPTS)] * d, received
+        packed = sum(not x.whole_source for x in pieces)  # (P1, D2) on 2 KV heads: both pieces are slices
+        assert sent["sliced"] - before["sliced"] == len(PROMPTS) * packed, sent
+        assert received["unpacked"] == len(PROMPTS) * sum(not x.whole_dest for x in pieces), received
         if cluster["prefill_tp"] == cluster["decode_tp"]:  # rank to rank: each of our ranks sent its own shard
             assert all(n >= len(PROMPTS) for n in sent["shards_sent"]), sent
     else:  # every head on the one sender (through rank 0's transfer pool at TP > 1), no rank's receiver used

@@ -4,7 +4,8 @@ busy, the planner starts a second sim prefill, which the router then sends work 
 one of them and that one exits; every request succeeds.
 
 The profile is the shipped cpu-small one with a slow prefill (1 ms a prompt token, so a 400-token prompt is 0.4 s
-of simulated compute): the prefills' busy signal is the sim's modelled time, not this box's CPU.
+of simulated compute): the prefills' busy signal is their engines' time in steps (the sim's modelled sleeps), at
+most 1 per prefill however many prompts share a step.
 """
 
 import dataclasses
@@ -112,6 +113,10 @@ def test_the_planner_grows_and_shrinks_a_pool_of_sim_prefills(procs, tmp_path):
     decisions = [json.loads(line) for line in (log_dir / "autoscale.jsonl").read_text().splitlines()]
     up_step = [d for d in decisions if d["pool"] == "prefill" and d["desired"] > d["current"]]
     assert up_step and up_step[0]["signal"] in ("busy", "queue"), decisions[-3:]
+    # busy is the engines' own time in steps: at most 1 per prefill (the scrapes' own jitter aside: 1.5 leaves a
+    # second of it in a 2 s window), where the requests' compute intervals, three prompts to a step, read ~3
+    busy = [d["window"]["prefill_busy"] for d in decisions if d["window"]["prefill_busy"] is not None]
+    assert busy and max(busy) <= 1.5, sorted(busy)[-5:]
     drained = wait_for("the planner drains a prefill once the load is gone",
                        lambda: next((n for n in ("prefill-0", "prefill-1")
                                      if f"{n} drained and stopped (exit code 0)" in log.read_text()), None), up, log)

@@ -42,7 +42,10 @@ ALLOWED: dict[str, set[str]] = {
     "localcluster": {"runtime", "cachestore", "planner"},  # cachestore: only its TRANSPORTS list
     # vllm_backend: only env.py, where vLLM-CPU's environment is (it imports no vLLM)
     # batch: experiment 9 (throughput) runs TD-Pipe's PipelineEngine in-process
-    "bench": {"engine", "cachestore", "protos", "runtime", "planner", "kvpool", "vllm_backend", "batch"},
+    # router, prefill_server: the scale experiment's virtual clock (bench/experiments/virtual_*.py) drives the router's
+    # decision and the prefill's decode picker in one process (ONLY_MODULES: those, never a server)
+    "bench": {"engine", "cachestore", "protos", "runtime", "planner", "kvpool", "vllm_backend", "batch", "router",
+              "prefill_server"},
     # The router hashes prompts with the engine's tokenizer and chained block hashes; it never
     # loads a model (ONLY_MODULES) and reaches the servers only over the network.
     "router": {"protos", "runtime", "engine"},
@@ -72,6 +75,7 @@ ONLY_MODULES = {
     # prefill's start-up imports the routes; the Batch API imports the prefill's OpenAI code
     ("prefill_server", "batch"): {"api"},
     ("batch", "prefill_server"): {"openai_api", "openai_serving", "http_api", "closing"},
+    ("bench", "router"): {"router"}, ("bench", "prefill_server"): {"picker", "session_protocol"},
 }
 # part -> runtime modules it must not import even though it may import the runtime.
 FORBIDDEN_RUNTIME_MODULES = {"operator": {"metrics", "server_setup", "discovery"}}
@@ -172,6 +176,7 @@ def test_every_import_follows_the_design_arrows():
     ("from pdserve.prefill_server.node import PrefillNode\n", "pdserve.batch", "of the prefill_server"),
     ("from pdserve.batch.runner import BatchRunner\n", "pdserve.prefill_server", "of the batch"),
     ("from pdserve.decode_server import cli\n", "pdserve.batch", "batch may import only"),
+    ("from pdserve.prefill_server.node import PrefillNode\n", "pdserve.bench", "of the prefill_server"),
 ])
 def test_the_checker_catches_a_breach(tmp_path, monkeypatch, source, package, expected):
     folder = package.split(".")[1]

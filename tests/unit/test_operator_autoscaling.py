@@ -46,6 +46,8 @@ def test_promql_selects_one_service_and_pool_and_escapes_values():
     assert 'inference_service="chat\\"x"' in q["ttft"] and 'role="prefill"' in q["ttft"] and "[30s]" in q["ttft"]
     assert 'pool="main"' in q["kv_used"] and 'role="decode"' in q["kv_used"] and "avg_over_time" in q["kv_used"]
     assert "pool" not in window_queries({"inference_service": "c"}, 30)["kv_used"]
+    assert q["prefill_busy"].startswith("sum(rate(pdserve_engine_busy_seconds_total{") and 'role="prefill"' in q[
+        "prefill_busy"]
     assert "sum by (pod)" in pod_load_query({"inference_service": "c"}, "decode", "main")
     with pytest.raises(ValueError, match="label name"):
         window_queries({"bad-label": "x"}, 30)
@@ -54,7 +56,7 @@ def test_promql_selects_one_service_and_pool_and_escapes_values():
 
 
 def test_answers_become_a_window_and_missing_ones_mean_nothing_observed():
-    values = {"ttft": 0.8, "tbt": float("nan"), "requests": 40.0, "prefill_compute": 0.9, "prefill_waiting": 3.0,
+    values = {"ttft": 0.8, "tbt": float("nan"), "requests": 40.0, "prefill_busy": 0.9, "prefill_waiting": 3.0,
               "prefill_waiting_delta": 6.0, "kv_used": 30.0, "kv_free": 70.0, "decode_running": 4.0,
               "generation_tokens": 120.0}
     w = window_from_values(values, 30.0, 1000.0, prefill_ready=3, decode_ready=2)

@@ -410,3 +410,20 @@ def test_a_pod_that_goes_drains_for_as_long_as_a_request_may_run():
         drain = int(_opts(container["args"])["--drain-timeout"])
         assert drain >= defaults.REQUEST_TIMEOUT_S
         assert pod["terminationGracePeriodSeconds"] > workloads.PRESTOP_SLEEP_S + drain
+
+
+def test_network_policy_admits_the_per_rank_push_ports_of_tensor_parallel_pools():
+    """tcp: rank r's receiver on KV_TRANSFER_PORT + 1 + r; where the prefill has more ranks than a decode pool
+    (a decode rank then holds several prefill ranks' heads), the head slices' receivers after them
+    (decode_server/rank_ports.py)."""
+    def kv_rule(prefill: int, decodes: list[int]) -> dict:
+        isvc = example()
+        isvc["spec"]["prefill"]["parallelism"] = {"tensor": prefill}
+        isvc["spec"]["decode"] = [{"name": f"d{i}", "parallelism": {"tensor": n}} for i, n in enumerate(decodes)]
+        session = pools.build_network_policies(isvc, CONFIG)[0]["spec"]["ingress"][0]
+        return next(p for p in session["ports"] if p["port"] == defaults.KV_TRANSFER_PORT)
+
+    assert "endPort" not in kv_rule(1, [1])
+    assert kv_rule(1, [2])["endPort"] == defaults.KV_TRANSFER_PORT + 2  # slices are packed by the prefill
+    assert kv_rule(2, [1])["endPort"] == defaults.KV_TRANSFER_PORT + defaults.KV_SLICE_PORTS
+    assert kv_rule(4, [2, 8])["endPort"] == defaults.KV_TRANSFER_PORT + 8 + defaults.KV_SLICE_PORTS

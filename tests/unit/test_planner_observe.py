@@ -7,8 +7,9 @@ import math
 import pytest
 
 from pdserve.metrics import ServerMetrics, exported_series_names
+from pdserve.planner import Planner, PlannerConfig, PoolLimits
 from pdserve.planner.exposition import parse, total
-from pdserve.planner.observe import SERIES, Snapshot, histogram_quantile, window_between, window_over
+from pdserve.planner.observe import ENGINE_BUSY, SERIES, Snapshot, histogram_quantile, window_between, window_over
 
 
 def render(m: ServerMetrics) -> dict:
@@ -50,14 +51,13 @@ def test_histogram_quantile_interpolates_within_the_bucket():
         histogram_quantile(1.5, buckets)
 
 
-def _prefill(ttfts=(), tbts=(), compute=0.0, prompt=0, waiting=0):
+def _prefill(ttfts=(), tbts=(), busy=0.0, prompt=0, waiting=0):
     m = ServerMetrics("prefill")
     for x in ttfts:
         m.ttft.observe(x)
     for x in tbts:
         m.tbt.observe(x)
-    if compute:
-        m.prefill_compute.observe(compute)
+    m.engine_busy.inc(busy)
     m.prompt_tokens.inc(prompt)
     m.requests_waiting.set(waiting)
     return m
@@ -80,7 +80,7 @@ def test_a_window_from_two_scrapes_of_real_metrics():
             m.ttft.observe(0.12)       # in the 0.1 .. 0.15 bucket
         m.ttft.observe(4.0)            # one slow request each
         m.tbt.observe(0.02)
-        m.prefill_compute.observe(2.0)
+        m.engine_busy.inc(2.0)
         m.prompt_tokens.inc(500)
     p0.requests_waiting.set(6)
     d0.kv_blocks_used.set(60), d0.kv_blocks_free.set(40), d0.requests_running.set(3)
@@ -96,10 +96,10 @@ def test_a_window_from_two_scrapes_of_real_metrics():
 
 
 def test_a_restarted_replica_counts_from_zero_and_a_new_one_is_left_out_of_rates():
-    old = _prefill(ttfts=[0.1] * 50, compute=30.0, prompt=9000)
+    old = _prefill(ttfts=[0.1] * 50, busy=30.0, prompt=9000)
     before = Snapshot(0.0, {"p0": render(old)}, {"d0": render(_decode(0, 100))})
-    restarted = _prefill(ttfts=[0.3] * 5, compute=1.0, prompt=100)       # its counters went down: a reset
-    joined = _prefill(ttfts=[9.0] * 100, compute=50.0, prompt=10 ** 6)   # not in the first snapshot
+    restarted = _prefill(ttfts=[0.3] * 5, busy=1.0, prompt=100)       # its counters went down: a reset
+    joined = _prefill(ttfts=[9.0] * 100, busy=50.0, prompt=10 ** 6)   # not in the first snapshot
     after = Snapshot(5.0, {"p0": render(restarted), "p1": render(joined)}, {})
     w = window_between(before, after)
     assert w.requests == 5 and 0.25 < w.ttft_s <= 0.3
@@ -127,3 +127,53 @@ def test_gauges_are_averaged_over_the_window_and_the_queue_is_read_at_its_end():
         window_over(snaps[:1])
     with pytest.raises(ValueError, match="time order"):
         window_over([snaps[1], snaps[0], snaps[2]])
+
+
+def test_busy_is_the_engines_own_time_not_the_requests_overlapping_compute_intervals():
+    # three prompts batched in the same steps: each request's compute interval spans the shared steps (3.5 s
+    # each, 10.5 s summed in a 4 s window), while the engine ran steps for 2.2 s of the window
+    p = _prefill()
+    before = Snapshot(0.0, {"p0": render(p)}, {})
+    for _ in range(3):
+        p.prefill_compute.observe(3.5)
+    p.engine_busy.inc(2.2)
+    w = window_between(before, Snapshot(4.0, {"p0": render(p)}, {}))
+    assert w.prefill.busy == pytest.approx(2.2 / 4)
+
+
+def test_a_prefill_that_does_not_report_its_busy_time_is_left_out_of_busy():
+    busy, silent = _prefill(), _prefill()
+
+    def snap(at):
+        quiet = render(silent)
+        quiet.pop(ENGINE_BUSY)   # a server that does not export the series (not this version's)
+        return Snapshot(at, {"p0": render(busy), "p1": quiet}, {})
+
+    before = snap(0.0)
+    busy.engine_busy.inc(3.0)
+    w = window_between(before, snap(5.0))
+    assert w.prefill.replicas == 2 and w.prefill.busy == pytest.approx(3.0 / 5)   # p0's alone
+    only_silent = {"p1": snap(0.0).prefill["p1"]}
+    assert window_between(Snapshot(0.0, only_silent), Snapshot(1.0, only_silent)).prefill.busy is None
+
+
+@pytest.mark.parametrize("engine_busy_s, desired, signal", [(2.2, 1, "steady"), (3.8, 2, "busy")])
+def test_the_planners_prefill_decision_follows_the_engines_busy_time(engine_busy_s, desired, signal):
+    # the compressed day's first decision (docs/benchmarks.md): one prefill, three prompts in flight together,
+    # their compute intervals summing to 2.6x the 4 s window. Decided on the engine's own busy time: 0.55 of
+    # the window holds one prefill (target 0.7), 0.95 calls for a second; the intervals would have asked for 2
+    # either way.
+    p, d = _prefill(), _decode(20, 80, running=3)
+    snaps = [Snapshot(0.0, {"p0": render(p)}, {"d0": render(d)})]
+    for t in (1.0, 2.0, 3.0, 4.0):
+        for _ in range(3):
+            p.prefill_compute.observe(3.5 / 4)
+            p.ttft.observe(0.3)
+        p.engine_busy.inc(engine_busy_s / 4)
+        snaps.append(Snapshot(t, {"p0": render(p)}, {"d0": render(d)}))
+    window = window_over(snaps)
+    assert window.prefill.busy == pytest.approx(engine_busy_s / 4)
+    planner = Planner(PlannerConfig(prefill=PoolLimits(1, 6), decode=PoolLimits(1, 2)))
+    decision = planner.decide(window, {"prefill": 1, "decode": 1}).prefill
+    assert (decision.desired, decision.signal) == (desired, signal), decision.describe()
+    assert f"busy {engine_busy_s / 4:.2f}" in decision.reason

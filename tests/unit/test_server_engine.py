@@ -60,6 +60,7 @@ def test_the_declaration_lists_what_the_servers_call():
         "prefill_only", "prefill_logprob", "prefill_prompt_logprobs", "prefill_cached_tokens", "release",
         "reserve", "reserve_prefix", "add_prefilled", "prefill_reserved", "abort",
         "num_free_blocks", "num_requests", "prefill_counters", "prefix_hit_tokens", "swapped", "tier_stats", "stats",
+        "busy_seconds",
     }
 
 
