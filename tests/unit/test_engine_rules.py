@@ -60,6 +60,7 @@ DEVICE_FILES = {
     "tp/group.py": "tensor parallelism: NCCL for a GPU's tensors, gloo for bytes",
     "tp/ranks.py": "tensor parallelism: each rank's device, its backend",
     "tp/shm_collectives.py": "tensor parallelism: shared-memory collectives for CPU tensors",
+    "tp/pieces.py": "tensor parallelism: a KV staging pool, in shared memory on CPU (as kv_cache.py's)",
 }
 # the model and the runner: never in DEVICE_FILES
 MODEL_AND_RUNNER = ("model.py", "models/", "model_runner.py", "loader.py", "llm_engine.py", "engine_core.py",
