@@ -76,6 +76,11 @@ class DecodeGraphs:
         self.rows = torch.arange(n, device=dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
+    @staticmethod
+    def possible(device: torch.device) -> bool:
+        """Whether a model on ``device`` can run decode steps from graphs (CUDA); asked once, at the engine's start."""
+        return device.type == "cuda"
+
     @property
     def max_batch(self) -> int:
         return self.buckets[-1]
@@ -151,7 +156,7 @@ class DecodeGraphs:
         Each body runs once eagerly first (kernel autotuning and lazy initialisation happen
         outside the capture). The rows hold zeros meanwhile: block 0's slot 0 is written and
         read, which is harmless before any request runs (call this before serving)."""
-        if self.kv.device.type != "cuda":
+        if not self.possible(self.kv.device):
             raise RuntimeError("CUDA graphs need the model on a CUDA device")
         t0 = time.perf_counter()
         pool = None

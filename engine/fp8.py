@@ -3,15 +3,17 @@
 A quantized weight is float8_e4m3fn ``[out, in]`` with one float32 scale per output row (``[out]``;
 a checkpoint's per-tensor scale is repeated per row): the real weight is ``w * scale[:, None]``.
 The loader (``loader.py``) installs it on its module as ``weight`` (or ``experts_*``) beside a
-``*_scale`` buffer; ``linear(x, weight, scale, bias)`` is ``x @ (w * scale).T + bias`` on:
+``*_scale`` buffer. ``linear_for(device)`` is the matmul ``x @ (w * scale).T + bias`` that ``device`` runs,
+chosen once per model (``layer_ops.choose``: the layers call it through ``self.ops``, never asking the device):
 
-- CPU: up to ``FEW_ROWS`` rows (a decode step), the C++ kernel reads the FP8 bytes in place
+- CPU (``cpu_linear``): up to ``FEW_ROWS`` rows (a decode step), the C++ kernel reads the FP8 bytes in place
   (``engine/csrc/fp8_linear.cpp``): half the weight bytes of bf16 per step. More rows (a prefill, a big
   batch): the weight is widened into a buffer kept across calls, then one GEMM. Without the kernel
   (no g++): widened per call in torch, slowly (a warning at load says so).
-- CUDA with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell): activations quantized
-  per token at run time, ``torch._scaled_mm`` with row-wise scales, bf16 out.
-- other GPUs (Ampere): widened per call (the weights stay FP8 in memory).
+- CUDA with FP8 tensor cores (compute capability 8.9+: Ada, Hopper, Blackwell; ``tensor_core_linear``):
+  activations quantized per token at run time, ``torch._scaled_mm`` with row-wise scales, bf16 out (a weight
+  whose sides are not multiples of 16 widened instead).
+- other GPUs (Ampere) and devices (``widened_linear``): widened per call (the weights stay FP8 in memory).
 
 ``describe(device)`` is the one line a server logs at start saying which of these it runs.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -75,18 +78,26 @@ def scaled_mm_capable(device: torch.device) -> bool:
         >= SCALED_MM_CAPABILITY
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ (w * scale[:, None]).T + bias`` in ``x``'s dtype (x [..., in], w FP8 [out, in])."""
-    if x.device.type == "cpu":
-        return _cpu_linear(x, w, scale, bias)
-    if scaled_mm_capable(x.device) and w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
-        return scaled_mm_linear(x, w, scale, bias)
+def linear_for(device: torch.device) -> Callable[..., torch.Tensor]:
+    """The FP8 matmul ``(x, w, scale, bias) -> x @ (w * scale[:, None]).T + bias`` (in ``x``'s dtype) that
+    ``device`` runs: asked once per model (``layer_ops.choose``), not per call."""
+    if device.type == "cpu":
+        return cpu_linear
+    if scaled_mm_capable(device):
+        return tensor_core_linear
+    return widened_linear
+
+
+def widened_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """The weight widened to ``x``'s dtype for this call, then ``F.linear`` (any device)."""
     return F.linear(x, dequantize(w, scale, x.dtype), bias)
 
 
-def matmul(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None) -> torch.Tensor:
-    """``x @ w.T + bias``: ``F.linear`` for a plain ``w``, ``linear`` for an FP8 one (``scale`` given)."""
-    return F.linear(x, w, bias) if scale is None else linear(x, w, scale, bias)
+def tensor_core_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """``scaled_mm_linear`` where ``_scaled_mm`` takes the weight's shape (sides of 16), else widened."""
+    if w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0:
+        return scaled_mm_linear(x, w, scale, bias)
+    return widened_linear(x, w, scale, bias)
 
 
 def scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
@@ -100,7 +111,9 @@ def scaled_mm_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias
     return out.to(x.dtype).view(*x.shape[:-1], w.shape[0])
 
 
-def _cpu_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias) -> torch.Tensor:
+def cpu_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias=None) -> torch.Tensor:
+    """The CPU's FP8 matmul: the C++ kernel on the FP8 bytes at up to ``FEW_ROWS`` rows, one GEMM on the weight
+    widened into this thread's buffer above; widened per call in torch without the kernel."""
     ops = native.fp8_ops()
     compute = x.dtype if x.dtype in (torch.float32, torch.bfloat16) else torch.float32
     rows = x.reshape(-1, x.shape[-1])

@@ -16,9 +16,10 @@ a layer's ~40 launches, each a few microseconds even inside a CUDA graph. Each i
 * ``silu_mul(gate_up)``: the gated MLP's ``silu(gate) * up`` on the merged gate|up projection
   (``DecoderLayer.merge_projections``), one kernel where torch runs two over strided halves.
 
-``enabled(x)``: a CUDA tensor and triton here; the layers run the kernels when that holds and their
-``fused`` switch is on (``EngineConfig.fused_elementwise``, the A/B switch of the GPU check). The
-tests run the bodies on CPU tensors under Triton's interpreter against the torch forms (``triton_jit.py``).
+The layers run them through ``layer_ops.TritonOps``, the ops ``layer_ops.choose`` gives a CUDA model once
+(Triton importable, ``EngineConfig.fused_elementwise`` on: the A/B switch of the GPU check); they never ask
+per call. The tests run the bodies on CPU tensors under Triton's interpreter against the torch forms
+(``layer_ops.TorchOps``; ``triton_jit.py``).
 """
 
 from __future__ import annotations
@@ -75,12 +76,6 @@ def _silu_mul(GU, OUT, n_cols, stride_g, stride_o, BLOCK: tl.constexpr):
 
 _BODIES = (_rms_norm, _rope, _silu_mul)
 _SILU_BLOCK = 1024
-
-
-def enabled(x: torch.Tensor) -> bool:
-    """Whether these kernels can run on ``x`` (CUDA with Triton); the layers also ask their ``fused`` switch
-    (EngineConfig.fused_elementwise)."""
-    return x.is_cuda and triton_jit.available()
 
 
 def _pow2(n: int) -> int:

@@ -104,7 +104,7 @@ class LLMEngine(EngineCore):
             self.tiers = KVTiers(self.kv_cache, config.kv_host_tier_bytes, config.kv_disk_tier_dir,
                                  config.kv_disk_tier_bytes)
             self.block_manager.tiers = self.tiers
-        if config.cuda_graphs and self.device.type == "cuda":
+        if config.cuda_graphs and DecodeGraphs.possible(self.device):
             self._capture_decode_graphs(config)
         self.swapper = Swapper(self.scheduler, self.kv_cache)  # evict to host memory / restore (swap.py)
         self.transfer: KVTransferPool | None = None

@@ -29,15 +29,14 @@ import torch
 from .defaults import BUILTIN_MODEL
 
 from .checkpoint import hf_tensor_shapes, random_hf_weights
-from . import fp8
+from . import fp8, layer_ops
 from .config import ModelConfig, read_config_json
 from .errors import ModelLoadError
 from .quant_config import QuantScheme, read_quantization
-from .weight_memory import check_fits, too_large, weight_bytes, where
+from .weight_memory import build_within_memory
 from .weight_source import WeightSource, shape_error
 from .model import DecoderModel
 from .models import layer_class
-from .packed_linear import pack_linears
 from .tokenizer import ByteTokenizer, HFTokenizer
 from .tp.shard import Shard
 
@@ -166,8 +165,9 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
             log.info("the checkpoint's static input scales are not used: activations are quantized per token at "
                      "run time where the matmuls are FP8")
     model.init_rope()
-    pack_linears(model)  # CPU: oneDNN-packed copies for decode batches (packed_linear.py)
-    if torch.device(device).type == "cuda":  # one matmul for q|k|v and one for gate|up (models/llama.py)
+    ops = layer_ops.choose(device)  # once for the model (the engine's switches may choose again: configure)
+    model.use_ops(ops)  # CPU: oneDNN-packed copies for decode batches (packed_linear.py)
+    if ops.merges_projections:  # CUDA: one matmul for q|k|v and one for gate|up (models/llama.py)
         for layer in model.layers:
             layer.merge_projections()
     return model.eval().requires_grad_(False)
@@ -276,17 +276,7 @@ def load_model(
 
 
 def _build_on_device(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.device, scheme, shard: Shard):
-    """build_model, after checking on CUDA that the weights fit the free memory (weight_memory.py): a model
-    too large is refused naming the sizes, before anything is allocated, and so is an out-of-memory error
-    while building (activations or another process took the margin). At tensor-parallel size N each rank
-    checks its own shard on its own GPU, and its refusal names the rank, N and the whole model's size."""
-    if device.type != "cuda":
-        return build_model(cfg, get_tensor, dtype, device, scheme, shard)
-    need = weight_bytes(cfg, dtype, scheme, shard)  # this rank's part (the whole model at size 1)
-    on = where(str(device), shard, weight_bytes(cfg, dtype, scheme) if shard.size > 1 else need)
-    free, total = torch.cuda.mem_get_info(device)
-    check_fits(need, free, total, on)
-    try:
-        return build_model(cfg, get_tensor, dtype, device, scheme, shard)
-    except torch.cuda.OutOfMemoryError:
-        raise too_large(need, free, total, on, " at the start (out of memory while loading)") from None
+    """build_model, within the device's free memory (``weight_memory.build_within_memory``: on CUDA a model too
+    large is refused naming the sizes before anything is allocated)."""
+    return build_within_memory(lambda: build_model(cfg, get_tensor, dtype, device, scheme, shard), cfg, dtype,
+                               scheme, shard, device)

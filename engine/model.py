@@ -18,10 +18,13 @@ shared: embeddings (scaled for Gemma), rotary tables (two for Gemma 3), attentio
 cache (by the backend the batch names, ``attention_backends.py``; the math in ``attention.py``:
 scale, soft-capping, sliding-window masks per layer), the LM head (final soft-capping).
 
-Projections are kept as separate matrices like the checkpoint's on CPU (one merged q|k|v or
-gate|up matrix measured slower there: its GEMMs pack a larger right-hand side per call); on CUDA
-the loader merges them (``DecoderLayer.merge_projections``: one matmul instead of three and two,
-1.07-1.13x a decode step of the 8B shape on an H200).
+The ops between the matmuls and the linear layers themselves are the model's ``ops`` (``layer_ops.py``),
+chosen once by device and the engine's switches (``use_ops``, by the loader and ``configure``) and held by
+every layer and norm: the forward code has no device branch. Projections are kept as separate matrices like
+the checkpoint's on CPU (one merged q|k|v or gate|up matrix measured slower there: its GEMMs pack a larger
+right-hand side per call); on CUDA the loader merges them (``ops.merges_projections``;
+``DecoderLayer.merge_projections``: one matmul instead of three and two, 1.07-1.13x a decode step of the
+8B shape on an H200).
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from . import layer_ops
 from .attention import attend, causal_mask
 from .attention_backends import backend
 from .config import ModelConfig, rope_inv_freq
 from .kv_cache import KVCache
 from .models import layer_class
-from .packed_linear import linear, pack_linears, unpack_linears
 
 
 @dataclass
@@ -88,6 +91,8 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
 class DecoderModel(nn.Module):
     """The decoder plus LM head. Parameters are created empty; ``loader.py`` fills them."""
 
+    ops: layer_ops.TorchOps = layer_ops.TORCH  # chosen once (use_ops): the loader, then configure
+
     def __init__(self, cfg: ModelConfig, vocab_rows: int | None = None):
         """``vocab_rows``: the LM head's rows when a tensor-parallel rank holds only its part of the
         vocabulary (``tp/shard.py``); None: the whole vocabulary."""
@@ -107,20 +112,24 @@ class DecoderModel(nn.Module):
             self.register_buffer(name, torch.empty(0), persistent=False)
         self.init_rope()
 
+    def use_ops(self, ops: layer_ops.TorchOps, packed_linear: bool = True) -> None:
+        """``ops`` for the model, every layer and norm (``layer_ops.choose``'s), and the weights made ready for
+        them (``ops.prepare``: the CPU's packed linear copies made, or dropped when ``packed_linear`` is off)."""
+        for module in self.modules():
+            if isinstance(getattr(type(module), "ops", None), layer_ops.TorchOps):
+                module.ops = ops
+        ops.prepare(self, packed_linear)
+
     def configure(self, *, fused_elementwise: bool = True, merged_projections: bool = True,
                   packed_linear: bool = True) -> None:
         """The engine switches the model reads (EngineConfig's, set once by the engine): the fused CUDA
-        elementwise kernels (norms, rotary, silu*mul), the merged q|k|v and gate|up matmuls (where the loader
-        merged them), and the CPU's packed linear weights (dropped when off, packed again when back on)."""
+        elementwise kernels (norms, rotary, silu*mul: ``layer_ops.choose`` picks the ops again), the merged
+        q|k|v and gate|up matmuls (where the loader merged them), and the CPU's packed linear weights (dropped
+        when off, packed again when back on)."""
+        self.use_ops(layer_ops.choose(self.embed_tokens.weight.device, fused_elementwise), packed_linear)
         for module in self.modules():
-            if hasattr(module, "fused"):
-                module.fused = fused_elementwise
             if hasattr(module, "merged"):
                 module.merged = merged_projections
-        if packed_linear:
-            pack_linears(self)
-        else:
-            unpack_linears(self)
 
     def init_rope(self) -> None:
         """(Re)compute the rotary cos/sin tables (float32) on the model's device."""
@@ -154,7 +163,7 @@ class DecoderModel(nn.Module):
         return {local: self.rope(positions, dtype, local) for local in self.rope_kinds}
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        logits = linear(x, self.lm_head)
+        logits = self.ops.linear(x, self.lm_head)
         cap = self.cfg.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

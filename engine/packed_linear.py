@@ -1,4 +1,5 @@
-"""Linear layers on CPU through oneDNN with weights packed once at load (``pack_linears``).
+"""Linear layers on CPU through oneDNN with weights packed once at load (``pack_linears``); the CPU's ops
+(``layer_ops.CpuOps``) run the model's plain linear layers through ``linear`` here.
 
 ``F.linear(x, W)`` with ``W`` stored ``[out, in]`` (the checkpoint's layout) runs MKL's
 transposed-B GEMM, which on one CPU thread slows down as soon as a decode batch has a few
@@ -10,11 +11,12 @@ At 1 to ``PLAIN_MAX_ROWS`` rows F.linear is still the faster one (its GEMV path)
 are kept and ``linear`` picks by rows; the packed copy doubles the memory of the linear
 weights (not of the embeddings, nor of the KV cache).
 
-``pack_linears(model)`` gives every ``nn.Linear`` of a float32/bfloat16 model on CPU with at
-least PACK_MIN_ELEMENTS weights a ``packed_weight`` attribute (none, F.linear everywhere, where
-oneDNN is missing; ``unpack_linears`` drops them when ``EngineConfig.packed_linear`` is off: the memory
-back, the batch speed lost).
-``linear(x, module)`` is ``F.linear(x, module.weight, module.bias)`` in every result.
+``pack_linears(model)`` gives every ``nn.Linear`` of a float32/bfloat16 model (on CPU: only the CPU's ops
+call it, ``layer_ops.CpuOps.prepare``) with at least PACK_MIN_ELEMENTS weights a ``packed_weight`` attribute
+(none, F.linear everywhere, where oneDNN is missing; ``unpack_linears`` drops them when
+``EngineConfig.packed_linear`` is off: the memory back, the batch speed lost).
+``linear(x, module)`` is ``F.linear(x, module.weight, module.bias)`` in every result (a plain weight: FP8
+weights and a tensor-parallel rank's ``combine`` are the ops' part, ``layer_ops.py``).
 
 bfloat16 on a CPU without bf16 instructions (neither AVX512-BF16 nor AMX: ``native_bf16()``)
 has oneDNN emulate them, and a bf16 GEMM there runs 2.7x slower than the fp32 GEMM of the
@@ -34,7 +36,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fp8
 
 PACK_BATCH_HINT = 8  # the rows oneDNN's reorder is tuned for (measured best over 2..16 rows)
 PLAIN_MAX_ROWS = 3  # up to this many rows F.linear (GEMV-like) is faster than the packed GEMM
@@ -52,7 +53,7 @@ def native_bf16() -> bool:
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Pack every nn.Linear weight of ``model`` (CPU, float32/bfloat16) not packed yet; returns how many."""
+    """Pack every nn.Linear weight of ``model`` (float32/bfloat16, on CPU) not packed yet; returns how many."""
     if not torch.backends.mkldnn.is_available():
         return 0
     packed = 0
@@ -61,7 +62,7 @@ def pack_linears(model: nn.Module) -> int:
         if not isinstance(module, nn.Linear) or getattr(module, "packed_weight", None) is not None:
             continue
         w = module.weight
-        if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
+        if w.dtype not in (torch.float32, torch.bfloat16) or w.dim() != 2:
             continue
         if w.numel() < PACK_MIN_ELEMENTS:
             continue
@@ -96,22 +97,11 @@ def _reorder(w: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
-    """``x @ module.weight.T + module.bias``, through the packed weight when there is one and
-    ``x`` has enough rows (more than PLAIN_MAX_ROWS, or UPCAST_PLAIN_MAX_ROWS when widened); an FP8
-    weight (``weight_scale`` beside it) through ``fp8.linear``. A tensor-parallel rank's projection
-    that holds part of a sum or of the vocabulary has its output combined across ranks by
-    ``module.combine`` (``tp/group.py``: the all-reduce, the LM head's gather)."""
-    out = _linear(x, module)
-    combine = module.__dict__.get("combine")  # (a plain dict read: no nn.Module __getattr__ per call)
-    return out if combine is None else combine(out)
-
-
-def _linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
-    if module.weight.dtype == fp8.FP8:
-        return fp8.linear(x, module.weight, module.weight_scale, module.bias)
+    """``x @ module.weight.T + module.bias``, through the packed weight when there is one and ``x`` has
+    enough rows (more than PLAIN_MAX_ROWS, or UPCAST_PLAIN_MAX_ROWS when widened)."""
     packed = getattr(module, "packed_weight", None)
-    if (packed is None or x.dim() != 2 or x.device.type != "cpu" or x.dtype != module.packed_from
-            or module.weight.dtype != module.packed_from):  # (a model moved or cast after loading)
+    if (packed is None or x.dim() != 2 or x.dtype != module.packed_from
+            or module.weight.dtype != module.packed_from):  # (a model cast after loading)
         return F.linear(x, module.weight, module.bias)
     widened = packed.dtype != x.dtype
     if x.shape[0] <= (UPCAST_PLAIN_MAX_ROWS if widened else PLAIN_MAX_ROWS):

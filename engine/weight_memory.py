@@ -7,13 +7,16 @@ that rank's part: each tensor at the shape the rank loads (heads, MLP rows and L
 the size, the embedding and norms whole), so the check is per rank, on the rank's own GPU.
 ``check_fits(need, free, total, where)`` raises ``ModelLoadError`` saying "needs N GiB, M GiB free"
 (and what to try) instead of letting a CUDA out-of-memory error end the start-up with a traceback;
-``loader.load_model`` calls it on CUDA before building the model (``torch.cuda.mem_get_info``), and
-turns an out-of-memory error during the build into the same message. ``where(device, shard, whole)``
+``build_within_memory(build, ...)`` (what ``loader.load_model`` builds through) calls it on CUDA before building
+the model (``torch.cuda.mem_get_info``), and turns an out-of-memory error during the build into the same
+message; on other devices it only builds. ``where(device, shard, whole)``
 names the device, and at tensor-parallel size > 1 the rank, the size and the whole model's bytes (a
 worker rank's refusal reaches rank 0's log as "tensor-parallel rank R could not start: ...").
 """
 
 from __future__ import annotations
+
+from typing import Callable, TypeVar
 
 import torch
 
@@ -25,6 +28,7 @@ from .quant_config import QuantScheme
 from .tp.shard import Shard
 
 GIB = 1 << 30
+T = TypeVar("T")
 
 
 def weight_bytes(cfg: ModelConfig, dtype: torch.dtype, scheme: QuantScheme | None = None,
@@ -73,3 +77,21 @@ def too_large(need: int, free: int, total: int, where: str, during: str = "") ->
         f"the model's weights need {need / GIB:.1f} GiB on {where}, {free / GIB:.1f} GiB free of {total / GIB:.1f} "
         f"GiB{during}: use a GPU with more memory, {more}--quantization fp8 (half the weight bytes of bf16), or free "
         "the device (another process holds the rest)")
+
+
+def build_within_memory(build: Callable[[], T], cfg: ModelConfig, dtype: torch.dtype, scheme: QuantScheme | None,
+                        shard: Shard, device: torch.device) -> T:
+    """``build()``, after checking on CUDA that the weights fit the free memory: a model too large is refused
+    naming the sizes, before anything is allocated, and so is an out-of-memory error while building
+    (activations or another process took the margin). At tensor-parallel size N each rank checks its own
+    shard on its own GPU, and its refusal names the rank, N and the whole model's size."""
+    if device.type != "cuda":
+        return build()
+    need = weight_bytes(cfg, dtype, scheme, shard)  # this rank's part (the whole model at size 1)
+    on = where(str(device), shard, weight_bytes(cfg, dtype, scheme) if shard.size > 1 else need)
+    free, total = torch.cuda.mem_get_info(device)
+    check_fits(need, free, total, on)
+    try:
+        return build()
+    except torch.cuda.OutOfMemoryError:
+        raise too_large(need, free, total, on, " at the start (out of memory while loading)") from None

@@ -6,7 +6,7 @@ For each case (batch x prompt tokens) it prefills the batch once, then times dec
 the same engine while switching, step group by step group, between:
   linear:    F.linear everywhere (packed_linear.PLAIN_MAX_ROWS huge) vs the packed path;
   attention: the previous decode attention (SDPA over [B, KVH, L, D] views with a bool mask)
-             vs ``decode_attend`` (both with the C++ kernel off);
+             vs ``decode_attend`` (the torch backend's, ``attention_backends.py``; both with the C++ kernel off);
   kernel:    the torch path (gather + ``decode_attend``) vs the C++ kernel over the paged cache
              in place (engine/native.py).
 The clock is the thread's CPU time (one torch thread): robust on a shared box. Prints the
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-import pdserve.engine.model as model_mod
+import pdserve.engine.attention_backends as backends_mod
 from pdserve.engine import EngineConfig, LLMEngine, SamplingParams, native, packed_linear
 from pdserve.engine.attention import attend
 from pdserve.engine.loader import load_model
@@ -47,11 +47,11 @@ sdpa_decode.bias = sdpa_decode.mask = None
 SIDES = {
     "linear": {"old": lambda: setattr(packed_linear, "PLAIN_MAX_ROWS", 10**9),
                "new": lambda: setattr(packed_linear, "PLAIN_MAX_ROWS", 3)},
-    "attention": {"old": lambda: (_kernel(False), setattr(model_mod, "decode_attend", sdpa_decode)),
-                  "new": lambda: (_kernel(False), setattr(model_mod, "decode_attend", NEW_ATTEND))},
+    "attention": {"old": lambda: (_kernel(False), setattr(backends_mod, "decode_attend", sdpa_decode)),
+                  "new": lambda: (_kernel(False), setattr(backends_mod, "decode_attend", NEW_ATTEND))},
     "kernel": {"old": lambda: _kernel(False), "new": lambda: _kernel(True)},
 }
-NEW_ATTEND = model_mod.decode_attend
+NEW_ATTEND = backends_mod.decode_attend  # (moved from model.py with the attention backends)
 KERNEL = native.paged_decode_attention()
 
 

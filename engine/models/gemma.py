@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..packed_linear import linear
 from .llama import DecoderLayer, Tensors
 
 
@@ -47,7 +46,7 @@ class GemmaLayer(DecoderLayer):
         return (self.q_norm(q), self.k_norm(k)) if self.has_qk_norm else (q, k)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(linear(attn, self.o_proj))
+        x = x + self.post_attention_layernorm(self.ops.linear(attn, self.o_proj))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
     @classmethod

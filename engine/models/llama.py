@@ -8,6 +8,10 @@ window or None) and ``rope_local`` (Gemma 3's local rotary table) tell it how.
 ``checkpoint_tensors(cfg, i)`` is the one place that names a layer's checkpoint tensors: our
 parameter -> the Hugging Face tensors (suffixes after ``model.layers.{i}.``) with their shapes,
 concatenated along dim 0 when there are several (the experts of a MoE layer).
+
+The per-token ops (norms, rotary, act*mul, the linear layers) are ``self.ops``'s (``layer_ops.py``: torch's,
+the CPU's packed linears, CUDA's Triton kernels), chosen once for the model by the loader and
+``DecoderModel.configure``: nothing here asks which device it runs on.
 """
 
 from __future__ import annotations
@@ -16,15 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fp8, gpu_elementwise
+from .. import fp8, layer_ops
 from ..config import ModelConfig
-from ..packed_linear import linear
 
 Tensors = dict[str, list[tuple[str, tuple[int, ...]]]]
 
 
 class RMSNorm(nn.Module):
-    fused = True  # EngineConfig.fused_elementwise (DecoderModel.configure)
+    ops: layer_ops.TorchOps = layer_ops.TORCH  # the model's, set once (DecoderModel.use_ops)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -32,14 +35,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused and gpu_elementwise.enabled(x):  # one Triton kernel on CUDA, the roundings below
-            return gpu_elementwise.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
-        if dtype == torch.float32:  # one fused kernel, same result as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def _merge(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -56,15 +52,6 @@ def _merge(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True) -> torch.Tensor:
-    """x [T, heads, D]; cos/sin [T, 1, D] (the half-split convention of Llama checkpoints)."""
-    if fused and gpu_elementwise.enabled(x):  # one Triton kernel on CUDA instead of five
-        return gpu_elementwise.rope(x, cos, sin)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 def activation(name: str):
     if name == "silu":
         return F.silu
@@ -75,11 +62,9 @@ class DecoderLayer(nn.Module):
     norm_class: type[nn.Module] = RMSNorm
     scales_embeddings = False  # Gemma multiplies the embeddings by sqrt(hidden_size)
     graph_capturable = True  # False: the layer's forward reads device values on the host (no CUDA graph)
-    # engine switches (EngineConfig, set by DecoderModel.configure): the merged matmuls where merged, the
-    # fused CUDA elementwise kernels
-    merged = True
-    fused = True
-    # q|k|v and gate|up as one matrix each (merge_projections, on CUDA); None: separate matmuls
+    ops: layer_ops.TorchOps = layer_ops.TORCH  # the model's, set once (DecoderModel.use_ops)
+    merged = True  # EngineConfig.merged_projections (DecoderModel.configure): the merged matmuls where merged
+    # q|k|v and gate|up as one matrix each (merge_projections, where the ops merge: CUDA); None: separate matmuls
     qkv_weight: torch.Tensor | None = None
     qkv_bias: torch.Tensor | None = None
     gate_up_weight: torch.Tensor | None = None
@@ -116,7 +101,8 @@ class DecoderLayer(nn.Module):
         """One matrix for q|k|v and one for gate|up (a dense MLP's), so a step runs one matmul where it ran
         three and two: on a GPU a decode step's small matmuls are launches and split-K reductions more
         than bytes. The separate weights become views into the merged ones (no memory added). On CPU
-        the separate (oneDNN-packed) matrices measured faster, so only CUDA models merge (loader.py)."""
+        the separate (oneDNN-packed) matrices measured faster, so the loader merges only where the model's
+        ops say so (``layer_ops.CudaOps.merges_projections``)."""
         with torch.no_grad():
             projections = (self.q_proj, self.k_proj, self.v_proj)
             if len({p.weight.dtype for p in projections}) > 1:  # (FP8 and plain mixed: kept apart)
@@ -136,31 +122,29 @@ class DecoderLayer(nn.Module):
         return q, k
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         h = self.input_layernorm(x)
         if self.qkv_weight is not None and self.merged:
-            q, k, v = fp8.matmul(h, self.qkv_weight, self.qkv_bias, self.qkv_scale).split(
+            q, k, v = ops.matmul(h, self.qkv_weight, self.qkv_bias, self.qkv_scale).split(
                 [self.q_size, self.kv_size, self.kv_size], -1)
-        else:  # linear(): F.linear on the parameters (or their packed copy at batch), less Python than the modules
-            q = linear(h, self.q_proj)
-            k = linear(h, self.k_proj)
-            v = linear(h, self.v_proj)
+        else:  # ops.linear: F.linear on the parameters (or their packed copy at batch), less Python than the modules
+            q = ops.linear(h, self.q_proj)
+            k = ops.linear(h, self.k_proj)
+            v = ops.linear(h, self.v_proj)
         q, k = self.norm_qk(q.view(-1, cfg.num_heads, cfg.head_dim), k.view(-1, cfg.num_kv_heads, cfg.head_dim))
-        q, k = apply_rope(q, cos, sin, self.fused), apply_rope(k, cos, sin, self.fused)
+        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
         return q, k, v.view(-1, cfg.num_kv_heads, cfg.head_dim)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        ops = self.ops
         if self.gate_up_weight is not None and self.merged:
-            gate_up = fp8.matmul(h, self.gate_up_weight, None, self.gate_up_scale)
-            if self.cfg.hidden_act == "silu" and self.fused and gpu_elementwise.enabled(gate_up):
-                return linear(gpu_elementwise.silu_mul(gate_up), self.down_proj)
-            gate, up = gate_up.chunk(2, dim=-1)
-            return linear(self.act(gate).mul_(up), self.down_proj)
-        gate = self.act(linear(h, self.gate_proj))
-        return linear(gate.mul_(linear(h, self.up_proj)), self.down_proj)
+            gate_up = ops.matmul(h, self.gate_up_weight, None, self.gate_up_scale)
+            return ops.linear(ops.act_mul(gate_up, self.act), self.down_proj)
+        gate = self.act(ops.linear(h, self.gate_proj))
+        return ops.linear(gate.mul_(ops.linear(h, self.up_proj)), self.down_proj)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        x = x + linear(attn, self.o_proj)
+        x = x + self.ops.linear(attn, self.o_proj)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     @classmethod

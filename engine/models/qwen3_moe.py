@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import fp8
 from ..config import ModelConfig
 from .llama import Tensors
 from .qwen3 import Qwen3Layer
@@ -53,8 +52,8 @@ class Qwen3MoeLayer(Qwen3Layer):
             tokens, slot = torch.where(experts == expert)
             gs = None if gate_up_scale is None else gate_up_scale.view(e, -1)[expert]
             ds = None if down_scale is None else down_scale.view(e, -1)[expert]
-            gate, up = fp8.matmul(h[tokens], gate_up[expert], None, gs).chunk(2, dim=-1)
-            y = fp8.matmul(self.act(gate) * up, down[expert], None, ds) * weights[tokens, slot, None]
+            gate, up = self.ops.matmul(h[tokens], gate_up[expert], None, gs).chunk(2, dim=-1)
+            y = self.ops.matmul(self.act(gate) * up, down[expert], None, ds) * weights[tokens, slot, None]
             out.index_add_(0, tokens, y)
         combine = self.__dict__.get("combine")  # tensor parallelism: every rank's slice of the experts summed (tp/)
         return out if combine is None else combine(out)

@@ -16,7 +16,7 @@ On the CPU the collectives small enough (a decode step's) go through shared memo
 ``use_shm`` gave them a segment (``shm_collectives.py``: rank 0 makes it, ``ranks.py``/``worker.py`` open it).
 
 ``attach(model)`` hooks those collectives on the model's projections (``combine``, which
-``packed_linear.linear`` applies to a projection's output): the family's layer code is unchanged.
+``layer_ops.TorchOps.linear`` applies to a projection's output): the family's layer code is unchanged.
 """
 
 from __future__ import annotations

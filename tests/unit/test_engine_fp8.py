@@ -88,10 +88,20 @@ def test_fp8_tensor_core_path_computes_w8a8(family_dirs, monkeypatch):
     torch's CPU implementation of ``_scaled_mm``, against the same arithmetic in plain torch."""
     family, plain, root = family_dirs
     quantized = quantize_checkpoint(plain, root / "w8a8", "ct-channel")
-    monkeypatch.setattr(fp8, "linear", lambda x, w, s, b=None: fp8.scaled_mm_linear(x, w, s, b))
+    calls = {"scaled_mm": 0, "fake": 0}
+
+    def counted(name, fn):
+        def run(x, w, s, b=None):
+            calls[name] += 1
+            return fn(x, w, s, b)
+        return run
+
+    # the FP8 matmul the model's ops take from fp8.linear_for when they are chosen (layer_ops.choose)
+    monkeypatch.setattr(fp8, "linear_for", lambda device: counted("scaled_mm", fp8.scaled_mm_linear))
     _, tokens, logits = _run(quantized)
-    monkeypatch.setattr(fp8, "linear", _fake_w8a8)
+    monkeypatch.setattr(fp8, "linear_for", lambda device: counted("fake", _fake_w8a8))
     _, ref_tokens, ref_logits = _run(quantized)
+    assert calls["scaled_mm"] > 0 and calls["fake"] > 0  # each run's FP8 matmuls went where it was told
     assert (logits - ref_logits).abs().max().item() / ref_logits.std().item() < W8A8_TOL
     assert tokens == ref_tokens
 

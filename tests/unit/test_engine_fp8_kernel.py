@@ -3,7 +3,7 @@
 Each ISA level's build (AVX-512, AVX2 + F16C, plain loops; ``native.build_library_variant``) widens all 256
 e4m3 byte values exactly, dequantizes exactly (float32) or rounded once (bfloat16), and its ``fp8_linear``
 equals ``x @ (w * scale).T + bias`` up to the order of the sums, for shapes with tails (K not a multiple of
-16, N not of 4, 1 to 7 rows) in float32 and bfloat16. Bad arguments are refused naming them; ``fp8.linear``
+16, N not of 4, 1 to 7 rows) in float32 and bfloat16. Bad arguments are refused naming them; ``fp8.cpu_linear``
 on the CPU gives the same at few rows (the kernel) and many (widened into a buffer).
 """
 
@@ -79,7 +79,7 @@ def test_bad_arguments_are_named():
 def test_cpu_linear_at_few_and_many_rows(rows):
     w8, scale = _weights(48, 64, seed=2)
     x = torch.randn(2, rows, 64)  # leading dims kept
-    out = fp8.linear(x, w8, scale, None)
+    out = fp8.cpu_linear(x, w8, scale, None)
     ref = x @ fp8.dequantize(w8, scale, torch.float32).t()
     assert out.shape == (2, rows, 48)
     assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()

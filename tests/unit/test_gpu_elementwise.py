@@ -1,18 +1,21 @@
 """engine/gpu_elementwise.py: the Triton RMSNorm and rotary kernels give what the torch forms of
-engine/models/llama.py give (RMSNorm.forward, apply_rope), run here on CPU tensors under Triton's
+engine/layer_ops.py give (TorchOps: a RMSNorm module's forward, rope), run here on CPU tensors under Triton's
 interpreter (the module decorates them for it on its own).
 
 float32: rotary bitwise equal, RMSNorm within float32 rounding (only the order of the sum of squares
 differs). bfloat16: within one bf16 rounding step, because Triton's interpreter truncates float32
 to bf16 where the GPU (and torch) round to nearest; the GPU check compares them bitwise on CUDA
-(tools/gpu/probes.py fused_exactness). ``enabled`` picks them only for CUDA tensors, and
-PDSERVE_FUSED_ELEMENTWISE=0 turns them off."""
+(tools/gpu/probes.py fused_exactness). Which models run them (CUDA, EngineConfig.fused_elementwise):
+tests/unit/test_layer_ops.py."""
 
 import pytest
 import torch
 
 from pdserve.engine import gpu_elementwise
-from pdserve.engine.models.llama import RMSNorm, apply_rope
+from pdserve.engine.layer_ops import TorchOps
+from pdserve.engine.models.llama import RMSNorm
+
+apply_rope = TorchOps.rope  # the torch form the kernel replaces
 
 BF16_STEP = 2**-7  # one bf16 rounding step, relative
 
@@ -74,23 +77,6 @@ def test_bad_shapes_are_refused_with_the_reason():
 def test_empty_inputs_give_empty_outputs():
     assert gpu_elementwise.rms_norm(torch.randn(0, 16), torch.ones(16), 1e-6).shape == (0, 16)
     assert gpu_elementwise.rope(torch.randn(0, 2, 8), torch.ones(0, 1, 8), torch.ones(0, 1, 8)).shape == (0, 2, 8)
-
-
-def test_enabled_only_for_cuda_tensors_and_not_when_switched_off(monkeypatch):
-    class FakeCuda:
-        is_cuda = True
-
-    assert not gpu_elementwise.enabled(torch.randn(2))
-    monkeypatch.setattr(gpu_elementwise.triton_jit, "available", lambda: True)
-    assert gpu_elementwise.enabled(FakeCuda())
-    # EngineConfig.fused_elementwise off: the model's norms and layers keep the torch ops
-    from pdserve.engine import EngineConfig, LLMEngine, load_model
-
-    loaded = load_model("tiny")
-    LLMEngine(loaded, EngineConfig(num_blocks=8, fused_elementwise=False))
-    assert not any(getattr(m, "fused", False) for m in loaded.model.modules())
-    LLMEngine(loaded, EngineConfig(num_blocks=8))
-    assert loaded.model.layers[0].fused and loaded.model.layers[0].input_layernorm.fused
 
 
 @pytest.mark.parametrize("tokens,inter", [(1, 40), (3, 1500), (2, 2048)])

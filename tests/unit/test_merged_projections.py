@@ -1,8 +1,9 @@
-"""DecoderLayer.merge_projections (what the loader does on CUDA): q|k|v and gate|up as one matrix each,
-the separate weights views into them. Run here on CPU by merging by hand: the same greedy tokens and
-logits as the separate matmuls (float32), no memory added, and PDSERVE_MERGED_PROJECTIONS=0 back on
-the separate path. Families: Qwen2 (q/k/v biases), Qwen3 (q/k norms over the split views), Gemma 2
-(its own MLP placement), Qwen3-MoE (dense layers merge gate|up; MoE layers keep their experts)."""
+"""DecoderLayer.merge_projections (what the loader does where the model's ops merge: CUDA): q|k|v and
+gate|up as one matrix each, the separate weights views into them. Run here on CPU by merging by hand: the
+same greedy tokens and logits as the separate matmuls (float32), no memory added, and
+EngineConfig(merged_projections=False) back on the separate path. Families: Qwen2 (q/k/v biases), Qwen3
+(q/k norms over the split views), Gemma 2 (its own MLP placement), Qwen3-MoE (dense layers merge gate|up;
+MoE layers keep their experts)."""
 
 import pytest
 import torch

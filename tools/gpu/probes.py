@@ -28,8 +28,10 @@ def fused_exactness(ctx) -> dict:
 
     import torch.nn.functional as F
 
-    from pdserve.engine import gpu_elementwise
-    from pdserve.engine.models.llama import RMSNorm, apply_rope
+    from pdserve.engine import gpu_elementwise, layer_ops
+    from pdserve.engine.models.llama import RMSNorm
+
+    ops = {False: layer_ops.TorchOps(), True: layer_ops.TritonOps()}  # EngineConfig.fused_elementwise off / on
 
     gen = torch.Generator(device=ctx.device).manual_seed(11)
     out = {}
@@ -40,16 +42,15 @@ def fused_exactness(ctx) -> dict:
             norm = RMSNorm(n, 1e-5).to(ctx.device, dtype)
             norm.weight.data = (1 + 0.1 * torch.randn(n, generator=gen, device=ctx.device)).to(dtype)
             got = {}
-            for fused in (False, True):  # the module's switch (EngineConfig.fused_elementwise)
-                norm.fused = fused
+            for fused in (False, True):  # the module's ops (layer_ops.choose by EngineConfig.fused_elementwise)
+                norm.ops = ops[fused]
                 got[fused] = norm(x)
             out[f"rms_norm {name} {rows}x{n}"] = compare(got[False], got[True])
         for t, h in ((1, 32), (2048, 8)):
             x = torch.randn(t, h, 128, generator=gen, device=ctx.device).to(dtype)
             ang = torch.randn(t, 1, 128, generator=gen, device=ctx.device) * 50
             cos, sin = ang.cos().to(dtype), ang.sin().to(dtype)
-            out[f"rope {name} {t}x{h}x128"] = compare(apply_rope(x, cos, sin, fused=False),
-                                                      apply_rope(x, cos, sin, fused=True))
+            out[f"rope {name} {t}x{h}x128"] = compare(ops[False].rope(x, cos, sin), ops[True].rope(x, cos, sin))
         gate_up = torch.randn(64, 2 * 14336, generator=gen, device=ctx.device).to(dtype)
         gate, up = gate_up.chunk(2, dim=-1)
         out[f"silu_mul {name} 64x14336"] = compare(F.silu(gate).mul_(up), gpu_elementwise.silu_mul(gate_up))
