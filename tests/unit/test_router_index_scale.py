@@ -45,7 +45,8 @@ def test_a_snapshot_over_four_mib_reaches_the_router_index():
         finally:
             await watch.stop()
             await server.stop(None)
-        assert pub.num_subscribers() == 0
+        # the servicer's stream handler unsubscribes in its own finally, after the server's stop returns
+        await until(lambda: pub.num_subscribers() == 0, "the subscription released")
 
     asyncio.run(main())
 
