@@ -49,7 +49,7 @@ def test_a_rollouts_peak_counts_surge_and_terminating_pods(tool):
 
 def test_processes_are_told_apart_by_subcommand_cgroup_and_work_folder(tool):
     pod = "12:memory:/pdserve-node/kubepods/besteffort/podabc/123\n"
-    kind = tool._kind
+    from bench.tools.cluster_procs import _kind as kind  # operator_scale.py's process accounting
     assert kind("/opt/venv/bin/python /opt/venv/bin/pdserve decode --engine sim --prefill-x 1", pod, "/w") \
         == "sim-decode"
     assert kind("pdserve prefill --engine=sim", pod, "/w") == "sim-prefill"
