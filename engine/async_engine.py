@@ -166,20 +166,29 @@ class AsyncLLMEngine(EngineThread):
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         on_layer: Callable[[int, list[int], int], None] | None = None,
+        want: Callable[[], None] | None = None,
     ) -> int:
         """A remote prefill (``engine.pd.add_remote``), scheduled with every other request in the order the
         calls came (the prefill's admission line already put them in its SLO policy's order); its first
         token. ``on_layer(layer, block_ids, first)`` is called on the engine thread as each chunk's layer
-        is written. Cancelling the wait aborts the request (its blocks freed)."""
+        is written. With ``want``, it is computed only after ``grant(request_id)``: ``want()`` is called (on
+        the event loop) once the Scheduler would compute it. Cancelling the wait aborts the request (its blocks
+        freed)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         on_done = self._prefill_done(request_id, sampling, loop, fut)
+        on_want = None if want is None else (lambda: loop.call_soon_threadsafe(want))
         try:  # a cancel while the add is queued too: the abort goes on the queue after it (the queue keeps order)
-            await self._call(self.engine.pd.add_remote, request_id, prompt_token_ids, sampling, on_layer, on_done)
+            await self._call(self.engine.pd.add_remote, request_id, prompt_token_ids, sampling, on_layer, on_done,
+                             0.0, on_want)
             return await fut
         except asyncio.CancelledError:
             self._calls.put((self._abort, (request_id,), None))
             raise
+
+    async def grant(self, request_id: str) -> bool:
+        """A ``prefill_only`` request given ``want`` may be computed now (``engine.pd.grant``)."""
+        return await self._call(self.engine.pd.grant, request_id)
 
     async def prefill_logprob(self, request_id: str):
         """The first token's TokenLogprob of a held prefill_only request (None unless it asked)."""

@@ -11,7 +11,9 @@ Prefill side (the prompt's KV is computed here and sent elsewhere):
   hands over each layer's newly complete blocks as every chunk is written, ``on_done(token,
   error)`` reports its first token (it is then held) or why it failed (its blocks freed). A
   request with ``prompt_logprobs`` computes its whole prompt, no prefix hit, and keeps the
-  prompt's logprobs for ``prefill_prompt_logprobs``.
+  prompt's logprobs for ``prefill_prompt_logprobs``. With ``want`` it waits in line until
+  ``grant(request_id)`` (its decode allocated): ``want()`` is called once, when the Scheduler
+  would compute it.
 - ``prefill_many`` (and ``prefill_only`` for one prompt) do the same synchronously, for tests and
   the memory profile: blocks taken now (OutOfBlocksError if not free), the engine stepped until
   every prompt has its first token; all or nothing (any error frees every block taken).
@@ -48,7 +50,7 @@ from typing import Callable
 from .block_manager import blocks_needed
 from .errors import OutOfBlocksError, PromptTooLongError, TbtBoundError
 from .outputs import OutputProcessor
-from .remote_prefill import OnDone, OnLayer, RemotePrefill, blocks_to_push
+from .remote_prefill import OnDone, OnLayer, RemotePrefill, Want, blocks_to_push
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import RequestOutput, Sequence, SequenceFactory, Status
@@ -84,8 +86,10 @@ class PDHooks:
 
     # ---- prefill side ----------------------------------------------------------------------
     def add_remote(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                   on_layer: OnLayer | None = None, on_done: OnDone | None = None, priority: float = 0.0) -> None:
-        """Queue a remote prefill (``remote_prefill.py``): scheduled as any prompt, in ``priority`` order.
+                   on_layer: OnLayer | None = None, on_done: OnDone | None = None, priority: float = 0.0,
+                   want: Want | None = None) -> None:
+        """Queue a remote prefill (``remote_prefill.py``): scheduled as any prompt, in ``priority`` order; with
+        ``want``, only once granted (``grant``): ``want()`` says the Scheduler would compute it now.
         Raises what ``add_request`` raises (bad input, a prompt that can never fit the pool)."""
         self._check_kv_moves(on_layer)
         seq = self.factory.make(request_id, prompt_token_ids, sampling)
@@ -93,8 +97,17 @@ class PDHooks:
         if need > self.block_manager.num_blocks:
             raise OutOfBlocksError(f"request {request_id!r} needs {need} KV blocks for its {len(seq.prompt_ids)} "
                                    f"prompt tokens but the pool has only {self.block_manager.num_blocks}")
-        seq.remote, seq.priority = RemotePrefill(on_layer, on_done), priority
+        seq.remote, seq.priority = RemotePrefill(on_layer, on_done, want=want, granted=want is None), priority
         self.scheduler.add(seq)
+
+    def grant(self, request_id: str) -> bool:
+        """A remote prefill added with ``want`` may be computed now (its KV has somewhere to go). False when the
+        request is not waiting here any more (aborted: nothing to do)."""
+        seq = self.scheduler.seqs.get(request_id)
+        if seq is None or seq.remote is None:
+            return False
+        seq.remote.granted = True
+        return True
 
     def prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                      on_layer: OnLayer | None = None) -> int:

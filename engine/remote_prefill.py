@@ -14,8 +14,16 @@ A request kind, not a second path: the Scheduler admits, chunks and batches it a
 - if ``on_layer`` raises, or the request is aborted or its step fails before that,
   ``on_done(None, error)`` is called once and its blocks are freed.
 
-Both callbacks run on the thread that steps the engine. ``pushed`` counts the leading prompt
-blocks already handed to ``on_layer`` (every layer).
+Admission by grant (``want``): a remote prefill whose KV has nowhere to go yet (no decode has
+allocated blocks for it) waits in the Scheduler's line like any prompt, in its place, but is not
+computed until ``granted``. When the Scheduler would admit it (or expects to in its next step:
+``Scheduler.ask_ahead``) it calls ``want()`` once; the caller then asks a decode for blocks, binds
+the push, and grants it (``PDHooks.grant``): from then on it is an ordinary remote prefill. So
+which prompt a decode holds blocks for, and when, is the Scheduler's decision: at most about one
+step's budget of prompt tokens ahead of what it computes, never a prompt stuck behind a backlog.
+
+Both callbacks and ``want`` run on the thread that steps the engine. ``pushed`` counts the
+leading prompt blocks already handed to ``on_layer`` (every layer).
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ if TYPE_CHECKING:
 
 OnLayer = Callable[[int, list[int], int], None]
 OnDone = Callable[[int | None, BaseException | None], None]
+Want = Callable[[], None]
 
 
 class PrefillAborted(RuntimeError):
@@ -43,6 +52,21 @@ class RemotePrefill:
     pushed: int = 0  # leading prompt blocks handed to on_layer, every layer
     error: BaseException | None = None  # what on_layer raised (the request fails after the step)
     done: bool = False  # on_done was called
+    want: Want | None = None  # called once when the Scheduler wants to compute it and it is not granted yet
+    granted: bool = True  # may be computed (False: it waits in line for its grant; see the module)
+    asked: bool = False  # want was called
+
+    def ask(self) -> None:
+        """Call ``want`` once. It must not raise; if it does, the error is kept and the request waits for its
+        abort (it is never computed ungranted), so one caller's failure never stops a step."""
+        if self.asked or self.granted:
+            return
+        self.asked = True
+        if self.want is not None:
+            try:
+                self.want()
+            except Exception as exc:  # noqa: BLE001 - kept; its caller aborts it
+                self.error = exc
 
     def finish(self, token: int | None, error: BaseException | None) -> None:
         """Call ``on_done`` once."""

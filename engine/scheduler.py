@@ -41,6 +41,10 @@ Request kinds, all scheduled here: colocated (waiting -> running -> finished), t
 the P/D prefill side's remote prefill (``remote_prefill.py``: waiting -> running, chunked, its KV
 pushed layer by layer as each chunk is written; once prefilled it is held, never preempted), and
 the pipeline engine's prompts (chunked; a chunk is sent while the one before is in flight).
+A remote prefill may wait in line for its grant (its decode's blocks, ``remote_prefill.py``): it keeps its
+place, is never computed before it, and is asked for (``want``) when a step reaches it in line, when
+``_limit`` finds it short enough to pass a long prompt, or when ``ask_ahead`` expects the next step to
+admit it; the prompts behind it go on meanwhile.
 
 Who frees: ``finish`` (a finished running sequence), ``remove`` (abort) and ``free_blocks``
 drop a sequence's block references exactly once; a reservation is freed by ``remove`` or
@@ -238,7 +242,23 @@ class Scheduler:
         join come in first, as the TBT bound allows."""
         self.admit_joining()
         decodes = self.schedule_decodes()
-        return self.schedule_prompts(self.max_num_batched_tokens - len(decodes)) + decodes
+        prompts = self.schedule_prompts(self.max_num_batched_tokens - len(decodes))
+        self.ask_ahead(prompts)
+        return prompts + decodes
+
+    def ask_ahead(self, step: list[Sequence]) -> None:
+        """Remote prefills waiting for their grant (``remote_prefill.py``) that the step after ``step`` (this
+        step's prompt work) may admit are asked for now, so that their decodes allocate while this step
+        computes: in line order, while the prompt tokens still to compute ahead of them (part-way prompts after
+        this step, then the waiting ones before them) stay within one step's budget."""
+        ahead = sum(s.num_tokens - s.num_computed - (s.num_new if s in step else 0) for s in self.running
+                    if s.status is Status.RUNNING and not _decode_ready(s))
+        for seq in self.waiting:
+            if ahead >= self.max_num_batched_tokens:
+                break
+            if not _granted(seq):
+                seq.remote.ask()  # type: ignore[union-attr]
+            ahead += seq.num_tokens - seq.num_computed
 
     def schedule_prompts(self, budget: int | None = None, admits: Admits | None = None) -> list[Sequence]:
         """The prompt work of one step within ``budget`` tokens (None: the whole step's budget), each sequence
@@ -315,9 +335,15 @@ class Scheduler:
         has some only while the two together stay within it (else it waits for the next step, in its place)."""
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens if budget is None else budget
+        reach = budget  # the step's budget less every prompt in line so far, granted or not: what may be asked for
         for seq in list(self.waiting):
             if len(self.running) >= self.max_num_seqs or budget <= 0:
                 break
+            if not _granted(seq):  # it keeps its place; its decode is asked for blocks now (it goes once granted)
+                if reach > 0:
+                    seq.remote.ask()  # type: ignore[union-attr]
+                reach -= seq.num_tokens - seq.num_computed
+                continue
             ids = seq.all_ids
             try:
                 # a request that wants its prompt's logprobs needs every position's logits: no prefix hit
@@ -341,7 +367,7 @@ class Scheduler:
             seq.block_table, seq.num_computed, seq.num_new = table, cached, n
             if not seq.output_ids:
                 seq.num_cached_tokens = cached
-            budget, in_step = budget - n, in_step + n
+            budget, in_step, reach = budget - n, in_step + n, reach - n
             seq.status = Status.RUNNING
             self.running.append(seq)
             scheduled.append(seq)
@@ -358,7 +384,9 @@ class Scheduler:
         for seq in waiting[start:start + SHORT_SCAN]:
             hit = 0 if seq.needs_prompt_logits else len(self.block_manager.match_prefix(seq.all_ids))
             if seq.num_tokens - hit * self.block_manager.block_size <= budget - self.chunk_tokens:
-                return self.chunk_tokens
+                if _granted(seq):
+                    return self.chunk_tokens
+                seq.remote.ask()  # type: ignore[union-attr]  # it passes once granted (a step from now)
         return budget
 
     def _chunk(self, done: int, total: int, limit: int) -> int:
@@ -388,6 +416,11 @@ class Scheduler:
             seq.prompt_logprobs = None
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+
+
+def _granted(seq: Sequence) -> bool:
+    """Whether a waiting sequence may be computed: every one but a remote prefill waiting for its grant."""
+    return seq.remote is None or seq.remote.granted
 
 
 def _decode_ready(seq: Sequence) -> bool:

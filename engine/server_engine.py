@@ -52,10 +52,16 @@ class ServerEngine(Protocol):
 
     # ----- prefill side ------------------------------------------------------------------
     async def prefill_only(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                           on_layer: Callable[[int, list[int], int], None] | None = None) -> int:
+                           on_layer: Callable[[int, list[int], int], None] | None = None,
+                           want: Callable[[], None] | None = None) -> int:
         """Compute the prompt (after the prompts queued before it), hold its blocks until ``release``; the
         first token id. ``on_layer(layer, block_ids, first)``: that layer's KV of the prompt
-        blocks ``[first, first + len(block_ids))`` is written (each block of each layer once)."""
+        blocks ``[first, first + len(block_ids))`` is written (each block of each layer once). With ``want``:
+        not computed before ``grant``; ``want()`` (on the event loop, once) says the engine would compute it
+        now."""
+
+    async def grant(self, request_id: str) -> bool:
+        """A ``prefill_only`` request given ``want`` may be computed now; False if it is gone (aborted)."""
 
     async def prefill_logprob(self, request_id: str):
         """The first token's logprob of a held prompt (None unless its sampling asked)."""

@@ -54,10 +54,11 @@ head (also when only time changed qlm's order) the queue calls its ``SloRequest.
 which wakes its ticket.
 
 Room (``room``, set by the prefill's wiring with an ordering policy): whether one more request
-may go on now, i.e. a prefill slot is free (``--prefills-ahead``). With it, ``turn`` lets a
-request through only when there is room, even when nobody waits: the others wait in this line,
-in the policy's order, instead of in the slots' own first-come-first-served wait, and each
-slot given back ``notify``s the head. Without it (fifo) the slots keep arrival order anyway.
+may go on now, i.e. our engine's own line (remote prefills it has not computed yet, in arrival
+order) holds less than a step's budget of prompt tokens (``SessionRunner.has_room``). With it,
+``turn`` lets a request through only when there is room, even when nobody waits: the others wait
+in this line, in the policy's order, and each prompt our engine computes ``notify``s the head.
+Without it (fifo) every request goes on into our engine's line, which keeps arrival order anyway.
 A head waiting for room in ``turn`` ends its wait at its deadline (``QueueTimeout``) as any
 wait in line does.
 """
@@ -113,7 +114,7 @@ class AdmissionQueue:
         self.slo = slo  # its policy orders the line (None: arrival order)
         self._by_request: dict[str, Ticket] = {}  # with slo: request id -> its ticket in line
         self._readmitted: list[Ticket] = []  # with slo: re-entered tickets the policy admitted once (seq order)
-        self.room = room  # may one more request go on now (a prefill slot is free)? None: always
+        self.room = room  # may one more request go on now (room in our engine's line)? None: always
 
     def has_room(self) -> bool:
         return self.room is None or self.room()
@@ -212,7 +213,7 @@ class Ticket:
             return
         if q.has_room() and (not q._waiting or (q.slo is None and q._waiting[0].seq > self.seq)):  # nobody ahead
             return
-        self._enter(full=q.has_room())  # behind others waiting for the decodes, or for a prefill slot
+        self._enter(full=q.has_room())  # behind others waiting for the decodes, or for room in our engine
         await self._until(head_only=True)
 
     async def wait(self, until: float | None = None) -> None:
@@ -244,7 +245,7 @@ class Ticket:
         self.queued_at = None
 
     def _enter(self, full: bool = True) -> None:
-        """Into the line; ``full``: because the decodes are (not for a prefill slot)."""
+        """Into the line; ``full``: because the decodes are (not for room in our engine's line)."""
         self.queue._join(self, full)
         self._queued = True
         self._woken = False
@@ -278,7 +279,7 @@ class Ticket:
                 self._woken = False
                 return
             if expired:
-                raise self._timeout(by_deadline, until is not None, for_slot=head_only and not q.has_room())
+                raise self._timeout(by_deadline, until is not None, for_room=head_only and not q.has_room())
             timeout = None if limit is None else limit - now
             if self.is_head():  # re-check now and then: a missed notify, prefill's own pool
                 timeout = q.recheck_s if timeout is None else min(timeout, q.recheck_s)
@@ -290,14 +291,15 @@ class Ticket:
                 if self.is_head() and (limit is None or q.clock() < limit):
                     self._woken = True
 
-    def _timeout(self, by_deadline: bool, by_caller: bool = False, for_slot: bool = False) -> QueueTimeout:
+    def _timeout(self, by_deadline: bool, by_caller: bool = False, for_room: bool = False) -> QueueTimeout:
         waited = self.waited()
         if by_deadline:
             return QueueTimeout(deadline_message(self.request_id, waited), True)
         if by_caller:
             return QueueTimeout(f"request {self.request_id} waited {waited:.1f}s in the admission queue until the "
                                 f"limit of this wait", False)
-        what = "a free prefill slot (--prefills-ahead)" if for_slot else "a decode with enough free KV blocks"
+        what = ("room in the prefill's engine (a step's budget of prompt tokens, --max-num-batched-tokens, is queued "
+                "there)") if for_room else "a decode with enough free KV blocks"
         return QueueTimeout(f"request {self.request_id} waited {waited:.1f}s in the admission queue for {what} "
                             f"(--queue-timeout)", False)
 

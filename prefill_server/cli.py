@@ -128,10 +128,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="SLO classes as JSON (the InferenceService's spec.slo) or a JSON file; default: the "
                         f"environment variable {defaults.ENV_SLO_CLASSES} the operator sets, else one best-effort "
                         "class 'default'. Requests pick one with the header X-SLO-Class or the body field priority")
-    d.add_argument("--prefills-ahead", type=int, default=2,
-                   help="requests that may hold a decode's KV allocation before this prefill computed their prompt; "
-                        "the others wait here holding nothing on a decode (a decode drops a Session whose KV does "
-                        "not arrive within --session-timeout)")
     d.add_argument("--connect-timeout", type=float, default=5.0,
                    help="seconds to wait for a decode's allocation answer")
     d.add_argument("--request-timeout", type=float, default=defaults.REQUEST_TIMEOUT_S,
@@ -180,7 +176,7 @@ def make_discovery(args):
 def run(args: argparse.Namespace) -> int:
     ensure_engine_environment(args)
     setup_logging(args.log_level, "prefill")
-    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout", "prefills_ahead",
+    for flag in ("request_timeout", "session_timeout", "connect_timeout", "queue_timeout",
                  "batch_max_in_flight", "batch_max_file_bytes"):
         value = getattr(args, flag)
         if value is not None and not value > 0:

@@ -2,10 +2,12 @@
 
 Request lifecycle on prefill (``SessionRunner.run``, once per request and decode tried):
 
-0. **slot** - take one of ``SessionConfig.prefills_ahead`` prefill slots (held until our
-   engine has computed the prompt, or the decode computes it): requests queued behind our
-   engine wait here, holding no decode's blocks, so a decode never times out waiting for KV
-   that is only late because this prefill is busy.
+0. **line** - queue the prompt in our engine's Scheduler as a remote prefill waiting for its
+   grant (``engine/remote_prefill.py``): it keeps its place in line (chunked and batched with
+   the other prompts once granted) and holds nothing on any decode until the Scheduler wants it
+   (when a step reaches it, or the step before expects to: ``want``), so a request queued behind
+   our engine never sits on a decode's blocks, where the decode's wait for its KV would time out.
+   With ``--disaggregation never`` (and no prompt logprobs) our engine never computes it: no line.
 1. **start** - open the bidirectional ``Session`` stream to the chosen decode and send
    ``Start`` (prompt tokens, sampling, blocks needed, compat, protocol version, timeout,
    ``reuse_prefix``: may the decode serve the prompt's leading blocks from its prefix cache).
@@ -24,8 +26,7 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    which then do not move) and its prompt logprobs go with the first Delta; a pooled
    Allocation without blocks cannot give them (Retryable: the next decode).
 4r. **prefill + push** - bind the request in the CacheStore sender to decode's blocks and
-   queue the prompt in our engine's scheduler (a remote prefill: chunked and batched with the
-   other prompts, in the SLO order's ``priority``); the engine's per-layer callback hands each
+   grant the prompt waiting in our engine's Scheduler (step 0); the engine's per-layer callback hands each
    chunk's newly written blocks after the decode's cached ones to ``sender.store``
    (non-blocking), so the wire works while the next layer (and the next chunk) computes; only
    the missing blocks move, each block of each layer once. With ``rank_targets`` in the Allocation
@@ -38,7 +39,8 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
 4l. **compute on decode** - send ``ComputePrompt``; the decode computes the prompt after its
    cached blocks and streams every token; its first Tokens (or Finish) is the first Delta (its
    ``cached_tokens``: the decode's cached blocks).
-   Before it the failures are still ``Retryable``; no KV moves, our engine is not used.
+   Before it the failures are still ``Retryable``; no KV moves, our engine is not used (the prompt
+   leaves its line, never computed).
 6. **relay** - yield decode's ``Tokens`` until ``Finish``. A decode ``Error``, a broken
    stream (also a call cancelled by its channel closing: gRPC raises CancelledError there,
    told apart from our own cancellation), or no message from decode for
@@ -48,7 +50,7 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
 7. **release** - always: if the request did not finish, cancel the stream (decode frees
    its side, cached blocks unpinned, when it sees the cancellation); release prefill's
    blocks; delete the CacheStore entry. Cancelling ``run`` (client gone, request deadline)
-   releases the same way, also while the engine is still computing the prompt.
+   releases the same way, also while the prompt waits in our engine's line or is being computed.
 
 Leases: every wait on the decode has a timer (``connect_timeout_s`` for the Allocation,
 ``session_timeout_s`` for the KV push, the FirstToken / ComputePrompt write and each next
@@ -115,15 +117,12 @@ class _Held:
     """What one run holds on this side, for step 7."""
 
     bound: list[Part] = field(default_factory=list)  # parts a CacheStore sender knows (pooled: lenders'; per rank)
+    prefill: asyncio.Future | None = None  # our engine's prefill_only of the prompt (step 0 on), until it is done
+    on_layer: Callable[[int, list[int], int], None] | None = None  # where its layers go (step 4r binds it)
+    engine_on_layer: Callable[[int, list[int], int], None] | None = None  # what our engine calls: to on_layer
     prefilled: bool = False  # our engine holds (or will hold) the prompt's blocks
     released: bool = False  # ... and released them
     finished: bool = False  # the decode finished the request
-    slot: Callable[[], None] | None = None  # gives back its prefill slot (SessionConfig.prefills_ahead) once computed
-
-    def free_slot(self) -> None:
-        if self.slot is not None:
-            self.slot()
-            self.slot = None
 
 
 class SessionRunner:
@@ -137,19 +136,14 @@ class SessionRunner:
         self.gates = gates  # test hooks (pdserve/test_hooks.py), read once by the wiring
         self.registry, self.observer, self.disaggregator = registry, observer, disaggregator
         self._releasing: set[asyncio.Task] = set()  # engine releases queued by cancelled runs
-        if config.prefills_ahead < 1:
-            raise ValueError(f"prefills_ahead must be >= 1, got {config.prefills_ahead}")
-        self.prefill_slots = asyncio.Semaphore(config.prefills_ahead)
-        self.on_slot_free: Callable[[], None] | None = None  # a slot was given back (the admission line's head may go)
+        self.queued_tokens = 0  # prompt tokens in our engine's line (step 0) not computed yet
+        self.on_room: Callable[[], None] | None = None  # a prompt of the line was computed or left it
 
-    def slot_free(self) -> bool:
-        """Whether a prefill slot is free now (a run would not wait in step 0)."""
-        return not self.prefill_slots.locked()
-
-    def _give_back_slot(self) -> None:
-        self.prefill_slots.release()
-        if self.on_slot_free is not None:
-            self.on_slot_free()
+    def has_room(self) -> bool:
+        """Whether our engine's line holds less than ``SessionConfig.line_tokens`` prompt tokens not yet
+        computed (with an SLO policy, the admission line's head goes on only then: the policy, not arrival,
+        orders what our engine computes)."""
+        return self.queued_tokens < self.config.line_tokens
 
     async def run(self, address: str, request_id: str, prompt_ids: list[int], sp: SamplingParams,
                   timings: SessionTimings | None = None, deadline: float | None = None,
@@ -166,8 +160,11 @@ class SessionRunner:
         cfg = self.config
         timings = timings or SessionTimings()
         held = _Held()
-        call = await self._open(address, request_id, deadline, held)  # 0. slot
-        try:  # 1. start, 2. allocation
+        call = None
+        try:
+            if self.disaggregator.mode != "never" or sp.prompt_logprobs is not None:
+                await self._line(request_id, prompt_ids, sp, held)  # 0. line
+            call = self._open(address, request_id, deadline)  # 1. start, 2. allocation
             n_blocks = blocks_needed(len(prompt_ids), cfg.block_size)
             start = self._start(request_id, prompt_ids, sp, n_blocks, slo_class)
             alloc = await wire.allocation(call, address, start, self.config.connect_timeout_s)
@@ -182,7 +179,7 @@ class SessionRunner:
             if gate:  # the admission queue: it is admitted) until the test opens the gate
                 await wait_at_gate(gate, request_id)
             if decision.where == LOCAL:  # 4l
-                held.free_slot()  # our engine does not compute this prompt
+                self._leave_line(request_id, held)  # our engine does not compute this prompt
                 first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)
             else:  # 4r, 5r
                 first = await self._push(call, address, request_id, prompt_ids, sp, alloc, prefill_cached, timings,
@@ -197,17 +194,49 @@ class SessionRunner:
         finally:
             await self._release(call, request_id, held)  # 7. release
 
-    async def _open(self, address: str, request_id: str, deadline: float | None, held: _Held):
-        """Step 0 (and the call for step 1): a prefill slot (nothing is held on a decode while we wait
-        for one), then the Session call to ``address``, registered as open."""
-        await self.prefill_slots.acquire()
-        held.slot = self._give_back_slot
+    async def _line(self, request_id: str, prompt_ids: list[int], sp: SamplingParams, held: _Held) -> None:
+        """Step 0: the prompt waits in our engine's line until the Scheduler wants it; nothing is held on a decode
+        meanwhile. Retryable ``prefill_busy`` when it can never fit our pool."""
+        wanted = asyncio.Event()
+
+        def on_layer(layer: int, block_ids, first: int) -> None:  # the engine thread, only once granted
+            assert held.on_layer is not None
+            held.on_layer(layer, block_ids, first)
+
+        held.prefill = asyncio.ensure_future(self.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer,
+                                                                      want=wanted.set))
+        held.prefilled = True
+        self.queued_tokens += len(prompt_ids)
+        held.prefill.add_done_callback(lambda _: self._left_line(len(prompt_ids)))
+        held.engine_on_layer = on_layer
+        waiting = asyncio.ensure_future(wanted.wait())
         try:
-            timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
-            call = self.stubs(address).Session(timeout=timeout)
-        except BaseException:
-            held.free_slot()
-            raise
+            await asyncio.wait({waiting, held.prefill}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+        if held.prefill.done():  # it failed before the Scheduler wanted it
+            await self._prefill_result(request_id, held)
+
+    def _left_line(self, tokens: int) -> None:
+        self.queued_tokens -= tokens
+        if self.on_room is not None:
+            self.on_room()
+
+    def _leave_line(self, request_id: str, held: _Held) -> None:
+        """The prompt leaves our engine's line uncomputed (the decode computes it, or the run ends)."""
+        task, held.prefill = held.prefill, None
+        if task is None or task.done():
+            if task is not None and not task.cancelled():
+                task.exception()  # retrieved (a failure was already reported where it was awaited)
+            return
+        task.cancel()  # prefill_only aborts it in the engine (after a step that may be computing it)
+        self._release_later(request_id)
+        held.prefilled = False
+
+    def _open(self, address: str, request_id: str, deadline: float | None):
+        """The Session call to ``address`` (for step 1), registered as open."""
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic()) + DEADLINE_SLACK_S
+        call = self.stubs(address).Session(timeout=timeout)
         self.registry[request_id] = address
         return call
 
@@ -243,9 +272,11 @@ class SessionRunner:
 
     async def _release(self, call, request_id: str, held: _Held) -> None:
         """Step 7 (the synchronous steps run even if an await below is interrupted)."""
-        held.free_slot()
+        self._leave_line(request_id, held)  # still waiting in our engine's line (or computing): out of it
         try:
-            if not held.finished:
+            if call is None:
+                pass
+            elif not held.finished:
                 call.cancel()
             else:
                 # half-close politely, but never wait on it unbounded
@@ -293,17 +324,19 @@ class SessionRunner:
             if layer_gate and layer == 0 and first + len(block_ids) >= n_blocks:  # the prompt's last chunk
                 hold_thread_at_gate(layer_gate, request_id)
 
+        if held.prefill is None:  # no line was needed before the decode's answer (a pooled allocation): now
+            await self._line(request_id, prompt_ids, sp, held)
+        held.on_layer = on_layer
         # per rank: every rank's pool is read by its own sender (the engine's ranks only sync after each layer)
-        setattr(on_layer, "kv_direct", bool(alloc.rank_targets))
-
-        held.prefilled = True
+        setattr(held.engine_on_layer, "kv_direct", bool(alloc.rank_targets))
         before = self.engine.prefill_counters()
-        first = await self._prefill(request_id, prompt_ids, sp, prefill_cached, on_layer, held)
+        with self.disaggregator.computing(len(prompt_ids) - prefill_cached * cfg.block_size):
+            await self.engine.grant(request_id)  # (gone: it failed or was aborted, which the result says)
+            first = await self._prefill_result(request_id, held)
         timings.prefill_done = time.monotonic()
         cached_tokens = self.engine.prefill_cached_tokens(request_id)  # read before the release below
         first_lp = await self.engine.prefill_logprob(request_id) if sp.logprobs is not None else None
         prompt_lps = await self.engine.prefill_prompt_logprobs(request_id) if sp.prompt_logprobs is not None else None
-        held.free_slot()  # the next Session may allocate while this one's KV is still on the wire
         after = self.engine.prefill_counters()
         self.observer.prefilled(after[0] - before[0], after[1] - before[1])
         for layer, block_ids, first in layers:  # overlap off: the whole KV goes now
@@ -343,20 +376,19 @@ class SessionRunner:
             raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
         return parts
 
-    async def _prefill(self, request_id: str, prompt_ids: list[int], sp: SamplingParams, prefill_cached: int, on_layer,
-                       held: _Held) -> int:
-        """Step 4r's forward pass (``on_layer`` after each layer); its first token."""
-        cfg = self.config
+    async def _prefill_result(self, request_id: str, held: _Held) -> int:
+        """Our engine's prefill of the prompt (step 0's ``prefill_only``): its first token, once computed (step
+        4r), or why it failed: Retryable ``prefill_busy`` when the prompt can never fit our pool."""
+        assert held.prefill is not None
         try:
-            with self.disaggregator.computing(len(prompt_ids) - prefill_cached * cfg.block_size):
-                return await self.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer)
-        except cfg.out_of_blocks_error as exc:
+            return await held.prefill
+        except self.config.out_of_blocks_error as exc:
             held.prefilled = False  # prefill_only frees what it took when it fails
             raise Retryable(f"prefill has no free KV blocks for this prompt now: {exc}", "prefill_busy") from None
         except asyncio.CancelledError:
-            # only our wait ends: the engine thread finishes the prompt and then holds its
-            # blocks. Queue their release behind it without making the caller (a client
-            # past its deadline) wait for the computation.
+            # only our wait ends (prefill_only puts the abort on the engine's queue): the engine thread may be
+            # computing the prompt and then hold its blocks. Queue their release behind it without making the
+            # caller (a client past its deadline) wait for the computation.
             held.prefilled = False
             self._release_later(request_id)
             raise

@@ -126,10 +126,9 @@ class SessionConfig:
     layerwise_push: bool = True  # push each layer as it is written (False: all layers after the forward pass)
     out_of_blocks_error: type[Exception] = RuntimeError  # the engine's OutOfBlocksError
     reuse_prefix: bool = True  # ask decodes to reuse the prompt's cached prefix (Start.reuse_prefix)
-    # Sessions that may hold a decode's allocation before our engine has computed their prompt: the
-    # others wait here, holding nothing on any decode (a request queued behind our engine must not
-    # sit on a decode's blocks, where the decode's wait for its KV would time out).
-    prefills_ahead: int = 2
+    # with an SLO policy's admission line: prompt tokens our engine's line (remote prefills not computed yet)
+    # holds before the admission line keeps the rest in the policy's order (the engine's step budget)
+    line_tokens: int = 2048
 
 
 class SessionObserver(Protocol):

@@ -26,15 +26,16 @@ them whole. In start order:
    --layerwise-push, the KV events' held prefix, the metrics), the SessionRunner (its
    SessionConfig: compat, --block-size, the tokenizer's EOS ids, --session-timeout,
    --connect-timeout, --layerwise-push, the engine's out-of-blocks type, --decode-reuse,
-   --prefills-ahead; the poller's stubs, the engine, the sender, the registry of open Sessions,
-   TransferAccounting as its observer), the LocalFallback (--local-fallback), and the
+   --max-num-batched-tokens as the line's room; the poller's stubs, the engine, the sender, the
+   registry of open Sessions, TransferAccounting as its observer), the LocalFallback (--local-fallback), and the
    PrefillNode that holds them: its ``ConductorDeps`` (what each request's conductor is given: the
    engine, the picker, the admission queue, the SessionRunner, the local fallback, the routing flags
    --max-attempts, --resume, --resume-wait, the DecodeIndex with --decode-reuse, the metrics; the
    hooks ``wake_line`` and ``keep_latest``) and the Disaggregator. With an ordering policy
-   (--queue-policy edf or qlm) the prefill slots join the admission line: a request goes on only
-   when one is free, and each slot given back wakes the line's head, so the policy (not arrival
-   order) picks who the engine computes next; the SLO queue's plans then count this prefill's one
+   (--queue-policy edf or qlm) the admission line holds a request while our engine's own line
+   (the remote prefills not computed yet) holds a step's budget of prompt tokens
+   (--max-num-batched-tokens), and each prompt computed wakes the line's head, so the policy (not
+   arrival order) picks who the engine computes next; the SLO queue's plans then count this prefill's one
    engine besides the decodes' KV blocks (``prefill_bound``). The tests build their nodes with the same function.
 6. **frontend** - Frontend: node, tokenizer, model name and length, vocabulary size, metrics,
    --request-timeout, SLO queue.
@@ -135,7 +136,7 @@ async def start(args: argparse.Namespace, discovery: Discovery, slo: SloClasses,
         max_attempts=args.max_attempts, local_fallback=args.local_fallback, resume=args.resume,
         resume_wait_s=args.resume_wait, session_timeout_s=args.session_timeout,
         connect_timeout_s=args.connect_timeout, layerwise_push=args.layerwise_push,
-        prefills_ahead=args.prefills_ahead, decode_reuse=args.decode_reuse, decode_index=decode_index,
+        line_tokens=args.max_num_batched_tokens, decode_reuse=args.decode_reuse, decode_index=decode_index,
         disaggregation=args.disaggregation, held_prefix=kv_events.leading, out_of_blocks_error=OutOfBlocksError,
         metrics=metrics, ranks=ranks,
     )
@@ -165,7 +166,7 @@ def build_node(engine: ServerEngine, sender: CacheStoreSender, picker: DecodePic
                kv_bytes_per_block: int, eos_token_ids: tuple[int, ...] = (), max_attempts: int = 3,
                local_fallback: bool = False, resume: bool = True, resume_wait_s: float = defaults.RESUME_WAIT_S,
                session_timeout_s: float = defaults.SESSION_TIMEOUT_S, connect_timeout_s: float = 5.0,
-               layerwise_push: bool = True, prefills_ahead: int = 2, decode_reuse: bool = True,
+               layerwise_push: bool = True, line_tokens: int = 2048, decode_reuse: bool = True,
                decode_index: DecodeIndex | None = None, disaggregation: str = defaults.DISAGGREGATION,
                held_prefix: Callable[[list[int]], int] | None = None,
                out_of_blocks_error: type[Exception] = RuntimeError,
@@ -179,13 +180,13 @@ def build_node(engine: ServerEngine, sender: CacheStoreSender, picker: DecodePic
                                   kv_bytes_per_block=kv_bytes_per_block, layerwise=layerwise_push,
                                   held_prefix=held_prefix, metrics=metrics)
     config = SessionConfig(compat, block_size, eos_token_ids, session_timeout_s, connect_timeout_s, layerwise_push,
-                           out_of_blocks_error, reuse_prefix=decode_reuse, prefills_ahead=prefills_ahead)
+                           out_of_blocks_error, reuse_prefix=decode_reuse, line_tokens=line_tokens)
     accounting = TransferAccounting(picker, kv_bytes_per_block, disaggregator, metrics)
     runner = SessionRunner(config, stubs=poller.stub, engine=engine, sender=sender, registry=sessions,
                            observer=accounting, disaggregator=disaggregator,
                            gates=test_hooks.TestGates.from_environment(), ranks=ranks)
-    if queue.slo is not None and queue.slo.policy != "fifo":  # the policy orders who waits for a prefill slot too
-        queue.room, runner.on_slot_free = runner.slot_free, queue.notify
+    if queue.slo is not None and queue.slo.policy != "fifo":  # the policy orders what enters our engine's line
+        queue.room, runner.on_room = runner.has_room, queue.notify
         queue.slo.prefill_bound = True  # its plans: the decodes' blocks and this one engine, one prompt at a time
     last_timings: dict[str, SessionTimings] = {}
     deps = ConductorDeps(engine, picker, queue, runner, block_size,

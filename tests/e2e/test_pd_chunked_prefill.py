@@ -41,8 +41,7 @@ def test_a_short_prompt_behind_a_long_one_waits_for_one_chunk(procs):
     decode = start_decode(procs, "tcp", num_blocks=128, name="decode")
     wait_ready(decode)
     prefill = start_prefill(procs, [decode.grpc_address], "tcp", num_blocks=128,
-                            extra=["--max-num-batched-tokens", "512", "--long-prefill-threshold", "256",
-                                   "--prefills-ahead", "2"],
+                            extra=["--max-num-batched-tokens", "512", "--long-prefill-threshold", "256"],
                             env={PREFILL_STEP_FLOOR_ENV: str(STEP_FLOOR_S)})
     wait_ready(prefill)
     out: dict = {}

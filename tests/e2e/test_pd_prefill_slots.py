@@ -1,15 +1,16 @@
-"""A request queued behind a busy prefill holds nothing on a decode (``--prefills-ahead``).
+"""A request queued behind a busy prefill holds nothing on a decode (the engine's line, ``want``/``grant``).
 
 Sixteen long prompts arrive at once at one prefill whose Sessions tell the decode to wait at
 most T for KV (``--session-timeout``), T = 8 prefills of one such prompt, as measured first on a
 probe prefill on this box at this moment (at least 2 s): the timeout is a multiple of the work,
 not a wall-clock guess, so a slow or busy box scales both. Together the sixteen take 16 prefills of
-compute. Before prefill slots, every request took its decode allocation at once and waited for
-the prefill's engine there, so the decode dropped the later half of them ("KV did not all arrive
-within the expect timeout") and the client got 503 (with a 2 s timeout: 24 of 24). With
-``--prefills-ahead 2`` the others wait on the prefill, holding nothing on the decode, and an
-allocated request waits for at most about 2 prefills: every request succeeds, and afterwards
-nothing is held on either side.
+compute. If every request took its decode allocation at once and waited for the prefill's engine
+there, the decode would drop the later half of them ("KV did not all arrive within the expect
+timeout") and the client would get 503 (with a 2 s timeout: 24 of 24). Instead each waits in the
+prefill engine's Scheduler, holding nothing on the decode, until the Scheduler wants it (its step,
+or the step before: at most one step's budget of prompt tokens, here about one 2000-token prompt,
+ahead), so an allocated request waits for at most about 2 prefills: every request succeeds, and
+afterwards nothing is held on either side.
 """
 
 import signal
@@ -51,7 +52,7 @@ def test_requests_queued_behind_the_prefill_do_not_time_out_on_the_decode(tmp_pa
         wait_ready(decode)
         timeout_s = max(2.0, 8 * one_prefill_s(group, decode))
         prefill = start_prefill(group, [decode.grpc_address], "tcp", num_blocks=2048,
-                                extra=["--session-timeout", f"{timeout_s:.1f}", "--prefills-ahead", "2"])
+                                extra=["--session-timeout", f"{timeout_s:.1f}"])
         wait_ready(prefill)
 
         def one(i: int):

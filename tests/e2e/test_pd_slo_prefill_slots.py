@@ -1,11 +1,12 @@
-"""With an ordering policy the prefill's slots are part of its SLO line (one prefill, one decode, real
-processes): while the only prefill slot (``--prefills-ahead 1``) is taken, later requests wait in the
+"""With an ordering policy, what enters the prefill engine's own line is the SLO line's decision (one
+prefill, one decode, real processes): while the engine's line holds a step's budget of prompt tokens
+not yet computed (``--max-num-batched-tokens 64``, one 64-token prompt), later requests wait in the
 admission line even though every decode has room, and the policy (edf here), not their arrival,
 picks who the engine computes next.
 
-The first request holds the slot at the test's gate (after its decode's Allocation, before its
-prompt is computed) until the test has seen both later requests in line, so the order does not
-depend on how fast the box computes. Afterwards nothing is queued, running or held on either side.
+The first request is held at the test's gate (after its decode's Allocation, before its prompt is
+computed) until the test has seen both later requests in line, so the order does not depend on how
+fast the box computes. Afterwards nothing is queued, running or held on either side.
 """
 
 import json
@@ -33,12 +34,12 @@ def queued(prefill) -> int:
     return get_json(prefill.url + "/health")[1]["queued"]
 
 
-def test_the_policy_picks_who_takes_a_freed_prefill_slot(tmp_path):
+def test_the_policy_picks_what_enters_the_prefill_engines_line(tmp_path):
     gate = Gate(tmp_path / "gate")
     with ProcessGroup(log_dir=tmp_path / "logs") as group, ThreadPoolExecutor(3) as pool:
         decode = start_decode(group, "tcp", 256)
         prefill = start_prefill(group, [decode.grpc_address], "tcp", 256, env=gate.env, extra=[
-            "--slo-classes", json.dumps(CLASSES), "--queue-policy", "edf", "--prefills-ahead", "1"])
+            "--slo-classes", json.dumps(CLASSES), "--queue-policy", "edf", "--max-num-batched-tokens", "64"])
         wait_ready(decode)
         wait_ready(prefill)
 
@@ -46,7 +47,7 @@ def test_the_policy_picks_who_takes_a_freed_prefill_slot(tmp_path):
             return pool.submit(post_json, prefill.url + "/v1/completions", body(i), 120, None, {"X-SLO-Class": cls})
 
         first = send(0, "batch")
-        gate.wait_held(1)  # it holds the only prefill slot
+        gate.wait_held(1)  # its 64 prompt tokens fill the engine's line
         later_batch = send(1, "batch")
         wait_until(lambda: queued(prefill) == 1, "the second batch request in line (the decode has room)")
         interactive = send(2, "interactive")

@@ -1,8 +1,8 @@
 """AdmissionQueue with an SLO queue (pdserve.slo.GlobalQueue): the line is in the policy's
 order, the policy's new head is woken (also when only time changed qlm's order), a request
 leaves the SLO queue's line with its ticket and is counted as running once admitted; with
-room (the prefill's slots) a request waits in that line for a free slot, so the policy picks
-who takes each freed one."""
+room (the prefill engine's own line has room: here a one-place semaphore stands for it) a request
+waits in that line for room, so the policy picks who goes on each time a prompt was computed."""
 
 import asyncio
 import time
@@ -170,8 +170,9 @@ def test_a_resumed_request_goes_ahead_of_the_policys_line_and_stays_running():
 
 
 async def take_slot(queue, slo, slots, rid, cls, order, deadline=None):
-    """What a request does with an ordering policy and the prefill's slots as the line's room: its turn, then a
-    slot (free at once, since its turn came only with room), then admitted; the slot stays taken."""
+    """What a request does with an ordering policy and room in the prefill engine's line (a one-place semaphore
+    here): its turn, then the place (free at once, since its turn came only with room), then admitted; the place
+    stays taken."""
     ticket = queue.ticket(rid, deadline, slo.arrive(rid, cls, 10, 10))
     try:
         await ticket.turn()
@@ -189,7 +190,7 @@ def test_with_room_the_policy_not_arrival_picks_who_takes_a_freed_prefill_slot()
         q = AdmissionQueue(16, recheck_s=30, slo=slo, room=lambda: not slots.locked())
         order = []
 
-        def give_back():  # what SessionRunner does once the engine computed a prompt
+        def give_back():  # what SessionRunner does once the engine computed a prompt (its line has room again)
             slots.release()
             q.notify()
 
@@ -233,7 +234,7 @@ def test_a_head_waiting_for_a_prefill_slot_past_the_queue_timeout_says_so():
         with pytest.raises(QueueTimeout) as err:
             await take_slot(q, slo, slots, "slow", CHAT, [])
         msg = str(err.value)
-        assert "for a free prefill slot (--prefills-ahead) (--queue-timeout)" in msg and "KV blocks" not in msg, msg
+        assert "for room in the prefill's engine" in msg and "--max-num-batched-tokens" in msg and "KV blocks" not in msg, msg
         assert not err.value.by_deadline and len(q) == 0 and not slo.waiting
 
     run(main())
