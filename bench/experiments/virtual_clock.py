@@ -60,6 +60,7 @@ class VRequest:
     prefill_cached: int = 0  # prompt tokens the prefill's prefix cache held (the engine's own count)
     decode_cached_blocks: int = 0  # leading prompt blocks the decode held (they do not move)
     decode_table: list[int] = field(default_factory=list)
+    allocated_at: float | None = None  # when a decode reserved its blocks (the Session's Allocation)
     kv_at: float = 0.0  # when the last of its KV reached the decode (the modelled link)
     computed_at: float = 0.0  # when the prefill's engine computed its last prompt token
     first_at: float | None = None  # first token at the client

@@ -57,7 +57,6 @@ class ClusterSpec:
     load_weight: float = LOAD_WEIGHT
     picker: str = "wrr"
     decode_reuse: bool = True
-    prefills_ahead: int = 2
 
 
 class StandInWatch:
@@ -108,7 +107,7 @@ class VirtualCluster:
             link = LinkModel(spec.link_gbps * 1e9 / 8, spec.link_latency_us / 1e6)
             picker = DecodePicker(policy=spec.picker, clock=lambda: self.clock.now)
             p = VirtualPrefill(address, self.clock, profile, config, link, picker, self.decodes, self.decode_index,
-                               self.router_index, spec.prefills_ahead, DECODE_LOAD_INTERVAL_S)
+                               self.router_index, DECODE_LOAD_INTERVAL_S)
             p.on_first_token, p.failed = self._first_token, self._failed
             self.prefills[address] = p
         for d in self.decodes.values():
@@ -136,9 +135,8 @@ class VirtualCluster:
         self.watches.watches[r.prefill].in_flight -= 1
         prefill = self.prefills[r.prefill]
         prefill.finished(r)
-        for p in self.prefills.values():  # a decode freed blocks: lines waiting for one look again
-            if p.line:
-                p.admit()
+        for p in self.prefills.values():  # a decode freed blocks: requests the Scheduler wants look again
+            p.decode_freed()
 
     def _failed(self, r: VRequest) -> None:
         if r.decode:

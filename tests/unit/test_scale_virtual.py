@@ -64,15 +64,65 @@ def test_one_request_ttft_and_tpot_by_hand_with_the_link_behind_the_compute():
     assert decode.blocks.num_free_blocks() == decode.blocks.num_blocks  # its blocks back (cached, evictable)
 
 
-def test_two_slots_ahead_and_prompts_waiting_together_share_the_engines_step():
+def test_prompts_waiting_in_the_engines_line_are_wanted_together_and_share_its_step():
     c = cluster()
     a = req(0, 0.0, list(range(1, 129)), 2)
     b, d = req(1, 0.05, list(range(2, 130)), 2), req(2, 0.05, list(range(3, 131)), 2)
     c.run([a, b, d])
-    assert a.first_at == pytest.approx(0.138, abs=1e-6)  # alone: its step began when it came
-    # b took the second slot during a's step, d waited in line until a's prompt was computed; then both
-    # prompts share one step of the real scheduler: 0.01 + 256 x 0.001
+    assert a.allocated_at == 0.0 and a.first_at == pytest.approx(0.138, abs=1e-6)  # alone: its step began when it came
+    # b and d came during a's step: they waited in the engine's line, ungranted, until the next step's scheduling
+    # wanted both (their decode allocated then); both prompts then share one step: 0.01 + 256 x 0.001
+    assert b.allocated_at == d.allocated_at == pytest.approx(0.138, abs=1e-6)
     assert b.first_at == pytest.approx(0.138 + 0.266, abs=1e-6) and d.first_at == pytest.approx(0.404, abs=1e-6)
+
+
+def test_a_request_behind_a_busy_engine_holds_no_decode_blocks_until_the_scheduler_wants_it():
+    # a step computes at most 256 prompt tokens: a's 1024 take four steps of 0.01 + 256 x 0.001 = 0.266 s
+    c = cluster(max_num_batched_tokens=256)
+    a = req(0, 0.0, [1 + i % 200 for i in range(1024)], 2)
+    b = req(1, 0.1, list(range(3, 131)), 2)  # 2 blocks + 2 tokens: 3 blocks on the decode
+    prefill, decode = c.prefills["p000"], c.decodes["d000"]
+    seen = {}
+
+    def probe() -> None:
+        seq = prefill.engine.scheduler.seqs["1"]
+        seen[c.clock.now] = (b.decode, len(b.decode_table), seq in prefill.engine.scheduler.waiting,
+                             seq.remote.asked, seq.remote.granted, decode.blocks.num_free_blocks())
+
+    for t in (0.2, 0.5, 0.7, 0.9):
+        c.clock.at(t, probe)
+    c.run([a, b])
+    a_blocks = 17  # 1024 + 2 tokens
+    # during a's first three chunks b waits in the engine's line, not asked for: the decode holds only a's blocks
+    for t in (0.2, 0.5, 0.7):
+        assert seen[t] == ("", 0, True, False, False, 64 - a_blocks), t
+    # the step of a's last chunk (from 0.798) leaves nothing of a ahead of b: the Scheduler asks for b then
+    # (ask_ahead), its decode allocates and it is granted, and the next step computes it
+    assert b.allocated_at == pytest.approx(3 * 0.266, abs=1e-6)
+    assert seen[0.9] == ("d000", 3, True, True, True, 64 - a_blocks - 3)
+    assert a.first_at == pytest.approx(4 * 0.266, abs=1e-6)
+    assert b.first_at == pytest.approx(4 * 0.266 + 0.01 + 0.128, abs=1e-6)
+    assert decode.blocks.num_free_blocks() == decode.blocks.num_blocks
+
+
+def test_a_wanted_request_no_decode_can_take_waits_ungranted_until_a_decode_frees_blocks():
+    c = cluster(num_blocks=8)  # the decode's 8 blocks: a (128 + 300 tokens) holds 7, b needs 3
+    a, b = req(0, 0.0, list(range(1, 129)), 300), req(1, 0.05, list(range(2, 130)), 2)
+    prefill, seen = c.prefills["p000"], {}
+
+    def probe() -> None:
+        seq = prefill.engine.scheduler.seqs["1"]
+        seen["b"] = (b.decode, seq.remote.asked, seq.remote.granted, list(prefill.wanted) == [b])
+
+    c.clock.at(1.0, probe)
+    facts = c.run([a, b])
+    assert seen["b"] == ("", True, False, True)  # wanted (the step after a's), no decode could take it: not granted
+    # a's last token (299 decode steps of 0.012 s after its first) frees the decode: b is allocated, granted and
+    # computed in the engine's next step
+    assert a.finish_at == pytest.approx(0.138 + 299 * 0.012, abs=1e-6)
+    assert b.allocated_at == pytest.approx(a.finish_at, abs=1e-9)
+    assert b.first_at == pytest.approx(a.finish_at + 0.138, abs=1e-6)
+    assert facts["unfinished"] == 0 and facts["left_in_engines"] == 0 and not prefill.wanted
 
 
 def test_a_cached_prefix_cuts_the_prefill_and_the_kv_moved_and_prefix_routing_finds_it():
