@@ -55,7 +55,8 @@ SLO = _obj(
         },
         "queuePolicy": {"type": "string", "enum": list(POLICIES),
                         "description": "The order in which requests that must wait (every decode full, or with edf "
-                                       "and qlm every prefill slot taken) are served (`--queue-policy` of the "
+                                       "and qlm a step's budget of prompts queued in the prefill's engine) are "
+                                       "served (`--queue-policy` of the "
                                        "prefills, and of the router with named classes): fifo (arrival), edf (earliest "
                                        "deadline first) or qlm (QLM's scheduler: the most requests meeting their "
                                        "targets). Unset: fifo."},

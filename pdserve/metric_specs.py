@@ -140,7 +140,7 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("requests_waiting", "pdserve_requests_waiting", _G, "Requests waiting to be scheduled."),
     MetricSpec("requests_queued", "pdserve_requests_queued", _G,
                "Prefill: requests in the admission queue, waiting for a decode with enough free KV blocks "
-               "(with --queue-policy edf or qlm, also for a free prefill slot)."),
+               "(with --queue-policy edf or qlm, also for room in the prefill engine's line)."),
     MetricSpec("known_decodes", "pdserve_known_decodes", _G,
                "Decodes prefill knows and can route to (compatible, fresh load report)."),
     MetricSpec("prefill_rate", "pdserve_prefill_tokens_per_second", _G,

@@ -154,12 +154,12 @@ def test_first_token_leaves_while_the_prefill_engine_thread_is_busy():
             pd, gate = pair.p_engine.engine.pd, threading.Event()
             add_remote = pd.add_remote
 
-            def add_then_busy(request_id, ids, sampling, on_layer=None, on_done=None, priority=0.0):
+            def add_then_busy(request_id, ids, sampling, on_layer=None, on_done=None, priority=0.0, want=None):
                 def done(token, error):  # on the engine thread, in the step that computed the prompt
                     if token is not None:  # "the next prompt", queued behind this one
                         pair.p_engine._calls.put((gate.wait, (30.0,), None))
                     on_done(token, error)
-                add_remote(request_id, ids, sampling, on_layer, done, priority)
+                add_remote(request_id, ids, sampling, on_layer, done, priority, want)
 
             pd.add_remote = add_then_busy
             gen = pair.node.generate("a", [256, *b"hello"], SamplingParams(max_tokens=4, temperature=0, logprobs=2))
