@@ -55,7 +55,7 @@ which wakes its ticket.
 
 Room (``room``, set by the prefill's wiring with an ordering policy): whether one more request
 may go on now, i.e. our engine's own line (remote prefills it has not computed yet, in arrival
-order) holds less than a step's budget of prompt tokens (``SessionRunner.has_room``). With it,
+order) holds less than a step's budget of prompt tokens (``EngineLine.has_room``, engine_line.py). With it,
 ``turn`` lets a request through only when there is room, even when nobody waits: the others wait
 in this line, in the policy's order, and each prompt our engine computes ``notify``s the head.
 Without it (fifo) every request goes on into our engine's line, which keeps arrival order anyway.

@@ -8,7 +8,11 @@ hooks ``on_session_end`` and ``keep_timings``; never the node), and yields from 
    ``AdmissionQueue`` (``admission_queue.py``), never ahead of them; at once when nobody waits.
 2. **pick a decode** - the request must fit (this prefill's pool in all, the largest decode's
    pool in all: else ``RequestTooLarge`` at once; this prefill's free blocks now: else the round
-   ends); then the DecodePicker's choice (with ``decode_reuse``, preferring a decode whose prefix
+   ends); then its prompt waits in our engine's line until the Scheduler wants it (``LinePlace``,
+   engine_line.py: it holds nothing on any decode meanwhile, and keeps its place across the
+   attempts, so a refusal never sends it to the back; a resume takes a new place for its longer
+   prompt; none with ``--disaggregation never``); then, with the decodes' load of that moment, the
+   DecodePicker's choice (with ``decode_reuse``, preferring a decode whose prefix
    cache holds the prompt's leading blocks, as its KV events in ``decode_index`` say, weighed
    against free memory), never a decode already tried this round.
 3. **one attempt** - a Session with that decode (``SessionRunner.run``, decode_session.py), under
@@ -68,6 +72,7 @@ from pdserve.engine import blocks_needed, reusable_hashes
 from .admission_queue import QueueTimeout, RequestTooLarge, note_waited_in_line
 from .closing import aclose_fully
 from .decode_session import DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionTimings, decode_reservation
+from .engine_line import LinePlace
 from .mid_stream_resume import MidStreamResume, resumed
 
 if TYPE_CHECKING:
@@ -112,6 +117,8 @@ class RequestConductor:
         self.round = _Round(set())
         self.admitted = time.monotonic()  # it arrived (for the queue-wait metric)
         self.ticket: Ticket = deps.queue.ticket(request_id, deadline, slo)
+        self.place: LinePlace | None = None  # the prompt's place in our engine's line (step 2)
+        self.places = 0  # places taken so far (each a new request id for the engine)
 
     async def deltas(self) -> AsyncGenerator[Delta, None]:
         """The request's Deltas (the lifecycle, module docstring); raises as ``PrefillNode.generate`` says."""
@@ -120,10 +127,13 @@ class RequestConductor:
                 await self.ticket.turn()  # 1. behind the requests already waiting for blocks, never ahead of them
                 self.round = _Round(silent=self.resume.silent())
                 for _ in range(self.deps.max_attempts):
-                    address = self._pick()  # 2.
+                    if not self._fits():  # 2.
+                        break
+                    place = await self._in_line()
+                    address = self._pick()
                     if address is None:
                         break
-                    stream, timings = self._open(address)  # 3.
+                    stream, timings = self._open(address, place)  # 3.
                     try:
                         first = await self._first_delta(stream, timings)
                         if first is None:  # 4. retry another decode
@@ -150,6 +160,8 @@ class RequestConductor:
             raise
         finally:
             self.ticket.leave()
+            if self.place is not None and not self.place.granted:  # a granted one is its run's (released there)
+                self.place.leave()
         if self.deps.fallback is None:
             raise self._give_up()  # 4. give up
         async with aclosing(self.deps.fallback.deltas(self.request_id, self.prompt_ids, self.produced, self.sp,
@@ -157,10 +169,24 @@ class RequestConductor:
             async for delta in local:  # 4. local fallback
                 yield delta
 
+    async def _in_line(self) -> LinePlace | None:
+        """Step 2's wait: the prompt's place in our engine's line (the one it has while still waiting there, else a
+        new one), once the Scheduler wants it; None when our engine never computes it."""
+        runner, prompt = self.deps.session_runner, self.prompt_ids + self.produced
+        sp_now = resumed(self.sp, len(self.produced))
+        if not runner.needs_line(sp_now):
+            return None
+        if self.place is None or not self.place.waiting or self.place.num_tokens != len(prompt):
+            if self.place is not None and not self.place.granted:
+                self.place.leave()
+            engine_id = self.request_id if self.places == 0 else f"{self.request_id}.line{self.places}"
+            self.places += 1
+            self.place = runner.line.enter(engine_id, prompt, sp_now)
+        await self.place.wanted()
+        return self.place
+
     def _pick(self) -> str | None:
         """Step 2: the decode for the next attempt; None ends the round (its reasons noted)."""
-        if not self._fits():
-            return None
         overlap, prompt_blocks = self._decode_overlap(self.prompt_ids + self.produced)
         picker, r = self.deps.picker, self.round
         address = picker.pick(exclude=r.tried | r.silent, blocks_needed=self.decode_need, overlap=overlap,
@@ -201,7 +227,7 @@ class RequestConductor:
             return False
         return True
 
-    def _open(self, address: str):
+    def _open(self, address: str, place: LinePlace | None):
         """Step 3: the attempt's Session with ``address`` (not started yet) and its timings."""
         timings = SessionTimings(arrived=self.admitted)
         sp_now = resumed(self.sp, len(self.produced))
@@ -210,7 +236,8 @@ class RequestConductor:
         # once a decode allocated, the next request in line may go (the picker counts this one)
         stream = self.deps.session_runner.run(address, session_id, self.prompt_ids + self.produced, sp_now, timings,
                                               self.deadline, on_allocated=self.ticket.admitted,
-                                              slo_class=self.slo.cls if self.slo is not None else None)
+                                              slo_class=self.slo.cls if self.slo is not None else None,
+                                              place=place)
         return stream, timings
 
     async def _first_delta(self, stream, timings: SessionTimings) -> Delta | None:

@@ -2,11 +2,10 @@
 
 Request lifecycle on prefill (``SessionRunner.run``, once per request and decode tried):
 
-0. **line** - queue the prompt in our engine's Scheduler as a remote prefill waiting for its
-   grant (``engine/remote_prefill.py``): it keeps its place in line (chunked and batched with
-   the other prompts once granted) and holds nothing on any decode until the Scheduler wants it
-   (when a step reaches it, or the step before expects to: ``want``), so a request queued behind
-   our engine never sits on a decode's blocks, where the decode's wait for its KV would time out.
+0. **line** - the prompt waits in our engine's Scheduler as a remote prefill waiting for its grant
+   (``engine_line.py``: a ``LinePlace``, usually the conductor's, kept across its attempts): it
+   holds nothing on any decode until the Scheduler wants it, so a request queued behind our
+   engine never sits on a decode's blocks, where the decode's wait for its KV would time out.
    With ``--disaggregation never`` (and no prompt logprobs) our engine never computes it: no line.
 1. **start** - open the bidirectional ``Session`` stream to the chosen decode and send
    ``Start`` (prompt tokens, sampling, blocks needed, compat, protocol version, timeout,
@@ -26,7 +25,7 @@ Request lifecycle on prefill (``SessionRunner.run``, once per request and decode
    which then do not move) and its prompt logprobs go with the first Delta; a pooled
    Allocation without blocks cannot give them (Retryable: the next decode).
 4r. **prefill + push** - bind the request in the CacheStore sender to decode's blocks and
-   grant the prompt waiting in our engine's Scheduler (step 0); the engine's per-layer callback hands each
+   grant the prompt's place in our engine's line (step 0); the engine's per-layer callback hands each
    chunk's newly written blocks after the decode's cached ones to ``sender.store``
    (non-blocking), so the wire works while the next layer (and the next chunk) computes; only
    the missing blocks move, each block of each layer once. With ``rank_targets`` in the Allocation
@@ -82,6 +81,7 @@ from pdserve.test_hooks import NO_GATES, TestGates, hold_thread_at_gate, wait_at
 
 from . import session_wire as wire
 from .cost_model import LOCAL, REMOTE, Decision, link_busy_seconds
+from .engine_line import EngineLine, LinePlace
 from .rank_senders import Part, RankSenders
 from .session_protocol import (DecodeFailed, Delta, NoDecodeAvailable, Retryable, SessionConfig, SessionObserver,
                                SessionTimings, decode_reservation, first_token_finishes, sampling_to_proto)
@@ -117,11 +117,8 @@ class _Held:
     """What one run holds on this side, for step 7."""
 
     bound: list[Part] = field(default_factory=list)  # parts a CacheStore sender knows (pooled: lenders'; per rank)
-    prefill: asyncio.Future | None = None  # our engine's prefill_only of the prompt (step 0 on), until it is done
-    on_layer: Callable[[int, list[int], int], None] | None = None  # where its layers go (step 4r binds it)
-    engine_on_layer: Callable[[int, list[int], int], None] | None = None  # what our engine calls: to on_layer
-    prefilled: bool = False  # our engine holds (or will hold) the prompt's blocks
-    released: bool = False  # ... and released them
+    place: LinePlace | None = None  # the prompt's place in our engine's line this run owns (its own, or granted)
+    released: bool = False  # our engine computed the prompt and released its blocks
     finished: bool = False  # the decode finished the request
 
 
@@ -136,19 +133,22 @@ class SessionRunner:
         self.gates = gates  # test hooks (pdserve/test_hooks.py), read once by the wiring
         self.registry, self.observer, self.disaggregator = registry, observer, disaggregator
         self._releasing: set[asyncio.Task] = set()  # engine releases queued by cancelled runs
-        self.queued_tokens = 0  # prompt tokens in our engine's line (step 0) not computed yet
-        self.on_room: Callable[[], None] | None = None  # a prompt of the line was computed or left it
+        self.line = EngineLine(engine, config.line_tokens, config.out_of_blocks_error, self._release_later)
 
-    def has_room(self) -> bool:
-        """Whether our engine's line holds less than ``SessionConfig.line_tokens`` prompt tokens not yet
-        computed (with an SLO policy, the admission line's head goes on only then: the policy, not arrival,
-        orders what our engine computes)."""
-        return self.queued_tokens < self.config.line_tokens
+    def needs_line(self, sp: SamplingParams) -> bool:
+        """Whether our engine may compute the prompt (step 0 then waits in its line): not with ``--disaggregation
+        never``, unless the request wants its prompt's logprobs."""
+        return self.disaggregator.mode != "never" or sp.prompt_logprobs is not None
 
     async def run(self, address: str, request_id: str, prompt_ids: list[int], sp: SamplingParams,
                   timings: SessionTimings | None = None, deadline: float | None = None,
-                  on_allocated: Callable[[], None] | None = None, slo_class: SloClass | None = None):
+                  on_allocated: Callable[[], None] | None = None, slo_class: SloClass | None = None,
+                  place: LinePlace | None = None):
         """Async generator of Deltas for one request served by the decode at ``address``.
+
+        ``place``: the prompt's place in our engine's line, already wanted (the conductor's, kept across its
+        attempts: a refusal leaves it in line for the next one; this run owns it once it grants it). None: the
+        run takes its own place when our engine may compute the prompt.
 
         ``deadline`` (``time.monotonic()`` seconds) is the request's end-to-end deadline:
         the Session call gets it (plus ``DEADLINE_SLACK_S``) as its gRPC deadline.
@@ -162,8 +162,10 @@ class SessionRunner:
         held = _Held()
         call = None
         try:
-            if self.disaggregator.mode != "never" or sp.prompt_logprobs is not None:
-                await self._line(request_id, prompt_ids, sp, held)  # 0. line
+            if place is None and self.needs_line(sp):  # 0. line
+                place = held.place = self.line.enter(request_id, prompt_ids, sp)
+            if place is not None:
+                await place.wanted()
             call = self._open(address, request_id, deadline)  # 1. start, 2. allocation
             n_blocks = blocks_needed(len(prompt_ids), cfg.block_size)
             start = self._start(request_id, prompt_ids, sp, n_blocks, slo_class)
@@ -179,11 +181,15 @@ class SessionRunner:
             if gate:  # the admission queue: it is admitted) until the test opens the gate
                 await wait_at_gate(gate, request_id)
             if decision.where == LOCAL:  # 4l
-                self._leave_line(request_id, held)  # our engine does not compute this prompt
+                if place is not None:
+                    place.leave()  # our engine does not compute this prompt
                 first = await self._compute_on_decode(call, address, decision.reason, alloc.cached_blocks, n_blocks)
             else:  # 4r, 5r
-                first = await self._push(call, address, request_id, prompt_ids, sp, alloc, prefill_cached, timings,
-                                         held)
+                if place is None:  # no line was needed before the decode's answer (a pooled allocation): now
+                    place = held.place = self.line.enter(request_id, prompt_ids, sp)
+                    await place.wanted()
+                held.place = place  # ours from its grant on
+                first = await self._push(call, address, request_id, sp, alloc, prefill_cached, timings, held)
             held.finished = first.finished
             yield first
             # 6. relay
@@ -193,45 +199,6 @@ class SessionRunner:
                 yield delta
         finally:
             await self._release(call, request_id, held)  # 7. release
-
-    async def _line(self, request_id: str, prompt_ids: list[int], sp: SamplingParams, held: _Held) -> None:
-        """Step 0: the prompt waits in our engine's line until the Scheduler wants it; nothing is held on a decode
-        meanwhile. Retryable ``prefill_busy`` when it can never fit our pool."""
-        wanted = asyncio.Event()
-
-        def on_layer(layer: int, block_ids, first: int) -> None:  # the engine thread, only once granted
-            assert held.on_layer is not None
-            held.on_layer(layer, block_ids, first)
-
-        held.prefill = asyncio.ensure_future(self.engine.prefill_only(request_id, prompt_ids, sp, on_layer=on_layer,
-                                                                      want=wanted.set))
-        held.prefilled = True
-        self.queued_tokens += len(prompt_ids)
-        held.prefill.add_done_callback(lambda _: self._left_line(len(prompt_ids)))
-        held.engine_on_layer = on_layer
-        waiting = asyncio.ensure_future(wanted.wait())
-        try:
-            await asyncio.wait({waiting, held.prefill}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            waiting.cancel()
-        if held.prefill.done():  # it failed before the Scheduler wanted it
-            await self._prefill_result(request_id, held)
-
-    def _left_line(self, tokens: int) -> None:
-        self.queued_tokens -= tokens
-        if self.on_room is not None:
-            self.on_room()
-
-    def _leave_line(self, request_id: str, held: _Held) -> None:
-        """The prompt leaves our engine's line uncomputed (the decode computes it, or the run ends)."""
-        task, held.prefill = held.prefill, None
-        if task is None or task.done():
-            if task is not None and not task.cancelled():
-                task.exception()  # retrieved (a failure was already reported where it was awaited)
-            return
-        task.cancel()  # prefill_only aborts it in the engine (after a step that may be computing it)
-        self._release_later(request_id)
-        held.prefilled = False
 
     def _open(self, address: str, request_id: str, deadline: float | None):
         """The Session call to ``address`` (for step 1), registered as open."""
@@ -272,7 +239,9 @@ class SessionRunner:
 
     async def _release(self, call, request_id: str, held: _Held) -> None:
         """Step 7 (the synchronous steps run even if an await below is interrupted)."""
-        self._leave_line(request_id, held)  # still waiting in our engine's line (or computing): out of it
+        place = held.place
+        if place is not None and not place.task.done():
+            place.leave()  # still in our engine's line, or being computed: out of it
         try:
             if call is None:
                 pass
@@ -288,18 +257,19 @@ class SessionRunner:
                 except asyncio.CancelledError:
                     if not wire.closed_under_us(call):  # the request finished; its channel closed after
                         raise
-            if held.prefilled and not held.released:
-                await self.engine.release(request_id)
+            if place is not None and _computed(place.task) and not held.released:
+                await self.engine.release(place.engine_id)
         finally:
             for part in held.bound:
                 part.sender.delete(part.request_id)
             self.registry.pop(request_id, None)
 
-    async def _push(self, call, address: str, request_id: str, prompt_ids: list[int], sp: SamplingParams,
-                    alloc: pb.Allocation, prefill_cached: int, timings: SessionTimings, held: _Held) -> Delta:
+    async def _push(self, call, address: str, request_id: str, sp: SamplingParams, alloc: pb.Allocation,
+                    prefill_cached: int, timings: SessionTimings, held: _Held) -> Delta:
         """Steps 4r-5r: our forward pass pushes the blocks the decode lacks; then the FirstToken."""
-        cfg = self.config
-        first_block, n_blocks = alloc.cached_blocks, blocks_needed(len(prompt_ids), cfg.block_size)
+        cfg, place = self.config, held.place
+        assert place is not None
+        first_block, n_blocks = alloc.cached_blocks, blocks_needed(place.num_tokens, cfg.block_size)
         parts = await self._bind(address, request_id, alloc, held)
         layers: list[tuple[int, list[int], int]] = []  # layers written but not pushed yet (layerwise_push off)
 
@@ -324,19 +294,16 @@ class SessionRunner:
             if layer_gate and layer == 0 and first + len(block_ids) >= n_blocks:  # the prompt's last chunk
                 hold_thread_at_gate(layer_gate, request_id)
 
-        if held.prefill is None:  # no line was needed before the decode's answer (a pooled allocation): now
-            await self._line(request_id, prompt_ids, sp, held)
-        held.on_layer = on_layer
-        # per rank: every rank's pool is read by its own sender (the engine's ranks only sync after each layer)
-        setattr(held.engine_on_layer, "kv_direct", bool(alloc.rank_targets))
         before = self.engine.prefill_counters()
-        with self.disaggregator.computing(len(prompt_ids) - prefill_cached * cfg.block_size):
-            await self.engine.grant(request_id)  # (gone: it failed or was aborted, which the result says)
-            first = await self._prefill_result(request_id, held)
+        with self.disaggregator.computing(place.num_tokens - prefill_cached * cfg.block_size):
+            # per rank: every rank's pool is read by its own sender (the engine's ranks only sync after each layer)
+            await place.grant(on_layer, kv_direct=bool(alloc.rank_targets))
+            first = await place.first_token()
         timings.prefill_done = time.monotonic()
-        cached_tokens = self.engine.prefill_cached_tokens(request_id)  # read before the release below
-        first_lp = await self.engine.prefill_logprob(request_id) if sp.logprobs is not None else None
-        prompt_lps = await self.engine.prefill_prompt_logprobs(request_id) if sp.prompt_logprobs is not None else None
+        engine_id = place.engine_id
+        cached_tokens = self.engine.prefill_cached_tokens(engine_id)  # read before the release below
+        first_lp = await self.engine.prefill_logprob(engine_id) if sp.logprobs is not None else None
+        prompt_lps = await self.engine.prefill_prompt_logprobs(engine_id) if sp.prompt_logprobs is not None else None
         after = self.engine.prefill_counters()
         self.observer.prefilled(after[0] - before[0], after[1] - before[1])
         for layer, block_ids, first in layers:  # overlap off: the whole KV goes now
@@ -345,7 +312,7 @@ class SessionRunner:
         # the KV has left: free our copy without waiting for it, since the engine thread is usually
         # computing the next prompt by now and the release would queue behind that prompt, holding
         # this request's first token back by one whole prefill
-        self._release_later(request_id)
+        self._release_later(engine_id)
         held.released = True
         self.observer.transferred(timings, n_blocks - first_block)
         delta = await self._first_token(call, address, first, first_lp, prompt_lps, sp)
@@ -375,26 +342,6 @@ class SessionRunner:
         except (ValueError, TransferError) as exc:  # CompatError, transport mismatch, receiver unreachable
             raise Retryable(f"{address}: CacheStore cannot bind the request: {exc}", "incompatible") from None
         return parts
-
-    async def _prefill_result(self, request_id: str, held: _Held) -> int:
-        """Our engine's prefill of the prompt (step 0's ``prefill_only``): its first token, once computed (step
-        4r), or why it failed: Retryable ``prefill_busy`` when the prompt can never fit our pool."""
-        assert held.prefill is not None
-        try:
-            return await held.prefill
-        except self.config.out_of_blocks_error as exc:
-            held.prefilled = False  # prefill_only frees what it took when it fails
-            raise Retryable(f"prefill has no free KV blocks for this prompt now: {exc}", "prefill_busy") from None
-        except asyncio.CancelledError:
-            # only our wait ends (prefill_only puts the abort on the engine's queue): the engine thread may be
-            # computing the prompt and then hold its blocks. Queue their release behind it without making the
-            # caller (a client past its deadline) wait for the computation.
-            held.prefilled = False
-            self._release_later(request_id)
-            raise
-        except BaseException:
-            held.prefilled = False
-            raise
 
     async def _wait_sent(self, address: str, request_id: str, parts: list[Part], timings: SessionTimings) -> None:
         """Step 5r's wait until every layer was sent (Retryable when the KV did not arrive); its timings."""
@@ -441,3 +388,8 @@ class SessionRunner:
         task = asyncio.ensure_future(self.engine.release(request_id))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
+
+
+def _computed(task: asyncio.Future) -> bool:
+    """Whether our engine's prefill of a place ended with its first token (it then holds the prompt's blocks)."""
+    return task.done() and not task.cancelled() and task.exception() is None

@@ -186,7 +186,7 @@ def build_node(engine: ServerEngine, sender: CacheStoreSender, picker: DecodePic
                            observer=accounting, disaggregator=disaggregator,
                            gates=test_hooks.TestGates.from_environment(), ranks=ranks)
     if queue.slo is not None and queue.slo.policy != "fifo":  # the policy orders what enters our engine's line
-        queue.room, runner.on_room = runner.has_room, queue.notify
+        queue.room, runner.line.on_room = runner.line.has_room, queue.notify
         queue.slo.prefill_bound = True  # its plans: the decodes' blocks and this one engine, one prompt at a time
     last_timings: dict[str, SessionTimings] = {}
     deps = ConductorDeps(engine, picker, queue, runner, block_size,

@@ -174,3 +174,80 @@ def test_first_token_leaves_while_the_prefill_engine_thread_is_busy():
             assert not any((await pair.wait_released()).values()), pair.held()
 
     asyncio.run(main())
+
+
+def _count_adds(pd) -> dict[str, int]:
+    """Wrap the prefill engine's add_remote: how many times each request id entered its line."""
+    adds: dict[str, int] = {}
+    add_remote = pd.add_remote
+
+    def counted(request_id, *args, **kw):
+        adds[request_id] = adds.get(request_id, 0) + 1
+        add_remote(request_id, *args, **kw)
+
+    pd.add_remote = counted
+    return adds
+
+
+def test_a_request_queued_behind_the_busy_prefill_engine_holds_nothing_on_the_decode():
+    """The prefill's engine thread is held busy (a call that waits on ``gate``) when a request arrives: its prompt
+    waits in the engine's line and the Scheduler cannot want it, so no Session is opened and the decode holds
+    nothing for it; once the engine is free it is served as usual."""
+    async def main():
+        async with Pair() as pair:
+            gate = threading.Event()
+            pair.p_engine._calls.put((gate.wait, (30.0,), None))
+            task = asyncio.ensure_future(_collect(pair.node, "q", [256, *b"queued"], SamplingParams(max_tokens=3,
+                                                                                                    temperature=0)))
+            try:
+                for _ in range(20):  # the request is in; give it every chance to reach the decode (it must not)
+                    await asyncio.sleep(0.01)
+                    held = pair.held()
+                    assert held["decode_sessions"] == held["decode_requests"] == held["decode_used"] == 0, held
+                assert pair.node.sessions == {} and not task.done()
+            finally:
+                gate.set()
+            tokens, reason = await asyncio.wait_for(task, 30)
+            assert len(tokens) == 3 and reason == "length"
+            assert not any((await pair.wait_released()).values()), pair.held()
+
+    asyncio.run(main())
+
+
+def test_a_request_the_decode_refused_keeps_its_place_in_the_engines_line():
+    """The decode (8 blocks of 64 tokens) is full with one long request. The picker is made to ignore the decode's
+    room (as a stale load report would), so a second request, once the prefill's Scheduler wants it, is sent to the
+    decode and refused, again and again while the decode stays full; between tries it waits in the admission line
+    with its prompt still in the engine's line. When the decode frees, it is served from that same place: its
+    prompt entered the engine once, whatever the number of refusals."""
+    async def main():
+        async with Pair() as pair:
+            adds = _count_adds(pair.p_engine.engine.pd)
+            runner, picker = pair.node.deps.session_runner, pair.node.deps.picker
+            tries: list[str] = []
+            run = runner.run
+            runner.run = lambda address, session_id, *a, **kw: (tries.append(session_id), run(address, session_id, *a,
+                                                                                               **kw))[1]
+            hog = asyncio.ensure_future(_collect(pair.node, "hog", [256] + [70] * 300, SamplingParams(
+                max_tokens=150, temperature=0, ignore_eos=True)))  # 451 tokens: all 8 blocks
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while pair.held()["decode_used"] < 8 and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            assert pair.held()["decode_used"] == 8, pair.held()
+            picker.eligible = lambda exclude=frozenset(), blocks_needed=0: [a for a in picker.usable()
+                                                                              if a not in exclude]
+            late = asyncio.ensure_future(_collect(pair.node, "late", [256, *b"late"], SamplingParams(
+                max_tokens=2, temperature=0)))
+            deadline = loop.time() + 30
+            while len([t for t in tries if t.startswith("late")]) < 2 and not late.done() and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            assert not late.done() and len([t for t in tries if t.startswith("late")]) >= 2, tries  # refused twice
+            assert adds.get("late") == 1  # and still in the engine's line, where it entered once
+            await asyncio.wait_for(hog, 60)
+            tokens, reason = await asyncio.wait_for(late, 60)
+            assert len(tokens) == 2 and reason == "length"
+            assert adds == {"hog": 1, "late": 1}, (adds, tries)  # each prompt entered the engine's line once
+            assert not any((await pair.wait_released()).values()), pair.held()
+
+    asyncio.run(main())
