@@ -188,8 +188,7 @@ class SessionRunner:
                 if place is None:  # no line was needed before the decode's answer (a pooled allocation): now
                     place = held.place = self.line.enter(request_id, prompt_ids, sp)
                     await place.wanted()
-                held.place = place  # ours from its grant on
-                first = await self._push(call, address, request_id, sp, alloc, prefill_cached, timings, held)
+                first = await self._push(call, address, request_id, sp, alloc, prefill_cached, timings, held, place)
             held.finished = first.finished
             yield first
             # 6. relay
@@ -265,10 +264,9 @@ class SessionRunner:
             self.registry.pop(request_id, None)
 
     async def _push(self, call, address: str, request_id: str, sp: SamplingParams, alloc: pb.Allocation,
-                    prefill_cached: int, timings: SessionTimings, held: _Held) -> Delta:
+                    prefill_cached: int, timings: SessionTimings, held: _Held, place: LinePlace) -> Delta:
         """Steps 4r-5r: our forward pass pushes the blocks the decode lacks; then the FirstToken."""
-        cfg, place = self.config, held.place
-        assert place is not None
+        cfg = self.config
         first_block, n_blocks = alloc.cached_blocks, blocks_needed(place.num_tokens, cfg.block_size)
         parts = await self._bind(address, request_id, alloc, held)
         layers: list[tuple[int, list[int], int]] = []  # layers written but not pushed yet (layerwise_push off)
@@ -294,6 +292,7 @@ class SessionRunner:
             if layer_gate and layer == 0 and first + len(block_ids) >= n_blocks:  # the prompt's last chunk
                 hold_thread_at_gate(layer_gate, request_id)
 
+        held.place = place  # ours from its grant on (a failure before it leaves a borrowed place in line)
         before = self.engine.prefill_counters()
         with self.disaggregator.computing(place.num_tokens - prefill_cached * cfg.block_size):
             # per rank: every rank's pool is read by its own sender (the engine's ranks only sync after each layer)

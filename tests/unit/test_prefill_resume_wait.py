@@ -90,7 +90,11 @@ class FakeRunner:
         self.failed = False
         self.calls: list[tuple[str, int]] = []  # (decode, tokens already produced)
 
-    async def run(self, address, session_id, ids, sp, timings, deadline, on_allocated=None, slo_class=None):
+    def needs_line(self, sp) -> bool:
+        return False  # no engine here: every decode computes its prompt (as with --disaggregation never)
+
+    async def run(self, address, session_id, ids, sp, timings, deadline, on_allocated=None, slo_class=None,
+                  place=None):
         done = len(ids) - len(PROMPT)
         self.calls.append((address, done))
         if address == "A" and self.failed and self.dies:

@@ -57,7 +57,7 @@ def test_the_declaration_lists_what_the_servers_call():
     declared = set(_methods()) | set(ServerEngine.__annotations__)
     assert declared == {
         "num_blocks", "start", "stop", "generate",
-        "prefill_only", "prefill_logprob", "prefill_prompt_logprobs", "prefill_cached_tokens", "release",
+        "prefill_only", "grant", "prefill_logprob", "prefill_prompt_logprobs", "prefill_cached_tokens", "release",
         "reserve", "reserve_prefix", "add_prefilled", "prefill_reserved", "abort",
         "num_free_blocks", "num_requests", "prefill_counters", "prefix_hit_tokens", "swapped", "tier_stats", "stats",
         "busy_seconds",
