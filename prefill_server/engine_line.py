@@ -6,8 +6,11 @@ Request lifecycle of one ``LinePlace`` (one prompt of one request; the conductor
    its grant (``engine.prefill_only(..., want=...)``, ``engine/remote_prefill.py``): it keeps its place in
    the Scheduler's line and is never computed before its grant; nothing is held on any decode meanwhile.
 2. **wanted** - ``LinePlace.wanted`` returns once the Scheduler wants it (a step reached it, or the step before
-   expects the next one to admit it). Only now is a decode picked and asked for blocks, with the decodes' load
-   of this moment. If that decode refuses (full, unreachable), the place stays wanted, in its place, for the
+   expects the next one to admit it), or at once when the prompts ahead of it in our engine (entered, not yet
+   computed) hold less than a step's budget of tokens (``line_tokens``): the Scheduler's own ask-ahead rule,
+   applied on arrival, because the engine thread only sees a new prompt after the step in progress, and the
+   decode's allocation should overlap that step, not follow it. Only now is a decode picked and asked for
+   blocks, with the decodes' load of this moment. If that decode refuses (full, unreachable), the place stays wanted, in its place, for the
    next decode tried: a retry never goes to the back of the line.
 3. **grant** - ``LinePlace.grant(on_layer)``: a decode allocated and the push is bound; from here the engine
    computes it (chunked, batched), each written layer goes to ``on_layer``, and the Session's run owns it.
@@ -51,8 +54,12 @@ class LinePlace:
 
         self._engine_on_layer = engine_on_layer  # what the engine holds (its kv_direct is read at each step)
         self.task: asyncio.Future = asyncio.ensure_future(line.engine.prefill_only(
-            engine_id, prompt_ids, sp, on_layer=engine_on_layer, want=self._wanted.set))
+            engine_id, prompt_ids, sp, on_layer=engine_on_layer, want=self.want))
         self.task.add_done_callback(lambda _: line.computed(self.num_tokens))
+
+    def want(self) -> None:
+        """Wanted now (what the Scheduler's ``want`` says; also ``EngineLine.enter``'s own rule)."""
+        self._wanted.set()
 
     @property
     def waiting(self) -> bool:
@@ -113,9 +120,13 @@ class EngineLine:
         self.on_room: Callable[[], None] | None = None  # a prompt left them (the admission line's head may go)
 
     def enter(self, engine_id: str, prompt_ids: list[int], sp: SamplingParams) -> LinePlace:
-        """Step 1: a new place at the end of the line (in the engine's order of arrival)."""
-        self.queued_tokens += len(prompt_ids)
-        return LinePlace(self, engine_id, prompt_ids, sp)
+        """Step 1: a new place at the end of the line (in the engine's order of arrival), wanted at once when
+        less than a step's budget of prompt tokens is ahead of it (step 2)."""
+        ahead, self.queued_tokens = self.queued_tokens, self.queued_tokens + len(prompt_ids)
+        place = LinePlace(self, engine_id, prompt_ids, sp)
+        if ahead < self.line_tokens:
+            place.want()
+        return place
 
     def computed(self, tokens: int) -> None:
         self.queued_tokens -= tokens

@@ -190,25 +190,34 @@ def _count_adds(pd) -> dict[str, int]:
 
 
 def test_a_request_queued_behind_the_busy_prefill_engine_holds_nothing_on_the_decode():
-    """The prefill's engine thread is held busy (a call that waits on ``gate``) when a request arrives: its prompt
-    waits in the engine's line and the Scheduler cannot want it, so no Session is opened and the decode holds
-    nothing for it; once the engine is free it is served as usual."""
+    """The prefill's engine thread is held busy (a call that waits on ``gate``) and its line's window is 8 prompt
+    tokens. A first request, with nothing ahead of it, is wanted at once (its decode allocates while the engine
+    is busy, as it would during a step); a second one has the first one's prompt ahead of it, more than the
+    window, and the Scheduler cannot want it while the engine is busy: no Session is opened for it and the decode
+    holds nothing for it. Once the engine is free both are served as usual."""
     async def main():
         async with Pair() as pair:
+            pair.node.deps.session_runner.line.line_tokens = 8
             gate = threading.Event()
             pair.p_engine._calls.put((gate.wait, (30.0,), None))
-            task = asyncio.ensure_future(_collect(pair.node, "q", [256, *b"queued"], SamplingParams(max_tokens=3,
-                                                                                                    temperature=0)))
+            sp = SamplingParams(max_tokens=3, temperature=0)
+            first = asyncio.ensure_future(_collect(pair.node, "first", [256, *b"first in line"], sp))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 20
+            while pair.held()["decode_sessions"] < 1 and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(_collect(pair.node, "second", [256, *b"queued"], sp))
             try:
-                for _ in range(20):  # the request is in; give it every chance to reach the decode (it must not)
+                for _ in range(20):  # the second request is in; give it every chance to reach the decode (it must not)
                     await asyncio.sleep(0.01)
                     held = pair.held()
-                    assert held["decode_sessions"] == held["decode_requests"] == held["decode_used"] == 0, held
-                assert pair.node.sessions == {} and not task.done()
+                    assert held["decode_sessions"] == held["decode_requests"] == 1, held
+                assert list(pair.node.sessions) == ["first"] and not second.done()
             finally:
                 gate.set()
-            tokens, reason = await asyncio.wait_for(task, 30)
-            assert len(tokens) == 3 and reason == "length"
+            for task in (first, second):
+                tokens, reason = await asyncio.wait_for(task, 30)
+                assert len(tokens) == 3 and reason == "length"
             assert not any((await pair.wait_released()).values()), pair.held()
 
     asyncio.run(main())
