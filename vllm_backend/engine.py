@@ -61,6 +61,7 @@ from pdserve.engine.errors import OutOfBlocksError, PromptTooLongError
 from pdserve.engine.sequence import RequestOutput
 
 from .bridge import Bridge
+from .grants import Grants
 from .vllm_thread import VllmEngineThread
 from .logprobs import prompt_logprobs, sample_logprobs
 
@@ -105,7 +106,7 @@ class VllmAsyncEngine(VllmEngineThread):
         self._first_logprobs: dict[str, object] = {}
         self._prompt_logprobs: dict[str, list] = {}
         self._prefill_cached: dict[str, int] = {}  # prefill_only requests held: prompt tokens the prefix cache held
-        self._grants: dict[str, asyncio.Event] = {}  # prefill_only requests given ``want``, until granted
+        self._grants = Grants()  # prefill_only requests given ``want``, until granted
         self._ks: dict[str, tuple[int | None, int | None]] = {}  # requests that asked: (logprobs, prompt_logprobs)
         # prompt tokens vLLM's prefix cache held (prefill_only: not computed; reserve: not received)
         self._hit_tokens = 0
@@ -162,17 +163,11 @@ class VllmAsyncEngine(VllmEngineThread):
                            on_layer: Callable[[int, list[int], int], None] | None = None,
                            want: Callable[[], None] | None = None) -> int:
         """The prompt's KV through the connector, layer by layer (``on_layer(layer, block_ids, 0)``: every
-        block of the prompt each time); its first token. With ``want``: vLLM's scheduler has no line to wait in
-        for a grant, so ``want()`` comes at once and the prompt goes to vLLM when ``grant`` comes."""
+        block of the prompt each time); its first token. With ``want``: held until ``grant`` (grants.py)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         if want is not None:
-            granted = self._grants[request_id] = asyncio.Event()
-            try:
-                want()
-                await granted.wait()
-            finally:
-                self._grants.pop(request_id, None)
+            await self._grants.wait(request_id, want)
         await self._call(self._add_prefill, request_id, list(prompt_token_ids), sampling, on_layer, (loop, fut))
         return await fut
 
@@ -189,10 +184,7 @@ class VllmAsyncEngine(VllmEngineThread):
         return self._prefill_cached.get(request_id, 0)
 
     async def grant(self, request_id: str) -> bool:
-        granted = self._grants.get(request_id)
-        if granted is not None:
-            granted.set()
-        return granted is not None
+        return self._grants.grant(request_id)
 
     async def release(self, request_id: str) -> None:
         await self._call(self._release, request_id)
