@@ -10,8 +10,8 @@ Request lifecycle of one ``LinePlace`` (one prompt of one request; the conductor
    computed) hold less than a step's budget of tokens (``line_tokens``): the Scheduler's own ask-ahead rule,
    applied on arrival, because the engine thread only sees a new prompt after the step in progress, and the
    decode's allocation should overlap that step, not follow it. Only now is a decode picked and asked for
-   blocks, with the decodes' load of this moment. If that decode refuses (full, unreachable), the place stays wanted, in its place, for the
-   next decode tried: a retry never goes to the back of the line.
+   blocks, with the decodes' load of this moment. If that decode refuses (full, unreachable), the place
+   stays wanted, in its place, for the next decode tried: a retry never goes to the back of the line.
 3. **grant** - ``LinePlace.grant(on_layer)``: a decode allocated and the push is bound; from here the engine
    computes it (chunked, batched), each written layer goes to ``on_layer``, and the Session's run owns it.
 4. **first token** - ``LinePlace.first_token``: its first token once computed (the engine then holds its
