@@ -11,6 +11,8 @@ import grpc
 import pytest
 import torch
 
+from harness.conditions import settle, until
+
 from pdserve.cachestore import CacheStoreReceiver, CacheStoreSender
 from pdserve.decode_server.wiring import build_service
 from pdserve.discovery import StaticDiscovery
@@ -201,17 +203,17 @@ def test_a_request_queued_behind_the_busy_prefill_engine_holds_nothing_on_the_de
             gate = threading.Event()
             pair.p_engine._calls.put((gate.wait, (30.0,), None))
             sp = SamplingParams(max_tokens=3, temperature=0)
+            line = pair.node.deps.session_runner.line
             first = asyncio.ensure_future(_collect(pair.node, "first", [256, *b"first in line"], sp))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 20
-            while pair.held()["decode_sessions"] < 1 and loop.time() < deadline:
-                await asyncio.sleep(0.01)
+            await until(lambda: pair.held()["decode_sessions"] == 1, "the first request's Session on the decode")
             second = asyncio.ensure_future(_collect(pair.node, "second", [256, *b"queued"], sp))
             try:
-                for _ in range(20):  # the second request is in; give it every chance to reach the decode (it must not)
-                    await asyncio.sleep(0.01)
-                    held = pair.held()
-                    assert held["decode_sessions"] == held["decode_requests"] == 1, held
+                # the second prompt is in the line, behind more than its window: only the engine thread (blocked at
+                # the gate) could want it now, so nothing can have reached the decode for it
+                await until(lambda: line.queued_tokens > len(b"first in line") + 1, "the second prompt in the line")
+                await settle()
+                held = pair.held()
+                assert held["decode_sessions"] == held["decode_requests"] == 1, held
                 assert list(pair.node.sessions) == ["first"] and not second.done()
             finally:
                 gate.set()
@@ -239,18 +241,13 @@ def test_a_request_the_decode_refused_keeps_its_place_in_the_engines_line():
                                                                                                **kw))[1]
             hog = asyncio.ensure_future(_collect(pair.node, "hog", [256] + [70] * 300, SamplingParams(
                 max_tokens=150, temperature=0, ignore_eos=True)))  # 451 tokens: all 8 blocks
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 30
-            while pair.held()["decode_used"] < 8 and loop.time() < deadline:
-                await asyncio.sleep(0.02)
-            assert pair.held()["decode_used"] == 8, pair.held()
+            await until(lambda: pair.held()["decode_used"] == 8, "the long request holding the decode's 8 blocks")
             picker.eligible = lambda exclude=frozenset(), blocks_needed=0: [a for a in picker.usable()
                                                                               if a not in exclude]
             late = asyncio.ensure_future(_collect(pair.node, "late", [256, *b"late"], SamplingParams(
                 max_tokens=2, temperature=0)))
-            deadline = loop.time() + 30
-            while len([t for t in tries if t.startswith("late")]) < 2 and not late.done() and loop.time() < deadline:
-                await asyncio.sleep(0.02)
+            await until(lambda: len([t for t in tries if t.startswith("late")]) >= 2 or late.done(),
+                        "two refused tries of the late request")
             assert not late.done() and len([t for t in tries if t.startswith("late")]) >= 2, tries  # refused twice
             assert adds.get("late") == 1  # and still in the engine's line, where it entered once
             await asyncio.wait_for(hog, 60)
