@@ -256,7 +256,7 @@ class SessionRunner:
                 except asyncio.CancelledError:
                     if not wire.closed_under_us(call):  # the request finished; its channel closed after
                         raise
-            if place is not None and _computed(place.task) and not held.released:
+            if place is not None and place.computed and not held.released:
                 await self.engine.release(place.engine_id)
         finally:
             for part in held.bound:
@@ -388,7 +388,3 @@ class SessionRunner:
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
-
-def _computed(task: asyncio.Future) -> bool:
-    """Whether our engine's prefill of a place ended with its first token (it then holds the prompt's blocks)."""
-    return task.done() and not task.cancelled() and task.exception() is None

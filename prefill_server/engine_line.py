@@ -62,6 +62,11 @@ class LinePlace:
         self._wanted.set()
 
     @property
+    def computed(self) -> bool:
+        """Our engine computed the prompt (its first token came): it holds the prompt's blocks until released."""
+        return self.task.done() and not self.task.cancelled() and self.task.exception() is None
+
+    @property
     def waiting(self) -> bool:
         """In line, not granted yet: a decode may still be picked for it."""
         return not self.granted and not self.left and not self.task.done()
