@@ -1,4 +1,4 @@
-"""Linear layers on CPU through oneDNN with weights packed once at load (``pack_linears``); the CPU's ops
+"""Linear layers on CPU through oneDNN or MKL with weights packed once at load (``pack_linears``); the CPU's ops
 (``layer_ops.CpuOps``) run the model's plain linear layers through ``linear`` here.
 
 ``F.linear(x, W)`` with ``W`` stored ``[out, in]`` (the checkpoint's layout) runs MKL's
@@ -10,6 +10,11 @@ weight reordered once into its blocked layout takes
 At 1 to ``PLAIN_MAX_ROWS`` rows F.linear is still the faster one (its GEMV path), so both
 are kept and ``linear`` picks by rows; the packed copy doubles the memory of the linear
 weights (not of the embeddings, nor of the KV cache).
+
+A float32 weight is packed by MKL instead (``mkl_gemm.py``) where MKL's packed GEMM is reachable: at a
+prefill's rows oneDNN's copy gains nothing over F.linear, MKL's saves the panel copy F.linear's GEMM
+makes on every call (``mkl_gemm.MEASURED``), and at decode batches it is as fast as oneDNN's. Its copy
+is larger (about 9 MiB more per matrix). bfloat16 weights keep oneDNN's.
 
 ``pack_linears(model)`` gives every ``nn.Linear`` of a float32/bfloat16 model (on CPU: only the CPU's ops
 call it, ``layer_ops.CpuOps.prepare``) with at least PACK_MIN_ELEMENTS weights a ``packed_weight`` attribute
@@ -36,9 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import mkl_gemm
+
 
 PACK_BATCH_HINT = 8  # the rows oneDNN's reorder is tuned for (measured best over 2..16 rows)
 PLAIN_MAX_ROWS = 3  # up to this many rows F.linear (GEMV-like) is faster than the packed GEMM
+MKL_PLAIN_MAX_ROWS = 3  # the same for MKL's packed copy (a float32 weight's, mkl_gemm.py): measured below
 # Smaller weights stay on F.linear: oneDNN's fixed cost per call dominates them (measured at 4-8
 # rows, packed / F.linear: 64x64 6.4x, 128x1024 2.3x / 1.9x, 512x512 1.6x, 1024x512 1.0x, 1024x1024 0.7-0.8x)
 PACK_MIN_ELEMENTS = 1 << 20
@@ -66,13 +74,16 @@ def pack_linears(model: nn.Module) -> int:
             continue
         if w.numel() < PACK_MIN_ELEMENTS:
             continue
-        compute = torch.float32 if w.dtype == torch.bfloat16 and widen_bf16 else w.dtype
-        try:
-            module.packed_weight = _reorder(w, compute)
-        except (RuntimeError, AttributeError):  # a torch built without this oneDNN op: stay on F.linear
-            return packed
+        if w.dtype == torch.float32 and mkl_gemm.available():
+            module.packed_weight, module.packed_bias = mkl_gemm.pack(w), module.bias
+        else:
+            compute = torch.float32 if w.dtype == torch.bfloat16 and widen_bf16 else w.dtype
+            try:
+                module.packed_weight = _reorder(w, compute)
+            except (RuntimeError, AttributeError):  # a torch built without this oneDNN op: stay on F.linear
+                return packed
+            module.packed_bias = None if module.bias is None else module.bias.detach().to(module.packed_weight.dtype)
         module.packed_from = w.dtype
-        module.packed_bias = None if module.bias is None else module.bias.detach().to(module.packed_weight.dtype)
         packed += 1
     return packed
 
@@ -103,6 +114,10 @@ def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     if (packed is None or x.dim() != 2 or x.dtype != module.packed_from
             or module.weight.dtype != module.packed_from):  # (a model cast after loading)
         return F.linear(x, module.weight, module.bias)
+    if isinstance(packed, mkl_gemm.PackedWeight):
+        if x.shape[0] <= MKL_PLAIN_MAX_ROWS:
+            return F.linear(x, module.weight, module.bias)
+        return mkl_gemm.linear(x, packed, module.bias)
     widened = packed.dtype != x.dtype
     if x.shape[0] <= (UPCAST_PLAIN_MAX_ROWS if widened else PLAIN_MAX_ROWS):
         return F.linear(x, module.weight, module.bias)

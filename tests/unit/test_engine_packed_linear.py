@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine import packed_linear
+from pdserve.engine import mkl_gemm, packed_linear
 from pdserve.engine.loader import load_model
 from pdserve.engine.packed_linear import PLAIN_MAX_ROWS, linear, pack_linears
 
@@ -114,3 +114,30 @@ def test_bf16_is_widened_to_fp32_only_where_the_cpu_emulates_it(native, monkeypa
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
         # one bf16 rounding of the fp32 sum (relative 2^-8), whichever way it was computed
         torch.testing.assert_close(got.float(), exact, atol=1e-2, rtol=8e-3)
+
+
+needs_mkl = pytest.mark.skipif(not mkl_gemm.available(), reason="MKL's packed sgemm is not reachable in this torch")
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_weights_are_packed_by_mkl_and_give_f_linear_at_every_row_count(bias, monkeypatch):
+    """One MKL-packed copy serves every row count (a decode step's few rows and a prefill's hundreds)."""
+    monkeypatch.setattr(packed_linear, "PACK_MIN_ELEMENTS", 0)
+    torch.manual_seed(0)
+    m = nn.Linear(300, 130, bias=bias)
+    assert pack_linears(m) == 1 and isinstance(m.packed_weight, mkl_gemm.PackedWeight)
+    for rows in (1, packed_linear.MKL_PLAIN_MAX_ROWS + 1, 8, 33, 512):
+        x = torch.randn(rows, 300)
+        torch.testing.assert_close(linear(x, m), F.linear(x, m.weight, m.bias), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(linear(x.t().contiguous().t(), m), F.linear(x, m.weight, m.bias))  # strided rows
+
+
+@needs_mkl
+def test_mkl_pack_refuses_what_it_cannot_multiply():
+    with pytest.raises(ValueError, match="float32 2-D"):
+        mkl_gemm.pack(torch.zeros(4, 4, dtype=torch.bfloat16))
+    packed = mkl_gemm.pack(torch.zeros(4, 6))
+    with pytest.raises(ValueError, match=r"float32 \[rows, 6\]"):
+        mkl_gemm.linear(torch.zeros(2, 5), packed, None)
+    assert mkl_gemm.linear(torch.zeros(0, 6), packed, None).shape == (0, 4)

@@ -49,6 +49,7 @@ DEVICE_FILES = {
     "attention_backends.py": "the attention seam: the backend chosen by device once; the torch backend's CPU decode",
     "attention.py": "the torch attention backend's math: torch's CPU flash kernel where it exists",
     "layer_ops.py": "the layers' ops seam: the ops chosen by device once per model",
+    "mkl_gemm.py": "MKL's packed float32 GEMM: host pointers handed to MKL, CPU tensors only",
     "fp8.py": "the FP8 matmul each device runs (linear_for, asked once per model) and the start-up line",
     "gpu_attention.py": "the CUDA attention kernels (interpreted on CPU tensors in the tests)",
     "gpu_elementwise.py": "the CUDA elementwise kernels (interpreted on CPU tensors in the tests)",
