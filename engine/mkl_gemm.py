@@ -5,9 +5,17 @@ weight is packed into MKL's kernel layout once, at load, and every call after mu
 Why: ``F.linear(x, W)`` runs MKL's sgemm, which copies the weight's panels into that layout again on
 every call; a oneDNN-packed weight (``packed_linear.py``'s other kind) saves that copy at decode batches
 but not at a prefill's hundreds of rows. Measured on the 122M peer checkpoint's shapes (one thread,
-Intel Xeon with AVX-512, the sum over one layer's q, o, gate, up and down projections, packed /
-F.linear; docs/benchmarks.md, "MKL's packed GEMM for the CPU's linear layers"):
-see ``MEASURED`` below.
+Intel Xeon with AVX-512, 2026-12-06; the sum over q, k, gate, down and a merged gate|up weight, ms of
+F.linear and the ratio of each packed copy to it; MKL's packed once at 512 rows, oneDNN's at 8):
+
+    rows       1      4      8     64    512   2048
+    F.linear   2.22   4.39   7.05  14.45  88.7   351.5
+    MKL        1.21x  0.74x  0.51x  0.77x  0.91x  0.94x
+    oneDNN     1.41x  0.65x  0.52x  0.82x  1.06x  1.07x
+
+(``linear`` keeps F.linear up to ``packed_linear.MKL_PLAIN_MAX_ROWS`` rows.) At a prefill's rows oneDNN's
+copy is slower than F.linear and MKL's 9% faster; over a CPU layer's unmerged projections at 4 rows the
+two packed copies are within 2% of each other (oneDNN's gate and down faster, MKL's q and o).
 
 The packed buffer does not depend on the row count it is used at (``cblas_sgemm_pack_get_size`` gives
 the same size for every hint, and ``available`` checks a product), so one copy serves a decode step of
@@ -30,10 +38,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-MEASURED = """packed / F.linear, ms per layer at 1 / 4 / 8 / 64 / 512 / 2048 rows: filled in from the run"""
-
 _ROW_MAJOR, _NO_TRANS, _TRANS, _PACKED, _B_MATRIX = 101, 111, 112, 151, 162  # CBLAS enum values
 _INT = ctypes.c_int  # MKL_INT of the LP64 interface torch links (checked by available())
+PACK_ROWS_HINT = 512  # the rows ``pack`` tells MKL to expect (as measured above; the buffer is the same size for any)
 
 
 @dataclass(frozen=True)
@@ -83,8 +90,8 @@ def pack(w: torch.Tensor) -> PackedWeight:
         raise ValueError(f"MKL packs float32 2-D CPU weights only (got {w.dtype} {tuple(w.shape)} on {w.device})")
     w = w.detach().contiguous()
     n, k = w.shape
-    buf = torch.empty(lib.cblas_sgemm_pack_get_size(_B_MATRIX, 1, n, k), dtype=torch.uint8)
-    lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, 1, n, k, 1.0, w.data_ptr(), k, buf.data_ptr())
+    buf = torch.empty(lib.cblas_sgemm_pack_get_size(_B_MATRIX, PACK_ROWS_HINT, n, k), dtype=torch.uint8)
+    lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, PACK_ROWS_HINT, n, k, 1.0, w.data_ptr(), k, buf.data_ptr())
     return PackedWeight(buf, n, k)
 
 
