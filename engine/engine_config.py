@@ -44,7 +44,7 @@ class EngineConfig:
     # Engine switches, read once here (each on by default; off for A/B runs and debugging). An engine applies
     # them to the model it runs (DecoderModel.configure), so engines sharing one loaded model share them.
     native_kernels: bool = True  # CPU: decode attention by the C++ kernel over the paged cache (native.py)
-    packed_linear: bool = True  # CPU: oneDNN-packed copies of the linear weights for batches (packed_linear.py)
+    packed_linear: bool = True  # CPU: packed copies of the linear weights, MKL's or oneDNN's (packed_linear.py)
     fused_elementwise: bool = True  # CUDA: RMSNorm, rotary, silu*mul as one Triton kernel each (gpu_elementwise.py)
     merged_projections: bool = True  # CUDA: q|k|v and gate|up as one matmul each (models/llama.py)
     # tensor parallelism (tp/): the ranks the model is split over, one process each; the model must be loaded

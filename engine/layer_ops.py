@@ -5,7 +5,7 @@ model code calls ``self.ops.rms_norm(...)``, ``self.ops.linear(...)``: it never 
 
 - ``TorchOps``: torch's forms of RMSNorm, rotary and act(gate)*up; ``linear`` is ``F.linear``, an FP8 weight
   through the FP8 matmul ``fp8.linear_for`` gave for the device. The reference; any other device.
-- ``CpuOps``: ``TorchOps`` whose plain linears take the oneDNN-packed copies at batch sizes where they are
+- ``CpuOps``: ``TorchOps`` whose plain linears take packed copies (MKL or oneDNN) at batch sizes where they are
   faster (``packed_linear.py``), which ``prepare`` makes or drops (``EngineConfig.packed_linear``); q|k|v and
   gate|up stay separate matrices (merged ones measured slower on CPU: ``model.py``).
 - ``CudaOps``: ``TorchOps`` with q|k|v and gate|up merged at load (``merges_projections``: one matmul instead
@@ -91,7 +91,7 @@ class CpuOps(TorchOps):
         return packed_linear.linear(x, module)
 
     def prepare(self, model: nn.Module, packed: bool) -> None:
-        """The oneDNN-packed copies of the linear weights (``packed``: EngineConfig.packed_linear), or none."""
+        """The packed (MKL or oneDNN) copies of the linear weights (``packed``: EngineConfig.packed_linear), or none."""
         if packed:
             packed_linear.pack_linears(model)
         else:

@@ -166,7 +166,7 @@ def build_model(cfg: ModelConfig, get_tensor, dtype: torch.dtype, device: torch.
                      "run time where the matmuls are FP8")
     model.init_rope()
     ops = layer_ops.choose(device)  # once for the model (the engine's switches may choose again: configure)
-    model.use_ops(ops)  # CPU: oneDNN-packed copies for decode batches (packed_linear.py)
+    model.use_ops(ops)  # CPU: packed copies of the linear weights (packed_linear.py)
     if ops.merges_projections:  # CUDA: one matmul for q|k|v and one for gate|up (models/llama.py)
         for layer in model.layers:
             layer.merge_projections()

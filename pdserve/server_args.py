@@ -133,8 +133,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                    help="CPU: decode attention by the C++ kernel over the paged KV cache (engine/native.py; without "
                         "g++ the torch path runs either way)")
     s.add_argument("--packed-linear", action=argparse.BooleanOptionalAction, default=True,
-                   help="CPU: oneDNN-packed copies of the large linear weights for decode batches (twice those "
-                        "weights' memory; engine/packed_linear.py)")
+                   help="CPU: packed copies of the large linear weights, made once at load (MKL's for float32, "
+                        "oneDNN's for bfloat16): faster decode batches and float32 prefills, for about twice those "
+                        "weights' memory (engine/packed_linear.py)")
     s.add_argument("--fused-elementwise", action=argparse.BooleanOptionalAction, default=True,
                    help="CUDA: RMSNorm, rotary and silu*mul as one Triton kernel each (engine/gpu_elementwise.py)")
     s.add_argument("--merged-projections", action=argparse.BooleanOptionalAction, default=True,
