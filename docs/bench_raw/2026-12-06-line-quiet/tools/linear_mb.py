@@ -1,4 +1,5 @@
-"""fp32 linear, one thread: F.linear vs oneDNN prepacked (_linear_pointwise) vs MKL packed (_mkl_linear), A B C A B C."""
+"""fp32 linear, one thread: F.linear vs oneDNN prepacked (_linear_pointwise) vs MKL packed (_mkl_linear),
+A B C A B C."""
 import time, torch, torch.nn.functional as F
 torch.set_num_threads(1); torch.manual_seed(0)
 shapes = {"qkv": (1280, 1024), "o": (1024, 1024), "gate_up": (5632, 1024), "down": (1024, 2816)}
@@ -31,11 +32,13 @@ for M in Ms:
               + f"  maxdiff {float((y1-ref).abs().max()):.2e} {float((y2-ref).abs().max()):.2e}", flush=True)
 for M in Ms:
     f = tot[(M, "F.linear")]
-    print(f"M={M:5d} layer total: F {f*1e3:.2f}ms onednn {tot[(M,'onednn')]/f:.3f}x mkl {tot[(M,'mkl')]/f:.3f}x")
+    print(f"M={M:5d} layer total: F {f*1e3:.2f}ms onednn {tot[(M,'onednn')]/f:.3f}x "
+          f"mkl {tot[(M,'mkl')]/f:.3f}x")
 # onednn packed once with a hint, used at another M
 w = torch.randn(5632, 1024) * 0.02; pw = torch.ops.mkldnn._reorder_linear_weight(w, 512)
 for M in (1, 64, 2048):
     x = torch.randn(M, 1024)
     y = torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], "")
-    a = timeit(lambda: F.linear(x, w), 0.3); b = timeit(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), 0.3)
+    a = timeit(lambda: F.linear(x, w), 0.3)
+    b = timeit(lambda: torch.ops.mkldnn._linear_pointwise(x, pw, None, "none", [], ""), 0.3)
     print(f"gate_up packed@512 used at M={M}: {b/a:.3f}x F.linear, maxdiff {float((y-F.linear(x,w)).abs().max()):.2e}")

@@ -6,7 +6,8 @@ RowMajor, NoTrans, Trans, Packed, BMatrix = 101, 111, 112, 151, 162
 lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
 lib.cblas_sgemm_pack_get_size.argtypes = [ctypes.c_int] * 4
 lib.cblas_sgemm_pack.argtypes = [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
-lib.cblas_sgemm_compute.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
+lib.cblas_sgemm_compute.argtypes = [ctypes.c_int] * 6 + [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                                                        ctypes.c_float, ctypes.c_void_p, ctypes.c_int]
 def pack(w, m_hint):
     N, K = w.shape
     size = lib.cblas_sgemm_pack_get_size(BMatrix, m_hint, N, K)
@@ -15,7 +16,8 @@ def pack(w, m_hint):
     return buf, size
 def linear(x, buf, N, K):
     M = x.shape[0]; out = torch.empty(M, N)
-    lib.cblas_sgemm_compute(RowMajor, NoTrans, Packed, M, N, K, x.data_ptr(), K, buf.data_ptr(), K, 0.0, out.data_ptr(), N)
+    lib.cblas_sgemm_compute(RowMajor, NoTrans, Packed, M, N, K, x.data_ptr(), K, buf.data_ptr(), K, 0.0,
+                            out.data_ptr(), N)
     return out
 def timeit(fn, secs):
     fn(); t = time.perf_counter(); n = 0
@@ -31,7 +33,8 @@ for hint in (1, 8, 512, 2048):
         for M in (1, 2, 3, 4, 7, 8, 16, 33, 64, 128, 500, 512, 1000, 2048):
             x = torch.randn(M, K)
             worst = max(worst, float((linear(x, buf, N, K) - F.linear(x, w)).abs().max()))
-        print(f"hint {hint:5d} {name:8s} packed bytes {size/(N*K*4):.3f}x weight; worst maxdiff over M: {worst:.2e}", flush=True)
+        print(f"hint {hint:5d} {name:8s} packed bytes {size/(N*K*4):.3f}x weight; "
+              f"worst maxdiff over M: {worst:.2e}", flush=True)
 if timing:
     tot = {}
     for M in (1, 4, 8, 64, 512, 2048):
@@ -44,4 +47,5 @@ if timing:
             for k in t: tot[(M, k)] = tot.get((M, k), 0) + t[k]
             print(f"M={M:5d} {name:8s} " + " ".join(f"{k} {v*1e3:.3f}ms" for k, v in t.items()), flush=True)
         f = tot[(M, "F")]
-        print(f"M={M:5d} all: F {f*1e3:.2f}ms mklpack {tot[(M,'mklpack')]/f:.3f}x onednn8 {tot[(M,'onednn8')]/f:.3f}x", flush=True)
+        print(f"M={M:5d} all: F {f*1e3:.2f}ms mklpack {tot[(M,'mklpack')]/f:.3f}x "
+              f"onednn8 {tot[(M,'onednn8')]/f:.3f}x", flush=True)
