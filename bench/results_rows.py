@@ -112,15 +112,15 @@ ROWS: tuple[ResultRow, ...] = (
         "512 / 64 tokens at 1.5 req/s (overload), 122M-parameter Llama (fp32), one prefill core + one decode core "
         "each, pdserve's decode with `--tbt-slo-ms 70` (vLLM's own TPOT p99 there): TPOT p99 and tok/s, "
         "pdserve / vLLM P/D, per pair",
-        "TPOT p99 1.09, 1.12 (70.1 ms p99 over both: at the bound); tok/s 0.81, 1.01",
-        "tok/s >= vLLM's **missed** (one pair on each side); the gap is prefill throughput (vLLM computes four waiting "
-        "512-token prompts per step, pdserve one). On a host slowing later that night (one core's GEMM 129 GFLOP/s) "
-        "f84a40a (MKL's packed float32 GEMM, 1.21-1.30x a725b9b's tok/s in the same invocation) fell to 0.74, 0.38: "
-        "when the decode's step nears the bound, refused reservations hold the prefill",
-        "2026-12-06", "Intel Xeon, 2 cores, quiet (load 1.1-2.5 at the starts; GEMM 159 GFLOP/s)", "a725b9b",
+        "tok/s 0.84, 0.95; TPOT p99 81 ms over both runs (the bound 70); TTFT mean 0.72x",
+        "tok/s >= vLLM's **missed** in both pairs. pdserve's prefill is now the faster one (a 512-token prompt every "
+        "0.67-0.72 s against vLLM's 0.73, with MKL's packed float32 GEMM); the gap is the decode's room under the "
+        "bound: stalls of 1.1-2.1 s every 4-8 prompts where it refused reservations. a725b9b (before the packing): "
+        "0.81, 1.01; on a slowing host f84a40a fell to 0.74, 0.38 (a bound near the step time becomes a cliff)",
+        "2026-12-07", "Intel Xeon, 2 cores, load 2.2-2.6 at the starts (GEMM 146-158 GFLOP/s)", "cd66a75",
         "pdserve bench experiment peer --prompt-lens 512 --output-lens 64 --rates 1.5 --num-requests 30 "
-        "--model-size peer --repeats 2 --pdserve-decode-extra='--tbt-slo-ms 70' --out OUT --name tails-tbt70-line",
-        "docs/bench_raw/2026-12-06-line-quiet/tails-tbt70-line-printed.txt"),
+        "--model-size peer --repeats 2 --pdserve-decode-extra='--tbt-slo-ms 70' --out OUT --name tails-tbt70-mkl-2",
+        "docs/bench_raw/2026-12-06-line-quiet/tails-tbt70-mkl-2-printed.txt"),
     ResultRow(
         "pd-vllm-2048-256-sat", "P/D vs vLLM P/D",
         "2048 / 256 tokens at 0.17 req/s (0.9 of capacity), 122M-parameter Llama (fp32): TTFT mean, TPOT mean, "
