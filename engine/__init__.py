@@ -18,7 +18,8 @@ Reading path (read in this order):
   ``models/``         each family's decoder layer: llama.py (Llama, Mistral, Qwen2), qwen3.py,
                       qwen3_moe.py (experts), gemma.py (Gemma 2, Gemma 3 text)
   ``layer_ops.py``    the layers' ops (norms, rotary, act*mul, linears), chosen once per model by device and
-                      switches: torch, cpu (packed linears, ``packed_linear.py``), cuda, triton (``gpu_elementwise.py``)
+                      switches: torch, cpu (packed linears, ``packed_linear.py``: MKL's packed GEMM for float32,
+                      ``mkl_gemm.py``, oneDNN's for bf16), cuda, triton (``gpu_elementwise.py``)
   ``kv_cache.py``     KVCache: the whole pool as ONE tensor (layout contract with the CacheStore); its fp8
                       rows: ``kv_formats.py`` (the facts, torch-free), ``kv_quant.py`` (quantize/dequantize)
   ``swap.py``         Swapper: a running request's KV evicted to host memory and restored (LSO)

@@ -13,7 +13,7 @@ F.linear and the ratio of each packed copy to it; MKL's packed once at 512 rows,
     MKL        1.21x  0.74x  0.51x  0.77x  0.91x  0.94x
     oneDNN     1.41x  0.65x  0.52x  0.82x  1.06x  1.07x
 
-(``linear`` keeps F.linear up to ``packed_linear.MKL_PLAIN_MAX_ROWS`` rows.) At a prefill's rows oneDNN's
+(``packed_linear.linear`` keeps F.linear up to ``PLAIN_MAX_ROWS`` rows.) At a prefill's rows oneDNN's
 copy is slower than F.linear and MKL's 9% faster; over a CPU layer's unmerged projections at 4 rows the
 two packed copies are within 2% of each other (oneDNN's gate and down faster, MKL's q and o).
 
@@ -49,6 +49,11 @@ class PackedWeight:
     buf: torch.Tensor
     n: int
     k: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What it multiplies (as a oneDNN-packed tensor's ``dtype`` says, for ``packed_linear``)."""
+        return torch.float32
 
 
 @functools.lru_cache(maxsize=None)

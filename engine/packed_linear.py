@@ -45,8 +45,7 @@ from . import mkl_gemm
 
 
 PACK_BATCH_HINT = 8  # the rows oneDNN's reorder is tuned for (measured best over 2..16 rows)
-PLAIN_MAX_ROWS = 3  # up to this many rows F.linear (GEMV-like) is faster than the packed GEMM
-MKL_PLAIN_MAX_ROWS = 3  # the same for MKL's packed copy of a float32 weight (mkl_gemm.py: 1.21x F.linear at 1 row)
+PLAIN_MAX_ROWS = 3  # up to this many rows F.linear (GEMV-like) is faster than the packed GEMM (MKL's: mkl_gemm.py)
 # Smaller weights stay on F.linear: oneDNN's fixed cost per call dominates them (measured at 4-8
 # rows, packed / F.linear: 64x64 6.4x, 128x1024 2.3x / 1.9x, 512x512 1.6x, 1024x512 1.0x, 1024x1024 0.7-0.8x)
 PACK_MIN_ELEMENTS = 1 << 20
@@ -75,14 +74,14 @@ def pack_linears(model: nn.Module) -> int:
         if w.numel() < PACK_MIN_ELEMENTS:
             continue
         if w.dtype == torch.float32 and mkl_gemm.available():
-            module.packed_weight, module.packed_bias = mkl_gemm.pack(w), module.bias
+            module.packed_weight = mkl_gemm.pack(w)
         else:
             compute = torch.float32 if w.dtype == torch.bfloat16 and widen_bf16 else w.dtype
             try:
                 module.packed_weight = _reorder(w, compute)
             except (RuntimeError, AttributeError):  # a torch built without this oneDNN op: stay on F.linear
                 return packed
-            module.packed_bias = None if module.bias is None else module.bias.detach().to(module.packed_weight.dtype)
+        module.packed_bias = None if module.bias is None else module.bias.detach().to(module.packed_weight.dtype)
         module.packed_from = w.dtype
         packed += 1
     return packed
@@ -114,13 +113,11 @@ def linear(x: torch.Tensor, module: nn.Linear) -> torch.Tensor:
     if (packed is None or x.dim() != 2 or x.dtype != module.packed_from
             or module.weight.dtype != module.packed_from):  # (a model cast after loading)
         return F.linear(x, module.weight, module.bias)
-    if isinstance(packed, mkl_gemm.PackedWeight):
-        if x.shape[0] <= MKL_PLAIN_MAX_ROWS:
-            return F.linear(x, module.weight, module.bias)
-        return mkl_gemm.linear(x, packed, module.bias)
     widened = packed.dtype != x.dtype
     if x.shape[0] <= (UPCAST_PLAIN_MAX_ROWS if widened else PLAIN_MAX_ROWS):
         return F.linear(x, module.weight, module.bias)
     rows = x.to(packed.dtype).contiguous()
+    if isinstance(packed, mkl_gemm.PackedWeight):
+        return mkl_gemm.linear(rows, packed, module.packed_bias)  # (float32 in and out: never widened)
     out = torch.ops.mkldnn._linear_pointwise(rows, packed, module.packed_bias, "none", [], "")
     return out.to(x.dtype)

@@ -127,7 +127,7 @@ def test_float32_weights_are_packed_by_mkl_and_give_f_linear_at_every_row_count(
     torch.manual_seed(0)
     m = nn.Linear(300, 130, bias=bias)
     assert pack_linears(m) == 1 and isinstance(m.packed_weight, mkl_gemm.PackedWeight)
-    for rows in (1, packed_linear.MKL_PLAIN_MAX_ROWS + 1, 8, 33, 512):
+    for rows in (1, PLAIN_MAX_ROWS + 1, 8, 33, 512):
         x = torch.randn(rows, 300)
         torch.testing.assert_close(linear(x, m), F.linear(x, m.weight, m.bias), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(linear(x.t().contiguous().t(), m), F.linear(x, m.weight, m.bias))  # strided rows
